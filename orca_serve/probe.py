@@ -1,0 +1,229 @@
+"""The ORCA probe: slow weights, fast-weight state and the closed-form inner step.
+
+One implementation serves three callers: the server (no grad, a few rows per engine step),
+calibration replay (no grad, many trajectories) and meta-training (autograd through the unroll).
+The inner gradients are written in closed form so inference never needs autograd; because they are
+plain torch ops, meta-training differentiates *through* them and so trains exactly what is deployed.
+
+Fast state is a dict of tensors whose leading dimension is the request row. METHOD.md section 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+Fast = dict[str, Tensor]
+
+LN_EPS = 1e-5
+ETA_INIT = 0.01
+W0_STD = 0.02
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """Which variant of the probe (paper, Table 5). The default is the no-QK linear probe."""
+
+    dim: int
+    kind: Literal["noqk", "qk"] = "noqk"
+    d_h: int | None = None  # projection size for QK
+    shared_qk: bool = False  # theta_Q = theta_K
+    norm: Literal["none", "ln", "ln_res"] = "none"  # LayerNorm inside the inner loss
+    eta_mode: Literal["fixed", "input"] = "fixed"  # input-dependent eta(phi)
+    mlp: bool = False  # 2-layer MLP fast weights (hidden 4 d_w, GELU)
+
+    def __post_init__(self) -> None:
+        if self.dim < 1:
+            raise ValueError(f"probe dim must be >= 1, got {self.dim}")
+        if self.kind == "qk" and not (self.d_h and self.d_h >= 1):
+            raise ValueError("a QK probe needs d_h >= 1")
+        if self.kind == "noqk" and (self.d_h is not None or self.shared_qk):
+            raise ValueError("d_h and shared_qk only apply to the QK probe")
+        if self.mlp and self.norm != "none":
+            raise ValueError("the MLP probe does not take a LayerNorm inner loss")
+
+    @property
+    def d_w(self) -> int:
+        """Width of the fast weights' input."""
+        return self.d_h if self.kind == "qk" else self.dim
+
+    @property
+    def hidden(self) -> int:
+        return 4 * self.d_w
+
+    @property
+    def name(self) -> str:
+        parts = [self.kind if self.kind == "noqk" else f"qk{self.d_h}"]
+        parts += ["shared"] if self.shared_qk else []
+        parts += [self.norm] if self.norm != "none" else []
+        parts += ["eta-input"] if self.eta_mode == "input" else []
+        parts += ["mlp"] if self.mlp else []
+        return "-".join(parts)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ProbeSpec:
+        return cls(**d)
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of every slow weight: what a loaded bundle is checked against."""
+        d, dw, h = self.dim, self.d_w, self.hidden
+        shapes: dict[str, tuple[int, ...]] = {"log_eta": ()}
+        if self.kind == "qk":
+            shapes["theta_q"] = (dw, d)
+            if not self.shared_qk:
+                shapes["theta_k"] = (dw, d)
+        if self.mlp:
+            shapes |= {"w1": (h, dw), "b1": (h,), "w2": (h,), "b2": ()}
+        else:
+            shapes |= {"w": (dw,), "b": ()}
+        if self.norm != "none":
+            shapes |= {"ln_gamma": (dw,), "ln_beta": (dw,)}
+        if self.eta_mode == "input":
+            shapes |= {"eta_a": (d,), "eta_c": ()}
+        return shapes
+
+
+class Probe(nn.Module):
+    """Slow weights (meta-learned) plus the per-request inner loop over fast weights."""
+
+    def __init__(self, spec: ProbeSpec, seed: int | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        shapes = spec.param_shapes()
+        params = {}
+        for name, shape in shapes.items():
+            params[name] = nn.Parameter(self._init(name, shape, gen))
+        self.params = nn.ParameterDict(params)
+
+    def _init(self, name: str, shape: tuple[int, ...], gen: torch.Generator | None) -> Tensor:
+        spec = self.spec
+        if name == "log_eta":
+            return torch.tensor(math.log(ETA_INIT))
+        if name in ("w", "w2"):
+            return torch.randn(shape, generator=gen) * W0_STD
+        if name in ("theta_q", "theta_k"):
+            return torch.randn(shape, generator=gen) / math.sqrt(spec.dim)
+        if name == "w1":
+            return torch.randn(shape, generator=gen) / math.sqrt(spec.d_w)
+        if name == "ln_gamma":
+            return torch.ones(shape)
+        return torch.zeros(shape)  # biases, ln_beta, eta_a, eta_c
+
+    # -- state ---------------------------------------------------------------------------
+    def fast_keys(self) -> tuple[str, ...]:
+        return ("w1", "b1", "w2", "b2") if self.spec.mlp else ("w", "b")
+
+    def init_fast(self, n: int) -> Fast:
+        """Fast weights of n fresh requests: copies of the slow initialisation (reset = this)."""
+        return {k: self.params[k].unsqueeze(0).expand(n, *self.params[k].shape).clone()
+                for k in self.fast_keys()}
+
+    # -- features ------------------------------------------------------------------------
+    def query(self, phi: Tensor) -> Tensor:
+        return phi @ self.params["theta_q"].T if self.spec.kind == "qk" else phi
+
+    def key(self, phi: Tensor) -> Tensor:
+        if self.spec.kind == "noqk":
+            return phi
+        theta = self.params["theta_q" if self.spec.shared_qk else "theta_k"]
+        return phi @ theta.T
+
+    def eta(self, phi: Tensor) -> Tensor:
+        """Inner learning rate per row: eta_0, or eta_0 * sigmoid(a . phi + c)."""
+        eta0 = self.params["log_eta"].exp()
+        if self.spec.eta_mode == "fixed":
+            return eta0.expand(phi.shape[0])
+        return eta0 * torch.sigmoid(phi @ self.params["eta_a"] + self.params["eta_c"])
+
+    # -- score and inner step --------------------------------------------------------------
+    def logit(self, fast: Fast, q: Tensor) -> Tensor:
+        """Score logit (no LayerNorm on the scoring path, METHOD.md section 2)."""
+        if self.spec.mlp:
+            a = torch.einsum("nhd,nd->nh", fast["w1"], q) + fast["b1"]
+            return (fast["w2"] * nn.functional.gelu(a)).sum(-1) + fast["b2"]
+        return (fast["w"] * q).sum(-1) + fast["b"]
+
+    def score(self, fast: Fast, phi: Tensor) -> Tensor:
+        return torch.sigmoid(self.logit(fast, self.query(phi)))
+
+    def inner_grads(self, fast: Fast, u: Tensor, target: float | Tensor = 0.0) -> tuple[Tensor, Fast]:
+        """Closed-form gradient of the Brier inner loss (p - C)^2 w.r.t. the fast weights.
+
+        Returns (p, grads). Writing it out keeps inference free of autograd and is checked
+        against autograd in the tests for every variant.
+        """
+        if self.spec.mlp:
+            a = torch.einsum("nhd,nd->nh", fast["w1"], u) + fast["b1"]
+            z = (fast["w2"] * nn.functional.gelu(a)).sum(-1) + fast["b2"]
+            p = torch.sigmoid(z)
+            g = 2 * (p - target) * p * (1 - p)
+            dz_da = fast["w2"] * _gelu_grad(a)
+            ga = g[:, None] * dz_da
+            return p, {"w1": ga[:, :, None] * u[:, None, :], "b1": ga,
+                       "w2": g[:, None] * nn.functional.gelu(a), "b2": g}
+        x = fast["w"] * u
+        if self.spec.norm == "none":
+            z = x.sum(-1) + fast["b"]
+            dz_dx = None
+        else:
+            gamma, beta = self.params["ln_gamma"], self.params["ln_beta"]
+            mu = x.mean(-1, keepdim=True)
+            sigma = (x.var(-1, unbiased=False, keepdim=True) + LN_EPS).sqrt()
+            xhat = (x - mu) / sigma
+            z = (gamma * xhat + beta).sum(-1) + fast["b"]
+            # d sum(LN(x)) / dx: the LayerNorm backward with upstream gradient gamma.
+            dz_dx = (gamma - gamma.mean() - xhat * (gamma * xhat).mean(-1, keepdim=True)) / sigma
+            if self.spec.norm == "ln_res":
+                z = z + x.sum(-1)
+                dz_dx = dz_dx + 1
+        p = torch.sigmoid(z)
+        g = 2 * (p - target) * p * (1 - p)
+        dz_dw = u if dz_dx is None else dz_dx * u
+        return p, {"w": g[:, None] * dz_dw, "b": g}
+
+    def update(self, fast: Fast, phi: Tensor, target: float | Tensor = 0.0) -> Fast:
+        """One inner step W <- W - eta * grad (pseudo-label 0 at inference)."""
+        _, grads = self.inner_grads(fast, self.key(phi), target)
+        eta = self.eta(phi)
+        return {k: fast[k] - _bcast(eta, fast[k]) * grads[k] for k in fast}
+
+    def unroll(self, phi: Tensor, mask: Tensor) -> Tensor:
+        """Raw scores of padded trajectories phi [B, T, d] (mask [B, T]) under score-then-update.
+
+        Used by meta-training with autograd; padded steps leave the fast weights unchanged.
+        """
+        fast = self.init_fast(phi.shape[0])
+        scores = []
+        for t in range(phi.shape[1]):
+            x = phi[:, t]
+            scores.append(self.score(fast, x))
+            new = self.update(fast, x)
+            m = mask[:, t]
+            fast = {k: torch.where(_bcast(m, v), new[k], v) for k, v in fast.items()}
+        return torch.stack(scores, 1)
+
+    def check_finite(self) -> None:
+        for name, p in self.params.items():
+            if not torch.isfinite(p).all():
+                raise ValueError(f"probe weight '{name}' contains NaN or inf")
+
+
+def _gelu_grad(a: Tensor) -> Tensor:
+    """Derivative of the exact (erf) GELU: Phi(a) + a * phi(a)."""
+    cdf = 0.5 * (1 + torch.erf(a / math.sqrt(2)))
+    pdf = torch.exp(-0.5 * a * a) / math.sqrt(2 * math.pi)
+    return cdf + a * pdf
+
+
+def _bcast(v: Tensor, like: Tensor) -> Tensor:
+    """Reshape a per-row vector so it broadcasts against a [n, ...] tensor."""
+    return v.reshape(v.shape[0], *([1] * (like.dim() - 1)))

@@ -1,0 +1,157 @@
+"""The deployed procedure: normalise -> pool per step -> score -> smooth -> decide -> update.
+
+`ProbeBank` holds the state of many concurrent requests (one row each) and is the only code that
+runs the decision: the server calls `step` once per engine step for the rows whose reasoning step
+just completed, and calibration replays recorded trajectories through the very same `step`, so
+the threshold chosen offline is applied to exactly the scores the server computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from orca_serve.probe import Fast, Probe
+
+Normalization = Literal["token-l2", "step-l2", "none"]
+NEVER = float("inf")  # lambda* when LTT rejects nothing: never stop early
+
+
+def normalize_tokens(h: Tensor, mode: Normalization) -> Tensor:
+    """Per-token normalisation applied before the step mean (METHOD.md section 1)."""
+    if mode == "token-l2":
+        return torch.nn.functional.normalize(h.float(), dim=-1)
+    return h.float()
+
+
+def finish_step(total: Tensor, count: Tensor, mode: Normalization) -> Tensor:
+    """Step embedding phi_t from the running sum of (normalised) token states and the count."""
+    phi = total / count.clamp(min=1).to(total.dtype).unsqueeze(-1)
+    if mode == "step-l2":
+        phi = torch.nn.functional.normalize(phi, dim=-1)
+    return phi
+
+
+@dataclass
+class StepResult:
+    raw: Tensor  # s_t per row
+    smoothed: Tensor  # m_t per row
+    stop: Tensor  # bool per row: m_t >= lambda
+    steps: Tensor  # steps scored so far per row, this one included
+
+
+class ProbeBank:
+    """Batched per-request probe state: rows are added, reset and freed independently."""
+
+    def __init__(self, probe: Probe, window: int = 10, capacity: int = 64,
+                 device: str | torch.device = "cpu") -> None:
+        if window < 1:
+            raise ValueError(f"smoothing window must be >= 1, got {window}")
+        self.probe = probe.to(device).eval()
+        self.window = window
+        self.device = torch.device(device)
+        self._fast: Fast = {}
+        self._free: list[int] = []
+        self._grow(capacity)
+
+    # -- rows --------------------------------------------------------------------------
+    def _grow(self, capacity: int) -> None:
+        old = self._fast["hist"].shape[0] if self._fast else 0
+        with torch.no_grad():
+            new = self.probe.init_fast(capacity - old)
+        new = {k: v.to(self.device) for k, v in new.items()}
+        new["hist"] = torch.zeros(capacity - old, self.window, device=self.device)
+        new["count"] = torch.zeros(capacity - old, dtype=torch.long, device=self.device)
+        self._fast = new if not old else {k: torch.cat([self._fast[k], new[k]]) for k in new}
+        self._free.extend(range(capacity - 1, old - 1, -1))
+
+    @property
+    def capacity(self) -> int:
+        return self._fast["hist"].shape[0]
+
+    @property
+    def active(self) -> int:
+        return self.capacity - len(self._free)
+
+    def add(self) -> int:
+        """A fresh row (fast weights = slow weights, empty smoothing window)."""
+        if not self._free:
+            self._grow(2 * self.capacity)
+        row = self._free.pop()
+        self.reset(row)
+        return row
+
+    def reset(self, row: int) -> None:
+        with torch.no_grad():
+            init = self.probe.init_fast(1)
+        for k, v in init.items():
+            self._fast[k][row] = v[0]
+        self._fast["hist"][row] = 0
+        self._fast["count"][row] = 0
+
+    def free(self, row: int) -> None:
+        self._free.append(row)
+
+    def snapshot(self, row: int) -> dict[str, Tensor]:
+        """A copy of one row's state, e.g. to survive a preemption that frees the row."""
+        return {k: v[row].clone() for k, v in self._fast.items()}
+
+    def restore(self, row: int, snap: dict[str, Tensor]) -> None:
+        for k, v in snap.items():
+            self._fast[k][row] = v
+
+    # -- the procedure -----------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, rows: Tensor, phi: Tensor, lam: Tensor) -> StepResult:
+        """Score, smooth, decide and (for rows that do not stop) update: one reasoning step.
+
+        rows: long [m] (distinct), phi: [m, d] step embeddings, lam: [m] thresholds (inf = never).
+        """
+        phi = phi.to(self.device, torch.float32)
+        rows = rows.to(self.device)
+        fast = {k: self._fast[k].index_select(0, rows) for k in self.probe.fast_keys()}
+        raw = self.probe.score(fast, phi)
+        hist, count = self._fast["hist"], self._fast["count"]
+        n = count.index_select(0, rows)
+        hist[rows, n % self.window] = raw
+        n = n + 1
+        smoothed = hist.index_select(0, rows).sum(1) / n.clamp(max=self.window)
+        count[rows] = n
+        stop = smoothed >= lam.to(self.device)
+        keep = ~stop
+        if keep.any():
+            kr = rows[keep]
+            new = self.probe.update({k: v[keep] for k, v in fast.items()}, phi[keep])
+            for k, v in new.items():
+                self._fast[k].index_copy_(0, kr, v)
+        return StepResult(raw=raw, smoothed=smoothed, stop=stop, steps=n)
+
+
+@torch.no_grad()
+def replay(probe: Probe, trajectories: list, window: int,
+           batch: int = 64) -> list[tuple[Tensor, Tensor]]:
+    """Run the deployed procedure over recorded step embeddings ([T_i, d] arrays), never stopping.
+
+    Returns (raw scores, smoothed scores) per trajectory. With no stop, the scores up to any stop
+    step are exactly those the server would have produced, so LTT can evaluate every threshold.
+    """
+    out: list[tuple[Tensor, Tensor]] = []
+    for start in range(0, len(trajectories), batch):
+        chunk = [torch.as_tensor(t, dtype=torch.float32) for t in trajectories[start:start + batch]]
+        lengths = torch.tensor([len(t) for t in chunk])
+        phi = torch.nn.utils.rnn.pad_sequence(chunk, batch_first=True)
+        bank = ProbeBank(probe, window=window, capacity=len(chunk))
+        rows = torch.tensor([bank.add() for _ in chunk])
+        raw = torch.zeros(len(chunk), int(lengths.max()))
+        smooth = torch.zeros_like(raw)
+        never = torch.full((len(chunk),), NEVER)
+        for t in range(raw.shape[1]):
+            live = (lengths > t).nonzero().squeeze(1)
+            res = bank.step(rows[live], phi[live, t], never[live])
+            raw[live, t] = res.raw
+            smooth[live, t] = res.smoothed
+        out += [(raw[i, :n], smooth[i, :n]) for i, n in enumerate(lengths.tolist())]
+    return out

