@@ -1,0 +1,134 @@
+"""Stopping times and the paper's metrics (METHOD.md section 6), shared by LTT and evaluation.
+
+Every function takes ragged per-problem arrays: smoothed scores ``m_1..m_T`` in [0, 1],
+cumulative 0/1 labels ``C_1..C_T`` of the same length and, optionally, per-step token
+counts. Stop indices are 0-based: ``tau = T - 1`` means "ran to the end". Functions that
+take ``tau`` accept shape ``[n_problems]`` or ``[n_lambdas, n_problems]`` so that LTT
+(which needs every threshold at once) and reporting (one threshold) use the same code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+Ragged = Sequence[np.ndarray]
+
+
+def check_problems(
+    scores: Ragged, labels: Ragged, step_tokens: Ragged | None = None
+) -> None:
+    """Raise ValueError on inputs that would silently give wrong stop times or losses."""
+    if len(scores) == 0:
+        raise ValueError("no problems: the calibration set is empty")
+    if len(labels) != len(scores):
+        raise ValueError(f"{len(scores)} score arrays but {len(labels)} label arrays")
+    if step_tokens is not None and len(step_tokens) != len(scores):
+        raise ValueError(f"{len(scores)} score arrays but {len(step_tokens)} token arrays")
+    for i, (m, c) in enumerate(zip(scores, labels)):
+        m, c = np.asarray(m), np.asarray(c)
+        if m.ndim != 1 or m.size == 0:
+            raise ValueError(f"problem {i}: scores must be a non-empty 1-D array")
+        if c.shape != m.shape:
+            raise ValueError(f"problem {i}: {m.size} scores but {c.size} labels")
+        # NaN would corrupt the binary search; values outside [0, 1] mean logits were passed.
+        if not np.all((m >= 0.0) & (m <= 1.0)):
+            raise ValueError(f"problem {i}: scores must be finite and in [0, 1]")
+        if not np.all((c == 0) | (c == 1)):
+            raise ValueError(f"problem {i}: labels must be 0/1")
+        if step_tokens is not None:
+            k = np.asarray(step_tokens[i])
+            if k.shape != m.shape:
+                raise ValueError(f"problem {i}: {m.size} scores but {k.size} token counts")
+            if not np.all(k >= 0):
+                raise ValueError(f"problem {i}: token counts must be >= 0")
+
+
+def keep_solvable(labels: Ragged) -> np.ndarray:
+    """Boolean mask of problems correct at some step; the paper excludes the others."""
+    return np.array([bool(np.any(np.asarray(c) == 1)) for c in labels], dtype=bool)
+
+
+def stop_indices(scores: Ragged, lambdas: np.ndarray) -> np.ndarray:
+    """0-based ``tau[j, i] = min{t : m_it >= lambda_j}``, or ``T_i - 1`` if never crossed.
+
+    The first crossing of ``lambda`` equals the first index where the prefix maximum reaches
+    it, and the prefix maximum is sorted, so each problem is one ``searchsorted`` over all
+    thresholds. ``lambda = +inf`` never stops early.
+    """
+    lambdas = np.asarray(lambdas, dtype=float)
+    if lambdas.ndim != 1 or np.isnan(lambdas).any():
+        raise ValueError("lambdas must be a 1-D array without NaN")
+    tau = np.empty((len(scores), lambdas.size), dtype=np.intp)
+    for i, m in enumerate(scores):
+        prefix_max = np.maximum.accumulate(np.asarray(m, dtype=float))
+        first = np.searchsorted(prefix_max, lambdas, side="left")
+        tau[i] = np.minimum(first, prefix_max.size - 1)
+    return tau.T
+
+
+def values_at(arrays: Ragged, tau: np.ndarray) -> np.ndarray:
+    """``out[..., i] = arrays[i][tau[..., i]]`` as a single gather over the packed arrays."""
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.intp, count=len(arrays))
+    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    flat = np.concatenate([np.asarray(a) for a in arrays])
+    return flat[offsets + tau]
+
+
+def losses(tau: np.ndarray, labels: Ragged) -> np.ndarray:
+    """0/1 loss ``1 - C_i[tau_i]`` (int8), same shape as ``tau``."""
+    return 1 - values_at([np.asarray(c, dtype=np.int8) for c in labels], tau)
+
+
+def step_savings(tau: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Paper's savings ``1 - mean(tau + 1) / mean(T)`` over the last axis."""
+    return 1.0 - (tau + 1).mean(axis=-1) / np.mean(lengths)
+
+
+def token_savings(tau: np.ndarray, step_tokens: Ragged) -> np.ndarray:
+    """``1 - sum(tokens up to and including tau) / sum(all tokens)`` over the last axis."""
+    used = values_at([np.cumsum(k) for k in step_tokens], tau).sum(axis=-1)
+    total = sum(float(np.sum(k)) for k in step_tokens)
+    if total <= 0:
+        raise ValueError("token savings need a positive total token count")
+    return 1.0 - used / total
+
+
+@dataclass(frozen=True)
+class StopOutcome:
+    """Metrics of one stopping rule on a set of problems (METHOD.md section 6)."""
+
+    savings: float
+    mean_problem_savings: float
+    median_problem_savings: float
+    token_savings: float | None
+    error: float
+    n: int
+
+
+def summarize(
+    tau: np.ndarray,
+    lengths: np.ndarray,
+    labels: Ragged,
+    step_tokens: Ragged | None = None,
+) -> StopOutcome:
+    """Metrics for 0-based stop indices ``tau`` of shape ``[n_problems]``."""
+    tau = np.asarray(tau)
+    lengths = np.asarray(lengths)
+    if tau.ndim != 1 or tau.shape != lengths.shape or tau.size != len(labels):
+        raise ValueError("tau, lengths and labels must describe the same problems")
+    if np.any(lengths != [len(c) for c in labels]):
+        raise ValueError("lengths must equal the number of labels of each problem")
+    if np.any(tau < 0) or np.any(tau >= lengths):
+        raise ValueError("tau must satisfy 0 <= tau < T for every problem")
+    per_problem = 1.0 - (tau + 1) / lengths
+    return StopOutcome(
+        savings=float(step_savings(tau, lengths)),
+        mean_problem_savings=float(per_problem.mean()),
+        median_problem_savings=float(np.median(per_problem)),
+        token_savings=None if step_tokens is None else float(token_savings(tau, step_tokens)),
+        error=float(losses(tau, labels).mean()),
+        n=int(tau.size),
+    )
