@@ -1,0 +1,669 @@
+"""Recorded reasoning trajectories: the on-disk format (version 1), its reader and writer.
+
+A trajectory directory holds ``info.json``, ``problems.jsonl`` (one metadata line per problem)
+and ``embeddings.bin`` (raw little-endian rows ``[total_steps, dim]``, problem after problem).
+Embeddings are memory-mapped, never loaded whole: a 32B-model collection is gigabytes.
+The writer is append-only and resumable so a killed collection job loses at most the problem
+in flight. The authors' research pickles are read too (``TrajectorySet.open`` on a ``.pkl``)
+and can be converted with ``import_pickle``. See docs/TRAJECTORIES.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT = "orca-trajectories"
+VERSION = 1
+INFO_FILE, PROBLEMS_FILE, EMBEDDINGS_FILE = "info.json", "problems.jsonl", "embeddings.bin"
+DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
+NORMALIZATIONS = ("token-l2", "step-l2", "none")
+SPLITS = ("train", "calibration", "test")
+INFO_DEFAULTS: dict[str, Any] = {
+    "model": None, "normalization": "token-l2", "segmentation": None, "source": None,
+}
+PICKLE_LABELS = ("pessimistic", "research")
+_PICKLE_LABEL_KEYS = {"step_labels": "supervised", "step_labels_consistent": "consistent"}
+
+
+class TrajectoryError(ValueError):
+    """Invalid trajectory data; the message says what is wrong and what to do."""
+
+
+def cumulative(labels: np.ndarray) -> np.ndarray:
+    """Cumulative 0/1 labels (all 1 after the first 1): stopping once correct counts as correct."""
+    return np.maximum.accumulate(np.asarray(labels, dtype=np.int8), axis=-1)
+
+
+# ---------------------------------------------------------------------------------- problems
+
+
+@dataclass
+class Problem:
+    """Metadata of one trajectory; its embeddings live in the set's ``embeddings.bin``."""
+
+    id: str
+    n_steps: int
+    offset: int = 0
+    prompt: str | None = None
+    answer: str | None = None
+    split: str | None = None
+    family: str | None = None
+    step_tokens: list[int] | None = None
+    step_answers: list[str | None] | None = None
+    final_answer: str | None = None
+    labels: dict[str, list[int]] = field(default_factory=dict)
+    step_texts: list[str] | None = None
+    extra: dict[str, Any] | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str) -> Problem:
+        """Validate a metadata object and coerce numpy scalars/arrays to plain JSON values."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise TrajectoryError(f"{where}: unknown field(s) {sorted(unknown)}; "
+                                  f"allowed fields are {sorted(known)}")
+        for name in ("id", "n_steps"):
+            if name not in d:
+                raise TrajectoryError(f"{where}: missing required field {name!r}")
+        p = cls(**d)
+        if not isinstance(p.id, str) or not p.id:
+            raise TrajectoryError(f"{where}: 'id' must be a non-empty string, got {p.id!r}")
+        where = f"{where} (id {p.id!r})"
+        p.n_steps = _int(p.n_steps, where, "n_steps", minimum=1)
+        p.offset = _int(p.offset, where, "offset", minimum=0)
+        for name in ("prompt", "answer", "family", "final_answer"):
+            _str_or_none(getattr(p, name), where, name)
+        if p.split is not None and p.split not in SPLITS:
+            raise TrajectoryError(f"{where}: split {p.split!r} is not one of {SPLITS} or null")
+        n = p.n_steps
+        if p.step_tokens is not None:
+            p.step_tokens = [_int(t, where, "step_tokens", minimum=1)
+                             for t in _seq(p.step_tokens, n, where, "step_tokens")]
+        if p.step_answers is not None:
+            p.step_answers = list(_seq(p.step_answers, n, where, "step_answers"))
+            for a in p.step_answers:
+                _str_or_none(a, where, "step_answers")
+        if p.step_texts is not None:
+            p.step_texts = list(_seq(p.step_texts, n, where, "step_texts"))
+            if not all(isinstance(t, str) for t in p.step_texts):
+                raise TrajectoryError(f"{where}: 'step_texts' must be a list of strings")
+        if not isinstance(p.labels, Mapping):
+            raise TrajectoryError(f"{where}: 'labels' must be an object mode -> list of 0/1")
+        p.labels = {mode: _labels(v, n, where, mode) for mode, v in p.labels.items()}
+        if p.extra is not None and not isinstance(p.extra, Mapping):
+            raise TrajectoryError(f"{where}: 'extra' must be an object or null")
+        return p
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON object in the documented field order; optional fields only when present."""
+        d = {k: getattr(self, k) for k in (
+            "id", "prompt", "answer", "split", "family", "offset", "n_steps",
+            "step_tokens", "step_answers", "final_answer", "labels")}
+        for name in ("step_texts", "extra"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
+        return d
+
+
+def _int(v: Any, where: str, name: str, minimum: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
+        raise TrajectoryError(f"{where}: {name!r} must be an integer >= {minimum}, got {v!r}")
+    return int(v)
+
+
+def _str_or_none(v: Any, where: str, name: str) -> None:
+    if v is not None and not isinstance(v, str):
+        raise TrajectoryError(f"{where}: {name!r} must be a string or null, got {type(v).__name__}")
+
+
+def _seq(v: Any, n: int, where: str, name: str) -> Sequence[Any]:
+    if isinstance(v, (str, bytes, Mapping)) or not hasattr(v, "__len__"):
+        raise TrajectoryError(f"{where}: {name!r} must be a list, got {type(v).__name__}")
+    if len(v) != n:
+        raise TrajectoryError(f"{where}: {name!r} has {len(v)} entries but n_steps is {n}; "
+                              "there must be exactly one per step")
+    return v
+
+
+def _labels(v: Any, n: int, where: str, mode: str) -> list[int]:
+    if not isinstance(mode, str) or not mode:
+        raise TrajectoryError(f"{where}: label mode names must be non-empty strings, got {mode!r}")
+    values = _seq(v, n, where, f"labels[{mode!r}]")
+    if not all(isinstance(x, (int, float, np.number, np.bool_)) and x in (0, 1) for x in values):
+        raise TrajectoryError(f"{where}: labels[{mode!r}] must contain only 0/1, "
+                              f"got {sorted({repr(x) for x in values} - {'0', '1'})[:5]}")
+    return [int(x) for x in values]
+
+
+def _read_problems(path: Path, tolerate_partial_tail: bool) -> tuple[list[Problem], int]:
+    """Parse problems.jsonl; returns the problems and the byte length of the complete lines.
+
+    A last line without its newline is what a killed writer leaves behind: the writer drops
+    it (``tolerate_partial_tail``), the reader refuses it.
+    """
+    data = path.read_bytes()
+    complete = data.rfind(b"\n") + 1
+    if complete < len(data) and not tolerate_partial_tail:
+        raise TrajectoryError(
+            f"{path}: the last line is incomplete (collection interrupted?). Open the directory "
+            "with TrajectoryWriter to repair it (it drops the incomplete problem), then re-read.")
+    problems = []
+    for lineno, line in enumerate(data[:complete].split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path.name} line {lineno}"
+        try:
+            obj = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise TrajectoryError(f"{where}: not valid JSON ({e}); fix or remove the line") from e
+        if not isinstance(obj, dict):
+            raise TrajectoryError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        problems.append(Problem.from_dict(obj, where))
+    return problems, complete
+
+
+def _check_problem_set(problems: Sequence[Problem], where: str) -> int:
+    """Unique ids and contiguous offsets; returns the total number of embedding rows."""
+    seen: set[str] = set()
+    row = 0
+    for p in problems:
+        if p.id in seen:
+            raise TrajectoryError(f"{where}: duplicate problem id {p.id!r}; ids must be unique "
+                                  "(remove the duplicate line or rename one of them)")
+        seen.add(p.id)
+        if p.offset != row:
+            raise TrajectoryError(
+                f"{where}: problem {p.id!r} has offset {p.offset} but the problems before it end "
+                f"at row {row}; offsets must be contiguous in file order (rows were lost or "
+                "lines reordered: re-collect or rewrite the offsets)")
+        row += p.n_steps
+    return row
+
+
+# -------------------------------------------------------------------------------------- info
+
+
+def _make_info(dim: int, dtype: str, info_fields: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = set(info_fields) - set(INFO_DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown info field(s) {sorted(unknown)}; "
+                        f"allowed: {sorted(INFO_DEFAULTS)}")
+    info = {"format": FORMAT, "version": VERSION, "dim": dim, "dtype": dtype,
+            **INFO_DEFAULTS, **info_fields}
+    _check_info(info, "info")
+    return info
+
+
+def _check_info(info: Any, where: str) -> None:
+    if not isinstance(info, dict):
+        raise TrajectoryError(f"{where}: must be a JSON object")
+    missing = ({"format", "version", "dim", "dtype"} | set(INFO_DEFAULTS)) - set(info)
+    if missing:
+        raise TrajectoryError(f"{where}: missing field(s) {sorted(missing)}")
+    if info["format"] != FORMAT:
+        raise TrajectoryError(f"{where}: format is {info['format']!r}, expected {FORMAT!r}; "
+                              "this is not an orca trajectory directory")
+    if info["version"] != VERSION:
+        raise TrajectoryError(f"{where}: format version {info['version']!r} is not supported "
+                              f"(this code reads version {VERSION}); use a matching orca-serve")
+    _int(info["dim"], where, "dim", minimum=1)
+    if info["dtype"] not in DTYPES:
+        raise TrajectoryError(f"{where}: dtype {info['dtype']!r} is not one of {sorted(DTYPES)}")
+    if info["normalization"] not in NORMALIZATIONS:
+        raise TrajectoryError(f"{where}: normalization {info['normalization']!r} is not one of "
+                              f"{NORMALIZATIONS}")
+    for name in ("model", "source"):
+        _str_or_none(info[name], where, name)
+    if info["segmentation"] is not None and not isinstance(info["segmentation"], dict):
+        raise TrajectoryError(f"{where}: segmentation must be an object or null")
+
+
+def _read_info(directory: Path) -> dict[str, Any]:
+    try:
+        info = json.loads((directory / INFO_FILE).read_text())
+    except json.JSONDecodeError as e:
+        raise TrajectoryError(f"{directory / INFO_FILE}: not valid JSON ({e})") from e
+    _check_info(info, str(directory / INFO_FILE))
+    return info
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write via a temporary file and os.replace, so readers never see a half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------- the set
+
+
+class TrajectorySet:
+    """Problems plus their step embeddings; open with ``TrajectorySet.open``."""
+
+    def __init__(self, path: Path, info: dict[str, Any], problems: list[Problem],
+                 arrays: list[np.ndarray]):
+        self.path = path
+        self.info = info
+        self.problems = problems
+        self._arrays = arrays
+
+    @classmethod
+    def open(cls, path: str | Path, *, pickle_labels: str = "pessimistic") -> TrajectorySet:
+        """Open a trajectory directory (memory-mapped) or a research-code pickle (in memory).
+
+        ``pickle_labels`` only matters for pickles: "pessimistic" (METHOD.md section 4) or
+        "research" (the authors' block copy, to reproduce the paper's numbers).
+        """
+        path = Path(path)
+        if path.is_dir():
+            return cls._open_directory(path)
+        if path.is_file() and _looks_like_pickle(path):
+            return cls._open_pickle(path, pickle_labels)
+        if not path.exists():
+            raise TrajectoryError(f"{path} does not exist; pass a trajectory directory or a "
+                                  "research-code .pkl file")
+        raise TrajectoryError(f"{path} is neither a trajectory directory nor a pickle file")
+
+    @classmethod
+    def _open_directory(cls, path: Path) -> TrajectorySet:
+        for name in (INFO_FILE, PROBLEMS_FILE, EMBEDDINGS_FILE):
+            if not (path / name).is_file():
+                raise TrajectoryError(f"{path}: missing {name}; a trajectory directory needs "
+                                      f"{INFO_FILE}, {PROBLEMS_FILE} and {EMBEDDINGS_FILE} "
+                                      "(was the collection started?)")
+        info = _read_info(path)
+        problems, _ = _read_problems(path / PROBLEMS_FILE, tolerate_partial_tail=False)
+        rows = _check_problem_set(problems, str(path / PROBLEMS_FILE))
+        dim, dtype = info["dim"], DTYPES[info["dtype"]]
+        size, need = (path / EMBEDDINGS_FILE).stat().st_size, rows * dim * dtype.itemsize
+        if size != need:
+            raise TrajectoryError(
+                f"{path / EMBEDDINGS_FILE}: {size} bytes, but {PROBLEMS_FILE} covers {rows} rows "
+                f"of {dim} x {info['dtype']} = {need} bytes. "
+                + ("If collection was interrupted, open the directory with TrajectoryWriter to "
+                   "repair it (it drops rows without metadata)." if size > need
+                   else "Embeddings are missing: the data is corrupted; re-collect it."))
+        matrix = (np.memmap(path / EMBEDDINGS_FILE, dtype=dtype, mode="r", shape=(rows, dim))
+                  if rows else np.empty((0, dim), dtype))
+        arrays = [matrix[p.offset:p.offset + p.n_steps] for p in problems]
+        return cls(path, info, problems, arrays)
+
+    @classmethod
+    def _open_pickle(cls, path: Path, pickle_labels: str) -> TrajectorySet:
+        pkl = _load_pickle(path)
+        info = _pickle_info(pkl, path, pickle_labels, "float32")
+        problems, arrays, row = [], [], 0
+        for fields_, emb in _pickle_records(pkl, pickle_labels):
+            problems.append(Problem.from_dict({**fields_, "offset": row},
+                                              f"{path.name} problem {len(problems)}"))
+            arrays.append(emb)
+            row += len(emb)
+        _check_problem_set(problems, str(path))
+        return cls(path, info, problems, arrays)
+
+    @property
+    def dim(self) -> int:
+        return self.info["dim"]
+
+    def __len__(self) -> int:
+        return len(self.problems)
+
+    def embeddings(self, i: int) -> np.ndarray:
+        """Step embeddings [n_steps, dim] of problem i: a read-only view, no copy."""
+        return self._arrays[i]
+
+    def labels(self, i: int, mode: str) -> np.ndarray:
+        """Cumulative int8 labels of problem i under ``mode`` (stored labels are raw per step)."""
+        p = self.problems[i]
+        if mode not in p.labels:
+            raise TrajectoryError(
+                f"problem {p.id!r} (index {i}) has no {mode!r} labels; it has "
+                f"{sorted(p.labels) or 'none'}, and every problem has {list(self.label_modes)}")
+        return cumulative(np.asarray(p.labels[mode], dtype=np.int8))
+
+    @property
+    def label_modes(self) -> tuple[str, ...]:
+        """Label modes present for every problem, sorted."""
+        if not self.problems:
+            return ()
+        return tuple(sorted(set.intersection(*(set(p.labels) for p in self.problems))))
+
+    def split(self, name: str) -> list[int]:
+        """Indices of the problems in split ``name``."""
+        if name not in SPLITS:
+            raise TrajectoryError(f"unknown split {name!r}; splits are {SPLITS}")
+        return [i for i, p in enumerate(self.problems) if p.split == name]
+
+    def check_finite(self) -> None:
+        """Raise if any embedding is NaN/inf (a full scan, so not done on open)."""
+        bad = [p.id for p, a in zip(self.problems, self._arrays) if not np.isfinite(a).all()]
+        if bad:
+            raise TrajectoryError(f"{len(bad)} problem(s) have non-finite embeddings, e.g. "
+                                  f"{bad[:5]}; drop them or re-collect")
+
+
+# ---------------------------------------------------------------------------------- writing
+
+
+class TrajectoryWriter:
+    """Append problems to a trajectory directory, creating it or resuming an interrupted one.
+
+    On resume the incomplete tail is dropped (a partial metadata line, and embedding rows not
+    covered by a complete line), and ``ids`` tells the collector what to skip. Each ``append``
+    writes the embeddings first and the metadata line last, so a kill loses at most that problem.
+    """
+
+    def __init__(self, path: str | Path, dim: int, dtype: str = "float16", *,
+                 fsync: bool = False, **info_fields: Any):
+        self.path = Path(path)
+        self.info = _make_info(dim, dtype, info_fields)
+        self._dtype = DTYPES[dtype]
+        self._fsync = fsync
+        self._prepare_directory()
+        problems, complete = _read_problems(self.path / PROBLEMS_FILE, tolerate_partial_tail=True)
+        self._rows = _check_problem_set(problems, str(self.path / PROBLEMS_FILE))
+        self._ids = {p.id for p in problems}
+        self._truncate(complete)
+        self._meta = open(self.path / PROBLEMS_FILE, "ab")
+        self._emb = open(self.path / EMBEDDINGS_FILE, "ab")
+
+    def _prepare_directory(self) -> None:
+        info_path = self.path / INFO_FILE
+        if info_path.is_file():
+            stored = _read_info(self.path)
+            diff = {k: (stored[k], v) for k, v in self.info.items() if stored[k] != v}
+            if diff:
+                raise TrajectoryError(
+                    f"{self.path} holds a set with different settings (stored, requested): {diff}; "
+                    "resume with the same settings or write to a new directory")
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
+            stray = [n for n in (PROBLEMS_FILE, EMBEDDINGS_FILE) if (self.path / n).exists()]
+            if stray:
+                raise TrajectoryError(f"{self.path} has {stray} but no {INFO_FILE}; it is not a "
+                                      "trajectory directory this writer can resume")
+            _write_atomic(info_path, (json.dumps(self.info, indent=1) + "\n").encode())
+        for name in (PROBLEMS_FILE, EMBEDDINGS_FILE):
+            (self.path / name).touch()
+
+    def _truncate(self, complete_bytes: int) -> None:
+        need = self._rows * self.info["dim"] * self._dtype.itemsize
+        emb = self.path / EMBEDDINGS_FILE
+        if emb.stat().st_size < need:
+            raise TrajectoryError(f"{emb}: {emb.stat().st_size} bytes, fewer than the {need} "
+                                  f"that {PROBLEMS_FILE} refers to; the data is corrupted, "
+                                  "re-collect it")
+        os.truncate(emb, need)
+        os.truncate(self.path / PROBLEMS_FILE, complete_bytes)
+
+    @property
+    def ids(self) -> frozenset[str]:
+        """Ids already written (including those from before a resume)."""
+        return frozenset(self._ids)
+
+    def append(self, problem_fields: Mapping[str, Any], embeddings: np.ndarray) -> None:
+        """Write one problem; ``n_steps`` and ``offset`` are filled in from the embeddings."""
+        emb = np.asarray(embeddings)
+        name = problem_fields.get("id")
+        if emb.ndim != 2 or emb.shape[0] == 0 or emb.shape[1] != self.info["dim"]:
+            raise TrajectoryError(f"problem {name!r}: embeddings must have shape "
+                                  f"[n_steps >= 1, {self.info['dim']}], got {emb.shape}")
+        d = {"n_steps": len(emb), **problem_fields}
+        if "offset" in d and d["offset"] != self._rows:
+            raise TrajectoryError(f"problem {name!r}: offset {d['offset']} given, but the next "
+                                  f"row is {self._rows}; leave 'offset' out")
+        d["offset"] = self._rows
+        problem = Problem.from_dict(d, f"problem {name!r}")
+        if problem.n_steps != len(emb):
+            raise TrajectoryError(f"problem {name!r}: n_steps {problem.n_steps} but "
+                                  f"{len(emb)} embedding rows")
+        if problem.id in self._ids:
+            raise TrajectoryError(f"problem {problem.id!r} is already in {self.path}; "
+                                  "skip ids in writer.ids")
+        with np.errstate(over="ignore"):  # overflow is reported just below, with advice
+            data = emb.astype(self._dtype)
+        if not np.isfinite(data).all():
+            raise TrajectoryError(
+                f"problem {problem.id!r}: embeddings contain NaN/inf after conversion to "
+                f"{self.info['dtype']} (float16 overflows above 65504: normalise or use float32)")
+        self._write(self._emb, data.tobytes())
+        self._write(self._meta, (json.dumps(problem.to_dict()) + "\n").encode())
+        self._ids.add(problem.id)
+        self._rows += problem.n_steps
+
+    def _write(self, f: Any, data: bytes) -> None:
+        f.write(data)
+        f.flush()
+        if self._fsync:
+            os.fsync(f.fileno())
+
+    def close(self) -> None:
+        self._emb.close()
+        self._meta.close()
+
+    def __enter__(self) -> TrajectoryWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------------- splits
+
+
+def set_splits(path: str | Path, assignment: Mapping[str, str | None]) -> None:
+    """Rewrite the split field of the given ids (others keep theirs), atomically.
+
+    Must not run while a TrajectoryWriter has the directory open.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise TrajectoryError(f"{path}: set_splits needs a trajectory directory (import pickles "
+                              "with import_pickle first)")
+    problems, _ = _read_problems(path / PROBLEMS_FILE, tolerate_partial_tail=False)
+    unknown = set(assignment) - {p.id for p in problems}
+    if unknown:
+        raise TrajectoryError(f"{path}: {len(unknown)} id(s) in the split assignment are not in "
+                              f"the set, e.g. {sorted(unknown)[:5]}")
+    bad = {s for s in assignment.values() if s is not None and s not in SPLITS}
+    if bad:
+        raise TrajectoryError(f"unknown split name(s) {sorted(bad)}; splits are {SPLITS}")
+    lines = [json.dumps(replace(p, split=assignment.get(p.id, p.split)).to_dict()) + "\n"
+             for p in problems]
+    _write_atomic(path / PROBLEMS_FILE, "".join(lines).encode())
+
+
+def split_ids(ids: Sequence[str], fractions: Sequence[float] = (0.6, 0.2, 0.2), seed: int = 0,
+              groups: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """Deterministic disjoint train/calibration/test split by prompt group.
+
+    All samples of one prompt (``groups[id]``; default: each id its own group) land in the
+    same split, otherwise calibration would see near-copies of training problems and the
+    LTT guarantee's exchangeability would be broken. The result depends only on the ids,
+    groups and seed, not on the order of ``ids``. Fractions are of samples, approximately.
+    """
+    if len(fractions) != len(SPLITS) or min(fractions) < 0 or not math.isclose(sum(fractions), 1):
+        raise ValueError(f"fractions must be {len(SPLITS)} non-negative numbers summing to 1, "
+                         f"got {tuple(fractions)}")
+    members: dict[Any, list[str]] = {}
+    for i in ids:
+        members.setdefault(groups[i] if groups is not None else i, []).append(i)
+    keys = sorted(members, key=str)
+    order = np.random.default_rng(seed).permutation(len(keys))
+    bounds = np.cumsum(fractions) * len(ids)
+    out, done = {}, 0
+    for k in order:
+        group = members[keys[k]]
+        # A group goes where the middle of its sample range falls, so sizes track fractions.
+        split = SPLITS[min(int(np.searchsorted(bounds, done + len(group) / 2)), len(SPLITS) - 1)]
+        out.update({i: split for i in group})
+        done += len(group)
+    return out
+
+
+# ----------------------------------------------------------------------- research pickles
+
+
+def _looks_like_pickle(path: Path) -> bool:
+    if path.suffix in (".pkl", ".pickle"):
+        return True
+    with open(path, "rb") as f:
+        return f.read(1) == b"\x80"  # protocol >= 2 header
+
+
+def _load_pickle(path: Path) -> dict[str, Any]:
+    """Load a research pickle (it can run code: only open pickles from trusted sources)."""
+    with open(path, "rb") as f:
+        pkl = pickle.load(f)
+    if not isinstance(pkl, dict) or "problems" not in pkl:
+        raise TrajectoryError(f"{path}: expected a dict with a 'problems' list (the research "
+                              "code's format), got " + type(pkl).__name__)
+    return pkl
+
+
+def expand_block_labels(block_labels: Sequence[Any], n_steps: int, batch_size: int,
+                        mode: str = "pessimistic") -> np.ndarray:
+    """Per-step raw labels from the research code's one-label-per-block labels.
+
+    Block j's label was computed at step min(batch_size*j + batch_size-1, n_steps-1).
+    "research" copies it to the whole block (optimistic: early steps borrow a later answer);
+    "pessimistic" gives each step the label of the latest labelled step at or before it,
+    and 0 before the first labelled step.
+    """
+    lab = np.asarray(block_labels).astype(np.int8).reshape(-1)
+    if len(lab) != math.ceil(n_steps / batch_size):
+        raise TrajectoryError(f"{len(lab)} block labels for {n_steps} steps with batch_size "
+                              f"{batch_size}; expected ceil({n_steps}/{batch_size}) = "
+                              f"{math.ceil(n_steps / batch_size)}")
+    t = np.arange(n_steps)
+    if mode == "research":
+        return lab[t // batch_size]
+    if mode != "pessimistic":
+        raise TrajectoryError(f"pickle_labels must be one of {PICKLE_LABELS}, got {mode!r}")
+    block = (t + 1) // batch_size - 1
+    block[-1] = len(lab) - 1  # the last (possibly partial) block is labelled at the last step
+    return np.where(block >= 0, lab[np.maximum(block, 0)], 0).astype(np.int8)
+
+
+_ID_KEYS = ("id", "problem_id", "unique_id", "idx")
+_PROMPT_KEYS = ("question", "problem", "prompt")
+_ANSWER_KEYS = ("answer", "gt_answer", "ground_truth", "reference_answer")
+
+
+def _first(d: Mapping[str, Any], keys: Sequence[str]) -> tuple[str | None, Any]:
+    return next(((k, d[k]) for k in keys if k in d and d[k] is not None), (None, None))
+
+
+def _pickle_splits(pkl: Mapping[str, Any]) -> dict[int, str]:
+    n = len(pkl["problems"])
+    out: dict[int, str] = {}
+    for name, indices in (pkl.get("splits") or {}).items():
+        if name not in SPLITS:
+            raise TrajectoryError(f"pickle split {name!r} is not one of {SPLITS}")
+        for i in indices:
+            i = int(i)
+            if not 0 <= i < n or i in out:
+                raise TrajectoryError(f"pickle split {name!r}: problem index {i} is out of range "
+                                      f"(0..{n - 1}) or already in split {out.get(i)!r}")
+            out[i] = name
+    return out
+
+
+def _pickle_records(pkl: Mapping[str, Any], pickle_labels: str
+                    ) -> Iterator[tuple[dict[str, Any], np.ndarray]]:
+    """(problem fields, float32 embeddings) per pickle problem, labels expanded per step."""
+    batch_size = int(pkl.get("batch_size", 10))
+    splits = _pickle_splits(pkl)
+    dim = pkl.get("embed_dim")
+    for i, raw in enumerate(pkl["problems"]):
+        emb = np.asarray(raw["step_embeddings"], dtype=np.float32)
+        if emb.ndim != 2 or len(emb) == 0 or (dim is not None and emb.shape[1] != dim):
+            raise TrajectoryError(f"pickle problem {i}: step_embeddings shape {emb.shape}, "
+                                  f"expected [n_steps >= 1, embed_dim={dim}]")
+        n = len(emb)
+        labels = {}
+        for key, mode in _PICKLE_LABEL_KEYS.items():
+            if key in raw:
+                try:
+                    labels[mode] = expand_block_labels(raw[key], n, batch_size, pickle_labels)
+                except TrajectoryError as e:
+                    raise TrajectoryError(f"pickle problem {i} ({key}): {e}") from e
+        id_key, pid = _first(raw, _ID_KEYS)
+        prompt_key, prompt = _first(raw, _PROMPT_KEYS)
+        answer_key, answer = _first(raw, _ANSWER_KEYS)
+        used = {"step_embeddings", *_PICKLE_LABEL_KEYS, id_key, prompt_key, answer_key}
+        extra = {k: v for k, v in raw.items() if k not in used and _is_json_scalar(v)}
+        yield {
+            "id": str(pid) if pid is not None else str(i),
+            "prompt": None if prompt is None else str(prompt),
+            "answer": None if answer is None else str(answer),
+            "split": splits.get(i),
+            "n_steps": n,
+            "labels": labels,
+            "extra": {"pickle_index": i, **extra},
+        }, emb
+
+
+def _is_json_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (str, bool, int, float))
+
+
+def _infer_normalization(pkl: Mapping[str, Any]) -> str:
+    """Guess from step norms: all ~1 is step-l2; all <= 1 is token-l2 (a mean of unit vectors)."""
+    norms = np.concatenate([np.linalg.norm(np.asarray(p["step_embeddings"], dtype=np.float32),
+                                           axis=-1) for p in pkl["problems"]] or [np.zeros(0)])
+    if norms.size and np.all(np.abs(norms - 1) < 1e-3):
+        return "step-l2"
+    if norms.size and np.all(norms <= 1 + 1e-3):
+        return "token-l2"
+    return "none"
+
+
+def _pickle_info(pkl: Mapping[str, Any], path: Path | None, pickle_labels: str,
+                 dtype: str) -> dict[str, Any]:
+    if pickle_labels not in PICKLE_LABELS:
+        raise TrajectoryError(f"pickle_labels must be one of {PICKLE_LABELS}, "
+                              f"got {pickle_labels!r}")
+    dim = pkl.get("embed_dim")
+    if dim is None and pkl["problems"]:
+        dim = np.asarray(pkl["problems"][0]["step_embeddings"]).shape[-1]
+    if dim is None:
+        raise TrajectoryError("pickle has neither 'embed_dim' nor problems to infer it from")
+    model = pkl.get("model")
+    return _make_info(int(dim), dtype, {
+        "model": None if model is None else str(model),
+        "normalization": _infer_normalization(pkl),
+        "source": (f"research-pickle {path.name if path else '<object>'}; "
+                   f"batch_size={pkl.get('batch_size', 10)}; labels={pickle_labels}"),
+    })
+
+
+def import_pickle(pkl: str | Path | Mapping[str, Any], out_dir: str | Path,
+                  dtype: str = "float16", *, pickle_labels: str = "pessimistic") -> Path:
+    """Convert a research pickle (path or loaded dict) to a directory, problem by problem.
+
+    Resumable like any TrajectoryWriter: problems already in ``out_dir`` are skipped.
+    """
+    path = Path(pkl) if isinstance(pkl, (str, Path)) else None
+    data = _load_pickle(path) if path is not None else pkl
+    info = _pickle_info(data, path, pickle_labels, dtype)
+    extra = {k: info[k] for k in INFO_DEFAULTS}
+    with TrajectoryWriter(out_dir, info["dim"], dtype, **extra) as w:
+        done = w.ids
+        for fields_, emb in _pickle_records(data, pickle_labels):
+            if fields_["id"] not in done:
+                w.append(fields_, emb)
+    return Path(out_dir)
