@@ -36,6 +36,7 @@ class ProbeSpec:
     norm: Literal["none", "ln", "ln_res"] = "none"  # LayerNorm inside the inner loss
     eta_mode: Literal["fixed", "input"] = "fixed"  # input-dependent eta(phi)
     mlp: bool = False  # 2-layer MLP fast weights (hidden 4 d_w, GELU)
+    online: bool = True  # False: no inner update (the static baseline folded into a linear probe)
 
     def __post_init__(self) -> None:
         if self.dim < 1:
@@ -46,6 +47,9 @@ class ProbeSpec:
             raise ValueError("d_h and shared_qk only apply to the QK probe")
         if self.mlp and self.norm != "none":
             raise ValueError("the MLP probe does not take a LayerNorm inner loss")
+        if not self.online and (self.kind, self.norm, self.eta_mode, self.mlp) != (
+                "noqk", "none", "fixed", False):
+            raise ValueError("a static (online=False) probe is the plain linear no-QK probe")
 
     @property
     def d_w(self) -> int:
@@ -58,6 +62,8 @@ class ProbeSpec:
 
     @property
     def name(self) -> str:
+        if not self.online:
+            return "static"
         parts = [self.kind if self.kind == "noqk" else f"qk{self.d_h}"]
         parts += ["shared"] if self.shared_qk else []
         parts += [self.norm] if self.norm != "none" else []
@@ -192,6 +198,8 @@ class Probe(nn.Module):
 
     def update(self, fast: Fast, phi: Tensor, target: float | Tensor = 0.0) -> Fast:
         """One inner step W <- W - eta * grad (pseudo-label 0 at inference)."""
+        if not self.spec.online:
+            return fast
         _, grads = self.inner_grads(fast, self.key(phi), target)
         eta = self.eta(phi)
         return {k: fast[k] - _bcast(eta, fast[k]) * grads[k] for k in fast}

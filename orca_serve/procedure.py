@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -140,7 +141,7 @@ def replay(probe: Probe, trajectories: list, window: int,
     """
     out: list[tuple[Tensor, Tensor]] = []
     for start in range(0, len(trajectories), batch):
-        chunk = [torch.as_tensor(t, dtype=torch.float32) for t in trajectories[start:start + batch]]
+        chunk = [torch.tensor(np.asarray(t), dtype=torch.float32) for t in trajectories[start:start + batch]]
         lengths = torch.tensor([len(t) for t in chunk])
         phi = torch.nn.utils.rnn.pad_sequence(chunk, batch_first=True)
         bank = ProbeBank(probe, window=window, capacity=len(chunk))

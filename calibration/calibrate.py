@@ -1,0 +1,124 @@
+"""Choose lambda* per delta by LTT on the calibration split and seal the result in a bundle.
+
+The scores come from `orca_serve.procedure.replay`, i.e. the server's own code path, so the
+threshold is certified for exactly the procedure that will run online (METHOD.md section 5).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from calibration.ltt import DeltaResult, calibrate, default_grid
+from calibration.train import solvable
+from calibration.trajectories import TrajectorySet
+from orca_serve import __version__
+from orca_serve.bundle import (SCHEMA_VERSION, Bundle, LTTRow, LTTTable, ModelIdentity, ProbeBlock,
+                               Segmentation, ThinkTags, encode_weights, save_bundle)
+from orca_serve.probe import Probe
+from orca_serve.procedure import replay
+
+DEFAULT_DELTAS = (0.05, 0.1, 0.15, 0.2)
+GRID_SIZE = 1001
+
+
+@dataclass
+class Scored:
+    """Replayed problems of one split: ids, smoothed scores, cumulative labels, step tokens."""
+
+    ids: list[str]
+    scores: list[np.ndarray]
+    labels: list[np.ndarray]
+    tokens: list[np.ndarray] | None
+
+
+def score_split(probe: Probe, ts: TrajectorySet, split: str, mode: str, window: int) -> Scored:
+    """Replay the deployed procedure on a split's solvable problems (split "all": every problem)."""
+    if probe.spec.dim != ts.dim:
+        raise ValueError(f"the probe takes {probe.spec.dim}-dim embeddings but {ts.path} has "
+                         f"dim {ts.dim}: train the probe on this data's model")
+    members = list(range(len(ts))) if split == "all" else ts.split(split)
+    idx = solvable(ts, members, mode)
+    if not idx:
+        raise ValueError(f"the {split} split of {ts.path} has no problem with a correct step "
+                         f"under label mode '{mode}' (problems in split: {len(members)})")
+    runs = replay(probe, [ts.embeddings(i) for i in idx], window=window)
+    has_tokens = all(ts.problems[i].step_tokens is not None for i in idx)
+    return Scored(ids=[ts.problems[i].id for i in idx],
+                  scores=[s.numpy().astype(np.float64) for _, s in runs],
+                  labels=[ts.labels(i, mode) for i in idx],
+                  tokens=[np.asarray(ts.problems[i].step_tokens) for i in idx] if has_tokens else None)
+
+
+def run_ltt(scored: Scored, deltas: list[float], epsilon: float, pvalue: str) -> list[DeltaResult]:
+    return calibrate(scored.scores, scored.labels, deltas, epsilon=epsilon,
+                     grid=default_grid(GRID_SIZE), pvalue=pvalue, step_tokens=scored.tokens)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def data_hashes(ts: TrajectorySet) -> dict[str, str]:
+    """Content hashes of the data the bundle was calibrated on (provenance)."""
+    path = Path(ts.path)
+    files = [path] if path.is_file() else [path / "problems.jsonl", path / "embeddings.bin"]
+    return {f.name: file_sha256(f) for f in files if f.is_file()}
+
+
+def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, mode: str,
+                epsilon: float, pvalue: str, window: int, n_cal: int, default_delta: float,
+                provenance: dict[str, Any]) -> Bundle:
+    """Everything the server needs, taken from the data's own record of how it was collected."""
+    info = ts.info
+    model = info.get("model") or "unknown"
+    rows = [LTTRow(delta=r.delta, lam=None if math.isinf(r.lam) else round(r.lam, 6), risk=r.risk,
+                   pvalue=r.pvalue, savings=r.savings, token_savings=r.token_savings)
+            for r in results]
+    return Bundle(
+        schema_version=SCHEMA_VERSION, orca_serve_version=__version__,
+        model=ModelIdentity(name=model, hidden_size=ts.dim,
+                            tokenizer_fingerprint=info.get("tokenizer_fingerprint")),
+        segmentation=Segmentation(**(info.get("segmentation") or {})),
+        think=ThinkTags(**(info.get("think") or {})),
+        normalization=info.get("normalization", "token-l2"),
+        probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
+                         eta=probe.params["log_eta"].exp().item()),
+        window=window, label_mode=mode,
+        ltt=LTTTable(epsilon=epsilon, n_cal=n_cal, pvalue=pvalue, grid_size=GRID_SIZE, rows=rows),
+        default_delta=default_delta,
+        provenance={"data": str(ts.path), "data_sha256": data_hashes(ts),
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **provenance})
+
+
+def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = "supervised",
+                     deltas: list[float] = list(DEFAULT_DELTAS), epsilon: float = 0.05,
+                     pvalue: str = "binomial", window: int = 10, default_delta: float | None = None,
+                     dump_scores: Path | None = None,
+                     provenance: dict[str, Any] | None = None) -> Bundle:
+    """Replay the calibration split, run LTT for every delta, write bundle.json."""
+    default = default_delta if default_delta is not None else (0.1 if 0.1 in deltas else deltas[0])
+    if default not in deltas:
+        raise ValueError(f"default delta {default} is not among the calibrated deltas {deltas}")
+    scored = score_split(probe, ts, "calibration", mode, window)
+    results = run_ltt(scored, deltas, epsilon, pvalue)
+    if dump_scores is not None:
+        with open(dump_scores, "w") as f:
+            for pid, s, c in zip(scored.ids, scored.scores, scored.labels):
+                f.write(json.dumps({"id": pid, "scores": s.round(6).tolist(),
+                                    "labels": c.astype(int).tolist()}) + "\n")
+    bundle = make_bundle(probe, ts, results, mode=mode, epsilon=epsilon, pvalue=pvalue,
+                         window=window, n_cal=len(scored.ids), default_delta=default,
+                         provenance=provenance or {})
+    return save_bundle(bundle, out)

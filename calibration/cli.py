@@ -1,0 +1,236 @@
+"""`orca-calibrate`: the offline job, one subcommand per stage; every stage reads and writes files.
+
+Bad input ends with one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from calibration.trajectories import TrajectoryError
+
+PROBES = {
+    "static": {"online": False},
+    "ttt-noqk": {},
+    "ttt-qk": {"kind": "qk"},
+    "ttt-qk-shared": {"kind": "qk", "shared_qk": True},
+    "ttt-qk-ln": {"kind": "qk", "norm": "ln"},
+    "ttt-qk-lnres": {"kind": "qk", "norm": "ln_res"},
+    "ttt-qk-eta": {"kind": "qk", "eta_mode": "input"},
+    "ttt-qk-mlp": {"kind": "qk", "mlp": True},
+    "ttt-noqk-eta": {"eta_mode": "input"},
+}
+
+
+class UsageError(Exception):
+    """Bad input the user can fix; printed as one line."""
+
+
+def _open(path: str, pickle_labels: str = "pessimistic"):
+    from calibration.trajectories import TrajectorySet
+    return TrajectorySet.open(path, pickle_labels=pickle_labels)
+
+
+def cmd_synth(a: argparse.Namespace) -> None:
+    from calibration.synth import generate
+    out = generate(a.out, n_problems=a.problems, dim=a.dim, shift=a.shift, seed=a.seed,
+                   mean_steps=a.steps, dtype=a.dtype)
+    print(f"wrote {a.problems} synthetic {'shifted' if a.shift else 'in-dist'} trajectories to {out}")
+
+
+def _label_mode(ts, requested: str | None) -> str:
+    modes = ts.label_modes
+    mode = requested or ("supervised" if "supervised" in modes else (modes[0] if modes else None))
+    if mode is None or mode not in modes:
+        raise UsageError(f"label mode {mode!r} is not in {ts.path} (it has {list(modes) or 'none'})")
+    return mode
+
+
+def train_probe(ts, probe: str, mode: str, *, epochs: int | None, d_h: int, seed: int,
+                batch_size: int, checkpoints: Path | None, progress: bool = True):
+    """Train one named probe; returns (probe, facts for the provenance)."""
+    from calibration.train import meta_train, train_static
+    from orca_serve.probe import ProbeSpec
+    if probe == "static":
+        return train_static(ts, mode, seed=seed), {"probe": probe}
+    opts = PROBES[probe]
+    spec = ProbeSpec(dim=ts.dim, d_h=d_h if opts.get("kind") == "qk" else None, **opts)
+    epochs = epochs or (20 if spec.kind == "noqk" else 10)
+    res = meta_train(ts, spec, mode, epochs=epochs, seed=seed, batch_size=batch_size,
+                     checkpoints=checkpoints, progress=progress)
+    return res.probe, {"probe": probe, "epochs": epochs, "selected_epoch": res.epoch,
+                       "history": res.history}
+
+
+def cmd_train(a: argparse.Namespace) -> None:
+    from calibration.train import save_probe
+    ts = _open(a.data, a.pickle_labels)
+    mode = _label_mode(ts, a.label_mode)
+    if not ts.split("train"):
+        raise UsageError(f"{a.data} has no problem in the train split")
+    out = Path(a.out)
+    ckpt = Path(a.checkpoints) if a.checkpoints else out.with_suffix(".ckpt")
+    probe, facts = train_probe(ts, a.probe, mode, epochs=a.epochs, d_h=a.d_h, seed=a.seed,
+                               batch_size=a.batch_size, checkpoints=ckpt)
+    meta = {"label_mode": mode, "seed": a.seed, "data": str(ts.path), **facts}
+    meta["history"] = json.dumps(facts.get("history", []))
+    save_probe(probe, out, meta)
+    sel = f", selected epoch {facts['selected_epoch']} of {facts['epochs']}" if "epochs" in facts else ""
+    print(f"wrote {probe.spec.name} probe to {out} (label mode {mode}{sel})")
+
+
+def cmd_calibrate(a: argparse.Namespace) -> None:
+    from calibration.calibrate import calibrate_bundle
+    from calibration.train import load_probe
+    ts = _open(a.data, a.pickle_labels)
+    probe, meta = load_probe(Path(a.probe))
+    mode = _label_mode(ts, a.label_mode or meta.get("label_mode"))
+    bundle = calibrate_bundle(
+        probe, ts, Path(a.out), mode=mode, deltas=a.delta, epsilon=a.epsilon, pvalue=a.pvalue,
+        window=a.window, default_delta=a.default_delta,
+        dump_scores=Path(a.dump_scores) if a.dump_scores else None,
+        provenance={"probe_file": a.probe, "train_seed": meta.get("seed"),
+                    "selected_epoch": meta.get("selected_epoch")})
+    print(f"wrote {a.out}: n_cal={bundle.ltt.n_cal}, epsilon={bundle.ltt.epsilon}")
+    for r in bundle.ltt.rows:
+        lam = "never" if r.lam is None else f"{r.lam:.4f}"
+        print(f"  delta={r.delta:<5g} lambda*={lam:<8} risk={r.risk:.3f} "
+              f"savings={r.savings:.3f} p={r.pvalue:.3g}")
+
+
+def cmd_evaluate(a: argparse.Namespace) -> None:
+    from calibration.evaluate import evaluate_bundle, markdown_table, plot_report
+    from orca_serve.bundle import load_bundle
+    bundle = load_bundle(a.bundle)
+    ts = _open(a.data, a.pickle_labels)
+    report, scored = evaluate_bundle(bundle, ts, a.split)
+    print(markdown_table([(report["probe"], report)]))
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1))
+    if a.plots:
+        for p in plot_report(bundle, scored, report, Path(a.plots)):
+            print(f"plot: {p}")
+
+
+def cmd_compare(a: argparse.Namespace) -> None:
+    """The paper's comparison rows: each probe x label mode, trained, calibrated, evaluated."""
+    from calibration.calibrate import calibrate_bundle
+    from calibration.evaluate import evaluate_bundle, markdown_table
+    ts = _open(a.data)
+    shifted = _open(a.shifted) if a.shifted else None
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tables: dict[str, list] = {"in-distribution (test split)": [], "shifted (all problems)": []}
+    for mode in a.label_modes:
+        for name in a.probes:
+            probe, _ = train_probe(ts, name, mode, epochs=a.epochs, d_h=a.d_h, seed=a.seed,
+                                   batch_size=32, checkpoints=None, progress=False)
+            bundle = calibrate_bundle(probe, ts, out / f"{name}-{mode}.json", mode=mode)
+            label = f"{name} ({mode})"
+            tables["in-distribution (test split)"].append((label, evaluate_bundle(bundle, ts)[0]))
+            if shifted is not None:
+                tables["shifted (all problems)"].append(
+                    (label, evaluate_bundle(bundle, shifted, "all")[0]))
+            print(f"done: {label}", file=sys.stderr)
+    text = "\n\n".join(f"### {k}\n\n{markdown_table(v)}" for k, v in tables.items() if v)
+    (out / "compare.md").write_text(text + "\n")
+    print(text)
+
+
+def cmd_import_pickle(a: argparse.Namespace) -> None:
+    from calibration.trajectories import import_pickle
+    import_pickle(a.pickle, a.out, dtype=a.dtype, pickle_labels=a.pickle_labels)
+    print(f"wrote {a.out}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="orca-calibrate", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def data_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--data", required=True, help="trajectory directory or research pickle")
+        p.add_argument("--pickle-labels", choices=["pessimistic", "research"],
+                       default="pessimistic", help="how block labels of a pickle become steps")
+
+    p = sub.add_parser("synth", help="write a synthetic trajectory set")
+    p.add_argument("--out", required=True)
+    p.add_argument("--problems", type=int, default=600)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--steps", type=int, default=100, help="mean steps per problem")
+    p.add_argument("--shift", action="store_true", help="the shifted family")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float16", "float32"], default="float16")
+    p.set_defaults(fn=cmd_synth)
+
+    p = sub.add_parser("train", help="meta-train a probe (or fit the static baseline)")
+    data_arg(p)
+    p.add_argument("--probe", choices=sorted(PROBES), default="ttt-noqk")
+    p.add_argument("--out", required=True, help="probe file (.safetensors)")
+    p.add_argument("--epochs", type=int, help="default 20 for no-QK, 10 for QK")
+    p.add_argument("--d-h", type=int, default=128, help="QK projection size")
+    p.add_argument("--label-mode", help="supervised (default), consistent, judge")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoints", help="per-epoch checkpoints (default PROBE.ckpt/)")
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("calibrate", help="LTT on the calibration split; writes bundle.json")
+    data_arg(p)
+    p.add_argument("--probe", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--delta", type=float, nargs="+", default=[0.05, 0.1, 0.15, 0.2])
+    p.add_argument("--epsilon", type=float, default=0.05)
+    p.add_argument("--pvalue", choices=["binomial", "hb"], default="binomial")
+    p.add_argument("--window", type=int, default=10, help="smoothing window k")
+    p.add_argument("--default-delta", type=float)
+    p.add_argument("--label-mode", help="default: the mode the probe was trained with")
+    p.add_argument("--dump-scores", help="JSON lines: id, smoothed scores, labels per problem")
+    p.set_defaults(fn=cmd_calibrate)
+
+    p = sub.add_parser("evaluate", help="replay a bundle on held-out trajectories")
+    data_arg(p)
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--split", choices=["test", "calibration", "train", "all"], default="test")
+    p.add_argument("--json", help="write the report here")
+    p.add_argument("--plots", help="write PNG plots to this directory")
+    p.set_defaults(fn=cmd_evaluate)
+
+    p = sub.add_parser("compare", help="static vs TTT probes, supervised and consistent")
+    p.add_argument("--data", required=True)
+    p.add_argument("--shifted", help="a shifted trajectory set, evaluated whole")
+    p.add_argument("--out", required=True)
+    p.add_argument("--probes", nargs="+", default=["static", "ttt-noqk", "ttt-qk"],
+                   choices=sorted(PROBES))
+    p.add_argument("--label-modes", nargs="+", default=["supervised", "consistent"])
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--d-h", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_compare)
+
+    p = sub.add_parser("import-pickle", help="convert a research-code pickle to our format")
+    p.add_argument("pickle")
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", choices=["float16", "float32"], default="float16")
+    p.add_argument("--pickle-labels", choices=["pessimistic", "research"], default="pessimistic")
+    p.set_defaults(fn=cmd_import_pickle)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from orca_serve.bundle import BundleError
+    try:
+        args.fn(args)
+    except (UsageError, TrajectoryError, BundleError, ValueError, FileNotFoundError,
+            KeyError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"orca-calibrate {args.cmd}: error: {msg}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

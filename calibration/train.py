@@ -1,0 +1,220 @@
+"""Meta-training of the probe's slow weights (outer loop, METHOD.md section 3) and the static baseline.
+
+The outer loop unrolls the deployed inner loop (pseudo-label 0 updates) over whole trajectories and
+back-propagates the Brier loss against the true cumulative labels through it. For the linear probes
+without LayerNorm, the unroll is computed in its kernel form (a differentiable twin of
+`Probe.unroll`, pinned to it by a test): the fast weights after t steps are W0 minus a weighted sum
+of past keys, so every logit only needs Gram matrices of the trajectory and a scalar recurrence.
+That turns a d-wide loop into one batched matmul and makes paper-scale training take minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from scipy.optimize import minimize
+from tqdm import tqdm
+
+from calibration.ltt import calibrate
+from calibration.trajectories import TrajectorySet
+from orca_serve.probe import Probe, ProbeSpec
+from orca_serve.procedure import replay
+
+VALIDATION_DELTA = 0.1
+
+
+@dataclass
+class Batch:
+    phi: torch.Tensor  # [B, T, d] float32, zero padded
+    labels: torch.Tensor  # [B, T] float32 cumulative labels
+    mask: torch.Tensor  # [B, T] bool
+
+
+@dataclass
+class TrainResult:
+    probe: Probe
+    epoch: int  # selected epoch (1-based)
+    history: list[dict] = field(default_factory=list)
+
+
+def solvable(ts: TrajectorySet, indices: list[int], mode: str) -> list[int]:
+    """Problems whose label is 1 at some step: the others are left out (METHOD.md section 3)."""
+    return [i for i in indices if ts.labels(i, mode).any()]
+
+
+def load_batch(ts: TrajectorySet, indices: list[int], mode: str) -> Batch:
+    lengths = [ts.problems[i].n_steps for i in indices]
+    b, t = len(indices), max(lengths)
+    phi = np.zeros((b, t, ts.dim), dtype=np.float32)
+    labels = np.zeros((b, t), dtype=np.float32)
+    for r, i in enumerate(indices):
+        phi[r, :lengths[r]] = ts.embeddings(i)
+        labels[r, :lengths[r]] = ts.labels(i, mode)
+    mask = np.arange(t)[None, :] < np.array(lengths)[:, None]
+    return Batch(torch.from_numpy(phi), torch.from_numpy(labels), torch.from_numpy(mask))
+
+
+def kernel_form(spec: ProbeSpec) -> bool:
+    """Variants whose unroll has the Gram-matrix form (linear fast weights, no LayerNorm)."""
+    return not spec.mlp and spec.norm == "none"
+
+
+def unroll_scores(probe: Probe, phi: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Raw scores [B, T] of the deployed inner loop, differentiable w.r.t. the slow weights."""
+    if not kernel_form(probe.spec):
+        return probe.unroll(phi, mask)
+    q, u = probe.query(phi), probe.key(phi)  # [B, T, d_w]
+    w0, b0 = probe.params["w"], probe.params["b"]
+    zq0, zu0 = q @ w0 + b0, u @ w0 + b0
+    if not probe.spec.online:
+        return torch.sigmoid(zq0)
+    kq = torch.bmm(u, q.transpose(1, 2)) + 1  # [B, s, t]: u_s . q_t + 1 (the +1 is the bias)
+    ku = kq if probe.spec.kind == "noqk" else torch.bmm(u, u.transpose(1, 2)) + 1
+    eta = probe.eta(phi.reshape(-1, phi.shape[-1])).reshape(mask.shape) * mask
+    steps: list[torch.Tensor] = []  # eta_s * g_s of past steps
+    scores = []
+    for t in range(phi.shape[1]):
+        past = torch.stack(steps, 1) if steps else zq0.new_zeros(phi.shape[0], 0)
+        zq = zq0[:, t] - (past * kq[:, :t, t]).sum(1)
+        zu = zu0[:, t] - (past * ku[:, :t, t]).sum(1)
+        p = torch.sigmoid(zu)
+        steps.append(eta[:, t] * 2 * p * p * (1 - p))  # Brier gradient factor with target 0
+        scores.append(torch.sigmoid(zq))
+    return torch.stack(scores, 1)
+
+
+def outer_loss(scores: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Mean over steps of (s_t - C_t)^2 per trajectory, averaged over the batch."""
+    err = ((scores - batch.labels) ** 2) * batch.mask
+    return (err.sum(1) / batch.mask.sum(1)).mean()
+
+
+def _validation_savings(probe: Probe, ts: TrajectorySet, val: list[int], mode: str,
+                        window: int) -> float:
+    """Savings at delta 0.1 after LTT on the validation part (never calibration or test data)."""
+    runs = replay(probe, [ts.embeddings(i) for i in val], window=window)
+    scores = [s.numpy() for _, s in runs]
+    labels = [ts.labels(i, mode) for i in val]
+    [res] = calibrate(scores, labels, [VALIDATION_DELTA])
+    return res.savings
+
+
+def meta_train(ts: TrajectorySet, spec: ProbeSpec, mode: str, *, epochs: int, batch_size: int = 32,
+               lr: float = 1e-3, clip: float = 1.0, seed: int = 0, val_fraction: float = 0.1,
+               window: int = 10, checkpoints: Path | None = None,
+               progress: bool = True) -> TrainResult:
+    """Adam on the outer loss; the epoch with the best validation savings is returned."""
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    train = solvable(ts, ts.split("train"), mode)
+    if len(train) < 2:
+        raise ValueError(f"the training split has {len(train)} problems with a correct step under "
+                         f"label mode '{mode}'; at least 2 are needed")
+    order = rng.permutation(train).tolist()
+    n_val = max(1, int(round(val_fraction * len(order))))
+    val, fit = order[:n_val], order[n_val:]
+    probe = Probe(spec, seed=seed)
+    opt = torch.optim.Adam(probe.parameters(), lr=lr)
+    history: list[dict] = []
+    best: tuple[float, float, int, dict] | None = None
+    total = epochs * math.ceil(len(fit) / batch_size)
+    bar = tqdm(total=total, desc=f"meta-train {spec.name}", disable=not progress, unit="batch")
+    for epoch in range(1, epochs + 1):
+        perm = rng.permutation(fit).tolist()
+        losses = []
+        for start in range(0, len(perm), batch_size):
+            batch = load_batch(ts, perm[start:start + batch_size], mode)
+            loss = outer_loss(unroll_scores(probe, batch.phi, batch.mask), batch)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(probe.parameters(), clip)
+            opt.step()
+            losses.append(loss.item())
+            bar.update()
+            bar.set_postfix(epoch=epoch, loss=f"{np.mean(losses):.4f}")
+        probe.check_finite()
+        with torch.no_grad():
+            val_batch = load_batch(ts, val, mode)
+            val_loss = outer_loss(unroll_scores(probe, val_batch.phi, val_batch.mask), val_batch).item()
+        val_sav = _validation_savings(probe, ts, val, mode, window)
+        history.append({"epoch": epoch, "train_loss": float(np.mean(losses)), "val_loss": val_loss,
+                        "val_savings": val_sav, "eta": probe.params["log_eta"].exp().item()})
+        state = {k: v.detach().clone() for k, v in probe.state_dict().items()}
+        if checkpoints is not None:
+            save_probe(probe, checkpoints / f"epoch_{epoch:03d}.safetensors", {"epoch": epoch})
+        if best is None or (val_sav, -val_loss) > best[:2]:
+            best = (val_sav, -val_loss, epoch, state)
+    bar.close()
+    assert best is not None
+    probe.load_state_dict(best[3])
+    return TrainResult(probe=probe.requires_grad_(False), epoch=best[2], history=history)
+
+
+def train_static(ts: TrajectorySet, mode: str, *, pca_dim: int = 256, c: float = 1.0, seed: int = 0,
+                 max_pca_rows: int = 20000) -> Probe:
+    """Thought Calibration's static probe: standardise, PCA, L2 logistic regression (C = 1).
+
+    The fitted pipeline is affine up to the sigmoid, so it is folded into a linear probe with no
+    online update: the server and replay run it with the same code as the TTT probes.
+    """
+    rng = np.random.default_rng(seed)
+    train = solvable(ts, ts.split("train"), mode)
+    if not train:
+        raise ValueError(f"the training split has no problem with a correct step under '{mode}'")
+    x = np.concatenate([ts.embeddings(i) for i in train]).astype(np.float32)
+    y = np.concatenate([ts.labels(i, mode) for i in train]).astype(np.float64)
+    mean, std = x.mean(0), x.std(0) + 1e-6
+    xs = torch.from_numpy((x - mean) / std)
+    rows = rng.choice(len(xs), size=min(len(xs), max_pca_rows), replace=False)
+    k = min(pca_dim, xs.shape[1], len(rows))
+    _, _, v = torch.linalg.svd(xs[rows], full_matrices=False)
+    comps = v[:k].T  # [d, k]
+    z = (xs @ comps).double().numpy()
+    w, b = _logistic_l2(z, y, c)
+    w_eff = (comps.double().numpy() @ w) / std  # back to raw phi space
+    probe = Probe(ProbeSpec(dim=ts.dim, online=False))
+    with torch.no_grad():
+        probe.params["w"].copy_(torch.from_numpy(w_eff))
+        probe.params["b"].fill_(float(b - w_eff @ mean))
+    return probe.requires_grad_(False)
+
+
+def _logistic_l2(z: np.ndarray, y: np.ndarray, c: float) -> tuple[np.ndarray, float]:
+    """sklearn's objective 0.5 |w|^2 + C sum log-loss (bias unpenalised), by L-BFGS."""
+    def f(theta: np.ndarray) -> tuple[float, np.ndarray]:
+        w, b = theta[:-1], theta[-1]
+        logit = z @ w + b
+        loss = np.logaddexp(0, logit) - y * logit
+        r = 1 / (1 + np.exp(-logit)) - y
+        grad = np.concatenate([z.T @ r * c + w, [c * r.sum()]])
+        return c * loss.sum() + 0.5 * w @ w, grad
+    res = minimize(f, np.zeros(z.shape[1] + 1), jac=True, method="L-BFGS-B",
+                   options={"maxiter": 500})
+    return res.x[:-1], float(res.x[-1])
+
+
+def save_probe(probe: Probe, path: Path, meta: dict | None = None) -> None:
+    """A trained probe: slow weights plus its spec (and training facts) in safetensors metadata."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous() for k, v in probe.params.items()}
+    metadata = {"spec": probe.spec.to_json(), "format": "orca-probe-1"}
+    metadata |= {k: str(v) for k, v in (meta or {}).items()}
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def load_probe(path: Path) -> tuple[Probe, dict[str, str]]:
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") != "orca-probe-1":
+        raise ValueError(f"{path} is not a probe written by `orca-calibrate train`")
+    probe = Probe(ProbeSpec.from_dict(json.loads(meta["spec"])))
+    tensors = load_file(str(path))
+    probe.load_state_dict({f"params.{k}": v for k, v in tensors.items()})
+    return probe.requires_grad_(False), meta

@@ -1,0 +1,81 @@
+"""Meta-training: the kernel-form unroll is the deployed procedure, and training learns."""
+
+import numpy as np
+import pytest
+import torch
+
+from calibration.synth import generate
+from calibration.train import (load_probe, meta_train, save_probe, solvable, train_static,
+                               unroll_scores)
+from calibration.trajectories import TrajectorySet
+from orca_serve.probe import Probe, ProbeSpec
+from orca_serve.procedure import replay
+
+D = 16
+KERNEL_VARIANTS = [
+    ProbeSpec(dim=D),
+    ProbeSpec(dim=D, kind="qk", d_h=6),
+    ProbeSpec(dim=D, kind="qk", d_h=6, shared_qk=True),
+    ProbeSpec(dim=D, eta_mode="input"),
+    ProbeSpec(dim=D, online=False),
+]
+
+
+@pytest.mark.parametrize("spec", KERNEL_VARIANTS, ids=lambda s: s.name)
+def test_kernel_unroll_equals_deployed_replay(spec: ProbeSpec) -> None:
+    probe = Probe(spec, seed=1)
+    with torch.no_grad():
+        for p in probe.params.values():
+            p.add_(0.3 * torch.randn_like(p))
+        probe.params["log_eta"].fill_(0.0)  # eta = 1: large inner steps, so errors would show
+    lengths = [9, 4, 13]
+    trajs = [torch.randn(n, D) for n in lengths]
+    phi = torch.nn.utils.rnn.pad_sequence(trajs, batch_first=True)
+    mask = torch.arange(phi.shape[1])[None] < torch.tensor(lengths)[:, None]
+    with torch.no_grad():
+        fast = unroll_scores(probe, phi, mask)
+    for i, (raw, _) in enumerate(replay(probe, trajs, window=3)):
+        torch.testing.assert_close(fast[i, :lengths[i]], raw, rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_unroll_gradients_match_general_unroll() -> None:
+    probe = Probe(ProbeSpec(dim=D, kind="qk", d_h=6, eta_mode="input"), seed=2).double()
+    phi = torch.randn(3, 7, D, dtype=torch.float64)
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1, 5:] = False
+    g1 = torch.autograd.grad(unroll_scores(probe, phi, mask)[mask].sum(), list(probe.parameters()))
+    g2 = torch.autograd.grad(probe.unroll(phi, mask)[mask].sum(), list(probe.parameters()))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory) -> TrajectorySet:
+    out = tmp_path_factory.mktemp("synth") / "data"
+    generate(out, n_problems=300, dim=D, mean_steps=30, seed=0)
+    return TrajectorySet.open(out)
+
+
+def test_meta_training_reduces_loss_and_is_reproducible(synth: TrajectorySet, tmp_path) -> None:
+    spec = ProbeSpec(dim=D)
+    a = meta_train(synth, spec, "supervised", epochs=3, seed=5, progress=False,
+                   checkpoints=tmp_path / "ckpt")
+    b = meta_train(synth, spec, "supervised", epochs=3, seed=5, progress=False)
+    assert a.history[-1]["train_loss"] < a.history[0]["train_loss"]
+    assert [h["val_loss"] for h in a.history] == [h["val_loss"] for h in b.history]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "epoch_001.safetensors", "epoch_002.safetensors", "epoch_003.safetensors"]
+    save_probe(a.probe, tmp_path / "p.safetensors", {"epoch": a.epoch})
+    loaded, meta = load_probe(tmp_path / "p.safetensors")
+    assert loaded.spec == spec and meta["epoch"] == str(a.epoch)
+    for k, v in a.probe.params.items():
+        torch.testing.assert_close(loaded.params[k], v)
+
+
+def test_static_probe_separates_labels(synth: TrajectorySet) -> None:
+    probe = train_static(synth, "supervised", pca_dim=8)
+    test = solvable(synth, synth.split("test"), "supervised")
+    raw = [r.numpy() for r, _ in replay(probe, [synth.embeddings(i) for i in test], window=1)]
+    s = np.concatenate(raw)
+    y = np.concatenate([synth.labels(i, "supervised") for i in test])
+    assert s[y == 1].mean() > s[y == 0].mean() + 0.1
