@@ -151,58 +151,95 @@ class Probe(nn.Module):
         return eta0 * torch.sigmoid(phi @ self.params["eta_a"] + self.params["eta_c"])
 
     # -- score and inner step --------------------------------------------------------------
-    def logit(self, fast: Fast, q: Tensor) -> Tensor:
-        """Score logit (no LayerNorm on the scoring path, METHOD.md section 2)."""
+    def logit(self, fast: Fast, q: Tensor, scratch: Tensor | None = None) -> Tensor:
+        """Score logit (no LayerNorm on the scoring path, METHOD.md section 2).
+
+        `scratch` ([rows, d_w]) lets the server reuse memory for the row-wise product.
+        """
         if self.spec.mlp:
             a = torch.einsum("nhd,nd->nh", fast["w1"], q) + fast["b1"]
             return (fast["w2"] * nn.functional.gelu(a)).sum(-1) + fast["b2"]
-        return (fast["w"] * q).sum(-1) + fast["b"]
+        return _rowdot(fast["w"], q, scratch) + fast["b"]
 
     def score(self, fast: Fast, phi: Tensor) -> Tensor:
         return torch.sigmoid(self.logit(fast, self.query(phi)))
 
-    def inner_grads(self, fast: Fast, u: Tensor, target: float | Tensor = 0.0) -> tuple[Tensor, Fast]:
-        """Closed-form gradient of the Brier inner loss (p - C)^2 w.r.t. the fast weights.
+    @property
+    def shares_logit(self) -> bool:
+        """The inner loss's logit equals the score logit (same weights, q = u, no LayerNorm)."""
+        spec = self.spec
+        return not spec.mlp and spec.norm == "none" and (spec.kind == "noqk" or spec.shared_qk)
 
-        Returns (p, grads). Writing it out keeps inference free of autograd and is checked
-        against autograd in the tests for every variant.
+    def inner_terms(self, fast: Fast, u: Tensor, target: float | Tensor = 0.0,
+                    z: Tensor | None = None) -> tuple[Tensor, Tensor, Fast]:
+        """Closed-form gradient of the Brier inner loss (p - C)^2, factored as g * partial.
+
+        Returns (p, g, partials) with grad_k = g * partials[k] (g = dloss/dlogit). Factoring lets
+        the server apply the step in place without materialising a [rows, d] gradient; writing it
+        out keeps inference free of autograd, and tests check it against autograd for every variant.
+        `z` is the inner logit when the caller already has it (see `shares_logit`).
         """
         if self.spec.mlp:
             a = torch.einsum("nhd,nd->nh", fast["w1"], u) + fast["b1"]
-            z = (fast["w2"] * nn.functional.gelu(a)).sum(-1) + fast["b2"]
-            p = torch.sigmoid(z)
-            g = 2 * (p - target) * p * (1 - p)
+            hid = nn.functional.gelu(a)
+            p = torch.sigmoid((fast["w2"] * hid).sum(-1) + fast["b2"])
             dz_da = fast["w2"] * _gelu_grad(a)
-            ga = g[:, None] * dz_da
-            return p, {"w1": ga[:, :, None] * u[:, None, :], "b1": ga,
-                       "w2": g[:, None] * nn.functional.gelu(a), "b2": g}
-        x = fast["w"] * u
-        if self.spec.norm == "none":
-            z = x.sum(-1) + fast["b"]
-            dz_dx = None
+            parts = {"w1": dz_da[:, :, None] * u[:, None, :], "b1": dz_da, "w2": hid,
+                     "b2": torch.ones_like(p)}
         else:
-            gamma, beta = self.params["ln_gamma"], self.params["ln_beta"]
-            mu = x.mean(-1, keepdim=True)
-            sigma = (x.var(-1, unbiased=False, keepdim=True) + LN_EPS).sqrt()
-            xhat = (x - mu) / sigma
-            z = (gamma * xhat + beta).sum(-1) + fast["b"]
-            # d sum(LN(x)) / dx: the LayerNorm backward with upstream gradient gamma.
-            dz_dx = (gamma - gamma.mean() - xhat * (gamma * xhat).mean(-1, keepdim=True)) / sigma
-            if self.spec.norm == "ln_res":
-                z = z + x.sum(-1)
-                dz_dx = dz_dx + 1
-        p = torch.sigmoid(z)
+            z, dz_dw = (z, u) if z is not None and self.spec.norm == "none" else \
+                self._inner_logit(fast, u)
+            p = torch.sigmoid(z)
+            parts = {"w": dz_dw, "b": torch.ones_like(p)}
         g = 2 * (p - target) * p * (1 - p)
-        dz_dw = u if dz_dx is None else dz_dx * u
-        return p, {"w": g[:, None] * dz_dw, "b": g}
+        return p, g, parts
 
-    def update(self, fast: Fast, phi: Tensor, target: float | Tensor = 0.0) -> Fast:
-        """One inner step W <- W - eta * grad (pseudo-label 0 at inference)."""
+    def _inner_logit(self, fast: Fast, u: Tensor) -> tuple[Tensor, Tensor]:
+        """Logit of the inner loss and its derivative w.r.t. the linear fast weights."""
+        if self.spec.norm == "none":
+            return _rowdot(fast["w"], u) + fast["b"], u
+        x = fast["w"] * u
+        gamma, beta = self.params["ln_gamma"], self.params["ln_beta"]
+        mu = x.mean(-1, keepdim=True)
+        sigma = (x.var(-1, unbiased=False, keepdim=True) + LN_EPS).sqrt()
+        xhat = (x - mu) / sigma
+        z = (gamma * xhat + beta).sum(-1) + fast["b"]
+        # d sum(LN(x)) / dx: the LayerNorm backward with upstream gradient gamma.
+        dz_dx = (gamma - gamma.mean() - xhat * (gamma * xhat).mean(-1, keepdim=True)) / sigma
+        if self.spec.norm == "ln_res":
+            z = z + x.sum(-1)
+            dz_dx = dz_dx + 1
+        return z, dz_dx * u
+
+    def inner_grads(self, fast: Fast, u: Tensor, target: float | Tensor = 0.0) -> tuple[Tensor, Fast]:
+        """(p, gradient of the inner loss w.r.t. each fast weight)."""
+        p, g, parts = self.inner_terms(fast, u, target)
+        return p, {k: _bcast(g, v) * v for k, v in parts.items()}
+
+    def _step_coefs(self, fast: Fast, phi: Tensor,
+                    z: Tensor | None = None) -> tuple[Tensor, Fast]:
+        """(eta * g per row, partials): the inner step is W_k <- W_k - coef * partials[k]."""
+        _, g, parts = self.inner_terms(fast, self.key(phi), z=z)
+        return self.eta(phi) * g, parts
+
+    def update(self, fast: Fast, phi: Tensor) -> Fast:
+        """One inner step W <- W - eta * grad with pseudo-label 0 (functional, differentiable)."""
         if not self.spec.online:
             return fast
-        _, grads = self.inner_grads(fast, self.key(phi), target)
-        eta = self.eta(phi)
-        return {k: fast[k] - _bcast(eta, fast[k]) * grads[k] for k in fast}
+        coef, parts = self._step_coefs(fast, phi)
+        return {k: fast[k] - _bcast(coef, v) * v for k, v in parts.items()}
+
+    @torch.no_grad()
+    def update_(self, fast: Fast, phi: Tensor, score_logit: Tensor | None = None) -> None:
+        """The same step applied in place (the server's path: no [rows, d] temporaries).
+
+        Pass the score logit just computed on these fast weights to skip recomputing it.
+        """
+        if not self.spec.online:
+            return
+        coef, parts = self._step_coefs(fast, phi, score_logit if self.shares_logit else None)
+        for k, v in parts.items():
+            fast[k].addcmul_(v, _bcast(coef, v), value=-1)
 
     def unroll(self, phi: Tensor, mask: Tensor) -> Tensor:
         """Raw scores of padded trajectories phi [B, T, d] (mask [B, T]) under score-then-update.
@@ -230,6 +267,13 @@ def _gelu_grad(a: Tensor) -> Tensor:
     cdf = 0.5 * (1 + torch.erf(a / math.sqrt(2)))
     pdf = torch.exp(-0.5 * a * a) / math.sqrt(2 * math.pi)
     return cdf + a * pdf
+
+
+def _rowdot(a: Tensor, b: Tensor, scratch: Tensor | None = None) -> Tensor:
+    """Per-row dot product; with `scratch`, the product reuses memory (bmm is slower on CPU)."""
+    if scratch is None:
+        return (a * b).sum(-1)
+    return torch.mul(a, b, out=scratch[:a.shape[0]]).sum(-1)
 
 
 def _bcast(v: Tensor, like: Tensor) -> Tensor:

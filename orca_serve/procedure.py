@@ -55,6 +55,7 @@ class ProbeBank:
         self.window = window
         self.device = torch.device(device)
         self._fast: Fast = {}
+        self._buf: Fast = {}
         self._free: list[int] = []
         self._grow(capacity)
 
@@ -67,6 +68,8 @@ class ProbeBank:
         new["hist"] = torch.zeros(capacity - old, self.window, device=self.device)
         new["count"] = torch.zeros(capacity - old, dtype=torch.long, device=self.device)
         self._fast = new if not old else {k: torch.cat([self._fast[k], new[k]]) for k in new}
+        self._buf = {k: torch.empty_like(self._fast[k]) for k in self.probe.fast_keys()}
+        self._scratch = torch.empty(capacity, self.probe.spec.d_w, device=self.device)
         self._free.extend(range(capacity - 1, old - 1, -1))
 
     @property
@@ -110,11 +113,21 @@ class ProbeBank:
         """Score, smooth, decide and (for rows that do not stop) update: one reasoning step.
 
         rows: long [m] (distinct), phi: [m, d] step embeddings, lam: [m] thresholds (inf = never).
+        Works in place on the bank (a view when the rows are contiguous, else one gather into a
+        reused buffer): fresh [m, d] temporaries cost page faults that dominate at d = 5,120.
         """
         phi = phi.to(self.device, torch.float32)
         rows = rows.to(self.device)
-        fast = {k: self._fast[k].index_select(0, rows) for k in self.probe.fast_keys()}
-        raw = self.probe.score(fast, phi)
+        m = rows.shape[0]
+        r0 = int(rows[0])
+        contiguous = bool((rows == torch.arange(r0, r0 + m, device=self.device)).all())
+        keys = self.probe.fast_keys()
+        if contiguous:
+            fast = {k: self._fast[k][r0:r0 + m] for k in keys}
+        else:
+            fast = {k: torch.index_select(self._fast[k], 0, rows, out=self._buf[k][:m]) for k in keys}
+        logit = self.probe.logit(fast, self.probe.query(phi), self._scratch)
+        raw = torch.sigmoid(logit)
         hist, count = self._fast["hist"], self._fast["count"]
         n = count.index_select(0, rows)
         hist[rows, n % self.window] = raw
@@ -122,12 +135,15 @@ class ProbeBank:
         smoothed = hist.index_select(0, rows).sum(1) / n.clamp(max=self.window)
         count[rows] = n
         stop = smoothed >= lam.to(self.device)
-        keep = ~stop
-        if keep.any():
-            kr = rows[keep]
-            new = self.probe.update({k: v[keep] for k, v in fast.items()}, phi[keep])
-            for k, v in new.items():
-                self._fast[k].index_copy_(0, kr, v)
+        stopped = stop.nonzero().squeeze(1)
+        kept = {k: v.index_select(0, stopped) for k, v in fast.items()} if len(stopped) else None
+        self.probe.update_(fast, phi, logit)
+        if kept is not None:  # a stopping row is not updated (its request ends here)
+            for k, v in kept.items():
+                fast[k].index_copy_(0, stopped, v)
+        if not contiguous:
+            for k in keys:
+                self._fast[k].index_copy_(0, rows, fast[k])
         return StepResult(raw=raw, smoothed=smoothed, stop=stop, steps=n)
 
 
