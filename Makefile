@@ -1,0 +1,19 @@
+# The two commands a new user runs; each sets up .venv (reused when present) first.
+.PHONY: setup test test-fast demo bench
+
+setup:
+	bash scripts/setup-venv.sh
+
+test: setup
+	.venv/bin/python -m pytest -q
+
+test-fast: setup
+	.venv/bin/python -m pytest -q -m "not vllm"
+
+demo: setup
+	.venv/bin/python -m orca_serve.demo
+
+bench: setup
+	.venv/bin/python benchmarks/bench_ltt.py
+	.venv/bin/python benchmarks/bench_probe_step.py
+	.venv/bin/python benchmarks/bench_train.py
