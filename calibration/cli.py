@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from calibration.collect import DEFAULT_SUFFIX
+from calibration.job import JobError
 from calibration.trajectories import TrajectoryError
 
 PROBES = {
@@ -140,6 +142,21 @@ def cmd_compare(a: argparse.Namespace) -> None:
     print(text)
 
 
+def cmd_collect(a: argparse.Namespace) -> None:
+    from calibration.collect import Collector, CollectSettings, read_prompts
+    prompts = read_prompts(Path(a.prompts))
+    settings = CollectSettings(samples=a.samples, temperature=a.temperature, top_p=a.top_p,
+                               max_tokens=a.max_tokens, seed=a.seed, label_every=a.label_every,
+                               suffix=a.suffix, dtype=a.dtype, batch=a.batch)
+    stats = Collector(a.model, settings).run(prompts, Path(a.out))
+    print(json.dumps(stats.as_dict()))
+
+
+def cmd_run(a: argparse.Namespace) -> None:
+    from calibration.job import run_job
+    run_job(Path(a.config))
+
+
 def cmd_import_pickle(a: argparse.Namespace) -> None:
     from calibration.trajectories import import_pickle
     import_pickle(a.pickle, a.out, dtype=a.dtype, pickle_labels=a.pickle_labels)
@@ -210,6 +227,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_compare)
 
+    p = sub.add_parser("collect", help="run the model with the plugin in record mode")
+    p.add_argument("--model", required=True, help="model path or hub name")
+    p.add_argument("--prompts", required=True, help="JSON lines: id, messages|prompt, answer")
+    p.add_argument("--out", required=True, help="trajectory directory (resumed if it exists)")
+    p.add_argument("--samples", type=int, default=1, help="trajectories per prompt")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--label-every", type=int, default=1, help="answer-probe every k-th step")
+    p.add_argument("--suffix", default=DEFAULT_SUFFIX, help="answer-forcing suffix")
+    p.add_argument("--dtype", choices=["float16", "float32"], default="float32")
+    p.add_argument("--batch", type=int, default=64, help="prompts per generation batch")
+    p.set_defaults(fn=cmd_collect)
+
+    p = sub.add_parser("run", help="the whole job from a YAML file (resumable)")
+    p.add_argument("--config", required=True)
+    p.set_defaults(fn=cmd_run)
+
     p = sub.add_parser("import-pickle", help="convert a research-code pickle to our format")
     p.add_argument("pickle")
     p.add_argument("--out", required=True)
@@ -224,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     from orca_serve.bundle import BundleError
     try:
         args.fn(args)
-    except (UsageError, TrajectoryError, BundleError, ValueError, FileNotFoundError,
+    except (UsageError, TrajectoryError, BundleError, JobError, ValueError, FileNotFoundError,
             KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"orca-calibrate {args.cmd}: error: {msg}", file=sys.stderr)

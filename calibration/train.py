@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,7 @@ class Batch:
     phi: torch.Tensor  # [B, T, d] float32, zero padded
     labels: torch.Tensor  # [B, T] float32 cumulative labels
     mask: torch.Tensor  # [B, T] bool
+    gram: torch.Tensor | None = None  # [B, T, T] phi_s . phi_t, when cached
 
 
 @dataclass
@@ -49,16 +51,54 @@ def solvable(ts: TrajectorySet, indices: list[int], mode: str) -> list[int]:
     return [i for i in indices if ts.labels(i, mode).any()]
 
 
-def load_batch(ts: TrajectorySet, indices: list[int], mode: str) -> Batch:
-    lengths = [ts.problems[i].n_steps for i in indices]
-    b, t = len(indices), max(lengths)
-    phi = np.zeros((b, t, ts.dim), dtype=np.float32)
-    labels = np.zeros((b, t), dtype=np.float32)
-    for r, i in enumerate(indices):
-        phi[r, :lengths[r]] = ts.embeddings(i)
-        labels[r, :lengths[r]] = ts.labels(i, mode)
-    mask = np.arange(t)[None, :] < np.array(lengths)[:, None]
-    return Batch(torch.from_numpy(phi), torch.from_numpy(labels), torch.from_numpy(mask))
+class Loader:
+    """Padded batches read from the memory map into one reused buffer.
+
+    Batches group problems of similar length (less padding, fewer unroll steps). For the no-QK
+    kernel form the Gram matrices phi_s . phi_t do not depend on the weights: they are computed
+    on the first pass and kept (about 4 T^2 bytes per problem), which removes the dominant cost
+    of every later epoch.
+    """
+
+    def __init__(self, ts: TrajectorySet, mode: str, batch_size: int, cache_gram: bool) -> None:
+        self.ts, self.mode, self.batch_size = ts, mode, batch_size
+        self.cache_gram = cache_gram
+        self._gram: dict[int, torch.Tensor] = {}
+        self._buf = torch.empty(0)
+
+    def batches(self, indices: list[int], rng: np.random.Generator | None = None) -> Iterator[Batch]:
+        order = list(indices) if rng is None else rng.permutation(indices).tolist()
+        groups = []
+        span = self.batch_size * 16
+        for start in range(0, len(order), span):
+            chunk = sorted(order[start:start + span], key=lambda i: self.ts.problems[i].n_steps)
+            groups += [chunk[j:j + self.batch_size] for j in range(0, len(chunk), self.batch_size)]
+        if rng is not None:
+            groups = [groups[j] for j in rng.permutation(len(groups))]
+        for g in groups:
+            yield self.load(g)
+
+    def load(self, indices: list[int]) -> Batch:
+        lengths = [self.ts.problems[i].n_steps for i in indices]
+        b, t, d = len(indices), max(lengths), self.ts.dim
+        if self._buf.numel() < b * t * d:
+            self._buf = torch.empty(b * t * d)
+        phi = self._buf[:b * t * d].view(b, t, d)
+        labels = torch.zeros(b, t)
+        for r, i in enumerate(indices):
+            phi[r, :lengths[r]] = torch.from_numpy(np.asarray(self.ts.embeddings(i), np.float32))
+            phi[r, lengths[r]:] = 0
+            labels[r, :lengths[r]] = torch.from_numpy(self.ts.labels(i, self.mode).astype(np.float32))
+        mask = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]
+        gram = None
+        if self.cache_gram:
+            gram = torch.zeros(b, t, t)
+            for r, i in enumerate(indices):
+                if i not in self._gram:
+                    x = phi[r, :lengths[r]]
+                    self._gram[i] = x @ x.T
+                gram[r, :lengths[r], :lengths[r]] = self._gram[i]
+        return Batch(phi, labels, mask, gram)
 
 
 def kernel_form(spec: ProbeSpec) -> bool:
@@ -66,8 +106,12 @@ def kernel_form(spec: ProbeSpec) -> bool:
     return not spec.mlp and spec.norm == "none"
 
 
-def unroll_scores(probe: Probe, phi: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Raw scores [B, T] of the deployed inner loop, differentiable w.r.t. the slow weights."""
+def unroll_scores(probe: Probe, phi: torch.Tensor, mask: torch.Tensor,
+                  gram: torch.Tensor | None = None) -> torch.Tensor:
+    """Raw scores [B, T] of the deployed inner loop, differentiable w.r.t. the slow weights.
+
+    `gram` (phi phi^T per trajectory) may be passed for the no-QK probe, whose kernel it is.
+    """
     if not kernel_form(probe.spec):
         return probe.unroll(phi, mask)
     q, u = probe.query(phi), probe.key(phi)  # [B, T, d_w]
@@ -75,7 +119,10 @@ def unroll_scores(probe: Probe, phi: torch.Tensor, mask: torch.Tensor) -> torch.
     zq0, zu0 = q @ w0 + b0, u @ w0 + b0
     if not probe.spec.online:
         return torch.sigmoid(zq0)
-    kq = torch.bmm(u, q.transpose(1, 2)) + 1  # [B, s, t]: u_s . q_t + 1 (the +1 is the bias)
+    if gram is not None and probe.spec.kind == "noqk":
+        kq = gram + 1
+    else:
+        kq = torch.bmm(u, q.transpose(1, 2)) + 1  # [B, s, t]: u_s . q_t + 1 (the +1 is the bias)
     ku = kq if probe.spec.kind == "noqk" else torch.bmm(u, u.transpose(1, 2)) + 1
     eta = probe.eta(phi.reshape(-1, phi.shape[-1])).reshape(mask.shape) * mask
     steps: list[torch.Tensor] = []  # eta_s * g_s of past steps
@@ -124,14 +171,13 @@ def meta_train(ts: TrajectorySet, spec: ProbeSpec, mode: str, *, epochs: int, ba
     opt = torch.optim.Adam(probe.parameters(), lr=lr)
     history: list[dict] = []
     best: tuple[float, float, int, dict] | None = None
+    loader = Loader(ts, mode, batch_size, cache_gram=kernel_form(spec) and spec.kind == "noqk")
     total = epochs * math.ceil(len(fit) / batch_size)
     bar = tqdm(total=total, desc=f"meta-train {spec.name}", disable=not progress, unit="batch")
     for epoch in range(1, epochs + 1):
-        perm = rng.permutation(fit).tolist()
         losses = []
-        for start in range(0, len(perm), batch_size):
-            batch = load_batch(ts, perm[start:start + batch_size], mode)
-            loss = outer_loss(unroll_scores(probe, batch.phi, batch.mask), batch)
+        for batch in loader.batches(fit, rng):
+            loss = outer_loss(unroll_scores(probe, batch.phi, batch.mask, batch.gram), batch)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(probe.parameters(), clip)
@@ -141,8 +187,9 @@ def meta_train(ts: TrajectorySet, spec: ProbeSpec, mode: str, *, epochs: int, ba
             bar.set_postfix(epoch=epoch, loss=f"{np.mean(losses):.4f}")
         probe.check_finite()
         with torch.no_grad():
-            val_batch = load_batch(ts, val, mode)
-            val_loss = outer_loss(unroll_scores(probe, val_batch.phi, val_batch.mask), val_batch).item()
+            val_loss = float(np.mean([
+                outer_loss(unroll_scores(probe, vb.phi, vb.mask, vb.gram), vb).item()
+                for vb in loader.batches(val)]))
         val_sav = _validation_savings(probe, ts, val, mode, window)
         history.append({"epoch": epoch, "train_loss": float(np.mean(losses)), "val_loss": val_loss,
                         "val_savings": val_sav, "eta": probe.params["log_eta"].exp().item()})

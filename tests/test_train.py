@@ -79,3 +79,13 @@ def test_static_probe_separates_labels(synth: TrajectorySet) -> None:
     s = np.concatenate(raw)
     y = np.concatenate([synth.labels(i, "supervised") for i in test])
     assert s[y == 1].mean() > s[y == 0].mean() + 0.1
+
+
+def test_cached_gram_gives_the_same_scores() -> None:
+    probe = Probe(ProbeSpec(dim=D), seed=3)
+    phi = torch.randn(2, 6, D)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    gram = phi @ phi.transpose(1, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(unroll_scores(probe, phi, mask, gram),
+                                   unroll_scores(probe, phi, mask))

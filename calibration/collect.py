@@ -1,0 +1,228 @@
+"""Collection: run the model on the user's prompts with the plugin in record mode, probe answers.
+
+The step embeddings come from the plugin's own capture and segmentation (the code that serves),
+so calibration is on-policy for exactly the online procedure. After each batch of trajectories,
+every labelled step boundary is continued with the answer-forcing suffix (greedy, prefix caching
+on) to read the intermediate answer; labels follow (calibration/labels.py). Each finished problem
+is appended and flushed at once, so a killed job loses at most the batch in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from calibration.labels import (extract_final, extract_forced, fill_pessimistic, labelled_steps,
+                                step_labels)
+from calibration.trajectories import TrajectoryWriter
+
+DEFAULT_SUFFIX = "\n</think>\n\nThe answer is \\boxed{"
+
+
+@dataclass
+class CollectSettings:
+    samples: int = 1  # trajectories per prompt
+    temperature: float = 0.7
+    top_p: float = 1.0
+    max_tokens: int = 1024
+    seed: int = 0
+    suffix: str = DEFAULT_SUFFIX  # answer-forcing text appended to a reasoning prefix
+    answer_tokens: int = 16  # greedy tokens generated after the suffix
+    label_every: int = 1
+    batch: int = 64  # prompts per generation batch
+    dtype: str = "float32"  # of the stored embeddings
+    engine: dict[str, Any] = field(default_factory=dict)  # extra vLLM LLM(...) arguments
+
+
+@dataclass
+class Stats:
+    trajectories: int = 0
+    answer_probes: int = 0
+    generate_s: float = 0.0
+    probe_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        total = self.generate_s + self.probe_s
+        return {"trajectories": self.trajectories, "answer_probes": self.answer_probes,
+                "generate_s": round(self.generate_s, 2), "probe_s": round(self.probe_s, 2),
+                "trajectories_per_min": round(60 * self.trajectories / total, 2) if total else 0,
+                "answer_probes_per_s": round(self.answer_probes / self.probe_s, 2)
+                if self.probe_s else 0,
+                "probe_share": round(self.probe_s / total, 3) if total else 0}
+
+
+def read_prompts(path: Path) -> list[dict]:
+    """JSON lines with `id`, `messages` (chat) or `prompt`, optional `answer` and `family`."""
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file {path} not found")
+    out, seen = [], set()
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if not isinstance(rec, dict) or "id" not in rec or not (
+                isinstance(rec.get("messages"), list) or isinstance(rec.get("prompt"), str)):
+            raise ValueError(f"{path}:{n}: each line needs `id` and `messages` (list) or "
+                             "`prompt` (string)")
+        rid = str(rec["id"])
+        if rid in seen:
+            raise ValueError(f"{path}:{n}: duplicate id {rid!r}")
+        seen.add(rid)
+        out.append(rec)
+    if not out:
+        raise ValueError(f"{path} holds no prompts")
+    return out
+
+
+def _chunks(items: list, size: int) -> Iterator[list]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+class Collector:
+    """One vLLM engine with the plugin in record mode; writes a trajectory directory."""
+
+    def __init__(self, model: str, settings: CollectSettings) -> None:
+        from vllm import LLM
+
+        from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
+        prepare_environment()
+        self.settings = settings
+        kwargs = {"dtype": "float32", "enforce_eager": True, "enable_prefix_caching": True,
+                  "seed": settings.seed, **engine_kwargs(None, record=True), **settings.engine}
+        self.llm = LLM(model=model, **kwargs)
+        self.model = model
+        self.tokenizer = self.llm.get_tokenizer()
+        self.record_settings = kwargs["additional_config"]["orca"]
+        self.stats = Stats()
+
+    def info_fields(self) -> dict[str, Any]:
+        """What the bundle later takes from the data: model identity and the procedure settings."""
+        from orca_serve.bundle import tokenizer_fingerprint
+        rs = self.record_settings
+        return {"model": self.model, "normalization": rs.get("normalization", "token-l2"),
+                "segmentation": rs.get("segmentation"), "think": rs.get("think"),
+                "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer.get_vocab())}
+
+    def _generate(self, batch: list[tuple[str, dict]]) -> list[tuple[str, dict, Any, dict]]:
+        from vllm import SamplingParams
+        s = self.settings
+        t0 = time.perf_counter()
+        params, chats, keys = [], [], []
+        for key, rec in batch:
+            keys.append(key)
+            params.append(SamplingParams(
+                temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
+                seed=zlib.crc32(f"{s.seed}:{key}".encode()) % (2 ** 31),
+                extra_args={"orca_key": key, "orca_record": 1, "orca_enabled": 0}))
+            chats.append(rec.get("messages") or rec["prompt"])
+        if all(isinstance(c, list) for c in chats):
+            outs = self.llm.chat(chats, params, use_tqdm=False)
+        else:
+            outs = self.llm.generate([c if isinstance(c, str) else self._render(c) for c in chats],
+                                     params, use_tqdm=False)
+        results = self._results(keys)
+        self.stats.generate_s += time.perf_counter() - t0
+        return [(k, rec, out, results[k]) for (k, rec), out in zip(batch, outs)]
+
+    def _render(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def _results(self, keys: list[str]) -> dict[str, dict]:
+        merged: dict[str, dict] = {}
+        for part in self.llm.collective_rpc("orca_results", args=(keys,)):
+            merged.update(part or {})
+        missing = [k for k in keys if k not in merged]
+        if missing:
+            raise RuntimeError(f"the plugin returned no record for {len(missing)} request(s), "
+                               f"e.g. {missing[:3]}; is the plugin loaded in record mode?")
+        return merged
+
+    def _probe_answers(self, done: list[tuple[str, dict, Any, dict]]) -> list[dict[int, str | None]]:
+        """Continue every labelled step prefix with the answer-forcing suffix (greedy)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        s = self.settings
+        t0 = time.perf_counter()
+        suffix_ids = self.tokenizer.encode(s.suffix, add_special_tokens=False)
+        prompts, where = [], []
+        for j, (_, _, out, res) in enumerate(done):
+            prompt_ids = list(out.prompt_token_ids)
+            gen_ids = list(out.outputs[0].token_ids)
+            ends = _step_ends(res["step_tokens"], res.get("reasoning_start", 0))
+            for t in labelled_steps(len(ends), s.label_every):
+                prompts.append(TokensPrompt(prompt_token_ids=prompt_ids + gen_ids[:ends[t]]
+                                            + suffix_ids))
+                where.append((j, t))
+        params = SamplingParams(temperature=0.0, max_tokens=s.answer_tokens,
+                                extra_args={"orca_enabled": 0})
+        outs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        answers: list[dict[int, str | None]] = [{} for _ in done]
+        for (j, t), o in zip(where, outs):
+            answers[j][t] = extract_forced(o.outputs[0].text)
+        self.stats.answer_probes += len(prompts)
+        self.stats.probe_s += time.perf_counter() - t0
+        return answers
+
+    def run(self, prompts: list[dict], out_dir: Path, progress: bool = True) -> Stats:
+        """Collect every (prompt, sample) not yet in `out_dir`; resumable."""
+        s = self.settings
+        res0 = self.record_settings
+        with TrajectoryWriter(out_dir, dim=self.llm.llm_engine.model_config.get_hidden_size(),
+                              dtype=s.dtype, **self.info_fields()) as writer:
+            todo = [(f"{rec['id']}#{k}" if s.samples > 1 else str(rec["id"]), rec)
+                    for rec in prompts for k in range(s.samples)]
+            todo = [(key, rec) for key, rec in todo if key not in writer.ids]
+            bar = tqdm(total=len(todo), desc="collect", unit="traj", disable=not progress)
+            for batch in _chunks(todo, s.batch):
+                done = [d for d in self._generate(batch) if d[3]["step_tokens"]]
+                answers = self._probe_answers(done)
+                for (key, rec, out, res), probed in zip(done, answers):
+                    writer.append(_problem_fields(key, rec, out, res, probed, res0), 
+                                  res["step_embeddings"])
+                    self.stats.trajectories += 1
+                bar.update(len(batch))
+                bar.set_postfix(**{k: v for k, v in self.stats.as_dict().items()
+                                   if k in ("trajectories_per_min", "probe_share")})
+            bar.close()
+        return self.stats
+
+
+def _step_ends(step_tokens: list[int], start: int) -> list[int]:
+    """Exclusive end offsets (in generated tokens) of each step."""
+    ends, pos = [], start
+    for n in step_tokens:
+        pos += n
+        ends.append(pos)
+    return ends
+
+
+def _problem_fields(key: str, rec: dict, out: Any, res: dict, probed: dict[int, str | None],
+                    record_settings: dict) -> dict[str, Any]:
+    n = len(res["step_tokens"])
+    step_answers = fill_pessimistic(probed, n)
+    text = out.outputs[0].text
+    final = extract_final(text.split("</think>")[-1]) if "</think>" in text else None
+    final = final if final is not None else step_answers[-1]
+    labels = {"consistent": step_labels(step_answers, final)}
+    if rec.get("answer") is not None:
+        labels["supervised"] = step_labels(step_answers, str(rec["answer"]))
+    return {"id": key, "prompt": json.dumps(rec.get("messages") or rec.get("prompt")),
+            "answer": None if rec.get("answer") is None else str(rec["answer"]),
+            "family": rec.get("family"), "step_tokens": list(res["step_tokens"]),
+            "step_answers": step_answers, "final_answer": final, "labels": labels,
+            "extra": {"finish_reason": out.outputs[0].finish_reason,
+                      "completion_tokens": len(out.outputs[0].token_ids),
+                      "final_correct": None if rec.get("answer") is None
+                      else bool(labels["supervised"][-1])}}

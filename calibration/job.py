@@ -1,0 +1,143 @@
+"""`orca-calibrate run --config JOB.yaml`: collect, split, train, calibrate, evaluate, in one job.
+
+Every stage writes a file into the job's output directory and is skipped on a rerun when its
+output exists, so a killed job resumes where it stopped (collection itself resumes per problem).
+Paths in the YAML are relative to the YAML file.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from calibration.collect import CollectSettings
+
+STAGES = ("collect", "split", "train", "calibrate", "evaluate")
+
+
+class JobError(ValueError):
+    """A job file that cannot run; the message names the key."""
+
+
+def load_job(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise JobError(f"job file {path} not found")
+    try:
+        job = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise JobError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(job, dict):
+        raise JobError(f"{path}: a job is a mapping with keys model, prompts, out, …")
+    for key in ("model", "prompts", "out"):
+        if key not in job:
+            raise JobError(f"{path}: missing required key '{key}'")
+    unknown = set(job) - {"model", "prompts", "shifted_prompts", "out", "collect", "split",
+                          "train", "calibrate", "description"}
+    if unknown:
+        raise JobError(f"{path}: unknown keys {sorted(unknown)}")
+    base = path.parent
+    for key in ("prompts", "shifted_prompts", "out"):
+        if key in job and not Path(job[key]).is_absolute():
+            job[key] = str(base / job[key])
+    if str(job["model"]).startswith((".", "/")) and not Path(job["model"]).is_absolute():
+        job["model"] = str((base / job["model"]).resolve())
+    known = {f.name for f in fields(CollectSettings)}
+    bad = set(job.get("collect") or {}) - known
+    if bad:
+        raise JobError(f"{path}: unknown collect settings {sorted(bad)} (known: {sorted(known)})")
+    return job
+
+
+def _stage(out: Path, name: str, outputs: list[Path], fn, log: list[str]) -> None:
+    """Run one stage unless its outputs are all there (resumability)."""
+    if all(p.exists() for p in outputs) and (out / f".done-{name}").exists():
+        log.append(f"{name}: done already, skipped")
+        return
+    t0 = time.perf_counter()
+    fn()
+    (out / f".done-{name}").write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    log.append(f"{name}: {time.perf_counter() - t0:.0f} s")
+
+
+def run_job(path: Path, progress: bool = True) -> list[str]:
+    """Run (or resume) a job; returns one log line per stage."""
+    from calibration.calibrate import calibrate_bundle
+    from calibration.cli import train_probe
+    from calibration.collect import Collector, read_prompts
+    from calibration.evaluate import evaluate_bundle, markdown_table, plot_report
+    from calibration.train import save_probe
+    from calibration.trajectories import TrajectorySet, set_splits, split_ids
+    from orca_serve.bundle import load_bundle
+
+    job = load_job(path)
+    out = Path(job["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    data, shifted = out / "trajectories", out / "trajectories-shifted"
+    probe_file, bundle_file = out / "probe.safetensors", out / "bundle.json"
+    settings = CollectSettings(**(job.get("collect") or {}))
+    sp, tr, ca = (job.get(k) or {} for k in ("split", "train", "calibrate"))
+    log: list[str] = []
+    prompts = read_prompts(Path(job["prompts"]))
+    shifted_prompts = read_prompts(Path(job["shifted_prompts"])) if job.get("shifted_prompts") else []
+
+    def collect() -> None:
+        collector = Collector(job["model"], settings)
+        stats = collector.run(prompts, data, progress)
+        if shifted_prompts:
+            collector.run(shifted_prompts, shifted, progress)
+        (out / "collect-stats.json").write_text(json.dumps(stats.as_dict(), indent=1))
+
+    def split() -> None:
+        ts = TrajectorySet.open(data)
+        ids = [p.id for p in ts.problems]
+        groups = {pid: pid.split("#")[0] for pid in ids}  # all samples of a prompt together
+        set_splits(data, split_ids(ids, tuple(sp.get("fractions", (0.6, 0.2, 0.2))),
+                                   seed=sp.get("seed", 0), groups=groups))
+
+    def train() -> None:
+        ts = TrajectorySet.open(data)
+        mode = tr.get("label_mode", "supervised")
+        probe, facts = train_probe(ts, tr.get("probe", "ttt-noqk"), mode,
+                                   epochs=tr.get("epochs"), d_h=tr.get("d_h", 128),
+                                   seed=tr.get("seed", 0), batch_size=tr.get("batch_size", 32),
+                                   checkpoints=out / "checkpoints", progress=progress)
+        save_probe(probe, probe_file, {"label_mode": mode, **facts,
+                                       "history": json.dumps(facts.get("history", []))})
+
+    def calibrate() -> None:
+        from calibration.train import load_probe
+        probe, meta = load_probe(probe_file)
+        calibrate_bundle(probe, TrajectorySet.open(data), bundle_file,
+                         mode=meta["label_mode"], deltas=ca.get("deltas", [0.05, 0.1, 0.15, 0.2]),
+                         epsilon=ca.get("epsilon", 0.05), window=ca.get("window", 10),
+                         dump_scores=out / "calibration-scores.jsonl",
+                         provenance={"job": str(path), "selected_epoch": meta.get("selected_epoch")})
+
+    def evaluate() -> None:
+        bundle = load_bundle(bundle_file)
+        rows = []
+        report, scored = evaluate_bundle(bundle, TrajectorySet.open(data), "test")
+        plot_report(bundle, scored, report, out / "plots")
+        rows.append(("test split", report))
+        reports = {"test": report}
+        if shifted.exists():
+            rep, _ = evaluate_bundle(bundle, TrajectorySet.open(shifted), "all")
+            rows.append(("shifted family", rep))
+            reports["shifted"] = rep
+        (out / "evaluation.json").write_text(json.dumps(reports, indent=1))
+        (out / "evaluation.md").write_text(markdown_table(rows) + "\n")
+
+    stages = {"collect": (collect, [data / "problems.jsonl"]), "split": (split, []),
+              "train": (train, [probe_file]), "calibrate": (calibrate, [bundle_file]),
+              "evaluate": (evaluate, [out / "evaluation.json"])}
+    for name in STAGES:
+        fn, outputs = stages[name]
+        _stage(out, name, outputs, fn, log)
+        if progress:
+            print(log[-1], flush=True)
+    return log
