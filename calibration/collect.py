@@ -38,6 +38,10 @@ class CollectSettings:
     label_every: int = 1
     batch: int = 64  # prompts per generation batch
     dtype: str = "float32"  # of the stored embeddings
+    # the procedure's settings (copied into the bundle later; defaults = the Bundle defaults)
+    segmentation: dict[str, Any] = field(default_factory=dict)
+    think: dict[str, Any] = field(default_factory=dict)
+    normalization: str = "token-l2"
     engine: dict[str, Any] = field(default_factory=dict)  # extra vLLM LLM(...) arguments
 
 
@@ -99,7 +103,9 @@ class Collector:
         prepare_environment()
         self.settings = settings
         kwargs = {"dtype": "float32", "enforce_eager": True, "enable_prefix_caching": True,
-                  "seed": settings.seed, **engine_kwargs(None, record=True), **settings.engine}
+                  "seed": settings.seed, **engine_kwargs(None, record=True, segmentation=settings.segmentation,
+                                 think=settings.think, normalization=settings.normalization),
+                  **settings.engine}
         self.llm = LLM(model=model, **kwargs)
         self.model = model
         self.tokenizer = self.llm.get_tokenizer()
@@ -160,7 +166,7 @@ class Collector:
         for j, (_, _, out, res) in enumerate(done):
             prompt_ids = list(out.prompt_token_ids)
             gen_ids = list(out.outputs[0].token_ids)
-            ends = _step_ends(res["step_tokens"], res.get("reasoning_start", 0))
+            ends = _step_ends(res["step_tokens"], _reasoning_start(gen_ids, res["step_token_ids"]))
             for t in labelled_steps(len(ends), s.label_every):
                 prompts.append(TokensPrompt(prompt_token_ids=prompt_ids + gen_ids[:ends[t]]
                                             + suffix_ids))
@@ -197,6 +203,16 @@ class Collector:
                                    if k in ("trajectories_per_min", "probe_share")})
             bar.close()
         return self.stats
+
+
+def _reasoning_start(gen_ids: list[int], step_ids: list[list[int]]) -> int:
+    """Offset of the first step in the generated tokens (a generated `<think>` precedes it)."""
+    flat = [t for step in step_ids for t in step]
+    for start in range(len(gen_ids) - len(flat) + 1):
+        if gen_ids[start:start + len(flat)] == flat:
+            return start
+    raise RuntimeError("the recorded steps are not a run of the generated tokens; "
+                       "capture and generation disagree")
 
 
 def _step_ends(step_tokens: list[int], start: int) -> list[int]:

@@ -1,0 +1,58 @@
+"""Job files and collection bookkeeping that need no engine."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from calibration.collect import _problem_fields, _reasoning_start, _step_ends, read_prompts
+from calibration.job import JobError, load_job
+
+
+def test_reasoning_start_and_step_ends() -> None:
+    gen = [9, 1, 2, 3, 4, 5, 7, 8]  # 9 = a generated <think>; 7, 8 = after </think>
+    steps = [[1, 2], [3, 4, 5]]
+    start = _reasoning_start(gen, steps)
+    assert start == 1
+    assert _step_ends([2, 3], start) == [3, 6]
+    with pytest.raises(RuntimeError, match="disagree"):
+        _reasoning_start(gen, [[2, 1]])
+
+
+def test_problem_fields_labels() -> None:
+    out = SimpleNamespace(outputs=[SimpleNamespace(
+        text="<think>\nTry 5\n\nTry 7\n</think>\nThe answer is \\boxed{7}.", finish_reason="stop",
+        token_ids=list(range(20)))])
+    res = {"step_tokens": [3, 4, 2]}
+    rec = {"id": "p1", "messages": [{"role": "user", "content": "q"}], "answer": "7"}
+    f = _problem_fields("p1", rec, out, res, {0: "5", 1: "7", 2: "7"}, {})
+    assert f["labels"]["supervised"] == [0, 1, 1]
+    assert f["labels"]["consistent"] == [0, 1, 1]
+    assert f["final_answer"] == "7" and f["extra"]["final_correct"] is True
+    wrong = {**rec, "answer": "8"}
+    assert _problem_fields("p1", wrong, out, res, {0: "5", 2: "8"}, {})["labels"] == {
+        "consistent": [0, 0, 0], "supervised": [0, 0, 1]}
+
+
+def test_read_prompts_errors(tmp_path) -> None:
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n')
+    with pytest.raises(ValueError, match="duplicate id"):
+        read_prompts(p)
+    p.write_text('{"id": 1}\n')
+    with pytest.raises(ValueError, match="needs `id` and `messages`"):
+        read_prompts(p)
+    with pytest.raises(FileNotFoundError):
+        read_prompts(tmp_path / "nope.jsonl")
+
+
+def test_job_file_errors(tmp_path) -> None:
+    j = tmp_path / "job.yaml"
+    j.write_text("model: m\nprompts: p.jsonl\n")
+    with pytest.raises(JobError, match="missing required key 'out'"):
+        load_job(j)
+    j.write_text("model: m\nprompts: p.jsonl\nout: o\ncollect: {temprature: 1}\n")
+    with pytest.raises(JobError, match="unknown collect settings"):
+        load_job(j)
+    j.write_text("model: ./m\nprompts: p.jsonl\nout: o\n")
+    job = load_job(j)
+    assert job["prompts"] == str(tmp_path / "p.jsonl") and job["model"] == str(tmp_path / "m")
