@@ -1,0 +1,304 @@
+"""`orca-serve`: vLLM's OpenAI-compatible server with calibrated early stopping of reasoning.
+
+    orca-serve --model M --calib bundle.json [--orca-delta D] [--orca-policy answer|stop|shadow]
+               [--orca-answer-budget N] [any option of vLLM's OpenAI server]
+    orca-serve --demo [vLLM options]
+
+Without --calib the server is plain vLLM (plus GET /v1/orca/bundle answering 404).
+
+Start-up order, so that a wrong bundle is refused in seconds and in one line (exit code 2):
+1. our options are read first (a small argparse pass that ignores vLLM's options);
+2. the bundle is loaded and checked against the model's config.json hidden size and tokenizer
+   (transformers' AutoConfig/AutoTokenizer: a local folder or a hub name), before vLLM is even
+   imported and long before it loads weights;
+3. vLLM's own parser (`make_arg_parser`) parses the full command line (our options included, so
+   `--help` lists them), unsupported combinations are refused, the plugin's engine arguments are
+   merged in, and vLLM's `run_server` serves the app built by vLLM's `build_app` plus our additions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any, NoReturn
+
+PROG = "orca-serve"
+POLICIES = ("answer", "stop", "shadow")
+
+
+class StartupError(Exception):
+    """Refuse to start: printed as one line on stderr, exit code 2."""
+
+
+def fail(msg: str, code: int = 2) -> NoReturn:
+    print(f"{PROG}: error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def _budget(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _delta(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {v}")
+    return v
+
+
+def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("orca-serve", "Calibrated early stopping of reasoning (ORCA)")
+    g.add_argument("--calib", default=None, metavar="BUNDLE",
+                   help="Calibration bundle (bundle.json). Without it the server is plain vLLM.")
+    g.add_argument("--demo", action="store_true", default=False,
+                   help="Serve the embedded demo model and bundle (orca_serve/demo/).")
+    g.add_argument("--orca-delta", type=_delta, default=None, metavar="DELTA",
+                   help="Default risk level delta for requests that do not set one; must have a "
+                   "lambda* in the bundle. None: the bundle's default_delta.")
+    g.add_argument("--orca-policy", choices=POLICIES, default="answer",
+                   help="Default policy: answer (close the reasoning and let the model answer), "
+                   "stop (end the request), shadow (never stop; report where it would have).")
+    g.add_argument("--orca-answer-budget", type=_budget, default=None, metavar="N",
+                   help="Default answer budget in tokens after the reasoning is closed by policy "
+                   "answer. None: the plugin's default.")
+    return parser
+
+
+# Options of vLLM's that matter before vLLM is imported (model identity for the bundle check).
+_EARLY_VLLM = {"--model": None, "--tokenizer": None, "--revision": None,
+               "--tokenizer-revision": None, "--hf-config-path": None}
+
+
+def early_parse(argv: list[str]) -> argparse.Namespace:
+    """Our options plus the model-identity options, ignoring everything else."""
+    p = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
+    add_orca_args(p)
+    for opt in _EARLY_VLLM:
+        p.add_argument(opt, default=None)
+    p.add_argument("--trust-remote-code", action="store_true", default=False)
+    p.add_argument("--speculative-config", "-sc", default=None)
+    norm = []
+    for a in argv:  # vLLM accepts --snake_case spellings too
+        if a.startswith("--") and "_" in a.split("=", 1)[0]:
+            head, *rest = a.split("=", 1)
+            a = "=".join([head.replace("_", "-"), *rest])
+        norm.append(a)
+    ns, _ = p.parse_known_args(norm)
+    return ns
+
+
+def demo_paths() -> tuple[Path, Path]:
+    root = Path(str(resources.files("orca_serve"))) / "demo"
+    model, bundle = root / "model", root / "bundle.json"
+    missing = [str(p) for p in (model / "config.json", bundle) if not p.exists()]
+    if missing:
+        raise StartupError(f"--demo: the embedded demo is not installed ({', '.join(missing)} "
+                           "missing); reinstall orca-serve or pass --model and --calib")
+    return model, bundle
+
+
+def model_facts(model: str, *, tokenizer: str | None = None, revision: str | None = None,
+                tokenizer_revision: str | None = None, hf_config_path: str | None = None,
+                trust_remote_code: bool = False) -> tuple[int, dict[str, int] | None]:
+    """Hidden size (config.json) and vocabulary of a model, without loading its weights."""
+    import logging
+
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        cfg = AutoConfig.from_pretrained(hf_config_path or model, revision=revision,
+                                         trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - any failure is one line for the user
+        raise StartupError(f"cannot read the config of model {model!r}: "
+                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    hidden = getattr(text, "hidden_size", None)
+    if not isinstance(hidden, int):
+        raise StartupError(f"the config of model {model!r} has no hidden_size; cannot check the "
+                           "bundle against it")
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer or model,
+                                            revision=tokenizer_revision or revision,
+                                            trust_remote_code=trust_remote_code)
+        vocab = tok.get_vocab()
+    except Exception as e:  # noqa: BLE001
+        raise StartupError(f"cannot load the tokenizer of model {model!r}: "
+                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return hidden, vocab
+
+
+def check_bundle(bundle: Any, model: str, **kw: Any) -> None:
+    from orca_serve.bundle import BundleError, check_model
+
+    hidden, vocab = model_facts(model, **kw)
+    try:
+        check_model(bundle, hidden, vocab, model)
+    except BundleError as e:
+        raise StartupError(str(e)) from None
+
+
+def _model_kw(ns: argparse.Namespace) -> dict[str, Any]:
+    return {"tokenizer": ns.tokenizer, "revision": ns.revision,
+            "tokenizer_revision": ns.tokenizer_revision, "hf_config_path": ns.hf_config_path,
+            "trust_remote_code": bool(ns.trust_remote_code)}
+
+
+def refuse_unsupported(args: argparse.Namespace) -> None:
+    """Combinations the plugin cannot serve, refused before the engine starts."""
+    if getattr(args, "speculative_config", None):
+        raise StartupError("speculative decoding (--speculative-config) cannot be combined with "
+                           "--calib: vLLM rejects custom logits processors with it, and the probe "
+                           "needs one hidden state per token; drop one of them")
+    if (getattr(args, "api_server_count", None) or 1) > 1 or getattr(args, "headless", False):
+        raise StartupError("orca-serve runs one API server process (it reads results from the "
+                           "engine in that process); drop --api-server-count/--headless")
+    if getattr(args, "grpc", False):
+        raise StartupError("--grpc is not supported by orca-serve (the orca fields live in the "
+                           "HTTP API)")
+    if (getattr(args, "data_parallel_size", 1) or 1) > 1:
+        raise StartupError("data parallelism (--data-parallel-size > 1) is not supported with "
+                           "--calib yet")
+    try:
+        from orca_serve.vllm_plugin.config import check_engine_supported
+    except ImportError as e:
+        raise StartupError(f"the orca vLLM plugin is not importable ({e})") from None
+    try:
+        check_engine_supported(args)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
+        raise StartupError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+
+
+def merge_engine_args(args: argparse.Namespace, extra: dict[str, Any]) -> None:
+    """Add the plugin's engine arguments to vLLM's parsed args (keeping the user's own)."""
+    for name, value in extra.items():
+        cur = getattr(args, name, None)
+        if name == "logits_processors":
+            cur = list(cur or [])
+            args.logits_processors = cur + [v for v in value if v not in cur]
+        elif name == "additional_config":
+            merged = dict(cur or {})
+            for k, v in value.items():
+                if k in merged and isinstance(merged[k], dict) and isinstance(v, dict):
+                    merged[k] = {**merged[k], **v}
+                else:
+                    merged[k] = v
+            args.additional_config = merged
+        elif name == "worker_extension_cls":
+            if cur and cur != value:
+                raise StartupError(f"--worker-extension-cls {cur} conflicts with the orca plugin's "
+                                   f"worker extension ({value})")
+            args.worker_extension_cls = value
+        else:
+            setattr(args, name, value)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        _main(argv)
+    except StartupError as e:
+        fail(str(e))
+
+
+def _main(argv: list[str]) -> None:
+    early = early_parse(argv)
+    bundle = None
+    bundle_path: str | None = early.calib
+    if early.demo:
+        if early.calib or early.model:
+            raise StartupError("--demo serves the embedded model and bundle; do not combine it "
+                               "with --model or --calib")
+        model_dir, demo_bundle = demo_paths()
+        argv = ["--model", str(model_dir), *argv]
+        bundle_path = str(demo_bundle)
+        early.model = str(model_dir)
+    if bundle_path is None:
+        for opt in ("orca_delta", "orca_answer_budget"):
+            if getattr(early, opt) is not None:
+                raise StartupError(f"--{opt.replace('_', '-')} needs --calib (a bundle)")
+    else:
+        from orca_serve.bundle import BundleError, load_bundle
+
+        try:
+            bundle = load_bundle(bundle_path)
+            if early.orca_delta is not None:
+                bundle.lam(early.orca_delta)
+        except BundleError as e:
+            raise StartupError(str(e)) from None
+    if bundle is not None and early.speculative_config:
+        refuse_unsupported(argparse.Namespace(speculative_config=early.speculative_config))
+    checked = None
+    if bundle is not None and early.model:
+        check_bundle(bundle, early.model, **_model_kw(early))
+        checked = (early.model, tuple(sorted(_model_kw(early).items())))
+
+    # -- vLLM from here on -----------------------------------------------------------------
+    if bundle is not None:
+        from orca_serve.vllm_plugin.config import prepare_environment
+
+        prepare_environment()
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    parser = FlexibleArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser = make_arg_parser(parser)
+    add_orca_args(parser)
+    args = parser.parse_args(argv)
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    try:
+        validate_parsed_serve_args(args)
+    except (ValueError, TypeError) as e:
+        raise StartupError(str(e).removeprefix("Error: ")) from None
+    if args.demo:
+        args.calib = bundle_path
+
+    from orca_serve.requests import OrcaDefaults
+    from orca_serve.server import OrcaState, run
+
+    if bundle is not None:
+        model_kw = {"tokenizer": args.tokenizer, "revision": args.revision,
+                    "tokenizer_revision": args.tokenizer_revision,
+                    "hf_config_path": args.hf_config_path,
+                    "trust_remote_code": bool(args.trust_remote_code)}
+        if checked != (args.model, tuple(sorted(model_kw.items()))):
+            check_bundle(bundle, args.model, **model_kw)
+        refuse_unsupported(args)
+        from orca_serve.vllm_plugin.config import engine_kwargs
+
+        merge_engine_args(args, engine_kwargs(str(Path(bundle_path).absolute())))
+        defaults = OrcaDefaults(
+            enabled=True,
+            delta=args.orca_delta if args.orca_delta is not None else bundle.default_delta,
+            policy=args.orca_policy, answer_budget=args.orca_answer_budget)
+    else:
+        defaults = OrcaDefaults(enabled=False)
+
+    configure_logging_from_args(args)
+    from orca_serve.metrics import OrcaMetrics
+
+    state = OrcaState(bundle=bundle, defaults=defaults,
+                      metrics=OrcaMetrics() if bundle is not None else None,
+                      bundle_path=str(Path(bundle_path).absolute()) if bundle_path else None)
+    run(args, state)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""The per-request `orca` field: validation, server defaults, and mapping to vLLM's `vllm_xargs`.
+
+A client asks for early stopping in one of two ways (both may be mixed, but a setting may not be
+given twice):
+
+    {"orca": {"enabled": true, "delta": 0.05, "policy": "answer", "answer_budget": 64}}
+    {"vllm_xargs": {"orca_enabled": 1, "orca_delta": 0.05, "orca_policy": "answer",
+                    "orca_answer_budget": 64}}
+
+The server removes `orca`, fills in its defaults and writes the fully resolved settings plus a
+fresh `orca_key` into `vllm_xargs`, which vLLM hands to the engine-side plugin as
+`SamplingParams.extra_args`. Everything here is plain Python (no vLLM import) so it is unit-tested
+without an engine.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from orca_serve.bundle import Bundle, BundleError
+
+Policy = Literal["answer", "stop", "shadow"]
+POLICIES: tuple[str, ...] = ("answer", "stop", "shadow")
+
+# The vllm_xargs names of the plugin contract (str/int/float only: no bools in vllm_xargs).
+XARG_KEY = "orca_key"
+XARG_FIELDS = {"enabled": "orca_enabled", "delta": "orca_delta", "policy": "orca_policy",
+               "answer_budget": "orca_answer_budget"}
+XARG_RESERVED = {XARG_KEY}
+
+
+class OrcaRequestError(ValueError):
+    """A malformed `orca` request; becomes HTTP 400 in OpenAI's error format."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class OrcaFields(BaseModel):
+    """The body field `orca` (all optional: missing settings take the server's defaults)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    enabled: bool | None = None
+    delta: float | None = Field(None, gt=0, lt=1)
+    policy: Policy | None = None
+    answer_budget: int | None = Field(None, ge=0)
+
+
+@dataclass(frozen=True)
+class OrcaDefaults:
+    """Server-wide defaults (from the CLI and the bundle)."""
+
+    enabled: bool = True
+    delta: float = 0.05
+    policy: str = "answer"
+    answer_budget: int | None = None  # None: the plugin's own default
+
+
+@dataclass(frozen=True)
+class OrcaSettings:
+    """What one request runs with, after defaults; `key` identifies it to the plugin."""
+
+    key: str
+    enabled: bool
+    delta: float | None = None
+    policy: str | None = None
+    lam: float | None = None  # lambda*(delta); None = never stops early (or disabled)
+    answer_budget: int | None = None
+    n: int = 1
+
+    def xargs(self) -> dict[str, str | int | float]:
+        out: dict[str, str | int | float] = {XARG_KEY: self.key, "orca_enabled": int(self.enabled)}
+        if self.enabled:
+            out["orca_delta"] = float(self.delta)  # type: ignore[arg-type]
+            out["orca_policy"] = str(self.policy)
+            if self.answer_budget is not None:
+                out["orca_answer_budget"] = int(self.answer_budget)
+        return out
+
+
+def new_key() -> str:
+    return f"orca-{uuid.uuid4().hex}"
+
+
+def _fmt_loc(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(x) for x in loc)
+
+
+def _validation_message(e: ValidationError, prefix: str) -> tuple[str, str]:
+    err = e.errors()[0]
+    where = _fmt_loc(err["loc"])
+    param = f"{prefix}.{where}" if where else prefix
+    if err["type"] == "extra_forbidden":
+        allowed = ", ".join(OrcaFields.model_fields)
+        return f"unknown field '{param}'; allowed fields of '{prefix}': {allowed}", param
+    if err["type"] == "literal_error":
+        return (f"'{param}' must be one of {', '.join(repr(p) for p in POLICIES)}, "
+                f"got {err.get('input')!r}"), param
+    return f"invalid '{param}': {err['msg']} (got {err.get('input')!r})", param
+
+
+def _from_xargs(xargs: dict[str, Any]) -> dict[str, Any]:
+    """The orca_* entries of vllm_xargs as `orca` field values (type-checked like `orca`)."""
+    out: dict[str, Any] = {}
+    by_xarg = {v: k for k, v in XARG_FIELDS.items()}
+    for name, value in xargs.items():
+        if not name.startswith("orca_"):
+            continue
+        if name in XARG_RESERVED:
+            raise OrcaRequestError(f"'vllm_xargs.{name}' is set by the server, not by clients",
+                                   f"vllm_xargs.{name}")
+        field = by_xarg.get(name)
+        if field is None:
+            raise OrcaRequestError(f"unknown orca argument 'vllm_xargs.{name}'; allowed: "
+                                   f"{', '.join(XARG_FIELDS.values())}", f"vllm_xargs.{name}")
+        if field == "enabled":
+            # vllm_xargs carry no bools: 0/1 (a JSON bool is accepted as well)
+            if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+                value = bool(value)
+            else:
+                raise OrcaRequestError(f"'vllm_xargs.{name}' must be 0 or 1, got {value!r}",
+                                       f"vllm_xargs.{name}")
+        out[field] = value
+    return out
+
+
+def prompt_count(body: dict[str, Any]) -> int:
+    """How many engine requests a /v1/completions body makes (one per prompt)."""
+    for name in ("prompt", "prompt_embeds"):
+        p = body.get(name)
+        if isinstance(p, list) and p and isinstance(p[0], (str, list, bytes)):
+            return len(p)
+    return 1
+
+
+def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
+            *, completions: bool = False) -> tuple[dict[str, Any], OrcaSettings | None]:
+    """Validate a request body's orca settings; return (rewritten body, settings).
+
+    Settings is None when the server has no bundle and the request does not ask for orca (then
+    the body is passed on untouched: plain vLLM). Raises OrcaRequestError for anything malformed.
+    """
+    raw = body.get("orca", None)
+    if raw is not None and not isinstance(raw, dict):
+        raise OrcaRequestError(f"'orca' must be an object, got {type(raw).__name__}", "orca")
+    xargs = body.get("vllm_xargs")
+    if xargs is not None and not isinstance(xargs, dict):
+        return body, None  # not ours to judge: vLLM answers with its own validation error
+    given_x = _from_xargs(xargs or {})
+    given = dict(raw or {})
+    both = sorted(set(given) & set(given_x))
+    if both:
+        raise OrcaRequestError(f"'{both[0]}' is given both in 'orca' and as "
+                               f"'vllm_xargs.{XARG_FIELDS[both[0]]}'; give it once",
+                               f"orca.{both[0]}")
+    try:
+        fields = OrcaFields.model_validate({**given_x, **given})
+    except ValidationError as e:
+        bad = e.errors()[0]["loc"]
+        if bad and bad[0] in given_x:  # name the xarg the client wrote (orca_delta, ...)
+            msg, _ = _validation_message(e, "vllm_xargs")
+            param = f"vllm_xargs.{XARG_FIELDS[str(bad[0])]}"
+            raise OrcaRequestError(msg.replace(f"vllm_xargs.{bad[0]}", param), param) from None
+        msg, param = _validation_message(e, "orca")
+        raise OrcaRequestError(msg, param) from None
+
+    out = {k: v for k, v in body.items() if k != "orca"}
+    asked = raw is not None or bool(given_x)
+    if bundle is None:
+        if fields.enabled is not None and not fields.enabled and not (
+                set(fields.model_fields_set) - {"enabled"}):
+            return _strip_orca_xargs(out), None
+        if asked:
+            raise OrcaRequestError("this server runs without a calibration bundle (start "
+                                   "orca-serve with --calib), so 'orca' settings cannot apply",
+                                   "orca")
+        return body, None
+
+    enabled = defaults.enabled if fields.enabled is None else fields.enabled
+    n = body.get("n") or 1
+    if not isinstance(n, int) or isinstance(n, bool):
+        n = 1  # vLLM rejects it
+    if not enabled:
+        settings = OrcaSettings(key=new_key(), enabled=False, n=n)
+    else:
+        delta = defaults.delta if fields.delta is None else float(fields.delta)
+        try:
+            lam = bundle.lam(delta)
+        except BundleError as e:
+            param = "vllm_xargs.orca_delta" if "delta" in given_x else "orca.delta"
+            raise OrcaRequestError(str(e), param) from None
+        if completions and prompt_count(body) > 1:
+            raise OrcaRequestError("orca early stopping takes one prompt per /v1/completions "
+                                   "request (send the prompts as separate requests, or disable "
+                                   "orca with \"orca\": {\"enabled\": false})", "prompt")
+        settings = OrcaSettings(
+            key=new_key(), enabled=True, delta=delta,
+            policy=defaults.policy if fields.policy is None else fields.policy,
+            lam=None if math.isinf(lam) else lam,
+            answer_budget=(defaults.answer_budget if fields.answer_budget is None
+                           else fields.answer_budget),
+            n=n)
+    new_xargs = {k: v for k, v in (xargs or {}).items() if not k.startswith("orca_")}
+    new_xargs.update(settings.xargs())
+    out["vllm_xargs"] = new_xargs
+    return out, settings
+
+
+def _strip_orca_xargs(body: dict[str, Any]) -> dict[str, Any]:
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict):
+        rest = {k: v for k, v in xargs.items() if not k.startswith("orca_")}
+        body = dict(body)
+        if rest:
+            body["vllm_xargs"] = rest
+        else:
+            body.pop("vllm_xargs")
+    return body
+
+
+def error_body(message: str, param: str | None = None, code: int = 400,
+               err_type: str = "BadRequestError") -> dict[str, Any]:
+    """OpenAI's error format, as vLLM writes it (ErrorResponse)."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}

@@ -1,0 +1,479 @@
+"""vLLM's OpenAI-compatible FastAPI app plus orca-serve's additions.
+
+Nothing of vLLM's request handling is re-implemented. `build_orca_app` calls vLLM's `build_app` and
+adds three things:
+
+- `OrcaMiddleware` (pure ASGI, innermost, so vLLM's auth/CORS run first) on POST
+  /v1/chat/completions and /v1/completions: it validates the body's `orca` field (400 in OpenAI's
+  error format when malformed), rewrites the body (removes `orca`, writes the resolved settings and
+  a fresh `orca_key` into `vllm_xargs`), lets vLLM's own route run, then adds the `orca` object to
+  the JSON response or to the stream's finishing chunks, from the plugin's results fetched with
+  `engine_client.collective_rpc("orca_results", ...)`. On GET /metrics it first refreshes the
+  plugin's cumulative probe-time counters (`orca_stats`).
+- GET /v1/orca/bundle: `Bundle.summary()` (404 without a bundle).
+- Metrics (`orca_serve.metrics`) on vLLM's `/metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from orca_serve.bundle import Bundle
+from orca_serve.metrics import OrcaMetrics
+from orca_serve.requests import (
+    OrcaDefaults,
+    OrcaRequestError,
+    OrcaSettings,
+    error_body,
+    resolve,
+)
+
+logger = logging.getLogger("orca_serve.server")
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+ORCA_PATHS = (CHAT_PATH, COMPLETIONS_PATH)
+BUNDLE_PATH = "/v1/orca/bundle"
+RESULT_FIELDS = ("steps_scored", "stopped_early", "stop_step", "would_stop_step", "last_score",
+                 "reasoning_tokens", "forced_tokens")
+RPC_TIMEOUT_S = 30.0
+
+
+def child_key(key: str, index: int, n: int) -> str:
+    """The plugin's result key for choice `index` of a request with `n` choices.
+
+    Mirrors orca_serve/vllm_plugin/processor.py (`_attach`): choice 0 keeps the request's key,
+    choice i > 0 (vLLM child request "<i>_<parent id>") reports under "<key>/<i>".
+    """
+    return key if n <= 1 or index == 0 else f"{key}/{index}"
+
+
+# -- results from the engine --------------------------------------------------------------------
+class ResultFetcher:
+    """Fetches plugin results for many requests with few RPCs.
+
+    Callers await `get(keys)`; keys asked for while an RPC is in flight are batched into the next
+    one, so 64 requests finishing together cost a handful of collective_rpc calls, not 64.
+    """
+
+    def __init__(self, rpc: Callable[..., Any]) -> None:
+        self._rpc = rpc  # async (method, args) -> list per worker
+        self._pending: dict[str, list[asyncio.Future]] = {}
+        self._task: asyncio.Task | None = None
+
+    async def get(self, keys: list[str]) -> dict[str, dict[str, Any]]:
+        loop = asyncio.get_running_loop()
+        futs = []
+        for k in keys:
+            f = loop.create_future()
+            self._pending.setdefault(k, []).append(f)
+            futs.append(f)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._flush())
+        values = await asyncio.gather(*futs)
+        return {k: v for k, v in zip(keys, values) if v is not None}
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # let requests finishing in the same tick join this batch
+        while self._pending:
+            batch, self._pending = self._pending, {}
+            keys = list(batch)
+            merged: dict[str, dict[str, Any]] = {}
+            try:
+                per_worker = await asyncio.wait_for(self._rpc("orca_results", (keys,)),
+                                                    RPC_TIMEOUT_S)
+                for worker in per_worker or []:
+                    for k, v in (worker or {}).items():
+                        if k in batch and k not in merged and v is not None:
+                            merged[k] = v
+            except Exception as e:  # noqa: BLE001 - a failed fetch must not fail the response
+                logger.warning("orca: fetching results for %d request(s) failed: %r", len(keys), e)
+            for k, futs in batch.items():
+                for f in futs:
+                    if not f.done():
+                        f.set_result(merged.get(k))
+
+
+def _num(v: Any) -> float | None:
+    if v is None:
+        return None
+    v = float(v)
+    return None if math.isinf(v) or math.isnan(v) else v
+
+
+def choice_fields(result: dict[str, Any] | None) -> dict[str, Any]:
+    """Per-choice part of the `orca` object from one plugin result (zeros when none came)."""
+    r = result or {}
+    forced = r.get("forced_tokens") or 0
+    out = {
+        "steps_scored": int(r.get("steps_scored") or 0),
+        "stopped_early": bool(r.get("stopped_early") or False),
+        "stop_step": r.get("stop_step"),
+        "would_stop_step": r.get("would_stop_step"),
+        "last_score": _num(r.get("last_score")),
+        "reasoning_tokens": int(r.get("reasoning_tokens") or 0),
+        "forced_tokens": len(forced) if isinstance(forced, (list, tuple)) else int(forced),
+        "stop_reason": r.get("stop_reason"),
+    }
+    if r.get("notes"):
+        out["notes"] = [str(x) for x in r["notes"]]
+    if r.get("error"):
+        out["error"] = str(r["error"])
+    if result is None:
+        out["error"] = "the engine reported no orca result for this request"
+    return out
+
+
+def orca_object(settings: OrcaSettings, results: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
+    """The response's `orca` object. n == 1: flat; n > 1: common fields + `choices` list."""
+    if not settings.enabled:
+        return {"enabled": False}
+    obj: dict[str, Any] = {"enabled": True, "policy": settings.policy, "delta": settings.delta,
+                           "lambda": settings.lam}
+    if settings.answer_budget is not None:
+        obj["answer_budget"] = settings.answer_budget
+    if settings.n <= 1:
+        r = results.get(0)
+        if r and r.get("policy") in ("answer", "stop", "shadow"):
+            obj["policy"] = r["policy"]  # the plugin may run another policy (see `notes`)
+        obj.update(choice_fields(r))
+    else:
+        obj["choices"] = []
+        for i, r in sorted(results.items()):
+            c = {"index": i, **choice_fields(r)}
+            if r and r.get("policy") not in (None, settings.policy):
+                c["policy"] = r["policy"]
+            obj["choices"].append(c)
+    return obj
+
+
+# -- app state ----------------------------------------------------------------------------------
+@dataclass
+class OrcaState:
+    bundle: Bundle | None
+    defaults: OrcaDefaults
+    metrics: OrcaMetrics | None = None
+    engine_client: Any = None  # set lazily from app.state.engine_client
+    fetcher: ResultFetcher | None = None
+    bundle_path: str | None = None
+    _app_state: Any = field(default=None, repr=False)
+
+    def client(self) -> Any:
+        if self.engine_client is None and self._app_state is not None:
+            self.engine_client = getattr(self._app_state, "engine_client", None)
+        return self.engine_client
+
+    async def rpc(self, method: str, args: tuple = ()) -> Any:
+        client = self.client()
+        if client is None:
+            raise RuntimeError("engine client not ready")
+        return await client.collective_rpc(method, args=args)
+
+    def get_fetcher(self) -> ResultFetcher:
+        if self.fetcher is None:
+            self.fetcher = ResultFetcher(self.rpc)
+        return self.fetcher
+
+    async def refresh_engine_stats(self) -> None:
+        if self.metrics is None or self.bundle is None:
+            return
+        try:
+            stats = await asyncio.wait_for(self.rpc("orca_stats"), 5.0)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("orca: reading orca_stats failed: %r", e)
+            return
+        self.metrics.update_engine_stats(stats)
+
+
+# -- the middleware -----------------------------------------------------------------------------
+async def _send_json(send: Callable, status: int, payload: dict[str, Any]) -> None:
+    data = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+def _dumps(obj: Any) -> str:
+    # vLLM writes chunks with pydantic's model_dump_json: compact separators, unicode kept.
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+class _Request:
+    """Per-request bookkeeping: which choices got their result, and the final accounting."""
+
+    def __init__(self, state: OrcaState, settings: OrcaSettings) -> None:
+        self.state = state
+        self.settings = settings
+        self.results: dict[int, dict[str, Any] | None] = {}
+        self.observed = False
+
+    def keys(self, indexes: list[int]) -> list[str]:
+        return [child_key(self.settings.key, i, self.settings.n) for i in indexes]
+
+    async def fetch(self, indexes: list[int]) -> None:
+        todo = [i for i in indexes if i not in self.results]
+        if not todo:
+            return
+        if not self.settings.enabled:
+            for i in todo:
+                self.results[i] = None
+            return
+        got = await self.state.get_fetcher().get(self.keys(todo))
+        for i, k in zip(todo, self.keys(todo)):
+            self.results[i] = got.get(k)
+
+    async def fetch_all(self) -> None:
+        await self.fetch(list(range(max(1, self.settings.n))))
+
+    def orca(self, indexes: list[int] | None = None) -> dict[str, Any]:
+        if indexes is None:
+            return orca_object(self.settings, self.results)
+        return orca_object(self.settings, {i: self.results.get(i) for i in indexes})
+
+    def account(self) -> None:
+        """Metrics, once per request, for every choice that got a result (or is disabled)."""
+        if self.observed or self.state.metrics is None:
+            return
+        self.observed = True
+        s = self.settings
+        for i in range(max(1, s.n)):
+            if s.enabled and self.results.get(i) is None:
+                continue
+            r = self.results.get(i) or {}
+            obj = {"enabled": s.enabled, "policy": r.get("policy") or s.policy,
+                   **(choice_fields(r) if s.enabled else {})}
+            if r.get("would_stop_pos") is not None:  # not reported by the plugin (yet)
+                obj["would_stop_pos"] = r["would_stop_pos"]
+            self.state.metrics.observe(obj)
+
+
+class OrcaMiddleware:
+    """Pure ASGI middleware: body rewrite in, `orca` object out. See the module docstring."""
+
+    def __init__(self, app: Any, state: OrcaState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        root = scope.get("root_path", "") or ""
+        if root and path.startswith(root):
+            path = path[len(root):]
+        method = scope.get("method")
+        if method == "GET" and (path == "/metrics" or path.startswith("/metrics/")):
+            await self.state.refresh_engine_stats()
+            return await self.app(scope, receive, send)
+        if method != "POST" or path not in ORCA_PATHS:
+            return await self.app(scope, receive, send)
+        await self._handle(scope, receive, send, completions=(path == COMPLETIONS_PATH))
+
+    async def _handle(self, scope: dict, receive: Callable, send: Callable, *,
+                      completions: bool) -> None:
+        chunks = []
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                break
+        body_bytes = b"".join(chunks)
+        settings: OrcaSettings | None = None
+        new_bytes = body_bytes
+        try:
+            body = json.loads(body_bytes) if body_bytes else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None  # vLLM answers with its own error
+        if isinstance(body, dict):
+            try:
+                new_body, settings = resolve(body, self.state.defaults, self.state.bundle,
+                                             completions=completions)
+            except OrcaRequestError as e:
+                return await _send_json(send, 400, error_body(e.message, e.param))
+            if new_body is not body:
+                new_bytes = json.dumps(new_body).encode()
+
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": new_bytes, "more_body": False}
+            return await receive()
+
+        if new_bytes is not body_bytes:
+            headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+            headers.append((b"content-length", str(len(new_bytes)).encode()))
+            scope = dict(scope, headers=headers)
+        if settings is None:
+            return await self.app(scope, replay, send)
+
+        req = _Request(self.state, settings)
+        try:
+            await self.app(scope, replay, _ResponseShaper(req, send))
+        finally:
+            # Fetch every result exactly once (also after errors and disconnects) so the plugin
+            # can forget the request, and account it in the metrics.
+            task = asyncio.ensure_future(_finish(req))
+            _BACKGROUND.add(task)
+            task.add_done_callback(_BACKGROUND.discard)
+
+
+_BACKGROUND: set[asyncio.Future] = set()
+
+
+async def _finish(req: _Request) -> None:
+    try:
+        await req.fetch_all()
+    finally:
+        req.account()
+
+
+class _ResponseShaper:
+    """The `send` wrapper: adds `orca` to a JSON completion or to a stream's finishing chunks."""
+
+    def __init__(self, req: _Request, send: Callable) -> None:
+        self.req = req
+        self.send = send
+        self.start: dict | None = None
+        self.mode: str | None = None  # "json" | "sse" | "pass"
+        self.buf = bytearray()
+        self.sse_buf = ""
+
+    async def __call__(self, msg: dict) -> None:
+        t = msg["type"]
+        if t == "http.response.start":
+            headers = {k.lower(): v for k, v in msg.get("headers", [])}
+            ctype = headers.get(b"content-type", b"").decode("latin-1")
+            if msg.get("status") != 200:
+                self.mode = "pass"
+            elif ctype.startswith("text/event-stream"):
+                self.mode = "sse"
+            elif ctype.startswith("application/json"):
+                self.mode = "json"
+            else:
+                self.mode = "pass"
+            if self.mode == "json":
+                self.start = msg  # held until the body is complete (content-length changes)
+                return
+            return await self.send(msg)
+        if t != "http.response.body" or self.mode == "pass":
+            return await self.send(msg)
+        if self.mode == "json":
+            self.buf += msg.get("body", b"")
+            if msg.get("more_body", False):
+                return
+            return await self._send_json()
+        return await self._send_sse(msg)
+
+    async def _send_json(self) -> None:
+        data = bytes(self.buf)
+        try:
+            obj = json.loads(data)
+            if isinstance(obj, dict) and "choices" in obj:
+                await self.req.fetch_all()
+                obj["orca"] = self.req.orca()
+                data = json.dumps(obj, ensure_ascii=False).encode()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            pass
+        start = dict(self.start or {})
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(data)).encode()))
+        start["headers"] = headers
+        await self.send(start)
+        await self.send({"type": "http.response.body", "body": data, "more_body": False})
+
+    async def _send_sse(self, msg: dict) -> None:
+        self.sse_buf += msg.get("body", b"").decode("utf-8")
+        more = msg.get("more_body", False)
+        out = []
+        while "\n\n" in self.sse_buf:
+            event, self.sse_buf = self.sse_buf.split("\n\n", 1)
+            out.append(await self._event(event) + "\n\n")
+        if not more and self.sse_buf:
+            out.append(self.sse_buf)
+            self.sse_buf = ""
+        if out or not more:
+            await self.send({"type": "http.response.body", "body": "".join(out).encode("utf-8"),
+                             "more_body": more})
+
+    async def _event(self, event: str) -> str:
+        if not event.startswith("data: ") or event.startswith("data: [DONE]"):
+            return event
+        try:
+            chunk = json.loads(event[len("data: "):])
+        except json.JSONDecodeError:
+            return event
+        if not isinstance(chunk, dict) or "choices" not in chunk:
+            return event
+        choices = chunk.get("choices") or []
+        finished = [c.get("index", 0) for c in choices
+                    if isinstance(c, dict) and c.get("finish_reason") is not None]
+        if finished:
+            await self.req.fetch(finished)
+            chunk["orca"] = self.req.orca(finished)
+        elif not choices and chunk.get("usage") is not None:
+            await self.req.fetch_all()  # the final usage chunk: every choice
+            chunk["orca"] = self.req.orca()
+        else:
+            return event
+        return "data: " + _dumps(chunk)
+
+
+# -- routes and app -----------------------------------------------------------------------------
+def add_orca_routes(app: Any, state: OrcaState) -> None:
+    from fastapi.responses import JSONResponse
+
+    async def orca_bundle() -> JSONResponse:
+        if state.bundle is None:
+            return JSONResponse(error_body(
+                "this server runs without a calibration bundle (start orca-serve with --calib)",
+                code=404, err_type="NotFoundError"), status_code=404)
+        return JSONResponse({"path": state.bundle_path, **state.bundle.summary()})
+
+    app.add_api_route(BUNDLE_PATH, orca_bundle, methods=["GET"], name="orca_bundle")
+
+
+def install(app: Any, state: OrcaState) -> Any:
+    """Add the orca route and middleware to a FastAPI app built by vLLM (before it serves)."""
+    from starlette.middleware import Middleware
+
+    state._app_state = app.state
+    app.state.orca = state
+    add_orca_routes(app, state)
+    # Innermost: append (add_middleware would put ours outside vLLM's auth and CORS).
+    app.user_middleware.append(Middleware(OrcaMiddleware, state=state))
+    if app.middleware_stack is not None:  # vLLM's SageMaker bootstrap already built it
+        app.middleware_stack = app.build_middleware_stack()
+    return app
+
+
+def build_orca_app_factory(state: OrcaState, vllm_build_app: Callable[..., Any]) -> Callable:
+    """A drop-in for vLLM's `build_app` that returns vLLM's app with our additions."""
+
+    def build_orca_app(*args: Any, **kwargs: Any) -> Any:
+        app = vllm_build_app(*args, **kwargs)
+        return install(app, state)
+
+    return build_orca_app
+
+
+def run(args: Any, state: OrcaState) -> None:
+    """Serve with vLLM's own `run_server` (single API server), our `build_app` swapped in."""
+    import uvloop
+    from vllm.entrypoints.launchers.api_server import entry
+
+    if not hasattr(entry, "build_app"):
+        raise RuntimeError("this vLLM has no entry.build_app: orca-serve needs vLLM 0.32")
+    entry.build_app = build_orca_app_factory(state, entry.build_app)
+    uvloop.run(entry.run_server(args))

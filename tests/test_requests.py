@@ -1,0 +1,380 @@
+"""Unit tests of the server side without an engine: the `orca` request field, the middleware
+(body rewrite, JSON and SSE response shaping) against a fake vLLM app and a fake engine client,
+the metrics, and the CLI's start-up refusals that happen before vLLM is imported."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from dataclasses import asdict
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from orca_serve.bundle import (
+    Bundle,
+    LTTRow,
+    LTTTable,
+    ModelIdentity,
+    ProbeBlock,
+    encode_weights,
+    save_bundle,
+)
+from orca_serve.metrics import OrcaMetrics, outcome_of
+from orca_serve.probe import Probe, ProbeSpec
+from orca_serve.requests import OrcaDefaults, OrcaRequestError, resolve
+from orca_serve.server import OrcaMiddleware, OrcaState, ResultFetcher, orca_object
+
+HIDDEN = 16
+
+
+def make_bundle(hidden: int = HIDDEN, rows=((0.05, 0.5), (0.1, None), (0.2, 0.9))) -> Bundle:
+    spec = ProbeSpec(dim=hidden)
+    probe = Probe(spec, seed=0)
+    return Bundle(
+        schema_version=1, orca_serve_version="0.1.0",
+        model=ModelIdentity(name="tiny", hidden_size=hidden),
+        probe=ProbeBlock(spec=asdict(spec), weights=encode_weights(probe), eta=0.01),
+        ltt=LTTTable(epsilon=0.1, n_cal=100, grid_size=10,
+                     rows=[LTTRow(delta=d, lam=lam, risk=0.0, pvalue=0.01, savings=0.3)
+                           for d, lam in rows]),
+        default_delta=rows[0][0])
+
+
+BUNDLE = make_bundle()
+DEFAULTS = OrcaDefaults(enabled=True, delta=0.05, policy="answer", answer_budget=None)
+
+
+# -- resolve -----------------------------------------------------------------------------------
+def test_defaults_fill_vllm_xargs_and_remove_orca():
+    body = {"model": "m", "messages": [], "orca": {}, "vllm_xargs": {"other": 3}}
+    out, s = resolve(body, DEFAULTS, BUNDLE)
+    assert "orca" not in out and "orca" in body  # input untouched
+    x = out["vllm_xargs"]
+    assert x["other"] == 3
+    assert x["orca_enabled"] == 1 and x["orca_delta"] == 0.05 and x["orca_policy"] == "answer"
+    assert "orca_answer_budget" not in x
+    assert x["orca_key"].startswith("orca-") and x["orca_key"] == s.key
+    assert s.lam == 0.5 and s.n == 1
+
+
+def test_request_without_orca_gets_defaults_and_unique_keys():
+    out1, s1 = resolve({"prompt": "x"}, DEFAULTS, BUNDLE, completions=True)
+    out2, s2 = resolve({"prompt": "x"}, DEFAULTS, BUNDLE, completions=True)
+    assert s1.enabled and s1.key != s2.key
+    assert all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
+               for v in out1["vllm_xargs"].values())
+
+
+def test_orca_field_settings():
+    out, s = resolve({"orca": {"delta": 0.1, "policy": "shadow", "enabled": True,
+                               "answer_budget": 64}, "n": 3}, DEFAULTS, BUNDLE)
+    assert (s.delta, s.policy, s.lam, s.answer_budget, s.n) == (0.1, "shadow", None, 64, 3)
+    assert out["vllm_xargs"]["orca_answer_budget"] == 64
+    assert out["vllm_xargs"]["orca_policy"] == "shadow"
+
+
+def test_vllm_xargs_spelling():
+    out, s = resolve({"vllm_xargs": {"orca_delta": 0.2, "orca_policy": "stop", "orca_enabled": 1,
+                                     "orca_answer_budget": 0}}, DEFAULTS, BUNDLE)
+    assert (s.delta, s.policy, s.lam, s.answer_budget) == (0.2, "stop", 0.9, 0)
+
+
+def test_disabled():
+    for body in ({"orca": {"enabled": False}}, {"vllm_xargs": {"orca_enabled": 0}}):
+        out, s = resolve(body, DEFAULTS, BUNDLE)
+        assert not s.enabled
+        assert out["vllm_xargs"]["orca_enabled"] == 0
+        assert "orca_delta" not in out["vllm_xargs"]
+        assert orca_object(s, {}) == {"enabled": False}
+
+
+def test_integer_delta_is_a_number_but_strings_and_bools_are_not():
+    with pytest.raises(OrcaRequestError):
+        resolve({"orca": {"delta": "0.05"}}, DEFAULTS, BUNDLE)
+    with pytest.raises(OrcaRequestError):
+        resolve({"orca": {"enabled": 1}}, DEFAULTS, BUNDLE)  # orca.enabled is a JSON bool
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"orca": {"delta": 0.05, "colour": 1}}, "orca.colour", ["unknown field"]),
+    ({"orca": {"policy": "maybe"}}, "orca.policy", ["answer", "stop", "shadow"]),
+    ({"orca": {"answer_budget": -1}}, "orca.answer_budget", ["greater than or equal to 0"]),
+    ({"orca": {"answer_budget": 1.5}}, "orca.answer_budget", ["integer"]),
+    ({"orca": {"delta": 1.5}}, "orca.delta", ["less than 1"]),
+    ({"orca": {"enabled": "yes"}}, "orca.enabled", ["bool"]),
+    ({"orca": "on"}, "orca", ["object"]),
+    ({"orca": [1]}, "orca", ["object"]),
+    ({"vllm_xargs": {"orca_colour": 1}}, "vllm_xargs.orca_colour", ["unknown"]),
+    ({"vllm_xargs": {"orca_key": "mine"}}, "vllm_xargs.orca_key", ["set by the server"]),
+    ({"vllm_xargs": {"orca_enabled": 2}}, "vllm_xargs.orca_enabled", ["0 or 1"]),
+    ({"vllm_xargs": {"orca_policy": "x"}}, "vllm_xargs.orca_policy", ["answer"]),
+    ({"vllm_xargs": {"orca_answer_budget": -3}}, "vllm_xargs.orca_answer_budget", [">= 0",
+                                                                                  "greater"]),
+    ({"orca": {"delta": 0.1}, "vllm_xargs": {"orca_delta": 0.1}}, "orca.delta", ["both"]),
+])
+def test_malformed(body, param, words):
+    with pytest.raises(OrcaRequestError) as e:
+        resolve(body, DEFAULTS, BUNDLE)
+    assert e.value.param == param
+    assert any(w in e.value.message for w in words), e.value.message
+
+
+def test_delta_without_lambda_lists_available_deltas():
+    with pytest.raises(OrcaRequestError) as e:
+        resolve({"orca": {"delta": 0.07}}, DEFAULTS, BUNDLE)
+    assert "0.05, 0.1, 0.2" in e.value.message and e.value.param == "orca.delta"
+
+
+def test_batched_prompts_refused_when_enabled():
+    with pytest.raises(OrcaRequestError) as e:
+        resolve({"prompt": ["a", "b"]}, DEFAULTS, BUNDLE, completions=True)
+    assert e.value.param == "prompt"
+    resolve({"prompt": ["a"]}, DEFAULTS, BUNDLE, completions=True)
+    resolve({"prompt": [1, 2, 3]}, DEFAULTS, BUNDLE, completions=True)  # one prompt of ids
+    resolve({"prompt": ["a", "b"], "orca": {"enabled": False}}, DEFAULTS, BUNDLE, completions=True)
+
+
+def test_without_bundle_requests_pass_untouched_and_orca_is_refused():
+    body = {"messages": [], "vllm_xargs": {"x": 1}}
+    out, s = resolve(body, OrcaDefaults(enabled=False), None)
+    assert out is body and s is None
+    out, s = resolve({"orca": {"enabled": False}, "vllm_xargs": {"y": 1}},
+                     OrcaDefaults(enabled=False), None)
+    assert s is None and "orca" not in out and out["vllm_xargs"] == {"y": 1}
+    out, s = resolve({"vllm_xargs": {"orca_enabled": 0}}, OrcaDefaults(enabled=False), None)
+    assert s is None and "vllm_xargs" not in out
+    with pytest.raises(OrcaRequestError) as e:
+        resolve({"orca": {"delta": 0.05}}, OrcaDefaults(enabled=False), None)
+    assert "--calib" in e.value.message
+
+
+# -- middleware against a fake vLLM ------------------------------------------------------------
+class FakeEngine:
+    """Answers orca_results like the plugin: results keyed by orca_key, one dict per worker."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, dict] = {}
+        self.calls: list[tuple] = []
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append((method, args))
+        await asyncio.sleep(0.001)
+        if method == "orca_stats":
+            return [{"probe_ns": 2_000_000, "engine_steps": 4}]
+        keys = args[0]
+        return [{k: self.results[k] for k in keys if k in self.results}]
+
+
+def fake_vllm(engine: FakeEngine, seen: list):
+    """A stand-in for vLLM's route: echoes the xargs and registers a plugin result."""
+
+    async def app(scope, receive, send):
+        msg = await receive()
+        body = json.loads(msg["body"])
+        seen.append(body)
+        key = (body.get("vllm_xargs") or {}).get("orca_key")
+        if key:
+            engine.results[key] = {"enabled": True, "policy": body["vllm_xargs"]["orca_policy"],
+                                   "delta": 0.05, "lam": 0.5, "steps_scored": 3,
+                                   "stopped_early": True, "stop_step": 3, "would_stop_step": 3,
+                                   "last_score": 0.75, "scores": [0.1, 0.5, 0.75],
+                                   "reasoning_tokens": 40, "forced_tokens": [5, 6, 7, 8],
+                                   "stop_reason": "probe", "index": 0}
+        if body.get("stream"):
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+            chunks = [{"id": "c", "choices": [{"index": 0, "delta": {"content": "a"},
+                                               "finish_reason": None}]},
+                      {"id": "c", "choices": [{"index": 0, "delta": {"content": "é"},
+                                               "finish_reason": "stop"}]}]
+            if (body.get("stream_options") or {}).get("include_usage"):
+                chunks.append({"id": "c", "choices": [], "usage": {"total_tokens": 5}})
+            text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+            raw = text.encode()
+            for i in range(0, len(raw), 7):  # split events across body messages on purpose
+                await send({"type": "http.response.body", "body": raw[i:i + 7],
+                            "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        data = json.dumps({"id": "c", "choices": [{"index": 0, "message": {"content": "hi"},
+                                                   "finish_reason": "stop"}],
+                           "usage": {"total_tokens": 5}}).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+
+    return app
+
+
+def make_client(bundle=BUNDLE, defaults=DEFAULTS):
+    engine, seen = FakeEngine(), []
+    state = OrcaState(bundle=bundle, defaults=defaults,
+                      metrics=OrcaMetrics(CollectorRegistry()), engine_client=engine)
+    app = OrcaMiddleware(fake_vllm(engine, seen), state)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+    return client, engine, seen, state
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_middleware_json_response_gets_orca():
+    async def go():
+        client, engine, seen, state = make_client()
+        r = await client.post("/v1/chat/completions", json={"messages": [], "orca": {"delta": 0.05}})
+        assert r.status_code == 200
+        body = r.json()
+        assert int(r.headers["content-length"]) == len(r.content)
+        assert seen[0]["vllm_xargs"]["orca_key"].startswith("orca-") and "orca" not in seen[0]
+        o = body["orca"]
+        assert o == {"enabled": True, "policy": "answer", "delta": 0.05, "lambda": 0.5,
+                     "steps_scored": 3, "stopped_early": True, "stop_step": 3,
+                     "would_stop_step": 3, "last_score": 0.75, "reasoning_tokens": 40,
+                     "forced_tokens": 4, "stop_reason": "probe"}
+        assert body["usage"] == {"total_tokens": 5}
+        await asyncio.sleep(0.05)
+        text = generate_latest(state.metrics.registry).decode()
+        assert 'orca_requests_total{outcome="stopped_early"} 1.0' in text
+        assert "orca_steps_scored_total 3.0" in text
+    run(go())
+
+
+def test_middleware_400_in_openai_format():
+    async def go():
+        client, engine, seen, _ = make_client()
+        r = await client.post("/v1/chat/completions", json={"orca": {"delta": 0.3}})
+        assert r.status_code == 400 and not seen
+        err = r.json()["error"]
+        assert err["code"] == 400 and err["type"] == "BadRequestError"
+        assert err["param"] == "orca.delta" and "0.05, 0.1, 0.2" in err["message"]
+        r = await client.post("/v1/completions", json={"orca": {"policy": 3}})
+        assert r.status_code == 400
+    run(go())
+
+
+@pytest.mark.parametrize("usage", [False, True])
+def test_middleware_stream_finish_chunk_and_usage_chunk(usage):
+    async def go():
+        client, engine, seen, _ = make_client()
+        body = {"stream": True, "orca": {"policy": "shadow"}}
+        if usage:
+            body["stream_options"] = {"include_usage": True}
+        r = await client.post("/v1/chat/completions", json=body)
+        events = [e for e in r.text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        assert "orca" not in chunks[0]
+        assert chunks[1]["orca"]["policy"] == "shadow" and chunks[1]["orca"]["steps_scored"] == 3
+        assert chunks[1]["choices"][0]["delta"]["content"] == "é"
+        if usage:
+            assert chunks[2]["orca"] == chunks[1]["orca"]
+    run(go())
+
+
+def test_middleware_passes_other_routes_and_plain_bodies():
+    async def go():
+        client, engine, seen, _ = make_client(bundle=None, defaults=OrcaDefaults(enabled=False))
+        r = await client.post("/v1/chat/completions", json={"messages": []})
+        assert "orca" not in r.json() and seen[0] == {"messages": []}
+        r = await client.post("/v1/chat/completions", json={"orca": {"delta": 0.05}})
+        assert r.status_code == 400
+        r = await client.post("/v1/embeddings", json={"orca": {"delta": 0.05}})
+        assert r.status_code == 200  # not ours
+    run(go())
+
+
+def test_fetcher_batches_concurrent_requests():
+    async def go():
+        engine = FakeEngine()
+        engine.results = {f"k{i}": {"steps_scored": i} for i in range(64)}
+
+        async def rpc(method, args=()):
+            return await engine.collective_rpc(method, args=args)
+
+        f = ResultFetcher(rpc)
+        got = await asyncio.gather(*[f.get([f"k{i}"]) for i in range(64)])
+        assert [g[f"k{i}"]["steps_scored"] for i, g in enumerate(got)] == list(range(64))
+        assert len(engine.calls) <= 3
+    run(go())
+
+
+def test_metrics_outcomes_and_engine_stats():
+    m = OrcaMetrics(CollectorRegistry())
+    m.observe({"enabled": False})
+    m.observe({"enabled": True, "policy": "shadow", "would_stop_step": 2, "steps_scored": 5,
+               "last_score": 0.4, "reasoning_tokens": 30, "would_stop_pos": 18})
+    m.observe({"enabled": True, "policy": "shadow", "would_stop_step": 1, "steps_scored": 4,
+               "last_score": 0.4, "reasoning_tokens": 40})
+    m.observe({"enabled": True, "policy": "answer", "stopped_early": False, "steps_scored": 2,
+               "last_score": 0.1, "reasoning_tokens": 10})
+    m.update_engine_stats([{"probe_ns": 3_000_000, "engine_steps": 6, "stored_results": 2}])
+    text = generate_latest(m.registry).decode()
+    for line in ['orca_requests_total{outcome="disabled"} 1.0',
+                 'orca_requests_total{outcome="shadow_would_stop"} 2.0',
+                 'orca_requests_total{outcome="finished"} 1.0',
+                 "orca_steps_scored_total 11.0", "orca_reasoning_tokens_total 80.0",
+                 'orca_tokens_saved_total{basis="measured"} 12.0',
+                 'orca_tokens_saved_total{basis="step_fraction"} 30.0',
+                 'orca_stop_step_count{kind="shadow"} 2.0', "orca_last_score_count 3.0", "orca_probe_seconds_total 0.003",
+                 "orca_engine_steps_total 6.0", "orca_probe_seconds_per_engine_step 0.0005",
+                 "orca_engine_stored_results 2.0", "orca_engine_tracked_requests 0.0"]:
+        assert line in text, line
+    assert outcome_of({"enabled": True, "policy": "stop", "stopped_early": True}) == "stopped_early"
+    assert outcome_of({"enabled": True, "policy": "answer", "stop_reason": "budget"}) == \
+        "answer_forced_at_budget"
+
+
+# -- CLI refusals before vLLM is imported ------------------------------------------------------
+def test_cli_refuses_corrupt_bundle_and_unknown_delta(tmp_path, capsys):
+    from orca_serve.cli import main
+
+    p = tmp_path / "b.json"
+    save_bundle(BUNDLE, p)
+    data = json.loads(p.read_text())
+    data["default_delta"] = 0.1
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(tmp_path), "--calib", str(bad)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checksum" in err[0]
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(tmp_path), "--calib", str(p), "--orca-delta", "0.3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "0.05, 0.1, 0.2" in err[0]
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(tmp_path), "--orca-delta", "0.05"])
+    assert e.value.code == 2 and "--calib" in capsys.readouterr().err
+
+
+def test_orca_object_n_choices():
+    _, s = resolve({"n": 2}, DEFAULTS, BUNDLE)
+    o = orca_object(s, {0: {"steps_scored": 1}, 1: None})
+    assert o["choices"][0]["steps_scored"] == 1 and "no orca result" in o["choices"][1]["error"]
+    assert "steps_scored" not in o and math.isclose(o["lambda"], 0.5)
+
+
+def test_bundle_route():
+    from fastapi import FastAPI
+
+    from orca_serve.server import add_orca_routes
+
+    async def go(bundle):
+        app = FastAPI()
+        add_orca_routes(app, OrcaState(bundle=bundle, defaults=DEFAULTS, bundle_path="/b.json"))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as c:
+            return await c.get("/v1/orca/bundle")
+
+    r = run(go(None))
+    assert r.status_code == 404
+    assert r.json()["error"]["type"] == "NotFoundError" and "--calib" in r.json()["error"]["message"]
+    r = run(go(BUNDLE))
+    assert r.status_code == 200 and r.json()["path"] == "/b.json"
+    assert r.json()["probe"]["variant"] == "noqk" and "weights" not in r.json()["probe"]

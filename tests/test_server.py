@@ -1,0 +1,472 @@
+"""orca-serve end to end: real server processes on the tiny model, real `openai` client.
+
+One orca server (bundle whose probe fires at once: bias 3 -> score ~0.95 from the first step) and
+one plain vLLM server (vLLM's own api_server module, for the byte-identity check) are
+started once for the module, in parallel; the start-up refusals run meanwhile.
+
+Bundle table of the orca server: delta 0.05 -> lambda 0.5 (stops at step 1), 0.1 -> never,
+0.2 -> lambda 0.99 (never reached).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+openai = pytest.importorskip("openai")
+
+from orca_serve.bundle import (  # noqa: E402
+    Bundle,
+    LTTRow,
+    LTTTable,
+    ModelIdentity,
+    ProbeBlock,
+    encode_weights,
+    save_bundle,
+    tokenizer_fingerprint,
+)
+from orca_serve.probe import Probe, ProbeSpec  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_model import HIDDEN, build_tiny_model  # noqa: E402
+
+VENV_BIN = Path(sys.executable).parent
+START_TIMEOUT = 300
+DELTAS = {0.05: 0.5, 0.1: None, 0.2: 0.99}
+COMMON = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
+          "--reasoning-parser", "deepseek_r1", "--seed", "0", "--disable-uvicorn-access-log"]
+MSG = [{"role": "user", "content": "Find x with 3*x + 2 = 11."}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: float = 3.0) -> Path:
+    from transformers import AutoTokenizer
+
+    vocab = AutoTokenizer.from_pretrained(str(model_dir)).get_vocab()
+    spec = ProbeSpec(dim=hidden)
+    probe = Probe(spec, seed=0)
+    probe.params["b"].data.fill_(bias)
+    b = Bundle(schema_version=1, orca_serve_version="0.1.0",
+               model=ModelIdentity(name="tiny", hidden_size=hidden,
+                                   tokenizer_fingerprint=tokenizer_fingerprint(vocab)),
+               probe=ProbeBlock(spec=asdict(spec), weights=encode_weights(probe), eta=0.01),
+               window=3,
+               ltt=LTTTable(epsilon=0.1, n_cal=50, grid_size=20,
+                            rows=[LTTRow(delta=d, lam=lam, risk=0.0, pvalue=0.01, savings=0.4)
+                                  for d, lam in DELTAS.items()]),
+               default_delta=0.05, provenance={"test": "test_server"})
+    save_bundle(b, path)
+    return path
+
+
+def orca_serve_cmd(*args: str) -> list[str]:
+    return [str(VENV_BIN / "orca-serve"), *args]
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    return env
+
+
+class Server:
+    def __init__(self, cmd: list[str], log: Path) -> None:
+        self.port = free_port()
+        self.log = log
+        self._f = open(log, "wb")
+        self.proc = subprocess.Popen([*cmd, "--port", str(self.port), *COMMON],
+                                     stdout=self._f, stderr=subprocess.STDOUT, env=server_env(),
+                                     start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ready = False
+
+    def wait(self) -> Server:
+        deadline = time.time() + START_TIMEOUT
+        while not self.ready:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
+                                   + self.log.read_text()[-4000:])
+            try:
+                self.ready = httpx.get(self.url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("server did not start:\n" + self.log.read_text()[-4000:])
+            if not self.ready:
+                time.sleep(1)
+        return self
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, timeout=120, **kw)
+
+    def aclient(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0,
+                                  timeout=300)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # our own session: the server and its workers
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._f.close()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    d = tmp_path_factory.mktemp("orca_server")
+    model = build_tiny_model(d / "tiny")
+    return {"dir": d, "model": model,
+            "bundle": make_bundle(d / "bundle.json", model)}
+
+
+@pytest.fixture(scope="module")
+def servers(env):
+    """Start both servers at once; tests wait for the one they need."""
+    model, d = str(env["model"]), env["dir"]
+    orca = Server(orca_serve_cmd("--model", model, "--calib", str(env["bundle"]),
+                                 "--orca-answer-budget", "8"), d / "orca.log")
+    # plain vLLM itself (not orca-serve without --calib): vLLM's own OpenAI server module
+    plain = Server([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model],
+                   d / "plain.log")
+    yield {"orca": orca, "plain": plain}
+    orca.stop()
+    plain.stop()
+
+
+@pytest.fixture(scope="module")
+def srv(servers):
+    return servers["orca"].wait()
+
+
+def orca_of(resp) -> dict:
+    extra = resp.model_extra or {}
+    assert "orca" in extra, f"no orca object in {resp}"
+    return extra["orca"]
+
+
+def chat(server: Server, orca: dict | None = None, **kw):
+    body = {"orca": orca} if orca is not None else None
+    kw.setdefault("max_tokens", 24)
+    kw.setdefault("temperature", 0)
+    return server.client().chat.completions.create(model=str(server_model(server)), messages=kw.pop(
+        "messages", MSG), extra_body=body, **kw)
+
+
+_MODELS: dict[str, str] = {}
+
+
+def server_model(server: Server) -> str:
+    if server.url not in _MODELS:
+        _MODELS[server.url] = server.client().models.list().data[0].id
+    return _MODELS[server.url]
+
+
+# -- start-up refusals (run while the servers start) ----------------------------------------------
+def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(orca_serve_cmd(*args, *COMMON, "--port", str(free_port())),
+                          capture_output=True, text=True, timeout=timeout, env=server_env())
+
+
+def test_refuses_hidden_size_mismatch(env, servers):
+    bad = make_bundle(env["dir"] / "wrong_hidden.json", env["model"], hidden=HIDDEN // 2)
+    r = run_cli("--model", str(env["model"]), "--calib", str(bad))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "hidden size" in lines[0] and str(HIDDEN // 2) in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_refuses_corrupted_checksum(env, servers):
+    data = json.loads(env["bundle"].read_text())
+    data["ltt"]["rows"][0]["lam"] = 0.01  # an edit after calibration
+    bad = env["dir"] / "corrupt.json"
+    bad.write_text(json.dumps(data))
+    r = run_cli("--model", str(env["model"]), "--calib", str(bad))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "checksum" in lines[0], r.stderr
+
+
+def test_refuses_delta_not_in_bundle_and_speculative_decoding(env, servers):
+    r = run_cli("--model", str(env["model"]), "--calib", str(env["bundle"]), "--orca-delta", "0.3")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "orca-serve: error: delta 0.3 has no calibrated lambda* in this bundle; "
+        "available deltas: 0.05, 0.1, 0.2"]
+    r = run_cli("--model", str(env["model"]), "--calib", str(env["bundle"]),
+                "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}')
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("orca-serve: error: speculative decoding")
+
+
+# -- requests ---------------------------------------------------------------------------------
+def test_chat_non_streaming_has_orca(srv):
+    resp = chat(srv, {"delta": 0.1, "policy": "answer"})
+    o = orca_of(resp)
+    assert o["enabled"] is True and o["policy"] == "answer" and o["delta"] == 0.1
+    assert o["lambda"] is None and o["stopped_early"] is False and o["stop_step"] is None
+    assert o["steps_scored"] >= 1 and 0 < o["last_score"] < 1
+    assert o["reasoning_tokens"] >= o["steps_scored"]
+    assert resp.usage.completion_tokens == 24 and resp.choices[0].finish_reason == "length"
+
+
+def test_request_stops_early(srv):
+    resp = chat(srv, {"delta": 0.05, "policy": "stop"}, max_tokens=200)
+    o = orca_of(resp)
+    assert o["lambda"] == 0.5 and o["stopped_early"] is True and o["stop_step"] == 1
+    assert o["last_score"] >= 0.5
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens < 50
+
+
+def test_policy_answer_closes_reasoning_and_answers(srv):
+    # The tiny tokenizer marks </think> as a special token: keep it in the text so that the
+    # (text-based, non-streaming) reasoning parser can split reasoning from content.
+    resp = srv.client().chat.completions.create(
+        model=server_model(srv), messages=MSG, max_tokens=200, temperature=0,
+        extra_body={"orca": {"delta": 0.05, "policy": "answer", "answer_budget": 6},
+                    "skip_special_tokens": False})
+    o = orca_of(resp)
+    assert o["stopped_early"] is True and o["stop_step"] == 1 and o["stop_reason"] == "probe"
+    assert o["forced_tokens"] > 0 and o["answer_budget"] == 6
+    msg = resp.choices[0].message
+    reasoning = (msg.model_extra or {}).get("reasoning")
+    assert reasoning and "</think>" not in reasoning
+    assert msg.content is not None and "</think>" not in msg.content
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens <= o["reasoning_tokens"] + o["forced_tokens"] + 6 + 1
+
+
+def test_n_choices_each_get_their_result(srv):
+    resp = srv.client().chat.completions.create(
+        model=server_model(srv), messages=MSG, max_tokens=20, temperature=1.0, seed=3, n=3,
+        extra_body={"orca": {"delta": 0.05, "policy": "shadow"}})
+    o = orca_of(resp)
+    assert [c["index"] for c in o["choices"]] == [0, 1, 2] and "steps_scored" not in o
+    for c in o["choices"]:
+        assert "error" not in c and c["stopped_early"] is False
+        assert c["would_stop_step"] == (1 if c["steps_scored"] else None)
+
+
+def test_streaming_with_reasoning_parser(srv):
+    stream = srv.client().chat.completions.create(
+        model=server_model(srv), messages=MSG, max_tokens=200, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"orca": {"delta": 0.05, "policy": "answer", "answer_budget": 6}})
+    chunks = list(stream)
+    with_orca = [c for c in chunks if "orca" in (c.model_extra or {})]
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0] in with_orca
+    assert chunks[-1].usage is not None and chunks[-1] in with_orca
+    assert len(with_orca) == 2  # the finish_reason chunk and the usage chunk, nothing else
+    o = orca_of(finish[0])
+    assert o == orca_of(chunks[-1]) and o["stopped_early"] is True
+    reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning") or ""
+                        for c in chunks if c.choices)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert reasoning and content and "</think>" not in reasoning + content
+    assert finish[0].choices[0].finish_reason == "stop"
+
+
+def test_streaming_stop_policy_without_usage(srv):
+    stream = srv.client().chat.completions.create(
+        model=server_model(srv), messages=MSG, max_tokens=200, temperature=0, stream=True,
+        extra_body={"orca": {"delta": 0.05, "policy": "stop"}})
+    chunks = list(stream)
+    assert "orca" in (chunks[-1].model_extra or {}) and chunks[-1].choices[0].finish_reason == "stop"
+    assert orca_of(chunks[-1])["stop_step"] == 1
+
+
+def test_completions_endpoint_and_vllm_xargs_spelling(srv):
+    c = srv.client()
+    resp = c.completions.create(model=server_model(srv), prompt="Try x = 3:", max_tokens=16,
+                                temperature=0,
+                                extra_body={"vllm_xargs": {"orca_delta": 0.05, "orca_policy": "shadow"}})
+    o = orca_of(resp)
+    assert o["policy"] == "shadow" and o["stopped_early"] is False and o["would_stop_step"] == 1
+    assert resp.usage.completion_tokens == 16
+
+
+def test_disabled_request_identical_to_plain_vllm(srv, servers):
+    plain = servers["plain"].wait()
+    try:
+        for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 7, "top_p": 0.9}):
+            a = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+                "model": server_model(srv), "messages": MSG, "max_tokens": 40,
+                "orca": {"enabled": False}, **kw}).json()
+            b = httpx.post(plain.url + "/v1/chat/completions", timeout=120, json={
+                "model": server_model(plain), "messages": MSG, "max_tokens": 40, **kw}).json()
+            assert a.pop("orca") == {"enabled": False} and "orca" not in b
+            assert json.dumps(a["choices"]) == json.dumps(b["choices"])
+            assert a["usage"] == b["usage"]
+    finally:
+        plain.stop()  # free the cores for the rest of the module
+
+
+def test_mixed_deltas_and_policies_concurrently(srv):
+    combos = [({"delta": 0.05, "policy": "stop"}, True), ({"delta": 0.1, "policy": "answer"}, False),
+              ({"delta": 0.05, "policy": "shadow"}, False), ({"delta": 0.2, "policy": "stop"}, False),
+              ({"enabled": False}, None), ({"delta": 0.05, "policy": "answer"}, True)] * 2
+
+    async def go():
+        c = srv.aclient()
+        return await asyncio.gather(*[c.chat.completions.create(
+            model=server_model(srv), messages=MSG, max_tokens=30, temperature=0,
+            extra_body={"orca": o}) for o, _ in combos])
+
+    for (req, stops), resp in zip(combos, asyncio.run(go())):
+        o = orca_of(resp)
+        if stops is None:
+            assert o == {"enabled": False}
+            continue
+        assert (o["delta"], o["policy"], o["stopped_early"]) == (req["delta"], req["policy"], stops)
+        assert o["lambda"] == DELTAS[req["delta"]]
+        if req["policy"] == "shadow":
+            assert o["would_stop_step"] == 1 and o["stop_step"] is None
+        if not stops:
+            assert resp.usage.completion_tokens == 30
+
+
+def _fingerprint(resp) -> tuple:
+    o = dict(orca_of(resp))
+    score = o.pop("last_score", None)
+    return (json.dumps(o, sort_keys=True), None if score is None else round(score, 4),
+            resp.choices[0].finish_reason, resp.usage.completion_tokens,
+            resp.choices[0].message.content, (resp.choices[0].message.model_extra or {}).get("reasoning"))
+
+
+def test_64_concurrent_requests_match_serial_runs(srv):
+    """No state crosses between requests: each of 64 concurrent requests gets the same text and
+    the same orca result as when it runs alone. Even requests are greedy; odd ones sample with
+    their own seed (per-request generators: deterministic too), so trajectories differ."""
+    settings = [{"delta": 0.1, "policy": "answer"}, {"delta": 0.05, "policy": "shadow"},
+                {"delta": 0.05, "policy": "stop"}, {"delta": 0.2, "policy": "answer"},
+                {"delta": 0.05, "policy": "answer", "answer_budget": 3}, {"enabled": False},
+                {"delta": 0.2, "policy": "shadow"}]
+    reqs = [dict(messages=[{"role": "user", "content": f"Problem {i}: find x with {i}*x = {i * 7}."}],
+                 max_tokens=8 + (i * 5) % 23, extra_body={"orca": settings[i % len(settings)]},
+                 **({"temperature": 0} if i % 2 == 0 else {"temperature": 1.0, "seed": i}))
+            for i in range(64)]
+
+    async def together():
+        c = srv.aclient()
+        return await asyncio.gather(*[c.chat.completions.create(model=server_model(srv), **r)
+                                      for r in reqs])
+
+    concurrent = asyncio.run(together())
+    c = srv.client()
+    for r, got in zip(reqs, concurrent):
+        alone = c.chat.completions.create(model=server_model(srv), **r)
+        assert _fingerprint(got) == _fingerprint(alone)
+    assert len({got.id for got in concurrent}) == 64
+    steps = {orca_of(g).get("steps_scored") for g in concurrent}
+    assert len(steps) > 3  # the results really differ between requests
+
+
+def test_aborted_stream_leaves_server_healthy(srv):
+    def running() -> float:
+        text = httpx.get(srv.url + "/metrics").text
+        m = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60, json={
+            "model": server_model(srv), "messages": MSG, "max_tokens": 400, "stream": True,
+            "temperature": 0, "orca": {"delta": 0.1, "policy": "answer"}}) as r:
+        got = 0
+        for line in r.iter_lines():
+            got += line.startswith("data: ")
+            if got >= 3:
+                break  # closing the response mid-stream aborts the request
+    deadline = time.time() + 30
+    while running() > 0 and time.time() < deadline:
+        time.sleep(0.5)
+    assert running() == 0
+    assert httpx.get(srv.url + "/health").status_code == 200
+    o = orca_of(chat(srv, {"delta": 0.05, "policy": "stop"}, max_tokens=50))
+    assert o["stopped_early"] is True and o["stop_step"] == 1
+
+
+# -- errors, bundle endpoint, metrics -----------------------------------------------------------
+@pytest.mark.parametrize("orca, param", [
+    ({"delta": 0.05, "bogus": 1}, "orca.bogus"),
+    ({"delta": "0.05"}, "orca.delta"),
+    ({"policy": "sometimes"}, "orca.policy"),
+    ({"answer_budget": -1}, "orca.answer_budget"),
+    ({"enabled": "yes"}, "orca.enabled"),
+])
+def test_malformed_orca_is_400(srv, orca, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(srv, orca)
+    assert e.value.status_code == 400
+    err = e.value.body
+    assert err["param"] == param and err["code"] == 400 and err["type"] == "BadRequestError"
+
+
+def test_delta_without_lambda_is_400_listing_deltas(srv):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(srv, {"delta": 0.07})
+    assert "available deltas: 0.05, 0.1, 0.2" in e.value.body["message"]
+    r = httpx.post(srv.url + "/v1/completions", json={
+        "model": server_model(srv), "prompt": "x", "vllm_xargs": {"orca_delta": 0.3}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs.orca_delta"
+
+
+def test_bundle_endpoint(srv, env):
+    r = httpx.get(srv.url + "/v1/orca/bundle")
+    assert r.status_code == 200
+    s = r.json()
+    assert s["model"]["hidden_size"] == HIDDEN and s["default_delta"] == 0.05
+    assert [row["delta"] for row in s["ltt"]["rows"]] == [0.05, 0.1, 0.2]
+    assert s["probe"]["variant"] == "noqk" and "weights" not in s["probe"]
+    assert "weights" not in json.dumps(s)
+
+
+def test_metrics_have_orca_counts(srv):
+    chat(srv, {"delta": 0.05, "policy": "shadow"})
+    chat(srv, {"enabled": False})
+    time.sleep(0.5)
+    text = httpx.get(srv.url + "/metrics").text
+
+    def value(name: str) -> float:
+        m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+        assert m, f"{name} missing from /metrics"
+        return float(m.group(1))
+
+    for outcome in ("stopped_early", "finished", "shadow_would_stop", "disabled"):
+        assert value(f'orca_requests_total{{outcome="{outcome}"}}') > 0
+    assert value("orca_steps_scored_total") > 0
+    assert value("orca_reasoning_tokens_total") > 0
+    assert value('orca_stop_step_count{kind="stopped"}') > 0
+    assert value('orca_stop_step_count{kind="shadow"}') > 0
+    assert value("orca_last_score_count") > 0
+    assert value("orca_probe_seconds_total") > 0 and value("orca_engine_steps_total") > 0
+    assert value("orca_probe_seconds_per_engine_step") > 0
+    # every result was fetched (the aborted stream's too): nothing left behind in the engine
+    assert value("orca_engine_tracked_requests") == 0
+    assert value("orca_engine_stored_results") == 0
+    assert "orca_tokens_saved_total" in text
