@@ -102,10 +102,10 @@ class Collector:
         from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
         prepare_environment()
         self.settings = settings
+        plugin = engine_kwargs(None, segmentation=settings.segmentation, think=settings.think,
+                               normalization=settings.normalization)
         kwargs = {"dtype": "float32", "enforce_eager": True, "enable_prefix_caching": True,
-                  "seed": settings.seed, **engine_kwargs(None, record=True, segmentation=settings.segmentation,
-                                 think=settings.think, normalization=settings.normalization),
-                  **settings.engine}
+                  "seed": settings.seed, **plugin, **settings.engine}
         self.llm = LLM(model=model, **kwargs)
         self.model = model
         self.tokenizer = self.llm.get_tokenizer()
@@ -146,9 +146,8 @@ class Collector:
                                                   add_generation_prompt=True)
 
     def _results(self, keys: list[str]) -> dict[str, dict]:
-        merged: dict[str, dict] = {}
-        for part in self.llm.collective_rpc("orca_results", args=(keys,)):
-            merged.update(part or {})
+        from orca_serve.vllm_plugin import merge_results
+        merged = merge_results(self.llm.collective_rpc("orca_results", args=(keys,)))
         missing = [k for k in keys if k not in merged]
         if missing:
             raise RuntimeError(f"the plugin returned no record for {len(missing)} request(s), "

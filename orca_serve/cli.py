@@ -283,11 +283,15 @@ def _main(argv: list[str]) -> None:
         refuse_unsupported(args)
         from orca_serve.vllm_plugin.config import engine_kwargs
 
-        merge_engine_args(args, engine_kwargs(str(Path(bundle_path).absolute())))
         defaults = OrcaDefaults(
             enabled=True,
             delta=args.orca_delta if args.orca_delta is not None else bundle.default_delta,
             policy=args.orca_policy, answer_budget=args.orca_answer_budget)
+        # requests on routes the server does not rewrite get the same defaults in the engine
+        merge_engine_args(args, engine_kwargs(
+            str(Path(bundle_path).absolute()),
+            defaults={"delta": defaults.delta, "policy": defaults.policy,
+                      "answer_budget": defaults.answer_budget}))
     else:
         defaults = OrcaDefaults(enabled=False)
 

@@ -1,0 +1,61 @@
+"""orca-serve's vLLM adapter (vLLM V1 model runner, vllm 0.32).
+
+- `config`: `engine_kwargs(bundle_path, record=...)`, `prepare_environment()`,
+  `check_engine_supported(...)` -- how a caller turns the plugin on.
+- `processor`: `OrcaLogitsProcessor`, the custom logits processor (pooling, probe, stops).
+- `capture`: the LM-head capture layer (registered when the processor module is imported).
+- `worker`: `OrcaWorkerExtension` (`orca_results(keys)`, `orca_stats()` for `collective_rpc`).
+
+This package imports nothing from vLLM itself, so `config` works without loading vLLM.
+"""
+
+from orca_serve.vllm_plugin.config import (  # noqa: F401
+    PROCESSOR_FQCN,
+    WORKER_EXTENSION,
+    check_engine_supported,
+    engine_kwargs,
+    prepare_environment,
+)
+
+
+_ARRAY_TAG = "__orca_ndarray__"
+
+
+def encode_arrays(result: dict) -> dict:
+    """numpy arrays -> {tag, dtype, shape, data: bytes}: survives every collective_rpc transport.
+
+    (vLLM's msgpack transport sends large numpy arrays out of band and, for an untyped RPC
+    result, hands back only ['<f4', shape, <buffer index>]: the data would be lost.)
+    """
+    import numpy as np
+
+    out = {}
+    for k, v in result.items():
+        if isinstance(v, np.ndarray):
+            v = np.ascontiguousarray(v)
+            v = {_ARRAY_TAG: 1, "dtype": v.dtype.str, "shape": list(v.shape), "data": v.tobytes()}
+        out[k] = v
+    return out
+
+
+def decode_arrays(result: dict) -> dict:
+    import numpy as np
+
+    out = {}
+    for k, v in result.items():
+        if isinstance(v, dict) and v.get(_ARRAY_TAG):
+            v = np.frombuffer(bytes(v["data"]), dtype=np.dtype(v["dtype"])).reshape(v["shape"])
+            v = v.copy()
+        out[k] = v
+    return out
+
+
+def merge_results(per_worker: list[dict] | None) -> dict:
+    """Merge `collective_rpc("orca_results", args=(keys,))` answers (one dict per worker) into
+    {key: result}, restoring `step_embeddings` as a float32 numpy array. Always use this on the
+    raw RPC answer."""
+    out: dict = {}
+    for d in per_worker or []:
+        for k, r in (d or {}).items():
+            out.setdefault(k, decode_arrays(r))
+    return out

@@ -1,0 +1,125 @@
+"""How a caller turns the plugin on: engine kwargs, environment, supported-engine checks.
+
+    from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
+    prepare_environment()
+    llm = vllm.LLM(model, **engine_kwargs("bundle.json"))
+
+`additional_config["orca"]` (VllmConfig.additional_config reaches every worker, and the processor
+reads it from the `vllm_config` its constructor gets):
+
+    {"bundle": "/abs/path/bundle.json" | None,
+     "record": bool,               # default of the per-request `orca_record`
+     # used only without a bundle (record mode); with a bundle the bundle's settings win:
+     "segmentation": {"delimiter": "\\n\\n", "keywords": None},
+     "think": {"enabled": True, "start": "<think>", "end": "</think>",
+               "force_text": "\\n</think>\\n\\n"},
+     "normalization": "token-l2",
+     # what a request without its own orca_* arguments gets (the server's --orca-* options):
+     "defaults": {"enabled": 1, "delta": None (= the bundle's), "policy": "answer",
+                  "answer_budget": 64},
+     # bookkeeping of unfetched results:
+     "result_ttl_s": 600, "max_results": 10000}
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+PROCESSOR_FQCN = "orca_serve.vllm_plugin.processor:OrcaLogitsProcessor"
+WORKER_EXTENSION = "orca_serve.vllm_plugin.worker.OrcaWorkerExtension"
+ENV_BUNDLE = "ORCA_BUNDLE"  # fallback when a front end drops additional_config
+
+RESULT_TTL_S = 600.0
+DEFAULTS: dict[str, Any] = {"enabled": 1, "delta": None, "policy": "answer", "answer_budget": 64}
+MAX_RESULTS = 10_000
+
+
+def orca_settings(bundle_path: str | os.PathLike | None, *, record: bool = False,
+                  segmentation: Mapping[str, Any] | None = None,
+                  think: Mapping[str, Any] | None = None,
+                  normalization: str | None = None,
+                  defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The `additional_config["orca"]` dict; the record-mode settings default to Bundle's."""
+    from orca_serve.bundle import Segmentation, ThinkTags
+
+    def as_dict(x: Any) -> dict[str, Any]:
+        return x.model_dump() if hasattr(x, "model_dump") else dict(x or {})
+
+    d: dict[str, Any] = {
+        "bundle": str(Path(bundle_path).absolute()) if bundle_path is not None else None,
+        "record": bool(record),
+        "segmentation": Segmentation(**as_dict(segmentation)).model_dump(),
+        "think": ThinkTags(**as_dict(think)).model_dump(),
+        "normalization": normalization or "token-l2",
+        "defaults": {**DEFAULTS, **{k: v for k, v in dict(defaults or {}).items() if v is not None}},
+        "result_ttl_s": RESULT_TTL_S,
+        "max_results": MAX_RESULTS,
+    }
+    if d["normalization"] not in ("token-l2", "step-l2", "none"):
+        raise ValueError(f"normalization must be token-l2, step-l2 or none, got {normalization!r}")
+    return d
+
+
+def engine_kwargs(bundle_path: str | os.PathLike | None, *, record: bool = False,
+                  **settings: Any) -> dict[str, Any]:
+    """kwargs to add to `vllm.LLM(...)` / `AsyncEngineArgs(...)` to run the plugin.
+
+    `bundle_path=None` with `record=True`: capture and segmentation only (no probe), for
+    calibration's collect step; extra keyword arguments (segmentation=, think=,
+    normalization=) set how that record mode segments and pools.
+    """
+    if bundle_path is not None and not Path(bundle_path).is_file():
+        raise FileNotFoundError(f"bundle {bundle_path} not found")
+    return {
+        "logits_processors": [PROCESSOR_FQCN],
+        "worker_extension_cls": WORKER_EXTENSION,
+        "additional_config": {"orca": orca_settings(bundle_path, record=record, **settings)},
+    }
+
+
+def child_key(key: str, index: int, n: int) -> str:
+    """Result key of choice `index` of a request with `n` choices (n > 1: vLLM fans it out into
+    child requests "<index>_<parent id>"): choice 0 keeps `key`, choice i > 0 is "<key>/<i>"."""
+    return key if n <= 1 or index == 0 else f"{key}/{index}"
+
+
+def prepare_environment() -> None:
+    """Call before creating the engine: pin the V1 model runner (the plugin's interface)."""
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+
+def _get(obj: Any, name: str) -> Any:
+    if obj is None:
+        return None
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def check_engine_supported(engine_args: Any = None) -> None:
+    """Refuse engine setups the plugin cannot serve correctly, with a clear reason.
+
+    `engine_args`: a dict of engine kwargs, an `EngineArgs`, or a `VllmConfig` (or None to check
+    the environment only).
+    """
+    v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
+    if v2 in ("1", "true", "yes", "on"):
+        raise RuntimeError("orca-serve needs vLLM's V1 model runner (its custom logits-processor "
+                           "interface); VLLM_USE_V2_MODEL_RUNNER=1 selects Model Runner V2. Unset "
+                           "it or call orca_serve.vllm_plugin.config.prepare_environment().")
+    if engine_args is None:
+        return
+    if _get(engine_args, "use_v2_model_runner") is True:
+        raise RuntimeError("this vLLM configuration selects Model Runner V2, which orca-serve "
+                           "does not support; set VLLM_USE_V2_MODEL_RUNNER=0")
+    spec = _get(engine_args, "speculative_config")
+    if spec:
+        raise RuntimeError("orca-serve cannot run with speculative decoding: vLLM rejects custom "
+                           "logits processors with it, and the probe needs one hidden state per "
+                           "accepted token; remove the speculative config")
+    if _get(engine_args, "watermark_config") is not None:
+        raise RuntimeError("watermarking forces vLLM's Model Runner V2, which orca-serve does not "
+                           "support")

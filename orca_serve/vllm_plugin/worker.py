@@ -1,0 +1,62 @@
+"""Worker extension: hands per-request results and stats to the caller via `collective_rpc`.
+
+vLLM appends this class to the worker's bases (`worker_extension_cls`,
+vllm/v1/worker/worker_base.py), so its methods run in the worker process that owns the logits
+processor. Names must not clash with Worker attributes (vLLM asserts this).
+
+    per_worker = llm.collective_rpc("orca_results", args=(keys,))  # one dict per worker
+    results = orca_serve.vllm_plugin.merge_results(per_worker)    # {key: result}, numpy restored
+    llm.collective_rpc("orca_stats")                   # -> [ {probe_ns, engine_steps, ...}, ... ]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class OrcaWorkerExtension:
+    def _orca_processors(self) -> list:
+        from orca_serve.vllm_plugin.processor import OrcaLogitsProcessor
+
+        runner = getattr(self, "model_runner", None)
+        batch = getattr(runner, "input_batch", None)
+        procs = getattr(getattr(batch, "logitsprocs", None), "all", None) or []
+        return [p for p in procs if isinstance(p, OrcaLogitsProcessor)]
+
+    def orca_results(self, keys: list[str]) -> dict[str, dict[str, Any]]:
+        """Pop and return the results of these keys (keys without a result are left out).
+
+        Across processes numpy arrays are sent as bytes (vLLM's transport would lose them);
+        `orca_serve.vllm_plugin.merge_results` restores them (and passes numpy through).
+        Fetch after the request finished; a result is kept until fetched, for at most
+        `result_ttl_s` after the request left the batch, and at most `max_results` of them.
+        """
+        from orca_serve.vllm_plugin import encode_arrays
+
+        local = self._orca_same_process()
+        out: dict[str, dict[str, Any]] = {}
+        for p in self._orca_processors():
+            for k, r in p.pop_results(list(keys)).items():
+                out[k] = r if local else encode_arrays(r)
+        return out
+
+    def _orca_same_process(self) -> bool:
+        """True when the caller of collective_rpc lives in this process (in-process engine,
+        one uniproc worker): results then stay plain Python/numpy objects."""
+        import vllm.envs as envs
+
+        if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+            return False
+        pc = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
+        return pc is not None and pc.world_size == 1 and \
+            pc.distributed_executor_backend in (None, "uni")
+
+    def orca_stats(self) -> dict[str, Any]:
+        """Cumulative in-engine cost: probe_ns (time inside apply()), engine_steps (apply()
+        calls), active_steps (calls with tracked requests), rows_captured, steps_scored,
+        max_step_ns, tracked_requests, stored_results."""
+        total: dict[str, Any] = {}
+        for p in self._orca_processors():
+            for k, v in p.get_stats().items():
+                total[k] = max(total.get(k, 0), v) if k == "max_step_ns" else total.get(k, 0) + v
+        return total
