@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,20 +39,13 @@ from orca_serve.bundle import (  # noqa: E402
 from orca_serve.probe import Probe, ProbeSpec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+from serving import Server, free_port, orca_serve_cmd, server_env  # noqa: E402
 from tiny_model import HIDDEN, build_tiny_model  # noqa: E402
 
-VENV_BIN = Path(sys.executable).parent
-START_TIMEOUT = 300
 DELTAS = {0.05: 0.5, 0.1: None, 0.2: 0.99}
 COMMON = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
           "--reasoning-parser", "deepseek_r1", "--seed", "0", "--disable-uvicorn-access-log"]
 MSG = [{"role": "user", "content": "Find x with 3*x + 2 = 11."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: float = 3.0) -> Path:
@@ -78,62 +68,6 @@ def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: floa
     return path
 
 
-def orca_serve_cmd(*args: str) -> list[str]:
-    return [str(VENV_BIN / "orca-serve"), *args]
-
-
-def server_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    return env
-
-
-class Server:
-    def __init__(self, cmd: list[str], log: Path) -> None:
-        self.port = free_port()
-        self.log = log
-        self._f = open(log, "wb")
-        self.proc = subprocess.Popen([*cmd, "--port", str(self.port), *COMMON],
-                                     stdout=self._f, stderr=subprocess.STDOUT, env=server_env(),
-                                     start_new_session=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.ready = False
-
-    def wait(self) -> Server:
-        deadline = time.time() + START_TIMEOUT
-        while not self.ready:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
-                                   + self.log.read_text()[-4000:])
-            try:
-                self.ready = httpx.get(self.url + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("server did not start:\n" + self.log.read_text()[-4000:])
-            if not self.ready:
-                time.sleep(1)
-        return self
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, timeout=120, **kw)
-
-    def aclient(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0,
-                                  timeout=300)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # our own session: the server and its workers
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._f.close()
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     d = tmp_path_factory.mktemp("orca_server")
@@ -147,10 +81,10 @@ def servers(env):
     """Start both servers at once; tests wait for the one they need."""
     model, d = str(env["model"]), env["dir"]
     orca = Server(orca_serve_cmd("--model", model, "--calib", str(env["bundle"]),
-                                 "--orca-answer-budget", "8"), d / "orca.log")
+                                 "--orca-answer-budget", "8"), d / "orca.log", COMMON)
     # plain vLLM itself (not orca-serve without --calib): vLLM's own OpenAI server module
     plain = Server([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model],
-                   d / "plain.log")
+                   d / "plain.log", COMMON)
     yield {"orca": orca, "plain": plain}
     orca.stop()
     plain.stop()

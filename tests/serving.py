@@ -1,0 +1,79 @@
+"""Starting and stopping real server processes for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+VENV_BIN = Path(sys.executable).parent
+START_TIMEOUT = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def orca_serve_cmd(*args: str) -> list[str]:
+    return [str(VENV_BIN / "orca-serve"), *args]
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    return env
+
+
+class Server:
+    def __init__(self, cmd: list[str], log: Path, args: list[str]) -> None:
+        self.port = free_port()
+        self.log = log
+        self._f = open(log, "wb")
+        self.proc = subprocess.Popen([*cmd, "--port", str(self.port), *args],
+                                     stdout=self._f, stderr=subprocess.STDOUT, env=server_env(),
+                                     start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ready = False
+
+    def wait(self) -> Server:
+        deadline = time.time() + START_TIMEOUT
+        while not self.ready:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
+                                   + self.log.read_text()[-4000:])
+            try:
+                self.ready = httpx.get(self.url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("server did not start:\n" + self.log.read_text()[-4000:])
+            if not self.ready:
+                time.sleep(1)
+        return self
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, timeout=120, **kw)
+
+    def aclient(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0,
+                                  timeout=300)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # our own session: the server and its workers
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._f.close()
