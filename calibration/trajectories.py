@@ -29,6 +29,7 @@ NORMALIZATIONS = ("token-l2", "step-l2", "none")
 SPLITS = ("train", "calibration", "test")
 INFO_DEFAULTS: dict[str, Any] = {
     "model": None, "normalization": "token-l2", "segmentation": None, "source": None,
+    "think": None, "tokenizer_fingerprint": None,
 }
 PICKLE_LABELS = ("pessimistic", "research")
 _PICKLE_LABEL_KEYS = {"step_labels": "supervised", "step_labels_consistent": "consistent"}

@@ -86,9 +86,18 @@ def child_key(key: str, index: int, n: int) -> str:
     return key if n <= 1 or index == 0 else f"{key}/{index}"
 
 
+CPU_KVCACHE_GIB = "4"
+
+
 def prepare_environment() -> None:
-    """Call before creating the engine: pin the V1 model runner (the plugin's interface)."""
+    """Call before creating the engine: pin the V1 model runner (the plugin's interface).
+
+    On vLLM's CPU build an unset VLLM_CPU_KVCACHE_SPACE makes engine start fail whenever the NUMA
+    node reports less free memory than the utilisation target (../shared/notes/VLLM-CPU.md,
+    trap 3); we default it to 4 GiB of KV cache. GPU builds ignore the variable.
+    """
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
 
 
 def _get(obj: Any, name: str) -> Any:
