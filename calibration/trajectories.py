@@ -208,9 +208,11 @@ def _make_info(dim: int, dtype: str, info_fields: Mapping[str, Any]) -> dict[str
 def _check_info(info: Any, where: str) -> None:
     if not isinstance(info, dict):
         raise TrajectoryError(f"{where}: must be a JSON object")
-    missing = ({"format", "version", "dim", "dtype"} | set(INFO_DEFAULTS)) - set(info)
+    missing = {"format", "version", "dim", "dtype"} - set(info)
     if missing:
         raise TrajectoryError(f"{where}: missing field(s) {sorted(missing)}")
+    for name, default in INFO_DEFAULTS.items():  # optional fields (older sets lack the newer ones)
+        info.setdefault(name, default)
     if info["format"] != FORMAT:
         raise TrajectoryError(f"{where}: format is {info['format']!r}, expected {FORMAT!r}; "
                               "this is not an orca trajectory directory")
@@ -223,10 +225,11 @@ def _check_info(info: Any, where: str) -> None:
     if info["normalization"] not in NORMALIZATIONS:
         raise TrajectoryError(f"{where}: normalization {info['normalization']!r} is not one of "
                               f"{NORMALIZATIONS}")
-    for name in ("model", "source"):
+    for name in ("model", "source", "tokenizer_fingerprint"):
         _str_or_none(info[name], where, name)
-    if info["segmentation"] is not None and not isinstance(info["segmentation"], dict):
-        raise TrajectoryError(f"{where}: segmentation must be an object or null")
+    for name in ("segmentation", "think"):
+        if info[name] is not None and not isinstance(info[name], dict):
+            raise TrajectoryError(f"{where}: {name} must be an object or null")
 
 
 def _read_info(directory: Path) -> dict[str, Any]:
