@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,7 +87,12 @@ class Loader:
         phi = self._buf[:b * t * d].view(b, t, d)
         labels = torch.zeros(b, t)
         for r, i in enumerate(indices):
-            phi[r, :lengths[r]] = torch.from_numpy(np.asarray(self.ts.embeddings(i), np.float32))
+            # copy_ converts float16 -> float32 on the way, with no temporary array; the
+            # read-only memmap is only read, so torch's non-writable warning does not apply
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.from_numpy(np.asarray(self.ts.embeddings(i)))
+            phi[r, :lengths[r]].copy_(src)
             phi[r, lengths[r]:] = 0
             labels[r, :lengths[r]] = torch.from_numpy(self.ts.labels(i, self.mode).astype(np.float32))
         mask = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]

@@ -1,0 +1,174 @@
+"""Fast tests of the toy task and of the shipped demo model (orca_serve/demo/model)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+import orca_serve
+from calibration.toy.tasks import (
+    FAMILIES,
+    FORCE_SUFFIX,
+    STEP_DELIMITER,
+    check_answer,
+    extract_answer,
+    make_problem,
+    paragraph_candidate,
+    trace,
+    trace_paragraphs,
+    trace_stats,
+    write_prompts,
+)
+from calibration.toy.train import CHAT_TEMPLATE, EOS, make_example, render_prompt
+
+MODEL_DIR = Path(orca_serve.__file__).parent / "demo" / "model"
+SAMPLE_TEXTS = [
+    render_prompt("Find the integer x with 7*x + 3 = 52.") + "<think>\nTry x = 5: 7*5 = 35, 35 + 3 = 38.",
+    "Try x = 7: 7*7 = 49, 49 + 3 = 52. That matches.\n\nCheck: 7*7 = 49.\n</think>\nThe answer is \\boxed{7}.",
+    "Solve for x: 16 = 9*x - 2." + FORCE_SUFFIX + "2}" + EOS,
+    "Unseen text: héllo  wörld\n\n\n\t12345 don't 日本",
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_problems_in_range_and_consistent(family: str) -> None:
+    rng = random.Random(0)
+    for _ in range(2000):
+        p = make_problem(rng, family)
+        assert 2 <= p.a <= 9 and 1 <= p.x <= 9 and 0 <= p.b <= 20
+        assert p.value(p.x) == p.c and p.c >= 0
+        assert p.question.count(str(p.c)) >= 1
+
+
+def test_unknown_family_rejected() -> None:
+    with pytest.raises(ValueError):
+        make_problem(random.Random(0), "ood")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_traces_walk_to_x_then_check(family: str) -> None:
+    """Tries step by 1 from within 5 of x; slips are followed by a Wait; 0-4 checks at the end."""
+    rng = random.Random(1)
+    for _ in range(2000):
+        p = make_problem(rng, family)
+        paras = trace_paragraphs(p, rng)
+        tries = [paragraph_candidate(s) for s in paras if s.startswith("Try")]
+        assert abs(tries[0] - p.x) <= 5 and tries[-1] == p.x
+        assert all(abs(b - a) == 1 for a, b in zip(tries, tries[1:]))
+        for i, s in enumerate(paras):
+            if s.startswith("Wait"):
+                assert paras[i - 1].startswith("Try") and paragraph_candidate(paras[i - 1]) == paragraph_candidate(s)
+        stats = trace_stats(trace(p, random.Random(2)), p)
+        assert stats.well_formed and stats.correct and 0 <= stats.redundant <= 4
+
+
+def test_answer_extraction() -> None:
+    p = make_problem(random.Random(3), "in-dist")
+    assert extract_answer("The answer is \\boxed{7}.") == 7
+    assert extract_answer("\\boxed{3} then \\boxed{ -4 }") == -4
+    assert extract_answer("\\boxed{" + "12}.") == 12  # forced continuation
+    assert extract_answer("no answer") is None and extract_answer("\\boxed{x}") is None
+    assert check_answer(f"</think>\nThe answer is \\boxed{{{p.x}}}.", p)
+    assert not check_answer(f"The answer is \\boxed{{{p.x + 1}}}.", p)
+
+
+def test_malformed_trace_detected() -> None:
+    p = make_problem(random.Random(4), "in-dist")
+    good = trace(p, random.Random(5))
+    assert not trace_stats(good.replace("</think>", ""), p).well_formed
+    assert not trace_stats(good.replace("Try x", "Guess x", 1), p).well_formed
+    assert not trace_stats(good + " More.", p).well_formed
+
+
+def test_prompts_jsonl(tmp_path: Path) -> None:
+    out = tmp_path / "p.jsonl"
+    write_prompts(out, "shifted", 20, seed=1)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 20 and len({r["id"] for r in rows}) == 20
+    for r in rows:
+        assert r["family"] == "shifted" and r["messages"][0]["role"] == "user"
+        assert r["messages"][0]["content"].startswith("Solve for x:") and r["answer"] == str(r["problem"]["x"])
+    write_prompts(tmp_path / "q.jsonl", "shifted", 20, seed=1)
+    assert (tmp_path / "q.jsonl").read_text() == out.read_text()
+
+
+def test_shipped_model_checksums() -> None:
+    lines = (MODEL_DIR / "SHA256SUMS").read_text().splitlines()
+    names = {line.split("  ", 1)[1] for line in lines}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    for line in lines:
+        digest, name = line.split("  ", 1)
+        assert hashlib.sha256((MODEL_DIR / name).read_bytes()).hexdigest() == digest, name
+
+
+def test_tokenizer_loaders_agree() -> None:
+    """The spike's trap: AutoTokenizer loads a qwen2 tokenizer as Qwen2Tokenizer."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    raw = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    auto = AutoTokenizer.from_pretrained(MODEL_DIR)
+    fast = PreTrainedTokenizerFast(tokenizer_file=str(MODEL_DIR / "tokenizer.json"))
+    for text in SAMPLE_TEXTS:
+        assert auto(text)["input_ids"] == fast(text)["input_ids"] == raw.encode(text).ids, text
+    for token in ("<think>", "</think>", STEP_DELIMITER, "<|user|>", "<|assistant|>", EOS):
+        assert len(raw.encode(token).ids) == 1, token
+    assert auto.eos_token == EOS and auto.chat_template == CHAT_TEMPLATE
+    chat = [{"role": "user", "content": "Q?"}]
+    assert auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == render_prompt("Q?")
+
+
+def test_forced_examples_train_only_the_answer() -> None:
+    from tokenizers import Tokenizer
+
+    from calibration.toy.train import encode
+
+    raw = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    rng = random.Random(6)
+    forced = [ex for ex in (make_example(rng) for _ in range(200)) if not ex[0].endswith(EOS)]
+    assert 30 <= len(forced) <= 90
+    for text, loss_from in forced:
+        ids, labels = encode(raw, text, loss_from)
+        trained = raw.decode([i for i, lab in zip(ids, labels) if lab != -100])
+        assert trained == text[loss_from:] and trained.endswith("}")
+
+
+def test_packing_skips_examples_longer_than_a_row() -> None:
+    """An over-long example once blocked the stream: every later row was empty (NaN loss)."""
+    from tokenizers import Tokenizer
+
+    from calibration.toy.train import packed_batches
+
+    raw = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    batches = packed_batches(raw, random.Random(0), rows=4, seq_len=200, pad_id=0)
+    for _ in range(5):
+        batch = next(batches)
+        assert ((batch["labels"] != -100).sum(dim=1) > 0).all()
+        assert (batch["position_ids"][:, 0] == 0).all()
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval(), AutoTokenizer.from_pretrained(MODEL_DIR)
+
+
+def test_greedy_generation_well_formed(hf_model) -> None:
+    import torch
+
+    model, tok = hf_model
+    rng = random.Random(11)
+    for _ in range(5):
+        p = make_problem(rng, "in-dist")
+        chat = [{"role": "user", "content": p.question}]
+        ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=600, do_sample=False)
+        text = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+        assert out[0, -1].item() == tok.eos_token_id, text
+        assert trace_stats(text, p).well_formed, text

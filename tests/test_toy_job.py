@@ -1,0 +1,98 @@
+"""The calibration job end to end on the embedded toy reasoner, then early stops through orca-serve.
+
+Real vLLM engine (collection in record mode, answer probes), real training, LTT and evaluation on
+a small slice; then the bundle is served by a live `orca-serve` and held-out questions are asked
+through the OpenAI client.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from calibration.job import run_job
+from calibration.toy.tasks import write_prompts
+from orca_serve.bundle import load_bundle
+
+pytestmark = pytest.mark.vllm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serving import Server, orca_serve_cmd  # noqa: E402
+
+MODEL = Path(__file__).parents[1] / "orca_serve" / "demo" / "model"
+N_PROMPTS = 120
+DELTAS = [0.2, 0.3]  # 30 calibration problems can certify these (0.8^30 < 0.05)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("toyjob")
+    write_prompts(d / "prompts.jsonl", "in-dist", N_PROMPTS, seed=11)
+    write_prompts(d / "shifted.jsonl", "shifted", 20, seed=12)
+    (d / "job.yaml").write_text(json.dumps({
+        "model": str(MODEL), "prompts": "prompts.jsonl", "shifted_prompts": "shifted.jsonl",
+        "out": "run",
+        "collect": {"temperature": 0.7, "max_tokens": 320, "answer_tokens": 6, "batch": 64,
+                    "suffix": "\n</think>\nThe answer is \\boxed{",
+                    "think": {"force_text": "\n</think>\n"}},
+        "split": {"fractions": [0.5, 0.3, 0.2], "seed": 0},
+        "train": {"probe": "ttt-noqk", "epochs": 5},
+        "calibrate": {"deltas": DELTAS},
+    }))
+    run_job(d / "job.yaml", progress=False)
+    return d
+
+
+def test_job_writes_every_stage(job: Path) -> None:
+    run = job / "run"
+    for name in ("probe.safetensors", "bundle.json", "evaluation.json", "evaluation.md",
+                 "calibration-scores.jsonl", "collect-stats.json", "plots/error_vs_delta.png"):
+        assert (run / name).exists(), name
+    bundle = load_bundle(run / "bundle.json")
+    assert bundle.deltas() == DELTAS and bundle.model.tokenizer_fingerprint
+    assert bundle.think.force_text == "\n</think>\n"
+    problems = [json.loads(x) for x in (run / "trajectories" / "problems.jsonl").open()]
+    assert len(problems) == N_PROMPTS
+    assert {p["split"] for p in problems} == {"train", "calibration", "test"}
+    # labels come from real answer probes: most problems have a step whose forced answer is
+    # right (62% on the full toy job) and start out wrong, so labels flip from 0 to 1
+    flips = sum(0 in p["labels"]["supervised"] and 1 in p["labels"]["supervised"]
+                for p in problems)
+    assert flips > 0.35 * N_PROMPTS
+    report = json.loads((run / "evaluation.json").read_text())
+    assert set(report) == {"test", "shifted"}
+
+
+def test_rerun_skips_finished_stages(job: Path) -> None:
+    log = run_job(job / "job.yaml", progress=False)
+    assert all("skipped" in line for line in log), log
+
+
+def test_served_bundle_stops_early(job: Path) -> None:
+    bundle = load_bundle(job / "run" / "bundle.json")
+    lam = {d: bundle.lam(d) for d in DELTAS}
+    assert any(v < float("inf") for v in lam.values()), f"LTT certified no threshold: {lam}"
+    delta = max(d for d in DELTAS if lam[d] < float("inf"))
+    srv = Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(job / "run" / "bundle.json")),
+                 job / "serve.log", ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32",
+                                     "--max-model-len", "1024", "--reasoning-parser", "deepseek_r1"])
+    try:
+        client = srv.wait().client()
+        prompts = [json.loads(x) for x in (job / "prompts.jsonl").open()][:24]
+        stopped = 0
+        for p in prompts:
+            r = client.chat.completions.create(
+                model=str(MODEL), messages=p["messages"], temperature=0, max_tokens=320,
+                extra_body={"orca": {"delta": delta, "policy": "answer"}})
+            orca = r.model_extra["orca"]
+            assert orca["enabled"] and orca["delta"] == delta
+            if orca["stopped_early"]:
+                stopped += 1
+                assert orca["stop_step"] >= 1 and r.choices[0].finish_reason == "stop"
+                assert "boxed" in (r.choices[0].message.content or "")  # an answer follows
+        assert stopped >= 1
+    finally:
+        srv.stop()
