@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,7 @@ from tqdm import tqdm
 from calibration.ltt import calibrate
 from calibration.trajectories import TrajectorySet
 from orca_serve.probe import Probe, ProbeSpec
-from orca_serve.procedure import replay
+from orca_serve.procedure import as_tensor, replay
 
 VALIDATION_DELTA = 0.1
 
@@ -87,12 +86,8 @@ class Loader:
         phi = self._buf[:b * t * d].view(b, t, d)
         labels = torch.zeros(b, t)
         for r, i in enumerate(indices):
-            # copy_ converts float16 -> float32 on the way, with no temporary array; the
-            # read-only memmap is only read, so torch's non-writable warning does not apply
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                src = torch.from_numpy(np.asarray(self.ts.embeddings(i)))
-            phi[r, :lengths[r]].copy_(src)
+            # copy_ converts float16 -> float32 on the way, with no temporary array
+            phi[r, :lengths[r]].copy_(as_tensor(self.ts.embeddings(i)))
             phi[r, lengths[r]:] = 0
             labels[r, :lengths[r]] = torch.from_numpy(self.ts.labels(i, self.mode).astype(np.float32))
         mask = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]

@@ -8,6 +8,7 @@ the threshold chosen offline is applied to exactly the scores the server compute
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -147,6 +148,16 @@ class ProbeBank:
         return StepResult(raw=raw, smoothed=smoothed, stop=stop, steps=n)
 
 
+def as_tensor(arr) -> Tensor:
+    """A tensor view of an array, memory maps included (read-only ones are only ever read here;
+    `torch.tensor(fp16_array, dtype=float32)` is a slow element-wise path, this is not)."""
+    if isinstance(arr, Tensor):
+        return arr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.asarray(arr))
+
+
 @torch.no_grad()
 def replay(probe: Probe, trajectories: list, window: int,
            batch: int = 64) -> list[tuple[Tensor, Tensor]]:
@@ -157,7 +168,7 @@ def replay(probe: Probe, trajectories: list, window: int,
     """
     out: list[tuple[Tensor, Tensor]] = []
     for start in range(0, len(trajectories), batch):
-        chunk = [torch.tensor(np.asarray(t), dtype=torch.float32) for t in trajectories[start:start + batch]]
+        chunk = [as_tensor(t).to(torch.float32) for t in trajectories[start:start + batch]]
         lengths = torch.tensor([len(t) for t in chunk])
         phi = torch.nn.utils.rnn.pad_sequence(chunk, batch_first=True)
         bank = ProbeBank(probe, window=window, capacity=len(chunk))
