@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,8 +127,9 @@ class Collector:
         for key, rec in batch:
             keys.append(key)
             params.append(SamplingParams(
+                # no per-request seed: vLLM 0.32's CPU build crashes on seeded requests whose
+                # prefill is chunked; the engine's seed (LLM(seed=...)) makes runs repeatable
                 temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
-                seed=zlib.crc32(f"{s.seed}:{key}".encode()) % (2 ** 31),
                 extra_args={"orca_key": key, "orca_record": 1, "orca_enabled": 0}))
             chats.append(rec.get("messages") or rec["prompt"])
         if all(isinstance(c, list) for c in chats):
