@@ -24,7 +24,7 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-openai = pytest.importorskip("openai")
+import openai  # noqa: E402
 
 from orca_serve.bundle import (  # noqa: E402
     Bundle,
