@@ -12,6 +12,7 @@ from pathlib import Path
 
 from calibration.collect import DEFAULT_SUFFIX
 from calibration.job import JobError
+from calibration.judge import JudgeError, JudgeSettings
 from calibration.trajectories import TrajectoryError
 
 PROBES = {
@@ -144,10 +145,14 @@ def cmd_compare(a: argparse.Namespace) -> None:
 
 def cmd_collect(a: argparse.Namespace) -> None:
     from calibration.collect import Collector, CollectSettings, read_prompts
+    if bool(a.judge_url) != bool(a.judge_model):
+        raise UsageError("--judge-url and --judge-model go together")
+    judge = JudgeSettings(base_url=a.judge_url, model=a.judge_model,
+                          api_key_env=a.judge_api_key_env) if a.judge_url else None
     prompts = read_prompts(Path(a.prompts))
     settings = CollectSettings(samples=a.samples, temperature=a.temperature, top_p=a.top_p,
                                max_tokens=a.max_tokens, seed=a.seed, label_every=a.label_every,
-                               suffix=a.suffix, dtype=a.dtype, batch=a.batch)
+                               suffix=a.suffix, dtype=a.dtype, batch=a.batch, judge=judge)
     stats = Collector(a.model, settings).run(prompts, Path(a.out))
     print(json.dumps(stats.as_dict()))
 
@@ -240,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suffix", default=DEFAULT_SUFFIX, help="answer-forcing suffix")
     p.add_argument("--dtype", choices=["float16", "float32"], default="float32")
     p.add_argument("--batch", type=int, default=64, help="prompts per generation batch")
+    p.add_argument("--judge-url", help="OpenAI-compatible endpoint (…/v1) whose model grades "
+                   "every step answer: adds the `judge` label mode")
+    p.add_argument("--judge-model", help="the judge's model name at --judge-url")
+    p.add_argument("--judge-api-key-env", help="environment variable holding the judge's API key")
     p.set_defaults(fn=cmd_collect)
 
     p = sub.add_parser("run", help="the whole job from a YAML file (resumable)")
@@ -260,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     from orca_serve.bundle import BundleError
     try:
         args.fn(args)
-    except (UsageError, TrajectoryError, BundleError, JobError, ValueError, FileNotFoundError,
-            KeyError) as e:
+    except (UsageError, TrajectoryError, BundleError, JobError, JudgeError, ValueError,
+            FileNotFoundError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"orca-calibrate {args.cmd}: error: {msg}", file=sys.stderr)
         return 2

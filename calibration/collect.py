@@ -3,13 +3,15 @@
 The step embeddings come from the plugin's own capture and segmentation (the code that serves),
 so calibration is on-policy for exactly the online procedure. After each batch of trajectories,
 every labelled step boundary is continued with the answer-forcing suffix (greedy, prefix caching
-on) to read the intermediate answer; labels follow (calibration/labels.py). Each finished problem
-is appended and flushed at once, so a killed job loses at most the batch in flight.
+on) to read the intermediate answer; labels follow (calibration/labels.py), and with a judge
+configured its verdicts too (calibration/judge.py, one concurrent round per batch). Each finished
+problem is appended and flushed at once, so a killed job loses at most the batch in flight.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from calibration.judge import Judge, JudgeSettings, question_text
 from calibration.labels import (extract_final, extract_forced, fill_pessimistic, labelled_steps,
                                 step_labels)
 from calibration.trajectories import TrajectoryWriter
@@ -42,6 +45,7 @@ class CollectSettings:
     think: dict[str, Any] = field(default_factory=dict)
     normalization: str = "token-l2"
     engine: dict[str, Any] = field(default_factory=dict)  # extra vLLM LLM(...) arguments
+    judge: JudgeSettings | None = None  # adds labels["judge"]
 
 
 @dataclass
@@ -50,15 +54,18 @@ class Stats:
     answer_probes: int = 0
     generate_s: float = 0.0
     probe_s: float = 0.0
+    judge_s: float = 0.0
+    judge: dict[str, int] = field(default_factory=dict)  # the judge's counts, when there is one
 
     def as_dict(self) -> dict[str, float]:
-        total = self.generate_s + self.probe_s
+        total = self.generate_s + self.probe_s + self.judge_s
+        judge = {**self.judge, "judge_s": round(self.judge_s, 2)} if self.judge else {}
         return {"trajectories": self.trajectories, "answer_probes": self.answer_probes,
                 "generate_s": round(self.generate_s, 2), "probe_s": round(self.probe_s, 2),
                 "trajectories_per_min": round(60 * self.trajectories / total, 2) if total else 0,
                 "answer_probes_per_s": round(self.answer_probes / self.probe_s, 2)
                 if self.probe_s else 0,
-                "probe_share": round(self.probe_s / total, 3) if total else 0}
+                "probe_share": round(self.probe_s / total, 3) if total else 0, **judge}
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -96,6 +103,9 @@ class Collector:
     """One vLLM engine with the plugin in record mode; writes a trajectory directory."""
 
     def __init__(self, model: str, settings: CollectSettings) -> None:
+        self.judge = Judge(settings.judge) if settings.judge else None
+        if self.judge is not None:
+            self.judge.check()  # before the model loads: a bad endpoint fails in seconds
         from vllm import LLM
 
         from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
@@ -193,14 +203,21 @@ class Collector:
             for batch in _chunks(todo, s.batch):
                 done = [d for d in self._generate(batch) if d[3]["step_tokens"]]
                 answers = self._probe_answers(done)
-                for (key, rec, out, res), probed in zip(done, answers):
-                    writer.append(_problem_fields(key, rec, out, res, probed, res0), 
-                                  res["step_embeddings"])
+                t0 = time.perf_counter()
+                records = _label_batch(done, answers, res0, self.judge)
+                if self.judge is not None:
+                    self.stats.judge_s += time.perf_counter() - t0
+                    self.stats.judge = self.judge.counts()
+                for record, (_, _, _, res) in zip(records, done):
+                    writer.append(record, res["step_embeddings"])
                     self.stats.trajectories += 1
                 bar.update(len(batch))
                 bar.set_postfix(**{k: v for k, v in self.stats.as_dict().items()
                                    if k in ("trajectories_per_min", "probe_share")})
             bar.close()
+        if self.judge is not None and self.judge.unparseable:
+            print(f"warning: {self.judge.unparseable} of {self.judge.calls} judge replies were "
+                  f"neither yes nor no (labelled 0), e.g. {self.judge.example!r}", file=sys.stderr)
         return self.stats
 
 
@@ -221,6 +238,19 @@ def _step_ends(step_tokens: list[int], start: int) -> list[int]:
         pos += n
         ends.append(pos)
     return ends
+
+
+def _label_batch(done: list[tuple[str, dict, Any, dict]], answers: list[dict[int, str | None]],
+                 record_settings: dict, judge: Judge | None) -> list[dict[str, Any]]:
+    """The records of a generated batch; a judge sees all their step answers in one round."""
+    records = [_problem_fields(key, rec, out, res, probed, record_settings)
+               for (key, rec, out, res), probed in zip(done, answers)]
+    if judge is not None:
+        verdicts = judge.label([(question_text(rec), r["answer"], r["step_answers"])
+                                for (_, rec, _, _), r in zip(done, records)])
+        for r, v in zip(records, verdicts):
+            r["labels"]["judge"] = v
+    return records
 
 
 def _problem_fields(key: str, rec: dict, out: Any, res: dict, probed: dict[int, str | None],

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from calibration.collect import CollectSettings
+from calibration.judge import JudgeError, JudgeSettings
 
 STAGES = ("collect", "split", "train", "calibrate", "evaluate")
 
@@ -50,6 +51,15 @@ def load_job(path: Path) -> dict[str, Any]:
     bad = set(job.get("collect") or {}) - known
     if bad:
         raise JobError(f"{path}: unknown collect settings {sorted(bad)} (known: {sorted(known)})")
+    if (job.get("collect") or {}).get("judge") is not None:
+        try:
+            job["collect"]["judge"] = JudgeSettings.from_dict(job["collect"]["judge"],
+                                                              f"{path}: collect")
+        except JudgeError as e:
+            raise JobError(str(e)) from None
+    elif (job.get("train") or {}).get("label_mode") == "judge":
+        raise JobError(f"{path}: train.label_mode judge needs a collect.judge block "
+                       "(base_url, model, api_key_env)")
     return job
 
 
