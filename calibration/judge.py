@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, fields
 from typing import Any
 
-from calibration.labels import _normalise
+from calibration.labels import normalise
 
 SYSTEM = "You grade answers to problems. Reply with exactly one word: yes or no."
 _THINK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
@@ -111,11 +111,11 @@ class Judge:
         todo: dict[Key, tuple[str, str | None, str]] = {}
         for q, ref, answers in items:
             for a in answers:
-                if a is not None and (q, ref, _normalise(a)) not in self._cache:
-                    todo.setdefault((q, ref, _normalise(a)), (q, ref, a))
+                if a is not None and (q, ref, normalise(a)) not in self._cache:
+                    todo.setdefault((q, ref, normalise(a)), (q, ref, a))
         if todo:
             self._run(lambda: self._fetch(todo))
-        return [[0 if a is None else self._cache[(q, ref, _normalise(a))] for a in answers]
+        return [[0 if a is None else self._cache[(q, ref, normalise(a))] for a in answers]
                 for q, ref, answers in items]
 
     def counts(self) -> dict[str, int]:

@@ -44,7 +44,8 @@ def extract_final(text: str) -> str | None:
     return lines[-1] if lines else None
 
 
-def _normalise(ans: str) -> str:
+def normalise(ans: str) -> str:
+    """The exact-match form of an answer (also the judge's cache key)."""
     return re.sub(r"\s+", "", ans).rstrip(".").lower()
 
 
@@ -53,7 +54,7 @@ def equivalent(a: str | None, b: str | None) -> bool:
     """Answer equivalence: math-verify when both parse, exact (whitespace-insensitive) otherwise."""
     if a is None or b is None:
         return False
-    if _normalise(a) == _normalise(b):
+    if normalise(a) == normalise(b):
         return True
     try:
         from math_verify import parse, verify
