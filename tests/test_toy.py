@@ -132,22 +132,34 @@ def test_forced_examples_train_only_the_answer() -> None:
     forced = [ex for ex in (make_example(rng) for _ in range(200)) if not ex[0].endswith(EOS)]
     assert 30 <= len(forced) <= 90
     for text, loss_from in forced:
-        ids, labels = encode(raw, text, loss_from)
-        trained = raw.decode([i for i, lab in zip(ids, labels) if lab != -100])
+        ids, weights = encode(raw, text, loss_from)
+        trained = raw.decode([i for i, w in zip(ids, weights) if w > 0])
         assert trained == text[loss_from:] and trained.endswith("}")
+
+
+def test_verdicts_are_upweighted() -> None:
+    from tokenizers import Tokenizer
+
+    from calibration.toy.train import DECISION_WEIGHT, encode
+
+    raw = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    text = render_prompt("Q") + "<think>\nTry x = 2: 3*2 = 6, 6 + 1 = 7, want 7. That matches.\n</think>"
+    ids, weights = encode(raw, text, len(render_prompt("Q")))
+    heavy = raw.decode([i for i, w in zip(ids, weights) if w == DECISION_WEIGHT])
+    assert heavy.strip() == "That matches"
 
 
 def test_packing_skips_examples_longer_than_a_row() -> None:
     """An over-long example once blocked the stream: every later row was empty (NaN loss)."""
     from tokenizers import Tokenizer
 
-    from calibration.toy.train import packed_batches
+    from calibration.toy.train import packed_batch
 
     raw = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
-    batches = packed_batches(raw, random.Random(0), rows=4, seq_len=200, pad_id=0)
+    rng = random.Random(0)
     for _ in range(5):
-        batch = next(batches)
-        assert ((batch["labels"] != -100).sum(dim=1) > 0).all()
+        batch = packed_batch(raw, rng, rows=4, seq_len=200, pad_id=0)
+        assert ((batch["weights"] > 0).sum(dim=1) > 0).all()
         assert (batch["position_ids"][:, 0] == 0).all()
 
 

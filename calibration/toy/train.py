@@ -12,8 +12,9 @@ import hashlib
 import json
 import math
 import random
+import re
+import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -52,6 +53,10 @@ SHIFTED_SHARE = 0.08  # shifted family in training: solved, not memorised
 FORCED_SHARE = 0.30  # truncated traces + answer-forcing suffix, loss on the answer only
 ALT_SUFFIX_SHARE = 0.25  # of forced examples, use METHOD.md's suffix instead of FORCE_SUFFIX
 BOUNDARY_DELIM_SHARE = 0.5  # of forced examples, prefix ends with the step delimiter (online case)
+# The verdict after each try decides the walk, but is ~3% of the tokens: at weight 1 an 800-step
+# run said "Too big." for "56 + 6 = 62, want 62" (matches recognised 40% of the time).
+DECISION_WEIGHT = 5.0
+_VERDICT_RE = re.compile(r" (?:Too small|Too big|That matches)\.")
 
 
 def render_prompt(question: str) -> str:
@@ -112,44 +117,57 @@ def save_tokenizer(tok: Tokenizer, out: Path) -> None:
     (out / "chat_template.jinja").unlink(missing_ok=True)
 
 
-def encode(tok: Tokenizer, text: str, loss_from: int) -> tuple[list[int], list[int]]:
-    """Token ids and labels (-100 before loss_from, by character offset)."""
+def encode(tok: Tokenizer, text: str, loss_from: int) -> tuple[list[int], list[float]]:
+    """Token ids and loss weights: 0 before loss_from (by character offset), DECISION_WEIGHT on
+    verdict words, 1 elsewhere."""
     enc = tok.encode(text)
-    labels = [i if start >= loss_from else -100 for i, (start, _) in zip(enc.ids, enc.offsets)]
-    return enc.ids, labels
+    verdicts = [(m.start(), m.end() - 1) for m in _VERDICT_RE.finditer(text)]
+
+    def weight(start: int) -> float:
+        if start < loss_from:
+            return 0.0
+        return DECISION_WEIGHT if any(a <= start < b for a, b in verdicts) else 1.0
+
+    return enc.ids, [weight(start) for start, _ in enc.offsets]
 
 
-def packed_batches(
-    tok: Tokenizer, rng: random.Random, rows: int, seq_len: int, pad_id: int
-) -> Iterator[dict[str, torch.Tensor]]:
-    """Rows of whole examples; position_ids restart per example so attention stays within it."""
-    pending: tuple[list[int], list[int]] | None = None
-    while True:
-        ids, pos, labels = [], [], []
-        for _ in range(rows):
-            row_ids: list[int] = []
-            row_pos: list[int] = []
-            row_lab: list[int] = []
-            while True:
-                ex_ids, ex_lab = pending or encode(tok, *make_example(rng))
-                pending = None
-                if len(ex_ids) > seq_len:  # rare (many slips); would otherwise block every row
-                    continue
-                if len(row_ids) + len(ex_ids) > seq_len:
-                    pending = (ex_ids, ex_lab)
-                    break
-                row_ids += ex_ids
-                row_pos += range(len(ex_ids))
-                row_lab += ex_lab
-            pad = seq_len - len(row_ids)
-            ids.append(row_ids + [pad_id] * pad)
-            pos.append(row_pos + list(range(pad)))
-            labels.append(row_lab + [-100] * pad)
-        yield {
-            "input_ids": torch.tensor(ids),
-            "position_ids": torch.tensor(pos),
-            "labels": torch.tensor(labels),
-        }
+def packed_batch(tok: Tokenizer, rng: random.Random, rows: int, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Rows of whole examples; position_ids restart per example so attention stays within it.
+    One rng per step (no carry-over) makes a resumed run see exactly the same data."""
+    ids, pos, weights = [], [], []
+    pending: tuple[list[int], list[float]] | None = None
+    for _ in range(rows):
+        row_ids: list[int] = []
+        row_pos: list[int] = []
+        row_w: list[float] = []
+        while True:
+            ex_ids, ex_w = pending or encode(tok, *make_example(rng))
+            pending = None
+            if len(ex_ids) > seq_len:  # rare (many slips); once blocked every later row (NaN loss)
+                continue
+            if len(row_ids) + len(ex_ids) > seq_len:
+                pending = (ex_ids, ex_w)
+                break
+            row_ids += ex_ids
+            row_pos += range(len(ex_ids))
+            row_w += ex_w
+        pad = seq_len - len(row_ids)
+        ids.append(row_ids + [pad_id] * pad)
+        pos.append(row_pos + list(range(pad)))
+        weights.append(row_w + [0.0] * pad)
+    return {"input_ids": torch.tensor(ids), "position_ids": torch.tensor(pos), "weights": torch.tensor(weights)}
+
+
+def weighted_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float]:
+    """Weighted next-token loss, and the plain mean over trained tokens (for the log).
+    use_cache=False matters: with a cache transformers ignores the packed position_ids and
+    attends across examples (measured: logits differ by 2.4 without it)."""
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    ce = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), batch["input_ids"][:, 1:].flatten(), reduction="none"
+    )
+    w = batch["weights"][:, 1:].flatten()
+    return (ce * w).sum() / w.sum(), ce[w > 0].mean().item()
 
 
 def lr_factor(step: int, progress: float, warmup: int = 30, floor: float = 0.1) -> float:
@@ -189,12 +207,15 @@ def write_checksums(out: Path) -> None:
     (out / "SHA256SUMS").write_text("\n".join(lines) + "\n")
 
 
-def train(out: Path, minutes: float, seed: int, steps: int | None, rows: int, seq_len: int) -> None:
-    """Train for a time budget (or a fixed step count) and save model, tokenizer, checksums."""
+def train(
+    out: Path, minutes: float, seed: int, steps: int | None, rows: int, seq_len: int, checkpoint: Path
+) -> None:
+    """Train for a time budget (or a fixed step count) and save model, tokenizer, checksums.
+    Resumes from `checkpoint` (written every 25 steps) when its settings match: other jobs on
+    this machine have killed long runs."""
     torch.set_num_threads(2)
     torch.manual_seed(seed)
-    rng = random.Random(seed)
-    tok = build_tokenizer(rng)
+    tok = build_tokenizer(random.Random(seed))
     eos_id = tok.token_to_id(EOS)
     vocab = 64 * math.ceil(tok.get_vocab_size() / 64)
     model = build_model(vocab, eos_id)
@@ -202,29 +223,40 @@ def train(out: Path, minutes: float, seed: int, steps: int | None, rows: int, se
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.01)
     base_lrs = [g["lr"] for g in opt.param_groups]
-    batches = packed_batches(tok, rng, rows, seq_len, eos_id)
-    budget, start, step, ema = minutes * 60, time.time(), 0, None
+    key = {"seed": seed, "steps": steps, "minutes": minutes, "rows": rows, "seq_len": seq_len}
+    state = {"step": 0, "ema": None, "elapsed": 0.0}
+    if checkpoint.exists() and (ckpt := torch.load(checkpoint, weights_only=False))["key"] == key:
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        state = ckpt["state"]
+        print(f"resumed from {checkpoint} at step {state['step']}", flush=True)
+    budget, start = minutes * 60, time.time() - state["elapsed"]
     model.train()
-    while (step < steps) if steps else (time.time() - start < budget):
+    while (state["step"] < steps) if steps else (time.time() - start < budget):
+        step = state["step"]
         progress = step / steps if steps else (time.time() - start) / budget
         for g, lr in zip(opt.param_groups, base_lrs):
             g["lr"] = lr * lr_factor(step, progress)
+        batch = packed_batch(tok, random.Random(f"{seed}:{step}"), rows, seq_len, eos_id)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            # use_cache=False matters: with a cache transformers ignores the packed position_ids
-            # and attends across examples (measured: logits differ by 2.4 without it).
-            loss = model(**next(batches), use_cache=False).loss
+            loss, plain = weighted_loss(model, batch)
         if not torch.isfinite(loss):
             raise RuntimeError(f"non-finite loss at step {step}")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        step += 1
-        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-        if step % 25 == 0:
-            print(f"step {step} loss {loss.item():.4f} ema {ema:.4f} {time.time() - start:.0f}s", flush=True)
-    print(f"done: {step} steps, {time.time() - start:.0f}s, final loss (ema) {ema:.4f}", flush=True)
+        ema = plain if state["ema"] is None else 0.95 * state["ema"] + 0.05 * plain
+        state = {"step": step + 1, "ema": ema, "elapsed": time.time() - start}
+        if state["step"] % 25 == 0:
+            print(f"step {state['step']} weighted {loss.item():.4f} loss {plain:.4f} ema {ema:.4f} "
+                  f"{state['elapsed']:.0f}s", flush=True)
+            tmp = checkpoint.with_suffix(".tmp")
+            torch.save({"key": key, "model": model.state_dict(), "opt": opt.state_dict(), "state": state}, tmp)
+            tmp.replace(checkpoint)
+    print(f"done: {state['step']} steps, {state['elapsed']:.0f}s, final loss (ema) {state['ema']:.4f}", flush=True)
     save(model, tok, out, eos_id)
+    checkpoint.unlink(missing_ok=True)
 
 
 def save(model: torch.nn.Module, tok: Tokenizer, out: Path, eos_id: int) -> None:
@@ -246,8 +278,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="fixed step count instead of --minutes")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--checkpoint", type=Path, default=None, help="resume file (default: in the temp dir)")
     args = ap.parse_args()
-    train(args.out, args.minutes, args.seed, args.steps, args.rows, args.seq_len)
+    ckpt = args.checkpoint or Path(tempfile.gettempdir()) / f"orca-toy-train-seed{args.seed}.pt"
+    train(args.out, args.minutes, args.seed, args.steps, args.rows, args.seq_len, ckpt)
 
 
 if __name__ == "__main__":
