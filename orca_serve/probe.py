@@ -230,14 +230,19 @@ class Probe(nn.Module):
         return {k: fast[k] - _bcast(coef, v) * v for k, v in parts.items()}
 
     @torch.no_grad()
-    def update_(self, fast: Fast, phi: Tensor, score_logit: Tensor | None = None) -> None:
+    def update_(self, fast: Fast, phi: Tensor, score_logit: Tensor | None = None,
+                frozen: Tensor | None = None) -> None:
         """The same step applied in place (the server's path: no [rows, d] temporaries).
 
-        Pass the score logit just computed on these fast weights to skip recomputing it.
+        Pass the score logit just computed on these fast weights to skip recomputing it. Rows
+        where `frozen` (bool [rows]) is set keep their weights exactly (a zero step): masking on
+        the device avoids a host sync to find them.
         """
         if not self.spec.online:
             return
         coef, parts = self._step_coefs(fast, phi, score_logit if self.shares_logit else None)
+        if frozen is not None:
+            coef = coef.masked_fill(frozen, 0.0)
         for k, v in parts.items():
             fast[k].addcmul_(v, _bcast(coef, v), value=-1)
 

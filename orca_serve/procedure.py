@@ -113,15 +113,17 @@ class ProbeBank:
     def step(self, rows: Tensor, phi: Tensor, lam: Tensor) -> StepResult:
         """Score, smooth, decide and (for rows that do not stop) update: one reasoning step.
 
-        rows: long [m] (distinct), phi: [m, d] step embeddings, lam: [m] thresholds (inf = never).
-        Works in place on the bank (a view when the rows are contiguous, else one gather into a
-        reused buffer): fresh [m, d] temporaries cost page faults that dominate at d = 5,120.
+        rows: long [m] (distinct, host-side), phi: [m, d] step embeddings, lam: [m] thresholds
+        (inf = never). Works in place on the bank (a view when the rows are contiguous, else one
+        gather into a reused buffer): fresh [m, d] temporaries cost page faults that dominate at
+        d = 5,120. Nothing here waits for the device; the caller copies the result once.
         """
         phi = phi.to(self.device, torch.float32)
-        rows = rows.to(self.device)
-        m = rows.shape[0]
-        r0 = int(rows[0])
-        contiguous = bool((rows == torch.arange(r0, r0 + m, device=self.device)).all())
+        rows_host = rows.cpu()  # bookkeeping is host-side: deciding contiguity costs no sync
+        m = rows_host.shape[0]
+        r0 = int(rows_host[0])
+        contiguous = bool((rows_host == torch.arange(r0, r0 + m)).all())
+        rows = rows_host.to(self.device, non_blocking=True)
         keys = self.probe.fast_keys()
         if contiguous:
             fast = {k: self._fast[k][r0:r0 + m] for k in keys}
@@ -136,12 +138,8 @@ class ProbeBank:
         smoothed = hist.index_select(0, rows).sum(1) / n.clamp(max=self.window)
         count[rows] = n
         stop = smoothed >= lam.to(self.device)
-        stopped = stop.nonzero().squeeze(1)
-        kept = {k: v.index_select(0, stopped) for k, v in fast.items()} if len(stopped) else None
-        self.probe.update_(fast, phi, logit)
-        if kept is not None:  # a stopping row is not updated (its request ends here)
-            for k, v in kept.items():
-                fast[k].index_copy_(0, stopped, v)
+        # a stopping row is not updated (its request ends here)
+        self.probe.update_(fast, phi, logit, frozen=stop)
         if not contiguous:
             for k in keys:
                 self._fast[k].index_copy_(0, rows, fast[k])

@@ -418,7 +418,7 @@ class OrcaLogitsProcessor(LogitsProcessor):
     def _prune(self) -> None:
         now = time.monotonic()
         while self._detached:
-            rid, st = next(iter(self._detached.items()))
+            st = next(iter(self._detached.values()))
             if now - st.detached_at > self.ttl or len(self._detached) > self.max_results:
                 self._drop(st)
             else:
@@ -559,36 +559,29 @@ class OrcaLogitsProcessor(LogitsProcessor):
             self._score([ops[emit[j]][0] for j in scored], phi)
 
     def _score(self, sts: list[_Req], phi: torch.Tensor) -> None:
+        """One probe step for these rows. Shadow rows never stop inside the bank (their update
+        happens as in a never-stopping replay); whether they would stop is the same comparison
+        of the smoothed score with their lambda, made here."""
         bank = self.bank
-        rows = torch.tensor([st.bank_row for st in sts], device=self.device)
+        rows = torch.tensor([st.bank_row for st in sts])  # host-side, see ProbeBank.step
         lam = torch.tensor([NEVER if (st.policy == "shadow" and st.would_stop_step is not None)
                             else st.lam for st in sts], device=self.device)
-        # shadow rows that may stop now: keep a snapshot so that their update still happens
-        snaps = {i: bank.snapshot(st.bank_row) for i, st in enumerate(sts)
-                 if st.policy == "shadow" and st.would_stop_step is None and st.lam < NEVER}
-        res = bank.step(rows, phi, lam)
+        shadow = torch.tensor([st.policy == "shadow" for st in sts], device=self.device)
+        res = bank.step(rows, phi, torch.where(shadow, NEVER, lam))
+        hit = res.smoothed >= lam
         # the one device-to-host copy of the step
-        host = torch.stack([res.smoothed.float(), res.stop.float(), res.steps.float()]).cpu()
+        host = torch.stack([res.smoothed.float(), hit.float(), res.steps.float()]).cpu()
         sm, stp, nsteps = host[0].tolist(), host[1].tolist(), host[2].tolist()
-        redo = [i for i in snaps if stp[i] >= 0.5]
-        if redo:  # a shadow row would stop: rerun its step without a threshold, so that its
-            # update happens as in a never-stopping replay (scores are identical)
-            for i in redo:
-                bank.restore(sts[i].bank_row, snaps[i])
-            ri = torch.tensor(redo, device=self.device)
-            bank.step(rows[ri], phi[ri], torch.full((len(redo),), NEVER, device=self.device))
         self.stats["steps_scored"] += len(sts)
         for i, st in enumerate(sts):
             st.scores.append(sm[i])
             st.steps_scored = int(nsteps[i])
             if stp[i] < 0.5:
                 continue
-            if st.policy == "shadow":
-                if st.would_stop_step is None:
-                    st.would_stop_step = st.steps_scored
-                continue
             if st.would_stop_step is None:
                 st.would_stop_step = st.steps_scored
+            if st.policy == "shadow":
+                continue
             st.stopped = True
             st.stop_step = st.steps_scored
             st.stop_reason = "probe"
