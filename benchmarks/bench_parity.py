@@ -7,13 +7,15 @@
 3. serve the same prompts through a live `orca-serve` with greedy decoding and read `stop_step`.
 
 Usage: python benchmarks/bench_parity.py [--n 300] [--delta 0.1] [--bundle orca_serve/demo/bundle.json]
-Writes benchmarks/parity.json (every prompt, both stop steps, the scores around a mismatch).
+Writes benchmarks/parity.json (every prompt: its steps, both stop steps, and the scores around a
+mismatch).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import sys
@@ -78,7 +80,10 @@ def main() -> None:
     prompts_file = work / "prompts.jsonl"
     write_prompts(prompts_file, "in-dist", a.n, seed=4242)
     prompts = read_prompts(prompts_file)
-    data = work / "recorded"
+    # recordings are reused only for the same model weights and settings (a stale cache from an
+    # earlier model once made every stop step disagree)
+    key = hashlib.sha256(f"{(MODEL / 'SHA256SUMS').read_text()}|{a.n}|{a.max_tokens}".encode())
+    data = work / f"recorded-{key.hexdigest()[:12]}"
     t0 = time.perf_counter()
     if not (data / "problems.jsonl").exists():
         settings = CollectSettings(temperature=0.0, max_tokens=a.max_tokens, label_every=10**6,
@@ -107,7 +112,8 @@ def main() -> None:
         on_step = on["stop_step"] if on["stopped_early"] else None
         ok = off_step == on_step
         match += ok
-        row = {"id": pid, "offline": off_step, "online": on_step, "match": ok}
+        row = {"id": pid, "steps": len(scores), "offline": off_step, "online": on_step,
+               "match": ok}
         if not ok:
             k = (off_step or on_step or 1) - 1
             row["offline_scores_near"] = scores[max(0, k - 2):k + 3]
@@ -117,10 +123,12 @@ def main() -> None:
               "matches": match, "match_rate": match / len(prompts),
               "stopped_offline": sum(r["offline"] is not None for r in rows),
               "stopped_online": sum(r["online"] is not None for r in rows),
-              "record_s": round(t1 - t0, 1), "mismatches": [r for r in rows if not r["match"]]}
+              "mean_steps": float(np.mean([r["steps"] for r in rows])),
+              "mean_stop_step_online": float(np.mean([r["online"] or r["steps"] for r in rows])),
+              "record_s": round(t1 - t0, 1), "prompts": rows}
     (ROOT / "benchmarks" / "parity.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "mismatches"}))
-    for r in result["mismatches"][:20]:
+    print(json.dumps({k: v for k, v in result.items() if k != "prompts"}))
+    for r in [r for r in rows if not r["match"]][:20]:
         print(r)
 
 
