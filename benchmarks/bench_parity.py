@@ -27,12 +27,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from calibration.collect import Collector, CollectSettings, read_prompts  # noqa: E402
-from calibration.toy.tasks import write_prompts  # noqa: E402
-from calibration.trajectories import TrajectorySet  # noqa: E402
-from orca_serve.bundle import load_bundle  # noqa: E402
-from orca_serve.procedure import replay  # noqa: E402
-from serving import Server, orca_serve_cmd  # noqa: E402
+from serving import Server, orca_serve_cmd
+
+from calibration.collect import Collector, CollectSettings, read_prompts
+from calibration.toy.tasks import write_prompts
+from calibration.trajectories import TrajectorySet
+from orca_serve.bundle import load_bundle
+from orca_serve.procedure import replay
 
 MODEL = ROOT / "orca_serve" / "demo" / "model"
 

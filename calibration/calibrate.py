@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,18 @@ from calibration.ltt import DeltaResult, calibrate, default_grid
 from calibration.train import solvable
 from calibration.trajectories import TrajectorySet
 from orca_serve import __version__
-from orca_serve.bundle import (SCHEMA_VERSION, Bundle, LTTRow, LTTTable, ModelIdentity, ProbeBlock,
-                               Segmentation, ThinkTags, encode_weights, save_bundle)
+from orca_serve.bundle import (
+    SCHEMA_VERSION,
+    Bundle,
+    LTTRow,
+    LTTTable,
+    ModelIdentity,
+    ProbeBlock,
+    Segmentation,
+    ThinkTags,
+    encode_weights,
+    save_bundle,
+)
 from orca_serve.probe import Probe
 from orca_serve.procedure import replay
 
@@ -57,7 +68,7 @@ def score_split(probe: Probe, ts: TrajectorySet, split: str, mode: str, window: 
                   tokens=[np.asarray(ts.problems[i].step_tokens) for i in idx] if has_tokens else None)
 
 
-def run_ltt(scored: Scored, deltas: list[float], epsilon: float, pvalue: str) -> list[DeltaResult]:
+def run_ltt(scored: Scored, deltas: Sequence[float], epsilon: float, pvalue: str) -> list[DeltaResult]:
     return calibrate(scored.scores, scored.labels, deltas, epsilon=epsilon,
                      grid=default_grid(GRID_SIZE), pvalue=pvalue, step_tokens=scored.tokens)
 
@@ -103,7 +114,7 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
 
 
 def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = "supervised",
-                     deltas: list[float] = list(DEFAULT_DELTAS), epsilon: float = 0.05,
+                     deltas: Sequence[float] = DEFAULT_DELTAS, epsilon: float = 0.05,
                      pvalue: str = "binomial", window: int = 10, default_delta: float | None = None,
                      dump_scores: Path | None = None,
                      provenance: dict[str, Any] | None = None) -> Bundle:
@@ -115,9 +126,8 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
     results = run_ltt(scored, deltas, epsilon, pvalue)
     if dump_scores is not None:
         with open(dump_scores, "w") as f:
-            for pid, s, c in zip(scored.ids, scored.scores, scored.labels):
-                f.write(json.dumps({"id": pid, "scores": s.round(6).tolist(),
-                                    "labels": c.astype(int).tolist()}) + "\n")
+            f.writelines(json.dumps({"id": pid, "scores": s.round(6).tolist(),
+                                    "labels": c.astype(int).tolist()}) + "\n" for pid, s, c in zip(scored.ids, scored.scores, scored.labels))
     bundle = make_bundle(probe, ts, results, mode=mode, epsilon=epsilon, pvalue=pvalue,
                          window=window, n_cal=len(scored.ids), default_delta=default,
                          provenance=provenance or {})

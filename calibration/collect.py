@@ -21,8 +21,13 @@ from typing import Any
 from tqdm import tqdm
 
 from calibration.judge import Judge, JudgeSettings, question_text
-from calibration.labels import (extract_final, extract_forced, fill_pessimistic, labelled_steps,
-                                step_labels)
+from calibration.labels import (
+    extract_final,
+    extract_forced,
+    fill_pessimistic,
+    labelled_steps,
+    step_labels,
+)
 from calibration.trajectories import TrajectoryWriter
 
 DEFAULT_SUFFIX = "\n</think>\n\nThe answer is \\boxed{"

@@ -166,7 +166,7 @@ def meta_train(ts: TrajectorySet, spec: ProbeSpec, mode: str, *, epochs: int, ba
         raise ValueError(f"the training split has {len(train)} problems with a correct step under "
                          f"label mode '{mode}'; at least 2 are needed")
     order = rng.permutation(train).tolist()
-    n_val = max(1, int(round(val_fraction * len(order))))
+    n_val = max(1, round(val_fraction * len(order)))
     val, fit = order[:n_val], order[n_val:]
     probe = Probe(spec, seed=seed)
     opt = torch.optim.Adam(probe.parameters(), lr=lr)

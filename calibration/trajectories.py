@@ -17,7 +17,7 @@ import pickle
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -381,8 +381,8 @@ class TrajectoryWriter:
         self._rows = _check_problem_set(problems, str(self.path / PROBLEMS_FILE))
         self._ids = {p.id for p in problems}
         self._truncate(complete)
-        self._meta = open(self.path / PROBLEMS_FILE, "ab")
-        self._emb = open(self.path / EMBEDDINGS_FILE, "ab")
+        self._meta = open(self.path / PROBLEMS_FILE, "ab")  # noqa: SIM115 - held until close()
+        self._emb = open(self.path / EMBEDDINGS_FILE, "ab")  # noqa: SIM115
 
     def _prepare_directory(self) -> None:
         info_path = self.path / INFO_FILE
@@ -458,7 +458,7 @@ class TrajectoryWriter:
         self._emb.close()
         self._meta.close()
 
-    def __enter__(self) -> TrajectoryWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

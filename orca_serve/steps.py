@@ -214,8 +214,21 @@ class Segmenter:
     op (module constants) to apply to the accumulators after adding it.
     """
 
-    __slots__ = ("table", "reasoning", "done", "tail", "sec_text", "a_count", "s_count",
-                 "a_ids", "s_ids", "keep_ids", "steps", "fed", "counted_total")
+    __slots__ = (
+        "a_count",
+        "a_ids",
+        "counted_total",
+        "done",
+        "fed",
+        "keep_ids",
+        "reasoning",
+        "s_count",
+        "s_ids",
+        "sec_text",
+        "steps",
+        "table",
+        "tail",
+    )
 
     def __init__(self, table: TokenTable, prompt_ids: Sequence[int] | None = None,
                  keep_ids: bool = False) -> None:

@@ -38,7 +38,7 @@ class Server:
     def __init__(self, cmd: list[str], log: Path, args: list[str]) -> None:
         self.port = free_port()
         self.log = log
-        self._f = open(log, "wb")
+        self._f = open(log, "wb")  # noqa: SIM115 - the server writes it until stop()
         self.proc = subprocess.Popen([*cmd, "--port", str(self.port), *args],
                                      stdout=self._f, stderr=subprocess.STDOUT, env=server_env(),
                                      start_new_session=True)

@@ -8,9 +8,20 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from orca_serve.bundle import (Bundle, BundleError, LTTRow, LTTTable, ModelIdentity, ProbeBlock,
-                               _checksum, check_model, encode_weights, load_bundle, save_bundle,
-                               tokenizer_fingerprint)
+from orca_serve.bundle import (
+    Bundle,
+    BundleError,
+    LTTRow,
+    LTTTable,
+    ModelIdentity,
+    ProbeBlock,
+    _checksum,
+    check_model,
+    encode_weights,
+    load_bundle,
+    save_bundle,
+    tokenizer_fingerprint,
+)
 from orca_serve.probe import Probe, ProbeSpec
 
 VOCAB = {"a": 0, "b": 1, "<think>": 2, "</think>": 3}

@@ -1,7 +1,14 @@
 """Answer extraction, equivalence and pessimistic label filling (METHOD.md section 4)."""
 
-from calibration.labels import (equivalent, extract_boxed, extract_final, extract_forced,
-                                fill_pessimistic, labelled_steps, step_labels)
+from calibration.labels import (
+    equivalent,
+    extract_boxed,
+    extract_final,
+    extract_forced,
+    fill_pessimistic,
+    labelled_steps,
+    step_labels,
+)
 
 
 def test_extraction() -> None:

@@ -102,18 +102,18 @@ def test_calibrate_order_tokens_and_hb_more_conservative():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(scores=[], labels=[]), "empty"),
-        (dict(labels=[np.array([0, 1])]), "label arrays"),
-        (dict(deltas=[0.0]), "delta"),
-        (dict(deltas=[1.0]), "delta"),
-        (dict(epsilon=1.5), "epsilon"),
-        (dict(grid=np.array([0.1, 0.5])), "decreasing"),
-        (dict(grid=np.array([])), "non-empty"),
-        (dict(pvalue="clt"), "pvalue"),
+        ({"scores": [], "labels": []}, "empty"),
+        ({"labels": [np.array([0, 1])]}, "label arrays"),
+        ({"deltas": [0.0]}, "delta"),
+        ({"deltas": [1.0]}, "delta"),
+        ({"epsilon": 1.5}, "epsilon"),
+        ({"grid": np.array([0.1, 0.5])}, "decreasing"),
+        ({"grid": np.array([])}, "non-empty"),
+        ({"pvalue": "clt"}, "pvalue"),
     ],
 )
 def test_calibrate_validation(kwargs, match):
-    args = dict(scores=[np.array([0.1, 0.9])] * 2, labels=[np.array([0, 1])] * 2, deltas=[0.1])
+    args = {"scores": [np.array([0.1, 0.9])] * 2, "labels": [np.array([0, 1])] * 2, "deltas": [0.1]}
     with pytest.raises(ValueError, match=match):
         calibrate(**(args | kwargs))
 

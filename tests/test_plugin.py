@@ -18,10 +18,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 # Plain imports, not importorskip: vllm is a declared dependency, and a broken install must fail
 # CI rather than skip the engine tests and pass.
-import torch  # noqa: E402
-import vllm  # noqa: E402, F401
+import torch
+import vllm  # noqa: F401
+from tiny_model import HIDDEN, build_tiny_model
 
-from orca_serve.bundle import (  # noqa: E402
+from orca_serve.bundle import (
     Bundle,
     LTTRow,
     LTTTable,
@@ -31,22 +32,21 @@ from orca_serve.bundle import (  # noqa: E402
     save_bundle,
     tokenizer_fingerprint,
 )
-from orca_serve.probe import Probe, ProbeSpec  # noqa: E402
-from orca_serve.procedure import replay  # noqa: E402
-from orca_serve.vllm_plugin import merge_results  # noqa: E402
-from orca_serve.vllm_plugin.config import (  # noqa: E402
+from orca_serve.probe import Probe, ProbeSpec
+from orca_serve.procedure import replay
+from orca_serve.vllm_plugin import merge_results
+from orca_serve.vllm_plugin.config import (
     check_engine_supported,
     engine_kwargs,
     prepare_environment,
 )
-from tiny_model import HIDDEN, build_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 QUESTIONS = ["Solve 3x+1=7", "What is 2+2?", "hi", "Find x: 7*x + 3 = 38", "Try x = 5", "Why?"]
 MAX_TOKENS = 120
 WINDOW = 3
-COMMON = dict(enforce_eager=True, dtype="float32", max_model_len=512, seed=0)
+COMMON = {"enforce_eager": True, "dtype": "float32", "max_model_len": 512, "seed": 0}
 
 
 def _llm(model, **kw):
@@ -220,10 +220,10 @@ def test_multiprocess_engine_keywords_and_n2(model, tok, prompts, monkeypatch):
     """The default multiprocess engine (engine core and worker in other processes): results
     cross process boundaries intact, n>1 children are told apart, and the keyword rule's
     merged steps equal transformers too."""
+    import vllm.envs
+
     from orca_serve.bundle import Segmentation
     from orca_serve.steps import TokenTable
-
-    import vllm.envs
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     vllm.envs.disable_envs_cache()  # vLLM caches env vars after the first engine started

@@ -62,7 +62,7 @@ def test_defaults_fill_vllm_xargs_and_remove_orca():
 
 def test_request_without_orca_gets_defaults_and_unique_keys():
     out1, s1 = resolve({"prompt": "x"}, DEFAULTS, BUNDLE, completions=True)
-    out2, s2 = resolve({"prompt": "x"}, DEFAULTS, BUNDLE, completions=True)
+    _out2, s2 = resolve({"prompt": "x"}, DEFAULTS, BUNDLE, completions=True)
     assert s1.enabled and s1.key != s2.key
     assert all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
                for v in out1["vllm_xargs"].values())
@@ -77,7 +77,7 @@ def test_orca_field_settings():
 
 
 def test_vllm_xargs_spelling():
-    out, s = resolve({"vllm_xargs": {"orca_delta": 0.2, "orca_policy": "stop", "orca_enabled": 1,
+    _out, s = resolve({"vllm_xargs": {"orca_delta": 0.2, "orca_policy": "stop", "orca_enabled": 1,
                                      "orca_answer_budget": 0}}, DEFAULTS, BUNDLE)
     assert (s.delta, s.policy, s.lam, s.answer_budget) == (0.2, "stop", 0.9, 0)
 
@@ -225,7 +225,7 @@ def run(coro):
 
 def test_middleware_json_response_gets_orca():
     async def go():
-        client, engine, seen, state = make_client()
+        client, _engine, seen, state = make_client()
         r = await client.post("/v1/chat/completions", json={"messages": [], "orca": {"delta": 0.05}})
         assert r.status_code == 200
         body = r.json()
@@ -246,7 +246,7 @@ def test_middleware_json_response_gets_orca():
 
 def test_middleware_400_in_openai_format():
     async def go():
-        client, engine, seen, _ = make_client()
+        client, _engine, seen, _ = make_client()
         r = await client.post("/v1/chat/completions", json={"orca": {"delta": 0.3}})
         assert r.status_code == 400 and not seen
         err = r.json()["error"]
@@ -260,7 +260,7 @@ def test_middleware_400_in_openai_format():
 @pytest.mark.parametrize("usage", [False, True])
 def test_middleware_stream_finish_chunk_and_usage_chunk(usage):
     async def go():
-        client, engine, seen, _ = make_client()
+        client, _engine, _seen, _ = make_client()
         body = {"stream": True, "orca": {"policy": "shadow"}}
         if usage:
             body["stream_options"] = {"include_usage": True}
@@ -278,7 +278,7 @@ def test_middleware_stream_finish_chunk_and_usage_chunk(usage):
 
 def test_middleware_passes_other_routes_and_plain_bodies():
     async def go():
-        client, engine, seen, _ = make_client(bundle=None, defaults=OrcaDefaults(enabled=False))
+        client, _engine, seen, _ = make_client(bundle=None, defaults=OrcaDefaults(enabled=False))
         r = await client.post("/v1/chat/completions", json={"messages": []})
         assert "orca" not in r.json() and seen[0] == {"messages": []}
         r = await client.post("/v1/chat/completions", json={"orca": {"delta": 0.05}})

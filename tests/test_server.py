@@ -24,9 +24,9 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-import openai  # noqa: E402
+import openai
 
-from orca_serve.bundle import (  # noqa: E402
+from orca_serve.bundle import (
     Bundle,
     LTTRow,
     LTTTable,
@@ -36,11 +36,11 @@ from orca_serve.bundle import (  # noqa: E402
     save_bundle,
     tokenizer_fingerprint,
 )
-from orca_serve.probe import Probe, ProbeSpec  # noqa: E402
+from orca_serve.probe import Probe, ProbeSpec
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serving import Server, free_port, orca_serve_cmd, server_env  # noqa: E402
-from tiny_model import HIDDEN, build_tiny_model  # noqa: E402
+from serving import Server, free_port, orca_serve_cmd, server_env
+from tiny_model import HIDDEN, build_tiny_model
 
 DELTAS = {0.05: 0.5, 0.1: None, 0.2: 0.99}
 COMMON = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
@@ -124,7 +124,7 @@ def server_model(server: Server) -> str:
 # -- start-up refusals (run while the servers start) ----------------------------------------------
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(orca_serve_cmd(*args, *COMMON, "--port", str(free_port())),
-                          capture_output=True, text=True, timeout=timeout, env=server_env())
+                          capture_output=True, text=True, timeout=timeout, env=server_env(), check=False)
 
 
 def test_refuses_hidden_size_mismatch(env, servers):
@@ -152,8 +152,8 @@ def test_refuses_delta_not_in_bundle_and_speculative_decoding(env, servers):
     r = run_cli("--model", str(env["model"]), "--calib", str(env["bundle"]), "--orca-delta", "0.3")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "orca-serve: error: delta 0.3 has no calibrated lambda* in this bundle; "
-        "available deltas: 0.05, 0.1, 0.2"]
+        ("orca-serve: error: delta 0.3 has no calibrated lambda* in this bundle; "
+         "available deltas: 0.05, 0.1, 0.2")]
     r = run_cli("--model", str(env["model"]), "--calib", str(env["bundle"]),
                 "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}')
     assert r.returncode == 2, r.stderr[-2000:]
@@ -328,7 +328,7 @@ def test_64_concurrent_requests_match_serial_runs(srv):
 def test_aborted_stream_leaves_server_healthy(srv):
     def running() -> float:
         text = httpx.get(srv.url + "/metrics").text
-        m = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+        m = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+-]+)$", text, re.MULTILINE)
         return float(m.group(1)) if m else 0.0
 
     with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60, json={
@@ -390,7 +390,7 @@ def test_metrics_have_orca_counts(srv):
     text = httpx.get(srv.url + "/metrics").text
 
     def value(name: str) -> float:
-        m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+        m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
         assert m, f"{name} missing from /metrics"
         return float(m.group(1))
 

@@ -165,9 +165,8 @@ def test_offline_segment_equals_online_feed(tmp_path):
 
 
 def test_table_from_tiny_tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
     from tiny_model import build_tiny_model
+    from transformers import AutoTokenizer
 
     path = build_tiny_model(tmp_path_factory.getbasetemp().parent / "orca-tiny-model")
     tok = AutoTokenizer.from_pretrained(path)

@@ -6,7 +6,7 @@ from scipy.stats import rankdata
 from calibration.synth import generate
 from calibration.trajectories import TrajectorySet
 
-KW = dict(n_problems=120, dim=32, mean_steps=30)
+KW = {"n_problems": 120, "dim": 32, "mean_steps": 30}
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 from pathlib import Path
@@ -58,7 +59,7 @@ def test_traces_walk_to_x_then_check(family: str) -> None:
         paras = trace_paragraphs(p, rng)
         tries = [paragraph_candidate(s) for s in paras if s.startswith("Try")]
         assert abs(tries[0] - p.x) <= 5 and tries[-1] == p.x
-        assert all(abs(b - a) == 1 for a, b in zip(tries, tries[1:]))
+        assert all(abs(b - a) == 1 for a, b in itertools.pairwise(tries))
         for i, s in enumerate(paras):
             if s.startswith("Wait"):
                 assert paras[i - 1].startswith("Try") and paragraph_candidate(paras[i - 1]) == paragraph_candidate(s)

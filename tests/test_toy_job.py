@@ -20,7 +20,7 @@ from orca_serve.bundle import load_bundle
 pytestmark = pytest.mark.vllm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serving import Server, orca_serve_cmd  # noqa: E402
+from serving import Server, orca_serve_cmd
 
 MODEL = Path(__file__).parents[1] / "orca_serve" / "demo" / "model"
 N_PROMPTS = 120

@@ -5,8 +5,14 @@ import pytest
 import torch
 
 from calibration.synth import generate
-from calibration.train import (load_probe, meta_train, save_probe, solvable, train_static,
-                               unroll_scores)
+from calibration.train import (
+    load_probe,
+    meta_train,
+    save_probe,
+    solvable,
+    train_static,
+    unroll_scores,
+)
 from calibration.trajectories import TrajectorySet
 from orca_serve.probe import Probe, ProbeSpec
 from orca_serve.procedure import replay

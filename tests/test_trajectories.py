@@ -7,8 +7,14 @@ import numpy as np
 import pytest
 
 from calibration.trajectories import (
-    TrajectoryError, TrajectorySet, TrajectoryWriter, cumulative, expand_block_labels,
-    import_pickle, set_splits, split_ids,
+    TrajectoryError,
+    TrajectorySet,
+    TrajectoryWriter,
+    cumulative,
+    expand_block_labels,
+    import_pickle,
+    set_splits,
+    split_ids,
 )
 
 DIM = 8
@@ -77,12 +83,17 @@ def _edit_info(path: Path, **kw) -> None:
     (path / "info.json").write_text(json.dumps({**info, **kw}))
 
 
+def _append(path: Path, data: bytes) -> None:
+    with open(path, "ab") as f:
+        f.write(data)
+
+
 @pytest.mark.parametrize("corrupt, message", [
     (lambda p: os.remove(p / "embeddings.bin"), "missing embeddings.bin"),
     (lambda p: _edit_info(p, format="other"), "not an orca trajectory"),
     (lambda p: _edit_info(p, version=2), "version 2 is not supported"),
     (lambda p: _edit_info(p, dtype="int8"), "dtype"),
-    (lambda p: open(p / "embeddings.bin", "ab").write(b"\0" * 16), "TrajectoryWriter to repair"),
+    (lambda p: _append(p / "embeddings.bin", b"\0" * 16), "TrajectoryWriter to repair"),
     (lambda p: os.truncate(p / "embeddings.bin", 16), "re-collect"),
     (lambda p: _rewrite_lines(p, lambda ls: ls[1].update(offset=4)), "contiguous"),
     (lambda p: _rewrite_lines(p, lambda ls: ls[1]["labels"].update(judge=[1])),
@@ -90,7 +101,7 @@ def _edit_info(path: Path, **kw) -> None:
     (lambda p: _rewrite_lines(p, lambda ls: ls[1]["labels"].update(judge=[2] * 5)), "only 0/1"),
     (lambda p: _rewrite_lines(p, lambda ls: ls[1].update(id="p0")), "duplicate problem id 'p0'"),
     (lambda p: _rewrite_lines(p, lambda ls: ls[1].update(spilt="train")), "unknown field"),
-    (lambda p: open(p / "problems.jsonl", "ab").write(b'{"id": "x"'), "incomplete"),
+    (lambda p: _append(p / "problems.jsonl", b'{"id": "x"'), "incomplete"),
 ])
 def test_validation_on_open(tmp_path, corrupt, message):
     _write(tmp_path / "t")

@@ -210,8 +210,7 @@ def write_prompts(path: Path, family: str, n: int, seed: int) -> None:
     """Write n fresh problems of one family as JSONL."""
     rng = random.Random(f"{family}:{seed}")
     with Path(path).open("w", encoding="utf-8") as f:
-        for i in range(n):
-            f.write(json.dumps(prompt_record(i, make_problem(rng, family))) + "\n")
+        f.writelines(json.dumps(prompt_record(i, make_problem(rng, family))) + "\n" for i in range(n))
 
 
 def main() -> None:

@@ -17,7 +17,6 @@ from orca_serve.vllm_plugin.config import (  # noqa: F401
     prepare_environment,
 )
 
-
 _ARRAY_TAG = "__orca_ndarray__"
 
 

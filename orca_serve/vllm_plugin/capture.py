@@ -18,8 +18,9 @@ import torch
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.logits_processor import LogitsProcessor as _VllmLogitsLayer
 
+
 class _Stash:
-    __slots__ = ("rows", "calls")
+    __slots__ = ("calls", "rows")
 
     def __init__(self) -> None:
         self.rows: torch.Tensor | None = None

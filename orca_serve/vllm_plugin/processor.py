@@ -69,12 +69,48 @@ def _as_int(name: str, v: Any) -> int:
 class _Req:
     """Everything the plugin keeps about one vLLM request (a child of n>1 is its own request)."""
 
-    __slots__ = ("req_id", "key", "index", "params", "out", "prompt_len", "enabled", "record",
-                 "policy", "delta", "lam", "answer_budget", "reserve", "max_tokens", "eos",
-                 "ignore_eos", "seg", "active", "n_seen", "slot", "bank_row", "saved_sums",
-                 "saved_bank", "scores", "steps_scored", "stopped", "stop_step", "stop_reason",
-                 "would_stop_step", "plan", "forced", "step_embs", "step_counts", "attached",
-                 "fetched", "detached_at", "error", "notes", "guard_pos", "shadow_pending")
+    __slots__ = (
+        "active",
+        "answer_budget",
+        "attached",
+        "bank_row",
+        "delta",
+        "detached_at",
+        "enabled",
+        "eos",
+        "error",
+        "fetched",
+        "forced",
+        "guard_pos",
+        "ignore_eos",
+        "index",
+        "key",
+        "lam",
+        "max_tokens",
+        "n_seen",
+        "notes",
+        "out",
+        "params",
+        "plan",
+        "policy",
+        "prompt_len",
+        "record",
+        "req_id",
+        "reserve",
+        "saved_bank",
+        "saved_sums",
+        "scores",
+        "seg",
+        "shadow_pending",
+        "slot",
+        "step_counts",
+        "step_embs",
+        "steps_scored",
+        "stop_reason",
+        "stop_step",
+        "stopped",
+        "would_stop_step",
+    )
 
     def __init__(self) -> None:
         self.scores: list[float] = []
@@ -186,8 +222,8 @@ class OrcaLogitsProcessor(LogitsProcessor):
             gen = mc.try_get_generation_config() or {}
             ge = gen.get("eos_token_id")
             eos_ids |= set([ge] if isinstance(ge, int) else (ge or []))
-        except Exception:  # noqa: BLE001 - generation config is optional
-            pass
+        except Exception as e:  # noqa: BLE001 - generation config is optional
+            log.debug("no generation config for EOS ids: %s", e)
         self.default_eos = int(tok.eos_token_id) if tok.eos_token_id is not None else None
         self.table = TokenTable.from_tokenizer(tok, segmentation=seg_cfg, think=think,
                                                eos_ids=eos_ids)

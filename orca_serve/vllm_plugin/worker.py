@@ -43,7 +43,7 @@ class OrcaWorkerExtension:
     def _orca_same_process(self) -> bool:
         """True when the caller of collective_rpc lives in this process (in-process engine,
         one uniproc worker): results then stay plain Python/numpy objects."""
-        import vllm.envs as envs
+        from vllm import envs
 
         if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
             return False
