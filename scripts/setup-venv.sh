@@ -5,11 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-STAMP="$VENV/.orca-setup-$(sha1sum pyproject.toml | cut -c1-12)"
+EXTRAS=${EXTRAS:-cpu,dev}  # deploy/Dockerfile.cpu installs cpu,calib
+STAMP="$VENV/.orca-setup-$(cat pyproject.toml - <<<"$EXTRAS" | sha1sum | cut -c1-12)"
 if [ -f "$STAMP" ]; then exit 0; fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q -U pip
 # Real users on CPU: add --extra-index-url https://download.pytorch.org/whl/cpu for torch==2.13.0+cpu.
-"$VENV/bin/pip" install -q -e ".[cpu,dev]"
+"$VENV/bin/pip" install -q -e ".[$EXTRAS]"
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 touch "$STAMP"
