@@ -26,6 +26,7 @@ from calibration.labels import (
     extract_forced,
     fill_pessimistic,
     labelled_steps,
+    require_math_verify,
     step_labels,
 )
 from calibration.trajectories import TrajectoryWriter
@@ -108,6 +109,7 @@ class Collector:
     """One vLLM engine with the plugin in record mode; writes a trajectory directory."""
 
     def __init__(self, model: str, settings: CollectSettings) -> None:
+        require_math_verify()
         self.judge = Judge(settings.judge) if settings.judge else None
         if self.judge is not None:
             self.judge.check()  # before the model loads: a bad endpoint fails in seconds

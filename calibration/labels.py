@@ -56,12 +56,23 @@ def equivalent(a: str | None, b: str | None) -> bool:
         return False
     if normalise(a) == normalise(b):
         return True
+    from math_verify import parse, verify  # outside the try: a missing install must not pass
+
     try:
-        from math_verify import parse, verify
         gold, pred = parse(f"${b}$"), parse(f"${a}$")
         return bool(gold and pred and verify(gold, pred))
     except Exception:  # noqa: BLE001 - math-verify raises many kinds on odd inputs: not equivalent
         return False
+
+
+def require_math_verify() -> None:
+    """Fail before a collection starts if math-verify is missing (it is in the `calib` extra):
+    without it no supervised label could be computed."""
+    try:
+        import math_verify  # noqa: F401
+    except ImportError:
+        raise ValueError("math-verify is not installed; labels need it: "
+                         "pip install 'orca-serve[calib]' (or pip install math-verify)") from None
 
 
 def step_labels(answers: Sequence[str | None], target: str | None) -> list[int]:

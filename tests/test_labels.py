@@ -1,5 +1,9 @@
 """Answer extraction, equivalence and pessimistic label filling (METHOD.md section 4)."""
 
+import sys
+
+import pytest
+
 from calibration.labels import (
     equivalent,
     extract_boxed,
@@ -33,3 +37,16 @@ def test_label_every_is_pessimistic() -> None:
     # steps 0-1 have no probed answer yet: never borrowed from the future
     assert answers == [None, None, "4", "4", "4", "7", "7"]
     assert step_labels(answers, "7") == [0, 0, 0, 0, 0, 1, 1]
+
+
+def test_missing_math_verify_is_a_clear_error_not_exact_match_only(monkeypatch) -> None:
+    """Without math-verify every supervised label would silently fall back to exact match."""
+    from calibration.labels import require_math_verify
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # import now raises ImportError
+    equivalent.cache_clear()
+    with pytest.raises(ValueError, match=r"orca-serve\[calib\]"):
+        require_math_verify()
+    with pytest.raises(ImportError):
+        equivalent("1/2", "0.5")
+    equivalent.cache_clear()
