@@ -130,8 +130,9 @@ def cmd_compare(a: argparse.Namespace) -> None:
     for mode in a.label_modes:
         for name in a.probes:
             probe, _ = train_probe(ts, name, mode, epochs=a.epochs, d_h=a.d_h, seed=a.seed,
-                                   batch_size=32, checkpoints=None, progress=False)
-            bundle = calibrate_bundle(probe, ts, out / f"{name}-{mode}.json", mode=mode)
+                                   batch_size=a.batch_size, checkpoints=None, progress=False)
+            bundle = calibrate_bundle(probe, ts, out / f"{name}-{mode}.json", mode=mode,
+                                      window=a.window)
             label = f"{name} ({mode})"
             tables["in-distribution (test split)"].append((label, evaluate_bundle(bundle, ts)[0]))
             if shifted is not None:
@@ -194,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, help="default 20 for no-QK, 10 for QK")
     p.add_argument("--d-h", type=int, default=128, help="QK projection size")
     p.add_argument("--label-mode", help="supervised (default), consistent, judge")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="trajectories per optimizer step (the paper: 1); 32 takes 32x fewer "
+                   "Adam steps per epoch: too few for a few hundred problems (toy job)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoints", help="per-epoch checkpoints (default PROBE.ckpt/)")
     p.set_defaults(fn=cmd_train)
@@ -229,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-modes", nargs="+", default=["supervised", "consistent"])
     p.add_argument("--epochs", type=int)
     p.add_argument("--d-h", type=int, default=128)
+    p.add_argument("--window", type=int, default=10, help="smoothing window k")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="trajectories per optimizer step (the paper: 1); 32 takes 32x fewer "
+                   "Adam steps per epoch: too few for a few hundred problems (toy job)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_compare)
 
