@@ -119,6 +119,24 @@ def test_stop_decision_uses_smoothed_score_and_skips_update() -> None:
     assert not torch.equal(bank.snapshot(int(rows[1]))["w"], probe.params["w"].detach())
 
 
+@pytest.mark.parametrize("spec", VARIANTS, ids=lambda s: s.name)
+def test_stopping_rows_keep_their_weights_exactly(spec: ProbeSpec) -> None:
+    """The frozen (zero) step of a stopping row leaves every fast weight bit-identical, also when
+    the rows are scattered (the gather/scatter path) and for every variant."""
+    probe = _perturbed(spec).float()
+    bank = ProbeBank(probe, window=2)
+    rows = [bank.add() for _ in range(3)]
+    before = {r: bank.snapshot(r) for r in rows}
+    step_rows = torch.tensor([rows[2], rows[0]])  # not contiguous
+    res = bank.step(step_rows, torch.randn(2, D), torch.tensor([0.0, NEVER]))  # row 2 stops
+    assert res.stop.tolist() == [True, False]
+    for k in probe.fast_keys():
+        assert torch.equal(bank.snapshot(rows[2])[k], before[rows[2]][k]), k
+        assert torch.equal(bank.snapshot(rows[1])[k], before[rows[1]][k]), k  # not stepped
+    assert any(not torch.equal(bank.snapshot(rows[0])[k], before[rows[0]][k])
+               for k in probe.fast_keys())
+
+
 def test_snapshot_restore_survives_row_change() -> None:
     probe = _perturbed(ProbeSpec(dim=D, kind="qk", d_h=8, mlp=True)).float()
     xs = torch.randn(8, D)
