@@ -1,15 +1,18 @@
 """`orca-calibrate run --config JOB.yaml`: collect, split, train, calibrate, evaluate, in one job.
 
 Every stage writes a file into the job's output directory and is skipped on a rerun when its
-output exists, so a killed job resumes where it stopped (collection itself resumes per problem).
-Paths in the YAML are relative to the YAML file.
+output exists and the settings it depends on are unchanged, so a killed job resumes where it
+stopped (collection itself resumes per problem) and an edited job reruns what the edit affects.
+Changed collection settings are refused instead: the trajectories on disk were made with the old
+ones, and mixing would corrupt the set. Paths in the YAML are relative to the YAML file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
-from dataclasses import fields
+from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,15 +66,46 @@ def load_job(path: Path) -> dict[str, Any]:
     return job
 
 
-def _stage(out: Path, name: str, outputs: list[Path], fn, log: list[str]) -> None:
-    """Run one stage unless its outputs are all there (resumability)."""
-    if all(p.exists() for p in outputs) and (out / f".done-{name}").exists():
+# What each stage's result depends on, beyond the stages before it.
+STAGE_KEYS = {"collect": ("model", "prompts", "shifted_prompts", "collect"), "split": ("split",),
+              "train": ("train",), "calibrate": ("calibrate",), "evaluate": ()}
+
+
+def stage_settings(job: dict[str, Any]) -> dict[str, str]:
+    """A fingerprint per stage of the settings it depends on, its predecessors' included."""
+    def plain(v: Any) -> Any:
+        return asdict(v) if is_dataclass(v) else v
+
+    out, seen = {}, {}
+    for name in STAGES:
+        seen.update({k: {kk: plain(vv) for kk, vv in job[k].items()}
+                     if isinstance(job.get(k), dict) else job.get(k) for k in STAGE_KEYS[name]})
+        out[name] = hashlib.sha256(json.dumps(seen, sort_keys=True, default=str).encode()
+                                   ).hexdigest()[:16]
+    return out
+
+
+def _stage(out: Path, name: str, outputs: list[Path], fn, log: list[str], settings: str,
+           rerun: bool) -> bool:
+    """Run one stage unless it is done with the same settings; returns whether it ran."""
+    marker = out / f".done-{name}"
+    try:
+        done = json.loads(marker.read_text())["settings"] if marker.exists() else None
+    except (ValueError, KeyError, TypeError):
+        done = "unknown"  # a marker from before settings were recorded
+    if name == "collect" and done not in (None, "unknown", settings):
+        raise JobError(f"the collect settings (model, prompts or collect block) changed since "
+                       f"{out} was collected; use another 'out', or delete {out} to recollect")
+    current = done == settings or (name == "collect" and done == "unknown")
+    if not rerun and current and all(p.exists() for p in outputs):
         log.append(f"{name}: done already, skipped")
-        return
+        return False
     t0 = time.perf_counter()
     fn()
-    (out / f".done-{name}").write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    marker.write_text(json.dumps({"settings": settings, "finished": time.strftime(
+        "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
     log.append(f"{name}: {time.perf_counter() - t0:.0f} s")
+    return True
 
 
 def run_job(path: Path, progress: bool = True) -> list[str]:
@@ -145,9 +179,10 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
     stages = {"collect": (collect, [data / "problems.jsonl"]), "split": (split, []),
               "train": (train, [probe_file]), "calibrate": (calibrate, [bundle_file]),
               "evaluate": (evaluate, [out / "evaluation.json"])}
+    fingerprints, rerun = stage_settings(job), False
     for name in STAGES:
         fn, outputs = stages[name]
-        _stage(out, name, outputs, fn, log)
+        rerun |= _stage(out, name, outputs, fn, log, fingerprints[name], rerun)  # later ones follow
         if progress:
             print(log[-1], flush=True)
     return log

@@ -56,3 +56,53 @@ def test_job_file_errors(tmp_path) -> None:
     j.write_text("model: ./m\nprompts: p.jsonl\nout: o\n")
     job = load_job(j)
     assert job["prompts"] == str(tmp_path / "p.jsonl") and job["model"] == str(tmp_path / "m")
+
+
+class _FakeCollector:
+    """Stands in for the vLLM collector (tests/test_toy_job.py runs the real one): writes a
+    synthetic trajectory set for the prompts, so the job's own bookkeeping can be tested fast."""
+
+    runs = 0
+
+    def __init__(self, model: str, settings) -> None:
+        self.settings = settings
+
+    def run(self, prompts: list, out, progress: bool):
+        from calibration.synth import generate
+
+        _FakeCollector.runs += 1
+        generate(out, n_problems=len(prompts), dim=8, mean_steps=12, seed=len(prompts))
+        return SimpleNamespace(as_dict=lambda: {"trajectories": len(prompts)})
+
+
+def test_rerun_follows_edits_and_refuses_changed_collection(tmp_path, monkeypatch) -> None:
+    import json
+
+    import calibration.collect
+    from calibration.job import run_job
+
+    monkeypatch.setattr(calibration.collect, "Collector", _FakeCollector)
+    monkeypatch.setattr(_FakeCollector, "runs", 0)
+    (tmp_path / "p.jsonl").write_text("".join(
+        json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n" for i in range(60)))
+    job = {"model": "m", "prompts": "p.jsonl", "out": "run", "collect": {"max_tokens": 64},
+           "train": {"epochs": 1}, "calibrate": {"deltas": [0.3], "window": 2}}
+    path = tmp_path / "job.yaml"
+
+    def run(**edits) -> list[str]:
+        path.write_text(json.dumps({**job, **edits}))
+        return [line.split(":")[1].strip() for line in run_job(path, progress=False)]
+
+    first = run()
+    assert len(first) == 5 and all("skipped" not in x for x in first)
+    assert run() == ["done already, skipped"] * 5
+    # a new training setting reruns training and everything after it, nothing before
+    got = run(train={"epochs": 2})
+    assert got[:2] == ["done already, skipped"] * 2 and all("skipped" not in x for x in got[2:])
+    assert json.loads((tmp_path / "run" / ".done-train").read_text())["settings"]
+    got = run(train={"epochs": 2}, calibrate={"deltas": [0.3], "window": 1})
+    assert got[:3] == ["done already, skipped"] * 3 and "skipped" not in got[3]
+    assert _FakeCollector.runs == 1
+    with pytest.raises(JobError, match="collect settings .* changed"):
+        run(collect={"max_tokens": 128})
+    assert (tmp_path / "run" / "trajectories" / "problems.jsonl").exists()  # nothing deleted

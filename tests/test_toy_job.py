@@ -39,8 +39,10 @@ def job(tmp_path_factory) -> Path:
                     "suffix": "\n</think>\nThe answer is \\boxed{",
                     "think": {"force_text": "\n</think>\n"}},
         "split": {"fractions": [0.5, 0.3, 0.2], "seed": 0},
-        "train": {"probe": "ttt-noqk", "epochs": 5},
-        "calibrate": {"deltas": DELTAS},
+        # as calibration/jobs/toy.yaml: batch 32 would give 60 training problems 10 Adam steps
+        # (an untrained probe, whose stops on held-out prompts came and went between runs)
+        "train": {"probe": "ttt-noqk", "epochs": 5, "batch_size": 1},
+        "calibrate": {"deltas": DELTAS, "window": 1},
     }))
     run_job(d / "job.yaml", progress=False)
     return d
@@ -58,7 +60,7 @@ def test_job_writes_every_stage(job: Path) -> None:
     assert len(problems) == N_PROMPTS
     assert {p["split"] for p in problems} == {"train", "calibration", "test"}
     # labels come from real answer probes: most problems have a step whose forced answer is
-    # right (62% on the full toy job) and start out wrong, so labels flip from 0 to 1
+    # right (96% on the full toy job) and start out wrong, so labels flip from 0 to 1
     flips = sum(0 in p["labels"]["supervised"] and 1 in p["labels"]["supervised"]
                 for p in problems)
     assert flips > 0.35 * N_PROMPTS
