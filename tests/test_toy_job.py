@@ -95,6 +95,6 @@ def test_served_bundle_stops_early(job: Path) -> None:
                 stopped += 1
                 assert orca["stop_step"] >= 1 and r.choices[0].finish_reason == "stop"
                 assert "boxed" in (r.choices[0].message.content or "")  # an answer follows
-        assert stopped >= 1
+        assert stopped >= len(prompts) // 2  # 23 of 24 at delta 0.3 when measured
     finally:
         srv.stop()
