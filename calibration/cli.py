@@ -178,6 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--pickle-labels", choices=["pessimistic", "research"],
                        default="pessimistic", help="how block labels of a pickle become steps")
 
+    def batch_size_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--batch-size", type=int, default=32,
+                       help="trajectories per optimizer step (the paper: 1); 32 takes 32x fewer "
+                       "Adam steps per epoch: too few for a few hundred problems (toy job)")
+
+    def window_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--window", type=int, default=10, help="smoothing window k")
+
     p = sub.add_parser("synth", help="write a synthetic trajectory set")
     p.add_argument("--out", required=True)
     p.add_argument("--problems", type=int, default=600)
@@ -195,9 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, help="default 20 for no-QK, 10 for QK")
     p.add_argument("--d-h", type=int, default=128, help="QK projection size")
     p.add_argument("--label-mode", help="supervised (default), consistent, judge")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="trajectories per optimizer step (the paper: 1); 32 takes 32x fewer "
-                   "Adam steps per epoch: too few for a few hundred problems (toy job)")
+    batch_size_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoints", help="per-epoch checkpoints (default PROBE.ckpt/)")
     p.set_defaults(fn=cmd_train)
@@ -209,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delta", type=float, nargs="+", default=[0.05, 0.1, 0.15, 0.2])
     p.add_argument("--epsilon", type=float, default=0.05)
     p.add_argument("--pvalue", choices=["binomial", "hb"], default="binomial")
-    p.add_argument("--window", type=int, default=10, help="smoothing window k")
+    window_arg(p)
     p.add_argument("--default-delta", type=float)
     p.add_argument("--label-mode", help="default: the mode the probe was trained with")
     p.add_argument("--dump-scores", help="JSON lines: id, smoothed scores, labels per problem")
@@ -232,10 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-modes", nargs="+", default=["supervised", "consistent"])
     p.add_argument("--epochs", type=int)
     p.add_argument("--d-h", type=int, default=128)
-    p.add_argument("--window", type=int, default=10, help="smoothing window k")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="trajectories per optimizer step (the paper: 1); 32 takes 32x fewer "
-                   "Adam steps per epoch: too few for a few hundred problems (toy job)")
+    window_arg(p)
+    batch_size_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_compare)
 

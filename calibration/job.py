@@ -73,15 +73,14 @@ STAGE_KEYS = {"collect": ("model", "prompts", "shifted_prompts", "collect"), "sp
 
 def stage_settings(job: dict[str, Any]) -> dict[str, str]:
     """A fingerprint per stage of the settings it depends on, its predecessors' included."""
-    def plain(v: Any) -> Any:
-        return asdict(v) if is_dataclass(v) else v
+    def plain(v: Any) -> Any:  # the judge settings are a dataclass
+        return asdict(v) if is_dataclass(v) else str(v)
 
     out, seen = {}, {}
     for name in STAGES:
-        seen.update({k: {kk: plain(vv) for kk, vv in job[k].items()}
-                     if isinstance(job.get(k), dict) else job.get(k) for k in STAGE_KEYS[name]})
-        out[name] = hashlib.sha256(json.dumps(seen, sort_keys=True, default=str).encode()
-                                   ).hexdigest()[:16]
+        seen.update({k: job.get(k) for k in STAGE_KEYS[name]})
+        text = json.dumps(seen, sort_keys=True, default=plain)
+        out[name] = hashlib.sha256(text.encode()).hexdigest()[:16]
     return out
 
 
