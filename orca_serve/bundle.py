@@ -43,6 +43,10 @@ class Segmentation(_Strict):
 
     delimiter: str = "\n\n"
     keywords: list[str] | None = None  # e.g. ["wait", "but"]; None = every delimiter starts a step
+    # "word": a keyword matches as a whole word, any case; "substring": verbatim, inside words too
+    # (the authors' rule: a line containing "wait", "Wait", "but" or "But" opens a step)
+    keyword_match: Literal["word", "substring"] = "word"
+    max_step_tokens: int | None = Field(None, ge=1)  # None: steps are never cut by length
 
 
 class ThinkTags(_Strict):

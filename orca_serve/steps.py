@@ -19,11 +19,20 @@ Rules, precisely:
   token that ends it is fed (online: one decode step after that token was sampled, when its
   hidden state arrives) -> op `STEP`.
 * **Steps with keywords** (e.g. `["wait", "but"]`): a section *has a keyword* if its decoded text
-  matches one of them as a whole word, case-insensitively (regex `\\b(?:wait|but)\\b`, flag I). The
+  matches one of them as a whole word, case-insensitively (regex `\\b(?:wait|but)\\b`, flag I),
+  or, with `keyword_match="substring"` (the authors' rule), contains one of them verbatim
+  (case-sensitive, inside words too: list `"Wait"` and `"wait"` separately). The
   first section opens step 1; every later section with a keyword opens a new step; a section
   without one joins the current step. A section is classified when it ends, so a step is complete
   when the *next keyword section ends* -> op `STEP_PREV` (the step is everything before that
   section; that section becomes the start of the next step). Sections that join -> op `MERGE`.
+* **Maximum step length** (`max_step_tokens=m`, default none): a step that reaches m counted
+  tokens is cut there -> op `STEP` (an ordinary step: A + S), and the tokens after the cut start
+  the next step, so long steps become chunks of m tokens and a remainder (the authors' 500-token
+  chunks). A section cut in two stays one section for the keyword test, but its rest already
+  starts a step (the cut's), so its keyword opens no further step: a keyword line that straddles
+  a cut starts its step at the cut rather than at the line's start, the one place where cutting
+  online differs from cutting a finished text (docs/METHOD.md section 1).
 * **Reasoning phase** (think tags enabled): if the prompt contains the end tag after its last
   start tag (or an end tag and no start tag), there is no reasoning phase at the start; otherwise
   reasoning starts at the first generated token. A generated start tag opens (or re-opens) the
@@ -142,6 +151,8 @@ class TokenTable:
     token_bytes: Sequence[bytes]
     delimiter: bytes = b"\n\n"
     keywords: tuple[str, ...] | None = None
+    keyword_match: str = "word"  # "word": whole word, any case; "substring": verbatim
+    max_step_tokens: int | None = None  # cut steps at this many counted tokens
     think_enabled: bool = True
     start_id: int | None = None
     end_id: int | None = None
@@ -157,9 +168,18 @@ class TokenTable:
         object.__setattr__(self, "has_delim", tuple(self.delimiter in b for b in self.token_bytes))
         object.__setattr__(self, "touches", tuple(any(c in dset for c in b)
                                                   for b in self.token_bytes))
+        if self.max_step_tokens is not None and self.max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
         if self.keywords:
-            pat = r"\b(?:" + "|".join(re.escape(k) for k in self.keywords) + r")\b"
-            object.__setattr__(self, "keyword_re", re.compile(pat, re.IGNORECASE))
+            alternatives = "|".join(re.escape(k) for k in self.keywords)
+            if self.keyword_match == "word":
+                regex = re.compile(r"\b(?:" + alternatives + r")\b", re.IGNORECASE)
+            elif self.keyword_match == "substring":
+                regex = re.compile(alternatives)
+            else:
+                raise ValueError(f"keyword_match must be 'word' or 'substring', "
+                                 f"got {self.keyword_match!r}")
+            object.__setattr__(self, "keyword_re", regex)
         if self.think_enabled and (self.start_id is None or self.end_id is None):
             raise ValueError("think tags are enabled but their token ids are unknown")
 
@@ -170,6 +190,8 @@ class TokenTable:
         """From per-id bytes plus the bundle's `Segmentation` and `ThinkTags` (objects or dicts)."""
         delim = _get(segmentation, "delimiter", "\n\n")
         kws = _get(segmentation, "keywords", None)
+        match = _get(segmentation, "keyword_match", "word")
+        max_step = _get(segmentation, "max_step_tokens", None)
         enabled = bool(_get(think, "enabled", True))
         start_id = end_id = None
         if enabled:
@@ -179,7 +201,8 @@ class TokenTable:
                                  "tokenizer; set think.enabled=false or use the right model")
             start_id, end_id = vocab[start], vocab[end]
         return cls(token_bytes=tuple(token_bytes), delimiter=delim.encode("utf-8"),
-                   keywords=tuple(kws) if kws else None, think_enabled=enabled,
+                   keywords=tuple(kws) if kws else None, keyword_match=match,
+                   max_step_tokens=max_step, think_enabled=enabled,
                    start_id=start_id, end_id=end_id, eos_ids=frozenset(eos_ids))
 
     @classmethod
@@ -279,15 +302,20 @@ class Segmenter:
         self.counted_total += 1
         if self.keep_ids:
             self.s_ids.append(tid)
+        return True, self._cut(self._scan(tid))
+
+    def _scan(self, tid: int) -> int:
+        """The counted token's bytes: NONE, or the op of the section it ends."""
+        t = self.table
         b = t.token_bytes[tid] if 0 <= tid < len(t.token_bytes) else b""
         if t.keyword_re is not None:
             self.sec_text += b
         if not b:
-            return True, NONE  # no text (unknown id): the byte stream is unchanged
+            return NONE  # no text (unknown id): the byte stream is unchanged
         if not t.touches[tid]:
             # no delimiter byte: no occurrence can end here or span this token
             self.tail = b""
-            return True, NONE
+            return NONE
         s = self.tail + b
         k = len(t.delimiter)
         pos, last_end = 0, -1
@@ -298,10 +326,26 @@ class Segmenter:
             last_end = pos = i + k
         if last_end < 0:
             self.tail = s[-(k - 1):] if k > 1 else b""
-            return True, NONE
+            return NONE
         rest = s[last_end:]
         self.tail = rest[-(k - 1):] if k > 1 and rest else b""
-        return True, self._section_end()
+        return self._section_end()
+
+    def _cut(self, op: int) -> int:
+        """A step that reached `max_step_tokens` ends here as an ordinary STEP (A + S).
+
+        Only NONE and MERGE can leave that many tokens pending: the token before had fewer, and
+        STEP / STEP_PREV emit at least one. A cut mid-section keeps the section's text (keyword
+        test) and its delimiter scan; the rest of the section starts the next step.
+        """
+        m = self.table.max_step_tokens
+        if m is None or op not in (NONE, MERGE) or self.pending < m:
+            return op
+        if self.keep_ids:
+            self.steps.append(self.a_ids + self.s_ids)
+            self.a_ids, self.s_ids = [], []
+        self.a_count = self.s_count = 0
+        return STEP
 
     def _section_end(self) -> int:
         t = self.table

@@ -25,9 +25,9 @@ ID = {t: i for i, t in enumerate(TOKENS)}
 VOCAB = dict(ID)
 
 
-def table(keywords=None, think=True, delimiter="\n\n") -> TokenTable:
+def table(keywords=None, think=True, delimiter="\n\n", **seg) -> TokenTable:
     return TokenTable.build(BYTES, VOCAB, segmentation=Segmentation(delimiter=delimiter,
-                                                                    keywords=keywords),
+                                                                    keywords=keywords, **seg),
                             think=ThinkTags(enabled=think), eos_ids=[ID["<eos>"]])
 
 
@@ -162,6 +162,104 @@ def test_offline_segment_equals_online_feed(tmp_path):
         assert online == segment(t, seq, ids("<think>"))
         assert all(len(s) >= 1 for s in online)
         assert sum(map(len, online)) == seg.counted_total
+
+
+def _steps_from_ops(t: TokenTable, seq: list[int], prompt: list[int]) -> list[list[int]]:
+    """The steps a caller that only sees (counted, op) builds, mirroring the plugin's two
+    accumulators (A: completed sections of the step, S: the current section) with token ids."""
+    seg = Segmenter(t, prompt)  # no keep_ids: only the protocol
+    a: list[int] = []
+    s: list[int] = []
+    steps = []
+    for tid in seq:
+        counted, op = seg.feed(tid)
+        if counted:
+            s.append(tid)
+        if op == MERGE:
+            a, s = a + s, []
+        elif op in (STEP, CLOSE):
+            steps.append(a + s)
+            a, s = [], []
+        elif op == STEP_PREV:
+            steps.append(a)
+            a, s = s, []
+    return steps + ([a + s] if a + s else [])
+
+
+@pytest.mark.parametrize("seg", [
+    {"max_step_tokens": 3},
+    {"max_step_tokens": 1},
+    {"max_step_tokens": 4, "keywords": ["wait", "but"]},
+    {"max_step_tokens": 2, "keywords": ["Wait", "but"], "keyword_match": "substring",
+     "delimiter": "\n"},
+    {"keywords": ["but"], "keyword_match": "substring"},
+])
+def test_online_ops_equal_offline_segment(seg):
+    """The protocol the plugin follows (ops on two accumulators) gives exactly the steps of the
+    offline segmentation used by collection and replay, with cuts and keyword modes on."""
+    import random
+
+    rng = random.Random(1)
+    t = table(**seg)
+    m = seg.get("max_step_tokens")
+    for _ in range(300):
+        seq = [rng.randrange(len(TOKENS)) for _ in range(rng.randint(1, 60))]
+        offline = segment(t, seq, ids("<think>"))
+        assert _steps_from_ops(t, seq, ids("<think>")) == offline
+        assert all(1 <= len(x) <= (m or len(seq)) for x in offline)
+
+
+def test_max_step_tokens_chunks_steps_like_the_authors():
+    """Without keywords every section is a step, so cutting online is exactly cutting every
+    finished step into chunks of m tokens and a remainder (the authors' split of long steps)."""
+    import random
+
+    rng = random.Random(2)
+    plain = table()
+    for m in (1, 2, 5):
+        cut = table(max_step_tokens=m)
+        for _ in range(200):
+            seq = [rng.randrange(len(TOKENS)) for _ in range(rng.randint(1, 50))]
+            chunks = [s[i:i + m] for s in segment(plain, seq) for i in range(0, len(s), m)]
+            assert segment(cut, seq) == chunks
+
+
+def test_max_step_tokens_cut_is_an_ordinary_step_op():
+    t = table(max_step_tokens=3)
+    seg = Segmenter(t, keep_ids=True)
+    ops = [seg.feed(i)[1] for i in ids("a", "b", "a", "b", "\n\n", "a", "b", "\n\n")]
+    # the 3rd token cuts; "b\n\n" ends its section (STEP); "ab\n\n" reaches 3 at the delimiter
+    assert ops == [NONE, NONE, STEP, NONE, STEP, NONE, NONE, STEP]
+    assert steps_text(seg.steps) == ["aba", "b\n\n", "ab\n\n"]
+    # with keywords a merge that reaches the limit is the cut too (A + S form the step)
+    t = table(keywords=["wait"], max_step_tokens=4)
+    seg = Segmenter(t, keep_ids=True)
+    ops = [seg.feed(i)[1] for i in ids("a", "\n\n", "b", "\n\n", "a")]
+    assert ops == [NONE, MERGE, NONE, STEP, NONE]
+    assert steps_text(seg.steps) == ["a\n\nb\n\n"]
+
+
+def test_keyword_line_straddling_a_cut_starts_its_step_at_the_cut():
+    t = table(keywords=["wait"], max_step_tokens=3)
+    got = segment(t, ids("a", "\n\n", " Wait", "b", "\n\n", "a"))
+    # offline on finished text the step would start at " Wait"; online the cut came first
+    assert steps_text(got) == ["a\n\n Wait", "b\n\na"]
+
+
+def test_substring_keywords_are_verbatim():
+    """The authors' rule: a line containing the keyword anywhere, case as listed."""
+    word = table(keywords=["but"], delimiter="\n")
+    sub = table(keywords=["but"], delimiter="\n", keyword_match="substring")
+    seq = ids("a", "\n", " butter", "\n", "b", "\n")
+    assert steps_text(segment(word, seq)) == ["a\n butter\nb\n"]
+    assert steps_text(segment(sub, seq)) == ["a\n", " butter\nb\n"]
+    # case-sensitive: "Wait" is not "wait"
+    assert len(segment(table(keywords=["wait"], keyword_match="substring"),
+                       ids("a", "\n\n", "Wait", "\n\n"))) == 1
+    assert len(segment(table(keywords=["Wait"], keyword_match="substring"),
+                       ids("a", "\n\n", "Wait", "\n\n"))) == 2
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        TokenTable.build(BYTES, VOCAB, segmentation={"max_step_tokens": 0}, think={"enabled": False})
 
 
 def test_table_from_tiny_tokenizer(tmp_path_factory):
