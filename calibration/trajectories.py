@@ -562,7 +562,7 @@ def expand_block_labels(block_labels: Sequence[Any], n_steps: int, batch_size: i
     return np.where(block >= 0, lab[np.maximum(block, 0)], 0).astype(np.int8)
 
 
-_ID_KEYS = ("id", "problem_id", "unique_id", "idx")
+_ID_KEYS = ("id", "problem_id", "unique_id", "idx", "problem_idx")
 _PROMPT_KEYS = ("question", "problem", "prompt")
 _ANSWER_KEYS = ("answer", "gt_answer", "ground_truth", "reference_answer")
 
@@ -586,23 +586,57 @@ def _pickle_splits(pkl: Mapping[str, Any]) -> dict[int, str]:
     return out
 
 
+def _aligned_steps(raw: Mapping[str, Any], n_emb: int, batch_size: int) -> int:
+    """How many leading step embeddings carry a label, under the authors' alignment.
+
+    Their pickles embed steps *after* cutting long ones into 500-token chunks (and dropping empty
+    ones), while labels are one per block of ``batch_size`` steps *before* the cut, so the two
+    counts need not agree. Their code pairs embedding t with block t // batch_size and truncates
+    both sides to the shorter one; so do we (docs/TRAJECTORIES.md).
+    """
+    counts = [len(raw[key]) for key in _PICKLE_LABEL_KEYS if key in raw]
+    return min([n_emb] + [batch_size * c for c in counts])
+
+
+def _step_tokens(raw: Mapping[str, Any], n_emb: int, n: int) -> list[int] | None:
+    """Tokens per step from the pickle's ``step_limits`` ([start, end) per chunk, empty chunks
+    included, which have no embedding); None when they do not pair with the embeddings."""
+    limits = raw.get("step_limits")
+    try:
+        sizes = [int(r) - int(left) for left, r in limits or ()]
+    except (TypeError, ValueError):
+        return None
+    sizes = [k for k in sizes if k > 0]
+    return sizes[:n] if len(sizes) == n_emb else None
+
+
 def _pickle_records(pkl: Mapping[str, Any], pickle_labels: str
                     ) -> Iterator[tuple[dict[str, Any], np.ndarray]]:
-    """(problem fields, float32 embeddings) per pickle problem, labels expanded per step."""
+    """(problem fields, float32 embeddings) per usable pickle problem, labels expanded per step.
+
+    Problems with no step embedding or no label are skipped, as the research code skips them.
+    """
     batch_size = int(pkl.get("batch_size", 10))
     splits = _pickle_splits(pkl)
     dim = pkl.get("embed_dim")
     for i, raw in enumerate(pkl["problems"]):
+        if not isinstance(raw, Mapping) or "step_embeddings" not in raw:
+            raise TrajectoryError(f"pickle problem {i}: expected a dict with 'step_embeddings'")
         emb = np.asarray(raw["step_embeddings"], dtype=np.float32)
-        if emb.ndim != 2 or len(emb) == 0 or (dim is not None and emb.shape[1] != dim):
+        if emb.size == 0:
+            continue
+        if emb.ndim != 2 or (dim is not None and emb.shape[1] != dim):
             raise TrajectoryError(f"pickle problem {i}: step_embeddings shape {emb.shape}, "
-                                  f"expected [n_steps >= 1, embed_dim={dim}]")
-        n = len(emb)
+                                  f"expected [n_steps, embed_dim={dim}]")
+        n = _aligned_steps(raw, len(emb), batch_size)
+        if n == 0:
+            continue
         labels = {}
         for key, mode in _PICKLE_LABEL_KEYS.items():
             if key in raw:
+                blocks = list(raw[key])[:math.ceil(n / batch_size)]
                 try:
-                    labels[mode] = expand_block_labels(raw[key], n, batch_size, pickle_labels)
+                    labels[mode] = expand_block_labels(blocks, n, batch_size, pickle_labels)
                 except TrajectoryError as e:
                     raise TrajectoryError(f"pickle problem {i} ({key}): {e}") from e
         id_key, pid = _first(raw, _ID_KEYS)
@@ -610,15 +644,18 @@ def _pickle_records(pkl: Mapping[str, Any], pickle_labels: str
         answer_key, answer = _first(raw, _ANSWER_KEYS)
         used = {"step_embeddings", *_PICKLE_LABEL_KEYS, id_key, prompt_key, answer_key}
         extra = {k: v for k, v in raw.items() if k not in used and _is_json_scalar(v)}
+        if n < len(emb):
+            extra["pickle_unlabelled_steps"] = len(emb) - n  # dropped, as the authors drop them
         yield {
             "id": str(pid) if pid is not None else str(i),
             "prompt": None if prompt is None else str(prompt),
             "answer": None if answer is None else str(answer),
             "split": splits.get(i),
             "n_steps": n,
+            "step_tokens": _step_tokens(raw, len(emb), n),
             "labels": labels,
             "extra": {"pickle_index": i, **extra},
-        }, emb
+        }, emb[:n]
 
 
 def _is_json_scalar(v: Any) -> bool:
@@ -627,8 +664,9 @@ def _is_json_scalar(v: Any) -> bool:
 
 def _infer_normalization(pkl: Mapping[str, Any]) -> str:
     """Guess from step norms: all ~1 is step-l2; all <= 1 is token-l2 (a mean of unit vectors)."""
-    norms = np.concatenate([np.linalg.norm(np.asarray(p["step_embeddings"], dtype=np.float32),
-                                           axis=-1) for p in pkl["problems"]] or [np.zeros(0)])
+    arrays = [np.asarray(p["step_embeddings"], dtype=np.float32) for p in pkl["problems"]]
+    norms = np.concatenate([np.linalg.norm(a, axis=-1) for a in arrays if a.ndim == 2]
+                           or [np.zeros(0)])
     if norms.size and np.all(np.abs(norms - 1) < 1e-3):
         return "step-l2"
     if norms.size and np.all(norms <= 1 + 1e-3):

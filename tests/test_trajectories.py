@@ -262,12 +262,57 @@ def test_open_pickle(tmp_path):
         TrajectorySet.open(tmp_path / "r.pkl", pickle_labels="optimistic")
 
 
-def test_pickle_label_count_mismatch(tmp_path):
+def test_pickle_more_or_fewer_embeddings_than_labels_cover(tmp_path):
+    """Labels cover batch_size steps each; surplus embeddings or labels are dropped, as the
+    authors drop them (problem 1: 10 embeddings, 2 labels; problem 0: 25 embeddings, 1 label)."""
     pkl = _fake_pickle(with_ids=False)
     pkl["problems"][1]["step_labels"] = [0, 1]
+    pkl["problems"][1]["step_labels_consistent"] = [1, 1]
+    pkl["problems"][0]["step_labels"] = [1]
     (tmp_path / "r.pkl").write_bytes(pickle.dumps(pkl))
-    with pytest.raises(TrajectoryError, match=r"problem 1 \(step_labels\).*2 block labels for 10"):
-        TrajectorySet.open(tmp_path / "r.pkl")
+    ts = TrajectorySet.open(tmp_path / "r.pkl", pickle_labels="research")
+    assert [p.n_steps for p in ts.problems] == [10, 10, 7]  # min over embeddings and label modes
+    assert ts.labels(1, "supervised").tolist() == [0] * 10
+    assert ts.problems[0].extra["pickle_unlabelled_steps"] == 15
+    np.testing.assert_array_equal(ts.embeddings(0), pkl["problems"][0]["step_embeddings"][:10])
+
+
+@pytest.mark.parametrize("strip_text", [False, True])
+def test_released_pickle_shape_uses_the_authors_alignment(tmp_path, strip_text):
+    """A pickle shaped like the released ones (long steps embedded as 500-token chunks, labels
+    per block of unsplit steps, text fields stripped as in their GPQA release) opens with the
+    embeddings and per-step labels their training and calibration loops use."""
+    from authors_format import authors_alignment, authors_pickle
+
+    pkl = authors_pickle(seed=3, n_problems=12, dim=DIM, strip_text=strip_text)
+    longer = sum(len(p["step_embeddings"]) > 10 * len(p["step_labels"]) for p in pkl["problems"])
+    assert longer >= 3  # the fixture exercises the released shape
+    (tmp_path / "r.pkl").write_bytes(pickle.dumps(pkl))
+    ts = TrajectorySet.open(tmp_path / "r.pkl", pickle_labels="research")
+    assert len(ts) == 12 and ts.info["normalization"] == "none"
+    assert ts.split("calibration") == [4, 5, 6, 7]
+    for i, prob in enumerate(pkl["problems"]):
+        emb, lab = authors_alignment(prob)
+        np.testing.assert_array_equal(ts.embeddings(i), emb)
+        assert ts.labels(i, "supervised").tolist() == lab
+        assert ts.labels(i, "consistent").tolist() == authors_alignment(
+            prob, key="step_labels_consistent")[1]
+        sizes = [b - a for a, b in prob["step_limits"] if b > a]
+        assert ts.problems[i].step_tokens == sizes[:len(lab)]
+        assert ts.problems[i].id == str(i)
+        assert (ts.problems[i].prompt is None) == strip_text
+    out = import_pickle(tmp_path / "r.pkl", tmp_path / "d", dtype="float32",
+                        pickle_labels="research")
+    back = TrajectorySet.open(out)
+    assert [p.n_steps for p in back.problems] == [p.n_steps for p in ts.problems]
+
+
+def test_pickle_problems_without_steps_are_skipped(tmp_path):
+    pkl = _fake_pickle(with_ids=True)
+    pkl["problems"][1]["step_embeddings"] = np.empty((0, DIM), np.float32)
+    pkl["problems"][2]["step_labels"] = []
+    (tmp_path / "r.pkl").write_bytes(pickle.dumps(pkl))
+    assert [p.id for p in TrajectorySet.open(tmp_path / "r.pkl").problems] == ["u0"]
 
 
 def test_import_pickle(tmp_path):
