@@ -37,6 +37,8 @@ class ProbeSpec:
     eta_mode: Literal["fixed", "input"] = "fixed"  # input-dependent eta(phi)
     mlp: bool = False  # 2-layer MLP fast weights (hidden 4 d_w, GELU)
     online: bool = True  # False: no inner update (the static baseline folded into a linear probe)
+    ln_eps: float = LN_EPS  # epsilon of the inner LayerNorm (the authors' released probes: 1e-6)
+    gelu: Literal["erf", "tanh"] = "erf"  # MLP activation (the authors' probes: tanh approximation)
 
     def __post_init__(self) -> None:
         if self.dim < 1:
@@ -45,6 +47,9 @@ class ProbeSpec:
             raise ValueError("a QK probe needs d_h >= 1")
         if self.kind == "noqk" and (self.d_h is not None or self.shared_qk):
             raise ValueError("d_h and shared_qk only apply to the QK probe")
+        if not self.ln_eps > 0 or self.gelu not in ("erf", "tanh"):
+            raise ValueError(f"ln_eps must be > 0 and gelu 'erf' or 'tanh', got {self.ln_eps}, "
+                             f"{self.gelu!r}")
         if self.mlp and self.norm != "none":
             raise ValueError("the MLP probe does not take a LayerNorm inner loss")
         if not self.online and (self.kind, self.norm, self.eta_mode, self.mlp) != (
@@ -158,7 +163,7 @@ class Probe(nn.Module):
         """
         if self.spec.mlp:
             a = torch.einsum("nhd,nd->nh", fast["w1"], q) + fast["b1"]
-            return (fast["w2"] * nn.functional.gelu(a)).sum(-1) + fast["b2"]
+            return (fast["w2"] * self._gelu(a)).sum(-1) + fast["b2"]
         return _rowdot(fast["w"], q, scratch) + fast["b"]
 
     def score(self, fast: Fast, phi: Tensor) -> Tensor:
@@ -181,9 +186,9 @@ class Probe(nn.Module):
         """
         if self.spec.mlp:
             a = torch.einsum("nhd,nd->nh", fast["w1"], u) + fast["b1"]
-            hid = nn.functional.gelu(a)
+            hid = self._gelu(a)
             p = torch.sigmoid((fast["w2"] * hid).sum(-1) + fast["b2"])
-            dz_da = fast["w2"] * _gelu_grad(a)
+            dz_da = fast["w2"] * (_gelu_tanh_grad(a) if self.spec.gelu == "tanh" else _gelu_grad(a))
             parts = {"w1": dz_da[:, :, None] * u[:, None, :], "b1": dz_da, "w2": hid,
                      "b2": torch.ones_like(p)}
         else:
@@ -194,6 +199,9 @@ class Probe(nn.Module):
         g = 2 * (p - target) * p * (1 - p)
         return p, g, parts
 
+    def _gelu(self, a: Tensor) -> Tensor:
+        return nn.functional.gelu(a, approximate="tanh" if self.spec.gelu == "tanh" else "none")
+
     def _inner_logit(self, fast: Fast, u: Tensor) -> tuple[Tensor, Tensor]:
         """Logit of the inner loss and its derivative w.r.t. the linear fast weights."""
         if self.spec.norm == "none":
@@ -201,7 +209,7 @@ class Probe(nn.Module):
         x = fast["w"] * u
         gamma, beta = self.params["ln_gamma"], self.params["ln_beta"]
         mu = x.mean(-1, keepdim=True)
-        sigma = (x.var(-1, unbiased=False, keepdim=True) + LN_EPS).sqrt()
+        sigma = (x.var(-1, unbiased=False, keepdim=True) + self.spec.ln_eps).sqrt()
         xhat = (x - mu) / sigma
         z = (gamma * xhat + beta).sum(-1) + fast["b"]
         # d sum(LN(x)) / dx: the LayerNorm backward with upstream gradient gamma.
@@ -272,6 +280,13 @@ def _gelu_grad(a: Tensor) -> Tensor:
     cdf = 0.5 * (1 + torch.erf(a / math.sqrt(2)))
     pdf = torch.exp(-0.5 * a * a) / math.sqrt(2 * math.pi)
     return cdf + a * pdf
+
+
+def _gelu_tanh_grad(a: Tensor) -> Tensor:
+    """Derivative of the tanh-approximated GELU 0.5 a (1 + tanh(k (a + c a^3)))."""
+    k, c = math.sqrt(2 / math.pi), 0.044715
+    t = torch.tanh(k * (a + c * a ** 3))
+    return 0.5 * (1 + t) + 0.5 * a * (1 - t * t) * k * (1 + 3 * c * a * a)
 
 
 def _rowdot(a: Tensor, b: Tensor, scratch: Tensor | None = None) -> Tensor:

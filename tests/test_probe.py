@@ -17,6 +17,8 @@ VARIANTS = [
     ProbeSpec(dim=D, eta_mode="input"),
     ProbeSpec(dim=D, kind="qk", d_h=8, mlp=True),
     ProbeSpec(dim=D, kind="qk", d_h=6, shared_qk=True, norm="ln_res", eta_mode="input"),
+    ProbeSpec(dim=D, kind="qk", d_h=8, norm="ln", ln_eps=1e-6),
+    ProbeSpec(dim=D, mlp=True, gelu="tanh"),
 ]
 
 
@@ -35,14 +37,15 @@ def _inner_loss(probe: Probe, fast: dict, u: torch.Tensor, target: float) -> tor
     spec = probe.spec
     if spec.mlp:
         a = torch.einsum("nhd,nd->nh", fast["w1"], u) + fast["b1"]
-        z = (fast["w2"] * torch.nn.functional.gelu(a)).sum(-1) + fast["b2"]
+        gelu = torch.nn.functional.gelu(a, approximate="tanh" if spec.gelu == "tanh" else "none")
+        z = (fast["w2"] * gelu).sum(-1) + fast["b2"]
     else:
         x = fast["w"] * u
         if spec.norm == "none":
             z = x.sum(-1) + fast["b"]
         else:
             ln = torch.nn.functional.layer_norm(x, (x.shape[-1],), probe.params["ln_gamma"],
-                                                probe.params["ln_beta"], eps=1e-5)
+                                                probe.params["ln_beta"], eps=spec.ln_eps)
             z = ln.sum(-1) + fast["b"] + (x.sum(-1) if spec.norm == "ln_res" else 0)
     return ((torch.sigmoid(z) - target) ** 2).sum()
 
