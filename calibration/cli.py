@@ -169,6 +169,16 @@ def cmd_import_pickle(a: argparse.Namespace) -> None:
     print(f"wrote {a.out}")
 
 
+def cmd_import_probe(a: argparse.Namespace) -> None:
+    """The authors' released probe.pt + lambdas.json -> a bundle with their serving settings."""
+    from calibration.import_probe import import_probe
+    b = import_probe(a.probe, a.lambdas, a.model, a.out, config=a.config, window=a.window,
+                     label_mode=a.label_mode, epsilon=a.epsilon, default_delta=a.default_delta,
+                     max_step_tokens=a.max_step_tokens or None)
+    print(f"wrote {a.out}: probe {b.spec().name} (dim {b.model.hidden_size}), window {b.window}, "
+          f"deltas {', '.join(f'{d:g}' for d in b.deltas())}; lambda* {b.lambdas_from}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="orca-calibrate", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -272,6 +282,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float16", "float32"], default="float16")
     p.add_argument("--pickle-labels", choices=["pessimistic", "research"], default="pessimistic")
     p.set_defaults(fn=cmd_import_pickle)
+
+    p = sub.add_parser("import-probe", help="bundle from the authors' released probe.pt")
+    p.add_argument("probe", help="their probe.pt (a TTT probe state dict)")
+    p.add_argument("--lambdas", required=True, help="their lambdas.json (delta -> lambda*)")
+    p.add_argument("--model", required=True, help="the model the probe was trained on")
+    p.add_argument("--out", required=True, help="bundle.json to write")
+    p.add_argument("--config", help="their run's config.json (default: beside the probe)")
+    p.add_argument("--window", type=int, help="smoothing window (default: the config's, else 10)")
+    p.add_argument("--label-mode", help="recorded in the bundle (default: the config's)")
+    p.add_argument("--epsilon", type=float, default=0.05, help="their LTT epsilon (scripts: 0.05)")
+    p.add_argument("--default-delta", type=float)
+    p.add_argument("--max-step-tokens", type=int, default=500,
+                   help="cut steps at this many tokens (theirs: 500; 0: never)")
+    p.set_defaults(fn=cmd_import_probe)
     return ap
 
 

@@ -61,15 +61,16 @@ class ThinkTags(_Strict):
 class LTTRow(_Strict):
     delta: float = Field(gt=0, lt=1)
     lam: float | None  # None = never stop early (no threshold rejected)
-    risk: float
-    pvalue: float
-    savings: float
+    # calibration facts; None when lambda* was imported (see Bundle.lambdas_from)
+    risk: float | None
+    pvalue: float | None
+    savings: float | None
     token_savings: float | None = None
 
 
 class LTTTable(_Strict):
     epsilon: float = Field(gt=0, lt=1)
-    n_cal: int = Field(ge=1)
+    n_cal: int | None = Field(ge=1)  # None: imported lambda*, calibration set unknown
     pvalue: Literal["binomial", "hb"] = "binomial"
     grid_size: int
     excluded_never_correct: bool = True
@@ -95,6 +96,10 @@ class Bundle(_Strict):
     ltt: LTTTable
     default_delta: float
     provenance: dict[str, Any] = {}
+    # None: lambda* computed by orca-calibrate on the data in `provenance`. Otherwise a note on
+    # where they come from (e.g. the authors' released lambdas.json): valid only for the sampling
+    # setup they were calibrated under; orca-serve prints it at start.
+    lambdas_from: str | None = None
     checksum: str = ""
 
     @field_validator("schema_version")

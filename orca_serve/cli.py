@@ -239,6 +239,9 @@ def _main(argv: list[str]) -> None:
                 bundle.lam(early.orca_delta)
         except BundleError as e:
             raise StartupError(str(e)) from None
+        if bundle.lambdas_from:
+            print(f"{PROG}: note: lambda* in {bundle_path} {bundle.lambdas_from}", file=sys.stderr,
+                  flush=True)
     if bundle is not None and early.speculative_config:
         refuse_unsupported(argparse.Namespace(speculative_config=early.speculative_config))
     checked = None
