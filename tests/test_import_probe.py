@@ -12,7 +12,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from authors_format import AuthorsProbe, authors_alignment, authors_pickle, authors_state_dict, smooth
+from authors_format import (
+    AuthorsProbe,
+    authors_alignment,
+    authors_pickle,
+    authors_state_dict,
+    smooth,
+)
 
 from calibration.cli import main as calibrate_main
 from orca_serve.bundle import load_bundle
