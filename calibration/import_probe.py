@@ -16,9 +16,11 @@ run's `config.json` beside it). This module maps such a state dict onto `orca_se
 | `log_eta` []                         | `log_eta`                |
 
 and writes their serving settings into the bundle: a new step at every line containing "wait",
-"Wait", "but" or "But" (verbatim, inside words too), steps cut into 500-token chunks, the plain
-mean of last-layer hidden states per step (no normalisation), their smoothing window, LayerNorm
-epsilon 1e-6 and tanh GELU. Anything else is refused in one line.
+"Wait", "but" or "But" (verbatim, inside words too), steps cut into 500-token chunks, the mean of
+the L2-normalised final-norm hidden states of each step's tokens ("token-l2": their embedding
+script asks vLLM's pooling runner for per-token embeddings, which vLLM L2-normalises by default),
+their smoothing window, LayerNorm epsilon 1e-6 and tanh GELU. Anything else is refused in one
+line.
 """
 
 from __future__ import annotations
@@ -214,12 +216,15 @@ def import_probe(probe_pt: str | Path, lambdas: str | Path, model: str, out: str
                  config: str | Path | None = None, window: int | None = None,
                  label_mode: str | None = None, epsilon: float = 0.05,
                  default_delta: float | None = None,
-                 max_step_tokens: int | None = AUTHORS_MAX_STEP_TOKENS) -> Bundle:
+                 max_step_tokens: int | None = AUTHORS_MAX_STEP_TOKENS,
+                 normalization: str = "token-l2") -> Bundle:
     """Write a bundle serving the released probe with the authors' settings; returns it.
 
     `config` defaults to the config.json beside probe.pt when there is one; `window` and
     `label_mode` default to that config's values (else 10 and "supervised"). `epsilon` is not in
-    lambdas.json: 0.05 is what their scripts use.
+    lambdas.json: 0.05 is what their scripts use. `normalization` must be what the probe was
+    trained on: "token-l2" for embeddings made as their script makes them (docs/METHOD.md
+    section 8); a pickle of the training data tells (TrajectorySet.open(pkl).info).
     """
     probe_pt = Path(probe_pt)
     cfg_path = Path(config) if config is not None else probe_pt.with_name("config.json")
@@ -241,7 +246,7 @@ def import_probe(probe_pt: str | Path, lambdas: str | Path, model: str, out: str
         model=ModelIdentity(name=model, hidden_size=probe.spec.dim),
         segmentation=Segmentation(delimiter="\n", keywords=AUTHORS_KEYWORDS,
                                   keyword_match="substring", max_step_tokens=max_step_tokens),
-        normalization="none",
+        normalization=normalization,
         probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
                          eta=probe.params["log_eta"].exp().item()),
         window=window, label_mode=label_mode or str(cfg.get("label_mode") or "supervised"),

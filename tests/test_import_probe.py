@@ -90,7 +90,7 @@ def test_bundle_carries_their_serving_settings(tmp_path, capsys):
     seg = b.segmentation
     assert (seg.delimiter, seg.keywords, seg.keyword_match, seg.max_step_tokens) == (
         "\n", ["wait", "Wait", "but", "But"], "substring", 500)
-    assert b.normalization == "none" and b.model.name == "authors/model"
+    assert b.normalization == "token-l2" and b.model.name == "authors/model"
     assert b.model.hidden_size == DIM and b.model.tokenizer_fingerprint is None
     assert {str(r.delta): r.lam for r in b.ltt.rows} == LAMBDAS
     assert all(r.risk is None and r.savings is None for r in b.ltt.rows) and b.ltt.n_cal is None
@@ -99,9 +99,10 @@ def test_bundle_carries_their_serving_settings(tmp_path, capsys):
     assert math.isclose(b.probe.eta, 0.05, rel_tol=1e-6)
     # without a config: structure from the keys, window 10, no length cut on request
     (d / "config.json").unlink()
-    assert _import(d, "--max-step-tokens", "0") == 0
+    assert _import(d, "--max-step-tokens", "0", "--normalization", "none") == 0
     b = load_bundle(d / "bundle.json")
     assert b.window == 10 and b.segmentation.max_step_tokens is None and b.default_delta == 0.1
+    assert b.normalization == "none"
 
 
 def test_shared_projection_is_detected_without_config(tmp_path):

@@ -3,7 +3,8 @@
 The probe is made in the authors' format at the tiny model's hidden size (their released probes
 are 5,120-8,192 wide); the bundle comes from `orca-calibrate import-probe` with a short maximum
 step length so that cuts happen within a short generation. The engine must segment by their rule
-(online == offline), pool plain means of final-norm hidden states, score like their probe
+(online == offline), pool like them (means of L2-normalised final-norm hidden states), score like
+their probe
 definition and stop where their smoothed scores first reach lambda*.
 """
 
@@ -44,7 +45,7 @@ def setup(tmp_path_factory):
     # seed and scale chosen so that on this prompt the smoothed scores rise to a new maximum a
     # few steps in (so a stop later than step 1 can be checked)
     sd = authors_state_dict(HIDDEN, no_kq=True, seed=4)
-    sd["W0"] = sd["W0"] * -0.5
+    sd["W0"] = sd["W0"] * -6
     # a small inner rate: scores still follow the embeddings (not only fall with every update)
     sd["log_eta"] = torch.tensor(math.log(0.003))
     torch.save(sd, d / "probe.pt")
@@ -86,13 +87,13 @@ def test_imported_probe_segments_pools_scores_and_stops_like_theirs(setup):
     assert rec["step_token_ids"] == segment(table, gen[:-1], prompt_ids)
     sizes = rec["step_tokens"]
     assert max(sizes) == MAX_STEP and len(sizes) >= 5  # cuts happened
-    # their pooling: the plain mean of the final-norm hidden states over each step's tokens
+    # their pooling: the mean of the L2-normalised final-norm hidden states of each step's tokens
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(setup["model"], dtype=torch.float32).eval()
     with torch.no_grad():
         h = hf.model(input_ids=torch.tensor([prompt_ids + gen])).last_hidden_state[0]
-    h = h[len(prompt_ids):]
+    h = torch.nn.functional.normalize(h[len(prompt_ids):], dim=-1)
     ends = np.cumsum(sizes).tolist()
     ref = torch.stack([h[a:b].mean(0) for a, b in zip([0] + ends[:-1], ends)])
     emb = torch.from_numpy(rec["step_embeddings"])
