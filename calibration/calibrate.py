@@ -1,7 +1,7 @@
 """Choose lambda* per delta by LTT on the calibration split and seal the result in a bundle.
 
 The scores come from `orca_serve.procedure.replay`, i.e. the server's own code path, so the
-threshold is certified for exactly the procedure that will run online (METHOD.md section 5).
+threshold is certified for exactly the procedure that will run online (docs/METHOD.md section 5).
 """
 
 from __future__ import annotations

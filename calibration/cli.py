@@ -174,7 +174,8 @@ def cmd_import_probe(a: argparse.Namespace) -> None:
     from calibration.import_probe import import_probe
     b = import_probe(a.probe, a.lambdas, a.model, a.out, config=a.config, window=a.window,
                      label_mode=a.label_mode, epsilon=a.epsilon, default_delta=a.default_delta,
-                     max_step_tokens=a.max_step_tokens or None, normalization=a.normalization)
+                     max_step_tokens=a.max_step_tokens or None, normalization=a.normalization,
+                     probe_out=a.probe_out)
     print(f"wrote {a.out}: probe {b.spec().name} (dim {b.model.hidden_size}), window {b.window}, "
           f"deltas {', '.join(f'{d:g}' for d in b.deltas())}; lambda* {b.lambdas_from}")
 
@@ -297,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cut steps at this many tokens (theirs: 500; 0: never)")
     p.add_argument("--normalization", choices=["token-l2", "step-l2", "none"], default="token-l2",
                    help="pooling the probe was trained on (theirs: token-l2, vLLM's default)")
+    p.add_argument("--probe-out", help="also write the probe for `calibrate --probe` "
+                   "(to recalibrate it on your own trajectories)")
     p.set_defaults(fn=cmd_import_probe)
     return ap
 

@@ -1,4 +1,4 @@
-"""Offline evaluation: replay a bundle's procedure on held-out trajectories (METHOD.md section 6)."""
+"""Offline evaluation: replay a bundle's procedure on held-out trajectories (docs/METHOD.md section 6)."""
 
 from __future__ import annotations
 

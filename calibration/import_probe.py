@@ -217,7 +217,7 @@ def import_probe(probe_pt: str | Path, lambdas: str | Path, model: str, out: str
                  label_mode: str | None = None, epsilon: float = 0.05,
                  default_delta: float | None = None,
                  max_step_tokens: int | None = AUTHORS_MAX_STEP_TOKENS,
-                 normalization: str = "token-l2") -> Bundle:
+                 normalization: str = "token-l2", probe_out: str | Path | None = None) -> Bundle:
     """Write a bundle serving the released probe with the authors' settings; returns it.
 
     `config` defaults to the config.json beside probe.pt when there is one; `window` and
@@ -225,6 +225,7 @@ def import_probe(probe_pt: str | Path, lambdas: str | Path, model: str, out: str
     lambdas.json: 0.05 is what their scripts use. `normalization` must be what the probe was
     trained on: "token-l2" for embeddings made as their script makes them (docs/METHOD.md
     section 8); a pickle of the training data tells (TrajectorySet.open(pkl).info).
+    `probe_out` also writes the probe as `orca-calibrate train` does, to recalibrate it on-policy.
     """
     probe_pt = Path(probe_pt)
     cfg_path = Path(config) if config is not None else probe_pt.with_name("config.json")
@@ -232,6 +233,11 @@ def import_probe(probe_pt: str | Path, lambdas: str | Path, model: str, out: str
         raise ProbeImportError(f"{cfg_path} not found")
     cfg = _read_config(cfg_path)
     probe = authors_probe(_load_state_dict(probe_pt), cfg)
+    label_mode = label_mode or str(cfg.get("label_mode") or "supervised")
+    if probe_out is not None:
+        from calibration.train import save_probe
+        save_probe(probe, Path(probe_out), {"imported_probe": str(probe_pt),
+                                            "label_mode": label_mode})
     lams = read_lambdas(Path(lambdas))
     deltas = list(lams)
     default = default_delta if default_delta is not None else (0.1 if 0.1 in lams else deltas[0])
@@ -249,7 +255,7 @@ def import_probe(probe_pt: str | Path, lambdas: str | Path, model: str, out: str
         normalization=normalization,
         probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
                          eta=probe.params["log_eta"].exp().item()),
-        window=window, label_mode=label_mode or str(cfg.get("label_mode") or "supervised"),
+        window=window, label_mode=label_mode,
         ltt=LTTTable(epsilon=epsilon, n_cal=None, grid_size=AUTHORS_GRID, rows=rows),
         default_delta=default,
         provenance={"imported_probe": str(probe_pt), "imported_lambdas": str(lambdas),

@@ -1,4 +1,4 @@
-"""Judge labels (METHOD.md section 3): a model behind any OpenAI-compatible endpoint grades answers.
+"""Judge labels (docs/METHOD.md section 3): a model behind any OpenAI-compatible endpoint grades answers.
 
 For tasks where answer equivalence cannot grade (free-form answers, no reference), a judge says
 whether each step's intermediate answer is a correct final answer. Step answers repeat heavily

@@ -1,4 +1,4 @@
-"""Answers and step labels (METHOD.md sections 3 and 4).
+"""Answers and step labels (docs/METHOD.md sections 3 and 4).
 
 An intermediate answer ans(y_t) is what the model writes when forced to answer after step t. The
 labels compare those answers with the reference (supervised) or with the full-budget answer

@@ -1,4 +1,4 @@
-"""Learn-then-Test choice of the stopping threshold lambda* (METHOD.md section 5).
+"""Learn-then-Test choice of the stopping threshold lambda* (docs/METHOD.md section 5).
 
 For each threshold ``lambda_j`` of a fixed grid, ordered from conservative (1.0) to
 aggressive, ``H_j: risk(lambda_j) >= delta`` is tested with a valid p-value; fixed-sequence

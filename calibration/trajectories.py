@@ -268,7 +268,7 @@ class TrajectorySet:
     def open(cls, path: str | Path, *, pickle_labels: str = "pessimistic") -> TrajectorySet:
         """Open a trajectory directory (memory-mapped) or a research-code pickle (in memory).
 
-        ``pickle_labels`` only matters for pickles: "pessimistic" (METHOD.md section 4) or
+        ``pickle_labels`` only matters for pickles: "pessimistic" (docs/METHOD.md section 4) or
         "research" (the authors' block copy, to reproduce the paper's numbers).
         """
         path = Path(path)

@@ -39,7 +39,7 @@ class ModelIdentity(_Strict):
 
 
 class Segmentation(_Strict):
-    """How a reasoning trace is cut into steps (METHOD.md section 1)."""
+    """How a reasoning trace is cut into steps (docs/METHOD.md section 1)."""
 
     delimiter: str = "\n\n"
     keywords: list[str] | None = None  # e.g. ["wait", "but"]; None = every delimiter starts a step

@@ -5,7 +5,7 @@ calibration replay (no grad, many trajectories) and meta-training (autograd thro
 The inner gradients are written in closed form so inference never needs autograd; because they are
 plain torch ops, meta-training differentiates *through* them and so trains exactly what is deployed.
 
-Fast state is a dict of tensors whose leading dimension is the request row. METHOD.md section 2.
+Fast state is a dict of tensors whose leading dimension is the request row. docs/METHOD.md section 2.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ class Probe(nn.Module):
 
     # -- score and inner step --------------------------------------------------------------
     def logit(self, fast: Fast, q: Tensor, scratch: Tensor | None = None) -> Tensor:
-        """Score logit (no LayerNorm on the scoring path, METHOD.md section 2).
+        """Score logit (no LayerNorm on the scoring path, docs/METHOD.md section 2).
 
         `scratch` ([rows, d_w]) lets the server reuse memory for the row-wise product.
         """

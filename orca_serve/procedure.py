@@ -23,7 +23,7 @@ NEVER = float("inf")  # lambda* when LTT rejects nothing: never stop early
 
 
 def normalize_tokens(h: Tensor, mode: Normalization) -> Tensor:
-    """Per-token normalisation applied before the step mean (METHOD.md section 1)."""
+    """Per-token normalisation applied before the step mean (docs/METHOD.md section 1)."""
     if mode == "token-l2":
         return torch.nn.functional.normalize(h.float(), dim=-1)
     return h.float()

@@ -1,4 +1,4 @@
-"""Step segmentation on token ids (METHOD.md section 1), incremental and identical offline/online.
+"""Step segmentation on token ids (docs/METHOD.md section 1), incremental and identical offline/online.
 
 Pure Python: no vLLM import, no torch. The vLLM plugin feeds a `Segmenter` one generated token id
 at a time (when that token's hidden state arrives), record mode uses the very same class, and

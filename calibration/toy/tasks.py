@@ -22,7 +22,7 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 STEP_DELIMITER = "\n\n"
 # Appended to a reasoning prefix to read off the current answer (trained on, see train.py).
 FORCE_SUFFIX = "\n</think>\nThe answer is \\boxed{"
-# METHOD.md's default suffix; also trained (at a lower rate) so either works.
+# A common alternative wording; also trained (at a lower rate) so either works.
 ALT_FORCE_SUFFIX = "\n</think>\n\nFinal answer: \\boxed{"
 
 SLIP_RATE = 0.06  # per try: chance of an arithmetic slip, followed by a "Wait" paragraph

@@ -2,7 +2,7 @@
 
     python -m calibration.toy.train --out orca_serve/demo/model --minutes 14 --seed 0
 
-Recipe and traps: ../shared/notes/TOY-REASONER.md (see calibration/toy/README.md).
+Recipe and traps: calibration/toy/README.md.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ QWEN2_SPLIT_REGEX = (
 TOKENIZER_VOCAB = 384
 SHIFTED_SHARE = 0.08  # shifted family in training: solved, not memorised
 FORCED_SHARE = 0.30  # truncated traces + answer-forcing suffix, loss on the answer only
-ALT_SUFFIX_SHARE = 0.25  # of forced examples, use METHOD.md's suffix instead of FORCE_SUFFIX
+ALT_SUFFIX_SHARE = 0.25  # of forced examples, use ALT_FORCE_SUFFIX instead of FORCE_SUFFIX
 BOUNDARY_DELIM_SHARE = 0.5  # of forced examples, prefix ends with the step delimiter (online case)
 # The verdict after each try decides the walk, but is ~3% of the tokens: at weight 1 an 800-step
 # run said "Too big." for "56 + 6 = 62, want 62" (matches recognised 40% of the time).

@@ -93,8 +93,7 @@ def prepare_environment() -> None:
     """Call before creating the engine: pin the V1 model runner (the plugin's interface).
 
     On vLLM's CPU build an unset VLLM_CPU_KVCACHE_SPACE makes engine start fail whenever the NUMA
-    node reports less free memory than the utilisation target (../shared/notes/VLLM-CPU.md,
-    trap 3); we default it to 4 GiB of KV cache. GPU builds ignore the variable.
+    node reports less free memory than the utilisation target (docs/VLLM-CPU.md); we default it to 4 GiB of KV cache. GPU builds ignore the variable.
     """
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
