@@ -25,8 +25,9 @@ conservative. Repeated testing: a test runs every ``every`` requests (default: `
 windows do not overlap), and the j-th test alarms when p <= alpha / (j (j + 1)); these levels sum
 to alpha, so under exchangeability the probability of ANY false alarm over an unbounded run is
 <= alpha (union bound, valid although tests share the reference). The price: later tests need
-smaller p-values. ``pvalue`` (the latest test's) is a monitoring statistic, not itself
-corrected for the repetition.
+smaller p-values. ``alarm`` is sticky (drift was detected at some test; a new bundle means a new
+monitor); ``pvalue`` (the latest test's) is a monitoring statistic, not itself corrected for the
+repetition.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from orca_serve.bundle import Bundle, DriftReference
 
 REFERENCE_SIZE = 500  # calibration trajectories kept in the bundle
+DRIFT_WINDOW = 500  # requests per test: on the synthetic shift, 200 rarely detect it, 400 do
 _NEVER = 1e9  # stop_step "never crossed", as a number KS can sort
 
 
@@ -89,7 +91,7 @@ class DriftMonitor:
     ``window + len(reference)`` values (well under a millisecond at the defaults).
     """
 
-    def __init__(self, reference: DriftReference, window: int = 200, alpha: float = 0.05,
+    def __init__(self, reference: DriftReference, window: int = DRIFT_WINDOW, alpha: float = 0.05,
                  every: int | None = None) -> None:
         if window < 10:
             raise ValueError(f"drift window must be >= 10 requests, got {window}")
@@ -109,7 +111,7 @@ class DriftMonitor:
         self.skipped = 0  # requests whose statistics were not observable (see observe)
         self.tests = 0
         self.pvalue = 1.0  # latest test's p-value; 1.0 ("no evidence") before the first test
-        self.alarm = False  # latest test rejected at its alpha-spending level
+        self.alarm = False  # some test so far rejected at its alpha-spending level (sticky)
         self.alarms = 0  # tests that alarmed so far
         self._since = 0
 
@@ -150,8 +152,9 @@ class DriftMonitor:
         p_early = ks_2samp(recent[:, 0], self._ref_early).pvalue
         p_stop = ks_2samp(recent[:, 1], self._ref_stop).pvalue
         self.pvalue = float(min(1.0, 2.0 * min(p_early, p_stop)))
-        self.alarm = self.pvalue <= self.threshold(self.tests)
-        self.alarms += int(self.alarm)
+        rejected = self.pvalue <= self.threshold(self.tests)
+        self.alarms += int(rejected)
+        self.alarm = self.alarm or rejected
 
     def to_dict(self) -> dict[str, Any]:
         """Monitoring state (not the reference, which the bundle holds)."""
