@@ -22,7 +22,9 @@ the same for K-. The set {m : K+_t(m) < 2/alpha and K-_t(m) < 2/alpha} (the hedg
 theta = 1/2) therefore covers m* at every t with probability >= 1 - alpha. K+ is nonincreasing
 and K- nondecreasing in m, so the set is an interval: ``lower`` is the largest grid point that
 K+ excludes, ``upper`` the smallest one that K- excludes (conservative by at most one grid
-step), and both are intersected over time (still valid: the event is the same).
+step). The bounds are those of the current set, not intersected over time: intersecting is
+also valid but makes an alarm permanent and, after a rare miss, the interval empty; without it
+an alarm clears when the evidence weakens, and every reading is still covered jointly.
 
 Each side alone has level alpha/2: ``alarm(delta) = lower > delta`` fires, when the true risk is
 at most delta, with probability at most alpha/2 over the whole (infinite) stream.
@@ -118,7 +120,7 @@ class ConfidenceSequence:
         self._need_minus = np.exp(self._threshold - self._log_minus)
 
     def _tighten(self) -> None:
-        """Intersect with the grid points the capital processes exclude: the leading run for
+        """The bounds from the grid points the capital processes exclude: the leading run for
         K+ and the trailing run for K-, found with argmax (the first point NOT excluded), so
         float noise in the monotonicity in m never excludes an interior point."""
         kept_low = self._prod_plus < self._need_plus
@@ -130,8 +132,7 @@ class ConfidenceSequence:
         lower = np.where(k_low > 0, g[np.maximum(k_low - 1, 0)], 0.0)
         upper = np.where(k_high > 0, g[np.minimum(self.grid_size - k_high, self.grid_size - 1)],
                          1.0)
-        self._lower = np.maximum(self._lower, lower)
-        self._upper = np.minimum(self._upper, upper)
+        self._lower, self._upper = lower, upper
 
     # -- reading ----------------------------------------------------------------------------
     def _out(self, a: np.ndarray) -> float | np.ndarray:
