@@ -167,9 +167,13 @@ class Bundle(_Strict):
         return probe.requires_grad_(False)
 
     def summary(self) -> dict[str, Any]:
-        """Everything but the weights (for /v1/orca/bundle and logs)."""
+        """Everything but the weights and the drift reference's numbers (for /v1/orca/bundle
+        and logs)."""
         d = self.model_dump()
         d["probe"] = {"variant": self.spec().name, "spec": self.probe.spec, "eta": self.probe.eta}
+        if self.drift is not None:  # the reference's numbers are for the monitor, not for people
+            d["drift"] = {"k": self.drift.k, "level": self.drift.level, "n_cal": self.drift.n_cal,
+                          "size": len(self.drift.early_mean)}
         return d
 
 

@@ -243,6 +243,8 @@ def test_bundle_reference_is_optional_and_checked(tmp_path, reference):
     loaded = load_bundle(tmp_path / "b.json")
     assert loaded == new and loaded.drift == reference
     assert DriftMonitor.from_bundle(loaded).reference == reference
+    assert loaded.summary()["drift"] == {"k": 10, "level": 0.8, "n_cal": 2000, "size": 500}
+    assert build_reference([np.array([0.5])], 10, [0.8]) is None  # nothing the server scores
 
     data = json.loads((tmp_path / "b.json").read_text())
     data["drift"]["stop_step"] = data["drift"]["stop_step"][:-1]

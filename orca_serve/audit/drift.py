@@ -68,14 +68,15 @@ def reference_level(lambdas: Sequence[float]) -> float:
 
 
 def build_reference(scores: Sequence[np.ndarray], k: int, lambdas: Sequence[float],
-                    seed: int = 0, size: int = REFERENCE_SIZE) -> DriftReference:
-    """The bundle's drift reference from never-stopping replays of the calibration split."""
+                    seed: int = 0, size: int = REFERENCE_SIZE) -> DriftReference | None:
+    """The bundle's drift reference from never-stopping replays of the calibration split; None
+    when no trajectory has a scored step (the server never scores a trajectory's last step)."""
     from orca_serve.bundle import DriftReference
 
     level = reference_level(lambdas)
     usable = [np.asarray(s)[:-1] for s in scores if len(s) >= 2]
     if not usable:
-        raise ValueError("no calibration trajectory has two or more steps: no drift reference")
+        return None
     rng = np.random.default_rng(seed)
     keep = np.sort(rng.permutation(len(usable))[:size])
     stats = [drift_statistics(usable[i], k, level) for i in keep]
