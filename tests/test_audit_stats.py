@@ -189,7 +189,8 @@ def test_monitor_skips_requests_stopped_below_the_level():
     assert not mon.observe([0.1, 0.75], lam=0.7)  # stopped at 0.75 < level 0.8: censored
     assert mon.observe([0.1, 0.85], lam=0.7)  # crossed the level too
     assert mon.observe([0.1, 0.2], lam=0.7) and not mon.observe([])
-    assert (mon.observed, mon.skipped) == (2, 2)
+    assert not mon.observe([0.1, math.nan])
+    assert (mon.observed, mon.skipped) == (2, 3)
 
 
 @pytest.fixture(scope="module")

@@ -129,12 +129,13 @@ class DriftMonitor:
         """Add one finished request's smoothed scores (in step order, up to where it stopped).
 
         ``lam``: the threshold it ran with. Below the reference level a stop can come before
-        the crossing the statistics need; such a request is skipped (returns False).
+        the crossing the statistics need; such a request is skipped (returns False), as is one
+        without scores or with a non-finite one.
         """
-        if len(scores) == 0:
+        m = np.asarray(scores, dtype=float)
+        if m.ndim != 1 or m.size == 0 or not np.all(np.isfinite(m)):
             self.skipped += 1
             return False
-        m = np.asarray(scores, dtype=float)
         if lam < self.level and np.any(m >= lam) and not np.any(m >= self.level):
             self.skipped += 1
             return False

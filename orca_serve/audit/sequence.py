@@ -73,6 +73,8 @@ class ConfidenceSequence:
         self._sum_sq = np.zeros(self.shape)  # sum (X_i - mu_i)^2
         self._log_plus = np.zeros(self.shape + (self.grid_size,))  # log K+ at the last fold
         self._log_minus = np.zeros(self.shape + (self.grid_size,))  # log K- at the last fold
+        self._prod_plus = np.ones_like(self._log_plus)  # K+ / exp(log K+ at the last fold)
+        self._prod_minus = np.ones_like(self._log_minus)
         self._fold()
         self._lower = np.zeros(self.shape)
         self._upper = np.ones(self.shape)
@@ -110,9 +112,8 @@ class ConfidenceSequence:
         the update would cost otherwise. Every factor lies in [1 - c, 1 + max bet], max bet
         <= sqrt(8 log(2/alpha) / log 2), so FOLD factors neither overflow nor underflow.
         """
-        if hasattr(self, "_prod_plus"):
-            self._log_plus += np.log(self._prod_plus)
-            self._log_minus += np.log(self._prod_minus)
+        self._log_plus += np.log(self._prod_plus)
+        self._log_minus += np.log(self._prod_minus)
         self._prod_plus = np.ones_like(self._log_plus)
         self._prod_minus = np.ones_like(self._log_minus)
         # K >= 2/alpha  <=>  product since the fold >= exp(threshold - log K at the fold)
