@@ -1,7 +1,8 @@
 """Offline tools for live audits: what did the audits measure, and a new bundle from them.
 
-`audit_report` reads an audit directory (the trajectory format, appended by the server's live
-audit: one problem per audited request, in the order they were labelled) and replays the
+`audit_report` reads audits (the trajectory format, appended by the server's live audit to
+rotating `audit-NNNNNN` directories: one problem per audited request, in the order they were
+labelled) and replays the
 bundle's probe on the recorded step embeddings with `orca_serve.procedure.replay`, the code the
 server runs, so each audit's scores are the ones the deployed procedure computed. It then feeds
 each audit's loss at every calibrated lambda* (`orca_serve.audit.risk`, the LTT loss) to the
@@ -15,6 +16,7 @@ sliding window (the last N), optionally retraining the probe on a disjoint part 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,27 @@ from orca_serve.audit.drift import DRIFT_WINDOW, DriftMonitor
 from orca_serve.audit.risk import is_counted, request_losses
 from orca_serve.audit.sequence import ConfidenceSequence
 from orca_serve.bundle import Bundle, Segmentation
+
+AUDIT_DIR = re.compile(r"^audit-\d{6}$")  # the server's rotating audit directories
+
+
+def open_audits(path: str | Path) -> TrajectorySet:
+    """One trajectory directory, or the server's audit root: its `audit-NNNNNN` directories,
+    oldest first, read as one set (the embeddings stay memory-mapped)."""
+    root = Path(path)
+    parts = (sorted(p for p in root.iterdir() if p.is_dir() and AUDIT_DIR.match(p.name))
+             if root.is_dir() and not (root / "info.json").exists() else [])
+    if not parts:
+        return TrajectorySet.open(root)
+    sets = [TrajectorySet.open(p) for p in parts]
+    for other in sets[1:]:
+        for key in ("dim", "normalization", "segmentation", "model"):
+            if other.info.get(key) != sets[0].info.get(key):
+                raise ValueError(f"{other.path} and {sets[0].path} differ in {key}: they were "
+                                 "written by different servers; pass one directory")
+    problems = [p for ts in sets for p in ts.problems]
+    arrays = [ts.embeddings(i) for ts in sets for i in range(len(ts))]
+    return TrajectorySet(root, sets[0].info, problems, arrays)
 
 
 def audit_label_mode(bundle: Bundle, ts: TrajectorySet, requested: str | None = None) -> str:

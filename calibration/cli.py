@@ -159,10 +159,16 @@ def cmd_collect(a: argparse.Namespace) -> None:
 
 
 def cmd_audit_report(a: argparse.Namespace) -> None:
-    from calibration.audit import audit_label_mode, audit_report, format_report, plot_report
+    from calibration.audit import (
+        audit_label_mode,
+        audit_report,
+        format_report,
+        open_audits,
+        plot_report,
+    )
     from orca_serve.bundle import load_bundle
     bundle = load_bundle(a.bundle)
-    ts = _open(a.audit)
+    ts = open_audits(a.audit)
     report = audit_report(bundle, ts, mode=audit_label_mode(bundle, ts, a.label_mode),
                           alpha=a.alpha, drift_window=a.drift_window)
     print(format_report(report))
@@ -173,10 +179,10 @@ def cmd_audit_report(a: argparse.Namespace) -> None:
 
 
 def cmd_recalibrate(a: argparse.Namespace) -> None:
-    from calibration.audit import audit_label_mode, recalibrate
+    from calibration.audit import audit_label_mode, open_audits, recalibrate
     from orca_serve.bundle import load_bundle
     bundle = load_bundle(a.bundle)
-    ts = _open(a.audit)
+    ts = open_audits(a.audit)
     new = recalibrate(bundle, ts, Path(a.out), mode=audit_label_mode(bundle, ts, a.label_mode),
                       last=a.last, retrain=a.retrain, epochs=a.epochs, seed=a.seed,
                       batch_size=a.batch_size, bundle_path=a.bundle)
@@ -292,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_collect)
 
     p = sub.add_parser("audit-report", help="realized risk of a bundle on live audits")
-    p.add_argument("--audit", required=True, help="audit directory (trajectory format)")
+    p.add_argument("--audit", required=True, help="the server's audit directory (its "
+                   "audit-NNNNNN parts, oldest first) or one trajectory directory")
     p.add_argument("--bundle", required=True, help="the bundle the server ran")
     p.add_argument("--label-mode", help="default: the bundle's if the audits have it, "
                    "else consistent")
@@ -304,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("recalibrate", help="LTT on live audits; writes a new bundle")
     p.add_argument("--bundle", required=True)
-    p.add_argument("--audit", required=True, help="audit directory (trajectory format)")
+    p.add_argument("--audit", required=True, help="the server's audit directory (its "
+                   "audit-NNNNNN parts, oldest first) or one trajectory directory")
     p.add_argument("--out", required=True)
     p.add_argument("--last", type=int, help="only the last N audits (sliding window)")
     p.add_argument("--label-mode", help="default: the bundle's if the audits have it, "

@@ -102,6 +102,22 @@ def test_recalibrate_on_a_window_with_retraining(world):
         assert after[d] <= d + _tolerance(d, n), (d, after[d])
 
 
+def test_the_servers_rotating_directories_read_as_one(world, tmp_path):
+    """`--audit` takes the server's audit root: its audit-NNNNNN parts in order."""
+    for part, seed in (("audit-000002", 5), ("audit-000001", 4)):
+        generate(tmp_path / "root" / part, n_problems=60, shift=True, seed=seed, **KW)
+    out = tmp_path / "r.json"
+    assert main(["audit-report", "--audit", str(tmp_path / "root"), "--bundle",
+                 str(world / "bundle.json"), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["audits"] == 120
+    assert main(["recalibrate", "--audit", str(tmp_path / "root"), "--bundle",
+                 str(world / "bundle.json"), "--out", str(tmp_path / "b.json"),
+                 "--last", "70"]) == 0
+    ids = load_bundle(tmp_path / "b.json").provenance
+    assert ids["audit_first_id"].startswith("synth-shifted-4-")  # the window spans both parts
+    assert ids["audit_last_id"] == "synth-shifted-5-000059"
+
+
 def test_bad_input_is_one_line(world, tmp_path, capsys):
     bundle = str(world / "bundle.json")
     generate(tmp_path / "narrow", n_problems=5, dim=16, mean_steps=5)
