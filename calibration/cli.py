@@ -158,6 +158,41 @@ def cmd_collect(a: argparse.Namespace) -> None:
     print(json.dumps(stats.as_dict()))
 
 
+def cmd_audit_report(a: argparse.Namespace) -> None:
+    from calibration.audit import (
+        audit_label_mode,
+        audit_report,
+        format_report,
+        open_audits,
+        plot_report,
+    )
+    from orca_serve.bundle import load_bundle
+    bundle = load_bundle(a.bundle)
+    ts = open_audits(a.audit)
+    report = audit_report(bundle, ts, mode=audit_label_mode(bundle, ts, a.label_mode),
+                          alpha=a.alpha, drift_window=a.drift_window)
+    print(format_report(report))
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1))
+    if a.plots:
+        print(f"plot: {plot_report(report, Path(a.plots))}")
+
+
+def cmd_recalibrate(a: argparse.Namespace) -> None:
+    from calibration.audit import audit_label_mode, open_audits, recalibrate
+    from orca_serve.bundle import load_bundle
+    bundle = load_bundle(a.bundle)
+    ts = open_audits(a.audit)
+    new = recalibrate(bundle, ts, Path(a.out), mode=audit_label_mode(bundle, ts, a.label_mode),
+                      last=a.last, retrain=a.retrain, epochs=a.epochs, seed=a.seed,
+                      batch_size=a.batch_size, bundle_path=a.bundle)
+    print(f"wrote {a.out}: n_cal={new.ltt.n_cal} audits, label mode {new.label_mode}")
+    for r, old in zip(new.ltt.rows, bundle.ltt.rows):
+        lam, was = ("never" if x.lam is None else f"{x.lam:.4f}" for x in (r, old))
+        print(f"  delta={r.delta:<5g} lambda*={lam:<8} (was {was}) risk={r.risk:.3f} "
+              f"savings={r.savings:.3f} p={r.pvalue:.3g}")
+
+
 def cmd_run(a: argparse.Namespace) -> None:
     from calibration.job import run_job
     run_job(Path(a.config))
@@ -272,6 +307,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-model", help="the judge's model name at --judge-url")
     p.add_argument("--judge-api-key-env", help="environment variable holding the judge's API key")
     p.set_defaults(fn=cmd_collect)
+
+    p = sub.add_parser("audit-report", help="realized risk of a bundle on live audits")
+    p.add_argument("--audit", required=True, help="the server's audit directory (its "
+                   "audit-NNNNNN parts, oldest first) or one trajectory directory")
+    p.add_argument("--bundle", required=True, help="the bundle the server ran")
+    p.add_argument("--label-mode", help="default: the bundle's if the audits have it, "
+                   "else consistent")
+    p.add_argument("--alpha", type=float, help="confidence sequence level (default: epsilon)")
+    p.add_argument("--drift-window", type=int, default=500, help="requests per drift test")
+    p.add_argument("--json", help="write the report (with the bounds' history) here")
+    p.add_argument("--plots", help="write audit_risk.png to this directory")
+    p.set_defaults(fn=cmd_audit_report)
+
+    p = sub.add_parser("recalibrate", help="LTT on live audits; writes a new bundle")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--audit", required=True, help="the server's audit directory (its "
+                   "audit-NNNNNN parts, oldest first) or one trajectory directory")
+    p.add_argument("--out", required=True)
+    p.add_argument("--last", type=int, help="only the last N audits (sliding window)")
+    p.add_argument("--label-mode", help="default: the bundle's if the audits have it, "
+                   "else consistent")
+    p.add_argument("--retrain", action="store_true", help="retrain the probe on half the "
+                   "window (split by prompt) and calibrate on the other half")
+    p.add_argument("--epochs", type=int, help="retraining epochs (default as in train)")
+    batch_size_arg(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_recalibrate)
 
     p = sub.add_parser("run", help="the whole job from a YAML file (resumable)")
     p.add_argument("--config", required=True)

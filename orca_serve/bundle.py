@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -77,6 +84,28 @@ class LTTTable(_Strict):
     rows: list[LTTRow]
 
 
+class DriftReference(_Strict):
+    """How the calibration set's scores behave, for the label-free drift test (docs/AUDIT.md).
+
+    Per calibration trajectory (a seeded subsample), the two statistics of
+    `orca_serve.audit.drift.drift_statistics`: the mean smoothed score over the first `k` steps
+    (cut at the first crossing of `level`) and the 1-based step of that crossing (None: never).
+    Optional: bundles without it load, and then the server has no drift metric.
+    """
+
+    k: int = Field(ge=1)
+    level: float | None  # the most aggressive calibrated lambda*; None: no delta stops early
+    n_cal: int = Field(ge=1)  # calibration trajectories the subsample was drawn from
+    early_mean: list[float] = Field(min_length=1)
+    stop_step: list[int | None] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _paired(self) -> DriftReference:
+        if len(self.early_mean) != len(self.stop_step):
+            raise ValueError("drift reference lists early_mean and stop_step differ in length")
+        return self
+
+
 class ProbeBlock(_Strict):
     spec: dict[str, Any]
     weights: str  # base64 of a safetensors blob holding the slow weights
@@ -100,6 +129,7 @@ class Bundle(_Strict):
     # where they come from (e.g. the authors' released lambdas.json): valid only for the sampling
     # setup they were calibrated under; orca-serve prints it at start.
     lambdas_from: str | None = None
+    drift: DriftReference | None = None  # absent in older bundles: no drift test
     checksum: str = ""
 
     @field_validator("schema_version")
@@ -146,9 +176,13 @@ class Bundle(_Strict):
         return probe.requires_grad_(False)
 
     def summary(self) -> dict[str, Any]:
-        """Everything but the weights (for /v1/orca/bundle and logs)."""
+        """Everything but the weights and the drift reference's numbers (for /v1/orca/bundle
+        and logs)."""
         d = self.model_dump()
         d["probe"] = {"variant": self.spec().name, "spec": self.probe.spec, "eta": self.probe.eta}
+        if self.drift is not None:  # the reference's numbers are for the monitor, not for people
+            d["drift"] = {"k": self.drift.k, "level": self.drift.level, "n_cal": self.drift.n_cal,
+                          "size": len(self.drift.early_mean)}
         return d
 
 

@@ -1,0 +1,229 @@
+"""Offline tools for live audits: what did the audits measure, and a new bundle from them.
+
+`audit_report` reads audits (the trajectory format, appended by the server's live audit to
+rotating `audit-NNNNNN` directories: one problem per audited request, in the order they were
+labelled) and replays the
+bundle's probe on the recorded step embeddings with `orca_serve.procedure.replay`, the code the
+server runs, so each audit's scores are the ones the deployed procedure computed. It then feeds
+each audit's loss at every calibrated lambda* (`orca_serve.audit.risk`, the LTT loss) to the
+anytime-valid confidence sequence the server uses, in audit order, and the scores to the drift
+monitor when the bundle has a reference. Statistics: docs/AUDIT.md.
+
+`recalibrate` runs the calibration code (`calibrate_bundle`: replay + LTT) on the audits of a
+sliding window (the last N), optionally retraining the probe on a disjoint part of them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from calibration.calibrate import calibrate_bundle, score_split
+from calibration.trajectories import TrajectorySet, split_ids
+from orca_serve.audit.drift import DRIFT_WINDOW, DriftMonitor
+from orca_serve.audit.risk import is_counted, request_losses
+from orca_serve.audit.sequence import ConfidenceSequence
+from orca_serve.bundle import Bundle, Segmentation
+
+AUDIT_DIR = re.compile(r"^audit-\d{6}$")  # the server's rotating audit directories
+
+
+def open_audits(path: str | Path) -> TrajectorySet:
+    """One trajectory directory, or the server's audit root: its `audit-NNNNNN` directories,
+    oldest first, read as one set (the embeddings stay memory-mapped)."""
+    root = Path(path)
+    parts = (sorted(p for p in root.iterdir() if p.is_dir() and AUDIT_DIR.match(p.name))
+             if root.is_dir() and not (root / "info.json").exists() else [])
+    if not parts:
+        return TrajectorySet.open(root)
+    sets = [TrajectorySet.open(p) for p in parts]
+    for other in sets[1:]:
+        for key in ("dim", "normalization", "segmentation", "model"):
+            if other.info.get(key) != sets[0].info.get(key):
+                raise ValueError(f"{other.path} and {sets[0].path} differ in {key}: they were "
+                                 "written by different servers; pass one directory")
+    problems = [p for ts in sets for p in ts.problems]
+    arrays = [ts.embeddings(i) for ts in sets for i in range(len(ts))]
+    return TrajectorySet(root, sets[0].info, problems, arrays)
+
+
+def audit_label_mode(bundle: Bundle, ts: TrajectorySet, requested: str | None = None) -> str:
+    """The bundle's label mode when the audits have it, else `consistent` (what live audits
+    label: agreement with the request's own final answer)."""
+    modes = ts.label_modes
+    mode = requested or (bundle.label_mode if bundle.label_mode in modes else "consistent")
+    if mode not in modes:
+        raise ValueError(f"label mode {mode!r} is not in {ts.path} (it has {list(modes) or 'none'})")
+    return mode
+
+
+def window_view(ts: TrajectorySet, last: int | None, splits: dict[str, str] | None = None
+                ) -> TrajectorySet:
+    """The last ``last`` problems (all when None) as a set of their own, no copy of the
+    embeddings; every problem's split is ``splits[id]`` (default: calibration)."""
+    if last is not None and last < 1:
+        raise ValueError(f"--last must be >= 1, got {last}")
+    start = 0 if last is None else max(0, len(ts) - last)
+    idx = range(start, len(ts))
+    problems = [replace(ts.problems[i], split=(splits or {}).get(ts.problems[i].id, "calibration"))
+                for i in idx]
+    return TrajectorySet(ts.path, ts.info, problems, [ts.embeddings(i) for i in idx])
+
+
+def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float | None = None,
+                 drift_window: int = DRIFT_WINDOW) -> dict[str, Any]:
+    """Per delta: audits counted, realized risk, confidence bounds, alarm, and their history."""
+    if ts.dim != bundle.model.hidden_size:
+        raise ValueError(f"the bundle is for {bundle.model.hidden_size}-dim embeddings "
+                         f"({bundle.model.name}) but {ts.path} has dim {ts.dim}")
+    if len(ts) == 0:
+        raise ValueError(f"{ts.path} holds no audit yet")
+    alpha = bundle.ltt.epsilon if alpha is None else alpha
+    scored = score_split(bundle.load_probe(), ts, "all", mode, bundle.window, solvable_only=False)
+    deltas = bundle.deltas()
+    lams = [bundle.lam(d) for d in deltas]
+    cs = ConfidenceSequence(alpha=alpha, shape=(len(deltas),))
+    drift = DriftMonitor.from_bundle(bundle, window=min(drift_window, max(10, len(ts))))
+    history: dict[str, list] = {"mean": [], "lower": [], "upper": []}
+    first_alarm: list[int | None] = [None] * len(deltas)
+    skipped = 0
+    for s, c in zip(scored.scores, scored.labels):
+        if drift is not None and len(s) >= 2:
+            drift.observe(s[:-1])  # the server does not score the step that ends the thinking
+        if not is_counted(c, bundle.ltt.excluded_never_correct):
+            skipped += 1
+            continue
+        cs.update(request_losses(s, c, lams).astype(float))
+        for key, values in history.items():
+            values.append(getattr(cs, key).tolist())
+        for j, d in enumerate(deltas):
+            if first_alarm[j] is None and cs.lower[j] > d:
+                first_alarm[j] = cs.n
+    rows = []
+    for j, (d, lam) in enumerate(zip(deltas, lams)):
+        rows.append({"delta": d, "lambda": None if math.isinf(lam) else lam, "n": cs.n,
+                     "risk": float(cs.mean[j]) if cs.n else None,
+                     "lower": float(cs.lower[j]), "upper": float(cs.upper[j]),
+                     "alarm": bool(cs.lower[j] > d), "first_alarm_at": first_alarm[j]})
+    report: dict[str, Any] = {
+        "audit": str(ts.path), "audits": len(ts), "counted": cs.n, "never_correct_skipped": skipped,
+        "label_mode": mode, "bundle_label_mode": bundle.label_mode, "alpha": alpha,
+        "confidence_sequence": "hedged capital, Waudby-Smith & Ramdas (2024)", "deltas": rows,
+        "history": {k: np.asarray(v).T.tolist() for k, v in history.items()}}
+    if drift is not None:
+        report["drift"] = {"window": drift.window, "observed": drift.observed,
+                           "tests": drift.tests, "pvalue": drift.pvalue,
+                           "alarms": drift.alarms, "alarm": drift.alarm}
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [(f"{report['audit']}: {report['audits']} audits, {report['counted']} counted "
+              f"({report['never_correct_skipped']} never correct, left out), labels "
+              f"{report['label_mode']}, bounds at alpha={report['alpha']:g} (anytime-valid)")]
+    if report["label_mode"] != report["bundle_label_mode"]:
+        lines.append(f"note: the bundle certifies the risk under {report['bundle_label_mode']} "
+                     f"labels; these audits measure it under {report['label_mode']} labels")
+    for r in report["deltas"]:
+        lam = "never" if r["lambda"] is None else f"{r['lambda']:.4f}"
+        risk = "-" if r["risk"] is None else f"{r['risk']:.3f}"
+        flag = f"ALARM (since audit {r['first_alarm_at']})" if r["alarm"] else "ok"
+        lines.append(f"  delta={r['delta']:<5g} lambda*={lam:<8} n={r['n']:<5} risk={risk} "
+                     f"bounds=[{r['lower']:.3f}, {r['upper']:.3f}] {flag}")
+    if "drift" in report:
+        d = report["drift"]
+        lines.append(f"  drift: {d['tests']} tests of {d['window']}-request windows, last "
+                     f"p={d['pvalue']:.3g}, alarms={d['alarms']}, "
+                     f"{'ALARM' if d['alarm'] else 'ok'}")
+    else:
+        lines.append("  drift: the bundle has no drift reference (calibrated before it existed)")
+    return "\n".join(lines)
+
+
+def plot_report(report: dict[str, Any], out_dir: Path) -> Path:
+    """Realized risk and its confidence bounds over the audits, one panel per delta."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows, hist = report["deltas"], report["history"]
+    fig, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 3.5), squeeze=False)
+    t = np.arange(1, report["counted"] + 1)
+    for j, (ax, r) in enumerate(zip(axes[0], rows)):
+        if report["counted"]:
+            ax.fill_between(t, hist["lower"][j], hist["upper"][j], alpha=0.25,
+                            label=f"{1 - report['alpha']:.0%} confidence sequence")
+            ax.plot(t, hist["mean"][j], label="realized risk")
+        ax.axhline(r["delta"], color="r", ls="--", label="delta")
+        if r["first_alarm_at"] is not None:
+            ax.axvline(r["first_alarm_at"], color="r", ls=":", label="alarm")
+        ax.set(xlabel="audit", ylabel="risk", ylim=(0, min(1.0, 3 * max(rows[-1]["delta"], 0.1))),
+               title=f"delta={r['delta']:g}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "audit_risk.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
+                last: int | None = None, retrain: bool = False, epochs: int | None = None,
+                seed: int = 0, batch_size: int = 32, bundle_path: str | None = None) -> Bundle:
+    """LTT (the calibrate code) on the audits of the window; the same probe unless ``retrain``.
+
+    With ``retrain`` the window is split by prompt (seeded) into a training half and a
+    calibration half: LTT must not see the data the probe was fitted to.
+    """
+    if ts.dim != bundle.model.hidden_size:
+        raise ValueError(f"the bundle is for {bundle.model.hidden_size}-dim embeddings "
+                         f"but {ts.path} has dim {ts.dim}")
+    settings = {"normalization": (ts.info.get("normalization"), bundle.normalization),
+                "segmentation": (Segmentation(**(ts.info.get("segmentation") or {})),
+                                 bundle.segmentation)}
+    for name, (theirs, ours) in settings.items():
+        if theirs != ours:
+            raise ValueError(f"the audits' {name} {theirs!r} differs from the bundle's {ours!r}: "
+                             "they were not recorded by a server running this bundle")
+    view = window_view(ts, last)
+    if retrain:
+        ids = [p.id for p in view.problems]
+        groups = {p.id: p.prompt or p.id for p in view.problems}
+        splits = split_ids(ids, (0.5, 0.5, 0.0), seed=seed, groups=groups)
+        view = window_view(ts, last, splits)
+        probe, facts = _retrain(bundle, view, mode, epochs=epochs, seed=seed,
+                                batch_size=batch_size)
+    else:
+        probe, facts = bundle.load_probe(), {"probe": "the parent bundle's"}
+    ids = [p.id for p in view.problems]
+    provenance = {"calibration_source": "live audits", "audit_window": len(ids),
+                  "audit_first_id": ids[0], "audit_last_id": ids[-1],
+                  "parent_bundle": bundle_path, "parent_checksum": bundle.checksum,
+                  "retrained": retrain, **facts}
+    return calibrate_bundle(probe, view, out, mode=mode, deltas=bundle.deltas(),
+                            epsilon=bundle.ltt.epsilon, pvalue=bundle.ltt.pvalue,
+                            window=bundle.window, default_delta=bundle.default_delta,
+                            provenance=provenance)
+
+
+def _retrain(bundle: Bundle, ts: TrajectorySet, mode: str, *, epochs: int | None, seed: int,
+             batch_size: int) -> tuple[Any, dict[str, Any]]:
+    """A probe of the bundle's variant, trained on the window's training half."""
+    from calibration.train import meta_train, train_static
+
+    spec = bundle.spec()
+    if not ts.split("train"):
+        raise ValueError("the audit window is too small to retrain: no training problem")
+    if not spec.online:
+        return train_static(ts, mode, seed=seed), {"probe": "static, retrained"}
+    epochs = epochs or (20 if spec.kind == "noqk" else 10)
+    res = meta_train(ts, spec, mode, epochs=epochs, seed=seed, batch_size=batch_size,
+                     checkpoints=None, progress=False)
+    return res.probe, {"probe": f"{spec.name}, retrained", "epochs": epochs,
+                       "selected_epoch": res.epoch}

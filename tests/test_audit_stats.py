@@ -1,0 +1,255 @@
+"""The statistics of the live audit: the loss, the confidence sequence, the drift test.
+
+Statistical claims are checked by simulation with fixed seeds and stated Monte Carlo
+tolerances (3 binomial standard errors), using the very classes the server runs (batched over
+independent streams where that keeps the test fast).
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from test_bundle import make_bundle
+
+from calibration.ltt import calibrate
+from orca_serve.audit import (
+    ConfidenceSequence,
+    DriftMonitor,
+    build_reference,
+    drift_statistics,
+    is_counted,
+    request_loss,
+    request_losses,
+    table_losses,
+)
+from orca_serve.bundle import BundleError, _checksum, load_bundle, save_bundle
+
+
+def _tolerance(rate: float, n: int) -> float:
+    """3 binomial standard errors of a share estimated from n replicates."""
+    return 3 * math.sqrt(rate * (1 - rate) / n)
+
+
+# ---------------------------------------------------------------------------------- the loss
+
+
+def _problems(rng: np.random.Generator, n: int) -> tuple[list, list]:
+    scores, labels = [], []
+    for _ in range(n):
+        t = int(rng.integers(1, 40))
+        scores.append(np.clip(np.cumsum(rng.normal(0.02, 0.1, t)) + 0.3, 0, 1))
+        first = int(rng.integers(0, t))
+        labels.append((np.arange(t) >= first).astype(np.int8))  # solvable, cumulative
+    return scores, labels
+
+
+def test_request_loss_follows_the_stopping_rule():
+    scores, raw = [0.2, 0.6, 0.5, 0.9], [0, 1, 0, 1]  # raw labels are cumulated
+    assert request_loss(scores, raw, 0.6) == 0  # stops at step 2 (>= is a stop), right there
+    assert request_loss(scores, raw, 0.55) == 0
+    assert request_loss(scores, raw, 0.1) == 1  # stops at step 1, not yet right
+    assert request_loss(scores, raw, 0.95) == 0  # never crosses: runs to the end, right
+    assert request_loss(scores, raw, math.inf) == 0
+    assert request_loss(scores, [0, 0, 0, 0], math.inf) == 1  # never right: 1 at any lambda
+    assert not is_counted([0, 0, 0, 0]) and is_counted([0, 0, 0, 0], False) and is_counted(raw)
+    with pytest.raises(ValueError, match="one score per labelled step"):
+        request_loss(scores, [0, 1], 0.5)
+
+
+def test_request_loss_is_the_loss_ltt_certifies():
+    """LTT's reported risk at its lambda* is the mean audit loss at that lambda*."""
+    rng = np.random.default_rng(0)
+    scores, labels = _problems(rng, 400)
+    for res in calibrate(scores, labels, [0.1, 0.2, 0.3], epsilon=0.1):
+        audit = np.mean([request_loss(s, c, res.lam) for s, c in zip(scores, labels)])
+        assert audit == pytest.approx(res.risk, abs=1e-12)
+    lams = [0.9, 0.5, 0.3, math.inf]
+    for s, c in zip(scores[:50], labels[:50]):
+        naive = []
+        for lam in lams:
+            hit = [t for t, m in enumerate(s) if m >= lam]
+            naive.append(1 - int(c[hit[0] if hit else len(s) - 1]))
+        assert request_losses(s, c, lams).tolist() == naive
+
+
+class _Table:
+    """The two methods of a bundle that table_losses reads."""
+
+    def deltas(self):
+        return [0.05, 0.1]
+
+    def lam(self, delta):
+        return {0.05: math.inf, 0.1: 0.5}[delta]
+
+
+def test_table_losses_per_delta():
+    assert table_losses(_Table(), [0.2, 0.6, 0.7], [0, 0, 1]) == {0.05: 0, 0.1: 1}
+
+
+# ----------------------------------------------------------------------- confidence sequence
+
+
+RISKS = np.repeat([0.01, 0.05, 0.1, 0.2, 0.5, 0.9], 100)  # 600 streams
+HORIZON = 1000
+ALPHA = 0.05
+
+
+@pytest.fixture(scope="module")
+def simulation():
+    """600 Bernoulli audit streams of 1,000 losses each, through one batched sequence."""
+    rng = np.random.default_rng(2024)
+    cs = ConfidenceSequence(alpha=ALPHA, shape=RISKS.shape)
+    missed = np.zeros(RISKS.shape, bool)
+    low_missed = np.zeros(RISKS.shape, bool)
+    for _ in range(HORIZON):
+        cs.update((rng.random(RISKS.shape) < RISKS).astype(float))
+        low_missed |= cs.lower > RISKS
+        missed |= (cs.lower > RISKS) | (cs.upper < RISKS)
+    return cs, missed, low_missed
+
+
+def test_anytime_coverage(simulation):
+    """The true risk ever leaves [lower, upper] in at most alpha of the streams (checked after
+    every update, i.e. under continuous monitoring), and below lower (a false alarm at
+    delta = risk) in at most alpha / 2."""
+    _, missed, low_missed = simulation
+    n = RISKS.size
+    assert missed.mean() <= ALPHA + _tolerance(ALPHA, n)
+    assert low_missed.mean() <= ALPHA / 2 + _tolerance(ALPHA / 2, n)
+
+
+def test_bounds_tighten_and_alarm_on_excess_risk(simulation):
+    cs, _, _ = simulation
+    width = cs.upper - cs.lower
+    # measured 0.070 at risk 0.1 (a fixed-n 95% Wilson interval: 0.037); 0.08 fails any
+    # bound that does not shrink like sqrt(log log n / n)
+    assert width[RISKS == 0.1].mean() < 0.08
+    assert width[RISKS == 0.01].mean() < 0.03
+    assert np.all(cs.lower < cs.upper)
+    # risk 0.2 against delta 0.1: established within 1,000 audits in (nearly) every stream
+    assert cs.alarm(0.1)[RISKS == 0.2].mean() >= 0.99
+    assert not cs.alarm(0.1)[RISKS <= 0.05].any()
+
+
+def test_state_round_trips_through_json():
+    rng = np.random.default_rng(1)
+    a = ConfidenceSequence(alpha=0.1)
+    for x in rng.random(301) < 0.3:  # 301: the state is saved between two folds
+        a.update(float(x))
+    b = ConfidenceSequence.from_dict(json.loads(json.dumps(a.to_dict())))
+    assert (b.n, b.mean, b.lower, b.upper) == (a.n, a.mean, a.lower, a.upper)
+    for x in rng.random(200) < 0.3:
+        a.update(float(x))
+        b.update(float(x))
+        assert (b.lower, b.upper) == pytest.approx((a.lower, a.upper), abs=1e-12)
+    assert 0.0 < a.lower < 0.3 < a.upper < 1.0 and a.alarm(0.05) and not a.alarm(0.5)
+
+
+def test_fresh_sequence_and_bad_input():
+    cs = ConfidenceSequence()
+    assert cs.n == 0 and math.isnan(cs.mean) and (cs.lower, cs.upper) == (0.0, 1.0)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        cs.update(1.5)
+    with pytest.raises(ValueError, match="alpha"):
+        ConfidenceSequence(alpha=0.0)
+    with pytest.raises(ValueError, match="not a confidence sequence"):
+        ConfidenceSequence.from_dict({"kind": "other"})
+
+
+# -------------------------------------------------------------------------------------- drift
+
+
+def _paths(rng: np.random.Generator, n: int, shift: float = 0.0) -> list[np.ndarray]:
+    """Smoothed-score-like paths: a logistic random walk with a per-problem level."""
+    out = []
+    for _ in range(n):
+        t = int(rng.integers(5, 60))
+        z = rng.normal(-1.0 + shift, 1.0) + np.cumsum(rng.normal(0.08, 0.3, t))
+        out.append(1 / (1 + np.exp(-z)))
+    return out
+
+
+def test_statistics_are_not_censored_by_stopping():
+    """A request stopped at any lambda >= the reference level yields the statistics of its
+    never-stopping run: what makes stopped live requests comparable to the reference."""
+    rng = np.random.default_rng(3)
+    level = 0.7
+    for path in _paths(rng, 300):
+        full = drift_statistics(path, 10, level)
+        for lam in (0.7, 0.8, 0.95):
+            hit = np.flatnonzero(path >= lam)
+            stopped = path[:hit[0] + 1] if hit.size else path
+            assert drift_statistics(stopped, 10, level) == full
+
+
+def test_monitor_skips_requests_stopped_below_the_level():
+    ref = build_reference(_paths(np.random.default_rng(4), 100), 10, [0.8, 0.9])
+    mon = DriftMonitor(ref, window=10)
+    assert not mon.observe([0.1, 0.75], lam=0.7)  # stopped at 0.75 < level 0.8: censored
+    assert mon.observe([0.1, 0.85], lam=0.7)  # crossed the level too
+    assert mon.observe([0.1, 0.2], lam=0.7) and not mon.observe([])
+    assert not mon.observe([0.1, math.nan])
+    assert (mon.observed, mon.skipped) == (2, 3)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return build_reference(_paths(np.random.default_rng(5), 2000), 10, [0.8, 0.9])
+
+
+def _alarm_share(reference, shift: float, monitors: int, requests: int, seed: int) -> float:
+    rng = np.random.default_rng(seed)
+    alarms = 0
+    for _ in range(monitors):
+        mon = DriftMonitor(reference, window=100, alpha=ALPHA)
+        for path in _paths(rng, requests, shift):
+            mon.observe(path[:-1])  # as build_reference: the last step is never scored
+        alarms += mon.alarm
+    return alarms / monitors
+
+
+def test_drift_false_alarm_rate(reference):
+    """In distribution: ANY alarm over 3 consecutive tests in at most alpha of the runs."""
+    assert len(reference.early_mean) == 500 and reference.level == 0.8
+    share = _alarm_share(reference, 0.0, monitors=200, requests=300, seed=6)
+    assert share <= ALPHA + _tolerance(ALPHA, 200)
+
+
+def test_drift_detects_a_shift(reference):
+    assert _alarm_share(reference, 0.5, monitors=40, requests=200, seed=7) >= 0.9
+
+
+def test_monitor_state_round_trips(reference):
+    mon = DriftMonitor(reference, window=50, every=20)
+    for path in _paths(np.random.default_rng(8), 130, 0.5):
+        mon.observe(path)
+    again = DriftMonitor.from_dict(reference, json.loads(json.dumps(mon.to_dict())))
+    assert again.to_dict() == mon.to_dict() and mon.tests == 5
+    assert mon.threshold(1) == ALPHA / 2 and sum(mon.threshold(j) for j in range(1, 10**5)) < ALPHA
+
+
+# ------------------------------------------------------------------------------ the bundle
+
+
+def test_bundle_reference_is_optional_and_checked(tmp_path, reference):
+    old = make_bundle().model_dump()
+    del old["drift"]  # a bundle written before the field existed, sealed as it was then
+    old["checksum"] = _checksum(old)
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert load_bundle(tmp_path / "old.json").drift is None
+    assert DriftMonitor.from_bundle(load_bundle(tmp_path / "old.json")) is None
+
+    new = save_bundle(make_bundle().model_copy(update={"drift": reference}), tmp_path / "b.json")
+    loaded = load_bundle(tmp_path / "b.json")
+    assert loaded == new and loaded.drift == reference
+    assert DriftMonitor.from_bundle(loaded).reference == reference
+    assert loaded.summary()["drift"] == {"k": 10, "level": 0.8, "n_cal": 2000, "size": 500}
+    assert build_reference([np.array([0.5])], 10, [0.8]) is None  # nothing the server scores
+
+    data = json.loads((tmp_path / "b.json").read_text())
+    data["drift"]["stop_step"] = data["drift"]["stop_step"][:-1]
+    data["checksum"] = _checksum(data)
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    with pytest.raises(BundleError, match="drift"):
+        load_bundle(tmp_path / "b.json")

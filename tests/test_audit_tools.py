@@ -1,0 +1,133 @@
+"""`orca-calibrate audit-report` and `recalibrate` on synthetic audits (fixed seeds).
+
+A bundle calibrated on the in-distribution family is audited on fresh in-distribution data (no
+alarm) and on the shifted family (its lambda* there breaks the risk: alarm, and the drift test
+fires). Recalibrating on the shifted audits must bring the realized risk on FRESH shifted data
+back to delta, within 3 binomial standard errors of the finite test set.
+"""
+
+import json
+import math
+
+import pytest
+
+from calibration.cli import main
+from calibration.evaluate import evaluate_bundle
+from calibration.synth import generate
+from calibration.train import save_probe, train_static
+from calibration.trajectories import TrajectorySet
+from orca_serve.bundle import load_bundle
+
+KW = {"dim": 32, "mean_steps": 30}
+DELTAS = (0.05, 0.1)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("audit")
+    data = generate(root / "in", n_problems=1600, splits=(0.5, 0.5, 0.0), **KW)
+    generate(root / "shifted-audits", n_problems=1200, shift=True, seed=1, **KW)
+    generate(root / "shifted-fresh", n_problems=1200, shift=True, seed=2, **KW)
+    generate(root / "in-audits", n_problems=800, seed=3, **KW)
+    probe = train_static(TrajectorySet.open(data), "consistent", seed=0)
+    save_probe(probe, root / "static.safetensors", {"label_mode": "consistent", "seed": "0"})
+    assert main(["calibrate", "--data", str(data), "--probe", str(root / "static.safetensors"),
+                 "--out", str(root / "bundle.json"), "--delta", *map(str, DELTAS)]) == 0
+    return root
+
+
+def _report(world, audits: str, *extra: str) -> dict:
+    out = world / f"{audits}.json"
+    assert main(["audit-report", "--audit", str(world / audits), "--bundle",
+                 str(world / "bundle.json"), "--json", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def _fresh_errors(bundle_path) -> tuple[dict[float, float], int]:
+    rep, _ = evaluate_bundle(load_bundle(bundle_path),
+                             TrajectorySet.open(bundle_path.parent / "shifted-fresh"), "all")
+    return {r["delta"]: r["error"] for r in rep["deltas"].values()}, rep["n"]
+
+
+def _tolerance(delta: float, n: int) -> float:
+    return 3 * math.sqrt(delta * (1 - delta) / n)
+
+
+def test_no_alarm_in_distribution(world):
+    report = _report(world, "in-audits")
+    assert report["counted"] == 800 and report["label_mode"] == "consistent"
+    assert not any(r["alarm"] for r in report["deltas"])
+    assert report["drift"]["tests"] == 1 and not report["drift"]["alarm"]
+    assert len(report["history"]["lower"][0]) == 800
+
+
+def test_alarm_and_drift_on_the_shifted_family(world, capsys):
+    report = _report(world, "shifted-audits", "--plots", str(world / "plots"))
+    strict = report["deltas"][0]
+    assert strict["delta"] == 0.05 and strict["alarm"] and strict["lower"] > 0.05
+    assert strict["first_alarm_at"] is not None and strict["risk"] > strict["lower"]
+    assert report["drift"]["alarm"] and report["drift"]["pvalue"] < 0.05
+    out = capsys.readouterr().out
+    assert "ALARM" in out and "drift" in out
+    assert (world / "plots" / "audit_risk.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_recalibrate_brings_the_risk_back(world):
+    before, n = _fresh_errors(world / "bundle.json")
+    assert before[0.05] > 0.05 + _tolerance(0.05, n)  # the shift really broke the guarantee
+    out = world / "recalibrated.json"
+    assert main(["recalibrate", "--bundle", str(world / "bundle.json"), "--audit",
+                 str(world / "shifted-audits"), "--out", str(out)]) == 0
+    old, new = load_bundle(world / "bundle.json"), load_bundle(out)
+    assert new.probe == old.probe and new.ltt.n_cal == 1200 and new.drift is not None
+    assert new.provenance["calibration_source"] == "live audits"
+    assert new.provenance["parent_checksum"] == old.checksum
+    for d in DELTAS:
+        assert new.lam(d) >= old.lam(d)  # more conservative on the harder family
+    after, n = _fresh_errors(out)
+    for d in DELTAS:
+        assert after[d] <= d + _tolerance(d, n), (d, after[d])
+
+
+def test_recalibrate_on_a_window_with_retraining(world):
+    out = world / "retrained.json"
+    assert main(["recalibrate", "--bundle", str(world / "bundle.json"), "--audit",
+                 str(world / "shifted-audits"), "--out", str(out), "--last", "1000",
+                 "--retrain"]) == 0
+    new = load_bundle(out)
+    assert new.provenance["retrained"] and new.provenance["audit_window"] == 1000
+    assert 400 <= new.ltt.n_cal <= 600  # calibrated on the half it was not trained on
+    after, n = _fresh_errors(out)
+    for d in DELTAS:
+        assert after[d] <= d + _tolerance(d, n), (d, after[d])
+
+
+def test_the_servers_rotating_directories_read_as_one(world, tmp_path):
+    """`--audit` takes the server's audit root: its audit-NNNNNN parts in order."""
+    for part, seed in (("audit-000002", 5), ("audit-000001", 4)):
+        generate(tmp_path / "root" / part, n_problems=60, shift=True, seed=seed, **KW)
+    out = tmp_path / "r.json"
+    assert main(["audit-report", "--audit", str(tmp_path / "root"), "--bundle",
+                 str(world / "bundle.json"), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["audits"] == 120
+    assert main(["recalibrate", "--audit", str(tmp_path / "root"), "--bundle",
+                 str(world / "bundle.json"), "--out", str(tmp_path / "b.json"),
+                 "--last", "70"]) == 0
+    ids = load_bundle(tmp_path / "b.json").provenance
+    assert ids["audit_first_id"].startswith("synth-shifted-4-")  # the window spans both parts
+    assert ids["audit_last_id"] == "synth-shifted-5-000059"
+
+
+def test_bad_input_is_one_line(world, tmp_path, capsys):
+    bundle = str(world / "bundle.json")
+    generate(tmp_path / "narrow", n_problems=5, dim=16, mean_steps=5)
+    cases = [["audit-report", "--audit", str(tmp_path / "missing"), "--bundle", bundle],
+             ["audit-report", "--audit", str(tmp_path / "narrow"), "--bundle", bundle],
+             ["recalibrate", "--audit", str(world / "in-audits"), "--bundle", bundle,
+              "--out", str(tmp_path / "x.json"), "--last", "0"],
+             ["audit-report", "--audit", str(world / "in-audits"), "--bundle", bundle,
+              "--label-mode", "judge"]]
+    for argv in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"orca-calibrate {argv[0]}: error:") and err.count("\n") == 1
