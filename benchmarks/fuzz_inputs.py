@@ -7,8 +7,10 @@ and on mutated valid bundles, the segmenter, the trajectory directory reader and
 pickle reader. Unlike the tests, a failing input does not stop a target: every failure is
 recorded under a signature (the oracle's reason, or the exception type and the deepest frame of
 project code) and the run goes on, so the table counts distinct failures. With atheris installed
-the bundle loader is also fuzzed coverage-guided on raw bytes (in a subprocess: libFuzzer ends
-its process when done).
+(`pip install atheris`; not in the dev extra) the bundle loader is also fuzzed coverage-guided on
+raw bytes, seeded with the valid bundles (in a subprocess: libFuzzer ends its process when done).
+Run it under a memory limit (`ulimit -v 8000000`): a loader that allocates what an input declares
+then fails with an error instead of calling the kernel's OOM killer.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def run_target(name: str, strategy, check, examples: int, seed: int | None) -> d
     tried = 0
 
     @settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                     HealthCheck.filter_too_much, HealthCheck.large_base_example])
     @given(strategy)
     def probe(case) -> None:
         nonlocal tried

@@ -24,6 +24,7 @@ import json
 import math
 import pickle
 import re
+import shutil
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -691,10 +692,13 @@ def read_violation(ts: TrajectorySet) -> str | None:
 
 def check_directory(files: dict[str, bytes | None]) -> None:
     path = Path(tempfile.mkdtemp(dir=_TMP))
-    for name, data in files.items():
-        if data is not None:
-            (path / name).write_bytes(data)
-    _check_open(path, expect_same_as=files)
+    try:
+        for name, data in files.items():
+            if data is not None:
+                (path / name).write_bytes(data)
+        _check_open(path, expect_same_as=files)
+    finally:
+        shutil.rmtree(path)
 
 
 def _check_open(path: Path, expect_same_as: dict[str, bytes | None] | None = None) -> None:
@@ -764,12 +768,16 @@ def corrupted_pickle(draw: st.DrawFn) -> bytes:
 
 
 def check_pickle(data: bytes) -> None:
+    """Read in memory, then import to a directory and read that."""
     path = Path(tempfile.mkdtemp(dir=_TMP))
-    (path / "x.pkl").write_bytes(data)
-    _check_open(path / "x.pkl")
     try:
-        out = import_pickle(path / "x.pkl", path / "imported", "float32")
-    except TrajectoryError as e:
-        one_line_error(e)
-        return
-    _check_open(out)
+        (path / "x.pkl").write_bytes(data)
+        _check_open(path / "x.pkl")
+        try:
+            out = import_pickle(path / "x.pkl", path / "imported", "float32")
+        except TrajectoryError as e:
+            one_line_error(e)
+            return
+        _check_open(out)
+    finally:
+        shutil.rmtree(path)
