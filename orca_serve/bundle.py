@@ -296,8 +296,9 @@ def _validate(data: Any, p: Path) -> Bundle:
     if not isinstance(data, dict):
         raise BundleError(f"bundle {p} is not a JSON object; is it a bundle.json?")
     if data.get("schema_version") not in (None, SCHEMA_VERSION):
-        raise BundleError(f"bundle {p} has schema version {data.get('schema_version')}, this "
-                          f"orca-serve reads version {SCHEMA_VERSION}: recalibrate with this version")
+        raise BundleError(f"bundle {p} has schema version {data.get('schema_version')!r:.40}, "
+                          f"this orca-serve reads version {SCHEMA_VERSION}: recalibrate with this "
+                          "version")
     if data.get("checksum") != _checksum(data):
         raise BundleError(f"bundle {p} fails its checksum: it was edited or truncated after "
                           "calibration; restore the original or recalibrate")
@@ -354,7 +355,7 @@ def check_model(bundle: Bundle, hidden_size: int, vocab: dict[str, int] | None,
                 model_name: str) -> None:
     """Refuse to serve a bundle calibrated on another model (hidden size, tokenizer, think tags)."""
     if hidden_size != bundle.model.hidden_size:
-        raise BundleError(f"bundle was calibrated on {bundle.model.name} (hidden size "
+        raise BundleError(f"bundle was calibrated on {bundle.model.name!r} (hidden size "
                           f"{bundle.model.hidden_size}) but {model_name} has hidden size "
                           f"{hidden_size}; serve the bundle's model or recalibrate")
     if vocab is None:
@@ -362,7 +363,7 @@ def check_model(bundle: Bundle, hidden_size: int, vocab: dict[str, int] | None,
     fp = bundle.model.tokenizer_fingerprint
     if fp and fp != tokenizer_fingerprint(vocab):
         raise BundleError(f"the tokenizer of {model_name} differs from the one the bundle was "
-                          f"calibrated with ({bundle.model.name}); recalibrate for this model")
+                          f"calibrated with ({bundle.model.name!r}); recalibrate for this model")
     if bundle.think.enabled:
         missing = [t for t in (bundle.think.start, bundle.think.end) if t not in vocab]
         if missing:

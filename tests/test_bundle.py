@@ -182,6 +182,7 @@ def _set(*path_value):
     (_set("think", {"start": "<t>", "end": "<t>"}), "both '<t>'"),
     (_set("think", {"force_text": "\n\n"}), "does not contain the end tag"),
     (_set("label_mode", ""), "label_mode"),
+    (_set("schema_version", "2\nx"), r"schema version '2\\nx'"),  # found by the fuzzer: 2 lines
 ])
 def test_every_defect_is_one_bundle_error(tmp_path, mutate, message) -> None:
     save_bundle(make_bundle(), tmp_path / "b.json")
