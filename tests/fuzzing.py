@@ -160,7 +160,7 @@ def _spec_violation(s: Any) -> str | None:
 
 
 def _weights_violation(w: Any, spec: dict) -> str | None:
-    if not isinstance(w, str) or not _B64.match(w):
+    if not isinstance(w, str) or not _B64.fullmatch(w):
         return "weights not base64"
     try:
         tensors = st_load(base64.b64decode(w))
@@ -195,7 +195,7 @@ def bundle_violation(d: Any) -> str | None:
             and _nonempty_str(m["name"]) and _is_int(m["hidden_size"]) and m["hidden_size"] > 0
             and (m.get("tokenizer_fingerprint") is None
                  or (isinstance(m["tokenizer_fingerprint"], str)
-                     and _HEX64.match(m["tokenizer_fingerprint"])))):
+                     and _HEX64.fullmatch(m["tokenizer_fingerprint"])))):
         return "model"
     seg = d.get("segmentation", {})
     kw = seg.get("keywords") if isinstance(seg, dict) else None
