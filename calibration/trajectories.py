@@ -2,7 +2,8 @@
 
 A trajectory directory holds ``info.json``, ``problems.jsonl`` (one metadata line per problem)
 and ``embeddings.bin`` (raw little-endian rows ``[total_steps, dim]``, problem after problem).
-Embeddings are memory-mapped, never loaded whole: a 32B-model collection is gigabytes.
+Embeddings are memory-mapped, never loaded whole: a 32B-model collection is gigabytes; each
+problem's rows are checked for NaN/inf the first time they are read.
 The writer is append-only and resumable so a killed collection job loses at most the problem
 in flight. The authors' research pickles are read too (``TrajectorySet.open`` on a ``.pkl``)
 and can be converted with ``import_pickle``. See docs/TRAJECTORIES.md.
@@ -118,8 +119,15 @@ class Problem:
 
 def _int(v: Any, where: str, name: str, minimum: int) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
-        raise TrajectoryError(f"{where}: {name!r} must be an integer >= {minimum}, got {v!r}")
+        raise TrajectoryError(f"{where}: {name!r} must be an integer >= {minimum}, "
+                              f"got {_show(v)}")
     return int(v)
+
+
+def _show(v: Any) -> str:
+    """A value for a one-line message (numpy arrays print on several lines)."""
+    text = repr(v).replace("\n", " ")
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _str_or_none(v: Any, where: str, name: str) -> None:
@@ -152,7 +160,7 @@ def _read_problems(path: Path, tolerate_partial_tail: bool) -> tuple[list[Proble
     A last line without its newline is what a killed writer leaves behind: the writer drops
     it (``tolerate_partial_tail``), the reader refuses it.
     """
-    data = path.read_bytes()
+    data = _read_bytes(path)
     complete = data.rfind(b"\n") + 1
     if complete < len(data) and not tolerate_partial_tail:
         raise TrajectoryError(
@@ -165,8 +173,9 @@ def _read_problems(path: Path, tolerate_partial_tail: bool) -> tuple[list[Proble
         where = f"{path.name} line {lineno}"
         try:
             obj = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise TrajectoryError(f"{where}: not valid JSON ({e}); fix or remove the line") from e
+        except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, too many digits, too deep
+            raise TrajectoryError(f"{where}: not valid JSON ({_first_line(e)}); fix or remove "
+                                  "the line") from None
         if not isinstance(obj, dict):
             raise TrajectoryError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         problems.append(Problem.from_dict(obj, where))
@@ -211,18 +220,22 @@ def _check_info(info: Any, where: str) -> None:
     missing = {"format", "version", "dim", "dtype"} - set(info)
     if missing:
         raise TrajectoryError(f"{where}: missing field(s) {sorted(missing)}")
+    unknown = set(info) - {"format", "version", "dim", "dtype", *INFO_DEFAULTS}
+    if unknown:  # a misspelt optional field would otherwise silently take its default
+        raise TrajectoryError(f"{where}: unknown field(s) {sorted(unknown)}; allowed are "
+                              f"{sorted({'format', 'version', 'dim', 'dtype', *INFO_DEFAULTS})}")
     for name, default in INFO_DEFAULTS.items():  # optional fields (older sets lack the newer ones)
         info.setdefault(name, default)
     if info["format"] != FORMAT:
         raise TrajectoryError(f"{where}: format is {info['format']!r}, expected {FORMAT!r}; "
                               "this is not an orca trajectory directory")
-    if info["version"] != VERSION:
+    if isinstance(info["version"], bool) or info["version"] != VERSION:
         raise TrajectoryError(f"{where}: format version {info['version']!r} is not supported "
                               f"(this code reads version {VERSION}); use a matching orca-serve")
     _int(info["dim"], where, "dim", minimum=1)
-    if info["dtype"] not in DTYPES:
+    if not isinstance(info["dtype"], str) or info["dtype"] not in DTYPES:
         raise TrajectoryError(f"{where}: dtype {info['dtype']!r} is not one of {sorted(DTYPES)}")
-    if info["normalization"] not in NORMALIZATIONS:
+    if not isinstance(info["normalization"], str) or info["normalization"] not in NORMALIZATIONS:
         raise TrajectoryError(f"{where}: normalization {info['normalization']!r} is not one of "
                               f"{NORMALIZATIONS}")
     for name in ("model", "source", "tokenizer_fingerprint"):
@@ -234,11 +247,23 @@ def _check_info(info: Any, where: str) -> None:
 
 def _read_info(directory: Path) -> dict[str, Any]:
     try:
-        info = json.loads((directory / INFO_FILE).read_text())
-    except json.JSONDecodeError as e:
-        raise TrajectoryError(f"{directory / INFO_FILE}: not valid JSON ({e})") from e
+        info = json.loads(_read_bytes(directory / INFO_FILE))
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, too many digits, too deep
+        raise TrajectoryError(f"{directory / INFO_FILE}: not valid JSON ({_first_line(e)})") \
+            from None
     _check_info(info, str(directory / INFO_FILE))
     return info
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise TrajectoryError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -263,6 +288,7 @@ class TrajectorySet:
         self.info = info
         self.problems = problems
         self._arrays = arrays
+        self._finite = [False] * len(arrays)  # rows checked for NaN/inf (on first read)
 
     @classmethod
     def open(cls, path: str | Path, *, pickle_labels: str = "pessimistic") -> TrajectorySet:
@@ -326,8 +352,18 @@ class TrajectorySet:
         return len(self.problems)
 
     def embeddings(self, i: int) -> np.ndarray:
-        """Step embeddings [n_steps, dim] of problem i: a read-only view, no copy."""
-        return self._arrays[i]
+        """Step embeddings [n_steps, dim] of problem i: a read-only view, no copy.
+
+        The first read of a problem checks its rows for NaN/inf, so no consumer ever computes on
+        them (a scan of the whole file on open would cost seconds on a large set).
+        """
+        a = self._arrays[i]
+        if not self._finite[i]:
+            if not np.isfinite(a).all():
+                raise TrajectoryError(f"problem {self.problems[i].id!r} (index {i}) has non-finite "
+                                      "embeddings (NaN/inf); drop it or re-collect")
+            self._finite[i] = True
+        return a
 
     def labels(self, i: int, mode: str) -> np.ndarray:
         """Cumulative int8 labels of problem i under ``mode`` (stored labels are raw per step)."""
@@ -353,7 +389,12 @@ class TrajectorySet:
 
     def check_finite(self) -> None:
         """Raise if any embedding is NaN/inf (a full scan, so not done on open)."""
-        bad = [p.id for p, a in zip(self.problems, self._arrays) if not np.isfinite(a).all()]
+        bad = []
+        for i, p in enumerate(self.problems):
+            try:
+                self.embeddings(i)
+            except TrajectoryError:
+                bad.append(p.id)
         if bad:
             raise TrajectoryError(f"{len(bad)} problem(s) have non-finite embeddings, e.g. "
                                   f"{bad[:5]}; drop them or re-collect")
@@ -524,18 +565,53 @@ def split_ids(ids: Sequence[str], fractions: Sequence[float] = (0.6, 0.2, 0.2), 
 def _looks_like_pickle(path: Path) -> bool:
     if path.suffix in (".pkl", ".pickle"):
         return True
-    with open(path, "rb") as f:
-        return f.read(1) == b"\x80"  # protocol >= 2 header
+    return _read_bytes(path)[:1] == b"\x80"  # protocol >= 2 header
 
 
 def _load_pickle(path: Path) -> dict[str, Any]:
     """Load a research pickle (it can run code: only open pickles from trusted sources)."""
-    with open(path, "rb") as f:
-        pkl = pickle.load(f)
-    if not isinstance(pkl, dict) or "problems" not in pkl:
-        raise TrajectoryError(f"{path}: expected a dict with a 'problems' list (the research "
-                              "code's format), got " + type(pkl).__name__)
+    data = _read_bytes(path)
+    try:
+        pkl = pickle.loads(data)
+    except Exception as e:  # noqa: BLE001 - unpickling raises anything (EOF, missing class, ...)
+        raise TrajectoryError(f"{path}: not a readable pickle ({type(e).__name__}: "
+                              f"{_first_line(e)}); truncated or not a research-code pickle") \
+            from None
+    _check_pickle(pkl, path.name)
     return pkl
+
+
+def _check_pickle(pkl: Any, where: str) -> None:
+    """The research format's structure and types, before anything is derived from it."""
+    if not isinstance(pkl, Mapping) or not isinstance(pkl.get("problems"), (list, tuple)):
+        raise TrajectoryError(f"{where}: expected a dict with a 'problems' list (the research "
+                              "code's format), got " + type(pkl).__name__)
+    for key in ("embed_dim", "batch_size"):
+        if pkl.get(key) is not None:
+            _int(pkl[key], where, key, minimum=1)
+    splits = {} if pkl.get("splits") is None else pkl["splits"]
+    if not isinstance(splits, Mapping):
+        raise TrajectoryError(f"{where}: 'splits' must be a dict split -> problem indices")
+    for name, indices in splits.items():
+        if isinstance(indices, (str, bytes, Mapping)) or not isinstance(indices, Sequence | np.ndarray):
+            raise TrajectoryError(f"{where}: split {name!r} must be a list of problem indices")
+        for i in indices:
+            _int(i, where, f"split {name!r} index", minimum=0)
+    dim = pkl.get("embed_dim")
+    for i, raw in enumerate(pkl["problems"]):
+        if not isinstance(raw, Mapping) or "step_embeddings" not in raw:
+            raise TrajectoryError(f"{where} problem {i}: expected a dict with 'step_embeddings'")
+        try:
+            emb = np.asarray(raw["step_embeddings"], dtype=np.float32)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise TrajectoryError(f"{where} problem {i}: step_embeddings are not a numeric "
+                                  f"[n_steps, dim] array ({_first_line(e)})") from None
+        if emb.size == 0:
+            continue  # no step: skipped when read, as the research code skips it
+        dim = emb.shape[1] if dim is None and emb.ndim == 2 else dim
+        if emb.ndim != 2 or emb.shape[1] != dim:
+            raise TrajectoryError(f"{where} problem {i}: step_embeddings shape {emb.shape}, "
+                                  f"expected [n_steps, embed_dim={dim}]")
 
 
 def expand_block_labels(block_labels: Sequence[Any], n_steps: int, batch_size: int,
@@ -547,12 +623,20 @@ def expand_block_labels(block_labels: Sequence[Any], n_steps: int, batch_size: i
     "pessimistic" gives each step the label of the latest labelled step at or before it,
     and 0 before the first labelled step.
     """
-    lab = np.asarray(block_labels).astype(np.int8).reshape(-1)
+    try:
+        raw = np.asarray(block_labels)
+    except ValueError as e:  # ragged nesting
+        raise TrajectoryError(f"block labels are not a list of 0/1 ({_first_line(e)})") from None
+    if raw.dtype.kind not in "biuf" or not np.isin(raw, (0, 1)).all():
+        raise TrajectoryError(f"block labels must be 0/1 numbers, got {raw.dtype} values "
+                              f"{np.unique(raw.astype(str))[:5].tolist()}")
+    lab = raw.astype(np.int8).reshape(-1)
     if len(lab) != math.ceil(n_steps / batch_size):
         raise TrajectoryError(f"{len(lab)} block labels for {n_steps} steps with batch_size "
                               f"{batch_size}; expected ceil({n_steps}/{batch_size}) = "
                               f"{math.ceil(n_steps / batch_size)}")
     t = np.arange(n_steps)
+    batch_size = min(batch_size, n_steps + 1)  # same blocks; keeps the arithmetic in int64
     if mode == "research":
         return lab[t // batch_size]
     if mode != "pessimistic":
@@ -574,7 +658,7 @@ def _first(d: Mapping[str, Any], keys: Sequence[str]) -> tuple[str | None, Any]:
 def _pickle_splits(pkl: Mapping[str, Any]) -> dict[int, str]:
     n = len(pkl["problems"])
     out: dict[int, str] = {}
-    for name, indices in (pkl.get("splits") or {}).items():
+    for name, indices in (pkl.get("splits") if pkl.get("splits") is not None else {}).items():
         if name not in SPLITS:
             raise TrajectoryError(f"pickle split {name!r} is not one of {SPLITS}")
         for i in indices:
@@ -594,7 +678,8 @@ def _aligned_steps(raw: Mapping[str, Any], n_emb: int, batch_size: int) -> int:
     counts need not agree. Their code pairs embedding t with block t // batch_size and truncates
     both sides to the shorter one; so do we (docs/TRAJECTORIES.md).
     """
-    counts = [len(raw[key]) for key in _PICKLE_LABEL_KEYS if key in raw]
+    counts = [len(raw[key]) if isinstance(raw[key], (list, tuple, np.ndarray)) else 1
+              for key in _PICKLE_LABEL_KEYS if key in raw]  # not a list: refused when expanded
     return min([n_emb] + [batch_size * c for c in counts])
 
 
@@ -616,25 +701,21 @@ def _pickle_records(pkl: Mapping[str, Any], pickle_labels: str
 
     Problems with no step embedding or no label are skipped, as the research code skips them.
     """
-    batch_size = int(pkl.get("batch_size", 10))
+    batch_size = 10 if pkl.get("batch_size") is None else int(pkl["batch_size"])
     splits = _pickle_splits(pkl)
-    dim = pkl.get("embed_dim")
     for i, raw in enumerate(pkl["problems"]):
-        if not isinstance(raw, Mapping) or "step_embeddings" not in raw:
-            raise TrajectoryError(f"pickle problem {i}: expected a dict with 'step_embeddings'")
-        emb = np.asarray(raw["step_embeddings"], dtype=np.float32)
+        emb = np.asarray(raw["step_embeddings"], dtype=np.float32)  # shape checked by _check_pickle
         if emb.size == 0:
             continue
-        if emb.ndim != 2 or (dim is not None and emb.shape[1] != dim):
-            raise TrajectoryError(f"pickle problem {i}: step_embeddings shape {emb.shape}, "
-                                  f"expected [n_steps, embed_dim={dim}]")
         n = _aligned_steps(raw, len(emb), batch_size)
         if n == 0:
             continue
         labels = {}
         for key, mode in _PICKLE_LABEL_KEYS.items():
             if key in raw:
-                blocks = list(raw[key])[:math.ceil(n / batch_size)]
+                blocks = raw[key]
+                if isinstance(blocks, (list, tuple, np.ndarray)):  # else refused just below
+                    blocks = blocks[:math.ceil(n / batch_size)]
                 try:
                     labels[mode] = expand_block_labels(blocks, n, batch_size, pickle_labels)
                 except TrajectoryError as e:
@@ -700,6 +781,8 @@ def import_pickle(pkl: str | Path | Mapping[str, Any], out_dir: str | Path,
     Resumable like any TrajectoryWriter: problems already in ``out_dir`` are skipped.
     """
     path = Path(pkl) if isinstance(pkl, (str, Path)) else None
+    if path is None:
+        _check_pickle(pkl, "pickle")
     data = _load_pickle(path) if path is not None else pkl
     info = _pickle_info(data, path, pickle_labels, dtype)
     extra = {k: info[k] for k in INFO_DEFAULTS}

@@ -2,17 +2,23 @@
 
 Calibration writes it, the server loads it. Loading refuses anything that would make the server
 compute something other than what was calibrated: another schema version, a checksum mismatch,
-non-finite or mis-shaped weights, or a delta without a calibrated lambda*.
+values of the wrong type or out of range (read strictly: no "1" for 1), weights that are not
+base64 safetensors of the declared probe's shapes in float32, non-finite numbers, or a delta
+without a calibrated lambda*. Every refusal is one `BundleError` whose message says what to do;
+a bundle that loads has had its probe instantiated and run once.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
+import dataclasses
 import hashlib
+import itertools
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_type_hints
 
 import torch
 from pydantic import (
@@ -20,6 +26,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -29,6 +36,7 @@ from safetensors.torch import save as st_save
 from orca_serve.probe import Probe, ProbeSpec
 
 SCHEMA_VERSION = 1
+MAX_WINDOW = 10_000  # the server keeps window floats per request row
 
 
 class BundleError(ValueError):
@@ -36,20 +44,25 @@ class BundleError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+Fraction = Annotated[float, Field(ge=0, le=1)]
 
 
 class ModelIdentity(_Strict):
-    name: str
+    name: str = Field(min_length=1)
     hidden_size: int = Field(gt=0)
-    tokenizer_fingerprint: str | None = None  # sha256 of the vocabulary, see tokenizer_fingerprint()
+    # sha256 of the vocabulary, see tokenizer_fingerprint()
+    tokenizer_fingerprint: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
 
 
 class Segmentation(_Strict):
     """How a reasoning trace is cut into steps (docs/METHOD.md section 1)."""
 
-    delimiter: str = "\n\n"
-    keywords: list[str] | None = None  # e.g. ["wait", "but"]; None = every delimiter starts a step
+    delimiter: str = Field("\n\n", min_length=1)
+    # e.g. ["wait", "but"]; None = every delimiter starts a step
+    keywords: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
     # "word": a keyword matches as a whole word, any case; "substring": verbatim, inside words too
     # (the authors' rule: a line containing "wait", "Wait", "but" or "But" opens a step)
     keyword_match: Literal["word", "substring"] = "word"
@@ -60,26 +73,35 @@ class ThinkTags(_Strict):
     """Reasoning phase markers; `enabled=False` means the whole completion is reasoning."""
 
     enabled: bool = True
-    start: str = "<think>"
-    end: str = "</think>"
+    start: str = Field("<think>", min_length=1)
+    end: str = Field("</think>", min_length=1)
     force_text: str = "\n</think>\n\n"  # what policy `answer` forces to close the reasoning
+
+    @model_validator(mode="after")
+    def _tags(self) -> ThinkTags:
+        if self.enabled and self.start == self.end:
+            raise ValueError(f"think start and end tags are both {self.start!r}")
+        if self.enabled and self.end not in self.force_text:
+            raise ValueError(f"force_text {self.force_text!r} does not contain the end tag "
+                             f"{self.end!r}: policy `answer` could not close the reasoning")
+        return self
 
 
 class LTTRow(_Strict):
     delta: float = Field(gt=0, lt=1)
-    lam: float | None  # None = never stop early (no threshold rejected)
+    lam: Fraction | None  # a threshold on scores in [0, 1]; None = never stop early
     # calibration facts; None when lambda* was imported (see Bundle.lambdas_from)
-    risk: float | None
-    pvalue: float | None
-    savings: float | None
-    token_savings: float | None = None
+    risk: Fraction | None
+    pvalue: Fraction | None
+    savings: Fraction | None
+    token_savings: Fraction | None = None
 
 
 class LTTTable(_Strict):
     epsilon: float = Field(gt=0, lt=1)
     n_cal: int | None = Field(ge=1)  # None: imported lambda*, calibration set unknown
     pvalue: Literal["binomial", "hb"] = "binomial"
-    grid_size: int
+    grid_size: int = Field(ge=1)
     excluded_never_correct: bool = True
     rows: list[LTTRow]
 
@@ -106,10 +128,33 @@ class DriftReference(_Strict):
         return self
 
 
+def _spec_fields() -> type[BaseModel]:
+    """A strict pydantic view of ProbeSpec's fields (types and literals read off the dataclass)."""
+    hints = get_type_hints(ProbeSpec)
+    return create_model(
+        "ProbeSpecFields", __config__=ConfigDict(extra="forbid", strict=True),
+        **{f.name: (hints[f.name], ... if f.default is dataclasses.MISSING else f.default)
+           for f in dataclasses.fields(ProbeSpec)})
+
+
+_SPEC_FIELDS = _spec_fields()
+
+
 class ProbeBlock(_Strict):
     spec: dict[str, Any]
     weights: str  # base64 of a safetensors blob holding the slow weights
-    eta: float  # exp(log_eta), for humans; the weights hold the truth
+    eta: float = Field(gt=0)  # exp(log_eta), for humans; the weights hold the truth
+
+    @field_validator("spec")
+    @classmethod
+    def _spec(cls, v: dict[str, Any]) -> dict[str, Any]:
+        """Exactly the fields of a ProbeSpec, of their types, in a combination it accepts."""
+        try:
+            ProbeSpec(**_SPEC_FIELDS.model_validate(v).model_dump())
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise ValueError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
+        return v
 
 
 class Bundle(_Strict):
@@ -120,10 +165,10 @@ class Bundle(_Strict):
     think: ThinkTags = ThinkTags()
     normalization: Literal["token-l2", "step-l2", "none"] = "token-l2"
     probe: ProbeBlock
-    window: int = Field(10, ge=1)
-    label_mode: str = "supervised"
+    window: int = Field(10, ge=1, le=MAX_WINDOW)
+    label_mode: str = Field("supervised", min_length=1)
     ltt: LTTTable
-    default_delta: float
+    default_delta: float = Field(gt=0, lt=1)
     provenance: dict[str, Any] = {}
     # None: lambda* computed by orca-calibrate on the data in `provenance`. Otherwise a note on
     # where they come from (e.g. the authors' released lambdas.json): valid only for the sampling
@@ -156,22 +201,30 @@ class Bundle(_Strict):
         return ProbeSpec.from_dict(self.probe.spec)
 
     def load_probe(self) -> Probe:
-        """The probe with the bundle's slow weights, checked for shape and finiteness."""
+        """The probe with the bundle's slow weights, checked for names, shape, dtype, finiteness.
+
+        Every check runs before the probe is allocated, so a bundle declaring a huge probe is
+        refused without allocating it.
+        """
         spec = self.spec()
-        tensors = st_load(base64.b64decode(self.probe.weights))
+        tensors = decode_weights(self.probe.weights)
         expected = spec.param_shapes()
         if set(tensors) != set(expected):
             raise BundleError(f"probe weights {sorted(tensors)} do not match variant {spec.name} "
                               f"(expects {sorted(expected)}); the bundle is corrupt: recalibrate")
-        probe = Probe(spec)
         for name, shape in expected.items():
             t = tensors[name]
             if tuple(t.shape) != shape:
                 raise BundleError(f"probe weight '{name}' has shape {tuple(t.shape)}, expected "
                                   f"{shape}; the bundle is corrupt: recalibrate")
+            if t.dtype != torch.float32:
+                raise BundleError(f"probe weight '{name}' is {t.dtype}, expected torch.float32 "
+                                  "(what calibration writes); the bundle is corrupt: recalibrate")
             if not torch.isfinite(t).all():
                 raise BundleError(f"probe weight '{name}' contains NaN or inf; the probe diverged "
                                   "in training: retrain (lower the learning rate) and recalibrate")
+        probe = Probe(spec)
+        for name, t in tensors.items():
             probe.params[name].data.copy_(t)
         return probe.requires_grad_(False)
 
@@ -191,6 +244,21 @@ def encode_weights(probe: Probe) -> str:
     return base64.b64encode(st_save(tensors)).decode("ascii")
 
 
+def decode_weights(weights: str) -> dict[str, torch.Tensor]:
+    """encode_weights' inverse; anything else (stray characters included) is a BundleError."""
+    try:
+        blob = base64.b64decode(weights, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise BundleError(f"probe weights are not base64 ({e}); the bundle is corrupt: "
+                          "recalibrate") from None
+    try:
+        return st_load(blob)
+    except Exception as e:  # noqa: BLE001 - safetensors' errors share no base class but Exception
+        raise BundleError(f"probe weights are not a safetensors blob "
+                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); the bundle "
+                          "is corrupt: recalibrate") from None
+
+
 def _checksum(data: dict[str, Any]) -> str:
     body = {k: v for k, v in data.items() if k != "checksum"}
     return hashlib.sha256(json.dumps(body, sort_keys=True, allow_nan=False).encode()).hexdigest()
@@ -207,38 +275,110 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Bundle:
     return sealed
 
 
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number a bundle may hold")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return v
+
+
+def _parse_json(raw: bytes, p: Path) -> Any:
+    """Strict JSON: UTF-8, no NaN/Infinity and no number that overflows to inf."""
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant,
+                          parse_float=_finite_float)
+    except UnicodeDecodeError:
+        raise BundleError(f"bundle {p} is not UTF-8 text; is it a bundle.json?") from None
+    except RecursionError:
+        raise BundleError(f"bundle {p} nests too deeply to be a bundle") from None
+    except ValueError as e:  # JSONDecodeError, a rejected constant, too many digits
+        raise BundleError(f"bundle {p} is not valid JSON ({str(e).splitlines()[0]}); is it a "
+                          "bundle.json?") from None
+
+
+def _first_error(e: ValidationError) -> str:
+    """Where and what, for the first of pydantic's errors (one line)."""
+    first = e.errors()[0]
+    where = ".".join(str(x) for x in first["loc"])
+    got = first.get("input")
+    shown = "" if first["type"] == "missing" or isinstance(got, (dict, list)) else \
+        f" (got {repr(got)[:60]})"
+    more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+    return f"invalid at '{where}': {first['msg'].removeprefix('Value error, ')}{shown}{more}"
+
+
 def load_bundle(path: str | Path) -> Bundle:
     """Read and validate a bundle; every refusal is a BundleError with a one-line reason."""
     p = Path(path)
     try:
-        data = json.loads(p.read_text())
+        raw = p.read_bytes()
     except FileNotFoundError:
         raise BundleError(f"bundle {p} not found; create one with `orca-calibrate calibrate`") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BundleError(f"bundle {p} is not valid JSON ({e}); is it a bundle.json?") from None
+    except IsADirectoryError:
+        raise BundleError(f"bundle {p} is a directory; pass the bundle.json file") from None
+    except OSError as e:
+        raise BundleError(f"cannot read bundle {p}: {e.strerror or e}") from None
+    try:
+        return _validate(_parse_json(raw, p), p)
+    except RecursionError:  # a deep structure that parsed can still overflow later passes
+        raise BundleError(f"bundle {p} nests too deeply to be a bundle") from None
+
+
+def _validate(data: Any, p: Path) -> Bundle:
     if not isinstance(data, dict):
         raise BundleError(f"bundle {p} is not a JSON object; is it a bundle.json?")
     if data.get("schema_version") not in (None, SCHEMA_VERSION):
-        raise BundleError(f"bundle {p} has schema version {data.get('schema_version')}, this "
-                          f"orca-serve reads version {SCHEMA_VERSION}: recalibrate with this version")
+        raise BundleError(f"bundle {p} has schema version {data.get('schema_version')!r:.40}, "
+                          f"this orca-serve reads version {SCHEMA_VERSION}: recalibrate with this "
+                          "version")
     if data.get("checksum") != _checksum(data):
         raise BundleError(f"bundle {p} fails its checksum: it was edited or truncated after "
                           "calibration; restore the original or recalibrate")
     try:
-        bundle = Bundle.model_validate(data)
+        bundle = Bundle.model_validate(data, strict=True)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
-        raise BundleError(f"bundle {p} is invalid at '{where}': {first['msg']}") from None
+        raise BundleError(f"bundle {p} is {_first_error(e)}") from None
     if not bundle.ltt.rows:
         raise BundleError(f"bundle {p} has an empty LTT table; recalibrate with at least one delta")
-    bundle.lam(bundle.default_delta)  # the default must be calibrated
+    deltas = sorted(bundle.deltas())
+    for a, b in itertools.pairwise(deltas):
+        if math.isclose(a, b, rel_tol=0, abs_tol=1e-9):
+            raise BundleError(f"bundle {p} lists delta {a:g} twice in its LTT table; which "
+                              "lambda* applies is ambiguous: recalibrate")
+    try:
+        bundle.lam(bundle.default_delta)  # the default must be calibrated
+    except BundleError as e:
+        raise BundleError(f"bundle {p}: default_delta: {e}") from None
     spec = bundle.spec()
     if spec.dim != bundle.model.hidden_size:
         raise BundleError(f"bundle {p}: probe dim {spec.dim} != model hidden size "
                           f"{bundle.model.hidden_size}")
-    bundle.load_probe()
+    try:
+        _smoke_test(bundle.load_probe())
+    except BundleError as e:
+        raise BundleError(f"bundle {p}: {e}") from None
     return bundle
+
+
+@torch.no_grad()
+def _smoke_test(probe: Probe) -> None:
+    """Score and update twice on a unit-norm step: extreme weights show up as non-finite scores.
+
+    A sanity check of the instantiated probe (not a proof for every input).
+    """
+    phi = torch.full((1, probe.spec.dim), probe.spec.dim ** -0.5)  # [1, d]
+    fast = probe.init_fast(1)
+    for _ in range(2):
+        score = probe.score(fast, phi)
+        fast = probe.update(fast, phi)
+        if not (torch.isfinite(score).all() and all(torch.isfinite(v).all()
+                                                     for v in fast.values())):
+            raise BundleError("the probe computes non-finite scores or fast weights on a "
+                              "unit-norm step embedding (extreme weights); retrain and recalibrate")
 
 
 def tokenizer_fingerprint(vocab: dict[str, int]) -> str:
@@ -251,7 +391,7 @@ def check_model(bundle: Bundle, hidden_size: int, vocab: dict[str, int] | None,
                 model_name: str) -> None:
     """Refuse to serve a bundle calibrated on another model (hidden size, tokenizer, think tags)."""
     if hidden_size != bundle.model.hidden_size:
-        raise BundleError(f"bundle was calibrated on {bundle.model.name} (hidden size "
+        raise BundleError(f"bundle was calibrated on {bundle.model.name!r} (hidden size "
                           f"{bundle.model.hidden_size}) but {model_name} has hidden size "
                           f"{hidden_size}; serve the bundle's model or recalibrate")
     if vocab is None:
@@ -259,7 +399,7 @@ def check_model(bundle: Bundle, hidden_size: int, vocab: dict[str, int] | None,
     fp = bundle.model.tokenizer_fingerprint
     if fp and fp != tokenizer_fingerprint(vocab):
         raise BundleError(f"the tokenizer of {model_name} differs from the one the bundle was "
-                          f"calibrated with ({bundle.model.name}); recalibrate for this model")
+                          f"calibrated with ({bundle.model.name!r}); recalibrate for this model")
     if bundle.think.enabled:
         missing = [t for t in (bundle.think.start, bundle.think.end) if t not in vocab]
         if missing:

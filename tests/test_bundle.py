@@ -3,6 +3,9 @@
 import base64
 import hashlib
 import json
+import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -129,3 +132,158 @@ def test_check_model() -> None:
         check_model(b, 8, {**VOCAB, "c": 4}, "other")
     assert tokenizer_fingerprint(VOCAB) == hashlib.sha256(
         json.dumps(sorted(VOCAB.items(), key=lambda kv: kv[1])).encode()).hexdigest()
+
+
+# -- every way a bundle can be wrong is one BundleError line (issue 9) -------------------------
+
+def _blob(**tensors) -> str:
+    base = {"w": torch.zeros(8), "b": torch.zeros(()), "log_eta": torch.tensor(math.log(0.01))}
+    return base64.b64encode(st_save({**base, **tensors})).decode()
+
+
+def _set(*path_value):
+    """A mutation setting data[path] = value (path: keys separated by '.')."""
+    *path, value = path_value
+
+    def mutate(d):
+        keys = path[0].split(".")
+        for k in keys[:-1]:
+            d = d[int(k)] if isinstance(d, list) else d[k]
+        d[keys[-1]] = value
+    return mutate
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (_set("probe.weights", "!!!notbase64"), "not base64"),
+    (_set("probe.weights", "AAAAAAAAAAAA"), "not a safetensors blob"),
+    (lambda d: d["probe"].update(weights=d["probe"]["weights"][:8] + "\n" + d["probe"]["weights"][8:]),
+     "not base64"),
+    (_set("probe.weights", _blob(w=torch.zeros(8, dtype=torch.float16))), "float16, expected"),
+    (_set("probe.weights", _blob(log_eta=torch.tensor(100.0))), "non-finite scores"),
+    (_set("probe.spec.kind", "foo"), r"probe.spec.*kind.*'noqk' or 'qk'"),
+    (_set("probe.spec.dim", "8"), r"probe.spec.*dim.*valid integer"),
+    (_set("probe.spec.extra", 1), r"probe.spec.*extra"),
+    (_set("probe.spec.d_h", 4), "d_h and shared_qk only apply"),
+    (_set("probe.eta", -1), "probe.eta"),
+    (_set("model.hidden_size", True), "model.hidden_size"),
+    (_set("model.tokenizer_fingerprint", "abc"), "tokenizer_fingerprint"),
+    (_set("window", "3"), "window"),
+    (_set("window", 10**9), "window.*less than or equal to 10000"),
+    (_set("ltt.rows.1.lam", -0.5), r"ltt.rows.1.lam.*greater than or equal to 0 \(got -0.5\)"),
+    (_set("ltt.rows.1.lam", 1.5), "ltt.rows.1.lam"),
+    (_set("ltt.rows.1.risk", 2.0), "ltt.rows.1.risk"),
+    (_set("ltt.rows.1.delta", 1.0), "ltt.rows.1.delta"),
+    (_set("ltt.rows.1.delta", 0.05), "delta 0.05 twice"),
+    (_set("ltt.grid_size", 0), "ltt.grid_size"),
+    (_set("default_delta", 0.0), "default_delta"),
+    (_set("segmentation", {"delimiter": ""}), "segmentation.delimiter"),
+    (_set("segmentation", {"keywords": []}), "segmentation.keywords"),
+    (_set("segmentation", {"keywords": ["wait", ""]}), "segmentation.keywords.1"),
+    (_set("think", {"start": "<t>", "end": "<t>"}), "both '<t>'"),
+    (_set("think", {"force_text": "\n\n"}), "does not contain the end tag"),
+    (_set("label_mode", ""), "label_mode"),
+    (_set("schema_version", "2\nx"), r"schema version '2\\nx'"),  # found by the fuzzer: 2 lines
+])
+def test_every_defect_is_one_bundle_error(tmp_path, mutate, message) -> None:
+    save_bundle(make_bundle(), tmp_path / "b.json")
+    _rewrite(tmp_path / "b.json", mutate)
+    with pytest.raises(BundleError, match=message) as e:
+        load_bundle(tmp_path / "b.json")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"a": NaN}', "NaN is not a number"),
+    ('{"a": -Infinity}', "-Infinity is not a number"),
+    ('{"a": 1e999}', "out of range"),
+    ('{"a": ' + "1" * 5000 + "}", "not valid JSON"),
+    ("[" * 100_000 + "]" * 100_000, "nests too deeply|not valid JSON"),
+    ("[]", "not a JSON object"),
+])
+def test_json_a_bundle_never_holds(tmp_path, text, message) -> None:
+    (tmp_path / "b.json").write_text(text)
+    with pytest.raises(BundleError, match=message):
+        load_bundle(tmp_path / "b.json")
+
+
+def test_nan_in_a_sealed_table_is_refused_not_a_crash(tmp_path) -> None:
+    save_bundle(make_bundle(), tmp_path / "b.json")
+    data = json.loads((tmp_path / "b.json").read_text())
+    data["ltt"]["rows"][1]["risk"] = float("nan")
+    (tmp_path / "b.json").write_text(json.dumps(data))  # json writes NaN
+    with pytest.raises(BundleError, match="NaN"):
+        load_bundle(tmp_path / "b.json")
+
+
+def test_unreadable_paths(tmp_path) -> None:
+    with pytest.raises(BundleError, match="is a directory"):
+        load_bundle(tmp_path)
+    (tmp_path / "b.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(BundleError, match="not UTF-8"):
+        load_bundle(tmp_path / "b.json")
+
+
+def test_a_huge_declared_probe_is_refused_before_allocation(tmp_path) -> None:
+    """dim 10^12 with matching hidden size: the weights' shapes are checked before Probe()."""
+    save_bundle(make_bundle(), tmp_path / "b.json")
+    _rewrite(tmp_path / "b.json", lambda d: (d["probe"]["spec"].update(dim=10**12),
+                                             d["model"].update(hidden_size=10**12)))
+    with pytest.raises(BundleError, match=r"shape \(8,\), expected \(1000000000000,\)"):
+        load_bundle(tmp_path / "b.json")
+
+
+def test_bundles_are_read_strictly_but_written_as_before(tmp_path) -> None:
+    """An int where a float goes is the same number; a string or bool for a number is not."""
+    save_bundle(make_bundle(), tmp_path / "b.json")
+    _rewrite(tmp_path / "b.json", _set("ltt.rows.1.lam", 1))
+    assert load_bundle(tmp_path / "b.json").lam(0.1) == 1.0
+    _rewrite(tmp_path / "b.json", _set("ltt.n_cal", 100.0))
+    with pytest.raises(BundleError, match="ltt.n_cal"):
+        load_bundle(tmp_path / "b.json")
+
+
+BAD_BUNDLES = {  # the defects of issue 9 that used to end in a traceback, and a shape mismatch
+    "directory": None,
+    "not-base64": _set("probe.weights", "!!!notbase64"),
+    "not-safetensors": _set("probe.weights", "AAAAAAAAAAAA"),
+    "nan-in-ltt": "nan",  # written by json.dumps, which allows NaN (the checksum cannot cover it)
+    "shape": _set("probe.weights", _blob(w=torch.zeros(9))),
+}
+
+
+def _bad_bundle(tmp_path, name: str):
+    if BAD_BUNDLES[name] is None:
+        return tmp_path
+    save_bundle(make_bundle(), tmp_path / "b.json")
+    if BAD_BUNDLES[name] == "nan":
+        data = json.loads((tmp_path / "b.json").read_text())
+        data["ltt"]["rows"][1]["lam"] = float("nan")
+        (tmp_path / "b.json").write_text(json.dumps(data))
+    else:
+        _rewrite(tmp_path / "b.json", BAD_BUNDLES[name])
+    return tmp_path / "b.json"
+
+
+@pytest.mark.parametrize("name", sorted(BAD_BUNDLES))
+def test_orca_serve_refuses_a_bad_bundle_in_one_line_before_vllm(tmp_path, name) -> None:
+    """The real entry point: exit 2, one line on stderr, and vLLM never imported."""
+    path = _bad_bundle(tmp_path, name)
+    probe = ("import sys\nfrom orca_serve.cli import main\ntry:\n    main(sys.argv[1:])\n"
+             "finally:\n    print('vllm imported:', 'vllm' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", probe, "--calib", str(path), "--model", "x"],
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("orca-serve: error: bundle"), r.stderr
+    assert "vllm imported: False" in r.stdout
+
+
+@pytest.mark.parametrize("name", sorted(BAD_BUNDLES))
+def test_orca_calibrate_evaluate_refuses_a_bad_bundle_in_one_line(tmp_path, capsys, name) -> None:
+    """orca-calibrate's entry function (in-process: a subprocess per case costs seconds)."""
+    from calibration.cli import main
+
+    path = _bad_bundle(tmp_path, name)
+    code = main(["evaluate", "--data", str(tmp_path / "none"), "--bundle", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("orca-calibrate evaluate: error: bundle"), err
