@@ -95,3 +95,47 @@ def test_cached_gram_gives_the_same_scores() -> None:
     with torch.no_grad():
         torch.testing.assert_close(unroll_scores(probe, phi, mask, gram),
                                    unroll_scores(probe, phi, mask))
+
+
+def test_epoch_select_last_keeps_the_last_epoch_and_all_problems(synth: TrajectorySet,
+                                                                   tmp_path) -> None:
+    res = meta_train(synth, ProbeSpec(dim=D), "supervised", epochs=3, seed=1, progress=False,
+                     epoch_select="last", checkpoints=tmp_path)
+    assert res.epoch == 3 and [h["epoch"] for h in res.history] == [1, 2, 3]
+    assert all("val_savings" not in h for h in res.history)  # no validation part held out
+    last, _ = load_probe(tmp_path / "epoch_003.safetensors")
+    for k, v in res.probe.params.items():
+        torch.testing.assert_close(last.params[k], v)
+    val = meta_train(synth, ProbeSpec(dim=D), "supervised", epochs=3, seed=1, progress=False,
+                     epoch_select="validation")
+    assert 1 <= val.epoch <= 3 and all("val_savings" in h for h in val.history)
+
+
+def test_warmup_starts_slow(synth: TrajectorySet) -> None:
+    """With warmup the first optimizer steps are smaller, so slow weights move less."""
+    moved = {}
+    for warmup in (0.0, 0.5):
+        res = meta_train(synth, ProbeSpec(dim=D), "supervised", epochs=1, seed=2, lr=0.05,
+                         warmup=warmup, progress=False, epoch_select="last")
+        moved[warmup] = (res.probe.params["w"] - Probe(ProbeSpec(dim=D), seed=2).params["w"]).norm()
+    assert moved[0.5] < moved[0.0]
+
+
+@pytest.mark.parametrize("bad", [{"epoch_select": "best"}, {"warmup": 1.0}, {"lr": 0.0},
+                                 {"batch_size": 0}])
+def test_bad_training_settings_are_refused(synth: TrajectorySet, bad: dict) -> None:
+    with pytest.raises(ValueError):
+        meta_train(synth, ProbeSpec(dim=D), "supervised", progress=False, **{"epochs": 1, **bad})
+
+
+def test_cli_training_options(synth: TrajectorySet, tmp_path, capsys) -> None:
+    from calibration.cli import main
+    out = tmp_path / "p.safetensors"
+    assert main(["train", "--data", str(synth.path), "--out", str(out), "--epochs", "2",
+                 "--epoch-select", "last", "--batch-size", "8", "--lr", "0.004"]) == 0
+    _, meta = load_probe(out)
+    assert (meta["selected_epoch"], meta["batch_size"], meta["lr"]) == ("2", "8", "0.004")
+    assert meta["epoch_select"] == "last"
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--data", str(synth.path), "--out", str(out), "--epoch-select", "best"])
+    assert e.value.code == 2
