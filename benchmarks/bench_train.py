@@ -4,8 +4,9 @@ Usage: python benchmarks/bench_train.py [--problems 5000] [--epochs 20] [--arms 
 
 Paper scale is 5,000 problems (3,000 training problems at the 0.6 split) and 20 epochs. The set
 is generated once into DATA (about 1 MB per problem; 5,000 take ~40 s) and reused. The arms run
-one after the other in one process, and `default` runs again at the end, so that a change of
-machine load shows as a difference between its two timings. On a busy machine use fewer
+one after the other in one process, and `default` runs again at the end. Times are CPU seconds
+of the (single-threaded, `--threads 1`) process, which a busy machine slows far less than wall
+time; wall time is shown too. On a busy machine use fewer
 problems or epochs: the time per problem and epoch of either arm is flat in both after the
 first epoch (which also builds the Gram cache), so the table extrapolates to paper scale as
 first epoch + 19 x later epochs, scaled by 3,000 / training problems.
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from calibration.synth import generate
-from calibration.train import DEFAULTS, meta_train, solvable
+from calibration.train import DEFAULTS, lr_for_batch, meta_train, solvable
 from calibration.trajectories import TrajectorySet
 from orca_serve.probe import ProbeSpec
 
@@ -53,18 +54,19 @@ def main() -> None:
     print(f"{len(ts.split('train'))} training problems ({n} solvable) x ~100 steps x 5120, "
           f"{a.epochs} epochs, {spec.name}; {platform.machine()}, {os.cpu_count()} cores, "
           f"torch threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f} at start")
-    print("| arm | settings | measured | first epoch | later epochs (mean) "
-          "| extrapolated: 20 epochs x 3,000 problems | load after |")
+    print("| arm | settings | wall, all epochs | CPU: first epoch | CPU: later epochs (mean) "
+          "| CPU extrapolated to 20 epochs x 3,000 problems | load after |")
     print("|---|---|---|---|---|---|---|")
     for arm in arms:
         settings = ARMS[arm] | {"epochs": a.epochs}
         t0 = time.perf_counter()
         res = meta_train(ts, spec, "supervised", progress=False, **settings)
         dt = time.perf_counter() - t0
-        secs = [h["seconds"] for h in res.history]
-        first, later = secs[0], (secs[-1] - secs[0]) / max(1, len(secs) - 1)
-        paper = (first + 19 * (later if len(secs) > 1 else first)) * scale
-        print(f"| {arm} | batch {settings['batch_size']}, lr {settings['lr']:g}, "
+        cpu = [h["cpu_seconds"] for h in res.history]
+        first, later = cpu[0], (cpu[-1] - cpu[0]) / max(1, len(cpu) - 1)
+        paper = (first + 19 * (later if len(cpu) > 1 else first)) * scale
+        lr = settings["lr"] or lr_for_batch(settings["batch_size"])
+        print(f"| {arm} | batch {settings['batch_size']}, lr {lr:.3g}, "
               f"{settings['epoch_select']} | {dt:.0f} s ({a.epochs} epochs) | {first:.1f} s "
               f"| {later:.1f} s | {paper:.0f} s | {os.getloadavg()[0]:.1f} |", flush=True)
 

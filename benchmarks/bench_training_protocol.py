@@ -26,7 +26,15 @@ import torch
 from calibration.calibrate import run_ltt, score_split
 from calibration.metrics import stop_indices, summarize
 from calibration.synth import generate
-from calibration.train import DEFAULTS, Loader, meta_train, outer_loss, solvable, unroll_scores
+from calibration.train import (
+    DEFAULTS,
+    Loader,
+    lr_for_batch,
+    meta_train,
+    outer_loss,
+    solvable,
+    unroll_scores,
+)
 from calibration.trajectories import TrajectorySet
 from orca_serve.probe import ProbeSpec
 
@@ -40,7 +48,8 @@ ARMS: dict[str, dict] = {
     "b32-lr3e-3": {**PAPER, "batch_size": 32, "lr": 3e-3},
     "b32-lr1e-2": {**PAPER, "batch_size": 32, "lr": 1e-2},
     "b32-lr3e-2": {**PAPER, "batch_size": 32, "lr": 3.2e-2},
-    "b1-val": {**PAPER, "epoch_select": "validation"},
+    "b32-lr1e-2-val": {**PAPER, "batch_size": 32, "lr": 1e-2, "epoch_select": "validation"},
+    "b32-lr1e-2-warm": {**PAPER, "batch_size": 32, "lr": 1e-2, "warmup": 0.1},
 }
 DELTAS = (0.05, 0.1, 0.2)
 EPSILON = 0.05
@@ -88,7 +97,8 @@ def summary(results: dict, arms: list[str], seeds: list[int]) -> str:
         if not runs:
             continue
         st = ARMS[arm]
-        cells = [arm, f"batch {st['batch_size']}, lr {st['lr']:g}, {st['epochs']} ep, "
+        lr = lr_for_batch(st["batch_size"]) if st["lr"] is None else st["lr"]
+        cells = [arm, f"batch {st['batch_size']}, lr {lr:.3g}, {st['epochs']} ep, "
                  f"{st['epoch_select']}" + (f", warmup {st['warmup']:g}" if st["warmup"] else ""),
                  ms([r["test_loss"] for r in runs], ".4f"),
                  "/".join(str(r["selected_epoch"]) for r in runs)]

@@ -65,7 +65,7 @@ def train_probe(ts, probe: str, mode: str, *, d_h: int, seed: int, checkpoints: 
     `options` are `meta_train` settings (epochs, batch_size, lr, warmup, epoch_select); those
     absent or None take `calibration.train.DEFAULTS` (epochs: 20 no-QK, 10 QK, as the paper).
     """
-    from calibration.train import DEFAULTS, meta_train, train_static
+    from calibration.train import DEFAULTS, lr_for_batch, meta_train, train_static
     from orca_serve.probe import ProbeSpec
     if probe == "static":
         return train_static(ts, mode, seed=seed), {"probe": probe}
@@ -77,6 +77,8 @@ def train_probe(ts, probe: str, mode: str, *, d_h: int, seed: int, checkpoints: 
     settings = DEFAULTS | {k: v for k, v in options.items() if v is not None}
     if options.get("epochs") is None and spec.kind != "noqk":
         settings["epochs"] = 10
+    if settings["lr"] is None:
+        settings["lr"] = lr_for_batch(settings["batch_size"])
     res = meta_train(ts, spec, mode, seed=seed, checkpoints=checkpoints, progress=progress,
                      **settings)
     return res.probe, {"probe": probe, **settings, "selected_epoch": res.epoch,
@@ -199,8 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--epochs", type=int, help="default 20 for no-QK, 10 for QK (the paper)")
         p.add_argument("--batch-size", type=int, help="trajectories per optimizer step "
                        f"(default {DEFAULTS['batch_size']}; the paper: 1)")
-        p.add_argument("--lr", type=float, help=f"Adam learning rate (default {DEFAULTS['lr']:g}, "
-                       "tuned for the default batch size; the paper: 1e-3 at batch 1)")
+        p.add_argument("--lr", type=float, help="Adam learning rate (default 1e-3 x batch^(2/3): "
+                       "the paper's 1e-3 at batch 1, ~0.01 at batch 32)")
         p.add_argument("--warmup", type=float, help="share of the optimizer steps over which the "
                        f"learning rate ramps up from 0 (default {DEFAULTS['warmup']:g})")
         p.add_argument("--epoch-select", choices=EPOCH_SELECT, help="keep the last epoch (the "

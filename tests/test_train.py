@@ -139,3 +139,10 @@ def test_cli_training_options(synth: TrajectorySet, tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["train", "--data", str(synth.path), "--out", str(out), "--epoch-select", "best"])
     assert e.value.code == 2
+
+
+def test_default_learning_rate_follows_the_batch_size() -> None:
+    from calibration.train import DEFAULTS, PAPER_LR, lr_for_batch
+    assert lr_for_batch(1) == PAPER_LR  # batch 1 keeps the paper's setting
+    assert lr_for_batch(32) == pytest.approx(1.008e-2, rel=1e-3)
+    assert DEFAULTS["lr"] is None and DEFAULTS["epoch_select"] == "last"
