@@ -106,7 +106,8 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
     info = ts.info
     model = info.get("model") or "unknown"
     rows = [LTTRow(delta=r.delta, lam=None if math.isinf(r.lam) else round(r.lam, 6), risk=r.risk,
-                   pvalue=r.pvalue, savings=r.savings, token_savings=r.token_savings)
+                   pvalue=r.pvalue, savings=r.savings_total_steps,
+                   token_savings=r.token_savings_total)
             for r in results]
     return Bundle(
         schema_version=SCHEMA_VERSION, orca_serve_version=__version__,

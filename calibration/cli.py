@@ -32,6 +32,12 @@ class UsageError(Exception):
     """Bad input the user can fix; printed as one line."""
 
 
+def training_options(a: argparse.Namespace) -> dict:
+    """The `meta_train` settings given on the command line (None = the default)."""
+    return {"epochs": a.epochs, "batch_size": a.batch_size, "lr": a.lr, "warmup": a.warmup,
+            "epoch_select": a.epoch_select}
+
+
 def _open(path: str, pickle_labels: str = "pessimistic"):
     from calibration.trajectories import TrajectorySet
     return TrajectorySet.open(path, pickle_labels=pickle_labels)
@@ -52,19 +58,30 @@ def _label_mode(ts, requested: str | None) -> str:
     return mode
 
 
-def train_probe(ts, probe: str, mode: str, *, epochs: int | None, d_h: int, seed: int,
-                batch_size: int, checkpoints: Path | None, progress: bool = True):
-    """Train one named probe; returns (probe, facts for the provenance)."""
-    from calibration.train import meta_train, train_static
+def train_probe(ts, probe: str, mode: str, *, d_h: int, seed: int, checkpoints: Path | None,
+                progress: bool = True, **options):
+    """Train one named probe; returns (probe, facts for the provenance).
+
+    `options` are `meta_train` settings (epochs, batch_size, lr, warmup, epoch_select); those
+    absent or None take `calibration.train.DEFAULTS` (epochs: 20 no-QK, 10 QK, as the paper).
+    """
+    from calibration.train import DEFAULTS, lr_for_batch, meta_train, train_static
     from orca_serve.probe import ProbeSpec
     if probe == "static":
         return train_static(ts, mode, seed=seed), {"probe": probe}
     opts = PROBES[probe]
     spec = ProbeSpec(dim=ts.dim, d_h=d_h if opts.get("kind") == "qk" else None, **opts)
-    epochs = epochs or (20 if spec.kind == "noqk" else 10)
-    res = meta_train(ts, spec, mode, epochs=epochs, seed=seed, batch_size=batch_size,
-                     checkpoints=checkpoints, progress=progress)
-    return res.probe, {"probe": probe, "epochs": epochs, "selected_epoch": res.epoch,
+    unknown = set(options) - set(DEFAULTS)
+    if unknown:
+        raise UsageError(f"unknown training settings {sorted(unknown)} (known: {sorted(DEFAULTS)})")
+    settings = DEFAULTS | {k: v for k, v in options.items() if v is not None}
+    if options.get("epochs") is None and spec.kind != "noqk":
+        settings["epochs"] = 10
+    if settings["lr"] is None:
+        settings["lr"] = lr_for_batch(settings["batch_size"])
+    res = meta_train(ts, spec, mode, seed=seed, checkpoints=checkpoints, progress=progress,
+                     **settings)
+    return res.probe, {"probe": probe, **settings, "selected_epoch": res.epoch,
                        "history": res.history}
 
 
@@ -76,8 +93,8 @@ def cmd_train(a: argparse.Namespace) -> None:
         raise UsageError(f"{a.data} has no problem in the train split")
     out = Path(a.out)
     ckpt = Path(a.checkpoints) if a.checkpoints else out.with_suffix(".ckpt")
-    probe, facts = train_probe(ts, a.probe, mode, epochs=a.epochs, d_h=a.d_h, seed=a.seed,
-                               batch_size=a.batch_size, checkpoints=ckpt)
+    probe, facts = train_probe(ts, a.probe, mode, d_h=a.d_h, seed=a.seed, checkpoints=ckpt,
+                               **training_options(a))
     meta = {"label_mode": mode, "seed": a.seed, "data": str(ts.path), **facts}
     meta["history"] = json.dumps(facts.get("history", []))
     save_probe(probe, out, meta)
@@ -101,7 +118,8 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
     for r in bundle.ltt.rows:
         lam = "never" if r.lam is None else f"{r.lam:.4f}"
         print(f"  delta={r.delta:<5g} lambda*={lam:<8} risk={r.risk:.3f} "
-              f"savings={r.savings:.3f} p={r.pvalue:.3g}")
+              f"savings_per_problem={r.savings_per_problem:.3f} "
+              f"savings_total_steps={r.savings_total_steps:.3f} p={r.pvalue:.3g}")
 
 
 def cmd_evaluate(a: argparse.Namespace) -> None:
@@ -129,8 +147,8 @@ def cmd_compare(a: argparse.Namespace) -> None:
     tables: dict[str, list] = {"in-distribution (test split)": [], "shifted (all problems)": []}
     for mode in a.label_modes:
         for name in a.probes:
-            probe, _ = train_probe(ts, name, mode, epochs=a.epochs, d_h=a.d_h, seed=a.seed,
-                                   batch_size=a.batch_size, checkpoints=None, progress=False)
+            probe, _ = train_probe(ts, name, mode, d_h=a.d_h, seed=a.seed, checkpoints=None,
+                                   progress=False, **training_options(a))
             bundle = calibrate_bundle(probe, ts, out / f"{name}-{mode}.json", mode=mode,
                                       window=a.window)
             label = f"{name} ({mode})"
@@ -224,10 +242,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--pickle-labels", choices=["pessimistic", "research"],
                        default="pessimistic", help="how block labels of a pickle become steps")
 
-    def batch_size_arg(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--batch-size", type=int, default=32,
-                       help="trajectories per optimizer step (the paper: 1); 32 takes 32x fewer "
-                       "Adam steps per epoch: too few for a few hundred problems (toy job)")
+    def training_args(p: argparse.ArgumentParser) -> None:
+        from calibration.train import DEFAULTS, EPOCH_SELECT
+        p.add_argument("--epochs", type=int, help="default 20 for no-QK, 10 for QK (the paper)")
+        p.add_argument("--batch-size", type=int, help="trajectories per optimizer step "
+                       f"(default {DEFAULTS['batch_size']}; the paper: 1)")
+        p.add_argument("--lr", type=float, help="Adam learning rate (default 1e-3 x batch^(2/3): "
+                       "the paper's 1e-3 at batch 1, ~0.01 at batch 32)")
+        p.add_argument("--warmup", type=float, help="share of the optimizer steps over which the "
+                       f"learning rate ramps up from 0 (default {DEFAULTS['warmup']:g})")
+        p.add_argument("--epoch-select", choices=EPOCH_SELECT, help="keep the last epoch (the "
+                       "paper) or the one with the best savings on a 10%% validation part of the "
+                       f"training split (default {DEFAULTS['epoch_select']})")
 
     def window_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--window", type=int, default=10, help="smoothing window k")
@@ -246,10 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     data_arg(p)
     p.add_argument("--probe", choices=sorted(PROBES), default="ttt-noqk")
     p.add_argument("--out", required=True, help="probe file (.safetensors)")
-    p.add_argument("--epochs", type=int, help="default 20 for no-QK, 10 for QK")
     p.add_argument("--d-h", type=int, default=128, help="QK projection size")
     p.add_argument("--label-mode", help="supervised (default), consistent, judge")
-    batch_size_arg(p)
+    training_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoints", help="per-epoch checkpoints (default PROBE.ckpt/)")
     p.set_defaults(fn=cmd_train)
@@ -282,10 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probes", nargs="+", default=["static", "ttt-noqk", "ttt-qk"],
                    choices=sorted(PROBES))
     p.add_argument("--label-modes", nargs="+", default=["supervised", "consistent"])
-    p.add_argument("--epochs", type=int)
     p.add_argument("--d-h", type=int, default=128)
     window_arg(p)
-    batch_size_arg(p)
+    training_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_compare)
 

@@ -16,7 +16,8 @@ from orca_serve.bundle import Bundle
 
 
 def evaluate_bundle(bundle: Bundle, ts: TrajectorySet, split: str = "test") -> tuple[dict, Scored]:
-    """Savings, token savings and realized error per calibrated delta on one split."""
+    """Savings (both definitions, see `metrics.StopOutcome`), token savings and realized error
+    per calibrated delta on one split."""
     if ts.dim != bundle.model.hidden_size:
         raise ValueError(f"the bundle is for {bundle.model.hidden_size}-dim embeddings "
                          f"({bundle.model.name}) but {ts.path} has dim {ts.dim}")
@@ -46,11 +47,15 @@ def plot_report(bundle: Bundle, scored: Scored, report: dict, out_dir: Path) -> 
     paths = []
 
     fig, ax = plt.subplots(figsize=(5, 4))
-    ax.plot(deltas, [r["savings"] for r in rows], "o-", label="step savings")
-    if rows[0]["token_savings"] is not None:
-        ax.plot(deltas, [r["token_savings"] for r in rows], "s--", label="token savings")
+    ax.plot(deltas, [r["savings_per_problem"] for r in rows], "o-",
+            label="savings_per_problem: mean of 1 - tau/T (paper)")
+    ax.plot(deltas, [r["savings_total_steps"] for r in rows], "^:",
+            label="savings_total_steps: 1 - sum tau / sum T")
+    if rows[0]["token_savings_total"] is not None:
+        ax.plot(deltas, [r["token_savings_total"] for r in rows], "s--",
+                label="token_savings_total: 1 - sum used / sum tokens")
     ax.set(xlabel="target risk delta", ylabel="savings", title=title, ylim=(0, 1))
-    ax.legend()
+    ax.legend(fontsize=7)
     paths.append(_save(fig, out_dir / "savings_vs_delta.png"))
 
     fig, ax = plt.subplots(figsize=(5, 4))
@@ -66,8 +71,14 @@ def plot_report(bundle: Bundle, scored: Scored, report: dict, out_dir: Path) -> 
     lengths = np.array([len(s) for s in scored.scores])
     tau = stop_indices(scored.scores, np.array([lam]))[0]
     fig, ax = plt.subplots(figsize=(5, 4))
-    ax.hist(1 - (tau + 1) / lengths, bins=20, range=(0, 1))
-    ax.set(xlabel="per-problem step savings", ylabel="problems",
+    per_problem = 1 - (tau + 1) / lengths
+    ax.hist(per_problem, bins=20, range=(0, 1))
+    ax.axvline(per_problem.mean(), color="k", label=f"mean = savings_per_problem "
+               f"{per_problem.mean():.3f}")
+    ax.axvline(np.median(per_problem), color="k", ls="--",
+               label=f"median {np.median(per_problem):.3f}")
+    ax.legend(fontsize=8)
+    ax.set(xlabel="per-problem step savings 1 - tau/T", ylabel="problems",
            title=f"delta={bundle.default_delta:g}, lambda*={lam:.3g}")
     paths.append(_save(fig, out_dir / "savings_histogram.png"))
 
@@ -94,16 +105,24 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+TABLE_NOTE = ("cells: savings_per_problem (the paper's definition: mean over problems of "
+              "1 - tau/T) / savings_total_steps (1 - sum tau / sum T) / token_savings_total "
+              "(1 - sum tokens used / sum tokens) / realized error")
+
+
 def markdown_table(rows: list[tuple[str, dict]]) -> str:
-    """Rows of (name, evaluate_bundle report): savings and error next to each delta."""
+    """Rows of (name, evaluate_bundle report): both savings, token savings and error per delta."""
     deltas = list(rows[0][1]["deltas"])
-    head = "| probe | n | " + " | ".join(f"delta={d}: sav / tok / err" for d in deltas) + " |"
+    head = ("| probe | n | "
+            + " | ".join(f"delta={d}: sav/problem / sav/total / tok total / err" for d in deltas)
+            + " |")
     lines = [head, "|" + "---|" * (2 + len(deltas))]
     for name, rep in rows:
         cells = []
         for d in deltas:
             r = rep["deltas"][d]
-            tok = "-" if r["token_savings"] is None else f"{r['token_savings']:.3f}"
-            cells.append(f"{r['savings']:.3f} / {tok} / {r['error']:.3f}")
+            tok = "-" if r["token_savings_total"] is None else f"{r['token_savings_total']:.3f}"
+            cells.append(f"{r['savings_per_problem']:.3f} / {r['savings_total_steps']:.3f} / "
+                         f"{tok} / {r['error']:.3f}")
         lines.append(f"| {name} | {rep['n']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", TABLE_NOTE])

@@ -22,6 +22,8 @@ from calibration.collect import CollectSettings
 from calibration.judge import JudgeError, JudgeSettings
 
 STAGES = ("collect", "split", "train", "calibrate", "evaluate")
+# `train:` keys of a job besides the `meta_train` settings (calibration.train.DEFAULTS)
+TRAIN_JOB_KEYS = {"probe", "label_mode", "seed", "d_h"}
 
 
 class JobError(ValueError):
@@ -50,6 +52,11 @@ def load_job(path: Path) -> dict[str, Any]:
             job[key] = str(base / job[key])
     if str(job["model"]).startswith((".", "/")) and not Path(job["model"]).is_absolute():
         job["model"] = str((base / job["model"]).resolve())
+    from calibration.train import DEFAULTS
+    bad = set(job.get("train") or {}) - TRAIN_JOB_KEYS - set(DEFAULTS)
+    if bad:
+        raise JobError(f"{path}: unknown train settings {sorted(bad)} "
+                       f"(known: {sorted(TRAIN_JOB_KEYS | set(DEFAULTS))})")
     known = {f.name for f in fields(CollectSettings)}
     bad = set(job.get("collect") or {}) - known
     if bad:
@@ -145,10 +152,10 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
     def train() -> None:
         ts = TrajectorySet.open(data)
         mode = tr.get("label_mode", "supervised")
-        probe, facts = train_probe(ts, tr.get("probe", "ttt-noqk"), mode,
-                                   epochs=tr.get("epochs"), d_h=tr.get("d_h", 128),
-                                   seed=tr.get("seed", 0), batch_size=tr.get("batch_size", 32),
-                                   checkpoints=out / "checkpoints", progress=progress)
+        options = {k: v for k, v in tr.items() if k not in TRAIN_JOB_KEYS}
+        probe, facts = train_probe(ts, tr.get("probe", "ttt-noqk"), mode, d_h=tr.get("d_h", 128),
+                                   seed=tr.get("seed", 0), checkpoints=out / "checkpoints",
+                                   progress=progress, **options)
         save_probe(probe, probe_file, {"label_mode": mode, **facts,
                                        "history": json.dumps(facts.get("history", []))})
 

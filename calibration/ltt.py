@@ -83,8 +83,9 @@ class DeltaResult:
     lam: float
     risk: float
     pvalue: float
-    savings: float
-    token_savings: float | None
+    savings_per_problem: float  # the paper's definition (metrics.StopOutcome)
+    savings_total_steps: float
+    token_savings_total: float | None
     n: int
 
 
@@ -138,6 +139,7 @@ def calibrate(
         )
         out = summarize(tau_star, lengths, labels, step_tokens)
         results.append(
-            DeltaResult(delta, lam, out.error, p_star, out.savings, out.token_savings, n)
+            DeltaResult(delta, lam, out.error, p_star, out.savings_per_problem,
+                        out.savings_total_steps, out.token_savings_total, n)
         )
     return results

@@ -52,12 +52,15 @@ def keep_solvable(labels: Ragged) -> np.ndarray:
 
 
 def step_savings(tau: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Paper's savings ``1 - mean(tau + 1) / mean(T)`` over the last axis."""
+    """``savings_total_steps = 1 - sum(tau + 1) / sum(T)`` (a ratio of means) over the last axis.
+
+    Long problems weigh more here than in the paper's figure (`savings_per_problem`).
+    """
     return 1.0 - (tau + 1).mean(axis=-1) / np.mean(lengths)
 
 
 def token_savings(tau: np.ndarray, step_tokens: Ragged) -> np.ndarray:
-    """``1 - sum(tokens up to and including tau) / sum(all tokens)`` over the last axis."""
+    """``token_savings_total = 1 - sum(tokens up to and including tau) / sum(all tokens)``."""
     used = values_at([np.cumsum(k) for k in step_tokens], tau).sum(axis=-1)
     total = sum(float(np.sum(k)) for k in step_tokens)
     if total <= 0:
@@ -67,12 +70,22 @@ def token_savings(tau: np.ndarray, step_tokens: Ragged) -> np.ndarray:
 
 @dataclass(frozen=True)
 class StopOutcome:
-    """Metrics of one stopping rule on a set of problems (METHOD.md section 6)."""
+    """Metrics of one stopping rule on a set of problems (METHOD.md section 6).
 
-    savings: float
-    mean_problem_savings: float
-    median_problem_savings: float
-    token_savings: float | None
+    Two definitions of savings, both reported, never to be confused:
+    - ``savings_per_problem``: mean over problems of ``1 - tau_i / T_i``. This is the figure in
+      the paper's tables (its per-problem savings distribution has the headline value as its
+      mean); compare with the paper on this one only.
+    - ``savings_total_steps``: ``1 - sum(tau_i) / sum(T_i)``, the share of all reasoning steps
+      saved (what a server's bill sees). Long problems weigh more.
+    The token versions are the same two definitions with tokens in place of steps.
+    """
+
+    savings_per_problem: float
+    savings_total_steps: float
+    median_savings_per_problem: float
+    token_savings_per_problem: float | None
+    token_savings_total: float | None
     error: float
     n: int
 
@@ -93,11 +106,20 @@ def summarize(
     if np.any(tau < 0) or np.any(tau >= lengths):
         raise ValueError("tau must satisfy 0 <= tau < T for every problem")
     per_problem = 1.0 - (tau + 1) / lengths
+    tok_problem = tok_total = None
+    if step_tokens is not None:
+        used = values_at([np.cumsum(k) for k in step_tokens], tau)
+        totals = np.array([float(np.sum(k)) for k in step_tokens])
+        if np.any(totals <= 0):
+            raise ValueError("token savings need a positive token count for every problem")
+        tok_problem = float(np.mean(1.0 - used / totals))
+        tok_total = float(token_savings(tau, step_tokens))
     return StopOutcome(
-        savings=float(step_savings(tau, lengths)),
-        mean_problem_savings=float(per_problem.mean()),
-        median_problem_savings=float(np.median(per_problem)),
-        token_savings=None if step_tokens is None else float(token_savings(tau, step_tokens)),
+        savings_per_problem=float(per_problem.mean()),
+        savings_total_steps=float(step_savings(tau, lengths)),
+        median_savings_per_problem=float(np.median(per_problem)),
+        token_savings_per_problem=tok_problem,
+        token_savings_total=tok_total,
         error=float(losses(tau, labels).mean()),
         n=int(tau.size),
     )

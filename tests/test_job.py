@@ -106,3 +106,13 @@ def test_rerun_follows_edits_and_refuses_changed_collection(tmp_path, monkeypatc
     with pytest.raises(JobError, match="collect settings .* changed"):
         run(collect={"max_tokens": 128})
     assert (tmp_path / "run" / "trajectories" / "problems.jsonl").exists()  # nothing deleted
+
+
+def test_job_train_settings_are_checked(tmp_path) -> None:
+    j = tmp_path / "job.yaml"
+    j.write_text("model: m\nprompts: p.jsonl\nout: o\ntrain: {epoch_selct: last}\n")
+    with pytest.raises(JobError, match="unknown train settings"):
+        load_job(j)
+    j.write_text("model: m\nprompts: p.jsonl\nout: o\n"
+                 "train: {probe: ttt-noqk, epoch_select: last, batch_size: 1, lr: 0.001}\n")
+    assert load_job(j)["train"]["epoch_select"] == "last"

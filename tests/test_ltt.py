@@ -74,7 +74,8 @@ def test_lambda_star_is_last_rejected_threshold():
     assert res.risk == pytest.approx(2 / 30)
     assert res.pvalue == pytest.approx(binomial_pvalues(2, 30, 0.2))
     # tau at 0.6: 0 for the 2 overconfident and 27 easy problems, 2 for the slow one.
-    assert res.savings == pytest.approx(1 - (29 * 1 + 3) / 30 / 3)
+    assert res.savings_total_steps == pytest.approx(1 - (29 * 1 + 3) / 30 / 3)
+    assert res.savings_per_problem == pytest.approx((29 * 2 / 3 + 0) / 30)
     assert res.n == 30
 
 
@@ -84,7 +85,7 @@ def test_never_stop_when_first_test_fails():
     # P(Binom(30, .05) <= 0) = .95**30 = .21 > .05: even lambda = 0.9 is not certified.
     (res,) = calibrate(scores, labels, [0.05], grid=np.array([0.9, 0.6]), step_tokens=tokens)
     assert res.lam == math.inf and res.pvalue == 1.0
-    assert res.risk == 0.0 and res.savings == 0.0 and res.token_savings == 0.0
+    assert res.risk == 0.0 and res.savings_per_problem == 0.0 and res.token_savings_total == 0.0
 
 
 def test_calibrate_order_tokens_and_hb_more_conservative():
@@ -93,7 +94,7 @@ def test_calibrate_order_tokens_and_hb_more_conservative():
     grid = np.array([0.9, 0.6, 0.3])
     binom_res = calibrate(scores, labels, [0.3, 0.2], grid=grid, step_tokens=tokens)
     assert [r.delta for r in binom_res] == [0.3, 0.2]
-    assert binom_res[1].token_savings == pytest.approx(1 - (29 * 1 + 6) / (30 * 6))
+    assert binom_res[1].token_savings_total == pytest.approx(1 - (29 * 1 + 6) / (30 * 6))
     hb_res = calibrate(scores, labels, [0.3, 0.2], grid=grid, pvalue="hb")
     for b, h in zip(binom_res, hb_res):
         assert h.lam >= b.lam  # HB p-values dominate the exact ones

@@ -49,19 +49,32 @@ def example():
 
 
 def test_summarize_hand_computed():
-    tau, lengths, labels, tokens = example()
+    tau, lengths, labels, tokens = example()  # steps run: 2 of 4, 2 of 2, 1 of 5
     out = summarize(tau, lengths, labels, tokens)
-    assert out.savings == pytest.approx(1 - (5 / 3) / (11 / 3))  # 1 - mean(tau+1)/mean(T)
-    assert out.mean_problem_savings == pytest.approx((0.5 + 0.0 + 0.8) / 3)
-    assert out.median_problem_savings == pytest.approx(0.5)
-    assert out.token_savings == pytest.approx(1 - (30 + 10 + 1) / (100 + 10 + 5))
+    # the paper's figure: mean over problems of 1 - tau/T
+    assert out.savings_per_problem == pytest.approx((0.5 + 0.0 + 0.8) / 3)
+    # ratio of means: 1 - (2 + 2 + 1) / (4 + 2 + 5); lower here, as the long problem stops late
+    assert out.savings_total_steps == pytest.approx(1 - 5 / 11)
+    assert out.median_savings_per_problem == pytest.approx(0.5)
+    # tokens used: 30 of 100, 10 of 10, 1 of 5
+    assert out.token_savings_per_problem == pytest.approx((0.7 + 0.0 + 0.8) / 3)
+    assert out.token_savings_total == pytest.approx(1 - (30 + 10 + 1) / (100 + 10 + 5))
     assert out.error == pytest.approx(1 / 3)
     assert out.n == 3
 
 
+def test_savings_definitions_agree_on_equal_lengths():
+    labels = [np.ones(10, dtype=int)] * 3
+    tau = np.array([0, 4, 9])
+    out = summarize(tau, np.full(3, 10), labels)
+    assert out.savings_per_problem == pytest.approx(out.savings_total_steps)
+    assert out.savings_per_problem == pytest.approx(1 - (1 + 5 + 10) / 30)
+
+
 def test_summarize_without_tokens_and_bad_tau():
     tau, lengths, labels, _ = example()
-    assert summarize(tau, lengths, labels).token_savings is None
+    out = summarize(tau, lengths, labels)
+    assert out.token_savings_total is None and out.token_savings_per_problem is None
     with pytest.raises(ValueError, match="tau"):
         summarize(np.array([4, 1, 0]), lengths, labels)
     with pytest.raises(ValueError, match="lengths"):

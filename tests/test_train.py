@@ -68,7 +68,7 @@ def test_meta_training_reduces_loss_and_is_reproducible(synth: TrajectorySet, tm
                    checkpoints=tmp_path / "ckpt")
     b = meta_train(synth, spec, "supervised", epochs=3, seed=5, progress=False)
     assert a.history[-1]["train_loss"] < a.history[0]["train_loss"]
-    assert [h["val_loss"] for h in a.history] == [h["val_loss"] for h in b.history]
+    assert [h["train_loss"] for h in a.history] == [h["train_loss"] for h in b.history]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "epoch_001.safetensors", "epoch_002.safetensors", "epoch_003.safetensors"]
     save_probe(a.probe, tmp_path / "p.safetensors", {"epoch": a.epoch})
@@ -95,3 +95,54 @@ def test_cached_gram_gives_the_same_scores() -> None:
     with torch.no_grad():
         torch.testing.assert_close(unroll_scores(probe, phi, mask, gram),
                                    unroll_scores(probe, phi, mask))
+
+
+def test_epoch_select_last_keeps_the_last_epoch_and_all_problems(synth: TrajectorySet,
+                                                                   tmp_path) -> None:
+    res = meta_train(synth, ProbeSpec(dim=D), "supervised", epochs=3, seed=1, progress=False,
+                     epoch_select="last", checkpoints=tmp_path)
+    assert res.epoch == 3 and [h["epoch"] for h in res.history] == [1, 2, 3]
+    assert all("val_savings" not in h for h in res.history)  # no validation part held out
+    last, _ = load_probe(tmp_path / "epoch_003.safetensors")
+    for k, v in res.probe.params.items():
+        torch.testing.assert_close(last.params[k], v)
+    val = meta_train(synth, ProbeSpec(dim=D), "supervised", epochs=3, seed=1, progress=False,
+                     epoch_select="validation")
+    assert 1 <= val.epoch <= 3 and all("val_savings" in h for h in val.history)
+
+
+def test_warmup_starts_slow(synth: TrajectorySet) -> None:
+    """With warmup the first optimizer steps are smaller, so slow weights move less."""
+    moved = {}
+    for warmup in (0.0, 0.5):
+        res = meta_train(synth, ProbeSpec(dim=D), "supervised", epochs=1, seed=2, lr=0.05,
+                         warmup=warmup, progress=False, epoch_select="last")
+        moved[warmup] = (res.probe.params["w"] - Probe(ProbeSpec(dim=D), seed=2).params["w"]).norm()
+    assert moved[0.5] < moved[0.0]
+
+
+@pytest.mark.parametrize("bad", [{"epoch_select": "best"}, {"warmup": 1.0}, {"lr": 0.0},
+                                 {"batch_size": 0}])
+def test_bad_training_settings_are_refused(synth: TrajectorySet, bad: dict) -> None:
+    with pytest.raises(ValueError):
+        meta_train(synth, ProbeSpec(dim=D), "supervised", progress=False, **{"epochs": 1, **bad})
+
+
+def test_cli_training_options(synth: TrajectorySet, tmp_path, capsys) -> None:
+    from calibration.cli import main
+    out = tmp_path / "p.safetensors"
+    assert main(["train", "--data", str(synth.path), "--out", str(out), "--epochs", "2",
+                 "--epoch-select", "last", "--batch-size", "8", "--lr", "0.004"]) == 0
+    _, meta = load_probe(out)
+    assert (meta["selected_epoch"], meta["batch_size"], meta["lr"]) == ("2", "8", "0.004")
+    assert meta["epoch_select"] == "last"
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--data", str(synth.path), "--out", str(out), "--epoch-select", "best"])
+    assert e.value.code == 2
+
+
+def test_default_learning_rate_follows_the_batch_size() -> None:
+    from calibration.train import DEFAULTS, PAPER_LR, lr_for_batch
+    assert lr_for_batch(1) == PAPER_LR  # batch 1 keeps the paper's setting
+    assert lr_for_batch(32) == pytest.approx(1.008e-2, rel=1e-3)
+    assert DEFAULTS["lr"] is None and DEFAULTS["epoch_select"] == "last"

@@ -1,0 +1,47 @@
+"""Evaluation and `compare` report both savings definitions, each under its own name."""
+
+import json
+
+import numpy as np
+import pytest
+
+from calibration.calibrate import calibrate_bundle
+from calibration.cli import main
+from calibration.evaluate import evaluate_bundle, markdown_table
+from calibration.metrics import stop_indices
+from calibration.synth import generate
+from calibration.train import meta_train
+from calibration.trajectories import TrajectorySet
+from orca_serve.probe import ProbeSpec
+
+D = 16
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> TrajectorySet:
+    out = tmp_path_factory.mktemp("eval") / "data"
+    generate(out, n_problems=240, dim=D, mean_steps=20, seed=3)
+    return TrajectorySet.open(out)
+
+
+def test_evaluate_reports_both_savings(data: TrajectorySet, tmp_path) -> None:
+    probe = meta_train(data, ProbeSpec(dim=D), "supervised", epochs=2, progress=False).probe
+    bundle = calibrate_bundle(probe, data, tmp_path / "b.json", deltas=[0.2, 0.3], window=3)
+    report, scored = evaluate_bundle(bundle, data)
+    lengths = np.array([len(s) for s in scored.scores])
+    for d, row in report["deltas"].items():
+        tau = stop_indices(scored.scores, np.array([bundle.lam(float(d))]))[0]
+        assert row["savings_per_problem"] == pytest.approx(np.mean(1 - (tau + 1) / lengths))
+        assert row["savings_total_steps"] == pytest.approx(1 - (tau + 1).sum() / lengths.sum())
+        assert row["token_savings_total"] is not None and "savings" not in row
+    table = markdown_table([("p", report)])
+    assert "sav/problem / sav/total" in table and "the paper's definition" in table
+
+
+def test_compare_writes_both_definitions(data: TrajectorySet, tmp_path, capsys) -> None:
+    out = tmp_path / "cmp"
+    assert main(["compare", "--data", str(data.path), "--out", str(out), "--probes", "ttt-noqk",
+                 "--label-modes", "supervised", "--epochs", "1", "--window", "3"]) == 0
+    text = (out / "compare.md").read_text()
+    assert "ttt-noqk (supervised)" in text and "savings_per_problem" in text
+    assert json.loads((out / "ttt-noqk-supervised.json").read_text())["ltt"]["rows"]
