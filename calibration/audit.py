@@ -174,12 +174,14 @@ def plot_report(report: dict[str, Any], out_dir: Path) -> Path:
 
 
 def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
-                last: int | None = None, retrain: bool = False, epochs: int | None = None,
-                seed: int = 0, batch_size: int = 32, bundle_path: str | None = None) -> Bundle:
+                last: int | None = None, retrain: bool = False,
+                train_options: dict | None = None, seed: int = 0,
+                bundle_path: str | None = None) -> Bundle:
     """LTT (the calibrate code) on the audits of the window; the same probe unless ``retrain``.
 
     With ``retrain`` the window is split by prompt (seeded) into a training half and a
-    calibration half: LTT must not see the data the probe was fitted to.
+    calibration half: LTT must not see the data the probe was fitted to. ``train_options``
+    are `meta_train` settings as `orca-calibrate train` takes them (None: its defaults).
     """
     if ts.dim != bundle.model.hidden_size:
         raise ValueError(f"the bundle is for {bundle.model.hidden_size}-dim embeddings "
@@ -197,8 +199,7 @@ def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
         groups = {p.id: p.prompt or p.id for p in view.problems}
         splits = split_ids(ids, (0.5, 0.5, 0.0), seed=seed, groups=groups)
         view = window_view(ts, last, splits)
-        probe, facts = _retrain(bundle, view, mode, epochs=epochs, seed=seed,
-                                batch_size=batch_size)
+        probe, facts = _retrain(bundle, view, mode, train_options or {}, seed=seed)
     else:
         probe, facts = bundle.load_probe(), {"probe": "the parent bundle's"}
     ids = [p.id for p in view.problems]
@@ -212,18 +213,17 @@ def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
                             provenance=provenance)
 
 
-def _retrain(bundle: Bundle, ts: TrajectorySet, mode: str, *, epochs: int | None, seed: int,
-             batch_size: int) -> tuple[Any, dict[str, Any]]:
+def _retrain(bundle: Bundle, ts: TrajectorySet, mode: str, options: dict, *,
+             seed: int) -> tuple[Any, dict[str, Any]]:
     """A probe of the bundle's variant, trained on the window's training half."""
-    from calibration.train import meta_train, train_static
+    from calibration.train import meta_train, train_static, training_settings
 
     spec = bundle.spec()
     if not ts.split("train"):
         raise ValueError("the audit window is too small to retrain: no training problem")
     if not spec.online:
         return train_static(ts, mode, seed=seed), {"probe": "static, retrained"}
-    epochs = epochs or (20 if spec.kind == "noqk" else 10)
-    res = meta_train(ts, spec, mode, epochs=epochs, seed=seed, batch_size=batch_size,
-                     checkpoints=None, progress=False)
-    return res.probe, {"probe": f"{spec.name}, retrained", "epochs": epochs,
+    settings = training_settings(spec, options)
+    res = meta_train(ts, spec, mode, seed=seed, checkpoints=None, progress=False, **settings)
+    return res.probe, {"probe": f"{spec.name}, retrained", **settings,
                        "selected_epoch": res.epoch}

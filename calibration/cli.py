@@ -65,20 +65,13 @@ def train_probe(ts, probe: str, mode: str, *, d_h: int, seed: int, checkpoints: 
     `options` are `meta_train` settings (epochs, batch_size, lr, warmup, epoch_select); those
     absent or None take `calibration.train.DEFAULTS` (epochs: 20 no-QK, 10 QK, as the paper).
     """
-    from calibration.train import DEFAULTS, lr_for_batch, meta_train, train_static
+    from calibration.train import meta_train, train_static, training_settings
     from orca_serve.probe import ProbeSpec
     if probe == "static":
         return train_static(ts, mode, seed=seed), {"probe": probe}
     opts = PROBES[probe]
     spec = ProbeSpec(dim=ts.dim, d_h=d_h if opts.get("kind") == "qk" else None, **opts)
-    unknown = set(options) - set(DEFAULTS)
-    if unknown:
-        raise UsageError(f"unknown training settings {sorted(unknown)} (known: {sorted(DEFAULTS)})")
-    settings = DEFAULTS | {k: v for k, v in options.items() if v is not None}
-    if options.get("epochs") is None and spec.kind != "noqk":
-        settings["epochs"] = 10
-    if settings["lr"] is None:
-        settings["lr"] = lr_for_batch(settings["batch_size"])
+    settings = training_settings(spec, options)
     res = meta_train(ts, spec, mode, seed=seed, checkpoints=checkpoints, progress=progress,
                      **settings)
     return res.probe, {"probe": probe, **settings, "selected_epoch": res.epoch,
@@ -118,8 +111,7 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
     for r in bundle.ltt.rows:
         lam = "never" if r.lam is None else f"{r.lam:.4f}"
         print(f"  delta={r.delta:<5g} lambda*={lam:<8} risk={r.risk:.3f} "
-              f"savings_per_problem={r.savings_per_problem:.3f} "
-              f"savings_total_steps={r.savings_total_steps:.3f} p={r.pvalue:.3g}")
+              f"savings_total_steps={r.savings:.3f} p={r.pvalue:.3g}")  # the bundle keeps one
 
 
 def cmd_evaluate(a: argparse.Namespace) -> None:
@@ -202,8 +194,8 @@ def cmd_recalibrate(a: argparse.Namespace) -> None:
     bundle = load_bundle(a.bundle)
     ts = open_audits(a.audit)
     new = recalibrate(bundle, ts, Path(a.out), mode=audit_label_mode(bundle, ts, a.label_mode),
-                      last=a.last, retrain=a.retrain, epochs=a.epochs, seed=a.seed,
-                      batch_size=a.batch_size, bundle_path=a.bundle)
+                      last=a.last, retrain=a.retrain, seed=a.seed,
+                      train_options=training_options(a), bundle_path=a.bundle)
     print(f"wrote {a.out}: n_cal={new.ltt.n_cal} audits, label mode {new.label_mode}")
     for r, old in zip(new.ltt.rows, bundle.ltt.rows):
         lam, was = ("never" if x.lam is None else f"{x.lam:.4f}" for x in (r, old))
@@ -354,8 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "else consistent")
     p.add_argument("--retrain", action="store_true", help="retrain the probe on half the "
                    "window (split by prompt) and calibrate on the other half")
-    p.add_argument("--epochs", type=int, help="retraining epochs (default as in train)")
-    batch_size_arg(p)
+    training_args(p)  # the retraining's settings, as in train
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_recalibrate)
 

@@ -174,6 +174,20 @@ def _validation_savings(probe: Probe, ts: TrajectorySet, val: list[int], mode: s
 EPOCH_SELECT = ("validation", "last")
 
 
+def training_settings(spec: ProbeSpec, options: dict) -> dict:
+    """`meta_train` settings from user options: absent or None take `DEFAULTS` (epochs: 20 for
+    no-QK, 10 for QK, as the paper; lr from the batch size by `lr_for_batch`)."""
+    unknown = set(options) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown training settings {sorted(unknown)} (known: {sorted(DEFAULTS)})")
+    settings = DEFAULTS | {k: v for k, v in options.items() if v is not None}
+    if options.get("epochs") is None and spec.kind != "noqk":
+        settings["epochs"] = 10
+    if settings["lr"] is None:
+        settings["lr"] = lr_for_batch(settings["batch_size"])
+    return settings
+
+
 def meta_train(ts: TrajectorySet, spec: ProbeSpec, mode: str, *, epochs: int = DEFAULTS["epochs"],
                batch_size: int = DEFAULTS["batch_size"], lr: float | None = None,
                warmup: float = DEFAULTS["warmup"], clip: float = 1.0, seed: int = 0,
