@@ -51,7 +51,8 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
-    print(f"{report.cases} cases in {report.seconds:.0f} s; statuses "
+    print(f"{report.operations} operations ({len(report.unusable)} unusable: "
+          f"{report.unusable}); {report.cases} cases in {report.seconds:.0f} s; statuses "
           f"{dict(sorted(report.by_status.items()))}; server crashed: {report.crashed}")
     for f in report.findings.values():
         print(f"- {f.key}\n    {f.example}")
@@ -59,6 +60,7 @@ def main() -> None:
           f"schemathesis (positive + negative) | {report.cases} | {len(report.findings)} | |")
     if a.json:
         a.json.write_text(json.dumps({
+            "operations": report.operations, "unusable": report.unusable,
             "cases": report.cases, "seconds": report.seconds, "crashed": report.crashed,
             "statuses": dict(report.by_status), "nproc": os.cpu_count(),
             "findings": [{"key": f.key, "example": f.example} for f in report.findings.values()],

@@ -22,7 +22,9 @@ import httpx
 import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
+from schemathesis.core.result import Err
 
 # Admin and lifecycle routes: not a client's surface, and fuzzing them would pause, scale or
 # sleep the engine on purpose.
@@ -48,6 +50,8 @@ class Report:
     findings: dict[str, Finding] = field(default_factory=dict)
     crashed: bool = False
     seconds: float = 0.0
+    operations: int = 0
+    unusable: list[str] = field(default_factory=list)  # operations whose schema cannot be fuzzed
 
     def add(self, key: str, example: str) -> None:
         self.findings.setdefault(key, Finding(key, example))
@@ -97,7 +101,11 @@ def fuzz(url: str, *, examples: int, timeout: float = 60.0, seed_value: int = 0,
     start = time.monotonic()
     session = requests.Session()
     for result in schema.get_all_operations():
+        if isinstance(result, Err):
+            report.unusable.append(str(result.err()).splitlines()[0][:200])
+            continue
         op = result.ok()
+        report.operations += 1
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             if report.crashed or (deadline_s and time.monotonic() - start > deadline_s):
                 break
@@ -134,4 +142,7 @@ def _fuzz_operation(op: Any, mode: GenerationMode, url: str, session: requests.S
             report.add(f"{name}: {resp.status_code} {_first_line(resp.text)}",
                        case.as_curl_command())
 
-    run()
+    try:
+        run()
+    except Unsatisfiable:
+        pass  # no input of this mode exists (e.g. a negative case for a route without inputs)

@@ -138,8 +138,9 @@ def test_fuzz_http_surface(demo):
     from http_fuzz import fuzz, healthy
 
     report = fuzz(demo.url, examples=6, timeout=60, deadline_s=240)
-    print(f"fuzz: {report.cases} cases in {report.seconds:.0f} s, statuses "
-          f"{dict(sorted(report.by_status.items()))}")
+    print(f"fuzz: {report.operations} operations, {report.cases} cases in "
+          f"{report.seconds:.0f} s, statuses {dict(sorted(report.by_status.items()))}, "
+          f"unusable operations {report.unusable}")
     assert report.cases >= 200
     assert not report.findings, "\n".join(f"{f.key}\n  {f.example}"
                                           for f in report.findings.values())

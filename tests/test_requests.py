@@ -521,3 +521,34 @@ def test_metrics_carry_model_name_and_rate_able_probe_time():
     samples = [ln for ln in text.splitlines() if ln.startswith("orca_") and not ln.startswith("#")]
     assert samples and all('model_name="my-model"' in ln for ln in samples)
     assert "orca_probe_seconds_per_engine_step" not in text  # a lifetime mean: use rate()s
+
+
+def test_cpu_build_keeps_prefills_whole():
+    """On vLLM's CPU build a chunked prefill of a seeded request kills the engine: the CLI turns
+    chunked prefill off and refuses the options that would chunk a prefill again."""
+    import argparse
+
+    from vllm.platforms import current_platform
+
+    from orca_serve.cli import StartupError, keep_prefills_whole
+
+    if not current_platform.is_cpu():
+        pytest.skip("the guard applies to vLLM's CPU build only")
+
+    def ns(**kw):
+        base = {"enable_chunked_prefill": None, "long_prefill_token_threshold": 0,
+                "max_num_batched_tokens": None, "max_model_len": None}
+        return argparse.Namespace(**{**base, **kw})
+
+    args = ns()
+    keep_prefills_whole(args)
+    assert args.enable_chunked_prefill is False
+    args = ns(max_num_batched_tokens=4096, max_model_len=1024)
+    keep_prefills_whole(args)
+    assert args.enable_chunked_prefill is False
+    for bad, word in ((ns(enable_chunked_prefill=True), "--enable-chunked-prefill"),
+                      (ns(long_prefill_token_threshold=64), "--long-prefill-token-threshold"),
+                      (ns(max_num_batched_tokens=512, max_model_len=1024), "below")):
+        with pytest.raises(StartupError, match=word) as e:
+            keep_prefills_whole(bad)
+        assert "seed" in str(e.value) and "\n" not in str(e.value)
