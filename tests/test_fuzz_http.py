@@ -137,7 +137,7 @@ def test_fuzz_http_surface(demo):
     negative inputs: no 5xx, no request past its timeout, the server alive afterwards."""
     from http_fuzz import fuzz, healthy
 
-    report = fuzz(demo.url, examples=6, timeout=60, deadline_s=240)
+    report = fuzz(demo.url, examples=10, timeout=60, deadline_s=240)
     print(f"fuzz: {report.operations} operations, {report.cases} cases in "
           f"{report.seconds:.0f} s, statuses {dict(sorted(report.by_status.items()))}, "
           f"unusable operations {report.unusable}")
