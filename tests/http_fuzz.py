@@ -108,7 +108,8 @@ def fuzz(url: str, *, examples: int, timeout: float = 60.0, seed_value: int = 0,
          deadline_s: float | None = None) -> Report:
     """Fuzz every operation of `url`'s OpenAPI description, `examples` cases per operation and
     generation mode. Stops early if the server dies or `deadline_s` passes."""
-    schema = schemathesis.openapi.from_url(url + "/openapi.json").exclude(path_regex=EXCLUDE)
+    schema = schemathesis.openapi.from_url(url + "/openapi.json", timeout=timeout).exclude(
+        path_regex=EXCLUDE)
     model = httpx.get(url + "/v1/models", timeout=timeout).json()["data"][0]["id"]
     report = Report()
     start = time.monotonic()
