@@ -182,6 +182,50 @@ def refuse_unsupported(args: argparse.Namespace) -> None:
         raise StartupError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
 
 
+def keep_prefills_whole(args: argparse.Namespace) -> None:
+    """On vLLM's CPU build, never chunk a prompt's prefill, so that no request can crash the engine.
+
+    vLLM 0.32's model runner (`_bookkeeping_sync` in v1/worker/gpu_model_runner.py, which the CPU
+    runner inherits) rewinds, after each step, the per-request random generator of every request
+    whose sampled token it discards, i.e. every request whose prompt was only partly prefilled
+    in that step: `gen.set_offset(gen.get_offset() - 4)`. Only seeded requests have their own
+    generator, and CPU generators do not implement offsets ("CPU Generator does not use offset"):
+    the worker raises, the engine dies, every request fails. A prompt gets chunked whenever the
+    step's token budget runs out in the middle of it, which happens as soon as a few long prompts
+    arrive together, whatever `--max-num-batched-tokens` is.
+
+    With chunked prefill off and no long-prefill threshold, the scheduler admits a waiting request
+    only if its whole remaining prompt fits in the step's budget (it waits otherwise), and a
+    running request is always scheduled to its last token, so no step ends a request short of its
+    end and nothing is rewound. vLLM then needs `--max-num-batched-tokens` >= `--max-model-len`
+    (its default on CPU when the option is not given).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    why = ("on vLLM's CPU build a seeded request whose prompt is prefilled in chunks crashes the "
+           "engine (CPU Generator does not use offset); orca-serve keeps prefills whole there")
+    if getattr(args, "enable_chunked_prefill", None):
+        raise StartupError(f"--enable-chunked-prefill is refused: {why}")
+    if getattr(args, "long_prefill_token_threshold", 0):
+        raise StartupError(f"--long-prefill-token-threshold is refused: {why}")
+    budget = getattr(args, "max_num_batched_tokens", None)
+    max_len = getattr(args, "max_model_len", None)
+    if budget is not None and isinstance(max_len, int) and budget < max_len:
+        raise StartupError(f"--max-num-batched-tokens {budget} is below --max-model-len {max_len}: "
+                           f"{why}, so a step must fit a whole prompt")
+    args.enable_chunked_prefill = False
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """The model name vLLM serves and puts in its metrics' `model_name` label."""
+    names = getattr(args, "served_model_name", None)
+    if isinstance(names, list):
+        return str(names[0]) if names else str(args.model)
+    return str(names or args.model)
+
+
 def merge_engine_args(args: argparse.Namespace, extra: dict[str, Any]) -> None:
     """Add the plugin's engine arguments to vLLM's parsed args (keeping the user's own)."""
     for name, value in extra.items():
@@ -272,6 +316,9 @@ def _main(argv: list[str]) -> None:
         raise StartupError(str(e).removeprefix("Error: ")) from None
     if args.demo:
         args.calib = bundle_path
+        if not args.served_model_name and bundle is not None:
+            args.served_model_name = [bundle.model.name]  # not the install path
+    keep_prefills_whole(args)
 
     from orca_serve.requests import OrcaDefaults
     from orca_serve.server import OrcaState, run
@@ -290,10 +337,13 @@ def _main(argv: list[str]) -> None:
             enabled=True,
             delta=args.orca_delta if args.orca_delta is not None else bundle.default_delta,
             policy=args.orca_policy, answer_budget=args.orca_answer_budget)
-        # requests on routes the server does not rewrite get the same defaults in the engine
+        # Off in the engine unless the request says otherwise: the server writes every setting
+        # (orca_enabled included) into the requests of the routes whose responses report what
+        # orca did; requests on other routes (/v1/responses, /v1/messages, ...) run without it
+        # rather than being cut short silently.
         merge_engine_args(args, engine_kwargs(
             str(Path(bundle_path).absolute()),
-            defaults={"delta": defaults.delta, "policy": defaults.policy,
+            defaults={"enabled": 0, "delta": defaults.delta, "policy": defaults.policy,
                       "answer_budget": defaults.answer_budget}))
     else:
         defaults = OrcaDefaults(enabled=False)
@@ -302,7 +352,8 @@ def _main(argv: list[str]) -> None:
     from orca_serve.metrics import OrcaMetrics
 
     state = OrcaState(bundle=bundle, defaults=defaults,
-                      metrics=OrcaMetrics() if bundle is not None else None,
+                      metrics=(OrcaMetrics(model_name=served_model_name(args))
+                               if bundle is not None else None),
                       bundle_path=str(Path(bundle_path).absolute()) if bundle_path else None)
     run(args, state)
 

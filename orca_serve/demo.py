@@ -46,7 +46,13 @@ def _ask(client, question: str, policy: str, delta: float | None):
         messages=[{"role": "user", "content": question}], extra_body={"orca": orca})
 
 
-def _show(title: str, resp) -> dict:
+def paragraphs(text: str) -> int:
+    """Reasoning steps as printed: paragraphs separated by blank lines (the bundle's `\n\n`)."""
+    return sum(1 for p in text.split("\n\n") if p.strip())
+
+
+def _show(title: str, resp) -> tuple[dict, int]:
+    """Print one response; return its `orca` object and how many reasoning steps it printed."""
     msg = resp.choices[0].message
     reasoning = getattr(msg, "reasoning_content", None) or getattr(msg, "reasoning", None) or ""
     orca = (resp.model_extra or {}).get("orca") or {}
@@ -56,7 +62,7 @@ def _show(title: str, resp) -> dict:
     print("--- answer ---")
     print((msg.content or "").strip())
     print(f"--- orca: {orca}")
-    return orca
+    return orca, paragraphs(reasoning)
 
 
 def main() -> None:
@@ -78,15 +84,16 @@ def main() -> None:
         _wait_healthy(url, proc, a.timeout)
         from openai import OpenAI
         client = OpenAI(base_url=f"{url}/v1", api_key="demo")
-        full = _show("without early stopping (shadow: ORCA scores, never stops)",
-                     _ask(client, a.question, "shadow", a.delta))
-        early = _show("with ORCA early stopping", _ask(client, a.question, "answer", a.delta))
+        full, total = _show("without early stopping (shadow: ORCA scores, never stops)",
+                            _ask(client, a.question, "shadow", a.delta))
+        early, _ = _show("with ORCA early stopping", _ask(client, a.question, "answer", a.delta))
         print("\n=== what ORCA did ===")
-        total = full.get("steps_scored")
         if early.get("stopped_early"):
             saved = (full.get("reasoning_tokens") or 0) - (early.get("reasoning_tokens") or 0)
-            print(f"stopped at reasoning step {early.get('stop_step')} of {total} "
-                  f"(delta={early.get('delta')}, lambda*={early.get('lambda')}); "
+            # Steps are the paragraphs printed above. The probe scores a step when a blank line
+            # ends it, so the full reasoning's last paragraph (ended by </think>) is not scored.
+            print(f"stopped after reasoning step {early.get('stop_step')} of the {total} the full "
+                  f"reasoning has (delta={early.get('delta')}, lambda*={early.get('lambda')}); "
                   f"reasoning tokens {early.get('reasoning_tokens')} instead of "
                   f"{full.get('reasoning_tokens')}: {saved} saved")
         else:

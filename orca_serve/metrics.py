@@ -5,6 +5,9 @@ vLLM's single API server exposes prometheus_client's default registry (`REGISTRY
 live in the API server process: they are updated from the per-request results the plugin hands
 back, and (probe time) from the plugin's cumulative `orca_stats`, refreshed on every scrape.
 
+Every orca metric carries the label `model_name`, with the value vLLM's own metrics carry (the
+served model name), so that dashboards can join and filter them the same way.
+
 Metric names (all prefixed `orca_`):
 - `orca_requests_total{outcome}`: one per finished choice; outcome = stopped_early (the probe
   stopped it) | finished (ran to its own end or max_tokens) | answer_forced_at_budget (policy
@@ -21,10 +24,11 @@ Metric names (all prefixed `orca_`):
   times the fraction of scored steps after the would-stop step (an estimate assuming equal step
   lengths). Requests that really stopped early are NOT counted: what they would have generated is
   unknown, and nothing is extrapolated from the calibration table.
-- `orca_probe_seconds_total`, `orca_engine_steps_total`, `orca_probe_seconds_per_engine_step`:
-  cumulative in-engine probe time (inside the logits processor's apply()) and engine steps as
-  reported by the plugin's `orca_stats` (summed over workers), refreshed at each scrape, and their
-  ratio.
+- `orca_probe_seconds_total`, `orca_engine_steps_total`: cumulative in-engine probe time
+  (inside the logits processor's apply()) and engine steps as reported by the plugin's
+  `orca_stats` (summed over workers), refreshed at each scrape. The probe time per engine step
+  over a window is `rate(orca_probe_seconds_total[5m]) / rate(orca_engine_steps_total[5m])`
+  (a ratio of lifetime totals would hide any recent change).
 - `orca_engine_tracked_requests`, `orca_engine_stored_results`: gauges from the same call
   (requests in the batch; results kept for requests that left it and were not fetched: should
   stay near 0, the server fetches every result).
@@ -41,6 +45,7 @@ from prometheus_client.registry import Collector
 
 OUTCOMES = ("stopped_early", "finished", "answer_forced_at_budget", "shadow_would_stop",
             "shadow_finished", "disabled", "error")
+LABEL = "model_name"  # vLLM's label for the served model name, on every orca metric too
 STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 32, 40, 50, 64, 80, 100, 128, 256)
 SCORE_BUCKETS = tuple(round(0.05 * i, 2) for i in range(1, 20)) + (0.99, 1.0)
 
@@ -82,7 +87,8 @@ def shadow_tokens_saved(result: dict[str, Any]) -> tuple[str, int] | None:
 class _EngineStats(Collector):
     """Cumulative counters owned by the engine; the server refreshes the cached values."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.probe_ns = 0
         self.engine_steps = 0
         self.tracked = 0
@@ -95,66 +101,67 @@ class _EngineStats(Collector):
         self.tracked, self.stored = int(tracked), int(stored)
 
     def collect(self) -> Iterable[Any]:
+        labels, value = [LABEL], [self.model_name]
         c = CounterMetricFamily("orca_probe_seconds", "In-engine time of the orca probe "
-                                "(capture, scoring, decisions), summed over workers")
-        c.add_metric([], self.probe_ns / 1e9)
+                                "(capture, scoring, decisions), summed over workers", labels=labels)
+        c.add_metric(value, self.probe_ns / 1e9)
         yield c
         s = CounterMetricFamily("orca_engine_steps", "Engine steps seen by the orca plugin "
-                                "(summed over workers)")
-        s.add_metric([], self.engine_steps)
+                                "(summed over workers)", labels=labels)
+        s.add_metric(value, self.engine_steps)
         yield s
-        g = GaugeMetricFamily("orca_probe_seconds_per_engine_step", "Mean in-engine probe time "
-                              "per engine step since start")
-        g.add_metric([], self.probe_ns / 1e9 / self.engine_steps if self.engine_steps else 0.0)
-        yield g
         t = GaugeMetricFamily("orca_engine_tracked_requests", "Requests the plugin tracks in the "
-                              "running batch (at the last scrape)")
-        t.add_metric([], self.tracked)
+                              "running batch (at the last scrape)", labels=labels)
+        t.add_metric(value, self.tracked)
         yield t
         r = GaugeMetricFamily("orca_engine_stored_results", "Results the plugin keeps for requests "
-                              "that left the batch and were not fetched yet (at the last scrape)")
-        r.add_metric([], self.stored)
+                              "that left the batch and were not fetched yet (at the last scrape)",
+                              labels=labels)
+        r.add_metric(value, self.stored)
         yield r
 
 
 class OrcaMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *, model_name: str = "") -> None:
         reg = REGISTRY if registry is None else registry
         self.registry = reg
-        self.requests = Counter("orca_requests", "Requests by orca outcome", ["outcome"],
+        m = {LABEL: model_name}
+        self.requests = Counter("orca_requests", "Requests by orca outcome", [LABEL, "outcome"],
                                 registry=reg)
         for o in OUTCOMES:
-            self.requests.labels(outcome=o)
+            self.requests.labels(outcome=o, **m)
         self.steps_scored = Counter("orca_steps_scored", "Reasoning steps scored by the probe",
-                                    registry=reg)
+                                    [LABEL], registry=reg).labels(**m)
         self.stop_step = Histogram("orca_stop_step", "Step at which a request stopped early "
                                    "(kind=stopped) or a shadow request would have (kind=shadow)",
-                                   ["kind"], buckets=STEP_BUCKETS, registry=reg)
+                                   [LABEL, "kind"], buckets=STEP_BUCKETS, registry=reg)
         self.last_score = Histogram("orca_last_score", "Last smoothed probe score per request",
-                                    buckets=SCORE_BUCKETS, registry=reg)
+                                    [LABEL], buckets=SCORE_BUCKETS, registry=reg).labels(**m)
         self.reasoning_tokens = Counter("orca_reasoning_tokens", "Reasoning tokens generated by "
-                                        "orca-enabled requests", registry=reg)
+                                        "orca-enabled requests", [LABEL], registry=reg).labels(**m)
         self.tokens_saved = Counter("orca_tokens_saved", "Reasoning tokens shadow requests "
                                     "generated after the step where the probe would have stopped "
-                                    "(basis: measured or step_fraction estimate)", ["basis"],
+                                    "(basis: measured or step_fraction estimate)", [LABEL, "basis"],
                                     registry=reg)
-        self.engine = _EngineStats()
+        self.model_name = model_name
+        self.engine = _EngineStats(model_name)
         reg.register(self.engine)
 
     def observe(self, result: dict[str, Any]) -> None:
         """Account one finished request (its response `orca` object, per choice)."""
-        self.requests.labels(outcome=outcome_of(result)).inc()
+        m = {LABEL: self.model_name}
+        self.requests.labels(outcome=outcome_of(result), **m).inc()
         if not result.get("enabled"):
             return
         self.steps_scored.inc(int(result.get("steps_scored") or 0))
         self.reasoning_tokens.inc(int(result.get("reasoning_tokens") or 0))
         if result.get("stopped_early") and result.get("stop_step") is not None:
-            self.stop_step.labels(kind="stopped").observe(result["stop_step"])
+            self.stop_step.labels(kind="stopped", **m).observe(result["stop_step"])
         if result.get("policy") == "shadow" and result.get("would_stop_step") is not None:
-            self.stop_step.labels(kind="shadow").observe(result["would_stop_step"])
+            self.stop_step.labels(kind="shadow", **m).observe(result["would_stop_step"])
             saved = shadow_tokens_saved(result)
             if saved is not None:
-                self.tokens_saved.labels(basis=saved[0]).inc(saved[1])
+                self.tokens_saved.labels(basis=saved[0], **m).inc(saved[1])
         if result.get("last_score") is not None and result.get("steps_scored"):
             self.last_score.observe(float(result["last_score"]))
 

@@ -174,10 +174,11 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
 
     out = {k: v for k, v in body.items() if k != "orca"}
     asked = raw is not None or bool(given_x)
+    if fields.enabled is False and bundle is None:
+        # One rule with or without a bundle: `enabled: false` switches orca off whatever else the
+        # object holds (those fields were type-checked above, but not against a bundle).
+        return _strip_orca_xargs(out), None
     if bundle is None:
-        if fields.enabled is not None and not fields.enabled and not (
-                set(fields.model_fields_set) - {"enabled"}):
-            return _strip_orca_xargs(out), None
         if asked:
             raise OrcaRequestError("this server runs without a calibration bundle (start "
                                    "orca-serve with --calib), so 'orca' settings cannot apply",
@@ -212,6 +213,27 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     new_xargs.update(settings.xargs())
     out["vllm_xargs"] = new_xargs
     return out, settings
+
+
+def orca_param_in(body: dict[str, Any]) -> str | None:
+    """Where a body asks for orca settings (`orca`, an `orca_*` entry of `vllm_xargs` or of the
+    token API's `sampling_params.extra_args`), as the param to name in a 400; None if nowhere.
+
+    Used on routes that cannot report what orca did: they refuse the settings instead of
+    ignoring them.
+    """
+    if "orca" in body:
+        return "orca"
+    places = (("vllm_xargs", body.get("vllm_xargs")),)
+    sampling = body.get("sampling_params")
+    if isinstance(sampling, dict):
+        places += (("sampling_params.extra_args", sampling.get("extra_args")),)
+    for where, args in places:
+        if isinstance(args, dict):
+            for name in args:
+                if isinstance(name, str) and name.startswith("orca_"):
+                    return f"{where}.{name}"
+    return None
 
 
 def _strip_orca_xargs(body: dict[str, Any]) -> dict[str, Any]:

@@ -4,19 +4,25 @@ Nothing of vLLM's request handling is re-implemented. `build_orca_app` calls vLL
 adds three things:
 
 - `OrcaMiddleware` (pure ASGI, innermost, so vLLM's auth/CORS run first) on POST
-  /v1/chat/completions and /v1/completions: it validates the body's `orca` field (400 in OpenAI's
-  error format when malformed), rewrites the body (removes `orca`, writes the resolved settings and
-  a fresh `orca_key` into `vllm_xargs`), lets vLLM's own route run, then adds the `orca` object to
-  the JSON response or to the stream's finishing chunks, from the plugin's results fetched with
-  `engine_client.collective_rpc("orca_results", ...)`. On GET /metrics it first refreshes the
-  plugin's cumulative probe-time counters (`orca_stats`).
+  /v1/chat/completions and /v1/completions (and SageMaker's /invocations, which vLLM dispatches to
+  one of them): it validates the body's `orca` field (400 in OpenAI's error format when
+  malformed), rewrites the body (removes `orca`, writes the resolved settings and a fresh
+  `orca_key` into `vllm_xargs`), lets vLLM's own route run, then adds the `orca` object to the
+  JSON response or to the stream's finishing chunks, from the plugin's results fetched with
+  `engine_client.collective_rpc("orca_results", ...)`. Every other POST route with a JSON body
+  (/v1/responses, /v1/messages, /v1/chat/completions/batch, ...) cannot report what orca did, so
+  orca settings there are a 400, never silently ignored (the engine runs those requests without
+  orca: see `cli.py`). On GET /metrics it first refreshes the plugin's cumulative probe-time
+  counters (`orca_stats`).
 - GET /v1/orca/bundle: `Bundle.summary()` (404 without a bundle).
+- The `orca` request field in the published OpenAPI description (/openapi.json).
 - Metrics (`orca_serve.metrics`) on vLLM's `/metrics`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import logging
 import math
@@ -28,9 +34,11 @@ from orca_serve.bundle import Bundle
 from orca_serve.metrics import OrcaMetrics
 from orca_serve.requests import (
     OrcaDefaults,
+    OrcaFields,
     OrcaRequestError,
     OrcaSettings,
     error_body,
+    orca_param_in,
     resolve,
 )
 
@@ -38,7 +46,8 @@ logger = logging.getLogger("orca_serve.server")
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-ORCA_PATHS = (CHAT_PATH, COMPLETIONS_PATH)
+INVOCATIONS_PATH = "/invocations"  # SageMaker: vLLM validates the body as chat, else completions
+ORCA_PATHS = (CHAT_PATH, COMPLETIONS_PATH, INVOCATIONS_PATH)
 BUNDLE_PATH = "/v1/orca/bundle"
 RESULT_FIELDS = ("steps_scored", "stopped_early", "stop_step", "would_stop_step", "last_score",
                  "reasoning_tokens", "forced_tokens")
@@ -213,6 +222,7 @@ class _Request:
         self.settings = settings
         self.results: dict[int, dict[str, Any] | None] = {}
         self.observed = False
+        self.status: int | None = None  # of vLLM's response, once it started
 
     def keys(self, indexes: list[int]) -> list[str]:
         return [child_key(self.settings.key, i, self.settings.n) for i in indexes]
@@ -230,7 +240,9 @@ class _Request:
             self.results[i] = got.get(k)
 
     async def fetch_all(self) -> None:
-        await self.fetch(list(range(max(1, self.settings.n))))
+        if self.status is not None and 400 <= self.status < 500:
+            return  # refused by vLLM's validation: the engine never saw it, nothing to fetch
+        await self.fetch(list(range(max(1, min(self.settings.n, _max_choices())))))
 
     def orca(self, indexes: list[int] | None = None) -> dict[str, Any]:
         if indexes is None:
@@ -241,6 +253,8 @@ class _Request:
         """Metrics, once per request, for every choice that got a result (or is disabled)."""
         if self.observed or self.state.metrics is None:
             return
+        if self.status is not None and 400 <= self.status < 500:
+            return  # never ran
         self.observed = True
         s = self.settings
         for i in range(max(1, s.n)):
@@ -272,12 +286,11 @@ class OrcaMiddleware:
         if method == "GET" and (path == "/metrics" or path.startswith("/metrics/")):
             await self.state.refresh_engine_stats()
             return await self.app(scope, receive, send)
-        if method != "POST" or path not in ORCA_PATHS:
+        if method != "POST" or (path not in ORCA_PATHS and not _json_body(scope)):
             return await self.app(scope, receive, send)
-        await self._handle(scope, receive, send, completions=(path == COMPLETIONS_PATH))
+        await self._handle(scope, receive, send, path)
 
-    async def _handle(self, scope: dict, receive: Callable, send: Callable, *,
-                      completions: bool) -> None:
+    async def _handle(self, scope: dict, receive: Callable, send: Callable, path: str) -> None:
         chunks = []
         while True:
             msg = await receive()
@@ -293,7 +306,23 @@ class OrcaMiddleware:
             body = json.loads(body_bytes) if body_bytes else None
         except (json.JSONDecodeError, UnicodeDecodeError):
             body = None  # vLLM answers with its own error
+        except RecursionError:
+            return await _send_json(send, 400, error_body(
+                "the request body is not valid JSON: it is nested too deeply"))
+        except ValueError as e:  # e.g. an integer with more digits than Python converts
+            return await _send_json(send, 400, error_body(
+                f"the request body is not valid JSON: {str(e).split(';')[0]}"))
+        if isinstance(body, dict) and path not in ORCA_PATHS:
+            param = orca_param_in(body)
+            if param is not None:
+                return await _send_json(send, 400, error_body(
+                    f"'{param}' is not supported on {path}: orca early stopping runs on "
+                    f"{CHAT_PATH} and {COMPLETIONS_PATH} only, whose responses report what it "
+                    "did; requests on other routes run without it", param))
+            return await self.app(scope, _replay(body_bytes, receive), send)
         if isinstance(body, dict):
+            completions = path == COMPLETIONS_PATH or (path == INVOCATIONS_PATH
+                                                       and "messages" not in body)
             try:
                 new_body, settings = resolve(body, self.state.defaults, self.state.bundle,
                                              completions=completions)
@@ -302,15 +331,7 @@ class OrcaMiddleware:
             if new_body is not body:
                 new_bytes = json.dumps(new_body).encode()
 
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": new_bytes, "more_body": False}
-            return await receive()
-
+        replay = _replay(new_bytes, receive)
         if new_bytes is not body_bytes:
             headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
             headers.append((b"content-length", str(len(new_bytes)).encode()))
@@ -329,7 +350,38 @@ class OrcaMiddleware:
             task.add_done_callback(_BACKGROUND.discard)
 
 
+def _json_body(scope: dict) -> bool:
+    """Whether the request says its body is JSON (the only bodies that can carry orca fields)."""
+    for k, v in scope.get("headers", []):
+        if k.lower() == b"content-type":
+            return b"json" in v.lower()
+    return False
+
+
+def _replay(body: bytes, receive: Callable) -> Callable:
+    """A `receive` that hands the (read, maybe rewritten) body to the app once, then waits on the
+    client as the original would (vLLM's handlers watch it for disconnects)."""
+    replayed = False
+
+    async def replay() -> dict:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 _BACKGROUND: set[asyncio.Future] = set()
+
+
+def _max_choices() -> int:
+    """vLLM's limit on `n` (VLLM_MAX_N_SEQUENCES): a request asking for more never reaches the
+    engine, so no more results than this can exist for one request."""
+    from vllm import envs
+
+    return int(envs.VLLM_MAX_N_SEQUENCES)
 
 
 async def _finish(req: _Request) -> None:
@@ -349,10 +401,13 @@ class _ResponseShaper:
         self.mode: str | None = None  # "json" | "sse" | "pass"
         self.buf = bytearray()
         self.sse_buf = ""
+        # SSE bodies may split a multi-byte UTF-8 character across two messages
+        self.sse_decoder = codecs.getincrementaldecoder("utf-8")()
 
     async def __call__(self, msg: dict) -> None:
         t = msg["type"]
         if t == "http.response.start":
+            self.req.status = int(msg.get("status") or 0)
             headers = {k.lower(): v for k, v in msg.get("headers", [])}
             ctype = headers.get(b"content-type", b"").decode("latin-1")
             if msg.get("status") != 200:
@@ -394,8 +449,8 @@ class _ResponseShaper:
         await self.send({"type": "http.response.body", "body": data, "more_body": False})
 
     async def _send_sse(self, msg: dict) -> None:
-        self.sse_buf += msg.get("body", b"").decode("utf-8")
         more = msg.get("more_body", False)
+        self.sse_buf += self.sse_decoder.decode(msg.get("body", b""), final=not more)
         out = []
         while "\n\n" in self.sse_buf:
             event, self.sse_buf = self.sse_buf.split("\n\n", 1)
@@ -434,14 +489,53 @@ class _ResponseShaper:
 def add_orca_routes(app: Any, state: OrcaState) -> None:
     from fastapi.responses import JSONResponse
 
-    async def orca_bundle() -> JSONResponse:
+    # No return annotation: under `from __future__ import annotations` FastAPI would have to
+    # resolve the string "JSONResponse" when it builds /openapi.json, and fail (HTTP 500).
+    async def orca_bundle():
         if state.bundle is None:
             return JSONResponse(error_body(
                 "this server runs without a calibration bundle (start orca-serve with --calib)",
                 code=404, err_type="NotFoundError"), status_code=404)
         return JSONResponse({"path": state.bundle_path, **state.bundle.summary()})
 
-    app.add_api_route(BUNDLE_PATH, orca_bundle, methods=["GET"], name="orca_bundle")
+    app.add_api_route(BUNDLE_PATH, orca_bundle, methods=["GET"], name="orca_bundle",
+                      response_model=None)
+
+
+ORCA_SCHEMA = "OrcaFields"
+
+
+def add_orca_to_openapi(schema: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's OpenAPI description plus the `orca` request field on the routes that take it.
+
+    vLLM's request models do not know the field (the middleware removes it before they see it),
+    so without this the published schema hides it from clients and schema-driven tools.
+    """
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components[ORCA_SCHEMA] = OrcaFields.model_json_schema(
+        ref_template="#/components/schemas/{model}")
+    field = {"anyOf": [{"$ref": f"#/components/schemas/{ORCA_SCHEMA}"}, {"type": "null"}],
+             "description": "orca-serve: calibrated early stopping of the reasoning "
+                            "(docs/SERVER.md); every field optional"}
+    for path in (CHAT_PATH, COMPLETIONS_PATH):
+        op = (schema.get("paths", {}).get(path) or {}).get("post") or {}
+        ref = (op.get("requestBody", {}).get("content", {}).get("application/json", {})
+               .get("schema", {}).get("$ref", ""))
+        model = components.get(ref.rsplit("/", 1)[-1]) if ref else None
+        if model is not None:
+            model.setdefault("properties", {})["orca"] = field
+    return schema
+
+
+def _install_openapi(app: Any) -> None:
+    vllm_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = add_orca_to_openapi(vllm_openapi())
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def install(app: Any, state: OrcaState) -> Any:
@@ -451,6 +545,7 @@ def install(app: Any, state: OrcaState) -> Any:
     state._app_state = app.state
     app.state.orca = state
     add_orca_routes(app, state)
+    _install_openapi(app)
     # Innermost: append (add_middleware would put ours outside vLLM's auth and CORS).
     app.user_middleware.append(Middleware(OrcaMiddleware, state=state))
     if app.middleware_stack is not None:  # vLLM's SageMaker bootstrap already built it

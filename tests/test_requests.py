@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 from dataclasses import asdict
 
 import httpx
@@ -239,8 +240,8 @@ def test_middleware_json_response_gets_orca():
         assert body["usage"] == {"total_tokens": 5}
         await asyncio.sleep(0.05)
         text = generate_latest(state.metrics.registry).decode()
-        assert 'orca_requests_total{outcome="stopped_early"} 1.0' in text
-        assert "orca_steps_scored_total 3.0" in text
+        assert 'orca_requests_total{model_name="",outcome="stopped_early"} 1.0' in text
+        assert 'orca_steps_scored_total{model_name=""} 3.0' in text
     run(go())
 
 
@@ -283,8 +284,8 @@ def test_middleware_passes_other_routes_and_plain_bodies():
         assert "orca" not in r.json() and seen[0] == {"messages": []}
         r = await client.post("/v1/chat/completions", json={"orca": {"delta": 0.05}})
         assert r.status_code == 400
-        r = await client.post("/v1/embeddings", json={"orca": {"delta": 0.05}})
-        assert r.status_code == 200  # not ours
+        r = await client.post("/v1/embeddings", json={"input": "x"})
+        assert r.status_code == 200 and seen[-1] == {"input": "x"}  # not ours: passed on as is
     run(go())
 
 
@@ -313,15 +314,16 @@ def test_metrics_outcomes_and_engine_stats():
     m.observe({"enabled": True, "policy": "answer", "stopped_early": False, "steps_scored": 2,
                "last_score": 0.1, "reasoning_tokens": 10})
     m.update_engine_stats([{"probe_ns": 3_000_000, "engine_steps": 6, "stored_results": 2}])
-    text = generate_latest(m.registry).decode()
+    text = re.sub(r'\{model_name=""\}|,?model_name=""', "", generate_latest(m.registry).decode())
+    text = text.replace("{,", "{")
     for line in ['orca_requests_total{outcome="disabled"} 1.0',
                  'orca_requests_total{outcome="shadow_would_stop"} 2.0',
                  'orca_requests_total{outcome="finished"} 1.0',
                  "orca_steps_scored_total 11.0", "orca_reasoning_tokens_total 80.0",
                  'orca_tokens_saved_total{basis="measured"} 12.0',
                  'orca_tokens_saved_total{basis="step_fraction"} 30.0',
-                 'orca_stop_step_count{kind="shadow"} 2.0', "orca_last_score_count 3.0", "orca_probe_seconds_total 0.003",
-                 "orca_engine_steps_total 6.0", "orca_probe_seconds_per_engine_step 0.0005",
+                 'orca_stop_step_count{kind="shadow"} 2.0', "orca_last_score_count 3.0",
+                 "orca_probe_seconds_total 0.003", "orca_engine_steps_total 6.0",
                  "orca_engine_stored_results 2.0", "orca_engine_tracked_requests 0.0"]:
         assert line in text, line
     assert outcome_of({"enabled": True, "policy": "stop", "stopped_early": True}) == "stopped_early"
@@ -378,3 +380,175 @@ def test_bundle_route():
     r = run(go(BUNDLE))
     assert r.status_code == 200 and r.json()["path"] == "/b.json"
     assert r.json()["probe"]["variant"] == "noqk" and "weights" not in r.json()["probe"]
+
+
+# -- hardening: hostile bodies, split UTF-8, other routes, one rule for disabled requests ---------
+def test_deeply_nested_json_is_400_not_500():
+    async def go():
+        client, _engine, seen, _ = make_client()
+        deep = "[" * 100_000 + "]" * 100_000
+        for body in ('{"messages": ' + deep + "}", deep, '{"n": ' + "9" * 5000 + "}"):
+            r = await client.post("/v1/chat/completions", content=body,
+                                  headers={"content-type": "application/json"})
+            assert r.status_code == 400, r.text[:200]
+            err = r.json()["error"]
+            assert err["code"] == 400 and err["type"] == "BadRequestError"
+            assert "JSON" in err["message"]
+        assert not seen
+    run(go())
+
+
+def split_utf8_app(text: str):
+    """A downstream route that streams `text` as SSE, cutting every multi-byte character in two."""
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        chunk = {"id": "c", "choices": [{"index": 0, "delta": {"content": text},
+                                         "finish_reason": "stop"}]}
+        raw = f"data: {json.dumps(chunk, ensure_ascii=False)}\n\ndata: [DONE]\n\n".encode()
+        cuts = [i + 1 for i, b in enumerate(raw) if b >= 0xC0]  # just after each lead byte
+        start = 0
+        for cut in [*cuts, len(raw)]:
+            await send({"type": "http.response.body", "body": raw[start:cut], "more_body": True})
+            start = cut
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return app
+
+
+def test_sse_multibyte_character_split_across_chunks():
+    text = "é 中文 🙂"
+
+    async def go():
+        engine = FakeEngine()
+        state = OrcaState(bundle=BUNDLE, defaults=DEFAULTS,
+                          metrics=OrcaMetrics(CollectorRegistry()), engine_client=engine)
+        app = OrcaMiddleware(split_utf8_app(text), state)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as client:
+            r = await client.post("/v1/chat/completions", json={"stream": True})
+        events = [e for e in r.content.decode("utf-8").split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        chunk = json.loads(events[0][len("data: "):])
+        assert chunk["choices"][0]["delta"]["content"] == text and "orca" in chunk
+    run(go())
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages", "/v1/chat/completions/batch",
+                                  "/inference/v1/generate"])
+@pytest.mark.parametrize("body, param", [
+    ({"orca": {"policy": "shadow"}}, "orca"),
+    ({"orca": "garbage"}, "orca"),
+    ({"vllm_xargs": {"orca_policy": "shadow"}}, "vllm_xargs.orca_policy"),
+    ({"sampling_params": {"extra_args": {"orca_enabled": 1}}},
+     "sampling_params.extra_args.orca_enabled"),
+])
+def test_orca_on_routes_that_cannot_report_it_is_400(path, body, param):
+    async def go():
+        client, _engine, seen, _ = make_client()
+        r = await client.post(path, json={"model": "m", **body})
+        assert r.status_code == 400 and not seen
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "BadRequestError"
+        assert "/v1/chat/completions" in err["message"] and path in err["message"]
+        r = await client.post(path, json={"model": "m", "vllm_xargs": {"other": 1}})
+        assert r.status_code == 200 and seen[-1] == {"model": "m", "vllm_xargs": {"other": 1}}
+    run(go())
+
+
+def test_sagemaker_invocations_are_chat_or_completions():
+    async def go():
+        client, _engine, seen, _ = make_client()
+        r = await client.post("/invocations", json={"messages": [], "orca": {"policy": "shadow"}})
+        assert r.status_code == 200 and r.json()["orca"]["policy"] == "shadow"
+        assert seen[-1]["vllm_xargs"]["orca_policy"] == "shadow"
+        r = await client.post("/invocations", json={"prompt": ["a", "b"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    run(go())
+
+
+@pytest.mark.parametrize("bundle", [BUNDLE, None])
+def test_disabled_request_with_other_settings_is_one_rule(bundle):
+    """`enabled: false` switches orca off whatever else the object holds, with or without a bundle;
+    the other fields are still type-checked."""
+    defaults = DEFAULTS if bundle else OrcaDefaults(enabled=False)
+    out, s = resolve({"orca": {"enabled": False, "delta": 0.1, "policy": "stop"}}, defaults,
+                     bundle)
+    assert "orca" not in out and (s is None or not s.enabled)
+    out, s = resolve({"orca": {"enabled": False, "delta": 0.33}}, defaults, bundle)  # not in table
+    assert s is None or not s.enabled
+    with pytest.raises(OrcaRequestError) as e:
+        resolve({"orca": {"enabled": False, "delta": "x"}}, defaults, bundle)
+    assert e.value.param == "orca.delta"
+
+
+def test_refused_request_is_not_fetched_from_the_engine():
+    """A body vLLM refuses (huge n) never reached the engine: nothing to fetch, no hang."""
+    async def go():
+        engine, seen = FakeEngine(), []
+
+        async def refuse(scope, receive, send):
+            seen.append(json.loads((await receive())["body"]))
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"error": {}}'})
+
+        state = OrcaState(bundle=BUNDLE, defaults=DEFAULTS,
+                          metrics=OrcaMetrics(CollectorRegistry()), engine_client=engine)
+        app = OrcaMiddleware(refuse, state)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as client:
+            r = await asyncio.wait_for(client.post("/v1/chat/completions",
+                                                   json={"n": 10**12, "messages": []}), 10)
+            await asyncio.sleep(0.05)
+        assert r.status_code == 400 and seen and not engine.calls
+    run(go())
+
+
+def test_metrics_carry_model_name_and_rate_able_probe_time():
+    m = OrcaMetrics(CollectorRegistry(), model_name="my-model")
+    m.observe({"enabled": True, "policy": "answer", "steps_scored": 2, "reasoning_tokens": 10,
+               "last_score": 0.2})
+    m.update_engine_stats([{"probe_ns": 3_000_000, "engine_steps": 6}])
+    text = generate_latest(m.registry).decode()
+    for line in ('orca_requests_total{model_name="my-model",outcome="finished"} 1.0',
+                 'orca_steps_scored_total{model_name="my-model"} 2.0',
+                 'orca_probe_seconds_total{model_name="my-model"} 0.003',
+                 'orca_engine_steps_total{model_name="my-model"} 6.0'):
+        assert line in text, line
+    samples = [ln for ln in text.splitlines() if ln.startswith("orca_") and not ln.startswith("#")]
+    assert samples and all('model_name="my-model"' in ln for ln in samples)
+    assert "orca_probe_seconds_per_engine_step" not in text  # a lifetime mean: use rate()s
+
+
+def test_cpu_build_keeps_prefills_whole():
+    """On vLLM's CPU build a chunked prefill of a seeded request kills the engine: the CLI turns
+    chunked prefill off and refuses the options that would chunk a prefill again."""
+    import argparse
+
+    from vllm.platforms import current_platform
+
+    from orca_serve.cli import StartupError, keep_prefills_whole
+
+    if not current_platform.is_cpu():
+        pytest.skip("the guard applies to vLLM's CPU build only")
+
+    def ns(**kw):
+        base = {"enable_chunked_prefill": None, "long_prefill_token_threshold": 0,
+                "max_num_batched_tokens": None, "max_model_len": None}
+        return argparse.Namespace(**{**base, **kw})
+
+    args = ns()
+    keep_prefills_whole(args)
+    assert args.enable_chunked_prefill is False
+    args = ns(max_num_batched_tokens=4096, max_model_len=1024)
+    keep_prefills_whole(args)
+    assert args.enable_chunked_prefill is False
+    for bad, word in ((ns(enable_chunked_prefill=True), "--enable-chunked-prefill"),
+                      (ns(long_prefill_token_threshold=64), "--long-prefill-token-threshold"),
+                      (ns(max_num_batched_tokens=512, max_model_len=1024), "below")):
+        with pytest.raises(StartupError, match=word) as e:
+            keep_prefills_whole(bad)
+        assert "seed" in str(e.value) and "\n" not in str(e.value)

@@ -44,10 +44,7 @@ from tiny_model import HIDDEN, build_tiny_model
 
 DELTAS = {0.05: 0.5, 0.1: None, 0.2: 0.99}
 COMMON = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
-          "--reasoning-parser", "deepseek_r1", "--seed", "0", "--disable-uvicorn-access-log",
-          # vLLM 0.32's CPU build crashes on a seeded request whose prefill is chunked ("CPU
-          # Generator does not use offset"); a budget above 64 prompts keeps prefills whole
-          "--max-num-batched-tokens", "16384"]
+          "--reasoning-parser", "deepseek_r1", "--seed", "0", "--disable-uvicorn-access-log"]
 MSG = [{"role": "user", "content": "Find x with 3*x + 2 = 11."}]
 
 
@@ -388,6 +385,11 @@ def test_metrics_have_orca_counts(srv):
     chat(srv, {"enabled": False})
     time.sleep(0.5)
     text = httpx.get(srv.url + "/metrics").text
+    name = re.escape(server_model(srv))
+    orca_lines = [ln for ln in text.splitlines() if ln.startswith("orca_")]
+    assert orca_lines and all(re.search(f'model_name="{name}"', ln) for ln in orca_lines)
+    text = re.sub(rf'\{{model_name="{name}"\}}|,?model_name="{name}",?', "", text)
+    text = text.replace("{,", "{").replace(",}", "}")
 
     def value(name: str) -> float:
         m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
@@ -402,7 +404,6 @@ def test_metrics_have_orca_counts(srv):
     assert value('orca_stop_step_count{kind="shadow"}') > 0
     assert value("orca_last_score_count") > 0
     assert value("orca_probe_seconds_total") > 0 and value("orca_engine_steps_total") > 0
-    assert value("orca_probe_seconds_per_engine_step") > 0
     # every result was fetched (the aborted stream's too): nothing left behind in the engine
     assert value("orca_engine_tracked_requests") == 0
     assert value("orca_engine_stored_results") == 0
