@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import ClassVar
 
 import pytest
 import torch
@@ -302,3 +303,103 @@ def test_parked_requests_are_evicted_into_snapshots_when_slots_run_out(bundle_pa
     got = core.pop_results(["a"])["a"]
     assert got["scores"] == pytest.approx(ref["scores"], abs=1e-6)
     assert got["steps_scored"] == ref["steps_scored"] > 0
+
+
+# -- no host-device synchronisation in the step -----------------------------------------------------
+class DeviceTensor(torch.Tensor):
+    """A CPU tensor that plays a device tensor: every way of reading it on the host, and every
+    host tensor that flows into it, is counted in `DeviceTensor.log`."""
+
+    log: ClassVar[list[str]] = []
+    D2H: ClassVar[set] = {torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.item,
+           torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+           torch.Tensor.__index__}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in cls.D2H:
+            cls.log.append(f"d2h {func.__name__}")
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func is torch.Tensor.to and ("cpu" in args[1:] or kwargs.get("device") == "cpu"):
+            cls.log.append("d2h to('cpu')")
+        if func is torch.Tensor.copy_:
+            dst, src = args[0], args[1]
+            if not isinstance(dst, DeviceTensor) and isinstance(src, DeviceTensor):
+                cls.log.append("d2h copy_")
+            elif isinstance(dst, DeviceTensor) and not isinstance(src, DeviceTensor):
+                cls.log.append("h2d copy_")
+        elif any(type(a) is torch.Tensor and a.numel() > 1 for a in _flat(args, kwargs)):
+            cls.log.append(f"h2d operand of {getattr(func, '__name__', func)}")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _flat(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+class FactoryWatch(torch.overrides.TorchFunctionMode):
+    """Counts tensors built from host data straight onto a device (`torch.tensor(list,
+    device=...)`), which copy synchronously from pageable memory."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None:
+            DeviceTensor.log.append(f"h2d {func.__name__}(..., device=)")
+        return func(*args, **kwargs)
+
+
+def _to_device(obj) -> None:
+    """Turn the core's device tensors into DeviceTensors (host staging buffers stay host)."""
+    def conv(t):
+        return t.as_subclass(DeviceTensor) if type(t) is torch.Tensor else t
+
+    pool = obj.pool
+    pool.A, pool.S, pool.lag = conv(pool.A), conv(pool.S), conv(pool.lag)
+    obj.staging._dev = conv(obj.staging._dev)
+    bank = obj.dep.bank
+    bank._fast = {k: conv(v) for k, v in bank._fast.items()}
+    bank._buf = {k: conv(v) for k, v in bank._buf.items()}
+    bank._scratch = conv(bank._scratch)
+    # the probe's weights live on the device too (plain dict: a ParameterDict keeps Parameters)
+    bank.probe.__dict__["params"] = {k: v.detach().as_subclass(DeviceTensor)
+                                     for k, v in bank.probe.params.items()}
+
+
+def test_engine_step_makes_at_most_one_device_to_host_copy(bundle_path):
+    """Steps with joins, scoring, stops, forcing, lag and preemption: per step at most one
+    device-to-host copy (the readback) and one host-to-device copy (the staging), never a
+    `.item()`/`.tolist()`/`bool()` of a device value or a tensor built from a list on a device."""
+    core = make_core(bundle_path, max_num_seqs=4)
+    _to_device(core)
+    rng = random.Random(3)
+    sims = [SimRequest(f"r{i}", rng, xa={XARG_KEY: f"r{i}", "orca_policy": p},
+                       max_tokens=60, join_at=i, preempt_at=10 if i == 1 else None,
+                       lag_from=20 if i == 2 else None)
+            for i, p in enumerate(["stop", "answer", "shadow", "answer"])]
+    per_step: list[list[str]] = []
+    orig = core.step
+
+    def counted_step(entries, hidden, logits):
+        DeviceTensor.log = []
+        with FactoryWatch():
+            orig(entries, hidden.as_subclass(DeviceTensor), logits.as_subclass(DeviceTensor))
+        per_step.append(DeviceTensor.log)
+        DeviceTensor.log = []  # joins and leaves between steps are not the step's
+
+    core.step = counted_step
+    run(core, sims)
+    res = core.pop_results([s.name for s in sims])
+    assert any(r["stopped_early"] for r in res.values())  # the stop path ran
+    assert sum(r["steps_scored"] for r in res.values()) > 10
+    worst = max(per_step, key=len)
+    for log in per_step:
+        d2h = [e for e in log if e.startswith("d2h")]
+        h2d = [e for e in log if e.startswith("h2d")]
+        assert d2h in ([], ["d2h copy_"]) and h2d in ([], ["h2d copy_"]), worst
+    assert sum("d2h copy_" in log for log in per_step) > 5  # the readback is seen
