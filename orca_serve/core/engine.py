@@ -280,6 +280,8 @@ class OrcaCore:
         s = dict(self.stats)
         s["tracked_requests"] = sum(1 for r in self.live.values() if r.attached)
         s["stored_results"] = len(self.results) + len(self._by_key)
+        s["slots_in_use"] = self.capacity - self.pool.free_count
+        s["parked_requests"] = len(self._parked)
         return s
 
     # -- the engine step --------------------------------------------------------------------------
