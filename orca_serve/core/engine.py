@@ -69,7 +69,7 @@ class OrcaCore:
                               eos_ids=eos_ids, capacity=self.capacity, device=self.device)
         self.normalization = self.dep.normalization
         self.pool = SlotPool(self.capacity, hidden_size, self.device)
-        # 17 segments of at most max_num_seqs values each
+        # 18 segments of at most max_num_seqs values each
         self.hidden_size = hidden_size
         self.staging = Staging(16 * self.capacity, self.device, pin_memory)
         self.readback = Readback(self.capacity, self.device, pin_memory)
@@ -388,10 +388,13 @@ class OrcaCore:
         s_bl = st.add([NEVER if r.policy == "shadow" else r.lam for r, *_ in sc_reqs])
         s_hl = st.add([NEVER if r.policy == "shadow" and r.would_stop_step is not None
                        else r.lam for r, *_ in sc_reqs])
-        cands = [-1 if id(r) in guard_hit or r.policy == "shadow" else
-                 self._plan_preview(r, n).get(n, -1) for r, _, _, _, n in sc_reqs]
-        s_cr = st.add([row for _, _, _, row, _ in sc_reqs])
-        s_ct = st.add(cands)
+        # scored rows whose stop would force a token now: (position among scored, row, token)
+        cands = [(j, row, t) for j, (r, _, _, row, n) in enumerate(sc_reqs)
+                 if id(r) not in guard_hit and r.policy != "shadow"
+                 and (t := self._plan_preview(r, n).get(n, -1)) >= 0]
+        s_cp = st.add([c[0] for c in cands])
+        s_cr = st.add([c[1] for c in cands])
+        s_ct = st.add([c[2] for c in cands])
         s_sl = st.add([r.slot for r, *_ in sc_reqs])
         st.upload()
 
@@ -418,8 +421,8 @@ class OrcaCore:
         if ops:
             self._pool_steps(ops, emit, scored, st.long(s_os), st.long(s_ok), st.long(s_ei),
                              st.long(s_ec), st.long(s_si), st.float(s_bl), st.float(s_hl),
-                             st.long(s_cr), st.long(s_ct), st.long(s_sl), sc_reqs, logits,
-                             guard_hit)
+                             (st.long(s_cp), st.long(s_cr), st.long(s_ct)) if cands else None,
+                             st.long(s_sl), sc_reqs, logits, guard_hit)
         if f_rows:
             r = st.long(s_fr)
             logits.index_fill_(0, r, float("-inf"))
@@ -444,7 +447,7 @@ class OrcaCore:
             ops.append((req, op, size, row, n))
 
     def _pool_steps(self, ops, emit, scored, slots, kinds, emit_d, counts, scored_d, bank_lam,
-                    hit_lam, cand_rows, cand_tok, bank_rows, sc_reqs, logits, guard_hit) -> None:
+                    hit_lam, cands, bank_rows, sc_reqs, logits, guard_hit) -> None:
         """Apply the ops to A/S, finish the emitted steps, score them, force stops on device."""
         pool = self.pool
         # phi numerator = cA*A + cS*S ; new A = aA*A + aS*S ; new S = 0
@@ -470,12 +473,13 @@ class OrcaCore:
         res = bank.step(torch.tensor([r.slot for r, *_ in sc_reqs]), phi.index_select(0, scored_d),
                         bank_lam, rows_dev=bank_rows)
         hit = res.smoothed >= hit_lam
-        # a probe stop forces its first token now, decided on the device
-        flag = res.stop & (cand_tok >= 0)  # [m]
-        cur = logits.index_select(0, cand_rows)  # [m, vocab]
-        forced = torch.full_like(cur, float("-inf"))
-        forced.scatter_(1, cand_tok.clamp(min=0)[:, None], 0.0)
-        logits.index_copy_(0, cand_rows, torch.where(flag[:, None], forced, cur))
+        if cands is not None:  # a probe stop forces its first token now, decided on the device
+            pos, rows, tok = cands
+            flag = res.stop.index_select(0, pos)  # [c]
+            cur = logits.index_select(0, rows)  # [c, vocab]
+            forced = torch.full_like(cur, float("-inf"))
+            forced.scatter_(1, tok[:, None], 0.0)
+            logits.index_copy_(0, rows, torch.where(flag[:, None], forced, cur))
         self.readback.start(torch.stack([res.smoothed.float(), hit.float(), res.steps.float()]))
         self._pending = [(r, n, id(r) in guard_hit) for r, _, _, _, n in sc_reqs]
 

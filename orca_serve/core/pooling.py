@@ -114,14 +114,14 @@ class Readback:
 
     def __init__(self, capacity: int, device: torch.device, pin: bool) -> None:
         pin = pin and device.type == "cuda"
-        self._host = torch.zeros(3, capacity, dtype=torch.float32, pin_memory=pin)
+        self._host = torch.zeros(3 * capacity, dtype=torch.float32, pin_memory=pin)
         self._event = None
         self._m = 0
 
     def start(self, block: Tensor) -> None:
-        """block: [3, m] float32 on the device."""
+        """block: [3, m] float32 on the device (copied into a contiguous [3, m] host view)."""
         self._m = block.shape[1]
-        self._host[:, :self._m].copy_(block, non_blocking=True)
+        self._view().copy_(block, non_blocking=True)
         if block.device.type == "cuda":
             self._event = torch.cuda.Event()
             self._event.record()
@@ -130,4 +130,7 @@ class Readback:
         if self._event is not None:
             self._event.synchronize()
             self._event = None
-        return self._host[:, :self._m].tolist()
+        return self._view().tolist()
+
+    def _view(self) -> Tensor:
+        return self._host[:3 * self._m].view(3, self._m)
