@@ -243,6 +243,8 @@ class OrcaCore:
         leaving, self._leaving = self._leaving, []
         for req, final in leaving:
             self._leave_now(req, final)
+        if self._parked:
+            self._prune_parked()
 
     # -- results ----------------------------------------------------------------------------------
     def pop_results(self, keys: list[str]) -> dict[str, dict[str, Any]]:
