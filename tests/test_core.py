@@ -361,6 +361,7 @@ def _to_device(obj) -> None:
 
     pool = obj.pool
     pool.A, pool.S, pool.lag = conv(pool.A), conv(pool.S), conv(pool.lag)
+    obj.staging.copy = True  # a real device needs the staging copy (a CPU one skips it)
     obj.staging._dev = conv(obj.staging._dev)
     bank = obj.dep.bank
     bank._fast = {k: conv(v) for k, v in bank._fast.items()}

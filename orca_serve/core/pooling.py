@@ -58,13 +58,16 @@ class Staging:
     """Per-step host vectors -> device, one copy.
 
     `add(values)` appends a segment on the host and returns its index; after `upload()`,
-    `long(i)` / `float(i)` are the device views of segment i. Two host buffers alternate, and a
-    buffer is rewritten only after the copy that read it completed (its event), so a
-    non_blocking copy never reads a buffer being rewritten.
+    `long(i)` / `float(i)` are device views of segment i (the buffer is converted once per step,
+    not per segment). Two host buffers alternate, and a buffer is rewritten only after the copy
+    that read it completed (its event), so a non_blocking copy never reads a buffer being
+    rewritten. On a CPU device there is nothing to copy (`copy` False): the views come from the
+    host buffer itself.
     """
 
     def __init__(self, size: int, device: torch.device, pin: bool) -> None:
         self.device = device
+        self.copy = device.type != "cpu"
         pin = pin and device.type == "cuda"
         self._host = [torch.zeros(size, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
         self._np = [h.numpy() for h in self._host]
@@ -73,6 +76,7 @@ class Staging:
         self._cur = 0
         self._off = 0
         self._segs: list[tuple[int, int]] = []
+        self._long = self._float = self._dev[:0]
 
     def begin(self) -> None:
         self._cur ^= 1
@@ -91,21 +95,24 @@ class Staging:
         return len(self._segs) - 1
 
     def upload(self) -> None:
-        if not self._off:
-            return
-        self._dev[:self._off].copy_(self._host[self._cur][:self._off], non_blocking=True)
-        if self.device.type == "cuda":
-            ev = torch.cuda.Event()
-            ev.record()
-            self._events[self._cur] = ev
+        n = self._off
+        src = self._host[self._cur][:n]
+        if self.copy and n:
+            self._dev[:n].copy_(src, non_blocking=True)
+            src = self._dev[:n]
+            if self.device.type == "cuda":
+                ev = torch.cuda.Event()
+                ev.record()
+                self._events[self._cur] = ev
+        self._long, self._float = src.long(), src.float()
 
     def float(self, i: int) -> Tensor:
         a, b = self._segs[i]
-        return self._dev[a:b].float()
+        return self._float[a:b]
 
     def long(self, i: int) -> Tensor:
         a, b = self._segs[i]
-        return self._dev[a:b].long()
+        return self._long[a:b]
 
 
 class Readback:
