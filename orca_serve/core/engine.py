@@ -422,7 +422,7 @@ class OrcaCore:
                                       hidden.index_select(0, st.long(s_pr)).float())
         if ops:
             self._pool_steps(ops, emit, scored, st.long(s_os), st.long(s_ok), st.long(s_ei),
-                             st.long(s_ec), st.long(s_si), st.float(s_bl), st.float(s_hl),
+                             st.float(s_ec), st.long(s_si), st.float(s_bl), st.float(s_hl),
                              (st.long(s_cp), st.long(s_cr), st.long(s_ct)) if cands else None,
                              st.long(s_sl), sc_reqs, logits, guard_hit)
         if f_rows:
@@ -452,14 +452,18 @@ class OrcaCore:
                     hit_lam, cands, bank_rows, sc_reqs, logits, guard_hit) -> None:
         """Apply the ops to A/S, finish the emitted steps, score them, force stops on device."""
         pool = self.pool
-        # phi numerator = cA*A + cS*S ; new A = aA*A + aS*S ; new S = 0
-        c_s = ((kinds == STEP) | (kinds == CLOSE)).to(pool.S.dtype)  # [k]
-        a_a = (kinds == MERGE).to(pool.S.dtype)
-        a_s = ((kinds == MERGE) | (kinds == STEP_PREV)).to(pool.S.dtype)
-        A = pool.A.index_select(0, slots)  # [k, d]
-        S = pool.S.index_select(0, slots)
-        num = A + S * c_s[:, None]
-        pool.A.index_copy_(0, slots, A * a_a[:, None] + S * a_s[:, None])
+        if ops[0][0].dep.table.keyword_re is None:
+            # no keywords: every op is STEP or CLOSE and A stays zero; the step is the section
+            num = pool.S.index_select(0, slots)  # [k, d]
+        else:
+            # phi numerator = cA*A + cS*S ; new A = aA*A + aS*S ; new S = 0
+            c_s = ((kinds == STEP) | (kinds == CLOSE)).to(pool.S.dtype)  # [k]
+            a_a = (kinds == MERGE).to(pool.S.dtype)
+            a_s = ((kinds == MERGE) | (kinds == STEP_PREV)).to(pool.S.dtype)
+            A = pool.A.index_select(0, slots)  # [k, d]
+            S = pool.S.index_select(0, slots)
+            num = A + S * c_s[:, None]
+            pool.A.index_copy_(0, slots, A * a_a[:, None] + S * a_s[:, None])
         pool.S.index_fill_(0, slots, 0.0)
         if not emit:
             return
