@@ -110,20 +110,23 @@ class ProbeBank:
 
     # -- the procedure -----------------------------------------------------------------
     @torch.no_grad()
-    def step(self, rows: Tensor, phi: Tensor, lam: Tensor) -> StepResult:
+    def step(self, rows: Tensor, phi: Tensor, lam: Tensor,
+             rows_dev: Tensor | None = None) -> StepResult:
         """Score, smooth, decide and (for rows that do not stop) update: one reasoning step.
 
         rows: long [m] (distinct, host-side), phi: [m, d] step embeddings, lam: [m] thresholds
-        (inf = never). Works in place on the bank (a view when the rows are contiguous, else one
-        gather into a reused buffer): fresh [m, d] temporaries cost page faults that dominate at
-        d = 5,120. Nothing here waits for the device; the caller copies the result once.
+        (inf = never); `rows_dev`: the same rows already on the device (the server stages them
+        with its other per-step indexes in one copy; without it they are copied here). Works in
+        place on the bank (a view when the rows are contiguous, else one gather into a reused
+        buffer): fresh [m, d] temporaries cost page faults that dominate at d = 5,120. Nothing
+        here waits for the device; the caller copies the result once.
         """
         phi = phi.to(self.device, torch.float32)
         rows_host = rows.cpu()  # bookkeeping is host-side: deciding contiguity costs no sync
         m = rows_host.shape[0]
         r0 = int(rows_host[0])
         contiguous = bool((rows_host == torch.arange(r0, r0 + m)).all())
-        rows = rows_host.to(self.device, non_blocking=True)
+        rows = rows_host.to(self.device) if rows_dev is None else rows_dev
         keys = self.probe.fast_keys()
         if contiguous:
             fast = {k: self._fast[k][r0:r0 + m] for k in keys}

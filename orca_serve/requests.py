@@ -18,20 +18,21 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orca_serve.bundle import Bundle, BundleError
-
-Policy = Literal["answer", "stop", "shadow"]
-POLICIES: tuple[str, ...] = ("answer", "stop", "shadow")
-
-# The vllm_xargs names of the plugin contract (str/int/float only: no bools in vllm_xargs).
-XARG_KEY = "orca_key"
-XARG_FIELDS = {"enabled": "orca_enabled", "delta": "orca_delta", "policy": "orca_policy",
-               "answer_budget": "orca_answer_budget"}
-XARG_RESERVED = {XARG_KEY}
+from orca_serve.contract import (
+    POLICIES,
+    XARG_FIELDS,
+    XARG_KEY,
+    XARG_LAM,
+    XARG_RESERVED,
+    Policy,
+    encode_lam,
+    resolve_lam,
+)
 
 
 class OrcaRequestError(ValueError):
@@ -81,6 +82,7 @@ class OrcaSettings:
         if self.enabled:
             out["orca_delta"] = float(self.delta)  # type: ignore[arg-type]
             out["orca_policy"] = str(self.policy)
+            out[XARG_LAM] = encode_lam(self.lam)
             if self.answer_budget is not None:
                 out["orca_answer_budget"] = int(self.answer_budget)
         return out
@@ -194,7 +196,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     else:
         delta = defaults.delta if fields.delta is None else float(fields.delta)
         try:
-            lam = bundle.lam(delta)
+            lam = resolve_lam(bundle.lam, delta)
         except BundleError as e:
             param = "vllm_xargs.orca_delta" if "delta" in given_x else "orca.delta"
             raise OrcaRequestError(str(e), param) from None

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orca_serve.bundle import Bundle
+from orca_serve.contract import child_key
 from orca_serve.metrics import OrcaMetrics
 from orca_serve.requests import (
     OrcaDefaults,
@@ -52,15 +53,6 @@ BUNDLE_PATH = "/v1/orca/bundle"
 RESULT_FIELDS = ("steps_scored", "stopped_early", "stop_step", "would_stop_step", "last_score",
                  "reasoning_tokens", "forced_tokens")
 RPC_TIMEOUT_S = 30.0
-
-
-def child_key(key: str, index: int, n: int) -> str:
-    """The plugin's result key for choice `index` of a request with `n` choices.
-
-    Mirrors orca_serve/vllm_plugin/processor.py (`_attach`): choice 0 keeps the request's key,
-    choice i > 0 (vLLM child request "<i>_<parent id>") reports under "<key>/<i>".
-    """
-    return key if n <= 1 or index == 0 else f"{key}/{index}"
 
 
 # -- results from the engine --------------------------------------------------------------------

@@ -411,6 +411,50 @@ def test_check_engine_supported(monkeypatch):
         check_engine_supported()
 
 
+def test_state_is_freed_whatever_ends_a_request(served, prompts, tok):
+    """max_tokens, a stop string, a stop token id (how a generation-config EOS ends a request),
+    an abort; keyed and unkeyed: once vLLM drops the request, its slot and probe row are free
+    and only keyed requests leave a (small) result."""
+    from vllm import SamplingParams
+
+    def flush():  # removals reach the plugin on the engine's next step
+        served.generate(prompts[:1], _sp(0, max_tokens=2, orca_enabled=0), use_tqdm=False)
+        (s,) = served.collective_rpc("orca_stats")
+        return s
+
+    before = flush()
+    nl2 = tok.convert_tokens_to_ids(tok.tokenize("\n\n"))[0]
+    endings = {"max_tokens": {}, "stop_string": {"stop": ["\n\n"]},
+               "stop_token": {"stop_token_ids": [nl2]}}
+    sps, keys = [], []
+    for name, kw in endings.items():
+        for keyed in (True, False):
+            extra = {"orca_policy": "shadow", **({"orca_key": f"end-{name}"} if keyed else {})}
+            sps.append(SamplingParams(max_tokens=40, temperature=1.0, seed=7, extra_args=extra,
+                                      **kw))
+            keys += [f"end-{name}"] if keyed else []
+    outs = served.generate(prompts[:1] * len(sps), sps, use_tqdm=False)
+    reasons = [o.outputs[0].finish_reason for o in outs]
+    assert reasons.count("length") == 2 and reasons.count("stop") == 4, reasons
+    engine = served.llm_engine
+    for i, keyed in enumerate((True, False)):
+        xa = {"orca_policy": "shadow", **({"orca_key": "end-abort"} if keyed else {})}
+        engine.add_request(f"abort-{i}", prompts[0], SamplingParams(max_tokens=200, seed=1,
+                                                                    extra_args=xa))
+    for _ in range(40):
+        engine.step()
+    assert served.collective_rpc("orca_stats")[0]["slots_in_use"] == 2
+    engine.abort_request(["abort-0", "abort-1"])
+    after = flush()
+    assert after["slots_in_use"] == 0 and after["tracked_requests"] == 0
+    assert after["parked_requests"] == 0
+    assert after["stored_results"] - before["stored_results"] == len(keys) + 1
+    res = _results(served, keys + ["end-abort"])
+    assert set(res) == set(keys) | {"end-abort"}
+    # (a stop at the first "\n\n" ends before that step's last row arrives: nothing scored)
+    assert res["end-max_tokens"]["steps_scored"] > 0 and res["end-abort"]["steps_scored"] > 0
+
+
 # -- preemption -----------------------------------------------------------------------------------
 def test_preemption_gives_same_steps_and_scores(model, calib, served, prompts):
     """A KV cache of 10 blocks x 32 tokens cannot hold six requests: vLLM preempts them and

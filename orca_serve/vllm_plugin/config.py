@@ -28,13 +28,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from orca_serve.contract import DEFAULTS, MAX_RESULTS, RESULT_TTL_S
+
 PROCESSOR_FQCN = "orca_serve.vllm_plugin.processor:OrcaLogitsProcessor"
 WORKER_EXTENSION = "orca_serve.vllm_plugin.worker.OrcaWorkerExtension"
 ENV_BUNDLE = "ORCA_BUNDLE"  # fallback when a front end drops additional_config
 
-RESULT_TTL_S = 600.0
-DEFAULTS: dict[str, Any] = {"enabled": 1, "delta": None, "policy": "answer", "answer_budget": 64}
-MAX_RESULTS = 10_000
 
 
 def orca_settings(bundle_path: str | os.PathLike | None, *, record: bool = False,
@@ -78,12 +77,6 @@ def engine_kwargs(bundle_path: str | os.PathLike | None, *, record: bool = False
         "worker_extension_cls": WORKER_EXTENSION,
         "additional_config": {"orca": orca_settings(bundle_path, record=record, **settings)},
     }
-
-
-def child_key(key: str, index: int, n: int) -> str:
-    """Result key of choice `index` of a request with `n` choices (n > 1: vLLM fans it out into
-    child requests "<index>_<parent id>"): choice 0 keeps `key`, choice i > 0 is "<key>/<i>"."""
-    return key if n <= 1 or index == 0 else f"{key}/{index}"
 
 
 CPU_KVCACHE_GIB = "4"

@@ -1,0 +1,210 @@
+"""The request contract between the server and the engine-side plugin, defined once.
+
+Plain Python (no vLLM, no torch): the server (`orca_serve.requests`, `orca_serve.server`), the
+plugin's adapters and its core all import these names, so a policy, a default, an xarg name, the
+result-key rule or lambda resolution cannot drift between them.
+
+The server resolves a request's settings (defaults, delta -> lambda*) and writes them into
+`vllm_xargs`; vLLM hands them to the engine as `SamplingParams.extra_args`. A request that reaches
+the engine without the server (offline `LLM`, a stock vLLM server) is resolved there, through the
+same `resolve_lam`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+Policy = Literal["answer", "stop", "shadow"]
+POLICIES: tuple[str, ...] = ("answer", "stop", "shadow")
+NEVER = math.inf  # lambda* when LTT rejects nothing: never stop early
+
+DEFAULT_ANSWER_BUDGET = 64
+MIN_ANSWER_TOKENS = 8  # answer tokens the end-of-max_tokens reserve keeps (policy answer)
+# what a request without its own orca_* arguments gets (the server's --orca-* options override)
+DEFAULTS: dict[str, Any] = {"enabled": 1, "delta": None, "policy": "answer",
+                            "answer_budget": DEFAULT_ANSWER_BUDGET}
+
+# how long the engine keeps an unfetched result, and how many at most
+RESULT_TTL_S = 600.0
+MAX_RESULTS = 10_000
+
+# -- vllm_xargs names (values are str/int/float only: vllm_xargs carry no bools) -------------------
+XARG_KEY = "orca_key"  # result key, set by the server
+XARG_LAM = "orca_lam"  # lambda*, resolved by the server ("inf" = never)
+XARG_N = "orca_n"  # n of the parent request (set in validation; children read their index)
+XARG_SEED = "orca_seed"  # the parent's seed, n > 1 only (vLLM seeds child i with seed + i)
+XARG_RECORD = "orca_record"  # 0/1: keep step embeddings (calibration's collect step)
+XARG_RESERVE = "orca_reserve"  # tokens kept for the answer before max_tokens (policy answer)
+# the client-settable ones, by `orca` field name
+XARG_FIELDS = {"enabled": "orca_enabled", "delta": "orca_delta", "policy": "orca_policy",
+               "answer_budget": "orca_answer_budget"}
+XARG_RESERVED = {XARG_KEY, XARG_LAM, XARG_N, XARG_SEED}  # set by the server or the plugin, never by clients
+_INT_XARGS = ("orca_enabled", "orca_answer_budget", XARG_RECORD, XARG_RESERVE, XARG_N)
+
+
+
+def child_key(key: str, index: int, n: int) -> str:
+    """Result key of choice `index` of a request with `n` choices (n > 1: vLLM fans it out into
+    child requests "<index>_<parent id>"): choice 0 keeps `key`, choice i > 0 is "<key>/<i>"."""
+    return key if n <= 1 or index == 0 else f"{key}/{index}"
+
+
+def resolve_lam(lam_of: Callable[[float], float], delta: float) -> float:
+    """lambda*(delta) from a bundle's `lam` (inf: never stop). The one place a delta becomes a
+    threshold: the server calls it per request, the engine only for requests without orca_lam."""
+    return float(lam_of(float(delta)))
+
+
+def encode_lam(lam: float | None) -> float | str:
+    """lambda* as an xarg value: a finite float, or "inf" (JSON has no infinity)."""
+    return "inf" if lam is None or math.isinf(lam) else float(lam)
+
+
+def as_int(name: str, v: Any) -> int:
+    """An integer xarg (ints, integral floats, digit strings; bools count as 0/1)."""
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        return int(v)
+    raise ValueError(f"{name} must be an integer, got {v!r}")
+
+
+def _as_float(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ValueError(f"{name} must be a number, got {v!r}")  # noqa: TRY004 - vLLM: 400
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {v!r}") from None
+
+
+def validate_xargs(xa: dict[str, Any] | None, n: int = 1, seed: int | None = None) -> None:
+    """Check a request's orca_* extra_args (ValueError: vLLM answers HTTP 400).
+
+    Runs in the front end. With n > 1 vLLM copies these params into n child requests; `orca_n`
+    tells each child that it is one (its index then comes from the engine's request id, or from
+    its seed minus `orca_seed`).
+    """
+    if not xa:
+        return
+    if XARG_KEY in xa and not isinstance(xa[XARG_KEY], str):
+        raise ValueError(f"{XARG_KEY} must be a string, got {xa[XARG_KEY]!r}")
+    for name in _INT_XARGS:
+        if name in xa:
+            v = as_int(name, xa[name])
+            if name in ("orca_enabled", XARG_RECORD) and v not in (0, 1):
+                raise ValueError(f"{name} must be 0 or 1, got {xa[name]!r}")
+            if v < 0:
+                raise ValueError(f"{name} must be >= 0, got {xa[name]!r}")
+    if "orca_delta" in xa:
+        d = _as_float("orca_delta", xa["orca_delta"])
+        if not 0 < d < 1:
+            raise ValueError(f"orca_delta must be in (0, 1), got {xa['orca_delta']!r}")
+    if XARG_LAM in xa:
+        lam = _as_float(XARG_LAM, xa[XARG_LAM])
+        if math.isnan(lam):
+            raise ValueError(f"{XARG_LAM} must be a number, got {xa[XARG_LAM]!r}")
+    if "orca_policy" in xa and xa["orca_policy"] not in POLICIES:
+        raise ValueError(f"orca_policy must be one of {', '.join(POLICIES)}, "
+                         f"got {xa['orca_policy']!r}")
+    if n > 1:
+        xa[XARG_N] = int(n)
+        if seed is not None:
+            xa[XARG_SEED] = int(seed)
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """What one engine request runs with, after defaults (engine side)."""
+
+    key: str | None
+    n: int
+    record: bool
+    enabled: bool
+    policy: str
+    delta: float | None
+    lam: float | None  # None: no probe (disabled or record only); NEVER: never stops early
+    answer_budget: int
+    reserve: int | None  # None: the default reserve (force text + min(budget, 8))
+    notes: tuple[str, ...] = ()
+
+
+def request_spec(xa: Mapping[str, Any] | None, defaults: Mapping[str, Any], *, record: bool,
+                 lam_of: Callable[[float], float] | None,
+                 default_delta: float | None) -> RequestSpec:
+    """A request's settings from its extra_args and the engine's defaults.
+
+    `lam_of`/`default_delta` come from the deployment's bundle (None: record mode only).
+    `orca_lam` (the server's resolution) wins; otherwise lambda* is resolved here with
+    `resolve_lam`, and a delta outside the bundle's table falls back to the default delta.
+    """
+    xa = xa or {}
+    notes: list[str] = []
+    enabled = lam_of is not None and bool(as_int("orca_enabled",
+                                                 xa.get("orca_enabled", defaults["enabled"])))
+    delta = lam = None
+    if enabled:
+        d = xa.get("orca_delta", defaults.get("delta"))
+        delta = float(d) if d is not None else default_delta
+        if XARG_LAM in xa:
+            lam = float(xa[XARG_LAM])
+        else:
+            try:
+                lam = resolve_lam(lam_of, delta)  # type: ignore[arg-type]
+            except Exception as e:  # noqa: BLE001 - not in the table: use the default
+                notes.append(f"{e}; using the bundle default delta")
+                delta = default_delta
+                lam = resolve_lam(lam_of, delta)  # type: ignore[arg-type]
+    reserve = xa.get(XARG_RESERVE)
+    return RequestSpec(
+        key=xa.get(XARG_KEY), n=int(xa.get(XARG_N, 1)),
+        record=bool(as_int(XARG_RECORD, xa.get(XARG_RECORD, record))),
+        enabled=enabled, policy=str(xa.get("orca_policy", defaults["policy"])),
+        delta=delta, lam=lam,
+        answer_budget=int(xa.get("orca_answer_budget", defaults["answer_budget"])),
+        reserve=None if reserve is None else int(reserve), notes=tuple(notes))
+
+
+@dataclass
+class OrcaResult:
+    """What the plugin reports about one finished (or running) request; `to_dict` is the wire
+    form (`orca_results` RPC). The server reads the per-choice fields (`orca_serve.server`)."""
+
+    enabled: bool
+    policy: str
+    delta: float | None
+    lam: float | None  # None: never stops early (or disabled)
+    steps_scored: int
+    stopped_early: bool
+    stop_step: int | None
+    would_stop_step: int | None
+    last_score: float | None
+    scores: list[float]
+    reasoning_tokens: int
+    forced_tokens: list[int]
+    stop_reason: str | None  # "probe", "budget" or None
+    index: int
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+    # record mode only: [steps, d] float32 numpy array, tokens per step, ids per step
+    step_embeddings: Any = None
+    step_tokens: list[int] | None = None
+    step_token_ids: list[list[int]] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}  # no deep copy of arrays
+        if not self.notes:
+            del d["notes"]
+        if self.error is None:
+            del d["error"]
+        if self.step_tokens is None:
+            for k in ("step_embeddings", "step_tokens", "step_token_ids"):
+                del d[k]
+        return d

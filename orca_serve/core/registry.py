@@ -1,0 +1,134 @@
+"""Tracked requests and their results.
+
+A request is known by the adapter's identity string (its `orca_key` and child index, or an id of
+its params object) from the moment it joins the batch until it leaves for good. Leaving for good
+frees its slot and probe row at once; only the small result stays (keyed requests only) until it
+is fetched, `ttl` seconds pass, or `max_results` newer results push it out. A request that leaves
+for a while (preemption) is parked with its slot, and resumes with its state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+from orca_serve.contract import OrcaResult, RequestSpec
+from orca_serve.core.deployment import Deployment
+from orca_serve.steps import Segmenter
+
+log = logging.getLogger("orca_serve.core")
+
+
+class Request:
+    """Everything the core keeps about one engine request (a child of n > 1 is its own)."""
+
+    __slots__ = ("active", "answer_budget", "attached", "dep", "eos", "error", "fetched",
+                 "forced", "guard_pos", "handle", "ident", "ignore_eos", "index", "key", "lag",
+                 "left_at", "max_tokens", "n_seen", "notes", "plan", "policy", "record",
+                 "scores", "seg", "slot", "snapshot", "spec", "step_counts", "step_embs",
+                 "steps_scored", "stop_reason", "stop_step", "stopped", "would_stop_step")
+
+    def __init__(self, ident: str, spec: RequestSpec, dep: Deployment, seg: Segmenter, *,
+                 index: int, key: str | None, policy: str, max_tokens: int | None,
+                 eos: int | None, ignore_eos: bool, n_out: int) -> None:
+        self.ident, self.spec, self.dep, self.seg = ident, spec, dep, seg
+        self.index, self.key, self.policy = index, key, policy
+        self.record = spec.record
+        self.answer_budget = spec.answer_budget
+        self.max_tokens, self.eos, self.ignore_eos = max_tokens, eos, ignore_eos
+        self.n_seen = n_out  # tokens generated before we saw it are not pooled
+        self.active = True  # segmentation and scoring run (ends with a stop or an error)
+        self.attached = True
+        self.fetched = False
+        self.left_at = 0.0
+        self.slot: int | None = None
+        self.snapshot: Any = None  # (pool rows, bank row) while parked without a slot
+        self.lag: int | None = None  # position whose hidden row is parked in pool.lag
+        self.scores: list[float] = []
+        self.steps_scored = 0
+        self.stopped = False
+        self.stop_step: int | None = None
+        self.stop_reason: str | None = None
+        self.would_stop_step: int | None = None
+        self.plan: dict[int, int] = {}
+        self.forced: dict[int, int] = {}  # output position -> forced token id
+        self.guard_pos: int | None = None
+        self.step_embs: list = []
+        self.step_counts: list[int] = []
+        self.notes: list[str] = list(spec.notes)
+        self.error: str | None = None
+        self.handle: Any = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.spec.enabled
+
+    @property
+    def lam(self) -> float | None:
+        return self.spec.lam
+
+    def fail(self, msg: str) -> None:
+        if self.error is None:
+            self.error = msg
+            log.error("orca request %s (%s): %s", self.key, self.ident, msg)
+        self.active = False
+        self.plan = {}
+        self.guard_pos = None
+
+    def result(self, pending_step: Any = None) -> OrcaResult:
+        """The result; `pending_step` (record mode): the embedding of the unfinished last step."""
+        lam = self.lam
+        r = OrcaResult(
+            enabled=self.enabled, policy=self.policy, delta=self.spec.delta,
+            lam=None if lam is None or lam == float("inf") else lam,
+            steps_scored=self.steps_scored,
+            stopped_early=self.stopped and self.stop_reason == "probe",
+            stop_step=self.stop_step, would_stop_step=self.would_stop_step,
+            last_score=self.scores[-1] if self.scores else None, scores=list(self.scores),
+            reasoning_tokens=self.seg.counted_total,
+            forced_tokens=[self.forced[p] for p in sorted(self.forced)],
+            stop_reason=self.stop_reason, index=self.index, notes=list(self.notes),
+            error=self.error)
+        if self.record:
+            embs, counts = list(self.step_embs), list(self.step_counts)
+            ids = [list(s) for s in self.seg.steps]
+            if pending_step is not None:
+                embs.append(pending_step)
+                counts.append(self.seg.pending)
+                ids.append(self.seg.finish() or [])
+            r.step_embeddings, r.step_tokens, r.step_token_ids = embs, counts, ids
+        return r
+
+
+class Results:
+    """Results of keyed requests that left the batch, until fetched, expired or pushed out."""
+
+    def __init__(self, ttl: float, max_count: int) -> None:
+        self.ttl, self.max_count = ttl, max_count
+        self._items: OrderedDict[str, tuple[float, OrcaResult]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, key: str, result: OrcaResult) -> None:
+        self._items.pop(key, None)
+        self._items[key] = (time.monotonic(), result)
+        self.prune()
+
+    def pop(self, key: str) -> OrcaResult | None:
+        item = self._items.pop(key, None)
+        return None if item is None else item[1]
+
+    def discard(self, key: str) -> None:
+        self._items.pop(key, None)
+
+    def prune(self) -> None:
+        now = time.monotonic()
+        while self._items:
+            t, _ = next(iter(self._items.values()))
+            if now - t > self.ttl or len(self._items) > self.max_count:
+                self._items.popitem(last=False)
+            else:
+                break

@@ -1,0 +1,49 @@
+"""Stop planning: which tokens to force, at which output positions, once a request stops.
+
+Policies (`orca_serve.contract.POLICIES`): `stop` forces EOS at once; `answer` forces the
+end-of-thinking text, lets the model answer for `answer_budget` tokens, then forces EOS; `shadow`
+never forces (it only reports where it would have stopped). The budget guard closes the thinking
+of a policy-`answer` request early enough that an answer still fits in `max_tokens`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from orca_serve.contract import MIN_ANSWER_TOKENS
+
+
+def stop_plan(policy: str, pos: int, *, force_ids: list[int], eos: int | None,
+              answer_budget: int, max_tokens: int | None, ignore_eos: bool) -> dict[int, int]:
+    """Forced token ids by output position, starting at `pos` (the token sampled now)."""
+    limit = max_tokens if max_tokens is not None else math.inf
+    plan: dict[int, int] = {}
+    if policy == "stop":
+        if eos is not None:
+            plan[pos] = eos
+        return plan
+    if policy != "answer":
+        return plan
+    p = pos
+    for t in force_ids:
+        if p >= limit:
+            break
+        plan[p] = t
+        p += 1
+    eos_at = p + answer_budget
+    if not ignore_eos and eos is not None and eos_at < limit:
+        plan[eos_at] = eos
+    return plan
+
+
+def guard_position(policy: str, *, max_tokens: int | None, reserve: int | None,
+                   force_len: int, answer_budget: int) -> int | None:
+    """Output position at which a still-reasoning `answer` request is closed so that its answer
+    fits (reserve = forced text + min(budget, 8) tokens unless given); None: no guard."""
+    if policy != "answer" or max_tokens is None:
+        return None
+    if reserve is None:
+        reserve = force_len + min(answer_budget, MIN_ANSWER_TOKENS)
+    if reserve > 0 and max_tokens >= 2 * reserve:
+        return max_tokens - reserve
+    return None
