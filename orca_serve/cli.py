@@ -215,6 +215,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(argv: list[str]) -> None:
+    from orca_serve.vllm_plugin.config import check_vllm_version
+
+    try:  # before any vLLM import: the launcher modules we use move between releases
+        check_vllm_version()
+    except RuntimeError as e:
+        raise StartupError(str(e)) from None
     early = early_parse(argv)
     bundle = None
     bundle_path: str | None = early.calib

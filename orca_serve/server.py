@@ -33,6 +33,7 @@ from orca_serve.requests import (
     error_body,
     resolve,
 )
+from orca_serve.vllm_plugin import merge_results
 
 logger = logging.getLogger("orca_serve.server")
 
@@ -88,10 +89,7 @@ class ResultFetcher:
             try:
                 per_worker = await asyncio.wait_for(self._rpc("orca_results", (keys,)),
                                                     RPC_TIMEOUT_S)
-                for worker in per_worker or []:
-                    for k, v in (worker or {}).items():
-                        if k in batch and k not in merged and v is not None:
-                            merged[k] = v
+                merged = {k: v for k, v in merge_results(per_worker).items() if k in batch}
             except Exception as e:  # noqa: BLE001 - a failed fetch must not fail the response
                 logger.warning("orca: fetching results for %d request(s) failed: %r", len(keys), e)
             for k, futs in batch.items():
@@ -170,9 +168,21 @@ class OrcaState:
         return self.engine_client
 
     async def rpc(self, method: str, args: tuple = ()) -> Any:
+        """`collective_rpc` on every engine this API server talks to: one answer per worker,
+        concatenated over data-parallel engines.
+
+        (vLLM's own `collective_rpc` asks only the first engine under data parallelism:
+        `DPLBAsyncMPClient.call_utility_async` returns result [0] of `call_utility_all_async`,
+        vllm/v1/engine/core_client.py, and a request's result lives on the engine that ran it.)
+        """
         client = self.client()
         if client is None:
             raise RuntimeError("engine client not ready")
+        core = getattr(client, "engine_core", None)
+        if hasattr(core, "call_utility_all_async"):
+            per_engine = await core.call_utility_all_async("collective_rpc", method, None, args,
+                                                           None)
+            return [w for workers in per_engine for w in (workers or [])]
         return await client.collective_rpc(method, args=args)
 
     def get_fetcher(self) -> ResultFetcher:
