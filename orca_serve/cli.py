@@ -163,15 +163,13 @@ def refuse_unsupported(args: argparse.Namespace) -> None:
         raise StartupError("speculative decoding (--speculative-config) cannot be combined with "
                            "--calib: vLLM rejects custom logits processors with it, and the probe "
                            "needs one hidden state per token; drop one of them")
-    if (getattr(args, "api_server_count", None) or 1) > 1 or getattr(args, "headless", False):
-        raise StartupError("orca-serve runs one API server process (it reads results from the "
-                           "engine in that process); drop --api-server-count/--headless")
+    if getattr(args, "headless", False):
+        raise StartupError("--headless is not supported by orca-serve (it starts no API server, "
+                           "and the orca fields live in the API server); run the engines with "
+                           "orca-serve and several --api-server-count instead")
     if getattr(args, "grpc", False):
         raise StartupError("--grpc is not supported by orca-serve (the orca fields live in the "
                            "HTTP API)")
-    if (getattr(args, "data_parallel_size", 1) or 1) > 1:
-        raise StartupError("data parallelism (--data-parallel-size > 1) is not supported with "
-                           "--calib yet")
     try:
         from orca_serve.vllm_plugin.config import check_engine_supported
     except ImportError as e:
@@ -276,8 +274,7 @@ def _main(argv: list[str]) -> None:
     if args.demo:
         args.calib = bundle_path
 
-    from orca_serve.requests import OrcaDefaults
-    from orca_serve.server import OrcaState, run
+    from orca_serve.server import orca_defaults, run, state_from_args
 
     if bundle is not None:
         model_kw = {"tokenizer": args.tokenizer, "revision": args.revision,
@@ -289,25 +286,16 @@ def _main(argv: list[str]) -> None:
         refuse_unsupported(args)
         from orca_serve.vllm_plugin.config import engine_kwargs
 
-        defaults = OrcaDefaults(
-            enabled=True,
-            delta=args.orca_delta if args.orca_delta is not None else bundle.default_delta,
-            policy=args.orca_policy, answer_budget=args.orca_answer_budget)
+        defaults = orca_defaults(args, bundle)
         # requests on routes the server does not rewrite get the same defaults in the engine
         merge_engine_args(args, engine_kwargs(
             str(Path(bundle_path).absolute()),
             defaults={"delta": defaults.delta, "policy": defaults.policy,
                       "answer_budget": defaults.answer_budget}))
-    else:
-        defaults = OrcaDefaults(enabled=False)
+        args.calib = str(Path(bundle_path).absolute())
 
     configure_logging_from_args(args)
-    from orca_serve.metrics import OrcaMetrics
-
-    state = OrcaState(bundle=bundle, defaults=defaults,
-                      metrics=OrcaMetrics() if bundle is not None else None,
-                      bundle_path=str(Path(bundle_path).absolute()) if bundle_path else None)
-    run(args, state)
+    run(args, state_from_args(args))
 
 
 if __name__ == "__main__":
