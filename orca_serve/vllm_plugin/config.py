@@ -30,7 +30,7 @@ from typing import Any
 
 # The vLLM releases the plugin is written and tested for (PEP 440). One definition: orca-serve's
 # start, the plugin's load in every vLLM process and pyproject's `gpu` extra follow it.
-SUPPORTED_VLLM = ">=0.32,<0.33"
+SUPPORTED_VLLM = ">=0.31,<0.33"
 ENV_ANY_VLLM = "ORCA_ANY_VLLM"  # "1": skip the check (benchmarks/check_vllm_version.sh)
 
 PROCESSOR_FQCN = "orca_serve.vllm_plugin.processor:OrcaLogitsProcessor"
