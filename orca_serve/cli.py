@@ -13,7 +13,10 @@ Start-up order, so that a wrong bundle is refused in seconds and in one line (ex
    imported and long before it loads weights;
 3. vLLM's own parser (`make_arg_parser`) parses the full command line (our options included, so
    `--help` lists them), unsupported combinations are refused, the plugin's engine arguments are
-   merged in, and vLLM's `run_server` serves the app built by vLLM's `build_app` plus our additions.
+   merged in, and vLLM's `run_server` (or, with --api-server-count N > 1, its
+   `run_multi_api_server`) serves the app built by vLLM's `build_app` plus our additions.
+
+Before all of it, a vLLM release outside `vllm_plugin.config.SUPPORTED_VLLM` is refused.
 """
 
 from __future__ import annotations

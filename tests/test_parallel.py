@@ -260,7 +260,7 @@ def multi_server(tmp_path_factory):
                                          "--api-server-count", "2", "--enforce-eager",
                                          "--host", "127.0.0.1"])
     try:
-        yield srv.wait()
+        yield srv.wait(timeout=900)  # 2 engines + 2 API servers: minutes on a loaded 2-core host
     finally:
         srv.stop()
 
