@@ -13,7 +13,10 @@ Start-up order, so that a wrong bundle is refused in seconds and in one line (ex
    imported and long before it loads weights;
 3. vLLM's own parser (`make_arg_parser`) parses the full command line (our options included, so
    `--help` lists them), unsupported combinations are refused, the plugin's engine arguments are
-   merged in, and vLLM's `run_server` serves the app built by vLLM's `build_app` plus our additions.
+   merged in, and vLLM's `run_server` (or, with --api-server-count N > 1, its
+   `run_multi_api_server`) serves the app built by vLLM's `build_app` plus our additions.
+
+Before all of it, a vLLM release outside `vllm_plugin.config.SUPPORTED_VLLM` is refused.
 """
 
 from __future__ import annotations
@@ -163,15 +166,13 @@ def refuse_unsupported(args: argparse.Namespace) -> None:
         raise StartupError("speculative decoding (--speculative-config) cannot be combined with "
                            "--calib: vLLM rejects custom logits processors with it, and the probe "
                            "needs one hidden state per token; drop one of them")
-    if (getattr(args, "api_server_count", None) or 1) > 1 or getattr(args, "headless", False):
-        raise StartupError("orca-serve runs one API server process (it reads results from the "
-                           "engine in that process); drop --api-server-count/--headless")
+    if getattr(args, "headless", False):
+        raise StartupError("--headless is not supported by orca-serve (it starts no API server, "
+                           "and the orca fields live in the API server); run the engines with "
+                           "orca-serve and several --api-server-count instead")
     if getattr(args, "grpc", False):
         raise StartupError("--grpc is not supported by orca-serve (the orca fields live in the "
                            "HTTP API)")
-    if (getattr(args, "data_parallel_size", 1) or 1) > 1:
-        raise StartupError("data parallelism (--data-parallel-size > 1) is not supported with "
-                           "--calib yet")
     try:
         from orca_serve.vllm_plugin.config import check_engine_supported
     except ImportError as e:
@@ -218,14 +219,6 @@ def keep_prefills_whole(args: argparse.Namespace) -> None:
     args.enable_chunked_prefill = False
 
 
-def served_model_name(args: argparse.Namespace) -> str:
-    """The model name vLLM serves and puts in its metrics' `model_name` label."""
-    names = getattr(args, "served_model_name", None)
-    if isinstance(names, list):
-        return str(names[0]) if names else str(args.model)
-    return str(names or args.model)
-
-
 def merge_engine_args(args: argparse.Namespace, extra: dict[str, Any]) -> None:
     """Add the plugin's engine arguments to vLLM's parsed args (keeping the user's own)."""
     for name, value in extra.items():
@@ -259,6 +252,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(argv: list[str]) -> None:
+    from orca_serve.vllm_plugin.config import check_vllm_version
+
+    try:  # before any vLLM import: the launcher modules we use move between releases
+        check_vllm_version()
+    except RuntimeError as e:
+        raise StartupError(str(e)) from None
     early = early_parse(argv)
     bundle = None
     bundle_path: str | None = early.calib
@@ -320,8 +319,7 @@ def _main(argv: list[str]) -> None:
             args.served_model_name = [bundle.model.name]  # not the install path
     keep_prefills_whole(args)
 
-    from orca_serve.requests import OrcaDefaults
-    from orca_serve.server import OrcaState, run
+    from orca_serve.server import orca_defaults, run, state_from_args
 
     if bundle is not None:
         model_kw = {"tokenizer": args.tokenizer, "revision": args.revision,
@@ -333,10 +331,7 @@ def _main(argv: list[str]) -> None:
         refuse_unsupported(args)
         from orca_serve.vllm_plugin.config import engine_kwargs
 
-        defaults = OrcaDefaults(
-            enabled=True,
-            delta=args.orca_delta if args.orca_delta is not None else bundle.default_delta,
-            policy=args.orca_policy, answer_budget=args.orca_answer_budget)
+        defaults = orca_defaults(args, bundle)
         # Off in the engine unless the request says otherwise: the server writes every setting
         # (orca_enabled included) into the requests of the routes whose responses report what
         # orca did; requests on other routes (/v1/responses, /v1/messages, ...) run without it
@@ -345,17 +340,10 @@ def _main(argv: list[str]) -> None:
             str(Path(bundle_path).absolute()),
             defaults={"enabled": 0, "delta": defaults.delta, "policy": defaults.policy,
                       "answer_budget": defaults.answer_budget}))
-    else:
-        defaults = OrcaDefaults(enabled=False)
+        args.calib = str(Path(bundle_path).absolute())
 
     configure_logging_from_args(args)
-    from orca_serve.metrics import OrcaMetrics
-
-    state = OrcaState(bundle=bundle, defaults=defaults,
-                      metrics=(OrcaMetrics(model_name=served_model_name(args))
-                               if bundle is not None else None),
-                      bundle_path=str(Path(bundle_path).absolute()) if bundle_path else None)
-    run(args, state)
+    run(args, state_from_args(args))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from orca_serve.requests import (
     orca_param_in,
     resolve,
 )
+from orca_serve.vllm_plugin import merge_results
 
 logger = logging.getLogger("orca_serve.server")
 
@@ -89,10 +90,7 @@ class ResultFetcher:
             try:
                 per_worker = await asyncio.wait_for(self._rpc("orca_results", (keys,)),
                                                     RPC_TIMEOUT_S)
-                for worker in per_worker or []:
-                    for k, v in (worker or {}).items():
-                        if k in batch and k not in merged and v is not None:
-                            merged[k] = v
+                merged = {k: v for k, v in merge_results(per_worker).items() if k in batch}
             except Exception as e:  # noqa: BLE001 - a failed fetch must not fail the response
                 logger.warning("orca: fetching results for %d request(s) failed: %r", len(keys), e)
             for k, futs in batch.items():
@@ -171,9 +169,21 @@ class OrcaState:
         return self.engine_client
 
     async def rpc(self, method: str, args: tuple = ()) -> Any:
+        """`collective_rpc` on every engine this API server talks to: one answer per worker,
+        concatenated over data-parallel engines.
+
+        (vLLM's own `collective_rpc` asks only the first engine under data parallelism:
+        `DPLBAsyncMPClient.call_utility_async` returns result [0] of `call_utility_all_async`,
+        vllm/v1/engine/core_client.py, and a request's result lives on the engine that ran it.)
+        """
         client = self.client()
         if client is None:
             raise RuntimeError("engine client not ready")
+        core = getattr(client, "engine_core", None)
+        if hasattr(core, "call_utility_all_async"):
+            per_engine = await core.call_utility_all_async("collective_rpc", method, None, args,
+                                                           None)
+            return [w for workers in per_engine for w in (workers or [])]
         return await client.collective_rpc(method, args=args)
 
     def get_fetcher(self) -> ResultFetcher:
@@ -555,12 +565,76 @@ def build_orca_app_factory(state: OrcaState, vllm_build_app: Callable[..., Any])
     return build_orca_app
 
 
-def run(args: Any, state: OrcaState) -> None:
-    """Serve with vLLM's own `run_server` (single API server), our `build_app` swapped in."""
-    import uvloop
+def orca_defaults(args: Any, bundle: Bundle | None) -> OrcaDefaults:
+    """Server-wide request defaults from the parsed command line (--orca-* options)."""
+    if bundle is None:
+        return OrcaDefaults(enabled=False)
+    return OrcaDefaults(
+        enabled=True,
+        delta=args.orca_delta if args.orca_delta is not None else bundle.default_delta,
+        policy=args.orca_policy, answer_budget=args.orca_answer_budget)
+
+
+def served_model_name(args: Any) -> str:
+    """The model name vLLM serves and puts in its metrics' `model_name` label."""
+    names = getattr(args, "served_model_name", None)
+    if isinstance(names, list):
+        return str(names[0]) if names else str(args.model)
+    return str(names or args.model)
+
+
+def state_from_args(args: Any) -> OrcaState:
+    """The server's state, from the parsed command line alone (`args.calib`: the bundle, already
+    checked at start), so that every API server process can build its own."""
+    from pathlib import Path
+
+    from orca_serve.bundle import load_bundle
+
+    bundle = load_bundle(args.calib) if args.calib else None
+    return OrcaState(bundle=bundle, defaults=orca_defaults(args, bundle),
+                     metrics=(OrcaMetrics(model_name=served_model_name(args))
+                              if bundle is not None else None),
+                     bundle_path=str(Path(args.calib).absolute()) if args.calib else None)
+
+
+def _swap_build_app(state: OrcaState) -> None:
     from vllm.entrypoints.launchers.api_server import entry
 
     if not hasattr(entry, "build_app"):
         raise RuntimeError("this vLLM has no entry.build_app: orca-serve needs vLLM 0.32")
     entry.build_app = build_orca_app_factory(state, entry.build_app)
+
+
+def api_server_process(listen_address: Any, sock: Any, args: Any,
+                       client_config: dict | None = None, **uvicorn_kwargs: Any) -> None:
+    """Entry of each API server process under --api-server-count > 1 (spawned by vLLM's
+    APIServerProcessManager): our app in this process, then vLLM's own per-process server."""
+    from vllm.v1.utils import run_api_server_worker_proc
+
+    _swap_build_app(state_from_args(args))
+    run_api_server_worker_proc(listen_address, sock, args, client_config, **uvicorn_kwargs)
+
+
+def run(args: Any, state: OrcaState) -> None:
+    """Serve with vLLM's own launchers, our `build_app` swapped in.
+
+    One API server: vLLM's `run_server` in this process. Several (--api-server-count N): vLLM's
+    `run_multi_api_server` (engines started here, N spawned API server processes sharing the
+    port); a patch in this module makes those processes start in `api_server_process`, which
+    builds its own state and app. Each has its own engine client; a request's result is fetched
+    by key with collective_rpc from any of them, so whichever process answers a request gets it.
+    """
+    if (getattr(args, "api_server_count", None) or 1) > 1:
+        import functools
+
+        from vllm.entrypoints.cli import serve
+
+        serve.APIServerProcessManager = functools.partial(serve.APIServerProcessManager,
+                                                          target_server_fn=api_server_process)
+        serve.run_multi_api_server(args)
+        return
+    import uvloop
+    from vllm.entrypoints.launchers.api_server import entry
+
+    _swap_build_app(state)
     uvloop.run(entry.run_server(args))

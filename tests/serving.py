@@ -45,8 +45,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready = False
 
-    def wait(self) -> Server:
-        deadline = time.time() + START_TIMEOUT
+    def wait(self, timeout: float = START_TIMEOUT) -> Server:
+        deadline = time.time() + timeout
         while not self.ready:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n"

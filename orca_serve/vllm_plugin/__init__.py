@@ -50,11 +50,19 @@ def decode_arrays(result: dict) -> dict:
 
 
 def merge_results(per_worker: list[dict] | None) -> dict:
-    """Merge `collective_rpc("orca_results", args=(keys,))` answers (one dict per worker) into
-    {key: result}, restoring `step_embeddings` as a float32 numpy array. Always use this on the
-    raw RPC answer."""
+    """Merge `collective_rpc("orca_results", args=(keys,))` answers into {key: result},
+    restoring `step_embeddings` as a float32 numpy array. Always use this on the raw RPC answer.
+
+    `per_worker`: one dict per worker, from one engine or concatenated over data-parallel engines
+    (a request runs on one engine, so its key comes from that engine's reporting worker only).
+    Should two workers answer for one key, a result marked `ran_sampler` (its processor ran the
+    sampler's apply(): the last pipeline stage) wins over one that is not; otherwise the first.
+    """
     out: dict = {}
     for d in per_worker or []:
         for k, r in (d or {}).items():
-            out.setdefault(k, decode_arrays(r))
+            if r is None:
+                continue
+            if k not in out or (r.get("ran_sampler") and not out[k].get("ran_sampler")):
+                out[k] = decode_arrays(r)
     return out

@@ -7,7 +7,9 @@ request, in the persistent batch's row order, post final norm (the tensor that f
 METHOD.md section 1). We keep a reference to that tensor (no copy); the custom logits processor
 consumes it in the same engine step, in `apply()`, where `logits` has the same rows.
 
-Importing this module registers the layer once per process. The processor module imports it,
+Importing this module refuses an unsupported vLLM release (`config.check_vllm_version`: the
+layer and the runner internals this plugin uses move between releases) and registers the layer
+once per process. The processor module imports it,
 and vLLM imports the processor (from the engine's `logits_processors`) in the model runner's
 constructor, before the model is built: that is how a spawned worker process gets it.
 """
@@ -17,6 +19,8 @@ from __future__ import annotations
 import torch
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.logits_processor import LogitsProcessor as _VllmLogitsLayer
+
+from orca_serve.vllm_plugin.config import check_vllm_version
 
 
 class _Stash:
@@ -56,4 +60,5 @@ def register() -> bool:
     return current is OrcaCaptureLogitsLayer or issubclass(current, OrcaCaptureLogitsLayer)
 
 
+check_vllm_version()  # every process that loads the plugin imports this module first
 REGISTERED = register()

@@ -30,6 +30,11 @@ from typing import Any
 
 from orca_serve.contract import DEFAULTS, MAX_RESULTS, RESULT_TTL_S
 
+# The vLLM releases the plugin is written and tested for (PEP 440). One definition: orca-serve's
+# start, the plugin's load in every vLLM process and pyproject's `gpu` extra follow it.
+SUPPORTED_VLLM = ">=0.31,<0.33"
+ENV_ANY_VLLM = "ORCA_ANY_VLLM"  # "1": skip the check (benchmarks/check_vllm_version.sh)
+
 PROCESSOR_FQCN = "orca_serve.vllm_plugin.processor:OrcaLogitsProcessor"
 WORKER_EXTENSION = "orca_serve.vllm_plugin.worker.OrcaWorkerExtension"
 ENV_BUNDLE = "ORCA_BUNDLE"  # fallback when a front end drops additional_config
@@ -90,6 +95,50 @@ def prepare_environment() -> None:
     """
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
+
+
+def installed_vllm_version() -> str | None:
+    """vLLM's version: from the imported module if any, else from the installed distribution
+    (`vllm`, or the CPU build's `vllm-cpu`), without importing vLLM (that takes seconds)."""
+    import sys
+    from importlib import metadata
+
+    mod = sys.modules.get("vllm")
+    if mod is not None and getattr(mod, "__version__", None):
+        return str(mod.__version__)
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Refuse a vLLM outside SUPPORTED_VLLM with a one-line RuntimeError.
+
+    The plugin reaches into vLLM internals (the LM-head layer, the model runner's batch, the V1
+    logits-processor interface, the server's launcher modules) that move between minor releases;
+    on another release it could start and compute wrong stops silently. Development builds count
+    as their release (0.32.1.dev3+g1234 is 0.32.1). `ORCA_ANY_VLLM=1` skips the check (for
+    trying another release: benchmarks/check_vllm_version.sh).
+    """
+    if os.environ.get(ENV_ANY_VLLM, "").strip() == "1":
+        return
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    v = version if version is not None else installed_vllm_version()
+    if v is None:
+        raise RuntimeError(f"vLLM is not installed; orca-serve needs vllm{SUPPORTED_VLLM}")
+    try:
+        release = Version(Version(v).base_version)
+    except InvalidVersion:
+        raise RuntimeError(f"cannot read vLLM's version {v!r}; orca-serve needs "
+                           f"vllm{SUPPORTED_VLLM} (set {ENV_ANY_VLLM}=1 to try anyway)") from None
+    if release not in SpecifierSet(SUPPORTED_VLLM):
+        raise RuntimeError(f"vLLM {v} is not supported: orca-serve needs vllm{SUPPORTED_VLLM} "
+                           f"(set {ENV_ANY_VLLM}=1 to try anyway, at your own risk)")
 
 
 def _get(obj: Any, name: str) -> Any:

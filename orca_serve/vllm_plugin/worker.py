@@ -7,6 +7,14 @@ processor. Names must not clash with Worker attributes (vLLM asserts this).
     per_worker = llm.collective_rpc("orca_results", args=(keys,))  # one dict per worker
     results = orca_serve.vllm_plugin.merge_results(per_worker)    # {key: result}, numpy restored
     llm.collective_rpc("orca_stats")                   # -> [ {probe_ns, engine_steps, ...}, ... ]
+
+Several workers (tensor / pipeline parallelism): every worker builds the processor and sees the
+batch updates, but only the last pipeline stage samples, so only its processors run `apply()`
+and know where a request stopped (stage 0's copy of a request never scores a step). Under tensor
+parallelism every rank of that stage runs the probe on the all-gathered logits and computes the
+same result. So exactly one worker answers: the last pipeline rank with tensor rank 0; the others
+drop the requested results (they must forget them too) and answer `{}`. The same worker alone
+reports `orca_stats`, so engine steps and probe time are counted once.
 """
 
 from __future__ import annotations
@@ -23,8 +31,22 @@ class OrcaWorkerExtension:
         procs = getattr(getattr(batch, "logitsprocs", None), "all", None) or []
         return [p for p in procs if isinstance(p, OrcaLogitsProcessor)]
 
+    def _orca_reports(self) -> bool:
+        """True on the one worker that answers for the engine: the last pipeline rank (it runs
+        the sampler, hence the processor's apply()) with tensor-parallel rank 0."""
+        try:
+            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+            return bool(get_pp_group().is_last_rank and get_tp_group().rank_in_group == 0)
+        except (ImportError, AssertionError, AttributeError):  # groups not initialised
+            return True
+
     def orca_results(self, keys: list[str]) -> dict[str, dict[str, Any]]:
         """Pop and return the results of these keys (keys without a result are left out).
+
+        Every worker pops (and so forgets) them; only the reporting worker (`_orca_reports`)
+        returns them, each marked `ran_sampler` (its processor ran apply() at least once), which
+        `merge_results` prefers should two workers ever answer for one key.
 
         Across processes numpy arrays are sent as bytes (vLLM's transport would lose them);
         `orca_serve.vllm_plugin.merge_results` restores them (and passes numpy through).
@@ -34,10 +56,14 @@ class OrcaWorkerExtension:
         from orca_serve.vllm_plugin import encode_arrays
 
         local = self._orca_same_process()
+        reports = self._orca_reports()
         out: dict[str, dict[str, Any]] = {}
         for p in self._orca_processors():
+            ran = p.get_stats()["engine_steps"] > 0
             for k, r in p.pop_results(list(keys)).items():
-                out[k] = r if local else encode_arrays(r)
+                if reports:
+                    r["ran_sampler"] = ran
+                    out[k] = r if local else encode_arrays(r)
         return out
 
     def _orca_same_process(self) -> bool:
@@ -54,8 +80,11 @@ class OrcaWorkerExtension:
     def orca_stats(self) -> dict[str, Any]:
         """Cumulative in-engine cost: probe_ns (time inside apply()), engine_steps (apply()
         calls), active_steps (calls with tracked requests), rows_captured, steps_scored,
-        max_step_ns, tracked_requests, stored_results."""
+        max_step_ns, tracked_requests, stored_results. `{}` from every worker but the reporting
+        one (`_orca_reports`), so a sum over workers counts each engine step once."""
         total: dict[str, Any] = {}
+        if not self._orca_reports():
+            return total
         for p in self._orca_processors():
             for k, v in p.get_stats().items():
                 total[k] = max(total.get(k, 0), v) if k == "max_step_ns" else total.get(k, 0) + v
