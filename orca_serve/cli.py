@@ -72,6 +72,9 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--orca-answer-budget", type=_budget, default=None, metavar="N",
                    help="Default answer budget in tokens after the reasoning is closed by policy "
                    "answer. None: the plugin's default.")
+    from orca_serve.audit.options import add_audit_args
+
+    add_audit_args(parser)
     return parser
 
 
@@ -239,6 +242,12 @@ def _main(argv: list[str]) -> None:
                 bundle.lam(early.orca_delta)
         except BundleError as e:
             raise StartupError(str(e)) from None
+    from orca_serve.audit.options import check_audit_args
+
+    try:
+        check_audit_args(early, has_bundle=bundle is not None)
+    except ValueError as e:
+        raise StartupError(str(e)) from None
     if bundle is not None and early.speculative_config:
         refuse_unsupported(argparse.Namespace(speculative_config=early.speculative_config))
     checked = None
@@ -301,6 +310,13 @@ def _main(argv: list[str]) -> None:
     state = OrcaState(bundle=bundle, defaults=defaults,
                       metrics=OrcaMetrics() if bundle is not None else None,
                       bundle_path=str(Path(bundle_path).absolute()) if bundle_path else None)
+    if bundle is not None:
+        from orca_serve.audit.options import make_live_audit
+
+        try:
+            state.audit = make_live_audit(args, bundle, state.metrics.registry)
+        except (OSError, ValueError) as e:  # the audit directory cannot be written
+            raise StartupError(f"--orca-audit-dir: {e}") from None
     run(args, state)
 
 

@@ -29,9 +29,10 @@ POLICIES: tuple[str, ...] = ("answer", "stop", "shadow")
 
 # The vllm_xargs names of the plugin contract (str/int/float only: no bools in vllm_xargs).
 XARG_KEY = "orca_key"
+XARG_LAM = "orca_lam"  # the resolved lambda: a threshold, or "never"
 XARG_FIELDS = {"enabled": "orca_enabled", "delta": "orca_delta", "policy": "orca_policy",
                "answer_budget": "orca_answer_budget"}
-XARG_RESERVED = {XARG_KEY}
+XARG_RESERVED = {XARG_KEY, XARG_LAM}
 
 
 class OrcaRequestError(ValueError):
@@ -75,12 +76,17 @@ class OrcaSettings:
     lam: float | None = None  # lambda*(delta); None = never stops early (or disabled)
     answer_budget: int | None = None
     n: int = 1
+    lam_source: str = "bundle"  # where `lam` comes from: bundle | fallback | audit (audit guard)
+    audited: bool = False  # picked for a live audit: runs in shadow with record mode on
 
     def xargs(self) -> dict[str, str | int | float]:
         out: dict[str, str | int | float] = {XARG_KEY: self.key, "orca_enabled": int(self.enabled)}
         if self.enabled:
             out["orca_delta"] = float(self.delta)  # type: ignore[arg-type]
-            out["orca_policy"] = str(self.policy)
+            out["orca_policy"] = "shadow" if self.audited else str(self.policy)
+            out[XARG_LAM] = "never" if self.lam is None else float(self.lam)
+            if self.audited:
+                out["orca_record"] = 1
             if self.answer_budget is not None:
                 out["orca_answer_budget"] = int(self.answer_budget)
         return out

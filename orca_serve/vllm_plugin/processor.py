@@ -66,6 +66,15 @@ def _as_int(name: str, v: Any) -> int:
     raise ValueError(f"{name} must be an integer, got {v!r}")
 
 
+def _as_lam(v: Any) -> float:
+    """`orca_lam`: a threshold in [0, 1], or "never" (no early stop)."""
+    if v == "never":
+        return NEVER
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+        raise ValueError(f"orca_lam must be a number in [0, 1] or \"never\", got {v!r}")
+    return float(v)
+
+
 class _Req:
     """Everything the plugin keeps about one vLLM request (a child of n>1 is its own request)."""
 
@@ -93,6 +102,7 @@ class _Req:
         "params",
         "plan",
         "policy",
+        "prompt_ids",
         "prompt_len",
         "record",
         "req_id",
@@ -173,6 +183,8 @@ class OrcaLogitsProcessor(LogitsProcessor):
                 raise ValueError(f"orca_delta must be a number, got {d!r}") from None
             if not 0 < d < 1:
                 raise ValueError(f"orca_delta must be in (0, 1), got {d!r}")
+        if "orca_lam" in xa:
+            _as_lam(xa["orca_lam"])
         if "orca_policy" in xa and xa["orca_policy"] not in POLICIES:
             raise ValueError(f"orca_policy must be one of {', '.join(POLICIES)}, "
                              f"got {xa['orca_policy']!r}")
@@ -393,11 +405,14 @@ class OrcaLogitsProcessor(LogitsProcessor):
                 st.notes.append(f"{e}; using the bundle default delta")
                 st.delta = self.bundle.default_delta
                 st.lam = self.bundle.lam(st.delta)
+            if "orca_lam" in xa:  # the server resolved lambda (its audit guard may override it)
+                st.lam = _as_lam(xa["orca_lam"])
         st.max_tokens = params.max_tokens
         st.ignore_eos = bool(params.ignore_eos)
         eos = getattr(params, "eos_token_id", None)
         st.eos = self.default_eos if eos is None else int(eos)
         st.seg = Segmenter(self.table, prompt, keep_ids=st.record)
+        st.prompt_ids = list(prompt) if st.record and prompt is not None else None
         st.active = True
         st.n_seen = len(out)  # tokens already generated before we saw it are not pooled
         if st.n_seen:
@@ -728,6 +743,9 @@ class OrcaLogitsProcessor(LogitsProcessor):
             d["step_embeddings"] = arr.astype(np.float32, copy=False)
             d["step_tokens"] = counts
             d["step_token_ids"] = ids
+            # the token sequence the answer probes continue (calibration/probing.py)
+            d["prompt_token_ids"] = st.prompt_ids
+            d["output_token_ids"] = [int(t) for t in st.out]
         return d
 
     def get_stats(self) -> dict[str, Any]:
