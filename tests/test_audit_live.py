@@ -175,9 +175,12 @@ def test_guard_acts_on_a_forced_alarm_and_clears(policy: str) -> None:
         assert (g.lam, g.source) == expected
     row = g.row()
     assert row["alarm"] is True and row["lambda_source"] == g.source
-    cs.lower = 0.05  # back to delta or below: cleared, the bundle's lambda* returns
+    cs.lower = 0.05  # the alarm goes, the guard stays until the upper bound says risk <= delta
     g.decide(lambda: data, ltt)
-    assert (g.lam, g.source, g.alarm) == (0.45, "bundle", False)
+    assert not g.alarm and g.engaged and g.source == row["lambda_source"]
+    cs.upper = 0.1
+    g.decide(lambda: data, ltt)  # cleared: the bundle's lambda* returns
+    assert (g.lam, g.source, g.engaged) == (0.45, "bundle", False)
 
 
 def test_fallback_reaches_requests_and_losses_use_the_bundle_lambda(bundle) -> None:

@@ -116,27 +116,35 @@ class DeltaGuard:
     on_alarm: str = "report"
     lam: float = NEVER
     source: str = "bundle"
-    window_risk: float | None = None  # LTT risk on the window (source "audit")
+    engaged: bool = False  # alarmed and not cleared yet
 
     def __post_init__(self) -> None:
         self.lam = self.bundle_lam
 
     @property
     def alarm(self) -> bool:
+        """The realized risk of the bundle's lambda* exceeds delta (its lower bound does)."""
         return bool(self.cs.n) and bool(self.cs.alarm(self.delta))
 
     def decide(self, window: Callable[[], tuple[list[np.ndarray], list[np.ndarray]] | None],
                ltt: Callable[[list[np.ndarray], list[np.ndarray], float], float]) -> None:
         """Set the served lambda from the alarm and the policy (see the module docstring).
 
-        `window()` gives the recalibration window (scores, labels) once it is full, else None.
+        The guard engages on an alarm and is cleared only when the upper bound is back at delta
+        or below (evidence that the bundle's lambda* holds again), not when the lower bound dips:
+        that would flap with every loss near the boundary. `window()` gives the recalibration
+        window (scores, labels) once it is full, else None.
         """
-        if not self.alarm or self.on_alarm == "report":
-            self.lam, self.source, self.window_risk = self.bundle_lam, "bundle", None
+        if self.alarm:
+            self.engaged = True
+        elif self.engaged and self.cs.upper <= self.delta:
+            self.engaged = False
+        if not self.engaged or self.on_alarm == "report":
+            self.lam, self.source = self.bundle_lam, "bundle"
             return
         data = window() if self.on_alarm == "recalibrate" else None
         if data is None:
-            self.lam, self.source, self.window_risk = NEVER, "fallback", None
+            self.lam, self.source = NEVER, "fallback"
             return
         self.lam, self.source = ltt(data[0], data[1], self.delta), "audit"
 
@@ -145,7 +153,7 @@ class DeltaGuard:
         return {"delta": self.delta, "n": n,
                 "risk": float(self.cs.mean) if n else None,
                 "lower": float(self.cs.lower), "upper": float(self.cs.upper),
-                "alarm": self.alarm,
+                "alarm": self.alarm, "engaged": self.engaged,
                 "lambda": None if math.isinf(self.lam) else self.lam,
                 "lambda_source": self.source,
                 "bundle_lambda": None if math.isinf(self.bundle_lam) else self.bundle_lam}
