@@ -21,9 +21,11 @@ from calibration.ltt import DeltaResult, calibrate, default_grid
 from calibration.train import solvable
 from calibration.trajectories import TrajectorySet
 from orca_serve import __version__
+from orca_serve.audit.drift import build_reference
 from orca_serve.bundle import (
     SCHEMA_VERSION,
     Bundle,
+    DriftReference,
     LTTRow,
     LTTTable,
     ModelIdentity,
@@ -49,15 +51,24 @@ class Scored:
     labels: list[np.ndarray]
     tokens: list[np.ndarray] | None
 
+    def solvable(self) -> Scored:
+        """The problems with a correct step: those LTT's risk is about."""
+        keep = [i for i, c in enumerate(self.labels) if c.any()]
+        return Scored(ids=[self.ids[i] for i in keep], scores=[self.scores[i] for i in keep],
+                      labels=[self.labels[i] for i in keep],
+                      tokens=None if self.tokens is None else [self.tokens[i] for i in keep])
 
-def score_split(probe: Probe, ts: TrajectorySet, split: str, mode: str, window: int) -> Scored:
-    """Replay the deployed procedure on a split's solvable problems (split "all": every problem)."""
+
+def score_split(probe: Probe, ts: TrajectorySet, split: str, mode: str, window: int,
+                solvable_only: bool = True) -> Scored:
+    """Replay the deployed procedure on a split's solvable problems (split "all": every problem;
+    ``solvable_only=False``: the unsolvable ones too)."""
     if probe.spec.dim != ts.dim:
         raise ValueError(f"the probe takes {probe.spec.dim}-dim embeddings but {ts.path} has "
                          f"dim {ts.dim}: train the probe on this data's model")
     members = list(range(len(ts))) if split == "all" else ts.split(split)
-    idx = solvable(ts, members, mode)
-    if not idx:
+    idx = solvable(ts, members, mode) if solvable_only else members
+    if not idx or not solvable(ts, idx, mode):
         raise ValueError(f"the {split} split of {ts.path} has no problem with a correct step "
                          f"under label mode '{mode}' (problems in split: {len(members)})")
     runs = replay(probe, [ts.embeddings(i) for i in idx], window=window)
@@ -90,7 +101,7 @@ def data_hashes(ts: TrajectorySet) -> dict[str, str]:
 
 def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, mode: str,
                 epsilon: float, pvalue: str, window: int, n_cal: int, default_delta: float,
-                provenance: dict[str, Any]) -> Bundle:
+                provenance: dict[str, Any], drift: DriftReference | None = None) -> Bundle:
     """Everything the server needs, taken from the data's own record of how it was collected."""
     info = ts.info
     model = info.get("model") or "unknown"
@@ -108,7 +119,7 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
                          eta=probe.params["log_eta"].exp().item()),
         window=window, label_mode=mode,
         ltt=LTTTable(epsilon=epsilon, n_cal=n_cal, pvalue=pvalue, grid_size=GRID_SIZE, rows=rows),
-        default_delta=default_delta,
+        default_delta=default_delta, drift=drift,
         provenance={"data": str(ts.path), "data_sha256": data_hashes(ts),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **provenance})
 
@@ -118,11 +129,13 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
                      pvalue: str = "binomial", window: int = 10, default_delta: float | None = None,
                      dump_scores: Path | None = None,
                      provenance: dict[str, Any] | None = None) -> Bundle:
-    """Replay the calibration split, run LTT for every delta, write bundle.json."""
+    """Replay the calibration split, run LTT for every delta, write bundle.json with the drift
+    reference of the whole split (the server sees unsolvable requests too)."""
     default = default_delta if default_delta is not None else (0.1 if 0.1 in deltas else deltas[0])
     if default not in deltas:
         raise ValueError(f"default delta {default} is not among the calibrated deltas {deltas}")
-    scored = score_split(probe, ts, "calibration", mode, window)
+    everything = score_split(probe, ts, "calibration", mode, window, solvable_only=False)
+    scored = everything.solvable()
     results = run_ltt(scored, deltas, epsilon, pvalue)
     if dump_scores is not None:
         with open(dump_scores, "w") as f:
@@ -130,5 +143,6 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
                                     "labels": c.astype(int).tolist()}) + "\n" for pid, s, c in zip(scored.ids, scored.scores, scored.labels))
     bundle = make_bundle(probe, ts, results, mode=mode, epsilon=epsilon, pvalue=pvalue,
                          window=window, n_cal=len(scored.ids), default_delta=default,
-                         provenance=provenance or {})
+                         provenance=provenance or {},
+                         drift=build_reference(everything.scores, window, [r.lam for r in results]))
     return save_bundle(bundle, out)

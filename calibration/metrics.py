@@ -9,12 +9,12 @@ take ``tau`` accept shape ``[n_problems]`` or ``[n_lambdas, n_problems]`` so tha
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-Ragged = Sequence[np.ndarray]
+# The stopping rule and its loss are the risk the live audit measures: one definition, there.
+from orca_serve.audit.risk import Ragged, losses, stop_indices, values_at  # noqa: F401
 
 
 def check_problems(
@@ -49,37 +49,6 @@ def check_problems(
 def keep_solvable(labels: Ragged) -> np.ndarray:
     """Boolean mask of problems correct at some step; the paper excludes the others."""
     return np.array([bool(np.any(np.asarray(c) == 1)) for c in labels], dtype=bool)
-
-
-def stop_indices(scores: Ragged, lambdas: np.ndarray) -> np.ndarray:
-    """0-based ``tau[j, i] = min{t : m_it >= lambda_j}``, or ``T_i - 1`` if never crossed.
-
-    The first crossing of ``lambda`` equals the first index where the prefix maximum reaches
-    it, and the prefix maximum is sorted, so each problem is one ``searchsorted`` over all
-    thresholds. ``lambda = +inf`` never stops early.
-    """
-    lambdas = np.asarray(lambdas, dtype=float)
-    if lambdas.ndim != 1 or np.isnan(lambdas).any():
-        raise ValueError("lambdas must be a 1-D array without NaN")
-    tau = np.empty((len(scores), lambdas.size), dtype=np.intp)
-    for i, m in enumerate(scores):
-        prefix_max = np.maximum.accumulate(np.asarray(m, dtype=float))
-        first = np.searchsorted(prefix_max, lambdas, side="left")
-        tau[i] = np.minimum(first, prefix_max.size - 1)
-    return tau.T
-
-
-def values_at(arrays: Ragged, tau: np.ndarray) -> np.ndarray:
-    """``out[..., i] = arrays[i][tau[..., i]]`` as a single gather over the packed arrays."""
-    lengths = np.fromiter((len(a) for a in arrays), dtype=np.intp, count=len(arrays))
-    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    flat = np.concatenate([np.asarray(a) for a in arrays])
-    return flat[offsets + tau]
-
-
-def losses(tau: np.ndarray, labels: Ragged) -> np.ndarray:
-    """0/1 loss ``1 - C_i[tau_i]`` (int8), same shape as ``tau``."""
-    return 1 - values_at([np.asarray(c, dtype=np.int8) for c in labels], tau)
 
 
 def step_savings(tau: np.ndarray, lengths: np.ndarray) -> np.ndarray:

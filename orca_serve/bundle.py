@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -72,6 +79,28 @@ class LTTTable(_Strict):
     rows: list[LTTRow]
 
 
+class DriftReference(_Strict):
+    """How the calibration set's scores behave, for the label-free drift test (docs/AUDIT.md).
+
+    Per calibration trajectory (a seeded subsample), the two statistics of
+    `orca_serve.audit.drift.drift_statistics`: the mean smoothed score over the first `k` steps
+    (cut at the first crossing of `level`) and the 1-based step of that crossing (None: never).
+    Optional: bundles without it load, and then the server has no drift metric.
+    """
+
+    k: int = Field(ge=1)
+    level: float | None  # the most aggressive calibrated lambda*; None: no delta stops early
+    n_cal: int = Field(ge=1)  # calibration trajectories the subsample was drawn from
+    early_mean: list[float] = Field(min_length=1)
+    stop_step: list[int | None] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _paired(self) -> DriftReference:
+        if len(self.early_mean) != len(self.stop_step):
+            raise ValueError("drift reference lists early_mean and stop_step differ in length")
+        return self
+
+
 class ProbeBlock(_Strict):
     spec: dict[str, Any]
     weights: str  # base64 of a safetensors blob holding the slow weights
@@ -91,6 +120,7 @@ class Bundle(_Strict):
     ltt: LTTTable
     default_delta: float
     provenance: dict[str, Any] = {}
+    drift: DriftReference | None = None  # absent in older bundles: no drift test
     checksum: str = ""
 
     @field_validator("schema_version")

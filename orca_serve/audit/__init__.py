@@ -1,0 +1,12 @@
+"""Is the calibrated guarantee holding on live traffic? Risk, confidence sequence, drift.
+
+Plain numpy/scipy (no vLLM): the server imports it per request, the offline tools
+(`orca-calibrate audit-report`, `recalibrate`) use the same code. Statistics: docs/AUDIT.md.
+"""
+
+from orca_serve.audit.drift import DriftMonitor, build_reference, drift_statistics
+from orca_serve.audit.risk import is_counted, request_loss, request_losses, table_losses
+from orca_serve.audit.sequence import ConfidenceSequence
+
+__all__ = ["ConfidenceSequence", "DriftMonitor", "build_reference", "drift_statistics",
+           "is_counted", "request_loss", "request_losses", "table_losses"]

@@ -1,0 +1,182 @@
+"""An anytime-valid confidence sequence for the mean of [0, 1] losses (the live risk).
+
+The audit watches the realized risk continuously, so a fixed-n interval (Clopper-Pearson,
+Hoeffding) would be broken by the watching itself: checking it after every audit and raising an
+alarm the first time it excludes the truth has a false-alarm probability that grows to 1. A
+confidence sequence is a sequence of intervals ``[lower_t, upper_t]`` that contains the true mean
+at ALL sample sizes at once with probability >= 1 - alpha, so it may be looked at after every
+update and stopped at any data-dependent time.
+
+Construction: the hedged capital process of Waudby-Smith & Ramdas (2024), "Estimating means of
+bounded random variables by betting", JRSS-B 86(1), section 4 ("hedged capital", Theorem 3),
+with their predictable plug-in bets (eq. 26 there):
+
+    K+_t(m) = prod_i (1 + l+_i(m) (X_i - m)),      K-_t(m) = prod_i (1 - l-_i(m) (X_i - m)),
+    l_t = sqrt(2 log(2/alpha) / (s2_{t-1} t log(1 + t))),
+    l+_t(m) = min(l_t, c/m),  l-_t(m) = min(l_t, c/(1-m)),     c = 1/2,
+    mu_t = (1/2 + sum_{i<=t} X_i) / (t + 1),   s2_t = (1/4 + sum_{i<=t} (X_i - mu_i)^2) / (t + 1).
+
+For the true mean m*, K+ and K- are nonnegative martingales (the bets are predictable and keep
+every factor positive), so by Ville's inequality P(exists t: K+_t(m*) >= 2/alpha) <= alpha/2, and
+the same for K-. The set {m : K+_t(m) < 2/alpha and K-_t(m) < 2/alpha} (the hedged process with
+theta = 1/2) therefore covers m* at every t with probability >= 1 - alpha. K+ is nonincreasing
+and K- nondecreasing in m, so the set is an interval: ``lower`` is the largest grid point that
+K+ excludes, ``upper`` the smallest one that K- excludes (conservative by at most one grid
+step), and both are intersected over time (still valid: the event is the same).
+
+Each side alone has level alpha/2: ``alarm(delta) = lower > delta`` fires, when the true risk is
+at most delta, with probability at most alpha/2 over the whole (infinite) stream.
+
+The state is a few arrays over a fixed grid of ``grid_size`` candidate means (O(grid) per update,
+deterministic), optionally batched over independent streams (``shape``), which the coverage test
+uses to simulate many streams with the very same code.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+C_TRUNCATION = 0.5  # c in the bets' truncation c/m, c/(1-m); the paper suggests 1/2 or 3/4
+DEFAULT_GRID = 501  # candidate means 0, 0.002, ..., 1
+FOLD = 32  # updates between two folds of the capital products into their logs
+
+
+class ConfidenceSequence:
+    """Running mean of [0, 1] losses with anytime-valid ``lower``/``upper`` bounds at ``alpha``.
+
+    ``alpha`` is the probability that the bounds EVER miss the true mean (two-sided); a server
+    builds one per delta with ``alpha = epsilon`` of the bundle, the level LTT used, so the
+    audit's false-alarm probability (``alpha/2``) is no larger than the calibration's own.
+    """
+
+    def __init__(self, alpha: float = 0.05, grid_size: int = DEFAULT_GRID,
+                 shape: tuple[int, ...] = ()) -> None:
+        if not 0.0 < alpha < 1.0:
+            raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+        if grid_size < 2:
+            raise ValueError(f"grid_size must be >= 2, got {grid_size}")
+        self.alpha = float(alpha)
+        self.grid_size = int(grid_size)
+        self.shape = tuple(shape)
+        self.grid = np.linspace(0.0, 1.0, self.grid_size)
+        with np.errstate(divide="ignore"):
+            self._cap_plus = C_TRUNCATION / self.grid  # inf at m = 0
+            self._cap_minus = C_TRUNCATION / (1.0 - self.grid)  # inf at m = 1
+        self._threshold = math.log(2.0 / self.alpha)  # log(1 / (theta alpha)), theta = 1/2
+        self.n = 0
+        self._sum = np.zeros(self.shape)
+        self._sum_sq = np.zeros(self.shape)  # sum (X_i - mu_i)^2
+        self._log_plus = np.zeros(self.shape + (self.grid_size,))  # log K+ at the last fold
+        self._log_minus = np.zeros(self.shape + (self.grid_size,))  # log K- at the last fold
+        self._fold()
+        self._lower = np.zeros(self.shape)
+        self._upper = np.ones(self.shape)
+
+    # -- updates ----------------------------------------------------------------------------
+    def update(self, loss: float | np.ndarray) -> None:
+        """Add one loss in [0, 1] (per stream, when batched)."""
+        x = np.asarray(loss, dtype=float)
+        if x.shape != self.shape:
+            raise ValueError(f"expected a loss of shape {self.shape}, got {x.shape}")
+        if not np.all((x >= 0.0) & (x <= 1.0)):
+            raise ValueError("losses must be in [0, 1]")
+        t = self.n + 1
+        var_prev = (0.25 + self._sum_sq) / t  # s2_{t-1}
+        bet = np.sqrt(2.0 * self._threshold / (var_prev * t * math.log1p(t)))[..., None]
+        diff = np.subtract(x[..., None], self.grid)  # [*shape, G]
+        for cap, prod, sign in ((self._cap_plus, self._prod_plus, 1.0),
+                                (self._cap_minus, self._prod_minus, -1.0)):
+            factor = np.minimum(bet, cap)  # [*shape, G], then 1 +- bet (X - m) in place
+            factor *= diff
+            factor *= sign
+            factor += 1.0
+            prod *= factor
+        self._sum += x
+        self._sum_sq += (x - (0.5 + self._sum) / (t + 1)) ** 2
+        self.n = t
+        self._tighten()
+        if t % FOLD == 0:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Move the products of the last factors into the logs (exact up to rounding).
+
+        Products instead of a log per factor: a float64 log per grid point and update is what
+        the update would cost otherwise. Every factor lies in [1 - c, 1 + max bet], max bet
+        <= sqrt(8 log(2/alpha) / log 2), so FOLD factors neither overflow nor underflow.
+        """
+        if hasattr(self, "_prod_plus"):
+            self._log_plus += np.log(self._prod_plus)
+            self._log_minus += np.log(self._prod_minus)
+        self._prod_plus = np.ones_like(self._log_plus)
+        self._prod_minus = np.ones_like(self._log_minus)
+        # K >= 2/alpha  <=>  product since the fold >= exp(threshold - log K at the fold)
+        self._need_plus = np.exp(self._threshold - self._log_plus)
+        self._need_minus = np.exp(self._threshold - self._log_minus)
+
+    def _tighten(self) -> None:
+        """Intersect with the grid points the capital processes exclude: the leading run for
+        K+ and the trailing run for K-, found with argmax (the first point NOT excluded), so
+        float noise in the monotonicity in m never excludes an interior point."""
+        kept_low = self._prod_plus < self._need_plus
+        kept_high = (self._prod_minus < self._need_minus)[..., ::-1]
+        # grid points 0..k_low-1 are excluded, and the last k_high ones
+        k_low = np.where(kept_low.any(axis=-1), kept_low.argmax(axis=-1), self.grid_size)
+        k_high = np.where(kept_high.any(axis=-1), kept_high.argmax(axis=-1), self.grid_size)
+        g = self.grid
+        lower = np.where(k_low > 0, g[np.maximum(k_low - 1, 0)], 0.0)
+        upper = np.where(k_high > 0, g[np.minimum(self.grid_size - k_high, self.grid_size - 1)],
+                         1.0)
+        self._lower = np.maximum(self._lower, lower)
+        self._upper = np.minimum(self._upper, upper)
+
+    # -- reading ----------------------------------------------------------------------------
+    def _out(self, a: np.ndarray) -> float | np.ndarray:
+        return float(a) if self.shape == () else a.copy()
+
+    @property
+    def mean(self) -> float | np.ndarray:
+        """Realized mean loss (NaN before the first update)."""
+        return self._out(self._sum / self.n if self.n else np.full(self.shape, math.nan))
+
+    @property
+    def lower(self) -> float | np.ndarray:
+        return self._out(self._lower)
+
+    @property
+    def upper(self) -> float | np.ndarray:
+        return self._out(self._upper)
+
+    def alarm(self, delta: float) -> bool | np.ndarray:
+        """True when the risk exceeds ``delta`` at level alpha/2, uniformly over time."""
+        out = self._lower > delta
+        return bool(out) if self.shape == () else out
+
+    # -- persistence ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready state; ``from_dict`` restores it exactly (floats round-trip in JSON)."""
+        self._fold()
+        return {"kind": "hedged-capital-wsr2024", "alpha": self.alpha,
+                "grid_size": self.grid_size, "shape": list(self.shape), "n": self.n,
+                "sum": self._sum.tolist(), "sum_sq": self._sum_sq.tolist(),
+                "log_plus": self._log_plus.tolist(), "log_minus": self._log_minus.tolist(),
+                "lower": self._lower.tolist(), "upper": self._upper.tolist()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ConfidenceSequence:
+        if d.get("kind") != "hedged-capital-wsr2024":
+            raise ValueError(f"not a confidence sequence state: kind {d.get('kind')!r}")
+        cs = cls(alpha=d["alpha"], grid_size=d["grid_size"], shape=tuple(d["shape"]))
+        cs.n = int(d["n"])
+        for name in ("sum", "sum_sq", "log_plus", "log_minus", "lower", "upper"):
+            value = np.asarray(d[name], dtype=float)
+            current = getattr(cs, f"_{name}")
+            if value.shape != current.shape:
+                raise ValueError(f"confidence sequence state '{name}' has shape {value.shape}, "
+                                 f"expected {current.shape}")
+            setattr(cs, f"_{name}", value)
+        cs._fold()
+        return cs
