@@ -15,7 +15,15 @@ from scipy.stats import binomtest
 
 from calibration.ltt import calibrate, default_grid
 from calibration.trajectories import TrajectorySet
-from orca_serve.audit.live import AuditSampler, DeltaGuard, LiveAudit, aligned_scores, ltt_lambda
+from orca_serve.audit import DriftMonitor, build_reference, request_loss
+from orca_serve.audit.live import (
+    AuditCollector,
+    AuditSampler,
+    DeltaGuard,
+    LiveAudit,
+    aligned_scores,
+    ltt_lambda,
+)
 from orca_serve.audit.options import AuditConfig
 from orca_serve.audit.store import AuditStore
 from orca_serve.bundle import load_bundle
@@ -134,7 +142,7 @@ def test_filled_last_score_never_changes_a_loss() -> None:
         lam = float(rng.random())
         filled = aligned_scores(s, t)
         for last in (0.0, 1.0, float(rng.random())):
-            assert _loss(filled, c, lam) == _loss(np.append(s, last), c, lam)
+            assert request_loss(filled, c, lam) == request_loss(np.append(s, last), c, lam)
 
 
 # -- the guard --------------------------------------------------------------------------------
@@ -213,6 +221,48 @@ def test_fallback_reaches_requests_and_losses_use_the_bundle_lambda(bundle) -> N
     table = audit.table()
     assert [r["delta"] for r in table["deltas"]] == bundle.deltas()
     assert json.dumps(table)  # the route's body
+
+
+def test_real_confidence_sequence_alarms_on_losses_and_metrics_show_it(bundle) -> None:
+    """With the server's own confidence sequence and loss: audits that all stop before the answer
+    is right at every bundle lambda* (score 1 at step 0, right only at the end) raise every
+    delta's alarm within 40 audits, and the guard (fallback) then serves never-stop."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0, on_alarm="fallback"))
+    for i in range(40):
+        audit.observe([1.0, 1.0, 1.0], [0, 0, 0, 1])
+    assert audit.counts["labelled"] == 40
+    for row in audit.table()["deltas"]:
+        assert row["n"] == 40 and row["risk"] == 1.0 and row["lower"] > row["delta"], row
+        assert row["alarm"] and row["lambda"] is None and row["lambda_source"] == "fallback"
+    reg = CollectorRegistry()
+    reg.register(AuditCollector(audit))
+    text = generate_latest(reg).decode()
+    assert 'orca_audit_requests_total{state="labelled"} 40.0' in text
+    assert 'orca_audit_alarm{delta="0.1"} 1.0' in text
+    assert 'orca_audit_lambda{delta="0.1",source="fallback"} +Inf' in text
+    assert "orca_drift_pvalue" not in text  # the demo bundle has no drift reference
+
+
+def test_drift_monitor_sees_every_finished_request(bundle) -> None:
+    """Scores of all requests (audited or not) reach the drift monitor; shifted ones alarm."""
+    rng = np.random.default_rng(0)
+    ref = build_reference([rng.uniform(0, 0.4, 6) for _ in range(300)], k=3,
+                          lambdas=bundle_lams(bundle))
+    drift = DriftMonitor(ref, window=50)
+    audit = LiveAudit(bundle, AuditConfig(rate=0.0), drift=drift)
+    new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
+    _, settings = audit.admit(new, settings)
+    for _ in range(50):
+        audit.finished(settings, {0: {"scores": rng.uniform(0.6, 1.0, 5).tolist(),
+                                      "lam": None, "policy": "answer"}})
+    assert drift.observed == 50 and drift.alarm
+    assert audit.table()["drift"] == {"pvalue": drift.pvalue, "alarm": True}
+
+
+def bundle_lams(bundle) -> list[float]:
+    return [bundle.lam(d) for d in bundle.deltas()]
 
 
 # -- the store --------------------------------------------------------------------------------

@@ -168,7 +168,7 @@ def _default_cs_factory(epsilon: float) -> Callable[[], CS]:
 def _default_loss(scores: np.ndarray, labels: np.ndarray, lam: float) -> int:
     from orca_serve.audit import request_loss
 
-    return int(request_loss(scores, labels, lam))
+    return request_loss(scores, labels, lam)
 
 
 @dataclass
@@ -236,8 +236,11 @@ class LiveAudit:
         """A request ended (its results fetched): feed drift, queue its audit for labelling."""
         if self.drift is not None:
             for r in results.values():
-                if r and r.get("scores"):
-                    self.drift.observe(list(r["scores"]))
+                if r and r.get("scores") and not r.get("error"):
+                    # shadow runs (audits) never stop: their scores are complete
+                    lam = r.get("lam")
+                    self.drift.observe(list(r["scores"]), NEVER if lam is None or
+                                       r.get("policy") == "shadow" else float(lam))
         rec = self._pending.pop(settings.key, None)
         if rec is None:
             return
@@ -290,10 +293,11 @@ class LiveAudit:
     def observe(self, scores: list[float], raw_labels: list[int]) -> None:
         """One labelled audit: losses at every bundle lambda*, then every guard decides."""
         from calibration.trajectories import cumulative
+        from orca_serve.audit import is_counted
 
         self.counts["labelled"] += 1
         labels = cumulative(np.asarray(raw_labels))
-        if self.bundle.ltt.excluded_never_correct and not labels.any():
+        if not is_counted(labels, self.bundle.ltt.excluded_never_correct):
             self.counts["unsolvable"] += 1
             return
         s = aligned_scores(scores, len(labels))

@@ -129,7 +129,9 @@ def make_live_audit(ns: argparse.Namespace, bundle: Any, registry: Any) -> Any:
     from orca_serve.audit.store import AuditStore
 
     config = audit_config(ns)
-    live = LiveAudit(bundle, config, drift=_drift_monitor(bundle))
+    from orca_serve.audit import DriftMonitor
+
+    live = LiveAudit(bundle, config, drift=DriftMonitor.from_bundle(bundle))
     if config.directory is not None:
         live.store = AuditStore(
             config.directory, dim=bundle.model.hidden_size, per_dir=config.per_dir,
@@ -142,8 +144,3 @@ def make_live_audit(ns: argparse.Namespace, bundle: Any, registry: Any) -> Any:
     if registry is not None:
         registry.register(AuditCollector(live))
     return live
-
-
-def _drift_monitor(bundle: Any) -> Any:
-    """A DriftMonitor when the bundle carries a drift reference (orca_serve.audit)."""
-    return None
