@@ -265,6 +265,22 @@ def bundle_lams(bundle) -> list[float]:
     return [bundle.lam(d) for d in bundle.deltas()]
 
 
+# -- options ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "m", "--orca-audit-rate", "0.5"], "needs --calib"),
+    (["--demo", "--orca-audit-dir", "d"], "--orca-audit-rate is 0"),
+    (["--demo", "--orca-audit-rate", "1.5"], "must be in [0, 1]"),
+    (["--demo", "--orca-on-alarm", "panic"], "invalid choice"),
+])
+def test_bad_audit_options_end_in_one_line(argv, message, capsys) -> None:
+    from orca_serve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and message in err and "Traceback" not in err, err
+
+
 # -- the store --------------------------------------------------------------------------------
 def test_store_rotates_keeps_the_newest_and_resumes(tmp_path: Path) -> None:
     info = {"model": "m", "normalization": "token-l2", "source": "test"}

@@ -320,11 +320,6 @@ class LiveAudit:
         return ltt_lambda(scores, labels, delta, epsilon=t.epsilon, grid_size=t.grid_size,
                           pvalue=t.pvalue)
 
-    async def drain(self) -> None:
-        """Wait until every queued audit is processed (tests, shutdown)."""
-        while self._worker is not None and not self._worker.done():
-            await asyncio.shield(self._worker)
-
     # -- reading -----------------------------------------------------------------------------
     def table(self) -> dict[str, Any]:
         """GET /v1/orca/audit."""
