@@ -29,7 +29,7 @@ POLICIES: tuple[str, ...] = ("answer", "stop", "shadow")
 
 # The vllm_xargs names of the plugin contract (str/int/float only: no bools in vllm_xargs).
 XARG_KEY = "orca_key"
-XARG_LAM = "orca_lam"  # the resolved lambda: a threshold, or "never"
+XARG_LAM = "orca_lam"  # the resolved lambda: a threshold, or "inf" (never stop early)
 XARG_FIELDS = {"enabled": "orca_enabled", "delta": "orca_delta", "policy": "orca_policy",
                "answer_budget": "orca_answer_budget"}
 XARG_RESERVED = {XARG_KEY, XARG_LAM}
@@ -84,7 +84,7 @@ class OrcaSettings:
         if self.enabled:
             out["orca_delta"] = float(self.delta)  # type: ignore[arg-type]
             out["orca_policy"] = "shadow" if self.audited else str(self.policy)
-            out[XARG_LAM] = "never" if self.lam is None else float(self.lam)
+            out[XARG_LAM] = "inf" if self.lam is None else float(self.lam)
             if self.audited:
                 out["orca_record"] = 1
             if self.answer_budget is not None:

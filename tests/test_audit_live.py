@@ -211,7 +211,7 @@ def test_fallback_reaches_requests_and_losses_use_the_bundle_lambda(bundle) -> N
     audit.observe(scores, [0, 0, 1])
     new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
     body, settings = audit.admit(new, settings)
-    assert body["vllm_xargs"]["orca_lam"] == "never" and settings.lam_source == "fallback"
+    assert body["vllm_xargs"]["orca_lam"] == "inf" and settings.lam_source == "fallback"
     obj = orca_object(settings, {0: {}})
     assert obj["lambda"] is None and obj["lambda_source"] == "fallback"
     new, settings = resolve({"messages": [], "orca": {"delta": 0.2}}, OrcaDefaults(), bundle)

@@ -67,11 +67,11 @@ def _as_int(name: str, v: Any) -> int:
 
 
 def _as_lam(v: Any) -> float:
-    """`orca_lam`: a threshold in [0, 1], or "never" (no early stop)."""
-    if v == "never":
+    """`orca_lam`: a threshold in [0, 1], or "inf" (no early stop; JSON has no infinity)."""
+    if v == "inf":
         return NEVER
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
-        raise ValueError(f"orca_lam must be a number in [0, 1] or \"never\", got {v!r}")
+        raise ValueError(f"orca_lam must be a number in [0, 1] or \"inf\", got {v!r}")
     return float(v)
 
 
