@@ -114,7 +114,7 @@ def test_audited_requests_get_full_budget_answers_and_labels_match_collect(srv, 
     subprocess.run([str(VENV_BIN / "orca-calibrate"), "collect", "--model", str(MODEL),
                     "--prompts", str(env["dir"] / "prompts.jsonl"), "--out", str(out),
                     "--temperature", "0", "--max-tokens", str(MAX_TOKENS),
-                    "--suffix", DEMO_SUFFIX], check=True, capture_output=True, timeout=600)
+                    "--suffix", DEMO_SUFFIX], check=True, capture_output=True, timeout=1800)
     collected = TrajectorySet.open(out)
     assert len(collected) == len(prompts)
     for i, (a, c) in enumerate(zip(audited.problems, collected.problems)):
