@@ -3,7 +3,8 @@
 The step embeddings come from the plugin's own capture and segmentation (the code that serves),
 so calibration is on-policy for exactly the online procedure. After each batch of trajectories,
 every labelled step boundary is continued with the answer-forcing suffix (greedy, prefix caching
-on) to read the intermediate answer; labels follow (calibration/labels.py), and with a judge
+on) to read the intermediate answer; labels follow. Probe prompts, their sampling and the labelled
+record are calibration/probing.py's, shared with the server's live audits. With a judge
 configured its verdicts too (calibration/judge.py, one concurrent round per batch). Each finished
 problem is appended and flushed at once, so a killed job loses at most the batch in flight.
 """
@@ -21,17 +22,15 @@ from typing import Any
 from tqdm import tqdm
 
 from calibration.judge import Judge, JudgeSettings, question_text
-from calibration.labels import (
-    extract_final,
-    extract_forced,
-    fill_pessimistic,
-    labelled_steps,
-    require_math_verify,
-    step_labels,
+from calibration.labels import extract_forced, require_math_verify
+from calibration.probing import (
+    DEFAULT_ANSWER_TOKENS,
+    DEFAULT_SUFFIX,
+    probe_params,
+    probe_prompts,
+    trajectory_fields,
 )
 from calibration.trajectories import TrajectoryWriter
-
-DEFAULT_SUFFIX = "\n</think>\n\nThe answer is \\boxed{"
 
 
 @dataclass
@@ -42,7 +41,7 @@ class CollectSettings:
     max_tokens: int = 1024
     seed: int = 0
     suffix: str = DEFAULT_SUFFIX  # answer-forcing text appended to a reasoning prefix
-    answer_tokens: int = 16  # greedy tokens generated after the suffix
+    answer_tokens: int = DEFAULT_ANSWER_TOKENS  # greedy tokens generated after the suffix
     label_every: int = 1
     batch: int = 64  # prompts per generation batch
     dtype: str = "float32"  # of the stored embeddings
@@ -172,24 +171,19 @@ class Collector:
         return merged
 
     def _probe_answers(self, done: list[tuple[str, dict, Any, dict]]) -> list[dict[int, str | None]]:
-        """Continue every labelled step prefix with the answer-forcing suffix (greedy)."""
-        from vllm import SamplingParams
+        """Continue every labelled step prefix with the answer-forcing suffix (calibration/probing)."""
         from vllm.inputs import TokensPrompt
         s = self.settings
         t0 = time.perf_counter()
         suffix_ids = self.tokenizer.encode(s.suffix, add_special_tokens=False)
         prompts, where = [], []
         for j, (_, _, out, res) in enumerate(done):
-            prompt_ids = list(out.prompt_token_ids)
-            gen_ids = list(out.outputs[0].token_ids)
-            ends = _step_ends(res["step_tokens"], _reasoning_start(gen_ids, res["step_token_ids"]))
-            for t in labelled_steps(len(ends), s.label_every):
-                prompts.append(TokensPrompt(prompt_token_ids=prompt_ids + gen_ids[:ends[t]]
-                                            + suffix_ids))
+            for t, ids in probe_prompts(out.prompt_token_ids, out.outputs[0].token_ids, res,
+                                        suffix_ids, s.label_every):
+                prompts.append(TokensPrompt(prompt_token_ids=ids))
                 where.append((j, t))
-        params = SamplingParams(temperature=0.0, max_tokens=s.answer_tokens,
-                                extra_args={"orca_enabled": 0})
-        outs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        outs = (self.llm.generate(prompts, probe_params(s.answer_tokens), use_tqdm=False)
+                if prompts else [])
         answers: list[dict[int, str | None]] = [{} for _ in done]
         for (j, t), o in zip(where, outs):
             answers[j][t] = extract_forced(o.outputs[0].text)
@@ -200,7 +194,6 @@ class Collector:
     def run(self, prompts: list[dict], out_dir: Path, progress: bool = True) -> Stats:
         """Collect every (prompt, sample) not yet in `out_dir`; resumable."""
         s = self.settings
-        res0 = self.record_settings
         with TrajectoryWriter(out_dir, dim=self.llm.llm_engine.model_config.get_hidden_size(),
                               dtype=s.dtype, **self.info_fields()) as writer:
             todo = [(f"{rec['id']}#{k}" if s.samples > 1 else str(rec["id"]), rec)
@@ -211,7 +204,7 @@ class Collector:
                 done = [d for d in self._generate(batch) if d[3]["step_tokens"]]
                 answers = self._probe_answers(done)
                 t0 = time.perf_counter()
-                records = _label_batch(done, answers, res0, self.judge)
+                records = _label_batch(done, answers, self.judge)
                 if self.judge is not None:
                     self.stats.judge_s += time.perf_counter() - t0
                     self.stats.judge = self.judge.counts()
@@ -228,29 +221,10 @@ class Collector:
         return self.stats
 
 
-def _reasoning_start(gen_ids: list[int], step_ids: list[list[int]]) -> int:
-    """Offset of the first step in the generated tokens (a generated `<think>` precedes it)."""
-    flat = [t for step in step_ids for t in step]
-    for start in range(len(gen_ids) - len(flat) + 1):
-        if gen_ids[start:start + len(flat)] == flat:
-            return start
-    raise RuntimeError("the recorded steps are not a run of the generated tokens; "
-                       "capture and generation disagree")
-
-
-def _step_ends(step_tokens: list[int], start: int) -> list[int]:
-    """Exclusive end offsets (in generated tokens) of each step."""
-    ends, pos = [], start
-    for n in step_tokens:
-        pos += n
-        ends.append(pos)
-    return ends
-
-
 def _label_batch(done: list[tuple[str, dict, Any, dict]], answers: list[dict[int, str | None]],
-                 record_settings: dict, judge: Judge | None) -> list[dict[str, Any]]:
+                 judge: Judge | None) -> list[dict[str, Any]]:
     """The records of a generated batch; a judge sees all their step answers in one round."""
-    records = [_problem_fields(key, rec, out, res, probed, record_settings)
+    records = [_problem_fields(key, rec, out, res, probed)
                for (key, rec, out, res), probed in zip(done, answers)]
     if judge is not None:
         verdicts = judge.label([(question_text(rec), r["answer"], r["step_answers"])
@@ -260,21 +234,10 @@ def _label_batch(done: list[tuple[str, dict, Any, dict]], answers: list[dict[int
     return records
 
 
-def _problem_fields(key: str, rec: dict, out: Any, res: dict, probed: dict[int, str | None],
-                    record_settings: dict) -> dict[str, Any]:
-    n = len(res["step_tokens"])
-    step_answers = fill_pessimistic(probed, n)
-    text = out.outputs[0].text
-    final = extract_final(text.split("</think>")[-1]) if "</think>" in text else None
-    final = final if final is not None else step_answers[-1]
-    labels = {"consistent": step_labels(step_answers, final)}
-    if rec.get("answer") is not None:
-        labels["supervised"] = step_labels(step_answers, str(rec["answer"]))
-    return {"id": key, "prompt": json.dumps(rec.get("messages") or rec.get("prompt")),
-            "answer": None if rec.get("answer") is None else str(rec["answer"]),
-            "family": rec.get("family"), "step_tokens": list(res["step_tokens"]),
-            "step_answers": step_answers, "final_answer": final, "labels": labels,
-            "extra": {"finish_reason": out.outputs[0].finish_reason,
-                      "completion_tokens": len(out.outputs[0].token_ids),
-                      "final_correct": None if rec.get("answer") is None
-                      else bool(labels["supervised"][-1])}}
+def _problem_fields(key: str, rec: dict, out: Any, res: dict,
+                    probed: dict[int, str | None]) -> dict[str, Any]:
+    """The shared record (calibration/probing.py) of one vLLM `RequestOutput`."""
+    o = out.outputs[0]
+    return trajectory_fields(key, rec, text=o.text, finish_reason=o.finish_reason,
+                             completion_tokens=len(o.token_ids), step_tokens=res["step_tokens"],
+                             probed=probed)

@@ -75,6 +75,9 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--orca-answer-budget", type=_budget, default=None, metavar="N",
                    help="Default answer budget in tokens after the reasoning is closed by policy "
                    "answer. None: the plugin's default.")
+    from orca_serve.audit.options import add_audit_args
+
+    add_audit_args(parser)
     return parser
 
 
@@ -91,6 +94,7 @@ def early_parse(argv: list[str]) -> argparse.Namespace:
         p.add_argument(opt, default=None)
     p.add_argument("--trust-remote-code", action="store_true", default=False)
     p.add_argument("--speculative-config", "-sc", default=None)
+    p.add_argument("--api-server-count", "-asc", type=int, default=None)
     norm = []
     for a in argv:  # vLLM accepts --snake_case spellings too
         if a.startswith("--") and "_" in a.split("=", 1)[0]:
@@ -285,6 +289,12 @@ def _main(argv: list[str]) -> None:
         if bundle.lambdas_from:
             print(f"{PROG}: note: lambda* in {bundle_path} {bundle.lambdas_from}", file=sys.stderr,
                   flush=True)
+    from orca_serve.audit.options import check_audit_args
+
+    try:
+        check_audit_args(early, has_bundle=bundle is not None)
+    except ValueError as e:
+        raise StartupError(str(e)) from None
     if bundle is not None and early.speculative_config:
         refuse_unsupported(argparse.Namespace(speculative_config=early.speculative_config))
     checked = None
@@ -343,7 +353,15 @@ def _main(argv: list[str]) -> None:
         args.calib = str(Path(bundle_path).absolute())
 
     configure_logging_from_args(args)
-    run(args, state_from_args(args))
+    state = state_from_args(args)
+    if bundle is not None:
+        from orca_serve.audit.options import make_live_audit
+
+        try:
+            state.audit = make_live_audit(args, bundle, state.metrics.registry)
+        except (OSError, ValueError) as e:  # the audit directory cannot be written
+            raise StartupError(f"--orca-audit-dir: {e}") from None
+    run(args, state)
 
 
 if __name__ == "__main__":

@@ -197,6 +197,9 @@ class OrcaResult:
     step_embeddings: Any = None
     step_tokens: list[int] | None = None
     step_token_ids: list[list[int]] | None = None
+    # record mode only: the request's token ids (what live audits' answer probes continue)
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}  # no deep copy of arrays
@@ -205,6 +208,7 @@ class OrcaResult:
         if self.error is None:
             del d["error"]
         if self.step_tokens is None:
-            for k in ("step_embeddings", "step_tokens", "step_token_ids"):
+            for k in ("step_embeddings", "step_tokens", "step_token_ids", "prompt_token_ids",
+                      "output_token_ids"):
                 del d[k]
         return d

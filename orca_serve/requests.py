@@ -28,6 +28,7 @@ from orca_serve.contract import (
     XARG_FIELDS,
     XARG_KEY,
     XARG_LAM,
+    XARG_RECORD,
     XARG_RESERVED,
     Policy,
     encode_lam,
@@ -76,13 +77,17 @@ class OrcaSettings:
     lam: float | None = None  # lambda*(delta); None = never stops early (or disabled)
     answer_budget: int | None = None
     n: int = 1
+    lam_source: str = "bundle"  # where `lam` comes from: bundle | fallback | audit (audit guard)
+    audited: bool = False  # picked for a live audit: runs in shadow with record mode on
 
     def xargs(self) -> dict[str, str | int | float]:
         out: dict[str, str | int | float] = {XARG_KEY: self.key, "orca_enabled": int(self.enabled)}
         if self.enabled:
             out["orca_delta"] = float(self.delta)  # type: ignore[arg-type]
-            out["orca_policy"] = str(self.policy)
+            out["orca_policy"] = "shadow" if self.audited else str(self.policy)
             out[XARG_LAM] = encode_lam(self.lam)
+            if self.audited:
+                out[XARG_RECORD] = 1
             if self.answer_budget is not None:
                 out["orca_answer_budget"] = int(self.answer_budget)
         return out

@@ -134,7 +134,9 @@ def orca_object(settings: OrcaSettings, results: dict[int, dict[str, Any] | None
     if not settings.enabled:
         return {"enabled": False}
     obj: dict[str, Any] = {"enabled": True, "policy": settings.policy, "delta": settings.delta,
-                           "lambda": settings.lam}
+                           "lambda": settings.lam, "lambda_source": settings.lam_source}
+    if settings.audited:
+        obj["audited"] = True
     if settings.answer_budget is not None:
         obj["answer_budget"] = settings.answer_budget
     if settings.n <= 1:
@@ -161,6 +163,7 @@ class OrcaState:
     engine_client: Any = None  # set lazily from app.state.engine_client
     fetcher: ResultFetcher | None = None
     bundle_path: str | None = None
+    audit: Any = None  # orca_serve.audit.live.LiveAudit
     _app_state: Any = field(default=None, repr=False)
 
     def client(self) -> Any:
@@ -330,6 +333,8 @@ class OrcaMiddleware:
                                              completions=completions)
             except OrcaRequestError as e:
                 return await _send_json(send, 400, error_body(e.message, e.param))
+            if settings is not None and self.state.audit is not None:
+                new_body, settings = self.state.audit.admit(new_body, settings)
             if new_body is not body:
                 new_bytes = json.dumps(new_body).encode()
 
@@ -391,6 +396,8 @@ async def _finish(req: _Request) -> None:
         await req.fetch_all()
     finally:
         req.account()
+        if req.state.audit is not None:
+            req.state.audit.finished(req.settings, req.results)
 
 
 class _ResponseShaper:
@@ -544,10 +551,15 @@ def install(app: Any, state: OrcaState) -> Any:
     """Add the orca route and middleware to a FastAPI app built by vLLM (before it serves)."""
     from starlette.middleware import Middleware
 
+    from orca_serve.audit.live import add_audit_route
+
     state._app_state = app.state
     app.state.orca = state
     add_orca_routes(app, state)
     _install_openapi(app)
+    add_audit_route(app, lambda: state.audit)
+    if state.audit is not None:
+        state.audit.engine_client = state.client
     # Innermost: append (add_middleware would put ours outside vLLM's auth and CORS).
     app.user_middleware.append(Middleware(OrcaMiddleware, state=state))
     if app.middleware_stack is not None:  # vLLM's SageMaker bootstrap already built it

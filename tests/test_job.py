@@ -4,18 +4,27 @@ from types import SimpleNamespace
 
 import pytest
 
-from calibration.collect import _problem_fields, _reasoning_start, _step_ends, read_prompts
+from calibration.collect import _problem_fields, read_prompts
 from calibration.job import JobError, load_job
+from calibration.probing import probe_prompts, reasoning_start, step_ends
 
 
 def test_reasoning_start_and_step_ends() -> None:
     gen = [9, 1, 2, 3, 4, 5, 7, 8]  # 9 = a generated <think>; 7, 8 = after </think>
     steps = [[1, 2], [3, 4, 5]]
-    start = _reasoning_start(gen, steps)
+    start = reasoning_start(gen, steps)
     assert start == 1
-    assert _step_ends([2, 3], start) == [3, 6]
+    assert step_ends([2, 3], start) == [3, 6]
     with pytest.raises(RuntimeError, match="disagree"):
-        _reasoning_start(gen, [[2, 1]])
+        reasoning_start(gen, [[2, 1]])
+
+
+def test_probe_prompts_cut_after_each_labelled_step() -> None:
+    gen = [9, 1, 2, 3, 4, 5, 7, 8]
+    record = {"step_tokens": [2, 3], "step_token_ids": [[1, 2], [3, 4, 5]]}
+    assert probe_prompts([50, 51], gen, record, [60], label_every=1) == [
+        (0, [50, 51, 9, 1, 2, 60]), (1, [50, 51, 9, 1, 2, 3, 4, 5, 60])]
+    assert [t for t, _ in probe_prompts([50], gen, record, [60], label_every=5)] == [1]
 
 
 def test_problem_fields_labels() -> None:
@@ -24,12 +33,12 @@ def test_problem_fields_labels() -> None:
         token_ids=list(range(20)))])
     res = {"step_tokens": [3, 4, 2]}
     rec = {"id": "p1", "messages": [{"role": "user", "content": "q"}], "answer": "7"}
-    f = _problem_fields("p1", rec, out, res, {0: "5", 1: "7", 2: "7"}, {})
+    f = _problem_fields("p1", rec, out, res, {0: "5", 1: "7", 2: "7"})
     assert f["labels"]["supervised"] == [0, 1, 1]
     assert f["labels"]["consistent"] == [0, 1, 1]
     assert f["final_answer"] == "7" and f["extra"]["final_correct"] is True
     wrong = {**rec, "answer": "8"}
-    assert _problem_fields("p1", wrong, out, res, {0: "5", 2: "8"}, {})["labels"] == {
+    assert _problem_fields("p1", wrong, out, res, {0: "5", 2: "8"})["labels"] == {
         "consistent": [0, 0, 0], "supervised": [0, 0, 1]}
 
 

@@ -159,10 +159,10 @@ def test_collector_records_get_judge_labels(judge, stub) -> None:
     out_b, res_b = _generated("<think>\nx\n</think>\n\\boxed{Lyon}", 3)
     done = [("a", chat, out_a, res_a), ("b", free, out_b, res_b)]
     answers = [{1: "40", 2: "42", 3: " 42 ", 4: "42"}, {0: "Paris", 2: "Lyon"}]
-    plain = [_problem_fields(k, rec, out, res, probed, {})
+    plain = [_problem_fields(k, rec, out, res, probed)
              for (k, rec, out, res), probed in zip(done, answers)]
-    assert _label_batch(done, answers, {}, None) == plain  # no judge: records unchanged
-    records = _label_batch(done, answers, {}, judge)
+    assert _label_batch(done, answers, None) == plain  # no judge: records unchanged
+    records = _label_batch(done, answers, judge)
     assert [r["labels"]["judge"] for r in records] == [[0, 0, 1, 1, 1], [1, 1, 0]]
     for r, p in zip(records, plain):  # the other modes are untouched
         assert {m: v for m, v in r["labels"].items() if m != "judge"} == p["labels"]

@@ -98,16 +98,20 @@ class OrcaCore:
 
     def join(self, ident: str, xa: Mapping[str, Any] | None, *, prompt: Sequence[int] | None,
              n_out: int, index: int, max_tokens: int | None, eos: int | None,
-             ignore_eos: bool, structured: bool, handle: Any = None) -> Request | None:
+             ignore_eos: bool, structured: bool, handle: Any = None,
+             output: Sequence[int] | None = None) -> Request | None:
         """A request enters the batch: a new one (tracked if it asks for it) or a parked one.
 
         `handle`: an object the adapter's identity is derived from (kept alive while tracked,
-        so that its id is not reused)."""
+        so that its id is not reused). `output`: the engine's live list of the request's output
+        ids, read when a record-mode result is built (a resumed request may bring a new one)."""
         req = self.live.get(ident)
         if req is not None and any(r is req and final for r, final in self._leaving):
             self.settle()  # its identity is reused by a new request: end the old one first
             req = self.live.get(ident)
         if req is not None:
+            if output is not None:
+                req.output = output
             return self._resume(req, n_out)
         if not self.wants(xa):
             return None
@@ -130,6 +134,9 @@ class OrcaCore:
                       eos=self.default_eos if eos is None else eos, ignore_eos=ignore_eos,
                       n_out=n_out)
         req.handle = handle
+        if spec.record:
+            req.prompt = None if prompt is None else [int(t) for t in prompt]
+            req.output = output
         req.notes += notes
         if n_out:
             req.notes.append(f"joined with {n_out} generated tokens; those are not pooled")

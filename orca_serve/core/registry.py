@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 from orca_serve.contract import OrcaResult, RequestSpec
@@ -26,7 +27,7 @@ class Request:
 
     __slots__ = ("active", "answer_budget", "attached", "dep", "eos", "error", "fetched",
                  "forced", "guard_pos", "handle", "ident", "ignore_eos", "index", "key", "lag",
-                 "left_at", "max_tokens", "n_seen", "notes", "plan", "policy", "record",
+                 "left_at", "max_tokens", "n_seen", "notes", "output", "plan", "policy", "prompt", "record",
                  "scores", "seg", "slot", "snapshot", "spec", "step_counts", "step_embs",
                  "steps_scored", "stop_reason", "stop_step", "stopped", "would_stop_step")
 
@@ -58,6 +59,9 @@ class Request:
         self.step_embs: list = []
         self.step_counts: list[int] = []
         self.notes: list[str] = list(spec.notes)
+        # record mode: the prompt's ids and the engine's live output list (read at the end)
+        self.prompt: list[int] | None = None
+        self.output: Sequence[int] | None = None
         self.error: str | None = None
         self.handle: Any = None
 
@@ -99,6 +103,8 @@ class Request:
                 counts.append(self.seg.pending)
                 ids.append(self.seg.finish() or [])
             r.step_embeddings, r.step_tokens, r.step_token_ids = embs, counts, ids
+            r.prompt_token_ids = self.prompt
+            r.output_token_ids = None if self.output is None else [int(t) for t in self.output]
         return r
 
 

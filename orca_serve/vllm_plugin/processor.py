@@ -108,7 +108,7 @@ class OrcaLogitsProcessor(LogitsProcessor):
                               eos=None if eos is None else int(eos),
                               ignore_eos=bool(params.ignore_eos),
                               structured=getattr(params, "structured_outputs", None) is not None,
-                              handle=params)
+                              handle=params, output=out)
 
     def _leave(self, tracked: tuple[Request, list[int]] | None) -> None:
         if tracked is None:

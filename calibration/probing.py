@@ -1,0 +1,98 @@
+"""Answer probes at step boundaries and the labelled record they give: ONE procedure for offline
+collection (`calibration/collect.py`, vLLM's `LLM`) and live audits (`orca_serve/audit/`, the
+server's async engine client).
+
+A recorded trajectory (the plugin's record-mode result: `step_tokens`, `step_token_ids`) is probed
+by continuing ``prompt + generated tokens through step t + suffix`` greedily for a few tokens and
+reading the answer after the suffix (`calibration.labels.extract_forced`). The probed answers give
+every step an answer (pessimistic fill) and the step labels (`trajectory_fields`). Both callers
+build their probe prompts, sampling parameters and records here, so an audited request is labelled
+exactly as `orca-calibrate collect` labels a collected one; only the engine call differs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from calibration.labels import extract_final, fill_pessimistic, labelled_steps, step_labels
+
+DEFAULT_SUFFIX = "\n</think>\n\nThe answer is \\boxed{"
+DEFAULT_ANSWER_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """How intermediate answers are read: the forcing text, its answer budget, the label stride."""
+
+    suffix: str = DEFAULT_SUFFIX  # appended to a reasoning prefix; ends inside `\boxed{`
+    answer_tokens: int = DEFAULT_ANSWER_TOKENS  # greedy tokens generated after the suffix
+    label_every: int = 1  # probe every k-th step (and always the last one)
+
+
+def reasoning_start(gen_ids: Sequence[int], step_ids: Sequence[Sequence[int]]) -> int:
+    """Offset of the first step in the generated tokens (a generated `<think>` precedes it)."""
+    flat = [t for step in step_ids for t in step]
+    gen = list(gen_ids)
+    for start in range(len(gen) - len(flat) + 1):
+        if gen[start:start + len(flat)] == flat:
+            return start
+    raise RuntimeError("the recorded steps are not a run of the generated tokens; "
+                       "capture and generation disagree")
+
+
+def step_ends(step_tokens: Sequence[int], start: int) -> list[int]:
+    """Exclusive end offsets (in generated tokens) of each step."""
+    ends, pos = [], start
+    for n in step_tokens:
+        pos += n
+        ends.append(pos)
+    return ends
+
+
+def probe_prompts(prompt_ids: Sequence[int], gen_ids: Sequence[int], record: dict[str, Any],
+                  suffix_ids: Sequence[int], label_every: int) -> list[tuple[int, list[int]]]:
+    """(step t, prompt token ids) of every answer probe of one recorded trajectory."""
+    gen = list(gen_ids)
+    ends = step_ends(record["step_tokens"], reasoning_start(gen, record["step_token_ids"]))
+    return [(t, list(prompt_ids) + gen[:ends[t]] + list(suffix_ids))
+            for t in labelled_steps(len(ends), label_every)]
+
+
+def probe_params(answer_tokens: int) -> Any:
+    """The answer probe's sampling: greedy, `answer_tokens` long, the orca probe off."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=answer_tokens,
+                          extra_args={"orca_enabled": 0})
+
+
+def final_answer(text: str, step_answers: Sequence[str | None]) -> str | None:
+    """ans(y_T): the answer written after the reasoning, else the last step's probed answer."""
+    final = extract_final(text.split("</think>")[-1]) if "</think>" in text else None
+    return final if final is not None else step_answers[-1]
+
+
+def trajectory_fields(key: str, rec: dict[str, Any], *, text: str, finish_reason: str | None,
+                      completion_tokens: int, step_tokens: Sequence[int],
+                      probed: dict[int, str | None]) -> dict[str, Any]:
+    """The problems.jsonl record (docs/TRAJECTORIES.md) of one probed trajectory.
+
+    `rec` holds `messages` or `prompt`, and optionally `answer` (adds supervised labels) and
+    `family`; `text` is the complete generated text (for the final answer).
+    """
+    n = len(step_tokens)
+    step_answers = fill_pessimistic(probed, n)
+    final = final_answer(text, step_answers)
+    labels = {"consistent": step_labels(step_answers, final)}
+    if rec.get("answer") is not None:
+        labels["supervised"] = step_labels(step_answers, str(rec["answer"]))
+    return {"id": key, "prompt": json.dumps(rec.get("messages") or rec.get("prompt")),
+            "answer": None if rec.get("answer") is None else str(rec["answer"]),
+            "family": rec.get("family"), "step_tokens": list(step_tokens),
+            "step_answers": step_answers, "final_answer": final, "labels": labels,
+            "extra": {"finish_reason": finish_reason, "completion_tokens": completion_tokens,
+                      "final_correct": None if rec.get("answer") is None
+                      else bool(labels["supervised"][-1])}}

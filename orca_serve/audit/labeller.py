@@ -1,0 +1,63 @@
+"""Labelling an audited request inside the server, exactly as `orca-calibrate collect` labels.
+
+The audited request ran with the plugin in record mode, whose result carries the step embeddings,
+the step token ids and the request's prompt and output token ids. The labeller sends one answer
+probe per labelled step boundary through the server's own engine (`engine_client.generate`), built
+by calibration/probing.py (the prompts, the sampling, the record: collect's code), with a low
+priority when the engine schedules by priority. Prefix caching, when on, makes each probe cost
+little more than its few answer tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from calibration.labels import extract_forced
+from calibration.probing import ProbeSettings, probe_params, probe_prompts, trajectory_fields
+
+LOW_PRIORITY = 10  # vLLM's priority scheduling serves lower values first
+
+
+class AuditLabeller:
+    """Answer probes through an async vLLM engine client (AsyncLLM); see the module docstring."""
+
+    def __init__(self, engine_client: Any, settings: ProbeSettings) -> None:
+        self.engine = engine_client
+        self.settings = settings
+        self.tokenizer = engine_client.renderer.get_tokenizer()
+        self.suffix_ids = self.tokenizer.encode(settings.suffix, add_special_tokens=False)
+        sched = getattr(getattr(engine_client, "vllm_config", None), "scheduler_config", None)
+        self.priority = LOW_PRIORITY if getattr(sched, "policy", "fcfs") == "priority" else 0
+        self.probes = 0
+
+    async def _answer(self, request_id: str, ids: list[int]) -> str | None:
+        from vllm.inputs import TokensPrompt
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+        renderer = self.engine.renderer
+        (engine_input,) = await renderer.render_cmpl_async(
+            [parse_model_prompt(self.engine.model_config, TokensPrompt(prompt_token_ids=ids))],
+            renderer.default_cmpl_tok_params)
+        last = None
+        async for out in self.engine.generate(engine_input, probe_params(self.settings.answer_tokens),
+                                              request_id, priority=self.priority):
+            last = out
+        self.probes += 1
+        return None if last is None else extract_forced(last.outputs[0].text)
+
+    async def label(self, key: str, rec: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+        """The trajectory record (problems.jsonl fields) of one audited, recorded request.
+
+        `rec` holds the request's `messages` or `prompt`; `result` is the plugin's record-mode
+        result (orca_serve/vllm_plugin/processor.py `_result`).
+        """
+        gen = result["output_token_ids"]
+        points = probe_prompts(result["prompt_token_ids"], gen, result, self.suffix_ids,
+                               self.settings.label_every)
+        answers = await asyncio.gather(*(self._answer(f"{key}-probe-{t}", ids)
+                                         for t, ids in points))
+        text = self.tokenizer.decode(gen, skip_special_tokens=True)
+        return trajectory_fields(key, rec, text=text, finish_reason=None,
+                                 completion_tokens=len(gen), step_tokens=result["step_tokens"],
+                                 probed={t: a for (t, _), a in zip(points, answers)})

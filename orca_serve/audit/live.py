@@ -1,0 +1,401 @@
+"""The guarantee on live traffic: audit sampling, background labelling, realized risk, the guard.
+
+Learn-then-Test certifies P(risk(lambda*) <= delta) >= 1 - epsilon only while live prompts are
+exchangeable with the calibration set. This module measures the realized risk of a running server:
+
+1. **Sampling** (`AuditSampler`): each orca request is picked with probability `rate` by a
+   server-side RNG that sees nothing of the request, so the audited requests are a uniform random
+   sample of the traffic. A picked request runs with the probe in shadow (the client gets the
+   full-budget answer, `"audited": true` in its `orca` object) and in record mode.
+2. **Labelling** (`orca_serve.audit.labeller`), off the request's path: finished audits wait in a
+   bounded queue (full: the audit is dropped and counted, the response never waits) and one
+   background task labels them with answer probes through the same engine, exactly as
+   `orca-calibrate collect` does (calibration/probing.py), consistency labels against the
+   request's own final answer. Labelled audits are appended to `--orca-audit-dir`
+   (`orca_serve.audit.store`, the trajectory format).
+3. **Realized risk**: for every delta of the bundle's table, an audit's loss is its recorded
+   online scores replayed with that delta's bundle lambda* (stop at the first score >= lambda*,
+   loss 1 when the labels say the answer there was not yet right), fed to an anytime-valid
+   confidence sequence (`orca_serve.audit`, `ConfidenceSequence`). As in calibration, audits
+   whose labels are all 0 (never right) are left out when the bundle excluded them.
+4. **The guard** (`DeltaGuard`): alarm for a delta = the sequence's lower bound exceeds delta.
+   `report` only reports; `fallback` serves that delta with lambda = never (no early stop) while
+   the alarm holds; `recalibrate` recomputes lambda* by the same LTT code (calibration/ltt.py) on
+   a sliding window of the most recent audits once the window is full (never before) and serves
+   it while the alarm holds. The alarm is about the bundle's lambda*, which every audit keeps
+   measuring (audits run in shadow, so their scores are complete whatever lambda is served); when
+   its lower bound falls back to delta or below, the bundle's lambda* returns.
+5. **Drift**: with a drift reference in the bundle, a `DriftMonitor` sees the scores of every
+   finished request (audited or not).
+
+Everything here runs on the server's event loop; nothing blocks a response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import numpy as np
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from orca_serve.audit.options import ON_ALARM, AuditConfig
+from orca_serve.bundle import Bundle
+
+logger = logging.getLogger("orca_serve.audit")
+
+NEVER = math.inf
+AUDIT_PATH = "/v1/orca/audit"
+
+
+class AuditSampler:
+    """Bernoulli(rate) per request from a private RNG: the decision depends on nothing but the RNG
+    (not the prompt, the delta, the time or the load), so audits are a uniform sample."""
+
+    def __init__(self, rate: float, seed: int | None = None) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"audit rate must be in [0, 1], got {rate}")
+        self.rate = rate
+        self._rng = random.Random(seed)
+
+    def pick(self) -> bool:
+        return self.rate > 0 and self._rng.random() < self.rate
+
+
+class CS(Protocol):
+    """What the guard needs of a confidence sequence (orca_serve.audit.ConfidenceSequence)."""
+
+    n: int
+    mean: float
+    lower: float
+    upper: float
+
+    def update(self, loss: float) -> None: ...
+
+    def alarm(self, delta: float) -> bool: ...
+
+
+def aligned_scores(scores: Iterable[float], n_steps: int) -> np.ndarray | None:
+    """The online scores as one score per recorded step, or None when they cannot be.
+
+    The plugin scores every completed reasoning step except the one the end of thinking closes
+    (and a step cut off by max_tokens), so it reports n_steps or n_steps - 1 scores. The last
+    step's score never changes a stop time (not crossing lambda also stops at the last step), so a
+    missing last score is filled with 0.
+    """
+    s = np.asarray(list(scores), dtype=float)
+    if len(s) not in (n_steps, n_steps - 1) or not np.all((s >= 0) & (s <= 1)):
+        return None
+    return np.concatenate([s, np.zeros(n_steps - len(s))])
+
+
+def ltt_lambda(scores: list[np.ndarray], labels: list[np.ndarray], delta: float, *,
+               epsilon: float, grid_size: int, pvalue: str) -> float:
+    """lambda* for `delta` by the calibration code's LTT (calibration/ltt.py) on these audits."""
+    from calibration.ltt import calibrate, default_grid
+
+    (res,) = calibrate(scores, labels, [delta], epsilon=epsilon, grid=default_grid(grid_size),
+                       pvalue=pvalue)
+    return res.lam
+
+
+@dataclass
+class DeltaGuard:
+    """One delta's realized risk (at the bundle's lambda*) and the lambda it is served with."""
+
+    delta: float
+    bundle_lam: float  # inf = never stops early
+    cs: CS
+    on_alarm: str = "report"
+    lam: float = NEVER
+    source: str = "bundle"
+    engaged: bool = False  # alarmed and not cleared yet
+
+    def __post_init__(self) -> None:
+        self.lam = self.bundle_lam
+
+    @property
+    def alarm(self) -> bool:
+        """The realized risk of the bundle's lambda* exceeds delta (its lower bound does)."""
+        return bool(self.cs.n) and bool(self.cs.alarm(self.delta))
+
+    def decide(self, window: Callable[[], tuple[list[np.ndarray], list[np.ndarray]] | None],
+               ltt: Callable[[list[np.ndarray], list[np.ndarray], float], float]) -> None:
+        """Set the served lambda from the alarm and the policy (see the module docstring).
+
+        The guard engages on an alarm and is cleared only when the upper bound is back at delta
+        or below (evidence that the bundle's lambda* holds again), not when the lower bound dips:
+        that would flap with every loss near the boundary. `window()` gives the recalibration
+        window (scores, labels) once it is full, else None.
+        """
+        if self.alarm:
+            self.engaged = True
+        elif self.engaged and self.cs.upper <= self.delta:
+            self.engaged = False
+        if not self.engaged or self.on_alarm == "report":
+            self.lam, self.source = self.bundle_lam, "bundle"
+            return
+        data = window() if self.on_alarm == "recalibrate" else None
+        if data is None:
+            self.lam, self.source = NEVER, "fallback"
+            return
+        self.lam, self.source = ltt(data[0], data[1], self.delta), "audit"
+
+    def row(self) -> dict[str, Any]:
+        n = int(self.cs.n)
+        return {"delta": self.delta, "n": n,
+                "risk": float(self.cs.mean) if n else None,
+                "lower": float(self.cs.lower), "upper": float(self.cs.upper),
+                "alarm": self.alarm, "engaged": self.engaged,
+                "lambda": None if math.isinf(self.lam) else self.lam,
+                "lambda_source": self.source,
+                "bundle_lambda": None if math.isinf(self.bundle_lam) else self.bundle_lam}
+
+
+def _default_cs_factory(epsilon: float) -> Callable[[], CS]:
+    from orca_serve.audit import ConfidenceSequence
+
+    return lambda: ConfidenceSequence(alpha=epsilon)
+
+
+def _default_loss(scores: np.ndarray, labels: np.ndarray, lam: float) -> int:
+    from orca_serve.audit import request_loss
+
+    return request_loss(scores, labels, lam)
+
+
+@dataclass
+class _Job:
+    key: str
+    rec: dict[str, Any]
+    result: dict[str, Any]
+
+
+class LiveAudit:
+    """The server's audit state: sampling, the labelling queue, guards, table and metrics."""
+
+    def __init__(self, bundle: Bundle, config: AuditConfig, *,
+                 cs_factory: Callable[[], CS] | None = None,
+                 loss: Callable[[np.ndarray, np.ndarray, float], int] | None = None,
+                 drift: Any = None) -> None:
+        if config.on_alarm not in ON_ALARM:
+            raise ValueError(f"on_alarm must be one of {ON_ALARM}, got {config.on_alarm!r}")
+        self.bundle = bundle
+        self.config = config
+        self.sampler = AuditSampler(config.rate, config.seed)
+        make_cs = cs_factory or _default_cs_factory(bundle.ltt.epsilon)
+        self.loss = loss or _default_loss
+        self.guards = {d: DeltaGuard(d, bundle.lam(d), make_cs(), config.on_alarm)
+                       for d in bundle.deltas()}
+        self.drift = drift
+        self.window: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=config.window)
+        self.counts = {"picked": 0, "labelled": 0, "dropped": 0, "failed": 0, "unsolvable": 0,
+                       "unaligned": 0}
+        self.labeller: Any = None  # AuditLabeller, made on first use (needs the engine client)
+        self.store: Any = None  # AuditStore when a directory is configured
+        self._pending: dict[str, dict[str, Any]] = {}
+        self._queue: asyncio.Queue[_Job] | None = None
+        self._worker: asyncio.Task | None = None
+        self.engine_client: Callable[[], Any] = lambda: None
+
+    def guard(self, delta: float) -> DeltaGuard:
+        """The guard of a delta of the table (resolve() accepted only those)."""
+        for d, g in self.guards.items():
+            if math.isclose(d, delta, rel_tol=0, abs_tol=1e-9):
+                return g
+        raise KeyError(f"delta {delta} is not in the bundle's table")
+
+    # -- the request path (cheap, synchronous) -----------------------------------------------
+    def admit(self, body: dict[str, Any], settings: Any) -> tuple[dict[str, Any], Any]:
+        """The body and settings a resolved request runs with: the guard's lambda, audited or not.
+
+        Only enabled requests are touched. The draw comes first, for every enabled request, and
+        uses nothing but the sampler's RNG.
+        """
+        if not settings.enabled:
+            return body, settings
+        picked = self.sampler.pick()
+        g = self.guard(settings.delta)
+        changes: dict[str, Any] = {"lam": None if math.isinf(g.lam) else g.lam,
+                                   "lam_source": g.source}
+        if picked:
+            self.counts["picked"] += 1
+            changes["audited"] = True
+            self._pending[settings.key] = {k: body[k] for k in ("messages", "prompt") if k in body}
+        settings = replace(settings, **changes)
+        return {**body, "vllm_xargs": {**body.get("vllm_xargs", {}), **settings.xargs()}}, settings
+
+    def finished(self, settings: Any, results: dict[int, dict[str, Any] | None]) -> None:
+        """A request ended (its results fetched): feed drift, queue its audit for labelling."""
+        if self.drift is not None:
+            for r in results.values():
+                if r and r.get("scores") and not r.get("error"):
+                    # shadow runs (audits) never stop: their scores are complete
+                    lam = r.get("lam")
+                    self.drift.observe(list(r["scores"]), NEVER if lam is None or
+                                       r.get("policy") == "shadow" else float(lam))
+        rec = self._pending.pop(settings.key, None)
+        if rec is None:
+            return
+        result = results.get(0)
+        if not result or result.get("error") or "step_tokens" not in result:
+            self.counts["failed"] += 1
+            return
+        if not result["step_tokens"]:
+            self.counts["failed"] += 1  # no reasoning step: nothing to label
+            return
+        from orca_serve.vllm_plugin import decode_arrays
+
+        self._submit(_Job(settings.key, rec, decode_arrays(result)))
+
+    def _submit(self, job: _Job) -> None:
+        if self._queue is None:
+            self._queue = asyncio.Queue(maxsize=self.config.queue)
+        try:
+            self._queue.put_nowait(job)
+        except asyncio.QueueFull:
+            self.counts["dropped"] += 1
+            return
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.ensure_future(self._work())
+
+    # -- background --------------------------------------------------------------------------
+    async def _work(self) -> None:
+        assert self._queue is not None
+        while not self._queue.empty():
+            job = self._queue.get_nowait()
+            try:
+                await self._process(job)
+            except Exception as e:  # noqa: BLE001 - one bad audit must not stop the others
+                self.counts["failed"] += 1
+                logger.warning("orca audit %s failed: %r", job.key, e)
+
+    async def _process(self, job: _Job) -> None:
+        if self.labeller is None:
+            from orca_serve.audit.labeller import AuditLabeller
+
+            self.labeller = AuditLabeller(self.engine_client(), self.config.probe)
+        record = await self.labeller.label(job.key, job.rec, job.result)
+        record["extra"]["audit"] = {"scores": [round(float(s), 6) for s in job.result["scores"]],
+                                    "delta": job.result.get("delta"),
+                                    "lambda": job.result.get("lam")}
+        if self.store is not None:
+            await asyncio.to_thread(self.store.append, record, job.result["step_embeddings"])
+        self.observe(list(job.result["scores"]), record["labels"]["consistent"])
+
+    def observe(self, scores: list[float], raw_labels: list[int]) -> None:
+        """One labelled audit: losses at every bundle lambda*, then every guard decides."""
+        from calibration.trajectories import cumulative
+        from orca_serve.audit import is_counted
+
+        self.counts["labelled"] += 1
+        labels = cumulative(np.asarray(raw_labels))
+        if not is_counted(labels, self.bundle.ltt.excluded_never_correct):
+            self.counts["unsolvable"] += 1
+            return
+        s = aligned_scores(scores, len(labels))
+        if s is None:
+            self.counts["unaligned"] += 1
+            logger.warning("orca audit: %d scores for %d steps; left out", len(scores), len(labels))
+            return
+        self.window.append((s, labels))
+        for g in self.guards.values():
+            g.cs.update(self.loss(s, labels, g.bundle_lam))
+            g.decide(self._full_window, self._ltt)
+
+    def _full_window(self) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
+        if len(self.window) < self.config.window:
+            return None
+        return [s for s, _ in self.window], [c for _, c in self.window]
+
+    def _ltt(self, scores: list[np.ndarray], labels: list[np.ndarray], delta: float) -> float:
+        t = self.bundle.ltt
+        return ltt_lambda(scores, labels, delta, epsilon=t.epsilon, grid_size=t.grid_size,
+                          pvalue=t.pvalue)
+
+    # -- reading -----------------------------------------------------------------------------
+    def table(self) -> dict[str, Any]:
+        """GET /v1/orca/audit."""
+        c = self.config
+        out: dict[str, Any] = {
+            "rate": c.rate, "on_alarm": c.on_alarm, "label_mode": "consistent",
+            "epsilon": self.bundle.ltt.epsilon,
+            "recalibrate_window": c.window if c.on_alarm == "recalibrate" else None,
+            "window": len(self.window),
+            "directory": None if self.store is None else str(self.store.root),
+            "queued": 0 if self._queue is None else self._queue.qsize(),
+            **self.counts,
+            "deltas": [g.row() for g in self.guards.values()],
+        }
+        if self.drift is not None:
+            out["drift"] = {"pvalue": float(self.drift.pvalue), "alarm": bool(self.drift.alarm)}
+        return out
+
+
+def add_audit_route(app: Any, get_audit: Callable[[], LiveAudit | None]) -> None:
+    """GET /v1/orca/audit: the table (404 on a server without a bundle)."""
+    from fastapi.responses import JSONResponse
+
+    from orca_serve.requests import error_body
+
+    async def orca_audit() -> JSONResponse:
+        audit = get_audit()
+        if audit is None:
+            return JSONResponse(error_body(
+                "this server runs without a calibration bundle (start orca-serve with --calib)",
+                code=404, err_type="NotFoundError"), status_code=404)
+        return JSONResponse(audit.table())
+
+    app.add_api_route(AUDIT_PATH, orca_audit, methods=["GET"], name="orca_audit")
+
+
+class AuditCollector(Collector):
+    """The audit's Prometheus metrics, read from the live state at each scrape."""
+
+    def __init__(self, audit: LiveAudit) -> None:
+        self.audit = audit
+
+    def collect(self) -> Iterable[Any]:
+        a = self.audit
+        c = CounterMetricFamily("orca_audit_requests", "Audited requests by state: labelled "
+                                "(entered the risk), dropped (labelling queue full), failed",
+                                labels=["state"])
+        for state in ("labelled", "dropped", "failed"):
+            c.add_metric([state], a.counts[state])
+        yield c
+        fams = {
+            "risk": GaugeMetricFamily("orca_audit_risk", "Realized risk of the bundle's lambda* "
+                                      "on the audited requests (mean loss)", labels=["delta"]),
+            "lower": GaugeMetricFamily("orca_audit_risk_lower", "Anytime-valid lower confidence "
+                                       "bound of the realized risk", labels=["delta"]),
+            "upper": GaugeMetricFamily("orca_audit_risk_upper", "Anytime-valid upper confidence "
+                                       "bound of the realized risk", labels=["delta"]),
+            "alarm": GaugeMetricFamily("orca_audit_alarm", "1 when the lower bound exceeds delta",
+                                       labels=["delta"]),
+        }
+        lam = GaugeMetricFamily("orca_audit_lambda", "lambda served for this delta (+Inf: never "
+                                "stops early) and where it comes from", labels=["delta", "source"])
+        for g in a.guards.values():
+            row, d = g.row(), f"{g.delta:g}"
+            fams["risk"].add_metric([d], row["risk"] if row["risk"] is not None else math.nan)
+            fams["lower"].add_metric([d], row["lower"])
+            fams["upper"].add_metric([d], row["upper"])
+            fams["alarm"].add_metric([d], float(row["alarm"]))
+            lam.add_metric([d, g.source], g.lam)
+        yield from fams.values()
+        yield lam
+        if a.drift is not None:
+            p = GaugeMetricFamily("orca_drift_pvalue", "p-value of the score-drift test against "
+                                  "the bundle's reference")
+            p.add_metric([], float(a.drift.pvalue))
+            yield p
+            al = GaugeMetricFamily("orca_drift_alarm", "1 when the score-drift test alarms")
+            al.add_metric([], float(bool(a.drift.alarm)))
+            yield al

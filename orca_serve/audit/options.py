@@ -1,0 +1,150 @@
+"""The `orca-serve` options of live auditing and the guard, and the server state they build.
+
+Kept apart from orca_serve/cli.py, which only calls `add_audit_args`, `check_audit_args` (before
+vLLM is imported, so a bad option fails in seconds, in one line) and `make_live_audit`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from calibration.probing import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX, ProbeSettings
+
+ON_ALARM = ("report", "fallback", "recalibrate")
+
+# the embedded demo model's answer-forcing text and budget (calibration/jobs/toy.yaml)
+DEMO_SUFFIX = "\n</think>\nThe answer is \\boxed{"
+DEMO_ANSWER_TOKENS = 6
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """What the options below configure (orca_serve/audit/live.py `LiveAudit`)."""
+
+    rate: float = 0.0
+    seed: int | None = None
+    directory: Path | None = None
+    on_alarm: str = "report"
+    window: int = 200  # audits LTT recalibrates on (on_alarm=recalibrate)
+    queue: int = 64  # finished audits waiting for labels; more are dropped
+    per_dir: int = 1000  # audits per trajectory directory before rotating
+    keep: int = 10  # directories kept
+    probe: ProbeSettings = field(default_factory=ProbeSettings)
+
+
+def _rate(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {v}")
+    return v
+
+
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def add_audit_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "orca-serve audit", "Realized risk on live traffic (docs/AUDIT-OPERATIONS.md)")
+    g.add_argument("--orca-audit-rate", type=_rate, default=0.0, metavar="R",
+                   help="Audit each request with probability R (0 = off): it runs in shadow "
+                   "(full-budget answer) with record mode on, and is labelled in the background.")
+    g.add_argument("--orca-audit-seed", type=int, default=None, metavar="S",
+                   help="Seed of the audit sampler (tests; default: random).")
+    g.add_argument("--orca-audit-dir", default=None, metavar="DIR",
+                   help="Append labelled audits here as trajectory directories (rotated).")
+    g.add_argument("--orca-audit-per-dir", type=_positive, default=1000, metavar="N",
+                   help="Audits per trajectory directory before a new one is started.")
+    g.add_argument("--orca-audit-keep", type=_positive, default=10, metavar="K",
+                   help="Audit directories kept (older ones are deleted).")
+    g.add_argument("--orca-audit-queue", type=_positive, default=64, metavar="Q",
+                   help="Finished audits waiting for labels; beyond that they are dropped.")
+    g.add_argument("--orca-audit-suffix", default=None, metavar="TEXT",
+                   help="Answer-forcing suffix of the answer probes; must be collect's "
+                   f"(default {DEFAULT_SUFFIX!r}; with --demo the demo's).")
+    g.add_argument("--orca-audit-answer-tokens", type=_positive, default=None, metavar="N",
+                   help=f"Greedy tokens per answer probe (collect's answer_tokens; default "
+                   f"{DEFAULT_ANSWER_TOKENS}, with --demo {DEMO_ANSWER_TOKENS}).")
+    g.add_argument("--orca-audit-label-every", type=_positive, default=1, metavar="K",
+                   help="Probe every K-th step (and the last), as collect's label_every.")
+    g.add_argument("--orca-on-alarm", choices=ON_ALARM, default="report",
+                   help="When a delta's realized-risk lower bound exceeds delta: report only, "
+                   "fallback (that delta stops early no more), or recalibrate (LTT on the "
+                   "recent audits).")
+    g.add_argument("--orca-recalibrate-window", type=_positive, default=200, metavar="N",
+                   help="Audits LTT recalibrates on (--orca-on-alarm recalibrate).")
+
+
+def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
+    """Raise ValueError (one line) for settings that cannot work; before vLLM is imported."""
+    if not has_bundle:
+        if ns.orca_audit_rate > 0 or ns.orca_audit_dir or ns.orca_on_alarm != "report":
+            raise ValueError("auditing (--orca-audit-*, --orca-on-alarm) needs --calib (a bundle)")
+        return
+    if ns.orca_audit_dir is not None and ns.orca_audit_rate == 0:
+        raise ValueError("--orca-audit-dir is set but --orca-audit-rate is 0: no request would "
+                         "be audited")
+    if ns.orca_audit_rate > 0 and (getattr(ns, "api_server_count", None) or 1) > 1:
+        raise ValueError("auditing runs in one API server process (it keeps the risk statistics "
+                         "and writes --orca-audit-dir); use --api-server-count 1 with "
+                         "--orca-audit-rate")
+    if ns.orca_audit_rate > 0:
+        from calibration.labels import require_math_verify
+
+        require_math_verify()
+    if ns.orca_audit_dir is not None:
+        d = Path(ns.orca_audit_dir)
+        if d.exists() and not d.is_dir():
+            raise ValueError(f"--orca-audit-dir {d} exists and is not a directory")
+
+
+def audit_config(ns: argparse.Namespace) -> AuditConfig:
+    demo = bool(getattr(ns, "demo", False))
+    suffix = ns.orca_audit_suffix
+    if suffix is None:
+        suffix = DEMO_SUFFIX if demo else DEFAULT_SUFFIX
+    tokens = ns.orca_audit_answer_tokens
+    if tokens is None:
+        tokens = DEMO_ANSWER_TOKENS if demo else DEFAULT_ANSWER_TOKENS
+    return AuditConfig(
+        rate=ns.orca_audit_rate, seed=ns.orca_audit_seed,
+        directory=Path(ns.orca_audit_dir).absolute() if ns.orca_audit_dir else None,
+        on_alarm=ns.orca_on_alarm, window=ns.orca_recalibrate_window, queue=ns.orca_audit_queue,
+        per_dir=ns.orca_audit_per_dir, keep=ns.orca_audit_keep,
+        probe=ProbeSettings(suffix=suffix, answer_tokens=tokens,
+                            label_every=ns.orca_audit_label_every))
+
+
+def make_live_audit(ns: argparse.Namespace, bundle: Any, registry: Any) -> Any:
+    """The server's LiveAudit (metrics registered on `registry`), its store when a dir is set."""
+    from orca_serve.audit.live import AuditCollector, LiveAudit
+    from orca_serve.audit.store import AuditStore
+
+    config = audit_config(ns)
+    from orca_serve.audit import DriftMonitor
+
+    live = LiveAudit(bundle, config, drift=DriftMonitor.from_bundle(bundle))
+    if config.directory is not None:
+        live.store = AuditStore(
+            config.directory, dim=bundle.model.hidden_size, per_dir=config.per_dir,
+            keep=config.keep,
+            info={"model": bundle.model.name, "normalization": bundle.normalization,
+                  "segmentation": bundle.segmentation.model_dump(),
+                  "think": bundle.think.model_dump(),
+                  "tokenizer_fingerprint": bundle.model.tokenizer_fingerprint,
+                  "source": "orca-serve live audit"})
+    if registry is not None:
+        registry.register(AuditCollector(live))
+    return live

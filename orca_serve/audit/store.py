@@ -1,0 +1,86 @@
+"""Where labelled audits go: trajectory directories (docs/TRAJECTORIES.md) under `--orca-audit-dir`.
+
+    DIR/audit-000001/{info.json, problems.jsonl, embeddings.bin}
+    DIR/audit-000002/...
+
+Each audit is appended and flushed at once (calibration/trajectories.py's writer: embeddings first,
+the metadata line last), so every tool that reads trajectories reads an audit directory, and a
+killed server loses at most the audit in flight. A directory holds at most `per_dir` audits; then
+the next one is started, and only the newest `keep` directories are kept (the disk use is bounded
+by about per_dir * keep audits). A restarted server resumes the newest directory when its settings
+match (same model and procedure), and starts a new one otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from calibration.trajectories import TrajectoryError, TrajectoryWriter
+
+PREFIX = "audit-"
+_NAME = re.compile(r"^audit-(\d{6})$")
+
+
+class AuditStore:
+    """Appends labelled audits to rotating trajectory directories (see the module docstring)."""
+
+    def __init__(self, root: str | Path, *, dim: int, info: dict[str, Any], per_dir: int = 1000,
+                 keep: int = 10, dtype: str = "float32") -> None:
+        if per_dir < 1 or keep < 1:
+            raise ValueError(f"per_dir and keep must be >= 1, got {per_dir}, {keep}")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.dim, self.info, self.per_dir, self.keep, self.dtype = dim, info, per_dir, keep, dtype
+        self.written = 0
+        self._writer: TrajectoryWriter | None = None
+        self._count = 0
+        existing = self.directories()
+        if existing:
+            try:
+                self._open(existing[-1])
+            except TrajectoryError:  # another model or procedure wrote it: leave it alone
+                self._writer = None
+        if self._writer is None or self._count >= per_dir:
+            self._rotate()
+
+    def directories(self) -> list[Path]:
+        """The audit directories, oldest first."""
+        return sorted(p for p in self.root.iterdir() if p.is_dir() and _NAME.match(p.name))
+
+    @property
+    def current(self) -> Path:
+        assert self._writer is not None
+        return self._writer.path
+
+    def _open(self, path: Path) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._writer = TrajectoryWriter(path, self.dim, self.dtype, **self.info)
+        self._count = len(self._writer.ids)
+
+    def _rotate(self) -> None:
+        dirs = self.directories()
+        last = int(_NAME.match(dirs[-1].name).group(1)) if dirs else 0  # type: ignore[union-attr]
+        self._open(self.root / f"{PREFIX}{last + 1:06d}")
+        for old in self.directories()[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def append(self, record: dict[str, Any], embeddings: np.ndarray) -> Path:
+        """Write one labelled audit; returns the directory it went to."""
+        if self._count >= self.per_dir:
+            self._rotate()
+        assert self._writer is not None
+        self._writer.append(record, embeddings)
+        self._count += 1
+        self.written += 1
+        return self._writer.path
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,301 @@
+"""Live-audit logic without an engine: sampling, score alignment, the guard, the store, admission.
+
+The engine-side path (labels through the real server) is tests/test_audit_server.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.stats import binomtest
+
+from calibration.ltt import calibrate, default_grid
+from calibration.trajectories import TrajectorySet
+from orca_serve.audit import DriftMonitor, build_reference, request_loss
+from orca_serve.audit.live import (
+    AuditCollector,
+    AuditSampler,
+    DeltaGuard,
+    LiveAudit,
+    aligned_scores,
+    ltt_lambda,
+)
+from orca_serve.audit.options import AuditConfig
+from orca_serve.audit.store import AuditStore
+from orca_serve.bundle import load_bundle
+from orca_serve.requests import OrcaDefaults, resolve
+from orca_serve.server import orca_object
+
+DEMO_BUNDLE = Path(__file__).parents[1] / "orca_serve" / "demo" / "bundle.json"
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return load_bundle(DEMO_BUNDLE)
+
+
+class FakeCS:
+    """A confidence sequence whose bounds the test sets (the guard only reads them)."""
+
+    def __init__(self) -> None:
+        self.n, self.mean, self.lower, self.upper = 0, 0.0, 0.0, 1.0
+        self.losses: list[float] = []
+
+    def update(self, loss: float) -> None:
+        self.losses.append(loss)
+        self.n = len(self.losses)
+        self.mean = float(np.mean(self.losses))
+
+    def alarm(self, delta: float) -> bool:
+        return self.lower > delta
+
+
+def _loss(scores: np.ndarray, labels: np.ndarray, lam: float) -> int:
+    hit = np.flatnonzero(scores >= lam)
+    tau = min(int(hit[0]), len(labels) - 1) if hit.size else len(labels) - 1
+    return int(1 - labels[tau])
+
+
+# -- sampling ---------------------------------------------------------------------------------
+def test_sampling_rate_within_binomial_tolerance_over_seeds() -> None:
+    """200 seeds x 2000 requests at r = 0.1: a two-sided binomial test at level 0.01 rejects for
+    about 1% of seeds if the draws are Bernoulli(r); allow up to 5 of 200."""
+    rejected = 0
+    for seed in range(200):
+        s = AuditSampler(0.1, seed)
+        k = sum(s.pick() for _ in range(2000))
+        rejected += binomtest(k, 2000, 0.1).pvalue < 0.01
+    assert rejected <= 5, rejected
+
+
+def _body(kind: str, i: int) -> dict:
+    text = "Find x with 3*x + 2 = 11." if kind == "short" else "Solve for x: " + "long " * 200
+    return {"model": "m", "messages": [{"role": "user", "content": f"{text} #{i}"}],
+            "orca": {"delta": 0.1 if kind == "short" else 0.2}}
+
+
+def _picks(bundle, bodies: list[dict], seed: int) -> list[bool]:
+    audit = LiveAudit(bundle, AuditConfig(rate=0.3, seed=seed), cs_factory=FakeCS, loss=_loss)
+    out = []
+    for body in bodies:
+        new, settings = resolve(body, OrcaDefaults(delta=0.1), bundle)
+        _, settings = audit.admit(new, settings)
+        out.append(settings.audited)
+    return out
+
+
+def test_picks_do_not_depend_on_content(bundle) -> None:
+    """Same seed, different request streams: the same requests (by position) are picked, so the
+    decision cannot depend on the prompt, its length or its delta. Per kind the rate holds."""
+    n = 3000
+    kinds = ["short" if (i * 7919) % 3 else "long" for i in range(n)]
+    a = _picks(bundle, [_body(k, i) for i, k in enumerate(kinds)], seed=5)
+    b = _picks(bundle, [_body("short", i) for i in range(n)], seed=5)
+    assert a == b
+    for kind in ("short", "long"):
+        picked = [p for p, k in zip(a, kinds) if k == kind]
+        assert binomtest(sum(picked), len(picked), 0.3).pvalue > 0.001
+    assert _picks(bundle, [_body("short", i) for i in range(200)], seed=6) != b[:200]
+
+
+def test_disabled_and_rate_zero_requests_are_never_audited(bundle) -> None:
+    audit = LiveAudit(bundle, AuditConfig(rate=0.0, seed=1), cs_factory=FakeCS, loss=_loss)
+    new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
+    body, settings = audit.admit(new, settings)
+    assert not settings.audited and "orca_record" not in body["vllm_xargs"]
+    assert body["vllm_xargs"]["orca_lam"] == bundle.lam(0.1)
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=1), cs_factory=FakeCS, loss=_loss)
+    new, settings = resolve({"messages": [], "orca": {"enabled": False}}, OrcaDefaults(), bundle)
+    assert not audit.admit(new, settings)[1].audited
+
+
+def test_audited_request_runs_in_shadow_with_record_mode(bundle) -> None:
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=1), cs_factory=FakeCS, loss=_loss)
+    new, settings = resolve({"messages": [{"role": "user", "content": "q"}],
+                             "orca": {"policy": "answer"}}, OrcaDefaults(delta=0.1), bundle)
+    body, settings = audit.admit(new, settings)
+    xa = body["vllm_xargs"]
+    assert xa["orca_policy"] == "shadow" and xa["orca_record"] == 1 and xa["orca_key"]
+    obj = orca_object(settings, {0: {"policy": "shadow"}})
+    assert obj["audited"] is True and obj["lambda_source"] == "bundle"
+
+
+# -- scores and losses -----------------------------------------------------------------------
+def test_aligned_scores_fill_only_the_last_step() -> None:
+    assert aligned_scores([0.2, 0.9], 3).tolist() == [0.2, 0.9, 0.0]
+    assert aligned_scores([0.2, 0.9, 0.4], 3).tolist() == [0.2, 0.9, 0.4]
+    assert aligned_scores([0.2], 3) is None  # a middle step missing: not comparable
+    assert aligned_scores([0.2, float("nan")], 3) is None
+
+
+def test_filled_last_score_never_changes_a_loss() -> None:
+    """The stop time (first crossing, else the last step) is the same whatever the last score."""
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        t = int(rng.integers(1, 9))
+        s = rng.random(t - 1)
+        c = np.maximum.accumulate(rng.integers(0, 2, t))
+        lam = float(rng.random())
+        filled = aligned_scores(s, t)
+        for last in (0.0, 1.0, float(rng.random())):
+            assert request_loss(filled, c, lam) == request_loss(np.append(s, last), c, lam)
+
+
+# -- the guard --------------------------------------------------------------------------------
+def _window(n: int, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    scores, labels = [], []
+    for _ in range(n):
+        t = int(rng.integers(3, 8))
+        right = int(rng.integers(0, t))
+        labels.append((np.arange(t) >= right).astype(np.int8))
+        scores.append(np.clip(np.arange(t) / t + rng.normal(0, 0.1, t), 0, 1))
+    return scores, labels
+
+
+@pytest.mark.parametrize("policy", ["report", "fallback", "recalibrate"])
+def test_guard_acts_on_a_forced_alarm_and_clears(policy: str) -> None:
+    cs = FakeCS()
+    cs.update(1.0)
+    g = DeltaGuard(0.1, 0.45, cs, policy)
+    data = _window(100, 0)
+
+    def ltt(s, c, d):
+        return ltt_lambda(s, c, d, epsilon=0.05, grid_size=1001, pvalue="binomial")
+
+    g.decide(lambda: None, ltt)
+    assert (g.lam, g.source, g.alarm) == (0.45, "bundle", False)
+    cs.lower = 0.2  # the lower bound passes delta: alarm
+    g.decide(lambda: None, ltt)  # window not full yet
+    assert g.alarm
+    expected = {"report": (0.45, "bundle"), "fallback": (math.inf, "fallback"),
+                "recalibrate": (math.inf, "fallback")}[policy]
+    assert (g.lam, g.source) == expected
+    g.decide(lambda: data, ltt)  # window full
+    if policy == "recalibrate":
+        (ref,) = calibrate(data[0], data[1], [0.1], epsilon=0.05, grid=default_grid(1001))
+        assert (g.lam, g.source) == (ref.lam, "audit") and ref.lam < math.inf
+    else:
+        assert (g.lam, g.source) == expected
+    row = g.row()
+    assert row["alarm"] is True and row["lambda_source"] == g.source
+    cs.lower = 0.05  # the alarm goes, the guard stays until the upper bound says risk <= delta
+    g.decide(lambda: data, ltt)
+    assert not g.alarm and g.engaged and g.source == row["lambda_source"]
+    cs.upper = 0.1
+    g.decide(lambda: data, ltt)  # cleared: the bundle's lambda* returns
+    assert (g.lam, g.source, g.engaged) == (0.45, "bundle", False)
+
+
+def test_fallback_reaches_requests_and_losses_use_the_bundle_lambda(bundle) -> None:
+    """Losses that pass the lower bound switch delta 0.1 to never-stop for the next request,
+    while every delta keeps measuring its bundle lambda* (audits run in shadow)."""
+    made: list[FakeCS] = []
+
+    def factory() -> FakeCS:
+        made.append(FakeCS())
+        return made[-1]
+
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0, on_alarm="fallback"),
+                      cs_factory=factory, loss=_loss)
+    lam = bundle.lam(0.1)
+    scores = [lam + 0.01, 0.99]  # crosses the 0.1 lambda* at step 0, where the answer is wrong
+    audit.observe(scores, [0, 1, 1])
+    g = audit.guard(0.1)
+    assert g.cs.losses == [1] and audit.guard(0.2).cs.losses == [1]
+    g.cs.lower = 0.5
+    audit.observe(scores, [0, 0, 1])
+    new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
+    body, settings = audit.admit(new, settings)
+    assert body["vllm_xargs"]["orca_lam"] == "inf" and settings.lam_source == "fallback"
+    obj = orca_object(settings, {0: {}})
+    assert obj["lambda"] is None and obj["lambda_source"] == "fallback"
+    new, settings = resolve({"messages": [], "orca": {"delta": 0.2}}, OrcaDefaults(), bundle)
+    assert audit.admit(new, settings)[1].lam == bundle.lam(0.2)
+    audit.observe(scores, [0, 0, 0])  # never right: left out, as calibration leaves it out
+    assert audit.counts["unsolvable"] == 1 and len(g.cs.losses) == 2
+    table = audit.table()
+    assert [r["delta"] for r in table["deltas"]] == bundle.deltas()
+    assert json.dumps(table)  # the route's body
+
+
+def test_real_confidence_sequence_alarms_on_losses_and_metrics_show_it(bundle) -> None:
+    """With the server's own confidence sequence and loss: audits that all stop before the answer
+    is right at every bundle lambda* (score 1 at step 0, right only at the end) raise every
+    delta's alarm within 40 audits, and the guard (fallback) then serves never-stop."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0, on_alarm="fallback"))
+    for i in range(40):
+        audit.observe([1.0, 1.0, 1.0], [0, 0, 0, 1])
+    assert audit.counts["labelled"] == 40
+    for row in audit.table()["deltas"]:
+        assert row["n"] == 40 and row["risk"] == 1.0 and row["lower"] > row["delta"], row
+        assert row["alarm"] and row["lambda"] is None and row["lambda_source"] == "fallback"
+    reg = CollectorRegistry()
+    reg.register(AuditCollector(audit))
+    text = generate_latest(reg).decode()
+    assert 'orca_audit_requests_total{state="labelled"} 40.0' in text
+    assert 'orca_audit_alarm{delta="0.1"} 1.0' in text
+    assert 'orca_audit_lambda{delta="0.1",source="fallback"} +Inf' in text
+    assert "orca_drift_pvalue" not in text  # the demo bundle has no drift reference
+
+
+def test_drift_monitor_sees_every_finished_request(bundle) -> None:
+    """Scores of all requests (audited or not) reach the drift monitor; shifted ones alarm."""
+    rng = np.random.default_rng(0)
+    ref = build_reference([rng.uniform(0, 0.4, 6) for _ in range(300)], k=3,
+                          lambdas=bundle_lams(bundle))
+    drift = DriftMonitor(ref, window=50)
+    audit = LiveAudit(bundle, AuditConfig(rate=0.0), drift=drift)
+    new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
+    _, settings = audit.admit(new, settings)
+    for _ in range(50):
+        audit.finished(settings, {0: {"scores": rng.uniform(0.6, 1.0, 5).tolist(),
+                                      "lam": None, "policy": "answer"}})
+    assert drift.observed == 50 and drift.alarm
+    assert audit.table()["drift"] == {"pvalue": drift.pvalue, "alarm": True}
+
+
+def bundle_lams(bundle) -> list[float]:
+    return [bundle.lam(d) for d in bundle.deltas()]
+
+
+# -- options ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "m", "--orca-audit-rate", "0.5"], "needs --calib"),
+    (["--demo", "--orca-audit-dir", "d"], "--orca-audit-rate is 0"),
+    (["--demo", "--orca-audit-rate", "1.5"], "must be in [0, 1]"),
+    (["--demo", "--orca-on-alarm", "panic"], "invalid choice"),
+])
+def test_bad_audit_options_end_in_one_line(argv, message, capsys) -> None:
+    from orca_serve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+# -- the store --------------------------------------------------------------------------------
+def test_store_rotates_keeps_the_newest_and_resumes(tmp_path: Path) -> None:
+    info = {"model": "m", "normalization": "token-l2", "source": "test"}
+    store = AuditStore(tmp_path, dim=4, info=info, per_dir=2, keep=2)
+    for i in range(5):
+        store.append({"id": f"r{i}", "labels": {"consistent": [0, 1]}}, np.ones((2, 4)))
+    store.close()
+    dirs = [p.name for p in store.directories()]
+    assert dirs == ["audit-000002", "audit-000003"]
+    assert [p.id for p in TrajectorySet.open(tmp_path / "audit-000002").problems] == ["r2", "r3"]
+    again = AuditStore(tmp_path, dim=4, info=info, per_dir=2, keep=2)
+    assert again.current.name == "audit-000003"  # one audit in it: resumed
+    again.append({"id": "r5", "labels": {"consistent": [1]}}, np.ones((1, 4)))
+    again.close()
+    assert len(TrajectorySet.open(tmp_path / "audit-000003")) == 2
+    other = AuditStore(tmp_path, dim=8, info=info, per_dir=2, keep=2)  # another model
+    assert other.current.name == "audit-000004"
+    other.close()

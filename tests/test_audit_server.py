@@ -1,0 +1,147 @@
+"""Live audits end to end: the real orca-serve on the embedded toy model, the real OpenAI client.
+
+One server for the module: `--orca-audit-rate 1.0` (every request audited), an audit directory and
+`--orca-on-alarm fallback`, serving the demo bundle plus one row that cannot hold (delta 0.01 at
+lambda 0: every request would stop at its first step, mostly before the answer is right), so its
+alarm fires after a few audits. The labelled audits are compared with what
+`orca-calibrate collect` writes for the same prompts (greedy, so the same trajectories).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from calibration.toy.tasks import write_prompts
+from calibration.trajectories import TrajectorySet
+from orca_serve.audit.options import DEMO_SUFFIX
+from orca_serve.bundle import Bundle, LTTRow, load_bundle, save_bundle
+
+pytestmark = pytest.mark.vllm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serving import VENV_BIN, Server, orca_serve_cmd
+
+ROOT = Path(__file__).parents[1]
+MODEL = ROOT / "orca_serve" / "demo" / "model"
+MAX_TOKENS = 400
+N_COMPARED = 3
+BAD_DELTA = 0.01
+# float32 as collect runs it (vLLM's CPU build would downcast the model to bfloat16)
+COMMON = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len",
+          "1024", "--reasoning-parser", "deepseek_r1", "--max-num-batched-tokens", "16384",
+          "--disable-uvicorn-access-log"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("audit")
+    demo = load_bundle(ROOT / "orca_serve" / "demo" / "bundle.json")
+    rows = [LTTRow(delta=BAD_DELTA, lam=0.0, risk=0.0, pvalue=0.0, savings=0.9),
+            *demo.ltt.rows]
+    data = demo.model_dump()
+    data["ltt"]["rows"] = [r.model_dump() for r in rows]
+    save_bundle(Bundle.model_validate({**data, "checksum": ""}), d / "bundle.json")
+    write_prompts(d / "prompts.jsonl", "in-dist", N_COMPARED, seed=21)
+    write_prompts(d / "more.jsonl", "in-dist", 60, seed=22)
+    return {"dir": d, "bundle": d / "bundle.json", "audits": d / "audits"}
+
+
+@pytest.fixture(scope="module")
+def srv(env):
+    s = Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(env["bundle"]),
+                              "--orca-audit-rate", "1.0", "--orca-audit-seed", "0",
+                              "--orca-audit-dir", str(env["audits"]),
+                              "--orca-audit-suffix", DEMO_SUFFIX,
+                              "--orca-on-alarm", "fallback"), env["dir"] / "server.log", COMMON)
+    yield s.wait()
+    s.stop()
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _ask(srv: Server, messages: list[dict], delta: float = 0.1):
+    c = srv.client()
+    return c.chat.completions.create(model=str(MODEL), messages=messages, temperature=0,
+                                     max_tokens=MAX_TOKENS, extra_body={"orca": {"delta": delta}})
+
+
+def _table(srv: Server) -> dict:
+    return httpx.get(srv.url + "/v1/orca/audit", timeout=10).json()
+
+
+def _wait_labelled(srv: Server, n: int, timeout: float = 120) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        t = _table(srv)
+        if t["labelled"] + t["failed"] >= n:
+            return t
+        time.sleep(0.5)
+    raise AssertionError(f"{n} audits not labelled in {timeout} s: {_table(srv)}")
+
+
+def test_audited_requests_get_full_budget_answers_and_labels_match_collect(srv, env) -> None:
+    prompts = _records(env["dir"] / "prompts.jsonl")
+    for p in prompts:
+        r = _ask(srv, p["messages"])
+        orca = r.model_extra["orca"]
+        assert orca["audited"] is True and orca["lambda_source"] == "bundle"
+        assert not orca["stopped_early"] and orca["stop_reason"] != "probe", orca
+        assert orca["steps_scored"] >= 1 and r.choices[0].finish_reason == "stop"
+        assert re.search(r"\\boxed\{-?\d+\}", r.choices[0].message.content or ""), r
+    table = _wait_labelled(srv, len(prompts))
+    assert table["labelled"] == len(prompts) and table["failed"] == 0, table
+    row = next(r for r in table["deltas"] if r["delta"] == 0.1)
+    assert row["n"] >= 1 and 0 <= row["lower"] <= row["risk"] <= row["upper"] <= 1, row
+    metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+    assert f'orca_audit_requests_total{{state="labelled"}} {float(len(prompts))}' in metrics
+    assert 'orca_audit_risk_upper{delta="0.1"}' in metrics
+
+    audited = TrajectorySet.open(env["audits"] / "audit-000001")
+    assert len(audited) == len(prompts)
+    # the same prompts through `orca-calibrate collect` (offline vLLM, greedy)
+    out = env["dir"] / "collected"
+    subprocess.run([str(VENV_BIN / "orca-calibrate"), "collect", "--model", str(MODEL),
+                    "--prompts", str(env["dir"] / "prompts.jsonl"), "--out", str(out),
+                    "--temperature", "0", "--max-tokens", str(MAX_TOKENS),
+                    "--suffix", DEMO_SUFFIX], check=True, capture_output=True, timeout=1800)
+    collected = TrajectorySet.open(out)
+    assert len(collected) == len(prompts)
+    for i, (a, c) in enumerate(zip(audited.problems, collected.problems)):
+        assert json.loads(a.prompt) == json.loads(c.prompt)
+        assert a.step_tokens == c.step_tokens, i
+        assert a.step_answers == c.step_answers and a.final_answer == c.final_answer, i
+        assert a.labels["consistent"] == c.labels["consistent"], i
+        np.testing.assert_allclose(audited.embeddings(i), collected.embeddings(i), atol=1e-4)
+        assert len(a.extra["audit"]["scores"]) in (a.n_steps, a.n_steps - 1)
+
+
+def test_failing_delta_alarms_and_falls_back(srv, env) -> None:
+    """Delta 0.01 at lambda 0 stops at the first step: its realized risk is far above 0.01, the
+    lower bound passes it after a few audits, and requests at that delta then stop early no
+    more, while delta 0.1 keeps its bundle lambda*."""
+    source = None
+    for i, p in enumerate(_records(env["dir"] / "more.jsonl")):
+        orca = _ask(srv, p["messages"], delta=BAD_DELTA).model_extra["orca"]
+        source = orca["lambda_source"]
+        if source == "fallback":
+            assert orca["lambda"] is None
+            break
+        _wait_labelled(srv, N_COMPARED + i + 1)
+    assert source == "fallback", _table(srv)
+    row = next(r for r in _table(srv)["deltas"] if r["delta"] == BAD_DELTA)
+    assert row["engaged"] and row["lambda_source"] == "fallback", row
+    assert _ask(srv, [{"role": "user", "content": "Find the integer x with 2*x + 1 = 7."}]
+                ).model_extra["orca"]["lambda_source"] == "bundle"
+    metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+    assert f'orca_audit_lambda{{delta="{BAD_DELTA:g}",source="fallback"}} +Inf' in metrics
