@@ -358,7 +358,8 @@ def _main(argv: list[str]) -> None:
         from orca_serve.audit.options import make_live_audit
 
         try:
-            state.audit = make_live_audit(args, bundle, state.metrics.registry)
+            state.audit = make_live_audit(args, bundle, state.metrics.registry,
+                                          state.metrics.model_name)
         except (OSError, ValueError) as e:  # the audit directory cannot be written
             raise StartupError(f"--orca-audit-dir: {e}") from None
     run(args, state)

@@ -237,11 +237,11 @@ def test_real_confidence_sequence_alarms_on_losses_and_metrics_show_it(bundle) -
         assert row["n"] == 40 and row["risk"] == 1.0 and row["lower"] > row["delta"], row
         assert row["alarm"] and row["lambda"] is None and row["lambda_source"] == "fallback"
     reg = CollectorRegistry()
-    reg.register(AuditCollector(audit))
+    reg.register(AuditCollector(audit, "toy"))
     text = generate_latest(reg).decode()
-    assert 'orca_audit_requests_total{state="labelled"} 40.0' in text
-    assert 'orca_audit_alarm{delta="0.1"} 1.0' in text
-    assert 'orca_audit_lambda{delta="0.1",source="fallback"} +Inf' in text
+    assert 'orca_audit_requests_total{model_name="toy",state="labelled"} 40.0' in text
+    assert 'orca_audit_alarm{delta="0.1",model_name="toy"} 1.0' in text
+    assert 'orca_audit_lambda{delta="0.1",model_name="toy",source="fallback"} +Inf' in text
     assert "orca_drift_pvalue" not in text  # the demo bundle has no drift reference
 
 

@@ -302,7 +302,8 @@ def test_dp_engines_and_api_servers_return_the_orca_object(multi_server):
     started = re.findall(r"pid=(\d+)\)[^\n]*Starting vLLM server on", multi_server.log.read_text())
     assert len(set(started)) == 2, started
     # per-request metrics are kept per process and summed by vLLM's multiprocess collector
-    line = re.compile(r'^orca_requests_total\{outcome="stopped_early"\} ([\d.]+)', re.MULTILINE)
+    line = re.compile(r'^orca_requests_total\{[^}]*outcome="stopped_early"[^}]*\} ([\d.]+)',
+                      re.MULTILINE)
     for _ in range(10):  # requests are accounted right after their response
         m = line.search(httpx.get(multi_server.url + "/metrics", timeout=30).text)
         if m and float(m.group(1)) == 8:

@@ -48,6 +48,7 @@ from prometheus_client.registry import Collector
 
 from orca_serve.audit.options import ON_ALARM, AuditConfig
 from orca_serve.bundle import Bundle
+from orca_serve.metrics import LABEL
 
 logger = logging.getLogger("orca_serve.audit")
 
@@ -345,7 +346,9 @@ def add_audit_route(app: Any, get_audit: Callable[[], LiveAudit | None]) -> None
 
     from orca_serve.requests import error_body
 
-    async def orca_audit() -> JSONResponse:
+    # No return annotation: under `from __future__ import annotations` FastAPI cannot resolve
+    # the string "JSONResponse" when it builds /openapi.json (HTTP 500).
+    async def orca_audit():
         audit = get_audit()
         if audit is None:
             return JSONResponse(error_body(
@@ -353,49 +356,52 @@ def add_audit_route(app: Any, get_audit: Callable[[], LiveAudit | None]) -> None
                 code=404, err_type="NotFoundError"), status_code=404)
         return JSONResponse(audit.table())
 
-    app.add_api_route(AUDIT_PATH, orca_audit, methods=["GET"], name="orca_audit")
+    app.add_api_route(AUDIT_PATH, orca_audit, methods=["GET"], name="orca_audit",
+                      response_model=None)
 
 
 class AuditCollector(Collector):
     """The audit's Prometheus metrics, read from the live state at each scrape."""
 
-    def __init__(self, audit: LiveAudit) -> None:
+    def __init__(self, audit: LiveAudit, model_name: str = "") -> None:
         self.audit = audit
+        self.model_name = model_name  # vLLM's `model_name` label, as on every orca metric
 
     def collect(self) -> Iterable[Any]:
-        a = self.audit
+        a, m = self.audit, self.model_name
         c = CounterMetricFamily("orca_audit_requests", "Audited requests by state: labelled "
                                 "(entered the risk), dropped (labelling queue full), failed",
-                                labels=["state"])
+                                labels=[LABEL, "state"])
         for state in ("labelled", "dropped", "failed"):
-            c.add_metric([state], a.counts[state])
+            c.add_metric([m, state], a.counts[state])
         yield c
         fams = {
             "risk": GaugeMetricFamily("orca_audit_risk", "Realized risk of the bundle's lambda* "
-                                      "on the audited requests (mean loss)", labels=["delta"]),
+                                      "on the audited requests (mean loss)", labels=[LABEL, "delta"]),
             "lower": GaugeMetricFamily("orca_audit_risk_lower", "Anytime-valid lower confidence "
-                                       "bound of the realized risk", labels=["delta"]),
+                                       "bound of the realized risk", labels=[LABEL, "delta"]),
             "upper": GaugeMetricFamily("orca_audit_risk_upper", "Anytime-valid upper confidence "
-                                       "bound of the realized risk", labels=["delta"]),
+                                       "bound of the realized risk", labels=[LABEL, "delta"]),
             "alarm": GaugeMetricFamily("orca_audit_alarm", "1 when the lower bound exceeds delta",
-                                       labels=["delta"]),
+                                       labels=[LABEL, "delta"]),
         }
         lam = GaugeMetricFamily("orca_audit_lambda", "lambda served for this delta (+Inf: never "
-                                "stops early) and where it comes from", labels=["delta", "source"])
+                                "stops early) and where it comes from", labels=[LABEL, "delta", "source"])
         for g in a.guards.values():
             row, d = g.row(), f"{g.delta:g}"
-            fams["risk"].add_metric([d], row["risk"] if row["risk"] is not None else math.nan)
-            fams["lower"].add_metric([d], row["lower"])
-            fams["upper"].add_metric([d], row["upper"])
-            fams["alarm"].add_metric([d], float(row["alarm"]))
-            lam.add_metric([d, g.source], g.lam)
+            fams["risk"].add_metric([m, d], row["risk"] if row["risk"] is not None else math.nan)
+            fams["lower"].add_metric([m, d], row["lower"])
+            fams["upper"].add_metric([m, d], row["upper"])
+            fams["alarm"].add_metric([m, d], float(row["alarm"]))
+            lam.add_metric([m, d, g.source], g.lam)
         yield from fams.values()
         yield lam
         if a.drift is not None:
             p = GaugeMetricFamily("orca_drift_pvalue", "p-value of the score-drift test against "
-                                  "the bundle's reference")
-            p.add_metric([], float(a.drift.pvalue))
+                                  "the bundle's reference", labels=[LABEL])
+            p.add_metric([m], float(a.drift.pvalue))
             yield p
-            al = GaugeMetricFamily("orca_drift_alarm", "1 when the score-drift test alarms")
-            al.add_metric([], float(bool(a.drift.alarm)))
+            al = GaugeMetricFamily("orca_drift_alarm", "1 when the score-drift test alarms",
+                                   labels=[LABEL])
+            al.add_metric([m], float(bool(a.drift.alarm)))
             yield al

@@ -127,8 +127,10 @@ def audit_config(ns: argparse.Namespace) -> AuditConfig:
                             label_every=ns.orca_audit_label_every))
 
 
-def make_live_audit(ns: argparse.Namespace, bundle: Any, registry: Any) -> Any:
-    """The server's LiveAudit (metrics registered on `registry`), its store when a dir is set."""
+def make_live_audit(ns: argparse.Namespace, bundle: Any, registry: Any,
+                    model_name: str = "") -> Any:
+    """The server's LiveAudit (metrics registered on `registry` with vLLM's `model_name`
+    label), its store when a dir is set."""
     from orca_serve.audit.live import AuditCollector, LiveAudit
     from orca_serve.audit.store import AuditStore
 
@@ -146,5 +148,5 @@ def make_live_audit(ns: argparse.Namespace, bundle: Any, registry: Any) -> Any:
                   "tokenizer_fingerprint": bundle.model.tokenizer_fingerprint,
                   "source": "orca-serve live audit"})
     if registry is not None:
-        registry.register(AuditCollector(live))
+        registry.register(AuditCollector(live, model_name))
     return live
