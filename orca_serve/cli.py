@@ -27,8 +27,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, NoReturn
 
+from orca_serve.argtypes import fraction, integer
+from orca_serve.contract import POLICIES
+
 PROG = "orca-serve"
-POLICIES = ("answer", "stop", "shadow")
 
 
 class StartupError(Exception):
@@ -40,39 +42,19 @@ def fail(msg: str, code: int = 2) -> NoReturn:
     raise SystemExit(code)
 
 
-def _budget(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def _delta(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if not 0 < v < 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {v}")
-    return v
-
-
 def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("orca-serve", "Calibrated early stopping of reasoning (ORCA)")
     g.add_argument("--calib", default=None, metavar="BUNDLE",
                    help="Calibration bundle (bundle.json). Without it the server is plain vLLM.")
     g.add_argument("--demo", action="store_true", default=False,
                    help="Serve the embedded demo model and bundle (orca_serve/demo/).")
-    g.add_argument("--orca-delta", type=_delta, default=None, metavar="DELTA",
+    g.add_argument("--orca-delta", type=fraction(open_interval=True), default=None, metavar="DELTA",
                    help="Default risk level delta for requests that do not set one; must have a "
                    "lambda* in the bundle. None: the bundle's default_delta.")
     g.add_argument("--orca-policy", choices=POLICIES, default="answer",
                    help="Default policy: answer (close the reasoning and let the model answer), "
                    "stop (end the request), shadow (never stop; report where it would have).")
-    g.add_argument("--orca-answer-budget", type=_budget, default=None, metavar="N",
+    g.add_argument("--orca-answer-budget", type=integer(0), default=None, metavar="N",
                    help="Default answer budget in tokens after the reasoning is closed by policy "
                    "answer. None: the plugin's default.")
     from orca_serve.audit.options import add_audit_args

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orca_serve.bundle import Bundle
-from orca_serve.contract import child_key
+from orca_serve.contract import POLICIES, child_key
 from orca_serve.metrics import OrcaMetrics
 from orca_serve.requests import (
     OrcaDefaults,
@@ -141,7 +141,7 @@ def orca_object(settings: OrcaSettings, results: dict[int, dict[str, Any] | None
         obj["answer_budget"] = settings.answer_budget
     if settings.n <= 1:
         r = results.get(0)
-        if r and r.get("policy") in ("answer", "stop", "shadow"):
+        if r and r.get("policy") in POLICIES:
             obj["policy"] = r["policy"]  # the plugin may run another policy (see `notes`)
         obj.update(choice_fields(r))
     else:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from calibration.probing import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX, ProbeSettings
+from orca_serve.argtypes import fraction, integer
 
 ON_ALARM = ("report", "fallback", "recalibrate")
 
@@ -35,55 +36,35 @@ class AuditConfig:
     probe: ProbeSettings = field(default_factory=ProbeSettings)
 
 
-def _rate(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if not 0 <= v <= 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {v}")
-    return v
-
-
-def _positive(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def add_audit_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group(
         "orca-serve audit", "Realized risk on live traffic (docs/AUDIT-OPERATIONS.md)")
-    g.add_argument("--orca-audit-rate", type=_rate, default=0.0, metavar="R",
+    g.add_argument("--orca-audit-rate", type=fraction(open_interval=False), default=0.0, metavar="R",
                    help="Audit each request with probability R (0 = off): it runs in shadow "
                    "(full-budget answer) with record mode on, and is labelled in the background.")
     g.add_argument("--orca-audit-seed", type=int, default=None, metavar="S",
                    help="Seed of the audit sampler (tests; default: random).")
     g.add_argument("--orca-audit-dir", default=None, metavar="DIR",
                    help="Append labelled audits here as trajectory directories (rotated).")
-    g.add_argument("--orca-audit-per-dir", type=_positive, default=1000, metavar="N",
+    g.add_argument("--orca-audit-per-dir", type=integer(1), default=1000, metavar="N",
                    help="Audits per trajectory directory before a new one is started.")
-    g.add_argument("--orca-audit-keep", type=_positive, default=10, metavar="K",
+    g.add_argument("--orca-audit-keep", type=integer(1), default=10, metavar="K",
                    help="Audit directories kept (older ones are deleted).")
-    g.add_argument("--orca-audit-queue", type=_positive, default=64, metavar="Q",
+    g.add_argument("--orca-audit-queue", type=integer(1), default=64, metavar="Q",
                    help="Finished audits waiting for labels; beyond that they are dropped.")
     g.add_argument("--orca-audit-suffix", default=None, metavar="TEXT",
                    help="Answer-forcing suffix of the answer probes; must be collect's "
                    f"(default {DEFAULT_SUFFIX!r}; with --demo the demo's).")
-    g.add_argument("--orca-audit-answer-tokens", type=_positive, default=None, metavar="N",
+    g.add_argument("--orca-audit-answer-tokens", type=integer(1), default=None, metavar="N",
                    help=f"Greedy tokens per answer probe (collect's answer_tokens; default "
                    f"{DEFAULT_ANSWER_TOKENS}, with --demo {DEMO_ANSWER_TOKENS}).")
-    g.add_argument("--orca-audit-label-every", type=_positive, default=1, metavar="K",
+    g.add_argument("--orca-audit-label-every", type=integer(1), default=1, metavar="K",
                    help="Probe every K-th step (and the last), as collect's label_every.")
     g.add_argument("--orca-on-alarm", choices=ON_ALARM, default="report",
                    help="When a delta's realized-risk lower bound exceeds delta: report only, "
                    "fallback (that delta stops early no more), or recalibrate (LTT on the "
                    "recent audits).")
-    g.add_argument("--orca-recalibrate-window", type=_positive, default=200, metavar="N",
+    g.add_argument("--orca-recalibrate-window", type=integer(1), default=200, metavar="N",
                    help="Audits LTT recalibrates on (--orca-on-alarm recalibrate).")
 
 
