@@ -104,8 +104,10 @@ def test_audited_requests_get_full_budget_answers_and_labels_match_collect(srv, 
     row = next(r for r in table["deltas"] if r["delta"] == 0.1)
     assert row["n"] >= 1 and 0 <= row["lower"] <= row["risk"] <= row["upper"] <= 1, row
     metrics = httpx.get(srv.url + "/metrics", timeout=10).text
-    assert f'orca_audit_requests_total{{state="labelled"}} {float(len(prompts))}' in metrics
-    assert 'orca_audit_risk_upper{delta="0.1"}' in metrics
+    name = str(MODEL)  # every orca metric carries vLLM's model_name label
+    assert (f'orca_audit_requests_total{{model_name="{name}",state="labelled"}} '
+            f'{float(len(prompts))}') in metrics
+    assert f'orca_audit_risk_upper{{delta="0.1",model_name="{name}"}}' in metrics
 
     audited = TrajectorySet.open(env["audits"] / "audit-000001")
     assert len(audited) == len(prompts)
@@ -144,4 +146,5 @@ def test_failing_delta_alarms_and_falls_back(srv, env) -> None:
     assert _ask(srv, [{"role": "user", "content": "Find the integer x with 2*x + 1 = 7."}]
                 ).model_extra["orca"]["lambda_source"] == "bundle"
     metrics = httpx.get(srv.url + "/metrics", timeout=10).text
-    assert f'orca_audit_lambda{{delta="{BAD_DELTA:g}",source="fallback"}} +Inf' in metrics
+    assert (f'orca_audit_lambda{{delta="{BAD_DELTA:g}",model_name="{MODEL}",source="fallback"}} '
+            "+Inf") in metrics
