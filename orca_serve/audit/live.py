@@ -246,11 +246,13 @@ class LiveAudit:
         if rec is None:
             return
         result = results.get(0)
-        if not result or result.get("error") or "step_tokens" not in result:
+        why = ("the engine reported no result" if not result else
+               f"the engine reported an error: {result['error']}" if result.get("error") else
+               "the result has no recording" if "step_tokens" not in result else
+               "no reasoning step to label" if not result["step_tokens"] else None)
+        if why is not None:
             self.counts["failed"] += 1
-            return
-        if not result["step_tokens"]:
-            self.counts["failed"] += 1  # no reasoning step: nothing to label
+            logger.warning("orca audit %s failed: %s", settings.key, why)
             return
         from orca_serve.vllm_plugin import decode_arrays
 
