@@ -48,14 +48,15 @@ class OrcaWorkerExtension:
         returns them, each marked `ran_sampler` (its processor ran apply() at least once), which
         `merge_results` prefers should two workers ever answer for one key.
 
-        Across processes numpy arrays are sent as bytes (vLLM's transport would lose them);
-        `orca_serve.vllm_plugin.merge_results` restores them (and passes numpy through).
+        Numpy arrays are always sent as bytes: vLLM's transport would lose them across processes,
+        and whether the caller shares this process cannot be told from here (an API server's
+        engine core is a process of its own even with VLLM_ENABLE_V1_MULTIPROCESSING=0).
+        `orca_serve.vllm_plugin.merge_results` restores them.
         Fetch after the request finished; a result is kept until fetched, for at most
         `result_ttl_s` after the request left the batch, and at most `max_results` of them.
         """
         from orca_serve.vllm_plugin import encode_arrays
 
-        local = self._orca_same_process()
         reports = self._orca_reports()
         out: dict[str, dict[str, Any]] = {}
         for p in self._orca_processors():
@@ -63,19 +64,8 @@ class OrcaWorkerExtension:
             for k, r in p.pop_results(list(keys)).items():
                 if reports:
                     r["ran_sampler"] = ran
-                    out[k] = r if local else encode_arrays(r)
+                    out[k] = encode_arrays(r)
         return out
-
-    def _orca_same_process(self) -> bool:
-        """True when the caller of collective_rpc lives in this process (in-process engine,
-        one uniproc worker): results then stay plain Python/numpy objects."""
-        from vllm import envs
-
-        if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
-            return False
-        pc = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
-        return pc is not None and pc.world_size == 1 and \
-            pc.distributed_executor_backend in (None, "uni")
 
     def orca_stats(self) -> dict[str, Any]:
         """Cumulative in-engine cost: probe_ns (time inside apply()), engine_steps (apply()
