@@ -101,11 +101,12 @@ def recorded(recorder, prompts):
     sps = [_sp(i, f"rec{i}", max_tokens=MAX_TOKENS - 7 * i) for i in range(len(prompts))]
     outs = recorder.generate(prompts, sps, use_tqdm=False)
     raw = recorder.collective_rpc("orca_results", args=([f"rec{i}" for i in range(len(prompts))],))
-    # in-process engine: plain numpy arrive without decoding; merge_results passes them through
+    # arrays travel as bytes whatever the process layout; merge_results restores them
     import numpy as np
 
-    assert isinstance(raw[0]["rec0"]["step_embeddings"], np.ndarray)
+    assert not isinstance(raw[0]["rec0"]["step_embeddings"], np.ndarray)
     res = merge_results(raw)
+    assert isinstance(res["rec0"]["step_embeddings"], np.ndarray)
     return outs, [res[f"rec{i}"] for i in range(len(prompts))]
 
 
