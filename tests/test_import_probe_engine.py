@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import vllm  # noqa: F401
 from authors_format import AuthorsProbe, authors_state_dict, smooth
-from tiny_model import HIDDEN, build_tiny_model
+from tiny_model import HIDDEN
 
 from calibration.cli import main as calibrate_main
 from orca_serve.bundle import load_bundle
@@ -39,8 +39,7 @@ QUESTION = "Find x: 7*x + 3 = 38"
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    model = build_tiny_model(tmp_path_factory.getbasetemp().parent / "orca-tiny-model")
+def setup(model, tmp_path_factory):
     d = tmp_path_factory.mktemp("authors-probe")
     # seed and scale chosen so that on this prompt the smoothed scores rise to a new maximum a
     # few steps in (so a stop later than step 1 can be checked)

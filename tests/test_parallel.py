@@ -17,7 +17,6 @@ few prompts, short outputs: each start takes a minute or more here.
 from __future__ import annotations
 
 import gc
-import json
 import os
 
 import pytest
@@ -26,18 +25,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch
 import vllm  # noqa: F401 - a broken install must fail, not skip
-from tiny_model import HIDDEN, build_tiny_model
+from bundles import tiny_bundle, write_bundle
+from tiny_model import HIDDEN, chat_prompts
 
-from orca_serve.bundle import (
-    Bundle,
-    LTTRow,
-    LTTTable,
-    ModelIdentity,
-    ProbeBlock,
-    encode_weights,
-    save_bundle,
-    tokenizer_fingerprint,
-)
 from orca_serve.probe import Probe, ProbeSpec
 from orca_serve.procedure import replay
 from orca_serve.vllm_plugin import merge_results
@@ -84,21 +74,8 @@ def _probe() -> Probe:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.getbasetemp().parent / "orca-tiny-model")
-
-
-@pytest.fixture(scope="module")
-def tok(model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
-
-
-@pytest.fixture(scope="module")
 def prompts(tok):
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                    tokenize=False) for q in QUESTIONS]
+    return chat_prompts(tok, QUESTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -131,17 +108,9 @@ def reference(model, tok, prompts, tmp_path_factory):
         if lam is not None:
             break
     assert lam is not None, "no usable crossing in the recorded trajectories"
-    b = Bundle(schema_version=1, orca_serve_version="0.1.0",
-               model=ModelIdentity(name="tiny", hidden_size=HIDDEN,
-                                   tokenizer_fingerprint=tokenizer_fingerprint(tok.get_vocab())),
-               probe=ProbeBlock(spec=json.loads(probe.spec.to_json()),
-                                weights=encode_weights(probe), eta=0.01),
-               window=WINDOW,
-               ltt=LTTTable(epsilon=0.05, n_cal=3, grid_size=10, rows=[
-                   LTTRow(delta=0.1, lam=lam, risk=0.05, pvalue=0.01, savings=0.3)]),
-               default_delta=0.1)
-    path = tmp_path_factory.mktemp("bundle") / "bundle.json"
-    save_bundle(b, path)
+    path = write_bundle(tiny_bundle(probe, [(0.1, lam)], vocab=tok.get_vocab(), window=WINDOW,
+                                    n_cal=3),
+                        tmp_path_factory.mktemp("bundle") / "bundle.json")
     stops = [_first_cross(sm, lam) for sm in sms]
     assert any(s is not None and s >= 3 for s in stops)
     return {"outs": outs, "res": res, "sms": sms, "lam": lam, "stops": stops, "path": path}

@@ -8,7 +8,6 @@ crosses it at a known step), then an engine serving that bundle must stop exactl
 from __future__ import annotations
 
 import gc
-import json
 import os
 
 import pytest
@@ -20,18 +19,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # CI rather than skip the engine tests and pass.
 import torch
 import vllm  # noqa: F401
-from tiny_model import HIDDEN, build_tiny_model
+from bundles import tiny_bundle, write_bundle
+from tiny_model import HIDDEN, chat_prompts
 
-from orca_serve.bundle import (
-    Bundle,
-    LTTRow,
-    LTTTable,
-    ModelIdentity,
-    ProbeBlock,
-    encode_weights,
-    save_bundle,
-    tokenizer_fingerprint,
-)
 from orca_serve.probe import Probe, ProbeSpec
 from orca_serve.procedure import replay
 from orca_serve.vllm_plugin import merge_results
@@ -72,21 +62,8 @@ def _results(llm, keys):
 
 # -- engines and the calibrated bundle --------------------------------------------------------
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.getbasetemp().parent / "orca-tiny-model")
-
-
-@pytest.fixture(scope="module")
-def tok(model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
-
-
-@pytest.fixture(scope="module")
 def prompts(tok):
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                    tokenize=False) for q in QUESTIONS]
+    return chat_prompts(tok, QUESTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -135,19 +112,10 @@ def calib(recorded, tok, tmp_path_factory):
     assert pick, "no usable crossing in the recorded trajectories"
     i_star, t_star, lam1 = pick
     lam2 = sms[i_star][0] - 1e-3
-    b = Bundle(schema_version=1, orca_serve_version="0.1.0",
-               model=ModelIdentity(name="tiny", hidden_size=HIDDEN,
-                                   tokenizer_fingerprint=tokenizer_fingerprint(tok.get_vocab())),
-               probe=ProbeBlock(spec=json.loads(probe.spec.to_json()),
-                                weights=encode_weights(probe), eta=0.01),
-               window=WINDOW,
-               ltt=LTTTable(epsilon=0.05, n_cal=6, grid_size=10, rows=[
-                   LTTRow(delta=0.05, lam=None, risk=0.0, pvalue=1.0, savings=0.0),
-                   LTTRow(delta=0.1, lam=lam1, risk=0.05, pvalue=0.01, savings=0.3),
-                   LTTRow(delta=0.2, lam=lam2, risk=0.1, pvalue=0.01, savings=0.5)]),
-               default_delta=0.1)
-    path = tmp_path_factory.mktemp("bundle") / "bundle.json"
-    save_bundle(b, path)
+    path = write_bundle(tiny_bundle(probe, [(0.05, None), (0.1, lam1), (0.2, lam2)],
+                                    vocab=tok.get_vocab(), window=WINDOW, n_cal=6,
+                                    default_delta=0.1),
+                        tmp_path_factory.mktemp("bundle") / "bundle.json")
     return {"path": path, "i": i_star, "stop_step": t_star + 1, "lam1": lam1, "lam2": lam2,
             "sms": sms, "probe": probe}
 

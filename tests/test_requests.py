@@ -8,21 +8,13 @@ import asyncio
 import json
 import math
 import re
-from dataclasses import asdict
 
 import httpx
 import pytest
+from bundles import tiny_bundle
 from prometheus_client import CollectorRegistry, generate_latest
 
-from orca_serve.bundle import (
-    Bundle,
-    LTTRow,
-    LTTTable,
-    ModelIdentity,
-    ProbeBlock,
-    encode_weights,
-    save_bundle,
-)
+from orca_serve.bundle import save_bundle
 from orca_serve.metrics import OrcaMetrics, outcome_of
 from orca_serve.probe import Probe, ProbeSpec
 from orca_serve.requests import OrcaDefaults, OrcaRequestError, resolve
@@ -31,20 +23,7 @@ from orca_serve.server import OrcaMiddleware, OrcaState, ResultFetcher, orca_obj
 HIDDEN = 16
 
 
-def make_bundle(hidden: int = HIDDEN, rows=((0.05, 0.5), (0.1, None), (0.2, 0.9))) -> Bundle:
-    spec = ProbeSpec(dim=hidden)
-    probe = Probe(spec, seed=0)
-    return Bundle(
-        schema_version=1, orca_serve_version="0.1.0",
-        model=ModelIdentity(name="tiny", hidden_size=hidden),
-        probe=ProbeBlock(spec=asdict(spec), weights=encode_weights(probe), eta=0.01),
-        ltt=LTTTable(epsilon=0.1, n_cal=100, grid_size=10,
-                     rows=[LTTRow(delta=d, lam=lam, risk=0.0, pvalue=0.01, savings=0.3)
-                           for d, lam in rows]),
-        default_delta=rows[0][0])
-
-
-BUNDLE = make_bundle()
+BUNDLE = tiny_bundle(Probe(ProbeSpec(dim=HIDDEN), seed=0), [(0.05, 0.5), (0.1, None), (0.2, 0.9)])
 DEFAULTS = OrcaDefaults(enabled=True, delta=0.05, policy="answer", answer_budget=None)
 
 

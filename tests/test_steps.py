@@ -262,12 +262,7 @@ def test_substring_keywords_are_verbatim():
         TokenTable.build(BYTES, VOCAB, segmentation={"max_step_tokens": 0}, think={"enabled": False})
 
 
-def test_table_from_tiny_tokenizer(tmp_path_factory):
-    from tiny_model import build_tiny_model
-    from transformers import AutoTokenizer
-
-    path = build_tiny_model(tmp_path_factory.getbasetemp().parent / "orca-tiny-model")
-    tok = AutoTokenizer.from_pretrained(path)
+def test_table_from_tiny_tokenizer(tok):
     by = token_bytes_from_tokenizer(tok)
     text = "Try x = 5.\n\nWait, but 3\n\n\nok é"
     enc = tok.encode(text, add_special_tokens=False)

@@ -205,6 +205,12 @@ def build_tiny_model(path: str | os.PathLike) -> Path:
     return out
 
 
+
+def chat_prompts(tok, questions: list[str]) -> list[str]:
+    """Each question as a one-turn chat prompt in the tiny model's template."""
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                    tokenize=False) for q in questions]
+
 if __name__ == "__main__":
     import sys
 
