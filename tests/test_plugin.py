@@ -375,9 +375,10 @@ def test_check_engine_supported(monkeypatch):
     check_engine_supported({"max_model_len": 10})
     with pytest.raises(RuntimeError, match="speculative"):
         check_engine_supported({"speculative_config": {"method": "ngram"}})
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(RuntimeError, match="V1 model runner"):
-        check_engine_supported()
+    with pytest.raises(RuntimeError, match="batch-sharded"):
+        check_engine_supported({"enable_batch_sharded_sampling": True})
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # Model Runner V2: its own adapter
+    check_engine_supported({"max_model_len": 10})
 
 
 def test_state_is_freed_whatever_ends_a_request(served, prompts, tok):

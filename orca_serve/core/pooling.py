@@ -141,3 +141,31 @@ class Readback:
 
     def _view(self) -> Tensor:
         return self._host[:3 * self._m].view(3, self._m)
+
+
+class IdReadback:
+    """Token ids that exist only on the device (Model Runner V2 feeds them from the device),
+    read one step later without waiting: `start(ids)` copies a [k] id vector non_blocking into
+    pinned memory; `take()` on the next step returns them (after the copy's event, long done)."""
+
+    def __init__(self, capacity: int, device: torch.device, pin: bool) -> None:
+        pin = pin and device.type == "cuda"
+        self._host = torch.zeros(capacity, dtype=torch.int64, pin_memory=pin)  # [cap]
+        self._event = None
+        self._k = 0
+
+    def start(self, ids: Tensor) -> None:
+        """ids: [k] integer tensor on the device, k <= capacity."""
+        self._k = ids.shape[0]
+        self._host[:self._k].copy_(ids, non_blocking=True)
+        if ids.device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def take(self) -> list[int]:
+        """The ids of the last `start` (once; [] when none is pending)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        k, self._k = self._k, 0
+        return self._host[:k].tolist()

@@ -1,8 +1,11 @@
-"""orca-serve's vLLM adapter (vLLM V1 model runner, vllm 0.32).
+"""orca-serve's vLLM adapters (vllm 0.32: the V1 model runner and Model Runner V2).
 
 - `config`: `engine_kwargs(bundle_path, record=...)`, `prepare_environment()`,
   `check_engine_supported(...)` -- how a caller turns the plugin on.
-- `processor`: `OrcaLogitsProcessor`, the custom logits processor (pooling, probe, stops).
+- `processor`: `OrcaLogitsProcessor`, the custom logits processor of the V1 runner, and the one
+  FQCN for both runners (built the MRV2 way, it returns the MRV2 adapter).
+- `mrv2`: `OrcaMRV2LogitsProcessor`, the Model Runner V2 adapter.
+- `adapter`: what both adapters share (admission checks, joining requests, results).
 - `capture`: the LM-head capture layer (registered when the processor module is imported).
 - `worker`: `OrcaWorkerExtension` (`orca_results(keys)`, `orca_stats()` for `collective_rpc`).
 

@@ -88,12 +88,14 @@ CPU_KVCACHE_GIB = "4"
 
 
 def prepare_environment() -> None:
-    """Call before creating the engine: pin the V1 model runner (the plugin's interface).
+    """Call before creating the engine.
 
-    On vLLM's CPU build an unset VLLM_CPU_KVCACHE_SPACE makes engine start fail whenever the NUMA
-    node reports less free memory than the utilisation target (docs/VLLM-CPU.md); we default it to 4 GiB of KV cache. GPU builds ignore the variable.
+    The model runner is left to vLLM (the processor serves V1 and Model Runner V2 alike; vLLM's
+    CPU build always runs V1, having no Triton CPU backend). On vLLM's CPU build an unset
+    VLLM_CPU_KVCACHE_SPACE makes engine start fail whenever the NUMA node reports less free
+    memory than the utilisation target (docs/VLLM-CPU.md); we default it to 4 GiB of KV cache.
+    GPU builds ignore the variable.
     """
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
 
 
@@ -152,24 +154,21 @@ def _get(obj: Any, name: str) -> Any:
 def check_engine_supported(engine_args: Any = None) -> None:
     """Refuse engine setups the plugin cannot serve correctly, with a clear reason.
 
-    `engine_args`: a dict of engine kwargs, an `EngineArgs`, or a `VllmConfig` (or None to check
-    the environment only).
+    `engine_args`: a dict of engine kwargs, an `EngineArgs`, parsed CLI arguments or a
+    `VllmConfig` (None: nothing to check). Both model runners are served (Model Runner V2
+    through `mrv2.py`, tested at vLLM's processor interface only; see docs/PLUGIN.md).
     """
-    v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
-    if v2 in ("1", "true", "yes", "on"):
-        raise RuntimeError("orca-serve needs vLLM's V1 model runner (its custom logits-processor "
-                           "interface); VLLM_USE_V2_MODEL_RUNNER=1 selects Model Runner V2. Unset "
-                           "it or call orca_serve.vllm_plugin.config.prepare_environment().")
     if engine_args is None:
         return
-    if _get(engine_args, "use_v2_model_runner") is True:
-        raise RuntimeError("this vLLM configuration selects Model Runner V2, which orca-serve "
-                           "does not support; set VLLM_USE_V2_MODEL_RUNNER=0")
     spec = _get(engine_args, "speculative_config")
     if spec:
-        raise RuntimeError("orca-serve cannot run with speculative decoding: vLLM rejects custom "
-                           "logits processors with it, and the probe needs one hidden state per "
-                           "accepted token; remove the speculative config")
-    if _get(engine_args, "watermark_config") is not None:
-        raise RuntimeError("watermarking forces vLLM's Model Runner V2, which orca-serve does not "
-                           "support")
+        raise RuntimeError("orca-serve cannot run with speculative decoding: the probe needs one "
+                           "hidden state per accepted token (and vLLM's V1 runner rejects custom "
+                           "logits processors with it); remove the speculative config")
+    sharded = _get(engine_args, "enable_batch_sharded_sampling")
+    if sharded is None:
+        sharded = _get(_get(engine_args, "parallel_config"), "enable_batch_sharded_sampling")
+    if sharded:
+        raise RuntimeError("orca-serve cannot run with batch-sharded sampling: Model Runner V2 "
+                           "then computes logits without the LM-head layer the plugin reads "
+                           "hidden states from; remove --enable-batch-sharded-sampling")

@@ -3,7 +3,10 @@
 The only code that touches `vllm.v1.sample.logits_processor`. It turns `BatchUpdate`s (rows
 removed, added, moved) into the core's join/leave, and each `apply(logits)` into one core step
 with plain data (per tracked row: output length and its last two token ids). All decisions are
-the core's (orca_serve/core).
+the core's (orca_serve/core); what both adapters share is in `adapter.py`.
+
+`OrcaLogitsProcessor` is also the FQCN for Model Runner V2: constructed the MRV2 way it returns
+the MRV2 adapter (`mrv2.py`), so one engine argument serves whichever runner vLLM picks.
 
 Request identity. vLLM hands a processor no request id. The model runner that builds the
 processor has them (`input_batch.req_ids`), and two facts need them: the child index of an n > 1
@@ -23,41 +26,42 @@ runner the core gives that one token up (`rows_exact = False`) rather than pool 
 
 from __future__ import annotations
 
-import re
-import sys
-import threading
-import weakref
-from typing import Any
-
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+from vllm.v1.worker.gpu.sample.logits_processor.interface import (
+    LogitsProcessor as MRV2LogitsProcessor,
+)
+from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcRequestState
 
-from orca_serve.contract import XARG_N, XARG_SEED, validate_xargs
 from orca_serve.core.registry import Request
 from orca_serve.vllm_plugin import capture
-from orca_serve.vllm_plugin.engine_setup import build_core, log
-
-_CHILD_RE = re.compile(r"^(\d+)_")
-
-# every live processor of this process (the worker extension asks them)
-PROCESSORS: weakref.WeakSet = weakref.WeakSet()
+from orca_serve.vllm_plugin.adapter import CoreAdapter, child_index, find_on_stack
 
 
-class OrcaLogitsProcessor(LogitsProcessor):
-    """ORCA early stopping as a vLLM V1 logits processor (see module docstring)."""
+class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
+    """ORCA early stopping as a vLLM V1 logits processor (see module docstring).
 
-    @classmethod
-    def validate_params(cls, sampling_params) -> None:
-        validate_xargs(sampling_params.extra_args, int(getattr(sampling_params, "n", 1) or 1),
-                       sampling_params.seed)
+    The one FQCN for both model runners: the class subclasses both interfaces, so the loaders
+    of both accept it (they check `issubclass` only), and the constructor dispatches on how
+    it is called. V1 builds processors as `cls(vllm_config, device, is_pin_memory)`; Model
+    Runner V2 as `cls(vllm_config, req_states)`, which gets the MRV2 adapter
+    (`orca_serve.vllm_plugin.mrv2.OrcaMRV2LogitsProcessor`) instead.
+    """
+
+    def __new__(cls, vllm_config, *args, **kwargs):
+        req_states = kwargs.get("req_states", args[0] if len(args) == 1 else None)
+        if isinstance(req_states, LogitsProcRequestState):
+            from orca_serve.vllm_plugin.mrv2 import OrcaMRV2LogitsProcessor
+
+            # not an instance of cls, so Python does not call cls.__init__ on it
+            return OrcaMRV2LogitsProcessor(vllm_config, req_states)
+        return super().__new__(cls)
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        self._lock = threading.RLock()
         self._runner = _find_model_runner()
-        self.core = build_core(vllm_config, torch.device(device), bool(is_pin_memory))
+        self._start_core(vllm_config, device, is_pin_memory)
         self.core.rows_exact = self._runner is not None
         self._rows: dict[int, tuple[Request, list[int]]] = {}
-        PROCESSORS.add(self)
 
     def is_argmax_invariant(self) -> bool:
         return False  # it forces tokens
@@ -87,28 +91,15 @@ class OrcaLogitsProcessor(LogitsProcessor):
                     if va is not None:
                         table[b] = va
             for row, (params, prompt, out) in new.items():
-                req = self._join(row, params, prompt, out)
+                req = self._join_row(row, params, prompt, out)
                 if req is not None:
                     rows[row] = (req, out)
 
-    def _join(self, row: int, params, prompt, out: list[int]) -> Request | None:
-        xa = params.extra_args or {}
+    def _join_row(self, row: int, params, prompt, out: list[int]) -> Request | None:
         req_id = self._req_id(row, out)
-        index = 0
-        if int(xa.get(XARG_N, 1)) > 1:
-            m = _CHILD_RE.match(req_id or "")
-            if m:
-                index = int(m.group(1))
-            elif XARG_SEED in xa and params.seed is not None:
-                index = int(params.seed) - int(xa[XARG_SEED])
+        index = child_index(req_id, params)
         ident = req_id if req_id is not None else f"params-{id(params)}/{index}"
-        eos = getattr(params, "eos_token_id", None)
-        return self.core.join(ident, xa, prompt=prompt, n_out=len(out), index=index,
-                              max_tokens=params.max_tokens,
-                              eos=None if eos is None else int(eos),
-                              ignore_eos=bool(params.ignore_eos),
-                              structured=getattr(params, "structured_outputs", None) is not None,
-                              handle=params, output=out)
+        return self._join(ident, params, prompt, len(out), out, index)
 
     def _leave(self, tracked: tuple[Request, list[int]] | None) -> None:
         if tracked is None:
@@ -157,18 +148,9 @@ class OrcaLogitsProcessor(LogitsProcessor):
             self.core.step(entries, hidden, logits)
         return logits
 
-    # -- results (worker extension) ---------------------------------------------------------
-    def pop_results(self, keys: list[str]) -> dict[str, dict[str, Any]]:
-        with self._lock:
-            return self.core.pop_results(keys)
-
-    def get_stats(self) -> dict[str, Any]:
-        with self._lock:
-            return self.core.get_stats()
-
 
 def _find_model_runner():
-    """The GPUModelRunner (CPUModelRunner subclasses it) constructing us, found on the stack.
+    """The V1 GPUModelRunner (CPUModelRunner subclasses it) constructing us, found on the stack.
 
     vLLM builds logits processors inside GPUModelRunner.__init__
     (vllm/v1/worker/gpu_model_runner.py, `build_logitsprocs(...)`). None if not found.
@@ -177,13 +159,5 @@ def _find_model_runner():
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except Exception:  # noqa: BLE001
         return None
-    f = sys._getframe(1)
-    for _ in range(30):
-        if f is None:
-            break
-        obj = f.f_locals.get("self")
-        if isinstance(obj, GPUModelRunner):
-            return obj
-        f = f.f_back
-    log.warning("orca: model runner not found on the stack; requests are known by their params")
-    return None
+    return find_on_stack(GPUModelRunner, "the V1 model runner",
+                         "requests are known by their params")

@@ -24,12 +24,16 @@ from typing import Any
 
 class OrcaWorkerExtension:
     def _orca_processors(self) -> list:
-        from orca_serve.vllm_plugin.processor import OrcaLogitsProcessor
+        """Our processors in this worker: in the V1 runner's input batch, or in the MRV2
+        runner's sampler (which only the last pipeline rank has)."""
+        from orca_serve.vllm_plugin.adapter import CoreAdapter
 
         runner = getattr(self, "model_runner", None)
         batch = getattr(runner, "input_batch", None)
-        procs = getattr(getattr(batch, "logitsprocs", None), "all", None) or []
-        return [p for p in procs if isinstance(p, OrcaLogitsProcessor)]
+        procs = getattr(getattr(batch, "logitsprocs", None), "all", None)
+        if procs is None:  # Model Runner V2
+            procs = getattr(getattr(runner, "sampler", None), "logits_processors", None)
+        return [p for p in procs or [] if isinstance(p, CoreAdapter)]
 
     def _orca_reports(self) -> bool:
         """True on the one worker that answers for the engine: the last pipeline rank (it runs

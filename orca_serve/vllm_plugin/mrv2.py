@@ -1,0 +1,198 @@
+"""The Model Runner V2 adapter: vLLM's MRV2 logits-processor interface, driving `OrcaCore`.
+
+vLLM 0.32's MRV2 (`vllm/v1/worker/gpu/model_runner.py`) gives a custom processor three calls:
+`add_request(slot, params)` when a request enters the batch (last pipeline rank only),
+`apply_staged_writes()` once per step, and `apply(logits, ctx)` with the step's layout
+(`ctx.idx_mapping_np`: batch position -> slot, `ctx.seq_lens_upper_bound_np`: tokens visible
+to the token sampled now; both on the host, exact without speculative decoding). One logits
+row per request, in batch order; the LM-head capture (`capture.py`) sees the same rows, because
+MRV2's `sample()` calls `self.model.compute_logits(hidden_states[logits_indices])`.
+
+What the interface does not give, and where it comes from:
+- **Request id and prompt ids.** The processor is built inside the MRV2 runner (its
+  `load_model`), which we find on the stack once. `add_request`'s slot names the request
+  through `runner.req_states.index_to_req_id` (filled just before); the id is the identity in
+  the core (it survives preemption; n > 1 children are "<index>_<parent id>"). The prompt ids
+  (the segmenter needs them: is the prompt inside a think block?) come from the step's
+  `scheduler_output.scheduled_new_reqs`, seen by wrapping the runner's `add_requests`.
+  `orca_key` is the result key only: extra_args cannot tell n > 1 children apart (vLLM's
+  children share one shallow-copied extra_args dict) nor an end from a preemption.
+- **Ends and preemptions.** MRV2 has no removal call: `finish_requests` frees the slots of
+  finished *and* preempted requests alike (`_remove_request`) and a slot is reused at once.
+  Slot reuse cannot tell the two apart, yet the difference matters (a preempted request
+  resumes with its pooled state; a finished one must store its result and free its slot). So
+  the adapter wraps the runner's `finish_requests(scheduler_output)` and reads
+  `finished_req_ids` (leave for good) and `preempted_req_ids` (park until it comes back through
+  `add_request`, with a new slot in vLLM and its old state in ours). A slot reused without
+  that (should not happen) parks its previous occupant, which the result TTL ends.
+- **Token ids.** MRV2 keeps them on the device (`ctx.input_ids`, `req_states.all_token_ids`);
+  reading them in `apply()` would wait for the device every step. Instead the fed ids of the
+  step (`ctx.input_ids`: at a decode row, the token whose hidden state the row is) are copied
+  non_blocking and read on the next step (`core.pooling.IdReadback`), and the core runs in its
+  lag mode: every token is fed to the segmenter one engine step after its hidden row arrived
+  (its row parked meanwhile). Scores and stop steps are unchanged; a stop is forced one token
+  later than under the V1 adapter (the model writes one more token of its own before the
+  forced text or EOS), and the last two tokens of a request are never pooled (one under V1).
+- **Partial prefill chunks** (their sample is discarded): a row whose visible length is below
+  the slot's `prefill_len` (host). The last chunk of a resumed request is the row of the token
+  sampled just before its preemption, pooled exactly.
+
+Record mode under MRV2 leaves `output_token_ids` out of results (the ids are never on the
+host in full); take them from vLLM's output. Without the runner (another vLLM version) the
+adapter tracks nothing and says so in the log.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.worker.gpu.sample.logits_processor.interface import (
+    LogitsContext,
+    LogitsProcessor,
+    LogitsProcRequestState,
+)
+
+from orca_serve.core.engine import UNKNOWN
+from orca_serve.core.pooling import IdReadback
+from orca_serve.core.registry import Request
+from orca_serve.vllm_plugin import capture
+from orca_serve.vllm_plugin.adapter import CoreAdapter, child_index, find_on_stack
+from orca_serve.vllm_plugin.engine_setup import log
+
+
+class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
+    """ORCA early stopping as an MRV2 custom logits processor (see module docstring). Built by
+    `OrcaLogitsProcessor` when MRV2 constructs that FQCN."""
+
+    def __init__(self, vllm_config, req_states: LogitsProcRequestState) -> None:
+        device = torch.device(req_states.device)
+        self._states = req_states
+        self._start_core(vllm_config, device, device.type == "cuda")
+        self._slots: dict[int, Request] = {}  # slot -> tracked request in the batch
+        self._slot_of: dict[str, int] = {}  # request id -> its slot
+        self._new: dict[str, tuple[list[int], int]] = {}  # during add_requests: id -> ids, P
+        self._fed: dict[str, tuple[int, int]] = {}  # request id -> (output position, its id)
+        self._in_flight: list[tuple[str, int, int]] = []  # (request id, position, row) copied
+        self._ids = IdReadback(req_states.max_num_reqs, device, device.type == "cuda")
+        self._runner = _find_model_runner()
+        if self._runner is not None:
+            _observe(self._runner, self)
+
+    # -- the runner's request bookkeeping (wrapped, see module docstring) --------------------
+    def _on_add_requests(self, scheduler_output: Any) -> None:
+        self._new = {r.req_id: (list(r.prefill_token_ids or ()), int(r.prompt_len))
+                     for r in scheduler_output.scheduled_new_reqs}
+
+    def _on_finish_requests(self, scheduler_output: Any) -> None:
+        finished = set(scheduler_output.finished_req_ids or ())
+        preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        with self._lock:
+            if finished and self._in_flight:  # their ids in flight are of no use any more
+                self._in_flight = [e for e in self._in_flight if e[0] not in finished]
+            for rid in finished | preempted:
+                req = self.core.live.get(rid)
+                if req is None:
+                    continue
+                final = rid in finished
+                slot = self._slot_of.pop(rid, None)
+                if slot is not None and self._slots.get(slot) is req:
+                    del self._slots[slot]
+                if final:
+                    self._fed.pop(rid, None)
+                if final or req.attached:
+                    self.core.leave(req, final)
+
+    # -- the MRV2 interface -----------------------------------------------------------------
+    def add_request(self, req_idx: int, sampling_params) -> bool:
+        with self._lock:
+            old = self._slots.pop(req_idx, None)
+            if old is not None and old.attached:  # freed without finish_requests: park it
+                self._slot_of.pop(old.ident, None)
+                self.core.leave(old, False)
+            if self._runner is None or not self.core.wants(sampling_params.extra_args):
+                return False
+            req_id = self._runner.req_states.index_to_req_id.get(req_idx)
+            new = self._new.get(req_id) if req_id is not None else None
+            if new is None:
+                log.error("orca: slot %d has no new request in this step; not tracked", req_idx)
+                return False
+            ids, prompt_len = new
+            req = self._join(req_id, sampling_params, ids[:prompt_len], len(ids) - prompt_len,
+                             None, child_index(req_id, sampling_params))
+            if req is None:
+                return False
+            moved_from = self._slot_of.get(req_id)
+            if moved_from is not None and self._slots.get(moved_from) is req:
+                del self._slots[moved_from]
+            self._slots[req_idx] = req
+            self._slot_of[req_id] = req_idx
+            return True
+
+    def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        """One engine step: [rows, vocab] float32 logits, changed in place."""
+        hidden = capture.take_rows()
+        with self._lock:
+            self._read_fed_ids()
+            prompt_len, prefill_len = self._states.prompt_len.np, self._states.prefill_len.np
+            seq_lens = ctx.seq_lens_upper_bound_np
+            one_row_each = logits.shape[0] == len(ctx.idx_mapping_np)
+            entries = []
+            for row, slot in enumerate(ctx.idx_mapping_np.tolist()):
+                req = self._slots.get(slot)
+                if req is None:
+                    continue
+                if not one_row_each:
+                    req.fail("more than one logits row per request (speculative decoding)")
+                    continue
+                seq = int(seq_lens[row])
+                if seq < prefill_len[slot]:  # a partial prefill chunk: its sample is dropped
+                    self.core.stats["recompute_chunks"] += 1
+                    continue
+                n = seq - int(prompt_len[slot])
+                pos, tid = self._fed.get(req.ident, (-1, UNKNOWN))
+                entries.append((req, row, n, tid if pos == n - 2 else UNKNOWN, UNKNOWN))
+            self.core.step(entries, hidden, logits)
+            if entries:  # this step's fed ids, read on the next step
+                self._ids.start(ctx.input_ids)
+                self._in_flight = [(req.ident, n - 1, row) for req, row, n, _, _ in entries]
+        return logits
+
+    def _read_fed_ids(self) -> None:
+        if not self._in_flight:
+            return
+        ids = self._ids.take()
+        for ident, pos, row in self._in_flight:
+            if pos >= 0 and ident in self.core.live:
+                self._fed[ident] = (pos, ids[row])
+        self._in_flight = []
+
+
+def _observe(runner: Any, proc: OrcaMRV2LogitsProcessor) -> None:
+    """Wrap the runner's `add_requests` and `finish_requests` (instance attributes; the
+    originals run unchanged) so the adapter sees each step's new, finished and preempted ids."""
+    add, finish = runner.add_requests, runner.finish_requests
+
+    def add_requests(scheduler_output):
+        proc._on_add_requests(scheduler_output)
+        try:
+            return add(scheduler_output)
+        finally:
+            proc._new = {}
+
+    def finish_requests(scheduler_output):
+        proc._on_finish_requests(scheduler_output)
+        return finish(scheduler_output)
+
+    runner.add_requests = add_requests
+    runner.finish_requests = finish_requests
+
+
+def _find_model_runner():
+    """The MRV2 GPUModelRunner (vLLM's CPU MRV2 runner subclasses it) building us: processors
+    are built in its `load_model` (`build_custom_logits_processors`). None if not found."""
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    except Exception:  # noqa: BLE001
+        return None
+    return find_on_stack(GPUModelRunner, "the MRV2 model runner", "no request is tracked")
