@@ -78,6 +78,9 @@ class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
         self._runner = _find_model_runner()
         if self._runner is not None:
             _observe(self._runner, self)
+            log.warning("orca: serving through the Model Runner V2 adapter, which is tested at "
+                        "vLLM's interface but has not yet run in a GPU engine; set "
+                        "VLLM_USE_V2_MODEL_RUNNER=0 to use the V1 adapter instead")
 
     # -- the runner's request bookkeeping (wrapped, see module docstring) --------------------
     def _on_add_requests(self, scheduler_output: Any) -> None:
