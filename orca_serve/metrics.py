@@ -32,6 +32,10 @@ Metric names (all prefixed `orca_`):
 - `orca_engine_tracked_requests`, `orca_engine_stored_results`: gauges from the same call
   (requests in the batch; results kept for requests that left it and were not fetched: should
   stay near 0, the server fetches every result).
+- `orca_bundle_info{checksum}`: 1 for the bundle new requests are resolved with (hot reload
+  moves it; requests already running finish on theirs).
+- `orca_bundle_reloads_total{outcome}`: hot reloads, outcome = loaded | refused (a refused one
+  left the old bundle serving; the log and GET /v1/orca/bundle's `last_reload` say why).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -143,9 +147,27 @@ class OrcaMetrics:
                                     "generated after the step where the probe would have stopped "
                                     "(basis: measured or step_fraction estimate)", [LABEL, "basis"],
                                     registry=reg)
+        self.bundle_info = Gauge("orca_bundle_info", "The calibration bundle new requests are "
+                                 "resolved with (value 1), by checksum", [LABEL, "checksum"],
+                                 registry=reg)
+        self.reloads = Counter("orca_bundle_reloads", "Hot reloads of the calibration bundle by "
+                               "outcome (loaded, refused)", [LABEL, "outcome"], registry=reg)
+        for o in ("loaded", "refused"):
+            self.reloads.labels(outcome=o, **m)
         self.model_name = model_name
         self.engine = _EngineStats(model_name)
         reg.register(self.engine)
+
+    def bundle_in_use(self, checksum: str, previous: str | None = None) -> None:
+        if previous is not None and previous != checksum:
+            try:
+                self.bundle_info.remove(self.model_name, previous)
+            except KeyError:
+                pass
+        self.bundle_info.labels(checksum=checksum, **{LABEL: self.model_name}).set(1)
+
+    def reloaded(self, outcome: str) -> None:
+        self.reloads.labels(outcome=outcome, **{LABEL: self.model_name}).inc()
 
     def observe(self, result: dict[str, Any]) -> None:
         """Account one finished request (its response `orca` object, per choice)."""

@@ -166,6 +166,19 @@ class OrcaLogitsProcessor(LogitsProcessor):
         with self._lock:
             return self.core.get_stats()
 
+    # -- hot reload (worker extension) ------------------------------------------------------
+    def load_bundle(self, path: str) -> str | None:
+        with self._lock:
+            return self.core.load_bundle(path).checksum
+
+    def use_bundle(self, checksum: str) -> None:
+        with self._lock:
+            self.core.use_bundle(checksum)
+
+    def retire_bundles(self, keep: list[str]) -> list[str | None]:
+        with self._lock:
+            return self.core.retire_bundles(keep)
+
 
 def _find_model_runner():
     """The GPUModelRunner (CPUModelRunner subclasses it) constructing us, found on the stack.
