@@ -32,6 +32,8 @@ Metric names (all prefixed `orca_`):
 - `orca_engine_tracked_requests`, `orca_engine_stored_results`: gauges from the same call
   (requests in the batch; results kept for requests that left it and were not fetched: should
   stay near 0, the server fetches every result).
+- `orca_engine_bundles_loaded`: bundles an engine holds (most over engines, at the last scrape):
+  1, or 2 while requests of a replaced bundle finish; more means old ones are not let go.
 - `orca_bundle_info{checksum}`: 1 for the bundle new requests are resolved with (hot reload
   moves it; requests already running finish on theirs).
 - `orca_bundle_reloads_total{outcome}`: hot reloads, outcome = loaded | refused (a refused one
@@ -97,12 +99,14 @@ class _EngineStats(Collector):
         self.engine_steps = 0
         self.tracked = 0
         self.stored = 0
+        self.bundles = 0
 
-    def update(self, probe_ns: int, engine_steps: int, tracked: int = 0, stored: int = 0) -> None:
+    def update(self, probe_ns: int, engine_steps: int, tracked: int = 0, stored: int = 0,
+               bundles: int = 0) -> None:
         # Counters must not go down (a worker restart would do that): keep the maximum.
         self.probe_ns = max(self.probe_ns, int(probe_ns))
         self.engine_steps = max(self.engine_steps, int(engine_steps))
-        self.tracked, self.stored = int(tracked), int(stored)
+        self.tracked, self.stored, self.bundles = int(tracked), int(stored), int(bundles)
 
     def collect(self) -> Iterable[Any]:
         labels, value = [LABEL], [self.model_name]
@@ -123,6 +127,11 @@ class _EngineStats(Collector):
                               labels=labels)
         r.add_metric(value, self.stored)
         yield r
+        b = GaugeMetricFamily("orca_engine_bundles_loaded", "Calibration bundles an engine holds "
+                              "(2 while requests of a replaced one finish; most over engines)",
+                              labels=labels)
+        b.add_metric(value, self.bundles)
+        yield b
 
 
 class OrcaMetrics:
@@ -189,11 +198,12 @@ class OrcaMetrics:
 
     def update_engine_stats(self, per_worker: list[Any]) -> None:
         """From `collective_rpc("orca_stats")`: one dict per worker."""
-        probe_ns = steps = tracked = stored = 0
+        probe_ns = steps = tracked = stored = bundles = 0
         for w in per_worker or []:
             if isinstance(w, dict):
                 probe_ns += int(w.get("probe_ns") or 0)
                 steps += int(w.get("engine_steps") or 0)
                 tracked += int(w.get("tracked_requests") or 0)
                 stored += int(w.get("stored_results") or 0)
-        self.engine.update(probe_ns, steps, tracked, stored)
+                bundles = max(bundles, int(w.get("deployments") or 0))
+        self.engine.update(probe_ns, steps, tracked, stored, bundles)
