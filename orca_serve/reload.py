@@ -124,6 +124,7 @@ class Reloader:
     # -- the reload -----------------------------------------------------------------------------
     async def reload(self, path: str, *, source: str) -> dict[str, Any]:
         """Swap in the bundle at `path` (see the module docstring); raises ReloadRefused."""
+        t_asked = time.perf_counter()
         async with self._get_lock():
             t0 = time.perf_counter()
             when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -136,7 +137,9 @@ class Reloader:
                 logger.warning("orca: bundle %s refused (%s); the old one serves on: %s", path,
                                source, e.message)
                 raise
+            # seconds: the reload itself; waited_s: for the one before it (or a release) to end
             out["seconds"] = round(time.perf_counter() - t0, 3)
+            out["waited_s"] = round(t0 - t_asked, 3)
             self.last = {"at": when, "source": source, **out}
             if out["changed"] and self.state.metrics is not None:
                 self.state.metrics.reloaded("loaded")
