@@ -57,6 +57,10 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--orca-answer-budget", type=integer(0), default=None, metavar="N",
                    help="Default answer budget in tokens after the reasoning is closed by policy "
                    "answer. None: the plugin's default.")
+    g.add_argument("--orca-admin-key-env", default=None, metavar="VAR",
+                   help="Turn on POST /v1/orca/bundle (hot reload of the bundle) guarded by the "
+                   "admin key in environment variable VAR (Authorization: Bearer <key>). Without "
+                   "it the route does not exist; SIGHUP re-reads --calib either way.")
     from orca_serve.audit.options import add_audit_args
 
     add_audit_args(parser)
@@ -144,6 +148,24 @@ def _model_kw(ns: argparse.Namespace) -> dict[str, Any]:
     return {"tokenizer": ns.tokenizer, "revision": ns.revision,
             "tokenizer_revision": ns.tokenizer_revision, "hf_config_path": ns.hf_config_path,
             "trust_remote_code": bool(ns.trust_remote_code)}
+
+
+def check_admin_key(ns: argparse.Namespace, has_bundle: bool) -> None:
+    """--orca-admin-key-env VAR: a bundle to reload, a key in $VAR, one API server."""
+    import os
+
+    var = ns.orca_admin_key_env
+    if var is None:
+        return
+    if not has_bundle:
+        raise StartupError("--orca-admin-key-env turns on hot reload of the bundle, which needs "
+                           "--calib (a bundle to start with)")
+    if not os.environ.get(var, "").strip():
+        raise StartupError(f"--orca-admin-key-env {var}: the environment variable {var} is not "
+                           "set or empty; put the admin key in it")
+    if (ns.api_server_count or 1) > 1:
+        raise StartupError("hot reload (--orca-admin-key-env) needs one API server process (each "
+                           "of several would hold its own bundle); use --api-server-count 1")
 
 
 def refuse_unsupported(args: argparse.Namespace) -> None:
@@ -277,6 +299,7 @@ def _main(argv: list[str]) -> None:
         check_audit_args(early, has_bundle=bundle is not None)
     except ValueError as e:
         raise StartupError(str(e)) from None
+    check_admin_key(early, has_bundle=bundle is not None)
     if bundle is not None and early.speculative_config:
         refuse_unsupported(argparse.Namespace(speculative_config=early.speculative_config))
     checked = None
@@ -344,6 +367,9 @@ def _main(argv: list[str]) -> None:
                                           state.metrics.model_name)
         except (OSError, ValueError) as e:  # the audit directory cannot be written
             raise StartupError(f"--orca-audit-dir: {e}") from None
+        model_name = state.metrics.model_name
+        state.reloader.make_audit = lambda b: make_live_audit(args, b, None, model_name,
+                                                              store=False)
     run(args, state)
 
 

@@ -38,10 +38,14 @@ XARG_N = "orca_n"  # n of the parent request (set in validation; children read t
 XARG_SEED = "orca_seed"  # the parent's seed, n > 1 only (vLLM seeds child i with seed + i)
 XARG_RECORD = "orca_record"  # 0/1: keep step embeddings (calibration's collect step)
 XARG_RESERVE = "orca_reserve"  # tokens kept for the answer before max_tokens (policy answer)
+# checksum of the bundle the server resolved orca_lam with: the engine joins that deployment
+# (hot reload: old and new bundles are live at once, and lambda* belongs to one probe)
+XARG_BUNDLE = "orca_bundle"
 # the client-settable ones, by `orca` field name
 XARG_FIELDS = {"enabled": "orca_enabled", "delta": "orca_delta", "policy": "orca_policy",
                "answer_budget": "orca_answer_budget"}
-XARG_RESERVED = {XARG_KEY, XARG_LAM, XARG_N, XARG_SEED}  # set by the server or the plugin, never by clients
+# set by the server or the plugin, never by clients
+XARG_RESERVED = {XARG_KEY, XARG_LAM, XARG_N, XARG_SEED, XARG_BUNDLE}
 _INT_XARGS = ("orca_enabled", "orca_answer_budget", XARG_RECORD, XARG_RESERVE, XARG_N)
 
 
@@ -94,8 +98,9 @@ def validate_xargs(xa: dict[str, Any] | None, n: int = 1, seed: int | None = Non
     """
     if not xa:
         return
-    if XARG_KEY in xa and not isinstance(xa[XARG_KEY], str):
-        raise ValueError(f"{XARG_KEY} must be a string, got {xa[XARG_KEY]!r}")
+    for name in (XARG_KEY, XARG_BUNDLE):
+        if name in xa and not isinstance(xa[name], str):
+            raise ValueError(f"{name} must be a string, got {xa[name]!r}")
     for name in _INT_XARGS:
         if name in xa:
             v = as_int(name, xa[name])
@@ -191,6 +196,7 @@ class OrcaResult:
     forced_tokens: list[int]
     stop_reason: str | None  # "probe", "budget" or None
     index: int
+    bundle_checksum: str | None = None  # the bundle whose probe served it (None: none did)
     notes: list[str] = field(default_factory=list)
     error: str | None = None
     # record mode only: [steps, d] float32 numpy array, tokens per step, ids per step

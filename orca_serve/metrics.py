@@ -32,6 +32,12 @@ Metric names (all prefixed `orca_`):
 - `orca_engine_tracked_requests`, `orca_engine_stored_results`: gauges from the same call
   (requests in the batch; results kept for requests that left it and were not fetched: should
   stay near 0, the server fetches every result).
+- `orca_engine_bundles_loaded`: bundles an engine holds (most over engines, at the last scrape):
+  1, or 2 while requests of a replaced bundle finish; more means old ones are not let go.
+- `orca_bundle_info{checksum}`: 1 for the bundle new requests are resolved with (hot reload
+  moves it; requests already running finish on theirs).
+- `orca_bundle_reloads_total{outcome}`: hot reloads, outcome = loaded | refused (a refused one
+  left the old bundle serving; the log and GET /v1/orca/bundle's `last_reload` say why).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -93,12 +99,14 @@ class _EngineStats(Collector):
         self.engine_steps = 0
         self.tracked = 0
         self.stored = 0
+        self.bundles = 0
 
-    def update(self, probe_ns: int, engine_steps: int, tracked: int = 0, stored: int = 0) -> None:
+    def update(self, probe_ns: int, engine_steps: int, tracked: int = 0, stored: int = 0,
+               bundles: int = 0) -> None:
         # Counters must not go down (a worker restart would do that): keep the maximum.
         self.probe_ns = max(self.probe_ns, int(probe_ns))
         self.engine_steps = max(self.engine_steps, int(engine_steps))
-        self.tracked, self.stored = int(tracked), int(stored)
+        self.tracked, self.stored, self.bundles = int(tracked), int(stored), int(bundles)
 
     def collect(self) -> Iterable[Any]:
         labels, value = [LABEL], [self.model_name]
@@ -119,6 +127,11 @@ class _EngineStats(Collector):
                               labels=labels)
         r.add_metric(value, self.stored)
         yield r
+        b = GaugeMetricFamily("orca_engine_bundles_loaded", "Calibration bundles an engine holds "
+                              "(2 while requests of a replaced one finish; most over engines)",
+                              labels=labels)
+        b.add_metric(value, self.bundles)
+        yield b
 
 
 class OrcaMetrics:
@@ -143,9 +156,27 @@ class OrcaMetrics:
                                     "generated after the step where the probe would have stopped "
                                     "(basis: measured or step_fraction estimate)", [LABEL, "basis"],
                                     registry=reg)
+        self.bundle_info = Gauge("orca_bundle_info", "The calibration bundle new requests are "
+                                 "resolved with (value 1), by checksum", [LABEL, "checksum"],
+                                 registry=reg)
+        self.reloads = Counter("orca_bundle_reloads", "Hot reloads of the calibration bundle by "
+                               "outcome (loaded, refused)", [LABEL, "outcome"], registry=reg)
+        for o in ("loaded", "refused"):
+            self.reloads.labels(outcome=o, **m)
         self.model_name = model_name
         self.engine = _EngineStats(model_name)
         reg.register(self.engine)
+
+    def bundle_in_use(self, checksum: str, previous: str | None = None) -> None:
+        if previous is not None and previous != checksum:
+            try:
+                self.bundle_info.remove(self.model_name, previous)
+            except KeyError:
+                pass
+        self.bundle_info.labels(checksum=checksum, **{LABEL: self.model_name}).set(1)
+
+    def reloaded(self, outcome: str) -> None:
+        self.reloads.labels(outcome=outcome, **{LABEL: self.model_name}).inc()
 
     def observe(self, result: dict[str, Any]) -> None:
         """Account one finished request (its response `orca` object, per choice)."""
@@ -167,11 +198,12 @@ class OrcaMetrics:
 
     def update_engine_stats(self, per_worker: list[Any]) -> None:
         """From `collective_rpc("orca_stats")`: one dict per worker."""
-        probe_ns = steps = tracked = stored = 0
+        probe_ns = steps = tracked = stored = bundles = 0
         for w in per_worker or []:
             if isinstance(w, dict):
                 probe_ns += int(w.get("probe_ns") or 0)
                 steps += int(w.get("engine_steps") or 0)
                 tracked += int(w.get("tracked_requests") or 0)
                 stored += int(w.get("stored_results") or 0)
-        self.engine.update(probe_ns, steps, tracked, stored)
+                bundles = max(bundles, int(w.get("deployments") or 0))
+        self.engine.update(probe_ns, steps, tracked, stored, bundles)

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from orca_serve.bundle import Bundle, BundleError
 from orca_serve.contract import (
     POLICIES,
+    XARG_BUNDLE,
     XARG_FIELDS,
     XARG_KEY,
     XARG_LAM,
@@ -79,6 +80,7 @@ class OrcaSettings:
     n: int = 1
     lam_source: str = "bundle"  # where `lam` comes from: bundle | fallback | audit (audit guard)
     audited: bool = False  # picked for a live audit: runs in shadow with record mode on
+    bundle: str | None = None  # checksum of the bundle `lam` was resolved with
 
     def xargs(self) -> dict[str, str | int | float]:
         out: dict[str, str | int | float] = {XARG_KEY: self.key, "orca_enabled": int(self.enabled)}
@@ -86,6 +88,8 @@ class OrcaSettings:
             out["orca_delta"] = float(self.delta)  # type: ignore[arg-type]
             out["orca_policy"] = "shadow" if self.audited else str(self.policy)
             out[XARG_LAM] = encode_lam(self.lam)
+            if self.bundle is not None:  # the engine joins this bundle's deployment
+                out[XARG_BUNDLE] = self.bundle
             if self.audited:
                 out[XARG_RECORD] = 1
             if self.answer_budget is not None:
@@ -197,7 +201,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     if not isinstance(n, int) or isinstance(n, bool):
         n = 1  # vLLM rejects it
     if not enabled:
-        settings = OrcaSettings(key=new_key(), enabled=False, n=n)
+        settings = OrcaSettings(key=new_key(), enabled=False, n=n, bundle=bundle.checksum)
     else:
         delta = defaults.delta if fields.delta is None else float(fields.delta)
         try:
@@ -215,7 +219,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
             lam=None if math.isinf(lam) else lam,
             answer_budget=(defaults.answer_budget if fields.answer_budget is None
                            else fields.answer_budget),
-            n=n)
+            n=n, bundle=bundle.checksum)
     new_xargs = {k: v for k, v in (xargs or {}).items() if not k.startswith("orca_")}
     new_xargs.update(settings.xargs())
     out["vllm_xargs"] = new_xargs

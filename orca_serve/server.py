@@ -14,7 +14,9 @@ adds three things:
   orca settings there are a 400, never silently ignored (the engine runs those requests without
   orca: see `cli.py`). On GET /metrics it first refreshes the plugin's cumulative probe-time
   counters (`orca_stats`).
-- GET /v1/orca/bundle: `Bundle.summary()` (404 without a bundle).
+- GET /v1/orca/bundle: `Bundle.summary()` (404 without a bundle); POST /v1/orca/bundle and SIGHUP
+  swap in a new bundle without a restart (`orca_serve.reload`). Every orca-enabled response names
+  the bundle that served it (`bundle_checksum`).
 - The `orca` request field in the published OpenAPI description (/openapi.json).
 - Metrics (`orca_serve.metrics`) on vLLM's `/metrics`.
 """
@@ -33,6 +35,7 @@ from typing import Any
 from orca_serve.bundle import Bundle
 from orca_serve.contract import POLICIES, child_key
 from orca_serve.metrics import OrcaMetrics
+from orca_serve.reload import BUNDLE_PATH, AdminMiddleware, Reloader, route_path, send_json
 from orca_serve.requests import (
     OrcaDefaults,
     OrcaFields,
@@ -50,7 +53,6 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 INVOCATIONS_PATH = "/invocations"  # SageMaker: vLLM validates the body as chat, else completions
 ORCA_PATHS = (CHAT_PATH, COMPLETIONS_PATH, INVOCATIONS_PATH)
-BUNDLE_PATH = "/v1/orca/bundle"
 RESULT_FIELDS = ("steps_scored", "stopped_early", "stop_step", "would_stop_step", "last_score",
                  "reasoning_tokens", "forced_tokens")
 RPC_TIMEOUT_S = 30.0
@@ -106,8 +108,10 @@ def _num(v: Any) -> float | None:
     return None if math.isinf(v) or math.isnan(v) else v
 
 
-def choice_fields(result: dict[str, Any] | None) -> dict[str, Any]:
-    """Per-choice part of the `orca` object from one plugin result (zeros when none came)."""
+def choice_fields(result: dict[str, Any] | None, bundle: str | None = None) -> dict[str, Any]:
+    """Per-choice part of the `orca` object from one plugin result (zeros when none came).
+    `bundle`: the checksum the server resolved lambda* with; the engine must have served the
+    request with the same bundle (an error says so otherwise)."""
     r = result or {}
     forced = r.get("forced_tokens") or 0
     out = {
@@ -126,6 +130,9 @@ def choice_fields(result: dict[str, Any] | None) -> dict[str, Any]:
         out["error"] = str(r["error"])
     if result is None:
         out["error"] = "the engine reported no orca result for this request"
+    served = r.get("bundle_checksum")
+    if bundle is not None and served is not None and served != bundle:
+        out["error"] = f"served by bundle {served}, resolved with bundle {bundle}"
     return out
 
 
@@ -134,7 +141,8 @@ def orca_object(settings: OrcaSettings, results: dict[int, dict[str, Any] | None
     if not settings.enabled:
         return {"enabled": False}
     obj: dict[str, Any] = {"enabled": True, "policy": settings.policy, "delta": settings.delta,
-                           "lambda": settings.lam, "lambda_source": settings.lam_source}
+                           "lambda": settings.lam, "lambda_source": settings.lam_source,
+                           "bundle_checksum": settings.bundle}
     if settings.audited:
         obj["audited"] = True
     if settings.answer_budget is not None:
@@ -143,11 +151,11 @@ def orca_object(settings: OrcaSettings, results: dict[int, dict[str, Any] | None
         r = results.get(0)
         if r and r.get("policy") in POLICIES:
             obj["policy"] = r["policy"]  # the plugin may run another policy (see `notes`)
-        obj.update(choice_fields(r))
+        obj.update(choice_fields(r, settings.bundle))
     else:
         obj["choices"] = []
         for i, r in sorted(results.items()):
-            c = {"index": i, **choice_fields(r)}
+            c = {"index": i, **choice_fields(r, settings.bundle)}
             if r and r.get("policy") not in (None, settings.policy):
                 c["policy"] = r["policy"]
             obj["choices"].append(c)
@@ -164,6 +172,7 @@ class OrcaState:
     fetcher: ResultFetcher | None = None
     bundle_path: str | None = None
     audit: Any = None  # orca_serve.audit.live.LiveAudit
+    reloader: Reloader | None = None  # hot reload (None without a bundle)
     _app_state: Any = field(default=None, repr=False)
 
     def client(self) -> Any:
@@ -206,12 +215,6 @@ class OrcaState:
 
 
 # -- the middleware -----------------------------------------------------------------------------
-async def _send_json(send: Callable, status: int, payload: dict[str, Any]) -> None:
-    data = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(data)).encode())]})
-    await send({"type": "http.response.body", "body": data, "more_body": False})
 
 
 def _dumps(obj: Any) -> str:
@@ -226,6 +229,7 @@ class _Request:
         self.state = state
         self.settings = settings
         self.results: dict[int, dict[str, Any] | None] = {}
+        self.audit = state.audit  # the one that admitted it (a reload may replace state.audit)
         self.observed = False
         self.status: int | None = None  # of vLLM's response, once it started
 
@@ -283,10 +287,7 @@ class OrcaMiddleware:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        root = scope.get("root_path", "") or ""
-        if root and path.startswith(root):
-            path = path[len(root):]
+        path = route_path(scope)
         method = scope.get("method")
         if method == "GET" and (path == "/metrics" or path.startswith("/metrics/")):
             await self.state.refresh_engine_stats()
@@ -312,15 +313,15 @@ class OrcaMiddleware:
         except (json.JSONDecodeError, UnicodeDecodeError):
             body = None  # vLLM answers with its own error
         except RecursionError:
-            return await _send_json(send, 400, error_body(
+            return await send_json(send, 400, error_body(
                 "the request body is not valid JSON: it is nested too deeply"))
         except ValueError as e:  # e.g. an integer with more digits than Python converts
-            return await _send_json(send, 400, error_body(
+            return await send_json(send, 400, error_body(
                 f"the request body is not valid JSON: {str(e).split(';')[0]}"))
         if isinstance(body, dict) and path not in ORCA_PATHS:
             param = orca_param_in(body)
             if param is not None:
-                return await _send_json(send, 400, error_body(
+                return await send_json(send, 400, error_body(
                     f"'{param}' is not supported on {path}: orca early stopping runs on "
                     f"{CHAT_PATH} and {COMPLETIONS_PATH} only, whose responses report what it "
                     "did; requests on other routes run without it", param))
@@ -332,7 +333,7 @@ class OrcaMiddleware:
                 new_body, settings = resolve(body, self.state.defaults, self.state.bundle,
                                              completions=completions)
             except OrcaRequestError as e:
-                return await _send_json(send, 400, error_body(e.message, e.param))
+                return await send_json(send, 400, error_body(e.message, e.param))
             if settings is not None and self.state.audit is not None:
                 new_body, settings = self.state.audit.admit(new_body, settings)
             if new_body is not body:
@@ -347,6 +348,8 @@ class OrcaMiddleware:
             return await self.app(scope, replay, send)
 
         req = _Request(self.state, settings)
+        if self.state.reloader is not None:
+            self.state.reloader.started(settings)
         try:
             await self.app(scope, replay, _ResponseShaper(req, send))
         finally:
@@ -396,8 +399,10 @@ async def _finish(req: _Request) -> None:
         await req.fetch_all()
     finally:
         req.account()
-        if req.state.audit is not None:
-            req.state.audit.finished(req.settings, req.results)
+        if req.audit is not None:
+            req.audit.finished(req.settings, req.results)
+        if req.state.reloader is not None:
+            req.state.reloader.finished(req.settings)
 
 
 class _ResponseShaper:
@@ -505,7 +510,10 @@ def add_orca_routes(app: Any, state: OrcaState) -> None:
             return JSONResponse(error_body(
                 "this server runs without a calibration bundle (start orca-serve with --calib)",
                 code=404, err_type="NotFoundError"), status_code=404)
-        return JSONResponse({"path": state.bundle_path, **state.bundle.summary()})
+        out = {"path": state.bundle_path, **state.bundle.summary()}
+        if state.reloader is not None and state.reloader.last is not None:
+            out["last_reload"] = state.reloader.last
+        return JSONResponse(out)
 
     app.add_api_route(BUNDLE_PATH, orca_bundle, methods=["GET"], name="orca_bundle",
                       response_model=None)
@@ -562,6 +570,8 @@ def install(app: Any, state: OrcaState) -> Any:
         state.audit.engine_client = state.client
     # Innermost: append (add_middleware would put ours outside vLLM's auth and CORS).
     app.user_middleware.append(Middleware(OrcaMiddleware, state=state))
+    # Outermost: the admin route's own credential is checked before vLLM's --api-key.
+    app.user_middleware.insert(0, Middleware(AdminMiddleware, reloader=state.reloader))
     if app.middleware_stack is not None:  # vLLM's SageMaker bootstrap already built it
         app.middleware_stack = app.build_middleware_stack()
     return app
@@ -598,15 +608,23 @@ def served_model_name(args: Any) -> str:
 def state_from_args(args: Any) -> OrcaState:
     """The server's state, from the parsed command line alone (`args.calib`: the bundle, already
     checked at start), so that every API server process can build its own."""
+    import os
     from pathlib import Path
 
     from orca_serve.bundle import load_bundle
 
     bundle = load_bundle(args.calib) if args.calib else None
-    return OrcaState(bundle=bundle, defaults=orca_defaults(args, bundle),
-                     metrics=(OrcaMetrics(model_name=served_model_name(args))
-                              if bundle is not None else None),
-                     bundle_path=str(Path(args.calib).absolute()) if args.calib else None)
+    state = OrcaState(bundle=bundle, defaults=orca_defaults(args, bundle),
+                      metrics=(OrcaMetrics(model_name=served_model_name(args))
+                               if bundle is not None else None),
+                      bundle_path=str(Path(args.calib).absolute()) if args.calib else None)
+    if bundle is not None:
+        key_env = getattr(args, "orca_admin_key_env", None)
+        state.reloader = Reloader(state, calib_path=state.bundle_path,
+                                  fixed_delta=getattr(args, "orca_delta", None),
+                                  admin_key=os.environ.get(key_env) if key_env else None)
+        state.metrics.bundle_in_use(bundle.checksum)
+    return state
 
 
 def _swap_build_app(state: OrcaState) -> None:
@@ -645,8 +663,17 @@ def run(args: Any, state: OrcaState) -> None:
                                                           target_server_fn=api_server_process)
         serve.run_multi_api_server(args)
         return
+    import signal
+
     import uvloop
     from vllm.entrypoints.launchers.api_server import entry
 
     _swap_build_app(state)
-    uvloop.run(entry.run_server(args))
+
+    async def serve() -> None:
+        if state.reloader is not None:  # SIGHUP re-reads --calib (orca_serve.reload)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP,
+                                                          state.reloader.on_sighup)
+        await entry.run_server(args)
+
+    uvloop.run(serve())

@@ -9,6 +9,7 @@ import pytest
 
 from orca_serve.contract import (
     DEFAULTS,
+    XARG_BUNDLE,
     XARG_LAM,
     XARG_N,
     XARG_SEED,
@@ -40,7 +41,7 @@ def test_validate_xargs_marks_children_and_refuses_bad_values():
     assert xa[XARG_N] == 3 and xa[XARG_SEED] == 7
     for bad in ({"orca_policy": "later"}, {"orca_enabled": 2}, {"orca_delta": "x"},
                 {"orca_delta": 1.5}, {"orca_answer_budget": -1}, {"orca_key": 3},
-                {XARG_LAM: "nan"}, {XARG_LAM: [1]}):
+                {XARG_LAM: "nan"}, {XARG_LAM: [1]}, {XARG_BUNDLE: 5}):
         with pytest.raises(ValueError, match="orca_"):
             validate_xargs(dict(bad))
 
@@ -60,23 +61,28 @@ def test_lambda_resolution_server_value_wins_engine_resolves_the_rest():
 
 
 def test_server_passes_the_lambda_it_resolved():
-    class FakeBundle:  # the one Bundle method resolve() uses
+    class FakeBundle:  # what resolve() uses of a Bundle
         lam = staticmethod(lam_of)
+        checksum = "c" * 64
 
     d = OrcaDefaults(delta=0.1)
     out, s = resolve({"orca": {"delta": 0.2}}, d, FakeBundle())  # type: ignore[arg-type]
     assert out["vllm_xargs"][XARG_LAM] == 0.4 == s.lam
+    # the engine joins the deployment of the bundle lambda* came from (hot reload)
+    assert out["vllm_xargs"][XARG_BUNDLE] == "c" * 64 == s.bundle
     out, s = resolve({"orca": {"delta": 0.05}}, d, FakeBundle())  # type: ignore[arg-type]
     assert out["vllm_xargs"][XARG_LAM] == "inf" == encode_lam(math.inf) and s.lam is None
     with pytest.raises(OrcaRequestError, match="set by the server"):
         resolve({"vllm_xargs": {XARG_LAM: 0.1}}, d, FakeBundle())  # type: ignore[arg-type]
+    with pytest.raises(OrcaRequestError, match="set by the server"):
+        resolve({"vllm_xargs": {XARG_BUNDLE: "x"}}, d, FakeBundle())  # type: ignore[arg-type]
 
 
 def test_result_wire_form():
     base = {"enabled": True, "policy": "stop", "delta": 0.1, "lam": 0.6, "steps_scored": 2,
             "stopped_early": True, "stop_step": 2, "would_stop_step": 2, "last_score": 0.7,
             "scores": [0.1, 0.7], "reasoning_tokens": 9, "forced_tokens": [5],
-            "stop_reason": "probe", "index": 0}
+            "stop_reason": "probe", "index": 0, "bundle_checksum": "c" * 64}
     d = OrcaResult(**base).to_dict()
     assert d == base  # no notes, error or record fields when there are none
     arr = np.zeros((2, 3), dtype=np.float32)

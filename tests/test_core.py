@@ -19,6 +19,7 @@ import torch
 
 from orca_serve.bundle import (
     Bundle,
+    BundleError,
     LTTRow,
     LTTTable,
     ModelIdentity,
@@ -28,7 +29,7 @@ from orca_serve.bundle import (
     save_bundle,
     tokenizer_fingerprint,
 )
-from orca_serve.contract import XARG_KEY, XARG_LAM
+from orca_serve.contract import XARG_BUNDLE, XARG_KEY, XARG_LAM
 from orca_serve.core.engine import OrcaCore
 from orca_serve.probe import Probe, ProbeSpec
 from orca_serve.procedure import replay
@@ -66,17 +67,19 @@ class FakeTokenizer:
         return out
 
 
-def _probe() -> Probe:
+def _probe(seed: int = 1) -> Probe:
     probe = Probe(ProbeSpec(dim=DIM), seed=0)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     probe.params["w"].data = torch.randn(DIM, generator=g) * 3
     return probe.requires_grad_(False)
 
 
-def _bundle(tmp_path_factory, keywords=None):
-    probe = _probe()
-    b = Bundle(segmentation=Segmentation(keywords=keywords),schema_version=1, orca_serve_version="0.1.0",
-               model=ModelIdentity(name="fake", hidden_size=DIM,
+def _bundle(tmp_path_factory, keywords=None, *, seed: int = 1, hidden: int = DIM,
+            normalization: str = "token-l2"):
+    probe = _probe(seed)
+    b = Bundle(segmentation=Segmentation(keywords=keywords), schema_version=1,
+               orca_serve_version="0.1.0", normalization=normalization,
+               model=ModelIdentity(name="fake", hidden_size=hidden,
                                    tokenizer_fingerprint=tokenizer_fingerprint(ID)),
                probe=ProbeBlock(spec=json.loads(probe.spec.to_json()),
                                 weights=encode_weights(probe), eta=0.01),
@@ -93,6 +96,12 @@ def _bundle(tmp_path_factory, keywords=None):
 @pytest.fixture(scope="module")
 def bundle_path(tmp_path_factory):
     return _bundle(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def other_bundle_path(tmp_path_factory):
+    """Another probe for the same model (hot reload): other scores, another checksum."""
+    return _bundle(tmp_path_factory, seed=7)
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +132,14 @@ class SimRequest:
 
 
 def run(core: OrcaCore, sims: list[SimRequest], seed: int = 0, steps: int = 400,
-        on_park=None) -> None:
-    """The fake engine: joins, preemptions, shuffled rows, forced or scripted next tokens."""
+        on_park=None, on_step=None) -> None:
+    """The fake engine: joins, preemptions, shuffled rows, forced or scripted next tokens.
+    `on_step(t)` runs before step t's joins (a hot reload, say)."""
     rng = random.Random(seed)
     batch: list[SimRequest] = []
     for t in range(steps):
+        if on_step is not None:
+            on_step(t)
         for s in sims:
             if s.req is None and not s.done and t == s.join_at:
                 s.req = core.join(s.name, s.xa, prompt=PROMPT, n_out=0, index=0,
@@ -360,13 +372,19 @@ def _flat(args, kwargs):
 
 class FactoryWatch(torch.overrides.TorchFunctionMode):
     """Counts tensors built from host data straight onto a device (`torch.tensor(list,
-    device=...)`), which copy synchronously from pageable memory."""
+    device=...)`), which copy synchronously from pageable memory. Tensors made on the device
+    from nothing (`torch.zeros(n, device=...)`) are device tensors: no copy."""
+
+    MADE_ON_DEVICE: ClassVar[set] = {torch.zeros, torch.ones, torch.full, torch.empty}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None:
             DeviceTensor.log.append(f"h2d {func.__name__}(..., device=)")
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in self.MADE_ON_DEVICE and kwargs.get("device") is not None:
+            out = out.as_subclass(DeviceTensor)
+        return out
 
 
 def _to_device(obj) -> None:
@@ -378,23 +396,30 @@ def _to_device(obj) -> None:
     pool.A, pool.S, pool.lag = conv(pool.A), conv(pool.S), conv(pool.lag)
     obj.staging.copy = True  # a real device needs the staging copy (a CPU one skips it)
     obj.staging._dev = conv(obj.staging._dev)
-    bank = obj.dep.bank
-    bank._fast = {k: conv(v) for k, v in bank._fast.items()}
-    bank._buf = {k: conv(v) for k, v in bank._buf.items()}
-    bank._scratch = conv(bank._scratch)
-    # the probe's weights live on the device too (plain dict: a ParameterDict keeps Parameters)
-    bank.probe.__dict__["params"] = {k: v.detach().as_subclass(DeviceTensor)
-                                     for k, v in bank.probe.params.items()}
+    for dep in obj.deps.values():
+        bank = dep.bank
+        bank._fast = {k: conv(v) for k, v in bank._fast.items()}
+        bank._buf = {k: conv(v) for k, v in bank._buf.items()}
+        bank._scratch = conv(bank._scratch)
+        # the probe's weights live on the device too (a plain dict: a ParameterDict keeps
+        # Parameters)
+        bank.probe.__dict__["params"] = {k: v.detach().as_subclass(DeviceTensor)
+                                         for k, v in bank.probe.params.items()}
 
 
-def test_engine_step_makes_at_most_one_device_to_host_copy(bundle_path):
+@pytest.mark.parametrize("two_deployments", [False, True])
+def test_engine_step_makes_at_most_one_device_to_host_copy(bundle_path, other_bundle_path,
+                                                            two_deployments):
     """Steps with joins, scoring, stops, forcing, lag and preemption: per step at most one
     device-to-host copy (the readback) and one host-to-device copy (the staging), never a
-    `.item()`/`.tolist()`/`bool()` of a device value or a tensor built from a list on a device."""
+    `.item()`/`.tolist()`/`bool()` of a device value or a tensor built from a list on a device.
+    With two deployments live (hot reload), half the requests score through each bank."""
     core = make_core(bundle_path, max_num_seqs=4)
+    other = core.load_bundle(str(other_bundle_path)).checksum if two_deployments else None
     _to_device(core)
     rng = random.Random(3)
-    sims = [SimRequest(f"r{i}", rng, xa={XARG_KEY: f"r{i}", "orca_policy": p},
+    sims = [SimRequest(f"r{i}", rng, xa={XARG_KEY: f"r{i}", "orca_policy": p,
+                                         **({XARG_BUNDLE: other} if other and i % 2 else {})},
                        max_tokens=60, join_at=i, preempt_at=10 if i == 1 else None,
                        lag_from=20 if i == 2 else None)
             for i, p in enumerate(["stop", "answer", "shadow", "answer"])]
@@ -419,3 +444,95 @@ def test_engine_step_makes_at_most_one_device_to_host_copy(bundle_path):
         h2d = [e for e in log if e.startswith("h2d")]
         assert d2h in ([], ["d2h copy_"]) and h2d in ([], ["h2d copy_"]), worst
     assert sum("d2h copy_" in log for log in per_step) > 5  # the readback is seen
+    if two_deployments:
+        assert {r["bundle_checksum"] for r in res.values()} == {core.dep.checksum, other}
+
+
+# -- hot reload: several deployments live at once ---------------------------------------------------
+def test_hot_reload_mixes_deployments_in_one_step_and_frees_the_old_one(bundle_path,
+                                                                       other_bundle_path):
+    """Requests of the old bundle keep its probe to their end while new ones (named by checksum,
+    or naming none once the new bundle is current) run the new probe in the same steps; each
+    request's scores equal the offline replay of its own probe. The old deployment is dropped
+    when its last request leaves, not before."""
+    rng = random.Random(11)
+    core = make_core(bundle_path, max_num_seqs=8)
+    old = core.dep.checksum
+    reload_at = 12
+    sims = []
+    for i in range(8):
+        late = i >= 4  # joins after the reload
+        xa = {XARG_KEY: f"r{i}", "orca_policy": ["stop", "answer", "shadow"][i % 3]}
+        if i == 5:
+            xa[XARG_BUNDLE] = "will-be-set"  # names the new bundle explicitly
+        elif not late:
+            xa[XARG_BUNDLE] = old
+        sims.append(SimRequest(f"r{i}", rng, xa=xa, max_tokens=rng.randrange(50, 90),
+                               join_at=reload_at + 1 + i if late else i,
+                               preempt_at=8 if i in (1, 6) else None))
+    seen: dict[str, list] = {}
+
+    def reload(t: int) -> None:
+        if t == reload_at:
+            new = core.load_bundle(str(other_bundle_path)).checksum
+            assert new != old and core.dep.checksum == old  # staged, not current yet
+            sims[5].xa[XARG_BUNDLE] = new
+            core.use_bundle(new)
+            assert core.retire_bundles() == [old, new]  # old requests still run on it
+        seen.setdefault("deps", []).append(len(core.deps))
+
+    run(core, sims, seed=11, on_step=reload)
+    new = core.dep.checksum
+    assert seen["deps"][reload_at - 1] == 1 and 2 in seen["deps"][reload_at:]
+    assert list(core.deps) == [new]  # the old one went with its last request
+    res = core.pop_results([s.name for s in sims])
+    probes = {old: _probe(1), new: _probe(7)}
+    for i, s in enumerate(sims):
+        r = res[s.name]
+        assert "error" not in r, r.get("error")
+        want = new if i >= 4 else old
+        assert r["bundle_checksum"] == want, s.name
+        sm, _ = reference(core.dep.table, s, probes[want], len(s.out) - 1)
+        assert r["steps_scored"] > 0
+        assert r["scores"] == pytest.approx(sm[:r["steps_scored"]], abs=1e-5), s.name
+    # the two probes really differ on these requests (else the test proves nothing)
+    s0 = sims[0]
+    a, _ = reference(core.dep.table, s0, probes[old], len(s0.out) - 1)
+    b, _ = reference(core.dep.table, s0, probes[new], len(s0.out) - 1)
+    assert a != pytest.approx(b, abs=1e-3)
+
+
+def test_refused_bundles_leave_the_running_deployment(bundle_path, tmp_path_factory):
+    core = make_core(bundle_path)
+    before = dict(core.deps)
+    wrong_model = _bundle(tmp_path_factory, seed=3, hidden=DIM + 1)
+    with pytest.raises(BundleError, match="hidden size"):
+        core.load_bundle(str(wrong_model))
+    edited = tmp_path_factory.mktemp("edited") / "bundle.json"
+    data = json.loads(other := _bundle(tmp_path_factory, seed=4).read_text())
+    data["window"] += 1
+    edited.write_text(json.dumps(data))
+    with pytest.raises(BundleError, match="checksum"):
+        core.load_bundle(str(edited))
+    with pytest.raises(BundleError, match="normalises"):
+        core.load_bundle(str(_bundle(tmp_path_factory, seed=5, normalization="step-l2")))
+    with pytest.raises(BundleError, match="not loaded"):
+        core.use_bundle("0" * 64)
+    assert core.deps == before and core.dep is before[core.dep.checksum]
+    # the same bundle again is the same deployment, and unknown files are one-line errors
+    assert core.load_bundle(str(bundle_path)) is core.dep
+    with pytest.raises(BundleError):
+        core.load_bundle(str(other) + ".missing")
+
+
+def test_a_request_naming_an_unloaded_bundle_runs_without_early_stopping(bundle_path):
+    """lambda* of one probe is never applied to another: a request whose bundle is gone gets
+    an error in its result instead of the current probe."""
+    core = make_core(bundle_path)
+    req = core.join("g", {XARG_KEY: "g", XARG_BUNDLE: "f" * 64, XARG_LAM: 0.1}, prompt=PROMPT,
+                    n_out=0, index=0, max_tokens=9, eos=None, ignore_eos=False, structured=False)
+    assert req is not None and not req.enabled
+    core.leave(req, True)
+    r = core.pop_results(["g"])["g"]
+    assert "not loaded" in r["error"] and r["bundle_checksum"] is None
+    assert not r["enabled"] and r["steps_scored"] == 0

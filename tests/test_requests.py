@@ -213,7 +213,8 @@ def test_middleware_json_response_gets_orca():
         assert seen[0]["vllm_xargs"]["orca_key"].startswith("orca-") and "orca" not in seen[0]
         o = body["orca"]
         assert o == {"enabled": True, "policy": "answer", "delta": 0.05, "lambda": 0.5,
-                     "lambda_source": "bundle", "steps_scored": 3, "stopped_early": True, "stop_step": 3,
+                     "lambda_source": "bundle", "bundle_checksum": BUNDLE.checksum,
+                     "steps_scored": 3, "stopped_early": True, "stop_step": 3,
                      "would_stop_step": 3, "last_score": 0.75, "reasoning_tokens": 40,
                      "forced_tokens": 4, "stop_reason": "probe"}
         assert body["usage"] == {"total_tokens": 5}

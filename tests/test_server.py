@@ -380,6 +380,14 @@ def test_bundle_endpoint(srv, env):
     assert "weights" not in json.dumps(s)
 
 
+def test_bundle_reload_route_is_off_without_the_admin_key_option(srv, env):
+    r = httpx.post(srv.url + "/v1/orca/bundle", json={"path": str(env["bundle"])},
+                   headers={"Authorization": "Bearer x"}, timeout=30)
+    assert r.status_code == 404, r.text
+    assert "--orca-admin-key-env" in r.json()["error"]["message"]
+    assert httpx.get(srv.url + "/v1/orca/bundle", timeout=30).status_code == 200
+
+
 def test_metrics_have_orca_counts(srv):
     chat(srv, {"delta": 0.05, "policy": "shadow"})
     chat(srv, {"enabled": False})

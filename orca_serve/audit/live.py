@@ -27,6 +27,11 @@ exchangeable with the calibration set. This module measures the realized risk of
    its lower bound falls back to delta or below, the bundle's lambda* returns.
 5. **Drift**: with a drift reference in the bundle, a `DriftMonitor` sees the scores of every
    finished request (audited or not).
+6. **Hot reload** (`hand_over`): a new bundle gets a new LiveAudit; the table, the guards, the
+   recalibration window and the drift monitor restart with it, because every one of them is about
+   one probe and its lambda*. Audits of requests the old bundle served (waiting for labels, being
+   labelled, or still running) are dropped, counted as `superseded` in the new table: their
+   losses measure the old lambda*, and the old table is gone.
 
 Everything here runs on the server's event loop; nothing blocks a response.
 """
@@ -198,9 +203,11 @@ class LiveAudit:
         self.drift = drift
         self.window: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=config.window)
         self.counts = {"picked": 0, "labelled": 0, "dropped": 0, "failed": 0, "unsolvable": 0,
-                       "unaligned": 0}
+                       "unaligned": 0, "superseded": 0}
         self.labeller: Any = None  # AuditLabeller, made on first use (needs the engine client)
         self.store: Any = None  # AuditStore when a directory is configured
+        self.collector: AuditCollector | None = None  # its metrics, when registered
+        self.retired = False  # replaced by a hot reload: takes nothing in any more
         self._pending: dict[str, dict[str, Any]] = {}
         self._queue: asyncio.Queue[_Job] | None = None
         self._worker: asyncio.Task | None = None
@@ -235,6 +242,8 @@ class LiveAudit:
 
     def finished(self, settings: Any, results: dict[int, dict[str, Any] | None]) -> None:
         """A request ended (its results fetched): feed drift, queue its audit for labelling."""
+        if self.retired:
+            return
         if self.drift is not None:
             for r in results.values():
                 if r and r.get("scores") and not r.get("error"):
@@ -289,6 +298,8 @@ class LiveAudit:
         record["extra"]["audit"] = {"scores": [round(float(s), 6) for s in job.result["scores"]],
                                     "delta": job.result.get("delta"),
                                     "lambda": job.result.get("lam")}
+        if self.retired:  # replaced while it was being labelled (counted by the successor)
+            return
         if self.store is not None:
             await asyncio.to_thread(self.store.append, record, job.result["step_embeddings"])
         self.observe(list(job.result["scores"]), record["labels"]["consistent"])
@@ -323,11 +334,41 @@ class LiveAudit:
         return ltt_lambda(scores, labels, delta, epsilon=t.epsilon, grid_size=t.grid_size,
                           pvalue=t.pvalue)
 
+    # -- hot reload ----------------------------------------------------------------------------
+    def hand_over(self, successor: LiveAudit) -> None:
+        """A new bundle's audit takes over (see the module docstring, item 6): this one's
+        unfinished audits are dropped and counted as `superseded` there, its metrics collector
+        reads the successor from now on, and the successor writes to this audit's store when
+        the two bundles' audit records agree (same model and pooling), else opens its own."""
+        from orca_serve.audit.options import audit_store, store_info
+
+        self.retired = True
+        queued = 0
+        while self._queue is not None and not self._queue.empty():
+            self._queue.get_nowait()
+            queued += 1
+        successor.counts["superseded"] += len(self._pending) + queued + (
+            1 if self._worker is not None and not self._worker.done() else 0)
+        self._pending.clear()
+        if self.collector is not None:
+            self.collector.audit = successor
+            successor.collector, self.collector = self.collector, None
+        if successor.config.directory is not None and successor.store is None:
+            if self.store is not None and self.store.info == store_info(successor.bundle):
+                successor.store = self.store
+            else:
+                if self.store is not None:
+                    self.store.close()
+                successor.store = audit_store(successor.config, successor.bundle)
+        self.store = None
+        successor.engine_client = self.engine_client
+
     # -- reading -----------------------------------------------------------------------------
     def table(self) -> dict[str, Any]:
         """GET /v1/orca/audit."""
         c = self.config
         out: dict[str, Any] = {
+            "bundle_checksum": self.bundle.checksum,
             "rate": c.rate, "on_alarm": c.on_alarm, "label_mode": "consistent",
             "epsilon": self.bundle.ltt.epsilon,
             "recalibrate_window": c.window if c.on_alarm == "recalibrate" else None,

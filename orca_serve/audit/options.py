@@ -109,25 +109,36 @@ def audit_config(ns: argparse.Namespace) -> AuditConfig:
 
 
 def make_live_audit(ns: argparse.Namespace, bundle: Any, registry: Any,
-                    model_name: str = "") -> Any:
+                    model_name: str = "", *, store: bool = True) -> Any:
     """The server's LiveAudit (metrics registered on `registry` with vLLM's `model_name`
-    label), its store when a dir is set."""
+    label), its store when a dir is set. `store=False`: without one (a hot reload opens it, or
+    takes the old audit's, when it takes over: `LiveAudit.hand_over`)."""
     from orca_serve.audit.live import AuditCollector, LiveAudit
-    from orca_serve.audit.store import AuditStore
 
     config = audit_config(ns)
     from orca_serve.audit import DriftMonitor
 
     live = LiveAudit(bundle, config, drift=DriftMonitor.from_bundle(bundle))
-    if config.directory is not None:
-        live.store = AuditStore(
-            config.directory, dim=bundle.model.hidden_size, per_dir=config.per_dir,
-            keep=config.keep,
-            info={"model": bundle.model.name, "normalization": bundle.normalization,
-                  "segmentation": bundle.segmentation.model_dump(),
-                  "think": bundle.think.model_dump(),
-                  "tokenizer_fingerprint": bundle.model.tokenizer_fingerprint,
-                  "source": "orca-serve live audit"})
+    if store and config.directory is not None:
+        live.store = audit_store(config, bundle)
     if registry is not None:
-        registry.register(AuditCollector(live, model_name))
+        live.collector = AuditCollector(live, model_name)
+        registry.register(live.collector)
     return live
+
+
+def store_info(bundle: Any) -> dict[str, Any]:
+    """What an audit directory records of the bundle (audits of bundles with equal info can
+    share a directory: same model, same pooling)."""
+    return {"model": bundle.model.name, "normalization": bundle.normalization,
+            "segmentation": bundle.segmentation.model_dump(), "think": bundle.think.model_dump(),
+            "tokenizer_fingerprint": bundle.model.tokenizer_fingerprint,
+            "source": "orca-serve live audit"}
+
+
+def audit_store(config: AuditConfig, bundle: Any) -> Any:
+    """The rotating store of labelled audits under `config.directory`."""
+    from orca_serve.audit.store import AuditStore
+
+    return AuditStore(config.directory, dim=bundle.model.hidden_size, per_dir=config.per_dir,
+                      keep=config.keep, info=store_info(bundle))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ class AuditStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.dim, self.info, self.per_dir, self.keep, self.dtype = dim, info, per_dir, keep, dtype
         self.written = 0
+        self._lock = threading.Lock()  # appends run in threads; two audits may share a store
         self._writer: TrajectoryWriter | None = None
         self._count = 0
         existing = self.directories()
@@ -72,13 +74,14 @@ class AuditStore:
 
     def append(self, record: dict[str, Any], embeddings: np.ndarray) -> Path:
         """Write one labelled audit; returns the directory it went to."""
-        if self._count >= self.per_dir:
-            self._rotate()
-        assert self._writer is not None
-        self._writer.append(record, embeddings)
-        self._count += 1
-        self.written += 1
-        return self._writer.path
+        with self._lock:
+            if self._count >= self.per_dir:
+                self._rotate()
+            assert self._writer is not None
+            self._writer.append(record, embeddings)
+            self._count += 1
+            self.written += 1
+            return self._writer.path
 
     def close(self) -> None:
         if self._writer is not None:

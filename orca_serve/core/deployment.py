@@ -2,7 +2,8 @@
 
 Each request keeps a reference to the deployment it started with (its token table, forced text,
 probe bank and thresholds), so a new bundle can serve new requests while running ones finish on
-theirs.
+theirs (hot reload: `OrcaCore.load_bundle`). A deployment's probe bank has one row per slot of
+the core, so two live deployments cost two banks until the old one's last request leaves.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ class Deployment:
         if self.bundle is not None:
             self.bank = ProbeBank(self.bundle.load_probe(), window=self.bundle.window,
                                   capacity=capacity, device=device)
+
+    @property
+    def checksum(self) -> str | None:
+        """The bundle's checksum: the deployment's name in the core (None: record mode)."""
+        return None if self.bundle is None else self.bundle.checksum
 
     @property
     def lam_of(self):

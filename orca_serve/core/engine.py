@@ -15,6 +15,12 @@ step, decided on the device (no wait). The step's one device-to-host copy (score
 is started non_blocking and read on the next step, where the host learns of the stop and plans
 the rest of the forced text: stops land on exactly the token a synchronous design would force.
 
+Hot reload: several deployments (bundles) can be live at once. A request joins the one whose
+checksum its `orca_bundle` extra arg names (the server resolved its lambda* with that bundle), or
+the current one (`use_bundle`) when it names none, and keeps it to the end. A step scores each
+deployment's requests through that deployment's probe bank, still with one staging copy and one
+readback. A deployment retired by `retire_bundles` is dropped when its last request leaves.
+
 Async scheduling: a token id that is still a placeholder (-1) cannot be segmented yet; its hidden
 row is parked and the request runs one token behind (the parked token is fed on the next step,
 when its id is known) instead of failing. See docs/PLUGIN.md.
@@ -36,6 +42,7 @@ from orca_serve.contract import (
     MAX_RESULTS,
     NEVER,
     RESULT_TTL_S,
+    XARG_BUNDLE,
     child_key,
     request_spec,
 )
@@ -65,8 +72,13 @@ class OrcaCore:
         self.defaults = {**DEFAULTS, **(cfg.get("defaults") or {})}
         self.default_eos = default_eos
         self.capacity = 2 * max(1, int(max_num_seqs))  # preempted requests keep their slot
-        self.dep = Deployment(cfg, tokenizer, hidden_size=hidden_size, model_name=model_name,
-                              eos_ids=eos_ids, capacity=self.capacity, device=self.device)
+        self._dep_args = {"hidden_size": hidden_size, "model_name": model_name,
+                          "eos_ids": set(eos_ids), "capacity": self.capacity,
+                          "device": self.device}
+        self._tokenizer = tokenizer
+        self.dep = Deployment(cfg, tokenizer, **self._dep_args)  # the current deployment
+        self.deps: dict[str | None, Deployment] = {self.dep.checksum: self.dep}  # by checksum
+        self._retired: set[str | None] = set()  # dropped when no live request uses them
         self.normalization = self.dep.normalization
         self.pool = SlotPool(self.capacity, hidden_size, self.device)
         # 18 segments of at most max_num_seqs values each
@@ -87,14 +99,64 @@ class OrcaCore:
                       "steps_scored": 0, "max_step_ns": 0, "resumed": 0, "recompute_chunks": 0,
                       "lagged_tokens": 0, "evictions": 0}
 
+    # -- deployments (hot reload) ---------------------------------------------------------------
+    def load_bundle(self, path: str) -> Deployment:
+        """Stage a bundle, checked as at start (its checksum, `check_model` against this engine's
+        model): requests naming its checksum join it from now on; `use_bundle` makes it the one
+        for requests naming none. Raises BundleError; the live deployments are left untouched.
+        Loading a bundle that is live already returns that deployment (and un-retires it)."""
+        from orca_serve.bundle import BundleError
+
+        dep = Deployment({"bundle": str(path)}, self._tokenizer, **self._dep_args)
+        if dep.normalization != self.normalization:
+            # the token rows of one step are normalised together, for every deployment
+            raise BundleError(f"bundle {path} normalises token states with "
+                              f"{dep.normalization!r} but this engine runs "
+                              f"{self.normalization!r}; restart the server to change it")
+        known = self.deps.get(dep.checksum)
+        if known is not None:
+            self._retired.discard(dep.checksum)
+            return known
+        self.deps[dep.checksum] = dep
+        return dep
+
+    def use_bundle(self, checksum: str | None) -> Deployment:
+        """Make a live deployment the current one (for requests that name no bundle)."""
+        from orca_serve.bundle import BundleError
+
+        dep = self.deps.get(checksum)
+        if dep is None:
+            raise BundleError(f"bundle {checksum} is not loaded in this engine")
+        self._retired.discard(checksum)
+        self.dep = dep
+        return dep
+
+    def retire_bundles(self, keep: Sequence[str | None] = ()) -> list[str | None]:
+        """Retire every deployment but the current one and those in `keep`: each is dropped (its
+        probe bank freed) when its last request leaves. Returns the checksums still live."""
+        for c, dep in self.deps.items():
+            if dep is not self.dep and c not in keep:
+                self._retired.add(c)
+        self._drop_retired()
+        return list(self.deps)
+
+    def _drop_retired(self) -> None:
+        used = {id(r.dep) for r in self.live.values()}
+        for c in list(self._retired):
+            dep = self.deps.get(c)
+            if dep is None or (dep is not self.dep and id(dep) not in used):
+                self.deps.pop(c, None)
+                self._retired.discard(c)
+
     # -- joining and leaving --------------------------------------------------------------------
     def wants(self, xa: Mapping[str, Any] | None) -> bool:
         """Whether a request with these extra_args is tracked at all."""
         xa = xa or {}
         if int(xa.get("orca_record", self.record_default)):
             return True
-        return self.dep.bank is not None and bool(int(xa.get("orca_enabled",
-                                                              self.defaults["enabled"])))
+        if not int(xa.get("orca_enabled", self.defaults["enabled"])):
+            return False
+        return XARG_BUNDLE in xa or self.dep.bank is not None
 
     def join(self, ident: str, xa: Mapping[str, Any] | None, *, prompt: Sequence[int] | None,
              n_out: int, index: int, max_tokens: int | None, eos: int | None,
@@ -115,9 +177,14 @@ class OrcaCore:
             return self._resume(req, n_out)
         if not self.wants(xa):
             return None
-        dep = self.dep
-        spec = request_spec(xa, self.defaults, record=self.record_default, lam_of=dep.lam_of,
-                            default_delta=dep.default_delta)
+        want = (xa or {}).get(XARG_BUNDLE)
+        dep = self.dep if want is None else self.deps.get(str(want))
+        missing = dep is None
+        if missing:  # its lambda* belongs to a probe this engine no longer has: no early stop
+            dep = self.dep
+        spec = request_spec(xa, self.defaults, record=self.record_default,
+                            lam_of=None if missing else dep.lam_of,
+                            default_delta=None if missing else dep.default_delta)
         policy = spec.policy
         notes = []
         if policy == "stop" and ignore_eos:
@@ -134,6 +201,10 @@ class OrcaCore:
                       eos=self.default_eos if eos is None else eos, ignore_eos=ignore_eos,
                       n_out=n_out)
         req.handle = handle
+        if missing:
+            req.bundle_checksum = None
+            req.fail(f"bundle {want} is not loaded in this engine (replaced before the request "
+                     "started); it ran without early stopping")
         if spec.record:
             req.prompt = None if prompt is None else [int(t) for t in prompt]
             req.output = output
@@ -211,6 +282,8 @@ class OrcaCore:
             if not req.fetched:
                 self.results.put(req.key, self._result(req))
         self._free(req)
+        if self._retired:
+            self._drop_retired()
 
     def _free(self, req: Request) -> None:
         if req.slot is not None:
@@ -291,6 +364,7 @@ class OrcaCore:
         s["stored_results"] = len(self.results) + len(self._by_key)
         s["slots_in_use"] = self.capacity - self.pool.free_count
         s["parked_requests"] = len(self._parked)
+        s["deployments"] = len(self.deps)
         return s
 
     # -- the engine step --------------------------------------------------------------------------
@@ -383,6 +457,7 @@ class OrcaCore:
         emit = [i for i, o in enumerate(ops) if o[1] != MERGE]
         scored = [j for j, i in enumerate(emit) if ops[i][1] != CLOSE and ops[i][0].enabled
                   and (not ops[i][0].stopped or id(ops[i][0]) in guard_hit)]
+        groups = _by_deployment(scored, lambda j: ops[emit[j]][0].dep)  # sorts `scored`
         st = self.staging
         st.begin()
         s_hr, s_hs, s_ls = st.add(h_rows), st.add(h_slots), st.add(l_slots)
@@ -431,7 +506,7 @@ class OrcaCore:
             self._pool_steps(ops, emit, scored, st.long(s_os), st.long(s_ok), st.long(s_ei),
                              st.float(s_ec), st.long(s_si), st.float(s_bl), st.float(s_hl),
                              (st.long(s_cp), st.long(s_cr), st.long(s_ct)) if cands else None,
-                             st.long(s_sl), sc_reqs, logits, guard_hit)
+                             st.long(s_sl), sc_reqs, groups, logits, guard_hit)
         if f_rows:
             r = st.long(s_fr)
             logits.index_fill_(0, r, float("-inf"))
@@ -456,10 +531,12 @@ class OrcaCore:
             ops.append((req, op, size, row, n))
 
     def _pool_steps(self, ops, emit, scored, slots, kinds, emit_d, counts, scored_d, bank_lam,
-                    hit_lam, cands, bank_rows, sc_reqs, logits, guard_hit) -> None:
-        """Apply the ops to A/S, finish the emitted steps, score them, force stops on device."""
+                    hit_lam, cands, bank_rows, sc_reqs, groups, logits, guard_hit) -> None:
+        """Apply the ops to A/S, finish the emitted steps, score them (each deployment's
+        requests, a contiguous range of the scored ones, through its own bank), force stops on
+        the device."""
         pool = self.pool
-        if ops[0][0].dep.table.keyword_re is None:
+        if all(d.table.keyword_re is None for d in self.deps.values()):
             # no keywords: every op is STEP or CLOSE and A stays zero; the step is the section
             num = pool.S.index_select(0, slots)  # [k, d]
         else:
@@ -482,18 +559,23 @@ class OrcaCore:
                 req.step_counts.append(size)
         if not scored:
             return
-        bank = sc_reqs[0][0].dep.bank  # one deployment per engine (hot reload: group by it)
-        res = bank.step(torch.tensor([r.slot for r, *_ in sc_reqs]), phi.index_select(0, scored_d),
-                        bank_lam, rows_dev=bank_rows)
-        hit = res.smoothed >= hit_lam
+        phi_s = phi.index_select(0, scored_d)  # [m, d], grouped by deployment
+        res = [dep.bank.step(torch.tensor([r.slot for r, *_ in sc_reqs[a:b]]), phi_s[a:b],
+                             bank_lam[a:b], rows_dev=bank_rows[a:b]) for dep, a, b in groups]
+        # [m] each: slices of device tensors and their concatenation wait for nothing
+        smoothed, stop, steps = ((res[0].smoothed, res[0].stop, res[0].steps) if len(res) == 1
+                                 else (torch.cat([r.smoothed for r in res]),
+                                       torch.cat([r.stop for r in res]),
+                                       torch.cat([r.steps for r in res])))
+        hit = smoothed >= hit_lam
         if cands is not None:  # a probe stop forces its first token now, decided on the device
             pos, rows, tok = cands
-            flag = res.stop.index_select(0, pos)  # [c]
+            flag = stop.index_select(0, pos)  # [c]
             cur = logits.index_select(0, rows)  # [c, vocab]
             forced = torch.full_like(cur, float("-inf"))
             forced.scatter_(1, tok[:, None], 0.0)
             logits.index_copy_(0, rows, torch.where(flag[:, None], forced, cur))
-        self.readback.start(torch.stack([res.smoothed.float(), hit.float(), res.steps.float()]))
+        self.readback.start(torch.stack([smoothed.float(), hit.float(), steps.float()]))
         self._pending = [(r, n, id(r) in guard_hit) for r, _, _, _, n in sc_reqs]
 
     def _consume(self, host: list[list[float]]) -> None:
@@ -529,6 +611,28 @@ class OrcaCore:
         req.active = False  # segmentation and scoring end with the stop
         req.guard_pos = None
         req.plan = self._plan_preview(req, pos)
+
+
+def _by_deployment(scored: list[int], dep_of) -> list[tuple[Deployment, int, int]]:
+    """Sort `scored` (in place, stable) so each deployment's entries are contiguous; returns
+    (deployment, start, end) per range, in order of first appearance."""
+    order: dict[int, int] = {}
+    deps: list[Deployment] = []
+    for j in scored:
+        d = dep_of(j)
+        if id(d) not in order:
+            order[id(d)] = len(deps)
+            deps.append(d)
+    counts = [0] * len(deps)
+    for j in scored:
+        counts[order[id(dep_of(j))]] += 1
+    if len(deps) > 1:
+        scored.sort(key=lambda j: order[id(dep_of(j))])
+    groups, start = [], 0
+    for d, c in zip(deps, counts):
+        groups.append((d, start, start + c))
+        start += c
+    return groups
 
 
 def _host_result(r, dim: int):

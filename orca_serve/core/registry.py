@@ -25,11 +25,12 @@ log = logging.getLogger("orca_serve.core")
 class Request:
     """Everything the core keeps about one engine request (a child of n > 1 is its own)."""
 
-    __slots__ = ("active", "answer_budget", "attached", "dep", "eos", "error", "fetched",
-                 "forced", "guard_pos", "handle", "ident", "ignore_eos", "index", "key", "lag",
-                 "left_at", "max_tokens", "n_seen", "notes", "output", "plan", "policy", "prompt", "record",
-                 "scores", "seg", "slot", "snapshot", "spec", "step_counts", "step_embs",
-                 "steps_scored", "stop_reason", "stop_step", "stopped", "would_stop_step")
+    __slots__ = ("active", "answer_budget", "attached", "bundle_checksum", "dep", "eos", "error",
+                 "fetched", "forced", "guard_pos", "handle", "ident", "ignore_eos", "index", "key",
+                 "lag", "left_at", "max_tokens", "n_seen", "notes", "output", "plan", "policy",
+                 "prompt", "record", "scores", "seg", "slot", "snapshot", "spec", "step_counts",
+                 "step_embs", "steps_scored", "stop_reason", "stop_step", "stopped",
+                 "would_stop_step")
 
     def __init__(self, ident: str, spec: RequestSpec, dep: Deployment, seg: Segmenter, *,
                  index: int, key: str | None, policy: str, max_tokens: int | None,
@@ -64,6 +65,7 @@ class Request:
         self.output: Sequence[int] | None = None
         self.error: str | None = None
         self.handle: Any = None
+        self.bundle_checksum = dep.checksum  # None when no deployment of its bundle was live
 
     @property
     def enabled(self) -> bool:
@@ -94,7 +96,7 @@ class Request:
             reasoning_tokens=self.seg.counted_total,
             forced_tokens=[self.forced[p] for p in sorted(self.forced)],
             stop_reason=self.stop_reason, index=self.index, notes=list(self.notes),
-            error=self.error)
+            error=self.error, bundle_checksum=self.bundle_checksum)
         if self.record:
             embs, counts = list(self.step_embs), list(self.step_counts)
             ids = [list(s) for s in self.seg.steps]

@@ -65,6 +65,19 @@ class CoreAdapter:
         with self._lock:
             return self.core.get_stats()
 
+    # -- hot reload (worker extension) ------------------------------------------------------
+    def load_bundle(self, path: str) -> str | None:
+        with self._lock:
+            return self.core.load_bundle(path).checksum
+
+    def use_bundle(self, checksum: str) -> None:
+        with self._lock:
+            self.core.use_bundle(checksum)
+
+    def retire_bundles(self, keep: list[str]) -> list[str | None]:
+        with self._lock:
+            return self.core.retire_bundles(keep)
+
 
 def child_index(req_id: str | None, params) -> int:
     """Choice index of an n > 1 child: vLLM names children "<index>_<parent id>"

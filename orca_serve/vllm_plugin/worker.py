@@ -8,6 +8,13 @@ processor. Names must not clash with Worker attributes (vLLM asserts this).
     results = orca_serve.vllm_plugin.merge_results(per_worker)    # {key: result}, numpy restored
     llm.collective_rpc("orca_stats")                   # -> [ {probe_ns, engine_steps, ...}, ... ]
 
+Hot reload, in two phases (the server's `POST /v1/orca/bundle` and SIGHUP; see
+docs/SERVER.md): `orca_load_bundle(path)` stages a bundle on every worker, checked as at start;
+only when every worker answered with its checksum does `orca_use_bundle(checksum)` make it the
+default, and `orca_retire_bundles([checksum, ...])` lets every other deployment go once its last
+request leaves (also the roll-back when some worker refused). Every worker answers these (all of
+them run the core), `{"error": reason}` when it cannot.
+
 Several workers (tensor / pipeline parallelism): every worker builds the processor and sees the
 batch updates, but only the last pipeline stage samples, so only its processors run `apply()`
 and know where a request stopped (stage 0's copy of a request never scores a step). Under tensor
@@ -83,3 +90,34 @@ class OrcaWorkerExtension:
             for k, v in p.get_stats().items():
                 total[k] = max(total.get(k, 0), v) if k == "max_step_ns" else total.get(k, 0) + v
         return total
+
+    # -- hot reload -------------------------------------------------------------------------------
+    def _orca_each(self, what: str, fn: Any) -> dict[str, Any]:
+        """Run `fn(processor)` on every processor of this worker; a refusal is one line."""
+        procs = self._orca_processors()
+        if not procs:
+            return {"error": "this engine runs no orca processor (start it with a bundle)"}
+        try:
+            for p in procs:
+                out = fn(p)
+        except Exception as e:  # noqa: BLE001 - a refusal must reach the caller, not kill the RPC
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            return {"error": f"{what}: {msg}" if not isinstance(e, ValueError) else msg}
+        return {"result": out}
+
+    def orca_load_bundle(self, path: str) -> dict[str, Any]:
+        """Stage a bundle (checksum, model match: `OrcaCore.load_bundle`): {"checksum": c} or
+        {"error": reason}; the running deployments serve on either way."""
+        r = self._orca_each("loading the bundle failed", lambda p: p.load_bundle(path))
+        return r if "error" in r else {"checksum": r["result"]}
+
+    def orca_use_bundle(self, checksum: str) -> dict[str, Any]:
+        """Make a staged bundle the default for requests that name none."""
+        r = self._orca_each("switching bundles failed", lambda p: p.use_bundle(checksum))
+        return r if "error" in r else {"checksum": checksum}
+
+    def orca_retire_bundles(self, keep: list[str]) -> dict[str, Any]:
+        """Let every deployment but the current one and `keep` go when its last request leaves;
+        {"live": checksums still loaded}."""
+        r = self._orca_each("retiring bundles failed", lambda p: p.retire_bundles(list(keep)))
+        return r if "error" in r else {"live": r["result"]}

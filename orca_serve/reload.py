@@ -1,0 +1,317 @@
+"""Hot reload of the calibration bundle: `POST /v1/orca/bundle` (admin key) and SIGHUP.
+
+The server resolves each request's lambda* from its bundle and names that bundle's checksum in
+the request (the `orca_bundle` extra arg); the engine joins the deployment of that checksum
+(orca_serve/core). A reload is ordered so that the two always agree, and lambda* of one probe is
+never compared with the scores of another:
+
+1. The new bundle is read and checked here (its checksum; `--orca-delta` in its table; the live
+   audit's settings), then staged on every engine worker (`orca_load_bundle`: the checks made at
+   start, against the engine's own model). Any refusal: the staged copies are let go, nothing
+   else changes, and the caller gets the reason in one line.
+2. Every worker makes it its default (`orca_use_bundle`, for requests that name no bundle), then
+   the server swaps its bundle, defaults and live audit in one synchronous step on the event
+   loop: requests resolved before it run on the old bundle (they name it), requests resolved
+   after it on the new one. A request is never resolved against one and scored by the other.
+3. The old deployment stays loaded while a request the server resolved with it is in flight.
+   When the last one has finished, the engines are told to let it go (`orca_retire_bundles`);
+   each frees it once its own last request of it has left the batch.
+
+One reload at a time (a lock, which the retire calls take too, so that they never drop a bundle
+being staged). Hot reload needs one API server process: with `--api-server-count N` each process
+would hold its own bundle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from orca_serve.bundle import Bundle, BundleError, load_bundle
+from orca_serve.requests import OrcaSettings, error_body
+
+logger = logging.getLogger("orca_serve.reload")
+
+BUNDLE_PATH = "/v1/orca/bundle"
+RELOAD_TIMEOUT_S = 120.0  # an engine answers between two steps; loading a probe takes seconds
+
+
+class ReloadRefused(Exception):
+    """A bundle that is not swapped in; the old one keeps serving. One line, for the caller."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+class Reloader:
+    """The server's side of hot reload (see the module docstring): the protocol, the in-flight
+    count per bundle that decides when an old one may go, and the admin key."""
+
+    def __init__(self, state: Any, *, calib_path: str, fixed_delta: float | None = None,
+                 admin_key: str | None = None) -> None:
+        self.state = state  # orca_serve.server.OrcaState
+        self.calib_path = calib_path  # what SIGHUP re-reads
+        self.fixed_delta = fixed_delta  # --orca-delta: must be in every bundle's table
+        self.admin_key = admin_key  # None: POST /v1/orca/bundle is off (404)
+        # bundle -> LiveAudit without store or metrics registration (set by the CLI)
+        self.make_audit: Callable[[Bundle], Any] | None = None
+        self.inflight: Counter[str] = Counter()  # checksum -> requests resolved with it, running
+        self.last: dict[str, Any] | None = None  # the last reload's outcome
+        self._lock: asyncio.Lock | None = None
+        self._tasks: set[asyncio.Future] = set()
+
+    def _get_lock(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- requests in flight ---------------------------------------------------------------------
+    def started(self, settings: OrcaSettings) -> None:
+        if settings.bundle is not None:
+            self.inflight[settings.bundle] += 1
+
+    def finished(self, settings: OrcaSettings) -> None:
+        """A request's results were fetched: the last one of a replaced bundle lets it go."""
+        c = settings.bundle
+        if c is None:
+            return
+        self.inflight[c] -= 1
+        if self.inflight[c] <= 0:
+            del self.inflight[c]
+            if c != self.current:
+                self._spawn(self.retire())
+
+    @property
+    def current(self) -> str | None:
+        b = self.state.bundle
+        return None if b is None else b.checksum
+
+    def _keep(self) -> list[str]:
+        return [c for c in [self.current, *self.inflight] if c is not None]
+
+    async def retire(self) -> None:
+        """Tell the engines which bundles the server still needs; they free the others once
+        their last requests leave."""
+        async with self._get_lock():
+            try:
+                answers = await asyncio.wait_for(
+                    self.state.rpc("orca_retire_bundles", (self._keep(),)), RELOAD_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - it is retried at the next reload
+                logger.warning("orca: letting go of replaced bundles failed: %s", _first_line(e))
+                return
+            for a in answers or []:
+                if isinstance(a, dict) and a.get("error"):
+                    logger.warning("orca: letting go of replaced bundles: %s", a["error"])
+
+    # -- the reload -----------------------------------------------------------------------------
+    async def reload(self, path: str, *, source: str) -> dict[str, Any]:
+        """Swap in the bundle at `path` (see the module docstring); raises ReloadRefused."""
+        t_asked = time.perf_counter()
+        async with self._get_lock():
+            t0 = time.perf_counter()
+            when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            try:
+                out = await self._reload(path)
+            except ReloadRefused as e:
+                self.last = {"at": when, "source": source, "path": path, "refused": e.message}
+                if self.state.metrics is not None:
+                    self.state.metrics.reloaded("refused")
+                logger.warning("orca: bundle %s refused (%s); the old one serves on: %s", path,
+                               source, e.message)
+                raise
+            # seconds: the reload itself; waited_s: for the one before it (or a release) to end
+            out["seconds"] = round(time.perf_counter() - t0, 3)
+            out["waited_s"] = round(t0 - t_asked, 3)
+            self.last = {"at": when, "source": source, **out}
+            if out["changed"] and self.state.metrics is not None:
+                self.state.metrics.reloaded("loaded")
+            logger.info("orca: bundle %s (%s): %s", path, source,
+                        f"now serving {out['checksum']}" if out["changed"] else "unchanged")
+            return out
+
+    async def _reload(self, path: str) -> dict[str, Any]:
+        st = self.state
+        path = str(Path(path).expanduser().absolute())
+        try:
+            bundle = await asyncio.to_thread(load_bundle, path)
+        except BundleError as e:
+            raise ReloadRefused(str(e)) from None
+        old = self.current
+        if bundle.checksum == old:
+            st.bundle_path = path
+            return {"changed": False, "checksum": old, "path": path}
+        if self.fixed_delta is not None:
+            try:
+                bundle.lam(self.fixed_delta)
+            except BundleError as e:
+                raise ReloadRefused(f"--orca-delta {self.fixed_delta:g}: {e}") from None
+        audit = None
+        if self.make_audit is not None and st.audit is not None:
+            try:
+                audit = self.make_audit(bundle)
+            except (OSError, ValueError) as e:
+                raise ReloadRefused(f"the live audit cannot follow the new bundle: "
+                                    f"{_first_line(e)}") from None
+        try:
+            answers = await self._rpc("orca_load_bundle", path)
+            self._check(answers, "checksum", bundle.checksum)
+            answers = await self._rpc("orca_use_bundle", bundle.checksum)
+            self._check(answers, "checksum", bundle.checksum)
+        except ReloadRefused:
+            await self._roll_back(old)
+            raise
+        self._swap(bundle, path, audit)
+        if self.inflight.get(old, 0) == 0:
+            self._spawn(self.retire())  # runs once this reload lets go of the lock
+        return {"changed": True, "checksum": bundle.checksum, "previous": old, "path": path}
+
+    async def _rpc(self, method: str, *args: Any) -> list[Any]:
+        try:
+            return list(await asyncio.wait_for(self.state.rpc(method, args), RELOAD_TIMEOUT_S)
+                        or [])
+        except TimeoutError:
+            raise ReloadRefused(f"the engine did not answer {method} within "
+                                f"{RELOAD_TIMEOUT_S:g} s") from None
+        except Exception as e:  # noqa: BLE001 - the engine's failure is the caller's reason
+            raise ReloadRefused(f"{method} failed: {_first_line(e)}") from None
+
+    @staticmethod
+    def _check(answers: list[Any], field: str, want: str) -> None:
+        """Every worker answered {field: want}; else the first refusal is the reason."""
+        if not answers:
+            raise ReloadRefused("no engine worker answered")
+        for a in answers:
+            if not isinstance(a, dict):
+                raise ReloadRefused(f"unexpected answer from an engine worker: {a!r:.80}")
+            if a.get("error"):
+                raise ReloadRefused(str(a["error"]))
+            if a.get(field) != want:
+                raise ReloadRefused("the bundle file changed while it was being loaded "
+                                    f"({a.get(field)} instead of {want}); try again")
+
+    async def _roll_back(self, old: str | None) -> None:
+        """Back to the old bundle on every worker; the staged one is let go."""
+        for method, arg in (("orca_use_bundle", old), ("orca_retire_bundles", self._keep())):
+            try:
+                await asyncio.wait_for(self.state.rpc(method, (arg,)), RELOAD_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - the old bundle is still current anyway
+                logger.warning("orca: rolling back a refused bundle (%s): %s", method,
+                               _first_line(e))
+
+    def _swap(self, bundle: Bundle, path: str, audit: Any) -> None:
+        """The server's switch, synchronous: no request is resolved half way through it."""
+        st = self.state
+        previous = self.current
+        st.bundle, st.bundle_path = bundle, path
+        st.defaults = replace(st.defaults, delta=(self.fixed_delta if self.fixed_delta is not None
+                                                  else bundle.default_delta))
+        if audit is not None:
+            try:
+                st.audit.hand_over(audit)
+            except OSError as e:  # its directory cannot be opened: audits are not stored
+                logger.warning("orca: the new live audit cannot open its directory: %s",
+                               _first_line(e))
+            st.audit = audit
+        if st.metrics is not None:
+            st.metrics.bundle_in_use(bundle.checksum, previous)
+
+    # -- SIGHUP ---------------------------------------------------------------------------------
+    def on_sighup(self) -> None:
+        """Re-read the --calib path (a signal handler on the server's event loop)."""
+        logger.info("orca: SIGHUP: re-reading %s", self.calib_path)
+        self._spawn(self._reload_logged(self.calib_path, "SIGHUP"))
+
+    async def _reload_logged(self, path: str, source: str) -> None:
+        try:
+            await self.reload(path, source=source)
+        except ReloadRefused:
+            pass  # logged by reload()
+
+
+# -- POST /v1/orca/bundle ---------------------------------------------------------------------------
+async def send_json(send: Callable, status: int, payload: dict[str, Any],
+                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    data = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(data)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+def route_path(scope: dict) -> str:
+    """The request's path without the app's root path."""
+    path = scope.get("path", "")
+    root = scope.get("root_path", "") or ""
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+class AdminMiddleware:
+    """`POST /v1/orca/bundle`, outermost: the admin key is this route's one credential (vLLM's
+    --api-key guards the other routes; it shares the Authorization header, so its check must not
+    run first). Without --orca-admin-key-env the route does not exist (404)."""
+
+    def __init__(self, app: Any, reloader: Reloader | None) -> None:
+        self.app = app
+        self.reloader = reloader
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if (scope["type"] != "http" or scope.get("method") != "POST"
+                or route_path(scope) != BUNDLE_PATH):
+            return await self.app(scope, receive, send)
+        r = self.reloader
+        if r is None or not r.admin_key:
+            return await send_json(send, 404, error_body(
+                "hot reload is off: start orca-serve with --calib and --orca-admin-key-env VAR",
+                code=404, err_type="NotFoundError"))
+        token = None
+        for k, v in scope.get("headers", []):
+            if k.lower() == b"authorization":
+                scheme, _, param = v.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer":
+                    token = param.strip()
+        if not token:
+            return await send_json(send, 401, error_body(
+                "this route needs the admin key: Authorization: Bearer <key>", code=401,
+                err_type="AuthenticationError"), [(b"www-authenticate", b"Bearer")])
+        if not hmac.compare_digest(token.encode(), r.admin_key.encode()):
+            return await send_json(send, 403, error_body(
+                "wrong admin key", code=403, err_type="PermissionDeniedError"))
+        body = b""
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            if not msg.get("more_body", False):
+                break
+        try:
+            req = json.loads(body) if body else None
+        except (ValueError, RecursionError):
+            req = None
+        path = req.get("path") if isinstance(req, dict) else None
+        if not isinstance(path, str) or not path or set(req) != {"path"}:
+            return await send_json(send, 400, error_body(
+                'the body must be {"path": "<bundle.json on the server>"}', "path"))
+        try:
+            out = await r.reload(path, source="POST")
+        except ReloadRefused as e:
+            return await send_json(send, 400, error_body(e.message, "path"))
+        await send_json(send, 200, {**out, "bundle": r.state.bundle.summary()})

@@ -1,0 +1,187 @@
+"""The hot-reload protocol (orca_serve.reload) against real cores, without vLLM.
+
+Each fake "worker" is our worker extension whose processors are thin wrappers around a real
+`OrcaCore` (the fake tokenizer model of test_core), reached through the same RPC method names the
+server calls with collective_rpc. So the two phases, the roll-back after a refusal, and the
+release of an old bundle after its last in-flight request run the real code on both sides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from orca_serve.audit.live import LiveAudit
+from orca_serve.audit.options import AuditConfig
+from orca_serve.bundle import load_bundle
+from orca_serve.contract import XARG_KEY
+from orca_serve.metrics import OrcaMetrics
+from orca_serve.reload import AdminMiddleware, Reloader, ReloadRefused
+from orca_serve.requests import OrcaDefaults, resolve
+from orca_serve.server import OrcaState
+from orca_serve.vllm_plugin.worker import OrcaWorkerExtension
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_core import PROMPT, _bundle, make_core
+
+
+class Proc:
+    """What the worker extension calls on a processor, on a real core; `refuse`: paths this
+    worker refuses (a worker whose check fails where the others' pass)."""
+
+    def __init__(self, core, refuse=()):
+        self.core, self.refuse = core, set(refuse)
+
+    def load_bundle(self, path):
+        if path in self.refuse:
+            raise ValueError(f"bundle {path} refused by this worker")
+        return self.core.load_bundle(path).checksum
+
+    def use_bundle(self, checksum):
+        self.core.use_bundle(checksum)
+
+    def retire_bundles(self, keep):
+        return self.core.retire_bundles(keep)
+
+
+class Worker(OrcaWorkerExtension):
+    def __init__(self, proc):
+        self.proc = proc
+
+    def _orca_processors(self):
+        return [self.proc]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return {"a": _bundle(tmp_path_factory, seed=1), "b": _bundle(tmp_path_factory, seed=7),
+            "wrong": _bundle(tmp_path_factory, seed=2, hidden=17)}
+
+
+def setup(paths, refuse=()):
+    a = load_bundle(paths["a"])
+    workers = [Worker(Proc(make_core(paths["a"]))), Worker(Proc(make_core(paths["a"]), refuse))]
+    state = OrcaState(bundle=a, defaults=OrcaDefaults(delta=0.1),
+                      metrics=OrcaMetrics(CollectorRegistry(), model_name="m"))
+    calls = []
+
+    async def rpc(method, args=()):
+        calls.append(method)
+        return [getattr(w, method)(*args) for w in workers]
+
+    state.rpc = rpc
+    state.reloader = Reloader(state, calib_path=str(paths["a"]), admin_key="k")
+    return state, [w.proc.core for w in workers], calls
+
+
+def test_a_refusal_by_one_worker_rolls_every_worker_back(paths):
+    state, cores, calls = setup(paths, refuse={str(paths["b"])})
+    a = state.bundle.checksum
+    with pytest.raises(ReloadRefused, match="refused by this worker"):
+        asyncio.run(state.reloader.reload(str(paths["b"]), source="test"))
+    assert calls == ["orca_load_bundle", "orca_use_bundle", "orca_retire_bundles"]
+    assert state.bundle.checksum == a
+    for core in cores:  # the first worker had staged it: let go again
+        assert list(core.deps) == [a] and core.dep.checksum == a
+    with pytest.raises(ReloadRefused, match="hidden size"):  # refused by every engine
+        asyncio.run(state.reloader.reload(str(paths["wrong"]), source="test"))
+    assert state.reloader.last["refused"] and state.bundle.checksum == a
+
+
+def test_the_old_bundle_goes_after_its_last_request(paths):
+    """A request resolved with A before the reload joins A in the engine even after the swap;
+    A is let go only when the server has finished it and the engine's request has left."""
+    state, cores, _ = setup(paths)
+    a = state.bundle.checksum
+    body, old = resolve({"messages": []}, state.defaults, state.bundle)
+    state.reloader.started(old)
+
+    async def go():
+        out = await state.reloader.reload(str(paths["b"]), source="test")
+        await asyncio.sleep(0)
+        return out
+
+    out = asyncio.run(go())
+    b = out["checksum"]
+    assert out["changed"] and out["previous"] == a and state.bundle.checksum == b != a
+    assert state.defaults.delta == state.bundle.default_delta
+    for core in cores:
+        assert list(core.deps) == [a, b] and core.dep.checksum == b
+    # the engine sees the request only now (it waited in vLLM's queue): it joins A
+    xa = body["vllm_xargs"]
+    req = cores[0].join("r", xa, prompt=PROMPT, n_out=0, index=0, max_tokens=9, eos=None,
+                        ignore_eos=False, structured=False)
+    assert req.dep.checksum == a and req.enabled
+    _, new = resolve({"messages": []}, state.defaults, state.bundle)
+    assert new.bundle == b
+
+    async def finish():
+        state.reloader.finished(old)  # the server fetched its result
+        await asyncio.gather(*state.reloader._tasks)
+
+    asyncio.run(finish())
+    assert list(cores[1].deps) == [b]  # no request of A there
+    assert list(cores[0].deps) == [a, b]  # its request of A has not left yet
+    cores[0].leave(req, True)
+    assert list(cores[0].deps) == [b]
+    assert cores[0].pop_results([xa[XARG_KEY]])[xa[XARG_KEY]]["bundle_checksum"] == a
+    # reloading the bundle that serves is a no-op
+    again = asyncio.run(state.reloader.reload(str(paths["b"]), source="test"))
+    assert again["changed"] is False
+
+
+def test_the_live_audit_restarts_with_the_new_bundle(paths):
+    state, _, _ = setup(paths)
+    state.audit = LiveAudit(state.bundle, AuditConfig(rate=1.0, seed=0))
+    state.reloader.make_audit = lambda b: LiveAudit(b, AuditConfig(rate=1.0, seed=0))
+    body, settings = resolve({"messages": [{"role": "user", "content": "q"}]}, state.defaults,
+                             state.bundle)
+    old_audit = state.audit
+    _, settings = old_audit.admit(body, settings)
+    assert settings.audited
+    asyncio.run(state.reloader.reload(str(paths["b"]), source="test"))
+    assert state.audit is not old_audit and state.audit.bundle.checksum == state.bundle.checksum
+    assert state.audit.counts["superseded"] == 1 and state.audit.counts["picked"] == 0
+    assert state.audit.table()["bundle_checksum"] == state.bundle.checksum
+    old_audit.finished(settings, {0: {"scores": [0.5], "step_tokens": [3]}})  # dropped
+    assert old_audit._queue is None and state.audit._queue is None
+
+
+def test_admin_route(paths):
+    state, _, _ = setup(paths)
+    seen = []
+
+    async def app(scope, receive, send):  # everything else reaches vLLM's app
+        seen.append(scope["path"])
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def go(reloader):
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(
+            app=AdminMiddleware(app, reloader)), base_url="http://t")
+        url = "/v1/orca/bundle"
+        out = [await client.post(url, json={"path": str(paths["b"])}),
+               await client.post(url, json={"path": str(paths["b"])},
+                                 headers={"Authorization": "Bearer x"}),
+               await client.post(url, content=b"{", headers={"Authorization": "Bearer k"}),
+               await client.post(url, json={"path": str(paths["wrong"])},
+                                 headers={"Authorization": "Bearer k"}),
+               await client.post(url, json={"path": str(paths["b"])},
+                                 headers={"Authorization": "Bearer k"}),
+               await client.get(url)]
+        await client.aclose()
+        return out
+
+    r = asyncio.run(go(state.reloader))
+    assert [x.status_code for x in r] == [401, 403, 400, 400, 200, 204]
+    assert "hidden size" in r[3].json()["error"]["message"]
+    assert r[4].json()["checksum"] == state.bundle.checksum == r[4].json()["bundle"]["checksum"]
+    state.reloader.admin_key = None
+    r = asyncio.run(go(state.reloader))
+    assert {x.status_code for x in r[:5]} == {404}
+    assert seen == ["/v1/orca/bundle"] * 2  # only the GET passed through
