@@ -9,18 +9,14 @@ import sys
 
 import pytest
 import torch
+from bundles import tiny_bundle
 from safetensors.torch import save as st_save
 
 from orca_serve.bundle import (
     Bundle,
     BundleError,
-    LTTRow,
-    LTTTable,
-    ModelIdentity,
-    ProbeBlock,
     _checksum,
     check_model,
-    encode_weights,
     load_bundle,
     save_bundle,
     tokenizer_fingerprint,
@@ -31,17 +27,8 @@ VOCAB = {"a": 0, "b": 1, "<think>": 2, "</think>": 3}
 
 
 def make_bundle(dim: int = 8, spec: ProbeSpec | None = None) -> Bundle:
-    probe = Probe(spec or ProbeSpec(dim=dim), seed=0)
-    return Bundle(
-        schema_version=1, orca_serve_version="0.1.0",
-        model=ModelIdentity(name="tiny", hidden_size=dim,
-                            tokenizer_fingerprint=tokenizer_fingerprint(VOCAB)),
-        probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
-                         eta=0.01),
-        ltt=LTTTable(epsilon=0.05, n_cal=100, grid_size=1001, rows=[
-            LTTRow(delta=0.05, lam=None, risk=0.0, pvalue=1.0, savings=0.0),
-            LTTRow(delta=0.1, lam=0.8, risk=0.04, pvalue=0.01, savings=0.3)]),
-        default_delta=0.1)
+    return tiny_bundle(Probe(spec or ProbeSpec(dim=dim), seed=0), [(0.05, None), (0.1, 0.8)],
+                       vocab=VOCAB, default_delta=0.1)
 
 
 def _rewrite(path, mutate) -> None:

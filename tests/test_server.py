@@ -16,7 +16,6 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import httpx
@@ -26,19 +25,10 @@ pytestmark = pytest.mark.vllm
 
 import openai
 
-from orca_serve.bundle import (
-    Bundle,
-    LTTRow,
-    LTTTable,
-    ModelIdentity,
-    ProbeBlock,
-    encode_weights,
-    save_bundle,
-    tokenizer_fingerprint,
-)
 from orca_serve.probe import Probe, ProbeSpec
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bundles import tiny_bundle, write_bundle
 from serving import Server, free_port, orca_serve_cmd, server_env
 from tiny_model import HIDDEN, build_tiny_model
 
@@ -49,23 +39,16 @@ MSG = [{"role": "user", "content": "Find x with 3*x + 2 = 11."}]
 
 
 def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: float = 3.0) -> Path:
+    """The tiny model's bundle with lambda* from DELTAS and a constant probe bias (scores sit
+    near sigmoid(bias) whatever the hidden state, so which deltas stop is known)."""
     from transformers import AutoTokenizer
 
-    vocab = AutoTokenizer.from_pretrained(str(model_dir)).get_vocab()
-    spec = ProbeSpec(dim=hidden)
-    probe = Probe(spec, seed=0)
+    probe = Probe(ProbeSpec(dim=hidden), seed=0)
     probe.params["b"].data.fill_(bias)
-    b = Bundle(schema_version=1, orca_serve_version="0.1.0",
-               model=ModelIdentity(name="tiny", hidden_size=hidden,
-                                   tokenizer_fingerprint=tokenizer_fingerprint(vocab)),
-               probe=ProbeBlock(spec=asdict(spec), weights=encode_weights(probe), eta=0.01),
-               window=3,
-               ltt=LTTTable(epsilon=0.1, n_cal=50, grid_size=20,
-                            rows=[LTTRow(delta=d, lam=lam, risk=0.0, pvalue=0.01, savings=0.4)
-                                  for d, lam in DELTAS.items()]),
-               default_delta=0.05, provenance={"test": "test_server"})
-    save_bundle(b, path)
-    return path
+    vocab = AutoTokenizer.from_pretrained(str(model_dir)).get_vocab()
+    return write_bundle(tiny_bundle(probe, DELTAS.items(), vocab=vocab, window=3,
+                                    default_delta=0.05, provenance={"test": "test_server"}),
+                        path)
 
 
 @pytest.fixture(scope="module")
