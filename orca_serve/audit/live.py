@@ -177,6 +177,7 @@ class _Job:
     key: str
     rec: dict[str, Any]
     result: dict[str, Any]
+    lambda_source: str = "bundle"  # the guard's source of the lambda the request was admitted with
 
 
 class LiveAudit:
@@ -256,7 +257,7 @@ class LiveAudit:
             return
         from orca_serve.vllm_plugin import decode_arrays
 
-        self._submit(_Job(settings.key, rec, decode_arrays(result)))
+        self._submit(_Job(settings.key, rec, decode_arrays(result), settings.lam_source))
 
     def _submit(self, job: _Job) -> None:
         if self._queue is None:
@@ -288,7 +289,8 @@ class LiveAudit:
         record = await self.labeller.label(job.key, job.rec, job.result)
         record["extra"]["audit"] = {"scores": [round(float(s), 6) for s in job.result["scores"]],
                                     "delta": job.result.get("delta"),
-                                    "lambda": job.result.get("lam")}
+                                    "lambda": job.result.get("lam"),
+                                    "lambda_source": job.lambda_source}
         if self.store is not None:
             await asyncio.to_thread(self.store.append, record, job.result["step_embeddings"])
         self.observe(list(job.result["scores"]), record["labels"]["consistent"])
