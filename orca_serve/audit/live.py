@@ -287,7 +287,10 @@ class LiveAudit:
 
             self.labeller = AuditLabeller(self.engine_client(), self.config.probe)
         record = await self.labeller.label(job.key, job.rec, job.result)
-        record["extra"]["audit"] = {"scores": [round(float(s), 6) for s in job.result["scores"]],
+        # unrounded: replaying them must reproduce the server's stop decisions, also at lambda 1.0
+        # (LTT's grid top, what recalibration picks when only saturated scores are safe), which
+        # 6-decimal rounding crossed by turning 0.9999998 into 1.0
+        record["extra"]["audit"] = {"scores": [float(s) for s in job.result["scores"]],
                                     "delta": job.result.get("delta"),
                                     "lambda": job.result.get("lam"),
                                     "lambda_source": job.lambda_source}
