@@ -2,15 +2,27 @@
 
 1. calibrate on the toy model in distribution (`orca-calibrate run`: collect, split, train the
    probe, LTT with consistency labels: what the live audit measures), evaluating the bundle offline
-   on the shifted family too;
-2. serve that bundle with `--orca-audit-rate R` and send a stream that switches from the
-   in-distribution family to the shifted one (concurrent requests, in order);
-3. poll GET /v1/orca/audit and report when the alarm at `--delta` first fires: after how many
-   audited requests (the ones in the risk), how many live requests had finished, how many of them
-   were shifted.
+   on the shifted family too (OUT/PROBE/run/evaluation.md); once per probe, cached under OUT;
+2. serve that bundle with `orca-serve --orca-audit-rate R [--orca-on-alarm P]` and send, through
+   the real OpenAI client, a stream of fresh problems that switches from the in-distribution
+   family to the shifted one (`--concurrency` requests at a time, in order);
+3. poll GET /v1/orca/audit meanwhile: per delta, the first poll that shows the alarm, with the
+   live requests finished by then; after the stream, replay the audit directory
+   (`orca-calibrate audit-report`'s code) for the exact audit at which each alarm fired, and every
+   audit's loss, steps and tokens under the lambda it was served and under the bundle's lambda*.
 
-Usage: python benchmarks/bench_audit.py [--probe static] [--n-in 100] [--n-shift 300] [--rate 1.0]
-Writes OUT/result.json (the stream's timeline and the final table).
+The figures of benchmarks/RESULTS.md ("Live audit on the toy model, end to end"):
+  python benchmarks/bench_audit.py --probe static --rate 1.0 --n-in 100 --n-shift 200 --name switch-r1
+  python benchmarks/bench_audit.py --probe static --rate 0.1 --n-in 100 --n-shift 500 --name switch-r01
+  python benchmarks/bench_audit.py --probe ttt-noqk --rate 1.0 --n-in 100 --n-shift 200 --name switch-r1
+  python benchmarks/bench_audit.py --probe static --rate 1.0 --n-in 1000 --n-shift 0 \
+      --concurrency 8 --stream-seed 35 --name in-dist-1000
+  python benchmarks/bench_audit.py --probe static --rate 1.0 --on-alarm recalibrate \
+      --n-in 30 --n-shift 560 --stream-seed 37 --name recalibrate
+  python benchmarks/bench_audit.py --delays runs/bench-audit/static/in-dist-1000/result.json \
+      runs/bench-audit/static/switch-r1/result.json
+and the cost of auditing: benchmarks/bench_audit_cost.py.
+Writes OUT/PROBE/NAME/result.json (summary, every audit, the polled timeline), server.log, audits/.
 """
 
 from __future__ import annotations
@@ -208,6 +220,7 @@ def replay(audit_dir: Path, bundle_file: Path, families: dict[str, str], delta: 
             continue
         served = p.extra["audit"]["lambda"]
         row = {"family": families.get(msgs[-1]["content"], "?"), "served_lambda": served,
+               "source": p.extra["audit"].get("lambda_source"),
                "steps": len(c), "tokens": int(sum(p.step_tokens))}
         for name, lam in (("served", np.inf if served is None else served),
                           ("bundle", bundle_lam)):
@@ -230,16 +243,51 @@ def summarize(rows: list[dict], which: str) -> dict:
                                          / sum(r["tokens"] for r in rows), 4)}
 
 
-def recalibration_figures(rows: list[dict], bundle_lam: float, delta: float) -> dict:
-    """Shifted audits served with a recalibrated lambda (fresh: each was admitted after the window
-    that chose its lambda was labelled, and is not in it), against the bundle's lambda* on the
-    same audits; plus a frozen variant: the first full window's lambda on the audits after it."""
-    fresh = [r for r in rows if r["family"] == "shifted" and r["served_lambda"] is not None
-             and abs(r["served_lambda"] - bundle_lam) > 1e-12]
-    return {"fresh_shifted": len(fresh),
-            "served_lambdas": sorted({r["served_lambda"] for r in fresh}),
+def recalibration_figures(rows: list[dict], n_in: int, delta: float) -> dict:
+    """Shifted audits served with a recalibrated lambda (`lambda_source` audit), against the
+    bundle's lambda* on the same audits.
+
+    Each is fresh: its lambda came from the window of audits labelled before it was admitted, and
+    it is not in that window. `after_mixed_windows` leaves out the first `n_in` of them, whose
+    windows could still hold in-distribution audits (the window slides over every audit).
+    """
+    fresh = [r for r in rows if r["family"] == "shifted" and r["source"] == "audit"]
+    lams = [np.inf if r["served_lambda"] is None else r["served_lambda"] for r in fresh]
+    return {"delta": delta, "fresh_shifted": len(fresh),
+            "served_lambda_range": [min(lams), max(lams)] if lams else None,
+            "served_lambda_median": float(np.median(lams)) if lams else None,
             "recalibrated": summarize(fresh, "served"), "bundle": summarize(fresh, "bundle"),
-            "delta": delta}
+            "after_mixed_windows": {"recalibrated": summarize(fresh[n_in:], "served"),
+                                    "bundle": summarize(fresh[n_in:], "bundle")},
+            "sources": {src: sum(r["source"] == src for r in rows)
+                        for src in ("bundle", "fallback", "audit")}}
+
+
+def alarm_delays(clean: list[float], shifted: list[float], prefixes: list[int], delta: float,
+                 epsilon: float, draws: int = 200, limit: int = 5000, seed: int = 0) -> dict:
+    """How long the server's confidence sequence takes to alarm after a shift that follows a
+    clean history of K audits: the first K measured in-distribution losses, then shifted losses
+    drawn with replacement from the measured ones (`draws` orders), fed to ConfidenceSequence as
+    the server does. Per K: quantiles of the shifted audits until `lower > delta`."""
+    from orca_serve.audit import ConfidenceSequence
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for k in prefixes:
+        if k > len(clean):
+            continue
+        cs = ConfidenceSequence(alpha=epsilon, shape=(draws,))
+        for x in clean[:k]:
+            cs.update(np.full(draws, x))
+        when = np.full(draws, np.inf)
+        for i in range(1, limit + 1):
+            cs.update(rng.choice(shifted, size=draws))
+            when[np.isinf(when) & cs.alarm(delta)] = i
+            if np.isfinite(when).all():
+                break
+        q = np.quantile(when, [0.1, 0.5, 0.9])
+        out[k] = {"p10": q[0], "median": q[1], "p90": q[2], "never_within": int(np.isinf(when).sum())}
+    return out
 
 
 def main() -> None:
@@ -257,7 +305,22 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--seed", type=int, default=31, help="calibration prompts' seed")
     ap.add_argument("--stream-seed", type=int, default=33, help="the stream's prompts' seed")
+    ap.add_argument("--delays", nargs=2, type=Path, metavar=("CLEAN", "SWITCH"),
+                    help="serve nothing: alarm delays after K clean audits, from the measured "
+                    "losses of two runs' result.json (in-distribution audits of CLEAN, shifted "
+                    "audits of SWITCH)")
     a = ap.parse_args()
+    if a.delays:
+        clean, switch = (json.loads(f.read_text()) for f in a.delays)
+        losses = [[r["loss_bundle"] for r in run["audits"] if r["family"] == fam]
+                  for run, fam in ((clean, "in-dist"), (switch, "shifted"))]
+        res = {"clean": str(a.delays[0]), "switch": str(a.delays[1]), "delta": a.delta,
+               "clean_risk": float(np.mean(losses[0])), "shifted_risk": float(np.mean(losses[1])),
+               "delays": alarm_delays(losses[0], losses[1], [0, 10, 30, 100, 300, len(losses[0])],
+                                      a.delta, epsilon=0.05)}
+        (a.out / f"delays-{a.delta:g}.json").write_text(json.dumps(res, indent=1))
+        print(json.dumps(res, indent=1))
+        return
     bundle = calibrate(a.out, a.probe, a.n_cal, 300, a.seed)
     out = a.out / a.probe / a.name
     prompts = stream_prompts(out, a.n_in, a.n_shift, a.stream_seed)
@@ -292,7 +355,7 @@ def main() -> None:
         "drift": rep["report"].get("drift"), "by_family": by_family,
         "stream_s": res["stream_s"], "tokens_per_s": res["tokens_per_s"]}
     if a.on_alarm == "recalibrate":
-        summary["recalibrate"] = recalibration_figures(rows, bundle_lam, a.delta)
+        summary["recalibrate"] = recalibration_figures(rows, a.n_in, a.delta)
     (out / "result.json").write_text(json.dumps({**summary, "audits": rows,
                                                  "timeline": res["timeline"]}, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "offline"}, indent=1))
