@@ -5,8 +5,9 @@ served at `--orca-audit-rate 0` and at `--rate` (default 0.05), alternately, `--
 (one server at a time: r=0, r=R, r=0, r=R, ...), each time with the same fresh in-distribution
 prompts sent through the real OpenAI client, `--concurrency` at a time. Per server: completion
 tokens per second of wall time until the last response, and until the audits' labelling queue
-has drained (what the audits cost includes their answer probes, run in the same engine). The
-figure is the ratio of the two rates' tokens/s, pooled over rounds, with each round's ratio.
+has drained (what the audits cost includes their answer probes, run in the same engine), and per
+CPU second of the server's processes (less sensitive to the machine's other load). The figure is
+the ratio of the two rates' tokens/s, pooled over rounds, with each round's ratio.
 
 Usage: python benchmarks/bench_audit_cost.py [--rate 0.05] [--n 200] [--rounds 2]
 Writes runs/bench-audit/cost/result.json.
@@ -29,6 +30,20 @@ from bench_audit import MAX_TOKENS, MODEL, ROOT, audit_table, calibrate, serve
 from calibration.toy.tasks import write_prompts
 
 
+def session_cpu_s(sid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of one session: the server,
+    its engine core and worker. Less sensitive than wall time to what else runs on the machine."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[3]) == sid:  # fields after the name: state ppid pgrp session ...
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
 def run_once(bundle: Path, out: Path, rate: float, prompts: list[dict], concurrency: int,
              delta: float) -> dict:
     """One server at this rate, the workload through it; tokens/s and the audit counts."""
@@ -44,7 +59,7 @@ def run_once(bundle: Path, out: Path, rate: float, prompts: list[dict], concurre
             orca = r.model_extra["orca"]
             return r.usage.completion_tokens, bool(orca.get("audited"))
 
-        t0 = time.time()
+        t0, cpu0 = time.time(), session_cpu_s(srv.proc.pid)
         with ThreadPoolExecutor(concurrency) as pool:
             answers = list(pool.map(ask, prompts))
         stream_s = time.time() - t0
@@ -57,13 +72,15 @@ def run_once(bundle: Path, out: Path, rate: float, prompts: list[dict], concurre
                     break
                 time.sleep(0.2)
         drained_s = time.time() - t0
+        cpu_s = session_cpu_s(srv.proc.pid) - cpu0
     finally:
         srv.stop()
     tokens = sum(n for n, _ in answers)
     return {"rate": rate, "requests": len(answers), "audited": sum(a for _, a in answers),
             "completion_tokens": tokens, "stream_s": round(stream_s, 1),
             "drained_s": round(drained_s, 1), "tokens_per_s": round(tokens / stream_s, 2),
-            "tokens_per_s_drained": round(tokens / drained_s, 2), "audit": counts,
+            "tokens_per_s_drained": round(tokens / drained_s, 2), "cpu_s": round(cpu_s, 1),
+            "tokens_per_cpu_s": round(tokens / cpu_s, 2), "audit": counts,
             "loadavg_before": load, "loadavg_after": os.getloadavg()}
 
 
@@ -98,6 +115,7 @@ def main() -> None:
         "ratio_tokens_per_s": round(pooled(a.rate, "stream_s") / pooled(0.0, "stream_s"), 3),
         "ratio_tokens_per_s_drained": round(pooled(a.rate, "drained_s")
                                             / pooled(0.0, "stream_s"), 3),
+        "ratio_tokens_per_cpu_s": round(pooled(a.rate, "cpu_s") / pooled(0.0, "cpu_s"), 3),
         "ratio_per_round": [round(runs[2 * i + 1]["tokens_per_s"] / runs[2 * i]["tokens_per_s"], 3)
                             for i in range(a.rounds)],
         "runs": runs}
