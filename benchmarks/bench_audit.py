@@ -101,7 +101,8 @@ def calibrate(root: Path, probe: str, n_cal: int, n_shifted: int, seed: int) -> 
 
 
 def stream_prompts(out: Path, n_in: int, n_shift: int, seed: int) -> list[dict]:
-    """Fresh problems (not the calibration set's): n_in in distribution, then n_shift shifted."""
+    """Newly drawn problems (another seed than the calibration set's): n_in in distribution,
+    then n_shift shifted."""
     out.mkdir(parents=True, exist_ok=True)
     write_prompts(out / "stream-in.jsonl", "in-dist", n_in, seed=seed)
     write_prompts(out / "stream-shift.jsonl", "shifted", n_shift, seed=seed + 1)
@@ -119,8 +120,13 @@ def serve(bundle: Path, out: Path, rate: float, *, on_alarm: str = "report",
                   "--orca-audit-dir", str(out / "audits"), "--orca-on-alarm", on_alarm,
                   "--orca-recalibrate-window", str(window)]
     shutil.rmtree(out / "audits", ignore_errors=True)  # the store resumes; each run starts anew
-    return Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(bundle), *audit),
-                  out / "server.log", SERVE).wait()
+    srv = Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(bundle), *audit),
+                 out / "server.log", SERVE)
+    try:
+        return srv.wait()
+    except BaseException:
+        srv.stop()
+        raise
 
 
 def audit_table(client: openai.OpenAI) -> dict:
