@@ -143,7 +143,9 @@ def stream(srv: Server, prompts: list[dict], concurrency: int, delta: float) -> 
     timeline: list[dict] = []
     done = threading.Event()
     first_alarm: dict[float, dict] = {}
-    client = srv.client().with_options(timeout=900)
+    # retries: a client starved of CPU on the loaded machine may reuse a keep-alive
+    # connection the server has just closed ("disconnected without sending a response")
+    client = srv.client().with_options(timeout=900, max_retries=3)
 
     def ask(rec: dict) -> None:
         r = client.chat.completions.create(model=str(MODEL), messages=rec["messages"],

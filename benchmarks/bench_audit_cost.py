@@ -10,7 +10,7 @@ CPU second of the server's processes (less sensitive to the machine's other load
 the ratio of the two rates' tokens/s, pooled over rounds, with each round's ratio.
 
 Usage: python benchmarks/bench_audit_cost.py [--rate 0.05] [--n 200] [--rounds 2]
-Writes runs/bench-audit/cost/result.json.
+Writes runs/bench-audit/cost/result.json (result-audited-first.json with --audited-first).
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ def run_once(bundle: Path, out: Path, rate: float, prompts: list[dict], concurre
     load = os.getloadavg()
     srv = serve(bundle, out, rate)
     try:
-        client = srv.client().with_options(timeout=900)
+        # retries: a client starved of CPU on the loaded machine may reuse a keep-alive
+        # connection the server has just closed ("disconnected without sending a response")
+        client = srv.client().with_options(timeout=900, max_retries=3)
 
         def ask(rec: dict) -> tuple[int, bool]:
             r = client.chat.completions.create(model=str(MODEL), messages=rec["messages"],
@@ -93,6 +95,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--delta", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=41, help="the workload's prompts' seed")
+    ap.add_argument("--audited-first", action="store_true",
+                    help="each round serves rate R before rate 0 (to see an order effect)")
     a = ap.parse_args()
     bundle = calibrate(a.out, "static", 1200, 300, 31)
     out = a.out / "cost"
@@ -101,13 +105,16 @@ def main() -> None:
     prompts = [json.loads(x) for x in (out / "workload.jsonl").read_text().splitlines()]
     runs = []
     for i in range(a.rounds):
-        for rate in (0.0, a.rate):
+        for rate in ((a.rate, 0.0) if a.audited_first else (0.0, a.rate)):
             runs.append(run_once(bundle, out, rate, prompts, a.concurrency, a.delta))
             print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
 
     def pooled(rate: float, key: str) -> float:
         rs = [r for r in runs if r["rate"] == rate]
         return sum(r["completion_tokens"] for r in rs) / sum(r[key] for r in rs)
+
+    def tps(pair: list[dict], rate: float) -> float:
+        return next(r["tokens_per_s"] for r in pair if r["rate"] == rate)
 
     summary = {
         "nproc": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -116,10 +123,12 @@ def main() -> None:
         "ratio_tokens_per_s_drained": round(pooled(a.rate, "drained_s")
                                             / pooled(0.0, "stream_s"), 3),
         "ratio_tokens_per_cpu_s": round(pooled(a.rate, "cpu_s") / pooled(0.0, "cpu_s"), 3),
-        "ratio_per_round": [round(runs[2 * i + 1]["tokens_per_s"] / runs[2 * i]["tokens_per_s"], 3)
-                            for i in range(a.rounds)],
+        "order": [r["rate"] for r in runs],
+        "ratio_per_round": [round(tps(runs[2 * i:2 * i + 2], a.rate) / tps(runs[2 * i:2 * i + 2], 0.0),
+                                  3) for i in range(a.rounds)],
         "runs": runs}
-    (out / "result.json").write_text(json.dumps(summary, indent=1))
+    name = "result-audited-first.json" if a.audited_first else "result.json"
+    (out / name).write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
 
 
