@@ -2,28 +2,43 @@
 
 1. calibrate on the toy model in distribution (`orca-calibrate run`: collect, split, train the
    probe, LTT with consistency labels: what the live audit measures), evaluating the bundle offline
-   on the shifted family too;
-2. serve that bundle with `--orca-audit-rate R` and send a stream that switches from the
-   in-distribution family to the shifted one (concurrent requests, in order);
-3. poll GET /v1/orca/audit and report when the alarm at `--delta` first fires: after how many
-   audited requests (the ones in the risk), how many live requests had finished, how many of them
-   were shifted.
+   on the shifted family too (OUT/PROBE/run/evaluation.md); once per probe, cached under OUT;
+2. serve that bundle with `orca-serve --orca-audit-rate R [--orca-on-alarm P]` and send, through
+   the real OpenAI client, a stream of fresh problems that switches from the in-distribution
+   family to the shifted one (`--concurrency` requests at a time, in order);
+3. poll GET /v1/orca/audit meanwhile: per delta, the first poll that shows the alarm, with the
+   live requests finished by then; after the stream, replay the audit directory
+   (`orca-calibrate audit-report`'s code) for the exact audit at which each alarm fired, and every
+   audit's loss, steps and tokens under the lambda it was served and under the bundle's lambda*.
 
-Usage: python benchmarks/bench_audit.py [--probe static] [--n-in 100] [--n-shift 300] [--rate 1.0]
-Writes OUT/result.json (the stream's timeline and the final table).
+The figures of benchmarks/RESULTS.md ("Live audit on the toy model, end to end"):
+  python benchmarks/bench_audit.py --probe static --rate 1.0 --n-in 100 --n-shift 200 --name switch-r1
+  python benchmarks/bench_audit.py --probe static --rate 0.1 --n-in 100 --n-shift 500 --name switch-r01
+  python benchmarks/bench_audit.py --probe ttt-noqk --rate 1.0 --n-in 100 --n-shift 200 --name switch-r1
+  python benchmarks/bench_audit.py --probe static --rate 1.0 --n-in 1000 --n-shift 0 \
+      --concurrency 8 --stream-seed 35 --name in-dist-1000
+  python benchmarks/bench_audit.py --probe static --rate 1.0 --on-alarm recalibrate \
+      --n-in 30 --n-shift 560 --stream-seed 37 --name recalibrate
+  python benchmarks/bench_audit.py --delays runs/bench-audit/static/in-dist-1000/result.json \
+      runs/bench-audit/static/switch-r1/result.json
+and the cost of auditing: benchmarks/bench_audit_cost.py.
+Writes OUT/PROBE/NAME/result.json (summary, every audit, the polled timeline), server.log, audits/.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
+import numpy as np
+import openai
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -41,123 +56,317 @@ SERVE = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-
          "--disable-uvicorn-access-log"]
 
 
-def calibrate(out: Path, probe: str, n_cal: int, seed: int) -> Path:
-    """The in-distribution bundle (a resumable job: a rerun reuses finished stages)."""
+def calibrate(root: Path, probe: str, n_cal: int, n_shifted: int, seed: int) -> Path:
+    """The in-distribution bundle of one probe (a resumable job: a rerun reuses finished stages).
+
+    The settings are calibration/jobs/toy.yaml's (1,200 in-distribution prompts, split 0.5 / 0.25
+    / 0.25: 600 training problems, batch 1, window 1; TTT 20 epochs, epoch picked on validation)
+    but with **consistency** labels, what the live audit measures. Both probes' jobs read one
+    prompt set; the second job copies the first one's trajectories (same collect and split
+    settings, so its collect and split stages count as done) instead of collecting them again.
+    """
+    data = root / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    if not (data / "prompts.jsonl").exists():
+        write_prompts(data / "prompts.jsonl", "in-dist", n_cal, seed=seed)
+        write_prompts(data / "shifted.jsonl", "shifted", n_shifted, seed=seed + 1)
+    out = root / probe
     out.mkdir(parents=True, exist_ok=True)
-    write_prompts(out / "prompts.jsonl", "in-dist", n_cal, seed=seed)
-    write_prompts(out / "shifted.jsonl", "shifted", 200, seed=seed + 1)
     train = {"probe": probe, "label_mode": "consistent", "seed": 0, "batch_size": 1}
     if probe != "static":
-        train["epochs"] = 20
+        train.update(epochs=20, epoch_select="validation")
     (out / "job.yaml").write_text(json.dumps({
-        "model": str(MODEL), "prompts": "prompts.jsonl", "shifted_prompts": "shifted.jsonl",
-        "out": "run",
+        "model": str(MODEL), "prompts": str(data / "prompts.jsonl"),
+        "shifted_prompts": str(data / "shifted.jsonl"), "out": "run",
         "collect": {"temperature": 0.7, "max_tokens": MAX_TOKENS, "suffix": FORCE_SUFFIX,
                     "answer_tokens": ANSWER_TOKENS, "batch": 128, "dtype": "float32",
                     "think": {"force_text": "\n</think>\n"}},
-        "split": {"fractions": [0.45, 0.45, 0.1], "seed": 0},
+        "split": {"fractions": [0.5, 0.25, 0.25], "seed": 0},
         "train": train,
         "calibrate": {"deltas": [0.05, 0.1, 0.15, 0.2], "epsilon": 0.05, "window": 1},
     }, indent=1))
+    run = out / "run"
+    if not (run / ".done-split").exists():
+        for sibling in root.glob("*/run/.done-split"):
+            src = sibling.parent
+            run.mkdir(exist_ok=True)
+            for name in ("trajectories", "trajectories-shifted"):
+                shutil.copytree(src / name, run / name, dirs_exist_ok=True)
+            for name in (".done-collect", ".done-split", "collect-stats.json"):
+                shutil.copy2(src / name, run / name)
+            break
     for line in run_job(out / "job.yaml", progress=False):
-        print(line, file=sys.stderr)
-    return out / "run" / "bundle.json"
+        print(f"{probe}: {line}", file=sys.stderr)
+    return run / "bundle.json"
+
+
+def stream_prompts(out: Path, n_in: int, n_shift: int, seed: int) -> list[dict]:
+    """Newly drawn problems (another seed than the calibration set's): n_in in distribution,
+    then n_shift shifted."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_prompts(out / "stream-in.jsonl", "in-dist", n_in, seed=seed)
+    write_prompts(out / "stream-shift.jsonl", "shifted", n_shift, seed=seed + 1)
+    return [json.loads(x) for f in ("stream-in.jsonl", "stream-shift.jsonl")
+            for x in (out / f).read_text().splitlines()]
+
+
+def serve(bundle: Path, out: Path, rate: float, *, on_alarm: str = "report",
+          window: int = 200) -> Server:
+    """`orca-serve` with this bundle and audit rate (audits appended to OUT/audits)."""
+    audit = ["--orca-audit-rate", str(rate)]
+    if rate > 0:
+        audit += ["--orca-audit-seed", "0", "--orca-audit-suffix", FORCE_SUFFIX,
+                  "--orca-audit-answer-tokens", str(ANSWER_TOKENS), "--orca-audit-queue", "10000",
+                  "--orca-audit-dir", str(out / "audits"), "--orca-on-alarm", on_alarm,
+                  "--orca-recalibrate-window", str(window)]
+    shutil.rmtree(out / "audits", ignore_errors=True)  # the store resumes; each run starts anew
+    srv = Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(bundle), *audit),
+                 out / "server.log", SERVE)
+    try:
+        return srv.wait()
+    except BaseException:
+        srv.stop()
+        raise
+
+
+def audit_table(client: openai.OpenAI) -> dict:
+    """GET /v1/orca/audit through the OpenAI client (its raw GET on the same base URL)."""
+    return client.get("/orca/audit", cast_to=object)
 
 
 def stream(srv: Server, prompts: list[dict], concurrency: int, delta: float) -> dict:
-    """Send the prompts in order, `concurrency` at a time; poll the audit table meanwhile."""
+    """Send the prompts in order, `concurrency` at a time, with the real OpenAI client; poll the
+    audit table meanwhile and note, per delta, the first poll that shows its alarm."""
     finished: list[str] = []  # families, in completion order
+    usage = {"completion_tokens": 0, "requests": 0}
     lock = threading.Lock()
     timeline: list[dict] = []
     done = threading.Event()
-    first_alarm: dict | None = None
-    first_drift: dict | None = None
+    first_alarm: dict[float, dict] = {}
+    # retries: a client starved of CPU on the loaded machine may reuse a keep-alive
+    # connection the server has just closed ("disconnected without sending a response")
+    client = srv.client().with_options(timeout=900, max_retries=3)
 
     def ask(rec: dict) -> None:
-        c = srv.client().with_options(timeout=900)
-        c.chat.completions.create(model=str(MODEL), messages=rec["messages"], temperature=0.7,
-                                  max_tokens=MAX_TOKENS, extra_body={"orca": {"delta": delta}})
+        r = client.chat.completions.create(model=str(MODEL), messages=rec["messages"],
+                                           temperature=0.7, max_tokens=MAX_TOKENS,
+                                           extra_body={"orca": {"delta": delta}})
         with lock:
             finished.append(rec["family"])
+            usage["completion_tokens"] += r.usage.completion_tokens
+            usage["requests"] += 1
 
     def poll() -> None:
-        nonlocal first_alarm, first_drift
         while not done.is_set():
-            t = httpx.get(srv.url + "/v1/orca/audit", timeout=10).json()
-            row = next(r for r in t["deltas"] if abs(r["delta"] - delta) < 1e-9)
+            t = audit_table(client)
             with lock:
                 live, shifted = len(finished), finished.count("shifted")
-            point = {"t": time.time(), "live": live, "live_shifted": shifted,
-                     "labelled": t["labelled"], "n": row["n"], "risk": row["risk"],
-                     "lower": row["lower"], "upper": row["upper"], "alarm": row["alarm"],
+            point = {"t": round(time.time() - t0, 2), "live": live, "live_shifted": shifted,
+                     "picked": t["picked"], "labelled": t["labelled"],
+                     "rows": {r["delta"]: {k: r[k] for k in ("n", "risk", "lower", "upper",
+                                                               "alarm", "lambda", "lambda_source")}
+                              for r in t["deltas"]},
                      "drift": t.get("drift")}
             timeline.append(point)
-            if row["alarm"] and first_alarm is None:
-                first_alarm = point
-            if (t.get("drift") or {}).get("alarm") and first_drift is None:
-                first_drift = point
+            for d, row in point["rows"].items():
+                if row["alarm"] and d not in first_alarm:
+                    first_alarm[d] = {k: point[k] for k in ("t", "live", "live_shifted", "picked",
+                                                            "labelled")} | {"n": row["n"]}
             time.sleep(0.5)
 
+    t0 = time.time()
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
-    t0 = time.time()
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(ask, prompts))
+    stream_s = time.time() - t0
     while True:  # let the labelling queue drain
-        t = httpx.get(srv.url + "/v1/orca/audit", timeout=10).json()
+        t = audit_table(client)
         if t["labelled"] + t["failed"] + t["dropped"] >= t["picked"]:
             break
         time.sleep(1)
     time.sleep(1)
     done.set()
     poller.join()
-    return {"first_alarm": first_alarm, "first_drift_alarm": first_drift, "final": t, "stream_s": round(time.time() - t0, 1),
+    return {"first_alarm_poll": first_alarm, "final": t, "stream_s": round(stream_s, 1),
+            "completion_tokens": usage["completion_tokens"],
+            "tokens_per_s": round(usage["completion_tokens"] / stream_s, 2),
             "timeline": timeline}
+
+
+def family_of(prompts: list[dict]) -> dict[str, str]:
+    """The family of each stream prompt, keyed by its user message (what an audit records)."""
+    return {rec["messages"][-1]["content"]: rec["family"] for rec in prompts}
+
+
+def replay(audit_dir: Path, bundle_file: Path, families: dict[str, str], delta: float) -> dict:
+    """What the audits measured, from the audit directory, in labelling order.
+
+    `audit_report` (`orca-calibrate audit-report`: the probe rescored offline, the server's
+    confidence sequence) gives the exact audit at which each delta's alarm first fired. Then, at
+    `delta`, every counted audit's loss under the lambda it was SERVED with (recorded in the audit:
+    the guard's lambda when the request was admitted; None = fallback, never stops) and under the
+    bundle's lambda*, with the steps and tokens each would save: the figures of `recalibrate`.
+    """
+    from calibration.audit import audit_report, open_audits
+    from orca_serve.audit import is_counted, request_loss
+    from orca_serve.audit.live import aligned_scores
+    from orca_serve.bundle import load_bundle
+
+    bundle = load_bundle(bundle_file)
+    ts = open_audits(audit_dir)
+    report = audit_report(bundle, ts, mode="consistent")
+    bundle_lam = bundle.lam(delta)
+    rows = []
+    for p in ts.problems:
+        msgs = json.loads(p.prompt)
+        c = np.maximum.accumulate(np.asarray(p.labels["consistent"]))
+        if not is_counted(c, bundle.ltt.excluded_never_correct):
+            continue
+        s = aligned_scores(p.extra["audit"]["scores"], len(c))
+        if s is None:
+            continue
+        served = p.extra["audit"]["lambda"]
+        row = {"family": families.get(msgs[-1]["content"], "?"), "served_lambda": served,
+               "source": p.extra["audit"].get("lambda_source"),
+               "steps": len(c), "tokens": int(sum(p.step_tokens))}
+        for name, lam in (("served", np.inf if served is None else served),
+                          ("bundle", bundle_lam)):
+            stop = next((i for i, x in enumerate(s) if x >= lam), len(s) - 1)
+            row[f"loss_{name}"] = request_loss(s, c, lam)
+            row[f"steps_{name}"] = stop + 1
+            row[f"tokens_{name}"] = int(sum(p.step_tokens[:stop + 1]))
+        rows.append(row)
+    return {"report": {k: v for k, v in report.items() if k != "history"}, "audits": rows}
+
+
+def summarize(rows: list[dict], which: str) -> dict:
+    """Realized error and savings (total steps and tokens, 1 - stopped / full) of some audits."""
+    if not rows:
+        return {"n": 0}
+    return {"n": len(rows), "error": round(float(np.mean([r[f"loss_{which}"] for r in rows])), 4),
+            "savings_total_steps": round(1 - sum(r[f"steps_{which}"] for r in rows)
+                                         / sum(r["steps"] for r in rows), 4),
+            "token_savings_total": round(1 - sum(r[f"tokens_{which}"] for r in rows)
+                                         / sum(r["tokens"] for r in rows), 4)}
+
+
+def recalibration_figures(rows: list[dict], n_in: int, delta: float) -> dict:
+    """Shifted audits served with a recalibrated lambda (`lambda_source` audit), against the
+    bundle's lambda* on the same audits.
+
+    Each is fresh: its lambda came from the window of audits labelled before it was admitted, and
+    it is not in that window. `after_mixed_windows` leaves out the first `n_in` of them, whose
+    windows could still hold in-distribution audits (the window slides over every audit).
+    """
+    fresh = [r for r in rows if r["family"] == "shifted" and r["source"] == "audit"]
+    lams = [np.inf if r["served_lambda"] is None else r["served_lambda"] for r in fresh]
+    return {"delta": delta, "fresh_shifted": len(fresh),
+            "served_lambda_range": [min(lams), max(lams)] if lams else None,
+            "served_lambda_median": float(np.median(lams)) if lams else None,
+            "recalibrated": summarize(fresh, "served"), "bundle": summarize(fresh, "bundle"),
+            "after_mixed_windows": {"recalibrated": summarize(fresh[n_in:], "served"),
+                                    "bundle": summarize(fresh[n_in:], "bundle")},
+            "sources": {src: sum(r["source"] == src for r in rows)
+                        for src in ("bundle", "fallback", "audit")}}
+
+
+def alarm_delays(clean: list[float], shifted: list[float], prefixes: list[int], delta: float,
+                 epsilon: float, draws: int = 200, limit: int = 5000, seed: int = 0) -> dict:
+    """How long the server's confidence sequence takes to alarm after a shift that follows a
+    clean history of K audits: the first K measured in-distribution losses, then shifted losses
+    drawn with replacement from the measured ones (`draws` orders), fed to ConfidenceSequence as
+    the server does. Per K: quantiles of the shifted audits until `lower > delta`."""
+    from orca_serve.audit import ConfidenceSequence
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for k in prefixes:
+        if k > len(clean):
+            continue
+        cs = ConfidenceSequence(alpha=epsilon, shape=(draws,))
+        for x in clean[:k]:
+            cs.update(np.full(draws, x))
+        when = np.full(draws, np.inf)
+        for i in range(1, limit + 1):
+            cs.update(rng.choice(shifted, size=draws))
+            when[np.isinf(when) & cs.alarm(delta)] = i
+            if np.isfinite(when).all():
+                break
+        q = np.quantile(when, [0.1, 0.5, 0.9])
+        out[k] = {"p10": q[0], "median": q[1], "p90": q[2], "never_within": int(np.isinf(when).sum())}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-audit")
-    ap.add_argument("--probe", default="static")
-    ap.add_argument("--n-cal", type=int, default=400, help="in-distribution calibration prompts")
+    ap.add_argument("--name", default="switch", help="this run's directory under OUT/PROBE")
+    ap.add_argument("--probe", default="static", choices=["static", "ttt-noqk", "ttt-qk"])
+    ap.add_argument("--n-cal", type=int, default=1200, help="in-distribution calibration prompts")
     ap.add_argument("--n-in", type=int, default=100, help="in-distribution requests first")
-    ap.add_argument("--n-shift", type=int, default=300, help="then shifted requests")
+    ap.add_argument("--n-shift", type=int, default=200, help="then shifted requests")
     ap.add_argument("--rate", type=float, default=1.0)
+    ap.add_argument("--on-alarm", default="report", choices=["report", "fallback", "recalibrate"])
+    ap.add_argument("--window", type=int, default=200, help="--orca-recalibrate-window")
     ap.add_argument("--delta", type=float, default=0.1)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--seed", type=int, default=31)
+    ap.add_argument("--seed", type=int, default=31, help="calibration prompts' seed")
+    ap.add_argument("--stream-seed", type=int, default=33, help="the stream's prompts' seed")
+    ap.add_argument("--delays", nargs=2, type=Path, metavar=("CLEAN", "SWITCH"),
+                    help="serve nothing: alarm delays after K clean audits, from the measured "
+                    "losses of two runs' result.json (in-distribution audits of CLEAN, shifted "
+                    "audits of SWITCH)")
     a = ap.parse_args()
-    out = a.out / a.probe
-    bundle = calibrate(out, a.probe, a.n_cal, a.seed)
-    write_prompts(out / "stream-in.jsonl", "in-dist", a.n_in, seed=a.seed + 2)
-    write_prompts(out / "stream-shift.jsonl", "shifted", a.n_shift, seed=a.seed + 3)
-    prompts = [json.loads(x) for f in ("stream-in.jsonl", "stream-shift.jsonl")
-               for x in (out / f).read_text().splitlines()]
-    srv = Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(bundle),
-                                "--orca-audit-rate", str(a.rate), "--orca-audit-seed", "0",
-                                "--orca-audit-suffix", FORCE_SUFFIX,
-                                "--orca-audit-answer-tokens", str(ANSWER_TOKENS),
-                                "--orca-audit-queue", "10000",
-                                "--orca-audit-dir", str(out / "audits")),
-                 out / "server.log", SERVE)
+    if a.delays:
+        clean, switch = (json.loads(f.read_text()) for f in a.delays)
+        losses = [[r["loss_bundle"] for r in run["audits"] if r["family"] == fam]
+                  for run, fam in ((clean, "in-dist"), (switch, "shifted"))]
+        res = {"clean": str(a.delays[0]), "switch": str(a.delays[1]), "delta": a.delta,
+               "clean_risk": float(np.mean(losses[0])), "shifted_risk": float(np.mean(losses[1])),
+               "delays": alarm_delays(losses[0], losses[1], [0, 10, 30, 100, 300, len(losses[0])],
+                                      a.delta, epsilon=0.05)}
+        (a.out / f"delays-{a.delta:g}.json").write_text(json.dumps(res, indent=1))
+        print(json.dumps(res, indent=1))
+        return
+    bundle = calibrate(a.out, a.probe, a.n_cal, 300, a.seed)
+    out = a.out / a.probe / a.name
+    prompts = stream_prompts(out, a.n_in, a.n_shift, a.stream_seed)
+    load = {"nproc": os.cpu_count(), "loadavg_before": os.getloadavg(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    srv = serve(bundle, out, a.rate, on_alarm=a.on_alarm, window=a.window)
     try:
-        srv.wait()
         res = stream(srv, prompts, a.concurrency, a.delta)
     finally:
         srv.stop()
-    offline = json.loads((out / "run" / "evaluation.json").read_text())
-    res.update({"probe": a.probe, "rate": a.rate, "delta": a.delta, "n_in": a.n_in,
-                "n_shift": a.n_shift, "concurrency": a.concurrency, "offline": offline})
-    (out / "result.json").write_text(json.dumps(res, indent=1))
-    f, row = res["first_alarm"], next(r for r in res["final"]["deltas"]
-                                      if abs(r["delta"] - a.delta) < 1e-9)
-    print(json.dumps({"probe": a.probe, "first_alarm": f,
-                      "first_drift_alarm": res["first_drift_alarm"], "final_row": row,
-                      "drift": res["final"].get("drift"),
-                      "final_counts": {k: res["final"][k] for k in
-                                       ("picked", "labelled", "dropped", "failed",
-                                        "unsolvable", "unaligned")},
-                      "stream_s": res["stream_s"]}, indent=1))
+    load["loadavg_after"] = os.getloadavg()
+    rep = replay(out / "audits", bundle, family_of(prompts), a.delta)
+    rows = rep.pop("audits")
+    bundle_lam = next(r["lambda"] for r in rep["report"]["deltas"]
+                      if abs(r["delta"] - a.delta) < 1e-9)
+    by_family = {f: {"served": summarize([r for r in rows if r["family"] == f], "served"),
+                     "bundle": summarize([r for r in rows if r["family"] == f], "bundle")}
+                 for f in ("in-dist", "shifted")}
+    shifted_rank = [i for i, r in enumerate(rows) if r["family"] == "shifted"]
+    summary = {
+        "probe": a.probe, "rate": a.rate, "on_alarm": a.on_alarm, "delta": a.delta,
+        "n_in": a.n_in, "n_shift": a.n_shift, "concurrency": a.concurrency, **load,
+        "bundle_lambda": bundle_lam,
+        "offline": json.loads((a.out / a.probe / "run" / "evaluation.json").read_text()),
+        "first_alarm_audit": {r["delta"]: r["first_alarm_at"] for r in rep["report"]["deltas"]},
+        "first_shifted_audit": shifted_rank[0] + 1 if shifted_rank else None,
+        "first_alarm_poll": res["first_alarm_poll"],
+        "final": {r["delta"]: {k: r[k] for k in ("n", "risk", "lower", "upper", "alarm")}
+                  for r in rep["report"]["deltas"]},
+        "counts": {k: res["final"][k] for k in ("picked", "labelled", "dropped", "failed",
+                                                "unsolvable", "unaligned")},
+        "drift": rep["report"].get("drift"), "by_family": by_family,
+        "stream_s": res["stream_s"], "tokens_per_s": res["tokens_per_s"]}
+    if a.on_alarm == "recalibrate":
+        summary["recalibrate"] = recalibration_figures(rows, a.n_in, a.delta)
+    (out / "result.json").write_text(json.dumps({**summary, "audits": rows,
+                                                 "timeline": res["timeline"]}, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k != "offline"}, indent=1))
 
 
 if __name__ == "__main__":

@@ -223,6 +223,46 @@ def test_fallback_reaches_requests_and_losses_use_the_bundle_lambda(bundle) -> N
     assert json.dumps(table)  # the route's body
 
 
+class FakeLabeller:
+    """Labels every audit [0, 1] (our own fake of AuditLabeller: no engine)."""
+
+    async def label(self, key: str, rec: dict, result: dict) -> dict:
+        return {"id": key, "prompt": json.dumps(rec.get("messages")), "step_tokens": [3, 4],
+                "labels": {"consistent": [0, 1]}, "extra": {}}
+
+
+def test_audit_record_says_which_lambda_the_request_was_served(bundle, tmp_path: Path) -> None:
+    """`extra.audit` keeps the scores unrounded, the lambda a request was admitted with and its
+    source (bundle, then fallback after an alarm): what an offline replay needs to tell the served
+    lambda's realized error from the bundle's."""
+    import asyncio
+
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0, on_alarm="fallback"),
+                      cs_factory=FakeCS, loss=_loss)
+    audit.labeller = FakeLabeller()
+    audit.store = AuditStore(tmp_path, dim=bundle.model.hidden_size, info={"model": "m"})
+    result = {"scores": [0.99999976, 0.2], "step_tokens": [3, 4], "step_embeddings":
+              np.ones((2, bundle.model.hidden_size), dtype=np.float32), "delta": 0.1}
+
+    async def one(messages: list) -> None:
+        new, settings = resolve({"messages": messages}, OrcaDefaults(delta=0.1), bundle)
+        _, settings = audit.admit(new, settings)
+        audit.finished(settings, {0: {**result, "lam": settings.lam}})
+        await audit._worker
+
+    asyncio.run(one([{"role": "user", "content": "a"}]))
+    audit.guard(0.1).cs.lower = 0.5  # the next observation engages the guard
+    audit.observe([0.5], [0, 1])
+    asyncio.run(one([{"role": "user", "content": "b"}]))
+    audit.store.close()
+    rows = [p.extra["audit"] for p in TrajectorySet.open(tmp_path / "audit-000001").problems]
+    assert rows[0]["lambda"] == bundle.lam(0.1) and rows[0]["lambda_source"] == "bundle"
+    assert rows[1]["lambda"] is None and rows[1]["lambda_source"] == "fallback"
+    # the recorded scores give the server's stop decision at every lambda, 1.0 included: no stop
+    # at step 0 (0.99999976 < 1), so no loss; rounded to 1.0 it would stop there, wrong
+    assert request_loss(rows[0]["scores"], [0, 1], 1.0) == 0
+
+
 def test_real_confidence_sequence_alarms_on_losses_and_metrics_show_it(bundle) -> None:
     """With the server's own confidence sequence and loss: audits that all stop before the answer
     is right at every bundle lambda* (score 1 at step 0, right only at the end) raise every

@@ -182,6 +182,7 @@ class _Job:
     key: str
     rec: dict[str, Any]
     result: dict[str, Any]
+    lambda_source: str = "bundle"  # the guard's source of the lambda the request was admitted with
 
 
 class LiveAudit:
@@ -265,7 +266,7 @@ class LiveAudit:
             return
         from orca_serve.vllm_plugin import decode_arrays
 
-        self._submit(_Job(settings.key, rec, decode_arrays(result)))
+        self._submit(_Job(settings.key, rec, decode_arrays(result), settings.lam_source))
 
     def _submit(self, job: _Job) -> None:
         if self._queue is None:
@@ -295,9 +296,13 @@ class LiveAudit:
 
             self.labeller = AuditLabeller(self.engine_client(), self.config.probe)
         record = await self.labeller.label(job.key, job.rec, job.result)
-        record["extra"]["audit"] = {"scores": [round(float(s), 6) for s in job.result["scores"]],
+        # unrounded: replaying them must reproduce the server's stop decisions, also at lambda 1.0
+        # (LTT's grid top, what recalibration picks when only saturated scores are safe), which
+        # 6-decimal rounding crossed by turning 0.9999998 into 1.0
+        record["extra"]["audit"] = {"scores": [float(s) for s in job.result["scores"]],
                                     "delta": job.result.get("delta"),
-                                    "lambda": job.result.get("lam")}
+                                    "lambda": job.result.get("lam"),
+                                    "lambda_source": job.lambda_source}
         if self.retired:  # replaced while it was being labelled (counted by the successor)
             return
         if self.store is not None:
