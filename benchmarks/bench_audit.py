@@ -47,6 +47,7 @@ from serving import Server, orca_serve_cmd
 
 from calibration.job import run_job
 from calibration.toy.tasks import FORCE_SUFFIX, write_prompts
+from orca_serve.audit.sequence import RESTART_EVERY, RESTART_KEEP
 
 MODEL = ROOT / "orca_serve" / "demo" / "model"
 ANSWER_TOKENS = 6  # calibration/jobs/toy.yaml
@@ -272,19 +273,23 @@ def recalibration_figures(rows: list[dict], n_in: int, delta: float) -> dict:
 
 
 def alarm_delays(clean: list[float], shifted: list[float], prefixes: list[int], delta: float,
-                 epsilon: float, draws: int = 200, limit: int = 5000, seed: int = 0) -> dict:
-    """How long the server's confidence sequence takes to alarm after a shift that follows a
-    clean history of K audits: the first K measured in-distribution losses, then shifted losses
-    drawn with replacement from the measured ones (`draws` orders), fed to ConfidenceSequence as
-    the server does. Per K: quantiles of the shifted audits until `lower > delta`."""
-    from orca_serve.audit import ConfidenceSequence
+                 epsilon: float, every: int, keep: int, draws: int = 200, limit: int = 5000,
+                 seed: int = 0) -> dict:
+    """How long the server's alarm takes to fire after a shift that follows a clean history of
+    K audits: the first K measured in-distribution losses, then shifted losses drawn with
+    replacement from the measured ones (`draws` orders), fed to the alarm as the server does
+    (RestartedAlarm restarted every `every` audits, keeping `keep`; every = 0: the single
+    whole-history ConfidenceSequence the server used before). Per K: quantiles of the shifted
+    audits until the alarm."""
+    from orca_serve.audit import ConfidenceSequence, RestartedAlarm
 
     rng = np.random.default_rng(seed)
     out = {}
     for k in prefixes:
         if k > len(clean):
             continue
-        cs = ConfidenceSequence(alpha=epsilon, shape=(draws,))
+        cs = (RestartedAlarm(epsilon, every, keep, shape=(draws,)) if every else
+              ConfidenceSequence(alpha=epsilon, shape=(draws,)))
         for x in clean[:k]:
             cs.update(np.full(draws, x))
         when = np.full(draws, np.inf)
@@ -317,6 +322,11 @@ def main() -> None:
                     help="serve nothing: alarm delays after K clean audits, from the measured "
                     "losses of two runs' result.json (in-distribution audits of CLEAN, shifted "
                     "audits of SWITCH)")
+    ap.add_argument("--restart-every", type=int, default=RESTART_EVERY,
+                    help="--delays: the alarm's restart period (0: one whole-history sequence, "
+                    "the alarm before restarts)")
+    ap.add_argument("--restart-keep", type=int, default=RESTART_KEEP,
+                    help="--delays: restarted members kept besides the whole-history one")
     a = ap.parse_args()
     if a.delays:
         clean, switch = (json.loads(f.read_text()) for f in a.delays)
@@ -324,9 +334,11 @@ def main() -> None:
                   for run, fam in ((clean, "in-dist"), (switch, "shifted"))]
         res = {"clean": str(a.delays[0]), "switch": str(a.delays[1]), "delta": a.delta,
                "clean_risk": float(np.mean(losses[0])), "shifted_risk": float(np.mean(losses[1])),
-               "delays": alarm_delays(losses[0], losses[1], [0, 10, 30, 100, 300, len(losses[0])],
-                                      a.delta, epsilon=0.05)}
-        (a.out / f"delays-{a.delta:g}.json").write_text(json.dumps(res, indent=1))
+               "delays": alarm_delays(losses[0], losses[1], [0, 10, 30, 100, 140, 300, 975, len(losses[0])],
+                                      a.delta, epsilon=0.05, every=a.restart_every,
+                                      keep=a.restart_keep)}
+        res.update(restart_every=a.restart_every, restart_keep=a.restart_keep)
+        (a.out / f"delays-{a.delta:g}-w{a.restart_every}-k{a.restart_keep}.json").write_text(json.dumps(res, indent=1))
         print(json.dumps(res, indent=1))
         return
     bundle = calibrate(a.out, a.probe, a.n_cal, 300, a.seed)

@@ -6,7 +6,8 @@ labelled) and replays the
 bundle's probe on the recorded step embeddings with `orca_serve.procedure.replay`, the code the
 server runs, so each audit's scores are the ones the deployed procedure computed. It then feeds
 each audit's loss at every calibrated lambda* (`orca_serve.audit.risk`, the LTT loss) to the
-anytime-valid confidence sequence the server uses, in audit order, and the scores to the drift
+server's alarm (`RestartedAlarm`: anytime-valid confidence sequences restarted every few dozen
+audits, the whole history's giving the bounds), in audit order, and the scores to the drift
 monitor when the bundle has a reference. Statistics: docs/AUDIT.md.
 
 `recalibrate` runs the calibration code (`calibrate_bundle`: replay + LTT) on the audits of a
@@ -27,7 +28,7 @@ from calibration.calibrate import calibrate_bundle, score_split
 from calibration.trajectories import TrajectorySet, split_ids
 from orca_serve.audit.drift import DRIFT_WINDOW, DriftMonitor
 from orca_serve.audit.risk import is_counted, request_losses
-from orca_serve.audit.sequence import ConfidenceSequence
+from orca_serve.audit.sequence import RestartedAlarm
 from orca_serve.bundle import Bundle, Segmentation
 
 AUDIT_DIR = re.compile(r"^audit-\d{6}$")  # the server's rotating audit directories
@@ -87,7 +88,7 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
     scored = score_split(bundle.load_probe(), ts, "all", mode, bundle.window, solvable_only=False)
     deltas = bundle.deltas()
     lams = [bundle.lam(d) for d in deltas]
-    cs = ConfidenceSequence(alpha=alpha, shape=(len(deltas),))
+    cs = RestartedAlarm(alpha, shape=(len(deltas),))  # the server's alarm (live.py)
     drift = DriftMonitor.from_bundle(bundle, window=min(drift_window, max(10, len(ts))))
     history: dict[str, list] = {"mean": [], "lower": [], "upper": []}
     first_alarm: list[int | None] = [None] * len(deltas)
@@ -101,15 +102,19 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
         cs.update(request_losses(s, c, lams).astype(float))
         for key, values in history.items():
             values.append(getattr(cs, key).tolist())
-        for j, d in enumerate(deltas):
-            if first_alarm[j] is None and cs.lower[j] > d:
+        for j, fired in enumerate(cs.alarm(np.asarray(deltas))):
+            if first_alarm[j] is None and fired:
                 first_alarm[j] = cs.n
+    alarm = cs.alarm(np.asarray(deltas))
+    since, since_lower = cs.alarm_source(np.asarray(deltas))
     rows = []
     for j, (d, lam) in enumerate(zip(deltas, lams)):
         rows.append({"delta": d, "lambda": None if math.isinf(lam) else lam, "n": cs.n,
                      "risk": float(cs.mean[j]) if cs.n else None,
                      "lower": float(cs.lower[j]), "upper": float(cs.upper[j]),
-                     "alarm": bool(cs.lower[j] > d), "first_alarm_at": first_alarm[j]})
+                     "alarm": bool(alarm[j]), "first_alarm_at": first_alarm[j],
+                     "alarm_since": int(since[j]) if alarm[j] else None,
+                     "alarm_lower": float(since_lower[j]) if alarm[j] else None})
     report: dict[str, Any] = {
         "audit": str(ts.path), "audits": len(ts), "counted": cs.n, "never_correct_skipped": skipped,
         "label_mode": mode, "bundle_label_mode": bundle.label_mode, "alpha": alpha,
@@ -125,14 +130,16 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
 def format_report(report: dict[str, Any]) -> str:
     lines = [(f"{report['audit']}: {report['audits']} audits, {report['counted']} counted "
               f"({report['never_correct_skipped']} never correct, left out), labels "
-              f"{report['label_mode']}, bounds at alpha={report['alpha']:g} (anytime-valid)")]
+              f"{report['label_mode']}, alarm at level alpha={report['alpha']:g}/2, bounds at "
+              f"alpha={report['alpha'] / 2:g} (anytime-valid)")]
     if report["label_mode"] != report["bundle_label_mode"]:
         lines.append(f"note: the bundle certifies the risk under {report['bundle_label_mode']} "
                      f"labels; these audits measure it under {report['label_mode']} labels")
     for r in report["deltas"]:
         lam = "never" if r["lambda"] is None else f"{r['lambda']:.4f}"
         risk = "-" if r["risk"] is None else f"{r['risk']:.3f}"
-        flag = f"ALARM (since audit {r['first_alarm_at']})" if r["alarm"] else "ok"
+        flag = (f"ALARM (since audit {r['first_alarm_at']}; on the audits after "
+                f"{r['alarm_since']}, lower {r['alarm_lower']:.3f})" if r["alarm"] else "ok")
         lines.append(f"  delta={r['delta']:<5g} lambda*={lam:<8} n={r['n']:<5} risk={risk} "
                      f"bounds=[{r['lower']:.3f}, {r['upper']:.3f}] {flag}")
     if "drift" in report:
@@ -158,7 +165,7 @@ def plot_report(report: dict[str, Any], out_dir: Path) -> Path:
     for j, (ax, r) in enumerate(zip(axes[0], rows)):
         if report["counted"]:
             ax.fill_between(t, hist["lower"][j], hist["upper"][j], alpha=0.25,
-                            label=f"{1 - report['alpha']:.0%} confidence sequence")
+                            label=f"{1 - report['alpha'] / 2:.1%} confidence sequence")
             ax.plot(t, hist["mean"][j], label="realized risk")
         ax.axhline(r["delta"], color="r", ls="--", label="delta")
         if r["first_alarm_at"] is not None:

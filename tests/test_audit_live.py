@@ -53,6 +53,9 @@ class FakeCS:
     def alarm(self, delta: float) -> bool:
         return self.lower > delta
 
+    def alarm_source(self, delta: float) -> tuple[int | None, float | None]:
+        return (0, self.lower) if self.alarm(delta) else (None, None)
+
 
 def _loss(scores: np.ndarray, labels: np.ndarray, lam: float) -> int:
     hit = np.flatnonzero(scores >= lam)
@@ -183,6 +186,7 @@ def test_guard_acts_on_a_forced_alarm_and_clears(policy: str) -> None:
         assert (g.lam, g.source) == expected
     row = g.row()
     assert row["alarm"] is True and row["lambda_source"] == g.source
+    assert (row["alarm_since"], row["alarm_lower"]) == (0, 0.2)
     cs.lower = 0.05  # the alarm goes, the guard stays until the upper bound says risk <= delta
     g.decide(lambda: data, ltt)
     assert not g.alarm and g.engaged and g.source == row["lambda_source"]
@@ -276,6 +280,7 @@ def test_real_confidence_sequence_alarms_on_losses_and_metrics_show_it(bundle) -
     for row in audit.table()["deltas"]:
         assert row["n"] == 40 and row["risk"] == 1.0 and row["lower"] > row["delta"], row
         assert row["alarm"] and row["lambda"] is None and row["lambda_source"] == "fallback"
+        assert row["alarm_since"] == 0 and row["alarm_lower"] == row["lower"]  # whole history
     reg = CollectorRegistry()
     reg.register(AuditCollector(audit, "toy"))
     text = generate_latest(reg).decode()

@@ -6,7 +6,7 @@ Plain numpy/scipy (no vLLM): the server imports it per request, the offline tool
 
 from orca_serve.audit.drift import DriftMonitor, build_reference, drift_statistics
 from orca_serve.audit.risk import is_counted, request_loss, request_losses, table_losses
-from orca_serve.audit.sequence import ConfidenceSequence
+from orca_serve.audit.sequence import ConfidenceSequence, RestartedAlarm
 
-__all__ = ["ConfidenceSequence", "DriftMonitor", "build_reference", "drift_statistics",
-           "is_counted", "request_loss", "request_losses", "table_losses"]
+__all__ = ["ConfidenceSequence", "DriftMonitor", "RestartedAlarm", "build_reference",
+           "drift_statistics", "is_counted", "request_loss", "request_losses", "table_losses"]

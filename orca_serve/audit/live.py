@@ -18,7 +18,10 @@ exchangeable with the calibration set. This module measures the realized risk of
    loss 1 when the labels say the answer there was not yet right), fed to an anytime-valid
    confidence sequence (`orca_serve.audit`, `ConfidenceSequence`). As in calibration, audits
    whose labels are all 0 (never right) are left out when the bundle excluded them.
-4. **The guard** (`DeltaGuard`): alarm for a delta = the sequence's lower bound exceeds delta.
+4. **The guard** (`DeltaGuard`): alarm for a delta = the lower bound of one of a family of
+   confidence sequences restarted every 50 audits exceeds delta (`RestartedAlarm`: a shift is
+   caught within a few dozen audits however long the clean history before it; the table's
+   risk and bounds are those of the whole history).
    `report` only reports; `fallback` serves that delta with lambda = never (no early stop) while
    the alarm holds; `recalibrate` recomputes lambda* by the same LTT code (calibration/ltt.py) on
    a sliding window of the most recent audits once the window is full (never before) and serves
@@ -76,7 +79,8 @@ class AuditSampler:
 
 
 class CS(Protocol):
-    """What the guard needs of a confidence sequence (orca_serve.audit.ConfidenceSequence)."""
+    """What the guard needs of its statistics (orca_serve.audit.RestartedAlarm): the whole
+    history's mean and bounds, and the alarm."""
 
     n: int
     mean: float
@@ -86,6 +90,8 @@ class CS(Protocol):
     def update(self, loss: float) -> None: ...
 
     def alarm(self, delta: float) -> bool: ...
+
+    def alarm_source(self, delta: float) -> tuple[int | None, float | None]: ...
 
 
 def aligned_scores(scores: Iterable[float], n_steps: int) -> np.ndarray | None:
@@ -136,9 +142,11 @@ class DeltaGuard:
                ltt: Callable[[list[np.ndarray], list[np.ndarray], float], float]) -> None:
         """Set the served lambda from the alarm and the policy (see the module docstring).
 
-        The guard engages on an alarm and is cleared only when the upper bound is back at delta
-        or below (evidence that the bundle's lambda* holds again), not when the lower bound dips:
-        that would flap with every loss near the boundary. `window()` gives the recalibration
+        The guard engages on an alarm and is cleared only when no member alarms any more and the
+        whole history's upper bound is back at delta or below (evidence that the bundle's
+        lambda* holds again), not when the lower bound dips: that would flap with every loss
+        near the boundary. Clearing stays on the whole history: conservative (a long shift is
+        cleared late, the safe side), and the same rule as before the alarm was restarted. `window()` gives the recalibration
         window (scores, labels) once it is full, else None.
         """
         if self.alarm:
@@ -160,15 +168,16 @@ class DeltaGuard:
                 "risk": float(self.cs.mean) if n else None,
                 "lower": float(self.cs.lower), "upper": float(self.cs.upper),
                 "alarm": self.alarm, "engaged": self.engaged,
+                **dict(zip(("alarm_since", "alarm_lower"), self.cs.alarm_source(self.delta))),
                 "lambda": None if math.isinf(self.lam) else self.lam,
                 "lambda_source": self.source,
                 "bundle_lambda": None if math.isinf(self.bundle_lam) else self.bundle_lam}
 
 
 def _default_cs_factory(epsilon: float) -> Callable[[], CS]:
-    from orca_serve.audit import ConfidenceSequence
+    from orca_serve.audit import RestartedAlarm
 
-    return lambda: ConfidenceSequence(alpha=epsilon)
+    return lambda: RestartedAlarm(epsilon)
 
 
 def _default_loss(scores: np.ndarray, labels: np.ndarray, lam: float) -> int:

@@ -49,9 +49,10 @@ FOLD = 32  # updates between two folds of the capital products into their logs
 class ConfidenceSequence:
     """Running mean of [0, 1] losses with anytime-valid ``lower``/``upper`` bounds at ``alpha``.
 
-    ``alpha`` is the probability that the bounds EVER miss the true mean (two-sided); a server
-    builds one per delta with ``alpha = epsilon`` of the bundle, the level LTT used, so the
-    audit's false-alarm probability (``alpha/2``) is no larger than the calibration's own.
+    ``alpha`` is the probability that the bounds EVER miss the true mean (two-sided). The
+    server's alarm (``RestartedAlarm``) runs a family of them whose levels sum to ``epsilon`` of
+    the bundle, the level LTT used, so the audit's false-alarm probability (``epsilon/2``) is
+    no larger than the calibration's own.
     """
 
     def __init__(self, alpha: float = 0.05, grid_size: int = DEFAULT_GRID,
@@ -182,3 +183,99 @@ class ConfidenceSequence:
             setattr(cs, f"_{name}", value)
         cs._fold()
         return cs
+
+
+RESTART_EVERY = 50  # audits between the starts of two members of the alarm's family
+RESTART_KEEP = 8  # newest members kept besides member 0 (the whole history)
+
+
+class RestartedAlarm:
+    """The audit's alarm: a family of confidence sequences restarted every ``every`` audits.
+
+    One sequence over all audits since the start answers "has the risk been at most delta all
+    along?", so after a long clean history a sudden shift must outweigh that history before its
+    lower bound passes delta (measured: the delay grows about linearly with the clean history).
+    The family asks the same question of every recent stretch: member j starts after audit
+    ``j * every`` (j = 0, 1, 2, ...) with two-sided level ``alpha_j = epsilon / ((j+1)(j+2))``,
+    and the alarm for delta fires when ANY live member's lower bound exceeds delta.
+
+    Validity: if the conditional risk of every audit is at most delta, member j's lower-side
+    capital at m = delta is a nonnegative supermartingale from its start (each factor
+    1 + l (X - delta) has conditional mean <= 1, the bet l >= 0 being predictable), so by
+    Ville's inequality it ever alarms with probability <= alpha_j / 2, and by the union bound
+    the family ever alarms with probability <= sum_j alpha_j / 2 = epsilon / 2: the false-alarm
+    level of one whole-history sequence at alpha = epsilon. Dropping members (only member 0 and
+    the newest ``keep`` are kept, to bound the cost) removes tests and keeps the bound. This is
+    the restart ("e-detector") construction of change detection with e-processes (Shin, Ramdas
+    & Rinaldo 2023, "E-detectors: a nonparametric framework for sequential change detection").
+
+    ``n``, ``mean``, ``lower`` and ``upper`` are member 0's (the whole history, at level
+    epsilon/2, so the displayed interval covers the risk at every time with probability
+    >= 1 - epsilon/2); ``alarm_source`` says which member alarmed. Batched over ``shape`` like
+    ConfidenceSequence.
+    """
+
+    def __init__(self, epsilon: float = 0.05, every: int = RESTART_EVERY,
+                 keep: int = RESTART_KEEP, grid_size: int = DEFAULT_GRID,
+                 shape: tuple[int, ...] = ()) -> None:
+        if every < 1 or keep < 0:
+            raise ValueError(f"every must be >= 1 and keep >= 0, got {every}, {keep}")
+        self.epsilon, self.every, self.keep = float(epsilon), int(every), int(keep)
+        self.grid_size, self.shape = int(grid_size), tuple(shape)
+        self.members: list[tuple[int, ConfidenceSequence]] = []  # (start audit, sequence)
+        self._start(0)
+
+    def _start(self, j: int) -> None:
+        alpha = self.epsilon / ((j + 1) * (j + 2))
+        self.members.append((j * self.every, ConfidenceSequence(alpha, self.grid_size,
+                                                                self.shape)))
+        if len(self.members) > self.keep + 1:
+            del self.members[1]  # the oldest restarted member; member 0 stays
+
+    def update(self, loss: float | np.ndarray) -> None:
+        """Add one loss to every live member, first starting a member every ``every`` audits."""
+        if self.n and self.n % self.every == 0:
+            self._start(self.n // self.every)
+        for _, cs in self.members:
+            cs.update(loss)
+
+    @property
+    def n(self) -> int:
+        return self.members[0][1].n
+
+    @property
+    def mean(self) -> float | np.ndarray:
+        return self.members[0][1].mean
+
+    @property
+    def lower(self) -> float | np.ndarray:
+        return self.members[0][1].lower
+
+    @property
+    def upper(self) -> float | np.ndarray:
+        return self.members[0][1].upper
+
+    def _fired(self, delta: float | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per stream: start and lower bound of the alarming member with the largest lower
+        bound (-1 and NaN where none alarms). ``delta`` may be one per stream."""
+        lowers = np.stack([np.asarray(cs.lower) for _, cs in self.members])  # [M, *shape]
+        starts = np.array([s for s, _ in self.members])  # [M]
+        strength = np.where(lowers > delta, lowers, -np.inf)
+        best = strength.argmax(axis=0)  # [*shape]
+        fired = np.isfinite(np.take_along_axis(strength, best[None], axis=0)[0])
+        return (np.where(fired, starts[best], -1),
+                np.where(fired, np.take_along_axis(lowers, best[None], axis=0)[0], np.nan))
+
+    def alarm(self, delta: float | np.ndarray) -> bool | np.ndarray:
+        """True when some member's lower bound exceeds ``delta`` (false-alarm level epsilon/2)."""
+        since, _ = self._fired(delta)
+        return bool(since >= 0) if self.shape == () else since >= 0
+
+    def alarm_source(self, delta: float | np.ndarray) -> tuple[Any, Any]:
+        """(start audit, lower bound) of the member behind the alarm: the one with the largest
+        lower bound among those above ``delta``; (None, None) without an alarm. Batched: arrays,
+        -1 and NaN where no member alarms."""
+        since, lower = self._fired(delta)
+        if self.shape != ():
+            return since, lower
+        return (None, None) if since < 0 else (int(since), float(lower))
