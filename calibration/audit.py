@@ -138,8 +138,9 @@ def format_report(report: dict[str, Any]) -> str:
     for r in report["deltas"]:
         lam = "never" if r["lambda"] is None else f"{r['lambda']:.4f}"
         risk = "-" if r["risk"] is None else f"{r['risk']:.3f}"
-        flag = (f"ALARM (since audit {r['first_alarm_at']}; on the audits after "
-                f"{r['alarm_since']}, lower {r['alarm_lower']:.3f})" if r["alarm"] else "ok")
+        flag = (f"ALARM (first at audit {r['first_alarm_at']}; the audits after "
+                f"{r['alarm_since']} have lower bound {r['alarm_lower']:.3f})" if r["alarm"]
+                else "ok")
         lines.append(f"  delta={r['delta']:<5g} lambda*={lam:<8} n={r['n']:<5} risk={risk} "
                      f"bounds=[{r['lower']:.3f}, {r['upper']:.3f}] {flag}")
     if "drift" in report:
