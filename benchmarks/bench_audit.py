@@ -305,7 +305,7 @@ def alarm_delays(clean: list[float], shifted: list[float], prefixes: list[int], 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-audit")
+    ap.add_argument("--out", type=lambda p: Path(p).absolute(), default=ROOT / "runs" / "bench-audit")
     ap.add_argument("--name", default="switch", help="this run's directory under OUT/PROBE")
     ap.add_argument("--probe", default="static", choices=["static", "ttt-noqk", "ttt-qk"])
     ap.add_argument("--n-cal", type=int, default=1200, help="in-distribution calibration prompts")
