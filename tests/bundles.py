@@ -28,16 +28,19 @@ from orca_serve.probe import Probe
 def tiny_bundle(probe: Probe, rows: Iterable[tuple[float, float | None]], *,
                 vocab: Mapping[str, int] | None = None, window: int = 10, n_cal: int = 100,
                 epsilon: float = 0.05, default_delta: float | None = None,
-                provenance: dict[str, Any] | None = None) -> Bundle:
+                provenance: dict[str, Any] | None = None, name: str = "tiny",
+                hidden_size: int | None = None, **fields: Any) -> Bundle:
     """A bundle for the tiny test model serving `probe` with lambda* per delta from `rows`.
 
     `vocab` given: the bundle carries the tokenizer's fingerprint (checked at engine start);
     without it only the hidden size is checked. `default_delta` defaults to the first row's.
+    `hidden_size` other than the probe's makes a bundle for another model; `fields` set other
+    Bundle fields (segmentation, normalization, ...).
     """
     rows = list(rows)
     return Bundle(
         schema_version=1, orca_serve_version="0.1.0",
-        model=ModelIdentity(name="tiny", hidden_size=probe.spec.dim,
+        model=ModelIdentity(name=name, hidden_size=hidden_size or probe.spec.dim,
                             tokenizer_fingerprint=None if vocab is None
                             else tokenizer_fingerprint(vocab)),
         probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
@@ -48,7 +51,7 @@ def tiny_bundle(probe: Probe, rows: Iterable[tuple[float, float | None]], *,
                                   pvalue=1.0 if lam is None else 0.01, savings=0.3)
                            for d, lam in rows]),
         default_delta=rows[0][0] if default_delta is None else default_delta,
-        provenance=provenance or {})
+        provenance=provenance or {}, **fields)
 
 
 def write_bundle(bundle: Bundle, path: Path) -> Path:

@@ -16,19 +16,9 @@ from typing import ClassVar
 
 import pytest
 import torch
+from bundles import tiny_bundle, write_bundle
 
-from orca_serve.bundle import (
-    Bundle,
-    BundleError,
-    LTTRow,
-    LTTTable,
-    ModelIdentity,
-    ProbeBlock,
-    Segmentation,
-    encode_weights,
-    save_bundle,
-    tokenizer_fingerprint,
-)
+from orca_serve.bundle import BundleError, Segmentation
 from orca_serve.contract import XARG_BUNDLE, XARG_KEY, XARG_LAM
 from orca_serve.core.engine import OrcaCore
 from orca_serve.probe import Probe, ProbeSpec
@@ -76,21 +66,10 @@ def _probe(seed: int = 1) -> Probe:
 
 def _bundle(tmp_path_factory, keywords=None, *, seed: int = 1, hidden: int = DIM,
             normalization: str = "token-l2"):
-    probe = _probe(seed)
-    b = Bundle(segmentation=Segmentation(keywords=keywords), schema_version=1,
-               orca_serve_version="0.1.0", normalization=normalization,
-               model=ModelIdentity(name="fake", hidden_size=hidden,
-                                   tokenizer_fingerprint=tokenizer_fingerprint(ID)),
-               probe=ProbeBlock(spec=json.loads(probe.spec.to_json()),
-                                weights=encode_weights(probe), eta=0.01),
-               window=WINDOW,
-               ltt=LTTTable(epsilon=0.05, n_cal=6, grid_size=10, rows=[
-                   LTTRow(delta=0.05, lam=None, risk=0.0, pvalue=1.0, savings=0.0),
-                   LTTRow(delta=0.1, lam=0.75, risk=0.05, pvalue=0.01, savings=0.3)]),
-               default_delta=0.1)
-    path = tmp_path_factory.mktemp("bundle") / "bundle.json"
-    save_bundle(b, path)
-    return path
+    b = tiny_bundle(_probe(seed), [(0.05, None), (0.1, 0.75)], vocab=ID, window=WINDOW, n_cal=6,
+                    default_delta=0.1, name="fake", hidden_size=hidden,
+                    segmentation=Segmentation(keywords=keywords), normalization=normalization)
+    return write_bundle(b, tmp_path_factory.mktemp("bundle") / "bundle.json")
 
 
 @pytest.fixture(scope="module")
