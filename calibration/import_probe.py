@@ -44,6 +44,7 @@ from orca_serve.bundle import (
     encode_weights,
     save_bundle,
 )
+from orca_serve.errors import first_line
 from orca_serve.probe import Probe, ProbeSpec
 
 # The authors' step rule and chunk size (their data preparation), and their LTT grid.
@@ -72,7 +73,7 @@ def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     except FileNotFoundError:
         raise ProbeImportError(f"{path} not found") from None
     except Exception as e:  # noqa: BLE001 - any unreadable file: one line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise ProbeImportError(f"{path} is not a PyTorch state dict of tensors (their TTT "
                                f"probe.pt; the static probe.pkl is not supported): {first}") from None
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):

@@ -22,6 +22,8 @@ from typing import Any, Self
 
 import numpy as np
 
+from orca_serve.errors import first_line
+
 FORMAT = "orca-trajectories"
 VERSION = 1
 INFO_FILE, PROBLEMS_FILE, EMBEDDINGS_FILE = "info.json", "problems.jsonl", "embeddings.bin"
@@ -174,7 +176,7 @@ def _read_problems(path: Path, tolerate_partial_tail: bool) -> tuple[list[Proble
         try:
             obj = json.loads(line)
         except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, too many digits, too deep
-            raise TrajectoryError(f"{where}: not valid JSON ({_first_line(e)}); fix or remove "
+            raise TrajectoryError(f"{where}: not valid JSON ({first_line(e)}); fix or remove "
                                   "the line") from None
         if not isinstance(obj, dict):
             raise TrajectoryError(f"{where}: expected a JSON object, got {type(obj).__name__}")
@@ -249,7 +251,7 @@ def _read_info(directory: Path) -> dict[str, Any]:
     try:
         info = json.loads(_read_bytes(directory / INFO_FILE))
     except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, too many digits, too deep
-        raise TrajectoryError(f"{directory / INFO_FILE}: not valid JSON ({_first_line(e)})") \
+        raise TrajectoryError(f"{directory / INFO_FILE}: not valid JSON ({first_line(e)})") \
             from None
     _check_info(info, str(directory / INFO_FILE))
     return info
@@ -260,10 +262,6 @@ def _read_bytes(path: Path) -> bytes:
         return path.read_bytes()
     except OSError as e:
         raise TrajectoryError(f"cannot read {path}: {e.strerror or e}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -575,7 +573,7 @@ def _load_pickle(path: Path) -> dict[str, Any]:
         pkl = pickle.loads(data)
     except Exception as e:  # noqa: BLE001 - unpickling raises anything (EOF, missing class, ...)
         raise TrajectoryError(f"{path}: not a readable pickle ({type(e).__name__}: "
-                              f"{_first_line(e)}); truncated or not a research-code pickle") \
+                              f"{first_line(e)}); truncated or not a research-code pickle") \
             from None
     _check_pickle(pkl, path.name)
     return pkl
@@ -605,7 +603,7 @@ def _check_pickle(pkl: Any, where: str) -> None:
             emb = np.asarray(raw["step_embeddings"], dtype=np.float32)
         except (ValueError, TypeError, OverflowError) as e:
             raise TrajectoryError(f"{where} problem {i}: step_embeddings are not a numeric "
-                                  f"[n_steps, dim] array ({_first_line(e)})") from None
+                                  f"[n_steps, dim] array ({first_line(e)})") from None
         if emb.size == 0:
             continue  # no step: skipped when read, as the research code skips it
         dim = emb.shape[1] if dim is None and emb.ndim == 2 else dim
@@ -626,7 +624,7 @@ def expand_block_labels(block_labels: Sequence[Any], n_steps: int, batch_size: i
     try:
         raw = np.asarray(block_labels)
     except ValueError as e:  # ragged nesting
-        raise TrajectoryError(f"block labels are not a list of 0/1 ({_first_line(e)})") from None
+        raise TrajectoryError(f"block labels are not a list of 0/1 ({first_line(e)})") from None
     if raw.dtype.kind not in "biuf" or not np.isin(raw, (0, 1)).all():
         raise TrajectoryError(f"block labels must be 0/1 numbers, got {raw.dtype} values "
                               f"{np.unique(raw.astype(str))[:5].tolist()}")

@@ -33,6 +33,7 @@ from pydantic import (
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from orca_serve.errors import first_line
 from orca_serve.probe import Probe, ProbeSpec
 
 SCHEMA_VERSION = 1
@@ -255,7 +256,7 @@ def decode_weights(weights: str) -> dict[str, torch.Tensor]:
         return st_load(blob)
     except Exception as e:  # noqa: BLE001 - safetensors' errors share no base class but Exception
         raise BundleError(f"probe weights are not a safetensors blob "
-                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); the bundle "
+                          f"({first_line(e)}); the bundle "
                           "is corrupt: recalibrate") from None
 
 
@@ -296,7 +297,7 @@ def _parse_json(raw: bytes, p: Path) -> Any:
     except RecursionError:
         raise BundleError(f"bundle {p} nests too deeply to be a bundle") from None
     except ValueError as e:  # JSONDecodeError, a rejected constant, too many digits
-        raise BundleError(f"bundle {p} is not valid JSON ({str(e).splitlines()[0]}); is it a "
+        raise BundleError(f"bundle {p} is not valid JSON ({first_line(e)}); is it a "
                           "bundle.json?") from None
 
 

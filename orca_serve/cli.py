@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 
 from orca_serve.argtypes import fraction, integer
 from orca_serve.contract import POLICIES
+from orca_serve.errors import first_line
 
 PROG = "orca-serve"
 
@@ -117,7 +118,7 @@ def model_facts(model: str, *, tokenizer: str | None = None, revision: str | Non
                                          trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - any failure is one line for the user
         raise StartupError(f"cannot read the config of model {model!r}: "
-                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                           f"{first_line(e)}") from None
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     hidden = getattr(text, "hidden_size", None)
     if not isinstance(hidden, int):
@@ -130,7 +131,7 @@ def model_facts(model: str, *, tokenizer: str | None = None, revision: str | Non
         vocab = tok.get_vocab()
     except Exception as e:  # noqa: BLE001
         raise StartupError(f"cannot load the tokenizer of model {model!r}: "
-                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                           f"{first_line(e)}") from None
     return hidden, vocab
 
 
@@ -188,7 +189,7 @@ def refuse_unsupported(args: argparse.Namespace) -> None:
     try:
         check_engine_supported(args)
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
-        raise StartupError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+        raise StartupError(first_line(e)) from None
 
 
 def keep_prefills_whole(args: argparse.Namespace) -> None:

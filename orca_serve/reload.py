@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from orca_serve.bundle import Bundle, BundleError, load_bundle
+from orca_serve.errors import first_line
 from orca_serve.requests import OrcaSettings, error_body
 
 logger = logging.getLogger("orca_serve.reload")
@@ -50,10 +51,6 @@ class ReloadRefused(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 class Reloader:
@@ -115,7 +112,7 @@ class Reloader:
                 answers = await asyncio.wait_for(
                     self.state.rpc("orca_retire_bundles", (self._keep(),)), RELOAD_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - it is retried at the next reload
-                logger.warning("orca: letting go of replaced bundles failed: %s", _first_line(e))
+                logger.warning("orca: letting go of replaced bundles failed: %s", first_line(e))
                 return
             for a in answers or []:
                 if isinstance(a, dict) and a.get("error"):
@@ -169,7 +166,7 @@ class Reloader:
                 audit = self.make_audit(bundle)
             except (OSError, ValueError) as e:
                 raise ReloadRefused(f"the live audit cannot follow the new bundle: "
-                                    f"{_first_line(e)}") from None
+                                    f"{first_line(e)}") from None
         try:
             answers = await self._rpc("orca_load_bundle", path)
             self._check(answers, "checksum", bundle.checksum)
@@ -191,7 +188,7 @@ class Reloader:
             raise ReloadRefused(f"the engine did not answer {method} within "
                                 f"{RELOAD_TIMEOUT_S:g} s") from None
         except Exception as e:  # noqa: BLE001 - the engine's failure is the caller's reason
-            raise ReloadRefused(f"{method} failed: {_first_line(e)}") from None
+            raise ReloadRefused(f"{method} failed: {first_line(e)}") from None
 
     @staticmethod
     def _check(answers: list[Any], field: str, want: str) -> None:
@@ -214,7 +211,7 @@ class Reloader:
                 await asyncio.wait_for(self.state.rpc(method, (arg,)), RELOAD_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - the old bundle is still current anyway
                 logger.warning("orca: rolling back a refused bundle (%s): %s", method,
-                               _first_line(e))
+                               first_line(e))
 
     def _swap(self, bundle: Bundle, path: str, audit: Any) -> None:
         """The server's switch, synchronous: no request is resolved half way through it."""
@@ -228,7 +225,7 @@ class Reloader:
                 st.audit.hand_over(audit)
             except OSError as e:  # its directory cannot be opened: audits are not stored
                 logger.warning("orca: the new live audit cannot open its directory: %s",
-                               _first_line(e))
+                               first_line(e))
             st.audit = audit
         if st.metrics is not None:
             st.metrics.bundle_in_use(bundle.checksum, previous)

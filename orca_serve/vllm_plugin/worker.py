@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from orca_serve.errors import first_line
+
 
 class OrcaWorkerExtension:
     def _orca_processors(self) -> list:
@@ -101,7 +103,7 @@ class OrcaWorkerExtension:
             for p in procs:
                 out = fn(p)
         except Exception as e:  # noqa: BLE001 - a refusal must reach the caller, not kill the RPC
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            msg = first_line(e)
             return {"error": f"{what}: {msg}" if not isinstance(e, ValueError) else msg}
         return {"result": out}
 
