@@ -5,6 +5,7 @@ setup:
 	bash scripts/setup-venv.sh
 
 test: setup
+	.venv/bin/lint-imports --no-cache
 	.venv/bin/python -m pytest -q
 
 test-fast: setup

@@ -41,13 +41,12 @@ import numpy as np
 import openai
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from serving import Server, orca_serve_cmd
+sys.path.insert(0, str(ROOT))  # the tests package's helpers
 
 from calibration.job import run_job
 from calibration.toy.tasks import FORCE_SUFFIX, write_prompts
 from orca_serve.audit.sequence import RESTART_EVERY, RESTART_KEEP
+from tests.serving import Server, orca_serve_cmd
 
 MODEL = ROOT / "orca_serve" / "demo" / "model"
 ANSWER_TOKENS = 6  # calibration/jobs/toy.yaml
@@ -210,9 +209,9 @@ def replay(audit_dir: Path, bundle_file: Path, families: dict[str, str], delta: 
     bundle's lambda*, with the steps and tokens each would save: the figures of `recalibrate`.
     """
     from calibration.audit import audit_report, open_audits
+    from orca_method.bundle import load_bundle
     from orca_serve.audit import is_counted, request_loss
     from orca_serve.audit.live import aligned_scores
-    from orca_serve.bundle import load_bundle
 
     bundle = load_bundle(bundle_file)
     ts = open_audits(audit_dir)

@@ -35,9 +35,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # the tests package's helpers
 
-from serving import Server, orca_serve_cmd
+from tests.serving import Server, orca_serve_cmd
 
 KEY_ENV = "ORCA_ADMIN_KEY"
 QUESTION = "Find the integer x with 7*x + 3 = 52."
@@ -49,7 +49,7 @@ def copies(src: Path, n: int, tmp: Path) -> list[Path]:
     """`n` copies of bundle `src`, each sealed with another provenance: valid bundles of the same
     probe with distinct checksums (each reload swaps in a bundle never served before, so that a
     response naming a replaced one can be told apart)."""
-    from orca_serve.bundle import load_bundle, save_bundle
+    from orca_method.bundle import load_bundle, save_bundle
 
     b = load_bundle(src)
     out = []

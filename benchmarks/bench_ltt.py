@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from calibration.ltt import calibrate, default_grid
+from orca_method.ltt import calibrate, default_grid
 
 N_PROBLEMS, N_THRESHOLDS, RUNS = 1000, 10_000, 7
 DELTAS = (0.05, 0.1, 0.15, 0.2)

@@ -71,12 +71,11 @@ MODELS = {
 # -- preparation (parent process) ----------------------------------------------------------------
 def prepare_models(names: list[str]) -> dict[str, dict[str, str]]:
     """Model folders and matching bundles (built once, cached in .cache/bench-overhead)."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT))  # the tests package's helpers
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from test_server import make_bundle  # the tests' bundle helper
-    from tiny_model import HIDDEN, build_tiny_model
-
-    from orca_serve.bundle import ModelIdentity, ThinkTags, load_bundle, save_bundle
+    from orca_method.bundle import ModelIdentity, ThinkTags, load_bundle, save_bundle
+    from tests.test_server import make_bundle  # the tests' bundle helper
+    from tests.tiny_model import HIDDEN, build_tiny_model
 
     CACHE.mkdir(parents=True, exist_ok=True)
     out: dict[str, dict[str, str]] = {}

@@ -1,7 +1,7 @@
 """Online equals offline: orca-serve's stop step vs the offline replay of recorded trajectories.
 
 1. record held-out toy prompts greedily with the plugin in record mode (the collection code);
-2. replay the recordings through the bundle's procedure (orca_serve.procedure.replay) and take
+2. replay the recordings through the bundle's procedure (orca_method.procedure.replay) and take
    the first step whose smoothed score reaches lambda*(delta) (the final step, emitted at
    `</think>`, is never scored online, so a crossing there is no early stop);
 3. serve the same prompts through a live `orca-serve` with greedy decoding and read `stop_step`.
@@ -25,15 +25,14 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from serving import Server, orca_serve_cmd
+sys.path.insert(0, str(ROOT))  # the tests package's helpers
 
 from calibration.collect import Collector, CollectSettings, read_prompts
 from calibration.toy.tasks import write_prompts
-from calibration.trajectories import TrajectorySet
-from orca_serve.bundle import load_bundle
-from orca_serve.procedure import replay
+from orca_method.bundle import load_bundle
+from orca_method.procedure import replay
+from orca_method.trajectories import TrajectorySet
+from tests.serving import Server, orca_serve_cmd
 
 MODEL = ROOT / "orca_serve" / "demo" / "model"
 

@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from orca_serve.probe import Probe, ProbeSpec
-from orca_serve.procedure import NEVER, ProbeBank
+from orca_method.probe import Probe, ProbeSpec
+from orca_method.procedure import NEVER, ProbeBank
 
 
 def bench(bank: ProbeBank, rows: torch.Tensor, dim: int, reps: int) -> float:

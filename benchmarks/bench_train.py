@@ -22,8 +22,8 @@ import torch
 
 from calibration.synth import generate
 from calibration.train import DEFAULTS, lr_for_batch, meta_train, solvable
-from calibration.trajectories import TrajectorySet
-from orca_serve.probe import ProbeSpec
+from orca_method.probe import ProbeSpec
+from orca_method.trajectories import TrajectorySet
 
 ARMS = {"default": dict(DEFAULTS),
         "paper": {"batch_size": 1, "lr": 1e-3, "epochs": 20, "epoch_select": "last",

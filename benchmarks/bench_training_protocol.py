@@ -28,8 +28,6 @@ import numpy as np
 import torch
 
 from calibration.calibrate import GRID_SIZE, run_ltt, score_split
-from calibration.ltt import calibrate, default_grid
-from calibration.metrics import stop_indices, summarize
 from calibration.synth import generate
 from calibration.train import (
     DEFAULTS,
@@ -41,8 +39,10 @@ from calibration.train import (
     solvable,
     unroll_scores,
 )
-from calibration.trajectories import TrajectorySet
-from orca_serve.probe import ProbeSpec
+from orca_method.ltt import calibrate, default_grid
+from orca_method.probe import ProbeSpec
+from orca_method.stop_metrics import stop_indices, summarize
+from orca_method.trajectories import TrajectorySet
 
 # The paper's protocol: batch 1, Adam lr 1e-3, 20 epochs (no-QK), the last epoch.
 PAPER = {"batch_size": 1, "lr": 1e-3, "epochs": 20, "epoch_select": "last", "warmup": 0.0}

@@ -19,10 +19,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # the tests package's helpers
 
-from http_fuzz import fuzz
-from serving import Server, orca_serve_cmd
+from tests.http_fuzz import fuzz
+from tests.serving import Server, orca_serve_cmd
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # the tests package's helpers
 
 
 def signature(e: BaseException) -> str:
@@ -83,7 +83,7 @@ def atheris_worker(runs: int, out: str) -> None:
     import torch  # noqa: F401
 
     with atheris.instrument_imports(include=["orca_serve", "calibration"]):
-        import fuzzing
+        from tests import fuzzing
 
     found: Counter[str] = Counter()
 
@@ -131,7 +131,7 @@ def main() -> None:
     if a.atheris_worker:
         atheris_worker(int(a.atheris_worker[0]), a.atheris_worker[1])
         return
-    import fuzzing
+    from tests import fuzzing
 
     targets = [
         ("bundle loader (bytes)", fuzzing.bundle_bytes(), fuzzing.check_bundle_bytes),

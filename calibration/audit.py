@@ -3,9 +3,9 @@
 `audit_report` reads audits (the trajectory format, appended by the server's live audit to
 rotating `audit-NNNNNN` directories: one problem per audited request, in the order they were
 labelled) and replays the
-bundle's probe on the recorded step embeddings with `orca_serve.procedure.replay`, the code the
+bundle's probe on the recorded step embeddings with `orca_method.procedure.replay`, the code the
 server runs, so each audit's scores are the ones the deployed procedure computed. It then feeds
-each audit's loss at every calibrated lambda* (`orca_serve.audit.risk`, the LTT loss) to the
+each audit's loss at every calibrated lambda* (`orca_method.risk`, the LTT loss) to the
 server's alarm (`RestartedAlarm`: anytime-valid confidence sequences restarted every few dozen
 audits, the whole history's giving the bounds), in audit order, and the scores to the drift
 monitor when the bundle has a reference. Statistics: docs/AUDIT.md.
@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 
 from calibration.calibrate import calibrate_bundle, score_split
-from calibration.trajectories import TrajectorySet, split_ids
+from orca_method.bundle import Bundle, Segmentation
+from orca_method.risk import is_counted, request_losses
+from orca_method.trajectories import TrajectorySet, split_ids
 from orca_serve.audit.drift import DRIFT_WINDOW, DriftMonitor
-from orca_serve.audit.risk import is_counted, request_losses
 from orca_serve.audit.sequence import RestartedAlarm
-from orca_serve.bundle import Bundle, Segmentation
 
 AUDIT_DIR = re.compile(r"^audit-\d{6}$")  # the server's rotating audit directories
 

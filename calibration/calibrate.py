@@ -1,6 +1,6 @@
 """Choose lambda* per delta by LTT on the calibration split and seal the result in a bundle.
 
-The scores come from `orca_serve.procedure.replay`, i.e. the server's own code path, so the
+The scores come from `orca_method.procedure.replay`, i.e. the server's own code path, so the
 threshold is certified for exactly the procedure that will run online (docs/METHOD.md section 5).
 """
 
@@ -17,12 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from calibration.ltt import DeltaResult, calibrate, default_grid
 from calibration.train import solvable
-from calibration.trajectories import TrajectorySet
-from orca_serve import __version__
-from orca_serve.audit.drift import build_reference
-from orca_serve.bundle import (
+from orca_method.bundle import (
     SCHEMA_VERSION,
     Bundle,
     DriftReference,
@@ -35,8 +31,12 @@ from orca_serve.bundle import (
     encode_weights,
     save_bundle,
 )
-from orca_serve.probe import Probe
-from orca_serve.procedure import replay
+from orca_method.ltt import DeltaResult, calibrate, default_grid
+from orca_method.probe import Probe
+from orca_method.procedure import replay
+from orca_method.trajectories import TrajectorySet
+from orca_serve import __version__
+from orca_serve.audit.drift import build_reference
 
 DEFAULT_DELTAS = (0.05, 0.1, 0.15, 0.2)
 GRID_SIZE = 1001

@@ -13,19 +13,8 @@ from pathlib import Path
 from calibration.collect import DEFAULT_SUFFIX
 from calibration.job import JobError
 from calibration.judge import JudgeError, JudgeSettings
-from calibration.trajectories import TrajectoryError
-
-PROBES = {
-    "static": {"online": False},
-    "ttt-noqk": {},
-    "ttt-qk": {"kind": "qk"},
-    "ttt-qk-shared": {"kind": "qk", "shared_qk": True},
-    "ttt-qk-ln": {"kind": "qk", "norm": "ln"},
-    "ttt-qk-lnres": {"kind": "qk", "norm": "ln_res"},
-    "ttt-qk-eta": {"kind": "qk", "eta_mode": "input"},
-    "ttt-qk-mlp": {"kind": "qk", "mlp": True},
-    "ttt-noqk-eta": {"eta_mode": "input"},
-}
+from calibration.probe_variants import PROBES
+from orca_method.trajectories import TrajectoryError
 
 
 class UsageError(Exception):
@@ -39,7 +28,7 @@ def training_options(a: argparse.Namespace) -> dict:
 
 
 def _open(path: str, pickle_labels: str = "pessimistic"):
-    from calibration.trajectories import TrajectorySet
+    from orca_method.trajectories import TrajectorySet
     return TrajectorySet.open(path, pickle_labels=pickle_labels)
 
 
@@ -58,28 +47,8 @@ def _label_mode(ts, requested: str | None) -> str:
     return mode
 
 
-def train_probe(ts, probe: str, mode: str, *, d_h: int, seed: int, checkpoints: Path | None,
-                progress: bool = True, **options):
-    """Train one named probe; returns (probe, facts for the provenance).
-
-    `options` are `meta_train` settings (epochs, batch_size, lr, warmup, epoch_select); those
-    absent or None take `calibration.train.DEFAULTS` (epochs: 20 no-QK, 10 QK, as the paper).
-    """
-    from calibration.train import meta_train, train_static, training_settings
-    from orca_serve.probe import ProbeSpec
-    if probe == "static":
-        return train_static(ts, mode, seed=seed), {"probe": probe}
-    opts = PROBES[probe]
-    spec = ProbeSpec(dim=ts.dim, d_h=d_h if opts.get("kind") == "qk" else None, **opts)
-    settings = training_settings(spec, options)
-    res = meta_train(ts, spec, mode, seed=seed, checkpoints=checkpoints, progress=progress,
-                     **settings)
-    return res.probe, {"probe": probe, **settings, "selected_epoch": res.epoch,
-                       "history": res.history}
-
-
 def cmd_train(a: argparse.Namespace) -> None:
-    from calibration.train import save_probe
+    from calibration.train import save_probe, train_probe
     ts = _open(a.data, a.pickle_labels)
     mode = _label_mode(ts, a.label_mode)
     if not ts.split("train"):
@@ -116,7 +85,7 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
 
 def cmd_evaluate(a: argparse.Namespace) -> None:
     from calibration.evaluate import evaluate_bundle, markdown_table, plot_report
-    from orca_serve.bundle import load_bundle
+    from orca_method.bundle import load_bundle
     bundle = load_bundle(a.bundle)
     ts = _open(a.data, a.pickle_labels)
     report, scored = evaluate_bundle(bundle, ts, a.split)
@@ -132,6 +101,7 @@ def cmd_compare(a: argparse.Namespace) -> None:
     """The paper's comparison rows: each probe x label mode, trained, calibrated, evaluated."""
     from calibration.calibrate import calibrate_bundle
     from calibration.evaluate import evaluate_bundle, markdown_table
+    from calibration.train import train_probe
     ts = _open(a.data)
     shifted = _open(a.shifted) if a.shifted else None
     out = Path(a.out)
@@ -176,7 +146,7 @@ def cmd_audit_report(a: argparse.Namespace) -> None:
         open_audits,
         plot_report,
     )
-    from orca_serve.bundle import load_bundle
+    from orca_method.bundle import load_bundle
     bundle = load_bundle(a.bundle)
     ts = open_audits(a.audit)
     report = audit_report(bundle, ts, mode=audit_label_mode(bundle, ts, a.label_mode),
@@ -190,7 +160,7 @@ def cmd_audit_report(a: argparse.Namespace) -> None:
 
 def cmd_recalibrate(a: argparse.Namespace) -> None:
     from calibration.audit import audit_label_mode, open_audits, recalibrate
-    from orca_serve.bundle import load_bundle
+    from orca_method.bundle import load_bundle
     bundle = load_bundle(a.bundle)
     ts = open_audits(a.audit)
     new = recalibrate(bundle, ts, Path(a.out), mode=audit_label_mode(bundle, ts, a.label_mode),
@@ -209,7 +179,7 @@ def cmd_run(a: argparse.Namespace) -> None:
 
 
 def cmd_import_pickle(a: argparse.Namespace) -> None:
-    from calibration.trajectories import import_pickle
+    from orca_method.trajectories import import_pickle
     import_pickle(a.pickle, a.out, dtype=a.dtype, pickle_labels=a.pickle_labels)
     print(f"wrote {a.out}")
 
@@ -383,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from orca_serve.bundle import BundleError
+    from orca_method.bundle import BundleError
     try:
         args.fn(args)
     except (UsageError, TrajectoryError, BundleError, JobError, JudgeError, ValueError,

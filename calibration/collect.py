@@ -4,7 +4,7 @@ The step embeddings come from the plugin's own capture and segmentation (the cod
 so calibration is on-policy for exactly the online procedure. After each batch of trajectories,
 every labelled step boundary is continued with the answer-forcing suffix (greedy, prefix caching
 on) to read the intermediate answer; labels follow. Probe prompts, their sampling and the labelled
-record are calibration/probing.py's, shared with the server's live audits. With a judge
+record are orca_method/answer_probes.py's, shared with the server's live audits. With a judge
 configured its verdicts too (calibration/judge.py, one concurrent round per batch). Each finished
 problem is appended and flushed at once, so a killed job loses at most the batch in flight.
 """
@@ -22,15 +22,16 @@ from typing import Any
 from tqdm import tqdm
 
 from calibration.judge import Judge, JudgeSettings, question_text
-from calibration.labels import extract_forced, require_math_verify
-from calibration.probing import (
+from orca_method.answer_probes import (
     DEFAULT_ANSWER_TOKENS,
     DEFAULT_SUFFIX,
-    probe_params,
     probe_prompts,
+    probe_sampling,
     trajectory_fields,
 )
-from calibration.trajectories import TrajectoryWriter
+from orca_method.labels import extract_forced, require_math_verify
+from orca_method.trajectories import TrajectoryWriter
+from orca_serve.contract import ORCA_OFF
 
 
 @dataclass
@@ -129,7 +130,7 @@ class Collector:
 
     def info_fields(self) -> dict[str, Any]:
         """What the bundle later takes from the data: model identity and the procedure settings."""
-        from orca_serve.bundle import tokenizer_fingerprint
+        from orca_method.bundle import tokenizer_fingerprint
         rs = self.record_settings
         return {"model": self.model, "normalization": rs.get("normalization", "token-l2"),
                 "segmentation": rs.get("segmentation"), "think": rs.get("think"),
@@ -171,7 +172,8 @@ class Collector:
         return merged
 
     def _probe_answers(self, done: list[tuple[str, dict, Any, dict]]) -> list[dict[int, str | None]]:
-        """Continue every labelled step prefix with the answer-forcing suffix (calibration/probing)."""
+        """Continue every labelled step prefix with the answer-forcing suffix (orca_method/answer_probes)."""
+        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         s = self.settings
         t0 = time.perf_counter()
@@ -182,8 +184,8 @@ class Collector:
                                         suffix_ids, s.label_every):
                 prompts.append(TokensPrompt(prompt_token_ids=ids))
                 where.append((j, t))
-        outs = (self.llm.generate(prompts, probe_params(s.answer_tokens), use_tqdm=False)
-                if prompts else [])
+        params = SamplingParams(**probe_sampling(s.answer_tokens), extra_args=dict(ORCA_OFF))
+        outs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
         answers: list[dict[int, str | None]] = [{} for _ in done]
         for (j, t), o in zip(where, outs):
             answers[j][t] = extract_forced(o.outputs[0].text)
@@ -236,7 +238,7 @@ def _label_batch(done: list[tuple[str, dict, Any, dict]], answers: list[dict[int
 
 def _problem_fields(key: str, rec: dict, out: Any, res: dict,
                     probed: dict[int, str | None]) -> dict[str, Any]:
-    """The shared record (calibration/probing.py) of one vLLM `RequestOutput`."""
+    """The shared record (orca_method/answer_probes.py) of one vLLM `RequestOutput`."""
     o = out.outputs[0]
     return trajectory_fields(key, rec, text=o.text, finish_reason=o.finish_reason,
                              completion_tokens=len(o.token_ids), step_tokens=res["step_tokens"],

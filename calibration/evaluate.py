@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 
 from calibration.calibrate import Scored, score_split
-from calibration.metrics import stop_indices, summarize
-from calibration.trajectories import TrajectorySet
-from orca_serve.bundle import Bundle
+from orca_method.bundle import Bundle
+from orca_method.stop_metrics import stop_indices, summarize
+from orca_method.trajectories import TrajectorySet
 
 
 def evaluate_bundle(bundle: Bundle, ts: TrajectorySet, split: str = "test") -> tuple[dict, Scored]:

@@ -2,7 +2,7 @@
 
 The authors released meta-trained TTT probes per model and label mode, each a PyTorch state dict
 of their probe class with the lambda* of their own calibration keyed by delta (and usually the
-run's `config.json` beside it). This module maps such a state dict onto `orca_serve.probe`
+run's `config.json` beside it). This module maps such a state dict onto `orca_method.probe`
 (docs/METHOD.md section 8 lists what their settings are and why each maps as it does):
 
 | their key (shape)                    | ours                     |
@@ -32,8 +32,7 @@ from typing import Any
 
 import torch
 
-from orca_serve import __version__
-from orca_serve.bundle import (
+from orca_method.bundle import (
     SCHEMA_VERSION,
     Bundle,
     LTTRow,
@@ -44,8 +43,9 @@ from orca_serve.bundle import (
     encode_weights,
     save_bundle,
 )
-from orca_serve.errors import first_line
-from orca_serve.probe import Probe, ProbeSpec
+from orca_method.errors import first_line
+from orca_method.probe import Probe, ProbeSpec
+from orca_serve import __version__
 
 # The authors' step rule and chunk size (their data preparation), and their LTT grid.
 AUTHORS_KEYWORDS = ["wait", "Wait", "but", "But"]

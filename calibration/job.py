@@ -117,12 +117,11 @@ def _stage(out: Path, name: str, outputs: list[Path], fn, log: list[str], settin
 def run_job(path: Path, progress: bool = True) -> list[str]:
     """Run (or resume) a job; returns one log line per stage."""
     from calibration.calibrate import calibrate_bundle
-    from calibration.cli import train_probe
     from calibration.collect import Collector, read_prompts
     from calibration.evaluate import evaluate_bundle, markdown_table, plot_report
-    from calibration.train import save_probe
-    from calibration.trajectories import TrajectorySet, set_splits, split_ids
-    from orca_serve.bundle import load_bundle
+    from calibration.train import save_probe, train_probe
+    from orca_method.bundle import load_bundle
+    from orca_method.trajectories import TrajectorySet, set_splits, split_ids
 
     job = load_job(path)
     out = Path(job["out"])

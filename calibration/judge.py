@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, fields
 from typing import Any
 
-from calibration.labels import normalise
+from orca_method.labels import normalise
 
 SYSTEM = "You grade answers to problems. Reply with exactly one word: yes or no."
 _THINK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from calibration.trajectories import TrajectoryWriter, split_ids
+from orca_method.trajectories import TrajectoryWriter, split_ids
 
 FLIP_SIGNAL = 0.3  # share of the signal left while the current answer is wrong after b_p
 N_WRONG = 3  # size of the pool of wrong answers per problem

@@ -24,10 +24,11 @@ from safetensors.torch import load_file, save_file
 from scipy.optimize import minimize
 from tqdm import tqdm
 
-from calibration.ltt import calibrate
-from calibration.trajectories import TrajectorySet
-from orca_serve.probe import Probe, ProbeSpec
-from orca_serve.procedure import as_tensor, replay
+from calibration.probe_variants import PROBES
+from orca_method.ltt import calibrate
+from orca_method.probe import Probe, ProbeSpec
+from orca_method.procedure import as_tensor, replay
+from orca_method.trajectories import TrajectorySet
 
 VALIDATION_DELTA = 0.1
 PAPER_LR = 1e-3  # the paper's Adam learning rate, at one trajectory per step
@@ -324,3 +325,21 @@ def load_probe(path: Path) -> tuple[Probe, dict[str, str]]:
     tensors = load_file(str(path))
     probe.load_state_dict({f"params.{k}": v for k, v in tensors.items()})
     return probe.requires_grad_(False), meta
+
+
+def train_probe(ts, probe: str, mode: str, *, d_h: int, seed: int, checkpoints: Path | None,
+                progress: bool = True, **options):
+    """Train one named probe; returns (probe, facts for the provenance).
+
+    `options` are `meta_train` settings (epochs, batch_size, lr, warmup, epoch_select); those
+    absent or None take `calibration.train.DEFAULTS` (epochs: 20 no-QK, 10 QK, as the paper).
+    """
+    if probe == "static":
+        return train_static(ts, mode, seed=seed), {"probe": probe}
+    opts = PROBES[probe]
+    spec = ProbeSpec(dim=ts.dim, d_h=d_h if opts.get("kind") == "qk" else None, **opts)
+    settings = training_settings(spec, options)
+    res = meta_train(ts, spec, mode, seed=seed, checkpoints=checkpoints, progress=progress,
+                     **settings)
+    return res.probe, {"probe": probe, **settings, "selected_epoch": res.epoch,
+                       "history": res.history}

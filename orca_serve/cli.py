@@ -27,9 +27,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, NoReturn
 
+from orca_method.errors import first_line
 from orca_serve.argtypes import fraction, integer
 from orca_serve.contract import POLICIES
-from orca_serve.errors import first_line
 
 PROG = "orca-serve"
 
@@ -136,7 +136,7 @@ def model_facts(model: str, *, tokenizer: str | None = None, revision: str | Non
 
 
 def check_bundle(bundle: Any, model: str, **kw: Any) -> None:
-    from orca_serve.bundle import BundleError, check_model
+    from orca_method.bundle import BundleError, check_model
 
     hidden, vocab = model_facts(model, **kw)
     try:
@@ -283,7 +283,7 @@ def _main(argv: list[str]) -> None:
             if getattr(early, opt) is not None:
                 raise StartupError(f"--{opt.replace('_', '-')} needs --calib (a bundle)")
     else:
-        from orca_serve.bundle import BundleError, load_bundle
+        from orca_method.bundle import BundleError, load_bundle
 
         try:
             bundle = load_bundle(bundle_path)
@@ -361,7 +361,7 @@ def _main(argv: list[str]) -> None:
     configure_logging_from_args(args)
     state = state_from_args(args)
     if bundle is not None:
-        from orca_serve.audit.options import make_live_audit
+        from orca_serve.audit.live import make_live_audit
 
         try:
             state.audit = make_live_audit(args, bundle, state.metrics.registry,

@@ -46,6 +46,8 @@ XARG_FIELDS = {"enabled": "orca_enabled", "delta": "orca_delta", "policy": "orca
                "answer_budget": "orca_answer_budget"}
 # set by the server or the plugin, never by clients
 XARG_RESERVED = {XARG_KEY, XARG_LAM, XARG_N, XARG_SEED, XARG_BUNDLE}
+# Per-request xargs that run a request without the orca probe (answer probes, audits' forcing).
+ORCA_OFF = {XARG_FIELDS["enabled"]: 0}
 _INT_XARGS = ("orca_enabled", "orca_answer_budget", XARG_RECORD, XARG_RESERVE, XARG_N)
 
 

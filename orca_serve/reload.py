@@ -35,8 +35,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from orca_serve.bundle import Bundle, BundleError, load_bundle
-from orca_serve.errors import first_line
+from orca_method.bundle import Bundle, BundleError, load_bundle
+from orca_method.errors import first_line
 from orca_serve.requests import OrcaSettings, error_body
 
 logger = logging.getLogger("orca_serve.reload")

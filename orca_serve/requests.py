@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from orca_serve.bundle import Bundle, BundleError
+from orca_method.bundle import Bundle, BundleError
 from orca_serve.contract import (
     POLICIES,
     XARG_BUNDLE,

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from orca_serve.bundle import Bundle
+from orca_method.bundle import Bundle
 from orca_serve.contract import POLICIES, child_key
 from orca_serve.metrics import OrcaMetrics
 from orca_serve.reload import BUNDLE_PATH, AdminMiddleware, Reloader, route_path, send_json
@@ -611,7 +611,7 @@ def state_from_args(args: Any) -> OrcaState:
     import os
     from pathlib import Path
 
-    from orca_serve.bundle import load_bundle
+    from orca_method.bundle import load_bundle
 
     bundle = load_bundle(args.calib) if args.calib else None
     state = OrcaState(bundle=bundle, defaults=orca_defaults(args, bundle),

@@ -8,7 +8,7 @@
   than batch_size x labels covers.
 * `AuthorsProbe`: their TTT probe's scoring and online step (score, then one gradient step of the
   squared error towards pseudo-label 0), on their parameter names and shapes, one trajectory at a
-  time and in float64, as an independent reference for `orca_serve.probe`.
+  time and in float64, as an independent reference for `orca_method.probe`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from orca_serve.bundle import (
+from orca_method.bundle import (
     Bundle,
     LTTRow,
     LTTTable,
@@ -22,7 +22,7 @@ from orca_serve.bundle import (
     save_bundle,
     tokenizer_fingerprint,
 )
-from orca_serve.probe import Probe
+from orca_method.probe import Probe
 
 
 def tiny_bundle(probe: Probe, rows: Iterable[tuple[float, float | None]], *,

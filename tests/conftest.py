@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tiny_model import build_tiny_model
+
+from tests.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -36,8 +36,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from calibration.trajectories import TrajectoryError, TrajectorySet, TrajectoryWriter, import_pickle
-from orca_serve.bundle import (
+from orca_method.bundle import (
     Bundle,
     BundleError,
     LTTRow,
@@ -51,8 +50,9 @@ from orca_serve.bundle import (
     save_bundle,
     tokenizer_fingerprint,
 )
-from orca_serve.probe import Probe, ProbeSpec
-from orca_serve.steps import CLOSE, MERGE, NONE, STEP, STEP_PREV, Segmenter, TokenTable, segment
+from orca_method.probe import Probe, ProbeSpec
+from orca_method.steps import CLOSE, MERGE, NONE, STEP, STEP_PREV, Segmenter, TokenTable, segment
+from orca_method.trajectories import TrajectoryError, TrajectorySet, TrajectoryWriter, import_pickle
 
 _TMP = Path(tempfile.mkdtemp(prefix="orca-fuzz-"))
 

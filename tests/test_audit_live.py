@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from scipy.stats import binomtest
 
-from calibration.ltt import calibrate, default_grid
-from calibration.trajectories import TrajectorySet
+from orca_method.bundle import load_bundle
+from orca_method.ltt import calibrate, default_grid
+from orca_method.trajectories import TrajectorySet
 from orca_serve.audit import DriftMonitor, build_reference, request_loss
 from orca_serve.audit.live import (
     AuditCollector,
@@ -26,7 +27,6 @@ from orca_serve.audit.live import (
 )
 from orca_serve.audit.options import AuditConfig
 from orca_serve.audit.store import AuditStore
-from orca_serve.bundle import load_bundle
 from orca_serve.requests import OrcaDefaults, resolve
 from orca_serve.server import orca_object
 

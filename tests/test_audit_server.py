@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,14 +20,13 @@ import numpy as np
 import pytest
 
 from calibration.toy.tasks import write_prompts
-from calibration.trajectories import TrajectorySet
+from orca_method.bundle import Bundle, LTTRow, load_bundle, save_bundle
+from orca_method.trajectories import TrajectorySet
 from orca_serve.audit.options import DEMO_SUFFIX
-from orca_serve.bundle import Bundle, LTTRow, load_bundle, save_bundle
 
 pytestmark = pytest.mark.vllm
 
-sys.path.insert(0, str(Path(__file__).parent))
-from serving import VENV_BIN, Server, orca_serve_cmd
+from tests.serving import VENV_BIN, Server, orca_serve_cmd
 
 ROOT = Path(__file__).parents[1]
 MODEL = ROOT / "orca_serve" / "demo" / "model"

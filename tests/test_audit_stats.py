@@ -10,9 +10,9 @@ import math
 
 import numpy as np
 import pytest
-from test_bundle import make_bundle
 
-from calibration.ltt import calibrate
+from orca_method.bundle import BundleError, _checksum, load_bundle, save_bundle
+from orca_method.ltt import calibrate
 from orca_serve.audit import (
     ConfidenceSequence,
     DriftMonitor,
@@ -24,7 +24,7 @@ from orca_serve.audit import (
     request_losses,
     table_losses,
 )
-from orca_serve.bundle import BundleError, _checksum, load_bundle, save_bundle
+from tests.test_bundle import make_bundle
 
 
 def _tolerance(rate: float, n: int) -> float:

@@ -15,8 +15,8 @@ from calibration.cli import main
 from calibration.evaluate import evaluate_bundle
 from calibration.synth import generate
 from calibration.train import save_probe, train_static
-from calibration.trajectories import TrajectorySet
-from orca_serve.bundle import load_bundle
+from orca_method.bundle import load_bundle
+from orca_method.trajectories import TrajectorySet
 
 KW = {"dim": 32, "mean_steps": 30}
 DELTAS = (0.05, 0.1)

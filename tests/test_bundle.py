@@ -9,10 +9,9 @@ import sys
 
 import pytest
 import torch
-from bundles import tiny_bundle
 from safetensors.torch import save as st_save
 
-from orca_serve.bundle import (
+from orca_method.bundle import (
     Bundle,
     BundleError,
     _checksum,
@@ -21,7 +20,8 @@ from orca_serve.bundle import (
     save_bundle,
     tokenizer_fingerprint,
 )
-from orca_serve.probe import Probe, ProbeSpec
+from orca_method.probe import Probe, ProbeSpec
+from tests.bundles import tiny_bundle
 
 VOCAB = {"a": 0, "b": 1, "<think>": 2, "</think>": 3}
 

@@ -16,14 +16,14 @@ from typing import ClassVar
 
 import pytest
 import torch
-from bundles import tiny_bundle, write_bundle
 
-from orca_serve.bundle import BundleError, Segmentation
+from orca_method.bundle import BundleError, Segmentation
+from orca_method.probe import Probe, ProbeSpec
+from orca_method.procedure import replay
+from orca_method.steps import CLOSE, MERGE, NONE, STEP, STEP_PREV, Segmenter
 from orca_serve.contract import XARG_BUNDLE, XARG_KEY, XARG_LAM
 from orca_serve.core.engine import OrcaCore
-from orca_serve.probe import Probe, ProbeSpec
-from orca_serve.procedure import replay
-from orca_serve.steps import CLOSE, MERGE, NONE, STEP, STEP_PREV, Segmenter
+from tests.bundles import tiny_bundle, write_bundle
 
 DIM = 16
 WINDOW = 2

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from orca_serve.bundle import load_bundle
+from orca_method.bundle import load_bundle
 from orca_serve.demo import paragraphs
 
 DEMO = Path(__file__).parents[1] / "orca_serve" / "demo"

@@ -8,11 +8,11 @@ import pytest
 from calibration.calibrate import calibrate_bundle
 from calibration.cli import main
 from calibration.evaluate import evaluate_bundle, markdown_table
-from calibration.metrics import stop_indices
 from calibration.synth import generate
 from calibration.train import meta_train
-from calibration.trajectories import TrajectorySet
-from orca_serve.probe import ProbeSpec
+from orca_method.probe import ProbeSpec
+from orca_method.stop_metrics import stop_indices
+from orca_method.trajectories import TrajectorySet
 
 D = 16
 

@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import re
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
 pytestmark = pytest.mark.vllm
 
-sys.path.insert(0, str(Path(__file__).parent))
-from serving import Server, orca_serve_cmd
+from tests.serving import Server, orca_serve_cmd
 
 QUESTION = "Find the integer x with 7*x + 3 = 52."
 DEMO_ARGS = ["--host", "127.0.0.1", "--enforce-eager", "--reasoning-parser", "deepseek_r1",
@@ -135,7 +132,7 @@ def test_orca_metrics_carry_vllms_model_name(demo):
 def test_fuzz_http_surface(demo):
     """schemathesis over every client route of /openapi.json (orca field included), positive and
     negative inputs: no 5xx, no request past its timeout, the server alive afterwards."""
-    from http_fuzz import fuzz, healthy
+    from tests.http_fuzz import fuzz, healthy
 
     report = fuzz(demo.url, examples=10, timeout=60, deadline_s=240)
     print(f"fuzz: {report.operations} operations, {report.cases} cases in "

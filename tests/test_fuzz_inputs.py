@@ -10,18 +10,18 @@ import json
 import pickle
 from pathlib import Path
 
-import fuzzing
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 from calibration.cli import main as cli_main
-from calibration.trajectories import (
+from orca_method.trajectories import (
     TrajectoryError,
     TrajectorySet,
     TrajectoryWriter,
     import_pickle,
 )
+from tests import fuzzing
 
 BOUNDED = settings(max_examples=300, derandomize=True, database=None, deadline=None,
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

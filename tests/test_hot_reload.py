@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -25,10 +24,9 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-sys.path.insert(0, str(Path(__file__).parent))
-from serving import Server, orca_serve_cmd
-from test_server import COMMON, MSG, make_bundle
-from tiny_model import HIDDEN, build_tiny_model
+from tests.serving import Server, orca_serve_cmd
+from tests.test_server import COMMON, MSG, make_bundle
+from tests.tiny_model import HIDDEN, build_tiny_model
 
 KEY_ENV = "ORCA_TEST_ADMIN_KEY"
 KEY = "test-admin-key"

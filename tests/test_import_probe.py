@@ -12,17 +12,17 @@ import math
 import numpy as np
 import pytest
 import torch
-from authors_format import (
+
+from calibration.cli import main as calibrate_main
+from orca_method.bundle import load_bundle
+from orca_method.procedure import replay
+from tests.authors_format import (
     AuthorsProbe,
     authors_alignment,
     authors_pickle,
     authors_state_dict,
     smooth,
 )
-
-from calibration.cli import main as calibrate_main
-from orca_serve.bundle import load_bundle
-from orca_serve.procedure import replay
 
 DIM, D_H = 24, 8
 LAMBDAS = {"0.05": 0.9731, "0.1": 0.8125, "0.2": 0.5}

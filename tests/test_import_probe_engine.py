@@ -22,14 +22,14 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import numpy as np
 import torch
 import vllm  # noqa: F401
-from authors_format import AuthorsProbe, authors_state_dict, smooth
-from tiny_model import HIDDEN
 
 from calibration.cli import main as calibrate_main
-from orca_serve.bundle import load_bundle
-from orca_serve.steps import TokenTable, segment
+from orca_method.bundle import load_bundle
+from orca_method.steps import TokenTable, segment
 from orca_serve.vllm_plugin import merge_results
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
+from tests.authors_format import AuthorsProbe, authors_state_dict, smooth
+from tests.tiny_model import HIDDEN
 
 pytestmark = pytest.mark.vllm
 

@@ -6,7 +6,7 @@ import pytest
 
 from calibration.collect import _problem_fields, read_prompts
 from calibration.job import JobError, load_job
-from calibration.probing import probe_prompts, reasoning_start, step_ends
+from orca_method.answer_probes import probe_prompts, reasoning_start, step_ends
 
 
 def test_reasoning_start_and_step_ends() -> None:

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from calibration.labels import (
+from orca_method.labels import (
     equivalent,
     extract_boxed,
     extract_final,
@@ -41,7 +41,7 @@ def test_label_every_is_pessimistic() -> None:
 
 def test_missing_math_verify_is_a_clear_error_not_exact_match_only(monkeypatch) -> None:
     """Without math-verify every supervised label would silently fall back to exact match."""
-    from calibration.labels import require_math_verify
+    from orca_method.labels import require_math_verify
 
     monkeypatch.setitem(sys.modules, "math_verify", None)  # import now raises ImportError
     equivalent.cache_clear()

@@ -3,14 +3,14 @@ import math
 import numpy as np
 import pytest
 
-from calibration.ltt import (
+from orca_method.ltt import (
     binomial_pvalues,
     calibrate,
     default_grid,
     hoeffding_bentkus_pvalues,
     n_rejected,
 )
-from calibration.metrics import Ragged, losses, stop_indices
+from orca_method.stop_metrics import Ragged, losses, stop_indices
 
 
 def test_default_grid_is_fixed_and_descending():

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from calibration.metrics import (
+from orca_method.stop_metrics import (
     check_problems,
     keep_solvable,
     losses,

@@ -17,33 +17,11 @@ way (exact token ids, no lag) on the same token streams.
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_core import (
-    DIM,
-    EOS,
-    FORCE,
-    PROMPT,
-    TOKENS,
-    DeviceTensor,
-    FactoryWatch,
-    FakeTokenizer,
-    SimRequest,
-    _bundle,
-    _first_cross,
-    _probe,
-    _to_device,
-    make_core,
-    reference,
-    run,
-)
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
@@ -64,6 +42,24 @@ from orca_serve.vllm_plugin.config import PROCESSOR_FQCN
 from orca_serve.vllm_plugin.mrv2 import OrcaMRV2LogitsProcessor
 from orca_serve.vllm_plugin.processor import OrcaLogitsProcessor
 from orca_serve.vllm_plugin.worker import OrcaWorkerExtension
+from tests.test_core import (
+    DIM,
+    EOS,
+    FORCE,
+    PROMPT,
+    TOKENS,
+    DeviceTensor,
+    FactoryWatch,
+    FakeTokenizer,
+    SimRequest,
+    _bundle,
+    _first_cross,
+    _probe,
+    _to_device,
+    make_core,
+    reference,
+    run,
+)
 
 P = len(PROMPT)
 

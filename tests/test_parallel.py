@@ -25,13 +25,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch
 import vllm  # noqa: F401 - a broken install must fail, not skip
-from bundles import tiny_bundle, write_bundle
-from tiny_model import HIDDEN, chat_prompts
 
-from orca_serve.probe import Probe, ProbeSpec
-from orca_serve.procedure import replay
+from orca_method.probe import Probe, ProbeSpec
+from orca_method.procedure import replay
 from orca_serve.vllm_plugin import merge_results
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
+from tests.bundles import tiny_bundle, write_bundle
+from tests.tiny_model import HIDDEN, chat_prompts
 
 pytestmark = pytest.mark.vllm
 
@@ -224,7 +224,7 @@ def test_engine_steps_counted_once(parallel):
 def multi_server(tmp_path_factory):
     """orca-serve with 2 data-parallel engines and 2 API server processes: a request may run on
     either engine and be answered by either API server."""
-    from serving import Server, orca_serve_cmd
+    from tests.serving import Server, orca_serve_cmd
 
     log = tmp_path_factory.mktemp("multi") / "server.log"
     srv = Server(orca_serve_cmd(), log, ["--demo", "--data-parallel-size", "2",

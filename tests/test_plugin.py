@@ -19,17 +19,17 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # CI rather than skip the engine tests and pass.
 import torch
 import vllm  # noqa: F401
-from bundles import tiny_bundle, write_bundle
-from tiny_model import HIDDEN, chat_prompts
 
-from orca_serve.probe import Probe, ProbeSpec
-from orca_serve.procedure import replay
+from orca_method.probe import Probe, ProbeSpec
+from orca_method.procedure import replay
 from orca_serve.vllm_plugin import merge_results
 from orca_serve.vllm_plugin.config import (
     check_engine_supported,
     engine_kwargs,
     prepare_environment,
 )
+from tests.bundles import tiny_bundle, write_bundle
+from tests.tiny_model import HIDDEN, chat_prompts
 
 pytestmark = pytest.mark.vllm
 
@@ -140,7 +140,7 @@ def _check_against_transformers(outs, res, model, table, n_children=1):
     the steps that the offline segmenter finds in the same tokens."""
     from transformers import AutoModelForCausalLM
 
-    from orca_serve.steps import segment
+    from orca_method.steps import segment
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     for o, rs in zip(outs, res):
@@ -163,7 +163,7 @@ def _check_against_transformers(outs, res, model, table, n_children=1):
 
 
 def test_record_mode_embeddings_equal_transformers(recorded, model, tok):
-    from orca_serve.steps import TokenTable
+    from orca_method.steps import TokenTable
 
     outs, res = recorded
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
@@ -191,8 +191,8 @@ def test_multiprocess_engine_keywords_and_n2(model, tok, prompts, monkeypatch):
     merged steps equal transformers too."""
     import vllm.envs
 
-    from orca_serve.bundle import Segmentation
-    from orca_serve.steps import TokenTable
+    from orca_method.bundle import Segmentation
+    from orca_method.steps import TokenTable
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     vllm.envs.disable_envs_cache()  # vLLM caches env vars after the first engine started
@@ -214,7 +214,7 @@ def test_multiprocess_engine_keywords_and_n2(model, tok, prompts, monkeypatch):
     _check_against_transformers(outs, [res["mp0"], [res["mp1"], res["mp1/1"]]], model, table)
     # the keyword rule merged sections: fewer steps than delimiter sections
     plain = TokenTable.from_tokenizer(tok)
-    from orca_serve.steps import segment
+    from orca_method.steps import segment
 
     gen = list(outs[0].outputs[0].token_ids)[:-1]
     assert len(res["mp0"]["step_tokens"]) < len(segment(plain, gen, outs[0].prompt_token_ids))
@@ -317,7 +317,7 @@ def test_shadow_scores_but_never_changes_output(mixed, calib):
 
 def test_n2_children_are_separate_probes(mixed, tok):
     outs, res = mixed
-    from orca_serve.steps import TokenTable, segment
+    from orca_method.steps import TokenTable, segment
 
     table = TokenTable.from_tokenizer(tok)
     o = outs["n2"]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from orca_serve.probe import Probe, ProbeSpec
-from orca_serve.procedure import NEVER, ProbeBank, finish_step, normalize_tokens, replay
+from orca_method.probe import Probe, ProbeSpec
+from orca_method.procedure import NEVER, ProbeBank, finish_step, normalize_tokens, replay
 
 D = 24
 VARIANTS = [

@@ -9,25 +9,21 @@ release of an old bundle after its last in-flight request run the real code on b
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
+from orca_method.bundle import load_bundle
 from orca_serve.audit.live import LiveAudit
 from orca_serve.audit.options import AuditConfig
-from orca_serve.bundle import load_bundle
 from orca_serve.contract import XARG_KEY
 from orca_serve.metrics import OrcaMetrics
 from orca_serve.reload import AdminMiddleware, Reloader, ReloadRefused
 from orca_serve.requests import OrcaDefaults, resolve
 from orca_serve.server import OrcaState
 from orca_serve.vllm_plugin.worker import OrcaWorkerExtension
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_core import PROMPT, _bundle, make_core
+from tests.test_core import PROMPT, _bundle, make_core
 
 
 class Proc:

@@ -11,14 +11,14 @@ import re
 
 import httpx
 import pytest
-from bundles import tiny_bundle
 from prometheus_client import CollectorRegistry, generate_latest
 
-from orca_serve.bundle import save_bundle
+from orca_method.bundle import save_bundle
+from orca_method.probe import Probe, ProbeSpec
 from orca_serve.metrics import OrcaMetrics, outcome_of
-from orca_serve.probe import Probe, ProbeSpec
 from orca_serve.requests import OrcaDefaults, OrcaRequestError, resolve
 from orca_serve.server import OrcaMiddleware, OrcaState, ResultFetcher, orca_object
+from tests.bundles import tiny_bundle
 
 HIDDEN = 16
 

@@ -25,12 +25,10 @@ pytestmark = pytest.mark.vllm
 
 import openai
 
-from orca_serve.probe import Probe, ProbeSpec
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bundles import tiny_bundle, write_bundle
-from serving import Server, free_port, orca_serve_cmd, server_env
-from tiny_model import HIDDEN, build_tiny_model
+from orca_method.probe import Probe, ProbeSpec
+from tests.bundles import tiny_bundle, write_bundle
+from tests.serving import Server, free_port, orca_serve_cmd, server_env
+from tests.tiny_model import HIDDEN, build_tiny_model
 
 DELTAS = {0.05: 0.5, 0.1: None, 0.2: 0.99}
 COMMON = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "512",

@@ -1,11 +1,11 @@
-"""Step segmentation on token ids (orca_serve.steps): no vLLM needed."""
+"""Step segmentation on token ids (orca_method.steps): no vLLM needed."""
 
 from __future__ import annotations
 
 import pytest
 
-from orca_serve.bundle import Segmentation, ThinkTags
-from orca_serve.steps import (
+from orca_method.bundle import Segmentation, ThinkTags
+from orca_method.steps import (
     CLOSE,
     MERGE,
     NONE,

@@ -15,12 +15,12 @@ import sys
 
 import openai
 import pytest
-from serving import Server
 
-from orca_serve.bundle import load_bundle
+from orca_method.bundle import load_bundle
 from orca_serve.cli import demo_paths
 from orca_serve.demo import QUESTION
 from orca_serve.vllm_plugin.config import PROCESSOR_FQCN
+from tests.serving import Server
 
 pytestmark = pytest.mark.vllm
 

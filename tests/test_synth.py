@@ -4,7 +4,7 @@ from scipy.optimize import minimize
 from scipy.stats import rankdata
 
 from calibration.synth import generate
-from calibration.trajectories import TrajectorySet
+from orca_method.trajectories import TrajectorySet
 
 KW = {"n_problems": 120, "dim": 32, "mean_steps": 30}
 

@@ -8,19 +8,17 @@ through the OpenAI client.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from calibration.job import run_job
 from calibration.toy.tasks import write_prompts
-from orca_serve.bundle import load_bundle
+from orca_method.bundle import load_bundle
 
 pytestmark = pytest.mark.vllm
 
-sys.path.insert(0, str(Path(__file__).parent))
-from serving import Server, orca_serve_cmd
+from tests.serving import Server, orca_serve_cmd
 
 MODEL = Path(__file__).parents[1] / "orca_serve" / "demo" / "model"
 N_PROMPTS = 120

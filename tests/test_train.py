@@ -13,9 +13,9 @@ from calibration.train import (
     train_static,
     unroll_scores,
 )
-from calibration.trajectories import TrajectorySet
-from orca_serve.probe import Probe, ProbeSpec
-from orca_serve.procedure import replay
+from orca_method.probe import Probe, ProbeSpec
+from orca_method.procedure import replay
+from orca_method.trajectories import TrajectorySet
 
 D = 16
 KERNEL_VARIANTS = [

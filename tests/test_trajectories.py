@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from calibration.trajectories import (
+from orca_method.trajectories import (
     TrajectoryError,
     TrajectorySet,
     TrajectoryWriter,
@@ -282,7 +282,7 @@ def test_released_pickle_shape_uses_the_authors_alignment(tmp_path, strip_text):
     """A pickle shaped like the released ones (long steps embedded as 500-token chunks, labels
     per block of unsplit steps, text fields stripped as in their GPQA release) opens with the
     embeddings and per-step labels their training and calibration loops use."""
-    from authors_format import authors_alignment, authors_pickle
+    from tests.authors_format import authors_alignment, authors_pickle
 
     pkl = authors_pickle(seed=3, n_problems=12, dim=DIM, strip_text=strip_text)
     longer = sum(len(p["step_embeddings"]) > 10 * len(p["step_labels"]) for p in pkl["problems"])

@@ -4,8 +4,8 @@ Plain numpy/scipy (no vLLM): the server imports it per request, the offline tool
 (`orca-calibrate audit-report`, `recalibrate`) use the same code. Statistics: docs/AUDIT.md.
 """
 
+from orca_method.risk import is_counted, request_loss, request_losses, table_losses
 from orca_serve.audit.drift import DriftMonitor, build_reference, drift_statistics
-from orca_serve.audit.risk import is_counted, request_loss, request_losses, table_losses
 from orca_serve.audit.sequence import ConfidenceSequence, RestartedAlarm
 
 __all__ = ["ConfidenceSequence", "DriftMonitor", "RestartedAlarm", "build_reference",

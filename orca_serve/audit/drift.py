@@ -41,7 +41,7 @@ import numpy as np
 from scipy.stats import ks_2samp
 
 if TYPE_CHECKING:
-    from orca_serve.bundle import Bundle, DriftReference
+    from orca_method.bundle import Bundle, DriftReference
 
 REFERENCE_SIZE = 500  # calibration trajectories kept in the bundle
 DRIFT_WINDOW = 500  # requests per test: on the synthetic shift, 200 rarely detect it, 400 do
@@ -71,7 +71,7 @@ def build_reference(scores: Sequence[np.ndarray], k: int, lambdas: Sequence[floa
                     seed: int = 0, size: int = REFERENCE_SIZE) -> DriftReference | None:
     """The bundle's drift reference from never-stopping replays of the calibration split; None
     when no trajectory has a scored step (the server never scores a trajectory's last step)."""
-    from orca_serve.bundle import DriftReference
+    from orca_method.bundle import DriftReference
 
     level = reference_level(lambdas)
     usable = [np.asarray(s)[:-1] for s in scores if len(s) >= 2]

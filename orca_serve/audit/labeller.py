@@ -3,7 +3,7 @@
 The audited request ran with the plugin in record mode, whose result carries the step embeddings,
 the step token ids and the request's prompt and output token ids. The labeller sends one answer
 probe per labelled step boundary through the server's own engine (`engine_client.generate`), built
-by calibration/probing.py (the prompts, the sampling, the record: collect's code), with a low
+by orca_method/answer_probes.py (the prompts, the sampling, the record: collect's code), with a low
 priority when the engine schedules by priority. Prefix caching, when on, makes each probe cost
 little more than its few answer tokens.
 """
@@ -13,8 +13,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from calibration.labels import extract_forced
-from calibration.probing import ProbeSettings, probe_params, probe_prompts, trajectory_fields
+from orca_method.answer_probes import (
+    ProbeSettings,
+    probe_prompts,
+    probe_sampling,
+    trajectory_fields,
+)
+from orca_method.labels import extract_forced
+from orca_serve.contract import ORCA_OFF
 
 LOW_PRIORITY = 10  # vLLM's priority scheduling serves lower values first
 
@@ -32,6 +38,7 @@ class AuditLabeller:
         self.probes = 0
 
     async def _answer(self, request_id: str, ids: list[int]) -> str | None:
+        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.renderers.inputs.preprocess import parse_model_prompt
 
@@ -39,9 +46,11 @@ class AuditLabeller:
         (engine_input,) = await renderer.render_cmpl_async(
             [parse_model_prompt(self.engine.model_config, TokensPrompt(prompt_token_ids=ids))],
             renderer.default_cmpl_tok_params)
+        params = SamplingParams(**probe_sampling(self.settings.answer_tokens),
+                                extra_args=dict(ORCA_OFF))
         last = None
-        async for out in self.engine.generate(engine_input, probe_params(self.settings.answer_tokens),
-                                              request_id, priority=self.priority):
+        async for out in self.engine.generate(engine_input, params, request_id,
+                                              priority=self.priority):
             last = out
         self.probes += 1
         return None if last is None else extract_forced(last.outputs[0].text)

@@ -10,7 +10,7 @@ exchangeable with the calibration set. This module measures the realized risk of
 2. **Labelling** (`orca_serve.audit.labeller`), off the request's path: finished audits wait in a
    bounded queue (full: the audit is dropped and counted, the response never waits) and one
    background task labels them with answer probes through the same engine, exactly as
-   `orca-calibrate collect` does (calibration/probing.py), consistency labels against the
+   `orca-calibrate collect` does (orca_method/answer_probes.py), consistency labels against the
    request's own final answer. Labelled audits are appended to `--orca-audit-dir`
    (`orca_serve.audit.store`, the trajectory format).
 3. **Realized risk**: for every delta of the bundle's table, an audit's loss is its recorded
@@ -23,7 +23,7 @@ exchangeable with the calibration set. This module measures the realized risk of
    caught within a few dozen audits however long the clean history before it; the table's
    risk and bounds are those of the whole history).
    `report` only reports; `fallback` serves that delta with lambda = never (no early stop) while
-   the alarm holds; `recalibrate` recomputes lambda* by the same LTT code (calibration/ltt.py) on
+   the alarm holds; `recalibrate` recomputes lambda* by the same LTT code (orca_method/ltt.py) on
    a sliding window of the most recent audits once the window is full (never before) and serves
    it while the alarm holds. The alarm is about the bundle's lambda*, which every audit keeps
    measuring (audits run in shadow, so their scores are complete whatever lambda is served); when
@@ -41,6 +41,7 @@ Everything here runs on the server's event loop; nothing blocks a response.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import math
@@ -54,8 +55,13 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from orca_serve.audit.options import ON_ALARM, AuditConfig
-from orca_serve.bundle import Bundle
+from orca_method.bundle import Bundle
+from orca_method.ltt import calibrate, default_grid
+from orca_method.risk import is_counted, request_loss
+from orca_method.trajectories import cumulative
+from orca_serve.audit.drift import DriftMonitor
+from orca_serve.audit.options import ON_ALARM, AuditConfig, audit_config, audit_store, store_info
+from orca_serve.audit.sequence import RestartedAlarm
 from orca_serve.metrics import LABEL
 
 logger = logging.getLogger("orca_serve.audit")
@@ -110,8 +116,7 @@ def aligned_scores(scores: Iterable[float], n_steps: int) -> np.ndarray | None:
 
 def ltt_lambda(scores: list[np.ndarray], labels: list[np.ndarray], delta: float, *,
                epsilon: float, grid_size: int, pvalue: str) -> float:
-    """lambda* for `delta` by the calibration code's LTT (calibration/ltt.py) on these audits."""
-    from calibration.ltt import calibrate, default_grid
+    """lambda* for `delta` by the calibration code's LTT (orca_method/ltt.py) on these audits."""
 
     (res,) = calibrate(scores, labels, [delta], epsilon=epsilon, grid=default_grid(grid_size),
                        pvalue=pvalue)
@@ -175,13 +180,11 @@ class DeltaGuard:
 
 
 def _default_cs_factory(epsilon: float) -> Callable[[], CS]:
-    from orca_serve.audit import RestartedAlarm
 
     return lambda: RestartedAlarm(epsilon)
 
 
 def _default_loss(scores: np.ndarray, labels: np.ndarray, lam: float) -> int:
-    from orca_serve.audit import request_loss
 
     return request_loss(scores, labels, lam)
 
@@ -320,8 +323,6 @@ class LiveAudit:
 
     def observe(self, scores: list[float], raw_labels: list[int]) -> None:
         """One labelled audit: losses at every bundle lambda*, then every guard decides."""
-        from calibration.trajectories import cumulative
-        from orca_serve.audit import is_counted
 
         self.counts["labelled"] += 1
         labels = cumulative(np.asarray(raw_labels))
@@ -354,7 +355,6 @@ class LiveAudit:
         unfinished audits are dropped and counted as `superseded` there, its metrics collector
         reads the successor from now on, and the successor writes to this audit's store when
         the two bundles' audit records agree (same model and pooling), else opens its own."""
-        from orca_serve.audit.options import audit_store, store_info
 
         self.retired = True
         queued = 0
@@ -462,3 +462,18 @@ class AuditCollector(Collector):
                                    labels=[LABEL])
             al.add_metric([m], float(bool(a.drift.alarm)))
             yield al
+
+
+def make_live_audit(ns: argparse.Namespace, bundle: Any, registry: Any,
+                    model_name: str = "", *, store: bool = True) -> Any:
+    """The server's LiveAudit (metrics registered on `registry` with vLLM's `model_name`
+    label), its store when a dir is set. `store=False`: without one (a hot reload opens it, or
+    takes the old audit's, when it takes over: `LiveAudit.hand_over`)."""
+    config = audit_config(ns)
+    live = LiveAudit(bundle, config, drift=DriftMonitor.from_bundle(bundle))
+    if store and config.directory is not None:
+        live.store = audit_store(config, bundle)
+    if registry is not None:
+        live.collector = AuditCollector(live, model_name)
+        registry.register(live.collector)
+    return live

@@ -1,7 +1,8 @@
 """The `orca-serve` options of live auditing and the guard, and the server state they build.
 
 Kept apart from orca_serve/cli.py, which only calls `add_audit_args`, `check_audit_args` (before
-vLLM is imported, so a bad option fails in seconds, in one line) and `make_live_audit`.
+vLLM is imported, so a bad option fails in seconds, in one line) (the server's LiveAudit is built by
+`orca_serve.audit.live.make_live_audit`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from calibration.probing import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX, ProbeSettings
+from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX, ProbeSettings
 from orca_serve.argtypes import fraction, integer
 
 ON_ALARM = ("report", "fallback", "recalibrate")
@@ -82,7 +83,7 @@ def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
                          "and writes --orca-audit-dir); use --api-server-count 1 with "
                          "--orca-audit-rate")
     if ns.orca_audit_rate > 0:
-        from calibration.labels import require_math_verify
+        from orca_method.labels import require_math_verify
 
         require_math_verify()
     if ns.orca_audit_dir is not None:
@@ -106,25 +107,6 @@ def audit_config(ns: argparse.Namespace) -> AuditConfig:
         per_dir=ns.orca_audit_per_dir, keep=ns.orca_audit_keep,
         probe=ProbeSettings(suffix=suffix, answer_tokens=tokens,
                             label_every=ns.orca_audit_label_every))
-
-
-def make_live_audit(ns: argparse.Namespace, bundle: Any, registry: Any,
-                    model_name: str = "", *, store: bool = True) -> Any:
-    """The server's LiveAudit (metrics registered on `registry` with vLLM's `model_name`
-    label), its store when a dir is set. `store=False`: without one (a hot reload opens it, or
-    takes the old audit's, when it takes over: `LiveAudit.hand_over`)."""
-    from orca_serve.audit.live import AuditCollector, LiveAudit
-
-    config = audit_config(ns)
-    from orca_serve.audit import DriftMonitor
-
-    live = LiveAudit(bundle, config, drift=DriftMonitor.from_bundle(bundle))
-    if store and config.directory is not None:
-        live.store = audit_store(config, bundle)
-    if registry is not None:
-        live.collector = AuditCollector(live, model_name)
-        registry.register(live.collector)
-    return live
 
 
 def store_info(bundle: Any) -> dict[str, Any]:

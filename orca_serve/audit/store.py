@@ -3,7 +3,7 @@
     DIR/audit-000001/{info.json, problems.jsonl, embeddings.bin}
     DIR/audit-000002/...
 
-Each audit is appended and flushed at once (calibration/trajectories.py's writer: embeddings first,
+Each audit is appended and flushed at once (orca_method/trajectories.py's writer: embeddings first,
 the metadata line last), so every tool that reads trajectories reads an audit directory, and a
 killed server loses at most the audit in flight. A directory holds at most `per_dir` audits; then
 the next one is started, and only the newest `keep` directories are kept (the disk use is bounded
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from calibration.trajectories import TrajectoryError, TrajectoryWriter
+from orca_method.trajectories import TrajectoryError, TrajectoryWriter
 
 PREFIX = "audit-"
 _NAME = re.compile(r"^audit-(\d{6})$")

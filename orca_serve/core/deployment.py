@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from orca_serve.procedure import ProbeBank
-from orca_serve.steps import TokenTable
+from orca_method.procedure import ProbeBank
+from orca_method.steps import TokenTable
 
 log = logging.getLogger("orca_serve.core")
 
@@ -26,7 +26,7 @@ class Deployment:
     def __init__(self, cfg: Mapping[str, Any], tokenizer: Any, *, hidden_size: int,
                  model_name: str, eos_ids: set[int], capacity: int,
                  device: torch.device) -> None:
-        from orca_serve.bundle import Segmentation, ThinkTags, check_model, load_bundle
+        from orca_method.bundle import Segmentation, ThinkTags, check_model, load_bundle
 
         self.bundle = None
         path = cfg.get("bundle")

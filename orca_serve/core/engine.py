@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from orca_method.procedure import finish_step, normalize_tokens
+from orca_method.steps import CLOSE, MERGE, NONE, STEP, STEP_PREV, Segmenter
 from orca_serve.contract import (
     DEFAULTS,
     MAX_RESULTS,
@@ -50,8 +52,6 @@ from orca_serve.core.deployment import Deployment
 from orca_serve.core.pooling import Readback, SlotPool, Staging
 from orca_serve.core.registry import Request, Results
 from orca_serve.core.stopping import guard_position, stop_plan
-from orca_serve.procedure import finish_step, normalize_tokens
-from orca_serve.steps import CLOSE, MERGE, NONE, STEP, STEP_PREV, Segmenter
 
 log = logging.getLogger("orca_serve.core")
 
@@ -105,7 +105,7 @@ class OrcaCore:
         model): requests naming its checksum join it from now on; `use_bundle` makes it the one
         for requests naming none. Raises BundleError; the live deployments are left untouched.
         Loading a bundle that is live already returns that deployment (and un-retires it)."""
-        from orca_serve.bundle import BundleError
+        from orca_method.bundle import BundleError
 
         dep = Deployment({"bundle": str(path)}, self._tokenizer, **self._dep_args)
         if dep.normalization != self.normalization:
@@ -122,7 +122,7 @@ class OrcaCore:
 
     def use_bundle(self, checksum: str | None) -> Deployment:
         """Make a live deployment the current one (for requests that name no bundle)."""
-        from orca_serve.bundle import BundleError
+        from orca_method.bundle import BundleError
 
         dep = self.deps.get(checksum)
         if dep is None:

@@ -15,9 +15,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from orca_method.steps import Segmenter
 from orca_serve.contract import OrcaResult, RequestSpec
 from orca_serve.core.deployment import Deployment
-from orca_serve.steps import Segmenter
 
 log = logging.getLogger("orca_serve.core")
 

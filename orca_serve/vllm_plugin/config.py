@@ -47,7 +47,7 @@ def orca_settings(bundle_path: str | os.PathLike | None, *, record: bool = False
                   normalization: str | None = None,
                   defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The `additional_config["orca"]` dict; the record-mode settings default to Bundle's."""
-    from orca_serve.bundle import Segmentation, ThinkTags
+    from orca_method.bundle import Segmentation, ThinkTags
 
     def as_dict(x: Any) -> dict[str, Any]:
         return x.model_dump() if hasattr(x, "model_dump") else dict(x or {})

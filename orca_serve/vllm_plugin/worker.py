@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from orca_serve.errors import first_line
+from orca_method.errors import first_line
 
 
 class OrcaWorkerExtension:

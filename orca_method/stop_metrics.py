@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 # The stopping rule and its loss are the risk the live audit measures: one definition, there.
-from orca_serve.audit.risk import Ragged, losses, stop_indices, values_at  # noqa: F401
+from orca_method.risk import Ragged, losses, stop_indices, values_at  # noqa: F401
 
 
 def check_problems(

@@ -18,7 +18,7 @@ import numpy as np
 from scipy.special import xlogy
 from scipy.stats import binom
 
-from calibration.metrics import Ragged, check_problems, losses, stop_indices, summarize
+from orca_method.stop_metrics import Ragged, check_problems, losses, stop_indices, summarize
 
 NEVER = math.inf  # lambda* when no threshold is certified: never stop early
 

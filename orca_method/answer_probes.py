@@ -4,7 +4,7 @@ server's async engine client).
 
 A recorded trajectory (the plugin's record-mode result: `step_tokens`, `step_token_ids`) is probed
 by continuing ``prompt + generated tokens through step t + suffix`` greedily for a few tokens and
-reading the answer after the suffix (`calibration.labels.extract_forced`). The probed answers give
+reading the answer after the suffix (`orca_method.labels.extract_forced`). The probed answers give
 every step an answer (pessimistic fill) and the step labels (`trajectory_fields`). Both callers
 build their probe prompts, sampling parameters and records here, so an audited request is labelled
 exactly as `orca-calibrate collect` labels a collected one; only the engine call differs.
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from calibration.labels import extract_final, fill_pessimistic, labelled_steps, step_labels
+from orca_method.labels import extract_final, fill_pessimistic, labelled_steps, step_labels
 
 DEFAULT_SUFFIX = "\n</think>\n\nThe answer is \\boxed{"
 DEFAULT_ANSWER_TOKENS = 16
@@ -61,12 +61,11 @@ def probe_prompts(prompt_ids: Sequence[int], gen_ids: Sequence[int], record: dic
             for t in labelled_steps(len(ends), label_every)]
 
 
-def probe_params(answer_tokens: int) -> Any:
-    """The answer probe's sampling: greedy, `answer_tokens` long, the orca probe off."""
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=answer_tokens,
-                          extra_args={"orca_enabled": 0})
+def probe_sampling(answer_tokens: int) -> dict[str, Any]:
+    """The answer probe's sampling as `vllm.SamplingParams` keyword arguments (the method package
+    imports nothing of vLLM): greedy, `answer_tokens` long. Callers add the xarg that turns the
+    orca probe off (`orca_serve.contract.ORCA_OFF`)."""
+    return {"temperature": 0.0, "max_tokens": answer_tokens}
 
 
 def final_answer(text: str, step_answers: Sequence[str | None]) -> str | None:

@@ -22,7 +22,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from orca_serve.errors import first_line
+from orca_method.errors import first_line
 
 FORMAT = "orca-trajectories"
 VERSION = 1

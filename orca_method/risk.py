@@ -1,13 +1,13 @@
 """The risk LTT certifies, as one definition shared by calibration and the live audit.
 
-Learn-then-Test (calibration/ltt.py) bounds ``risk(lambda) = P(loss = 1)`` with the 0/1 loss
+Learn-then-Test (orca_method/ltt.py) bounds ``risk(lambda) = P(loss = 1)`` with the 0/1 loss
 of one trajectory under threshold ``lambda``: the deployed procedure stops at the first step
 whose smoothed score ``m_t >= lambda`` (the last step when it never crosses), and the loss is 1
 when the cumulative label there is 0, i.e. the answer at the stop step is not yet right. The
 audit of a live request measures the same loss on the same scores: a request audited in shadow
 mode never stops, so its recorded scores are a never-stopping replay and the first crossing is
 the step where the deployed procedure would have stopped. Calibration's metrics
-(calibration/metrics.py) import these functions; there is no second copy.
+(orca_method/stop_metrics.py) import these functions; there is no second copy.
 
 Trajectories whose labels never reach 1 ("never correct") are excluded from the calibrated
 risk when the bundle says so (``LTTTable.excluded_never_correct``); callers drop them before
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from orca_serve.bundle import Bundle
+    from orca_method.bundle import Bundle
 
 Ragged = Sequence[np.ndarray]
 

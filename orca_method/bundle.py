@@ -33,8 +33,8 @@ from pydantic import (
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from orca_serve.errors import first_line
-from orca_serve.probe import Probe, ProbeSpec
+from orca_method.errors import first_line
+from orca_method.probe import Probe, ProbeSpec
 
 SCHEMA_VERSION = 1
 MAX_WINDOW = 10_000  # the server keeps window floats per request row

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from orca_serve.probe import Fast, Probe
+from orca_method.probe import Fast, Probe
 
 Normalization = Literal["token-l2", "step-l2", "none"]
 NEVER = float("inf")  # lambda* when LTT rejects nothing: never stop early
