@@ -34,6 +34,7 @@ from orca_method.bundle import (
 from orca_method.ltt import DeltaResult, calibrate, default_grid
 from orca_method.probe import Probe
 from orca_method.procedure import replay
+from orca_method.risk import is_solvable
 from orca_method.trajectories import TrajectorySet
 from orca_serve import __version__
 from orca_serve.audit.drift import build_reference
@@ -53,7 +54,7 @@ class Scored:
 
     def solvable(self) -> Scored:
         """The problems with a correct step: those LTT's risk is about."""
-        keep = [i for i, c in enumerate(self.labels) if c.any()]
+        keep = [i for i, c in enumerate(self.labels) if is_solvable(c)]
         return Scored(ids=[self.ids[i] for i in keep], scores=[self.scores[i] for i in keep],
                       labels=[self.labels[i] for i in keep],
                       tokens=None if self.tokens is None else [self.tokens[i] for i in keep])

@@ -28,6 +28,7 @@ from calibration.probe_variants import PROBES
 from orca_method.ltt import calibrate
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.procedure import as_tensor, replay
+from orca_method.risk import is_solvable
 from orca_method.trajectories import TrajectorySet
 
 VALIDATION_DELTA = 0.1
@@ -66,7 +67,7 @@ class TrainResult:
 
 def solvable(ts: TrajectorySet, indices: list[int], mode: str) -> list[int]:
     """Problems whose label is 1 at some step: the others are left out (METHOD.md section 3)."""
-    return [i for i in indices if ts.labels(i, mode).any()]
+    return [i for i in indices if is_solvable(ts.labels(i, mode))]
 
 
 class Loader:

@@ -116,7 +116,7 @@ def calibrate(
     """lambda* for each ``delta`` at level ``epsilon``; the loss matrix is computed once.
 
     ``scores``/``labels`` are per-problem smoothed scores and cumulative 0/1 labels of
-    solvable problems (see ``metrics.keep_solvable``).
+    solvable problems (``orca_method.risk.is_solvable``).
     """
     check_problems(scores, labels, step_tokens)
     deltas = [_check_level(d, "delta") for d in deltas]

@@ -58,8 +58,15 @@ def losses(tau: np.ndarray, labels: Ragged) -> np.ndarray:
     return 1 - values_at([np.asarray(c, dtype=np.int8) for c in labels], tau)
 
 
-def _cumulative(labels: Sequence[int]) -> np.ndarray:
-    return np.maximum.accumulate(np.asarray(labels, dtype=np.int8))
+def cumulative(labels: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Cumulative 0/1 labels (all 1 after the first 1): stopping once correct counts as correct."""
+    return np.maximum.accumulate(np.asarray(labels, dtype=np.int8), axis=-1)
+
+
+def is_solvable(labels: Sequence[int] | np.ndarray) -> bool:
+    """Whether a trajectory is right at some step; LTT's risk is about these (METHOD.md
+    section 3: the never-correct ones have loss 1 at every threshold)."""
+    return bool(np.any(np.asarray(labels) == 1))
 
 
 def request_losses(scores: Sequence[float], labels: Sequence[int],
@@ -70,7 +77,7 @@ def request_losses(scores: Sequence[float], labels: Sequence[int],
     or cumulative 0/1 labels of the same steps (cumulated here: once right counts as right).
     """
     m = np.asarray(scores, dtype=float)
-    c = _cumulative(labels)
+    c = cumulative(labels)
     if m.ndim != 1 or m.size == 0 or c.shape != m.shape:
         raise ValueError(f"need one score per labelled step, got {m.size} scores for "
                          f"{c.size} labels")
@@ -89,7 +96,7 @@ def request_loss(scores: Sequence[float], labels: Sequence[int], lam: float) -> 
 def is_counted(labels: Sequence[int], excluded_never_correct: bool = True) -> bool:
     """Whether a trajectory enters the calibrated risk: not when its labels are all 0 and the
     bundle excluded never-correct trajectories (their loss is 1 at every threshold)."""
-    return not excluded_never_correct or bool(np.any(np.asarray(labels) == 1))
+    return not excluded_never_correct or is_solvable(labels)
 
 
 def table_losses(bundle: Bundle, scores: Sequence[float],

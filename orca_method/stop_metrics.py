@@ -46,11 +46,6 @@ def check_problems(
                 raise ValueError(f"problem {i}: token counts must be >= 0")
 
 
-def keep_solvable(labels: Ragged) -> np.ndarray:
-    """Boolean mask of problems correct at some step; the paper excludes the others."""
-    return np.array([bool(np.any(np.asarray(c) == 1)) for c in labels], dtype=bool)
-
-
 def step_savings(tau: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``savings_total_steps = 1 - sum(tau + 1) / sum(T)`` (a ratio of means) over the last axis.
 

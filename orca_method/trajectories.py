@@ -23,6 +23,7 @@ from typing import Any, Self
 import numpy as np
 
 from orca_method.errors import first_line
+from orca_method.risk import cumulative
 
 FORMAT = "orca-trajectories"
 VERSION = 1
@@ -40,11 +41,6 @@ _PICKLE_LABEL_KEYS = {"step_labels": "supervised", "step_labels_consistent": "co
 
 class TrajectoryError(ValueError):
     """Invalid trajectory data; the message says what is wrong and what to do."""
-
-
-def cumulative(labels: np.ndarray) -> np.ndarray:
-    """Cumulative 0/1 labels (all 1 after the first 1): stopping once correct counts as correct."""
-    return np.maximum.accumulate(np.asarray(labels, dtype=np.int8), axis=-1)
 
 
 # ---------------------------------------------------------------------------------- problems

@@ -3,9 +3,9 @@ import math
 import numpy as np
 import pytest
 
+from orca_method.risk import is_solvable
 from orca_method.stop_metrics import (
     check_problems,
-    keep_solvable,
     losses,
     stop_indices,
     summarize,
@@ -88,8 +88,8 @@ def test_losses_and_token_savings_vectorise_over_lambdas():
     np.testing.assert_allclose(token_savings(many, tokens), [1 - 41 / 115, 0.0])
 
 
-def test_keep_solvable():
-    mask = keep_solvable([np.array([0, 0]), np.array([0, 1]), np.array([1])])
+def test_is_solvable():
+    mask = [is_solvable(c) for c in [np.array([0, 0]), np.array([0, 1]), np.array([1])]]
     np.testing.assert_array_equal(mask, [False, True, True])
 
 

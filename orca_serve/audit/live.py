@@ -57,8 +57,7 @@ from prometheus_client.registry import Collector
 
 from orca_method.bundle import Bundle
 from orca_method.ltt import calibrate, default_grid
-from orca_method.risk import is_counted, request_loss
-from orca_method.trajectories import cumulative
+from orca_method.risk import cumulative, is_counted, request_loss
 from orca_serve.audit.drift import DriftMonitor
 from orca_serve.audit.options import ON_ALARM, AuditConfig, audit_config, audit_store, store_info
 from orca_serve.audit.sequence import RestartedAlarm
