@@ -36,3 +36,13 @@ def fraction(*, open_interval: bool) -> Callable[[str], float]:
         return v
 
     return convert
+
+
+def effort_map(s: str) -> dict[str, str | float]:
+    """`--orca-effort-map`: LEVEL=TARGET,... over the default table (`orca_serve.effort`)."""
+    from orca_serve.effort import parse_effort_map
+
+    try:
+        return parse_effort_map(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

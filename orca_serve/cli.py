@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from orca_method.errors import first_line
-from orca_serve.argtypes import fraction, integer
+from orca_serve.argtypes import effort_map, fraction, integer
 from orca_serve.contract import POLICIES
+from orca_serve.effort import DEFAULT_EFFORT_MAP, check_effort_map, describe
 
 PROG = "orca-serve"
 
@@ -58,6 +59,12 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--orca-answer-budget", type=integer(0), default=None, metavar="N",
                    help="Default answer budget in tokens after the reasoning is closed by policy "
                    "answer. None: the plugin's default.")
+    g.add_argument("--orca-effort-map", type=effort_map, default=None, metavar="LEVEL=TARGET,...",
+                   help="How a request's reasoning effort (chat reasoning_effort, Responses "
+                   "reasoning.effort, Messages output_config.effort) chooses its delta, when the "
+                   "request sets none: TARGET is a delta of the bundle, largest, default, "
+                   "smallest or off (no early stop). Given levels replace these defaults: "
+                   f"{describe(DEFAULT_EFFORT_MAP)}.")
     g.add_argument("--orca-admin-key-env", default=None, metavar="VAR",
                    help="Turn on POST /v1/orca/bundle (hot reload of the bundle) guarded by the "
                    "admin key in environment variable VAR (Authorization: Bearer <key>). Without "
@@ -279,7 +286,7 @@ def _main(argv: list[str]) -> None:
         bundle_path = str(demo_bundle)
         early.model = str(model_dir)
     if bundle_path is None:
-        for opt in ("orca_delta", "orca_answer_budget"):
+        for opt in ("orca_delta", "orca_answer_budget", "orca_effort_map"):
             if getattr(early, opt) is not None:
                 raise StartupError(f"--{opt.replace('_', '-')} needs --calib (a bundle)")
     else:
@@ -291,6 +298,10 @@ def _main(argv: list[str]) -> None:
                 bundle.lam(early.orca_delta)
         except BundleError as e:
             raise StartupError(str(e)) from None
+        try:
+            check_effort_map(early.orca_effort_map or {}, bundle)
+        except BundleError as e:
+            raise StartupError(f"--orca-effort-map: {e}") from None
         if bundle.lambdas_from:
             print(f"{PROG}: note: lambda* in {bundle_path} {bundle.lambdas_from}", file=sys.stderr,
                   flush=True)

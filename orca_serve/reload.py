@@ -37,6 +37,7 @@ from typing import Any
 
 from orca_method.bundle import Bundle, BundleError, load_bundle
 from orca_method.errors import first_line
+from orca_serve.effort import check_effort_map
 from orca_serve.requests import OrcaSettings, error_body
 
 logger = logging.getLogger("orca_serve.reload")
@@ -160,6 +161,10 @@ class Reloader:
                 bundle.lam(self.fixed_delta)
             except BundleError as e:
                 raise ReloadRefused(f"--orca-delta {self.fixed_delta:g}: {e}") from None
+        try:
+            check_effort_map(st.defaults.effort_map, bundle)
+        except BundleError as e:
+            raise ReloadRefused(f"--orca-effort-map: {e}") from None
         audit = None
         if self.make_audit is not None and st.audit is not None:
             try:

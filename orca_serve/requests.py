@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -35,6 +35,7 @@ from orca_serve.contract import (
     encode_lam,
     resolve_lam,
 )
+from orca_serve.effort import DEFAULT_EFFORT_MAP, effort_delta
 
 
 class OrcaRequestError(ValueError):
@@ -65,6 +66,7 @@ class OrcaDefaults:
     delta: float = 0.05
     policy: str = "answer"
     answer_budget: int | None = None  # None: the plugin's own default
+    effort_map: dict[str, str | float] = field(default_factory=lambda: dict(DEFAULT_EFFORT_MAP))
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,9 @@ class OrcaSettings:
     lam_source: str = "bundle"  # where `lam` comes from: bundle | fallback | audit (audit guard)
     audited: bool = False  # picked for a live audit: runs in shadow with record mode on
     bundle: str | None = None  # checksum of the bundle `lam` was resolved with
+    delta_source: str = "server"  # where `delta` (or `enabled`) comes from: request | effort | server
+    effort: str | None = None  # the request's reasoning effort, when it chose the delta
+    thinking_budget: int | None = None  # vLLM's thinking_token_budget of the request, if any
 
     def xargs(self) -> dict[str, str | int | float]:
         out: dict[str, str | int | float] = {XARG_KEY: self.key, "orca_enabled": int(self.enabled)}
@@ -128,18 +133,18 @@ def _from_xargs(xargs: dict[str, Any]) -> dict[str, Any]:
         if name in XARG_RESERVED:
             raise OrcaRequestError(f"'vllm_xargs.{name}' is set by the server, not by clients",
                                    f"vllm_xargs.{name}")
-        field = by_xarg.get(name)
-        if field is None:
+        key = by_xarg.get(name)
+        if key is None:
             raise OrcaRequestError(f"unknown orca argument 'vllm_xargs.{name}'; allowed: "
                                    f"{', '.join(XARG_FIELDS.values())}", f"vllm_xargs.{name}")
-        if field == "enabled":
+        if key == "enabled":
             # vllm_xargs carry no bools: 0/1 (a JSON bool is accepted as well)
             if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
                 value = bool(value)
             else:
                 raise OrcaRequestError(f"'vllm_xargs.{name}' must be 0 or 1, got {value!r}",
                                        f"vllm_xargs.{name}")
-        out[field] = value
+        out[key] = value
     return out
 
 
@@ -153,9 +158,13 @@ def prompt_count(body: dict[str, Any]) -> int:
 
 
 def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
-            *, completions: bool = False) -> tuple[dict[str, Any], OrcaSettings | None]:
+            *, completions: bool = False, effort: str | None = None,
+            thinking_budget: int | None = None) -> tuple[dict[str, Any], OrcaSettings | None]:
     """Validate a request body's orca settings; return (rewritten body, settings).
 
+    `effort`: the request's reasoning effort (wherever its API carries it), mapped to a delta by
+    `defaults.effort_map` unless the request sets `delta` or `enabled` itself (`orca_serve.effort`).
+    `thinking_budget`: vLLM's own `thinking_token_budget` of the request, kept for the report.
     Settings is None when the server has no bundle and the request does not ask for orca (then
     the body is passed on untouched: plain vLLM). Raises OrcaRequestError for anything malformed.
     """
@@ -197,17 +206,29 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
         return body, None
 
     enabled = defaults.enabled if fields.enabled is None else fields.enabled
+    delta = defaults.delta if fields.delta is None else float(fields.delta)
+    source = "server" if fields.delta is None else "request"
+    target = defaults.effort_map.get(effort) if effort is not None else None
+    if target is not None and fields.delta is None:  # an explicit delta wins over the effort
+        mapped = effort_delta(target, bundle.deltas(), bundle.default_delta)
+        if mapped is not None:
+            delta, source = mapped, "effort"
+        elif fields.enabled is None:  # "off", unless the request switched orca on itself
+            enabled, source = False, "effort"
     n = body.get("n") or 1
     if not isinstance(n, int) or isinstance(n, bool):
         n = 1  # vLLM rejects it
+    common = {"n": n, "bundle": bundle.checksum, "delta_source": source,
+              "effort": effort if source == "effort" else None,
+              "thinking_budget": thinking_budget}
     if not enabled:
-        settings = OrcaSettings(key=new_key(), enabled=False, n=n, bundle=bundle.checksum)
+        settings = OrcaSettings(key=new_key(), enabled=False, **common)
     else:
-        delta = defaults.delta if fields.delta is None else float(fields.delta)
         try:
             lam = resolve_lam(bundle.lam, delta)
         except BundleError as e:
-            param = "vllm_xargs.orca_delta" if "delta" in given_x else "orca.delta"
+            param = ("vllm_xargs.orca_delta" if "delta" in given_x
+                     else "reasoning_effort" if source == "effort" else "orca.delta")
             raise OrcaRequestError(str(e), param) from None
         if completions and prompt_count(body) > 1:
             raise OrcaRequestError("orca early stopping takes one prompt per /v1/completions "
@@ -219,7 +240,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
             lam=None if math.isinf(lam) else lam,
             answer_budget=(defaults.answer_budget if fields.answer_budget is None
                            else fields.answer_budget),
-            n=n, bundle=bundle.checksum)
+            **common)
     new_xargs = {k: v for k, v in (xargs or {}).items() if not k.startswith("orca_")}
     new_xargs.update(settings.xargs())
     out["vllm_xargs"] = new_xargs

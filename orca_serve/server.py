@@ -33,7 +33,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orca_method.bundle import Bundle
+from orca_serve.apis import (
+    APIS,
+    CHAT_PATH,
+    INVOCATIONS_PATH,
+    MESSAGES_PATH,
+    ORCA_PATHS,
+    Api,
+    thinking_ended_by,
+)
 from orca_serve.contract import POLICIES, child_key
+from orca_serve.effort import DEFAULT_EFFORT_MAP
 from orca_serve.metrics import OrcaMetrics
 from orca_serve.reload import BUNDLE_PATH, AdminMiddleware, Reloader, route_path, send_json
 from orca_serve.requests import (
@@ -49,10 +59,6 @@ from orca_serve.vllm_plugin import merge_results
 
 logger = logging.getLogger("orca_serve.server")
 
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
-INVOCATIONS_PATH = "/invocations"  # SageMaker: vLLM validates the body as chat, else completions
-ORCA_PATHS = (CHAT_PATH, COMPLETIONS_PATH, INVOCATIONS_PATH)
 RESULT_FIELDS = ("steps_scored", "stopped_early", "stop_step", "would_stop_step", "last_score",
                  "reasoning_tokens", "forced_tokens")
 RPC_TIMEOUT_S = 30.0
@@ -108,10 +114,12 @@ def _num(v: Any) -> float | None:
     return None if math.isinf(v) or math.isnan(v) else v
 
 
-def choice_fields(result: dict[str, Any] | None, bundle: str | None = None) -> dict[str, Any]:
+def choice_fields(result: dict[str, Any] | None, bundle: str | None = None,
+                  thinking_budget: int | None = None) -> dict[str, Any]:
     """Per-choice part of the `orca` object from one plugin result (zeros when none came).
     `bundle`: the checksum the server resolved lambda* with; the engine must have served the
-    request with the same bundle (an error says so otherwise)."""
+    request with the same bundle (an error says so otherwise). `thinking_budget`: the request's
+    vLLM `thinking_token_budget` (`thinking_ended_by` says which of the two ended thinking)."""
     r = result or {}
     forced = r.get("forced_tokens") or 0
     out = {
@@ -123,6 +131,7 @@ def choice_fields(result: dict[str, Any] | None, bundle: str | None = None) -> d
         "reasoning_tokens": int(r.get("reasoning_tokens") or 0),
         "forced_tokens": len(forced) if isinstance(forced, (list, tuple)) else int(forced),
         "stop_reason": r.get("stop_reason"),
+        "thinking_ended_by": thinking_ended_by(r, thinking_budget),
     }
     if r.get("notes"):
         out["notes"] = [str(x) for x in r["notes"]]
@@ -138,11 +147,15 @@ def choice_fields(result: dict[str, Any] | None, bundle: str | None = None) -> d
 
 def orca_object(settings: OrcaSettings, results: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
     """The response's `orca` object. n == 1: flat; n > 1: common fields + `choices` list."""
+    effort = {} if settings.effort is None else {"reasoning_effort": settings.effort}
     if not settings.enabled:
-        return {"enabled": False}
+        return {"enabled": False, **effort}
     obj: dict[str, Any] = {"enabled": True, "policy": settings.policy, "delta": settings.delta,
+                           "delta_source": settings.delta_source, **effort,
                            "lambda": settings.lam, "lambda_source": settings.lam_source,
                            "bundle_checksum": settings.bundle}
+    if settings.thinking_budget is not None:
+        obj["thinking_token_budget"] = settings.thinking_budget
     if settings.audited:
         obj["audited"] = True
     if settings.answer_budget is not None:
@@ -151,11 +164,11 @@ def orca_object(settings: OrcaSettings, results: dict[int, dict[str, Any] | None
         r = results.get(0)
         if r and r.get("policy") in POLICIES:
             obj["policy"] = r["policy"]  # the plugin may run another policy (see `notes`)
-        obj.update(choice_fields(r, settings.bundle))
+        obj.update(choice_fields(r, settings.bundle, settings.thinking_budget))
     else:
         obj["choices"] = []
         for i, r in sorted(results.items()):
-            c = {"index": i, **choice_fields(r, settings.bundle)}
+            c = {"index": i, **choice_fields(r, settings.bundle, settings.thinking_budget)}
             if r and r.get("policy") not in (None, settings.policy):
                 c["policy"] = r["policy"]
             obj["choices"].append(c)
@@ -253,6 +266,15 @@ class _Request:
             return  # refused by vLLM's validation: the engine never saw it, nothing to fetch
         await self.fetch(list(range(max(1, min(self.settings.n, _max_choices())))))
 
+    def reasoning_spent(self) -> int | None:
+        """Reasoning tokens the engine generated over all choices (the plugin counts them as
+        it segments); None when orca did not run or a result is missing."""
+        if not self.settings.enabled or not self.results:
+            return None
+        if any(r is None for r in self.results.values()):
+            return None
+        return sum(int(r.get("reasoning_tokens") or 0) for r in self.results.values())
+
     def orca(self, indexes: list[int] | None = None) -> dict[str, Any]:
         if indexes is None:
             return orca_object(self.settings, self.results)
@@ -306,34 +328,42 @@ class OrcaMiddleware:
             if not msg.get("more_body", False):
                 break
         body_bytes = b"".join(chunks)
+        api = APIS.get(path)
+        error = (api or _error_api(path)).error
         settings: OrcaSettings | None = None
         new_bytes = body_bytes
         try:
             body = json.loads(body_bytes) if body_bytes else None
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except json.JSONDecodeError:
             body = None  # vLLM answers with its own error
+        except UnicodeDecodeError as e:
+            return await send_json(send, 400, error(
+                f"the request body is not valid JSON: it is not UTF-8 ({e.reason} at byte "
+                f"{e.start})", None))
         except RecursionError:
-            return await send_json(send, 400, error_body(
-                "the request body is not valid JSON: it is nested too deeply"))
+            return await send_json(send, 400, error(
+                "the request body is not valid JSON: it is nested too deeply", None))
         except ValueError as e:  # e.g. an integer with more digits than Python converts
-            return await send_json(send, 400, error_body(
-                f"the request body is not valid JSON: {str(e).split(';')[0]}"))
-        if isinstance(body, dict) and path not in ORCA_PATHS:
+            return await send_json(send, 400, error(
+                f"the request body is not valid JSON: {str(e).split(';')[0]}", None))
+        if isinstance(body, dict) and api is None:
             param = orca_param_in(body)
             if param is not None:
-                return await send_json(send, 400, error_body(
+                return await send_json(send, 400, error(
                     f"'{param}' is not supported on {path}: orca early stopping runs on "
-                    f"{CHAT_PATH} and {COMPLETIONS_PATH} only, whose responses report what it "
-                    "did; requests on other routes run without it", param))
+                    f"{', '.join(ORCA_PATHS)} only, whose responses report what it did; "
+                    "requests on other routes run without it", param))
             return await self.app(scope, _replay(body_bytes, receive), send)
-        if isinstance(body, dict):
-            completions = path == COMPLETIONS_PATH or (path == INVOCATIONS_PATH
-                                                       and "messages" not in body)
+        if isinstance(body, dict) and api is not None:
             try:
                 new_body, settings = resolve(body, self.state.defaults, self.state.bundle,
-                                             completions=completions)
+                                             completions=api.completions(path, body),
+                                             effort=api.effort(body),
+                                             thinking_budget=api.thinking_budget(body))
+                if settings is not None and settings.enabled:
+                    api.check(body)
             except OrcaRequestError as e:
-                return await send_json(send, 400, error_body(e.message, e.param))
+                return await send_json(send, 400, error(e.message, e.param))
             if settings is not None and self.state.audit is not None:
                 new_body, settings = self.state.audit.admit(new_body, settings)
             if new_body is not body:
@@ -351,13 +381,19 @@ class OrcaMiddleware:
         if self.state.reloader is not None:
             self.state.reloader.started(settings)
         try:
-            await self.app(scope, replay, _ResponseShaper(req, send))
+            await self.app(scope, replay, _ResponseShaper(req, api or APIS[CHAT_PATH], send))
         finally:
             # Fetch every result exactly once (also after errors and disconnects) so the plugin
             # can forget the request, and account it in the metrics.
             task = asyncio.ensure_future(_finish(req))
             _BACKGROUND.add(task)
             task.add_done_callback(_BACKGROUND.discard)
+
+
+def _error_api(path: str) -> Api:
+    """The API whose error shape a route outside ORCA_PATHS answers in (Anthropic's under
+    /v1/messages, e.g. count_tokens; OpenAI's elsewhere)."""
+    return APIS[MESSAGES_PATH] if path.startswith(MESSAGES_PATH + "/") else APIS[CHAT_PATH]
 
 
 def _json_body(scope: dict) -> bool:
@@ -406,10 +442,12 @@ async def _finish(req: _Request) -> None:
 
 
 class _ResponseShaper:
-    """The `send` wrapper: adds `orca` to a JSON completion or to a stream's finishing chunks."""
+    """The `send` wrapper: adds `orca` to a finished JSON response or to a stream's finishing
+    events, where the request's API (`orca_serve.apis`) says they are."""
 
-    def __init__(self, req: _Request, send: Callable) -> None:
+    def __init__(self, req: _Request, api: Api, send: Callable) -> None:
         self.req = req
+        self.api = api
         self.send = send
         self.start: dict | None = None
         self.mode: str | None = None  # "json" | "sse" | "pass"
@@ -449,9 +487,7 @@ class _ResponseShaper:
         data = bytes(self.buf)
         try:
             obj = json.loads(data)
-            if isinstance(obj, dict) and "choices" in obj:
-                await self.req.fetch_all()
-                obj["orca"] = self.req.orca()
+            if await self.api.on_json(obj, self.req):
                 data = json.dumps(obj, ensure_ascii=False).encode()
         except (json.JSONDecodeError, UnicodeDecodeError):
             pass
@@ -477,26 +513,21 @@ class _ResponseShaper:
                              "more_body": more})
 
     async def _event(self, event: str) -> str:
-        if not event.startswith("data: ") or event.startswith("data: [DONE]"):
+        """One SSE event (`data: ...`, after an `event: name` line on the Responses and Messages
+        APIs): rewritten with the report where the API says, else byte for byte."""
+        lines = event.split("\n")
+        at = next((i for i, ln in enumerate(lines) if ln.startswith("data: ")), None)
+        if at is None or lines[at].startswith("data: [DONE]"):
             return event
+        name = next((ln[len("event: "):] for ln in lines if ln.startswith("event: ")), None)
         try:
-            chunk = json.loads(event[len("data: "):])
+            obj = json.loads(lines[at][len("data: "):])
         except json.JSONDecodeError:
             return event
-        if not isinstance(chunk, dict) or "choices" not in chunk:
+        if not await self.api.on_event(name, obj, self.req):
             return event
-        choices = chunk.get("choices") or []
-        finished = [c.get("index", 0) for c in choices
-                    if isinstance(c, dict) and c.get("finish_reason") is not None]
-        if finished:
-            await self.req.fetch(finished)
-            chunk["orca"] = self.req.orca(finished)
-        elif not choices and chunk.get("usage") is not None:
-            await self.req.fetch_all()  # the final usage chunk: every choice
-            chunk["orca"] = self.req.orca()
-        else:
-            return event
-        return "data: " + _dumps(chunk)
+        lines[at] = "data: " + _dumps(obj)
+        return "\n".join(lines)
 
 
 # -- routes and app -----------------------------------------------------------------------------
@@ -534,7 +565,7 @@ def add_orca_to_openapi(schema: dict[str, Any]) -> dict[str, Any]:
     field = {"anyOf": [{"$ref": f"#/components/schemas/{ORCA_SCHEMA}"}, {"type": "null"}],
              "description": "orca-serve: calibrated early stopping of the reasoning "
                             "(docs/SERVER.md); every field optional"}
-    for path in (CHAT_PATH, COMPLETIONS_PATH):
+    for path in sorted(set(ORCA_PATHS) - {INVOCATIONS_PATH}):
         op = (schema.get("paths", {}).get(path) or {}).get("post") or {}
         ref = (op.get("requestBody", {}).get("content", {}).get("application/json", {})
                .get("schema", {}).get("$ref", ""))
@@ -591,10 +622,12 @@ def orca_defaults(args: Any, bundle: Bundle | None) -> OrcaDefaults:
     """Server-wide request defaults from the parsed command line (--orca-* options)."""
     if bundle is None:
         return OrcaDefaults(enabled=False)
+    table = getattr(args, "orca_effort_map", None)
     return OrcaDefaults(
         enabled=True,
         delta=args.orca_delta if args.orca_delta is not None else bundle.default_delta,
-        policy=args.orca_policy, answer_budget=args.orca_answer_budget)
+        policy=args.orca_policy, answer_budget=args.orca_answer_budget,
+        effort_map=dict(DEFAULT_EFFORT_MAP if table is None else table))
 
 
 def served_model_name(args: Any) -> str:

@@ -212,12 +212,15 @@ def test_middleware_json_response_gets_orca():
         assert int(r.headers["content-length"]) == len(r.content)
         assert seen[0]["vllm_xargs"]["orca_key"].startswith("orca-") and "orca" not in seen[0]
         o = body["orca"]
-        assert o == {"enabled": True, "policy": "answer", "delta": 0.05, "lambda": 0.5,
+        assert o == {"enabled": True, "policy": "answer", "delta": 0.05,
+                     "delta_source": "request", "lambda": 0.5,
                      "lambda_source": "bundle", "bundle_checksum": BUNDLE.checksum,
                      "steps_scored": 3, "stopped_early": True, "stop_step": 3,
                      "would_stop_step": 3, "last_score": 0.75, "reasoning_tokens": 40,
-                     "forced_tokens": 4, "stop_reason": "probe"}
-        assert body["usage"] == {"total_tokens": 5}
+                     "forced_tokens": 4, "stop_reason": "probe", "thinking_ended_by": "orca"}
+        # usage counts the reasoning tokens the engine generated (the plugin's count)
+        assert body["usage"] == {"total_tokens": 5,
+                                 "completion_tokens_details": {"reasoning_tokens": 40}}
         await asyncio.sleep(0.05)
         text = generate_latest(state.metrics.registry).decode()
         assert 'orca_requests_total{model_name="",outcome="stopped_early"} 1.0' in text
@@ -416,8 +419,7 @@ def test_sse_multibyte_character_split_across_chunks():
     run(go())
 
 
-@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages", "/v1/chat/completions/batch",
-                                  "/inference/v1/generate"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions/batch", "/inference/v1/generate"])
 @pytest.mark.parametrize("body, param", [
     ({"orca": {"policy": "shadow"}}, "orca"),
     ({"orca": "garbage"}, "orca"),

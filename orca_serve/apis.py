@@ -1,0 +1,219 @@
+"""The client APIs orca runs on, and where each one carries orca's settings and its report.
+
+vLLM 0.32 serves three APIs that reasoning clients call, and all three reach the engine with
+`SamplingParams.extra_args` taken from the body's `vllm_xargs` (`ChatCompletionRequest`,
+`ResponsesRequest.to_sampling_params`, and `AnthropicServingMessages`, which builds a chat request
+with the Messages body's `vllm_xargs`). So the middleware rewrites all three bodies the same way
+(`orca_serve.requests.resolve`); they differ in
+
+- where the reasoning effort is (`reasoning_effort`, `reasoning.effort`, `output_config.effort`)
+  and vLLM's own thinking budget (`thinking_token_budget`; Messages: `thinking.budget_tokens`;
+  the Responses API has none in vLLM 0.32);
+- the error shape of a 400 (OpenAI's `{"error": {...}}`; Anthropic's `{"type": "error",
+  "error": {"type": "invalid_request_error", "message"}}`, which has no `param`: the message
+  names the field);
+- which JSON object or stream event is the finished response that gets the `orca` object, and
+  where its `usage` counts reasoning tokens (chat: `completion_tokens_details.reasoning_tokens`;
+  Responses: `output_tokens_details.reasoning_tokens`; Anthropic's usage has no such field, so
+  there only `orca.reasoning_tokens` says it).
+
+Each `Api` below holds those differences; the middleware (`orca_serve.server`) calls them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from orca_serve.requests import OrcaRequestError, error_body
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+INVOCATIONS_PATH = "/invocations"  # SageMaker: vLLM validates the body as chat, else completions
+RESPONSES_PATH = "/v1/responses"
+MESSAGES_PATH = "/v1/messages"
+
+
+class Report(Protocol):
+    """What an Api needs of the middleware's per-request bookkeeping (`server._Request`)."""
+
+    fetch_all: Callable[[], Awaitable[None]]
+    fetch: Callable[[list[int]], Awaitable[None]]
+    orca: Callable[..., dict[str, Any]]
+    reasoning_spent: Callable[[], int | None]
+
+
+def _get(body: dict[str, Any], *path: str) -> Any:
+    for name in path:
+        if not isinstance(body, dict):
+            return None
+        body = body.get(name)
+    return body
+
+
+def _set_reasoning_usage(usage: Any, details: str, spent: int | None) -> None:
+    """`usage[details].reasoning_tokens` = the reasoning tokens the engine really generated."""
+    if spent is None or not isinstance(usage, dict):
+        return
+    d = usage.get(details)
+    usage[details] = {**(d if isinstance(d, dict) else {}), "reasoning_tokens": spent}
+
+
+class Api:
+    """OpenAI chat and completions (and /invocations, which vLLM hands to one of them)."""
+
+    name = "chat"
+    usage_details: str | None = "completion_tokens_details"
+
+    def completions(self, path: str, body: dict[str, Any]) -> bool:
+        """Whether the body is a /v1/completions request (one result key per prompt)."""
+        return path == COMPLETIONS_PATH or (path == INVOCATIONS_PATH and "messages" not in body)
+
+    def effort(self, body: dict[str, Any]) -> str | None:
+        v = body.get("reasoning_effort")
+        return v if isinstance(v, str) else None
+
+    def thinking_budget(self, body: dict[str, Any]) -> int | None:
+        v = body.get("thinking_token_budget")
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    def check(self, body: dict[str, Any]) -> None:
+        """Refusals particular to the API for a request orca runs on (OrcaRequestError)."""
+
+    def error(self, message: str, param: str | None) -> dict[str, Any]:
+        return error_body(message, param)
+
+    def _finish(self, obj: dict[str, Any], req: Report) -> None:
+        obj["orca"] = req.orca()
+        if self.usage_details is not None:
+            _set_reasoning_usage(obj.get("usage"), self.usage_details, req.reasoning_spent())
+
+    async def on_json(self, obj: Any, req: Report) -> bool:
+        """Add the report to a finished JSON response; False: not one (left as it is)."""
+        if not isinstance(obj, dict) or "choices" not in obj:
+            return False
+        await req.fetch_all()
+        self._finish(obj, req)
+        return True
+
+    async def on_event(self, event: str | None, obj: Any, req: Report) -> bool:
+        """Add the report to a stream event (`event`: its SSE event name); False: untouched.
+
+        The chunk with a choice's `finish_reason` gets that choice's report; the final usage
+        chunk (no choices) gets everything."""
+        if not isinstance(obj, dict) or "choices" not in obj:
+            return False
+        choices = obj.get("choices") or []
+        finished = [c.get("index", 0) for c in choices
+                    if isinstance(c, dict) and c.get("finish_reason") is not None]
+        if finished:
+            await req.fetch(finished)
+            obj["orca"] = req.orca(finished)
+            return True
+        if not choices and obj.get("usage") is not None:
+            await req.fetch_all()
+            self._finish(obj, req)
+            return True
+        return False
+
+
+class ResponsesApi(Api):
+    """OpenAI's Responses API: the `orca` object on the response (plain) and on the response of
+    the stream's closing event (`response.completed` / `response.incomplete`)."""
+
+    name = "responses"
+    usage_details = "output_tokens_details"
+    CLOSING = ("response.completed", "response.incomplete", "response.failed")
+
+    def completions(self, path: str, body: dict[str, Any]) -> bool:
+        return False
+
+    def effort(self, body: dict[str, Any]) -> str | None:
+        v = _get(body, "reasoning", "effort")
+        return v if isinstance(v, str) else None
+
+    def thinking_budget(self, body: dict[str, Any]) -> int | None:
+        return None
+
+    def check(self, body: dict[str, Any]) -> None:
+        if body.get("background") is True:
+            raise OrcaRequestError("orca early stopping is reported in the response, and a "
+                                   "background response is fetched later: send the request "
+                                   "without 'background', or disable orca with "
+                                   "\"orca\": {\"enabled\": false}", "background")
+
+    async def on_json(self, obj: Any, req: Report) -> bool:
+        if not isinstance(obj, dict) or obj.get("object") != "response":
+            return False
+        await req.fetch_all()
+        self._finish(obj, req)
+        return True
+
+    async def on_event(self, event: str | None, obj: Any, req: Report) -> bool:
+        if event not in self.CLOSING or not isinstance(obj, dict):
+            return False
+        return await self.on_json(obj.get("response"), req)
+
+
+class MessagesApi(Api):
+    """Anthropic's Messages API: the `orca` object on the message (plain) and on the stream's
+    `message_delta` event (the one with `stop_reason` and the final usage)."""
+
+    name = "messages"
+    usage_details = None  # Anthropic's usage has no reasoning-token count
+
+    def completions(self, path: str, body: dict[str, Any]) -> bool:
+        return False
+
+    def effort(self, body: dict[str, Any]) -> str | None:
+        v = _get(body, "output_config", "effort")
+        return v if isinstance(v, str) else None
+
+    def thinking_budget(self, body: dict[str, Any]) -> int | None:
+        if _get(body, "thinking", "type") != "enabled":
+            return None
+        v = _get(body, "thinking", "budget_tokens")
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    def error(self, message: str, param: str | None) -> dict[str, Any]:
+        return anthropic_error(message)
+
+    async def on_json(self, obj: Any, req: Report) -> bool:
+        if not isinstance(obj, dict) or obj.get("type") != "message":
+            return False
+        await req.fetch_all()
+        self._finish(obj, req)
+        return True
+
+    async def on_event(self, event: str | None, obj: Any, req: Report) -> bool:
+        if event != "message_delta" or not isinstance(obj, dict):
+            return False
+        await req.fetch_all()
+        self._finish(obj, req)
+        return True
+
+
+def anthropic_error(message: str) -> dict[str, Any]:
+    """Anthropic's error shape for a 400 (its `type` names the class of error, not a field)."""
+    return {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+
+
+CHAT = Api()
+APIS: dict[str, Api] = {CHAT_PATH: CHAT, COMPLETIONS_PATH: CHAT, INVOCATIONS_PATH: CHAT,
+                        RESPONSES_PATH: ResponsesApi(), MESSAGES_PATH: MessagesApi()}
+ORCA_PATHS = tuple(APIS)
+
+
+def thinking_ended_by(result: dict[str, Any], budget: int | None) -> str | None:
+    """What closed the reasoning: `orca` (the probe), `orca_answer_reserve` (policy answer made
+    room for the answer before max_tokens), `thinking_token_budget` (vLLM's budget: as many
+    reasoning tokens as the budget, with no stop of orca's), or None (the model's own end tag,
+    or the request ended while still reasoning)."""
+    reason = result.get("stop_reason")
+    if reason == "probe":
+        return "orca"
+    if reason == "budget":
+        return "orca_answer_reserve"
+    if budget is not None and int(result.get("reasoning_tokens") or 0) >= budget:
+        return "thinking_token_budget"
+    return None
