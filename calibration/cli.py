@@ -88,7 +88,16 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
     from orca_method.bundle import load_bundle
     bundle = load_bundle(a.bundle)
     ts = _open(a.data, a.pickle_labels)
-    report, scored = evaluate_bundle(bundle, ts, a.split)
+    split = a.split
+    if split is None:  # the test split; a set without splits (e.g. a job's shifted set): all
+        split = "test" if ts.split("test") else "all"
+        if split == "all":
+            print(f"{a.data} has no test split: evaluating all {len(ts)} problems",
+                  file=sys.stderr)
+    elif split != "all" and not ts.split(split):
+        raise UsageError(f"{a.data} has no problem in the {split} split; pass --split all to "
+                         "evaluate every problem")
+    report, scored = evaluate_bundle(bundle, ts, split)
     print(markdown_table([(report["probe"], report)]))
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
@@ -174,8 +183,14 @@ def cmd_recalibrate(a: argparse.Namespace) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> None:
-    from calibration.job import run_job
+    """Run the job, then show what it produced: the evaluation table and the bundle."""
+    from calibration.job import load_job, run_job
     run_job(Path(a.config))
+    out = Path(load_job(Path(a.config))["out"])
+    table = out / "evaluation.md"
+    if table.exists():
+        print(f"\nresults ({table}):\n{table.read_text().rstrip()}")
+    print(f"bundle: {out / 'bundle.json'}")
 
 
 def cmd_import_pickle(a: argparse.Namespace) -> None:
@@ -257,7 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("evaluate", help="replay a bundle on held-out trajectories")
     data_arg(p)
     p.add_argument("--bundle", required=True)
-    p.add_argument("--split", choices=["test", "calibration", "train", "all"], default="test")
+    p.add_argument("--split", choices=["test", "calibration", "train", "all"], default=None,
+                   help="problems to replay (default: the test split, or all problems when the "
+                   "data has no test split)")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--plots", help="write PNG plots to this directory")
     p.set_defaults(fn=cmd_evaluate)

@@ -206,14 +206,26 @@ ORCA_PATHS = tuple(APIS)
 
 def thinking_ended_by(result: dict[str, Any], budget: int | None) -> str | None:
     """What closed the reasoning: `orca` (the probe), `orca_answer_reserve` (policy answer made
-    room for the answer before max_tokens), `thinking_token_budget` (vLLM's budget: as many
-    reasoning tokens as the budget, with no stop of orca's), or None (the model's own end tag,
-    or the request ended while still reasoning)."""
+    room for the answer before max_tokens), `thinking_token_budget` (vLLM's budget: it closed
+    with as many reasoning tokens as the budget, counting those the prompt opened, and no stop
+    of orca's), `model` (the model's own end tag or EOS), or None (still reasoning at the end:
+    max_tokens, a stop string, an abort)."""
     reason = result.get("stop_reason")
     if reason == "probe":
         return "orca"
     if reason == "budget":
         return "orca_answer_reserve"
-    if budget is not None and int(result.get("reasoning_tokens") or 0) >= budget:
+    if not result.get("reasoning_closed"):
+        return None
+    spent = int(result.get("reasoning_tokens") or 0) + int(result.get("prompt_reasoning_tokens")
+                                                           or 0)
+    if budget is not None and spent >= budget:
         return "thinking_token_budget"
-    return None
+    return "model"
+
+
+def reasoning_spent(result: dict[str, Any]) -> int:
+    """Reasoning tokens one choice generated: the plugin's count, plus the request's last token
+    when it ended still reasoning (the last token has no hidden state, so the plugin never
+    counts it)."""
+    return int(result.get("reasoning_tokens") or 0) + (0 if result.get("reasoning_closed") else 1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any, NoReturn
@@ -33,6 +34,7 @@ from orca_serve.contract import POLICIES
 from orca_serve.effort import DEFAULT_EFFORT_MAP, check_effort_map, describe
 
 PROG = "orca-serve"
+DEMO_REASONING_PARSER = "deepseek_r1"  # what --demo implies (unless the command line names one)
 
 
 class StartupError(Exception):
@@ -107,6 +109,15 @@ def demo_paths() -> tuple[Path, Path]:
         raise StartupError(f"--demo: the embedded demo is not installed ({', '.join(missing)} "
                            "missing); reinstall orca-serve or pass --model and --calib")
     return model, bundle
+
+
+def demo_argv(argv: list[str], model_dir: Path) -> list[str]:
+    """The command line --demo serves: the embedded model, and its reasoning parser unless the
+    command line names one (the demo model opens <think> in its chat template and closes it with
+    </think>: without the parser its reasoning would be returned as `content`)."""
+    named = any(a.split("=", 1)[0] in ("--reasoning-parser", "--reasoning_parser") for a in argv)
+    return ["--model", str(model_dir), *argv,
+            *([] if named else ["--reasoning-parser", DEMO_REASONING_PARSER])]
 
 
 def model_facts(model: str, *, tokenizer: str | None = None, revision: str | None = None,
@@ -199,7 +210,21 @@ def refuse_unsupported(args: argparse.Namespace) -> None:
         raise StartupError(first_line(e)) from None
 
 
-def keep_prefills_whole(args: argparse.Namespace) -> None:
+def vllm_max_model_len(args: argparse.Namespace) -> int | None:
+    """The context length vLLM derives for the model when --max-model-len is not given (its own
+    ModelConfig, from the model's config.json); None if it cannot be derived here (vLLM then
+    reports the problem itself)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        return int(EngineArgs.from_cli_args(args).create_model_config().max_model_len)
+    except Exception:  # noqa: BLE001 - vLLM's own start reports what is wrong
+        return None
+
+
+def keep_prefills_whole(args: argparse.Namespace,
+                        derive_max_len: Callable[[argparse.Namespace], int | None] =
+                        vllm_max_model_len) -> None:
     """On vLLM's CPU build, never chunk a prompt's prefill, so that no request can crash the engine.
 
     vLLM 0.32's model runner (`_bookkeeping_sync` in v1/worker/gpu_model_runner.py, which the CPU
@@ -215,7 +240,8 @@ def keep_prefills_whole(args: argparse.Namespace) -> None:
     only if its whole remaining prompt fits in the step's budget (it waits otherwise), and a
     running request is always scheduled to its last token, so no step ends a request short of its
     end and nothing is rewound. vLLM then needs `--max-num-batched-tokens` >= `--max-model-len`
-    (its default on CPU when the option is not given).
+    (its default on CPU when the option is not given); without --max-model-len, the length vLLM
+    derives from the model's config is checked the same way (`derive_max_len`).
     """
     from vllm.platforms import current_platform
 
@@ -229,9 +255,13 @@ def keep_prefills_whole(args: argparse.Namespace) -> None:
         raise StartupError(f"--long-prefill-token-threshold is refused: {why}")
     budget = getattr(args, "max_num_batched_tokens", None)
     max_len = getattr(args, "max_model_len", None)
+    given = "--max-model-len"
+    if budget is not None and max_len is None:
+        max_len, given = derive_max_len(args), "the model's context length"
     if budget is not None and isinstance(max_len, int) and budget < max_len:
-        raise StartupError(f"--max-num-batched-tokens {budget} is below --max-model-len {max_len}: "
-                           f"{why}, so a step must fit a whole prompt")
+        raise StartupError(f"--max-num-batched-tokens {budget} is below {given} {max_len}: "
+                           f"{why}, so a step must fit a whole prompt (raise "
+                           "--max-num-batched-tokens or lower --max-model-len)")
     args.enable_chunked_prefill = False
 
 
@@ -282,7 +312,7 @@ def _main(argv: list[str]) -> None:
             raise StartupError("--demo serves the embedded model and bundle; do not combine it "
                                "with --model or --calib")
         model_dir, demo_bundle = demo_paths()
-        argv = ["--model", str(model_dir), *argv]
+        argv = demo_argv(argv, model_dir)
         bundle_path = str(demo_bundle)
         early.model = str(model_dir)
     if bundle_path is None:

@@ -199,6 +199,10 @@ class OrcaResult:
     stop_reason: str | None  # "probe", "budget" or None
     index: int
     bundle_checksum: str | None = None  # the bundle whose probe served it (None: none did)
+    # the reasoning ended in the output (end tag or EOS); and how many reasoning tokens the prompt
+    # already held after its open start tag (vLLM's thinking_token_budget counts them)
+    reasoning_closed: bool = False
+    prompt_reasoning_tokens: int = 0
     notes: list[str] = field(default_factory=list)
     error: str | None = None
     # record mode only: [steps, d] float32 numpy array, tokens per step, ids per step

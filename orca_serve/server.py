@@ -40,6 +40,7 @@ from orca_serve.apis import (
     MESSAGES_PATH,
     ORCA_PATHS,
     Api,
+    reasoning_spent,
     thinking_ended_by,
 )
 from orca_serve.contract import POLICIES, child_key
@@ -273,7 +274,7 @@ class _Request:
             return None
         if any(r is None for r in self.results.values()):
             return None
-        return sum(int(r.get("reasoning_tokens") or 0) for r in self.results.values())
+        return sum(reasoning_spent(r) for r in self.results.values())
 
     def orca(self, indexes: list[int] | None = None) -> dict[str, Any]:
         if indexes is None:

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from orca_method.probe import Probe, ProbeSpec
+from orca_serve.apis import reasoning_spent, thinking_ended_by
 from orca_serve.effort import DEFAULT_EFFORT_MAP, parse_effort_map
 from orca_serve.metrics import OrcaMetrics
 from orca_serve.requests import OrcaDefaults, OrcaRequestError, resolve
@@ -23,7 +24,7 @@ BUNDLE = tiny_bundle(Probe(ProbeSpec(dim=16), seed=0), [(0.05, 0.5), (0.1, None)
 DEFAULTS = OrcaDefaults(enabled=True, delta=0.1, policy="answer")
 RESULT = {"enabled": True, "policy": "answer", "steps_scored": 3, "stopped_early": True,
           "stop_step": 3, "would_stop_step": 3, "last_score": 0.75, "reasoning_tokens": 40,
-          "forced_tokens": [5, 6], "stop_reason": "probe", "index": 0}
+          "forced_tokens": [5, 6], "stop_reason": "probe", "index": 0, "reasoning_closed": True}
 
 
 class FakeEngine:
@@ -232,3 +233,22 @@ def test_thinking_budget_report():
                                  "thinking": {"type": "enabled", "budget_tokens": 1024}})
     o = r.json()["orca"]
     assert o["thinking_token_budget"] == 1024 and o["thinking_ended_by"] == "orca"
+
+
+@pytest.mark.parametrize("result, budget, by", [
+    ({"stop_reason": "probe", "reasoning_closed": True, "reasoning_tokens": 9}, 10, "orca"),
+    ({"stop_reason": "budget", "reasoning_closed": True}, None, "orca_answer_reserve"),
+    # vLLM's budget counts the reasoning tokens the prompt opened (here 1 after <think>)
+    ({"reasoning_closed": True, "reasoning_tokens": 9, "prompt_reasoning_tokens": 1}, 10,
+     "thinking_token_budget"),
+    ({"reasoning_closed": True, "reasoning_tokens": 8, "prompt_reasoning_tokens": 1}, 10, "model"),
+    ({"reasoning_closed": True, "reasoning_tokens": 8}, None, "model"),
+    ({"reasoning_closed": False, "reasoning_tokens": 59}, 100, None),
+])
+def test_thinking_ended_by(result, budget, by):
+    assert thinking_ended_by(result, budget) == by
+
+
+def test_reasoning_spent_counts_the_unpooled_last_token():
+    assert reasoning_spent({"reasoning_tokens": 59, "reasoning_closed": False}) == 60
+    assert reasoning_spent({"reasoning_tokens": 9, "reasoning_closed": True}) == 9

@@ -82,7 +82,8 @@ def test_result_wire_form():
     base = {"enabled": True, "policy": "stop", "delta": 0.1, "lam": 0.6, "steps_scored": 2,
             "stopped_early": True, "stop_step": 2, "would_stop_step": 2, "last_score": 0.7,
             "scores": [0.1, 0.7], "reasoning_tokens": 9, "forced_tokens": [5],
-            "stop_reason": "probe", "index": 0, "bundle_checksum": "c" * 64}
+            "stop_reason": "probe", "index": 0, "bundle_checksum": "c" * 64,
+            "reasoning_closed": True, "prompt_reasoning_tokens": 1}
     d = OrcaResult(**base).to_dict()
     assert d == base  # no notes, error or record fields when there are none
     arr = np.zeros((2, 3), dtype=np.float32)

@@ -162,7 +162,8 @@ def fake_vllm(engine: FakeEngine, seen: list):
                                    "stopped_early": True, "stop_step": 3, "would_stop_step": 3,
                                    "last_score": 0.75, "scores": [0.1, 0.5, 0.75],
                                    "reasoning_tokens": 40, "forced_tokens": [5, 6, 7, 8],
-                                   "stop_reason": "probe", "index": 0}
+                                   "stop_reason": "probe", "index": 0,
+                                   "reasoning_closed": True}
         if body.get("stream"):
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
@@ -530,7 +531,8 @@ def test_cpu_build_keeps_prefills_whole():
     assert args.enable_chunked_prefill is False
     for bad, word in ((ns(enable_chunked_prefill=True), "--enable-chunked-prefill"),
                       (ns(long_prefill_token_threshold=64), "--long-prefill-token-threshold"),
-                      (ns(max_num_batched_tokens=512, max_model_len=1024), "below")):
+                      (ns(max_num_batched_tokens=512, max_model_len=1024), "below"),
+                      (ns(max_num_batched_tokens=256), "below the model's context length 512")):
         with pytest.raises(StartupError, match=word) as e:
-            keep_prefills_whole(bad)
+            keep_prefills_whole(bad, lambda args: 512)
         assert "seed" in str(e.value) and "\n" not in str(e.value)

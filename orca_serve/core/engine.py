@@ -57,6 +57,18 @@ log = logging.getLogger("orca_serve.core")
 
 UNKNOWN = -1  # a token id not known yet (async scheduling placeholder) or absent
 
+
+def open_reasoning_tokens(table: Any, prompt: Sequence[int] | None) -> int:
+    """Tokens after the prompt's last start tag when the prompt leaves the reasoning open (a
+    template that opens `<think>` in the generation prompt, e.g. `<think>` + newline): vLLM's
+    `thinking_token_budget` counts them, so the server needs them to tell its stop from ours."""
+    if not prompt or not table.think_enabled or not table.reasoning_at_start(prompt):
+        return 0
+    for i in range(len(prompt) - 1, -1, -1):
+        if prompt[i] == table.start_id:
+            return len(prompt) - 1 - i
+    return 0
+
 # one entry per tracked row and step: (request, logits row, output length, id at n-2, id at n-1)
 Entry = tuple[Request, int, int, int, int]
 
@@ -201,6 +213,7 @@ class OrcaCore:
                       eos=self.default_eos if eos is None else eos, ignore_eos=ignore_eos,
                       n_out=n_out)
         req.handle = handle
+        req.prompt_reasoning = open_reasoning_tokens(dep.table, prompt)
         if missing:
             req.bundle_checksum = None
             req.fail(f"bundle {want} is not loaded in this engine (replaced before the request "

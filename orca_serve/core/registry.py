@@ -28,7 +28,8 @@ class Request:
     __slots__ = ("active", "answer_budget", "attached", "bundle_checksum", "dep", "eos", "error",
                  "fetched", "forced", "guard_pos", "handle", "ident", "ignore_eos", "index", "key",
                  "lag", "left_at", "max_tokens", "n_seen", "notes", "output", "plan", "policy",
-                 "prompt", "record", "scores", "seg", "slot", "snapshot", "spec", "step_counts",
+                 "prompt", "prompt_reasoning", "record", "scores", "seg", "slot", "snapshot",
+                 "spec", "step_counts",
                  "step_embs", "steps_scored", "stop_reason", "stop_step", "stopped",
                  "would_stop_step")
 
@@ -62,6 +63,7 @@ class Request:
         self.notes: list[str] = list(spec.notes)
         # record mode: the prompt's ids and the engine's live output list (read at the end)
         self.prompt: list[int] | None = None
+        self.prompt_reasoning = 0  # reasoning tokens the prompt holds after its open start tag
         self.output: Sequence[int] | None = None
         self.error: str | None = None
         self.handle: Any = None
@@ -96,7 +98,10 @@ class Request:
             reasoning_tokens=self.seg.counted_total,
             forced_tokens=[self.forced[p] for p in sorted(self.forced)],
             stop_reason=self.stop_reason, index=self.index, notes=list(self.notes),
-            error=self.error, bundle_checksum=self.bundle_checksum)
+            error=self.error, bundle_checksum=self.bundle_checksum,
+            # closed by a stop of ours (forced end text or EOS), or in the output
+            reasoning_closed=self.stopped or (self.seg.fed > 0 and not self.seg.reasoning),
+            prompt_reasoning_tokens=self.prompt_reasoning)
         if self.record:
             embs, counts = list(self.step_embs), list(self.step_counts)
             ids = [list(s) for s in self.seg.steps]
