@@ -22,6 +22,10 @@ POLICIES: tuple[str, ...] = ("answer", "stop", "shadow")
 NEVER = math.inf  # lambda* when LTT rejects nothing: never stop early
 
 DEFAULT_ANSWER_BUDGET = 64
+# the largest answer budget a request may ask for: far above any context length, and inside the
+# integer range vLLM allows in extra_args (beyond it vLLM's own 400 names `extra_args`, a field
+# the client never sent)
+MAX_ANSWER_BUDGET = 2**31 - 1
 MIN_ANSWER_TOKENS = 8  # answer tokens the end-of-max_tokens reserve keeps (policy answer)
 # what a request without its own orca_* arguments gets (the server's --orca-* options override)
 DEFAULTS: dict[str, Any] = {"enabled": 1, "delta": None, "policy": "answer",

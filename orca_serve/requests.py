@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orca_method.bundle import Bundle, BundleError
 from orca_serve.contract import (
+    MAX_ANSWER_BUDGET,
     POLICIES,
     XARG_BUNDLE,
     XARG_FIELDS,
@@ -55,7 +56,7 @@ class OrcaFields(BaseModel):
     enabled: bool | None = None
     delta: float | None = Field(None, gt=0, lt=1)
     policy: Policy | None = None
-    answer_budget: int | None = Field(None, ge=0)
+    answer_budget: int | None = Field(None, ge=0, le=MAX_ANSWER_BUDGET)
 
 
 @dataclass(frozen=True)

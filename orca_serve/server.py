@@ -675,7 +675,11 @@ def api_server_process(listen_address: Any, sock: Any, args: Any,
     APIServerProcessManager): our app in this process, then vLLM's own per-process server."""
     from vllm.v1.utils import run_api_server_worker_proc
 
-    _swap_build_app(state_from_args(args))
+    from orca_serve import quiet_shutdown
+
+    state = state_from_args(args)
+    quiet_shutdown.install(state.client)
+    _swap_build_app(state)
     run_api_server_worker_proc(listen_address, sock, args, client_config, **uvicorn_kwargs)
 
 
@@ -702,6 +706,9 @@ def run(args: Any, state: OrcaState) -> None:
     import uvloop
     from vllm.entrypoints.launchers.api_server import entry
 
+    from orca_serve import quiet_shutdown
+
+    quiet_shutdown.install(state.client)
     _swap_build_app(state)
 
     async def serve() -> None:

@@ -252,3 +252,35 @@ def test_thinking_ended_by(result, budget, by):
 def test_reasoning_spent_counts_the_unpooled_last_token():
     assert reasoning_spent({"reasoning_tokens": 59, "reasoning_closed": False}) == 60
     assert reasoning_spent({"reasoning_tokens": 9, "reasoning_closed": True}) == 9
+
+
+def test_normal_shutdown_demotes_the_output_handlers_engine_dead_error():
+    import logging
+    import weakref
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from orca_serve.quiet_shutdown import ShutdownNoise
+
+    class Core:
+        pass
+
+    core = Core()
+    core._finalizer = weakref.finalize(core, lambda: None)
+    client = type("Client", (), {"engine_core": core})()
+    noise = ShutdownNoise(lambda: client)
+
+    def record() -> logging.LogRecord:
+        try:
+            raise EngineDeadError()
+        except EngineDeadError:
+            import sys
+            return logging.LogRecord("vllm.v1.engine.async_llm", logging.ERROR, "f", 1,
+                                     "AsyncLLM output_handler failed.", (), sys.exc_info())
+
+    crash = record()  # the engine died on its own: the traceback stays, at ERROR
+    assert noise.filter(crash) and crash.levelno == logging.ERROR and crash.exc_info
+    core._finalizer.detach()  # what vLLM's MPClient.shutdown does first
+    quiet = record()
+    assert noise.filter(quiet) and quiet.levelno == logging.INFO and quiet.exc_info is None
+    assert "shut down" in quiet.getMessage()

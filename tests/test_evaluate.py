@@ -45,3 +45,22 @@ def test_compare_writes_both_definitions(data: TrajectorySet, tmp_path, capsys) 
     text = (out / "compare.md").read_text()
     assert "ttt-noqk (supervised)" in text and "savings_per_problem" in text
     assert json.loads((out / "ttt-noqk-supervised.json").read_text())["ltt"]["rows"]
+
+
+def test_evaluate_a_set_without_test_split(data: TrajectorySet, tmp_path, capsys) -> None:
+    """A job's shifted set has no splits: evaluate replays all of it instead of failing with a
+    diagnosis about labels; an explicit empty split says so and how to get what was meant."""
+    probe = meta_train(data, ProbeSpec(dim=D), "supervised", epochs=1, progress=False).probe
+    bundle = tmp_path / "b.json"
+    calibrate_bundle(probe, data, bundle, deltas=[0.3], window=3)
+    shifted = tmp_path / "shifted"
+    generate(shifted, n_problems=30, dim=D, mean_steps=12, seed=5, shift=True,
+             splits=(1.0, 0.0, 0.0))
+    assert main(["evaluate", "--data", str(shifted), "--bundle", str(bundle)]) == 0
+    out = capsys.readouterr()
+    assert "no test split: evaluating all 30 problems" in out.err and "delta=0.3" in out.out
+    assert main(["evaluate", "--data", str(shifted), "--bundle", str(bundle),
+                 "--split", "test"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"orca-calibrate evaluate: error: {shifted} has no problem in the test split; "
+                   "pass --split all to evaluate every problem"]

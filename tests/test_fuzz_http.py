@@ -3,8 +3,9 @@
 - vLLM 0.32's CPU build crashed the engine on seeded requests whose prompt prefill got chunked
   (12 concurrent ~680-token prompts did it with the demo's defaults); the server keeps prefills
   whole on CPU (`orca_serve.cli.keep_prefills_whole`).
-- Routes that cannot report what orca did (/v1/responses, /v1/messages, the batch route) run
-  without orca and refuse orca settings with a 400, instead of cutting requests short silently.
+- The Responses and Messages APIs run orca like chat (the server's defaults) and report it; routes
+  that cannot report what orca did (the batch route, ...) run without orca and refuse orca
+  settings with a 400, instead of cutting requests short silently.
 - JSON nested too deeply is a 400; /openapi.json works and documents the `orca` field.
 - A bounded schemathesis run over the server's own OpenAPI description: no 5xx, no hang, no crash
   (`tests/http_fuzz.py`; the long run is `benchmarks/fuzz_http.py`).
@@ -74,29 +75,30 @@ def test_concurrent_seeded_long_prompts_do_not_crash_the_engine(demo):
     assert r.status_code == 200 and r.json()["orca"]["enabled"] is True
 
 
-def test_routes_that_cannot_report_orca_run_without_it_and_refuse_it(demo):
+def test_every_route_either_reports_orca_or_runs_without_it(demo):
     name = model(demo)
     full = chat(demo, max_tokens=512, temperature=0, orca={"enabled": False}).json()
     tokens = full["usage"]["completion_tokens"]
     early = chat(demo, max_tokens=512, temperature=0).json()  # the server's default: answer
     assert early["orca"]["stopped_early"] and early["usage"]["completion_tokens"] < tokens
 
-    # not cut short by the plugin behind the client's back: the same greedy text as orca off
-    r = httpx.post(demo.url + "/v1/responses", timeout=300, json={
-        "model": name, "input": QUESTION, "max_output_tokens": 512, "temperature": 0})
-    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == tokens
-    r = httpx.post(demo.url + "/v1/messages", timeout=300, json={
-        "model": name, "max_tokens": 512, "temperature": 0,
-        "messages": [{"role": "user", "content": QUESTION}]})
-    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == tokens
+    # the Responses and Messages APIs run the same request as chat (the same chat template):
+    # stopped by the server's default like chat, reported, and the full text with orca off
+    responses = {"model": name, "input": QUESTION, "max_output_tokens": 512, "temperature": 0}
+    messages = {"model": name, "max_tokens": 512, "temperature": 0,
+                "messages": [{"role": "user", "content": QUESTION}]}
+    for path, body in (("/v1/responses", responses), ("/v1/messages", messages)):
+        r = httpx.post(demo.url + path, timeout=300, json=body).json()
+        assert r["usage"]["output_tokens"] == early["usage"]["completion_tokens"]
+        assert r["orca"]["stopped_early"] == early["orca"]["stopped_early"]
+        r = httpx.post(demo.url + path, timeout=300, json={**body, "orca": {"enabled": False}})
+        assert r.json()["usage"]["output_tokens"] == tokens
 
     for path, body in [
-        ("/v1/responses", {"input": QUESTION, "orca": {"policy": "shadow"}}),
-        ("/v1/responses", {"input": QUESTION, "vllm_xargs": {"orca_policy": "shadow"}}),
-        ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": "x"}],
-                          "orca": {"policy": "shadow"}}),
         ("/v1/chat/completions/batch", {"messages": [[{"role": "user", "content": "x"}]],
                                         "orca": "garbage"}),
+        ("/v1/chat/completions/batch", {"messages": [[{"role": "user", "content": "x"}]],
+                                        "vllm_xargs": {"orca_policy": "shadow"}}),
     ]:
         r = httpx.post(demo.url + path, json={"model": name, **body}, timeout=60)
         assert r.status_code == 400, (path, r.text)
@@ -113,7 +115,8 @@ def test_deep_json_is_400_and_openapi_documents_orca(demo):
     r = httpx.get(demo.url + "/openapi.json", timeout=60)
     assert r.status_code == 200, r.text[:300]
     schemas = r.json()["components"]["schemas"]
-    for req in ("ChatCompletionRequest", "CompletionRequest"):
+    for req in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest",
+                "AnthropicMessagesRequest"):
         assert "OrcaFields" in str(schemas[req]["properties"]["orca"])
     assert set(schemas["OrcaFields"]["properties"]) == {"enabled", "delta", "policy",
                                                         "answer_budget"}

@@ -125,3 +125,24 @@ def test_job_train_settings_are_checked(tmp_path) -> None:
     j.write_text("model: m\nprompts: p.jsonl\nout: o\n"
                  "train: {probe: ttt-noqk, epoch_select: last, batch_size: 1, lr: 0.001}\n")
     assert load_job(j)["train"]["epoch_select"] == "last"
+
+
+def test_run_ends_with_the_results_table(tmp_path, monkeypatch, capsys) -> None:
+    """`orca-calibrate run` shows what the job produced, not only how long its stages took."""
+    import json
+
+    import calibration.collect
+    from calibration.cli import main
+
+    monkeypatch.setattr(calibration.collect, "Collector", _FakeCollector)
+    (tmp_path / "p.jsonl").write_text("".join(
+        json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n" for i in range(60)))
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps({"model": "m", "prompts": str(tmp_path / "p.jsonl"),
+                                "out": str(tmp_path / "run"), "train": {"epochs": 1},
+                                "calibrate": {"deltas": [0.3], "window": 2}}))
+    assert main(["run", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    table = (tmp_path / "run" / "evaluation.md").read_text().rstrip()
+    assert f"results ({tmp_path / 'run' / 'evaluation.md'}):\n{table}" in out
+    assert "delta=0.3" in table and out.rstrip().endswith(f"bundle: {tmp_path / 'run' / 'bundle.json'}")

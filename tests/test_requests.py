@@ -83,6 +83,10 @@ def test_integer_delta_is_a_number_but_strings_and_bools_are_not():
     ({"orca": {"policy": "maybe"}}, "orca.policy", ["answer", "stop", "shadow"]),
     ({"orca": {"answer_budget": -1}}, "orca.answer_budget", ["greater than or equal to 0"]),
     ({"orca": {"answer_budget": 1.5}}, "orca.answer_budget", ["integer"]),
+    # beyond vLLM's extra_args integer range: our 400 names the field the client sent
+    ({"orca": {"answer_budget": 2**64}}, "orca.answer_budget", ["less than or equal to"]),
+    ({"vllm_xargs": {"orca_answer_budget": 2**64}}, "vllm_xargs.orca_answer_budget",
+     ["less than or equal to"]),
     ({"orca": {"delta": 1.5}}, "orca.delta", ["less than 1"]),
     ({"orca": {"enabled": "yes"}}, "orca.enabled", ["bool"]),
     ({"orca": "on"}, "orca", ["object"]),
@@ -536,3 +540,12 @@ def test_cpu_build_keeps_prefills_whole():
         with pytest.raises(StartupError, match=word) as e:
             keep_prefills_whole(bad, lambda args: 512)
         assert "seed" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_demo_implies_its_reasoning_parser(tmp_path):
+    from orca_serve.cli import demo_argv
+
+    assert demo_argv(["--port", "8000"], tmp_path) == [
+        "--model", str(tmp_path), "--port", "8000", "--reasoning-parser", "deepseek_r1"]
+    for named in (["--reasoning-parser", "qwen3"], ["--reasoning_parser=qwen3"]):
+        assert demo_argv(named, tmp_path) == ["--model", str(tmp_path), *named]

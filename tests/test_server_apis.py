@@ -178,3 +178,15 @@ def test_usage_counts_reasoning_tokens_spent(srv):
     o = orca_of(r)
     assert o["thinking_ended_by"] is None and r.usage.completion_tokens == 30
     assert r.usage.completion_tokens_details.reasoning_tokens == 30
+
+
+def test_zz_sigterm_shuts_down_without_an_error_traceback(srv):
+    """Last in the module: a normal SIGTERM to orca-serve (not to its engine processes)."""
+    import os
+    import signal
+
+    os.kill(srv.proc.pid, signal.SIGTERM)
+    assert srv.proc.wait(60) == 0
+    log = srv.log.read_text()
+    assert "shutdown triggered" in log
+    assert "Traceback" not in log and "EngineDeadError" not in log and " ERROR " not in log

@@ -69,6 +69,7 @@ def open_reasoning_tokens(table: Any, prompt: Sequence[int] | None) -> int:
             return len(prompt) - 1 - i
     return 0
 
+
 # one entry per tracked row and step: (request, logits row, output length, id at n-2, id at n-1)
 Entry = tuple[Request, int, int, int, int]
 
@@ -76,11 +77,14 @@ Entry = tuple[Request, int, int, int, int]
 class OrcaCore:
     """Requests, slots, pooling, probe and stops of one engine (see module docstring)."""
 
+    MAX_LOGGED_NOTES = 64  # clients choose deltas: the set of logged notes stays bounded
+
     def __init__(self, cfg: Mapping[str, Any], tokenizer: Any, *, hidden_size: int,
                  model_name: str, eos_ids: set[int], default_eos: int | None,
                  max_num_seqs: int, device: torch.device, pin_memory: bool = False) -> None:
         self.device = torch.device(device)
         self.record_default = bool(cfg.get("record", False))
+        self._logged_notes: set[str] = set()  # request notes the log has shown (a fallback delta)
         self.defaults = {**DEFAULTS, **(cfg.get("defaults") or {})}
         self.default_eos = default_eos
         self.capacity = 2 * max(1, int(max_num_seqs))  # preempted requests keep their slot
@@ -170,6 +174,15 @@ class OrcaCore:
             return False
         return XARG_BUNDLE in xa or self.dep.bank is not None
 
+    def _log_fallback(self, notes: tuple[str, ...], ident: str) -> None:
+        """A delta outside the bundle's table (a request without the server's orca_lam, e.g. on a
+        stock vLLM server, which cannot refuse it) runs with the default delta: say so in the log,
+        once per distinct note, since no response can carry it there."""
+        for note in notes:
+            if note not in self._logged_notes and len(self._logged_notes) < self.MAX_LOGGED_NOTES:
+                self._logged_notes.add(note)
+                log.warning("orca request %s: %s (logged once per delta)", ident, note)
+
     def join(self, ident: str, xa: Mapping[str, Any] | None, *, prompt: Sequence[int] | None,
              n_out: int, index: int, max_tokens: int | None, eos: int | None,
              ignore_eos: bool, structured: bool, handle: Any = None,
@@ -197,6 +210,7 @@ class OrcaCore:
         spec = request_spec(xa, self.defaults, record=self.record_default,
                             lam_of=None if missing else dep.lam_of,
                             default_delta=None if missing else dep.default_delta)
+        self._log_fallback(spec.notes, ident)
         policy = spec.policy
         notes = []
         if policy == "stop" and ignore_eos:
