@@ -11,6 +11,7 @@ token-l2 mean per step and `procedure.replay` (the calibration replay).
 from __future__ import annotations
 
 import json
+import logging
 import random
 from typing import ClassVar
 
@@ -22,7 +23,7 @@ from orca_method.probe import Probe, ProbeSpec
 from orca_method.procedure import replay
 from orca_method.steps import CLOSE, MERGE, NONE, STEP, STEP_PREV, Segmenter
 from orca_serve.contract import XARG_BUNDLE, XARG_KEY, XARG_LAM
-from orca_serve.core.engine import OrcaCore
+from orca_serve.core.engine import OrcaCore, open_reasoning_tokens
 from tests.bundles import tiny_bundle, write_bundle
 
 DIM = 16
@@ -515,3 +516,28 @@ def test_a_request_naming_an_unloaded_bundle_runs_without_early_stopping(bundle_
     r = core.pop_results(["g"])["g"]
     assert "not loaded" in r["error"] and r["bundle_checksum"] is None
     assert not r["enabled"] and r["steps_scored"] == 0
+
+
+def test_a_delta_outside_the_table_is_logged_once_and_reported(bundle_path, caplog):
+    """Without the server's orca_lam (a stock vLLM server) the engine cannot refuse the delta:
+    it runs with the default delta, says so in the result's notes and, once per delta, in the
+    log (the only place a stock server's operator sees it)."""
+    core = make_core(bundle_path)
+    with caplog.at_level(logging.WARNING, logger="orca_serve.core"):
+        for name in ("a", "b"):
+            req = core.join(name, {"orca_delta": 0.3}, prompt=PROMPT, n_out=0, index=0,
+                            max_tokens=20, eos=None, ignore_eos=False, structured=False)
+            assert req.spec.delta == 0.1 and "default delta" in req.result().notes[0]
+    warned = [r for r in caplog.records if "0.3" in r.getMessage()]
+    assert len(warned) == 1 and "available deltas: 0.05, 0.1" in warned[0].getMessage()
+
+
+
+def test_open_reasoning_tokens_of_a_prompt(bundle_path):
+    """What vLLM's thinking budget has counted before the output starts: tokens after an open
+    <think> (the server tells vLLM's budget stop from the model's own end by it)."""
+    table = make_core(bundle_path).dep.table
+    t, e = ID["<think>"], ID["</think>"]
+    assert open_reasoning_tokens(table, PROMPT) == 0
+    assert open_reasoning_tokens(table, [ID["a"], t, ID["\n"], ID["b"]]) == 2
+    assert open_reasoning_tokens(table, [t, ID["a"], e, ID["b"]]) == 0  # closed in the prompt
