@@ -260,7 +260,7 @@ def test_normal_shutdown_demotes_the_output_handlers_engine_dead_error():
 
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    from orca_serve.quiet_shutdown import ShutdownNoise
+    from orca_serve.quiet_shutdown import SHUTDOWN_TRIGGERED, ShutdownNoise, ShutdownSeen
 
     class Core:
         pass
@@ -268,7 +268,8 @@ def test_normal_shutdown_demotes_the_output_handlers_engine_dead_error():
     core = Core()
     core._finalizer = weakref.finalize(core, lambda: None)
     client = type("Client", (), {"engine_core": core})()
-    noise = ShutdownNoise(lambda: client)
+    trigger = ShutdownSeen()
+    noise = ShutdownNoise(lambda: client, trigger)
 
     def record() -> logging.LogRecord:
         try:
@@ -284,3 +285,10 @@ def test_normal_shutdown_demotes_the_output_handlers_engine_dead_error():
     quiet = record()
     assert noise.filter(quiet) and quiet.levelno == logging.INFO and quiet.exc_info is None
     assert "shut down" in quiet.getMessage()
+    # a signal to the whole process group: the engine may die before the client shuts it down
+    core2 = Core()
+    core2._finalizer = weakref.finalize(core2, lambda: None)
+    client.engine_core = core2
+    assert noise.filter(r := record()) and r.levelno == logging.ERROR
+    trigger.filter(logging.LogRecord("l", logging.INFO, "f", 1, SHUTDOWN_TRIGGERED, (), None))
+    assert noise.filter(r := record()) and r.levelno == logging.INFO
