@@ -62,5 +62,5 @@ def test_evaluate_a_set_without_test_split(data: TrajectorySet, tmp_path, capsys
     assert main(["evaluate", "--data", str(shifted), "--bundle", str(bundle),
                  "--split", "test"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"orca-calibrate evaluate: error: {shifted} has no problem in the test split; "
-                   "pass --split all to evaluate every problem"]
+    assert err == [(f"orca-calibrate evaluate: error: {shifted} has no problem in the test "
+                    "split; pass --split all to evaluate every problem")]
