@@ -391,8 +391,8 @@ def _main(argv: list[str]) -> None:
         defaults = orca_defaults(args, bundle)
         # Off in the engine unless the request says otherwise: the server writes every setting
         # (orca_enabled included) into the requests of the routes whose responses report what
-        # orca did; requests on other routes (/v1/responses, /v1/messages, ...) run without it
-        # rather than being cut short silently.
+        # orca did (orca_serve.apis); requests on other routes (the batch route, ...) run
+        # without it rather than being cut short silently.
         merge_engine_args(args, engine_kwargs(
             str(Path(bundle_path).absolute()),
             defaults={"enabled": 0, "delta": defaults.delta, "policy": defaults.policy,

@@ -4,14 +4,15 @@ Nothing of vLLM's request handling is re-implemented. `build_orca_app` calls vLL
 adds three things:
 
 - `OrcaMiddleware` (pure ASGI, innermost, so vLLM's auth/CORS run first) on POST
-  /v1/chat/completions and /v1/completions (and SageMaker's /invocations, which vLLM dispatches to
-  one of them): it validates the body's `orca` field (400 in OpenAI's error format when
-  malformed), rewrites the body (removes `orca`, writes the resolved settings and a fresh
-  `orca_key` into `vllm_xargs`), lets vLLM's own route run, then adds the `orca` object to the
-  JSON response or to the stream's finishing chunks, from the plugin's results fetched with
+  /v1/chat/completions, /v1/completions (and SageMaker's /invocations, which vLLM dispatches to
+  one of them), /v1/responses and /v1/messages (`orca_serve.apis`: what differs between those
+  APIs): it validates the body's `orca` field (400 in the API's error format when malformed),
+  rewrites the body (removes `orca`, writes the resolved settings and a fresh `orca_key` into
+  `vllm_xargs`), lets vLLM's own route run, then adds the `orca` object to the JSON response or
+  to the stream's finishing chunks or events, from the plugin's results fetched with
   `engine_client.collective_rpc("orca_results", ...)`. Every other POST route with a JSON body
-  (/v1/responses, /v1/messages, /v1/chat/completions/batch, ...) cannot report what orca did, so
-  orca settings there are a 400, never silently ignored (the engine runs those requests without
+  (/v1/chat/completions/batch, /inference/v1/generate, ...) cannot report what orca did, so orca
+  settings there are a 400, never silently ignored (the engine runs those requests without
   orca: see `cli.py`). On GET /metrics it first refreshes the plugin's cumulative probe-time
   counters (`orca_stats`).
 - GET /v1/orca/bundle: `Bundle.summary()` (404 without a bundle); POST /v1/orca/bundle and SIGHUP
