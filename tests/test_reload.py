@@ -181,3 +181,19 @@ def test_admin_route(paths):
     r = asyncio.run(go(state.reloader))
     assert {x.status_code for x in r[:5]} == {404}
     assert seen == ["/v1/orca/bundle"] * 2  # only the GET passed through
+
+
+def test_a_bundle_without_an_effort_maps_delta_is_refused(paths):
+    """--orca-effort-map low=0.3: a new bundle must calibrate 0.3 too, or low-effort requests
+    would fail; refused before any engine is asked."""
+    from dataclasses import replace
+
+    from orca_serve.effort import parse_effort_map
+
+    state, _cores, calls = setup(paths)
+    state.defaults = replace(state.defaults, effort_map=parse_effort_map("low=0.3"))
+    with pytest.raises(ReloadRefused, match="--orca-effort-map: delta 0.3 has no calibrated"):
+        asyncio.run(state.reloader.reload(str(paths["b"]), source="test"))
+    assert calls == [] and state.bundle.checksum == load_bundle(paths["a"]).checksum
+    state.defaults = replace(state.defaults, effort_map=parse_effort_map("low=0.05"))
+    assert asyncio.run(state.reloader.reload(str(paths["b"]), source="test"))["changed"]
