@@ -62,7 +62,6 @@ def _set_reasoning_usage(usage: Any, details: str, spent: int | None) -> None:
 class Api:
     """OpenAI chat and completions (and /invocations, which vLLM hands to one of them)."""
 
-    name = "chat"
     usage_details: str | None = "completion_tokens_details"
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:
@@ -121,7 +120,6 @@ class ResponsesApi(Api):
     """OpenAI's Responses API: the `orca` object on the response (plain) and on the response of
     the stream's closing event (`response.completed` / `response.incomplete`)."""
 
-    name = "responses"
     usage_details = "output_tokens_details"
     CLOSING = ("response.completed", "response.incomplete", "response.failed")
 
@@ -159,7 +157,6 @@ class MessagesApi(Api):
     """Anthropic's Messages API: the `orca` object on the message (plain) and on the stream's
     `message_delta` event (the one with `stop_reason` and the final usage)."""
 
-    name = "messages"
     usage_details = None  # Anthropic's usage has no reasoning-token count
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:
