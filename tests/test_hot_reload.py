@@ -202,3 +202,13 @@ def test_sighup_rereads_the_calib_file(srv, env):
         model=srv.client().models.list().data[0].id, messages=MSG, max_tokens=200,
         temperature=0, extra_body={"orca": {"delta": 0.2, "policy": "stop"}}).model_extra["orca"]
     assert o["bundle_checksum"] == env["sum_a"] and o["stopped_early"] is True
+
+
+def test_reload_outcomes_are_lines_of_the_server_log(srv, env):
+    """Each reload outcome is one line in the server's own output (vLLM's log format)."""
+    log = (env["dir"] / "orca.log").read_text()
+    lines = [ln for ln in log.splitlines() if "orca_serve" in ln or "orca: " in ln]
+    refused = [ln for ln in lines if "refused (POST)" in ln]
+    assert len(refused) == 3 and all("WARNING" in ln for ln in refused), lines
+    assert any(f"(POST): now serving {env['sum_b']}" in ln and "INFO" in ln for ln in lines), lines
+    assert any(f"(SIGHUP): now serving {env['sum_a']}" in ln for ln in lines), lines
