@@ -46,6 +46,7 @@ def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: floa
     probe.params["b"].data.fill_(bias)
     vocab = AutoTokenizer.from_pretrained(str(model_dir)).get_vocab()
     return write_bundle(tiny_bundle(probe, DELTAS.items(), vocab=vocab, window=3,
+                                    name=model_dir.name,
                                     default_delta=0.2, provenance={"test": "test_server"}),
                         path)
 
