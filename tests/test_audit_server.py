@@ -154,3 +154,6 @@ def test_failing_delta_alarms_and_falls_back(srv, env) -> None:
     metrics = httpx.get(srv.url + "/metrics", timeout=10).text
     assert (f'orca_audit_lambda{{delta="{BAD_DELTA:g}",model_name="{MODEL}",source="fallback"}} '
             "+Inf") in metrics
+    log = (env["dir"] / "server.log").read_text().splitlines()  # the server's own output
+    assert any(f"ALARM at delta {BAD_DELTA:g} " in ln and "WARNING" in ln for ln in log)
+    assert any(f"delta {BAD_DELTA:g} now served with lambda never" in ln for ln in log)
