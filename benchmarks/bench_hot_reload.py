@@ -37,9 +37,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests package's helpers
 
-from tests.serving import Server, orca_serve_cmd
-
 from calibration.toy.demo_bundle import DEMO_MODEL_NAME
+from tests.serving import Server, orca_serve_cmd
 
 KEY_ENV = "ORCA_ADMIN_KEY"
 QUESTION = "Find the integer x with 7*x + 3 = 52."

@@ -215,7 +215,7 @@ def read_lambdas(path: Path) -> dict[float, float]:
 
 
 def tokenizer_fingerprint_of(source: str) -> str:
-    """The fingerprint (orca_serve.bundle.tokenizer_fingerprint) of the tokenizer at `source`,
+    """The fingerprint (orca_method.bundle.tokenizer_fingerprint) of the tokenizer at `source`,
     a local model or tokenizer folder."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging

@@ -161,13 +161,8 @@ def check_served(bundle: Any, facts: ModelFacts, model: str, *,
     token ids are not the calibrated ones), the hidden size and think tags (`check_model`), the
     step delimiter, and the table and probe (`check_semantics`).
     """
-    from orca_method.bundle import (
-        BundleError,
-        check_delimiter,
-        check_model,
-        check_model_name,
-        check_semantics,
-    )
+    from orca_method.bundle import BundleError, check_model
+    from orca_method.bundle_checks import check_delimiter, check_model_name, check_semantics
 
     note = None
     try:

@@ -36,7 +36,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from orca_method.bundle import Bundle, BundleError, check_semantics, load_bundle
+from orca_method.bundle import Bundle, BundleError, load_bundle
+from orca_method.bundle_checks import check_semantics
 from orca_method.errors import first_line
 from orca_serve.requests import OrcaSettings, error_body
 

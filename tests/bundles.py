@@ -1,7 +1,7 @@
 """Bundles for tests: a given probe and lambda table wrapped as the server and plugin load them.
 
 Tests choose lambda* by hand (e.g. where a replayed score is known to cross), so every field
-that LTT would fill is set to a fixed value consistent with it (`orca_method.bundle.check_rows`:
+that LTT would fill is set to a fixed value consistent with it (`orca_method.bundle_checks.check_rows`:
 no loss out of n_cal and its p-value, which the server's start-up check recomputes); only the
 rows' (delta, lambda) and the model identity matter to what is tested.
 """

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -14,9 +13,9 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from orca_method.bundle import load_bundle
 from orca_serve.audit.live import AuditCollector, LiveAudit
 from orca_serve.audit.options import AuditConfig
-from orca_serve.bundle import load_bundle
 
 DEMO_BUNDLE = Path(__file__).parents[1] / "orca_serve" / "demo" / "bundle.json"
 # every bundle lambda* stops at step 1 (score 1), right only at the last step: loss 1 everywhere
@@ -81,8 +80,7 @@ def test_a_mismatch_is_said_at_start_and_alarms_and_fallback_are_log_lines(caplo
 def test_the_demo_with_audits_exports_the_drift_metrics(tmp_path) -> None:
     """`orca-serve --demo --orca-audit-rate 1`, for real: the demo bundle's drift reference
     gives the drift metrics, and its labels match the audits' (so the guard can act)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from serving import Server, orca_serve_cmd
+    from tests.serving import Server, orca_serve_cmd
 
     srv = Server(orca_serve_cmd("--demo", "--orca-audit-rate", "1"), tmp_path / "demo.log",
                  ["--host", "127.0.0.1", "--enforce-eager", "--disable-uvicorn-access-log"])
@@ -94,14 +92,14 @@ def test_the_demo_with_audits_exports_the_drift_metrics(tmp_path) -> None:
                                              "Find the integer x with 7*x + 3 = 52."}])
         deadline, text = time.time() + 120, ""
         while time.time() < deadline and not re.search(
-                r'^orca_audit_requests_total\{[^}]*state="labelled"\} 1\.0', text, re.M):
+                r'^orca_audit_requests_total\{[^}]*state="labelled"\} 1\.0', text, re.MULTILINE):
             time.sleep(1)
             text = httpx.get(srv.url + "/metrics", timeout=10).text
         table = httpx.get(srv.url + "/v1/orca/audit", timeout=10).json()
     finally:
         srv.stop()
-    assert re.search(r"^orca_drift_pvalue\{", text, re.M), text[-2000:]
-    assert re.search(r"^orca_drift_alarm\{", text, re.M)
+    assert re.search(r"^orca_drift_pvalue\{", text, re.MULTILINE), text[-2000:]
+    assert re.search(r"^orca_drift_alarm\{", text, re.MULTILINE)
     assert re.search(r'^orca_audit_labels_match\{.*bundle_label_mode="consistent".*\} 1\.0',
-                     text, re.M)
+                     text, re.MULTILINE)
     assert table["labelled"] == 1 and table["labels_match"] and "drift" in table

@@ -19,9 +19,9 @@ import httpx
 import numpy as np
 import pytest
 
-from calibration.ltt import binomial_pvalues
 from calibration.toy.tasks import write_prompts
 from orca_method.bundle import Bundle, LTTRow, load_bundle, save_bundle
+from orca_method.ltt import binomial_pvalues
 from orca_method.trajectories import TrajectorySet
 from orca_serve.audit.options import DEMO_SUFFIX
 

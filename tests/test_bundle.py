@@ -18,12 +18,12 @@ from orca_method.bundle import (
     BundleError,
     _checksum,
     check_model,
-    check_semantics,
     encode_weights,
     load_bundle,
     save_bundle,
     tokenizer_fingerprint,
 )
+from orca_method.bundle_checks import check_semantics
 from orca_method.probe import Probe, ProbeSpec
 from tests.bundles import tiny_bundle
 

@@ -187,7 +187,7 @@ def test_orca_serve_states_where_lambdas_come_from(tmp_path, capsys):
 def test_an_imported_bundle_names_its_model_and_tokenizer(tmp_path, capsys, model, tok):
     """With --tokenizer (or a local --model) the bundle records the tokenizer's fingerprint;
     with a hub name only, none, and the import says orca-serve will refuse it unless forced."""
-    from orca_serve.bundle import tokenizer_fingerprint
+    from orca_method.bundle import tokenizer_fingerprint
 
     d, _ = _write_release(tmp_path, {"no_kq": True}, {"no_kq": True})
     assert _import(d, "--tokenizer", str(model)) == 0
