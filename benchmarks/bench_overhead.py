@@ -93,7 +93,7 @@ def prepare_models(names: list[str]) -> dict[str, dict[str, str]]:
             b = load_bundle(bundle)
             save_bundle(b.model_copy(update={
                 "think": ThinkTags(enabled=False),
-                "model": ModelIdentity(name="SmolLM2-135M-Instruct", hidden_size=hidden,
+                "model": ModelIdentity(name=model.name, hidden_size=hidden,
                                        tokenizer_fingerprint=b.model.tokenizer_fingerprint),
                 "checksum": ""}), bundle)
         out[name] = {"model": str(model), "bundle": str(bundle)}

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests package's helpers
 
 from calibration.collect import Collector, CollectSettings, read_prompts
+from calibration.toy.demo_bundle import DEMO_MODEL_NAME
 from calibration.toy.tasks import write_prompts
 from orca_method.bundle import load_bundle
 from orca_method.procedure import replay
@@ -97,7 +98,8 @@ def main() -> None:
     offline = offline_stops(bundle, data, lam)
     t1 = time.perf_counter()
     srv = Server(orca_serve_cmd("--model", str(MODEL), "--calib", a.bundle), work / "serve.log",
-                 ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32",
+                 ["--served-model-name", str(MODEL), DEMO_MODEL_NAME,  # the bundle's name for it
+                  "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32",
                   "--max-model-len", "1024", "--seed", "0"])
     try:
         srv.wait()

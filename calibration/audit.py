@@ -117,7 +117,8 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
                      "alarm_lower": float(since_lower[j]) if alarm[j] else None})
     report: dict[str, Any] = {
         "audit": str(ts.path), "audits": len(ts), "counted": cs.n, "never_correct_skipped": skipped,
-        "label_mode": mode, "bundle_label_mode": bundle.label_mode, "alpha": alpha,
+        "label_mode": mode, "bundle_label_mode": bundle.label_mode,
+        "labels_match": mode == bundle.label_mode, "alpha": alpha,
         "confidence_sequence": "hedged capital, Waudby-Smith & Ramdas (2024)", "deltas": rows,
         "history": {k: np.asarray(v).T.tolist() for k, v in history.items()}}
     if drift is not None:
@@ -132,9 +133,11 @@ def format_report(report: dict[str, Any]) -> str:
               f"({report['never_correct_skipped']} never correct, left out), labels "
               f"{report['label_mode']}, alarm at level alpha={report['alpha']:g}/2, bounds at "
               f"alpha={report['alpha'] / 2:g} (anytime-valid)")]
-    if report["label_mode"] != report["bundle_label_mode"]:
+    if not report["labels_match"]:
         lines.append(f"note: the bundle certifies the risk under {report['bundle_label_mode']} "
-                     f"labels; these audits measure it under {report['label_mode']} labels")
+                     f"labels; these audits measure it under {report['label_mode']} labels, so "
+                     "the risk below is not the certified one (a server's guard only reports "
+                     "it unless --orca-guard-other-labels)")
     for r in report["deltas"]:
         lam = "never" if r["lambda"] is None else f"{r['lambda']:.4f}"
         risk = "-" if r["risk"] is None else f"{r['risk']:.3f}"

@@ -202,12 +202,17 @@ def cmd_import_pickle(a: argparse.Namespace) -> None:
 def cmd_import_probe(a: argparse.Namespace) -> None:
     """The authors' released probe.pt + lambdas.json -> a bundle with their serving settings."""
     from calibration.import_probe import import_probe
-    b = import_probe(a.probe, a.lambdas, a.model, a.out, config=a.config, window=a.window,
+    b = import_probe(a.probe, a.lambdas, a.model, a.out, tokenizer=a.tokenizer,
+                     config=a.config, window=a.window,
                      label_mode=a.label_mode, epsilon=a.epsilon, default_delta=a.default_delta,
                      max_step_tokens=a.max_step_tokens or None, normalization=a.normalization,
                      probe_out=a.probe_out)
     print(f"wrote {a.out}: probe {b.spec().name} (dim {b.model.hidden_size}), window {b.window}, "
           f"deltas {', '.join(f'{d:g}' for d in b.deltas())}; lambda* {b.lambdas_from}")
+    if b.model.tokenizer_fingerprint is None:
+        print(f"note: {a.out} names no tokenizer (--model {a.model} is not a local folder): "
+              "orca-serve refuses it unless --orca-force-model; pass --tokenizer DIR (a local "
+              "copy of the model's tokenizer) to record its fingerprint", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -351,7 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import-probe", help="bundle from the authors' released probe.pt")
     p.add_argument("probe", help="their probe.pt (a TTT probe state dict)")
     p.add_argument("--lambdas", required=True, help="their lambdas.json (delta -> lambda*)")
-    p.add_argument("--model", required=True, help="the model the probe was trained on")
+    p.add_argument("--model", required=True, help="the model the probe was trained on (its "
+                   "name or local folder; orca-serve serves the bundle on this model only)")
+    p.add_argument("--tokenizer", help="a local folder with that model's tokenizer, whose "
+                   "fingerprint the bundle records (default: --model when it is a folder)")
     p.add_argument("--out", required=True, help="bundle.json to write")
     p.add_argument("--config", help="their run's config.json (default: beside the probe)")
     p.add_argument("--window", type=int, help="smoothing window (default: the config's, else 10)")

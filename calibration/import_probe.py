@@ -42,6 +42,7 @@ from orca_method.bundle import (
     Segmentation,
     encode_weights,
     save_bundle,
+    tokenizer_fingerprint,
 )
 from orca_method.errors import first_line
 from orca_method.probe import Probe, ProbeSpec
@@ -213,7 +214,22 @@ def read_lambdas(path: Path) -> dict[float, float]:
     return dict(sorted(out.items()))
 
 
+def tokenizer_fingerprint_of(source: str) -> str:
+    """The fingerprint (orca_method.bundle.tokenizer_fingerprint) of the tokenizer at `source`,
+    a local model or tokenizer folder."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    try:
+        vocab = AutoTokenizer.from_pretrained(source).get_vocab()
+    except Exception as e:  # noqa: BLE001 - any unreadable tokenizer: one line
+        raise ProbeImportError(f"cannot load the tokenizer at {source}: {first_line(e)}") from None
+    return tokenizer_fingerprint(vocab)
+
+
 def import_probe(probe_pt: str | Path, lambdas: str | Path, model: str, out: str | Path, *,
+                 tokenizer: str | None = None,
                  config: str | Path | None = None, window: int | None = None,
                  label_mode: str | None = None, epsilon: float = 0.05,
                  default_delta: float | None = None,
@@ -227,6 +243,9 @@ def import_probe(probe_pt: str | Path, lambdas: str | Path, model: str, out: str
     trained on: "token-l2" for embeddings made as their script makes them (docs/METHOD.md
     section 8); a pickle of the training data tells (TrajectorySet.open(pkl).info).
     `probe_out` also writes the probe as `orca-calibrate train` does, to recalibrate it on-policy.
+    The bundle names `model` and the fingerprint of `tokenizer` (a local folder; default `model`
+    when it is one). Without a local tokenizer it records none, and orca-serve then refuses the
+    bundle unless `--orca-force-model` (a hub name is not fetched: the hub may be unreachable).
     """
     probe_pt = Path(probe_pt)
     cfg_path = Path(config) if config is not None else probe_pt.with_name("config.json")
@@ -245,12 +264,15 @@ def import_probe(probe_pt: str | Path, lambdas: str | Path, model: str, out: str
     if default not in lams:
         raise ProbeImportError(f"default delta {default} is not in {lambdas} "
                                f"(it has {', '.join(f'{d:g}' for d in deltas)})")
+    source = tokenizer or (model if Path(model).is_dir() else None)
+    fingerprint = None if source is None else tokenizer_fingerprint_of(source)
     window = window or int(cfg.get("smooth_window") or 10)
     rows = [LTTRow(delta=d, lam=lam, risk=None, pvalue=None, savings=None)
             for d, lam in lams.items()]
     bundle = Bundle(
         schema_version=SCHEMA_VERSION, orca_serve_version=__version__,
-        model=ModelIdentity(name=model, hidden_size=probe.spec.dim),
+        model=ModelIdentity(name=model, hidden_size=probe.spec.dim,
+                            tokenizer_fingerprint=fingerprint),
         segmentation=Segmentation(delimiter="\n", keywords=AUTHORS_KEYWORDS,
                                   keyword_match="substring", max_step_tokens=max_step_tokens),
         normalization=normalization,

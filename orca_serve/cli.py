@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, NoReturn
@@ -67,6 +68,9 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "request sets none: TARGET is a delta of the bundle, largest, default, "
                    "smallest or off (no early stop). Given levels replace these defaults: "
                    f"{describe(DEFAULT_EFFORT_MAP)}.")
+    g.add_argument("--orca-force-model", action="store_true", default=False,
+                   help="Serve the bundle although it names another model than --model (or "
+                   "names no tokenizer): its lambda* were certified for that model only.")
     g.add_argument("--orca-admin-key-env", default=None, metavar="VAR",
                    help="Turn on POST /v1/orca/bundle (hot reload of the bundle) guarded by the "
                    "admin key in environment variable VAR (Authorization: Bearer <key>). Without "
@@ -91,6 +95,7 @@ def early_parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--trust-remote-code", action="store_true", default=False)
     p.add_argument("--speculative-config", "-sc", default=None)
     p.add_argument("--api-server-count", "-asc", type=int, default=None)
+    p.add_argument("--served-model-name", nargs="+", default=None)
     norm = []
     for a in argv:  # vLLM accepts --snake_case spellings too
         if a.startswith("--") and "_" in a.split("=", 1)[0]:
@@ -120,14 +125,25 @@ def demo_argv(argv: list[str], model_dir: Path) -> list[str]:
             *([] if named else ["--reasoning-parser", DEMO_REASONING_PARSER])]
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the bundle checks need of a model, read without loading its weights."""
+
+    hidden_size: int  # config.json
+    vocab: dict[str, int]  # the tokenizer's token -> id
+    token_bytes: list[bytes]  # each token id's bytes (orca_method.steps)
+
+
 def model_facts(model: str, *, tokenizer: str | None = None, revision: str | None = None,
                 tokenizer_revision: str | None = None, hf_config_path: str | None = None,
-                trust_remote_code: bool = False) -> tuple[int, dict[str, int] | None]:
-    """Hidden size (config.json) and vocabulary of a model, without loading its weights."""
+                trust_remote_code: bool = False) -> ModelFacts:
+    """Hidden size (config.json) and tokenizer of a model, without loading its weights."""
     import logging
 
     from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from orca_method.steps import token_bytes_from_tokenizer
 
     hf_logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -150,23 +166,66 @@ def model_facts(model: str, *, tokenizer: str | None = None, revision: str | Non
     except Exception as e:  # noqa: BLE001
         raise StartupError(f"cannot load the tokenizer of model {model!r}: "
                            f"{first_line(e)}") from None
-    return hidden, vocab
+    return ModelFacts(hidden, vocab, token_bytes_from_tokenizer(tok))
 
 
-def check_bundle(bundle: Any, model: str, **kw: Any) -> None:
+def check_served(bundle: Any, facts: ModelFacts, model: str, *,
+                 served_names: list[str] | None = None, force: bool = False) -> str | None:
+    """Every check of a bundle against the model it is about to serve (at start and on reload);
+    raises BundleError. Returns a note to print when `force` let a mismatch through.
+
+    The model it was made for (name and tokenizer fingerprint, `--orca-force-model` overrides
+    a name mismatch or a missing fingerprint; a different tokenizer is refused always: its
+    token ids are not the calibrated ones), the hidden size and think tags (`check_model`), the
+    step delimiter, and the table and probe (`check_semantics`).
+    """
     from orca_method.bundle import BundleError, check_model
+    from orca_method.bundle_checks import check_delimiter, check_model_name, check_semantics
 
-    hidden, vocab = model_facts(model, **kw)
+    note = None
     try:
-        check_model(bundle, hidden, vocab, model)
+        check_model_name(bundle, model, served_names)
+        if bundle.model.tokenizer_fingerprint is None:
+            raise BundleError(f"the bundle names no tokenizer (no tokenizer_fingerprint), so it "
+                              f"cannot be checked against {model}'s; recalibrate, or import it "
+                              "again with `orca-calibrate import-probe`, or pass "
+                              "--orca-force-model")
+    except BundleError as e:
+        if not force:
+            raise
+        note = f"--orca-force-model: serving anyway although {str(e).split('; ')[0]}"
+    check_model(bundle, facts.hidden_size, facts.vocab, model)
+    check_delimiter(bundle, facts.token_bytes, model)
+    check_semantics(bundle)
+    return note
+
+
+def check_bundle(bundle: Any, model: str, *, served_names: list[str] | None = None,
+                 force: bool = False, **kw: Any) -> ModelFacts:
+    """`check_served` against `model`'s facts (returned, for the checks of later reloads)."""
+    from orca_method.bundle import BundleError
+
+    facts = model_facts(model, **kw)
+    try:
+        note = check_served(bundle, facts, model, served_names=served_names, force=force)
     except BundleError as e:
         raise StartupError(str(e)) from None
+    if note:
+        print(f"{PROG}: warning: {note}", file=sys.stderr, flush=True)
+    return facts
 
 
 def _model_kw(ns: argparse.Namespace) -> dict[str, Any]:
     return {"tokenizer": ns.tokenizer, "revision": ns.revision,
             "tokenizer_revision": ns.tokenizer_revision, "hf_config_path": ns.hf_config_path,
             "trust_remote_code": bool(ns.trust_remote_code)}
+
+
+def _identity(ns: argparse.Namespace, bundle: Any) -> dict[str, Any]:
+    """`check_served`'s served names and force flag from the options (--demo serves its model
+    under its bundle's name)."""
+    names = ns.served_model_name or ([bundle.model.name] if ns.demo else None)
+    return {"served_names": names, "force": bool(ns.orca_force_model)}
 
 
 def check_admin_key(ns: argparse.Namespace, has_bundle: bool) -> None:
@@ -344,9 +403,9 @@ def _main(argv: list[str]) -> None:
     check_admin_key(early, has_bundle=bundle is not None)
     if bundle is not None and early.speculative_config:
         refuse_unsupported(argparse.Namespace(speculative_config=early.speculative_config))
-    checked = None
+    checked = facts = None
     if bundle is not None and early.model:
-        check_bundle(bundle, early.model, **_model_kw(early))
+        facts = check_bundle(bundle, early.model, **_identity(early, bundle), **_model_kw(early))
         checked = (early.model, tuple(sorted(_model_kw(early).items())))
 
     # -- vLLM from here on -----------------------------------------------------------------
@@ -384,7 +443,7 @@ def _main(argv: list[str]) -> None:
                     "hf_config_path": args.hf_config_path,
                     "trust_remote_code": bool(args.trust_remote_code)}
         if checked != (args.model, tuple(sorted(model_kw.items()))):
-            check_bundle(bundle, args.model, **model_kw)
+            facts = check_bundle(bundle, args.model, **_identity(args, bundle), **model_kw)
         refuse_unsupported(args)
         from orca_serve.vllm_plugin.config import engine_kwargs
 
@@ -400,6 +459,9 @@ def _main(argv: list[str]) -> None:
         args.calib = str(Path(bundle_path).absolute())
 
     configure_logging_from_args(args)
+    from orca_serve.server_log import log_like_vllm
+
+    log_like_vllm()
     state = state_from_args(args)
     if bundle is not None:
         from orca_serve.audit.live import make_live_audit
@@ -412,6 +474,8 @@ def _main(argv: list[str]) -> None:
         model_name = state.metrics.model_name
         state.reloader.make_audit = lambda b: make_live_audit(args, b, None, model_name,
                                                               store=False)
+        state.reloader.check = lambda b: check_served(b, facts, args.model,
+                                                      **_identity(args, b))
     run(args, state)
 
 

@@ -5,8 +5,9 @@ the request (the `orca_bundle` extra arg); the engine joins the deployment of th
 (orca_serve/core). A reload is ordered so that the two always agree, and lambda* of one probe is
 never compared with the scores of another:
 
-1. The new bundle is read and checked here (its checksum; `--orca-delta` in its table; the live
-   audit's settings), then staged on every engine worker (`orca_load_bundle`: the checks made at
+1. The new bundle is read and checked here (its checksum; the checks made at start: the model it
+   names, the table's consistency, the probe's scale, `check`; `--orca-delta` in its table; the
+   live audit's settings), then staged on every engine worker (`orca_load_bundle`: the checks made at
    start, against the engine's own model). Any refusal: the staged copies are let go, nothing
    else changes, and the caller gets the reason in one line.
 2. Every worker makes it its default (`orca_use_bundle`, for requests that name no bundle), then
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from orca_method.bundle import Bundle, BundleError, load_bundle
+from orca_method.bundle_checks import check_semantics
 from orca_method.errors import first_line
 from orca_serve.effort import check_effort_map
 from orca_serve.requests import OrcaSettings, error_body
@@ -66,6 +68,9 @@ class Reloader:
         self.admin_key = admin_key  # None: POST /v1/orca/bundle is off (404)
         # bundle -> LiveAudit without store or metrics registration (set by the CLI)
         self.make_audit: Callable[[Bundle], Any] | None = None
+        # the checks a new bundle passes, raising BundleError, returning a note to log (the CLI
+        # sets the start-up checks against the served model, orca_serve.cli.check_served)
+        self.check: Callable[[Bundle], str | None] = check_semantics
         self.inflight: Counter[str] = Counter()  # checksum -> requests resolved with it, running
         self.last: dict[str, Any] | None = None  # the last reload's outcome
         self._lock: asyncio.Lock | None = None
@@ -150,8 +155,11 @@ class Reloader:
         path = str(Path(path).expanduser().absolute())
         try:
             bundle = await asyncio.to_thread(load_bundle, path)
+            note = await asyncio.to_thread(self.check, bundle)
         except BundleError as e:
             raise ReloadRefused(str(e)) from None
+        if note:
+            logger.warning("orca: bundle %s: %s", path, note)
         old = self.current
         if bundle.checksum == old:
             st.bundle_path = path

@@ -1,8 +1,9 @@
 """Bundles for tests: a given probe and lambda table wrapped as the server and plugin load them.
 
 Tests choose lambda* by hand (e.g. where a replayed score is known to cross), so every field
-that LTT would fill is set to a fixed, plausible value; only the rows' (delta, lambda) and the
-model identity matter to what is tested.
+that LTT would fill is set to a fixed value consistent with it (`orca_method.bundle_checks.check_rows`:
+no loss out of n_cal and its p-value, which the server's start-up check recomputes); only the
+rows' (delta, lambda) and the model identity matter to what is tested.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from orca_method.bundle import (
     Bundle,
@@ -22,6 +25,7 @@ from orca_method.bundle import (
     save_bundle,
     tokenizer_fingerprint,
 )
+from orca_method.ltt import binomial_pvalues
 from orca_method.probe import Probe
 
 
@@ -47,8 +51,10 @@ def tiny_bundle(probe: Probe, rows: Iterable[tuple[float, float | None]], *,
                          eta=0.01),
         window=window,
         ltt=LTTTable(epsilon=epsilon, n_cal=n_cal, grid_size=10,
-                     rows=[LTTRow(delta=d, lam=lam, risk=0.0 if lam is None else d / 2,
-                                  pvalue=1.0 if lam is None else 0.01, savings=0.3)
+                     rows=[LTTRow(delta=d, lam=lam, risk=0.0,
+                                  pvalue=1.0 if lam is None else
+                                  float(binomial_pvalues(np.asarray([0]), n_cal, d)[0]),
+                                  savings=0.0 if lam is None else 0.3)
                            for d, lam in rows]),
         default_delta=rows[0][0] if default_delta is None else default_delta,
         provenance=provenance or {}, **fields)

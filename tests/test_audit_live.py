@@ -287,7 +287,7 @@ def test_real_confidence_sequence_alarms_on_losses_and_metrics_show_it(bundle) -
     assert 'orca_audit_requests_total{model_name="toy",state="labelled"} 40.0' in text
     assert 'orca_audit_alarm{delta="0.1",model_name="toy"} 1.0' in text
     assert 'orca_audit_lambda{delta="0.1",model_name="toy",source="fallback"} +Inf' in text
-    assert "orca_drift_pvalue" not in text  # the demo bundle has no drift reference
+    assert "orca_drift_pvalue" not in text  # no drift monitor was given
 
 
 def test_drift_monitor_sees_every_finished_request(bundle) -> None:

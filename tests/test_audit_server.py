@@ -1,7 +1,7 @@
 """Live audits end to end: the real orca-serve on the embedded toy model, the real OpenAI client.
 
 One server for the module: `--orca-audit-rate 1.0` (every request audited), an audit directory and
-`--orca-on-alarm fallback`, serving the demo bundle plus one row that cannot hold (delta 0.01 at
+`--orca-on-alarm fallback`, serving the demo bundle plus one row that cannot hold (delta 0.3 at
 lambda 0: every request would stop at its first step, mostly before the answer is right), so its
 alarm fires after a few audits. The labelled audits are compared with what
 `orca-calibrate collect` writes for the same prompts (greedy, so the same trajectories).
@@ -21,6 +21,7 @@ import pytest
 
 from calibration.toy.tasks import write_prompts
 from orca_method.bundle import Bundle, LTTRow, load_bundle, save_bundle
+from orca_method.ltt import binomial_pvalues
 from orca_method.trajectories import TrajectorySet
 from orca_serve.audit.options import DEMO_SUFFIX
 
@@ -32,7 +33,7 @@ ROOT = Path(__file__).parents[1]
 MODEL = ROOT / "orca_serve" / "demo" / "model"
 MAX_TOKENS = 400
 N_COMPARED = 3
-BAD_DELTA = 0.01
+BAD_DELTA = 0.3
 # float32 as collect runs it (vLLM's CPU build would downcast the model to bfloat16)
 COMMON = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len",
           "1024", "--reasoning-parser", "deepseek_r1", "--max-num-batched-tokens", "16384",
@@ -43,10 +44,17 @@ COMMON = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max
 def env(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("audit")
     demo = load_bundle(ROOT / "orca_serve" / "demo" / "bundle.json")
-    rows = [LTTRow(delta=BAD_DELTA, lam=0.0, risk=0.0, pvalue=0.0, savings=0.9),
-            *demo.ltt.rows]
+    # consistent with the table (the start-up check): lambda 0 at the largest delta, recording
+    # the largest risk and savings of the other rows
+    n, worst = demo.ltt.n_cal, max(demo.ltt.rows, key=lambda r: r.risk)
+    losses = round(worst.risk * n)
+    rows = [*demo.ltt.rows, LTTRow(delta=BAD_DELTA, lam=0.0, risk=losses / n,
+                                   pvalue=float(binomial_pvalues(np.asarray([losses]), n,
+                                                                 BAD_DELTA)[0]),
+                                   savings=max(r.savings for r in demo.ltt.rows))]
     data = demo.model_dump()
     data["ltt"]["rows"] = [r.model_dump() for r in rows]
+    data["model"]["name"] = str(MODEL)  # served as --model MODEL
     save_bundle(Bundle.model_validate({**data, "checksum": ""}), d / "bundle.json")
     write_prompts(d / "prompts.jsonl", "in-dist", N_COMPARED, seed=21)
     write_prompts(d / "more.jsonl", "in-dist", 60, seed=22)
@@ -127,7 +135,7 @@ def test_audited_requests_get_full_budget_answers_and_labels_match_collect(srv, 
 
 
 def test_failing_delta_alarms_and_falls_back(srv, env) -> None:
-    """Delta 0.01 at lambda 0 stops at the first step: its realized risk is far above 0.01, the
+    """Delta 0.3 at lambda 0 stops at the first step: its realized risk is far above 0.3, the
     lower bound passes it after a few audits, and requests at that delta then stop early no
     more, while delta 0.1 keeps its bundle lambda*."""
     source = None
@@ -146,3 +154,6 @@ def test_failing_delta_alarms_and_falls_back(srv, env) -> None:
     metrics = httpx.get(srv.url + "/metrics", timeout=10).text
     assert (f'orca_audit_lambda{{delta="{BAD_DELTA:g}",model_name="{MODEL}",source="fallback"}} '
             "+Inf") in metrics
+    log = (env["dir"] / "server.log").read_text().splitlines()  # the server's own output
+    assert any(f"ALARM at delta {BAD_DELTA:g} " in ln and "WARNING" in ln for ln in log)
+    assert any(f"delta {BAD_DELTA:g} now served with lambda never" in ln for ln in log)

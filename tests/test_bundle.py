@@ -4,8 +4,10 @@ import base64
 import hashlib
 import json
 import math
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,10 +18,12 @@ from orca_method.bundle import (
     BundleError,
     _checksum,
     check_model,
+    encode_weights,
     load_bundle,
     save_bundle,
     tokenizer_fingerprint,
 )
+from orca_method.bundle_checks import check_semantics
 from orca_method.probe import Probe, ProbeSpec
 from tests.bundles import tiny_bundle
 
@@ -274,3 +278,116 @@ def test_orca_calibrate_evaluate_refuses_a_bad_bundle_in_one_line(tmp_path, caps
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("orca-calibrate evaluate: error: bundle"), err
+
+
+# -- checks before serving: the model, the table, the probe's scale (issue 16) ----------------
+DEMO = Path(__file__).parents[1] / "orca_serve" / "demo"
+
+
+@pytest.fixture(scope="module")
+def demo_facts():
+    from orca_serve.cli import model_facts
+
+    return model_facts(str(DEMO / "model"))
+
+
+def _resealed(tmp_path, mutate) -> Path:
+    """The demo bundle with one property changed and sealed again: only that property is wrong."""
+    path = tmp_path / "bundle.json"
+    shutil.copy(DEMO / "bundle.json", path)
+    _rewrite(path, mutate)
+    return path
+
+
+def _rows(data) -> list[dict]:
+    return sorted(data["ltt"]["rows"], key=lambda r: r["delta"])
+
+
+def _scaled_weights(data) -> None:
+    probe = Bundle.model_validate(data).load_probe()
+    for p in probe.params.values():
+        p.data.mul_(1e30)
+    data["probe"]["weights"] = encode_weights(probe)
+
+
+def _swap_savings(data) -> None:
+    """Savings swapped between two rows: each row alone is consistent with its risk."""
+    a, b = _rows(data)[1], _rows(data)[2]
+    a["savings"], b["savings"] = b["savings"], a["savings"]
+
+
+SEMANTIC = {  # resealed bad bundle -> what the one-line refusal says
+    "lambda rises with delta": (lambda d: _rows(d)[1].update(lam=0.0), "rises with delta"),
+    "p-value not its risk's": (lambda d: _rows(d)[0].update(pvalue=0.001), "p-value"),
+    "risk not a count": (lambda d: _rows(d)[0].update(risk=_rows(d)[0]["risk"] + 1e-3),
+                         "whole number"),
+    "never beside a risk": (lambda d: _rows(d)[0].update(lam=None), "never stops"),
+    "savings fall as lambda falls": (_swap_savings, "no smaller"),
+    "weights x 1e30": (_scaled_weights, "saturated"),
+    "delimiter no token has": (lambda d: d["segmentation"].update(delimiter="#~#"), "delimiter"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SEMANTIC))
+def test_resealed_bad_bundles_are_refused_before_serving(tmp_path, demo_facts, name) -> None:
+    from orca_serve.cli import check_served
+
+    mutate, why = SEMANTIC[name]
+    bundle = load_bundle(_resealed(tmp_path, mutate))  # the checksum holds: it was resealed
+    with pytest.raises(BundleError, match=why) as e:
+        check_served(bundle, demo_facts, str(DEMO / "model"), served_names=["orca-toy-reasoner"])
+    assert "\n" not in str(e.value)
+
+
+def test_the_demo_bundle_passes_every_check(demo_facts) -> None:
+    from orca_serve.cli import check_served
+
+    bundle = load_bundle(DEMO / "bundle.json")
+    assert check_served(bundle, demo_facts, str(DEMO / "model"),
+                        served_names=[bundle.model.name]) is None
+    check_semantics(bundle)
+
+
+def test_another_model_is_refused_unless_forced(tmp_path, demo_facts) -> None:
+    """The model name must match --model (or its last path component) or --served-model-name;
+    a bundle that names no tokenizer is refused too; --orca-force-model lets both through with
+    a note, but never a different tokenizer."""
+    from orca_serve.cli import check_served
+
+    model = str(DEMO / "model")
+    other = load_bundle(_resealed(tmp_path, lambda d: d["model"].update(name="Qwen/QwQ-32B")))
+    with pytest.raises(BundleError, match="made for model 'Qwen/QwQ-32B'"):
+        check_served(other, demo_facts, model)
+    with pytest.raises(BundleError, match="made for model"):
+        check_served(other, demo_facts, model, served_names=["orca-toy-reasoner"])
+    assert check_served(other, demo_facts, "/models/qwq-32b") is None  # same last component
+    assert check_served(other, demo_facts, model, served_names=["Qwen/QwQ-32B"]) is None
+    note = check_served(other, demo_facts, model, force=True)
+    assert note.startswith("--orca-force-model") and "Qwen/QwQ-32B" in note
+    unnamed = load_bundle(_resealed(tmp_path, lambda d: d["model"].update(
+        tokenizer_fingerprint=None)))
+    with pytest.raises(BundleError, match="names no tokenizer"):
+        check_served(unnamed, demo_facts, model, served_names=["orca-toy-reasoner"])
+    assert "names no tokenizer" in check_served(unnamed, demo_facts, model, force=True,
+                                                served_names=["orca-toy-reasoner"])
+    retok = load_bundle(_resealed(tmp_path, lambda d: d["model"].update(
+        tokenizer_fingerprint="0" * 64)))
+    with pytest.raises(BundleError, match="tokenizer"):
+        check_served(retok, demo_facts, model, force=True)
+
+
+@pytest.mark.parametrize("args", [["--served-model-name", "orca-toy-reasoner"], []])
+def test_orca_serve_refuses_them_in_one_line_before_vllm(tmp_path, args) -> None:
+    """The real entry point: a resealed table (lambda* rising with delta) under the right
+    model name, and the demo bundle under another name: exit 2, one line, vLLM not imported."""
+    path = (_resealed(tmp_path, SEMANTIC["lambda rises with delta"][0]) if args
+            else DEMO / "bundle.json")
+    probe = ("import sys\nfrom orca_serve.cli import main\ntry:\n    main(sys.argv[1:])\n"
+             "finally:\n    print('vllm imported:', 'vllm' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", probe, "--calib", str(path), "--model",
+                        str(DEMO / "model"), *args],
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert ("rises with delta" if args else "made for model 'orca-toy-reasoner'") in r.stderr
+    assert "vllm imported: False" in r.stdout

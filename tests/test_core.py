@@ -67,7 +67,7 @@ def _probe(seed: int = 1) -> Probe:
 
 def _bundle(tmp_path_factory, keywords=None, *, seed: int = 1, hidden: int = DIM,
             normalization: str = "token-l2"):
-    b = tiny_bundle(_probe(seed), [(0.05, None), (0.1, 0.75)], vocab=ID, window=WINDOW, n_cal=6,
+    b = tiny_bundle(_probe(seed), [(0.05, None), (0.1, 0.75)], vocab=ID, window=WINDOW,
                     default_delta=0.1, name="fake", hidden_size=hidden,
                     segmentation=Segmentation(keywords=keywords), normalization=normalization)
     return write_bundle(b, tmp_path_factory.mktemp("bundle") / "bundle.json")

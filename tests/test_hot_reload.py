@@ -1,7 +1,7 @@
 """Hot reload of the bundle end to end: a real orca-serve on the tiny model, real HTTP, the real
 `openai` client. One server for the module, started with bundle A and an admin key.
 
-Bundle A's probe fires at once (bias 3: score ~0.95, delta 0.05 -> lambda 0.5 stops at step 1);
+Bundle A's probe fires at once (bias 3: score ~0.95, delta 0.2 -> lambda 0.5 stops at step 1);
 bundle B is the same model's with bias -3 (score ~0.05: never stops). Which bundle served a
 request is thus visible twice: in `orca.bundle_checksum`, and in whether it could stop early.
 The tests run in file order: refusals (A serving), the reload under 64 concurrent requests (to
@@ -106,7 +106,7 @@ async def _one(client, model: str, i: int, stream: bool) -> dict:
     """One request; returns its orca object and when it was sent and finished."""
     t0 = time.monotonic()
     kw = {"model": model, "messages": MSG, "max_tokens": 48, "temperature": 1.0, "seed": i,
-          "extra_body": {"orca": {"delta": 0.05, "policy": "answer"}}}
+          "extra_body": {"orca": {"delta": 0.2, "policy": "answer"}}}
     first = None
     if stream:
         orca = None
@@ -200,5 +200,15 @@ def test_sighup_rereads_the_calib_file(srv, env):
     assert last["source"] == "SIGHUP" and last["changed"] is True
     o = srv.client().chat.completions.create(
         model=srv.client().models.list().data[0].id, messages=MSG, max_tokens=200,
-        temperature=0, extra_body={"orca": {"delta": 0.05, "policy": "stop"}}).model_extra["orca"]
+        temperature=0, extra_body={"orca": {"delta": 0.2, "policy": "stop"}}).model_extra["orca"]
     assert o["bundle_checksum"] == env["sum_a"] and o["stopped_early"] is True
+
+
+def test_reload_outcomes_are_lines_of_the_server_log(srv, env):
+    """Each reload outcome is one line in the server's own output (vLLM's log format)."""
+    log = (env["dir"] / "orca.log").read_text()
+    lines = [ln for ln in log.splitlines() if "orca_serve" in ln or "orca: " in ln]
+    refused = [ln for ln in lines if "refused (POST)" in ln]
+    assert len(refused) == 3 and all("WARNING" in ln for ln in refused), lines
+    assert any(f"(POST): now serving {env['sum_b']}" in ln and "INFO" in ln for ln in lines), lines
+    assert any(f"(SIGHUP): now serving {env['sum_a']}" in ln for ln in lines), lines

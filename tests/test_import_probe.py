@@ -182,3 +182,21 @@ def test_orca_serve_states_where_lambdas_come_from(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and err[1].startswith("orca-serve: error:")
     assert err[0].startswith("orca-serve: note: lambda* in ") and "off-policy" in err[0]
+
+
+def test_an_imported_bundle_names_its_model_and_tokenizer(tmp_path, capsys, model, tok):
+    """With --tokenizer (or a local --model) the bundle records the tokenizer's fingerprint;
+    with a hub name only, none, and the import says orca-serve will refuse it unless forced."""
+    from orca_method.bundle import tokenizer_fingerprint
+
+    d, _ = _write_release(tmp_path, {"no_kq": True}, {"no_kq": True})
+    assert _import(d, "--tokenizer", str(model)) == 0
+    bundle = load_bundle(d / "bundle.json")
+    assert bundle.model.name == "authors/model"
+    assert bundle.model.tokenizer_fingerprint == tokenizer_fingerprint(tok.get_vocab())
+    capsys.readouterr()
+    assert _import(d) == 0
+    assert load_bundle(d / "bundle.json").model.tokenizer_fingerprint is None
+    assert "names no tokenizer" in capsys.readouterr().err
+    assert _import(d, "--tokenizer", str(tmp_path / "nothing")) == 2
+    assert "cannot load the tokenizer" in capsys.readouterr().err

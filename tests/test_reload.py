@@ -9,12 +9,15 @@ release of an old bundle after its last in-flight request run the real code on b
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from orca_method.bundle import load_bundle
+from orca_method.bundle import _checksum, load_bundle
 from orca_serve.audit.live import LiveAudit
 from orca_serve.audit.options import AuditConfig
 from orca_serve.contract import XARG_KEY
@@ -197,3 +200,46 @@ def test_a_bundle_without_an_effort_maps_delta_is_refused(paths):
     assert calls == [] and state.bundle.checksum == load_bundle(paths["a"]).checksum
     state.defaults = replace(state.defaults, effort_map=parse_effort_map("low=0.05"))
     assert asyncio.run(state.reloader.reload(str(paths["b"]), source="test"))["changed"]
+
+
+def test_a_bundle_the_start_up_checks_refuse_is_refused_with_one_logged_line(paths, tmp_path,
+                                                                            caplog):
+    """The checks made at start run on reload too: a table whose lambda* rises with delta is
+    refused before any engine is asked, and the refusal is one WARNING line of the log."""
+    data = json.loads(Path(paths["b"]).read_text())
+    data["ltt"]["rows"][0]["lam"] = 0.1  # delta 0.05 below delta 0.1's 0.75
+    data["checksum"] = _checksum(data)
+    bad = tmp_path / "rising.json"
+    bad.write_text(json.dumps(data))
+    state, _, calls = setup(paths)
+    with caplog.at_level(logging.INFO, logger="orca_serve"), \
+            pytest.raises(ReloadRefused, match="rises with delta"):
+        asyncio.run(state.reloader.reload(str(bad), source="test"))
+    assert calls == []
+    (line,) = [r for r in caplog.records if r.name == "orca_serve.reload"]
+    assert line.levelno == logging.WARNING and "rises with delta" in line.getMessage()
+    assert "\n" not in line.getMessage()
+
+
+def test_orca_lines_take_vllms_handler_once_vllm_configured_logging():
+    """Under vLLM's logging configuration (its handler on `vllm` only) an INFO line of
+    orca_serve reaches vLLM's handler after `log_like_vllm`, and nothing before it."""
+    from vllm.logger import _configure_vllm_root_logger  # what vLLM runs at import
+
+    from orca_serve.server_log import log_like_vllm
+
+    _configure_vllm_root_logger()
+    (handler,) = logging.getLogger("vllm").handlers
+    seen: list[str] = []
+    handler.addFilter(lambda r: seen.append(r.getMessage()) or False)  # record, print nothing
+    orca = logging.getLogger("orca_serve")
+    before = (list(orca.handlers), orca.level, orca.propagate)
+    try:
+        logging.getLogger("orca_serve.reload").info("before")
+        log_like_vllm()
+        logging.getLogger("orca_serve.reload").info("after")
+    finally:
+        orca.handlers[:], orca.level, orca.propagate = before[0], before[1], before[2]
+        handler.filters.clear()
+    assert seen == ["after"]
+

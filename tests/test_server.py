@@ -4,8 +4,9 @@ One orca server (bundle whose probe fires at once: bias 3 -> score ~0.95 from th
 one plain vLLM server (vLLM's own api_server module, for the byte-identity check) are
 started once for the module, in parallel; the start-up refusals run meanwhile.
 
-Bundle table of the orca server: delta 0.05 -> lambda 0.5 (stops at step 1), 0.1 -> never,
-0.2 -> lambda 0.99 (never reached).
+Bundle table of the orca server (lambda* non-increasing in delta, as the start-up check
+requires): delta 0.05 -> never, 0.1 -> lambda 0.99 (never reached), 0.2 -> lambda 0.5 (stops at
+step 1); the default delta is 0.2.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tests.bundles import tiny_bundle, write_bundle
 from tests.serving import Server, free_port, orca_serve_cmd, server_env
 from tests.tiny_model import HIDDEN, build_tiny_model
 
-DELTAS = {0.05: 0.5, 0.1: None, 0.2: 0.99}
+DELTAS = {0.05: None, 0.1: 0.99, 0.2: 0.5}
 COMMON = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
           "--reasoning-parser", "deepseek_r1", "--seed", "0", "--disable-uvicorn-access-log"]
 MSG = [{"role": "user", "content": "Find x with 3*x + 2 = 11."}]
@@ -45,7 +46,8 @@ def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: floa
     probe.params["b"].data.fill_(bias)
     vocab = AutoTokenizer.from_pretrained(str(model_dir)).get_vocab()
     return write_bundle(tiny_bundle(probe, DELTAS.items(), vocab=vocab, window=3,
-                                    default_delta=0.05, provenance={"test": "test_server"}),
+                                    name=model_dir.name,
+                                    default_delta=0.2, provenance={"test": "test_server"}),
                         path)
 
 
@@ -141,9 +143,9 @@ def test_refuses_delta_not_in_bundle_and_speculative_decoding(env, servers):
 
 # -- requests ---------------------------------------------------------------------------------
 def test_chat_non_streaming_has_orca(srv):
-    resp = chat(srv, {"delta": 0.1, "policy": "answer"})
+    resp = chat(srv, {"delta": 0.05, "policy": "answer"})
     o = orca_of(resp)
-    assert o["enabled"] is True and o["policy"] == "answer" and o["delta"] == 0.1
+    assert o["enabled"] is True and o["policy"] == "answer" and o["delta"] == 0.05
     assert o["lambda"] is None and o["stopped_early"] is False and o["stop_step"] is None
     assert o["steps_scored"] >= 1 and 0 < o["last_score"] < 1
     assert o["reasoning_tokens"] >= o["steps_scored"]
@@ -151,7 +153,7 @@ def test_chat_non_streaming_has_orca(srv):
 
 
 def test_request_stops_early(srv):
-    resp = chat(srv, {"delta": 0.05, "policy": "stop"}, max_tokens=200)
+    resp = chat(srv, {"delta": 0.2, "policy": "stop"}, max_tokens=200)
     o = orca_of(resp)
     assert o["lambda"] == 0.5 and o["stopped_early"] is True and o["stop_step"] == 1
     assert o["last_score"] >= 0.5
@@ -164,7 +166,7 @@ def test_policy_answer_closes_reasoning_and_answers(srv):
     # (text-based, non-streaming) reasoning parser can split reasoning from content.
     resp = srv.client().chat.completions.create(
         model=server_model(srv), messages=MSG, max_tokens=200, temperature=0,
-        extra_body={"orca": {"delta": 0.05, "policy": "answer", "answer_budget": 6},
+        extra_body={"orca": {"delta": 0.2, "policy": "answer", "answer_budget": 6},
                     "skip_special_tokens": False})
     o = orca_of(resp)
     assert o["stopped_early"] is True and o["stop_step"] == 1 and o["stop_reason"] == "probe"
@@ -180,7 +182,7 @@ def test_policy_answer_closes_reasoning_and_answers(srv):
 def test_n_choices_each_get_their_result(srv):
     resp = srv.client().chat.completions.create(
         model=server_model(srv), messages=MSG, max_tokens=20, temperature=1.0, seed=3, n=3,
-        extra_body={"orca": {"delta": 0.05, "policy": "shadow"}})
+        extra_body={"orca": {"delta": 0.2, "policy": "shadow"}})
     o = orca_of(resp)
     assert [c["index"] for c in o["choices"]] == [0, 1, 2] and "steps_scored" not in o
     for c in o["choices"]:
@@ -192,7 +194,7 @@ def test_streaming_with_reasoning_parser(srv):
     stream = srv.client().chat.completions.create(
         model=server_model(srv), messages=MSG, max_tokens=200, temperature=0, stream=True,
         stream_options={"include_usage": True},
-        extra_body={"orca": {"delta": 0.05, "policy": "answer", "answer_budget": 6}})
+        extra_body={"orca": {"delta": 0.2, "policy": "answer", "answer_budget": 6}})
     chunks = list(stream)
     with_orca = [c for c in chunks if "orca" in (c.model_extra or {})]
     finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -211,7 +213,7 @@ def test_streaming_with_reasoning_parser(srv):
 def test_streaming_stop_policy_without_usage(srv):
     stream = srv.client().chat.completions.create(
         model=server_model(srv), messages=MSG, max_tokens=200, temperature=0, stream=True,
-        extra_body={"orca": {"delta": 0.05, "policy": "stop"}})
+        extra_body={"orca": {"delta": 0.2, "policy": "stop"}})
     chunks = list(stream)
     assert "orca" in (chunks[-1].model_extra or {}) and chunks[-1].choices[0].finish_reason == "stop"
     assert orca_of(chunks[-1])["stop_step"] == 1
@@ -221,7 +223,7 @@ def test_completions_endpoint_and_vllm_xargs_spelling(srv):
     c = srv.client()
     resp = c.completions.create(model=server_model(srv), prompt="Try x = 3:", max_tokens=16,
                                 temperature=0,
-                                extra_body={"vllm_xargs": {"orca_delta": 0.05, "orca_policy": "shadow"}})
+                                extra_body={"vllm_xargs": {"orca_delta": 0.2, "orca_policy": "shadow"}})
     o = orca_of(resp)
     assert o["policy"] == "shadow" and o["stopped_early"] is False and o["would_stop_step"] == 1
     assert resp.usage.completion_tokens == 16
@@ -244,9 +246,9 @@ def test_disabled_request_identical_to_plain_vllm(srv, servers):
 
 
 def test_mixed_deltas_and_policies_concurrently(srv):
-    combos = [({"delta": 0.05, "policy": "stop"}, True), ({"delta": 0.1, "policy": "answer"}, False),
-              ({"delta": 0.05, "policy": "shadow"}, False), ({"delta": 0.2, "policy": "stop"}, False),
-              ({"enabled": False}, None), ({"delta": 0.05, "policy": "answer"}, True)] * 2
+    combos = [({"delta": 0.2, "policy": "stop"}, True), ({"delta": 0.1, "policy": "answer"}, False),
+              ({"delta": 0.2, "policy": "shadow"}, False), ({"delta": 0.05, "policy": "stop"}, False),
+              ({"enabled": False}, None), ({"delta": 0.2, "policy": "answer"}, True)] * 2
 
     async def go():
         c = srv.aclient()
@@ -279,10 +281,10 @@ def test_64_concurrent_requests_match_serial_runs(srv):
     """No state crosses between requests: each of 64 concurrent requests gets the same text and
     the same orca result as when it runs alone. Even requests are greedy; odd ones sample with
     their own seed (per-request generators: deterministic too), so trajectories differ."""
-    settings = [{"delta": 0.1, "policy": "answer"}, {"delta": 0.05, "policy": "shadow"},
-                {"delta": 0.05, "policy": "stop"}, {"delta": 0.2, "policy": "answer"},
-                {"delta": 0.05, "policy": "answer", "answer_budget": 3}, {"enabled": False},
-                {"delta": 0.2, "policy": "shadow"}]
+    settings = [{"delta": 0.1, "policy": "answer"}, {"delta": 0.2, "policy": "shadow"},
+                {"delta": 0.2, "policy": "stop"}, {"delta": 0.05, "policy": "answer"},
+                {"delta": 0.2, "policy": "answer", "answer_budget": 3}, {"enabled": False},
+                {"delta": 0.05, "policy": "shadow"}]
     reqs = [dict(messages=[{"role": "user", "content": f"Problem {i}: find x with {i}*x = {i * 7}."}],
                  max_tokens=8 + (i * 5) % 23, extra_body={"orca": settings[i % len(settings)]},
                  **({"temperature": 0} if i % 2 == 0 else {"temperature": 1.0, "seed": i}))
@@ -322,13 +324,13 @@ def test_aborted_stream_leaves_server_healthy(srv):
         time.sleep(0.5)
     assert running() == 0
     assert httpx.get(srv.url + "/health").status_code == 200
-    o = orca_of(chat(srv, {"delta": 0.05, "policy": "stop"}, max_tokens=50))
+    o = orca_of(chat(srv, {"delta": 0.2, "policy": "stop"}, max_tokens=50))
     assert o["stopped_early"] is True and o["stop_step"] == 1
 
 
 # -- errors, bundle endpoint, metrics -----------------------------------------------------------
 @pytest.mark.parametrize("orca, param", [
-    ({"delta": 0.05, "bogus": 1}, "orca.bogus"),
+    ({"delta": 0.2, "bogus": 1}, "orca.bogus"),
     ({"delta": "0.05"}, "orca.delta"),
     ({"policy": "sometimes"}, "orca.policy"),
     ({"answer_budget": -1}, "orca.answer_budget"),
@@ -355,7 +357,7 @@ def test_bundle_endpoint(srv, env):
     r = httpx.get(srv.url + "/v1/orca/bundle")
     assert r.status_code == 200
     s = r.json()
-    assert s["model"]["hidden_size"] == HIDDEN and s["default_delta"] == 0.05
+    assert s["model"]["hidden_size"] == HIDDEN and s["default_delta"] == 0.2
     assert [row["delta"] for row in s["ltt"]["rows"]] == [0.05, 0.1, 0.2]
     assert s["probe"]["variant"] == "noqk" and "weights" not in s["probe"]
     assert "weights" not in json.dumps(s)
@@ -370,7 +372,7 @@ def test_bundle_reload_route_is_off_without_the_admin_key_option(srv, env):
 
 
 def test_metrics_have_orca_counts(srv):
-    chat(srv, {"delta": 0.05, "policy": "shadow"})
+    chat(srv, {"delta": 0.2, "policy": "shadow"})
     chat(srv, {"enabled": False})
     time.sleep(0.5)
     text = httpx.get(srv.url + "/metrics").text

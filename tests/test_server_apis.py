@@ -1,11 +1,11 @@
 """The Responses and Messages APIs, reasoning effort and vLLM's thinking budget, end to end: one
-real orca-serve on the tiny model (the bundle of test_server: delta 0.05 -> lambda 0.5, stops at
-step 1; 0.1 -> never; 0.2 -> lambda 0.99, never reached), the real `openai` client, the real
+real orca-serve on the tiny model (the bundle of test_server: delta 0.2 -> lambda 0.5, stops at
+step 1; 0.1 -> lambda 0.99, never reached; 0.05 -> never), the real `openai` client, the real
 `anthropic` client where it is installed (it is not a dependency of this project) and raw HTTP
 for the Messages API everywhere.
 
 The server runs with `--orca-effort-map medium=0.1`, so the efforts map to: low -> 0.2 (the
-largest delta), medium -> 0.1 (the option), high -> 0.05 (the smallest), xhigh/max -> off.
+largest delta: stops), medium -> 0.1 (the option), high -> 0.05 (the smallest), xhigh/max -> off.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tests.tiny_model import build_tiny_model
 pytestmark = pytest.mark.vllm
 
 QUESTION = MSG[0]["content"]
-STOP = {"delta": 0.05, "policy": "stop"}
+STOP = {"delta": 0.2, "policy": "stop"}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def srv(tmp_path_factory):
 def test_responses_api_stops_early_and_reports_it(srv):
     c = srv.client()
     r = c.responses.create(model=server_model(srv), input=QUESTION, max_output_tokens=200,
-                           temperature=0, extra_body={"orca": {"delta": 0.05, "policy": "answer",
+                           temperature=0, extra_body={"orca": {"delta": 0.2, "policy": "answer",
                                                                "answer_budget": 6}})
     o = orca_of(r)
     assert o["stopped_early"] is True and o["stop_step"] == 1 and o["lambda"] == 0.5
@@ -124,7 +124,7 @@ def test_messages_api_with_the_anthropic_client(srv):
 
 
 @pytest.mark.parametrize("effort, delta, lam, stops", [
-    ("low", 0.2, 0.99, False), ("medium", 0.1, None, False), ("high", 0.05, 0.5, True)])
+    ("low", 0.2, 0.5, True), ("medium", 0.1, 0.99, False), ("high", 0.05, None, False)])
 def test_reasoning_effort_chooses_lambda(srv, effort, delta, lam, stops):
     c = srv.client()
     r = c.chat.completions.create(model=server_model(srv), messages=MSG, max_tokens=40,
@@ -166,7 +166,7 @@ def test_thinking_token_budget_and_orca_whichever_ends_thinking_first(srv):
     assert r.choices[0].message.content  # the answer after vLLM's forced end of thinking
     assert r.usage.completion_tokens_details.reasoning_tokens == o["reasoning_tokens"]
     # orca stops at step 1, long before a budget of 60
-    o = orca_of(ask({"delta": 0.05, "policy": "answer"}, 60))
+    o = orca_of(ask({"delta": 0.2, "policy": "answer"}, 60))
     assert o["thinking_ended_by"] == "orca" and o["stopped_early"] is True
 
 

@@ -67,6 +67,9 @@ logger = logging.getLogger("orca_serve.audit")
 
 NEVER = math.inf
 AUDIT_PATH = "/v1/orca/audit"
+# What a live audit can label by: agreement with the request's own final answer (live traffic
+# has no reference answer for `supervised`, and the server calls no judge).
+AUDIT_LABEL_MODE = "consistent"
 
 
 class AuditSampler:
@@ -178,6 +181,29 @@ class DeltaGuard:
                 "bundle_lambda": None if math.isinf(self.bundle_lam) else self.bundle_lam}
 
 
+def _shown(lam: float) -> str:
+    return "never (no early stop)" if math.isinf(lam) else f"{lam:g}"
+
+
+def log_change(g: DeltaGuard, was_engaged: bool, was_source: str, was_lam: float) -> None:
+    """One server-log line per change of a guard: alarm raised or cleared, and the lambda served
+    (fallback, recalibrated, the bundle's again)."""
+    n, d = int(g.cs.n), f"{g.delta:g}"
+    if g.engaged and not was_engaged:
+        logger.warning("orca audit: ALARM at delta %s after %d audits: the realized risk of the "
+                       "bundle's lambda* %s has lower bound %.3f > delta (on alarm: %s)", d, n,
+                       _shown(g.bundle_lam), g.cs.alarm_source(g.delta)[1] or g.cs.lower,
+                       g.on_alarm)
+    elif was_engaged and not g.engaged:
+        logger.info("orca audit: alarm at delta %s cleared after %d audits (upper bound %.3f <= "
+                    "delta)", d, n, g.cs.upper)
+    if (g.source, g.lam) != (was_source, was_lam):
+        how = {"fallback": "fallback", "audit": "recalibrated on the recent audits",
+               "bundle": "the bundle's lambda*"}.get(g.source, g.source)
+        logger.warning("orca audit: delta %s now served with lambda %s (%s; was %s)", d,
+                       _shown(g.lam), how, _shown(was_lam))
+
+
 def _default_cs_factory(epsilon: float) -> Callable[[], CS]:
 
     return lambda: RestartedAlarm(epsilon)
@@ -210,8 +236,20 @@ class LiveAudit:
         self.sampler = AuditSampler(config.rate, config.seed)
         make_cs = cs_factory or _default_cs_factory(bundle.ltt.epsilon)
         self.loss = loss or _default_loss
-        self.guards = {d: DeltaGuard(d, bundle.lam(d), make_cs(), config.on_alarm)
+        # audits measure the risk under consistency labels; a bundle certified under others is
+        # only reported on unless the operator lets the guard act (--orca-guard-other-labels)
+        self.labels_match = bundle.label_mode == AUDIT_LABEL_MODE
+        self.guard_acts = self.labels_match or config.other_labels
+        self.guards = {d: DeltaGuard(d, bundle.lam(d), make_cs(),
+                                     config.on_alarm if self.guard_acts else "report")
                        for d in bundle.deltas()}
+        if not self.labels_match and config.rate > 0:
+            logger.warning("orca audit: the bundle was calibrated with %s labels but live audits "
+                           "label by %s, so the audited risk is not the certified one; %s",
+                           bundle.label_mode, AUDIT_LABEL_MODE,
+                           f"--orca-on-alarm {config.on_alarm} acts on it anyway "
+                           "(--orca-guard-other-labels)" if self.guard_acts else
+                           "the guard reports only (--orca-guard-other-labels lets it act)")
         self.drift = drift
         self.window: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=config.window)
         self.counts = {"picked": 0, "labelled": 0, "dropped": 0, "failed": 0, "unsolvable": 0,
@@ -318,7 +356,7 @@ class LiveAudit:
             return
         if self.store is not None:
             await asyncio.to_thread(self.store.append, record, job.result["step_embeddings"])
-        self.observe(list(job.result["scores"]), record["labels"]["consistent"])
+        self.observe(list(job.result["scores"]), record["labels"][AUDIT_LABEL_MODE])
 
     def observe(self, scores: list[float], raw_labels: list[int]) -> None:
         """One labelled audit: losses at every bundle lambda*, then every guard decides."""
@@ -336,7 +374,9 @@ class LiveAudit:
         self.window.append((s, labels))
         for g in self.guards.values():
             g.cs.update(self.loss(s, labels, g.bundle_lam))
+            before = (g.engaged, g.source, g.lam)
             g.decide(self._full_window, self._ltt)
+            log_change(g, *before)
 
     def _full_window(self) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
         if len(self.window) < self.config.window:
@@ -382,7 +422,9 @@ class LiveAudit:
         c = self.config
         out: dict[str, Any] = {
             "bundle_checksum": self.bundle.checksum,
-            "rate": c.rate, "on_alarm": c.on_alarm, "label_mode": "consistent",
+            "rate": c.rate, "on_alarm": c.on_alarm, "label_mode": AUDIT_LABEL_MODE,
+            "bundle_label_mode": self.bundle.label_mode, "labels_match": self.labels_match,
+            "guard_acts": self.guard_acts,
             "epsilon": self.bundle.ltt.epsilon,
             "recalibrate_window": c.window if c.on_alarm == "recalibrate" else None,
             "window": len(self.window),
@@ -452,6 +494,12 @@ class AuditCollector(Collector):
             lam.add_metric([m, d, g.source], g.lam)
         yield from fams.values()
         yield lam
+        lm = GaugeMetricFamily("orca_audit_labels_match", "1 when the audits label as the bundle "
+                               "was calibrated (else the audited risk is not the certified one, "
+                               "and the guard only reports unless --orca-guard-other-labels)",
+                               labels=[LABEL, "bundle_label_mode", "audit_label_mode"])
+        lm.add_metric([m, a.bundle.label_mode, AUDIT_LABEL_MODE], float(a.labels_match))
+        yield lm
         if a.drift is not None:
             p = GaugeMetricFamily("orca_drift_pvalue", "p-value of the score-drift test against "
                                   "the bundle's reference", labels=[LABEL])

@@ -30,6 +30,7 @@ class AuditConfig:
     seed: int | None = None
     directory: Path | None = None
     on_alarm: str = "report"
+    other_labels: bool = False  # let on_alarm act although the bundle's label mode is not the audit's
     window: int = 200  # audits LTT recalibrates on (on_alarm=recalibrate)
     queue: int = 64  # finished audits waiting for labels; more are dropped
     per_dir: int = 1000  # audits per trajectory directory before rotating
@@ -65,6 +66,10 @@ def add_audit_args(parser: argparse.ArgumentParser) -> None:
                    help="When a delta's realized-risk lower bound exceeds delta: report only, "
                    "fallback (that delta stops early no more), or recalibrate (LTT on the "
                    "recent audits).")
+    g.add_argument("--orca-guard-other-labels", action="store_true", default=False,
+                   help="Let --orca-on-alarm act although the bundle was calibrated with other "
+                   "labels than the audits' (consistency): the audited risk is then not the "
+                   "certified one. Without it such a bundle's guard only reports.")
     g.add_argument("--orca-recalibrate-window", type=integer(1), default=200, metavar="N",
                    help="Audits LTT recalibrates on (--orca-on-alarm recalibrate).")
 
@@ -72,7 +77,8 @@ def add_audit_args(parser: argparse.ArgumentParser) -> None:
 def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
     """Raise ValueError (one line) for settings that cannot work; before vLLM is imported."""
     if not has_bundle:
-        if ns.orca_audit_rate > 0 or ns.orca_audit_dir or ns.orca_on_alarm != "report":
+        if (ns.orca_audit_rate > 0 or ns.orca_audit_dir or ns.orca_on_alarm != "report"
+                or ns.orca_guard_other_labels):
             raise ValueError("auditing (--orca-audit-*, --orca-on-alarm) needs --calib (a bundle)")
         return
     if ns.orca_audit_dir is not None and ns.orca_audit_rate == 0:
@@ -103,7 +109,8 @@ def audit_config(ns: argparse.Namespace) -> AuditConfig:
     return AuditConfig(
         rate=ns.orca_audit_rate, seed=ns.orca_audit_seed,
         directory=Path(ns.orca_audit_dir).absolute() if ns.orca_audit_dir else None,
-        on_alarm=ns.orca_on_alarm, window=ns.orca_recalibrate_window, queue=ns.orca_audit_queue,
+        on_alarm=ns.orca_on_alarm, other_labels=bool(ns.orca_guard_other_labels),
+        window=ns.orca_recalibrate_window, queue=ns.orca_audit_queue,
         per_dir=ns.orca_audit_per_dir, keep=ns.orca_audit_keep,
         probe=ProbeSettings(suffix=suffix, answer_tokens=tokens,
                             label_every=ns.orca_audit_label_every))

@@ -1,0 +1,155 @@
+"""Checks of a bundle before it is served, at start and on every hot reload (docs/SERVER.md,
+"Bundle checks"): a table and a probe that calibration could have produced, a step delimiter the
+model's tokenizer has, the model the bundle names. Each refusal is one `BundleError` line.
+
+A module of their own: `load_bundle` (orca_method/bundle.py) is what every tool reads bundles
+with, while these checks are the server's, and the table check needs LTT's p-values
+(orca_method/ltt.py, whose loss module refers to the bundle).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import torch
+
+from orca_method.bundle import Bundle, BundleError, LTTRow
+from orca_method.ltt import PVALUES
+from orca_method.probe import Probe
+
+SATURATED = 1e-6  # a score this close to 0 or 1 is saturated (float32 sigmoid's flat ends)
+SATURATION_PROBES = (64, 4)  # seeded reference trajectories and steps each
+
+
+def check_semantics(bundle: Bundle) -> None:
+    """Refuse (BundleError, one line) a table or probe that no calibration could have produced.
+
+    Data-free, so they hold for any bundle: lambda* is non-increasing in delta and each row is
+    consistent with the others and with its own recorded risk (`check_rows`); the probe's
+    scores are not saturated (`check_not_saturated`).
+    """
+    check_rows(bundle)
+    check_not_saturated(bundle)
+
+
+def check_rows(bundle: Bundle) -> None:
+    """The LTT table's facts could all come from one run of orca_method/ltt.py on n_cal traces.
+
+    "Consistent", precisely (docs/SERVER.md, "Bundle checks"):
+    1. lambda* is non-increasing in delta (None, never stop, above every number): a larger delta
+       passes every test a smaller one passes, so LTT never picks a higher threshold for it;
+    2. a row with recorded facts and a known n_cal: risk x n_cal is a whole number of losses k;
+       a finite lambda* has the p-value of k losses in n_cal at its delta (the table's p-value
+       kind) and that p-value is <= epsilon (the test passed); lambda* None has p-value 1 and,
+       with never-correct traces excluded, risk 0 (never stopping is right on every counted trace);
+    3. two rows with facts: a lower lambda* stops every trace no later, so its risk and savings
+       are no smaller; equal lambda* have equal risk and savings (the same stop steps).
+    Imported tables (no recorded facts) are held to 1 only.
+    """
+    t = bundle.ltt
+    rows = sorted(t.rows, key=lambda r: r.delta)
+
+    def lam(r: LTTRow) -> float:
+        return math.inf if r.lam is None else r.lam
+
+    def shown(r: LTTRow) -> str:
+        return "never" if r.lam is None else f"{r.lam:g}"
+
+    for a, b in itertools.pairwise(rows):
+        if lam(b) > lam(a):
+            raise BundleError(f"lambda* rises with delta (delta {a.delta:g}: {shown(a)}, delta "
+                              f"{b.delta:g}: {shown(b)}), which LTT never does: the table was "
+                              "edited after calibration; recalibrate")
+    facts = [r for r in rows if r.risk is not None and r.pvalue is not None]
+    for r in facts if t.n_cal is not None else []:
+        k = r.risk * t.n_cal
+        where = f"delta {r.delta:g} (lambda* {shown(r)}, risk {r.risk:g}, p-value {r.pvalue:g})"
+        if abs(k - round(k)) > 1e-6:
+            raise BundleError(f"{where}: risk x n_cal = {k:g} is not a whole number of losses "
+                              f"out of {t.n_cal}; the table was edited: recalibrate")
+        if r.lam is None:
+            if r.pvalue != 1.0 or (t.excluded_never_correct and r.risk != 0.0):
+                raise BundleError(f"{where}: a row that never stops early has p-value 1 and "
+                                  "risk 0; the table was edited: recalibrate")
+            continue
+        p = float(PVALUES[t.pvalue](np.asarray([round(k)]), t.n_cal, r.delta)[0])
+        if not math.isclose(p, r.pvalue, rel_tol=1e-6, abs_tol=1e-12) or p > t.epsilon:
+            raise BundleError(f"{where}: {round(k)} losses in {t.n_cal} give p-value {p:.4g}"
+                              f"{'' if p <= t.epsilon else f' > epsilon {t.epsilon:g}'}; the "
+                              "row does not match its own risk: recalibrate")
+    for a, b in itertools.pairwise(sorted(facts, key=lam, reverse=True)):
+        pairs = [("risk", a.risk, b.risk), ("savings", a.savings, b.savings),
+                 ("token savings", a.token_savings, b.token_savings)]
+        for name, x, y in pairs:
+            if x is None or y is None:
+                continue
+            bad = not math.isclose(x, y, abs_tol=1e-9) if lam(a) == lam(b) else x > y + 1e-9
+            if bad:
+                raise BundleError(f"delta {a.delta:g} (lambda* {shown(a)}) records {name} {x:g} "
+                                  f"but delta {b.delta:g} (lambda* {shown(b)}) records {y:g}: "
+                                  f"a lower lambda* stops no later, so its {name} is no smaller; "
+                                  "the table was edited: recalibrate")
+
+
+@torch.no_grad()
+def check_not_saturated(bundle: Bundle, probe: Probe | None = None) -> None:
+    """Refuse a probe whose every score is 0 or 1 (within SATURATED) on a seeded reference.
+
+    The reference: SATURATION_PROBES seeded random unit-norm step embeddings per trajectory (the
+    norm of a token-l2 step embedding is at most 1). A probe whose scores are all at sigmoid's
+    ends (weights scaled up, e.g. x 1e30: finite, so the load-time smoke test passes) cannot
+    place a threshold between steps; a trained probe gives scores spread over (0, 1) there.
+    """
+    probe = bundle.load_probe() if probe is None else probe
+    n, steps = SATURATION_PROBES
+    gen = torch.Generator().manual_seed(0)
+    phi = torch.randn(n, steps, probe.spec.dim, generator=gen)  # [n, steps, d]
+    phi = phi / phi.norm(dim=-1, keepdim=True)
+    fast = probe.init_fast(n)
+    inside = 0
+    for t in range(steps):
+        score = probe.score(fast, phi[:, t])  # [n]
+        inside += int(((score > SATURATED) & (score < 1 - SATURATED)).sum())
+        fast = probe.update(fast, phi[:, t])
+    if inside == 0:
+        raise BundleError(f"the probe's scores are all saturated (0 or 1 within {SATURATED:g}) "
+                          f"on {n * steps} seeded unit-norm step embeddings: its weights are "
+                          "out of scale (edited?); retrain and recalibrate")
+
+
+def check_delimiter(bundle: Bundle, token_bytes: list[bytes], model_name: str) -> None:
+    """Refuse a step delimiter that no token of the model's tokenizer contains.
+
+    The segmenter (orca_method/steps.py) ends a step when a token completes the delimiter; a
+    delimiter the model writes in the course of reasoning (a paragraph break, a newline) is part
+    of some token. One that no token contains was not what the calibration data was cut at
+    (the data records the delimiter of the tokenizer that made it).
+    """
+    d = bundle.segmentation.delimiter.encode("utf-8")
+    if not any(d in t for t in token_bytes):
+        raise BundleError(f"the bundle's step delimiter {bundle.segmentation.delimiter!r} is in no "
+                          f"token of {model_name}'s tokenizer, so its steps would not be the "
+                          "calibrated ones; wrong model, or the bundle was edited: recalibrate")
+
+
+def model_aliases(name: str) -> set[str]:
+    """The names a model goes by for `check_model_name`: the name and its last path component
+    (a hub name `org/model`, a local folder `/models/model`), case-insensitive."""
+    n = name.strip().rstrip("/").casefold()
+    return {n, n.rsplit("/", 1)[-1]} - {""}
+
+
+def check_model_name(bundle: Bundle, model: str, served_names: list[str] | None = None) -> None:
+    """Refuse a bundle made for another model: its model name must match the served one.
+
+    Match: the bundle's name or its last path component equals `--model` or its last path
+    component (case-insensitive), or one of `--served-model-name`. `--orca-force-model` skips it.
+    """
+    served = model_aliases(model).union(*(model_aliases(s) for s in served_names or []))
+    if model_aliases(bundle.model.name) & served:
+        return
+    raise BundleError(f"the bundle was made for model {bundle.model.name!r}, not {model!r}; "
+                      f"serve {bundle.model.name!r}, or name it so with --served-model-name if "
+                      "this is that model under another path, or pass --orca-force-model")
