@@ -153,12 +153,17 @@ def _as_use(parts: list[str]) -> str:
     return f"{'.'.join(parts[:-1])}:{parts[-1]}"
 
 
+OUTPUTS = ("runs", "build")  # gitignored output folders (runs/ may hold throwaway venvs)
+
+
 def project_files(root: Path) -> list[Path]:
     """Every .py file of the project outside the compatibility package (hidden folders, such as
-    a virtual environment, left out)."""
-    return sorted(p for p in root.rglob("*.py")
-                  if not any(part.startswith(".") for part in p.relative_to(root).parts)
-                  and not p.relative_to(root).as_posix().startswith(COMPAT + "/"))
+    .venv, and the output folders left out)."""
+    def ours(rel: Path) -> bool:
+        return not (any(part.startswith(".") for part in rel.parts) or rel.parts[0] in OUTPUTS
+                    or rel.as_posix().startswith(COMPAT + "/"))
+
+    return sorted(p for p in root.rglob("*.py") if ours(p.relative_to(root)))
 
 
 def violations(root: Path, exceptions: dict[str, dict[str, str]]) -> tuple[list[str], set]:

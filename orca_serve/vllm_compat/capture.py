@@ -13,17 +13,13 @@ section 1). We keep a reference to that tensor (no copy) in a module-level stash
 logits processor takes it in the same engine step, in `apply()`, where `logits` has the same
 rows. Both model runners (V1 and MRV2) compute logits through this layer.
 
-Importing this module refuses an unsupported vLLM release (`check_vllm_version`) and registers
-the layer once per process. The plugin's processor module imports it, and vLLM imports the
-processor (from the engine's `logits_processors`) in the model runner's constructor, before the
-model is built: that is how a spawned worker process gets it.
+Importing this module registers the layer once per process. The plugin's processor module
+imports it (after refusing an unsupported vLLM release), and vLLM imports the processor (from
+the engine's `logits_processors`) in the model runner's constructor, before the model is built:
+that is how a spawned worker process gets it.
 """
 
 from __future__ import annotations
-
-from orca_serve.vllm_plugin.config import check_vllm_version
-
-check_vllm_version()  # before the imports below: another release may lack them
 
 import torch
 from vllm.model_executor.custom_op import op_registry_oot

@@ -27,6 +27,12 @@ core gives that one token up (`rows_exact = False`) rather than pool a wrong row
 
 from __future__ import annotations
 
+from orca_serve.vllm_plugin.config import check_vllm_version
+
+# every vLLM process that loads the plugin imports this module first: refuse an unsupported
+# release before the imports below, which it may lack
+check_vllm_version()
+
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 from vllm.v1.worker.gpu.sample.logits_processor.interface import (
