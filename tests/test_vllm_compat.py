@@ -13,8 +13,8 @@ against the installed vLLM).
 
 tests/ and benchmarks/ follow the same rule, with one allowance for tests (`TEST_EXCEPTIONS`):
 a test that stands in for a part of vLLM no engine can run here (the MRV2 runner needs Triton's
-GPU backend) or that resets vLLM's process-wide state between engines may name the private
-vLLM names it needs, listed per file with the reason. Benchmarks have no allowance: they run
+GPU backend) or that sets up or resets vLLM's process-wide state (env-var cache, logging) may
+name the private vLLM names it needs, listed per file with the reason. Benchmarks have no allowance: they run
 what users run.
 
 `PENDING` lists the server side's private imports (orca_serve/cli.py, server.py and the audit
@@ -67,6 +67,8 @@ TEST_EXCEPTIONS: dict[str, dict[str, str]] = {
         "vllm.v1.worker.gpu.states:RequestState",
     ), "drives vLLM's own MRV2 runner, request state and loaders (no MRV2 engine runs on CPU)"),
     "tests/test_plugin.py": {"vllm.envs": "resets vLLM's env-var cache between engines"},
+    "tests/test_reload.py": {"vllm.logger:_configure_vllm_root_logger":
+                             "sets up vLLM's logging as vLLM does at import"},
     "tests/test_parallel.py": {"vllm.envs": "resets vLLM's env-var cache between engines"},
     "tests/test_requests.py": {"vllm.platforms:current_platform":
                                "the CPU-build guard is tested on the CPU build only"},
