@@ -12,13 +12,13 @@ After the timed rounds (untimed, the same server) every response is labelled as
 steps by the plugin's segmenter, each step prefix gets the answer-forcing suffix and a few greedy
 tokens (`/v1/completions`, ORCA off), and the forced answers give the step labels. Then:
 - **stop error** (ORCA on): the bundle's loss, 1 when no step up to the stop step had the right
-  answer yet. Requests that ran to the end and were never right are excluded, as calibration
-  excludes them; a stopped request is always counted (its continuation is unknown), so the
-  figure errs high by at most the never-right share;
+  answer yet. It is defined on the never-stopping trajectory (never-right ones excluded), so a
+  stopped request is first continued from its stop step with ORCA off and the same sampling (a
+  draw of the rest of the run it cut short), then labelled whole;
 - **oracle** (on the ORCA-off responses): stop at the first step whose forced answer already
   equals the response's final answer; its tokens are the response's minus the steps after that
-  one, its accuracy that step's answer against the reference. The best any stopping rule could
-  do on these traces.
+  one, its answer the response's (so its accuracy is the off arm's). The fewest tokens any
+  stopping rule could spend on these traces without changing an answer.
 
 Usage: python benchmarks/bench_goodput.py [--n 96] [--rounds 6] [--concurrency 16 64]
 Writes runs/bench-goodput/result.json (every request) and benchmarks/goodput.png.
@@ -43,7 +43,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from calibration.labels import extract_forced
-from calibration.probing import ProbeSettings, probe_prompts, trajectory_fields
+from calibration.probing import (
+    ProbeSettings,
+    probe_prompts,
+    reasoning_start,
+    step_ends,
+    trajectory_fields,
+)
 from calibration.toy.tasks import Problem, check_answer, write_prompts
 from calibration.trajectories import cumulative
 from orca_serve.audit.options import DEMO_ANSWER_TOKENS, DEMO_SUFFIX
@@ -73,11 +79,11 @@ def stop_loss(supervised: Sequence[int], stop_index: int) -> int:
 
 @dataclass(frozen=True)
 class Oracle:
-    """The best stop on one recorded response: the first step whose answer is the final one."""
+    """The best stop on one labelled response: the first step whose answer is the final one.
+    It delivers the response's own answer, so its accuracy is the response's."""
 
     step: int  # 0-based
     tokens: int  # completion tokens had the response stopped there
-    correct: bool  # that step's answer equals the reference
 
 
 def oracle(trace: dict[str, Any], completion_tokens: int) -> Oracle:
@@ -85,9 +91,7 @@ def oracle(trace: dict[str, Any], completion_tokens: int) -> Oracle:
     whose consistent label is 1 (its forced answer equals the final answer; the last step when
     none does). Its tokens: the response's, less every step after that one."""
     j = first_index(trace["labels"]["consistent"])
-    cut = sum(trace["step_tokens"][j + 1:])
-    return Oracle(step=j, tokens=completion_tokens - cut,
-                  correct=bool(trace["labels"]["supervised"][j]))
+    return Oracle(step=j, tokens=completion_tokens - sum(trace["step_tokens"][j + 1:]))
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -119,12 +123,13 @@ def stop_error(requests: Sequence[dict[str, Any]]) -> tuple[float, int]:
 
 
 def request_loss(trace: dict[str, Any], orca: dict[str, Any]) -> int | None:
-    """The stop loss of one labelled ORCA-on response; None when it ran to the end and was never
-    right (excluded, as calibration excludes never-right trajectories)."""
+    """The stop loss of one ORCA-on request, given the labelled never-stopping trajectory it
+    belongs to; None when that trajectory is never right (excluded, as calibration excludes
+    never-right trajectories)."""
     sup = trace["labels"]["supervised"]
-    if orca.get("stopped_early"):
-        return stop_loss(sup, int(orca["stop_step"]) - 1)
-    return stop_loss(sup, len(sup) - 1) if any(sup) else None
+    if not any(sup):
+        return None
+    return stop_loss(sup, int(orca["stop_step"]) - 1 if orca.get("stopped_early") else len(sup) - 1)
 
 
 # ------------------------------------------------------------------------------- live parts
@@ -175,25 +180,44 @@ async def run_arm(client: Any, model: str, prompts: list[dict], arm: str, delta:
 
 
 async def label(client: Any, model: str, work: Workload, responses: list[dict],
-                concurrency: int) -> None:
-    """Give every response its trajectory record (`trace`): answer probes at each step boundary
-    through the server (ORCA off), labelled as `orca-calibrate collect` labels."""
+                concurrency: int, max_tokens: int, temperature: float) -> None:
+    """Give every response its never-stopping trajectory's record (`trace`): a stopped one is
+    continued from its stop step (ORCA off, the same sampling); then answer probes at each step
+    boundary through the server (ORCA off), labelled as `orca-calibrate collect` labels."""
     from orca_serve.steps import segment
 
     sem = asyncio.Semaphore(concurrency)
     by_id = {str(p["id"]): p for p in work.prompts}
+    off = {"orca": {"enabled": False}}
 
     async def probe(ids: list[int]) -> str | None:
         async with sem:
             r = await client.completions.create(
                 model=model, prompt=ids, temperature=0, max_tokens=PROBE.answer_tokens,
-                extra_body={"orca": {"enabled": False}})
+                extra_body=off)
         return extract_forced(r.choices[0].text)
 
-    async def one(resp: dict) -> None:
+    async def never_stopping(resp: dict) -> list[int]:
+        """The generated ids of the run without the stop: the response's own when it did not
+        stop; else its steps through the stop step and a continuation from there."""
         prompt_ids, gen = resp["prompt_token_ids"], resp["token_ids"]
+        if not resp["orca"].get("stopped_early"):
+            return gen
         steps = segment(work.table, gen, prompt_ids)
-        record = {"step_tokens": [len(s) for s in steps], "step_token_ids": steps}
+        end = step_ends([len(x) for x in steps], reasoning_start(gen, steps))[
+            resp["orca"]["stop_step"] - 1]
+        async with sem:
+            r = await client.completions.create(
+                model=model, prompt=prompt_ids + gen[:end], temperature=temperature,
+                max_tokens=max_tokens - end, extra_body={**off, "return_token_ids": True})
+        resp["continued_tokens"] = len(r.choices[0].model_extra["token_ids"])
+        return gen[:end] + r.choices[0].model_extra["token_ids"]
+
+    async def one(resp: dict) -> None:
+        prompt_ids = resp["prompt_token_ids"]
+        gen = await never_stopping(resp)
+        steps = segment(work.table, gen, prompt_ids)
+        record = {"step_tokens": [len(x) for x in steps], "step_token_ids": steps}
         points = probe_prompts(prompt_ids, gen, record, work.suffix_ids, PROBE.label_every)
         answers = await asyncio.gather(*(probe(ids) for _, ids in points))
         resp["trace"] = trajectory_fields(
@@ -240,7 +264,7 @@ async def bench(a: argparse.Namespace, url: str, work: Workload) -> dict[str, An
     everything = [r for lv in levels for rnd in lv["rounds"] for arm in ARMS
                   for r in rnd[arm]["requests"]]
     check(work, everything)
-    await label(client, model, work, everything, 64)
+    await label(client, model, work, everything, 64, a.max_tokens, a.temperature)
     print(f"labelled {len(everything)} responses in {time.perf_counter() - t0:.0f} s",
           file=sys.stderr, flush=True)
     return {"levels": levels}
@@ -274,42 +298,44 @@ def summarize(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "tokens_per_request": {"off": float(np.mean([r["completion_tokens"] for r in off])),
                                        "on": float(np.mean([r["completion_tokens"] for r in on])),
                                        "oracle": float(np.mean([o.tokens for o in orc]))},
+                # the oracle delivers each off response's own answer: the off accuracy
                 "accuracy": {"off": float(np.mean([r["correct"] for r in off])),
                              "on": float(np.mean([r["correct"] for r in on])),
-                             "oracle": float(np.mean([o.correct for o in orc]))},
+                             "oracle": float(np.mean([r["correct"] for r in off]))},
                 "stop_error": err, "stop_error_counted": counted,
                 "stopped_early": float(np.mean([bool(r["orca"].get("stopped_early"))
                                                 for r in on]))}})
     return out
 
 
-def table(summary: list[dict[str, Any]]) -> str:
-    """The markdown tables for benchmarks/RESULTS.md."""
-    def s(d: dict[str, float], fmt: str = "{:.2f}") -> str:
-        return (f"{fmt.format(d['median'])} ({fmt.format(d['min'])}-{fmt.format(d['max'])})")
+RATIO_HEADER = ("| c | rounds x n | requests/s on/off | tokens/request on/off "
+                "| p50 latency on/off | p95 latency on/off |")
+POOLED_HEADER = ("| c | tokens/request off / ORCA / oracle | accuracy off / ORCA / oracle "
+                 "| stop error (counted) | stopped early | requests/s off / on (median) |")
 
-    lines = ["| c | rounds x n | requests/s on/off | tokens/request on/off | p50 latency on/off "
-             "| p95 latency on/off | accuracy off -> on | stop error (counted) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+def table(summary: list[dict[str, Any]]) -> str:
+    """The markdown tables for benchmarks/RESULTS.md: the on/off ratios as median (min-max) over
+    rounds, then the pooled figures beside the oracle's."""
+    def cell(d: dict[str, float]) -> str:
+        return f"{d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f})"
+
+    lines = [RATIO_HEADER, "|---" * 6 + "|"]
     for lv in summary:
-        r, p = lv["ratio"], lv["pooled"]
-        lines.append(
-            f"| {lv['concurrency']} | {lv['rounds']} x {lv['n_per_arm'] // lv['rounds']} "
-            f"| {s(r['requests_per_s'])} | {s(r['tokens_per_request'])} "
-            f"| {s(r['p50_latency_s'])} | {s(r['p95_latency_s'])} "
-            f"| {p['accuracy']['off']:.3f} -> {p['accuracy']['on']:.3f} "
-            f"| {p['stop_error']:.3f} ({p['stop_error_counted']}) |")
-    lines += ["", "| c | tokens/request off / ORCA / oracle | accuracy off / ORCA / oracle "
-                  "| requests/s off / on (median) | stopped early |",
-              "| --- | --- | --- | --- | --- |"]
+        r = lv["ratio"]
+        lines.append(f"| {lv['concurrency']} | {lv['rounds']} x {lv['n_per_arm'] // lv['rounds']} | "
+                     + " | ".join(cell(r[k]) for k in ("requests_per_s", "tokens_per_request",
+                                                       "p50_latency_s", "p95_latency_s")) + " |")
+    lines += ["", POOLED_HEADER, "|---" * 6 + "|"]
     for lv in summary:
-        t, acc = lv["pooled"]["tokens_per_request"], lv["pooled"]["accuracy"]
+        p = lv["pooled"]
+        t, acc = p["tokens_per_request"], p["accuracy"]
         lines.append(
             f"| {lv['concurrency']} | {t['off']:.1f} / {t['on']:.1f} / {t['oracle']:.1f} "
             f"| {acc['off']:.3f} / {acc['on']:.3f} / {acc['oracle']:.3f} "
+            f"| {p['stop_error']:.3f} ({p['stop_error_counted']}) | {p['stopped_early']:.3f} "
             f"| {lv['off']['requests_per_s']['median']:.2f} / "
-            f"{lv['on']['requests_per_s']['median']:.2f} "
-            f"| {lv['pooled']['stopped_early']:.3f} |")
+            f"{lv['on']['requests_per_s']['median']:.2f} |")
     return "\n".join(lines)
 
 

@@ -32,23 +32,21 @@ def trace(step_answers: list[str], reference: str, step_tokens: list[int]) -> di
 def test_oracle_stops_at_the_first_step_with_the_final_answer() -> None:
     t = trace(["3", "4", "5", "5", "5"], "5", [30, 31, 32, 20, 21])
     o = oracle(t, completion_tokens=140)  # 134 in steps + 6 after the reasoning
-    assert o.step == 2
-    assert o.tokens == 140 - 20 - 21
-    assert o.correct
+    assert (o.step, o.tokens) == (2, 140 - 20 - 21)
 
 
-def test_oracle_of_a_wrong_final_answer_is_wrong_and_counts_from_its_own_final() -> None:
+def test_oracle_stops_at_the_final_answer_even_when_a_step_was_right() -> None:
     # final answer 6 (wrong): the first step that already says 6 is step 1, not step 2 ("5")
     t = trace(["4", "6", "5", "6"], "5", [10, 10, 10, 10])
     o = oracle(t, completion_tokens=45)
-    assert (o.step, o.tokens, o.correct) == (1, 25, False)
+    assert (o.step, o.tokens) == (1, 25)
 
 
 def test_oracle_without_any_step_matching_runs_to_the_end() -> None:
     t = trace(["1", "2"], "3", [10, 12])
     t["final_answer"], t["labels"]["consistent"] = "9", [0, 0]  # an answer no step gave
     o = oracle(t, completion_tokens=30)
-    assert (o.step, o.tokens, o.correct) == (1, 30, False)
+    assert (o.step, o.tokens) == (1, 30)
 
 
 def test_first_index() -> None:
@@ -62,9 +60,10 @@ def test_first_index() -> None:
     (["5", "4", "4"], {"stopped_early": True, "stop_step": 2}, 0),  # right once counts as right
     (["3", "5", "5"], {"stopped_early": False, "stop_step": None}, 0),  # ran to the end, right
     (["3", "4", "4"], {"stopped_early": False, "stop_step": None}, None),  # never right: excluded
-    (["3", "4", "4"], {"stopped_early": True, "stop_step": 2}, 1),  # stopped: always counted
+    (["3", "4", "4"], {"stopped_early": True, "stop_step": 2}, None),  # stopped, never right
 ])
 def test_request_loss_is_the_bundles_loss(answers: list[str], orca: dict, loss: int | None) -> None:
+    # `answers`: the never-stopping trajectory's forced answers, reference "5"
     assert request_loss(trace(answers, "5", [10] * len(answers)), orca) == loss
 
 
@@ -102,17 +101,18 @@ def _response(answers: list[str], orca: dict, *, wall_tokens: int, correct: bool
 def test_summarize_and_table_from_recorded_rounds() -> None:
     off = [_response(["3", "5", "5", "5"], {}, wall_tokens=45, correct=True),
            _response(["4", "4", "4", "4"], {}, wall_tokens=45, correct=False)]
-    on = [_response(["3", "5", "5"], {"stopped_early": True, "stop_step": 2},
-                    wall_tokens=25, correct=True),
+    on = [_response(["3", "5", "5"], {"stopped_early": True, "stop_step": 1},
+                    wall_tokens=15, correct=False),
           _response(["4", "4"], {"stopped_early": True, "stop_step": 1},
                     wall_tokens=15, correct=False)]
     rnd = {"off": {"wall_s": 2.0, "requests": off}, "on": {"wall_s": 1.0, "requests": on}}
     (lv,) = summarize([{"concurrency": 4, "rounds": [rnd, rnd]}])
     assert lv["ratio"]["requests_per_s"] == {"min": 2.0, "median": 2.0, "max": 2.0}
-    assert lv["ratio"]["tokens_per_request"]["median"] == pytest.approx(20 / 45)
+    assert lv["ratio"]["tokens_per_request"]["median"] == pytest.approx(15 / 45)
     p = lv["pooled"]
     # oracle: step 1 (tokens 45 - 20) for the first, step 0 (45 - 30) for the second
-    assert p["tokens_per_request"] == {"off": 45.0, "on": 20.0, "oracle": 20.0}
-    assert p["accuracy"] == {"off": 0.5, "on": 0.5, "oracle": 0.5}
-    assert (p["stop_error"], p["stop_error_counted"]) == (0.5, 4)  # the stopped "4" counts
+    assert p["tokens_per_request"] == {"off": 45.0, "on": 15.0, "oracle": 20.0}
+    assert p["accuracy"] == {"off": 0.5, "on": 0.0, "oracle": 0.5}
+    # the first stopped before its "5": loss 1; the second was never right: not counted
+    assert (p["stop_error"], p["stop_error_counted"]) == (1.0, 2)
     assert "| 4 | 2 x 2 | 2.00 (2.00-2.00) |" in table([lv])
