@@ -122,6 +122,14 @@ def stop_error(requests: Sequence[dict[str, Any]]) -> tuple[float, int]:
     return (float(np.mean(counted)) if counted else float("nan")), len(counted)
 
 
+def interval95(rate: float, n: int) -> tuple[float, float]:
+    """Clopper-Pearson 95% interval of a realized rate over n counted requests."""
+    from scipy.stats import binomtest
+
+    ci = binomtest(round(rate * n), n).proportion_ci(0.95)
+    return float(ci.low), float(ci.high)
+
+
 def request_loss(trace: dict[str, Any], orca: dict[str, Any]) -> int | None:
     """The stop loss of one ORCA-on request, given the labelled never-stopping trajectory it
     belongs to; None when that trajectory is never right (excluded, as calibration excludes
@@ -303,6 +311,7 @@ def summarize(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
                              "on": float(np.mean([r["correct"] for r in on])),
                              "oracle": float(np.mean([r["correct"] for r in off]))},
                 "stop_error": err, "stop_error_counted": counted,
+                "stop_error_ci95": interval95(err, counted),
                 "stopped_early": float(np.mean([bool(r["orca"].get("stopped_early"))
                                                 for r in on]))}})
     return out
@@ -311,7 +320,7 @@ def summarize(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
 RATIO_HEADER = ("| c | rounds x n | requests/s on/off | tokens/request on/off "
                 "| p50 latency on/off | p95 latency on/off |")
 POOLED_HEADER = ("| c | tokens/request off / ORCA / oracle | accuracy off / ORCA / oracle "
-                 "| stop error (counted) | stopped early | requests/s off / on (median) |")
+                 "| stop error (counted; 95% interval) | stopped early | requests/s off / on (median) |")
 
 
 def table(summary: list[dict[str, Any]]) -> str:
@@ -333,7 +342,9 @@ def table(summary: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {lv['concurrency']} | {t['off']:.1f} / {t['on']:.1f} / {t['oracle']:.1f} "
             f"| {acc['off']:.3f} / {acc['on']:.3f} / {acc['oracle']:.3f} "
-            f"| {p['stop_error']:.3f} ({p['stop_error_counted']}) | {p['stopped_early']:.3f} "
+            f"| {p['stop_error']:.3f} ({p['stop_error_counted']}; "
+            f"{p['stop_error_ci95'][0]:.3f}-{p['stop_error_ci95'][1]:.3f}) "
+            f"| {p['stopped_early']:.3f} "
             f"| {lv['off']['requests_per_s']['median']:.2f} / "
             f"{lv['on']['requests_per_s']['median']:.2f} |")
     return "\n".join(lines)

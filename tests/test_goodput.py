@@ -10,6 +10,7 @@ import pytest
 from benchmarks.bench_goodput import (
     arm_figures,
     first_index,
+    interval95,
     oracle,
     request_loss,
     round_ratios,
@@ -74,6 +75,12 @@ def test_stop_error_skips_excluded_requests() -> None:
     assert math.isnan(stop_error([{"loss": None}])[0])
 
 
+def test_interval95_covers_the_rate() -> None:
+    low, high = interval95(0.05, 400)
+    assert low < 0.05 < high
+    assert (low, high) == pytest.approx((0.0311, 0.0758), abs=1e-3)
+
+
 def test_arm_figures() -> None:
     reqs = [{"latency_s": float(i), "completion_tokens": 10 * i, "correct": i % 2 == 0}
             for i in range(1, 21)]
@@ -115,4 +122,5 @@ def test_summarize_and_table_from_recorded_rounds() -> None:
     assert p["accuracy"] == {"off": 0.5, "on": 0.0, "oracle": 0.5}
     # the first stopped before its "5": loss 1; the second was never right: not counted
     assert (p["stop_error"], p["stop_error_counted"]) == (1.0, 2)
+    assert p["stop_error_ci95"] == pytest.approx((0.158, 1.0), abs=1e-3)  # Clopper-Pearson 2/2
     assert "| 4 | 2 x 2 | 2.00 (2.00-2.00) |" in table([lv])
