@@ -42,18 +42,18 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from calibration.labels import extract_forced
-from calibration.probing import (
+from calibration.toy.tasks import Problem, check_answer, write_prompts
+from orca_method.answer_probes import (
     ProbeSettings,
     probe_prompts,
     reasoning_start,
     step_ends,
     trajectory_fields,
 )
-from calibration.toy.tasks import Problem, check_answer, write_prompts
-from calibration.trajectories import cumulative
+from orca_method.labels import extract_forced
+from orca_method.risk import losses
+from orca_method.trajectories import cumulative
 from orca_serve.audit.options import DEMO_ANSWER_TOKENS, DEMO_SUFFIX
-from orca_serve.audit.risk import losses
 from tests.serving import Server, orca_serve_cmd
 
 ARMS = ("off", "on")
@@ -73,7 +73,7 @@ def first_index(labels: Sequence[int]) -> int:
 
 def stop_loss(supervised: Sequence[int], stop_index: int) -> int:
     """The bundle's 0/1 loss of stopping at 0-based step `stop_index`: 1 when no step up to it
-    had the right answer (orca_serve/audit/risk.py `losses` on cumulative labels)."""
+    had the right answer (orca_method/risk.py `losses` on cumulative labels)."""
     return int(losses(np.array([stop_index]), [cumulative(supervised)])[0])
 
 
@@ -148,8 +148,8 @@ class Workload:
     def __init__(self, path: Path) -> None:
         from transformers import AutoTokenizer
 
-        from orca_serve.bundle import load_bundle
-        from orca_serve.steps import TokenTable
+        from orca_method.bundle import load_bundle
+        from orca_method.steps import TokenTable
 
         self.prompts = [json.loads(x) for x in path.read_text().splitlines()]
         self.bundle = load_bundle(BUNDLE)
@@ -192,7 +192,7 @@ async def label(client: Any, model: str, work: Workload, responses: list[dict],
     """Give every response its never-stopping trajectory's record (`trace`): a stopped one is
     continued from its stop step (ORCA off, the same sampling); then answer probes at each step
     boundary through the server (ORCA off), labelled as `orca-calibrate collect` labels."""
-    from orca_serve.steps import segment
+    from orca_method.steps import segment
 
     sem = asyncio.Semaphore(concurrency)
     by_id = {str(p["id"]): p for p in work.prompts}

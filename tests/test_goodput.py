@@ -19,7 +19,7 @@ from benchmarks.bench_goodput import (
     summarize,
     table,
 )
-from calibration.probing import trajectory_fields
+from orca_method.answer_probes import trajectory_fields
 
 
 def trace(step_answers: list[str], reference: str, step_tokens: list[int]) -> dict:
