@@ -404,8 +404,11 @@ def main() -> None:
               "max_tokens": a.max_tokens, "summary": summary, "raw": raw}
     (a.out / "result.json").write_text(json.dumps(result, indent=1))
     plot(summary, a.plot)
-    print(f"delta {a.delta}, epsilon {result['epsilon']}, lambda* {result['lambda']}, "
-          f"n {a.n} per round and arm; cells: median (min-max) over rounds")
+    loads = [rnd["loadavg"][0] for lv in raw["levels"] for rnd in lv["rounds"]]
+    print(f"{started}, nproc {result['nproc']}, 1-minute load at the rounds' starts "
+          f"{min(loads):.1f}-{max(loads):.1f}; delta {a.delta}, epsilon {result['epsilon']}, "
+          f"lambda* {result['lambda']}, n {a.n} per round and arm, temperature {a.temperature}; "
+          "ratio cells: median (min-max) over rounds")
     print(table(summary))
 
 
