@@ -313,7 +313,12 @@ def summarize(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "stop_error": err, "stop_error_counted": counted,
                 "stop_error_ci95": interval95(err, counted),
                 "stopped_early": float(np.mean([bool(r["orca"].get("stopped_early"))
-                                                for r in on]))}})
+                                                for r in on])),
+                # 1-based step the reasoning ended at (a request that did not stop: its last)
+                "mean_stop_step": {
+                    "on": float(np.mean([r["orca"]["stop_step"] if r["orca"].get("stopped_early")
+                                         else len(r["trace"]["step_tokens"]) for r in on])),
+                    "oracle": float(np.mean([o.step + 1 for o in orc]))}}})
     return out
 
 

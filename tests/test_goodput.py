@@ -120,6 +120,7 @@ def test_summarize_and_table_from_recorded_rounds() -> None:
     # oracle: step 1 (tokens 45 - 20) for the first, step 0 (45 - 30) for the second
     assert p["tokens_per_request"] == {"off": 45.0, "on": 15.0, "oracle": 20.0}
     assert p["accuracy"] == {"off": 0.5, "on": 0.0, "oracle": 0.5}
+    assert p["mean_stop_step"] == {"on": 1.0, "oracle": 1.5}
     # the first stopped before its "5": loss 1; the second was never right: not counted
     assert (p["stop_error"], p["stop_error_counted"]) == (1.0, 2)
     assert p["stop_error_ci95"] == pytest.approx((0.158, 1.0), abs=1e-3)  # Clopper-Pearson 2/2
