@@ -51,8 +51,7 @@ from orca_method.answer_probes import (
     trajectory_fields,
 )
 from orca_method.labels import extract_forced
-from orca_method.risk import losses
-from orca_method.trajectories import cumulative
+from orca_method.risk import cumulative, is_counted, losses
 from orca_serve.audit.options import DEMO_ANSWER_TOKENS, DEMO_SUFFIX
 from tests.serving import Server, orca_serve_cmd
 
@@ -130,12 +129,13 @@ def interval95(rate: float, n: int) -> tuple[float, float]:
     return float(ci.low), float(ci.high)
 
 
-def request_loss(trace: dict[str, Any], orca: dict[str, Any]) -> int | None:
+def request_loss(trace: dict[str, Any], orca: dict[str, Any],
+                 excluded_never_correct: bool) -> int | None:
     """The stop loss of one ORCA-on request, given the labelled never-stopping trajectory it
-    belongs to; None when that trajectory is never right (excluded, as calibration excludes
-    never-right trajectories)."""
+    belongs to; None when that trajectory is never right and the bundle's calibration excluded
+    such trajectories (orca_method/risk.py `is_counted`)."""
     sup = trace["labels"]["supervised"]
-    if not any(sup):
+    if not is_counted(sup, excluded_never_correct):
         return None
     return stop_loss(sup, int(orca["stop_step"]) - 1 if orca.get("stopped_early") else len(sup) - 1)
 
@@ -278,16 +278,16 @@ async def bench(a: argparse.Namespace, url: str, work: Workload) -> dict[str, An
     return {"levels": levels}
 
 
-def summarize(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def summarize(levels: list[dict[str, Any]], excluded_never_correct: bool) -> list[dict[str, Any]]:
     """Per concurrency: per-round figures of both arms, on/off ratios with their spread, the
-    pooled stop error and the oracle."""
+    pooled stop error and the oracle. `excluded_never_correct`: the bundle's LTT setting."""
     out = []
     for lv in levels:
         per_round = []
         for rnd in lv["rounds"]:
             figs = {arm: arm_figures(rnd[arm]["requests"], rnd[arm]["wall_s"]) for arm in ARMS}
             for r in rnd["on"]["requests"]:
-                r["loss"] = request_loss(r["trace"], r["orca"])
+                r["loss"] = request_loss(r["trace"], r["orca"], excluded_never_correct)
             figs["on"]["stop_error"], _ = stop_error(rnd["on"]["requests"])
             per_round.append(figs)
         on = [r for rnd in lv["rounds"] for r in rnd["on"]["requests"]]
@@ -402,7 +402,7 @@ def main() -> None:
         raw = asyncio.run(bench(a, srv.url, work))
     finally:
         srv.stop()
-    summary = summarize(raw["levels"])
+    summary = summarize(raw["levels"], work.bundle.ltt.excluded_never_correct)
     result = {"date": started, "nproc": os.cpu_count(), "n": a.n, "rounds": a.rounds,
               "delta": a.delta, "epsilon": work.bundle.ltt.epsilon,
               "lambda": work.bundle.lam(a.delta), "temperature": a.temperature,

@@ -65,7 +65,12 @@ def test_first_index() -> None:
 ])
 def test_request_loss_is_the_bundles_loss(answers: list[str], orca: dict, loss: int | None) -> None:
     # `answers`: the never-stopping trajectory's forced answers, reference "5"
-    assert request_loss(trace(answers, "5", [10] * len(answers)), orca) == loss
+    assert request_loss(trace(answers, "5", [10] * len(answers)), orca, True) == loss
+
+
+def test_a_never_right_request_counts_when_the_bundle_kept_them() -> None:
+    t = trace(["3", "4", "4"], "5", [10, 10, 10])
+    assert request_loss(t, {"stopped_early": True, "stop_step": 2}, False) == 1
 
 
 def test_stop_error_skips_excluded_requests() -> None:
@@ -113,7 +118,7 @@ def test_summarize_and_table_from_recorded_rounds() -> None:
           _response(["4", "4"], {"stopped_early": True, "stop_step": 1},
                     wall_tokens=15, correct=False)]
     rnd = {"off": {"wall_s": 2.0, "requests": off}, "on": {"wall_s": 1.0, "requests": on}}
-    (lv,) = summarize([{"concurrency": 4, "rounds": [rnd, rnd]}])
+    (lv,) = summarize([{"concurrency": 4, "rounds": [rnd, rnd]}], True)
     assert lv["ratio"]["requests_per_s"] == {"min": 2.0, "median": 2.0, "max": 2.0}
     assert lv["ratio"]["tokens_per_request"]["median"] == pytest.approx(15 / 45)
     p = lv["pooled"]
