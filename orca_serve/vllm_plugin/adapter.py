@@ -9,7 +9,6 @@ results is here, so the two cannot drift.
 from __future__ import annotations
 
 import re
-import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -20,7 +19,7 @@ import torch
 from orca_serve.contract import XARG_N, XARG_SEED, validate_xargs
 from orca_serve.core.engine import OrcaCore
 from orca_serve.core.registry import Request
-from orca_serve.vllm_plugin.engine_setup import build_core, log
+from orca_serve.vllm_plugin.engine_setup import build_core
 
 _CHILD_RE = re.compile(r"^(\d+)_")
 
@@ -93,17 +92,3 @@ def child_index(req_id: str | None, params) -> int:
         return int(params.seed) - int(xa[XARG_SEED])
     return 0
 
-
-def find_on_stack(cls: type, what: str, without: str) -> Any:
-    """The instance of `cls` whose method is constructing us (vLLM builds logits processors
-    inside its model runner), or None with a warning saying what that costs (`without`)."""
-    f = sys._getframe(1)
-    for _ in range(30):
-        if f is None:
-            break
-        obj = f.f_locals.get("self")
-        if isinstance(obj, cls):
-            return obj
-        f = f.f_back
-    log.warning("orca: %s not found on the stack; %s", what, without)
-    return None

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from orca_serve.core.engine import OrcaCore
+from orca_serve.vllm_compat.tokenizer import load_tokenizer
 from orca_serve.vllm_plugin.config import ENV_BUNDLE
 
 log = logging.getLogger("orca_serve.vllm_plugin")
@@ -25,7 +26,7 @@ def orca_config(vllm_config: Any) -> dict[str, Any]:
 
 def build_core(vllm_config: Any, device: torch.device, pin_memory: bool) -> OrcaCore:
     mc = vllm_config.model_config
-    tok = _load_tokenizer(mc)
+    tok = load_tokenizer(mc)
     eos_ids: set[int] = set()
     if tok.eos_token_id is not None:
         eos_ids.add(int(tok.eos_token_id))
@@ -44,15 +45,3 @@ def build_core(vllm_config: Any, device: torch.device, pin_memory: bool) -> Orca
     log.info("orca core ready: bundle=%s record=%s", cfg.get("bundle"), core.record_default)
     return core
 
-
-def _load_tokenizer(model_config: Any) -> Any:
-    try:
-        from vllm.tokenizers.registry import cached_tokenizer_from_config
-
-        return cached_tokenizer_from_config(model_config)
-    except Exception:  # noqa: BLE001 - fall back to transformers
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model_config.tokenizer,
-                                             revision=model_config.tokenizer_revision,
-                                             trust_remote_code=model_config.trust_remote_code)

@@ -1,29 +1,30 @@
 """The Model Runner V2 adapter: vLLM's MRV2 logits-processor interface, driving `OrcaCore`.
 
-vLLM 0.32's MRV2 (`vllm/v1/worker/gpu/model_runner.py`) gives a custom processor three calls:
+vLLM's MRV2 (0.31-0.33, `vllm/v1/worker/gpu/model_runner.py`) gives a custom processor three calls:
 `add_request(slot, params)` when a request enters the batch (last pipeline rank only),
 `apply_staged_writes()` once per step, and `apply(logits, ctx)` with the step's layout
 (`ctx.idx_mapping_np`: batch position -> slot, `ctx.seq_lens_upper_bound_np`: tokens visible
 to the token sampled now; both on the host, exact without speculative decoding). One logits
-row per request, in batch order; the LM-head capture (`capture.py`) sees the same rows, because
-MRV2's `sample()` calls `self.model.compute_logits(hidden_states[logits_indices])`.
+row per request, in batch order; the LM-head capture (`orca_serve/vllm_compat/capture.py`)
+sees the same rows, because MRV2's `sample()` calls
+`self.model.compute_logits(hidden_states[logits_indices])`.
 
 What the interface does not give, and where it comes from:
-- **Request id and prompt ids.** The processor is built inside the MRV2 runner (its
-  `load_model`), which we find on the stack once. `add_request`'s slot names the request
-  through `runner.req_states.index_to_req_id` (filled just before); the id is the identity in
-  the core (it survives preemption; n > 1 children are "<index>_<parent id>"). The prompt ids
-  (the segmenter needs them: is the prompt inside a think block?) come from the step's
-  `scheduler_output.scheduled_new_reqs`, seen by wrapping the runner's `add_requests`.
+- **Request id and prompt ids.** They come from the MRV2 runner that builds the processor,
+  through `orca_serve.vllm_compat.runner` (the one place that reads vLLM's batch).
+  `add_request`'s slot names the request (the runner fills its slot-to-id map just before); the
+  id is the identity in the core (it survives preemption; n > 1 children are
+  "<index>_<parent id>"). The prompt ids (the segmenter needs them: is the prompt inside a
+  think block?) come from the step's new requests, seen before the runner adds them.
   `orca_key` is the result key only: extra_args cannot tell n > 1 children apart (vLLM's
   children share one shallow-copied extra_args dict) nor an end from a preemption.
 - **Ends and preemptions.** MRV2 has no removal call: `finish_requests` frees the slots of
   finished *and* preempted requests alike (`_remove_request`) and a slot is reused at once.
   Slot reuse cannot tell the two apart, yet the difference matters (a preempted request
   resumes with its pooled state; a finished one must store its result and free its slot). So
-  the adapter wraps the runner's `finish_requests(scheduler_output)` and reads
-  `finished_req_ids` (leave for good) and `preempted_req_ids` (park until it comes back through
-  `add_request`, with a new slot in vLLM and its old state in ours). A slot reused without
+  the adapter hears each step's finished ids (leave for good) and preempted ids (park until it
+  comes back through `add_request`, with a new slot in vLLM and its old state in ours) from
+  the runner view, before the runner frees their slots. A slot reused without
   that (should not happen) parks its previous occupant, which the result TTL ends.
 - **Token ids.** MRV2 keeps them on the device (`ctx.input_ids`, `req_states.all_token_ids`);
   reading them in `apply()` would wait for the device every step. Instead the fed ids of the
@@ -44,8 +45,6 @@ adapter tracks nothing and says so in the log.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from vllm.v1.worker.gpu.sample.logits_processor.interface import (
     LogitsContext,
@@ -56,8 +55,9 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
 from orca_serve.core.engine import UNKNOWN
 from orca_serve.core.pooling import IdReadback
 from orca_serve.core.registry import Request
-from orca_serve.vllm_plugin import capture
-from orca_serve.vllm_plugin.adapter import CoreAdapter, child_index, find_on_stack
+from orca_serve.vllm_compat import capture
+from orca_serve.vllm_compat.runner import NewRequests, find_mrv2_runner
+from orca_serve.vllm_plugin.adapter import CoreAdapter, child_index
 from orca_serve.vllm_plugin.engine_setup import log
 
 
@@ -75,21 +75,18 @@ class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
         self._fed: dict[str, tuple[int, int]] = {}  # request id -> (output position, its id)
         self._in_flight: list[tuple[str, int, int]] = []  # (request id, position, row) copied
         self._ids = IdReadback(req_states.max_num_reqs, device, device.type == "cuda")
-        self._runner = _find_model_runner()
+        self._runner = find_mrv2_runner()
         if self._runner is not None:
-            _observe(self._runner, self)
+            self._runner.observe(self._on_new_requests, self._on_done)
             log.warning("orca: serving through the Model Runner V2 adapter, which is tested at "
                         "vLLM's interface but has not yet run in a GPU engine; set "
                         "VLLM_USE_V2_MODEL_RUNNER=0 to use the V1 adapter instead")
 
-    # -- the runner's request bookkeeping (wrapped, see module docstring) --------------------
-    def _on_add_requests(self, scheduler_output: Any) -> None:
-        self._new = {r.req_id: (list(r.prefill_token_ids or ()), int(r.prompt_len))
-                     for r in scheduler_output.scheduled_new_reqs}
+    # -- the runner's request bookkeeping (see module docstring) -----------------------------
+    def _on_new_requests(self, new: NewRequests) -> None:
+        self._new = new
 
-    def _on_finish_requests(self, scheduler_output: Any) -> None:
-        finished = set(scheduler_output.finished_req_ids or ())
-        preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+    def _on_done(self, finished: set[str], preempted: set[str]) -> None:
         with self._lock:
             if finished and self._in_flight:  # their ids in flight are of no use any more
                 self._in_flight = [e for e in self._in_flight if e[0] not in finished]
@@ -115,7 +112,7 @@ class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
                 self.core.leave(old, False)
             if self._runner is None or not self.core.wants(sampling_params.extra_args):
                 return False
-            req_id = self._runner.req_states.index_to_req_id.get(req_idx)
+            req_id = self._runner.request_id(req_idx)
             new = self._new.get(req_id) if req_id is not None else None
             if new is None:
                 log.error("orca: slot %d has no new request in this step; not tracked", req_idx)
@@ -170,32 +167,3 @@ class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
                 self._fed[ident] = (pos, ids[row])
         self._in_flight = []
 
-
-def _observe(runner: Any, proc: OrcaMRV2LogitsProcessor) -> None:
-    """Wrap the runner's `add_requests` and `finish_requests` (instance attributes; the
-    originals run unchanged) so the adapter sees each step's new, finished and preempted ids."""
-    add, finish = runner.add_requests, runner.finish_requests
-
-    def add_requests(scheduler_output):
-        proc._on_add_requests(scheduler_output)
-        try:
-            return add(scheduler_output)
-        finally:
-            proc._new = {}
-
-    def finish_requests(scheduler_output):
-        proc._on_finish_requests(scheduler_output)
-        return finish(scheduler_output)
-
-    runner.add_requests = add_requests
-    runner.finish_requests = finish_requests
-
-
-def _find_model_runner():
-    """The MRV2 GPUModelRunner (vLLM's CPU MRV2 runner subclasses it) building us: processors
-    are built in its `load_model` (`build_custom_logits_processors`). None if not found."""
-    try:
-        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-    except Exception:  # noqa: BLE001
-        return None
-    return find_on_stack(GPUModelRunner, "the MRV2 model runner", "no request is tracked")

@@ -8,23 +8,30 @@ the core's (orca_serve/core); what both adapters share is in `adapter.py`.
 `OrcaLogitsProcessor` is also the FQCN for Model Runner V2: constructed the MRV2 way it returns
 the MRV2 adapter (`mrv2.py`), so one engine argument serves whichever runner vLLM picks.
 
-Request identity. vLLM hands a processor no request id. The model runner that builds the
-processor has them (`input_batch.req_ids`), and two facts need them: the child index of an n > 1
-request (children are "<index>_<parent id>"), and whether a removed request ended or was only
-preempted (a preempted one is still in the runner's `requests`). We find the runner once, on the
-constructor's call stack; without it (another vLLM version) a request is known by its params
-object (the same object comes back after a preemption), children are indexed by the seed vLLM
-gives each (`seed + index`), and a removal counts as final when the last token is a stop token
-or max_tokens is reached (else the state is kept up to the result TTL).
+Request identity. `BatchUpdate` hands each added row its params, prompt ids and live output
+list (a preempted request comes back with the same params object and list), but no request id
+and no reason for a removal. Two facts need them: the child index of an n > 1 request (children
+are "<index>_<parent id>"), and whether a removed request ended or was only preempted. They come
+from the V1 runner (`orca_serve.vllm_compat.runner`, the one place that reads vLLM's batch);
+without it (another vLLM version) a request is known by its params object, children are
+indexed by the seed vLLM gives each (`seed + index`), and a removal counts as final when the
+last token is a stop token or max_tokens is reached (else the state is kept up to the result
+TTL).
 
 Rows vLLM discards (partial prefill chunks, the recompute after a preemption) are left out using
-the runner's `discard_request_mask`. The output-length rule alone (pool a row only when the
-length grew) is not exact: a token sampled just before a preemption has its hidden row only in
-the last recompute chunk, and every earlier chunk shows the same grown length. Without the
-runner the core gives that one token up (`rows_exact = False`) rather than pool a wrong row.
+the runner's discard mask. The output-length rule alone (pool a row only when the length grew)
+is not exact: a token sampled just before a preemption has its hidden row only in the last
+recompute chunk, and every earlier chunk shows the same grown length. Without the runner the
+core gives that one token up (`rows_exact = False`) rather than pool a wrong row.
 """
 
 from __future__ import annotations
+
+from orca_serve.vllm_plugin.config import check_vllm_version
+
+# every vLLM process that loads the plugin imports this module first: refuse an unsupported
+# release before the imports below, which it may lack
+check_vllm_version()
 
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
@@ -34,8 +41,9 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcRequestState
 
 from orca_serve.core.registry import Request
-from orca_serve.vllm_plugin import capture
-from orca_serve.vllm_plugin.adapter import CoreAdapter, child_index, find_on_stack
+from orca_serve.vllm_compat import capture
+from orca_serve.vllm_compat.runner import find_v1_runner
+from orca_serve.vllm_plugin.adapter import CoreAdapter, child_index
 
 
 class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
@@ -58,7 +66,7 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
         return super().__new__(cls)
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        self._runner = _find_model_runner()
+        self._runner = find_v1_runner()
         self._start_core(vllm_config, device, is_pin_memory)
         self.core.rows_exact = self._runner is not None
         self._rows: dict[int, tuple[Request, list[int]]] = {}
@@ -106,7 +114,7 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
             return
         req, out = tracked
         if self._runner is not None:
-            final = req.ident not in self._runner.requests
+            final = not self._runner.is_preempted(req.ident)
         else:
             params = req.handle
             stops = set(getattr(params, "all_stop_token_ids", ()) or ())
@@ -117,26 +125,14 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
         self.core.leave(req, final)
 
     def _req_id(self, row: int, out: list) -> str | None:
-        r = self._runner
-        if r is None:
-            return None
-        ib = r.input_batch
-        try:
-            if ib.req_output_token_ids[row] is out:
-                return ib.req_ids[row]
-        except (IndexError, AttributeError):
-            pass
-        for i, lst in enumerate(ib.req_output_token_ids):  # rows already rearranged
-            if lst is out:
-                return ib.req_ids[i]
-        return None
+        return None if self._runner is None else self._runner.request_id(row, out)
 
     # -- the engine step --------------------------------------------------------------------
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         hidden = capture.take_rows()
         with self._lock:
             # rows whose sampled token vLLM throws away (partial prefill chunks): left out
-            discard = None if self._runner is None else self._runner.discard_request_mask.np
+            discard = None if self._runner is None else self._runner.discarded_rows()
             entries = []
             for row, (req, out) in self._rows.items():
                 if discard is not None and discard[row]:
@@ -148,16 +144,3 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
             self.core.step(entries, hidden, logits)
         return logits
 
-
-def _find_model_runner():
-    """The V1 GPUModelRunner (CPUModelRunner subclasses it) constructing us, found on the stack.
-
-    vLLM builds logits processors inside GPUModelRunner.__init__
-    (vllm/v1/worker/gpu_model_runner.py, `build_logitsprocs(...)`). None if not found.
-    """
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except Exception:  # noqa: BLE001
-        return None
-    return find_on_stack(GPUModelRunner, "the V1 model runner",
-                         "requests are known by their params")

@@ -33,26 +33,18 @@ from orca_method.errors import first_line
 
 class OrcaWorkerExtension:
     def _orca_processors(self) -> list:
-        """Our processors in this worker: in the V1 runner's input batch, or in the MRV2
-        runner's sampler (which only the last pipeline rank has)."""
+        """Our processors in this worker (either runner's; `vllm_compat.runner`)."""
+        from orca_serve.vllm_compat.runner import processors_in
         from orca_serve.vllm_plugin.adapter import CoreAdapter
 
-        runner = getattr(self, "model_runner", None)
-        batch = getattr(runner, "input_batch", None)
-        procs = getattr(getattr(batch, "logitsprocs", None), "all", None)
-        if procs is None:  # Model Runner V2
-            procs = getattr(getattr(runner, "sampler", None), "logits_processors", None)
-        return [p for p in procs or [] if isinstance(p, CoreAdapter)]
+        return [p for p in processors_in(self) if isinstance(p, CoreAdapter)]
 
     def _orca_reports(self) -> bool:
         """True on the one worker that answers for the engine: the last pipeline rank (it runs
         the sampler, hence the processor's apply()) with tensor-parallel rank 0."""
-        try:
-            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        from orca_serve.vllm_compat.runner import is_reporting_worker
 
-            return bool(get_pp_group().is_last_rank and get_tp_group().rank_in_group == 0)
-        except (ImportError, AssertionError, AttributeError):  # groups not initialised
-            return True
+        return is_reporting_worker()
 
     def orca_results(self, keys: list[str]) -> dict[str, dict[str, Any]]:
         """Pop and return the results of these keys (keys without a result are left out).

@@ -1,0 +1,8 @@
+"""The one place that uses vLLM names outside vLLM's documented extension points.
+
+One module per vLLM surface. Each says which vLLM releases it was checked against and lists, in
+a module-level `TOUCH_POINTS` tuple, the "module.path:attr.path" names it relies on, so that a
+new vLLM can be checked before it is trusted (docs/PLUGIN.md, "vLLM versions and touch points").
+Nothing outside this package imports a vLLM name that is not a documented extension point
+(tests/test_vllm_compat.py enforces it).
+"""

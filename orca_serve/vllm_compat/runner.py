@@ -1,0 +1,210 @@
+"""The runner view: what the plugin needs to know about vLLM's batch that the logits-processor
+interfaces do not hand it.
+
+Checked against vLLM 0.31 and 0.32 (engine tests, CPU build: the V1 runner) and 0.33 (its
+source: every name and attribute below is unchanged; the MRV2 processor interface is identical
+to 0.32's). The MRV2 part runs in tests against vLLM's own MRV2 runner class and request state
+(tests/test_mrv2.py), not in an engine (MRV2 needs Triton's GPU backend).
+
+What the public interfaces give, and use everywhere they suffice: V1's `BatchUpdate` hands
+each added row its `SamplingParams`, prompt ids and live output-id list, and a preempted
+request comes back with the same params object and list; MRV2's `add_request(slot, params)`
+and `LogitsProcRequestState` (prompt, prefill and total lengths per slot). What neither gives,
+and why it still matters:
+- **The request id.** n > 1 children share one params object (and one `extra_args` dict); only
+  the id ("<index>_<parent id>") tells them apart when no seed is set. The id is also the
+  identity that survives a preemption under MRV2, whose `add_request` gets a fresh slot.
+- **Finished or preempted.** V1's `BatchUpdate.removed` and MRV2's freed slots look the same
+  for both; a preempted request must keep its pooled state, a finished one must store its
+  result and free its slot.
+- **Discarded rows (V1).** Rows of partial prefill chunks, whose sample vLLM throws away; the
+  output length alone cannot tell the last recompute chunk of a resumed request from earlier
+  ones.
+- **Prompt ids (MRV2).** On the device only (`all_token_ids`); reading them there would wait
+  for the device per new request, while the step's scheduler output has them on the host.
+Both runners build custom processors inside their own methods (V1: `GPUModelRunner.__init__`;
+MRV2: `load_model`) without passing themselves, so the runner is found once on the
+constructor's call stack. Without it (another vLLM) the V1 adapter falls back to what the
+interface gives (see orca_serve/vllm_plugin/processor.py) and the MRV2 adapter tracks nothing.
+
+Also here: which worker answers for the engine (pipeline and tensor ranks) and where a worker
+keeps its logits processors, for the worker extension's RPCs.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+TOUCH_POINTS: tuple[str, ...] = (
+    # V1 model runner (found on the stack) and its persistent batch
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner",
+    "vllm.v1.worker.gpu_input_batch:InputBatch.req_ids",
+    "vllm.v1.sample.logits_processor:LogitsProcessors.all",
+    # Model Runner V2 (found on the stack): its per-step request bookkeeping, wrapped
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner",
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.add_requests",
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.finish_requests",
+    "vllm.v1.worker.gpu.states:RequestState",
+    "vllm.v1.core.sched.output:SchedulerOutput",
+    "vllm.v1.core.sched.output:NewRequestData.prompt_len",
+    # which worker reports
+    "vllm.distributed.parallel_state:get_pp_group",
+    "vllm.distributed.parallel_state:get_tp_group",
+    "vllm.distributed.parallel_state:GroupCoordinator.is_last_rank",
+)
+
+# Attributes of instances (set in constructors, or dataclass fields without a default): not
+# resolvable from the class, so "module:Class.attribute" is checked against the class's fields
+# and the `self.attribute` assignments in its source (tests/test_vllm_compat.py).
+INSTANCE_ATTRIBUTES: tuple[str, ...] = (
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.requests",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.input_batch",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.discard_request_mask",
+    "vllm.v1.worker.gpu_input_batch:InputBatch.req_output_token_ids",
+    "vllm.v1.worker.gpu_input_batch:InputBatch.logitsprocs",
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.req_states",
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.sampler",
+    "vllm.v1.worker.gpu.states:RequestState.index_to_req_id",
+    "vllm.v1.worker.gpu.sample.sampler:Sampler.logits_processors",
+    "vllm.v1.core.sched.output:SchedulerOutput.scheduled_new_reqs",
+    "vllm.v1.core.sched.output:SchedulerOutput.finished_req_ids",
+    "vllm.v1.core.sched.output:SchedulerOutput.preempted_req_ids",
+    "vllm.v1.core.sched.output:NewRequestData.req_id",
+    "vllm.v1.core.sched.output:NewRequestData.prefill_token_ids",
+    "vllm.distributed.parallel_state:GroupCoordinator.rank_in_group",
+)
+
+_STACK_DEPTH = 30  # frames between the runner's method and our constructor, with room to spare
+
+
+def _on_stack(cls: type, what: str, without: str) -> Any:
+    """The instance of `cls` whose method is (indirectly) calling us, or None with a warning
+    saying what that costs (`without`)."""
+    f = sys._getframe(2)
+    for _ in range(_STACK_DEPTH):
+        if f is None:
+            break
+        obj = f.f_locals.get("self")
+        if isinstance(obj, cls):
+            return obj
+        f = f.f_back
+    log.warning("orca: %s not found on the stack; %s", what, without)
+    return None
+
+
+class V1Runner:
+    """The V1 model runner (`GPUModelRunner`; the CPU runner subclasses it), read-only."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+
+    def request_id(self, row: int, output: list[int]) -> str | None:
+        """The id of the request whose live output list is `output` (BatchUpdate hands it),
+        looked up at `row` first, then anywhere (rows already rearranged)."""
+        ib = self.runner.input_batch
+        lists = ib.req_output_token_ids
+        if row < len(lists) and lists[row] is output:
+            return ib.req_ids[row]
+        for i, lst in enumerate(lists):
+            if lst is output:
+                return ib.req_ids[i]
+        return None
+
+    def is_preempted(self, req_id: str) -> bool:
+        """True while a request that left the batch is still the runner's (preempted, to be
+        resumed); False once it finished."""
+        return req_id in self.runner.requests
+
+    def discarded_rows(self) -> np.ndarray:
+        """[max rows] bool: rows whose sample vLLM throws away this step (partial prefill)."""
+        return self.runner.discard_request_mask.np
+
+
+def find_v1_runner() -> V1Runner | None:
+    """The V1 runner constructing the calling processor (vLLM builds V1 processors in
+    `GPUModelRunner.__init__`, `build_logitsprocs(...)`); None if not found."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return None
+    runner = _on_stack(GPUModelRunner, "the V1 model runner", "requests are known by their params")
+    return None if runner is None else V1Runner(runner)
+
+
+NewRequests = dict[str, tuple[list[int], int]]  # request id -> (prefill token ids, prompt length)
+
+
+class MRV2Runner:
+    """Model Runner V2 (`vllm.v1.worker.gpu.model_runner.GPUModelRunner`; vLLM's CPU MRV2
+    runner subclasses it)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+
+    def request_id(self, slot: int) -> str | None:
+        """The id of the request in `slot` (set just before the sampler's `add_request`)."""
+        return self.runner.req_states.index_to_req_id.get(slot)
+
+    def observe(self, on_new: Callable[[NewRequests], None],
+                on_done: Callable[[set[str], set[str]], None]) -> None:
+        """Wrap the runner's `add_requests` and `finish_requests` (instance attributes; the
+        originals run unchanged): `on_new(ids)` before the step's new requests are added (and
+        `on_new({})` after), `on_done(finished, preempted)` before their slots are freed."""
+        add, finish = self.runner.add_requests, self.runner.finish_requests
+
+        def add_requests(scheduler_output: Any) -> Any:
+            on_new({r.req_id: (list(r.prefill_token_ids or ()), int(r.prompt_len))
+                    for r in scheduler_output.scheduled_new_reqs})
+            try:
+                return add(scheduler_output)
+            finally:
+                on_new({})
+
+        def finish_requests(scheduler_output: Any) -> Any:
+            on_done(set(scheduler_output.finished_req_ids or ()),
+                    set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+            return finish(scheduler_output)
+
+        self.runner.add_requests = add_requests
+        self.runner.finish_requests = finish_requests
+
+
+def find_mrv2_runner() -> MRV2Runner | None:
+    """The MRV2 runner building the calling processor (in its `load_model`,
+    `build_custom_logits_processors`); None if not found."""
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    except ImportError:
+        return None
+    runner = _on_stack(GPUModelRunner, "the MRV2 model runner", "no request is tracked")
+    return None if runner is None else MRV2Runner(runner)
+
+
+def processors_in(worker: Any) -> list:
+    """The custom logits processors of a worker: in the V1 runner's input batch, or in the MRV2
+    runner's sampler (which only the last pipeline rank has); [] if none."""
+    runner = getattr(worker, "model_runner", None)
+    batch = getattr(runner, "input_batch", None)
+    procs = getattr(getattr(batch, "logitsprocs", None), "all", None)
+    if procs is None:  # Model Runner V2
+        procs = getattr(getattr(runner, "sampler", None), "logits_processors", None)
+    return list(procs or [])
+
+
+def is_reporting_worker() -> bool:
+    """True on the one worker that answers for the engine: the last pipeline rank (it runs the
+    sampler, hence the processors' apply()) with tensor-parallel rank 0. True when the groups
+    are not initialised (a single process)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return bool(get_pp_group().is_last_rank and get_tp_group().rank_in_group == 0)
+    except (ImportError, AssertionError, AttributeError):
+        return True
