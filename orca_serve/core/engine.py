@@ -51,6 +51,7 @@ from orca_serve.contract import (
 from orca_serve.core.deployment import Deployment
 from orca_serve.core.pooling import Readback, SlotPool, Staging
 from orca_serve.core.registry import Request, Results
+from orca_serve.core.speculation import forced_rows, plan_start
 from orca_serve.core.stopping import guard_position, stop_plan
 
 log = logging.getLogger("orca_serve.core")
@@ -101,7 +102,7 @@ class OrcaCore:
         self.hidden_size = hidden_size
         self.staging = Staging(16 * self.capacity, self.device, pin_memory)
         self.readback = Readback(self.capacity, self.device, pin_memory)
-        self._pending: list[tuple[Request, int, bool]] | None = None  # (req, pos, guard-stopped)
+        self._pending: list[tuple[Request, int, bool, int]] | None = None  # see _pool_steps
         self._leaving: list[tuple[Request, bool]] = []
         self.live: dict[str, Request] = {}  # by identity: in the batch or parked
         self._parked: dict[str, Request] = {}  # insertion order = age
@@ -113,7 +114,7 @@ class OrcaCore:
         self.rows_exact = True
         self.stats = {"probe_ns": 0, "engine_steps": 0, "active_steps": 0, "rows_captured": 0,
                       "steps_scored": 0, "max_step_ns": 0, "resumed": 0, "recompute_chunks": 0,
-                      "lagged_tokens": 0, "evictions": 0}
+                      "lagged_tokens": 0, "evictions": 0, "drafts_accepted": 0}
 
     # -- deployments (hot reload) ---------------------------------------------------------------
     def load_bundle(self, path: str) -> Deployment:
@@ -395,9 +396,13 @@ class OrcaCore:
         return s
 
     # -- the engine step --------------------------------------------------------------------------
-    def step(self, entries: list[Entry], hidden: Tensor | None, logits: Tensor) -> None:
-        """One engine step (see module docstring). hidden: [rows, d], logits: [rows, vocab]."""
-        self.stats["engine_steps"] += 1
+    def step(self, entries: list[Entry], hidden: Tensor | None, logits: Tensor, *,
+             replay: bool = False) -> None:
+        """One engine step (see module docstring). hidden: [rows, d], logits: [rows, vocab].
+        `replay`: a call that feeds accepted draft tokens of this engine step (speculative
+        decoding, core/speculation.py), not an engine step of its own."""
+        if not replay:
+            self.stats["engine_steps"] += 1
         self.settle()
         if not entries:
             return
@@ -411,7 +416,7 @@ class OrcaCore:
                 req.fail(f"internal error: {e!r}")
         dt = perf_counter_ns() - t0
         self.stats["probe_ns"] += dt
-        self.stats["active_steps"] += 1
+        self.stats["active_steps"] += 0 if replay else 1
         self.stats["max_step_ns"] = max(self.stats["max_step_ns"], dt)
 
     def _step(self, entries: list[Entry], hidden: Tensor | None, logits: Tensor) -> None:
@@ -475,11 +480,10 @@ class OrcaCore:
                     guard_hit.add(id(req))
                 self._plan(req, n)
             if req.plan:
-                t = req.plan.get(n)
-                if t is not None:
-                    f_rows.append(row)
+                for pos, r, t in forced_rows(req, row, n, req.plan):
+                    f_rows.append(r)
                     f_ids.append(t)
-                    req.forced[n] = t
+                    req.forced[pos] = t
 
         emit = [i for i, o in enumerate(ops) if o[1] != MERGE]
         scored = [j for j, i in enumerate(emit) if ops[i][1] != CLOSE and ops[i][0].enabled
@@ -499,10 +503,10 @@ class OrcaCore:
         s_bl = st.add([NEVER if r.policy == "shadow" else r.lam for r, *_ in sc_reqs])
         s_hl = st.add([NEVER if r.policy == "shadow" and r.would_stop_step is not None
                        else r.lam for r, *_ in sc_reqs])
-        # scored rows whose stop would force a token now: (position among scored, row, token)
-        cands = [(j, row, t) for j, (r, _, _, row, n) in enumerate(sc_reqs)
+        # scored rows whose stop would force tokens now: (position among scored, row, token)
+        cands = [(j, fr, t) for j, (r, _, _, row, n) in enumerate(sc_reqs)
                  if id(r) not in guard_hit and r.policy != "shadow"
-                 and (t := self._plan_preview(r, n).get(n, -1)) >= 0]
+                 for _, fr, t in forced_rows(r, row, n, self._plan_preview(r, n))]
         s_cp = st.add([c[0] for c in cands])
         s_cr = st.add([c[1] for c in cands])
         s_ct = st.add([c[2] for c in cands])
@@ -603,7 +607,9 @@ class OrcaCore:
             forced.scatter_(1, tok[:, None], 0.0)
             logits.index_copy_(0, rows, torch.where(flag[:, None], forced, cur))
         self.readback.start(torch.stack([smoothed.float(), hit.float(), steps.float()]))
-        self._pending = [(r, n, id(r) in guard_hit) for r, _, _, _, n in sc_reqs]
+        # (request, position, guard-stopped, logits rows a stop forced on the device)
+        self._pending = [(r, n, id(r) in guard_hit, 1 + len(r.draft_rows))
+                         for r, _, _, _, n in sc_reqs]
 
     def _consume(self, host: list[list[float]]) -> None:
         """The previous step's decisions reach the host: scores, would-stop and stop steps, and
@@ -611,7 +617,7 @@ class OrcaCore:
         pending, self._pending = self._pending, None
         sm, hit, steps = host
         self.stats["steps_scored"] += len(pending)
-        for i, (req, pos, guard_stopped) in enumerate(pending):
+        for i, (req, pos, guard_stopped, rows) in enumerate(pending):
             req.scores.append(sm[i])
             req.steps_scored = int(steps[i])
             if hit[i] < 0.5:
@@ -625,9 +631,11 @@ class OrcaCore:
             if not guard_stopped:  # a guard stop at the same step already planned the same
                 req.stopped = True
                 self._plan(req, pos)
-                t = req.plan.get(pos)
-                if t is not None:
-                    req.forced[pos] = t
+                if pos >= req.decided_until:  # else nothing was forced: see core/speculation.py
+                    for p in range(pos, pos + rows):
+                        t = req.plan.get(p)
+                        if t is not None:
+                            req.forced[p] = t
 
     def _plan_preview(self, req: Request, pos: int) -> dict[int, int]:
         return stop_plan(req.policy, pos, force_ids=req.dep.force_ids, eos=req.eos,
@@ -637,7 +645,7 @@ class OrcaCore:
     def _plan(self, req: Request, pos: int) -> None:
         req.active = False  # segmentation and scoring end with the stop
         req.guard_pos = None
-        req.plan = self._plan_preview(req, pos)
+        req.plan = self._plan_preview(req, plan_start(req, pos))
 
 
 def _by_deployment(scored: list[int], dep_of) -> list[tuple[Deployment, int, int]]:

@@ -25,13 +25,12 @@ log = logging.getLogger("orca_serve.core")
 class Request:
     """Everything the core keeps about one engine request (a child of n > 1 is its own)."""
 
-    __slots__ = ("active", "answer_budget", "attached", "bundle_checksum", "dep", "eos", "error",
-                 "fetched", "forced", "guard_pos", "handle", "ident", "ignore_eos", "index", "key",
-                 "lag", "left_at", "max_tokens", "n_seen", "notes", "output", "plan", "policy",
-                 "prompt", "prompt_reasoning", "record", "scores", "seg", "slot", "snapshot",
-                 "spec", "step_counts",
-                 "step_embs", "steps_scored", "stop_reason", "stop_step", "stopped",
-                 "would_stop_step")
+    __slots__ = ("active", "answer_budget", "attached", "bundle_checksum", "decided_until", "dep",
+                 "draft_rows", "eos", "error", "fetched", "forced", "guard_pos", "handle", "ident",
+                 "ignore_eos", "index", "key", "lag", "left_at", "max_tokens", "n_seen", "notes",
+                 "output", "plan", "policy", "prompt", "prompt_reasoning", "record", "scores",
+                 "seg", "slot", "snapshot", "spec", "step_counts", "step_embs", "steps_scored",
+                 "stop_reason", "stop_step", "stopped", "would_stop_step")
 
     def __init__(self, ident: str, spec: RequestSpec, dep: Deployment, seg: Segmenter, *,
                  index: int, key: str | None, policy: str, max_tokens: int | None,
@@ -58,6 +57,10 @@ class Request:
         self.plan: dict[int, int] = {}
         self.forced: dict[int, int] = {}  # output position -> forced token id
         self.guard_pos: int | None = None
+        # speculative decoding (core/speculation.py): output positions below this one are
+        # decided already (accepted drafts), so a stop plans its forced text from here
+        self.decided_until = 0
+        self.draft_rows: tuple[int, ...] = ()  # this step's logits rows for positions n+1, ...
         self.step_embs: list = []
         self.step_counts: list[int] = []
         self.notes: list[str] = list(spec.notes)

@@ -38,6 +38,8 @@ ENV_ANY_VLLM = "ORCA_ANY_VLLM"  # "1": skip the check (benchmarks/check_vllm_ver
 PROCESSOR_FQCN = "orca_serve.vllm_plugin.processor:OrcaLogitsProcessor"
 WORKER_EXTENSION = "orca_serve.vllm_plugin.worker.OrcaWorkerExtension"
 ENV_BUNDLE = "ORCA_BUNDLE"  # fallback when a front end drops additional_config
+# speculative methods tested with the plugin (V1 runner; docs/PLUGIN.md, "Speculative decoding")
+SPEC_METHODS = ("ngram", "draft_model")
 
 
 
@@ -160,11 +162,9 @@ def check_engine_supported(engine_args: Any = None) -> None:
     """
     if engine_args is None:
         return
-    spec = _get(engine_args, "speculative_config")
-    if spec:
-        raise RuntimeError("orca-serve cannot run with speculative decoding: the probe needs one "
-                           "hidden state per accepted token (and vLLM's V1 runner rejects custom "
-                           "logits processors with it); remove the speculative config")
+    refusal = speculation_refusal(speculative_method(_get(engine_args, "speculative_config")))
+    if refusal:
+        raise RuntimeError(refusal)
     sharded = _get(engine_args, "enable_batch_sharded_sampling")
     if sharded is None:
         sharded = _get(_get(engine_args, "parallel_config"), "enable_batch_sharded_sampling")
@@ -172,3 +172,32 @@ def check_engine_supported(engine_args: Any = None) -> None:
         raise RuntimeError("orca-serve cannot run with batch-sharded sampling: Model Runner V2 "
                            "then computes logits without the LM-head layer the plugin reads "
                            "hidden states from; remove --enable-batch-sharded-sampling")
+
+
+def speculative_method(spec: Any) -> str | None:
+    """The method of a speculative config (a JSON string, a dict or vLLM's SpeculativeConfig);
+    "" when there is none. vLLM's own inference: model "ngram" is n-gram, and a config that
+    names neither method nor model has none we can tell (None)."""
+    import json
+
+    if not spec:
+        return ""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except ValueError:
+            return None
+    method, model = _get(spec, "method"), _get(spec, "model")
+    if method in ("ngram", "[ngram]") or (method is None and model in ("ngram", "[ngram]")):
+        return "ngram"
+    return None if method is None else str(method)
+
+
+def speculation_refusal(method: str | None) -> str | None:
+    """One line refusing a speculative method the plugin is not tested with; None when the
+    method is served ("" = no speculation)."""
+    if method == "" or method in SPEC_METHODS:
+        return None
+    named = "a speculative config without a method" if method is None else f"{method!r}"
+    return (f"orca-serve cannot run speculative decoding with {named}: tested are "
+            f"{', '.join(SPEC_METHODS)} (set \"method\" in --speculative-config)")

@@ -33,6 +33,8 @@ from orca_serve.vllm_plugin.config import check_vllm_version
 # release before the imports below, which it may lack
 check_vllm_version()
 
+import itertools
+
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 from vllm.v1.worker.gpu.sample.logits_processor.interface import (
@@ -41,6 +43,7 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcRequestState
 
 from orca_serve.core.registry import Request
+from orca_serve.core.speculation import DraftSteps
 from orca_serve.vllm_compat import capture
 from orca_serve.vllm_compat.runner import find_v1_runner
 from orca_serve.vllm_plugin.adapter import CoreAdapter, child_index
@@ -70,6 +73,17 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
         self._start_core(vllm_config, device, is_pin_memory)
         self.core.rows_exact = self._runner is not None
         self._rows: dict[int, tuple[Request, list[int]]] = {}
+        # speculative decoding: every step goes through the draft-row driver (speculation.py)
+        self._drafts: DraftSteps | None = None
+        self.sampling_drafts = False  # vLLM's rejection sampler is running (rows handled)
+        if getattr(vllm_config, "speculative_config", None):
+            if self._runner is None:
+                raise RuntimeError("orca: speculative decoding needs vLLM's V1 model runner, "
+                                   "which was not found")
+            from orca_serve.vllm_plugin import speculation
+
+            self._drafts = DraftSteps(self.core)
+            speculation.attach(self, self._runner)
 
     def is_argmax_invariant(self) -> bool:
         return False  # it forces tokens
@@ -122,6 +136,8 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
                 stops.add(req.eos)
             final = bool(out) and (out[-1] in stops or (
                 params.max_tokens is not None and len(out) >= params.max_tokens))
+        if final and self._drafts is not None:
+            self._drafts.finish(req, out)
         self.core.leave(req, final)
 
     def _req_id(self, row: int, out: list) -> str | None:
@@ -129,18 +145,41 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
 
     # -- the engine step --------------------------------------------------------------------
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.sampling_drafts:  # the bonus rows of a step whose rows were all seen already
+            return logits
+        if self._drafts is not None:  # a step without drafts under a speculative config
+            self.apply_rows(logits, None)
+            return logits
         hidden = capture.take_rows()
         with self._lock:
-            # rows whose sampled token vLLM throws away (partial prefill chunks): left out
-            discard = None if self._runner is None else self._runner.discarded_rows()
             entries = []
-            for row, (req, out) in self._rows.items():
-                if discard is not None and discard[row]:
-                    self.core.stats["recompute_chunks"] += 1
-                    continue
+            for row, (req, out) in self._scheduled():
                 n = len(out)
                 entries.append((req, row, n, out[n - 2] if n > 1 else -1,
                                 out[n - 1] if n else -1))
             self.core.step(entries, hidden, logits)
         return logits
+
+    def apply_rows(self, logits: torch.Tensor, rows_per_request: list[int] | None) -> None:
+        """A step under speculative decoding: batch row b owns rows_per_request[b] consecutive
+        logits rows (1 + its draft tokens; None: one each). See core/speculation.py."""
+        hidden = capture.take_rows()
+        with self._lock:
+            first = list(range(logits.shape[0])) if rows_per_request is None else \
+                [0, *itertools.accumulate(rows_per_request)]
+            entries = [(req, first[b], 1 if rows_per_request is None else rows_per_request[b],
+                        out) for b, (req, out) in self._scheduled()]
+            self._drafts.step(entries, hidden, logits)
+
+    def _scheduled(self) -> list[tuple[int, tuple[Request, list[int]]]]:
+        """The tracked batch rows of this step, without those whose sampled token vLLM throws
+        away (partial prefill chunks)."""
+        discard = None if self._runner is None else self._runner.discarded_rows()
+        rows = []
+        for row, tracked in self._rows.items():
+            if discard is not None and discard[row]:
+                self.core.stats["recompute_chunks"] += 1
+                continue
+            rows.append((row, tracked))
+        return rows
 

@@ -1,0 +1,185 @@
+"""Speculative decoding in the core (orca_serve/core/speculation.py), driven by a fake engine.
+
+The fake engine of test_core, with drafts: every step a request proposes k draft tokens, each
+right (the token the target would sample) with some probability, else a wrong one (often a
+step delimiter, so that boundaries appear inside rejected drafts) whose hidden row is noise.
+Its k + 1 logits rows go through `DraftSteps` as the V1 adapter sends them; then a greedy
+rejection sampler keeps the drafts that equal the target's (possibly forced) token of the row
+before, and adds the target's token at the first mismatch (or the bonus token).
+
+The same requests run without drafts through the plain fake engine: scores, stop steps and
+forced text must be the same, each forced token must be an output token, and a stop may land
+at most k tokens after the plain run's.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_core import (
+    DIM,
+    EOS,
+    FORCE,
+    ID,
+    POLICY_XA,
+    PROMPT,
+    TOKENS,
+    SimRequest,
+    _probe,
+    bundle_path,  # noqa: F401 - the module fixture
+    make_core,
+    reference,
+    run,
+)
+
+from orca_serve.contract import DEFAULTS, XARG_KEY
+from orca_serve.core.speculation import DraftSteps
+
+WRONG = [ID["\n\n"], ID[".\n\n"], ID["a"], ID["x"]]
+
+
+def run_speculative(core, sims: list[SimRequest], k: int, p_right: float, seed: int,
+                    steps: int = 400) -> int:
+    """The fake engine with k drafts per request and step; returns the drafts accepted."""
+    rng = random.Random(seed)
+    drafts = DraftSteps(core)
+    batch: list[SimRequest] = []
+    for t in range(steps):
+        for s in sims:
+            if s.req is None and not s.done and t == s.join_at:
+                s.req = core.join(s.name, s.xa, prompt=PROMPT, n_out=0, index=0,
+                                  max_tokens=s.max_tokens, eos=None, ignore_eos=False,
+                                  structured=False)
+                batch.append(s)
+        for s in list(batch):
+            if s.out and (s.out[-1] == EOS or len(s.out) >= s.max_tokens):
+                drafts.finish(s.req, s.out)
+                core.leave(s.req, True)
+                batch.remove(s)
+                s.done = True
+        if not batch and all(s.done for s in sims):
+            break
+        rng.shuffle(batch)
+        entries, proposals = [], []
+        for s in batch:
+            n = len(s.out)
+            # a draft model that is right with probability p_right (it knows forced text too)
+            ks = 0 if n == 0 else k
+            props = []
+            for i in range(ks):  # draft i + 1 sits at output position n + i
+                want = s.req.plan.get(n + i, s.stream[n + i])
+                props.append(want if rng.random() < p_right
+                             else rng.choice([w for w in WRONG if w != want]))
+            entries.append((s.req, 1 + ks, s.out))
+            proposals.append((s, props))
+        # rows: row 0 of a request is its last token; a draft's row is its true state only
+        # while every draft up to it is the stream's token, else noise
+        hidden = []
+        for s, props in proposals:
+            n = len(s.out)
+            hidden.append(s.hidden[n - 1] if n else torch.randn(DIM))
+            ok = True
+            for i, tok in enumerate(props):
+                ok = ok and tok == s.stream[n + i]
+                hidden.append(s.hidden[n + i] if ok else torch.randn(DIM))
+        entries = [(req, sum(1 + len(p) for _, p in proposals[:j]), c, out)
+                   for j, (req, c, out) in enumerate(entries)]
+        h = torch.stack(hidden) if hidden else torch.zeros(0, DIM)
+        logits = torch.zeros(h.shape[0], len(TOKENS))
+        drafts.step(entries, h, logits)
+        for (_, first, count, _), (s, props) in zip(entries, proposals):
+            n = len(s.out)
+            # the target's token per row: the forced one, else the stream's
+            target = [int(torch.isfinite(r).nonzero()[0]) if int(torch.isfinite(r).sum()) == 1
+                      else s.stream[n + i] for i, r in enumerate(logits[first:first + count])]
+            new = []
+            for i, tok in enumerate(props):
+                if tok != target[i]:
+                    break
+                new.append(tok)
+            new.append(target[len(new)])
+            for tok in new:
+                if s.out and (s.out[-1] == EOS or len(s.out) >= s.max_tokens):
+                    break
+                s.out.append(tok)
+    core.settle()
+    return core.stats["drafts_accepted"]
+
+
+def _sims(seed: int) -> list[SimRequest]:
+    rng = random.Random(seed)
+    sims = []
+    for i in range(9):
+        policy = ["stop", "answer", "shadow"][i % 3]
+        sims.append(SimRequest(f"r{i}", rng, xa={XARG_KEY: f"r{i}", **POLICY_XA[policy]},
+                               max_tokens=rng.randrange(40, 90), join_at=rng.randrange(0, 6)))
+    return sims
+
+
+def _first_forced(s: SimRequest, forced: list[int]) -> int | None:
+    """Output position where the forced text starts (None: nothing was forced)."""
+    if not forced:
+        return None
+    want = forced[:len(FORCE)] if forced[0] != EOS else [EOS]
+    return next(i for i in range(len(s.out)) if s.out[i:i + len(want)] == want)
+
+
+@pytest.mark.parametrize(("seed", "k", "p_right"), [(0, 3, 0.7), (1, 3, 0.9), (2, 5, 0.5),
+                                                    (3, 1, 0.8), (4, 3, 1.0)])
+def test_drafts_give_the_plain_runs_steps_scores_and_stops(bundle_path, seed,  # noqa: F811
+                                                           k, p_right):
+    plain_sims, spec_sims = _sims(seed), _sims(seed)
+    plain, spec = make_core(bundle_path, max_num_seqs=9), make_core(bundle_path, max_num_seqs=9)
+    run(plain, plain_sims, seed)
+    accepted = run_speculative(spec, spec_sims, k, p_right, seed)
+    assert accepted >= 50, "too few accepted drafts: the test would prove little"
+    names = [s.name for s in plain_sims]
+    want, got = plain.pop_results(names), spec.pop_results(names)
+    table, probe = spec.dep.table, _probe()
+    stops = late = 0
+    for a, b in zip(plain_sims, spec_sims):
+        ra, rb = want[a.name], got[a.name]
+        assert "error" not in rb, rb.get("error")
+        for f in ("steps_scored", "stop_step", "would_stop_step", "stopped_early",
+                  "stop_reason"):
+            assert ra[f] == rb[f], (a.name, f)
+        assert rb["scores"] == pytest.approx(ra["scores"], abs=1e-5)
+        # the scores are those of the offline replay of the tokens the speculative run output
+        sm, _ = reference(table, b, probe, len(b.out) - 1)
+        assert rb["scores"] == pytest.approx(sm[:rb["steps_scored"]], abs=1e-5)
+        pa, pb = _first_forced(a, ra["forced_tokens"]), _first_forced(b, rb["forced_tokens"])
+        if pa is None:
+            assert pb is None and a.out == b.out, a.name
+            continue
+        stops += 1
+        # the same tokens up to the plain run's stop; the forced text where it is forced, whole
+        assert b.out[:pa] == a.out[:pa] and pa <= pb <= pa + k, (a.name, pa, pb)
+        late += pb > pa
+        forced = rb["forced_tokens"]
+        if forced != ra["forced_tokens"]:  # a late answer whose EOS no longer fits max_tokens
+            assert pb > pa and forced == ra["forced_tokens"][:-1]
+            assert pb + len(forced) + DEFAULTS["answer_budget"] >= b.max_tokens
+        n = len(forced) - (forced[-1] == EOS)
+        assert b.out[pb:pb + n] == forced[:n]
+        assert (b.out[-1] == EOS) == (forced[-1] == EOS)
+    assert stops >= 3, "no stops to compare: the test would prove little"
+    if p_right == 1.0:  # every draft accepted: steps end inside the accepted drafts
+        assert late >= 1, "no stop landed late: the replay-then-force path went untested"
+    assert spec.pool.free_count == spec.capacity
+
+
+def test_a_boundary_inside_rejected_drafts_does_not_count(bundle_path):  # noqa: F811
+    """Every draft wrong and a delimiter: nothing but the accepted tokens is segmented."""
+    plain_sims, spec_sims = _sims(7), _sims(7)
+    plain, spec = make_core(bundle_path, max_num_seqs=9), make_core(bundle_path, max_num_seqs=9)
+    run(plain, plain_sims, 7)
+    assert run_speculative(spec, spec_sims, 4, 0.0, 7) == 0
+    names = [s.name for s in plain_sims]
+    want, got = plain.pop_results(names), spec.pop_results(names)
+    for s in plain_sims:
+        for f in ("steps_scored", "stop_step", "scores", "forced_tokens", "reasoning_tokens"):
+            assert want[s.name][f] == got[s.name][f], (s.name, f)
+    assert [s.out for s in plain_sims] == [s.out for s in spec_sims]
+
