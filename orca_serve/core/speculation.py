@@ -110,10 +110,10 @@ class DraftSteps:
         """`req` leaves the batch for good with output `out`: feed the drafts its last step
         accepted (plain decoding feeds every token but the last) before the core stores its
         result. A stop decided there forces nothing: the request has ended. The runner's list
-        may go on past an EOS among the accepted drafts (vLLM's scheduler cuts its own copy
-        there): the output ends at that EOS."""
+        may go on past max_tokens or an EOS among the accepted drafts (vLLM's scheduler cuts its
+        own copy there): the output ends there."""
         self.core.settle()  # the last step's stops plan from its own decided position
-        n = len(out)
+        n = len(out) if req.max_tokens is None else min(len(out), req.max_tokens)
         if req.eos is not None and not req.ignore_eos:
             n = next((i + 1 for i in range(max(0, req.n_seen - 1), n) if out[i] == req.eos), n)
         req.decided_until = n

@@ -1,0 +1,181 @@
+"""Speculative decoding on the real engine (offline `LLM`, in-process, V1 runner, tiny model).
+
+The same greedy requests run on three engines serving one bundle: plain decoding, n-gram
+speculation and draft-model speculation (the tiny model drafts for itself). Greedy decoding with
+a small frequency penalty: the output of a speculative engine is the plain engine's, token for
+token (the drafter proposes without the penalty, so some drafts are rejected and some accepted).
+
+The bundle carries a grid of (delta, lambda*) rows; the plain engine's shadow scores pick, per
+prompt, a delta whose lambda* is first crossed at a later step, and the stop requests use it.
+Stop steps, scores and step embeddings must equal the plain engine's; forced text must be
+output tokens, at most k tokens after the plain engine's (k = num_speculative_tokens).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch
+import vllm  # noqa: F401
+from bundles import tiny_bundle, write_bundle
+from tiny_model import HIDDEN, chat_prompts
+
+from orca_serve.probe import Probe, ProbeSpec
+from orca_serve.vllm_plugin import merge_results
+from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
+
+pytestmark = pytest.mark.vllm
+
+QUESTIONS = ["Solve 3x+1=7", "What is 2+2?", "hi", "Find x: 7*x + 3 = 38", "Try x = 5", "Why?"]
+MAX_TOKENS = 120
+K = 3  # num_speculative_tokens
+PENALTY = 0.1
+GRID = [(round(0.005 * (i + 1), 3), round(0.99 - 0.01 * i, 2)) for i in range(99)]
+COMMON = {"enforce_eager": True, "dtype": "float32", "max_model_len": 512, "seed": 0}
+SPECULATION = {
+    "ngram": lambda model: {"method": "ngram", "num_speculative_tokens": K,
+                            "prompt_lookup_max": 3, "prompt_lookup_min": 2},
+    "draft_model": lambda model: {"method": "draft_model", "model": str(model),
+                                  "num_speculative_tokens": K},
+}
+
+
+def _probe() -> Probe:
+    probe = Probe(ProbeSpec(dim=HIDDEN), seed=0)
+    g = torch.Generator().manual_seed(0)
+    probe.params["w"].data = -torch.randn(HIDDEN, generator=g) * 4  # scores rise over steps
+    return probe.requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def bundle(tok, tmp_path_factory):
+    return write_bundle(tiny_bundle(_probe(), GRID, vocab=tok.get_vocab(), window=3, n_cal=6,
+                                    default_delta=GRID[0][0]),
+                        tmp_path_factory.mktemp("bundle") / "bundle.json")
+
+
+def _sp(key: str, **xa):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, frequency_penalty=PENALTY,
+                          extra_args={"orca_key": key, **xa})
+
+
+def _run(model, bundle, prompts, requests, speculation=None):
+    """Start an engine, run `requests` ({key: (prompt index, extra args)}), return
+    ({key: token ids}, {key: result}, stats); the engine is dropped afterwards.
+
+    A speculative engine runs its engine core in a process of its own: vLLM 0.32 cannot build
+    a second draft-model engine in one process (its kernel registry refuses the re-registration).
+    """
+    from vllm import LLM
+
+    prepare_environment()
+    spec = None if speculation is None else SPECULATION[speculation](model)
+    with pytest.MonkeyPatch.context() as mp:
+        if spec is not None:
+            import vllm.envs
+
+            mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+            vllm.envs.disable_envs_cache()  # vLLM caches env vars after the first engine
+        llm = LLM(str(model), speculative_config=spec, **COMMON, **engine_kwargs(bundle))
+    try:
+        keys = list(requests)
+        outs = llm.generate([prompts[requests[k][0]] for k in keys],
+                            [_sp(k, **requests[k][1]) for k in keys], use_tqdm=False)
+        res = merge_results(llm.collective_rpc("orca_results", args=(keys,)))
+        (stats,) = llm.collective_rpc("orca_stats")
+    finally:
+        del llm
+        gc.collect()
+    return {k: list(o.outputs[0].token_ids) for k, o in zip(keys, outs)}, res, stats
+
+
+def _first_cross(sm, lam):
+    return next((t + 1 for t, v in enumerate(sm) if v >= lam), None)
+
+
+@pytest.fixture(scope="module")
+def picked(model, bundle, tok):
+    """Per prompt, a delta of the grid whose lambda* the plain run first crosses at step >= 3,
+    early enough that the budget guard of policy answer does not close the thinking first."""
+    prompts = chat_prompts(tok, QUESTIONS)
+    shadow = {f"s{i}": (i, {"orca_policy": "shadow", "orca_record": 1})
+              for i in range(len(prompts))}
+    _, res, _ = _run(model, bundle, prompts, shadow)
+    deltas = {}
+    for i in range(len(prompts)):
+        sm, steps = res[f"s{i}"]["scores"], res[f"s{i}"]["step_tokens"]
+        for delta, lam in GRID:
+            t = _first_cross(sm, lam)
+            if t is not None and t >= 3 and sum(steps[:t]) <= MAX_TOKENS - 40:
+                deltas[i] = delta
+                break
+    assert len(deltas) >= 3, "too few prompts with a later crossing: the test would prove little"
+    return prompts, deltas
+
+
+def _requests(deltas):
+    reqs = {}
+    for i, delta in deltas.items():
+        reqs[f"shadow{i}"] = (i, {"orca_policy": "shadow", "orca_delta": delta,
+                                  "orca_record": 1})
+        reqs[f"stop{i}"] = (i, {"orca_policy": "stop", "orca_delta": delta, "orca_record": 1})
+        reqs[f"answer{i}"] = (i, {"orca_policy": "answer", "orca_delta": delta,
+                                  "orca_answer_budget": 16})
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def plain(model, bundle, picked):
+    prompts, deltas = picked
+    return _run(model, bundle, prompts, _requests(deltas))
+
+
+@pytest.mark.parametrize("speculation", ["ngram", "draft_model"])
+def test_speculation_stops_where_plain_decoding_stops(model, bundle, tok, picked, plain,
+                                                      speculation):
+    prompts, deltas = picked
+    want_out, want, _ = plain
+    got_out, got, stats = _run(model, bundle, prompts, _requests(deltas), speculation)
+    assert stats["drafts_accepted"] >= 20, stats  # speculation did happen
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    force = tok.encode("\n</think>\n\n", add_special_tokens=False)
+    for i in deltas:
+        # shadow: the same output, steps, scores and embeddings
+        a, b = want[f"shadow{i}"], got[f"shadow{i}"]
+        assert "error" not in b, b.get("error")
+        assert got_out[f"shadow{i}"] == want_out[f"shadow{i}"]
+        for f in ("steps_scored", "would_stop_step", "step_tokens", "reasoning_tokens"):
+            assert a[f] == b[f], (i, f)
+        assert b["scores"] == pytest.approx(a["scores"], abs=1e-5)
+        torch.testing.assert_close(torch.from_numpy(b["step_embeddings"]),
+                                   torch.from_numpy(a["step_embeddings"]), atol=1e-5, rtol=1e-5)
+        assert a["would_stop_step"] is not None
+        for policy, text in (("stop", [eos]), ("answer", force)):
+            key = f"{policy}{i}"
+            a, b = want[key], got[key]
+            assert "error" not in b, b.get("error")
+            assert b["stopped_early"] and b["stop_reason"] == "probe"
+            assert b["stop_step"] == a["stop_step"] == want[f"shadow{i}"]["would_stop_step"]
+            assert b["scores"] == pytest.approx(a["scores"], abs=1e-5)
+            assert b["forced_tokens"][:len(text)] == a["forced_tokens"][:len(text)] == text
+            # plain: the forced text right after the stop step's last token
+            ends = sum(want[f"shadow{i}"]["step_tokens"][:a["stop_step"]])
+            pa, pb = (next(p for p in range(len(o)) if o[p:p + len(text)] == text)
+                      for o in (want_out[key], got_out[key]))
+            assert pa == ends, (key, pa, ends)
+            # speculative: the same tokens up to there, then at most K more of the model's own
+            assert got_out[key][:pa] == want_out[key][:pa]
+            assert pa <= pb <= pa + K, (key, pa, pb)
+            assert got_out[key][pb:pb + len(text)] == text
+            if policy == "stop":
+                assert len(got_out[key]) == pb + 1 and b["forced_tokens"] == [eos]
+            else:  # the answer budget, then EOS
+                assert got_out[key][-1] == eos and len(got_out[key]) == pb + len(text) + 16 + 1
