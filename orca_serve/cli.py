@@ -247,11 +247,8 @@ def check_admin_key(ns: argparse.Namespace, has_bundle: bool) -> None:
 
 
 def refuse_unsupported(args: argparse.Namespace) -> None:
-    """Combinations the plugin cannot serve, refused before the engine starts."""
-    if getattr(args, "speculative_config", None):
-        raise StartupError("speculative decoding (--speculative-config) cannot be combined with "
-                           "--calib: vLLM rejects custom logits processors with it, and the probe "
-                           "needs one hidden state per token; drop one of them")
+    """Combinations the plugin cannot serve, refused before the engine starts (speculative
+    decoding: an untested method, or Model Runner V2; otherwise the V1 runner is pinned)."""
     if getattr(args, "headless", False):
         raise StartupError("--headless is not supported by orca-serve (it starts no API server, "
                            "and the orca fields live in the API server); run the engines with "
@@ -260,11 +257,15 @@ def refuse_unsupported(args: argparse.Namespace) -> None:
         raise StartupError("--grpc is not supported by orca-serve (the orca fields live in the "
                            "HTTP API)")
     try:
-        from orca_serve.vllm_plugin.config import check_engine_supported
+        from orca_serve.vllm_plugin.config import (
+            check_engine_supported,
+            pin_runner_for_speculation,
+        )
     except ImportError as e:
         raise StartupError(f"the orca vLLM plugin is not importable ({e})") from None
     try:
         check_engine_supported(args)
+        pin_runner_for_speculation(getattr(args, "speculative_config", None))
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
         raise StartupError(first_line(e)) from None
 

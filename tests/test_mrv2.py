@@ -356,3 +356,12 @@ def test_worker_extension_finds_the_mrv2_processor(bundle_path):
     got = ext.orca_results(["r0", "r1", "r2"])
     assert set(got) == {"r0", "r1", "r2"} and all(r["ran_sampler"] for r in got.values())
     assert ext.orca_stats()["engine_steps"] > 0
+
+
+def test_speculative_decoding_is_refused_under_mrv2(bundle_path):
+    """Under MRV2 a request owns one logits row per draft token, which this adapter does not
+    read: building it under a speculative config fails the engine start with one line."""
+    cfg = vllm_config(bundle_path, 2)
+    cfg.speculative_config = SimpleNamespace(method="ngram")
+    with pytest.raises(RuntimeError, match="V1 model runner only"):
+        FakeRunner(cfg, max_num_reqs=2)

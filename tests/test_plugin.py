@@ -373,8 +373,12 @@ def test_stats_report_probe_time(served):
 
 def test_check_engine_supported(monkeypatch):
     check_engine_supported({"max_model_len": 10})
-    with pytest.raises(RuntimeError, match="speculative"):
-        check_engine_supported({"speculative_config": {"method": "ngram"}})
+    check_engine_supported({"speculative_config": {"method": "ngram"}})
+    check_engine_supported({"speculative_config": '{"model": "ngram"}'})  # the CLI's JSON
+    check_engine_supported({"speculative_config": {"method": "draft_model", "model": "m"}})
+    for spec in ({"method": "eagle"}, {"method": "mtp"}, {"model": "some/drafter"}):
+        with pytest.raises(RuntimeError, match="^speculative decoding with .* not supported"):
+            check_engine_supported({"speculative_config": spec})
     with pytest.raises(RuntimeError, match="batch-sharded"):
         check_engine_supported({"enable_batch_sharded_sampling": True})
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # Model Runner V2: its own adapter

@@ -135,10 +135,12 @@ def test_refuses_delta_not_in_bundle_and_speculative_decoding(env, servers):
         ("orca-serve: error: delta 0.3 has no calibrated lambda* in this bundle; "
          "available deltas: 0.05, 0.1, 0.2")]
     r = run_cli("--model", str(env["model"]), "--calib", str(env["bundle"]),
-                "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}')
+                "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}')
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("orca-serve: error: speculative decoding")
+    assert lines == [("orca-serve: error: speculative decoding with method 'eagle' is not "
+                      "supported with orca (tested: ngram, draft_model; set \"method\" in the "
+                      "speculative config)")]
 
 
 # -- requests ---------------------------------------------------------------------------------

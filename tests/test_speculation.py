@@ -14,6 +14,7 @@ at most k tokens after the plain run's.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -183,3 +184,19 @@ def test_a_boundary_inside_rejected_drafts_does_not_count(bundle_path):  # noqa:
             assert want[s.name][f] == got[s.name][f], (s.name, f)
     assert [s.out for s in plain_sims] == [s.out for s in spec_sims]
 
+
+
+def test_speculation_pins_the_v1_runner_or_refuses_model_runner_v2(monkeypatch):
+    """The draft-row adapter is the V1 one: a speculative config pins VLLM_USE_V2_MODEL_RUNNER=0;
+    asking for Model Runner V2 with it is refused in one line."""
+    from orca_serve.vllm_plugin.config import ENV_V2_RUNNER, pin_runner_for_speculation
+
+    monkeypatch.delenv(ENV_V2_RUNNER, raising=False)
+    pin_runner_for_speculation(None)
+    assert ENV_V2_RUNNER not in os.environ
+    pin_runner_for_speculation('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert os.environ[ENV_V2_RUNNER] == "0"
+    monkeypatch.setenv(ENV_V2_RUNNER, "1")
+    with pytest.raises(RuntimeError, match="V1 model runner only") as e:
+        pin_runner_for_speculation({"method": "draft_model", "model": "m"})
+    assert "\n" not in str(e.value)

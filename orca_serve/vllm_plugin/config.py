@@ -40,6 +40,10 @@ WORKER_EXTENSION = "orca_serve.vllm_plugin.worker.OrcaWorkerExtension"
 ENV_BUNDLE = "ORCA_BUNDLE"  # fallback when a front end drops additional_config
 # speculative methods tested with the plugin (V1 runner; docs/PLUGIN.md, "Speculative decoding")
 SPEC_METHODS = ("ngram", "draft_model")
+ENV_V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
+MRV2_SPEC_REFUSAL = ("speculative decoding with orca runs on vLLM's V1 model runner only (the "
+                     "Model Runner V2 adapter does not read draft rows yet); unset "
+                     f"{ENV_V2_RUNNER} or set it to 0")
 
 
 
@@ -198,6 +202,17 @@ def speculation_refusal(method: str | None) -> str | None:
     method is served ("" = no speculation)."""
     if method == "" or method in SPEC_METHODS:
         return None
-    named = "a speculative config without a method" if method is None else f"{method!r}"
-    return (f"orca-serve cannot run speculative decoding with {named}: tested are "
-            f"{', '.join(SPEC_METHODS)} (set \"method\" in --speculative-config)")
+    named = "a config that names no method" if method is None else f"method {method!r}"
+    return (f"speculative decoding with {named} is not supported with orca (tested: "
+            f"{', '.join(SPEC_METHODS)}; set \"method\" in the speculative config)")
+
+
+def pin_runner_for_speculation(speculative_config: Any) -> None:
+    """With speculative decoding, make vLLM pick the V1 model runner (the adapter that handles
+    draft rows): set VLLM_USE_V2_MODEL_RUNNER=0, or refuse when the caller asked for Model
+    Runner V2. Nothing without a speculative config. Call before the engine starts."""
+    if speculative_method(speculative_config) == "":
+        return
+    if os.environ.get(ENV_V2_RUNNER, "").strip().lower() in ("1", "true"):
+        raise RuntimeError(MRV2_SPEC_REFUSAL)
+    os.environ[ENV_V2_RUNNER] = "0"

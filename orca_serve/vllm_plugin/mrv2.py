@@ -58,6 +58,7 @@ from orca_serve.core.registry import Request
 from orca_serve.vllm_compat import capture
 from orca_serve.vllm_compat.runner import NewRequests, find_mrv2_runner
 from orca_serve.vllm_plugin.adapter import CoreAdapter, child_index
+from orca_serve.vllm_plugin.config import MRV2_SPEC_REFUSAL
 from orca_serve.vllm_plugin.engine_setup import log
 
 
@@ -66,6 +67,8 @@ class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
     `OrcaLogitsProcessor` when MRV2 constructs that FQCN."""
 
     def __init__(self, vllm_config, req_states: LogitsProcRequestState) -> None:
+        if getattr(vllm_config, "speculative_config", None):
+            raise RuntimeError(MRV2_SPEC_REFUSAL)
         device = torch.device(req_states.device)
         self._states = req_states
         self._start_core(vllm_config, device, device.type == "cuda")
@@ -142,7 +145,7 @@ class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
                 req = self._slots.get(slot)
                 if req is None:
                     continue
-                if not one_row_each:
+                if not one_row_each:  # refused at construction; should not happen
                     req.fail("more than one logits row per request (speculative decoding)")
                     continue
                 seq = int(seq_lens[row])
