@@ -14,6 +14,7 @@ output tokens, at most k tokens after the plain engine's (k = num_speculative_to
 from __future__ import annotations
 
 import gc
+import json
 import os
 
 import pytest
@@ -24,6 +25,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch
 import vllm  # noqa: F401
 from bundles import tiny_bundle, write_bundle
+from serving import Server, orca_serve_cmd
 from tiny_model import HIDDEN, chat_prompts
 
 from orca_serve.probe import Probe, ProbeSpec
@@ -38,6 +40,8 @@ K = 3  # num_speculative_tokens
 PENALTY = 0.1
 GRID = [(round(0.005 * (i + 1), 3), round(0.99 - 0.01 * i, 2)) for i in range(99)]
 COMMON = {"enforce_eager": True, "dtype": "float32", "max_model_len": 512, "seed": 0}
+SERVE = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
+         "--seed", "0", "--disable-uvicorn-access-log"]
 SPECULATION = {
     "ngram": lambda model: {"method": "ngram", "num_speculative_tokens": K,
                             "prompt_lookup_max": 3, "prompt_lookup_min": 2},
@@ -179,3 +183,32 @@ def test_speculation_stops_where_plain_decoding_stops(model, bundle, tok, picked
                 assert len(got_out[key]) == pb + 1 and b["forced_tokens"] == [eos]
             else:  # the answer budget, then EOS
                 assert got_out[key][-1] == eos and len(got_out[key]) == pb + len(text) + 16 + 1
+
+
+def test_orca_serve_with_ngram_speculation_reports_the_plain_stop(model, bundle, picked, plain,
+                                                                  tmp_path):
+    """Real HTTP, the real openai client: orca-serve with --speculative-config (n-gram) stops
+    each request at the plain engine's stop step and says so in the `orca` object."""
+    prompts, deltas = picked
+    want_out, want, _ = plain
+    srv = Server(orca_serve_cmd("--model", str(model), "--calib", str(bundle),
+                                "--speculative-config", json.dumps(SPECULATION["ngram"](model))),
+                 tmp_path / "orca.log", SERVE)
+    try:
+        client = srv.wait().client()
+        name = client.models.list().data[0].id
+        for i, delta in deltas.items():
+            r = client.completions.create(model=name, prompt=prompts[i], max_tokens=MAX_TOKENS,
+                                          temperature=0, frequency_penalty=PENALTY,
+                                          extra_body={"orca": {"policy": "stop",
+                                                               "delta": delta}})
+            orca = r.model_extra["orca"]
+            assert orca["stopped_early"] and orca["stop_step"] == want[f"stop{i}"]["stop_step"]
+            # plain decoding ended with the forced EOS; speculation at most K tokens later
+            n = len(want_out[f"stop{i}"])
+            assert r.choices[0].finish_reason == "stop"
+            assert n <= r.usage.completion_tokens <= n + K
+        log = srv.log.read_text()
+    finally:
+        srv.stop()
+    assert "speculative_config=SpeculativeConfig(method='ngram'" in log
