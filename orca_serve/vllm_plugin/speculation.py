@@ -62,11 +62,13 @@ def allow_under_speculation() -> None:
 
 
 def _is_orca(proc: Any) -> bool:
+    """Whether an entry of vLLM's `logits_processors` (an FQCN or a class) is ORCA's processor
+    or a subclass of it (by name: this module must not import the processor's)."""
+    want = PROCESSOR_FQCN.replace(":", ".")
     if isinstance(proc, str):
-        return proc.replace(":", ".") == PROCESSOR_FQCN.replace(":", ".")
-    from orca_serve.vllm_plugin.processor import OrcaLogitsProcessor
-
-    return isinstance(proc, type) and issubclass(proc, OrcaLogitsProcessor)
+        return proc.replace(":", ".") == want
+    return isinstance(proc, type) and any(f"{c.__module__}.{c.__qualname__}" == want
+                                          for c in proc.__mro__)
 
 
 def attach(processor: Any, runner: Any) -> None:
