@@ -19,7 +19,10 @@ import random
 
 import pytest
 import torch
-from test_core import (
+
+from orca_serve.contract import DEFAULTS, XARG_KEY
+from orca_serve.core.speculation import DraftSteps
+from tests.test_core import (
     DIM,
     EOS,
     FORCE,
@@ -34,9 +37,6 @@ from test_core import (
     reference,
     run,
 )
-
-from orca_serve.contract import DEFAULTS, XARG_KEY
-from orca_serve.core.speculation import DraftSteps
 
 WRONG = [ID["\n\n"], ID[".\n\n"], ID["a"], ID["x"]]
 

@@ -24,13 +24,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch
 import vllm  # noqa: F401
-from bundles import tiny_bundle, write_bundle
-from serving import Server, orca_serve_cmd
-from tiny_model import HIDDEN, chat_prompts
 
-from orca_serve.probe import Probe, ProbeSpec
+from orca_method.probe import Probe, ProbeSpec
 from orca_serve.vllm_plugin import merge_results
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
+from tests.bundles import tiny_bundle, write_bundle
+from tests.serving import Server, orca_serve_cmd
+from tests.tiny_model import HIDDEN, chat_prompts
 
 pytestmark = pytest.mark.vllm
 
@@ -58,9 +58,10 @@ def _probe() -> Probe:
 
 
 @pytest.fixture(scope="module")
-def bundle(tok, tmp_path_factory):
-    return write_bundle(tiny_bundle(_probe(), GRID, vocab=tok.get_vocab(), window=3, n_cal=6,
-                                    default_delta=GRID[0][0]),
+def bundle(model, tok, tmp_path_factory):
+    """n_cal large enough that every delta of the grid passes the server's table check."""
+    return write_bundle(tiny_bundle(_probe(), GRID, vocab=tok.get_vocab(), window=3,
+                                    n_cal=2000, name=model.name, default_delta=GRID[0][0]),
                         tmp_path_factory.mktemp("bundle") / "bundle.json")
 
 
