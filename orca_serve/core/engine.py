@@ -24,6 +24,11 @@ readback. A deployment retired by `retire_bundles` is dropped when its last requ
 Async scheduling: a token id that is still a placeholder (-1) cannot be segmented yet; its hidden
 row is parked and the request runs one token behind (the parked token is fed on the next step,
 when its id is known) instead of failing. See docs/PLUGIN.md.
+
+Speculative decoding: `core/speculation.py` feeds accepted draft tokens through `step(...,
+replay=True)` calls before the engine step's own call; `Request.decided_until` and
+`Request.draft_rows` tell this module where forcing may start and which rows sample the
+positions after n.
 """
 
 from __future__ import annotations
