@@ -87,10 +87,12 @@ class DraftSteps:
                           out[n - 1] if n else UNKNOWN))
             if count > 1:
                 drafts.append((req, n, first + 1, count - 1))
+        if drafts and (hidden is None or hidden.shape[0] != logits.shape[0]):
+            got = None if hidden is None else hidden.shape[0]
+            for req, *_ in drafts:  # never take the engine down (as OrcaCore.step)
+                req.fail(f"captured {got} hidden rows for {logits.shape[0]} logits rows")
+            drafts = []
         if drafts:
-            if hidden is None or hidden.shape[0] != logits.shape[0]:
-                got = None if hidden is None else hidden.shape[0]
-                raise RuntimeError(f"captured {got} hidden rows for {logits.shape[0]} logits rows")
             idx = torch.tensor([r for _, _, a, k in drafts for r in range(a, a + k)],
                                device=hidden.device)
             rows = hidden.index_select(0, idx)  # [sum k, d]: a copy, the step's tensor may go
