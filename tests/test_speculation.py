@@ -43,7 +43,8 @@ WRONG = [ID["\n\n"], ID[".\n\n"], ID["a"], ID["x"]]
 
 def run_speculative(core, sims: list[SimRequest], k: int, p_right: float, seed: int,
                     steps: int = 400) -> int:
-    """The fake engine with k drafts per request and step; returns the drafts accepted."""
+    """The fake engine with k drafts per request and step, and preemptions (a request leaves
+    for two steps once its output reaches `preempt_at`); returns the drafts accepted."""
     rng = random.Random(seed)
     drafts = DraftSteps(core)
     batch: list[SimRequest] = []
@@ -54,12 +55,22 @@ def run_speculative(core, sims: list[SimRequest], k: int, p_right: float, seed: 
                                   max_tokens=s.max_tokens, eos=None, ignore_eos=False,
                                   structured=False)
                 batch.append(s)
+            if s.back_at == t:  # resumed: its drafts accepted before the preemption still count
+                assert core.join(s.name, s.xa, prompt=PROMPT, n_out=len(s.out), index=0,
+                                 max_tokens=s.max_tokens, eos=None, ignore_eos=False,
+                                 structured=False) is s.req
+                batch.append(s)
+                s.back_at = None
         for s in list(batch):
             if s.out and (s.out[-1] == EOS or len(s.out) >= s.max_tokens):
                 drafts.finish(s.req, s.out)
                 core.leave(s.req, True)
                 batch.remove(s)
                 s.done = True
+            elif s.preempt_at is not None and len(s.out) >= s.preempt_at:
+                core.leave(s.req, False)
+                batch.remove(s)
+                s.preempt_at, s.back_at = None, t + 2
         if not batch and all(s.done for s in sims):
             break
         rng.shuffle(batch)
@@ -115,7 +126,8 @@ def _sims(seed: int) -> list[SimRequest]:
     for i in range(9):
         policy = ["stop", "answer", "shadow"][i % 3]
         sims.append(SimRequest(f"r{i}", rng, xa={XARG_KEY: f"r{i}", **POLICY_XA[policy]},
-                               max_tokens=rng.randrange(40, 90), join_at=rng.randrange(0, 6)))
+                               max_tokens=rng.randrange(40, 90), join_at=rng.randrange(0, 6),
+                               preempt_at=rng.randrange(5, 30) if i % 2 else None))
     return sims
 
 
@@ -169,6 +181,7 @@ def test_drafts_give_the_plain_runs_steps_scores_and_stops(bundle_path, seed,  #
     if p_right == 1.0:  # every draft accepted: steps end inside the accepted drafts
         assert late >= 1, "no stop landed late: the replay-then-force path went untested"
     assert spec.pool.free_count == spec.capacity
+    assert spec.get_stats()["resumed"] >= 3  # preempted requests came back with their drafts
 
 
 def test_a_boundary_inside_rejected_drafts_does_not_count(bundle_path):  # noqa: F811
