@@ -70,6 +70,8 @@ TEST_EXCEPTIONS: dict[str, dict[str, str]] = {
     "tests/test_reload.py": {"vllm.logger:_configure_vllm_root_logger":
                              "sets up vLLM's logging as vLLM does at import"},
     "tests/test_parallel.py": {"vllm.envs": "resets vLLM's env-var cache between engines"},
+    "tests/test_speculation_engine.py": {"vllm.envs":
+                                         "resets vLLM's env-var cache between engines"},
     "tests/test_requests.py": {"vllm.platforms:current_platform":
                                "the CPU-build guard is tested on the CPU build only"},
 }

@@ -47,6 +47,9 @@ TOUCH_POINTS: tuple[str, ...] = (
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner",
     "vllm.v1.worker.gpu_input_batch:InputBatch.req_ids",
     "vllm.v1.sample.logits_processor:LogitsProcessors.all",
+    # speculative decoding: the step's sampling, wrapped (intercept_draft_steps)
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
+    "vllm.v1.spec_decode.metadata:SpecDecodeMetadata",
     # Model Runner V2 (found on the stack): its per-step request bookkeeping, wrapped
     "vllm.v1.worker.gpu.model_runner:GPUModelRunner",
     "vllm.v1.worker.gpu.model_runner:GPUModelRunner.add_requests",
@@ -73,6 +76,7 @@ INSTANCE_ATTRIBUTES: tuple[str, ...] = (
     "vllm.v1.worker.gpu.model_runner:GPUModelRunner.sampler",
     "vllm.v1.worker.gpu.states:RequestState.index_to_req_id",
     "vllm.v1.worker.gpu.sample.sampler:Sampler.logits_processors",
+    "vllm.v1.spec_decode.metadata:SpecDecodeMetadata.num_draft_tokens",
     "vllm.v1.core.sched.output:SchedulerOutput.scheduled_new_reqs",
     "vllm.v1.core.sched.output:SchedulerOutput.finished_req_ids",
     "vllm.v1.core.sched.output:SchedulerOutput.preempted_req_ids",
@@ -125,6 +129,28 @@ class V1Runner:
     def discarded_rows(self) -> np.ndarray:
         """[max rows] bool: rows whose sample vLLM throws away this step (partial prefill)."""
         return self.runner.discard_request_mask.np
+
+    def intercept_draft_steps(self, on_rows: Callable[[Any, list[int]], None],
+                              sampling: Callable[[bool], None]) -> None:
+        """Speculative decoding: wrap the runner's `_sample(logits, spec_decode_metadata)` (an
+        instance attribute; the original runs unchanged). In a step with draft tokens,
+        `on_rows(logits, rows)` sees every logits row first (batch row b owns rows[b] = 1 +
+        its draft count consecutive rows; the rejection sampler reads its target and bonus
+        logits from this tensor), and `sampling(True)` ... `sampling(False)` bracket vLLM's own
+        sampling of the step (which calls the processors on the bonus rows again)."""
+        sample = self.runner._sample
+
+        def _sample(logits: Any, spec_decode_metadata: Any) -> Any:
+            if spec_decode_metadata is None or logits is None:
+                return sample(logits, spec_decode_metadata)
+            on_rows(logits, [1 + k for k in spec_decode_metadata.num_draft_tokens])
+            sampling(True)
+            try:
+                return sample(logits, spec_decode_metadata)
+            finally:
+                sampling(False)
+
+        self.runner._sample = _sample
 
 
 def find_v1_runner() -> V1Runner | None:

@@ -29,10 +29,10 @@ from __future__ import annotations
 from typing import Any
 
 from orca_method.errors import first_line
-from orca_serve.vllm_plugin.speculation import allow_under_speculation
+from orca_serve.vllm_plugin import speculation
 
 # the worker imports this module before it builds its model runner (vLLM's worker_extension_cls)
-allow_under_speculation()
+speculation.install()
 
 
 class OrcaWorkerExtension:
