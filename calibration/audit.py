@@ -28,6 +28,7 @@ from calibration.calibrate import calibrate_bundle, score_split
 from orca_method.bundle import Bundle, Segmentation
 from orca_method.risk import is_counted, request_losses
 from orca_method.trajectories import TrajectorySet, split_ids
+from orca_serve.audit.attrition import incomplete
 from orca_serve.audit.drift import DRIFT_WINDOW, DriftMonitor
 from orca_serve.audit.sequence import RestartedAlarm
 
@@ -51,6 +52,23 @@ def open_audits(path: str | Path) -> TrajectorySet:
     problems = [p for ts in sets for p in ts.problems]
     arrays = [ts.embeddings(i) for ts in sets for i in range(len(ts))]
     return TrajectorySet(root, sets[0].info, problems, arrays)
+
+
+def unfinished(ts: TrajectorySet) -> list[int]:
+    """Positions of the audits that did not finish (cut by max_tokens, aborted): left out of
+    the risk and of recalibration, as the server leaves them out (orca_serve.audit.attrition).
+    Records without a finish_reason (written before it was kept) count as finished."""
+    return [i for i, p in enumerate(ts.problems)
+            if (p.extra or {}).get("finish_reason") is not None
+            and incomplete(p.extra["finish_reason"]) is not None]
+
+
+def without(ts: TrajectorySet, positions: list[int]) -> TrajectorySet:
+    """The set less the problems at `positions` (no copy of the embeddings)."""
+    drop = set(positions)
+    keep = [i for i in range(len(ts)) if i not in drop]
+    return TrajectorySet(ts.path, ts.info, [ts.problems[i] for i in keep],
+                         [ts.embeddings(i) for i in keep])
 
 
 def audit_label_mode(bundle: Bundle, ts: TrajectorySet, requested: str | None = None) -> str:
@@ -85,6 +103,9 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
     if len(ts) == 0:
         raise ValueError(f"{ts.path} holds no audit yet")
     alpha = bundle.ltt.epsilon if alpha is None else alpha
+    cut = unfinished(ts)
+    position = [i + 1 for i in range(len(ts)) if i not in set(cut)]  # 1-based, in the directory
+    ts = without(ts, cut)
     scored = score_split(bundle.load_probe(), ts, "all", mode, bundle.window, solvable_only=False)
     deltas = bundle.deltas()
     lams = [bundle.lam(d) for d in deltas]
@@ -92,8 +113,9 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
     drift = DriftMonitor.from_bundle(bundle, window=min(drift_window, max(10, len(ts))))
     history: dict[str, list] = {"mean": [], "lower": [], "upper": []}
     first_alarm: list[int | None] = [None] * len(deltas)
+    first_position: list[int | None] = [None] * len(deltas)
     skipped = 0
-    for s, c in zip(scored.scores, scored.labels):
+    for pos, s, c in zip(position, scored.scores, scored.labels):
         if drift is not None and len(s) >= 2:
             drift.observe(s[:-1])  # the server does not score the step that ends the thinking
         if not is_counted(c, bundle.ltt.excluded_never_correct):
@@ -104,7 +126,7 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
             values.append(getattr(cs, key).tolist())
         for j, fired in enumerate(cs.alarm(np.asarray(deltas))):
             if first_alarm[j] is None and fired:
-                first_alarm[j] = cs.n
+                first_alarm[j], first_position[j] = cs.n, pos
     alarm = cs.alarm(np.asarray(deltas))
     since, since_lower = cs.alarm_source(np.asarray(deltas))
     rows = []
@@ -113,10 +135,12 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
                      "risk": float(cs.mean[j]) if cs.n else None,
                      "lower": float(cs.lower[j]), "upper": float(cs.upper[j]),
                      "alarm": bool(alarm[j]), "first_alarm_at": first_alarm[j],
+                     "first_alarm_audit": first_position[j],
                      "alarm_since": int(since[j]) if alarm[j] else None,
                      "alarm_lower": float(since_lower[j]) if alarm[j] else None})
     report: dict[str, Any] = {
-        "audit": str(ts.path), "audits": len(ts), "counted": cs.n, "never_correct_skipped": skipped,
+        "audit": str(ts.path), "audits": len(ts) + len(cut), "unfinished_skipped": len(cut),
+        "counted": cs.n, "never_correct_skipped": skipped,
         "label_mode": mode, "bundle_label_mode": bundle.label_mode,
         "labels_match": mode == bundle.label_mode, "alpha": alpha,
         "confidence_sequence": "hedged capital, Waudby-Smith & Ramdas (2024)", "deltas": rows,
@@ -130,7 +154,8 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
 
 def format_report(report: dict[str, Any]) -> str:
     lines = [(f"{report['audit']}: {report['audits']} audits, {report['counted']} counted "
-              f"({report['never_correct_skipped']} never correct, left out), labels "
+              f"({report['never_correct_skipped']} never correct and "
+              f"{report['unfinished_skipped']} unfinished, left out), labels "
               f"{report['label_mode']}, alarm at level alpha={report['alpha']:g}/2, bounds at "
               f"alpha={report['alpha'] / 2:g} (anytime-valid)")]
     if not report["labels_match"]:
@@ -141,7 +166,8 @@ def format_report(report: dict[str, Any]) -> str:
     for r in report["deltas"]:
         lam = "never" if r["lambda"] is None else f"{r['lambda']:.4f}"
         risk = "-" if r["risk"] is None else f"{r['risk']:.3f}"
-        flag = (f"ALARM (first at audit {r['first_alarm_at']}; the audits after "
+        flag = (f"ALARM (first at counted audit {r['first_alarm_at']}, audit "
+                f"{r['first_alarm_audit']} of the directory; the audits after "
                 f"{r['alarm_since']} have lower bound {r['alarm_lower']:.3f})" if r["alarm"]
                 else "ok")
         lines.append(f"  delta={r['delta']:<5g} lambda*={lam:<8} n={r['n']:<5} risk={risk} "
@@ -184,13 +210,40 @@ def plot_report(report: dict[str, Any], out_dir: Path) -> Path:
     return path
 
 
+def first_alarm(bundle: Bundle, ts: TrajectorySet, mode: str) -> int | None:
+    """The 1-based position in `ts` of the audit at which the server's alarm (replayed by
+    `audit_report`) first fired at any delta of the bundle; None when it never fired."""
+    fired = [r["first_alarm_audit"] for r in audit_report(bundle, ts, mode=mode)["deltas"]
+             if r["first_alarm_audit"] is not None]
+    return min(fired, default=None)
+
+
+def check_window(bundle: Bundle, ts: TrajectorySet, mode: str, last: int | None) -> None:
+    """Refuse (ValueError, one line) a window holding audits from up to the first alarm.
+
+    An alarm says the traffic changed; audits from before it are not exchangeable with what
+    comes after, and choosing the window because of what its audits showed voids LTT's
+    statement. The window must hold only audits after the alarm."""
+    at = first_alarm(bundle, ts, mode)
+    start = 0 if last is None else max(0, len(ts) - last)  # 0-based: audits start+1 .. len
+    if at is not None and start < at:
+        most = len(ts) - at
+        raise ValueError(
+            f"the window (audits {start + 1}-{len(ts)} of {ts.path}) reaches back to or before "
+            f"the first alarm (audit {at}): "
+            + (f"use --last {most} or fewer" if most else "wait for audits after the alarm")
+            + ", or --force to use it anyway")
+
+
 def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
                 last: int | None = None, retrain: bool = False,
                 train_options: dict | None = None, seed: int = 0,
-                bundle_path: str | None = None) -> Bundle:
+                bundle_path: str | None = None, force: bool = False) -> Bundle:
     """LTT (the calibrate code) on the audits of the window; the same probe unless ``retrain``.
 
-    With ``retrain`` the window is split by prompt (seeded) into a training half and a
+    Unfinished audits are left out first (``last`` counts finished ones). Unless ``force``,
+    a window reaching back to or before the first alarm is refused (``check_window``). With
+    ``retrain`` the window is split by prompt (seeded) into a training half and a
     calibration half: LTT must not see the data the probe was fitted to. ``train_options``
     are `meta_train` settings as `orca-calibrate train` takes them (None: its defaults).
     """
@@ -204,6 +257,9 @@ def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
         if theirs != ours:
             raise ValueError(f"the audits' {name} {theirs!r} differs from the bundle's {ours!r}: "
                              "they were not recorded by a server running this bundle")
+    ts = without(ts, unfinished(ts))
+    if not force:
+        check_window(bundle, ts, mode, last)
     view = window_view(ts, last)
     if retrain:
         ids = [p.id for p in view.problems]

@@ -174,7 +174,8 @@ def cmd_recalibrate(a: argparse.Namespace) -> None:
     ts = open_audits(a.audit)
     new = recalibrate(bundle, ts, Path(a.out), mode=audit_label_mode(bundle, ts, a.label_mode),
                       last=a.last, retrain=a.retrain, seed=a.seed,
-                      train_options=training_options(a), bundle_path=a.bundle)
+                      train_options=training_options(a), bundle_path=a.bundle,
+                      force=a.force)
     print(f"wrote {a.out}: n_cal={new.ltt.n_cal} audits, label mode {new.label_mode}")
     for r, old in zip(new.ltt.rows, bundle.ltt.rows):
         lam, was = ("never" if x.lam is None else f"{x.lam:.4f}" for x in (r, old))
@@ -340,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "window (split by prompt) and calibrate on the other half")
     training_args(p)  # the retraining's settings, as in train
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="accept a window that reaches back to "
+                   "or before the first alarm in the audits (refused by default: those audits "
+                   "are not the traffic after the change)")
     p.set_defaults(fn=cmd_recalibrate)
 
     p = sub.add_parser("run", help="the whole job from a YAML file (resumable)")

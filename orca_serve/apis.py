@@ -41,6 +41,7 @@ class Report(Protocol):
     fetch: Callable[[list[int]], Awaitable[None]]
     orca: Callable[..., dict[str, Any]]
     reasoning_spent: Callable[[], int | None]
+    note_finished: Callable[[dict[int, str]], None]  # per choice, in chat's finish_reason terms
 
 
 def _get(body: dict[str, Any], *path: str) -> Any:
@@ -87,10 +88,18 @@ class Api:
         if self.usage_details is not None:
             _set_reasoning_usage(obj.get("usage"), self.usage_details, req.reasoning_spent())
 
+    @staticmethod
+    def _finished(choices: Any) -> dict[int, str]:
+        """{choice index: finish_reason} of the choices that finished (`length`: cut by
+        max_tokens; the live audit leaves such choices out)."""
+        return {c.get("index", 0): c["finish_reason"] for c in choices or []
+                if isinstance(c, dict) and isinstance(c.get("finish_reason"), str)}
+
     async def on_json(self, obj: Any, req: Report) -> bool:
         """Add the report to a finished JSON response; False: not one (left as it is)."""
         if not isinstance(obj, dict) or "choices" not in obj:
             return False
+        req.note_finished(self._finished(obj["choices"]))
         await req.fetch_all()
         self._finish(obj, req)
         return True
@@ -103,8 +112,9 @@ class Api:
         if not isinstance(obj, dict) or "choices" not in obj:
             return False
         choices = obj.get("choices") or []
-        finished = [c.get("index", 0) for c in choices
-                    if isinstance(c, dict) and c.get("finish_reason") is not None]
+        reasons = self._finished(choices)
+        req.note_finished(reasons)
+        finished = list(reasons)
         if finished:
             await req.fetch(finished)
             obj["orca"] = req.orca(finished)
@@ -143,6 +153,11 @@ class ResponsesApi(Api):
     async def on_json(self, obj: Any, req: Report) -> bool:
         if not isinstance(obj, dict) or obj.get("object") != "response":
             return False
+        status, why = obj.get("status"), _get(obj, "incomplete_details", "reason")
+        if status == "completed":
+            req.note_finished({0: "stop"})
+        elif status == "incomplete":
+            req.note_finished({0: "length" if why == "max_output_tokens" else "abort"})
         await req.fetch_all()
         self._finish(obj, req)
         return True
@@ -175,9 +190,15 @@ class MessagesApi(Api):
     def error(self, message: str, param: str | None) -> dict[str, Any]:
         return anthropic_error(message)
 
+    @staticmethod
+    def _note(stop_reason: Any, req: Report) -> None:
+        if isinstance(stop_reason, str):
+            req.note_finished({0: "length" if stop_reason == "max_tokens" else "stop"})
+
     async def on_json(self, obj: Any, req: Report) -> bool:
         if not isinstance(obj, dict) or obj.get("type") != "message":
             return False
+        self._note(obj.get("stop_reason"), req)
         await req.fetch_all()
         self._finish(obj, req)
         return True
@@ -185,6 +206,7 @@ class MessagesApi(Api):
     async def on_event(self, event: str | None, obj: Any, req: Report) -> bool:
         if event != "message_delta" or not isinstance(obj, dict):
             return False
+        self._note(_get(obj, "delta", "stop_reason"), req)
         await req.fetch_all()
         self._finish(obj, req)
         return True

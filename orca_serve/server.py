@@ -244,9 +244,14 @@ class _Request:
         self.state = state
         self.settings = settings
         self.results: dict[int, dict[str, Any] | None] = {}
+        self.finish_reasons: dict[int, str | None] = {}  # per choice, as the response gave them
         self.audit = state.audit  # the one that admitted it (a reload may replace state.audit)
         self.observed = False
         self.status: int | None = None  # of vLLM's response, once it started
+
+    def note_finished(self, reasons: dict[int, str]) -> None:
+        """Record how choices finished, in chat's terms (`stop`, `length`, ...: apis.py)."""
+        self.finish_reasons.update(reasons)
 
     def keys(self, indexes: list[int]) -> list[str]:
         return [child_key(self.settings.key, i, self.settings.n) for i in indexes]
@@ -438,7 +443,7 @@ async def _finish(req: _Request) -> None:
     finally:
         req.account()
         if req.audit is not None:
-            req.audit.finished(req.settings, req.results)
+            req.audit.finished(req.settings, req.results, req.finish_reasons)
         if req.state.reloader is not None:
             req.state.reloader.finished(req.settings)
 

@@ -14,7 +14,6 @@ import pytest
 from scipy.stats import binomtest
 
 from orca_method.bundle import load_bundle
-from orca_method.ltt import calibrate, default_grid
 from orca_method.trajectories import TrajectorySet
 from orca_serve.audit import DriftMonitor, build_reference, request_loss
 from orca_serve.audit.live import (
@@ -23,7 +22,6 @@ from orca_serve.audit.live import (
     DeltaGuard,
     LiveAudit,
     aligned_scores,
-    ltt_lambda,
 )
 from orca_serve.audit.options import AuditConfig
 from orca_serve.audit.store import AuditStore
@@ -160,39 +158,138 @@ def _window(n: int, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
     return scores, labels
 
 
-@pytest.mark.parametrize("policy", ["report", "fallback", "recalibrate"])
+def _no_ltt(scores, labels, delta, epsilon):
+    raise AssertionError("report and fallback never recalibrate")
+
+
+@pytest.mark.parametrize("policy", ["report", "fallback"])
 def test_guard_acts_on_a_forced_alarm_and_clears(policy: str) -> None:
     cs = FakeCS()
     cs.update(1.0)
     g = DeltaGuard(0.1, 0.45, cs, policy)
-    data = _window(100, 0)
 
-    def ltt(s, c, d):
-        return ltt_lambda(s, c, d, epsilon=0.05, grid_size=1001, pvalue="binomial")
+    def decide() -> None:
+        g.decide(0, lambda after: None, _no_ltt, FakeCS)
 
-    g.decide(lambda: None, ltt)
+    decide()
     assert (g.lam, g.source, g.alarm) == (0.45, "bundle", False)
     cs.lower = 0.2  # the lower bound passes delta: alarm
-    g.decide(lambda: None, ltt)  # window not full yet
+    decide()
     assert g.alarm
-    expected = {"report": (0.45, "bundle"), "fallback": (math.inf, "fallback"),
-                "recalibrate": (math.inf, "fallback")}[policy]
+    expected = {"report": (0.45, "bundle"), "fallback": (math.inf, "fallback")}[policy]
     assert (g.lam, g.source) == expected
-    g.decide(lambda: data, ltt)  # window full
-    if policy == "recalibrate":
-        (ref,) = calibrate(data[0], data[1], [0.1], epsilon=0.05, grid=default_grid(1001))
-        assert (g.lam, g.source) == (ref.lam, "audit") and ref.lam < math.inf
-    else:
-        assert (g.lam, g.source) == expected
     row = g.row()
     assert row["alarm"] is True and row["lambda_source"] == g.source
     assert (row["alarm_since"], row["alarm_lower"]) == (0, 0.2)
     cs.lower = 0.05  # the alarm goes, the guard stays until the upper bound says risk <= delta
-    g.decide(lambda: data, ltt)
-    assert not g.alarm and g.engaged and g.source == row["lambda_source"]
+    decide()
+    assert not g.alarm and g.engaged and (g.lam, g.source) == expected
     cs.upper = 0.1
-    g.decide(lambda: data, ltt)  # cleared: the bundle's lambda* returns
+    decide()  # cleared: the bundle's lambda* returns
     assert (g.lam, g.source, g.engaged) == (0.45, "bundle", False)
+
+
+def _recorded(first_score: float, hidden: int) -> dict:
+    """A record-mode result of two steps whose first score is `first_score` (labels [0, 1] by
+    FakeLabeller: the loss at lambda is 1 when first_score >= lambda)."""
+    return {"scores": [first_score, 0.9], "step_tokens": [3, 4], "delta": 0.1, "lam": None,
+            "step_embeddings": np.ones((2, hidden), dtype=np.float32)}
+
+
+def test_recalibrate_waits_for_audits_admitted_after_the_alarm(bundle) -> None:
+    """On the alarm the guard falls back; LTT runs once, at epsilon / 2, on the first `window`
+    audits ADMITTED after the alarm (by admission order, not by the order they finish, and
+    none from before); the recalibrated lambda (not below the bundle's smallest lambda*) is
+    then audited on its own, and its own alarm starts the second recalibration at epsilon / 6."""
+    import asyncio
+
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0, on_alarm="recalibrate", window=3),
+                      cs_factory=FakeCS, loss=_loss)
+    audit.labeller = FakeLabeller()
+    windows: list[tuple] = []
+
+    def spy(scores, labels, delta, epsilon):
+        windows.append((delta, epsilon, [round(float(s[0]), 3) for s in scores]))
+        return 0.0  # more aggressive than any bundle lambda*: served at the floor
+    audit._ltt = spy
+    g, h = audit.guard(0.1), bundle.model.hidden_size
+
+    def admit():
+        new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
+        return audit.admit(new, settings)[1]
+
+    async def finish(settings, score: float | None) -> None:
+        result = {0: None} if score is None else {0: _recorded(score, h)}
+        audit.finished(settings, result, {0: "stop"})
+        if audit._worker is not None:
+            await audit._worker
+
+    early = admit()  # admitted before the alarm, finishes after it
+    asyncio.run(finish(admit(), 0.01))
+    g.cs.lower = 0.5  # the next decision sees the alarm
+    asyncio.run(finish(admit(), 0.02))
+    assert (g.lam, g.source, g.waiting_since) == (math.inf, "fallback", 3)
+    after = [admit() for _ in range(4)]  # admission numbers 4..7
+    asyncio.run(finish(early, 0.03))
+    for settings, score in zip(after[1:], (0.05, 0.06, 0.07)):
+        asyncio.run(finish(settings, score))
+    assert windows == [] and g.source == "fallback"  # waits for audit 4, admitted first
+    asyncio.run(finish(after[0], None))  # it failed: skipped, and the window is complete
+    floor = min(bundle.lam(d) for d in bundle.deltas())
+    assert windows == [(0.1, 0.025, [0.05, 0.06, 0.07])]
+    assert (g.lam, g.source, g.recalibrations) == (floor, "audit", 1)
+    row = g.row()["recalibrated"]
+    assert (row["k"], row["epsilon"], row["lambda"], row["n"]) == (1, 0.025, floor, 0)
+
+    late = admit()  # admitted after the recalibration: measures the served lambda
+    asyncio.run(finish(late, floor + 0.01))
+    assert g.served.cs.losses == [1] and windows[1:] == []  # LTT ran once
+    g.served.cs.lower = 0.5  # its own alarm: the next audit starts the second wait
+    asyncio.run(finish(admit(), 0.08))
+    assert (g.source, g.waiting_since, g.served) == ("fallback", audit.admitted, None)
+    for _ in range(3):
+        asyncio.run(finish(admit(), 0.09))
+    assert windows[1] == (0.1, 0.05 / 6, [0.09] * 3) and g.recalibrations == 2
+    assert audit.guard(0.2).source == "bundle"  # another delta's guard never alarmed
+    assert audit._resolved == {}  # nothing kept once no guard waits
+
+
+def test_unfinished_audits_are_counted_and_left_out(bundle) -> None:
+    """Cut by max_tokens or never finished: not labelled, not in the risk, counted, and their
+    shares of the picked audits in the table."""
+    import asyncio
+
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0), cs_factory=FakeCS, loss=_loss)
+    audit.labeller = FakeLabeller()
+    h = bundle.model.hidden_size
+
+    async def run() -> None:
+        for reasons in ({0: "length"}, {}, {0: "abort"}, {0: "stop"}):
+            new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
+            _, settings = audit.admit(new, settings)
+            audit.finished(settings, {0: _recorded(0.5, h)}, reasons)
+            if audit._worker is not None:
+                await audit._worker
+
+    asyncio.run(run())
+    table = audit.table()
+    assert (table["length"], table["aborted"], table["labelled"]) == (1, 2, 1)
+    assert audit.guard(0.1).cs.n == 1
+    assert table["attrition"]["length"] == 0.25 and table["attrition"]["aborted"] == 0.5
+
+
+def test_drift_sees_one_choice_per_request(bundle) -> None:
+    """n > 1 choices of one prompt share its difficulty: only choice 0 reaches the test."""
+    rng = np.random.default_rng(1)
+    ref = build_reference([rng.uniform(0, 0.4, 6) for _ in range(300)], k=3,
+                          lambdas=bundle_lams(bundle))
+    drift = DriftMonitor(ref, window=50)
+    audit = LiveAudit(bundle, AuditConfig(rate=0.0), drift=drift)
+    new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
+    _, settings = audit.admit(new, settings)
+    audit.finished(settings, {i: {"scores": [0.1, 0.2], "lam": None, "policy": "answer"}
+                              for i in range(8)}, {i: "stop" for i in range(8)})
+    assert drift.observed == 1
 
 
 def test_fallback_reaches_requests_and_losses_use_the_bundle_lambda(bundle) -> None:
@@ -230,9 +327,9 @@ def test_fallback_reaches_requests_and_losses_use_the_bundle_lambda(bundle) -> N
 class FakeLabeller:
     """Labels every audit [0, 1] (our own fake of AuditLabeller: no engine)."""
 
-    async def label(self, key: str, rec: dict, result: dict) -> dict:
+    async def label(self, key: str, rec: dict, result: dict, finish_reason: str | None) -> dict:
         return {"id": key, "prompt": json.dumps(rec.get("messages")), "step_tokens": [3, 4],
-                "labels": {"consistent": [0, 1]}, "extra": {}}
+                "labels": {"consistent": [0, 1]}, "extra": {"finish_reason": finish_reason}}
 
 
 def test_audit_record_says_which_lambda_the_request_was_served(bundle, tmp_path: Path) -> None:
@@ -251,7 +348,7 @@ def test_audit_record_says_which_lambda_the_request_was_served(bundle, tmp_path:
     async def one(messages: list) -> None:
         new, settings = resolve({"messages": messages}, OrcaDefaults(delta=0.1), bundle)
         _, settings = audit.admit(new, settings)
-        audit.finished(settings, {0: {**result, "lam": settings.lam}})
+        audit.finished(settings, {0: {**result, "lam": settings.lam}}, {0: "stop"})
         await audit._worker
 
     asyncio.run(one([{"role": "user", "content": "a"}]))
@@ -301,7 +398,7 @@ def test_drift_monitor_sees_every_finished_request(bundle) -> None:
     _, settings = audit.admit(new, settings)
     for _ in range(50):
         audit.finished(settings, {0: {"scores": rng.uniform(0.6, 1.0, 5).tolist(),
-                                      "lam": None, "policy": "answer"}})
+                                      "lam": None, "policy": "answer"}}, {0: "stop"})
     assert drift.observed == 50 and drift.alarm
     assert audit.table()["drift"] == {"pvalue": drift.pvalue, "alarm": True}
 

@@ -72,14 +72,32 @@ def test_alarm_and_drift_on_the_shifted_family(world, capsys):
     assert (world / "plots" / "audit_risk.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_recalibrate_refuses_a_window_reaching_back_to_the_alarm(world, capsys):
+    """The whole shifted directory holds the audits up to the first alarm: refused in one
+    line that says how many recent audits are usable; --force takes it anyway."""
+    at = min(r["first_alarm_audit"] for r in _report(world, "shifted-audits")["deltas"]
+             if r["first_alarm_audit"] is not None)
+    argv = ["recalibrate", "--bundle", str(world / "bundle.json"), "--audit",
+            str(world / "shifted-audits"), "--out", str(world / "forced.json")]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"first alarm (audit {at})" in err
+    assert f"--last {1200 - at} or fewer" in err and not (world / "forced.json").exists()
+    assert main([*argv, "--last", str(1200 - at + 1)]) == 2  # one audit too far back
+    assert main([*argv, "--force"]) == 0 and load_bundle(world / "forced.json").ltt.n_cal == 1200
+
+
 def test_recalibrate_brings_the_risk_back(world):
     before, n = _fresh_errors(world / "bundle.json")
     assert before[0.05] > 0.05 + _tolerance(0.05, n)  # the shift really broke the guarantee
+    at = min(r["first_alarm_audit"] for r in _report(world, "shifted-audits")["deltas"]
+             if r["first_alarm_audit"] is not None)
     out = world / "recalibrated.json"
     assert main(["recalibrate", "--bundle", str(world / "bundle.json"), "--audit",
-                 str(world / "shifted-audits"), "--out", str(out)]) == 0
+                 str(world / "shifted-audits"), "--out", str(out), "--last", str(1200 - at)]) == 0
     old, new = load_bundle(world / "bundle.json"), load_bundle(out)
-    assert new.probe == old.probe and new.ltt.n_cal == 1200 and new.drift is not None
+    assert new.probe == old.probe and new.ltt.n_cal == 1200 - at and new.drift is not None
     assert new.provenance["calibration_source"] == "live audits"
     assert new.provenance["parent_checksum"] == old.checksum
     for d in DELTAS:
@@ -112,7 +130,7 @@ def test_the_servers_rotating_directories_read_as_one(world, tmp_path):
     assert json.loads(out.read_text())["audits"] == 120
     assert main(["recalibrate", "--audit", str(tmp_path / "root"), "--bundle",
                  str(world / "bundle.json"), "--out", str(tmp_path / "b.json"),
-                 "--last", "70"]) == 0
+                 "--last", "70", "--force"]) == 0
     ids = load_bundle(tmp_path / "b.json").provenance
     assert ids["audit_first_id"].startswith("synth-shifted-4-")  # the window spans both parts
     assert ids["audit_last_id"] == "synth-shifted-5-000059"

@@ -55,7 +55,8 @@ class AuditLabeller:
         self.probes += 1
         return None if last is None else extract_forced(last.outputs[0].text)
 
-    async def label(self, key: str, rec: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    async def label(self, key: str, rec: dict[str, Any], result: dict[str, Any],
+                    finish_reason: str | None) -> dict[str, Any]:
         """The trajectory record (problems.jsonl fields) of one audited, recorded request.
 
         `rec` holds the request's `messages` or `prompt`; `result` is the plugin's record-mode
@@ -67,6 +68,6 @@ class AuditLabeller:
         answers = await asyncio.gather(*(self._answer(f"{key}-probe-{t}", ids)
                                          for t, ids in points))
         text = self.tokenizer.decode(gen, skip_special_tokens=True)
-        return trajectory_fields(key, rec, text=text, finish_reason=None,
+        return trajectory_fields(key, rec, text=text, finish_reason=finish_reason,
                                  completion_tokens=len(gen), step_tokens=result["step_tokens"],
                                  probed={t: a for (t, _), a in zip(points, answers)})

@@ -17,19 +17,21 @@ exchangeable with the calibration set. This module measures the realized risk of
    online scores replayed with that delta's bundle lambda* (stop at the first score >= lambda*,
    loss 1 when the labels say the answer there was not yet right), fed to an anytime-valid
    confidence sequence (`orca_serve.audit`, `ConfidenceSequence`). As in calibration, audits
-   whose labels are all 0 (never right) are left out when the bundle excluded them.
+   whose labels are all 0 (never right) are left out when the bundle excluded them; so are
+   audits that did not finish (cut by max_tokens, aborted: `orca_serve.audit.attrition`), and
+   the table shows every such share.
 4. **The guard** (`DeltaGuard`): alarm for a delta = the lower bound of one of a family of
-   confidence sequences restarted every 50 audits exceeds delta (`RestartedAlarm`: a shift is
-   caught within a few dozen audits however long the clean history before it; the table's
-   risk and bounds are those of the whole history).
-   `report` only reports; `fallback` serves that delta with lambda = never (no early stop) while
-   the alarm holds; `recalibrate` recomputes lambda* by the same LTT code (orca_method/ltt.py) on
-   a sliding window of the most recent audits once the window is full (never before) and serves
-   it while the alarm holds. The alarm is about the bundle's lambda*, which every audit keeps
-   measuring (audits run in shadow, so their scores are complete whatever lambda is served); when
-   its lower bound falls back to delta or below, the bundle's lambda* returns.
-5. **Drift**: with a drift reference in the bundle, a `DriftMonitor` sees the scores of every
-   finished request (audited or not).
+   confidence sequences restarted every 50 audits and kept at dyadic ages exceeds delta
+   (`RestartedAlarm`; the table's risk and bounds are those of the whole history).
+   `report` only reports; `fallback` serves that delta with lambda = never (no early stop) until
+   the whole history's upper bound is back at delta; `recalibrate` falls back until `window`
+   audits admitted after the alarm are labelled, runs LTT (orca_method/ltt.py) once on those at
+   a share of epsilon (`recalibration_epsilon`) and serves that lambda, which then has its own
+   confidence sequences and alarm (the next alarm: the next recalibration). Audits run in
+   shadow, so their scores are complete whatever lambda is served, and each is measured at
+   every lambda a guard needs.
+5. **Drift**: with a drift reference in the bundle, a `DriftMonitor` sees the scores of one
+   choice of every finished request (audited or not).
 6. **Hot reload** (`hand_over`): a new bundle gets a new LiveAudit; the table, the guards, the
    recalibration window and the drift monitor restart with it, because every one of them is about
    one probe and its lambda*. Audits of requests the old bundle served (waiting for labels, being
@@ -46,7 +48,6 @@ import asyncio
 import logging
 import math
 import random
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -58,7 +59,8 @@ from prometheus_client.registry import Collector
 from orca_method.bundle import Bundle
 from orca_method.ltt import calibrate, default_grid
 from orca_method.risk import cumulative, is_counted, request_loss
-from orca_serve.audit.drift import DriftMonitor
+from orca_serve.audit.attrition import incomplete
+from orca_serve.audit.drift import DriftMonitor, reference_level
 from orca_serve.audit.options import ON_ALARM, AuditConfig, audit_config, audit_store, store_info
 from orca_serve.audit.sequence import RestartedAlarm
 from orca_serve.metrics import LABEL
@@ -125,17 +127,53 @@ def ltt_lambda(scores: list[np.ndarray], labels: list[np.ndarray], delta: float,
     return res.lam
 
 
+def recalibration_epsilon(epsilon: float, k: int) -> float:
+    """The level of a delta's k-th recalibration (k >= 1): epsilon / (k (k + 1)).
+
+    These sum to epsilon over k, so the probability that ANY recalibration of a delta certifies
+    a lambda whose risk exceeds delta stays at most epsilon (union bound), however many alarms a
+    deployment sees.
+    """
+    return epsilon / (k * (k + 1))
+
+
+Window = tuple[list[np.ndarray], list[np.ndarray]]
+
+
+@dataclass
+class Recalibrated:
+    """A lambda the guard serves after a recalibration, and the audit of that lambda."""
+
+    k: int  # the delta's k-th recalibration
+    epsilon: float  # LTT's level for it (recalibration_epsilon)
+    lam: float
+    since: int  # audits admitted after this admission number measure it
+    cs: CS  # its own alarm (a fresh RestartedAlarm)
+
+
 @dataclass
 class DeltaGuard:
-    """One delta's realized risk (at the bundle's lambda*) and the lambda it is served with."""
+    """One delta's realized risk (at the bundle's lambda*) and the lambda it is served with.
+
+    `recalibrate` (docs/AUDIT.md, "Recalibration in the server"): on the bundle's alarm the
+    guard falls back (never stops early) until `window` audits ADMITTED AFTER the alarm are
+    labelled, runs LTT once on those alone at `recalibration_epsilon(epsilon, k)` and serves
+    that lambda (not below `floor`), then audits it with its own alarm; that alarm starts the
+    next wait and recalibration. The bundle's lambda* does not return within the process.
+    """
 
     delta: float
     bundle_lam: float  # inf = never stops early
     cs: CS
     on_alarm: str = "report"
+    epsilon: float = 0.05  # the bundle's, split across recalibrations
+    floor: float = 0.0  # a recalibrated lambda is served at least this high
     lam: float = NEVER
     source: str = "bundle"
     engaged: bool = False  # alarmed and not cleared yet
+    waiting_since: int | None = None  # recalibrate: the admission number the wait began at
+    recalibrations: int = 0
+    served: Recalibrated | None = None
 
     def __post_init__(self) -> None:
         self.lam = self.bundle_lam
@@ -145,40 +183,87 @@ class DeltaGuard:
         """The realized risk of the bundle's lambda* exceeds delta (its lower bound does)."""
         return bool(self.cs.n) and bool(self.cs.alarm(self.delta))
 
-    def decide(self, window: Callable[[], tuple[list[np.ndarray], list[np.ndarray]] | None],
-               ltt: Callable[[list[np.ndarray], list[np.ndarray], float], float]) -> None:
-        """Set the served lambda from the alarm and the policy (see the module docstring).
+    def observe(self, seq: int, loss: Callable[[float], int]) -> None:
+        """One counted audit (admission number `seq`): its loss at the bundle's lambda*, and at
+        the recalibrated lambda when the audit was admitted after that lambda took effect."""
+        self.cs.update(loss(self.bundle_lam))
+        if self.served is not None and seq > self.served.since:
+            self.served.cs.update(loss(self.served.lam))
 
-        The guard engages on an alarm and is cleared only when no member alarms any more and the
-        whole history's upper bound is back at delta or below (evidence that the bundle's
-        lambda* holds again), not when the lower bound dips: that would flap with every loss
-        near the boundary. Clearing stays on the whole history: conservative (a long shift is
-        cleared late, the safe side), and the same rule as before the alarm was restarted. `window()` gives the recalibration
-        window (scores, labels) once it is full, else None.
+    def decide(self, now: int, window: Callable[[int], Window | None],
+               ltt: Callable[[list[np.ndarray], list[np.ndarray], float, float], float],
+               make_cs: Callable[[], CS]) -> None:
+        """Set the served lambda from the alarms and the policy.
+
+        `now`: audits admitted so far (later ones are "after" this decision); `window(after)`:
+        the first `window` counted audits admitted after `after`, in admission order, once all
+        of them are known, else None; `ltt(scores, labels, delta, epsilon)`: LTT's lambda.
+
+        `report` and `fallback`: the guard engages on an alarm and is cleared only when no
+        member alarms any more and the whole history's upper bound is back at delta or below
+        (evidence that the bundle's lambda* holds again), not when the lower bound dips: that
+        would flap with every loss near the boundary.
         """
+        if self.on_alarm == "recalibrate":
+            return self._recalibrate(now, window, ltt, make_cs)
         if self.alarm:
             self.engaged = True
         elif self.engaged and self.cs.upper <= self.delta:
             self.engaged = False
-        if not self.engaged or self.on_alarm == "report":
-            self.lam, self.source = self.bundle_lam, "bundle"
-            return
-        data = window() if self.on_alarm == "recalibrate" else None
-        if data is None:
+        if self.engaged and self.on_alarm == "fallback":
             self.lam, self.source = NEVER, "fallback"
-            return
-        self.lam, self.source = ltt(data[0], data[1], self.delta), "audit"
+        else:
+            self.lam, self.source = self.bundle_lam, "bundle"
+
+    def _recalibrate(self, now: int, window: Callable[[int], Window | None],
+                     ltt: Callable[[list[np.ndarray], list[np.ndarray], float, float], float],
+                     make_cs: Callable[[], CS]) -> None:
+        served_alarm = self.served is not None and bool(self.served.cs.n) and bool(
+            self.served.cs.alarm(self.delta))
+        if (not self.engaged and self.alarm) or served_alarm:
+            self.engaged, self.waiting_since, self.served = True, now, None
+        if self.waiting_since is not None:
+            data = window(self.waiting_since)
+            if data is None:
+                self.lam, self.source = NEVER, "fallback"
+                return
+            k = self.recalibrations + 1
+            eps = recalibration_epsilon(self.epsilon, k)
+            lam = max(ltt(data[0], data[1], self.delta, eps), self.floor)
+            self.served = Recalibrated(k, eps, lam, now, make_cs())
+            self.recalibrations, self.waiting_since = k, None
+        if self.served is not None:
+            self.lam, self.source = self.served.lam, "audit"
+        else:
+            self.lam, self.source = self.bundle_lam, "bundle"
 
     def row(self) -> dict[str, Any]:
         n = int(self.cs.n)
-        return {"delta": self.delta, "n": n,
-                "risk": float(self.cs.mean) if n else None,
-                "lower": float(self.cs.lower), "upper": float(self.cs.upper),
-                "alarm": self.alarm, "engaged": self.engaged,
-                **dict(zip(("alarm_since", "alarm_lower"), self.cs.alarm_source(self.delta))),
-                "lambda": None if math.isinf(self.lam) else self.lam,
-                "lambda_source": self.source,
-                "bundle_lambda": None if math.isinf(self.bundle_lam) else self.bundle_lam}
+        out = {"delta": self.delta, "n": n,
+               "risk": float(self.cs.mean) if n else None,
+               "lower": float(self.cs.lower), "upper": float(self.cs.upper),
+               "alarm": self.alarm, "engaged": self.engaged,
+               **dict(zip(("alarm_since", "alarm_lower"), self.cs.alarm_source(self.delta))),
+               "lambda": _lam_out(self.lam), "lambda_source": self.source,
+               "bundle_lambda": _lam_out(self.bundle_lam)}
+        if self.on_alarm == "recalibrate":
+            out.update(recalibrations=self.recalibrations, waiting_since=self.waiting_since,
+                       recalibrated=None if self.served is None else _served_row(self))
+        return out
+
+
+def _lam_out(lam: float) -> float | None:
+    return None if math.isinf(lam) else lam
+
+
+def _served_row(g: DeltaGuard) -> dict[str, Any]:
+    """The audit of the recalibrated lambda a guard serves (its own sequence and alarm)."""
+    r = g.served
+    assert r is not None
+    n = int(r.cs.n)
+    return {"k": r.k, "epsilon": r.epsilon, "lambda": _lam_out(r.lam), "since": r.since, "n": n,
+            "risk": float(r.cs.mean) if n else None, "lower": float(r.cs.lower),
+            "upper": float(r.cs.upper), "alarm": bool(n) and bool(r.cs.alarm(g.delta))}
 
 
 def _shown(lam: float) -> str:
@@ -198,7 +283,7 @@ def log_change(g: DeltaGuard, was_engaged: bool, was_source: str, was_lam: float
         logger.info("orca audit: alarm at delta %s cleared after %d audits (upper bound %.3f <= "
                     "delta)", d, n, g.cs.upper)
     if (g.source, g.lam) != (was_source, was_lam):
-        how = {"fallback": "fallback", "audit": "recalibrated on the recent audits",
+        how = {"fallback": "fallback", "audit": "recalibrated on the audits after the alarm",
                "bundle": "the bundle's lambda*"}.get(g.source, g.source)
         logger.warning("orca audit: delta %s now served with lambda %s (%s; was %s)", d,
                        _shown(g.lam), how, _shown(was_lam))
@@ -219,6 +304,8 @@ class _Job:
     key: str
     rec: dict[str, Any]
     result: dict[str, Any]
+    seq: int  # admission number (LiveAudit.admitted when it was picked)
+    finish_reason: str | None
     lambda_source: str = "bundle"  # the guard's source of the lambda the request was admitted with
 
 
@@ -234,14 +321,20 @@ class LiveAudit:
         self.bundle = bundle
         self.config = config
         self.sampler = AuditSampler(config.rate, config.seed)
-        make_cs = cs_factory or _default_cs_factory(bundle.ltt.epsilon)
+        self.make_cs = cs_factory or _default_cs_factory(bundle.ltt.epsilon)
         self.loss = loss or _default_loss
         # audits measure the risk under consistency labels; a bundle certified under others is
         # only reported on unless the operator lets the guard act (--orca-guard-other-labels)
         self.labels_match = bundle.label_mode == AUDIT_LABEL_MODE
         self.guard_acts = self.labels_match or config.other_labels
-        self.guards = {d: DeltaGuard(d, bundle.lam(d), make_cs(),
-                                     config.on_alarm if self.guard_acts else "report")
+        # a recalibrated lambda is served no lower than the bundle's smallest lambda*: the risk
+        # only falls as lambda grows, so LTT's certificate carries over, and the drift test's
+        # statistics (cut at that level) stay observable on every request
+        floor = reference_level([bundle.lam(d) for d in bundle.deltas()])
+        self.guards = {d: DeltaGuard(d, bundle.lam(d), self.make_cs(),
+                                     config.on_alarm if self.guard_acts else "report",
+                                     epsilon=bundle.ltt.epsilon,
+                                     floor=0.0 if math.isinf(floor) else floor)
                        for d in bundle.deltas()}
         if not self.labels_match and config.rate > 0:
             logger.warning("orca audit: the bundle was calibrated with %s labels but live audits "
@@ -251,14 +344,17 @@ class LiveAudit:
                            "(--orca-guard-other-labels)" if self.guard_acts else
                            "the guard reports only (--orca-guard-other-labels lets it act)")
         self.drift = drift
-        self.window: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=config.window)
-        self.counts = {"picked": 0, "labelled": 0, "dropped": 0, "failed": 0, "unsolvable": 0,
-                       "unaligned": 0, "superseded": 0}
+        self.admitted = 0  # audits admitted so far; each audit's admission number is its seq
+        # what became of each audit admitted after the oldest pending wait of a guard: its
+        # (scores, labels) when it entered the risk, None when it did not (see _resolve)
+        self._resolved: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
+        self.counts = {"picked": 0, "labelled": 0, "dropped": 0, "failed": 0, "aborted": 0,
+                       "length": 0, "unsolvable": 0, "unaligned": 0, "superseded": 0}
         self.labeller: Any = None  # AuditLabeller, made on first use (needs the engine client)
         self.store: Any = None  # AuditStore when a directory is configured
         self.collector: AuditCollector | None = None  # its metrics, when registered
         self.retired = False  # replaced by a hot reload: takes nothing in any more
-        self._pending: dict[str, dict[str, Any]] = {}
+        self._pending: dict[str, tuple[dict[str, Any], int]] = {}
         self._queue: asyncio.Queue[_Job] | None = None
         self._worker: asyncio.Task | None = None
         self.engine_client: Callable[[], Any] = lambda: None
@@ -285,37 +381,48 @@ class LiveAudit:
                                    "lam_source": g.source}
         if picked:
             self.counts["picked"] += 1
+            self.admitted += 1
             changes["audited"] = True
-            self._pending[settings.key] = {k: body[k] for k in ("messages", "prompt") if k in body}
+            self._pending[settings.key] = (
+                {k: body[k] for k in ("messages", "prompt") if k in body}, self.admitted)
         settings = replace(settings, **changes)
         return {**body, "vllm_xargs": {**body.get("vllm_xargs", {}), **settings.xargs()}}, settings
 
-    def finished(self, settings: Any, results: dict[int, dict[str, Any] | None]) -> None:
-        """A request ended (its results fetched): feed drift, queue its audit for labelling."""
+    def finished(self, settings: Any, results: dict[int, dict[str, Any] | None],
+                 finish_reasons: dict[int, str | None]) -> None:
+        """A request ended (its results fetched; `finish_reasons` per choice, as the response
+        gave them, a choice missing when it never finished): feed drift, queue its audit."""
         if self.retired:
             return
-        if self.drift is not None:
-            for r in results.values():
-                if r and r.get("scores") and not r.get("error"):
-                    # shadow runs (audits) never stop: their scores are complete
-                    lam = r.get("lam")
-                    self.drift.observe(list(r["scores"]), NEVER if lam is None or
-                                       r.get("policy") == "shadow" else float(lam))
-        rec = self._pending.pop(settings.key, None)
-        if rec is None:
+        first = results.get(0)
+        if self.drift is not None and first and first.get("scores") and not first.get("error"):
+            # one choice per request: the choices of one prompt share its difficulty, so n of
+            # them are not n independent draws the test could count. Shadow runs (audits)
+            # never stop: their scores are complete.
+            lam = first.get("lam")
+            self.drift.observe(list(first["scores"]), NEVER if lam is None or
+                               first.get("policy") == "shadow" else float(lam))
+        pending = self._pending.pop(settings.key, None)
+        if pending is None:
             return
-        result = results.get(0)
-        why = ("the engine reported no result" if not result else
-               f"the engine reported an error: {result['error']}" if result.get("error") else
-               "the result has no recording" if "step_tokens" not in result else
-               "no reasoning step to label" if not result["step_tokens"] else None)
+        rec, seq = pending
+        why = ("the engine reported no result" if not first else
+               f"the engine reported an error: {first['error']}" if first.get("error") else
+               "the result has no recording" if "step_tokens" not in first else
+               "no reasoning step to label" if not first["step_tokens"] else None)
         if why is not None:
             self.counts["failed"] += 1
             logger.warning("orca audit %s failed: %s", settings.key, why)
-            return
+            return self._resolve(seq, None)
+        reason = finish_reasons.get(0)
+        cut = incomplete(reason)
+        if cut is not None:  # its trace is not the one a finished request has: left out
+            self.counts[cut] += 1
+            return self._resolve(seq, None)
         from orca_serve.vllm_plugin import decode_arrays
 
-        self._submit(_Job(settings.key, rec, decode_arrays(result), settings.lam_source))
+        self._submit(_Job(settings.key, rec, decode_arrays(first), seq, reason,
+                          settings.lam_source))
 
     def _submit(self, job: _Job) -> None:
         if self._queue is None:
@@ -324,7 +431,7 @@ class LiveAudit:
             self._queue.put_nowait(job)
         except asyncio.QueueFull:
             self.counts["dropped"] += 1
-            return
+            return self._resolve(job.seq, None)
         if self._worker is None or self._worker.done():
             self._worker = asyncio.ensure_future(self._work())
 
@@ -336,7 +443,9 @@ class LiveAudit:
             try:
                 await self._process(job)
             except Exception as e:  # noqa: BLE001 - one bad audit must not stop the others
-                self.counts["failed"] += 1
+                if not self.retired:
+                    self.counts["failed"] += 1
+                    self._resolve(job.seq, None)
                 logger.warning("orca audit %s failed: %r", job.key, e)
 
     async def _process(self, job: _Job) -> None:
@@ -344,48 +453,79 @@ class LiveAudit:
             from orca_serve.audit.labeller import AuditLabeller
 
             self.labeller = AuditLabeller(self.engine_client(), self.config.probe)
-        record = await self.labeller.label(job.key, job.rec, job.result)
+        record = await self.labeller.label(job.key, job.rec, job.result, job.finish_reason)
         # unrounded: replaying them must reproduce the server's stop decisions, also at lambda 1.0
         # (LTT's grid top, what recalibration picks when only saturated scores are safe), which
         # 6-decimal rounding crossed by turning 0.9999998 into 1.0
         record["extra"]["audit"] = {"scores": [float(s) for s in job.result["scores"]],
                                     "delta": job.result.get("delta"),
                                     "lambda": job.result.get("lam"),
-                                    "lambda_source": job.lambda_source}
+                                    "lambda_source": job.lambda_source, "seq": job.seq}
         if self.retired:  # replaced while it was being labelled (counted by the successor)
             return
         if self.store is not None:
             await asyncio.to_thread(self.store.append, record, job.result["step_embeddings"])
-        self.observe(list(job.result["scores"]), record["labels"][AUDIT_LABEL_MODE])
+        self.observe(list(job.result["scores"]), record["labels"][AUDIT_LABEL_MODE], job.seq)
 
-    def observe(self, scores: list[float], raw_labels: list[int]) -> None:
-        """One labelled audit: losses at every bundle lambda*, then every guard decides."""
+    def observe(self, scores: list[float], raw_labels: list[int], seq: int | None = None) -> None:
+        """One labelled audit: losses at every lambda a guard measures, then every guard decides.
 
+        `seq`: its admission number; None for an audit fed directly (tests, simulations),
+        admitted and labelled at once.
+        """
+        if seq is None:
+            self.admitted += 1
+            seq = self.admitted
         self.counts["labelled"] += 1
         labels = cumulative(np.asarray(raw_labels))
         if not is_counted(labels, self.bundle.ltt.excluded_never_correct):
             self.counts["unsolvable"] += 1
-            return
+            return self._resolve(seq, None)
         s = aligned_scores(scores, len(labels))
         if s is None:
             self.counts["unaligned"] += 1
             logger.warning("orca audit: %d scores for %d steps; left out", len(scores), len(labels))
-            return
-        self.window.append((s, labels))
+            return self._resolve(seq, None)
         for g in self.guards.values():
-            g.cs.update(self.loss(s, labels, g.bundle_lam))
+            g.observe(seq, lambda lam: self.loss(s, labels, lam))
+        self._resolve(seq, (s, labels))
+
+    def _resolve(self, seq: int, item: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """An audit's outcome is known: keep it while a guard waits for audits admitted after
+        its alarm, then let every guard decide. An audit left out (failed, dropped, cut,
+        never right, unaligned) resolves as None: the window skips it but waits for it, so the
+        window is the first audits by admission, not the first to finish (short ones)."""
+        waits = [g.waiting_since for g in self.guards.values() if g.waiting_since is not None]
+        if waits and seq > min(waits):
+            self._resolved[seq] = item
+        for g in self.guards.values():
             before = (g.engaged, g.source, g.lam)
-            g.decide(self._full_window, self._ltt)
+            g.decide(self.admitted, self._window, self._ltt, self.make_cs)
             log_change(g, *before)
+        waits = [g.waiting_since for g in self.guards.values() if g.waiting_since is not None]
+        oldest = min(waits, default=self.admitted)
+        for old in [q for q in self._resolved if q <= oldest]:
+            del self._resolved[old]
 
-    def _full_window(self) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
-        if len(self.window) < self.config.window:
-            return None
-        return [s for s, _ in self.window], [c for _, c in self.window]
+    def _window(self, after: int) -> Window | None:
+        """The first `config.window` counted audits admitted after `after`, by admission
+        number, once every audit admitted between them is resolved; else None."""
+        scores, labels = [], []
+        seq = after + 1
+        while len(scores) < self.config.window:
+            if seq not in self._resolved:
+                return None
+            item = self._resolved[seq]
+            if item is not None:
+                scores.append(item[0])
+                labels.append(item[1])
+            seq += 1
+        return scores, labels
 
-    def _ltt(self, scores: list[np.ndarray], labels: list[np.ndarray], delta: float) -> float:
+    def _ltt(self, scores: list[np.ndarray], labels: list[np.ndarray], delta: float,
+             epsilon: float) -> float:
         t = self.bundle.ltt
-        return ltt_lambda(scores, labels, delta, epsilon=t.epsilon, grid_size=t.grid_size,
+        return ltt_lambda(scores, labels, delta, epsilon=epsilon, grid_size=t.grid_size,
                           pvalue=t.pvalue)
 
     # -- hot reload ----------------------------------------------------------------------------
@@ -417,6 +557,16 @@ class LiveAudit:
         successor.engine_client = self.engine_client
 
     # -- reading -----------------------------------------------------------------------------
+    def attrition(self) -> dict[str, float | None]:
+        """Shares of the picked audits that never entered the risk, by cause: bias diagnostics.
+
+        A uniform sample stays uniform only if what is lost is lost at random; a cause whose
+        share is not small (cut by max_tokens, failing, unaligned) can depend on the request,
+        and then the risk measured on the rest is not the traffic's."""
+        picked = self.counts["picked"]
+        return {k: (self.counts[k] / picked if picked else None)
+                for k in ("dropped", "failed", "aborted", "length", "unaligned", "unsolvable")}
+
     def table(self) -> dict[str, Any]:
         """GET /v1/orca/audit."""
         c = self.config
@@ -427,10 +577,10 @@ class LiveAudit:
             "guard_acts": self.guard_acts,
             "epsilon": self.bundle.ltt.epsilon,
             "recalibrate_window": c.window if c.on_alarm == "recalibrate" else None,
-            "window": len(self.window),
             "directory": None if self.store is None else str(self.store.root),
             "queued": 0 if self._queue is None else self._queue.qsize(),
             **self.counts,
+            "attrition": self.attrition(),
             "deltas": [g.row() for g in self.guards.values()],
         }
         if self.drift is not None:
@@ -468,9 +618,10 @@ class AuditCollector(Collector):
     def collect(self) -> Iterable[Any]:
         a, m = self.audit, self.model_name
         c = CounterMetricFamily("orca_audit_requests", "Audited requests by state: labelled "
-                                "(entered the risk), dropped (labelling queue full), failed",
+                                "(entered the risk), dropped (labelling queue full), failed, "
+                                "aborted (never finished), length (cut by max_tokens)",
                                 labels=[LABEL, "state"])
-        for state in ("labelled", "dropped", "failed"):
+        for state in ("labelled", "dropped", "failed", "aborted", "length"):
             c.add_metric([m, state], a.counts[state])
         yield c
         fams = {
