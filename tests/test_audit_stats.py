@@ -24,6 +24,9 @@ from orca_serve.audit import (
     request_losses,
     table_losses,
 )
+from orca_serve.audit.live import LiveAudit
+from orca_serve.audit.options import AuditConfig
+from orca_serve.requests import OrcaDefaults, resolve
 from tests.test_bundle import make_bundle
 
 
@@ -168,12 +171,12 @@ def test_dyadic_members_cover_every_shift():
     shifted stretch (what keeps the delay from growing with the clean history), with about
     2 log2(restarts) members alive."""
     fam = RestartedAlarm(ALPHA, every=1, grid_size=3)
-    for j in range(1, 1025):
+    for j in range(1, 513):
         fam.update(0.0)
         starts = [s for s, _ in fam.members]
         for shift in range(1, j - 1):
             assert any(shift <= s <= shift + (j - shift) / 2 for s in starts), (j, shift)
-    assert starts[0] == 0 and len(starts) <= 2 * math.log2(1024) + 3
+    assert starts[0] == 0 and len(starts) <= 2 * math.log2(512) + 3
 
 
 def _delays(clean: int, before: float, after: float, streams: int, seed: int,
@@ -205,6 +208,21 @@ def test_restarted_alarm_delay_does_not_grow_with_the_clean_history():
     long, whole = _delays(2000, 0.05, 0.25, streams=40, seed=12)
     assert np.median(long) <= 2.5 * np.median(short), (np.median(short), np.median(long))
     assert np.median(whole) >= 2 * np.median(long), (np.median(long), np.median(whole))
+
+
+@pytest.mark.slow
+def test_recalibrate_rarely_serves_a_bad_lambda():
+    """`--orca-on-alarm recalibrate` on 200 simulated streams (tests/audit_simulation.py: 50
+    clean audits, then a shift that takes the bundle's risk at delta 0.1 from 0.085 to 0.567,
+    600 shifted audits) through the server's LiveAudit: the share of streams in which a
+    recalibrated lambda with true risk above delta was EVER served is at most epsilon (+3 SE).
+    The sliding window refit after every audit did so in 21-30 % of such streams."""
+    from tests.audit_simulation import EPSILON, bad_lambda_served, recalibrate_stream
+
+    streams = [recalibrate_stream(seed) for seed in range(200)]
+    assert all(st.alarm_at is not None and st.recalibrations >= 1 for st in streams)
+    bad = bad_lambda_served(streams)
+    assert bad.mean() <= EPSILON + _tolerance(EPSILON, 200), bad.mean()
 
 
 def test_state_round_trips_through_json():
@@ -289,6 +307,30 @@ def test_drift_false_alarm_rate(reference):
     assert len(reference.early_mean) == 500 and reference.level == 0.8
     share = _alarm_share(reference, 0.0, monitors=200, requests=300, seed=6)
     assert share <= ALPHA + _tolerance(ALPHA, 200)
+
+
+def test_drift_false_alarm_rate_with_clustered_choices(reference):
+    """Requests with n = 8 choices that share the prompt's difficulty (one level per request,
+    own walks per choice) through the server's LiveAudit: ANY alarm over 3 tests of 50-request
+    windows in at most alpha of 200 runs (+3 SE). Feeding all 8 choices alarmed in 67 % (the
+    review, 500-request windows)."""
+    from tests.audit_simulation import bundle
+
+    rng = np.random.default_rng(9)
+    alarms = 0
+    for _ in range(200):
+        mon = DriftMonitor(reference, window=50, alpha=ALPHA)
+        audit = LiveAudit(bundle(), AuditConfig(rate=0.0), drift=mon)
+        settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle())[1]
+        for _ in range(150):
+            lengths = rng.integers(5, 60, 8)
+            z = rng.normal(-1.0, 1.0) + np.cumsum(rng.normal(0.08, 0.3, (8, 60)), axis=1)
+            paths = 1 / (1 + np.exp(-z))  # [8 choices, 60 steps], one level per request
+            results = {i: {"scores": paths[i, :n - 1].tolist(), "lam": None, "policy": "answer"}
+                       for i, n in enumerate(lengths)}
+            audit.finished(settings, results, {i: "stop" for i in range(8)})
+        alarms += mon.alarm
+    assert alarms / 200 <= ALPHA + _tolerance(ALPHA, 200)
 
 
 def test_drift_detects_a_shift(reference):
