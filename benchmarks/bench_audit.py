@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))  # the tests package's helpers
 
 from calibration.job import run_job
 from calibration.toy.tasks import FORCE_SUFFIX, write_prompts
-from orca_serve.audit.sequence import RESTART_EVERY, RESTART_KEEP
+from orca_serve.audit.sequence import RESTART_EVERY, RESTART_SPAN
 from tests.serving import Server, orca_serve_cmd
 
 MODEL = ROOT / "orca_serve" / "demo" / "model"
@@ -251,33 +251,40 @@ def summarize(rows: list[dict], which: str) -> dict:
                                          / sum(r["tokens"] for r in rows), 4)}
 
 
-def recalibration_figures(rows: list[dict], n_in: int, delta: float) -> dict:
-    """Shifted audits served with a recalibrated lambda (`lambda_source` audit), against the
-    bundle's lambda* on the same audits.
+def recalibration_figures(rows: list[dict], delta: float) -> dict:
+    """What `recalibrate` served the shifted requests, by audit (every request is audited).
 
-    Each is fresh: its lambda came from the window of audits labelled before it was admitted, and
-    it is not in that window. `after_mixed_windows` leaves out the first `n_in` of them, whose
-    windows could still hold in-distribution audits (the window slides over every audit).
+    Each recalibrated lambda (`lambda_source` audit) came from audits admitted after the alarm
+    and before it took effect, so the audits served with it are fresh for it: their realized
+    error is its error on new shifted traffic. A request was served a bad lambda when it got
+    the bundle's lambda* after the shift (its realized error on the shifted audits is above
+    delta) or a recalibrated lambda whose realized error on its fresh audits is above delta
+    (point estimates).
     """
-    fresh = [r for r in rows if r["family"] == "shifted" and r["source"] == "audit"]
-    lams = [np.inf if r["served_lambda"] is None else r["served_lambda"] for r in fresh]
-    return {"delta": delta, "fresh_shifted": len(fresh),
-            "served_lambda_range": [min(lams), max(lams)] if lams else None,
-            "served_lambda_median": float(np.median(lams)) if lams else None,
+    shifted = [r for r in rows if r["family"] == "shifted"]
+    fresh = [r for r in shifted if r["source"] == "audit"]
+    per_lambda = []
+    for lam in sorted({r["served_lambda"] for r in fresh}, key=lambda x: np.inf if x is None else x):
+        served = [r for r in fresh if r["served_lambda"] == lam]
+        per_lambda.append({"lambda": lam, **summarize(served, "served")})
+    bundle_bad = bool(shifted) and summarize(shifted, "bundle")["error"] > delta
+    bad = sum(r["source"] == "bundle" for r in shifted) if bundle_bad else 0
+    bad += sum(p["n"] for p in per_lambda if p["error"] > delta)
+    return {"delta": delta, "fresh_shifted": len(fresh), "per_lambda": per_lambda,
             "recalibrated": summarize(fresh, "served"), "bundle": summarize(fresh, "bundle"),
-            "after_mixed_windows": {"recalibrated": summarize(fresh[n_in:], "served"),
-                                    "bundle": summarize(fresh[n_in:], "bundle")},
-            "sources": {src: sum(r["source"] == src for r in rows)
-                        for src in ("bundle", "fallback", "audit")}}
+            "shifted_requests": len(shifted),
+            "served_bad_lambda": round(bad / len(shifted), 4) if shifted else None,
+            "sources_shifted": {src: sum(r["source"] == src for r in shifted)
+                                for src in ("bundle", "fallback", "audit")}}
 
 
 def alarm_delays(clean: list[float], shifted: list[float], prefixes: list[int], delta: float,
-                 epsilon: float, every: int, keep: int, draws: int = 200, limit: int = 5000,
+                 epsilon: float, every: int, span: int, draws: int = 200, limit: int = 5000,
                  seed: int = 0) -> dict:
     """How long the server's alarm takes to fire after a shift that follows a clean history of
     K audits: the first K measured in-distribution losses, then shifted losses drawn with
     replacement from the measured ones (`draws` orders), fed to the alarm as the server does
-    (RestartedAlarm restarted every `every` audits, keeping `keep`; every = 0: the single
+    (RestartedAlarm restarted every `every` audits, members kept at dyadic ages; every = 0: the single
     whole-history ConfidenceSequence the server used before). Per K: quantiles of the shifted
     audits until the alarm."""
     from orca_serve.audit import ConfidenceSequence, RestartedAlarm
@@ -287,7 +294,7 @@ def alarm_delays(clean: list[float], shifted: list[float], prefixes: list[int], 
     for k in prefixes:
         if k > len(clean):
             continue
-        cs = (RestartedAlarm(epsilon, every, keep, shape=(draws,)) if every else
+        cs = (RestartedAlarm(epsilon, every, span, shape=(draws,)) if every else
               ConfidenceSequence(alpha=epsilon, shape=(draws,)))
         for x in clean[:k]:
             cs.update(np.full(draws, x))
@@ -324,8 +331,8 @@ def main() -> None:
     ap.add_argument("--restart-every", type=int, default=RESTART_EVERY,
                     help="--delays: the alarm's restart period (0: one whole-history sequence, "
                     "the alarm before restarts)")
-    ap.add_argument("--restart-keep", type=int, default=RESTART_KEEP,
-                    help="--delays: restarted members kept besides the whole-history one")
+    ap.add_argument("--restart-span", type=int, default=RESTART_SPAN,
+                    help="--delays: member j lives span * 2^v(j) restarts (dyadic ages)")
     a = ap.parse_args()
     if a.delays:
         clean, switch = (json.loads(f.read_text()) for f in a.delays)
@@ -335,9 +342,10 @@ def main() -> None:
                "clean_risk": float(np.mean(losses[0])), "shifted_risk": float(np.mean(losses[1])),
                "delays": alarm_delays(losses[0], losses[1], [0, 10, 30, 100, 140, 300, 975, len(losses[0])],
                                       a.delta, epsilon=0.05, every=a.restart_every,
-                                      keep=a.restart_keep)}
-        res.update(restart_every=a.restart_every, restart_keep=a.restart_keep)
-        (a.out / f"delays-{a.delta:g}-w{a.restart_every}-k{a.restart_keep}.json").write_text(json.dumps(res, indent=1))
+                                      span=a.restart_span)}
+        res.update(restart_every=a.restart_every, restart_span=a.restart_span)
+        (a.out / f"delays-{a.delta:g}-w{a.restart_every}-s{a.restart_span}.json").write_text(
+            json.dumps(res, indent=1))
         print(json.dumps(res, indent=1))
         return
     bundle = calibrate(a.out, a.probe, a.n_cal, 300, a.seed)
@@ -369,12 +377,13 @@ def main() -> None:
         "first_alarm_poll": res["first_alarm_poll"],
         "final": {r["delta"]: {k: r[k] for k in ("n", "risk", "lower", "upper", "alarm")}
                   for r in rep["report"]["deltas"]},
-        "counts": {k: res["final"][k] for k in ("picked", "labelled", "dropped", "failed",
-                                                "unsolvable", "unaligned")},
+        "counts": {k: res["final"].get(k) for k in ("picked", "labelled", "dropped", "failed",
+                                                    "aborted", "length", "unsolvable",
+                                                    "unaligned")},
         "drift": rep["report"].get("drift"), "by_family": by_family,
         "stream_s": res["stream_s"], "tokens_per_s": res["tokens_per_s"]}
     if a.on_alarm == "recalibrate":
-        summary["recalibrate"] = recalibration_figures(rows, a.n_in, a.delta)
+        summary["recalibrate"] = recalibration_figures(rows, a.delta)
     (out / "result.json").write_text(json.dumps({**summary, "audits": rows,
                                                  "timeline": res["timeline"]}, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "offline"}, indent=1))

@@ -1,17 +1,34 @@
-"""Cost of the live audit's statistics per request; prints markdown table rows.
+"""The live audit's statistics: cost per request, and the guarantee's figures in the server's
+production configuration (grid 501, a member every 50 audits kept at dyadic ages, epsilon 0.05).
 
-The server updates one confidence sequence per delta for every labelled audit, and the drift
-monitor for every finished request (a KS test every `window` requests).
-Run: .venv/bin/python benchmarks/bench_audit_stats.py
+    python benchmarks/bench_audit_stats.py                 # cost per request (markdown rows)
+    python benchmarks/bench_audit_stats.py --false-alarms  # hardest null, grid 501
+    python benchmarks/bench_audit_stats.py --delays        # 3 shift sizes after 1k / 10k clean
+    python benchmarks/bench_audit_stats.py --recalibrate 400  # P(bad lambda ever served)
+
+The simulations are tests/audit_simulation.py's (the tests assert the same quantities on
+smaller runs). Every mode prints markdown rows for benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from orca_serve.audit import ConfidenceSequence, DriftMonitor, build_reference
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests package's helpers
+
+from orca_serve.audit import ConfidenceSequence, DriftMonitor, RestartedAlarm, build_reference
+from tests.audit_simulation import (
+    EPSILON,
+    bad_lambda_served,
+    hardest_null,
+    recalibrate_stream,
+    shift_delays,
+)
 
 N = 5000
 
@@ -31,7 +48,7 @@ def paths(rng: np.random.Generator, n: int) -> list[np.ndarray]:
     return out
 
 
-def main() -> None:
+def cost() -> None:
     rng = np.random.default_rng(0)
     cs = ConfidenceSequence(alpha=0.05)
     losses = (rng.random(N) < 0.1).astype(float).tolist()
@@ -40,13 +57,69 @@ def main() -> None:
     start = time.perf_counter()
     ConfidenceSequence.from_dict(state)
     restore_ms = (time.perf_counter() - start) * 1e3
+    alarm = RestartedAlarm(EPSILON)
+    for x in (rng.random(10_000) < 0.1).astype(float):
+        alarm.update(float(x))
+    alarm_us = per_call_us(alarm.update, losses[:1000])
     mon = DriftMonitor(build_reference(paths(rng, 2000), 10, [0.8, 0.9]))
     drift_us = per_call_us(mon.observe, paths(rng, N))
     print("| what | cost |\n| --- | --- |")
     print(f"| ConfidenceSequence.update (grid 501), per audit and delta | {cs_us:.1f} us |")
+    print(f"| RestartedAlarm.update after 10,000 audits ({len(alarm.members)} members), per "
+          f"audit and delta | {alarm_us:.0f} us |")
     print(f"| ConfidenceSequence state restore (from_dict) | {restore_ms:.2f} ms |")
     print(f"| DriftMonitor.observe, mean over {N} requests incl. a KS test every 500 | "
           f"{drift_us:.1f} us ({mon.tests} tests) |")
+
+
+def false_alarms(streams: int, audits: int) -> None:
+    share = hardest_null(EPSILON, streams=streams, audits=audits, seed=21)
+    se = np.sqrt(share * (1 - share) / streams)
+    print(f"| hardest null (risk = delta = 0.1), {streams} streams x {audits} audits, grid 501 "
+          f"| {share:.2%} +- {se:.2%} (bound epsilon/2 = {EPSILON / 2:.1%}) |")
+
+
+def delays(streams: int) -> None:
+    print("| clean audits (risk 0.05) | shift to | alarm: median [p10, p90] | not within 3,000 "
+          "| whole history alone: median | not within 3,000 |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for clean in (1000, 10_000):
+        res = shift_delays(EPSILON, clean, 0.05, [0.5, 0.25, 0.18], streams=streams,
+                           seed=clean)
+        for risk, (fam, whole) in res.items():
+            q = np.quantile(fam, [0.5, 0.1, 0.9])
+            print(f"| {clean:,} | {risk:g} | {q[0]:.0f} [{q[1]:.0f}, {q[2]:.0f}] | "
+                  f"{np.isinf(fam).mean():.1%} | {np.median(whole):.0f} | "
+                  f"{np.isinf(whole).mean():.1%} |", flush=True)
+
+
+def recalibrate(streams: int) -> None:
+    runs = [recalibrate_stream(seed) for seed in range(streams)]
+    bad = bad_lambda_served(runs)
+    se = np.sqrt(bad.mean() * (1 - bad.mean()) / streams)
+    alarm = np.array([r.alarm_at for r in runs], dtype=float)
+    print(f"| recalibrate, {streams} streams (50 clean, 600 shifted audits, window 200) | "
+          f"P(bad lambda ever served) {bad.mean():.1%} +- {se:.1%} (epsilon {EPSILON:.0%}); "
+          f"alarm after a median {np.median(alarm):.0f} shifted audits; recalibrations per "
+          f"stream {np.mean([r.recalibrations for r in runs]):.2f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--false-alarms", action="store_true")
+    ap.add_argument("--delays", action="store_true")
+    ap.add_argument("--recalibrate", type=int, metavar="STREAMS")
+    ap.add_argument("--streams", type=int, default=400, help="--false-alarms, --delays")
+    ap.add_argument("--audits", type=int, default=3000, help="--false-alarms")
+    a = ap.parse_args()
+    if a.false_alarms:
+        false_alarms(a.streams, a.audits)
+    elif a.delays:
+        delays(a.streams)
+    elif a.recalibrate:
+        recalibrate(a.recalibrate)
+    else:
+        cost()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Simulated audit streams through the server's own LiveAudit: what `--orca-on-alarm
-recalibrate` serves after a shift (tests/test_audit_stats.py, benchmarks/bench_audit_stats.py).
+"""Simulated audit streams through the server's own classes (tests/test_audit_stats.py and
+benchmarks/bench_audit_stats.py share them): the alarm's false alarms and delays on Bernoulli
+losses, and what `--orca-on-alarm recalibrate` serves after a shift.
 
 Trajectories of T = 10 steps: the answer is right from a uniform step F on (cumulative labels
 1{t >= F}, every trajectory solvable), scores sigmoid(1.2 (t - F) + bias + N(0, 1)). A bundle
@@ -11,6 +12,7 @@ shift the review measured on the demo (0.092 -> 0.561). True risks are Monte Car
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -21,7 +23,47 @@ from orca_method.probe import Probe, ProbeSpec
 from orca_method.risk import losses, stop_indices
 from orca_serve.audit.live import LiveAudit
 from orca_serve.audit.options import AuditConfig
+from orca_serve.audit.sequence import DEFAULT_GRID, RESTART_EVERY, RestartedAlarm
 from tests.bundles import tiny_bundle
+
+
+def hardest_null(epsilon: float, *, streams: int, audits: int, every: int = RESTART_EVERY,
+                 grid: int = DEFAULT_GRID, seed: int = 0, delta: float = 0.1) -> float:
+    """Share of streams in which the alarm ever fires when every audit's risk is exactly
+    delta (a grid point): the hardest null, where a false alarm is likeliest."""
+    rng = np.random.default_rng(seed)
+    fam = RestartedAlarm(epsilon, every=every, grid_size=grid, shape=(streams,))
+    ever = np.zeros(streams, bool)
+    for _ in range(audits):
+        fam.update((rng.random(streams) < delta).astype(float))
+        ever |= fam.alarm(delta)
+    return float(ever.mean())
+
+
+def shift_delays(epsilon: float, clean: int, before: float, after: list[float], *,
+                 streams: int, seed: int = 0, grid: int = DEFAULT_GRID, limit: int = 3000,
+                 delta: float = 0.1) -> dict[float, tuple[np.ndarray, np.ndarray]]:
+    """Per shifted risk: audits from the shift until the alarm, after `clean` audits at risk
+    `before` (one clean history, shared by the shifts), of the alarm and of its member 0
+    alone (the whole history: the alarm before restarts); inf when not within `limit`."""
+    rng = np.random.default_rng(seed)
+    start = RestartedAlarm(epsilon, grid_size=grid, shape=(streams,))
+    for _ in range(clean):
+        start.update((rng.random(streams) < before).astype(float))
+    out = {}
+    for risk in after:
+        fam = copy.deepcopy(start)
+        when = {"family": np.full(streams, np.inf), "whole": np.full(streams, np.inf)}
+        for i in range(1, limit + 1):
+            fam.update((rng.random(streams) < risk).astype(float))
+            for name, alarm in (("family", fam.alarm(delta)),
+                                ("whole", fam.members[0][1].alarm(delta))):
+                when[name][np.isinf(when[name]) & alarm] = i
+            if np.isfinite(when["family"]).all():
+                break
+        out[risk] = (when["family"], when["whole"])
+    return out
+
 
 STEPS = 10
 SHIFT = 1.5  # the shifted family's score bias

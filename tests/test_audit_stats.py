@@ -27,6 +27,7 @@ from orca_serve.audit import (
 from orca_serve.audit.live import LiveAudit
 from orca_serve.audit.options import AuditConfig
 from orca_serve.requests import OrcaDefaults, resolve
+from tests.audit_simulation import hardest_null, shift_delays
 from tests.test_bundle import make_bundle
 
 
@@ -137,24 +138,11 @@ def test_bounds_tighten_and_alarm_on_excess_risk(simulation):
 
 
 # ------------------------------------------------------------------- the restarted alarm
-def _hardest_null(streams: int, audits: int, every: int, grid: int, seed: int) -> float:
-    """Share of streams in which the family ever alarms when every audit's risk is exactly
-    delta (on the grid): the hardest null, where a false alarm is likeliest."""
-    rng = np.random.default_rng(seed)
-    delta = 0.1
-    fam = RestartedAlarm(ALPHA, every=every, grid_size=grid, shape=(streams,))
-    ever = np.zeros(streams, bool)
-    for _ in range(audits):
-        fam.update((rng.random(streams) < delta).astype(float))
-        ever |= fam.alarm(delta)
-    return float(ever.mean())
-
-
 def test_restarted_alarm_false_alarm_rate_at_the_hardest_null():
     """Risk exactly delta in every audit: the family (a member every 10 audits over 600, so
     60 started and their dyadic survivors live) ever alarms in at most epsilon/2 of 200
     streams (+3 SE). A coarse grid keeps it fast; the server's grid: the slow test below."""
-    share = _hardest_null(streams=200, audits=600, every=10, grid=101, seed=7)
+    share = hardest_null(ALPHA, streams=200, audits=600, every=10, grid=101, seed=7)
     assert share <= ALPHA / 2 + _tolerance(ALPHA / 2, 200), share
 
 
@@ -162,7 +150,7 @@ def test_restarted_alarm_false_alarm_rate_at_the_hardest_null():
 def test_restarted_alarm_false_alarm_rate_on_the_production_grid():
     """The same on the server's grid (501 points) and restart period (50), 400 streams of
     3,000 audits (60 restarts): measured 1.0 % (bound epsilon/2 = 2.5 %)."""
-    share = _hardest_null(streams=400, audits=3000, every=50, grid=501, seed=8)
+    share = hardest_null(ALPHA, streams=400, audits=3000, every=50, grid=501, seed=8)
     assert share <= ALPHA / 2 + _tolerance(ALPHA / 2, 400), share
 
 
@@ -179,33 +167,14 @@ def test_dyadic_members_cover_every_shift():
     assert starts[0] == 0 and len(starts) <= 2 * math.log2(512) + 3
 
 
-def _delays(clean: int, before: float, after: float, streams: int, seed: int,
-            limit: int = 3000, grid: int = 101) -> tuple[np.ndarray, np.ndarray]:
-    """Audits from the shift until the alarm (delta 0.1), after `clean` audits at risk
-    `before`, of the family and of its member 0 alone (the whole history: the alarm before
-    restarts); inf when not caught within `limit`."""
-    rng = np.random.default_rng(seed)
-    fam = RestartedAlarm(ALPHA, grid_size=grid, shape=(streams,))
-    for _ in range(clean):
-        fam.update((rng.random(streams) < before).astype(float))
-    when = {"family": np.full(streams, np.inf), "whole": np.full(streams, np.inf)}
-    for i in range(1, limit + 1):
-        fam.update((rng.random(streams) < after).astype(float))
-        for name, alarm in (("family", fam.alarm(0.1)), ("whole", fam.members[0][1].alarm(0.1))):
-            when[name][np.isinf(when[name]) & alarm] = i
-        if np.isfinite(when["family"]).all():
-            break
-    return when["family"], when["whole"]
-
-
 def test_restarted_alarm_delay_does_not_grow_with_the_clean_history():
     """A moderate shift (0.05 -> 0.25 at delta 0.1), 40 streams: ten times the clean history
     (200 -> 2,000 audits) multiplies the family's median delay by less than 2.5 (measured
     108 -> 195: only the covering member's level falls, its threshold log(2 (j+1)(j+2) /
     epsilon) growing from 7.1 to 11.8), and the whole-history sequence alone (the alarm
     before restarts) takes at least twice as long."""
-    short, _ = _delays(200, 0.05, 0.25, streams=40, seed=11)
-    long, whole = _delays(2000, 0.05, 0.25, streams=40, seed=12)
+    short, _ = shift_delays(ALPHA, 200, 0.05, [0.25], streams=40, seed=11, grid=101)[0.25]
+    long, whole = shift_delays(ALPHA, 2000, 0.05, [0.25], streams=40, seed=12, grid=101)[0.25]
     assert np.median(long) <= 2.5 * np.median(short), (np.median(short), np.median(long))
     assert np.median(whole) >= 2 * np.median(long), (np.median(long), np.median(whole))
 

@@ -222,7 +222,7 @@ class RestartedAlarm:
     d >= 2 every audits ago, the power of 2 with ``d/(4 every) < 2^v <= d/(2 every)`` has a
     multiple among the restarts of the first half of the shifted stretch, and that member is
     still alive (span = 4), so some live member holds at least half of the shifted audits and
-    none from before. Live members: about ``span/2 * log2(restarts)`` (17 after 10,000 audits
+    none from before. Live members: about ``span/2 * log2(restarts)`` (16 after 10,000 audits
     at every = 50). What still grows with the history is the member's level (alpha_j falls like
     1/j^2, its threshold log(2/alpha_j) grows like 2 log j): logarithmically, the price of
     bounding the probability of a false alarm over an unbounded stream.
