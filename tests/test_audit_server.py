@@ -90,7 +90,7 @@ def _wait_labelled(srv: Server, n: int, timeout: float = 120) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
         t = _table(srv)
-        if t["labelled"] + t["failed"] >= n:
+        if t["labelled"] + t["failed"] + t["aborted"] + t["length"] >= n:
             return t
         time.sleep(0.5)
     raise AssertionError(f"{n} audits not labelled in {timeout} s: {_table(srv)}")
@@ -107,6 +107,7 @@ def test_audited_requests_get_full_budget_answers_and_labels_match_collect(srv, 
         assert re.search(r"\\boxed\{-?\d+\}", r.choices[0].message.content or ""), r
     table = _wait_labelled(srv, len(prompts))
     assert table["labelled"] == len(prompts) and table["failed"] == 0, table
+    assert table["aborted"] == table["length"] == 0 and table["attrition"]["length"] == 0.0
     row = next(r for r in table["deltas"] if r["delta"] == 0.1)
     assert row["n"] >= 1 and 0 <= row["lower"] <= row["risk"] <= row["upper"] <= 1, row
     metrics = httpx.get(srv.url + "/metrics", timeout=10).text
@@ -132,6 +133,7 @@ def test_audited_requests_get_full_budget_answers_and_labels_match_collect(srv, 
         assert a.labels["consistent"] == c.labels["consistent"], i
         np.testing.assert_allclose(audited.embeddings(i), collected.embeddings(i), atol=1e-4)
         assert len(a.extra["audit"]["scores"]) in (a.n_steps, a.n_steps - 1)
+        assert a.extra["finish_reason"] == "stop" and a.extra["audit"]["seq"] == i + 1
 
 
 def test_failing_delta_alarms_and_falls_back(srv, env) -> None:
@@ -157,3 +159,19 @@ def test_failing_delta_alarms_and_falls_back(srv, env) -> None:
     log = (env["dir"] / "server.log").read_text().splitlines()  # the server's own output
     assert any(f"ALARM at delta {BAD_DELTA:g} " in ln and "WARNING" in ln for ln in log)
     assert any(f"delta {BAD_DELTA:g} now served with lambda never" in ln for ln in log)
+
+
+def test_an_audit_cut_by_max_tokens_is_counted_not_labelled(srv, env) -> None:
+    """finish_reason `length`: no final answer to label against, so the audit is left out of
+    the risk and counted (its loss would otherwise be 0 at every lambda)."""
+    before = _table(srv)
+    r = srv.client().chat.completions.create(
+        model=str(MODEL), messages=[{"role": "user", "content": "Find x with 5*x - 3 = 12."}],
+        temperature=0, max_tokens=8, extra_body={"orca": {"delta": 0.1}})
+    assert r.choices[0].finish_reason == "length" and r.model_extra["orca"]["audited"]
+    deadline = time.time() + 60
+    while _table(srv)["length"] == before["length"] and time.time() < deadline:
+        time.sleep(0.5)
+    after = _table(srv)
+    assert after["length"] == before["length"] + 1 and after["labelled"] == before["labelled"]
+    assert after["attrition"]["length"] == after["length"] / after["picked"]
