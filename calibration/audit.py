@@ -6,12 +6,15 @@ labelled) and replays the
 bundle's probe on the recorded step embeddings with `orca_method.procedure.replay`, the code the
 server runs, so each audit's scores are the ones the deployed procedure computed. It then feeds
 each audit's loss at every calibrated lambda* (`orca_method.risk`, the LTT loss) to the
-server's alarm (`RestartedAlarm`: anytime-valid confidence sequences restarted every few dozen
-audits, the whole history's giving the bounds), in audit order, and the scores to the drift
-monitor when the bundle has a reference. Statistics: docs/AUDIT.md.
+server's alarm (`RestartedAlarm`: anytime-valid confidence sequences restarted every 50 audits
+and kept at dyadic ages, the whole history's giving the bounds), in audit order, and the scores
+to the drift monitor when the bundle has a reference. Audits that did not finish (cut by
+max_tokens, aborted) are left out and counted, as the server leaves them out. Statistics:
+docs/AUDIT.md.
 
-`recalibrate` runs the calibration code (`calibrate_bundle`: replay + LTT) on the audits of a
-sliding window (the last N), optionally retraining the probe on a disjoint part of them.
+`recalibrate` runs the calibration code (`calibrate_bundle`: replay + LTT) on the last N
+finished audits, optionally retraining the probe on a disjoint part of them, and refuses a
+window that reaches back to the first alarm in the audits (`check_window`) unless forced.
 """
 
 from __future__ import annotations
@@ -104,7 +107,8 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
         raise ValueError(f"{ts.path} holds no audit yet")
     alpha = bundle.ltt.epsilon if alpha is None else alpha
     cut = unfinished(ts)
-    position = [i + 1 for i in range(len(ts)) if i not in set(cut)]  # 1-based, in the directory
+    dropped = set(cut)
+    position = [i + 1 for i in range(len(ts)) if i not in dropped]  # 1-based, in the directory
     ts = without(ts, cut)
     scored = score_split(bundle.load_probe(), ts, "all", mode, bundle.window, solvable_only=False)
     deltas = bundle.deltas()
@@ -229,8 +233,8 @@ def check_window(bundle: Bundle, ts: TrajectorySet, mode: str, last: int | None)
     if at is not None and start < at:
         most = len(ts) - at
         raise ValueError(
-            f"the window (audits {start + 1}-{len(ts)} of {ts.path}) reaches back to or before "
-            f"the first alarm (audit {at}): "
+            f"the window (finished audits {start + 1}-{len(ts)} of {ts.path}) reaches back to "
+            f"or before the first alarm (finished audit {at}): "
             + (f"use --last {most} or fewer" if most else "wait for audits after the alarm")
             + ", or --force to use it anyway")
 

@@ -55,12 +55,16 @@ def shift_delays(epsilon: float, clean: int, before: float, after: list[float], 
     for risk in after:
         fam = copy.deepcopy(start)
         when = {"family": np.full(streams, np.inf), "whole": np.full(streams, np.inf)}
+        whole = fam.members[0][1]
         for i in range(1, limit + 1):
-            fam.update((rng.random(streams) < risk).astype(float))
-            for name, alarm in (("family", fam.alarm(delta)),
-                                ("whole", fam.members[0][1].alarm(delta))):
-                when[name][np.isinf(when[name]) & alarm] = i
-            if np.isfinite(when["family"]).all():
+            x = (rng.random(streams) < risk).astype(float)
+            if np.isinf(when["family"]).any():
+                fam.update(x)  # member 0 included
+                when["family"][np.isinf(when["family"]) & fam.alarm(delta)] = i
+            else:
+                whole.update(x)  # the family is done: member 0 alone, at a fraction of the cost
+            when["whole"][np.isinf(when["whole"]) & whole.alarm(delta)] = i
+            if np.isfinite(when["whole"]).all():
                 break
         out[risk] = (when["family"], when["whole"])
     return out

@@ -82,7 +82,7 @@ def test_recalibrate_refuses_a_window_reaching_back_to_the_alarm(world, capsys):
     capsys.readouterr()
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"first alarm (audit {at})" in err
+    assert err.count("\n") == 1 and f"first alarm (finished audit {at})" in err
     assert f"--last {1200 - at} or fewer" in err and not (world / "forced.json").exists()
     assert main([*argv, "--last", str(1200 - at + 1)]) == 2  # one audit too far back
     assert main([*argv, "--force"]) == 0 and load_bundle(world / "forced.json").ltt.n_cal == 1200
@@ -149,3 +149,17 @@ def test_bad_input_is_one_line(world, tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"orca-calibrate {argv[0]}: error:") and err.count("\n") == 1
+
+
+def test_unfinished_audits_are_left_out_offline(world):
+    """An audit record whose finish_reason says it was cut is skipped and counted, as the
+    server leaves it out; `stop` and records without one count."""
+    from dataclasses import replace
+
+    from calibration.audit import audit_report, open_audits
+
+    ts = open_audits(world / "in-audits")
+    ts.problems[0] = replace(ts.problems[0], extra={"finish_reason": "length"})
+    ts.problems[1] = replace(ts.problems[1], extra={"finish_reason": "stop"})
+    rep = audit_report(load_bundle(world / "bundle.json"), ts, mode="consistent")
+    assert (rep["audits"], rep["unfinished_skipped"], rep["counted"]) == (800, 1, 799)

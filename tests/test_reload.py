@@ -147,7 +147,7 @@ def test_the_live_audit_restarts_with_the_new_bundle(paths):
     assert state.audit is not old_audit and state.audit.bundle.checksum == state.bundle.checksum
     assert state.audit.counts["superseded"] == 1 and state.audit.counts["picked"] == 0
     assert state.audit.table()["bundle_checksum"] == state.bundle.checksum
-    old_audit.finished(settings, {0: {"scores": [0.5], "step_tokens": [3]}})  # dropped
+    old_audit.finished(settings, {0: {"scores": [0.5], "step_tokens": [3]}}, {0: "stop"})  # dropped
     assert old_audit._queue is None and state.audit._queue is None
 
 
