@@ -87,10 +87,14 @@ def delays(streams: int) -> None:
         res = shift_delays(EPSILON, clean, 0.05, [0.5, 0.25, 0.18], streams=streams,
                            seed=clean)
         for risk, (fam, whole) in res.items():
-            q = np.quantile(fam, [0.5, 0.1, 0.9])
-            print(f"| {clean:,} | {risk:g} | {q[0]:.0f} [{q[1]:.0f}, {q[2]:.0f}] | "
-                  f"{np.isinf(fam).mean():.1%} | {np.median(whole):.0f} | "
+            q = [_audits(x) for x in np.quantile(fam, [0.5, 0.1, 0.9])]
+            print(f"| {clean:,} | {risk:g} | {q[0]} [{q[1]}, {q[2]}] | "
+                  f"{np.isinf(fam).mean():.1%} | {_audits(np.median(whole))} | "
                   f"{np.isinf(whole).mean():.1%} |", flush=True)
+
+
+def _audits(x: float) -> str:
+    return "> 3,000" if np.isinf(x) else f"{x:,.0f}"
 
 
 def recalibrate(streams: int) -> None:
