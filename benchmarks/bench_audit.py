@@ -182,7 +182,7 @@ def stream(srv: Server, prompts: list[dict], concurrency: int, delta: float) -> 
     stream_s = time.time() - t0
     while True:  # let the labelling queue drain
         t = audit_table(client)
-        if t["labelled"] + t["failed"] + t["dropped"] >= t["picked"]:
+        if sum(t[k] for k in ("labelled", "failed", "dropped", "aborted", "length")) >= t["picked"]:
             break
         time.sleep(1)
     time.sleep(1)

@@ -27,7 +27,6 @@ from orca_serve.audit.sequence import DEFAULT_GRID, RESTART_EVERY, RestartedAlar
 from tests.bundles import tiny_bundle
 
 
-
 def hardest_null(epsilon: float, *, streams: int, audits: int, every: int = RESTART_EVERY,
                  grid: int = DEFAULT_GRID, seed: int = 0, delta: float = 0.1) -> float:
     """Share of streams in which the alarm ever fires when every audit's risk is exactly
