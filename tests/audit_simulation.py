@@ -99,10 +99,12 @@ def true_risk(lams: list[float], bias: float) -> np.ndarray:
 
 @lru_cache(maxsize=1)
 def bundle():
-    """The deployed bundle: LTT (grid 1001, binomial) on 1,000 unshifted trajectories."""
+    """The deployed bundle: LTT (grid 1001, binomial) on 1,000 unshifted trajectories, with
+    consistency labels (the audits' own, so the guard acts on its alarm)."""
     s, c = trajectories(np.random.default_rng(0), 1000, 0.0)
     (res,) = calibrate(list(s), list(c), [DELTA], epsilon=EPSILON, grid=default_grid(1001))
-    b = tiny_bundle(Probe(ProbeSpec(dim=8), seed=0), [(DELTA, res.lam)], epsilon=EPSILON)
+    b = tiny_bundle(Probe(ProbeSpec(dim=8), seed=0), [(DELTA, res.lam)], epsilon=EPSILON,
+                    label_mode="consistent")  # what audits label: the guard acts on it
     return b.model_copy(update={"ltt": b.ltt.model_copy(update={"grid_size": 1001})})
 
 
