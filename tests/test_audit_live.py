@@ -441,3 +441,40 @@ def test_store_rotates_keeps_the_newest_and_resumes(tmp_path: Path) -> None:
     other = AuditStore(tmp_path, dim=8, info=info, per_dir=2, keep=2)  # another model
     assert other.current.name == "audit-000004"
     other.close()
+
+
+def test_every_api_reports_how_a_request_finished() -> None:
+    """The audit leaves out what was cut: chat's finish_reason, the Responses API's
+    incomplete status and the Messages API's max_tokens stop all reach the bookkeeping as
+    chat's terms (orca_serve/apis.py)."""
+    import asyncio
+
+    from orca_serve.apis import CHAT, MessagesApi, ResponsesApi
+
+    class Req:
+        def __init__(self) -> None:
+            self.reasons: dict[int, str] = {}
+
+        def note_finished(self, reasons: dict[int, str]) -> None:
+            self.reasons.update(reasons)
+
+        async def fetch_all(self) -> None:
+            pass
+
+        def orca(self, *a) -> dict:
+            return {}
+
+        def reasoning_spent(self) -> None:
+            return None
+
+    cases = [(CHAT, {"choices": [{"index": 0, "finish_reason": "length"},
+                                 {"index": 1, "finish_reason": "stop"}]}, {0: "length", 1: "stop"}),
+             (ResponsesApi(), {"object": "response", "status": "incomplete",
+                               "incomplete_details": {"reason": "max_output_tokens"}},
+              {0: "length"}),
+             (ResponsesApi(), {"object": "response", "status": "completed"}, {0: "stop"}),
+             (MessagesApi(), {"type": "message", "stop_reason": "max_tokens"}, {0: "length"}),
+             (MessagesApi(), {"type": "message", "stop_reason": "end_turn"}, {0: "stop"})]
+    for api, obj, expected in cases:
+        req = Req()
+        assert asyncio.run(api.on_json(obj, req)) and req.reasons == expected, (api, obj)
