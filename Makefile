@@ -6,10 +6,10 @@ setup:
 
 test: setup
 	.venv/bin/lint-imports --no-cache
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=20
 
 test-fast: setup
-	.venv/bin/python -m pytest -q -m "not vllm"
+	.venv/bin/python -m pytest -q -m "not vllm and not slow"
 
 demo: setup
 	.venv/bin/python -m orca_serve.demo
