@@ -3,6 +3,7 @@
     orca-serve --model M --calib bundle.json [--orca-delta D] [--orca-policy answer|stop|shadow]
                [--orca-answer-budget N] [any option of vLLM's OpenAI server]
     orca-serve --demo [vLLM options]
+    orca-serve --check-vllm      # does the installed vLLM have what orca-serve needs?
 
 Without --calib the server is plain vLLM (plus GET /v1/orca/bundle answering 404).
 
@@ -17,6 +18,7 @@ Start-up order, so that a wrong bundle is refused in seconds and in one line (ex
    `run_multi_api_server`) serves the app built by vLLM's `build_app` plus our additions.
 
 Before all of it, a vLLM release outside `vllm_plugin.config.SUPPORTED_VLLM` is refused.
+Everything of vLLM's used here beyond its parser goes through `orca_serve.vllm_compat.launch`.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Calibration bundle (bundle.json). Without it the server is plain vLLM.")
     g.add_argument("--demo", action="store_true", default=False,
                    help="Serve the embedded demo model and bundle (orca_serve/demo/).")
+    g.add_argument("--check-vllm", action="store_true", default=False,
+                   help="Check that every vLLM name orca-serve relies on beyond vLLM's extension "
+                   "points resolves in the installed vLLM (one line each; exit 0 when all do), "
+                   "without starting an engine, then exit. Works on any vLLM release.")
     g.add_argument("--orca-delta", type=fraction(open_interval=True), default=None, metavar="DELTA",
                    help="Default risk level delta for requests that do not set one; must have a "
                    "lambda* in the bundle. None: the bundle's default_delta.")
@@ -303,9 +309,9 @@ def keep_prefills_whole(args: argparse.Namespace,
     (its default on CPU when the option is not given); without --max-model-len, the length vLLM
     derives from the model's config is checked the same way (`derive_max_len`).
     """
-    from vllm.platforms import current_platform
+    from orca_serve.vllm_compat.launch import is_cpu_platform
 
-    if not current_platform.is_cpu():
+    if not is_cpu_platform():
         return
     why = ("on vLLM's CPU build a seeded request whose prompt is prefilled in chunks crashes the "
            "engine (CPU Generator does not use offset); orca-serve keeps prefills whole there")
@@ -360,6 +366,12 @@ def main(argv: list[str] | None = None) -> None:
 def _main(argv: list[str]) -> None:
     from orca_serve.vllm_plugin.config import check_vllm_version
 
+    if "--check-vllm" in argv:  # before the version check: it is how a new release is judged
+        from orca_serve.vllm_compat.touch_points import main as check_touch_points
+
+        if len(argv) > 1:
+            raise StartupError("--check-vllm takes no other option")
+        raise SystemExit(check_touch_points())
     try:  # before any vLLM import: the launcher modules we use move between releases
         check_vllm_version()
     except RuntimeError as e:
@@ -414,20 +426,15 @@ def _main(argv: list[str]) -> None:
         from orca_serve.vllm_plugin.config import prepare_environment
 
         prepare_environment()
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.logger import configure_logging_from_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from orca_serve.vllm_compat import launch
 
-    cli_env_setup()
-    parser = FlexibleArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser = make_arg_parser(parser)
+    parser = launch.serve_parser(PROG, __doc__.split("\n\n")[0])
     add_orca_args(parser)
     args = parser.parse_args(argv)
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
     try:
-        validate_parsed_serve_args(args)
+        launch.validate_serve_args(args)
     except (ValueError, TypeError) as e:
         raise StartupError(str(e).removeprefix("Error: ")) from None
     if args.demo:
@@ -459,7 +466,7 @@ def _main(argv: list[str]) -> None:
                       "answer_budget": defaults.answer_budget}))
         args.calib = str(Path(bundle_path).absolute())
 
-    configure_logging_from_args(args)
+    launch.configure_logging(args)
     from orca_serve.server_log import log_like_vllm
 
     log_like_vllm()

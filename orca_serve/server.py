@@ -1,7 +1,8 @@
 """vLLM's OpenAI-compatible FastAPI app plus orca-serve's additions.
 
-Nothing of vLLM's request handling is re-implemented. `build_orca_app` calls vLLM's `build_app` and
-adds three things:
+Nothing of vLLM's request handling is re-implemented. `install` adds to the app vLLM's `build_app`
+made (`run` has vLLM's launcher pass it through `install`: orca_serve/vllm_compat/launch.py says
+why that is not done through `--middleware`):
 
 - `OrcaMiddleware` (pure ASGI, innermost, so vLLM's auth/CORS run first) on POST
   /v1/chat/completions, /v1/completions (and SageMaker's /invocations, which vLLM dispatches to
@@ -57,6 +58,7 @@ from orca_serve.requests import (
     orca_param_in,
     resolve,
 )
+from orca_serve.vllm_compat.engine_client import max_choices, rpc_all
 from orca_serve.vllm_plugin import merge_results
 
 logger = logging.getLogger("orca_serve.server")
@@ -196,22 +198,12 @@ class OrcaState:
         return self.engine_client
 
     async def rpc(self, method: str, args: tuple = ()) -> Any:
-        """`collective_rpc` on every engine this API server talks to: one answer per worker,
-        concatenated over data-parallel engines.
-
-        (vLLM's own `collective_rpc` asks only the first engine under data parallelism:
-        `DPLBAsyncMPClient.call_utility_async` returns result [0] of `call_utility_all_async`,
-        vllm/v1/engine/core_client.py, and a request's result lives on the engine that ran it.)
-        """
+        """`collective_rpc` on every engine this API server talks to (a request's result lives
+        on the engine that ran it): one answer per worker."""
         client = self.client()
         if client is None:
             raise RuntimeError("engine client not ready")
-        core = getattr(client, "engine_core", None)
-        if hasattr(core, "call_utility_all_async"):
-            per_engine = await core.call_utility_all_async("collective_rpc", method, None, args,
-                                                           None)
-            return [w for workers in per_engine for w in (workers or [])]
-        return await client.collective_rpc(method, args=args)
+        return await rpc_all(client, method, args)
 
     def get_fetcher(self) -> ResultFetcher:
         if self.fetcher is None:
@@ -271,7 +263,7 @@ class _Request:
     async def fetch_all(self) -> None:
         if self.status is not None and 400 <= self.status < 500:
             return  # refused by vLLM's validation: the engine never saw it, nothing to fetch
-        await self.fetch(list(range(max(1, min(self.settings.n, _max_choices())))))
+        await self.fetch(list(range(max(1, min(self.settings.n, max_choices())))))
 
     def reasoning_spent(self) -> int | None:
         """Reasoning tokens the engine generated over all choices (the plugin counts them as
@@ -427,14 +419,6 @@ def _replay(body: bytes, receive: Callable) -> Callable:
 
 
 _BACKGROUND: set[asyncio.Future] = set()
-
-
-def _max_choices() -> int:
-    """vLLM's limit on `n` (VLLM_MAX_N_SEQUENCES): a request asking for more never reaches the
-    engine, so no more results than this can exist for one request."""
-    from vllm import envs
-
-    return int(envs.VLLM_MAX_N_SEQUENCES)
 
 
 async def _finish(req: _Request) -> None:
@@ -615,16 +599,6 @@ def install(app: Any, state: OrcaState) -> Any:
     return app
 
 
-def build_orca_app_factory(state: OrcaState, vllm_build_app: Callable[..., Any]) -> Callable:
-    """A drop-in for vLLM's `build_app` that returns vLLM's app with our additions."""
-
-    def build_orca_app(*args: Any, **kwargs: Any) -> Any:
-        app = vllm_build_app(*args, **kwargs)
-        return install(app, state)
-
-    return build_orca_app
-
-
 def orca_defaults(args: Any, bundle: Bundle | None) -> OrcaDefaults:
     """Server-wide request defaults from the parsed command line (--orca-* options)."""
     if bundle is None:
@@ -667,60 +641,42 @@ def state_from_args(args: Any) -> OrcaState:
     return state
 
 
-def _swap_build_app(state: OrcaState) -> None:
-    from vllm.entrypoints.launchers.api_server import entry
-
-    if not hasattr(entry, "build_app"):
-        raise RuntimeError("this vLLM has no entry.build_app: orca-serve needs vLLM 0.32")
-    entry.build_app = build_orca_app_factory(state, entry.build_app)
-
-
-def api_server_process(listen_address: Any, sock: Any, args: Any,
-                       client_config: dict | None = None, **uvicorn_kwargs: Any) -> None:
-    """Entry of each API server process under --api-server-count > 1 (spawned by vLLM's
-    APIServerProcessManager): our app in this process, then vLLM's own per-process server."""
-    from vllm.v1.utils import run_api_server_worker_proc
-
+def install_own_state(app: Any) -> Any:
+    """`install` with a state of this process's own, from the parsed command line vLLM keeps
+    in `app.state.args` (each API server process under --api-server-count N)."""
     from orca_serve import quiet_shutdown
 
-    state = state_from_args(args)
+    state = state_from_args(app.state.args)
     quiet_shutdown.install(state.client)
-    _swap_build_app(state)
-    run_api_server_worker_proc(listen_address, sock, args, client_config, **uvicorn_kwargs)
+    return install(app, state)
 
 
 def run(args: Any, state: OrcaState) -> None:
-    """Serve with vLLM's own launchers, our `build_app` swapped in.
+    """Serve with vLLM's own launchers (orca_serve.vllm_compat.launch), our parts in its app.
 
-    One API server: vLLM's `run_server` in this process. Several (--api-server-count N): vLLM's
-    `run_multi_api_server` (engines started here, N spawned API server processes sharing the
-    port); a patch in this module makes those processes start in `api_server_process`, which
-    builds its own state and app. Each has its own engine client; a request's result is fetched
-    by key with collective_rpc from any of them, so whichever process answers a request gets it.
+    One API server: vLLM's `run_server` in this process, serving `state`. Several
+    (--api-server-count N): vLLM's `run_multi_api_server` (engines started here, N spawned API
+    server processes sharing the port), each process building its own state and app. Each has
+    its own engine client; a request's result is fetched by key with collective_rpc from any of
+    them, so whichever process answers a request gets it.
     """
+    import functools
+
+    from orca_serve.vllm_compat import launch
+
     if (getattr(args, "api_server_count", None) or 1) > 1:
-        import functools
-
-        from vllm.entrypoints.cli import serve
-
-        serve.APIServerProcessManager = functools.partial(serve.APIServerProcessManager,
-                                                          target_server_fn=api_server_process)
-        serve.run_multi_api_server(args)
+        launch.run_multi(args, install_own_state)
         return
-    import signal
-
-    import uvloop
-    from vllm.entrypoints.launchers.api_server import entry
 
     from orca_serve import quiet_shutdown
 
     quiet_shutdown.install(state.client)
-    _swap_build_app(state)
 
-    async def serve() -> None:
+    def on_loop() -> None:
         if state.reloader is not None:  # SIGHUP re-reads --calib (orca_serve.reload)
+            import signal
+
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP,
                                                           state.reloader.on_sighup)
-        await entry.run_server(args)
 
-    uvloop.run(serve())
+    launch.run_single(args, functools.partial(install, state=state), on_loop)

@@ -21,6 +21,7 @@ from orca_method.answer_probes import (
 )
 from orca_method.labels import extract_forced
 from orca_serve.contract import ORCA_OFF
+from orca_serve.vllm_compat.engine_client import generate_from_ids, tokenizer
 
 LOW_PRIORITY = 10  # vLLM's priority scheduling serves lower values first
 
@@ -31,7 +32,7 @@ class AuditLabeller:
     def __init__(self, engine_client: Any, settings: ProbeSettings) -> None:
         self.engine = engine_client
         self.settings = settings
-        self.tokenizer = engine_client.renderer.get_tokenizer()
+        self.tokenizer = tokenizer(engine_client)
         self.suffix_ids = self.tokenizer.encode(settings.suffix, add_special_tokens=False)
         sched = getattr(getattr(engine_client, "vllm_config", None), "scheduler_config", None)
         self.priority = LOW_PRIORITY if getattr(sched, "policy", "fcfs") == "priority" else 0
@@ -39,18 +40,12 @@ class AuditLabeller:
 
     async def _answer(self, request_id: str, ids: list[int]) -> str | None:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.renderers.inputs.preprocess import parse_model_prompt
 
-        renderer = self.engine.renderer
-        (engine_input,) = await renderer.render_cmpl_async(
-            [parse_model_prompt(self.engine.model_config, TokensPrompt(prompt_token_ids=ids))],
-            renderer.default_cmpl_tok_params)
         params = SamplingParams(**probe_sampling(self.settings.answer_tokens),
                                 extra_args=dict(ORCA_OFF))
         last = None
-        async for out in self.engine.generate(engine_input, params, request_id,
-                                              priority=self.priority):
+        async for out in generate_from_ids(self.engine, ids, params, request_id,
+                                           priority=self.priority):
             last = out
         self.probes += 1
         return None if last is None else extract_forced(last.outputs[0].text)

