@@ -22,13 +22,14 @@ from orca_serve.vllm_plugin.config import (
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("v", ["0.31.0", "0.32.0", "0.32.3", "0.32.1.dev3+g1234abc", "0.32.0+cpu"])
+@pytest.mark.parametrize("v", ["0.31.0", "0.32.0", "0.32.3", "0.32.1.dev3+g1234abc", "0.32.0+cpu",
+                               "0.33.0", "0.33.2"])
 def test_supported_versions_pass(v, monkeypatch):
     monkeypatch.delenv(ENV_ANY_VLLM, raising=False)
     check_vllm_version(v)
 
 
-@pytest.mark.parametrize("v", ["0.30.2", "0.33.0", "0.33.0rc1", "1.0.0", "0.10.2"])
+@pytest.mark.parametrize("v", ["0.30.2", "0.34.0", "0.34.0rc1", "1.0.0", "0.10.2"])
 def test_other_versions_are_refused_in_one_line(v, monkeypatch):
     monkeypatch.delenv(ENV_ANY_VLLM, raising=False)
     with pytest.raises(RuntimeError) as e:

@@ -32,7 +32,7 @@ from orca_serve.contract import DEFAULTS, MAX_RESULTS, RESULT_TTL_S
 
 # The vLLM releases the plugin is written and tested for (PEP 440). One definition: orca-serve's
 # start, the plugin's load in every vLLM process and pyproject's `gpu` extra follow it.
-SUPPORTED_VLLM = ">=0.31,<0.33"
+SUPPORTED_VLLM = ">=0.31,<0.34"
 ENV_ANY_VLLM = "ORCA_ANY_VLLM"  # "1": skip the check (benchmarks/check_vllm_version.sh)
 
 PROCESSOR_FQCN = "orca_serve.vllm_plugin.processor:OrcaLogitsProcessor"
