@@ -24,6 +24,7 @@ Everything of vLLM's used here beyond its parser goes through `orca_serve.vllm_c
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -236,8 +237,6 @@ def _identity(ns: argparse.Namespace, bundle: Any) -> dict[str, Any]:
 
 def check_admin_key(ns: argparse.Namespace, has_bundle: bool) -> None:
     """--orca-admin-key-env VAR: a bundle to reload, a key in $VAR, one API server."""
-    import os
-
     var = ns.orca_admin_key_env
     if var is None:
         return
@@ -467,9 +466,11 @@ def _main(argv: list[str]) -> None:
         args.calib = str(Path(bundle_path).absolute())
 
     launch.configure_logging(args)
+    from orca_serve.metrics_snapshots import ENV_SERVER
     from orca_serve.server_log import log_like_vllm
 
     log_like_vllm()
+    os.environ[ENV_SERVER] = "1"  # our server exports the orca metrics, not the stat logger
     state = state_from_args(args)
     if bundle is not None:
         from orca_serve.audit.live import make_live_audit

