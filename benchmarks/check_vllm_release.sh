@@ -78,15 +78,22 @@ check() {  # check NAME DETAIL-ON-PASS COMMAND...
 
 check check-vllm "every touch point resolves" "$VENV/bin/orca-serve" --check-vllm
 
-help_lists_orca_options() {
+help_lists() {  # help_lists OPTION... : `orca-serve --help` exits 0 and lists them all
     local out
-    out=$("$VENV/bin/orca-serve" --help)
-    for opt in --calib --demo --check-vllm --orca-delta --orca-policy --orca-answer-budget \
-               --orca-admin-key-env --model --logits-processors; do
+    out=$("$VENV/bin/orca-serve" --help) || { echo "--help failed"; return 1; }
+    for opt in "$@"; do
         grep -q -- "$opt" <<<"$out" || { echo "--help does not list $opt"; return 1; }
     done
 }
-check help "lists the orca options next to vLLM's" help_lists_orca_options
+ORCA_OPTIONS=(--calib --demo --check-vllm --orca-delta --orca-policy --orca-answer-budget
+              --orca-admin-key-env)
+check help "lists the orca options (with vLLM's where vLLM can build its parser)" \
+    help_lists "${ORCA_OPTIONS[@]}"
+# The GPU wheel builds its parser only where it finds a device; VLLM_TARGET_DEVICE=cpu lets it,
+# to show our options inside vLLM's own parser of that release.
+check help-in-vllm-parser "lists the orca options among vLLM's" \
+    env VLLM_TARGET_DEVICE=cpu bash -c "$(declare -f help_lists); VENV=$VENV help_lists \
+    ${ORCA_OPTIONS[*]} --model --logits-processors --middleware"
 
 startup() {
     local out=$DIR/startup.log port

@@ -354,6 +354,17 @@ def merge_engine_args(args: argparse.Namespace, extra: dict[str, Any]) -> None:
             setattr(args, name, value)
 
 
+def help_without_vllm(error: BaseException) -> NoReturn:
+    """--help where vLLM cannot build its own parser (the GPU wheel on a machine without a
+    GPU: vLLM's option defaults need the device): our options, and why vLLM's are missing."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    add_orca_args(parser)
+    parser.print_help()
+    print(f"\nvLLM's own options are not listed: vLLM cannot build its parser here "
+          f"({first_line(error)})", flush=True)
+    raise SystemExit(0)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -427,7 +438,12 @@ def _main(argv: list[str]) -> None:
         prepare_environment()
     from orca_serve.vllm_compat import launch
 
-    parser = launch.serve_parser(PROG, __doc__.split("\n\n")[0])
+    try:
+        parser = launch.serve_parser(PROG, __doc__.split("\n\n")[0])
+    except Exception as e:
+        if "-h" in argv or "--help" in argv:
+            help_without_vllm(e)
+        raise  # vLLM's own error (e.g. no device it can run on), as vLLM's server shows it
     add_orca_args(parser)
     args = parser.parse_args(argv)
     if getattr(args, "model_tag", None):

@@ -82,3 +82,25 @@ def test_check_vllm_takes_no_other_option(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err == "orca-serve: error: --check-vllm takes no other option"
+
+
+def test_help_where_vllm_cannot_build_its_parser(monkeypatch, capsys):
+    """vLLM 0.33's GPU wheel on a machine without a GPU fails building its own parser (its
+    option defaults need the device): --help still lists ours and says why vLLM's are missing."""
+    from orca_serve.vllm_compat import launch
+
+    def no_device(*_a, **_k):
+        raise RuntimeError("Failed to infer device type, please set the environment variable\n"
+                           "more")
+
+    monkeypatch.setattr(launch, "serve_parser", no_device)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--calib" in out and "--orca-delta" in out and "--check-vllm" in out
+    assert out.rstrip().splitlines()[-1] == ("vLLM's own options are not listed: vLLM cannot "
+                                             "build its parser here (Failed to infer device "
+                                             "type, please set the environment variable)")
+    with pytest.raises(RuntimeError, match="infer device"):  # not asking for help: vLLM's error
+        cli.main(["--model", "m"])
