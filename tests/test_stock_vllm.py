@@ -21,7 +21,6 @@ import time
 from importlib.metadata import entry_points
 
 import httpx
-
 import openai
 import pytest
 
@@ -96,7 +95,7 @@ def test_bad_xargs_are_a_400_from_vllm(server):
 def _orca_metrics(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=30).text
     return {m.group(1): float(m.group(2)) for m in
-            re.finditer(r'^(orca_\w+)\{model_name="[^"]+"\} (\S+)$', text, re.M)}
+            re.finditer(r'^(orca_\w+)\{model_name="[^"]+"\} (\S+)$', text, re.MULTILINE)}
 
 
 def test_orca_metrics_on_the_stock_server(server):

@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 TOUCH_POINTS: tuple[str, ...] = (
-    "vllm.v1.engine.core_client:AsyncMPClient.call_utility_all_async"
-    " | vllm.engine.protocol:EngineClient.collective_rpc",
+    ("vllm.v1.engine.core_client:AsyncMPClient.call_utility_all_async"
+     " | vllm.engine.protocol:EngineClient.collective_rpc"),
     "vllm.envs:VLLM_MAX_N_SEQUENCES",
     "vllm.renderers:BaseRenderer.get_tokenizer",
     "vllm.renderers:BaseRenderer.render_cmpl_async",
