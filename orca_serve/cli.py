@@ -378,10 +378,12 @@ def _main(argv: list[str]) -> None:
 
     if "--check-vllm" in argv:  # before the version check: it is how a new release is judged
         from orca_serve.vllm_compat.touch_points import main as check_touch_points
+        from orca_serve.vllm_plugin.config import SUPPORTED_VLLM, installed_vllm_version
 
         if len(argv) > 1:
             raise StartupError("--check-vllm takes no other option")
-        raise SystemExit(check_touch_points())
+        raise SystemExit(check_touch_points(f"vLLM {installed_vllm_version() or 'not installed'}"
+                                            f" (orca-serve supports vllm{SUPPORTED_VLLM})"))
     try:  # before any vLLM import: the launcher modules we use move between releases
         check_vllm_version()
     except RuntimeError as e:

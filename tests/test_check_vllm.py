@@ -35,9 +35,9 @@ def test_installed_vllm_resolves_every_touch_point(capsys):
     results = check()
     assert results and all(r.found is not None for r in results), \
         [(r.entry, r.error) for r in results if r.found is None]
-    assert touch_points.main() == 0
+    assert touch_points.main("vLLM here") == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("vLLM ") and lines[-1] == f"{len(results)} of {len(results)} touch " \
+    assert lines[0] == "vLLM here" and lines[-1] == f"{len(results)} of {len(results)} touch " \
         "points resolve"
     assert sum(line.startswith("ok ") for line in lines) == len(results)
 

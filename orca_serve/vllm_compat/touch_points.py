@@ -65,12 +65,9 @@ def check() -> list[Resolution]:
     return [resolve(owner, entry) for owner, points in compat_modules() for entry in points]
 
 
-def main() -> int:
-    """Print one line per touch point and a summary; 0 when every one resolves."""
-    from orca_serve.vllm_plugin.config import SUPPORTED_VLLM, installed_vllm_version
-
-    version = installed_vllm_version()
-    print(f"vLLM {version or 'not installed'} (orca-serve supports vllm{SUPPORTED_VLLM})")
+def main(header: str) -> int:
+    """Print `header`, one line per touch point and a summary; 0 when every one resolves."""
+    print(header)
     results = check()
     for r in results:
         where = r.owner.rsplit(".", 1)[-1]
