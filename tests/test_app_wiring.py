@@ -16,7 +16,7 @@ import importlib
 import pytest
 from starlette.testclient import TestClient
 
-from orca_serve.bundle import load_bundle
+from orca_method.bundle import load_bundle
 from orca_serve.cli import add_orca_args, demo_paths
 from orca_serve.reload import BUNDLE_PATH
 from orca_serve.server import CHAT_PATH, ORCA_SCHEMA, install_own_state

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from orca_serve.errors import first_line
+from orca_method.errors import first_line
 
 ALTERNATIVES = " | "
 
