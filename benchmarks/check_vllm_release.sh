@@ -80,20 +80,22 @@ check check-vllm "every touch point resolves" "$VENV/bin/orca-serve" --check-vll
 
 help_lists() {  # help_lists OPTION... : `orca-serve --help` exits 0 and lists them all
     local out
-    out=$("$VENV/bin/orca-serve" --help) || { echo "--help failed"; return 1; }
+    out=$(env "${HELP_ENV[@]}" "$VENV/bin/orca-serve" --help) || { echo "--help failed"; return 1; }
     for opt in "$@"; do
         grep -q -- "$opt" <<<"$out" || { echo "--help does not list $opt"; return 1; }
     done
 }
 ORCA_OPTIONS=(--calib --demo --check-vllm --orca-delta --orca-policy --orca-answer-budget
               --orca-admin-key-env)
+HELP_ENV=()
 check help "lists the orca options (with vLLM's where vLLM can build its parser)" \
     help_lists "${ORCA_OPTIONS[@]}"
 # The GPU wheel builds its parser only where it finds a device; VLLM_TARGET_DEVICE=cpu lets it,
 # to show our options inside vLLM's own parser of that release.
+HELP_ENV=(VLLM_TARGET_DEVICE=cpu)
 check help-in-vllm-parser "lists the orca options among vLLM's" \
-    env VLLM_TARGET_DEVICE=cpu bash -c "$(declare -f help_lists); VENV=$VENV help_lists \
-    ${ORCA_OPTIONS[*]} --model --logits-processors --middleware"
+    help_lists "${ORCA_OPTIONS[@]}" --model --logits-processors --middleware
+HELP_ENV=()
 
 startup() {
     local out=$DIR/startup.log port
@@ -115,11 +117,13 @@ startup() {
 check startup "passes orca-serve's start-up checks" startup
 result "     $(cat "$DIR/startup-outcome.txt" 2>/dev/null)"
 
+# The tests build vLLM's parser and configs, which the GPU wheel can only where it finds a
+# device: VLLM_TARGET_DEVICE=cpu gives it the CPU platform (a CPU build has it anyway).
 check app "orca routes, middleware order, OpenAPI on vLLM's own app" \
-    "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_app_wiring.py \
+    env VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_app_wiring.py \
     tests/test_check_vllm.py tests/test_deploy_modes.py
 check plugin "V1 and MRV2 loaders, MRV2 RequestState and runner" \
-    "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_mrv2.py
+    env VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_mrv2.py
 
 say "RESULT $SPEC: $([ "$failed" = 0 ] && echo PASS || echo "FAIL ($failed checks)"), $(( $(date +%s) - t0 )) s"
 cat "$SUMMARY"
