@@ -11,7 +11,8 @@
 #   startup     `orca-serve --model <demo model> --calib <demo bundle>` passes all of orca-serve's
 #               start-up checks: on a CPU build the server answers /health; with the GPU wheel on
 #               a machine without a GPU it must stop at vLLM's own device error, with no
-#               orca-serve error and the failing frame in vLLM's code, not ours;
+#               orca-serve error and the failing frame in vLLM's code, not ours (and, with
+#               VLLM_TARGET_DEVICE=cpu, get past every orca-serve check to an error of vLLM's);
 #   app         tests/test_app_wiring.py, tests/test_check_vllm.py: the orca routes, middleware
 #               order and OpenAPI field on the app vLLM's build_app makes, no engine;
 #   plugin      tests/test_mrv2.py: the plugin built by vLLM's V1 and Model Runner V2 loaders and
@@ -97,12 +98,13 @@ check help-in-vllm-parser "lists the orca options among vLLM's" \
     help_lists "${ORCA_OPTIONS[@]}" --model --logits-processors --middleware
 HELP_ENV=()
 
-startup() {
-    local out=$DIR/startup.log port
+startup() {  # startup NAME EXPECTED [ENV=VALUE...]: start the demo, judge how it ends
+    local name=$1 expected=$2 out=$DIR/$1.log port
+    shift 2
     port=$("$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
     local demo=$ROOT/orca_serve/demo
-    "$VENV/bin/orca-serve" --model "$demo/model" --calib "$demo/bundle.json" --enforce-eager \
-        --host 127.0.0.1 --port "$port" >"$out" 2>&1 &
+    env "$@" "$VENV/bin/orca-serve" --model "$demo/model" --calib "$demo/bundle.json" \
+        --enforce-eager --host 127.0.0.1 --port "$port" >"$out" 2>&1 &
     local pid=$! healthy=0
     for _ in $(seq 600); do
         kill -0 "$pid" 2>/dev/null || break
@@ -111,11 +113,18 @@ startup() {
     done
     if kill -0 "$pid" 2>/dev/null; then kill -TERM "$pid"; fi
     wait "$pid" && rc=0 || rc=$?
-    "$VENV/bin/python" "$ROOT/benchmarks/startup_outcome.py" "$out" "$healthy" "$rc" \
-        | tee "$DIR/startup-outcome.txt"
+    "$VENV/bin/python" "$ROOT/benchmarks/startup_outcome.py" "$out" "$healthy" "$rc" "$expected" \
+        | tee "$DIR/$name-outcome.txt"
 }
-check startup "passes orca-serve's start-up checks" startup
+check startup "passes orca-serve's start-up checks" startup startup device
 result "     $(cat "$DIR/startup-outcome.txt" 2>/dev/null)"
+if [ "$PKG" = vllm ]; then
+    # The GPU wheel made to take the CPU platform gets past device detection: every check of
+    # orca-serve's runs, then vLLM's CPU worker finds no CPU kernels in that wheel.
+    check startup-cpu-platform "passes all of orca-serve's start-up checks, stops in vLLM" \
+        startup startup-cpu-platform vllm VLLM_TARGET_DEVICE=cpu
+    result "     $(cat "$DIR/startup-cpu-platform-outcome.txt" 2>/dev/null)"
+fi
 
 # The tests build vLLM's parser and configs, which the GPU wheel can only where it finds a
 # device: VLLM_TARGET_DEVICE=cpu gives it the CPU platform (a CPU build has it anyway).
