@@ -18,7 +18,7 @@ Start-up order, so that a wrong bundle is refused in seconds and in one line (ex
    `run_multi_api_server`) serves the app built by vLLM's `build_app` plus our additions.
 
 Before all of it, a vLLM release outside `vllm_plugin.config.SUPPORTED_VLLM` is refused.
-Everything of vLLM's used here beyond its parser goes through `orca_serve.vllm_compat.launch`.
+vLLM is reached through `orca_serve.vllm_compat.launch` (its parser, launchers and app hook).
 """
 
 from __future__ import annotations
