@@ -60,7 +60,7 @@ fi
 "${PIP[@]}" install -q -e "$ROOT" >>"$LOG" 2>&1
 "$VENV/bin/python" -c 'import pytest, hypothesis' 2>/dev/null \
     || "${PIP[@]}" install -q pytest hypothesis >>"$LOG" 2>&1
-say "installed $SPEC ($(du -sh "$VENV" | cut -f1)): $("$VENV/bin/python" -c \
+say "installed $SPEC ($(du -shL "$VENV" | cut -f1)): $("$VENV/bin/python" -c \
     'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' 2>>"$LOG")"
 
 export PYTHONPATH=$ROOT VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
