@@ -377,7 +377,7 @@ def _main(argv: list[str]) -> None:
     from orca_serve.vllm_plugin.config import check_vllm_version
 
     if "--check-vllm" in argv:  # before the version check: it is how a new release is judged
-        from orca_serve.vllm_compat.touch_points import main as check_touch_points
+        from orca_serve.vllm_check import main as check_touch_points
         from orca_serve.vllm_plugin.config import SUPPORTED_VLLM, installed_vllm_version
 
         if len(argv) > 1:

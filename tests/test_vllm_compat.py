@@ -7,7 +7,7 @@ attribute chains on an imported vLLM module (`vllm.x.Name`). A bare `import vllm
 (the distribution, e.g. to fail early on a broken install); what is then read from it is not.
 
 What is public (`PUBLIC`): the V1 and MRV2 logits-processor interfaces, the offline entry
-points `LLM` / `SamplingParams` and the token prompt type. Everything else goes through
+points `LLM` / `SamplingParams`, the token prompt type and the stat-logger plugins' base class. Everything else goes through
 orca_serve/vllm_compat/, whose modules list what they touch (`TOUCH_POINTS`, checked here
 against the installed vLLM).
 
@@ -17,9 +17,7 @@ GPU backend) or that sets up or resets vLLM's process-wide state (env-var cache,
 name the private vLLM names it needs, listed per file with the reason. Benchmarks have no allowance: they run
 what users run.
 
-`PENDING` lists the server side's private imports (orca_serve/cli.py, server.py and the audit
-labeller) until they move into orca_serve/vllm_compat/ as well. Every exception must still be
-used: a stale entry fails the test, so the lists only shrink.
+Every exception must still be used: a stale entry fails the test, so the list only shrinks.
 """
 
 from __future__ import annotations
@@ -34,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from orca_serve.vllm_check import ALTERNATIVES, resolve
+
 ROOT = Path(__file__).resolve().parents[1]
 COMPAT = "orca_serve/vllm_compat"
 
@@ -43,6 +43,8 @@ _MRV2_INTERFACE = frozenset({"LogitsContext", "LogitsProcessor", "LogitsProcRequ
 PUBLIC: dict[str, frozenset[str]] = {
     "vllm": frozenset({"LLM", "SamplingParams", "__version__"}),
     "vllm.inputs": frozenset({"TokensPrompt"}),
+    # the interface of the vllm.stat_logger_plugins entry-point group
+    "vllm.v1.metrics.loggers": frozenset({"StatLoggerBase"}),
     # the V1 custom logits-processor interface
     "vllm.v1.sample.logits_processor": frozenset({"BatchUpdate", "LogitsProcessor",
                                                   "MoveDirectionality"}),
@@ -75,27 +77,6 @@ TEST_EXCEPTIONS: dict[str, dict[str, str]] = {
     "tests/test_requests.py": {"vllm.platforms:current_platform":
                                "the CPU-build guard is tested on the CPU build only"},
 }
-
-# the server side's private imports, until they move into orca_serve/vllm_compat/
-PENDING: dict[str, dict[str, str]] = {
-    "orca_serve/cli.py": dict.fromkeys((
-        "vllm.platforms:current_platform",
-        "vllm.entrypoints.launchers.cli_args:make_arg_parser",
-        "vllm.entrypoints.launchers.cli_args:validate_parsed_serve_args",
-        "vllm.entrypoints.serve.utils.api_utils:cli_env_setup",
-        "vllm.logger:configure_logging_from_args",
-        "vllm.utils.argparse_utils:FlexibleArgumentParser",
-    ), "server launch"),
-    "orca_serve/server.py": dict.fromkeys((
-        "vllm:envs",
-        "vllm.entrypoints.launchers.api_server:entry",
-        "vllm.v1.utils:run_api_server_worker_proc",
-        "vllm.entrypoints.cli:serve",
-    ), "server launch"),
-    "orca_serve/audit/labeller.py": {
-        "vllm.renderers.inputs.preprocess:parse_model_prompt": "engine client prompts"},
-}
-
 
 def _is_public(module: str, name: str | None) -> bool:
     return name is not None and name in PUBLIC.get(module, ())
@@ -186,7 +167,7 @@ def violations(root: Path, exceptions: dict[str, dict[str, str]]) -> tuple[list[
     return bad, used
 
 
-ALL_EXCEPTIONS = {**TEST_EXCEPTIONS, **PENDING}
+ALL_EXCEPTIONS = TEST_EXCEPTIONS
 
 
 def test_no_private_vllm_name_outside_the_compatibility_package():
@@ -285,16 +266,15 @@ def test_every_compat_module_says_its_versions_and_touch_points():
         assert re.search(r"\b0\.3[1-9]\b", m.__doc__ or ""), f"{m.__name__}: versions checked"
         points = m.TOUCH_POINTS
         assert isinstance(points, tuple) and points, m.__name__
-        assert all(re.fullmatch(r"vllm(\.\w+)*:\w+(\.\w+)*", p) for p in points), m.__name__
+        assert all(re.fullmatch(r"vllm(\.\w+)*:\w+(\.\w+)*", alt.strip())
+                   for p in points for alt in p.split(ALTERNATIVES)), m.__name__
 
 
 def test_touch_points_resolve_in_the_installed_vllm():
     missing = []
     for m in compat_modules():
         for p in m.TOUCH_POINTS:
-            try:
-                _resolve(p)
-            except (ImportError, AttributeError):
+            if resolve(m.__name__, p).found is None:  # one of its alternatives must resolve
                 missing.append(p)
         for p in getattr(m, "INSTANCE_ATTRIBUTES", ()):
             owner, _, attr = p.rpartition(".")

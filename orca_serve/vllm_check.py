@@ -1,6 +1,6 @@
 """Does the installed vLLM still have every name orca-serve reaches outside its extension points?
 
-`orca-serve --check-vllm` runs `main()`: it walks this package, collects each module's
+`orca-serve --check-vllm` runs `main()`: it walks orca_serve/vllm_compat/, collects each module's
 `TOUCH_POINTS` and resolves every entry (imports the module, follows the attributes) without
 starting an engine, so that a user can check a vLLM upgrade before deploying it. One line per
 touch point; exit code 0 when all resolve, 1 otherwise.
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from orca_method.errors import first_line
 
 ALTERNATIVES = " | "
+COMPAT_PACKAGE = "orca_serve.vllm_compat"
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,10 @@ def resolve(owner: str, entry: str) -> Resolution:
 
 
 def compat_modules() -> Iterator[tuple[str, tuple[str, ...]]]:
-    """(module name, TOUCH_POINTS) of every module of this package that lists touch points."""
-    package = importlib.import_module(__package__)
+    """(module name, TOUCH_POINTS) of every module of the compatibility package."""
+    package = importlib.import_module(COMPAT_PACKAGE)
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-        name = f"{__package__}.{info.name}"
+        name = f"{COMPAT_PACKAGE}.{info.name}"
         points = getattr(importlib.import_module(name), "TOUCH_POINTS", None)
         if points:
             yield name, tuple(points)
