@@ -106,10 +106,11 @@ def test_orca_metrics_on_the_stock_server(server):
     deadline, got = time.time() + 60, {}
     while time.time() < deadline:  # the workers publish every PUBLISH_S seconds
         got = _orca_metrics(server.url)
-        if got.get("orca_steps_scored_total", 0) > 0:
+        if got.get("orca_steps_scored_total", 0) > 0 and \
+                got.get("orca_engine_tracked_requests") == 0:  # a snapshot after the request
             break
         time.sleep(1)
     assert got.get("orca_steps_scored_total", 0) > 0, got
+    assert got["orca_engine_tracked_requests"] == 0, got  # nothing running any more
     assert got["orca_engine_steps_total"] > 0 and got["orca_probe_seconds_total"] > 0
     assert got["orca_engine_bundles_loaded"] == 1
-    assert got["orca_engine_tracked_requests"] == 0  # nothing running
