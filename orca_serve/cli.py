@@ -279,10 +279,10 @@ def vllm_max_model_len(args: argparse.Namespace) -> int | None:
     """The context length vLLM derives for the model when --max-model-len is not given (its own
     ModelConfig, from the model's config.json); None if it cannot be derived here (vLLM then
     reports the problem itself)."""
-    from vllm.engine.arg_utils import EngineArgs
+    from orca_serve.vllm_compat.launch import derived_max_model_len
 
     try:
-        return int(EngineArgs.from_cli_args(args).create_model_config().max_model_len)
+        return derived_max_model_len(args)
     except Exception:  # noqa: BLE001 - vLLM's own start reports what is wrong
         return None
 

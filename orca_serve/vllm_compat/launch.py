@@ -21,7 +21,8 @@ What is private here, and why no public route serves:
 - Several API servers (`--api-server-count N`): vLLM's `run_multi_api_server` spawns processes
   that run `run_api_server_worker_proc`; each must build our app too, so the process manager is
   given our target function (its `target_server_fn` parameter).
-- The platform (`current_platform.is_cpu()`), for the CPU build's prefill rule in cli.py.
+- The platform (`current_platform.is_cpu()`) and the context length vLLM derives for the model
+  (`EngineArgs` -> `ModelConfig.max_model_len`), for the CPU build's prefill rule in cli.py.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ TOUCH_POINTS: tuple[str, ...] = (
     "vllm.utils.argparse_utils:FlexibleArgumentParser",
     "vllm.logger:configure_logging_from_args",
     "vllm.platforms:current_platform.is_cpu",
+    "vllm.engine.arg_utils:EngineArgs.from_cli_args",
+    "vllm.engine.arg_utils:EngineArgs.create_model_config",
     f"{_ENTRY}:build_app",
     f"{_ENTRY}:run_server",
     f"{_SERVE}:run_multi_api_server",
@@ -90,6 +93,14 @@ def is_cpu_platform() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
+
+
+def derived_max_model_len(args: argparse.Namespace) -> int:
+    """The context length vLLM derives for the model from the parsed options (its ModelConfig,
+    from the model's config.json); raises what vLLM raises when it cannot."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return int(EngineArgs.from_cli_args(args).create_model_config().max_model_len)
 
 
 def _hook_build_app(hook: AppHook) -> None:
