@@ -39,7 +39,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     for spec in (ProbeSpec(dim=a.dim), ProbeSpec(dim=a.dim, kind="qk", d_h=128)):
         bank = ProbeBank(Probe(spec, seed=0), capacity=a.rows)
-        rows = torch.tensor([bank.add() for _ in range(a.rows)])
+        rows = torch.arange(a.rows)
         full = bench(bank, rows, a.dim, a.reps)
         some = bench(bank, rows[torch.randperm(a.rows)[: max(1, a.rows // 16)]], a.dim, a.reps)
         print(f"| probe step {spec.name}, d={a.dim} | {a.rows} rows: {full:.3f} ms | "

@@ -9,6 +9,7 @@ the threshold chosen offline is applied to exactly the scores the server compute
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,7 +47,8 @@ class StepResult:
 
 
 class ProbeBank:
-    """Batched per-request probe state: rows are added, reset and freed independently."""
+    """Batched per-request probe state, one row per request slot (rows 0..capacity-1, all fresh
+    at the start; `reset` makes a row fresh again for its next request)."""
 
     def __init__(self, probe: Probe, window: int = 10, capacity: int = 64,
                  device: str | torch.device = "cpu") -> None:
@@ -55,50 +57,26 @@ class ProbeBank:
         self.probe = probe.to(device).eval()
         self.window = window
         self.device = torch.device(device)
-        self._fast: Fast = {}
-        self._buf: Fast = {}
-        self._free: list[int] = []
-        self._grow(capacity)
-
-    # -- rows --------------------------------------------------------------------------
-    def _grow(self, capacity: int) -> None:
-        old = self._fast["hist"].shape[0] if self._fast else 0
         with torch.no_grad():
-            new = self.probe.init_fast(capacity - old)
-        new = {k: v.to(self.device) for k, v in new.items()}
-        new["hist"] = torch.zeros(capacity - old, self.window, device=self.device)
-        new["count"] = torch.zeros(capacity - old, dtype=torch.long, device=self.device)
-        self._fast = new if not old else {k: torch.cat([self._fast[k], new[k]]) for k in new}
-        self._buf = {k: torch.empty_like(self._fast[k]) for k in self.probe.fast_keys()}
+            fast = self.probe.init_fast(capacity)
+        self._fast: Fast = {k: v.to(self.device) for k, v in fast.items()}
+        self._fast["hist"] = torch.zeros(capacity, window, device=self.device)  # [cap, W]
+        self._fast["count"] = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        self._buf: Fast = {k: torch.empty_like(self._fast[k]) for k in self.probe.fast_keys()}
         self._scratch = torch.empty(capacity, self.probe.spec.d_w, device=self.device)
-        self._free.extend(range(capacity - 1, old - 1, -1))
 
     @property
     def capacity(self) -> int:
         return self._fast["hist"].shape[0]
 
-    @property
-    def active(self) -> int:
-        return self.capacity - len(self._free)
-
-    def add(self) -> int:
-        """A fresh row (fast weights = slow weights, empty smoothing window)."""
-        if not self._free:
-            self._grow(2 * self.capacity)
-        row = self._free.pop()
-        self.reset(row)
-        return row
-
     def reset(self, row: int) -> None:
+        """Fast weights = slow weights, empty smoothing window."""
         with torch.no_grad():
             init = self.probe.init_fast(1)
         for k, v in init.items():
             self._fast[k][row] = v[0]
         self._fast["hist"][row] = 0
         self._fast["count"][row] = 0
-
-    def free(self, row: int) -> None:
-        self._free.append(row)
 
     def snapshot(self, row: int) -> dict[str, Tensor]:
         """A copy of one row's state, e.g. to survive a preemption that frees the row."""
@@ -110,23 +88,26 @@ class ProbeBank:
 
     # -- the procedure -----------------------------------------------------------------
     @torch.no_grad()
-    def step(self, rows: Tensor, phi: Tensor, lam: Tensor,
+    def step(self, rows: Sequence[int], phi: Tensor, lam: Tensor,
              rows_dev: Tensor | None = None) -> StepResult:
         """Score, smooth, decide and (for rows that do not stop) update: one reasoning step.
 
-        rows: long [m] (distinct, host-side), phi: [m, d] step embeddings, lam: [m] thresholds
-        (inf = never); `rows_dev`: the same rows already on the device (the server stages them
-        with its other per-step indexes in one copy; without it they are copied here). Works in
-        place on the bank (a view when the rows are contiguous, else one gather into a reused
-        buffer): fresh [m, d] temporaries cost page faults that dominate at d = 5,120. Nothing
-        here waits for the device; the caller copies the result once.
+        rows: [m] distinct row ids on the host (a list, or a CPU tensor), phi: [m, d] step
+        embeddings, lam: [m] thresholds (inf = never); `rows_dev`: the same rows already on the
+        device (the server stages them with its other per-step indexes in one copy; without it
+        they are copied here). Works in place on the bank (a view when the rows are contiguous,
+        else one gather into a reused buffer): fresh [m, d] temporaries cost page faults that
+        dominate at d = 5,120. Nothing here waits for the device; the caller copies the result
+        once.
         """
         phi = phi.to(self.device, torch.float32)
-        rows_host = rows.cpu()  # bookkeeping is host-side: deciding contiguity costs no sync
-        m = rows_host.shape[0]
-        r0 = int(rows_host[0])
-        contiguous = bool((rows_host == torch.arange(r0, r0 + m)).all())
-        rows = rows_host.to(self.device) if rows_dev is None else rows_dev
+        host = rows.tolist() if isinstance(rows, Tensor) else list(rows)
+        m = len(host)
+        r0 = host[0]
+        contiguous = host == list(range(r0, r0 + m))  # host bookkeeping: no sync
+        if rows_dev is None:
+            rows_dev = torch.tensor(host, dtype=torch.long).to(self.device, non_blocking=True)
+        rows = rows_dev
         keys = self.probe.fast_keys()
         if contiguous:
             fast = {k: self._fast[k][r0:r0 + m] for k in keys}
@@ -173,7 +154,7 @@ def replay(probe: Probe, trajectories: list, window: int,
         lengths = torch.tensor([len(t) for t in chunk])
         phi = torch.nn.utils.rnn.pad_sequence(chunk, batch_first=True)
         bank = ProbeBank(probe, window=window, capacity=len(chunk))
-        rows = torch.tensor([bank.add() for _ in chunk])
+        rows = torch.arange(len(chunk))
         raw = torch.zeros(len(chunk), int(lengths.max()))
         smooth = torch.zeros_like(raw)
         never = torch.full((len(chunk),), NEVER)

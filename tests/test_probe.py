@@ -92,18 +92,15 @@ def test_bank_matches_unroll_and_trailing_mean() -> None:
 def test_reset_is_exact_and_rows_are_independent() -> None:
     probe = _perturbed(ProbeSpec(dim=D)).float()
     bank = ProbeBank(probe, window=3, capacity=2)
-    a, b = bank.add(), bank.add()
+    a, b = 0, 1
     xs = torch.randn(6, D)
     never = torch.tensor([NEVER])
-    first = [bank.step(torch.tensor([a]), x[None], never).raw.item() for x in xs]
-    # row b runs interleaved garbage; then a is freed and reused (capacity growth included)
+    first = [bank.step([a], x[None], never).raw.item() for x in xs]
+    # row b runs interleaved garbage; then row a is reset for its next request
     for _ in range(3):
-        bank.step(torch.tensor([b]), torch.randn(1, D) * 5, never)
-    bank.free(a)
-    c = bank.add()
-    extra = [bank.add() for _ in range(5)]  # forces growth
-    assert c == a and bank.capacity >= 7 and len(set(extra)) == 5
-    again = [bank.step(torch.tensor([c]), x[None], never).raw.item() for x in xs]
+        bank.step([b], torch.randn(1, D) * 5, never)
+    bank.reset(a)
+    again = [bank.step([a], x[None], never).raw.item() for x in xs]
     assert first == again
 
 
@@ -112,7 +109,7 @@ def test_stop_decision_uses_smoothed_score_and_skips_update() -> None:
     with torch.no_grad():
         probe.params["b"].fill_(3.0)  # score ~0.95 at the start
     bank = ProbeBank(probe, window=2)
-    rows = torch.tensor([bank.add(), bank.add()])
+    rows = torch.tensor([0, 1])
     x = torch.randn(2, D)
     res = bank.step(rows, x, torch.tensor([0.9, NEVER]))
     assert res.stop.tolist() == [True, False]
@@ -128,7 +125,7 @@ def test_stopping_rows_keep_their_weights_exactly(spec: ProbeSpec) -> None:
     the rows are scattered (the gather/scatter path) and for every variant."""
     probe = _perturbed(spec).float()
     bank = ProbeBank(probe, window=2)
-    rows = [bank.add() for _ in range(3)]
+    rows = [0, 1, 2]
     before = {r: bank.snapshot(r) for r in rows}
     step_rows = torch.tensor([rows[2], rows[0]])  # not contiguous
     res = bank.step(step_rows, torch.randn(2, D), torch.tensor([0.0, NEVER]))  # row 2 stops
@@ -145,17 +142,16 @@ def test_snapshot_restore_survives_row_change() -> None:
     xs = torch.randn(8, D)
     never = torch.tensor([NEVER])
     ref = ProbeBank(probe, window=3)
-    r = torch.tensor([ref.add()])
+    r = torch.tensor([0])
     expected = [ref.step(r, x[None], never).smoothed.item() for x in xs]
 
     bank = ProbeBank(probe, window=3)
-    row = bank.add()
+    row = 0
     got = [bank.step(torch.tensor([row]), x[None], never).smoothed.item() for x in xs[:4]]
     snap = bank.snapshot(row)
-    bank.free(row)
-    other = bank.add()  # someone else takes the row
-    bank.step(torch.tensor([other]), torch.randn(1, D), never)
-    new = bank.add()
+    bank.reset(row)  # someone else takes the row
+    bank.step(torch.tensor([row]), torch.randn(1, D), never)
+    new = 1
     bank.restore(new, snap)
     got += [bank.step(torch.tensor([new]), x[None], never).smoothed.item() for x in xs[4:]]
     assert got == pytest.approx(expected, abs=1e-6)
