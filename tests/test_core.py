@@ -374,8 +374,9 @@ def _to_device(obj) -> None:
 
     pool = obj.pool
     pool.A, pool.S, pool.lag = conv(pool.A), conv(pool.S), conv(pool.lag)
-    obj.staging.copy = True  # a real device needs the staging copy (a CPU one skips it)
-    obj.staging._dev = conv(obj.staging._dev)
+    staging = obj.device_step.staging
+    staging.copy = True  # a real device needs the staging copy (a CPU one skips it)
+    staging._dev = conv(staging._dev)
     for dep in obj.deps.values():
         bank = dep.bank
         bank._fast = {k: conv(v) for k, v in bank._fast.items()}

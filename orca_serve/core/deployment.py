@@ -9,7 +9,7 @@ the core, so two live deployments cost two banks until the old one's last reques
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -67,3 +67,69 @@ class Deployment:
         b = self.bundle
         return {"bundle": self.path, "checksum": None if b is None else b.checksum,
                 "default_delta": self.default_delta, "normalization": self.normalization}
+
+
+class Deployments:
+    """The live deployments of one core, by checksum: the current one (for requests naming no
+    bundle) and the older ones still used by running requests (hot reload)."""
+
+    def __init__(self, cfg: Mapping[str, Any], tokenizer: Any, **dep_args: Any) -> None:
+        self._tokenizer = tokenizer
+        self._args = dep_args
+        self.current = Deployment(cfg, tokenizer, **dep_args)
+        self.live: dict[str | None, Deployment] = {self.current.checksum: self.current}
+        self._retired: set[str | None] = set()  # dropped when no live request uses them
+
+    def get(self, checksum: str | None) -> Deployment | None:
+        return self.live.get(checksum)
+
+    def load(self, path: str) -> Deployment:
+        """Stage a bundle, checked as at start (its checksum, `check_model` against this engine's
+        model): requests naming its checksum join it from now on; `use` makes it the one for
+        requests naming none. Raises BundleError; the live deployments are left untouched.
+        Loading a bundle that is live already returns that deployment (and un-retires it)."""
+        from orca_method.bundle import BundleError
+
+        dep = Deployment({"bundle": str(path)}, self._tokenizer, **self._args)
+        if dep.normalization != self.current.normalization:
+            # the token rows of one step are normalised together, for every deployment
+            raise BundleError(f"bundle {path} normalises token states with "
+                              f"{dep.normalization!r} but this engine runs "
+                              f"{self.current.normalization!r}; restart the server to change it")
+        known = self.live.get(dep.checksum)
+        if known is not None:
+            self._retired.discard(dep.checksum)
+            return known
+        self.live[dep.checksum] = dep
+        return dep
+
+    def use(self, checksum: str | None) -> Deployment:
+        """Make a live deployment the current one (for requests that name no bundle)."""
+        from orca_method.bundle import BundleError
+
+        dep = self.live.get(checksum)
+        if dep is None:
+            raise BundleError(f"bundle {checksum} is not loaded in this engine")
+        self._retired.discard(checksum)
+        self.current = dep
+        return dep
+
+    def retire(self, keep: Sequence[str | None], used: Iterable[Deployment]) -> list[str | None]:
+        """Retire every deployment but the current one and those in `keep`: each is dropped (its
+        probe bank freed) when its last request leaves. Returns the checksums still live."""
+        for c, dep in self.live.items():
+            if dep is not self.current and c not in keep:
+                self._retired.add(c)
+        self.drop_unused(used)
+        return list(self.live)
+
+    def drop_unused(self, used: Iterable[Deployment]) -> None:
+        """Drop the retired deployments no request in `used` runs on."""
+        if not self._retired:
+            return
+        in_use = {id(d) for d in used}
+        for c in list(self._retired):
+            dep = self.live.get(c)
+            if dep is None or (dep is not self.current and id(dep) not in in_use):
+                self.live.pop(c, None)
+                self._retired.discard(c)

@@ -1,4 +1,4 @@
-"""Device memory of the engine step: per-slot step sums and parked rows, and the staging buffers.
+"""Device memory of the engine step: per-slot step sums and parked rows, staging, readback, fence.
 
 One slot id per tracked request names its row in every per-request device tensor: the pooled
 sums here and the probe bank's row (`ProbeBank` rows are slot ids). Everything is allocated once,
@@ -8,10 +8,15 @@ so nothing grows while serving.
 Host-to-device traffic of a step goes through `Staging`: every per-step index/flag/threshold
 vector is written on the host into one (pinned, where the device has pinned memory) float64
 buffer and copied with ONE non_blocking copy. float64 holds every index and every float32
-threshold exactly.
+threshold exactly. Device-to-host traffic is the `Readback` (one [3, m] block per step). Both
+are ordered by one `Fence`: a reused event per step, waited on only when the host needs that
+step's device work finished and does not know it to be.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import chain
 
 import torch
 from torch import Tensor
@@ -54,118 +59,138 @@ class SlotPool:
         self.lag[slot].copy_(snap[2])
 
 
+class Fence:
+    """The end of each step's device work, as reused CUDA events (none on other devices).
+
+    `mark()` after a step's last device op returns the step's number; `wait(k)` returns once
+    step k's work is done. Steps finish in order, so one wait covers every earlier step, and a
+    step known done is never waited on again: a step waits at most once (for the readback it
+    reads), and the staging buffer it rewrites is, in practice, already known free.
+    """
+
+    DEPTH = 2  # steps that may be in flight: the staging buffers alternate over two steps
+
+    def __init__(self, device: torch.device) -> None:
+        self._events = ([torch.cuda.Event() for _ in range(self.DEPTH)]
+                        if device.type == "cuda" else None)
+        self.marked = 0  # steps marked
+        self._done = 0  # steps known finished
+
+    def mark(self) -> int:
+        if self._events is not None:
+            self._events[self.marked % self.DEPTH].record()
+        self.marked += 1
+        return self.marked
+
+    def wait(self, step: int) -> None:
+        if step <= self._done:
+            return
+        if step < self.marked - self.DEPTH + 1:
+            raise RuntimeError(f"step {step}'s event was reused")  # a bug, never a wait
+        if self._events is not None:
+            self._events[(step - 1) % self.DEPTH].synchronize()
+        self._done = step
+
+
 class Staging:
     """Per-step host vectors -> device, one copy.
 
-    `add(values)` appends a segment on the host and returns its index; after `upload()`,
-    `long(i)` / `float(i)` are device views of segment i (the buffer is converted once per step,
-    not per segment). Two host buffers alternate, and a buffer is rewritten only after the copy
-    that read it completed (its event), so a non_blocking copy never reads a buffer being
-    rewritten. On a CPU device there is nothing to copy (`copy` False): the views come from the
-    host buffer itself.
+    `upload(vectors)` writes the vectors one after the other into one host buffer, copies it to
+    the device once and returns their `Staged` device views. Two host buffers alternate; a
+    buffer is rewritten only once the step that copied from it is known finished (`fence`), so
+    a non_blocking copy never reads a buffer being rewritten. On a CPU device there is nothing
+    to copy (`copy` False): the views come from the host buffer itself.
     """
 
-    def __init__(self, size: int, device: torch.device, pin: bool) -> None:
+    def __init__(self, size: int, device: torch.device, pin: bool, fence: Fence) -> None:
         self.device = device
         self.copy = device.type != "cpu"
         pin = pin and device.type == "cuda"
         self._host = [torch.zeros(size, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
         self._np = [h.numpy() for h in self._host]
-        self._events: list = [None, None]
+        self._used_by = [0, 0]  # the step that last copied from each host buffer
         self._dev = torch.zeros(size, dtype=torch.float64, device=device)  # [size]
-        self._cur = 0
-        self._off = 0
-        self._segs: list[tuple[int, int]] = []
-        self._long = self._float = self._dev[:0]
+        self._fence = fence
 
-    def begin(self) -> None:
-        self._cur ^= 1
-        ev = self._events[self._cur]
-        if ev is not None:
-            ev.synchronize()  # the copy of two steps ago; long done in practice
-        self._off = 0
-        self._segs = []
-
-    def add(self, values: list) -> int:
-        k = len(values)
-        if k:
-            self._np[self._cur][self._off:self._off + k] = values
-        self._segs.append((self._off, self._off + k))
-        self._off += k
-        return len(self._segs) - 1
-
-    def upload(self) -> None:
-        n = self._off
-        src = self._host[self._cur][:n]
+    def upload(self, vectors: Sequence[Sequence[float]]) -> Staged:
+        cur = self._fence.marked % 2
+        self._fence.wait(self._used_by[cur])
+        self._used_by[cur] = self._fence.marked + 1  # the step being built
+        bounds, n = [], 0
+        for v in vectors:
+            bounds.append((n, n + len(v)))
+            n += len(v)
+        if n:
+            self._np[cur][:n] = list(chain.from_iterable(vectors))
+        src = self._host[cur][:n]
         if self.copy and n:
             self._dev[:n].copy_(src, non_blocking=True)
             src = self._dev[:n]
-            if self.device.type == "cuda":
-                ev = torch.cuda.Event()
-                ev.record()
-                self._events[self._cur] = ev
-        self._long, self._float = src.long(), src.float()
+        return Staged(src, bounds)
 
-    def float(self, i: int) -> Tensor:
-        a, b = self._segs[i]
-        return self._float[a:b]
+
+class Staged:
+    """Device views of one step's staged vectors, by their position in `Staging.upload`: the
+    buffer is converted to int64 and float32 once per step, not per vector."""
+
+    __slots__ = ("_bounds", "_float", "_long")
+
+    def __init__(self, buf: Tensor, bounds: list[tuple[int, int]]) -> None:
+        self._long, self._float, self._bounds = buf.long(), buf.float(), bounds
 
     def long(self, i: int) -> Tensor:
-        a, b = self._segs[i]
+        a, b = self._bounds[i]
         return self._long[a:b]
+
+    def float(self, i: int) -> Tensor:
+        a, b = self._bounds[i]
+        return self._float[a:b]
 
 
 class Readback:
     """The step's one device-to-host copy: a [3, m] float32 block (smoothed score, stop flag,
-    steps scored) copied non_blocking into pinned memory, read on the next step after its event."""
+    steps scored) copied non_blocking into pinned memory, read on the next step."""
 
-    def __init__(self, capacity: int, device: torch.device, pin: bool) -> None:
+    def __init__(self, capacity: int, device: torch.device, pin: bool, fence: Fence) -> None:
         pin = pin and device.type == "cuda"
         self._host = torch.zeros(3 * capacity, dtype=torch.float32, pin_memory=pin)
-        self._event = None
+        self._fence = fence
         self._m = 0
+        self._step = 0
 
     def start(self, block: Tensor) -> None:
-        """block: [3, m] float32 on the device (copied into a contiguous [3, m] host view)."""
+        """block: [3, m] float32 on the device (copied into a contiguous [3, m] host view);
+        the step's `fence.mark()` follows."""
         self._m = block.shape[1]
-        self._view().copy_(block, non_blocking=True)
-        if block.device.type == "cuda":
-            self._event = torch.cuda.Event()
-            self._event.record()
+        self._host[:3 * self._m].view(3, self._m).copy_(block, non_blocking=True)
+        self._step = self._fence.marked + 1
 
     def wait(self) -> list[list[float]]:
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
-        return self._view().tolist()
-
-    def _view(self) -> Tensor:
-        return self._host[:3 * self._m].view(3, self._m)
+        self._fence.wait(self._step)
+        return self._host[:3 * self._m].view(3, self._m).tolist()
 
 
 class IdReadback:
     """Token ids that exist only on the device (Model Runner V2 feeds them from the device),
-    read one step later without waiting: `start(ids)` copies a [k] id vector non_blocking into
-    pinned memory; `take()` on the next step returns them (after the copy's event, long done)."""
+    read one step later: `start(ids)` copies a [k] id vector non_blocking into pinned memory;
+    `take()` on the next step returns them (after the copy's event, reused; long done)."""
 
     def __init__(self, capacity: int, device: torch.device, pin: bool) -> None:
         pin = pin and device.type == "cuda"
         self._host = torch.zeros(capacity, dtype=torch.int64, pin_memory=pin)  # [cap]
-        self._event = None
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
         self._k = 0
 
     def start(self, ids: Tensor) -> None:
         """ids: [k] integer tensor on the device, k <= capacity."""
         self._k = ids.shape[0]
         self._host[:self._k].copy_(ids, non_blocking=True)
-        if ids.device.type == "cuda":
-            self._event = torch.cuda.Event()
+        if self._event is not None:
             self._event.record()
 
     def take(self) -> list[int]:
         """The ids of the last `start` (once; [] when none is pending)."""
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
         k, self._k = self._k, 0
+        if k and self._event is not None:
+            self._event.synchronize()
         return self._host[:k].tolist()

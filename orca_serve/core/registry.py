@@ -22,6 +22,18 @@ from orca_serve.core.deployment import Deployment
 log = logging.getLogger("orca_serve.core")
 
 
+def open_reasoning_tokens(table: Any, prompt: Sequence[int] | None) -> int:
+    """Tokens after the prompt's last start tag when the prompt leaves the reasoning open (a
+    template that opens `<think>` in the generation prompt, e.g. `<think>` + newline): vLLM's
+    `thinking_token_budget` counts them, so the server needs them to tell its stop from ours."""
+    if not prompt or not table.think_enabled or not table.reasoning_at_start(prompt):
+        return 0
+    for i in range(len(prompt) - 1, -1, -1):
+        if prompt[i] == table.start_id:
+            return len(prompt) - 1 - i
+    return 0
+
+
 class Request:
     """Everything the core keeps about one engine request (a child of n > 1 is its own)."""
 

@@ -9,8 +9,13 @@ of a policy-`answer` request early enough that an answer still fits in `max_toke
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from orca_serve.contract import MIN_ANSWER_TOKENS
+from orca_serve.core.speculation import plan_start
+
+if TYPE_CHECKING:
+    from orca_serve.core.registry import Request
 
 
 def stop_plan(policy: str, pos: int, *, force_ids: list[int], eos: int | None,
@@ -47,3 +52,19 @@ def guard_position(policy: str, *, max_tokens: int | None, reserve: int | None,
     if reserve > 0 and max_tokens >= 2 * reserve:
         return max_tokens - reserve
     return None
+
+
+def request_plan(req: Request, pos: int) -> dict[int, int]:
+    """`stop_plan` of a tracked request stopping at output position `pos`."""
+    return stop_plan(req.policy, pos, force_ids=req.dep.force_ids, eos=req.eos,
+                     answer_budget=req.answer_budget, max_tokens=req.max_tokens,
+                     ignore_eos=req.ignore_eos)
+
+
+def stop_request(req: Request, pos: int, reason: str) -> None:
+    """The request stops at `pos`: segmentation and scoring end, its forced text is planned."""
+    req.stopped = True
+    req.stop_reason = reason
+    req.active = False
+    req.guard_pos = None
+    req.plan = request_plan(req, plan_start(req, pos))

@@ -52,7 +52,7 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
     LogitsProcRequestState,
 )
 
-from orca_serve.core.engine import UNKNOWN
+from orca_serve.core.plan import UNKNOWN
 from orca_serve.core.pooling import IdReadback
 from orca_serve.core.registry import Request
 from orca_serve.vllm_compat import capture

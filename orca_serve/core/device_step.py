@@ -1,0 +1,125 @@
+"""The device half of an engine step: run a `StepPlan` on preallocated memory, wait for nothing.
+
+One staging copy brings the plan's index lists to the device; then, on the device: the step's
+token rows (normalised) are added to their slots' section sums, rows whose token id is not known
+yet are parked, completed steps are pooled (`finish_step`) and scored by each deployment's probe
+bank, a probe stop that forces a token now is written into its logits row (decided on the
+device: the host does not know the flag yet), tokens forced by plans the host knows are written,
+and the scores go back in one non_blocking readback, read on the next step.
+
+Forcing never builds a [rows, vocab] tensor: the logits rows are changed in place (`index_fill_`
+for host-known tokens; for device-decided stops an -inf or 0 per row added across the row, then
+the forced token's entry set back).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from orca_method.procedure import Normalization, finish_step, normalize_tokens
+from orca_method.steps import CLOSE, MERGE, STEP, STEP_PREV
+from orca_serve.core.plan import IDX, StepPlan
+from orca_serve.core.pooling import Fence, Readback, SlotPool, Staged, Staging
+
+
+class DeviceStep:
+    """The core's device memory (slots, staging, readback, fence) and the step that runs on it."""
+
+    def __init__(self, capacity: int, hidden_size: int, device: torch.device, pin: bool,
+                 normalization: Normalization) -> None:
+        self.pool = SlotPool(capacity, hidden_size, device)
+        self.fence = Fence(device)
+        # every staged vector has at most `capacity` values
+        self.staging = Staging(len(IDX) * capacity, device, pin, self.fence)
+        self.readback = Readback(capacity, device, pin, self.fence)
+        self.normalization = normalization
+
+    def run(self, p: StepPlan, hidden: Tensor | None, logits: Tensor) -> None:
+        """hidden: [rows, d] captured rows, logits: [rows, vocab] (changed in place)."""
+        v = self.staging.upload(p.staged())
+        try:
+            self._pool_tokens(p, v, hidden, logits.shape[0])
+            if p.op_slots:
+                self._finish_steps(p, v, logits)
+            if p.forced_rows:
+                rows = v.long(IDX["forced_rows"])
+                logits.index_fill_(0, rows, float("-inf"))
+                logits.index_put_((rows, v.long(IDX["forced_ids"])),
+                                  logits.new_zeros(()))
+        finally:
+            self.fence.mark()
+
+    def _pool_tokens(self, p: StepPlan, v: Staged, hidden: Tensor | None, n_rows: int) -> None:
+        """S[slot] += normalised row, for this step's rows and the parked ones; park rows."""
+        if not (p.pool_rows or p.lag_slots or p.park_rows):
+            return
+        if hidden is None or hidden.shape[0] != n_rows:
+            got = None if hidden is None else hidden.shape[0]
+            raise RuntimeError(f"captured {got} hidden rows for {n_rows} logits rows")
+        pool = self.pool
+        if p.pool_rows or p.lag_slots:
+            parts, slots = [], []
+            if p.pool_rows:
+                parts.append(hidden.index_select(0, v.long(IDX["pool_rows"])))
+                slots.append(v.long(IDX["pool_slots"]))
+            if p.lag_slots:
+                slots.append(v.long(IDX["lag_slots"]))
+                parts.append(pool.lag.index_select(0, slots[-1]))
+            rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [k, d]
+            h = normalize_tokens(rows, self.normalization).to(pool.S.dtype)
+            # slots are distinct within a step; index_put_ stays serial on CPU
+            pool.S.index_put_((slots[0] if len(slots) == 1 else torch.cat(slots),), h,
+                              accumulate=True)
+        if p.park_rows:
+            pool.lag.index_copy_(0, v.long(IDX["park_slots"]),
+                                 hidden.index_select(0, v.long(IDX["park_rows"])).float())
+
+    def _finish_steps(self, p: StepPlan, v: Staged, logits: Tensor) -> None:
+        """Apply the ops to A/S, finish the emitted steps, score them, force stops."""
+        pool = self.pool
+        slots = v.long(IDX["op_slots"])
+        if not p.keywords:  # every op is STEP or CLOSE and A stays zero: the step is S
+            num = pool.S.index_select(0, v.long(IDX["emit_slots"])) if p.emit_ops else None
+        else:
+            # phi numerator = cA*A + cS*S ; new A = aA*A + aS*S ; new S = 0
+            kinds = v.long(IDX["op_kinds"])
+            c_s = ((kinds == STEP) | (kinds == CLOSE)).to(pool.S.dtype)  # [k]
+            a_a = (kinds == MERGE).to(pool.S.dtype)
+            a_s = ((kinds == MERGE) | (kinds == STEP_PREV)).to(pool.S.dtype)
+            A = pool.A.index_select(0, slots)  # [k, d]
+            S = pool.S.index_select(0, slots)
+            num = (A + S * c_s[:, None]).index_select(0, v.long(IDX["emit_ops"]))  # [e, d]
+            pool.A.index_copy_(0, slots, A * a_a[:, None] + S * a_s[:, None])
+        pool.S.index_fill_(0, slots, 0.0)
+        if num is None:
+            return
+        phi = finish_step(num, v.float(IDX["emit_counts"]), self.normalization)  # [e, d]
+        for req, j, size in p.record:
+            req.step_embs.append(phi[j])
+            req.step_counts.append(size)
+        if p.scored:
+            self._score(p, v, phi, logits)
+
+    def _score(self, p: StepPlan, v: Staged, phi: Tensor, logits: Tensor) -> None:
+        """Each deployment's scored steps through its bank; a stop forces its first token."""
+        in_order = len(p.groups) == 1 and len(p.scored) == phi.shape[0]  # scored = emitted
+        phi_s = phi if in_order else phi.index_select(0, v.long(IDX["scored"]))  # [m, d]
+        lam, slots = v.float(IDX["bank_lam"]), v.long(IDX["scored_slots"])
+        res = [dep.bank.step(p.scored_slots[a:b], phi_s[a:b], lam[a:b], rows_dev=slots[a:b])
+               for dep, a, b in p.groups]
+        # [m] each: slices of device tensors and their concatenation wait for nothing
+        smoothed, stop, steps = ((res[0].smoothed, res[0].stop, res[0].steps) if len(res) == 1
+                                 else (torch.cat([r.smoothed for r in res]),
+                                       torch.cat([r.stop for r in res]),
+                                       torch.cat([r.steps for r in res])))
+        if p.cand_pos:
+            rows, ids = v.long(IDX["cand_rows"]), v.long(IDX["cand_ids"])
+            flag = stop.index_select(0, v.long(IDX["cand_pos"]))  # [c]
+            keep = logits[rows, ids]  # [c]
+            # -inf across a stopping row, 0 across the others: no [c, vocab] tensor is made
+            bias = torch.zeros_like(keep).masked_fill_(flag, float("-inf"))  # [c]
+            logits.index_add_(0, rows, bias[:, None].expand(-1, logits.shape[1]))
+            logits.index_put_((rows, ids), keep.masked_fill_(flag, 0.0))
+        hit = smoothed >= v.float(IDX["hit_lam"])
+        self.readback.start(torch.stack([smoothed.float(), hit.float(), steps.float()]))

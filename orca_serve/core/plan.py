@@ -1,0 +1,207 @@
+"""The host half of an engine step: per-request bookkeeping in one pass, one typed `StepPlan` out.
+
+For each tracked row (an `Entry`) the planner checks the output length, feeds the request's new
+token to its `Segmenter` (or parks the row while the token id is unknown: async scheduling),
+applies the budget guard and looks up the token its stop plan forces now. What the device has
+to do follows as flat index lists (`StepPlan`), staged to the device in one copy; nothing here
+touches a tensor. `apply_readback` is the other end: the previous step's scores and stop flags
+reach the requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from orca_method.steps import CLOSE, MERGE, NONE, STEP_PREV
+from orca_serve.contract import NEVER
+from orca_serve.core.deployment import Deployment
+from orca_serve.core.registry import Request
+from orca_serve.core.speculation import forced_rows
+from orca_serve.core.stopping import request_plan, stop_request
+
+UNKNOWN = -1  # a token id not known yet (async scheduling placeholder) or absent
+
+# one entry per tracked row and step: (request, logits row, output length, id at n-2, id at n-1)
+Entry = tuple[Request, int, int, int, int]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What the device does in one step. Lists named in `STAGED` go to the device in one copy
+    (`Staging.upload`, in that order); the rest stays on the host."""
+
+    pool_rows: list[int] = field(default_factory=list)  # hidden rows pooled into S ...
+    pool_slots: list[int] = field(default_factory=list)  # ... of these slots
+    lag_slots: list[int] = field(default_factory=list)  # parked rows pooled into S (same slot)
+    park_rows: list[int] = field(default_factory=list)  # hidden rows parked in lag ...
+    park_slots: list[int] = field(default_factory=list)  # ... of these slots
+    op_slots: list[int] = field(default_factory=list)  # a section ended (any op)
+    op_kinds: list[int] = field(default_factory=list)
+    emit_ops: list[int] = field(default_factory=list)  # ops that end a step (not MERGE) ...
+    emit_slots: list[int] = field(default_factory=list)  # ... their slots
+    emit_counts: list[int] = field(default_factory=list)  # ... and token counts
+    scored: list[int] = field(default_factory=list)  # emitted steps scored, by deployment
+    bank_lam: list[float] = field(default_factory=list)  # the bank's threshold (NEVER: none)
+    hit_lam: list[float] = field(default_factory=list)  # the would-stop threshold
+    scored_slots: list[int] = field(default_factory=list)
+    cand_pos: list[int] = field(default_factory=list)  # scored steps whose stop forces now:
+    cand_rows: list[int] = field(default_factory=list)  # their logits row
+    cand_ids: list[int] = field(default_factory=list)  # and the token forced
+    forced_rows: list[int] = field(default_factory=list)  # tokens forced by plans known now
+    forced_ids: list[int] = field(default_factory=list)
+    # host only
+    record: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, emitted, size)
+    groups: list[tuple[Deployment, int, int]] = field(default_factory=list)  # scored ranges
+    # (req, n, guard-stopped, logits rows a stop forces on the device: 1 + draft rows)
+    pending: list[tuple[Request, int, bool, int]] = field(default_factory=list)
+    keywords: bool = False  # an op of a keyword table: A is in use (else it stays zero)
+
+    def staged(self) -> list[list]:
+        return [getattr(self, name) for name in STAGED]
+
+
+STAGED = ("pool_rows", "pool_slots", "lag_slots", "park_rows", "park_slots", "op_slots",
+          "op_kinds", "emit_ops", "emit_slots", "emit_counts", "scored", "bank_lam", "hit_lam",
+          "scored_slots", "cand_pos", "cand_rows", "cand_ids", "forced_rows", "forced_ids")
+IDX = {name: i for i, name in enumerate(STAGED)}
+
+
+def plan_step(entries: list[Entry], n_rows: int, stats: dict[str, Any]) -> StepPlan:
+    """One pass over the step's rows (see module docstring)."""
+    p = StepPlan()
+    # scored steps: (deployment, request, emitted position, logits row, n, guard-stopped)
+    scored: list[tuple[Deployment, Request, int, int, int, bool]] = []
+    for req, row, n, prev_id, last_id in entries:
+        slot = req.slot
+        if row >= n_rows or n == 0 or slot is None:
+            continue
+        op = NONE
+        if n > req.n_seen:
+            if n != req.n_seen + 1:
+                req.fail(f"output grew from {req.n_seen} to {n} tokens between two steps "
+                         "(speculative decoding?): hidden states missing")
+                req.n_seen = n
+                continue
+            req.n_seen = n
+            if last_id >= 0 and req.plan and req.plan.get(n - 1, last_id) != last_id:
+                req.notes.append(f"forced token at {n - 1} was overridden ({last_id})")
+            if req.active:
+                tid, src = last_id, row
+                if req.lag is not None or last_id < 0:  # park this row, feed the parked one
+                    if req.lag is not None and prev_id < 0:
+                        req.fail("two token ids in a row still unknown")
+                        continue
+                    p.park_rows.append(row)
+                    p.park_slots.append(slot)
+                    if req.lag is None:
+                        tid = UNKNOWN
+                        stats["lagged_tokens"] += 1
+                    else:
+                        tid, src = prev_id, None
+                    req.lag = n - 1
+                if tid >= 0:
+                    op = _feed(p, req, tid, src)
+        else:  # a row at an unchanged length: a recompute (prefill) chunk
+            stats["recompute_chunks"] += 1
+            if req.lag is not None and req.active and last_id >= 0:  # catch up
+                req.lag = None
+                op = _feed(p, req, last_id, None)
+        scores_now = op not in (NONE, MERGE, CLOSE)
+        guard = (req.guard_pos is not None and n >= req.guard_pos and not req.stopped
+                 and req.active and req.seg.reasoning)
+        if guard:
+            stop_request(req, n, "budget")
+        if scores_now and req.enabled and (not req.stopped or guard):
+            scored.append((req.dep, req, len(p.emit_ops) - 1, row, n, guard))
+        if req.plan:
+            for pos, r, t in forced_rows(req, row, n, req.plan):
+                p.forced_rows.append(r)
+                p.forced_ids.append(t)
+                req.forced[pos] = t
+    if scored:
+        _plan_scoring(p, scored)
+    return p
+
+
+def _feed(p: StepPlan, req: Request, tid: int, src: int | None) -> int:
+    """Segment one token; `src`: its hidden row in this step (None: parked in pool.lag)."""
+    seg = req.seg
+    a_before, s_before = seg.a_count, seg.s_count
+    counted, op = seg.feed(tid)
+    if counted:
+        if src is None:
+            p.lag_slots.append(req.slot)
+        else:
+            p.pool_rows.append(src)
+            p.pool_slots.append(req.slot)
+    if op == NONE:
+        return op
+    p.op_slots.append(req.slot)
+    p.op_kinds.append(op)
+    if seg.table.keyword_re is not None:
+        p.keywords = True
+    if op == MERGE:
+        return op
+    size = a_before if op == STEP_PREV else a_before + s_before + counted
+    p.emit_ops.append(len(p.op_slots) - 1)
+    p.emit_slots.append(req.slot)
+    p.emit_counts.append(size)
+    if req.record:
+        p.record.append((req, len(p.emit_ops) - 1, size))
+    return op
+
+
+def _plan_scoring(p: StepPlan, scored: list[tuple[Deployment, Request, int, int, int, bool]]
+                  ) -> None:
+    """Scored steps grouped by deployment (each a contiguous range scored by its own bank), their
+    thresholds, and the rows a stop would force a token into right now."""
+    if any(s[0] is not scored[0][0] for s in scored):
+        order: dict[int, int] = {}
+        for s in scored:
+            order.setdefault(id(s[0]), len(order))
+        scored.sort(key=lambda s: order[id(s[0])])
+    start = 0
+    for j, (dep, req, e, row, n, guard) in enumerate(scored):
+        if j and dep is not scored[j - 1][0]:
+            p.groups.append((scored[j - 1][0], start, j))
+            start = j
+        shadow = req.policy == "shadow"
+        p.scored.append(e)
+        p.scored_slots.append(req.slot)
+        p.bank_lam.append(NEVER if shadow else req.lam)
+        p.hit_lam.append(NEVER if shadow and req.would_stop_step is not None else req.lam)
+        p.pending.append((req, n, guard, 1 + len(req.draft_rows)))
+        if not guard and not shadow:
+            for _, r, t in forced_rows(req, row, n, request_plan(req, n)):
+                p.cand_pos.append(j)
+                p.cand_rows.append(r)
+                p.cand_ids.append(t)
+    p.groups.append((scored[-1][0], start, len(scored)))
+
+
+def apply_readback(pending: list[tuple[Request, int, bool, int]], host: list[list[float]],
+                   stats: dict[str, Any]) -> None:
+    """The previous step's decisions reach the host: scores, would-stop and stop steps, and
+    the rest of each stop's forced text (its first token was forced on the device)."""
+    sm, hit, steps = host
+    stats["steps_scored"] += len(pending)
+    for i, (req, pos, guard_stopped, rows) in enumerate(pending):
+        req.scores.append(sm[i])
+        req.steps_scored = int(steps[i])
+        if hit[i] < 0.5:
+            continue
+        if req.would_stop_step is None:
+            req.would_stop_step = req.steps_scored
+        if req.policy == "shadow":
+            continue
+        req.stop_step = req.steps_scored
+        if guard_stopped:  # a guard stop at the same step already planned the same
+            req.stop_reason = "probe"
+            continue
+        stop_request(req, pos, "probe")
+        if pos >= req.decided_until:  # else nothing was forced: see core/speculation.py
+            for q in range(pos, pos + rows):
+                t = req.plan.get(q)
+                if t is not None:
+                    req.forced[q] = t
