@@ -45,14 +45,18 @@ XARG_RESERVE = "orca_reserve"  # tokens kept for the answer before max_tokens (p
 # checksum of the bundle the server resolved orca_lam with: the engine joins that deployment
 # (hot reload: old and new bundles are live at once, and lambda* belongs to one probe)
 XARG_BUNDLE = "orca_bundle"
-# the client-settable ones, by `orca` field name
-XARG_FIELDS = {"enabled": "orca_enabled", "delta": "orca_delta", "policy": "orca_policy",
-               "answer_budget": "orca_answer_budget"}
+# the client-settable ones (a request's `orca` fields; defaults in DEFAULTS, same names)
+XARG_ENABLED = "orca_enabled"  # 0/1
+XARG_DELTA = "orca_delta"  # risk level in (0, 1)
+XARG_POLICY = "orca_policy"  # one of POLICIES
+XARG_ANSWER_BUDGET = "orca_answer_budget"  # answer tokens after a stop (policy answer)
+XARG_FIELDS = {"enabled": XARG_ENABLED, "delta": XARG_DELTA, "policy": XARG_POLICY,
+               "answer_budget": XARG_ANSWER_BUDGET}
 # set by the server or the plugin, never by clients
 XARG_RESERVED = {XARG_KEY, XARG_LAM, XARG_N, XARG_SEED, XARG_BUNDLE}
 # Per-request xargs that run a request without the orca probe (answer probes, audits' forcing).
-ORCA_OFF = {XARG_FIELDS["enabled"]: 0}
-_INT_XARGS = ("orca_enabled", "orca_answer_budget", XARG_RECORD, XARG_RESERVE, XARG_N)
+ORCA_OFF = {XARG_ENABLED: 0}
+_INT_XARGS = (XARG_ENABLED, XARG_ANSWER_BUDGET, XARG_RECORD, XARG_RESERVE, XARG_N)
 
 
 
@@ -69,8 +73,17 @@ def resolve_lam(lam_of: Callable[[float], float], delta: float) -> float:
 
 
 def encode_lam(lam: float | None) -> float | str:
-    """lambda* as an xarg value: a finite float, or "inf" (JSON has no infinity)."""
+    """lambda* as an xarg value: a finite float, or "inf" for NEVER (JSON has no infinity)."""
     return "inf" if lam is None or math.isinf(lam) else float(lam)
+
+
+def decode_lam(v: Any) -> float:
+    """An `orca_lam` xarg as lambda* (NEVER for "inf"); ValueError unless a number in [0, 1]
+    or NEVER: scores are probabilities, so any other threshold is a mistake, not a setting."""
+    lam = _as_float(XARG_LAM, v)
+    if not (0.0 <= lam <= 1.0 or lam == NEVER):
+        raise ValueError(f"{XARG_LAM} must be in [0, 1] or \"inf\" (never), got {v!r}")
+    return lam
 
 
 def as_int(name: str, v: Any) -> int:
@@ -110,21 +123,19 @@ def validate_xargs(xa: dict[str, Any] | None, n: int = 1, seed: int | None = Non
     for name in _INT_XARGS:
         if name in xa:
             v = as_int(name, xa[name])
-            if name in ("orca_enabled", XARG_RECORD) and v not in (0, 1):
+            if name in (XARG_ENABLED, XARG_RECORD) and v not in (0, 1):
                 raise ValueError(f"{name} must be 0 or 1, got {xa[name]!r}")
             if v < 0:
                 raise ValueError(f"{name} must be >= 0, got {xa[name]!r}")
-    if "orca_delta" in xa:
-        d = _as_float("orca_delta", xa["orca_delta"])
+    if XARG_DELTA in xa:
+        d = _as_float(XARG_DELTA, xa[XARG_DELTA])
         if not 0 < d < 1:
-            raise ValueError(f"orca_delta must be in (0, 1), got {xa['orca_delta']!r}")
+            raise ValueError(f"{XARG_DELTA} must be in (0, 1), got {xa[XARG_DELTA]!r}")
     if XARG_LAM in xa:
-        lam = _as_float(XARG_LAM, xa[XARG_LAM])
-        if math.isnan(lam):
-            raise ValueError(f"{XARG_LAM} must be a number, got {xa[XARG_LAM]!r}")
-    if "orca_policy" in xa and xa["orca_policy"] not in POLICIES:
-        raise ValueError(f"orca_policy must be one of {', '.join(POLICIES)}, "
-                         f"got {xa['orca_policy']!r}")
+        decode_lam(xa[XARG_LAM])
+    if XARG_POLICY in xa and xa[XARG_POLICY] not in POLICIES:
+        raise ValueError(f"{XARG_POLICY} must be one of {', '.join(POLICIES)}, "
+                         f"got {xa[XARG_POLICY]!r}")
     if n > 1:
         xa[XARG_N] = int(n)
         if seed is not None:
@@ -158,14 +169,14 @@ def request_spec(xa: Mapping[str, Any] | None, defaults: Mapping[str, Any], *, r
     """
     xa = xa or {}
     notes: list[str] = []
-    enabled = lam_of is not None and bool(as_int("orca_enabled",
-                                                 xa.get("orca_enabled", defaults["enabled"])))
+    enabled = lam_of is not None and bool(as_int(XARG_ENABLED,
+                                                 xa.get(XARG_ENABLED, defaults["enabled"])))
     delta = lam = None
     if enabled:
-        d = xa.get("orca_delta", defaults.get("delta"))
+        d = xa.get(XARG_DELTA, defaults.get("delta"))
         delta = float(d) if d is not None else default_delta
         if XARG_LAM in xa:
-            lam = float(xa[XARG_LAM])
+            lam = decode_lam(xa[XARG_LAM])
         else:
             try:
                 lam = resolve_lam(lam_of, delta)  # type: ignore[arg-type]
@@ -177,9 +188,9 @@ def request_spec(xa: Mapping[str, Any] | None, defaults: Mapping[str, Any], *, r
     return RequestSpec(
         key=xa.get(XARG_KEY), n=int(xa.get(XARG_N, 1)),
         record=bool(as_int(XARG_RECORD, xa.get(XARG_RECORD, record))),
-        enabled=enabled, policy=str(xa.get("orca_policy", defaults["policy"])),
+        enabled=enabled, policy=str(xa.get(XARG_POLICY, defaults["policy"])),
         delta=delta, lam=lam,
-        answer_budget=int(xa.get("orca_answer_budget", defaults["answer_budget"])),
+        answer_budget=int(xa.get(XARG_ANSWER_BUDGET, defaults["answer_budget"])),
         reserve=None if reserve is None else int(reserve), notes=tuple(notes))
 
 
