@@ -293,8 +293,6 @@ class _Request:
             r = self.results.get(i) or {}
             obj = {"enabled": s.enabled, "policy": r.get("policy") or s.policy,
                    **(choice_fields(r) if s.enabled else {})}
-            if r.get("would_stop_pos") is not None:  # not reported by the plugin (yet)
-                obj["would_stop_pos"] = r["would_stop_pos"]
             self.state.metrics.observe(obj)
 
 

@@ -296,7 +296,7 @@ def test_metrics_outcomes_and_engine_stats():
     m = OrcaMetrics(CollectorRegistry())
     m.observe({"enabled": False})
     m.observe({"enabled": True, "policy": "shadow", "would_stop_step": 2, "steps_scored": 5,
-               "last_score": 0.4, "reasoning_tokens": 30, "would_stop_pos": 18})
+               "last_score": 0.4, "reasoning_tokens": 30})
     m.observe({"enabled": True, "policy": "shadow", "would_stop_step": 1, "steps_scored": 4,
                "last_score": 0.4, "reasoning_tokens": 40})
     m.observe({"enabled": True, "policy": "answer", "stopped_early": False, "steps_scored": 2,
@@ -308,8 +308,7 @@ def test_metrics_outcomes_and_engine_stats():
                  'orca_requests_total{outcome="shadow_would_stop"} 2.0',
                  'orca_requests_total{outcome="finished"} 1.0',
                  "orca_steps_scored_total 11.0", "orca_reasoning_tokens_total 80.0",
-                 'orca_tokens_saved_total{basis="measured"} 12.0',
-                 'orca_tokens_saved_total{basis="step_fraction"} 30.0',
+                 'orca_tokens_saved_total{basis="step_fraction"} 48.0',  # 30*3/5 + 40*3/4
                  'orca_stop_step_count{kind="shadow"} 2.0', "orca_last_score_count 3.0",
                  "orca_probe_seconds_total 0.003", "orca_engine_steps_total 6.0",
                  "orca_engine_stored_results 2.0", "orca_engine_tracked_requests 0.0"]:
