@@ -73,7 +73,6 @@ class OrcaCore:
         self._logged_notes: set[str] = set()  # request notes the log has shown (a fallback delta)
         self.defaults = {**DEFAULTS, **(cfg.get("defaults") or {})}
         self.default_eos = default_eos
-        self.hidden_size = hidden_size
         self.capacity = 2 * max(1, int(max_num_seqs))  # preempted requests keep their slot
         self.deployments = Deployments(cfg, tokenizer, hidden_size=hidden_size,
                                        model_name=model_name, eos_ids=set(eos_ids),
@@ -84,9 +83,9 @@ class OrcaCore:
         self.stats = {"probe_ns": 0, "engine_steps": 0, "active_steps": 0, "rows_captured": 0,
                       "steps_scored": 0, "max_step_ns": 0, "resumed": 0, "recompute_chunks": 0,
                       "lagged_tokens": 0, "evictions": 0, "drafts_accepted": 0}
-        self.table = RequestTable(self.pool, Results(
-            float(cfg.get("result_ttl_s", RESULT_TTL_S)), int(cfg.get("max_results", MAX_RESULTS))),
-            self.normalization, self.stats)
+        results = Results(float(cfg.get("result_ttl_s", RESULT_TTL_S)),
+                          int(cfg.get("max_results", MAX_RESULTS)))
+        self.table = RequestTable(self.pool, results, self.normalization, self.stats)
         self._pending: StepPlan | None = None  # the step whose readback is unread
 
     # the parts' state, under the names adapters and tests use
@@ -235,8 +234,7 @@ class OrcaCore:
     # -- results ----------------------------------------------------------------------------------
     def pop_results(self, keys: list[str]) -> dict[str, dict[str, Any]]:
         self.settle()
-        return {k: _host_result(r, self.hidden_size).to_dict()
-                for k, r in self.table.pop_results(keys).items()}
+        return self.table.pop_results(keys)
 
     def get_stats(self) -> dict[str, Any]:
         self.settle()
@@ -276,13 +274,3 @@ class OrcaCore:
         self.stats["active_steps"] += 0 if replay else 1
         self.stats["max_step_ns"] = max(self.stats["max_step_ns"], dt)
 
-
-def _host_result(r, dim: int):
-    """Record-mode embeddings as one float32 numpy array (the only copy of them to the host)."""
-    import numpy as np
-
-    if r.step_embeddings is not None and not isinstance(r.step_embeddings, np.ndarray):
-        embs = r.step_embeddings
-        r.step_embeddings = (torch.stack(embs).float().cpu().numpy() if embs else
-                             np.zeros((0, dim), dtype=np.float32))
-    return r

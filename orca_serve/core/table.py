@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from orca_method.procedure import Normalization, finish_step
@@ -148,8 +149,9 @@ class RequestTable:
         return slot
 
     # -- results ----------------------------------------------------------------------------------
-    def pop_results(self, keys: list[str]) -> dict[str, OrcaResult]:
-        """The results of these keys that exist (a finished request still in the batch too)."""
+    def pop_results(self, keys: list[str]) -> dict[str, dict[str, Any]]:
+        """The results of these keys that exist (a finished request still in the batch too), in
+        wire form (`OrcaResult.to_dict`)."""
         out = {}
         for k in keys:
             req = self.by_key.get(k)
@@ -161,7 +163,7 @@ class RequestTable:
                 r = self.results.pop(k)
                 if r is None:
                     continue
-            out[k] = r
+            out[k] = _embeddings_to_host(r, self.pool.S.shape[1]).to_dict()
         self.results.prune()
         return out
 
@@ -178,3 +180,12 @@ class RequestTable:
                 count = torch.tensor([req.seg.pending], device=src[0].device)
                 pending = finish_step((src[0] + src[1])[None], count, self.normalization)[0]
         return req.result(pending)
+
+
+def _embeddings_to_host(r: OrcaResult, dim: int) -> OrcaResult:
+    """Record-mode embeddings as one float32 numpy array (the only copy of them to the host)."""
+    if r.step_embeddings is not None and not isinstance(r.step_embeddings, np.ndarray):
+        embs = r.step_embeddings
+        r.step_embeddings = (torch.stack(embs).float().cpu().numpy() if embs else
+                             np.zeros((0, dim), dtype=np.float32))
+    return r
