@@ -13,7 +13,8 @@ import time
 import torch
 
 from orca_method.probe import Probe, ProbeSpec
-from orca_method.procedure import NEVER, ProbeBank
+from orca_method.procedure import ProbeBank
+from orca_method.thresholds import NEVER
 
 
 def bench(bank: ProbeBank, rows: torch.Tensor, dim: int, reps: int) -> float:

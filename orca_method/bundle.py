@@ -35,6 +35,7 @@ from safetensors.torch import save as st_save
 
 from orca_method.errors import first_line
 from orca_method.probe import Probe, ProbeSpec
+from orca_method.thresholds import lam_from_json
 
 SCHEMA_VERSION = 1
 MAX_WINDOW = 10_000  # the server keeps window floats per request row
@@ -194,7 +195,7 @@ class Bundle(_Strict):
         """lambda*(delta); inf means never stop early."""
         for r in self.ltt.rows:
             if math.isclose(r.delta, delta, rel_tol=0, abs_tol=1e-9):
-                return math.inf if r.lam is None else r.lam
+                return lam_from_json(r.lam)
         raise BundleError(f"delta {delta} has no calibrated lambda* in this bundle; "
                           f"available deltas: {', '.join(f'{d:g}' for d in self.deltas())}")
 

@@ -19,8 +19,7 @@ from scipy.special import xlogy
 from scipy.stats import binom
 
 from orca_method.stop_metrics import Ragged, check_problems, losses, stop_indices, summarize
-
-NEVER = math.inf  # lambda* when no threshold is certified: never stop early
+from orca_method.thresholds import NEVER
 
 
 def default_grid(m: int = 1001) -> np.ndarray:

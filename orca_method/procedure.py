@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 from orca_method.probe import Fast, Probe
+from orca_method.thresholds import NEVER
 
 Normalization = Literal["token-l2", "step-l2", "none"]
-NEVER = float("inf")  # lambda* when LTT rejects nothing: never stop early
 
 
 def normalize_tokens(h: Tensor, mode: Normalization) -> Tensor:

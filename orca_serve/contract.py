@@ -12,14 +12,14 @@ same `resolve_lam`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from orca_method.thresholds import NEVER, lam_to_json
+
 Policy = Literal["answer", "stop", "shadow"]
 POLICIES: tuple[str, ...] = ("answer", "stop", "shadow")
-NEVER = math.inf  # lambda* when LTT rejects nothing: never stop early
 
 DEFAULT_ANSWER_BUDGET = 64
 # the largest answer budget a request may ask for: far above any context length, and inside the
@@ -74,7 +74,8 @@ def resolve_lam(lam_of: Callable[[float], float], delta: float) -> float:
 
 def encode_lam(lam: float | None) -> float | str:
     """lambda* as an xarg value: a finite float, or "inf" for NEVER (JSON has no infinity)."""
-    return "inf" if lam is None or math.isinf(lam) else float(lam)
+    v = lam_to_json(lam)
+    return "inf" if v is None else v
 
 
 def decode_lam(v: Any) -> float:

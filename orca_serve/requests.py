@@ -15,7 +15,6 @@ without an engine.
 
 from __future__ import annotations
 
-import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orca_method.bundle import Bundle, BundleError
+from orca_method.thresholds import lam_to_json
 from orca_serve.contract import (
     MAX_ANSWER_BUDGET,
     POLICIES,
@@ -238,7 +238,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
         settings = OrcaSettings(
             key=new_key(), enabled=True, delta=delta,
             policy=defaults.policy if fields.policy is None else fields.policy,
-            lam=None if math.isinf(lam) else lam,
+            lam=lam_to_json(lam),
             answer_budget=(defaults.answer_budget if fields.answer_budget is None
                            else fields.answer_budget),
             **common)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from orca_method.probe import Probe, ProbeSpec
-from orca_method.procedure import NEVER, ProbeBank, finish_step, normalize_tokens, replay
+from orca_method.procedure import ProbeBank, finish_step, normalize_tokens, replay
+from orca_method.thresholds import NEVER
 
 D = 24
 VARIANTS = [

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from scipy.stats import ks_2samp
 
+from orca_method.thresholds import NEVER, lam_from_json, lam_to_json
+
 if TYPE_CHECKING:
     from orca_method.bundle import Bundle, DriftReference
 
@@ -64,7 +66,7 @@ def drift_statistics(scores: Sequence[float], k: int, level: float) -> tuple[flo
 
 def reference_level(lambdas: Sequence[float]) -> float:
     """The most aggressive threshold a request can run with: the smallest lambda*."""
-    return min(lambdas, default=math.inf)
+    return min(lambdas, default=NEVER)
 
 
 def build_reference(scores: Sequence[np.ndarray], k: int, lambdas: Sequence[float],
@@ -80,7 +82,7 @@ def build_reference(scores: Sequence[np.ndarray], k: int, lambdas: Sequence[floa
     rng = np.random.default_rng(seed)
     keep = np.sort(rng.permutation(len(usable))[:size])
     stats = [drift_statistics(usable[i], k, level) for i in keep]
-    return DriftReference(k=k, level=None if math.isinf(level) else level, n_cal=len(scores),
+    return DriftReference(k=k, level=lam_to_json(level), n_cal=len(scores),
                           early_mean=[round(e, 6) for e, _ in stats],
                           stop_step=[None if math.isinf(s) else int(s) for _, s in stats])
 
@@ -100,7 +102,7 @@ class DriftMonitor:
             raise ValueError(f"alpha must be in (0, 1), got {alpha}")
         self.reference = reference
         self.k = reference.k
-        self.level = math.inf if reference.level is None else reference.level
+        self.level = lam_from_json(reference.level)
         self.window = window
         self.alpha = alpha
         self.every = every or window
@@ -125,7 +127,7 @@ class DriftMonitor:
         """The alpha-spending level of the j-th test (1-based): sum over j is alpha."""
         return self.alpha / (j * (j + 1))
 
-    def observe(self, scores: Sequence[float], lam: float = math.inf) -> bool:
+    def observe(self, scores: Sequence[float], lam: float = NEVER) -> bool:
         """Add one finished request's smoothed scores (in step order, up to where it stopped).
 
         ``lam``: the threshold it ran with. Below the reference level a stop can come before

@@ -59,6 +59,7 @@ from prometheus_client.registry import Collector
 from orca_method.bundle import Bundle
 from orca_method.ltt import calibrate, default_grid
 from orca_method.risk import cumulative, is_counted, request_loss
+from orca_method.thresholds import NEVER, lam_from_json, lam_to_json
 from orca_serve.audit.attrition import incomplete
 from orca_serve.audit.drift import DriftMonitor, reference_level
 from orca_serve.audit.options import ON_ALARM, AuditConfig, audit_config, audit_store, store_info
@@ -67,7 +68,6 @@ from orca_serve.metrics import LABEL
 
 logger = logging.getLogger("orca_serve.audit")
 
-NEVER = math.inf
 AUDIT_PATH = "/v1/orca/audit"
 # What a live audit can label by: agreement with the request's own final answer (live traffic
 # has no reference answer for `supervised`, and the server calls no judge).
@@ -244,16 +244,12 @@ class DeltaGuard:
                "lower": float(self.cs.lower), "upper": float(self.cs.upper),
                "alarm": self.alarm, "engaged": self.engaged,
                **dict(zip(("alarm_since", "alarm_lower"), self.cs.alarm_source(self.delta))),
-               "lambda": _lam_out(self.lam), "lambda_source": self.source,
-               "bundle_lambda": _lam_out(self.bundle_lam)}
+               "lambda": lam_to_json(self.lam), "lambda_source": self.source,
+               "bundle_lambda": lam_to_json(self.bundle_lam)}
         if self.on_alarm == "recalibrate":
             out.update(recalibrations=self.recalibrations, waiting_since=self.waiting_since,
                        recalibrated=None if self.served is None else _served_row(self))
         return out
-
-
-def _lam_out(lam: float) -> float | None:
-    return None if math.isinf(lam) else lam
 
 
 def _served_row(g: DeltaGuard) -> dict[str, Any]:
@@ -261,7 +257,7 @@ def _served_row(g: DeltaGuard) -> dict[str, Any]:
     r = g.served
     assert r is not None
     n = int(r.cs.n)
-    return {"k": r.k, "epsilon": r.epsilon, "lambda": _lam_out(r.lam), "since": r.since, "n": n,
+    return {"k": r.k, "epsilon": r.epsilon, "lambda": lam_to_json(r.lam), "since": r.since, "n": n,
             "risk": float(r.cs.mean) if n else None, "lower": float(r.cs.lower),
             "upper": float(r.cs.upper), "alarm": bool(n) and bool(r.cs.alarm(g.delta))}
 
@@ -399,9 +395,8 @@ class LiveAudit:
             # one choice per request: the choices of one prompt share its difficulty, so n of
             # them are not n independent draws the test could count. Shadow runs (audits)
             # never stop: their scores are complete.
-            lam = first.get("lam")
-            self.drift.observe(list(first["scores"]), NEVER if lam is None or
-                               first.get("policy") == "shadow" else float(lam))
+            lam = NEVER if first.get("policy") == "shadow" else lam_from_json(first.get("lam"))
+            self.drift.observe(list(first["scores"]), lam)
         pending = self._pending.pop(settings.key, None)
         if pending is None:
             return

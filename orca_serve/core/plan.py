@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orca_method.steps import CLOSE, MERGE, NONE, STEP_PREV
-from orca_serve.contract import NEVER
+from orca_method.thresholds import NEVER
 from orca_serve.core.deployment import Deployment
 from orca_serve.core.registry import Request
 from orca_serve.core.speculation import forced_rows

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from orca_method.steps import Segmenter
+from orca_method.thresholds import lam_to_json
 from orca_serve.contract import OrcaResult, RequestSpec
 from orca_serve.core.deployment import Deployment
 
@@ -105,7 +106,7 @@ class Request:
         lam = self.lam
         r = OrcaResult(
             enabled=self.enabled, policy=self.policy, delta=self.spec.delta,
-            lam=None if lam is None or lam == float("inf") else lam,
+            lam=lam_to_json(lam),
             steps_scored=self.steps_scored,
             stopped_early=self.stopped and self.stop_reason == "probe",
             stop_step=self.stop_step, would_stop_step=self.would_stop_step,

@@ -1,0 +1,23 @@
+"""The never-stop threshold, defined once, and its JSON form.
+
+LTT certifies lambda*(delta) or nothing; "nothing" means the deployed procedure never stops early
+(no smoothed score in [0, 1] reaches an infinite threshold). Every never-stop threshold in the
+code is `NEVER`; JSON (bundles, results, audit tables) has no infinity and writes null, and the
+`orca_lam` xarg writes "inf" (`orca_serve.contract.encode_lam`).
+"""
+
+from __future__ import annotations
+
+import math
+
+NEVER = math.inf
+
+
+def lam_to_json(lam: float | None) -> float | None:
+    """A threshold as JSON: NEVER (or no threshold at all) becomes null."""
+    return None if lam is None or math.isinf(lam) else float(lam)
+
+
+def lam_from_json(v: float | None) -> float:
+    """A JSON threshold: null is NEVER."""
+    return NEVER if v is None else float(v)
