@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 
 from orca_method.errors import first_line
 from orca_serve.argtypes import effort_map, fraction, integer
-from orca_serve.contract import POLICIES
+from orca_serve.contract import DEFAULTS, POLICIES
 from orca_serve.effort import DEFAULT_EFFORT_MAP, check_effort_map, describe
 
 PROG = "orca-serve"
@@ -63,7 +63,7 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--orca-delta", type=fraction(open_interval=True), default=None, metavar="DELTA",
                    help="Default risk level delta for requests that do not set one; must have a "
                    "lambda* in the bundle. None: the bundle's default_delta.")
-    g.add_argument("--orca-policy", choices=POLICIES, default="answer",
+    g.add_argument("--orca-policy", choices=POLICIES, default=DEFAULTS["policy"],
                    help="Default policy: answer (close the reasoning and let the model answer), "
                    "stop (end the request), shadow (never stop; report where it would have).")
     g.add_argument("--orca-answer-budget", type=integer(0), default=None, metavar="N",

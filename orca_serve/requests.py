@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from orca_method.bundle import Bundle, BundleError
 from orca_method.thresholds import lam_to_json
 from orca_serve.contract import (
+    DEFAULTS,
     MAX_ANSWER_BUDGET,
     POLICIES,
     XARG_BUNDLE,
@@ -61,12 +62,12 @@ class OrcaFields(BaseModel):
 
 @dataclass(frozen=True)
 class OrcaDefaults:
-    """Server-wide defaults (from the CLI and the bundle)."""
+    """Server-wide defaults (from the CLI and the bundle; unset ones are contract.DEFAULTS)."""
 
-    enabled: bool = True
-    delta: float = 0.05
-    policy: str = "answer"
-    answer_budget: int | None = None  # None: the plugin's own default
+    enabled: bool = bool(DEFAULTS["enabled"])
+    delta: float | None = DEFAULTS["delta"]  # set from the bundle whenever enabled
+    policy: str = DEFAULTS["policy"]
+    answer_budget: int | None = None  # None: the plugin's own default (DEFAULTS)
     effort_map: dict[str, str | float] = field(default_factory=lambda: dict(DEFAULT_EFFORT_MAP))
 
 
