@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from orca_method.bundle import Segmentation, ThinkTags
@@ -273,3 +275,22 @@ def test_table_from_tiny_tokenizer(tok):
     assert [tok.decode(s) for s in got] == ["Try x = 5.\n\n", "Wait, but 3\n\n\n", "ok é"]
     with pytest.raises(ValueError, match="not single tokens"):
         TokenTable.from_tokenizer(tok, think=ThinkTags(start="<reason>"))
+
+
+@pytest.mark.parametrize("settings", [{}, {"keywords": ["Wait", "but"]}, {"max_step_tokens": 3},
+                                      {"keywords": ["but"], "max_step_tokens": 4},
+                                      {"think": False}])
+def test_quiet_token_fast_path_equals_the_full_path(settings):
+    """`feed` takes a shortcut for tokens that can only extend the section (`TokenTable.quiet`):
+    on random streams (tags, EOS, delimiters, keywords) it gives the ops, counts and step ids
+    of the full path, which a table with no quiet token forces."""
+    fast = table(**settings)
+    full = table(**settings)
+    object.__setattr__(full, "quiet", (False,) * len(BYTES))
+    assert any(fast.quiet) and not any(full.quiet)
+    rng = random.Random(0)
+    for _ in range(200):
+        stream = [rng.randrange(len(TOKENS)) for _ in range(rng.randrange(1, 60))]
+        a, b = Segmenter(fast, keep_ids=True), Segmenter(full, keep_ids=True)
+        assert [a.feed(t) for t in stream] == [b.feed(t) for t in stream]
+        assert (a.steps, a.finish(), a.counted_total) == (b.steps, b.finish(), b.counted_total)
