@@ -119,7 +119,8 @@ class DeviceStep:
             keep = logits[rows, ids]  # [c]
             # -inf across a stopping row, 0 across the others: no [c, vocab] tensor is made
             bias = torch.zeros_like(keep).masked_fill_(flag, float("-inf"))  # [c]
-            logits.index_add_(0, rows, bias[:, None].expand(-1, logits.shape[1]))
+            # (index_put_: index_add_ entered an OpenMP region that spun on a busy CPU)
+            logits.index_put_((rows,), bias[:, None].expand(-1, logits.shape[1]), accumulate=True)
             logits.index_put_((rows, ids), keep.masked_fill_(flag, 0.0))
         hit = smoothed >= v.float(IDX["hit_lam"])
         self.readback.start(torch.stack([smoothed.float(), hit.float(), steps.float()]))
