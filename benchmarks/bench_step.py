@@ -1,7 +1,7 @@
 """Host time of the plugin's engine step, several code versions side by side.
 
 Usage:
-    python benchmarks/bench_step.py --rev pre-split=923cb8a --rev before=41684f8 --rev now=.
+    python benchmarks/bench_step.py --rev pre-split=923cb8a --rev before=41684f8 --rev now=HEAD
                                     [--rounds 5] [--steps 150] [--rows 16] [--json FILE]
 
 Each `--rev NAME=COMMIT` is a version of this repository (`.`: the working tree; a commit is
@@ -13,7 +13,8 @@ the tiny test model and that version's test bundle), adds `--rows` requests thro
 `BatchUpdate` (policy shadow at delta 0.2: scored every step, never stopped), then calls
 `apply(logits)` for `--steps` steps with fresh random hidden rows (hidden 128) and a sampled
 token appended to each request's output (a step delimiter every ~3 tokens). Measured: the
-thread CPU time of each `apply()` (20 warm-up steps not counted). Reported per version: median
+thread CPU time of each `apply()` (20 warm-up steps not counted), and the steps scored (the
+same for every version, else they did not do the same work). Reported per version: median
 and 25th percentile per round, and the ratio of medians to the first `--rev`, paired by round.
 """
 
@@ -99,10 +100,12 @@ def worker(a: argparse.Namespace) -> None:
             times.append(dt)
         for out in outs:
             out.append(delim if rng.random() < 1 / 3 else rng.choice(words))
-    print("RESULT " + json.dumps({"times_ns": times}), flush=True)
+    stats = proc.get_stats() if hasattr(proc, "get_stats") else proc.stats  # pre-split: .stats
+    print("RESULT " + json.dumps({"times_ns": times, "steps_scored": stats["steps_scored"]}),
+          flush=True)
 
 
-def run_worker(tree: Path, a: argparse.Namespace, model: Path, seed: int) -> list[int]:
+def run_worker(tree: Path, a: argparse.Namespace, model: Path, seed: int) -> dict:
     out_dir = CACHE / "work" / tree.name
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
@@ -114,7 +117,7 @@ def run_worker(tree: Path, a: argparse.Namespace, model: Path, seed: int) -> lis
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode != 0 or not lines:
         raise RuntimeError(f"{tree} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])["times_ns"]
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def main() -> None:
@@ -144,12 +147,11 @@ def main() -> None:
     for rnd in range(a.rounds):
         k = rnd % len(names)
         for name in names[k:] + names[:k]:
-            times = run_worker(trees[name], a, model, seed=rnd)
-            runs.append({"round": rnd, "name": name, "times_ns": times,
-                         "load": os.getloadavg()[0]})
+            r = run_worker(trees[name], a, model, seed=rnd)
+            runs.append({"round": rnd, "name": name, **r, "load": os.getloadavg()[0]})
             print(f"round {rnd + 1}/{a.rounds} {name:10s} median "
-                  f"{statistics.median(times) / 1e3:7.1f} us (load {os.getloadavg()[0]:.2f})",
-                  flush=True)
+                  f"{statistics.median(r['times_ns']) / 1e3:7.1f} us, {r['steps_scored']} steps "
+                  f"scored (load {os.getloadavg()[0]:.2f})", flush=True)
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps({"argv": sys.argv, "revs": revs, "runs": runs}))
     print(report(runs, names))
