@@ -18,6 +18,7 @@ import torch
 from orca_method.bundle import Bundle, BundleError, LTTRow
 from orca_method.ltt import PVALUES
 from orca_method.probe import Probe
+from orca_method.thresholds import lam_from_json
 
 SATURATED = 1e-6  # a score this close to 0 or 1 is saturated (float32 sigmoid's flat ends)
 SATURATION_PROBES = (64, 4)  # seeded reference trajectories and steps each
@@ -52,7 +53,7 @@ def check_rows(bundle: Bundle) -> None:
     rows = sorted(t.rows, key=lambda r: r.delta)
 
     def lam(r: LTTRow) -> float:
-        return math.inf if r.lam is None else r.lam
+        return lam_from_json(r.lam)
 
     def shown(r: LTTRow) -> str:
         return "never" if r.lam is None else f"{r.lam:g}"
