@@ -61,7 +61,10 @@ def worker(a: argparse.Namespace) -> None:
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
 
-    from orca_serve.vllm_plugin import capture
+    try:  # the LM-head capture's module, where this version has it
+        from orca_serve.vllm_compat import capture
+    except ImportError:
+        from orca_serve.vllm_plugin import capture
     from orca_serve.vllm_plugin.processor import OrcaLogitsProcessor
 
     torch.set_num_threads(1)
