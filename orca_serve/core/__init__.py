@@ -7,5 +7,6 @@
 - `pooling`: per-slot device memory, the per-step staging copy, readback and event fence;
 - `registry`: a tracked request and the store of results (TTL, max count);
 - `stopping`: forced-token plans of the policies and the budget guard;
-- `deployment`: a bundle made ready for an engine (one per request, for hot reload).
+- `deployment`: a bundle made ready for an engine (one per request, for hot reload);
+- `speculation`: accepted draft tokens fed through the core (speculative decoding).
 """
