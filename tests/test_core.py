@@ -23,7 +23,8 @@ from orca_method.probe import Probe, ProbeSpec
 from orca_method.procedure import replay
 from orca_method.steps import CLOSE, MERGE, NONE, STEP, STEP_PREV, Segmenter
 from orca_serve.contract import XARG_BUNDLE, XARG_KEY, XARG_LAM
-from orca_serve.core.engine import OrcaCore, open_reasoning_tokens
+from orca_serve.core.engine import OrcaCore
+from orca_serve.core.registry import open_reasoning_tokens
 from tests.bundles import tiny_bundle, write_bundle
 
 DIM = 16

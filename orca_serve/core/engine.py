@@ -12,7 +12,8 @@ its token at position n - 1) and the logits ([rows, vocab], changed in place).
   forced tokens) into one typed `StepPlan`; `plan.apply_readback`: decisions back to requests;
 - `device_step.DeviceStep`: the device half, on preallocated memory (one staging copy in, one
   readback out, reused events);
-- `deployment.Deployments`: the live bundles (hot reload).
+- `deployment.Deployments`: the live bundles (hot reload);
+- `admission.Admission`: which requests are tracked and the `Request` a new one becomes.
 
 A request whose step completes now and whose probe says "stop" gets its first forced token in
 this very step, decided on the device. The step's readback (scores, stop flags) is read on the
@@ -39,22 +40,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from orca_method.steps import Segmenter
 from orca_serve.contract import (
     DEFAULTS,
     MAX_RESULTS,
     RESULT_TTL_S,
-    XARG_BUNDLE,
-    XARG_ENABLED,
-    XARG_RECORD,
-    child_key,
-    request_spec,
 )
+from orca_serve.core.admission import Admission
 from orca_serve.core.deployment import Deployment, Deployments
 from orca_serve.core.device_step import DeviceStep
 from orca_serve.core.plan import Entry, StepPlan, apply_readback, plan_step
-from orca_serve.core.registry import Request, Results, open_reasoning_tokens
-from orca_serve.core.stopping import guard_position
+from orca_serve.core.registry import Request, Results
 from orca_serve.core.table import RequestTable
 
 log = logging.getLogger("orca_serve.core")
@@ -63,20 +58,17 @@ log = logging.getLogger("orca_serve.core")
 class OrcaCore:
     """Requests, slots, pooling, probe and stops of one engine (see module docstring)."""
 
-    MAX_LOGGED_NOTES = 64  # clients choose deltas: the set of logged notes stays bounded
-
     def __init__(self, cfg: Mapping[str, Any], tokenizer: Any, *, hidden_size: int,
                  model_name: str, eos_ids: set[int], default_eos: int | None,
                  max_num_seqs: int, device: torch.device, pin_memory: bool = False) -> None:
         device = torch.device(device)
-        self.record_default = bool(cfg.get("record", False))
-        self._logged_notes: set[str] = set()  # request notes the log has shown (a fallback delta)
-        self.defaults = {**DEFAULTS, **(cfg.get("defaults") or {})}
-        self.default_eos = default_eos
         self.capacity = 2 * max(1, int(max_num_seqs))  # preempted requests keep their slot
         self.deployments = Deployments(cfg, tokenizer, hidden_size=hidden_size,
                                        model_name=model_name, eos_ids=set(eos_ids),
                                        capacity=self.capacity, device=device)
+        self.admission = Admission(self.deployments, {**DEFAULTS, **(cfg.get("defaults") or {})},
+                                   record_default=bool(cfg.get("record", False)),
+                                   default_eos=default_eos)
         self.normalization = self.dep.normalization
         self.device_step = DeviceStep(self.capacity, hidden_size, device, pin_memory,
                                       self.normalization)
@@ -97,6 +89,10 @@ class OrcaCore:
     @property
     def deps(self) -> dict[str | None, Deployment]:
         return self.deployments.live
+
+    @property
+    def record_default(self) -> bool:
+        return self.admission.record_default
 
     @property
     def live(self) -> dict[str, Request]:
@@ -126,13 +122,7 @@ class OrcaCore:
 
     # -- joining and leaving --------------------------------------------------------------------
     def wants(self, xa: Mapping[str, Any] | None) -> bool:
-        """Whether a request with these extra_args is tracked at all."""
-        xa = xa or {}
-        if int(xa.get(XARG_RECORD, self.record_default)):
-            return True
-        if not int(xa.get(XARG_ENABLED, self.defaults["enabled"])):
-            return False
-        return XARG_BUNDLE in xa or self.dep.bank is not None
+        return self.admission.wants(xa)
 
     def join(self, ident: str, xa: Mapping[str, Any] | None, *, prompt: Sequence[int] | None,
              n_out: int, index: int, max_tokens: int | None, eos: int | None,
@@ -153,9 +143,9 @@ class OrcaCore:
             return self.table.resume(req, n_out)
         if not self.wants(xa):
             return None
-        req = self._new_request(ident, xa or {}, prompt=prompt, n_out=n_out, index=index,
-                                max_tokens=max_tokens, eos=eos, ignore_eos=ignore_eos,
-                                structured=structured)
+        req = self.admission.new_request(ident, xa or {}, prompt=prompt, n_out=n_out,
+                                         index=index, max_tokens=max_tokens, eos=eos,
+                                         ignore_eos=ignore_eos, structured=structured)
         req.handle = handle
         if req.record:
             req.prompt = None if prompt is None else [int(t) for t in prompt]
@@ -164,57 +154,6 @@ class OrcaCore:
             log.error("orca: no free slot for %s; not tracked", ident)
             return None
         return req
-
-    def _new_request(self, ident: str, xa: Mapping[str, Any], *, prompt: Sequence[int] | None,
-                     n_out: int, index: int, max_tokens: int | None, eos: int | None,
-                     ignore_eos: bool, structured: bool) -> Request:
-        """A request's settings, deployment, policy (downgraded where forcing cannot work)."""
-        want = xa.get(XARG_BUNDLE)
-        dep = self.dep if want is None else self.deployments.get(str(want))
-        missing = dep is None
-        if missing:  # its lambda* belongs to a probe this engine no longer has: no early stop
-            dep = self.dep
-        spec = request_spec(xa, self.defaults, record=self.record_default,
-                            lam_of=None if missing else dep.lam_of,
-                            default_delta=None if missing else dep.default_delta)
-        self._log_fallback(spec.notes, ident)
-        policy, notes = spec.policy, []
-        if policy == "stop" and ignore_eos:
-            notes.append("policy stop under ignore_eos: a forced EOS would not end the request, "
-                         "so it runs as shadow")
-            policy = "shadow"
-        if policy != "shadow" and structured:
-            notes.append("structured output: forcing tokens would break the grammar, so it runs "
-                         "as shadow")
-            policy = "shadow"
-        req = Request(ident, spec, dep, Segmenter(dep.table, prompt, keep_ids=spec.record),
-                      index=index, key=None if spec.key is None else child_key(spec.key, index,
-                                                                                spec.n),
-                      policy=policy, max_tokens=max_tokens,
-                      eos=self.default_eos if eos is None else eos, ignore_eos=ignore_eos,
-                      n_out=n_out)
-        req.prompt_reasoning = open_reasoning_tokens(dep.table, prompt)
-        if missing:
-            req.bundle_checksum = None
-            req.fail(f"bundle {want} is not loaded in this engine (replaced before the request "
-                     "started); it ran without early stopping")
-        req.notes += notes
-        if n_out:
-            req.notes.append(f"joined with {n_out} generated tokens; those are not pooled")
-        if spec.enabled:
-            req.guard_pos = guard_position(policy, max_tokens=max_tokens, reserve=spec.reserve,
-                                           force_len=len(dep.force_ids),
-                                           answer_budget=spec.answer_budget)
-        return req
-
-    def _log_fallback(self, notes: tuple[str, ...], ident: str) -> None:
-        """A delta outside the bundle's table (a request without the server's orca_lam, e.g. on a
-        stock vLLM server, which cannot refuse it) runs with the default delta: say so in the log,
-        once per distinct note, since no response can carry it there."""
-        for note in notes:
-            if note not in self._logged_notes and len(self._logged_notes) < self.MAX_LOGGED_NOTES:
-                self._logged_notes.add(note)
-                log.warning("orca request %s: %s (logged once per delta)", ident, note)
 
     def leave(self, req: Request, final: bool) -> None:
         """A request left the batch: for good (`final`), or for a while (preempted)."""

@@ -1,0 +1,94 @@
+"""Admission: which requests the core tracks, and the Request a new one becomes (its settings,
+deployment and policy, downgraded where forcing cannot work).
+
+Kept out of `OrcaCore` (engine.py), which composes the parts; nothing here touches the device.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from orca_method.steps import Segmenter
+from orca_serve.contract import XARG_BUNDLE, XARG_ENABLED, XARG_RECORD, child_key, request_spec
+from orca_serve.core.deployment import Deployments
+from orca_serve.core.registry import Request, open_reasoning_tokens
+from orca_serve.core.stopping import guard_position
+
+log = logging.getLogger("orca_serve.core")
+
+
+class Admission:
+    """The engine's request defaults and the rule that turns extra_args into a `Request`."""
+
+    MAX_LOGGED_NOTES = 64  # clients choose deltas: the set of logged notes stays bounded
+
+    def __init__(self, deployments: Deployments, defaults: Mapping[str, Any], *,
+                 record_default: bool, default_eos: int | None) -> None:
+        self.deployments = deployments
+        self.defaults = dict(defaults)
+        self.record_default = record_default
+        self.default_eos = default_eos
+        self._logged_notes: set[str] = set()  # request notes the log has shown (a fallback delta)
+
+    def wants(self, xa: Mapping[str, Any] | None) -> bool:
+        """Whether a request with these extra_args is tracked at all."""
+        xa = xa or {}
+        if int(xa.get(XARG_RECORD, self.record_default)):
+            return True
+        if not int(xa.get(XARG_ENABLED, self.defaults["enabled"])):
+            return False
+        return XARG_BUNDLE in xa or self.deployments.current.bank is not None
+
+    def new_request(self, ident: str, xa: Mapping[str, Any], *, prompt: Sequence[int] | None,
+                    n_out: int, index: int, max_tokens: int | None, eos: int | None,
+                    ignore_eos: bool, structured: bool) -> Request:
+        """A request's settings, deployment, policy (downgraded where forcing cannot work)."""
+        want = xa.get(XARG_BUNDLE)
+        dep = self.deployments.current if want is None else self.deployments.get(str(want))
+        missing = dep is None
+        if missing:  # its lambda* belongs to a probe this engine no longer has: no early stop
+            dep = self.deployments.current
+        spec = request_spec(xa, self.defaults, record=self.record_default,
+                            lam_of=None if missing else dep.lam_of,
+                            default_delta=None if missing else dep.default_delta)
+        self._log_fallback(spec.notes, ident)
+        policy, notes = spec.policy, []
+        if policy == "stop" and ignore_eos:
+            notes.append("policy stop under ignore_eos: a forced EOS would not end the request, "
+                         "so it runs as shadow")
+            policy = "shadow"
+        if policy != "shadow" and structured:
+            notes.append("structured output: forcing tokens would break the grammar, so it runs "
+                         "as shadow")
+            policy = "shadow"
+        req = Request(ident, spec, dep, Segmenter(dep.table, prompt, keep_ids=spec.record),
+                      index=index, key=None if spec.key is None else child_key(spec.key, index,
+                                                                                spec.n),
+                      policy=policy, max_tokens=max_tokens,
+                      eos=self.default_eos if eos is None else eos, ignore_eos=ignore_eos,
+                      n_out=n_out)
+        req.prompt_reasoning = open_reasoning_tokens(dep.table, prompt)
+        if missing:
+            req.bundle_checksum = None
+            req.fail(f"bundle {want} is not loaded in this engine (replaced before the request "
+                     "started); it ran without early stopping")
+        req.notes += notes
+        if n_out:
+            req.notes.append(f"joined with {n_out} generated tokens; those are not pooled")
+        if spec.enabled:
+            req.guard_pos = guard_position(policy, max_tokens=max_tokens, reserve=spec.reserve,
+                                           force_len=len(dep.force_ids),
+                                           answer_budget=spec.answer_budget)
+        return req
+
+    def _log_fallback(self, notes: tuple[str, ...], ident: str) -> None:
+        """A delta outside the bundle's table (a request without the server's orca_lam, e.g. on a
+        stock vLLM server, which cannot refuse it) runs with the default delta: say so in the log,
+        once per distinct note, since no response can carry it there."""
+        for note in notes:
+            if note not in self._logged_notes and len(self._logged_notes) < self.MAX_LOGGED_NOTES:
+                self._logged_notes.add(note)
+                log.warning("orca request %s: %s (logged once per delta)", ident, note)
+
