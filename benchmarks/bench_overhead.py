@@ -74,7 +74,7 @@ def prepare_models(names: list[str]) -> dict[str, dict[str, str]]:
     sys.path.insert(0, str(ROOT))  # the tests package's helpers
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from orca_method.bundle import ModelIdentity, ThinkTags, load_bundle, save_bundle
-    from tests.test_server import make_bundle  # the tests' bundle helper
+    from tests.bundles import make_bundle  # the tests' bundle helper
     from tests.tiny_model import HIDDEN, build_tiny_model
 
     CACHE.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,8 @@ from orca_method.bundle import (
     tokenizer_fingerprint,
 )
 from orca_method.ltt import binomial_pvalues
-from orca_method.probe import Probe
+from orca_method.probe import Probe, ProbeSpec
+from tests.tiny_model import HIDDEN
 
 
 def tiny_bundle(probe: Probe, rows: Iterable[tuple[float, float | None]], *,
@@ -65,3 +66,32 @@ def write_bundle(bundle: Bundle, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     save_bundle(bundle, path)
     return path
+
+
+# The live-server tests' table: delta -> lambda* (0.2 stops at once with bias 3, 0.1 only near
+# 1, 0.05 never).
+DELTAS = {0.05: None, 0.1: 0.99, 0.2: 0.5}
+
+
+def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: float = 3.0) -> Path:
+    """The tiny model's bundle with lambda* from DELTAS and a constant probe bias (scores sit
+    near sigmoid(bias) whatever the hidden state, so which deltas stop is known)."""
+    from transformers import AutoTokenizer
+
+    probe = Probe(ProbeSpec(dim=hidden), seed=0)
+    probe.params["b"].data.fill_(bias)
+    vocab = AutoTokenizer.from_pretrained(str(model_dir)).get_vocab()
+    return write_bundle(tiny_bundle(probe, DELTAS.items(), vocab=vocab, window=3,
+                                    name=model_dir.name,
+                                    default_delta=0.2, provenance={"test": "test_server"}),
+                        path)
+
+
+# A four-token vocabulary and an 8-wide probe: bundles for the loader's and checks' unit tests.
+SMALL_VOCAB = {"a": 0, "b": 1, "<think>": 2, "</think>": 3}
+
+
+def small_bundle(dim: int = 8, spec: ProbeSpec | None = None) -> Bundle:
+    """A valid bundle (delta 0.05 never stops, 0.1 at lambda 0.8) for unit tests, no model."""
+    return tiny_bundle(Probe(spec or ProbeSpec(dim=dim), seed=0), [(0.05, None), (0.1, 0.8)],
+                       vocab=SMALL_VOCAB, default_delta=0.1)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.core_sim import sim_bundle
 from tests.tiny_model import build_tiny_model
 
 
@@ -25,3 +26,20 @@ def tok(model):
 
     return AutoTokenizer.from_pretrained(model)
 
+
+# The simulated engine's bundles (tests/core_sim.py), module-scoped like the engines using them.
+@pytest.fixture(scope="module")
+def bundle_path(tmp_path_factory):
+    return sim_bundle(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def other_bundle_path(tmp_path_factory):
+    """Another probe for the same model (hot reload): other scores, another checksum."""
+    return sim_bundle(tmp_path_factory, seed=7)
+
+
+@pytest.fixture(scope="module")
+def keyword_bundle_path(tmp_path_factory):
+    """Steps open at sections with the keyword "x" (sections merge, steps end one late)."""
+    return sim_bundle(tmp_path_factory, keywords=["x"])

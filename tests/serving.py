@@ -77,3 +77,26 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self._f.close()
+
+
+# The tiny model's server options and a question, shared by the live-server tests.
+COMMON = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
+          "--reasoning-parser", "deepseek_r1", "--seed", "0", "--disable-uvicorn-access-log"]
+MSG = [{"role": "user", "content": "Find x with 3*x + 2 = 11."}]
+
+
+def orca_of(resp) -> dict:
+    """The `orca` object of an openai-client response (fails the test when it is missing)."""
+    extra = resp.model_extra or {}
+    assert "orca" in extra, f"no orca object in {resp}"
+    return extra["orca"]
+
+
+_MODELS: dict[str, str] = {}
+
+
+def server_model(server: Server) -> str:
+    """The id the server serves its model under (asked once per server)."""
+    if server.url not in _MODELS:
+        _MODELS[server.url] = server.client().models.list().data[0].id
+    return _MODELS[server.url]

@@ -28,7 +28,7 @@ from orca_serve.audit.live import LiveAudit
 from orca_serve.audit.options import AuditConfig
 from orca_serve.requests import OrcaDefaults, resolve
 from tests.audit_simulation import hardest_null, shift_delays
-from tests.test_bundle import make_bundle
+from tests.bundles import small_bundle
 
 
 def _tolerance(rate: float, n: int) -> float:
@@ -319,14 +319,14 @@ def test_monitor_state_round_trips(reference):
 
 
 def test_bundle_reference_is_optional_and_checked(tmp_path, reference):
-    old = make_bundle().model_dump()
+    old = small_bundle().model_dump()
     del old["drift"]  # a bundle written before the field existed, sealed as it was then
     old["checksum"] = _checksum(old)
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert load_bundle(tmp_path / "old.json").drift is None
     assert DriftMonitor.from_bundle(load_bundle(tmp_path / "old.json")) is None
 
-    new = save_bundle(make_bundle().model_copy(update={"drift": reference}), tmp_path / "b.json")
+    new = save_bundle(small_bundle().model_copy(update={"drift": reference}), tmp_path / "b.json")
     loaded = load_bundle(tmp_path / "b.json")
     assert loaded == new and loaded.drift == reference
     assert DriftMonitor.from_bundle(loaded).reference == reference

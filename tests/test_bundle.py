@@ -25,14 +25,7 @@ from orca_method.bundle import (
 )
 from orca_method.bundle_checks import check_semantics
 from orca_method.probe import Probe, ProbeSpec
-from tests.bundles import tiny_bundle
-
-VOCAB = {"a": 0, "b": 1, "<think>": 2, "</think>": 3}
-
-
-def make_bundle(dim: int = 8, spec: ProbeSpec | None = None) -> Bundle:
-    return tiny_bundle(Probe(spec or ProbeSpec(dim=dim), seed=0), [(0.05, None), (0.1, 0.8)],
-                       vocab=VOCAB, default_delta=0.1)
+from tests.bundles import SMALL_VOCAB, small_bundle
 
 
 def _rewrite(path, mutate) -> None:
@@ -44,7 +37,7 @@ def _rewrite(path, mutate) -> None:
 
 
 def test_roundtrip_and_lookup(tmp_path) -> None:
-    b = save_bundle(make_bundle(), tmp_path / "b.json")
+    b = save_bundle(small_bundle(), tmp_path / "b.json")
     loaded = load_bundle(tmp_path / "b.json")
     assert loaded == b
     assert loaded.lam(0.1) == 0.8 and loaded.lam(0.05) == float("inf")
@@ -55,7 +48,7 @@ def test_roundtrip_and_lookup(tmp_path) -> None:
 
 def test_every_variant_roundtrips(tmp_path) -> None:
     spec = ProbeSpec(dim=8, kind="qk", d_h=4, norm="ln", eta_mode="input")
-    save_bundle(make_bundle(spec=spec), tmp_path / "b.json")
+    save_bundle(small_bundle(spec=spec), tmp_path / "b.json")
     probe = load_bundle(tmp_path / "b.json").load_probe()
     ref = Probe(spec, seed=0)
     for k, v in ref.params.items():
@@ -63,7 +56,7 @@ def test_every_variant_roundtrips(tmp_path) -> None:
 
 
 def test_delta_not_in_table_lists_available(tmp_path) -> None:
-    b = save_bundle(make_bundle(), tmp_path / "b.json")
+    b = save_bundle(small_bundle(), tmp_path / "b.json")
     with pytest.raises(BundleError, match="available deltas: 0.05, 0.1"):
         b.lam(0.2)
 
@@ -77,14 +70,14 @@ def test_delta_not_in_table_lists_available(tmp_path) -> None:
     (lambda d: d.update(extra_field=1), "extra_field"),
 ])
 def test_invalid_bundles_are_refused(tmp_path, mutate, message) -> None:
-    save_bundle(make_bundle(), tmp_path / "b.json")
+    save_bundle(small_bundle(), tmp_path / "b.json")
     _rewrite(tmp_path / "b.json", mutate)
     with pytest.raises(BundleError, match=message):
         load_bundle(tmp_path / "b.json")
 
 
 def test_checksum_mismatch(tmp_path) -> None:
-    save_bundle(make_bundle(), tmp_path / "b.json")
+    save_bundle(small_bundle(), tmp_path / "b.json")
     data = json.loads((tmp_path / "b.json").read_text())
     data["window"] = 3
     (tmp_path / "b.json").write_text(json.dumps(data))
@@ -99,7 +92,7 @@ def test_checksum_mismatch(tmp_path) -> None:
     ({"w": torch.zeros(8), "log_eta": torch.zeros(())}, "do not match"),
 ])
 def test_bad_weights(tmp_path, tensors, message) -> None:
-    save_bundle(make_bundle(), tmp_path / "b.json")
+    save_bundle(small_bundle(), tmp_path / "b.json")
     blob = base64.b64encode(st_save(tensors)).decode()
     _rewrite(tmp_path / "b.json", lambda d: d["probe"].update(weights=blob))
     with pytest.raises(BundleError, match=message):
@@ -115,14 +108,14 @@ def test_not_a_bundle(tmp_path) -> None:
 
 
 def test_check_model() -> None:
-    b = make_bundle()
-    check_model(b, 8, VOCAB, "tiny")
+    b = small_bundle()
+    check_model(b, 8, SMALL_VOCAB, "tiny")
     with pytest.raises(BundleError, match="hidden size 16"):
-        check_model(b, 16, VOCAB, "other")
+        check_model(b, 16, SMALL_VOCAB, "other")
     with pytest.raises(BundleError, match="tokenizer"):
-        check_model(b, 8, {**VOCAB, "c": 4}, "other")
-    assert tokenizer_fingerprint(VOCAB) == hashlib.sha256(
-        json.dumps(sorted(VOCAB.items(), key=lambda kv: kv[1])).encode()).hexdigest()
+        check_model(b, 8, {**SMALL_VOCAB, "c": 4}, "other")
+    assert tokenizer_fingerprint(SMALL_VOCAB) == hashlib.sha256(
+        json.dumps(sorted(SMALL_VOCAB.items(), key=lambda kv: kv[1])).encode()).hexdigest()
 
 
 # -- every way a bundle can be wrong is one BundleError line (issue 9) -------------------------
@@ -176,7 +169,7 @@ def _set(*path_value):
     (_set("schema_version", "2\nx"), r"schema version '2\\nx'"),  # found by the fuzzer: 2 lines
 ])
 def test_every_defect_is_one_bundle_error(tmp_path, mutate, message) -> None:
-    save_bundle(make_bundle(), tmp_path / "b.json")
+    save_bundle(small_bundle(), tmp_path / "b.json")
     _rewrite(tmp_path / "b.json", mutate)
     with pytest.raises(BundleError, match=message) as e:
         load_bundle(tmp_path / "b.json")
@@ -198,7 +191,7 @@ def test_json_a_bundle_never_holds(tmp_path, text, message) -> None:
 
 
 def test_nan_in_a_sealed_table_is_refused_not_a_crash(tmp_path) -> None:
-    save_bundle(make_bundle(), tmp_path / "b.json")
+    save_bundle(small_bundle(), tmp_path / "b.json")
     data = json.loads((tmp_path / "b.json").read_text())
     data["ltt"]["rows"][1]["risk"] = float("nan")
     (tmp_path / "b.json").write_text(json.dumps(data))  # json writes NaN
@@ -216,7 +209,7 @@ def test_unreadable_paths(tmp_path) -> None:
 
 def test_a_huge_declared_probe_is_refused_before_allocation(tmp_path) -> None:
     """dim 10^12 with matching hidden size: the weights' shapes are checked before Probe()."""
-    save_bundle(make_bundle(), tmp_path / "b.json")
+    save_bundle(small_bundle(), tmp_path / "b.json")
     _rewrite(tmp_path / "b.json", lambda d: (d["probe"]["spec"].update(dim=10**12),
                                              d["model"].update(hidden_size=10**12)))
     with pytest.raises(BundleError, match=r"shape \(8,\), expected \(1000000000000,\)"):
@@ -225,7 +218,7 @@ def test_a_huge_declared_probe_is_refused_before_allocation(tmp_path) -> None:
 
 def test_bundles_are_read_strictly_but_written_as_before(tmp_path) -> None:
     """An int where a float goes is the same number; a string or bool for a number is not."""
-    save_bundle(make_bundle(), tmp_path / "b.json")
+    save_bundle(small_bundle(), tmp_path / "b.json")
     _rewrite(tmp_path / "b.json", _set("ltt.rows.1.lam", 1))
     assert load_bundle(tmp_path / "b.json").lam(0.1) == 1.0
     _rewrite(tmp_path / "b.json", _set("ltt.n_cal", 100.0))
@@ -245,7 +238,7 @@ BAD_BUNDLES = {  # the defects of issue 9 that used to end in a traceback, and a
 def _bad_bundle(tmp_path, name: str):
     if BAD_BUNDLES[name] is None:
         return tmp_path
-    save_bundle(make_bundle(), tmp_path / "b.json")
+    save_bundle(small_bundle(), tmp_path / "b.json")
     if BAD_BUNDLES[name] == "nan":
         data = json.loads((tmp_path / "b.json").read_text())
         data["ltt"]["rows"][1]["lam"] = float("nan")

@@ -13,190 +13,30 @@ from __future__ import annotations
 import json
 import logging
 import random
-from typing import ClassVar
 
 import pytest
-import torch
 
-from orca_method.bundle import BundleError, Segmentation
-from orca_method.probe import Probe, ProbeSpec
-from orca_method.procedure import replay
-from orca_method.steps import CLOSE, MERGE, NONE, STEP, STEP_PREV, Segmenter
+from orca_method.bundle import BundleError
 from orca_serve.contract import XARG_BUNDLE, XARG_KEY, XARG_LAM
-from orca_serve.core.engine import OrcaCore
 from orca_serve.core.registry import open_reasoning_tokens
-from tests.bundles import tiny_bundle, write_bundle
-
-DIM = 16
-WINDOW = 2
-TOKENS = ["a", "b", "c", "x", ".", "\n", "\n\n", ".\n\n", "<think>", "</think>", "<eos>"]
-ID = {t: i for i, t in enumerate(TOKENS)}
-EOS = ID["<eos>"]
-PROMPT = [ID["a"], ID["<think>"]]
-FORCE = [ID["\n"], ID["</think>"], ID["\n\n"]]  # "\n</think>\n\n"
-
-
-class FakeTokenizer:
-    """The few tokenizer calls the core makes (vocabulary, per-id text, the forced text)."""
-
-    eos_token_id = EOS
-
-    def get_vocab(self) -> dict[str, int]:
-        return dict(ID)
-
-    def __len__(self) -> int:
-        return len(TOKENS)
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(TOKENS[i] for i in ids)
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        out, i = [], 0
-        while i < len(text):
-            t = max((t for t in TOKENS if text.startswith(t, i)), key=len)
-            out.append(ID[t])
-            i += len(t)
-        return out
-
-
-def _probe(seed: int = 1) -> Probe:
-    probe = Probe(ProbeSpec(dim=DIM), seed=0)
-    g = torch.Generator().manual_seed(seed)
-    probe.params["w"].data = torch.randn(DIM, generator=g) * 3
-    return probe.requires_grad_(False)
-
-
-def _bundle(tmp_path_factory, keywords=None, *, seed: int = 1, hidden: int = DIM,
-            normalization: str = "token-l2"):
-    b = tiny_bundle(_probe(seed), [(0.05, None), (0.1, 0.75)], vocab=ID, window=WINDOW,
-                    default_delta=0.1, name="fake", hidden_size=hidden,
-                    segmentation=Segmentation(keywords=keywords), normalization=normalization)
-    return write_bundle(b, tmp_path_factory.mktemp("bundle") / "bundle.json")
-
-
-@pytest.fixture(scope="module")
-def bundle_path(tmp_path_factory):
-    return _bundle(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def other_bundle_path(tmp_path_factory):
-    """Another probe for the same model (hot reload): other scores, another checksum."""
-    return _bundle(tmp_path_factory, seed=7)
-
-
-@pytest.fixture(scope="module")
-def keyword_bundle_path(tmp_path_factory):
-    """Steps open at sections with the keyword "x" (sections merge, steps end one late)."""
-    return _bundle(tmp_path_factory, keywords=["x"])
-
-
-def make_core(bundle_path, max_num_seqs: int = 8, **cfg) -> OrcaCore:
-    return OrcaCore({"bundle": str(bundle_path), **cfg}, FakeTokenizer(), hidden_size=DIM,
-                    model_name="fake", eos_ids={EOS}, default_eos=EOS,
-                    max_num_seqs=max_num_seqs, device=torch.device("cpu"))
-
-
-class SimRequest:
-    def __init__(self, name: str, rng: random.Random, *, xa: dict, max_tokens: int,
-                 join_at: int, preempt_at: int | None = None, lag_from: int | None = None):
-        self.name, self.xa, self.max_tokens, self.join_at = name, xa, max_tokens, join_at
-        self.preempt_at, self.lag_from = preempt_at, lag_from
-        body = ["a", "b", "c", "x", ".", "\n"] * 3 + ["\n\n", ".\n\n"] * 2
-        self.stream = [ID[rng.choice(body)] for _ in range(max_tokens + 8)]
-        g = torch.Generator().manual_seed(rng.randrange(1 << 30))
-        self.hidden = torch.randn(max_tokens + 8, DIM, generator=g)  # row of output position i
-        self.out: list[int] = []
-        self.req = None
-        self.done = False
-        self.back_at: int | None = None
-
-
-def run(core: OrcaCore, sims: list[SimRequest], seed: int = 0, steps: int = 400,
-        on_park=None, on_step=None) -> None:
-    """The fake engine: joins, preemptions, shuffled rows, forced or scripted next tokens.
-    `on_step(t)` runs before step t's joins (a hot reload, say)."""
-    rng = random.Random(seed)
-    batch: list[SimRequest] = []
-    for t in range(steps):
-        if on_step is not None:
-            on_step(t)
-        for s in sims:
-            if s.req is None and not s.done and t == s.join_at:
-                s.req = core.join(s.name, s.xa, prompt=PROMPT, n_out=0, index=0,
-                                  max_tokens=s.max_tokens, eos=None, ignore_eos=False,
-                                  structured=False)
-                batch.append(s)
-            if s.back_at == t:  # resumed: same identity, same output so far
-                assert core.join(s.name, s.xa, prompt=PROMPT, n_out=len(s.out), index=0,
-                                 max_tokens=s.max_tokens, eos=None, ignore_eos=False,
-                                 structured=False) is s.req
-                batch.append(s)
-                s.back_at = None
-        for s in list(batch):  # leave: finished for good, or preempted for two steps
-            if s.out and (s.out[-1] == EOS or len(s.out) >= s.max_tokens):
-                core.leave(s.req, True)
-                batch.remove(s)
-                s.done = True
-            elif s.preempt_at is not None and len(s.out) == s.preempt_at:
-                core.leave(s.req, False)
-                batch.remove(s)
-                s.preempt_at, s.back_at = None, t + 2
-                if on_park is not None:
-                    on_park()
-        if not batch and all(s.done for s in sims):
-            break
-        rng.shuffle(batch)  # rows move every step
-        entries, rows = [], []
-        for row, s in enumerate(batch):
-            n = len(s.out)
-            last = s.out[-1] if n else -1
-            if s.lag_from is not None and n >= s.lag_from:
-                last = -1  # async scheduling: the id of the last token is not known yet
-            entries.append((s.req, row, n, s.out[-2] if n > 1 else -1, last))
-            rows.append(s.hidden[n - 1] if n else torch.randn(DIM))
-        hidden = torch.stack(rows) if rows else torch.zeros(0, DIM)
-        logits = torch.zeros(len(batch), len(TOKENS))
-        core.step(entries, hidden, logits)
-        for row, s in enumerate(batch):
-            forced = torch.isfinite(logits[row])
-            tok = int(forced.nonzero()[0]) if int(forced.sum()) == 1 else s.stream[len(s.out)]
-            s.out.append(tok)
-    core.settle()
-
-
-def reference(table, sim: SimRequest, probe: Probe, n_fed: int):
-    """Offline: segment the first n_fed output tokens, mean their token-l2 rows per step, replay."""
-    seg = Segmenter(table, PROMPT)
-    a: list[int] = []
-    s: list[int] = []
-    steps: list[list[int]] = []  # positions per completed (scored) step
-    ends: list[int] = []
-    for pos in range(n_fed):
-        counted, op = seg.feed(sim.out[pos])
-        if counted:
-            s.append(pos)
-        if op == MERGE:
-            a, s = a + s, []
-        elif op in (STEP, STEP_PREV):
-            steps.append(a + s if op == STEP else a)
-            ends.append(pos)
-            a, s = ([], []) if op == STEP else (s, [])
-        elif op == CLOSE:
-            break
-        assert op in (NONE, MERGE, STEP, STEP_PREV)
-    rows = torch.nn.functional.normalize(sim.hidden, dim=-1)
-    phis = torch.stack([rows[p].mean(0) for p in steps]) if steps else torch.zeros(0, DIM)
-    (_, sm), = replay(probe, [phis], WINDOW) if steps else [(None, torch.zeros(0))]
-    return sm.tolist(), ends
-
-
-def _first_cross(sm: list[float], lam: float) -> int | None:
-    return next((t + 1 for t, v in enumerate(sm) if v >= lam), None)
-
-
-POLICY_XA = {"stop": {"orca_policy": "stop"}, "answer": {"orca_policy": "answer"},
-             "shadow": {"orca_policy": "shadow"}}
+from tests.core_sim import (
+    DIM,
+    EOS,
+    FORCE,
+    ID,
+    POLICY_XA,
+    PROMPT,
+    DeviceTensor,
+    FactoryWatch,
+    SimRequest,
+    first_cross,
+    make_core,
+    reference,
+    run,
+    sim_bundle,
+    sim_probe,
+    to_device,
+)
 
 
 @pytest.mark.parametrize(("seed", "keywords"), [(0, False), (1, False), (2, False), (3, True)])
@@ -217,7 +57,7 @@ def test_core_matches_offline_replay_with_moves_preemption_and_lag(bundle_path,
                                lag_from={4: 3, 5: 12}.get(i)))
     run(core, sims, seed)
     res = core.pop_results([s.name for s in sims])
-    table, probe = core.dep.table, _probe()
+    table, probe = core.dep.table, sim_probe()
     stops = 0
     for s in sims:
         r = res[s.name]
@@ -226,7 +66,7 @@ def test_core_matches_offline_replay_with_moves_preemption_and_lag(bundle_path,
         lagged = s.lag_from is not None and len(s.out) > s.lag_from
         sm, ends = reference(table, s, probe, len(s.out) - 1 - lagged)
         lam = float("inf") if s.name == "r7" else 0.75
-        cross = _first_cross(sm, lam)
+        cross = first_cross(sm, lam)
         n_scored = r["steps_scored"]
         assert r["scores"] == pytest.approx(sm[:n_scored], abs=1e-5), s.name
         if policy == "shadow":
@@ -313,82 +153,6 @@ def test_parked_requests_are_evicted_into_snapshots_when_slots_run_out(bundle_pa
     assert got["steps_scored"] == ref["steps_scored"] > 0
 
 
-# -- no host-device synchronisation in the step -----------------------------------------------------
-class DeviceTensor(torch.Tensor):
-    """A CPU tensor that plays a device tensor: every way of reading it on the host, and every
-    host tensor that flows into it, is counted in `DeviceTensor.log`."""
-
-    log: ClassVar[list[str]] = []
-    D2H: ClassVar[set] = {torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.item,
-           torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
-           torch.Tensor.__index__}
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in cls.D2H:
-            cls.log.append(f"d2h {func.__name__}")
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        if func is torch.Tensor.to and ("cpu" in args[1:] or kwargs.get("device") == "cpu"):
-            cls.log.append("d2h to('cpu')")
-        if func is torch.Tensor.copy_:
-            dst, src = args[0], args[1]
-            if not isinstance(dst, DeviceTensor) and isinstance(src, DeviceTensor):
-                cls.log.append("d2h copy_")
-            elif isinstance(dst, DeviceTensor) and not isinstance(src, DeviceTensor):
-                cls.log.append("h2d copy_")
-        elif any(type(a) is torch.Tensor and a.numel() > 1 for a in _flat(args, kwargs)):
-            cls.log.append(f"h2d operand of {getattr(func, '__name__', func)}")
-        return super().__torch_function__(func, types, args, kwargs)
-
-
-def _flat(args, kwargs):
-    for a in list(args) + list(kwargs.values()):
-        if isinstance(a, (list, tuple)):
-            yield from a
-        else:
-            yield a
-
-
-class FactoryWatch(torch.overrides.TorchFunctionMode):
-    """Counts tensors built from host data straight onto a device (`torch.tensor(list,
-    device=...)`), which copy synchronously from pageable memory. Tensors made on the device
-    from nothing (`torch.zeros(n, device=...)`) are device tensors: no copy."""
-
-    MADE_ON_DEVICE: ClassVar[set] = {torch.zeros, torch.ones, torch.full, torch.empty}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None:
-            DeviceTensor.log.append(f"h2d {func.__name__}(..., device=)")
-        out = func(*args, **kwargs)
-        if func in self.MADE_ON_DEVICE and kwargs.get("device") is not None:
-            out = out.as_subclass(DeviceTensor)
-        return out
-
-
-def _to_device(obj) -> None:
-    """Turn the core's device tensors into DeviceTensors (host staging buffers stay host)."""
-    def conv(t):
-        return t.as_subclass(DeviceTensor) if type(t) is torch.Tensor else t
-
-    pool = obj.pool
-    pool.A, pool.S, pool.lag = conv(pool.A), conv(pool.S), conv(pool.lag)
-    staging = obj.device_step.staging
-    staging.copy = True  # a real device needs the staging copy (a CPU one skips it)
-    staging._dev = conv(staging._dev)
-    for dep in obj.deps.values():
-        bank = dep.bank
-        bank._fast = {k: conv(v) for k, v in bank._fast.items()}
-        bank._buf = {k: conv(v) for k, v in bank._buf.items()}
-        bank._scratch = conv(bank._scratch)
-        # the probe's weights live on the device too (a plain dict: a ParameterDict keeps
-        # Parameters)
-        bank.probe.__dict__["params"] = {k: v.detach().as_subclass(DeviceTensor)
-                                         for k, v in bank.probe.params.items()}
-
-
 @pytest.mark.parametrize("two_deployments", [False, True])
 def test_engine_step_makes_at_most_one_device_to_host_copy(bundle_path, other_bundle_path,
                                                             two_deployments):
@@ -398,7 +162,7 @@ def test_engine_step_makes_at_most_one_device_to_host_copy(bundle_path, other_bu
     With two deployments live (hot reload), half the requests score through each bank."""
     core = make_core(bundle_path, max_num_seqs=4)
     other = core.load_bundle(str(other_bundle_path)).checksum if two_deployments else None
-    _to_device(core)
+    to_device(core)
     rng = random.Random(3)
     sims = [SimRequest(f"r{i}", rng, xa={XARG_KEY: f"r{i}", "orca_policy": p,
                                          **({XARG_BUNDLE: other} if other and i % 2 else {})},
@@ -468,7 +232,7 @@ def test_hot_reload_mixes_deployments_in_one_step_and_frees_the_old_one(bundle_p
     assert seen["deps"][reload_at - 1] == 1 and 2 in seen["deps"][reload_at:]
     assert list(core.deps) == [new]  # the old one went with its last request
     res = core.pop_results([s.name for s in sims])
-    probes = {old: _probe(1), new: _probe(7)}
+    probes = {old: sim_probe(1), new: sim_probe(7)}
     for i, s in enumerate(sims):
         r = res[s.name]
         assert "error" not in r, r.get("error")
@@ -487,17 +251,17 @@ def test_hot_reload_mixes_deployments_in_one_step_and_frees_the_old_one(bundle_p
 def test_refused_bundles_leave_the_running_deployment(bundle_path, tmp_path_factory):
     core = make_core(bundle_path)
     before = dict(core.deps)
-    wrong_model = _bundle(tmp_path_factory, seed=3, hidden=DIM + 1)
+    wrong_model = sim_bundle(tmp_path_factory, seed=3, hidden=DIM + 1)
     with pytest.raises(BundleError, match="hidden size"):
         core.load_bundle(str(wrong_model))
     edited = tmp_path_factory.mktemp("edited") / "bundle.json"
-    data = json.loads(other := _bundle(tmp_path_factory, seed=4).read_text())
+    data = json.loads(other := sim_bundle(tmp_path_factory, seed=4).read_text())
     data["window"] += 1
     edited.write_text(json.dumps(data))
     with pytest.raises(BundleError, match="checksum"):
         core.load_bundle(str(edited))
     with pytest.raises(BundleError, match="normalises"):
-        core.load_bundle(str(_bundle(tmp_path_factory, seed=5, normalization="step-l2")))
+        core.load_bundle(str(sim_bundle(tmp_path_factory, seed=5, normalization="step-l2")))
     with pytest.raises(BundleError, match="not loaded"):
         core.use_bundle("0" * 64)
     assert core.deps == before and core.dep is before[core.dep.checksum]

@@ -24,8 +24,8 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-from tests.serving import Server, orca_serve_cmd
-from tests.test_server import COMMON, MSG, make_bundle
+from tests.bundles import make_bundle
+from tests.serving import COMMON, MSG, Server, orca_serve_cmd
 from tests.tiny_model import HIDDEN, build_tiny_model
 
 KEY_ENV = "ORCA_TEST_ADMIN_KEY"

@@ -43,7 +43,7 @@ from orca_serve.vllm_plugin.config import PROCESSOR_FQCN
 from orca_serve.vllm_plugin.mrv2 import OrcaMRV2LogitsProcessor
 from orca_serve.vllm_plugin.processor import OrcaLogitsProcessor
 from orca_serve.vllm_plugin.worker import OrcaWorkerExtension
-from tests.test_core import (
+from tests.core_sim import (
     DIM,
     EOS,
     FORCE,
@@ -53,13 +53,13 @@ from tests.test_core import (
     FactoryWatch,
     FakeTokenizer,
     SimRequest,
-    _bundle,
-    _first_cross,
-    _probe,
-    _to_device,
+    first_cross,
     make_core,
     reference,
     run,
+    sim_bundle,
+    sim_probe,
+    to_device,
 )
 
 P = len(PROMPT)
@@ -67,7 +67,7 @@ P = len(PROMPT)
 
 @pytest.fixture(scope="module")
 def bundle_path(tmp_path_factory):
-    return _bundle(tmp_path_factory)
+    return sim_bundle(tmp_path_factory)
 
 
 @pytest.fixture(autouse=True)
@@ -250,7 +250,7 @@ def test_mrv2_matches_replay_and_the_v1_way_with_joins_reorders_and_preemption(b
     core = make_core(bundle_path, max_num_seqs=4)
     run(core, v1_sims, seed)
     v1 = core.pop_results([s.name for s in v1_sims])
-    table, probe = core.dep.table, _probe()
+    table, probe = core.dep.table, sim_probe()
     stops = 0
     for s, s1 in zip(sims, v1_sims, strict=True):
         r, r1 = res[s.name], v1[s.name]
@@ -265,7 +265,7 @@ def test_mrv2_matches_replay_and_the_v1_way_with_joins_reorders_and_preemption(b
         k = min(n_scored, r1["steps_scored"])
         assert r["scores"][:k] == pytest.approx(r1["scores"][:k], abs=1e-5)
         assert r["forced_tokens"] == r1["forced_tokens"]
-        cross = _first_cross(sm, float("inf") if s.name == "r7" else 0.75)
+        cross = first_cross(sm, float("inf") if s.name == "r7" else 0.75)
         if policy == "shadow":
             assert r["would_stop_step"] == cross and r["forced_tokens"] == []
             continue
@@ -302,7 +302,7 @@ def test_n_children_get_their_own_results(bundle_path):
         s.params = params
     run_mrv2(runner, sims, 7)
     res = runner.proc.pop_results(["p", "p/1"])
-    table, probe = runner.proc.core.dep.table, _probe()
+    table, probe = runner.proc.core.dep.table, sim_probe()
     for s, key, index in zip(sims, ["p", "p/1"], [0, 1], strict=True):
         sm, _ = reference(table, s, probe, len(s.out) - 2)
         assert res[key]["index"] == index
@@ -315,7 +315,7 @@ def test_mrv2_apply_never_waits_for_the_device(bundle_path):
     of a device value, one host-to-device copy at most (the core's staging) and at most two
     non_blocking device-to-host copies (the core's readback and the fed token ids)."""
     runner = FakeRunner(vllm_config(bundle_path, 8), max_num_reqs=8)
-    _to_device(runner.proc.core)
+    to_device(runner.proc.core)
     sims = make_sims(3, n=4)
     per_step: list[list[str]] = []
     run_mrv2(runner, sims, 3, device_like=True, per_step=per_step)

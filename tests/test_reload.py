@@ -26,7 +26,7 @@ from orca_serve.reload import AdminMiddleware, Reloader, ReloadRefused
 from orca_serve.requests import OrcaDefaults, resolve
 from orca_serve.server import OrcaState
 from orca_serve.vllm_plugin.worker import OrcaWorkerExtension
-from tests.test_core import PROMPT, _bundle, make_core
+from tests.core_sim import PROMPT, make_core, sim_bundle
 
 
 class Proc:
@@ -58,8 +58,8 @@ class Worker(OrcaWorkerExtension):
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
-    return {"a": _bundle(tmp_path_factory, seed=1), "b": _bundle(tmp_path_factory, seed=7),
-            "wrong": _bundle(tmp_path_factory, seed=2, hidden=17)}
+    return {"a": sim_bundle(tmp_path_factory, seed=1), "b": sim_bundle(tmp_path_factory, seed=7),
+            "wrong": sim_bundle(tmp_path_factory, seed=2, hidden=17)}
 
 
 def setup(paths, refuse=()):

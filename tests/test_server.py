@@ -17,7 +17,6 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -26,29 +25,18 @@ pytestmark = pytest.mark.vllm
 
 import openai
 
-from orca_method.probe import Probe, ProbeSpec
-from tests.bundles import tiny_bundle, write_bundle
-from tests.serving import Server, free_port, orca_serve_cmd, server_env
+from tests.bundles import DELTAS, make_bundle
+from tests.serving import (
+    COMMON,
+    MSG,
+    Server,
+    free_port,
+    orca_of,
+    orca_serve_cmd,
+    server_env,
+    server_model,
+)
 from tests.tiny_model import HIDDEN, build_tiny_model
-
-DELTAS = {0.05: None, 0.1: 0.99, 0.2: 0.5}
-COMMON = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
-          "--reasoning-parser", "deepseek_r1", "--seed", "0", "--disable-uvicorn-access-log"]
-MSG = [{"role": "user", "content": "Find x with 3*x + 2 = 11."}]
-
-
-def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: float = 3.0) -> Path:
-    """The tiny model's bundle with lambda* from DELTAS and a constant probe bias (scores sit
-    near sigmoid(bias) whatever the hidden state, so which deltas stop is known)."""
-    from transformers import AutoTokenizer
-
-    probe = Probe(ProbeSpec(dim=hidden), seed=0)
-    probe.params["b"].data.fill_(bias)
-    vocab = AutoTokenizer.from_pretrained(str(model_dir)).get_vocab()
-    return write_bundle(tiny_bundle(probe, DELTAS.items(), vocab=vocab, window=3,
-                                    name=model_dir.name,
-                                    default_delta=0.2, provenance={"test": "test_server"}),
-                        path)
 
 
 @pytest.fixture(scope="module")
@@ -78,27 +66,12 @@ def srv(servers):
     return servers["orca"].wait()
 
 
-def orca_of(resp) -> dict:
-    extra = resp.model_extra or {}
-    assert "orca" in extra, f"no orca object in {resp}"
-    return extra["orca"]
-
-
 def chat(server: Server, orca: dict | None = None, **kw):
     body = {"orca": orca} if orca is not None else None
     kw.setdefault("max_tokens", 24)
     kw.setdefault("temperature", 0)
     return server.client().chat.completions.create(model=str(server_model(server)), messages=kw.pop(
         "messages", MSG), extra_body=body, **kw)
-
-
-_MODELS: dict[str, str] = {}
-
-
-def server_model(server: Server) -> str:
-    if server.url not in _MODELS:
-        _MODELS[server.url] = server.client().models.list().data[0].id
-    return _MODELS[server.url]
 
 
 # -- start-up refusals (run while the servers start) ----------------------------------------------

@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from tests.serving import Server, orca_serve_cmd
-from tests.test_server import COMMON, MSG, make_bundle, orca_of, server_model
+from tests.bundles import make_bundle
+from tests.serving import COMMON, MSG, Server, orca_of, orca_serve_cmd, server_model
 from tests.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.vllm

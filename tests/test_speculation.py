@@ -22,7 +22,7 @@ import torch
 
 from orca_serve.contract import DEFAULTS, XARG_KEY
 from orca_serve.core.speculation import DraftSteps
-from tests.test_core import (
+from tests.core_sim import (
     DIM,
     EOS,
     FORCE,
@@ -31,11 +31,10 @@ from tests.test_core import (
     PROMPT,
     TOKENS,
     SimRequest,
-    _probe,
-    bundle_path,  # noqa: F401 - the module fixture
     make_core,
     reference,
     run,
+    sim_probe,
 )
 
 WRONG = [ID["\n\n"], ID[".\n\n"], ID["a"], ID["x"]]
@@ -150,7 +149,7 @@ def test_drafts_give_the_plain_runs_steps_scores_and_stops(bundle_path, seed,  #
     assert accepted >= 50, "too few accepted drafts: the test would prove little"
     names = [s.name for s in plain_sims]
     want, got = plain.pop_results(names), spec.pop_results(names)
-    table, probe = spec.dep.table, _probe()
+    table, probe = spec.dep.table, sim_probe()
     stops = late = 0
     for a, b in zip(plain_sims, spec_sims):
         ra, rb = want[a.name], got[a.name]
