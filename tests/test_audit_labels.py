@@ -87,7 +87,8 @@ def test_the_demo_with_audits_exports_the_drift_metrics(tmp_path) -> None:
     try:
         srv.wait()
         c = srv.client()
-        c.chat.completions.create(model=c.models.list().data[0].id, max_tokens=200,
+        # max_tokens well above the toy's ~200-token traces: a length-cut audit is not labelled
+        c.chat.completions.create(model=c.models.list().data[0].id, max_tokens=800,
                                   messages=[{"role": "user", "content":
                                              "Find the integer x with 7*x + 3 = 52."}])
         deadline, text = time.time() + 120, ""
