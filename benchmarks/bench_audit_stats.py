@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests package's helpers
 
-from orca_serve.audit import ConfidenceSequence, DriftMonitor, RestartedAlarm, build_reference
+from orca_serve.live_audit import ConfidenceSequence, DriftMonitor, RestartedAlarm, build_reference
 from tests.audit_simulation import (
     EPSILON,
     bad_lambda_served,

@@ -52,7 +52,7 @@ from orca_method.answer_probes import (
 )
 from orca_method.labels import extract_forced
 from orca_method.risk import cumulative, is_counted, losses
-from orca_serve.audit.options import DEMO_ANSWER_TOKENS, DEMO_SUFFIX
+from orca_serve.live_audit.options import DEMO_ANSWER_TOKENS, DEMO_SUFFIX
 from tests.serving import Server, orca_serve_cmd
 
 ARMS = ("off", "on")

@@ -37,7 +37,7 @@ from orca_method.procedure import replay
 from orca_method.risk import is_solvable
 from orca_method.trajectories import TrajectorySet
 from orca_serve import __version__
-from orca_serve.audit.drift import build_reference
+from orca_serve.live_audit.drift import build_reference
 
 DEFAULT_DELTAS = (0.05, 0.1, 0.15, 0.2)
 GRID_SIZE = 1001

@@ -69,7 +69,7 @@ class Reloader:
         # bundle -> LiveAudit without store or metrics registration (set by the CLI)
         self.make_audit: Callable[[Bundle], Any] | None = None
         # the checks a new bundle passes, raising BundleError, returning a note to log (the CLI
-        # sets the start-up checks against the served model, orca_serve.cli.check_served)
+        # sets the start-up checks against the served model, orca_serve.serve_cli.check_served)
         self.check: Callable[[Bundle], str | None] = check_semantics
         self.inflight: Counter[str] = Counter()  # checksum -> requests resolved with it, running
         self.last: dict[str, Any] | None = None  # the last reload's outcome

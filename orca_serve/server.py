@@ -188,7 +188,7 @@ class OrcaState:
     engine_client: Any = None  # set lazily from app.state.engine_client
     fetcher: ResultFetcher | None = None
     bundle_path: str | None = None
-    audit: Any = None  # orca_serve.audit.live.LiveAudit
+    audit: Any = None  # orca_serve.live_audit.live.LiveAudit
     reloader: Reloader | None = None  # hot reload (None without a bundle)
     _app_state: Any = field(default=None, repr=False)
 
@@ -579,7 +579,7 @@ def install(app: Any, state: OrcaState) -> Any:
     """Add the orca route and middleware to a FastAPI app built by vLLM (before it serves)."""
     from starlette.middleware import Middleware
 
-    from orca_serve.audit.live import add_audit_route
+    from orca_serve.live_audit.live import add_audit_route
 
     state._app_state = app.state
     app.state.orca = state

@@ -21,9 +21,9 @@ import numpy as np
 from orca_method.ltt import calibrate, default_grid
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.risk import losses, stop_indices
-from orca_serve.audit.live import LiveAudit
-from orca_serve.audit.options import AuditConfig
-from orca_serve.audit.sequence import DEFAULT_GRID, RESTART_EVERY, RestartedAlarm
+from orca_serve.live_audit.live import LiveAudit
+from orca_serve.live_audit.options import AuditConfig
+from orca_serve.live_audit.sequence import DEFAULT_GRID, RESTART_EVERY, RestartedAlarm
 from tests.bundles import tiny_bundle
 
 

@@ -14,8 +14,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from orca_method.bundle import load_bundle
-from orca_serve.audit.live import AuditCollector, LiveAudit
-from orca_serve.audit.options import AuditConfig
+from orca_serve.live_audit.live import AuditCollector, LiveAudit
+from orca_serve.live_audit.options import AuditConfig
 
 DEMO_BUNDLE = Path(__file__).parents[1] / "orca_serve" / "demo" / "bundle.json"
 # every bundle lambda* stops at step 1 (score 1), right only at the last step: loss 1 everywhere
@@ -65,7 +65,7 @@ def test_a_mismatch_is_said_at_start_and_alarms_and_fallback_are_log_lines(caplo
         audit = _audit("consistent")
         for _ in range(40):
             audit.observe(SCORES, LABELS)
-    lines = [r for r in caplog.records if r.name == "orca_serve.audit"]
+    lines = [r for r in caplog.records if r.name == "orca_serve.live_audit"]
     alarms = [r.getMessage() for r in lines if "ALARM" in r.getMessage()]
     served = [r.getMessage() for r in lines if "now served with" in r.getMessage()]
     deltas = [f"{d:g}" for d in audit.bundle.deltas()]

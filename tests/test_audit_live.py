@@ -15,16 +15,16 @@ from scipy.stats import binomtest
 
 from orca_method.bundle import load_bundle
 from orca_method.trajectories import TrajectorySet
-from orca_serve.audit import DriftMonitor, build_reference, request_loss
-from orca_serve.audit.live import (
+from orca_serve.live_audit import DriftMonitor, build_reference, request_loss
+from orca_serve.live_audit.live import (
     AuditCollector,
     AuditSampler,
     DeltaGuard,
     LiveAudit,
     aligned_scores,
 )
-from orca_serve.audit.options import AuditConfig
-from orca_serve.audit.store import AuditStore
+from orca_serve.live_audit.options import AuditConfig
+from orca_serve.live_audit.store import AuditStore
 from orca_serve.requests import OrcaDefaults, resolve
 from orca_serve.server import orca_object
 
@@ -415,7 +415,7 @@ def bundle_lams(bundle) -> list[float]:
     (["--demo", "--orca-on-alarm", "panic"], "invalid choice"),
 ])
 def test_bad_audit_options_end_in_one_line(argv, message, capsys) -> None:
-    from orca_serve.cli import main
+    from orca_serve.serve_cli import main
 
     with pytest.raises(SystemExit) as e:
         main(argv)

@@ -23,7 +23,7 @@ from calibration.toy.tasks import write_prompts
 from orca_method.bundle import Bundle, LTTRow, load_bundle, save_bundle
 from orca_method.ltt import binomial_pvalues
 from orca_method.trajectories import TrajectorySet
-from orca_serve.audit.options import DEMO_SUFFIX
+from orca_serve.live_audit.options import DEMO_SUFFIX
 
 pytestmark = pytest.mark.vllm
 

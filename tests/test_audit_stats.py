@@ -13,7 +13,7 @@ import pytest
 
 from orca_method.bundle import BundleError, _checksum, load_bundle, save_bundle
 from orca_method.ltt import calibrate
-from orca_serve.audit import (
+from orca_serve.live_audit import (
     ConfidenceSequence,
     DriftMonitor,
     RestartedAlarm,
@@ -24,8 +24,8 @@ from orca_serve.audit import (
     request_losses,
     table_losses,
 )
-from orca_serve.audit.live import LiveAudit
-from orca_serve.audit.options import AuditConfig
+from orca_serve.live_audit.live import LiveAudit
+from orca_serve.live_audit.options import AuditConfig
 from orca_serve.requests import OrcaDefaults, resolve
 from tests.audit_simulation import hardest_null, shift_delays
 from tests.bundles import small_bundle

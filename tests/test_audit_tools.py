@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from calibration.cli import main
+from calibration.calibrate_cli import main
 from calibration.evaluate import evaluate_bundle
 from calibration.synth import generate
 from calibration.train import save_probe, train_static
@@ -156,7 +156,7 @@ def test_unfinished_audits_are_left_out_offline(world):
     server leaves it out; `stop` and records without one count."""
     from dataclasses import replace
 
-    from calibration.audit import audit_report, open_audits
+    from calibration.audit_report import audit_report, open_audits
 
     ts = open_audits(world / "in-audits")
     ts.problems[0] = replace(ts.problems[0], extra={"finish_reason": "length"})

@@ -252,7 +252,7 @@ def _bad_bundle(tmp_path, name: str):
 def test_orca_serve_refuses_a_bad_bundle_in_one_line_before_vllm(tmp_path, name) -> None:
     """The real entry point: exit 2, one line on stderr, and vLLM never imported."""
     path = _bad_bundle(tmp_path, name)
-    probe = ("import sys\nfrom orca_serve.cli import main\ntry:\n    main(sys.argv[1:])\n"
+    probe = ("import sys\nfrom orca_serve.serve_cli import main\ntry:\n    main(sys.argv[1:])\n"
              "finally:\n    print('vllm imported:', 'vllm' in sys.modules)\n")
     r = subprocess.run([sys.executable, "-c", probe, "--calib", str(path), "--model", "x"],
                        check=False, capture_output=True, text=True, timeout=120)
@@ -264,7 +264,7 @@ def test_orca_serve_refuses_a_bad_bundle_in_one_line_before_vllm(tmp_path, name)
 @pytest.mark.parametrize("name", sorted(BAD_BUNDLES))
 def test_orca_calibrate_evaluate_refuses_a_bad_bundle_in_one_line(tmp_path, capsys, name) -> None:
     """orca-calibrate's entry function (in-process: a subprocess per case costs seconds)."""
-    from calibration.cli import main
+    from calibration.calibrate_cli import main
 
     path = _bad_bundle(tmp_path, name)
     code = main(["evaluate", "--data", str(tmp_path / "none"), "--bundle", str(path)])
@@ -279,7 +279,7 @@ DEMO = Path(__file__).parents[1] / "orca_serve" / "demo"
 
 @pytest.fixture(scope="module")
 def demo_facts():
-    from orca_serve.cli import model_facts
+    from orca_serve.serve_cli import model_facts
 
     return model_facts(str(DEMO / "model"))
 
@@ -323,7 +323,7 @@ SEMANTIC = {  # resealed bad bundle -> what the one-line refusal says
 
 @pytest.mark.parametrize("name", sorted(SEMANTIC))
 def test_resealed_bad_bundles_are_refused_before_serving(tmp_path, demo_facts, name) -> None:
-    from orca_serve.cli import check_served
+    from orca_serve.serve_cli import check_served
 
     mutate, why = SEMANTIC[name]
     bundle = load_bundle(_resealed(tmp_path, mutate))  # the checksum holds: it was resealed
@@ -333,7 +333,7 @@ def test_resealed_bad_bundles_are_refused_before_serving(tmp_path, demo_facts, n
 
 
 def test_the_demo_bundle_passes_every_check(demo_facts) -> None:
-    from orca_serve.cli import check_served
+    from orca_serve.serve_cli import check_served
 
     bundle = load_bundle(DEMO / "bundle.json")
     assert check_served(bundle, demo_facts, str(DEMO / "model"),
@@ -345,7 +345,7 @@ def test_another_model_is_refused_unless_forced(tmp_path, demo_facts) -> None:
     """The model name must match --model (or its last path component) or --served-model-name;
     a bundle that names no tokenizer is refused too; --orca-force-model lets both through with
     a note, but never a different tokenizer."""
-    from orca_serve.cli import check_served
+    from orca_serve.serve_cli import check_served
 
     model = str(DEMO / "model")
     other = load_bundle(_resealed(tmp_path, lambda d: d["model"].update(name="Qwen/QwQ-32B")))
@@ -375,7 +375,7 @@ def test_orca_serve_refuses_them_in_one_line_before_vllm(tmp_path, args) -> None
     model name, and the demo bundle under another name: exit 2, one line, vLLM not imported."""
     path = (_resealed(tmp_path, SEMANTIC["lambda rises with delta"][0]) if args
             else DEMO / "bundle.json")
-    probe = ("import sys\nfrom orca_serve.cli import main\ntry:\n    main(sys.argv[1:])\n"
+    probe = ("import sys\nfrom orca_serve.serve_cli import main\ntry:\n    main(sys.argv[1:])\n"
              "finally:\n    print('vllm imported:', 'vllm' in sys.modules)\n")
     r = subprocess.run([sys.executable, "-c", probe, "--calib", str(path), "--model",
                         str(DEMO / "model"), *args],

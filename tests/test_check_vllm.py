@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from orca_serve import cli
+from orca_serve import serve_cli as cli
 from orca_serve import vllm_check as touch_points
 from orca_serve.vllm_check import check, resolve
 

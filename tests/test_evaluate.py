@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from calibration.calibrate import calibrate_bundle
-from calibration.cli import main
+from calibration.calibrate_cli import main
 from calibration.evaluate import evaluate_bundle, markdown_table
 from calibration.synth import generate
 from calibration.train import meta_train

@@ -132,7 +132,7 @@ def test_run_ends_with_the_results_table(tmp_path, monkeypatch, capsys) -> None:
     import json
 
     import calibration.collect
-    from calibration.cli import main
+    from calibration.calibrate_cli import main
 
     monkeypatch.setattr(calibration.collect, "Collector", _FakeCollector)
     (tmp_path / "p.jsonl").write_text("".join(

@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from calibration.cli import main
+from calibration.calibrate_cli import main
 from calibration.collect import _label_batch, _problem_fields
 from calibration.job import JobError, load_job
 from calibration.judge import Judge, JudgeError, JudgeSettings, parse_verdict, question_text

@@ -18,9 +18,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from orca_method.bundle import _checksum, load_bundle
-from orca_serve.audit.live import LiveAudit
-from orca_serve.audit.options import AuditConfig
 from orca_serve.contract import XARG_KEY
+from orca_serve.live_audit.live import LiveAudit
+from orca_serve.live_audit.options import AuditConfig
 from orca_serve.metrics import OrcaMetrics
 from orca_serve.reload import AdminMiddleware, Reloader, ReloadRefused
 from orca_serve.requests import OrcaDefaults, resolve

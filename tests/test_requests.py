@@ -320,7 +320,7 @@ def test_metrics_outcomes_and_engine_stats():
 
 # -- CLI refusals before vLLM is imported ------------------------------------------------------
 def test_cli_refuses_corrupt_bundle_and_unknown_delta(tmp_path, capsys):
-    from orca_serve.cli import main
+    from orca_serve.serve_cli import main
 
     p = tmp_path / "b.json"
     save_bundle(BUNDLE, p)
@@ -516,7 +516,7 @@ def test_cpu_build_keeps_prefills_whole():
 
     from vllm.platforms import current_platform
 
-    from orca_serve.cli import StartupError, keep_prefills_whole
+    from orca_serve.serve_cli import StartupError, keep_prefills_whole
 
     if not current_platform.is_cpu():
         pytest.skip("the guard applies to vLLM's CPU build only")
@@ -542,7 +542,7 @@ def test_cpu_build_keeps_prefills_whole():
 
 
 def test_demo_implies_its_reasoning_parser(tmp_path):
-    from orca_serve.cli import demo_argv
+    from orca_serve.serve_cli import demo_argv
 
     assert demo_argv(["--port", "8000"], tmp_path) == [
         "--model", str(tmp_path), "--port", "8000", "--reasoning-parser", "deepseek_r1"]

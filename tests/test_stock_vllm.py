@@ -25,8 +25,8 @@ import openai
 import pytest
 
 from orca_method.bundle import load_bundle
-from orca_serve.cli import demo_paths
 from orca_serve.demo import QUESTION
+from orca_serve.serve_cli import demo_paths
 from orca_serve.vllm_plugin.config import PROCESSOR_FQCN
 from tests.serving import Server
 

@@ -129,7 +129,7 @@ def test_bad_training_settings_are_refused(synth: TrajectorySet, bad: dict) -> N
 
 
 def test_cli_training_options(synth: TrajectorySet, tmp_path, capsys) -> None:
-    from calibration.cli import main
+    from calibration.calibrate_cli import main
     out = tmp_path / "p.safetensors"
     assert main(["train", "--data", str(synth.path), "--out", str(out), "--epochs", "2",
                  "--epoch-select", "last", "--batch-size", "8", "--lr", "0.004"]) == 0

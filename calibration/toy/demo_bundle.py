@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from orca_method.bundle import Bundle, load_bundle, save_bundle
-from orca_serve.audit.live import AUDIT_LABEL_MODE
+from orca_serve.live_audit.live import AUDIT_LABEL_MODE
 
 ROOT = Path(__file__).parents[2]
 DEMO_MODEL_NAME = "orca-toy-reasoner"

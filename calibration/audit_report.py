@@ -31,9 +31,9 @@ from calibration.calibrate import calibrate_bundle, score_split
 from orca_method.bundle import Bundle, Segmentation
 from orca_method.risk import is_counted, request_losses
 from orca_method.trajectories import TrajectorySet, split_ids
-from orca_serve.audit.attrition import incomplete
-from orca_serve.audit.drift import DRIFT_WINDOW, DriftMonitor
-from orca_serve.audit.sequence import RestartedAlarm
+from orca_serve.live_audit.attrition import incomplete
+from orca_serve.live_audit.drift import DRIFT_WINDOW, DriftMonitor
+from orca_serve.live_audit.sequence import RestartedAlarm
 
 AUDIT_DIR = re.compile(r"^audit-\d{6}$")  # the server's rotating audit directories
 
@@ -59,7 +59,7 @@ def open_audits(path: str | Path) -> TrajectorySet:
 
 def unfinished(ts: TrajectorySet) -> list[int]:
     """Positions of the audits that did not finish (cut by max_tokens, aborted): left out of
-    the risk and of recalibration, as the server leaves them out (orca_serve.audit.attrition).
+    the risk and of recalibration, as the server leaves them out (orca_serve.live_audit.attrition).
     Records without a finish_reason (written before it was kept) count as finished."""
     return [i for i, p in enumerate(ts.problems)
             if (p.extra or {}).get("finish_reason") is not None

@@ -82,7 +82,7 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Turn on POST /v1/orca/bundle (hot reload of the bundle) guarded by the "
                    "admin key in environment variable VAR (Authorization: Bearer <key>). Without "
                    "it the route does not exist; SIGHUP re-reads --calib either way.")
-    from orca_serve.audit.options import add_audit_args
+    from orca_serve.live_audit.options import add_audit_args
 
     add_audit_args(parser)
     return parser
@@ -419,7 +419,7 @@ def _main(argv: list[str]) -> None:
         if bundle.lambdas_from:
             print(f"{PROG}: note: lambda* in {bundle_path} {bundle.lambdas_from}", file=sys.stderr,
                   flush=True)
-    from orca_serve.audit.options import check_audit_args
+    from orca_serve.live_audit.options import check_audit_args
 
     try:
         check_audit_args(early, has_bundle=bundle is not None)
@@ -491,7 +491,7 @@ def _main(argv: list[str]) -> None:
     os.environ[ENV_SERVER] = "1"  # our server exports the orca metrics, not the stat logger
     state = state_from_args(args)
     if bundle is not None:
-        from orca_serve.audit.live import make_live_audit
+        from orca_serve.live_audit.live import make_live_audit
 
         try:
             state.audit = make_live_audit(args, bundle, state.metrics.registry,

@@ -7,18 +7,18 @@ exchangeable with the calibration set. This module measures the realized risk of
    server-side RNG that sees nothing of the request, so the audited requests are a uniform random
    sample of the traffic. A picked request runs with the probe in shadow (the client gets the
    full-budget answer, `"audited": true` in its `orca` object) and in record mode.
-2. **Labelling** (`orca_serve.audit.labeller`), off the request's path: finished audits wait in a
+2. **Labelling** (`orca_serve.live_audit.labeller`), off the request's path: finished audits wait in a
    bounded queue (full: the audit is dropped and counted, the response never waits) and one
    background task labels them with answer probes through the same engine, exactly as
    `orca-calibrate collect` does (orca_method/answer_probes.py), consistency labels against the
    request's own final answer. Labelled audits are appended to `--orca-audit-dir`
-   (`orca_serve.audit.store`, the trajectory format).
+   (`orca_serve.live_audit.store`, the trajectory format).
 3. **Realized risk**: for every delta of the bundle's table, an audit's loss is its recorded
    online scores replayed with that delta's bundle lambda* (stop at the first score >= lambda*,
    loss 1 when the labels say the answer there was not yet right), fed to an anytime-valid
-   confidence sequence (`orca_serve.audit`, `ConfidenceSequence`). As in calibration, audits
+   confidence sequence (`orca_serve.live_audit`, `ConfidenceSequence`). As in calibration, audits
    whose labels are all 0 (never right) are left out when the bundle excluded them; so are
-   audits that did not finish (cut by max_tokens, aborted: `orca_serve.audit.attrition`), and
+   audits that did not finish (cut by max_tokens, aborted: `orca_serve.live_audit.attrition`), and
    the table shows every such share.
 4. **The guard** (`DeltaGuard`): alarm for a delta = the lower bound of one of a family of
    confidence sequences restarted every 50 audits and kept at dyadic ages exceeds delta
@@ -60,13 +60,19 @@ from orca_method.bundle import Bundle
 from orca_method.ltt import calibrate, default_grid
 from orca_method.risk import cumulative, is_counted, request_loss
 from orca_method.thresholds import NEVER, lam_from_json, lam_to_json
-from orca_serve.audit.attrition import incomplete
-from orca_serve.audit.drift import DriftMonitor, reference_level
-from orca_serve.audit.options import ON_ALARM, AuditConfig, audit_config, audit_store, store_info
-from orca_serve.audit.sequence import RestartedAlarm
+from orca_serve.live_audit.attrition import incomplete
+from orca_serve.live_audit.drift import DriftMonitor, reference_level
+from orca_serve.live_audit.options import (
+    ON_ALARM,
+    AuditConfig,
+    audit_config,
+    audit_store,
+    store_info,
+)
+from orca_serve.live_audit.sequence import RestartedAlarm
 from orca_serve.metrics import LABEL
 
-logger = logging.getLogger("orca_serve.audit")
+logger = logging.getLogger("orca_serve.live_audit")
 
 AUDIT_PATH = "/v1/orca/audit"
 # What a live audit can label by: agreement with the request's own final answer (live traffic
@@ -89,7 +95,7 @@ class AuditSampler:
 
 
 class CS(Protocol):
-    """What the guard needs of its statistics (orca_serve.audit.RestartedAlarm): the whole
+    """What the guard needs of its statistics (orca_serve.live_audit.RestartedAlarm): the whole
     history's mean and bounds, and the alarm."""
 
     n: int
@@ -445,7 +451,7 @@ class LiveAudit:
 
     async def _process(self, job: _Job) -> None:
         if self.labeller is None:
-            from orca_serve.audit.labeller import AuditLabeller
+            from orca_serve.live_audit.labeller import AuditLabeller
 
             self.labeller = AuditLabeller(self.engine_client(), self.config.probe)
         record = await self.labeller.label(job.key, job.rec, job.result, job.finish_reason)

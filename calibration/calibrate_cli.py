@@ -148,7 +148,7 @@ def cmd_collect(a: argparse.Namespace) -> None:
 
 
 def cmd_audit_report(a: argparse.Namespace) -> None:
-    from calibration.audit import (
+    from calibration.audit_report import (
         audit_label_mode,
         audit_report,
         format_report,
@@ -168,7 +168,7 @@ def cmd_audit_report(a: argparse.Namespace) -> None:
 
 
 def cmd_recalibrate(a: argparse.Namespace) -> None:
-    from calibration.audit import audit_label_mode, open_audits, recalibrate
+    from calibration.audit_report import audit_label_mode, open_audits, recalibrate
     from orca_method.bundle import load_bundle
     bundle = load_bundle(a.bundle)
     ts = open_audits(a.audit)

@@ -1,8 +1,8 @@
 """The `orca-serve` options of live auditing and the guard, and the server state they build.
 
-Kept apart from orca_serve/cli.py, which only calls `add_audit_args`, `check_audit_args` (before
+Kept apart from orca_serve/serve_cli.py, which only calls `add_audit_args`, `check_audit_args` (before
 vLLM is imported, so a bad option fails in seconds, in one line) (the server's LiveAudit is built by
-`orca_serve.audit.live.make_live_audit`).
+`orca_serve.live_audit.live.make_live_audit`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ DEMO_ANSWER_TOKENS = 6
 
 @dataclass(frozen=True)
 class AuditConfig:
-    """What the options below configure (orca_serve/audit/live.py `LiveAudit`)."""
+    """What the options below configure (orca_serve/live_audit/live.py `LiveAudit`)."""
 
     rate: float = 0.0
     seed: int | None = None
@@ -127,7 +127,7 @@ def store_info(bundle: Any) -> dict[str, Any]:
 
 def audit_store(config: AuditConfig, bundle: Any) -> Any:
     """The rotating store of labelled audits under `config.directory`."""
-    from orca_serve.audit.store import AuditStore
+    from orca_serve.live_audit.store import AuditStore
 
     return AuditStore(config.directory, dim=bundle.model.hidden_size, per_dir=config.per_dir,
                       keep=config.keep, info=store_info(bundle))
