@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orca_method.bundle import Bundle
+from orca_serve import quiet_shutdown
 from orca_serve.apis import (
     APIS,
     CHAT_PATH,
@@ -642,8 +643,6 @@ def state_from_args(args: Any) -> OrcaState:
 def install_own_state(app: Any) -> Any:
     """`install` with a state of this process's own, from the parsed command line vLLM keeps
     in `app.state.args` (each API server process under --api-server-count N)."""
-    from orca_serve import quiet_shutdown
-
     state = state_from_args(app.state.args)
     quiet_shutdown.install(state.client)
     return install(app, state)
@@ -665,8 +664,6 @@ def run(args: Any, state: OrcaState) -> None:
     if (getattr(args, "api_server_count", None) or 1) > 1:
         launch.run_multi(args, install_own_state)
         return
-
-    from orca_serve import quiet_shutdown
 
     quiet_shutdown.install(state.client)
 

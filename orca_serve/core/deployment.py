@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from orca_method.bundle import BundleError, Segmentation, ThinkTags, check_model, load_bundle
 from orca_method.procedure import ProbeBank
 from orca_method.steps import TokenTable
 
@@ -26,8 +27,6 @@ class Deployment:
     def __init__(self, cfg: Mapping[str, Any], tokenizer: Any, *, hidden_size: int,
                  model_name: str, eos_ids: set[int], capacity: int,
                  device: torch.device) -> None:
-        from orca_method.bundle import Segmentation, ThinkTags, check_model, load_bundle
-
         self.bundle = None
         path = cfg.get("bundle")
         if path:
@@ -88,8 +87,6 @@ class Deployments:
         model): requests naming its checksum join it from now on; `use` makes it the one for
         requests naming none. Raises BundleError; the live deployments are left untouched.
         Loading a bundle that is live already returns that deployment (and un-retires it)."""
-        from orca_method.bundle import BundleError
-
         dep = Deployment({"bundle": str(path)}, self._tokenizer, **self._args)
         if dep.normalization != self.current.normalization:
             # the token rows of one step are normalised together, for every deployment
@@ -105,8 +102,6 @@ class Deployments:
 
     def use(self, checksum: str | None) -> Deployment:
         """Make a live deployment the current one (for requests that name no bundle)."""
-        from orca_method.bundle import BundleError
-
         dep = self.live.get(checksum)
         if dep is None:
             raise BundleError(f"bundle {checksum} is not loaded in this engine")
