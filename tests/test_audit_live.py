@@ -278,15 +278,22 @@ def test_unfinished_audits_are_counted_and_left_out(bundle) -> None:
     assert table["attrition"]["length"] == 0.25 and table["attrition"]["aborted"] == 0.5
 
 
-def test_drift_sees_one_choice_per_request(bundle) -> None:
-    """n > 1 choices of one prompt share its difficulty: only choice 0 reaches the test."""
-    rng = np.random.default_rng(1)
+def _drift_audit(bundle, seed: int):
+    """A drift monitor (reference: uniform scores below 0.4) on an audit that samples nothing,
+    the settings of one admitted request at delta 0.1, and the random stream that goes on."""
+    rng = np.random.default_rng(seed)
     ref = build_reference([rng.uniform(0, 0.4, 6) for _ in range(300)], k=3,
                           lambdas=bundle_lams(bundle))
     drift = DriftMonitor(ref, window=50)
     audit = LiveAudit(bundle, AuditConfig(rate=0.0), drift=drift)
     new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
     _, settings = audit.admit(new, settings)
+    return rng, drift, audit, settings
+
+
+def test_drift_sees_one_choice_per_request(bundle) -> None:
+    """n > 1 choices of one prompt share its difficulty: only choice 0 reaches the test."""
+    rng, drift, audit, settings = _drift_audit(bundle, seed=1)
     audit.finished(settings, {i: {"scores": [0.1, 0.2], "lam": None, "policy": "answer"}
                               for i in range(8)}, {i: "stop" for i in range(8)})
     assert drift.observed == 1
@@ -389,13 +396,7 @@ def test_real_confidence_sequence_alarms_on_losses_and_metrics_show_it(bundle) -
 
 def test_drift_monitor_sees_every_finished_request(bundle) -> None:
     """Scores of all requests (audited or not) reach the drift monitor; shifted ones alarm."""
-    rng = np.random.default_rng(0)
-    ref = build_reference([rng.uniform(0, 0.4, 6) for _ in range(300)], k=3,
-                          lambdas=bundle_lams(bundle))
-    drift = DriftMonitor(ref, window=50)
-    audit = LiveAudit(bundle, AuditConfig(rate=0.0), drift=drift)
-    new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
-    _, settings = audit.admit(new, settings)
+    rng, drift, audit, settings = _drift_audit(bundle, seed=0)
     for _ in range(50):
         audit.finished(settings, {0: {"scores": rng.uniform(0.6, 1.0, 5).tolist(),
                                       "lam": None, "policy": "answer"}}, {0: "stop"})
