@@ -86,6 +86,23 @@ class SimRequest:
         self.back_at: int | None = None
 
 
+def join_due(core: OrcaCore, sims: list[SimRequest], batch: list[SimRequest], t: int) -> None:
+    """The requests whose turn it is at step t enter `batch`: new ones join, preempted ones come
+    back (same identity, same output so far: `join` must return the request it had)."""
+    for s in sims:
+        if s.req is None and not s.done and t == s.join_at:
+            s.req = core.join(s.name, s.xa, prompt=PROMPT, n_out=0, index=0,
+                              max_tokens=s.max_tokens, eos=None, ignore_eos=False,
+                              structured=False)
+            batch.append(s)
+        if s.back_at == t:
+            assert core.join(s.name, s.xa, prompt=PROMPT, n_out=len(s.out), index=0,
+                             max_tokens=s.max_tokens, eos=None, ignore_eos=False,
+                             structured=False) is s.req
+            batch.append(s)
+            s.back_at = None
+
+
 def run(core: OrcaCore, sims: list[SimRequest], seed: int = 0, steps: int = 400,
         on_park=None, on_step=None) -> None:
     """The fake engine: joins, preemptions, shuffled rows, forced or scripted next tokens.
@@ -95,18 +112,7 @@ def run(core: OrcaCore, sims: list[SimRequest], seed: int = 0, steps: int = 400,
     for t in range(steps):
         if on_step is not None:
             on_step(t)
-        for s in sims:
-            if s.req is None and not s.done and t == s.join_at:
-                s.req = core.join(s.name, s.xa, prompt=PROMPT, n_out=0, index=0,
-                                  max_tokens=s.max_tokens, eos=None, ignore_eos=False,
-                                  structured=False)
-                batch.append(s)
-            if s.back_at == t:  # resumed: same identity, same output so far
-                assert core.join(s.name, s.xa, prompt=PROMPT, n_out=len(s.out), index=0,
-                                 max_tokens=s.max_tokens, eos=None, ignore_eos=False,
-                                 structured=False) is s.req
-                batch.append(s)
-                s.back_at = None
+        join_due(core, sims, batch, t)
         for s in list(batch):  # leave: finished for good, or preempted for two steps
             if s.out and (s.out[-1] == EOS or len(s.out) >= s.max_tokens):
                 core.leave(s.req, True)

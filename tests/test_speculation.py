@@ -28,9 +28,9 @@ from tests.core_sim import (
     FORCE,
     ID,
     POLICY_XA,
-    PROMPT,
     TOKENS,
     SimRequest,
+    join_due,
     make_core,
     reference,
     run,
@@ -48,18 +48,7 @@ def run_speculative(core, sims: list[SimRequest], k: int, p_right: float, seed: 
     drafts = DraftSteps(core)
     batch: list[SimRequest] = []
     for t in range(steps):
-        for s in sims:
-            if s.req is None and not s.done and t == s.join_at:
-                s.req = core.join(s.name, s.xa, prompt=PROMPT, n_out=0, index=0,
-                                  max_tokens=s.max_tokens, eos=None, ignore_eos=False,
-                                  structured=False)
-                batch.append(s)
-            if s.back_at == t:  # resumed: its drafts accepted before the preemption still count
-                assert core.join(s.name, s.xa, prompt=PROMPT, n_out=len(s.out), index=0,
-                                 max_tokens=s.max_tokens, eos=None, ignore_eos=False,
-                                 structured=False) is s.req
-                batch.append(s)
-                s.back_at = None
+        join_due(core, sims, batch, t)  # drafts accepted before a preemption still count
         for s in list(batch):
             if s.out and (s.out[-1] == EOS or len(s.out) >= s.max_tokens):
                 drafts.finish(s.req, s.out)
