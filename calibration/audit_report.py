@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from calibration.calibrate import calibrate_bundle, score_split
+from calibration.train import meta_train, train_static, training_settings
 from orca_method.bundle import Bundle, Segmentation
 from orca_method.risk import is_counted, request_losses
 from orca_method.trajectories import TrajectorySet, split_ids
@@ -188,9 +189,9 @@ def format_report(report: dict[str, Any]) -> str:
 
 def plot_report(report: dict[str, Any], out_dir: Path) -> Path:
     """Realized risk and its confidence bounds over the audits, one panel per delta."""
-    import matplotlib
+    import matplotlib  # deferred: matplotlib (only --plots draws)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: matplotlib (only --plots draws)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, hist = report["deltas"], report["history"]
@@ -287,8 +288,6 @@ def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
 def _retrain(bundle: Bundle, ts: TrajectorySet, mode: str, options: dict, *,
              seed: int) -> tuple[Any, dict[str, Any]]:
     """A probe of the bundle's variant, trained on the window's training half."""
-    from calibration.train import meta_train, train_static, training_settings
-
     spec = bundle.spec()
     if not ts.split("train"):
         raise ValueError("the audit window is too small to retrain: no training problem")

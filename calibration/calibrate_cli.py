@@ -10,11 +10,13 @@ import json
 import sys
 from pathlib import Path
 
-from calibration.collect import DEFAULT_SUFFIX
-from calibration.job import JobError
+from calibration.collect import DEFAULT_SUFFIX, Collector, CollectSettings, read_prompts
+from calibration.job import JobError, load_job, run_job
 from calibration.judge import JudgeError, JudgeSettings
 from calibration.probe_variants import PROBES
-from orca_method.trajectories import TrajectoryError
+from calibration.synth import generate
+from calibration.train_defaults import DEFAULTS, EPOCH_SELECT
+from orca_method.trajectories import TrajectoryError, TrajectorySet, import_pickle
 
 
 class UsageError(Exception):
@@ -28,12 +30,10 @@ def training_options(a: argparse.Namespace) -> dict:
 
 
 def _open(path: str, pickle_labels: str = "pessimistic"):
-    from orca_method.trajectories import TrajectorySet
     return TrajectorySet.open(path, pickle_labels=pickle_labels)
 
 
 def cmd_synth(a: argparse.Namespace) -> None:
-    from calibration.synth import generate
     out = generate(a.out, n_problems=a.problems, dim=a.dim, shift=a.shift, seed=a.seed,
                    mean_steps=a.steps, dtype=a.dtype)
     print(f"wrote {a.problems} synthetic {'shifted' if a.shift else 'in-dist'} trajectories to {out}")
@@ -48,7 +48,7 @@ def _label_mode(ts, requested: str | None) -> str:
 
 
 def cmd_train(a: argparse.Namespace) -> None:
-    from calibration.train import save_probe, train_probe
+    from calibration.train import save_probe, train_probe  # deferred: torch (not needed by --help)
     ts = _open(a.data, a.pickle_labels)
     mode = _label_mode(ts, a.label_mode)
     if not ts.split("train"):
@@ -65,8 +65,8 @@ def cmd_train(a: argparse.Namespace) -> None:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> None:
-    from calibration.calibrate import calibrate_bundle
-    from calibration.train import load_probe
+    from calibration.calibrate import calibrate_bundle  # deferred: torch (not needed by --help)
+    from calibration.train import load_probe  # deferred: torch (not needed by --help)
     ts = _open(a.data, a.pickle_labels)
     probe, meta = load_probe(Path(a.probe))
     mode = _label_mode(ts, a.label_mode or meta.get("label_mode"))
@@ -84,8 +84,8 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
 
 
 def cmd_evaluate(a: argparse.Namespace) -> None:
-    from calibration.evaluate import evaluate_bundle, markdown_table, plot_report
-    from orca_method.bundle import load_bundle
+    from calibration.evaluate import evaluate_bundle, markdown_table, plot_report  # deferred: torch
+    from orca_method.bundle import load_bundle  # deferred: torch (not needed by --help)
     bundle = load_bundle(a.bundle)
     ts = _open(a.data, a.pickle_labels)
     split = a.split
@@ -108,9 +108,9 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
 
 def cmd_compare(a: argparse.Namespace) -> None:
     """The paper's comparison rows: each probe x label mode, trained, calibrated, evaluated."""
-    from calibration.calibrate import calibrate_bundle
-    from calibration.evaluate import evaluate_bundle, markdown_table
-    from calibration.train import train_probe
+    from calibration.calibrate import calibrate_bundle  # deferred: torch (not needed by --help)
+    from calibration.evaluate import evaluate_bundle, markdown_table  # deferred: torch
+    from calibration.train import train_probe  # deferred: torch (not needed by --help)
     ts = _open(a.data)
     shifted = _open(a.shifted) if a.shifted else None
     out = Path(a.out)
@@ -134,7 +134,6 @@ def cmd_compare(a: argparse.Namespace) -> None:
 
 
 def cmd_collect(a: argparse.Namespace) -> None:
-    from calibration.collect import Collector, CollectSettings, read_prompts
     if bool(a.judge_url) != bool(a.judge_model):
         raise UsageError("--judge-url and --judge-model go together")
     judge = JudgeSettings(base_url=a.judge_url, model=a.judge_model,
@@ -148,14 +147,14 @@ def cmd_collect(a: argparse.Namespace) -> None:
 
 
 def cmd_audit_report(a: argparse.Namespace) -> None:
-    from calibration.audit_report import (
+    from calibration.audit_report import (  # deferred: torch (not needed by --help)
         audit_label_mode,
         audit_report,
         format_report,
         open_audits,
         plot_report,
     )
-    from orca_method.bundle import load_bundle
+    from orca_method.bundle import load_bundle  # deferred: torch (not needed by --help)
     bundle = load_bundle(a.bundle)
     ts = open_audits(a.audit)
     report = audit_report(bundle, ts, mode=audit_label_mode(bundle, ts, a.label_mode),
@@ -168,6 +167,7 @@ def cmd_audit_report(a: argparse.Namespace) -> None:
 
 
 def cmd_recalibrate(a: argparse.Namespace) -> None:
+    # deferred: torch (not needed by --help)
     from calibration.audit_report import audit_label_mode, open_audits, recalibrate
     from orca_method.bundle import load_bundle
     bundle = load_bundle(a.bundle)
@@ -185,7 +185,6 @@ def cmd_recalibrate(a: argparse.Namespace) -> None:
 
 def cmd_run(a: argparse.Namespace) -> None:
     """Run the job, then show what it produced: the evaluation table and the bundle."""
-    from calibration.job import load_job, run_job
     run_job(Path(a.config))
     out = Path(load_job(Path(a.config))["out"])
     table = out / "evaluation.md"
@@ -195,14 +194,13 @@ def cmd_run(a: argparse.Namespace) -> None:
 
 
 def cmd_import_pickle(a: argparse.Namespace) -> None:
-    from orca_method.trajectories import import_pickle
     import_pickle(a.pickle, a.out, dtype=a.dtype, pickle_labels=a.pickle_labels)
     print(f"wrote {a.out}")
 
 
 def cmd_import_probe(a: argparse.Namespace) -> None:
     """The authors' released probe.pt + lambdas.json -> a bundle with their serving settings."""
-    from calibration.import_probe import import_probe
+    from calibration.import_probe import import_probe  # deferred: torch (not needed by --help)
     b = import_probe(a.probe, a.lambdas, a.model, a.out, tokenizer=a.tokenizer,
                      config=a.config, window=a.window,
                      label_mode=a.label_mode, epsilon=a.epsilon, default_delta=a.default_delta,
@@ -226,7 +224,6 @@ def build_parser() -> argparse.ArgumentParser:
                        default="pessimistic", help="how block labels of a pickle become steps")
 
     def training_args(p: argparse.ArgumentParser) -> None:
-        from calibration.train import DEFAULTS, EPOCH_SELECT
         p.add_argument("--epochs", type=int, help="default 20 for no-QK, 10 for QK (the paper)")
         p.add_argument("--batch-size", type=int, help="trajectories per optimizer step "
                        f"(default {DEFAULTS['batch_size']}; the paper: 1)")
@@ -382,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from orca_method.bundle import BundleError
+    from orca_method.bundle import BundleError  # deferred: torch (not needed by --help)
     try:
         args.fn(args)
     except (UsageError, TrajectoryError, BundleError, JobError, JudgeError, ValueError,

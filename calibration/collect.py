@@ -32,6 +32,8 @@ from orca_method.answer_probes import (
 from orca_method.labels import extract_forced, require_math_verify
 from orca_method.trajectories import TrajectoryWriter
 from orca_serve.contract import ORCA_OFF
+from orca_serve.vllm_plugin import merge_results
+from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
 
 
 @dataclass
@@ -113,9 +115,8 @@ class Collector:
         self.judge = Judge(settings.judge) if settings.judge else None
         if self.judge is not None:
             self.judge.check()  # before the model loads: a bad endpoint fails in seconds
-        from vllm import LLM
+        from vllm import LLM  # deferred: vllm (calibrate_cli imports this module)
 
-        from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
         prepare_environment()
         self.settings = settings
         plugin = engine_kwargs(None, segmentation=settings.segmentation, think=settings.think,
@@ -130,14 +131,14 @@ class Collector:
 
     def info_fields(self) -> dict[str, Any]:
         """What the bundle later takes from the data: model identity and the procedure settings."""
-        from orca_method.bundle import tokenizer_fingerprint
+        from orca_method.bundle import tokenizer_fingerprint  # deferred: torch
         rs = self.record_settings
         return {"model": self.model, "normalization": rs.get("normalization", "token-l2"),
                 "segmentation": rs.get("segmentation"), "think": rs.get("think"),
                 "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer.get_vocab())}
 
     def _generate(self, batch: list[tuple[str, dict]]) -> list[tuple[str, dict, Any, dict]]:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # deferred: vllm (calibrate_cli imports this module)
         s = self.settings
         t0 = time.perf_counter()
         params, chats, keys = [], [], []
@@ -163,7 +164,6 @@ class Collector:
                                                   add_generation_prompt=True)
 
     def _results(self, keys: list[str]) -> dict[str, dict]:
-        from orca_serve.vllm_plugin import merge_results
         merged = merge_results(self.llm.collective_rpc("orca_results", args=(keys,)))
         missing = [k for k in keys if k not in merged]
         if missing:
@@ -173,8 +173,8 @@ class Collector:
 
     def _probe_answers(self, done: list[tuple[str, dict, Any, dict]]) -> list[dict[int, str | None]]:
         """Continue every labelled step prefix with the answer-forcing suffix (orca_method/answer_probes)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import SamplingParams  # deferred: vllm (calibrate_cli imports this module)
+        from vllm.inputs import TokensPrompt  # deferred: vllm
         s = self.settings
         t0 = time.perf_counter()
         suffix_ids = self.tokenizer.encode(s.suffix, add_special_tokens=False)

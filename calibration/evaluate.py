@@ -36,9 +36,9 @@ def evaluate_bundle(bundle: Bundle, ts: TrajectorySet, split: str = "test") -> t
 
 def plot_report(bundle: Bundle, scored: Scored, report: dict, out_dir: Path) -> list[Path]:
     """The four figures a reader needs to trust (or distrust) the bundle."""
-    import matplotlib
+    import matplotlib  # deferred: matplotlib (only --plots draws)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: matplotlib (only --plots draws)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = list(report["deltas"].values())
@@ -100,7 +100,7 @@ def plot_report(bundle: Bundle, scored: Scored, report: dict, out_dir: Path) -> 
 def _save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: matplotlib (only --plots draws)
     plt.close(fig)
     return path
 

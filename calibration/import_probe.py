@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from calibration.train import save_probe
 from orca_method.bundle import (
     SCHEMA_VERSION,
     Bundle,
@@ -217,8 +218,8 @@ def read_lambdas(path: Path) -> dict[float, float]:
 def tokenizer_fingerprint_of(source: str) -> str:
     """The fingerprint (orca_method.bundle.tokenizer_fingerprint) of the tokenizer at `source`,
     a local model or tokenizer folder."""
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoTokenizer  # deferred: transformers (only with a local tokenizer)
+    from transformers.utils import logging as hf_logging  # deferred: transformers
 
     hf_logging.set_verbosity_error()
     try:
@@ -255,7 +256,6 @@ def import_probe(probe_pt: str | Path, lambdas: str | Path, model: str, out: str
     probe = authors_probe(_load_state_dict(probe_pt), cfg)
     label_mode = label_mode or str(cfg.get("label_mode") or "supervised")
     if probe_out is not None:
-        from calibration.train import save_probe
         save_probe(probe, Path(probe_out), {"imported_probe": str(probe_pt),
                                             "label_mode": label_mode})
     lams = read_lambdas(Path(lambdas))

@@ -18,11 +18,13 @@ from typing import Any
 
 import yaml
 
-from calibration.collect import CollectSettings
+from calibration.collect import Collector, CollectSettings, read_prompts
 from calibration.judge import JudgeError, JudgeSettings
+from calibration.train_defaults import DEFAULTS
+from orca_method.trajectories import TrajectorySet, set_splits, split_ids
 
 STAGES = ("collect", "split", "train", "calibrate", "evaluate")
-# `train:` keys of a job besides the `meta_train` settings (calibration.train.DEFAULTS)
+# `train:` keys of a job besides the `meta_train` settings (calibration.train_defaults.DEFAULTS)
 TRAIN_JOB_KEYS = {"probe", "label_mode", "seed", "d_h"}
 
 
@@ -52,7 +54,6 @@ def load_job(path: Path) -> dict[str, Any]:
             job[key] = str(base / job[key])
     if str(job["model"]).startswith((".", "/")) and not Path(job["model"]).is_absolute():
         job["model"] = str((base / job["model"]).resolve())
-    from calibration.train import DEFAULTS
     bad = set(job.get("train") or {}) - TRAIN_JOB_KEYS - set(DEFAULTS)
     if bad:
         raise JobError(f"{path}: unknown train settings {sorted(bad)} "
@@ -116,12 +117,10 @@ def _stage(out: Path, name: str, outputs: list[Path], fn, log: list[str], settin
 
 def run_job(path: Path, progress: bool = True) -> list[str]:
     """Run (or resume) a job; returns one log line per stage."""
-    from calibration.calibrate import calibrate_bundle
-    from calibration.collect import Collector, read_prompts
-    from calibration.evaluate import evaluate_bundle, markdown_table, plot_report
-    from calibration.train import save_probe, train_probe
-    from orca_method.bundle import load_bundle
-    from orca_method.trajectories import TrajectorySet, set_splits, split_ids
+    from calibration.calibrate import calibrate_bundle  # deferred: torch
+    from calibration.evaluate import evaluate_bundle, markdown_table, plot_report  # deferred: torch
+    from calibration.train import load_probe, save_probe, train_probe  # deferred: torch
+    from orca_method.bundle import load_bundle  # deferred: torch
 
     job = load_job(path)
     out = Path(job["out"])
@@ -159,7 +158,6 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
                                        "history": json.dumps(facts.get("history", []))})
 
     def calibrate() -> None:
-        from calibration.train import load_probe
         probe, meta = load_probe(probe_file)
         calibrate_bundle(probe, TrajectorySet.open(data), bundle_file,
                          mode=meta["label_mode"], deltas=ca.get("deltas", [0.05, 0.1, 0.15, 0.2]),

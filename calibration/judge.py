@@ -87,7 +87,7 @@ class Judge:
     """Cached, concurrent yes/no grading through an OpenAI-compatible chat endpoint."""
 
     def __init__(self, settings: JudgeSettings) -> None:
-        import openai
+        import openai  # deferred: openai (only the judge label mode)
         self.settings = s = settings
         key = "EMPTY"  # local servers (vLLM, llama.cpp) accept any key; the client needs one
         if s.api_key_env:
@@ -146,14 +146,14 @@ class Judge:
 
     def _run(self, fn) -> None:
         """Run fn, turning the client's exceptions into one-line JudgeErrors."""
-        import openai
+        import openai  # deferred: openai (only the judge label mode)
         try:
             fn()
         except openai.OpenAIError as e:
             raise JudgeError(self._describe(e)) from None
 
     def _describe(self, e: Exception) -> str:
-        import openai
+        import openai  # deferred: openai (only the judge label mode)
         where, s = f"judge endpoint {self.settings.base_url}", self.settings
         if isinstance(e, openai.APIConnectionError):  # refused, DNS, timeout
             cause = f" ({e.__cause__})" if e.__cause__ else ""

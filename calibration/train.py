@@ -25,6 +25,7 @@ from scipy.optimize import minimize
 from tqdm import tqdm
 
 from calibration.probe_variants import PROBES
+from calibration.train_defaults import DEFAULTS, EPOCH_SELECT
 from orca_method.ltt import calibrate
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.procedure import as_tensor, replay
@@ -33,12 +34,6 @@ from orca_method.trajectories import TrajectorySet
 
 VALIDATION_DELTA = 0.1
 PAPER_LR = 1e-3  # the paper's Adam learning rate, at one trajectory per step
-# Defaults of `meta_train` and of `orca-calibrate train` (no-QK epochs; QK uses 10). lr None:
-# `lr_for_batch(batch_size)`. Batch 32 is for speed (9.4x less CPU than batch 1 at paper scale)
-# and costs quality, measured in benchmarks/RESULTS.md ("Training protocol"): savings_per_problem
-# 0.5-0.8 points lower at delta <= 0.1 on a 231-problem synthetic set, held-out loss 0.100 vs
-# 0.072 on the toy job's 582 problems. batch_size 1 (lr 1e-3) is the paper's protocol.
-DEFAULTS = {"batch_size": 32, "lr": None, "epochs": 20, "epoch_select": "last", "warmup": 0.0}
 
 
 def lr_for_batch(batch_size: int) -> float:
@@ -175,9 +170,6 @@ def _validation_savings(probe: Probe, ts: TrajectorySet, val: list[int], mode: s
     labels = [ts.labels(i, mode) for i in val]
     [res] = calibrate(scores, labels, [VALIDATION_DELTA])
     return res.savings_per_problem
-
-
-EPOCH_SELECT = ("validation", "last")
 
 
 def training_settings(spec: ProbeSpec, options: dict) -> dict:

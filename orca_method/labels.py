@@ -56,7 +56,9 @@ def equivalent(a: str | None, b: str | None) -> bool:
         return False
     if normalise(a) == normalise(b):
         return True
-    from math_verify import parse, verify  # outside the try: a missing install must not pass
+    # deferred: math_verify (~250 ms; the calib extra). Outside the try: a missing install must
+    # not pass as "not equivalent".
+    from math_verify import parse, verify
 
     try:
         gold, pred = parse(f"${b}$"), parse(f"${a}$")
@@ -69,7 +71,7 @@ def require_math_verify() -> None:
     """Fail before a collection starts if math-verify is missing (it is in the `calib` extra):
     without it no supervised label could be computed."""
     try:
-        import math_verify  # noqa: F401
+        import math_verify  # noqa: F401 - deferred: math_verify (the calib extra)
     except ImportError:
         raise ValueError("math-verify is not installed; labels need it: "
                          "pip install 'orca-serve[calib]' (or pip install math-verify)") from None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from orca_serve.effort import parse_effort_map
+
 
 def integer(minimum: int) -> Callable[[str], int]:
     """An integer >= `minimum`."""
@@ -40,7 +42,6 @@ def fraction(*, open_interval: bool) -> Callable[[str], float]:
 
 def effort_map(s: str) -> dict[str, str | float]:
     """`--orca-effort-map`: LEVEL=TARGET,... over the default table (`orca_serve.effort`)."""
-    from orca_serve.effort import parse_effort_map
 
     try:
         return parse_effort_map(s)

@@ -81,7 +81,7 @@ def main() -> None:
                             text=True)
     try:
         _wait_healthy(url, proc, a.timeout)
-        from openai import OpenAI
+        from openai import OpenAI  # deferred: openai (not needed by --help)
         client = OpenAI(base_url=f"{url}/v1", api_key="demo")
         full, total = _show("without early stopping (shadow: ORCA scores, never stops)",
                             _ask(client, a.question, "shadow", a.delta))

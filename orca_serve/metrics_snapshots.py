@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from orca_serve.vllm_compat.runner import is_reporting_worker
+
 PUBLISH_S = 2.0  # how old the published stats may be
 ENV_SERVER = "ORCA_SERVE_SERVER"  # "1": orca-serve's own server, which exports the orca metrics
 DIR_PREFIX = "orca-metrics-"
@@ -57,7 +59,6 @@ def read_snapshots(directory: Path) -> list[dict]:
 
 
 def _publish_forever() -> None:
-    from orca_serve.vllm_compat.runner import is_reporting_worker
 
     out: Path | None = None
     while True:
@@ -71,6 +72,7 @@ def _publish_forever() -> None:
         out = out if out is not None and out.is_dir() else _ancestor_dir()
         if out is None:
             continue
+        # deferred: vllm (worker patches vLLM on import)
         from orca_serve.vllm_plugin.worker import processor_stats
 
         tmp = out / f".{os.getpid()}.tmp"

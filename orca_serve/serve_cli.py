@@ -24,6 +24,7 @@ vLLM is reached through `orca_serve.vllm_compat.launch` (its parser, launchers a
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -33,9 +34,23 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from orca_method.errors import first_line
+from orca_method.steps import token_bytes_from_tokenizer
 from orca_serve.argtypes import effort_map, fraction, integer
 from orca_serve.contract import DEFAULTS, POLICIES
 from orca_serve.effort import DEFAULT_EFFORT_MAP, check_effort_map, describe
+from orca_serve.metrics_snapshots import ENV_SERVER
+from orca_serve.server_log import log_like_vllm
+from orca_serve.vllm_check import main as check_touch_points
+from orca_serve.vllm_compat import launch
+from orca_serve.vllm_plugin.config import (
+    SUPPORTED_VLLM,
+    check_engine_supported,
+    check_vllm_version,
+    engine_kwargs,
+    installed_vllm_version,
+    pin_runner_for_speculation,
+    prepare_environment,
+)
 
 PROG = "orca-serve"
 DEMO_REASONING_PARSER = "deepseek_r1"  # what --demo implies (unless the command line names one)
@@ -82,6 +97,7 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Turn on POST /v1/orca/bundle (hot reload of the bundle) guarded by the "
                    "admin key in environment variable VAR (Authorization: Bearer <key>). Without "
                    "it the route does not exist; SIGHUP re-reads --calib either way.")
+    # deferred: scipy (not needed by --check-vllm)
     from orca_serve.live_audit.options import add_audit_args
 
     add_audit_args(parser)
@@ -145,12 +161,10 @@ def model_facts(model: str, *, tokenizer: str | None = None, revision: str | Non
                 tokenizer_revision: str | None = None, hf_config_path: str | None = None,
                 trust_remote_code: bool = False) -> ModelFacts:
     """Hidden size (config.json) and tokenizer of a model, without loading its weights."""
-    import logging
 
+    # deferred: transformers (only a bundle's check)
     from transformers import AutoConfig, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from orca_method.steps import token_bytes_from_tokenizer
+    from transformers.utils import logging as hf_logging  # deferred: transformers
 
     hf_logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -186,6 +200,7 @@ def check_served(bundle: Any, facts: ModelFacts, model: str, *,
     token ids are not the calibrated ones), the hidden size and think tags (`check_model`), the
     step delimiter, and the table and probe (`check_semantics`).
     """
+    # deferred: torch (not needed by --check-vllm)
     from orca_method.bundle import BundleError, check_model
     from orca_method.bundle_checks import check_delimiter, check_model_name, check_semantics
 
@@ -210,7 +225,7 @@ def check_served(bundle: Any, facts: ModelFacts, model: str, *,
 def check_bundle(bundle: Any, model: str, *, served_names: list[str] | None = None,
                  force: bool = False, **kw: Any) -> ModelFacts:
     """`check_served` against `model`'s facts (returned, for the checks of later reloads)."""
-    from orca_method.bundle import BundleError
+    from orca_method.bundle import BundleError  # deferred: torch (not needed by --check-vllm)
 
     facts = model_facts(model, **kw)
     try:
@@ -262,13 +277,6 @@ def refuse_unsupported(args: argparse.Namespace) -> None:
         raise StartupError("--grpc is not supported by orca-serve (the orca fields live in the "
                            "HTTP API)")
     try:
-        from orca_serve.vllm_plugin.config import (
-            check_engine_supported,
-            pin_runner_for_speculation,
-        )
-    except ImportError as e:
-        raise StartupError(f"the orca vLLM plugin is not importable ({e})") from None
-    try:
         check_engine_supported(args)
         pin_runner_for_speculation(getattr(args, "speculative_config", None))
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
@@ -279,10 +287,9 @@ def vllm_max_model_len(args: argparse.Namespace) -> int | None:
     """The context length vLLM derives for the model when --max-model-len is not given (its own
     ModelConfig, from the model's config.json); None if it cannot be derived here (vLLM then
     reports the problem itself)."""
-    from orca_serve.vllm_compat.launch import derived_max_model_len
 
     try:
-        return derived_max_model_len(args)
+        return launch.derived_max_model_len(args)
     except Exception:  # noqa: BLE001 - vLLM's own start reports what is wrong
         return None
 
@@ -308,9 +315,8 @@ def keep_prefills_whole(args: argparse.Namespace,
     (its default on CPU when the option is not given); without --max-model-len, the length vLLM
     derives from the model's config is checked the same way (`derive_max_len`).
     """
-    from orca_serve.vllm_compat.launch import is_cpu_platform
 
-    if not is_cpu_platform():
+    if not launch.is_cpu_platform():
         return
     why = ("on vLLM's CPU build a seeded request whose prompt is prefilled in chunks crashes the "
            "engine (CPU Generator does not use offset); orca-serve keeps prefills whole there")
@@ -374,11 +380,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(argv: list[str]) -> None:
-    from orca_serve.vllm_plugin.config import check_vllm_version
 
     if "--check-vllm" in argv:  # before the version check: it is how a new release is judged
-        from orca_serve.vllm_check import main as check_touch_points
-        from orca_serve.vllm_plugin.config import SUPPORTED_VLLM, installed_vllm_version
 
         if len(argv) > 1:
             raise StartupError("--check-vllm takes no other option")
@@ -404,6 +407,7 @@ def _main(argv: list[str]) -> None:
             if getattr(early, opt) is not None:
                 raise StartupError(f"--{opt.replace('_', '-')} needs --calib (a bundle)")
     else:
+        # deferred: torch (not needed by --check-vllm)
         from orca_method.bundle import BundleError, load_bundle
 
         try:
@@ -419,6 +423,7 @@ def _main(argv: list[str]) -> None:
         if bundle.lambdas_from:
             print(f"{PROG}: note: lambda* in {bundle_path} {bundle.lambdas_from}", file=sys.stderr,
                   flush=True)
+    # deferred: scipy (not needed by --check-vllm)
     from orca_serve.live_audit.options import check_audit_args
 
     try:
@@ -435,10 +440,8 @@ def _main(argv: list[str]) -> None:
 
     # -- vLLM from here on -----------------------------------------------------------------
     if bundle is not None:
-        from orca_serve.vllm_plugin.config import prepare_environment
 
         prepare_environment()
-    from orca_serve.vllm_compat import launch
 
     try:
         parser = launch.serve_parser(PROG, __doc__.split("\n\n")[0])
@@ -460,6 +463,7 @@ def _main(argv: list[str]) -> None:
             args.served_model_name = [bundle.model.name]  # not the install path
     keep_prefills_whole(args)
 
+    # deferred: torch (not needed by --check-vllm)
     from orca_serve.server import orca_defaults, run, state_from_args
 
     if bundle is not None:
@@ -470,7 +474,6 @@ def _main(argv: list[str]) -> None:
         if checked != (args.model, tuple(sorted(model_kw.items()))):
             facts = check_bundle(bundle, args.model, **_identity(args, bundle), **model_kw)
         refuse_unsupported(args)
-        from orca_serve.vllm_plugin.config import engine_kwargs
 
         defaults = orca_defaults(args, bundle)
         # Off in the engine unless the request says otherwise: the server writes every setting
@@ -484,14 +487,12 @@ def _main(argv: list[str]) -> None:
         args.calib = str(Path(bundle_path).absolute())
 
     launch.configure_logging(args)
-    from orca_serve.metrics_snapshots import ENV_SERVER
-    from orca_serve.server_log import log_like_vllm
 
     log_like_vllm()
     os.environ[ENV_SERVER] = "1"  # our server exports the orca metrics, not the stat logger
     state = state_from_args(args)
     if bundle is not None:
-        from orca_serve.live_audit.live import make_live_audit
+        from orca_serve.live_audit.live import make_live_audit  # deferred: torch
 
         try:
             state.audit = make_live_audit(args, bundle, state.metrics.registry,

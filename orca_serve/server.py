@@ -27,14 +27,21 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import functools
 import json
 import logging
 import math
+import os
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from orca_method.bundle import Bundle
+from fastapi.responses import JSONResponse
+from starlette.middleware import Middleware
+
+from orca_method.bundle import Bundle, load_bundle
 from orca_serve import quiet_shutdown
 from orca_serve.apis import (
     APIS,
@@ -48,6 +55,7 @@ from orca_serve.apis import (
 )
 from orca_serve.contract import POLICIES, child_key
 from orca_serve.effort import DEFAULT_EFFORT_MAP
+from orca_serve.live_audit.live import add_audit_route
 from orca_serve.metrics import OrcaMetrics
 from orca_serve.reload import BUNDLE_PATH, AdminMiddleware, Reloader, route_path, send_json
 from orca_serve.requests import (
@@ -59,6 +67,7 @@ from orca_serve.requests import (
     orca_param_in,
     resolve,
 )
+from orca_serve.vllm_compat import launch
 from orca_serve.vllm_compat.engine_client import max_choices, rpc_all
 from orca_serve.vllm_plugin import merge_results
 
@@ -522,7 +531,6 @@ class _ResponseShaper:
 
 # -- routes and app -----------------------------------------------------------------------------
 def add_orca_routes(app: Any, state: OrcaState) -> None:
-    from fastapi.responses import JSONResponse
 
     # No return annotation: under `from __future__ import annotations` FastAPI would have to
     # resolve the string "JSONResponse" when it builds /openapi.json, and fail (HTTP 500).
@@ -578,9 +586,6 @@ def _install_openapi(app: Any) -> None:
 
 def install(app: Any, state: OrcaState) -> Any:
     """Add the orca route and middleware to a FastAPI app built by vLLM (before it serves)."""
-    from starlette.middleware import Middleware
-
-    from orca_serve.live_audit.live import add_audit_route
 
     state._app_state = app.state
     app.state.orca = state
@@ -621,10 +626,6 @@ def served_model_name(args: Any) -> str:
 def state_from_args(args: Any) -> OrcaState:
     """The server's state, from the parsed command line alone (`args.calib`: the bundle, already
     checked at start), so that every API server process can build its own."""
-    import os
-    from pathlib import Path
-
-    from orca_method.bundle import load_bundle
 
     bundle = load_bundle(args.calib) if args.calib else None
     state = OrcaState(bundle=bundle, defaults=orca_defaults(args, bundle),
@@ -657,9 +658,6 @@ def run(args: Any, state: OrcaState) -> None:
     its own engine client; a request's result is fetched by key with collective_rpc from any of
     them, so whichever process answers a request gets it.
     """
-    import functools
-
-    from orca_serve.vllm_compat import launch
 
     if (getattr(args, "api_server_count", None) or 1) > 1:
         launch.run_multi(args, install_own_state)
@@ -669,7 +667,6 @@ def run(args: Any, state: OrcaState) -> None:
 
     def on_loop() -> None:
         if state.reloader is not None:  # SIGHUP re-reads --calib (orca_serve.reload)
-            import signal
 
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP,
                                                           state.reloader.on_sighup)

@@ -87,10 +87,10 @@ class _FakeCollector:
 def test_rerun_follows_edits_and_refuses_changed_collection(tmp_path, monkeypatch) -> None:
     import json
 
-    import calibration.collect
+    import calibration.job
     from calibration.job import run_job
 
-    monkeypatch.setattr(calibration.collect, "Collector", _FakeCollector)
+    monkeypatch.setattr(calibration.job, "Collector", _FakeCollector)
     monkeypatch.setattr(_FakeCollector, "runs", 0)
     (tmp_path / "p.jsonl").write_text("".join(
         json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n" for i in range(60)))
@@ -131,10 +131,10 @@ def test_run_ends_with_the_results_table(tmp_path, monkeypatch, capsys) -> None:
     """`orca-calibrate run` shows what the job produced, not only how long its stages took."""
     import json
 
-    import calibration.collect
+    import calibration.job
     from calibration.calibrate_cli import main
 
-    monkeypatch.setattr(calibration.collect, "Collector", _FakeCollector)
+    monkeypatch.setattr(calibration.job, "Collector", _FakeCollector)
     (tmp_path / "p.jsonl").write_text("".join(
         json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n" for i in range(60)))
     path = tmp_path / "job.yaml"

@@ -19,6 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from calibration.job import load_job, run_job
 from orca_method.bundle import Bundle, load_bundle, save_bundle
 from orca_serve.live_audit.live import AUDIT_LABEL_MODE
 
@@ -56,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job", default="calibration/jobs/toy.yaml")
     ap.add_argument("--out", default="orca_serve/demo/bundle.json")
     a = ap.parse_args(argv)
-    from calibration.job import load_job, run_job
 
     job = Path(a.job)
     run_job(job)

@@ -17,6 +17,8 @@ import random
 from pathlib import Path
 from statistics import mean
 
+from tokenizers import Tokenizer
+
 from calibration.toy.tasks import (
     ALT_FORCE_SUFFIX,
     FAMILIES,
@@ -40,15 +42,13 @@ def load_llm(model_dir: Path):
     """The fast test configuration of docs/VLLM-CPU.md."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
+    from vllm import LLM  # deferred: vllm (the model is loaded once, in main)
 
     return LLM(model=str(model_dir), dtype="float32", enforce_eager=True, seed=0)
 
 
 def tokenizer_agrees(llm, model_dir: Path, problems: list[Problem]) -> bool:
     """vLLM's tokenizer must give the raw tokenizer.json ids (the spike's trap)."""
-    from tokenizers import Tokenizer
-
     raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     vt = llm.get_tokenizer()
     texts = [render_prompt(p.question) + THINK_OPEN + "\nTry x = 5: 7*5 = 35.\n\n" + FORCE_SUFFIX for p in problems]
@@ -60,7 +60,7 @@ Sample = tuple[Problem, str, list[int], list[int]]  # problem, text, prompt ids,
 
 def sample_family(llm, family: str, n: int, seed: int) -> tuple[dict, list[Sample]]:
     """Sample one completion per fresh problem; return summary figures and the completions."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # deferred: vllm (the model is loaded once, in main)
 
     rng = random.Random(f"eval:{family}:{seed}")
     problems = [make_problem(rng, family) for _ in range(n)]
@@ -109,8 +109,8 @@ def forcing_rows(sample: Sample, delimiter_id: int, close_id: int) -> list[tuple
 def forcing_check(llm, samples: list[Sample], suffix: str) -> dict:
     """Greedy 4-token continuation after prefix + suffix ids at every step of well-formed traces
     (token level, like calibration/collect.py)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import SamplingParams  # deferred: vllm (the model is loaded once, in main)
+    from vllm.inputs import TokensPrompt  # deferred: vllm
 
     tok = llm.get_tokenizer()
     delimiter_id, close_id = tok.convert_tokens_to_ids([STEP_DELIMITER, THINK_CLOSE])

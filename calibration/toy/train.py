@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
 from tokenizers.models import BPE
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from calibration.toy.tasks import (
     ALT_FORCE_SUFFIX,
@@ -106,8 +107,6 @@ def build_tokenizer(rng: random.Random, n_texts: int = 5000) -> Tokenizer:
 
 def save_tokenizer(tok: Tokenizer, out: Path) -> None:
     """Save as a transformers tokenizer, chat template inside tokenizer_config.json."""
-    from transformers import PreTrainedTokenizerFast
-
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, unk_token=None)
     hf.save_pretrained(out)
     cfg_path = out / "tokenizer_config.json"
@@ -179,8 +178,6 @@ def lr_factor(step: int, progress: float, warmup: int = 30, floor: float = 0.1) 
 
 def build_model(vocab_size: int, eos_id: int) -> torch.nn.Module:
     """The brief's tiny Qwen2 (about 2.5 M parameters)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     config = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=256,

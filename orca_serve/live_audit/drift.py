@@ -73,7 +73,7 @@ def build_reference(scores: Sequence[np.ndarray], k: int, lambdas: Sequence[floa
                     seed: int = 0, size: int = REFERENCE_SIZE) -> DriftReference | None:
     """The bundle's drift reference from never-stopping replays of the calibration split; None
     when no trajectory has a scored step (the server never scores a trajectory's last step)."""
-    from orca_method.bundle import DriftReference
+    from orca_method.bundle import DriftReference  # deferred: torch (live_audit stays numpy/scipy)
 
     level = reference_level(lambdas)
     usable = [np.asarray(s)[:-1] for s in scores if len(s) >= 2]

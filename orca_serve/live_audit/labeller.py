@@ -39,7 +39,7 @@ class AuditLabeller:
         self.probes = 0
 
     async def _answer(self, request_id: str, ids: list[int]) -> str | None:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # deferred: vllm (offline tools import live_audit)
 
         params = SamplingParams(**probe_sampling(self.settings.answer_tokens),
                                 extra_args=dict(ORCA_OFF))

@@ -62,6 +62,7 @@ from orca_method.risk import cumulative, is_counted, request_loss
 from orca_method.thresholds import NEVER, lam_from_json, lam_to_json
 from orca_serve.live_audit.attrition import incomplete
 from orca_serve.live_audit.drift import DriftMonitor, reference_level
+from orca_serve.live_audit.labeller import AuditLabeller
 from orca_serve.live_audit.options import (
     ON_ALARM,
     AuditConfig,
@@ -71,6 +72,8 @@ from orca_serve.live_audit.options import (
 )
 from orca_serve.live_audit.sequence import RestartedAlarm
 from orca_serve.metrics import LABEL
+from orca_serve.requests import error_body
+from orca_serve.vllm_plugin import decode_arrays
 
 logger = logging.getLogger("orca_serve.live_audit")
 
@@ -420,7 +423,6 @@ class LiveAudit:
         if cut is not None:  # its trace is not the one a finished request has: left out
             self.counts[cut] += 1
             return self._resolve(seq, None)
-        from orca_serve.vllm_plugin import decode_arrays
 
         self._submit(_Job(settings.key, rec, decode_arrays(first), seq, reason,
                           settings.lam_source))
@@ -451,7 +453,6 @@ class LiveAudit:
 
     async def _process(self, job: _Job) -> None:
         if self.labeller is None:
-            from orca_serve.live_audit.labeller import AuditLabeller
 
             self.labeller = AuditLabeller(self.engine_client(), self.config.probe)
         record = await self.labeller.label(job.key, job.rec, job.result, job.finish_reason)
@@ -591,9 +592,8 @@ class LiveAudit:
 
 def add_audit_route(app: Any, get_audit: Callable[[], LiveAudit | None]) -> None:
     """GET /v1/orca/audit: the table (404 on a server without a bundle)."""
+    # deferred: fastapi (offline tools import this module)
     from fastapi.responses import JSONResponse
-
-    from orca_serve.requests import error_body
 
     # No return annotation: under `from __future__ import annotations` FastAPI cannot resolve
     # the string "JSONResponse" when it builds /openapi.json (HTTP 500).

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX, ProbeSettings
+from orca_method.labels import require_math_verify
 from orca_serve.argtypes import fraction, integer
+from orca_serve.live_audit.store import AuditStore
 
 ON_ALARM = ("report", "fallback", "recalibrate")
 
@@ -89,7 +91,6 @@ def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
                          "and writes --orca-audit-dir); use --api-server-count 1 with "
                          "--orca-audit-rate")
     if ns.orca_audit_rate > 0:
-        from orca_method.labels import require_math_verify
 
         require_math_verify()
     if ns.orca_audit_dir is not None:
@@ -127,7 +128,6 @@ def store_info(bundle: Any) -> dict[str, Any]:
 
 def audit_store(config: AuditConfig, bundle: Any) -> Any:
     """The rotating store of labelled audits under `config.directory`."""
-    from orca_serve.live_audit.store import AuditStore
 
     return AuditStore(config.directory, dim=bundle.model.hidden_size, per_dir=config.per_dir,
                       keep=config.keep, info=store_info(bundle))

@@ -45,7 +45,7 @@ async def rpc_all(client: Any, method: str, args: tuple = ()) -> list[Any]:
 
 def max_choices() -> int:
     """The most choices (`n`) vLLM admits in one request."""
-    from vllm import envs
+    from vllm import envs  # deferred: vllm (resolved at use; see the docstring)
 
     return int(envs.VLLM_MAX_N_SEQUENCES)
 
@@ -58,6 +58,7 @@ def tokenizer(client: Any) -> Any:
 async def generate_from_ids(client: Any, ids: list[int], params: Any, request_id: str,
                             priority: int = 0) -> AsyncIterator[Any]:
     """`client.generate` on a prompt given as token ids (vLLM's RequestOutputs)."""
+    # deferred: vllm (resolved at use; see the docstring)
     from vllm.inputs import TokensPrompt
     from vllm.renderers.inputs.preprocess import parse_model_prompt
 

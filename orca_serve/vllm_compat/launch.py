@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -59,7 +60,6 @@ AppHook = Callable[[Any], Any]
 
 
 def _first(modules: tuple[str, ...], name: str) -> Any:
-    import importlib
 
     for module in modules:
         try:
@@ -71,7 +71,7 @@ def _first(modules: tuple[str, ...], name: str) -> Any:
 
 def serve_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """vLLM's OpenAI-server parser (every `vllm serve` option), after vLLM's CLI set-up."""
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser  # deferred: vllm (resolved at use)
 
     _first(_STARTUP, "cli_env_setup")()
     return _first(_CLI_ARGS, "make_arg_parser")(
@@ -84,13 +84,13 @@ def validate_serve_args(args: argparse.Namespace) -> None:
 
 
 def configure_logging(args: argparse.Namespace) -> None:
-    from vllm.logger import configure_logging_from_args
+    from vllm.logger import configure_logging_from_args  # deferred: vllm (resolved at use)
 
     configure_logging_from_args(args)
 
 
 def is_cpu_platform() -> bool:
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # deferred: vllm (resolved at use)
 
     return bool(current_platform.is_cpu())
 
@@ -98,14 +98,13 @@ def is_cpu_platform() -> bool:
 def derived_max_model_len(args: argparse.Namespace) -> int:
     """The context length vLLM derives for the model from the parsed options (its ModelConfig,
     from the model's config.json); raises what vLLM raises when it cannot."""
-    from vllm.engine.arg_utils import EngineArgs
+    from vllm.engine.arg_utils import EngineArgs  # deferred: vllm (resolved at use)
 
     return int(EngineArgs.from_cli_args(args).create_model_config().max_model_len)
 
 
 def _hook_build_app(hook: AppHook) -> None:
     """Make vLLM's launcher pass every app it builds through `hook`."""
-    import importlib
 
     entry = importlib.import_module(_ENTRY)
     vllm_build_app = entry.build_app
@@ -120,7 +119,7 @@ def _hook_build_app(hook: AppHook) -> None:
 def _api_server_process(hook: AppHook, listen_address: Any, sock: Any, args: Any,
                         client_config: dict | None = None, **uvicorn_kwargs: Any) -> None:
     """Entry of each API server process under --api-server-count > 1."""
-    from vllm.v1.utils import run_api_server_worker_proc
+    from vllm.v1.utils import run_api_server_worker_proc  # deferred: vllm (resolved at use)
 
     _hook_build_app(hook)
     run_api_server_worker_proc(listen_address, sock, args, client_config, **uvicorn_kwargs)
@@ -130,9 +129,8 @@ def run_single(args: argparse.Namespace, hook: AppHook,
                on_loop: Callable[[], None] | None = None) -> None:
     """vLLM's `run_server` in this process, every app through `hook`; `on_loop` runs first on
     the server's event loop (e.g. to add signal handlers)."""
-    import importlib
 
-    import uvloop
+    import uvloop  # deferred: uvloop (vLLM's dependency, not ours)
 
     _hook_build_app(hook)
     entry = importlib.import_module(_ENTRY)
@@ -148,7 +146,6 @@ def run_single(args: argparse.Namespace, hook: AppHook,
 def run_multi(args: argparse.Namespace, hook: AppHook) -> None:
     """vLLM's `run_multi_api_server`: engines here, N spawned API server processes, each building
     its app through `hook` (pickled into the process)."""
-    import importlib
 
     serve = importlib.import_module(_SERVE)
     serve.APIServerProcessManager = functools.partial(

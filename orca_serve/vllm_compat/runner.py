@@ -157,6 +157,7 @@ def find_v1_runner() -> V1Runner | None:
     """The V1 runner constructing the calling processor (vLLM builds V1 processors in
     `GPUModelRunner.__init__`, `build_logitsprocs(...)`); None if not found."""
     try:
+        # deferred: vllm (resolved at use)
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:
         return None
@@ -206,6 +207,7 @@ def find_mrv2_runner() -> MRV2Runner | None:
     """The MRV2 runner building the calling processor (in its `load_model`,
     `build_custom_logits_processors`); None if not found."""
     try:
+        # deferred: vllm (resolved at use)
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner
     except ImportError:
         return None
@@ -229,6 +231,7 @@ def is_reporting_worker() -> bool:
     sampler, hence the processors' apply()) with tensor-parallel rank 0. True when the groups
     are not initialised (a single process)."""
     try:
+        # deferred: vllm (resolved at use)
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         return bool(get_pp_group().is_last_rank and get_tp_group().rank_in_group == 0)

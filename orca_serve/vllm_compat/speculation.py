@@ -31,7 +31,7 @@ def allow_under_speculation(ours: Callable[[Sequence[Any]], bool],
     """Let vLLM build the custom processors `ours(custom_logitsprocs)` accepts under a
     speculative config; `refusal(speculative_config)` may refuse the config (a ValueError with
     that line). Idempotent; call before the model runner is built."""
-    from vllm.v1.sample import logits_processor as lp
+    from vllm.v1.sample import logits_processor as lp  # deferred: vllm (resolved at use)
 
     original = getattr(lp, _NAME)
     if getattr(original, "orca_wrapped", False):

@@ -24,12 +24,12 @@ TOUCH_POINTS: tuple[str, ...] = (
 def load_tokenizer(model_config: Any) -> Any:
     """The tokenizer of `model_config` (a vLLM `ModelConfig`)."""
     try:
-        from vllm.tokenizers import cached_tokenizer_from_config
+        from vllm.tokenizers import cached_tokenizer_from_config  # deferred: vllm (resolved at use)
 
         return cached_tokenizer_from_config(model_config)
     except Exception as e:  # noqa: BLE001 - fall back to transformers
         log.debug("vLLM's tokenizer loader failed (%s); loading with transformers", e)
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # deferred: transformers (the fallback only)
 
         return AutoTokenizer.from_pretrained(model_config.tokenizer,
                                              revision=model_config.tokenizer_revision,

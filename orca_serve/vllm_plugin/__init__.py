@@ -31,7 +31,7 @@ def encode_arrays(result: dict) -> dict:
     (vLLM's msgpack transport sends large numpy arrays out of band and, for an untyped RPC
     result, hands back only ['<f4', shape, <buffer index>]: the data would be lost.)
     """
-    import numpy as np
+    import numpy as np  # deferred: numpy (this package loads in every vLLM process)
 
     out = {}
     for k, v in result.items():
@@ -43,7 +43,7 @@ def encode_arrays(result: dict) -> dict:
 
 
 def decode_arrays(result: dict) -> dict:
-    import numpy as np
+    import numpy as np  # deferred: numpy (this package loads in every vLLM process)
 
     out = {}
     for k, v in result.items():

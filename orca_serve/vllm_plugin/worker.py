@@ -29,7 +29,9 @@ from __future__ import annotations
 from typing import Any
 
 from orca_method.errors import first_line
-from orca_serve.vllm_plugin import speculation
+from orca_serve.vllm_compat.runner import is_reporting_worker, processors_in
+from orca_serve.vllm_plugin import encode_arrays, speculation
+from orca_serve.vllm_plugin.adapter import CoreAdapter
 
 # the worker imports this module before it builds its model runner (vLLM's worker_extension_cls)
 speculation.install()
@@ -47,15 +49,12 @@ def processor_stats(processors: Any) -> dict[str, Any]:
 class OrcaWorkerExtension:
     def _orca_processors(self) -> list:
         """Our processors in this worker (either runner's; `vllm_compat.runner`)."""
-        from orca_serve.vllm_compat.runner import processors_in
-        from orca_serve.vllm_plugin.adapter import CoreAdapter
 
         return [p for p in processors_in(self) if isinstance(p, CoreAdapter)]
 
     def _orca_reports(self) -> bool:
         """True on the one worker that answers for the engine: the last pipeline rank (it runs
         the sampler, hence the processor's apply()) with tensor-parallel rank 0."""
-        from orca_serve.vllm_compat.runner import is_reporting_worker
 
         return is_reporting_worker()
 
@@ -73,7 +72,6 @@ class OrcaWorkerExtension:
         Fetch after the request finished; a result is kept until fetched, for at most
         `result_ttl_s` after the request left the batch, and at most `max_results` of them.
         """
-        from orca_serve.vllm_plugin import encode_arrays
 
         reports = self._orca_reports()
         out: dict[str, dict[str, Any]] = {}

@@ -1,0 +1,15 @@
+"""The training settings' defaults and choices, apart from calibration/train.py (torch, scipy), so
+that `orca-calibrate --help` and a job file's check can name them without importing torch.
+
+`calibration.train` re-exports both.
+"""
+
+# Defaults of `meta_train` and of `orca-calibrate train` (no-QK epochs; QK uses 10). lr None:
+# `calibration.train.lr_for_batch(batch_size)`. Batch 32 is for speed (9.4x less CPU than batch 1
+# at paper scale) and costs quality, measured in benchmarks/RESULTS.md ("Training protocol"):
+# savings_per_problem 0.5-0.8 points lower at delta <= 0.1 on a 231-problem synthetic set,
+# held-out loss 0.100 vs 0.072 on the toy job's 582 problems. batch_size 1 (lr 1e-3) is the
+# paper's protocol.
+DEFAULTS = {"batch_size": 32, "lr": None, "epochs": 20, "epoch_select": "last", "warmup": 0.0}
+
+EPOCH_SELECT = ("validation", "last")  # how `meta_train` picks the epoch it keeps
