@@ -42,7 +42,6 @@ def fraction(*, open_interval: bool) -> Callable[[str], float]:
 
 def effort_map(s: str) -> dict[str, str | float]:
     """`--orca-effort-map`: LEVEL=TARGET,... over the default table (`orca_serve.effort`)."""
-
     try:
         return parse_effort_map(s)
     except ValueError as e:

@@ -59,7 +59,6 @@ def read_snapshots(directory: Path) -> list[dict]:
 
 
 def _publish_forever() -> None:
-
     out: Path | None = None
     while True:
         time.sleep(PUBLISH_S)

@@ -161,7 +161,6 @@ def model_facts(model: str, *, tokenizer: str | None = None, revision: str | Non
                 tokenizer_revision: str | None = None, hf_config_path: str | None = None,
                 trust_remote_code: bool = False) -> ModelFacts:
     """Hidden size (config.json) and tokenizer of a model, without loading its weights."""
-
     # deferred: transformers (only a bundle's check)
     from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging  # deferred: transformers
@@ -287,7 +286,6 @@ def vllm_max_model_len(args: argparse.Namespace) -> int | None:
     """The context length vLLM derives for the model when --max-model-len is not given (its own
     ModelConfig, from the model's config.json); None if it cannot be derived here (vLLM then
     reports the problem itself)."""
-
     try:
         return launch.derived_max_model_len(args)
     except Exception:  # noqa: BLE001 - vLLM's own start reports what is wrong
@@ -315,7 +313,6 @@ def keep_prefills_whole(args: argparse.Namespace,
     (its default on CPU when the option is not given); without --max-model-len, the length vLLM
     derives from the model's config is checked the same way (`derive_max_len`).
     """
-
     if not launch.is_cpu_platform():
         return
     why = ("on vLLM's CPU build a seeded request whose prompt is prefilled in chunks crashes the "
@@ -380,9 +377,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(argv: list[str]) -> None:
-
     if "--check-vllm" in argv:  # before the version check: it is how a new release is judged
-
         if len(argv) > 1:
             raise StartupError("--check-vllm takes no other option")
         raise SystemExit(check_touch_points(f"vLLM {installed_vllm_version() or 'not installed'}"
@@ -440,7 +435,6 @@ def _main(argv: list[str]) -> None:
 
     # -- vLLM from here on -----------------------------------------------------------------
     if bundle is not None:
-
         prepare_environment()
 
     try:

@@ -586,7 +586,6 @@ def _install_openapi(app: Any) -> None:
 
 def install(app: Any, state: OrcaState) -> Any:
     """Add the orca route and middleware to a FastAPI app built by vLLM (before it serves)."""
-
     state._app_state = app.state
     app.state.orca = state
     add_orca_routes(app, state)
@@ -626,7 +625,6 @@ def served_model_name(args: Any) -> str:
 def state_from_args(args: Any) -> OrcaState:
     """The server's state, from the parsed command line alone (`args.calib`: the bundle, already
     checked at start), so that every API server process can build its own."""
-
     bundle = load_bundle(args.calib) if args.calib else None
     state = OrcaState(bundle=bundle, defaults=orca_defaults(args, bundle),
                       metrics=(OrcaMetrics(model_name=served_model_name(args))
@@ -658,7 +656,6 @@ def run(args: Any, state: OrcaState) -> None:
     its own engine client; a request's result is fetched by key with collective_rpc from any of
     them, so whichever process answers a request gets it.
     """
-
     if (getattr(args, "api_server_count", None) or 1) > 1:
         launch.run_multi(args, install_own_state)
         return

@@ -295,12 +295,10 @@ def log_change(g: DeltaGuard, was_engaged: bool, was_source: str, was_lam: float
 
 
 def _default_cs_factory(epsilon: float) -> Callable[[], CS]:
-
     return lambda: RestartedAlarm(epsilon)
 
 
 def _default_loss(scores: np.ndarray, labels: np.ndarray, lam: float) -> int:
-
     return request_loss(scores, labels, lam)
 
 
@@ -453,7 +451,6 @@ class LiveAudit:
 
     async def _process(self, job: _Job) -> None:
         if self.labeller is None:
-
             self.labeller = AuditLabeller(self.engine_client(), self.config.probe)
         record = await self.labeller.label(job.key, job.rec, job.result, job.finish_reason)
         # unrounded: replaying them must reproduce the server's stop decisions, also at lambda 1.0

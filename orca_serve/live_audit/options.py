@@ -91,7 +91,6 @@ def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
                          "and writes --orca-audit-dir); use --api-server-count 1 with "
                          "--orca-audit-rate")
     if ns.orca_audit_rate > 0:
-
         require_math_verify()
     if ns.orca_audit_dir is not None:
         d = Path(ns.orca_audit_dir)
@@ -128,6 +127,5 @@ def store_info(bundle: Any) -> dict[str, Any]:
 
 def audit_store(config: AuditConfig, bundle: Any) -> Any:
     """The rotating store of labelled audits under `config.directory`."""
-
     return AuditStore(config.directory, dim=bundle.model.hidden_size, per_dir=config.per_dir,
                       keep=config.keep, info=store_info(bundle))

@@ -60,7 +60,6 @@ AppHook = Callable[[Any], Any]
 
 
 def _first(modules: tuple[str, ...], name: str) -> Any:
-
     for module in modules:
         try:
             return getattr(importlib.import_module(module), name)
@@ -105,7 +104,6 @@ def derived_max_model_len(args: argparse.Namespace) -> int:
 
 def _hook_build_app(hook: AppHook) -> None:
     """Make vLLM's launcher pass every app it builds through `hook`."""
-
     entry = importlib.import_module(_ENTRY)
     vllm_build_app = entry.build_app
 
@@ -129,7 +127,6 @@ def run_single(args: argparse.Namespace, hook: AppHook,
                on_loop: Callable[[], None] | None = None) -> None:
     """vLLM's `run_server` in this process, every app through `hook`; `on_loop` runs first on
     the server's event loop (e.g. to add signal handlers)."""
-
     import uvloop  # deferred: uvloop (vLLM's dependency, not ours)
 
     _hook_build_app(hook)
@@ -146,7 +143,6 @@ def run_single(args: argparse.Namespace, hook: AppHook,
 def run_multi(args: argparse.Namespace, hook: AppHook) -> None:
     """vLLM's `run_multi_api_server`: engines here, N spawned API server processes, each building
     its app through `hook` (pickled into the process)."""
-
     serve = importlib.import_module(_SERVE)
     serve.APIServerProcessManager = functools.partial(
         serve.APIServerProcessManager,

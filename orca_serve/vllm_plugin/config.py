@@ -186,7 +186,6 @@ def speculative_method(spec: Any) -> str | None:
     """The method of a speculative config (a JSON string, a dict or vLLM's SpeculativeConfig);
     "" when there is none. vLLM's own inference: model "ngram" is n-gram, and a config that
     names neither method nor model has none we can tell (None)."""
-
     if not spec:
         return ""
     if isinstance(spec, str):

@@ -64,7 +64,6 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
     def __new__(cls, vllm_config, *args, **kwargs):
         req_states = kwargs.get("req_states", args[0] if len(args) == 1 else None)
         if isinstance(req_states, LogitsProcRequestState):
-
             # not an instance of cls, so Python does not call cls.__init__ on it
             return OrcaMRV2LogitsProcessor(vllm_config, req_states)
         return super().__new__(cls)

@@ -49,13 +49,11 @@ def processor_stats(processors: Any) -> dict[str, Any]:
 class OrcaWorkerExtension:
     def _orca_processors(self) -> list:
         """Our processors in this worker (either runner's; `vllm_compat.runner`)."""
-
         return [p for p in processors_in(self) if isinstance(p, CoreAdapter)]
 
     def _orca_reports(self) -> bool:
         """True on the one worker that answers for the engine: the last pipeline rank (it runs
         the sampler, hence the processor's apply()) with tensor-parallel rank 0."""
-
         return is_reporting_worker()
 
     def orca_results(self, keys: list[str]) -> dict[str, dict[str, Any]]:
@@ -72,7 +70,6 @@ class OrcaWorkerExtension:
         Fetch after the request finished; a result is kept until fetched, for at most
         `result_ttl_s` after the request left the batch, and at most `max_results` of them.
         """
-
         reports = self._orca_reports()
         out: dict[str, dict[str, Any]] = {}
         for p in self._orca_processors():
