@@ -96,6 +96,18 @@ def _wait_labelled(srv: Server, n: int, timeout: float = 120) -> dict:
     raise AssertionError(f"{n} audits not labelled in {timeout} s: {_table(srv)}")
 
 
+def _settled(srv: Server, timeout: float = 120) -> dict:
+    """The table once every picked audit has ended (labelled, dropped, failed, aborted or cut):
+    an earlier test's audits are still being labelled when the next one starts."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        t = _table(srv)
+        if sum(t[k] for k in ("labelled", "dropped", "failed", "aborted", "length")) == t["picked"]:
+            return t
+        time.sleep(0.5)
+    raise AssertionError(f"audits still pending after {timeout} s: {_table(srv)}")
+
+
 def test_audited_requests_get_full_budget_answers_and_labels_match_collect(srv, env) -> None:
     prompts = _records(env["dir"] / "prompts.jsonl")
     for p in prompts:
@@ -164,7 +176,7 @@ def test_failing_delta_alarms_and_falls_back(srv, env) -> None:
 def test_an_audit_cut_by_max_tokens_is_counted_not_labelled(srv, env) -> None:
     """finish_reason `length`: no final answer to label against, so the audit is left out of
     the risk and counted (its loss would otherwise be 0 at every lambda)."""
-    before = _table(srv)
+    before = _settled(srv)
     r = srv.client().chat.completions.create(
         model=str(MODEL), messages=[{"role": "user", "content": "Find x with 5*x - 3 = 12."}],
         temperature=0, max_tokens=8, extra_body={"orca": {"delta": 0.1}})
