@@ -2,16 +2,39 @@
 
 A module that needs another `model` (e.g. a served model's id) defines its own fixture of that
 name, which takes precedence within that module.
+
+`make test` runs two pytest-xdist workers, a module per worker at a time (`--dist loadfile`), on
+a 2-core host; the settings below keep them from taking each other's core.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Before torch is imported. One OpenMP thread per process: a second one spin-waits on the core
+# the other worker (or its servers) needs. No pinning of engines: vLLM's automatic binding puts
+# every single-rank engine on the same core, so two workers' engines would share one core while
+# the other idles (test_parallel pins its two ranks itself).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 import pytest
 
 from tests.core_sim import sim_bundle
 from tests.tiny_model import build_tiny_model
+
+# The modules that take longest (each starts engines or servers), longest first: the workers take
+# modules in collection order, so starting with these keeps both busy to the end instead of one
+# finishing test_parallel alone. Measured with `make test`'s --durations; order only, no skips.
+LONGEST_FIRST = ["test_parallel", "test_speculation_engine", "test_fuzz_http", "test_audit_server",
+                 "test_demo", "test_toy_job", "test_plugin", "test_server", "test_server_apis",
+                 "test_audit_labels", "test_stock_vllm", "test_bundle", "test_hot_reload"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda it: rank.get(it.path.stem, len(rank)))  # stable: same order otherwise
 
 
 @pytest.fixture(scope="session")
