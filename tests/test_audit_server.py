@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -34,6 +35,7 @@ MODEL = ROOT / "orca_serve" / "demo" / "model"
 MAX_TOKENS = 400
 N_COMPARED = 3
 BAD_DELTA = 0.3
+BATCH = 4  # requests at BAD_DELTA asked at once, before waiting for their labels
 # float32 as collect runs it (vLLM's CPU build would downcast the model to bfloat16)
 COMMON = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len",
           "1024", "--reasoning-parser", "deepseek_r1", "--max-num-batched-tokens", "16384",
@@ -152,14 +154,20 @@ def test_failing_delta_alarms_and_falls_back(srv, env) -> None:
     """Delta 0.3 at lambda 0 stops at the first step: its realized risk is far above 0.3, the
     lower bound passes it after a few audits, and requests at that delta then stop early no
     more, while delta 0.1 keeps its bundle lambda*."""
-    source = None
-    for i, p in enumerate(_records(env["dir"] / "more.jsonl")):
-        orca = _ask(srv, p["messages"], delta=BAD_DELTA).model_extra["orca"]
-        source = orca["lambda_source"]
-        if source == "fallback":
-            assert orca["lambda"] is None
-            break
-        _wait_labelled(srv, N_COMPARED + i + 1)
+    prompts = _records(env["dir"] / "more.jsonl")
+    source, asked = None, N_COMPARED
+    with ThreadPoolExecutor(BATCH) as pool:  # the alarm came after 12 audits when measured
+        for start in range(0, len(prompts), BATCH):
+            batch = prompts[start:start + BATCH]
+            for orca in pool.map(lambda p: _ask(srv, p["messages"], delta=BAD_DELTA)
+                                 .model_extra["orca"], batch):
+                if orca["lambda_source"] == "fallback":
+                    assert orca["lambda"] is None
+                    source = "fallback"
+            if source == "fallback":
+                break
+            asked += len(batch)
+            _wait_labelled(srv, asked)
     assert source == "fallback", _table(srv)
     row = next(r for r in _table(srv)["deltas"] if r["delta"] == BAD_DELTA)
     assert row["engaged"] and row["lambda_source"] == "fallback", row

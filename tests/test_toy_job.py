@@ -8,6 +8,7 @@ through the OpenAI client.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -83,10 +84,11 @@ def test_served_bundle_stops_early(job: Path) -> None:
         client = srv.wait().client()
         prompts = [json.loads(x) for x in (job / "prompts.jsonl").open()][:24]
         stopped = 0
-        for p in prompts:
-            r = client.chat.completions.create(
+        with ThreadPoolExecutor(8) as pool:  # batched by the engine, as a server's traffic is
+            answers = list(pool.map(lambda p: client.chat.completions.create(
                 model=str(MODEL), messages=p["messages"], temperature=0, max_tokens=320,
-                extra_body={"orca": {"delta": delta, "policy": "answer"}})
+                extra_body={"orca": {"delta": delta, "policy": "answer"}}), prompts))
+        for r in answers:
             orca = r.model_extra["orca"]
             assert orca["enabled"] and orca["delta"] == delta
             if orca["stopped_early"]:
