@@ -1,9 +1,10 @@
-"""Speculative decoding on the real engine (offline `LLM`, in-process, V1 runner, tiny model).
+"""Speculative decoding on the real engine (offline `LLM`, V1 runner, tiny model).
 
 The same greedy requests run on three engines serving one bundle: plain decoding, n-gram
-speculation and draft-model speculation (the tiny model drafts for itself). Greedy decoding with
-a small frequency penalty: the output of a speculative engine is the plain engine's, token for
-token (the drafter proposes without the penalty, so some drafts are rejected and some accepted).
+speculation and draft-model speculation (the tiny model drafts for itself); all run in this
+process but the n-gram engine's worker (`_engine`). Greedy decoding with a small frequency
+penalty: the output of a speculative engine is the plain engine's, token for token (the drafter
+proposes without the penalty, so some drafts are rejected and some accepted).
 
 The bundle carries a grid of (delta, lambda*) rows; the plain engine's shadow scores pick, per
 prompt, a delta whose lambda* is first crossed at a later step, and the stop requests use it.
@@ -13,9 +14,11 @@ output tokens, at most k tokens after the plain engine's (k = num_speculative_to
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
+import sys
 
 import pytest
 
@@ -72,33 +75,41 @@ def _sp(key: str, **xa):
                           extra_args={"orca_key": key, **xa})
 
 
-def _run(model, bundle, prompts, requests, speculation=None):
-    """Start an engine, run `requests` ({key: (prompt index, extra args)}), return
-    ({key: token ids}, {key: result}, stats); the engine is dropped afterwards.
+@contextlib.contextmanager
+def _engine(model, bundle, speculation=None):
+    """An offline engine serving `bundle`, plain or with `speculation`; shut down on exit.
 
-    A speculative engine runs its engine core in a process of its own: vLLM 0.32 cannot build
-    a second draft-model engine in one process (its kernel registry refuses the re-registration).
+    The engine core runs in this process. So does the worker, except under n-gram speculation:
+    its proposer imports numba, and once llvmlite is loaded every later vLLM CPU engine of the
+    process fails at start (vLLM 0.32's kernel-override scan over sys.modules trips on
+    llvmlite's `ffi.lib`), which would break the in-process engines of the modules that run
+    after this one in the same pytest(-xdist) process. The n-gram engine's worker is a process
+    of its own (executor "mp": one spawn; VLLM_ENABLE_V1_MULTIPROCESSING=1 would spawn two on
+    the CPU build, the engine core and then its worker).
     """
     from vllm import LLM
 
     prepare_environment()
     spec = None if speculation is None else SPECULATION[speculation](model)
-    with pytest.MonkeyPatch.context() as mp:
-        if spec is not None:
-            import vllm.envs
-
-            mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-            vllm.envs.disable_envs_cache()  # vLLM caches env vars after the first engine
-        llm = LLM(str(model), speculative_config=spec, **COMMON, **engine_kwargs(bundle))
+    backend = "mp" if speculation == "ngram" else None
+    llm = LLM(str(model), speculative_config=spec, distributed_executor_backend=backend,
+              **COMMON, **engine_kwargs(bundle))
     try:
-        keys = list(requests)
-        outs = llm.generate([prompts[requests[k][0]] for k in keys],
-                            [_sp(k, **requests[k][1]) for k in keys], use_tqdm=False)
-        res = merge_results(llm.collective_rpc("orca_results", args=(keys,)))
-        (stats,) = llm.collective_rpc("orca_stats")
+        yield llm
     finally:
+        llm.llm_engine.engine_core.shutdown()  # and its worker process, if any
         del llm
         gc.collect()
+
+
+def _generate(llm, prompts, requests):
+    """Run `requests` ({key: (prompt index, extra args)}) on `llm`; return
+    ({key: token ids}, {key: result}, stats)."""
+    keys = list(requests)
+    outs = llm.generate([prompts[requests[k][0]] for k in keys],
+                        [_sp(k, **requests[k][1]) for k in keys], use_tqdm=False)
+    res = merge_results(llm.collective_rpc("orca_results", args=(keys,)))
+    (stats,) = llm.collective_rpc("orca_stats")
     return {k: list(o.outputs[0].token_ids) for k, o in zip(keys, outs)}, res, stats
 
 
@@ -106,14 +117,9 @@ def _first_cross(sm, lam):
     return next((t + 1 for t, v in enumerate(sm) if v >= lam), None)
 
 
-@pytest.fixture(scope="module")
-def picked(model, bundle, tok):
+def _pick(prompts, res):
     """Per prompt, a delta of the grid whose lambda* the plain run first crosses at step >= 3,
     early enough that the budget guard of policy answer does not close the thinking first."""
-    prompts = chat_prompts(tok, QUESTIONS)
-    shadow = {f"s{i}": (i, {"orca_policy": "shadow", "orca_record": 1})
-              for i in range(len(prompts))}
-    _, res, _ = _run(model, bundle, prompts, shadow)
     deltas = {}
     for i in range(len(prompts)):
         sm, steps = res[f"s{i}"]["scores"], res[f"s{i}"]["step_tokens"]
@@ -123,7 +129,32 @@ def picked(model, bundle, tok):
                 deltas[i] = delta
                 break
     assert len(deltas) >= 3, "too few prompts with a later crossing: the test would prove little"
-    return prompts, deltas
+    return deltas
+
+
+@pytest.fixture(scope="module")
+def plain_runs(model, bundle, tok):
+    """One plain engine, two runs: shadow requests pick the deltas (`_pick`), then the requests
+    of `_requests` with them."""
+    prompts = chat_prompts(tok, QUESTIONS)
+    shadow = {f"s{i}": (i, {"orca_policy": "shadow", "orca_record": 1})
+              for i in range(len(prompts))}
+    with _engine(model, bundle) as llm:
+        _, res, _ = _generate(llm, prompts, shadow)
+        deltas = _pick(prompts, res)
+        return (prompts, deltas), _generate(llm, prompts, _requests(deltas))
+
+
+@pytest.fixture(scope="module")
+def picked(plain_runs):
+    """(prompts, {prompt index: delta}), from the plain engine's shadow scores."""
+    return plain_runs[0]
+
+
+@pytest.fixture(scope="module")
+def plain(plain_runs):
+    """The plain engine's ({key: token ids}, {key: result}, stats) for `_requests(deltas)`."""
+    return plain_runs[1]
 
 
 def _requests(deltas):
@@ -137,18 +168,14 @@ def _requests(deltas):
     return reqs
 
 
-@pytest.fixture(scope="module")
-def plain(model, bundle, picked):
-    prompts, deltas = picked
-    return _run(model, bundle, prompts, _requests(deltas))
-
-
 @pytest.mark.parametrize("speculation", ["ngram", "draft_model"])
 def test_speculation_stops_where_plain_decoding_stops(model, bundle, tok, picked, plain,
                                                       speculation):
     prompts, deltas = picked
     want_out, want, _ = plain
-    got_out, got, stats = _run(model, bundle, prompts, _requests(deltas), speculation)
+    with _engine(model, bundle, speculation) as llm:
+        got_out, got, stats = _generate(llm, prompts, _requests(deltas))
+    assert "llvmlite" not in sys.modules  # later in-process engines would fail (see `_engine`)
     assert stats["drafts_accepted"] >= 20, stats  # speculation did happen
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     force = tok.encode("\n</think>\n\n", add_special_tokens=False)
