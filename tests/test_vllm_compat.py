@@ -72,8 +72,6 @@ TEST_EXCEPTIONS: dict[str, dict[str, str]] = {
     "tests/test_reload.py": {"vllm.logger:_configure_vllm_root_logger":
                              "sets up vLLM's logging as vLLM does at import"},
     "tests/test_parallel.py": {"vllm.envs": "resets vLLM's env-var cache between engines"},
-    "tests/test_speculation_engine.py": {"vllm.envs":
-                                         "resets vLLM's env-var cache between engines"},
     "tests/test_apis.py": {"vllm.v1.engine.exceptions:EngineDeadError":
                            "the shutdown filter is tested on vLLM's own dead-engine error"},
     "tests/test_requests.py": {"vllm.platforms:current_platform":
