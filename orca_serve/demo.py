@@ -74,8 +74,9 @@ def main() -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    cmd = [sys.executable, "-m", "orca_serve.serve_cli", "--demo", "--host", "127.0.0.1",
-           "--port", str(port)]
+    # eager: a tiny model gains nothing from torch.compile, whose first start takes longer
+    cmd = [sys.executable, "-m", "orca_serve.serve_cli", "--demo", "--enforce-eager",
+           "--host", "127.0.0.1", "--port", str(port)]
     print(f"starting: {' '.join(cmd)}  (first start compiles nothing: eager mode; ~1 min)")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)

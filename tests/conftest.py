@@ -29,7 +29,7 @@ from tests.tiny_model import build_tiny_model
 # finishing test_parallel alone. Measured with `make test`'s --durations; order only, no skips.
 LONGEST_FIRST = ["test_parallel", "test_speculation_engine", "test_fuzz_http", "test_audit_server",
                  "test_demo", "test_toy_job", "test_plugin", "test_server", "test_server_apis",
-                 "test_audit_labels", "test_stock_vllm", "test_bundle", "test_hot_reload"]
+                 "test_stock_vllm", "test_hot_reload", "test_bundle"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -5,11 +5,8 @@ a guard is one line of the server log."""
 from __future__ import annotations
 
 import logging
-import re
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -74,33 +71,3 @@ def test_a_mismatch_is_said_at_start_and_alarms_and_fallback_are_log_lines(caplo
         assert f"ALARM at delta {d} " in alarm and "on alarm: fallback" in alarm
         assert f"delta {d} now served with lambda never" in fallback and "(fallback;" in fallback
     assert all(r.levelno == logging.WARNING and "\n" not in r.getMessage() for r in lines)
-
-
-@pytest.mark.vllm
-def test_the_demo_with_audits_exports_the_drift_metrics(tmp_path) -> None:
-    """`orca-serve --demo --orca-audit-rate 1`, for real: the demo bundle's drift reference
-    gives the drift metrics, and its labels match the audits' (so the guard can act)."""
-    from tests.serving import Server, orca_serve_cmd
-
-    srv = Server(orca_serve_cmd("--demo", "--orca-audit-rate", "1"), tmp_path / "demo.log",
-                 ["--host", "127.0.0.1", "--enforce-eager", "--disable-uvicorn-access-log"])
-    try:
-        srv.wait()
-        c = srv.client()
-        # max_tokens well above the toy's ~200-token traces: a length-cut audit is not labelled
-        c.chat.completions.create(model=c.models.list().data[0].id, max_tokens=800,
-                                  messages=[{"role": "user", "content":
-                                             "Find the integer x with 7*x + 3 = 52."}])
-        deadline, text = time.time() + 120, ""
-        while time.time() < deadline and not re.search(
-                r'^orca_audit_requests_total\{[^}]*state="labelled"\} 1\.0', text, re.MULTILINE):
-            time.sleep(1)
-            text = httpx.get(srv.url + "/metrics", timeout=10).text
-        table = httpx.get(srv.url + "/v1/orca/audit", timeout=10).json()
-    finally:
-        srv.stop()
-    assert re.search(r"^orca_drift_pvalue\{", text, re.MULTILINE), text[-2000:]
-    assert re.search(r"^orca_drift_alarm\{", text, re.MULTILINE)
-    assert re.search(r'^orca_audit_labels_match\{.*bundle_label_mode="consistent".*\} 1\.0',
-                     text, re.MULTILINE)
-    assert table["labelled"] == 1 and table["labels_match"] and "drift" in table
