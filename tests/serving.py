@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -25,6 +26,34 @@ def free_port() -> int:
 
 def orca_serve_cmd(*args: str) -> list[str]:
     return [str(VENV_BIN / "orca-serve"), *args]
+
+
+# orca-serve's entry function on each command line in turn, in one process
+_CASES = """
+import contextlib, io, json, sys
+from orca_serve.serve_cli import main
+out = {}
+for name, argv in json.loads(sys.argv[1]).items():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    out[name] = [code, err.getvalue()]
+print(json.dumps({"cases": out, "vllm imported": "vllm" in sys.modules}))
+"""
+
+
+def refusals(cases: dict[str, list[str]]) -> tuple[dict[str, tuple[int, str]], bool]:
+    """Each command line's exit code and stderr through orca-serve's real entry function, and
+    whether vLLM was imported by the end: one process for all (a process each costs 2-10 s).
+    For command lines that stop before serving: one that starts a server does not return."""
+    r = subprocess.run([sys.executable, "-c", _CASES, json.dumps(cases)], check=True,
+                       capture_output=True, text=True, timeout=600, env=server_env())
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    return {k: (v[0], v[1]) for k, v in report["cases"].items()}, report["vllm imported"]
 
 
 def server_env() -> dict[str, str]:

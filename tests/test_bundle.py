@@ -5,8 +5,6 @@ import hashlib
 import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ from orca_method.bundle import (
 from orca_method.bundle_checks import check_semantics
 from orca_method.probe import Probe, ProbeSpec
 from tests.bundles import SMALL_VOCAB, small_bundle
+from tests.serving import refusals
 
 
 def _rewrite(path, mutate) -> None:
@@ -248,31 +247,10 @@ def _bad_bundle(tmp_path, name: str):
     return tmp_path / "b.json"
 
 
-# orca-serve's real entry function on each case, in one process (a process per case costs ~2 s):
-# the exit code and stderr of each, and whether vLLM was imported by the end.
-_SERVE_CASES = """
-import contextlib, io, json, sys
-from orca_serve.serve_cli import main
-out = {}
-for name, argv in json.loads(sys.argv[1]).items():
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            main(argv)
-            code = 0
-        except SystemExit as e:
-            code = e.code
-    out[name] = [code, err.getvalue()]
-print(json.dumps({"cases": out, "vllm imported": "vllm" in sys.modules}))
-"""
-
-
 def _serve(cases: dict[str, list[str]]) -> dict[str, tuple[int, str]]:
-    r = subprocess.run([sys.executable, "-c", _SERVE_CASES, json.dumps(cases)], check=True,
-                       capture_output=True, text=True, timeout=300)
-    report = json.loads(r.stdout.strip().splitlines()[-1])
-    assert report["vllm imported"] is False, "a refusal imported vLLM"
-    return {name: tuple(v) for name, v in report["cases"].items()}
+    got, vllm_imported = refusals(cases)
+    assert not vllm_imported, "a refusal imported vLLM"
+    return got
 
 
 def test_orca_serve_refuses_a_bad_bundle_in_one_line_before_vllm(tmp_path) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
 import sys
 import time
 
@@ -30,10 +29,9 @@ from tests.serving import (
     COMMON,
     MSG,
     Server,
-    free_port,
     orca_of,
     orca_serve_cmd,
-    server_env,
+    refusals,
     server_model,
 )
 from tests.tiny_model import HIDDEN, build_tiny_model
@@ -75,45 +73,30 @@ def chat(server: Server, orca: dict | None = None, **kw):
 
 
 # -- start-up refusals (run while the servers start) ----------------------------------------------
-def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(orca_serve_cmd(*args, *COMMON, "--port", str(free_port())),
-                          capture_output=True, text=True, timeout=timeout, env=server_env(), check=False)
-
-
-def test_refuses_hidden_size_mismatch(env, servers):
-    bad = make_bundle(env["dir"] / "wrong_hidden.json", env["model"], hidden=HIDDEN // 2)
-    r = run_cli("--model", str(env["model"]), "--calib", str(bad))
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    assert "hidden size" in lines[0] and str(HIDDEN // 2) in lines[0]
-    assert "Traceback" not in r.stderr
-
-
-def test_refuses_corrupted_checksum(env, servers):
-    data = json.loads(env["bundle"].read_text())
-    data["ltt"]["rows"][0]["lam"] = 0.01  # an edit after calibration
-    bad = env["dir"] / "corrupt.json"
-    bad.write_text(json.dumps(data))
-    r = run_cli("--model", str(env["model"]), "--calib", str(bad))
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "checksum" in lines[0], r.stderr
-
-
-def test_refuses_delta_not_in_bundle_and_speculative_decoding(env, servers):
-    r = run_cli("--model", str(env["model"]), "--calib", str(env["bundle"]), "--orca-delta", "0.3")
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == [
-        ("orca-serve: error: delta 0.3 has no calibrated lambda* in this bundle; "
-         "available deltas: 0.05, 0.1, 0.2")]
-    r = run_cli("--model", str(env["model"]), "--calib", str(env["bundle"]),
-                "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}')
-    assert r.returncode == 2, r.stderr[-2000:]
-    lines = r.stderr.strip().splitlines()
-    assert lines == [("orca-serve: error: speculative decoding with method 'eagle' is not "
-                      "supported with orca (tested: ngram, draft_model; set \"method\" in the "
-                      "speculative config)")]
+def test_start_up_refusals_are_one_line(env, servers):
+    """Hidden size, an edited table, a delta the bundle has no lambda* for, an unsupported
+    speculation method: exit 2 and one line each, through orca-serve's entry function."""
+    model = ["--model", str(env["model"]), *COMMON]
+    corrupt = json.loads(env["bundle"].read_text())
+    corrupt["ltt"]["rows"][0]["lam"] = 0.01  # an edit after calibration
+    (env["dir"] / "corrupt.json").write_text(json.dumps(corrupt))
+    wrong_hidden = make_bundle(env["dir"] / "wrong_hidden.json", env["model"], hidden=HIDDEN // 2)
+    got, _ = refusals({
+        "hidden": [*model, "--calib", str(wrong_hidden)],
+        "checksum": [*model, "--calib", str(env["dir"] / "corrupt.json")],
+        "delta": [*model, "--calib", str(env["bundle"]), "--orca-delta", "0.3"],
+        "eagle": [*model, "--calib", str(env["bundle"]),
+                  "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}']})
+    for name, (code, err) in got.items():
+        assert code == 2 and "Traceback" not in err, (name, err[-2000:])
+        assert len(err.strip().splitlines()) == 1, (name, err)
+    assert "hidden size" in got["hidden"][1] and str(HIDDEN // 2) in got["hidden"][1]
+    assert "checksum" in got["checksum"][1]
+    assert got["delta"][1].strip() == ("orca-serve: error: delta 0.3 has no calibrated lambda* in "
+                                       "this bundle; available deltas: 0.05, 0.1, 0.2")
+    assert got["eagle"][1].strip() == (
+        "orca-serve: error: speculative decoding with method 'eagle' is not supported with orca "
+        "(tested: ngram, draft_model; set \"method\" in the speculative config)")
 
 
 # -- requests ---------------------------------------------------------------------------------
