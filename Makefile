@@ -1,9 +1,9 @@
 # The two commands a new user runs; each sets up .venv (reused when present) first.
 .PHONY: setup test test-fast demo bench
 
-# Two workers, a test module per worker at a time (module-scoped servers start once), modules in
-# the order tests/conftest.py gives them (longest first). PARALLEL= runs in one process.
-PARALLEL ?= -n 2 --dist loadfile --no-loadscope-reorder
+# Two workers, a group of tests per worker at a time (a module, or the modules that share a server:
+# each server starts once), longest first: tests/conftest.py says how. PARALLEL= runs in one process.
+PARALLEL ?= -n 2
 
 setup:
 	bash scripts/setup-venv.sh

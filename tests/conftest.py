@@ -3,14 +3,18 @@
 A module that needs another `model` (e.g. a served model's id) defines its own fixture of that
 name, which takes precedence within that module.
 
-`make test` runs two pytest-xdist workers, a module per worker at a time (`--dist loadfile`), on
-a 2-core host; the settings below keep them from taking each other's core.
+`make test` runs two pytest-xdist workers on a 2-core host, a group of tests per worker at a time
+(`pytest_xdist_make_scheduler` below): each module is a group, except the modules that share one
+server (`SHARED_SERVER`), which form one. The settings below keep the workers from taking each
+other's core.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # Before torch is imported. One OpenMP thread per process: a second one spin-waits on the core
 # the other worker (or its servers) needs. No pinning of engines: vLLM's automatic binding puts
@@ -21,7 +25,9 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 import pytest
 
+from tests.bundles import make_bundle
 from tests.core_sim import sim_bundle
+from tests.serving import COMMON, Server, orca_serve_cmd
 from tests.tiny_model import build_tiny_model
 
 # The modules that take longest (each starts engines or servers), longest first: the workers take
@@ -32,15 +38,51 @@ LONGEST_FIRST = ["test_parallel", "test_speculation_engine", "test_fuzz_http", "
                  "test_stock_vllm", "test_hot_reload", "test_bundle"]
 
 
+# Modules that use one session-scoped server (`tiny_server`): one group, so one worker runs them
+# all and the server starts once.
+SHARED_SERVER = {"test_server": "tiny_server", "test_server_apis": "tiny_server"}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda it: rank.get(it.path.stem, len(rank)))  # stable: same order otherwise
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under `-n N`: whole groups to a worker (a module, or the modules of SHARED_SERVER), in
+    collection order (xdist would otherwise put the groups with most tests first). Not xdist's
+    `loadgroup`: with pytest 9 its group marks never reach the scheduler."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return SHARED_SERVER.get(Path(module).stem, module)
+
+    config.option.loadscopereorder = False
+    return ModuleGroups(config, log)
 
 
 @pytest.fixture(scope="session")
 def model(tmp_path_factory) -> Path:
     """The tiny model's folder; shared across sessions through the pytest base temp's parent."""
     return build_tiny_model(tmp_path_factory.getbasetemp().parent / "orca-tiny-model")
+
+
+@pytest.fixture(scope="session")
+def tiny_server(model, tmp_path_factory) -> Iterator[dict]:
+    """orca-serve on the tiny model and `make_bundle`'s bundle (delta 0.05 -> never, 0.1 ->
+    lambda 0.99, 0.2 -> 0.5: stops at step 1), `--orca-answer-budget 8`, `--orca-effort-map
+    medium=0.1`. Started, not waited for: a test calls `.wait()` when it needs it."""
+    d = tmp_path_factory.mktemp("tiny_server")
+    bundle = make_bundle(d / "bundle.json", model)
+    server = Server(orca_serve_cmd("--model", str(model), "--calib", str(bundle),
+                                   "--orca-answer-budget", "8", "--orca-effort-map", "medium=0.1"),
+                    d / "orca.log", COMMON)
+    try:
+        yield {"server": server, "model": model, "bundle": bundle}
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -293,7 +293,7 @@ def _drift_audit(bundle, seed: int):
 
 def test_drift_sees_one_choice_per_request(bundle) -> None:
     """n > 1 choices of one prompt share its difficulty: only choice 0 reaches the test."""
-    rng, drift, audit, settings = _drift_audit(bundle, seed=1)
+    _, drift, audit, settings = _drift_audit(bundle, seed=1)
     audit.finished(settings, {i: {"scores": [0.1, 0.2], "lam": None, "policy": "answer"}
                               for i in range(8)}, {i: "stop" for i in range(8)})
     assert drift.observed == 1

@@ -1,8 +1,9 @@
 """orca-serve end to end: real server processes on the tiny model, real `openai` client.
 
-One orca server (bundle whose probe fires at once: bias 3 -> score ~0.95 from the first step) and
-one plain vLLM server (vLLM's own api_server module, for the byte-identity check) are
-started once for the module, in parallel; the start-up refusals run meanwhile.
+One orca server (conftest's `tiny_server`, shared with test_server_apis; bundle whose probe fires
+at once: bias 3 -> score ~0.95 from the first step) and one plain vLLM server (vLLM's own
+api_server module, for the byte-identity check), started at once; the start-up refusals run
+meanwhile.
 
 Bundle table of the orca server (lambda* non-increasing in delta, as the start-up check
 requires): delta 0.05 -> never, 0.1 -> lambda 0.99 (never reached), 0.2 -> lambda 0.5 (stops at
@@ -30,32 +31,26 @@ from tests.serving import (
     MSG,
     Server,
     orca_of,
-    orca_serve_cmd,
     refusals,
     server_model,
 )
-from tests.tiny_model import HIDDEN, build_tiny_model
+from tests.tiny_model import HIDDEN
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    d = tmp_path_factory.mktemp("orca_server")
-    model = build_tiny_model(d / "tiny")
-    return {"dir": d, "model": model,
-            "bundle": make_bundle(d / "bundle.json", model)}
+def env(tiny_server, tmp_path_factory):
+    return {"dir": tmp_path_factory.mktemp("orca_server"), "model": tiny_server["model"],
+            "bundle": tiny_server["bundle"]}
 
 
 @pytest.fixture(scope="module")
-def servers(env):
-    """Start both servers at once; tests wait for the one they need."""
-    model, d = str(env["model"]), env["dir"]
-    orca = Server(orca_serve_cmd("--model", model, "--calib", str(env["bundle"]),
-                                 "--orca-answer-budget", "8"), d / "orca.log", COMMON)
+def servers(env, tiny_server):
+    """The shared orca server (started by conftest) and a plain vLLM server started now; tests
+    wait for the one they need."""
     # plain vLLM itself (not orca-serve without --calib): vLLM's own OpenAI server module
-    plain = Server([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model],
-                   d / "plain.log", COMMON)
-    yield {"orca": orca, "plain": plain}
-    orca.stop()
+    plain = Server([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                    str(env["model"])], env["dir"] / "plain.log", COMMON)
+    yield {"orca": tiny_server["server"], "plain": plain}
     plain.stop()
 
 

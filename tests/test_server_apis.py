@@ -2,7 +2,7 @@
 real orca-serve on the tiny model (the bundle of test_server: delta 0.2 -> lambda 0.5, stops at
 step 1; 0.1 -> lambda 0.99, never reached; 0.05 -> never), the real `openai` client, the real
 `anthropic` client where it is installed (it is not a dependency of this project) and raw HTTP
-for the Messages API everywhere.
+for the Messages API everywhere. The server is conftest's `tiny_server`, shared with test_server.
 
 The server runs with `--orca-effort-map medium=0.1`, so the efforts map to: low -> 0.2 (the
 largest delta: stops), medium -> 0.1 (the option), high -> 0.05 (the smallest), xhigh/max -> off.
@@ -16,9 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.bundles import make_bundle
-from tests.serving import COMMON, MSG, Server, orca_of, orca_serve_cmd, server_model
-from tests.tiny_model import build_tiny_model
+from tests.serving import MSG, orca_of, server_model
 
 pytestmark = pytest.mark.vllm
 
@@ -27,15 +25,8 @@ STOP = {"delta": 0.2, "policy": "stop"}
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    d = tmp_path_factory.mktemp("orca_apis")
-    model = build_tiny_model(d / "tiny")
-    bundle = make_bundle(d / "bundle.json", model)
-    server = Server(orca_serve_cmd("--model", str(model), "--calib", str(bundle),
-                                   "--orca-answer-budget", "8", "--orca-effort-map", "medium=0.1"),
-                    d / "orca.log", COMMON)
-    yield server.wait()
-    server.stop()
+def srv(tiny_server):
+    return tiny_server["server"].wait()
 
 
 def test_responses_api_stops_early_and_reports_it(srv):

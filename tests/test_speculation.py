@@ -129,7 +129,7 @@ def _first_forced(s: SimRequest, forced: list[int]) -> int | None:
 
 @pytest.mark.parametrize(("seed", "k", "p_right"), [(0, 3, 0.7), (1, 3, 0.9), (2, 5, 0.5),
                                                     (3, 1, 0.8), (4, 3, 1.0)])
-def test_drafts_give_the_plain_runs_steps_scores_and_stops(bundle_path, seed,  # noqa: F811
+def test_drafts_give_the_plain_runs_steps_scores_and_stops(bundle_path, seed,
                                                            k, p_right):
     plain_sims, spec_sims = _sims(seed), _sims(seed)
     plain, spec = make_core(bundle_path, max_num_seqs=9), make_core(bundle_path, max_num_seqs=9)
@@ -172,7 +172,7 @@ def test_drafts_give_the_plain_runs_steps_scores_and_stops(bundle_path, seed,  #
     assert spec.get_stats()["resumed"] >= 3  # preempted requests came back with their drafts
 
 
-def test_a_boundary_inside_rejected_drafts_does_not_count(bundle_path):  # noqa: F811
+def test_a_boundary_inside_rejected_drafts_does_not_count(bundle_path):
     """Every draft wrong and a delimiter: nothing but the accepted tokens is segmented."""
     plain_sims, spec_sims = _sims(7), _sims(7)
     plain, spec = make_core(bundle_path, max_num_seqs=9), make_core(bundle_path, max_num_seqs=9)
