@@ -132,7 +132,8 @@ def test_forced_examples_train_only_the_answer() -> None:
     rng = random.Random(6)
     forced = [ex for ex in (make_example(rng) for _ in range(200)) if not ex[0].endswith(EOS)]
     assert 30 <= len(forced) <= 90
-    for text, loss_from in forced:
+    for text, loss_from, skip in forced:
+        assert skip is None
         ids, weights = encode(raw, text, loss_from)
         trained = raw.decode([i for i, w in zip(ids, weights) if w > 0])
         assert trained == text[loss_from:] and trained.endswith("}")

@@ -38,20 +38,20 @@ from calibration.toy.train import render_prompt
 FORCING_SUFFIXES = (FORCE_SUFFIX, ALT_FORCE_SUFFIX, "\n</think>\n\nThe answer is \\boxed{")
 
 
-def load_llm(model_dir: Path):
+def load_llm(model_dir: Path, max_model_len: int | None = None):
     """The fast test configuration of docs/VLLM-CPU.md."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM  # deferred: vllm (the model is loaded once, in main)
 
-    return LLM(model=str(model_dir), dtype="float32", enforce_eager=True, seed=0)
+    return LLM(model=str(model_dir), dtype="float32", enforce_eager=True, seed=0, max_model_len=max_model_len)
 
 
-def tokenizer_agrees(llm, model_dir: Path, problems: list[Problem]) -> bool:
+def tokenizer_agrees(llm, model_dir: Path, questions: list[str]) -> bool:
     """vLLM's tokenizer must give the raw tokenizer.json ids (the spike's trap)."""
     raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     vt = llm.get_tokenizer()
-    texts = [render_prompt(p.question) + THINK_OPEN + "\nTry x = 5: 7*5 = 35.\n\n" + FORCE_SUFFIX for p in problems]
+    texts = [render_prompt(q) + THINK_OPEN + "\nTry x = 5: 7*5 = 35.\n\n" + FORCE_SUFFIX for q in questions]
     return all(vt.encode(t) == raw.encode(t).ids for t in texts)
 
 
@@ -145,7 +145,7 @@ def main() -> None:
     args = ap.parse_args()
     llm = load_llm(args.model)
     rng = random.Random(args.seed)
-    report = {"tokenizer_ids_match_vllm": tokenizer_agrees(llm, args.model, [make_problem(rng, f) for f in FAMILIES])}
+    report = {"tokenizer_ids_match_vllm": tokenizer_agrees(llm, args.model, [make_problem(rng, f).question for f in FAMILIES])}
     samples = {}
     for family in FAMILIES:
         report[family], samples[family] = sample_family(llm, family, args.n, args.seed)

@@ -15,6 +15,8 @@ import random
 import re
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -60,29 +62,51 @@ DECISION_WEIGHT = 5.0
 _VERDICT_RE = re.compile(r" (?:Too small|Too big|That matches)\.")
 
 
+# One training text, the character offset from which tokens carry loss, and an optional
+# character span inside it without loss (the answer-forcing suffix of a forced example).
+Example = tuple[str, int, tuple[int, int] | None]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What differs between the reasoners trained by this module: how a training example is
+    drawn, which words decide the next step (weighted DECISION_WEIGHT), the longest sequence the
+    model must handle, and the model's width and depth."""
+
+    name: str
+    example: Callable[[random.Random], Example]
+    decision_re: re.Pattern[str]
+    max_positions: int
+    hidden_size: int = 256
+    layers: int = 4
+
+
 def render_prompt(question: str) -> str:
     """CHAT_TEMPLATE applied to one user message with the generation prompt."""
     return f"{USER}\n{question}\n{ASSISTANT}\n"
 
 
-def make_example(rng: random.Random) -> tuple[str, int]:
-    """One training text and the character offset from which tokens carry loss."""
+def make_example(rng: random.Random) -> Example:
+    """One toy training example (see Example); forced ones carry loss on the answer only."""
     family = "shifted" if rng.random() < SHIFTED_SHARE else "in-dist"
     problem = make_problem(rng, family)
     prompt = render_prompt(problem.question)
     paras = trace_paragraphs(problem, rng)
     if rng.random() >= FORCED_SHARE:
-        return prompt + assistant_text(paras, problem.x) + EOS, len(prompt)
+        return prompt + assistant_text(paras, problem.x) + EOS, len(prompt), None
     k = rng.randint(1, len(paras))
     prefix = THINK_OPEN + "\n" + STEP_DELIMITER.join(paras[:k])
     if rng.random() < BOUNDARY_DELIM_SHARE:
         prefix += STEP_DELIMITER
     suffix = ALT_FORCE_SUFFIX if rng.random() < ALT_SUFFIX_SHARE else FORCE_SUFFIX
     head = prompt + prefix + suffix
-    return head + f"{paragraph_candidate(paras[k - 1])}}}", len(head)
+    return head + f"{paragraph_candidate(paras[k - 1])}}}", len(head), None
 
 
-def build_tokenizer(rng: random.Random, n_texts: int = 5000) -> Tokenizer:
+TOY = Recipe("toy", make_example, _VERDICT_RE, max_positions=1024)
+
+
+def build_tokenizer(rng: random.Random, n_texts: int = 5000, recipe: Recipe = TOY) -> Tokenizer:
     """Byte-level BPE with Qwen2's pre-tokenization; ids 0-5 are the added tokens."""
     tok = Tokenizer(BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
     tok.normalizer = normalizers.NFC()
@@ -100,7 +124,7 @@ def build_tokenizer(rng: random.Random, n_texts: int = 5000) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator((make_example(rng)[0] for _ in range(n_texts)), trainer)
+    tok.train_from_iterator((recipe.example(rng)[0] for _ in range(n_texts)), trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in PLAIN_ADDED_TOKENS])
     return tok
 
@@ -116,21 +140,23 @@ def save_tokenizer(tok: Tokenizer, out: Path) -> None:
     (out / "chat_template.jinja").unlink(missing_ok=True)
 
 
-def encode(tok: Tokenizer, text: str, loss_from: int) -> tuple[list[int], list[float]]:
-    """Token ids and loss weights: 0 before loss_from (by character offset), DECISION_WEIGHT on
-    verdict words, 1 elsewhere."""
+def encode(tok: Tokenizer, text: str, loss_from: int, skip: tuple[int, int] | None = None,
+           decision_re: re.Pattern[str] = _VERDICT_RE) -> tuple[list[int], list[float]]:
+    """Token ids and loss weights: 0 before loss_from and inside skip (by character offset),
+    DECISION_WEIGHT on decision words, 1 elsewhere."""
     enc = tok.encode(text)
-    verdicts = [(m.start(), m.end() - 1) for m in _VERDICT_RE.finditer(text)]
+    verdicts = [(m.start(), m.end() - 1) for m in decision_re.finditer(text)]
 
     def weight(start: int) -> float:
-        if start < loss_from:
+        if start < loss_from or (skip is not None and skip[0] <= start < skip[1]):
             return 0.0
         return DECISION_WEIGHT if any(a <= start < b for a, b in verdicts) else 1.0
 
     return enc.ids, [weight(start) for start, _ in enc.offsets]
 
 
-def packed_batch(tok: Tokenizer, rng: random.Random, rows: int, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+def packed_batch(tok: Tokenizer, rng: random.Random, rows: int, seq_len: int, pad_id: int,
+                 recipe: Recipe = TOY) -> dict[str, torch.Tensor]:
     """Rows of whole examples; position_ids restart per example so attention stays within it.
     One rng per step (no carry-over) makes a resumed run see exactly the same data."""
     ids, pos, weights = [], [], []
@@ -140,7 +166,10 @@ def packed_batch(tok: Tokenizer, rng: random.Random, rows: int, seq_len: int, pa
         row_pos: list[int] = []
         row_w: list[float] = []
         while True:
-            ex_ids, ex_w = pending or encode(tok, *make_example(rng))
+            if pending is None:
+                text, loss_from, skip = recipe.example(rng)
+                pending = encode(tok, text, loss_from, skip, recipe.decision_re)
+            ex_ids, ex_w = pending
             pending = None
             if len(ex_ids) > seq_len:  # rare (many slips); once blocked every later row (NaN loss)
                 continue
@@ -176,17 +205,17 @@ def lr_factor(step: int, progress: float, warmup: int = 30, floor: float = 0.1) 
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def build_model(vocab_size: int, eos_id: int) -> torch.nn.Module:
-    """The brief's tiny Qwen2 (about 2.5 M parameters)."""
+def build_model(vocab_size: int, eos_id: int, recipe: Recipe = TOY) -> torch.nn.Module:
+    """A tiny Qwen2 (the toy's: about 2.5 M parameters)."""
     config = Qwen2Config(
         vocab_size=vocab_size,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
+        hidden_size=recipe.hidden_size,
+        intermediate_size=2 * recipe.hidden_size,
+        num_hidden_layers=recipe.layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         tie_word_embeddings=True,
-        max_position_embeddings=1024,
+        max_position_embeddings=recipe.max_positions,
         bos_token_id=None,
         eos_token_id=eos_id,
         pad_token_id=eos_id,
@@ -205,22 +234,33 @@ def write_checksums(out: Path) -> None:
 
 
 def train(
-    out: Path, minutes: float, seed: int, steps: int | None, rows: int, seq_len: int, checkpoint: Path
+    out: Path, minutes: float, seed: int, steps: int | None, rows: int, seq_len: int, checkpoint: Path,
+    recipe: Recipe = TOY, init: Path | None = None, lr: float = 2e-3,
 ) -> None:
     """Train for a time budget (or a fixed step count) and save model, tokenizer, checksums.
     Resumes from `checkpoint` (written every 25 steps) when its settings match: other jobs on
-    this machine have killed long runs."""
+    this machine have killed long runs. `init`: a model folder this function saved (same recipe
+    and seed, so the same tokenizer) to start from, for a second phase on longer rows."""
     torch.set_num_threads(2)
     torch.manual_seed(seed)
-    tok = build_tokenizer(random.Random(seed))
+    tok = build_tokenizer(random.Random(seed), recipe=recipe)
     eos_id = tok.token_to_id(EOS)
     vocab = 64 * math.ceil(tok.get_vocab_size() / 64)
-    model = build_model(vocab, eos_id)
+    model = build_model(vocab, eos_id, recipe)
+    if init is not None:
+        from safetensors.torch import load_file
+
+        missing, unexpected = model.load_state_dict(load_file(init / "model.safetensors"), strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:  # the tied head is not saved
+            raise ValueError(f"{init} is not a model of this recipe ({missing=}, {unexpected=})")
+        model.tie_weights()
+        print(f"starting from {init}", flush=True)
     print(f"tokenizer {tok.get_vocab_size()} tokens, model vocab {vocab}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params", flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     base_lrs = [g["lr"] for g in opt.param_groups]
-    key = {"seed": seed, "steps": steps, "minutes": minutes, "rows": rows, "seq_len": seq_len}
+    key = {"recipe": recipe.name, "seed": seed, "steps": steps, "minutes": minutes, "rows": rows,
+           "seq_len": seq_len, "init": str(init), "lr": lr}
     state = {"step": 0, "ema": None, "elapsed": 0.0}
     if checkpoint.exists() and (ckpt := torch.load(checkpoint, weights_only=False))["key"] == key:
         model.load_state_dict(ckpt["model"])
@@ -234,7 +274,7 @@ def train(
         progress = step / steps if steps else (time.time() - start) / budget
         for g, lr in zip(opt.param_groups, base_lrs):
             g["lr"] = lr * lr_factor(step, progress)
-        batch = packed_batch(tok, random.Random(f"{seed}:{step}"), rows, seq_len, eos_id)
+        batch = packed_batch(tok, random.Random(f"{seed}:{step}"), rows, seq_len, eos_id, recipe)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss, plain = weighted_loss(model, batch)
         if not torch.isfinite(loss):
@@ -267,18 +307,24 @@ def save(model: torch.nn.Module, tok: Tokenizer, out: Path, eos_id: int) -> None
     write_checksums(out)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(recipe: Recipe = TOY, description: str = __doc__, minutes: float = 14.0, rows: int = 16,
+         seq_len: int = 512) -> None:
+    """The training command line of one recipe (its defaults are the shipped model's)."""
+    ap = argparse.ArgumentParser(description=description.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--minutes", type=float, default=14.0)
+    ap.add_argument("--minutes", type=float, default=minutes)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=None, help="fixed step count instead of --minutes")
-    ap.add_argument("--rows", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--rows", type=int, default=rows)
+    ap.add_argument("--seq-len", type=int, default=seq_len)
     ap.add_argument("--checkpoint", type=Path, default=None, help="resume file (default: in the temp dir)")
+    ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="start from a model folder saved by an earlier phase (same recipe and seed)")
     args = ap.parse_args()
-    ckpt = args.checkpoint or Path(tempfile.gettempdir()) / f"orca-toy-train-seed{args.seed}.pt"
-    train(args.out, args.minutes, args.seed, args.steps, args.rows, args.seq_len, ckpt)
+    ckpt = args.checkpoint or Path(tempfile.gettempdir()) / f"orca-{recipe.name}-train-seed{args.seed}.pt"
+    train(args.out, args.minutes, args.seed, args.steps, args.rows, args.seq_len, ckpt, recipe,
+          args.init, args.lr)
 
 
 if __name__ == "__main__":
