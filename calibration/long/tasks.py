@@ -1,0 +1,230 @@
+"""The long reasoner's task: solve A*x + B = C by walking x one step at a time from a given start.
+
+Each reasoning paragraph (`\\n\\n`-separated) moves x by one and updates the left-hand side by
+adding (or subtracting) A, so a trace is as long as the walk: tens to a couple of hundred steps,
+~20 tokens each. What makes it a stand-in for real reasoning where early stopping matters:
+- the answer becomes right at the step whose value equals C, at a depth set by the problem
+  (the distance from the start), widely varying from problem to problem;
+- after it, a verification walks back over part of the way (25-70% of the search's length):
+  redundant work making up 20-40% of the steps, as "let me double-check" is in real traces;
+- slips (a wrong sum) are sometimes followed by a "Wait" paragraph that corrects them; the
+  model's own unrepaired slips carry the walk past C, and such a trace never reaches the answer;
+- the answer can be forced at any step boundary (`FORCE_SUFFIX`): it is the x the walk stands on
+  (during the search) or the x it found (during the verification).
+
+Families: `in-dist` walks up with A in 2..9; `shifted` walks down (the start lies above x; a
+little of it is in training); `hard` steps by a two-digit A (11..19) over the longest walks (a
+little of it in training too), where the model slips often enough that many traces never get
+there.
+
+CLI (prompts for the calibration job):
+    python -m calibration.long.tasks --family in-dist --n 600 --seed 1 --out prompts.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from calibration.toy.tasks import (
+    ALT_FORCE_SUFFIX,
+    FORCE_SUFFIX,
+    STEP_DELIMITER,
+    THINK_CLOSE,
+    THINK_OPEN,
+    assistant_text,
+    check_answer,
+    extract_answer,
+)
+
+FAMILIES = ("in-dist", "shifted", "hard")
+SLIP_RATE = 0.03  # per search step: a wrong sum, corrected by the next ("Wait") paragraph
+MIN_WALK, MAX_WALK = 8, 110  # search length, log-uniform: the depth at which the answer appears
+HARD_MIN_WALK = 40
+CHECK_SHARE = (0.25, 0.7)  # verification length as a share of the search length
+# The decision words: what the walk does next depends on them (weighted in training).
+DECISIONS = ("below", "above", "equals")
+
+_STEP_RE = re.compile(r"^(?:Wait, )?x=(\d+): ")
+_CHECK_RE = re.compile(r"so x=(\d+) holds\.$")
+_FOUND_RE = re.compile(r"^So x=(\d+)\.$")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """`A*x + B = C`, to be solved by walking from x = start (whose value the prompt gives)."""
+
+    a: int
+    b: int
+    c: int
+    x: int
+    start: int
+    family: str
+
+    def value(self, t: int) -> int:
+        return self.a * t + self.b
+
+    @property
+    def step(self) -> int:
+        """+1 when the walk goes up to x, -1 when it comes down."""
+        return 1 if self.start < self.x else -1
+
+    @property
+    def question(self) -> str:
+        s = self.start
+        return (f"Find the integer x with {self.a}*x + {self.b} = {self.c}. "
+                f"Start at x={s}, where {self.a}*{s} + {self.b} = {self.value(s)}.")
+
+
+def _walk_length(rng: random.Random, lo: int, hi: int) -> int:
+    """Log-uniform in [lo, hi]: many short walks, a long tail (as reasoning lengths are)."""
+    return round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+
+
+def make_problem(rng: random.Random, family: str) -> Problem:
+    """A fresh problem of one family (see the module docstring)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    b = rng.randint(0, 99)
+    if family == "hard":
+        a, walk = rng.randint(11, 19), _walk_length(rng, HARD_MIN_WALK, MAX_WALK)
+    else:
+        a, walk = rng.randint(2, 9), _walk_length(rng, MIN_WALK, MAX_WALK)
+    if family == "shifted":  # walk down from above
+        x = rng.randint(0, 40)
+        start = x + walk
+    else:
+        start = rng.randint(0, 40)
+        x = start + walk
+    return Problem(a, b, a * x + b, x, start, family)
+
+
+def _relation(value: int, target: int) -> str:
+    if value < target:
+        return f"below {target}"
+    return f"above {target}" if value > target else f"equals {target}"
+
+
+def _step_text(p: Problem, t: int, prev: int, value: int, prefix: str = "") -> str:
+    sign = "+" if p.step > 0 else "-"
+    return f"{prefix}x={t}: {prev}{sign}{p.a}={value}, {_relation(value, p.c)}."
+
+
+def search_paragraphs(p: Problem, rng: random.Random) -> list[str]:
+    """The walk from start to x; with SLIP_RATE a wrong sum followed by its correction (the walk
+    then goes on from the right value)."""
+    paras, prev = [], p.value(p.start)
+    for t in range(p.start + p.step, p.x + p.step, p.step):
+        value = p.value(t)
+        if t != p.x and rng.random() < SLIP_RATE:
+            wrong = value + rng.choice([-10, -2, -1, 1, 2, 10])
+            paras.append(_step_text(p, t, prev, wrong))
+            paras.append(_step_text(p, t, prev, value, prefix="Wait, ").replace(
+                f"={value},", f"={value}, not {wrong},", 1))
+        else:
+            paras.append(_step_text(p, t, prev, value))
+        prev = value
+    return paras
+
+
+def check_paragraphs(p: Problem, n: int) -> list[str]:
+    """Walk back n steps from x, undoing each step: redundant once x is found."""
+    paras, value = [], p.c
+    sign = "-" if p.step > 0 else "+"
+    for i in range(1, n + 1):
+        t = p.x - i * p.step
+        prev, value = value, p.value(t)
+        paras.append(f"Check x={t}: {prev}{sign}{p.a}={value}, so x={p.x} holds.")
+    return paras
+
+
+def trace_paragraphs(p: Problem, rng: random.Random) -> list[str]:
+    """Search, verification (CHECK_SHARE of the search), and the conclusion."""
+    search = search_paragraphs(p, rng)
+    walk = abs(p.x - p.start)
+    n_checks = max(1, min(walk, round(rng.uniform(*CHECK_SHARE) * walk)))
+    return search + check_paragraphs(p, n_checks) + [f"So x={p.x}."]
+
+
+def trace(p: Problem, rng: random.Random) -> str:
+    """A complete, correct trace for p (assistant turn without EOS)."""
+    return assistant_text(trace_paragraphs(p, rng), p.x)
+
+
+def paragraph_candidate(paragraph: str) -> int | None:
+    """The answer a reader would give after this paragraph: the x a search step stands on, or
+    the x a check or the conclusion confirms."""
+    for pattern in (_CHECK_RE, _FOUND_RE, _STEP_RE):
+        if m := pattern.search(paragraph):
+            return int(m.group(1))
+    return None
+
+
+@dataclass(frozen=True)
+class TraceStats:
+    """What the evaluation reports about one generated completion."""
+
+    well_formed: bool
+    correct: bool
+    paragraphs: int
+    first_right: int | None  # index of the first paragraph whose candidate is x; None if never
+    redundant: int | None  # paragraphs after first_right
+
+
+_PARA_RE = re.compile(
+    r"^(?:(?:Wait, )?x=\d+: \d+[+-]\d+=\d+, (?:not \d+, )?(?:below|above|equals) \d+\."
+    r"|Check x=\d+: \d+[+-]\d+=\d+, so x=\d+ holds\.|So x=\d+\.)$"
+)
+
+
+def trace_stats(text: str, problem: Problem) -> TraceStats:
+    """Parse a completion: well-formedness, correctness, paragraph counts and where the
+    candidate answer first became right."""
+    done = THINK_CLOSE in text
+    body = text.split(THINK_CLOSE)[0].removeprefix(THINK_OPEN).strip("\n")
+    paras = [s for s in body.split(STEP_DELIMITER) if s.strip()]
+    first = next((i for i, s in enumerate(paras) if paragraph_candidate(s) == problem.x), None)
+    return TraceStats(
+        well_formed=done and text.startswith(THINK_OPEN) and all(_PARA_RE.match(s) for s in paras),
+        correct=check_answer(text, problem),
+        paragraphs=len(paras),
+        first_right=first,
+        redundant=None if first is None else len(paras) - first - 1,
+    )
+
+
+def prompt_record(index: int, p: Problem) -> dict:
+    """One JSONL row for the calibration job (answer as a string, like math datasets)."""
+    return {
+        "id": f"long-{p.family}-{index}",
+        "messages": [{"role": "user", "content": p.question}],
+        "answer": str(p.x),
+        "family": p.family,
+        "problem": asdict(p),
+    }
+
+
+def write_prompts(path: Path, family: str, n: int, seed: int) -> None:
+    """Write n fresh problems of one family as JSONL."""
+    rng = random.Random(f"long:{family}:{seed}")
+    with Path(path).open("w", encoding="utf-8") as f:
+        f.writelines(json.dumps(prompt_record(i, make_problem(rng, family))) + "\n" for i in range(n))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--family", choices=FAMILIES, default="in-dist")
+    ap.add_argument("--n", type=int, default=600)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    write_prompts(args.out, args.family, args.n, args.seed)
+
+
+if __name__ == "__main__":
+    main()

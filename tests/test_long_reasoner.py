@@ -1,0 +1,120 @@
+"""The long reasoner's task, its training examples, and the offline stopping rules of
+benchmarks/bench_frontier.py (fast; the shipped model's own traces: test_long_model.py)."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from statistics import mean, median, quantiles
+
+import pytest
+
+from calibration.long.tasks import (
+    FAMILIES,
+    make_problem,
+    paragraph_candidate,
+    trace,
+    trace_paragraphs,
+    trace_stats,
+)
+from calibration.long.train import LONG, make_example
+from calibration.toy.train import EOS
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from bench_frontier import (  # noqa: E402
+    consistency_stop,
+    offline_stop,
+    step_confidences,
+    threshold_stop,
+    tokens_for,
+    versus,
+)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_written_traces_are_long_right_and_parse(family: str) -> None:
+    """The traces the model is trained on: as long as the issue asks (median >= 40 steps, p90 >=
+    120 in distribution), right, well-formed by the evaluation's own parser, with the answer first
+    stated at the step whose sum equals C and 20-50% of the steps after it."""
+    rng = random.Random(f"shape:{family}")
+    lengths, redundant, depth = [], [], []
+    for _ in range(600):
+        p = make_problem(rng, family)
+        assert p.a * p.x + p.b == p.c and p.x >= 0
+        text = trace(p, rng)
+        s = trace_stats(text, p)
+        assert s.well_formed and s.correct, text
+        paras = text.split("</think>")[0].split("\n\n")
+        assert f"equals {p.c}." in paras[s.first_right]
+        lengths.append(s.paragraphs)
+        redundant.append(s.redundant / s.paragraphs)
+        depth.append(s.first_right)
+    if family != "hard":
+        assert median(lengths) >= 40 and quantiles(lengths, n=10)[-1] >= 120
+        q1, _, q3 = quantiles(depth, n=4)
+        assert q3 >= 3 * q1  # the answer appears at widely varying depths
+    assert 0.2 <= mean(redundant) <= 0.5
+
+
+def test_candidates_follow_the_walk_and_the_checks() -> None:
+    assert paragraph_candidate("x=33: 305+8=313, below 377.") == 33
+    assert paragraph_candidate("Wait, x=33: 305+8=313, not 314, below 377.") == 33
+    assert paragraph_candidate("Check x=40: 377-8=369, so x=41 holds.") == 41
+    assert paragraph_candidate("So x=41.") == 41
+    p = make_problem(random.Random(3), "shifted")
+    assert p.start > p.x
+    paras = trace_paragraphs(p, random.Random(4))
+    assert [paragraph_candidate(s) for s in paras][-1] == p.x
+
+
+def test_forced_examples_train_the_reasoning_and_the_answer_not_the_close() -> None:
+    """A forced example keeps loss on its reasoning prefix and its answer, none on the suffix
+    that closes the thinking (else the model learns to stop thinking early)."""
+    from calibration.toy.train import build_tokenizer, encode
+
+    tok = build_tokenizer(random.Random(0), n_texts=300, recipe=LONG)
+    rng = random.Random(5)
+    forced = [ex for ex in (make_example(rng) for _ in range(60)) if not ex[0].endswith(EOS)]
+    assert 5 <= len(forced) <= 35
+    for text, loss_from, skip in forced:
+        assert skip is not None and text[skip[0]:skip[1]].endswith("\\boxed{")
+        ids, weights = encode(tok, text, loss_from, skip, LONG.decision_re)
+        enc = tok.encode(text)
+        in_skip = [w for (a, _), w in zip(enc.offsets, weights) if skip[0] <= a < skip[1]]
+        assert in_skip and all(w == 0 for w in in_skip)
+        assert weights[-1] > 0 and sum(w > 0 for w in weights) > len(weights) // 3
+
+
+# ------------------------------------------------------------ bench_frontier's offline rules
+
+def test_consistency_stops_at_k_agreeing_answers() -> None:
+    answers = ["3", "4", "5", "5", None, "5", "5", "5"]
+    assert consistency_stop(answers, 2) == 3
+    assert consistency_stop(answers, 3) == 7
+    assert consistency_stop(answers, 4) is None
+
+
+def test_threshold_and_step_confidence() -> None:
+    assert threshold_stop([0.1, 0.5, 0.9, 0.95], 0.9) == 2
+    assert threshold_stop([0.1], 0.5) is None
+    assert step_confidences([1.0, 3.0, 5.0, 7.0, 9.0], [2, 5]) == [2.0, 7.0]
+
+
+def test_offline_stop_counts_tokens_through_the_step_plus_the_answer() -> None:
+    trace_ = {"step_answers": ["1", "2", "7", "7"]}
+    ends = [10, 20, 30, 40]  # the response: 40 reasoning tokens, then 8 answer tokens
+    stop = offline_stop(trace_, ends, 48, 2, "7", full_correct=True)
+    assert (stop.tokens, stop.correct) == (38, True)
+    assert offline_stop(trace_, ends, 48, 0, "7", True).correct is False
+    assert offline_stop(trace_, ends, 48, None, "7", False).tokens == 48
+
+
+def test_curves_compare_where_both_have_points() -> None:
+    orca = [{"tokens": 100, "accuracy": 0.9}, {"tokens": 200, "accuracy": 0.95}]
+    assert versus(orca, {"tokens": 150, "accuracy": 0.92}) == "above"
+    assert versus(orca, {"tokens": 150, "accuracy": 0.94}) == "below"
+    assert versus(orca, {"tokens": 50, "accuracy": 0.6}) == "outside"
+    budget = [{"tokens": 100, "accuracy": 0.5}, {"tokens": 300, "accuracy": 0.9}]
+    assert tokens_for(budget, 0.7) == pytest.approx(200)
+    assert tokens_for(budget, 0.95) is None
