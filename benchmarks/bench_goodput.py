@@ -42,7 +42,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from calibration.toy.tasks import Problem, check_answer, write_prompts
+from calibration.toy import tasks as toy_tasks
+from calibration.toy.tasks import write_prompts
 from orca_method.answer_probes import (
     ProbeSettings,
     probe_prompts,
@@ -143,23 +144,30 @@ def request_loss(trace: dict[str, Any], orca: dict[str, Any],
 # ------------------------------------------------------------------------------- live parts
 
 class Workload:
-    """The held-out prompts and what checks and segments their responses."""
+    """The held-out prompts and what checks and segments their responses: a demo's model and
+    bundle, and its task module (`Problem`, `check_answer`)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, model_dir: Path = MODEL_DIR, bundle: Path = BUNDLE,
+                 tasks: Any = toy_tasks) -> None:
         from transformers import AutoTokenizer
 
         from orca_method.bundle import load_bundle
         from orca_method.steps import TokenTable
 
         self.prompts = [json.loads(x) for x in path.read_text().splitlines()]
-        self.bundle = load_bundle(BUNDLE)
-        self.tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+        self.tasks = tasks
+        self.bundle = load_bundle(bundle)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.table = TokenTable.from_tokenizer(self.tokenizer, segmentation=self.bundle.segmentation,
                                                think=self.bundle.think)
         self.suffix_ids = self.tokenizer.encode(PROBE.suffix, add_special_tokens=False)
 
     def text(self, gen: Sequence[int]) -> str:
         return self.tokenizer.decode(gen, skip_special_tokens=True)
+
+    def correct(self, prompt: dict, text: str) -> bool:
+        """The task's checker on a delivered text."""
+        return self.tasks.check_answer(text, self.tasks.Problem(**prompt["problem"]))
 
 
 async def run_arm(client: Any, model: str, prompts: list[dict], arm: str, delta: float,
@@ -188,7 +196,8 @@ async def run_arm(client: Any, model: str, prompts: list[dict], arm: str, delta:
 
 
 async def label(client: Any, model: str, work: Workload, responses: list[dict],
-                concurrency: int, max_tokens: int, temperature: float) -> None:
+                concurrency: int, max_tokens: int, temperature: float,
+                label_every: int = PROBE.label_every) -> None:
     """Give every response its never-stopping trajectory's record (`trace`): a stopped one is
     continued from its stop step (ORCA off, the same sampling); then answer probes at each step
     boundary through the server (ORCA off), labelled as `orca-calibrate collect` labels."""
@@ -226,7 +235,7 @@ async def label(client: Any, model: str, work: Workload, responses: list[dict],
         gen = await never_stopping(resp)
         steps = segment(work.table, gen, prompt_ids)
         record = {"step_tokens": [len(x) for x in steps], "step_token_ids": steps}
-        points = probe_prompts(prompt_ids, gen, record, work.suffix_ids, PROBE.label_every)
+        points = probe_prompts(prompt_ids, gen, record, work.suffix_ids, label_every)
         answers = await asyncio.gather(*(probe(ids) for _, ids in points))
         resp["trace"] = trajectory_fields(
             str(resp["id"]), by_id[str(resp["id"])], text=work.text(gen), finish_reason=None,
@@ -240,8 +249,7 @@ def check(work: Workload, responses: list[dict]) -> None:
     """Accuracy of each response by the toy's checker on its delivered text."""
     by_id = {str(p["id"]): p for p in work.prompts}
     for r in responses:
-        problem = Problem(**by_id[str(r["id"])]["problem"])
-        r["correct"] = check_answer(work.text(r["token_ids"]), problem)
+        r["correct"] = work.correct(by_id[str(r["id"])], work.text(r["token_ids"]))
 
 
 async def bench(a: argparse.Namespace, url: str, work: Workload) -> dict[str, Any]:
