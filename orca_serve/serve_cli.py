@@ -54,8 +54,6 @@ from orca_serve.vllm_plugin.config import (
 
 PROG = "orca-serve"
 DEMO_REASONING_PARSER = "deepseek_r1"  # what --demo implies (unless the command line names one)
-# The embedded demos: name -> folder under orca_serve/demo holding model/ and bundle.json.
-DEMOS = {"toy": ".", "long": "long"}
 
 
 class StartupError(Exception):
@@ -71,9 +69,8 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("orca-serve", "Calibrated early stopping of reasoning (ORCA)")
     g.add_argument("--calib", default=None, metavar="BUNDLE",
                    help="Calibration bundle (bundle.json). Without it the server is plain vLLM.")
-    g.add_argument("--demo", nargs="?", const="toy", default=None, choices=DEMOS,
-                   help="Serve an embedded demo model and its bundle (orca_serve/demo/): 'toy' "
-                   "(the default; 5-step traces) or 'long' (traces of 10-200 steps).")
+    g.add_argument("--demo", action="store_true", default=False,
+                   help="Serve the embedded demo model and bundle (orca_serve/demo/).")
     g.add_argument("--check-vllm", action="store_true", default=False,
                    help="Check that every vLLM name orca-serve relies on beyond vLLM's extension "
                    "points resolves in the installed vLLM (one line each; exit 0 when all do), "
@@ -132,13 +129,12 @@ def early_parse(argv: list[str]) -> argparse.Namespace:
     return ns
 
 
-def demo_paths(name: str = "toy") -> tuple[Path, Path]:
-    """The model folder and bundle of an embedded demo (DEMOS)."""
-    root = Path(str(resources.files("orca_serve"))) / "demo" / DEMOS[name]
+def demo_paths() -> tuple[Path, Path]:
+    root = Path(str(resources.files("orca_serve"))) / "demo"
     model, bundle = root / "model", root / "bundle.json"
     missing = [str(p) for p in (model / "config.json", bundle) if not p.exists()]
     if missing:
-        raise StartupError(f"--demo {name}: the embedded demo is not installed ({', '.join(missing)} "
+        raise StartupError(f"--demo: the embedded demo is not installed ({', '.join(missing)} "
                            "missing); reinstall orca-serve or pass --model and --calib")
     return model, bundle
 
@@ -397,7 +393,7 @@ def _main(argv: list[str]) -> None:
         if early.calib or early.model:
             raise StartupError("--demo serves the embedded model and bundle; do not combine it "
                                "with --model or --calib")
-        model_dir, demo_bundle = demo_paths(early.demo)
+        model_dir, demo_bundle = demo_paths()
         argv = demo_argv(argv, model_dir)
         bundle_path = str(demo_bundle)
         early.model = str(model_dir)

@@ -1,9 +1,8 @@
 """Rebuild the demo bundle (orca_serve/demo/bundle.json) from the toy job, in one command.
 
     python -m calibration.toy.demo_bundle    # from the repository root
-    python -m calibration.toy.demo_bundle --demo long    # the long reasoner's (orca-serve --demo long)
 
-(`--demo toy` by default: its job, output and served name are in DEMO_JOBS.)
+(`--job calibration/jobs/toy.yaml`, `--out orca_serve/demo/bundle.json` by default.)
 
 Runs (or resumes) `orca-calibrate run` on the job, which collects with the embedded model,
 trains the probe and calibrates with the job's label mode, then writes the job's bundle as the
@@ -26,11 +25,6 @@ from orca_serve.live_audit.live import AUDIT_LABEL_MODE
 
 ROOT = Path(__file__).parents[2]
 DEMO_MODEL_NAME = "orca-toy-reasoner"
-# Per embedded demo (orca-serve --demo NAME): its job, where its bundle ships, the served name.
-DEMO_JOBS = {
-    "toy": ("calibration/jobs/toy.yaml", "orca_serve/demo/bundle.json", DEMO_MODEL_NAME),
-    "long": ("calibration/jobs/long.yaml", "orca_serve/demo/long/bundle.json", "orca-long-reasoner"),
-}
 
 
 def _relative(value: object) -> object:
@@ -43,14 +37,14 @@ def _relative(value: object) -> object:
         return value
 
 
-def demo_bundle(job_bundle: Bundle, name: str = DEMO_MODEL_NAME) -> Bundle:
+def demo_bundle(job_bundle: Bundle) -> Bundle:
     """The job's bundle as the demo ships it (see the module docstring); raises ValueError."""
     if job_bundle.label_mode != AUDIT_LABEL_MODE:
         raise ValueError(f"the job calibrated with {job_bundle.label_mode} labels; the demo "
                          f"bundle needs {AUDIT_LABEL_MODE} labels (train.label_mode in the job)")
     if job_bundle.drift is None:
         raise ValueError("the job's bundle has no drift reference")
-    model = job_bundle.model.model_copy(update={"name": name})
+    model = job_bundle.model.model_copy(update={"name": DEMO_MODEL_NAME})
     provenance = {k: _relative(v) for k, v in job_bundle.provenance.items()}
     return job_bundle.model_copy(update={"model": model, "provenance": provenance,
                                          "checksum": ""})
@@ -60,19 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m calibration.toy.demo_bundle",
                                  description=__doc__.split("\n\n")[0])
     # relative, as the job was first run: the job's stage fingerprints hold its paths as spelled
-    ap.add_argument("--demo", choices=sorted(DEMO_JOBS), default="toy")
+    ap.add_argument("--job", default="calibration/jobs/toy.yaml")
+    ap.add_argument("--out", default="orca_serve/demo/bundle.json")
     a = ap.parse_args(argv)
 
-    job_path, out, name = DEMO_JOBS[a.demo]
-    job = Path(job_path)
+    job = Path(a.job)
     run_job(job)
     try:
-        bundle = demo_bundle(load_bundle(Path(load_job(job)["out"]) / "bundle.json"), name)
+        bundle = demo_bundle(load_bundle(Path(load_job(job)["out"]) / "bundle.json"))
     except ValueError as e:
         print(f"demo_bundle: error: {e}", file=sys.stderr)
         return 2
-    sealed = save_bundle(bundle, out)
-    print(f"wrote {out}: {sealed.label_mode} labels, n_cal {sealed.ltt.n_cal}, drift reference "
+    sealed = save_bundle(bundle, a.out)
+    print(f"wrote {a.out}: {sealed.label_mode} labels, n_cal {sealed.ltt.n_cal}, drift reference "
           f"of {len(sealed.drift.early_mean)}, checksum {sealed.checksum}")
     return 0
 
