@@ -34,8 +34,6 @@ Bundles: `make_bundle` of tests/test_server.py (probe bias 3, lambda* table 0.05
 lambda* the smoothed score does not reach, so every scored step takes shadow's snapshot path;
 checked: no would-stop). SmolLM2 has no <think> token: its bundle has think disabled (the whole
 completion is reasoning, every "\\n\\n" is a step).
-`long` is the embedded long reasoner (orca_serve/demo/long) with its own shipped bundle (delta 0.2
-is finite there too, so shadow scores every step): requests of 1,000+ tokens, as real reasoning.
 """
 
 from __future__ import annotations
@@ -63,16 +61,10 @@ SMOL_QUESTIONS = ["What is the capital of France?", "Explain how a rainbow forms
                   "Give three tips for learning a new language.", "What is 17 times 23?",
                   "Why is the sky blue?", "Write a short note about photosynthesis.",
                   "How do I boil an egg?", "What causes the seasons on Earth?"]
-# The long reasoner's held-out questions: its traces run to ~1,000-4,000 tokens.
-LONG_QUESTIONS = [f"Find the integer x with {a}*x + {b} = {a * (s + w) + b}. Start at x={s}, "
-                  f"where {a}*{s} + {b} = {a * s + b}."
-                  for a, b, s, w in ((7, 15, 3, 60), (4, 88, 21, 95), (9, 2, 10, 70), (3, 51, 0, 110),
-                                     (6, 40, 33, 80), (8, 9, 5, 100), (5, 77, 12, 90), (2, 63, 8, 105))]
 MODELS = {
-    # name: (kvcache GiB, questions, max_model_len)
-    "tiny": (1, TINY_QUESTIONS, 512),
-    "smollm2": (1, SMOL_QUESTIONS, 512),
-    "long": (2, LONG_QUESTIONS, 5120),
+    # name: (kvcache GiB, questions)
+    "tiny": (1, TINY_QUESTIONS),
+    "smollm2": (1, SMOL_QUESTIONS),
 }
 
 
@@ -88,10 +80,6 @@ def prepare_models(names: list[str]) -> dict[str, dict[str, str]]:
     CACHE.mkdir(parents=True, exist_ok=True)
     out: dict[str, dict[str, str]] = {}
     for name in names:
-        if name == "long":  # the shipped long reasoner and its own bundle
-            long_dir = ROOT / "orca_serve" / "demo" / "long"
-            out[name] = {"model": str(long_dir / "model"), "bundle": str(long_dir / "bundle.json")}
-            continue
         if name == "tiny":
             model, hidden = build_tiny_model(CACHE / "tiny-model"), HIDDEN
         else:
@@ -122,8 +110,7 @@ def worker(a: argparse.Namespace) -> None:
     from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
 
     prepare_environment()
-    kw: dict = {"enforce_eager": True, "dtype": "float32", "max_model_len": MODELS[a.model][2],
-                "seed": 0}
+    kw: dict = {"enforce_eager": True, "dtype": "float32", "max_model_len": 512, "seed": 0}
     if a.config != "plain":
         kw.update(engine_kwargs(a.bundle))
     t0 = time.perf_counter()

@@ -6,8 +6,7 @@
    `</think>`, is never scored online, so a crossing there is no early stop);
 3. serve the same prompts through a live `orca-serve` with greedy decoding and read `stop_step`.
 
-Usage: python benchmarks/bench_parity.py [--demo toy|long] [--n 300] [--delta 0.1] [--bundle BUNDLE]
-(`--demo long`: the long reasoner, its bundle and prompts, max_tokens 5000.)
+Usage: python benchmarks/bench_parity.py [--n 300] [--delta 0.1] [--bundle orca_serve/demo/bundle.json]
 Writes benchmarks/parity.json (every prompt: its steps, both stop steps, and the scores around a
 mismatch).
 """
@@ -29,17 +28,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests package's helpers
 
 from calibration.collect import Collector, CollectSettings, read_prompts
-from calibration.long import tasks as long_tasks
-from calibration.toy import tasks as toy_tasks
-from calibration.toy.demo_bundle import DEMO_JOBS
+from calibration.toy.demo_bundle import DEMO_MODEL_NAME
+from calibration.toy.tasks import write_prompts
 from orca_method.bundle import load_bundle
 from orca_method.procedure import replay
 from orca_method.trajectories import TrajectorySet
 from tests.serving import Server, orca_serve_cmd
 
-# per demo: model folder, prompt writer, max_tokens, max_model_len
-DEMOS = {"toy": (ROOT / "orca_serve" / "demo" / "model", toy_tasks.write_prompts, 400, 1024),
-         "long": (ROOT / "orca_serve" / "demo" / "long" / "model", long_tasks.write_prompts, 5000, 5120)}
+MODEL = ROOT / "orca_serve" / "demo" / "model"
 
 
 def offline_stops(bundle, data: Path, lam: float) -> dict[str, tuple[int | None, list[float]]]:
@@ -54,15 +50,15 @@ def offline_stops(bundle, data: Path, lam: float) -> dict[str, tuple[int | None,
     return out
 
 
-async def online_stops(srv: Server, model: str, prompts: list[dict], delta: float,
-                       max_tokens: int, concurrency: int) -> dict[str, dict]:
+async def online_stops(srv: Server, prompts: list[dict], delta: float, max_tokens: int,
+                       concurrency: int) -> dict[str, dict]:
     client = srv.aclient()
     sem = asyncio.Semaphore(concurrency)
 
     async def one(rec: dict) -> tuple[str, dict]:
         async with sem:
             r = await client.chat.completions.create(
-                model=model, messages=rec["messages"], temperature=0, max_tokens=max_tokens,
+                model=str(MODEL), messages=rec["messages"], temperature=0, max_tokens=max_tokens,
                 extra_body={"orca": {"delta": delta, "policy": "answer"}})
             return str(rec["id"]), r.model_extra["orca"]
 
@@ -71,22 +67,14 @@ async def online_stops(srv: Server, model: str, prompts: list[dict], delta: floa
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--demo", choices=sorted(DEMOS), default="toy")
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--delta", type=float, default=0.1)
-    ap.add_argument("--bundle", default=None, help="default: the demo's shipped bundle")
-    ap.add_argument("--max-tokens", type=int, default=None, help="default: the demo's (400 / 5000)")
+    ap.add_argument("--bundle", default=str(ROOT / "orca_serve" / "demo" / "bundle.json"))
+    ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--work", default=None, help="default: .cache/parity[-long]")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="default: benchmarks/parity.json (toy) or parity-long.json")
+    ap.add_argument("--work", default=str(ROOT / ".cache" / "parity"))
     a = ap.parse_args()
-    model_dir, write_prompts, max_tokens, max_model_len = DEMOS[a.demo]
-    a.bundle = a.bundle or str(ROOT / DEMO_JOBS[a.demo][1])
-    a.max_tokens = a.max_tokens or max_tokens
-    suffix = "" if a.demo == "toy" else f"-{a.demo}"
-    work = Path(a.work or ROOT / ".cache" / f"parity{suffix}")
-    out = a.out or ROOT / "benchmarks" / f"parity{suffix}.json"
+    work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     bundle = load_bundle(a.bundle)
     lam = bundle.lam(a.delta)
@@ -95,7 +83,7 @@ def main() -> None:
     prompts = read_prompts(prompts_file)
     # recordings are reused only for the same model weights and settings (a stale cache from an
     # earlier model once made every stop step disagree)
-    key = hashlib.sha256(f"{(model_dir / 'SHA256SUMS').read_text()}|{a.n}|{a.max_tokens}".encode())
+    key = hashlib.sha256(f"{(MODEL / 'SHA256SUMS').read_text()}|{a.n}|{a.max_tokens}".encode())
     data = work / f"recorded-{key.hexdigest()[:12]}"
     t0 = time.perf_counter()
     if not (data / "problems.jsonl").exists():
@@ -104,19 +92,18 @@ def main() -> None:
                                    think=bundle.think.model_dump(),
                                    segmentation=bundle.segmentation.model_dump(),
                                    normalization=bundle.normalization)
-        collector = Collector(str(model_dir), settings)
+        collector = Collector(str(MODEL), settings)
         collector.run(prompts, data, progress=True)
         del collector
     offline = offline_stops(bundle, data, lam)
     t1 = time.perf_counter()
-    srv = Server(orca_serve_cmd("--model", str(model_dir), "--calib", a.bundle), work / "serve.log",
-                 ["--served-model-name", str(model_dir), DEMO_JOBS[a.demo][2],  # the bundle's name
+    srv = Server(orca_serve_cmd("--model", str(MODEL), "--calib", a.bundle), work / "serve.log",
+                 ["--served-model-name", str(MODEL), DEMO_MODEL_NAME,  # the bundle's name for it
                   "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32",
-                  "--max-model-len", str(max_model_len), "--seed", "0"])
+                  "--max-model-len", "1024", "--seed", "0"])
     try:
         srv.wait()
-        online = asyncio.run(online_stops(srv, str(model_dir), prompts, a.delta, a.max_tokens,
-                                          a.concurrency))
+        online = asyncio.run(online_stops(srv, prompts, a.delta, a.max_tokens, a.concurrency))
     finally:
         srv.stop()
     rows, match = [], 0
@@ -141,7 +128,7 @@ def main() -> None:
               "mean_steps": float(np.mean([r["steps"] for r in rows])),
               "mean_stop_step_online": float(np.mean([r["online"] or r["steps"] for r in rows])),
               "record_s": round(t1 - t0, 1), "prompts": rows}
-    out.write_text(json.dumps(result, indent=1))
+    (ROOT / "benchmarks" / "parity.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "prompts"}))
     for r in [r for r in rows if not r["match"]][:20]:
         print(r)

@@ -1,6 +1,7 @@
-"""Train the long reasoner (tokenizer + tiny Qwen2) that `orca-serve --demo long` serves.
+"""Train the long reasoner (tokenizer + tiny Qwen2), in two phases (calibration/long/README.md):
 
-    python -m calibration.long.train --out orca_serve/demo/long/model --minutes 40 --seed 0
+    python -m calibration.long.train --out runs/long/phase1 --rows 8 --seq-len 1024 --minutes 30
+    python -m calibration.long.train --out runs/long/model --init runs/long/phase1 --lr 1e-3
 
 The recipe is the toy's (calibration/toy/train.py: tokenizer, packing, loss, schedule,
 checkpoints) with this task's examples and a longer context; what differs is said here.
@@ -56,4 +57,4 @@ def make_example(rng: random.Random) -> Example:
 LONG = Recipe("long", make_example, _DECISION_RE, max_positions=MAX_POSITIONS)
 
 if __name__ == "__main__":
-    main(LONG, __doc__, minutes=40.0, rows=2, seq_len=4608)
+    main(LONG, __doc__, minutes=30.0, rows=2, seq_len=4608)
