@@ -1,6 +1,6 @@
 """Trace statistics of the long reasoner in vLLM (in-process, eager, float32), per task family.
 
-    python -m calibration.long.evaluate --model orca_serve/demo/long/model --n 300 --out eval.json
+    python -m calibration.long.evaluate --model runs/long/model --n 300 --out eval.json
     python -m calibration.long.evaluate --trajectories runs/long/trajectories [DIR ...]
 
 The second form reads the same statistics off collected trajectory sets (`orca-calibrate
@@ -117,7 +117,7 @@ def forcing_check(llm, samples: list, suffix: str = FORCE_SUFFIX) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, default=Path("orca_serve/demo/long/model"))
+    ap.add_argument("--model", type=Path, default=Path("runs/long/model"))
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--forcing-traces", type=int, default=20)
