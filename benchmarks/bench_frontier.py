@@ -88,7 +88,7 @@ class Reasoner:
 # ship exists (its entry: long_tasks, families in-dist/shifted/hard, max_tokens 5000, budgets
 # 300-3000); this round's is not (benchmarks/RESULTS.md, "The long reasoner").
 REASONERS = {
-    "toy": Reasoner(toy_tasks, ("in-dist", "shifted"), 400, (48, 80, 112, 144, 176)),
+    "toy": Reasoner(toy_tasks, ("in-dist", "shifted"), 400, (48, 80, 112, 144, 176, 208, 256)),
 }
 
 
@@ -313,6 +313,7 @@ async def live_arms(url: str, work: Workload, reasoner: Reasoner, a: argparse.Na
     for name, arm in run.items():
         if name.startswith("orca@"):
             arm.update(orca_error(arm["responses"], work.bundle.ltt.excluded_never_correct))
+    await client.close()
     return run
 
 
