@@ -17,12 +17,16 @@ import numpy as np
 
 from orca_method.bundle import (
     Bundle,
+    GiveUpBlock,
+    GiveUpRow,
+    GiveUpTable,
     LTTRow,
     LTTTable,
     ModelIdentity,
     ProbeBlock,
     encode_weights,
     save_bundle,
+    schema_version_for,
     tokenizer_fingerprint,
 )
 from orca_method.ltt import binomial_pvalues
@@ -95,3 +99,28 @@ def small_bundle(dim: int = 8, spec: ProbeSpec | None = None) -> Bundle:
     """A valid bundle (delta 0.05 never stops, 0.1 at lambda 0.8) for unit tests, no model."""
     return tiny_bundle(Probe(spec or ProbeSpec(dim=dim), seed=0), [(0.05, None), (0.1, 0.8)],
                        vocab=SMALL_VOCAB, default_delta=0.1)
+
+
+def with_give_up(bundle: Bundle, rows: Iterable[tuple[float, float | None]], *,
+                 bias: float = 0.0, window: int = 1, n_cal: int = 100,
+                 default_delta: float | None = None) -> Bundle:
+    """`bundle` made two-sided (schema version 2): a static give-up probe whose score is
+    sigmoid(bias) whatever the step (so which give-up deltas give up is known) and mu* per
+    give-up delta from `rows`, with facts consistent with no loss out of `n_cal`."""
+    probe = Probe(ProbeSpec(dim=bundle.model.hidden_size, online=False), seed=0)
+    probe.params["w"].data.zero_()
+    probe.params["b"].data.fill_(bias)
+    rows = list(rows)
+    block = GiveUpBlock(
+        probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
+                         eta=0.01),
+        window=window, label_mode="supervised",
+        default_delta=rows[0][0] if default_delta is None else default_delta,
+        ltt=GiveUpTable(epsilon=0.05, n_cal=n_cal, grid_size=1001,
+                        rows=[GiveUpRow(delta=d, mu=mu, risk=0.0,
+                                        pvalue=1.0 if mu is None else
+                                        float(binomial_pvalues(np.asarray([0]), n_cal, d)[0]),
+                                        give_up_rate=0.0 if mu is None else 0.5)
+                              for d, mu in rows]))
+    return bundle.model_copy(update={"schema_version": schema_version_for(True),
+                                     "give_up": block, "checksum": ""})

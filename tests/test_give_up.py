@@ -1,0 +1,183 @@
+"""The give-up threshold mu*: its stopping rule, its loss, LTT over it, and the joint risk of the
+pair (lambda*, mu*) on a shared calibration set (docs/METHOD.md section 9)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from orca_method.give_up import (
+    calibrate_give_up,
+    give_up_indices,
+    give_up_losses,
+    mu_grid,
+    tokens_used,
+    two_sided_ends,
+)
+from orca_method.ltt import binomial_pvalues, calibrate, default_grid
+from orca_method.stop_metrics import losses, stop_indices
+from orca_method.thresholds import GIVE_UP_NEVER
+
+
+def test_give_up_index_is_first_score_at_or_below_mu_before_the_last_step():
+    g = [np.array([0.9, 0.5, 0.3, 0.1]), np.array([0.9, 0.8, 0.7, 0.1])]
+    tau = give_up_indices(g, np.array([0.3, 0.5, 0.05, GIVE_UP_NEVER, 0.1]))
+    # 0.3: trace 0 at step 2 (exactly 0.3 counts); trace 1 only at its last step = no give-up
+    np.testing.assert_array_equal(tau, [[2, 3], [1, 3], [3, 3], [3, 3], [3, 3]])
+    lengths = np.array([4, 4])
+    loss = give_up_losses(tau, lengths, np.array([True, False]))
+    np.testing.assert_array_equal(loss[:, 0], [1, 1, 0, 0, 0])
+    assert not loss[:, 1].any()  # a trace that does not end right costs nothing to give up on
+
+
+def test_mu_star_is_last_rejected_threshold_and_never_when_first_fails():
+    # 30 traces: 2 that end right with low scores (given up on from mu 0.2), 28 that do not
+    # end right, of which 27 score 0.1 (given up on from mu 0.1) and one 0.4 (from 0.4)
+    g = [np.full(3, 0.2)] * 2 + [np.full(3, 0.1)] * 27 + [np.full(3, 0.4)]
+    ends = [True] * 2 + [False] * 28
+    grid = np.array([0.1, 0.2, 0.3])
+    (res,) = calibrate_give_up(g, ends, [0.2], epsilon=0.05, grid=grid)
+    # losses 0, 2, 2 -> P(Binom(30, .2) <= k) = .0012, .044, .044: all three rejected
+    assert res.mu == 0.3 and res.risk == pytest.approx(2 / 30)
+    assert res.pvalue == pytest.approx(binomial_pvalues(2, 30, 0.2))
+    assert res.give_up_rate == pytest.approx(29 / 30) and res.n == 30
+    (res,) = calibrate_give_up(g, ends, [0.05], grid=grid)  # .95**30 = .21 > .05
+    assert res.mu == GIVE_UP_NEVER and res.pvalue == 1.0 and res.give_up_rate == 0.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"scores": [], "ends_right": []}, "empty"),
+    ({"ends_right": [True]}, "outcomes"),
+    ({"deltas": [0.0]}, "delta_2"),
+    ({"epsilon": 1.0}, "epsilon"),
+    ({"grid": np.array([0.5, 0.1])}, "increasing"),
+    ({"scores": [np.array([0.5, 1.5])] * 2}, r"\[0, 1\]"),
+    ({"pvalue": "clt"}, "pvalue"),
+])
+def test_calibrate_give_up_validation(kwargs, match):
+    args = {"scores": [np.array([0.1, 0.9])] * 2, "ends_right": [True, False], "deltas": [0.1]}
+    with pytest.raises(ValueError, match=match):
+        calibrate_give_up(**(args | kwargs))
+
+
+def test_two_sided_ends_and_the_stop_winning_a_tie():
+    m = [np.array([0.1, 0.9, 0.9]), np.array([0.1, 0.2, 0.3]), np.array([0.1, 0.2, 0.3]),
+         np.array([0.1, 0.9, 0.9])]
+    g = [np.array([0.9, 0.9, 0.9]), np.array([0.9, 0.1, 0.1]), np.array([0.9, 0.9, 0.9]),
+         np.array([0.9, 0.1, 0.1])]
+    end, ended = two_sided_ends(m, g, lam=0.8, mu=0.2)
+    np.testing.assert_array_equal(end, [1, 1, 2, 1])
+    assert ended == ["early", "gave_up", "full", "early"]  # the 4th: both at step 1, stop wins
+    np.testing.assert_array_equal(tokens_used([np.array([3, 4, 5])] * 4, end), [7, 7, 12, 7])
+
+
+# ---------------------------------------------------------------------------------------
+# Validity by simulation, as for lambda* (tests/test_ltt.py): calibration sets are i.i.d. draws
+# from a fixed population, whose mean loss is the true risk of a threshold.
+
+DELTA, DELTA_2, EPS, EPS_2, N_CAL, N_SPLITS = 0.1, 0.05, 0.05, 0.05, 300, 1000
+TOLERANCE = 3 * math.sqrt(EPS * (1 - EPS) / N_SPLITS)  # 3 binomial standard errors at EPS
+JOINT_TOLERANCE = 3 * math.sqrt((EPS + EPS_2) * (1 - EPS - EPS_2) / N_SPLITS)
+
+
+def population(n: int = 4000, seed: int = 0):
+    """Traces with a stop score (rising around the first right step), a give-up score (drifting
+    towards the trace's outcome, noisily) and labels; 45% never get right."""
+    rng = np.random.default_rng(seed)
+    stop, give_up, labels = [], [], []
+    for _ in range(n):
+        steps = int(rng.integers(5, 31))
+        right = rng.random() < 0.55
+        first = int(rng.integers(0, steps)) if right else steps
+        t = np.arange(steps)
+        onset = first + rng.normal(0, 3)
+        stop.append(1 / (1 + np.exp(-((t - onset) / 2 + rng.normal(0, 1, steps)))))
+        drift = (1.0 if right else -1.0) * (t + 1) / steps * 3 + rng.normal(0, 0.7)
+        give_up.append(1 / (1 + np.exp(-(drift + rng.normal(0, 1.5, steps)))))
+        c = np.zeros(steps, dtype=np.int8)
+        c[first:] = 1
+        labels.append(c)
+    return stop, give_up, labels
+
+
+@pytest.fixture(scope="module")
+def pop():
+    return population()
+
+
+def true_risks(pop, lam: float, mu: float) -> tuple[float, float]:
+    """Population risks of the deployed pair: the stop loss on solvable traces (as calibrated)
+    and the give-up loss of the pair on every trace."""
+    stop, give_up, labels = pop
+    lengths = np.array([len(c) for c in labels])
+    ends = np.array([c[-1] == 1 for c in labels])
+    end, ended = two_sided_ends(stop, give_up, lam, mu)
+    early = np.array([e == "early" for e in ended])
+    stop_loss = early & (losses(end, labels) == 1)
+    gave = np.array([e == "gave_up" for e in ended])
+    assert np.all(end[gave] < lengths[gave] - 1)
+    return float(stop_loss[ends].mean()), float((gave & ends).mean())
+
+
+def test_give_up_loss_bounds_the_pair_loss(pop):
+    """The calibrated loss (any give-up on a trace that ends right) is at least the deployed
+    pair's loss for every lambda: why mu* holds whatever delta a request picks."""
+    stop, give_up, labels = pop
+    lengths = np.array([len(c) for c in labels])
+    ends = np.array([c[-1] == 1 for c in labels])
+    mu_risk = give_up_losses(give_up_indices(give_up, mu_grid(101)), lengths, ends).mean(1)
+    for lam in (0.5, 0.8, 0.95, math.inf):
+        for j, mu in enumerate(mu_grid(101)[::10]):
+            assert true_risks(pop, lam, mu)[1] <= mu_risk[::10][j] + 1e-12
+
+
+def test_ltt_controls_the_give_up_risk_and_the_joint_risk_by_simulation(pop):
+    """mu* alone: P(give-up risk > delta_2) <= epsilon_2. The pair on one shared calibration
+    set: P(stop risk > delta or give-up risk > delta_2) <= epsilon + epsilon_2 (union bound),
+    with the pair's own population risks (the give-up pre-empting stops and vice versa)."""
+    stop, give_up, labels = pop
+    lam_grid, grid = default_grid(), mu_grid()
+    lengths = np.array([len(c) for c in labels])
+    ends = np.array([c[-1] == 1 for c in labels])
+    tau_u = stop_indices(stop, lam_grid)  # [lambdas, traces]
+    tau_g = give_up_indices(give_up, grid)  # [mus, traces]
+    wrong_at_stop = losses(tau_u, labels) == 1
+    mu_risk = give_up_losses(tau_g, lengths, ends).mean(axis=1)
+    assert mu_risk[0] == 0.0 and mu_risk[-1] > 5 * DELTA_2  # power is possible
+
+    def pair_risks(lam: float, mu: float) -> tuple[float, float]:
+        j, k = int(round((1 - lam) * (lam_grid.size - 1))), int(round(mu * (grid.size - 1)))
+        u, g = tau_u[j], tau_g[k]
+        early = (u < lengths - 1) & (u <= g)  # the stop wins a tie
+        gave = g < u
+        return float((early & wrong_at_stop[j])[ends].mean()), float((gave & ends).mean())
+
+    rng = np.random.default_rng(3)
+    violations = joint = given = 0
+    for _ in range(N_SPLITS):
+        draw = rng.integers(0, len(labels), N_CAL)
+        (res,) = calibrate_give_up([give_up[i] for i in draw], ends[draw], [DELTA_2], EPS_2)
+        sol = [i for i in draw if ends[i]]
+        (stop_res,) = calibrate([stop[i] for i in sol], [labels[i] for i in sol], [DELTA], EPS)
+        if res.mu == GIVE_UP_NEVER or stop_res.lam == math.inf:
+            continue
+        given += 1
+        violations += mu_risk[int(round(res.mu * (grid.size - 1)))] > DELTA_2
+        stop_risk, pair_risk = pair_risks(stop_res.lam, res.mu)
+        joint += stop_risk > DELTA or pair_risk > DELTA_2
+    assert given >= 0.9 * N_SPLITS
+    assert violations / N_SPLITS <= EPS_2 + TOLERANCE
+    assert joint / N_SPLITS <= EPS + EPS_2 + JOINT_TOLERANCE
+
+
+def test_mu_star_grid_lookup_matches_the_grid():
+    grid = mu_grid()
+    assert grid[0] == 0.0 and grid[-1] == 1.0 and np.all(np.diff(grid) > 0)
+    assert all(grid[int(round(m * 1000))] == m for m in grid[::37])
+
+
+def test_stop_indices_and_give_up_indices_share_the_search():
+    """g <= mu is -g >= -mu: the give-up search is the stop search on negated scores."""
+    g = [np.array([0.7, 0.31, 0.3, 0.29])]
+    mus = np.array([0.3])
+    assert give_up_indices(g, mus)[0, 0] == stop_indices([-g[0]], -mus)[0, 0] == 2
