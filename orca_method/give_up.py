@@ -23,15 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
 from orca_method.ltt import PVALUES, n_rejected
 from orca_method.risk import Ragged, stop_indices, values_at
+from orca_method.outcomes import ENDED_EARLY, FULL, GAVE_UP
 from orca_method.thresholds import GIVE_UP_NEVER
-Ended = Literal["early", "gave_up", "full"]  # how a trace's reasoning ended (docs/SERVER.md)
-ENDED: tuple[str, ...] = ("early", "gave_up", "full")
 
 
 def mu_grid(m: int = 1001) -> np.ndarray:
@@ -131,7 +129,7 @@ def calibrate_give_up(scores: Ragged, ends_right: Sequence[bool], deltas: Sequen
 def two_sided_ends(stop_scores: Ragged, give_up_scores: Ragged, lam: float,
                    mu: float) -> tuple[np.ndarray, list[str]]:
     """Where and how the deployed pair (lambda, mu) ends each trace: 0-based end step and
-    `Ended` per trace. The stop wins a tie (both fire at one step: the answer is probably
+    `orca_method.outcomes` name per trace. The stop wins a tie (both fire at one step: the answer is probably
     right, so it is given); the server decides the same way (orca_method.procedure)."""
     if len(stop_scores) != len(give_up_scores):
         raise ValueError(f"{len(stop_scores)} stop score arrays but {len(give_up_scores)} "
@@ -144,7 +142,7 @@ def two_sided_ends(stop_scores: Ragged, give_up_scores: Ragged, lam: float,
     tau_g = give_up_indices(give_up_scores, np.array([mu]))[0]
     ends: list[str] = []
     for u, g, t in zip(tau_u, tau_g, lengths):
-        ends.append("gave_up" if g < u else "early" if u < t - 1 else "full")
+        ends.append(GAVE_UP if g < u else ENDED_EARLY if u < t - 1 else FULL)
     return np.minimum(tau_u, tau_g), ends
 
 

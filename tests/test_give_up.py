@@ -181,3 +181,34 @@ def test_stop_indices_and_give_up_indices_share_the_search():
     g = [np.array([0.7, 0.31, 0.3, 0.29])]
     mus = np.array([0.3])
     assert give_up_indices(g, mus)[0, 0] == stop_indices([-g[0]], -mus)[0, 0] == 2
+
+
+def test_the_deployed_bank_decides_as_the_offline_pair():
+    """ProbeBank (the server's procedure) with a give-up probe ends each trace where
+    `two_sided_ends` says on its replayed scores: the offline evaluation is the online rule."""
+    import torch
+
+    from orca_method.probe import Probe, ProbeSpec
+    from orca_method.procedure import ProbeBank, replay
+
+    dim, window, lam, mu = 8, 2, 0.7, 0.35
+    probe, g_probe = Probe(ProbeSpec(dim=dim), seed=1), Probe(ProbeSpec(dim=dim, online=False),
+                                                              seed=2)
+    with torch.no_grad():
+        probe.params["w"].mul_(60)
+        g_probe.params["w"].mul_(60)
+    gen = torch.Generator().manual_seed(0)
+    trajs = [torch.randn(int(n), dim, generator=gen) for n in torch.randint(2, 12, (40,))]
+    stop = [s.numpy().astype(float) for _, s in replay(probe, trajs, window)]
+    give = [s.numpy().astype(float) for _, s in replay(g_probe, trajs, 1)]
+    end, how = two_sided_ends(stop, give, lam, mu)
+    assert {"early", "gave_up", "full"} <= set(how)  # every outcome occurs
+    bank = ProbeBank(probe, window=window, capacity=len(trajs), give_up=(g_probe, 1))
+    for i, phi in enumerate(trajs):
+        got_end, got = len(phi) - 1, "full"
+        for t in range(len(phi) - 1):  # the last step is never scored online
+            r = bank.step([i], phi[t:t + 1], torch.tensor([lam]), mu=torch.tensor([mu]))
+            if bool(r.stop[0]) or bool(r.give_up[0]):
+                got_end, got = t, "early" if bool(r.stop[0]) else "gave_up"
+                break
+        assert (got_end, got) == (end[i], how[i]), i
