@@ -1,16 +1,17 @@
 """Two-sided ORCA offline: tokens and accuracy of one-sided ORCA, two-sided ORCA and the oracles
 on recorded toy trajectories, with both realized risks (n, 95% intervals).
 
-Offline: the arms replay the deployed procedure (`orca_method.procedure`, the server's code) over
-trajectories recorded by `orca-calibrate collect`, through `calibration.evaluate.evaluate_two_sided`;
-tokens are reasoning tokens (a stop's forced answer is not counted, the same for every arm).
-Two workloads:
-- **demo bundle, shifted family**: the toy job's bundle (calibrated in-distribution, where 97% of
+Offline: the arms replay the deployed procedure (`orca_method.procedure`, the server's code)
+over trajectories recorded by `orca-calibrate collect`, through
+`calibration.evaluate.evaluate_two_sided`; tokens are reasoning tokens (a stop's forced answer
+is not counted, the same for every arm). Two workloads:
+- **demo bundle, shifted family**: the toy job's bundle (calibrated in-distribution, where 94% of
   the traces end right) on the toy's shifted family (runs/toy/trajectories-shifted, held out;
   made by `python -m calibration.toy.demo_bundle`). A distribution shift: no guarantee applies.
 - **hard workload**: a job of its own on fresh shifted-family prompts (RUN_PROMPTS, seed
-  HARD_SEED, about half end right): collect, split 50/25/25, train, calibrate both thresholds on
-  its calibration split, evaluate on its test split (held out, exchangeable: the guarantees apply).
+  HARD_SEED, about half end with the right answer): collect, split 50/25/25, train, calibrate
+  both thresholds on its calibration split, evaluate on its test split (held out, exchangeable:
+  the guarantees apply).
   Collection runs the embedded model on CPU (about 2 minutes here); reruns reuse it.
 
 Usage: python benchmarks/bench_two_sided.py [--skip-hard]

@@ -129,8 +129,9 @@ def calibrate_give_up(scores: Ragged, ends_right: Sequence[bool], deltas: Sequen
 def two_sided_ends(stop_scores: Ragged, give_up_scores: Ragged, lam: float,
                    mu: float) -> tuple[np.ndarray, list[str]]:
     """Where and how the deployed pair (lambda, mu) ends each trace: 0-based end step and
-    `orca_method.outcomes` name per trace. The stop wins a tie (both fire at one step: the answer is probably
-    right, so it is given); the server decides the same way (orca_method.procedure)."""
+    `orca_method.outcomes` name per trace. The stop wins a tie (both fire at one step: the
+    answer is probably right, so it is given); the server decides the same way
+    (orca_method.procedure)."""
     if len(stop_scores) != len(give_up_scores):
         raise ValueError(f"{len(stop_scores)} stop score arrays but {len(give_up_scores)} "
                          "give-up score arrays")

@@ -10,8 +10,8 @@ served model name), so that dashboards can join and filter them the same way.
 
 Metric names (all prefixed `orca_`):
 - `orca_requests_total{outcome}`: one per finished choice; outcome = stopped_early (the probe
-  stopped it) | gave_up (the give-up threshold ended it: docs/SERVER.md, "Giving up") | finished (ran to its own end or max_tokens) | answer_forced_at_budget (policy
-  answer closed the reasoning because max_tokens was near, not because of the probe) |
+  stopped it) | gave_up (the give-up threshold ended it: docs/SERVER.md, "Giving up") |
+  finished (ran to its own end or max_tokens) | answer_forced_at_budget (policy answer closed the reasoning because max_tokens was near, not because of the probe) |
   shadow_would_stop | shadow_finished (shadow, threshold never crossed) | disabled | error.
 - `orca_steps_scored_total`: reasoning steps scored by the probe.
 - `orca_stop_step{kind}`: histogram of the step at which a request stopped (kind="stopped") or a

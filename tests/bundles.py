@@ -73,21 +73,24 @@ def write_bundle(bundle: Bundle, path: Path) -> Path:
 
 
 # The live-server tests' table: delta -> lambda* (0.2 stops at once with bias 3, 0.1 only near
-# 1, 0.05 never).
+# 1, 0.05 never), and the give-up table: delta_2 -> mu* (the give-up probe scores 0.5 at every
+# step, so 0.05 gives up at the first step, 0.02 never).
 DELTAS = {0.05: None, 0.1: 0.99, 0.2: 0.5}
+GIVE_UP_DELTAS = {0.02: None, 0.05: 0.6}
 
 
 def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: float = 3.0) -> Path:
-    """The tiny model's bundle with lambda* from DELTAS and a constant probe bias (scores sit
-    near sigmoid(bias) whatever the hidden state, so which deltas stop is known)."""
+    """The tiny model's two-sided bundle with lambda* from DELTAS and a constant probe bias
+    (scores sit near sigmoid(bias) whatever the hidden state, so which deltas stop is known),
+    and mu* from GIVE_UP_DELTAS (default 0.05)."""
     from transformers import AutoTokenizer
 
     probe = Probe(ProbeSpec(dim=hidden), seed=0)
     probe.params["b"].data.fill_(bias)
     vocab = AutoTokenizer.from_pretrained(str(model_dir)).get_vocab()
-    return write_bundle(tiny_bundle(probe, DELTAS.items(), vocab=vocab, window=3,
-                                    name=model_dir.name,
-                                    default_delta=0.2, provenance={"test": "test_server"}),
+    one_sided = tiny_bundle(probe, DELTAS.items(), vocab=vocab, window=3, name=model_dir.name,
+                            default_delta=0.2, provenance={"test": "test_server"})
+    return write_bundle(with_give_up(one_sided, GIVE_UP_DELTAS.items(), default_delta=0.05),
                         path)
 
 
