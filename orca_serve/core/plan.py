@@ -64,7 +64,8 @@ class StepPlan:
 
 STAGED = ("pool_rows", "pool_slots", "lag_slots", "park_rows", "park_slots", "op_slots",
           "op_kinds", "emit_ops", "emit_slots", "emit_counts", "scored", "bank_lam", "hit_lam",
-          "bank_mu", "scored_slots", "cand_pos", "cand_rows", "cand_ids", "forced_rows", "forced_ids")
+          "bank_mu", "scored_slots", "cand_pos", "cand_rows", "cand_ids", "forced_rows",
+          "forced_ids")
 IDX = {name: i for i, name in enumerate(STAGED)}
 
 
@@ -197,9 +198,9 @@ def apply_readback(pending: list[tuple[Request, int, bool, int]], host: list[lis
         if req.dep.bank.give_up is not None:
             req.last_give_up = give_up[i]
         if gave[i] >= 0.5:
-            req.give_up_step = req.steps_scored
             if guard_stopped:
-                continue  # the budget guard's plan stands (forced on the host, not here)
+                continue  # the budget guard closed it at this step already: its plan stands
+            req.give_up_step = req.steps_scored
             _end(req, pos, rows, "give_up")
             continue
         if hit[i] < 0.5:
