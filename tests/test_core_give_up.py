@@ -78,3 +78,47 @@ def test_the_message_policy_forces_the_end_of_thinking_text_the_message_and_eos(
     assert r["stop_reason"] == "give_up" and r["forced_tokens"] == want
     out = sims["m"].out
     assert out[-len(want):] == want
+
+
+def test_a_one_sided_bundle_is_refused_by_a_reload_under_a_give_up_default(
+        two_sided_path, bundle_path, other_bundle_path):
+    """--orca-give-up-delta: every request gives up with that delta, so a hot reload to a bundle
+    without its mu* (here a one-sided one) is refused before any engine is asked; the
+    two-sided one reloads and its deployment's bank carries the give-up probe."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from orca_method.bundle import load_bundle
+    from orca_serve.metrics import OrcaMetrics
+    from orca_serve.reload import Reloader, ReloadRefused
+    from orca_serve.requests import OrcaDefaults
+    from orca_serve.server import OrcaState
+
+    from orca_serve.vllm_plugin.worker import OrcaWorkerExtension
+
+    core = make_core(bundle_path)
+
+    class Worker(OrcaWorkerExtension):  # the worker extension on a real core, no vLLM
+        def _orca_processors(self):
+            return [type("P", (), {"load_bundle": lambda _, p: core.load_bundle(p).checksum,
+                                   "use_bundle": lambda _, c: core.use_bundle(c),
+                                   "retire_bundles": lambda _, k: core.retire_bundles(k)})()]
+
+    state = OrcaState(bundle=load_bundle(bundle_path),
+                      defaults=OrcaDefaults(delta=0.1, give_up_delta=0.1),
+                      metrics=OrcaMetrics(CollectorRegistry(), model_name="m"))
+    calls = []
+
+    async def rpc(method, args=()):
+        calls.append(method)
+        return [getattr(Worker(), method)(*args)]
+
+    state.rpc = rpc
+    state.reloader = Reloader(state, calib_path=str(bundle_path))
+    with pytest.raises(ReloadRefused, match="--orca-give-up-delta 0.1: this bundle has no "
+                                            "give-up threshold"):
+        asyncio.run(state.reloader.reload(str(other_bundle_path), source="test"))
+    assert calls == []
+    assert asyncio.run(state.reloader.reload(str(two_sided_path), source="test"))["changed"]
+    assert core.dep.bank.give_up is not None
