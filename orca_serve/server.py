@@ -567,8 +567,9 @@ def add_orca_to_openapi(schema: dict[str, Any]) -> dict[str, Any]:
     so without this the published schema hides it from clients and schema-driven tools.
     """
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    components[ORCA_SCHEMA] = OrcaFields.model_json_schema(
-        ref_template="#/components/schemas/{model}")
+    orca = OrcaFields.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(orca.pop("$defs", {}))  # nested models (`give_up`) where refs point
+    components[ORCA_SCHEMA] = orca
     field = {"anyOf": [{"$ref": f"#/components/schemas/{ORCA_SCHEMA}"}, {"type": "null"}],
              "description": "orca-serve: calibrated early stopping of the reasoning "
                             "(docs/SERVER.md); every field optional"}
