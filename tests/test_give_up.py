@@ -14,7 +14,7 @@ from orca_method.give_up import (
     tokens_used,
     two_sided_ends,
 )
-from orca_method.ltt import binomial_pvalues, calibrate, default_grid
+from orca_method.ltt import binomial_pvalues, calibrate, default_grid, n_rejected
 from orca_method.stop_metrics import losses, stop_indices
 from orca_method.thresholds import GIVE_UP_NEVER
 
@@ -105,65 +105,74 @@ def pop():
     return population()
 
 
-def true_risks(pop, lam: float, mu: float) -> tuple[float, float]:
-    """Population risks of the deployed pair: the stop loss on solvable traces (as calibrated)
-    and the give-up loss of the pair on every trace."""
+@pytest.fixture(scope="module")
+def tables(pop):
+    """Every threshold's stop and give-up index for every trace of the population, once."""
     stop, give_up, labels = pop
     lengths = np.array([len(c) for c in labels])
     ends = np.array([c[-1] == 1 for c in labels])
-    end, ended = two_sided_ends(stop, give_up, lam, mu)
-    early = np.array([e == "early" for e in ended])
-    stop_loss = early & (losses(end, labels) == 1)
-    gave = np.array([e == "gave_up" for e in ended])
-    assert np.all(end[gave] < lengths[gave] - 1)
-    return float(stop_loss[ends].mean()), float((gave & ends).mean())
+    tau_u = stop_indices(stop, default_grid())  # [lambdas, traces]
+    tau_g = give_up_indices(give_up, mu_grid())  # [mus, traces]
+    return {"lengths": lengths, "ends": ends, "tau_u": tau_u, "tau_g": tau_g,
+            "stop_loss": losses(tau_u, labels),
+            "give_up_loss": give_up_losses(tau_g, lengths, ends)}
 
 
-def test_give_up_loss_bounds_the_pair_loss(pop):
+def pair_risks(t, j: int, k: int) -> tuple[float, float]:
+    """Population risks of the deployed pair (lambda_j, mu_k): the stop loss on traces that end
+    right (as calibrated) and the give-up loss of the pair itself on every trace."""
+    u, g = t["tau_u"][j], t["tau_g"][k]
+    early = (u < t["lengths"] - 1) & (u <= g)  # the stop wins a tie
+    gave = g < u
+    wrong = early & (t["stop_loss"][j] == 1)
+    return float(wrong[t["ends"]].mean()), float((gave & t["ends"]).mean())
+
+
+def test_give_up_loss_bounds_the_pair_loss(pop, tables):
     """The calibrated loss (any give-up on a trace that ends right) is at least the deployed
     pair's loss for every lambda: why mu* holds whatever delta a request picks."""
-    stop, give_up, labels = pop
-    lengths = np.array([len(c) for c in labels])
-    ends = np.array([c[-1] == 1 for c in labels])
-    mu_risk = give_up_losses(give_up_indices(give_up, mu_grid(101)), lengths, ends).mean(1)
-    for lam in (0.5, 0.8, 0.95, math.inf):
-        for j, mu in enumerate(mu_grid(101)[::10]):
-            assert true_risks(pop, lam, mu)[1] <= mu_risk[::10][j] + 1e-12
+    stop, give_up, _ = pop
+    mu_risk = tables["give_up_loss"].mean(axis=1)
+    for j in (0, 200, 500, 800, 1000):
+        for k in range(0, 1001, 50):
+            assert pair_risks(tables, j, k)[1] <= mu_risk[k] + 1e-12
+    # and the pair's ends agree with two_sided_ends on a sample of traces
+    lam, mu = default_grid()[500], mu_grid()[300]
+    end, how = two_sided_ends(stop[:200], give_up[:200], lam, mu)
+    np.testing.assert_array_equal(end, np.minimum(tables["tau_u"][500], tables["tau_g"][300])[:200])
+    assert [h == "gave_up" for h in how] == list(tables["tau_g"][300][:200] <
+                                                 tables["tau_u"][500][:200])
 
 
-def test_ltt_controls_the_give_up_risk_and_the_joint_risk_by_simulation(pop):
+def test_ltt_controls_the_give_up_risk_and_the_joint_risk_by_simulation(pop, tables):
     """mu* alone: P(give-up risk > delta_2) <= epsilon_2. The pair on one shared calibration
     set: P(stop risk > delta or give-up risk > delta_2) <= epsilon + epsilon_2 (union bound),
-    with the pair's own population risks (the give-up pre-empting stops and vice versa)."""
+    with the pair's own population risks (the give-up pre-empting stops and vice versa).
+    Each draw's thresholds come from loss counts of the precomputed tables (fast); on the first
+    draws `calibrate_give_up` and `calibrate` themselves are checked to choose the same."""
     stop, give_up, labels = pop
-    lam_grid, grid = default_grid(), mu_grid()
-    lengths = np.array([len(c) for c in labels])
-    ends = np.array([c[-1] == 1 for c in labels])
-    tau_u = stop_indices(stop, lam_grid)  # [lambdas, traces]
-    tau_g = give_up_indices(give_up, grid)  # [mus, traces]
-    wrong_at_stop = losses(tau_u, labels) == 1
-    mu_risk = give_up_losses(tau_g, lengths, ends).mean(axis=1)
+    ends = tables["ends"]
+    mu_risk = tables["give_up_loss"].mean(axis=1)
     assert mu_risk[0] == 0.0 and mu_risk[-1] > 5 * DELTA_2  # power is possible
-
-    def pair_risks(lam: float, mu: float) -> tuple[float, float]:
-        j, k = int(round((1 - lam) * (lam_grid.size - 1))), int(round(mu * (grid.size - 1)))
-        u, g = tau_u[j], tau_g[k]
-        early = (u < lengths - 1) & (u <= g)  # the stop wins a tie
-        gave = g < u
-        return float((early & wrong_at_stop[j])[ends].mean()), float((gave & ends).mean())
-
     rng = np.random.default_rng(3)
     violations = joint = given = 0
-    for _ in range(N_SPLITS):
+    for i in range(N_SPLITS):
         draw = rng.integers(0, len(labels), N_CAL)
-        (res,) = calibrate_give_up([give_up[i] for i in draw], ends[draw], [DELTA_2], EPS_2)
-        sol = [i for i in draw if ends[i]]
-        (stop_res,) = calibrate([stop[i] for i in sol], [labels[i] for i in sol], [DELTA], EPS)
-        if res.mu == GIVE_UP_NEVER or stop_res.lam == math.inf:
+        sol = draw[ends[draw]]
+        k = n_rejected(binomial_pvalues(tables["give_up_loss"][:, draw].sum(axis=1), N_CAL,
+                                        DELTA_2), EPS_2) - 1
+        j = n_rejected(binomial_pvalues(tables["stop_loss"][:, sol].sum(axis=1), len(sol),
+                                        DELTA), EPS) - 1
+        if i < 10:
+            (res,) = calibrate_give_up([give_up[x] for x in draw], ends[draw], [DELTA_2], EPS_2)
+            (stop_res,) = calibrate([stop[x] for x in sol], [labels[x] for x in sol], [DELTA], EPS)
+            assert res.mu == (mu_grid()[k] if k >= 0 else GIVE_UP_NEVER)
+            assert stop_res.lam == (default_grid()[j] if j >= 0 else math.inf)
+        if k < 0 or j < 0:
             continue
         given += 1
-        violations += mu_risk[int(round(res.mu * (grid.size - 1)))] > DELTA_2
-        stop_risk, pair_risk = pair_risks(stop_res.lam, res.mu)
+        violations += mu_risk[k] > DELTA_2
+        stop_risk, pair_risk = pair_risks(tables, j, k)
         joint += stop_risk > DELTA or pair_risk > DELTA_2
     assert given >= 0.9 * N_SPLITS
     assert violations / N_SPLITS <= EPS_2 + TOLERANCE
