@@ -95,16 +95,11 @@ def test_a_one_sided_bundle_is_refused_by_a_reload_under_a_give_up_default(
     from orca_serve.requests import OrcaDefaults
     from orca_serve.server import OrcaState
 
-    from orca_serve.vllm_plugin.worker import OrcaWorkerExtension
-
     core = make_core(bundle_path)
-
-    class Worker(OrcaWorkerExtension):  # the worker extension on a real core, no vLLM
-        def _orca_processors(self):
-            return [type("P", (), {"load_bundle": lambda _, p: core.load_bundle(p).checksum,
-                                   "use_bundle": lambda _, c: core.use_bundle(c),
-                                   "retire_bundles": lambda _, k: core.retire_bundles(k)})()]
-
+    # the engine side of the reload RPCs, on a real core (the worker extension's answers)
+    engine = {"orca_load_bundle": lambda p: {"checksum": core.load_bundle(p).checksum},
+              "orca_use_bundle": lambda c: {"checksum": core.use_bundle(c).checksum},
+              "orca_retire_bundles": lambda k: {"live": core.retire_bundles(k)}}
     state = OrcaState(bundle=load_bundle(bundle_path),
                       defaults=OrcaDefaults(delta=0.1, give_up_delta=0.1),
                       metrics=OrcaMetrics(CollectorRegistry(), model_name="m"))
@@ -112,7 +107,7 @@ def test_a_one_sided_bundle_is_refused_by_a_reload_under_a_give_up_default(
 
     async def rpc(method, args=()):
         calls.append(method)
-        return [getattr(Worker(), method)(*args)]
+        return [engine[method](*args)]
 
     state.rpc = rpc
     state.reloader = Reloader(state, calib_path=str(bundle_path))
