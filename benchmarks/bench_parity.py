@@ -3,10 +3,14 @@
 1. record held-out toy prompts greedily with the plugin in record mode (the collection code);
 2. replay the recordings through the bundle's procedure (orca_method.procedure.replay) and take
    the first step whose smoothed score reaches lambda*(delta) (the final step, emitted at
-   `</think>`, is never scored online, so a crossing there is no early stop);
-3. serve the same prompts through a live `orca-serve` with greedy decoding and read `stop_step`.
+   `</think>`, is never scored online, so a crossing there is no early stop); with
+   `--give-up-delta`, the first step where the pair (lambda*, mu*) ends the trace and how
+   (`orca_method.give_up.two_sided_ends`: answered early or gave up);
+3. serve the same prompts through a live `orca-serve` with greedy decoding and read `stop_step`
+   (and `ended`, `give_up_step`).
 
-Usage: python benchmarks/bench_parity.py [--n 300] [--delta 0.1] [--bundle orca_serve/demo/bundle.json]
+Usage: python benchmarks/bench_parity.py [--n 300] [--delta 0.1] [--give-up-delta D2]
+                                         [--bundle orca_serve/demo/bundle.json]
 Writes benchmarks/parity.json (every prompt: its steps, both stop steps, and the scores around a
 mismatch).
 """
@@ -31,27 +35,32 @@ from calibration.collect import Collector, CollectSettings, read_prompts
 from calibration.toy.demo_bundle import DEMO_MODEL_NAME
 from calibration.toy.tasks import write_prompts
 from orca_method.bundle import load_bundle
+from orca_method.give_up import two_sided_ends
 from orca_method.procedure import replay
+from orca_method.thresholds import GIVE_UP_NEVER
 from orca_method.trajectories import TrajectorySet
 from tests.serving import Server, orca_serve_cmd
 
 MODEL = ROOT / "orca_serve" / "demo" / "model"
 
 
-def offline_stops(bundle, data: Path, lam: float) -> dict[str, tuple[int | None, list[float]]]:
+def offline_stops(bundle, data: Path, lam: float,
+                  mu: float = GIVE_UP_NEVER) -> dict[str, tuple[str, int | None, list[float]]]:
+    """Per problem: how the pair ends it (`ended`), the 1-based step (None: ran to its end)
+    and the smoothed stop scores."""
     ts = TrajectorySet.open(data)
-    runs = replay(bundle.load_probe(), [ts.embeddings(i) for i in range(len(ts))],
-                  window=bundle.window)
-    out = {}
-    for p, (_, smooth) in zip(ts.problems, runs):
-        s = smooth.numpy()[:-1]  # the final step is not scored online
-        hit = np.flatnonzero(s >= lam)
-        out[p.id] = (int(hit[0]) + 1 if hit.size else None, smooth.numpy().tolist())
-    return out
+    embs = [ts.embeddings(i) for i in range(len(ts))]
+    stop = [s.numpy() for _, s in replay(bundle.load_probe(), embs, window=bundle.window)]
+    give_up = (stop if math.isinf(mu) else  # never gives up: any scores do
+               [s.numpy() for _, s in replay(bundle.load_give_up_probe(), embs,
+                                             window=bundle.give_up.window)])
+    end, how = two_sided_ends(stop, give_up, lam, mu)
+    return {p.id: (h, None if h == "full" else int(e) + 1, s.tolist())
+            for p, e, h, s in zip(ts.problems, end, how, stop)}
 
 
 async def online_stops(srv: Server, prompts: list[dict], delta: float, max_tokens: int,
-                       concurrency: int) -> dict[str, dict]:
+                       concurrency: int, give_up: float | None = None) -> dict[str, dict]:
     client = srv.aclient()
     sem = asyncio.Semaphore(concurrency)
 
@@ -59,7 +68,9 @@ async def online_stops(srv: Server, prompts: list[dict], delta: float, max_token
         async with sem:
             r = await client.chat.completions.create(
                 model=str(MODEL), messages=rec["messages"], temperature=0, max_tokens=max_tokens,
-                extra_body={"orca": {"delta": delta, "policy": "answer"}})
+                extra_body={"orca": {"delta": delta, "policy": "answer",
+                                     **({} if give_up is None else
+                                        {"give_up": {"delta": give_up}})}})
             return str(rec["id"]), r.model_extra["orca"]
 
     return dict(await asyncio.gather(*(one(r) for r in prompts)))
@@ -69,6 +80,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--delta", type=float, default=0.1)
+    ap.add_argument("--give-up-delta", type=float, default=None,
+                    help="also give up with this risk (a two-sided bundle)")
     ap.add_argument("--bundle", default=str(ROOT / "orca_serve" / "demo" / "bundle.json"))
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--concurrency", type=int, default=16)
@@ -78,6 +91,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     bundle = load_bundle(a.bundle)
     lam = bundle.lam(a.delta)
+    mu = GIVE_UP_NEVER if a.give_up_delta is None else bundle.mu(a.give_up_delta)
     prompts_file = work / "prompts.jsonl"
     write_prompts(prompts_file, "in-dist", a.n, seed=4242)
     prompts = read_prompts(prompts_file)
@@ -95,7 +109,7 @@ def main() -> None:
         collector = Collector(str(MODEL), settings)
         collector.run(prompts, data, progress=True)
         del collector
-    offline = offline_stops(bundle, data, lam)
+    offline = offline_stops(bundle, data, lam, mu)
     t1 = time.perf_counter()
     srv = Server(orca_serve_cmd("--model", str(MODEL), "--calib", a.bundle), work / "serve.log",
                  ["--served-model-name", str(MODEL), DEMO_MODEL_NAME,  # the bundle's name for it
@@ -103,28 +117,33 @@ def main() -> None:
                   "--max-model-len", "1024", "--seed", "0"])
     try:
         srv.wait()
-        online = asyncio.run(online_stops(srv, prompts, a.delta, a.max_tokens, a.concurrency))
+        online = asyncio.run(online_stops(srv, prompts, a.delta, a.max_tokens, a.concurrency,
+                                          a.give_up_delta))
     finally:
         srv.stop()
     rows, match = [], 0
     for rec in prompts:
         pid = str(rec["id"])
-        off_step, scores = offline.get(pid, (None, []))
+        off_how, off_step, scores = offline.get(pid, ("full", None, []))
         on = online[pid]
-        on_step = on["stop_step"] if on["stopped_early"] else None
-        ok = off_step == on_step
+        on_how = on["ended"]
+        on_step = {"early": on["stop_step"], "gave_up": on.get("give_up_step")}.get(on_how)
+        ok = (off_how, off_step) == (on_how, on_step)
         match += ok
         row = {"id": pid, "steps": len(scores), "offline": off_step, "online": on_step,
-               "match": ok}
+               "ended_offline": off_how, "ended_online": on_how, "match": ok}
         if not ok:
             k = (off_step or on_step or 1) - 1
             row["offline_scores_near"] = scores[max(0, k - 2):k + 3]
             row["online_last_score"] = on["last_score"]
         rows.append(row)
     result = {"n": len(prompts), "delta": a.delta, "lambda": None if math.isinf(lam) else lam,
+              "give_up_delta": a.give_up_delta, "mu": None if math.isinf(mu) else mu,
               "matches": match, "match_rate": match / len(prompts),
-              "stopped_offline": sum(r["offline"] is not None for r in rows),
-              "stopped_online": sum(r["online"] is not None for r in rows),
+              "gave_up_offline": sum(r["ended_offline"] == "gave_up" for r in rows),
+              "gave_up_online": sum(r["ended_online"] == "gave_up" for r in rows),
+              "stopped_offline": sum(r["ended_offline"] == "early" for r in rows),
+              "stopped_online": sum(r["ended_online"] == "early" for r in rows),
               "mean_steps": float(np.mean([r["steps"] for r in rows])),
               "mean_stop_step_online": float(np.mean([r["online"] or r["steps"] for r in rows])),
               "record_s": round(t1 - t0, 1), "prompts": rows}

@@ -19,9 +19,11 @@ import numpy as np
 
 from calibration.train import solvable
 from orca_method.bundle import (
-    SCHEMA_VERSION,
     Bundle,
     DriftReference,
+    GiveUpBlock,
+    GiveUpRow,
+    GiveUpTable,
     LTTRow,
     LTTTable,
     ModelIdentity,
@@ -30,7 +32,9 @@ from orca_method.bundle import (
     ThinkTags,
     encode_weights,
     save_bundle,
+    schema_version_for,
 )
+from orca_method.give_up import calibrate_give_up, mu_grid
 from orca_method.ltt import DeltaResult, calibrate, default_grid
 from orca_method.probe import Probe
 from orca_method.procedure import replay
@@ -40,7 +44,20 @@ from orca_serve import __version__
 from orca_serve.live_audit.drift import build_reference
 
 DEFAULT_DELTAS = (0.05, 0.1, 0.15, 0.2)
+DEFAULT_GIVE_UP_DELTAS = (0.02, 0.05, 0.1)
 GRID_SIZE = 1001
+
+
+@dataclass(frozen=True)
+class GiveUpOptions:
+    """How the give-up threshold is calibrated (docs/METHOD.md section 9); `window` None: the
+    bundle's smoothing window, `default_delta` None: 0.05 if calibrated, else the first."""
+
+    label_mode: str = "supervised"
+    deltas: tuple[float, ...] = DEFAULT_GIVE_UP_DELTAS
+    epsilon: float = 0.05
+    window: int | None = None
+    default_delta: float | None = None
 
 
 @dataclass
@@ -85,6 +102,31 @@ def run_ltt(scored: Scored, deltas: Sequence[float], epsilon: float, pvalue: str
                      grid=default_grid(GRID_SIZE), pvalue=pvalue, step_tokens=scored.tokens)
 
 
+def give_up_block(probe: Probe, ts: TrajectorySet, opts: GiveUpOptions, *, window: int,
+                  pvalue: str) -> GiveUpBlock:
+    """LTT for mu* per give-up delta on EVERY trace of the calibration split (the give-up risk
+    is over all requests), with reference labels `opts.label_mode`."""
+    deltas = tuple(float(d) for d in opts.deltas)
+    default = opts.default_delta if opts.default_delta is not None else (
+        0.05 if 0.05 in deltas else deltas[0])
+    if default not in deltas:
+        raise ValueError(f"default give-up delta {default} is not among {deltas}")
+    window = opts.window or window
+    everything = score_split(probe, ts, "calibration", opts.label_mode, window,
+                             solvable_only=False)
+    ends = [is_solvable(c) for c in everything.labels]
+    results = calibrate_give_up(everything.scores, ends, deltas, epsilon=opts.epsilon,
+                                grid=mu_grid(GRID_SIZE), pvalue=pvalue)
+    rows = [GiveUpRow(delta=r.delta, mu=None if math.isinf(r.mu) else r.mu, risk=r.risk,
+                      pvalue=r.pvalue, give_up_rate=r.give_up_rate) for r in results]
+    return GiveUpBlock(
+        probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
+                         eta=probe.params["log_eta"].exp().item()),
+        window=window, label_mode=opts.label_mode, default_delta=default,
+        ltt=GiveUpTable(epsilon=opts.epsilon, n_cal=len(ends), pvalue=pvalue,
+                        grid_size=GRID_SIZE, rows=rows))
+
+
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -102,7 +144,8 @@ def data_hashes(ts: TrajectorySet) -> dict[str, str]:
 
 def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, mode: str,
                 epsilon: float, pvalue: str, window: int, n_cal: int, default_delta: float,
-                provenance: dict[str, Any], drift: DriftReference | None = None) -> Bundle:
+                provenance: dict[str, Any], drift: DriftReference | None = None,
+                give_up: GiveUpBlock | None = None) -> Bundle:
     """Everything the server needs, taken from the data's own record of how it was collected."""
     info = ts.info
     model = info.get("model") or "unknown"
@@ -111,7 +154,7 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
                    token_savings=r.token_savings_total)
             for r in results]
     return Bundle(
-        schema_version=SCHEMA_VERSION, orca_serve_version=__version__,
+        schema_version=schema_version_for(give_up is not None), orca_serve_version=__version__,
         model=ModelIdentity(name=model, hidden_size=ts.dim,
                             tokenizer_fingerprint=info.get("tokenizer_fingerprint")),
         segmentation=Segmentation(**(info.get("segmentation") or {})),
@@ -121,7 +164,7 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
                          eta=probe.params["log_eta"].exp().item()),
         window=window, label_mode=mode,
         ltt=LTTTable(epsilon=epsilon, n_cal=n_cal, pvalue=pvalue, grid_size=GRID_SIZE, rows=rows),
-        default_delta=default_delta, drift=drift,
+        default_delta=default_delta, drift=drift, give_up=give_up,
         provenance={"data": str(ts.path), "data_sha256": data_hashes(ts),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **provenance})
 
@@ -130,9 +173,11 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
                      deltas: Sequence[float] = DEFAULT_DELTAS, epsilon: float = 0.05,
                      pvalue: str = "binomial", window: int = 10, default_delta: float | None = None,
                      dump_scores: Path | None = None,
-                     provenance: dict[str, Any] | None = None) -> Bundle:
+                     provenance: dict[str, Any] | None = None,
+                     give_up: tuple[Probe, GiveUpOptions] | None = None) -> Bundle:
     """Replay the calibration split, run LTT for every delta, write bundle.json with the drift
-    reference of the whole split (the server sees unsolvable requests too)."""
+    reference of the whole split (the server sees unsolvable requests too); with `give_up` (its
+    probe and options), also mu* per give-up delta (a two-sided bundle, schema version 2)."""
     default = default_delta if default_delta is not None else (0.1 if 0.1 in deltas else deltas[0])
     if default not in deltas:
         raise ValueError(f"default delta {default} is not among the calibrated deltas {deltas}")
@@ -146,5 +191,7 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
     bundle = make_bundle(probe, ts, results, mode=mode, epsilon=epsilon, pvalue=pvalue,
                          window=window, n_cal=len(scored.ids), default_delta=default,
                          provenance=provenance or {},
-                         drift=build_reference(everything.scores, window, [r.lam for r in results]))
+                         drift=build_reference(everything.scores, window, [r.lam for r in results]),
+                         give_up=None if give_up is None else give_up_block(
+                             give_up[0], ts, give_up[1], window=window, pvalue=pvalue))
     return save_bundle(bundle, out)

@@ -11,6 +11,8 @@ import numpy as np
 
 from calibration.calibrate import Scored, score_split
 from orca_method.bundle import Bundle
+from orca_method.give_up import tokens_used, two_sided_ends
+from orca_method.procedure import replay
 from orca_method.stop_metrics import stop_indices, summarize
 from orca_method.trajectories import TrajectorySet
 
@@ -126,3 +128,93 @@ def markdown_table(rows: list[tuple[str, dict]]) -> str:
                          f"{tok} / {r['error']:.3f}")
         lines.append(f"| {name} | {rep['n']} | " + " | ".join(cells) + " |")
     return "\n".join(lines + ["", TABLE_NOTE])
+
+
+def interval95(k: int, n: int) -> tuple[float, float]:
+    """Clopper-Pearson 95% interval of k events in n."""
+    from scipy.stats import binomtest  # deferred: scipy.stats is slow to import
+
+    ci = binomtest(int(k), int(n)).proportion_ci(0.95)
+    return float(ci.low), float(ci.high)
+
+
+def _rate(events: np.ndarray, counted: np.ndarray) -> dict[str, Any]:
+    """A realized risk: its rate over the counted traces, n and 95% interval."""
+    k, n = int(np.sum(events & counted)), int(np.sum(counted))
+    low, high = interval95(k, n) if n else (math.nan, math.nan)
+    return {"rate": k / n if n else math.nan, "k": k, "n": n, "ci95": [low, high]}
+
+
+def evaluate_two_sided(bundle: Bundle, ts: TrajectorySet, split: str = "all", *,
+                       delta: float | None = None, delta_2: float | None = None,
+                       reference: str | None = None) -> dict[str, Any]:
+    """One-sided ORCA, two-sided ORCA and the oracles on recorded trajectories, offline.
+
+    Every trace of the split counts (solvable or not: a server sees both). Per arm: reasoning
+    tokens per request (the steps run; a stop's forced answer is not counted), accuracy (the
+    reference answer forced at the end step is right; a given-up trace counts wrong, and
+    `accuracy_best_guess` counts its forced answer instead), the share ended early / given up.
+    Realized risks with k, n and a 95% Clopper-Pearson interval: `stop_error` as certified (the
+    bundle's labels, solvable traces, ended early with a wrong cumulative label) and
+    `give_up_error` (every trace: gave up on a trace that ends right under `reference`).
+    Arms: `full` (no stopping), `one_sided` (lambda*(delta)), `two_sided` (lambda*(delta),
+    mu*(delta_2)), `oracle_stop` (stop at the first right step) and `oracle_two_sided` (that,
+    and give up at the first step after which no step is right). `delta`/`delta_2` default to
+    the bundle's defaults; `reference` to the give-up block's label mode (needs a two-sided
+    bundle). The function bench scripts call (benchmarks/bench_two_sided.py).
+    """
+    if bundle.give_up is None:
+        raise ValueError("the bundle has no give-up threshold (schema version 1); calibrate "
+                         "with calibrate.give_up")
+    if ts.dim != bundle.model.hidden_size:
+        raise ValueError(f"the bundle is for {bundle.model.hidden_size}-dim embeddings but "
+                         f"{ts.path} has dim {ts.dim}")
+    delta = bundle.default_delta if delta is None else delta
+    delta_2 = bundle.give_up.default_delta if delta_2 is None else delta_2
+    reference = reference or bundle.give_up.label_mode
+    lam, mu = bundle.lam(delta), bundle.mu(delta_2)
+    idx = list(range(len(ts))) if split == "all" else ts.split(split)
+    if not idx:
+        raise ValueError(f"the {split} split of {ts.path} is empty")
+    embs = [ts.embeddings(i) for i in idx]
+    stop = [s.numpy().astype(np.float64)
+            for _, s in replay(bundle.load_probe(), embs, window=bundle.window)]
+    give_up = [s.numpy().astype(np.float64)
+               for _, s in replay(bundle.load_give_up_probe(), embs, window=bundle.give_up.window)]
+    raw = [np.asarray(ts.problems[i].labels[reference], dtype=np.int8) for i in idx]
+    certified = [ts.labels(i, bundle.label_mode) for i in idx]  # cumulative
+    tokens = [np.asarray(ts.problems[i].step_tokens) for i in idx]
+    lengths = np.array([len(c) for c in raw])
+    ends_right = np.array([c.any() for c in raw])
+    counted = np.array([c.any() for c in certified])  # the certified stop risk's traces
+    first_right = np.array([int(np.argmax(c)) if c.any() else n - 1
+                            for c, n in zip(raw, lengths)])
+    never = np.full(len(idx), False)
+
+    def arm(end: np.ndarray, early: np.ndarray, gave: np.ndarray) -> dict[str, Any]:
+        right_at_end = np.array([c[e] == 1 for c, e in zip(raw, end)])
+        wrong_stop = np.array([c[e] == 0 for c, e in zip(certified, end)]) & early
+        return {"tokens_per_request": float(np.mean(tokens_used(tokens, end))),
+                "accuracy": float(np.mean(right_at_end & ~gave)),
+                "accuracy_best_guess": float(np.mean(right_at_end)),
+                "ended_early": float(np.mean(early)), "gave_up": float(np.mean(gave)),
+                "stop_error": _rate(wrong_stop, counted),
+                "give_up_error": _rate(gave & ends_right, np.full(len(idx), True))}
+
+    one_end = stop_indices(stop, np.array([lam]))[0]
+    two_end, ended = two_sided_ends(stop, give_up, lam, mu)
+    ended = np.array(ended)
+    # the two-sided oracle: a trace that ends right stops at its first right step, one that
+    # never gets right gives up after its first step (no step after it is right)
+    oracle_two = np.where(ends_right, first_right, 0)
+    arms = {
+        "full": arm(lengths - 1, never, never),
+        "one_sided": arm(one_end, one_end < lengths - 1, never),
+        "two_sided": arm(two_end, ended == "early", ended == "gave_up"),
+        "oracle_stop": arm(first_right, ends_right & (first_right < lengths - 1), never),
+        "oracle_two_sided": arm(oracle_two, ends_right & (first_right < lengths - 1),
+                                ~ends_right & (lengths > 1)),
+    }
+    return {"split": split, "n": len(idx), "delta": delta, "delta_2": delta_2,
+            "lambda": None if math.isinf(lam) else lam, "mu": None if math.isinf(mu) else mu,
+            "label_mode": bundle.label_mode, "reference": reference, "arms": arms}

@@ -68,7 +68,14 @@ def load_job(path: Path) -> dict[str, Any]:
                                                               f"{path}: collect")
         except JudgeError as e:
             raise JobError(str(e)) from None
-    elif (job.get("train") or {}).get("label_mode") == "judge":
+    give_up = (job.get("calibrate") or {}).get("give_up")
+    if give_up is not None:
+        from calibration.calibrate import GiveUpOptions  # deferred: torch
+        known = {f.name for f in fields(GiveUpOptions)}
+        if not isinstance(give_up, dict) or set(give_up) - known:
+            raise JobError(f"{path}: calibrate.give_up is a mapping of {sorted(known)}")
+    if (job.get("train") or {}).get("label_mode") == "judge" and \
+            (job.get("collect") or {}).get("judge") is None:
         raise JobError(f"{path}: train.label_mode judge needs a collect.judge block "
                        "(base_url, model, api_key_env)")
     return job
@@ -117,9 +124,14 @@ def _stage(out: Path, name: str, outputs: list[Path], fn, log: list[str], settin
 
 def run_job(path: Path, progress: bool = True) -> list[str]:
     """Run (or resume) a job; returns one log line per stage."""
-    from calibration.calibrate import calibrate_bundle  # deferred: torch
+    from calibration.calibrate import GiveUpOptions, calibrate_bundle  # deferred: torch
     from calibration.evaluate import evaluate_bundle, markdown_table, plot_report  # deferred: torch
-    from calibration.train import load_probe, save_probe, train_probe  # deferred: torch
+    from calibration.train import (  # deferred: torch
+        load_probe,
+        save_probe,
+        train_give_up,
+        train_probe,
+    )
     from orca_method.bundle import load_bundle  # deferred: torch
 
     job = load_job(path)
@@ -159,7 +171,13 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
 
     def calibrate() -> None:
         probe, meta = load_probe(probe_file)
-        calibrate_bundle(probe, TrajectorySet.open(data), bundle_file,
+        ts = TrajectorySet.open(data)
+        give_up = None
+        if ca.get("give_up") is not None:  # the give-up probe is fitted here (seconds)
+            opts = GiveUpOptions(**{k: tuple(v) if k == "deltas" else v
+                                    for k, v in ca["give_up"].items()})
+            give_up = (train_give_up(ts, opts.label_mode, seed=tr.get("seed", 0)), opts)
+        calibrate_bundle(probe, ts, bundle_file, give_up=give_up,
                          mode=meta["label_mode"], deltas=ca.get("deltas", [0.05, 0.1, 0.15, 0.2]),
                          epsilon=ca.get("epsilon", 0.05), window=ca.get("window", 10),
                          dump_scores=out / "calibration-scores.jsonl",

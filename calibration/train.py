@@ -268,12 +268,35 @@ def train_static(ts: TrajectorySet, mode: str, *, pca_dim: int = 256, c: float =
     The fitted pipeline is affine up to the sigmoid, so it is folded into a linear probe with no
     online update: the server and replay run it with the same code as the TTT probes.
     """
-    rng = np.random.default_rng(seed)
     train = solvable(ts, ts.split("train"), mode)
     if not train:
         raise ValueError(f"the training split has no problem with a correct step under '{mode}'")
-    x = np.concatenate([ts.embeddings(i) for i in train]).astype(np.float32)
-    y = np.concatenate([ts.labels(i, mode) for i in train]).astype(np.float64)
+    return fit_static([ts.embeddings(i) for i in train], [ts.labels(i, mode) for i in train],
+                      pca_dim=pca_dim, c=c, seed=seed, max_pca_rows=max_pca_rows)
+
+
+def train_give_up(ts: TrajectorySet, mode: str, *, seed: int = 0) -> Probe:
+    """The give-up probe (docs/METHOD.md section 9): a static probe fitted on EVERY training
+    trajectory, each step labelled with whether its trajectory ends right under `mode` (a
+    reference label mode), so its score estimates P(the trace ends right | this step)."""
+    train = ts.split("train")
+    ends = [is_solvable(ts.labels(i, mode)) for i in train]
+    if not train or all(ends) or not any(ends):
+        raise ValueError(f"the training split needs traces that end right and traces that do not "
+                         f"under '{mode}' to fit a give-up probe ({sum(ends)} of {len(train)} end "
+                         "right)")
+    embs = [ts.embeddings(i) for i in train]
+    return fit_static(embs, [np.full(len(e), float(end)) for e, end in zip(embs, ends)],
+                      seed=seed)
+
+
+def fit_static(embeddings: list[np.ndarray], targets: list[np.ndarray], *, pca_dim: int = 256,
+               c: float = 1.0, seed: int = 0, max_pca_rows: int = 20000) -> Probe:
+    """Standardise, PCA, L2 logistic regression of per-step 0/1 targets on step embeddings,
+    folded into a static linear probe (`train_static`)."""
+    rng = np.random.default_rng(seed)
+    x = np.concatenate(embeddings).astype(np.float32)
+    y = np.concatenate(targets).astype(np.float64)
     mean, std = x.mean(0), x.std(0) + 1e-6
     xs = torch.from_numpy((x - mean) / std)
     rows = rng.choice(len(xs), size=min(len(xs), max_pca_rows), replace=False)
@@ -283,7 +306,7 @@ def train_static(ts: TrajectorySet, mode: str, *, pca_dim: int = 256, c: float =
     z = (xs @ comps).double().numpy()
     w, b = _logistic_l2(z, y, c)
     w_eff = (comps.double().numpy() @ w) / std  # back to raw phi space
-    probe = Probe(ProbeSpec(dim=ts.dim, online=False))
+    probe = Probe(ProbeSpec(dim=x.shape[1], online=False))
     with torch.no_grad():
         probe.params["w"].copy_(torch.from_numpy(w_eff))
         probe.params["b"].fill_(float(b - w_eff @ mean))

@@ -35,9 +35,15 @@ from safetensors.torch import save as st_save
 
 from orca_method.errors import first_line
 from orca_method.probe import Probe, ProbeSpec
-from orca_method.thresholds import lam_from_json
+from orca_method.thresholds import lam_from_json, mu_from_json
 
+# Version 1: the one-sided bundle (lambda* only). Version 2: the same plus a `give_up` block (the
+# lower threshold mu*, docs/METHOD.md section 9). A bundle is written as version 1 whenever it has
+# no give_up block, so one-sided bundles stay readable by readers of version 1, which refuse a
+# version 2 bundle in one line ("has schema version 2, this orca-serve reads version 1").
 SCHEMA_VERSION = 1
+TWO_SIDED_VERSION = 2
+SCHEMA_VERSIONS = (SCHEMA_VERSION, TWO_SIDED_VERSION)
 MAX_WINDOW = 10_000  # the server keeps window floats per request row
 
 
@@ -130,6 +136,24 @@ class DriftReference(_Strict):
         return self
 
 
+class GiveUpRow(_Strict):
+    delta: float = Field(gt=0, lt=1)  # delta_2: the give-up risk level
+    mu: Fraction | None  # give up at the first step whose smoothed score <= mu; None = never
+    risk: Fraction  # calibration facts at mu*
+    pvalue: Fraction
+    give_up_rate: Fraction
+
+
+class GiveUpTable(_Strict):
+    """LTT over the give-up thresholds: one mu* per delta_2, valid for every lambda*."""
+
+    epsilon: float = Field(gt=0, lt=1)  # epsilon_2; the joint statement: docs/METHOD.md section 9
+    n_cal: int = Field(ge=1)  # every calibration trace (unsolvable ones included)
+    pvalue: Literal["binomial", "hb"] = "binomial"
+    grid_size: int = Field(ge=1)
+    rows: list[GiveUpRow] = Field(min_length=1)
+
+
 def _spec_fields() -> type[BaseModel]:
     """A strict pydantic view of ProbeSpec's fields (types and literals read off the dataclass)."""
     hints = get_type_hints(ProbeSpec)
@@ -159,6 +183,29 @@ class ProbeBlock(_Strict):
         return v
 
 
+class GiveUpBlock(_Strict):
+    """The lower threshold (schema version 2): its own probe, smoothing and reference labels.
+
+    The probe scores whether the trace will end right; it is the static linear probe (no
+    fast-weight update: docs/METHOD.md section 9 says why), run on the same step embeddings.
+    """
+
+    probe: ProbeBlock
+    window: int = Field(1, ge=1, le=MAX_WINDOW)
+    label_mode: str = Field(min_length=1)  # reference labels ("ends right"); never "consistent"
+    ltt: GiveUpTable
+    default_delta: float = Field(gt=0, lt=1)
+
+    @field_validator("label_mode")
+    @classmethod
+    def _reference(cls, v: str) -> str:
+        if v == "consistent":
+            raise ValueError("a give-up risk needs reference labels: under consistency labels "
+                             "every trace ends with its own final answer, so every give-up "
+                             "would be a loss")
+        return v
+
+
 class Bundle(_Strict):
     schema_version: int
     orca_serve_version: str
@@ -177,15 +224,26 @@ class Bundle(_Strict):
     # setup they were calibrated under; orca-serve prints it at start.
     lambdas_from: str | None = None
     drift: DriftReference | None = None  # absent in older bundles: no drift test
+    give_up: GiveUpBlock | None = None  # schema version 2 only: the lower threshold
     checksum: str = ""
 
     @field_validator("schema_version")
     @classmethod
     def _version(cls, v: int) -> int:
-        if v != SCHEMA_VERSION:
+        if v not in SCHEMA_VERSIONS:
             raise ValueError(f"bundle schema version {v} is not supported (this orca-serve reads "
-                             f"version {SCHEMA_VERSION}); recalibrate with this orca-serve version")
+                             f"versions {SCHEMA_VERSION} and {TWO_SIDED_VERSION}); recalibrate "
+                             "with this orca-serve version")
         return v
+
+    @model_validator(mode="after")
+    def _version_matches(self) -> Bundle:
+        want = schema_version_for(self.give_up is not None)
+        if self.schema_version != want:
+            raise ValueError(f"schema version {self.schema_version} "
+                             f"{'with' if self.give_up else 'without'} a give_up block; a bundle "
+                             f"{'with' if self.give_up else 'without'} one is version {want}")
+        return self
 
     # -- derived ---------------------------------------------------------------------------
     def deltas(self) -> list[float]:
@@ -199,6 +257,22 @@ class Bundle(_Strict):
         raise BundleError(f"delta {delta} has no calibrated lambda* in this bundle; "
                           f"available deltas: {', '.join(f'{d:g}' for d in self.deltas())}")
 
+    def give_up_deltas(self) -> list[float]:
+        return [] if self.give_up is None else [r.delta for r in self.give_up.ltt.rows]
+
+    def mu(self, delta_2: float) -> float:
+        """mu*(delta_2); GIVE_UP_NEVER (-inf) means never give up. The same mu* holds with
+        every lambda*(delta) of the table (docs/METHOD.md section 9), so the pair for
+        (delta, delta_2) is ``(lam(delta), mu(delta_2))``."""
+        if self.give_up is None:
+            raise BundleError("this bundle has no give-up threshold (a one-sided bundle, schema "
+                              "version 1): calibrate it with a give-up probe")
+        for r in self.give_up.ltt.rows:
+            if math.isclose(r.delta, delta_2, rel_tol=0, abs_tol=1e-9):
+                return mu_from_json(r.mu)
+        raise BundleError(f"give-up delta {delta_2} has no calibrated mu* in this bundle; "
+                          f"available: {', '.join(f'{d:g}' for d in self.give_up_deltas())}")
+
     def spec(self) -> ProbeSpec:
         return ProbeSpec.from_dict(self.probe.spec)
 
@@ -208,27 +282,11 @@ class Bundle(_Strict):
         Every check runs before the probe is allocated, so a bundle declaring a huge probe is
         refused without allocating it.
         """
-        spec = self.spec()
-        tensors = decode_weights(self.probe.weights)
-        expected = spec.param_shapes()
-        if set(tensors) != set(expected):
-            raise BundleError(f"probe weights {sorted(tensors)} do not match variant {spec.name} "
-                              f"(expects {sorted(expected)}); the bundle is corrupt: recalibrate")
-        for name, shape in expected.items():
-            t = tensors[name]
-            if tuple(t.shape) != shape:
-                raise BundleError(f"probe weight '{name}' has shape {tuple(t.shape)}, expected "
-                                  f"{shape}; the bundle is corrupt: recalibrate")
-            if t.dtype != torch.float32:
-                raise BundleError(f"probe weight '{name}' is {t.dtype}, expected torch.float32 "
-                                  "(what calibration writes); the bundle is corrupt: recalibrate")
-            if not torch.isfinite(t).all():
-                raise BundleError(f"probe weight '{name}' contains NaN or inf; the probe diverged "
-                                  "in training: retrain (lower the learning rate) and recalibrate")
-        probe = Probe(spec)
-        for name, t in tensors.items():
-            probe.params[name].data.copy_(t)
-        return probe.requires_grad_(False)
+        return _load_probe(self.probe)
+
+    def load_give_up_probe(self) -> Probe | None:
+        """The give-up probe (checked as `load_probe`), or None for a one-sided bundle."""
+        return None if self.give_up is None else _load_probe(self.give_up.probe)
 
     def summary(self) -> dict[str, Any]:
         """Everything but the weights and the drift reference's numbers (for /v1/orca/bundle
@@ -238,7 +296,41 @@ class Bundle(_Strict):
         if self.drift is not None:  # the reference's numbers are for the monitor, not for people
             d["drift"] = {"k": self.drift.k, "level": self.drift.level, "n_cal": self.drift.n_cal,
                           "size": len(self.drift.early_mean)}
+        if self.give_up is not None:
+            g = self.give_up
+            d["give_up"]["probe"] = {"variant": ProbeSpec.from_dict(g.probe.spec).name,
+                                     "spec": g.probe.spec}
         return d
+
+
+def schema_version_for(two_sided: bool) -> int:
+    """The version a bundle is written with: 2 only when it carries a give_up block."""
+    return TWO_SIDED_VERSION if two_sided else SCHEMA_VERSION
+
+
+def _load_probe(block: ProbeBlock) -> Probe:
+    """A probe block's probe, every check before allocation (`Bundle.load_probe`)."""
+    spec = ProbeSpec.from_dict(block.spec)
+    tensors = decode_weights(block.weights)
+    expected = spec.param_shapes()
+    if set(tensors) != set(expected):
+        raise BundleError(f"probe weights {sorted(tensors)} do not match variant {spec.name} "
+                          f"(expects {sorted(expected)}); the bundle is corrupt: recalibrate")
+    for name, shape in expected.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise BundleError(f"probe weight '{name}' has shape {tuple(t.shape)}, expected "
+                              f"{shape}; the bundle is corrupt: recalibrate")
+        if t.dtype != torch.float32:
+            raise BundleError(f"probe weight '{name}' is {t.dtype}, expected torch.float32 "
+                              "(what calibration writes); the bundle is corrupt: recalibrate")
+        if not torch.isfinite(t).all():
+            raise BundleError(f"probe weight '{name}' contains NaN or inf; the probe diverged "
+                              "in training: retrain (lower the learning rate) and recalibrate")
+    probe = Probe(spec)
+    for name, t in tensors.items():
+        probe.params[name].data.copy_(t)
+    return probe.requires_grad_(False)
 
 
 def encode_weights(probe: Probe) -> str:
@@ -268,7 +360,9 @@ def _checksum(data: dict[str, Any]) -> str:
 
 def save_bundle(bundle: Bundle, path: str | Path) -> Bundle:
     """Write the bundle with its checksum; returns the sealed bundle."""
-    data = bundle.model_dump()
+    # a one-sided bundle is written exactly as before version 2 (no give_up key): readers of
+    # version 1 read it, and its checksum is what they compute
+    data = bundle.model_dump(exclude={"give_up"} if bundle.give_up is None else None)
     data["checksum"] = _checksum(data)
     sealed = Bundle.model_validate(data)
     tmp = Path(path).with_suffix(".tmp")
@@ -333,10 +427,10 @@ def load_bundle(path: str | Path) -> Bundle:
 def _validate(data: Any, p: Path) -> Bundle:
     if not isinstance(data, dict):
         raise BundleError(f"bundle {p} is not a JSON object; is it a bundle.json?")
-    if data.get("schema_version") not in (None, SCHEMA_VERSION):
+    if data.get("schema_version") not in (None, *SCHEMA_VERSIONS):
         raise BundleError(f"bundle {p} has schema version {data.get('schema_version')!r:.40}, "
-                          f"this orca-serve reads version {SCHEMA_VERSION}: recalibrate with this "
-                          "version")
+                          f"this orca-serve reads versions {SCHEMA_VERSION} and "
+                          f"{TWO_SIDED_VERSION}: recalibrate with this version")
     if data.get("checksum") != _checksum(data):
         raise BundleError(f"bundle {p} fails its checksum: it was edited or truncated after "
                           "calibration; restore the original or recalibrate")
@@ -359,11 +453,33 @@ def _validate(data: Any, p: Path) -> Bundle:
     if spec.dim != bundle.model.hidden_size:
         raise BundleError(f"bundle {p}: probe dim {spec.dim} != model hidden size "
                           f"{bundle.model.hidden_size}")
+    if bundle.give_up is not None:
+        _check_give_up(bundle, p)
     try:
         _smoke_test(bundle.load_probe())
+        if bundle.give_up is not None:
+            _smoke_test(bundle.load_give_up_probe())
     except BundleError as e:
         raise BundleError(f"bundle {p}: {e}") from None
     return bundle
+
+
+def _check_give_up(bundle: Bundle, p: Path) -> None:
+    """The give_up block's table: no delta twice, its default calibrated, its probe's width."""
+    g = bundle.give_up
+    deltas = sorted(bundle.give_up_deltas())
+    for a, b in itertools.pairwise(deltas):
+        if math.isclose(a, b, rel_tol=0, abs_tol=1e-9):
+            raise BundleError(f"bundle {p} lists give-up delta {a:g} twice; which mu* applies is "
+                              "ambiguous: recalibrate")
+    try:
+        bundle.mu(g.default_delta)
+    except BundleError as e:
+        raise BundleError(f"bundle {p}: give_up.default_delta: {e}") from None
+    dim = ProbeSpec.from_dict(g.probe.spec).dim
+    if dim != bundle.model.hidden_size:
+        raise BundleError(f"bundle {p}: give-up probe dim {dim} != model hidden size "
+                          f"{bundle.model.hidden_size}")
 
 
 @torch.no_grad()

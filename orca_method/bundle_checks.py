@@ -18,7 +18,7 @@ import torch
 from orca_method.bundle import Bundle, BundleError, LTTRow
 from orca_method.ltt import PVALUES
 from orca_method.probe import Probe
-from orca_method.thresholds import lam_from_json
+from orca_method.thresholds import lam_from_json, mu_from_json
 
 SATURATED = 1e-6  # a score this close to 0 or 1 is saturated (float32 sigmoid's flat ends)
 SATURATION_PROBES = (64, 4)  # seeded reference trajectories and steps each
@@ -28,10 +28,12 @@ def check_semantics(bundle: Bundle) -> None:
     """Refuse (BundleError, one line) a table or probe that no calibration could have produced.
 
     Data-free, so they hold for any bundle: lambda* is non-increasing in delta and each row is
-    consistent with the others and with its own recorded risk (`check_rows`); the probe's
-    scores are not saturated (`check_not_saturated`).
+    consistent with the others and with its own recorded risk (`check_rows`), and the same for
+    mu* of a two-sided bundle (`check_give_up_rows`); the probe's scores are not saturated
+    (`check_not_saturated`).
     """
     check_rows(bundle)
+    check_give_up_rows(bundle)
     check_not_saturated(bundle)
 
 
@@ -92,6 +94,41 @@ def check_rows(bundle: Bundle) -> None:
                                   f"but delta {b.delta:g} (lambda* {shown(b)}) records {y:g}: "
                                   f"a lower lambda* stops no later, so its {name} is no smaller; "
                                   "the table was edited: recalibrate")
+
+
+def check_give_up_rows(bundle: Bundle) -> None:
+    """The give-up table could come from one run of orca_method/give_up.py on n_cal traces: mu*
+    is non-decreasing in delta_2 (None, never give up, below every number), and each row's risk
+    is a whole number of losses whose p-value is the recorded one and <= epsilon_2 (a row that
+    never gives up: p-value 1, risk 0)."""
+    if bundle.give_up is None:
+        return
+    t = bundle.give_up.ltt
+    rows = sorted(t.rows, key=lambda r: r.delta)
+
+    def mu(r) -> float:
+        return mu_from_json(r.mu)
+
+    for a, b in itertools.pairwise(rows):
+        if mu(b) < mu(a):
+            raise BundleError(f"give-up mu* falls as delta_2 rises (delta_2 {a.delta:g}: {a.mu}, "
+                              f"{b.delta:g}: {b.mu}), which LTT never does: the table was edited "
+                              "after calibration; recalibrate")
+    for r in rows:
+        k = r.risk * t.n_cal
+        where = f"give-up delta {r.delta:g} (mu* {r.mu}, risk {r.risk:g}, p-value {r.pvalue:g})"
+        if abs(k - round(k)) > 1e-6:
+            raise BundleError(f"{where}: risk x n_cal = {k:g} is not a whole number of losses "
+                              f"out of {t.n_cal}; the table was edited: recalibrate")
+        if r.mu is None:
+            if r.pvalue != 1.0 or r.risk != 0.0:
+                raise BundleError(f"{where}: a row that never gives up has p-value 1 and risk 0; "
+                                  "the table was edited: recalibrate")
+            continue
+        p = float(PVALUES[t.pvalue](np.asarray([round(k)]), t.n_cal, r.delta)[0])
+        if not math.isclose(p, r.pvalue, rel_tol=1e-6, abs_tol=1e-12) or p > t.epsilon:
+            raise BundleError(f"{where}: {round(k)} losses in {t.n_cal} give p-value {p:.4g}; "
+                              "the row does not match its own risk: recalibrate")
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from orca_method.probe import Fast, Probe
-from orca_method.thresholds import NEVER
+from orca_method.thresholds import GIVE_UP_NEVER, NEVER
 
 Normalization = Literal["token-l2", "step-l2", "none"]
 
@@ -44,14 +44,21 @@ class StepResult:
     smoothed: Tensor  # m_t per row
     stop: Tensor  # bool per row: m_t >= lambda
     steps: Tensor  # steps scored so far per row, this one included
+    give_up_score: Tensor | None = None  # g_t per row (smoothed), when the bank has a give-up probe
+    give_up: Tensor | None = None  # bool per row: g_t <= mu and not stopping (the stop wins a tie)
 
 
 class ProbeBank:
     """Batched per-request probe state, one row per request slot (rows 0..capacity-1, all fresh
-    at the start; `reset` makes a row fresh again for its next request)."""
+    at the start; `reset` makes a row fresh again for its next request).
+
+    `give_up`: the give-up probe and its smoothing window (docs/METHOD.md section 9), run on the
+    same step embeddings in a bank of its own, so that each step also decides whether to give up.
+    """
 
     def __init__(self, probe: Probe, window: int = 10, capacity: int = 64,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu",
+                 give_up: tuple[Probe, int] | None = None) -> None:
         if window < 1:
             raise ValueError(f"smoothing window must be >= 1, got {window}")
         self.probe = probe.to(device).eval()
@@ -64,6 +71,8 @@ class ProbeBank:
         self._fast["count"] = torch.zeros(capacity, dtype=torch.long, device=self.device)
         self._buf: Fast = {k: torch.empty_like(self._fast[k]) for k in self.probe.fast_keys()}
         self._scratch = torch.empty(capacity, self.probe.spec.d_w, device=self.device)
+        self.give_up = (None if give_up is None else
+                        ProbeBank(give_up[0], window=give_up[1], capacity=capacity, device=device))
 
     @property
     def capacity(self) -> int:
@@ -77,20 +86,31 @@ class ProbeBank:
             self._fast[k][row] = v[0]
         self._fast["hist"][row] = 0
         self._fast["count"][row] = 0
+        if self.give_up is not None:
+            self.give_up.reset(row)
 
     def snapshot(self, row: int) -> dict[str, Tensor]:
         """A copy of one row's state, e.g. to survive a preemption that frees the row."""
-        return {k: v[row].clone() for k, v in self._fast.items()}
+        snap = {k: v[row].clone() for k, v in self._fast.items()}
+        if self.give_up is not None:
+            snap |= {f"give_up.{k}": v for k, v in self.give_up.snapshot(row).items()}
+        return snap
 
     def restore(self, row: int, snap: dict[str, Tensor]) -> None:
         for k, v in snap.items():
-            self._fast[k][row] = v
+            if k.startswith("give_up."):
+                self.give_up._fast[k.removeprefix("give_up.")][row] = v
+            else:
+                self._fast[k][row] = v
 
     # -- the procedure -----------------------------------------------------------------
     @torch.no_grad()
     def step(self, rows: Sequence[int], phi: Tensor, lam: Tensor,
-             rows_dev: Tensor | None = None) -> StepResult:
+             rows_dev: Tensor | None = None, mu: Tensor | None = None) -> StepResult:
         """Score, smooth, decide and (for rows that do not stop) update: one reasoning step.
+
+        `mu`: [m] give-up thresholds (GIVE_UP_NEVER = -inf: this row never gives up), for a
+        bank with a give-up probe; its smoothed score is computed for every row either way.
 
         rows: [m] distinct row ids on the host (a list, or a CPU tensor), phi: [m, d] step
         embeddings, lam: [m] thresholds (inf = never); `rows_dev`: the same rows already on the
@@ -127,7 +147,13 @@ class ProbeBank:
         if not contiguous:
             for k in keys:
                 self._fast[k].index_copy_(0, rows, fast[k])
-        return StepResult(raw=raw, smoothed=smoothed, stop=stop, steps=n)
+        out = StepResult(raw=raw, smoothed=smoothed, stop=stop, steps=n)
+        if self.give_up is not None:
+            never = torch.full_like(smoothed, NEVER)
+            g = self.give_up.step(host, phi, never, rows_dev=rows).smoothed
+            mu = torch.full_like(g, GIVE_UP_NEVER) if mu is None else mu.to(self.device)
+            out.give_up_score, out.give_up = g, (g <= mu) & ~stop
+        return out
 
 
 def as_tensor(arr) -> Tensor:

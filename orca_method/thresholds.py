@@ -1,4 +1,4 @@
-"""The never-stop threshold, defined once, and its JSON form.
+"""The never-stop and never-give-up thresholds, defined once, and their JSON form.
 
 LTT certifies lambda*(delta) or nothing; "nothing" means the deployed procedure never stops early
 (no smoothed score in [0, 1] reaches an infinite threshold). Every never-stop threshold in the
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 NEVER = math.inf
+GIVE_UP_NEVER = -math.inf  # the never-give-up threshold mu (no score in [0, 1] is <= -inf)
 
 
 def lam_to_json(lam: float | None) -> float | None:
@@ -21,3 +22,8 @@ def lam_to_json(lam: float | None) -> float | None:
 def lam_from_json(v: float | None) -> float:
     """A JSON threshold: null is NEVER."""
     return NEVER if v is None else float(v)
+
+
+def mu_from_json(v: float | None) -> float:
+    """A JSON give-up threshold: null is GIVE_UP_NEVER (`lam_to_json` writes both kinds)."""
+    return GIVE_UP_NEVER if v is None else float(v)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from orca_method.outcomes import ENDED_EARLY, FULL, GAVE_UP
 from orca_method.thresholds import NEVER, lam_to_json
 
 Policy = Literal["answer", "stop", "shadow"]
@@ -29,7 +30,14 @@ MAX_ANSWER_BUDGET = 2**31 - 1
 MIN_ANSWER_TOKENS = 8  # answer tokens the end-of-max_tokens reserve keeps (policy answer)
 # what a request without its own orca_* arguments gets (the server's --orca-* options override)
 DEFAULTS: dict[str, Any] = {"enabled": 1, "delta": None, "policy": "answer",
-                            "answer_budget": DEFAULT_ANSWER_BUDGET}
+                            "answer_budget": DEFAULT_ANSWER_BUDGET,
+                            "give_up_policy": "guess", "give_up_message": None}
+
+# What a request that gives up returns (the operator's choice, `--orca-give-up-policy`):
+# "guess": its answer at that point, as a stop would (policy answer), flagged `ended: gave_up`;
+# "message": the end-of-thinking text, then GIVE_UP_MESSAGE (or --orca-give-up-message), then EOS.
+GIVE_UP_POLICIES: tuple[str, ...] = ("guess", "message")
+GIVE_UP_MESSAGE = "I could not solve this problem."
 
 # how long the engine keeps an unfetched result, and how many at most
 RESULT_TTL_S = 600.0
@@ -45,6 +53,9 @@ XARG_RESERVE = "orca_reserve"  # tokens kept for the answer before max_tokens (p
 # checksum of the bundle the server resolved orca_lam with: the engine joins that deployment
 # (hot reload: old and new bundles are live at once, and lambda* belongs to one probe)
 XARG_BUNDLE = "orca_bundle"
+# mu*, the give-up threshold the server resolved from the request's `orca.give_up.delta`
+# (absent: the request never gives up; docs/METHOD.md section 9)
+XARG_GIVE_UP_MU = "orca_give_up_mu"
 # the client-settable ones (a request's `orca` fields; defaults in DEFAULTS, same names)
 XARG_ENABLED = "orca_enabled"  # 0/1
 XARG_DELTA = "orca_delta"  # risk level in (0, 1)
@@ -53,7 +64,7 @@ XARG_ANSWER_BUDGET = "orca_answer_budget"  # answer tokens after a stop (policy 
 XARG_FIELDS = {"enabled": XARG_ENABLED, "delta": XARG_DELTA, "policy": XARG_POLICY,
                "answer_budget": XARG_ANSWER_BUDGET}
 # set by the server or the plugin, never by clients
-XARG_RESERVED = {XARG_KEY, XARG_LAM, XARG_N, XARG_SEED, XARG_BUNDLE}
+XARG_RESERVED = {XARG_KEY, XARG_LAM, XARG_N, XARG_SEED, XARG_BUNDLE, XARG_GIVE_UP_MU}
 # Per-request xargs that run a request without the orca probe (answer probes, audits' forcing).
 ORCA_OFF = {XARG_ENABLED: 0}
 _INT_XARGS = (XARG_ENABLED, XARG_ANSWER_BUDGET, XARG_RECORD, XARG_RESERVE, XARG_N)
@@ -85,6 +96,22 @@ def decode_lam(v: Any) -> float:
     if not (0.0 <= lam <= 1.0 or lam == NEVER):
         raise ValueError(f"{XARG_LAM} must be in [0, 1] or \"inf\" (never), got {v!r}")
     return lam
+
+
+def decode_mu(v: Any) -> float:
+    """An `orca_give_up_mu` xarg as mu*: a number in [0, 1] (ValueError otherwise)."""
+    mu = _as_float(XARG_GIVE_UP_MU, v)
+    if not 0.0 <= mu <= 1.0:
+        raise ValueError(f"{XARG_GIVE_UP_MU} must be in [0, 1], got {v!r}")
+    return mu
+
+
+def ended(stopped_early: bool, stop_reason: str | None) -> str:
+    """How a request's reasoning ended (the response's `ended`): answered early (the probe's
+    stop), gave up (the give-up threshold), or full (ran to its own end, a budget or a limit)."""
+    if stop_reason == "give_up":
+        return GAVE_UP
+    return ENDED_EARLY if stopped_early else FULL
 
 
 def as_int(name: str, v: Any) -> int:
@@ -134,6 +161,8 @@ def validate_xargs(xa: dict[str, Any] | None, n: int = 1, seed: int | None = Non
             raise ValueError(f"{XARG_DELTA} must be in (0, 1), got {xa[XARG_DELTA]!r}")
     if XARG_LAM in xa:
         decode_lam(xa[XARG_LAM])
+    if XARG_GIVE_UP_MU in xa:
+        decode_mu(xa[XARG_GIVE_UP_MU])
     if XARG_POLICY in xa and xa[XARG_POLICY] not in POLICIES:
         raise ValueError(f"{XARG_POLICY} must be one of {', '.join(POLICIES)}, "
                          f"got {xa[XARG_POLICY]!r}")
@@ -157,6 +186,7 @@ class RequestSpec:
     answer_budget: int
     reserve: int | None  # None: the default reserve (force text + min(budget, 8))
     notes: tuple[str, ...] = ()
+    give_up_mu: float | None = None  # None: never gives up
 
 
 def request_spec(xa: Mapping[str, Any] | None, defaults: Mapping[str, Any], *, record: bool,
@@ -186,13 +216,14 @@ def request_spec(xa: Mapping[str, Any] | None, defaults: Mapping[str, Any], *, r
                 delta = default_delta
                 lam = resolve_lam(lam_of, delta)  # type: ignore[arg-type]
     reserve = xa.get(XARG_RESERVE)
+    mu = decode_mu(xa[XARG_GIVE_UP_MU]) if enabled and XARG_GIVE_UP_MU in xa else None
     return RequestSpec(
         key=xa.get(XARG_KEY), n=int(xa.get(XARG_N, 1)),
         record=bool(as_int(XARG_RECORD, xa.get(XARG_RECORD, record))),
         enabled=enabled, policy=str(xa.get(XARG_POLICY, defaults["policy"])),
         delta=delta, lam=lam,
         answer_budget=int(xa.get(XARG_ANSWER_BUDGET, defaults["answer_budget"])),
-        reserve=None if reserve is None else int(reserve), notes=tuple(notes))
+        reserve=None if reserve is None else int(reserve), notes=tuple(notes), give_up_mu=mu)
 
 
 @dataclass
@@ -212,13 +243,16 @@ class OrcaResult:
     scores: list[float]
     reasoning_tokens: int
     forced_tokens: list[int]
-    stop_reason: str | None  # "probe", "budget" or None
+    stop_reason: str | None  # "probe", "give_up", "budget" or None
     index: int
     bundle_checksum: str | None = None  # the bundle whose probe served it (None: none did)
     # the reasoning ended in the output (end tag or EOS); and how many reasoning tokens the prompt
     # already held after its open start tag (vLLM's thinking_token_budget counts them)
     reasoning_closed: bool = False
     prompt_reasoning_tokens: int = 0
+    give_up_mu: float | None = None  # mu* it ran with (None: never gives up)
+    give_up_step: int | None = None  # the step it gave up at
+    last_give_up_score: float | None = None
     notes: list[str] = field(default_factory=list)
     error: str | None = None
     # record mode only: [steps, d] float32 numpy array, tokens per step, ids per step
@@ -235,6 +269,9 @@ class OrcaResult:
             del d["notes"]
         if self.error is None:
             del d["error"]
+        if self.give_up_mu is None and self.last_give_up_score is None:  # one-sided: as before
+            for k in ("give_up_mu", "give_up_step", "last_give_up_score"):
+                del d[k]
         if self.step_tokens is None:
             for k in ("step_embeddings", "step_tokens", "step_token_ids", "prompt_token_ids",
                       "output_token_ids"):

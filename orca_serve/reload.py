@@ -169,6 +169,12 @@ class Reloader:
                 bundle.lam(self.fixed_delta)
             except BundleError as e:
                 raise ReloadRefused(f"--orca-delta {self.fixed_delta:g}: {e}") from None
+        if st.defaults.give_up_delta is not None:  # --orca-give-up-delta: every request uses it
+            try:
+                bundle.mu(st.defaults.give_up_delta)
+            except BundleError as e:
+                raise ReloadRefused(f"--orca-give-up-delta {st.defaults.give_up_delta:g}: "
+                                    f"{e}") from None
         try:
             check_effort_map(st.defaults.effort_map, bundle)
         except BundleError as e:

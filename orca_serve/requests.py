@@ -29,6 +29,7 @@ from orca_serve.contract import (
     POLICIES,
     XARG_BUNDLE,
     XARG_FIELDS,
+    XARG_GIVE_UP_MU,
     XARG_KEY,
     XARG_LAM,
     XARG_RECORD,
@@ -49,6 +50,18 @@ class OrcaRequestError(ValueError):
         self.param = param
 
 
+class GiveUpFields(BaseModel):
+    """`orca.give_up`: give up on reasoning that will probably not end right, with risk
+    `delta` (delta_2: P(giving up on a request that would have ended right); docs/METHOD.md
+    section 9). `{}` takes the server's or the bundle's default delta; `enabled: false` turns
+    a server default off."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    enabled: bool | None = None
+    delta: float | None = Field(None, gt=0, lt=1)
+
+
 class OrcaFields(BaseModel):
     """The body field `orca` (all optional: missing settings take the server's defaults)."""
 
@@ -58,6 +71,7 @@ class OrcaFields(BaseModel):
     delta: float | None = Field(None, gt=0, lt=1)
     policy: Policy | None = None
     answer_budget: int | None = Field(None, ge=0, le=MAX_ANSWER_BUDGET)
+    give_up: GiveUpFields | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,8 @@ class OrcaDefaults:
     policy: str = DEFAULTS["policy"]
     answer_budget: int | None = None  # None: the plugin's own default (DEFAULTS)
     effort_map: dict[str, str | float] = field(default_factory=lambda: dict(DEFAULT_EFFORT_MAP))
+    give_up_delta: float | None = None  # --orca-give-up-delta: None = requests do not give up
+    give_up_policy: str = DEFAULTS["give_up_policy"]  # what a given-up request returns
 
 
 @dataclass(frozen=True)
@@ -88,6 +104,9 @@ class OrcaSettings:
     delta_source: str = "server"  # where `delta` (or `enabled`) comes from: request | effort | server
     effort: str | None = None  # the request's reasoning effort, when it chose the delta
     thinking_budget: int | None = None  # vLLM's thinking_token_budget of the request, if any
+    give_up_delta: float | None = None  # None: the request does not give up
+    give_up_mu: float | None = None  # mu*(give_up_delta); None: never gives up
+    give_up_policy: str | None = None  # what it returns if it gives up (GIVE_UP_POLICIES)
 
     def xargs(self) -> dict[str, str | int | float]:
         out: dict[str, str | int | float] = {XARG_KEY: self.key, "orca_enabled": int(self.enabled)}
@@ -99,6 +118,8 @@ class OrcaSettings:
                 out[XARG_BUNDLE] = self.bundle
             if self.audited:
                 out[XARG_RECORD] = 1
+            elif self.give_up_mu is not None:  # an audited request runs to the end: no give-up
+                out[XARG_GIVE_UP_MU] = float(self.give_up_mu)
             if self.answer_budget is not None:
                 out["orca_answer_budget"] = int(self.answer_budget)
         return out
@@ -242,11 +263,37 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
             lam=lam_to_json(lam),
             answer_budget=(defaults.answer_budget if fields.answer_budget is None
                            else fields.answer_budget),
-            **common)
+            **_give_up(fields.give_up, defaults, bundle), **common)
     new_xargs = {k: v for k, v in (xargs or {}).items() if not k.startswith("orca_")}
     new_xargs.update(settings.xargs())
     out["vllm_xargs"] = new_xargs
     return out, settings
+
+
+def _give_up(asked: GiveUpFields | None, defaults: OrcaDefaults,
+             bundle: Bundle) -> dict[str, Any]:
+    """A request's give-up settings: on when it asks (`orca.give_up`) or the server's default
+    is set, unless it says `enabled: false`; the delta is the request's, else the server's,
+    else the bundle's default. Raises OrcaRequestError for a bundle without give-up or a
+    delta it has no mu* for."""
+    on = defaults.give_up_delta is not None or asked is not None
+    if asked is not None and asked.enabled is not None:
+        on = asked.enabled
+    if not on:
+        return {}
+    if bundle.give_up is None:
+        raise OrcaRequestError("this server's bundle has no give-up threshold (a one-sided "
+                               "bundle, schema version 1), so 'orca.give_up' cannot apply; "
+                               "calibrate one with calibrate.give_up", "orca.give_up")
+    delta = asked.delta if asked is not None and asked.delta is not None else (
+        defaults.give_up_delta if defaults.give_up_delta is not None
+        else bundle.give_up.default_delta)
+    try:
+        mu = bundle.mu(delta)
+    except BundleError as e:
+        raise OrcaRequestError(str(e), "orca.give_up.delta") from None
+    return {"give_up_delta": float(delta), "give_up_mu": lam_to_json(mu),
+            "give_up_policy": defaults.give_up_policy}
 
 
 def orca_param_in(body: dict[str, Any]) -> str | None:

@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 from orca_method.errors import first_line
 from orca_method.steps import token_bytes_from_tokenizer
 from orca_serve.argtypes import effort_map, fraction, integer
-from orca_serve.contract import DEFAULTS, POLICIES
+from orca_serve.contract import DEFAULTS, GIVE_UP_MESSAGE, GIVE_UP_POLICIES, POLICIES
 from orca_serve.effort import DEFAULT_EFFORT_MAP, check_effort_map, describe
 from orca_serve.metrics_snapshots import ENV_SERVER
 from orca_serve.server_log import log_like_vllm
@@ -84,6 +84,19 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--orca-answer-budget", type=integer(0), default=None, metavar="N",
                    help="Default answer budget in tokens after the reasoning is closed by policy "
                    "answer. None: the plugin's default.")
+    g.add_argument("--orca-give-up-delta", type=fraction(open_interval=True), default=None,
+                   metavar="DELTA_2",
+                   help="Give up by default on reasoning that will probably not end right, with "
+                   "give-up risk DELTA_2 (a two-sided bundle's give-up table must have it; "
+                   "requests turn it off with \"give_up\": {\"enabled\": false}). None: only "
+                   "requests that set orca.give_up give up.")
+    g.add_argument("--orca-give-up-policy", choices=GIVE_UP_POLICIES,
+                   default=DEFAULTS["give_up_policy"],
+                   help="What a given-up request returns: guess (its best current answer, as a "
+                   "stop would, flagged ended: gave_up) or message (the end-of-thinking text and "
+                   "--orca-give-up-message).")
+    g.add_argument("--orca-give-up-message", default=None, metavar="TEXT",
+                   help=f"The message of --orca-give-up-policy message (\"{GIVE_UP_MESSAGE}\").")
     g.add_argument("--orca-effort-map", type=effort_map, default=None, metavar="LEVEL=TARGET,...",
                    help="How a request's reasoning effort (chat reasoning_effort, Responses "
                    "reasoning.effort, Messages output_config.effort) chooses its delta, when the "
@@ -398,7 +411,8 @@ def _main(argv: list[str]) -> None:
         bundle_path = str(demo_bundle)
         early.model = str(model_dir)
     if bundle_path is None:
-        for opt in ("orca_delta", "orca_answer_budget", "orca_effort_map"):
+        for opt in ("orca_delta", "orca_answer_budget", "orca_effort_map", "orca_give_up_delta",
+                    "orca_give_up_message"):
             if getattr(early, opt) is not None:
                 raise StartupError(f"--{opt.replace('_', '-')} needs --calib (a bundle)")
     else:
@@ -409,6 +423,8 @@ def _main(argv: list[str]) -> None:
             bundle = load_bundle(bundle_path)
             if early.orca_delta is not None:
                 bundle.lam(early.orca_delta)
+            if early.orca_give_up_delta is not None:
+                bundle.mu(early.orca_give_up_delta)
         except BundleError as e:
             raise StartupError(str(e)) from None
         try:
@@ -477,7 +493,9 @@ def _main(argv: list[str]) -> None:
         merge_engine_args(args, engine_kwargs(
             str(Path(bundle_path).absolute()),
             defaults={"enabled": 0, "delta": defaults.delta, "policy": defaults.policy,
-                      "answer_budget": defaults.answer_budget}))
+                      "answer_budget": defaults.answer_budget,
+                      "give_up_policy": defaults.give_up_policy,
+                      "give_up_message": args.orca_give_up_message}))
         args.calib = str(Path(bundle_path).absolute())
 
     launch.configure_logging(args)

@@ -53,7 +53,7 @@ from orca_serve.apis import (
     reasoning_spent,
     thinking_ended_by,
 )
-from orca_serve.contract import POLICIES, child_key
+from orca_serve.contract import DEFAULTS, POLICIES, child_key, ended
 from orca_serve.effort import DEFAULT_EFFORT_MAP
 from orca_serve.live_audit.live import add_audit_route
 from orca_serve.metrics import OrcaMetrics
@@ -145,8 +145,12 @@ def choice_fields(result: dict[str, Any] | None, bundle: str | None = None,
         "reasoning_tokens": int(r.get("reasoning_tokens") or 0),
         "forced_tokens": len(forced) if isinstance(forced, (list, tuple)) else int(forced),
         "stop_reason": r.get("stop_reason"),
+        "ended": ended(bool(r.get("stopped_early")), r.get("stop_reason")),
         "thinking_ended_by": thinking_ended_by(r, thinking_budget),
     }
+    if r.get("give_up_mu") is not None or r.get("last_give_up_score") is not None:
+        out["give_up_step"] = r.get("give_up_step")
+        out["last_give_up_score"] = _num(r.get("last_give_up_score"))
     if r.get("notes"):
         out["notes"] = [str(x) for x in r["notes"]]
     if r.get("error"):
@@ -174,6 +178,11 @@ def orca_object(settings: OrcaSettings, results: dict[int, dict[str, Any] | None
         obj["audited"] = True
     if settings.answer_budget is not None:
         obj["answer_budget"] = settings.answer_budget
+    if settings.give_up_delta is not None:
+        obj["give_up"] = {"delta": settings.give_up_delta, "mu": settings.give_up_mu,
+                          "policy": settings.give_up_policy,
+                          # an audited request runs to its end: it never gives up
+                          "active": not settings.audited}
     if settings.n <= 1:
         r = results.get(0)
         if r and r.get("policy") in POLICIES:
@@ -558,8 +567,9 @@ def add_orca_to_openapi(schema: dict[str, Any]) -> dict[str, Any]:
     so without this the published schema hides it from clients and schema-driven tools.
     """
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    components[ORCA_SCHEMA] = OrcaFields.model_json_schema(
-        ref_template="#/components/schemas/{model}")
+    orca = OrcaFields.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(orca.pop("$defs", {}))  # nested models (`give_up`) where refs point
+    components[ORCA_SCHEMA] = orca
     field = {"anyOf": [{"$ref": f"#/components/schemas/{ORCA_SCHEMA}"}, {"type": "null"}],
              "description": "orca-serve: calibrated early stopping of the reasoning "
                             "(docs/SERVER.md); every field optional"}
@@ -611,7 +621,9 @@ def orca_defaults(args: Any, bundle: Bundle | None) -> OrcaDefaults:
         enabled=True,
         delta=args.orca_delta if args.orca_delta is not None else bundle.default_delta,
         policy=args.orca_policy, answer_budget=args.orca_answer_budget,
-        effort_map=dict(DEFAULT_EFFORT_MAP if table is None else table))
+        effort_map=dict(DEFAULT_EFFORT_MAP if table is None else table),
+        give_up_delta=getattr(args, "orca_give_up_delta", None),
+        give_up_policy=getattr(args, "orca_give_up_policy", None) or DEFAULTS["give_up_policy"])
 
 
 def served_model_name(args: Any) -> str:

@@ -17,12 +17,16 @@ import numpy as np
 
 from orca_method.bundle import (
     Bundle,
+    GiveUpBlock,
+    GiveUpRow,
+    GiveUpTable,
     LTTRow,
     LTTTable,
     ModelIdentity,
     ProbeBlock,
     encode_weights,
     save_bundle,
+    schema_version_for,
     tokenizer_fingerprint,
 )
 from orca_method.ltt import binomial_pvalues
@@ -69,21 +73,24 @@ def write_bundle(bundle: Bundle, path: Path) -> Path:
 
 
 # The live-server tests' table: delta -> lambda* (0.2 stops at once with bias 3, 0.1 only near
-# 1, 0.05 never).
+# 1, 0.05 never), and the give-up table: delta_2 -> mu* (the give-up probe scores 0.5 at every
+# step, so 0.05 gives up at the first step, 0.02 never).
 DELTAS = {0.05: None, 0.1: 0.99, 0.2: 0.5}
+GIVE_UP_DELTAS = {0.02: None, 0.05: 0.6}
 
 
 def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: float = 3.0) -> Path:
-    """The tiny model's bundle with lambda* from DELTAS and a constant probe bias (scores sit
-    near sigmoid(bias) whatever the hidden state, so which deltas stop is known)."""
+    """The tiny model's two-sided bundle with lambda* from DELTAS and a constant probe bias
+    (scores sit near sigmoid(bias) whatever the hidden state, so which deltas stop is known),
+    and mu* from GIVE_UP_DELTAS (default 0.05)."""
     from transformers import AutoTokenizer
 
     probe = Probe(ProbeSpec(dim=hidden), seed=0)
     probe.params["b"].data.fill_(bias)
     vocab = AutoTokenizer.from_pretrained(str(model_dir)).get_vocab()
-    return write_bundle(tiny_bundle(probe, DELTAS.items(), vocab=vocab, window=3,
-                                    name=model_dir.name,
-                                    default_delta=0.2, provenance={"test": "test_server"}),
+    one_sided = tiny_bundle(probe, DELTAS.items(), vocab=vocab, window=3, name=model_dir.name,
+                            default_delta=0.2, provenance={"test": "test_server"})
+    return write_bundle(with_give_up(one_sided, GIVE_UP_DELTAS.items(), default_delta=0.05),
                         path)
 
 
@@ -95,3 +102,28 @@ def small_bundle(dim: int = 8, spec: ProbeSpec | None = None) -> Bundle:
     """A valid bundle (delta 0.05 never stops, 0.1 at lambda 0.8) for unit tests, no model."""
     return tiny_bundle(Probe(spec or ProbeSpec(dim=dim), seed=0), [(0.05, None), (0.1, 0.8)],
                        vocab=SMALL_VOCAB, default_delta=0.1)
+
+
+def with_give_up(bundle: Bundle, rows: Iterable[tuple[float, float | None]], *,
+                 bias: float = 0.0, window: int = 1, n_cal: int = 100,
+                 default_delta: float | None = None) -> Bundle:
+    """`bundle` made two-sided (schema version 2): a static give-up probe whose score is
+    sigmoid(bias) whatever the step (so which give-up deltas give up is known) and mu* per
+    give-up delta from `rows`, with facts consistent with no loss out of `n_cal`."""
+    probe = Probe(ProbeSpec(dim=bundle.model.hidden_size, online=False), seed=0)
+    probe.params["w"].data.zero_()
+    probe.params["b"].data.fill_(bias)
+    rows = list(rows)
+    block = GiveUpBlock(
+        probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
+                         eta=0.01),
+        window=window, label_mode="supervised",
+        default_delta=rows[0][0] if default_delta is None else default_delta,
+        ltt=GiveUpTable(epsilon=0.05, n_cal=n_cal, grid_size=1001,
+                        rows=[GiveUpRow(delta=d, mu=mu, risk=0.0,
+                                        pvalue=1.0 if mu is None else
+                                        float(binomial_pvalues(np.asarray([0]), n_cal, d)[0]),
+                                        give_up_rate=0.0 if mu is None else 0.5)
+                              for d, mu in rows]))
+    return bundle.model_copy(update={"schema_version": schema_version_for(True),
+                                     "give_up": block, "checksum": ""})

@@ -40,7 +40,8 @@ LONGEST_FIRST = ["test_parallel", "test_speculation_engine", "test_fuzz_http", "
 
 # Modules that use one session-scoped server (`tiny_server`): one group, so one worker runs them
 # all and the server starts once.
-SHARED_SERVER = {"test_server": "tiny_server", "test_server_apis": "tiny_server"}
+SHARED_SERVER = {"test_server": "tiny_server", "test_server_apis": "tiny_server",
+                 "test_server_give_up": "tiny_server"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -65,3 +65,7 @@ def test_openapi_documents_the_orca_field(client):
     ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
     assert "orca" in schema["components"]["schemas"][ref]["properties"]
     assert ORCA_SCHEMA in schema["components"]["schemas"]
+    # the nested `give_up` object resolves where its reference points
+    give_up = schema["components"]["schemas"][ORCA_SCHEMA]["properties"]["give_up"]
+    target = next(x["$ref"] for x in give_up["anyOf"] if "$ref" in x).rsplit("/", 1)[-1]
+    assert "delta" in schema["components"]["schemas"][target]["properties"]

@@ -64,3 +64,32 @@ def test_evaluate_a_set_without_test_split(data: TrajectorySet, tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [(f"orca-calibrate evaluate: error: {shifted} has no problem in the test "
                     "split; pass --split all to evaluate every problem")]
+
+
+def test_evaluate_two_sided_arms_and_risks(data: TrajectorySet, tmp_path) -> None:
+    """The offline two-sided evaluation (what bench scripts call): the arms' tokens are ordered
+    as their rules are, and each risk is its events over its counted traces with an interval."""
+    from calibration.calibrate import GiveUpOptions
+    from calibration.evaluate import evaluate_two_sided
+    from calibration.train import train_give_up, train_static
+
+    probe = train_static(data, "supervised", pca_dim=8)  # any upper probe does here
+    give_up = (train_give_up(data, "supervised"), GiveUpOptions(deltas=(0.1, 0.2), epsilon=0.1))
+    bundle = calibrate_bundle(probe, data, tmp_path / "b.json", deltas=[0.2, 0.3], window=3,
+                              give_up=give_up)
+    with pytest.raises(ValueError, match="no give-up threshold"):
+        evaluate_two_sided(bundle.model_copy(update={"give_up": None}), data)
+    r = evaluate_two_sided(bundle, data, "test", delta=0.3, delta_2=0.2)
+    assert r["n"] == len(data.split("test")) and r["mu"] == bundle.mu(0.2)
+    a = r["arms"]
+    tok = {k: v["tokens_per_request"] for k, v in a.items()}
+    assert tok["full"] >= tok["one_sided"] >= tok["two_sided"]
+    assert tok["oracle_stop"] >= tok["oracle_two_sided"]
+    assert a["full"]["gave_up"] == a["one_sided"]["gave_up"] == 0.0
+    assert a["oracle_two_sided"]["give_up_error"]["k"] == 0  # it never gives up on a right one
+    for arm in a.values():
+        for risk in ("stop_error", "give_up_error"):
+            x = arm[risk]
+            assert x["rate"] == pytest.approx(x["k"] / x["n"])
+            assert x["ci95"][0] <= x["rate"] <= x["ci95"][1]
+    assert a["two_sided"]["accuracy"] <= a["two_sided"]["accuracy_best_guess"]

@@ -146,3 +146,31 @@ def test_run_ends_with_the_results_table(tmp_path, monkeypatch, capsys) -> None:
     table = (tmp_path / "run" / "evaluation.md").read_text().rstrip()
     assert f"results ({tmp_path / 'run' / 'evaluation.md'}):\n{table}" in out
     assert "delta=0.3" in table and out.rstrip().endswith(f"bundle: {tmp_path / 'run' / 'bundle.json'}")
+
+
+def test_a_job_with_give_up_writes_a_two_sided_bundle(tmp_path, monkeypatch) -> None:
+    """`calibrate.give_up` fits the give-up probe and adds mu* per give-up delta (version 2);
+    an unknown key in it is refused when the job is read."""
+    import json
+
+    import calibration.job
+    from calibration.job import run_job
+    from orca_method.bundle import load_bundle
+
+    monkeypatch.setattr(calibration.job, "Collector", _FakeCollector)
+    (tmp_path / "p.jsonl").write_text("".join(
+        json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n" for i in range(80)))
+    job = {"model": "m", "prompts": "p.jsonl", "out": "run", "train": {"epochs": 1},
+           "calibrate": {"deltas": [0.3], "window": 2,
+                         "give_up": {"deltas": [0.2, 0.3], "epsilon": 0.1}}}
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps(job))
+    run_job(path, progress=False)
+    bundle = load_bundle(tmp_path / "run" / "bundle.json")
+    assert bundle.schema_version == 2 and bundle.give_up.label_mode == "supervised"
+    assert bundle.give_up_deltas() == [0.2, 0.3] and bundle.give_up.window == 2
+    assert bundle.mu(0.2) <= bundle.mu(0.3)
+    job["calibrate"]["give_up"] = {"detlas": [0.2]}
+    path.write_text(json.dumps(job))
+    with pytest.raises(JobError, match="calibrate.give_up is a mapping of"):
+        load_job(path)

@@ -222,7 +222,8 @@ def test_middleware_json_response_gets_orca():
                      "lambda_source": "bundle", "bundle_checksum": BUNDLE.checksum,
                      "steps_scored": 3, "stopped_early": True, "stop_step": 3,
                      "would_stop_step": 3, "last_score": 0.75, "reasoning_tokens": 40,
-                     "forced_tokens": 4, "stop_reason": "probe", "thinking_ended_by": "orca"}
+                     "forced_tokens": 4, "stop_reason": "probe", "ended": "early",
+                     "thinking_ended_by": "orca"}
         # usage counts the reasoning tokens the engine generated (the plugin's count)
         assert body["usage"] == {"total_tokens": 5,
                                  "completion_tokens_details": {"reasoning_tokens": 40}}

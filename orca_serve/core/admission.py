@@ -25,9 +25,11 @@ class Admission:
     MAX_LOGGED_NOTES = 64  # clients choose deltas: the set of logged notes stays bounded
 
     def __init__(self, deployments: Deployments, defaults: Mapping[str, Any], *,
-                 record_default: bool, default_eos: int | None) -> None:
+                 record_default: bool, default_eos: int | None,
+                 give_up_ids: list[int] | None = None) -> None:
         self.deployments = deployments
         self.defaults = dict(defaults)
+        self.give_up_ids = give_up_ids  # the "could not solve" message's ids (policy message)
         self.record_default = record_default
         self.default_eos = default_eos
         self._logged_notes: set[str] = set()  # request notes the log has shown (a fallback delta)
@@ -70,6 +72,7 @@ class Admission:
                       eos=self.default_eos if eos is None else eos, ignore_eos=ignore_eos,
                       n_out=n_out)
         req.prompt_reasoning = open_reasoning_tokens(dep.table, prompt)
+        req.give_up_ids = self.give_up_ids
         if missing:
             req.bundle_checksum = None
             req.fail(f"bundle {want} is not loaded in this engine (replaced before the request "

@@ -46,8 +46,11 @@ class Deployment:
                                      if think.force_text else [])
         self.bank: ProbeBank | None = None
         if self.bundle is not None:
+            g = self.bundle.give_up
             self.bank = ProbeBank(self.bundle.load_probe(), window=self.bundle.window,
-                                  capacity=capacity, device=device)
+                                  capacity=capacity, device=device,
+                                  give_up=None if g is None else
+                                  (self.bundle.load_give_up_probe(), g.window))
 
     @property
     def checksum(self) -> str | None:

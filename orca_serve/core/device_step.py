@@ -102,20 +102,29 @@ class DeviceStep:
             self._score(p, v, phi, logits)
 
     def _score(self, p: StepPlan, v: Staged, phi: Tensor, logits: Tensor) -> None:
-        """Each deployment's scored steps through its bank; a stop forces its first token."""
+        """Each deployment's scored steps through its bank; a stop or a give-up forces its first
+        token."""
         in_order = len(p.groups) == 1 and len(p.scored) == phi.shape[0]  # scored = emitted
         phi_s = phi if in_order else phi.index_select(0, v.long(IDX["scored"]))  # [m, d]
         lam, slots = v.float(IDX["bank_lam"]), v.long(IDX["scored_slots"])
-        res = [dep.bank.step(p.scored_slots[a:b], phi_s[a:b], lam[a:b], rows_dev=slots[a:b])
+        mu = v.float(IDX["bank_mu"])
+        res = [dep.bank.step(p.scored_slots[a:b], phi_s[a:b], lam[a:b], rows_dev=slots[a:b],
+                             mu=mu[a:b])
                for dep, a, b in p.groups]
+        # a deployment without a give-up probe: score 1 (it would not give up), flag False
+        for r in res:
+            if r.give_up is None:
+                r.give_up_score, r.give_up = torch.ones_like(r.smoothed), torch.zeros_like(r.stop)
         # [m] each: slices of device tensors and their concatenation wait for nothing
-        smoothed, stop, steps = ((res[0].smoothed, res[0].stop, res[0].steps) if len(res) == 1
-                                 else (torch.cat([r.smoothed for r in res]),
-                                       torch.cat([r.stop for r in res]),
-                                       torch.cat([r.steps for r in res])))
+        smoothed, stop, steps, g, gave = (
+            (res[0].smoothed, res[0].stop, res[0].steps, res[0].give_up_score, res[0].give_up)
+            if len(res) == 1 else tuple(torch.cat([getattr(r, k) for r in res]) for k in (
+                "smoothed", "stop", "steps", "give_up_score", "give_up")))
+        # a give-up ends the request like a stop: the same first forced token
+        end = stop | gave
         if p.cand_pos:
             rows, ids = v.long(IDX["cand_rows"]), v.long(IDX["cand_ids"])
-            flag = stop.index_select(0, v.long(IDX["cand_pos"]))  # [c]
+            flag = end.index_select(0, v.long(IDX["cand_pos"]))  # [c]
             keep = logits[rows, ids]  # [c]
             # -inf across a stopping row, 0 across the others: no [c, vocab] tensor is made
             bias = torch.zeros_like(keep).masked_fill_(flag, float("-inf"))  # [c]
@@ -123,4 +132,5 @@ class DeviceStep:
             logits.index_put_((rows,), bias[:, None].expand(-1, logits.shape[1]), accumulate=True)
             logits.index_put_((rows, ids), keep.masked_fill_(flag, 0.0))
         hit = smoothed >= v.float(IDX["hit_lam"])
-        self.readback.start(torch.stack([smoothed.float(), hit.float(), steps.float()]))
+        self.readback.start(torch.stack([smoothed.float(), hit.float(), steps.float(),
+                                         g.float(), gave.float()]))

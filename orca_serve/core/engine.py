@@ -42,6 +42,7 @@ from torch import Tensor
 
 from orca_serve.contract import (
     DEFAULTS,
+    GIVE_UP_MESSAGE,
     MAX_RESULTS,
     RESULT_TTL_S,
 )
@@ -55,6 +56,15 @@ from orca_serve.core.table import RequestTable
 log = logging.getLogger("orca_serve.core")
 
 
+def give_up_message_ids(tokenizer: Any, defaults: Mapping[str, Any]) -> list[int] | None:
+    """The ids of the message a give-up answers with under the "message" policy (None: a
+    given-up request answers with its best current guess)."""
+    if defaults.get("give_up_policy") != "message":
+        return None
+    text = defaults.get("give_up_message") or GIVE_UP_MESSAGE
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 class OrcaCore:
     """Requests, slots, pooling, probe and stops of one engine (see module docstring)."""
 
@@ -66,9 +76,11 @@ class OrcaCore:
         self.deployments = Deployments(cfg, tokenizer, hidden_size=hidden_size,
                                        model_name=model_name, eos_ids=set(eos_ids),
                                        capacity=self.capacity, device=device)
-        self.admission = Admission(self.deployments, {**DEFAULTS, **(cfg.get("defaults") or {})},
+        defaults = {**DEFAULTS, **(cfg.get("defaults") or {})}
+        self.admission = Admission(self.deployments, defaults,
                                    record_default=bool(cfg.get("record", False)),
-                                   default_eos=default_eos)
+                                   default_eos=default_eos,
+                                   give_up_ids=give_up_message_ids(tokenizer, defaults))
         self.normalization = self.dep.normalization
         self.device_step = DeviceStep(self.capacity, hidden_size, device, pin_memory,
                                       self.normalization)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orca_method.steps import CLOSE, MERGE, NONE, STEP_PREV
-from orca_method.thresholds import NEVER
+from orca_method.thresholds import GIVE_UP_NEVER, NEVER
 from orca_serve.core.deployment import Deployment
 from orca_serve.core.registry import Request
 from orca_serve.core.speculation import forced_rows
@@ -44,6 +44,7 @@ class StepPlan:
     scored: list[int] = field(default_factory=list)  # emitted steps scored, by deployment
     bank_lam: list[float] = field(default_factory=list)  # the bank's threshold (NEVER: none)
     hit_lam: list[float] = field(default_factory=list)  # the would-stop threshold
+    bank_mu: list[float] = field(default_factory=list)  # the give-up threshold (-inf: none)
     scored_slots: list[int] = field(default_factory=list)
     cand_pos: list[int] = field(default_factory=list)  # scored steps whose stop forces now:
     cand_rows: list[int] = field(default_factory=list)  # their logits row
@@ -63,7 +64,8 @@ class StepPlan:
 
 STAGED = ("pool_rows", "pool_slots", "lag_slots", "park_rows", "park_slots", "op_slots",
           "op_kinds", "emit_ops", "emit_slots", "emit_counts", "scored", "bank_lam", "hit_lam",
-          "scored_slots", "cand_pos", "cand_rows", "cand_ids", "forced_rows", "forced_ids")
+          "bank_mu", "scored_slots", "cand_pos", "cand_rows", "cand_ids", "forced_rows",
+          "forced_ids")
 IDX = {name: i for i, name in enumerate(STAGED)}
 
 
@@ -171,6 +173,9 @@ def _plan_scoring(p: StepPlan, scored: list[tuple[Deployment, Request, int, int,
         p.scored_slots.append(req.slot)
         p.bank_lam.append(NEVER if shadow else req.lam)
         p.hit_lam.append(NEVER if shadow and req.would_stop_step is not None else req.lam)
+        # shadow (audited) requests run to the end: they never give up
+        mu = req.spec.give_up_mu
+        p.bank_mu.append(GIVE_UP_NEVER if shadow or mu is None else mu)
         p.pending.append((req, n, guard, 1 + len(req.draft_rows)))
         if not guard and not shadow:
             for _, r, t in forced_rows(req, row, n, request_plan(req, n)):
@@ -182,13 +187,22 @@ def _plan_scoring(p: StepPlan, scored: list[tuple[Deployment, Request, int, int,
 
 def apply_readback(pending: list[tuple[Request, int, bool, int]], host: list[list[float]],
                    stats: dict[str, Any]) -> None:
-    """The previous step's decisions reach the host: scores, would-stop and stop steps, and
-    the rest of each stop's forced text (its first token was forced on the device)."""
-    sm, hit, steps = host
+    """The previous step's decisions reach the host: scores, would-stop, stop and give-up steps,
+    and the rest of each stop's forced text (its first token was forced on the device; a
+    give-up forces the same first token as a stop: core/stopping.py)."""
+    sm, hit, steps, give_up, gave = host
     stats["steps_scored"] += len(pending)
     for i, (req, pos, guard_stopped, rows) in enumerate(pending):
         req.scores.append(sm[i])
         req.steps_scored = int(steps[i])
+        if req.dep.bank.give_up is not None:
+            req.last_give_up = give_up[i]
+        if gave[i] >= 0.5:
+            if guard_stopped:
+                continue  # the budget guard closed it at this step already: its plan stands
+            req.give_up_step = req.steps_scored
+            _end(req, pos, rows, "give_up")
+            continue
         if hit[i] < 0.5:
             continue
         if req.would_stop_step is None:
@@ -199,9 +213,14 @@ def apply_readback(pending: list[tuple[Request, int, bool, int]], host: list[lis
         if guard_stopped:  # a guard stop at the same step already planned the same
             req.stop_reason = "probe"
             continue
-        stop_request(req, pos, "probe")
-        if pos >= req.decided_until:  # else nothing was forced: see core/speculation.py
-            for q in range(pos, pos + rows):
-                t = req.plan.get(q)
-                if t is not None:
-                    req.forced[q] = t
+        _end(req, pos, rows, "probe")
+
+
+def _end(req: Request, pos: int, rows: int, reason: str) -> None:
+    """A device-decided stop or give-up at `pos`: plan the rest, record what was forced."""
+    stop_request(req, pos, reason)
+    if pos >= req.decided_until:  # else nothing was forced: see core/speculation.py
+        for q in range(pos, pos + rows):
+            t = req.plan.get(q)
+            if t is not None:
+                req.forced[q] = t

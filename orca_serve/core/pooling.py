@@ -148,26 +148,29 @@ class Staged:
 
 
 class Readback:
-    """The step's one device-to-host copy: a [3, m] float32 block (smoothed score, stop flag,
-    steps scored) copied non_blocking into pinned memory, read on the next step."""
+    """The step's one device-to-host copy: a [ROWS, m] float32 block (smoothed score, stop flag,
+    steps scored, give-up score, give-up flag) copied non_blocking into pinned memory, read on
+    the next step."""
+
+    ROWS = 5
 
     def __init__(self, capacity: int, device: torch.device, pin: bool, fence: Fence) -> None:
         pin = pin and device.type == "cuda"
-        self._host = torch.zeros(3 * capacity, dtype=torch.float32, pin_memory=pin)
+        self._host = torch.zeros(self.ROWS * capacity, dtype=torch.float32, pin_memory=pin)
         self._fence = fence
         self._m = 0
         self._step = 0
 
     def start(self, block: Tensor) -> None:
-        """block: [3, m] float32 on the device (copied into a contiguous [3, m] host view);
-        the step's `fence.mark()` follows."""
+        """block: [ROWS, m] float32 on the device (copied into a contiguous [ROWS, m] host
+        view); the step's `fence.mark()` follows."""
         self._m = block.shape[1]
-        self._host[:3 * self._m].view(3, self._m).copy_(block, non_blocking=True)
+        self._host[:self.ROWS * self._m].view(self.ROWS, self._m).copy_(block, non_blocking=True)
         self._step = self._fence.marked + 1
 
     def wait(self) -> list[list[float]]:
         self._fence.wait(self._step)
-        return self._host[:3 * self._m].view(3, self._m).tolist()
+        return self._host[:self.ROWS * self._m].view(self.ROWS, self._m).tolist()
 
 
 class IdReadback:

@@ -39,8 +39,9 @@ class Request:
     """Everything the core keeps about one engine request (a child of n > 1 is its own)."""
 
     __slots__ = ("active", "answer_budget", "attached", "bundle_checksum", "decided_until", "dep",
-                 "draft_rows", "eos", "error", "fetched", "forced", "guard_pos", "handle", "ident",
-                 "ignore_eos", "index", "key", "lag", "left_at", "max_tokens", "n_seen", "notes",
+                 "draft_rows", "eos", "error", "fetched", "forced", "give_up_ids", "give_up_step",
+                 "guard_pos", "handle", "ident", "ignore_eos", "index", "key", "lag",
+                 "last_give_up", "left_at", "max_tokens", "n_seen", "notes",
                  "output", "plan", "policy", "prompt", "prompt_reasoning", "record", "scores",
                  "seg", "slot", "snapshot", "spec", "step_counts", "step_embs", "steps_scored",
                  "stop_reason", "stop_step", "stopped", "would_stop_step")
@@ -67,6 +68,11 @@ class Request:
         self.stop_step: int | None = None
         self.stop_reason: str | None = None
         self.would_stop_step: int | None = None
+        self.give_up_step: int | None = None
+        self.last_give_up: float | None = None  # the give-up probe's last smoothed score
+        # tokens a give-up forces after the end-of-thinking text (policy "message"; None: the
+        # request's own stop plan, i.e. its best current answer)
+        self.give_up_ids: list[int] | None = None
         self.plan: dict[int, int] = {}
         self.forced: dict[int, int] = {}  # output position -> forced token id
         self.guard_pos: int | None = None
@@ -117,7 +123,9 @@ class Request:
             error=self.error, bundle_checksum=self.bundle_checksum,
             # closed by a stop of ours (forced end text or EOS), or in the output
             reasoning_closed=self.stopped or (self.seg.fed > 0 and not self.seg.reasoning),
-            prompt_reasoning_tokens=self.prompt_reasoning)
+            prompt_reasoning_tokens=self.prompt_reasoning,
+            give_up_mu=self.spec.give_up_mu, give_up_step=self.give_up_step,
+            last_give_up_score=self.last_give_up)
         if self.record:
             embs, counts = list(self.step_embs), list(self.step_counts)
             ids = [list(s) for s in self.seg.steps]

@@ -55,7 +55,15 @@ def guard_position(policy: str, *, max_tokens: int | None, reserve: int | None,
 
 
 def request_plan(req: Request, pos: int) -> dict[int, int]:
-    """`stop_plan` of a tracked request stopping at output position `pos`."""
+    """`stop_plan` of a tracked request stopping at output position `pos`. A give-up under the
+    operator's "message" policy forces the end-of-thinking text, the message and EOS (its first
+    token is the stop plan's, which the device may have forced already; without an
+    end-of-thinking text, think tags off, the give-up answers as a stop would)."""
+    if (req.stop_reason == "give_up" and req.give_up_ids is not None and req.policy == "answer"
+            and req.dep.force_ids):
+        return stop_plan("answer", pos, force_ids=req.dep.force_ids + req.give_up_ids,
+                         eos=req.eos, answer_budget=0, max_tokens=req.max_tokens,
+                         ignore_eos=req.ignore_eos)
     return stop_plan(req.policy, pos, force_ids=req.dep.force_ids, eos=req.eos,
                      answer_budget=req.answer_budget, max_tokens=req.max_tokens,
                      ignore_eos=req.ignore_eos)

@@ -16,7 +16,10 @@ reads it from the `vllm_config` its constructor gets):
      "normalization": "token-l2",
      # what a request without its own orca_* arguments gets (the server's --orca-* options):
      "defaults": {"enabled": 1, "delta": None (= the bundle's), "policy": "answer",
-                  "answer_budget": 64},
+                  "answer_budget": 64,
+                  # what a request that gives up returns: "guess" (its stop plan) or "message"
+                  # (the end-of-thinking text, give_up_message or contract.GIVE_UP_MESSAGE, EOS)
+                  "give_up_policy": "guess", "give_up_message": None},
      # bookkeeping of unfetched results:
      "result_ttl_s": 600, "max_results": 10000}
 """

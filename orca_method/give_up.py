@@ -1,0 +1,152 @@
+"""Giving up: the lower threshold mu* and its risk (docs/METHOD.md section 9).
+
+ORCA's upper threshold lambda* ends a trace once its answer is probably right. The lower one ends
+a trace once it will probably not end right: a second score ``g_t`` (the give-up probe's smoothed
+estimate that the trace ends right) is compared with mu*, and the request gives up at the first
+step with ``g_t <= mu*``. Giving up at the last step is not giving up (the trace ends there
+anyway; online, the last step is closed by the end tag and never scored).
+
+The give-up loss of one trace under mu is ``1{it gives up somewhere} * 1{it ends right}``, "ends
+right" being the reference label of the full trace (cumulative: right at some step, the
+convention of the stop loss). It does not depend on lambda: a give-up that the upper stop
+pre-empts, or one on a trace the upper stop would have ended wrong, still counts. So it bounds
+the loss of the deployed pair (lambda, mu) for every lambda at once, and mu* certified for it
+holds whatever delta a request picks, with its own epsilon on the same calibration set (the
+joint statement, by the union bound: docs/METHOD.md section 9).
+
+LTT over mu: the grid runs from 0.0 (conservative: give up only on a score of 0) up to 1.0;
+``H_j: risk(mu_j) >= delta_2`` gets the exact binomial p-value and fixed-sequence testing keeps
+the last rejected mu (`orca_method.ltt`, the same tests as lambda*).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from orca_method.ltt import PVALUES, n_rejected
+from orca_method.risk import Ragged, stop_indices, values_at
+from orca_method.outcomes import ENDED_EARLY, FULL, GAVE_UP
+from orca_method.thresholds import GIVE_UP_NEVER
+
+
+def mu_grid(m: int = 1001) -> np.ndarray:
+    """``m`` evenly spaced give-up thresholds from 0.0 (conservative) up to 1.0, fixed in
+    advance (a grid built from the scores would make the hypotheses data-dependent)."""
+    if m < 1:
+        raise ValueError(f"grid size must be >= 1, got {m}")
+    return np.linspace(0.0, 1.0, m)
+
+
+def give_up_indices(scores: Ragged, mus: np.ndarray) -> np.ndarray:
+    """0-based ``tau_g[j, i] = min{t : g_it <= mu_j}``, ``T_i - 1`` when it never gives up
+    before the last step. Exact: ``g <= mu`` is ``-g >= -mu`` (negation rounds nothing), so
+    the stop rule's binary search (`orca_method.risk.stop_indices`) serves both sides."""
+    return stop_indices([-np.asarray(g, dtype=float) for g in scores],
+                        -np.asarray(mus, dtype=float))
+
+
+def gave_up(tau_g: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Whether each trace gave up (bool, shape of ``tau_g``): before its last step."""
+    return tau_g < np.asarray(lengths) - 1
+
+
+def give_up_losses(tau_g: np.ndarray, lengths: np.ndarray, ends_right: np.ndarray) -> np.ndarray:
+    """0/1 loss (int8, shape of ``tau_g``): the trace gave up and would have ended right."""
+    return (gave_up(tau_g, lengths) & np.asarray(ends_right, dtype=bool)).astype(np.int8)
+
+
+@dataclass(frozen=True)
+class GiveUpResult:
+    """LTT outcome for one give-up risk level, with calibration-set facts at mu*.
+
+    ``mu`` is GIVE_UP_NEVER when no threshold is certified (never give up); then ``pvalue``
+    is 1.0, as for lambda* (`orca_method.ltt.DeltaResult`).
+    """
+
+    delta: float
+    mu: float
+    risk: float  # P(gave up and would have ended right) on the calibration set
+    pvalue: float
+    give_up_rate: float  # share of calibration traces that gave up
+    n: int
+
+
+def check_give_up_set(scores: Ragged, ends_right: Sequence[bool]) -> None:
+    """Raise ValueError on inputs that would silently give wrong give-up steps or losses."""
+    if len(scores) == 0:
+        raise ValueError("no traces: the calibration set is empty")
+    if len(ends_right) != len(scores):
+        raise ValueError(f"{len(scores)} score arrays but {len(ends_right)} outcomes")
+    for i, g in enumerate(scores):
+        g = np.asarray(g)
+        if g.ndim != 1 or g.size == 0:
+            raise ValueError(f"trace {i}: scores must be a non-empty 1-D array")
+        if not np.all((g >= 0.0) & (g <= 1.0)):
+            raise ValueError(f"trace {i}: scores must be finite and in [0, 1]")
+
+
+def calibrate_give_up(scores: Ragged, ends_right: Sequence[bool], deltas: Sequence[float],
+                      epsilon: float = 0.05, grid: np.ndarray | None = None,
+                      pvalue: str = "binomial") -> list[GiveUpResult]:
+    """mu* for each give-up risk level ``delta`` at level ``epsilon``.
+
+    ``scores``: smoothed give-up scores of EVERY calibration trace (the risk is over all
+    requests: unsolvable traces count, with loss 0); ``ends_right``: whether each trace ends
+    right under reference labels.
+    """
+    check_give_up_set(scores, ends_right)
+    for name, v in [("epsilon", epsilon)] + [("delta_2", d) for d in deltas]:
+        if not 0.0 < v < 1.0:
+            raise ValueError(f"{name} must be in (0, 1), got {v}")
+    grid = mu_grid() if grid is None else np.asarray(grid, dtype=float)
+    if grid.ndim != 1 or grid.size == 0 or not np.all(np.isfinite(grid)):
+        raise ValueError("grid must be a non-empty 1-D array of finite thresholds")
+    if np.any(np.diff(grid) <= 0):
+        raise ValueError("grid must be strictly increasing (conservative to aggressive)")
+    if pvalue not in PVALUES:
+        raise ValueError(f"pvalue must be one of {sorted(PVALUES)}, got {pvalue!r}")
+    n = len(scores)
+    lengths = np.array([len(g) for g in scores])
+    tau = give_up_indices(scores, grid)
+    loss = give_up_losses(tau, lengths, np.asarray(ends_right, dtype=bool))
+    counts = loss.sum(axis=1, dtype=np.int64)
+    rates = gave_up(tau, lengths).mean(axis=1)
+    out = []
+    for delta in deltas:
+        p = PVALUES[pvalue](counts, n, float(delta))
+        last = n_rejected(p, epsilon) - 1
+        if last < 0:
+            out.append(GiveUpResult(float(delta), GIVE_UP_NEVER, 0.0, 1.0, 0.0, n))
+        else:
+            out.append(GiveUpResult(float(delta), float(grid[last]), float(counts[last] / n),
+                                    float(p[last]), float(rates[last]), n))
+    return out
+
+
+def two_sided_ends(stop_scores: Ragged, give_up_scores: Ragged, lam: float,
+                   mu: float) -> tuple[np.ndarray, list[str]]:
+    """Where and how the deployed pair (lambda, mu) ends each trace: 0-based end step and
+    `orca_method.outcomes` name per trace. The stop wins a tie (both fire at one step: the
+    answer is probably right, so it is given); the server decides the same way
+    (orca_method.procedure)."""
+    if len(stop_scores) != len(give_up_scores):
+        raise ValueError(f"{len(stop_scores)} stop score arrays but {len(give_up_scores)} "
+                         "give-up score arrays")
+    for i, (m, g) in enumerate(zip(stop_scores, give_up_scores)):
+        if len(m) != len(g):
+            raise ValueError(f"trace {i}: {len(m)} stop scores but {len(g)} give-up scores")
+    lengths = np.array([len(m) for m in stop_scores])
+    tau_u = stop_indices(stop_scores, np.array([lam]))[0]
+    tau_g = give_up_indices(give_up_scores, np.array([mu]))[0]
+    ends: list[str] = []
+    for u, g, t in zip(tau_u, tau_g, lengths):
+        ends.append(GAVE_UP if g < u else ENDED_EARLY if u < t - 1 else FULL)
+    return np.minimum(tau_u, tau_g), ends
+
+
+def tokens_used(step_tokens: Ragged, end: np.ndarray) -> np.ndarray:
+    """Reasoning tokens spent up to and including each trace's end step."""
+    return values_at([np.cumsum(k) for k in step_tokens], np.asarray(end))

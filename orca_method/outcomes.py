@@ -1,0 +1,7 @@
+"""How a request's reasoning ended, one name each (the response's `ended`, docs/SERVER.md; the
+offline two-sided evaluation, `orca_method.give_up.two_sided_ends`, uses the same names)."""
+
+ENDED_EARLY = "early"  # the probe's stop: the answer is probably right already
+GAVE_UP = "gave_up"  # the give-up threshold: it will probably not end right
+FULL = "full"  # ran to its own end (or a token budget)
+ENDED: tuple[str, ...] = (ENDED_EARLY, GAVE_UP, FULL)

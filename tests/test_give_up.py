@@ -1,0 +1,223 @@
+"""The give-up threshold mu*: its stopping rule, its loss, LTT over it, and the joint risk of the
+pair (lambda*, mu*) on a shared calibration set (docs/METHOD.md section 9)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from orca_method.give_up import (
+    calibrate_give_up,
+    give_up_indices,
+    give_up_losses,
+    mu_grid,
+    tokens_used,
+    two_sided_ends,
+)
+from orca_method.ltt import binomial_pvalues, calibrate, default_grid, n_rejected
+from orca_method.stop_metrics import losses, stop_indices
+from orca_method.thresholds import GIVE_UP_NEVER
+
+
+def test_give_up_index_is_first_score_at_or_below_mu_before_the_last_step():
+    g = [np.array([0.9, 0.5, 0.3, 0.1]), np.array([0.9, 0.8, 0.7, 0.1])]
+    tau = give_up_indices(g, np.array([0.3, 0.5, 0.05, GIVE_UP_NEVER, 0.1]))
+    # 0.3: trace 0 at step 2 (exactly 0.3 counts); trace 1 only at its last step = no give-up
+    np.testing.assert_array_equal(tau, [[2, 3], [1, 3], [3, 3], [3, 3], [3, 3]])
+    lengths = np.array([4, 4])
+    loss = give_up_losses(tau, lengths, np.array([True, False]))
+    np.testing.assert_array_equal(loss[:, 0], [1, 1, 0, 0, 0])
+    assert not loss[:, 1].any()  # a trace that does not end right costs nothing to give up on
+
+
+def test_mu_star_is_last_rejected_threshold_and_never_when_first_fails():
+    # 30 traces: 2 that end right with low scores (given up on from mu 0.2), 28 that do not
+    # end right, of which 27 score 0.1 (given up on from mu 0.1) and one 0.4 (from 0.4)
+    g = [np.full(3, 0.2)] * 2 + [np.full(3, 0.1)] * 27 + [np.full(3, 0.4)]
+    ends = [True] * 2 + [False] * 28
+    grid = np.array([0.1, 0.2, 0.3])
+    (res,) = calibrate_give_up(g, ends, [0.2], epsilon=0.05, grid=grid)
+    # losses 0, 2, 2 -> P(Binom(30, .2) <= k) = .0012, .044, .044: all three rejected
+    assert res.mu == 0.3 and res.risk == pytest.approx(2 / 30)
+    assert res.pvalue == pytest.approx(binomial_pvalues(2, 30, 0.2))
+    assert res.give_up_rate == pytest.approx(29 / 30) and res.n == 30
+    (res,) = calibrate_give_up(g, ends, [0.05], grid=grid)  # .95**30 = .21 > .05
+    assert res.mu == GIVE_UP_NEVER and res.pvalue == 1.0 and res.give_up_rate == 0.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"scores": [], "ends_right": []}, "empty"),
+    ({"ends_right": [True]}, "outcomes"),
+    ({"deltas": [0.0]}, "delta_2"),
+    ({"epsilon": 1.0}, "epsilon"),
+    ({"grid": np.array([0.5, 0.1])}, "increasing"),
+    ({"scores": [np.array([0.5, 1.5])] * 2}, r"\[0, 1\]"),
+    ({"pvalue": "clt"}, "pvalue"),
+])
+def test_calibrate_give_up_validation(kwargs, match):
+    args = {"scores": [np.array([0.1, 0.9])] * 2, "ends_right": [True, False], "deltas": [0.1]}
+    with pytest.raises(ValueError, match=match):
+        calibrate_give_up(**(args | kwargs))
+
+
+def test_two_sided_ends_and_the_stop_winning_a_tie():
+    m = [np.array([0.1, 0.9, 0.9]), np.array([0.1, 0.2, 0.3]), np.array([0.1, 0.2, 0.3]),
+         np.array([0.1, 0.9, 0.9])]
+    g = [np.array([0.9, 0.9, 0.9]), np.array([0.9, 0.1, 0.1]), np.array([0.9, 0.9, 0.9]),
+         np.array([0.9, 0.1, 0.1])]
+    end, ended = two_sided_ends(m, g, lam=0.8, mu=0.2)
+    np.testing.assert_array_equal(end, [1, 1, 2, 1])
+    assert ended == ["early", "gave_up", "full", "early"]  # the 4th: both at step 1, stop wins
+    np.testing.assert_array_equal(tokens_used([np.array([3, 4, 5])] * 4, end), [7, 7, 12, 7])
+
+
+# ---------------------------------------------------------------------------------------
+# Validity by simulation, as for lambda* (tests/test_ltt.py): calibration sets are i.i.d. draws
+# from a fixed population, whose mean loss is the true risk of a threshold.
+
+DELTA, DELTA_2, EPS, EPS_2, N_CAL, N_SPLITS = 0.1, 0.05, 0.05, 0.05, 300, 1000
+TOLERANCE = 3 * math.sqrt(EPS * (1 - EPS) / N_SPLITS)  # 3 binomial standard errors at EPS
+JOINT_TOLERANCE = 3 * math.sqrt((EPS + EPS_2) * (1 - EPS - EPS_2) / N_SPLITS)
+
+
+def population(n: int = 4000, seed: int = 0):
+    """Traces with a stop score (rising around the first right step), a give-up score (drifting
+    towards the trace's outcome, noisily) and labels; 45% never get right."""
+    rng = np.random.default_rng(seed)
+    stop, give_up, labels = [], [], []
+    for _ in range(n):
+        steps = int(rng.integers(5, 31))
+        right = rng.random() < 0.55
+        first = int(rng.integers(0, steps)) if right else steps
+        t = np.arange(steps)
+        onset = first + rng.normal(0, 3)
+        stop.append(1 / (1 + np.exp(-((t - onset) / 2 + rng.normal(0, 1, steps)))))
+        drift = (1.0 if right else -1.0) * (t + 1) / steps * 3 + rng.normal(0, 0.7)
+        give_up.append(1 / (1 + np.exp(-(drift + rng.normal(0, 1.5, steps)))))
+        c = np.zeros(steps, dtype=np.int8)
+        c[first:] = 1
+        labels.append(c)
+    return stop, give_up, labels
+
+
+@pytest.fixture(scope="module")
+def pop():
+    return population()
+
+
+@pytest.fixture(scope="module")
+def tables(pop):
+    """Every threshold's stop and give-up index for every trace of the population, once."""
+    stop, give_up, labels = pop
+    lengths = np.array([len(c) for c in labels])
+    ends = np.array([c[-1] == 1 for c in labels])
+    tau_u = stop_indices(stop, default_grid())  # [lambdas, traces]
+    tau_g = give_up_indices(give_up, mu_grid())  # [mus, traces]
+    return {"lengths": lengths, "ends": ends, "tau_u": tau_u, "tau_g": tau_g,
+            "stop_loss": losses(tau_u, labels),
+            "give_up_loss": give_up_losses(tau_g, lengths, ends)}
+
+
+def pair_risks(t, j: int, k: int) -> tuple[float, float]:
+    """Population risks of the deployed pair (lambda_j, mu_k): the stop loss on traces that end
+    right (as calibrated) and the give-up loss of the pair itself on every trace."""
+    u, g = t["tau_u"][j], t["tau_g"][k]
+    early = (u < t["lengths"] - 1) & (u <= g)  # the stop wins a tie
+    gave = g < u
+    wrong = early & (t["stop_loss"][j] == 1)
+    return float(wrong[t["ends"]].mean()), float((gave & t["ends"]).mean())
+
+
+def test_give_up_loss_bounds_the_pair_loss(pop, tables):
+    """The calibrated loss (any give-up on a trace that ends right) is at least the deployed
+    pair's loss for every lambda: why mu* holds whatever delta a request picks."""
+    stop, give_up, _ = pop
+    mu_risk = tables["give_up_loss"].mean(axis=1)
+    for j in (0, 200, 500, 800, 1000):
+        for k in range(0, 1001, 50):
+            assert pair_risks(tables, j, k)[1] <= mu_risk[k] + 1e-12
+    # and the pair's ends agree with two_sided_ends on a sample of traces
+    lam, mu = default_grid()[500], mu_grid()[300]
+    end, how = two_sided_ends(stop[:200], give_up[:200], lam, mu)
+    np.testing.assert_array_equal(end, np.minimum(tables["tau_u"][500], tables["tau_g"][300])[:200])
+    assert [h == "gave_up" for h in how] == list(tables["tau_g"][300][:200] <
+                                                 tables["tau_u"][500][:200])
+
+
+def test_ltt_controls_the_give_up_risk_and_the_joint_risk_by_simulation(pop, tables):
+    """mu* alone: P(give-up risk > delta_2) <= epsilon_2. The pair on one shared calibration
+    set: P(stop risk > delta or give-up risk > delta_2) <= epsilon + epsilon_2 (union bound),
+    with the pair's own population risks (the give-up pre-empting stops and vice versa).
+    Each draw's thresholds come from loss counts of the precomputed tables (fast); on the first
+    draws `calibrate_give_up` and `calibrate` themselves are checked to choose the same."""
+    stop, give_up, labels = pop
+    ends = tables["ends"]
+    mu_risk = tables["give_up_loss"].mean(axis=1)
+    assert mu_risk[0] == 0.0 and mu_risk[-1] > 5 * DELTA_2  # power is possible
+    rng = np.random.default_rng(3)
+    violations = joint = given = 0
+    for i in range(N_SPLITS):
+        draw = rng.integers(0, len(labels), N_CAL)
+        sol = draw[ends[draw]]
+        k = n_rejected(binomial_pvalues(tables["give_up_loss"][:, draw].sum(axis=1), N_CAL,
+                                        DELTA_2), EPS_2) - 1
+        j = n_rejected(binomial_pvalues(tables["stop_loss"][:, sol].sum(axis=1), len(sol),
+                                        DELTA), EPS) - 1
+        if i < 10:
+            (res,) = calibrate_give_up([give_up[x] for x in draw], ends[draw], [DELTA_2], EPS_2)
+            (stop_res,) = calibrate([stop[x] for x in sol], [labels[x] for x in sol], [DELTA], EPS)
+            assert res.mu == (mu_grid()[k] if k >= 0 else GIVE_UP_NEVER)
+            assert stop_res.lam == (default_grid()[j] if j >= 0 else math.inf)
+        if k < 0 or j < 0:
+            continue
+        given += 1
+        violations += mu_risk[k] > DELTA_2
+        stop_risk, pair_risk = pair_risks(tables, j, k)
+        joint += stop_risk > DELTA or pair_risk > DELTA_2
+    assert given >= 0.9 * N_SPLITS
+    assert violations / N_SPLITS <= EPS_2 + TOLERANCE
+    assert joint / N_SPLITS <= EPS + EPS_2 + JOINT_TOLERANCE
+
+
+def test_mu_star_grid_lookup_matches_the_grid():
+    grid = mu_grid()
+    assert grid[0] == 0.0 and grid[-1] == 1.0 and np.all(np.diff(grid) > 0)
+    assert all(grid[int(round(m * 1000))] == m for m in grid[::37])
+
+
+def test_stop_indices_and_give_up_indices_share_the_search():
+    """g <= mu is -g >= -mu: the give-up search is the stop search on negated scores."""
+    g = [np.array([0.7, 0.31, 0.3, 0.29])]
+    mus = np.array([0.3])
+    assert give_up_indices(g, mus)[0, 0] == stop_indices([-g[0]], -mus)[0, 0] == 2
+
+
+def test_the_deployed_bank_decides_as_the_offline_pair():
+    """ProbeBank (the server's procedure) with a give-up probe ends each trace where
+    `two_sided_ends` says on its replayed scores: the offline evaluation is the online rule."""
+    import torch
+
+    from orca_method.probe import Probe, ProbeSpec
+    from orca_method.procedure import ProbeBank, replay
+
+    dim, window, lam, mu = 8, 2, 0.7, 0.35
+    probe, g_probe = Probe(ProbeSpec(dim=dim), seed=1), Probe(ProbeSpec(dim=dim, online=False),
+                                                              seed=2)
+    with torch.no_grad():
+        probe.params["w"].mul_(60)
+        g_probe.params["w"].mul_(60)
+    gen = torch.Generator().manual_seed(0)
+    trajs = [torch.randn(int(n), dim, generator=gen) for n in torch.randint(2, 12, (40,))]
+    stop = [s.numpy().astype(float) for _, s in replay(probe, trajs, window)]
+    give = [s.numpy().astype(float) for _, s in replay(g_probe, trajs, 1)]
+    end, how = two_sided_ends(stop, give, lam, mu)
+    assert {"early", "gave_up", "full"} <= set(how)  # every outcome occurs
+    bank = ProbeBank(probe, window=window, capacity=len(trajs), give_up=(g_probe, 1))
+    for i, phi in enumerate(trajs):
+        got_end, got = len(phi) - 1, "full"
+        for t in range(len(phi) - 1):  # the last step is never scored online
+            r = bank.step([i], phi[t:t + 1], torch.tensor([lam]), mu=torch.tensor([mu]))
+            if bool(r.stop[0]) or bool(r.give_up[0]):
+                got_end, got = t, "early" if bool(r.stop[0]) else "gave_up"
+                break
+        assert (got_end, got) == (end[i], how[i]), i
