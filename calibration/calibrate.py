@@ -31,6 +31,7 @@ from orca_method.bundle import (
     encode_weights,
     save_bundle,
 )
+from orca_method.bundle_checks import check_semantics
 from orca_method.ltt import DeltaResult, calibrate, default_grid
 from orca_method.probe import Probe
 from orca_method.procedure import replay
@@ -113,7 +114,8 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
     return Bundle(
         schema_version=SCHEMA_VERSION, orca_serve_version=__version__,
         model=ModelIdentity(name=model, hidden_size=ts.dim,
-                            tokenizer_fingerprint=info.get("tokenizer_fingerprint")),
+                            tokenizer_fingerprint=info.get("tokenizer_fingerprint"),
+                            config_fingerprint=info.get("model_config")),
         segmentation=Segmentation(**(info.get("segmentation") or {})),
         think=ThinkTags(**(info.get("think") or {})),
         normalization=info.get("normalization", "token-l2"),
@@ -147,4 +149,5 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
                          window=window, n_cal=len(scored.ids), default_delta=default,
                          provenance=provenance or {},
                          drift=build_reference(everything.scores, window, [r.lam for r in results]))
+    check_semantics(bundle)  # never write a bundle the server would refuse (a saturated probe)
     return save_bundle(bundle, out)

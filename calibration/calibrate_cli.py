@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from calibration.collect import DEFAULT_SUFFIX, Collector, CollectSettings, read_prompts
 from calibration.job import JobError, load_job, run_job
@@ -17,6 +18,9 @@ from calibration.probe_variants import PROBES
 from calibration.synth import generate
 from calibration.train_defaults import DEFAULTS, EPOCH_SELECT
 from orca_method.trajectories import TrajectoryError, TrajectorySet, import_pickle
+
+if TYPE_CHECKING:
+    from orca_method.bundle import Bundle
 
 
 class UsageError(Exception):
@@ -83,11 +87,23 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
               f"savings_total_steps={r.savings:.3f} p={r.pvalue:.3g}")  # the bundle keeps one
 
 
+def check_on_data(a: argparse.Namespace, bundle: Bundle, ts: TrajectorySet) -> None:
+    """Check --bundle against the data it is replayed on as orca-serve checks it against the
+    model it serves (orca_method.bundle_checks.check_bundle): what the server would refuse, the
+    offline tools refuse (`--force-model` as orca-serve's --orca-force-model)."""
+    from orca_method.bundle_checks import check_bundle, data_target  # deferred: torch
+    note = check_bundle(bundle, data_target(ts.info, ts.dim), force=a.force_model)
+    if note:
+        print(f"orca-calibrate {a.cmd}: warning: --force-model: using the bundle anyway "
+              f"although {note}", file=sys.stderr)
+
+
 def cmd_evaluate(a: argparse.Namespace) -> None:
     from calibration.evaluate import evaluate_bundle, markdown_table, plot_report  # deferred: torch
     from orca_method.bundle import load_bundle  # deferred: torch (not needed by --help)
     bundle = load_bundle(a.bundle)
     ts = _open(a.data, a.pickle_labels)
+    check_on_data(a, bundle, ts)
     split = a.split
     if split is None:  # the test split; a set without splits (e.g. a job's shifted set): all
         split = "test" if ts.split("test") else "all"
@@ -156,7 +172,8 @@ def cmd_audit_report(a: argparse.Namespace) -> None:
     )
     from orca_method.bundle import load_bundle  # deferred: torch (not needed by --help)
     bundle = load_bundle(a.bundle)
-    ts = open_audits(a.audit)
+    ts = open_audits(a.audit, bundle)
+    check_on_data(a, bundle, ts)
     report = audit_report(bundle, ts, mode=audit_label_mode(bundle, ts, a.label_mode),
                           alpha=a.alpha, drift_window=a.drift_window)
     print(format_report(report))
@@ -171,7 +188,8 @@ def cmd_recalibrate(a: argparse.Namespace) -> None:
     from calibration.audit_report import audit_label_mode, open_audits, recalibrate
     from orca_method.bundle import load_bundle
     bundle = load_bundle(a.bundle)
-    ts = open_audits(a.audit)
+    ts = open_audits(a.audit, bundle)
+    check_on_data(a, bundle, ts)
     new = recalibrate(bundle, ts, Path(a.out), mode=audit_label_mode(bundle, ts, a.label_mode),
                       last=a.last, retrain=a.retrain, seed=a.seed,
                       train_options=training_options(a), bundle_path=a.bundle,
@@ -235,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "paper) or the one with the best savings on a 10%% validation part of the "
                        f"training split (default {DEFAULTS['epoch_select']})")
 
+    def force_model_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--force-model", action="store_true", help="use the bundle although "
+                       "it names another model than the data (name or config fingerprint), as "
+                       "orca-serve's --orca-force-model; a bad table, probe, tokenizer or step "
+                       "delimiter is refused always")
+
     def window_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--window", type=int, default=10, help="smoothing window k")
 
@@ -280,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "data has no test split)")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--plots", help="write PNG plots to this directory")
+    force_model_arg(p)
     p.set_defaults(fn=cmd_evaluate)
 
     p = sub.add_parser("compare", help="static vs TTT probes, supervised and consistent")
@@ -324,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drift-window", type=int, default=500, help="requests per drift test")
     p.add_argument("--json", help="write the report (with the bounds' history) here")
     p.add_argument("--plots", help="write audit_risk.png to this directory")
+    force_model_arg(p)
     p.set_defaults(fn=cmd_audit_report)
 
     p = sub.add_parser("recalibrate", help="LTT on live audits; writes a new bundle")
@@ -341,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="accept a window that reaches back to "
                    "or before the first alarm in the audits (refused by default: those audits "
                    "are not the traffic after the change)")
+    force_model_arg(p)
     p.set_defaults(fn=cmd_recalibrate)
 
     p = sub.add_parser("run", help="the whole job from a YAML file (resumable)")

@@ -131,11 +131,14 @@ class Collector:
 
     def info_fields(self) -> dict[str, Any]:
         """What the bundle later takes from the data: model identity and the procedure settings."""
-        from orca_method.bundle import tokenizer_fingerprint  # deferred: torch
+        # deferred: torch
+        from orca_method.bundle import config_fingerprint, tokenizer_fingerprint
         rs = self.record_settings
+        config = config_fingerprint(self.llm.llm_engine.model_config.hf_config)
         return {"model": self.model, "normalization": rs.get("normalization", "token-l2"),
                 "segmentation": rs.get("segmentation"), "think": rs.get("think"),
-                "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer.get_vocab())}
+                "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer.get_vocab()),
+                "model_config": None if config is None else config.model_dump()}
 
     def _generate(self, batch: list[tuple[str, dict]]) -> list[tuple[str, dict, Any, dict]]:
         from vllm import SamplingParams  # deferred: vllm (calibrate_cli imports this module)
