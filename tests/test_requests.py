@@ -246,6 +246,34 @@ def test_middleware_400_in_openai_format():
     run(go())
 
 
+BIG = "9" * 1_000_000  # a 1 MB value (the trial's): the 400 quotes its start and its length
+
+
+@pytest.mark.parametrize("body", [
+    {"orca": {"delta": BIG}}, {"orca": {"policy": BIG}}, {"orca": {BIG: 1}},
+    {"vllm_xargs": {"orca_delta": BIG}}, {"vllm_xargs": {"orca_enabled": BIG}},
+    {"vllm_xargs": {"orca_" + BIG: 1}}])
+def test_a_400_never_echoes_a_value_whole(body):
+    async def go():
+        client, _engine, seen, _ = make_client()
+        r = await client.post("/v1/chat/completions", json={"messages": [], **body})
+        assert r.status_code == 400 and not seen
+        err = r.json()["error"]
+        assert len(r.content) < 1000, err["message"][:300]
+        assert "characters)" in err["message"] or "characters)" in (err["param"] or "")
+    run(go())
+
+
+def test_engine_side_xarg_checks_cut_what_they_quote():
+    from orca_serve.contract import validate_xargs
+
+    for xa in ({"orca_delta": BIG}, {"orca_policy": BIG}, {"orca_lam": "x" + BIG},
+               {"orca_key": [1] * 10**5}):
+        with pytest.raises(ValueError) as e:
+            validate_xargs(xa)
+        assert len(str(e.value)) < 300 and "characters)" in str(e.value)
+
+
 @pytest.mark.parametrize("usage", [False, True])
 def test_middleware_stream_finish_chunk_and_usage_chunk(usage):
     async def go():
