@@ -112,9 +112,18 @@ _EARLY_VLLM = {"--model": None, "--tokenizer": None, "--revision": None,
                "--tokenizer-revision": None, "--hf-config-path": None}
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad option is a StartupError (one line, exit code 2), not argparse's usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        raise StartupError(f"{message} (orca-serve --help=orca-serve lists the orca options)")
+
+
 def early_parse(argv: list[str]) -> argparse.Namespace:
-    """Our options plus the model-identity options, ignoring everything else."""
-    p = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
+    """Our options plus the model-identity options, ignoring everything else. A bad value of
+    one of them is refused in one line here, before vLLM's parser (whose errors print its whole
+    usage) sees it."""
+    p = _OneLineParser(prog=PROG, add_help=False, allow_abbrev=False)
     add_orca_args(p)
     for opt in _EARLY_VLLM:
         p.add_argument(opt, default=None)

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from orca_method.errors import first_line, shown
 from orca_serve.contract import DEFAULTS, MAX_RESULTS, RESULT_TTL_S
 
 # The vLLM releases the plugin is written and tested for (PEP 440). One definition: orca-serve's
@@ -185,14 +186,17 @@ def check_engine_supported(engine_args: Any = None) -> None:
 def speculative_method(spec: Any) -> str | None:
     """The method of a speculative config (a JSON string, a dict or vLLM's SpeculativeConfig);
     "" when there is none. vLLM's own inference: model "ngram" is n-gram, and a config that
-    names neither method nor model has none we can tell (None)."""
+    names neither method nor model has none we can tell (None). A string that is not JSON (as
+    vLLM parses --speculative-config) is a ValueError saying so."""
     if not spec:
         return ""
     if isinstance(spec, str):
         try:
             spec = json.loads(spec)
-        except ValueError:
-            return None
+        except ValueError as e:
+            raise ValueError(f"--speculative-config {shown(spec)} is not valid JSON "
+                             f"({first_line(e)}); e.g. '{{\"method\": \"ngram\", "
+                             f"\"num_speculative_tokens\": 3}}'") from None
     method, model = _get(spec, "method"), _get(spec, "model")
     if method in ("ngram", "[ngram]") or (method is None and model in ("ngram", "[ngram]")):
         return "ngram"
