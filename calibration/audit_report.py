@@ -202,9 +202,9 @@ def format_report(report: dict[str, Any]) -> str:
                      f"bounds=[{r['lower']:.3f}, {r['upper']:.3f}] {flag}")
     if "drift" in report:
         d = report["drift"]
-        lines.append(f"  drift: {d['tests']} tests of {d['window']}-request windows, last "
-                     f"p={d['pvalue']:.3g}, alarms={d['alarms']}, "
-                     f"{'ALARM' if d['alarm'] else 'ok'}")
+        last = "no test yet" if d["pvalue"] is None else f"last p={d['pvalue']:.3g}"
+        lines.append(f"  drift: {d['tests']} tests of {d['window']}-request windows, {last}, "
+                     f"alarms={d['alarms']}, {'ALARM' if d['alarm'] else 'ok'}")
     else:
         lines.append("  drift: the bundle has no drift reference (calibrated before it existed)")
     return "\n".join(lines)

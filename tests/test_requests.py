@@ -246,6 +246,61 @@ def test_middleware_400_in_openai_format():
     run(go())
 
 
+def test_errors_of_messages_routes_are_reshaped_as_anthropics():
+    """An error a vLLM route writes in OpenAI's shape (its request validation) leaves a
+    /v1/messages route in Anthropic's, with Anthropic's type for the status; other routes and
+    successful responses are untouched."""
+    openai_shaped = {"error": {"message": "budget_tokens: should be >= 1024",
+                               "type": "Bad Request", "param": "body.thinking", "code": 400}}
+
+    async def vllm(scope, receive, send):
+        await receive()
+        status = {"/v1/messages": 400, "/v1/messages/count_tokens": 404}.get(scope["path"], 400)
+        body = json.dumps(openai_shaped).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body[:9], "more_body": True})
+        await send({"type": "http.response.body", "body": body[9:]})
+
+    state = OrcaState(bundle=None, defaults=DEFAULTS, metrics=OrcaMetrics(CollectorRegistry()),
+                      engine_client=FakeEngine())
+    app = OrcaMiddleware(vllm, state)
+
+    async def go():
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+        for path, status, kind in (("/v1/messages", 400, "invalid_request_error"),
+                                   ("/v1/messages/count_tokens", 404, "not_found_error")):
+            r = await client.post(path, json={"model": "m"})
+            assert r.status_code == status and int(r.headers["content-length"]) == len(r.content)
+            assert r.json() == {"type": "error", "error": {
+                "type": kind, "message": "budget_tokens: should be >= 1024"}}
+        r = await client.post("/v1/chat/completions", json={"model": "m"})
+        assert r.json() == openai_shaped
+    run(go())
+
+
+def test_client_errors_logged_by_vllms_handlers_are_one_warning_line():
+    import logging
+
+    from orca_serve.server_log import OneLineClientErrors
+
+    def record(name: str, exc: BaseException) -> logging.LogRecord:
+        try:
+            raise exc
+        except BaseException:  # noqa: BLE001 - a record with exc_info, as logger.exception makes
+            import sys
+            return logging.LogRecord(name, logging.ERROR, __file__, 1, "Error in x: %s",
+                                     (exc,), sys.exc_info())
+
+    f, fmt = OneLineClientErrors(), logging.Formatter("%(levelname)s %(message)s")
+    client = record("vllm.entrypoints.anthropic.api_router", ValueError("max_tokens too big"))
+    assert f.filter(client) and fmt.format(client) == "WARNING Error in x: max_tokens too big"
+    for r in (record("vllm.entrypoints.anthropic.api_router", RuntimeError("bug")),
+              record("vllm.v1.engine", ValueError("engine"))):
+        assert f.filter(r) and "Traceback" in fmt.format(r) and r.levelname == "ERROR"
+
+
 BIG = "9" * 1_000_000  # a 1 MB value (the trial's): the 400 quotes its start and its length
 
 
