@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -202,9 +203,10 @@ def cmd_recalibrate(a: argparse.Namespace) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> None:
-    """Run the job, then show what it produced: the evaluation table and the bundle."""
+    """Run the job, then show what it produced: the evaluation table and the bundle (paths
+    normalised: the job's are joined to the config's folder, `jobs/../runs/x`)."""
     run_job(Path(a.config))
-    out = Path(load_job(Path(a.config))["out"])
+    out = Path(os.path.normpath(load_job(Path(a.config))["out"]))
     table = out / "evaluation.md"
     if table.exists():
         print(f"\nresults ({table}):\n{table.read_text().rstrip()}")
@@ -371,7 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_recalibrate)
 
     p = sub.add_parser("run", help="the whole job from a YAML file (resumable)")
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", required=True, metavar="JOB.yaml", help="the job file "
+                   "(YAML: model, prompts, out and each stage's settings, as in "
+                   "calibration/jobs/toy.yaml); paths in it are relative to its folder")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("import-pickle", help="convert a research-code pickle to our format")

@@ -121,6 +121,7 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
     from calibration.evaluate import evaluate_bundle, markdown_table, plot_report  # deferred: torch
     from calibration.train import load_probe, save_probe, train_probe  # deferred: torch
     from orca_method.bundle import load_bundle  # deferred: torch
+    from orca_method.bundle_checks import check_bundle, data_target  # deferred: torch
 
     job = load_job(path)
     out = Path(job["out"])
@@ -166,9 +167,10 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
                          provenance={"job": str(path), "selected_epoch": meta.get("selected_epoch")})
 
     def evaluate() -> None:
-        bundle = load_bundle(bundle_file)
+        bundle, ts = load_bundle(bundle_file), TrajectorySet.open(data)
+        check_bundle(bundle, data_target(ts.info, ts.dim))  # as `orca-calibrate evaluate` does
         rows = []
-        report, scored = evaluate_bundle(bundle, TrajectorySet.open(data), "test")
+        report, scored = evaluate_bundle(bundle, ts, "test")
         plot_report(bundle, scored, report, out / "plots")
         rows.append(("test split", report))
         reports = {"test": report}
