@@ -159,7 +159,8 @@ def cmd_collect(a: argparse.Namespace) -> None:
     settings = CollectSettings(samples=a.samples, temperature=a.temperature, top_p=a.top_p,
                                max_tokens=a.max_tokens, seed=a.seed, label_every=a.label_every,
                                suffix=a.suffix, dtype=a.dtype, batch=a.batch, judge=judge)
-    stats = Collector(a.model, settings).run(prompts, Path(a.out))
+    with Collector(a.model, settings) as collector:  # vLLM's shutdown lines before the stats
+        stats = collector.run(prompts, Path(a.out))
     print(json.dumps(stats.as_dict()))
 
 

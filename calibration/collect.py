@@ -12,6 +12,7 @@ problem is appended and flushed at once, so a killed job loses at most the batch
 from __future__ import annotations
 
 import json
+import gc
 import sys
 import time
 from collections.abc import Iterator
@@ -117,7 +118,9 @@ class Collector:
             self.judge.check()  # before the model loads: a bad endpoint fails in seconds
         from vllm import LLM  # deferred: vllm (calibrate_cli imports this module)
 
-        prepare_environment()
+        note = prepare_environment()  # the tested V1 model runner unless the environment chose
+        if note:
+            print(f"note: {note}", file=sys.stderr, flush=True)
         self.settings = settings
         plugin = engine_kwargs(None, segmentation=settings.segmentation, think=settings.think,
                                normalization=settings.normalization)
@@ -195,6 +198,20 @@ class Collector:
         self.stats.answer_probes += len(prompts)
         self.stats.probe_s += time.perf_counter() - t0
         return answers
+
+    def close(self) -> None:
+        """Shut the engine down now (dropping the last reference runs vLLM's own shutdown), so
+        its shutdown lines come before what the caller prints next, and its workers exit while
+        the process still runs: left to interpreter exit, vLLM logged them after the job's table
+        and force-killed a worker, whose shared memory Python then reported as leaked."""
+        self.llm = None
+        gc.collect()
+
+    def __enter__(self) -> Collector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def run(self, prompts: list[dict], out_dir: Path, progress: bool = True) -> Stats:
         """Collect every (prompt, sample) not yet in `out_dir`; resumable."""

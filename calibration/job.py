@@ -135,10 +135,10 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
     shifted_prompts = read_prompts(Path(job["shifted_prompts"])) if job.get("shifted_prompts") else []
 
     def collect() -> None:
-        collector = Collector(job["model"], settings)
-        stats = collector.run(prompts, data, progress)
-        if shifted_prompts:
-            collector.run(shifted_prompts, shifted, progress)
+        with Collector(job["model"], settings) as collector:  # vLLM ends with the stage
+            stats = collector.run(prompts, data, progress)
+            if shifted_prompts:
+                collector.run(shifted_prompts, shifted, progress)
         (out / "collect-stats.json").write_text(json.dumps(stats.as_dict(), indent=1))
 
     def split() -> None:

@@ -438,7 +438,9 @@ def _main(argv: list[str]) -> None:
 
     # -- vLLM from here on -----------------------------------------------------------------
     if bundle is not None:
-        prepare_environment()
+        note = prepare_environment()  # the tested V1 model runner unless the environment chose
+        if note:
+            print(f"{PROG}: note: {note}", file=sys.stderr, flush=True)
 
     try:
         parser = launch.serve_parser(PROG, __doc__.split("\n\n")[0])

@@ -76,6 +76,12 @@ class _FakeCollector:
     def __init__(self, model: str, settings) -> None:
         self.settings = settings
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
     def run(self, prompts: list, out, progress: bool):
         from calibration.synth import generate
 

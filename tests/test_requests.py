@@ -281,24 +281,53 @@ def test_errors_of_messages_routes_are_reshaped_as_anthropics():
 
 
 def test_client_errors_logged_by_vllms_handlers_are_one_warning_line():
+    """A record with a traceback from vLLM's API loggers, inside a request's scope, waits for
+    the response's status: a 4xx makes it one WARNING line, a 5xx (or no response) leaves it
+    as it was; outside a scope, and from other loggers, nothing waits."""
     import logging
 
-    from orca_serve.server_log import OneLineClientErrors
+    from orca_serve.server_log import ErrorsByStatus, deferred_errors, release
 
-    def record(name: str, exc: BaseException) -> logging.LogRecord:
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(self.format(record))
+
+    handler = Collect()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    handler.addFilter(ErrorsByStatus())
+    api = logging.getLogger("vllm.entrypoints.orca_test")
+    api.addHandler(handler)
+    api.propagate = False
+
+    def fail(logger: logging.Logger = api) -> None:
         try:
-            raise exc
-        except BaseException:  # noqa: BLE001 - a record with exc_info, as logger.exception makes
-            import sys
-            return logging.LogRecord(name, logging.ERROR, __file__, 1, "Error in x: %s",
-                                     (exc,), sys.exc_info())
+            raise ValueError("max_tokens too big")
+        except ValueError:
+            logger.exception("Error in create_messages: %s", "max_tokens too big")
 
-    f, fmt = OneLineClientErrors(), logging.Formatter("%(levelname)s %(message)s")
-    client = record("vllm.entrypoints.anthropic.api_router", ValueError("max_tokens too big"))
-    assert f.filter(client) and fmt.format(client) == "WARNING Error in x: max_tokens too big"
-    for r in (record("vllm.entrypoints.anthropic.api_router", RuntimeError("bug")),
-              record("vllm.v1.engine", ValueError("engine"))):
-        assert f.filter(r) and "Traceback" in fmt.format(r) and r.levelname == "ERROR"
+    try:
+        for status, want in ((400, ["WARNING Error in create_messages: max_tokens too big"]),
+                             (500, None)):
+            lines.clear()
+            with deferred_errors() as held:
+                fail()
+                assert lines == [] and len(held) == 1
+                release(held, status)
+            if want is not None:
+                assert lines == want
+            else:
+                assert len(lines) == 1 and "Traceback" in lines[0] and lines[0].startswith("ERROR")
+        lines.clear()
+        with deferred_errors():
+            fail()  # no response started: logged as it was when the scope ends
+        assert len(lines) == 1 and "Traceback" in lines[0]
+        lines.clear()
+        fail()  # outside a request's scope
+        assert len(lines) == 1 and "Traceback" in lines[0]
+    finally:
+        api.removeHandler(handler)
 
 
 BIG = "9" * 1_000_000  # a 1 MB value (the trial's): the 400 quotes its start and its length
