@@ -409,8 +409,18 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# Python's resource tracker (a process of its own, started with the interpreter's -W options)
+# warns at exit about the shared memory and semaphores of vLLM workers that vLLM force-killed
+# after its 5 s grace period (a loaded machine) and unlinks them: freed either way, but printed
+# after the job's table. `collect` and `run` close the engine first (Collector.close); this
+# keeps the tracker's leftover report out of the output.
+QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd in ("collect", "run") and QUIET_TRACKER not in sys.warnoptions:
+        sys.warnoptions.append(QUIET_TRACKER)  # before vLLM starts the tracker
     from orca_method.bundle import BundleError  # deferred: torch (not needed by --help)
     try:
         args.fn(args)
