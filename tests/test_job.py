@@ -143,15 +143,25 @@ def test_run_ends_with_the_results_table(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setattr(calibration.job, "Collector", _FakeCollector)
     (tmp_path / "p.jsonl").write_text("".join(
         json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n" for i in range(60)))
-    path = tmp_path / "job.yaml"
-    path.write_text(json.dumps({"model": "m", "prompts": str(tmp_path / "p.jsonl"),
-                                "out": str(tmp_path / "run"), "train": {"epochs": 1},
+    (tmp_path / "jobs").mkdir()
+    path = tmp_path / "jobs" / "job.yaml"  # paths relative to it print normalised, no jobs/..
+    path.write_text(json.dumps({"model": "m", "prompts": "../p.jsonl", "out": "../run",
+                                "train": {"epochs": 1},
                                 "calibrate": {"deltas": [0.3], "window": 2}}))
     assert main(["run", "--config", str(path)]) == 0
     out = capsys.readouterr().out
+    assert ".." not in out
     table = (tmp_path / "run" / "evaluation.md").read_text().rstrip()
     assert f"results ({tmp_path / 'run' / 'evaluation.md'}):\n{table}" in out
     assert "delta=0.3" in table and out.rstrip().endswith(f"bundle: {tmp_path / 'run' / 'bundle.json'}")
+
+
+def test_run_help_says_what_config_is(capsys) -> None:
+    from calibration.calibrate_cli import main
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    assert "--config JOB.yaml the job file (YAML" in " ".join(capsys.readouterr().out.split())
 
 
 def test_run_keeps_the_resource_trackers_leftover_report_out(tmp_path, monkeypatch) -> None:
