@@ -260,8 +260,9 @@ def import_probe(probe_pt: str | Path, lambdas: str | Path, model: str, out: str
     section 8); a pickle of the training data tells (TrajectorySet.open(pkl).info).
     `probe_out` also writes the probe as `orca-calibrate train` does, to recalibrate it on-policy.
     The bundle names `model` and the fingerprint of `tokenizer` (a local folder; default `model`
-    when it is one), and `model`'s config fingerprint when it is a local folder. Without a local tokenizer it records none, and orca-serve then refuses the
-    bundle unless `--orca-force-model` (a hub name is not fetched: the hub may be unreachable).
+    when it is one), and `model`'s config fingerprint when it is a local folder. Without a local
+    tokenizer it records none, and orca-serve then refuses the bundle unless
+    `--orca-force-model` (a hub name is not fetched: the hub may be unreachable).
     """
     probe_pt = Path(probe_pt)
     cfg_path = Path(config) if config is not None else probe_pt.with_name("config.json")
