@@ -15,7 +15,9 @@ the tiny test model and that version's test bundle), adds `--rows` requests thro
 token appended to each request's output (a step delimiter every ~3 tokens). Measured: the
 thread CPU time of each `apply()` (20 warm-up steps not counted), and the steps scored (the
 same for every version, else they did not do the same work). Reported per version: median
-and 25th percentile per round, and the ratio of medians to the first `--rev`, paired by round.
+and 25th percentile per round, and the ratio of medians to the first `--rev`, paired by round;
+a version that scored no step, or another number of steps than the first `--rev` in a round,
+gets no ratio (the table says why, and the command exits 1): its time is not of the same work.
 """
 
 from __future__ import annotations
@@ -61,11 +63,19 @@ def worker(a: argparse.Namespace) -> None:
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
 
-    try:  # the LM-head capture's module, where this version has it
+    # the LM-head capture's module, where this version has it: chosen by the tree's files, not
+    # by trying the import (an editable install of this checkout resolves a submodule the
+    # version lacks to this checkout's, whose stash the version's processor never reads)
+    if (tree / "orca_serve" / "vllm_compat" / "capture.py").is_file():
         from orca_serve.vllm_compat import capture
-    except ImportError:
+    else:
         from orca_serve.vllm_plugin import capture
+    from orca_serve.vllm_plugin import processor
     from orca_serve.vllm_plugin.processor import OrcaLogitsProcessor
+
+    for module in (capture, processor):
+        if not Path(module.__file__).resolve().is_relative_to(tree.resolve()):
+            raise RuntimeError(f"{module.__name__} came from {module.__file__}, not {tree}")
 
     torch.set_num_threads(1)
     bundle = make_bundle(Path(a.out_dir) / "bundle.json", Path(a.model))
@@ -85,8 +95,11 @@ def worker(a: argparse.Namespace) -> None:
     delim = tok.encode("\n\n", add_special_tokens=False)[0]
     rng = random.Random(a.seed)
     outs: list[list[int]] = [[] for _ in range(a.rows)]
+    # orca_enabled said, not left to the version's default: the server writes it into every
+    # request, and a version's engine default need not be on
     added = [(i, SamplingParams(max_tokens=10_000, extra_args={
-        "orca_key": f"r{i}", "orca_policy": "shadow", "orca_delta": SHADOW_DELTA}),
+        "orca_key": f"r{i}", "orca_enabled": 1, "orca_policy": "shadow",
+        "orca_delta": SHADOW_DELTA}),
         list(prompt), outs[i]) for i in range(a.rows)]
     proc.update_state(BatchUpdate(batch_size=a.rows, removed=[], added=added, moved=[]))
     g = torch.Generator().manual_seed(a.seed)
@@ -158,6 +171,23 @@ def main() -> None:
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps({"argv": sys.argv, "revs": revs, "runs": runs}))
     print(report(runs, names))
+    if same_work(runs, names):
+        raise SystemExit(1)
+
+
+def same_work(runs: list[dict], names: list[str]) -> dict[str, str]:
+    """Why a version's ratio to the first would compare different work (no entry: it would
+    not): it scored no step, or another number of steps than the first in some round."""
+    scored = {(r["round"], r["name"]): r["steps_scored"] for r in runs}
+    why = {}
+    for n in names:
+        counts = [scored[(rnd, n)] for rnd in sorted({r["round"] for r in runs})]
+        base = [scored[(rnd, names[0])] for rnd in sorted({r["round"] for r in runs})]
+        if not any(counts):
+            why[n] = "scored no step: it did nothing"
+        elif counts != base:
+            why[n] = f"scored {counts} steps per round, {names[0]} {base}"
+    return why
 
 
 def report(runs: list[dict], names: list[str]) -> str:
@@ -166,15 +196,18 @@ def report(runs: list[dict], names: list[str]) -> str:
            for r in runs}
     rounds = sorted({r["round"] for r in runs})
     base = names[0]
+    refused = same_work(runs, names)
     out = [("| version | median us per step (per round) | p25 us (per round) | "
             f"median / {base} (paired, median (min-max)) |"), "| --- | --- | --- | --- |"]
     for n in names:
         ratios = [med[(r, n)] / med[(r, base)] for r in rounds]
+        ratio = (f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+                 if not refused.get(n) and not refused.get(base) else "no ratio (below)")
         out.append(f"| {n} | {', '.join(f'{med[(r, n)]:.0f}' for r in rounds)} | "
-                   f"{', '.join(f'{p25[(r, n)]:.0f}' for r in rounds)} | "
-                   f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) |")
+                   f"{', '.join(f'{p25[(r, n)]:.0f}' for r in rounds)} | {ratio} |")
     loads = [r["load"] for r in runs]
     out.append(f"\n1-min load after each run: {min(loads):.2f}-{max(loads):.2f}")
+    out += [f"no ratio for {n}: it {why}" for n, why in refused.items()]
     return "\n".join(out)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,25 +38,47 @@ from orca_serve.live_audit.drift import DRIFT_WINDOW, DriftMonitor
 from orca_serve.live_audit.sequence import RestartedAlarm
 
 AUDIT_DIR = re.compile(r"^audit-\d{6}$")  # the server's rotating audit directories
+# what differs between the directories of two bundles that cannot share one (store_info)
+_SAME_SERVER = ("dim", "normalization", "segmentation", "model")
 
 
-def open_audits(path: str | Path) -> TrajectorySet:
+def open_audits(path: str | Path, bundle: Bundle | None = None) -> TrajectorySet:
     """One trajectory directory, or the server's audit root: its `audit-NNNNNN` directories,
-    oldest first, read as one set (the embeddings stay memory-mapped)."""
+    oldest first, read as one set (the embeddings stay memory-mapped).
+
+    A hot reload to a bundle with other settings (model, pooling, segmentation) starts a new
+    directory (orca_serve.live_audit.store); then only the directories written with `bundle`'s
+    settings are read (without a bundle: the newest directory's), and the others are named on
+    stderr as skipped.
+    """
     root = Path(path)
     parts = (sorted(p for p in root.iterdir() if p.is_dir() and AUDIT_DIR.match(p.name))
              if root.is_dir() and not (root / "info.json").exists() else [])
     if not parts:
         return TrajectorySet.open(root)
     sets = [TrajectorySet.open(p) for p in parts]
-    for other in sets[1:]:
-        for key in ("dim", "normalization", "segmentation", "model"):
-            if other.info.get(key) != sets[0].info.get(key):
-                raise ValueError(f"{other.path} and {sets[0].path} differ in {key}: they were "
-                                 "written by different servers; pass one directory")
-    problems = [p for ts in sets for p in ts.problems]
-    arrays = [ts.embeddings(i) for ts in sets for i in range(len(ts))]
-    return TrajectorySet(root, sets[0].info, problems, arrays)
+
+    def settings(info: dict[str, Any]) -> dict[str, Any]:
+        return {k: info.get(k) for k in _SAME_SERVER}
+
+    want = settings(sets[-1].info) if bundle is None else {
+        "dim": bundle.model.hidden_size, "normalization": bundle.normalization,
+        "segmentation": bundle.segmentation.model_dump(), "model": bundle.model.name}
+    kept = [ts for ts in sets  # a setting a directory does not record (null) is no mismatch
+            if all(v is None or v == want[k] for k, v in settings(ts.info).items())]
+    if not kept:
+        shown = ", ".join(f"{k} {v!r:.60}" for k, v in want.items())
+        raise ValueError(f"no audit directory under {root} was written with the bundle's "
+                         f"settings ({shown}): the server ran another bundle; pass the bundle "
+                         "it ran")
+    if len(kept) < len(sets):
+        skipped = [ts.path.name for ts in sets if ts not in kept]
+        print(f"note: reading {len(kept)} of {len(sets)} audit directories under {root}; "
+              f"skipped {', '.join(skipped)}: written for another bundle's model or settings "
+              "(before or after a hot reload)", file=sys.stderr)
+    problems = [p for ts in kept for p in ts.problems]
+    arrays = [ts.embeddings(i) for ts in kept for i in range(len(ts))]
+    return TrajectorySet(root, kept[0].info, problems, arrays)
 
 
 def unfinished(ts: TrajectorySet) -> list[int]:
@@ -179,9 +202,9 @@ def format_report(report: dict[str, Any]) -> str:
                      f"bounds=[{r['lower']:.3f}, {r['upper']:.3f}] {flag}")
     if "drift" in report:
         d = report["drift"]
-        lines.append(f"  drift: {d['tests']} tests of {d['window']}-request windows, last "
-                     f"p={d['pvalue']:.3g}, alarms={d['alarms']}, "
-                     f"{'ALARM' if d['alarm'] else 'ok'}")
+        last = "no test yet" if d["pvalue"] is None else f"last p={d['pvalue']:.3g}"
+        lines.append(f"  drift: {d['tests']} tests of {d['window']}-request windows, {last}, "
+                     f"alarms={d['alarms']}, {'ALARM' if d['alarm'] else 'ok'}")
     else:
         lines.append("  drift: the bundle has no drift reference (calibrated before it existed)")
     return "\n".join(lines)

@@ -34,6 +34,7 @@ from orca_method.bundle import (
     save_bundle,
     schema_version_for,
 )
+from orca_method.bundle_checks import check_semantics
 from orca_method.give_up import calibrate_give_up, mu_grid
 from orca_method.ltt import DeltaResult, calibrate, default_grid
 from orca_method.probe import Probe
@@ -156,7 +157,8 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
     return Bundle(
         schema_version=schema_version_for(give_up is not None), orca_serve_version=__version__,
         model=ModelIdentity(name=model, hidden_size=ts.dim,
-                            tokenizer_fingerprint=info.get("tokenizer_fingerprint")),
+                            tokenizer_fingerprint=info.get("tokenizer_fingerprint"),
+                            config_fingerprint=info.get("model_config")),
         segmentation=Segmentation(**(info.get("segmentation") or {})),
         think=ThinkTags(**(info.get("think") or {})),
         normalization=info.get("normalization", "token-l2"),
@@ -194,4 +196,5 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
                          drift=build_reference(everything.scores, window, [r.lam for r in results]),
                          give_up=None if give_up is None else give_up_block(
                              give_up[0], ts, give_up[1], window=window, pvalue=pvalue))
+    check_semantics(bundle)  # never write a bundle the server would refuse (a saturated probe)
     return save_bundle(bundle, out)

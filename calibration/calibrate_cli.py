@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from calibration.collect import DEFAULT_SUFFIX, Collector, CollectSettings, read_prompts
 from calibration.job import JobError, load_job, run_job
@@ -17,6 +19,9 @@ from calibration.probe_variants import PROBES
 from calibration.synth import generate
 from calibration.train_defaults import DEFAULTS, EPOCH_SELECT
 from orca_method.trajectories import TrajectoryError, TrajectorySet, import_pickle
+
+if TYPE_CHECKING:
+    from orca_method.bundle import Bundle
 
 
 class UsageError(Exception):
@@ -83,11 +88,23 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
               f"savings_total_steps={r.savings:.3f} p={r.pvalue:.3g}")  # the bundle keeps one
 
 
+def check_on_data(a: argparse.Namespace, bundle: Bundle, ts: TrajectorySet) -> None:
+    """Check --bundle against the data it is replayed on as orca-serve checks it against the
+    model it serves (orca_method.bundle_checks.check_bundle): what the server would refuse, the
+    offline tools refuse (`--force-model` as orca-serve's --orca-force-model)."""
+    from orca_method.bundle_checks import check_bundle, data_target  # deferred: torch
+    note = check_bundle(bundle, data_target(ts.info, ts.dim), force=a.force_model)
+    if note:
+        print(f"orca-calibrate {a.cmd}: warning: --force-model: using the bundle anyway "
+              f"although {note}", file=sys.stderr)
+
+
 def cmd_evaluate(a: argparse.Namespace) -> None:
     from calibration.evaluate import evaluate_bundle, markdown_table, plot_report  # deferred: torch
     from orca_method.bundle import load_bundle  # deferred: torch (not needed by --help)
     bundle = load_bundle(a.bundle)
     ts = _open(a.data, a.pickle_labels)
+    check_on_data(a, bundle, ts)
     split = a.split
     if split is None:  # the test split; a set without splits (e.g. a job's shifted set): all
         split = "test" if ts.split("test") else "all"
@@ -142,7 +159,8 @@ def cmd_collect(a: argparse.Namespace) -> None:
     settings = CollectSettings(samples=a.samples, temperature=a.temperature, top_p=a.top_p,
                                max_tokens=a.max_tokens, seed=a.seed, label_every=a.label_every,
                                suffix=a.suffix, dtype=a.dtype, batch=a.batch, judge=judge)
-    stats = Collector(a.model, settings).run(prompts, Path(a.out))
+    with Collector(a.model, settings) as collector:  # vLLM's shutdown lines before the stats
+        stats = collector.run(prompts, Path(a.out))
     print(json.dumps(stats.as_dict()))
 
 
@@ -156,7 +174,8 @@ def cmd_audit_report(a: argparse.Namespace) -> None:
     )
     from orca_method.bundle import load_bundle  # deferred: torch (not needed by --help)
     bundle = load_bundle(a.bundle)
-    ts = open_audits(a.audit)
+    ts = open_audits(a.audit, bundle)
+    check_on_data(a, bundle, ts)
     report = audit_report(bundle, ts, mode=audit_label_mode(bundle, ts, a.label_mode),
                           alpha=a.alpha, drift_window=a.drift_window)
     print(format_report(report))
@@ -171,7 +190,8 @@ def cmd_recalibrate(a: argparse.Namespace) -> None:
     from calibration.audit_report import audit_label_mode, open_audits, recalibrate
     from orca_method.bundle import load_bundle
     bundle = load_bundle(a.bundle)
-    ts = open_audits(a.audit)
+    ts = open_audits(a.audit, bundle)
+    check_on_data(a, bundle, ts)
     new = recalibrate(bundle, ts, Path(a.out), mode=audit_label_mode(bundle, ts, a.label_mode),
                       last=a.last, retrain=a.retrain, seed=a.seed,
                       train_options=training_options(a), bundle_path=a.bundle,
@@ -184,9 +204,10 @@ def cmd_recalibrate(a: argparse.Namespace) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> None:
-    """Run the job, then show what it produced: the evaluation table and the bundle."""
+    """Run the job, then show what it produced: the evaluation table and the bundle (paths
+    normalised: the job's are joined to the config's folder, `jobs/../runs/x`)."""
     run_job(Path(a.config))
-    out = Path(load_job(Path(a.config))["out"])
+    out = Path(os.path.normpath(load_job(Path(a.config))["out"]))
     table = out / "evaluation.md"
     if table.exists():
         print(f"\nresults ({table}):\n{table.read_text().rstrip()}")
@@ -235,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "paper) or the one with the best savings on a 10%% validation part of the "
                        f"training split (default {DEFAULTS['epoch_select']})")
 
+    def force_model_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--force-model", action="store_true", help="use the bundle although "
+                       "it names another model than the data (name or config fingerprint), as "
+                       "orca-serve's --orca-force-model; a bad table, probe, tokenizer or step "
+                       "delimiter is refused always")
+
     def window_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--window", type=int, default=10, help="smoothing window k")
 
@@ -280,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "data has no test split)")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--plots", help="write PNG plots to this directory")
+    force_model_arg(p)
     p.set_defaults(fn=cmd_evaluate)
 
     p = sub.add_parser("compare", help="static vs TTT probes, supervised and consistent")
@@ -324,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drift-window", type=int, default=500, help="requests per drift test")
     p.add_argument("--json", help="write the report (with the bounds' history) here")
     p.add_argument("--plots", help="write audit_risk.png to this directory")
+    force_model_arg(p)
     p.set_defaults(fn=cmd_audit_report)
 
     p = sub.add_parser("recalibrate", help="LTT on live audits; writes a new bundle")
@@ -341,10 +370,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="accept a window that reaches back to "
                    "or before the first alarm in the audits (refused by default: those audits "
                    "are not the traffic after the change)")
+    force_model_arg(p)
     p.set_defaults(fn=cmd_recalibrate)
 
     p = sub.add_parser("run", help="the whole job from a YAML file (resumable)")
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", required=True, metavar="JOB.yaml", help="the job file "
+                   "(YAML: model, prompts, out and each stage's settings, as in "
+                   "calibration/jobs/toy.yaml); paths in it are relative to its folder")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("import-pickle", help="convert a research-code pickle to our format")
@@ -377,8 +409,18 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# Python's resource tracker (a process of its own, started with the interpreter's -W options)
+# warns at exit about the shared memory and semaphores of vLLM workers that vLLM force-killed
+# after its 5 s grace period (a loaded machine) and unlinks them: freed either way, but printed
+# after the job's table. `collect` and `run` close the engine first (Collector.close); this
+# keeps the tracker's leftover report out of the output.
+QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd in ("collect", "run") and QUIET_TRACKER not in sys.warnoptions:
+        sys.warnoptions.append(QUIET_TRACKER)  # before vLLM starts the tracker
     from orca_method.bundle import BundleError  # deferred: torch (not needed by --help)
     try:
         args.fn(args)

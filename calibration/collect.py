@@ -12,6 +12,7 @@ problem is appended and flushed at once, so a killed job loses at most the batch
 from __future__ import annotations
 
 import json
+import gc
 import sys
 import time
 from collections.abc import Iterator
@@ -117,7 +118,9 @@ class Collector:
             self.judge.check()  # before the model loads: a bad endpoint fails in seconds
         from vllm import LLM  # deferred: vllm (calibrate_cli imports this module)
 
-        prepare_environment()
+        note = prepare_environment()  # the tested V1 model runner unless the environment chose
+        if note:
+            print(f"note: {note}", file=sys.stderr, flush=True)
         self.settings = settings
         plugin = engine_kwargs(None, segmentation=settings.segmentation, think=settings.think,
                                normalization=settings.normalization)
@@ -131,11 +134,14 @@ class Collector:
 
     def info_fields(self) -> dict[str, Any]:
         """What the bundle later takes from the data: model identity and the procedure settings."""
-        from orca_method.bundle import tokenizer_fingerprint  # deferred: torch
+        # deferred: torch
+        from orca_method.bundle import config_fingerprint, tokenizer_fingerprint
         rs = self.record_settings
+        config = config_fingerprint(self.llm.llm_engine.model_config.hf_config)
         return {"model": self.model, "normalization": rs.get("normalization", "token-l2"),
                 "segmentation": rs.get("segmentation"), "think": rs.get("think"),
-                "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer.get_vocab())}
+                "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer.get_vocab()),
+                "model_config": None if config is None else config.model_dump()}
 
     def _generate(self, batch: list[tuple[str, dict]]) -> list[tuple[str, dict, Any, dict]]:
         from vllm import SamplingParams  # deferred: vllm (calibrate_cli imports this module)
@@ -192,6 +198,20 @@ class Collector:
         self.stats.answer_probes += len(prompts)
         self.stats.probe_s += time.perf_counter() - t0
         return answers
+
+    def close(self) -> None:
+        """Shut the engine down now (dropping the last reference runs vLLM's own shutdown), so
+        its shutdown lines come before what the caller prints next, and its workers exit while
+        the process still runs: left to interpreter exit, vLLM logged them after the job's table
+        and force-killed a worker, whose shared memory Python then reported as leaked."""
+        self.llm = None
+        gc.collect()
+
+    def __enter__(self) -> Collector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def run(self, prompts: list[dict], out_dir: Path, progress: bool = True) -> Stats:
         """Collect every (prompt, sample) not yet in `out_dir`; resumable."""

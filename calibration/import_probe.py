@@ -36,11 +36,13 @@ from calibration.train import save_probe
 from orca_method.bundle import (
     SCHEMA_VERSION,
     Bundle,
+    ConfigFingerprint,
     LTTRow,
     LTTTable,
     ModelIdentity,
     ProbeBlock,
     Segmentation,
+    config_fingerprint,
     encode_weights,
     save_bundle,
     tokenizer_fingerprint,
@@ -229,6 +231,19 @@ def tokenizer_fingerprint_of(source: str) -> str:
     return tokenizer_fingerprint(vocab)
 
 
+def config_fingerprint_of(model: str) -> ConfigFingerprint | None:
+    """The config fingerprint (orca_method.bundle.config_fingerprint) of `model` when it is a
+    local folder with a config.json; None otherwise (a hub name is not fetched)."""
+    if not (Path(model) / "config.json").is_file():
+        return None
+    from transformers import AutoConfig  # deferred: transformers (only with a local model)
+
+    try:
+        return config_fingerprint(AutoConfig.from_pretrained(model))
+    except Exception as e:  # noqa: BLE001 - any unreadable config: one line
+        raise ProbeImportError(f"cannot read the config of {model}: {first_line(e)}") from None
+
+
 def import_probe(probe_pt: str | Path, lambdas: str | Path, model: str, out: str | Path, *,
                  tokenizer: str | None = None,
                  config: str | Path | None = None, window: int | None = None,
@@ -245,8 +260,9 @@ def import_probe(probe_pt: str | Path, lambdas: str | Path, model: str, out: str
     section 8); a pickle of the training data tells (TrajectorySet.open(pkl).info).
     `probe_out` also writes the probe as `orca-calibrate train` does, to recalibrate it on-policy.
     The bundle names `model` and the fingerprint of `tokenizer` (a local folder; default `model`
-    when it is one). Without a local tokenizer it records none, and orca-serve then refuses the
-    bundle unless `--orca-force-model` (a hub name is not fetched: the hub may be unreachable).
+    when it is one), and `model`'s config fingerprint when it is a local folder. Without a local
+    tokenizer it records none, and orca-serve then refuses the bundle unless
+    `--orca-force-model` (a hub name is not fetched: the hub may be unreachable).
     """
     probe_pt = Path(probe_pt)
     cfg_path = Path(config) if config is not None else probe_pt.with_name("config.json")
@@ -272,7 +288,8 @@ def import_probe(probe_pt: str | Path, lambdas: str | Path, model: str, out: str
     bundle = Bundle(
         schema_version=SCHEMA_VERSION, orca_serve_version=__version__,
         model=ModelIdentity(name=model, hidden_size=probe.spec.dim,
-                            tokenizer_fingerprint=fingerprint),
+                            tokenizer_fingerprint=fingerprint,
+                            config_fingerprint=config_fingerprint_of(model)),
         segmentation=Segmentation(delimiter="\n", keywords=AUTHORS_KEYWORDS,
                                   keyword_match="substring", max_step_tokens=max_step_tokens),
         normalization=normalization,

@@ -133,6 +133,7 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
         train_probe,
     )
     from orca_method.bundle import load_bundle  # deferred: torch
+    from orca_method.bundle_checks import check_bundle, data_target  # deferred: torch
 
     job = load_job(path)
     out = Path(job["out"])
@@ -146,10 +147,10 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
     shifted_prompts = read_prompts(Path(job["shifted_prompts"])) if job.get("shifted_prompts") else []
 
     def collect() -> None:
-        collector = Collector(job["model"], settings)
-        stats = collector.run(prompts, data, progress)
-        if shifted_prompts:
-            collector.run(shifted_prompts, shifted, progress)
+        with Collector(job["model"], settings) as collector:  # vLLM ends with the stage
+            stats = collector.run(prompts, data, progress)
+            if shifted_prompts:
+                collector.run(shifted_prompts, shifted, progress)
         (out / "collect-stats.json").write_text(json.dumps(stats.as_dict(), indent=1))
 
     def split() -> None:
@@ -184,9 +185,10 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
                          provenance={"job": str(path), "selected_epoch": meta.get("selected_epoch")})
 
     def evaluate() -> None:
-        bundle = load_bundle(bundle_file)
+        bundle, ts = load_bundle(bundle_file), TrajectorySet.open(data)
+        check_bundle(bundle, data_target(ts.info, ts.dim))  # as `orca-calibrate evaluate` does
         rows = []
-        report, scored = evaluate_bundle(bundle, TrajectorySet.open(data), "test")
+        report, scored = evaluate_bundle(bundle, ts, "test")
         plot_report(bundle, scored, report, out / "plots")
         rows.append(("test split", report))
         reports = {"test": report}

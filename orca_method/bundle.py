@@ -58,11 +58,25 @@ class _Strict(BaseModel):
 Fraction = Annotated[float, Field(ge=0, le=1)]
 
 
+class ConfigFingerprint(_Strict):
+    """What a model's config.json says of its shape (`config_fingerprint`): two checkpoints that
+    differ here are different models, whatever they are called. Not a proof of equal weights
+    (a fine-tune keeps all four), which is why the tokenizer and the name are checked too."""
+
+    architecture: str = Field(min_length=1)  # config.architectures[0], else its model_type
+    hidden_size: int = Field(gt=0)
+    num_layers: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+
+
 class ModelIdentity(_Strict):
     name: str = Field(min_length=1)
     hidden_size: int = Field(gt=0)
     # sha256 of the vocabulary, see tokenizer_fingerprint()
     tokenizer_fingerprint: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    # absent in bundles written before it was recorded (and in imported ones whose model's
+    # config.json was not at hand): then the name, hidden size and tokenizer are what is checked
+    config_fingerprint: ConfigFingerprint | None = None
 
 
 class Segmentation(_Strict):
@@ -503,6 +517,20 @@ def tokenizer_fingerprint(vocab: dict[str, int]) -> str:
     """sha256 of the token -> id map: equal fingerprints mean the same token ids for any text."""
     items = sorted(vocab.items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
+
+
+def config_fingerprint(config: Any) -> ConfigFingerprint | None:
+    """The `ConfigFingerprint` of a transformers config (its text part for a multimodal model);
+    None when the config lacks one of the four (an unusual architecture: not fingerprinted)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    archs = getattr(config, "architectures", None) or [getattr(config, "model_type", None)]
+    facts = {"architecture": archs[0], "hidden_size": getattr(text, "hidden_size", None),
+             "num_layers": getattr(text, "num_hidden_layers", None),
+             "vocab_size": getattr(text, "vocab_size", None)}
+    try:
+        return ConfigFingerprint.model_validate(facts, strict=True)
+    except ValidationError:
+        return None
 
 
 def check_model(bundle: Bundle, hidden_size: int, vocab: dict[str, int] | None,

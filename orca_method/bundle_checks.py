@@ -1,9 +1,14 @@
-"""Checks of a bundle before it is served, at start and on every hot reload (docs/SERVER.md,
-"Bundle checks"): a table and a probe that calibration could have produced, a step delimiter the
-model's tokenizer has, the model the bundle names. Each refusal is one `BundleError` line.
+"""Checks of a bundle before it is used (docs/SERVER.md, "Bundle checks"): a table and a probe
+that calibration could have produced, a step delimiter the model's tokenizer has, the model the
+bundle names. Each refusal is one `BundleError` line.
 
-A module of their own: `load_bundle` (orca_method/bundle.py) is what every tool reads bundles
-with, while these checks are the server's, and the table check needs LTT's p-values
+`check_bundle` is the one entry: orca-serve runs it against the served model at start and on
+every hot reload, and every offline tool that reads a bundle (`orca-calibrate evaluate`,
+`audit-report`, `recalibrate`) against the data it replays the bundle on (`data_target`), so a
+bundle the server would refuse is refused there too, with the same line.
+
+A module of their own: `load_bundle` (orca_method/bundle.py) reads and validates the file, while
+these checks need what the bundle is used with, and the table check needs LTT's p-values
 (orca_method/ltt.py, whose loss module refers to the bundle).
 """
 
@@ -11,17 +16,125 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
-from orca_method.bundle import Bundle, BundleError, LTTRow
+from orca_method.bundle import (
+    Bundle,
+    BundleError,
+    ConfigFingerprint,
+    LTTRow,
+    Segmentation,
+    check_model,
+)
 from orca_method.ltt import PVALUES
 from orca_method.probe import Probe
 from orca_method.thresholds import lam_from_json, mu_from_json
+from orca_method.trajectories import TrajectoryError
 
 SATURATED = 1e-6  # a score this close to 0 or 1 is saturated (float32 sigmoid's flat ends)
 SATURATION_PROBES = (64, 4)  # seeded reference trajectories and steps each
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a bundle is about to be used with: the served model (orca-serve) or the data an
+    offline tool replays it on (`data_target`). A fact left None is unknown and not checked."""
+
+    model: str | None = None  # --model, or the model the data records
+    served_names: Sequence[str] = ()  # --served-model-name
+    hidden_size: int | None = None
+    vocab: Mapping[str, int] | None = None  # the tokenizer's token -> id (the server reads it)
+    token_bytes: Sequence[bytes] | None = None  # each token id's bytes (orca_method.steps)
+    tokenizer_fingerprint: str | None = None  # what the data records of its tokenizer
+    config_fingerprint: ConfigFingerprint | None = None
+    segmentation: Segmentation | None = None  # how the data was cut into steps
+    normalization: str | None = None  # how the data's step embeddings were pooled
+    needs_tokenizer: bool = False  # the server: a bundle naming no tokenizer is an identity gap
+
+
+def data_target(info: Mapping[str, Any], dim: int) -> Target:
+    """The `Target` of a trajectory set (its info.json, docs/TRAJECTORIES.md): what the data
+    records of the model and the procedure that produced it."""
+    config, seg = info.get("model_config"), info.get("segmentation")
+    try:
+        return Target(model=info.get("model"), hidden_size=dim,
+                      tokenizer_fingerprint=info.get("tokenizer_fingerprint"),
+                      config_fingerprint=None if config is None else ConfigFingerprint(**config),
+                      segmentation=None if seg is None else Segmentation(**seg),
+                      normalization=info.get("normalization"))
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise TrajectoryError(f"info.json: {'.'.join(str(x) for x in first['loc'])}: "
+                              f"{first['msg']}") from None
+
+
+def check_bundle(bundle: Bundle, target: Target, *, force: bool = False) -> str | None:
+    """Every check of a bundle against what it is used with; raises BundleError (one line).
+    Returns what `force` let through (the refusal's first clause), for the caller to print.
+
+    Identity (`force` overrides it, it may be the same model under another name): the model
+    name (`check_model_name`), the config fingerprint (`check_config`), and for the server a
+    bundle that names no tokenizer. Never overridden: the hidden size, tokenizer and think
+    tags (`check_model`; the recorded tokenizer fingerprint for data), the step delimiter
+    (`check_delimiter`; the recorded segmentation and pooling for data), and the table and probe
+    (`check_semantics`): with any of those wrong the stop decision is not the calibrated one.
+    """
+    note = None
+    try:
+        if target.model is not None:
+            check_model_name(bundle, target.model, list(target.served_names))
+        check_config(bundle, target.config_fingerprint, target.model or "the model")
+        if target.needs_tokenizer and bundle.model.tokenizer_fingerprint is None:
+            raise BundleError(f"the bundle names no tokenizer (no tokenizer_fingerprint), so it "
+                              f"cannot be checked against {target.model}'s; recalibrate, or "
+                              "import it again with `orca-calibrate import-probe`, or pass "
+                              "--orca-force-model")
+    except BundleError as e:
+        if not force:
+            raise
+        note = str(e).split("; ")[0]
+    name = target.model or "the data's model"
+    if target.hidden_size is not None:
+        check_model(bundle, target.hidden_size,
+                    None if target.vocab is None else dict(target.vocab), name)
+    fp = bundle.model.tokenizer_fingerprint
+    if target.tokenizer_fingerprint and fp and fp != target.tokenizer_fingerprint:
+        raise BundleError(f"the data was made with another tokenizer than the bundle's "
+                          f"({bundle.model.name!r}): its token ids are not the calibrated ones")
+    if target.token_bytes is not None:
+        check_delimiter(bundle, list(target.token_bytes), name)
+    if target.segmentation is not None and target.segmentation != bundle.segmentation:
+        raise BundleError(f"the data was cut into steps with {target.segmentation!r}, the bundle "
+                          f"with {bundle.segmentation!r}: its steps are not the calibrated ones; "
+                          "wrong data, or the bundle was edited: recalibrate")
+    if target.normalization is not None and target.normalization != bundle.normalization:
+        raise BundleError(f"the data's step embeddings are pooled {target.normalization!r}, the "
+                          f"bundle's probe expects {bundle.normalization!r}; wrong data, or the "
+                          "bundle was edited: recalibrate")
+    check_semantics(bundle)
+    return note
+
+
+def check_config(bundle: Bundle, config: ConfigFingerprint | None, model_name: str) -> None:
+    """Refuse a model whose config fingerprint (architecture, hidden size, layers, vocabulary)
+    differs from the one the bundle records: another model, whatever it is called. A bundle
+    without a fingerprint (older, or imported without the model's config) and a model whose
+    config has none are not checked here (the name, hidden size and tokenizer still are)."""
+    ours = bundle.model.config_fingerprint
+    if ours is None or config is None or ours == config:
+        return
+    diff = ", ".join(f"{k} {getattr(ours, k)!r} vs {getattr(config, k)!r}"
+                     for k in type(ours).model_fields if getattr(ours, k) != getattr(config, k))
+    raise BundleError(f"{model_name} is not the model the bundle was calibrated on "
+                      f"({bundle.model.name!r}): its config differs ({diff}); serve that model, "
+                      "recalibrate for this one, or force it if it is the same model (orca-serve "
+                      "--orca-force-model, orca-calibrate --force-model)")
 
 
 def check_semantics(bundle: Bundle) -> None:
@@ -183,11 +296,13 @@ def check_model_name(bundle: Bundle, model: str, served_names: list[str] | None 
     """Refuse a bundle made for another model: its model name must match the served one.
 
     Match: the bundle's name or its last path component equals `--model` or its last path
-    component (case-insensitive), or one of `--served-model-name`. `--orca-force-model` skips it.
+    component (case-insensitive), or one of `--served-model-name`. Forcing skips it
+    (`check_bundle`).
     """
     served = model_aliases(model).union(*(model_aliases(s) for s in served_names or []))
     if model_aliases(bundle.model.name) & served:
         return
     raise BundleError(f"the bundle was made for model {bundle.model.name!r}, not {model!r}; "
                       f"serve {bundle.model.name!r}, or name it so with --served-model-name if "
-                      "this is that model under another path, or pass --orca-force-model")
+                      "this is that model under another path, or force it (orca-serve "
+                      "--orca-force-model, orca-calibrate --force-model)")

@@ -33,7 +33,7 @@ NORMALIZATIONS = ("token-l2", "step-l2", "none")
 SPLITS = ("train", "calibration", "test")
 INFO_DEFAULTS: dict[str, Any] = {
     "model": None, "normalization": "token-l2", "segmentation": None, "source": None,
-    "think": None, "tokenizer_fingerprint": None,
+    "think": None, "tokenizer_fingerprint": None, "model_config": None,
 }
 PICKLE_LABELS = ("pessimistic", "research")
 _PICKLE_LABEL_KEYS = {"step_labels": "supervised", "step_labels_consistent": "consistent"}
@@ -238,7 +238,7 @@ def _check_info(info: Any, where: str) -> None:
                               f"{NORMALIZATIONS}")
     for name in ("model", "source", "tokenizer_fingerprint"):
         _str_or_none(info[name], where, name)
-    for name in ("segmentation", "think"):
+    for name in ("segmentation", "think", "model_config"):
         if info[name] is not None and not isinstance(info[name], dict):
             raise TrajectoryError(f"{where}: {name} must be an object or null")
 

@@ -22,6 +22,7 @@ Each `Api` below holds those differences; the middleware (`orca_serve.server`) c
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -212,9 +213,37 @@ class MessagesApi(Api):
         return True
 
 
-def anthropic_error(message: str) -> dict[str, Any]:
-    """Anthropic's error shape for a 400 (its `type` names the class of error, not a field)."""
-    return {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+# Anthropic's error types by HTTP status (its API reference, "Errors"); others: api_error
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error",
+                         529: "overloaded_error"}
+
+
+def anthropic_error(message: str, status: int = 400) -> dict[str, Any]:
+    """Anthropic's error shape (its `type` names the class of error, not a field)."""
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if status < 500
+                                     else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def as_anthropic_error(body: bytes, status: int) -> bytes | None:
+    """An error body of a /v1/messages route in Anthropic's shape; None when it is no JSON error.
+
+    vLLM answers some errors there in OpenAI's shape (its request validation: `{"error":
+    {"message", "type": "Bad Request", ...}}`) and others in Anthropic's with vLLM's own type
+    names (`BadRequestError`); Anthropic's clients read `error.type` as one of theirs.
+    """
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    message = _get(obj, "error", "message")
+    if not isinstance(message, str):
+        message = _get(obj, "detail") if isinstance(_get(obj, "detail"), str) else None
+    if message is None:
+        return None
+    return json.dumps(anthropic_error(message, status)).encode()
 
 
 CHAT = Api()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from orca_method.errors import shown
 from orca_serve.effort import parse_effort_map
 
 
@@ -15,7 +16,7 @@ def integer(minimum: int) -> Callable[[str], int]:
         try:
             v = int(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+            raise argparse.ArgumentTypeError(f"not an integer: {shown(s)}") from None
         if v < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {v}")
         return v
@@ -30,7 +31,7 @@ def fraction(*, open_interval: bool) -> Callable[[str], float]:
         try:
             v = float(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+            raise argparse.ArgumentTypeError(f"not a number: {shown(s)}") from None
         inside = 0 < v < 1 if open_interval else 0 <= v <= 1
         if not inside:
             where = "(0, 1)" if open_interval else "[0, 1]"

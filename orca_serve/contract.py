@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from orca_method.errors import shown
 from orca_method.outcomes import ENDED_EARLY, FULL, GAVE_UP
 from orca_method.thresholds import NEVER, lam_to_json
 
@@ -94,7 +95,7 @@ def decode_lam(v: Any) -> float:
     or NEVER: scores are probabilities, so any other threshold is a mistake, not a setting."""
     lam = _as_float(XARG_LAM, v)
     if not (0.0 <= lam <= 1.0 or lam == NEVER):
-        raise ValueError(f"{XARG_LAM} must be in [0, 1] or \"inf\" (never), got {v!r}")
+        raise ValueError(f"{XARG_LAM} must be in [0, 1] or \"inf\" (never), got {shown(v)}")
     return lam
 
 
@@ -124,16 +125,16 @@ def as_int(name: str, v: Any) -> int:
         return int(v)
     if isinstance(v, str) and v.strip().lstrip("-").isdigit():
         return int(v)
-    raise ValueError(f"{name} must be an integer, got {v!r}")
+    raise ValueError(f"{name} must be an integer, got {shown(v)}")
 
 
 def _as_float(name: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise ValueError(f"{name} must be a number, got {v!r}")  # noqa: TRY004 - vLLM: 400
+        raise ValueError(f"{name} must be a number, got {shown(v)}")  # noqa: TRY004 - vLLM: 400
     try:
         return float(v)
     except ValueError:
-        raise ValueError(f"{name} must be a number, got {v!r}") from None
+        raise ValueError(f"{name} must be a number, got {shown(v)}") from None
 
 
 def validate_xargs(xa: dict[str, Any] | None, n: int = 1, seed: int | None = None) -> None:
@@ -147,25 +148,25 @@ def validate_xargs(xa: dict[str, Any] | None, n: int = 1, seed: int | None = Non
         return
     for name in (XARG_KEY, XARG_BUNDLE):
         if name in xa and not isinstance(xa[name], str):
-            raise ValueError(f"{name} must be a string, got {xa[name]!r}")
+            raise ValueError(f"{name} must be a string, got {shown(xa[name])}")
     for name in _INT_XARGS:
         if name in xa:
             v = as_int(name, xa[name])
             if name in (XARG_ENABLED, XARG_RECORD) and v not in (0, 1):
-                raise ValueError(f"{name} must be 0 or 1, got {xa[name]!r}")
+                raise ValueError(f"{name} must be 0 or 1, got {shown(xa[name])}")
             if v < 0:
-                raise ValueError(f"{name} must be >= 0, got {xa[name]!r}")
+                raise ValueError(f"{name} must be >= 0, got {shown(xa[name])}")
     if XARG_DELTA in xa:
         d = _as_float(XARG_DELTA, xa[XARG_DELTA])
         if not 0 < d < 1:
-            raise ValueError(f"{XARG_DELTA} must be in (0, 1), got {xa[XARG_DELTA]!r}")
+            raise ValueError(f"{XARG_DELTA} must be in (0, 1), got {shown(xa[XARG_DELTA])}")
     if XARG_LAM in xa:
         decode_lam(xa[XARG_LAM])
     if XARG_GIVE_UP_MU in xa:
         decode_mu(xa[XARG_GIVE_UP_MU])
     if XARG_POLICY in xa and xa[XARG_POLICY] not in POLICIES:
         raise ValueError(f"{XARG_POLICY} must be one of {', '.join(POLICIES)}, "
-                         f"got {xa[XARG_POLICY]!r}")
+                         f"got {shown(xa[XARG_POLICY])}")
     if n > 1:
         xa[XARG_N] = int(n)
         if seed is not None:

@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orca_method.bundle import Bundle, BundleError
+from orca_method.errors import cut, shown
 from orca_method.thresholds import lam_to_json
 from orca_serve.contract import (
     DEFAULTS,
@@ -130,7 +131,7 @@ def new_key() -> str:
 
 
 def _fmt_loc(loc: tuple[Any, ...]) -> str:
-    return ".".join(str(x) for x in loc)
+    return cut(".".join(str(x) for x in loc))
 
 
 def _validation_message(e: ValidationError, prefix: str) -> tuple[str, str]:
@@ -142,8 +143,8 @@ def _validation_message(e: ValidationError, prefix: str) -> tuple[str, str]:
         return f"unknown field '{param}'; allowed fields of '{prefix}': {allowed}", param
     if err["type"] == "literal_error":
         return (f"'{param}' must be one of {', '.join(repr(p) for p in POLICIES)}, "
-                f"got {err.get('input')!r}"), param
-    return f"invalid '{param}': {err['msg']} (got {err.get('input')!r})", param
+                f"got {shown(err.get('input'))}"), param
+    return f"invalid '{param}': {err['msg']} (got {shown(err.get('input'))})", param
 
 
 def _from_xargs(xargs: dict[str, Any]) -> dict[str, Any]:
@@ -153,6 +154,7 @@ def _from_xargs(xargs: dict[str, Any]) -> dict[str, Any]:
     for name, value in xargs.items():
         if not name.startswith("orca_"):
             continue
+        name = cut(name)
         if name in XARG_RESERVED:
             raise OrcaRequestError(f"'vllm_xargs.{name}' is set by the server, not by clients",
                                    f"vllm_xargs.{name}")
@@ -165,7 +167,7 @@ def _from_xargs(xargs: dict[str, Any]) -> dict[str, Any]:
             if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
                 value = bool(value)
             else:
-                raise OrcaRequestError(f"'vllm_xargs.{name}' must be 0 or 1, got {value!r}",
+                raise OrcaRequestError(f"'vllm_xargs.{name}' must be 0 or 1, got {shown(value)}",
                                        f"vllm_xargs.{name}")
         out[key] = value
     return out

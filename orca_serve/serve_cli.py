@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from orca_method.errors import first_line
 from orca_method.steps import token_bytes_from_tokenizer
@@ -51,6 +51,9 @@ from orca_serve.vllm_plugin.config import (
     pin_runner_for_speculation,
     prepare_environment,
 )
+
+if TYPE_CHECKING:
+    from orca_method.bundle import ConfigFingerprint
 
 PROG = "orca-serve"
 DEMO_REASONING_PARSER = "deepseek_r1"  # what --demo implies (unless the command line names one)
@@ -122,9 +125,18 @@ _EARLY_VLLM = {"--model": None, "--tokenizer": None, "--revision": None,
                "--tokenizer-revision": None, "--hf-config-path": None}
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad option is a StartupError (one line, exit code 2), not argparse's usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        raise StartupError(f"{message} (orca-serve --help=orca-serve lists the orca options)")
+
+
 def early_parse(argv: list[str]) -> argparse.Namespace:
-    """Our options plus the model-identity options, ignoring everything else."""
-    p = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
+    """Our options plus the model-identity options, ignoring everything else. A bad value of
+    one of them is refused in one line here, before vLLM's parser (whose errors print its whole
+    usage) sees it."""
+    p = _OneLineParser(prog=PROG, add_help=False, allow_abbrev=False)
     add_orca_args(p)
     for opt in _EARLY_VLLM:
         p.add_argument(opt, default=None)
@@ -168,15 +180,19 @@ class ModelFacts:
     hidden_size: int  # config.json
     vocab: dict[str, int]  # the tokenizer's token -> id
     token_bytes: list[bytes]  # each token id's bytes (orca_method.steps)
+    config: ConfigFingerprint | None = None  # of config.json (None: it lacks one of its fields)
 
 
 def model_facts(model: str, *, tokenizer: str | None = None, revision: str | None = None,
                 tokenizer_revision: str | None = None, hf_config_path: str | None = None,
                 trust_remote_code: bool = False) -> ModelFacts:
-    """Hidden size (config.json) and tokenizer of a model, without loading its weights."""
-    # deferred: transformers (only a bundle's check)
+    """Hidden size and config fingerprint (config.json) and tokenizer of a model, without
+    loading its weights."""
+    # deferred: transformers (only a bundle's check), torch (orca_method.bundle)
     from transformers import AutoConfig, AutoTokenizer
-    from transformers.utils import logging as hf_logging  # deferred: transformers
+    from transformers.utils import logging as hf_logging
+
+    from orca_method.bundle import config_fingerprint
 
     hf_logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -199,39 +215,26 @@ def model_facts(model: str, *, tokenizer: str | None = None, revision: str | Non
     except Exception as e:  # noqa: BLE001
         raise StartupError(f"cannot load the tokenizer of model {model!r}: "
                            f"{first_line(e)}") from None
-    return ModelFacts(hidden, vocab, token_bytes_from_tokenizer(tok))
+    return ModelFacts(hidden, vocab, token_bytes_from_tokenizer(tok), config_fingerprint(cfg))
 
 
 def check_served(bundle: Any, facts: ModelFacts, model: str, *,
                  served_names: list[str] | None = None, force: bool = False) -> str | None:
-    """Every check of a bundle against the model it is about to serve (at start and on reload);
-    raises BundleError. Returns a note to print when `force` let a mismatch through.
-
-    The model it was made for (name and tokenizer fingerprint, `--orca-force-model` overrides
-    a name mismatch or a missing fingerprint; a different tokenizer is refused always: its
-    token ids are not the calibrated ones), the hidden size and think tags (`check_model`), the
-    step delimiter, and the table and probe (`check_semantics`).
+    """Every check of a bundle against the model it is about to serve (at start and on reload):
+    orca_method.bundle_checks.check_bundle, the one the offline tools run against their data;
+    raises BundleError. Returns a note to print when `force` (--orca-force-model) let an
+    identity mismatch through (name, config fingerprint, a bundle naming no tokenizer); a
+    different tokenizer, hidden size or a bad table is refused always.
     """
     # deferred: torch (not needed by --check-vllm)
-    from orca_method.bundle import BundleError, check_model
-    from orca_method.bundle_checks import check_delimiter, check_model_name, check_semantics
+    from orca_method.bundle_checks import Target, check_bundle
 
-    note = None
-    try:
-        check_model_name(bundle, model, served_names)
-        if bundle.model.tokenizer_fingerprint is None:
-            raise BundleError(f"the bundle names no tokenizer (no tokenizer_fingerprint), so it "
-                              f"cannot be checked against {model}'s; recalibrate, or import it "
-                              "again with `orca-calibrate import-probe`, or pass "
-                              "--orca-force-model")
-    except BundleError as e:
-        if not force:
-            raise
-        note = f"--orca-force-model: serving anyway although {str(e).split('; ')[0]}"
-    check_model(bundle, facts.hidden_size, facts.vocab, model)
-    check_delimiter(bundle, facts.token_bytes, model)
-    check_semantics(bundle)
-    return note
+    target = Target(model=model, served_names=tuple(served_names or ()),
+                    hidden_size=facts.hidden_size, vocab=facts.vocab,
+                    token_bytes=facts.token_bytes, config_fingerprint=facts.config,
+                    needs_tokenizer=True)
+    note = check_bundle(bundle, target, force=force)
+    return None if note is None else f"--orca-force-model: serving anyway although {note}"
 
 
 def check_bundle(bundle: Any, model: str, *, served_names: list[str] | None = None,
@@ -451,7 +454,9 @@ def _main(argv: list[str]) -> None:
 
     # -- vLLM from here on -----------------------------------------------------------------
     if bundle is not None:
-        prepare_environment()
+        note = prepare_environment()  # the tested V1 model runner unless the environment chose
+        if note:
+            print(f"{PROG}: note: {note}", file=sys.stderr, flush=True)
 
     try:
         parser = launch.serve_parser(PROG, __doc__.split("\n\n")[0])

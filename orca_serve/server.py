@@ -50,6 +50,7 @@ from orca_serve.apis import (
     MESSAGES_PATH,
     ORCA_PATHS,
     Api,
+    as_anthropic_error,
     reasoning_spent,
     thinking_ended_by,
 )
@@ -67,6 +68,7 @@ from orca_serve.requests import (
     orca_param_in,
     resolve,
 )
+from orca_serve.server_log import deferred_errors, release
 from orca_serve.vllm_compat import launch
 from orca_serve.vllm_compat.engine_client import max_choices, rpc_all
 from orca_serve.vllm_plugin import merge_results
@@ -326,6 +328,12 @@ class OrcaMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = route_path(scope)
+        if path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/"):
+            with deferred_errors() as held:
+                return await self._route(scope, receive, _AnthropicErrors(send, held), path)
+        return await self._route(scope, receive, send, path)
+
+    async def _route(self, scope: dict, receive: Callable, send: Callable, path: str) -> None:
         method = scope.get("method")
         if method == "GET" and (path == "/metrics" or path.startswith("/metrics/")):
             await self.state.refresh_engine_stats()
@@ -404,6 +412,39 @@ class OrcaMiddleware:
             task = asyncio.ensure_future(_finish(req))
             _BACKGROUND.add(task)
             task.add_done_callback(_BACKGROUND.discard)
+
+
+class _AnthropicErrors:
+    """The `send` of a /v1/messages route: an error response in Anthropic's shape, whoever wrote
+    it (vLLM's request validation answers in OpenAI's; `apis.as_anthropic_error`), and the
+    handler's error log records released by the status (`server_log.release`)."""
+
+    def __init__(self, send: Callable, held: list) -> None:
+        self.send = send
+        self.held = held
+        self.start: dict | None = None
+        self.buf = bytearray()
+
+    async def __call__(self, msg: dict) -> None:
+        if msg["type"] == "http.response.start":
+            release(self.held, int(msg.get("status") or 0))
+            headers = {k.lower(): v for k, v in msg.get("headers", [])}
+            if int(msg.get("status") or 0) >= 400 and \
+                    headers.get(b"content-type", b"").startswith(b"application/json"):
+                self.start = msg  # held until the body is complete
+                return None
+            return await self.send(msg)
+        if self.start is None or msg["type"] != "http.response.body":
+            return await self.send(msg)
+        self.buf += msg.get("body", b"")
+        if msg.get("more_body", False):
+            return None
+        start, self.start = self.start, None
+        body = as_anthropic_error(bytes(self.buf), int(start["status"])) or bytes(self.buf)
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await self.send({**start, "headers": headers})
+        return await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def _error_api(path: str) -> Api:

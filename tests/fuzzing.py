@@ -212,11 +212,18 @@ def bundle_violation(d: Any) -> str | None:
     if not isinstance(d["orca_serve_version"], str):
         return "orca_serve_version"
     m = d["model"]
-    if not (_keys(m, {"name", "hidden_size", "tokenizer_fingerprint"}, {"name", "hidden_size"})
+    if not (_keys(m, {"name", "hidden_size", "tokenizer_fingerprint", "config_fingerprint"},
+                  {"name", "hidden_size"})
             and _nonempty_str(m["name"]) and _is_int(m["hidden_size"]) and m["hidden_size"] > 0
             and (m.get("tokenizer_fingerprint") is None
                  or (isinstance(m["tokenizer_fingerprint"], str)
                      and _HEX64.fullmatch(m["tokenizer_fingerprint"])))):
+        return "model"
+    cfg = m.get("config_fingerprint")
+    sizes = ("hidden_size", "num_layers", "vocab_size")
+    if cfg is not None and not (_keys(cfg, {"architecture", *sizes}, {"architecture", *sizes})
+                                and _nonempty_str(cfg["architecture"])
+                                and all(_is_int(cfg[k]) and cfg[k] > 0 for k in sizes)):
         return "model"
     seg = d.get("segmentation", {})
     kw = seg.get("keywords") if isinstance(seg, dict) else None
@@ -683,7 +690,7 @@ def read_everything(ts: TrajectorySet) -> None:
 _INFO_TYPES = {"format": str, "version": int, "dim": int, "dtype": str, "model": (str, type(None)),
                "normalization": str, "segmentation": (dict, type(None)),
                "source": (str, type(None)), "think": (dict, type(None)),
-               "tokenizer_fingerprint": (str, type(None))}
+               "tokenizer_fingerprint": (str, type(None)), "model_config": (dict, type(None))}
 
 
 def read_violation(ts: TrajectorySet) -> str | None:

@@ -404,6 +404,29 @@ def test_drift_monitor_sees_every_finished_request(bundle) -> None:
     assert audit.table()["drift"] == {"pvalue": drift.pvalue, "alarm": True}
 
 
+def test_drift_pvalue_is_absent_before_the_first_test(bundle) -> None:
+    """Before a window is full no test has run: no `orca_drift_pvalue` sample (1.0 would read
+    as a test that passed) and `pvalue` null in the table; the alarm gauge reads 0."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    rng, drift, audit, settings = _drift_audit(bundle, seed=2)
+    reg = CollectorRegistry()
+    reg.register(AuditCollector(audit, "toy"))
+
+    def finish(n: int) -> str:
+        for _ in range(n):
+            audit.finished(settings, {0: {"scores": rng.uniform(0, 0.4, 5).tolist(),
+                                          "lam": None, "policy": "answer"}}, {0: "stop"})
+        return generate_latest(reg).decode()
+
+    text = finish(49)
+    assert drift.tests == 0 and audit.table()["drift"] == {"pvalue": None, "alarm": False}
+    assert "orca_drift_pvalue{" not in text and 'orca_drift_alarm{model_name="toy"} 0.0' in text
+    text = finish(1)
+    assert drift.tests == 1 and 0 <= drift.pvalue <= 1
+    assert f'orca_drift_pvalue{{model_name="toy"}} {drift.pvalue!r}' in text
+
+
 def bundle_lams(bundle) -> list[float]:
     return [bundle.lam(d) for d in bundle.deltas()]
 

@@ -130,9 +130,11 @@ def test_audited_requests_get_full_budget_answers_and_labels_match_collect(srv, 
             f'{float(len(prompts))}') in metrics
     assert f'orca_audit_risk_upper{{delta="0.1",model_name="{name}"}}' in metrics
     # the demo bundle's drift reference and consistency labels (the audits' own): the drift
-    # metrics are exported and the labels match, so the guard acts
-    assert re.search(r"^orca_drift_pvalue\{", metrics, re.MULTILINE), metrics[-2000:]
-    assert re.search(r"^orca_drift_alarm\{", metrics, re.MULTILINE)
+    # alarm is exported (its p-value only once a window is full: none is yet) and the labels
+    # match, so the guard acts
+    assert re.search(r"^orca_drift_alarm\{", metrics, re.MULTILINE), metrics[-2000:]
+    assert not re.search(r"^orca_drift_pvalue\{", metrics, re.MULTILINE)
+    assert table["drift"]["pvalue"] is None
     assert re.search(r'^orca_audit_labels_match\{.*bundle_label_mode="consistent".*\} 1\.0',
                      metrics, re.MULTILINE)
     assert table["labels_match"] and table["guard_acts"] and "drift" in table

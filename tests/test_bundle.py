@@ -372,15 +372,50 @@ def test_another_model_is_refused_unless_forced(tmp_path, demo_facts) -> None:
         check_served(retok, demo_facts, model, force=True)
 
 
+def _demo_config() -> dict:
+    from transformers import AutoConfig
+
+    from orca_method.bundle import config_fingerprint
+
+    return config_fingerprint(AutoConfig.from_pretrained(DEMO / "model")).model_dump()
+
+
+def test_a_model_with_the_bundles_name_but_another_config_is_refused(tmp_path, demo_facts):
+    """Issue 23: the bundle records the model's config fingerprint; a model of another shape
+    is refused whatever it is served as, unless --orca-force-model. The demo bundle (written
+    before the fingerprint) has none and is checked by name, hidden size and tokenizer."""
+    from orca_serve.serve_cli import check_served
+
+    model, names = str(DEMO / "model"), ["orca-toy-reasoner"]
+    assert demo_facts.config is not None
+    assert load_bundle(DEMO / "bundle.json").model.config_fingerprint is None
+    same = load_bundle(_resealed(tmp_path, lambda d: d["model"].update(
+        config_fingerprint=_demo_config())))
+    assert check_served(same, demo_facts, model, served_names=names) is None
+    for field, value in (("architecture", "LlamaForCausalLM"), ("num_layers", 48),
+                         ("vocab_size", 32000)):
+        other = load_bundle(_resealed(tmp_path, lambda d: d["model"].update(
+            config_fingerprint={**_demo_config(), field: value})))
+        with pytest.raises(BundleError, match=f"config differs \\({field} "):
+            check_served(other, demo_facts, model, served_names=names)
+        note = check_served(other, demo_facts, model, served_names=names, force=True)
+        assert note.startswith("--orca-force-model") and field in note
+
+
 def test_orca_serve_refuses_them_in_one_line_before_vllm(tmp_path) -> None:
     """The real entry point: a resealed table (lambda* rising with delta) under the right
     model name, and the demo bundle under another name: exit 2, one line, vLLM not imported."""
     model = ["--model", str(DEMO / "model")]
     rising = _resealed(tmp_path, SEMANTIC["lambda rises with delta"][0])
+    (tmp_path / "other").mkdir()
+    other_config = _resealed(tmp_path / "other", lambda d: d["model"].update(
+        config_fingerprint={**_demo_config(), "num_layers": 48}))
     got = _serve({
         "rises with delta": ["--calib", str(rising), *model,
                              "--served-model-name", "orca-toy-reasoner"],
-        "made for model 'orca-toy-reasoner'": ["--calib", str(DEMO / "bundle.json"), *model]})
+        "made for model 'orca-toy-reasoner'": ["--calib", str(DEMO / "bundle.json"), *model],
+        "config differs (num_layers 48 vs": ["--calib", str(other_config), *model,
+                                             "--served-model-name", "orca-toy-reasoner"]})
     for why, (code, err) in got.items():
         assert code == 2, (why, err)
         assert err.count("\n") == 1 and why in err, (why, err)

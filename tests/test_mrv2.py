@@ -17,12 +17,14 @@ way (exact token ids, no lag) on the same token streams.
 from __future__ import annotations
 
 import random
+import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from vllm import SamplingParams
+from vllm.config.vllm import VllmConfig
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns
@@ -365,3 +367,30 @@ def test_speculative_decoding_is_refused_under_mrv2(bundle_path):
     cfg.speculative_config = SimpleNamespace(method="ngram")
     with pytest.raises(RuntimeError, match="V1 model runner only"):
         FakeRunner(cfg, max_num_reqs=2)
+
+
+# -- the default runner -----------------------------------------------------------------------
+def test_orca_keeps_vllm_on_v1_where_mrv2_would_be_picked(monkeypatch) -> None:
+    """vLLM picks Model Runner V2 when VLLM_USE_V2_MODEL_RUNNER is unset, Triton is present and
+    no listed feature is unsupported (`VllmConfig.use_v2_model_runner`, vLLM's own selection,
+    run here on a config in that state: a GPU machine). prepare_environment(), which orca-serve
+    and the collect job call and the plugin's users are told to call, turns that into V1 and
+    says how to opt in; VLLM_USE_V2_MODEL_RUNNER=1 opts in and is left alone."""
+    from orca_serve.vllm_plugin.config import ENV_V2_RUNNER, V1_DEFAULT_NOTE, prepare_environment
+
+    monkeypatch.setattr(sys.modules[VllmConfig.__module__], "HAS_TRITON", True)
+    gpu = SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None),
+                          watermark_config=None,
+                          _get_v2_model_runner_unsupported_features=lambda: [])
+
+    def picks_mrv2() -> bool:
+        return VllmConfig.use_v2_model_runner.fget(gpu)
+
+    monkeypatch.delenv(ENV_V2_RUNNER, raising=False)
+    assert picks_mrv2()  # what vLLM does on its own
+    note = prepare_environment()
+    assert note == V1_DEFAULT_NOTE and f"{ENV_V2_RUNNER}=1" in note
+    assert not picks_mrv2()
+    assert prepare_environment() is None  # said once: the environment has chosen now
+    monkeypatch.setenv(ENV_V2_RUNNER, "1")
+    assert prepare_environment() is None and picks_mrv2()

@@ -247,6 +247,118 @@ def test_middleware_400_in_openai_format():
     run(go())
 
 
+def test_errors_of_messages_routes_are_reshaped_as_anthropics():
+    """An error a vLLM route writes in OpenAI's shape (its request validation) leaves a
+    /v1/messages route in Anthropic's, with Anthropic's type for the status; other routes and
+    successful responses are untouched."""
+    openai_shaped = {"error": {"message": "budget_tokens: should be >= 1024",
+                               "type": "Bad Request", "param": "body.thinking", "code": 400}}
+
+    async def vllm(scope, receive, send):
+        await receive()
+        status = {"/v1/messages": 400, "/v1/messages/count_tokens": 404}.get(scope["path"], 400)
+        body = json.dumps(openai_shaped).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body[:9], "more_body": True})
+        await send({"type": "http.response.body", "body": body[9:]})
+
+    state = OrcaState(bundle=None, defaults=DEFAULTS, metrics=OrcaMetrics(CollectorRegistry()),
+                      engine_client=FakeEngine())
+    app = OrcaMiddleware(vllm, state)
+
+    async def go():
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+        for path, status, kind in (("/v1/messages", 400, "invalid_request_error"),
+                                   ("/v1/messages/count_tokens", 404, "not_found_error")):
+            r = await client.post(path, json={"model": "m"})
+            assert r.status_code == status and int(r.headers["content-length"]) == len(r.content)
+            assert r.json() == {"type": "error", "error": {
+                "type": kind, "message": "budget_tokens: should be >= 1024"}}
+        r = await client.post("/v1/chat/completions", json={"model": "m"})
+        assert r.json() == openai_shaped
+    run(go())
+
+
+def test_client_errors_logged_by_vllms_handlers_are_one_warning_line():
+    """A record with a traceback from vLLM's API loggers, inside a request's scope, waits for
+    the response's status: a 4xx makes it one WARNING line, a 5xx (or no response) leaves it
+    as it was; outside a scope, and from other loggers, nothing waits."""
+    import logging
+
+    from orca_serve.server_log import ErrorsByStatus, deferred_errors, release
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(self.format(record))
+
+    handler = Collect()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    handler.addFilter(ErrorsByStatus())
+    api = logging.getLogger("vllm.entrypoints.orca_test")
+    api.addHandler(handler)
+    api.propagate = False
+
+    def fail(logger: logging.Logger = api) -> None:
+        try:
+            raise ValueError("max_tokens too big")
+        except ValueError:
+            logger.exception("Error in create_messages: %s", "max_tokens too big")
+
+    try:
+        for status, want in ((400, ["WARNING Error in create_messages: max_tokens too big"]),
+                             (500, None)):
+            lines.clear()
+            with deferred_errors() as held:
+                fail()
+                assert lines == [] and len(held) == 1
+                release(held, status)
+            if want is not None:
+                assert lines == want
+            else:
+                assert len(lines) == 1 and "Traceback" in lines[0] and lines[0].startswith("ERROR")
+        lines.clear()
+        with deferred_errors():
+            fail()  # no response started: logged as it was when the scope ends
+        assert len(lines) == 1 and "Traceback" in lines[0]
+        lines.clear()
+        fail()  # outside a request's scope
+        assert len(lines) == 1 and "Traceback" in lines[0]
+    finally:
+        api.removeHandler(handler)
+
+
+BIG = "9" * 1_000_000  # a 1 MB value (the trial's): the 400 quotes its start and its length
+
+
+@pytest.mark.parametrize("body", [
+    {"orca": {"delta": BIG}}, {"orca": {"policy": BIG}}, {"orca": {BIG: 1}},
+    {"vllm_xargs": {"orca_delta": BIG}}, {"vllm_xargs": {"orca_enabled": BIG}},
+    {"vllm_xargs": {"orca_" + BIG: 1}}])
+def test_a_400_never_echoes_a_value_whole(body):
+    async def go():
+        client, _engine, seen, _ = make_client()
+        r = await client.post("/v1/chat/completions", json={"messages": [], **body})
+        assert r.status_code == 400 and not seen
+        err = r.json()["error"]
+        assert len(r.content) < 1000, err["message"][:300]
+        assert "characters)" in err["message"] or "characters)" in (err["param"] or "")
+    run(go())
+
+
+def test_engine_side_xarg_checks_cut_what_they_quote():
+    from orca_serve.contract import validate_xargs
+
+    for xa in ({"orca_delta": BIG}, {"orca_policy": BIG}, {"orca_lam": "x" + BIG},
+               {"orca_key": [1] * 10**5}):
+        with pytest.raises(ValueError) as e:
+            validate_xargs(xa)
+        assert len(str(e.value)) < 300 and "characters)" in str(e.value)
+
+
 @pytest.mark.parametrize("usage", [False, True])
 def test_middleware_stream_finish_chunk_and_usage_chunk(usage):
     async def go():

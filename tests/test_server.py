@@ -68,6 +68,11 @@ def chat(server: Server, orca: dict | None = None, **kw):
 
 
 # -- start-up refusals (run while the servers start) ----------------------------------------------
+BAD_FLAGS = {"--orca-delta 2": "must be in (0, 1)", "--orca-policy bogus": "invalid choice",
+             "--orca-audit-rate x": "not a number", "--orca-answer-budget": "expected one arg",
+             "--orca-effort-map high=2": "'high=2': a delta must be in (0, 1)"}
+
+
 def test_start_up_refusals_are_one_line(env, servers):
     """Hidden size, an edited table, a delta the bundle has no lambda* for, an unsupported
     speculation method: exit 2 and one line each, through orca-serve's entry function."""
@@ -81,7 +86,10 @@ def test_start_up_refusals_are_one_line(env, servers):
         "checksum": [*model, "--calib", str(env["dir"] / "corrupt.json")],
         "delta": [*model, "--calib", str(env["bundle"]), "--orca-delta", "0.3"],
         "eagle": [*model, "--calib", str(env["bundle"]),
-                  "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}']})
+                  "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+        "notjson": [*model, "--calib", str(env["bundle"]), "--speculative-config", "notjson"],
+        **{f"flag {flag}": [*model, "--calib", str(env["bundle"]), *flag.split()]
+           for flag in BAD_FLAGS}})
     for name, (code, err) in got.items():
         assert code == 2 and "Traceback" not in err, (name, err[-2000:])
         assert len(err.strip().splitlines()) == 1, (name, err)
@@ -92,6 +100,10 @@ def test_start_up_refusals_are_one_line(env, servers):
     assert got["eagle"][1].strip() == (
         "orca-serve: error: speculative decoding with method 'eagle' is not supported with orca "
         "(tested: ngram, draft_model; set \"method\" in the speculative config)")
+    assert "'notjson' is not valid JSON" in got["notjson"][1]
+    for flag, why in BAD_FLAGS.items():  # one line (docs/SERVER.md), not argparse's usage
+        assert got[f"flag {flag}"][1].startswith(f"orca-serve: error: argument {flag.split()[0]}: "
+                                                 f"{why}"), got[f"flag {flag}"][1]
 
 
 # -- requests ---------------------------------------------------------------------------------

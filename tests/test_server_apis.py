@@ -114,6 +114,27 @@ def test_messages_api_with_the_anthropic_client(srv):
     assert "available deltas" in e.value.body["error"]["message"]
 
 
+def test_messages_api_client_errors_in_anthropic_shape(srv):
+    """vLLM's own refusals on /v1/messages come back in Anthropic's shape with Anthropic's
+    types (its request validation answers in OpenAI's), and are logged without a traceback
+    (test_zz below: no Traceback and no ERROR line in the whole log)."""
+    cases = [  # body -> status, Anthropic's type, what the message names
+        (messages_body(model=server_model(srv), thinking={"type": "enabled",
+                                                          "budget_tokens": 100}),
+         400, "invalid_request_error", "budget_tokens"),  # vLLM: >= 1024 (request validation)
+        (messages_body(model=server_model(srv), max_tokens=600, thinking={
+            "type": "enabled", "budget_tokens": 1024}), 400, "invalid_request_error",
+         "budget_tokens"),  # < max_tokens
+        (messages_body(model=server_model(srv), max_tokens=5000), 400, "invalid_request_error",
+         "max_model_len")]  # raised in vLLM's handler, logged with logger.exception
+    for body, status, kind, names in cases:
+        r = httpx.post(srv.url + "/v1/messages", json=body, timeout=30)
+        err = r.json()
+        assert r.status_code == status and err["type"] == "error", r.text
+        assert err["error"]["type"] == kind and names in err["error"]["message"], r.text
+        assert int(r.headers["content-length"]) == len(r.content)
+
+
 @pytest.mark.parametrize("effort, delta, lam, stops", [
     ("low", 0.2, 0.5, True), ("medium", 0.1, 0.99, False), ("high", 0.05, None, False)])
 def test_reasoning_effort_chooses_lambda(srv, effort, delta, lam, stops):

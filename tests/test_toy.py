@@ -120,7 +120,12 @@ def test_tokenizer_loaders_agree() -> None:
         assert len(raw.encode(token).ids) == 1, token
     assert auto.eos_token == EOS and auto.chat_template == CHAT_TEMPLATE
     chat = [{"role": "user", "content": "Q?"}]
-    assert auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == render_prompt("Q?")
+    # the served template opens the reasoning (docs/SERVER.md); training texts write `<think>`
+    # after render_prompt, so from `<think>` on a served prompt's token ids are the trained ones
+    served = auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert served == render_prompt("Q?") + "<think>"
+    trained = auto(render_prompt("Q?") + "<think>\nTry x")["input_ids"]
+    assert trained[:len(auto(served)["input_ids"])] == auto(served)["input_ids"]
 
 
 def test_forced_examples_train_only_the_answer() -> None:

@@ -30,8 +30,10 @@ MAX_CHECKS = 4
 
 _BOXED_RE = re.compile(r"\\boxed\{\s*(-?\d+)\s*\}")
 _PRODUCT_RE = re.compile(r"(\d+)\*(\d+) = ")
+# A whole trace, or a completion of the served chat template, which opens `<think>` itself
 _TRACE_RE = re.compile(
-    r"^<think>\n(?P<body>.+?)\n</think>\nThe answer is \\boxed\{(?P<answer>-?\d+)\}\.$", re.DOTALL
+    r"^(?:<think>\n)?(?P<body>.+?)\n</think>\nThe answer is \\boxed\{(?P<answer>-?\d+)\}\.$",
+    re.DOTALL,
 )
 _OPENERS = ("Try x = ", "Wait, ", "Check: ", "Let me verify x = ", "To be sure, plug in x = ")
 _VERDICTS = ("Too small.", "Too big.", "That matches.", "Correct.", "Yes, it works.", "It holds.")

@@ -40,9 +40,12 @@ EOS, USER, ASSISTANT = "<|endoftext|>", "<|user|>", "<|assistant|>"
 # visible in vLLM's output, so they are added as ordinary (non-special) single tokens.
 SPECIAL_TOKENS = (EOS, USER, ASSISTANT)
 PLAIN_ADDED_TOKENS = ("<think>", "</think>", STEP_DELIMITER)
+# The served template opens the reasoning (DeepSeek-R1 style: the generation prompt ends with
+# `<think>`), so the model's output starts inside it. Training texts write `<think>` after
+# render_prompt's generation prompt, so the tokens from `<think>` on are the same either way.
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n<think>' }}{% endif %}"
 )
 # transformers and vLLM load a qwen2 model's tokenizer as Qwen2Tokenizer, which rebuilds this
 # exact pipeline (NFC, Qwen's split regex, byte level) whatever tokenizer.json says; training
@@ -82,7 +85,8 @@ class Recipe:
 
 
 def render_prompt(question: str) -> str:
-    """CHAT_TEMPLATE applied to one user message with the generation prompt."""
+    """One user message with the generation prompt, as training texts start (CHAT_TEMPLATE
+    gives this followed by `<think>`)."""
     return f"{USER}\n{question}\n{ASSISTANT}\n"
 
 

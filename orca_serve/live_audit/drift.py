@@ -113,7 +113,8 @@ class DriftMonitor:
         self.observed = 0  # requests that entered the window
         self.skipped = 0  # requests whose statistics were not observable (see observe)
         self.tests = 0
-        self.pvalue = 1.0  # latest test's p-value; 1.0 ("no evidence") before the first test
+        # latest test's p-value; None before the first test (1.0 would read as a test passed)
+        self.pvalue: float | None = None
         self.alarm = False  # some test so far rejected at its alpha-spending level (sticky)
         self.alarms = 0  # tests that alarmed so far
         self._since = 0
@@ -173,5 +174,6 @@ class DriftMonitor:
         mon._recent.extend((float(a), float(b)) for a, b in d["recent"])
         for name in ("observed", "skipped", "tests", "alarms"):
             setattr(mon, name, int(d[name]))
-        mon.pvalue, mon.alarm, mon._since = float(d["pvalue"]), bool(d["alarm"]), int(d["since"])
+        mon.pvalue = None if d["pvalue"] is None else float(d["pvalue"])
+        mon.alarm, mon._since = bool(d["alarm"]), int(d["since"])
         return mon

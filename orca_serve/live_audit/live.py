@@ -583,7 +583,7 @@ class LiveAudit:
             "deltas": [g.row() for g in self.guards.values()],
         }
         if self.drift is not None:
-            out["drift"] = {"pvalue": float(self.drift.pvalue), "alarm": bool(self.drift.alarm)}
+            out["drift"] = {"pvalue": self.drift.pvalue, "alarm": bool(self.drift.alarm)}
         return out
 
 
@@ -649,11 +649,12 @@ class AuditCollector(Collector):
                                labels=[LABEL, "bundle_label_mode", "audit_label_mode"])
         lm.add_metric([m, a.bundle.label_mode, AUDIT_LABEL_MODE], float(a.labels_match))
         yield lm
-        if a.drift is not None:
-            p = GaugeMetricFamily("orca_drift_pvalue", "p-value of the score-drift test against "
-                                  "the bundle's reference", labels=[LABEL])
-            p.add_metric([m], float(a.drift.pvalue))
+        if a.drift is not None and a.drift.pvalue is not None:  # absent before the first test
+            p = GaugeMetricFamily("orca_drift_pvalue", "p-value of the latest score-drift test "
+                                  "against the bundle's reference", labels=[LABEL])
+            p.add_metric([m], a.drift.pvalue)
             yield p
+        if a.drift is not None:
             al = GaugeMetricFamily("orca_drift_alarm", "1 when the score-drift test alarms",
                                    labels=[LABEL])
             al.add_metric([m], float(bool(a.drift.alarm)))

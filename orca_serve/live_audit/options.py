@@ -122,6 +122,8 @@ def store_info(bundle: Any) -> dict[str, Any]:
     return {"model": bundle.model.name, "normalization": bundle.normalization,
             "segmentation": bundle.segmentation.model_dump(), "think": bundle.think.model_dump(),
             "tokenizer_fingerprint": bundle.model.tokenizer_fingerprint,
+            "model_config": None if bundle.model.config_fingerprint is None
+            else bundle.model.config_fingerprint.model_dump(),
             "source": "orca-serve live audit"}
 
 

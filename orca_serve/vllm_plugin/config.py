@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from orca_method.errors import first_line, shown
 from orca_serve.contract import DEFAULTS, MAX_RESULTS, RESULT_TTL_S
 
 # The vLLM releases the plugin is written and tested for (PEP 440). One definition: orca-serve's
@@ -49,6 +50,9 @@ ENV_V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
 MRV2_SPEC_REFUSAL = ("speculative decoding with orca runs on vLLM's V1 model runner only (the "
                      "Model Runner V2 adapter does not read draft rows yet); unset "
                      f"{ENV_V2_RUNNER} or set it to 0")
+V1_DEFAULT_NOTE = ("orca keeps vLLM on its V1 model runner, the one it is tested on inside an "
+                   "engine (its Model Runner V2 adapter has run at vLLM's processor interface "
+                   f"only); set {ENV_V2_RUNNER}=1 to opt in to Model Runner V2")
 
 
 
@@ -99,16 +103,23 @@ def engine_kwargs(bundle_path: str | os.PathLike | None, *, record: bool = False
 CPU_KVCACHE_GIB = "4"
 
 
-def prepare_environment() -> None:
-    """Call before creating the engine.
+def prepare_environment() -> str | None:
+    """Call before creating the engine; returns a note for the log, or None.
 
-    The model runner is left to vLLM (the processor serves V1 and Model Runner V2 alike; vLLM's
-    CPU build always runs V1, having no Triton CPU backend). On vLLM's CPU build an unset
-    VLLM_CPU_KVCACHE_SPACE makes engine start fail whenever the NUMA node reports less free
-    memory than the utilisation target (docs/VLLM-CPU.md); we default it to 4 GiB of KV cache.
-    GPU builds ignore the variable.
+    The model runner: vLLM 0.32/0.33 picks Model Runner V2 on GPUs unless
+    `VLLM_USE_V2_MODEL_RUNNER` says otherwise (`VllmConfig.use_v2_model_runner`), and our MRV2
+    adapter has not yet run inside a real engine. So unless the environment chose a runner,
+    this sets the variable to 0 (the tested V1 runner) and returns `V1_DEFAULT_NOTE` (how to
+    opt in); `VLLM_USE_V2_MODEL_RUNNER=1` is left alone. vLLM's CPU build runs V1 either way
+    (no Triton CPU backend). On the CPU build an unset VLLM_CPU_KVCACHE_SPACE makes engine
+    start fail whenever the NUMA node reports less free memory than the utilisation target
+    (docs/VLLM-CPU.md); we default it to 4 GiB of KV cache. GPU builds ignore the variable.
     """
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
+    if os.environ.get(ENV_V2_RUNNER, "").strip():
+        return None
+    os.environ[ENV_V2_RUNNER] = "0"
+    return V1_DEFAULT_NOTE
 
 
 def installed_vllm_version() -> str | None:
@@ -188,14 +199,17 @@ def check_engine_supported(engine_args: Any = None) -> None:
 def speculative_method(spec: Any) -> str | None:
     """The method of a speculative config (a JSON string, a dict or vLLM's SpeculativeConfig);
     "" when there is none. vLLM's own inference: model "ngram" is n-gram, and a config that
-    names neither method nor model has none we can tell (None)."""
+    names neither method nor model has none we can tell (None). A string that is not JSON (as
+    vLLM parses --speculative-config) is a ValueError saying so."""
     if not spec:
         return ""
     if isinstance(spec, str):
         try:
             spec = json.loads(spec)
-        except ValueError:
-            return None
+        except ValueError as e:
+            raise ValueError(f"--speculative-config {shown(spec)} is not valid JSON "
+                             f"({first_line(e)}); e.g. '{{\"method\": \"ngram\", "
+                             f"\"num_speculative_tokens\": 3}}'") from None
     method, model = _get(spec, "method"), _get(spec, "model")
     if method in ("ngram", "[ngram]") or (method is None and model in ("ngram", "[ngram]")):
         return "ngram"

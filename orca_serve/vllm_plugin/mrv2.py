@@ -82,8 +82,9 @@ class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
         if self._runner is not None:
             self._runner.observe(self._on_new_requests, self._on_done)
             log.warning("orca: serving through the Model Runner V2 adapter, which is tested at "
-                        "vLLM's interface but has not yet run in a GPU engine; set "
-                        "VLLM_USE_V2_MODEL_RUNNER=0 to use the V1 adapter instead")
+                        "vLLM's interface but has not yet run in a GPU engine "
+                        "(VLLM_USE_V2_MODEL_RUNNER=1 opted in); unset it or set it to 0 for the "
+                        "tested V1 adapter")
 
     # -- the runner's request bookkeeping (see module docstring) -----------------------------
     def _on_new_requests(self, new: NewRequests) -> None:
