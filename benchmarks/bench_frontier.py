@@ -9,6 +9,8 @@ calibration saw), through one live `orca-serve --demo`, the real OpenAI client o
   - **full**: ORCA off, the reasoning runs to its end;
   - **ORCA** at every delta of the demo's bundle (TTT no-QK), policy `answer`; and, with
     `--static-bundle`, a static-probe bundle served by a second server (same model);
+  - **two-sided ORCA** (a two-sided bundle): the same deltas with `give_up` at GIVE_UP_DELTA
+    (a given-up request answers with its best guess, the server's default give-up policy);
   - **thinking budget**: ORCA off and vLLM's `thinking_token_budget` at each of `--budgets`;
 - offline rules, computed from the full arm's responses (their token log-probabilities and an
   answer probe at every step boundary, read through the same server with ORCA off):
@@ -63,6 +65,7 @@ PROMPT_SEED = 31  # calibration: seeds 1-3; goodput: 18. These prompts are held 
 TOP_LOGPROBS = 5  # DeepConf's token confidence: minus the mean of the top-k log-probabilities
 CONSISTENCY_K = (2, 3, 4, 6, 8)
 CONFIDENCE_QUANTILES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+GIVE_UP_DELTA = 0.05  # the give-up risk of the two-sided arms (when the bundle has it)
 AUDIT_GRID = 10  # the coarser labelling grid timed beside every step (the paper labels every 10th)
 
 
@@ -292,6 +295,10 @@ async def live_arms(url: str, work: Workload, reasoner: Reasoner, a: argparse.Na
         arms.append(("full", {"orca": {"enabled": False}}))
     arms += [(f"orca@{d}", {"orca": {"enabled": True, "delta": d, "policy": "answer"}})
              for d in work.bundle.deltas()]
+    if GIVE_UP_DELTA in work.bundle.give_up_deltas():
+        arms += [(f"two-sided@{d}", {"orca": {"enabled": True, "delta": d, "policy": "answer",
+                                              "give_up": {"delta": GIVE_UP_DELTA}}})
+                 for d in work.bundle.deltas()]
     if with_full:
         arms += [(f"budget@{b}", {"orca": {"enabled": False}, "thinking_token_budget": b})
                  for b in reasoner.budgets]
@@ -326,7 +333,11 @@ def summarize(run: dict[str, Any], static: dict[str, Any] | None, work: Workload
             if n.startswith("orca@")]
     budgets = [{"budget": int(n.split("@")[1]), **strip(v)} for n, v in run.items()
                if n.startswith("budget@")]
-    out = {"full": strip(full), "orca": orca, "budget": budgets,
+    two_sided = [{"delta": float(n.split("@")[1]), **strip(v),
+                  "gave_up": float(np.mean([r["orca"].get("ended") == "gave_up"
+                                            for r in v["responses"]]))}
+                 for n, v in run.items() if n.startswith("two-sided@")]
+    out = {"full": strip(full), "orca": orca, "orca_two_sided": two_sided, "budget": budgets,
            "labelling": run["labelling"], **offline_rules(full["responses"], work)}
     if static is not None:
         out["orca_static"] = [{"delta": float(n.split("@")[1]), **strip(v)}
@@ -358,6 +369,9 @@ def plot(summary: dict[str, Any], title: str, path: Path) -> None:
                             textcoords="offset points", xytext=(3, -8))
 
     series(summary["orca"], "ORCA TTT no-QK (delta)", "o-", "delta")
+    if summary["orca_two_sided"]:
+        series(summary["orca_two_sided"], f"two-sided ORCA, give-up delta {GIVE_UP_DELTA}",
+               "o--", "delta")
     if "orca_static" in summary:
         series(summary["orca_static"], "ORCA static probe (delta)", "s--", "delta")
     series(summary["budget"], "vLLM thinking budget (tokens)", "^-", "budget")
@@ -395,6 +409,10 @@ def table(name: str, s: dict[str, Any], epsilon: float) -> str:
                    if ci else "n/a")
             lines.append(f"| {label} | delta {p['delta']:g} | {p['tokens']:.0f} | {p['accuracy']:.3f} "
                          f"| {p['requests_per_s']:.2f} | {err} |")
+    for p in s["orca_two_sided"]:
+        lines.append(f"| two-sided ORCA | delta {p['delta']:g}, give-up {GIVE_UP_DELTA:g} "
+                     f"(gave up on {p['gave_up']:.3f}) | {p['tokens']:.0f} | {p['accuracy']:.3f} "
+                     f"| {p['requests_per_s']:.2f} | |")
     note = {"above": "", "below": " (ORCA below it)", "outside": " (fewer tokens than any ORCA point)"}
     for p, where in zip(s["budget"], s["orca_versus_budget"]):
         lines.append(f"| thinking budget | {p['budget']} tokens{note[where]} "
