@@ -488,6 +488,7 @@ class LiveAudit:
         if state is not None and state.get("settings") == self._settings():
             self._restore(state)
         else:
+            state = None
             journal.rewind()
         events = journal.read()
         for e in events:
@@ -565,8 +566,10 @@ class LiveAudit:
         keep a recalibration window waiting for ever)."""
         if self.journal is None:
             return
+        owners = {owner for owner in self._open.values() if owner is not None}
+        dead = {owner for owner in owners if not self.journal.alive(owner)}
         for seq, owner in list(self._open.items()):
-            if owner is not None and not self.journal.alive(owner):
+            if owner in dead:
                 self._event({"r": seq, "o": "lost"})
 
     def _apply(self, e: dict[str, Any], quiet: bool = False) -> None:
