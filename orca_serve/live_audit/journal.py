@@ -20,8 +20,9 @@ into the same state (`LiveAudit._apply`), in file order:
   `flock`, first reads what the others appended (the caller applies it before its own event),
   so all processes see one order and one state. Readers take a shared lock.
 - **Crash safety**: one event is one line, written with one `write` under the lock (outcomes
-  fsynced, about 5 ms here; admissions not: see `append`), so a killed process leaves at most a torn last line; the next process that opens or
-  appends cuts it off (it was never applied by anyone: readers only take complete lines). An
+  fsynced, about 5 ms here; admissions not: see `append`), so a killed process leaves at most
+  a torn last line; the next process that opens or appends cuts it off (it was never applied
+  by anyone: readers only take complete lines). An
   outcome is journalled before the labelled audit's record is written to the trajectory
   directory, so a crash between the two loses the record's embeddings, never the audit's
   place in the statistics.

@@ -186,7 +186,8 @@ class DeltaGuard:
     guard falls back (never stops early) until `window` audits ADMITTED AFTER the alarm are
     labelled, runs LTT once on those alone at `recalibration_epsilon(epsilon, k)` and serves
     that lambda (not below `floor`), then audits it with its own alarm; that alarm starts the
-    next wait and recalibration. The bundle's lambda* does not return within the process.
+    next wait and recalibration. The bundle's lambda* does not return for this bundle (with a
+    journal: not after a restart either).
     """
 
     delta: float
@@ -278,7 +279,8 @@ class DeltaGuard:
         """What the journal's snapshot keeps of this guard (its drift tests' observations are
         the process's own and start empty)."""
         r = self.served
-        return {"delta": self.delta, "cs": self.cs.to_dict(), "engaged": self.engaged,  # type: ignore[attr-defined]
+        cs: Any = self.cs  # a CensoredAlarm (LiveAudit._snapshot checks that it can be saved)
+        return {"delta": self.delta, "cs": cs.to_dict(), "engaged": self.engaged,
                 "waiting_since": self.waiting_since, "recalibrations": self.recalibrations,
                 "lam": lam_to_json(self.lam), "source": self.source,
                 "served": None if r is None else {
