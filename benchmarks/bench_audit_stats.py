@@ -5,6 +5,10 @@ production configuration (grid 501, a member every 50 audits kept at dyadic ages
     python benchmarks/bench_audit_stats.py --false-alarms  # hardest null, grid 501
     python benchmarks/bench_audit_stats.py --delays        # 3 shift sizes after 1k / 10k clean
     python benchmarks/bench_audit_stats.py --recalibrate 400  # P(bad lambda ever served)
+    python benchmarks/bench_audit_stats.py --censored      # cut audits: coverage, power, width
+    python benchmarks/bench_audit_stats.py --joint         # four deltas: per-delta vs joint
+    python benchmarks/bench_audit_stats.py --restarts      # restarts every 250 audits
+    python benchmarks/bench_audit_stats.py --drift 10      # recalibrate under a gradual drift
 
 The simulations are tests/audit_simulation.py's (the tests assert the same quantities on
 smaller runs). Every mode prints markdown rows for benchmarks/RESULTS.md.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +30,12 @@ from orca_serve.live_audit import ConfidenceSequence, DriftMonitor, RestartedAla
 from tests.audit_simulation import (
     EPSILON,
     bad_lambda_served,
+    censored_streams,
+    drift_stream,
     hardest_null,
+    joint_null,
+    restart_null,
+    restarted_stream,
     recalibrate_stream,
     shift_delays,
 )
@@ -108,13 +118,86 @@ def recalibrate(streams: int) -> None:
           f"stream {np.mean([r.recalibrations for r in runs]):.2f} |")
 
 
+def censored(streams: int, audits: int) -> None:
+    print("| true risk | cut share | interval ever missed the risk | alarm (delta 0.1) within "
+          f"{audits:,} | median audit of the alarm | final width [lower, upper] | risk range "
+          "width |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for risk in (0.1, 0.15):
+        for share in (0.0, 0.05, 0.1, 0.15):
+            r = censored_streams(risk, share=share, ratio=3, streams=streams, audits=audits,
+                                 seed=51)
+            fired = np.isfinite(r["first_alarm"])
+            med = f"{np.median(r['first_alarm'][fired]):,.0f}" if fired.any() else "-"
+            print(f"| {risk:g} | {share:.0%} | {r['missed'].mean():.1%} | {fired.mean():.1%} | "
+                  f"{med} | {np.mean(r['upper'] - r['lower']):.3f} | "
+                  f"{np.mean(r['range_high'] - r['range_low']):.3f} |", flush=True)
+
+
+def joint(streams: int, audits: int) -> None:
+    print("| split | any delta ever alarmed | per delta (0.05, 0.1, 0.15, 0.2) |")
+    print("| --- | --- | --- |")
+    for split in ("per-delta", "joint"):
+        share, per = joint_null(split, streams=streams, audits=audits, seed=61)
+        se = np.sqrt(share * (1 - share) / streams)
+        print(f"| {split} | {share:.2%} +- {se:.2%} | "
+              f"{', '.join(f'{x:.2%}' for x in per)} |", flush=True)
+
+
+def restarts(streams: int, audits: int, exact: int) -> None:
+    whole, fresh = restart_null(streams, audits, 250, seed=71)
+    print(f"| hardest null (risk = delta = 0.1), {streams} streams x {audits:,} audits, a "
+          f"restart every 250 | resumed from the journal (one sequence): {whole:.2%}; "
+          f"every start empty (before): {fresh:.2%} | bound epsilon/2 = {EPSILON / 2:.1%} |")
+    same = 0
+    served = {"whole": [], "resumed": [], "empty": []}
+    for seed in range(exact):  # the server's LiveAudit, a journal in a temporary directory
+        risks = [0.1] * audits if seed % 2 == 0 else [0.05] * 1000 + [0.3] * 2000
+        with tempfile.TemporaryDirectory() as d:
+            runs = {"whole": restarted_stream(seed, risks=risks, restart_every=None),
+                    "resumed": restarted_stream(seed, risks=risks, restart_every=250,
+                                                journal_dir=d),
+                    "empty": restarted_stream(seed, risks=risks, restart_every=250)}
+        same += runs["resumed"].trace == runs["whole"].trace
+        if seed % 2:
+            for k, r in runs.items():
+                served[k].append(r.bundle_lambda_served)
+    print(f"| LiveAudit with its journal, restarted every 250 audits, {exact} streams of "
+          f"{audits:,} (half at the hardest null, half 1,000 clean then 2,000 at risk 0.3; "
+          f"fallback) | bounds, alarm and served lambda after every audit equal to one process "
+          f"that never restarted in {same} of {exact} streams | shifted audits served the "
+          f"alarmed lambda*: one process {np.mean(served['whole']):.0f}, resumed "
+          f"{np.mean(served['resumed']):.0f}, every start empty {np.mean(served['empty']):.0f} "
+          f"(means over {len(served['whole'])} streams) |", flush=True)
+
+
+def drift(streams: int) -> None:
+    runs = {k: [drift_stream(seed, distrust=k) for seed in range(streams)]
+            for k in (False, True)}
+    for k, rs in runs.items():
+        bad = np.array([r["bad"] for r in rs])
+        print(f"| gradual drift (bias 0 -> 3 over 2,000 audits after 50 clean; recalibrate, "
+              f"window 200), {streams} streams, recalibrated lambda's drift test "
+              f"{'on' if k else 'off (before)'} | audits served a recalibrated lambda bad for "
+              f"the current traffic: mean {bad.mean():.0f} (streams with any: "
+              f"{(bad > 0).sum()} of {streams}) | fallback audits: mean "
+              f"{np.mean([r['fallback'] for r in rs]):.0f}; recalibrations: mean "
+              f"{np.mean([r['recalibrations'] for r in rs]):.1f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--false-alarms", action="store_true")
     ap.add_argument("--delays", action="store_true")
     ap.add_argument("--recalibrate", type=int, metavar="STREAMS")
-    ap.add_argument("--streams", type=int, default=400, help="--false-alarms, --delays")
-    ap.add_argument("--audits", type=int, default=3000, help="--false-alarms")
+    ap.add_argument("--censored", action="store_true")
+    ap.add_argument("--joint", action="store_true")
+    ap.add_argument("--restarts", type=int, metavar="EXACT_STREAMS")
+    ap.add_argument("--drift", type=int, metavar="STREAMS")
+    ap.add_argument("--streams", type=int, default=400,
+                    help="--false-alarms, --delays, --censored, --joint")
+    ap.add_argument("--audits", type=int, default=3000,
+                    help="--false-alarms, --censored, --joint")
     a = ap.parse_args()
     if a.false_alarms:
         false_alarms(a.streams, a.audits)
@@ -122,6 +205,14 @@ def main() -> None:
         delays(a.streams)
     elif a.recalibrate:
         recalibrate(a.recalibrate)
+    elif a.censored:
+        censored(a.streams, a.audits)
+    elif a.joint:
+        joint(a.streams, a.audits)
+    elif a.restarts:
+        restarts(a.streams, a.audits, a.restarts)
+    elif a.drift:
+        drift(a.drift)
     else:
         cost()
 

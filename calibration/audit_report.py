@@ -6,15 +6,17 @@ labelled) and replays the
 bundle's probe on the recorded step embeddings with `orca_method.procedure.replay`, the code the
 server runs, so each audit's scores are the ones the deployed procedure computed. It then feeds
 each audit's loss at every calibrated lambda* (`orca_method.risk`, the LTT loss) to the
-server's alarm (`RestartedAlarm`: anytime-valid confidence sequences restarted every 50 audits
-and kept at dyadic ages, the whole history's giving the bounds), in audit order, and the scores
-to the drift monitor when the bundle has a reference. Audits that did not finish (cut by
-max_tokens, aborted) are left out and counted, as the server leaves them out. Statistics:
-docs/AUDIT.md.
+server's statistics (`CensoredAlarm`: anytime-valid confidence sequences restarted every 50
+audits and kept at dyadic ages, the whole history's giving the bounds), in audit order, and the
+scores to the drift monitor when the bundle has a reference. Audits that did not finish (cut by
+max_tokens, aborted) enter censored, as in the server: loss 0 for the alarm, loss 1 for the
+upper bound. Statistics: docs/AUDIT.md.
 
 `recalibrate` runs the calibration code (`calibrate_bundle`: replay + LTT) on the last N
-finished audits, optionally retraining the probe on a disjoint part of them, and refuses a
-window that reaches back to the first alarm in the audits (`check_window`) unless forced.
+audits, cut ones included with their labels up to the cut, as calibration includes cut
+trajectories (docs/METHOD.md, section 5), optionally retraining the probe on a disjoint part of
+them, and refuses a window that reaches back to the first alarm in the audits (`check_window`)
+unless forced.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from orca_method.risk import is_counted, request_losses
 from orca_method.trajectories import TrajectorySet, split_ids
 from orca_serve.live_audit.attrition import incomplete
 from orca_serve.live_audit.drift import DRIFT_WINDOW, DriftMonitor
-from orca_serve.live_audit.sequence import RestartedAlarm
+from orca_serve.live_audit.options import EPSILON_SPLITS, guard_epsilon
+from orca_serve.live_audit.sequence import CensoredAlarm
 
 AUDIT_DIR = re.compile(r"^audit-\d{6}$")  # the server's rotating audit directories
 # what differs between the directories of two bundles that cannot share one (store_info)
@@ -82,20 +85,12 @@ def open_audits(path: str | Path, bundle: Bundle | None = None) -> TrajectorySet
 
 
 def unfinished(ts: TrajectorySet) -> list[int]:
-    """Positions of the audits that did not finish (cut by max_tokens, aborted): left out of
-    the risk and of recalibration, as the server leaves them out (orca_serve.live_audit.attrition).
-    Records without a finish_reason (written before it was kept) count as finished."""
+    """Positions of the audits that did not finish (cut by max_tokens, aborted): censored in
+    the risk, as the server counts them (orca_serve.live_audit.attrition). Records without a
+    finish_reason (written before it was kept) count as finished."""
     return [i for i, p in enumerate(ts.problems)
             if (p.extra or {}).get("finish_reason") is not None
             and incomplete(p.extra["finish_reason"]) is not None]
-
-
-def without(ts: TrajectorySet, positions: list[int]) -> TrajectorySet:
-    """The set less the problems at `positions` (no copy of the embeddings)."""
-    drop = set(positions)
-    keep = [i for i in range(len(ts)) if i not in drop]
-    return TrajectorySet(ts.path, ts.info, [ts.problems[i] for i in keep],
-                         [ts.embeddings(i) for i in keep])
 
 
 def audit_label_mode(bundle: Bundle, ts: TrajectorySet, requested: str | None = None) -> str:
@@ -122,55 +117,66 @@ def window_view(ts: TrajectorySet, last: int | None, splits: dict[str, str] | No
 
 
 def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float | None = None,
-                 drift_window: int = DRIFT_WINDOW) -> dict[str, Any]:
-    """Per delta: audits counted, realized risk, confidence bounds, alarm, and their history."""
+                 drift_window: int = DRIFT_WINDOW, epsilon_split: str = "per-delta"
+                 ) -> dict[str, Any]:
+    """Per delta: audits counted, realized risk, confidence bounds, alarm, and their history.
+
+    Audits that did not finish enter censored, as in the server (CensoredAlarm): loss 0 for
+    the alarm, 1 for the upper bound. ``alpha`` (default: the bundle's epsilon) is split across
+    the deltas when ``epsilon_split`` is ``joint``, as the server's guards split it."""
     if ts.dim != bundle.model.hidden_size:
         raise ValueError(f"the bundle is for {bundle.model.hidden_size}-dim embeddings "
                          f"({bundle.model.name}) but {ts.path} has dim {ts.dim}")
     if len(ts) == 0:
         raise ValueError(f"{ts.path} holds no audit yet")
-    alpha = bundle.ltt.epsilon if alpha is None else alpha
-    cut = unfinished(ts)
-    dropped = set(cut)
-    position = [i + 1 for i in range(len(ts)) if i not in dropped]  # 1-based, in the directory
-    ts = without(ts, cut)
-    scored = score_split(bundle.load_probe(), ts, "all", mode, bundle.window, solvable_only=False)
+    if epsilon_split not in EPSILON_SPLITS:
+        raise ValueError(f"epsilon_split must be one of {EPSILON_SPLITS}, got {epsilon_split!r}")
     deltas = bundle.deltas()
+    alpha = guard_epsilon(bundle.ltt.epsilon if alpha is None else alpha, len(deltas),
+                          epsilon_split)
+    cut = set(unfinished(ts))
+    scored = score_split(bundle.load_probe(), ts, "all", mode, bundle.window, solvable_only=False)
     lams = [bundle.lam(d) for d in deltas]
-    cs = RestartedAlarm(alpha, shape=(len(deltas),))  # the server's alarm (live.py)
+    cs = CensoredAlarm(alpha, shape=(len(deltas),))  # the server's statistics (live.py)
     drift = DriftMonitor.from_bundle(bundle, window=min(drift_window, max(10, len(ts))))
     history: dict[str, list] = {"mean": [], "lower": [], "upper": []}
     first_alarm: list[int | None] = [None] * len(deltas)
     first_position: list[int | None] = [None] * len(deltas)
     skipped = 0
-    for pos, s, c in zip(position, scored.scores, scored.labels):
-        if drift is not None and len(s) >= 2:
+    for i, (s, c) in enumerate(zip(scored.scores, scored.labels)):
+        censored = i in cut
+        if drift is not None and len(s) >= 2 and not censored:
             drift.observe(s[:-1])  # the server does not score the step that ends the thinking
-        if not is_counted(c, bundle.ltt.excluded_never_correct):
+        if not censored and not is_counted(c, bundle.ltt.excluded_never_correct):
             skipped += 1
             continue
-        cs.update(request_losses(s, c, lams).astype(float))
+        cs.update(np.zeros(len(deltas)) if censored
+                  else request_losses(s, c, lams).astype(float), censored)
         for key, values in history.items():
-            values.append(getattr(cs, key).tolist())
+            values.append(np.asarray(getattr(cs, key)).tolist())
         for j, fired in enumerate(cs.alarm(np.asarray(deltas))):
             if first_alarm[j] is None and fired:
-                first_alarm[j], first_position[j] = cs.n, pos
+                first_alarm[j], first_position[j] = cs.n, i + 1
     alarm = cs.alarm(np.asarray(deltas))
     since, since_lower = cs.alarm_source(np.asarray(deltas))
+    low, high = cs.risk_range
     rows = []
     for j, (d, lam) in enumerate(zip(deltas, lams)):
         rows.append({"delta": d, "lambda": None if math.isinf(lam) else lam, "n": cs.n,
-                     "risk": float(cs.mean[j]) if cs.n else None,
+                     "censored": int(cs.censored[j]),
+                     "risk": None if math.isnan(cs.mean[j]) else float(cs.mean[j]),
+                     "risk_range": [float(low[j]), float(high[j])] if cs.n else None,
                      "lower": float(cs.lower[j]), "upper": float(cs.upper[j]),
                      "alarm": bool(alarm[j]), "first_alarm_at": first_alarm[j],
                      "first_alarm_audit": first_position[j],
                      "alarm_since": int(since[j]) if alarm[j] else None,
                      "alarm_lower": float(since_lower[j]) if alarm[j] else None})
     report: dict[str, Any] = {
-        "audit": str(ts.path), "audits": len(ts) + len(cut), "unfinished_skipped": len(cut),
+        "audit": str(ts.path), "audits": len(ts), "unfinished_censored": len(cut),
         "counted": cs.n, "never_correct_skipped": skipped,
         "label_mode": mode, "bundle_label_mode": bundle.label_mode,
         "labels_match": mode == bundle.label_mode, "alpha": alpha,
+        "epsilon_split": epsilon_split,
         "confidence_sequence": "hedged capital, Waudby-Smith & Ramdas (2024)", "deltas": rows,
         "history": {k: np.asarray(v).T.tolist() for k, v in history.items()}}
     if drift is not None:
@@ -182,9 +188,10 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
 
 def format_report(report: dict[str, Any]) -> str:
     lines = [(f"{report['audit']}: {report['audits']} audits, {report['counted']} counted "
-              f"({report['never_correct_skipped']} never correct and "
-              f"{report['unfinished_skipped']} unfinished, left out), labels "
-              f"{report['label_mode']}, alarm at level alpha={report['alpha']:g}/2, bounds at "
+              f"({report['unfinished_censored']} unfinished among them, counted censored: loss 0 "
+              f"for the alarm, 1 for the upper bound; {report['never_correct_skipped']} never "
+              f"correct, left out), labels {report['label_mode']}, alarm at level "
+              f"alpha={report['alpha']:g}/2 per delta ({report['epsilon_split']}), bounds at "
               f"alpha={report['alpha'] / 2:g} (anytime-valid)")]
     if not report["labels_match"]:
         lines.append(f"note: the bundle certifies the risk under {report['bundle_label_mode']} "
@@ -194,6 +201,9 @@ def format_report(report: dict[str, Any]) -> str:
     for r in report["deltas"]:
         lam = "never" if r["lambda"] is None else f"{r['lambda']:.4f}"
         risk = "-" if r["risk"] is None else f"{r['risk']:.3f}"
+        if r["censored"]:
+            risk += f" (range {r['risk_range'][0]:.3f}-{r['risk_range'][1]:.3f}, " \
+                    f"{r['censored']} censored)"
         flag = (f"ALARM (first at counted audit {r['first_alarm_at']}, audit "
                 f"{r['first_alarm_audit']} of the directory; the audits after "
                 f"{r['alarm_since']} have lower bound {r['alarm_lower']:.3f})" if r["alarm"]
@@ -257,8 +267,8 @@ def check_window(bundle: Bundle, ts: TrajectorySet, mode: str, last: int | None)
     if at is not None and start < at:
         most = len(ts) - at
         raise ValueError(
-            f"the window (finished audits {start + 1}-{len(ts)} of {ts.path}) reaches back to "
-            f"or before the first alarm (finished audit {at}): "
+            f"the window (audits {start + 1}-{len(ts)} of {ts.path}) reaches back to "
+            f"or before the first alarm (audit {at}): "
             + (f"use --last {most} or fewer" if most else "wait for audits after the alarm")
             + ", or --force to use it anyway")
 
@@ -269,7 +279,8 @@ def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
                 bundle_path: str | None = None, force: bool = False) -> Bundle:
     """LTT (the calibrate code) on the audits of the window; the same probe unless ``retrain``.
 
-    Unfinished audits are left out first (``last`` counts finished ones). Unless ``force``,
+    Cut audits are in the window with their labels up to the cut, as calibration keeps cut
+    trajectories (``last`` counts every audit). Unless ``force``,
     a window reaching back to or before the first alarm is refused (``check_window``). With
     ``retrain`` the window is split by prompt (seeded) into a training half and a
     calibration half: LTT must not see the data the probe was fitted to. ``train_options``
@@ -285,7 +296,6 @@ def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
         if theirs != ours:
             raise ValueError(f"the audits' {name} {theirs!r} differs from the bundle's {ours!r}: "
                              "they were not recorded by a server running this bundle")
-    ts = without(ts, unfinished(ts))
     if not force:
         check_window(bundle, ts, mode, last)
     view = window_view(ts, last)

@@ -177,7 +177,8 @@ def cmd_audit_report(a: argparse.Namespace) -> None:
     ts = open_audits(a.audit, bundle)
     check_on_data(a, bundle, ts)
     report = audit_report(bundle, ts, mode=audit_label_mode(bundle, ts, a.label_mode),
-                          alpha=a.alpha, drift_window=a.drift_window)
+                          alpha=a.alpha, drift_window=a.drift_window,
+                          epsilon_split=a.epsilon_split)
     print(format_report(report))
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
@@ -350,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "else consistent")
     p.add_argument("--alpha", type=float, help="confidence sequence level (default: epsilon)")
     p.add_argument("--drift-window", type=int, default=500, help="requests per drift test")
+    p.add_argument("--epsilon-split", choices=("per-delta", "joint"), default="per-delta",
+                   help="as the server's --orca-audit-epsilon-split: joint splits the level "
+                   "across the deltas (docs/AUDIT.md, \"Several deltas\")")
     p.add_argument("--json", help="write the report (with the bounds' history) here")
     p.add_argument("--plots", help="write audit_risk.png to this directory")
     force_model_arg(p)

@@ -21,6 +21,7 @@ import numpy as np
 from orca_method.ltt import calibrate, default_grid
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.risk import losses, stop_indices
+from orca_method.thresholds import NEVER
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
 from orca_serve.live_audit.sequence import DEFAULT_GRID, RESTART_EVERY, RestartedAlarm
@@ -127,6 +128,7 @@ def recalibrate_stream(seed: int, *, clean: int = 50, shifted: int = 600,
     for bias, n in ((0.0, clean), (SHIFT, shifted)):
         s, c = trajectories(rng, n, bias)
         for i in range(n):
+            audit.see(list(s[i][:-1]), NEVER)  # every request's scores reach the drift tests
             audit.observe(list(s[i]), list(c[i]))
             if out.alarm_at is None and bias and g.engaged:
                 out.alarm_at = i + 1
@@ -145,3 +147,173 @@ def bad_lambda_served(streams: list[Stream]) -> np.ndarray:
         lams = [lam for lam, b in pairs if b == bias]
         risk.update(zip(((lam, bias) for lam in lams), true_risk(lams, bias)))
     return np.array([any(risk[p] > DELTA for p in set(st.served)) for st in streams])
+
+
+def cut_probabilities(risk: float, share: float, ratio: float) -> tuple[float, float]:
+    """P(cut | loss 0), P(cut | loss 1) when `share` of all audits are cut and an audit with
+    loss 1 is cut `ratio` times as often as one with loss 0 (hard problems run long)."""
+    p0 = share / (ratio * risk + (1 - risk))
+    return p0, ratio * p0
+
+
+def censored_streams(risk: float, *, share: float, ratio: float, streams: int, audits: int,
+                     seed: int, delta: float = DELTA, epsilon: float = EPSILON,
+                     grid: int = DEFAULT_GRID) -> dict[str, np.ndarray]:
+    """Bernoulli(risk) losses of the whole traffic, of which a loss-dependent share is cut
+    (censored), through the server's CensoredAlarm, batched over streams. Per stream: whether
+    [lower, upper] ever missed the whole traffic's risk (checked after every audit), the audit
+    of the first alarm at `delta` (inf: none), and the final interval and risk range."""
+    from orca_serve.live_audit.sequence import CensoredAlarm
+
+    p0, p1 = cut_probabilities(risk, share, ratio)
+    rng = np.random.default_rng(seed)
+    alarm = CensoredAlarm(epsilon, grid_size=grid, shape=(streams,))
+    missed = np.zeros(streams, bool)
+    first = np.full(streams, np.inf)
+    for i in range(1, audits + 1):
+        loss = rng.random(streams) < risk
+        cut = rng.random(streams) < np.where(loss, p1, p0)
+        alarm.update(loss.astype(float), cut)
+        missed |= (alarm.lower > risk) | (alarm.upper < risk)
+        first[np.isinf(first) & alarm.alarm(delta)] = i
+    lo, hi = alarm.risk_range
+    return {"missed": missed, "first_alarm": first, "lower": alarm.lower, "upper": alarm.upper,
+            "range_low": lo, "range_high": hi, "censored": alarm.censored / audits}
+
+
+DEMO_DELTAS = (0.05, 0.1, 0.15, 0.2)  # the demo bundle's table
+
+
+def joint_null(split: str, *, streams: int, audits: int, seed: int, every: int = RESTART_EVERY,
+               grid: int = DEFAULT_GRID, deltas: tuple[float, ...] = DEMO_DELTAS,
+               epsilon: float = EPSILON) -> tuple[float, np.ndarray]:
+    """Every delta of the table at its hardest null (each audit's loss at delta d is Bernoulli
+    exactly d, independent across deltas: the union of false alarms is then largest), through
+    the server's guards (CensoredAlarm at `guard_epsilon`), batched [streams, deltas]. Returns
+    the share of streams in which ANY delta ever alarmed, and the per-delta shares."""
+    from orca_serve.live_audit.options import guard_epsilon
+    from orca_serve.live_audit.sequence import CensoredAlarm
+
+    d = np.asarray(deltas)
+    rng = np.random.default_rng(seed)
+    alarm = CensoredAlarm(guard_epsilon(epsilon, len(d), split), every=every, grid_size=grid,
+                          shape=(streams, len(d)))
+    ever = np.zeros((streams, len(d)), bool)
+    for _ in range(audits):
+        alarm.update((rng.random((streams, len(d))) < d).astype(float))
+        ever |= alarm.alarm(d)
+    return float(ever.any(axis=1).mean()), ever.mean(axis=0)
+
+
+def known_loss(loss: bool) -> tuple[list[float], list[int]]:
+    """Scores and labels of an audit whose loss is `loss` at every finite lambda (it stops at
+    its first step, right there or not) and 0 when it never stops early."""
+    return [1.0, 1.0], ([0, 1] if loss else [1, 1])
+
+
+@dataclass
+class Restarted:
+    trace: list[tuple] = field(default_factory=list)  # per audit: (lower, upper, alarm, lam)
+    ever_alarm: bool = False
+    bundle_lambda_served: int = 0  # audits of the shifted stretch served the bundle's lambda*
+
+
+def restarted_stream(seed: int, *, risks: list[float], restart_every: int | None,
+                     journal_dir=None, on_alarm: str = "fallback", window: int = 200,
+                     epsilon_split: str = "per-delta") -> Restarted:
+    """Audits with Bernoulli(risks[i]) losses through the server's LiveAudit, the process
+    "restarted" (a new LiveAudit) every `restart_every` audits: with `journal_dir`, each new
+    one attaches the bundle's journal there (what the server does now); without, it starts
+    empty (what every start did before). Counts the audits after the first one at a risk above
+    delta that were served the bundle's lambda* (the alarmed one)."""
+    from orca_serve.live_audit.journal import Journal, journal_path
+
+    b = bundle()
+    config = AuditConfig(rate=1.0, on_alarm=on_alarm, window=window,
+                         epsilon_split=epsilon_split)
+    rng = np.random.default_rng(seed)
+    out = Restarted()
+    audit = None
+    shifted = False
+    for i, risk in enumerate(risks):
+        if audit is None or (restart_every and i % restart_every == 0):
+            if audit is not None and audit.journal is not None:
+                audit.journal.close()
+            audit = LiveAudit(b, config)
+            if journal_dir is not None:
+                audit.attach(Journal(journal_path(journal_dir, b.checksum), b.checksum,
+                                     fsync=False))
+        g = audit.guard(DELTA)
+        shifted = shifted or risk > DELTA
+        if shifted and g.source == "bundle":
+            out.bundle_lambda_served += 1  # what a request admitted now is served
+        audit.observe(*known_loss(bool(rng.random() < risk)))
+        out.ever_alarm |= bool(g.alarm)
+        out.trace.append((g.cs.lower, g.cs.upper, g.alarm, g.lam))
+    if audit is not None and audit.journal is not None:
+        audit.journal.close()
+    return out
+
+
+@lru_cache(maxsize=64)
+def _drift_truth(bias: float) -> tuple[np.ndarray, np.ndarray]:
+    """20,000 fresh trajectories at this bias (standard error of a risk near 0.1: 0.002)."""
+    return trajectories(np.random.default_rng(54321), 20_000, bias)
+
+
+@lru_cache(maxsize=4096)
+def _risk_at(lam: float, bias: float) -> float:
+    s, c = _drift_truth(bias)
+    return float(losses(stop_indices(list(s), np.asarray([lam])), list(c)).mean())
+
+
+def drift_stream(seed: int, *, clean: int = 50, drifting: int = 2000, final_bias: float = 3.0,
+                 window: int = 200, distrust: bool = True) -> dict[str, int]:
+    """`recalibrate` under a gradual drift: `clean` unshifted audits, then `drifting` audits
+    whose score bias grows linearly from 0 to `final_bias`, every request audited and its
+    scores fed to the drift tests (as LiveAudit.finished does). Counts the audits that were
+    served a recalibrated lambda whose true risk on the current traffic (bias rounded to 0.1)
+    exceeds delta, and the audits served the fallback. `distrust=False`: without the
+    recalibrated lambda's drift test (what the server did before)."""
+    audit = LiveAudit(bundle(), AuditConfig(rate=1.0, on_alarm="recalibrate", window=window))
+    g = audit.guard(DELTA)
+    if not distrust:
+        g._window_drift = lambda scores: None  # type: ignore[method-assign]
+    rng = np.random.default_rng(seed)
+    out = {"bad": 0, "fallback": 0, "recalibrations": 0}
+    biases = [0.0] * clean + list(np.linspace(0, final_bias, drifting))
+    for bias in biases:
+        s, c = trajectories(rng, 1, bias)
+        current = round(bias, 1)
+        if g.source == "audit" and _risk_at(round(g.lam, 6), current) > DELTA:
+            out["bad"] += 1
+        out["fallback"] += g.source == "fallback"
+        audit.see(list(s[0][:-1]), NEVER)  # the server never scores the last step
+        audit.observe(list(s[0]), list(c[0]))
+    out["recalibrations"] = g.recalibrations
+    return out
+
+
+def restart_null(streams: int, audits: int, restart_every: int, *, seed: int,
+                 grid: int = DEFAULT_GRID, epsilon: float = EPSILON,
+                 delta: float = DELTA) -> tuple[float, float]:
+    """The hardest null (every audit's loss Bernoulli(delta)), batched through the server's
+    CensoredAlarm: the share of streams that ever alarm when one sequence runs through all
+    audits (what a restart that resumes the journal keeps), and when a new, empty one starts
+    every `restart_every` audits (what every start did before)."""
+    from orca_serve.live_audit.sequence import CensoredAlarm
+
+    rng = np.random.default_rng(seed)
+    whole = CensoredAlarm(epsilon, grid_size=grid, shape=(streams,))
+    ever_whole = np.zeros(streams, bool)
+    ever_fresh = np.zeros(streams, bool)
+    fresh = None
+    for i in range(audits):
+        if i % restart_every == 0:
+            fresh = CensoredAlarm(epsilon, grid_size=grid, shape=(streams,))
+        x = (rng.random(streams) < delta).astype(float)
+        whole.update(x)
+        fresh.update(x)
+        ever_whole |= whole.alarm(delta)
+        ever_fresh |= fresh.alarm(delta)
+    return float(ever_whole.mean()), float(ever_fresh.mean())

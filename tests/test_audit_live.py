@@ -40,13 +40,15 @@ class FakeCS:
     """A confidence sequence whose bounds the test sets (the guard only reads them)."""
 
     def __init__(self) -> None:
-        self.n, self.mean, self.lower, self.upper = 0, 0.0, 0.0, 1.0
-        self.losses: list[float] = []
+        self.n, self.censored, self.mean, self.lower, self.upper = 0, 0, 0.0, 0.0, 1.0
+        self.losses: list[float | None] = []  # None: censored
 
-    def update(self, loss: float) -> None:
-        self.losses.append(loss)
+    def update(self, loss: float, censored: bool = False) -> None:
+        self.losses.append(None if censored else loss)
         self.n = len(self.losses)
-        self.mean = float(np.mean(self.losses))
+        self.censored += int(censored)
+        known = [x for x in self.losses if x is not None]
+        self.mean = float(np.mean(known)) if known else math.nan
 
     def alarm(self, delta: float) -> bool:
         return self.lower > delta
@@ -254,9 +256,10 @@ def test_recalibrate_waits_for_audits_admitted_after_the_alarm(bundle) -> None:
     assert audit._resolved == {}  # nothing kept once no guard waits
 
 
-def test_unfinished_audits_are_counted_and_left_out(bundle) -> None:
-    """Cut by max_tokens or never finished: not labelled, not in the risk, counted, and their
-    shares of the picked audits in the table."""
+def test_unfinished_audits_enter_the_risk_censored(bundle) -> None:
+    """Cut by max_tokens or never finished: counted, and in the risk with an unknown loss (at 0
+    for the alarm, at 1 for the upper bound: CensoredAlarm), labelled when there is a recording
+    (as calibration labels a cut trajectory) and censored without labels when there is none."""
     import asyncio
 
     audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0), cs_factory=FakeCS, loss=_loss)
@@ -264,18 +267,23 @@ def test_unfinished_audits_are_counted_and_left_out(bundle) -> None:
     h = bundle.model.hidden_size
 
     async def run() -> None:
-        for reasons in ({0: "length"}, {}, {0: "abort"}, {0: "stop"}):
+        for reasons, result in (({0: "length"}, _recorded(0.5, h)), ({}, _recorded(0.5, h)),
+                                ({0: "abort"}, _recorded(0.5, h)), ({0: "stop"}, _recorded(0.5, h)),
+                                ({}, None)):
             new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
             _, settings = audit.admit(new, settings)
-            audit.finished(settings, {0: _recorded(0.5, h)}, reasons)
+            audit.finished(settings, {0: result}, reasons)
             if audit._worker is not None:
                 await audit._worker
 
     asyncio.run(run())
     table = audit.table()
-    assert (table["length"], table["aborted"], table["labelled"]) == (1, 2, 1)
-    assert audit.guard(0.1).cs.n == 1
-    assert table["attrition"]["length"] == 0.25 and table["attrition"]["aborted"] == 0.5
+    assert (table["length"], table["aborted"], table["labelled"], table["failed"]) == (1, 3, 1, 0)
+    cs = audit.guard(0.1).cs
+    assert cs.losses == [None, None, None, 1, None] and cs.censored == 4
+    row = table["deltas"][[d["delta"] for d in table["deltas"]].index(0.1)]
+    assert row["censored"] == 4 and row["n"] == 5
+    assert table["attrition"]["length"] == 0.2 and table["attrition"]["aborted"] == 0.6
 
 
 def _drift_audit(bundle, seed: int):
@@ -502,3 +510,30 @@ def test_every_api_reports_how_a_request_finished() -> None:
     for api, obj, expected in cases:
         req = Req()
         assert asyncio.run(api.on_json(obj, req)) and req.reasons == expected, (api, obj)
+
+
+def test_a_recalibrated_lambda_is_not_trusted_while_its_drift_test_alarms(bundle) -> None:
+    """After a recalibration the guard tests the live scores against the scores of the window
+    LTT ran on: while the latest test alarms, that delta falls back (the traffic is no longer
+    the one the lambda was certified on), and the lambda returns once a test passes again."""
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0, on_alarm="recalibrate", window=40),
+                      cs_factory=FakeCS, loss=_loss)
+    audit._ltt = lambda scores, labels, delta, epsilon: 0.95
+    g = audit.guard(0.1)
+    rng = np.random.default_rng(3)
+    g.cs.lower = 0.5  # the bundle's alarm: wait for 40 audits admitted after it
+    for _ in range(41):
+        audit.observe(list(rng.uniform(0, 0.4, 6)), [0, 0, 0, 0, 1, 1])
+    assert (g.source, g.lam, g.recalibrations) == ("audit", 0.95, 1)
+    mon = g.served.drift
+    assert mon is not None and mon.window == 20 and not mon.spend
+    for _ in range(20):  # like the window: trusted
+        audit.see(list(rng.uniform(0, 0.4, 5)), math.inf)
+    assert mon.tests == 1 and not g.distrusted and g.source == "audit"
+    for _ in range(20):  # scores far above the window's
+        audit.see(list(rng.uniform(0.6, 0.9, 5)), math.inf)
+    assert g.distrusted and (g.source, g.lam) == ("fallback", math.inf)
+    assert g.row()["distrusted"] and g.row()["recalibrated"]["drift"]["alarm"]
+    for _ in range(20):
+        audit.see(list(rng.uniform(0, 0.4, 5)), math.inf)
+    assert not g.distrusted and (g.source, g.lam) == ("audit", 0.95)

@@ -1,6 +1,7 @@
 """Live audits end to end: the real orca-serve on the embedded toy model, the real OpenAI client.
 
-One server for the module: `--orca-audit-rate 1.0` (every request audited), an audit directory and
+One server for the module (and a second one on the same audit directory, in the last test):
+`--orca-audit-rate 1.0` (every request audited), an audit directory and
 `--orca-on-alarm fallback`, serving the demo bundle plus one row that cannot hold (delta 0.3 at
 lambda 0: every request would stop at its first step, mostly before the answer is right), so its
 alarm fires after a few audits. The labelled audits are compared with what
@@ -99,12 +100,12 @@ def _wait_labelled(srv: Server, n: int, timeout: float = 120) -> dict:
 
 
 def _settled(srv: Server, timeout: float = 120) -> dict:
-    """The table once every picked audit has ended (labelled, dropped, failed, aborted or cut):
-    an earlier test's audits are still being labelled when the next one starts."""
+    """The table once every admitted audit is resolved (in the risk, censored or left out): an
+    earlier test's audits are still being labelled when the next one starts."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         t = _table(srv)
-        if sum(t[k] for k in ("labelled", "dropped", "failed", "aborted", "length")) == t["picked"]:
+        if t["open"] == 0 and t["queued"] == 0:
             return t
         time.sleep(0.5)
     raise AssertionError(f"audits still pending after {timeout} s: {_table(srv)}")
@@ -190,17 +191,56 @@ def test_failing_delta_alarms_and_falls_back(srv, env) -> None:
     assert any(f"delta {BAD_DELTA:g} now served with lambda never" in ln for ln in log)
 
 
-def test_an_audit_cut_by_max_tokens_is_counted_not_labelled(srv, env) -> None:
-    """finish_reason `length`: no final answer to label against, so the audit is left out of
-    the risk and counted (its loss would otherwise be 0 at every lambda)."""
+def _row(table: dict, delta: float) -> dict:
+    return next(r for r in table["deltas"] if r["delta"] == delta)
+
+
+def test_an_audit_cut_by_max_tokens_enters_censored(srv, env) -> None:
+    """finish_reason `length`: no final answer of its own, so its loss is unknown; it enters
+    the risk censored (loss 0 for the alarm, 1 for the upper bound), counted as `length`."""
     before = _settled(srv)
     r = srv.client().chat.completions.create(
         model=str(MODEL), messages=[{"role": "user", "content": "Find x with 5*x - 3 = 12."}],
         temperature=0, max_tokens=8, extra_body={"orca": {"delta": 0.1}})
     assert r.choices[0].finish_reason == "length" and r.model_extra["orca"]["audited"]
-    deadline = time.time() + 60
-    while _table(srv)["length"] == before["length"] and time.time() < deadline:
-        time.sleep(0.5)
-    after = _table(srv)
+    after = _settled(srv)
     assert after["length"] == before["length"] + 1 and after["labelled"] == before["labelled"]
     assert after["attrition"]["length"] == after["length"] / after["picked"]
+    was, now = _row(before, 0.1), _row(after, 0.1)
+    assert (now["n"], now["censored"]) == (was["n"] + 1, was["censored"] + 1), now
+    low, high = now["risk_range"]
+    assert high - low == pytest.approx(now["censored"] / now["n"]) and now["upper"] >= high
+
+
+def test_a_second_server_on_the_audit_dir_shares_and_resumes_the_sequence(srv, env) -> None:
+    """A second orca-serve started with the same bundle and --orca-audit-dir (and nothing
+    else) while the first runs: it resumes the first's sequence from the journal (the same n
+    and bounds at every delta; the alarmed delta still falls back, so its lambda* is not served
+    again), writes its own audit directory, and the audits it takes enter the one sequence both
+    read."""
+    first = _settled(srv)
+    assert _row(first, BAD_DELTA)["engaged"]  # test_failing_delta_alarms_and_falls_back
+    second = Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(env["bundle"]),
+                                   "--orca-audit-rate", "1.0", "--orca-audit-seed", "1",
+                                   "--orca-audit-dir", str(env["audits"]),
+                                   "--orca-audit-suffix", DEMO_SUFFIX,
+                                   "--orca-on-alarm", "fallback"),
+                    env["dir"] / "second.log", COMMON).wait()
+    try:
+        resumed = _settled(second)
+        assert resumed["replayed"] > 0 and resumed["journal"] == first["journal"]
+        keys = ("n", "censored", "lower", "upper", "alarm", "engaged", "lambda_source")
+        for a, b in zip(first["deltas"], resumed["deltas"]):
+            assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, (a, b)
+        orca = _ask(second, [{"role": "user", "content": "Find the integer x with 3*x = 12."}],
+                    delta=BAD_DELTA).model_extra["orca"]
+        assert orca["audited"] and orca["lambda_source"] == "fallback"
+        after = _settled(second)
+        assert _row(after, BAD_DELTA)["n"] == _row(first, BAD_DELTA)["n"] + 1
+        shared = _table(srv)  # the first server reads the second's audit from the journal
+        for a, b in zip(after["deltas"], shared["deltas"]):
+            assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, (a, b)
+        parts = sorted(p.name for p in env["audits"].iterdir() if p.name.startswith("audit-"))
+        assert parts == ["audit-000001", "audit-000002"], parts
+    finally:
+        second.stop()

@@ -82,7 +82,7 @@ def test_recalibrate_refuses_a_window_reaching_back_to_the_alarm(world, capsys):
     capsys.readouterr()
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"first alarm (finished audit {at})" in err
+    assert err.count("\n") == 1 and f"first alarm (audit {at})" in err
     assert f"--last {1200 - at} or fewer" in err and not (world / "forced.json").exists()
     assert main([*argv, "--last", str(1200 - at + 1)]) == 2  # one audit too far back
     assert main([*argv, "--force"]) == 0 and load_bundle(world / "forced.json").ltt.n_cal == 1200
@@ -151,15 +151,29 @@ def test_bad_input_is_one_line(world, tmp_path, capsys):
         assert err.startswith(f"orca-calibrate {argv[0]}: error:") and err.count("\n") == 1
 
 
-def test_unfinished_audits_are_left_out_offline(world):
-    """An audit record whose finish_reason says it was cut is skipped and counted, as the
-    server leaves it out; `stop` and records without one count."""
+def test_unfinished_audits_enter_censored_offline(world):
+    """An audit record whose finish_reason says it was cut enters censored, as the server
+    counts it: at loss 0 for the alarm's lower bound and 1 for the upper bound (the range is
+    1/n wide); `stop` and records without one count as finished. `joint` splits alpha."""
     from dataclasses import replace
 
     from calibration.audit_report import audit_report, open_audits
 
     ts = open_audits(world / "in-audits")
+    bundle = load_bundle(world / "bundle.json")
+    plain = audit_report(bundle, ts, mode="consistent")
     ts.problems[0] = replace(ts.problems[0], extra={"finish_reason": "length"})
     ts.problems[1] = replace(ts.problems[1], extra={"finish_reason": "stop"})
-    rep = audit_report(load_bundle(world / "bundle.json"), ts, mode="consistent")
-    assert (rep["audits"], rep["unfinished_skipped"], rep["counted"]) == (800, 1, 799)
+    rep = audit_report(bundle, ts, mode="consistent")
+    n = rep["counted"]
+    assert (rep["audits"], rep["unfinished_censored"]) == (800, 1)
+    recovered = plain["never_correct_skipped"] - rep["never_correct_skipped"]  # 0 or 1
+    assert n == plain["counted"] + recovered
+    for row, was in zip(rep["deltas"], plain["deltas"]):
+        low, high = row["risk_range"]
+        assert row["censored"] == 1 and high - low == pytest.approx(1 / n)
+        assert row["lower"] <= was["lower"] + 1e-9 and row["upper"] >= was["upper"] - 1e-9
+    joint = audit_report(bundle, ts, mode="consistent", epsilon_split="joint")
+    assert joint["alpha"] == pytest.approx(rep["alpha"] / len(rep["deltas"]))
+    assert all(j["lower"] <= r["lower"] and j["upper"] >= r["upper"]
+               for j, r in zip(joint["deltas"], rep["deltas"]))

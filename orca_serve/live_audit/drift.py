@@ -27,7 +27,9 @@ to alpha, so under exchangeability the probability of ANY false alarm over an un
 <= alpha (union bound, valid although tests share the reference). The price: later tests need
 smaller p-values. ``alarm`` is sticky (drift was detected at some test; a new bundle means a new
 monitor); ``pvalue`` (the latest test's) is a monitoring statistic, not itself corrected for the
-repetition.
+repetition. ``spend=False`` tests every window at alpha and ``alarming`` says whether the latest
+test rejected: the test that decides whether a recalibrated lambda is trusted
+(orca_serve/live_audit/live.py), where a false rejection costs savings, not the guarantee.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class DriftMonitor:
     """
 
     def __init__(self, reference: DriftReference, window: int = DRIFT_WINDOW, alpha: float = 0.05,
-                 every: int | None = None) -> None:
+                 every: int | None = None, spend: bool = True) -> None:
         if window < 10:
             raise ValueError(f"drift window must be >= 10 requests, got {window}")
         if not 0.0 < alpha < 1.0:
@@ -106,6 +108,9 @@ class DriftMonitor:
         self.window = window
         self.alpha = alpha
         self.every = every or window
+        # False: every test at alpha, for a test whose false alarm only costs savings (the
+        # recalibrated lambda's, live.py), not a statement over the whole run
+        self.spend = spend
         self._ref_early = np.asarray(reference.early_mean, dtype=float)
         self._ref_stop = np.array([_NEVER if s is None else s for s in reference.stop_step],
                                   dtype=float)
@@ -116,6 +121,7 @@ class DriftMonitor:
         # latest test's p-value; None before the first test (1.0 would read as a test passed)
         self.pvalue: float | None = None
         self.alarm = False  # some test so far rejected at its alpha-spending level (sticky)
+        self.alarming = False  # the latest test rejected at its level (not sticky)
         self.alarms = 0  # tests that alarmed so far
         self._since = 0
 
@@ -125,8 +131,9 @@ class DriftMonitor:
         return None if bundle.drift is None else cls(bundle.drift, **kwargs)
 
     def threshold(self, j: int) -> float:
-        """The alpha-spending level of the j-th test (1-based): sum over j is alpha."""
-        return self.alpha / (j * (j + 1))
+        """The alpha-spending level of the j-th test (1-based): sum over j is alpha (alpha
+        itself without spending)."""
+        return self.alpha / (j * (j + 1)) if self.spend else self.alpha
 
     def observe(self, scores: Sequence[float], lam: float = NEVER) -> bool:
         """Add one finished request's smoothed scores (in step order, up to where it stopped).
@@ -160,13 +167,15 @@ class DriftMonitor:
         rejected = self.pvalue <= self.threshold(self.tests)
         self.alarms += int(rejected)
         self.alarm = self.alarm or rejected
+        self.alarming = rejected
 
     def to_dict(self) -> dict[str, Any]:
         """Monitoring state (not the reference, which the bundle holds)."""
         return {"window": self.window, "alpha": self.alpha, "every": self.every,
                 "recent": [list(r) for r in self._recent], "observed": self.observed,
                 "skipped": self.skipped, "tests": self.tests, "pvalue": self.pvalue,
-                "alarm": self.alarm, "alarms": self.alarms, "since": self._since}
+                "alarm": self.alarm, "alarming": self.alarming, "alarms": self.alarms,
+                "since": self._since}
 
     @classmethod
     def from_dict(cls, reference: DriftReference, d: dict[str, Any]) -> DriftMonitor:
@@ -176,4 +185,5 @@ class DriftMonitor:
             setattr(mon, name, int(d[name]))
         mon.pvalue = None if d["pvalue"] is None else float(d["pvalue"])
         mon.alarm, mon._since = bool(d["alarm"]), int(d["since"])
+        mon.alarming = bool(d.get("alarming", False))
         return mon

@@ -16,10 +16,11 @@ exchangeable with the calibration set. This module measures the realized risk of
 3. **Realized risk**: for every delta of the bundle's table, an audit's loss is its recorded
    online scores replayed with that delta's bundle lambda* (stop at the first score >= lambda*,
    loss 1 when the labels say the answer there was not yet right), fed to an anytime-valid
-   confidence sequence (`orca_serve.live_audit`, `ConfidenceSequence`). As in calibration, audits
-   whose labels are all 0 (never right) are left out when the bundle excluded them; so are
-   audits that did not finish (cut by max_tokens, aborted: `orca_serve.live_audit.attrition`), and
-   the table shows every such share.
+   confidence sequence (`orca_serve.live_audit`, `CensoredAlarm`). As in calibration, audits
+   whose labels are all 0 (never right) are left out when the bundle excluded them. Audits that
+   did not finish (cut by max_tokens, aborted: `orca_serve.live_audit.attrition`) have an
+   unknown loss: they enter censored (loss 0 for the alarm, 1 for the upper bound), so the
+   bounds hold for the whole traffic; the table shows every share.
 4. **The guard** (`DeltaGuard`): alarm for a delta = the lower bound of one of a family of
    confidence sequences restarted every 50 audits and kept at dyadic ages exceeds delta
    (`RestartedAlarm`; the table's risk and bounds are those of the whole history).
@@ -29,16 +30,25 @@ exchangeable with the calibration set. This module measures the realized risk of
    a share of epsilon (`recalibration_epsilon`) and serves that lambda, which then has its own
    confidence sequences and alarm (the next alarm: the next recalibration). Audits run in
    shadow, so their scores are complete whatever lambda is served, and each is measured at
-   every lambda a guard needs.
+   every lambda a guard needs. While a recalibrated lambda's own drift test (against the
+   scores of its window) alarms, that delta falls back. `--orca-audit-epsilon-split joint`
+   gives each of k deltas' guards epsilon / k.
 5. **Drift**: with a drift reference in the bundle, a `DriftMonitor` sees the scores of one
    choice of every finished request (audited or not).
 6. **Hot reload** (`hand_over`): a new bundle gets a new LiveAudit; the table, the guards, the
-   recalibration window and the drift monitor restart with it, because every one of them is about
-   one probe and its lambda*. Audits of requests the old bundle served (waiting for labels, being
+   recalibration window and the drift monitor are that bundle's, because every one of them is
+   about one probe and its lambda* (with an audit directory: resumed from the bundle's journal,
+   item 7). Audits of requests the old bundle served (waiting for labels, being
    labelled, or still running) are dropped, counted as `superseded` in the new table: their
    losses measure the old lambda*, and the old table is gone.
 
-Everything here runs on the server's event loop; nothing blocks a response.
+7. **State** (`attach`, orca_serve/live_audit/journal.py): with an audit directory every
+   admission and outcome is journalled per bundle checksum before the guards use it, and the
+   guards' state is the fold of the journal (`_apply`): a restart resumes it, and the servers
+   of one machine that share the directory share one sequence.
+
+Everything here runs on the server's event loop; nothing blocks a response but the journal's
+appends (one line per audit admitted, and one fsynced line per audit resolved).
 """
 
 from __future__ import annotations
@@ -56,21 +66,25 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from orca_method.bundle import Bundle
+from orca_method.bundle import Bundle, DriftReference
 from orca_method.ltt import calibrate, default_grid
 from orca_method.risk import cumulative, is_counted, request_loss
 from orca_method.thresholds import NEVER, lam_from_json, lam_to_json
 from orca_serve.live_audit.attrition import incomplete
-from orca_serve.live_audit.drift import DriftMonitor, reference_level
+from orca_serve.live_audit.drift import DriftMonitor, build_reference, reference_level
+from orca_serve.live_audit.journal import SNAPSHOT_EVERY, Journal
 from orca_serve.live_audit.labeller import AuditLabeller
 from orca_serve.live_audit.options import (
+    EPSILON_SPLITS,
     ON_ALARM,
     AuditConfig,
     audit_config,
+    audit_journal,
     audit_store,
+    guard_epsilon,
     store_info,
 )
-from orca_serve.live_audit.sequence import RestartedAlarm
+from orca_serve.live_audit.sequence import CensoredAlarm
 from orca_serve.metrics import LABEL
 from orca_serve.requests import error_body
 from orca_serve.vllm_plugin import decode_arrays
@@ -98,15 +112,16 @@ class AuditSampler:
 
 
 class CS(Protocol):
-    """What the guard needs of its statistics (orca_serve.live_audit.RestartedAlarm): the whole
-    history's mean and bounds, and the alarm."""
+    """What the guard needs of its statistics (orca_serve.live_audit.CensoredAlarm): the whole
+    history's mean and bounds, the audits counted with an unknown loss, and the alarm."""
 
     n: int
+    censored: int
     mean: float
     lower: float
     upper: float
 
-    def update(self, loss: float) -> None: ...
+    def update(self, loss: float, censored: bool = False) -> None: ...
 
     def alarm(self, delta: float) -> bool: ...
 
@@ -157,7 +172,10 @@ class Recalibrated:
     epsilon: float  # LTT's level for it (recalibration_epsilon)
     lam: float
     since: int  # audits admitted after this admission number measure it
-    cs: CS  # its own alarm (a fresh RestartedAlarm)
+    cs: CS  # its own alarm (a fresh CensoredAlarm)
+    # the scores of the window it was certified on, as a drift reference: while the live
+    # scores differ from them, the lambda is not trusted (DeltaGuard.distrusted)
+    drift: DriftMonitor | None = None
 
 
 @dataclass
@@ -168,7 +186,8 @@ class DeltaGuard:
     guard falls back (never stops early) until `window` audits ADMITTED AFTER the alarm are
     labelled, runs LTT once on those alone at `recalibration_epsilon(epsilon, k)` and serves
     that lambda (not below `floor`), then audits it with its own alarm; that alarm starts the
-    next wait and recalibration. The bundle's lambda* does not return within the process.
+    next wait and recalibration. The bundle's lambda* does not return for this bundle (with a
+    journal: not after a restart either).
     """
 
     delta: float
@@ -177,12 +196,14 @@ class DeltaGuard:
     on_alarm: str = "report"
     epsilon: float = 0.05  # the bundle's, split across recalibrations
     floor: float = 0.0  # a recalibrated lambda is served at least this high
+    drift_k: int = 10  # the drift statistics' early-mean steps (the bundle's smoothing window)
     lam: float = NEVER
     source: str = "bundle"
     engaged: bool = False  # alarmed and not cleared yet
     waiting_since: int | None = None  # recalibrate: the admission number the wait began at
     recalibrations: int = 0
     served: Recalibrated | None = None
+    distrusted: bool = False  # the served lambda's drift test alarms: fallback meanwhile
 
     def __post_init__(self) -> None:
         self.lam = self.bundle_lam
@@ -192,12 +213,13 @@ class DeltaGuard:
         """The realized risk of the bundle's lambda* exceeds delta (its lower bound does)."""
         return bool(self.cs.n) and bool(self.cs.alarm(self.delta))
 
-    def observe(self, seq: int, loss: Callable[[float], int]) -> None:
+    def observe(self, seq: int, loss: Callable[[float], int] | None) -> None:
         """One counted audit (admission number `seq`): its loss at the bundle's lambda*, and at
-        the recalibrated lambda when the audit was admitted after that lambda took effect."""
-        self.cs.update(loss(self.bundle_lam))
+        the recalibrated lambda when the audit was admitted after that lambda took effect.
+        `loss` None: a censored audit (cut or aborted), whose loss is unknown (CensoredAlarm)."""
+        self.cs.update(0.0 if loss is None else loss(self.bundle_lam), loss is None)
         if self.served is not None and seq > self.served.since:
-            self.served.cs.update(loss(self.served.lam))
+            self.served.cs.update(0.0 if loss is None else loss(self.served.lam), loss is None)
 
     def decide(self, now: int, window: Callable[[int], Window | None],
                ltt: Callable[[list[np.ndarray], list[np.ndarray], float, float], float],
@@ -214,7 +236,8 @@ class DeltaGuard:
         would flap with every loss near the boundary.
         """
         if self.on_alarm == "recalibrate":
-            return self._recalibrate(now, window, ltt, make_cs)
+            self._recalibrate(now, window, ltt, make_cs)
+            return self.trust()
         if self.alarm:
             self.engaged = True
         elif self.engaged and self.cs.upper <= self.delta:
@@ -239,17 +262,65 @@ class DeltaGuard:
             k = self.recalibrations + 1
             eps = recalibration_epsilon(self.epsilon, k)
             lam = max(ltt(data[0], data[1], self.delta, eps), self.floor)
-            self.served = Recalibrated(k, eps, lam, now, make_cs())
+            self.served = Recalibrated(k, eps, lam, now, make_cs(), self._window_drift(data[0]))
             self.recalibrations, self.waiting_since = k, None
         if self.served is not None:
             self.lam, self.source = self.served.lam, "audit"
         else:
             self.lam, self.source = self.bundle_lam, "bundle"
 
+    def _window_drift(self, scores: list[np.ndarray]) -> DriftMonitor | None:
+        """A drift test against the recalibration window's own scores (docs/AUDIT.md, "While
+        drift alarms after a recalibration"); None when no audit of it has a scored step."""
+        ref = build_reference(scores, self.drift_k, [self.floor])
+        return None if ref is None else _window_monitor(ref)
+
+    def state(self) -> dict[str, Any]:
+        """What the journal's snapshot keeps of this guard (its drift tests' observations are
+        the process's own and start empty)."""
+        r = self.served
+        cs: Any = self.cs  # a CensoredAlarm (LiveAudit._snapshot checks that it can be saved)
+        return {"delta": self.delta, "cs": cs.to_dict(), "engaged": self.engaged,
+                "waiting_since": self.waiting_since, "recalibrations": self.recalibrations,
+                "lam": lam_to_json(self.lam), "source": self.source,
+                "served": None if r is None else {
+                    "k": r.k, "epsilon": r.epsilon, "lam": lam_to_json(r.lam), "since": r.since,
+                    "cs": r.cs.to_dict(),  # type: ignore[attr-defined]
+                    "drift": None if r.drift is None else r.drift.reference.model_dump()}}
+
+    def restore(self, d: dict[str, Any]) -> None:
+        self.cs = CensoredAlarm.from_dict(d["cs"])
+        self.engaged, self.waiting_since = bool(d["engaged"]), d["waiting_since"]
+        self.recalibrations = int(d["recalibrations"])
+        self.lam, self.source = lam_from_json(d["lam"]), d["source"]
+        r = d["served"]
+        self.served = None if r is None else Recalibrated(
+            r["k"], r["epsilon"], lam_from_json(r["lam"]), r["since"],
+            CensoredAlarm.from_dict(r["cs"]),
+            None if r["drift"] is None else _window_monitor(DriftReference.model_validate(
+                r["drift"])))
+        self.trust()
+
+    def see(self, scores: list[float], lam: float) -> None:
+        """A finished request's scores (one choice): to the served lambda's drift test."""
+        if self.served is not None and self.served.drift is not None:
+            self.served.drift.observe(scores, lam)
+            self.trust()
+
+    def trust(self) -> None:
+        """Under `recalibrate`: fall back while the recalibrated lambda's drift test alarms at
+        its latest test (the traffic is no longer the window's), serve it again when not."""
+        drift = None if self.served is None else self.served.drift
+        self.distrusted = drift is not None and drift.alarming
+        if self.distrusted:
+            self.lam, self.source = NEVER, "fallback"
+        elif self.served is not None and self.waiting_since is None:
+            self.lam, self.source = self.served.lam, "audit"
+
     def row(self) -> dict[str, Any]:
         n = int(self.cs.n)
-        out = {"delta": self.delta, "n": n,
-               "risk": float(self.cs.mean) if n else None,
+        out = {"delta": self.delta, "n": n, "censored": int(self.cs.censored),
+               "risk": _finite(self.cs.mean), "risk_range": _range(self.cs),
                "lower": float(self.cs.lower), "upper": float(self.cs.upper),
                "alarm": self.alarm, "engaged": self.engaged,
                **dict(zip(("alarm_since", "alarm_lower"), self.cs.alarm_source(self.delta))),
@@ -257,8 +328,28 @@ class DeltaGuard:
                "bundle_lambda": lam_to_json(self.bundle_lam)}
         if self.on_alarm == "recalibrate":
             out.update(recalibrations=self.recalibrations, waiting_since=self.waiting_since,
+                       distrusted=self.distrusted,
                        recalibrated=None if self.served is None else _served_row(self))
         return out
+
+
+def _window_monitor(ref: DriftReference) -> DriftMonitor:
+    """The drift test of a recalibrated lambda: windows of the reference's size (the
+    recalibration window's audits), tested every half window."""
+    size = len(ref.early_mean)
+    return DriftMonitor(ref, window=max(10, size // 2), every=max(5, size // 4), spend=False)
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isnan(float(x)) else float(x)
+
+
+def _range(cs: CS) -> list[float] | None:
+    """[risk with the censored audits at loss 0, at loss 1] (None before the first audit)."""
+    if not cs.n:
+        return None
+    rng = getattr(cs, "risk_range", None)
+    return [float(cs.mean)] * 2 if rng is None else [float(rng[0]), float(rng[1])]
 
 
 def _served_row(g: DeltaGuard) -> dict[str, Any]:
@@ -267,8 +358,12 @@ def _served_row(g: DeltaGuard) -> dict[str, Any]:
     assert r is not None
     n = int(r.cs.n)
     return {"k": r.k, "epsilon": r.epsilon, "lambda": lam_to_json(r.lam), "since": r.since, "n": n,
-            "risk": float(r.cs.mean) if n else None, "lower": float(r.cs.lower),
-            "upper": float(r.cs.upper), "alarm": bool(n) and bool(r.cs.alarm(g.delta))}
+            "censored": int(r.cs.censored), "risk": _finite(r.cs.mean) if n else None,
+            "risk_range": _range(r.cs), "lower": float(r.cs.lower),
+            "upper": float(r.cs.upper), "alarm": bool(n) and bool(r.cs.alarm(g.delta)),
+            "drift": None if r.drift is None else {"pvalue": float(r.drift.pvalue),
+                                                   "alarm": bool(r.drift.alarming),
+                                                   "tests": r.drift.tests}}
 
 
 def _shown(lam: float) -> str:
@@ -295,7 +390,7 @@ def log_change(g: DeltaGuard, was_engaged: bool, was_source: str, was_lam: float
 
 
 def _default_cs_factory(epsilon: float) -> Callable[[], CS]:
-    return lambda: RestartedAlarm(epsilon)
+    return lambda: CensoredAlarm(epsilon)
 
 
 def _default_loss(scores: np.ndarray, labels: np.ndarray, lam: float) -> int:
@@ -313,7 +408,13 @@ class _Job:
 
 
 class LiveAudit:
-    """The server's audit state: sampling, the labelling queue, guards, table and metrics."""
+    """The server's audit state: sampling, the labelling queue, guards, table and metrics.
+
+    The guards' state is a fold over the ordered audit events (`_apply`): admissions and
+    outcomes. With a journal (`attach`) every event goes through it first, so the state
+    survives restarts and is shared by the processes that share the journal
+    (orca_serve/live_audit/journal.py); without one the events are applied directly.
+    """
 
     def __init__(self, bundle: Bundle, config: AuditConfig, *,
                  cs_factory: Callable[[], CS] | None = None,
@@ -321,10 +422,15 @@ class LiveAudit:
                  drift: Any = None) -> None:
         if config.on_alarm not in ON_ALARM:
             raise ValueError(f"on_alarm must be one of {ON_ALARM}, got {config.on_alarm!r}")
+        if config.epsilon_split not in EPSILON_SPLITS:
+            raise ValueError(f"epsilon_split must be one of {EPSILON_SPLITS}, "
+                             f"got {config.epsilon_split!r}")
         self.bundle = bundle
         self.config = config
         self.sampler = AuditSampler(config.rate, config.seed)
-        self.make_cs = cs_factory or _default_cs_factory(bundle.ltt.epsilon)
+        self.guard_epsilon = guard_epsilon(bundle.ltt.epsilon, len(bundle.deltas()),
+                                           config.epsilon_split)
+        self.make_cs = cs_factory or _default_cs_factory(self.guard_epsilon)
         self.loss = loss or _default_loss
         # audits measure the risk under consistency labels; a bundle certified under others is
         # only reported on unless the operator lets the guard act (--orca-guard-other-labels)
@@ -336,8 +442,9 @@ class LiveAudit:
         floor = reference_level([bundle.lam(d) for d in bundle.deltas()])
         self.guards = {d: DeltaGuard(d, bundle.lam(d), self.make_cs(),
                                      config.on_alarm if self.guard_acts else "report",
-                                     epsilon=bundle.ltt.epsilon,
-                                     floor=0.0 if math.isinf(floor) else floor)
+                                     epsilon=self.guard_epsilon,
+                                     floor=0.0 if math.isinf(floor) else floor,
+                                     drift_k=bundle.drift.k if bundle.drift else bundle.window)
                        for d in bundle.deltas()}
         if not self.labels_match and config.rate > 0:
             logger.warning("orca audit: the bundle was calibrated with %s labels but live audits "
@@ -351,10 +458,15 @@ class LiveAudit:
         # what became of each audit admitted after the oldest pending wait of a guard: its
         # (scores, labels) when it entered the risk, None when it did not (see _resolve)
         self._resolved: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
+        self._open: dict[int, str | None] = {}  # admitted, not resolved yet: seq -> owner
+        self.replayed = 0  # events read back from the journal when it was attached
+        self._unsaved = 0  # events applied since the last snapshot
         self.counts = {"picked": 0, "labelled": 0, "dropped": 0, "failed": 0, "aborted": 0,
-                       "length": 0, "unsolvable": 0, "unaligned": 0, "superseded": 0}
+                       "length": 0, "unsolvable": 0, "unaligned": 0, "superseded": 0,
+                       "lost": 0}
         self.labeller: Any = None  # AuditLabeller, made on first use (needs the engine client)
         self.store: Any = None  # AuditStore when a directory is configured
+        self.journal: Journal | None = None  # the events on disk, when a directory is configured
         self.collector: AuditCollector | None = None  # its metrics, when registered
         self.retired = False  # replaced by a hot reload: takes nothing in any more
         self._pending: dict[str, tuple[dict[str, Any], int]] = {}
@@ -369,6 +481,124 @@ class LiveAudit:
                 return g
         raise KeyError(f"delta {delta} is not in the bundle's table")
 
+    # -- the events (the only way the guards' state changes) ----------------------------------
+    def attach(self, journal: Journal) -> None:
+        """Take the journal of this bundle: replay what it holds (earlier processes, or others
+        running now), then journal every event; audits a dead process left open are lost."""
+        self.journal = journal
+        state = journal.read_snapshot()
+        if state is not None and state.get("settings") == self._settings():
+            self._restore(state)
+        else:
+            state = None
+            journal.rewind()
+        events = journal.read()
+        for e in events:
+            self._apply(e, quiet=True)
+        self.replayed = len(events)
+        if events or state is not None:
+            rows = ", ".join(f"delta {g.delta:g}: {g.cs.n} audits, lambda {_shown(g.lam)} "
+                             f"({g.source})" for g in self.guards.values())
+            logger.info("orca audit: resumed %s from %s (%s%d events replayed)", rows,
+                        journal.path, "a snapshot and " if state is not None else "",
+                        len(events))
+        if len(events) >= SNAPSHOT_EVERY:
+            self._snapshot()
+        self.reap()
+
+    def _settings(self) -> dict[str, Any]:
+        """What the fold depends on besides the events: a snapshot folded under other settings
+        is not used (the journal is replayed under the current ones instead)."""
+        return {"on_alarm": [g.on_alarm for g in self.guards.values()],
+                "window": self.config.window, "guard_epsilon": self.guard_epsilon}
+
+    def _snapshot(self) -> None:
+        """Write the folded state (journal.py, "Snapshots"); skipped for statistics that cannot
+        be saved (tests' fakes)."""
+        assert self.journal is not None
+        self._unsaved = 0
+        if not all(hasattr(g.cs, "to_dict") for g in self.guards.values()):
+            return
+        self.journal.write_snapshot({
+            "settings": self._settings(), "admitted": self.admitted,
+            "open": [[seq, owner] for seq, owner in self._open.items()],
+            "resolved": [[seq, None if v is None else [v[0].tolist(), v[1].tolist()]]
+                         for seq, v in self._resolved.items()],
+            "lost": self.counts["lost"], "guards": [g.state() for g in self.guards.values()]})
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.admitted = int(state["admitted"])
+        self._open = {int(seq): owner for seq, owner in state["open"]}
+        self._resolved = {int(seq): None if v is None else
+                          (np.asarray(v[0], dtype=float), np.asarray(v[1], dtype=np.int8))
+                          for seq, v in state["resolved"]}
+        self.counts["lost"] = int(state["lost"])
+        for g, d in zip(self.guards.values(), state["guards"]):
+            g.restore(d)
+
+    def _event(self, event: dict[str, Any]) -> None:
+        """Journal one event (first applying what other processes journalled before it), or
+        apply it directly without a journal. Outcomes are fsynced, admissions not."""
+        if self.journal is None:
+            return self._apply(event)
+        events = self.journal.append(event, durable="a" not in event)
+        for e in events:
+            self._apply(e)
+        self._count_unsaved(len(events))
+
+    def _count_unsaved(self, n: int) -> None:
+        self._unsaved += n
+        if self._unsaved >= SNAPSHOT_EVERY:
+            self._snapshot()
+
+    def sync(self) -> None:
+        """Apply what other processes journalled since (cheap when nothing was: one fstat);
+        while a guard waits for a window, also reap the audits of processes that are gone."""
+        if self.journal is None:
+            return
+        events = self.journal.read()
+        for e in events:
+            self._apply(e)
+        self._count_unsaved(len(events))
+        if any(g.waiting_since is not None for g in self.guards.values()):
+            self.reap()
+
+    def reap(self) -> None:
+        """Journal as `lost` the open audits of processes that are gone (their admissions would
+        keep a recalibration window waiting for ever)."""
+        if self.journal is None:
+            return
+        owners = {owner for owner in self._open.values() if owner is not None}
+        dead = {owner for owner in owners if not self.journal.alive(owner)}
+        for seq, owner in list(self._open.items()):
+            if owner in dead:
+                self._event({"r": seq, "o": "lost"})
+
+    def _apply(self, e: dict[str, Any], quiet: bool = False) -> None:
+        """Fold one event into the guards (identically in every process that reads it)."""
+        if "a" in e:
+            self.admitted += 1
+            self._open[self.admitted] = e["a"]
+            return
+        seq, outcome = int(e["r"]), e["o"]
+        if seq not in self._open:
+            return  # resolved twice (two processes reaped it at once): the first counts
+        del self._open[seq]
+        if outcome == "lost":
+            self.counts["lost"] += 1
+        item = None
+        if "s" in e:
+            item = (np.asarray(e["s"], dtype=float), np.asarray(e["l"], dtype=np.int8))
+        if outcome == "risk":
+            assert item is not None
+            s, labels = item
+            for g in self.guards.values():
+                g.observe(seq, lambda lam: self.loss(s, labels, lam))
+        elif outcome == "censored":
+            for g in self.guards.values():
+                g.observe(seq, None)
+        self._resolve(seq, item if outcome in ("risk", "censored") else None, quiet)
+
     # -- the request path (cheap, synchronous) -----------------------------------------------
     def admit(self, body: dict[str, Any], settings: Any) -> tuple[dict[str, Any], Any]:
         """The body and settings a resolved request runs with: the guard's lambda, audited or not.
@@ -379,17 +609,25 @@ class LiveAudit:
         if not settings.enabled:
             return body, settings
         picked = self.sampler.pick()
+        self.sync()
+        if picked:
+            self.counts["picked"] += 1
+            seq = self._admit()
         g = self.guard(settings.delta)
         changes: dict[str, Any] = {"lam": None if math.isinf(g.lam) else g.lam,
                                    "lam_source": g.source}
         if picked:
-            self.counts["picked"] += 1
-            self.admitted += 1
             changes["audited"] = True
             self._pending[settings.key] = (
-                {k: body[k] for k in ("messages", "prompt") if k in body}, self.admitted)
+                {k: body[k] for k in ("messages", "prompt") if k in body}, seq)
         settings = replace(settings, **changes)
         return {**body, "vllm_xargs": {**body.get("vllm_xargs", {}), **settings.xargs()}}, settings
+
+    def _admit(self) -> int:
+        """Admit one audit; its admission number (global across the journal's processes)."""
+        self._event({"a": None if self.journal is None else self.journal.owner})
+        # the newest admission of this owner: ours (one process admits one at a time)
+        return self.admitted
 
     def finished(self, settings: Any, results: dict[int, dict[str, Any] | None],
                  finish_reasons: dict[int, str | None]) -> None:
@@ -398,12 +636,12 @@ class LiveAudit:
         if self.retired:
             return
         first = results.get(0)
-        if self.drift is not None and first and first.get("scores") and not first.get("error"):
+        if first and first.get("scores") and not first.get("error"):
             # one choice per request: the choices of one prompt share its difficulty, so n of
             # them are not n independent draws the test could count. Shadow runs (audits)
             # never stop: their scores are complete.
             lam = NEVER if first.get("policy") == "shadow" else lam_from_json(first.get("lam"))
-            self.drift.observe(list(first["scores"]), lam)
+            self.see(list(first["scores"]), lam)
         pending = self._pending.pop(settings.key, None)
         if pending is None:
             return
@@ -412,18 +650,28 @@ class LiveAudit:
                f"the engine reported an error: {first['error']}" if first.get("error") else
                "the result has no recording" if "step_tokens" not in first else
                "no reasoning step to label" if not first["step_tokens"] else None)
-        if why is not None:
-            self.counts["failed"] += 1
-            logger.warning("orca audit %s failed: %s", settings.key, why)
-            return self._resolve(seq, None)
         reason = finish_reasons.get(0)
         cut = incomplete(reason)
-        if cut is not None:  # its trace is not the one a finished request has: left out
+        if cut is not None:  # cut or aborted: its loss is unknown, it enters as censored
             self.counts[cut] += 1
-            return self._resolve(seq, None)
-
+            if why is not None:  # nothing to label: censored without a record
+                return self._event({"r": seq, "o": "censored"})
+        elif why is not None:
+            self.counts["failed"] += 1
+            logger.warning("orca audit %s failed: %s", settings.key, why)
+            return self._event({"r": seq, "o": "out"})
         self._submit(_Job(settings.key, rec, decode_arrays(first), seq, reason,
                           settings.lam_source))
+
+    def see(self, scores: list[float], lam: float) -> None:
+        """One finished request's scores (choice 0): to the bundle's drift test and to the
+        drift tests of the recalibrated lambdas served."""
+        if self.drift is not None:
+            self.drift.observe(scores, lam)
+        for g in self.guards.values():
+            before = (g.engaged, g.source, g.lam)
+            g.see(scores, lam)
+            log_change(g, *before)
 
     def _submit(self, job: _Job) -> None:
         if self._queue is None:
@@ -432,7 +680,7 @@ class LiveAudit:
             self._queue.put_nowait(job)
         except asyncio.QueueFull:
             self.counts["dropped"] += 1
-            return self._resolve(job.seq, None)
+            return self._event({"r": job.seq, "o": "out"})
         if self._worker is None or self._worker.done():
             self._worker = asyncio.ensure_future(self._work())
 
@@ -446,7 +694,7 @@ class LiveAudit:
             except Exception as e:  # noqa: BLE001 - one bad audit must not stop the others
                 if not self.retired:
                     self.counts["failed"] += 1
-                    self._resolve(job.seq, None)
+                    self._event({"r": job.seq, "o": "out"})
                 logger.warning("orca audit %s failed: %r", job.key, e)
 
     async def _process(self, job: _Job) -> None:
@@ -462,37 +710,49 @@ class LiveAudit:
                                     "lambda_source": job.lambda_source, "seq": job.seq}
         if self.retired:  # replaced while it was being labelled (counted by the successor)
             return
+        # the outcome first (the statistics), then the record: a crash between the two loses
+        # the record's embeddings, never the audit's place in the risk
+        self.observe(list(job.result["scores"]), record["labels"][AUDIT_LABEL_MODE], job.seq,
+                     censored=incomplete(job.finish_reason) is not None)
         if self.store is not None:
             await asyncio.to_thread(self.store.append, record, job.result["step_embeddings"])
-        self.observe(list(job.result["scores"]), record["labels"][AUDIT_LABEL_MODE], job.seq)
 
-    def observe(self, scores: list[float], raw_labels: list[int], seq: int | None = None) -> None:
+    def observe(self, scores: list[float], raw_labels: list[int], seq: int | None = None, *,
+                censored: bool = False) -> None:
         """One labelled audit: losses at every lambda a guard measures, then every guard decides.
 
         `seq`: its admission number; None for an audit fed directly (tests, simulations),
-        admitted and labelled at once.
+        admitted and labelled at once. `censored`: it was cut by max_tokens or aborted, so
+        its loss is unknown (it enters both ends of the bounds, CensoredAlarm); its labels
+        (up to the cut, as calibration labels a cut trajectory) still go to a recalibration
+        window.
         """
         if seq is None:
-            self.admitted += 1
-            seq = self.admitted
-        self.counts["labelled"] += 1
+            seq = self._admit()
+        if not censored:
+            self.counts["labelled"] += 1
         labels = cumulative(np.asarray(raw_labels))
+        s = None
         if not is_counted(labels, self.bundle.ltt.excluded_never_correct):
-            self.counts["unsolvable"] += 1
-            return self._resolve(seq, None)
-        s = aligned_scores(scores, len(labels))
-        if s is None:
-            self.counts["unaligned"] += 1
-            logger.warning("orca audit: %d scores for %d steps; left out", len(scores), len(labels))
-            return self._resolve(seq, None)
-        for g in self.guards.values():
-            g.observe(seq, lambda lam: self.loss(s, labels, lam))
-        self._resolve(seq, (s, labels))
+            if not censored:
+                self.counts["unsolvable"] += 1
+        else:
+            s = aligned_scores(scores, len(labels))
+            if s is None:
+                self.counts["unaligned"] += 1
+                logger.warning("orca audit: %d scores for %d steps; left out", len(scores),
+                               len(labels))
+        event: dict[str, Any] = {"r": seq, "o": "censored" if censored else
+                                 "risk" if s is not None else "out"}
+        if s is not None:
+            event.update(s=s.tolist(), l=labels.tolist())
+        self._event(event)
 
-    def _resolve(self, seq: int, item: tuple[np.ndarray, np.ndarray] | None) -> None:
+    def _resolve(self, seq: int, item: tuple[np.ndarray, np.ndarray] | None,
+                 quiet: bool = False) -> None:
         """An audit's outcome is known: keep it while a guard waits for audits admitted after
-        its alarm, then let every guard decide. An audit left out (failed, dropped, cut,
-        never right, unaligned) resolves as None: the window skips it but waits for it, so the
+        its alarm, then let every guard decide. An audit left out (failed, dropped, never
+        right, unaligned, lost) resolves as None: the window skips it but waits for it, so the
         window is the first audits by admission, not the first to finish (short ones)."""
         waits = [g.waiting_since for g in self.guards.values() if g.waiting_since is not None]
         if waits and seq > min(waits):
@@ -500,7 +760,8 @@ class LiveAudit:
         for g in self.guards.values():
             before = (g.engaged, g.source, g.lam)
             g.decide(self.admitted, self._window, self._ltt, self.make_cs)
-            log_change(g, *before)
+            if not quiet:
+                log_change(g, *before)
         waits = [g.waiting_since for g in self.guards.values() if g.waiting_since is not None]
         oldest = min(waits, default=self.admitted)
         for old in [q for q in self._resolved if q <= oldest]:
@@ -553,21 +814,30 @@ class LiveAudit:
                     self.store.close()
                 successor.store = audit_store(successor.config, successor.bundle)
         self.store = None
+        if self.journal is not None:  # closed first: the successor may open the same file
+            self.journal.close()
+            self.journal = None
+        if successor.config.directory is not None and successor.journal is None:
+            successor.attach(audit_journal(successor.config, successor.bundle))
         successor.engine_client = self.engine_client
 
     # -- reading -----------------------------------------------------------------------------
     def attrition(self) -> dict[str, float | None]:
-        """Shares of the picked audits that never entered the risk, by cause: bias diagnostics.
+        """Shares of the picked audits that did not enter the risk with a known loss, by cause:
+        bias diagnostics.
 
         A uniform sample stays uniform only if what is lost is lost at random; a cause whose
-        share is not small (cut by max_tokens, failing, unaligned) can depend on the request,
-        and then the risk measured on the rest is not the traffic's."""
+        share is not small (failing, unaligned) can depend on the request, and then the risk
+        measured on the rest is not the traffic's. Cut and aborted audits (`length`,
+        `aborted`) are in the risk as censored (CensoredAlarm): their share is what widens
+        the bounds."""
         picked = self.counts["picked"]
         return {k: (self.counts[k] / picked if picked else None)
                 for k in ("dropped", "failed", "aborted", "length", "unaligned", "unsolvable")}
 
     def table(self) -> dict[str, Any]:
         """GET /v1/orca/audit."""
+        self.sync()
         c = self.config
         out: dict[str, Any] = {
             "bundle_checksum": self.bundle.checksum,
@@ -575,8 +845,11 @@ class LiveAudit:
             "bundle_label_mode": self.bundle.label_mode, "labels_match": self.labels_match,
             "guard_acts": self.guard_acts,
             "epsilon": self.bundle.ltt.epsilon,
+            "epsilon_split": c.epsilon_split, "guard_epsilon": self.guard_epsilon,
             "recalibrate_window": c.window if c.on_alarm == "recalibrate" else None,
             "directory": None if self.store is None else str(self.store.root),
+            "journal": None if self.journal is None else str(self.journal.path),
+            "admitted": self.admitted, "open": len(self._open), "replayed": self.replayed,
             "queued": 0 if self._queue is None else self._queue.qsize(),
             **self.counts,
             "attrition": self.attrition(),
@@ -631,6 +904,10 @@ class AuditCollector(Collector):
                                        "bound of the realized risk", labels=[LABEL, "delta"]),
             "alarm": GaugeMetricFamily("orca_audit_alarm", "1 when the lower bound exceeds delta",
                                        labels=[LABEL, "delta"]),
+            "censored": GaugeMetricFamily("orca_audit_censored", "Audits in the risk with an "
+                                          "unknown loss (cut by max_tokens or aborted): loss 0 "
+                                          "for the lower bound, 1 for the upper",
+                                          labels=[LABEL, "delta"]),
         }
         lam = GaugeMetricFamily("orca_audit_lambda", "lambda served for this delta (+Inf: never "
                                 "stops early) and where it comes from", labels=[LABEL, "delta", "source"])
@@ -640,6 +917,7 @@ class AuditCollector(Collector):
             fams["lower"].add_metric([m, d], row["lower"])
             fams["upper"].add_metric([m, d], row["upper"])
             fams["alarm"].add_metric([m, d], float(row["alarm"]))
+            fams["censored"].add_metric([m, d], float(row["censored"]))
             lam.add_metric([m, d, g.source], g.lam)
         yield from fams.values()
         yield lam
@@ -670,6 +948,7 @@ def make_live_audit(ns: argparse.Namespace, bundle: Any, registry: Any,
     live = LiveAudit(bundle, config, drift=DriftMonitor.from_bundle(bundle))
     if store and config.directory is not None:
         live.store = audit_store(config, bundle)
+        live.attach(audit_journal(config, bundle))
     if registry is not None:
         live.collector = AuditCollector(live, model_name)
         registry.register(live.collector)

@@ -15,9 +15,14 @@ from typing import Any
 from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX, ProbeSettings
 from orca_method.labels import require_math_verify
 from orca_serve.argtypes import fraction, integer
+from orca_serve.live_audit.journal import Journal, journal_path
 from orca_serve.live_audit.store import AuditStore
 
 ON_ALARM = ("report", "fallback", "recalibrate")
+# how the guards share the bundle's epsilon (docs/AUDIT.md, "Several deltas"): each delta its
+# own epsilon, the bundle's per-delta statement (the default), or epsilon / k for each of k
+# deltas, so the bounds hold for all of them at once
+EPSILON_SPLITS = ("per-delta", "joint")
 
 # the embedded demo model's answer-forcing text and budget (calibration/jobs/toy.yaml)
 DEMO_SUFFIX = "\n</think>\nThe answer is \\boxed{"
@@ -32,6 +37,7 @@ class AuditConfig:
     seed: int | None = None
     directory: Path | None = None
     on_alarm: str = "report"
+    epsilon_split: str = "per-delta"
     other_labels: bool = False  # let on_alarm act although the bundle's label mode is not the audit's
     window: int = 200  # audits LTT recalibrates on (on_alarm=recalibrate)
     queue: int = 64  # finished audits waiting for labels; more are dropped
@@ -74,6 +80,10 @@ def add_audit_args(parser: argparse.ArgumentParser) -> None:
                    "certified one. Without it such a bundle's guard only reports.")
     g.add_argument("--orca-recalibrate-window", type=integer(1), default=200, metavar="N",
                    help="Audits LTT recalibrates on (--orca-on-alarm recalibrate).")
+    g.add_argument("--orca-audit-epsilon-split", choices=EPSILON_SPLITS, default="per-delta",
+                   help="per-delta: each delta's alarm and recalibrations at the bundle's "
+                   "epsilon (LTT's own per-delta statement); joint: epsilon / (number of "
+                   "deltas) each, so the bounds hold for all deltas at once.")
 
 
 def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
@@ -110,6 +120,7 @@ def audit_config(ns: argparse.Namespace) -> AuditConfig:
         rate=ns.orca_audit_rate, seed=ns.orca_audit_seed,
         directory=Path(ns.orca_audit_dir).absolute() if ns.orca_audit_dir else None,
         on_alarm=ns.orca_on_alarm, other_labels=bool(ns.orca_guard_other_labels),
+        epsilon_split=getattr(ns, "orca_audit_epsilon_split", "per-delta"),
         window=ns.orca_recalibrate_window, queue=ns.orca_audit_queue,
         per_dir=ns.orca_audit_per_dir, keep=ns.orca_audit_keep,
         probe=ProbeSettings(suffix=suffix, answer_tokens=tokens,
@@ -125,6 +136,16 @@ def store_info(bundle: Any) -> dict[str, Any]:
             "model_config": None if bundle.model.config_fingerprint is None
             else bundle.model.config_fingerprint.model_dump(),
             "source": "orca-serve live audit"}
+
+
+def guard_epsilon(epsilon: float, deltas: int, split: str) -> float:
+    """The level each delta's guard spends: the bundle's epsilon, or a k-th of it (joint)."""
+    return epsilon / max(1, deltas) if split == "joint" else epsilon
+
+
+def audit_journal(config: AuditConfig, bundle: Any) -> Journal:
+    """The bundle's event journal in the audit directory (orca_serve/live_audit/journal.py)."""
+    return Journal(journal_path(config.directory, bundle.checksum), bundle.checksum)
 
 
 def audit_store(config: AuditConfig, bundle: Any) -> Any:

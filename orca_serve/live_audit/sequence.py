@@ -297,3 +297,119 @@ class RestartedAlarm:
         if self.shape != ():
             return since, lower
         return (None, None) if since < 0 else (int(since), float(lower))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready state (the live members' sequences); ``from_dict`` restores it."""
+        return {"kind": "restarted-alarm", "epsilon": self.epsilon, "every": self.every,
+                "span": self.span, "grid_size": self.grid_size, "shape": list(self.shape),
+                "members": [[start, cs.to_dict()] for start, cs in self.members]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RestartedAlarm:
+        if d.get("kind") != "restarted-alarm":
+            raise ValueError(f"not a restarted alarm state: kind {d.get('kind')!r}")
+        fam = cls(d["epsilon"], d["every"], d["span"], d["grid_size"], tuple(d["shape"]))
+        fam.members = [(int(start), ConfidenceSequence.from_dict(cs)) for start, cs in d["members"]]
+        return fam
+
+
+class CensoredAlarm:
+    """The guard's statistics when some audits' losses are unknown (censored, `censored=True`).
+
+    An audit cut by max_tokens or aborted has no loss that the whole traffic's risk could be
+    estimated from: the answer the request would have reached is unknown, and leaving it out
+    biases the risk low exactly when being cut goes with being wrong (hard problems run long).
+    Its loss is only known to lie in [0, 1], so it enters twice, at both ends:
+
+    - the ALARM (`RestartedAlarm`, lower bounds) counts it as loss 0. Each loss fed there is
+      at most the audit's true loss, so the fed mean is at most the traffic's risk, and a lower
+      bound above delta still establishes risk > delta at the alarm's level (epsilon / 2);
+    - the UPPER bound (a `ConfidenceSequence` at epsilon / 2, the level of the alarm's member
+      0) counts it as loss 1: the fed mean is at least the risk, so the upper bound, and the
+      clearing that reads it, stay on the safe side.
+
+    The displayed interval [lower, upper] (member 0's lower bound, the upper sequence's upper
+    bound; each side at level epsilon / 4) covers the whole traffic's risk at all times with
+    probability >= 1 - epsilon / 2, whatever the censored audits' losses are, so also for
+    calibration's convention (a cut trajectory labelled up to its cut; docs/METHOD.md) and for
+    a cut that depends on the loss. The price: the interval is at least the censored share
+    wide, and the alarm sees the risk less the censored audits' share of it.
+
+    `mean` is the mean over the uncensored audits; `risk_range` the means with censored audits
+    at 0 and at 1. Batched over `shape` like `RestartedAlarm` (the simulations use it).
+    """
+
+    def __init__(self, epsilon: float = 0.05, every: int = RESTART_EVERY,
+                 span: int = RESTART_SPAN, grid_size: int = DEFAULT_GRID,
+                 shape: tuple[int, ...] = ()) -> None:
+        self.shape = tuple(shape)
+        self.alarm_side = RestartedAlarm(epsilon, every, span, grid_size, self.shape)
+        self.upper_side = ConfidenceSequence(epsilon / 2, grid_size, self.shape)
+        self._censored = np.zeros(self.shape, dtype=np.int64)
+
+    def update(self, loss: float | np.ndarray, censored: bool | np.ndarray = False) -> None:
+        """One audit per stream: its loss, or (where `censored`) an unknown loss in [0, 1]
+        (the value passed there is ignored)."""
+        cut = np.broadcast_to(np.asarray(censored, dtype=bool), self.shape)
+        x = np.where(cut, 0.0, np.asarray(loss, dtype=float))
+        self.alarm_side.update(x)
+        self.upper_side.update(np.where(cut, 1.0, x))
+        self._censored = self._censored + cut
+
+    def _out(self, a: np.ndarray) -> Any:
+        return a.item() if self.shape == () else a
+
+    @property
+    def n(self) -> int:
+        return self.alarm_side.n
+
+    @property
+    def censored(self) -> int | np.ndarray:
+        """Audits counted with an unknown loss (per stream)."""
+        return self._out(self._censored)
+
+    @property
+    def mean(self) -> float | np.ndarray:
+        """Mean loss of the uncensored audits (NaN before the first one)."""
+        finished = self.n - self._censored
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out = np.where(finished > 0, np.asarray(self.alarm_side.mean) * self.n
+                           / np.maximum(finished, 1), np.nan)
+        return self._out(np.asarray(out, dtype=float))
+
+    @property
+    def risk_range(self) -> tuple[Any, Any]:
+        """(mean with every censored audit at loss 0, mean with them at loss 1)."""
+        return self.alarm_side.mean, self.upper_side.mean
+
+    @property
+    def lower(self) -> float | np.ndarray:
+        return self.alarm_side.lower
+
+    @property
+    def upper(self) -> float | np.ndarray:
+        return self.upper_side.upper
+
+    def alarm(self, delta: float | np.ndarray) -> bool | np.ndarray:
+        """True when the risk, censored audits counted at loss 0, exceeds ``delta`` (see
+        RestartedAlarm; false-alarm level epsilon / 2 for the whole traffic's risk)."""
+        return self.alarm_side.alarm(delta)
+
+    def alarm_source(self, delta: float | np.ndarray) -> tuple[Any, Any]:
+        return self.alarm_side.alarm_source(delta)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready state; ``from_dict`` restores it (the audit journal's snapshots)."""
+        return {"kind": "censored-alarm", "alarm_side": self.alarm_side.to_dict(),
+                "upper_side": self.upper_side.to_dict(), "censored": self._censored.tolist()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CensoredAlarm:
+        if d.get("kind") != "censored-alarm":
+            raise ValueError(f"not a censored alarm state: kind {d.get('kind')!r}")
+        out = cls.__new__(cls)
+        out.alarm_side = RestartedAlarm.from_dict(d["alarm_side"])
+        out.upper_side = ConfidenceSequence.from_dict(d["upper_side"])
+        out.shape = out.alarm_side.shape
+        out._censored = np.asarray(d["censored"], dtype=np.int64)
+        return out

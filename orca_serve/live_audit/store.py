@@ -9,10 +9,17 @@ killed server loses at most the audit in flight. A directory holds at most `per_
 the next one is started, and only the newest `keep` directories are kept (the disk use is bounded
 by about per_dir * keep audits). A restarted server resumes the newest directory when its settings
 match (same model and procedure), and starts a new one otherwise.
+
+Several servers may share one `--orca-audit-dir` (they share the guards' journal,
+orca_serve/live_audit/journal.py): each directory has one writer at a time, which holds an
+`flock` on its `.writer.lock`; a server that finds the newest directory held by another starts
+its own, and rotation never deletes a directory a live writer holds.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
 import shutil
 import threading
@@ -40,15 +47,50 @@ class AuditStore:
         self.written = 0
         self._lock = threading.Lock()  # appends run in threads; two audits may share a store
         self._writer: TrajectoryWriter | None = None
+        self._lock_fd = -1  # the flock of the directory being written
         self._count = 0
         existing = self.directories()
-        if existing:
+        if existing and self._claim(existing[-1]):
             try:
                 self._open(existing[-1])
             except TrajectoryError:  # another model or procedure wrote it: leave it alone
+                self._release()
                 self._writer = None
         if self._writer is None or self._count >= per_dir:
             self._rotate()
+
+    def _claim(self, path: Path) -> bool:
+        """Take the directory's writer lock (False: another live process writes it)."""
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / ".writer.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._release()
+        self._lock_fd = fd
+        return True
+
+    def _release(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    @staticmethod
+    def _held(path: Path) -> bool:
+        """Whether a live writer holds the directory."""
+        try:
+            fd = os.open(path / ".writer.lock", os.O_RDWR)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
 
     def directories(self) -> list[Path]:
         """The audit directories, oldest first."""
@@ -66,11 +108,20 @@ class AuditStore:
         self._count = len(self._writer.ids)
 
     def _rotate(self) -> None:
-        dirs = self.directories()
-        last = int(_NAME.match(dirs[-1].name).group(1)) if dirs else 0  # type: ignore[union-attr]
-        self._open(self.root / f"{PREFIX}{last + 1:06d}")
+        while True:  # a new number; another server may take the same one at the same moment
+            dirs = self.directories()
+            last = int(_NAME.match(dirs[-1].name).group(1)) if dirs else 0  # type: ignore
+            path = self.root / f"{PREFIX}{last + 1:06d}"
+            try:
+                path.mkdir()
+            except FileExistsError:
+                continue
+            if self._claim(path):
+                break
+        self._open(path)
         for old in self.directories()[:-self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if not self._held(old):
+                shutil.rmtree(old, ignore_errors=True)
 
     def append(self, record: dict[str, Any], embeddings: np.ndarray) -> Path:
         """Write one labelled audit; returns the directory it went to."""
@@ -87,3 +138,4 @@ class AuditStore:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        self._release()

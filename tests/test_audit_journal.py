@@ -1,0 +1,196 @@
+"""The audit's state across restarts and processes: the journal, its snapshots, shared stores.
+
+Real files, real processes (multiprocessing), the server's LiveAudit; no engine. The engine-side
+check (two orca-serve processes on one --orca-audit-dir) is in tests/test_audit_server.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orca_serve.live_audit.journal import SNAPSHOT_EVERY, Journal, journal_path
+from orca_serve.live_audit.live import LiveAudit
+from orca_serve.live_audit.options import AuditConfig
+from orca_serve.live_audit.store import AuditStore
+from tests.audit_simulation import DELTA, bundle, known_loss, restarted_stream
+
+RISKS = [0.05] * 130 + [0.4] * 470  # a clean stretch, then a shift the alarm catches
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    logging.getLogger("orca_serve.live_audit").setLevel(logging.ERROR)
+    yield
+    logging.getLogger("orca_serve.live_audit").setLevel(logging.NOTSET)
+
+
+def _journal(d: Path, fsync: bool = False) -> Journal:
+    b = bundle()
+    return Journal(journal_path(d, b.checksum), b.checksum, fsync=fsync)
+
+
+def _attached(d: Path, **config) -> LiveAudit:
+    audit = LiveAudit(bundle(), AuditConfig(rate=1.0, **config))
+    audit.attach(_journal(d))
+    return audit
+
+
+@pytest.mark.parametrize("policy", ["fallback", "recalibrate"])
+def test_restarts_resume_the_uninterrupted_state(policy, tmp_path):
+    """A process restarted every 100 audits that attaches the journal has, after every audit,
+    the bounds, alarm and served lambda of one that never restarted (so its false alarms are
+    that process's, epsilon / 2, not epsilon / 2 per start), and after the shift's alarm the
+    bundle's lambda* is not served again. Without the journal (every start empty, as before)
+    the restarts serve the alarmed lambda* again."""
+    kw = {"risks": RISKS, "on_alarm": policy, "window": 50}
+    whole = restarted_stream(3, restart_every=None, **kw)
+    resumed = restarted_stream(3, restart_every=100, journal_dir=tmp_path, **kw)
+    empty = restarted_stream(3, restart_every=100, **kw)
+    assert whole.ever_alarm and resumed.trace == whole.trace
+    assert resumed.bundle_lambda_served == whole.bundle_lambda_served
+    assert empty.bundle_lambda_served > whole.bundle_lambda_served + 20, (  # measured 121, 89
+        empty.bundle_lambda_served, whole.bundle_lambda_served)
+
+
+def test_snapshots_bound_the_replay_and_are_checked(tmp_path):
+    """Every SNAPSHOT_EVERY events a snapshot is written; a new process restores it and
+    replays only the events after it, to the same state. A torn or foreign snapshot, or one
+    folded under other settings, is not used: the journal is replayed whole instead."""
+    audit = _attached(tmp_path, on_alarm="fallback")
+    rng = np.random.default_rng(5)
+    for _ in range(SNAPSHOT_EVERY // 2 + 30):  # two events per audit
+        audit.observe(*known_loss(bool(rng.random() < 0.2)))
+    snap = audit.journal.snapshot_path
+    assert snap.is_file()
+    expect = audit.table()["deltas"]
+    audit.journal.close()
+    again = _attached(tmp_path, on_alarm="fallback")
+    assert again.replayed == 60 and again.table()["deltas"] == expect
+    again.journal.close()
+    for bad in ("{torn", json.dumps({"bundle_checksum": "other", "offset": 10})):
+        snap.write_text(bad)
+        full = _attached(tmp_path, on_alarm="fallback")
+        assert full.replayed == 2 * (SNAPSHOT_EVERY // 2 + 30) and full.table()["deltas"] == expect
+        full.journal.close()
+    other = _attached(tmp_path, on_alarm="report")  # another policy: the fold differs
+    assert other.replayed == 2 * (SNAPSHOT_EVERY // 2 + 30)
+    other.journal.close()
+
+
+def _killed_after_admitting(d: str) -> None:
+    audit = _attached(Path(d))
+    audit.observe(*known_loss(True))  # labelled and journalled
+    audit._admit()  # admitted, never resolved
+    os._exit(0)  # no close, no flush of anything else: a crash
+
+
+def test_a_crash_loses_no_labelled_audit_and_leaves_no_wait(tmp_path):
+    """A process killed right after an audit was labelled: the audit is in the journal; its
+    admission that never resolved is reaped as `lost` once its process is gone (it would keep
+    a recalibration window waiting for ever); a torn last line is cut off."""
+    ctx = multiprocessing.get_context("fork")
+    p = ctx.Process(target=_killed_after_admitting, args=(str(tmp_path),))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    path = journal_path(tmp_path, bundle().checksum)
+    with open(path, "ab") as f:
+        f.write(b'{"r": 2, "o": "ri')  # a write torn by a crash
+    audit = _attached(tmp_path)
+    g = audit.guard(DELTA)
+    assert g.cs.n == 1 and g.cs.mean == 1.0 and audit.counts["lost"] == 1
+    assert audit.table()["open"] == 0 and path.read_bytes().endswith(b"\n")
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert lines[-1] == {"r": 2, "o": "lost"}
+
+
+def _feed(d: str, seed: int, n: int, out) -> None:
+    audit = _attached(Path(d), on_alarm="fallback")
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        audit.observe(*known_loss(bool(rng.random() < 0.3)))
+    row = next(r for r in audit.table()["deltas"] if r["delta"] == DELTA)  # table() syncs
+    out.put((seed, row))
+    audit.journal.close()
+
+
+def test_two_processes_share_one_sequence(tmp_path):
+    """Two processes feeding audits at the same time through one journal end with one
+    sequence (both audits' counts, the same bounds, alarm and served lambda), and a third
+    that starts afterwards resumes exactly that."""
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_feed, args=(str(tmp_path), seed, 80, q)) for seed in (1, 2)]
+    for p in procs:
+        p.start()
+    rows = dict(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    third = _attached(tmp_path, on_alarm="fallback")
+    final = next(r for r in third.table()["deltas"] if r["delta"] == DELTA)
+    assert final["n"] == 160 and third.admitted == 160
+    # the process that finished last saw everything; the other at least its own 80
+    last = max(rows.values(), key=lambda r: r["n"])
+    assert last == final and min(r["n"] for r in rows.values()) >= 80
+    assert final["alarm"] and final["lambda_source"] == "fallback"  # risk 0.3 vs delta 0.1
+
+
+def test_stores_of_two_servers_never_share_a_directory(tmp_path):
+    """Two writers on one audit root take different audit-NNNNNN directories (each holds a
+    lock on its own), and rotation never deletes a directory a live writer holds."""
+    b = bundle()
+    info = {"model": "m", "source": "test"}
+    emb = np.ones((2, b.model.hidden_size), dtype=np.float32)
+    rec = {"step_tokens": [1, 1], "labels": {"consistent": [0, 1]}}
+    first = AuditStore(tmp_path, dim=b.model.hidden_size, info=info, per_dir=2, keep=1)
+    second = AuditStore(tmp_path, dim=b.model.hidden_size, info=info, per_dir=2, keep=1)
+    assert first.current != second.current
+    for i in range(5):  # the second rotates three times with keep=1
+        second.append({"id": f"b{i}", **rec}, emb)
+    first.append({"id": "a0", **rec}, emb)
+    assert first.current.is_dir() and len(first._writer.ids) == 1
+    second.close()
+    first.close()
+    restarted = AuditStore(tmp_path, dim=b.model.hidden_size, info=info, per_dir=2, keep=1)
+    assert restarted.current.is_dir()
+    restarted.close()
+
+
+def test_a_journal_of_another_bundle_is_refused(tmp_path):
+    b = bundle()
+    path = journal_path(tmp_path, b.checksum)
+    Journal(path, "f" * 64).close()
+    with pytest.raises(ValueError, match="another bundle"):
+        Journal(path, b.checksum)
+
+
+def test_a_hot_reload_away_and_back_resumes_the_bundles_state(tmp_path):
+    """Each bundle has its own journal: a reload to another bundle starts that one's (empty),
+    and a reload back to the first resumes the first's sequences (alarm included)."""
+    from orca_serve.live_audit.options import audit_journal
+
+    first = bundle()
+    other = first.model_copy(update={"checksum": "0" * 64})
+    config = AuditConfig(rate=1.0, on_alarm="fallback", directory=tmp_path)
+    a = LiveAudit(first, config)
+    a.attach(audit_journal(config, first))
+    rng = np.random.default_rng(8)
+    for _ in range(120):
+        a.observe(*known_loss(bool(rng.random() < 0.4)))
+    before = a.table()["deltas"]
+    assert before[0]["engaged"]
+    b = LiveAudit(other, config)
+    a.hand_over(b)
+    assert b.journal.path != journal_path(tmp_path, first.checksum) and b.guard(DELTA).cs.n == 0
+    back = LiveAudit(first, config)
+    b.hand_over(back)
+    assert back.journal.path == journal_path(tmp_path, first.checksum)
+    assert back.table()["deltas"] == before
+    back.journal.close()
