@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -48,13 +50,12 @@ def hard_job(out: Path) -> Path:
     prompts = out / "prompts.jsonl"
     if not prompts.exists():
         write_prompts(prompts, "shifted", RUN_PROMPTS, HARD_SEED)
-    toy = (ROOT / "calibration" / "jobs" / "toy.yaml").read_text()
-    job = (toy.replace("model: ../../orca_serve/demo/model", f"model: {ROOT}/orca_serve/demo/model")
-           .replace("prompts: toy/prompts.jsonl", f"prompts: {prompts}")
-           .replace("shifted_prompts: toy/shifted.jsonl\n", "")
-           .replace("out: ../../runs/toy", f"out: {out / 'run'}"))
+    job = yaml.safe_load((ROOT / "calibration" / "jobs" / "toy.yaml").read_text())
+    job.pop("shifted_prompts", None)
+    job.update(model=str(ROOT / "orca_serve" / "demo" / "model"), prompts=str(prompts),
+               out=str(out / "run"))
     path = out / "job.yaml"
-    path.write_text(job)
+    path.write_text(yaml.safe_dump(job))
     return path
 
 
