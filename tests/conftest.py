@@ -33,9 +33,10 @@ from tests.tiny_model import build_tiny_model
 # The modules that take longest (each starts engines or servers), longest first: the workers take
 # modules in collection order, so starting with these keeps both busy to the end instead of one
 # finishing test_parallel alone. Measured with `make test`'s --durations; order only, no skips.
+# test_server_apis runs last of the shared-server group (its last test stops that server).
 LONGEST_FIRST = ["test_parallel", "test_speculation_engine", "test_fuzz_http", "test_audit_server",
-                 "test_demo", "test_toy_job", "test_plugin", "test_server", "test_server_apis",
-                 "test_stock_vllm", "test_hot_reload", "test_bundle"]
+                 "test_demo", "test_toy_job", "test_plugin", "test_server", "test_server_give_up",
+                 "test_server_apis", "test_stock_vllm", "test_hot_reload", "test_bundle"]
 
 
 # Modules that use one session-scoped server (`tiny_server`): one group, so one worker runs them
