@@ -361,7 +361,7 @@ def _served_row(g: DeltaGuard) -> dict[str, Any]:
             "censored": int(r.cs.censored), "risk": _finite(r.cs.mean) if n else None,
             "risk_range": _range(r.cs), "lower": float(r.cs.lower),
             "upper": float(r.cs.upper), "alarm": bool(n) and bool(r.cs.alarm(g.delta)),
-            "drift": None if r.drift is None else {"pvalue": float(r.drift.pvalue),
+            "drift": None if r.drift is None else {"pvalue": r.drift.pvalue,
                                                    "alarm": bool(r.drift.alarming),
                                                    "tests": r.drift.tests}}
 
