@@ -90,21 +90,32 @@ def render_prompt(question: str) -> str:
     return f"{USER}\n{question}\n{ASSISTANT}\n"
 
 
-def make_example(rng: random.Random) -> Example:
-    """One toy training example (see Example); forced ones carry loss on the answer only."""
-    family = "shifted" if rng.random() < SHIFTED_SHARE else "in-dist"
-    problem = make_problem(rng, family)
-    prompt = render_prompt(problem.question)
-    paras = trace_paragraphs(problem, rng)
+def trace_example(rng: random.Random, prompt: str, paras: list[str], answer: int,
+                  candidate: Callable[[str], int | None], *, train_prefix: bool) -> Example:
+    """A full trace, or (FORCED_SHARE) one cut after k paragraphs, closed by an answer-forcing
+    suffix and answered with the candidate of its last paragraph. A forced example never trains
+    the suffix (the model must not learn to close its thinking early); its reasoning prefix is
+    trained only with `train_prefix` (a long prefix is too costly to train one answer from)."""
     if rng.random() >= FORCED_SHARE:
-        return prompt + assistant_text(paras, problem.x) + EOS, len(prompt), None
+        return prompt + assistant_text(paras, answer) + EOS, len(prompt), None
     k = rng.randint(1, len(paras))
     prefix = THINK_OPEN + "\n" + STEP_DELIMITER.join(paras[:k])
     if rng.random() < BOUNDARY_DELIM_SHARE:
         prefix += STEP_DELIMITER
     suffix = ALT_FORCE_SUFFIX if rng.random() < ALT_SUFFIX_SHARE else FORCE_SUFFIX
     head = prompt + prefix + suffix
-    return head + f"{paragraph_candidate(paras[k - 1])}}}", len(head), None
+    text = head + f"{candidate(paras[k - 1])}}}"
+    if train_prefix:
+        return text, len(prompt), (len(prompt + prefix), len(head))
+    return text, len(head), None
+
+
+def make_example(rng: random.Random) -> Example:
+    """One toy training example (see Example); forced ones carry loss on the answer only."""
+    family = "shifted" if rng.random() < SHIFTED_SHARE else "in-dist"
+    problem = make_problem(rng, family)
+    return trace_example(rng, render_prompt(problem.question), trace_paragraphs(problem, rng),
+                         problem.x, paragraph_candidate, train_prefix=False)
 
 
 TOY = Recipe("toy", make_example, _VERDICT_RE, max_positions=1024)
