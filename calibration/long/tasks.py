@@ -23,14 +23,13 @@ CLI (prompts for the calibration job):
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import random
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
+from calibration.toy import tasks as toy_tasks
 from calibration.toy.tasks import (
     ALT_FORCE_SUFFIX,
     FORCE_SUFFIX,
@@ -198,32 +197,13 @@ def trace_stats(text: str, problem: Problem) -> TraceStats:
     )
 
 
-def prompt_record(index: int, p: Problem) -> dict:
-    """One JSONL row for the calibration job (answer as a string, like math datasets)."""
-    return {
-        "id": f"long-{p.family}-{index}",
-        "messages": [{"role": "user", "content": p.question}],
-        "answer": str(p.x),
-        "family": p.family,
-        "problem": asdict(p),
-    }
-
-
 def write_prompts(path: Path, family: str, n: int, seed: int) -> None:
-    """Write n fresh problems of one family as JSONL."""
-    rng = random.Random(f"long:{family}:{seed}")
-    with Path(path).open("w", encoding="utf-8") as f:
-        f.writelines(json.dumps(prompt_record(i, make_problem(rng, family))) + "\n" for i in range(n))
+    """Write n fresh problems of one family as JSONL (ids `long-<family>-<i>`)."""
+    toy_tasks.write_prompts(path, family, n, seed, make_problem, prefix="long")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--family", choices=FAMILIES, default="in-dist")
-    ap.add_argument("--n", type=int, default=600)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    write_prompts(args.out, args.family, args.n, args.seed)
+    toy_tasks.prompts_main(__doc__, FAMILIES, 600, write_prompts)
 
 
 if __name__ == "__main__":

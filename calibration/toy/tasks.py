@@ -14,8 +14,10 @@ import argparse
 import json
 import random
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 FAMILIES = ("in-dist", "shifted")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -197,10 +199,11 @@ def trace_stats(text: str, problem: Problem) -> TraceStats:
     )
 
 
-def prompt_record(index: int, p: Problem) -> dict:
-    """One JSONL row for the calibration job (answer as a string, like math datasets)."""
+def prompt_record(index: int, p: Any, prefix: str = "toy") -> dict:
+    """One JSONL row for the calibration job (answer as a string, like math datasets); `p` is
+    a problem dataclass with `question`, `x` and `family` (this module's or the long reasoner's)."""
     return {
-        "id": f"toy-{p.family}-{index}",
+        "id": f"{prefix}-{p.family}-{index}",
         "messages": [{"role": "user", "content": p.question}],
         "answer": str(p.x),
         "family": p.family,
@@ -208,21 +211,29 @@ def prompt_record(index: int, p: Problem) -> dict:
     }
 
 
-def write_prompts(path: Path, family: str, n: int, seed: int) -> None:
-    """Write n fresh problems of one family as JSONL."""
+def write_prompts(path: Path, family: str, n: int, seed: int,
+                  make: Callable[[random.Random, str], Any] | None = None, prefix: str = "toy") -> None:
+    """Write n fresh problems of one family as JSONL (`make`: another task's make_problem)."""
     rng = random.Random(f"{family}:{seed}")
+    make = make or make_problem
     with Path(path).open("w", encoding="utf-8") as f:
-        f.writelines(json.dumps(prompt_record(i, make_problem(rng, family))) + "\n" for i in range(n))
+        f.writelines(json.dumps(prompt_record(i, make(rng, family), prefix)) + "\n" for i in range(n))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--family", choices=FAMILIES, default="in-dist")
-    ap.add_argument("--n", type=int, default=400)
+def prompts_main(description: str, families: Sequence[str], n: int,
+                 write: Callable[[Path, str, int, int], None]) -> None:
+    """The prompts command line of a task module."""
+    ap = argparse.ArgumentParser(description=description.split("\n")[0])
+    ap.add_argument("--family", choices=families, default="in-dist")
+    ap.add_argument("--n", type=int, default=n)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    write_prompts(args.out, args.family, args.n, args.seed)
+    write(args.out, args.family, args.n, args.seed)
+
+
+def main() -> None:
+    prompts_main(__doc__, FAMILIES, 400, write_prompts)
 
 
 if __name__ == "__main__":
