@@ -18,13 +18,12 @@ last paragraph states (so labels read off forced answers mean what the trace say
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
 from statistics import mean, median, quantiles
 
 from calibration.long.tasks import FAMILIES, FORCE_SUFFIX, Problem, extract_answer, make_problem, paragraph_candidate, trace_stats
-from calibration.toy.evaluate import load_llm, step_ends, tokenizer_agrees
+from calibration.toy.evaluate import emit, load_llm, step_ends, tokenizer_agrees
 from calibration.toy.tasks import STEP_DELIMITER, THINK_CLOSE, THINK_OPEN
 
 MAX_TOKENS = 5000
@@ -133,10 +132,7 @@ def main() -> None:
         for path in args.trajectories:
             for p in TrajectorySet.open(path).problems:
                 by_family.setdefault(p.family or "unknown", []).append(p)
-        text = json.dumps({f: trajectory_report(ps) for f, ps in by_family.items()}, indent=2)
-        print(text)
-        if args.out:
-            args.out.write_text(text + "\n")
+        emit({f: trajectory_report(ps) for f, ps in by_family.items()}, args.out)
         return
     llm = load_llm(args.model, max_model_len=MAX_TOKENS + 120)
     rng = random.Random(args.seed)
@@ -147,10 +143,7 @@ def main() -> None:
         report[family], samples[family] = sample_family(llm, family, args.n, args.seed)
     if "in-dist" in samples:
         report["forcing"] = forcing_check(llm, samples["in-dist"][: args.forcing_traces])
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

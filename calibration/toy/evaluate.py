@@ -151,10 +151,15 @@ def main() -> None:
         report[family], samples[family] = sample_family(llm, family, args.n, args.seed)
     head = samples["in-dist"][: args.forcing_traces]
     report["forcing"] = [forcing_check(llm, head, s) for s in FORCING_SUFFIXES]
+    emit(report, args.out)
+
+
+def emit(report: dict, out: Path | None) -> None:
+    """Print a report as JSON, and write it to `out` too (vLLM logs to stdout as well)."""
     text = json.dumps(report, indent=2)
     print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    if out:
+        out.write_text(text + "\n")
 
 
 if __name__ == "__main__":
