@@ -183,13 +183,14 @@ _PARA_RE = re.compile(
 
 def trace_stats(text: str, problem: Problem) -> TraceStats:
     """Parse a completion: well-formedness, correctness, paragraph counts and where the
-    candidate answer first became right."""
+    candidate answer first became right. The completion may open with `<think>` or start inside
+    the reasoning (the chat template opens it)."""
     done = THINK_CLOSE in text
     body = text.split(THINK_CLOSE)[0].removeprefix(THINK_OPEN).strip("\n")
     paras = [s for s in body.split(STEP_DELIMITER) if s.strip()]
     first = next((i for i, s in enumerate(paras) if paragraph_candidate(s) == problem.x), None)
     return TraceStats(
-        well_formed=done and text.startswith(THINK_OPEN) and all(_PARA_RE.match(s) for s in paras),
+        well_formed=done and all(_PARA_RE.match(s) for s in paras),
         correct=check_answer(text, problem),
         paragraphs=len(paras),
         first_right=first,
