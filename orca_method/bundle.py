@@ -454,11 +454,8 @@ def _validate(data: Any, p: Path) -> Bundle:
         raise BundleError(f"bundle {p} is {_first_error(e)}") from None
     if not bundle.ltt.rows:
         raise BundleError(f"bundle {p} has an empty LTT table; recalibrate with at least one delta")
-    deltas = sorted(bundle.deltas())
-    for a, b in itertools.pairwise(deltas):
-        if math.isclose(a, b, rel_tol=0, abs_tol=1e-9):
-            raise BundleError(f"bundle {p} lists delta {a:g} twice in its LTT table; which "
-                              "lambda* applies is ambiguous: recalibrate")
+    _once(bundle.deltas(), f"bundle {p} lists delta {{:g}} twice in its LTT table; which "
+          "lambda* applies is ambiguous: recalibrate")
     try:
         bundle.lam(bundle.default_delta)  # the default must be calibrated
     except BundleError as e:
@@ -478,14 +475,18 @@ def _validate(data: Any, p: Path) -> Bundle:
     return bundle
 
 
+def _once(deltas: list[float], message: str) -> None:
+    """Refuse a table listing a delta twice (`message` formats the delta)."""
+    for a, b in itertools.pairwise(sorted(deltas)):
+        if math.isclose(a, b, rel_tol=0, abs_tol=1e-9):
+            raise BundleError(message.format(a))
+
+
 def _check_give_up(bundle: Bundle, p: Path) -> None:
     """The give_up block's table: no delta twice, its default calibrated, its probe's width."""
     g = bundle.give_up
-    deltas = sorted(bundle.give_up_deltas())
-    for a, b in itertools.pairwise(deltas):
-        if math.isclose(a, b, rel_tol=0, abs_tol=1e-9):
-            raise BundleError(f"bundle {p} lists give-up delta {a:g} twice; which mu* applies is "
-                              "ambiguous: recalibrate")
+    _once(bundle.give_up_deltas(), f"bundle {p} lists give-up delta {{:g}} twice; which mu* "
+          "applies is ambiguous: recalibrate")
     try:
         bundle.mu(g.default_delta)
     except BundleError as e:

@@ -180,11 +180,8 @@ def check_rows(bundle: Bundle) -> None:
                               "edited after calibration; recalibrate")
     facts = [r for r in rows if r.risk is not None and r.pvalue is not None]
     for r in facts if t.n_cal is not None else []:
-        k = r.risk * t.n_cal
         where = f"delta {r.delta:g} (lambda* {shown(r)}, risk {r.risk:g}, p-value {r.pvalue:g})"
-        if abs(k - round(k)) > 1e-6:
-            raise BundleError(f"{where}: risk x n_cal = {k:g} is not a whole number of losses "
-                              f"out of {t.n_cal}; the table was edited: recalibrate")
+        k = _losses(where, r.risk, t.n_cal)
         if r.lam is None:
             if r.pvalue != 1.0 or (t.excluded_never_correct and r.risk != 0.0):
                 raise BundleError(f"{where}: a row that never stops early has p-value 1 and "
@@ -209,6 +206,15 @@ def check_rows(bundle: Bundle) -> None:
                                   "the table was edited: recalibrate")
 
 
+def _losses(where: str, risk: float, n_cal: int) -> float:
+    """A recorded risk's losses out of n_cal (a whole number, else the table was edited)."""
+    k = risk * n_cal
+    if abs(k - round(k)) > 1e-6:
+        raise BundleError(f"{where}: risk x n_cal = {k:g} is not a whole number of losses "
+                          f"out of {n_cal}; the table was edited: recalibrate")
+    return k
+
+
 def check_give_up_rows(bundle: Bundle) -> None:
     """The give-up table could come from one run of orca_method/give_up.py on n_cal traces: mu*
     is non-decreasing in delta_2 (None, never give up, below every number), and each row's risk
@@ -228,11 +234,8 @@ def check_give_up_rows(bundle: Bundle) -> None:
                               f"{b.delta:g}: {b.mu}), which LTT never does: the table was edited "
                               "after calibration; recalibrate")
     for r in rows:
-        k = r.risk * t.n_cal
         where = f"give-up delta {r.delta:g} (mu* {r.mu}, risk {r.risk:g}, p-value {r.pvalue:g})"
-        if abs(k - round(k)) > 1e-6:
-            raise BundleError(f"{where}: risk x n_cal = {k:g} is not a whole number of losses "
-                              f"out of {t.n_cal}; the table was edited: recalibrate")
+        k = _losses(where, r.risk, t.n_cal)
         if r.mu is None:
             if r.pvalue != 1.0 or r.risk != 0.0:
                 raise BundleError(f"{where}: a row that never gives up has p-value 1 and risk 0; "
