@@ -444,6 +444,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-frontier")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    if bad := [x for x in a.static_bundle if x.split("=", 1)[0] not in REASONERS or "=" not in x]:
+        ap.error(f"--static-bundle takes REASONER=BUNDLE with REASONER in {sorted(REASONERS)}; "
+                 f"got {bad[0]!r}")
     statics = dict(x.split("=", 1) for x in a.static_bundle)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     tables = []
