@@ -27,6 +27,7 @@ import pytest
 
 from tests.bundles import make_bundle
 from tests.core_sim import sim_bundle
+from tests.redis_server import RedisServer
 from tests.serving import COMMON, Server, orca_serve_cmd
 from tests.tiny_model import build_tiny_model
 
@@ -83,6 +84,16 @@ def tiny_server(model, tmp_path_factory) -> Iterator[dict]:
                     d / "orca.log", COMMON)
     try:
         yield {"server": server, "model": model, "bundle": bundle}
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_store(tmp_path_factory) -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port (tests/redis_server.py), stopped after."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    try:
+        yield server
     finally:
         server.stop()
 
