@@ -18,9 +18,10 @@ from tests.serving import free_port
 
 
 class RedisServer:
-    """redis-server without persistence (the tests' stores live as long as the test)."""
+    """redis-server, without persistence unless `config` says otherwise (the tests' stores live
+    as long as the test); `config`: more redis-server options, e.g. ("--appendonly", "yes")."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *config: str) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail("redis-server is not installed: run `make setup` (it installs it with "
@@ -31,7 +32,7 @@ class RedisServer:
         self._log = open(directory / "redis.log", "wb")  # noqa: SIM115 - until stop()
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(directory),
-             "--save", "", "--appendonly", "no", "--daemonize", "no"],
+             "--save", "", "--appendonly", "no", "--daemonize", "no", *config],
             stdout=self._log, stderr=subprocess.STDOUT)
         client = redis.Redis.from_url(self.url)
         deadline = time.time() + 30

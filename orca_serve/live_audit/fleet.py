@@ -31,6 +31,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from orca_serve.live_audit.journal import EventJournal, Journal, journal_path
 from orca_serve.live_audit.redis_journal import RedisJournal, shown_url
+from orca_serve.metrics import LABEL
 
 logger = logging.getLogger("orca_serve.live_audit")
 
@@ -151,13 +152,13 @@ def store_state(journal: Any) -> dict[str, Any] | None:
     return journal.state() if isinstance(journal, FleetJournal) else None
 
 
-def store_metrics(journal: Any, model_name: str, label: str) -> list[GaugeMetricFamily]:
+def store_metrics(journal: Any, model_name: str) -> list[GaugeMetricFamily]:
     """`orca_audit_store_up` for an audit on a shared store (none otherwise)."""
     if not isinstance(journal, FleetJournal):
         return []
     g = GaugeMetricFamily("orca_audit_store_up", "1 while the audit journals to the fleet's "
                           "shared store; 0 once this replica went on with its own local guard "
                           "(the store was unreachable; it rejoins when restarted)",
-                          labels=[label, "store"])
+                          labels=[LABEL, "store"])
     g.add_metric([model_name, journal.url], float(journal.up))
     return [g]

@@ -45,10 +45,12 @@ exchangeable with the calibration set. This module measures the realized risk of
 7. **State** (`attach`, orca_serve/live_audit/journal.py): with an audit directory every
    admission and outcome is journalled per bundle checksum before the guards use it, and the
    guards' state is the fold of the journal (`_apply`): a restart resumes it, and the servers
-   of one machine that share the directory share one sequence.
+   of one machine that share the directory share one sequence (a fleet's replicas: through
+   `--orca-audit-store`, orca_serve/live_audit/fleet.py).
 
 Everything here runs on the server's event loop; nothing blocks a response but the journal's
-appends (one line per audit admitted, and one fsynced line per audit resolved).
+appends (one line per audit admitted, and one fsynced line per audit resolved; on a store,
+one round trip each, and one per request to read what the others appended).
 """
 
 from __future__ import annotations
@@ -923,7 +925,7 @@ class AuditCollector(Collector):
             lam.add_metric([m, d, g.source], g.lam)
         yield from fams.values()
         yield lam
-        yield from store_metrics(a.journal, m, LABEL)
+        yield from store_metrics(a.journal, m)
         lm = GaugeMetricFamily("orca_audit_labels_match", "1 when the audits label as the bundle "
                                "was calibrated (else the audited risk is not the certified one, "
                                "and the guard only reports unless --orca-guard-other-labels)",
