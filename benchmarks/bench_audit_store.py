@@ -29,7 +29,7 @@ from orca_serve.live_audit.redis_journal import RedisJournal
 from orca_serve.live_audit.sequence import RestartedAlarm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests package's helpers
-from tests.redis_server import RedisServer  # noqa: E402
+from tests.redis_server import RedisServer
 
 CHECKSUM = "f" * 64
 EPSILON, DELTA, REPLICAS = 0.05, 0.1, 4

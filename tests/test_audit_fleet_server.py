@@ -18,7 +18,7 @@ import pytest
 from orca_serve.live_audit.options import DEMO_SUFFIX
 from tests.redis_server import RedisServer
 from tests.serving import START_TIMEOUT, Server, orca_serve_cmd
-from tests.test_audit_server import (  # noqa: F401 - `env` is the module's fixture here too
+from tests.test_audit_server import (
     BAD_DELTA,
     BATCH,
     COMMON,
@@ -28,12 +28,17 @@ from tests.test_audit_server import (  # noqa: F401 - `env` is the module's fixt
     _row,
     _settled,
     _table,
-    env,
+    audit_env,
 )
 
 pytestmark = pytest.mark.vllm
 
 KEYS = ("n", "censored", "lower", "upper", "alarm", "engaged", "lambda_source")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    return audit_env(tmp_path_factory.mktemp("fleet"))
 
 
 @pytest.fixture(scope="module")

@@ -71,13 +71,13 @@ class MemoryJournal:
 class FleetJournal:
     """The store's journal while it answers; the local guard's from the first failure on."""
 
-    def __init__(self, url: str, checksum: str, directory: Path | None, **store: Any) -> None:
+    def __init__(self, url: str, checksum: str, directory: Path | None) -> None:
         self.url = shown_url(url)
         self.down_since: float | None = None
         self.local: EventJournal | None = None
         self.remote: RedisJournal | None = None
         try:
-            self.remote = RedisJournal(url, checksum, **store)
+            self.remote = RedisJournal(url, checksum)
         except redis.RedisError as e:
             self.local = (Journal(journal_path(directory, checksum), checksum)
                           if directory is not None else MemoryJournal("local"))

@@ -120,11 +120,6 @@ class RedisJournal:
         """Append one event (durable or not is the store's configuration: module docstring)."""
         return [*self._call(json.dumps(event, separators=(",", ":"))), event]
 
-    @property
-    def offset(self) -> int:
-        """Events of the list this process has applied."""
-        return self._offset
-
     def write_snapshot(self, state: dict[str, Any]) -> None:
         self._client.set(self._snapshot, json.dumps(
             {"bundle_checksum": self.checksum, "created": self.created, "offset": self._offset,
