@@ -31,7 +31,7 @@ from orca_serve.live_audit.redis_journal import RedisJournal
 from tests.audit_simulation import DELTA, bundle, known_loss, restarted_stream
 from tests.serving import free_port
 
-RISKS = [0.05] * 130 + [0.4] * 270  # a clean stretch, then a shift the alarm catches
+RISKS = [0.05] * 100 + [0.4] * 100  # a clean stretch, then a shift the alarm catches
 
 
 @pytest.fixture(autouse=True)
