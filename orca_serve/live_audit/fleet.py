@@ -1,6 +1,6 @@
 """One audit for a fleet: the journal on a shared store, and this replica's own guard without it.
 
-With `--orca-audit-store redis://host:port/db` every replica (and every server process) of a
+With `--orca-audit-store redis://host:port/db` every replica (every orca-serve process) of a
 deployment journals its audits to one Redis list per bundle (orca_serve/live_audit/redis_journal.py),
 so all of them fold one sequence per bundle and delta and act on one decision (docs/AUDIT.md,
 "A fleet").
