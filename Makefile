@@ -7,6 +7,7 @@ PARALLEL ?= -n 2
 
 setup:
 	bash scripts/setup-venv.sh
+	bash scripts/setup-test-store.sh
 
 test: setup
 	.venv/bin/lint-imports --no-cache

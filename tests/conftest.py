@@ -27,6 +27,7 @@ import pytest
 
 from tests.bundles import make_bundle
 from tests.core_sim import sim_bundle
+from tests.redis_server import RedisServer
 from tests.serving import COMMON, Server, orca_serve_cmd
 from tests.tiny_model import build_tiny_model
 
@@ -35,6 +36,7 @@ from tests.tiny_model import build_tiny_model
 # finishing test_parallel alone. Measured with `make test`'s --durations; order only, no skips.
 # test_server_apis runs last of the shared-server group (its last test stops that server).
 LONGEST_FIRST = ["test_parallel", "test_speculation_engine", "test_fuzz_http", "test_audit_server",
+                 "test_audit_fleet_server",
                  "test_demo", "test_toy_job", "test_plugin", "test_server", "test_server_give_up",
                  "test_server_apis", "test_stock_vllm", "test_hot_reload", "test_bundle"]
 
@@ -83,6 +85,16 @@ def tiny_server(model, tmp_path_factory) -> Iterator[dict]:
                     d / "orca.log", COMMON)
     try:
         yield {"server": server, "model": model, "bundle": bundle}
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_store(tmp_path_factory) -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port (tests/redis_server.py), stopped after."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    try:
+        yield server
     finally:
         server.stop()
 

@@ -45,7 +45,11 @@ COMMON = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
-    d = tmp_path_factory.mktemp("audit")
+    return audit_env(tmp_path_factory.mktemp("audit"))
+
+
+def audit_env(d: Path) -> dict:
+    """The module's bundle (the demo's plus the failing row) and prompts, written to `d`."""
     demo = load_bundle(ROOT / "orca_serve" / "demo" / "bundle.json")
     # consistent with the table (the start-up check): lambda 0 at the largest delta, recording
     # the largest risk and savings of the other rows

@@ -37,6 +37,10 @@ into the same state (`LiveAudit._apply`), in file order:
   `DIR/guard-owners/<owner>.lock` while it lives and tags its admissions with `owner`; a
   process that finds an unresolved admission whose owner's lock is free (that process is gone)
   journals it as `lost` (`LiveAudit.reap`).
+
+`EventJournal` is what `LiveAudit` needs of a journal; this file journal is the embedded
+default (it needs nothing but the audit directory). A fleet on several machines shares one
+through a store (`--orca-audit-store`, orca_serve/live_audit/fleet.py).
 """
 
 from __future__ import annotations
@@ -49,11 +53,46 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 VERSION = 1
 OWNERS = "guard-owners"
 SNAPSHOT_EVERY = 500  # events between two snapshots of the folded state
+
+
+class EventJournal(Protocol):
+    """One bundle's ordered stream of audit events, shared by every process that opens it.
+
+    The contract `LiveAudit` folds (`attach`, `_event`, `sync`, `reap`): all processes see
+    one total order of the events, and `append` hands back, in that order, what the others
+    appended since this process last read, then the event itself."""
+
+    owner: str  # tags this process's admissions; `alive` tells whether it still runs
+
+    @property
+    def path(self) -> Any:
+        """Where the events live (a file, or a store's key), for the log and the table."""
+
+    def read(self) -> list[dict[str, Any]]:
+        """Events appended by anyone since this process last read (cheap when none were)."""
+
+    def append(self, event: dict[str, Any], durable: bool = True) -> list[dict[str, Any]]:
+        """Append one event; the events the others appended before it, then it."""
+
+    def read_snapshot(self) -> dict[str, Any] | None:
+        """The latest snapshot's state, the read position moved to it; None when unusable."""
+
+    def write_snapshot(self, state: dict[str, Any]) -> None:
+        """Save the state folded from the events up to the read position."""
+
+    def rewind(self) -> None:
+        """Read from the first event again (a snapshot that could not be used)."""
+
+    def alive(self, owner: str) -> bool:
+        """Whether the process that tagged admissions with `owner` still runs."""
+
+    def close(self) -> None:
+        """Stop taking part (this process's open admissions become reapable)."""
 
 
 def journal_path(directory: Path, checksum: str) -> Path:

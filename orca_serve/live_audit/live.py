@@ -45,10 +45,12 @@ exchangeable with the calibration set. This module measures the realized risk of
 7. **State** (`attach`, orca_serve/live_audit/journal.py): with an audit directory every
    admission and outcome is journalled per bundle checksum before the guards use it, and the
    guards' state is the fold of the journal (`_apply`): a restart resumes it, and the servers
-   of one machine that share the directory share one sequence.
+   of one machine that share the directory share one sequence (a fleet's replicas: through
+   `--orca-audit-store`, orca_serve/live_audit/fleet.py).
 
 Everything here runs on the server's event loop; nothing blocks a response but the journal's
-appends (one line per audit admitted, and one fsynced line per audit resolved).
+appends (one line per audit admitted, and one fsynced line per audit resolved; on a store,
+one round trip each, and one per request to read what the others appended).
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ from orca_method.risk import cumulative, is_counted, request_loss
 from orca_method.thresholds import NEVER, lam_from_json, lam_to_json
 from orca_serve.live_audit.attrition import incomplete
 from orca_serve.live_audit.drift import DriftMonitor, build_reference, reference_level
-from orca_serve.live_audit.journal import SNAPSHOT_EVERY, Journal
+from orca_serve.live_audit.fleet import store_metrics, store_state
+from orca_serve.live_audit.journal import SNAPSHOT_EVERY, EventJournal
 from orca_serve.live_audit.labeller import AuditLabeller
 from orca_serve.live_audit.options import (
     EPSILON_SPLITS,
@@ -466,7 +469,7 @@ class LiveAudit:
                        "lost": 0}
         self.labeller: Any = None  # AuditLabeller, made on first use (needs the engine client)
         self.store: Any = None  # AuditStore when a directory is configured
-        self.journal: Journal | None = None  # the events on disk, when a directory is configured
+        self.journal: EventJournal | None = None  # the events, on disk or the fleet's store
         self.collector: AuditCollector | None = None  # its metrics, when registered
         self.retired = False  # replaced by a hot reload: takes nothing in any more
         self._pending: dict[str, tuple[dict[str, Any], int]] = {}
@@ -482,7 +485,7 @@ class LiveAudit:
         raise KeyError(f"delta {delta} is not in the bundle's table")
 
     # -- the events (the only way the guards' state changes) ----------------------------------
-    def attach(self, journal: Journal) -> None:
+    def attach(self, journal: EventJournal) -> None:
         """Take the journal of this bundle: replay what it holds (earlier processes, or others
         running now), then journal every event; audits a dead process left open are lost."""
         self.journal = journal
@@ -817,7 +820,7 @@ class LiveAudit:
         if self.journal is not None:  # closed first: the successor may open the same file
             self.journal.close()
             self.journal = None
-        if successor.config.directory is not None and successor.journal is None:
+        if successor.config.journalled and successor.journal is None:
             successor.attach(audit_journal(successor.config, successor.bundle))
         successor.engine_client = self.engine_client
 
@@ -849,6 +852,7 @@ class LiveAudit:
             "recalibrate_window": c.window if c.on_alarm == "recalibrate" else None,
             "directory": None if self.store is None else str(self.store.root),
             "journal": None if self.journal is None else str(self.journal.path),
+            "store": store_state(self.journal),
             "admitted": self.admitted, "open": len(self._open), "replayed": self.replayed,
             "queued": 0 if self._queue is None else self._queue.qsize(),
             **self.counts,
@@ -921,6 +925,7 @@ class AuditCollector(Collector):
             lam.add_metric([m, d, g.source], g.lam)
         yield from fams.values()
         yield lam
+        yield from store_metrics(a.journal, m)
         lm = GaugeMetricFamily("orca_audit_labels_match", "1 when the audits label as the bundle "
                                "was calibrated (else the audited risk is not the certified one, "
                                "and the guard only reports unless --orca-guard-other-labels)",
@@ -948,6 +953,7 @@ def make_live_audit(ns: argparse.Namespace, bundle: Any, registry: Any,
     live = LiveAudit(bundle, config, drift=DriftMonitor.from_bundle(bundle))
     if store and config.directory is not None:
         live.store = audit_store(config, bundle)
+    if store and config.journalled:
         live.attach(audit_journal(config, bundle))
     if registry is not None:
         live.collector = AuditCollector(live, model_name)

@@ -11,11 +11,12 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX, ProbeSettings
 from orca_method.labels import require_math_verify
 from orca_serve.argtypes import fraction, integer
-from orca_serve.live_audit.journal import Journal, journal_path
+from orca_serve.live_audit.journal import EventJournal, Journal, journal_path
 from orca_serve.live_audit.store import AuditStore
 
 ON_ALARM = ("report", "fallback", "recalibrate")
@@ -23,6 +24,8 @@ ON_ALARM = ("report", "fallback", "recalibrate")
 # own epsilon, the bundle's per-delta statement (the default), or epsilon / k for each of k
 # deltas, so the bounds hold for all of them at once
 EPSILON_SPLITS = ("per-delta", "joint")
+# the stores a fleet can share its audit journal through (orca_serve/live_audit/fleet.py)
+STORE_SCHEMES = ("redis", "rediss", "unix")
 
 # the embedded demo model's answer-forcing text and budget (calibration/jobs/toy.yaml)
 DEMO_SUFFIX = "\n</think>\nThe answer is \\boxed{"
@@ -36,6 +39,7 @@ class AuditConfig:
     rate: float = 0.0
     seed: int | None = None
     directory: Path | None = None
+    store: str | None = None  # the fleet's shared journal (a Redis URL); None: the directory's
     on_alarm: str = "report"
     epsilon_split: str = "per-delta"
     other_labels: bool = False  # let on_alarm act although the bundle's label mode is not the audit's
@@ -44,6 +48,11 @@ class AuditConfig:
     per_dir: int = 1000  # audits per trajectory directory before rotating
     keep: int = 10  # directories kept
     probe: ProbeSettings = field(default_factory=ProbeSettings)
+
+    @property
+    def journalled(self) -> bool:
+        """Whether the guards' state is kept in a journal (a store's, or the directory's)."""
+        return self.store is not None or self.directory is not None
 
 
 def add_audit_args(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +65,11 @@ def add_audit_args(parser: argparse.ArgumentParser) -> None:
                    help="Seed of the audit sampler (tests; default: random).")
     g.add_argument("--orca-audit-dir", default=None, metavar="DIR",
                    help="Append labelled audits here as trajectory directories (rotated).")
+    g.add_argument("--orca-audit-store", default=None, metavar="URL",
+                   help="Share the guards' journal with the fleet's other replicas through "
+                   "this Redis server (redis://host:port/db): one sequence and one decision "
+                   "per bundle for all of them (docs/AUDIT.md, 'A fleet'). Default: the "
+                   "journal in --orca-audit-dir (the servers of one machine).")
     g.add_argument("--orca-audit-per-dir", type=integer(1), default=1000, metavar="N",
                    help="Audits per trajectory directory before a new one is started.")
     g.add_argument("--orca-audit-keep", type=integer(1), default=10, metavar="K",
@@ -89,13 +103,22 @@ def add_audit_args(parser: argparse.ArgumentParser) -> None:
 def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
     """Raise ValueError (one line) for settings that cannot work; before vLLM is imported."""
     if not has_bundle:
-        if (ns.orca_audit_rate > 0 or ns.orca_audit_dir or ns.orca_on_alarm != "report"
+        if (ns.orca_audit_rate > 0 or ns.orca_audit_dir or ns.orca_audit_store
+                or ns.orca_on_alarm != "report"
                 or ns.orca_guard_other_labels):
             raise ValueError("auditing (--orca-audit-*, --orca-on-alarm) needs --calib (a bundle)")
         return
     if ns.orca_audit_dir is not None and ns.orca_audit_rate == 0:
         raise ValueError("--orca-audit-dir is set but --orca-audit-rate is 0: no request would "
                          "be audited")
+    if ns.orca_audit_store is not None:
+        if ns.orca_audit_rate == 0:
+            raise ValueError("--orca-audit-store is set but --orca-audit-rate is 0: no request "
+                             "would be audited")
+        scheme = urlsplit(ns.orca_audit_store).scheme
+        if scheme not in STORE_SCHEMES:
+            raise ValueError(f"--orca-audit-store {ns.orca_audit_store!r} is not a Redis URL "
+                             f"(redis://host:port/db; schemes: {', '.join(STORE_SCHEMES)})")
     if ns.orca_audit_rate > 0 and (getattr(ns, "api_server_count", None) or 1) > 1:
         raise ValueError("auditing runs in one API server process (it keeps the risk statistics "
                          "and writes --orca-audit-dir); use --api-server-count 1 with "
@@ -119,6 +142,7 @@ def audit_config(ns: argparse.Namespace) -> AuditConfig:
     return AuditConfig(
         rate=ns.orca_audit_rate, seed=ns.orca_audit_seed,
         directory=Path(ns.orca_audit_dir).absolute() if ns.orca_audit_dir else None,
+        store=ns.orca_audit_store,
         on_alarm=ns.orca_on_alarm, other_labels=bool(ns.orca_guard_other_labels),
         epsilon_split=getattr(ns, "orca_audit_epsilon_split", "per-delta"),
         window=ns.orca_recalibrate_window, queue=ns.orca_audit_queue,
@@ -143,8 +167,14 @@ def guard_epsilon(epsilon: float, deltas: int, split: str) -> float:
     return epsilon / max(1, deltas) if split == "joint" else epsilon
 
 
-def audit_journal(config: AuditConfig, bundle: Any) -> Journal:
-    """The bundle's event journal in the audit directory (orca_serve/live_audit/journal.py)."""
+def audit_journal(config: AuditConfig, bundle: Any) -> EventJournal:
+    """The bundle's event journal: on the fleet's store (orca_serve/live_audit/fleet.py), else
+    in the audit directory (orca_serve/live_audit/journal.py)."""
+    if config.store is not None:
+        from orca_serve.live_audit.fleet import FleetJournal  # deferred: the Redis client
+
+        return FleetJournal(config.store, bundle.checksum, config.directory)
+    assert config.directory is not None
     return Journal(journal_path(config.directory, bundle.checksum), bundle.checksum)
 
 

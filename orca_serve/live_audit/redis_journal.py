@@ -1,0 +1,155 @@
+"""The audit journal on a Redis server, so that the replicas of a fleet share one sequence.
+
+The same events as the file journal (orca_serve/live_audit/journal.py), in the same order for
+every process, under keys named by the bundle's full checksum:
+
+    orca:guard:<checksum>:events     a list, one JSON event per element: the total order
+    orca:guard:<checksum>:created    when the list was started (tells it from a recreated one)
+    orca:guard:<checksum>:snapshot   the folded state and the list length it covers
+    orca:guard-owner:<owner>         exists while that process runs (a TTL its heartbeat renews)
+
+- **Order**: an append is one server-side script, so atomic: it pushes the event and returns
+  the list's new length and the events between this process's read position and its own
+  event (the others' appends it has not applied yet). Redis runs scripts one at a time, so
+  every process applies the same list in the same order, as `flock` does for the file.
+- **Reading** costs one round trip per request (the list's length, its start marker and what
+  is new). A list that is shorter than what this process already read, or whose start marker
+  changed, was rolled back or recreated by the store (a restart without persistence, or a
+  flush): that raises `StoreRolledBack`, and the caller stops using the store (fleet.py),
+  because events others applied are gone and the processes' states can no longer agree.
+- **Owners**: each process sets its owner key with a TTL (`OWNER_TTL`) and a daemon thread
+  renews it every third of that; a process that died stops renewing, its key expires, and the
+  next process that reaps journals its open admissions as `lost`.
+- **Durability** is the server's: with `appendonly yes` and `appendfsync always` an event
+  acknowledged is on the store's disk (the file journal's guarantee); with Redis's default
+  (`everysec`) a crash of the store may lose the last second, which the processes then detect
+  as a rollback.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+OWNER_TTL = 15.0  # seconds an owner key lives without a heartbeat
+TIMEOUT = 2.0  # seconds a store call may take before the store counts as unreachable
+
+# KEYS: events, created. ARGV: the event (or "" to only read), the read position.
+# Returns {length, created, events after the position and before the pushed one}.
+_APPEND_READ = """
+local n = redis.call('LLEN', KEYS[1])
+local from = tonumber(ARGV[2])
+local created = redis.call('GET', KEYS[2])
+if n < from then return {n, created, {}} end
+local new = {}
+if n > from then new = redis.call('LRANGE', KEYS[1], from, n - 1) end
+if ARGV[1] ~= '' then n = redis.call('RPUSH', KEYS[1], ARGV[1]) end
+return {n, created, new}
+"""
+
+
+class StoreRolledBack(redis.RedisError):
+    """The store lost events this process had already applied (see the module docstring)."""
+
+
+def shown_url(url: str) -> str:
+    """The store's address without its password, for the log, the table and /metrics."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+class RedisJournal:
+    """One bundle's event journal on a Redis server (see the module docstring)."""
+
+    def __init__(self, url: str, checksum: str, *, owner_ttl: float = OWNER_TTL,
+                 timeout: float = TIMEOUT) -> None:
+        self.checksum = checksum
+        self.owner = uuid.uuid4().hex[:12]
+        self.owner_ttl = owner_ttl
+        self._client = redis.Redis.from_url(url, socket_timeout=timeout,
+                                            socket_connect_timeout=timeout)
+        prefix = f"orca:guard:{checksum}"
+        self._events, self._created_key, self._snapshot = (
+            f"{prefix}:events", f"{prefix}:created", f"{prefix}:snapshot")
+        self.path = f"{shown_url(url)} {self._events}"
+        self._script = self._client.register_script(_APPEND_READ)
+        self._offset = 0  # list elements this process has read
+        self._renew()  # first: reaping by others must not see our admissions as orphans
+        self._client.set(self._created_key, repr(time.time()), nx=True)
+        self.created = self._client.get(self._created_key).decode()
+        self._stop = threading.Event()
+        self._heart = threading.Thread(target=self._beat, name="orca-audit-owner", daemon=True)
+        self._heart.start()
+
+    def _owner_key(self, owner: str) -> str:
+        return f"orca:guard-owner:{owner}"
+
+    def _renew(self) -> None:
+        self._client.set(self._owner_key(self.owner), "1", px=int(self.owner_ttl * 1000))
+
+    def _beat(self) -> None:
+        """Renew the owner key until closed; a failed renewal is retried at the next beat (the
+        request path is what notices an unreachable store)."""
+        while not self._stop.wait(self.owner_ttl / 3):
+            try:
+                self._renew()
+            except redis.RedisError:
+                pass
+
+    def _call(self, event: str) -> list[dict[str, Any]]:
+        n, created, new = self._script(keys=[self._events, self._created_key],
+                                       args=[event, self._offset])
+        if n < self._offset or created is None or created.decode() != self.created:
+            raise StoreRolledBack(f"the store's {self._events} lost events this process "
+                                  f"applied ({n} events, {self._offset} read)")
+        self._offset = int(n)
+        return [json.loads(e) for e in new]
+
+    def read(self) -> list[dict[str, Any]]:
+        return self._call("")
+
+    def append(self, event: dict[str, Any], durable: bool = True) -> list[dict[str, Any]]:
+        """Append one event (durable or not is the store's configuration: module docstring)."""
+        return [*self._call(json.dumps(event, separators=(",", ":"))), event]
+
+    def write_snapshot(self, state: dict[str, Any]) -> None:
+        self._client.set(self._snapshot, json.dumps(
+            {"bundle_checksum": self.checksum, "created": self.created, "offset": self._offset,
+             "state": state}, separators=(",", ":")))
+
+    def read_snapshot(self) -> dict[str, Any] | None:
+        raw = self._client.get(self._snapshot)
+        try:
+            snap = json.loads(raw) if raw is not None else None
+        except ValueError:
+            return None
+        if snap is None or (snap.get("bundle_checksum"), snap.get("created")) != (
+                self.checksum, self.created) \
+                or not 0 < snap.get("offset", -1) <= self._client.llen(self._events):
+            return None
+        self._offset = int(snap["offset"])
+        return snap["state"]
+
+    def rewind(self) -> None:
+        self._offset = 0
+
+    def alive(self, owner: str) -> bool:
+        return owner == self.owner or bool(self._client.exists(self._owner_key(owner)))
+
+    def close(self) -> None:
+        """Stop the heartbeat and give up the owner key (best effort: an unreachable store lets
+        it expire), so the others reap what this process left open."""
+        self._stop.set()
+        try:
+            self._client.delete(self._owner_key(self.owner))
+        except redis.RedisError:
+            pass
+        self._client.close()

@@ -1,0 +1,209 @@
+"""One audit for a fleet: the journal on a real Redis server (`redis_store`, tests/conftest.py).
+
+Real redis-server, real processes, the server's LiveAudit; no engine. The engine-side check
+(two orca-serve processes on one store) is in tests/test_audit_fleet_server.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from orca_serve.live_audit.fleet import FleetJournal, MemoryJournal, store_metrics
+from orca_serve.live_audit.journal import SNAPSHOT_EVERY, Journal, journal_path
+from orca_serve.live_audit.live import LiveAudit
+from orca_serve.live_audit.options import (
+    AuditConfig,
+    add_audit_args,
+    audit_journal,
+    check_audit_args,
+)
+from orca_serve.live_audit.redis_journal import RedisJournal
+from tests.audit_simulation import DELTA, bundle, known_loss, restarted_stream
+from tests.serving import free_port
+
+RISKS = [0.05] * 100 + [0.4] * 100  # a clean stretch, then a shift the alarm catches
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    logging.getLogger("orca_serve.live_audit").setLevel(logging.ERROR)
+    yield
+    logging.getLogger("orca_serve.live_audit").setLevel(logging.NOTSET)
+
+
+def _on_store(url: str, directory: Path | None = None, **config) -> LiveAudit:
+    audit = LiveAudit(bundle(), AuditConfig(rate=1.0, store=url, directory=directory, **config))
+    audit.attach(audit_journal(audit.config, audit.bundle))
+    return audit
+
+
+def _append_many(url: str, tag: int, n: int, out, barrier) -> None:
+    j = RedisJournal(url, bundle().checksum)
+    seen = []
+    barrier.wait()  # all start appending together
+    for i in range(n):
+        seen += j.append({"a": f"{tag}-{i}"})
+    barrier.wait()  # all appended: a last read sees everything
+    seen += j.read()
+    out.put((tag, seen))
+    j.close()
+
+
+def test_concurrent_appends_from_processes_see_one_order(redis_store):
+    """Four processes appending at once: each one's view (what every append handed back, then
+    a last read) is the store's whole list, in the store's order, so all fold one sequence."""
+    ctx = multiprocessing.get_context("fork")
+    q, barrier = ctx.Queue(), ctx.Barrier(4)
+    procs = [ctx.Process(target=_append_many, args=(redis_store.url, t, 200, q, barrier))
+             for t in range(4)]
+    for p in procs:
+        p.start()
+    views = dict(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    j = RedisJournal(redis_store.url, bundle().checksum)
+    whole = j.read()
+    j.close()
+    assert len(whole) == 800 and len({e["a"] for e in whole}) == 800
+    for view in views.values():
+        assert view == whole
+    # the appends really interleaved (else the test shows nothing about concurrency)
+    assert sum(a["a"][0] != b["a"][0] for a, b in itertools.pairwise(whole)) > 3
+
+
+def test_four_replicas_fold_the_sequence_of_one(redis_store):
+    """Four replicas on one store, each taking every fourth audit: after every audit each of
+    them (having read the others' events, as every request does) holds the bounds, alarm and
+    served lambda of one process that saw all audits, so the fleet's false alarms and delay
+    are that process's (epsilon / 2, not four sequences' 4 x epsilon / 2 and 4 x the delay)."""
+    one = restarted_stream(4, restart_every=None, risks=RISKS)
+    fleet = [_on_store(redis_store.url, on_alarm="fallback") for _ in range(4)]
+    rng = np.random.default_rng(4)  # restarted_stream's draws: the same losses in the same order
+    for i, risk in enumerate(RISKS):
+        fleet[i % 4].observe(*known_loss(bool(rng.random() < risk)))
+        for replica in fleet:
+            replica.sync()
+            g = replica.guard(DELTA)
+            assert (g.cs.lower, g.cs.upper, g.alarm, g.lam) == one.trace[i], (i, replica)
+    assert one.ever_alarm and fleet[0].guard(DELTA).source == "fallback"
+    for replica in fleet:
+        replica.journal.close()
+
+
+def test_snapshots_on_the_store_bound_the_replay(redis_store):
+    """Every SNAPSHOT_EVERY events the folded state goes to the store; a new replica restores
+    it and replays only the events after it, to the same state."""
+    audit = _on_store(redis_store.url, on_alarm="fallback")
+    rng = np.random.default_rng(5)
+    for _ in range(SNAPSHOT_EVERY // 2 + 30):  # two events per audit
+        audit.observe(*known_loss(bool(rng.random() < 0.2)))
+    expect = audit.table()["deltas"]
+    audit.journal.close()
+    again = _on_store(redis_store.url, on_alarm="fallback")
+    assert again.replayed == 60 and again.table()["deltas"] == expect
+    again.journal.close()
+    other = _on_store(redis_store.url, on_alarm="report")  # other settings: replays it all
+    assert other.replayed == 2 * (SNAPSHOT_EVERY // 2 + 30)
+    other.journal.close()
+
+
+def _admit_and_die(url: str) -> None:
+    audit = LiveAudit(bundle(), AuditConfig(rate=1.0))
+    audit.attach(RedisJournal(url, bundle().checksum, owner_ttl=0.5))
+    audit.observe(*known_loss(True))
+    audit._admit()  # admitted, never resolved
+    os._exit(0)  # a crash: no close, the heartbeat dies with the process
+
+
+def test_a_dead_replicas_open_audit_is_reaped_a_live_ones_not(redis_store):
+    """A replica that died with an audit open stops renewing its owner key; once the key's TTL
+    ran out the next replica journals that audit as `lost` (a window would wait for it for
+    ever). A live replica's key is renewed by its heartbeat, so its open audit stays open."""
+    live = LiveAudit(bundle(), AuditConfig(rate=1.0))
+    live.attach(RedisJournal(redis_store.url, bundle().checksum, owner_ttl=1.0))
+    live._admit()
+    ctx = multiprocessing.get_context("fork")
+    p = ctx.Process(target=_admit_and_die, args=(redis_store.url,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    time.sleep(2.0)  # two TTLs of the live one (renewed by its heartbeat); the dead one's ran out
+    late = LiveAudit(bundle(), AuditConfig(rate=1.0))
+    late.attach(RedisJournal(redis_store.url, bundle().checksum))
+    assert late.counts["lost"] == 1 and late.table()["open"] == 1
+    assert late.guard(DELTA).cs.n == 1  # the dead one's labelled audit is in the risk
+    for a in (live, late):
+        a.journal.close()
+
+
+def test_a_replica_that_loses_the_store_keeps_its_own_guard(redis_store, caplog):
+    """The store dies while a replica serves: the replica goes on with the state it had folded,
+    in memory, says so once in the log and in /metrics (orca_audit_store_up 0) and the table,
+    and its audits keep entering its own guard."""
+    audit = _on_store(redis_store.url, on_alarm="fallback")
+    for _ in range(10):
+        audit.observe(*known_loss(False))
+    assert audit.table()["store"]["up"]
+    redis_store.stop()
+    with caplog.at_level(logging.WARNING, logger="orca_serve.live_audit"):
+        for _ in range(5):
+            audit.observe(*known_loss(False))
+        audit.sync()
+    t = audit.table()
+    assert t["store"]["up"] is False and t["store"]["down_since"] is not None
+    assert t["journal"] == MemoryJournal.path and t["deltas"][0]["n"] == 15
+    (g,) = store_metrics(audit.journal, "m")
+    assert g.samples[0].value == 0.0 and g.samples[0].labels["store"] == redis_store.url
+    warned = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(warned) == 1 and "local guard" in warned[0].getMessage()
+    audit.journal.close()
+
+
+def test_a_store_unreachable_at_start_leaves_the_local_journal(tmp_path, caplog):
+    """Nothing listens at the store's address: the replica starts with its own guard, the file
+    journal of its audit directory when it has one (its restarts during the outage resume
+    it), else one in memory."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with caplog.at_level(logging.WARNING, logger="orca_serve.live_audit"):
+        with_dir = FleetJournal(url, bundle().checksum, tmp_path)
+    assert not with_dir.up and isinstance(with_dir.local, Journal)
+    assert with_dir.path == journal_path(tmp_path, bundle().checksum)
+    assert any("unreachable at start" in r.getMessage() for r in caplog.records)
+    with_dir.close()
+    alone = FleetJournal(url, bundle().checksum, None)
+    assert isinstance(alone.local, MemoryJournal) and alone.append({"a": None}) == [{"a": None}]
+
+
+def test_a_store_that_lost_events_is_left(redis_store):
+    """A store restarted without persistence (or flushed) no longer holds what the replicas
+    applied: a replica that notices leaves it for its own guard instead of folding a list whose
+    start it never saw."""
+    audit = _on_store(redis_store.url)
+    for _ in range(3):
+        audit.observe(*known_loss(False))
+    redis.Redis.from_url(redis_store.url).flushdb()
+    audit.observe(*known_loss(False))
+    assert not audit.table()["store"]["up"] and audit.guard(DELTA).cs.n == 4
+    audit.journal.close()
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--orca-audit-store", "http://x:1"], "is not a Redis URL"),
+    (["--orca-audit-store", "redis://x:1/0", "--orca-audit-rate", "0"], "no request would"),
+])
+def test_bad_store_options_are_one_line_errors(argv, error):
+    parser = argparse.ArgumentParser()
+    add_audit_args(parser)
+    ns = parser.parse_args(["--orca-audit-rate", "0.1", *argv])
+    with pytest.raises(ValueError, match=error):
+        check_audit_args(ns, has_bundle=True)

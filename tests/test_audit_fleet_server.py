@@ -1,0 +1,122 @@
+"""A fleet on one audit store, end to end: two real orca-serve processes on the embedded toy model,
+one real redis-server, the real OpenAI client.
+
+Both servers run `--orca-audit-store` at the same Redis (no audit directory), every request
+audited, `--orca-on-alarm fallback`, on test_audit_server's bundle (the demo's plus delta 0.3 at
+lambda 0, which alarms after a few audits). Then the store is killed under them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from orca_serve.live_audit.options import DEMO_SUFFIX
+from tests.redis_server import RedisServer
+from tests.serving import START_TIMEOUT, Server, orca_serve_cmd
+from tests.test_audit_server import (
+    BAD_DELTA,
+    BATCH,
+    COMMON,
+    MODEL,
+    _ask,
+    _records,
+    _row,
+    _settled,
+    _table,
+    audit_env,
+)
+
+pytestmark = pytest.mark.vllm
+
+KEYS = ("n", "censored", "lower", "upper", "alarm", "engaged", "lambda_source")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    return audit_env(tmp_path_factory.mktemp("fleet"))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(env, store) -> Iterator[list[Server]]:
+    servers = [Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(env["bundle"]),
+                                     "--orca-audit-rate", "1.0", "--orca-audit-seed", str(i),
+                                     "--orca-audit-store", store.url,
+                                     "--orca-audit-suffix", DEMO_SUFFIX,
+                                     "--orca-on-alarm", "fallback"),
+                      env["dir"] / f"replica{i}.log", COMMON) for i in range(2)]
+    try:
+        yield [s.wait(2 * START_TIMEOUT) for s in servers]  # two start at once
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def _store_up(server: Server) -> float:
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    m = re.search(r"^orca_audit_store_up\{.*\} (\S+)$", metrics, re.MULTILINE)
+    assert m, metrics[-2000:]
+    return float(m.group(1))
+
+
+def test_two_replicas_on_one_store_keep_one_sequence_and_one_decision(fleet, env) -> None:
+    """Requests at the failing delta spread over both replicas: their audits enter one sequence
+    (each replica's table counts both's), the alarm that one of them folds first is the
+    other's too, and both then serve that delta with the fallback."""
+    a, b = fleet
+    prompts = _records(env["dir"] / "more.jsonl")
+    fell_back = False
+    with ThreadPoolExecutor(BATCH) as pool:  # half of each batch to each replica, at once
+        for start in range(0, len(prompts), BATCH):
+            list(pool.map(lambda ip: _ask(fleet[ip[0] % 2], ip[1]["messages"], delta=BAD_DELTA),
+                          enumerate(prompts[start:start + BATCH])))
+            _settled(a)
+            _settled(b)
+            if _row(_table(a), BAD_DELTA)["engaged"]:
+                fell_back = True
+                break
+    assert fell_back, _table(a)
+    ta, tb = _settled(a), _settled(b)
+    assert ta["admitted"] == tb["admitted"] == ta["picked"] + tb["picked"]
+    for ra, rb in zip(ta["deltas"], tb["deltas"]):
+        assert {k: ra[k] for k in KEYS} == {k: rb[k] for k in KEYS}, (ra, rb)
+    in_risk = sum(t["labelled"] - t["unsolvable"] - t["unaligned"] + t["length"] + t["aborted"]
+                  for t in (ta, tb))
+    assert _row(ta, BAD_DELTA)["n"] == in_risk and ta["labelled"] > 0 and tb["labelled"] > 0
+    for s in fleet:  # one decision: both fall back at that delta
+        orca = _ask(s, [{"role": "user", "content": "Find the integer x with 3*x = 12."}],
+                    delta=BAD_DELTA).model_extra["orca"]
+        assert orca["lambda_source"] == "fallback" and orca["lambda"] is None
+        assert _store_up(s) == 1.0 and _table(s)["store"]["up"]
+
+
+def test_a_replica_keeps_serving_on_its_own_guard_when_the_store_dies(fleet, store, env) -> None:
+    """The store is killed: the next request is served and audited all the same, its audit
+    enters the replica's own guard (which goes on from the state folded so far: the alarmed
+    delta still falls back), and the log and /metrics say the store is gone."""
+    a = fleet[0]
+    before = _settled(a)
+    store.stop()
+    r = _ask(a, [{"role": "user", "content": "Find the integer x with 2*x + 1 = 7."}])
+    assert r.choices[0].message.content and r.model_extra["orca"]["audited"]
+    after = _settled(a)
+    assert after["store"]["up"] is False and _store_up(a) == 0.0
+    assert after["picked"] == before["picked"] + 1
+    assert _row(after, 0.1)["n"] + after["unsolvable"] == (
+        _row(before, 0.1)["n"] + before["unsolvable"] + 1)
+    assert _row(after, BAD_DELTA)["lambda_source"] == "fallback"
+    log = (env["dir"] / "replica0.log").read_text()
+    assert log.count("is unreachable while serving") == 1 and "own local guard" in log
