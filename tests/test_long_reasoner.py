@@ -1,5 +1,5 @@
 """The long reasoner's task, its training examples, and the offline stopping rules of
-benchmarks/bench_frontier.py (fast; the shipped model's own traces: test_long_model.py)."""
+benchmarks/bench_frontier.py (fast; the shipped model served: test_demo_long.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from statistics import mean, median, quantiles
 import pytest
 
 from calibration.long.tasks import (
+    CHECKS,
     FAMILIES,
     make_problem,
     paragraph_candidate,
@@ -36,7 +37,9 @@ from bench_frontier import (  # noqa: E402
 def test_written_traces_are_long_right_and_parse(family: str) -> None:
     """The traces the model is trained on: as long as the issue asks (median >= 40 steps, p90 >=
     120 in distribution), right, well-formed by the evaluation's own parser, with the answer first
-    stated at the step whose sum equals C and 20-50% of the steps after it."""
+    stated at the step whose sum equals C, followed by exactly CHECKS numbered checks and the
+    conclusion: 20-50% of the steps on average (the hard family's walks are longer, so its share
+    is lower)."""
     rng = random.Random(f"shape:{family}")
     lengths, redundant, depth = [], [], []
     for _ in range(600):
@@ -47,6 +50,7 @@ def test_written_traces_are_long_right_and_parse(family: str) -> None:
         assert s.well_formed and s.correct, text
         paras = text.split("</think>")[0].split("\n\n")
         assert f"equals {p.c}." in paras[s.first_right]
+        assert s.redundant == CHECKS + 1 and paras[-2].startswith(f"Check {CHECKS}, ")
         lengths.append(s.paragraphs)
         redundant.append(s.redundant / s.paragraphs)
         depth.append(s.first_right)
@@ -54,13 +58,13 @@ def test_written_traces_are_long_right_and_parse(family: str) -> None:
         assert median(lengths) >= 40 and quantiles(lengths, n=10)[-1] >= 120
         q1, _, q3 = quantiles(depth, n=4)
         assert q3 >= 3 * q1  # the answer appears at widely varying depths
-    assert 0.2 <= mean(redundant) <= 0.5
+    assert (0.1 if family == "hard" else 0.2) <= mean(redundant) <= 0.5
 
 
 def test_candidates_follow_the_walk_and_the_checks() -> None:
     assert paragraph_candidate("x=33: 305+8=313, below 377.") == 33
     assert paragraph_candidate("Wait, x=33: 305+8=313, not 314, below 377.") == 33
-    assert paragraph_candidate("Check x=40: 377-8=369, so x=41 holds.") == 41
+    assert paragraph_candidate("Check 1, x=40: 377-8=369, so x=41 holds.") == 41
     assert paragraph_candidate("So x=41.") == 41
     p = make_problem(random.Random(3), "shifted")
     assert p.start > p.x

@@ -7,7 +7,7 @@ The second form reads the same statistics off collected trajectory sets (`orca-c
 collect`), per family, where "right" is the forced answer of a step (the answer probes' labels)
 rather than the answer a paragraph states; no model is loaded.
 
-Per family, on fresh problems sampled at temperature 0.7: correct %, well-formed %, finished %,
+Per family, on fresh problems sampled at temperature 0.7 (`--temperature`): correct %, well-formed %, finished %,
 steps per trace (median, p90), completion tokens (median, p90, min, max), the depth at which the
 stated answer first becomes right (as a share of the trace: quartiles), the share of steps after
 it (redundant), and the share of traces whose stated answer is never right. Then answer forcing
@@ -75,14 +75,14 @@ def trajectory_report(problems: list) -> dict:
     }
 
 
-def sample_family(llm, family: str, n: int, seed: int) -> tuple[dict, list[tuple[Problem, str, list[int], list[int]]]]:
+def sample_family(llm, family: str, n: int, seed: int, temperature: float = 0.7) -> tuple[dict, list[tuple[Problem, str, list[int], list[int]]]]:
     """One completion per fresh problem of a family: its report and the samples."""
     from vllm import SamplingParams  # deferred: vllm (the model is loaded once, in main)
 
     rng = random.Random(f"long-eval:{family}:{seed}")
     problems = [make_problem(rng, family) for _ in range(n)]
     outs = llm.chat([[{"role": "user", "content": p.question}] for p in problems],
-                    SamplingParams(temperature=0.7, max_tokens=MAX_TOKENS), use_tqdm=True)
+                    SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS), use_tqdm=True)
     texts = [o.outputs[0].text for o in outs]
     report = family_report(problems, texts, [len(o.outputs[0].token_ids) for o in outs],
                            [o.outputs[0].finish_reason == "stop" for o in outs])
@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=Path("runs/long/model"))
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--forcing-traces", type=int, default=20)
     ap.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     ap.add_argument("--trajectories", type=Path, nargs="+", default=None,
@@ -140,7 +141,7 @@ def main() -> None:
         llm, args.model, [make_problem(rng, f).question for f in FAMILIES])}
     samples = {}
     for family in args.families:
-        report[family], samples[family] = sample_family(llm, family, args.n, args.seed)
+        report[family], samples[family] = sample_family(llm, family, args.n, args.seed, args.temperature)
     if "in-dist" in samples:
         report["forcing"] = forcing_check(llm, samples["in-dist"][: args.forcing_traces])
     emit(report, args.out)

@@ -5,8 +5,9 @@ adding (or subtracting) A, so a trace is as long as the walk: tens to a couple o
 ~20 tokens each. What makes it a stand-in for real reasoning where early stopping matters:
 - the answer becomes right at the step whose value equals C, at a depth set by the problem
   (the distance from the start), widely varying from problem to problem;
-- after it, a verification walks back over part of the way (25-70% of the search's length):
-  redundant work making up 20-40% of the steps, as "let me double-check" is in real traces;
+- after it, a verification walks back CHECKS steps, numbered so the model can tell when it is
+  done: redundant work making up about a third of the steps in distribution (from 60% of the
+  shortest traces to 10% of the longest), as "let me double-check" is in real traces;
 - slips (a wrong sum) are sometimes followed by a "Wait" paragraph that corrects them; the
   model's own unrepaired slips carry the walk past C, and such a trace never reaches the answer;
 - the answer can be forced at any step boundary (`FORCE_SUFFIX`): it is the x the walk stands on
@@ -42,10 +43,16 @@ from calibration.toy.tasks import (
 )
 
 FAMILIES = ("in-dist", "shifted", "hard")
-SLIP_RATE = 0.03  # per search step: a wrong sum, corrected by the next ("Wait") paragraph
-MIN_WALK, MAX_WALK = 8, 110  # search length, log-uniform: the depth at which the answer appears
+# Per search step: a wrong sum, corrected by the next ("Wait") paragraph. Kept rare: the model
+# learns to slip as often as its data does, and 3% made a 50-step walk slip about once per trace.
+SLIP_RATE = 0.01
+MIN_WALK, MAX_WALK = 8, 150  # search length, log-uniform: the depth at which the answer appears
 HARD_MIN_WALK = 40
-CHECK_SHARE = (0.25, 0.7)  # verification length as a share of the search length
+# The verification's length. A fixed, numbered count: with a length drawn per trace (25-70% of the
+# search, the first design) the model could not tell when to stop and some traces verified until
+# max_tokens. The walk up starts at x >= MIN_START so the checks below x stay at x >= 0.
+CHECKS = 16
+MIN_START = CHECKS
 # The decision words: what the walk does next depends on them (weighted in training).
 DECISIONS = ("below", "above", "equals")
 
@@ -98,7 +105,7 @@ def make_problem(rng: random.Random, family: str) -> Problem:
         x = rng.randint(0, 40)
         start = x + walk
     else:
-        start = rng.randint(0, 40)
+        start = rng.randint(MIN_START - MIN_WALK, MIN_START - MIN_WALK + 40)
         x = start + walk
     return Problem(a, b, a * x + b, x, start, family)
 
@@ -131,23 +138,20 @@ def search_paragraphs(p: Problem, rng: random.Random) -> list[str]:
     return paras
 
 
-def check_paragraphs(p: Problem, n: int) -> list[str]:
-    """Walk back n steps from x, undoing each step: redundant once x is found."""
+def check_paragraphs(p: Problem) -> list[str]:
+    """Walk back CHECKS numbered steps from x, undoing each step: redundant once x is found."""
     paras, value = [], p.c
     sign = "-" if p.step > 0 else "+"
-    for i in range(1, n + 1):
+    for i in range(1, CHECKS + 1):
         t = p.x - i * p.step
         prev, value = value, p.value(t)
-        paras.append(f"Check x={t}: {prev}{sign}{p.a}={value}, so x={p.x} holds.")
+        paras.append(f"Check {i}, x={t}: {prev}{sign}{p.a}={value}, so x={p.x} holds.")
     return paras
 
 
 def trace_paragraphs(p: Problem, rng: random.Random) -> list[str]:
-    """Search, verification (CHECK_SHARE of the search), and the conclusion."""
-    search = search_paragraphs(p, rng)
-    walk = abs(p.x - p.start)
-    n_checks = max(1, min(walk, round(rng.uniform(*CHECK_SHARE) * walk)))
-    return search + check_paragraphs(p, n_checks) + [f"So x={p.x}."]
+    """Search, verification, and the conclusion."""
+    return search_paragraphs(p, rng) + check_paragraphs(p) + [f"So x={p.x}."]
 
 
 def trace(p: Problem, rng: random.Random) -> str:
@@ -177,7 +181,7 @@ class TraceStats:
 
 _PARA_RE = re.compile(
     r"^(?:(?:Wait, )?x=\d+: \d+[+-]\d+=\d+, (?:not \d+, )?(?:below|above|equals) \d+\."
-    r"|Check x=\d+: \d+[+-]\d+=\d+, so x=\d+ holds\.|So x=\d+\.)$"
+    r"|Check \d+, x=\d+: \d+[+-]\d+=\d+, so x=\d+ holds\.|So x=\d+\.)$"
 )
 
 

@@ -15,11 +15,14 @@ import re
 from calibration.long.tasks import make_problem, paragraph_candidate, trace_paragraphs
 from calibration.toy.train import Example, Recipe, main, render_prompt, trace_example
 
-# Training mix: the shifted (walking down) and hard (two-digit steps) families are a small share,
-# so the model can solve them sometimes without them being in-distribution.
-FAMILY_SHARES = (("in-dist", 0.87), ("shifted", 0.08), ("hard", 0.05))
+# Training mix: the shifted (walking down) and hard (two-digit steps) families are a minority,
+# so the model can solve them without them being in-distribution. At 8% shifted the model solved
+# 3% of shifted problems (it walked up, or said "above" at the equality); 20% it learns.
+FAMILY_SHARES = (("in-dist", 0.75), ("shifted", 0.20), ("hard", 0.05))
 MAX_POSITIONS = 5120  # the longest traces are ~4,300 tokens
-_DECISION_RE = re.compile(r" (?:below|above|equals) ")
+# Weighted like the toy's verdicts: the decision words, every sum (one wrong digit derails the
+# rest of a long walk, where a 5-step toy trace forgives it) and the forced answer.
+_DECISION_RE = re.compile(r" (?:below|above|equals) |(?<==)\d+|(?<=\\boxed\{)\d+")
 
 
 def make_example(rng: random.Random) -> Example:

@@ -254,11 +254,14 @@ def train(
 ) -> None:
     """Train for a time budget (or a fixed step count) and save model, tokenizer, checksums.
     Resumes from `checkpoint` (written every 25 steps) when its settings match: other jobs on
-    this machine have killed long runs. `init`: a model folder this function saved (same recipe
-    and seed, so the same tokenizer) to start from, for a second phase on longer rows."""
+    this machine have killed long runs. `init`: a model folder this function saved (same recipe)
+    to start from, with its tokenizer, for a second phase on longer rows or a reworded task."""
     torch.set_num_threads(2)
     torch.manual_seed(seed)
-    tok = build_tokenizer(random.Random(seed), recipe=recipe)
+    # A later phase keeps the tokenizer its weights were trained with (a rebuilt one would differ
+    # as soon as the task's wording does, and the embeddings would then mean other pieces).
+    tok = (Tokenizer.from_file(str(init / "tokenizer.json")) if init is not None
+           else build_tokenizer(random.Random(seed), recipe=recipe))
     eos_id = tok.token_to_id(EOS)
     vocab = 64 * math.ceil(tok.get_vocab_size() / 64)
     model = build_model(vocab, eos_id, recipe)
@@ -335,7 +338,7 @@ def main(recipe: Recipe = TOY, description: str = __doc__, minutes: float = 14.0
     ap.add_argument("--checkpoint", type=Path, default=None, help="resume file (default: in the temp dir)")
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     ap.add_argument("--init", type=Path, default=None,
-                    help="start from a model folder saved by an earlier phase (same recipe and seed)")
+                    help="start from a model folder saved by an earlier phase (same recipe; its tokenizer is kept)")
     args = ap.parse_args()
     ckpt = args.checkpoint or Path(tempfile.gettempdir()) / f"orca-{recipe.name}-train-seed{args.seed}.pt"
     train(args.out, args.minutes, args.seed, args.steps, args.rows, args.seq_len, ckpt, recipe,
