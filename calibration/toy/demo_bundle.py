@@ -1,8 +1,9 @@
-"""Rebuild the demo bundle (orca_serve/demo/bundle.json) from the toy job, in one command.
+"""Rebuild a demo bundle (orca_serve/demo/bundle.json) from its job, in one command.
 
     python -m calibration.toy.demo_bundle    # from the repository root
+    python -m calibration.toy.demo_bundle --reasoner long    # orca_serve/demo/long/bundle.json
 
-(`--job calibration/jobs/toy.yaml`, `--out orca_serve/demo/bundle.json` by default.)
+(`--job calibration/jobs/<reasoner>.yaml`, `--out` the reasoner's demo folder by default.)
 
 Runs (or resumes) `orca-calibrate run` on the job, which collects with the embedded model,
 trains the probe and calibrates with the job's label mode, then writes the job's bundle as the
@@ -10,7 +11,8 @@ demo's: the model named `orca-toy-reasoner` (the name `orca-serve --demo` serves
 job records the folder it loaded the model from, which differs per install) and the provenance's
 paths relative to the repository, sealed again. Refused unless the bundle is what the demo
 needs: consistency labels (what the live audit labels by, so `--orca-on-alarm` acts on it) and a
-drift reference (so `orca-serve --demo --orca-audit-rate 1` exports the drift metrics).
+drift reference (so `orca-serve --demo --orca-audit-rate 1` exports the drift metrics). The long
+reasoner's is served as `orca-long-reasoner`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ from orca_method.bundle import Bundle, load_bundle, save_bundle
 from orca_serve.live_audit.live import AUDIT_LABEL_MODE
 
 ROOT = Path(__file__).parents[2]
-DEMO_MODEL_NAME = "orca-toy-reasoner"
+# reasoner: (job, demo folder, served model name)
+DEMOS = {
+    "toy": ("calibration/jobs/toy.yaml", "orca_serve/demo", "orca-toy-reasoner"),
+    "long": ("calibration/jobs/long.yaml", "orca_serve/demo/long", "orca-long-reasoner"),
+}
 
 
 def _relative(value: object) -> object:
@@ -37,14 +43,14 @@ def _relative(value: object) -> object:
         return value
 
 
-def demo_bundle(job_bundle: Bundle) -> Bundle:
+def demo_bundle(job_bundle: Bundle, name: str = DEMOS["toy"][2]) -> Bundle:
     """The job's bundle as the demo ships it (see the module docstring); raises ValueError."""
     if job_bundle.label_mode != AUDIT_LABEL_MODE:
         raise ValueError(f"the job calibrated with {job_bundle.label_mode} labels; the demo "
                          f"bundle needs {AUDIT_LABEL_MODE} labels (train.label_mode in the job)")
     if job_bundle.drift is None:
         raise ValueError("the job's bundle has no drift reference")
-    model = job_bundle.model.model_copy(update={"name": DEMO_MODEL_NAME})
+    model = job_bundle.model.model_copy(update={"name": name})
     provenance = {k: _relative(v) for k, v in job_bundle.provenance.items()}
     return job_bundle.model_copy(update={"model": model, "provenance": provenance,
                                          "checksum": ""})
@@ -53,20 +59,21 @@ def demo_bundle(job_bundle: Bundle) -> Bundle:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m calibration.toy.demo_bundle",
                                  description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reasoner", choices=sorted(DEMOS), default="toy")
     # relative, as the job was first run: the job's stage fingerprints hold its paths as spelled
-    ap.add_argument("--job", default="calibration/jobs/toy.yaml")
-    ap.add_argument("--out", default="orca_serve/demo/bundle.json")
+    ap.add_argument("--job", default=None, help="default: the reasoner's job")
+    ap.add_argument("--out", default=None, help="default: bundle.json in the reasoner's demo folder")
     a = ap.parse_args(argv)
-
-    job = Path(a.job)
+    default_job, folder, name = DEMOS[a.reasoner]
+    job, out = Path(a.job or default_job), a.out or f"{folder}/bundle.json"
     run_job(job)
     try:
-        bundle = demo_bundle(load_bundle(Path(load_job(job)["out"]) / "bundle.json"))
+        bundle = demo_bundle(load_bundle(Path(load_job(job)["out"]) / "bundle.json"), name)
     except ValueError as e:
         print(f"demo_bundle: error: {e}", file=sys.stderr)
         return 2
-    sealed = save_bundle(bundle, a.out)
-    print(f"wrote {a.out}: {sealed.label_mode} labels, n_cal {sealed.ltt.n_cal}, drift reference "
+    sealed = save_bundle(bundle, out)
+    print(f"wrote {out}: {sealed.label_mode} labels, n_cal {sealed.ltt.n_cal}, drift reference "
           f"of {len(sealed.drift.early_mean)}, checksum {sealed.checksum}")
     return 0
 
