@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_goodput import PROBE, Workload, interval95, label, oracle, request_loss
 
+from calibration.long import tasks as long_tasks
 from calibration.toy import tasks as toy_tasks
 from orca_method.answer_probes import reasoning_start, step_ends
 from orca_method.labels import labelled_steps
@@ -71,8 +72,10 @@ AUDIT_GRID = 10  # the coarser labelling grid timed beside every step (the paper
 
 @dataclass(frozen=True)
 class Reasoner:
-    """One embedded demo: its tasks, families, max_tokens (the calibration's) and budgets."""
+    """One embedded demo: its folder (model/ and bundle.json), tasks, families, max_tokens (the
+    calibration's) and thinking budgets."""
 
+    home: Path
     tasks: ModuleType
     families: tuple[str, ...]
     max_tokens: int
@@ -80,18 +83,18 @@ class Reasoner:
 
     @property
     def model_dir(self) -> Path:
-        return ROOT / "orca_serve" / "demo" / "model"
+        return self.home / "model"
 
     @property
     def bundle(self) -> Path:
-        return self.model_dir.parent / "bundle.json"
+        return self.home / "bundle.json"
 
 
-# The embedded reasoners. The long one (calibration/long/) joins when a model good enough to
-# ship exists (its entry: long_tasks, families in-dist/shifted/hard, max_tokens 5000, budgets
-# 300-3000); this round's is not (benchmarks/RESULTS.md, "The long reasoner").
+DEMO = ROOT / "orca_serve" / "demo"
 REASONERS = {
-    "toy": Reasoner(toy_tasks, ("in-dist", "shifted"), 400, (48, 80, 112, 144, 176, 208, 256)),
+    "toy": Reasoner(DEMO, toy_tasks, ("in-dist", "shifted"), 400, (48, 80, 112, 144, 176, 208, 256)),
+    "long": Reasoner(DEMO / "long", long_tasks, ("in-dist", "shifted", "hard"), 5000,
+                     (300, 600, 1000, 1500, 2500)),
 }
 
 
@@ -426,10 +429,11 @@ def table(name: str, s: dict[str, Any], epsilon: float) -> str:
 
 
 def serve(reasoner: Reasoner, bundle: Path | None, log: Path) -> Server:
-    if bundle is None:
-        return Server(orca_serve_cmd("--demo"), log, ["--host", "127.0.0.1", "--seed", "0"])
-    return Server(orca_serve_cmd("--model", str(reasoner.model_dir), "--calib", str(bundle)), log,
-                  ["--host", "127.0.0.1", "--seed", "0", "--reasoning-parser", "deepseek_r1"])
+    """orca-serve on the reasoner's model with its own bundle, or another one (the static arm)."""
+    return Server(orca_serve_cmd("--model", str(reasoner.model_dir),
+                                 "--calib", str(bundle or reasoner.bundle)), log,
+                  ["--host", "127.0.0.1", "--seed", "0", "--reasoning-parser", "deepseek_r1",
+                   "--max-model-len", str(reasoner.max_tokens + 256)])
 
 
 def main() -> None:

@@ -6,6 +6,8 @@ Usage:
     python benchmarks/bench_overhead.py --profile smollm2 [--profile-config shadow] --conc 16
                                         # one run under py-spy (collapsed stacks in .cache/)
     python benchmarks/bench_overhead.py --report FILE   # the tables of a saved --json file
+    python benchmarks/bench_overhead.py --models long --conc 64 --max-tokens 1536 --rounds 2
+                                        # 64 long requests (the embedded long reasoner)
 Results and tables: benchmarks/overhead.md. SmolLM2 comes from benchmarks/prepare_smollm2.py.
 
 Design (this machine is shared and noisy, +-10-15 % run to run):
@@ -61,10 +63,16 @@ SMOL_QUESTIONS = ["What is the capital of France?", "Explain how a rainbow forms
                   "Give three tips for learning a new language.", "What is 17 times 23?",
                   "Why is the sky blue?", "Write a short note about photosynthesis.",
                   "How do I boil an egg?", "What causes the seasons on Earth?"]
+# The long reasoner's in-distribution problems (its traces run to thousands of tokens), fixed.
+LONG_QUESTIONS = [f"Find the integer x with {a}*x + {b} = {a * x + b}. Start at x={s}, where "
+                  f"{a}*{s} + {b} = {a * s + b}." for a, b, x, s in
+                  [(7, 12, 140, 20), (3, 45, 96, 31), (9, 3, 170, 44), (5, 71, 60, 12),
+                   (8, 20, 110, 9), (2, 88, 150, 40), (6, 5, 77, 15), (4, 60, 131, 27)]]
 MODELS = {
     # name: (kvcache GiB, questions)
     "tiny": (1, TINY_QUESTIONS),
     "smollm2": (1, SMOL_QUESTIONS),
+    "long": (2, LONG_QUESTIONS),  # the embedded long reasoner (orca_serve/demo/long/)
 }
 
 
@@ -82,6 +90,9 @@ def prepare_models(names: list[str]) -> dict[str, dict[str, str]]:
     for name in names:
         if name == "tiny":
             model, hidden = build_tiny_model(CACHE / "tiny-model"), HIDDEN
+        elif name == "long":
+            model = ROOT / "orca_serve" / "demo" / "long" / "model"
+            hidden = json.loads((model / "config.json").read_text())["hidden_size"]
         else:
             from prepare_smollm2 import prepare
 
@@ -110,7 +121,8 @@ def worker(a: argparse.Namespace) -> None:
     from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
 
     prepare_environment()
-    kw: dict = {"enforce_eager": True, "dtype": "float32", "max_model_len": 512, "seed": 0}
+    kw: dict = {"enforce_eager": True, "dtype": "float32", "max_model_len": max(512, a.max_tokens + 128),
+                "seed": 0}
     if a.config != "plain":
         kw.update(engine_kwargs(a.bundle))
     t0 = time.perf_counter()

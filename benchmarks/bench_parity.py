@@ -9,10 +9,11 @@
 3. serve the same prompts through a live `orca-serve` with greedy decoding and read `stop_step`
    (and `ended`, `give_up_step`).
 
-Usage: python benchmarks/bench_parity.py [--n 300] [--delta 0.1] [--give-up-delta D2]
-                                         [--bundle orca_serve/demo/bundle.json]
-Writes benchmarks/parity.json (every prompt: its steps, both stop steps, and the scores around a
-mismatch).
+Usage: python benchmarks/bench_parity.py [--reasoner toy|long] [--n 300] [--delta 0.1]
+                                         [--give-up-delta D2] [--bundle BUNDLE]
+(the bundle: the reasoner's demo bundle by default). Writes benchmarks/parity.json, or
+parity-long.json for the long reasoner (every prompt: its steps, both stop steps, and the scores
+around a mismatch).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests package's helpers
 
 from calibration.collect import Collector, CollectSettings, read_prompts
-from calibration.toy.demo_bundle import DEMO_MODEL_NAME
-from calibration.toy.tasks import write_prompts
+from calibration.long import tasks as long_tasks
+from calibration.toy import tasks as toy_tasks
+from calibration.toy.demo_bundle import DEMOS
 from orca_method.bundle import load_bundle
 from orca_method.give_up import two_sided_ends
 from orca_method.procedure import replay
@@ -41,7 +43,8 @@ from orca_method.thresholds import GIVE_UP_NEVER
 from orca_method.trajectories import TrajectorySet
 from tests.serving import Server, orca_serve_cmd
 
-MODEL = ROOT / "orca_serve" / "demo" / "model"
+# reasoner: its tasks module and max_tokens (the calibration job's); folder and name: DEMOS
+REASONERS = {"toy": (toy_tasks, 400), "long": (long_tasks, 5000)}
 
 
 def offline_stops(bundle, data: Path, lam: float,
@@ -59,15 +62,16 @@ def offline_stops(bundle, data: Path, lam: float,
             for p, e, h, s in zip(ts.problems, end, how, stop)}
 
 
-async def online_stops(srv: Server, prompts: list[dict], delta: float, max_tokens: int,
-                       concurrency: int, give_up: float | None = None) -> dict[str, dict]:
+async def online_stops(srv: Server, model: str, prompts: list[dict], delta: float,
+                       max_tokens: int, concurrency: int,
+                       give_up: float | None = None) -> dict[str, dict]:
     client = srv.aclient()
     sem = asyncio.Semaphore(concurrency)
 
     async def one(rec: dict) -> tuple[str, dict]:
         async with sem:
             r = await client.chat.completions.create(
-                model=str(MODEL), messages=rec["messages"], temperature=0, max_tokens=max_tokens,
+                model=model, messages=rec["messages"], temperature=0, max_tokens=max_tokens,
                 extra_body={"orca": {"delta": delta, "policy": "answer",
                                      **({} if give_up is None else
                                         {"give_up": {"delta": give_up}})}})
@@ -78,26 +82,33 @@ async def online_stops(srv: Server, prompts: list[dict], delta: float, max_token
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--reasoner", choices=sorted(REASONERS), default="toy")
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--delta", type=float, default=0.1)
     ap.add_argument("--give-up-delta", type=float, default=None,
                     help="also give up with this risk (a two-sided bundle)")
-    ap.add_argument("--bundle", default=str(ROOT / "orca_serve" / "demo" / "bundle.json"))
-    ap.add_argument("--max-tokens", type=int, default=400)
+    ap.add_argument("--bundle", default=None)
+    ap.add_argument("--max-tokens", type=int, default=None, help="default: the reasoner's")
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--work", default=str(ROOT / ".cache" / "parity"))
+    ap.add_argument("--work", default=None, help="default: .cache/parity[-long]")
     a = ap.parse_args()
-    work = Path(a.work)
+    tasks, max_tokens = REASONERS[a.reasoner]
+    _, folder, served_name = DEMOS[a.reasoner]
+    model = ROOT / folder / "model"
+    a.max_tokens = a.max_tokens or max_tokens
+    a.bundle = a.bundle or str(ROOT / folder / "bundle.json")
+    tail = "" if a.reasoner == "toy" else f"-{a.reasoner}"
+    work = Path(a.work or ROOT / ".cache" / f"parity{tail}")
     work.mkdir(parents=True, exist_ok=True)
     bundle = load_bundle(a.bundle)
     lam = bundle.lam(a.delta)
     mu = GIVE_UP_NEVER if a.give_up_delta is None else bundle.mu(a.give_up_delta)
     prompts_file = work / "prompts.jsonl"
-    write_prompts(prompts_file, "in-dist", a.n, seed=4242)
+    tasks.write_prompts(prompts_file, "in-dist", a.n, seed=4242)
     prompts = read_prompts(prompts_file)
     # recordings are reused only for the same model weights and settings (a stale cache from an
     # earlier model once made every stop step disagree)
-    key = hashlib.sha256(f"{(MODEL / 'SHA256SUMS').read_text()}|{a.n}|{a.max_tokens}".encode())
+    key = hashlib.sha256(f"{(model / 'SHA256SUMS').read_text()}|{a.n}|{a.max_tokens}".encode())
     data = work / f"recorded-{key.hexdigest()[:12]}"
     t0 = time.perf_counter()
     if not (data / "problems.jsonl").exists():
@@ -106,18 +117,18 @@ def main() -> None:
                                    think=bundle.think.model_dump(),
                                    segmentation=bundle.segmentation.model_dump(),
                                    normalization=bundle.normalization)
-        collector = Collector(str(MODEL), settings)
+        collector = Collector(str(model), settings)
         collector.run(prompts, data, progress=True)
         del collector
     offline = offline_stops(bundle, data, lam, mu)
     t1 = time.perf_counter()
-    srv = Server(orca_serve_cmd("--model", str(MODEL), "--calib", a.bundle), work / "serve.log",
-                 ["--served-model-name", str(MODEL), DEMO_MODEL_NAME,  # the bundle's name for it
+    srv = Server(orca_serve_cmd("--model", str(model), "--calib", a.bundle), work / "serve.log",
+                 ["--served-model-name", str(model), served_name,  # the bundle's name for it
                   "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32",
-                  "--max-model-len", "1024", "--seed", "0"])
+                  "--max-model-len", str(max(1024, a.max_tokens + 256)), "--seed", "0"])
     try:
         srv.wait()
-        online = asyncio.run(online_stops(srv, prompts, a.delta, a.max_tokens, a.concurrency,
+        online = asyncio.run(online_stops(srv, str(model), prompts, a.delta, a.max_tokens, a.concurrency,
                                           a.give_up_delta))
     finally:
         srv.stop()
@@ -147,7 +158,7 @@ def main() -> None:
               "mean_steps": float(np.mean([r["steps"] for r in rows])),
               "mean_stop_step_online": float(np.mean([r["online"] or r["steps"] for r in rows])),
               "record_s": round(t1 - t0, 1), "prompts": rows}
-    (ROOT / "benchmarks" / "parity.json").write_text(json.dumps(result, indent=1))
+    (ROOT / "benchmarks" / f"parity{tail}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "prompts"}))
     for r in [r for r in rows if not r["match"]][:20]:
         print(r)
