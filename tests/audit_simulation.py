@@ -317,3 +317,49 @@ def restart_null(streams: int, audits: int, restart_every: int, *, seed: int,
         ever_whole |= whole.alarm(delta)
         ever_fresh |= fresh.alarm(delta)
     return float(ever_whole.mean()), float(ever_fresh.mean())
+
+
+def give_up_pool(rng: np.random.Generator, n: int, *, right: float, bias: float
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Give-up losses of n simulated traces at one mu: (the audit's loss, the certified loss).
+
+    A trace of T = 8 steps ends right with probability `right`; its give-up scores are
+    sigmoid(1.5 (2 R - 1) + bias + N(0, 1)) per step, so traces that end wrong score lower and
+    a negative `bias` makes every trace give up more. Both losses come from
+    `request_give_up_loss` at mu = 0.2: the audit's with the outcome unknown (what live audits
+    know), the certified one with the true outcome."""
+    from orca_method.give_up import request_give_up_loss
+
+    audit, certified = np.empty(n), np.empty(n)
+    for i in range(n):
+        r = bool(rng.random() < right)
+        g = 1 / (1 + np.exp(-(1.5 * (2 * r - 1) + bias + rng.normal(size=8))))
+        audit[i] = request_give_up_loss(g, 0.2, None)
+        certified[i] = request_give_up_loss(g, 0.2, r)
+    return audit, certified
+
+
+def give_up_streams(audit: np.ndarray, certified: np.ndarray, delta: float, *, streams: int,
+                    audits: int, seed: int, cut: float = 0.0, epsilon: float = EPSILON,
+                    deltas: int = 1, grid: int = DEFAULT_GRID) -> tuple[float, float]:
+    """Streams of audits drawn from a pool (`give_up_pool`) through a give-up guard's
+    statistics (CensoredAlarm at `guard_epsilon(epsilon, deltas, "joint")`, per-delta when
+    deltas is 1); an audit that gave up is cut (censored) with probability 3 `cut`, one that did
+    not with probability `cut` (a cut that depends on the loss). Returns the share of streams
+    whose upper bound was ever below the certified risk (the pool's mean certified loss), and
+    the share that ever alarmed at `delta`."""
+    from orca_serve.live_audit.options import guard_epsilon
+    from orca_serve.live_audit.sequence import CensoredAlarm
+
+    rng = np.random.default_rng(seed)
+    risk = float(certified.mean())
+    cs = CensoredAlarm(guard_epsilon(epsilon, deltas, "joint"), grid_size=grid,
+                       shape=(streams,))
+    missed = np.zeros(streams, bool)
+    ever = np.zeros(streams, bool)
+    for _ in range(audits):
+        x = audit[rng.integers(0, audit.size, streams)]
+        cs.update(x, rng.random(streams) < np.where(x > 0, 3 * cut, cut))
+        missed |= cs.upper < risk
+        ever |= cs.alarm(delta)
+    return float(missed.mean()), float(ever.mean())

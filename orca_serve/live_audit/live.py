@@ -32,7 +32,11 @@ exchangeable with the calibration set. This module measures the realized risk of
    shadow, so their scores are complete whatever lambda is served, and each is measured at
    every lambda a guard needs. While a recalibrated lambda's own drift test (against the
    scores of its window) alarms, that delta falls back. `--orca-audit-epsilon-split joint`
-   gives each of k deltas' guards epsilon / k.
+   gives each of k deltas' guards epsilon / k. A two-sided bundle's give-up deltas get a
+   `GiveUpGuard` each: every audit's give-up probe scores (replayed on its recorded steps) give
+   the loss "would have given up" at mu*, an upper bound of the certified give-up loss (audits
+   cannot tell a right end); with `--orca-guard-other-labels` its alarm turns give-up off for
+   that give-up delta and touches no lambda (docs/AUDIT.md, "The give-up risk").
 5. **Drift**: with a drift reference in the bundle, a `DriftMonitor` sees the scores of one
    choice of every finished request (audited or not).
 6. **Hot reload** (`hand_over`): a new bundle gets a new LiveAudit; the table, the guards, the
@@ -67,9 +71,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from orca_method.bundle import Bundle, DriftReference
+from orca_method.give_up import request_give_up_loss
 from orca_method.ltt import calibrate, default_grid
+from orca_method.procedure import replay
 from orca_method.risk import cumulative, is_counted, request_loss
-from orca_method.thresholds import NEVER, lam_from_json, lam_to_json
+from orca_method.thresholds import GIVE_UP_NEVER, NEVER, lam_from_json, lam_to_json, mu_from_json
+from orca_serve.contract import XARG_GIVE_UP_MU
 from orca_serve.live_audit.attrition import incomplete
 from orca_serve.live_audit.drift import DriftMonitor, build_reference, reference_level
 from orca_serve.live_audit.journal import SNAPSHOT_EVERY, Journal
@@ -164,6 +171,16 @@ def recalibration_epsilon(epsilon: float, k: int) -> float:
 Window = tuple[list[np.ndarray], list[np.ndarray]]
 
 
+def engagement(engaged: bool, cs: CS, delta: float) -> bool:
+    """Whether a guard is engaged after its latest audit: on an alarm, and until no member
+    alarms any more AND the whole history's upper bound is back at delta or below (evidence
+    that the bundle's threshold holds again), not when a lower bound merely dips: that would
+    flap with every loss near the boundary."""
+    if cs.n and cs.alarm(delta):
+        return True
+    return engaged and cs.upper > delta
+
+
 @dataclass
 class Recalibrated:
     """A lambda the guard serves after a recalibration, and the audit of that lambda."""
@@ -238,10 +255,7 @@ class DeltaGuard:
         if self.on_alarm == "recalibrate":
             self._recalibrate(now, window, ltt, make_cs)
             return self.trust()
-        if self.alarm:
-            self.engaged = True
-        elif self.engaged and self.cs.upper <= self.delta:
-            self.engaged = False
+        self.engaged = engagement(self.engaged, self.cs, self.delta)
         if self.engaged and self.on_alarm == "fallback":
             self.lam, self.source = NEVER, "fallback"
         else:
@@ -318,12 +332,7 @@ class DeltaGuard:
             self.lam, self.source = self.served.lam, "audit"
 
     def row(self) -> dict[str, Any]:
-        n = int(self.cs.n)
-        out = {"delta": self.delta, "n": n, "censored": int(self.cs.censored),
-               "risk": _finite(self.cs.mean), "risk_range": _range(self.cs),
-               "lower": float(self.cs.lower), "upper": float(self.cs.upper),
-               "alarm": self.alarm, "engaged": self.engaged,
-               **dict(zip(("alarm_since", "alarm_lower"), self.cs.alarm_source(self.delta))),
+        out = {**_cs_row(self.cs, self.delta), "engaged": self.engaged,
                "lambda": lam_to_json(self.lam), "lambda_source": self.source,
                "bundle_lambda": lam_to_json(self.bundle_lam)}
         if self.on_alarm == "recalibrate":
@@ -333,11 +342,74 @@ class DeltaGuard:
         return out
 
 
+@dataclass
+class GiveUpGuard:
+    """One give-up delta's audited risk (at the bundle's mu*) and whether its requests give up.
+
+    An audit's loss is `request_give_up_loss` with the outcome unknown: live audits label by
+    consistency, which cannot tell a right end from a wrong one, so the loss is whether the
+    audit would have given up under mu*, at least the certified loss (docs/AUDIT.md, "The
+    give-up risk"). Acting (`fallback`, and `recalibrate`, since consistency labels cannot
+    certify a new mu*) turns give-up off for this give-up delta while the guard is engaged:
+    its requests reason on, and no stop threshold changes.
+    """
+
+    delta: float
+    bundle_mu: float  # GIVE_UP_NEVER = never gives up
+    cs: CS
+    on_alarm: str = "report"
+    mu: float = GIVE_UP_NEVER  # the mu* requests are served with
+    source: str = "bundle"  # bundle | fallback (give-up off)
+    engaged: bool = False
+
+    def __post_init__(self) -> None:
+        self.mu = self.bundle_mu
+
+    def observe(self, scores: list[float] | None) -> None:
+        """One audit's give-up scores (None: censored, its loss unknown), then the decision."""
+        self.cs.update(0.0 if scores is None else request_give_up_loss(
+            np.asarray(scores), self.bundle_mu, None), scores is None)
+        self.engaged = engagement(self.engaged, self.cs, self.delta)
+        off = self.engaged and self.on_alarm != "report"
+        self.mu, self.source = (GIVE_UP_NEVER, "fallback") if off else (self.bundle_mu, "bundle")
+
+    def row(self) -> dict[str, Any]:
+        return {**_cs_row(self.cs, self.delta), "engaged": self.engaged,
+                "mu": lam_to_json(self.mu), "mu_source": self.source,
+                "bundle_mu": lam_to_json(self.bundle_mu)}
+
+    def state(self) -> dict[str, Any]:
+        cs: Any = self.cs  # a CensoredAlarm (LiveAudit._snapshot checks that it can be saved)
+        return {"delta": self.delta, "cs": cs.to_dict(), "engaged": self.engaged,
+                "mu": lam_to_json(self.mu), "source": self.source}
+
+    def restore(self, d: dict[str, Any]) -> None:
+        self.cs = CensoredAlarm.from_dict(d["cs"])
+        self.engaged, self.source = bool(d["engaged"]), d["source"]
+        self.mu = mu_from_json(d["mu"])
+
+
+def _cs_row(cs: CS, delta: float) -> dict[str, Any]:
+    """A guard's statistics as the table shows them (the whole history's, and the alarm's)."""
+    n = int(cs.n)
+    return {"delta": delta, "n": n, "censored": int(cs.censored), "risk": _finite(cs.mean),
+            "risk_range": _range(cs), "lower": float(cs.lower), "upper": float(cs.upper),
+            "alarm": bool(n) and bool(cs.alarm(delta)),
+            **dict(zip(("alarm_since", "alarm_lower"), cs.alarm_source(delta)))}
+
+
 def _window_monitor(ref: DriftReference) -> DriftMonitor:
     """The drift test of a recalibrated lambda: windows of the reference's size (the
     recalibration window's audits), tested every half window."""
     size = len(ref.early_mean)
     return DriftMonitor(ref, window=max(10, size // 2), every=max(5, size // 4), spend=False)
+
+
+def _lookup(guards: dict[float, Any], delta: float, what: str) -> Any:
+    for d, g in guards.items():
+        if math.isclose(d, delta, rel_tol=0, abs_tol=1e-9):
+            return g
+    raise KeyError(f"{what} {delta} is not in the bundle's table")
 
 
 def _finite(x: float) -> float | None:
@@ -370,6 +442,10 @@ def _shown(lam: float) -> str:
     return "never (no early stop)" if math.isinf(lam) else f"{lam:g}"
 
 
+def _shown_mu(mu: float) -> str:
+    return "never (no give-up)" if math.isinf(mu) else f"{mu:g}"
+
+
 def log_change(g: DeltaGuard, was_engaged: bool, was_source: str, was_lam: float) -> None:
     """One server-log line per change of a guard: alarm raised or cleared, and the lambda served
     (fallback, recalibrated, the bundle's again)."""
@@ -387,6 +463,24 @@ def log_change(g: DeltaGuard, was_engaged: bool, was_source: str, was_lam: float
                "bundle": "the bundle's lambda*"}.get(g.source, g.source)
         logger.warning("orca audit: delta %s now served with lambda %s (%s; was %s)", d,
                        _shown(g.lam), how, _shown(was_lam))
+
+
+def log_give_up_change(g: GiveUpGuard, was_engaged: bool, was_source: str) -> None:
+    """One server-log line per change of a give-up guard: alarm raised or cleared, give-up
+    turned off or on again."""
+    n, d = int(g.cs.n), f"{g.delta:g}"
+    if g.engaged and not was_engaged:
+        logger.warning("orca audit: give-up ALARM at give-up delta %s after %d audits: the "
+                       "audited give-up risk of the bundle's mu* %s has lower bound %.3f > "
+                       "delta (on alarm: %s)", d, n, _shown_mu(g.bundle_mu),
+                       g.cs.alarm_source(g.delta)[1] or g.cs.lower, g.on_alarm)
+    elif was_engaged and not g.engaged:
+        logger.info("orca audit: give-up alarm at give-up delta %s cleared after %d audits "
+                    "(upper bound %.3f <= delta)", d, n, g.cs.upper)
+    if g.source != was_source:
+        logger.warning("orca audit: give-up delta %s now %s", d,
+                       "off (requests reason on; the stop thresholds are unchanged)"
+                       if g.source == "fallback" else f"on again (mu* {_shown_mu(g.mu)})")
 
 
 def _default_cs_factory(epsilon: float) -> Callable[[], CS]:
@@ -453,6 +547,17 @@ class LiveAudit:
                            f"--orca-on-alarm {config.on_alarm} acts on it anyway "
                            "(--orca-guard-other-labels)" if self.guard_acts else
                            "the guard reports only (--orca-guard-other-labels lets it act)")
+        # the give-up guards (a two-sided bundle): live audits cannot label by the give-up's
+        # reference labels, so they act only when the operator lets them (as above)
+        gu = bundle.give_up
+        self.give_up_epsilon = None if gu is None else guard_epsilon(
+            gu.ltt.epsilon, len(gu.ltt.rows), config.epsilon_split)
+        self.give_up_acts = config.other_labels
+        make_gu = cs_factory or _default_cs_factory(self.give_up_epsilon or 0.0)
+        self.give_up_guards = {d: GiveUpGuard(d, bundle.mu(d), make_gu(),
+                                              config.on_alarm if self.give_up_acts else "report")
+                               for d in bundle.give_up_deltas()}
+        self._give_up_probe: Any = None  # the bundle's give-up probe, loaded on first use
         self.drift = drift
         self.admitted = 0  # audits admitted so far; each audit's admission number is its seq
         # what became of each audit admitted after the oldest pending wait of a guard: its
@@ -476,10 +581,11 @@ class LiveAudit:
 
     def guard(self, delta: float) -> DeltaGuard:
         """The guard of a delta of the table (resolve() accepted only those)."""
-        for d, g in self.guards.items():
-            if math.isclose(d, delta, rel_tol=0, abs_tol=1e-9):
-                return g
-        raise KeyError(f"delta {delta} is not in the bundle's table")
+        return _lookup(self.guards, delta, "delta")
+
+    def give_up_guard(self, delta: float) -> GiveUpGuard:
+        """The guard of a give-up delta of the bundle's give-up table."""
+        return _lookup(self.give_up_guards, delta, "give-up delta")
 
     # -- the events (the only way the guards' state changes) ----------------------------------
     def attach(self, journal: Journal) -> None:
@@ -508,18 +614,26 @@ class LiveAudit:
 
     def _settings(self) -> dict[str, Any]:
         """What the fold depends on besides the events: a snapshot folded under other settings
-        is not used (the journal is replayed under the current ones instead)."""
-        return {"on_alarm": [g.on_alarm for g in self.guards.values()],
-                "window": self.config.window, "guard_epsilon": self.guard_epsilon}
+        is not used (the journal is replayed under the current ones instead). A one-sided
+        bundle's settings are what they were before the give-up guards existed, so its
+        snapshots stay usable."""
+        out: dict[str, Any] = {"on_alarm": [g.on_alarm for g in self.guards.values()],
+                               "window": self.config.window, "guard_epsilon": self.guard_epsilon}
+        if self.give_up_guards:
+            out["give_up"] = {"on_alarm": [g.on_alarm for g in self.give_up_guards.values()],
+                              "guard_epsilon": self.give_up_epsilon}
+        return out
 
     def _snapshot(self) -> None:
         """Write the folded state (journal.py, "Snapshots"); skipped for statistics that cannot
         be saved (tests' fakes)."""
         assert self.journal is not None
         self._unsaved = 0
-        if not all(hasattr(g.cs, "to_dict") for g in self.guards.values()):
+        if not all(hasattr(g.cs, "to_dict") for g in [*self.guards.values(),
+                                                          *self.give_up_guards.values()]):
             return
         self.journal.write_snapshot({
+            "give_up": [g.state() for g in self.give_up_guards.values()],
             "settings": self._settings(), "admitted": self.admitted,
             "open": [[seq, owner] for seq, owner in self._open.items()],
             "resolved": [[seq, None if v is None else [v[0].tolist(), v[1].tolist()]]
@@ -535,6 +649,8 @@ class LiveAudit:
         self.counts["lost"] = int(state["lost"])
         for g, d in zip(self.guards.values(), state["guards"]):
             g.restore(d)
+        for gu, d in zip(self.give_up_guards.values(), state.get("give_up", [])):
+            gu.restore(d)
 
     def _event(self, event: dict[str, Any]) -> None:
         """Journal one event (first applying what other processes journalled before it), or
@@ -597,7 +713,17 @@ class LiveAudit:
         elif outcome == "censored":
             for g in self.guards.values():
                 g.observe(seq, None)
+        if "g" in e:  # in the give-up risk (journals written before it have no "g": left out)
+            self._give_up(None if outcome == "censored" else e["g"], quiet)
         self._resolve(seq, item if outcome in ("risk", "censored") else None, quiet)
+
+    def _give_up(self, scores: list[float] | None, quiet: bool) -> None:
+        """One audit's give-up scores (None: censored) to every give-up guard."""
+        for g in self.give_up_guards.values():
+            before = (g.engaged, g.source)
+            g.observe(scores)
+            if not quiet:
+                log_give_up_change(g, *before)
 
     # -- the request path (cheap, synchronous) -----------------------------------------------
     def admit(self, body: dict[str, Any], settings: Any) -> tuple[dict[str, Any], Any]:
@@ -616,12 +742,20 @@ class LiveAudit:
         g = self.guard(settings.delta)
         changes: dict[str, Any] = {"lam": None if math.isinf(g.lam) else g.lam,
                                    "lam_source": g.source}
+        if settings.give_up_delta is not None and self.give_up_guards:
+            gu = self.give_up_guard(settings.give_up_delta)
+            changes["give_up_source"] = gu.source
+            if gu.source == "fallback":  # give-up off: the request reasons on
+                changes["give_up_mu"] = None
         if picked:
             changes["audited"] = True
             self._pending[settings.key] = (
                 {k: body[k] for k in ("messages", "prompt") if k in body}, seq)
         settings = replace(settings, **changes)
-        return {**body, "vllm_xargs": {**body.get("vllm_xargs", {}), **settings.xargs()}}, settings
+        xargs = {**body.get("vllm_xargs", {}), **settings.xargs()}
+        if settings.give_up_mu is None:  # give-up off (or never): the resolved mu* must not stay
+            xargs.pop(XARG_GIVE_UP_MU, None)
+        return {**body, "vllm_xargs": xargs}, settings
 
     def _admit(self) -> int:
         """Admit one audit; its admission number (global across the journal's processes)."""
@@ -655,7 +789,7 @@ class LiveAudit:
         if cut is not None:  # cut or aborted: its loss is unknown, it enters as censored
             self.counts[cut] += 1
             if why is not None:  # nothing to label: censored without a record
-                return self._event({"r": seq, "o": "censored"})
+                return self._event(self._with_give_up({"r": seq, "o": "censored"}, None))
         elif why is not None:
             self.counts["failed"] += 1
             logger.warning("orca audit %s failed: %s", settings.key, why)
@@ -713,19 +847,41 @@ class LiveAudit:
         # the outcome first (the statistics), then the record: a crash between the two loses
         # the record's embeddings, never the audit's place in the risk
         self.observe(list(job.result["scores"]), record["labels"][AUDIT_LABEL_MODE], job.seq,
-                     censored=incomplete(job.finish_reason) is not None)
+                     censored=incomplete(job.finish_reason) is not None,
+                     give_up=self._give_up_scores(job.result["step_embeddings"]))
         if self.store is not None:
             await asyncio.to_thread(self.store.append, record, job.result["step_embeddings"])
 
+    def _give_up_scores(self, embeddings: Any) -> list[float] | None:
+        """The give-up probe's smoothed scores of an audit's recorded steps, by the replay that
+        calibration scores them with (None for a one-sided bundle). Audits never give up, so
+        the engine computes none of them; the probe is static, so replay gives what it would."""
+        gu = self.bundle.give_up
+        if gu is None:
+            return None
+        if self._give_up_probe is None:
+            self._give_up_probe = self.bundle.load_give_up_probe()
+        ((_, smoothed),) = replay(self._give_up_probe, [embeddings], window=gu.window)
+        return [float(x) for x in smoothed]
+
+    def _with_give_up(self, event: dict[str, Any], scores: list[float] | None
+                      ) -> dict[str, Any]:
+        """An outcome event with its give-up field when the bundle gives up: "g", the audit's
+        give-up scores (null when censored); an event without "g" is not in the give-up risk."""
+        if self.give_up_guards:
+            event["g"] = scores
+        return event
+
     def observe(self, scores: list[float], raw_labels: list[int], seq: int | None = None, *,
-                censored: bool = False) -> None:
+                censored: bool = False, give_up: list[float] | None = None) -> None:
         """One labelled audit: losses at every lambda a guard measures, then every guard decides.
 
         `seq`: its admission number; None for an audit fed directly (tests, simulations),
         admitted and labelled at once. `censored`: it was cut by max_tokens or aborted, so
         its loss is unknown (it enters both ends of the bounds, CensoredAlarm); its labels
         (up to the cut, as calibration labels a cut trajectory) still go to a recalibration
-        window.
+        window. `give_up`: its give-up scores, one per step (a two-sided bundle); the give-up
+        risk is over every audit, never-right ones too, as calibration's is.
         """
         if seq is None:
             seq = self._admit()
@@ -746,6 +902,10 @@ class LiveAudit:
                                  "risk" if s is not None else "out"}
         if s is not None:
             event.update(s=s.tolist(), l=labels.tolist())
+        if censored:
+            self._with_give_up(event, None)
+        elif give_up is not None and len(give_up) == len(labels):
+            self._with_give_up(event, [float(x) for x in give_up])
         self._event(event)
 
     def _resolve(self, seq: int, item: tuple[np.ndarray, np.ndarray] | None,
@@ -854,6 +1014,12 @@ class LiveAudit:
             **self.counts,
             "attrition": self.attrition(),
             "deltas": [g.row() for g in self.guards.values()],
+            "give_up": None if not self.give_up_guards else {
+                "label_mode": self.bundle.give_up.label_mode,  # type: ignore[union-attr]
+                "loss": "gave_up", "guard_acts": self.give_up_acts,
+                "epsilon": self.bundle.give_up.ltt.epsilon,  # type: ignore[union-attr]
+                "guard_epsilon": self.give_up_epsilon,
+                "deltas": [g.row() for g in self.give_up_guards.values()]},
         }
         if self.drift is not None:
             out["drift"] = {"pvalue": self.drift.pvalue, "alarm": bool(self.drift.alarm)}
@@ -921,6 +1087,8 @@ class AuditCollector(Collector):
             lam.add_metric([m, d, g.source], g.lam)
         yield from fams.values()
         yield lam
+        if a.give_up_guards:
+            yield from _give_up_families(a, m)
         lm = GaugeMetricFamily("orca_audit_labels_match", "1 when the audits label as the bundle "
                                "was calibrated (else the audited risk is not the certified one, "
                                "and the guard only reports unless --orca-guard-other-labels)",
@@ -937,6 +1105,38 @@ class AuditCollector(Collector):
                                    labels=[LABEL])
             al.add_metric([m], float(bool(a.drift.alarm)))
             yield al
+
+
+def _give_up_families(a: LiveAudit, m: str) -> Iterable[Any]:
+    """The give-up guards' metrics: the audited give-up risk (loss: the audit would have given
+    up under mu*), its bounds and alarm per give-up delta, and the mu* served (-Inf: give-up
+    off)."""
+    fams = {
+        "risk": GaugeMetricFamily("orca_audit_give_up_risk", "Audited give-up risk of the "
+                                  "bundle's mu* (mean loss: the audit would have given up; at "
+                                  "least the certified risk)", labels=[LABEL, "delta"]),
+        "lower": GaugeMetricFamily("orca_audit_give_up_risk_lower", "Anytime-valid lower "
+                                   "confidence bound of the audited give-up risk",
+                                   labels=[LABEL, "delta"]),
+        "upper": GaugeMetricFamily("orca_audit_give_up_risk_upper", "Anytime-valid upper "
+                                   "confidence bound of the audited give-up risk",
+                                   labels=[LABEL, "delta"]),
+        "alarm": GaugeMetricFamily("orca_audit_give_up_alarm", "1 when the audited give-up "
+                                   "risk's lower bound exceeds the give-up delta",
+                                   labels=[LABEL, "delta"]),
+    }
+    mu = GaugeMetricFamily("orca_audit_give_up_mu", "mu* served for this give-up delta (-Inf: "
+                           "never gives up) and where it comes from (fallback: give-up off)",
+                           labels=[LABEL, "delta", "source"])
+    for g in a.give_up_guards.values():
+        row, d = g.row(), f"{g.delta:g}"
+        fams["risk"].add_metric([m, d], row["risk"] if row["risk"] is not None else math.nan)
+        for k in ("lower", "upper"):
+            fams[k].add_metric([m, d], row[k])
+        fams["alarm"].add_metric([m, d], float(row["alarm"]))
+        mu.add_metric([m, d, g.source], g.mu)
+    yield from fams.values()
+    yield mu
 
 
 def make_live_audit(ns: argparse.Namespace, bundle: Any, registry: Any,
