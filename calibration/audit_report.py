@@ -32,14 +32,14 @@ import numpy as np
 
 from calibration.calibrate import calibrate_bundle, score_split
 from calibration.train import meta_train, train_static, training_settings
+from orca_method.audit.attrition import incomplete
+from orca_method.audit.drift import DRIFT_WINDOW, DriftMonitor
+from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import Bundle, Segmentation
 from orca_method.give_up import request_give_up_loss
 from orca_method.risk import is_counted, is_solvable, request_losses
 from orca_method.trajectories import TrajectorySet, split_ids
-from orca_serve.live_audit.attrition import incomplete
-from orca_serve.live_audit.drift import DRIFT_WINDOW, DriftMonitor
 from orca_serve.live_audit.options import EPSILON_SPLITS, guard_epsilon
-from orca_serve.live_audit.sequence import CensoredAlarm
 
 AUDIT_DIR = re.compile(r"^audit-\d{6}$")  # the server's rotating audit directories
 # what differs between the directories of two bundles that cannot share one (store_info)
@@ -87,7 +87,7 @@ def open_audits(path: str | Path, bundle: Bundle | None = None) -> TrajectorySet
 
 def unfinished(ts: TrajectorySet) -> list[int]:
     """Positions of the audits that did not finish (cut by max_tokens, aborted): censored in
-    the risk, as the server counts them (orca_serve.live_audit.attrition). Records without a
+    the risk, as the server counts them (orca_method.audit.attrition). Records without a
     finish_reason (written before it was kept) count as finished."""
     return [i for i, p in enumerate(ts.problems)
             if (p.extra or {}).get("finish_reason") is not None

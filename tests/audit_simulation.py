@@ -18,13 +18,13 @@ from functools import lru_cache
 
 import numpy as np
 
+from orca_method.audit.sequence import DEFAULT_GRID, RESTART_EVERY, RestartedAlarm
 from orca_method.ltt import calibrate, default_grid
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.risk import losses, stop_indices
 from orca_method.thresholds import NEVER
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
-from orca_serve.live_audit.sequence import DEFAULT_GRID, RESTART_EVERY, RestartedAlarm
 from tests.bundles import tiny_bundle
 
 
@@ -163,7 +163,7 @@ def censored_streams(risk: float, *, share: float, ratio: float, streams: int, a
     (censored), through the server's CensoredAlarm, batched over streams. Per stream: whether
     [lower, upper] ever missed the whole traffic's risk (checked after every audit), the audit
     of the first alarm at `delta` (inf: none), and the final interval and risk range."""
-    from orca_serve.live_audit.sequence import CensoredAlarm
+    from orca_method.audit.sequence import CensoredAlarm
 
     p0, p1 = cut_probabilities(risk, share, ratio)
     rng = np.random.default_rng(seed)
@@ -191,8 +191,8 @@ def joint_null(split: str, *, streams: int, audits: int, seed: int, every: int =
     exactly d, independent across deltas: the union of false alarms is then largest), through
     the server's guards (CensoredAlarm at `guard_epsilon`), batched [streams, deltas]. Returns
     the share of streams in which ANY delta ever alarmed, and the per-delta shares."""
+    from orca_method.audit.sequence import CensoredAlarm
     from orca_serve.live_audit.options import guard_epsilon
-    from orca_serve.live_audit.sequence import CensoredAlarm
 
     d = np.asarray(deltas)
     rng = np.random.default_rng(seed)
@@ -301,7 +301,7 @@ def restart_null(streams: int, audits: int, restart_every: int, *, seed: int,
     CensoredAlarm: the share of streams that ever alarm when one sequence runs through all
     audits (what a restart that resumes the journal keeps), and when a new, empty one starts
     every `restart_every` audits (what every start did before)."""
-    from orca_serve.live_audit.sequence import CensoredAlarm
+    from orca_method.audit.sequence import CensoredAlarm
 
     rng = np.random.default_rng(seed)
     whole = CensoredAlarm(epsilon, grid_size=grid, shape=(streams,))
@@ -348,8 +348,8 @@ def give_up_streams(audit: np.ndarray, certified: np.ndarray, delta: float, *, s
     not with probability `cut` (a cut that depends on the loss). Returns the share of streams
     whose upper bound was ever below the certified risk (the pool's mean certified loss), and
     the share that ever alarmed at `delta`."""
+    from orca_method.audit.sequence import CensoredAlarm
     from orca_serve.live_audit.options import guard_epsilon
-    from orca_serve.live_audit.sequence import CensoredAlarm
 
     rng = np.random.default_rng(seed)
     risk = float(certified.mean())

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from scipy.stats import binomtest
 
+from orca_method.audit.drift import DriftMonitor, build_reference
 from orca_method.bundle import load_bundle
+from orca_method.risk import request_loss
 from orca_method.trajectories import TrajectorySet
-from orca_serve.live_audit import DriftMonitor, build_reference, request_loss
 from orca_serve.live_audit.live import (
     AuditCollector,
     AuditSampler,

@@ -12,19 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orca_method.audit.drift import DriftMonitor, build_reference, drift_statistics
+from orca_method.audit.sequence import ConfidenceSequence, RestartedAlarm
 from orca_method.bundle import BundleError, _checksum, load_bundle, save_bundle
 from orca_method.ltt import calibrate
-from orca_serve.live_audit import (
-    ConfidenceSequence,
-    DriftMonitor,
-    RestartedAlarm,
-    build_reference,
-    drift_statistics,
-    is_counted,
-    request_loss,
-    request_losses,
-    table_losses,
-)
+from orca_method.risk import is_counted, request_loss, request_losses, table_losses
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
 from orca_serve.requests import OrcaDefaults, resolve

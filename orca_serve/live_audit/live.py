@@ -18,7 +18,7 @@ exchangeable with the calibration set. This module measures the realized risk of
    loss 1 when the labels say the answer there was not yet right), fed to an anytime-valid
    confidence sequence (`orca_serve.live_audit`, `CensoredAlarm`). As in calibration, audits
    whose labels are all 0 (never right) are left out when the bundle excluded them. Audits that
-   did not finish (cut by max_tokens, aborted: `orca_serve.live_audit.attrition`) have an
+   did not finish (cut by max_tokens, aborted: `orca_method.audit.attrition`) have an
    unknown loss: they enter censored (loss 0 for the alarm, 1 for the upper bound), so the
    bounds hold for the whole traffic; the table shows every share.
 4. **The guard** (`DeltaGuard`): alarm for a delta = the lower bound of one of a family of
@@ -70,6 +70,9 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from orca_method.audit.attrition import incomplete
+from orca_method.audit.drift import DriftMonitor, build_reference, reference_level
+from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import Bundle, DriftReference
 from orca_method.give_up import request_give_up_loss
 from orca_method.ltt import calibrate, default_grid
@@ -77,8 +80,6 @@ from orca_method.procedure import replay
 from orca_method.risk import cumulative, is_counted, request_loss
 from orca_method.thresholds import GIVE_UP_NEVER, NEVER, lam_from_json, lam_to_json, mu_from_json
 from orca_serve.contract import XARG_GIVE_UP_MU
-from orca_serve.live_audit.attrition import incomplete
-from orca_serve.live_audit.drift import DriftMonitor, build_reference, reference_level
 from orca_serve.live_audit.journal import SNAPSHOT_EVERY, Journal
 from orca_serve.live_audit.labeller import AuditLabeller
 from orca_serve.live_audit.options import (
@@ -91,7 +92,6 @@ from orca_serve.live_audit.options import (
     guard_epsilon,
     store_info,
 )
-from orca_serve.live_audit.sequence import CensoredAlarm
 from orca_serve.metrics import LABEL
 from orca_serve.requests import error_body
 from orca_serve.vllm_plugin import decode_arrays
