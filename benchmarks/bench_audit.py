@@ -209,9 +209,9 @@ def replay(audit_dir: Path, bundle_file: Path, families: dict[str, str], delta: 
     bundle's lambda*, with the steps and tokens each would save: the figures of `recalibrate`.
     """
     from calibration.audit_report import audit_report, open_audits
+    from orca_method.audit.guards import aligned_scores
     from orca_method.bundle import load_bundle
     from orca_method.risk import is_counted, request_loss
-    from orca_serve.live_audit.live import aligned_scores
 
     bundle = load_bundle(bundle_file)
     ts = open_audits(audit_dir)

@@ -14,17 +14,11 @@ import pytest
 from scipy.stats import binomtest
 
 from orca_method.audit.drift import DriftMonitor, build_reference
+from orca_method.audit.guards import DeltaGuard, GiveUpGuard, aligned_scores
 from orca_method.bundle import load_bundle
 from orca_method.risk import request_loss
 from orca_method.trajectories import TrajectorySet
-from orca_serve.live_audit.live import (
-    AuditCollector,
-    AuditSampler,
-    DeltaGuard,
-    GiveUpGuard,
-    LiveAudit,
-    aligned_scores,
-)
+from orca_serve.live_audit.live import AuditCollector, AuditSampler, LiveAudit
 from orca_serve.live_audit.options import AuditConfig
 from orca_serve.live_audit.store import AuditStore
 from orca_serve.requests import OrcaDefaults, resolve

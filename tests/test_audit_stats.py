@@ -435,7 +435,7 @@ def test_joint_split_on_the_production_grid():
 def test_joint_split_reaches_the_guards_and_the_table():
     """`joint` gives each of the k deltas' guards epsilon / k (their alarms and their
     recalibration budgets), and the table says which split is in force."""
-    from orca_serve.live_audit.live import recalibration_epsilon
+    from orca_method.audit.guards import recalibration_epsilon
     from tests.audit_simulation import bundle
 
     b = load_bundle(DEMO_BUNDLE)
