@@ -56,7 +56,7 @@ from orca_serve.apis import (
 )
 from orca_serve.contract import DEFAULTS, POLICIES, child_key, ended
 from orca_serve.effort import DEFAULT_EFFORT_MAP
-from orca_serve.live_audit.live import add_audit_route
+from orca_serve.live_audit.route import add_audit_route
 from orca_serve.metrics import OrcaMetrics
 from orca_serve.reload import BUNDLE_PATH, AdminMiddleware, Reloader, route_path, send_json
 from orca_serve.requests import (

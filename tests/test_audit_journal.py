@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orca_serve.live_audit.handover import hand_over
 from orca_serve.live_audit.journal import SNAPSHOT_EVERY, Journal, journal_path
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
@@ -187,10 +188,10 @@ def test_a_hot_reload_away_and_back_resumes_the_bundles_state(tmp_path):
     before = a.table()["deltas"]
     assert before[0]["engaged"]
     b = LiveAudit(other, config)
-    a.hand_over(b)
+    hand_over(a, b)
     assert b.journal.path != journal_path(tmp_path, first.checksum) and b.guard(DELTA).cs.n == 0
     back = LiveAudit(first, config)
-    b.hand_over(back)
+    hand_over(b, back)
     assert back.journal.path == journal_path(tmp_path, first.checksum)
     assert back.table()["deltas"] == before
     back.journal.close()
@@ -214,7 +215,7 @@ def test_give_up_sequences_resume_and_an_old_journal_replays_the_same(tmp_path, 
     guards, and the events after it). A journal written before they existed (the
     same events without "g") replays the very same stop state, and its audits are simply not in
     the give-up risk (n = 0), not counted at some invented loss."""
-    monkeypatch.setattr("orca_serve.live_audit.live.SNAPSHOT_EVERY", 50)
+    monkeypatch.setattr("orca_serve.live_audit.state.SNAPSHOT_EVERY", 50)
     audit = _two_sided(tmp_path / "new")
     rng = np.random.default_rng(9)
     for _ in range(60):

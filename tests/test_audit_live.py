@@ -18,8 +18,10 @@ from orca_method.audit.guards import DeltaGuard, GiveUpGuard, aligned_scores
 from orca_method.bundle import load_bundle
 from orca_method.risk import request_loss
 from orca_method.trajectories import TrajectorySet
-from orca_serve.live_audit.live import AuditCollector, AuditSampler, LiveAudit
+from orca_serve.live_audit.collector import AuditCollector
+from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
+from orca_serve.live_audit.sampling import AuditSampler
 from orca_serve.live_audit.store import AuditStore
 from orca_serve.requests import OrcaDefaults, resolve
 from orca_serve.server import orca_object

@@ -1,55 +1,26 @@
-"""The guarantee on live traffic: audit sampling, background labelling, realized risk, the guard.
+"""The guarantee on live traffic: the server's live audit, from a request's admission to its labels.
 
 Learn-then-Test certifies P(risk(lambda*) <= delta) >= 1 - epsilon only while live prompts are
-exchangeable with the calibration set. This module measures the realized risk of a running server:
+exchangeable with the calibration set; the live audit measures the realized risk of a running
+server (statistics: docs/AUDIT.md; operations: docs/AUDIT-OPERATIONS.md). `LiveAudit` is:
 
-1. **Sampling** (`AuditSampler`): each orca request is picked with probability `rate` by a
-   server-side RNG that sees nothing of the request, so the audited requests are a uniform random
-   sample of the traffic. A picked request runs with the probe in shadow (the client gets the
-   full-budget answer, `"audited": true` in its `orca` object) and in record mode.
-2. **Labelling** (`orca_serve.live_audit.labeller`), off the request's path: finished audits wait in a
-   bounded queue (full: the audit is dropped and counted, the response never waits) and one
-   background task labels them with answer probes through the same engine, exactly as
-   `orca-calibrate collect` does (orca_method/answer_probes.py), consistency labels against the
-   request's own final answer. Labelled audits are appended to `--orca-audit-dir`
-   (`orca_serve.live_audit.store`, the trajectory format).
-3. **Realized risk**: for every delta of the bundle's table, an audit's loss is its recorded
-   online scores replayed with that delta's bundle lambda* (stop at the first score >= lambda*,
-   loss 1 when the labels say the answer there was not yet right), fed to an anytime-valid
-   confidence sequence (`orca_method.audit.sequence.CensoredAlarm`). As in calibration, audits
-   whose labels are all 0 (never right) are left out when the bundle excluded them. Audits that
-   did not finish (cut by max_tokens, aborted: `orca_method.audit.attrition`) have an
-   unknown loss: they enter censored (loss 0 for the alarm, 1 for the upper bound), so the
-   bounds hold for the whole traffic; the table shows every share.
-4. **The guard** (`orca_method.audit.guards.DeltaGuard`): alarm for a delta = the lower bound of one of a family of
-   confidence sequences restarted every 50 audits and kept at dyadic ages exceeds delta
-   (`RestartedAlarm`; the table's risk and bounds are those of the whole history).
-   `report` only reports; `fallback` serves that delta with lambda = never (no early stop) until
-   the whole history's upper bound is back at delta; `recalibrate` falls back until `window`
-   audits admitted after the alarm are labelled, runs LTT (orca_method/ltt.py) once on those at
-   a share of epsilon (`recalibration_epsilon`) and serves that lambda, which then has its own
-   confidence sequences and alarm (the next alarm: the next recalibration). Audits run in
-   shadow, so their scores are complete whatever lambda is served, and each is measured at
-   every lambda a guard needs. While a recalibrated lambda's own drift test (against the
-   scores of its window) alarms, that delta falls back. `--orca-audit-epsilon-split joint`
-   gives each of k deltas' guards epsilon / k. A two-sided bundle's give-up deltas get a
-   `GiveUpGuard` each: every audit's give-up probe scores (replayed on its recorded steps) give
-   the loss "would have given up" at mu*, an upper bound of the certified give-up loss (audits
-   cannot tell a right end); with `--orca-guard-other-labels` its alarm turns give-up off for
-   that give-up delta and touches no lambda (docs/AUDIT.md, "The give-up risk").
-5. **Drift**: with a drift reference in the bundle, a `DriftMonitor` sees the scores of one
+1. **Sampling** (`orca_serve.live_audit.sampling`): a uniform random sample of the orca requests
+   runs with the probe in shadow (the client gets the full-budget answer, `"audited": true`)
+   and in record mode. `admit` also serves every request the lambda (and mu*) its guards decide.
+2. **Labelling** (`orca_serve.live_audit.labeller`), off the request's path: finished audits
+   wait in a bounded queue (full: the audit is dropped and counted, the response never waits)
+   and one background task labels them with answer probes through the same engine, exactly as
+   `orca-calibrate collect` does, consistency labels against the request's own final answer.
+   Labelled audits are appended to `--orca-audit-dir` (`orca_serve.live_audit.store`).
+3. **The guards' state** (`orca_serve.live_audit.state`, the fold of the journalled audit
+   events): per delta the realized risk of the bundle's lambda* and the lambda served, per
+   give-up delta the audited give-up risk and whether requests give up; the decisions are the
+   method's (`orca_method.audit.guards`). A two-sided bundle's audits are scored by its
+   give-up probe here (`_give_up_scores`), since audits never give up.
+4. **Drift**: with a drift reference in the bundle, a `DriftMonitor` sees the scores of one
    choice of every finished request (audited or not).
-6. **Hot reload** (`hand_over`): a new bundle gets a new LiveAudit; the table, the guards, the
-   recalibration window and the drift monitor are that bundle's, because every one of them is
-   about one probe and its lambda* (with an audit directory: resumed from the bundle's journal,
-   item 7). Audits of requests the old bundle served (waiting for labels, being
-   labelled, or still running) are dropped, counted as `superseded` in the new table: their
-   losses measure the old lambda*, and the old table is gone.
-
-7. **State** (`attach`, orca_serve/live_audit/journal.py): with an audit directory every
-   admission and outcome is journalled per bundle checksum before the guards use it, and the
-   guards' state is the fold of the journal (`_apply`): a restart resumes it, and the servers
-   of one machine that share the directory share one sequence.
+5. **Hot reload** (`orca_serve.live_audit.handover`), the table (`GET /v1/orca/audit`:
+   `orca_serve.live_audit.route`) and the metrics (`orca_serve.live_audit.collector`).
 
 Everything here runs on the server's event loop; nothing blocks a response but the journal's
 appends (one line per audit admitted, and one fsynced line per audit resolved).
@@ -57,131 +28,30 @@ appends (one line per audit admitted, and one fsynced line per audit resolved).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import math
-import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from orca_method.audit.attrition import incomplete
-from orca_method.audit.drift import DriftMonitor, reference_level
-from orca_method.audit.guards import (
-    CS,
-    DeltaGuard,
-    GiveUpGuard,
-    Window,
-    aligned_scores,
-    ltt_lambda,
-)
-from orca_method.audit.sequence import CensoredAlarm
+from orca_method.audit.guards import CS, aligned_scores
 from orca_method.bundle import Bundle
 from orca_method.procedure import replay
-from orca_method.risk import cumulative, is_counted, request_loss
+from orca_method.risk import cumulative, is_counted
 from orca_method.thresholds import NEVER, lam_from_json
 from orca_serve.contract import XARG_GIVE_UP_MU
-from orca_serve.live_audit.journal import SNAPSHOT_EVERY, Journal
-from orca_serve.live_audit.labeller import AuditLabeller
-from orca_serve.live_audit.options import (
-    EPSILON_SPLITS,
-    ON_ALARM,
-    AuditConfig,
-    audit_config,
-    audit_journal,
-    audit_store,
-    guard_epsilon,
-    store_info,
-)
-from orca_serve.metrics import LABEL
-from orca_serve.requests import error_body
+from orca_serve.live_audit.guard_log import log_change
+from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE, AuditLabeller
+from orca_serve.live_audit.options import AuditConfig
+from orca_serve.live_audit.sampling import AuditSampler
+from orca_serve.live_audit.state import AuditState
 from orca_serve.vllm_plugin import decode_arrays
 
 logger = logging.getLogger("orca_serve.live_audit")
-
-AUDIT_PATH = "/v1/orca/audit"
-# What a live audit can label by: agreement with the request's own final answer (live traffic
-# has no reference answer for `supervised`, and the server calls no judge).
-AUDIT_LABEL_MODE = "consistent"
-
-
-class AuditSampler:
-    """Bernoulli(rate) per request from a private RNG: the decision depends on nothing but the RNG
-    (not the prompt, the delta, the time or the load), so audits are a uniform sample."""
-
-    def __init__(self, rate: float, seed: int | None = None) -> None:
-        if not 0.0 <= rate <= 1.0:
-            raise ValueError(f"audit rate must be in [0, 1], got {rate}")
-        self.rate = rate
-        self._rng = random.Random(seed)
-
-    def pick(self) -> bool:
-        return self.rate > 0 and self._rng.random() < self.rate
-
-
-def _lookup(guards: dict[float, Any], delta: float, what: str) -> Any:
-    for d, g in guards.items():
-        if math.isclose(d, delta, rel_tol=0, abs_tol=1e-9):
-            return g
-    raise KeyError(f"{what} {delta} is not in the bundle's table")
-
-
-def _shown(lam: float) -> str:
-    return "never (no early stop)" if math.isinf(lam) else f"{lam:g}"
-
-
-def _shown_mu(mu: float) -> str:
-    return "never (no give-up)" if math.isinf(mu) else f"{mu:g}"
-
-
-def log_change(g: DeltaGuard, was_engaged: bool, was_source: str, was_lam: float) -> None:
-    """One server-log line per change of a guard: alarm raised or cleared, and the lambda served
-    (fallback, recalibrated, the bundle's again)."""
-    n, d = int(g.cs.n), f"{g.delta:g}"
-    if g.engaged and not was_engaged:
-        logger.warning("orca audit: ALARM at delta %s after %d audits: the realized risk of the "
-                       "bundle's lambda* %s has lower bound %.3f > delta (on alarm: %s)", d, n,
-                       _shown(g.bundle_lam), g.cs.alarm_source(g.delta)[1] or g.cs.lower,
-                       g.on_alarm)
-    elif was_engaged and not g.engaged:
-        logger.info("orca audit: alarm at delta %s cleared after %d audits (upper bound %.3f <= "
-                    "delta)", d, n, g.cs.upper)
-    if (g.source, g.lam) != (was_source, was_lam):
-        how = {"fallback": "fallback", "audit": "recalibrated on the audits after the alarm",
-               "bundle": "the bundle's lambda*"}.get(g.source, g.source)
-        logger.warning("orca audit: delta %s now served with lambda %s (%s; was %s)", d,
-                       _shown(g.lam), how, _shown(was_lam))
-
-
-def log_give_up_change(g: GiveUpGuard, was_engaged: bool, was_source: str) -> None:
-    """One server-log line per change of a give-up guard: alarm raised or cleared, give-up
-    turned off or on again."""
-    n, d = int(g.cs.n), f"{g.delta:g}"
-    if g.engaged and not was_engaged:
-        logger.warning("orca audit: give-up ALARM at give-up delta %s after %d audits: the "
-                       "audited give-up risk of the bundle's mu* %s has lower bound %.3f > "
-                       "delta (on alarm: %s)", d, n, _shown_mu(g.bundle_mu),
-                       g.cs.alarm_source(g.delta)[1] or g.cs.lower, g.on_alarm)
-    elif was_engaged and not g.engaged:
-        logger.info("orca audit: give-up alarm at give-up delta %s cleared after %d audits "
-                    "(upper bound %.3f <= delta)", d, n, g.cs.upper)
-    if g.source != was_source:
-        logger.warning("orca audit: give-up delta %s now %s", d,
-                       "off (requests reason on; the stop thresholds are unchanged)"
-                       if g.source == "fallback" else f"on again (mu* {_shown_mu(g.mu)})")
-
-
-def _default_cs_factory(epsilon: float) -> Callable[[], CS]:
-    return lambda: CensoredAlarm(epsilon)
-
-
-def _default_loss(scores: np.ndarray, labels: np.ndarray, lam: float) -> int:
-    return request_loss(scores, labels, lam)
 
 
 @dataclass
@@ -194,230 +64,26 @@ class _Job:
     lambda_source: str = "bundle"  # the guard's source of the lambda the request was admitted with
 
 
-class LiveAudit:
-    """The server's audit state: sampling, the labelling queue, guards, table and metrics.
-
-    The guards' state is a fold over the ordered audit events (`_apply`): admissions and
-    outcomes. With a journal (`attach`) every event goes through it first, so the state
-    survives restarts and is shared by the processes that share the journal
-    (orca_serve/live_audit/journal.py); without one the events are applied directly.
-    """
+class LiveAudit(AuditState):
+    """The server's live audit: its guards' state (`AuditState`), sampling, the request path,
+    the labelling queue, hot reload and the table."""
 
     def __init__(self, bundle: Bundle, config: AuditConfig, *,
                  cs_factory: Callable[[], CS] | None = None,
                  loss: Callable[[np.ndarray, np.ndarray, float], int] | None = None,
                  drift: Any = None) -> None:
-        if config.on_alarm not in ON_ALARM:
-            raise ValueError(f"on_alarm must be one of {ON_ALARM}, got {config.on_alarm!r}")
-        if config.epsilon_split not in EPSILON_SPLITS:
-            raise ValueError(f"epsilon_split must be one of {EPSILON_SPLITS}, "
-                             f"got {config.epsilon_split!r}")
-        self.bundle = bundle
-        self.config = config
+        super().__init__(bundle, config, cs_factory=cs_factory, loss=loss)
         self.sampler = AuditSampler(config.rate, config.seed)
-        self.guard_epsilon = guard_epsilon(bundle.ltt.epsilon, len(bundle.deltas()),
-                                           config.epsilon_split)
-        self.make_cs = cs_factory or _default_cs_factory(self.guard_epsilon)
-        self.loss = loss or _default_loss
-        # audits measure the risk under consistency labels; a bundle certified under others is
-        # only reported on unless the operator lets the guard act (--orca-guard-other-labels)
-        self.labels_match = bundle.label_mode == AUDIT_LABEL_MODE
-        self.guard_acts = self.labels_match or config.other_labels
-        # a recalibrated lambda is served no lower than the bundle's smallest lambda*: the risk
-        # only falls as lambda grows, so LTT's certificate carries over, and the drift test's
-        # statistics (cut at that level) stay observable on every request
-        floor = reference_level([bundle.lam(d) for d in bundle.deltas()])
-        self.guards = {d: DeltaGuard(d, bundle.lam(d), self.make_cs(),
-                                     config.on_alarm if self.guard_acts else "report",
-                                     epsilon=self.guard_epsilon,
-                                     floor=0.0 if math.isinf(floor) else floor,
-                                     drift_k=bundle.drift.k if bundle.drift else bundle.window)
-                       for d in bundle.deltas()}
-        if not self.labels_match and config.rate > 0:
-            logger.warning("orca audit: the bundle was calibrated with %s labels but live audits "
-                           "label by %s, so the audited risk is not the certified one; %s",
-                           bundle.label_mode, AUDIT_LABEL_MODE,
-                           f"--orca-on-alarm {config.on_alarm} acts on it anyway "
-                           "(--orca-guard-other-labels)" if self.guard_acts else
-                           "the guard reports only (--orca-guard-other-labels lets it act)")
-        # the give-up guards (a two-sided bundle): live audits cannot label by the give-up's
-        # reference labels, so they act only when the operator lets them (as above)
-        gu = bundle.give_up
-        self.give_up_epsilon = None if gu is None else guard_epsilon(
-            gu.ltt.epsilon, len(gu.ltt.rows), config.epsilon_split)
-        self.give_up_acts = config.other_labels
-        make_gu = cs_factory or _default_cs_factory(self.give_up_epsilon or 0.0)
-        self.give_up_guards = {d: GiveUpGuard(d, bundle.mu(d), make_gu(),
-                                              config.on_alarm if self.give_up_acts else "report")
-                               for d in bundle.give_up_deltas()}
         self._give_up_probe: Any = None  # the bundle's give-up probe, loaded on first use
         self.drift = drift
-        self.admitted = 0  # audits admitted so far; each audit's admission number is its seq
-        # what became of each audit admitted after the oldest pending wait of a guard: its
-        # (scores, labels) when it entered the risk, None when it did not (see _resolve)
-        self._resolved: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
-        self._open: dict[int, str | None] = {}  # admitted, not resolved yet: seq -> owner
-        self.replayed = 0  # events read back from the journal when it was attached
-        self._unsaved = 0  # events applied since the last snapshot
-        self.counts = {"picked": 0, "labelled": 0, "dropped": 0, "failed": 0, "aborted": 0,
-                       "length": 0, "unsolvable": 0, "unaligned": 0, "superseded": 0,
-                       "lost": 0}
         self.labeller: Any = None  # AuditLabeller, made on first use (needs the engine client)
         self.store: Any = None  # AuditStore when a directory is configured
-        self.journal: Journal | None = None  # the events on disk, when a directory is configured
-        self.collector: AuditCollector | None = None  # its metrics, when registered
+        self.collector: Any = None  # its metrics (collector.AuditCollector), when registered
         self.retired = False  # replaced by a hot reload: takes nothing in any more
         self._pending: dict[str, tuple[dict[str, Any], int]] = {}
         self._queue: asyncio.Queue[_Job] | None = None
         self._worker: asyncio.Task | None = None
         self.engine_client: Callable[[], Any] = lambda: None
-
-    def guard(self, delta: float) -> DeltaGuard:
-        """The guard of a delta of the table (resolve() accepted only those)."""
-        return _lookup(self.guards, delta, "delta")
-
-    def give_up_guard(self, delta: float) -> GiveUpGuard:
-        """The guard of a give-up delta of the bundle's give-up table."""
-        return _lookup(self.give_up_guards, delta, "give-up delta")
-
-    # -- the events (the only way the guards' state changes) ----------------------------------
-    def attach(self, journal: Journal) -> None:
-        """Take the journal of this bundle: replay what it holds (earlier processes, or others
-        running now), then journal every event; audits a dead process left open are lost."""
-        self.journal = journal
-        state = journal.read_snapshot()
-        if state is not None and state.get("settings") == self._settings():
-            self._restore(state)
-        else:
-            state = None
-            journal.rewind()
-        events = journal.read()
-        for e in events:
-            self._apply(e, quiet=True)
-        self.replayed = len(events)
-        if events or state is not None:
-            rows = ", ".join(f"delta {g.delta:g}: {g.cs.n} audits, lambda {_shown(g.lam)} "
-                             f"({g.source})" for g in self.guards.values())
-            logger.info("orca audit: resumed %s from %s (%s%d events replayed)", rows,
-                        journal.path, "a snapshot and " if state is not None else "",
-                        len(events))
-        if len(events) >= SNAPSHOT_EVERY:
-            self._snapshot()
-        self.reap()
-
-    def _settings(self) -> dict[str, Any]:
-        """What the fold depends on besides the events: a snapshot folded under other settings
-        is not used (the journal is replayed under the current ones instead). A one-sided
-        bundle's settings are what they were before the give-up guards existed, so its
-        snapshots stay usable."""
-        out: dict[str, Any] = {"on_alarm": [g.on_alarm for g in self.guards.values()],
-                               "window": self.config.window, "guard_epsilon": self.guard_epsilon}
-        if self.give_up_guards:
-            out["give_up"] = {"on_alarm": [g.on_alarm for g in self.give_up_guards.values()],
-                              "guard_epsilon": self.give_up_epsilon}
-        return out
-
-    def _snapshot(self) -> None:
-        """Write the folded state (journal.py, "Snapshots"); skipped for statistics that cannot
-        be saved (tests' fakes)."""
-        assert self.journal is not None
-        self._unsaved = 0
-        if not all(hasattr(g.cs, "to_dict") for g in [*self.guards.values(),
-                                                          *self.give_up_guards.values()]):
-            return
-        self.journal.write_snapshot({
-            "give_up": [g.state() for g in self.give_up_guards.values()],
-            "settings": self._settings(), "admitted": self.admitted,
-            "open": [[seq, owner] for seq, owner in self._open.items()],
-            "resolved": [[seq, None if v is None else [v[0].tolist(), v[1].tolist()]]
-                         for seq, v in self._resolved.items()],
-            "lost": self.counts["lost"], "guards": [g.state() for g in self.guards.values()]})
-
-    def _restore(self, state: dict[str, Any]) -> None:
-        self.admitted = int(state["admitted"])
-        self._open = {int(seq): owner for seq, owner in state["open"]}
-        self._resolved = {int(seq): None if v is None else
-                          (np.asarray(v[0], dtype=float), np.asarray(v[1], dtype=np.int8))
-                          for seq, v in state["resolved"]}
-        self.counts["lost"] = int(state["lost"])
-        for g, d in zip(self.guards.values(), state["guards"]):
-            g.restore(d)
-        for gu, d in zip(self.give_up_guards.values(), state.get("give_up", [])):
-            gu.restore(d)
-
-    def _event(self, event: dict[str, Any]) -> None:
-        """Journal one event (first applying what other processes journalled before it), or
-        apply it directly without a journal. Outcomes are fsynced, admissions not."""
-        if self.journal is None:
-            return self._apply(event)
-        events = self.journal.append(event, durable="a" not in event)
-        for e in events:
-            self._apply(e)
-        self._count_unsaved(len(events))
-
-    def _count_unsaved(self, n: int) -> None:
-        self._unsaved += n
-        if self._unsaved >= SNAPSHOT_EVERY:
-            self._snapshot()
-
-    def sync(self) -> None:
-        """Apply what other processes journalled since (cheap when nothing was: one fstat);
-        while a guard waits for a window, also reap the audits of processes that are gone."""
-        if self.journal is None:
-            return
-        events = self.journal.read()
-        for e in events:
-            self._apply(e)
-        self._count_unsaved(len(events))
-        if any(g.waiting_since is not None for g in self.guards.values()):
-            self.reap()
-
-    def reap(self) -> None:
-        """Journal as `lost` the open audits of processes that are gone (their admissions would
-        keep a recalibration window waiting for ever)."""
-        if self.journal is None:
-            return
-        owners = {owner for owner in self._open.values() if owner is not None}
-        dead = {owner for owner in owners if not self.journal.alive(owner)}
-        for seq, owner in list(self._open.items()):
-            if owner in dead:
-                self._event({"r": seq, "o": "lost"})
-
-    def _apply(self, e: dict[str, Any], quiet: bool = False) -> None:
-        """Fold one event into the guards (identically in every process that reads it)."""
-        if "a" in e:
-            self.admitted += 1
-            self._open[self.admitted] = e["a"]
-            return
-        seq, outcome = int(e["r"]), e["o"]
-        if seq not in self._open:
-            return  # resolved twice (two processes reaped it at once): the first counts
-        del self._open[seq]
-        if outcome == "lost":
-            self.counts["lost"] += 1
-        item = None
-        if "s" in e:
-            item = (np.asarray(e["s"], dtype=float), np.asarray(e["l"], dtype=np.int8))
-        if outcome == "risk":
-            assert item is not None
-            s, labels = item
-            for g in self.guards.values():
-                g.observe(seq, lambda lam: self.loss(s, labels, lam))
-        elif outcome == "censored":
-            for g in self.guards.values():
-                g.observe(seq, None)
-        if "g" in e:  # in the give-up risk (journals written before it have no "g": left out)
-            self._give_up(None if outcome == "censored" else e["g"], quiet)
-        self._resolve(seq, item if outcome in ("risk", "censored") else None, quiet)
-
-    def _give_up(self, scores: list[float] | None, quiet: bool) -> None:
-        """One audit's give-up scores (None: censored) to every give-up guard."""
-        for g in self.give_up_guards.values():
-            before = (g.engaged, g.source)
-            g.observe(scores)
-            if not quiet:
-                log_give_up_change(g, *before)
-
     # -- the request path (cheap, synchronous) -----------------------------------------------
     def admit(self, body: dict[str, Any], settings: Any) -> tuple[dict[str, Any], Any]:
         """The body and settings a resolved request runs with: the guard's lambda, audited or not.
@@ -449,12 +115,6 @@ class LiveAudit:
         if settings.give_up_mu is None:  # give-up off (or never): the resolved mu* must not stay
             xargs.pop(XARG_GIVE_UP_MU, None)
         return {**body, "vllm_xargs": xargs}, settings
-
-    def _admit(self) -> int:
-        """Admit one audit; its admission number (global across the journal's processes)."""
-        self._event({"a": None if self.journal is None else self.journal.owner})
-        # the newest admission of this owner: ours (one process admits one at a time)
-        return self.admitted
 
     def finished(self, settings: Any, results: dict[int, dict[str, Any] | None],
                  finish_reasons: dict[int, str | None]) -> None:
@@ -557,14 +217,6 @@ class LiveAudit:
         ((_, smoothed),) = replay(self._give_up_probe, [embeddings], window=gu.window)
         return [float(x) for x in smoothed]
 
-    def _with_give_up(self, event: dict[str, Any], scores: list[float] | None
-                      ) -> dict[str, Any]:
-        """An outcome event with its give-up field when the bundle gives up: "g", the audit's
-        give-up scores (null when censored); an event without "g" is not in the give-up risk."""
-        if self.give_up_guards:
-            event["g"] = scores
-        return event
-
     def observe(self, scores: list[float], raw_labels: list[int], seq: int | None = None, *,
                 censored: bool = False, give_up: list[float] | None = None) -> None:
         """One labelled audit: losses at every lambda a guard measures, then every guard decides.
@@ -601,78 +253,6 @@ class LiveAudit:
             self._with_give_up(event, [float(x) for x in give_up])
         self._event(event)
 
-    def _resolve(self, seq: int, item: tuple[np.ndarray, np.ndarray] | None,
-                 quiet: bool = False) -> None:
-        """An audit's outcome is known: keep it while a guard waits for audits admitted after
-        its alarm, then let every guard decide. An audit left out (failed, dropped, never
-        right, unaligned, lost) resolves as None: the window skips it but waits for it, so the
-        window is the first audits by admission, not the first to finish (short ones)."""
-        waits = [g.waiting_since for g in self.guards.values() if g.waiting_since is not None]
-        if waits and seq > min(waits):
-            self._resolved[seq] = item
-        for g in self.guards.values():
-            before = (g.engaged, g.source, g.lam)
-            g.decide(self.admitted, self._window, self._ltt, self.make_cs)
-            if not quiet:
-                log_change(g, *before)
-        waits = [g.waiting_since for g in self.guards.values() if g.waiting_since is not None]
-        oldest = min(waits, default=self.admitted)
-        for old in [q for q in self._resolved if q <= oldest]:
-            del self._resolved[old]
-
-    def _window(self, after: int) -> Window | None:
-        """The first `config.window` counted audits admitted after `after`, by admission
-        number, once every audit admitted between them is resolved; else None."""
-        scores, labels = [], []
-        seq = after + 1
-        while len(scores) < self.config.window:
-            if seq not in self._resolved:
-                return None
-            item = self._resolved[seq]
-            if item is not None:
-                scores.append(item[0])
-                labels.append(item[1])
-            seq += 1
-        return scores, labels
-
-    def _ltt(self, scores: list[np.ndarray], labels: list[np.ndarray], delta: float,
-             epsilon: float) -> float:
-        t = self.bundle.ltt
-        return ltt_lambda(scores, labels, delta, epsilon=epsilon, grid_size=t.grid_size,
-                          pvalue=t.pvalue)
-
-    # -- hot reload ----------------------------------------------------------------------------
-    def hand_over(self, successor: LiveAudit) -> None:
-        """A new bundle's audit takes over (see the module docstring, item 6): this one's
-        unfinished audits are dropped and counted as `superseded` there, its metrics collector
-        reads the successor from now on, and the successor writes to this audit's store when
-        the two bundles' audit records agree (same model and pooling), else opens its own."""
-
-        self.retired = True
-        queued = 0
-        while self._queue is not None and not self._queue.empty():
-            self._queue.get_nowait()
-            queued += 1
-        successor.counts["superseded"] += len(self._pending) + queued + (
-            1 if self._worker is not None and not self._worker.done() else 0)
-        self._pending.clear()
-        if self.collector is not None:
-            self.collector.audit = successor
-            successor.collector, self.collector = self.collector, None
-        if successor.config.directory is not None and successor.store is None:
-            if self.store is not None and self.store.info == store_info(successor.bundle):
-                successor.store = self.store
-            else:
-                if self.store is not None:
-                    self.store.close()
-                successor.store = audit_store(successor.config, successor.bundle)
-        self.store = None
-        if self.journal is not None:  # closed first: the successor may open the same file
-            self.journal.close()
-            self.journal = None
-        if successor.config.directory is not None and successor.journal is None:
-            successor.attach(audit_journal(successor.config, successor.bundle))
-        successor.engine_client = self.engine_client
 
     # -- reading -----------------------------------------------------------------------------
     def attrition(self) -> dict[str, float | None]:
@@ -717,132 +297,3 @@ class LiveAudit:
         if self.drift is not None:
             out["drift"] = {"pvalue": self.drift.pvalue, "alarm": bool(self.drift.alarm)}
         return out
-
-
-def add_audit_route(app: Any, get_audit: Callable[[], LiveAudit | None]) -> None:
-    """GET /v1/orca/audit: the table (404 on a server without a bundle)."""
-    # deferred: fastapi (offline tools import this module)
-    from fastapi.responses import JSONResponse
-
-    # No return annotation: under `from __future__ import annotations` FastAPI cannot resolve
-    # the string "JSONResponse" when it builds /openapi.json (HTTP 500).
-    async def orca_audit():
-        audit = get_audit()
-        if audit is None:
-            return JSONResponse(error_body(
-                "this server runs without a calibration bundle (start orca-serve with --calib)",
-                code=404, err_type="NotFoundError"), status_code=404)
-        return JSONResponse(audit.table())
-
-    app.add_api_route(AUDIT_PATH, orca_audit, methods=["GET"], name="orca_audit",
-                      response_model=None)
-
-
-class AuditCollector(Collector):
-    """The audit's Prometheus metrics, read from the live state at each scrape."""
-
-    def __init__(self, audit: LiveAudit, model_name: str = "") -> None:
-        self.audit = audit
-        self.model_name = model_name  # vLLM's `model_name` label, as on every orca metric
-
-    def collect(self) -> Iterable[Any]:
-        a, m = self.audit, self.model_name
-        c = CounterMetricFamily("orca_audit_requests", "Audited requests by state: labelled "
-                                "(entered the risk), dropped (labelling queue full), failed, "
-                                "aborted (never finished), length (cut by max_tokens)",
-                                labels=[LABEL, "state"])
-        for state in ("labelled", "dropped", "failed", "aborted", "length"):
-            c.add_metric([m, state], a.counts[state])
-        yield c
-        fams = {
-            "risk": GaugeMetricFamily("orca_audit_risk", "Realized risk of the bundle's lambda* "
-                                      "on the audited requests (mean loss)", labels=[LABEL, "delta"]),
-            "lower": GaugeMetricFamily("orca_audit_risk_lower", "Anytime-valid lower confidence "
-                                       "bound of the realized risk", labels=[LABEL, "delta"]),
-            "upper": GaugeMetricFamily("orca_audit_risk_upper", "Anytime-valid upper confidence "
-                                       "bound of the realized risk", labels=[LABEL, "delta"]),
-            "alarm": GaugeMetricFamily("orca_audit_alarm", "1 when the lower bound exceeds delta",
-                                       labels=[LABEL, "delta"]),
-            "censored": GaugeMetricFamily("orca_audit_censored", "Audits in the risk with an "
-                                          "unknown loss (cut by max_tokens or aborted): loss 0 "
-                                          "for the lower bound, 1 for the upper",
-                                          labels=[LABEL, "delta"]),
-        }
-        lam = GaugeMetricFamily("orca_audit_lambda", "lambda served for this delta (+Inf: never "
-                                "stops early) and where it comes from", labels=[LABEL, "delta", "source"])
-        for g in a.guards.values():
-            row, d = g.row(), f"{g.delta:g}"
-            fams["risk"].add_metric([m, d], row["risk"] if row["risk"] is not None else math.nan)
-            fams["lower"].add_metric([m, d], row["lower"])
-            fams["upper"].add_metric([m, d], row["upper"])
-            fams["alarm"].add_metric([m, d], float(row["alarm"]))
-            fams["censored"].add_metric([m, d], float(row["censored"]))
-            lam.add_metric([m, d, g.source], g.lam)
-        yield from fams.values()
-        yield lam
-        if a.give_up_guards:
-            yield from _give_up_families(a, m)
-        lm = GaugeMetricFamily("orca_audit_labels_match", "1 when the audits label as the bundle "
-                               "was calibrated (else the audited risk is not the certified one, "
-                               "and the guard only reports unless --orca-guard-other-labels)",
-                               labels=[LABEL, "bundle_label_mode", "audit_label_mode"])
-        lm.add_metric([m, a.bundle.label_mode, AUDIT_LABEL_MODE], float(a.labels_match))
-        yield lm
-        if a.drift is not None and a.drift.pvalue is not None:  # absent before the first test
-            p = GaugeMetricFamily("orca_drift_pvalue", "p-value of the latest score-drift test "
-                                  "against the bundle's reference", labels=[LABEL])
-            p.add_metric([m], a.drift.pvalue)
-            yield p
-        if a.drift is not None:
-            al = GaugeMetricFamily("orca_drift_alarm", "1 when the score-drift test alarms",
-                                   labels=[LABEL])
-            al.add_metric([m], float(bool(a.drift.alarm)))
-            yield al
-
-
-def _give_up_families(a: LiveAudit, m: str) -> Iterable[Any]:
-    """The give-up guards' metrics: the audited give-up risk (loss: the audit would have given
-    up under mu*), its bounds and alarm per give-up delta, and the mu* served (-Inf: give-up
-    off)."""
-    fams = {
-        "risk": GaugeMetricFamily("orca_audit_give_up_risk", "Audited give-up risk of the "
-                                  "bundle's mu* (mean loss: the audit would have given up; at "
-                                  "least the certified risk)", labels=[LABEL, "delta"]),
-        "lower": GaugeMetricFamily("orca_audit_give_up_risk_lower", "Anytime-valid lower "
-                                   "confidence bound of the audited give-up risk",
-                                   labels=[LABEL, "delta"]),
-        "upper": GaugeMetricFamily("orca_audit_give_up_risk_upper", "Anytime-valid upper "
-                                   "confidence bound of the audited give-up risk",
-                                   labels=[LABEL, "delta"]),
-        "alarm": GaugeMetricFamily("orca_audit_give_up_alarm", "1 when the audited give-up "
-                                   "risk's lower bound exceeds the give-up delta",
-                                   labels=[LABEL, "delta"]),
-    }
-    mu = GaugeMetricFamily("orca_audit_give_up_mu", "mu* served for this give-up delta (-Inf: "
-                           "never gives up) and where it comes from (fallback: give-up off)",
-                           labels=[LABEL, "delta", "source"])
-    for g in a.give_up_guards.values():
-        row, d = g.row(), f"{g.delta:g}"
-        fams["risk"].add_metric([m, d], row["risk"] if row["risk"] is not None else math.nan)
-        for k in ("lower", "upper"):
-            fams[k].add_metric([m, d], row[k])
-        fams["alarm"].add_metric([m, d], float(row["alarm"]))
-        mu.add_metric([m, d, g.source], g.mu)
-    yield from fams.values()
-    yield mu
-
-
-def make_live_audit(ns: argparse.Namespace, bundle: Any, registry: Any,
-                    model_name: str = "", *, store: bool = True) -> Any:
-    """The server's LiveAudit (metrics registered on `registry` with vLLM's `model_name`
-    label), its store when a dir is set. `store=False`: without one (a hot reload opens it, or
-    takes the old audit's, when it takes over: `LiveAudit.hand_over`)."""
-    config = audit_config(ns)
-    live = LiveAudit(bundle, config, drift=DriftMonitor.from_bundle(bundle))
-    if store and config.directory is not None:
-        live.store = audit_store(config, bundle)
-        live.attach(audit_journal(config, bundle))
-    if registry is not None:
-        live.collector = AuditCollector(live, model_name)
-        registry.register(live.collector)
-    return live
