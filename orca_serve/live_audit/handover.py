@@ -19,14 +19,7 @@ def hand_over(old: LiveAudit, successor: LiveAudit) -> None:
     reads the successor from now on, and the successor writes to the old audit's store when
     the two bundles' audit records agree (same model and pooling), else opens its own."""
 
-    old.retired = True
-    queued = 0
-    while old._queue is not None and not old._queue.empty():
-        old._queue.get_nowait()
-        queued += 1
-    successor.counts["superseded"] += len(old._pending) + queued + (
-        1 if old._worker is not None and not old._worker.done() else 0)
-    old._pending.clear()
+    successor.counts["superseded"] += old.retire()
     if old.collector is not None:
         old.collector.audit = successor
         successor.collector, old.collector = old.collector, None

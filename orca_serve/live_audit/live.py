@@ -254,6 +254,20 @@ class LiveAudit(AuditState):
         self._event(event)
 
 
+    def retire(self) -> int:
+        """Take nothing in any more (a hot reload replaced this audit) and drop the audits
+        waiting for labels; returns how many were unfinished (admitted and still running,
+        queued, or being labelled: the one being labelled is not recorded when it ends)."""
+        self.retired = True
+        queued = 0
+        while self._queue is not None and not self._queue.empty():
+            self._queue.get_nowait()
+            queued += 1
+        labelling = self._worker is not None and not self._worker.done()
+        unfinished = len(self._pending) + queued + int(labelling)
+        self._pending.clear()
+        return unfinished
+
     # -- reading -----------------------------------------------------------------------------
     def attrition(self) -> dict[str, float | None]:
         """Shares of the picked audits that did not enter the risk with a known loss, by cause:
