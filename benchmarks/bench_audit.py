@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))  # the tests package's helpers
 
 from calibration.job import run_job
 from calibration.toy.tasks import FORCE_SUFFIX, write_prompts
-from orca_serve.live_audit.sequence import RESTART_EVERY, RESTART_SPAN
+from orca_method.audit.sequence import RESTART_EVERY, RESTART_SPAN
 from tests.serving import Server, orca_serve_cmd
 
 MODEL = ROOT / "orca_serve" / "demo" / "model"
@@ -209,9 +209,9 @@ def replay(audit_dir: Path, bundle_file: Path, families: dict[str, str], delta: 
     bundle's lambda*, with the steps and tokens each would save: the figures of `recalibrate`.
     """
     from calibration.audit_report import audit_report, open_audits
+    from orca_method.audit.guards import aligned_scores
     from orca_method.bundle import load_bundle
-    from orca_serve.live_audit import is_counted, request_loss
-    from orca_serve.live_audit.live import aligned_scores
+    from orca_method.risk import is_counted, request_loss
 
     bundle = load_bundle(bundle_file)
     ts = open_audits(audit_dir)
@@ -287,7 +287,7 @@ def alarm_delays(clean: list[float], shifted: list[float], prefixes: list[int], 
     (RestartedAlarm restarted every `every` audits, members kept at dyadic ages; every = 0: the single
     whole-history ConfidenceSequence the server used before). Per K: quantiles of the shifted
     audits until the alarm."""
-    from orca_serve.live_audit import ConfidenceSequence, RestartedAlarm
+    from orca_method.audit.sequence import ConfidenceSequence, RestartedAlarm
 
     rng = np.random.default_rng(seed)
     out = {}

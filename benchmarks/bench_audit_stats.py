@@ -26,7 +26,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests package's helpers
 
-from orca_serve.live_audit import ConfidenceSequence, DriftMonitor, RestartedAlarm, build_reference
+from orca_method.audit.drift import DriftMonitor, build_reference
+from orca_method.audit.sequence import ConfidenceSequence, RestartedAlarm
 from tests.audit_simulation import (
     EPSILON,
     bad_lambda_served,

@@ -26,7 +26,7 @@ import numpy as np
 
 from orca_serve.live_audit.journal import Journal, journal_path
 from orca_serve.live_audit.redis_journal import RedisJournal
-from orca_serve.live_audit.sequence import RestartedAlarm
+from orca_method.audit.sequence import RestartedAlarm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests package's helpers
 from tests.redis_server import RedisServer

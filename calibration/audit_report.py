@@ -32,13 +32,14 @@ import numpy as np
 
 from calibration.calibrate import calibrate_bundle, score_split
 from calibration.train import meta_train, train_static, training_settings
+from orca_method.audit.attrition import incomplete
+from orca_method.audit.drift import DRIFT_WINDOW, DriftMonitor
+from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import Bundle, Segmentation
-from orca_method.risk import is_counted, request_losses
+from orca_method.give_up import request_give_up_loss
+from orca_method.risk import is_counted, is_solvable, request_losses
 from orca_method.trajectories import TrajectorySet, split_ids
-from orca_serve.live_audit.attrition import incomplete
-from orca_serve.live_audit.drift import DRIFT_WINDOW, DriftMonitor
 from orca_serve.live_audit.options import EPSILON_SPLITS, guard_epsilon
-from orca_serve.live_audit.sequence import CensoredAlarm
 
 AUDIT_DIR = re.compile(r"^audit-\d{6}$")  # the server's rotating audit directories
 # what differs between the directories of two bundles that cannot share one (store_info)
@@ -86,7 +87,7 @@ def open_audits(path: str | Path, bundle: Bundle | None = None) -> TrajectorySet
 
 def unfinished(ts: TrajectorySet) -> list[int]:
     """Positions of the audits that did not finish (cut by max_tokens, aborted): censored in
-    the risk, as the server counts them (orca_serve.live_audit.attrition). Records without a
+    the risk, as the server counts them (orca_method.audit.attrition). Records without a
     finish_reason (written before it was kept) count as finished."""
     return [i for i, p in enumerate(ts.problems)
             if (p.extra or {}).get("finish_reason") is not None
@@ -179,11 +180,55 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
         "epsilon_split": epsilon_split,
         "confidence_sequence": "hedged capital, Waudby-Smith & Ramdas (2024)", "deltas": rows,
         "history": {k: np.asarray(v).T.tolist() for k, v in history.items()}}
+    give_up = give_up_report(bundle, ts, mode, cut, epsilon_split)
+    if give_up is not None:
+        report["give_up"] = give_up
     if drift is not None:
         report["drift"] = {"window": drift.window, "observed": drift.observed,
                            "tests": drift.tests, "pvalue": drift.pvalue,
                            "alarms": drift.alarms, "alarm": drift.alarm}
     return report
+
+
+def give_up_report(bundle: Bundle, ts: TrajectorySet, mode: str, cut: set[int],
+                   epsilon_split: str) -> dict[str, Any] | None:
+    """Per give-up delta of a two-sided bundle, the server's give-up guard replayed: the
+    give-up probe replayed on every audit (never-right ones too: the give-up risk is over all
+    requests), its loss at mu* fed in audit order to a CensoredAlarm at the give-up table's
+    epsilon (split as the server splits it), unfinished audits censored.
+
+    The loss is the certified one (gave up and ended right) when the audits carry the give-up's
+    reference labels (a collection); server audits label by consistency only, and then it is
+    whether the audit gave up, at least the certified loss (docs/AUDIT.md, "The give-up risk").
+    None for a one-sided bundle."""
+    gu = bundle.give_up
+    if gu is None:
+        return None
+    known = gu.label_mode in ts.label_modes
+    scored = score_split(bundle.load_give_up_probe(), ts, "all", gu.label_mode if known else mode,
+                         gu.window, solvable_only=False)
+    deltas = bundle.give_up_deltas()
+    mus = [bundle.mu(d) for d in deltas]
+    cs = CensoredAlarm(guard_epsilon(gu.ltt.epsilon, len(deltas), epsilon_split),
+                       shape=(len(deltas),))
+    first_alarm: list[int | None] = [None] * len(deltas)
+    for i, (g, c) in enumerate(zip(scored.scores, scored.labels)):
+        right = is_solvable(c) if known else None
+        cs.update(np.array([request_give_up_loss(g, mu, right) for mu in mus], dtype=float),
+                  i in cut)
+        for j, fired in enumerate(cs.alarm(np.asarray(deltas))):
+            if first_alarm[j] is None and fired:
+                first_alarm[j] = i + 1
+    alarm = cs.alarm(np.asarray(deltas))
+    return {"label_mode": gu.label_mode if known else mode,
+            "loss": "gave_up_and_ended_right" if known else "gave_up",
+            "alpha": guard_epsilon(gu.ltt.epsilon, len(deltas), epsilon_split), "n": cs.n,
+            "deltas": [{"delta": d, "mu": None if math.isinf(mu) else mu,
+                        "censored": int(cs.censored[j]),
+                        "risk": None if math.isnan(cs.mean[j]) else float(cs.mean[j]),
+                        "lower": float(cs.lower[j]), "upper": float(cs.upper[j]),
+                        "alarm": bool(alarm[j]), "first_alarm_audit": first_alarm[j]}
+                       for j, (d, mu) in enumerate(zip(deltas, mus))]}
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -210,6 +255,22 @@ def format_report(report: dict[str, Any]) -> str:
                 else "ok")
         lines.append(f"  delta={r['delta']:<5g} lambda*={lam:<8} n={r['n']:<5} risk={risk} "
                      f"bounds=[{r['lower']:.3f}, {r['upper']:.3f}] {flag}")
+    if "give_up" in report:
+        g = report["give_up"]
+        what = ("gave up and ended right" if g["loss"] == "gave_up_and_ended_right" else
+                "gave up (these audits cannot tell a right end: at least the certified loss, so "
+                "the upper bound holds for the certified risk, an alarm only says the give-up "
+                "rate exceeds delta_2)")
+        lines.append(f"  give-up: {g['n']} audits, loss = {what}, labels {g['label_mode']}, "
+                     f"alarm at level alpha={g['alpha']:g}/2 per give-up delta")
+        for r in g["deltas"]:
+            mu = "never" if r["mu"] is None else f"{r['mu']:.4f}"
+            risk = "-" if r["risk"] is None else f"{r['risk']:.3f}"
+            flag = (f"ALARM (first at audit {r['first_alarm_audit']} of the directory)"
+                    if r["alarm"] else "ok")
+            lines.append(f"  give-up delta={r['delta']:<5g} mu*={mu:<8} risk={risk} "
+                         f"({r['censored']} censored) bounds=[{r['lower']:.3f}, "
+                         f"{r['upper']:.3f}] {flag}")
     if "drift" in report:
         d = report["drift"]
         last = "no test yet" if d["pvalue"] is None else f"last p={d['pvalue']:.3g}"

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from calibration.train import solvable
+from orca_method.audit.drift import build_reference
 from orca_method.bundle import (
     Bundle,
     DriftReference,
@@ -42,7 +43,6 @@ from orca_method.procedure import replay
 from orca_method.risk import is_solvable
 from orca_method.trajectories import TrajectorySet
 from orca_serve import __version__
-from orca_serve.live_audit.drift import build_reference
 
 DEFAULT_DELTAS = (0.05, 0.1, 0.15, 0.2)
 DEFAULT_GIVE_UP_DELTAS = (0.02, 0.05, 0.1)

@@ -132,7 +132,7 @@ class DriftReference(_Strict):
     """How the calibration set's scores behave, for the label-free drift test (docs/AUDIT.md).
 
     Per calibration trajectory (a seeded subsample), the two statistics of
-    `orca_serve.live_audit.drift.drift_statistics`: the mean smoothed score over the first `k` steps
+    `orca_method.audit.drift.drift_statistics`: the mean smoothed score over the first `k` steps
     (cut at the first crossing of `level`) and the 1-based step of that crossing (None: never).
     Optional: bundles without it load, and then the server has no drift metric.
     """

@@ -58,6 +58,21 @@ def give_up_losses(tau_g: np.ndarray, lengths: np.ndarray, ends_right: np.ndarra
     return (gave_up(tau_g, lengths) & np.asarray(ends_right, dtype=bool)).astype(np.int8)
 
 
+def request_give_up_loss(scores: np.ndarray, mu: float, ends_right: bool | None) -> int:
+    """One trace's give-up loss under ``mu`` (`give_up_losses` for one trace), as the live audit
+    and `orca-calibrate audit-report` measure it.
+
+    ``ends_right`` None: the labels cannot tell. Live audits label by consistency only, and
+    under consistency every trace ends with its own answer, so the trace counts as ending
+    right and the loss is whether it gave up: at least the certified loss, whatever the trace's
+    true outcome (docs/AUDIT.md, "The give-up risk").
+    """
+    g = np.asarray(scores, dtype=float)
+    tau = give_up_indices([g], np.array([mu], dtype=float))
+    right = np.array([True if ends_right is None else bool(ends_right)])
+    return int(give_up_losses(tau, np.array([g.size]), right)[0, 0])
+
+
 @dataclass(frozen=True)
 class GiveUpResult:
     """LTT outcome for one give-up risk level, with calibration-set facts at mu*.

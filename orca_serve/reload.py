@@ -40,6 +40,7 @@ from orca_method.bundle import Bundle, BundleError, load_bundle
 from orca_method.bundle_checks import check_semantics
 from orca_method.errors import first_line
 from orca_serve.effort import check_effort_map
+from orca_serve.live_audit.handover import hand_over
 from orca_serve.requests import OrcaSettings, error_body
 
 logger = logging.getLogger("orca_serve.reload")
@@ -241,7 +242,7 @@ class Reloader:
                                                   else bundle.default_delta))
         if audit is not None:
             try:
-                st.audit.hand_over(audit)
+                hand_over(st.audit, audit)
             except OSError as e:  # its directory cannot be opened: audits are not stored
                 logger.warning("orca: the new live audit cannot open its directory: %s",
                                first_line(e))

@@ -108,6 +108,7 @@ class OrcaSettings:
     give_up_delta: float | None = None  # None: the request does not give up
     give_up_mu: float | None = None  # mu*(give_up_delta); None: never gives up
     give_up_policy: str | None = None  # what it returns if it gives up (GIVE_UP_POLICIES)
+    give_up_source: str = "bundle"  # where give_up_mu comes from: bundle | fallback (guard: off)
 
     def xargs(self) -> dict[str, str | int | float]:
         out: dict[str, str | int | float] = {XARG_KEY: self.key, "orca_enabled": int(self.enabled)}

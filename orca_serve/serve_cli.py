@@ -509,7 +509,7 @@ def _main(argv: list[str]) -> None:
     os.environ[ENV_SERVER] = "1"  # our server exports the orca metrics, not the stat logger
     state = state_from_args(args)
     if bundle is not None:
-        from orca_serve.live_audit.live import make_live_audit  # deferred: torch
+        from orca_serve.live_audit.factory import make_live_audit  # deferred: torch
 
         try:
             state.audit = make_live_audit(args, bundle, state.metrics.registry,

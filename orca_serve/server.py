@@ -56,7 +56,7 @@ from orca_serve.apis import (
 )
 from orca_serve.contract import DEFAULTS, POLICIES, child_key, ended
 from orca_serve.effort import DEFAULT_EFFORT_MAP
-from orca_serve.live_audit.live import add_audit_route
+from orca_serve.live_audit.route import add_audit_route
 from orca_serve.metrics import OrcaMetrics
 from orca_serve.reload import BUNDLE_PATH, AdminMiddleware, Reloader, route_path, send_json
 from orca_serve.requests import (
@@ -182,9 +182,10 @@ def orca_object(settings: OrcaSettings, results: dict[int, dict[str, Any] | None
         obj["answer_budget"] = settings.answer_budget
     if settings.give_up_delta is not None:
         obj["give_up"] = {"delta": settings.give_up_delta, "mu": settings.give_up_mu,
-                          "policy": settings.give_up_policy,
-                          # an audited request runs to its end: it never gives up
-                          "active": not settings.audited}
+                          "policy": settings.give_up_policy, "source": settings.give_up_source,
+                          # an audited request runs to its end, and the audit's guard may have
+                          # turned give-up off (source fallback): neither gives up
+                          "active": not settings.audited and settings.give_up_source != "fallback"}
     if settings.n <= 1:
         r = results.get(0)
         if r and r.get("policy") in POLICIES:

@@ -18,13 +18,13 @@ from functools import lru_cache
 
 import numpy as np
 
+from orca_method.audit.sequence import DEFAULT_GRID, RESTART_EVERY, RestartedAlarm
 from orca_method.ltt import calibrate, default_grid
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.risk import losses, stop_indices
 from orca_method.thresholds import NEVER
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
-from orca_serve.live_audit.sequence import DEFAULT_GRID, RESTART_EVERY, RestartedAlarm
 from tests.bundles import tiny_bundle
 
 
@@ -163,7 +163,7 @@ def censored_streams(risk: float, *, share: float, ratio: float, streams: int, a
     (censored), through the server's CensoredAlarm, batched over streams. Per stream: whether
     [lower, upper] ever missed the whole traffic's risk (checked after every audit), the audit
     of the first alarm at `delta` (inf: none), and the final interval and risk range."""
-    from orca_serve.live_audit.sequence import CensoredAlarm
+    from orca_method.audit.sequence import CensoredAlarm
 
     p0, p1 = cut_probabilities(risk, share, ratio)
     rng = np.random.default_rng(seed)
@@ -191,8 +191,8 @@ def joint_null(split: str, *, streams: int, audits: int, seed: int, every: int =
     exactly d, independent across deltas: the union of false alarms is then largest), through
     the server's guards (CensoredAlarm at `guard_epsilon`), batched [streams, deltas]. Returns
     the share of streams in which ANY delta ever alarmed, and the per-delta shares."""
+    from orca_method.audit.sequence import CensoredAlarm
     from orca_serve.live_audit.options import guard_epsilon
-    from orca_serve.live_audit.sequence import CensoredAlarm
 
     d = np.asarray(deltas)
     rng = np.random.default_rng(seed)
@@ -301,7 +301,7 @@ def restart_null(streams: int, audits: int, restart_every: int, *, seed: int,
     CensoredAlarm: the share of streams that ever alarm when one sequence runs through all
     audits (what a restart that resumes the journal keeps), and when a new, empty one starts
     every `restart_every` audits (what every start did before)."""
-    from orca_serve.live_audit.sequence import CensoredAlarm
+    from orca_method.audit.sequence import CensoredAlarm
 
     rng = np.random.default_rng(seed)
     whole = CensoredAlarm(epsilon, grid_size=grid, shape=(streams,))
@@ -317,3 +317,49 @@ def restart_null(streams: int, audits: int, restart_every: int, *, seed: int,
         ever_whole |= whole.alarm(delta)
         ever_fresh |= fresh.alarm(delta)
     return float(ever_whole.mean()), float(ever_fresh.mean())
+
+
+def give_up_pool(rng: np.random.Generator, n: int, *, right: float, bias: float
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Give-up losses of n simulated traces at one mu: (the audit's loss, the certified loss).
+
+    A trace of T = 8 steps ends right with probability `right`; its give-up scores are
+    sigmoid(1.5 (2 R - 1) + bias + N(0, 1)) per step, so traces that end wrong score lower and
+    a negative `bias` makes every trace give up more. Both losses come from
+    `request_give_up_loss` at mu = 0.2: the audit's with the outcome unknown (what live audits
+    know), the certified one with the true outcome."""
+    from orca_method.give_up import request_give_up_loss
+
+    audit, certified = np.empty(n), np.empty(n)
+    for i in range(n):
+        r = bool(rng.random() < right)
+        g = 1 / (1 + np.exp(-(1.5 * (2 * r - 1) + bias + rng.normal(size=8))))
+        audit[i] = request_give_up_loss(g, 0.2, None)
+        certified[i] = request_give_up_loss(g, 0.2, r)
+    return audit, certified
+
+
+def give_up_streams(audit: np.ndarray, certified: np.ndarray, delta: float, *, streams: int,
+                    audits: int, seed: int, cut: float = 0.0, epsilon: float = EPSILON,
+                    deltas: int = 1, grid: int = DEFAULT_GRID) -> tuple[float, float]:
+    """Streams of audits drawn from a pool (`give_up_pool`) through a give-up guard's
+    statistics (CensoredAlarm at `guard_epsilon(epsilon, deltas, "joint")`, per-delta when
+    deltas is 1); an audit that gave up is cut (censored) with probability 3 `cut`, one that did
+    not with probability `cut` (a cut that depends on the loss). Returns the share of streams
+    whose upper bound was ever below the certified risk (the pool's mean certified loss), and
+    the share that ever alarmed at `delta`."""
+    from orca_method.audit.sequence import CensoredAlarm
+    from orca_serve.live_audit.options import guard_epsilon
+
+    rng = np.random.default_rng(seed)
+    risk = float(certified.mean())
+    cs = CensoredAlarm(guard_epsilon(epsilon, deltas, "joint"), grid_size=grid,
+                       shape=(streams,))
+    missed = np.zeros(streams, bool)
+    ever = np.zeros(streams, bool)
+    for _ in range(audits):
+        x = audit[rng.integers(0, audit.size, streams)]
+        cs.update(x, rng.random(streams) < np.where(x > 0, 3 * cut, cut))
+        missed |= cs.upper < risk
+        ever |= cs.alarm(delta)
+    return float(missed.mean()), float(ever.mean())

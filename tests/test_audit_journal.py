@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orca_serve.live_audit.handover import hand_over
 from orca_serve.live_audit.journal import SNAPSHOT_EVERY, Journal, journal_path
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
@@ -187,10 +188,57 @@ def test_a_hot_reload_away_and_back_resumes_the_bundles_state(tmp_path):
     before = a.table()["deltas"]
     assert before[0]["engaged"]
     b = LiveAudit(other, config)
-    a.hand_over(b)
+    hand_over(a, b)
     assert b.journal.path != journal_path(tmp_path, first.checksum) and b.guard(DELTA).cs.n == 0
     back = LiveAudit(first, config)
-    b.hand_over(back)
+    hand_over(b, back)
     assert back.journal.path == journal_path(tmp_path, first.checksum)
     assert back.table()["deltas"] == before
     back.journal.close()
+
+
+DEMO = Path(__file__).parents[1] / "orca_serve" / "demo" / "bundle.json"
+
+
+def _two_sided(d: Path) -> LiveAudit:
+    from orca_method.bundle import load_bundle
+
+    b = load_bundle(DEMO)  # two-sided: give-up guards beside the stop guards
+    audit = LiveAudit(b, AuditConfig(rate=1.0, on_alarm="fallback", other_labels=True))
+    audit.attach(Journal(journal_path(d, b.checksum), b.checksum, fsync=False))
+    return audit
+
+
+def test_give_up_sequences_resume_and_an_old_journal_replays_the_same(tmp_path, monkeypatch):
+    """The give-up scores travel in the outcome events ("g"), so a restart resumes the give-up
+    sequences and their alarm with the stop ones (from a snapshot, which keeps the give-up
+    guards, and the events after it). A journal written before they existed (the
+    same events without "g") replays the very same stop state, and its audits are simply not in
+    the give-up risk (n = 0), not counted at some invented loss."""
+    monkeypatch.setattr("orca_serve.live_audit.state.SNAPSHOT_EVERY", 50)
+    audit = _two_sided(tmp_path / "new")
+    rng = np.random.default_rng(9)
+    for _ in range(60):
+        labels = [0, 1, 1] if rng.random() < 0.3 else [1, 1, 1]
+        g = [0.0, 0.0, 0.0] if rng.random() < 0.5 else [0.9, 0.9, 0.9]
+        audit.observe([0.99, 0.99, 0.99], labels, censored=bool(rng.random() < 0.1), give_up=g)
+    table = audit.table()
+    assert any(r["engaged"] for r in table["give_up"]["deltas"])
+    path = audit.journal.path
+    audit.journal.close()
+    again = _two_sided(tmp_path / "new")
+    assert again.replayed == 120 - 100  # a snapshot after 100 events, then the rest
+    assert again.table()["give_up"] == table["give_up"]
+    assert again.table()["deltas"] == table["deltas"]
+    again.journal.close()
+    old = tmp_path / "old" / path.name
+    old.parent.mkdir()
+    events = [json.loads(x) for x in path.read_text().splitlines()]
+    assert sum("g" in e for e in events) == 60
+    old.write_text("".join(json.dumps({k: v for k, v in e.items() if k != "g"}) + "\n"
+                           for e in events))
+    replayed = _two_sided(tmp_path / "old")
+    assert replayed.table()["deltas"] == table["deltas"]
+    assert all(r["n"] == 0 and r["mu_source"] == "bundle"
+               for r in replayed.table()["give_up"]["deltas"])
+    replayed.journal.close()

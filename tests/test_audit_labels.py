@@ -11,7 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from orca_method.bundle import load_bundle
-from orca_serve.live_audit.live import AuditCollector, LiveAudit
+from orca_serve.live_audit.collector import AuditCollector
+from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
 
 DEMO_BUNDLE = Path(__file__).parents[1] / "orca_serve" / "demo" / "bundle.json"

@@ -13,17 +13,15 @@ import numpy as np
 import pytest
 from scipy.stats import binomtest
 
+from orca_method.audit.drift import DriftMonitor, build_reference
+from orca_method.audit.guards import DeltaGuard, GiveUpGuard, aligned_scores
 from orca_method.bundle import load_bundle
+from orca_method.risk import request_loss
 from orca_method.trajectories import TrajectorySet
-from orca_serve.live_audit import DriftMonitor, build_reference, request_loss
-from orca_serve.live_audit.live import (
-    AuditCollector,
-    AuditSampler,
-    DeltaGuard,
-    LiveAudit,
-    aligned_scores,
-)
+from orca_serve.live_audit.collector import AuditCollector
+from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
+from orca_serve.live_audit.sampling import AuditSampler
 from orca_serve.live_audit.store import AuditStore
 from orca_serve.requests import OrcaDefaults, resolve
 from orca_serve.server import orca_object
@@ -537,3 +535,135 @@ def test_a_recalibrated_lambda_is_not_trusted_while_its_drift_test_alarms(bundle
     for _ in range(20):
         audit.see(list(rng.uniform(0, 0.4, 5)), math.inf)
     assert not g.distrusted and (g.source, g.lam) == ("audit", 0.95)
+
+
+# -- the give-up risk ------------------------------------------------------------------------
+GIVES_UP = [0.0, 0.0, 0.0]  # give-up scores at or below every mu* of the demo bundle at step 0
+REASONS_ON = [0.9, 0.9, 0.9]  # above every mu*: never gives up
+
+
+def _give_up_audit(bundle, **config) -> LiveAudit:
+    return LiveAudit(bundle, AuditConfig(rate=0.0, seed=0, **config))
+
+
+def test_a_give_up_alarm_turns_give_up_off_and_leaves_the_stop_threshold(bundle) -> None:
+    """Audits that would all have given up at every mu* (and whose stop losses are 0): each give-up
+    delta's lower bound passes its delta, and with the operator's leave (live audits label by
+    consistency, not the give-up's reference labels) `fallback` turns give-up off for the next
+    request: no mu* in its xargs, `give_up.source` fallback, inactive, while its lambda and every
+    stop guard are untouched. The metrics and the table say the same."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    audit = _give_up_audit(bundle, on_alarm="fallback", other_labels=True)
+    for _ in range(40):
+        audit.observe([0.0, 0.0, 0.0], [1, 1, 1], give_up=GIVES_UP)
+    table = audit.table()
+    assert table["give_up"]["guard_acts"] and table["give_up"]["loss"] == "gave_up"
+    for row in table["give_up"]["deltas"]:
+        assert row["n"] == 40 and row["risk"] == 1.0 and row["alarm"] and row["engaged"], row
+        assert row["mu"] is None and row["mu_source"] == "fallback" and row["bundle_mu"] is not None
+    for row in table["deltas"]:  # the stop side saw only loss 0
+        assert row["risk"] == 0.0 and not row["alarm"] and row["lambda_source"] == "bundle", row
+    new, settings = resolve({"messages": [], "orca": {"give_up": {"delta": 0.05}}},
+                            OrcaDefaults(delta=0.1), bundle)
+    assert settings.give_up_mu == bundle.mu(0.05)
+    body, settings = audit.admit(new, settings)
+    assert "orca_give_up_mu" not in body["vllm_xargs"]
+    assert body["vllm_xargs"]["orca_lam"] == bundle.lam(0.1) and settings.lam_source == "bundle"
+    obj = orca_object(settings, {0: {}})
+    assert obj["give_up"] == {"delta": 0.05, "mu": None, "policy": "guess",
+                              "source": "fallback", "active": False}
+    assert obj["lambda"] == bundle.lam(0.1) and obj["lambda_source"] == "bundle"
+    reg = CollectorRegistry()
+    reg.register(AuditCollector(audit, "toy"))
+    text = generate_latest(reg).decode()
+    assert 'orca_audit_give_up_alarm{delta="0.05",model_name="toy"} 1.0' in text
+    assert 'orca_audit_give_up_mu{delta="0.05",model_name="toy",source="fallback"} -Inf' in text
+    assert 'orca_audit_lambda{delta="0.1",model_name="toy",source="bundle"}' in text
+
+
+def test_a_give_up_alarm_only_reports_without_the_operators_leave(bundle) -> None:
+    """Without --orca-guard-other-labels the give-up guard reports (the audit's loss is not the
+    certified one: docs/AUDIT.md), so requests keep the bundle's mu*; under `report` too."""
+    for config in ({"on_alarm": "fallback"}, {"on_alarm": "report", "other_labels": True}):
+        audit = _give_up_audit(bundle, **config)
+        for _ in range(40):
+            audit.observe([0.0, 0.0, 0.0], [1, 1, 1], give_up=GIVES_UP)
+        row = audit.table()["give_up"]["deltas"][1]
+        assert row["alarm"] and row["mu_source"] == "bundle" and row["mu"] == bundle.mu(0.05)
+        new, settings = resolve({"messages": [], "orca": {"give_up": {}}}, OrcaDefaults(delta=0.1),
+                                bundle)
+        body, settings = audit.admit(new, settings)
+        assert body["vllm_xargs"]["orca_give_up_mu"] == bundle.mu(0.05)
+        assert orca_object(settings, {0: {}})["give_up"]["active"] is True
+
+
+def test_give_up_risk_counts_never_right_and_censored_audits(bundle) -> None:
+    """The give-up risk is over every request, as calibration's: a never-right audit (left out
+    of the stop risk) enters with its loss; a cut one enters censored (loss 0 for the alarm, 1 for
+    the upper bound); one without give-up scores is left out; the last step never gives up."""
+    audit = _give_up_audit(bundle, on_alarm="fallback", other_labels=True)
+    g = audit.give_up_guard(0.1)
+    audit.observe([0.0, 0.0, 0.0], [0, 0, 0], give_up=GIVES_UP)  # never right: give-up loss 1
+    assert audit.counts["unsolvable"] == 1 and audit.guard(0.1).cs.n == 0
+    assert (g.cs.n, g.cs.mean) == (1, 1.0)
+    audit.observe([0.0, 0.0, 0.0], [0, 1, 1], censored=True, give_up=GIVES_UP)
+    assert (g.cs.n, g.cs.censored) == (2, 1)
+    audit.observe([0.0, 0.0, 0.0], [0, 1, 1])  # no give-up scores: not in the give-up risk
+    audit.observe([0.0, 0.0, 0.0], [0, 1, 1], give_up=[0.9, 0.9, 0.0])  # only the last step
+    assert (g.cs.n, g.cs.mean) == (3, 0.5)
+
+
+def test_give_up_guard_clears_only_when_the_upper_bound_is_back(bundle) -> None:
+    """The stop guard's rule (`engagement`): engaged on an alarm, cleared when no member alarms
+    AND the upper bound is at delta or below, not when the lower bound merely dips."""
+    g = GiveUpGuard(0.05, bundle.mu(0.05), FakeCS(), on_alarm="fallback")
+    g.cs.lower, g.cs.upper = 0.2, 0.6
+    g.observe(GIVES_UP)
+    assert g.engaged and (g.mu, g.source) == (-math.inf, "fallback")
+    g.cs.lower = 0.0
+    g.observe(REASONS_ON)
+    assert g.engaged and g.source == "fallback"  # the lower bound dipped: still off
+    g.cs.upper = 0.05
+    g.observe(REASONS_ON)
+    assert not g.engaged and (g.mu, g.source) == (bundle.mu(0.05), "bundle")
+    assert g.cs.losses == [1, 0, 0]
+
+
+def test_an_audit_is_scored_by_the_give_up_probe_it_never_ran(bundle) -> None:
+    """Audits never give up, so the engine reports no give-up scores for them: the audit replays
+    the bundle's give-up probe on the recorded step embeddings (calibration's replay), and each
+    give-up guard measures the loss of those scores at its mu*."""
+    import asyncio
+
+    from orca_method.give_up import request_give_up_loss
+    from orca_method.procedure import replay
+
+    made: list[FakeCS] = []
+
+    def factory() -> FakeCS:
+        made.append(FakeCS())
+        return made[-1]
+
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0), cs_factory=factory, loss=_loss)
+    audit.labeller = FakeLabeller()
+    h = bundle.model.hidden_size
+    results = [_recorded(0.5, h), _recorded(0.5, h)]  # the first: embeddings of ones
+    results[1]["step_embeddings"] = np.random.default_rng(3).normal(size=(2, h)).astype(np.float32)
+
+    async def run() -> None:
+        for result in results:
+            new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
+            _, settings = audit.admit(new, settings)
+            audit.finished(settings, {0: result}, {0: "stop"})
+            await audit._worker
+
+    asyncio.run(run())
+    probe = bundle.load_give_up_probe()
+    for d in bundle.give_up_deltas():
+        expect = [request_give_up_loss(replay(probe, [r["step_embeddings"]],
+                                              window=bundle.give_up.window)[0][1].numpy(),
+                                       bundle.mu(d), None) for r in results]
+        # the probe scores ones 0 at the first step (gives up at every mu*), the other 1
+        assert audit.give_up_guard(d).cs.losses == expect == [1, 0]
+    assert len(made) == len(bundle.deltas()) + len(bundle.give_up_deltas())

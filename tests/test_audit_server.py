@@ -4,7 +4,9 @@ One server for the module (and a second one on the same audit directory, in the 
 `--orca-audit-rate 1.0` (every request audited), an audit directory and
 `--orca-on-alarm fallback`, serving the demo bundle plus one row that cannot hold (delta 0.3 at
 lambda 0: every request would stop at its first step, mostly before the answer is right), so its
-alarm fires after a few audits. The labelled audits are compared with what
+alarm fires after a few audits, and one give-up row that cannot either (give-up delta 0.3 at mu
+1.0: every request would give up at its first step), whose guard acts with
+`--orca-guard-other-labels`. The labelled audits are compared with what
 `orca-calibrate collect` writes for the same prompts (greedy, so the same trajectories).
 """
 
@@ -22,7 +24,7 @@ import numpy as np
 import pytest
 
 from calibration.toy.tasks import write_prompts
-from orca_method.bundle import Bundle, LTTRow, load_bundle, save_bundle
+from orca_method.bundle import Bundle, GiveUpRow, LTTRow, load_bundle, save_bundle
 from orca_method.ltt import binomial_pvalues
 from orca_method.trajectories import TrajectorySet
 from orca_serve.live_audit.options import DEMO_SUFFIX
@@ -36,6 +38,8 @@ MODEL = ROOT / "orca_serve" / "demo" / "model"
 MAX_TOKENS = 400
 N_COMPARED = 3
 BAD_DELTA = 0.3
+BAD_GIVE_UP = 0.3  # its mu* 1.0 gives up at the first step of every trace
+GUARD_FLAGS = ("--orca-on-alarm", "fallback", "--orca-guard-other-labels")
 BATCH = 4  # requests at BAD_DELTA asked at once, before waiting for their labels
 # float32 as collect runs it (vLLM's CPU build would downcast the model to bfloat16)
 COMMON = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len",
@@ -61,6 +65,11 @@ def audit_env(d: Path) -> dict:
                                    savings=max(r.savings for r in demo.ltt.rows))]
     data = demo.model_dump()
     data["ltt"]["rows"] = [r.model_dump() for r in rows]
+    gu = demo.give_up.ltt  # a row consistent with the table: the largest risk, at mu 1.0
+    k = round(max(r.risk for r in gu.rows) * gu.n_cal)
+    data["give_up"]["ltt"]["rows"].append(GiveUpRow(
+        delta=BAD_GIVE_UP, mu=1.0, risk=k / gu.n_cal, give_up_rate=1.0,
+        pvalue=float(binomial_pvalues(np.asarray([k]), gu.n_cal, BAD_GIVE_UP)[0])).model_dump())
     data["model"]["name"] = str(MODEL)  # served as --model MODEL
     save_bundle(Bundle.model_validate({**data, "checksum": ""}), d / "bundle.json")
     write_prompts(d / "prompts.jsonl", "in-dist", N_COMPARED, seed=21)
@@ -73,8 +82,8 @@ def srv(env):
     s = Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(env["bundle"]),
                               "--orca-audit-rate", "1.0", "--orca-audit-seed", "0",
                               "--orca-audit-dir", str(env["audits"]),
-                              "--orca-audit-suffix", DEMO_SUFFIX,
-                              "--orca-on-alarm", "fallback"), env["dir"] / "server.log", COMMON)
+                              "--orca-audit-suffix", DEMO_SUFFIX, *GUARD_FLAGS),
+               env["dir"] / "server.log", COMMON)
     yield s.wait()
     s.stop()
 
@@ -195,6 +204,38 @@ def test_failing_delta_alarms_and_falls_back(srv, env) -> None:
     assert any(f"delta {BAD_DELTA:g} now served with lambda never" in ln for ln in log)
 
 
+def test_a_failing_give_up_delta_turns_give_up_off_and_keeps_the_stop(srv, env) -> None:
+    """Every audit so far (each is measured at every mu*, whatever it asked) would have given up
+    at mu 1.0, so the audited give-up risk at give-up delta 0.3 passed 0.3; with the operator's
+    leave the guard turned give-up off there: a request asking for it comes back with give-up
+    off (source fallback, mu null, inactive) and the bundle's lambda* at its delta, unchanged.
+    The table, the metrics and the log say so."""
+    table = _settled(srv)
+    row = next(r for r in table["give_up"]["deltas"] if r["delta"] == BAD_GIVE_UP)
+    assert table["give_up"]["guard_acts"] and table["give_up"]["loss"] == "gave_up"
+    assert row["n"] >= 5 and row["risk"] > 0.9 and row["alarm"] and row["engaged"], row
+    assert (row["mu"], row["mu_source"], row["bundle_mu"]) == (None, "fallback", 1.0)
+    lam = load_bundle(env["bundle"]).lam(0.1)
+    assert _row(table, 0.1)["lambda"] == lam and _row(table, 0.1)["lambda_source"] == "bundle"
+    r = srv.client().chat.completions.create(
+        model=str(MODEL), messages=[{"role": "user", "content": "Find x with 4*x - 1 = 11."}],
+        temperature=0, max_tokens=MAX_TOKENS,
+        extra_body={"orca": {"delta": 0.1, "give_up": {"delta": BAD_GIVE_UP}}})
+    orca = r.model_extra["orca"]
+    assert orca["give_up"] == {"delta": BAD_GIVE_UP, "mu": None, "policy": "guess",
+                               "source": "fallback", "active": False}, orca
+    assert orca["lambda"] == lam and orca["lambda_source"] == "bundle"
+    assert orca["ended"] != "gave_up"
+    metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+    assert (f'orca_audit_give_up_mu{{delta="{BAD_GIVE_UP:g}",model_name="{MODEL}",'
+            'source="fallback"} -Inf') in metrics
+    assert (f'orca_audit_give_up_alarm{{delta="{BAD_GIVE_UP:g}",model_name="{MODEL}"}} '
+            "1.0") in metrics
+    log = (env["dir"] / "server.log").read_text().splitlines()
+    assert any(f"give-up ALARM at give-up delta {BAD_GIVE_UP:g} " in ln for ln in log)
+    assert any(f"give-up delta {BAD_GIVE_UP:g} now off" in ln for ln in log)
+
+
 def _row(table: dict, delta: float) -> dict:
     return next(r for r in table["deltas"] if r["delta"] == delta)
 
@@ -227,8 +268,7 @@ def test_a_second_server_on_the_audit_dir_shares_and_resumes_the_sequence(srv, e
     second = Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(env["bundle"]),
                                    "--orca-audit-rate", "1.0", "--orca-audit-seed", "1",
                                    "--orca-audit-dir", str(env["audits"]),
-                                   "--orca-audit-suffix", DEMO_SUFFIX,
-                                   "--orca-on-alarm", "fallback"),
+                                   "--orca-audit-suffix", DEMO_SUFFIX, *GUARD_FLAGS),
                     env["dir"] / "second.log", COMMON).wait()
     try:
         resumed = _settled(second)
@@ -236,6 +276,7 @@ def test_a_second_server_on_the_audit_dir_shares_and_resumes_the_sequence(srv, e
         keys = ("n", "censored", "lower", "upper", "alarm", "engaged", "lambda_source")
         for a, b in zip(first["deltas"], resumed["deltas"]):
             assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, (a, b)
+        assert resumed["give_up"]["deltas"] == first["give_up"]["deltas"]
         orca = _ask(second, [{"role": "user", "content": "Find the integer x with 3*x = 12."}],
                     delta=BAD_DELTA).model_extra["orca"]
         assert orca["audited"] and orca["lambda_source"] == "fallback"

@@ -12,23 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orca_method.audit.drift import DriftMonitor, build_reference, drift_statistics
+from orca_method.audit.sequence import ConfidenceSequence, RestartedAlarm
 from orca_method.bundle import BundleError, _checksum, load_bundle, save_bundle
 from orca_method.ltt import calibrate
-from orca_serve.live_audit import (
-    ConfidenceSequence,
-    DriftMonitor,
-    RestartedAlarm,
-    build_reference,
-    drift_statistics,
-    is_counted,
-    request_loss,
-    request_losses,
-    table_losses,
-)
+from orca_method.risk import is_counted, request_loss, request_losses, table_losses
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
 from orca_serve.requests import OrcaDefaults, resolve
-from tests.audit_simulation import hardest_null, shift_delays
+from tests.audit_simulation import give_up_pool, give_up_streams, hardest_null, shift_delays
 from tests.bundles import small_bundle
 
 DEMO_BUNDLE = Path(__file__).parents[1] / "orca_serve" / "demo" / "bundle.json"
@@ -155,6 +147,41 @@ def test_restarted_alarm_false_alarm_rate_on_the_production_grid():
     3,000 audits (60 restarts): measured 1.0 % (bound epsilon/2 = 2.5 %)."""
     share = hardest_null(ALPHA, streams=400, audits=3000, every=50, grid=501, seed=8)
     assert share <= ALPHA / 2 + _tolerance(ALPHA / 2, 400), share
+
+
+# ------------------------------------------------------------------- the give-up risk
+@pytest.mark.parametrize("cut,deltas", [(0.0, 1), (0.05, 3)])
+def test_give_up_bounds_cover_the_certified_risk(cut, deltas):
+    """The audit's give-up loss (gave up, the outcome unknown) is at least the certified one,
+    so the upper bound covers the certified give-up risk. Hardest case: every trace ends right,
+    so the two losses are equal (risk 0.092). Over 300 streams of 500 audits the upper bound
+    was ever below it in at most epsilon / 2 (+3 SE) of them, and the alarm at delta = the risk
+    ever fired as often, also with a cut that depends on the loss (an audit that gave up cut 3
+    times as often, 5 % / 15 %: censored) and under the joint split over the demo's three
+    give-up deltas (epsilon / 3 each). Measured: 0.33 % / 0.33 % uncut, 0 % / 0 % cut."""
+    audit, certified = give_up_pool(np.random.default_rng(4), 5000, right=1.0, bias=-0.7)
+    assert np.array_equal(audit, certified)
+    risk = float(certified.mean())
+    missed, alarmed = give_up_streams(audit, certified, risk, streams=300, audits=500, seed=5,
+                                      cut=cut, deltas=deltas, grid=101)
+    bound = ALPHA / 2 + _tolerance(ALPHA / 2, 300)
+    assert missed <= bound and alarmed <= bound, (missed, alarmed)
+
+
+def test_give_up_alarm_catches_a_shift_and_also_fires_on_a_high_give_up_rate():
+    """Power and its price. Traffic that gives up more (scores shifted down): the certified risk
+    0.109 exceeds delta_2 0.05 and the alarm fires in (nearly) every stream within 400 audits.
+    Traffic as calibrated: certified risk 0.007, but 42 % of the traces give up (the wrong
+    ones), and the audit, which cannot tell them from right ones, alarms in every stream too:
+    its alarm says the give-up RATE exceeds delta_2, not the certified risk (so the guard acts
+    on it only with --orca-guard-other-labels: docs/AUDIT.md, "The give-up risk")."""
+    shifted = give_up_pool(np.random.default_rng(2), 5000, right=0.6, bias=-1.0)
+    calibrated = give_up_pool(np.random.default_rng(1), 5000, right=0.6, bias=0.0)
+    assert shifted[1].mean() > 0.1 and calibrated[1].mean() < 0.01 < 0.4 < calibrated[0].mean()
+    for pool in (shifted, calibrated):
+        missed, alarmed = give_up_streams(*pool, 0.05, streams=100, audits=400, seed=3,
+                                          grid=101)
+        assert missed == 0.0 and alarmed >= 0.95, (missed, alarmed)
 
 
 def test_dyadic_members_cover_every_shift():
@@ -408,7 +435,7 @@ def test_joint_split_on_the_production_grid():
 def test_joint_split_reaches_the_guards_and_the_table():
     """`joint` gives each of the k deltas' guards epsilon / k (their alarms and their
     recalibration budgets), and the table says which split is in force."""
-    from orca_serve.live_audit.live import recalibration_epsilon
+    from orca_method.audit.guards import recalibration_epsilon
     from tests.audit_simulation import bundle
 
     b = load_bundle(DEMO_BUNDLE)

@@ -177,3 +177,36 @@ def test_unfinished_audits_enter_censored_offline(world):
     assert joint["alpha"] == pytest.approx(rep["alpha"] / len(rep["deltas"]))
     assert all(j["lower"] <= r["lower"] and j["upper"] >= r["upper"]
                for j, r in zip(joint["deltas"], rep["deltas"]))
+
+
+def test_audit_report_replays_the_give_up_guard(world):
+    """A two-sided bundle: the report replays the give-up probe on every audit (never-right ones
+    too) and measures each give-up delta as the server's give-up guard does. With the audits'
+    reference labels (a collection) the loss is the certified one, gave up and ended right;
+    without them (the give-up's label mode not in the audits, as on a server's audits) it is
+    whether the audit gave up. The probe scores 0.5 at every step: mu* 0.6 gives up at the
+    first step (of every audit with two steps or more), mu* 0.4 never."""
+    from orca_method.bundle import save_bundle
+    from tests.bundles import with_give_up
+
+    one = load_bundle(world / "bundle.json")
+    ts = TrajectorySet.open(world / "in-audits")
+    long = [p.n_steps >= 2 for p in ts.problems]
+    right = [any(ts.labels(i, "supervised")) for i in range(len(ts))]
+    want = {"gave_up_and_ended_right": sum(a and b for a, b in zip(long, right)) / len(ts),
+            "gave_up": sum(long) / len(ts)}
+    assert 0.05 < want["gave_up_and_ended_right"] < want["gave_up"]
+    for label_mode, loss in (("supervised", "gave_up_and_ended_right"), ("judge", "gave_up")):
+        two = with_give_up(one, [(0.05, 0.4), (0.1, 0.6)])
+        two = two.model_copy(update={"give_up": two.give_up.model_copy(
+            update={"label_mode": label_mode})})
+        save_bundle(two, world / "two-sided.json")
+        out = world / "two-sided-report.json"
+        assert main(["audit-report", "--audit", str(world / "in-audits"), "--bundle",
+                     str(world / "two-sided.json"), "--json", str(out)]) == 0
+        g = json.loads(out.read_text())["give_up"]
+        assert g["loss"] == loss and g["n"] == len(ts)
+        never, always = g["deltas"]
+        assert never["risk"] == 0.0 and not never["alarm"]
+        assert always["risk"] == pytest.approx(want[loss]) and always["alarm"]
+        assert always["lower"] <= want[loss] <= always["upper"]

@@ -75,7 +75,8 @@ def test_the_response_says_how_the_reasoning_ended():
          "give_up_mu": 0.3, "last_give_up_score": 0.2, "reasoning_tokens": 30}
     o = orca_object(s, {0: r})
     assert o["ended"] == "gave_up" and o["give_up_step"] == 4 and o["last_give_up_score"] == 0.2
-    assert o["give_up"] == {"delta": 0.05, "mu": 0.3, "policy": "guess", "active": True}
+    assert o["give_up"] == {"delta": 0.05, "mu": 0.3, "policy": "guess", "source": "bundle",
+                            "active": True}
     assert choice_fields({"stopped_early": True, "stop_reason": "probe"})["ended"] == "early"
     assert choice_fields({"stop_reason": "budget"})["ended"] == "full"
     assert "give_up_step" not in choice_fields({"stop_reason": None})  # one-sided: as before

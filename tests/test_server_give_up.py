@@ -37,7 +37,8 @@ def test_a_request_gives_up_and_says_so(srv):
     o, f = orca_of(gave), orca_of(full)
     assert f["ended"] == "full" and "give_up" not in f
     assert o["ended"] == "gave_up" and o["stop_reason"] == "give_up" and o["give_up_step"] == 1
-    assert o["give_up"] == {"delta": 0.05, "mu": 0.6, "policy": "guess", "active": True}
+    assert o["give_up"] == {"delta": 0.05, "mu": 0.6, "policy": "guess", "source": "bundle",
+                            "active": True}
     assert o["last_give_up_score"] == pytest.approx(0.5, abs=1e-6)
     assert not o["stopped_early"] and o["forced_tokens"] > 0  # the best guess's forced text
     assert gave.usage.completion_tokens < full.usage.completion_tokens

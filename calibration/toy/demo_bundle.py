@@ -23,7 +23,7 @@ from pathlib import Path
 
 from calibration.job import load_job, run_job
 from orca_method.bundle import Bundle, load_bundle, save_bundle
-from orca_serve.live_audit.live import AUDIT_LABEL_MODE
+from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE
 
 ROOT = Path(__file__).parents[2]
 # reasoner: (job, demo folder, served model name)

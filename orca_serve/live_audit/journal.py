@@ -11,6 +11,10 @@ into the same state (`LiveAudit._apply`), in file order:
     {"v": 1, "bundle_checksum": "...", "created": 1764150000.0}   the header
     {"a": 17}                                                       audit 17 admitted
     {"r": 17, "o": "risk", "s": [...], "l": [...]}                  audit 17 resolved
+    {"r": 18, "o": "out", "g": [...]}                               a two-sided bundle's audit:
+                                                                    "g" its give-up scores (null:
+                                                                    censored); no "g" (journals
+                                                                    before it): not in that risk
 
 - **Restarts**: a server that starts with the same bundle and directory replays the journal and
   carries on where the last one stopped, so the alarm's levels are spent once per bundle, not

@@ -23,6 +23,9 @@ from orca_method.labels import extract_forced
 from orca_serve.contract import ORCA_OFF
 from orca_serve.vllm_compat.engine_client import generate_from_ids, tokenizer
 
+# What a live audit can label by: agreement with the request's own final answer (live traffic
+# has no reference answer for `supervised`, and the server calls no judge).
+AUDIT_LABEL_MODE = "consistent"
 LOW_PRIORITY = 10  # vLLM's priority scheduling serves lower values first
 
 

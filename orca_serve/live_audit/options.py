@@ -2,7 +2,7 @@
 
 Kept apart from orca_serve/serve_cli.py, which only calls `add_audit_args`, `check_audit_args` (before
 vLLM is imported, so a bad option fails in seconds, in one line) (the server's LiveAudit is built by
-`orca_serve.live_audit.live.make_live_audit`).
+`orca_serve.live_audit.factory.make_live_audit`).
 """
 
 from __future__ import annotations

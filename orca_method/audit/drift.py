@@ -29,7 +29,7 @@ smaller p-values. ``alarm`` is sticky (drift was detected at some test; a new bu
 monitor); ``pvalue`` (the latest test's) is a monitoring statistic, not itself corrected for the
 repetition. ``spend=False`` tests every window at alpha and ``alarming`` says whether the latest
 test rejected: the test that decides whether a recalibrated lambda is trusted
-(orca_serve/live_audit/live.py), where a false rejection costs savings, not the guarantee.
+(`orca_method.audit.guards.DeltaGuard.trust`), where a false rejection costs savings, not the guarantee.
 """
 
 from __future__ import annotations

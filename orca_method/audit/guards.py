@@ -1,0 +1,336 @@
+"""The guards' decisions: per delta, the lambda served from the audited risk; per give-up delta,
+whether requests give up.
+
+Pure: each guard is fed losses (or the scores to take them from) and its statistics
+(`orca_method.audit.sequence`), and decides; the server (`orca_serve/live_audit/`) folds its
+journalled audit events into them, the simulations call them directly. docs/AUDIT.md, "What an
+alarm means", "Recalibration in the server", "The give-up risk".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from orca_method.audit.drift import DriftMonitor, build_reference
+from orca_method.audit.sequence import CensoredAlarm
+from orca_method.bundle import DriftReference
+from orca_method.give_up import request_give_up_loss
+from orca_method.ltt import calibrate, default_grid
+from orca_method.thresholds import GIVE_UP_NEVER, NEVER, lam_from_json, lam_to_json, mu_from_json
+
+class CS(Protocol):
+    """What the guard needs of its statistics (orca_serve.live_audit.CensoredAlarm): the whole
+    history's mean and bounds, the audits counted with an unknown loss, and the alarm."""
+
+    n: int
+    censored: int
+    mean: float
+    lower: float
+    upper: float
+
+    def update(self, loss: float, censored: bool = False) -> None: ...
+
+    def alarm(self, delta: float) -> bool: ...
+
+    def alarm_source(self, delta: float) -> tuple[int | None, float | None]: ...
+
+
+def aligned_scores(scores: Iterable[float], n_steps: int) -> np.ndarray | None:
+    """The online scores as one score per recorded step, or None when they cannot be.
+
+    The plugin scores every completed reasoning step except the one the end of thinking closes
+    (and a step cut off by max_tokens), so it reports n_steps or n_steps - 1 scores. The last
+    step's score never changes a stop time (not crossing lambda also stops at the last step), so a
+    missing last score is filled with 0.
+    """
+    s = np.asarray(list(scores), dtype=float)
+    if len(s) not in (n_steps, n_steps - 1) or not np.all((s >= 0) & (s <= 1)):
+        return None
+    return np.concatenate([s, np.zeros(n_steps - len(s))])
+
+
+def ltt_lambda(scores: list[np.ndarray], labels: list[np.ndarray], delta: float, *,
+               epsilon: float, grid_size: int, pvalue: str) -> float:
+    """lambda* for `delta` by the calibration code's LTT (orca_method/ltt.py) on these audits."""
+
+    (res,) = calibrate(scores, labels, [delta], epsilon=epsilon, grid=default_grid(grid_size),
+                       pvalue=pvalue)
+    return res.lam
+
+
+def recalibration_epsilon(epsilon: float, k: int) -> float:
+    """The level of a delta's k-th recalibration (k >= 1): epsilon / (k (k + 1)).
+
+    These sum to epsilon over k, so the probability that ANY recalibration of a delta certifies
+    a lambda whose risk exceeds delta stays at most epsilon (union bound), however many alarms a
+    deployment sees.
+    """
+    return epsilon / (k * (k + 1))
+
+
+Window = tuple[list[np.ndarray], list[np.ndarray]]
+
+
+def engagement(engaged: bool, cs: CS, delta: float) -> bool:
+    """Whether a guard is engaged after its latest audit: on an alarm, and until no member
+    alarms any more AND the whole history's upper bound is back at delta or below (evidence
+    that the bundle's threshold holds again), not when a lower bound merely dips: that would
+    flap with every loss near the boundary."""
+    if cs.n and cs.alarm(delta):
+        return True
+    return engaged and cs.upper > delta
+
+
+@dataclass
+class Recalibrated:
+    """A lambda the guard serves after a recalibration, and the audit of that lambda."""
+
+    k: int  # the delta's k-th recalibration
+    epsilon: float  # LTT's level for it (recalibration_epsilon)
+    lam: float
+    since: int  # audits admitted after this admission number measure it
+    cs: CS  # its own alarm (a fresh CensoredAlarm)
+    # the scores of the window it was certified on, as a drift reference: while the live
+    # scores differ from them, the lambda is not trusted (DeltaGuard.distrusted)
+    drift: DriftMonitor | None = None
+
+
+@dataclass
+class DeltaGuard:
+    """One delta's realized risk (at the bundle's lambda*) and the lambda it is served with.
+
+    `recalibrate` (docs/AUDIT.md, "Recalibration in the server"): on the bundle's alarm the
+    guard falls back (never stops early) until `window` audits ADMITTED AFTER the alarm are
+    labelled, runs LTT once on those alone at `recalibration_epsilon(epsilon, k)` and serves
+    that lambda (not below `floor`), then audits it with its own alarm; that alarm starts the
+    next wait and recalibration. The bundle's lambda* does not return for this bundle (with a
+    journal: not after a restart either).
+    """
+
+    delta: float
+    bundle_lam: float  # inf = never stops early
+    cs: CS
+    on_alarm: str = "report"
+    epsilon: float = 0.05  # the bundle's, split across recalibrations
+    floor: float = 0.0  # a recalibrated lambda is served at least this high
+    drift_k: int = 10  # the drift statistics' early-mean steps (the bundle's smoothing window)
+    lam: float = NEVER
+    source: str = "bundle"
+    engaged: bool = False  # alarmed and not cleared yet
+    waiting_since: int | None = None  # recalibrate: the admission number the wait began at
+    recalibrations: int = 0
+    served: Recalibrated | None = None
+    distrusted: bool = False  # the served lambda's drift test alarms: fallback meanwhile
+
+    def __post_init__(self) -> None:
+        self.lam = self.bundle_lam
+
+    @property
+    def alarm(self) -> bool:
+        """The realized risk of the bundle's lambda* exceeds delta (its lower bound does)."""
+        return bool(self.cs.n) and bool(self.cs.alarm(self.delta))
+
+    def observe(self, seq: int, loss: Callable[[float], int] | None) -> None:
+        """One counted audit (admission number `seq`): its loss at the bundle's lambda*, and at
+        the recalibrated lambda when the audit was admitted after that lambda took effect.
+        `loss` None: a censored audit (cut or aborted), whose loss is unknown (CensoredAlarm)."""
+        self.cs.update(0.0 if loss is None else loss(self.bundle_lam), loss is None)
+        if self.served is not None and seq > self.served.since:
+            self.served.cs.update(0.0 if loss is None else loss(self.served.lam), loss is None)
+
+    def decide(self, now: int, window: Callable[[int], Window | None],
+               ltt: Callable[[list[np.ndarray], list[np.ndarray], float, float], float],
+               make_cs: Callable[[], CS]) -> None:
+        """Set the served lambda from the alarms and the policy.
+
+        `now`: audits admitted so far (later ones are "after" this decision); `window(after)`:
+        the first `window` counted audits admitted after `after`, in admission order, once all
+        of them are known, else None; `ltt(scores, labels, delta, epsilon)`: LTT's lambda.
+
+        `report` and `fallback`: the guard engages on an alarm and is cleared only when no
+        member alarms any more and the whole history's upper bound is back at delta or below
+        (evidence that the bundle's lambda* holds again), not when the lower bound dips: that
+        would flap with every loss near the boundary.
+        """
+        if self.on_alarm == "recalibrate":
+            self._recalibrate(now, window, ltt, make_cs)
+            return self.trust()
+        self.engaged = engagement(self.engaged, self.cs, self.delta)
+        if self.engaged and self.on_alarm == "fallback":
+            self.lam, self.source = NEVER, "fallback"
+        else:
+            self.lam, self.source = self.bundle_lam, "bundle"
+
+    def _recalibrate(self, now: int, window: Callable[[int], Window | None],
+                     ltt: Callable[[list[np.ndarray], list[np.ndarray], float, float], float],
+                     make_cs: Callable[[], CS]) -> None:
+        served_alarm = self.served is not None and bool(self.served.cs.n) and bool(
+            self.served.cs.alarm(self.delta))
+        if (not self.engaged and self.alarm) or served_alarm:
+            self.engaged, self.waiting_since, self.served = True, now, None
+        if self.waiting_since is not None:
+            data = window(self.waiting_since)
+            if data is None:
+                self.lam, self.source = NEVER, "fallback"
+                return
+            k = self.recalibrations + 1
+            eps = recalibration_epsilon(self.epsilon, k)
+            lam = max(ltt(data[0], data[1], self.delta, eps), self.floor)
+            self.served = Recalibrated(k, eps, lam, now, make_cs(), self._window_drift(data[0]))
+            self.recalibrations, self.waiting_since = k, None
+        if self.served is not None:
+            self.lam, self.source = self.served.lam, "audit"
+        else:
+            self.lam, self.source = self.bundle_lam, "bundle"
+
+    def _window_drift(self, scores: list[np.ndarray]) -> DriftMonitor | None:
+        """A drift test against the recalibration window's own scores (docs/AUDIT.md, "While
+        drift alarms after a recalibration"); None when no audit of it has a scored step."""
+        ref = build_reference(scores, self.drift_k, [self.floor])
+        return None if ref is None else _window_monitor(ref)
+
+    def state(self) -> dict[str, Any]:
+        """What the journal's snapshot keeps of this guard (its drift tests' observations are
+        the process's own and start empty)."""
+        r = self.served
+        cs: Any = self.cs  # a CensoredAlarm (LiveAudit._snapshot checks that it can be saved)
+        return {"delta": self.delta, "cs": cs.to_dict(), "engaged": self.engaged,
+                "waiting_since": self.waiting_since, "recalibrations": self.recalibrations,
+                "lam": lam_to_json(self.lam), "source": self.source,
+                "served": None if r is None else {
+                    "k": r.k, "epsilon": r.epsilon, "lam": lam_to_json(r.lam), "since": r.since,
+                    "cs": r.cs.to_dict(),  # type: ignore[attr-defined]
+                    "drift": None if r.drift is None else r.drift.reference.model_dump()}}
+
+    def restore(self, d: dict[str, Any]) -> None:
+        self.cs = CensoredAlarm.from_dict(d["cs"])
+        self.engaged, self.waiting_since = bool(d["engaged"]), d["waiting_since"]
+        self.recalibrations = int(d["recalibrations"])
+        self.lam, self.source = lam_from_json(d["lam"]), d["source"]
+        r = d["served"]
+        self.served = None if r is None else Recalibrated(
+            r["k"], r["epsilon"], lam_from_json(r["lam"]), r["since"],
+            CensoredAlarm.from_dict(r["cs"]),
+            None if r["drift"] is None else _window_monitor(DriftReference.model_validate(
+                r["drift"])))
+        self.trust()
+
+    def see(self, scores: list[float], lam: float) -> None:
+        """A finished request's scores (one choice): to the served lambda's drift test."""
+        if self.served is not None and self.served.drift is not None:
+            self.served.drift.observe(scores, lam)
+            self.trust()
+
+    def trust(self) -> None:
+        """Under `recalibrate`: fall back while the recalibrated lambda's drift test alarms at
+        its latest test (the traffic is no longer the window's), serve it again when not."""
+        drift = None if self.served is None else self.served.drift
+        self.distrusted = drift is not None and drift.alarming
+        if self.distrusted:
+            self.lam, self.source = NEVER, "fallback"
+        elif self.served is not None and self.waiting_since is None:
+            self.lam, self.source = self.served.lam, "audit"
+
+    def row(self) -> dict[str, Any]:
+        out = {**_cs_row(self.cs, self.delta), "engaged": self.engaged,
+               "lambda": lam_to_json(self.lam), "lambda_source": self.source,
+               "bundle_lambda": lam_to_json(self.bundle_lam)}
+        if self.on_alarm == "recalibrate":
+            out.update(recalibrations=self.recalibrations, waiting_since=self.waiting_since,
+                       distrusted=self.distrusted,
+                       recalibrated=None if self.served is None else _served_row(self))
+        return out
+
+
+@dataclass
+class GiveUpGuard:
+    """One give-up delta's audited risk (at the bundle's mu*) and whether its requests give up.
+
+    An audit's loss is `request_give_up_loss` with the outcome unknown: live audits label by
+    consistency, which cannot tell a right end from a wrong one, so the loss is whether the
+    audit would have given up under mu*, at least the certified loss (docs/AUDIT.md, "The
+    give-up risk"). Acting (`fallback`, and `recalibrate`, since consistency labels cannot
+    certify a new mu*) turns give-up off for this give-up delta while the guard is engaged:
+    its requests reason on, and no stop threshold changes.
+    """
+
+    delta: float
+    bundle_mu: float  # GIVE_UP_NEVER = never gives up
+    cs: CS
+    on_alarm: str = "report"
+    mu: float = GIVE_UP_NEVER  # the mu* requests are served with
+    source: str = "bundle"  # bundle | fallback (give-up off)
+    engaged: bool = False
+
+    def __post_init__(self) -> None:
+        self.mu = self.bundle_mu
+
+    def observe(self, scores: list[float] | None) -> None:
+        """One audit's give-up scores (None: censored, its loss unknown), then the decision."""
+        self.cs.update(0.0 if scores is None else request_give_up_loss(
+            np.asarray(scores), self.bundle_mu, None), scores is None)
+        self.engaged = engagement(self.engaged, self.cs, self.delta)
+        off = self.engaged and self.on_alarm != "report"
+        self.mu, self.source = (GIVE_UP_NEVER, "fallback") if off else (self.bundle_mu, "bundle")
+
+    def row(self) -> dict[str, Any]:
+        return {**_cs_row(self.cs, self.delta), "engaged": self.engaged,
+                "mu": lam_to_json(self.mu), "mu_source": self.source,
+                "bundle_mu": lam_to_json(self.bundle_mu)}
+
+    def state(self) -> dict[str, Any]:
+        cs: Any = self.cs  # a CensoredAlarm (LiveAudit._snapshot checks that it can be saved)
+        return {"delta": self.delta, "cs": cs.to_dict(), "engaged": self.engaged,
+                "mu": lam_to_json(self.mu), "source": self.source}
+
+    def restore(self, d: dict[str, Any]) -> None:
+        self.cs = CensoredAlarm.from_dict(d["cs"])
+        self.engaged, self.source = bool(d["engaged"]), d["source"]
+        self.mu = mu_from_json(d["mu"])
+
+
+def _cs_row(cs: CS, delta: float) -> dict[str, Any]:
+    """A guard's statistics as the table shows them (the whole history's, and the alarm's)."""
+    n = int(cs.n)
+    return {"delta": delta, "n": n, "censored": int(cs.censored), "risk": _finite(cs.mean),
+            "risk_range": _range(cs), "lower": float(cs.lower), "upper": float(cs.upper),
+            "alarm": bool(n) and bool(cs.alarm(delta)),
+            **dict(zip(("alarm_since", "alarm_lower"), cs.alarm_source(delta)))}
+
+
+def _window_monitor(ref: DriftReference) -> DriftMonitor:
+    """The drift test of a recalibrated lambda: windows of the reference's size (the
+    recalibration window's audits), tested every half window."""
+    size = len(ref.early_mean)
+    return DriftMonitor(ref, window=max(10, size // 2), every=max(5, size // 4), spend=False)
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isnan(float(x)) else float(x)
+
+
+def _range(cs: CS) -> list[float] | None:
+    """[risk with the censored audits at loss 0, at loss 1] (None before the first audit)."""
+    if not cs.n:
+        return None
+    rng = getattr(cs, "risk_range", None)
+    return [float(cs.mean)] * 2 if rng is None else [float(rng[0]), float(rng[1])]
+
+
+def _served_row(g: DeltaGuard) -> dict[str, Any]:
+    """The audit of the recalibrated lambda a guard serves (its own sequence and alarm)."""
+    r = g.served
+    assert r is not None
+    n = int(r.cs.n)
+    return {"k": r.k, "epsilon": r.epsilon, "lambda": lam_to_json(r.lam), "since": r.since, "n": n,
+            "censored": int(r.cs.censored), "risk": _finite(r.cs.mean) if n else None,
+            "risk_range": _range(r.cs), "lower": float(r.cs.lower),
+            "upper": float(r.cs.upper), "alarm": bool(n) and bool(r.cs.alarm(g.delta)),
+            "drift": None if r.drift is None else {"pvalue": r.drift.pvalue,
+                                                   "alarm": bool(r.drift.alarming),
+                                                   "tests": r.drift.tests}}

@@ -1,0 +1,110 @@
+"""The live audit's Prometheus metrics (`orca_audit_*`, `orca_drift_*`), read at each scrape."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from orca_serve.live_audit.fleet import store_metrics
+from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE
+from orca_serve.live_audit.live import LiveAudit
+from orca_serve.metrics import LABEL
+
+
+class AuditCollector(Collector):
+    """The audit's Prometheus metrics, read from the live state at each scrape."""
+
+    def __init__(self, audit: LiveAudit, model_name: str = "") -> None:
+        self.audit = audit
+        self.model_name = model_name  # vLLM's `model_name` label, as on every orca metric
+
+    def collect(self) -> Iterable[Any]:
+        a, m = self.audit, self.model_name
+        c = CounterMetricFamily("orca_audit_requests", "Audited requests by state: labelled "
+                                "(entered the risk), dropped (labelling queue full), failed, "
+                                "aborted (never finished), length (cut by max_tokens)",
+                                labels=[LABEL, "state"])
+        for state in ("labelled", "dropped", "failed", "aborted", "length"):
+            c.add_metric([m, state], a.counts[state])
+        yield c
+        fams = {
+            "risk": GaugeMetricFamily("orca_audit_risk", "Realized risk of the bundle's lambda* "
+                                      "on the audited requests (mean loss)", labels=[LABEL, "delta"]),
+            "lower": GaugeMetricFamily("orca_audit_risk_lower", "Anytime-valid lower confidence "
+                                       "bound of the realized risk", labels=[LABEL, "delta"]),
+            "upper": GaugeMetricFamily("orca_audit_risk_upper", "Anytime-valid upper confidence "
+                                       "bound of the realized risk", labels=[LABEL, "delta"]),
+            "alarm": GaugeMetricFamily("orca_audit_alarm", "1 when the lower bound exceeds delta",
+                                       labels=[LABEL, "delta"]),
+            "censored": GaugeMetricFamily("orca_audit_censored", "Audits in the risk with an "
+                                          "unknown loss (cut by max_tokens or aborted): loss 0 "
+                                          "for the lower bound, 1 for the upper",
+                                          labels=[LABEL, "delta"]),
+        }
+        lam = GaugeMetricFamily("orca_audit_lambda", "lambda served for this delta (+Inf: never "
+                                "stops early) and where it comes from", labels=[LABEL, "delta", "source"])
+        for g in a.guards.values():
+            row, d = g.row(), f"{g.delta:g}"
+            fams["risk"].add_metric([m, d], row["risk"] if row["risk"] is not None else math.nan)
+            fams["lower"].add_metric([m, d], row["lower"])
+            fams["upper"].add_metric([m, d], row["upper"])
+            fams["alarm"].add_metric([m, d], float(row["alarm"]))
+            fams["censored"].add_metric([m, d], float(row["censored"]))
+            lam.add_metric([m, d, g.source], g.lam)
+        yield from fams.values()
+        yield lam
+        yield from store_metrics(a.journal, m)
+        if a.give_up_guards:
+            yield from _give_up_families(a, m)
+        lm = GaugeMetricFamily("orca_audit_labels_match", "1 when the audits label as the bundle "
+                               "was calibrated (else the audited risk is not the certified one, "
+                               "and the guard only reports unless --orca-guard-other-labels)",
+                               labels=[LABEL, "bundle_label_mode", "audit_label_mode"])
+        lm.add_metric([m, a.bundle.label_mode, AUDIT_LABEL_MODE], float(a.labels_match))
+        yield lm
+        if a.drift is not None and a.drift.pvalue is not None:  # absent before the first test
+            p = GaugeMetricFamily("orca_drift_pvalue", "p-value of the latest score-drift test "
+                                  "against the bundle's reference", labels=[LABEL])
+            p.add_metric([m], a.drift.pvalue)
+            yield p
+        if a.drift is not None:
+            al = GaugeMetricFamily("orca_drift_alarm", "1 when the score-drift test alarms",
+                                   labels=[LABEL])
+            al.add_metric([m], float(bool(a.drift.alarm)))
+            yield al
+
+
+def _give_up_families(a: LiveAudit, m: str) -> Iterable[Any]:
+    """The give-up guards' metrics: the audited give-up risk (loss: the audit would have given
+    up under mu*), its bounds and alarm per give-up delta, and the mu* served (-Inf: give-up
+    off)."""
+    fams = {
+        "risk": GaugeMetricFamily("orca_audit_give_up_risk", "Audited give-up risk of the "
+                                  "bundle's mu* (mean loss: the audit would have given up; at "
+                                  "least the certified risk)", labels=[LABEL, "delta"]),
+        "lower": GaugeMetricFamily("orca_audit_give_up_risk_lower", "Anytime-valid lower "
+                                   "confidence bound of the audited give-up risk",
+                                   labels=[LABEL, "delta"]),
+        "upper": GaugeMetricFamily("orca_audit_give_up_risk_upper", "Anytime-valid upper "
+                                   "confidence bound of the audited give-up risk",
+                                   labels=[LABEL, "delta"]),
+        "alarm": GaugeMetricFamily("orca_audit_give_up_alarm", "1 when the audited give-up "
+                                   "risk's lower bound exceeds the give-up delta",
+                                   labels=[LABEL, "delta"]),
+    }
+    mu = GaugeMetricFamily("orca_audit_give_up_mu", "mu* served for this give-up delta (-Inf: "
+                           "never gives up) and where it comes from (fallback: give-up off)",
+                           labels=[LABEL, "delta", "source"])
+    for g in a.give_up_guards.values():
+        row, d = g.row(), f"{g.delta:g}"
+        fams["risk"].add_metric([m, d], row["risk"] if row["risk"] is not None else math.nan)
+        for k in ("lower", "upper"):
+            fams[k].add_metric([m, d], row[k])
+        fams["alarm"].add_metric([m, d], float(row["alarm"]))
+        mu.add_metric([m, d, g.source], g.mu)
+    yield from fams.values()
+    yield mu

@@ -1,0 +1,311 @@
+"""The live audit's state: the guards, as a fold of the ordered audit events.
+
+Every admission (an audit picked) and every outcome (its scores and labels when it entered the
+risk, `censored` when it was cut or aborted, left out otherwise; a two-sided bundle's outcomes
+also carry the audit's give-up scores) is an event, and the guards' state is the fold of the
+events in order (`_apply`). With an audit directory every event is journalled per bundle
+checksum before the guards use it (`attach`, orca_serve/live_audit/journal.py): a restart
+resumes the state, and the servers of one machine that share the directory share one sequence
+(a fleet's replicas: through `--orca-audit-store`, orca_serve/live_audit/fleet.py).
+The guards' decisions are the method's (`orca_method.audit.guards`); the request path, the
+labelling queue and hot reload are `orca_serve.live_audit.live`. Statistics: docs/AUDIT.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from orca_method.audit.drift import reference_level
+from orca_method.audit.guards import CS, DeltaGuard, GiveUpGuard, Window, ltt_lambda
+from orca_method.audit.sequence import CensoredAlarm
+from orca_method.bundle import Bundle
+from orca_method.risk import request_loss
+from orca_serve.live_audit.guard_log import log_change, log_give_up_change, shown_lam
+from orca_serve.live_audit.journal import SNAPSHOT_EVERY, EventJournal
+from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE
+from orca_serve.live_audit.options import EPSILON_SPLITS, ON_ALARM, AuditConfig, guard_epsilon
+
+logger = logging.getLogger("orca_serve.live_audit")
+
+
+def _lookup(guards: dict[float, Any], delta: float, what: str) -> Any:
+    for d, g in guards.items():
+        if math.isclose(d, delta, rel_tol=0, abs_tol=1e-9):
+            return g
+    raise KeyError(f"{what} {delta} is not in the bundle's table")
+
+
+def _default_cs_factory(epsilon: float) -> Callable[[], CS]:
+    return lambda: CensoredAlarm(epsilon)
+
+
+def _default_loss(scores: np.ndarray, labels: np.ndarray, lam: float) -> int:
+    return request_loss(scores, labels, lam)
+
+
+class AuditState:
+    """The guards of one bundle and the events they are folded from (see the module docstring):
+    with a journal (`attach`) every event goes through it first; without one the events are
+    applied directly."""
+
+    def __init__(self, bundle: Bundle, config: AuditConfig, *,
+                 cs_factory: Callable[[], CS] | None = None,
+                 loss: Callable[[np.ndarray, np.ndarray, float], int] | None = None) -> None:
+        if config.on_alarm not in ON_ALARM:
+            raise ValueError(f"on_alarm must be one of {ON_ALARM}, got {config.on_alarm!r}")
+        if config.epsilon_split not in EPSILON_SPLITS:
+            raise ValueError(f"epsilon_split must be one of {EPSILON_SPLITS}, "
+                             f"got {config.epsilon_split!r}")
+        self.bundle = bundle
+        self.config = config
+        self.guard_epsilon = guard_epsilon(bundle.ltt.epsilon, len(bundle.deltas()),
+                                           config.epsilon_split)
+        self.make_cs = cs_factory or _default_cs_factory(self.guard_epsilon)
+        self.loss = loss or _default_loss
+        # audits measure the risk under consistency labels; a bundle certified under others is
+        # only reported on unless the operator lets the guard act (--orca-guard-other-labels)
+        self.labels_match = bundle.label_mode == AUDIT_LABEL_MODE
+        self.guard_acts = self.labels_match or config.other_labels
+        # a recalibrated lambda is served no lower than the bundle's smallest lambda*: the risk
+        # only falls as lambda grows, so LTT's certificate carries over, and the drift test's
+        # statistics (cut at that level) stay observable on every request
+        floor = reference_level([bundle.lam(d) for d in bundle.deltas()])
+        self.guards = {d: DeltaGuard(d, bundle.lam(d), self.make_cs(),
+                                     config.on_alarm if self.guard_acts else "report",
+                                     epsilon=self.guard_epsilon,
+                                     floor=0.0 if math.isinf(floor) else floor,
+                                     drift_k=bundle.drift.k if bundle.drift else bundle.window)
+                       for d in bundle.deltas()}
+        if not self.labels_match and config.rate > 0:
+            logger.warning("orca audit: the bundle was calibrated with %s labels but live audits "
+                           "label by %s, so the audited risk is not the certified one; %s",
+                           bundle.label_mode, AUDIT_LABEL_MODE,
+                           f"--orca-on-alarm {config.on_alarm} acts on it anyway "
+                           "(--orca-guard-other-labels)" if self.guard_acts else
+                           "the guard reports only (--orca-guard-other-labels lets it act)")
+        # the give-up guards (a two-sided bundle): live audits cannot label by the give-up's
+        # reference labels, so they act only when the operator lets them (as above)
+        gu = bundle.give_up
+        self.give_up_epsilon = None if gu is None else guard_epsilon(
+            gu.ltt.epsilon, len(gu.ltt.rows), config.epsilon_split)
+        self.give_up_acts = config.other_labels
+        make_gu = cs_factory or _default_cs_factory(self.give_up_epsilon or 0.0)
+        self.give_up_guards = {d: GiveUpGuard(d, bundle.mu(d), make_gu(),
+                                              config.on_alarm if self.give_up_acts else "report")
+                               for d in bundle.give_up_deltas()}
+        self.admitted = 0  # audits admitted so far; each audit's admission number is its seq
+        # what became of each audit admitted after the oldest pending wait of a guard: its
+        # (scores, labels) when it entered the risk, None when it did not (see _resolve)
+        self._resolved: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
+        self._open: dict[int, str | None] = {}  # admitted, not resolved yet: seq -> owner
+        self.replayed = 0  # events read back from the journal when it was attached
+        self._unsaved = 0  # events applied since the last snapshot
+        self.counts = {"picked": 0, "labelled": 0, "dropped": 0, "failed": 0, "aborted": 0,
+                       "length": 0, "unsolvable": 0, "unaligned": 0, "superseded": 0,
+                       "lost": 0}
+        self.journal: EventJournal | None = None  # the events, on disk or the fleet's store
+
+    def guard(self, delta: float) -> DeltaGuard:
+        """The guard of a delta of the table (resolve() accepted only those)."""
+        return _lookup(self.guards, delta, "delta")
+
+    def give_up_guard(self, delta: float) -> GiveUpGuard:
+        """The guard of a give-up delta of the bundle's give-up table."""
+        return _lookup(self.give_up_guards, delta, "give-up delta")
+
+    # -- the events (the only way the guards' state changes) ----------------------------------
+    def attach(self, journal: EventJournal) -> None:
+        """Take the journal of this bundle: replay what it holds (earlier processes, or others
+        running now), then journal every event; audits a dead process left open are lost."""
+        self.journal = journal
+        state = journal.read_snapshot()
+        if state is not None and state.get("settings") == self._settings():
+            self._restore(state)
+        else:
+            state = None
+            journal.rewind()
+        events = journal.read()
+        for e in events:
+            self._apply(e, quiet=True)
+        self.replayed = len(events)
+        if events or state is not None:
+            rows = ", ".join(f"delta {g.delta:g}: {g.cs.n} audits, lambda {shown_lam(g.lam)} "
+                             f"({g.source})" for g in self.guards.values())
+            logger.info("orca audit: resumed %s from %s (%s%d events replayed)", rows,
+                        journal.path, "a snapshot and " if state is not None else "",
+                        len(events))
+        if len(events) >= SNAPSHOT_EVERY:
+            self._snapshot()
+        self.reap()
+
+    def _settings(self) -> dict[str, Any]:
+        """What the fold depends on besides the events: a snapshot folded under other settings
+        is not used (the journal is replayed under the current ones instead). A one-sided
+        bundle's settings are what they were before the give-up guards existed, so its
+        snapshots stay usable."""
+        out: dict[str, Any] = {"on_alarm": [g.on_alarm for g in self.guards.values()],
+                               "window": self.config.window, "guard_epsilon": self.guard_epsilon}
+        if self.give_up_guards:
+            out["give_up"] = {"on_alarm": [g.on_alarm for g in self.give_up_guards.values()],
+                              "guard_epsilon": self.give_up_epsilon}
+        return out
+
+    def _snapshot(self) -> None:
+        """Write the folded state (journal.py, "Snapshots"); skipped for statistics that cannot
+        be saved (tests' fakes)."""
+        assert self.journal is not None
+        self._unsaved = 0
+        if not all(hasattr(g.cs, "to_dict") for g in [*self.guards.values(),
+                                                          *self.give_up_guards.values()]):
+            return
+        self.journal.write_snapshot({
+            "give_up": [g.state() for g in self.give_up_guards.values()],
+            "settings": self._settings(), "admitted": self.admitted,
+            "open": [[seq, owner] for seq, owner in self._open.items()],
+            "resolved": [[seq, None if v is None else [v[0].tolist(), v[1].tolist()]]
+                         for seq, v in self._resolved.items()],
+            "lost": self.counts["lost"], "guards": [g.state() for g in self.guards.values()]})
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.admitted = int(state["admitted"])
+        self._open = {int(seq): owner for seq, owner in state["open"]}
+        self._resolved = {int(seq): None if v is None else
+                          (np.asarray(v[0], dtype=float), np.asarray(v[1], dtype=np.int8))
+                          for seq, v in state["resolved"]}
+        self.counts["lost"] = int(state["lost"])
+        for g, d in zip(self.guards.values(), state["guards"]):
+            g.restore(d)
+        for gu, d in zip(self.give_up_guards.values(), state.get("give_up", [])):
+            gu.restore(d)
+
+    def _event(self, event: dict[str, Any]) -> None:
+        """Journal one event (first applying what other processes journalled before it), or
+        apply it directly without a journal. Outcomes are fsynced, admissions not."""
+        if self.journal is None:
+            return self._apply(event)
+        events = self.journal.append(event, durable="a" not in event)
+        for e in events:
+            self._apply(e)
+        self._count_unsaved(len(events))
+
+    def _count_unsaved(self, n: int) -> None:
+        self._unsaved += n
+        if self._unsaved >= SNAPSHOT_EVERY:
+            self._snapshot()
+
+    def sync(self) -> None:
+        """Apply what other processes journalled since (cheap when nothing was: one fstat);
+        while a guard waits for a window, also reap the audits of processes that are gone."""
+        if self.journal is None:
+            return
+        events = self.journal.read()
+        for e in events:
+            self._apply(e)
+        self._count_unsaved(len(events))
+        if any(g.waiting_since is not None for g in self.guards.values()):
+            self.reap()
+
+    def reap(self) -> None:
+        """Journal as `lost` the open audits of processes that are gone (their admissions would
+        keep a recalibration window waiting for ever)."""
+        if self.journal is None:
+            return
+        owners = {owner for owner in self._open.values() if owner is not None}
+        dead = {owner for owner in owners if not self.journal.alive(owner)}
+        for seq, owner in list(self._open.items()):
+            if owner in dead:
+                self._event({"r": seq, "o": "lost"})
+
+    def _apply(self, e: dict[str, Any], quiet: bool = False) -> None:
+        """Fold one event into the guards (identically in every process that reads it)."""
+        if "a" in e:
+            self.admitted += 1
+            self._open[self.admitted] = e["a"]
+            return
+        seq, outcome = int(e["r"]), e["o"]
+        if seq not in self._open:
+            return  # resolved twice (two processes reaped it at once): the first counts
+        del self._open[seq]
+        if outcome == "lost":
+            self.counts["lost"] += 1
+        item = None
+        if "s" in e:
+            item = (np.asarray(e["s"], dtype=float), np.asarray(e["l"], dtype=np.int8))
+        if outcome == "risk":
+            assert item is not None
+            s, labels = item
+            for g in self.guards.values():
+                g.observe(seq, lambda lam: self.loss(s, labels, lam))
+        elif outcome == "censored":
+            for g in self.guards.values():
+                g.observe(seq, None)
+        if "g" in e:  # in the give-up risk (journals written before it have no "g": left out)
+            self._give_up(None if outcome == "censored" else e["g"], quiet)
+        self._resolve(seq, item if outcome in ("risk", "censored") else None, quiet)
+
+    def _give_up(self, scores: list[float] | None, quiet: bool) -> None:
+        """One audit's give-up scores (None: censored) to every give-up guard."""
+        for g in self.give_up_guards.values():
+            before = (g.engaged, g.source)
+            g.observe(scores)
+            if not quiet:
+                log_give_up_change(g, *before)
+
+    def _admit(self) -> int:
+        """Admit one audit; its admission number (global across the journal's processes)."""
+        self._event({"a": None if self.journal is None else self.journal.owner})
+        # the newest admission of this owner: ours (one process admits one at a time)
+        return self.admitted
+
+    def _with_give_up(self, event: dict[str, Any], scores: list[float] | None
+                      ) -> dict[str, Any]:
+        """An outcome event with its give-up field when the bundle gives up: "g", the audit's
+        give-up scores (null when censored); an event without "g" is not in the give-up risk."""
+        if self.give_up_guards:
+            event["g"] = scores
+        return event
+
+    def _resolve(self, seq: int, item: tuple[np.ndarray, np.ndarray] | None,
+                 quiet: bool = False) -> None:
+        """An audit's outcome is known: keep it while a guard waits for audits admitted after
+        its alarm, then let every guard decide. An audit left out (failed, dropped, never
+        right, unaligned, lost) resolves as None: the window skips it but waits for it, so the
+        window is the first audits by admission, not the first to finish (short ones)."""
+        waits = [g.waiting_since for g in self.guards.values() if g.waiting_since is not None]
+        if waits and seq > min(waits):
+            self._resolved[seq] = item
+        for g in self.guards.values():
+            before = (g.engaged, g.source, g.lam)
+            g.decide(self.admitted, self._window, self._ltt, self.make_cs)
+            if not quiet:
+                log_change(g, *before)
+        waits = [g.waiting_since for g in self.guards.values() if g.waiting_since is not None]
+        oldest = min(waits, default=self.admitted)
+        for old in [q for q in self._resolved if q <= oldest]:
+            del self._resolved[old]
+
+    def _window(self, after: int) -> Window | None:
+        """The first `config.window` counted audits admitted after `after`, by admission
+        number, once every audit admitted between them is resolved; else None."""
+        scores, labels = [], []
+        seq = after + 1
+        while len(scores) < self.config.window:
+            if seq not in self._resolved:
+                return None
+            item = self._resolved[seq]
+            if item is not None:
+                scores.append(item[0])
+                labels.append(item[1])
+            seq += 1
+        return scores, labels
+
+    def _ltt(self, scores: list[np.ndarray], labels: list[np.ndarray], delta: float,
+             epsilon: float) -> float:
+        t = self.bundle.ltt
+        return ltt_lambda(scores, labels, delta, epsilon=epsilon, grid_size=t.grid_size,
+                          pvalue=t.pvalue)
