@@ -11,8 +11,8 @@ problem is appended and flushed at once, so a killed job loses at most the batch
 
 from __future__ import annotations
 
-import json
 import gc
+import json
 import sys
 import time
 from collections.abc import Iterator
@@ -32,8 +32,7 @@ from orca_method.answer_probes import (
 )
 from orca_method.labels import extract_forced, require_math_verify
 from orca_method.trajectories import TrajectoryWriter
-from orca_serve.contract import ORCA_OFF
-from orca_serve.vllm_plugin import merge_results
+from orca_serve.contract import ORCA_OFF, merge_results
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
 
 
@@ -170,7 +169,9 @@ class Collector:
                                                   add_generation_prompt=True)
 
     def _results(self, keys: list[str]) -> dict[str, dict]:
-        merged = merge_results(self.llm.collective_rpc("orca_results", args=(keys,)))
+        # the trajectory record's fields (`OrcaResult.to_dict`): what the record writer takes
+        merged = {k: r.to_dict() for k, r in
+                  merge_results(self.llm.collective_rpc("orca_results", args=(keys,))).items()}
         missing = [k for k in keys if k not in merged]
         if missing:
             raise RuntimeError(f"the plugin returned no record for {len(missing)} request(s), "

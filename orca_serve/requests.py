@@ -16,8 +16,9 @@ without an engine.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -28,11 +29,15 @@ from orca_serve.contract import (
     DEFAULTS,
     MAX_ANSWER_BUDGET,
     POLICIES,
+    XARG_ANSWER_BUDGET,
     XARG_BUNDLE,
+    XARG_DELTA,
+    XARG_ENABLED,
     XARG_FIELDS,
     XARG_GIVE_UP_MU,
     XARG_KEY,
     XARG_LAM,
+    XARG_POLICY,
     XARG_RECORD,
     XARG_RESERVED,
     Policy,
@@ -70,7 +75,8 @@ class OrcaFields(BaseModel):
 
     enabled: bool | None = None
     delta: float | None = Field(None, gt=0, lt=1)
-    policy: Policy | None = None
+    # not strict: a JSON string names the policy (the model is strict for everything else)
+    policy: Policy | None = Field(None, strict=False)
     answer_budget: int | None = Field(None, ge=0, le=MAX_ANSWER_BUDGET)
     give_up: GiveUpFields | None = None
 
@@ -81,7 +87,7 @@ class OrcaDefaults:
 
     enabled: bool = bool(DEFAULTS["enabled"])
     delta: float | None = DEFAULTS["delta"]  # set from the bundle whenever enabled
-    policy: str = DEFAULTS["policy"]
+    policy: Policy = DEFAULTS["policy"]
     answer_budget: int | None = None  # None: the plugin's own default (DEFAULTS)
     effort_map: dict[str, str | float] = field(default_factory=lambda: dict(DEFAULT_EFFORT_MAP))
     give_up_delta: float | None = None  # --orca-give-up-delta: None = requests do not give up
@@ -95,8 +101,8 @@ class OrcaSettings:
     key: str
     enabled: bool
     delta: float | None = None
-    policy: str | None = None
-    lam: float | None = None  # lambda*(delta); None = never stops early (or disabled)
+    policy: Policy | None = None
+    lam: float | None = None  # lambda*(delta), NEVER: never stops early; None: disabled
     answer_budget: int | None = None
     n: int = 1
     lam_source: str = "bundle"  # where `lam` comes from: bundle | fallback | audit (audit guard)
@@ -110,10 +116,11 @@ class OrcaSettings:
     give_up_policy: str | None = None  # what it returns if it gives up (GIVE_UP_POLICIES)
 
     def xargs(self) -> dict[str, str | int | float]:
-        out: dict[str, str | int | float] = {XARG_KEY: self.key, "orca_enabled": int(self.enabled)}
+        """The settings as the engine reads them (`vllm_xargs`); written once per request."""
+        out: dict[str, str | int | float] = {XARG_KEY: self.key, XARG_ENABLED: int(self.enabled)}
         if self.enabled:
-            out["orca_delta"] = float(self.delta)  # type: ignore[arg-type]
-            out["orca_policy"] = "shadow" if self.audited else str(self.policy)
+            out[XARG_DELTA] = float(self.delta)  # type: ignore[arg-type]
+            out[XARG_POLICY] = str(Policy.SHADOW if self.audited else self.policy)
             out[XARG_LAM] = encode_lam(self.lam)
             if self.bundle is not None:  # the engine joins this bundle's deployment
                 out[XARG_BUNDLE] = self.bundle
@@ -122,8 +129,35 @@ class OrcaSettings:
             elif self.give_up_mu is not None:  # an audited request runs to the end: no give-up
                 out[XARG_GIVE_UP_MU] = float(self.give_up_mu)
             if self.answer_budget is not None:
-                out["orca_answer_budget"] = int(self.answer_budget)
+                out[XARG_ANSWER_BUDGET] = int(self.answer_budget)
         return out
+
+
+class Thresholds(Protocol):
+    """Where an enabled request's lambda* comes from, asked once per request: the bundle
+    (`BundleThresholds`), or the live audit's guard (`orca_serve.live_audit`), which may serve
+    a recalibrated or a never-stop lambda and picks requests to audit."""
+
+    def lam(self, delta: float) -> tuple[float, str]:
+        """(lambda*, its source) for `delta`; BundleError for a delta outside the table."""
+        ...
+
+    def admit(self, settings: OrcaSettings, body: dict[str, Any]) -> OrcaSettings:
+        """The settings the request runs with (audited or not)."""
+        ...
+
+
+@dataclass(frozen=True)
+class BundleThresholds:
+    """lambda* from the bundle's table, every request as it asked."""
+
+    bundle: Bundle
+
+    def lam(self, delta: float) -> tuple[float, str]:
+        return resolve_lam(self.bundle.lam, delta), "bundle"
+
+    def admit(self, settings: OrcaSettings, body: dict[str, Any]) -> OrcaSettings:
+        return settings
 
 
 def new_key() -> str:
@@ -141,7 +175,7 @@ def _validation_message(e: ValidationError, prefix: str) -> tuple[str, str]:
     if err["type"] == "extra_forbidden":
         allowed = ", ".join(OrcaFields.model_fields)
         return f"unknown field '{param}'; allowed fields of '{prefix}': {allowed}", param
-    if err["type"] == "literal_error":
+    if err["type"] in ("literal_error", "enum"):
         return (f"'{param}' must be one of {', '.join(repr(p) for p in POLICIES)}, "
                 f"got {shown(err.get('input'))}"), param
     return f"invalid '{param}': {err['msg']} (got {shown(err.get('input'))})", param
@@ -183,9 +217,16 @@ def prompt_count(body: dict[str, Any]) -> int:
 
 
 def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
-            *, completions: bool = False, effort: str | None = None,
+            *, thresholds: Thresholds | None = None,
+            check: Callable[[dict[str, Any]], None] | None = None, completions: bool = False,
+            effort: str | None = None,
             thinking_budget: int | None = None) -> tuple[dict[str, Any], OrcaSettings | None]:
     """Validate a request body's orca settings; return (rewritten body, settings).
+
+    The settings are resolved completely before they are written into `vllm_xargs`, once:
+    lambda* and the audit's pick come from `thresholds` (the bundle's table when None).
+    `check`: the API's own refusals (OrcaRequestError) of a request orca runs on, made before
+    the audit may pick it.
 
     `effort`: the request's reasoning effort (wherever its API carries it), mapped to a delta by
     `defaults.effort_map` unless the request sets `delta` or `enabled` itself (`orca_serve.effort`).
@@ -249,8 +290,9 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     if not enabled:
         settings = OrcaSettings(key=new_key(), enabled=False, **common)
     else:
+        guard = thresholds or BundleThresholds(bundle)
         try:
-            lam = resolve_lam(bundle.lam, delta)
+            lam, lam_source = guard.lam(delta)
         except BundleError as e:
             param = ("vllm_xargs.orca_delta" if "delta" in given_x
                      else "reasoning_effort" if source == "effort" else "orca.delta")
@@ -259,13 +301,16 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
             raise OrcaRequestError("orca early stopping takes one prompt per /v1/completions "
                                    "request (send the prompts as separate requests, or disable "
                                    "orca with \"orca\": {\"enabled\": false})", "prompt")
+        if check is not None:
+            check(body)
         settings = OrcaSettings(
             key=new_key(), enabled=True, delta=delta,
             policy=defaults.policy if fields.policy is None else fields.policy,
-            lam=lam_to_json(lam),
+            lam=lam, lam_source=lam_source,
             answer_budget=(defaults.answer_budget if fields.answer_budget is None
                            else fields.answer_budget),
             **_give_up(fields.give_up, defaults, bundle), **common)
+        settings = guard.admit(settings, out)
     new_xargs = {k: v for k, v in (xargs or {}).items() if not k.startswith("orca_")}
     new_xargs.update(settings.xargs())
     out["vllm_xargs"] = new_xargs

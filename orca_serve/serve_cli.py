@@ -479,7 +479,8 @@ def _main(argv: list[str]) -> None:
     keep_prefills_whole(args)
 
     # deferred: torch (not needed by --check-vllm)
-    from orca_serve.server import orca_defaults, run, state_from_args
+    from orca_serve.assembly import build_server, orca_defaults
+    from orca_serve.server import run
 
     if bundle is not None:
         model_kw = {"tokenizer": args.tokenizer, "revision": args.revision,
@@ -507,22 +508,20 @@ def _main(argv: list[str]) -> None:
 
     log_like_vllm()
     os.environ[ENV_SERVER] = "1"  # our server exports the orca metrics, not the stat logger
-    state = state_from_args(args)
-    if bundle is not None:
-        from orca_serve.live_audit.live import make_live_audit  # deferred: torch
+    if bundle is None:
+        return run(args, build_server(args))
+    from orca_serve.live_audit.live import make_live_audit  # deferred: torch
 
-        try:
-            state.audit = make_live_audit(args, bundle, state.metrics.registry,
-                                          state.metrics.model_name)
-        except (OSError, ValueError) as e:  # the audit directory cannot be written
-            raise StartupError(f"--orca-audit-dir: {e}") from None
-        model_name = state.metrics.model_name
-        state.reloader.make_audit = lambda b: make_live_audit(args, b, None, model_name,
-                                                              store=False)
-        state.reloader.check = lambda b: check_served(b, facts, args.model,
-                                                      **_identity(args, b))
-    run(args, state)
+    def make_audit(b: Any, registry: Any, model_name: str, store: bool) -> Any:
+        return make_live_audit(args, b, registry, model_name, store=store)
 
+    try:
+        server = build_server(args, bundle, make_audit=make_audit,
+                              check=lambda b: check_served(b, facts, args.model,
+                                                           **_identity(args, b)))
+    except (OSError, ValueError) as e:  # the audit directory cannot be written
+        raise StartupError(f"--orca-audit-dir: {e}") from None
+    run(args, server)
 
 if __name__ == "__main__":
     main()

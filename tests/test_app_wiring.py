@@ -17,9 +17,10 @@ import pytest
 from starlette.testclient import TestClient
 
 from orca_method.bundle import load_bundle
+from orca_serve.apis import CHAT_PATH
 from orca_serve.reload import BUNDLE_PATH
 from orca_serve.serve_cli import add_orca_args, demo_paths
-from orca_serve.server import CHAT_PATH, ORCA_SCHEMA, install_own_state
+from orca_serve.server import ORCA_SCHEMA, install_own_state
 from orca_serve.vllm_compat import launch
 
 KEY = "sk-test"

@@ -168,7 +168,7 @@ def _plan_scoring(p: StepPlan, scored: list[tuple[Deployment, Request, int, int,
         if j and dep is not scored[j - 1][0]:
             p.groups.append((scored[j - 1][0], start, j))
             start = j
-        shadow = req.policy == "shadow"
+        shadow = not req.policy.rule.acts
         p.scored.append(e)
         p.scored_slots.append(req.slot)
         p.bank_lam.append(NEVER if shadow else req.lam)
@@ -207,7 +207,7 @@ def apply_readback(pending: list[tuple[Request, int, bool, int]], host: list[lis
             continue
         if req.would_stop_step is None:
             req.would_stop_step = req.steps_scored
-        if req.policy == "shadow":
+        if not req.policy.rule.acts:
             continue
         req.stop_step = req.steps_scored
         if guard_stopped:  # a guard stop at the same step already planned the same
