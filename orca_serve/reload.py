@@ -77,7 +77,7 @@ class Reloader:
         self.fixed_delta = fixed_delta  # --orca-delta: must be in every bundle's table
         self.admin_key = admin_key  # None: POST /v1/orca/bundle is off (404)
         # the checks a new bundle passes, raising BundleError, returning a note to log (the
-        # server's start-up checks against the served model, orca_serve.serve_cli.check_served)
+        # server's start-up checks against the served model, orca_serve.model_checks.check_served)
         self.check = check
         # bundle -> LiveAudit without store or metrics registration (None: no audit follows)
         self.make_audit = make_audit

@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 from orca_method.bundle import load_bundle
 from orca_serve.apis import CHAT_PATH
 from orca_serve.reload import BUNDLE_PATH
-from orca_serve.serve_cli import add_orca_args, demo_paths
+from orca_serve.preflight import add_orca_args, demo_paths
 from orca_serve.server import ORCA_SCHEMA, install_own_state
 from orca_serve.vllm_compat import launch
 

@@ -628,7 +628,8 @@ def test_cpu_build_keeps_prefills_whole():
 
     from vllm.platforms import current_platform
 
-    from orca_serve.serve_cli import StartupError, keep_prefills_whole
+    from orca_serve.startup_errors import StartupError
+    from orca_serve.vllm_setup import keep_prefills_whole
 
     if not current_platform.is_cpu():
         pytest.skip("the guard applies to vLLM's CPU build only")
@@ -654,7 +655,7 @@ def test_cpu_build_keeps_prefills_whole():
 
 
 def test_demo_implies_its_reasoning_parser(tmp_path):
-    from orca_serve.serve_cli import demo_argv
+    from orca_serve.preflight import demo_argv
 
     assert demo_argv(["--port", "8000"], tmp_path) == [
         "--model", str(tmp_path), "--port", "8000", "--reasoning-parser", "deepseek_r1"]
