@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from orca_serve.contract import OrcaResult
-from orca_serve.requests import OrcaRequestError, error_body
+from orca_serve.orca_field import OrcaRequestError, error_body
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"

@@ -18,12 +18,13 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from orca_serve.admin import route_path, send_json
 from orca_serve.apis import APIS, CHAT_PATH, MESSAGES_PATH, ORCA_PATHS, Api
 from orca_serve.assembly import OrcaServer
 from orca_serve.contract import OrcaResult, child_key
-from orca_serve.reload import route_path, send_json
+from orca_serve.orca_field import OrcaRequestError, orca_param_in
 from orca_serve.report import orca_object, reasoning_total
-from orca_serve.requests import OrcaRequestError, OrcaSettings, orca_param_in, resolve
+from orca_serve.requests import OrcaSettings, resolve
 from orca_serve.server_log import deferred_errors
 from orca_serve.serving_state import Serving
 from orca_serve.shaping import AnthropicErrors, ResponseShaper

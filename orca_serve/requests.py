@@ -20,15 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from orca_method.bundle import Bundle, BundleError
-from orca_method.errors import cut, shown
 from orca_method.thresholds import lam_to_json
 from orca_serve.contract import (
     DEFAULTS,
-    MAX_ANSWER_BUDGET,
-    POLICIES,
     XARG_ANSWER_BUDGET,
     XARG_BUNDLE,
     XARG_DELTA,
@@ -39,46 +36,18 @@ from orca_serve.contract import (
     XARG_LAM,
     XARG_POLICY,
     XARG_RECORD,
-    XARG_RESERVED,
     Policy,
-    encode_lam,
-    resolve_lam,
 )
 from orca_serve.effort import DEFAULT_EFFORT_MAP, effort_delta
-
-
-class OrcaRequestError(ValueError):
-    """A malformed `orca` request; becomes HTTP 400 in OpenAI's error format."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-
-class GiveUpFields(BaseModel):
-    """`orca.give_up`: give up on reasoning that will probably not end right, with risk
-    `delta` (delta_2: P(giving up on a request that would have ended right); docs/METHOD.md
-    section 9). `{}` takes the server's or the bundle's default delta; `enabled: false` turns
-    a server default off."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    enabled: bool | None = None
-    delta: float | None = Field(None, gt=0, lt=1)
-
-
-class OrcaFields(BaseModel):
-    """The body field `orca` (all optional: missing settings take the server's defaults)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    enabled: bool | None = None
-    delta: float | None = Field(None, gt=0, lt=1)
-    # not strict: a JSON string names the policy (the model is strict for everything else)
-    policy: Policy | None = Field(None, strict=False)
-    answer_budget: int | None = Field(None, ge=0, le=MAX_ANSWER_BUDGET)
-    give_up: GiveUpFields | None = None
+from orca_serve.orca_field import (
+    GiveUpFields,
+    OrcaFields,
+    OrcaRequestError,
+    from_xargs,
+    strip_orca_xargs,
+    validation_message,
+)
+from orca_serve.xargs import encode_lam, resolve_lam
 
 
 @dataclass(frozen=True)
@@ -164,49 +133,6 @@ def new_key() -> str:
     return f"orca-{uuid.uuid4().hex}"
 
 
-def _fmt_loc(loc: tuple[Any, ...]) -> str:
-    return cut(".".join(str(x) for x in loc))
-
-
-def _validation_message(e: ValidationError, prefix: str) -> tuple[str, str]:
-    err = e.errors()[0]
-    where = _fmt_loc(err["loc"])
-    param = f"{prefix}.{where}" if where else prefix
-    if err["type"] == "extra_forbidden":
-        allowed = ", ".join(OrcaFields.model_fields)
-        return f"unknown field '{param}'; allowed fields of '{prefix}': {allowed}", param
-    if err["type"] in ("literal_error", "enum"):
-        return (f"'{param}' must be one of {', '.join(repr(p) for p in POLICIES)}, "
-                f"got {shown(err.get('input'))}"), param
-    return f"invalid '{param}': {err['msg']} (got {shown(err.get('input'))})", param
-
-
-def _from_xargs(xargs: dict[str, Any]) -> dict[str, Any]:
-    """The orca_* entries of vllm_xargs as `orca` field values (type-checked like `orca`)."""
-    out: dict[str, Any] = {}
-    by_xarg = {v: k for k, v in XARG_FIELDS.items()}
-    for name, value in xargs.items():
-        if not name.startswith("orca_"):
-            continue
-        name = cut(name)
-        if name in XARG_RESERVED:
-            raise OrcaRequestError(f"'vllm_xargs.{name}' is set by the server, not by clients",
-                                   f"vllm_xargs.{name}")
-        key = by_xarg.get(name)
-        if key is None:
-            raise OrcaRequestError(f"unknown orca argument 'vllm_xargs.{name}'; allowed: "
-                                   f"{', '.join(XARG_FIELDS.values())}", f"vllm_xargs.{name}")
-        if key == "enabled":
-            # vllm_xargs carry no bools: 0/1 (a JSON bool is accepted as well)
-            if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
-                value = bool(value)
-            else:
-                raise OrcaRequestError(f"'vllm_xargs.{name}' must be 0 or 1, got {shown(value)}",
-                                       f"vllm_xargs.{name}")
-        out[key] = value
-    return out
-
-
 def prompt_count(body: dict[str, Any]) -> int:
     """How many engine requests a /v1/completions body makes (one per prompt)."""
     for name in ("prompt", "prompt_embeds"):
@@ -240,7 +166,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     xargs = body.get("vllm_xargs")
     if xargs is not None and not isinstance(xargs, dict):
         return body, None  # not ours to judge: vLLM answers with its own validation error
-    given_x = _from_xargs(xargs or {})
+    given_x = from_xargs(xargs or {})
     given = dict(raw or {})
     both = sorted(set(given) & set(given_x))
     if both:
@@ -252,10 +178,10 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     except ValidationError as e:
         bad = e.errors()[0]["loc"]
         if bad and bad[0] in given_x:  # name the xarg the client wrote (orca_delta, ...)
-            msg, _ = _validation_message(e, "vllm_xargs")
+            msg, _ = validation_message(e, "vllm_xargs")
             param = f"vllm_xargs.{XARG_FIELDS[str(bad[0])]}"
             raise OrcaRequestError(msg.replace(f"vllm_xargs.{bad[0]}", param), param) from None
-        msg, param = _validation_message(e, "orca")
+        msg, param = validation_message(e, "orca")
         raise OrcaRequestError(msg, param) from None
 
     out = {k: v for k, v in body.items() if k != "orca"}
@@ -263,7 +189,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     if fields.enabled is False and bundle is None:
         # One rule with or without a bundle: `enabled: false` switches orca off whatever else the
         # object holds (those fields were type-checked above, but not against a bundle).
-        return _strip_orca_xargs(out), None
+        return strip_orca_xargs(out), None
     if bundle is None:
         if asked:
             raise OrcaRequestError("this server runs without a calibration bundle (start "
@@ -343,40 +269,3 @@ def _give_up(asked: GiveUpFields | None, defaults: OrcaDefaults,
             "give_up_policy": defaults.give_up_policy}
 
 
-def orca_param_in(body: dict[str, Any]) -> str | None:
-    """Where a body asks for orca settings (`orca`, an `orca_*` entry of `vllm_xargs` or of the
-    token API's `sampling_params.extra_args`), as the param to name in a 400; None if nowhere.
-
-    Used on routes that cannot report what orca did: they refuse the settings instead of
-    ignoring them.
-    """
-    if "orca" in body:
-        return "orca"
-    places = (("vllm_xargs", body.get("vllm_xargs")),)
-    sampling = body.get("sampling_params")
-    if isinstance(sampling, dict):
-        places += (("sampling_params.extra_args", sampling.get("extra_args")),)
-    for where, args in places:
-        if isinstance(args, dict):
-            for name in args:
-                if isinstance(name, str) and name.startswith("orca_"):
-                    return f"{where}.{name}"
-    return None
-
-
-def _strip_orca_xargs(body: dict[str, Any]) -> dict[str, Any]:
-    xargs = body.get("vllm_xargs")
-    if isinstance(xargs, dict):
-        rest = {k: v for k, v in xargs.items() if not k.startswith("orca_")}
-        body = dict(body)
-        if rest:
-            body["vllm_xargs"] = rest
-        else:
-            body.pop("vllm_xargs")
-    return body
-
-
-def error_body(message: str, param: str | None = None, code: int = 400,
-               err_type: str = "BadRequestError") -> dict[str, Any]:
-    """OpenAI's error format, as vLLM writes it (ErrorResponse)."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}

@@ -25,12 +25,13 @@ from fastapi.responses import JSONResponse
 from starlette.middleware import Middleware
 
 from orca_serve import quiet_shutdown
+from orca_serve.admin import AdminMiddleware
 from orca_serve.apis import INVOCATIONS_PATH, ORCA_PATHS
 from orca_serve.assembly import OrcaServer, build_server
 from orca_serve.live_audit.live import add_audit_route
 from orca_serve.middleware import OrcaMiddleware
-from orca_serve.reload import BUNDLE_PATH, AdminMiddleware
-from orca_serve.requests import OrcaFields, error_body
+from orca_serve.orca_field import OrcaFields, error_body
+from orca_serve.reload import BUNDLE_PATH
 from orca_serve.vllm_compat import launch
 
 

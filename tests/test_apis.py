@@ -17,7 +17,8 @@ from orca_serve.apis import reasoning_spent, thinking_ended_by
 from orca_serve.effort import DEFAULT_EFFORT_MAP, parse_effort_map
 from orca_serve.metrics import OrcaMetrics
 from orca_serve.middleware import OrcaMiddleware
-from orca_serve.requests import OrcaDefaults, OrcaRequestError, resolve
+from orca_serve.orca_field import OrcaRequestError
+from orca_serve.requests import OrcaDefaults, resolve
 from tests.bundles import tiny_bundle
 from tests.servers import orca_result, orca_server
 

@@ -17,12 +17,11 @@ from orca_serve.contract import (
     OrcaResult,
     Policy,
     child_key,
-    encode_lam,
-    request_spec,
     to_wire,
-    validate_xargs,
 )
-from orca_serve.requests import OrcaDefaults, OrcaRequestError, resolve
+from orca_serve.orca_field import OrcaRequestError
+from orca_serve.requests import OrcaDefaults, resolve
+from orca_serve.xargs import encode_lam, request_spec, validate_xargs
 
 LAMS = {0.05: math.inf, 0.1: 0.6, 0.2: 0.4}
 

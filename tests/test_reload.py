@@ -19,12 +19,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from orca_method.bundle import _checksum, load_bundle
+from orca_serve.admin import AdminMiddleware
 from orca_serve.contract import XARG_KEY
 from orca_serve.effort import parse_effort_map
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
 from orca_serve.metrics import OrcaMetrics
-from orca_serve.reload import AdminMiddleware, ReloadRefused
+from orca_serve.reload import ReloadRefused
 from orca_serve.requests import OrcaDefaults, resolve
 from orca_serve.vllm_plugin.worker import OrcaWorkerExtension
 from tests.core_sim import PROMPT, make_core, sim_bundle

@@ -17,8 +17,9 @@ from orca_method.bundle import save_bundle
 from orca_method.probe import Probe, ProbeSpec
 from orca_serve.metrics import OrcaMetrics, outcome_of
 from orca_serve.middleware import OrcaMiddleware
+from orca_serve.orca_field import OrcaRequestError
 from orca_serve.report import ResultFetcher, orca_object
-from orca_serve.requests import OrcaDefaults, OrcaRequestError, resolve
+from orca_serve.requests import OrcaDefaults, resolve
 from tests.bundles import tiny_bundle
 from tests.servers import orca_result, orca_server
 
@@ -351,7 +352,7 @@ def test_a_400_never_echoes_a_value_whole(body):
 
 
 def test_engine_side_xarg_checks_cut_what_they_quote():
-    from orca_serve.contract import validate_xargs
+    from orca_serve.xargs import validate_xargs
 
     for xa in ({"orca_delta": BIG}, {"orca_policy": BIG}, {"orca_lam": "x" + BIG},
                {"orca_key": [1] * 10**5}):

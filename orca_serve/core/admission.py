@@ -17,11 +17,11 @@ from orca_serve.contract import (
     XARG_RECORD,
     Policy,
     child_key,
-    request_spec,
 )
 from orca_serve.core.deployment import Deployments
 from orca_serve.core.registry import Request, open_reasoning_tokens
 from orca_serve.core.stopping import guard_position
+from orca_serve.xargs import request_spec
 
 log = logging.getLogger("orca_serve.core")
 

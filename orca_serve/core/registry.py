@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from orca_method.steps import Segmenter
-from orca_serve.contract import OrcaResult, Policy, RequestSpec
+from orca_serve.contract import OrcaResult, Policy
 from orca_serve.core.deployment import Deployment
+from orca_serve.xargs import RequestSpec
 
 log = logging.getLogger("orca_serve.core")
 

@@ -87,7 +87,8 @@ from orca_serve.live_audit.options import (
 )
 from orca_serve.live_audit.sequence import CensoredAlarm
 from orca_serve.metrics import LABEL
-from orca_serve.requests import OrcaSettings, error_body
+from orca_serve.orca_field import error_body
+from orca_serve.requests import OrcaSettings
 
 logger = logging.getLogger("orca_serve.live_audit")
 
