@@ -17,7 +17,6 @@ orca_serve/vllm_compat/launch.py says why that is not done through `--middleware
 from __future__ import annotations
 
 import asyncio
-import functools
 import signal
 from typing import Any
 
@@ -93,7 +92,8 @@ def _install_openapi(app: Any) -> None:
 
 
 def install(app: Any, server: OrcaServer) -> Any:
-    """Add the orca route and middleware to a FastAPI app built by vLLM (before it serves)."""
+    """Add the orca routes and middleware to a FastAPI app vLLM is building (the endpoint
+    plugin's `attach_router`, before vLLM adds its CORS and API-key middleware)."""
     server.engine.bind(app.state)
     app.state.orca = server
     add_orca_routes(app, server)
@@ -102,36 +102,52 @@ def install(app: Any, server: OrcaServer) -> Any:
     audit = server.serving.now.audit
     if audit is not None:
         audit.engine_client = server.engine.client
-    # Innermost: append (add_middleware would put ours outside vLLM's auth and CORS).
+    # Appended: innermost whatever vLLM adds after us (vLLM's auth and CORS run first).
     app.user_middleware.append(Middleware(OrcaMiddleware, server=server))
-    # Outermost: the admin route's own credential is checked before vLLM's --api-key.
-    app.user_middleware.insert(0, Middleware(AdminMiddleware, reloader=server.reloader))
-    if app.middleware_stack is not None:  # vLLM's SageMaker bootstrap already built it
-        app.middleware_stack = app.build_middleware_stack()
+    _rebuild(app)
     return app
 
 
-def install_own_state(app: Any) -> Any:
-    """`install` with a server of this process's own, from the parsed command line vLLM keeps
-    in `app.state.args` (each API server process under --api-server-count N)."""
-    server = build_server(app.state.args)
+def install_admin(app: Any, server: OrcaServer) -> None:
+    """The admin route's middleware outermost (after vLLM added its own): its own credential is
+    checked before vLLM's --api-key."""
+    app.user_middleware.insert(0, Middleware(AdminMiddleware, reloader=server.reloader))
+    _rebuild(app)
+
+
+def _rebuild(app: Any) -> None:
+    if app.middleware_stack is not None:  # vLLM's SageMaker bootstrap already built it
+        app.middleware_stack = app.build_middleware_stack()
+
+
+_PREPARED: list[OrcaServer] = []  # the server `run` hands to this process's endpoint plugin
+
+
+def prepared(args: Any) -> OrcaServer:
+    """This process's server: the one `run` prepared (the single API server, with its live
+    audit and reload checks), else one built from vLLM's parsed command line (each process of
+    --api-server-count N)."""
+    if _PREPARED:
+        return _PREPARED.pop()
+    server = build_server(args)
     quiet_shutdown.install(server.engine.client)
-    return install(app, server)
+    return server
 
 
 def run(args: Any, server: OrcaServer) -> None:
-    """Serve with vLLM's own launchers (orca_serve.vllm_compat.launch), our parts in its app.
+    """Serve with vLLM's own launchers (orca_serve.vllm_compat.launch); our parts reach vLLM's
+    app through the endpoint plugin (orca_serve.endpoint_plugin).
 
     One API server: vLLM's `run_server` in this process, serving `server`. Several
     (--api-server-count N): vLLM's `run_multi_api_server` (engines started here, N spawned API
-    server processes sharing the port), each process building its own server and app. Each has
-    its own engine client; a request's result is fetched by key with collective_rpc from any of
-    them, so whichever process answers a request gets it.
+    server processes sharing the port), each process building its own server. Each has its own
+    engine client; a request's result is fetched by key with collective_rpc from any of them, so
+    whichever process answers a request gets it.
     """
     if (getattr(args, "api_server_count", None) or 1) > 1:
-        launch.run_multi(args, install_own_state)
+        launch.run_multi(args)
         return
-
+    _PREPARED[:] = [server]
     quiet_shutdown.install(server.engine.client)
     reloader = server.reloader
 
@@ -139,4 +155,4 @@ def run(args: Any, server: OrcaServer) -> None:
         if reloader is not None:  # SIGHUP re-reads --calib (orca_serve.reload)
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.on_sighup)
 
-    launch.run_single(args, functools.partial(install, server=server), on_loop)
+    launch.run_single(args, on_loop)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from orca_method.errors import first_line
+from orca_serve import endpoint_plugin
 from orca_serve.model_checks import check_bundle
 from orca_serve.preflight import Preflight, add_orca_args, identity, model_kw, refuse_unsupported
 from orca_serve.startup_errors import PROG, StartupError
@@ -110,10 +111,11 @@ def help_without_vllm(error: BaseException) -> NoReturn:
 def vllm_args(pre: Preflight) -> argparse.Namespace:
     """The parsed command line vLLM serves, with the plugin's engine arguments (a bundle's
     checks repeated when vLLM's options name another model than the early pass saw)."""
+    notes = [endpoint_plugin.allow()]  # before vLLM is imported: it reads VLLM_PLUGINS once
     if pre.bundle is not None:
-        note = prepare_environment()  # the tested V1 model runner unless the environment chose
-        if note:
-            print(f"{PROG}: note: {note}", file=sys.stderr, flush=True)
+        notes.append(prepare_environment())  # the tested V1 runner unless the environment chose
+    for note in filter(None, notes):
+        print(f"{PROG}: note: {note}", file=sys.stderr, flush=True)
     try:
         parser = launch.serve_parser(PROG, DESCRIPTION)
     except Exception as e:
