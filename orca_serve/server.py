@@ -1,9 +1,9 @@
 """vLLM's OpenAI-compatible FastAPI app plus orca-serve's additions, assembled once.
 
-Nothing of vLLM's request handling is re-implemented. `build_server` makes this process's
-`OrcaServer` (bundle, defaults, live audit, metrics, reloader); `install` adds to the app vLLM's
-`build_app` made (`run` has vLLM's launcher pass it through `install`:
-orca_serve/vllm_compat/launch.py says why that is not done through `--middleware`):
+Nothing of vLLM's request handling is re-implemented. `orca_serve.assembly.build_server` makes
+this process's `OrcaServer` (bundle, defaults, live audit, metrics, reloader); `install` adds to
+the app vLLM's `build_app` is building, called by orca-serve's endpoint plugin
+(orca_serve/endpoint_plugin.py; docs/PLUGIN.md says why not through `--middleware`):
 
 - `OrcaMiddleware` (`orca_serve.middleware`; pure ASGI, innermost, so vLLM's auth/CORS run
   first): the `orca` request field in, the response's `orca` report out (`orca_serve.report`).

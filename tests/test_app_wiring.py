@@ -21,10 +21,10 @@ import pytest
 from starlette.testclient import TestClient
 
 from orca_method.bundle import load_bundle
-from orca_serve.apis import CHAT_PATH
-from orca_serve.reload import BUNDLE_PATH
-from orca_serve.preflight import add_orca_args, demo_paths
 from orca_serve import endpoint_plugin
+from orca_serve.apis import CHAT_PATH
+from orca_serve.preflight import add_orca_args, demo_paths
+from orca_serve.reload import BUNDLE_PATH
 from orca_serve.server import ORCA_SCHEMA
 from orca_serve.vllm_compat import launch
 
