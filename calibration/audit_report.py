@@ -34,6 +34,7 @@ from calibration.calibrate import calibrate_bundle, score_split
 from calibration.train import meta_train, train_static, training_settings
 from orca_method.bundle import Bundle, Segmentation
 from orca_method.risk import is_counted, request_losses
+from orca_method.thresholds import lam_to_json
 from orca_method.trajectories import TrajectorySet, split_ids
 from orca_serve.live_audit.attrition import incomplete
 from orca_serve.live_audit.drift import DRIFT_WINDOW, DriftMonitor
@@ -162,7 +163,7 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
     low, high = cs.risk_range
     rows = []
     for j, (d, lam) in enumerate(zip(deltas, lams)):
-        rows.append({"delta": d, "lambda": None if math.isinf(lam) else lam, "n": cs.n,
+        rows.append({"delta": d, "lambda": lam_to_json(lam), "n": cs.n,
                      "censored": int(cs.censored[j]),
                      "risk": None if math.isnan(cs.mean[j]) else float(cs.mean[j]),
                      "risk_range": [float(low[j]), float(high[j])] if cs.n else None,

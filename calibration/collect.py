@@ -31,6 +31,7 @@ from orca_method.answer_probes import (
     trajectory_fields,
 )
 from orca_method.labels import extract_forced, require_math_verify
+from orca_method.normalizations import DEFAULT_NORMALIZATION
 from orca_method.trajectories import TrajectoryWriter
 from orca_serve.contract import ORCA_OFF, merge_results
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
@@ -51,7 +52,7 @@ class CollectSettings:
     # the procedure's settings (copied into the bundle later; defaults = the Bundle defaults)
     segmentation: dict[str, Any] = field(default_factory=dict)
     think: dict[str, Any] = field(default_factory=dict)
-    normalization: str = "token-l2"
+    normalization: str = DEFAULT_NORMALIZATION
     engine: dict[str, Any] = field(default_factory=dict)  # extra vLLM LLM(...) arguments
     judge: JudgeSettings | None = None  # adds labels["judge"]
 
@@ -137,7 +138,7 @@ class Collector:
         from orca_method.bundle import config_fingerprint, tokenizer_fingerprint
         rs = self.record_settings
         config = config_fingerprint(self.llm.llm_engine.model_config.hf_config)
-        return {"model": self.model, "normalization": rs.get("normalization", "token-l2"),
+        return {"model": self.model, "normalization": rs.get("normalization", DEFAULT_NORMALIZATION),
                 "segmentation": rs.get("segmentation"), "think": rs.get("think"),
                 "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer.get_vocab()),
                 "model_config": None if config is None else config.model_dump()}

@@ -34,6 +34,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from orca_method.errors import first_line
+from orca_method.normalizations import DEFAULT_NORMALIZATION, Normalization
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.thresholds import lam_from_json, mu_from_json
 
@@ -226,7 +227,7 @@ class Bundle(_Strict):
     model: ModelIdentity
     segmentation: Segmentation = Segmentation()
     think: ThinkTags = ThinkTags()
-    normalization: Literal["token-l2", "step-l2", "none"] = "token-l2"
+    normalization: Normalization = DEFAULT_NORMALIZATION
     probe: ProbeBlock
     window: int = Field(10, ge=1, le=MAX_WINDOW)
     label_mode: str = Field("supervised", min_length=1)

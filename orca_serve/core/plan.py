@@ -17,10 +17,8 @@ from orca_method.steps import CLOSE, MERGE, NONE, STEP_PREV
 from orca_method.thresholds import GIVE_UP_NEVER, NEVER
 from orca_serve.core.deployment import Deployment
 from orca_serve.core.registry import Request
-from orca_serve.core.speculation import forced_rows
+from orca_serve.core.speculation import UNKNOWN, forced_rows
 from orca_serve.core.stopping import request_plan, stop_request
-
-UNKNOWN = -1  # a token id not known yet (async scheduling placeholder) or absent
 
 # one entry per tracked row and step: (request, logits row, output length, id at n-2, id at n-1)
 Entry = tuple[Request, int, int, int, int]
