@@ -159,7 +159,7 @@ def worker(a: argparse.Namespace) -> None:
     def results(first: int, n: int) -> list:
         if a.config != "shadow":
             return []
-        from orca_serve.vllm_plugin import merge_results
+        from orca_serve.contract import merge_results
 
         keys = [f"r{i}" for i in range(first, first + n)]
         res = merge_results(llm.collective_rpc("orca_results", args=(keys,)))
@@ -191,9 +191,9 @@ def worker(a: argparse.Namespace) -> None:
             row["max_step_ns"] = s1["max_step_ns"]
         res = results(first, c)
         if res:
-            row["would_stop"] = sum(1 for r in res if r and r.get("would_stop_step") is not None)
-            row["stopped"] = sum(1 for r in res if r and r.get("stopped_early"))
-            row["errors"] = sum(1 for r in res if not r or r.get("error"))
+            row["would_stop"] = sum(1 for r in res if r and r.would_stop_step is not None)
+            row["stopped"] = sum(1 for r in res if r and r.stopped_early)
+            row["errors"] = sum(1 for r in res if not r or r.error)
             row["scored_per_req"] = statistics.mean(r["steps_scored"] for r in res if r)
         rows.append(row)
     print("RESULT " + json.dumps({"model": a.model, "config": a.config, "start_s": start_s,

@@ -38,6 +38,7 @@ from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import Bundle, Segmentation
 from orca_method.give_up import request_give_up_loss
 from orca_method.risk import is_counted, is_solvable, request_losses
+from orca_method.thresholds import lam_to_json
 from orca_method.trajectories import TrajectorySet, split_ids
 from orca_serve.live_audit.options import EPSILON_SPLITS, guard_epsilon
 
@@ -163,7 +164,7 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
     low, high = cs.risk_range
     rows = []
     for j, (d, lam) in enumerate(zip(deltas, lams)):
-        rows.append({"delta": d, "lambda": None if math.isinf(lam) else lam, "n": cs.n,
+        rows.append({"delta": d, "lambda": lam_to_json(lam), "n": cs.n,
                      "censored": int(cs.censored[j]),
                      "risk": None if math.isnan(cs.mean[j]) else float(cs.mean[j]),
                      "risk_range": [float(low[j]), float(high[j])] if cs.n else None,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,9 +37,11 @@ from orca_method.bundle import (
 from orca_method.bundle_checks import check_semantics
 from orca_method.give_up import calibrate_give_up, mu_grid
 from orca_method.ltt import DeltaResult, calibrate, default_grid
+from orca_method.normalizations import DEFAULT_NORMALIZATION
 from orca_method.probe import Probe
 from orca_method.procedure import replay
 from orca_method.risk import is_solvable
+from orca_method.thresholds import lam_to_json
 from orca_method.trajectories import TrajectorySet
 from orca_serve import __version__
 
@@ -118,7 +119,7 @@ def give_up_block(probe: Probe, ts: TrajectorySet, opts: GiveUpOptions, *, windo
     ends = [is_solvable(c) for c in everything.labels]
     results = calibrate_give_up(everything.scores, ends, deltas, epsilon=opts.epsilon,
                                 grid=mu_grid(GRID_SIZE), pvalue=pvalue)
-    rows = [GiveUpRow(delta=r.delta, mu=None if math.isinf(r.mu) else r.mu, risk=r.risk,
+    rows = [GiveUpRow(delta=r.delta, mu=lam_to_json(r.mu), risk=r.risk,
                       pvalue=r.pvalue, give_up_rate=r.give_up_rate) for r in results]
     return GiveUpBlock(
         probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
@@ -150,7 +151,7 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
     """Everything the server needs, taken from the data's own record of how it was collected."""
     info = ts.info
     model = info.get("model") or "unknown"
-    rows = [LTTRow(delta=r.delta, lam=None if math.isinf(r.lam) else round(r.lam, 6), risk=r.risk,
+    rows = [LTTRow(delta=r.delta, lam=lam_to_json(round(r.lam, 6)), risk=r.risk,
                    pvalue=r.pvalue, savings=r.savings_total_steps,
                    token_savings=r.token_savings_total)
             for r in results]
@@ -161,7 +162,7 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
                             config_fingerprint=info.get("model_config")),
         segmentation=Segmentation(**(info.get("segmentation") or {})),
         think=ThinkTags(**(info.get("think") or {})),
-        normalization=info.get("normalization", "token-l2"),
+        normalization=info.get("normalization", DEFAULT_NORMALIZATION),
         probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
                          eta=probe.params["log_eta"].exp().item()),
         window=window, label_mode=mode,

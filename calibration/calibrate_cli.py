@@ -18,6 +18,7 @@ from calibration.judge import JudgeError, JudgeSettings
 from calibration.probe_variants import PROBES
 from calibration.synth import generate
 from calibration.train_defaults import DEFAULTS, EPOCH_SELECT
+from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
 from orca_method.trajectories import TrajectoryError, TrajectorySet, import_pickle
 
 if TYPE_CHECKING:
@@ -405,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-delta", type=float)
     p.add_argument("--max-step-tokens", type=int, default=500,
                    help="cut steps at this many tokens (theirs: 500; 0: never)")
-    p.add_argument("--normalization", choices=["token-l2", "step-l2", "none"], default="token-l2",
+    p.add_argument("--normalization", choices=NORMALIZATIONS, default=DEFAULT_NORMALIZATION,
                    help="pooling the probe was trained on (theirs: token-l2, vLLM's default)")
     p.add_argument("--probe-out", help="also write the probe for `calibrate --probe` "
                    "(to recalibrate it on your own trajectories)")

@@ -11,8 +11,8 @@ problem is appended and flushed at once, so a killed job loses at most the batch
 
 from __future__ import annotations
 
-import json
 import gc
+import json
 import sys
 import time
 from collections.abc import Iterator
@@ -31,9 +31,9 @@ from orca_method.answer_probes import (
     trajectory_fields,
 )
 from orca_method.labels import extract_forced, require_math_verify
+from orca_method.normalizations import DEFAULT_NORMALIZATION
 from orca_method.trajectories import TrajectoryWriter
-from orca_serve.contract import ORCA_OFF
-from orca_serve.vllm_plugin import merge_results
+from orca_serve.contract import ORCA_OFF, merge_results
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
 
 
@@ -52,7 +52,7 @@ class CollectSettings:
     # the procedure's settings (copied into the bundle later; defaults = the Bundle defaults)
     segmentation: dict[str, Any] = field(default_factory=dict)
     think: dict[str, Any] = field(default_factory=dict)
-    normalization: str = "token-l2"
+    normalization: str = DEFAULT_NORMALIZATION
     engine: dict[str, Any] = field(default_factory=dict)  # extra vLLM LLM(...) arguments
     judge: JudgeSettings | None = None  # adds labels["judge"]
 
@@ -138,7 +138,7 @@ class Collector:
         from orca_method.bundle import config_fingerprint, tokenizer_fingerprint
         rs = self.record_settings
         config = config_fingerprint(self.llm.llm_engine.model_config.hf_config)
-        return {"model": self.model, "normalization": rs.get("normalization", "token-l2"),
+        return {"model": self.model, "normalization": rs.get("normalization", DEFAULT_NORMALIZATION),
                 "segmentation": rs.get("segmentation"), "think": rs.get("think"),
                 "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer.get_vocab()),
                 "model_config": None if config is None else config.model_dump()}
@@ -170,7 +170,9 @@ class Collector:
                                                   add_generation_prompt=True)
 
     def _results(self, keys: list[str]) -> dict[str, dict]:
-        merged = merge_results(self.llm.collective_rpc("orca_results", args=(keys,)))
+        # the trajectory record's fields (`OrcaResult.to_dict`): what the record writer takes
+        merged = {k: r.to_dict() for k, r in
+                  merge_results(self.llm.collective_rpc("orca_results", args=(keys,))).items()}
         missing = [k for k in keys if k not in merged]
         if missing:
             raise RuntimeError(f"the plugin returned no record for {len(missing)} request(s), "

@@ -14,6 +14,7 @@ from orca_method.bundle import Bundle
 from orca_method.give_up import tokens_used, two_sided_ends
 from orca_method.procedure import replay
 from orca_method.stop_metrics import stop_indices, summarize
+from orca_method.thresholds import lam_to_json
 from orca_method.trajectories import TrajectorySet
 
 
@@ -32,7 +33,7 @@ def evaluate_bundle(bundle: Bundle, ts: TrajectorySet, split: str = "test") -> t
         tau = stop_indices(scored.scores, np.array([lam]))[0]
         res = asdict(summarize(tau, lengths, scored.labels, scored.tokens))
         out["deltas"][f"{row.delta:g}"] = {"delta": row.delta,
-                                           "lambda": None if math.isinf(lam) else lam, **res}
+                                           "lambda": lam_to_json(lam), **res}
     return out, scored
 
 
@@ -216,5 +217,5 @@ def evaluate_two_sided(bundle: Bundle, ts: TrajectorySet, split: str = "all", *,
                                 ~ends_right & (lengths > 1)),
     }
     return {"split": split, "n": len(idx), "delta": delta, "delta_2": delta_2,
-            "lambda": None if math.isinf(lam) else lam, "mu": None if math.isinf(mu) else mu,
+            "lambda": lam_to_json(lam), "mu": lam_to_json(mu),
             "label_mode": bundle.label_mode, "reference": reference, "arms": arms}

@@ -34,7 +34,9 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from orca_method.errors import first_line
+from orca_method.normalizations import DEFAULT_NORMALIZATION, Normalization
 from orca_method.probe import Probe, ProbeSpec
+from orca_method.steps import DEFAULT_DELIMITER, THINK_END, THINK_START
 from orca_method.thresholds import lam_from_json, mu_from_json
 
 # Version 1: the one-sided bundle (lambda* only). Version 2: the same plus a `give_up` block (the
@@ -82,7 +84,7 @@ class ModelIdentity(_Strict):
 class Segmentation(_Strict):
     """How a reasoning trace is cut into steps (docs/METHOD.md section 1)."""
 
-    delimiter: str = Field("\n\n", min_length=1)
+    delimiter: str = Field(DEFAULT_DELIMITER, min_length=1)
     # e.g. ["wait", "but"]; None = every delimiter starts a step
     keywords: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
     # "word": a keyword matches as a whole word, any case; "substring": verbatim, inside words too
@@ -95,9 +97,9 @@ class ThinkTags(_Strict):
     """Reasoning phase markers; `enabled=False` means the whole completion is reasoning."""
 
     enabled: bool = True
-    start: str = Field("<think>", min_length=1)
-    end: str = Field("</think>", min_length=1)
-    force_text: str = "\n</think>\n\n"  # what policy `answer` forces to close the reasoning
+    start: str = Field(THINK_START, min_length=1)
+    end: str = Field(THINK_END, min_length=1)
+    force_text: str = f"\n{THINK_END}\n\n"  # what policy `answer` forces to close the reasoning
 
     @model_validator(mode="after")
     def _tags(self) -> ThinkTags:
@@ -226,7 +228,7 @@ class Bundle(_Strict):
     model: ModelIdentity
     segmentation: Segmentation = Segmentation()
     think: ThinkTags = ThinkTags()
-    normalization: Literal["token-l2", "step-l2", "none"] = "token-l2"
+    normalization: Normalization = DEFAULT_NORMALIZATION
     probe: ProbeBlock
     window: int = Field(10, ge=1, le=MAX_WINDOW)
     label_mode: str = Field("supervised", min_length=1)

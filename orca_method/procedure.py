@@ -11,16 +11,14 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from orca_method.normalizations import Normalization
 from orca_method.probe import Fast, Probe
 from orca_method.thresholds import GIVE_UP_NEVER, NEVER
-
-Normalization = Literal["token-l2", "step-l2", "none"]
 
 
 def normalize_tokens(h: Tensor, mode: Normalization) -> Tensor:

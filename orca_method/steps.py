@@ -61,6 +61,10 @@ STEP = 2  # the section ended and completes a step: step = A + S; A = S = 0
 STEP_PREV = 3  # a keyword section ended: step = A; A = S; S = 0
 CLOSE = 4  # reasoning ended (end tag / EOS): final step = A + S (record only); A = S = 0
 
+# the defaults of a bundle's `Segmentation` and `ThinkTags` (orca_method/bundle.py), defined once
+DEFAULT_DELIMITER = "\n\n"
+THINK_START, THINK_END = "<think>", "</think>"
+
 OP_NAMES = {NONE: "none", MERGE: "merge", STEP: "step", STEP_PREV: "step_prev", CLOSE: "close"}
 
 
@@ -195,14 +199,14 @@ class TokenTable:
               segmentation: Any = None, think: Any = None,
               eos_ids: Iterable[int] = ()) -> TokenTable:
         """From per-id bytes plus the bundle's `Segmentation` and `ThinkTags` (objects or dicts)."""
-        delim = _get(segmentation, "delimiter", "\n\n")
+        delim = _get(segmentation, "delimiter", DEFAULT_DELIMITER)
         kws = _get(segmentation, "keywords", None)
         match = _get(segmentation, "keyword_match", "word")
         max_step = _get(segmentation, "max_step_tokens", None)
         enabled = bool(_get(think, "enabled", True))
         start_id = end_id = None
         if enabled:
-            start, end = _get(think, "start", "<think>"), _get(think, "end", "</think>")
+            start, end = _get(think, "start", THINK_START), _get(think, "end", THINK_END)
             if vocab is None or start not in vocab or end not in vocab:
                 raise ValueError(f"think tags {start!r}/{end!r} are not single tokens of this "
                                  "tokenizer; set think.enabled=false or use the right model")

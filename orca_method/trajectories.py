@@ -23,16 +23,16 @@ from typing import Any, Self
 import numpy as np
 
 from orca_method.errors import first_line
+from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
 from orca_method.risk import cumulative
 
 FORMAT = "orca-trajectories"
 VERSION = 1
 INFO_FILE, PROBLEMS_FILE, EMBEDDINGS_FILE = "info.json", "problems.jsonl", "embeddings.bin"
 DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
-NORMALIZATIONS = ("token-l2", "step-l2", "none")
 SPLITS = ("train", "calibration", "test")
 INFO_DEFAULTS: dict[str, Any] = {
-    "model": None, "normalization": "token-l2", "segmentation": None, "source": None,
+    "model": None, "normalization": DEFAULT_NORMALIZATION, "segmentation": None, "source": None,
     "think": None, "tokenizer_fingerprint": None, "model_config": None,
 }
 PICKLE_LABELS = ("pessimistic", "research")

@@ -26,7 +26,8 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from orca_serve.requests import OrcaRequestError, error_body
+from orca_serve.contract import OrcaResult
+from orca_serve.orca_field import OrcaRequestError, error_body
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -36,13 +37,14 @@ MESSAGES_PATH = "/v1/messages"
 
 
 class Report(Protocol):
-    """What an Api needs of the middleware's per-request bookkeeping (`server._Request`)."""
+    """What an Api needs of the middleware's per-request bookkeeping (`middleware._Request`)."""
 
     fetch_all: Callable[[], Awaitable[None]]
     fetch: Callable[[list[int]], Awaitable[None]]
     orca: Callable[..., dict[str, Any]]
     reasoning_spent: Callable[[], int | None]
     note_finished: Callable[[dict[int, str]], None]  # per choice, in chat's finish_reason terms
+    status: int | None  # of vLLM's response, once it started (set by `shaping.ResponseShaper`)
 
 
 def _get(body: dict[str, Any], *path: str) -> Any:
@@ -252,28 +254,26 @@ APIS: dict[str, Api] = {CHAT_PATH: CHAT, COMPLETIONS_PATH: CHAT, INVOCATIONS_PAT
 ORCA_PATHS = tuple(APIS)
 
 
-def thinking_ended_by(result: dict[str, Any], budget: int | None) -> str | None:
+def thinking_ended_by(result: OrcaResult, budget: int | None) -> str | None:
     """What closed the reasoning: `orca` (the probe), `orca_answer_reserve` (policy answer made
     room for the answer before max_tokens), `thinking_token_budget` (vLLM's budget: it closed
     with as many reasoning tokens as the budget, counting those the prompt opened, and no stop
     of orca's), `model` (the model's own end tag or EOS), or None (still reasoning at the end:
     max_tokens, a stop string, an abort)."""
-    reason = result.get("stop_reason")
-    if reason == "probe":
+    if result.stop_reason == "probe":
         return "orca"
-    if reason == "budget":
+    if result.stop_reason == "budget":
         return "orca_answer_reserve"
-    if not result.get("reasoning_closed"):
+    if not result.reasoning_closed:
         return None
-    spent = int(result.get("reasoning_tokens") or 0) + int(result.get("prompt_reasoning_tokens")
-                                                           or 0)
+    spent = result.reasoning_tokens + result.prompt_reasoning_tokens
     if budget is not None and spent >= budget:
         return "thinking_token_budget"
     return "model"
 
 
-def reasoning_spent(result: dict[str, Any]) -> int:
+def reasoning_spent(result: OrcaResult) -> int:
     """Reasoning tokens one choice generated: the plugin's count, plus the request's last token
     when it ended still reasoning (the last token has no hidden state, so the plugin never
     counts it)."""
-    return int(result.get("reasoning_tokens") or 0) + (0 if result.get("reasoning_closed") else 1)
+    return result.reasoning_tokens + (0 if result.reasoning_closed else 1)

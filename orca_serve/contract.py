@@ -1,27 +1,49 @@
 """The request contract between the server and the engine-side plugin, defined once.
 
 Plain Python (no vLLM, no torch): the server (`orca_serve.requests`, `orca_serve.server`), the
-plugin's adapters and its core all import these names, so a policy, a default, an xarg name, the
-result-key rule or lambda resolution cannot drift between them.
-
-The server resolves a request's settings (defaults, delta -> lambda*) and writes them into
-`vllm_xargs`; vLLM hands them to the engine as `SamplingParams.extra_args`. A request that reaches
-the engine without the server (offline `LLM`, a stock vLLM server) is resolved there, through the
-same `resolve_lam`.
+plugin's adapters and its core all import these names, so a policy, a default, an xarg name or the
+result-key rule cannot drift between them. Requests go in as `vllm_xargs` (read on the engine
+side by `orca_serve.xargs`); results come back as `OrcaResult`, through the one codec of its wire
+form here (`to_wire`, `OrcaResult.from_wire`, `merge_results`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from enum import StrEnum
+from typing import Any
 
-from orca_method.errors import shown
 from orca_method.outcomes import ENDED_EARLY, FULL, GAVE_UP
-from orca_method.thresholds import NEVER, lam_to_json
+from orca_method.thresholds import lam_from_json, lam_to_json
 
-Policy = Literal["answer", "stop", "shadow"]
-POLICIES: tuple[str, ...] = ("answer", "stop", "shadow")
+
+@dataclass(frozen=True)
+class PolicyRule:
+    """What a policy does when a request stops (docs/SERVER.md, "Policies")."""
+
+    acts: bool  # a stop changes the output (False: shadow only reports where it would stop)
+    answers: bool  # a stop closes the thinking and lets the model answer (else: EOS at once)
+
+
+class Policy(StrEnum):
+    """What a stop does: `answer` forces the end-of-thinking text and lets the model answer for
+    its answer budget; `stop` ends the request (EOS); `shadow` never stops (it reports where it
+    would have). Each has one `PolicyRule`; code asks the rule, never compares names."""
+
+    ANSWER = "answer"
+    STOP = "stop"
+    SHADOW = "shadow"
+
+    @property
+    def rule(self) -> PolicyRule:
+        return _RULES[self]
+
+
+_RULES = {Policy.ANSWER: PolicyRule(acts=True, answers=True),
+          Policy.STOP: PolicyRule(acts=True, answers=False),
+          Policy.SHADOW: PolicyRule(acts=False, answers=False)}
+POLICIES: tuple[str, ...] = tuple(Policy)
 
 DEFAULT_ANSWER_BUDGET = 64
 # the largest answer budget a request may ask for: far above any context length, and inside the
@@ -30,7 +52,7 @@ DEFAULT_ANSWER_BUDGET = 64
 MAX_ANSWER_BUDGET = 2**31 - 1
 MIN_ANSWER_TOKENS = 8  # answer tokens the end-of-max_tokens reserve keeps (policy answer)
 # what a request without its own orca_* arguments gets (the server's --orca-* options override)
-DEFAULTS: dict[str, Any] = {"enabled": 1, "delta": None, "policy": "answer",
+DEFAULTS: dict[str, Any] = {"enabled": 1, "delta": None, "policy": Policy.ANSWER,
                             "answer_budget": DEFAULT_ANSWER_BUDGET,
                             "give_up_policy": "guess", "give_up_message": None}
 
@@ -68,7 +90,6 @@ XARG_FIELDS = {"enabled": XARG_ENABLED, "delta": XARG_DELTA, "policy": XARG_POLI
 XARG_RESERVED = {XARG_KEY, XARG_LAM, XARG_N, XARG_SEED, XARG_BUNDLE, XARG_GIVE_UP_MU}
 # Per-request xargs that run a request without the orca probe (answer probes, audits' forcing).
 ORCA_OFF = {XARG_ENABLED: 0}
-_INT_XARGS = (XARG_ENABLED, XARG_ANSWER_BUDGET, XARG_RECORD, XARG_RESERVE, XARG_N)
 
 
 
@@ -78,164 +99,22 @@ def child_key(key: str, index: int, n: int) -> str:
     return key if n <= 1 or index == 0 else f"{key}/{index}"
 
 
-def resolve_lam(lam_of: Callable[[float], float], delta: float) -> float:
-    """lambda*(delta) from a bundle's `lam` (inf: never stop). The one place a delta becomes a
-    threshold: the server calls it per request, the engine only for requests without orca_lam."""
-    return float(lam_of(float(delta)))
-
-
-def encode_lam(lam: float | None) -> float | str:
-    """lambda* as an xarg value: a finite float, or "inf" for NEVER (JSON has no infinity)."""
-    v = lam_to_json(lam)
-    return "inf" if v is None else v
-
-
-def decode_lam(v: Any) -> float:
-    """An `orca_lam` xarg as lambda* (NEVER for "inf"); ValueError unless a number in [0, 1]
-    or NEVER: scores are probabilities, so any other threshold is a mistake, not a setting."""
-    lam = _as_float(XARG_LAM, v)
-    if not (0.0 <= lam <= 1.0 or lam == NEVER):
-        raise ValueError(f"{XARG_LAM} must be in [0, 1] or \"inf\" (never), got {shown(v)}")
-    return lam
-
-
-def decode_mu(v: Any) -> float:
-    """An `orca_give_up_mu` xarg as mu*: a number in [0, 1] (ValueError otherwise)."""
-    mu = _as_float(XARG_GIVE_UP_MU, v)
-    if not 0.0 <= mu <= 1.0:
-        raise ValueError(f"{XARG_GIVE_UP_MU} must be in [0, 1], got {v!r}")
-    return mu
-
-
-def ended(stopped_early: bool, stop_reason: str | None) -> str:
-    """How a request's reasoning ended (the response's `ended`): answered early (the probe's
-    stop), gave up (the give-up threshold), or full (ran to its own end, a budget or a limit)."""
-    if stop_reason == "give_up":
-        return GAVE_UP
-    return ENDED_EARLY if stopped_early else FULL
-
-
-def as_int(name: str, v: Any) -> int:
-    """An integer xarg (ints, integral floats, digit strings; bools count as 0/1)."""
-    if isinstance(v, bool):
-        return int(v)
-    if isinstance(v, int):
-        return v
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
-        return int(v)
-    raise ValueError(f"{name} must be an integer, got {shown(v)}")
-
-
-def _as_float(name: str, v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise ValueError(f"{name} must be a number, got {shown(v)}")  # noqa: TRY004 - vLLM: 400
-    try:
-        return float(v)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {shown(v)}") from None
-
-
-def validate_xargs(xa: dict[str, Any] | None, n: int = 1, seed: int | None = None) -> None:
-    """Check a request's orca_* extra_args (ValueError: vLLM answers HTTP 400).
-
-    Runs in the front end. With n > 1 vLLM copies these params into n child requests; `orca_n`
-    tells each child that it is one (its index then comes from the engine's request id, or from
-    its seed minus `orca_seed`).
-    """
-    if not xa:
-        return
-    for name in (XARG_KEY, XARG_BUNDLE):
-        if name in xa and not isinstance(xa[name], str):
-            raise ValueError(f"{name} must be a string, got {shown(xa[name])}")
-    for name in _INT_XARGS:
-        if name in xa:
-            v = as_int(name, xa[name])
-            if name in (XARG_ENABLED, XARG_RECORD) and v not in (0, 1):
-                raise ValueError(f"{name} must be 0 or 1, got {shown(xa[name])}")
-            if v < 0:
-                raise ValueError(f"{name} must be >= 0, got {shown(xa[name])}")
-    if XARG_DELTA in xa:
-        d = _as_float(XARG_DELTA, xa[XARG_DELTA])
-        if not 0 < d < 1:
-            raise ValueError(f"{XARG_DELTA} must be in (0, 1), got {shown(xa[XARG_DELTA])}")
-    if XARG_LAM in xa:
-        decode_lam(xa[XARG_LAM])
-    if XARG_GIVE_UP_MU in xa:
-        decode_mu(xa[XARG_GIVE_UP_MU])
-    if XARG_POLICY in xa and xa[XARG_POLICY] not in POLICIES:
-        raise ValueError(f"{XARG_POLICY} must be one of {', '.join(POLICIES)}, "
-                         f"got {shown(xa[XARG_POLICY])}")
-    if n > 1:
-        xa[XARG_N] = int(n)
-        if seed is not None:
-            xa[XARG_SEED] = int(seed)
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    """What one engine request runs with, after defaults (engine side)."""
-
-    key: str | None
-    n: int
-    record: bool
-    enabled: bool
-    policy: str
-    delta: float | None
-    lam: float | None  # None: no probe (disabled or record only); NEVER: never stops early
-    answer_budget: int
-    reserve: int | None  # None: the default reserve (force text + min(budget, 8))
-    notes: tuple[str, ...] = ()
-    give_up_mu: float | None = None  # None: never gives up
-
-
-def request_spec(xa: Mapping[str, Any] | None, defaults: Mapping[str, Any], *, record: bool,
-                 lam_of: Callable[[float], float] | None,
-                 default_delta: float | None) -> RequestSpec:
-    """A request's settings from its extra_args and the engine's defaults.
-
-    `lam_of`/`default_delta` come from the deployment's bundle (None: record mode only).
-    `orca_lam` (the server's resolution) wins; otherwise lambda* is resolved here with
-    `resolve_lam`, and a delta outside the bundle's table falls back to the default delta.
-    """
-    xa = xa or {}
-    notes: list[str] = []
-    enabled = lam_of is not None and bool(as_int(XARG_ENABLED,
-                                                 xa.get(XARG_ENABLED, defaults["enabled"])))
-    delta = lam = None
-    if enabled:
-        d = xa.get(XARG_DELTA, defaults.get("delta"))
-        delta = float(d) if d is not None else default_delta
-        if XARG_LAM in xa:
-            lam = decode_lam(xa[XARG_LAM])
-        else:
-            try:
-                lam = resolve_lam(lam_of, delta)  # type: ignore[arg-type]
-            except Exception as e:  # noqa: BLE001 - not in the table: use the default
-                notes.append(f"{e}; using the bundle default delta")
-                delta = default_delta
-                lam = resolve_lam(lam_of, delta)  # type: ignore[arg-type]
-    reserve = xa.get(XARG_RESERVE)
-    mu = decode_mu(xa[XARG_GIVE_UP_MU]) if enabled and XARG_GIVE_UP_MU in xa else None
-    return RequestSpec(
-        key=xa.get(XARG_KEY), n=int(xa.get(XARG_N, 1)),
-        record=bool(as_int(XARG_RECORD, xa.get(XARG_RECORD, record))),
-        enabled=enabled, policy=str(xa.get(XARG_POLICY, defaults["policy"])),
-        delta=delta, lam=lam,
-        answer_budget=int(xa.get(XARG_ANSWER_BUDGET, defaults["answer_budget"])),
-        reserve=None if reserve is None else int(reserve), notes=tuple(notes), give_up_mu=mu)
+_ARRAY_TAG = "__orca_ndarray__"
+_RECORDING = ("step_embeddings", "step_tokens", "step_token_ids", "prompt_token_ids",
+              "output_token_ids")
+_GIVE_UP = ("give_up_mu", "give_up_step", "last_give_up_score")
 
 
 @dataclass
 class OrcaResult:
-    """What the plugin reports about one finished (or running) request; `to_dict` is the wire
-    form (`orca_results` RPC). The server reads the per-choice fields (`orca_serve.server`)."""
+    """What the plugin reports about one finished (or running) request. Its wire form is
+    `to_dict` through `to_wire` (the engine's `orca_results` RPC), read back with `from_wire`
+    (`merge_results`): the server, the live audit and the metrics read these fields."""
 
     enabled: bool
-    policy: str
+    policy: Policy
     delta: float | None
-    lam: float | None  # None: never stops early (or disabled)
+    lam: float | None  # None: orca did not run; NEVER: it never stops early
     steps_scored: int
     stopped_early: bool
     stop_step: int | None
@@ -263,18 +142,90 @@ class OrcaResult:
     # record mode only: the request's token ids (what live audits' answer probes continue)
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
+    # set by the engine's worker extension (its processor ran the sampler: the last pipeline
+    # stage), read by `merge_results` only
+    ran_sampler: bool = False
+
+    def __post_init__(self) -> None:
+        self.policy = Policy(self.policy)  # a name (the wire's) becomes its Policy
+
+    @property
+    def ended(self) -> str:
+        """How its reasoning ended (the response's `ended`): answered early (the probe's stop),
+        gave up (the give-up threshold), or full (ran to its own end, a budget or a limit)."""
+        if self.stop_reason == "give_up":
+            return GAVE_UP
+        return ENDED_EARLY if self.stopped_early else FULL
+
+    @property
+    def two_sided(self) -> bool:
+        """It ran with a give-up threshold (or reports a give-up score)."""
+        return self.give_up_mu is not None or self.last_give_up_score is not None
+
+    @property
+    def recorded(self) -> bool:
+        """It carries a recording (record mode: step embeddings, tokens, ids)."""
+        return self.step_tokens is not None
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict, leaving out empty optional groups (no notes, no error,
+        one-sided, no recording); arrays stay numpy arrays. A trajectory record's fields."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}  # no deep copy of arrays
-        if not self.notes:
-            del d["notes"]
-        if self.error is None:
-            del d["error"]
-        if self.give_up_mu is None and self.last_give_up_score is None:  # one-sided: as before
-            for k in ("give_up_mu", "give_up_step", "last_give_up_score"):
+        d["policy"] = str(self.policy)
+        d["lam"] = lam_to_json(self.lam)
+        del d["ran_sampler"]
+        for k, empty in (("notes", not self.notes), ("error", self.error is None)):
+            if empty:
                 del d[k]
-        if self.step_tokens is None:
-            for k in ("step_embeddings", "step_tokens", "step_token_ids", "prompt_token_ids",
-                      "output_token_ids"):
-                del d[k]
+        for k in (() if self.two_sided else _GIVE_UP) + (() if self.recorded else _RECORDING):
+            del d[k]
         return d
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> OrcaResult:
+        """The result `to_wire` (or `to_dict`) wrote; arrays back as numpy arrays."""
+        import numpy as np  # deferred: numpy (this module loads in every vLLM process)
+
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        for k, v in kw.items():
+            if isinstance(v, dict) and v.get(_ARRAY_TAG):
+                kw[k] = np.frombuffer(bytes(v["data"]), dtype=np.dtype(v["dtype"])).reshape(
+                    v["shape"]).copy()
+        kw["lam"] = lam_from_json(kw.get("lam")) if kw.get("enabled") else None
+        kw["notes"] = [str(x) for x in kw.get("notes") or []]
+        return cls(**kw)
+
+
+def to_wire(result: Mapping[str, Any]) -> dict[str, Any]:
+    """A result's `to_dict` with numpy arrays as {tag, dtype, shape, data: bytes}: survives every
+    collective_rpc transport (vLLM's msgpack transport sends large numpy arrays out of band and,
+    for an untyped RPC result, hands back only ['<f4', shape, <buffer index>]: the data would be
+    lost). `OrcaResult.from_wire` reads it back."""
+    import numpy as np  # deferred: numpy (this module loads in every vLLM process)
+
+    out = dict(result)
+    for k, v in out.items():
+        if isinstance(v, np.ndarray):
+            v = np.ascontiguousarray(v)
+            out[k] = {_ARRAY_TAG: 1, "dtype": v.dtype.str, "shape": list(v.shape),
+                      "data": v.tobytes()}
+    return out
+
+
+def merge_results(per_worker: list[dict] | None) -> dict[str, OrcaResult]:
+    """Merge `collective_rpc("orca_results", args=(keys,))` answers into {key: result}.
+    Always use this on the raw RPC answer.
+
+    `per_worker`: one dict per worker, from one engine or concatenated over data-parallel engines
+    (a request runs on one engine, so its key comes from that engine's reporting worker only).
+    Should two workers answer for one key, a result marked `ran_sampler` (its processor ran the
+    sampler's apply(): the last pipeline stage) wins over one that is not; otherwise the first.
+    """
+    out: dict[str, OrcaResult] = {}
+    for d in per_worker or []:
+        for k, r in (d or {}).items():
+            if r is None:
+                continue
+            if k not in out or (r.get("ran_sampler") and not out[k].ran_sampler):
+                out[k] = OrcaResult.from_wire(r)
+    return out

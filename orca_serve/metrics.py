@@ -54,6 +54,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from orca_method.outcomes import ENDED
+from orca_serve.contract import OrcaResult
 
 OUTCOMES = ("stopped_early", "gave_up", "finished", "answer_forced_at_budget",
             "shadow_would_stop", "shadow_finished", "disabled", "error")
@@ -62,37 +63,35 @@ STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 32, 40, 50, 64, 80, 100
 SCORE_BUCKETS = tuple(round(0.05 * i, 2) for i in range(1, 20)) + (0.99, 1.0)
 
 
-def outcome_of(result: dict[str, Any]) -> str:
-    """The outcome label of one request's orca result (the response's `orca` object)."""
-    if not result.get("enabled"):
+def outcome_of(result: OrcaResult | None) -> str:
+    """The outcome label of one choice's orca result (None: orca was off for the request)."""
+    if result is None:
         return "disabled"
-    if result.get("error"):
+    if result.error:
         return "error"
-    if result.get("policy") == "shadow":
-        return "shadow_would_stop" if result.get("would_stop_step") is not None else "shadow_finished"
-    if result.get("stopped_early"):
+    if not result.enabled:
+        return "disabled"
+    if not result.policy.rule.acts:
+        return "shadow_would_stop" if result.would_stop_step is not None else "shadow_finished"
+    if result.stopped_early:
         return "stopped_early"
-    if result.get("stop_reason") == "give_up":
+    if result.stop_reason == "give_up":
         return "gave_up"
-    if result.get("stop_reason") == "budget":
+    if result.stop_reason == "budget":
         return "answer_forced_at_budget"
     return "finished"
 
 
-def shadow_tokens_saved(result: dict[str, Any]) -> tuple[str, int] | None:
+def shadow_tokens_saved(result: OrcaResult) -> tuple[str, int] | None:
     """(basis, tokens) a shadow request would have saved, or None.
 
     basis "step_fraction": the plugin reports the would-stop step, not its token position, so
     the reasoning tokens are split evenly over the scored steps (an estimate).
     """
-    if result.get("policy") != "shadow" or result.get("would_stop_step") is None:
+    if result.policy.rule.acts or result.would_stop_step is None or result.steps_scored <= 0:
         return None
-    tokens = int(result.get("reasoning_tokens") or 0)
-    steps = int(result.get("steps_scored") or 0)
-    if steps <= 0:
-        return None
-    after = max(0, steps - int(result["would_stop_step"]))
-    return "step_fraction", round(tokens * after / steps)
+    after = max(0, result.steps_scored - result.would_stop_step)
+    return "step_fraction", round(result.reasoning_tokens * after / result.steps_scored)
 
 
 class EngineStats(Collector):
@@ -203,28 +202,26 @@ class OrcaMetrics:
     def reloaded(self, outcome: str) -> None:
         self.reloads.labels(outcome=outcome, **{LABEL: self.model_name}).inc()
 
-    def observe(self, result: dict[str, Any]) -> None:
-        """Account one finished request (its response `orca` object, per choice)."""
+    def observe(self, result: OrcaResult | None) -> None:
+        """Account one finished choice (None: orca was off for its request)."""
         m = {LABEL: self.model_name}
         self.requests.labels(outcome=outcome_of(result), **m).inc()
-        if not result.get("enabled"):
+        if result is None or not result.enabled:
             return
-        self.steps_scored.inc(int(result.get("steps_scored") or 0))
-        self.reasoning_tokens.inc(int(result.get("reasoning_tokens") or 0))
-        if result.get("ended") is not None:
-            self.ended_tokens.labels(ended=result["ended"], **m).inc(
-                int(result.get("reasoning_tokens") or 0))
-        if result.get("give_up_step") is not None:
-            self.give_up_step.labels(**m).observe(result["give_up_step"])
-        if result.get("stopped_early") and result.get("stop_step") is not None:
-            self.stop_step.labels(kind="stopped", **m).observe(result["stop_step"])
-        if result.get("policy") == "shadow" and result.get("would_stop_step") is not None:
-            self.stop_step.labels(kind="shadow", **m).observe(result["would_stop_step"])
+        self.steps_scored.inc(result.steps_scored)
+        self.reasoning_tokens.inc(result.reasoning_tokens)
+        self.ended_tokens.labels(ended=result.ended, **m).inc(result.reasoning_tokens)
+        if result.give_up_step is not None:
+            self.give_up_step.labels(**m).observe(result.give_up_step)
+        if result.stopped_early and result.stop_step is not None:
+            self.stop_step.labels(kind="stopped", **m).observe(result.stop_step)
+        if not result.policy.rule.acts and result.would_stop_step is not None:
+            self.stop_step.labels(kind="shadow", **m).observe(result.would_stop_step)
             saved = shadow_tokens_saved(result)
             if saved is not None:
                 self.tokens_saved.labels(basis=saved[0], **m).inc(saved[1])
-        if result.get("last_score") is not None and result.get("steps_scored"):
-            self.last_score.observe(float(result["last_score"]))
+        if result.last_score is not None and result.steps_scored:
+            self.last_score.observe(float(result.last_score))
 
     def update_engine_stats(self, per_worker: list[Any]) -> None:
         """From `collective_rpc("orca_stats")`: one dict per worker."""

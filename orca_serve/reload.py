@@ -26,22 +26,25 @@ would hold its own bundle.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orca_method.bundle import Bundle, BundleError, load_bundle
 from orca_method.bundle_checks import check_semantics
 from orca_method.errors import first_line
 from orca_serve.effort import check_effort_map
 from orca_serve.live_audit.handover import hand_over
-from orca_serve.requests import OrcaSettings, error_body
+from orca_serve.requests import OrcaSettings
+from orca_serve.serving_state import EngineLink, Serving, ServingRef
+
+if TYPE_CHECKING:
+    from orca_serve.live_audit.live import LiveAudit
+    from orca_serve.metrics import OrcaMetrics
 
 logger = logging.getLogger("orca_serve.reload")
 
@@ -61,17 +64,22 @@ class Reloader:
     """The server's side of hot reload (see the module docstring): the protocol, the in-flight
     count per bundle that decides when an old one may go, and the admin key."""
 
-    def __init__(self, state: Any, *, calib_path: str, fixed_delta: float | None = None,
-                 admin_key: str | None = None) -> None:
-        self.state = state  # orca_serve.server.OrcaState
+    def __init__(self, serving: ServingRef, engine: EngineLink, *, calib_path: str,
+                 fixed_delta: float | None = None, admin_key: str | None = None,
+                 metrics: OrcaMetrics | None = None,
+                 check: Callable[[Bundle], str | None] = check_semantics,
+                 make_audit: Callable[[Bundle], LiveAudit] | None = None) -> None:
+        self.serving = serving  # what it swaps
+        self.engine = engine
+        self.metrics = metrics
         self.calib_path = calib_path  # what SIGHUP re-reads
         self.fixed_delta = fixed_delta  # --orca-delta: must be in every bundle's table
         self.admin_key = admin_key  # None: POST /v1/orca/bundle is off (404)
-        # bundle -> LiveAudit without store or metrics registration (set by the CLI)
-        self.make_audit: Callable[[Bundle], Any] | None = None
-        # the checks a new bundle passes, raising BundleError, returning a note to log (the CLI
-        # sets the start-up checks against the served model, orca_serve.serve_cli.check_served)
-        self.check: Callable[[Bundle], str | None] = check_semantics
+        # the checks a new bundle passes, raising BundleError, returning a note to log (the
+        # server's start-up checks against the served model, orca_serve.model_checks.check_served)
+        self.check = check
+        # bundle -> LiveAudit without store or metrics registration (None: no audit follows)
+        self.make_audit = make_audit
         self.inflight: Counter[str] = Counter()  # checksum -> requests resolved with it, running
         self.last: dict[str, Any] | None = None  # the last reload's outcome
         self._lock: asyncio.Lock | None = None
@@ -105,8 +113,7 @@ class Reloader:
 
     @property
     def current(self) -> str | None:
-        b = self.state.bundle
-        return None if b is None else b.checksum
+        return self.serving.now.checksum
 
     def _keep(self) -> list[str]:
         return [c for c in [self.current, *self.inflight] if c is not None]
@@ -117,7 +124,7 @@ class Reloader:
         async with self._get_lock():
             try:
                 answers = await asyncio.wait_for(
-                    self.state.rpc("orca_retire_bundles", (self._keep(),)), RELOAD_TIMEOUT_S)
+                    self.engine.rpc("orca_retire_bundles", (self._keep(),)), RELOAD_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - it is retried at the next reload
                 logger.warning("orca: letting go of replaced bundles failed: %s", first_line(e))
                 return
@@ -136,8 +143,8 @@ class Reloader:
                 out = await self._reload(path)
             except ReloadRefused as e:
                 self.last = {"at": when, "source": source, "path": path, "refused": e.message}
-                if self.state.metrics is not None:
-                    self.state.metrics.reloaded("refused")
+                if self.metrics is not None:
+                    self.metrics.reloaded("refused")
                 logger.warning("orca: bundle %s refused (%s); the old one serves on: %s", path,
                                source, e.message)
                 raise
@@ -145,14 +152,14 @@ class Reloader:
             out["seconds"] = round(time.perf_counter() - t0, 3)
             out["waited_s"] = round(t0 - t_asked, 3)
             self.last = {"at": when, "source": source, **out}
-            if out["changed"] and self.state.metrics is not None:
-                self.state.metrics.reloaded("loaded")
+            if out["changed"] and self.metrics is not None:
+                self.metrics.reloaded("loaded")
             logger.info("orca: bundle %s (%s): %s", path, source,
                         f"now serving {out['checksum']}" if out["changed"] else "unchanged")
             return out
 
     async def _reload(self, path: str) -> dict[str, Any]:
-        st = self.state
+        st = self.serving.now
         path = str(Path(path).expanduser().absolute())
         try:
             bundle = await asyncio.to_thread(load_bundle, path)
@@ -163,7 +170,7 @@ class Reloader:
             logger.warning("orca: bundle %s: %s", path, note)
         old = self.current
         if bundle.checksum == old:
-            st.bundle_path = path
+            self.serving.swap(replace(st, bundle_path=path))
             return {"changed": False, "checksum": old, "path": path}
         if self.fixed_delta is not None:
             try:
@@ -195,14 +202,16 @@ class Reloader:
         except ReloadRefused:
             await self._roll_back(old)
             raise
-        self._swap(bundle, path, audit)
+        self._swap(Serving(bundle, path, replace(st.defaults, delta=(
+            self.fixed_delta if self.fixed_delta is not None else bundle.default_delta)),
+            st.audit if audit is None else audit))
         if self.inflight.get(old, 0) == 0:
             self._spawn(self.retire())  # runs once this reload lets go of the lock
         return {"changed": True, "checksum": bundle.checksum, "previous": old, "path": path}
 
     async def _rpc(self, method: str, *args: Any) -> list[Any]:
         try:
-            return list(await asyncio.wait_for(self.state.rpc(method, args), RELOAD_TIMEOUT_S)
+            return list(await asyncio.wait_for(self.engine.rpc(method, args), RELOAD_TIMEOUT_S)
                         or [])
         except TimeoutError:
             raise ReloadRefused(f"the engine did not answer {method} within "
@@ -228,27 +237,24 @@ class Reloader:
         """Back to the old bundle on every worker; the staged one is let go."""
         for method, arg in (("orca_use_bundle", old), ("orca_retire_bundles", self._keep())):
             try:
-                await asyncio.wait_for(self.state.rpc(method, (arg,)), RELOAD_TIMEOUT_S)
+                await asyncio.wait_for(self.engine.rpc(method, (arg,)), RELOAD_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - the old bundle is still current anyway
                 logger.warning("orca: rolling back a refused bundle (%s): %s", method,
                                first_line(e))
 
-    def _swap(self, bundle: Bundle, path: str, audit: Any) -> None:
-        """The server's switch, synchronous: no request is resolved half way through it."""
-        st = self.state
-        previous = self.current
-        st.bundle, st.bundle_path = bundle, path
-        st.defaults = replace(st.defaults, delta=(self.fixed_delta if self.fixed_delta is not None
-                                                  else bundle.default_delta))
-        if audit is not None:
+    def _swap(self, new: Serving) -> None:
+        """The server's switch, synchronous: no request is resolved half way through it. A new
+        live audit takes over the old one's store and counts first."""
+        old = self.serving.now
+        if new.audit is not old.audit and old.audit is not None and new.audit is not None:
             try:
-                hand_over(st.audit, audit)
+                hand_over(old.audit, new.audit)
             except OSError as e:  # its directory cannot be opened: audits are not stored
                 logger.warning("orca: the new live audit cannot open its directory: %s",
                                first_line(e))
-            st.audit = audit
-        if st.metrics is not None:
-            st.metrics.bundle_in_use(bundle.checksum, previous)
+        self.serving.swap(new)
+        if self.metrics is not None and new.bundle is not None:
+            self.metrics.bundle_in_use(new.bundle.checksum, old.checksum)
 
     # -- SIGHUP ---------------------------------------------------------------------------------
     def on_sighup(self) -> None:
@@ -261,74 +267,3 @@ class Reloader:
             await self.reload(path, source=source)
         except ReloadRefused:
             pass  # logged by reload()
-
-
-# -- POST /v1/orca/bundle ---------------------------------------------------------------------------
-async def send_json(send: Callable, status: int, payload: dict[str, Any],
-                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    data = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(data)).encode()), *(headers or [])]})
-    await send({"type": "http.response.body", "body": data, "more_body": False})
-
-
-def route_path(scope: dict) -> str:
-    """The request's path without the app's root path."""
-    path = scope.get("path", "")
-    root = scope.get("root_path", "") or ""
-    return path[len(root):] if root and path.startswith(root) else path
-
-
-class AdminMiddleware:
-    """`POST /v1/orca/bundle`, outermost: the admin key is this route's one credential (vLLM's
-    --api-key guards the other routes; it shares the Authorization header, so its check must not
-    run first). Without --orca-admin-key-env the route does not exist (404)."""
-
-    def __init__(self, app: Any, reloader: Reloader | None) -> None:
-        self.app = app
-        self.reloader = reloader
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if (scope["type"] != "http" or scope.get("method") != "POST"
-                or route_path(scope) != BUNDLE_PATH):
-            return await self.app(scope, receive, send)
-        r = self.reloader
-        if r is None or not r.admin_key:
-            return await send_json(send, 404, error_body(
-                "hot reload is off: start orca-serve with --calib and --orca-admin-key-env VAR",
-                code=404, err_type="NotFoundError"))
-        token = None
-        for k, v in scope.get("headers", []):
-            if k.lower() == b"authorization":
-                scheme, _, param = v.decode("latin-1").partition(" ")
-                if scheme.lower() == "bearer":
-                    token = param.strip()
-        if not token:
-            return await send_json(send, 401, error_body(
-                "this route needs the admin key: Authorization: Bearer <key>", code=401,
-                err_type="AuthenticationError"), [(b"www-authenticate", b"Bearer")])
-        if not hmac.compare_digest(token.encode(), r.admin_key.encode()):
-            return await send_json(send, 403, error_body(
-                "wrong admin key", code=403, err_type="PermissionDeniedError"))
-        body = b""
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body += msg.get("body", b"")
-            if not msg.get("more_body", False):
-                break
-        try:
-            req = json.loads(body) if body else None
-        except (ValueError, RecursionError):
-            req = None
-        path = req.get("path") if isinstance(req, dict) else None
-        if not isinstance(path, str) or not path or set(req) != {"path"}:
-            return await send_json(send, 400, error_body(
-                'the body must be {"path": "<bundle.json on the server>"}', "path"))
-        try:
-            out = await r.reload(path, source="POST")
-        except ReloadRefused as e:
-            return await send_json(send, 400, error_body(e.message, "path"))
-        await send_json(send, 200, {**out, "bundle": r.state.bundle.summary()})

@@ -16,63 +16,38 @@ without an engine.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from orca_method.bundle import Bundle, BundleError
-from orca_method.errors import cut, shown
 from orca_method.thresholds import lam_to_json
 from orca_serve.contract import (
     DEFAULTS,
-    MAX_ANSWER_BUDGET,
-    POLICIES,
+    XARG_ANSWER_BUDGET,
     XARG_BUNDLE,
+    XARG_DELTA,
+    XARG_ENABLED,
     XARG_FIELDS,
     XARG_GIVE_UP_MU,
     XARG_KEY,
     XARG_LAM,
+    XARG_POLICY,
     XARG_RECORD,
-    XARG_RESERVED,
     Policy,
-    encode_lam,
-    resolve_lam,
 )
 from orca_serve.effort import DEFAULT_EFFORT_MAP, effort_delta
-
-
-class OrcaRequestError(ValueError):
-    """A malformed `orca` request; becomes HTTP 400 in OpenAI's error format."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-
-class GiveUpFields(BaseModel):
-    """`orca.give_up`: give up on reasoning that will probably not end right, with risk
-    `delta` (delta_2: P(giving up on a request that would have ended right); docs/METHOD.md
-    section 9). `{}` takes the server's or the bundle's default delta; `enabled: false` turns
-    a server default off."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    enabled: bool | None = None
-    delta: float | None = Field(None, gt=0, lt=1)
-
-
-class OrcaFields(BaseModel):
-    """The body field `orca` (all optional: missing settings take the server's defaults)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    enabled: bool | None = None
-    delta: float | None = Field(None, gt=0, lt=1)
-    policy: Policy | None = None
-    answer_budget: int | None = Field(None, ge=0, le=MAX_ANSWER_BUDGET)
-    give_up: GiveUpFields | None = None
+from orca_serve.orca_field import (
+    GiveUpFields,
+    OrcaFields,
+    OrcaRequestError,
+    from_xargs,
+    strip_orca_xargs,
+    validation_message,
+)
+from orca_serve.xargs import encode_lam, resolve_lam
 
 
 @dataclass(frozen=True)
@@ -81,7 +56,7 @@ class OrcaDefaults:
 
     enabled: bool = bool(DEFAULTS["enabled"])
     delta: float | None = DEFAULTS["delta"]  # set from the bundle whenever enabled
-    policy: str = DEFAULTS["policy"]
+    policy: Policy = DEFAULTS["policy"]
     answer_budget: int | None = None  # None: the plugin's own default (DEFAULTS)
     effort_map: dict[str, str | float] = field(default_factory=lambda: dict(DEFAULT_EFFORT_MAP))
     give_up_delta: float | None = None  # --orca-give-up-delta: None = requests do not give up
@@ -95,8 +70,8 @@ class OrcaSettings:
     key: str
     enabled: bool
     delta: float | None = None
-    policy: str | None = None
-    lam: float | None = None  # lambda*(delta); None = never stops early (or disabled)
+    policy: Policy | None = None
+    lam: float | None = None  # lambda*(delta), NEVER: never stops early; None: disabled
     answer_budget: int | None = None
     n: int = 1
     lam_source: str = "bundle"  # where `lam` comes from: bundle | fallback | audit (audit guard)
@@ -111,10 +86,11 @@ class OrcaSettings:
     give_up_source: str = "bundle"  # where give_up_mu comes from: bundle | fallback (guard: off)
 
     def xargs(self) -> dict[str, str | int | float]:
-        out: dict[str, str | int | float] = {XARG_KEY: self.key, "orca_enabled": int(self.enabled)}
+        """The settings as the engine reads them (`vllm_xargs`); written once per request."""
+        out: dict[str, str | int | float] = {XARG_KEY: self.key, XARG_ENABLED: int(self.enabled)}
         if self.enabled:
-            out["orca_delta"] = float(self.delta)  # type: ignore[arg-type]
-            out["orca_policy"] = "shadow" if self.audited else str(self.policy)
+            out[XARG_DELTA] = float(self.delta)  # type: ignore[arg-type]
+            out[XARG_POLICY] = str(Policy.SHADOW if self.audited else self.policy)
             out[XARG_LAM] = encode_lam(self.lam)
             if self.bundle is not None:  # the engine joins this bundle's deployment
                 out[XARG_BUNDLE] = self.bundle
@@ -123,55 +99,39 @@ class OrcaSettings:
             elif self.give_up_mu is not None:  # an audited request runs to the end: no give-up
                 out[XARG_GIVE_UP_MU] = float(self.give_up_mu)
             if self.answer_budget is not None:
-                out["orca_answer_budget"] = int(self.answer_budget)
+                out[XARG_ANSWER_BUDGET] = int(self.answer_budget)
         return out
+
+
+class Thresholds(Protocol):
+    """Where an enabled request's lambda* comes from, asked once per request: the bundle
+    (`BundleThresholds`), or the live audit's guard (`orca_serve.live_audit`), which may serve
+    a recalibrated or a never-stop lambda and picks requests to audit."""
+
+    def lam(self, delta: float) -> tuple[float, str]:
+        """(lambda*, its source) for `delta`; BundleError for a delta outside the table."""
+        ...
+
+    def admit(self, settings: OrcaSettings, body: dict[str, Any]) -> OrcaSettings:
+        """The settings the request runs with (audited or not)."""
+        ...
+
+
+@dataclass(frozen=True)
+class BundleThresholds:
+    """lambda* from the bundle's table, every request as it asked."""
+
+    bundle: Bundle
+
+    def lam(self, delta: float) -> tuple[float, str]:
+        return resolve_lam(self.bundle.lam, delta), "bundle"
+
+    def admit(self, settings: OrcaSettings, body: dict[str, Any]) -> OrcaSettings:
+        return settings
 
 
 def new_key() -> str:
     return f"orca-{uuid.uuid4().hex}"
-
-
-def _fmt_loc(loc: tuple[Any, ...]) -> str:
-    return cut(".".join(str(x) for x in loc))
-
-
-def _validation_message(e: ValidationError, prefix: str) -> tuple[str, str]:
-    err = e.errors()[0]
-    where = _fmt_loc(err["loc"])
-    param = f"{prefix}.{where}" if where else prefix
-    if err["type"] == "extra_forbidden":
-        allowed = ", ".join(OrcaFields.model_fields)
-        return f"unknown field '{param}'; allowed fields of '{prefix}': {allowed}", param
-    if err["type"] == "literal_error":
-        return (f"'{param}' must be one of {', '.join(repr(p) for p in POLICIES)}, "
-                f"got {shown(err.get('input'))}"), param
-    return f"invalid '{param}': {err['msg']} (got {shown(err.get('input'))})", param
-
-
-def _from_xargs(xargs: dict[str, Any]) -> dict[str, Any]:
-    """The orca_* entries of vllm_xargs as `orca` field values (type-checked like `orca`)."""
-    out: dict[str, Any] = {}
-    by_xarg = {v: k for k, v in XARG_FIELDS.items()}
-    for name, value in xargs.items():
-        if not name.startswith("orca_"):
-            continue
-        name = cut(name)
-        if name in XARG_RESERVED:
-            raise OrcaRequestError(f"'vllm_xargs.{name}' is set by the server, not by clients",
-                                   f"vllm_xargs.{name}")
-        key = by_xarg.get(name)
-        if key is None:
-            raise OrcaRequestError(f"unknown orca argument 'vllm_xargs.{name}'; allowed: "
-                                   f"{', '.join(XARG_FIELDS.values())}", f"vllm_xargs.{name}")
-        if key == "enabled":
-            # vllm_xargs carry no bools: 0/1 (a JSON bool is accepted as well)
-            if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
-                value = bool(value)
-            else:
-                raise OrcaRequestError(f"'vllm_xargs.{name}' must be 0 or 1, got {shown(value)}",
-                                       f"vllm_xargs.{name}")
-        out[key] = value
-    return out
 
 
 def prompt_count(body: dict[str, Any]) -> int:
@@ -184,9 +144,16 @@ def prompt_count(body: dict[str, Any]) -> int:
 
 
 def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
-            *, completions: bool = False, effort: str | None = None,
+            *, thresholds: Thresholds | None = None,
+            check: Callable[[dict[str, Any]], None] | None = None, completions: bool = False,
+            effort: str | None = None,
             thinking_budget: int | None = None) -> tuple[dict[str, Any], OrcaSettings | None]:
     """Validate a request body's orca settings; return (rewritten body, settings).
+
+    The settings are resolved completely before they are written into `vllm_xargs`, once:
+    lambda* and the audit's pick come from `thresholds` (the bundle's table when None).
+    `check`: the API's own refusals (OrcaRequestError) of a request orca runs on, made before
+    the audit may pick it.
 
     `effort`: the request's reasoning effort (wherever its API carries it), mapped to a delta by
     `defaults.effort_map` unless the request sets `delta` or `enabled` itself (`orca_serve.effort`).
@@ -200,7 +167,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     xargs = body.get("vllm_xargs")
     if xargs is not None and not isinstance(xargs, dict):
         return body, None  # not ours to judge: vLLM answers with its own validation error
-    given_x = _from_xargs(xargs or {})
+    given_x = from_xargs(xargs or {})
     given = dict(raw or {})
     both = sorted(set(given) & set(given_x))
     if both:
@@ -212,10 +179,10 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     except ValidationError as e:
         bad = e.errors()[0]["loc"]
         if bad and bad[0] in given_x:  # name the xarg the client wrote (orca_delta, ...)
-            msg, _ = _validation_message(e, "vllm_xargs")
+            msg, _ = validation_message(e, "vllm_xargs")
             param = f"vllm_xargs.{XARG_FIELDS[str(bad[0])]}"
             raise OrcaRequestError(msg.replace(f"vllm_xargs.{bad[0]}", param), param) from None
-        msg, param = _validation_message(e, "orca")
+        msg, param = validation_message(e, "orca")
         raise OrcaRequestError(msg, param) from None
 
     out = {k: v for k, v in body.items() if k != "orca"}
@@ -223,7 +190,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     if fields.enabled is False and bundle is None:
         # One rule with or without a bundle: `enabled: false` switches orca off whatever else the
         # object holds (those fields were type-checked above, but not against a bundle).
-        return _strip_orca_xargs(out), None
+        return strip_orca_xargs(out), None
     if bundle is None:
         if asked:
             raise OrcaRequestError("this server runs without a calibration bundle (start "
@@ -250,8 +217,9 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     if not enabled:
         settings = OrcaSettings(key=new_key(), enabled=False, **common)
     else:
+        guard = thresholds or BundleThresholds(bundle)
         try:
-            lam = resolve_lam(bundle.lam, delta)
+            lam, lam_source = guard.lam(delta)
         except BundleError as e:
             param = ("vllm_xargs.orca_delta" if "delta" in given_x
                      else "reasoning_effort" if source == "effort" else "orca.delta")
@@ -260,13 +228,16 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
             raise OrcaRequestError("orca early stopping takes one prompt per /v1/completions "
                                    "request (send the prompts as separate requests, or disable "
                                    "orca with \"orca\": {\"enabled\": false})", "prompt")
+        if check is not None:
+            check(body)
         settings = OrcaSettings(
             key=new_key(), enabled=True, delta=delta,
             policy=defaults.policy if fields.policy is None else fields.policy,
-            lam=lam_to_json(lam),
+            lam=lam, lam_source=lam_source,
             answer_budget=(defaults.answer_budget if fields.answer_budget is None
                            else fields.answer_budget),
             **_give_up(fields.give_up, defaults, bundle), **common)
+        settings = guard.admit(settings, out)
     new_xargs = {k: v for k, v in (xargs or {}).items() if not k.startswith("orca_")}
     new_xargs.update(settings.xargs())
     out["vllm_xargs"] = new_xargs
@@ -299,40 +270,3 @@ def _give_up(asked: GiveUpFields | None, defaults: OrcaDefaults,
             "give_up_policy": defaults.give_up_policy}
 
 
-def orca_param_in(body: dict[str, Any]) -> str | None:
-    """Where a body asks for orca settings (`orca`, an `orca_*` entry of `vllm_xargs` or of the
-    token API's `sampling_params.extra_args`), as the param to name in a 400; None if nowhere.
-
-    Used on routes that cannot report what orca did: they refuse the settings instead of
-    ignoring them.
-    """
-    if "orca" in body:
-        return "orca"
-    places = (("vllm_xargs", body.get("vllm_xargs")),)
-    sampling = body.get("sampling_params")
-    if isinstance(sampling, dict):
-        places += (("sampling_params.extra_args", sampling.get("extra_args")),)
-    for where, args in places:
-        if isinstance(args, dict):
-            for name in args:
-                if isinstance(name, str) and name.startswith("orca_"):
-                    return f"{where}.{name}"
-    return None
-
-
-def _strip_orca_xargs(body: dict[str, Any]) -> dict[str, Any]:
-    xargs = body.get("vllm_xargs")
-    if isinstance(xargs, dict):
-        rest = {k: v for k, v in xargs.items() if not k.startswith("orca_")}
-        body = dict(body)
-        if rest:
-            body["vllm_xargs"] = rest
-        else:
-            body.pop("vllm_xargs")
-    return body
-
-
-def error_body(message: str, param: str | None = None, code: int = 400,
-               err_type: str = "BadRequestError") -> dict[str, Any]:
-    """OpenAI's error format, as vLLM writes it (ErrorResponse)."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}

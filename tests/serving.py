@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import openai
 
+from orca_serve.contract import merge_results
+
 VENV_BIN = Path(sys.executable).parent
 START_TIMEOUT = 300
 
@@ -129,3 +131,9 @@ def server_model(server: Server) -> str:
     if server.url not in _MODELS:
         _MODELS[server.url] = server.client().models.list().data[0].id
     return _MODELS[server.url]
+
+
+def records(per_worker: list[dict] | None) -> dict[str, dict]:
+    """An `orca_results` RPC answer as {key: the result's trajectory-record fields}
+    (`OrcaResult.to_dict`, arrays restored): what the engine tests compare."""
+    return {k: r.to_dict() for k, r in merge_results(per_worker).items()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import httpx
 import pytest
@@ -15,16 +16,18 @@ from orca_method.probe import Probe, ProbeSpec
 from orca_serve.apis import reasoning_spent, thinking_ended_by
 from orca_serve.effort import DEFAULT_EFFORT_MAP, parse_effort_map
 from orca_serve.metrics import OrcaMetrics
-from orca_serve.requests import OrcaDefaults, OrcaRequestError, resolve
-from orca_serve.server import OrcaMiddleware, OrcaState
+from orca_serve.middleware import OrcaMiddleware
+from orca_serve.orca_field import OrcaRequestError
+from orca_serve.requests import OrcaDefaults, resolve
 from tests.bundles import tiny_bundle
+from tests.servers import orca_result, orca_server
 
 BUNDLE = tiny_bundle(Probe(ProbeSpec(dim=16), seed=0), [(0.05, 0.5), (0.1, None), (0.2, 0.9)],
                      default_delta=0.1)
 DEFAULTS = OrcaDefaults(enabled=True, delta=0.1, policy="answer")
-RESULT = {"enabled": True, "policy": "answer", "steps_scored": 3, "stopped_early": True,
-          "stop_step": 3, "would_stop_step": 3, "last_score": 0.75, "reasoning_tokens": 40,
-          "forced_tokens": [5, 6], "stop_reason": "probe", "index": 0, "reasoning_closed": True}
+RESULT = orca_result(steps_scored=3, stopped_early=True, stop_step=3, would_stop_step=3,
+                     last_score=0.75, reasoning_tokens=40, forced_tokens=[5, 6],
+                     stop_reason="probe", reasoning_closed=True).to_dict()
 
 
 class FakeEngine:
@@ -86,8 +89,7 @@ def fake_vllm(engine: FakeEngine, seen: list):
 
 def make_client(defaults: OrcaDefaults = DEFAULTS):
     engine, seen = FakeEngine(), []
-    state = OrcaState(bundle=BUNDLE, defaults=defaults,
-                      metrics=OrcaMetrics(CollectorRegistry()), engine_client=engine)
+    state = orca_server(BUNDLE, defaults, metrics=OrcaMetrics(CollectorRegistry()), engine=engine)
     app = OrcaMiddleware(fake_vllm(engine, seen), state)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t"), seen
 
@@ -185,7 +187,7 @@ def test_invalid_utf8_is_400_in_the_apis_error_shape():
 def test_default_effort_table(effort, delta):
     _, s = resolve({"reasoning_effort": effort}, DEFAULTS, BUNDLE, effort=effort)
     assert (s.delta, s.delta_source, s.effort) == (delta, "effort", effort)
-    assert s.lam == {0.05: 0.5, 0.1: None, 0.2: 0.9}[delta]
+    assert s.lam == {0.05: 0.5, 0.1: math.inf, 0.2: 0.9}[delta]
 
 
 def test_effort_off_disables_an_explicit_delta_wins_and_none_is_unmapped():
@@ -246,12 +248,12 @@ def test_thinking_budget_report():
     ({"reasoning_closed": False, "reasoning_tokens": 59}, 100, None),
 ])
 def test_thinking_ended_by(result, budget, by):
-    assert thinking_ended_by(result, budget) == by
+    assert thinking_ended_by(orca_result(**result), budget) == by
 
 
 def test_reasoning_spent_counts_the_unpooled_last_token():
-    assert reasoning_spent({"reasoning_tokens": 59, "reasoning_closed": False}) == 60
-    assert reasoning_spent({"reasoning_tokens": 9, "reasoning_closed": True}) == 9
+    assert reasoning_spent(orca_result(reasoning_tokens=59, reasoning_closed=False)) == 60
+    assert reasoning_spent(orca_result(reasoning_tokens=9, reasoning_closed=True)) == 9
 
 
 def test_normal_shutdown_demotes_the_output_handlers_engine_dead_error():

@@ -1,28 +1,35 @@
 """orca-serve's parts in vLLM's own app, without an engine.
 
-The app is built by vLLM's `build_app` as vLLM's launcher calls it, through the hook orca-serve
-installs (orca_serve/vllm_compat/launch.py), from a command line parsed by vLLM's parser plus
-ours: what runs here is what `orca-serve` serves, up to the engine. Checked: the bundle route,
+The app is built by vLLM's `build_app` as vLLM's launcher calls it, with orca-serve's endpoint
+plugin allowed as orca-serve allows it (orca_serve/endpoint_plugin.py), from a command line
+parsed by vLLM's parser plus ours, and the plugins' state initialised as vLLM's `init_app_state`
+does: what runs here is what `orca-serve` serves, up to the engine. Checked: the bundle route,
 the order of the middleware (vLLM's API-key check before the orca validation, whose 400 comes
-from inside), the `orca` field in vLLM's OpenAPI description. benchmarks/check_vllm_release.sh
+from inside; the admin route's own key before vLLM's), the `orca` field in vLLM's OpenAPI
+description. benchmarks/check_vllm_release.sh
 runs this file on every supported vLLM release, 0.33 included (whose GPU wheel starts no engine
 on a CPU machine).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import os
 
 import pytest
 from starlette.testclient import TestClient
 
 from orca_method.bundle import load_bundle
+from orca_serve import endpoint_plugin
+from orca_serve.apis import CHAT_PATH
+from orca_serve.preflight import add_orca_args, demo_paths
 from orca_serve.reload import BUNDLE_PATH
-from orca_serve.serve_cli import add_orca_args, demo_paths
-from orca_serve.server import CHAT_PATH, ORCA_SCHEMA, install_own_state
+from orca_serve.server import ORCA_SCHEMA
 from orca_serve.vllm_compat import launch
 
 KEY = "sk-test"
+ADMIN = "admin-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BAD_ORCA = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
             "orca": {"delta": "often"}}
@@ -31,16 +38,41 @@ BAD_ORCA = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
 @pytest.fixture(scope="module")
 def client():
     model, bundle = demo_paths()
-    parser = add_orca_args(launch.serve_parser("orca-serve", "test"))
-    args = parser.parse_args(["--model", str(model), "--calib", str(bundle), "--api-key", KEY])
-    entry = importlib.import_module(launch._ENTRY)
-    vllm_build_app = entry.build_app
+    before = os.environ.get(endpoint_plugin.ENV)
+    os.environ.pop(endpoint_plugin.ENV, None)
     try:
-        launch._hook_build_app(install_own_state)
-        app = entry.build_app(args, ("generate",), None)  # as vLLM's launcher calls it
+        assert endpoint_plugin.allow() is None  # unset: ours and every other group's plugins
+        assert endpoint_plugin.NAME in os.environ[endpoint_plugin.ENV].split(",")
+        parser = add_orca_args(launch.serve_parser("orca-serve", "test"))
+        args = parser.parse_args(["--model", str(model), "--calib", str(bundle),
+                                  "--api-key", KEY, "--orca-admin-key-env", "ORCA_TEST_ADMIN"])
+        os.environ["ORCA_TEST_ADMIN"] = ADMIN
+        app = importlib.import_module(launch._ENTRY).build_app(args, ("generate",), None)
+        for plugin in app.state.endpoint_plugins:  # as vLLM's init_app_state does
+            asyncio.run(plugin.init_state(None, app.state, args))
     finally:
-        entry.build_app = vllm_build_app
+        os.environ.pop("ORCA_TEST_ADMIN", None)
+        if before is None:
+            os.environ.pop(endpoint_plugin.ENV, None)
+        else:
+            os.environ[endpoint_plugin.ENV] = before
+    assert [p.name for p in app.state.endpoint_plugins] == [endpoint_plugin.NAME]
     return TestClient(app)  # no `with`: vLLM's lifespan wants an engine
+
+
+def test_allow_keeps_a_users_list_and_adds_ours(monkeypatch):
+    monkeypatch.setenv(endpoint_plugin.ENV, "theirs")
+    assert "orca-serve added" in endpoint_plugin.allow()
+    assert os.environ[endpoint_plugin.ENV] == "theirs,orca-serve"
+    assert endpoint_plugin.allow() is None  # named already: left as it is
+
+
+def test_admin_route_is_checked_before_vllms_api_key(client):
+    """The admin key alone reaches the reload route (vLLM's --api-key would answer 401)."""
+    r = client.post(BUNDLE_PATH, json={"path": "/nowhere.json"},
+                    headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "path"
+    assert client.post(BUNDLE_PATH, json={"path": "/x"}, headers=AUTH).status_code == 403
 
 
 def test_bundle_route_behind_vllms_api_key(client):

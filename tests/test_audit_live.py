@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,13 +19,15 @@ from orca_method.audit.guards import DeltaGuard, GiveUpGuard, aligned_scores
 from orca_method.bundle import load_bundle
 from orca_method.risk import request_loss
 from orca_method.trajectories import TrajectorySet
+from orca_serve.contract import OrcaResult
 from orca_serve.live_audit.collector import AuditCollector
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
 from orca_serve.live_audit.sampling import AuditSampler
 from orca_serve.live_audit.store import AuditStore
+from orca_serve.report import orca_object
 from orca_serve.requests import OrcaDefaults, resolve
-from orca_serve.server import orca_object
+from tests.servers import orca_result
 
 DEMO_BUNDLE = Path(__file__).parents[1] / "orca_serve" / "demo" / "bundle.json"
 
@@ -83,8 +86,7 @@ def _picks(bundle, bodies: list[dict], seed: int) -> list[bool]:
     audit = LiveAudit(bundle, AuditConfig(rate=0.3, seed=seed), cs_factory=FakeCS, loss=_loss)
     out = []
     for body in bodies:
-        new, settings = resolve(body, OrcaDefaults(delta=0.1), bundle)
-        _, settings = audit.admit(new, settings)
+        _, settings = resolve(body, OrcaDefaults(delta=0.1), bundle, thresholds=audit)
         out.append(settings.audited)
     return out
 
@@ -105,23 +107,23 @@ def test_picks_do_not_depend_on_content(bundle) -> None:
 
 def test_disabled_and_rate_zero_requests_are_never_audited(bundle) -> None:
     audit = LiveAudit(bundle, AuditConfig(rate=0.0, seed=1), cs_factory=FakeCS, loss=_loss)
-    new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
-    body, settings = audit.admit(new, settings)
+    body, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle, thresholds=audit)
     assert not settings.audited and "orca_record" not in body["vllm_xargs"]
     assert body["vllm_xargs"]["orca_lam"] == bundle.lam(0.1)
     audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=1), cs_factory=FakeCS, loss=_loss)
-    new, settings = resolve({"messages": [], "orca": {"enabled": False}}, OrcaDefaults(), bundle)
-    assert not audit.admit(new, settings)[1].audited
+    _, settings = resolve({"messages": [], "orca": {"enabled": False}}, OrcaDefaults(), bundle,
+                          thresholds=audit)
+    assert not settings.audited and audit.counts["picked"] == 0  # no draw for it
 
 
 def test_audited_request_runs_in_shadow_with_record_mode(bundle) -> None:
     audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=1), cs_factory=FakeCS, loss=_loss)
-    new, settings = resolve({"messages": [{"role": "user", "content": "q"}],
-                             "orca": {"policy": "answer"}}, OrcaDefaults(delta=0.1), bundle)
-    body, settings = audit.admit(new, settings)
+    body, settings = resolve({"messages": [{"role": "user", "content": "q"}],
+                              "orca": {"policy": "answer"}}, OrcaDefaults(delta=0.1), bundle,
+                             thresholds=audit)
     xa = body["vllm_xargs"]
     assert xa["orca_policy"] == "shadow" and xa["orca_record"] == 1 and xa["orca_key"]
-    obj = orca_object(settings, {0: {"policy": "shadow"}})
+    obj = orca_object(settings, {0: orca_result(policy="shadow")})
     assert obj["audited"] is True and obj["lambda_source"] == "bundle"
 
 
@@ -189,11 +191,11 @@ def test_guard_acts_on_a_forced_alarm_and_clears(policy: str) -> None:
     assert (g.lam, g.source, g.engaged) == (0.45, "bundle", False)
 
 
-def _recorded(first_score: float, hidden: int) -> dict:
+def _recorded(first_score: float, hidden: int) -> OrcaResult:
     """A record-mode result of two steps whose first score is `first_score` (labels [0, 1] by
     FakeLabeller: the loss at lambda is 1 when first_score >= lambda)."""
-    return {"scores": [first_score, 0.9], "step_tokens": [3, 4], "delta": 0.1, "lam": None,
-            "step_embeddings": np.ones((2, hidden), dtype=np.float32)}
+    return orca_result(policy="shadow", scores=[first_score, 0.9], step_tokens=[3, 4],
+                       lam=math.inf, step_embeddings=np.ones((2, hidden), dtype=np.float32))
 
 
 def test_recalibrate_waits_for_audits_admitted_after_the_alarm(bundle) -> None:
@@ -215,8 +217,7 @@ def test_recalibrate_waits_for_audits_admitted_after_the_alarm(bundle) -> None:
     g, h = audit.guard(0.1), bundle.model.hidden_size
 
     def admit():
-        new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
-        return audit.admit(new, settings)[1]
+        return resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle, thresholds=audit)[1]
 
     async def finish(settings, score: float | None) -> None:
         result = {0: None} if score is None else {0: _recorded(score, h)}
@@ -268,8 +269,8 @@ def test_unfinished_audits_enter_the_risk_censored(bundle) -> None:
         for reasons, result in (({0: "length"}, _recorded(0.5, h)), ({}, _recorded(0.5, h)),
                                 ({0: "abort"}, _recorded(0.5, h)), ({0: "stop"}, _recorded(0.5, h)),
                                 ({}, None)):
-            new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
-            _, settings = audit.admit(new, settings)
+            _, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle,
+                                  thresholds=audit)
             audit.finished(settings, {0: result}, reasons)
             if audit._worker is not None:
                 await audit._worker
@@ -292,15 +293,14 @@ def _drift_audit(bundle, seed: int):
                           lambdas=bundle_lams(bundle))
     drift = DriftMonitor(ref, window=50)
     audit = LiveAudit(bundle, AuditConfig(rate=0.0), drift=drift)
-    new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
-    _, settings = audit.admit(new, settings)
+    _, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle, thresholds=audit)
     return rng, drift, audit, settings
 
 
 def test_drift_sees_one_choice_per_request(bundle) -> None:
     """n > 1 choices of one prompt share its difficulty: only choice 0 reaches the test."""
     _, drift, audit, settings = _drift_audit(bundle, seed=1)
-    audit.finished(settings, {i: {"scores": [0.1, 0.2], "lam": None, "policy": "answer"}
+    audit.finished(settings, {i: orca_result(scores=[0.1, 0.2], lam=math.inf)
                               for i in range(8)}, {i: "stop" for i in range(8)})
     assert drift.observed == 1
 
@@ -323,13 +323,13 @@ def test_fallback_reaches_requests_and_losses_use_the_bundle_lambda(bundle) -> N
     assert g.cs.losses == [1] and audit.guard(0.2).cs.losses == [1]
     g.cs.lower = 0.5
     audit.observe(scores, [0, 0, 1])
-    new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
-    body, settings = audit.admit(new, settings)
+    body, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle, thresholds=audit)
     assert body["vllm_xargs"]["orca_lam"] == "inf" and settings.lam_source == "fallback"
-    obj = orca_object(settings, {0: {}})
+    obj = orca_object(settings, {0: orca_result()})
     assert obj["lambda"] is None and obj["lambda_source"] == "fallback"
-    new, settings = resolve({"messages": [], "orca": {"delta": 0.2}}, OrcaDefaults(), bundle)
-    assert audit.admit(new, settings)[1].lam == bundle.lam(0.2)
+    _, settings = resolve({"messages": [], "orca": {"delta": 0.2}}, OrcaDefaults(), bundle,
+                          thresholds=audit)
+    assert settings.lam == bundle.lam(0.2)
     audit.observe(scores, [0, 0, 0])  # never right: left out, as calibration leaves it out
     assert audit.counts["unsolvable"] == 1 and len(g.cs.losses) == 2
     table = audit.table()
@@ -340,7 +340,8 @@ def test_fallback_reaches_requests_and_losses_use_the_bundle_lambda(bundle) -> N
 class FakeLabeller:
     """Labels every audit [0, 1] (our own fake of AuditLabeller: no engine)."""
 
-    async def label(self, key: str, rec: dict, result: dict, finish_reason: str | None) -> dict:
+    async def label(self, key: str, rec: dict, result: OrcaResult,
+                    finish_reason: str | None) -> dict:
         return {"id": key, "prompt": json.dumps(rec.get("messages")), "step_tokens": [3, 4],
                 "labels": {"consistent": [0, 1]}, "extra": {"finish_reason": finish_reason}}
 
@@ -355,13 +356,15 @@ def test_audit_record_says_which_lambda_the_request_was_served(bundle, tmp_path:
                       cs_factory=FakeCS, loss=_loss)
     audit.labeller = FakeLabeller()
     audit.store = AuditStore(tmp_path, dim=bundle.model.hidden_size, info={"model": "m"})
-    result = {"scores": [0.99999976, 0.2], "step_tokens": [3, 4], "step_embeddings":
-              np.ones((2, bundle.model.hidden_size), dtype=np.float32), "delta": 0.1}
+    def result(lam: float) -> OrcaResult:
+        return orca_result(policy="shadow", scores=[0.99999976, 0.2], step_tokens=[3, 4], lam=lam,
+                           step_embeddings=np.ones((2, bundle.model.hidden_size),
+                                                   dtype=np.float32))
 
     async def one(messages: list) -> None:
-        new, settings = resolve({"messages": messages}, OrcaDefaults(delta=0.1), bundle)
-        _, settings = audit.admit(new, settings)
-        audit.finished(settings, {0: {**result, "lam": settings.lam}}, {0: "stop"})
+        _, settings = resolve({"messages": messages}, OrcaDefaults(delta=0.1), bundle,
+                              thresholds=audit)
+        audit.finished(settings, {0: result(settings.lam)}, {0: "stop"})
         await audit._worker
 
     asyncio.run(one([{"role": "user", "content": "a"}]))
@@ -404,8 +407,8 @@ def test_drift_monitor_sees_every_finished_request(bundle) -> None:
     """Scores of all requests (audited or not) reach the drift monitor; shifted ones alarm."""
     rng, drift, audit, settings = _drift_audit(bundle, seed=0)
     for _ in range(50):
-        audit.finished(settings, {0: {"scores": rng.uniform(0.6, 1.0, 5).tolist(),
-                                      "lam": None, "policy": "answer"}}, {0: "stop"})
+        audit.finished(settings, {0: orca_result(scores=rng.uniform(0.6, 1.0, 5).tolist(),
+                                                 lam=math.inf)}, {0: "stop"})
     assert drift.observed == 50 and drift.alarm
     assert audit.table()["drift"] == {"pvalue": drift.pvalue, "alarm": True}
 
@@ -421,8 +424,8 @@ def test_drift_pvalue_is_absent_before_the_first_test(bundle) -> None:
 
     def finish(n: int) -> str:
         for _ in range(n):
-            audit.finished(settings, {0: {"scores": rng.uniform(0, 0.4, 5).tolist(),
-                                          "lam": None, "policy": "answer"}}, {0: "stop"})
+            audit.finished(settings, {0: orca_result(scores=rng.uniform(0, 0.4, 5).tolist(),
+                                                     lam=math.inf)}, {0: "stop"})
         return generate_latest(reg).decode()
 
     text = finish(49)
@@ -564,13 +567,13 @@ def test_a_give_up_alarm_turns_give_up_off_and_leaves_the_stop_threshold(bundle)
         assert row["mu"] is None and row["mu_source"] == "fallback" and row["bundle_mu"] is not None
     for row in table["deltas"]:  # the stop side saw only loss 0
         assert row["risk"] == 0.0 and not row["alarm"] and row["lambda_source"] == "bundle", row
-    new, settings = resolve({"messages": [], "orca": {"give_up": {"delta": 0.05}}},
-                            OrcaDefaults(delta=0.1), bundle)
-    assert settings.give_up_mu == bundle.mu(0.05)
-    body, settings = audit.admit(new, settings)
+    request = {"messages": [], "orca": {"give_up": {"delta": 0.05}}}
+    _, plain = resolve(request, OrcaDefaults(delta=0.1), bundle)
+    assert plain.give_up_mu == bundle.mu(0.05)
+    body, settings = resolve(request, OrcaDefaults(delta=0.1), bundle, thresholds=audit)
     assert "orca_give_up_mu" not in body["vllm_xargs"]
     assert body["vllm_xargs"]["orca_lam"] == bundle.lam(0.1) and settings.lam_source == "bundle"
-    obj = orca_object(settings, {0: {}})
+    obj = orca_object(settings, {0: orca_result()})
     assert obj["give_up"] == {"delta": 0.05, "mu": None, "policy": "guess",
                               "source": "fallback", "active": False}
     assert obj["lambda"] == bundle.lam(0.1) and obj["lambda_source"] == "bundle"
@@ -591,11 +594,10 @@ def test_a_give_up_alarm_only_reports_without_the_operators_leave(bundle) -> Non
             audit.observe([0.0, 0.0, 0.0], [1, 1, 1], give_up=GIVES_UP)
         row = audit.table()["give_up"]["deltas"][1]
         assert row["alarm"] and row["mu_source"] == "bundle" and row["mu"] == bundle.mu(0.05)
-        new, settings = resolve({"messages": [], "orca": {"give_up": {}}}, OrcaDefaults(delta=0.1),
-                                bundle)
-        body, settings = audit.admit(new, settings)
+        body, settings = resolve({"messages": [], "orca": {"give_up": {}}},
+                                 OrcaDefaults(delta=0.1), bundle, thresholds=audit)
         assert body["vllm_xargs"]["orca_give_up_mu"] == bundle.mu(0.05)
-        assert orca_object(settings, {0: {}})["give_up"]["active"] is True
+        assert orca_object(settings, {0: orca_result()})["give_up"]["active"] is True
 
 
 def test_give_up_risk_counts_never_right_and_censored_audits(bundle) -> None:
@@ -649,19 +651,20 @@ def test_an_audit_is_scored_by_the_give_up_probe_it_never_ran(bundle) -> None:
     audit.labeller = FakeLabeller()
     h = bundle.model.hidden_size
     results = [_recorded(0.5, h), _recorded(0.5, h)]  # the first: embeddings of ones
-    results[1]["step_embeddings"] = np.random.default_rng(3).normal(size=(2, h)).astype(np.float32)
+    results[1] = replace(results[1], step_embeddings=np.random.default_rng(3).normal(
+        size=(2, h)).astype(np.float32))
 
     async def run() -> None:
         for result in results:
-            new, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle)
-            _, settings = audit.admit(new, settings)
+            _, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle,
+                                  thresholds=audit)
             audit.finished(settings, {0: result}, {0: "stop"})
             await audit._worker
 
     asyncio.run(run())
     probe = bundle.load_give_up_probe()
     for d in bundle.give_up_deltas():
-        expect = [request_give_up_loss(replay(probe, [r["step_embeddings"]],
+        expect = [request_give_up_loss(replay(probe, [r.step_embeddings],
                                               window=bundle.give_up.window)[0][1].numpy(),
                                        bundle.mu(d), None) for r in results]
         # the probe scores ones 0 at the first step (gives up at every mu*), the other 1

@@ -22,6 +22,7 @@ from orca_serve.live_audit.options import AuditConfig
 from orca_serve.requests import OrcaDefaults, resolve
 from tests.audit_simulation import give_up_pool, give_up_streams, hardest_null, shift_delays
 from tests.bundles import small_bundle
+from tests.servers import orca_result
 
 DEMO_BUNDLE = Path(__file__).parents[1] / "orca_serve" / "demo" / "bundle.json"
 
@@ -325,7 +326,7 @@ def test_drift_false_alarm_rate_with_clustered_choices(reference):
             lengths = rng.integers(5, 60, 8)
             z = rng.normal(-1.0, 1.0) + np.cumsum(rng.normal(0.08, 0.3, (8, 60)), axis=1)
             paths = 1 / (1 + np.exp(-z))  # [8 choices, 60 steps], one level per request
-            results = {i: {"scores": paths[i, :n - 1].tolist(), "lam": None, "policy": "answer"}
+            results = {i: orca_result(scores=paths[i, :n - 1].tolist(), lam=math.inf)
                        for i, n in enumerate(lengths)}
             audit.finished(settings, results, {i: "stop" for i in range(8)})
         alarms += mon.alarm

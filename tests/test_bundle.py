@@ -282,7 +282,7 @@ DEMO = Path(__file__).parents[1] / "orca_serve" / "demo"
 
 @pytest.fixture(scope="module")
 def demo_facts():
-    from orca_serve.serve_cli import model_facts
+    from orca_serve.model_checks import model_facts
 
     return model_facts(str(DEMO / "model"))
 
@@ -326,7 +326,7 @@ SEMANTIC = {  # resealed bad bundle -> what the one-line refusal says
 
 @pytest.mark.parametrize("name", sorted(SEMANTIC))
 def test_resealed_bad_bundles_are_refused_before_serving(tmp_path, demo_facts, name) -> None:
-    from orca_serve.serve_cli import check_served
+    from orca_serve.model_checks import check_served
 
     mutate, why = SEMANTIC[name]
     bundle = load_bundle(_resealed(tmp_path, mutate))  # the checksum holds: it was resealed
@@ -336,7 +336,7 @@ def test_resealed_bad_bundles_are_refused_before_serving(tmp_path, demo_facts, n
 
 
 def test_the_demo_bundle_passes_every_check(demo_facts) -> None:
-    from orca_serve.serve_cli import check_served
+    from orca_serve.model_checks import check_served
 
     bundle = load_bundle(DEMO / "bundle.json")
     assert check_served(bundle, demo_facts, str(DEMO / "model"),
@@ -348,7 +348,7 @@ def test_another_model_is_refused_unless_forced(tmp_path, demo_facts) -> None:
     """The model name must match --model (or its last path component) or --served-model-name;
     a bundle that names no tokenizer is refused too; --orca-force-model lets both through with
     a note, but never a different tokenizer."""
-    from orca_serve.serve_cli import check_served
+    from orca_serve.model_checks import check_served
 
     model = str(DEMO / "model")
     other = load_bundle(_resealed(tmp_path, lambda d: d["model"].update(name="Qwen/QwQ-32B")))
@@ -384,7 +384,7 @@ def test_a_model_with_the_bundles_name_but_another_config_is_refused(tmp_path, d
     """Issue 23: the bundle records the model's config fingerprint; a model of another shape
     is refused whatever it is served as, unless --orca-force-model. The demo bundle (written
     before the fingerprint) has none and is checked by name, hidden size and tokenizer."""
-    from orca_serve.serve_cli import check_served
+    from orca_serve.model_checks import check_served
 
     model, names = str(DEMO / "model"), ["orca-toy-reasoner"]
     assert demo_facts.config is not None

@@ -49,7 +49,7 @@ def test_check_vllm_exits_1_with_one_line_per_touch_point(fake_compat, monkeypat
         raise RuntimeError("vLLM 9.9 is not supported")
 
     # the check runs before (and whatever) the supported-version check says
-    monkeypatch.setattr("orca_serve.serve_cli.check_vllm_version", refuse)
+    monkeypatch.setattr("orca_serve.preflight.check_vllm_version", refuse)
     with pytest.raises(SystemExit) as e:
         cli.main(["--check-vllm"])
     assert e.value.code == 1

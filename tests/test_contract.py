@@ -9,17 +9,19 @@ import pytest
 
 from orca_serve.contract import (
     DEFAULTS,
+    POLICIES,
     XARG_BUNDLE,
     XARG_LAM,
     XARG_N,
     XARG_SEED,
     OrcaResult,
+    Policy,
     child_key,
-    encode_lam,
-    request_spec,
-    validate_xargs,
+    to_wire,
 )
-from orca_serve.requests import OrcaDefaults, OrcaRequestError, resolve
+from orca_serve.orca_field import OrcaRequestError
+from orca_serve.requests import OrcaDefaults, resolve
+from orca_serve.xargs import encode_lam, request_spec, validate_xargs
 
 LAMS = {0.05: math.inf, 0.1: 0.6, 0.2: 0.4}
 
@@ -58,7 +60,7 @@ def test_lambda_resolution_server_value_wins_engine_resolves_the_rest():
     assert spec.lam == 0.4 and spec.enabled and spec.policy == "answer"
     spec = request_spec({"orca_delta": 0.3}, DEFAULTS, record=False, lam_of=lam_of,
                         default_delta=0.1)
-    assert (spec.delta, spec.lam) == (0.1, 0.6) and "default delta" in spec.notes[0]
+    assert not spec.enabled and spec.lam is None and spec.refused == str(_refusal(0.3))
     spec = request_spec({}, DEFAULTS, record=True, lam_of=None, default_delta=None)
     assert not spec.enabled and spec.record and spec.lam is None
 
@@ -74,11 +76,71 @@ def test_server_passes_the_lambda_it_resolved():
     # the engine joins the deployment of the bundle lambda* came from (hot reload)
     assert out["vllm_xargs"][XARG_BUNDLE] == "c" * 64 == s.bundle
     out, s = resolve({"orca": {"delta": 0.05}}, d, FakeBundle())  # type: ignore[arg-type]
-    assert out["vllm_xargs"][XARG_LAM] == "inf" == encode_lam(math.inf) and s.lam is None
+    assert out["vllm_xargs"][XARG_LAM] == "inf" == encode_lam(math.inf) and s.lam == math.inf
     with pytest.raises(OrcaRequestError, match="set by the server"):
         resolve({"vllm_xargs": {XARG_LAM: 0.1}}, d, FakeBundle())  # type: ignore[arg-type]
     with pytest.raises(OrcaRequestError, match="set by the server"):
         resolve({"vllm_xargs": {XARG_BUNDLE: "x"}}, d, FakeBundle())  # type: ignore[arg-type]
+
+
+def _refusal(delta: float) -> Exception:
+    try:
+        lam_of(delta)
+    except ValueError as e:
+        return e
+    raise AssertionError(f"{delta} is in the table")
+
+
+def test_an_unknown_delta_gets_the_same_answer_on_both_sides():
+    """The server refuses it (400) in the bundle's words; the engine, reached without the
+    server, refuses it in the same words and runs without early stopping (no fallback)."""
+    from orca_method.bundle import BundleError
+
+    def bundle_lam(delta: float) -> float:
+        try:
+            return lam_of(delta)
+        except ValueError as e:
+            raise BundleError(str(e)) from None
+
+    class FakeBundle:
+        lam = staticmethod(bundle_lam)
+        checksum = "c" * 64
+
+    with pytest.raises(OrcaRequestError) as server:
+        resolve({"orca": {"delta": 0.3}}, OrcaDefaults(delta=0.1), FakeBundle())  # type: ignore[arg-type]
+    engine = request_spec({"orca_delta": 0.3}, DEFAULTS, record=False, lam_of=bundle_lam,
+                          default_delta=0.1)
+    assert server.value.message == engine.refused == "delta 0.3 has no calibrated lambda*"
+    assert server.value.param == "orca.delta" and not engine.enabled
+
+
+def test_policy_rules():
+    """One rule per policy: what a stop does is asked of the rule, never of the name."""
+    assert [(p.rule.acts, p.rule.answers) for p in Policy] == [
+        (True, True), (True, False), (False, False)]
+    assert POLICIES == ("answer", "stop", "shadow") and Policy("shadow") is Policy.SHADOW
+    assert request_spec({"orca_policy": "stop"}, DEFAULTS, record=False, lam_of=lam_of,
+                        default_delta=0.1).policy is Policy.STOP
+
+
+def test_result_wire_round_trip():
+    """`from_wire` reads back what the engine sends (`to_wire` of `to_dict`): every field, the
+    arrays as numpy arrays, never-stop lambda as inf; unknown keys (newer engines) ignored."""
+    arr = np.arange(6, dtype=np.float32).reshape(2, 3)
+    r = OrcaResult(enabled=True, policy=Policy.SHADOW, delta=0.05, lam=math.inf,
+                   steps_scored=2, stopped_early=False, stop_step=None, would_stop_step=2,
+                   last_score=0.7, scores=[0.1, 0.7], reasoning_tokens=9, forced_tokens=[],
+                   stop_reason=None, index=1, notes=["n"], give_up_mu=0.2, give_up_step=None,
+                   last_give_up_score=0.1, step_embeddings=arr, step_tokens=[4, 5],
+                   step_token_ids=[[1], [2]], prompt_token_ids=[7], output_token_ids=[8, 9])
+    wire = to_wire(r.to_dict())
+    assert wire["lam"] is None and isinstance(wire["step_embeddings"]["data"], bytes)
+    back = OrcaResult.from_wire({**wire, "from_a_newer_engine": 1})
+    np.testing.assert_array_equal(back.step_embeddings, arr)
+    back.step_embeddings = r.step_embeddings = None
+    assert back == r and back.lam == math.inf and back.policy is Policy.SHADOW
+    off = OrcaResult.from_wire({**wire, "enabled": False})
+    assert off.lam is None  # orca did not run: no threshold at all
 
 
 def test_result_wire_form():

@@ -284,16 +284,19 @@ def test_a_request_naming_an_unloaded_bundle_runs_without_early_stopping(bundle_
     assert not r["enabled"] and r["steps_scored"] == 0
 
 
-def test_a_delta_outside_the_table_is_logged_once_and_reported(bundle_path, caplog):
-    """Without the server's orca_lam (a stock vLLM server) the engine cannot refuse the delta:
-    it runs with the default delta, says so in the result's notes and, once per delta, in the
-    log (the only place a stock server's operator sees it)."""
+def test_a_delta_outside_the_table_is_refused_as_the_server_refuses_it(bundle_path, caplog):
+    """Without the server's orca_lam (a stock vLLM server) the engine cannot answer 400: it
+    refuses the delta in the server's words (the bundle's), runs the request without early
+    stopping, says so in the result's error and, once per delta, in the log (the only place a
+    stock server's operator sees it)."""
     core = make_core(bundle_path)
     with caplog.at_level(logging.WARNING, logger="orca_serve.core"):
         for name in ("a", "b"):
             req = core.join(name, {"orca_delta": 0.3}, prompt=PROMPT, n_out=0, index=0,
                             max_tokens=20, eos=None, ignore_eos=False, structured=False)
-            assert req.spec.delta == 0.1 and "default delta" in req.result().notes[0]
+            r = req.result()
+            assert not r.enabled and r.lam is None and "delta 0.3" in r.error
+            assert r.error.endswith("it ran without early stopping")
     warned = [r for r in caplog.records if "0.3" in r.getMessage()]
     assert len(warned) == 1 and "available deltas: 0.05, 0.1" in warned[0].getMessage()
 

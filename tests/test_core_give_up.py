@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from orca_serve.contract import XARG_GIVE_UP_MU, XARG_KEY, XARG_LAM, ended
+from orca_serve.contract import XARG_GIVE_UP_MU, XARG_KEY, XARG_LAM, OrcaResult
 from tests.bundles import tiny_bundle, with_give_up, write_bundle
 from tests.core_sim import (
     DIM,
@@ -54,7 +54,7 @@ def test_a_request_gives_up_at_its_first_step_below_mu_and_answers_its_best_gues
     })
     r = res["gives-up"]
     assert r["stop_reason"] == "give_up" and r["give_up_step"] == 1 == r["steps_scored"]
-    assert not r["stopped_early"] and ended(r["stopped_early"], r["stop_reason"]) == "gave_up"
+    assert not r["stopped_early"] and OrcaResult.from_wire(r).ended == "gave_up"
     assert r["give_up_mu"] == 0.2 and r["last_give_up_score"] == pytest.approx(0.1192, abs=1e-4)
     # the best guess: the stop's forced text, 4 answer tokens, EOS
     assert r["forced_tokens"] == FORCE + [EOS]
@@ -63,7 +63,7 @@ def test_a_request_gives_up_at_its_first_step_below_mu_and_answers_its_best_gues
     for name in ("above-mu", "off", "audited"):  # never give up; the audited one runs to the end
         r = res[name]
         assert r["stop_reason"] != "give_up" and r.get("give_up_step") is None, name
-        assert ended(r["stopped_early"], r["stop_reason"]) == "full", name
+        assert OrcaResult.from_wire(r).ended == "full", name
         assert r["steps_scored"] > 1, name
         assert len(sims[name].out) > len(sims["gives-up"].out), name
     r = res["tie"]
@@ -91,26 +91,24 @@ def test_a_one_sided_bundle_is_refused_by_a_reload_under_a_give_up_default(
 
     from orca_method.bundle import load_bundle
     from orca_serve.metrics import OrcaMetrics
-    from orca_serve.reload import Reloader, ReloadRefused
+    from orca_serve.reload import ReloadRefused
     from orca_serve.requests import OrcaDefaults
-    from orca_serve.server import OrcaState
+    from tests.servers import orca_server
 
     core = make_core(bundle_path)
     # the engine side of the reload RPCs, on a real core (the worker extension's answers)
     engine = {"orca_load_bundle": lambda p: {"checksum": core.load_bundle(p).checksum},
               "orca_use_bundle": lambda c: {"checksum": core.use_bundle(c).checksum},
               "orca_retire_bundles": lambda k: {"live": core.retire_bundles(k)}}
-    state = OrcaState(bundle=load_bundle(bundle_path),
-                      defaults=OrcaDefaults(delta=0.1, give_up_delta=0.1),
-                      metrics=OrcaMetrics(CollectorRegistry(), model_name="m"))
     calls = []
 
     async def rpc(method, args=()):
         calls.append(method)
         return [engine[method](*args)]
 
-    state.rpc = rpc
-    state.reloader = Reloader(state, calib_path=str(bundle_path))
+    state = orca_server(load_bundle(bundle_path), OrcaDefaults(delta=0.1, give_up_delta=0.1),
+                        rpc=rpc, metrics=OrcaMetrics(CollectorRegistry(), model_name="m"),
+                        reloader={"calib_path": str(bundle_path)})
     with pytest.raises(ReloadRefused, match="--orca-give-up-delta 0.1: this bundle has no "
                                             "give-up threshold"):
         asyncio.run(state.reloader.reload(str(other_bundle_path), source="test"))

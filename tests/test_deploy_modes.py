@@ -11,7 +11,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from orca_serve.vllm_plugin import encode_arrays, merge_results
+from orca_serve.contract import OrcaResult, merge_results, to_wire
 from orca_serve.vllm_plugin.config import (
     ENV_ANY_VLLM,
     SUPPORTED_VLLM,
@@ -56,7 +56,10 @@ def test_pyproject_gpu_extra_is_the_supported_range():
 
 
 def _res(steps: int, ran: bool | None) -> dict:
-    r = {"stopped_early": steps > 0, "stop_step": steps or None, "steps_scored": steps}
+    r = OrcaResult(enabled=True, policy="answer", delta=0.1, lam=0.5, steps_scored=steps,
+                   stopped_early=steps > 0, stop_step=steps or None, would_stop_step=None,
+                   last_score=None, scores=[], reasoning_tokens=0, forced_tokens=[],
+                   stop_reason=None, index=0).to_dict()
     if ran is not None:
         r["ran_sampler"] = ran
     return r
@@ -68,17 +71,22 @@ def test_merge_prefers_the_worker_that_ran_the_sampler():
     stage0, last = {"k": _res(0, False)}, {"k": _res(5, True)}
     for per_worker in ([stage0, last], [last, stage0]):
         r = merge_results(per_worker)["k"]
-        assert r["stopped_early"] and r["stop_step"] == 5
-    assert merge_results([{}, last]) == {"k": last["k"]}  # the reporting-worker-only answer
+        assert r.stopped_early and r.stop_step == 5 and r.ran_sampler
+    # the reporting-worker-only answer, read back field for field
+    assert merge_results([{}, last]) == {"k": OrcaResult.from_wire(last["k"])}
+    assert merge_results([{}, last])["k"].to_dict() == {
+        k: v for k, v in last["k"].items() if k != "ran_sampler"}
 
 
 def test_merge_across_data_parallel_engines_and_encoded_arrays():
     """Answers of several engines concatenated: each key comes from the engine that ran it;
     arrays sent as bytes are restored."""
     emb = np.arange(6, dtype=np.float32).reshape(2, 3)
-    engine0 = [{"a": encode_arrays({**_res(2, True), "step_embeddings": emb})}, {}]
+    engine0 = [{"a": to_wire({**_res(2, True), "step_embeddings": emb, "step_tokens": [1, 2]})},
+               {}]
+    assert isinstance(engine0[0]["a"]["step_embeddings"]["data"], bytes)
     engine1 = [{"b": _res(3, True), "c": None}, {}]
     out = merge_results(engine0 + engine1)
     assert set(out) == {"a", "b"}
-    np.testing.assert_array_equal(out["a"]["step_embeddings"], emb)
-    assert out["b"]["stop_step"] == 3
+    np.testing.assert_array_equal(out["a"].step_embeddings, emb)
+    assert out["b"].stop_step == 3

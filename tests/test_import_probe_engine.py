@@ -26,9 +26,9 @@ import vllm  # noqa: F401
 from calibration.calibrate_cli import main as calibrate_main
 from orca_method.bundle import load_bundle
 from orca_method.steps import TokenTable, segment
-from orca_serve.vllm_plugin import merge_results
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
 from tests.authors_format import AuthorsProbe, authors_state_dict, smooth
+from tests.serving import records
 from tests.tiny_model import HIDDEN
 
 pytestmark = pytest.mark.vllm
@@ -72,7 +72,7 @@ def _run(setup, key: str, **xa):
     sp = SamplingParams(max_tokens=100, temperature=1.0, seed=7,
                         extra_args={"orca_key": key, **xa})
     out = setup["llm"].generate([setup["prompt"]], [sp], use_tqdm=False)[0]
-    res = merge_results(setup["llm"].collective_rpc("orca_results", args=([key],)))[key]
+    res = records(setup["llm"].collective_rpc("orca_results", args=([key],)))[key]
     assert "error" not in res, res.get("error")
     return out, res
 

@@ -28,9 +28,10 @@ import vllm  # noqa: F401 - a broken install must fail, not skip
 
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.procedure import replay
-from orca_serve.vllm_plugin import merge_results
+from orca_serve.contract import merge_results
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
 from tests.bundles import tiny_bundle, write_bundle
+from tests.serving import records
 from tests.tiny_model import HIDDEN, chat_prompts
 
 pytestmark = pytest.mark.vllm
@@ -90,7 +91,7 @@ def reference(model, tok, prompts, tmp_path_factory):
         try:
             outs = llm.generate(prompts, [_sp(f"r{i}") for i in range(len(prompts))],
                                 use_tqdm=False)
-            res = merge_results(llm.collective_rpc(
+            res = records(llm.collective_rpc(
                 "orca_results", args=([f"r{i}" for i in range(len(prompts))],)))
         finally:
             _close(llm)
@@ -144,7 +145,7 @@ def parallel(request, model, prompts, reference, monkeypatch_module):
         _close(llm)
         vllm.envs.disable_envs_cache()
     return {"mode": request.param, "outs": outs, "per_worker": per_worker,
-            "res": merge_results(per_worker), "before": before, "after": after}
+            "res": records(per_worker), "before": before, "after": after}
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +161,7 @@ def test_one_worker_answers(parallel):
     assert len(parallel["per_worker"]) == 2
     assert [bool(w) for w in parallel["per_worker"]].count(True) == 1
     assert [bool(s) for s in parallel["after"]].count(True) == 1
-    assert all(r["ran_sampler"] for r in parallel["res"].values())
+    assert all(r.ran_sampler for r in merge_results(parallel["per_worker"]).values())
 
 
 def test_stop_steps_equal_single_rank_replay(parallel, reference, tok):

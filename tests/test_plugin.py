@@ -22,13 +22,13 @@ import vllm  # noqa: F401
 
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.procedure import replay
-from orca_serve.vllm_plugin import merge_results
 from orca_serve.vllm_plugin.config import (
     check_engine_supported,
     engine_kwargs,
     prepare_environment,
 )
 from tests.bundles import tiny_bundle, write_bundle
+from tests.serving import records
 from tests.tiny_model import HIDDEN, chat_prompts
 
 pytestmark = pytest.mark.vllm
@@ -57,7 +57,7 @@ def _sp(seed, key=None, max_tokens=MAX_TOKENS, n=1, temperature=1.0, penalty=0.0
 
 
 def _results(llm, keys):
-    return merge_results(llm.collective_rpc("orca_results", args=(list(keys),)))
+    return records(llm.collective_rpc("orca_results", args=(list(keys),)))
 
 
 # -- engines and the calibrated bundle --------------------------------------------------------
@@ -82,7 +82,7 @@ def recorded(recorder, prompts):
     import numpy as np
 
     assert not isinstance(raw[0]["rec0"]["step_embeddings"], np.ndarray)
-    res = merge_results(raw)
+    res = records(raw)
     assert isinstance(res["rec0"]["step_embeddings"], np.ndarray)
     return outs, [res[f"rec{i}"] for i in range(len(prompts))]
 
@@ -202,7 +202,7 @@ def test_multiprocess_engine_keywords_and_n2(model, tok, prompts, monkeypatch):
         assert type(llm.llm_engine.engine_core).__name__ != "InprocClient"
         sps = [_sp(21, "mp0", max_tokens=100), _sp(22, "mp1", max_tokens=80, n=2)]
         outs = llm.generate(prompts[:2], sps, use_tqdm=False)
-        res = merge_results(llm.collective_rpc("orca_results", args=(["mp0", "mp1", "mp1/1"],)))
+        res = records(llm.collective_rpc("orca_results", args=(["mp0", "mp1", "mp1/1"],)))
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -18,15 +19,17 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from orca_method.bundle import _checksum, load_bundle
+from orca_serve.admin import AdminMiddleware
 from orca_serve.contract import XARG_KEY
+from orca_serve.effort import parse_effort_map
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
 from orca_serve.metrics import OrcaMetrics
-from orca_serve.reload import AdminMiddleware, Reloader, ReloadRefused
+from orca_serve.reload import ReloadRefused
 from orca_serve.requests import OrcaDefaults, resolve
-from orca_serve.server import OrcaState
 from orca_serve.vllm_plugin.worker import OrcaWorkerExtension
 from tests.core_sim import PROMPT, make_core, sim_bundle
+from tests.servers import orca_result, orca_server
 
 
 class Proc:
@@ -65,50 +68,49 @@ def paths(tmp_path_factory):
 def setup(paths, refuse=()):
     a = load_bundle(paths["a"])
     workers = [Worker(Proc(make_core(paths["a"]))), Worker(Proc(make_core(paths["a"]), refuse))]
-    state = OrcaState(bundle=a, defaults=OrcaDefaults(delta=0.1),
-                      metrics=OrcaMetrics(CollectorRegistry(), model_name="m"))
     calls = []
 
     async def rpc(method, args=()):
         calls.append(method)
         return [getattr(w, method)(*args) for w in workers]
 
-    state.rpc = rpc
-    state.reloader = Reloader(state, calib_path=str(paths["a"]), admin_key="k")
-    return state, [w.proc.core for w in workers], calls
+    server = orca_server(a, OrcaDefaults(delta=0.1), rpc=rpc,
+                         metrics=OrcaMetrics(CollectorRegistry(), model_name="m"),
+                         reloader={"calib_path": str(paths["a"]), "admin_key": "k"})
+    return server, [w.proc.core for w in workers], calls
 
 
 def test_a_refusal_by_one_worker_rolls_every_worker_back(paths):
-    state, cores, calls = setup(paths, refuse={str(paths["b"])})
-    a = state.bundle.checksum
+    server, cores, calls = setup(paths, refuse={str(paths["b"])})
+    a = server.serving.now.bundle.checksum
     with pytest.raises(ReloadRefused, match="refused by this worker"):
-        asyncio.run(state.reloader.reload(str(paths["b"]), source="test"))
+        asyncio.run(server.reloader.reload(str(paths["b"]), source="test"))
     assert calls == ["orca_load_bundle", "orca_use_bundle", "orca_retire_bundles"]
-    assert state.bundle.checksum == a
+    assert server.serving.now.bundle.checksum == a
     for core in cores:  # the first worker had staged it: let go again
         assert list(core.deps) == [a] and core.dep.checksum == a
     with pytest.raises(ReloadRefused, match="hidden size"):  # refused by every engine
-        asyncio.run(state.reloader.reload(str(paths["wrong"]), source="test"))
-    assert state.reloader.last["refused"] and state.bundle.checksum == a
+        asyncio.run(server.reloader.reload(str(paths["wrong"]), source="test"))
+    assert server.reloader.last["refused"] and server.serving.now.bundle.checksum == a
 
 
 def test_the_old_bundle_goes_after_its_last_request(paths):
     """A request resolved with A before the reload joins A in the engine even after the swap;
     A is let go only when the server has finished it and the engine's request has left."""
-    state, cores, _ = setup(paths)
-    a = state.bundle.checksum
-    body, old = resolve({"messages": []}, state.defaults, state.bundle)
-    state.reloader.started(old)
+    server, cores, _ = setup(paths)
+    a = server.serving.now.bundle.checksum
+    body, old = resolve({"messages": []}, server.serving.now.defaults, server.serving.now.bundle)
+    server.reloader.started(old)
 
     async def go():
-        out = await state.reloader.reload(str(paths["b"]), source="test")
+        out = await server.reloader.reload(str(paths["b"]), source="test")
         await asyncio.sleep(0)
         return out
 
     out = asyncio.run(go())
     b = out["checksum"]
-    assert out["changed"] and out["previous"] == a and state.bundle.checksum == b != a
-    assert state.defaults.delta == state.bundle.default_delta
+    assert out["changed"] and out["previous"] == a and server.serving.now.bundle.checksum == b != a
+    assert server.serving.now.defaults.delta == server.serving.now.bundle.default_delta
     for core in cores:
         assert list(core.deps) == [a, b] and core.dep.checksum == b
     # the engine sees the request only now (it waited in vLLM's queue): it joins A
@@ -116,12 +118,12 @@ def test_the_old_bundle_goes_after_its_last_request(paths):
     req = cores[0].join("r", xa, prompt=PROMPT, n_out=0, index=0, max_tokens=9, eos=None,
                         ignore_eos=False, structured=False)
     assert req.dep.checksum == a and req.enabled
-    _, new = resolve({"messages": []}, state.defaults, state.bundle)
+    _, new = resolve({"messages": []}, server.serving.now.defaults, server.serving.now.bundle)
     assert new.bundle == b
 
     async def finish():
-        state.reloader.finished(old)  # the server fetched its result
-        await asyncio.gather(*state.reloader._tasks)
+        server.reloader.finished(old)  # the server fetched its result
+        await asyncio.gather(*server.reloader._tasks)
 
     asyncio.run(finish())
     assert list(cores[1].deps) == [b]  # no request of A there
@@ -130,29 +132,32 @@ def test_the_old_bundle_goes_after_its_last_request(paths):
     assert list(cores[0].deps) == [b]
     assert cores[0].pop_results([xa[XARG_KEY]])[xa[XARG_KEY]]["bundle_checksum"] == a
     # reloading the bundle that serves is a no-op
-    again = asyncio.run(state.reloader.reload(str(paths["b"]), source="test"))
+    again = asyncio.run(server.reloader.reload(str(paths["b"]), source="test"))
     assert again["changed"] is False
 
 
 def test_the_live_audit_restarts_with_the_new_bundle(paths):
-    state, _, _ = setup(paths)
-    state.audit = LiveAudit(state.bundle, AuditConfig(rate=1.0, seed=0))
-    state.reloader.make_audit = lambda b: LiveAudit(b, AuditConfig(rate=1.0, seed=0))
-    body, settings = resolve({"messages": [{"role": "user", "content": "q"}]}, state.defaults,
-                             state.bundle)
-    old_audit = state.audit
-    _, settings = old_audit.admit(body, settings)
+    server, _, _ = setup(paths)
+    now = server.serving.now
+    server.serving.swap(replace(now, audit=LiveAudit(now.bundle, AuditConfig(rate=1.0, seed=0))))
+    server.reloader.make_audit = lambda b: LiveAudit(b, AuditConfig(rate=1.0, seed=0))
+    old = server.serving.now
+    _, settings = resolve({"messages": [{"role": "user", "content": "q"}]}, old.defaults,
+                          old.bundle, thresholds=old.thresholds)
     assert settings.audited
-    asyncio.run(state.reloader.reload(str(paths["b"]), source="test"))
-    assert state.audit is not old_audit and state.audit.bundle.checksum == state.bundle.checksum
-    assert state.audit.counts["superseded"] == 1 and state.audit.counts["picked"] == 0
-    assert state.audit.table()["bundle_checksum"] == state.bundle.checksum
-    old_audit.finished(settings, {0: {"scores": [0.5], "step_tokens": [3]}}, {0: "stop"})  # dropped
-    assert old_audit._queue is None and state.audit._queue is None
+    asyncio.run(server.reloader.reload(str(paths["b"]), source="test"))
+    new = server.serving.now
+    assert new.audit is not old.audit and new.audit.bundle.checksum == new.bundle.checksum
+    assert new.audit.counts["superseded"] == 1 and new.audit.counts["picked"] == 0
+    assert new.audit.table()["bundle_checksum"] == new.bundle.checksum
+    old.audit.finished(settings, {0: orca_result(scores=[0.5], step_tokens=[3])},
+                       {0: "stop"})  # dropped
+    assert old.audit._queue is None and new.audit._queue is None
+    assert old.defaults is not new.defaults and old.bundle is not new.bundle  # swapped whole
 
 
 def test_admin_route(paths):
-    state, _, _ = setup(paths)
+    server, _, _ = setup(paths)
     seen = []
 
     async def app(scope, receive, send):  # everything else reaches vLLM's app
@@ -176,30 +181,33 @@ def test_admin_route(paths):
         await client.aclose()
         return out
 
-    r = asyncio.run(go(state.reloader))
+    r = asyncio.run(go(server.reloader))
     assert [x.status_code for x in r] == [401, 403, 400, 400, 200, 204]
     assert "hidden size" in r[3].json()["error"]["message"]
-    assert r[4].json()["checksum"] == state.bundle.checksum == r[4].json()["bundle"]["checksum"]
-    state.reloader.admin_key = None
-    r = asyncio.run(go(state.reloader))
+    assert r[4].json()["checksum"] == server.serving.now.bundle.checksum == r[4].json()["bundle"]["checksum"]
+    server.reloader.admin_key = None
+    r = asyncio.run(go(server.reloader))
     assert {x.status_code for x in r[:5]} == {404}
     assert seen == ["/v1/orca/bundle"] * 2  # only the GET passed through
+
+
+def _effort_map(server, text):
+    """The server started with --orca-effort-map `text`."""
+    now = server.serving.now
+    server.serving.swap(replace(now, defaults=replace(now.defaults,
+                                                      effort_map=parse_effort_map(text))))
 
 
 def test_a_bundle_without_an_effort_maps_delta_is_refused(paths):
     """--orca-effort-map low=0.3: a new bundle must calibrate 0.3 too, or low-effort requests
     would fail; refused before any engine is asked."""
-    from dataclasses import replace
-
-    from orca_serve.effort import parse_effort_map
-
-    state, _cores, calls = setup(paths)
-    state.defaults = replace(state.defaults, effort_map=parse_effort_map("low=0.3"))
+    server, _cores, calls = setup(paths)
+    _effort_map(server, "low=0.3")
     with pytest.raises(ReloadRefused, match="--orca-effort-map: delta 0.3 has no calibrated"):
-        asyncio.run(state.reloader.reload(str(paths["b"]), source="test"))
-    assert calls == [] and state.bundle.checksum == load_bundle(paths["a"]).checksum
-    state.defaults = replace(state.defaults, effort_map=parse_effort_map("low=0.05"))
-    assert asyncio.run(state.reloader.reload(str(paths["b"]), source="test"))["changed"]
+        asyncio.run(server.reloader.reload(str(paths["b"]), source="test"))
+    assert calls == [] and server.serving.now.bundle.checksum == load_bundle(paths["a"]).checksum
+    _effort_map(server, "low=0.05")
+    assert asyncio.run(server.reloader.reload(str(paths["b"]), source="test"))["changed"]
 
 
 def test_a_bundle_the_start_up_checks_refuse_is_refused_with_one_logged_line(paths, tmp_path,
@@ -211,10 +219,10 @@ def test_a_bundle_the_start_up_checks_refuse_is_refused_with_one_logged_line(pat
     data["checksum"] = _checksum(data)
     bad = tmp_path / "rising.json"
     bad.write_text(json.dumps(data))
-    state, _, calls = setup(paths)
+    server, _, calls = setup(paths)
     with caplog.at_level(logging.INFO, logger="orca_serve"), \
             pytest.raises(ReloadRefused, match="rises with delta"):
-        asyncio.run(state.reloader.reload(str(bad), source="test"))
+        asyncio.run(server.reloader.reload(str(bad), source="test"))
     assert calls == []
     (line,) = [r for r in caplog.records if r.name == "orca_serve.reload"]
     assert line.levelno == logging.WARNING and "rises with delta" in line.getMessage()

@@ -16,9 +16,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from orca_method.bundle import save_bundle
 from orca_method.probe import Probe, ProbeSpec
 from orca_serve.metrics import OrcaMetrics, outcome_of
-from orca_serve.requests import OrcaDefaults, OrcaRequestError, resolve
-from orca_serve.server import OrcaMiddleware, OrcaState, ResultFetcher, orca_object
+from orca_serve.middleware import OrcaMiddleware
+from orca_serve.orca_field import OrcaRequestError
+from orca_serve.report import ResultFetcher, orca_object
+from orca_serve.requests import OrcaDefaults, resolve
 from tests.bundles import tiny_bundle
+from tests.servers import orca_result, orca_server
 
 HIDDEN = 16
 
@@ -51,7 +54,7 @@ def test_request_without_orca_gets_defaults_and_unique_keys():
 def test_orca_field_settings():
     out, s = resolve({"orca": {"delta": 0.1, "policy": "shadow", "enabled": True,
                                "answer_budget": 64}, "n": 3}, DEFAULTS, BUNDLE)
-    assert (s.delta, s.policy, s.lam, s.answer_budget, s.n) == (0.1, "shadow", None, 64, 3)
+    assert (s.delta, s.policy, s.lam, s.answer_budget, s.n) == (0.1, "shadow", math.inf, 64, 3)
     assert out["vllm_xargs"]["orca_answer_budget"] == 64
     assert out["vllm_xargs"]["orca_policy"] == "shadow"
 
@@ -197,8 +200,7 @@ def fake_vllm(engine: FakeEngine, seen: list):
 
 def make_client(bundle=BUNDLE, defaults=DEFAULTS):
     engine, seen = FakeEngine(), []
-    state = OrcaState(bundle=bundle, defaults=defaults,
-                      metrics=OrcaMetrics(CollectorRegistry()), engine_client=engine)
+    state = orca_server(bundle, defaults, metrics=OrcaMetrics(CollectorRegistry()), engine=engine)
     app = OrcaMiddleware(fake_vllm(engine, seen), state)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
     return client, engine, seen, state
@@ -264,8 +266,8 @@ def test_errors_of_messages_routes_are_reshaped_as_anthropics():
         await send({"type": "http.response.body", "body": body[:9], "more_body": True})
         await send({"type": "http.response.body", "body": body[9:]})
 
-    state = OrcaState(bundle=None, defaults=DEFAULTS, metrics=OrcaMetrics(CollectorRegistry()),
-                      engine_client=FakeEngine())
+    state = orca_server(None, DEFAULTS, metrics=OrcaMetrics(CollectorRegistry()),
+                        engine=FakeEngine())
     app = OrcaMiddleware(vllm, state)
 
     async def go():
@@ -350,7 +352,7 @@ def test_a_400_never_echoes_a_value_whole(body):
 
 
 def test_engine_side_xarg_checks_cut_what_they_quote():
-    from orca_serve.contract import validate_xargs
+    from orca_serve.xargs import validate_xargs
 
     for xa in ({"orca_delta": BIG}, {"orca_policy": BIG}, {"orca_lam": "x" + BIG},
                {"orca_key": [1] * 10**5}):
@@ -393,27 +395,26 @@ def test_middleware_passes_other_routes_and_plain_bodies():
 def test_fetcher_batches_concurrent_requests():
     async def go():
         engine = FakeEngine()
-        engine.results = {f"k{i}": {"steps_scored": i} for i in range(64)}
+        engine.results = {f"k{i}": orca_result(steps_scored=i).to_dict() for i in range(64)}
 
         async def rpc(method, args=()):
             return await engine.collective_rpc(method, args=args)
 
         f = ResultFetcher(rpc)
         got = await asyncio.gather(*[f.get([f"k{i}"]) for i in range(64)])
-        assert [g[f"k{i}"]["steps_scored"] for i, g in enumerate(got)] == list(range(64))
+        assert [g[f"k{i}"].steps_scored for i, g in enumerate(got)] == list(range(64))
         assert len(engine.calls) <= 3
     run(go())
 
 
 def test_metrics_outcomes_and_engine_stats():
     m = OrcaMetrics(CollectorRegistry())
-    m.observe({"enabled": False})
-    m.observe({"enabled": True, "policy": "shadow", "would_stop_step": 2, "steps_scored": 5,
-               "last_score": 0.4, "reasoning_tokens": 30})
-    m.observe({"enabled": True, "policy": "shadow", "would_stop_step": 1, "steps_scored": 4,
-               "last_score": 0.4, "reasoning_tokens": 40})
-    m.observe({"enabled": True, "policy": "answer", "stopped_early": False, "steps_scored": 2,
-               "last_score": 0.1, "reasoning_tokens": 10})
+    m.observe(None)
+    m.observe(orca_result(policy="shadow", would_stop_step=2, steps_scored=5, last_score=0.4,
+                          reasoning_tokens=30))
+    m.observe(orca_result(policy="shadow", would_stop_step=1, steps_scored=4, last_score=0.4,
+                          reasoning_tokens=40))
+    m.observe(orca_result(steps_scored=2, last_score=0.1, reasoning_tokens=10))
     m.update_engine_stats([{"probe_ns": 3_000_000, "engine_steps": 6, "stored_results": 2}])
     text = re.sub(r'\{model_name=""\}|,?model_name=""', "", generate_latest(m.registry).decode())
     text = text.replace("{,", "{")
@@ -426,9 +427,9 @@ def test_metrics_outcomes_and_engine_stats():
                  "orca_probe_seconds_total 0.003", "orca_engine_steps_total 6.0",
                  "orca_engine_stored_results 2.0", "orca_engine_tracked_requests 0.0"]:
         assert line in text, line
-    assert outcome_of({"enabled": True, "policy": "stop", "stopped_early": True}) == "stopped_early"
-    assert outcome_of({"enabled": True, "policy": "answer", "stop_reason": "budget"}) == \
-        "answer_forced_at_budget"
+    assert outcome_of(orca_result(policy="stop", stopped_early=True)) == "stopped_early"
+    assert outcome_of(orca_result(stop_reason="budget")) == "answer_forced_at_budget"
+    assert outcome_of(orca_result(error="x", enabled=False)) == "error"
 
 
 # -- CLI refusals before vLLM is imported ------------------------------------------------------
@@ -457,7 +458,7 @@ def test_cli_refuses_corrupt_bundle_and_unknown_delta(tmp_path, capsys):
 
 def test_orca_object_n_choices():
     _, s = resolve({"n": 2}, DEFAULTS, BUNDLE)
-    o = orca_object(s, {0: {"steps_scored": 1}, 1: None})
+    o = orca_object(s, {0: orca_result(steps_scored=1), 1: None})
     assert o["choices"][0]["steps_scored"] == 1 and "no orca result" in o["choices"][1]["error"]
     assert "steps_scored" not in o and math.isclose(o["lambda"], 0.5)
 
@@ -469,7 +470,7 @@ def test_bundle_route():
 
     async def go(bundle):
         app = FastAPI()
-        add_orca_routes(app, OrcaState(bundle=bundle, defaults=DEFAULTS, bundle_path="/b.json"))
+        add_orca_routes(app, orca_server(bundle, DEFAULTS, bundle_path="/b.json"))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://t") as c:
             return await c.get("/v1/orca/bundle")
@@ -523,8 +524,8 @@ def test_sse_multibyte_character_split_across_chunks():
 
     async def go():
         engine = FakeEngine()
-        state = OrcaState(bundle=BUNDLE, defaults=DEFAULTS,
-                          metrics=OrcaMetrics(CollectorRegistry()), engine_client=engine)
+        state = orca_server(BUNDLE, DEFAULTS, metrics=OrcaMetrics(CollectorRegistry()),
+                            engine=engine)
         app = OrcaMiddleware(split_utf8_app(text), state)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://t") as client:
@@ -594,8 +595,8 @@ def test_refused_request_is_not_fetched_from_the_engine():
                         "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": b'{"error": {}}'})
 
-        state = OrcaState(bundle=BUNDLE, defaults=DEFAULTS,
-                          metrics=OrcaMetrics(CollectorRegistry()), engine_client=engine)
+        state = orca_server(BUNDLE, DEFAULTS, metrics=OrcaMetrics(CollectorRegistry()),
+                            engine=engine)
         app = OrcaMiddleware(refuse, state)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://t") as client:
@@ -608,8 +609,7 @@ def test_refused_request_is_not_fetched_from_the_engine():
 
 def test_metrics_carry_model_name_and_rate_able_probe_time():
     m = OrcaMetrics(CollectorRegistry(), model_name="my-model")
-    m.observe({"enabled": True, "policy": "answer", "steps_scored": 2, "reasoning_tokens": 10,
-               "last_score": 0.2})
+    m.observe(orca_result(steps_scored=2, reasoning_tokens=10, last_score=0.2))
     m.update_engine_stats([{"probe_ns": 3_000_000, "engine_steps": 6}])
     text = generate_latest(m.registry).decode()
     for line in ('orca_requests_total{model_name="my-model",outcome="finished"} 1.0',
@@ -629,7 +629,8 @@ def test_cpu_build_keeps_prefills_whole():
 
     from vllm.platforms import current_platform
 
-    from orca_serve.serve_cli import StartupError, keep_prefills_whole
+    from orca_serve.startup_errors import StartupError
+    from orca_serve.vllm_setup import keep_prefills_whole
 
     if not current_platform.is_cpu():
         pytest.skip("the guard applies to vLLM's CPU build only")
@@ -655,7 +656,7 @@ def test_cpu_build_keeps_prefills_whole():
 
 
 def test_demo_implies_its_reasoning_parser(tmp_path):
-    from orca_serve.serve_cli import demo_argv
+    from orca_serve.preflight import demo_argv
 
     assert demo_argv(["--port", "8000"], tmp_path) == [
         "--model", str(tmp_path), "--port", "8000", "--reasoning-parser", "deepseek_r1"]

@@ -10,11 +10,13 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from orca_method.probe import Probe, ProbeSpec
-from orca_serve.contract import XARG_GIVE_UP_MU, ended
+from orca_serve.contract import XARG_GIVE_UP_MU
 from orca_serve.metrics import OrcaMetrics, outcome_of
-from orca_serve.requests import OrcaDefaults, OrcaRequestError, resolve
-from orca_serve.server import choice_fields, orca_object
+from orca_serve.orca_field import OrcaRequestError
+from orca_serve.report import choice_fields, orca_object
+from orca_serve.requests import OrcaDefaults, resolve
 from tests.bundles import tiny_bundle, with_give_up
+from tests.servers import orca_result
 
 ONE_SIDED = tiny_bundle(Probe(ProbeSpec(dim=16), seed=0), [(0.05, 0.5), (0.1, None)])
 TWO_SIDED = with_give_up(ONE_SIDED, [(0.05, 0.3), (0.1, None)], default_delta=0.05)
@@ -71,28 +73,25 @@ def test_an_audited_request_runs_to_the_end_without_giving_up():
 
 def test_the_response_says_how_the_reasoning_ended():
     _, s = settings({"give_up": {"delta": 0.05}})
-    r = {"steps_scored": 4, "stopped_early": False, "stop_reason": "give_up", "give_up_step": 4,
-         "give_up_mu": 0.3, "last_give_up_score": 0.2, "reasoning_tokens": 30}
+    r = orca_result(steps_scored=4, stop_reason="give_up", give_up_step=4, give_up_mu=0.3,
+                    last_give_up_score=0.2, reasoning_tokens=30)
     o = orca_object(s, {0: r})
     assert o["ended"] == "gave_up" and o["give_up_step"] == 4 and o["last_give_up_score"] == 0.2
     assert o["give_up"] == {"delta": 0.05, "mu": 0.3, "policy": "guess", "source": "bundle",
                             "active": True}
-    assert choice_fields({"stopped_early": True, "stop_reason": "probe"})["ended"] == "early"
-    assert choice_fields({"stop_reason": "budget"})["ended"] == "full"
-    assert "give_up_step" not in choice_fields({"stop_reason": None})  # one-sided: as before
-    assert [ended(False, "give_up"), ended(True, "probe"), ended(False, None)] == \
-        ["gave_up", "early", "full"]
+    assert choice_fields(orca_result(stopped_early=True, stop_reason="probe"))["ended"] == "early"
+    assert choice_fields(orca_result(stop_reason="budget"))["ended"] == "full"
+    assert "give_up_step" not in choice_fields(orca_result())  # one-sided: as before
+    assert choice_fields(None)["ended"] == "full"  # no result: it never stopped
 
 
 def test_metrics_per_outcome():
     m = OrcaMetrics(CollectorRegistry())
-    m.observe({"enabled": True, "policy": "answer", "stop_reason": "give_up", "ended": "gave_up",
-               "give_up_step": 3, "steps_scored": 3, "reasoning_tokens": 25})
-    m.observe({"enabled": True, "policy": "answer", "stopped_early": True, "stop_step": 2,
-               "stop_reason": "probe", "ended": "early", "steps_scored": 2,
-               "reasoning_tokens": 15})
-    m.observe({"enabled": True, "policy": "answer", "ended": "full", "steps_scored": 5,
-               "reasoning_tokens": 60})
+    m.observe(orca_result(stop_reason="give_up", give_up_step=3, give_up_mu=0.3,
+                          steps_scored=3, reasoning_tokens=25))
+    m.observe(orca_result(stopped_early=True, stop_step=2, stop_reason="probe", steps_scored=2,
+                          reasoning_tokens=15))
+    m.observe(orca_result(steps_scored=5, reasoning_tokens=60))
     text = re.sub(r'\{model_name=""\}|,?model_name=""', "", generate_latest(m.registry).decode())
     text = text.replace("{,", "{")
     for line in ['orca_requests_total{outcome="gave_up"} 1.0',
@@ -102,4 +101,4 @@ def test_metrics_per_outcome():
                  'orca_ended_reasoning_tokens_total{ended="full"} 60.0',
                  "orca_give_up_step_count 1.0", "orca_give_up_step_sum 3.0"]:
         assert line in text, line
-    assert outcome_of({"enabled": True, "stop_reason": "give_up"}) == "gave_up"
+    assert outcome_of(orca_result(stop_reason="give_up")) == "gave_up"

@@ -29,10 +29,9 @@ import torch
 import vllm  # noqa: F401
 
 from orca_method.probe import Probe, ProbeSpec
-from orca_serve.vllm_plugin import merge_results
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
 from tests.bundles import tiny_bundle, write_bundle
-from tests.serving import Server, orca_serve_cmd
+from tests.serving import Server, orca_serve_cmd, records
 from tests.tiny_model import HIDDEN, chat_prompts
 
 pytestmark = pytest.mark.vllm
@@ -108,7 +107,7 @@ def _generate(llm, prompts, requests):
     keys = list(requests)
     outs = llm.generate([prompts[requests[k][0]] for k in keys],
                         [_sp(k, **requests[k][1]) for k in keys], use_tqdm=False)
-    res = merge_results(llm.collective_rpc("orca_results", args=(keys,)))
+    res = records(llm.collective_rpc("orca_results", args=(keys,)))
     (stats,) = llm.collective_rpc("orca_stats")
     return {k: list(o.outputs[0].token_ids) for k, o in zip(keys, outs)}, res, stats
 

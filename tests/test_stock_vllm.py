@@ -26,7 +26,7 @@ import pytest
 
 from orca_method.bundle import load_bundle
 from orca_serve.demo import QUESTION
-from orca_serve.serve_cli import demo_paths
+from orca_serve.preflight import demo_paths
 from orca_serve.vllm_plugin.config import PROCESSOR_FQCN
 from tests.serving import Server
 

@@ -11,10 +11,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from orca_method.steps import Segmenter
-from orca_serve.contract import XARG_BUNDLE, XARG_ENABLED, XARG_RECORD, child_key, request_spec
+from orca_serve.contract import (
+    XARG_BUNDLE,
+    XARG_ENABLED,
+    XARG_RECORD,
+    Policy,
+    child_key,
+)
 from orca_serve.core.deployment import Deployments
 from orca_serve.core.registry import Request, open_reasoning_tokens
 from orca_serve.core.stopping import guard_position
+from orca_serve.xargs import request_spec
 
 log = logging.getLogger("orca_serve.core")
 
@@ -22,7 +29,7 @@ log = logging.getLogger("orca_serve.core")
 class Admission:
     """The engine's request defaults and the rule that turns extra_args into a `Request`."""
 
-    MAX_LOGGED_NOTES = 64  # clients choose deltas: the set of logged notes stays bounded
+    MAX_LOGGED_NOTES = 64  # clients choose deltas: the set of logged refusals stays bounded
 
     def __init__(self, deployments: Deployments, defaults: Mapping[str, Any], *,
                  record_default: bool, default_eos: int | None,
@@ -32,7 +39,7 @@ class Admission:
         self.give_up_ids = give_up_ids  # the "could not solve" message's ids (policy message)
         self.record_default = record_default
         self.default_eos = default_eos
-        self._logged_notes: set[str] = set()  # request notes the log has shown (a fallback delta)
+        self._logged: set[str] = set()  # refusals the log has shown (a delta not in the table)
 
     def wants(self, xa: Mapping[str, Any] | None) -> bool:
         """Whether a request with these extra_args is tracked at all."""
@@ -55,16 +62,15 @@ class Admission:
         spec = request_spec(xa, self.defaults, record=self.record_default,
                             lam_of=None if missing else dep.lam_of,
                             default_delta=None if missing else dep.default_delta)
-        self._log_fallback(spec.notes, ident)
         policy, notes = spec.policy, []
-        if policy == "stop" and ignore_eos:
-            notes.append("policy stop under ignore_eos: a forced EOS would not end the request, "
-                         "so it runs as shadow")
-            policy = "shadow"
-        if policy != "shadow" and structured:
+        if policy.rule.acts and not policy.rule.answers and ignore_eos:
+            notes.append(f"policy {policy} under ignore_eos: a forced EOS would not end the "
+                         "request, so it runs as shadow")
+            policy = Policy.SHADOW
+        if policy.rule.acts and structured:
             notes.append("structured output: forcing tokens would break the grammar, so it runs "
                          "as shadow")
-            policy = "shadow"
+            policy = Policy.SHADOW
         req = Request(ident, spec, dep, Segmenter(dep.table, prompt, keep_ids=spec.record),
                       index=index, key=None if spec.key is None else child_key(spec.key, index,
                                                                                 spec.n),
@@ -77,6 +83,9 @@ class Admission:
             req.bundle_checksum = None
             req.fail(f"bundle {want} is not loaded in this engine (replaced before the request "
                      "started); it ran without early stopping")
+        elif spec.refused is not None:
+            req.fail(f"{spec.refused}; it ran without early stopping",
+                     log_it=self._first_time(spec.refused))
         req.notes += notes
         if n_out:
             req.notes.append(f"joined with {n_out} generated tokens; those are not pooled")
@@ -86,12 +95,11 @@ class Admission:
                                            answer_budget=spec.answer_budget)
         return req
 
-    def _log_fallback(self, notes: tuple[str, ...], ident: str) -> None:
-        """A delta outside the bundle's table (a request without the server's orca_lam, e.g. on a
-        stock vLLM server, which cannot refuse it) runs with the default delta: say so in the log,
-        once per distinct note, since no response can carry it there."""
-        for note in notes:
-            if note not in self._logged_notes and len(self._logged_notes) < self.MAX_LOGGED_NOTES:
-                self._logged_notes.add(note)
-                log.warning("orca request %s: %s (logged once per delta)", ident, note)
-
+    def _first_time(self, refusal: str) -> bool:
+        """Whether to log a refusal (a delta outside the bundle's table: a request without the
+        server, e.g. on a stock vLLM server, which cannot answer 400): once per distinct one,
+        and a bounded set of them, since clients choose deltas."""
+        if refusal in self._logged or len(self._logged) >= self.MAX_LOGGED_NOTES:
+            return False
+        self._logged.add(refusal)
+        return True

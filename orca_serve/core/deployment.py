@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from orca_method.bundle import BundleError, Segmentation, ThinkTags, check_model, load_bundle
+from orca_method.normalizations import DEFAULT_NORMALIZATION
 from orca_method.procedure import ProbeBank
 from orca_method.steps import TokenTable
 
@@ -37,7 +38,7 @@ class Deployment:
         else:
             seg_cfg = Segmentation(**(cfg.get("segmentation") or {}))
             think = ThinkTags(**(cfg.get("think") or {}))
-            self.normalization = cfg.get("normalization") or "token-l2"
+            self.normalization = cfg.get("normalization") or DEFAULT_NORMALIZATION
         self.path = path
         self.think = think
         self.table = TokenTable.from_tokenizer(tokenizer, segmentation=seg_cfg, think=think,

@@ -17,10 +17,8 @@ from orca_method.steps import CLOSE, MERGE, NONE, STEP_PREV
 from orca_method.thresholds import GIVE_UP_NEVER, NEVER
 from orca_serve.core.deployment import Deployment
 from orca_serve.core.registry import Request
-from orca_serve.core.speculation import forced_rows
+from orca_serve.core.speculation import UNKNOWN, forced_rows
 from orca_serve.core.stopping import request_plan, stop_request
-
-UNKNOWN = -1  # a token id not known yet (async scheduling placeholder) or absent
 
 # one entry per tracked row and step: (request, logits row, output length, id at n-2, id at n-1)
 Entry = tuple[Request, int, int, int, int]
@@ -168,7 +166,7 @@ def _plan_scoring(p: StepPlan, scored: list[tuple[Deployment, Request, int, int,
         if j and dep is not scored[j - 1][0]:
             p.groups.append((scored[j - 1][0], start, j))
             start = j
-        shadow = req.policy == "shadow"
+        shadow = not req.policy.rule.acts
         p.scored.append(e)
         p.scored_slots.append(req.slot)
         p.bank_lam.append(NEVER if shadow else req.lam)
@@ -207,7 +205,7 @@ def apply_readback(pending: list[tuple[Request, int, bool, int]], host: list[lis
             continue
         if req.would_stop_step is None:
             req.would_stop_step = req.steps_scored
-        if req.policy == "shadow":
+        if not req.policy.rule.acts:
             continue
         req.stop_step = req.steps_scored
         if guard_stopped:  # a guard stop at the same step already planned the same

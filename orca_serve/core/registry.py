@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from orca_method.steps import Segmenter
-from orca_method.thresholds import lam_to_json
-from orca_serve.contract import OrcaResult, RequestSpec
+from orca_serve.contract import OrcaResult, Policy
 from orca_serve.core.deployment import Deployment
+from orca_serve.xargs import RequestSpec
 
 log = logging.getLogger("orca_serve.core")
 
@@ -47,7 +47,7 @@ class Request:
                  "stop_reason", "stop_step", "stopped", "would_stop_step")
 
     def __init__(self, ident: str, spec: RequestSpec, dep: Deployment, seg: Segmenter, *,
-                 index: int, key: str | None, policy: str, max_tokens: int | None,
+                 index: int, key: str | None, policy: Policy, max_tokens: int | None,
                  eos: int | None, ignore_eos: bool, n_out: int) -> None:
         self.ident, self.spec, self.dep, self.seg = ident, spec, dep, seg
         self.index, self.key, self.policy = index, key, policy
@@ -82,7 +82,7 @@ class Request:
         self.draft_rows: tuple[int, ...] = ()  # this step's logits rows for positions n+1, ...
         self.step_embs: list = []
         self.step_counts: list[int] = []
-        self.notes: list[str] = list(spec.notes)
+        self.notes: list[str] = []
         # record mode: the prompt's ids and the engine's live output list (read at the end)
         self.prompt: list[int] | None = None
         self.prompt_reasoning = 0  # reasoning tokens the prompt holds after its open start tag
@@ -99,10 +99,11 @@ class Request:
     def lam(self) -> float | None:
         return self.spec.lam
 
-    def fail(self, msg: str) -> None:
+    def fail(self, msg: str, *, log_it: bool = True) -> None:
         if self.error is None:
             self.error = msg
-            log.error("orca request %s (%s): %s", self.key, self.ident, msg)
+            if log_it:
+                log.error("orca request %s (%s): %s", self.key, self.ident, msg)
         self.active = False
         self.plan = {}
         self.guard_pos = None
@@ -112,7 +113,7 @@ class Request:
         lam = self.lam
         r = OrcaResult(
             enabled=self.enabled, policy=self.policy, delta=self.spec.delta,
-            lam=lam_to_json(lam),
+            lam=lam,
             steps_scored=self.steps_scored,
             stopped_early=self.stopped and self.stop_reason == "probe",
             stop_step=self.stop_step, would_stop_step=self.would_stop_step,

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from orca_serve.core.registry import Request
 
-UNKNOWN = -1
+UNKNOWN = -1  # a token id not known yet (async scheduling placeholder) or absent
 
 # one tracked request in a speculative step: (request, its first logits row, rows it owns,
 # its output ids: the engine's live list, accepted tokens only)

@@ -1,6 +1,6 @@
 """Stop planning: which tokens to force, at which output positions, once a request stops.
 
-Policies (`orca_serve.contract.POLICIES`): `stop` forces EOS at once; `answer` forces the
+Policies (`orca_serve.contract.Policy`, asked through their rules): `stop` forces EOS at once; `answer` forces the
 end-of-thinking text, lets the model answer for `answer_budget` tokens, then forces EOS; `shadow`
 never forces (it only reports where it would have stopped). The budget guard closes the thinking
 of a policy-`answer` request early enough that an answer still fits in `max_tokens`.
@@ -11,23 +11,23 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from orca_serve.contract import MIN_ANSWER_TOKENS
+from orca_serve.contract import MIN_ANSWER_TOKENS, Policy
 from orca_serve.core.speculation import plan_start
 
 if TYPE_CHECKING:
     from orca_serve.core.registry import Request
 
 
-def stop_plan(policy: str, pos: int, *, force_ids: list[int], eos: int | None,
+def stop_plan(policy: Policy, pos: int, *, force_ids: list[int], eos: int | None,
               answer_budget: int, max_tokens: int | None, ignore_eos: bool) -> dict[int, int]:
     """Forced token ids by output position, starting at `pos` (the token sampled now)."""
     limit = max_tokens if max_tokens is not None else math.inf
     plan: dict[int, int] = {}
-    if policy == "stop":
+    if not policy.rule.acts:
+        return plan
+    if not policy.rule.answers:
         if eos is not None:
             plan[pos] = eos
-        return plan
-    if policy != "answer":
         return plan
     p = pos
     for t in force_ids:
@@ -41,11 +41,11 @@ def stop_plan(policy: str, pos: int, *, force_ids: list[int], eos: int | None,
     return plan
 
 
-def guard_position(policy: str, *, max_tokens: int | None, reserve: int | None,
+def guard_position(policy: Policy, *, max_tokens: int | None, reserve: int | None,
                    force_len: int, answer_budget: int) -> int | None:
     """Output position at which a still-reasoning `answer` request is closed so that its answer
     fits (reserve = forced text + min(budget, 8) tokens unless given); None: no guard."""
-    if policy != "answer" or max_tokens is None:
+    if not policy.rule.answers or max_tokens is None:
         return None
     if reserve is None:
         reserve = force_len + min(answer_budget, MIN_ANSWER_TOKENS)
@@ -59,9 +59,9 @@ def request_plan(req: Request, pos: int) -> dict[int, int]:
     operator's "message" policy forces the end-of-thinking text, the message and EOS (its first
     token is the stop plan's, which the device may have forced already; without an
     end-of-thinking text, think tags off, the give-up answers as a stop would)."""
-    if (req.stop_reason == "give_up" and req.give_up_ids is not None and req.policy == "answer"
+    if (req.stop_reason == "give_up" and req.give_up_ids is not None and req.policy.rule.answers
             and req.dep.force_ids):
-        return stop_plan("answer", pos, force_ids=req.dep.force_ids + req.give_up_ids,
+        return stop_plan(Policy.ANSWER, pos, force_ids=req.dep.force_ids + req.give_up_ids,
                          eos=req.eos, answer_budget=0, max_tokens=req.max_tokens,
                          ignore_eos=req.ignore_eos)
     return stop_plan(req.policy, pos, force_ids=req.dep.force_ids, eos=req.eos,

@@ -20,7 +20,7 @@ from orca_method.answer_probes import (
     trajectory_fields,
 )
 from orca_method.labels import extract_forced
-from orca_serve.contract import ORCA_OFF
+from orca_serve.contract import ORCA_OFF, OrcaResult
 from orca_serve.vllm_compat.engine_client import generate_from_ids, tokenizer
 
 # What a live audit can label by: agreement with the request's own final answer (live traffic
@@ -53,19 +53,19 @@ class AuditLabeller:
         self.probes += 1
         return None if last is None else extract_forced(last.outputs[0].text)
 
-    async def label(self, key: str, rec: dict[str, Any], result: dict[str, Any],
+    async def label(self, key: str, rec: dict[str, Any], result: OrcaResult,
                     finish_reason: str | None) -> dict[str, Any]:
         """The trajectory record (problems.jsonl fields) of one audited, recorded request.
 
         `rec` holds the request's `messages` or `prompt`; `result` is the plugin's record-mode
-        result (orca_serve/vllm_plugin/processor.py `_result`).
+        result.
         """
-        gen = result["output_token_ids"]
-        points = probe_prompts(result["prompt_token_ids"], gen, result, self.suffix_ids,
-                               self.settings.label_every)
+        gen = list(result.output_token_ids or [])
+        points = probe_prompts(result.prompt_token_ids or [], gen, result.to_dict(),
+                               self.suffix_ids, self.settings.label_every)
         answers = await asyncio.gather(*(self._answer(f"{key}-probe-{t}", ids)
                                          for t, ids in points))
         text = self.tokenizer.decode(gen, skip_special_tokens=True)
         return trajectory_fields(key, rec, text=text, finish_reason=finish_reason,
-                                 completion_tokens=len(gen), step_tokens=result["step_tokens"],
+                                 completion_tokens=len(gen), step_tokens=result.step_tokens,
                                  probed={t: a for (t, _), a in zip(points, answers)})

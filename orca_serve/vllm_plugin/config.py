@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from orca_method.errors import first_line, shown
+from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
 from orca_serve.contract import DEFAULTS, MAX_RESULTS, RESULT_TTL_S
 
 # The vLLM releases the plugin is written and tested for (PEP 440). One definition: orca-serve's
@@ -73,13 +74,14 @@ def orca_settings(bundle_path: str | os.PathLike | None, *, record: bool = False
         "record": bool(record),
         "segmentation": Segmentation(**as_dict(segmentation)).model_dump(),
         "think": ThinkTags(**as_dict(think)).model_dump(),
-        "normalization": normalization or "token-l2",
+        "normalization": normalization or DEFAULT_NORMALIZATION,
         "defaults": {**DEFAULTS, **{k: v for k, v in dict(defaults or {}).items() if v is not None}},
         "result_ttl_s": RESULT_TTL_S,
         "max_results": MAX_RESULTS,
     }
-    if d["normalization"] not in ("token-l2", "step-l2", "none"):
-        raise ValueError(f"normalization must be token-l2, step-l2 or none, got {normalization!r}")
+    if d["normalization"] not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {', '.join(NORMALIZATIONS)}, "
+                         f"got {normalization!r}")
     return d
 
 

@@ -52,9 +52,9 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
     LogitsProcRequestState,
 )
 
-from orca_serve.core.plan import UNKNOWN
 from orca_serve.core.pooling import IdReadback
 from orca_serve.core.registry import Request
+from orca_serve.core.speculation import UNKNOWN
 from orca_serve.vllm_compat import capture
 from orca_serve.vllm_compat.runner import NewRequests, find_mrv2_runner
 from orca_serve.vllm_plugin.adapter import CoreAdapter, child_index

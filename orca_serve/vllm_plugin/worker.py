@@ -5,7 +5,7 @@ vllm/v1/worker/worker_base.py), so its methods run in the worker process that ow
 processor. Names must not clash with Worker attributes (vLLM asserts this).
 
     per_worker = llm.collective_rpc("orca_results", args=(keys,))  # one dict per worker
-    results = orca_serve.vllm_plugin.merge_results(per_worker)    # {key: result}, numpy restored
+    results = orca_serve.contract.merge_results(per_worker)  # {key: OrcaResult}
     llm.collective_rpc("orca_stats")                   # -> [ {probe_ns, engine_steps, ...}, ... ]
 
 Hot reload, in two phases (the server's `POST /v1/orca/bundle` and SIGHUP; see
@@ -29,8 +29,9 @@ from __future__ import annotations
 from typing import Any
 
 from orca_method.errors import first_line
+from orca_serve.contract import to_wire
 from orca_serve.vllm_compat.runner import is_reporting_worker, processors_in
-from orca_serve.vllm_plugin import encode_arrays, speculation
+from orca_serve.vllm_plugin import speculation
 from orca_serve.vllm_plugin.adapter import CoreAdapter
 
 # the worker imports this module before it builds its model runner (vLLM's worker_extension_cls)
@@ -66,7 +67,7 @@ class OrcaWorkerExtension:
         Numpy arrays are always sent as bytes: vLLM's transport would lose them across processes,
         and whether the caller shares this process cannot be told from here (an API server's
         engine core is a process of its own even with VLLM_ENABLE_V1_MULTIPROCESSING=0).
-        `orca_serve.vllm_plugin.merge_results` restores them.
+        `orca_serve.contract.merge_results` restores them.
         Fetch after the request finished; a result is kept until fetched, for at most
         `result_ttl_s` after the request left the batch, and at most `max_results` of them.
         """
@@ -77,7 +78,7 @@ class OrcaWorkerExtension:
             for k, r in p.pop_results(list(keys)).items():
                 if reports:
                     r["ran_sampler"] = ran
-                    out[k] = encode_arrays(r)
+                    out[k] = to_wire(r)
         return out
 
     def orca_stats(self) -> dict[str, Any]:

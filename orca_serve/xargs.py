@@ -1,0 +1,177 @@
+"""The `vllm_xargs` a request reaches the engine with, read on the engine side: their checks
+(front end, HTTP 400) and the settings a request runs with after the engine's defaults
+(`request_spec`). Names and defaults are `orca_serve.contract`'s; plain Python (no vLLM, no torch).
+
+The server resolves a request's settings (defaults, delta -> lambda*) and writes them into
+`vllm_xargs` once (`orca_serve.requests`); vLLM hands them to the engine as
+`SamplingParams.extra_args`. A request that reaches the engine without the server (offline
+`LLM`, a stock vLLM server) is resolved here, through the same `resolve_lam`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from orca_method.errors import shown
+from orca_method.thresholds import NEVER, lam_to_json
+from orca_serve.contract import (
+    POLICIES,
+    XARG_ANSWER_BUDGET,
+    XARG_BUNDLE,
+    XARG_DELTA,
+    XARG_ENABLED,
+    XARG_GIVE_UP_MU,
+    XARG_KEY,
+    XARG_LAM,
+    XARG_N,
+    XARG_POLICY,
+    XARG_RECORD,
+    XARG_RESERVE,
+    XARG_SEED,
+    Policy,
+)
+
+_INT_XARGS = (XARG_ENABLED, XARG_ANSWER_BUDGET, XARG_RECORD, XARG_RESERVE, XARG_N)
+
+
+def resolve_lam(lam_of: Callable[[float], float], delta: float) -> float:
+    """lambda*(delta) from a bundle's `lam` (inf: never stop). The one place a delta becomes a
+    threshold: the server calls it per request, the engine only for requests without orca_lam."""
+    return float(lam_of(float(delta)))
+
+
+def encode_lam(lam: float | None) -> float | str:
+    """lambda* as an xarg value: a finite float, or "inf" for NEVER (JSON has no infinity)."""
+    v = lam_to_json(lam)
+    return "inf" if v is None else v
+
+
+def decode_lam(v: Any) -> float:
+    """An `orca_lam` xarg as lambda* (NEVER for "inf"); ValueError unless a number in [0, 1]
+    or NEVER: scores are probabilities, so any other threshold is a mistake, not a setting."""
+    lam = _as_float(XARG_LAM, v)
+    if not (0.0 <= lam <= 1.0 or lam == NEVER):
+        raise ValueError(f"{XARG_LAM} must be in [0, 1] or \"inf\" (never), got {shown(v)}")
+    return lam
+
+
+def decode_mu(v: Any) -> float:
+    """An `orca_give_up_mu` xarg as mu*: a number in [0, 1] (ValueError otherwise)."""
+    mu = _as_float(XARG_GIVE_UP_MU, v)
+    if not 0.0 <= mu <= 1.0:
+        raise ValueError(f"{XARG_GIVE_UP_MU} must be in [0, 1], got {v!r}")
+    return mu
+
+
+def as_int(name: str, v: Any) -> int:
+    """An integer xarg (ints, integral floats, digit strings; bools count as 0/1)."""
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        return int(v)
+    raise ValueError(f"{name} must be an integer, got {shown(v)}")
+
+
+def _as_float(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ValueError(f"{name} must be a number, got {shown(v)}")  # noqa: TRY004 - vLLM: 400
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {shown(v)}") from None
+
+
+def validate_xargs(xa: dict[str, Any] | None, n: int = 1, seed: int | None = None) -> None:
+    """Check a request's orca_* extra_args (ValueError: vLLM answers HTTP 400).
+
+    Runs in the front end. With n > 1 vLLM copies these params into n child requests; `orca_n`
+    tells each child that it is one (its index then comes from the engine's request id, or from
+    its seed minus `orca_seed`).
+    """
+    if not xa:
+        return
+    for name in (XARG_KEY, XARG_BUNDLE):
+        if name in xa and not isinstance(xa[name], str):
+            raise ValueError(f"{name} must be a string, got {shown(xa[name])}")
+    for name in _INT_XARGS:
+        if name in xa:
+            v = as_int(name, xa[name])
+            if name in (XARG_ENABLED, XARG_RECORD) and v not in (0, 1):
+                raise ValueError(f"{name} must be 0 or 1, got {shown(xa[name])}")
+            if v < 0:
+                raise ValueError(f"{name} must be >= 0, got {shown(xa[name])}")
+    if XARG_DELTA in xa:
+        d = _as_float(XARG_DELTA, xa[XARG_DELTA])
+        if not 0 < d < 1:
+            raise ValueError(f"{XARG_DELTA} must be in (0, 1), got {shown(xa[XARG_DELTA])}")
+    if XARG_LAM in xa:
+        decode_lam(xa[XARG_LAM])
+    if XARG_GIVE_UP_MU in xa:
+        decode_mu(xa[XARG_GIVE_UP_MU])
+    if XARG_POLICY in xa and xa[XARG_POLICY] not in POLICIES:
+        raise ValueError(f"{XARG_POLICY} must be one of {', '.join(POLICIES)}, "
+                         f"got {shown(xa[XARG_POLICY])}")
+    if n > 1:
+        xa[XARG_N] = int(n)
+        if seed is not None:
+            xa[XARG_SEED] = int(seed)
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """What one engine request runs with, after defaults (engine side)."""
+
+    key: str | None
+    n: int
+    record: bool
+    enabled: bool
+    policy: Policy
+    delta: float | None
+    lam: float | None  # None: no probe (disabled or record only); NEVER: never stops early
+    answer_budget: int
+    reserve: int | None  # None: the default reserve (force text + min(budget, 8))
+    # why orca does not run although the request asked for it (a delta outside the bundle's
+    # table: the server answers 400 with the same words, `orca_serve.requests.resolve`)
+    refused: str | None = None
+    give_up_mu: float | None = None  # None: never gives up
+
+
+def request_spec(xa: Mapping[str, Any] | None, defaults: Mapping[str, Any], *, record: bool,
+                 lam_of: Callable[[float], float] | None,
+                 default_delta: float | None) -> RequestSpec:
+    """A request's settings from its extra_args and the engine's defaults.
+
+    `lam_of`/`default_delta` come from the deployment's bundle (None: record mode only).
+    `orca_lam` (the server's resolution) wins; otherwise lambda* is resolved here with
+    `resolve_lam`. A delta outside the bundle's table is refused as the server refuses it: the
+    request runs without early stopping and `refused` says why (the engine cannot answer 400).
+    """
+    xa = xa or {}
+    enabled = lam_of is not None and bool(as_int(XARG_ENABLED,
+                                                 xa.get(XARG_ENABLED, defaults["enabled"])))
+    delta = lam = refused = None
+    if enabled:
+        d = xa.get(XARG_DELTA, defaults.get("delta"))
+        delta = float(d) if d is not None else default_delta
+        if XARG_LAM in xa:
+            lam = decode_lam(xa[XARG_LAM])
+        else:
+            try:
+                lam = resolve_lam(lam_of, delta)  # type: ignore[arg-type]
+            except Exception as e:  # noqa: BLE001 - the bundle's own words (BundleError)
+                enabled, refused = False, str(e)
+    reserve = xa.get(XARG_RESERVE)
+    mu = decode_mu(xa[XARG_GIVE_UP_MU]) if enabled and XARG_GIVE_UP_MU in xa else None
+    return RequestSpec(
+        key=xa.get(XARG_KEY), n=int(xa.get(XARG_N, 1)),
+        record=bool(as_int(XARG_RECORD, xa.get(XARG_RECORD, record))),
+        enabled=enabled, policy=Policy(xa.get(XARG_POLICY, defaults["policy"])),
+        delta=delta, lam=lam,
+        answer_budget=int(xa.get(XARG_ANSWER_BUDGET, defaults["answer_budget"])),
+        reserve=None if reserve is None else int(reserve), refused=refused, give_up_mu=mu)
