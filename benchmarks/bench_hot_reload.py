@@ -37,7 +37,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests package's helpers
 
-from calibration.toy.demo_bundle import DEMOS
+from calibration.toy.demo_bundle import JOBS
 from tests.serving import Server, orca_serve_cmd
 
 KEY_ENV = "ORCA_ADMIN_KEY"
@@ -184,7 +184,7 @@ def main() -> None:
         os.environ.setdefault(KEY_ENV, "bench-admin-key")
         server = Server(orca_serve_cmd("--model", str(ROOT / "orca_serve" / "demo" / "model"),
                                        "--calib", str(bundles[0]), "--orca-admin-key-env",
-                                       KEY_ENV, "--served-model-name", DEMOS["toy"][2]),
+                                       KEY_ENV, "--served-model-name", JOBS["toy"][1]),
                         tmp / "server.log", SERVE)
         url, paths = server.wait().url, [str(p) for p in bundles]
         print(f"server up at {url} (log {tmp / 'server.log'})", file=sys.stderr)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))  # the tests package's helpers
 from calibration.collect import Collector, CollectSettings, read_prompts
 from calibration.long import tasks as long_tasks
 from calibration.toy import tasks as toy_tasks
-from calibration.toy.demo_bundle import DEMOS
+from calibration.toy.demo_bundle import JOBS, demo_folder
 from orca_method.bundle import load_bundle
 from orca_method.give_up import two_sided_ends
 from orca_method.procedure import replay
@@ -43,7 +43,7 @@ from orca_method.thresholds import GIVE_UP_NEVER
 from orca_method.trajectories import TrajectorySet
 from tests.serving import Server, orca_serve_cmd
 
-# reasoner: its tasks module and max_tokens (the calibration job's); folder and name: DEMOS
+# reasoner: its tasks module and max_tokens (the calibration job's); folder and name: demo_bundle
 REASONERS = {"toy": (toy_tasks, 400), "long": (long_tasks, 5000)}
 
 
@@ -93,10 +93,10 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="default: .cache/parity[-long]")
     a = ap.parse_args()
     tasks, max_tokens = REASONERS[a.reasoner]
-    _, folder, served_name = DEMOS[a.reasoner]
-    model = ROOT / folder / "model"
+    folder, served_name = demo_folder(a.reasoner), JOBS[a.reasoner][1]
+    model = folder / "model"
     a.max_tokens = a.max_tokens or max_tokens
-    a.bundle = a.bundle or str(ROOT / folder / "bundle.json")
+    a.bundle = a.bundle or str(folder / "bundle.json")
     tail = "" if a.reasoner == "toy" else f"-{a.reasoner}"
     work = Path(a.work or ROOT / ".cache" / f"parity{tail}")
     work.mkdir(parents=True, exist_ok=True)

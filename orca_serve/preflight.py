@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from orca_method.bundle import Bundle
 
 DEMO_REASONING_PARSER = "deepseek_r1"  # what --demo implies (unless the command line names one)
+# --demo NAME: the embedded reasoners, by their folder under orca_serve/demo/ (model/, bundle.json)
+DEMOS = {"toy": "", "long": "long"}
 # --orca-* options that mean nothing without a bundle
 NEED_BUNDLE = ("orca_delta", "orca_answer_budget", "orca_effort_map", "orca_give_up_delta",
                "orca_give_up_message")
@@ -39,8 +41,10 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("orca-serve", "Calibrated early stopping of reasoning (ORCA)")
     g.add_argument("--calib", default=None, metavar="BUNDLE",
                    help="Calibration bundle (bundle.json). Without it the server is plain vLLM.")
-    g.add_argument("--demo", action="store_true", default=False,
-                   help="Serve the embedded demo model and bundle (orca_serve/demo/).")
+    g.add_argument("--demo", nargs="?", const="toy", default=None, choices=sorted(DEMOS),
+                   metavar="NAME", help="Serve an embedded demo model and its bundle "
+                   "(orca_serve/demo/): `toy` (the default, ~5 steps per trace) or `long` "
+                   "(tens to hundreds of steps, up to 5,000 tokens).")
     g.add_argument("--check-vllm", action="store_true", default=False,
                    help="Check that every vLLM name orca-serve relies on beyond vLLM's extension "
                    "points resolves in the installed vLLM (one line each; exit 0 when all do), "
@@ -121,8 +125,9 @@ def early_parse(argv: list[str]) -> argparse.Namespace:
     return ns
 
 
-def demo_paths() -> tuple[Path, Path]:
-    root = Path(str(resources.files("orca_serve"))) / "demo"
+def demo_paths(name: str = "toy") -> tuple[Path, Path]:
+    """The model folder and bundle of an embedded demo (DEMOS)."""
+    root = Path(str(resources.files("orca_serve"))) / "demo" / DEMOS[name]
     model, bundle = root / "model", root / "bundle.json"
     missing = [str(p) for p in (model / "config.json", bundle) if not p.exists()]
     if missing:
@@ -211,7 +216,7 @@ def preflight(argv: list[str]) -> Preflight:
         if early.calib or early.model:
             raise StartupError("--demo serves the embedded model and bundle; do not combine it "
                                "with --model or --calib")
-        model_dir, demo_bundle = demo_paths()
+        model_dir, demo_bundle = demo_paths(early.demo)
         pre.argv, pre.bundle_path, early.model = (demo_argv(argv, model_dir), str(demo_bundle),
                                                    str(model_dir))
     if pre.bundle_path is None:

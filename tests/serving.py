@@ -93,7 +93,8 @@ class Server:
         return self
 
     def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, timeout=120, **kw)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0,
+                             **{"timeout": 120, **kw})
 
     def aclient(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0,

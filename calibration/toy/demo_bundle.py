@@ -24,13 +24,17 @@ from pathlib import Path
 from calibration.job import load_job, run_job
 from orca_method.bundle import Bundle, load_bundle, save_bundle
 from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE
+from orca_serve.preflight import DEMOS
 
 ROOT = Path(__file__).parents[2]
-# reasoner: (job, demo folder, served model name)
-DEMOS = {
-    "toy": ("calibration/jobs/toy.yaml", "orca_serve/demo", "orca-toy-reasoner"),
-    "long": ("calibration/jobs/long.yaml", "orca_serve/demo/long", "orca-long-reasoner"),
-}
+# reasoner (orca-serve --demo NAME; its folder: orca_serve.preflight.DEMOS): (job, served name)
+JOBS = {"toy": ("calibration/jobs/toy.yaml", "orca-toy-reasoner"),
+        "long": ("calibration/jobs/long.yaml", "orca-long-reasoner")}
+
+
+def demo_folder(name: str) -> Path:
+    """The demo's folder in this checkout (model/ and bundle.json)."""
+    return ROOT / "orca_serve" / "demo" / DEMOS[name]
 
 
 def _relative(value: object) -> object:
@@ -43,7 +47,7 @@ def _relative(value: object) -> object:
         return value
 
 
-def demo_bundle(job_bundle: Bundle, name: str = DEMOS["toy"][2]) -> Bundle:
+def demo_bundle(job_bundle: Bundle, name: str = JOBS["toy"][1]) -> Bundle:
     """The job's bundle as the demo ships it (see the module docstring); raises ValueError."""
     if job_bundle.label_mode != AUDIT_LABEL_MODE:
         raise ValueError(f"the job calibrated with {job_bundle.label_mode} labels; the demo "
@@ -59,13 +63,14 @@ def demo_bundle(job_bundle: Bundle, name: str = DEMOS["toy"][2]) -> Bundle:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m calibration.toy.demo_bundle",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reasoner", choices=sorted(DEMOS), default="toy")
+    ap.add_argument("--reasoner", choices=sorted(JOBS), default="toy")
     # relative, as the job was first run: the job's stage fingerprints hold its paths as spelled
     ap.add_argument("--job", default=None, help="default: the reasoner's job")
     ap.add_argument("--out", default=None, help="default: bundle.json in the reasoner's demo folder")
     a = ap.parse_args(argv)
-    default_job, folder, name = DEMOS[a.reasoner]
-    job, out = Path(a.job or default_job), a.out or f"{folder}/bundle.json"
+    default_job, name = JOBS[a.reasoner]
+    job = Path(a.job or default_job)
+    out = a.out or str((demo_folder(a.reasoner) / "bundle.json").relative_to(ROOT))
     run_job(job)
     try:
         bundle = demo_bundle(load_bundle(Path(load_job(job)["out"]) / "bundle.json"), name)

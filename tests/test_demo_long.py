@@ -1,0 +1,64 @@
+"""`orca-serve --demo long`: the embedded long reasoner and its bundle, served for real.
+
+One greedy request of an in-distribution problem whose walk is 46 steps long, once with ORCA off
+and once at the bundle's loosest delta: the full trace is as long as the design says and right;
+the early stop happens after the walk has reached the answer (the step that says `equals C`)
+and before the end of the verification, the answer after the stop is still right, and the
+response says how the reasoning ended.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from calibration.long.tasks import CHECKS, Problem, check_answer, trace_stats
+from orca_method.bundle import load_bundle
+
+from .serving import Server, orca_of, orca_serve_cmd
+
+DEMO = Path(__file__).parents[1] / "orca_serve" / "demo" / "long"
+# The first in-distribution problem with a walk of 40+ steps among bench_parity's held-out
+# prompts that the shipped model solves greedily (four of the five before it it does not).
+PROBLEM = Problem(a=3, b=46, c=3 * 71 + 46, x=71, start=25, family="in-dist")
+
+
+def test_long_demo_bundle_matches_its_model() -> None:
+    """The shipped bundle loads (checksum valid), names the model portably and is two-sided."""
+    bundle = load_bundle(DEMO / "bundle.json")
+    assert bundle.model.name == "orca-long-reasoner"
+    assert bundle.give_up is not None and bundle.deltas()
+    config = (DEMO / "model" / "config.json").read_text()
+    assert f'"hidden_size": {bundle.model.hidden_size}' in config
+
+
+@pytest.mark.vllm
+def test_long_demo_stops_after_the_answer_and_before_the_end(tmp_path: Path) -> None:
+    srv = Server(orca_serve_cmd("--demo", "long"), tmp_path / "serve.log",
+                 ["--host", "127.0.0.1", "--seed", "0", "--disable-uvicorn-access-log"])
+    try:
+        client = srv.wait().client(timeout=600)
+        model = client.models.list().data[0].id
+        msg = [{"role": "user", "content": PROBLEM.question}]
+        delta = max(load_bundle(DEMO / "bundle.json").deltas())
+
+        def ask(orca: dict) -> tuple[str, dict]:
+            r = client.chat.completions.create(model=model, messages=msg, temperature=0,
+                                               max_tokens=5000, extra_body={"orca": orca})
+            m = r.choices[0].message
+            text = (m.model_extra or {}).get("reasoning") or (m.model_extra or {}).get(
+                "reasoning_content") or ""
+            return text + "\n</think>\n" + (m.content or ""), orca_of(r)
+
+        full_text, full = ask({"enabled": False})
+        stats = trace_stats(full_text, PROBLEM)
+        assert stats.correct, full_text[-600:]
+        assert stats.paragraphs >= 40 + CHECKS  # the walk, the checks, the conclusion
+        early_text, early = ask({"delta": delta, "policy": "answer"})
+        assert early["ended"] == "early", early
+        assert stats.first_right is not None
+        assert stats.first_right < early["stop_step"] < stats.paragraphs, (early, stats)
+        assert check_answer(early_text, PROBLEM), early_text[-600:]
+    finally:
+        srv.stop()
