@@ -20,7 +20,7 @@ from .serving import Server, orca_of, orca_serve_cmd
 
 DEMO = Path(__file__).parents[1] / "orca_serve" / "demo" / "long"
 # The first in-distribution problem with a walk of 40+ steps among bench_parity's held-out
-# prompts that the shipped model solves greedily (four of the five before it it does not).
+# prompts that the shipped model solves greedily (not the four before it).
 PROBLEM = Problem(a=3, b=46, c=3 * 71 + 46, x=71, start=25, family="in-dist")
 
 
