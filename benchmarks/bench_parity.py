@@ -125,7 +125,7 @@ def main() -> None:
     srv = Server(orca_serve_cmd("--model", str(model), "--calib", a.bundle), work / "serve.log",
                  ["--served-model-name", str(model), served_name,  # the bundle's name for it
                   "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32",
-                  "--max-model-len", str(max(1024, a.max_tokens + 256)), "--seed", "0"])
+                  "--max-model-len", str(max(1024, a.max_tokens + 120)), "--seed", "0"])
     try:
         srv.wait()
         online = asyncio.run(online_stops(srv, str(model), prompts, a.delta, a.max_tokens, a.concurrency,
