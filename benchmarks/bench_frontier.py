@@ -57,7 +57,9 @@ from bench_goodput import PROBE, Workload, interval95, label, oracle, request_lo
 
 from calibration.long import tasks as long_tasks
 from calibration.toy import tasks as toy_tasks
+from calibration.toy.demo_bundle import demo_folder
 from orca_method.answer_probes import reasoning_start, step_ends
+from orca_method.bundle import load_bundle
 from orca_method.labels import labelled_steps
 from orca_method.steps import segment
 from tests.serving import Server, orca_serve_cmd
@@ -90,10 +92,10 @@ class Reasoner:
         return self.home / "bundle.json"
 
 
-DEMO = ROOT / "orca_serve" / "demo"
 REASONERS = {
-    "toy": Reasoner(DEMO, toy_tasks, ("in-dist", "shifted"), 400, (48, 80, 112, 144, 176, 208, 256)),
-    "long": Reasoner(DEMO / "long", long_tasks, ("in-dist", "shifted", "hard"), 5000,
+    "toy": Reasoner(demo_folder("toy"), toy_tasks, ("in-dist", "shifted"), 400,
+                    (48, 80, 112, 144, 176, 208, 256)),
+    "long": Reasoner(demo_folder("long"), long_tasks, ("in-dist", "shifted", "hard"), 5000,
                      (300, 600, 1000, 1500, 2500)),
 }
 
@@ -429,11 +431,14 @@ def table(name: str, s: dict[str, Any], epsilon: float) -> str:
 
 
 def serve(reasoner: Reasoner, bundle: Path | None, log: Path) -> Server:
-    """orca-serve on the reasoner's model with its own bundle, or another one (the static arm)."""
-    return Server(orca_serve_cmd("--model", str(reasoner.model_dir),
-                                 "--calib", str(bundle or reasoner.bundle)), log,
+    """orca-serve on the reasoner's model with its own bundle, or another one (the static arm),
+    under the name the bundle gives the model; the context is the longest prompt (~60 tokens)
+    plus max_tokens, within the long reasoner's 5,120 positions."""
+    bundle = bundle or reasoner.bundle
+    return Server(orca_serve_cmd("--model", str(reasoner.model_dir), "--calib", str(bundle)), log,
                   ["--host", "127.0.0.1", "--seed", "0", "--reasoning-parser", "deepseek_r1",
-                   "--max-model-len", str(reasoner.max_tokens + 256)])
+                   "--served-model-name", load_bundle(bundle).model.name,
+                   "--max-model-len", str(reasoner.max_tokens + 120)])
 
 
 def main() -> None:
