@@ -99,6 +99,15 @@ class EventJournal(Protocol):
         """Stop taking part (this process's open admissions become reapable)."""
 
 
+def snapshot_offset(snap: Any, checksum: str, created: float, length: int) -> int | None:
+    """The event offset a snapshot covers, or None when it is not this journal's (another
+    bundle, or a journal created anew under the same name) or covers more than it holds."""
+    if not isinstance(snap, dict) or (snap.get("bundle_checksum"), snap.get("created")) != (
+            checksum, created) or not 0 < snap.get("offset", -1) <= length:
+        return None
+    return int(snap["offset"])
+
+
 def journal_path(directory: Path, checksum: str) -> Path:
     """Where the journal of the bundle with this checksum lives in an audit directory."""
     return Path(directory) / f"guard-{checksum[:16]}.jsonl"
@@ -216,11 +225,10 @@ class Journal:
             snap = json.loads(self.snapshot_path.read_text())
         except (OSError, ValueError):
             return None
-        size = os.fstat(self._fd).st_size
-        if (snap.get("bundle_checksum"), snap.get("created")) != (self.checksum, self.created) \
-                or not 0 < snap.get("offset", -1) <= size:
+        offset = snapshot_offset(snap, self.checksum, self.created, os.fstat(self._fd).st_size)
+        if offset is None:
             return None
-        self._offset = int(snap["offset"])
+        self._offset = offset
         return snap["state"]
 
     def rewind(self) -> None:

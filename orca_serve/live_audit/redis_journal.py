@@ -37,6 +37,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
+from orca_serve.live_audit.journal import snapshot_offset
+
 OWNER_TTL = 15.0  # seconds an owner key lives without a heartbeat
 TIMEOUT = 2.0  # seconds a store call may take before the store counts as unreachable
 
@@ -131,11 +133,11 @@ class RedisJournal:
             snap = json.loads(raw) if raw is not None else None
         except ValueError:
             return None
-        if snap is None or (snap.get("bundle_checksum"), snap.get("created")) != (
-                self.checksum, self.created) \
-                or not 0 < snap.get("offset", -1) <= self._client.llen(self._events):
+        offset = snapshot_offset(snap, self.checksum, self.created,
+                                 self._client.llen(self._events))
+        if offset is None:
             return None
-        self._offset = int(snap["offset"])
+        self._offset = offset
         return snap["state"]
 
     def rewind(self) -> None:
