@@ -11,6 +11,7 @@ other's core.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +66,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     config.option.loadscopereorder = False
     return ModuleGroups(config, log)
+
+
+@pytest.fixture
+def quiet_audit_log() -> Iterator[None]:
+    """The live audit's warnings off for a test that drives many audits (guard changes, reaped
+    audits): errors still show."""
+    logging.getLogger("orca_serve.live_audit").setLevel(logging.ERROR)
+    yield
+    logging.getLogger("orca_serve.live_audit").setLevel(logging.NOTSET)
 
 
 @pytest.fixture(scope="session")

@@ -34,11 +34,7 @@ from tests.serving import free_port
 RISKS = [0.05] * 100 + [0.4] * 100  # a clean stretch, then a shift the alarm catches
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    logging.getLogger("orca_serve.live_audit").setLevel(logging.ERROR)
-    yield
-    logging.getLogger("orca_serve.live_audit").setLevel(logging.NOTSET)
+pytestmark = pytest.mark.usefixtures("quiet_audit_log")
 
 
 def _on_store(url: str, directory: Path | None = None, **config) -> LiveAudit:

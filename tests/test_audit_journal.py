@@ -7,7 +7,6 @@ check (two orca-serve processes on one --orca-audit-dir) is in tests/test_audit_
 from __future__ import annotations
 
 import json
-import logging
 import multiprocessing
 import os
 from pathlib import Path
@@ -25,11 +24,7 @@ from tests.audit_simulation import DELTA, bundle, known_loss, restarted_stream
 RISKS = [0.05] * 130 + [0.4] * 470  # a clean stretch, then a shift the alarm catches
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    logging.getLogger("orca_serve.live_audit").setLevel(logging.ERROR)
-    yield
-    logging.getLogger("orca_serve.live_audit").setLevel(logging.NOTSET)
+pytestmark = pytest.mark.usefixtures("quiet_audit_log")
 
 
 def _journal(d: Path, fsync: bool = False) -> Journal:
