@@ -8,6 +8,9 @@ is not counted, the same for every arm). Two workloads:
 - **demo bundle, shifted family**: the toy job's bundle (calibrated in-distribution, where 94% of
   the traces end right) on the toy's shifted family (runs/toy/trajectories-shifted, held out;
   made by `python -m calibration.toy.demo_bundle`). A distribution shift: no guarantee applies.
+- **long reasoner**: its job's bundle (`python -m calibration.toy.demo_bundle --reasoner long`,
+  in runs/long) on its job's test split (held out, in distribution: 26% of the traces are never
+  right, the guarantees apply) and on its held-out shifted family (no guarantee applies).
 - **hard workload**: a job of its own on fresh shifted-family prompts (RUN_PROMPTS, seed
   HARD_SEED, about half end with the right answer): collect, split 50/25/25, train, calibrate
   both thresholds on its calibration split, evaluate on its test split (held out, exchangeable:
@@ -63,6 +66,11 @@ def pct(x: float) -> str:
     return f"{x:.3f}"
 
 
+def num(x: float | None) -> str:
+    """A threshold as the table prints it: 3 significant digits, `never` for None (inf)."""
+    return "never" if x is None else f"{x:.3g}"
+
+
 def risk(r: dict[str, Any]) -> str:
     return f"{r['rate']:.3f} ({r['k']}/{r['n']}, {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f})"
 
@@ -75,7 +83,7 @@ def table(name: str, reports: list[dict[str, Any]]) -> str:
     for r in reports:
         for arm in ARMS:
             a = r["arms"][arm]
-            lines.append(f"| {r['delta']:g} | {r['delta_2']:g} | {r['lambda']} | {r['mu']} | "
+            lines.append(f"| {r['delta']:g} | {r['delta_2']:g} | {num(r['lambda'])} | {num(r['mu'])} | "
                          f"{arm} | {a['tokens_per_request']:.1f} | {pct(a['accuracy'])} | "
                          f"{pct(a['accuracy_best_guess'])} | {pct(a['ended_early'])} | "
                          f"{pct(a['gave_up'])} | {risk(a['stop_error'])} | "
@@ -102,6 +110,14 @@ def main() -> None:
         print(table("demo bundle, shifted family", result["demo_shifted"]), "\n")
     else:
         print("runs/toy is missing: run `python -m calibration.toy.demo_bundle` first")
+    long = ROOT / "runs" / "long"
+    if (long / "bundle.json").exists():
+        result["long_test"] = sweep(long / "bundle.json", long / "trajectories", "test")
+        print(table("long reasoner, in distribution (test split)", result["long_test"]), "\n")
+        result["long_shifted"] = sweep(long / "bundle.json", long / "trajectories-shifted", "all")
+        print(table("long reasoner, shifted family", result["long_shifted"]), "\n")
+    else:
+        print("runs/long is missing: run `python -m calibration.toy.demo_bundle --reasoner long`")
     if not a.skip_hard:
         job = hard_job(OUT / "hard")
         run_job(job, progress=False)

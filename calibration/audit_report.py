@@ -37,7 +37,7 @@ from orca_method.audit.drift import DRIFT_WINDOW, DriftMonitor
 from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import Bundle, Segmentation
 from orca_method.give_up import request_give_up_loss
-from orca_method.risk import is_counted, is_solvable, request_losses
+from orca_method.risk import is_counted, request_losses
 from orca_method.thresholds import lam_to_json
 from orca_method.trajectories import TrajectorySet, split_ids
 from orca_serve.live_audit.options import EPSILON_SPLITS, guard_epsilon
@@ -198,9 +198,10 @@ def give_up_report(bundle: Bundle, ts: TrajectorySet, mode: str, cut: set[int],
     requests), its loss at mu* fed in audit order to a CensoredAlarm at the give-up table's
     epsilon (split as the server splits it), unfinished audits censored.
 
-    The loss is the certified one (gave up and ended right) when the audits carry the give-up's
-    reference labels (a collection); server audits label by consistency only, and then it is
-    whether the audit gave up, at least the certified loss (docs/AUDIT.md, "The give-up risk").
+    The loss is the certified one (gave up with a right answer ahead) when the audits carry the
+    give-up's reference labels (a collection); server audits label by consistency only, and then
+    it is whether the audit gave up, at least the certified loss (docs/AUDIT.md, "The give-up
+    risk").
     None for a one-sided bundle."""
     gu = bundle.give_up
     if gu is None:
@@ -213,16 +214,16 @@ def give_up_report(bundle: Bundle, ts: TrajectorySet, mode: str, cut: set[int],
     cs = CensoredAlarm(guard_epsilon(gu.ltt.epsilon, len(deltas), epsilon_split),
                        shape=(len(deltas),))
     first_alarm: list[int | None] = [None] * len(deltas)
-    for i, (g, c) in enumerate(zip(scored.scores, scored.labels)):
-        right = is_solvable(c) if known else None
-        cs.update(np.array([request_give_up_loss(g, mu, right) for mu in mus], dtype=float),
+    for i, g in enumerate(scored.scores):  # every audit, in order (split "all")
+        raw = ts.raw_labels(i, gu.label_mode) if known else None
+        cs.update(np.array([request_give_up_loss(g, mu, raw) for mu in mus], dtype=float),
                   i in cut)
         for j, fired in enumerate(cs.alarm(np.asarray(deltas))):
             if first_alarm[j] is None and fired:
                 first_alarm[j] = i + 1
     alarm = cs.alarm(np.asarray(deltas))
     return {"label_mode": gu.label_mode if known else mode,
-            "loss": "gave_up_and_ended_right" if known else "gave_up",
+            "loss": "gave_up_with_a_right_answer_ahead" if known else "gave_up",
             "alpha": guard_epsilon(gu.ltt.epsilon, len(deltas), epsilon_split), "n": cs.n,
             "deltas": [{"delta": d, "mu": None if math.isinf(mu) else mu,
                         "censored": int(cs.censored[j]),
@@ -258,7 +259,8 @@ def format_report(report: dict[str, Any]) -> str:
                      f"bounds=[{r['lower']:.3f}, {r['upper']:.3f}] {flag}")
     if "give_up" in report:
         g = report["give_up"]
-        what = ("gave up and ended right" if g["loss"] == "gave_up_and_ended_right" else
+        what = ("gave up with a right answer ahead"
+                if g["loss"] == "gave_up_with_a_right_answer_ahead" else
                 "gave up (these audits cannot tell a right end: at least the certified loss, so "
                 "the upper bound holds for the certified risk, an alarm only says the give-up "
                 "rate exceeds delta_2)")

@@ -35,7 +35,7 @@ from orca_method.bundle import (
     schema_version_for,
 )
 from orca_method.bundle_checks import check_semantics
-from orca_method.give_up import calibrate_give_up, mu_grid
+from orca_method.give_up import calibrate_give_up, last_right, mu_grid
 from orca_method.ltt import DeltaResult, calibrate, default_grid
 from orca_method.normalizations import DEFAULT_NORMALIZATION
 from orca_method.probe import Probe
@@ -116,8 +116,8 @@ def give_up_block(probe: Probe, ts: TrajectorySet, opts: GiveUpOptions, *, windo
     window = opts.window or window
     everything = score_split(probe, ts, "calibration", opts.label_mode, window,
                              solvable_only=False)
-    ends = [is_solvable(c) for c in everything.labels]
-    results = calibrate_give_up(everything.scores, ends, deltas, epsilon=opts.epsilon,
+    last = [last_right(ts.raw_labels(i, opts.label_mode)) for i in ts.split("calibration")]
+    results = calibrate_give_up(everything.scores, last, deltas, epsilon=opts.epsilon,
                                 grid=mu_grid(GRID_SIZE), pvalue=pvalue)
     rows = [GiveUpRow(delta=r.delta, mu=lam_to_json(r.mu), risk=r.risk,
                       pvalue=r.pvalue, give_up_rate=r.give_up_rate) for r in results]
@@ -125,7 +125,7 @@ def give_up_block(probe: Probe, ts: TrajectorySet, opts: GiveUpOptions, *, windo
         probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
                          eta=probe.params["log_eta"].exp().item()),
         window=window, label_mode=opts.label_mode, default_delta=default,
-        ltt=GiveUpTable(epsilon=opts.epsilon, n_cal=len(ends), pvalue=pvalue,
+        ltt=GiveUpTable(epsilon=opts.epsilon, n_cal=len(last), pvalue=pvalue,
                         grid_size=GRID_SIZE, rows=rows))
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from calibration.calibrate import Scored, score_split
 from orca_method.bundle import Bundle
-from orca_method.give_up import tokens_used, two_sided_ends
+from orca_method.give_up import last_right, tokens_used, two_sided_ends
 from orca_method.procedure import replay
 from orca_method.stop_metrics import stop_indices, summarize
 from orca_method.thresholds import lam_to_json
@@ -157,7 +157,8 @@ def evaluate_two_sided(bundle: Bundle, ts: TrajectorySet, split: str = "all", *,
     `accuracy_best_guess` counts its forced answer instead), the share ended early / given up.
     Realized risks with k, n and a 95% Clopper-Pearson interval: `stop_error` as certified (the
     bundle's labels, solvable traces, ended early with a wrong cumulative label) and
-    `give_up_error` (every trace: gave up on a trace that ends right under `reference`).
+    `give_up_error` (every trace: gave up with a right answer at that step or later under
+    `reference`'s raw labels, the certified loss).
     Arms: `full` (no stopping), `one_sided` (lambda*(delta)), `two_sided` (lambda*(delta),
     mu*(delta_2)), `oracle_stop` (stop at the first right step) and `oracle_two_sided` (that,
     and give up at the first step after which no step is right). `delta`/`delta_2` default to
@@ -182,11 +183,12 @@ def evaluate_two_sided(bundle: Bundle, ts: TrajectorySet, split: str = "all", *,
             for _, s in replay(bundle.load_probe(), embs, window=bundle.window)]
     give_up = [s.numpy().astype(np.float64)
                for _, s in replay(bundle.load_give_up_probe(), embs, window=bundle.give_up.window)]
-    raw = [np.asarray(ts.problems[i].labels[reference], dtype=np.int8) for i in idx]
+    raw = [ts.raw_labels(i, reference) for i in idx]
     certified = [ts.labels(i, bundle.label_mode) for i in idx]  # cumulative
     tokens = [np.asarray(ts.problems[i].step_tokens) for i in idx]
     lengths = np.array([len(c) for c in raw])
     ends_right = np.array([c.any() for c in raw])
+    last = np.array([last_right(c) for c in raw])
     counted = np.array([c.any() for c in certified])  # the certified stop risk's traces
     first_right = np.array([int(np.argmax(c)) if c.any() else n - 1
                             for c, n in zip(raw, lengths)])
@@ -200,7 +202,7 @@ def evaluate_two_sided(bundle: Bundle, ts: TrajectorySet, split: str = "all", *,
                 "accuracy_best_guess": float(np.mean(right_at_end)),
                 "ended_early": float(np.mean(early)), "gave_up": float(np.mean(gave)),
                 "stop_error": _rate(wrong_stop, counted),
-                "give_up_error": _rate(gave & ends_right, np.full(len(idx), True))}
+                "give_up_error": _rate(gave & (end <= last), np.full(len(idx), True))}
 
     one_end = stop_indices(stop, np.array([lam]))[0]
     two_end, ended = two_sided_ends(stop, give_up, lam, mu)

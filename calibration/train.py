@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from calibration.probe_variants import PROBES
 from calibration.train_defaults import DEFAULTS, EPOCH_SELECT
+from orca_method.give_up import right_ahead
 from orca_method.ltt import calibrate
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.procedure import as_tensor, replay
@@ -277,16 +278,17 @@ def train_static(ts: TrajectorySet, mode: str, *, pca_dim: int = 256, c: float =
 
 def train_give_up(ts: TrajectorySet, mode: str, *, seed: int = 0) -> Probe:
     """The give-up probe (docs/METHOD.md section 9): a static probe fitted on EVERY training
-    trajectory, each step labelled with whether its trajectory ends right under `mode` (a
-    reference label mode), so its score estimates P(the trace ends right | this step)."""
+    trajectory, each step labelled with whether a right answer lies at it or later under `mode`
+    (a reference label mode, raw per-step labels: `right_ahead`), so its score estimates
+    P(continuing can still reach a right answer | this step): what the give-up loss counts."""
     train = ts.split("train")
-    ends = [is_solvable(ts.labels(i, mode)) for i in train]
-    if not train or all(ends) or not any(ends):
-        raise ValueError(f"the training split needs traces that end right and traces that do not "
-                         f"under '{mode}' to fit a give-up probe ({sum(ends)} of {len(train)} end "
-                         "right)")
-    embs = [ts.embeddings(i) for i in train]
-    return fit_static(embs, [np.full(len(e), float(end)) for e, end in zip(embs, ends)],
+    targets = [right_ahead(ts.raw_labels(i, mode)) for i in train] if train else []
+    ahead = sum(int(t.sum()) for t in targets)
+    if not train or ahead == 0 or ahead == sum(t.size for t in targets):
+        raise ValueError(f"the training split needs steps with a right answer ahead and steps "
+                         f"without under '{mode}' to fit a give-up probe ({ahead} of "
+                         f"{sum(t.size for t in targets)} steps have one)")
+    return fit_static([ts.embeddings(i) for i in train], [t.astype(float) for t in targets],
                       seed=seed)
 
 

@@ -1,18 +1,20 @@
 """Giving up: the lower threshold mu* and its risk (docs/METHOD.md section 9).
 
 ORCA's upper threshold lambda* ends a trace once its answer is probably right. The lower one ends
-a trace once it will probably not end right: a second score ``g_t`` (the give-up probe's smoothed
-estimate that the trace ends right) is compared with mu*, and the request gives up at the first
-step with ``g_t <= mu*``. Giving up at the last step is not giving up (the trace ends there
-anyway; online, the last step is closed by the end tag and never scored).
+a trace once it will probably not get right: a second score ``g_t`` (the give-up probe's smoothed
+estimate that a right answer still lies ahead) is compared with mu*, and the request gives up at
+the first step with ``g_t <= mu*``. Giving up at the last step is not giving up (the trace ends
+there anyway; online, the last step is closed by the end tag and never scored).
 
-The give-up loss of one trace under mu is ``1{it gives up somewhere} * 1{it ends right}``, "ends
-right" being the reference label of the full trace (cumulative: right at some step, the
-convention of the stop loss). It does not depend on lambda: a give-up that the upper stop
-pre-empts, or one on a trace the upper stop would have ended wrong, still counts. So it bounds
-the loss of the deployed pair (lambda, mu) for every lambda at once, and mu* certified for it
+The give-up loss of one trace under mu is ``1{it gives up at a step tau_g} * 1{some step at or
+after tau_g is right}`` under the raw (per-step) reference labels: giving up threw away a right
+answer that continuing could still reach. Whatever lambda ends the trace otherwise, its answer
+comes from a step at or after tau_g (or the give-up pre-empted nothing), so a request that the
+pair (lambda, mu) answers wrong and lambda alone answers right has loss 1: the loss bounds the
+accuracy the give-up costs the deployed pair for every lambda at once, and mu* certified for it
 holds whatever delta a request picks, with its own epsilon on the same calibration set (the
-joint statement, by the union bound: docs/METHOD.md section 9).
+joint statement, by the union bound: docs/METHOD.md section 9). A right answer only before
+tau_g costs nothing here: no continuation from tau_g returns to it.
 
 LTT over mu: the grid runs from 0.0 (conservative: give up only on a score of 0) up to 1.0;
 ``H_j: risk(mu_j) >= delta_2`` gets the exact binomial p-value and fixed-sequence testing keeps
@@ -53,24 +55,39 @@ def gave_up(tau_g: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return tau_g < np.asarray(lengths) - 1
 
 
-def give_up_losses(tau_g: np.ndarray, lengths: np.ndarray, ends_right: np.ndarray) -> np.ndarray:
-    """0/1 loss (int8, shape of ``tau_g``): the trace gave up and would have ended right."""
-    return (gave_up(tau_g, lengths) & np.asarray(ends_right, dtype=bool)).astype(np.int8)
+def last_right(labels: Sequence[int]) -> int:
+    """The last step whose answer is right under raw (per-step, not cumulative) labels, -1 when
+    none is: giving up at or before it throws away a right answer still to come."""
+    right = np.flatnonzero(np.asarray(labels))
+    return int(right[-1]) if right.size else -1
 
 
-def request_give_up_loss(scores: np.ndarray, mu: float, ends_right: bool | None) -> int:
+def right_ahead(labels: Sequence[int]) -> np.ndarray:
+    """Per step (int8, the labels' length): 1 while a right answer lies at this step or later
+    under raw labels. What the give-up probe estimates (`calibration.train.train_give_up`)."""
+    raw = np.asarray(labels, dtype=np.int8)
+    return np.maximum.accumulate(raw[::-1])[::-1].copy()
+
+
+def give_up_losses(tau_g: np.ndarray, lengths: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """0/1 loss (int8, shape of ``tau_g`` [mus, traces]): the trace gave up at or before its
+    last right step ``last`` (`last_right`, per trace), so a right answer lay ahead."""
+    return (gave_up(tau_g, lengths) & (tau_g <= np.asarray(last))).astype(np.int8)
+
+
+def request_give_up_loss(scores: np.ndarray, mu: float, labels: Sequence[int] | None) -> int:
     """One trace's give-up loss under ``mu`` (`give_up_losses` for one trace), as the live audit
-    and `orca-calibrate audit-report` measure it.
+    and `orca-calibrate audit-report` measure it; ``labels``: its raw reference labels.
 
-    ``ends_right`` None: the labels cannot tell. Live audits label by consistency only, and
-    under consistency every trace ends with its own answer, so the trace counts as ending
-    right and the loss is whether it gave up: at least the certified loss, whatever the trace's
-    true outcome (docs/AUDIT.md, "The give-up risk").
+    ``labels`` None: they cannot tell. Live audits label by consistency only, and under
+    consistency the last step always agrees with the final answer, so a right answer counts as
+    lying ahead at every step and the loss is whether it gave up: at least the certified loss,
+    whatever the trace's true labels (docs/AUDIT.md, "The give-up risk").
     """
     g = np.asarray(scores, dtype=float)
     tau = give_up_indices([g], np.array([mu], dtype=float))
-    right = np.array([True if ends_right is None else bool(ends_right)])
-    return int(give_up_losses(tau, np.array([g.size]), right)[0, 0])
+    last = np.array([g.size - 1 if labels is None else last_right(labels)])
+    return int(give_up_losses(tau, np.array([g.size]), last)[0, 0])
 
 
 @dataclass(frozen=True)
@@ -83,36 +100,39 @@ class GiveUpResult:
 
     delta: float
     mu: float
-    risk: float  # P(gave up and would have ended right) on the calibration set
+    risk: float  # P(gave up with a right answer ahead) on the calibration set
     pvalue: float
     give_up_rate: float  # share of calibration traces that gave up
     n: int
 
 
-def check_give_up_set(scores: Ragged, ends_right: Sequence[bool]) -> None:
+def check_give_up_set(scores: Ragged, last: Sequence[int]) -> None:
     """Raise ValueError on inputs that would silently give wrong give-up steps or losses."""
     if len(scores) == 0:
         raise ValueError("no traces: the calibration set is empty")
-    if len(ends_right) != len(scores):
-        raise ValueError(f"{len(scores)} score arrays but {len(ends_right)} outcomes")
-    for i, g in enumerate(scores):
+    if len(last) != len(scores):
+        raise ValueError(f"{len(scores)} score arrays but {len(last)} last right steps")
+    for i, (g, k) in enumerate(zip(scores, last)):
         g = np.asarray(g)
         if g.ndim != 1 or g.size == 0:
             raise ValueError(f"trace {i}: scores must be a non-empty 1-D array")
         if not np.all((g >= 0.0) & (g <= 1.0)):
             raise ValueError(f"trace {i}: scores must be finite and in [0, 1]")
+        if not -1 <= k < g.size:
+            raise ValueError(f"trace {i}: last right step {k} is outside its {g.size} steps "
+                             "(-1: never right)")
 
 
-def calibrate_give_up(scores: Ragged, ends_right: Sequence[bool], deltas: Sequence[float],
+def calibrate_give_up(scores: Ragged, last: Sequence[int], deltas: Sequence[float],
                       epsilon: float = 0.05, grid: np.ndarray | None = None,
                       pvalue: str = "binomial") -> list[GiveUpResult]:
     """mu* for each give-up risk level ``delta`` at level ``epsilon``.
 
     ``scores``: smoothed give-up scores of EVERY calibration trace (the risk is over all
-    requests: unsolvable traces count, with loss 0); ``ends_right``: whether each trace ends
-    right under reference labels.
+    requests: never-right traces count, with loss 0); ``last``: each trace's last right step
+    under raw reference labels (`last_right`, -1 when never right).
     """
-    check_give_up_set(scores, ends_right)
+    check_give_up_set(scores, last)
     for name, v in [("epsilon", epsilon)] + [("delta_2", d) for d in deltas]:
         if not 0.0 < v < 1.0:
             raise ValueError(f"{name} must be in (0, 1), got {v}")
@@ -126,7 +146,7 @@ def calibrate_give_up(scores: Ragged, ends_right: Sequence[bool], deltas: Sequen
     n = len(scores)
     lengths = np.array([len(g) for g in scores])
     tau = give_up_indices(scores, grid)
-    loss = give_up_losses(tau, lengths, np.asarray(ends_right, dtype=bool))
+    loss = give_up_losses(tau, lengths, np.asarray(last))
     counts = loss.sum(axis=1, dtype=np.int64)
     rates = gave_up(tau, lengths).mean(axis=1)
     out = []

@@ -361,12 +361,17 @@ class TrajectorySet:
 
     def labels(self, i: int, mode: str) -> np.ndarray:
         """Cumulative int8 labels of problem i under ``mode`` (stored labels are raw per step)."""
+        return cumulative(self.raw_labels(i, mode))
+
+    def raw_labels(self, i: int, mode: str) -> np.ndarray:
+        """The stored int8 labels of problem i under ``mode``: whether each step's answer is
+        right (the give-up loss reads these: a right answer ahead, not one behind)."""
         p = self.problems[i]
         if mode not in p.labels:
             raise TrajectoryError(
                 f"problem {p.id!r} (index {i}) has no {mode!r} labels; it has "
                 f"{sorted(p.labels) or 'none'}, and every problem has {list(self.label_modes)}")
-        return cumulative(np.asarray(p.labels[mode], dtype=np.int8))
+        return np.asarray(p.labels[mode], dtype=np.int8)
 
     @property
     def label_modes(self) -> tuple[str, ...]:

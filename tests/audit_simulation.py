@@ -335,7 +335,7 @@ def give_up_pool(rng: np.random.Generator, n: int, *, right: float, bias: float
         r = bool(rng.random() < right)
         g = 1 / (1 + np.exp(-(1.5 * (2 * r - 1) + bias + rng.normal(size=8))))
         audit[i] = request_give_up_loss(g, 0.2, None)
-        certified[i] = request_give_up_loss(g, 0.2, r)
+        certified[i] = request_give_up_loss(g, 0.2, np.full(8, int(r)))  # right throughout, or never
     return audit, certified
 
 

@@ -182,7 +182,8 @@ def test_unfinished_audits_enter_censored_offline(world):
 def test_audit_report_replays_the_give_up_guard(world):
     """A two-sided bundle: the report replays the give-up probe on every audit (never-right ones
     too) and measures each give-up delta as the server's give-up guard does. With the audits'
-    reference labels (a collection) the loss is the certified one, gave up and ended right;
+    reference labels (a collection) the loss is the certified one, gave up with a right answer
+    ahead (here: at the first step, so any right step counts);
     without them (the give-up's label mode not in the audits, as on a server's audits) it is
     whether the audit gave up. The probe scores 0.5 at every step: mu* 0.6 gives up at the
     first step (of every audit with two steps or more), mu* 0.4 never."""
@@ -192,11 +193,12 @@ def test_audit_report_replays_the_give_up_guard(world):
     one = load_bundle(world / "bundle.json")
     ts = TrajectorySet.open(world / "in-audits")
     long = [p.n_steps >= 2 for p in ts.problems]
-    right = [any(ts.labels(i, "supervised")) for i in range(len(ts))]
-    want = {"gave_up_and_ended_right": sum(a and b for a, b in zip(long, right)) / len(ts),
+    right = [ts.raw_labels(i, "supervised").any() for i in range(len(ts))]
+    certified = "gave_up_with_a_right_answer_ahead"
+    want = {certified: sum(a and b for a, b in zip(long, right)) / len(ts),
             "gave_up": sum(long) / len(ts)}
-    assert 0.05 < want["gave_up_and_ended_right"] < want["gave_up"]
-    for label_mode, loss in (("supervised", "gave_up_and_ended_right"), ("judge", "gave_up")):
+    assert 0.05 < want[certified] < want["gave_up"]
+    for label_mode, loss in (("supervised", certified), ("judge", "gave_up")):
         two = with_give_up(one, [(0.05, 0.4), (0.1, 0.6)])
         two = two.model_copy(update={"give_up": two.give_up.model_copy(
             update={"label_mode": label_mode})})
