@@ -55,6 +55,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from calibration.evaluate import interval95 as clopper_pearson
 from calibration.toy import tasks as toy_tasks
 from calibration.toy.tasks import write_prompts
 from orca_method.answer_probes import (
@@ -64,7 +65,6 @@ from orca_method.answer_probes import (
     step_ends,
     trajectory_fields,
 )
-from calibration.evaluate import interval95 as clopper_pearson
 from orca_method.labels import extract_forced
 from orca_method.outcomes import ENDED, FULL, GAVE_UP
 from orca_method.risk import cumulative, is_counted, losses
@@ -221,12 +221,6 @@ def realized(losses_: Sequence[int | None]) -> dict[str, Any]:
     k, n = int(sum(counted)), len(counted)
     return {"rate": k / n if n else float("nan"), "k": k, "n": n,
             "ci95": list(clopper_pearson(k, n)) if n else None}
-
-
-def stop_error(requests: Sequence[dict[str, Any]]) -> tuple[float, int]:
-    """(realized stop error, requests counted) over labelled ORCA-on requests (module docstring)."""
-    r = realized([x["loss"] for x in requests])
-    return r["rate"], r["n"]
 
 
 def request_loss(trace: dict[str, Any], orca: dict[str, Any],
@@ -448,7 +442,7 @@ def summarize(levels: list[dict[str, Any]], excluded_never_correct: bool,
                             "accuracy": float(np.mean([e.correct for e in ends])),
                             "gave_up": float(np.mean([e.gave_up for e in ends]))}
         out.append({
-            "family": lv.get("family", "in-dist"), "concurrency": lv["concurrency"],
+            "family": lv["family"], "concurrency": lv["concurrency"],
             "rounds": len(per_round), "n_per_arm": len(off), "arms": arms,
             "per_round": per_round,
             "ratio": {arm: {k: spread(round_ratios(per_round, k, arm)) for k in FIGURES}

@@ -20,11 +20,11 @@ from benchmarks.bench_goodput import (
     oracle,
     orca_body,
     outcomes,
+    realized,
     request_loss,
     right_step_oracle,
     round_ratios,
     spread,
-    stop_error,
     summarize,
     table,
 )
@@ -82,11 +82,13 @@ def test_a_never_right_request_counts_when_the_bundle_kept_them() -> None:
     assert request_loss(t, {"stopped_early": True, "stop_step": 2}, False) == 1
 
 
-def test_stop_error_skips_excluded_requests() -> None:
-    err, counted = stop_error([{"loss": 1}, {"loss": 0}, {"loss": None}, {"loss": 0}])
-    assert counted == 3
-    assert err == pytest.approx(1 / 3)
-    assert math.isnan(stop_error([{"loss": None}])[0])
+def test_a_realized_risk_skips_requests_not_counted() -> None:
+    r = realized([1, 0, None, 0])
+    assert (r["k"], r["n"]) == (1, 3)
+    assert r["rate"] == pytest.approx(1 / 3)
+    assert r["ci95"] == pytest.approx(interval95(1 / 3, 3))
+    none = realized([None])
+    assert math.isnan(none["rate"]) and none["n"] == 0 and none["ci95"] is None
 
 
 def test_interval95_covers_the_rate() -> None:
