@@ -21,9 +21,10 @@ cut short), then labelled whole. Then:
 - **stop error** (both ORCA arms): the bundle's loss, 1 when no step up to the stop step had the
   right answer yet (never-right trajectories excluded when the calibration excluded them; a
   request that gave up or ran to its end did not stop: loss 0);
-- **give-up error** (two-sided): 1 when the request gave up on a trajectory that ends right
-  (right at some step, under the give-up block's reference labels), over every request: the
-  risk mu* is certified for (orca_method/give_up.py);
+- **give-up error** (two-sided): 1 when the request gave up while a right answer still lay
+  ahead (a step at or after its give-up step is right in the continued trajectory, under the
+  give-up block's reference labels), over every request: the risk mu* is certified for
+  (orca_method/give_up.py);
 - **oracles** (on the ORCA-off responses): `oracle` stops at the first step whose forced answer
   already equals the response's final answer (its tokens: the response's minus the steps after
   that one, its answer the response's, so its accuracy is the off arm's: the fewest tokens any
@@ -65,6 +66,7 @@ from orca_method.answer_probes import (
     step_ends,
     trajectory_fields,
 )
+from orca_method.give_up import last_right
 from orca_method.labels import extract_forced
 from orca_method.outcomes import ENDED, FULL, GAVE_UP
 from orca_method.risk import cumulative, is_counted, losses
@@ -236,10 +238,12 @@ def request_loss(trace: dict[str, Any], orca: dict[str, Any],
 
 
 def give_up_loss(trace: dict[str, Any], orca: dict[str, Any], reference: str) -> int:
-    """The give-up loss of one request (orca_method/give_up.py): it gave up, and its labelled
-    never-stopping trajectory ends right (right at some step under `reference` labels, the
-    cumulative convention of the stop loss). Every request counts."""
-    return int(orca.get("ended") == GAVE_UP and any(trace["labels"][reference]))
+    """The give-up loss of one request (orca_method/give_up.py): it gave up, and a step at or
+    after its give-up step is right in its labelled never-stopping trajectory (`reference`
+    labels, raw per step): continuing could still have reached a right answer. Every request
+    counts."""
+    return int(orca.get("ended") == GAVE_UP
+               and last_right(trace["labels"][reference]) >= int(orca["give_up_step"]) - 1)
 
 
 # ------------------------------------------------------------------------------- live parts

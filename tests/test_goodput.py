@@ -144,16 +144,17 @@ def test_cut_step(orca: dict, step: int | None) -> None:
     assert cut_step(orca) == step
 
 
-@pytest.mark.parametrize(("answers", "ended", "loss"), [
-    (["3", "4", "5"], "gave_up", 1),  # gave up on a trajectory that gets right later
-    (["5", "4", "4"], "gave_up", 1),  # right once: ends right (cumulative)
-    (["3", "4", "4"], "gave_up", 0),  # never right: giving up cost nothing
-    (["3", "4", "5"], "early", 0),  # a stop is the stop error's business
-    (["3", "4", "5"], "full", 0),
+@pytest.mark.parametrize(("answers", "ended", "step", "loss"), [
+    (["3", "4", "5"], "gave_up", 2, 1),  # gave up on a trajectory that gets right later
+    (["5", "4", "4"], "gave_up", 2, 0),  # right only before the give-up: nothing lost
+    (["5", "4", "4"], "gave_up", 1, 1),  # gave up at the right step itself
+    (["3", "4", "4"], "gave_up", 1, 0),  # never right: giving up cost nothing
+    (["3", "4", "5"], "early", None, 0),  # a stop is the stop error's business
+    (["3", "4", "5"], "full", None, 0),
 ])
-def test_give_up_loss(answers: list[str], ended: str, loss: int) -> None:
+def test_give_up_loss(answers: list[str], ended: str, step: int | None, loss: int) -> None:
     t = trace(answers, "5", [10] * len(answers))
-    assert give_up_loss(t, {"ended": ended}, "supervised") == loss
+    assert give_up_loss(t, {"ended": ended, "give_up_step": step}, "supervised") == loss
 
 
 def test_a_given_up_request_has_no_stop_loss() -> None:
