@@ -51,15 +51,16 @@ from orca_method.answer_probes import (
     step_ends,
     trajectory_fields,
 )
+from orca_method.bundle import load_bundle
 from orca_method.labels import extract_forced
 from orca_method.risk import cumulative, is_counted, losses
-from orca_serve.live_audit.options import DEMO_ANSWER_TOKENS, DEMO_SUFFIX
 from tests.serving import Server, orca_serve_cmd
 
 ARMS = ("off", "on")
 MODEL_DIR = ROOT / "orca_serve" / "demo" / "model"
 BUNDLE = ROOT / "orca_serve" / "demo" / "bundle.json"
-PROBE = ProbeSettings(suffix=DEMO_SUFFIX, answer_tokens=DEMO_ANSWER_TOKENS, label_every=1)
+# labelled as the demo's calibration data was (the bundle's labelling block), as its audit labels
+PROBE = ProbeSettings(**load_bundle(BUNDLE).labelling.model_dump(), label_every=1)
 PROMPT_SEED = 18  # calibration used seeds 1 (in-dist) and 2 (shifted): these prompts are held out
 
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from calibration.collect import DEFAULT_SUFFIX, Collector, CollectSettings, read_prompts
+from calibration.collect import Collector, CollectSettings, read_prompts
 from calibration.job import JobError, load_job, run_job
 from calibration.judge import JudgeError, JudgeSettings
 from calibration.probe_variants import PROBES
@@ -20,6 +20,7 @@ from calibration.synth import generate
 from calibration.train_defaults import DEFAULTS, EPOCH_SELECT
 from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
 from orca_method.trajectories import TrajectoryError, TrajectorySet, import_pickle
+from orca_serve.argtypes import integer
 
 if TYPE_CHECKING:
     from orca_method.bundle import Bundle
@@ -159,7 +160,8 @@ def cmd_collect(a: argparse.Namespace) -> None:
     prompts = read_prompts(Path(a.prompts))
     settings = CollectSettings(samples=a.samples, temperature=a.temperature, top_p=a.top_p,
                                max_tokens=a.max_tokens, seed=a.seed, label_every=a.label_every,
-                               suffix=a.suffix, dtype=a.dtype, batch=a.batch, judge=judge)
+                               suffix=a.suffix, answer_tokens=a.answer_tokens, dtype=a.dtype,
+                               batch=a.batch, judge=judge)
     with Collector(a.model, settings) as collector:  # vLLM's shutdown lines before the stats
         stats = collector.run(prompts, Path(a.out))
     print(json.dumps(stats.as_dict()))
@@ -335,7 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--label-every", type=int, default=1, help="answer-probe every k-th step")
-    p.add_argument("--suffix", default=DEFAULT_SUFFIX, help="answer-forcing suffix")
+    p.add_argument("--suffix", default=CollectSettings.suffix, help="answer-forcing suffix "
+                   "(the bundle records it: the live audit labels with it)")
+    p.add_argument("--answer-tokens", type=integer(1), default=CollectSettings.answer_tokens,
+                   help="greedy tokens per answer probe (recorded as --suffix)")
     p.add_argument("--dtype", choices=["float16", "float32"], default="float32")
     p.add_argument("--batch", type=int, default=64, help="prompts per generation batch")
     p.add_argument("--judge-url", help="OpenAI-compatible endpoint (…/v1) whose model grades "

@@ -26,6 +26,7 @@ from calibration.judge import Judge, JudgeSettings, question_text
 from orca_method.answer_probes import (
     DEFAULT_ANSWER_TOKENS,
     DEFAULT_SUFFIX,
+    ProbeSettings,
     probe_prompts,
     probe_sampling,
     trajectory_fields,
@@ -55,6 +56,11 @@ class CollectSettings:
     normalization: str = DEFAULT_NORMALIZATION
     engine: dict[str, Any] = field(default_factory=dict)  # extra vLLM LLM(...) arguments
     judge: JudgeSettings | None = None  # adds labels["judge"]
+
+    def probe(self) -> ProbeSettings:
+        """The answer probes these settings make (orca_method/answer_probes.py)."""
+        return ProbeSettings(suffix=self.suffix, answer_tokens=self.answer_tokens,
+                             label_every=self.label_every)
 
 
 @dataclass
@@ -133,7 +139,8 @@ class Collector:
         self.stats = Stats()
 
     def info_fields(self) -> dict[str, Any]:
-        """What the bundle later takes from the data: model identity and the procedure settings."""
+        """What the bundle later takes from the data: model identity, the procedure settings and
+        how the steps were labelled (the live audit must label the same way)."""
         # deferred: torch
         from orca_method.bundle import config_fingerprint, tokenizer_fingerprint
         rs = self.record_settings
@@ -141,7 +148,8 @@ class Collector:
         return {"model": self.model, "normalization": rs.get("normalization", DEFAULT_NORMALIZATION),
                 "segmentation": rs.get("segmentation"), "think": rs.get("think"),
                 "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer.get_vocab()),
-                "model_config": None if config is None else config.model_dump()}
+                "model_config": None if config is None else config.model_dump(),
+                "labelling": self.settings.probe().labelling()}
 
     def _generate(self, batch: list[tuple[str, dict]]) -> list[tuple[str, dict, Any, dict]]:
         from vllm import SamplingParams  # deferred: vllm (calibrate_cli imports this module)

@@ -33,7 +33,7 @@ DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
 SPLITS = ("train", "calibration", "test")
 INFO_DEFAULTS: dict[str, Any] = {
     "model": None, "normalization": DEFAULT_NORMALIZATION, "segmentation": None, "source": None,
-    "think": None, "tokenizer_fingerprint": None, "model_config": None,
+    "think": None, "tokenizer_fingerprint": None, "model_config": None, "labelling": None,
 }
 PICKLE_LABELS = ("pessimistic", "research")
 _PICKLE_LABEL_KEYS = {"step_labels": "supervised", "step_labels_consistent": "consistent"}
@@ -241,6 +241,19 @@ def _check_info(info: Any, where: str) -> None:
     for name in ("segmentation", "think", "model_config"):
         if info[name] is not None and not isinstance(info[name], dict):
             raise TrajectoryError(f"{where}: {name} must be an object or null")
+    _check_labelling(info["labelling"], where)
+
+
+def _check_labelling(labelling: Any, where: str) -> None:
+    """`labelling`: null (not recorded) or how the answer probes labelled the steps, the two
+    settings a bundle's `labelling` block takes from it (orca_method/bundle.py `Labelling`)."""
+    if labelling is None:
+        return
+    if not (isinstance(labelling, dict) and set(labelling) == {"suffix", "answer_tokens"}
+            and isinstance(labelling["suffix"], str) and labelling["suffix"]
+            and type(labelling["answer_tokens"]) is int and labelling["answer_tokens"] >= 1):
+        raise TrajectoryError(f"{where}: labelling must be null or an object with a non-empty "
+                              "string `suffix` and an integer `answer_tokens` >= 1")
 
 
 def _read_info(directory: Path) -> dict[str, Any]:
