@@ -19,7 +19,13 @@ from calibration.probe_variants import PROBES
 from calibration.synth import generate
 from calibration.train_defaults import DEFAULTS, EPOCH_SELECT
 from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
-from orca_method.trajectories import TrajectoryError, TrajectorySet, import_pickle
+from orca_method.trajectories import (
+    DTYPES,
+    STORED_DTYPE,
+    TrajectoryError,
+    TrajectorySet,
+    import_pickle,
+)
 from orca_serve.argtypes import integer
 
 if TYPE_CHECKING:
@@ -266,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "orca-serve's --orca-force-model; a bad table, probe, tokenizer or step "
                        "delimiter is refused always")
 
+    def embeddings_dtype_arg(p: argparse.ArgumentParser, default: str) -> None:
+        # the stored embeddings' dtype, not the model's (`--dtype`, vLLM's name, kept as an alias)
+        p.add_argument("--embeddings-dtype", "--dtype", dest="dtype", choices=sorted(DTYPES),
+                       default=default, help="dtype the embeddings are stored in (not the "
+                       f"model's; default {default})")
+
     def window_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--window", type=int, default=10, help="smoothing window k")
 
@@ -276,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=100, help="mean steps per problem")
     p.add_argument("--shift", action="store_true", help="the shifted family")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float16", "float32"], default="float16")
+    embeddings_dtype_arg(p, STORED_DTYPE)
     p.set_defaults(fn=cmd_synth)
 
     p = sub.add_parser("train", help="meta-train a probe (or fit the static baseline)")
@@ -341,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(the bundle records it: the live audit labels with it)")
     p.add_argument("--answer-tokens", type=integer(1), default=CollectSettings.answer_tokens,
                    help="greedy tokens per answer probe (recorded as --suffix)")
-    p.add_argument("--dtype", choices=["float16", "float32"], default="float32")
+    embeddings_dtype_arg(p, CollectSettings.dtype)
     p.add_argument("--batch", type=int, default=64, help="prompts per generation batch")
     p.add_argument("--judge-url", help="OpenAI-compatible endpoint (…/v1) whose model grades "
                    "every step answer: adds the `judge` label mode")
@@ -392,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import-pickle", help="convert a research-code pickle to our format")
     p.add_argument("pickle")
     p.add_argument("--out", required=True)
-    p.add_argument("--dtype", choices=["float16", "float32"], default="float16")
+    embeddings_dtype_arg(p, STORED_DTYPE)
     p.add_argument("--pickle-labels", choices=["pessimistic", "research"], default="pessimistic")
     p.set_defaults(fn=cmd_import_pickle)
 

@@ -33,9 +33,14 @@ from orca_method.answer_probes import (
 )
 from orca_method.labels import extract_forced, require_math_verify
 from orca_method.normalizations import DEFAULT_NORMALIZATION
-from orca_method.trajectories import TrajectoryWriter
+from orca_method.trajectories import RECORDED_DTYPE, TrajectoryWriter
 from orca_serve.contract import ORCA_OFF, merge_results
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
+
+
+# the dtype the engine computes in (vLLM's `dtype`; a job's `engine: {dtype: ...}` overrides):
+# float32, as the CPU tests serve, so collection and serving compute the same hidden states
+ENGINE_DTYPE = "float32"
 
 
 @dataclass
@@ -49,7 +54,7 @@ class CollectSettings:
     answer_tokens: int = DEFAULT_ANSWER_TOKENS  # greedy tokens generated after the suffix
     label_every: int = 1
     batch: int = 64  # prompts per generation batch
-    dtype: str = "float32"  # of the stored embeddings
+    dtype: str = RECORDED_DTYPE  # of the stored embeddings (the engine's: engine["dtype"])
     # the procedure's settings (copied into the bundle later; defaults = the Bundle defaults)
     segmentation: dict[str, Any] = field(default_factory=dict)
     think: dict[str, Any] = field(default_factory=dict)
@@ -130,7 +135,7 @@ class Collector:
         self.settings = settings
         plugin = engine_kwargs(None, segmentation=settings.segmentation, think=settings.think,
                                normalization=settings.normalization)
-        kwargs = {"dtype": "float32", "enforce_eager": True, "enable_prefix_caching": True,
+        kwargs = {"dtype": ENGINE_DTYPE, "enforce_eager": True, "enable_prefix_caching": True,
                   "seed": settings.seed, **plugin, **settings.engine}
         self.llm = LLM(model=model, **kwargs)
         self.model = model
