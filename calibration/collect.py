@@ -37,7 +37,6 @@ from orca_method.trajectories import RECORDED_DTYPE, TrajectoryWriter
 from orca_serve.contract import ORCA_OFF, merge_results
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
 
-
 # the dtype the engine computes in (vLLM's `dtype`; a job's `engine: {dtype: ...}` overrides):
 # float32, as the CPU tests serve, so collection and serving compute the same hidden states
 ENGINE_DTYPE = "float32"

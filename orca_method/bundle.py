@@ -17,8 +17,8 @@ import hashlib
 import itertools
 import json
 import math
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, Literal, get_type_hints
 
 import torch

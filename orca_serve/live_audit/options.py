@@ -163,7 +163,8 @@ def audit_config(ns: argparse.Namespace, bundle: Bundle) -> AuditConfig:
 def store_info(bundle: Any, probe: ProbeSettings) -> dict[str, Any]:
     """What an audit directory records of the bundle and of how its audits are labelled (audits
     of bundles with equal info can share a directory: same model, same pooling, same labels)."""
-    return {"labelling": probe.labelling(), "model": bundle.model.name, "normalization": bundle.normalization,
+    return {"labelling": probe.labelling(),
+            "model": bundle.model.name, "normalization": bundle.normalization,
             "segmentation": bundle.segmentation.model_dump(), "think": bundle.think.model_dump(),
             "tokenizer_fingerprint": bundle.model.tokenizer_fingerprint,
             "model_config": None if bundle.model.config_fingerprint is None
