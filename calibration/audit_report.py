@@ -44,11 +44,11 @@ from orca_serve.live_audit.options import EPSILON_SPLITS, guard_epsilon
 
 AUDIT_DIR = re.compile(r"^audit-\d{6}$")  # the server's rotating audit directories
 # what differs between the directories of two bundles that cannot share one (store_info); the
-# labelling is compared by the bundle's rule (`audit_labelling`)
+# labelling is compared by the bundle's rule (`labelling_of_audits`)
 _SAME_SERVER = ("dim", "normalization", "segmentation", "model")
 
 
-def audit_labelling(bundle: Bundle, info: dict[str, Any]) -> Labelling:
+def labelling_of_audits(bundle: Bundle, info: dict[str, Any]) -> Labelling:
     """How the audits with trajectory info `info` were labelled, checked against `bundle` by
     the server's rule (`orca_method.bundle.labelling_for`): a bundle's labelling block must be
     theirs (BundleError otherwise: they measure another risk); a bundle without one takes
@@ -73,7 +73,7 @@ def open_audits(path: str | Path, bundle: Bundle | None = None) -> TrajectorySet
     if not parts:
         ts = TrajectorySet.open(root)
         if bundle is not None:
-            audit_labelling(bundle, ts.info)
+            labelling_of_audits(bundle, ts.info)
         return ts
     sets = [TrajectorySet.open(p) for p in parts]
 
@@ -104,7 +104,7 @@ def open_audits(path: str | Path, bundle: Bundle | None = None) -> TrajectorySet
 def _labelled_for(bundle: Bundle, info: dict[str, Any]) -> bool:
     """Whether audits with trajectory info `info` were labelled as `bundle` says."""
     try:
-        audit_labelling(bundle, info)
+        labelling_of_audits(bundle, info)
     except BundleError:
         return False
     return True
@@ -382,7 +382,7 @@ def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
         if theirs != ours:
             raise ValueError(f"the audits' {name} {theirs!r} differs from the bundle's {ours!r}: "
                              "they were not recorded by a server running this bundle")
-    labelling = audit_labelling(bundle, ts.info)
+    labelling = labelling_of_audits(bundle, ts.info)
     if not force:
         check_window(bundle, ts, mode, last)
     view = window_view(ts, last)

@@ -70,6 +70,12 @@ def test_a_flag_contradicting_the_block_is_refused_before_vllm(tmp_path, flag, v
     assert "contradicts" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_an_empty_suffix_flag_is_refused(tmp_path):
+    with pytest.raises(StartupError, match="--orca-audit-suffix is empty"):
+        preflight(["--calib", str(_labelled(tmp_path, None)), "--orca-audit-rate", "1.0",
+                   "--orca-audit-suffix", ""])
+
+
 def test_the_block_is_written_only_when_it_differs_from_the_defaults(tmp_path):
     """A default-labelled bundle has no key (an older, strict reader reads it and audits it
     right); another labelling has it (such a reader refuses the unknown key)."""

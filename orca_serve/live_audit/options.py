@@ -1,8 +1,8 @@
 """The `orca-serve` options of live auditing and the guard, and the server state they build.
 
-Kept apart from orca_serve/preflight.py, which only calls `add_audit_args`, `check_audit_args` (before
-vLLM is imported, so a bad option fails in seconds, in one line) (the server's LiveAudit is built by
-`orca_serve.live_audit.factory.make_live_audit`).
+Kept apart from orca_serve/preflight.py, which only calls `add_audit_args`, `check_audit_args` and
+`audit_labelling` (before vLLM is imported, so a bad option fails in seconds, in one line); the
+server's LiveAudit is built by `orca_serve.live_audit.factory.make_live_audit`.
 """
 
 from __future__ import annotations
