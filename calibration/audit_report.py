@@ -89,8 +89,8 @@ def open_audits(path: str | Path, bundle: Bundle | None = None) -> TrajectorySet
     if not kept:
         shown = ", ".join(f"{k} {v!r:.60}" for k, v in want.items())
         raise ValueError(f"no audit directory under {root} was written with the bundle's "
-                         f"settings ({shown}): the server ran another bundle; pass the bundle "
-                         "it ran")
+                         f"settings ({shown}) and labelling: the server ran another bundle; "
+                         "pass the bundle it ran")
     if len(kept) < len(sets):
         skipped = [ts.path.name for ts in sets if ts not in kept]
         print(f"note: reading {len(kept)} of {len(sets)} audit directories under {root}; "

@@ -365,8 +365,8 @@ def labelling_for(bundle: Bundle, given: Mapping[str, tuple[str, Any]]) -> Label
         ours = getattr(block, name)
         if value is not None and value != ours:
             raise BundleError(f"{source} {value!r:.60} contradicts the bundle's labelling "
-                              f"{name} {ours!r:.60} (how its calibration data was labelled; "
-                              "the audit must label the same way): leave it out")
+                              f"{name} {ours!r:.60}: that is how its calibration data was "
+                              "labelled, and audits labelled otherwise measure another risk")
     return block
 
 
