@@ -66,18 +66,19 @@ from orca_method.answer_probes import (
     step_ends,
     trajectory_fields,
 )
+from orca_method.bundle import load_bundle
 from orca_method.give_up import last_right
 from orca_method.labels import extract_forced
 from orca_method.outcomes import ENDED, FULL, GAVE_UP
 from orca_method.risk import cumulative, is_counted, losses
 from orca_method.thresholds import lam_to_json
-from orca_serve.live_audit.options import DEMO_ANSWER_TOKENS, DEMO_SUFFIX
 from tests.serving import Server, orca_serve_cmd
 
 ARMS = ("off", "on", "two_sided")  # ORCA off, one-sided ORCA, ORCA with give-up
 MODEL_DIR = ROOT / "orca_serve" / "demo" / "model"
 BUNDLE = ROOT / "orca_serve" / "demo" / "bundle.json"
-PROBE = ProbeSettings(suffix=DEMO_SUFFIX, answer_tokens=DEMO_ANSWER_TOKENS, label_every=1)
+# labelled as the demo's calibration data was (the bundle's labelling block), as its audit labels
+PROBE = ProbeSettings(**load_bundle(BUNDLE).labelling.model_dump(), label_every=1)
 PROMPT_SEED = 18  # calibration used seeds 1 (in-dist) and 2 (shifted): these prompts are held out
 FIGURES = ("requests_per_s", "goodput", "tokens_per_request", "p50_latency_s", "p95_latency_s",
            "accuracy")

@@ -35,7 +35,7 @@ from calibration.train import meta_train, train_static, training_settings
 from orca_method.audit.attrition import incomplete
 from orca_method.audit.drift import DRIFT_WINDOW, DriftMonitor
 from orca_method.audit.sequence import CensoredAlarm
-from orca_method.bundle import Bundle, Segmentation
+from orca_method.bundle import Bundle, BundleError, Labelling, Segmentation, labelling_for
 from orca_method.give_up import request_give_up_loss
 from orca_method.risk import is_counted, request_losses
 from orca_method.thresholds import lam_to_json
@@ -43,8 +43,19 @@ from orca_method.trajectories import TrajectorySet, split_ids
 from orca_serve.live_audit.options import EPSILON_SPLITS, guard_epsilon
 
 AUDIT_DIR = re.compile(r"^audit-\d{6}$")  # the server's rotating audit directories
-# what differs between the directories of two bundles that cannot share one (store_info)
+# what differs between the directories of two bundles that cannot share one (store_info); the
+# labelling is compared by the bundle's rule (`labelling_of_audits`)
 _SAME_SERVER = ("dim", "normalization", "segmentation", "model")
+
+
+def labelling_of_audits(bundle: Bundle, info: dict[str, Any]) -> Labelling:
+    """How the audits with trajectory info `info` were labelled, checked against `bundle` by
+    the server's rule (`orca_method.bundle.labelling_for`): a bundle's labelling block must be
+    theirs (BundleError otherwise: they measure another risk); a bundle without one takes
+    theirs (the server's --orca-audit-* flags set it), or the defaults when they record none."""
+    recorded = info.get("labelling") or {}
+    return labelling_for(bundle, {k: (f"the audits' labelling {k}", recorded.get(k))
+                                  for k in Labelling.model_fields})
 
 
 def open_audits(path: str | Path, bundle: Bundle | None = None) -> TrajectorySet:
@@ -60,7 +71,10 @@ def open_audits(path: str | Path, bundle: Bundle | None = None) -> TrajectorySet
     parts = (sorted(p for p in root.iterdir() if p.is_dir() and AUDIT_DIR.match(p.name))
              if root.is_dir() and not (root / "info.json").exists() else [])
     if not parts:
-        return TrajectorySet.open(root)
+        ts = TrajectorySet.open(root)
+        if bundle is not None:
+            labelling_of_audits(bundle, ts.info)
+        return ts
     sets = [TrajectorySet.open(p) for p in parts]
 
     def settings(info: dict[str, Any]) -> dict[str, Any]:
@@ -70,12 +84,13 @@ def open_audits(path: str | Path, bundle: Bundle | None = None) -> TrajectorySet
         "dim": bundle.model.hidden_size, "normalization": bundle.normalization,
         "segmentation": bundle.segmentation.model_dump(), "model": bundle.model.name}
     kept = [ts for ts in sets  # a setting a directory does not record (null) is no mismatch
-            if all(v is None or v == want[k] for k, v in settings(ts.info).items())]
+            if all(v is None or v == want[k] for k, v in settings(ts.info).items())
+            and (bundle is None or _labelled_for(bundle, ts.info))]
     if not kept:
         shown = ", ".join(f"{k} {v!r:.60}" for k, v in want.items())
         raise ValueError(f"no audit directory under {root} was written with the bundle's "
-                         f"settings ({shown}): the server ran another bundle; pass the bundle "
-                         "it ran")
+                         f"settings ({shown}) and labelling: the server ran another bundle; "
+                         "pass the bundle it ran")
     if len(kept) < len(sets):
         skipped = [ts.path.name for ts in sets if ts not in kept]
         print(f"note: reading {len(kept)} of {len(sets)} audit directories under {root}; "
@@ -84,6 +99,15 @@ def open_audits(path: str | Path, bundle: Bundle | None = None) -> TrajectorySet
     problems = [p for ts in kept for p in ts.problems]
     arrays = [ts.embeddings(i) for ts in kept for i in range(len(ts))]
     return TrajectorySet(root, kept[0].info, problems, arrays)
+
+
+def _labelled_for(bundle: Bundle, info: dict[str, Any]) -> bool:
+    """Whether audits with trajectory info `info` were labelled as `bundle` says."""
+    try:
+        labelling_of_audits(bundle, info)
+    except BundleError:
+        return False
+    return True
 
 
 def unfinished(ts: TrajectorySet) -> list[int]:
@@ -360,6 +384,7 @@ def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
         if theirs != ours:
             raise ValueError(f"the audits' {name} {theirs!r} differs from the bundle's {ours!r}: "
                              "they were not recorded by a server running this bundle")
+    labelling = labelling_of_audits(bundle, ts.info)
     if not force:
         check_window(bundle, ts, mode, last)
     view = window_view(ts, last)
@@ -371,6 +396,8 @@ def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
         probe, facts = _retrain(bundle, view, mode, train_options or {}, seed=seed)
     else:
         probe, facts = bundle.load_probe(), {"probe": "the parent bundle's"}
+    # the new bundle records how the audits were labelled (the parent's block if they do not)
+    view.info = {**view.info, "labelling": labelling.model_dump()}
     ids = [p.id for p in view.problems]
     provenance = {"calibration_source": "live audits", "audit_window": len(ids),
                   "audit_first_id": ids[0], "audit_last_id": ids[-1],

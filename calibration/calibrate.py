@@ -24,6 +24,7 @@ from orca_method.bundle import (
     GiveUpBlock,
     GiveUpRow,
     GiveUpTable,
+    Labelling,
     LTTRow,
     LTTTable,
     ModelIdentity,
@@ -148,7 +149,8 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
                 epsilon: float, pvalue: str, window: int, n_cal: int, default_delta: float,
                 provenance: dict[str, Any], drift: DriftReference | None = None,
                 give_up: GiveUpBlock | None = None) -> Bundle:
-    """Everything the server needs, taken from the data's own record of how it was collected."""
+    """Everything the server needs, taken from the data's own record of how it was collected
+    (how its steps were labelled included: the live audit labels the same way)."""
     info = ts.info
     model = info.get("model") or "unknown"
     rows = [LTTRow(delta=r.delta, lam=lam_to_json(round(r.lam, 6)), risk=r.risk,
@@ -168,6 +170,7 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
         window=window, label_mode=mode,
         ltt=LTTTable(epsilon=epsilon, n_cal=n_cal, pvalue=pvalue, grid_size=GRID_SIZE, rows=rows),
         default_delta=default_delta, drift=drift, give_up=give_up,
+        labelling=None if info.get("labelling") is None else Labelling(**info["labelling"]),
         provenance={"data": str(ts.path), "data_sha256": data_hashes(ts),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **provenance})
 

@@ -12,14 +12,21 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from calibration.collect import DEFAULT_SUFFIX, Collector, CollectSettings, read_prompts
+from calibration.collect import Collector, CollectSettings, read_prompts
 from calibration.job import JobError, load_job, run_job
 from calibration.judge import JudgeError, JudgeSettings
 from calibration.probe_variants import PROBES
 from calibration.synth import generate
 from calibration.train_defaults import DEFAULTS, EPOCH_SELECT
 from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
-from orca_method.trajectories import TrajectoryError, TrajectorySet, import_pickle
+from orca_method.trajectories import (
+    DTYPES,
+    STORED_DTYPE,
+    TrajectoryError,
+    TrajectorySet,
+    import_pickle,
+)
+from orca_serve.argtypes import integer
 
 if TYPE_CHECKING:
     from orca_method.bundle import Bundle
@@ -159,7 +166,8 @@ def cmd_collect(a: argparse.Namespace) -> None:
     prompts = read_prompts(Path(a.prompts))
     settings = CollectSettings(samples=a.samples, temperature=a.temperature, top_p=a.top_p,
                                max_tokens=a.max_tokens, seed=a.seed, label_every=a.label_every,
-                               suffix=a.suffix, dtype=a.dtype, batch=a.batch, judge=judge)
+                               suffix=a.suffix, answer_tokens=a.answer_tokens, dtype=a.dtype,
+                               batch=a.batch, judge=judge)
     with Collector(a.model, settings) as collector:  # vLLM's shutdown lines before the stats
         stats = collector.run(prompts, Path(a.out))
     print(json.dumps(stats.as_dict()))
@@ -264,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "orca-serve's --orca-force-model; a bad table, probe, tokenizer or step "
                        "delimiter is refused always")
 
+    def embeddings_dtype_arg(p: argparse.ArgumentParser, default: str) -> None:
+        # the stored embeddings' dtype, not the model's (`--dtype`, vLLM's name, kept as an alias)
+        p.add_argument("--embeddings-dtype", "--dtype", dest="dtype", choices=sorted(DTYPES),
+                       default=default, help="dtype the embeddings are stored in (not the "
+                       f"model's; default {default})")
+
     def window_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--window", type=int, default=10, help="smoothing window k")
 
@@ -274,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=100, help="mean steps per problem")
     p.add_argument("--shift", action="store_true", help="the shifted family")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float16", "float32"], default="float16")
+    embeddings_dtype_arg(p, STORED_DTYPE)
     p.set_defaults(fn=cmd_synth)
 
     p = sub.add_parser("train", help="meta-train a probe (or fit the static baseline)")
@@ -335,8 +349,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--label-every", type=int, default=1, help="answer-probe every k-th step")
-    p.add_argument("--suffix", default=DEFAULT_SUFFIX, help="answer-forcing suffix")
-    p.add_argument("--dtype", choices=["float16", "float32"], default="float32")
+    p.add_argument("--suffix", default=CollectSettings.suffix, help="answer-forcing suffix "
+                   "(the bundle records it: the live audit labels with it)")
+    p.add_argument("--answer-tokens", type=integer(1), default=CollectSettings.answer_tokens,
+                   help="greedy tokens per answer probe (recorded as --suffix)")
+    embeddings_dtype_arg(p, CollectSettings.dtype)
     p.add_argument("--batch", type=int, default=64, help="prompts per generation batch")
     p.add_argument("--judge-url", help="OpenAI-compatible endpoint (…/v1) whose model grades "
                    "every step answer: adds the `judge` label mode")
@@ -387,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import-pickle", help="convert a research-code pickle to our format")
     p.add_argument("pickle")
     p.add_argument("--out", required=True)
-    p.add_argument("--dtype", choices=["float16", "float32"], default="float16")
+    embeddings_dtype_arg(p, STORED_DTYPE)
     p.add_argument("--pickle-labels", choices=["pessimistic", "research"], default="pessimistic")
     p.set_defaults(fn=cmd_import_pickle)
 

@@ -26,15 +26,20 @@ from calibration.judge import Judge, JudgeSettings, question_text
 from orca_method.answer_probes import (
     DEFAULT_ANSWER_TOKENS,
     DEFAULT_SUFFIX,
+    ProbeSettings,
     probe_prompts,
     probe_sampling,
     trajectory_fields,
 )
 from orca_method.labels import extract_forced, require_math_verify
 from orca_method.normalizations import DEFAULT_NORMALIZATION
-from orca_method.trajectories import TrajectoryWriter
+from orca_method.trajectories import RECORDED_DTYPE, TrajectoryWriter
 from orca_serve.contract import ORCA_OFF, merge_results
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
+
+# the dtype the engine computes in (vLLM's `dtype`; a job's `engine: {dtype: ...}` overrides):
+# float32, as the CPU tests serve, so collection and serving compute the same hidden states
+ENGINE_DTYPE = "float32"
 
 
 @dataclass
@@ -48,13 +53,18 @@ class CollectSettings:
     answer_tokens: int = DEFAULT_ANSWER_TOKENS  # greedy tokens generated after the suffix
     label_every: int = 1
     batch: int = 64  # prompts per generation batch
-    dtype: str = "float32"  # of the stored embeddings
+    dtype: str = RECORDED_DTYPE  # of the stored embeddings (the engine's: engine["dtype"])
     # the procedure's settings (copied into the bundle later; defaults = the Bundle defaults)
     segmentation: dict[str, Any] = field(default_factory=dict)
     think: dict[str, Any] = field(default_factory=dict)
     normalization: str = DEFAULT_NORMALIZATION
     engine: dict[str, Any] = field(default_factory=dict)  # extra vLLM LLM(...) arguments
     judge: JudgeSettings | None = None  # adds labels["judge"]
+
+    def probe(self) -> ProbeSettings:
+        """The answer probes these settings make (orca_method/answer_probes.py)."""
+        return ProbeSettings(suffix=self.suffix, answer_tokens=self.answer_tokens,
+                             label_every=self.label_every)
 
 
 @dataclass
@@ -124,7 +134,7 @@ class Collector:
         self.settings = settings
         plugin = engine_kwargs(None, segmentation=settings.segmentation, think=settings.think,
                                normalization=settings.normalization)
-        kwargs = {"dtype": "float32", "enforce_eager": True, "enable_prefix_caching": True,
+        kwargs = {"dtype": ENGINE_DTYPE, "enforce_eager": True, "enable_prefix_caching": True,
                   "seed": settings.seed, **plugin, **settings.engine}
         self.llm = LLM(model=model, **kwargs)
         self.model = model
@@ -133,7 +143,8 @@ class Collector:
         self.stats = Stats()
 
     def info_fields(self) -> dict[str, Any]:
-        """What the bundle later takes from the data: model identity and the procedure settings."""
+        """What the bundle later takes from the data: model identity, the procedure settings and
+        how the steps were labelled (the live audit must label the same way)."""
         # deferred: torch
         from orca_method.bundle import config_fingerprint, tokenizer_fingerprint
         rs = self.record_settings
@@ -141,7 +152,8 @@ class Collector:
         return {"model": self.model, "normalization": rs.get("normalization", DEFAULT_NORMALIZATION),
                 "segmentation": rs.get("segmentation"), "think": rs.get("think"),
                 "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer.get_vocab()),
-                "model_config": None if config is None else config.model_dump()}
+                "model_config": None if config is None else config.model_dump(),
+                "labelling": self.settings.probe().labelling()}
 
     def _generate(self, batch: list[tuple[str, dict]]) -> list[tuple[str, dict, Any, dict]]:
         from vllm import SamplingParams  # deferred: vllm (calibrate_cli imports this module)

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from orca_method.trajectories import TrajectoryWriter, split_ids
+from orca_method.trajectories import STORED_DTYPE, TrajectoryWriter, split_ids
 
 FLIP_SIGNAL = 0.3  # share of the signal left while the current answer is wrong after b_p
 N_WRONG = 3  # size of the pool of wrong answers per problem
@@ -159,7 +159,7 @@ def _problem(rng: np.random.Generator, fam: Family, w: World, mean_steps: float
 
 
 def generate(out_dir: str | Path, n_problems: int = 600, dim: int = 64, shift: bool = False,
-             seed: int = 0, mean_steps: int = 100, dtype: str = "float16",
+             seed: int = 0, mean_steps: int = 100, dtype: str = STORED_DTYPE,
              splits: Sequence[float] = (0.6, 0.2, 0.2)) -> Path:
     """Write a synthetic trajectory directory, problem by problem (resumable; see module doc).
 

@@ -31,6 +31,11 @@ class ProbeSettings:
     answer_tokens: int = DEFAULT_ANSWER_TOKENS  # greedy tokens generated after the suffix
     label_every: int = 1  # probe every k-th step (and always the last one)
 
+    def labelling(self) -> dict[str, Any]:
+        """What the labels depend on, as a trajectory set's info records it (`labelling`) and a
+        bundle's `labelling` block holds it (the stride only makes labels pessimistic)."""
+        return {"suffix": self.suffix, "answer_tokens": self.answer_tokens}
+
 
 def reasoning_start(gen_ids: Sequence[int], step_ids: Sequence[Sequence[int]]) -> int:
     """Offset of the first step in the generated tokens (a generated `<think>` precedes it)."""

@@ -17,6 +17,7 @@ import hashlib
 import itertools
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_type_hints
 
@@ -33,6 +34,7 @@ from pydantic import (
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX
 from orca_method.errors import first_line
 from orca_method.normalizations import DEFAULT_NORMALIZATION, Normalization
 from orca_method.probe import Probe, ProbeSpec
@@ -109,6 +111,26 @@ class ThinkTags(_Strict):
             raise ValueError(f"force_text {self.force_text!r} does not contain the end tag "
                              f"{self.end!r}: policy `answer` could not close the reasoning")
         return self
+
+
+class Labelling(_Strict):
+    """How the calibration data's steps were labelled (`orca-calibrate collect`'s answer probes,
+    orca_method/answer_probes.py): the answer-forcing suffix and the greedy answer tokens after
+    it. The live audit labels its requests the same way, or it measures another risk.
+
+    Compatibility: the block is written only when it differs from these defaults (`save_bundle`),
+    so a bundle labelled with the defaults stays readable by readers that predate the block (and
+    that audit with the defaults: right), while one labelled otherwise, which such a reader would
+    audit wrongly, is refused by it (it reads bundles strictly: an unknown block is an error). A
+    bundle without the block means these defaults, or, for one written before the block existed,
+    whatever its collection used: only then may the server's `--orca-audit-suffix` /
+    `--orca-audit-answer-tokens` say it (`labelling_for`)."""
+
+    suffix: str = Field(DEFAULT_SUFFIX, min_length=1)
+    answer_tokens: int = Field(DEFAULT_ANSWER_TOKENS, ge=1)
+
+
+DEFAULT_LABELLING = Labelling()
 
 
 class LTTRow(_Strict):
@@ -241,6 +263,8 @@ class Bundle(_Strict):
     lambdas_from: str | None = None
     drift: DriftReference | None = None  # absent in older bundles: no drift test
     give_up: GiveUpBlock | None = None  # schema version 2 only: the lower threshold
+    # how the data was labelled; None: not recorded (the defaults, see Labelling)
+    labelling: Labelling | None = None
     checksum: str = ""
 
     @field_validator("schema_version")
@@ -324,6 +348,28 @@ def schema_version_for(two_sided: bool) -> int:
     return TWO_SIDED_VERSION if two_sided else SCHEMA_VERSION
 
 
+def labelling_for(bundle: Bundle, given: Mapping[str, tuple[str, Any]]) -> Labelling:
+    """How audits of `bundle` are labelled: its labelling block, or, for a bundle without one,
+    `given` over the defaults. `given` maps a Labelling field to (what set it, its value or None
+    when unset): the server's --orca-audit-* flags, or the labelling an audit directory records.
+
+    A given value that contradicts the bundle's block is a BundleError (one line): the audit
+    would measure another risk than the one certified. The one rule for the server's audit
+    (orca_serve/live_audit/options.py) and the offline tools that read audits
+    (calibration/audit_report.py)."""
+    block = bundle.labelling
+    if block is None:
+        return Labelling(**{**DEFAULT_LABELLING.model_dump(),
+                            **{k: v for k, (_, v) in given.items() if v is not None}})
+    for name, (source, value) in given.items():
+        ours = getattr(block, name)
+        if value is not None and value != ours:
+            raise BundleError(f"{source} {value!r:.60} contradicts the bundle's labelling "
+                              f"{name} {ours!r:.60}: that is how its calibration data was "
+                              "labelled, and audits labelled otherwise measure another risk")
+    return block
+
+
 def _load_probe(block: ProbeBlock) -> Probe:
     """A probe block's probe, every check before allocation (`Bundle.load_probe`)."""
     spec = ProbeSpec.from_dict(block.spec)
@@ -377,8 +423,12 @@ def _checksum(data: dict[str, Any]) -> str:
 def save_bundle(bundle: Bundle, path: str | Path) -> Bundle:
     """Write the bundle with its checksum; returns the sealed bundle."""
     # a one-sided bundle is written exactly as before version 2 (no give_up key): readers of
-    # version 1 read it, and its checksum is what they compute
-    data = bundle.model_dump(exclude={"give_up"} if bundle.give_up is None else None)
+    # version 1 read it, and its checksum is what they compute; likewise a bundle labelled with
+    # the default labelling has no labelling key (Labelling says why)
+    drop = {"give_up"} if bundle.give_up is None else set()
+    if bundle.labelling in (None, DEFAULT_LABELLING):
+        drop.add("labelling")
+    data = bundle.model_dump(exclude=drop or None)
     data["checksum"] = _checksum(data)
     sealed = Bundle.model_validate(data)
     tmp = Path(path).with_suffix(".tmp")

@@ -30,10 +30,16 @@ FORMAT = "orca-trajectories"
 VERSION = 1
 INFO_FILE, PROBLEMS_FILE, EMBEDDINGS_FILE = "info.json", "problems.jsonl", "embeddings.bin"
 DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
+# The stored embeddings' dtype by default (not the dtype a model computes in): float16 halves the
+# disk for sets converted or generated from given numbers (import-pickle, synth, a plain writer);
+# embeddings recorded from an engine (collect, the live audit) are kept float32, as the server's
+# probe reads them, so a replay scores exactly what was served
+STORED_DTYPE = "float16"
+RECORDED_DTYPE = "float32"
 SPLITS = ("train", "calibration", "test")
 INFO_DEFAULTS: dict[str, Any] = {
     "model": None, "normalization": DEFAULT_NORMALIZATION, "segmentation": None, "source": None,
-    "think": None, "tokenizer_fingerprint": None, "model_config": None,
+    "think": None, "tokenizer_fingerprint": None, "model_config": None, "labelling": None,
 }
 PICKLE_LABELS = ("pessimistic", "research")
 _PICKLE_LABEL_KEYS = {"step_labels": "supervised", "step_labels_consistent": "consistent"}
@@ -241,6 +247,19 @@ def _check_info(info: Any, where: str) -> None:
     for name in ("segmentation", "think", "model_config"):
         if info[name] is not None and not isinstance(info[name], dict):
             raise TrajectoryError(f"{where}: {name} must be an object or null")
+    _check_labelling(info["labelling"], where)
+
+
+def _check_labelling(labelling: Any, where: str) -> None:
+    """`labelling`: null (not recorded) or how the answer probes labelled the steps, the two
+    settings a bundle's `labelling` block takes from it (orca_method/bundle.py `Labelling`)."""
+    if labelling is None:
+        return
+    if not (isinstance(labelling, dict) and set(labelling) == {"suffix", "answer_tokens"}
+            and isinstance(labelling["suffix"], str) and labelling["suffix"]
+            and type(labelling["answer_tokens"]) is int and labelling["answer_tokens"] >= 1):
+        raise TrajectoryError(f"{where}: labelling must be null or an object with a non-empty "
+                              "string `suffix` and an integer `answer_tokens` >= 1")
 
 
 def _read_info(directory: Path) -> dict[str, Any]:
@@ -410,7 +429,7 @@ class TrajectoryWriter:
     writes the embeddings first and the metadata line last, so a kill loses at most that problem.
     """
 
-    def __init__(self, path: str | Path, dim: int, dtype: str = "float16", *,
+    def __init__(self, path: str | Path, dim: int, dtype: str = STORED_DTYPE, *,
                  fsync: bool = False, **info_fields: Any):
         self.path = Path(path)
         self.info = _make_info(dim, dtype, info_fields)
@@ -774,7 +793,7 @@ def _pickle_info(pkl: Mapping[str, Any], path: Path | None, pickle_labels: str,
 
 
 def import_pickle(pkl: str | Path | Mapping[str, Any], out_dir: str | Path,
-                  dtype: str = "float16", *, pickle_labels: str = "pessimistic") -> Path:
+                  dtype: str = STORED_DTYPE, *, pickle_labels: str = "pessimistic") -> Path:
     """Convert a research pickle (path or loaded dict) to a directory, problem by problem.
 
     Resumable like any TrajectoryWriter: problems already in ``out_dir`` are skipped.

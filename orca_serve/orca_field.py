@@ -1,15 +1,18 @@
 """The request body's `orca` field: its schema (also published in /openapi.json), its checks
 and its one-line 400s, and the `orca_*` names a client may write into `vllm_xargs` instead.
-Plain Python (pydantic, no vLLM)."""
+Each setting is checked by its rule in orca_serve/orca_rules.py, the one the engine applies to
+the extra_args that reach it (`orca_serve.xargs.validate_xargs`). Plain Python (pydantic, no vLLM).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, WithJsonSchema
 
 from orca_method.errors import cut, shown
-from orca_serve.contract import MAX_ANSWER_BUDGET, POLICIES, XARG_FIELDS, XARG_RESERVED, Policy
+from orca_serve.contract import XARG_FIELDS, XARG_RESERVED, Policy
+from orca_serve.orca_rules import ANSWER_BUDGET, DELTA, ENABLED, POLICY, RULES, Rule, refusal
 
 
 class OrcaRequestError(ValueError):
@@ -21,6 +24,13 @@ class OrcaRequestError(ValueError):
         self.param = param
 
 
+def _checked(rule: Rule) -> tuple[BeforeValidator, WithJsonSchema]:
+    """An optional `orca` field checked by `rule` in the JSON spelling (strict), documented by
+    the rule's schema (or null: not set)."""
+    return (BeforeValidator(lambda v: None if v is None else rule.check(v, True)),
+            WithJsonSchema({"anyOf": [rule.schema, {"type": "null"}]}))
+
+
 class GiveUpFields(BaseModel):
     """`orca.give_up`: give up on reasoning that will probably not end right, with risk
     `delta` (delta_2: P(giving up on a request that would have ended right); docs/METHOD.md
@@ -29,8 +39,8 @@ class GiveUpFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    enabled: bool | None = None
-    delta: float | None = Field(None, gt=0, lt=1)
+    enabled: Annotated[bool | None, *_checked(ENABLED)] = None
+    delta: Annotated[float | None, *_checked(DELTA)] = None
 
 
 class OrcaFields(BaseModel):
@@ -38,11 +48,10 @@ class OrcaFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    enabled: bool | None = None
-    delta: float | None = Field(None, gt=0, lt=1)
-    # not strict: a JSON string names the policy (the model is strict for everything else)
-    policy: Policy | None = Field(None, strict=False)
-    answer_budget: int | None = Field(None, ge=0, le=MAX_ANSWER_BUDGET)
+    enabled: Annotated[bool | None, *_checked(ENABLED)] = None
+    delta: Annotated[float | None, *_checked(DELTA)] = None
+    policy: Annotated[Policy | None, *_checked(POLICY)] = None
+    answer_budget: Annotated[int | None, *_checked(ANSWER_BUDGET)] = None
     give_up: GiveUpFields | None = None
 
 
@@ -57,35 +66,31 @@ def validation_message(e: ValidationError, prefix: str) -> tuple[str, str]:
     if err["type"] == "extra_forbidden":
         allowed = ", ".join(OrcaFields.model_fields)
         return f"unknown field '{param}'; allowed fields of '{prefix}': {allowed}", param
-    if err["type"] in ("literal_error", "enum"):
-        return (f"'{param}' must be one of {', '.join(repr(p) for p in POLICIES)}, "
-                f"got {shown(err.get('input'))}"), param
+    if err["type"] == "value_error":  # a rule's refusal (orca_serve/orca_rules.py)
+        return refusal(param, err["msg"].removeprefix("Value error, ")), param
     return f"invalid '{param}': {err['msg']} (got {shown(err.get('input'))})", param
 
 
 def from_xargs(xargs: dict[str, Any]) -> dict[str, Any]:
-    """The orca_* entries of vllm_xargs as `orca` field values (type-checked like `orca`)."""
-    out: dict[str, Any] = {}
-    by_xarg = {v: k for k, v in XARG_FIELDS.items()}
-    for name, value in xargs.items():
+    """The orca_* entries of vllm_xargs as `orca` field values, checked by the engine's rules in
+    the engine's order (`validate_xargs`), so both name the same first refusal."""
+    for name in xargs:
         if not name.startswith("orca_"):
             continue
-        name = cut(name)
+        where = f"vllm_xargs.{cut(name)}"
         if name in XARG_RESERVED:
-            raise OrcaRequestError(f"'vllm_xargs.{name}' is set by the server, not by clients",
-                                   f"vllm_xargs.{name}")
-        key = by_xarg.get(name)
-        if key is None:
-            raise OrcaRequestError(f"unknown orca argument 'vllm_xargs.{name}'; allowed: "
-                                   f"{', '.join(XARG_FIELDS.values())}", f"vllm_xargs.{name}")
-        if key == "enabled":
-            # vllm_xargs carry no bools: 0/1 (a JSON bool is accepted as well)
-            if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
-                value = bool(value)
-            else:
-                raise OrcaRequestError(f"'vllm_xargs.{name}' must be 0 or 1, got {shown(value)}",
-                                       f"vllm_xargs.{name}")
-        out[key] = value
+            raise OrcaRequestError(f"'{where}' is set by the server, not by clients", where)
+        if name not in XARG_FIELDS.values():
+            raise OrcaRequestError(f"unknown orca argument '{where}'; allowed: "
+                                   f"{', '.join(XARG_FIELDS.values())}", where)
+    out: dict[str, Any] = {}
+    for key, name in XARG_FIELDS.items():
+        if name in xargs:
+            try:  # the xargs spelling, as the engine checks it (vllm_xargs carry no bools)
+                out[key] = RULES[key].check(xargs[name], False)
+            except ValueError as e:
+                raise OrcaRequestError(refusal(f"vllm_xargs.{name}", str(e)),
+                                       f"vllm_xargs.{name}") from None
     return out
 
 

@@ -226,10 +226,12 @@ def preflight(argv: list[str]) -> Preflight:
     else:
         pre.bundle = load_checked(pre.bundle_path, early)
     # deferred: scipy (not needed by --check-vllm)
-    from orca_serve.live_audit.options import check_audit_args
+    from orca_serve.live_audit.options import audit_labelling, check_audit_args
 
     try:
         check_audit_args(early, has_bundle=pre.bundle is not None)
+        if pre.bundle is not None:
+            audit_labelling(early, pre.bundle)  # a flag that contradicts the bundle's labelling
     except ValueError as e:
         raise StartupError(str(e)) from None
     check_admin_key(early, has_bundle=pre.bundle is not None)

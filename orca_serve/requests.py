@@ -174,14 +174,9 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
         raise OrcaRequestError(f"'{both[0]}' is given both in 'orca' and as "
                                f"'vllm_xargs.{XARG_FIELDS[both[0]]}'; give it once",
                                f"orca.{both[0]}")
-    try:
+    try:  # the xargs' values passed their rules in from_xargs (normalised: they pass again)
         fields = OrcaFields.model_validate({**given_x, **given})
     except ValidationError as e:
-        bad = e.errors()[0]["loc"]
-        if bad and bad[0] in given_x:  # name the xarg the client wrote (orca_delta, ...)
-            msg, _ = validation_message(e, "vllm_xargs")
-            param = f"vllm_xargs.{XARG_FIELDS[str(bad[0])]}"
-            raise OrcaRequestError(msg.replace(f"vllm_xargs.{bad[0]}", param), param) from None
         msg, param = validation_message(e, "orca")
         raise OrcaRequestError(msg, param) from None
 

@@ -1,6 +1,7 @@
 """The `vllm_xargs` a request reaches the engine with, read on the engine side: their checks
 (front end, HTTP 400) and the settings a request runs with after the engine's defaults
-(`request_spec`). Names and defaults are `orca_serve.contract`'s; plain Python (no vLLM, no torch).
+(`request_spec`). Names and defaults are `orca_serve.contract`'s, the client-settable settings'
+rules `orca_serve.orca_rules`' (the server's too); plain Python (no vLLM, no torch).
 
 The server resolves a request's settings (defaults, delta -> lambda*) and writes them into
 `vllm_xargs` once (`orca_serve.requests`); vLLM hands them to the engine as
@@ -17,11 +18,11 @@ from typing import Any
 from orca_method.errors import shown
 from orca_method.thresholds import NEVER, lam_to_json
 from orca_serve.contract import (
-    POLICIES,
     XARG_ANSWER_BUDGET,
     XARG_BUNDLE,
     XARG_DELTA,
     XARG_ENABLED,
+    XARG_FIELDS,
     XARG_GIVE_UP_MU,
     XARG_KEY,
     XARG_LAM,
@@ -32,8 +33,10 @@ from orca_serve.contract import (
     XARG_SEED,
     Policy,
 )
+from orca_serve.orca_rules import RULES, integer, number, refusal
 
-_INT_XARGS = (XARG_ENABLED, XARG_ANSWER_BUDGET, XARG_RECORD, XARG_RESERVE, XARG_N)
+# the integer xargs the server or the plugin set (the client-settable ones have their rules)
+_INT_XARGS = (XARG_RECORD, XARG_RESERVE, XARG_N)
 
 
 def resolve_lam(lam_of: Callable[[float], float], delta: float) -> float:
@@ -53,7 +56,7 @@ def decode_lam(v: Any) -> float:
     or NEVER: scores are probabilities, so any other threshold is a mistake, not a setting."""
     lam = _as_float(XARG_LAM, v)
     if not (0.0 <= lam <= 1.0 or lam == NEVER):
-        raise ValueError(f"{XARG_LAM} must be in [0, 1] or \"inf\" (never), got {shown(v)}")
+        raise ValueError(refusal(XARG_LAM, f"must be in [0, 1] or \"inf\" (never), got {shown(v)}"))
     return lam
 
 
@@ -61,62 +64,57 @@ def decode_mu(v: Any) -> float:
     """An `orca_give_up_mu` xarg as mu*: a number in [0, 1] (ValueError otherwise)."""
     mu = _as_float(XARG_GIVE_UP_MU, v)
     if not 0.0 <= mu <= 1.0:
-        raise ValueError(f"{XARG_GIVE_UP_MU} must be in [0, 1], got {v!r}")
+        raise ValueError(refusal(XARG_GIVE_UP_MU, f"must be in [0, 1], got {shown(v)}"))
     return mu
 
 
 def as_int(name: str, v: Any) -> int:
-    """An integer xarg (ints, integral floats, digit strings; bools count as 0/1)."""
-    if isinstance(v, bool):
-        return int(v)
-    if isinstance(v, int):
-        return v
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
-        return int(v)
-    raise ValueError(f"{name} must be an integer, got {shown(v)}")
+    """An integer xarg, as the rules read xargs (`orca_serve.orca_rules.integer`)."""
+    try:
+        return integer(v, strict=False)
+    except ValueError as e:
+        raise ValueError(refusal(name, str(e))) from None
 
 
 def _as_float(name: str, v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise ValueError(f"{name} must be a number, got {shown(v)}")  # noqa: TRY004 - vLLM: 400
     try:
-        return float(v)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {shown(v)}") from None
+        return number(v, strict=False)
+    except ValueError as e:
+        raise ValueError(refusal(name, str(e))) from None
 
 
 def validate_xargs(xa: dict[str, Any] | None, n: int = 1, seed: int | None = None) -> None:
     """Check a request's orca_* extra_args (ValueError: vLLM answers HTTP 400).
 
-    Runs in the front end. With n > 1 vLLM copies these params into n child requests; `orca_n`
-    tells each child that it is one (its index then comes from the engine's request id, or from
-    its seed minus `orca_seed`).
+    Runs in the front end, for every request: the server's (already checked there, by the same
+    rules) and those that reach the engine without it (offline `LLM`). The client-settable ones
+    are checked by their rules (orca_serve/orca_rules.py), worded as the server words them; the
+    ones the server or the plugin set, here. With n > 1 vLLM copies these params into n child
+    requests; `orca_n` tells each child that it is one (its index then comes from the engine's
+    request id, or from its seed minus `orca_seed`).
     """
     if not xa:
         return
+    for field, name in XARG_FIELDS.items():
+        if name in xa:
+            try:
+                RULES[field].check(xa[name], False)
+            except ValueError as e:
+                raise ValueError(refusal(name, str(e))) from None
     for name in (XARG_KEY, XARG_BUNDLE):
         if name in xa and not isinstance(xa[name], str):
-            raise ValueError(f"{name} must be a string, got {shown(xa[name])}")
+            raise ValueError(refusal(name, f"must be a string, got {shown(xa[name])}"))
     for name in _INT_XARGS:
         if name in xa:
             v = as_int(name, xa[name])
-            if name in (XARG_ENABLED, XARG_RECORD) and v not in (0, 1):
-                raise ValueError(f"{name} must be 0 or 1, got {shown(xa[name])}")
+            if name == XARG_RECORD and v not in (0, 1):
+                raise ValueError(refusal(name, f"must be 0 or 1, got {shown(xa[name])}"))
             if v < 0:
-                raise ValueError(f"{name} must be >= 0, got {shown(xa[name])}")
-    if XARG_DELTA in xa:
-        d = _as_float(XARG_DELTA, xa[XARG_DELTA])
-        if not 0 < d < 1:
-            raise ValueError(f"{XARG_DELTA} must be in (0, 1), got {shown(xa[XARG_DELTA])}")
+                raise ValueError(refusal(name, f"must be >= 0, got {shown(xa[name])}"))
     if XARG_LAM in xa:
         decode_lam(xa[XARG_LAM])
     if XARG_GIVE_UP_MU in xa:
         decode_mu(xa[XARG_GIVE_UP_MU])
-    if XARG_POLICY in xa and xa[XARG_POLICY] not in POLICIES:
-        raise ValueError(f"{XARG_POLICY} must be one of {', '.join(POLICIES)}, "
-                         f"got {shown(xa[XARG_POLICY])}")
     if n > 1:
         xa[XARG_N] = int(n)
         if seed is not None:

@@ -690,7 +690,8 @@ def read_everything(ts: TrajectorySet) -> None:
 _INFO_TYPES = {"format": str, "version": int, "dim": int, "dtype": str, "model": (str, type(None)),
                "normalization": str, "segmentation": (dict, type(None)),
                "source": (str, type(None)), "think": (dict, type(None)),
-               "tokenizer_fingerprint": (str, type(None)), "model_config": (dict, type(None))}
+               "tokenizer_fingerprint": (str, type(None)), "model_config": (dict, type(None)),
+               "labelling": (dict, type(None))}
 
 
 def read_violation(ts: TrajectorySet) -> str | None:
@@ -703,6 +704,11 @@ def read_violation(ts: TrajectorySet) -> str | None:
             or info["dtype"] not in ("float16", "float32") \
             or info["normalization"] not in ("token-l2", "step-l2", "none"):
         return "info values"
+    lab = info.get("labelling")
+    if lab is not None and not (set(lab) == {"suffix", "answer_tokens"} and lab["suffix"]
+                                and isinstance(lab["suffix"], str)
+                                and _is_int(lab["answer_tokens"]) and lab["answer_tokens"] >= 1):
+        return "info labelling"
     ids = [p.id for p in ts.problems]
     if len(set(ids)) != len(ids) or not all(isinstance(x, str) and x for x in ids):
         return "ids"

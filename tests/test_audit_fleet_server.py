@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from orca_serve.live_audit.options import DEMO_SUFFIX
 from tests.redis_server import RedisServer
 from tests.serving import START_TIMEOUT, Server, orca_serve_cmd
 from tests.test_audit_server import (
@@ -55,7 +54,6 @@ def fleet(env, store) -> Iterator[list[Server]]:
     servers = [Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(env["bundle"]),
                                      "--orca-audit-rate", "1.0", "--orca-audit-seed", str(i),
                                      "--orca-audit-store", store.url,
-                                     "--orca-audit-suffix", DEMO_SUFFIX,
                                      "--orca-on-alarm", "fallback"),
                       env["dir"] / f"replica{i}.log", COMMON) for i in range(2)]
     try:

@@ -27,7 +27,6 @@ from calibration.toy.tasks import write_prompts
 from orca_method.bundle import Bundle, GiveUpRow, LTTRow, load_bundle, save_bundle
 from orca_method.ltt import binomial_pvalues
 from orca_method.trajectories import TrajectorySet
-from orca_serve.live_audit.options import DEMO_SUFFIX
 
 pytestmark = pytest.mark.vllm
 
@@ -81,8 +80,7 @@ def audit_env(d: Path) -> dict:
 def srv(env):
     s = Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(env["bundle"]),
                               "--orca-audit-rate", "1.0", "--orca-audit-seed", "0",
-                              "--orca-audit-dir", str(env["audits"]),
-                              "--orca-audit-suffix", DEMO_SUFFIX, *GUARD_FLAGS),
+                              "--orca-audit-dir", str(env["audits"]), *GUARD_FLAGS),
                env["dir"] / "server.log", COMMON)
     yield s.wait()
     s.stop()
@@ -155,14 +153,18 @@ def test_audited_requests_get_full_budget_answers_and_labels_match_collect(srv, 
 
     audited = TrajectorySet.open(env["audits"] / "audit-000001")
     assert len(audited) == len(prompts)
-    # the same prompts through `orca-calibrate collect` (offline vLLM, greedy)
+    # the same prompts through `orca-calibrate collect` (offline vLLM, greedy), labelled as the
+    # bundle says its data was (the server's audit took the same from the bundle)
+    labelling = load_bundle(env["bundle"]).labelling
     out = env["dir"] / "collected"
     subprocess.run([str(VENV_BIN / "orca-calibrate"), "collect", "--model", str(MODEL),
                     "--prompts", str(env["dir"] / "prompts.jsonl"), "--out", str(out),
                     "--temperature", "0", "--max-tokens", str(MAX_TOKENS),
-                    "--suffix", DEMO_SUFFIX], check=True, capture_output=True, timeout=1800)
+                    "--suffix", labelling.suffix, "--answer-tokens", str(labelling.answer_tokens)],
+                   check=True, capture_output=True, timeout=1800)
     collected = TrajectorySet.open(out)
     assert len(collected) == len(prompts)
+    assert audited.info["labelling"] == collected.info["labelling"] == labelling.model_dump()
     for i, (a, c) in enumerate(zip(audited.problems, collected.problems)):
         assert json.loads(a.prompt) == json.loads(c.prompt)
         assert a.step_tokens == c.step_tokens, i
@@ -267,8 +269,7 @@ def test_a_second_server_on_the_audit_dir_shares_and_resumes_the_sequence(srv, e
     assert _row(first, BAD_DELTA)["engaged"]  # test_failing_delta_alarms_and_falls_back
     second = Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(env["bundle"]),
                                    "--orca-audit-rate", "1.0", "--orca-audit-seed", "1",
-                                   "--orca-audit-dir", str(env["audits"]),
-                                   "--orca-audit-suffix", DEMO_SUFFIX, *GUARD_FLAGS),
+                                   "--orca-audit-dir", str(env["audits"]), *GUARD_FLAGS),
                     env["dir"] / "second.log", COMMON).wait()
     try:
         resumed = _settled(second)

@@ -8,6 +8,7 @@ release of an old bundle after its last in-flight request run the real code on b
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -18,12 +19,13 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from orca_method.bundle import _checksum, load_bundle
+from orca_method.bundle import Labelling, _checksum, load_bundle, save_bundle
 from orca_serve.admin import AdminMiddleware
 from orca_serve.contract import XARG_KEY
 from orca_serve.effort import parse_effort_map
+from orca_serve.live_audit.factory import make_live_audit
 from orca_serve.live_audit.live import LiveAudit
-from orca_serve.live_audit.options import AuditConfig
+from orca_serve.live_audit.options import AuditConfig, add_audit_args
 from orca_serve.metrics import OrcaMetrics
 from orca_serve.reload import ReloadRefused
 from orca_serve.requests import OrcaDefaults, resolve
@@ -251,3 +253,22 @@ def test_orca_lines_take_vllms_handler_once_vllm_configured_logging():
         handler.filters.clear()
     assert seen == ["after"]
 
+
+
+def test_a_bundle_whose_labelling_contradicts_the_audit_flags_is_refused(paths, tmp_path):
+    """--orca-audit-suffix given (for a bundle without a labelling block): a new bundle that
+    records another suffix is refused before any engine is asked; the old one serves on."""
+    p = argparse.ArgumentParser()
+    add_audit_args(p)
+    ns = p.parse_args(["--orca-audit-rate", "1.0", "--orca-audit-suffix", "S{"])
+    labelled = tmp_path / "labelled.json"
+    save_bundle(load_bundle(paths["b"]).model_copy(
+        update={"labelling": Labelling(suffix="T{", answer_tokens=4)}), labelled)
+    server, _, calls = setup(paths)
+    now = server.serving.now
+    server.serving.swap(replace(now, audit=make_live_audit(ns, now.bundle, None, store=False)))
+    server.reloader.make_audit = lambda b: make_live_audit(ns, b, None, store=False)
+    with pytest.raises(ReloadRefused, match="live audit cannot follow.*'S\\{' contradicts"):
+        asyncio.run(server.reloader.reload(str(labelled), source="test"))
+    assert calls == [] and server.serving.now.bundle.checksum == now.bundle.checksum
+    assert server.serving.now.audit.config.probe.suffix == "S{"

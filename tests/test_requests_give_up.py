@@ -51,7 +51,7 @@ def test_the_server_default_and_a_request_turning_it_off():
 @pytest.mark.parametrize("orca, bundle, param, words", [
     ({"give_up": {"delta": 0.05}}, ONE_SIDED, "orca.give_up", "no give-up threshold"),
     ({"give_up": {"delta": 0.2}}, TWO_SIDED, "orca.give_up.delta", "no calibrated mu"),
-    ({"give_up": {"delta": 1.5}}, TWO_SIDED, "orca.give_up.delta", "less than 1"),
+    ({"give_up": {"delta": 1.5}}, TWO_SIDED, "orca.give_up.delta", r"a number in \(0, 1\)"),
     ({"give_up": {"detla": 0.05}}, TWO_SIDED, "orca.give_up.detla", "unknown field"),
     ({"give_up": 0.05}, TWO_SIDED, "orca.give_up", "invalid"),
 ])

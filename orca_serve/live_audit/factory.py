@@ -17,7 +17,7 @@ def make_live_audit(ns: argparse.Namespace, bundle: Any, registry: Any,
     """The server's LiveAudit (metrics registered on `registry` with vLLM's `model_name`
     label), its store when a dir is set. `store=False`: without one (a hot reload opens it, or
     takes the old audit's, when it takes over: `orca_serve.live_audit.handover`)."""
-    config = audit_config(ns)
+    config = audit_config(ns, bundle)
     live = LiveAudit(bundle, config, drift=DriftMonitor.from_bundle(bundle))
     if store and config.directory is not None:
         live.store = audit_store(config, bundle)

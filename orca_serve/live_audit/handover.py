@@ -24,7 +24,8 @@ def hand_over(old: LiveAudit, successor: LiveAudit) -> None:
         old.collector.audit = successor
         successor.collector, old.collector = old.collector, None
     if successor.config.directory is not None and successor.store is None:
-        if old.store is not None and old.store.info == store_info(successor.bundle):
+        new_info = store_info(successor.bundle, successor.config.probe)
+        if old.store is not None and old.store.info == new_info:
             successor.store = old.store
         else:
             if old.store is not None:

@@ -1,8 +1,8 @@
 """The `orca-serve` options of live auditing and the guard, and the server state they build.
 
-Kept apart from orca_serve/preflight.py, which only calls `add_audit_args`, `check_audit_args` (before
-vLLM is imported, so a bad option fails in seconds, in one line) (the server's LiveAudit is built by
-`orca_serve.live_audit.factory.make_live_audit`).
+Kept apart from orca_serve/preflight.py, which only calls `add_audit_args`, `check_audit_args` and
+`audit_labelling` (before vLLM is imported, so a bad option fails in seconds, in one line); the
+server's LiveAudit is built by `orca_serve.live_audit.factory.make_live_audit`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX, ProbeSettings
@@ -19,6 +19,9 @@ from orca_serve.argtypes import fraction, integer
 from orca_serve.live_audit.journal import EventJournal, Journal, journal_path
 from orca_serve.live_audit.store import AuditStore
 
+if TYPE_CHECKING:
+    from orca_method.bundle import Bundle
+
 ON_ALARM = ("report", "fallback", "recalibrate")
 # how the guards share the bundle's epsilon (docs/AUDIT.md, "Several deltas"): each delta its
 # own epsilon, the bundle's per-delta statement (the default), or epsilon / k for each of k
@@ -26,11 +29,6 @@ ON_ALARM = ("report", "fallback", "recalibrate")
 EPSILON_SPLITS = ("per-delta", "joint")
 # the stores a fleet can share its audit journal through (orca_serve/live_audit/fleet.py)
 STORE_SCHEMES = ("redis", "rediss", "unix")
-
-# the embedded demo model's answer-forcing text and budget (calibration/jobs/toy.yaml)
-DEMO_SUFFIX = "\n</think>\nThe answer is \\boxed{"
-DEMO_ANSWER_TOKENS = 6
-
 
 @dataclass(frozen=True)
 class AuditConfig:
@@ -77,11 +75,13 @@ def add_audit_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--orca-audit-queue", type=integer(1), default=64, metavar="Q",
                    help="Finished audits waiting for labels; beyond that they are dropped.")
     g.add_argument("--orca-audit-suffix", default=None, metavar="TEXT",
-                   help="Answer-forcing suffix of the answer probes; must be collect's "
-                   f"(default {DEFAULT_SUFFIX!r}; with --demo the demo's).")
+                   help="Answer-forcing suffix of the answer probes, for a bundle that does not "
+                   "record its collection's (its `labelling` block; a value contradicting the "
+                   f"block is refused). Default: the block's, else {DEFAULT_SUFFIX!r}.")
     g.add_argument("--orca-audit-answer-tokens", type=integer(1), default=None, metavar="N",
-                   help=f"Greedy tokens per answer probe (collect's answer_tokens; default "
-                   f"{DEFAULT_ANSWER_TOKENS}, with --demo {DEMO_ANSWER_TOKENS}).")
+                   help="Greedy tokens per answer probe, for a bundle that does not record its "
+                   "collection's (as --orca-audit-suffix). Default: the bundle's `labelling` "
+                   f"block's, else {DEFAULT_ANSWER_TOKENS}.")
     g.add_argument("--orca-audit-label-every", type=integer(1), default=1, metavar="K",
                    help="Probe every K-th step (and the last), as collect's label_every.")
     g.add_argument("--orca-on-alarm", choices=ON_ALARM, default="report",
@@ -108,6 +108,9 @@ def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
                 or ns.orca_guard_other_labels):
             raise ValueError("auditing (--orca-audit-*, --orca-on-alarm) needs --calib (a bundle)")
         return
+    if ns.orca_audit_suffix == "":
+        raise ValueError("--orca-audit-suffix is empty: the answer probes need the text that "
+                         "forces an answer")
     if ns.orca_audit_dir is not None and ns.orca_audit_rate == 0:
         raise ValueError("--orca-audit-dir is set but --orca-audit-rate is 0: no request would "
                          "be audited")
@@ -131,14 +134,21 @@ def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
             raise ValueError(f"--orca-audit-dir {d} exists and is not a directory")
 
 
-def audit_config(ns: argparse.Namespace) -> AuditConfig:
-    demo = bool(getattr(ns, "demo", False))
-    suffix = ns.orca_audit_suffix
-    if suffix is None:
-        suffix = DEMO_SUFFIX if demo else DEFAULT_SUFFIX
-    tokens = ns.orca_audit_answer_tokens
-    if tokens is None:
-        tokens = DEMO_ANSWER_TOKENS if demo else DEFAULT_ANSWER_TOKENS
+def audit_labelling(ns: argparse.Namespace, bundle: Bundle) -> ProbeSettings:
+    """The answer probes of `bundle`'s audits: its labelling block, the flags only for a bundle
+    without one (`orca_method.bundle.labelling_for`: a flag contradicting the block is a
+    BundleError, refused before vLLM starts and on a hot reload)."""
+    from orca_method.bundle import labelling_for  # deferred: torch (preflight's parser)
+
+    lab = labelling_for(bundle, {
+        "suffix": ("--orca-audit-suffix", ns.orca_audit_suffix),
+        "answer_tokens": ("--orca-audit-answer-tokens", ns.orca_audit_answer_tokens)})
+    return ProbeSettings(suffix=lab.suffix, answer_tokens=lab.answer_tokens,
+                         label_every=ns.orca_audit_label_every)
+
+
+def audit_config(ns: argparse.Namespace, bundle: Bundle) -> AuditConfig:
+    """The live audit of `bundle` as the options configure it."""
     return AuditConfig(
         rate=ns.orca_audit_rate, seed=ns.orca_audit_seed,
         directory=Path(ns.orca_audit_dir).absolute() if ns.orca_audit_dir else None,
@@ -147,14 +157,14 @@ def audit_config(ns: argparse.Namespace) -> AuditConfig:
         epsilon_split=getattr(ns, "orca_audit_epsilon_split", "per-delta"),
         window=ns.orca_recalibrate_window, queue=ns.orca_audit_queue,
         per_dir=ns.orca_audit_per_dir, keep=ns.orca_audit_keep,
-        probe=ProbeSettings(suffix=suffix, answer_tokens=tokens,
-                            label_every=ns.orca_audit_label_every))
+        probe=audit_labelling(ns, bundle))
 
 
-def store_info(bundle: Any) -> dict[str, Any]:
-    """What an audit directory records of the bundle (audits of bundles with equal info can
-    share a directory: same model, same pooling)."""
-    return {"model": bundle.model.name, "normalization": bundle.normalization,
+def store_info(bundle: Any, probe: ProbeSettings) -> dict[str, Any]:
+    """What an audit directory records of the bundle and of how its audits are labelled (audits
+    of bundles with equal info can share a directory: same model, same pooling, same labels)."""
+    return {"labelling": probe.labelling(),
+            "model": bundle.model.name, "normalization": bundle.normalization,
             "segmentation": bundle.segmentation.model_dump(), "think": bundle.think.model_dump(),
             "tokenizer_fingerprint": bundle.model.tokenizer_fingerprint,
             "model_config": None if bundle.model.config_fingerprint is None
@@ -181,4 +191,4 @@ def audit_journal(config: AuditConfig, bundle: Any) -> EventJournal:
 def audit_store(config: AuditConfig, bundle: Any) -> Any:
     """The rotating store of labelled audits under `config.directory`."""
     return AuditStore(config.directory, dim=bundle.model.hidden_size, per_dir=config.per_dir,
-                      keep=config.keep, info=store_info(bundle))
+                      keep=config.keep, info=store_info(bundle, config.probe))

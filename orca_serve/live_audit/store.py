@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from orca_method.trajectories import TrajectoryError, TrajectoryWriter
+from orca_method.trajectories import RECORDED_DTYPE, TrajectoryError, TrajectoryWriter
 
 PREFIX = "audit-"
 _NAME = re.compile(r"^audit-(\d{6})$")
@@ -38,7 +38,7 @@ class AuditStore:
     """Appends labelled audits to rotating trajectory directories (see the module docstring)."""
 
     def __init__(self, root: str | Path, *, dim: int, info: dict[str, Any], per_dir: int = 1000,
-                 keep: int = 10, dtype: str = "float32") -> None:
+                 keep: int = 10, dtype: str = RECORDED_DTYPE) -> None:
         if per_dir < 1 or keep < 1:
             raise ValueError(f"per_dir and keep must be >= 1, got {per_dir}, {keep}")
         self.root = Path(root)
