@@ -16,7 +16,9 @@
 #   app         tests/test_app_wiring.py, tests/test_check_vllm.py: the orca routes, middleware
 #               order and OpenAPI field on the app vLLM's build_app makes, no engine;
 #   plugin      tests/test_mrv2.py: the plugin built by vLLM's V1 and Model Runner V2 loaders and
-#               driven through MRV2's own RequestState and runner methods, no engine.
+#               driven through MRV2's own RequestState and runner methods, no engine;
+#               tests/test_runner_handover.py: the runner handed over by the worker extension's
+#               hook (0.33+), checked against the release's own worker wrapper.
 # The engine tests of a CPU build are benchmarks/check_vllm_version.sh. The summary is in
 # runs/vllm-<package>-<version>/summary.txt, the full log next to it.
 set -euo pipefail
@@ -131,8 +133,9 @@ fi
 check app "orca routes, middleware order, OpenAPI on vLLM's own app" \
     env VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_app_wiring.py \
     tests/test_check_vllm.py tests/test_deploy_modes.py
-check plugin "V1 and MRV2 loaders, MRV2 RequestState and runner" \
-    env VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_mrv2.py
+check plugin "V1 and MRV2 loaders, MRV2 RequestState and runner, the runner handover" \
+    env VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_mrv2.py \
+    tests/test_runner_handover.py
 
 say "RESULT $SPEC: $([ "$failed" = 0 ] && echo PASS || echo "FAIL ($failed checks)"), $(( $(date +%s) - t0 )) s"
 cat "$SUMMARY"

@@ -81,6 +81,8 @@ TOUCH_POINTS: tuple[str, ...] = (
 # resolvable from the class, so "module:Class.attribute" is checked against the class's fields
 # and the `self.attribute` assignments in its source (tests/test_vllm_compat.py).
 INSTANCE_ATTRIBUTES: tuple[str, ...] = (
+    # what the worker extension reads from its worker (`self` in the hook and the RPCs)
+    "vllm.v1.worker.worker_base:WorkerBase.model_runner",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.requests",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.input_batch",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.discard_request_mask",

@@ -81,7 +81,7 @@ class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
         self._in_flight: list[tuple[str, int, int]] = []  # (request id, position, row) copied
         self._ids = IdReadback(req_states.max_num_reqs, device, device.type == "cuda")
         # vLLM 0.33+: handed over by the worker extension's hook, which ran before load_model
-        # built this processor; 0.31/0.32: found on this constructor's call stack
+        # built this processor; otherwise (0.31/0.32, no orca extension) on this call stack
         self._runner = offered_mrv2_runner() if hands_over_the_runner(vllm_config) else \
             find_mrv2_runner()
         if self._runner is not None:
