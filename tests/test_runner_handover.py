@@ -31,16 +31,23 @@ from vllm.v1.worker.worker_base import WorkerWrapperBase
 
 from orca_serve.contract import XARG_KEY
 from orca_serve.vllm_compat import runner as compat_runner
-from orca_serve.vllm_compat.runner import WORKER_HOOK_SINCE, calls_worker_extension_hook
-from orca_serve.vllm_plugin.config import PROCESSOR_FQCN, WORKER_EXTENSION
+from orca_serve.vllm_plugin.config import (
+    PROCESSOR_FQCN,
+    WORKER_EXTENSION,
+    WORKER_HOOK_SINCE,
+    calls_worker_extension_hook,
+)
 from orca_serve.vllm_plugin.engine_setup import hands_over_the_runner
 from orca_serve.vllm_plugin.processor import OrcaLogitsProcessor
 from orca_serve.vllm_plugin.worker import OrcaWorkerExtension
 from tests.core_sim import PROMPT, sim_bundle
-from tests.test_mrv2 import FakeRunner, make_sims, run_mrv2
-from tests.test_mrv2 import cpu_vllm  # noqa: F401 - autouse fixture: CPU buffers, fake tokenizer
+from tests.test_mrv2 import (
+    FakeRunner,
+    cpu_vllm,  # noqa: F401 - autouse fixture: CPU buffers, fake tokenizer
+    make_sims,
+    run_mrv2,
+)
 from tests.test_mrv2 import vllm_config as sim_config
-
 
 STACK_WALK = compat_runner._on_stack
 

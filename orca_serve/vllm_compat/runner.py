@@ -25,9 +25,9 @@ and why it still matters:
 
 How the runner is reached. Both runners build custom processors inside their own methods
 without passing themselves (V1: `GPUModelRunner.__init__`; MRV2: `load_model`).
-- vLLM 0.33 and later (`calls_worker_extension_hook`): vLLM calls the worker extension's
-  `init_worker_extension(self)` with the worker as `self`, right after the worker's
-  `init_device` built the model runner and before `load_model` (0.33's
+- vLLM 0.33 and later (`vllm_plugin.config.calls_worker_extension_hook`): vLLM calls the
+  worker extension's `init_worker_extension(self)` with the worker as `self`, right after the
+  worker's `init_device` built the model runner and before `load_model` (0.33's
   `WorkerWrapperBase.init_device`; `ParallelConfig.worker_extension_cls` documents the hook).
   Our extension (orca_serve/vllm_plugin/worker.py) hands `runner_of(worker)` over: V1
   processors exist by then and get it at once; MRV2 processors are built later and take it
@@ -100,10 +100,6 @@ INSTANCE_ATTRIBUTES: tuple[str, ...] = (
     "vllm.v1.core.sched.output:NewRequestData.prefill_token_ids",
     "vllm.distributed.parallel_state:GroupCoordinator.rank_in_group",
 )
-
-# vLLM calls a worker extension's `init_worker_extension(self)` from this release on (0.33's
-# `WorkerWrapperBase.init_device`); before it, the runner is found on the call stack
-WORKER_HOOK_SINCE = "0.33"
 
 _STACK_DEPTH = 30  # frames between the runner's method and our constructor, with room to spare
 
@@ -250,26 +246,6 @@ def find_mrv2_runner() -> MRV2Runner | None:
 
 
 # -- the runner handed over by the worker extension hook (vLLM 0.33 and later) ------------------
-def calls_worker_extension_hook(version: str | None = None) -> bool:
-    """Whether this vLLM (or `version`) calls a worker extension's `init_worker_extension` once
-    the model runner exists: from WORKER_HOOK_SINCE on (development builds count as their
-    release, as in `vllm_plugin.config.check_vllm_version`)."""
-    # deferred: packaging (~4 ms) and vllm (resolved at use)
-    from packaging.version import InvalidVersion, Version
-
-    if version is None:
-        try:
-            import vllm
-
-            version = str(vllm.__version__)
-        except (ImportError, AttributeError):
-            return False
-    try:
-        return Version(Version(version).base_version) >= Version(WORKER_HOOK_SINCE)
-    except InvalidVersion:
-        return False
-
-
 def runner_of(worker: Any) -> V1Runner | MRV2Runner | None:
     """The view of a worker's model runner (`worker.model_runner`, what the hook's `self` has
     by then), by its class: V1 (the CPU runner subclasses it) or MRV2; None for another."""

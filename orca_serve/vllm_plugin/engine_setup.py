@@ -11,9 +11,12 @@ from typing import Any
 import torch
 
 from orca_serve.core.engine import OrcaCore
-from orca_serve.vllm_compat.runner import calls_worker_extension_hook
 from orca_serve.vllm_compat.tokenizer import load_tokenizer
-from orca_serve.vllm_plugin.config import ENV_BUNDLE, WORKER_EXTENSION
+from orca_serve.vllm_plugin.config import (
+    ENV_BUNDLE,
+    WORKER_EXTENSION,
+    calls_worker_extension_hook,
+)
 
 log = logging.getLogger("orca_serve.vllm_plugin")
 

@@ -162,7 +162,7 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
     def _req_id(self, row: int, out: list) -> str | None:
         if self._runner is not None:
             return self._runner.request_id(row, out)
-        if self._awaiting_runner:  # said once: the hook never ran (a worker wrapper of another kind)
+        if self._awaiting_runner:  # said once: the hook never ran (another kind of worker wrapper)
             self._awaiting_runner = False
             log.warning("orca: the worker extension never handed over the V1 model runner; "
                         "requests are known by their params")
