@@ -60,8 +60,9 @@ if [ ! -f "$VENV/.installed" ]; then
 fi
 # this checkout with its own dependencies (vLLM's are there already), as `pip install orca-serve`
 "${PIP[@]}" install -q -e "$ROOT" >>"$LOG" 2>&1
-"$VENV/bin/python" -c 'import pytest, hypothesis' 2>/dev/null \
-    || "${PIP[@]}" install -q pytest hypothesis >>"$LOG" 2>&1
+# pytest-xdist: tests/conftest.py implements one of its hooks, which pytest refuses without it
+"$VENV/bin/python" -c 'import pytest, hypothesis, xdist' 2>/dev/null \
+    || "${PIP[@]}" install -q pytest hypothesis pytest-xdist >>"$LOG" 2>&1
 say "installed $SPEC ($(du -shL "$VENV" | cut -f1)): $("$VENV/bin/python" -c \
     'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' 2>>"$LOG")"
 
@@ -105,7 +106,12 @@ startup() {  # startup NAME EXPECTED [ENV=VALUE...]: start the demo, judge how i
     shift 2
     port=$("$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
     local demo=$ROOT/orca_serve/demo
+    # served under the name its bundle was made for (the bundle check refuses the bare path)
+    local name
+    name=$("$VENV/bin/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["model"]["name"])' \
+        "$demo/bundle.json")
     env "$@" "$VENV/bin/orca-serve" --model "$demo/model" --calib "$demo/bundle.json" \
+        --served-model-name "$name" \
         --enforce-eager --host 127.0.0.1 --port "$port" >"$out" 2>&1 &
     local pid=$! healthy=0
     for _ in $(seq 600); do
