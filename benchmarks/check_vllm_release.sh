@@ -107,11 +107,11 @@ startup() {  # startup NAME EXPECTED [ENV=VALUE...]: start the demo, judge how i
     port=$("$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
     local demo=$ROOT/orca_serve/demo
     # served under the name its bundle was made for (the bundle check refuses the bare path)
-    local name
-    name=$("$VENV/bin/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["model"]["name"])' \
+    local served
+    served=$("$VENV/bin/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["model"]["name"])' \
         "$demo/bundle.json")
     env "$@" "$VENV/bin/orca-serve" --model "$demo/model" --calib "$demo/bundle.json" \
-        --served-model-name "$name" \
+        --served-model-name "$served" \
         --enforce-eager --host 127.0.0.1 --port "$port" >"$out" 2>&1 &
     local pid=$! healthy=0
     for _ in $(seq 600); do
