@@ -16,7 +16,9 @@
 #   app         tests/test_app_wiring.py, tests/test_check_vllm.py: the orca routes, middleware
 #               order and OpenAPI field on the app vLLM's build_app makes, no engine;
 #   plugin      tests/test_mrv2.py: the plugin built by vLLM's V1 and Model Runner V2 loaders and
-#               driven through MRV2's own RequestState and runner methods, no engine.
+#               driven through MRV2's own RequestState and runner methods, no engine;
+#               tests/test_runner_handover.py: the runner handed over by the worker extension's
+#               hook (0.33+), checked against the release's own worker wrapper.
 # The engine tests of a CPU build are benchmarks/check_vllm_version.sh. The summary is in
 # runs/vllm-<package>-<version>/summary.txt, the full log next to it.
 set -euo pipefail
@@ -58,8 +60,9 @@ if [ ! -f "$VENV/.installed" ]; then
 fi
 # this checkout with its own dependencies (vLLM's are there already), as `pip install orca-serve`
 "${PIP[@]}" install -q -e "$ROOT" >>"$LOG" 2>&1
-"$VENV/bin/python" -c 'import pytest, hypothesis' 2>/dev/null \
-    || "${PIP[@]}" install -q pytest hypothesis >>"$LOG" 2>&1
+# pytest-xdist: tests/conftest.py implements one of its hooks, which pytest refuses without it
+"$VENV/bin/python" -c 'import pytest, hypothesis, xdist' 2>/dev/null \
+    || "${PIP[@]}" install -q pytest hypothesis pytest-xdist >>"$LOG" 2>&1
 say "installed $SPEC ($(du -shL "$VENV" | cut -f1)): $("$VENV/bin/python" -c \
     'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' 2>>"$LOG")"
 
@@ -103,7 +106,12 @@ startup() {  # startup NAME EXPECTED [ENV=VALUE...]: start the demo, judge how i
     shift 2
     port=$("$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
     local demo=$ROOT/orca_serve/demo
+    # served under the name its bundle was made for (the bundle check refuses the bare path)
+    local served
+    served=$("$VENV/bin/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["model"]["name"])' \
+        "$demo/bundle.json")
     env "$@" "$VENV/bin/orca-serve" --model "$demo/model" --calib "$demo/bundle.json" \
+        --served-model-name "$served" \
         --enforce-eager --host 127.0.0.1 --port "$port" >"$out" 2>&1 &
     local pid=$! healthy=0
     for _ in $(seq 600); do
@@ -131,8 +139,9 @@ fi
 check app "orca routes, middleware order, OpenAPI on vLLM's own app" \
     env VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_app_wiring.py \
     tests/test_check_vllm.py tests/test_deploy_modes.py
-check plugin "V1 and MRV2 loaders, MRV2 RequestState and runner" \
-    env VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_mrv2.py
+check plugin "V1 and MRV2 loaders, MRV2 RequestState and runner, the runner handover" \
+    env VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_mrv2.py \
+    tests/test_runner_handover.py
 
 say "RESULT $SPEC: $([ "$failed" = 0 ] && echo PASS || echo "FAIL ($failed checks)"), $(( $(date +%s) - t0 )) s"
 cat "$SUMMARY"

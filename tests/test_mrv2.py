@@ -115,9 +115,11 @@ class _Sampler:
 
 class FakeRunner(GPUModelRunner):
     """vLLM's MRV2 model runner: its own add_requests/finish_requests on a real RequestState;
-    the processor is built by vLLM's MRV2 loader inside it, as in `load_model`."""
+    the processor is built by vLLM's MRV2 loader inside its `load_model` (as vLLM's is,
+    gpu/model_runner.py; `load=False` leaves that to the caller, as a worker does)."""
 
-    def __init__(self, cfg, max_num_reqs: int) -> None:  # no super().__init__: no GPU
+    def __init__(self, cfg, max_num_reqs: int, load: bool = True) -> None:  # no GPU: no super
+        self.cfg = cfg
         self.req_states = RequestState(max_num_reqs, 512, 512, 0, len(TOKENS),
                                        torch.device("cpu"))
         self.req_states.apply_staged_writes = lambda: None  # a Triton kernel; device side only
@@ -126,8 +128,12 @@ class FakeRunner(GPUModelRunner):
         self.pooling_runner = self.pp_handler = self.encoder_cache = None
         self.adaptive_verification = None
         self.is_last_pp_rank = True
+        if load:
+            self.load_model()
+
+    def load_model(self) -> None:
         self.sampler = _Sampler(build_custom_logits_processors(
-            cfg, self.req_states, False, [PROCESSOR_FQCN]))
+            self.cfg, self.req_states, False, [PROCESSOR_FQCN]))
 
     @property
     def proc(self) -> OrcaMRV2LogitsProcessor:

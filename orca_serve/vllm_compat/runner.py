@@ -22,10 +22,21 @@ and why it still matters:
   ones.
 - **Prompt ids (MRV2).** On the device only (`all_token_ids`); reading them there would wait
   for the device per new request, while the step's scheduler output has them on the host.
-Both runners build custom processors inside their own methods (V1: `GPUModelRunner.__init__`;
-MRV2: `load_model`) without passing themselves, so the runner is found once on the
-constructor's call stack. Without it (another vLLM) the V1 adapter falls back to what the
-interface gives (see orca_serve/vllm_plugin/processor.py) and the MRV2 adapter tracks nothing.
+
+How the runner is reached. Both runners build custom processors inside their own methods
+without passing themselves (V1: `GPUModelRunner.__init__`; MRV2: `load_model`).
+- vLLM 0.33 and later (`vllm_plugin.config.calls_worker_extension_hook`): vLLM calls the
+  worker extension's `init_worker_extension(self)` with the worker as `self`, right after the
+  worker's `init_device` built the model runner and before `load_model` (0.33's
+  `WorkerWrapperBase.init_device`; `ParallelConfig.worker_extension_cls` documents the hook).
+  Our extension (orca_serve/vllm_plugin/worker.py) hands `runner_of(worker)` over: V1
+  processors exist by then and get it at once; MRV2 processors are built later and take it
+  from `offered_mrv2_runner()`. Set once per processor, before the first step.
+- vLLM 0.31 and 0.32 (no hook), or an engine started without our worker extension: the
+  fallback, `find_v1_runner` / `find_mrv2_runner`, finds the runner once on the processor
+  constructor's call stack (`_on_stack`).
+Without either (another vLLM) the V1 adapter falls back to what the interface gives (see
+orca_serve/vllm_plugin/processor.py) and the MRV2 adapter tracks nothing.
 
 Also here: which worker answers for the engine (pipeline and tensor ranks) and where a worker
 keeps its logits processors, for the worker extension's RPCs.
@@ -35,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -43,14 +55,16 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 TOUCH_POINTS: tuple[str, ...] = (
-    # V1 model runner (found on the stack) and its persistent batch
+    # V1 model runner (handed over by the worker extension hook, or found on the stack) and
+    # its persistent batch
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner",
     "vllm.v1.worker.gpu_input_batch:InputBatch.req_ids",
     "vllm.v1.sample.logits_processor:LogitsProcessors.all",
     # speculative decoding: the step's sampling, wrapped (intercept_draft_steps)
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
     "vllm.v1.spec_decode.metadata:SpecDecodeMetadata",
-    # Model Runner V2 (found on the stack): its per-step request bookkeeping, wrapped
+    # Model Runner V2 (handed over, or found on the stack): its per-step request bookkeeping,
+    # wrapped
     "vllm.v1.worker.gpu.model_runner:GPUModelRunner",
     "vllm.v1.worker.gpu.model_runner:GPUModelRunner.add_requests",
     "vllm.v1.worker.gpu.model_runner:GPUModelRunner.finish_requests",
@@ -67,6 +81,8 @@ TOUCH_POINTS: tuple[str, ...] = (
 # resolvable from the class, so "module:Class.attribute" is checked against the class's fields
 # and the `self.attribute` assignments in its source (tests/test_vllm_compat.py).
 INSTANCE_ATTRIBUTES: tuple[str, ...] = (
+    # what the worker extension reads from its worker (`self` in the hook and the RPCs)
+    "vllm.v1.worker.worker_base:WorkerBase.model_runner",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.requests",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.input_batch",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.discard_request_mask",
@@ -101,6 +117,26 @@ def _on_stack(cls: type, what: str, without: str) -> Any:
         f = f.f_back
     log.warning("orca: %s not found on the stack; %s", what, without)
     return None
+
+
+def _v1_class() -> type | None:
+    """vLLM's V1 `GPUModelRunner` (the CPU runner subclasses it); None without it."""
+    try:
+        # deferred: vllm (resolved at use)
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return None
+    return GPUModelRunner
+
+
+def _mrv2_class() -> type | None:
+    """vLLM's Model Runner V2 `GPUModelRunner` (its CPU runner subclasses it); None without it."""
+    try:
+        # deferred: vllm (resolved at use)
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    except ImportError:
+        return None
+    return GPUModelRunner
 
 
 class V1Runner:
@@ -156,12 +192,9 @@ class V1Runner:
 def find_v1_runner() -> V1Runner | None:
     """The V1 runner constructing the calling processor (vLLM builds V1 processors in
     `GPUModelRunner.__init__`, `build_logitsprocs(...)`); None if not found."""
-    try:
-        # deferred: vllm (resolved at use)
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError:
-        return None
-    runner = _on_stack(GPUModelRunner, "the V1 model runner", "requests are known by their params")
+    cls = _v1_class()
+    runner = None if cls is None else _on_stack(cls, "the V1 model runner",
+                                                "requests are known by their params")
     return None if runner is None else V1Runner(runner)
 
 
@@ -206,13 +239,47 @@ class MRV2Runner:
 def find_mrv2_runner() -> MRV2Runner | None:
     """The MRV2 runner building the calling processor (in its `load_model`,
     `build_custom_logits_processors`); None if not found."""
-    try:
-        # deferred: vllm (resolved at use)
-        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-    except ImportError:
-        return None
-    runner = _on_stack(GPUModelRunner, "the MRV2 model runner", "no request is tracked")
+    cls = _mrv2_class()
+    runner = None if cls is None else _on_stack(cls, "the MRV2 model runner",
+                                                "no request is tracked")
     return None if runner is None else MRV2Runner(runner)
+
+
+# -- the runner handed over by the worker extension hook (vLLM 0.33 and later) ------------------
+def runner_of(worker: Any) -> V1Runner | MRV2Runner | None:
+    """The view of a worker's model runner (`worker.model_runner`, what the hook's `self` has
+    by then), by its class: V1 (the CPU runner subclasses it) or MRV2; None for another."""
+    runner = getattr(worker, "model_runner", None)
+    v1, mrv2 = _v1_class(), _mrv2_class()
+    if v1 is not None and isinstance(runner, v1):
+        return V1Runner(runner)
+    if mrv2 is not None and isinstance(runner, mrv2):
+        return MRV2Runner(runner)
+    return None
+
+
+# The MRV2 runner the hook last handed over in this process. MRV2 builds its processors in
+# `load_model`, after the hook, in the same process: vLLM runs one worker per process, and
+# in-process engines are built one after another (each worker's hook, then its load_model). A
+# weak reference: the runner lives as long as its worker, not as long as this module.
+_offered_mrv2: weakref.ref | None = None
+
+
+def offer_mrv2_runner(view: MRV2Runner) -> None:
+    """Keep the hook's MRV2 runner for the processor that its `load_model` builds next."""
+    global _offered_mrv2
+    _offered_mrv2 = weakref.ref(view.runner)
+
+
+def offered_mrv2_runner() -> MRV2Runner | None:
+    """The MRV2 runner the hook handed over (see `offer_mrv2_runner`); None, with a warning,
+    when none was."""
+    runner = None if _offered_mrv2 is None else _offered_mrv2()
+    if runner is None:
+        log.warning("orca: no Model Runner V2 was handed over by the worker extension hook; "
+                    "no request is tracked")
+        return None
+    return MRV2Runner(runner)
 
 
 def processors_in(worker: Any) -> list:

@@ -41,6 +41,10 @@ from orca_serve.contract import DEFAULTS, MAX_RESULTS, RESULT_TTL_S
 # start, the plugin's load in every vLLM process and pyproject's `gpu` extra follow it.
 SUPPORTED_VLLM = ">=0.31,<0.34"
 ENV_ANY_VLLM = "ORCA_ANY_VLLM"  # "1": skip the check (benchmarks/check_vllm_version.sh)
+# vLLM calls a worker extension's `init_worker_extension(self)` once the model runner exists from
+# this release on (0.33's `WorkerWrapperBase.init_device`); before it, the processors find the
+# runner on their call stack (orca_serve/vllm_compat/runner.py)
+WORKER_HOOK_SINCE = "0.33"
 
 PROCESSOR_FQCN = "orca_serve.vllm_plugin.processor:OrcaLogitsProcessor"
 WORKER_EXTENSION = "orca_serve.vllm_plugin.worker.OrcaWorkerExtension"
@@ -154,19 +158,39 @@ def check_vllm_version(version: str | None = None) -> None:
         return
     # deferred: packaging (~4 ms; the plugin package stays light)
     from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
+    from packaging.version import InvalidVersion
 
     v = version if version is not None else installed_vllm_version()
     if v is None:
         raise RuntimeError(f"vLLM is not installed; orca-serve needs vllm{SUPPORTED_VLLM}")
     try:
-        release = Version(Version(v).base_version)
+        release = _release(v)
     except InvalidVersion:
         raise RuntimeError(f"cannot read vLLM's version {v!r}; orca-serve needs "
                            f"vllm{SUPPORTED_VLLM} (set {ENV_ANY_VLLM}=1 to try anyway)") from None
     if release not in SpecifierSet(SUPPORTED_VLLM):
         raise RuntimeError(f"vLLM {v} is not supported: orca-serve needs vllm{SUPPORTED_VLLM} "
                            f"(set {ENV_ANY_VLLM}=1 to try anyway, at your own risk)")
+
+
+def _release(version: str) -> Any:
+    """The release a version string names (`packaging.version.Version`): development builds
+    count as their release (0.32.1.dev3+g1234 is 0.32.1). InvalidVersion when unreadable."""
+    from packaging.version import Version  # deferred: packaging (the plugin package stays light)
+
+    return Version(Version(version).base_version)
+
+
+def calls_worker_extension_hook(version: str | None = None) -> bool:
+    """Whether the installed vLLM (or `version`) calls a worker extension's
+    `init_worker_extension` once the model runner exists: from WORKER_HOOK_SINCE on."""
+    from packaging.version import InvalidVersion  # deferred: packaging
+
+    v = version if version is not None else installed_vllm_version()
+    try:
+        return v is not None and _release(v) >= _release(WORKER_HOOK_SINCE)
+    except InvalidVersion:
+        return False
 
 
 def _get(obj: Any, name: str) -> Any:

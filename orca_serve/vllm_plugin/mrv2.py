@@ -11,7 +11,9 @@ sees the same rows, because MRV2's `sample()` calls
 
 What the interface does not give, and where it comes from:
 - **Request id and prompt ids.** They come from the MRV2 runner that builds the processor,
-  through `orca_serve.vllm_compat.runner` (the one place that reads vLLM's batch).
+  through `orca_serve.vllm_compat.runner` (the one place that reads vLLM's batch): on vLLM
+  0.33+ the worker extension's hook hands it over before `load_model` builds this processor;
+  on 0.31/0.32 the constructor finds it on its call stack.
   `add_request`'s slot names the request (the runner fills its slot-to-id map just before); the
   id is the identity in the core (it survives preemption; n > 1 children are
   "<index>_<parent id>"). The prompt ids (the segmenter needs them: is the prompt inside a
@@ -56,10 +58,10 @@ from orca_serve.core.pooling import IdReadback
 from orca_serve.core.registry import Request
 from orca_serve.core.speculation import UNKNOWN
 from orca_serve.vllm_compat import capture
-from orca_serve.vllm_compat.runner import NewRequests, find_mrv2_runner
+from orca_serve.vllm_compat.runner import NewRequests, find_mrv2_runner, offered_mrv2_runner
 from orca_serve.vllm_plugin.adapter import CoreAdapter, child_index
 from orca_serve.vllm_plugin.config import MRV2_SPEC_REFUSAL
-from orca_serve.vllm_plugin.engine_setup import log
+from orca_serve.vllm_plugin.engine_setup import hands_over_the_runner, log
 
 
 class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
@@ -78,7 +80,10 @@ class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
         self._fed: dict[str, tuple[int, int]] = {}  # request id -> (output position, its id)
         self._in_flight: list[tuple[str, int, int]] = []  # (request id, position, row) copied
         self._ids = IdReadback(req_states.max_num_reqs, device, device.type == "cuda")
-        self._runner = find_mrv2_runner()
+        # vLLM 0.33+: handed over by the worker extension's hook, which ran before load_model
+        # built this processor; otherwise (0.31/0.32, no orca extension) on this call stack
+        self._runner = offered_mrv2_runner() if hands_over_the_runner(vllm_config) else \
+            find_mrv2_runner()
         if self._runner is not None:
             self._runner.observe(self._on_new_requests, self._on_done)
             log.warning("orca: serving through the Model Runner V2 adapter, which is tested at "

@@ -12,8 +12,11 @@ Request identity. `BatchUpdate` hands each added row its params, prompt ids and 
 list (a preempted request comes back with the same params object and list), but no request id
 and no reason for a removal. Two facts need them: the child index of an n > 1 request (children
 are "<index>_<parent id>"), and whether a removed request ended or was only preempted. They come
-from the V1 runner (`orca_serve.vllm_compat.runner`, the one place that reads vLLM's batch);
-without it (another vLLM version) a request is known by its params object, children are
+from the V1 runner (`orca_serve.vllm_compat.runner`, the one place that reads vLLM's batch).
+vLLM builds this processor inside the runner's constructor, so on vLLM 0.33+ the runner arrives
+after it, once, from the worker extension's hook (`attach_runner`, before the first step); on
+0.31/0.32 the constructor finds it on its call stack. Without it (another vLLM version) a
+request is known by its params object, children are
 indexed by the seed vLLM gives each (`seed + index`), and a removal counts as final when the
 last token is a stop token or max_tokens is reached (else the state is kept up to the result
 TTL).
@@ -45,10 +48,14 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcReque
 from orca_serve.core.registry import Request
 from orca_serve.core.speculation import DraftSteps
 from orca_serve.vllm_compat import capture
-from orca_serve.vllm_compat.runner import find_v1_runner
+from orca_serve.vllm_compat.runner import V1Runner, find_v1_runner
 from orca_serve.vllm_plugin import speculation
 from orca_serve.vllm_plugin.adapter import CoreAdapter, child_index
+from orca_serve.vllm_plugin.engine_setup import hands_over_the_runner, log
 from orca_serve.vllm_plugin.mrv2 import OrcaMRV2LogitsProcessor
+
+NO_RUNNER_UNDER_SPECULATION = ("orca: speculative decoding needs vLLM's V1 model runner, which "
+                               "was not found")
 
 
 class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
@@ -69,20 +76,33 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
         return super().__new__(cls)
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        self._runner = find_v1_runner()
+        self._runner: V1Runner | None = None
         self._start_core(vllm_config, device, is_pin_memory)
-        self.core.rows_exact = self._runner is not None
+        self.core.rows_exact = False  # until the runner is attached
         self._rows: dict[int, tuple[Request, list[int]]] = {}
         # speculative decoding: every step goes through the draft-row driver (speculation.py)
         self._drafts: DraftSteps | None = None
         self.sampling_drafts = False  # vLLM's rejection sampler is running (rows handled)
         if getattr(vllm_config, "speculative_config", None):
-            if self._runner is None:
-                raise RuntimeError("orca: speculative decoding needs vLLM's V1 model runner, "
-                                   "which was not found")
-
             self._drafts = DraftSteps(self.core)
-            speculation.attach(self, self._runner)
+        # the worker extension's hook hands the runner over after this constructor (vLLM 0.33+)
+        self._awaiting_runner = hands_over_the_runner(vllm_config)
+        if not self._awaiting_runner:
+            runner = find_v1_runner()
+            if runner is not None:
+                self.attach_runner(runner)
+            elif self._drafts is not None:
+                raise RuntimeError(NO_RUNNER_UNDER_SPECULATION)
+
+    def attach_runner(self, runner: V1Runner) -> None:
+        """Read vLLM's batch through `runner` from now on. Called once, before the first step:
+        by the constructor (the runner found on its call stack) or by the worker extension's
+        `init_worker_extension` (vLLM 0.33+, once the runner that built this processor exists)."""
+        self._runner = runner
+        self._awaiting_runner = False
+        self.core.rows_exact = True
+        if self._drafts is not None:
+            speculation.attach(self, runner)
 
     def is_argmax_invariant(self) -> bool:
         return False  # it forces tokens
@@ -140,13 +160,21 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
         self.core.leave(req, final)
 
     def _req_id(self, row: int, out: list) -> str | None:
-        return None if self._runner is None else self._runner.request_id(row, out)
+        if self._runner is not None:
+            return self._runner.request_id(row, out)
+        if self._awaiting_runner:  # said once: the hook never ran (another kind of worker wrapper)
+            self._awaiting_runner = False
+            log.warning("orca: the worker extension never handed over the V1 model runner; "
+                        "requests are known by their params")
+        return None
 
     # -- the engine step --------------------------------------------------------------------
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if self.sampling_drafts:  # the bonus rows of a step whose rows were all seen already
             return logits
         if self._drafts is not None:  # a step without drafts under a speculative config
+            if self._runner is None:  # steps with drafts would reach here unseen
+                raise RuntimeError(NO_RUNNER_UNDER_SPECULATION)
             self.apply_rows(logits, None)
             return logits
         hidden = capture.take_rows()

@@ -22,17 +22,32 @@ parallelism every rank of that stage runs the probe on the all-gathered logits a
 same result. So exactly one worker answers: the last pipeline rank with tensor rank 0; the others
 drop the requested results (they must forget them too) and answer `{}`. The same worker alone
 reports `orca_stats`, so engine steps and probe time are counted once.
+
+The model runner (vLLM 0.33 and later): vLLM calls `init_worker_extension` on every worker once
+its model runner exists, before the model is loaded, and this hands the runner to orca's
+processors (`orca_serve/vllm_compat/runner.py` says what they read from it, and how 0.31/0.32
+find it instead).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from orca_method.errors import first_line
 from orca_serve.contract import to_wire
-from orca_serve.vllm_compat.runner import is_reporting_worker, processors_in
+from orca_serve.vllm_compat.runner import (
+    MRV2Runner,
+    V1Runner,
+    is_reporting_worker,
+    offer_mrv2_runner,
+    processors_in,
+    runner_of,
+)
 from orca_serve.vllm_plugin import speculation
 from orca_serve.vllm_plugin.adapter import CoreAdapter
+
+log = logging.getLogger(__name__)
 
 # the worker imports this module before it builds its model runner (vLLM's worker_extension_cls)
 speculation.install()
@@ -48,6 +63,23 @@ def processor_stats(processors: Any) -> dict[str, Any]:
 
 
 class OrcaWorkerExtension:
+    def init_worker_extension(self) -> None:
+        """vLLM 0.33+ calls this once per worker, `self` being the worker, right after the
+        worker's `init_device` built the model runner and before `load_model`. Hands the runner
+        to orca's processors: V1 built them in the runner's constructor, so they get it now
+        (`attach_runner`); MRV2 builds them in `load_model`, later, and takes it then
+        (`vllm_compat.runner.offered_mrv2_runner`). Nothing runs per step."""
+        view = runner_of(self)
+        if isinstance(view, V1Runner):
+            for p in self._orca_processors():
+                p.attach_runner(view)
+        elif isinstance(view, MRV2Runner):
+            offer_mrv2_runner(view)
+        else:
+            log.warning("orca: the worker's model runner (%s) is neither of vLLM's runners the "
+                        "plugin reads; requests are known by what the processor interface gives",
+                        type(getattr(self, "model_runner", None)).__name__)
+
     def _orca_processors(self) -> list:
         """Our processors in this worker (either runner's; `vllm_compat.runner`)."""
         return [p for p in processors_in(self) if isinstance(p, CoreAdapter)]
@@ -118,3 +150,4 @@ class OrcaWorkerExtension:
         {"live": checksums still loaded}."""
         r = self._orca_each("retiring bundles failed", lambda p: p.retire_bundles(list(keep)))
         return r if "error" in r else {"live": r["result"]}
+
