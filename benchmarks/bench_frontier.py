@@ -58,7 +58,7 @@ from bench_goodput import PROBE, Workload, interval95, label, oracle, request_lo
 from calibration.long import tasks as long_tasks
 from calibration.toy import tasks as toy_tasks
 from calibration.toy.demo_bundle import demo_folder
-from orca_method.answer_probes import reasoning_start, step_ends
+from orca_method.answer_probes import step_ends
 from orca_method.bundle import load_bundle
 from orca_method.labels import labelled_steps
 from orca_method.steps import segment
@@ -240,7 +240,7 @@ def offline_rules(full: list[dict], work: Workload) -> dict[str, Any]:
     rows = []
     for r in full:
         steps = segment(work.table, r["token_ids"], r["prompt_token_ids"])
-        ends = step_ends([len(s) for s in steps], reasoning_start(r["token_ids"], steps))
+        ends = step_ends(r["token_ids"], steps)
         rows.append((r, ends, step_confidences(r["token_conf"], ends), str(by_id[str(r["id"])]["answer"])))
     out: dict[str, Any] = {}
     orc = [oracle(r["trace"], r["completion_tokens"]) for r, *_ in rows]

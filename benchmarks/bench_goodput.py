@@ -62,7 +62,6 @@ from calibration.toy.tasks import write_prompts
 from orca_method.answer_probes import (
     ProbeSettings,
     probe_prompts,
-    reasoning_start,
     step_ends,
     trajectory_fields,
 )
@@ -328,7 +327,7 @@ async def label(client: Any, model: str, work: Workload, responses: list[dict],
         if step is None:
             return gen
         steps = segment(work.table, gen, prompt_ids)
-        end = step_ends([len(x) for x in steps], reasoning_start(gen, steps))[step - 1]
+        end = step_ends(gen, steps)[step - 1]
         async with sem:
             r = await client.completions.create(
                 model=model, prompt=prompt_ids + gen[:end], temperature=temperature,

@@ -37,22 +37,25 @@ class ProbeSettings:
         return {"suffix": self.suffix, "answer_tokens": self.answer_tokens}
 
 
-def reasoning_start(gen_ids: Sequence[int], step_ids: Sequence[Sequence[int]]) -> int:
-    """Offset of the first step in the generated tokens (a generated `<think>` precedes it)."""
-    flat = [t for step in step_ids for t in step]
+def step_ends(gen_ids: Sequence[int], step_ids: Sequence[Sequence[int]]) -> list[int]:
+    """Exclusive end offsets (in generated tokens) of each recorded step, found in order.
+
+    Steps are runs of the generated tokens in order, but not always one run: tokens in no step
+    may come before them (a generated `<think>`) and between them (a `<think>` the model writes
+    again inside its reasoning, or an answer between a `</think>` and a reopened `<think>`,
+    which the segmenter skips). Each step is matched at its first occurrence after the previous
+    one's end.
+    """
     gen = list(gen_ids)
-    for start in range(len(gen) - len(flat) + 1):
-        if gen[start:start + len(flat)] == flat:
-            return start
-    raise RuntimeError("the recorded steps are not a run of the generated tokens; "
-                       "capture and generation disagree")
-
-
-def step_ends(step_tokens: Sequence[int], start: int) -> list[int]:
-    """Exclusive end offsets (in generated tokens) of each step."""
-    ends, pos = [], start
-    for n in step_tokens:
-        pos += n
+    ends, pos = [], 0
+    for k, step in enumerate(step_ids):
+        step = list(step)
+        n = len(step)
+        start = next((i for i in range(pos, len(gen) - n + 1) if gen[i:i + n] == step), None)
+        if start is None:
+            raise RuntimeError(f"recorded step {k} is not a run of the generated tokens after "
+                               "the steps before it; capture and generation disagree")
+        pos = start + n
         ends.append(pos)
     return ends
 
@@ -61,7 +64,7 @@ def probe_prompts(prompt_ids: Sequence[int], gen_ids: Sequence[int], record: dic
                   suffix_ids: Sequence[int], label_every: int) -> list[tuple[int, list[int]]]:
     """(step t, prompt token ids) of every answer probe of one recorded trajectory."""
     gen = list(gen_ids)
-    ends = step_ends(record["step_tokens"], reasoning_start(gen, record["step_token_ids"]))
+    ends = step_ends(gen, record["step_token_ids"])
     return [(t, list(prompt_ids) + gen[:ends[t]] + list(suffix_ids))
             for t in labelled_steps(len(ends), label_every)]
 

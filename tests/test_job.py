@@ -6,17 +6,18 @@ import pytest
 
 from calibration.collect import _problem_fields, read_prompts
 from calibration.job import JobError, load_job
-from orca_method.answer_probes import probe_prompts, reasoning_start, step_ends
+from orca_method.answer_probes import probe_prompts, step_ends
 
 
-def test_reasoning_start_and_step_ends() -> None:
+def test_step_ends() -> None:
     gen = [9, 1, 2, 3, 4, 5, 7, 8]  # 9 = a generated <think>; 7, 8 = after </think>
-    steps = [[1, 2], [3, 4, 5]]
-    start = reasoning_start(gen, steps)
-    assert start == 1
-    assert step_ends([2, 3], start) == [3, 6]
+    assert step_ends(gen, [[1, 2], [3, 4, 5]]) == [3, 6]
+    # a <think> (9) written again inside the reasoning is in no step: the steps have a gap
+    assert step_ends([9, 1, 2, 9, 3, 4, 5, 7], [[1, 2], [3, 4, 5]]) == [3, 7]
     with pytest.raises(RuntimeError, match="disagree"):
-        reasoning_start(gen, [[2, 1]])
+        step_ends(gen, [[2, 1]])
+    with pytest.raises(RuntimeError, match="step 1"):
+        step_ends(gen, [[3, 4], [1, 2]])  # out of order
 
 
 def test_probe_prompts_cut_after_each_labelled_step() -> None:
