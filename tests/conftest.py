@@ -102,11 +102,8 @@ def tiny_server(model, tmp_path_factory) -> Iterator[dict]:
 @pytest.fixture
 def redis_store(tmp_path_factory) -> Iterator[RedisServer]:
     """A real redis-server on a free loopback port (tests/redis_server.py), stopped after."""
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    try:
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -47,6 +47,12 @@ class RedisServer:
                 time.sleep(0.05)
         client.close()
 
+    def __enter__(self) -> RedisServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         """Stop it (SIGKILL: a store that goes away at once, as a crashed or cut-off one)."""
         if self.proc.poll() is None:

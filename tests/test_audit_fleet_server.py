@@ -42,11 +42,9 @@ def env(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    try:
+    """The `redis_store` fixture's server, for the whole module (its servers share it)."""
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
