@@ -187,8 +187,8 @@ def evaluate_two_sided(bundle: Bundle, ts: TrajectorySet, split: str = "all", *,
     certified = [ts.labels(i, bundle.label_mode) for i in idx]  # cumulative
     tokens = [np.asarray(ts.problems[i].step_tokens) for i in idx]
     lengths = np.array([len(c) for c in raw])
-    ends_right = np.array([c.any() for c in raw])
     last = np.array([last_right(c) for c in raw])
+    ends_right = last >= 0  # right at some step
     counted = np.array([c.any() for c in certified])  # the certified stop risk's traces
     first_right = np.array([int(np.argmax(c)) if c.any() else n - 1
                             for c, n in zip(raw, lengths)])

@@ -282,7 +282,7 @@ def train_give_up(ts: TrajectorySet, mode: str, *, seed: int = 0) -> Probe:
     (a reference label mode, raw per-step labels: `right_ahead`), so its score estimates
     P(continuing can still reach a right answer | this step): what the give-up loss counts."""
     train = ts.split("train")
-    targets = [right_ahead(ts.raw_labels(i, mode)) for i in train] if train else []
+    targets = [right_ahead(ts.raw_labels(i, mode)) for i in train]
     ahead = sum(int(t.sum()) for t in targets)
     if not train or ahead == 0 or ahead == sum(t.size for t in targets):
         raise ValueError(f"the training split needs steps with a right answer ahead and steps "
