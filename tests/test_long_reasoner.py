@@ -90,6 +90,26 @@ def test_forced_examples_train_the_reasoning_and_the_answer_not_the_close() -> N
         assert weights[-1] > 0 and sum(w > 0 for w in weights) > len(weights) // 3
 
 
+
+def test_the_sign_of_each_step_weighs_like_a_decision() -> None:
+    """Which way the walk goes is written once per step, as the sign of its sum; most walks down
+    that failed went the wrong way at the first step, so the sign is weighted like the decision
+    words (and a check's sign, the other way, too)."""
+    from calibration.toy.train import DECISION_WEIGHT, build_tokenizer, encode
+
+    tok = build_tokenizer(random.Random(0), n_texts=300, recipe=LONG)
+    for text in ("x=37: 273-7=266, above 250.", "Check 1, x=37: 302-7=295, so x=38 holds.",
+                 "x=38: 266+7=273, below 302."):
+        enc = tok.encode(text)
+        _, weights = encode(tok, text, 0, None, LONG.decision_re)
+        sign_at = next(i for i, c in enumerate(text) if c in "+-")
+        token = next(i for i, (a, b) in enumerate(enc.offsets) if a <= sign_at < b)
+        assert weights[token] == DECISION_WEIGHT, (text, enc.tokens[token])
+        total = text.index("=", sign_at)  # every digit of the sum, the last one included
+        digits = [w for (a, _), w in zip(enc.offsets, weights) if total < a <= total + 3]
+        assert digits == [DECISION_WEIGHT] * len(digits) and digits, (text, weights)
+        assert min(weights) == 1.0  # and not everything is weighted
+
 # ------------------------------------------------------------ bench_frontier's offline rules
 
 def test_consistency_stops_at_k_agreeing_answers() -> None:

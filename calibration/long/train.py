@@ -17,12 +17,14 @@ from calibration.toy.train import Example, Recipe, main, render_prompt, trace_ex
 
 # Training mix: the shifted (walking down) and hard (two-digit steps) families are a minority,
 # so the model can solve them without them being in-distribution. At 8% shifted the model solved
-# 3% of shifted problems (it walked up, or said "above" at the equality); 20% it learns.
-FAMILY_SHARES = (("in-dist", 0.75), ("shifted", 0.20), ("hard", 0.05))
+# 3% of shifted problems (it walked up, or said "above" at the equality); at 20%, 6-16%, most of
+# its failures at the first step (it walked up from a start above C); at 40% (phases 7-8), 56%.
+FAMILY_SHARES = (("in-dist", 0.55), ("shifted", 0.40), ("hard", 0.05))
 MAX_POSITIONS = 5120  # the longest traces are ~4,300 tokens
 # Weighted like the toy's verdicts: the decision words, every sum (one wrong digit derails the
-# rest of a long walk, where a 5-step toy trace forgives it) and the forced answer.
-_DECISION_RE = re.compile(r" (?:below|above|equals) |(?<==)\d+|(?<=\\boxed\{)\d+")
+# rest of a long walk, where a 5-step toy trace forgives it), the sign of each step (which way the
+# walk goes: the first step's sign is where most walks down failed) and the forced answer.
+_DECISION_RE = re.compile(r" (?:below|above|equals)(?= )|(?<==)\d+|(?<=\d)[+-](?=\d)|(?<=\\boxed\{)\d+")
 
 
 def make_example(rng: random.Random) -> Example:

@@ -62,7 +62,7 @@ BOUNDARY_DELIM_SHARE = 0.5  # of forced examples, prefix ends with the step deli
 # The verdict after each try decides the walk, but is ~3% of the tokens: at weight 1 an 800-step
 # run said "Too big." for "56 + 6 = 62, want 62" (matches recognised 40% of the time).
 DECISION_WEIGHT = 5.0
-_VERDICT_RE = re.compile(r" (?:Too small|Too big|That matches)\.")
+_VERDICT_RE = re.compile(r" (?:Too small|Too big|That matches)(?=\.)")
 
 
 # One training text, the character offset from which tokens carry loss, and an optional
@@ -160,7 +160,7 @@ def encode(tok: Tokenizer, text: str, loss_from: int, skip: tuple[int, int] | No
     """Token ids and loss weights: 0 before loss_from and inside skip (by character offset),
     DECISION_WEIGHT on decision words, 1 elsewhere."""
     enc = tok.encode(text)
-    verdicts = [(m.start(), m.end() - 1) for m in decision_re.finditer(text)]
+    verdicts = [(m.start(), m.end()) for m in decision_re.finditer(text)]  # [start, end)
 
     def weight(start: int) -> float:
         if start < loss_from or (skip is not None and skip[0] <= start < skip[1]):
