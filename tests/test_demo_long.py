@@ -1,7 +1,8 @@
 """`orca-serve --demo long`: the embedded long reasoner and its bundle, served for real.
 
 One greedy request of an in-distribution problem whose walk is 46 steps long, once with ORCA off
-and once at the bundle's loosest delta: the full trace is as long as the design says and right;
+and once at the bundle's strictest delta (a looser one may stop before the answer: that is the
+risk it allows): the full trace is as long as the design says and right;
 the early stop happens after the walk has reached the answer (the step that says `equals C`)
 and before the end of the verification, the answer after the stop is still right, and the
 response says how the reasoning ended.
@@ -41,7 +42,7 @@ def test_long_demo_stops_after_the_answer_and_before_the_end(tmp_path: Path) -> 
         client = srv.wait().client(timeout=600)
         model = client.models.list().data[0].id
         msg = [{"role": "user", "content": PROBLEM.question}]
-        delta = max(load_bundle(DEMO / "bundle.json").deltas())
+        delta = min(load_bundle(DEMO / "bundle.json").deltas())
 
         def ask(orca: dict) -> tuple[str, dict]:
             r = client.chat.completions.create(model=model, messages=msg, temperature=0,
