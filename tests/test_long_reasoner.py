@@ -90,7 +90,6 @@ def test_forced_examples_train_the_reasoning_and_the_answer_not_the_close() -> N
         assert weights[-1] > 0 and sum(w > 0 for w in weights) > len(weights) // 3
 
 
-
 def test_the_sign_of_each_step_weighs_like_a_decision() -> None:
     """Which way the walk goes is written once per step, as the sign of its sum; most walks down
     that failed went the wrong way at the first step, so the sign is weighted like the decision
@@ -109,6 +108,7 @@ def test_the_sign_of_each_step_weighs_like_a_decision() -> None:
         digits = [w for (a, _), w in zip(enc.offsets, weights) if total < a <= total + 3]
         assert digits == [DECISION_WEIGHT] * len(digits) and digits, (text, weights)
         assert min(weights) == 1.0  # and not everything is weighted
+
 
 # ------------------------------------------------------------ bench_frontier's offline rules
 
