@@ -80,6 +80,10 @@ class SimRequest:
         self.stream = [ID[rng.choice(body)] for _ in range(max_tokens + 8)]
         g = torch.Generator().manual_seed(rng.randrange(1 << 30))
         self.hidden = torch.randn(max_tokens + 8, DIM, generator=g)  # row of output position i
+        # the model's logits for output position i: the stream is a sample of them, the argmax
+        # is what a greedy (forced-argmax) row takes
+        self.logits = torch.randn(max_tokens + 8, len(TOKENS), generator=g)
+        self.logits[:, EOS] = -30.0  # like its stream, the model never ends on its own
         self.out: list[int] = []
         self.req = None
         self.done = False
@@ -105,7 +109,8 @@ def join_due(core: OrcaCore, sims: list[SimRequest], batch: list[SimRequest], t:
 
 def run(core: OrcaCore, sims: list[SimRequest], seed: int = 0, steps: int = 400,
         on_park=None, on_step=None) -> None:
-    """The fake engine: joins, preemptions, shuffled rows, forced or scripted next tokens.
+    """The fake engine: joins, preemptions, shuffled rows, forced or scripted next tokens (a row
+    left with one finite logit is forced; else the request samples its stream's token).
     `on_step(t)` runs before step t's joins (a hot reload, say)."""
     rng = random.Random(seed)
     batch: list[SimRequest] = []
@@ -136,7 +141,8 @@ def run(core: OrcaCore, sims: list[SimRequest], seed: int = 0, steps: int = 400,
             entries.append((s.req, row, n, s.out[-2] if n > 1 else -1, last))
             rows.append(s.hidden[n - 1] if n else torch.randn(DIM))
         hidden = torch.stack(rows) if rows else torch.zeros(0, DIM)
-        logits = torch.zeros(len(batch), len(TOKENS))
+        logits = torch.stack([s.logits[len(s.out)] for s in batch]) if batch else \
+            torch.zeros(0, len(TOKENS))
         core.step(entries, hidden, logits)
         for row, s in enumerate(batch):
             forced = torch.isfinite(logits[row])

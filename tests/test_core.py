@@ -58,7 +58,7 @@ def test_core_matches_offline_replay_with_moves_preemption_and_lag(bundle_path,
     run(core, sims, seed)
     res = core.pop_results([s.name for s in sims])
     table, probe = core.dep.table, sim_probe()
-    stops = 0
+    stops = answered = 0
     for s in sims:
         r = res[s.name]
         assert "error" not in r, r.get("error")
@@ -87,8 +87,14 @@ def test_core_matches_offline_replay_with_moves_preemption_and_lag(bundle_path,
         want = [EOS] if policy == "stop" else FORCE
         assert s.out[at:at + len(want)] == want, s.name
         assert r["forced_tokens"][:len(want)] == want
+        if policy == "answer":  # the answer after the forced text: the argmax at every position
+            start = at + len(FORCE)
+            answer = [t for t in s.out[start:] if t != EOS]
+            answered += len(answer)
+            assert answer == [int(s.logits[q].argmax()) for q in range(start, start + len(answer))]
     # (keyword steps are long and few: there the point is the merge path's scores)
     assert stops >= (0 if keywords else 2), "no probe stop happened: the test would prove little"
+    assert answered >= (0 if keywords else 1), "no answer after a stop: the test would prove little"
     assert sum(res[s.name]["steps_scored"] for s in sims) >= 5
     assert core.pool.free_count == core.capacity  # every slot came back
     st = core.get_stats()

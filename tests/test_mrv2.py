@@ -189,7 +189,7 @@ def run_mrv2(runner: FakeRunner, sims: list[SimRequest], seed: int = 0, steps: i
             ids.append(full[seq - 1])
             complete = seq == len(full)
             rows.append(s.hidden[n - 1] if complete and n > 0 else torch.randn(DIM) * 9)
-        logits = torch.zeros(len(batch), len(TOKENS))
+        logits = torch.stack([s.logits[len(s.out)] for s in batch])
         hidden = torch.stack(rows)
         idx = np.array(slots, dtype=np.intp)
         ctx = LogitsContext(

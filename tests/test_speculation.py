@@ -65,11 +65,13 @@ def run_speculative(core, sims: list[SimRequest], k: int, p_right: float, seed: 
         entries, proposals = [], []
         for s in batch:
             n = len(s.out)
-            # a draft model that is right with probability p_right (it knows forced text too)
+            # a draft model that is right with probability p_right (it knows the forced text and
+            # the greedy answer too)
             ks = 0 if n == 0 else k
             props = []
             for i in range(ks):  # draft i + 1 sits at output position n + i
-                want = s.req.plan.get(n + i, s.stream[n + i])
+                want = s.req.plan.get(n + i, int(s.logits[n + i].argmax())
+                                      if n + i in s.req.greedy else s.stream[n + i])
                 props.append(want if rng.random() < p_right
                              else rng.choice([w for w in WRONG if w != want]))
             entries.append((s.req, 1 + ks, s.out))
@@ -87,7 +89,9 @@ def run_speculative(core, sims: list[SimRequest], k: int, p_right: float, seed: 
         entries = [(req, sum(1 + len(p) for _, p in proposals[:j]), c, out)
                    for j, (req, c, out) in enumerate(entries)]
         h = torch.stack(hidden) if hidden else torch.zeros(0, DIM)
-        logits = torch.zeros(h.shape[0], len(TOKENS))
+        logits = torch.stack([s.logits[len(s.out) + i] for s, props in proposals
+                              for i in range(1 + len(props))]) if proposals else \
+            torch.zeros(0, len(TOKENS))
         drafts.step(entries, h, logits)
         for (_, first, count, _), (s, props) in zip(entries, proposals):
             n = len(s.out)

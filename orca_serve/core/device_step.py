@@ -8,8 +8,8 @@ device: the host does not know the flag yet), tokens forced by plans the host kn
 and the scores go back in one non_blocking readback, read on the next step.
 
 Forcing never builds a [rows, vocab] tensor: the logits rows are changed in place (`index_fill_`
-for host-known tokens; for device-decided stops an -inf or 0 per row added across the row, then
-the forced token's entry set back).
+for host-known tokens and for the argmax of a greedy answer row; for device-decided stops an -inf
+or 0 per row added across the row, then the forced token's entry set back).
 """
 
 from __future__ import annotations
@@ -42,13 +42,23 @@ class DeviceStep:
             self._pool_tokens(p, v, hidden, logits.shape[0])
             if p.op_slots:
                 self._finish_steps(p, v, logits)
-            if p.forced_rows:
-                rows = v.long(IDX["forced_rows"])
-                logits.index_fill_(0, rows, float("-inf"))
-                logits.index_put_((rows, v.long(IDX["forced_ids"])),
-                                  logits.new_zeros(()))
+            if p.forced_rows or p.greedy_rows:
+                self._force(p, v, logits)
         finally:
             self.fence.mark()
+
+    @staticmethod
+    def _force(p: StepPlan, v: Staged, logits: Tensor) -> None:
+        """The tokens of known stop plans, and the argmax of each greedy answer row: each row
+        -inf but its token (which the sampler then takes at any temperature)."""
+        rows, ids = v.long(IDX["forced_rows"]), v.long(IDX["forced_ids"])  # [f] each
+        if p.greedy_rows:
+            greedy = v.long(IDX["greedy_rows"])  # [g]
+            # argmax over every row, then picked: no [g, vocab] copy
+            rows = torch.cat([rows, greedy])
+            ids = torch.cat([ids, logits.argmax(dim=-1).index_select(0, greedy)])
+        logits.index_fill_(0, rows, float("-inf"))
+        logits.index_put_((rows, ids), logits.new_zeros(()))
 
     def _pool_tokens(self, p: StepPlan, v: Staged, hidden: Tensor | None, n_rows: int) -> None:
         """S[slot] += normalised row, for this step's rows and the parked ones; park rows."""

@@ -17,7 +17,7 @@ from orca_method.steps import CLOSE, MERGE, NONE, STEP_PREV
 from orca_method.thresholds import GIVE_UP_NEVER, NEVER
 from orca_serve.core.deployment import Deployment
 from orca_serve.core.registry import Request
-from orca_serve.core.speculation import UNKNOWN, forced_rows
+from orca_serve.core.speculation import UNKNOWN, forced_rows, greedy_rows
 from orca_serve.core.stopping import request_plan, stop_request
 
 # one entry per tracked row and step: (request, logits row, output length, id at n-2, id at n-1)
@@ -49,6 +49,7 @@ class StepPlan:
     cand_ids: list[int] = field(default_factory=list)  # and the token forced
     forced_rows: list[int] = field(default_factory=list)  # tokens forced by plans known now
     forced_ids: list[int] = field(default_factory=list)
+    greedy_rows: list[int] = field(default_factory=list)  # rows of a greedy answer (argmax forced)
     # host only
     record: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, emitted, size)
     groups: list[tuple[Deployment, int, int]] = field(default_factory=list)  # scored ranges
@@ -63,7 +64,7 @@ class StepPlan:
 STAGED = ("pool_rows", "pool_slots", "lag_slots", "park_rows", "park_slots", "op_slots",
           "op_kinds", "emit_ops", "emit_slots", "emit_counts", "scored", "bank_lam", "hit_lam",
           "bank_mu", "scored_slots", "cand_pos", "cand_rows", "cand_ids", "forced_rows",
-          "forced_ids")
+          "forced_ids", "greedy_rows")
 IDX = {name: i for i, name in enumerate(STAGED)}
 
 
@@ -119,6 +120,8 @@ def plan_step(entries: list[Entry], n_rows: int, stats: dict[str, Any]) -> StepP
                 p.forced_rows.append(r)
                 p.forced_ids.append(t)
                 req.forced[pos] = t
+        if req.greedy:
+            p.greedy_rows += greedy_rows(req, row, n)
     if scored:
         _plan_scoring(p, scored)
     return p
@@ -176,7 +179,7 @@ def _plan_scoring(p: StepPlan, scored: list[tuple[Deployment, Request, int, int,
         p.bank_mu.append(GIVE_UP_NEVER if shadow or mu is None else mu)
         p.pending.append((req, n, guard, 1 + len(req.draft_rows)))
         if not guard and not shadow:
-            for _, r, t in forced_rows(req, row, n, request_plan(req, n)):
+            for _, r, t in forced_rows(req, row, n, request_plan(req, n).forced):
                 p.cand_pos.append(j)
                 p.cand_rows.append(r)
                 p.cand_ids.append(t)

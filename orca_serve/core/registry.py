@@ -40,7 +40,7 @@ class Request:
 
     __slots__ = ("active", "answer_budget", "attached", "bundle_checksum", "decided_until", "dep",
                  "draft_rows", "eos", "error", "fetched", "forced", "give_up_ids", "give_up_step",
-                 "guard_pos", "handle", "ident", "ignore_eos", "index", "key", "lag",
+                 "greedy", "guard_pos", "handle", "ident", "ignore_eos", "index", "key", "lag",
                  "last_give_up", "left_at", "max_tokens", "n_seen", "notes",
                  "output", "plan", "policy", "prompt", "prompt_reasoning", "record", "scores",
                  "seg", "slot", "snapshot", "spec", "step_counts", "step_embs", "steps_scored",
@@ -73,7 +73,8 @@ class Request:
         # tokens a give-up forces after the end-of-thinking text (policy "message"; None: the
         # request's own stop plan, i.e. its best current answer)
         self.give_up_ids: list[int] | None = None
-        self.plan: dict[int, int] = {}
+        self.plan: dict[int, int] = {}  # output position -> token forced after a stop
+        self.greedy = range(0)  # output positions of the answer after a stop: decoded greedily
         self.forced: dict[int, int] = {}  # output position -> forced token id
         self.guard_pos: int | None = None
         # speculative decoding (core/speculation.py): output positions below this one are
@@ -106,6 +107,7 @@ class Request:
                 log.error("orca request %s (%s): %s", self.key, self.ident, msg)
         self.active = False
         self.plan = {}
+        self.greedy = range(0)
         self.guard_pos = None
 
     def result(self, pending_step: Any = None) -> OrcaResult:

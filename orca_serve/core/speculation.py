@@ -18,7 +18,7 @@ Forcing. A replayed token's successor is decided already, so nothing can be forc
 `Request.decided_until` (the position row 0 samples now) makes a stop decided while replaying
 plan its forced text from that position instead (`plan_start`), and nothing is forced into a
 decided position. In the step's last call the plan is forced on row 0 and on the draft rows as
-well (`forced_rows`): row i samples position n + i only if drafts 1..i were accepted, which under
+well (`forced_rows`; the greedy answer after it likewise, `greedy_rows`): row i samples position n + i only if drafts 1..i were accepted, which under
 a forced row means they equal the forced text, so every forced token lands on an output position
 in order (the rejection sampler rejects a draft that differs from a row's only finite logit and
 samples that token in its place). A stop whose step ends on row 0's token is forced in the same
@@ -48,15 +48,24 @@ def plan_start(req: Request, pos: int) -> int:
     return max(pos, req.decided_until)
 
 
-def forced_rows(req: Request, row: int, n: int,
-                plan: Mapping[int, int]) -> list[tuple[int, int, int]]:
-    """(output position, logits row, token) that `plan` forces in this step for a request at
-    output length n whose row `row` samples position n (and whose draft rows, if any, sample
-    n + 1, ...). Nothing while the core replays accepted drafts (position n is decided)."""
+def sampled_rows(req: Request, row: int, n: int) -> list[tuple[int, int]]:
+    """(output position, logits row) of the positions this step samples for a request at output
+    length n whose row `row` samples position n (and whose draft rows, if any, sample n + 1,
+    ...). None while the core replays accepted drafts (position n is decided)."""
     if n < req.decided_until:
         return []
-    return [(n + i, r, t) for i, r in enumerate((row, *req.draft_rows))
-            if (t := plan.get(n + i)) is not None]
+    return [(n + i, r) for i, r in enumerate((row, *req.draft_rows))]
+
+
+def forced_rows(req: Request, row: int, n: int,
+                plan: Mapping[int, int]) -> list[tuple[int, int, int]]:
+    """(output position, logits row, token) that `plan` forces in this step (`sampled_rows`)."""
+    return [(q, r, t) for q, r in sampled_rows(req, row, n) if (t := plan.get(q)) is not None]
+
+
+def greedy_rows(req: Request, row: int, n: int) -> list[int]:
+    """The logits rows of this step that sample a position of the request's greedy answer."""
+    return [r for q, r in sampled_rows(req, row, n) if q in req.greedy]
 
 
 class DraftSteps:

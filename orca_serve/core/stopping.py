@@ -4,11 +4,17 @@ Policies (`orca_serve.contract.Policy`, asked through their rules): `stop` force
 end-of-thinking text, lets the model answer for `answer_budget` tokens, then forces EOS; `shadow`
 never forces (it only reports where it would have stopped). The budget guard closes the thinking
 of a policy-`answer` request early enough that an answer still fits in `max_tokens`.
+
+The answer after a stop is decoded greedily, whatever the request's sampling: the guarantee is
+about the answer the calibration's probes forced, and they force it greedily. Sampled at the
+request's temperature instead, a trace stopped mid-verification often writes another answer
+(benchmarks/RESULTS.md, "The answer after a stop").
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from orca_serve.contract import MIN_ANSWER_TOKENS, Policy
@@ -18,27 +24,36 @@ if TYPE_CHECKING:
     from orca_serve.core.registry import Request
 
 
+@dataclass(frozen=True, slots=True)
+class StopPlan:
+    """What a stop does to the output positions from the one sampled at the stop on."""
+
+    forced: dict[int, int]  # output position -> forced token id
+    greedy: range  # output positions of the answer: decoded greedily
+
+
 def stop_plan(policy: Policy, pos: int, *, force_ids: list[int], eos: int | None,
-              answer_budget: int, max_tokens: int | None, ignore_eos: bool) -> dict[int, int]:
-    """Forced token ids by output position, starting at `pos` (the token sampled now)."""
+              answer_budget: int, max_tokens: int | None, ignore_eos: bool) -> StopPlan:
+    """The stop plan from `pos` (the token sampled now): forced token ids by output position,
+    and the positions of the answer, between the forced text and the forced EOS."""
     limit = max_tokens if max_tokens is not None else math.inf
-    plan: dict[int, int] = {}
+    forced: dict[int, int] = {}
     if not policy.rule.acts:
-        return plan
+        return StopPlan(forced, range(0))
     if not policy.rule.answers:
         if eos is not None:
-            plan[pos] = eos
-        return plan
+            forced[pos] = eos
+        return StopPlan(forced, range(0))
     p = pos
     for t in force_ids:
         if p >= limit:
             break
-        plan[p] = t
+        forced[p] = t
         p += 1
     eos_at = p + answer_budget
     if not ignore_eos and eos is not None and eos_at < limit:
-        plan[eos_at] = eos
-    return plan
+        forced[eos_at] = eos
+    return StopPlan(forced, range(p, int(min(eos_at, limit))))
 
 
 def guard_position(policy: Policy, *, max_tokens: int | None, reserve: int | None,
@@ -54,7 +69,7 @@ def guard_position(policy: Policy, *, max_tokens: int | None, reserve: int | Non
     return None
 
 
-def request_plan(req: Request, pos: int) -> dict[int, int]:
+def request_plan(req: Request, pos: int) -> StopPlan:
     """`stop_plan` of a tracked request stopping at output position `pos`. A give-up under the
     operator's "message" policy forces the end-of-thinking text, the message and EOS (its first
     token is the stop plan's, which the device may have forced already; without an
@@ -70,9 +85,11 @@ def request_plan(req: Request, pos: int) -> dict[int, int]:
 
 
 def stop_request(req: Request, pos: int, reason: str) -> None:
-    """The request stops at `pos`: segmentation and scoring end, its forced text is planned."""
+    """The request stops at `pos`: segmentation and scoring end, its forced text and its greedy
+    answer are planned."""
     req.stopped = True
     req.stop_reason = reason
     req.active = False
     req.guard_pos = None
-    req.plan = request_plan(req, plan_start(req, pos))
+    plan = request_plan(req, plan_start(req, pos))
+    req.plan, req.greedy = plan.forced, plan.greedy
