@@ -25,7 +25,8 @@ calibration saw), through one live `orca-serve --demo`, the real OpenAI client o
 
 Every ORCA point carries its realized stop error (the bundle's loss; stopped requests continued
 from their stop step with ORCA off to label the run they cut short, as bench_goodput does), with
-the count and a 95% interval. Every live arm requests the same token log-probabilities, so their
+the count and a 95% interval, and beside its accuracy the accuracy of the answer an answer probe
+forces at each stop (what the guarantee is about; the served answer should equal it). Every live arm requests the same token log-probabilities, so their
 requests/s compare on equal terms.
 
 Usage: python benchmarks/bench_frontier.py [--reasoners toy long] [--n 96] [--concurrency 64]
@@ -53,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_goodput import PROBE, Workload, interval95, label, oracle, request_loss
+from bench_goodput import PROBE, Workload, cut_step, interval95, label, oracle, request_loss
 
 from calibration.long import tasks as long_tasks
 from calibration.toy import tasks as toy_tasks
@@ -225,13 +226,23 @@ def live_point(responses: list[dict], wall: float, work: Workload) -> dict[str, 
             "requests_per_s": len(responses) / wall, "n": len(responses)}
 
 
+def probe_right(trace: dict[str, Any], orca: dict[str, Any]) -> bool:
+    """Whether the answer an answer probe forces (greedily) where ORCA ended the reasoning (the
+    last step when it did not) is right: the answer the guarantee is about. The served answer
+    should be it (docs/SERVER.md, "The answer after a stop")."""
+    sup = trace["labels"]["supervised"]
+    step = cut_step(orca)
+    return bool(sup[step - 1 if step is not None else len(sup) - 1])
+
+
 def orca_error(responses: list[dict], excluded_never_correct: bool) -> dict[str, Any]:
     counted = [x for r in responses
                if (x := request_loss(r["trace"], r["orca"], excluded_never_correct)) is not None]
     err = float(np.mean(counted)) if counted else float("nan")
     return {"stop_error": err, "stop_error_counted": len(counted),
             "stop_error_ci95": interval95(err, len(counted)) if counted else None,
-            "stopped_early": float(np.mean([bool(r["orca"].get("stopped_early")) for r in responses]))}
+            "stopped_early": float(np.mean([bool(r["orca"].get("stopped_early")) for r in responses])),
+            "probe_accuracy": float(np.mean([probe_right(r["trace"], r["orca"]) for r in responses]))}
 
 
 def offline_rules(full: list[dict], work: Workload) -> dict[str, Any]:
@@ -405,7 +416,8 @@ def table(name: str, s: dict[str, Any], epsilon: float) -> str:
                  f"{s['labelling'][k]['probes_per_request']:.1f} probes per request, "
                  f"{s['labelling'][k]['relative_to_serving']:.2f}x the serving wall time"
                  for k in ("every_1", f"every_{AUDIT_GRID}")), "",
-             "| rule | setting | tokens/request | accuracy | requests/s | stop error (counted; 95% interval) |",
+             "| rule | setting | tokens/request | accuracy (answer probe at the stop) | requests/s "
+             "| stop error (counted; 95% interval) |",
              "|---|---|---|---|---|---|"]
     for key, label in (("orca", "ORCA TTT no-QK"), ("orca_static", "ORCA static")):
         for p in s.get(key, []):
@@ -413,7 +425,7 @@ def table(name: str, s: dict[str, Any], epsilon: float) -> str:
             err = (f"{p['stop_error']:.3f} ({p['stop_error_counted']}; {ci[0]:.3f}-{ci[1]:.3f})"
                    if ci else "n/a")
             lines.append(f"| {label} | delta {p['delta']:g} | {p['tokens']:.0f} | {p['accuracy']:.3f} "
-                         f"| {p['requests_per_s']:.2f} | {err} |")
+                         f"({p['probe_accuracy']:.3f}) | {p['requests_per_s']:.2f} | {err} |")
     for p in s["orca_two_sided"]:
         lines.append(f"| two-sided ORCA | delta {p['delta']:g}, give-up {GIVE_UP_DELTA:g} "
                      f"(gave up on {p['gave_up']:.3f}) | {p['tokens']:.0f} | {p['accuracy']:.3f} "

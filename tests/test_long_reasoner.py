@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 from bench_frontier import (  # noqa: E402
     consistency_stop,
     offline_stop,
+    probe_right,
     step_confidences,
     threshold_stop,
     tokens_for,
@@ -132,6 +133,16 @@ def test_offline_stop_counts_tokens_through_the_step_plus_the_answer() -> None:
     assert (stop.tokens, stop.correct) == (38, True)
     assert offline_stop(trace_, ends, 48, 0, "7", True).correct is False
     assert offline_stop(trace_, ends, 48, None, "7", False).tokens == 48
+
+
+def test_the_probe_is_read_at_the_step_orca_ended_on() -> None:
+    """Right then wrong: the stop step's own (raw) label counts, not whether an earlier step was
+    right (that is the stop loss's cumulative rule)."""
+    trace_ = {"labels": {"supervised": [0, 1, 0, 1]}}
+    assert probe_right(trace_, {"stopped_early": True, "stop_step": 2}) is True
+    assert probe_right(trace_, {"stopped_early": True, "stop_step": 3}) is False
+    assert probe_right(trace_, {"ended": "gave_up", "give_up_step": 1}) is False
+    assert probe_right(trace_, {}) is True  # ran to its end: the last step
 
 
 def test_curves_compare_where_both_have_points() -> None:
