@@ -5,7 +5,9 @@ and once at the bundle's strictest delta (a looser one may stop before the answe
 risk it allows): the full trace is as long as the design says and right;
 the early stop happens after the walk has reached the answer (the step that says `equals C`)
 and before the end of the verification, the answer after the stop is still right, and the
-response says how the reasoning ended.
+response says how the reasoning ended. Then one sampled request (temperature 0.7, the
+calibration's) that stops: the answer after its stop is the greedy one, token for token what a
+temperature-0 completion of the same prefix writes (docs/SERVER.md, "The answer after a stop").
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from calibration.long.tasks import CHECKS, Problem, check_answer, trace_stats
 from orca_method.bundle import load_bundle
@@ -23,6 +26,7 @@ DEMO = Path(__file__).parents[1] / "orca_serve" / "demo" / "long"
 # The first in-distribution problem with a walk of 40+ steps among bench_parity's held-out
 # prompts that the shipped model solves greedily (not the four before it).
 PROBLEM = Problem(a=3, b=46, c=3 * 71 + 46, x=71, start=25, family="in-dist")
+SAMPLED_SEED = 1  # a sampled run of PROBLEM that the loosest delta stops early
 
 
 def test_long_demo_bundle_matches_its_model() -> None:
@@ -61,5 +65,23 @@ def test_long_demo_stops_after_the_answer_and_before_the_end(tmp_path: Path) -> 
         assert stats.first_right is not None
         assert stats.first_right < early["stop_step"] < stats.paragraphs, (early, stats)
         assert check_answer(early_text, PROBLEM), early_text[-600:]
+
+        bundle = load_bundle(DEMO / "bundle.json")
+        force = AutoTokenizer.from_pretrained(DEMO / "model").encode(
+            bundle.think.force_text, add_special_tokens=False)
+        r = client.chat.completions.create(
+            model=model, messages=msg, temperature=0.7, seed=SAMPLED_SEED, max_tokens=5000,
+            extra_body={"orca": {"delta": max(bundle.deltas()), "policy": "answer"},
+                        "return_token_ids": True})
+        assert orca_of(r)["ended"] == "early", orca_of(r)
+        ids = r.choices[0].model_extra["token_ids"]
+        at = next(i for i in range(len(ids)) if ids[i:i + len(force)] == force)
+        head, answer = ids[:at + len(force)], ids[at + len(force):-1]  # the last: the EOS
+        assert len(answer) >= 3, answer
+        greedy = client.completions.create(
+            model=model, prompt=r.model_extra["prompt_token_ids"] + head, temperature=0,
+            max_tokens=len(answer), extra_body={"orca": {"enabled": False},
+                                                "return_token_ids": True})
+        assert greedy.choices[0].model_extra["token_ids"] == answer
     finally:
         srv.stop()
