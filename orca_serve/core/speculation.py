@@ -18,9 +18,9 @@ Forcing. A replayed token's successor is decided already, so nothing can be forc
 `Request.decided_until` (the position row 0 samples now) makes a stop decided while replaying
 plan its forced text from that position instead (`plan_start`), and nothing is forced into a
 decided position. In the step's last call the plan is forced on row 0 and on the draft rows as
-well (`forced_rows`; the greedy answer after it likewise, `greedy_rows`): row i samples position n + i only if drafts 1..i were accepted, which under
-a forced row means they equal the forced text, so every forced token lands on an output position
-in order (the rejection sampler rejects a draft that differs from a row's only finite logit and
+well (`forced_rows`; the greedy answer after it likewise, `greedy_rows`): row i samples position
+n + i only if drafts 1..i were accepted, which under a forced row means they equal the forced
+text, so every forced token lands on an output position in order (the rejection sampler rejects a draft that differs from a row's only finite logit and
 samples that token in its place). A stop whose step ends on row 0's token is forced in the same
 step, on the device, as without speculation; a stop whose step ends on an accepted draft is
 forced at the first position still open, at most k tokens after the one plain decoding forces.
@@ -51,7 +51,7 @@ def plan_start(req: Request, pos: int) -> int:
 def sampled_rows(req: Request, row: int, n: int) -> list[tuple[int, int]]:
     """(output position, logits row) of the positions this step samples for a request at output
     length n whose row `row` samples position n (and whose draft rows, if any, sample n + 1,
-    ...). None while the core replays accepted drafts (position n is decided)."""
+    ...). Nothing while the core replays accepted drafts (position n is decided)."""
     if n < req.decided_until:
         return []
     return [(n + i, r) for i, r in enumerate((row, *req.draft_rows))]
