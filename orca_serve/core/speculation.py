@@ -20,10 +20,11 @@ plan its forced text from that position instead (`plan_start`), and nothing is f
 decided position. In the step's last call the plan is forced on row 0 and on the draft rows as
 well (`forced_rows`; the greedy answer after it likewise, `greedy_rows`): row i samples position
 n + i only if drafts 1..i were accepted, which under a forced row means they equal the forced
-text, so every forced token lands on an output position in order (the rejection sampler rejects a draft that differs from a row's only finite logit and
-samples that token in its place). A stop whose step ends on row 0's token is forced in the same
-step, on the device, as without speculation; a stop whose step ends on an accepted draft is
-forced at the first position still open, at most k tokens after the one plain decoding forces.
+text, so every forced token lands on an output position in order (the rejection sampler rejects
+a draft that differs from a row's only finite logit and samples that token in its place). A stop
+whose step ends on row 0's token is forced in the same step, on the device, as without
+speculation; a stop whose step ends on an accepted draft is forced at the first position still
+open, at most k tokens after the one plain decoding forces.
 """
 
 from __future__ import annotations
