@@ -11,8 +11,6 @@ if [ -f "$STAMP" ]; then exit 0; fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q -U pip
 # Real users on CPU: add --extra-index-url https://download.pytorch.org/whl/cpu for torch==2.13.0+cpu.
-# --no-compile: pip would byte-compile all ~24,000 modules of the install (about 45 s of one
-# core); Python compiles the ones a run imports on first import instead.
-"$VENV/bin/pip" install -q --no-compile -e ".[$EXTRAS]"
+"$VENV/bin/pip" install -q -e ".[$EXTRAS]"
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 touch "$STAMP"
