@@ -26,7 +26,8 @@ calibration saw), through one live `orca-serve --demo`, the real OpenAI client o
 Every ORCA point carries its realized stop error (the bundle's loss; stopped requests continued
 from their stop step with ORCA off to label the run they cut short, as bench_goodput does), with
 the count and a 95% interval, and beside its accuracy the accuracy of the answer an answer probe
-forces at each stop (what the guarantee is about; the served answer should equal it). Every live arm requests the same token log-probabilities, so their
+forces at each stop (what the guarantee is about; the served answer should equal it). Every live
+arm requests the same token log-probabilities, so their
 requests/s compare on equal terms.
 
 Usage: python benchmarks/bench_frontier.py [--reasoners toy long] [--n 96] [--concurrency 64]

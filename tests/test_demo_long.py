@@ -46,7 +46,8 @@ def test_long_demo_stops_after_the_answer_and_before_the_end(tmp_path: Path) -> 
         client = srv.wait().client(timeout=600)
         model = client.models.list().data[0].id
         msg = [{"role": "user", "content": PROBLEM.question}]
-        delta = min(load_bundle(DEMO / "bundle.json").deltas())
+        bundle = load_bundle(DEMO / "bundle.json")
+        delta = min(bundle.deltas())
 
         def ask(orca: dict) -> tuple[str, dict]:
             r = client.chat.completions.create(model=model, messages=msg, temperature=0,
@@ -66,7 +67,6 @@ def test_long_demo_stops_after_the_answer_and_before_the_end(tmp_path: Path) -> 
         assert stats.first_right < early["stop_step"] < stats.paragraphs, (early, stats)
         assert check_answer(early_text, PROBLEM), early_text[-600:]
 
-        bundle = load_bundle(DEMO / "bundle.json")
         force = AutoTokenizer.from_pretrained(DEMO / "model").encode(
             bundle.think.force_text, add_special_tokens=False)
         r = client.chat.completions.create(
