@@ -23,12 +23,13 @@ calibration saw), through one live `orca-serve --demo`, the real OpenAI client o
   full response wrote after its reasoning (its answer), its answer the forced answer at that
   step. The answer probes themselves are not counted: a live consistency rule would pay them.
 
-Every ORCA point carries its realized stop error (the bundle's loss; stopped requests continued
-from their stop step with ORCA off to label the run they cut short, as bench_goodput does), with
-the count and a 95% interval, and beside its accuracy the accuracy of the answer an answer probe
-forces at each stop (what the guarantee is about; the served answer should equal it). Every live
-arm requests the same token log-probabilities, so their
-requests/s compare on equal terms.
+Every ORCA point, two-sided ones included, carries its realized stop error (the bundle's loss;
+requests cut short continued from their stop or give-up step with ORCA off to label the run they
+cut short, as bench_goodput does), with the count and a 95% interval; a two-sided point also its
+realized give-up error (over every request, as the give-up block counts it); and beside its
+accuracy the accuracy of the answer an answer probe forces at each stop (what the guarantee is
+about; the served answer should equal it). Every live arm requests the same token
+log-probabilities, so their requests/s compare on equal terms.
 
 Usage: python benchmarks/bench_frontier.py [--reasoners toy long] [--n 96] [--concurrency 64]
 Writes runs/bench-frontier/<reasoner>-<family>.json, benchmarks/frontier-<reasoner>-<family>.png
@@ -55,7 +56,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_goodput import PROBE, Workload, cut_step, interval95, label, oracle, request_loss
+from bench_goodput import (PROBE, Workload, cut_step, give_up_loss, interval95, label, oracle,
+                          realized, request_loss)
 
 from calibration.long import tasks as long_tasks
 from calibration.toy import tasks as toy_tasks
@@ -329,14 +331,20 @@ async def live_arms(url: str, work: Workload, reasoner: Reasoner, a: argparse.Na
               file=sys.stderr, flush=True)
     if with_full:
         run["labelling"] = await labelling_cost(client, model, work, run["full"], reasoner, a)
-    to_label = [r for name, arm in run.items() if name.startswith("orca@") for r in arm["responses"]]
+    orca_arms = [arm for name, arm in run.items() if name.startswith(("orca@", "two-sided@"))]
+    to_label = [r for arm in orca_arms for r in arm["responses"]]
     t0 = time.perf_counter()
     await label(client, model, work, to_label, 64, reasoner.max_tokens, a.temperature)
     print(f"  labelled {len(to_label)} ORCA responses in {time.perf_counter() - t0:.0f} s",
           file=sys.stderr, flush=True)
-    for name, arm in run.items():
-        if name.startswith("orca@"):
-            arm.update(orca_error(arm["responses"], work.bundle.ltt.excluded_never_correct))
+    for arm in orca_arms:
+        arm.update(orca_error(arm["responses"], work.bundle.ltt.excluded_never_correct))
+    if work.bundle.give_up is not None:
+        for name, arm in run.items():
+            if name.startswith("two-sided@"):
+                arm["give_up_error"] = realized([give_up_loss(r["trace"], r["orca"],
+                                                              work.bundle.give_up.label_mode)
+                                                 for r in arm["responses"]])
     await client.close()
     return run
 
@@ -420,17 +428,23 @@ def table(name: str, s: dict[str, Any], epsilon: float) -> str:
              "| rule | setting | tokens/request | accuracy (answer probe at the stop) | requests/s "
              "| stop error (counted; 95% interval) |",
              "|---|---|---|---|---|---|"]
-    for key, label in (("orca", "ORCA TTT no-QK"), ("orca_static", "ORCA static")):
+    def errors(p: dict[str, Any]) -> str:
+        ci = p["stop_error_ci95"]
+        err = (f"{p['stop_error']:.3f} ({p['stop_error_counted']}; {ci[0]:.3f}-{ci[1]:.3f})"
+               if ci else "n/a")
+        if "give_up_error" in p:
+            g = p["give_up_error"]
+            err += (f"; give-up error {g['rate']:.3f} ({g['n']}; {g['ci95'][0]:.3f}-"
+                    f"{g['ci95'][1]:.3f})")
+        return err
+
+    for key, label in (("orca", "ORCA TTT no-QK"), ("orca_static", "ORCA static"),
+                       ("orca_two_sided", "two-sided ORCA")):
         for p in s.get(key, []):
-            ci = p["stop_error_ci95"]
-            err = (f"{p['stop_error']:.3f} ({p['stop_error_counted']}; {ci[0]:.3f}-{ci[1]:.3f})"
-                   if ci else "n/a")
-            lines.append(f"| {label} | delta {p['delta']:g} | {p['tokens']:.0f} | {p['accuracy']:.3f} "
-                         f"({p['probe_accuracy']:.3f}) | {p['requests_per_s']:.2f} | {err} |")
-    for p in s["orca_two_sided"]:
-        lines.append(f"| two-sided ORCA | delta {p['delta']:g}, give-up {GIVE_UP_DELTA:g} "
-                     f"(gave up on {p['gave_up']:.3f}) | {p['tokens']:.0f} | {p['accuracy']:.3f} "
-                     f"| {p['requests_per_s']:.2f} | |")
+            setting = f"delta {p['delta']:g}" + (
+                f", give-up {GIVE_UP_DELTA:g} (gave up on {p['gave_up']:.3f})" if "gave_up" in p else "")
+            lines.append(f"| {label} | {setting} | {p['tokens']:.0f} | {p['accuracy']:.3f} "
+                         f"({p['probe_accuracy']:.3f}) | {p['requests_per_s']:.2f} | {errors(p)} |")
     note = {"above": "", "below": " (ORCA below it)", "outside": " (fewer tokens than any ORCA point)"}
     for p, where in zip(s["budget"], s["orca_versus_budget"]):
         lines.append(f"| thinking budget | {p['budget']} tokens{note[where]} "
