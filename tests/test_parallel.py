@@ -127,11 +127,15 @@ def parallel(request, model, prompts, reference, monkeypatch_module):
     vllm.envs.disable_envs_cache()
     size = {"pipeline_parallel_size": 2} if request.param == "pp2" else \
         {"tensor_parallel_size": 2}
-    # PP on the CPU build needs torch.compile: with enforce_eager the CPU runner skips its
+    # PP on the CPU build needs a compiled model: with enforce_eager the CPU runner skips its
     # warm-up, later stages never allocate their intermediate-tensor buffers and the first step
-    # fails (`assert self.intermediate_tensors is not None`, vLLM 0.32)
+    # fails (`assert self.intermediate_tensors is not None`, vLLM 0.32). One dynamo trace run
+    # eagerly is enough for the warm-up, without inductor's compile (what vLLM's own CPU CI does)
+    compiled = {"enforce_eager": False,
+                "compilation_config": {"mode": 2, "backend": "eager"}}  # DYNAMO_TRACE_ONCE
     llm = _llm(model, **engine_kwargs(reference["path"]), **size,
-               distributed_executor_backend="mp", enforce_eager=request.param != "pp2")
+               distributed_executor_backend="mp",
+               **(compiled if request.param == "pp2" else {"enforce_eager": True}))
     try:
         before = llm.collective_rpc("orca_stats")
         n = len(prompts)
