@@ -331,20 +331,18 @@ async def live_arms(url: str, work: Workload, reasoner: Reasoner, a: argparse.Na
               file=sys.stderr, flush=True)
     if with_full:
         run["labelling"] = await labelling_cost(client, model, work, run["full"], reasoner, a)
-    orca_arms = [arm for name, arm in run.items() if name.startswith(("orca@", "two-sided@"))]
-    to_label = [r for arm in orca_arms for r in arm["responses"]]
+    orca_arms = {name: arm for name, arm in run.items() if name.startswith(("orca@", "two-sided@"))}
+    to_label = [r for arm in orca_arms.values() for r in arm["responses"]]
     t0 = time.perf_counter()
     await label(client, model, work, to_label, 64, reasoner.max_tokens, a.temperature)
     print(f"  labelled {len(to_label)} ORCA responses in {time.perf_counter() - t0:.0f} s",
           file=sys.stderr, flush=True)
-    for arm in orca_arms:
+    for name, arm in orca_arms.items():
         arm.update(orca_error(arm["responses"], work.bundle.ltt.excluded_never_correct))
-    if work.bundle.give_up is not None:
-        for name, arm in run.items():
-            if name.startswith("two-sided@"):
-                arm["give_up_error"] = realized([give_up_loss(r["trace"], r["orca"],
-                                                              work.bundle.give_up.label_mode)
-                                                 for r in arm["responses"]])
+        if name.startswith("two-sided@"):  # only served when the bundle has a give-up block
+            arm["give_up_error"] = realized([give_up_loss(r["trace"], r["orca"],
+                                                          work.bundle.give_up.label_mode)
+                                             for r in arm["responses"]])
     await client.close()
     return run
 
@@ -441,8 +439,8 @@ def table(name: str, s: dict[str, Any], epsilon: float) -> str:
     for key, label in (("orca", "ORCA TTT no-QK"), ("orca_static", "ORCA static"),
                        ("orca_two_sided", "two-sided ORCA")):
         for p in s.get(key, []):
-            setting = f"delta {p['delta']:g}" + (
-                f", give-up {GIVE_UP_DELTA:g} (gave up on {p['gave_up']:.3f})" if "gave_up" in p else "")
+            setting = f"delta {p['delta']:g}" + (f", give-up {GIVE_UP_DELTA:g} (gave up on "
+                                                 f"{p['gave_up']:.3f})" if "gave_up" in p else "")
             lines.append(f"| {label} | {setting} | {p['tokens']:.0f} | {p['accuracy']:.3f} "
                          f"({p['probe_accuracy']:.3f}) | {p['requests_per_s']:.2f} | {errors(p)} |")
     note = {"above": "", "below": " (ORCA below it)", "outside": " (fewer tokens than any ORCA point)"}

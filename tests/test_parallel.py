@@ -135,7 +135,7 @@ def parallel(request, model, prompts, reference, monkeypatch_module):
                 "compilation_config": {"mode": 2, "backend": "eager"}}  # DYNAMO_TRACE_ONCE
     llm = _llm(model, **engine_kwargs(reference["path"]), **size,
                distributed_executor_backend="mp",
-               **(compiled if request.param == "pp2" else {"enforce_eager": True}))
+               **(compiled if request.param == "pp2" else {}))  # else COMMON's enforce_eager
     try:
         before = llm.collective_rpc("orca_stats")
         n = len(prompts)
