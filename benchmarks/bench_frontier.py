@@ -56,8 +56,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_goodput import (PROBE, Workload, cut_step, give_up_loss, interval95, label, oracle,
-                          realized, request_loss)
+from bench_goodput import (PROBE, Workload, cut_step, give_up_loss, label, oracle, realized,
+                          request_loss)
 
 from calibration.long import tasks as long_tasks
 from calibration.toy import tasks as toy_tasks
@@ -239,11 +239,10 @@ def probe_right(trace: dict[str, Any], orca: dict[str, Any]) -> bool:
 
 
 def orca_error(responses: list[dict], excluded_never_correct: bool) -> dict[str, Any]:
-    counted = [x for r in responses
-               if (x := request_loss(r["trace"], r["orca"], excluded_never_correct)) is not None]
-    err = float(np.mean(counted)) if counted else float("nan")
-    return {"stop_error": err, "stop_error_counted": len(counted),
-            "stop_error_ci95": interval95(err, len(counted)) if counted else None,
+    stop = realized([request_loss(r["trace"], r["orca"], excluded_never_correct)
+                     for r in responses])
+    return {"stop_error": stop["rate"], "stop_error_counted": stop["n"],
+            "stop_error_ci95": stop["ci95"],
             "stopped_early": float(np.mean([bool(r["orca"].get("stopped_early")) for r in responses])),
             "probe_accuracy": float(np.mean([probe_right(r["trace"], r["orca"]) for r in responses]))}
 
