@@ -2,14 +2,17 @@
 
 1. calibrate on the toy model in distribution (`orca-calibrate run`: collect, split, train the
    probe, LTT with consistency labels: what the live audit measures), evaluating the bundle offline
-   on the shifted family too (OUT/PROBE/run/evaluation.md); once per probe, cached under OUT;
+   on the shifted family too (OUT/PROBE/run/evaluation.md); once per probe, cached under OUT.
+   `--reasoner long` serves the long reasoner's shipped bundle instead (consistency labels, TTT
+   no-QK; calibrated on walks up, while its shifted family walks down);
 2. serve that bundle with `orca-serve --orca-audit-rate R [--orca-on-alarm P]` and send, through
    the real OpenAI client, a stream of fresh problems that switches from the in-distribution
    family to the shifted one (`--concurrency` requests at a time, in order);
 3. poll GET /v1/orca/audit meanwhile: per delta, the first poll that shows the alarm, with the
    live requests finished by then; after the stream, replay the audit directory
    (`orca-calibrate audit-report`'s code) for the exact audit at which each alarm fired, and every
-   audit's loss, steps and tokens under the lambda it was served and under the bundle's lambda*.
+   audit's loss, steps and tokens under the lambda it was served and under the bundle's lambda*,
+   and whether the answer probed at that stop (the answer served after a stop) is right.
 
 The figures of benchmarks/RESULTS.md ("Live audit on the toy model, end to end"):
   python benchmarks/bench_audit.py --probe static --rate 1.0 --n-in 100 --n-shift 200 --name switch-r1
@@ -21,8 +24,12 @@ The figures of benchmarks/RESULTS.md ("Live audit on the toy model, end to end")
       --n-in 30 --n-shift 560 --stream-seed 37 --name recalibrate
   python benchmarks/bench_audit.py --delays runs/bench-audit/static/in-dist-1000/result.json \
       runs/bench-audit/static/switch-r1/result.json
+and on the long reasoner ("The long reasoner's shifted family, recalibrated live"):
+  python benchmarks/bench_audit.py --reasoner long --rate 1.0 --on-alarm recalibrate --window 150 \
+      --n-in 30 --n-shift 400 --concurrency 32 --stream-seed 37 --name recalibrate
 and the cost of auditing: benchmarks/bench_audit_cost.py.
-Writes OUT/PROBE/NAME/result.json (summary, every audit, the polled timeline), server.log, audits/.
+Writes OUT/PROBE/NAME/result.json (OUT/long/NAME for the long reasoner: summary, every audit, the
+polled timeline), server.log, audits/.
 """
 
 from __future__ import annotations
@@ -43,15 +50,19 @@ import openai
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests package's helpers
 
+from bench_frontier import REASONERS, Reasoner
 from calibration.job import run_job
-from calibration.toy.tasks import FORCE_SUFFIX, write_prompts
+from calibration.toy.tasks import FORCE_SUFFIX
 from orca_method.audit.sequence import RESTART_EVERY, RESTART_SPAN
+from orca_method.bundle import load_bundle
+from orca_method.labels import equivalent, step_labels
 from tests.serving import Server, orca_serve_cmd
 
-MODEL = ROOT / "orca_serve" / "demo" / "model"
+TOY = REASONERS["toy"]
+MODEL = TOY.model_dir
 ANSWER_TOKENS = 6  # calibration/jobs/toy.yaml
-MAX_TOKENS = 400
-SERVE = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "1024",
+MAX_TOKENS = TOY.max_tokens
+SERVE = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32",
          "--reasoning-parser", "deepseek_r1", "--max-num-batched-tokens", "16384",
          "--disable-uvicorn-access-log"]
 
@@ -68,8 +79,8 @@ def calibrate(root: Path, probe: str, n_cal: int, n_shifted: int, seed: int) -> 
     data = root / "data"
     data.mkdir(parents=True, exist_ok=True)
     if not (data / "prompts.jsonl").exists():
-        write_prompts(data / "prompts.jsonl", "in-dist", n_cal, seed=seed)
-        write_prompts(data / "shifted.jsonl", "shifted", n_shifted, seed=seed + 1)
+        TOY.tasks.write_prompts(data / "prompts.jsonl", "in-dist", n_cal, seed=seed)
+        TOY.tasks.write_prompts(data / "shifted.jsonl", "shifted", n_shifted, seed=seed + 1)
     out = root / probe
     out.mkdir(parents=True, exist_ok=True)
     train = {"probe": probe, "label_mode": "consistent", "seed": 0, "batch_size": 1}
@@ -100,28 +111,31 @@ def calibrate(root: Path, probe: str, n_cal: int, n_shifted: int, seed: int) -> 
     return run / "bundle.json"
 
 
-def stream_prompts(out: Path, n_in: int, n_shift: int, seed: int) -> list[dict]:
+def stream_prompts(out: Path, reasoner: Reasoner, n_in: int, n_shift: int,
+                   seed: int) -> list[dict]:
     """Newly drawn problems (another seed than the calibration set's): n_in in distribution,
     then n_shift shifted."""
     out.mkdir(parents=True, exist_ok=True)
-    write_prompts(out / "stream-in.jsonl", "in-dist", n_in, seed=seed)
-    write_prompts(out / "stream-shift.jsonl", "shifted", n_shift, seed=seed + 1)
+    reasoner.tasks.write_prompts(out / "stream-in.jsonl", "in-dist", n_in, seed=seed)
+    reasoner.tasks.write_prompts(out / "stream-shift.jsonl", "shifted", n_shift, seed=seed + 1)
     return [json.loads(x) for f in ("stream-in.jsonl", "stream-shift.jsonl")
             for x in (out / f).read_text().splitlines()]
 
 
 def serve(bundle: Path, out: Path, rate: float, *, on_alarm: str = "report",
-          window: int = 200) -> Server:
-    """`orca-serve` with this bundle and audit rate (audits appended to OUT/audits)."""
+          window: int = 200, reasoner: Reasoner = TOY) -> Server:
+    """`orca-serve` with this bundle and audit rate (audits appended to OUT/audits; the answer
+    probes take the bundle's labelling: its collection's suffix and answer length)."""
     audit = ["--orca-audit-rate", str(rate)]
     if rate > 0:
-        audit += ["--orca-audit-seed", "0", "--orca-audit-suffix", FORCE_SUFFIX,
-                  "--orca-audit-answer-tokens", str(ANSWER_TOKENS), "--orca-audit-queue", "10000",
+        audit += ["--orca-audit-seed", "0", "--orca-audit-queue", "10000",
                   "--orca-audit-dir", str(out / "audits"), "--orca-on-alarm", on_alarm,
                   "--orca-recalibrate-window", str(window)]
     shutil.rmtree(out / "audits", ignore_errors=True)  # the store resumes; each run starts anew
-    srv = Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(bundle), *audit),
-                 out / "server.log", SERVE)
+    srv = Server(orca_serve_cmd("--model", str(reasoner.model_dir), "--calib", str(bundle),
+                                *audit),
+                 out / "server.log", [*SERVE, "--max-model-len", str(reasoner.max_tokens + 120),
+                                      "--served-model-name", load_bundle(bundle).model.name])
     try:
         return srv.wait()
     except BaseException:
@@ -134,7 +148,8 @@ def audit_table(client: openai.OpenAI) -> dict:
     return client.get("/orca/audit", cast_to=object)
 
 
-def stream(srv: Server, prompts: list[dict], concurrency: int, delta: float) -> dict:
+def stream(srv: Server, prompts: list[dict], concurrency: int, delta: float,
+           reasoner: Reasoner = TOY) -> dict:
     """Send the prompts in order, `concurrency` at a time, with the real OpenAI client; poll the
     audit table meanwhile and note, per delta, the first poll that shows its alarm."""
     finished: list[str] = []  # families, in completion order
@@ -146,10 +161,12 @@ def stream(srv: Server, prompts: list[dict], concurrency: int, delta: float) -> 
     # retries: a client starved of CPU on the loaded machine may reuse a keep-alive
     # connection the server has just closed ("disconnected without sending a response")
     client = srv.client().with_options(timeout=900, max_retries=3)
+    model = client.models.list().data[0].id  # the bundle's name for it
 
     def ask(rec: dict) -> None:
-        r = client.chat.completions.create(model=str(MODEL), messages=rec["messages"],
-                                           temperature=0.7, max_tokens=MAX_TOKENS,
+        r = client.chat.completions.create(model=model,
+                                           messages=rec["messages"], temperature=0.7,
+                                           max_tokens=reasoner.max_tokens,
                                            extra_body={"orca": {"delta": delta}})
         with lock:
             finished.append(rec["family"])
@@ -194,23 +211,25 @@ def stream(srv: Server, prompts: list[dict], concurrency: int, delta: float) -> 
             "timeline": timeline}
 
 
-def family_of(prompts: list[dict]) -> dict[str, str]:
-    """The family of each stream prompt, keyed by its user message (what an audit records)."""
-    return {rec["messages"][-1]["content"]: rec["family"] for rec in prompts}
+def by_question(prompts: list[dict]) -> dict[str, dict]:
+    """Each stream prompt (its family and right answer), keyed by its user message (what an audit
+    records)."""
+    return {rec["messages"][-1]["content"]: rec for rec in prompts}
 
 
-def replay(audit_dir: Path, bundle_file: Path, families: dict[str, str], delta: float) -> dict:
+def replay(audit_dir: Path, bundle_file: Path, prompts: dict[str, dict], delta: float) -> dict:
     """What the audits measured, from the audit directory, in labelling order.
 
     `audit_report` (`orca-calibrate audit-report`: the probe rescored offline, the server's
     confidence sequence) gives the exact audit at which each delta's alarm first fired. Then, at
     `delta`, every counted audit's loss under the lambda it was SERVED with (recorded in the audit:
     the guard's lambda when the request was admitted; None = fallback, never stops) and under the
-    bundle's lambda*, with the steps and tokens each would save: the figures of `recalibrate`.
+    bundle's lambda*, with the steps and tokens each would save: the figures of `recalibrate`;
+    and whether the answer probed at each stop, and the final answer, equal the prompt's right
+    answer (`right_*`: the accuracy a served stop would have had).
     """
     from calibration.audit_report import audit_report, open_audits
     from orca_method.audit.guards import aligned_scores
-    from orca_method.bundle import load_bundle
     from orca_method.risk import is_counted, request_loss
 
     bundle = load_bundle(bundle_file)
@@ -227,28 +246,36 @@ def replay(audit_dir: Path, bundle_file: Path, families: dict[str, str], delta: 
         if s is None:
             continue
         served = p.extra["audit"]["lambda"]
-        row = {"family": families.get(msgs[-1]["content"], "?"), "served_lambda": served,
+        rec = prompts.get(msgs[-1]["content"], {})
+        right = step_labels(p.step_answers, rec.get("answer"))  # per step: the probe is right
+        row = {"family": rec.get("family", "?"), "served_lambda": served,
                "source": p.extra["audit"].get("lambda_source"),
-               "steps": len(c), "tokens": int(sum(p.step_tokens))}
+               "steps": len(c), "tokens": int(sum(p.step_tokens)),
+               "right_full": equivalent(p.final_answer, rec.get("answer"))}
         for name, lam in (("served", np.inf if served is None else served),
                           ("bundle", bundle_lam)):
             stop = next((i for i, x in enumerate(s) if x >= lam), len(s) - 1)
             row[f"loss_{name}"] = request_loss(s, c, lam)
             row[f"steps_{name}"] = stop + 1
             row[f"tokens_{name}"] = int(sum(p.step_tokens[:stop + 1]))
+            row[f"right_{name}"] = bool(right[stop])
         rows.append(row)
     return {"report": {k: v for k, v in report.items() if k != "history"}, "audits": rows}
 
 
 def summarize(rows: list[dict], which: str) -> dict:
-    """Realized error and savings (total steps and tokens, 1 - stopped / full) of some audits."""
+    """Realized error and savings (total steps and tokens, 1 - stopped / full) of some audits,
+    with the reasoning tokens per request and the accuracy at their stops and at their ends."""
     if not rows:
         return {"n": 0}
-    return {"n": len(rows), "error": round(float(np.mean([r[f"loss_{which}"] for r in rows])), 4),
+    mean = lambda key: round(float(np.mean([r[key] for r in rows])), 4)  # noqa: E731
+    return {"n": len(rows), "error": mean(f"loss_{which}"),
             "savings_total_steps": round(1 - sum(r[f"steps_{which}"] for r in rows)
                                          / sum(r["steps"] for r in rows), 4),
             "token_savings_total": round(1 - sum(r[f"tokens_{which}"] for r in rows)
-                                         / sum(r["tokens"] for r in rows), 4)}
+                                         / sum(r["tokens"] for r in rows), 4),
+            "tokens": mean(f"tokens_{which}"), "accuracy": mean(f"right_{which}"),
+            "tokens_full": mean("tokens"), "accuracy_full": mean("right_full")}
 
 
 def recalibration_figures(rows: list[dict], delta: float) -> dict:
@@ -313,7 +340,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=lambda p: Path(p).absolute(), default=ROOT / "runs" / "bench-audit")
     ap.add_argument("--name", default="switch", help="this run's directory under OUT/PROBE")
-    ap.add_argument("--probe", default="static", choices=["static", "ttt-noqk", "ttt-qk"])
+    ap.add_argument("--reasoner", default="toy", choices=sorted(REASONERS),
+                    help="toy: calibrate a bundle per --probe here; long: its shipped bundle")
+    ap.add_argument("--probe", default="static", choices=["static", "ttt-noqk", "ttt-qk"],
+                    help="the toy bundle's probe")
     ap.add_argument("--n-cal", type=int, default=1200, help="in-distribution calibration prompts")
     ap.add_argument("--n-in", type=int, default=100, help="in-distribution requests first")
     ap.add_argument("--n-shift", type=int, default=200, help="then shifted requests")
@@ -348,18 +378,21 @@ def main() -> None:
             json.dumps(res, indent=1))
         print(json.dumps(res, indent=1))
         return
-    bundle = calibrate(a.out, a.probe, a.n_cal, 300, a.seed)
-    out = a.out / a.probe / a.name
-    prompts = stream_prompts(out, a.n_in, a.n_shift, a.stream_seed)
+    reasoner = REASONERS[a.reasoner]
+    if a.reasoner == "toy":
+        bundle, out = calibrate(a.out, a.probe, a.n_cal, 300, a.seed), a.out / a.probe / a.name
+    else:
+        bundle, out, a.probe = reasoner.bundle, a.out / a.reasoner / a.name, "shipped"
+    prompts = stream_prompts(out, reasoner, a.n_in, a.n_shift, a.stream_seed)
     load = {"nproc": os.cpu_count(), "loadavg_before": os.getloadavg(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    srv = serve(bundle, out, a.rate, on_alarm=a.on_alarm, window=a.window)
+    srv = serve(bundle, out, a.rate, on_alarm=a.on_alarm, window=a.window, reasoner=reasoner)
     try:
-        res = stream(srv, prompts, a.concurrency, a.delta)
+        res = stream(srv, prompts, a.concurrency, a.delta, reasoner)
     finally:
         srv.stop()
     load["loadavg_after"] = os.getloadavg()
-    rep = replay(out / "audits", bundle, family_of(prompts), a.delta)
+    rep = replay(out / "audits", bundle, by_question(prompts), a.delta)
     rows = rep.pop("audits")
     bundle_lam = next(r["lambda"] for r in rep["report"]["deltas"]
                       if abs(r["delta"] - a.delta) < 1e-9)
@@ -367,11 +400,13 @@ def main() -> None:
                      "bundle": summarize([r for r in rows if r["family"] == f], "bundle")}
                  for f in ("in-dist", "shifted")}
     shifted_rank = [i for i, r in enumerate(rows) if r["family"] == "shifted"]
+    offline = bundle.parent / "evaluation.json"  # the job's (a shipped bundle has none beside it)
     summary = {
-        "probe": a.probe, "rate": a.rate, "on_alarm": a.on_alarm, "delta": a.delta,
+        "reasoner": a.reasoner, "probe": a.probe, "rate": a.rate, "on_alarm": a.on_alarm,
+        "delta": a.delta,
         "n_in": a.n_in, "n_shift": a.n_shift, "concurrency": a.concurrency, **load,
         "bundle_lambda": bundle_lam,
-        "offline": json.loads((a.out / a.probe / "run" / "evaluation.json").read_text()),
+        "offline": json.loads(offline.read_text()) if offline.exists() else None,
         "first_alarm_audit": {r["delta"]: r["first_alarm_at"] for r in rep["report"]["deltas"]},
         "first_shifted_audit": shifted_rank[0] + 1 if shifted_rank else None,
         "first_alarm_poll": res["first_alarm_poll"],
