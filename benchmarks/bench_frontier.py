@@ -8,7 +8,8 @@ calibration saw), through one live `orca-serve --demo`, the real OpenAI client o
 - live arms, each timed (requests/s = prompts / wall time until the last response):
   - **full**: ORCA off, the reasoning runs to its end;
   - **ORCA** at every delta of the demo's bundle (TTT no-QK), policy `answer`; and, with
-    `--static-bundle`, a static-probe bundle served by a second server (same model);
+    `--other-bundle`, at every delta of another bundle of the same model served by a second
+    server (a static-probe bundle; one `orca-calibrate recalibrate` made from live audits);
   - **two-sided ORCA** (a two-sided bundle): the same deltas with `give_up` at GIVE_UP_DELTA
     (a given-up request answers with its best guess, the server's default give-up policy);
   - **thinking budget**: ORCA off and vLLM's `thinking_token_budget` at each of `--budgets`;
@@ -313,7 +314,7 @@ async def live_arms(url: str, work: Workload, reasoner: Reasoner, a: argparse.Na
         arms.append(("full", {"orca": {"enabled": False}}))
     arms += [(f"orca@{d}", {"orca": {"enabled": True, "delta": d, "policy": "answer"}})
              for d in work.bundle.deltas()]
-    if GIVE_UP_DELTA in work.bundle.give_up_deltas():
+    if with_full and GIVE_UP_DELTA in work.bundle.give_up_deltas():  # the demo's bundle only
         arms += [(f"two-sided@{d}", {"orca": {"enabled": True, "delta": d, "policy": "answer",
                                               "give_up": {"delta": GIVE_UP_DELTA}}})
                  for d in work.bundle.deltas()]
@@ -346,7 +347,9 @@ async def live_arms(url: str, work: Workload, reasoner: Reasoner, a: argparse.Na
     return run
 
 
-def summarize(run: dict[str, Any], static: dict[str, Any] | None, work: Workload) -> dict[str, Any]:
+def summarize(run: dict[str, Any], others: dict[str, dict[str, Any]],
+              work: Workload) -> dict[str, Any]:
+    """One workload's figures; `others`: the runs of the other bundles, by label."""
     def strip(arm: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in arm.items() if k != "responses"}
 
@@ -361,9 +364,9 @@ def summarize(run: dict[str, Any], static: dict[str, Any] | None, work: Workload
                  for n, v in run.items() if n.startswith("two-sided@")]
     out = {"full": strip(full), "orca": orca, "orca_two_sided": two_sided, "budget": budgets,
            "labelling": run["labelling"], **offline_rules(full["responses"], work)}
-    if static is not None:
-        out["orca_static"] = [{"delta": float(n.split("@")[1]), **strip(v)}
-                              for n, v in static.items() if n.startswith("orca@")]
+    out["orca_other"] = {label: [{"delta": float(n.split("@")[1]), **strip(v)}
+                                 for n, v in other.items() if n.startswith("orca@")]
+                         for label, other in others.items()}
     out["orca_versus_budget"] = [versus(orca, b) for b in budgets]
     best = max(orca, key=lambda p: p["accuracy"])
     need = tokens_for(budgets, best["accuracy"])
@@ -394,8 +397,8 @@ def plot(summary: dict[str, Any], title: str, path: Path) -> None:
     if summary["orca_two_sided"]:
         series(summary["orca_two_sided"], f"two-sided ORCA, give-up delta {GIVE_UP_DELTA}",
                "o--", "delta")
-    if "orca_static" in summary:
-        series(summary["orca_static"], "ORCA static probe (delta)", "s--", "delta")
+    for label, points in summary.get("orca_other", {}).items():
+        series(points, f"ORCA, {label} bundle (delta)", "s--", "delta")
     series(summary["budget"], "vLLM thinking budget (tokens)", "^-", "budget")
     series(summary["consistency"], "answer consistency, offline (k)", "v:", "k")
     series(summary["confidence"], "token confidence, offline (quantile)", "d:", "quantile")
@@ -435,9 +438,11 @@ def table(name: str, s: dict[str, Any], epsilon: float) -> str:
                     f"{g['ci95'][1]:.3f})")
         return err
 
-    for key, label in (("orca", "ORCA TTT no-QK"), ("orca_static", "ORCA static"),
-                       ("orca_two_sided", "two-sided ORCA")):
-        for p in s.get(key, []):
+    arms = [("ORCA TTT no-QK", s["orca"]), *((f"ORCA, {label} bundle", points)
+                                             for label, points in s.get("orca_other", {}).items()),
+            ("two-sided ORCA", s["orca_two_sided"])]
+    for label, points in arms:
+        for p in points:
             setting = f"delta {p['delta']:g}" + (f", give-up {GIVE_UP_DELTA:g} (gave up on "
                                                  f"{p['gave_up']:.3f})" if "gave_up" in p else "")
             lines.append(f"| {label} | {setting} | {p['tokens']:.0f} | {p['accuracy']:.3f} "
@@ -472,15 +477,19 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=96, help="held-out prompts per workload")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.7, help="the calibration's")
-    ap.add_argument("--static-bundle", nargs="*", default=[], metavar="REASONER=BUNDLE",
-                    help="a static-probe bundle of a reasoner's model, served by a second server")
+    ap.add_argument("--other-bundle", nargs="*", default=[], metavar="REASONER=LABEL=BUNDLE",
+                    help="another bundle of a reasoner's model, served by a second server: its "
+                    "one-sided ORCA arms under LABEL (e.g. long=recalibrated=runs/x/bundle.json)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-frontier")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    if bad := [x for x in a.static_bundle if x.split("=", 1)[0] not in REASONERS or "=" not in x]:
-        ap.error(f"--static-bundle takes REASONER=BUNDLE with REASONER in {sorted(REASONERS)}; "
-                 f"got {bad[0]!r}")
-    statics = dict(x.split("=", 1) for x in a.static_bundle)
+    others: dict[str, dict[str, Path]] = {}  # reasoner -> label -> bundle
+    for x in a.other_bundle:
+        rname, label, bundle = (x.split("=", 2) + ["", ""])[:3]
+        if rname not in REASONERS or not label or not bundle:
+            ap.error(f"--other-bundle takes REASONER=LABEL=BUNDLE with REASONER in "
+                     f"{sorted(REASONERS)}; got {x!r}")
+        others.setdefault(rname, {})[label] = Path(bundle)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     tables = []
     for rname in a.reasoners:
@@ -500,21 +509,21 @@ def main() -> None:
                 runs[family] = asyncio.run(live_arms(srv.url, work, reasoner, a, with_full=True))
         finally:
             srv.stop()
-        static_runs: dict[str, dict[str, Any]] = {}
-        if rname in statics:
-            srv = serve(reasoner, Path(statics[rname]), a.out / f"{rname}-static-serve.log")
+        other_runs: dict[str, dict[str, Any]] = {family: {} for family in works}
+        for label, bundle in others.get(rname, {}).items():
+            srv = serve(reasoner, bundle, a.out / f"{rname}-{label}-serve.log")
             try:
                 srv.wait()
                 for family in works:
-                    static_work = Workload(a.out / f"{rname}-{family}-prompts.jsonl",
-                                           reasoner.model_dir, Path(statics[rname]), reasoner.tasks)
-                    print(f"{rname} / {family} (static bundle)", file=sys.stderr, flush=True)
-                    static_runs[family] = asyncio.run(live_arms(srv.url, static_work, reasoner, a,
-                                                                with_full=False))
+                    other = Workload(a.out / f"{rname}-{family}-prompts.jsonl",
+                                     reasoner.model_dir, bundle, reasoner.tasks)
+                    print(f"{rname} / {family} ({label} bundle)", file=sys.stderr, flush=True)
+                    other_runs[family][label] = asyncio.run(live_arms(srv.url, other, reasoner, a,
+                                                                      with_full=False))
             finally:
                 srv.stop()
         for family, work in works.items():
-            s = summarize(runs[family], static_runs.get(family), work)
+            s = summarize(runs[family], other_runs[family], work)
             s.update({"date": started, "nproc": os.cpu_count(), "reasoner": rname, "family": family,
                       "n": a.n, "concurrency": a.concurrency, "temperature": a.temperature,
                       "epsilon": work.bundle.ltt.epsilon, "max_tokens": reasoner.max_tokens})
