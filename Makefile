@@ -10,8 +10,12 @@ PARALLEL ?= -n 2
 PYTEST = PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 .venv/bin/python -m pytest -p xdist.plugin \
 	-p _hypothesis_pytestplugin
 
+# Python's bytecode cache on, where the machine turns it off: the install skips compiling
+# (scripts/setup-venv.sh) and each module compiles once, on its first import, not in every process.
+unexport PYTHONDONTWRITEBYTECODE
+
 setup:
-	bash scripts/setup-venv.sh
+	NO_COMPILE=1 bash scripts/setup-venv.sh
 	bash scripts/setup-test-store.sh
 
 test: setup
