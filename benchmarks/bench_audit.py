@@ -266,9 +266,11 @@ def replay(audit_dir: Path, bundle_file: Path, prompts: dict[str, dict], delta: 
 def summarize(rows: list[dict], which: str) -> dict:
     """Realized error and savings (total steps and tokens, 1 - stopped / full) of some audits,
     with the reasoning tokens per request and the accuracy at their stops and at their ends."""
+    def mean(key: str) -> float:
+        return round(float(np.mean([r[key] for r in rows])), 4)
+
     if not rows:
         return {"n": 0}
-    mean = lambda key: round(float(np.mean([r[key] for r in rows])), 4)  # noqa: E731
     return {"n": len(rows), "error": mean(f"loss_{which}"),
             "savings_total_steps": round(1 - sum(r[f"steps_{which}"] for r in rows)
                                          / sum(r["steps"] for r in rows), 4),
@@ -379,10 +381,11 @@ def main() -> None:
         print(json.dumps(res, indent=1))
         return
     reasoner = REASONERS[a.reasoner]
+    probe = a.probe if a.reasoner == "toy" else "shipped"
     if a.reasoner == "toy":
         bundle, out = calibrate(a.out, a.probe, a.n_cal, 300, a.seed), a.out / a.probe / a.name
     else:
-        bundle, out, a.probe = reasoner.bundle, a.out / a.reasoner / a.name, "shipped"
+        bundle, out = reasoner.bundle, a.out / a.reasoner / a.name
     prompts = stream_prompts(out, reasoner, a.n_in, a.n_shift, a.stream_seed)
     load = {"nproc": os.cpu_count(), "loadavg_before": os.getloadavg(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -402,7 +405,7 @@ def main() -> None:
     shifted_rank = [i for i, r in enumerate(rows) if r["family"] == "shifted"]
     offline = bundle.parent / "evaluation.json"  # the job's (a shipped bundle has none beside it)
     summary = {
-        "reasoner": a.reasoner, "probe": a.probe, "rate": a.rate, "on_alarm": a.on_alarm,
+        "reasoner": a.reasoner, "probe": probe, "rate": a.rate, "on_alarm": a.on_alarm,
         "delta": a.delta,
         "n_in": a.n_in, "n_shift": a.n_shift, "concurrency": a.concurrency, **load,
         "bundle_lambda": bundle_lam,
