@@ -41,6 +41,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -230,7 +231,7 @@ def replay(audit_dir: Path, bundle_file: Path, prompts: dict[str, dict], delta: 
     """
     from calibration.audit_report import audit_report, open_audits
     from orca_method.audit.guards import aligned_scores
-    from orca_method.risk import is_counted, request_loss
+    from orca_method.risk import is_counted
 
     bundle = load_bundle(bundle_file)
     ts = open_audits(audit_dir)
@@ -254,13 +255,22 @@ def replay(audit_dir: Path, bundle_file: Path, prompts: dict[str, dict], delta: 
                "right_full": equivalent(p.final_answer, rec.get("answer"))}
         for name, lam in (("served", np.inf if served is None else served),
                           ("bundle", bundle_lam)):
-            stop = next((i for i, x in enumerate(s) if x >= lam), len(s) - 1)
-            row[f"loss_{name}"] = request_loss(s, c, lam)
-            row[f"steps_{name}"] = stop + 1
-            row[f"tokens_{name}"] = int(sum(p.step_tokens[:stop + 1]))
-            row[f"right_{name}"] = bool(right[stop])
+            row.update({f"{k}_{name}": v
+                        for k, v in at_lambda(s, c, p.step_tokens, right, lam).items()})
         rows.append(row)
     return {"report": {k: v for k, v in report.items() if k != "history"}, "audits": rows}
+
+
+def at_lambda(scores: Sequence[float], labels: Sequence[int], step_tokens: Sequence[int],
+              right: Sequence[int], lam: float) -> dict:
+    """One audit replayed at one lambda (inf: never stops): its loss (the server's
+    `request_loss`), the steps and reasoning tokens through the step it stops at, and whether the
+    answer probed there is right (`right`: per step, against the prompt's answer)."""
+    from orca_method.risk import request_loss, stop_indices
+
+    stop = int(stop_indices([np.asarray(scores, dtype=float)], np.array([lam]))[0, 0])
+    return {"loss": request_loss(scores, labels, lam), "steps": stop + 1,
+            "tokens": int(sum(step_tokens[:stop + 1])), "right": bool(right[stop])}
 
 
 def summarize(rows: list[dict], which: str) -> dict:
