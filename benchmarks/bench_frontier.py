@@ -489,6 +489,10 @@ def main() -> None:
         if rname not in REASONERS or not label or not bundle:
             ap.error(f"--other-bundle takes REASONER=LABEL=BUNDLE with REASONER in "
                      f"{sorted(REASONERS)}; got {x!r}")
+        try:  # before the first server: a bad bundle should not cost a run's first hour
+            load_bundle(bundle)
+        except (OSError, ValueError) as e:
+            ap.error(f"--other-bundle {x!r}: {e}")
         others.setdefault(rname, {})[label] = Path(bundle)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     tables = []
