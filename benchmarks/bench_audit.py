@@ -52,8 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests package's helpers
 
 from bench_frontier import REASONERS, Reasoner
-from calibration.job import run_job
-from calibration.toy.tasks import FORCE_SUFFIX
+from orca_calibrate.job import run_job
+from orca_demo.toy.tasks import FORCE_SUFFIX
 from orca_method.audit.sequence import RESTART_EVERY, RESTART_SPAN
 from orca_method.bundle import load_bundle
 from orca_method.labels import equivalent, step_labels
@@ -61,7 +61,7 @@ from tests.serving import Server, orca_serve_cmd
 
 TOY = REASONERS["toy"]
 MODEL = TOY.model_dir
-ANSWER_TOKENS = 6  # calibration/jobs/toy.yaml
+ANSWER_TOKENS = 6  # orca_calibrate/jobs/toy.yaml
 MAX_TOKENS = TOY.max_tokens
 SERVE = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32",
          "--reasoning-parser", "deepseek_r1", "--max-num-batched-tokens", "16384",
@@ -71,7 +71,7 @@ SERVE = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32",
 def calibrate(root: Path, probe: str, n_cal: int, n_shifted: int, seed: int) -> Path:
     """The in-distribution bundle of one probe (a resumable job: a rerun reuses finished stages).
 
-    The settings are calibration/jobs/toy.yaml's (1,200 in-distribution prompts, split 0.5 / 0.25
+    The settings are orca_calibrate/jobs/toy.yaml's (1,200 in-distribution prompts, split 0.5 / 0.25
     / 0.25: 600 training problems, batch 1, window 1; TTT 20 epochs, epoch picked on validation)
     but with **consistency** labels, what the live audit measures. Both probes' jobs read one
     prompt set; the second job copies the first one's trajectories (same collect and split
@@ -229,7 +229,7 @@ def replay(audit_dir: Path, bundle_file: Path, prompts: dict[str, dict], delta: 
     and whether the answer probed at each stop, and the final answer, equal the prompt's right
     answer (`right_*`: the accuracy a served stop would have had).
     """
-    from calibration.audit_report import audit_report, open_audits
+    from orca_calibrate.audit_report import audit_report, open_audits
     from orca_method.audit.guards import aligned_scores
     from orca_method.risk import is_counted
 

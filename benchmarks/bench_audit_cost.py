@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_audit import MAX_TOKENS, MODEL, ROOT, audit_table, calibrate, serve
 
-from calibration.toy.tasks import write_prompts
+from orca_demo.toy.tasks import write_prompts
 
 
 def session_cpu_s(sid: int) -> float:

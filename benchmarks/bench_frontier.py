@@ -60,9 +60,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_goodput import (PROBE, Workload, cut_step, give_up_loss, label, oracle, realized,
                           request_loss)
 
-from calibration.long import tasks as long_tasks
-from calibration.toy import tasks as toy_tasks
-from calibration.toy.demo_bundle import demo_folder
+from orca_demo.long import tasks as long_tasks
+from orca_demo.toy import tasks as toy_tasks
+from orca_demo.toy.demo_bundle import demo_folder
 from orca_method.answer_probes import step_ends
 from orca_method.bundle import load_bundle
 from orca_method.labels import labelled_steps

@@ -30,7 +30,7 @@ cut short), then labelled whole. Then:
   that one, its answer the response's, so its accuracy is the off arm's: the fewest tokens any
   stopping rule could spend without changing an answer); `oracle stop` at the first step whose
   forced answer is right, and `oracle two-sided` that, and gives up after the first step on a
-  response never right at any step (issue 24's oracles, as `calibration.evaluate` computes them
+  response never right at any step (issue 24's oracles, as `orca_calibrate.evaluate` computes them
   offline).
 
 Usage: python benchmarks/bench_goodput.py [--n 96] [--rounds 6] [--concurrency 16 64]
@@ -56,9 +56,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from calibration.evaluate import interval95 as clopper_pearson
-from calibration.toy import tasks as toy_tasks
-from calibration.toy.tasks import write_prompts
+from orca_calibrate.evaluate import interval95 as clopper_pearson
+from orca_demo.toy import tasks as toy_tasks
+from orca_demo.toy.tasks import write_prompts
 from orca_method.answer_probes import (
     ProbeSettings,
     probe_prompts,
@@ -162,7 +162,7 @@ def right_step_oracle(trace: dict[str, Any], completion_tokens: int, correct: bo
     step whose forced answer is right and deliver it (right). A response right at no step runs
     to its end and delivers its own answer (`correct`, the checker's verdict), or, with
     `give_up`, gives up after its first step (no step after it is right: its guess is wrong),
-    as `calibration.evaluate.evaluate_two_sided` computes them offline."""
+    as `orca_calibrate.evaluate.evaluate_two_sided` computes them offline."""
     sup = trace["labels"]["supervised"]
     if any(sup):
         return OracleEnd(tokens_through(trace, completion_tokens, first_index(sup)), True, False)
@@ -212,7 +212,7 @@ def outcomes(requests: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def interval95(rate: float, n: int) -> tuple[float, float]:
     """Clopper-Pearson 95% interval of a realized rate over n counted requests (the project's,
-    `calibration.evaluate.interval95`, from a rate instead of a count)."""
+    `orca_calibrate.evaluate.interval95`, from a rate instead of a count)."""
     return clopper_pearson(round(rate * n), n)
 
 

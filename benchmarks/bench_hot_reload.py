@@ -37,7 +37,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests package's helpers
 
-from calibration.toy.demo_bundle import JOBS
+from orca_demo.toy.demo_bundle import JOBS
 from tests.serving import Server, orca_serve_cmd
 
 KEY_ENV = "ORCA_ADMIN_KEY"

@@ -32,10 +32,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests package's helpers
 
-from calibration.collect import Collector, CollectSettings, read_prompts
-from calibration.long import tasks as long_tasks
-from calibration.toy import tasks as toy_tasks
-from calibration.toy.demo_bundle import JOBS, demo_folder
+from orca_calibrate.collect import Collector, CollectSettings, read_prompts
+from orca_demo.long import tasks as long_tasks
+from orca_demo.toy import tasks as toy_tasks
+from orca_demo.toy.demo_bundle import JOBS, demo_folder
 from orca_method.bundle import load_bundle
 from orca_method.give_up import two_sided_ends
 from orca_method.procedure import replay

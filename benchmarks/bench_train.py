@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from calibration.synth import generate
-from calibration.train import DEFAULTS, lr_for_batch, meta_train, solvable
+from orca_calibrate.synth import generate
+from orca_calibrate.train import DEFAULTS, lr_for_batch, meta_train, solvable
 from orca_method.probe import ProbeSpec
 from orca_method.trajectories import TrajectorySet
 

@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from calibration.calibrate import GRID_SIZE, run_ltt, score_split
-from calibration.synth import generate
-from calibration.train import (
+from orca_calibrate.calibrate import GRID_SIZE, run_ltt, score_split
+from orca_calibrate.synth import generate
+from orca_calibrate.train import (
     DEFAULTS,
     Loader,
     lr_for_batch,

@@ -3,12 +3,12 @@ on recorded toy trajectories, with both realized risks (n, 95% intervals).
 
 Offline: the arms replay the deployed procedure (`orca_method.procedure`, the server's code)
 over trajectories recorded by `orca-calibrate collect`, through
-`calibration.evaluate.evaluate_two_sided`; tokens are reasoning tokens (a stop's forced answer
+`orca_calibrate.evaluate.evaluate_two_sided`; tokens are reasoning tokens (a stop's forced answer
 is not counted, the same for every arm). Two workloads:
 - **demo bundle, shifted family**: the toy job's bundle (calibrated in-distribution, where 94% of
   the traces end right) on the toy's shifted family (runs/toy/trajectories-shifted, held out;
-  made by `python -m calibration.toy.demo_bundle`). A distribution shift: no guarantee applies.
-- **long reasoner**: its job's bundle (`python -m calibration.toy.demo_bundle --reasoner long`,
+  made by `python -m orca_demo.toy.demo_bundle`). A distribution shift: no guarantee applies.
+- **long reasoner**: its job's bundle (`python -m orca_demo.toy.demo_bundle --reasoner long`,
   in runs/long) on its job's test split (held out, in distribution: 26% of the traces are never
   right, the guarantees apply) and on its held-out shifted family (no guarantee applies).
 - **hard workload**: a job of its own on fresh shifted-family prompts (RUN_PROMPTS, seed
@@ -34,9 +34,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from calibration.evaluate import evaluate_two_sided
-from calibration.job import run_job
-from calibration.toy.tasks import write_prompts
+from orca_calibrate.evaluate import evaluate_two_sided
+from orca_calibrate.job import run_job
+from orca_demo.toy.tasks import write_prompts
 from orca_method.bundle import load_bundle
 from orca_method.trajectories import TrajectorySet
 
@@ -53,7 +53,7 @@ def hard_job(out: Path) -> Path:
     prompts = out / "prompts.jsonl"
     if not prompts.exists():
         write_prompts(prompts, "shifted", RUN_PROMPTS, HARD_SEED)
-    job = yaml.safe_load((ROOT / "calibration" / "jobs" / "toy.yaml").read_text())
+    job = yaml.safe_load((ROOT / "orca_calibrate" / "jobs" / "toy.yaml").read_text())
     job.pop("shifted_prompts", None)
     job.update(model=str(ROOT / "orca_serve" / "demo" / "model"), prompts=str(prompts),
                out=str(out / "run"))
@@ -109,7 +109,7 @@ def main() -> None:
         result["demo_shifted"] = sweep(toy / "bundle.json", toy / "trajectories-shifted", "all")
         print(table("demo bundle, shifted family", result["demo_shifted"]), "\n")
     else:
-        print("runs/toy is missing: run `python -m calibration.toy.demo_bundle` first")
+        print("runs/toy is missing: run `python -m orca_demo.toy.demo_bundle` first")
     long = ROOT / "runs" / "long"
     if (long / "bundle.json").exists():
         result["long_test"] = sweep(long / "bundle.json", long / "trajectories", "test")
@@ -117,7 +117,7 @@ def main() -> None:
         result["long_shifted"] = sweep(long / "bundle.json", long / "trajectories-shifted", "all")
         print(table("long reasoner, shifted family", result["long_shifted"]), "\n")
     else:
-        print("runs/long is missing: run `python -m calibration.toy.demo_bundle --reasoner long`")
+        print("runs/long is missing: run `python -m orca_demo.toy.demo_bundle --reasoner long`")
     if not a.skip_hard:
         job = hard_job(OUT / "hard")
         run_job(job, progress=False)

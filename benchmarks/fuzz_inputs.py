@@ -39,7 +39,7 @@ def signature(e: BaseException) -> str:
         head = str(e).splitlines()[0]
         return re.sub(r"(/[^\s:]+)+", "<path>", head.split(": bundle")[0])[:100]
     frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if any(f"/{d}/" in f.filename for d in ("orca_serve", "calibration"))]
+              if any(f"/{d}/" in f.filename for d in ("orca_serve", "orca_calibrate", "orca_demo"))]
     where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
     return f"{type(e).__name__}{where}"
 
@@ -82,7 +82,7 @@ def atheris_worker(runs: int, out: str) -> None:
     import safetensors.torch  # noqa: F401
     import torch  # noqa: F401
 
-    with atheris.instrument_imports(include=["orca_serve", "calibration"]):
+    with atheris.instrument_imports(include=["orca_serve", "orca_calibrate", "orca_demo"]):
         from tests import fuzzing
 
     found: Counter[str] = Counter()

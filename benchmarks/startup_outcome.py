@@ -20,7 +20,7 @@ from pathlib import Path
 DEVICE_ERRORS = ("Failed to infer device type", "No CUDA GPUs are available",
                  "Found no NVIDIA driver")
 FRAME = re.compile(r'^\s*File "([^"]+)", line \d+, in (\S+)')
-OURS = ("/orca_serve/", "/calibration/")
+OURS = ("/orca_serve/", "/orca_calibrate/", "/orca_demo/")
 
 
 def last_traceback(lines: list[str]) -> tuple[list[tuple[str, str]], str]:

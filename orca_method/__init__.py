@@ -3,6 +3,6 @@ bundle, the stopping rule and its loss, Learn-then-Test, trajectory files, answe
 labels.
 
 It imports nothing of vLLM and nothing of the serving side (`orca_serve`) or the offline job
-(`calibration`); both of those import it (the layers are checked by import-linter, see
+(`orca_calibrate`); both of those import it (the layers are checked by import-linter, see
 pyproject.toml).
 """

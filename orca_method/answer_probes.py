@@ -1,5 +1,5 @@
 """Answer probes at step boundaries and the labelled record they give: ONE procedure for offline
-collection (`calibration/collect.py`, vLLM's `LLM`) and live audits (`orca_serve/live_audit/`, the
+collection (`orca_calibrate/collect.py`, vLLM's `LLM`) and live audits (`orca_serve/live_audit/`, the
 server's async engine client).
 
 A recorded trajectory (the plugin's record-mode result: `step_tokens`, `step_token_ids`) is probed

@@ -356,7 +356,7 @@ def labelling_for(bundle: Bundle, given: Mapping[str, tuple[str, Any]]) -> Label
     A given value that contradicts the bundle's block is a BundleError (one line): the audit
     would measure another risk than the one certified. The one rule for the server's audit
     (orca_serve/live_audit/options.py) and the offline tools that read audits
-    (calibration/audit_report.py)."""
+    (orca_calibrate/audit_report.py)."""
     block = bundle.labelling
     if block is None:
         return Labelling(**{**DEFAULT_LABELLING.model_dump(),

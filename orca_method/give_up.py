@@ -64,7 +64,7 @@ def last_right(labels: Sequence[int]) -> int:
 
 def right_ahead(labels: Sequence[int]) -> np.ndarray:
     """Per step (int8, the labels' length): 1 while a right answer lies at this step or later
-    under raw labels. What the give-up probe estimates (`calibration.train.train_give_up`)."""
+    under raw labels. What the give-up probe estimates (`orca_calibrate.train.train_give_up`)."""
     raw = np.asarray(labels, dtype=np.int8)
     return np.maximum.accumulate(raw[::-1])[::-1].copy()
 

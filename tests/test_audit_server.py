@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 import pytest
 
-from calibration.toy.tasks import write_prompts
+from orca_demo.toy.tasks import write_prompts
 from orca_method.bundle import Bundle, GiveUpRow, LTTRow, load_bundle, save_bundle
 from orca_method.ltt import binomial_pvalues
 from orca_method.trajectories import TrajectorySet

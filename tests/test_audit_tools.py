@@ -11,10 +11,10 @@ import math
 
 import pytest
 
-from calibration.calibrate_cli import main
-from calibration.evaluate import evaluate_bundle
-from calibration.synth import generate
-from calibration.train import save_probe, train_static
+from orca_calibrate.calibrate_cli import main
+from orca_calibrate.evaluate import evaluate_bundle
+from orca_calibrate.synth import generate
+from orca_calibrate.train import save_probe, train_static
 from orca_method.bundle import load_bundle
 from orca_method.trajectories import TrajectorySet
 
@@ -157,7 +157,7 @@ def test_unfinished_audits_enter_censored_offline(world):
     1/n wide); `stop` and records without one count as finished. `joint` splits alpha."""
     from dataclasses import replace
 
-    from calibration.audit_report import audit_report, open_audits
+    from orca_calibrate.audit_report import audit_report, open_audits
 
     ts = open_audits(world / "in-audits")
     bundle = load_bundle(world / "bundle.json")

@@ -267,7 +267,7 @@ def test_orca_serve_refuses_a_bad_bundle_in_one_line_before_vllm(tmp_path) -> No
 @pytest.mark.parametrize("name", sorted(BAD_BUNDLES))
 def test_orca_calibrate_evaluate_refuses_a_bad_bundle_in_one_line(tmp_path, capsys, name) -> None:
     """orca-calibrate's entry function (in-process: a subprocess per case costs seconds)."""
-    from calibration.calibrate_cli import main
+    from orca_calibrate.calibrate_cli import main
 
     path = _bad_bundle(tmp_path, name)
     code = main(["evaluate", "--data", str(tmp_path / "none"), "--bundle", str(path)])

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from calibration.audit_report import open_audits
-from calibration.calibrate_cli import main
-from calibration.collect import CollectSettings
-from calibration.synth import generate
-from calibration.train import save_probe, train_static
+from orca_calibrate.audit_report import open_audits
+from orca_calibrate.calibrate_cli import main
+from orca_calibrate.collect import CollectSettings
+from orca_calibrate.synth import generate
+from orca_calibrate.train import save_probe, train_static
 from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX
 from orca_method.bundle import BundleError, Labelling, load_bundle, save_bundle
 from orca_method.trajectories import TrajectorySet
@@ -96,7 +96,7 @@ def test_the_shipped_demo_bundles_carry_their_jobs_labelling():
     root = Path(__file__).parents[1]
     for bundle, job in (("orca_serve/demo/bundle.json", "toy.yaml"),
                         ("orca_serve/demo/long/bundle.json", "long.yaml")):
-        collect = yaml.safe_load((root / "calibration" / "jobs" / job).read_text())["collect"]
+        collect = yaml.safe_load((root / "orca_calibrate" / "jobs" / job).read_text())["collect"]
         assert load_bundle(root / bundle).labelling == Labelling(
             suffix=collect["suffix"], answer_tokens=collect["answer_tokens"]), bundle
 

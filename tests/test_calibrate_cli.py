@@ -2,8 +2,8 @@
 
 import pytest
 
-from calibration.calibrate_cli import build_parser
-from calibration.collect import CollectSettings
+from orca_calibrate.calibrate_cli import build_parser
+from orca_calibrate.collect import CollectSettings
 from orca_method.trajectories import RECORDED_DTYPE, STORED_DTYPE
 
 REQUIRED = {"synth": ["--out", "o"], "import-pickle": ["x.pkl", "--out", "o"],

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from calibration.long.tasks import CHECKS, Problem, check_answer, trace_stats
+from orca_demo.long.tasks import CHECKS, Problem, check_answer, trace_stats
 from orca_method.bundle import load_bundle
 
 from .serving import Server, orca_of, orca_serve_cmd

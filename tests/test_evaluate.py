@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from calibration.calibrate import calibrate_bundle
-from calibration.calibrate_cli import main
-from calibration.evaluate import evaluate_bundle, markdown_table
-from calibration.synth import generate
-from calibration.train import meta_train
+from orca_calibrate.calibrate import calibrate_bundle
+from orca_calibrate.calibrate_cli import main
+from orca_calibrate.evaluate import evaluate_bundle, markdown_table
+from orca_calibrate.synth import generate
+from orca_calibrate.train import meta_train
 from orca_method.probe import ProbeSpec
 from orca_method.stop_metrics import stop_indices
 from orca_method.trajectories import TrajectorySet
@@ -69,9 +69,9 @@ def test_evaluate_a_set_without_test_split(data: TrajectorySet, tmp_path, capsys
 def test_evaluate_two_sided_arms_and_risks(data: TrajectorySet, tmp_path) -> None:
     """The offline two-sided evaluation (what bench scripts call): the arms' tokens are ordered
     as their rules are, and each risk is its events over its counted traces with an interval."""
-    from calibration.calibrate import GiveUpOptions
-    from calibration.evaluate import evaluate_two_sided
-    from calibration.train import train_give_up, train_static
+    from orca_calibrate.calibrate import GiveUpOptions
+    from orca_calibrate.evaluate import evaluate_two_sided
+    from orca_calibrate.train import train_give_up, train_static
 
     probe = train_static(data, "supervised", pca_dim=8)  # any upper probe does here
     give_up = (train_give_up(data, "supervised"), GiveUpOptions(deltas=(0.1, 0.2), epsilon=0.1))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from calibration.calibrate_cli import main as cli_main
+from orca_calibrate.calibrate_cli import main as cli_main
 from orca_method.trajectories import (
     TrajectoryError,
     TrajectorySet,

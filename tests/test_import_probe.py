@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from calibration.calibrate_cli import main as calibrate_main
+from orca_calibrate.calibrate_cli import main as calibrate_main
 from orca_method.bundle import load_bundle
 from orca_method.procedure import replay
 from tests.authors_format import (

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import vllm  # noqa: F401
 
-from calibration.calibrate_cli import main as calibrate_main
+from orca_calibrate.calibrate_cli import main as calibrate_main
 from orca_method.bundle import load_bundle
 from orca_method.steps import TokenTable, segment
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment

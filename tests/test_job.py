@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from calibration.collect import _problem_fields, read_prompts
-from calibration.job import JobError, load_job
+from orca_calibrate.collect import _problem_fields, read_prompts
+from orca_calibrate.job import JobError, load_job
 from orca_method.answer_probes import probe_prompts, step_ends
 
 
@@ -84,7 +84,7 @@ class _FakeCollector:
         pass
 
     def run(self, prompts: list, out, progress: bool):
-        from calibration.synth import generate
+        from orca_calibrate.synth import generate
 
         _FakeCollector.runs += 1
         generate(out, n_problems=len(prompts), dim=8, mean_steps=12, seed=len(prompts))
@@ -94,10 +94,10 @@ class _FakeCollector:
 def test_rerun_follows_edits_and_refuses_changed_collection(tmp_path, monkeypatch) -> None:
     import json
 
-    import calibration.job
-    from calibration.job import run_job
+    import orca_calibrate.job
+    from orca_calibrate.job import run_job
 
-    monkeypatch.setattr(calibration.job, "Collector", _FakeCollector)
+    monkeypatch.setattr(orca_calibrate.job, "Collector", _FakeCollector)
     monkeypatch.setattr(_FakeCollector, "runs", 0)
     (tmp_path / "p.jsonl").write_text("".join(
         json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n" for i in range(60)))
@@ -138,10 +138,10 @@ def test_run_ends_with_the_results_table(tmp_path, monkeypatch, capsys) -> None:
     """`orca-calibrate run` shows what the job produced, not only how long its stages took."""
     import json
 
-    import calibration.job
-    from calibration.calibrate_cli import main
+    import orca_calibrate.job
+    from orca_calibrate.calibrate_cli import main
 
-    monkeypatch.setattr(calibration.job, "Collector", _FakeCollector)
+    monkeypatch.setattr(orca_calibrate.job, "Collector", _FakeCollector)
     (tmp_path / "p.jsonl").write_text("".join(
         json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n" for i in range(60)))
     (tmp_path / "jobs").mkdir()
@@ -162,11 +162,11 @@ def test_a_job_with_give_up_writes_a_two_sided_bundle(tmp_path, monkeypatch) -> 
     an unknown key in it is refused when the job is read."""
     import json
 
-    import calibration.job
-    from calibration.job import run_job
+    import orca_calibrate.job
+    from orca_calibrate.job import run_job
     from orca_method.bundle import load_bundle
 
-    monkeypatch.setattr(calibration.job, "Collector", _FakeCollector)
+    monkeypatch.setattr(orca_calibrate.job, "Collector", _FakeCollector)
     (tmp_path / "p.jsonl").write_text("".join(
         json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n" for i in range(80)))
     job = {"model": "m", "prompts": "p.jsonl", "out": "run", "train": {"epochs": 1},
@@ -186,7 +186,7 @@ def test_a_job_with_give_up_writes_a_two_sided_bundle(tmp_path, monkeypatch) -> 
 
 
 def test_run_help_says_what_config_is(capsys) -> None:
-    from calibration.calibrate_cli import main
+    from orca_calibrate.calibrate_cli import main
 
     with pytest.raises(SystemExit):
         main(["run", "--help"])
@@ -200,7 +200,7 @@ def test_run_keeps_the_resource_trackers_leftover_report_out(tmp_path, monkeypat
     import subprocess
     import sys
 
-    from calibration.calibrate_cli import QUIET_TRACKER, main
+    from orca_calibrate.calibrate_cli import QUIET_TRACKER, main
 
     monkeypatch.setattr(sys, "warnoptions", [])
     assert main(["run", "--config", str(tmp_path / "missing.yaml")]) == 2

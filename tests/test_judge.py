@@ -14,10 +14,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from calibration.calibrate_cli import main
-from calibration.collect import _label_batch, _problem_fields
-from calibration.job import JobError, load_job
-from calibration.judge import Judge, JudgeError, JudgeSettings, parse_verdict, question_text
+from orca_calibrate.calibrate_cli import main
+from orca_calibrate.collect import _label_batch, _problem_fields
+from orca_calibrate.job import JobError, load_job
+from orca_calibrate.judge import Judge, JudgeError, JudgeSettings, parse_verdict, question_text
 
 KEY_ENV, KEY = "ORCA_TEST_JUDGE_KEY", "sk-test"
 TABLE = {"What is 6 * 7?": "42", "Name the capital of France.": "paris"}  # the stub's truth

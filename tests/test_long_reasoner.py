@@ -10,7 +10,7 @@ from statistics import mean, median, quantiles
 
 import pytest
 
-from calibration.long.tasks import (
+from orca_demo.long.tasks import (
     CHECKS,
     FAMILIES,
     make_problem,
@@ -19,8 +19,8 @@ from calibration.long.tasks import (
     trace_paragraphs,
     trace_stats,
 )
-from calibration.long.train import LONG, make_example
-from calibration.toy.train import EOS
+from orca_demo.long.train import LONG, make_example
+from orca_demo.toy.train import EOS
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 from bench_frontier import (  # noqa: E402
@@ -76,7 +76,7 @@ def test_candidates_follow_the_walk_and_the_checks() -> None:
 def test_forced_examples_train_the_reasoning_and_the_answer_not_the_close() -> None:
     """A forced example keeps loss on its reasoning prefix and its answer, none on the suffix
     that closes the thinking (else the model learns to stop thinking early)."""
-    from calibration.toy.train import build_tokenizer, encode
+    from orca_demo.toy.train import build_tokenizer, encode
 
     tok = build_tokenizer(random.Random(0), n_texts=300, recipe=LONG)
     rng = random.Random(5)
@@ -95,7 +95,7 @@ def test_the_sign_of_each_step_weighs_like_a_decision() -> None:
     """Which way the walk goes is written once per step, as the sign of its sum; most walks down
     that failed went the wrong way at the first step, so the sign is weighted like the decision
     words (and a check's sign, the other way, too)."""
-    from calibration.toy.train import DECISION_WEIGHT, build_tokenizer, encode
+    from orca_demo.toy.train import DECISION_WEIGHT, build_tokenizer, encode
 
     tok = build_tokenizer(random.Random(0), n_texts=300, recipe=LONG)
     for text in ("x=37: 273-7=266, above 250.", "Check 1, x=37: 302-7=295, so x=38 holds.",

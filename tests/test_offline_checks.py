@@ -15,9 +15,9 @@ import shutil
 
 import pytest
 
-from calibration.calibrate_cli import main
-from calibration.synth import generate
-from calibration.train import save_probe, train_static
+from orca_calibrate.calibrate_cli import main
+from orca_calibrate.synth import generate
+from orca_calibrate.train import save_probe, train_static
 from orca_method.bundle import (
     Bundle,
     BundleError,
@@ -141,7 +141,7 @@ def test_the_good_bundle_passes_and_recalibrate_writes_one_the_server_accepts(wo
 
 def test_calibration_refuses_to_write_a_saturated_probe(world, tmp_path, capsys):
     """calibrate (and so recalibrate) runs the server's table and probe checks before writing."""
-    from calibration.train import load_probe
+    from orca_calibrate.train import load_probe
 
     probe, meta = load_probe(world / "static.safetensors")
     for name, p in probe.params.items():

@@ -3,7 +3,7 @@ import pytest
 from scipy.optimize import minimize
 from scipy.stats import rankdata
 
-from calibration.synth import generate
+from orca_calibrate.synth import generate
 from orca_method.trajectories import TrajectorySet
 
 KW = {"n_problems": 120, "dim": 32, "mean_steps": 30}

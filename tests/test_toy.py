@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import orca_serve
-from calibration.toy.tasks import (
+from orca_demo.toy.tasks import (
     FAMILIES,
     FORCE_SUFFIX,
     STEP_DELIMITER,
@@ -24,7 +24,7 @@ from calibration.toy.tasks import (
     trace_stats,
     write_prompts,
 )
-from calibration.toy.train import CHAT_TEMPLATE, EOS, make_example, render_prompt
+from orca_demo.toy.train import CHAT_TEMPLATE, EOS, make_example, render_prompt
 
 MODEL_DIR = Path(orca_serve.__file__).parent / "demo" / "model"
 SAMPLE_TEXTS = [
@@ -131,7 +131,7 @@ def test_tokenizer_loaders_agree() -> None:
 def test_forced_examples_train_only_the_answer() -> None:
     from tokenizers import Tokenizer
 
-    from calibration.toy.train import encode
+    from orca_demo.toy.train import encode
 
     raw = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
     rng = random.Random(6)
@@ -147,7 +147,7 @@ def test_forced_examples_train_only_the_answer() -> None:
 def test_verdicts_are_upweighted() -> None:
     from tokenizers import Tokenizer
 
-    from calibration.toy.train import DECISION_WEIGHT, encode
+    from orca_demo.toy.train import DECISION_WEIGHT, encode
 
     raw = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
     text = render_prompt("Q") + "<think>\nTry x = 2: 3*2 = 6, 6 + 1 = 7, want 7. That matches.\n</think>"
@@ -160,7 +160,7 @@ def test_packing_skips_examples_longer_than_a_row() -> None:
     """An over-long example once blocked the stream: every later row was empty (NaN loss)."""
     from tokenizers import Tokenizer
 
-    from calibration.toy.train import packed_batch
+    from orca_demo.toy.train import packed_batch
 
     raw = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
     rng = random.Random(0)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from calibration.job import run_job
-from calibration.toy.tasks import write_prompts
+from orca_calibrate.job import run_job
+from orca_demo.toy.tasks import write_prompts
 from orca_method.bundle import load_bundle
 
 pytestmark = pytest.mark.vllm
@@ -38,7 +38,7 @@ def job(tmp_path_factory) -> Path:
                     "suffix": "\n</think>\nThe answer is \\boxed{",
                     "think": {"force_text": "\n</think>\n"}},
         "split": {"fractions": [0.5, 0.3, 0.2], "seed": 0},
-        # as calibration/jobs/toy.yaml: batch 32 would give 60 training problems 10 Adam steps
+        # as orca_calibrate/jobs/toy.yaml: batch 32 would give 60 training problems 10 Adam steps
         # (an untrained probe, whose stops on held-out prompts came and went between runs)
         "train": {"probe": "ttt-noqk", "epochs": 5, "batch_size": 1},
         "calibrate": {"deltas": DELTAS, "window": 1},

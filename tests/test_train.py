@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from calibration.synth import generate
-from calibration.train import (
+from orca_calibrate.synth import generate
+from orca_calibrate.train import (
     load_probe,
     meta_train,
     save_probe,
@@ -129,7 +129,7 @@ def test_bad_training_settings_are_refused(synth: TrajectorySet, bad: dict) -> N
 
 
 def test_cli_training_options(synth: TrajectorySet, tmp_path, capsys) -> None:
-    from calibration.calibrate_cli import main
+    from orca_calibrate.calibrate_cli import main
     out = tmp_path / "p.safetensors"
     assert main(["train", "--data", str(synth.path), "--out", str(out), "--epochs", "2",
                  "--epoch-select", "last", "--batch-size", "8", "--lr", "0.004"]) == 0
@@ -142,7 +142,7 @@ def test_cli_training_options(synth: TrajectorySet, tmp_path, capsys) -> None:
 
 
 def test_default_learning_rate_follows_the_batch_size() -> None:
-    from calibration.train import DEFAULTS, PAPER_LR, lr_for_batch
+    from orca_calibrate.train import DEFAULTS, PAPER_LR, lr_for_batch
     assert lr_for_batch(1) == PAPER_LR  # batch 1 keeps the paper's setting
     assert lr_for_batch(32) == pytest.approx(1.008e-2, rel=1e-3)
     assert DEFAULTS["lr"] is None and DEFAULTS["epoch_select"] == "last"

@@ -1,9 +1,9 @@
-"""Train the long reasoner (tokenizer + tiny Qwen2), in two phases (calibration/long/README.md):
+"""Train the long reasoner (tokenizer + tiny Qwen2), in two phases (orca_demo/long/README.md):
 
-    python -m calibration.long.train --out runs/long/phase1 --rows 8 --seq-len 1024 --minutes 30
-    python -m calibration.long.train --out runs/long/model --init runs/long/phase1 --lr 1e-3
+    python -m orca_demo.long.train --out runs/long/phase1 --rows 8 --seq-len 1024 --minutes 30
+    python -m orca_demo.long.train --out runs/long/model --init runs/long/phase1 --lr 1e-3
 
-The recipe is the toy's (calibration/toy/train.py: tokenizer, packing, loss, schedule,
+The recipe is the toy's (orca_demo/toy/train.py: tokenizer, packing, loss, schedule,
 checkpoints) with this task's examples and a longer context; what differs is said here.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 import re
 
-from calibration.long.tasks import make_problem, paragraph_candidate, trace_paragraphs
-from calibration.toy.train import Example, Recipe, main, render_prompt, trace_example
+from orca_demo.long.tasks import make_problem, paragraph_candidate, trace_paragraphs
+from orca_demo.toy.train import Example, Recipe, main, render_prompt, trace_example
 
 # Training mix: the shifted (walking down) and hard (two-digit steps) families are a minority,
 # so the model can solve them without them being in-distribution. At 8% shifted the model solved
@@ -28,7 +28,7 @@ _DECISION_RE = re.compile(r" (?:below|above|equals)(?= )|(?<==)\d+|(?<=\d)[+-](?
 
 
 def make_example(rng: random.Random) -> Example:
-    """One training example (calibration/toy/train.py `trace_example`); a forced one keeps its
+    """One training example (orca_demo/toy/train.py `trace_example`); a forced one keeps its
     loss on the reasoning prefix."""
     family = rng.choices([f for f, _ in FAMILY_SHARES], [w for _, w in FAMILY_SHARES])[0]
     problem = make_problem(rng, family)

@@ -24,8 +24,8 @@ from safetensors.torch import load_file, save_file
 from scipy.optimize import minimize
 from tqdm import tqdm
 
-from calibration.probe_variants import PROBES
-from calibration.train_defaults import DEFAULTS, EPOCH_SELECT
+from orca_calibrate.probe_variants import PROBES
+from orca_calibrate.train_defaults import DEFAULTS, EPOCH_SELECT
 from orca_method.give_up import right_ahead
 from orca_method.ltt import calibrate
 from orca_method.probe import Probe, ProbeSpec
@@ -354,7 +354,7 @@ def train_probe(ts, probe: str, mode: str, *, d_h: int, seed: int, checkpoints: 
     """Train one named probe; returns (probe, facts for the provenance).
 
     `options` are `meta_train` settings (epochs, batch_size, lr, warmup, epoch_select); those
-    absent or None take `calibration.train.DEFAULTS` (epochs: 20 no-QK, 10 QK, as the paper).
+    absent or None take `orca_calibrate.train.DEFAULTS` (epochs: 20 no-QK, 10 QK, as the paper).
     """
     if probe == "static":
         return train_static(ts, mode, seed=seed), {"probe": probe}

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from calibration.train import solvable
+from orca_calibrate.train import solvable
 from orca_method.audit.drift import build_reference
 from orca_method.bundle import (
     Bundle,

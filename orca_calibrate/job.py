@@ -18,13 +18,13 @@ from typing import Any
 
 import yaml
 
-from calibration.collect import Collector, CollectSettings, read_prompts
-from calibration.judge import JudgeError, JudgeSettings
-from calibration.train_defaults import DEFAULTS
+from orca_calibrate.collect import Collector, CollectSettings, read_prompts
+from orca_calibrate.judge import JudgeError, JudgeSettings
+from orca_calibrate.train_defaults import DEFAULTS
 from orca_method.trajectories import TrajectorySet, set_splits, split_ids
 
 STAGES = ("collect", "split", "train", "calibrate", "evaluate")
-# `train:` keys of a job besides the `meta_train` settings (calibration.train_defaults.DEFAULTS)
+# `train:` keys of a job besides the `meta_train` settings (orca_calibrate.train_defaults.DEFAULTS)
 TRAIN_JOB_KEYS = {"probe", "label_mode", "seed", "d_h"}
 
 
@@ -70,7 +70,7 @@ def load_job(path: Path) -> dict[str, Any]:
             raise JobError(str(e)) from None
     give_up = (job.get("calibrate") or {}).get("give_up")
     if give_up is not None:
-        from calibration.calibrate import GiveUpOptions  # deferred: torch
+        from orca_calibrate.calibrate import GiveUpOptions  # deferred: torch
         known = {f.name for f in fields(GiveUpOptions)}
         if not isinstance(give_up, dict) or set(give_up) - known:
             raise JobError(f"{path}: calibrate.give_up is a mapping of {sorted(known)}")
@@ -124,9 +124,9 @@ def _stage(out: Path, name: str, outputs: list[Path], fn, log: list[str], settin
 
 def run_job(path: Path, progress: bool = True) -> list[str]:
     """Run (or resume) a job; returns one log line per stage."""
-    from calibration.calibrate import GiveUpOptions, calibrate_bundle  # deferred: torch
-    from calibration.evaluate import evaluate_bundle, markdown_table, plot_report  # deferred: torch
-    from calibration.train import (  # deferred: torch
+    from orca_calibrate.calibrate import GiveUpOptions, calibrate_bundle  # deferred: torch
+    from orca_calibrate.evaluate import evaluate_bundle, markdown_table, plot_report  # deferred: torch
+    from orca_calibrate.train import (  # deferred: torch
         load_probe,
         save_probe,
         train_give_up,

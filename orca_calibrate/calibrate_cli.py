@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from calibration.collect import Collector, CollectSettings, read_prompts
-from calibration.job import JobError, load_job, run_job
-from calibration.judge import JudgeError, JudgeSettings
-from calibration.probe_variants import PROBES
-from calibration.synth import generate
-from calibration.train_defaults import DEFAULTS, EPOCH_SELECT
+from orca_calibrate.collect import Collector, CollectSettings, read_prompts
+from orca_calibrate.job import JobError, load_job, run_job
+from orca_calibrate.judge import JudgeError, JudgeSettings
+from orca_calibrate.probe_variants import PROBES
+from orca_calibrate.synth import generate
+from orca_calibrate.train_defaults import DEFAULTS, EPOCH_SELECT
 from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
 from orca_method.trajectories import (
     DTYPES,
@@ -61,7 +61,7 @@ def _label_mode(ts, requested: str | None) -> str:
 
 
 def cmd_train(a: argparse.Namespace) -> None:
-    from calibration.train import save_probe, train_probe  # deferred: torch (not needed by --help)
+    from orca_calibrate.train import save_probe, train_probe  # deferred: torch (not needed by --help)
     ts = _open(a.data, a.pickle_labels)
     mode = _label_mode(ts, a.label_mode)
     if not ts.split("train"):
@@ -78,8 +78,8 @@ def cmd_train(a: argparse.Namespace) -> None:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> None:
-    from calibration.calibrate import calibrate_bundle  # deferred: torch (not needed by --help)
-    from calibration.train import load_probe  # deferred: torch (not needed by --help)
+    from orca_calibrate.calibrate import calibrate_bundle  # deferred: torch (not needed by --help)
+    from orca_calibrate.train import load_probe  # deferred: torch (not needed by --help)
     ts = _open(a.data, a.pickle_labels)
     probe, meta = load_probe(Path(a.probe))
     mode = _label_mode(ts, a.label_mode or meta.get("label_mode"))
@@ -108,7 +108,7 @@ def check_on_data(a: argparse.Namespace, bundle: Bundle, ts: TrajectorySet) -> N
 
 
 def cmd_evaluate(a: argparse.Namespace) -> None:
-    from calibration.evaluate import evaluate_bundle, markdown_table, plot_report  # deferred: torch
+    from orca_calibrate.evaluate import evaluate_bundle, markdown_table, plot_report  # deferred: torch
     from orca_method.bundle import load_bundle  # deferred: torch (not needed by --help)
     bundle = load_bundle(a.bundle)
     ts = _open(a.data, a.pickle_labels)
@@ -133,9 +133,9 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
 
 def cmd_compare(a: argparse.Namespace) -> None:
     """The paper's comparison rows: each probe x label mode, trained, calibrated, evaluated."""
-    from calibration.calibrate import calibrate_bundle  # deferred: torch (not needed by --help)
-    from calibration.evaluate import evaluate_bundle, markdown_table  # deferred: torch
-    from calibration.train import train_probe  # deferred: torch (not needed by --help)
+    from orca_calibrate.calibrate import calibrate_bundle  # deferred: torch (not needed by --help)
+    from orca_calibrate.evaluate import evaluate_bundle, markdown_table  # deferred: torch
+    from orca_calibrate.train import train_probe  # deferred: torch (not needed by --help)
     ts = _open(a.data)
     shifted = _open(a.shifted) if a.shifted else None
     out = Path(a.out)
@@ -174,7 +174,7 @@ def cmd_collect(a: argparse.Namespace) -> None:
 
 
 def cmd_audit_report(a: argparse.Namespace) -> None:
-    from calibration.audit_report import (  # deferred: torch (not needed by --help)
+    from orca_calibrate.audit_report import (  # deferred: torch (not needed by --help)
         audit_label_mode,
         audit_report,
         format_report,
@@ -197,7 +197,7 @@ def cmd_audit_report(a: argparse.Namespace) -> None:
 
 def cmd_recalibrate(a: argparse.Namespace) -> None:
     # deferred: torch (not needed by --help)
-    from calibration.audit_report import audit_label_mode, open_audits, recalibrate
+    from orca_calibrate.audit_report import audit_label_mode, open_audits, recalibrate
     from orca_method.bundle import load_bundle
     bundle = load_bundle(a.bundle)
     ts = open_audits(a.audit, bundle)
@@ -231,7 +231,7 @@ def cmd_import_pickle(a: argparse.Namespace) -> None:
 
 def cmd_import_probe(a: argparse.Namespace) -> None:
     """The authors' released probe.pt + lambdas.json -> a bundle with their serving settings."""
-    from calibration.import_probe import import_probe  # deferred: torch (not needed by --help)
+    from orca_calibrate.import_probe import import_probe  # deferred: torch (not needed by --help)
     b = import_probe(a.probe, a.lambdas, a.model, a.out, tokenizer=a.tokenizer,
                      config=a.config, window=a.window,
                      label_mode=a.label_mode, epsilon=a.epsilon, default_delta=a.default_delta,
@@ -398,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="the whole job from a YAML file (resumable)")
     p.add_argument("--config", required=True, metavar="JOB.yaml", help="the job file "
                    "(YAML: model, prompts, out and each stage's settings, as in "
-                   "calibration/jobs/toy.yaml); paths in it are relative to its folder")
+                   "orca_calibrate/jobs/toy.yaml); paths in it are relative to its folder")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("import-pickle", help="convert a research-code pickle to our format")

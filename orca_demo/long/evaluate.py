@@ -1,7 +1,7 @@
 """Trace statistics of the long reasoner in vLLM (in-process, eager, float32), per task family.
 
-    python -m calibration.long.evaluate --model runs/long/model --n 300 --out eval.json
-    python -m calibration.long.evaluate --trajectories runs/long/trajectories [DIR ...]
+    python -m orca_demo.long.evaluate --model runs/long/model --n 300 --out eval.json
+    python -m orca_demo.long.evaluate --trajectories runs/long/trajectories [DIR ...]
 
 The second form reads the same statistics off collected trajectory sets (`orca-calibrate
 collect`), per family, where "right" is the forced answer of a step (the answer probes' labels)
@@ -22,9 +22,9 @@ import random
 from pathlib import Path
 from statistics import mean, median, quantiles
 
-from calibration.long.tasks import FAMILIES, FORCE_SUFFIX, Problem, extract_answer, make_problem, paragraph_candidate, trace_stats
-from calibration.toy.evaluate import emit, load_llm, step_ends, tokenizer_agrees
-from calibration.toy.tasks import STEP_DELIMITER, THINK_CLOSE, THINK_OPEN
+from orca_demo.long.tasks import FAMILIES, FORCE_SUFFIX, Problem, extract_answer, make_problem, paragraph_candidate, trace_stats
+from orca_demo.toy.evaluate import emit, load_llm, step_ends, tokenizer_agrees
+from orca_demo.toy.tasks import STEP_DELIMITER, THINK_CLOSE, THINK_OPEN
 
 MAX_TOKENS = 5000
 

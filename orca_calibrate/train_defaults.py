@@ -1,11 +1,11 @@
-"""The training settings' defaults and choices, apart from calibration/train.py (torch, scipy), so
+"""The training settings' defaults and choices, apart from orca_calibrate/train.py (torch, scipy), so
 that `orca-calibrate --help` and a job file's check can name them without importing torch.
 
-`calibration.train` re-exports both.
+`orca_calibrate.train` re-exports both.
 """
 
 # Defaults of `meta_train` and of `orca-calibrate train` (no-QK epochs; QK uses 10). lr None:
-# `calibration.train.lr_for_batch(batch_size)`. Batch 32 is for speed (9.4x less CPU than batch 1
+# `orca_calibrate.train.lr_for_batch(batch_size)`. Batch 32 is for speed (9.4x less CPU than batch 1
 # at paper scale) and costs quality, measured in benchmarks/RESULTS.md ("Training protocol"):
 # savings_per_problem 0.5-0.8 points lower at delta <= 0.1 on a 231-problem synthetic set,
 # held-out loss 0.100 vs 0.072 on the toy job's 582 problems. batch_size 1 (lr 1e-3) is the

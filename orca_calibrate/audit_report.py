@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from calibration.calibrate import calibrate_bundle, score_split
-from calibration.train import meta_train, train_static, training_settings
+from orca_calibrate.calibrate import calibrate_bundle, score_split
+from orca_calibrate.train import meta_train, train_static, training_settings
 from orca_method.audit.attrition import incomplete
 from orca_method.audit.drift import DRIFT_WINDOW, DriftMonitor
 from orca_method.audit.sequence import CensoredAlarm

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from calibration.train import save_probe
+from orca_calibrate.train import save_probe
 from orca_method.bundle import (
     SCHEMA_VERSION,
     Bundle,

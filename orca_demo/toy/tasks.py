@@ -5,7 +5,7 @@ slips fixed by a "Wait" paragraph, and 0-4 redundant checks after the right try 
 overthinking that early stopping should remove).
 
 CLI (prompts for the calibration job):
-    python -m calibration.toy.tasks --family in-dist --n 400 --seed 1 --out prompts.jsonl
+    python -m orca_demo.toy.tasks --family in-dist --n 400 --seed 1 --out prompts.jsonl
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Train the toy reasoning model (tokenizer + tiny Qwen2) that orca-serve ships as its demo.
 
-    python -m calibration.toy.train --out orca_serve/demo/model --minutes 14 --seed 0
+    python -m orca_demo.toy.train --out orca_serve/demo/model --minutes 14 --seed 0
 
-Recipe and traps: calibration/toy/README.md.
+Recipe and traps: orca_demo/toy/README.md.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from calibration.toy.tasks import (
+from orca_demo.toy.tasks import (
     ALT_FORCE_SUFFIX,
     FORCE_SUFFIX,
     STEP_DELIMITER,

@@ -1,9 +1,9 @@
 """Rebuild a demo bundle (orca_serve/demo/bundle.json) from its job, in one command.
 
-    python -m calibration.toy.demo_bundle    # from the repository root
-    python -m calibration.toy.demo_bundle --reasoner long    # orca_serve/demo/long/bundle.json
+    python -m orca_demo.toy.demo_bundle    # from the repository root
+    python -m orca_demo.toy.demo_bundle --reasoner long    # orca_serve/demo/long/bundle.json
 
-(`--job calibration/jobs/<reasoner>.yaml`, `--out` the reasoner's demo folder by default.)
+(`--job orca_calibrate/jobs/<reasoner>.yaml`, `--out` the reasoner's demo folder by default.)
 
 Runs (or resumes) `orca-calibrate run` on the job, which collects with the embedded model,
 trains the probe and calibrates with the job's label mode, then writes the job's bundle as the
@@ -21,15 +21,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from calibration.job import load_job, run_job
+from orca_calibrate.job import load_job, run_job
 from orca_method.bundle import Bundle, load_bundle, save_bundle
 from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE
 from orca_serve.preflight import DEMOS
 
 ROOT = Path(__file__).parents[2]
 # reasoner (orca-serve --demo NAME; its folder: orca_serve.preflight.DEMOS): (job, served name)
-JOBS = {"toy": ("calibration/jobs/toy.yaml", "orca-toy-reasoner"),
-        "long": ("calibration/jobs/long.yaml", "orca-long-reasoner")}
+JOBS = {"toy": ("orca_calibrate/jobs/toy.yaml", "orca-toy-reasoner"),
+        "long": ("orca_calibrate/jobs/long.yaml", "orca-long-reasoner")}
 
 
 def demo_folder(name: str) -> Path:
@@ -61,7 +61,7 @@ def demo_bundle(job_bundle: Bundle, name: str = JOBS["toy"][1]) -> Bundle:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m calibration.toy.demo_bundle",
+    ap = argparse.ArgumentParser(prog="python -m orca_demo.toy.demo_bundle",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--reasoner", choices=sorted(JOBS), default="toy")
     # relative, as the job was first run: the job's stage fingerprints hold its paths as spelled

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from calibration.calibrate import Scored, score_split
+from orca_calibrate.calibrate import Scored, score_split
 from orca_method.bundle import Bundle
 from orca_method.give_up import last_right, tokens_used, two_sided_ends
 from orca_method.procedure import replay

@@ -1,6 +1,6 @@
 """Evaluate the toy reasoning model in vLLM (in-process, eager, float32), as shipped.
 
-    python -m calibration.toy.evaluate --model orca_serve/demo/model --n 300 --out eval.json
+    python -m orca_demo.toy.evaluate --model orca_serve/demo/model --n 300 --out eval.json
 
 Reports, per task family, well-formed %, correct %, mean paragraphs per trace and mean
 redundant checks after the right try (sampled at temperature 0.7 through `llm.chat`), then
@@ -19,7 +19,7 @@ from statistics import mean
 
 from tokenizers import Tokenizer
 
-from calibration.toy.tasks import (
+from orca_demo.toy.tasks import (
     ALT_FORCE_SUFFIX,
     FAMILIES,
     FORCE_SUFFIX,
@@ -32,9 +32,9 @@ from calibration.toy.tasks import (
     paragraph_candidate,
     trace_stats,
 )
-from calibration.toy.train import render_prompt
+from orca_demo.toy.train import render_prompt
 
-# The trained suffix, the alternative one, and calibration/collect.py's default (never trained on).
+# The trained suffix, the alternative one, and orca_calibrate/collect.py's default (never trained on).
 FORCING_SUFFIXES = (FORCE_SUFFIX, ALT_FORCE_SUFFIX, "\n</think>\n\nThe answer is \\boxed{")
 
 
@@ -108,7 +108,7 @@ def forcing_rows(sample: Sample, delimiter_id: int, close_id: int) -> list[tuple
 
 def forcing_check(llm, samples: list[Sample], suffix: str) -> dict:
     """Greedy 4-token continuation after prefix + suffix ids at every step of well-formed traces
-    (token level, like calibration/collect.py)."""
+    (token level, like orca_calibrate/collect.py)."""
     from vllm import SamplingParams  # deferred: vllm (the model is loaded once, in main)
     from vllm.inputs import TokensPrompt  # deferred: vllm
 

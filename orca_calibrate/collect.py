@@ -5,7 +5,7 @@ so calibration is on-policy for exactly the online procedure. After each batch o
 every labelled step boundary is continued with the answer-forcing suffix (greedy, prefix caching
 on) to read the intermediate answer; labels follow. Probe prompts, their sampling and the labelled
 record are orca_method/answer_probes.py's, shared with the server's live audits. With a judge
-configured its verdicts too (calibration/judge.py, one concurrent round per batch). Each finished
+configured its verdicts too (orca_calibrate/judge.py, one concurrent round per batch). Each finished
 problem is appended and flushed at once, so a killed job loses at most the batch in flight.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from calibration.judge import Judge, JudgeSettings, question_text
+from orca_calibrate.judge import Judge, JudgeSettings, question_text
 from orca_method.answer_probes import (
     DEFAULT_ANSWER_TOKENS,
     DEFAULT_SUFFIX,

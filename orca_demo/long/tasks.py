@@ -19,7 +19,7 @@ little of it in training too), where the model slips often enough that many trac
 there.
 
 CLI (prompts for the calibration job):
-    python -m calibration.long.tasks --family in-dist --n 600 --seed 1 --out prompts.jsonl
+    python -m orca_demo.long.tasks --family in-dist --n 600 --seed 1 --out prompts.jsonl
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from calibration.toy import tasks as toy_tasks
-from calibration.toy.tasks import (
+from orca_demo.toy import tasks as toy_tasks
+from orca_demo.toy.tasks import (
     ALT_FORCE_SUFFIX,
     FORCE_SUFFIX,
     STEP_DELIMITER,
