@@ -16,11 +16,13 @@ from typing import Any
 
 import numpy as np
 
+from orca_calibrate.gate import gate_from_trajectories
 from orca_calibrate.train import solvable
 from orca_method.audit.drift import build_reference
 from orca_method.bundle import (
     Bundle,
     DriftReference,
+    GateReference,
     GiveUpBlock,
     GiveUpRow,
     GiveUpTable,
@@ -148,7 +150,8 @@ def data_hashes(ts: TrajectorySet) -> dict[str, str]:
 def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, mode: str,
                 epsilon: float, pvalue: str, window: int, n_cal: int, default_delta: float,
                 provenance: dict[str, Any], drift: DriftReference | None = None,
-                give_up: GiveUpBlock | None = None) -> Bundle:
+                give_up: GiveUpBlock | None = None,
+                shift_gate: GateReference | None = None) -> Bundle:
     """Everything the server needs, taken from the data's own record of how it was collected
     (how its steps were labelled included: the live audit labels the same way)."""
     info = ts.info
@@ -169,7 +172,7 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
                          eta=probe.params["log_eta"].exp().item()),
         window=window, label_mode=mode,
         ltt=LTTTable(epsilon=epsilon, n_cal=n_cal, pvalue=pvalue, grid_size=GRID_SIZE, rows=rows),
-        default_delta=default_delta, drift=drift, give_up=give_up,
+        default_delta=default_delta, drift=drift, give_up=give_up, shift_gate=shift_gate,
         labelling=None if info.get("labelling") is None else Labelling(**info["labelling"]),
         provenance={"data": str(ts.path), "data_sha256": data_hashes(ts),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **provenance})
@@ -182,8 +185,10 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
                      provenance: dict[str, Any] | None = None,
                      give_up: tuple[Probe, GiveUpOptions] | None = None) -> Bundle:
     """Replay the calibration split, run LTT for every delta, write bundle.json with the drift
-    reference of the whole split (the server sees unsolvable requests too); with `give_up` (its
-    probe and options), also mu* per give-up delta (a two-sided bundle, schema version 2)."""
+    reference of the whole split (the server sees unsolvable requests too) and the shift gate
+    (fitted on the training split, scored on the calibration split: orca_calibrate/gate.py);
+    with `give_up` (its probe and options), also mu* per give-up delta (a two-sided bundle,
+    schema version 2)."""
     default = default_delta if default_delta is not None else (0.1 if 0.1 in deltas else deltas[0])
     if default not in deltas:
         raise ValueError(f"default delta {default} is not among the calibrated deltas {deltas}")
@@ -199,6 +204,7 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
                          provenance=provenance or {},
                          drift=build_reference(everything.scores, window, [r.lam for r in results]),
                          give_up=None if give_up is None else give_up_block(
-                             give_up[0], ts, give_up[1], window=window, pvalue=pvalue))
+                             give_up[0], ts, give_up[1], window=window, pvalue=pvalue),
+                         shift_gate=gate_from_trajectories(ts))
     check_semantics(bundle)  # never write a bundle the server would refuse (a saturated probe)
     return save_bundle(bundle, out)

@@ -19,6 +19,7 @@ from orca_calibrate.probe_variants import PROBES
 from orca_calibrate.synth import generate
 from orca_calibrate.train_defaults import DEFAULTS, EPOCH_SELECT
 from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
+from orca_method.shift_gate import DEFAULT_GATE_ALPHA, DEFAULT_GATE_RANK, DEFAULT_GATE_STEPS
 from orca_method.trajectories import (
     DTYPES,
     STORED_DTYPE,
@@ -171,6 +172,22 @@ def cmd_collect(a: argparse.Namespace) -> None:
     with Collector(a.model, settings) as collector:  # vLLM's shutdown lines before the stats
         stats = collector.run(prompts, Path(a.out))
     print(json.dumps(stats.as_dict()))
+
+
+def cmd_gate(a: argparse.Namespace) -> None:
+    from orca_calibrate.gate import add_gate, first_step_features, gate_collector
+    from orca_method.bundle import load_bundle
+
+    bundle = load_bundle(a.bundle)
+    prompts = read_prompts(Path(a.prompts))
+    with gate_collector(a.model, bundle, max_tokens=a.max_tokens, temperature=a.temperature,
+                        seed=a.seed, engine=dict(a.engine or {})) as collector:
+        feats = first_step_features(collector, prompts, a.steps)
+    sealed = add_gate(Path(a.bundle), Path(a.out), feats, steps=a.steps, alpha=a.alpha,
+                      rank=a.rank, fit_fraction=a.fit_fraction, seed=a.seed)
+    g = sealed.shift_gate
+    print(f"wrote {a.out}: shift gate on {g.steps} step(s), fitted on {g.n_fit} prompts, "
+          f"scored on {len(g.scores)}, alpha {g.alpha}; checksum {sealed.checksum}")
 
 
 def cmd_audit_report(a: argparse.Namespace) -> None:
@@ -360,6 +377,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-model", help="the judge's model name at --judge-url")
     p.add_argument("--judge-api-key-env", help="environment variable holding the judge's API key")
     p.set_defaults(fn=cmd_collect)
+
+    p = sub.add_parser("gate", help="add a shift gate to a bundle from in-distribution prompts")
+    p.add_argument("--model", required=True, help="the bundle's model (path or hub name)")
+    p.add_argument("--bundle", required=True, help="the bundle to add the gate to")
+    p.add_argument("--prompts", required=True, help="JSON lines of in-distribution prompts "
+                   "(id, messages|prompt), none of them used to train or calibrate the probe")
+    p.add_argument("--out", required=True, help="the gated bundle (may be --bundle itself)")
+    p.add_argument("--steps", type=integer(1), default=DEFAULT_GATE_STEPS,
+                   help="step embeddings the gate reads (it decides at this step)")
+    p.add_argument("--alpha", type=float, default=DEFAULT_GATE_ALPHA,
+                   help="default level: share of in-distribution requests flagged, at most")
+    p.add_argument("--rank", type=integer(1), default=DEFAULT_GATE_RANK,
+                   help="principal directions of the nonconformity score")
+    p.add_argument("--fit-fraction", type=float, default=0.5,
+                   help="share of the prompts the score is fitted on (the rest are scored)")
+    p.add_argument("--max-tokens", type=integer(1), default=256,
+                   help="tokens per prompt: enough for --steps + 1 reasoning steps")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", type=json.loads, default=None,
+                   help="extra vLLM LLM(...) arguments as JSON, e.g. '{\"max_model_len\": 5120}'")
+    p.set_defaults(fn=cmd_gate)
 
     p = sub.add_parser("audit-report", help="realized risk of a bundle on live audits")
     p.add_argument("--audit", required=True, help="the server's audit directory (its "

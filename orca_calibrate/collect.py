@@ -227,6 +227,13 @@ class Collector:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def record(self, prompts: list[dict]) -> list[dict]:
+        """Run `prompts` once each in record mode, no answer probes: each one's record (step
+        embeddings included), in order. What the shift gate's features need (orca_calibrate/gate.py)."""
+        todo = [(str(rec.get("id", i)), rec) for i, rec in enumerate(prompts)]
+        return [res for batch in _chunks(todo, self.settings.batch)
+                for _, _, _, res in self._generate(batch)]
+
     def run(self, prompts: list[dict], out_dir: Path, progress: bool = True) -> Stats:
         """Collect every (prompt, sample) not yet in `out_dir`; resumable."""
         s = self.settings

@@ -38,6 +38,7 @@ from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX
 from orca_method.errors import first_line
 from orca_method.normalizations import DEFAULT_NORMALIZATION, Normalization
 from orca_method.probe import Probe, ProbeSpec
+from orca_method.shift_gate import DEFAULT_GATE_RANK, ShiftGate, fit_gate
 from orca_method.steps import DEFAULT_DELIMITER, THINK_END, THINK_START
 from orca_method.thresholds import lam_from_json, mu_from_json
 
@@ -174,6 +175,26 @@ class DriftReference(_Strict):
         return self
 
 
+class GateReference(_Strict):
+    """The per-request shift gate's reference (orca_method/shift_gate.py, docs/METHOD.md section
+    11): the nonconformity model fitted on the training split (`tensors`: base64 safetensors of
+    mean [d], basis [rank, d], var [rank], res_scale [1]) and the calibration split's sorted
+    scores. Optional: a bundle without it serves every request ungated."""
+
+    steps: int = Field(ge=1)  # step embeddings the gate reads (it decides at this step)
+    alpha: float = Field(gt=0, lt=1)  # the default level: in-distribution requests flagged
+    n_fit: int = Field(ge=2)  # training requests the model was fitted on
+    tensors: str = Field(min_length=1)
+    scores: list[float] = Field(min_length=1)
+
+    @field_validator("scores")
+    @classmethod
+    def _sorted(cls, v: list[float]) -> list[float]:
+        if any(b < a for a, b in itertools.pairwise(v)):
+            raise ValueError("shift gate scores must be sorted ascending")
+        return v
+
+
 class GiveUpRow(_Strict):
     delta: float = Field(gt=0, lt=1)  # delta_2: the give-up risk level
     mu: Fraction | None  # give up at the first step whose smoothed score <= mu; None = never
@@ -263,6 +284,7 @@ class Bundle(_Strict):
     lambdas_from: str | None = None
     drift: DriftReference | None = None  # absent in older bundles: no drift test
     give_up: GiveUpBlock | None = None  # schema version 2 only: the lower threshold
+    shift_gate: GateReference | None = None  # absent in older bundles: no gate
     # how the data was labelled; None: not recorded (the defaults, see Labelling)
     labelling: Labelling | None = None
     checksum: str = ""
@@ -328,6 +350,30 @@ class Bundle(_Strict):
         """The give-up probe (checked as `load_probe`), or None for a one-sided bundle."""
         return None if self.give_up is None else _load_probe(self.give_up.probe)
 
+    def load_gate(self, device: str | torch.device = "cpu") -> ShiftGate | None:
+        """The shift gate (None without one), its tensors checked for names, shapes against the
+        model's hidden size, and finiteness (BundleError otherwise)."""
+        g = self.shift_gate
+        if g is None:
+            return None
+        t = decode_weights(g.tensors, "shift gate tensors")
+        d = self.model.hidden_size
+        want = {"mean": (d,), "var": None, "basis": None, "res_scale": (1,)}
+        if set(t) != set(want):
+            raise BundleError(f"shift gate tensors are {sorted(t)}, expected {sorted(want)}: "
+                              "the bundle is corrupt, rebuild its gate")
+        r = t["var"].shape[0] if t["var"].ndim == 1 else -1
+        want.update(var=(r,), basis=(r, d))
+        for k, shape in want.items():
+            if tuple(t[k].shape) != shape or t[k].dtype != torch.float32:
+                raise BundleError(f"shift gate tensor {k} is {t[k].dtype} {tuple(t[k].shape)}, "
+                                  f"expected float32 {shape} (hidden size {d}): rebuild its gate")
+            if not torch.isfinite(t[k]).all():
+                raise BundleError(f"shift gate tensor {k} has non-finite values: rebuild its gate")
+        if r < 1 or (t["var"] <= 0).any() or float(t["res_scale"][0]) <= 0:
+            raise BundleError("shift gate variances must be positive: rebuild its gate")
+        return ShiftGate(t, g.scores, g.steps, g.alpha, device)
+
     def summary(self) -> dict[str, Any]:
         """Everything but the weights and the drift reference's numbers (for /v1/orca/bundle
         and logs)."""
@@ -336,11 +382,24 @@ class Bundle(_Strict):
         if self.drift is not None:  # the reference's numbers are for the monitor, not for people
             d["drift"] = {"k": self.drift.k, "level": self.drift.level, "n_cal": self.drift.n_cal,
                           "size": len(self.drift.early_mean)}
+        if self.shift_gate is not None:
+            sg = self.shift_gate
+            d["shift_gate"] = {"steps": sg.steps, "alpha": sg.alpha, "n_fit": sg.n_fit,
+                               "n_cal": len(sg.scores)}
         if self.give_up is not None:
             g = self.give_up
             d["give_up"]["probe"] = {"variant": ProbeSpec.from_dict(g.probe.spec).name,
                                      "spec": g.probe.spec}
         return d
+
+
+def gate_reference(fit: Any, cal: Any, *, steps: int, alpha: float,
+                   rank: int = DEFAULT_GATE_RANK) -> GateReference:
+    """A bundle's shift gate from gate features ([N, d] of the training split, [M, d] of the
+    calibration split; orca_method.shift_gate.gate_features)."""
+    tensors, scores = fit_gate(fit, cal, rank)
+    return GateReference(steps=steps, alpha=alpha, n_fit=len(fit), tensors=encode_tensors(
+        {k: torch.from_numpy(v) for k, v in tensors.items()}), scores=scores)
 
 
 def schema_version_for(two_sided: bool) -> int:
@@ -396,21 +455,26 @@ def _load_probe(block: ProbeBlock) -> Probe:
 
 
 def encode_weights(probe: Probe) -> str:
-    tensors = {k: v.detach().float().contiguous().cpu() for k, v in probe.params.items()}
-    return base64.b64encode(st_save(tensors)).decode("ascii")
+    return encode_tensors(probe.params)
 
 
-def decode_weights(weights: str) -> dict[str, torch.Tensor]:
+def encode_tensors(tensors: Mapping[str, Any]) -> str:
+    """Named float32 tensors (or arrays) as base64 safetensors, the bundle's form for numbers."""
+    t = {k: torch.as_tensor(v).detach().float().contiguous().cpu() for k, v in tensors.items()}
+    return base64.b64encode(st_save(t)).decode("ascii")
+
+
+def decode_weights(weights: str, what: str = "probe weights") -> dict[str, torch.Tensor]:
     """encode_weights' inverse; anything else (stray characters included) is a BundleError."""
     try:
         blob = base64.b64decode(weights, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise BundleError(f"probe weights are not base64 ({e}); the bundle is corrupt: "
+        raise BundleError(f"{what} are not base64 ({e}); the bundle is corrupt: "
                           "recalibrate") from None
     try:
         return st_load(blob)
     except Exception as e:  # noqa: BLE001 - safetensors' errors share no base class but Exception
-        raise BundleError(f"probe weights are not a safetensors blob "
+        raise BundleError(f"{what} are not a safetensors blob "
                           f"({first_line(e)}); the bundle "
                           "is corrupt: recalibrate") from None
 
@@ -426,6 +490,8 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Bundle:
     # version 1 read it, and its checksum is what they compute; likewise a bundle labelled with
     # the default labelling has no labelling key (Labelling says why)
     drop = {"give_up"} if bundle.give_up is None else set()
+    if bundle.shift_gate is None:  # older readers refuse an unknown key; checksums unchanged
+        drop.add("shift_gate")
     if bundle.labelling in (None, DEFAULT_LABELLING):
         drop.add("labelling")
     data = bundle.model_dump(exclude=drop or None)
@@ -519,6 +585,7 @@ def _validate(data: Any, p: Path) -> Bundle:
     if bundle.give_up is not None:
         _check_give_up(bundle, p)
     try:
+        bundle.load_gate()
         _smoke_test(bundle.load_probe())
         if bundle.give_up is not None:
             _smoke_test(bundle.load_give_up_probe())

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from orca_method.normalizations import Normalization
 from orca_method.probe import Fast, Probe
+from orca_method.shift_gate import ShiftGate
 from orca_method.thresholds import GIVE_UP_NEVER, NEVER
 
 
@@ -44,6 +45,11 @@ class StepResult:
     steps: Tensor  # steps scored so far per row, this one included
     give_up_score: Tensor | None = None  # g_t per row (smoothed), when the bank has a give-up probe
     give_up: Tensor | None = None  # bool per row: g_t <= mu and not stopping (the stop wins a tie)
+    # the shift gate, when the bank has one and the call passed thresholds: the nonconformity
+    # score per row (meaningful at the gate's step) and whether the gate flagged the row now
+    gate_score: Tensor | None = None
+    gate_flag: Tensor | None = None
+    gate_hold: Tensor | None = None  # bool per row: gated, before its gate step (no decision yet)
 
 
 class ProbeBank:
@@ -52,11 +58,16 @@ class ProbeBank:
 
     `give_up`: the give-up probe and its smoothing window (docs/METHOD.md section 9), run on the
     same step embeddings in a bank of its own, so that each step also decides whether to give up.
+
+    `gate`: the shift gate (orca_method/shift_gate.py) and the threshold a flagged row runs with
+    from its gate step on (`gate_lam`: NEVER = full reasoning). A gated row neither stops nor
+    gives up before the gate has decided; a flagged row never gives up.
     """
 
     def __init__(self, probe: Probe, window: int = 10, capacity: int = 64,
                  device: str | torch.device = "cpu",
-                 give_up: tuple[Probe, int] | None = None) -> None:
+                 give_up: tuple[Probe, int] | None = None,
+                 gate: ShiftGate | None = None, gate_lam: float = NEVER) -> None:
         if window < 1:
             raise ValueError(f"smoothing window must be >= 1, got {window}")
         self.probe = probe.to(device).eval()
@@ -71,6 +82,9 @@ class ProbeBank:
         self._scratch = torch.empty(capacity, self.probe.spec.d_w, device=self.device)
         self.give_up = (None if give_up is None else
                         ProbeBank(give_up[0], window=give_up[1], capacity=capacity, device=device))
+        self.gate, self.gate_lam = gate, float(gate_lam)
+        if gate is not None:  # running sum of each row's first gate.steps step embeddings
+            self._fast["gate_sum"] = torch.zeros(capacity, gate.mean.shape[0], device=self.device)
 
     @property
     def capacity(self) -> int:
@@ -84,6 +98,8 @@ class ProbeBank:
             self._fast[k][row] = v[0]
         self._fast["hist"][row] = 0
         self._fast["count"][row] = 0
+        if self.gate is not None:
+            self._fast["gate_sum"][row] = 0
         if self.give_up is not None:
             self.give_up.reset(row)
 
@@ -104,11 +120,15 @@ class ProbeBank:
     # -- the procedure -----------------------------------------------------------------
     @torch.no_grad()
     def step(self, rows: Sequence[int], phi: Tensor, lam: Tensor,
-             rows_dev: Tensor | None = None, mu: Tensor | None = None) -> StepResult:
+             rows_dev: Tensor | None = None, mu: Tensor | None = None,
+             gate_thr: Tensor | None = None) -> StepResult:
         """Score, smooth, decide and (for rows that do not stop) update: one reasoning step.
 
         `mu`: [m] give-up thresholds (GIVE_UP_NEVER = -inf: this row never gives up), for a
         bank with a give-up probe; its smoothed score is computed for every row either way.
+        `gate_thr`: [m] each row's gate threshold (`ShiftGate.threshold(alpha)`; inf: the gate
+        is off for the row), for a bank with a gate; the rows it flags at their gate step run
+        with `gate_lam` at this step already (the host then keeps them on it).
 
         rows: [m] distinct row ids on the host (a list, or a CPU tensor), phi: [m, d] step
         embeddings, lam: [m] thresholds (inf = never); `rows_dev`: the same rows already on the
@@ -139,19 +159,46 @@ class ProbeBank:
         n = n + 1
         smoothed = hist.index_select(0, rows).sum(1) / n.clamp(max=self.window)
         count[rows] = n
-        stop = smoothed >= lam.to(self.device)
+        lam = lam.to(self.device)
+        out = StepResult(raw=raw, smoothed=smoothed, stop=smoothed, steps=n)  # stop: set below
+        if self.gate is not None and gate_thr is not None:
+            out.gate_score, out.gate_flag, out.gate_hold = self._gate(
+                rows, phi, n, gate_thr.to(self.device))
+            lam = self.gated_lam(lam, out)
+            if mu is not None:
+                mu = torch.where(out.gate_hold | out.gate_flag, GIVE_UP_NEVER, mu.to(self.device))
+        stop = out.stop = smoothed >= lam
         # a stopping row is not updated (its request ends here)
         self.probe.update_(fast, phi, logit, frozen=stop)
         if not contiguous:
             for k in keys:
                 self._fast[k].index_copy_(0, rows, fast[k])
-        out = StepResult(raw=raw, smoothed=smoothed, stop=stop, steps=n)
         if self.give_up is not None:
             never = torch.full_like(smoothed, NEVER)
             g = self.give_up.step(host, phi, never, rows_dev=rows).smoothed
             mu = torch.full_like(g, GIVE_UP_NEVER) if mu is None else mu.to(self.device)
             out.give_up_score, out.give_up = g, (g <= mu) & ~stop
         return out
+
+    def gated_lam(self, lam: Tensor, res: StepResult) -> Tensor:
+        """The thresholds the gate leaves rows with at this step: never while it has not decided,
+        the safe one where it flags now, the given one otherwise (lam: [m], on the device)."""
+        if res.gate_flag is None:
+            return lam
+        return torch.where(res.gate_hold, NEVER, torch.where(res.gate_flag, self.gate_lam, lam))
+
+    def _gate(self, rows: Tensor, phi: Tensor, n: Tensor, thr: Tensor
+              ) -> tuple[Tensor, Tensor, Tensor]:
+        """(score, flagged now, held) per row: rows add their first gate.steps step embeddings;
+        at that step the gate scores their mean. n: [m] steps scored, this one included."""
+        g = self.gate.steps
+        on = torch.isfinite(thr)  # [m]
+        gathering = on & (n <= g)
+        gsum = self._fast["gate_sum"]
+        gsum.index_put_((rows,), phi * gathering[:, None].to(phi.dtype), accumulate=True)
+        score = self.gate.score(gsum.index_select(0, rows) / g)  # [m]
+        flag = on & (n == g) & (score > thr)
+        return score, flag, on & (n < g)
 
 
 def as_tensor(arr) -> Tensor:

@@ -54,7 +54,14 @@ MIN_ANSWER_TOKENS = 8  # answer tokens the end-of-max_tokens reserve keeps (poli
 # what a request without its own orca_* arguments gets (the server's --orca-* options override)
 DEFAULTS: dict[str, Any] = {"enabled": 1, "delta": None, "policy": Policy.ANSWER,
                             "answer_budget": DEFAULT_ANSWER_BUDGET,
-                            "give_up_policy": "guess", "give_up_message": None}
+                            "give_up_policy": "guess", "give_up_message": None,
+                            "shift_alpha": None, "shift_action": "full"}
+
+# What a request the shift gate flags runs with (the operator's choice, `--orca-shift-action`;
+# docs/METHOD.md section 11): "full": full reasoning (no early stop, no give-up); "strict": the
+# bundle's most conservative lambda* (no give-up); "off": no gate. `shift_alpha` None: the
+# bundle's own level.
+SHIFT_ACTIONS: tuple[str, ...] = ("full", "strict", "off")
 
 # What a request that gives up returns (the operator's choice, `--orca-give-up-policy`):
 # "guess": its answer at that point, as a stop would (policy answer), flagged `ended: gave_up`;
@@ -84,8 +91,9 @@ XARG_ENABLED = "orca_enabled"  # 0/1
 XARG_DELTA = "orca_delta"  # risk level in (0, 1)
 XARG_POLICY = "orca_policy"  # one of POLICIES
 XARG_ANSWER_BUDGET = "orca_answer_budget"  # answer tokens after a stop (policy answer)
+XARG_SHIFT_ALPHA = "orca_shift_alpha"  # the shift gate's level in [0, 1) (0: no gate)
 XARG_FIELDS = {"enabled": XARG_ENABLED, "delta": XARG_DELTA, "policy": XARG_POLICY,
-               "answer_budget": XARG_ANSWER_BUDGET}
+               "answer_budget": XARG_ANSWER_BUDGET, "shift_alpha": XARG_SHIFT_ALPHA}
 # set by the server or the plugin, never by clients
 XARG_RESERVED = {XARG_KEY, XARG_LAM, XARG_N, XARG_SEED, XARG_BUNDLE, XARG_GIVE_UP_MU}
 # Per-request xargs that run a request without the orca probe (answer probes, audits' forcing).
@@ -103,6 +111,7 @@ _ARRAY_TAG = "__orca_ndarray__"
 _RECORDING = ("step_embeddings", "step_tokens", "step_token_ids", "prompt_token_ids",
               "output_token_ids")
 _GIVE_UP = ("give_up_mu", "give_up_step", "last_give_up_score")
+_SHIFT = ("shift_alpha", "shift_pvalue", "shift_flagged")
 
 
 @dataclass
@@ -133,6 +142,11 @@ class OrcaResult:
     give_up_mu: float | None = None  # mu* it ran with (None: never gives up)
     give_up_step: int | None = None  # the step it gave up at
     last_give_up_score: float | None = None
+    # the shift gate (None: it did not run for this request): its level, the request's conformal
+    # p-value (None until the gate's step) and whether it flagged the request
+    shift_alpha: float | None = None
+    shift_pvalue: float | None = None
+    shift_flagged: bool = False
     notes: list[str] = field(default_factory=list)
     error: str | None = None
     # record mode only: [steps, d] float32 numpy array, tokens per step, ids per step
@@ -177,7 +191,8 @@ class OrcaResult:
         for k, empty in (("notes", not self.notes), ("error", self.error is None)):
             if empty:
                 del d[k]
-        for k in (() if self.two_sided else _GIVE_UP) + (() if self.recorded else _RECORDING):
+        for k in ((() if self.two_sided else _GIVE_UP) + (() if self.recorded else _RECORDING)
+                  + (() if self.shift_alpha is not None else _SHIFT)):
             del d[k]
         return d
 

@@ -12,7 +12,16 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, Wi
 
 from orca_method.errors import cut, shown
 from orca_serve.contract import XARG_FIELDS, XARG_RESERVED, Policy
-from orca_serve.orca_rules import ANSWER_BUDGET, DELTA, ENABLED, POLICY, RULES, Rule, refusal
+from orca_serve.orca_rules import (
+    ANSWER_BUDGET,
+    DELTA,
+    ENABLED,
+    POLICY,
+    RULES,
+    SHIFT_ALPHA,
+    Rule,
+    refusal,
+)
 
 
 class OrcaRequestError(ValueError):
@@ -53,6 +62,8 @@ class OrcaFields(BaseModel):
     policy: Annotated[Policy | None, *_checked(POLICY)] = None
     answer_budget: Annotated[int | None, *_checked(ANSWER_BUDGET)] = None
     give_up: GiveUpFields | None = None
+    # the shift gate's level for this request (0: no gate); None: the server's or the bundle's
+    shift_alpha: Annotated[float | None, *_checked(SHIFT_ALPHA)] = None
 
 
 def _fmt_loc(loc: tuple[Any, ...]) -> str:

@@ -103,7 +103,16 @@ class Rule:
 ENABLED = Rule(_enabled, {"type": "boolean"})
 DELTA = Rule(_delta, {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1})
 POLICY = Rule(_policy, {"type": "string", "enum": [str(p) for p in POLICIES]})
+def _alpha(v: Any, strict: bool) -> float:
+    a = number(v, strict)
+    if not 0 <= a < 1:
+        raise ValueError(f"must be a number in [0, 1) (0: no shift gate), got {shown(v)}")
+    return a
+
+
+SHIFT_ALPHA = Rule(_alpha, {"type": "number", "minimum": 0, "exclusiveMaximum": 1})
 ANSWER_BUDGET = Rule(_answer_budget, {"type": "integer", "minimum": 0,
                                       "maximum": MAX_ANSWER_BUDGET})
 # the client-settable settings, by their `orca` field name (their xargs: contract.XARG_FIELDS)
-RULES = {"enabled": ENABLED, "delta": DELTA, "policy": POLICY, "answer_budget": ANSWER_BUDGET}
+RULES = {"enabled": ENABLED, "delta": DELTA, "policy": POLICY, "answer_budget": ANSWER_BUDGET,
+         "shift_alpha": SHIFT_ALPHA}

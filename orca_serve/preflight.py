@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from orca_method.errors import first_line
 from orca_serve.argtypes import effort_map, fraction, integer
-from orca_serve.contract import DEFAULTS, GIVE_UP_MESSAGE, GIVE_UP_POLICIES, POLICIES
+from orca_serve.contract import (
+    DEFAULTS,
+    GIVE_UP_MESSAGE,
+    GIVE_UP_POLICIES,
+    POLICIES,
+    SHIFT_ACTIONS,
+)
 from orca_serve.effort import DEFAULT_EFFORT_MAP, check_effort_map, describe
 from orca_serve.model_checks import ModelFacts, check_bundle
 from orca_serve.startup_errors import PROG, StartupError
@@ -71,6 +77,16 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "--orca-give-up-message).")
     g.add_argument("--orca-give-up-message", default=None, metavar="TEXT",
                    help=f"The message of --orca-give-up-policy message (\"{GIVE_UP_MESSAGE}\").")
+    g.add_argument("--orca-shift-alpha", type=fraction(open_interval=False), default=None,
+                   metavar="ALPHA",
+                   help="The shift gate's level for requests that set no orca.shift_alpha: at "
+                   "most ALPHA of requests like the calibration set are flagged (0: no gate). "
+                   "None: the bundle's. Only for bundles with a shift_gate block.")
+    g.add_argument("--orca-shift-action", choices=SHIFT_ACTIONS,
+                   default=DEFAULTS["shift_action"],
+                   help="What a request the shift gate flags gets: full (full reasoning, never "
+                   "gives up), strict (the bundle's most conservative lambda*, never gives up), "
+                   "or off (no gate).")
     g.add_argument("--orca-effort-map", type=effort_map, default=None, metavar="LEVEL=TARGET,...",
                    help="How a request's reasoning effort (chat reasoning_effort, Responses "
                    "reasoning.effort, Messages output_config.effort) chooses its delta, when the "

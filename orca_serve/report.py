@@ -92,6 +92,9 @@ def choice_fields(result: OrcaResult | None, bundle: str | None = None,
     if r.two_sided:
         out["give_up_step"] = r.give_up_step
         out["last_give_up_score"] = _score(r.last_give_up_score)
+    if r.shift_alpha is not None:  # the shift gate ran (pvalue None: it had not decided yet)
+        out["shift"] = {"alpha": r.shift_alpha, "pvalue": r.shift_pvalue,
+                        "flagged": r.shift_flagged}
     if r.notes:
         out["notes"] = list(r.notes)
     if r.error:

@@ -36,6 +36,7 @@ from orca_serve.contract import (
     XARG_LAM,
     XARG_POLICY,
     XARG_RECORD,
+    XARG_SHIFT_ALPHA,
     Policy,
 )
 from orca_serve.effort import DEFAULT_EFFORT_MAP, effort_delta
@@ -84,6 +85,7 @@ class OrcaSettings:
     give_up_mu: float | None = None  # mu*(give_up_delta); None: never gives up
     give_up_policy: str | None = None  # what it returns if it gives up (GIVE_UP_POLICIES)
     give_up_source: str = "bundle"  # where give_up_mu comes from: bundle | fallback (guard: off)
+    shift_alpha: float | None = None  # the request's own gate level; None: the engine's default
 
     def xargs(self) -> dict[str, str | int | float]:
         """The settings as the engine reads them (`vllm_xargs`); written once per request."""
@@ -100,6 +102,8 @@ class OrcaSettings:
                 out[XARG_GIVE_UP_MU] = float(self.give_up_mu)
             if self.answer_budget is not None:
                 out[XARG_ANSWER_BUDGET] = int(self.answer_budget)
+            if self.shift_alpha is not None:
+                out[XARG_SHIFT_ALPHA] = float(self.shift_alpha)
         return out
 
 
@@ -231,6 +235,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
             lam=lam, lam_source=lam_source,
             answer_budget=(defaults.answer_budget if fields.answer_budget is None
                            else fields.answer_budget),
+            shift_alpha=fields.shift_alpha,
             **_give_up(fields.give_up, defaults, bundle), **common)
         settings = guard.admit(settings, out)
     new_xargs = {k: v for k, v in (xargs or {}).items() if not k.startswith("orca_")}

@@ -155,6 +155,8 @@ def vllm_args(pre: Preflight) -> argparse.Namespace:
             defaults={"enabled": 0, "delta": defaults.delta, "policy": defaults.policy,
                       "answer_budget": defaults.answer_budget,
                       "give_up_policy": defaults.give_up_policy,
-                      "give_up_message": args.orca_give_up_message}))
+                      "give_up_message": args.orca_give_up_message,
+                      "shift_alpha": args.orca_shift_alpha,
+                      "shift_action": args.orca_shift_action}))
     launch.configure_logging(args)
     return args

@@ -31,6 +31,7 @@ from orca_serve.contract import (
     XARG_RECORD,
     XARG_RESERVE,
     XARG_SEED,
+    XARG_SHIFT_ALPHA,
     Policy,
 )
 from orca_serve.orca_rules import RULES, integer, number, refusal
@@ -138,6 +139,7 @@ class RequestSpec:
     # table: the server answers 400 with the same words, `orca_serve.requests.resolve`)
     refused: str | None = None
     give_up_mu: float | None = None  # None: never gives up
+    shift_alpha: float | None = None  # the shift gate's level (0: none); None: the bundle's
 
 
 def request_spec(xa: Mapping[str, Any] | None, defaults: Mapping[str, Any], *, record: bool,
@@ -166,10 +168,12 @@ def request_spec(xa: Mapping[str, Any] | None, defaults: Mapping[str, Any], *, r
                 enabled, refused = False, str(e)
     reserve = xa.get(XARG_RESERVE)
     mu = decode_mu(xa[XARG_GIVE_UP_MU]) if enabled and XARG_GIVE_UP_MU in xa else None
+    alpha = xa.get(XARG_SHIFT_ALPHA, defaults.get("shift_alpha"))
     return RequestSpec(
         key=xa.get(XARG_KEY), n=int(xa.get(XARG_N, 1)),
         record=bool(as_int(XARG_RECORD, xa.get(XARG_RECORD, record))),
         enabled=enabled, policy=Policy(xa.get(XARG_POLICY, defaults["policy"])),
         delta=delta, lam=lam,
         answer_budget=int(xa.get(XARG_ANSWER_BUDGET, defaults["answer_budget"])),
-        reserve=None if reserve is None else int(reserve), refused=refused, give_up_mu=mu)
+        reserve=None if reserve is None else int(reserve), refused=refused, give_up_mu=mu,
+        shift_alpha=None if alpha is None else float(alpha))

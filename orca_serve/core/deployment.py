@@ -12,12 +12,16 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import math
+
 import torch
 
 from orca_method.bundle import BundleError, Segmentation, ThinkTags, check_model, load_bundle
 from orca_method.normalizations import DEFAULT_NORMALIZATION
 from orca_method.procedure import ProbeBank
+from orca_method.shift_gate import ShiftGate
 from orca_method.steps import TokenTable
+from orca_method.thresholds import NEVER, lam_from_json
 
 log = logging.getLogger("orca_serve.core")
 
@@ -27,7 +31,7 @@ class Deployment:
 
     def __init__(self, cfg: Mapping[str, Any], tokenizer: Any, *, hidden_size: int,
                  model_name: str, eos_ids: set[int], capacity: int,
-                 device: torch.device) -> None:
+                 device: torch.device, shift_action: str = "full") -> None:
         self.bundle = None
         path = cfg.get("bundle")
         if path:
@@ -46,12 +50,25 @@ class Deployment:
         self.force_ids: list[int] = (tokenizer.encode(think.force_text, add_special_tokens=False)
                                      if think.force_text else [])
         self.bank: ProbeBank | None = None
+        # the shift gate (None: the bundle has none, or the operator turned it off)
+        self.gate: ShiftGate | None = None
         if self.bundle is not None:
             g = self.bundle.give_up
+            if shift_action != "off":
+                self.gate = self.bundle.load_gate(device)
             self.bank = ProbeBank(self.bundle.load_probe(), window=self.bundle.window,
                                   capacity=capacity, device=device,
                                   give_up=None if g is None else
-                                  (self.bundle.load_give_up_probe(), g.window))
+                                  (self.bundle.load_give_up_probe(), g.window),
+                                  gate=self.gate, gate_lam=safe_lam(self.bundle, shift_action))
+        self.shift_action = shift_action
+
+    def gate_threshold(self, alpha: float | None) -> float:
+        """The gate's score threshold for a request at level `alpha` (None: the bundle's);
+        inf when the gate does not run for it (no gate, or alpha 0)."""
+        if self.gate is None:
+            return math.inf
+        return self.gate.threshold(self.gate.alpha if alpha is None else alpha)
 
     @property
     def checksum(self) -> str | None:
@@ -70,6 +87,14 @@ class Deployment:
         b = self.bundle
         return {"bundle": self.path, "checksum": None if b is None else b.checksum,
                 "default_delta": self.default_delta, "normalization": self.normalization}
+
+
+def safe_lam(bundle: Any, action: str) -> float:
+    """The threshold a request the gate flags runs with: never stop ("full"), or the bundle's
+    most conservative lambda* ("strict": the largest)."""
+    if action != "strict":
+        return NEVER
+    return max(lam_from_json(r.lam) for r in bundle.ltt.rows)
 
 
 class Deployments:

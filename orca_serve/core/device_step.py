@@ -117,19 +117,26 @@ class DeviceStep:
         in_order = len(p.groups) == 1 and len(p.scored) == phi.shape[0]  # scored = emitted
         phi_s = phi if in_order else phi.index_select(0, v.long(IDX["scored"]))  # [m, d]
         lam, slots = v.float(IDX["bank_lam"]), v.long(IDX["scored_slots"])
-        mu = v.float(IDX["bank_mu"])
+        hit_lam = v.float(IDX["hit_lam"])
+        mu, thr = v.float(IDX["bank_mu"]), v.float(IDX["bank_gate"])
         res = [dep.bank.step(p.scored_slots[a:b], phi_s[a:b], lam[a:b], rows_dev=slots[a:b],
-                             mu=mu[a:b])
+                             mu=mu[a:b], gate_thr=thr[a:b])
                for dep, a, b in p.groups]
         # a deployment without a give-up probe: score 1 (it would not give up), flag False
+        # would-stop thresholds as the gate leaves them (one definition: the bank's)
+        hit_thr = [dep.bank.gated_lam(hit_lam[a:b], r) for (dep, a, b), r in zip(p.groups, res)]
+        hit_thr = hit_thr[0] if len(hit_thr) == 1 else torch.cat(hit_thr)
+        # and without a shift gate: score 0, never flagged
         for r in res:
             if r.give_up is None:
                 r.give_up_score, r.give_up = torch.ones_like(r.smoothed), torch.zeros_like(r.stop)
+            if r.gate_flag is None:
+                r.gate_score, r.gate_flag = torch.zeros_like(r.smoothed), torch.zeros_like(r.stop)
         # [m] each: slices of device tensors and their concatenation wait for nothing
-        smoothed, stop, steps, g, gave = (
-            (res[0].smoothed, res[0].stop, res[0].steps, res[0].give_up_score, res[0].give_up)
-            if len(res) == 1 else tuple(torch.cat([getattr(r, k) for r in res]) for k in (
-                "smoothed", "stop", "steps", "give_up_score", "give_up")))
+        keys = ("smoothed", "stop", "steps", "give_up_score", "give_up", "gate_score", "gate_flag")
+        smoothed, stop, steps, g, gave, gate_score, flagged = (
+            tuple(getattr(res[0], k) for k in keys) if len(res) == 1
+            else tuple(torch.cat([getattr(r, k) for r in res]) for k in keys))
         # a give-up ends the request like a stop: the same first forced token
         end = stop | gave
         if p.cand_pos:
@@ -141,6 +148,7 @@ class DeviceStep:
             # (index_put_: index_add_ entered an OpenMP region that spun on a busy CPU)
             logits.index_put_((rows,), bias[:, None].expand(-1, logits.shape[1]), accumulate=True)
             logits.index_put_((rows, ids), keep.masked_fill_(flag, 0.0))
-        hit = smoothed >= v.float(IDX["hit_lam"])
+        hit = smoothed >= hit_thr
         self.readback.start(torch.stack([smoothed.float(), hit.float(), steps.float(),
-                                         g.float(), gave.float()]))
+                                         g.float(), gave.float(), gate_score.float(),
+                                         flagged.float()]))

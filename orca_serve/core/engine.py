@@ -73,10 +73,11 @@ class OrcaCore:
                  max_num_seqs: int, device: torch.device, pin_memory: bool = False) -> None:
         device = torch.device(device)
         self.capacity = 2 * max(1, int(max_num_seqs))  # preempted requests keep their slot
+        defaults = {**DEFAULTS, **(cfg.get("defaults") or {})}
         self.deployments = Deployments(cfg, tokenizer, hidden_size=hidden_size,
                                        model_name=model_name, eos_ids=set(eos_ids),
-                                       capacity=self.capacity, device=device)
-        defaults = {**DEFAULTS, **(cfg.get("defaults") or {})}
+                                       capacity=self.capacity, device=device,
+                                       shift_action=defaults["shift_action"])
         self.admission = Admission(self.deployments, defaults,
                                    record_default=bool(cfg.get("record", False)),
                                    default_eos=default_eos,

@@ -43,6 +43,7 @@ class StepPlan:
     bank_lam: list[float] = field(default_factory=list)  # the bank's threshold (NEVER: none)
     hit_lam: list[float] = field(default_factory=list)  # the would-stop threshold
     bank_mu: list[float] = field(default_factory=list)  # the give-up threshold (-inf: none)
+    bank_gate: list[float] = field(default_factory=list)  # the shift gate's threshold (inf: none)
     scored_slots: list[int] = field(default_factory=list)
     cand_pos: list[int] = field(default_factory=list)  # scored steps whose stop forces now:
     cand_rows: list[int] = field(default_factory=list)  # their logits row
@@ -63,7 +64,7 @@ class StepPlan:
 
 STAGED = ("pool_rows", "pool_slots", "lag_slots", "park_rows", "park_slots", "op_slots",
           "op_kinds", "emit_ops", "emit_slots", "emit_counts", "scored", "bank_lam", "hit_lam",
-          "bank_mu", "scored_slots", "cand_pos", "cand_rows", "cand_ids", "forced_rows",
+          "bank_mu", "bank_gate", "scored_slots", "cand_pos", "cand_rows", "cand_ids", "forced_rows",
           "forced_ids", "greedy_rows")
 IDX = {name: i for i, name in enumerate(STAGED)}
 
@@ -170,13 +171,16 @@ def _plan_scoring(p: StepPlan, scored: list[tuple[Deployment, Request, int, int,
             p.groups.append((scored[j - 1][0], start, j))
             start = j
         shadow = not req.policy.rule.acts
+        # a request the shift gate flagged runs with its deployment's safe threshold
+        lam = dep.bank.gate_lam if req.shift_flagged else req.lam
         p.scored.append(e)
         p.scored_slots.append(req.slot)
-        p.bank_lam.append(NEVER if shadow else req.lam)
-        p.hit_lam.append(NEVER if shadow and req.would_stop_step is not None else req.lam)
-        # shadow (audited) requests run to the end: they never give up
+        p.bank_lam.append(NEVER if shadow else lam)
+        p.hit_lam.append(NEVER if shadow and req.would_stop_step is not None else lam)
+        # shadow (audited) requests run to the end: they never give up; nor do flagged ones
         mu = req.spec.give_up_mu
-        p.bank_mu.append(GIVE_UP_NEVER if shadow or mu is None else mu)
+        p.bank_mu.append(GIVE_UP_NEVER if shadow or mu is None or req.shift_flagged else mu)
+        p.bank_gate.append(req.shift_thr)
         p.pending.append((req, n, guard, 1 + len(req.draft_rows)))
         if not guard and not shadow:
             for _, r, t in forced_rows(req, row, n, request_plan(req, n).forced):
@@ -191,13 +195,16 @@ def apply_readback(pending: list[tuple[Request, int, bool, int]], host: list[lis
     """The previous step's decisions reach the host: scores, would-stop, stop and give-up steps,
     and the rest of each stop's forced text (its first token was forced on the device; a
     give-up forces the same first token as a stop: core/stopping.py)."""
-    sm, hit, steps, give_up, gave = host
+    sm, hit, steps, give_up, gave, gate_score, flagged = host
     stats["steps_scored"] += len(pending)
     for i, (req, pos, guard_stopped, rows) in enumerate(pending):
         req.scores.append(sm[i])
         req.steps_scored = int(steps[i])
         if req.dep.bank.give_up is not None:
             req.last_give_up = give_up[i]
+        if req.gated and req.steps_scored == req.dep.gate.steps:
+            req.shift_pvalue = req.dep.gate.pvalue(gate_score[i])
+            req.shift_flagged = flagged[i] >= 0.5
         if gave[i] >= 0.5:
             if guard_stopped:
                 continue  # the budget guard closed it at this step already: its plan stands

@@ -10,6 +10,7 @@ for a while (preemption) is parked with its slot, and resumes with its state.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -43,8 +44,9 @@ class Request:
                  "greedy", "guard_pos", "handle", "ident", "ignore_eos", "index", "key", "lag",
                  "last_give_up", "left_at", "max_tokens", "n_seen", "notes",
                  "output", "plan", "policy", "prompt", "prompt_reasoning", "record", "scores",
-                 "seg", "slot", "snapshot", "spec", "step_counts", "step_embs", "steps_scored",
-                 "stop_reason", "stop_step", "stopped", "would_stop_step")
+                 "seg", "shift_flagged", "shift_pvalue", "shift_thr", "slot", "snapshot", "spec",
+                 "step_counts", "step_embs", "steps_scored", "stop_reason", "stop_step",
+                 "stopped", "would_stop_step")
 
     def __init__(self, ident: str, spec: RequestSpec, dep: Deployment, seg: Segmenter, *,
                  index: int, key: str | None, policy: Policy, max_tokens: int | None,
@@ -91,6 +93,11 @@ class Request:
         self.error: str | None = None
         self.handle: Any = None
         self.bundle_checksum = dep.checksum  # None when no deployment of its bundle was live
+        # the shift gate: its score threshold for this request (inf: not gated), its p-value
+        # once decided, and whether it flagged the request (then the deployment's safe lambda)
+        self.shift_thr = dep.gate_threshold(spec.shift_alpha) if spec.enabled else math.inf
+        self.shift_pvalue: float | None = None
+        self.shift_flagged = False
 
     @property
     def enabled(self) -> bool:
@@ -99,6 +106,17 @@ class Request:
     @property
     def lam(self) -> float | None:
         return self.spec.lam
+
+    @property
+    def gated(self) -> bool:
+        return self.shift_thr != math.inf
+
+    @property
+    def shift_alpha(self) -> float | None:
+        """The gate's level this request ran with (None: the gate did not run for it)."""
+        if not self.gated:
+            return None
+        return self.dep.gate.alpha if self.spec.shift_alpha is None else self.spec.shift_alpha
 
     def fail(self, msg: str, *, log_it: bool = True) -> None:
         if self.error is None:
@@ -128,7 +146,8 @@ class Request:
             reasoning_closed=self.stopped or (self.seg.fed > 0 and not self.seg.reasoning),
             prompt_reasoning_tokens=self.prompt_reasoning,
             give_up_mu=self.spec.give_up_mu, give_up_step=self.give_up_step,
-            last_give_up_score=self.last_give_up)
+            last_give_up_score=self.last_give_up, shift_alpha=self.shift_alpha,
+            shift_pvalue=self.shift_pvalue, shift_flagged=self.shift_flagged)
         if self.record:
             embs, counts = list(self.step_embs), list(self.step_counts)
             ids = [list(s) for s in self.seg.steps]

@@ -19,7 +19,10 @@ reads it from the `vllm_config` its constructor gets):
                   "answer_budget": 64,
                   # what a request that gives up returns: "guess" (its stop plan) or "message"
                   # (the end-of-thinking text, give_up_message or contract.GIVE_UP_MESSAGE, EOS)
-                  "give_up_policy": "guess", "give_up_message": None},
+                  "give_up_policy": "guess", "give_up_message": None,
+                  # the shift gate: its level (None: the bundle's; 0: off) and what a flagged
+                  # request gets (contract.SHIFT_ACTIONS)
+                  "shift_alpha": None, "shift_action": "full"},
      # bookkeeping of unfetched results:
      "result_ttl_s": 600, "max_results": 10000}
 """

@@ -1,0 +1,95 @@
+"""The bundle's shift gate (orca_method/shift_gate.py, docs/METHOD.md section 11), built offline.
+
+Two ways in:
+- `gate_from_trajectories`: from the job's own trajectory set (the calibrate stage does this):
+  fitted on the training split's first steps, scored on the calibration split's.
+- `orca-calibrate gate` (`add_gate`): for a bundle that has none (an older bundle, an imported
+  probe), from fresh in-distribution prompts run only as far as the gate reads (their first
+  steps, in record mode: the plugin's own embeddings, so the features are the server's). Cheap:
+  a few dozen tokens per prompt instead of a whole trace.
+
+The p-values are valid for requests exchangeable with the scored (calibration) prompts; the
+fitted half may be anything, which is why the two halves must be different prompts.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from orca_method.bundle import Bundle, GateReference, gate_reference, load_bundle, save_bundle
+from orca_method.shift_gate import DEFAULT_GATE_ALPHA, DEFAULT_GATE_RANK, DEFAULT_GATE_STEPS, gate_features
+from orca_method.trajectories import TrajectorySet
+
+if TYPE_CHECKING:
+    from orca_calibrate.collect import Collector
+
+
+def _features(embeddings: Sequence[np.ndarray], steps: int) -> np.ndarray:
+    rows = [f for f in (gate_features(e, steps) for e in embeddings) if f is not None]
+    return np.stack(rows) if rows else np.empty((0, 0))
+
+
+def gate_from_trajectories(ts: TrajectorySet, *, steps: int = DEFAULT_GATE_STEPS,
+                           alpha: float = DEFAULT_GATE_ALPHA,
+                           rank: int = DEFAULT_GATE_RANK) -> GateReference | None:
+    """The gate fitted on the training split and scored on the calibration split (None when
+    either has too few trajectories long enough to be gated)."""
+    fit = _features([ts.embeddings(i) for i in ts.split("train")], steps)
+    cal = _features([ts.embeddings(i) for i in ts.split("calibration")], steps)
+    if len(fit) < 2 or len(cal) < 1:
+        return None
+    return gate_reference(fit, cal, steps=steps, alpha=alpha, rank=rank)
+
+
+def split_features(features: np.ndarray, fit_fraction: float, seed: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """A seeded split of the features into the fitted part and the scored part."""
+    order = np.random.default_rng(seed).permutation(len(features))
+    k = int(round(fit_fraction * len(features)))
+    return features[order[:k]], features[order[k:]]
+
+
+def gate_collector(model: str, bundle: Bundle, *, max_tokens: int, temperature: float,
+                   seed: int, engine: dict[str, Any]) -> Collector:
+    """A record-mode engine with the bundle's segmentation, think tags and normalisation, that
+    runs each prompt for `max_tokens` (enough for the gate's steps + 1)."""
+    from orca_calibrate.collect import CollectSettings, Collector  # deferred: vLLM
+
+    settings = CollectSettings(
+        temperature=temperature, max_tokens=max_tokens, seed=seed, batch=256,
+        segmentation=bundle.segmentation.model_dump(), think=bundle.think.model_dump(),
+        normalization=bundle.normalization, engine=engine)
+    return Collector(model, settings)
+
+
+def first_step_features(collector: Collector, prompts: list[dict], steps: int) -> np.ndarray:
+    """Gate features of `prompts` ([N, d]). Prompts whose output ends before step `steps` + 1
+    are left out (noted), as the server never gates them."""
+    records = collector.record(prompts)
+    feats = _features([np.asarray(r["step_embeddings"]) for r in records
+                       if r.get("step_embeddings") is not None], steps)
+    if len(feats) < len(prompts):
+        print(f"note: {len(prompts) - len(feats)} of {len(prompts)} prompts ended before step "
+              f"{steps + 1} within {collector.settings.max_tokens} tokens; left out",
+              file=sys.stderr)
+    return feats
+
+
+def add_gate(bundle_path: Path, out: Path, features: np.ndarray, *, steps: int, alpha: float,
+             rank: int, fit_fraction: float, seed: int) -> Bundle:
+    """The bundle with a gate fitted on part of `features` and scored on the rest, re-sealed."""
+    bundle = load_bundle(bundle_path)
+    if features.shape[1] != bundle.model.hidden_size:
+        raise ValueError(f"features have width {features.shape[1]}, the bundle's model "
+                         f"{bundle.model.hidden_size}")
+    fit, cal = split_features(features, fit_fraction, seed)
+    if len(fit) < 2 or len(cal) < 1:
+        raise ValueError(f"{len(features)} usable prompts are too few for a gate (fitted "
+                         f"{len(fit)}, scored {len(cal)}); give more prompts")
+    ref = gate_reference(fit, cal, steps=steps, alpha=alpha, rank=rank)
+    return save_bundle(bundle.model_copy(update={"shift_gate": ref}), out)

@@ -1,0 +1,136 @@
+"""The per-request shift gate: is this request like the calibration set, decided on its first steps.
+
+LTT's guarantee holds for requests exchangeable with the calibration split. The gate tests that
+premise for each request, without labels, before any lambda* may stop it: a nonconformity score
+of the request's gate features (the mean of its first `steps` step embeddings, the vectors the
+probe reads anyway) against a reference fitted on the training split, turned into a conformal
+p-value against the calibration split's own scores:
+
+    p = (1 + #{i : s_i >= s}) / (n + 1)
+
+Under exchangeability of the request with the n calibration requests, P(p <= alpha) <= alpha
+(split conformal, Vovk et al. 2005; Angelopoulos & Bates 2021): on in-distribution traffic at
+most alpha of requests are flagged. A flagged request is served by the operator's safe action
+(full reasoning by default), so on traffic the gate catches the stop error is that action's.
+
+The score: a Mahalanobis distance in the top `rank` principal directions of the training
+features plus the squared residual outside them, scaled by its training mean (PCA Mahalanobis
+with a residual term, as in feature-space out-of-distribution detection, Lee et al. 2018). It is
+O(d * rank) per request, and the reference is O(d * rank) numbers whatever the model's size.
+
+Flagging at level alpha is `s > threshold(alpha)`: with sorted calibration scores s_(1..n) and
+k = n + 1 - floor(alpha (n + 1)), p <= alpha exactly when s > s_(k) (never when k > n). The
+engine compares on the device against the request's threshold; the host computes p for the
+report from the score read back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+DEFAULT_GATE_STEPS = 1  # steps whose embeddings the gate reads: decided at the first step
+DEFAULT_GATE_ALPHA = 0.05  # in-distribution requests flagged, at most
+DEFAULT_GATE_RANK = 16  # principal directions kept
+_EPS = 1e-6
+
+
+def gate_features(step_embeddings: Sequence[np.ndarray], steps: int) -> np.ndarray | None:
+    """The gate's features of one trajectory: the mean of its first `steps` step embeddings.
+
+    None when the trajectory has fewer than `steps + 1` steps: the server never scores a trace's
+    last step (the end of thinking closes it), so a request that short is never gated."""
+    e = np.asarray(step_embeddings, dtype=np.float64)
+    if e.ndim != 2 or e.shape[0] < steps + 1:
+        return None
+    return e[:steps].mean(axis=0)
+
+
+def fit_gate(fit: np.ndarray, cal: np.ndarray, rank: int = DEFAULT_GATE_RANK
+             ) -> tuple[dict[str, np.ndarray], list[float]]:
+    """The reference's tensors from the training split's features and the calibration split's
+    sorted scores. fit: [N, d], cal: [M, d] (disjoint sets of requests: the p-values are valid
+    for requests exchangeable with `cal`, whatever `fit` is)."""
+    fit = np.asarray(fit, dtype=np.float64)
+    cal = np.asarray(cal, dtype=np.float64)
+    if fit.ndim != 2 or cal.ndim != 2 or fit.shape[1] != cal.shape[1]:
+        raise ValueError(f"gate features must be [N, d] and [M, d], got {fit.shape} and "
+                         f"{cal.shape}")
+    if fit.shape[0] < 2 or cal.shape[0] < 1:
+        raise ValueError(f"the gate needs >= 2 fitting and >= 1 calibration requests, got "
+                         f"{fit.shape[0]} and {cal.shape[0]}")
+    mean = fit.mean(axis=0)  # [d]
+    centred = fit - mean
+    _, sv, vt = np.linalg.svd(centred, full_matrices=False)
+    r = max(1, min(rank, fit.shape[0] - 1, fit.shape[1]))
+    basis = vt[:r]  # [r, d]
+    var = sv[:r] ** 2 / (fit.shape[0] - 1) + _EPS  # [r]
+    resid = centred - (centred @ basis.T) @ basis  # [N, d]
+    res_scale = float((resid ** 2).sum(axis=1).mean()) + _EPS
+    tensors = {"mean": mean, "basis": basis, "var": var, "res_scale": np.array([res_scale])}
+    scores = _score_np(tensors, cal)
+    return ({k: v.astype(np.float32) for k, v in tensors.items()},
+            sorted(float(s) for s in scores))
+
+
+def _score_np(t: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+    c = x - t["mean"]  # [m, d]
+    z = c @ t["basis"].T  # [m, r]
+    resid = (c ** 2).sum(axis=1) - (z ** 2).sum(axis=1)
+    return (z ** 2 / t["var"]).sum(axis=1) + np.maximum(resid, 0.0) / t["res_scale"][0]
+
+
+def threshold(scores: Sequence[float], alpha: float) -> float:
+    """The score above which a request is flagged at level alpha (module docstring); inf when
+    no request can be (alpha below 1 / (n + 1), or alpha = 0: the gate off)."""
+    n = len(scores)
+    k = n + 1 - math.floor(alpha * (n + 1))
+    if k < 1:  # alpha = 1: every request
+        return -math.inf
+    return math.inf if k > n else float(scores[k - 1])
+
+
+def pvalue(scores: Sequence[float], s: float) -> float:
+    """The conformal p-value of score `s` against the sorted calibration scores."""
+    n = len(scores)
+    at_least = n - int(np.searchsorted(np.asarray(scores), s, side="left"))
+    return (1 + at_least) / (n + 1)
+
+
+class ShiftGate:
+    """A bundle's gate on a device: `score` for a batch of feature rows, thresholds and p-values
+    on the host (see the module docstring)."""
+
+    def __init__(self, tensors: dict[str, Tensor], scores: Sequence[float], steps: int,
+                 alpha: float, device: str | torch.device = "cpu") -> None:
+        import torch  # deferred: the CLI reads this module's defaults without torch
+
+        self.steps, self.alpha = int(steps), float(alpha)
+        self.scores = [float(s) for s in scores]
+        dev = torch.device(device)
+        self.mean = tensors["mean"].to(dev, torch.float32)  # [d]
+        self.basis = tensors["basis"].to(dev, torch.float32)  # [r, d]
+        self.var = tensors["var"].to(dev, torch.float32)  # [r]
+        self.res_scale = float(tensors["res_scale"].reshape(-1)[0])
+
+    def score(self, x: Tensor) -> Tensor:
+        """x: [m, d] gate features -> [m] nonconformity scores (no host sync; no autograd: the
+        inputs never require grad)."""
+        c = x.float() - self.mean  # [m, d]
+        z = c @ self.basis.T  # [m, r]
+        zz = z.square()
+        resid = (c.square().sum(1) - zz.sum(1)).clamp_(min=0.0)  # [m]
+        return (zz / self.var).sum(1) + resid / self.res_scale
+
+    def threshold(self, alpha: float) -> float:
+        return threshold(self.scores, alpha)
+
+    def pvalue(self, s: float) -> float:
+        return pvalue(self.scores, s)

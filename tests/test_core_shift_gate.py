@@ -1,0 +1,83 @@
+"""The shift gate in the engine-step core (orca_serve.core), driven by the simulated engine of
+tests/core_sim.py: a bundle whose gate was fitted on features far from the simulated requests'
+(every request is flagged at its first step) serves flagged requests with the operator's safe
+action, never gives them up, and reports the gate in each result."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from orca_method.bundle import gate_reference
+from orca_serve.contract import XARG_GIVE_UP_MU, XARG_KEY, XARG_LAM, XARG_SHIFT_ALPHA, OrcaResult
+from tests.bundles import tiny_bundle, with_give_up, write_bundle
+from tests.core_sim import DIM, ID, WINDOW, SimRequest, make_core, run, sim_probe
+
+
+def _far_gate():
+    """A gate fitted on features clustered around one direction: the simulated requests' step
+    embeddings (means of random unit rows) are far from it."""
+    rng = np.random.default_rng(0)
+    centre = np.zeros(DIM)
+    centre[0] = 1.0
+    fit = centre + 0.01 * rng.normal(size=(40, DIM))
+    cal = centre + 0.01 * rng.normal(size=(39, DIM))
+    return gate_reference(fit, cal, steps=1, alpha=0.05, rank=4)
+
+
+@pytest.fixture(scope="module")
+def gated_path(tmp_path_factory):
+    b = with_give_up(tiny_bundle(sim_probe(), [(0.05, None), (0.1, 0.75)], vocab=ID,
+                                 window=WINDOW, default_delta=0.1, name="fake", hidden_size=DIM),
+                     [(0.05, 0.1), (0.1, 0.2)], bias=-2.0)
+    b = b.model_copy(update={"shift_gate": _far_gate()})
+    return write_bundle(b, tmp_path_factory.mktemp("gated") / "bundle.json")
+
+
+def _run(path, requests: dict[str, dict], **cfg):
+    core = make_core(path, max_num_seqs=4, **cfg)
+    rng = random.Random(0)
+    sims = [SimRequest(name, rng, xa={XARG_KEY: name, **xa}, max_tokens=60, join_at=0)
+            for name, xa in requests.items()]
+    run(core, sims)
+    res = {k: OrcaResult.from_wire(v) for k, v in core.pop_results(list(requests)).items()}
+    assert core.pool.free_count == core.capacity
+    return {s.name: s for s in sims}, res
+
+
+def test_a_flagged_request_reasons_in_full_and_never_gives_up(gated_path):
+    now = {XARG_LAM: 0.0}  # lambda 0 stops every ungated request at its first step
+    sims, res = _run(gated_path, {
+        "flagged": dict(now),
+        "flagged-two-sided": {**now, XARG_GIVE_UP_MU: 0.2},  # would give up at step 1 too
+        "ungated": {**now, XARG_SHIFT_ALPHA: 0, "orca_answer_budget": 4},
+    })
+    for name in ("flagged", "flagged-two-sided"):
+        r = res[name]
+        assert r.shift_flagged and r.shift_alpha == 0.05, name
+        assert r.shift_pvalue == pytest.approx(1 / 40), name  # above every calibration score
+        # full reasoning: until the end-of-max_tokens guard closes it ("budget"), not the probe
+        assert not r.stopped_early and r.stop_reason == "budget" and r.give_up_step is None, name
+        assert r.steps_scored > 1 and r.ended == "full", name
+    r = res["ungated"]
+    assert r.stopped_early and r.stop_step == 1
+    assert r.shift_alpha is None and "shift_flagged" not in r.to_dict()
+    assert len(sims["ungated"].out) < len(sims["flagged"].out)
+
+
+def test_strict_serves_the_most_conservative_lambda(gated_path):
+    _, res = _run(gated_path, {"r": {XARG_LAM: 0.0}},
+                  defaults={"shift_action": "strict"})
+    r = res["r"]
+    assert r.shift_flagged
+    # the table's largest lambda* (0.75) from the gate's step on: never below it
+    assert not r.stopped_early or r.scores[r.stop_step - 1] >= 0.75
+
+
+def test_action_off_and_alpha_defaults(gated_path):
+    _, res = _run(gated_path, {"r": {XARG_LAM: 0.0}}, defaults={"shift_action": "off"})
+    assert res["r"].stopped_early and res["r"].shift_alpha is None
+    _, res = _run(gated_path, {"r": {XARG_LAM: 0.0}}, defaults={"shift_alpha": 0.2})
+    assert res["r"].shift_alpha == 0.2 and res["r"].shift_flagged
