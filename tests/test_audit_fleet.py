@@ -113,6 +113,28 @@ def test_snapshots_on_the_store_bound_the_replay(redis_store):
     other.journal.close()
 
 
+def test_a_snapshot_of_events_the_store_no_longer_holds_is_not_used(redis_store, monkeypatch):
+    """The list lost its last events below the snapshot's length (a store restored from an
+    older copy, the snapshot key not) and grew back to that length with other events: the
+    snapshot's digest of its last event no longer matches, so the next replica replays the
+    list rather than fold the lost audit's loss in place of its replacement's."""
+    monkeypatch.setattr("orca_serve.live_audit.state.SNAPSHOT_EVERY", 50)
+    audit = _on_store(redis_store.url)
+    for i in range(25):
+        audit.observe(*known_loss(i == 24))  # the snapshot covers the last one, loss 1
+    audit.journal.close()
+    r = redis.Redis.from_url(redis_store.url)
+    events = f"orca:guard:{bundle().checksum}:events"
+    r.ltrim(events, 0, 47)  # its admission and outcome are lost
+    again = _on_store(redis_store.url)  # the snapshot covers more than the list: replayed
+    again.observe(*known_loss(False))  # the replacement: back to the snapshot's length
+    again.journal.close()
+    assert r.llen(events) == 50
+    third = _on_store(redis_store.url)
+    assert third.replayed == 50 and third.guard(DELTA).cs.mean == 0.0
+    third.journal.close()
+
+
 def _admit_and_die(url: str) -> None:
     audit = LiveAudit(bundle(), AuditConfig(rate=1.0))
     audit.attach(RedisJournal(url, bundle().checksum, owner_ttl=0.5))

@@ -20,6 +20,9 @@ every process, under keys named by the bundle's full checksum:
 - **Owners**: each process sets its owner key with a TTL (`OWNER_TTL`) and a daemon thread
   renews it every third of that; a process that died stops renewing, its key expires, and the
   next process that reaps journals its open admissions as `lost`.
+- **Snapshots** carry the SHA-256 of the last event they cover, checked against the list
+  before one is used (as the file journal's digest: journal.py, "Snapshots"), and corrupt
+  elements are skipped by the file journal's rule (journal.py, "Corrupt lines").
 - **Durability** is the server's: with `appendonly yes` and `appendfsync always` an event
   acknowledged is on the store's disk (the file journal's guarantee); with Redis's default
   (`everysec`) a crash of the store may lose the last second, which the processes then detect
@@ -28,7 +31,9 @@ every process, under keys named by the bundle's full checksum:
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import threading
 import time
 import uuid
@@ -37,7 +42,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from orca_serve.live_audit.journal import snapshot_offset
+from orca_serve.live_audit.journal import parse_events, snapshot_offset
+
+logger = logging.getLogger("orca_serve.live_audit")
 
 OWNER_TTL = 15.0  # seconds an owner key lives without a heartbeat
 TIMEOUT = 2.0  # seconds a store call may take before the store counts as unreachable
@@ -84,6 +91,8 @@ class RedisJournal:
         self.path = f"{shown_url(url)} {self._events}"
         self._script = self._client.register_script(_APPEND_READ)
         self._offset = 0  # list elements this process has read
+        self._last: bytes | None = None  # the element at _offset - 1 (a snapshot's check)
+        self.skipped = 0
         self._renew()  # first: reaping by others must not see our admissions as orphans
         self._client.set(self._created_key, repr(time.time()), nx=True)
         self.created = self._client.get(self._created_key).decode()
@@ -113,19 +122,30 @@ class RedisJournal:
             raise StoreRolledBack(f"the store's {self._events} lost events this process "
                                   f"applied ({n} events, {self._offset} read)")
         self._offset = int(n)
-        return [json.loads(e) for e in new]
+        if new:
+            self._last = new[-1]
+        events, skipped = parse_events(new, self.path)
+        self.skipped += skipped
+        return events
 
     def read(self) -> list[dict[str, Any]]:
         return self._call("")
 
     def append(self, event: dict[str, Any], durable: bool = True) -> list[dict[str, Any]]:
         """Append one event (durable or not is the store's configuration: module docstring)."""
-        return [*self._call(json.dumps(event, separators=(",", ":"))), event]
+        line = json.dumps(event, separators=(",", ":"))
+        before = self._call(line)
+        self._last = line.encode()
+        return [*before, event]
+
+    @staticmethod
+    def _digest(element: bytes | None) -> str:
+        return hashlib.sha256(element or b"").hexdigest()
 
     def write_snapshot(self, state: dict[str, Any]) -> None:
         self._client.set(self._snapshot, json.dumps(
             {"bundle_checksum": self.checksum, "created": self.created, "offset": self._offset,
-             "state": state}, separators=(",", ":")))
+             "digest": self._digest(self._last), "state": state}, separators=(",", ":")))
 
     def read_snapshot(self) -> dict[str, Any] | None:
         raw = self._client.get(self._snapshot)
@@ -134,14 +154,16 @@ class RedisJournal:
         except ValueError:
             return None
         offset = snapshot_offset(snap, self.checksum, self.created,
-                                 self._client.llen(self._events))
+                                 self._client.llen(self._events),
+                                 lambda at: self._digest(self._client.lindex(self._events,
+                                                                             at - 1)))
         if offset is None:
             return None
         self._offset = offset
         return snap["state"]
 
     def rewind(self) -> None:
-        self._offset = 0
+        self._offset, self.skipped = 0, 0
 
     def alive(self, owner: str) -> bool:
         return owner == self.owner or bool(self._client.exists(self._owner_key(owner)))
