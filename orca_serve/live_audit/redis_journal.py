@@ -19,7 +19,10 @@ every process, under keys named by the bundle's full checksum:
   because events others applied are gone and the processes' states can no longer agree.
 - **Owners**: each process sets its owner key with a TTL (`OWNER_TTL`) and a daemon thread
   renews it every third of that; a process that died stops renewing, its key expires, and the
-  next process that reaps journals its open admissions as `lost`.
+  next process that reaps journals its open admissions as `lost`. A renewal and `close` take
+  one lock, so a beat never runs on a closed client nor sets the key again after `close`
+  deleted it; a renewal that fails (any exception) is logged and retried at the next beat,
+  never ending the heartbeat.
 - **Snapshots** carry the SHA-256 of the last event they cover, checked against the list
   before one is used (as the file journal's digest: journal.py, "Snapshots"), and corrupt
   elements are skipped by the file journal's rule (journal.py, "Corrupt lines").
@@ -97,6 +100,7 @@ class RedisJournal:
         self._client.set(self._created_key, repr(time.time()), nx=True)
         self.created = self._client.get(self._created_key).decode()
         self._stop = threading.Event()
+        self._beat_lock = threading.Lock()  # a renewal and close() never overlap
         self._heart = threading.Thread(target=self._beat, name="orca-audit-owner", daemon=True)
         self._heart.start()
 
@@ -107,13 +111,20 @@ class RedisJournal:
         self._client.set(self._owner_key(self.owner), "1", px=int(self.owner_ttl * 1000))
 
     def _beat(self) -> None:
-        """Renew the owner key until closed; a failed renewal is retried at the next beat (the
-        request path is what notices an unreachable store)."""
+        """Renew the owner key until closed; a failed renewal is logged and retried at the next
+        beat (the request path is what notices an unreachable store)."""
         while not self._stop.wait(self.owner_ttl / 3):
-            try:
-                self._renew()
-            except redis.RedisError:
-                pass
+            with self._beat_lock:
+                if self._stop.is_set():  # closed while this beat waited for the lock
+                    return
+                try:
+                    self._renew()
+                except redis.RedisError:
+                    pass  # unreachable: the request path says so (fleet.py)
+                except Exception:  # noqa: BLE001 - the heartbeat must outlive any one beat
+                    logger.warning("orca audit: renewing the owner key %s failed; retrying "
+                                   "at the next beat", self._owner_key(self.owner),
+                                   exc_info=True)
 
     def _call(self, event: str) -> list[dict[str, Any]]:
         n, created, new = self._script(keys=[self._events, self._created_key],
@@ -171,9 +182,12 @@ class RedisJournal:
     def close(self) -> None:
         """Stop the heartbeat and give up the owner key (best effort: an unreachable store lets
         it expire), so the others reap what this process left open."""
-        self._stop.set()
-        try:
-            self._client.delete(self._owner_key(self.owner))
-        except redis.RedisError:
-            pass
-        self._client.close()
+        with self._beat_lock:  # after a renewal in flight, before any other
+            self._stop.set()
+            try:
+                self._client.delete(self._owner_key(self.owner))
+            except redis.RedisError:
+                pass
+            self._client.close()
+        if self._heart is not threading.current_thread():
+            self._heart.join(timeout=self.owner_ttl)
