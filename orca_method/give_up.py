@@ -16,6 +16,15 @@ holds whatever delta a request picks, with its own epsilon on the same calibrati
 joint statement, by the union bound: docs/METHOD.md section 9). A right answer only before
 tau_g costs nothing here: no continuation from tau_g returns to it.
 
+What the loss must count depends on what a given-up request serves (`--orca-give-up-policy`,
+docs/METHOD.md section 9 "The guarantee per give-up policy"). Under "guess" it still answers,
+with its answer at tau_g, and the loss above bounds what it costs both under raw labels and
+under the stop risk's own cumulative accounting (a trace counts as right at every step from
+its first right one on). Under "message" it answers nothing: by the cumulative accounting
+every give-up on a trace that is ever right is a request lost, though continuing would not
+have returned to a right answer, so its loss is ``1{it gives up} * 1{some step is right}``
+(the pre-2026-11-26 loss); a mu* certified for "guess" does not hold for it.
+
 LTT over mu: the grid runs from 0.0 (conservative: give up only on a score of 0) up to 1.0;
 ``H_j: risk(mu_j) >= delta_2`` gets the exact binomial p-value and fixed-sequence testing keeps
 the last rejected mu (`orca_method.ltt`, the same tests as lambda*).
@@ -30,7 +39,14 @@ import numpy as np
 
 from orca_method.ltt import PVALUES, n_rejected
 from orca_method.risk import Ragged, stop_indices, values_at
-from orca_method.outcomes import ENDED_EARLY, FULL, GAVE_UP
+from orca_method.outcomes import (
+    ENDED_EARLY,
+    FULL,
+    GAVE_UP,
+    GIVE_UP_GUESS,
+    GIVE_UP_MESSAGE,
+    GIVE_UP_POLICIES,
+)
 from orca_method.thresholds import GIVE_UP_NEVER
 
 
@@ -69,10 +85,17 @@ def right_ahead(labels: Sequence[int]) -> np.ndarray:
     return np.maximum.accumulate(raw[::-1])[::-1].copy()
 
 
-def give_up_losses(tau_g: np.ndarray, lengths: np.ndarray, last: np.ndarray) -> np.ndarray:
-    """0/1 loss (int8, shape of ``tau_g`` [mus, traces]): the trace gave up at or before its
-    last right step ``last`` (`last_right`, per trace), so a right answer lay ahead."""
-    return (gave_up(tau_g, lengths) & (tau_g <= np.asarray(last))).astype(np.int8)
+def give_up_losses(tau_g: np.ndarray, lengths: np.ndarray, last: np.ndarray,
+                   policy: str = GIVE_UP_GUESS) -> np.ndarray:
+    """0/1 loss (int8, shape of ``tau_g`` [mus, traces]) of a give-up under ``policy`` (module
+    docstring); ``last``: each trace's last right step (`last_right`, -1: never right).
+    "guess": it gave up at or before ``last``, so a right answer lay ahead; "message": it gave
+    up on a trace that is right at some step."""
+    if policy not in GIVE_UP_POLICIES:
+        raise ValueError(f"give-up policy must be one of {GIVE_UP_POLICIES}, got {policy!r}")
+    last = np.asarray(last)
+    lost = last >= 0 if policy == GIVE_UP_MESSAGE else tau_g <= last
+    return (gave_up(tau_g, lengths) & lost).astype(np.int8)
 
 
 def request_give_up_loss(scores: np.ndarray, mu: float, labels: Sequence[int] | None) -> int:
@@ -125,8 +148,10 @@ def check_give_up_set(scores: Ragged, last: Sequence[int]) -> None:
 
 def calibrate_give_up(scores: Ragged, last: Sequence[int], deltas: Sequence[float],
                       epsilon: float = 0.05, grid: np.ndarray | None = None,
-                      pvalue: str = "binomial") -> list[GiveUpResult]:
-    """mu* for each give-up risk level ``delta`` at level ``epsilon``.
+                      pvalue: str = "binomial", policy: str = GIVE_UP_GUESS
+                      ) -> list[GiveUpResult]:
+    """mu* for each give-up risk level ``delta`` at level ``epsilon``, certified for what a
+    given-up request serves under ``policy`` (`give_up_losses`).
 
     ``scores``: smoothed give-up scores of EVERY calibration trace (the risk is over all
     requests: never-right traces count, with loss 0); ``last``: each trace's last right step
@@ -146,7 +171,7 @@ def calibrate_give_up(scores: Ragged, last: Sequence[int], deltas: Sequence[floa
     n = len(scores)
     lengths = np.array([len(g) for g in scores])
     tau = give_up_indices(scores, grid)
-    loss = give_up_losses(tau, lengths, np.asarray(last))
+    loss = give_up_losses(tau, lengths, np.asarray(last), policy)
     counts = loss.sum(axis=1, dtype=np.int64)
     rates = gave_up(tau, lengths).mean(axis=1)
     out = []

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
-from orca_method.outcomes import ENDED_EARLY, FULL, GAVE_UP
+from orca_method.outcomes import ENDED_EARLY, FULL, GAVE_UP, GIVE_UP_POLICIES  # noqa: F401
 from orca_method.thresholds import lam_from_json, lam_to_json
 
 
@@ -63,10 +63,10 @@ DEFAULTS: dict[str, Any] = {"enabled": 1, "delta": None, "policy": Policy.ANSWER
 # bundle's own level.
 SHIFT_ACTIONS: tuple[str, ...] = ("full", "strict", "off")
 
-# What a request that gives up returns (the operator's choice, `--orca-give-up-policy`):
-# "guess": its answer at that point, as a stop would (policy answer), flagged `ended: gave_up`;
-# "message": the end-of-thinking text, then GIVE_UP_MESSAGE (or --orca-give-up-message), then EOS.
-GIVE_UP_POLICIES: tuple[str, ...] = ("guess", "message")
+# What a request that gives up returns (the operator's choice, `--orca-give-up-policy`; the names:
+# orca_method.outcomes): "guess": its answer at that point, as a stop would (policy answer),
+# flagged `ended: gave_up`; "message": the end-of-thinking text, then GIVE_UP_MESSAGE (or
+# --orca-give-up-message), then EOS.
 GIVE_UP_MESSAGE = "I could not solve this problem."
 
 # how long the engine keeps an unfetched result, and how many at most

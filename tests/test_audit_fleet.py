@@ -11,6 +11,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -113,6 +114,28 @@ def test_snapshots_on_the_store_bound_the_replay(redis_store):
     other.journal.close()
 
 
+def test_a_snapshot_of_events_the_store_no_longer_holds_is_not_used(redis_store, monkeypatch):
+    """The list lost its last events below the snapshot's length (a store restored from an
+    older copy, the snapshot key not) and grew back to that length with other events: the
+    snapshot's digest of its last event no longer matches, so the next replica replays the
+    list rather than fold the lost audit's loss in place of its replacement's."""
+    monkeypatch.setattr("orca_serve.live_audit.state.SNAPSHOT_EVERY", 50)
+    audit = _on_store(redis_store.url)
+    for i in range(25):
+        audit.observe(*known_loss(i == 24))  # the snapshot covers the last one, loss 1
+    audit.journal.close()
+    r = redis.Redis.from_url(redis_store.url)
+    events = f"orca:guard:{bundle().checksum}:events"
+    r.ltrim(events, 0, 47)  # its admission and outcome are lost
+    again = _on_store(redis_store.url)  # the snapshot covers more than the list: replayed
+    again.observe(*known_loss(False))  # the replacement: back to the snapshot's length
+    again.journal.close()
+    assert r.llen(events) == 50
+    third = _on_store(redis_store.url)
+    assert third.replayed == 50 and third.guard(DELTA).cs.mean == 0.0
+    third.journal.close()
+
+
 def _admit_and_die(url: str) -> None:
     audit = LiveAudit(bundle(), AuditConfig(rate=1.0))
     audit.attach(RedisJournal(url, bundle().checksum, owner_ttl=0.5))
@@ -140,6 +163,50 @@ def test_a_dead_replicas_open_audit_is_reaped_a_live_ones_not(redis_store):
     assert late.guard(DELTA).cs.n == 1  # the dead one's labelled audit is in the risk
     for a in (live, late):
         a.journal.close()
+
+
+def test_a_failed_beat_does_not_end_the_heartbeat(redis_store, caplog):
+    """A renewal that raises something other than RedisError (a ValueError from the client) is
+    logged, and the heartbeat goes on: the owner key outlives its TTL many times over."""
+    j = RedisJournal(redis_store.url, bundle().checksum, owner_ttl=0.3)
+    real, calls = j._renew, []
+
+    def flaky() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("I/O operation on closed file")
+        real()
+
+    j._renew = flaky  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="orca_serve.live_audit"):
+        time.sleep(1.2)  # four TTLs
+    assert j._heart.is_alive() and len(calls) >= 5
+    assert redis.Redis.from_url(redis_store.url).exists(j._owner_key(j.owner))
+    assert any("retrying at the next beat" in r.getMessage() for r in caplog.records)
+    j.close()
+    assert not j._heart.is_alive()
+
+
+def test_close_during_a_beat_waits_for_it_and_no_beat_follows(redis_store, monkeypatch):
+    """close() while a renewal is in flight: it waits for that renewal, then deletes the owner
+    key for good (no later beat sets it again, so the others may reap this process's audits at
+    once) and the heartbeat ends without an exception."""
+    crashed: list[BaseException] = []
+    monkeypatch.setattr("threading.excepthook", lambda a: crashed.append(a.exc_value))
+    j = RedisJournal(redis_store.url, bundle().checksum, owner_ttl=0.3)
+    real, started = j._renew, threading.Event()
+
+    def slow() -> None:
+        started.set()
+        time.sleep(0.3)
+        real()
+
+    j._renew = slow  # type: ignore[method-assign]
+    assert started.wait(5)
+    j.close()
+    time.sleep(0.5)  # a beat that slipped through would have set the key again by now
+    assert not j._heart.is_alive() and not crashed
+    assert not redis.Redis.from_url(redis_store.url).exists(j._owner_key(j.owner))
 
 
 def test_a_replica_that_loses_the_store_keeps_its_own_guard(redis_store, caplog):

@@ -237,3 +237,106 @@ def test_give_up_sequences_resume_and_an_old_journal_replays_the_same(tmp_path, 
     assert all(r["n"] == 0 and r["mu_source"] == "bundle"
                for r in replayed.table()["give_up"]["deltas"])
     replayed.journal.close()
+
+
+def _lines(path: Path) -> list[bytes]:
+    return path.read_bytes().splitlines(keepends=True)
+
+
+@pytest.mark.parametrize("regrowth", ["at_a_line_end", "mid_line"])
+def test_a_stale_snapshot_is_not_restored(regrowth, tmp_path, monkeypatch):
+    """The journal loses its tail below the snapshot's offset (a power cut kept the snapshot
+    but not the last lines: an audit with loss 1), and a restart then journals a replacement
+    audit (loss 0) that makes it grow past the offset again. The next restart must not
+    restore the snapshot: at a line end it would fold the dead audit's loss in place of its
+    replacement's, mid-line it would read from the middle of a line (a JSONDecodeError that
+    stopped every later start). It replays the whole journal: the state of the events the
+    journal holds, the replacement's included, and a fresh snapshot from then on is used."""
+    monkeypatch.setattr("orca_serve.live_audit.state.SNAPSHOT_EVERY", 50)
+    first = _attached(tmp_path)
+    for _ in range(24):
+        first.observe(*known_loss(False))
+    first.observe(*known_loss(True))  # events 49, 50: the snapshot covers them
+    path, snap = first.journal.path, first.journal.snapshot_path
+    offset = json.loads(snap.read_text())["offset"]
+    assert offset == path.stat().st_size
+    first.journal.close()
+    lines = _lines(path)
+    path.write_bytes(b"".join(lines[:-2]))  # the dead audit's two lines are lost
+    second = _attached(tmp_path)  # the offset is beyond the file: replayed whole
+    assert second.replayed == 48 and second.guard(DELTA).cs.n == 24
+    if regrowth == "mid_line":
+        second.observe(*known_loss(False), censored=True)  # a shorter outcome line first
+    second.observe(*known_loss(False))
+    second.journal.close()
+    size = path.stat().st_size
+    at_line_end = path.read_bytes()[offset - 1:offset] == b"\n"
+    assert size >= offset and at_line_end == (regrowth == "at_a_line_end")
+    third = _attached(tmp_path)
+    g = third.guard(DELTA)
+    assert third.replayed == len(_lines(path)) - 1  # every event, not those after the offset
+    assert g.cs.n == 25 + (regrowth == "mid_line") and g.cs.mean == 0.0  # no loss of the dead
+    expect = third.table()["deltas"]
+    for _ in range(30):  # a snapshot of this journal again, and it is used
+        third.observe(*known_loss(False))
+    third.journal.close()
+    fourth = _attached(tmp_path)
+    assert 0 < fourth.replayed < 40 and fourth.guard(DELTA).cs.n == g.cs.n
+    assert expect[0]["n"] == 25 + (regrowth == "mid_line")
+    fourth.journal.close()
+
+
+def test_a_torn_tail_longer_than_a_chunk_cuts_only_that_line(tmp_path):
+    """A torn last line of more than 1 MiB (a crash while writing one huge event) is cut, and
+    only it: the 200 audits before it stay (the repair once read only the last MiB and, not
+    finding a newline there, cut the whole journal)."""
+    audit = _attached(tmp_path)
+    for _ in range(200):
+        audit.observe(*known_loss(False))
+    audit.journal.close()
+    path = journal_path(tmp_path, bundle().checksum)
+    whole = path.read_bytes()
+    with open(path, "ab") as f:
+        f.write(b'{"r": 201, "o": "risk", "s": [' + b"0.5, " * 400_000)  # 2 MB, no newline
+    again = _attached(tmp_path)
+    assert path.read_bytes() == whole
+    assert again.replayed == 400 and again.guard(DELTA).cs.n == 200
+    again.journal.close()
+
+
+def test_a_corrupt_line_is_skipped_with_a_warning_and_counted(tmp_path, caplog):
+    """A complete line that is not an event (garbage, or JSON that is no event) does not stop
+    `attach`: it is skipped with a warning, counted in the table, and the other events fold as
+    before; an outcome skipped leaves its audit open, reaped as lost once its process is
+    gone, and an admission skipped is admitted by its outcome's number. A corrupt header is
+    refused in one clear line."""
+    audit = _attached(tmp_path)
+    for _ in range(10):
+        audit.observe(*known_loss(False))
+    audit.journal.close()
+    path = journal_path(tmp_path, bundle().checksum)
+    lines = _lines(path)
+    assert json.loads(lines[4])["o"] == "risk"  # the outcome of audit 2
+    lines[4] = b'{"r": 2, "o": "ri\x00\x00\x00\n'
+    lines[8] = b'{"r": 4, "o": "risk"}\n'  # JSON, but no scores: not an event either
+    path.write_bytes(b"".join(lines))
+    with caplog.at_level("WARNING", logger="orca_serve.live_audit"):
+        again = _attached(tmp_path)
+    assert sum("corrupt event" in r.getMessage() for r in caplog.records) == 2
+    table = again.table()
+    assert table["journal_skipped"] == 2 and table["lost"] == 2 and table["open"] == 0
+    assert again.guard(DELTA).cs.n == 8 and again.admitted == 10
+    again.journal.close()
+    assert json.loads(lines[5]) == {"a": json.loads(lines[1])["a"]}  # audit 3's admission
+    lines[5] = b"\x00" * (len(lines[5]) - 1) + b"\n"
+    path.write_bytes(b"".join(lines))
+    # an admission skipped: its outcome's number admits it, and the numbers after it hold
+    # (before, each later outcome named an admission number one too high: all were dropped)
+    healed = _attached(tmp_path)
+    assert healed.table()["journal_skipped"] == 3 and healed.admitted == 10
+    assert healed.table()["open"] == 0 and healed.guard(DELTA).cs.n == 8
+    healed.journal.close()
+    lines[0] = b"\x00\x00garbage\n"
+    path.write_bytes(b"".join(lines))
+    with pytest.raises(ValueError, match="not an audit journal header"):
+        _journal(tmp_path)

@@ -414,7 +414,7 @@ def test_censored_bounds_on_the_production_grid():
 # ------------------------------------------------------------ several deltas: joint bounds
 def test_joint_split_bounds_the_false_alarms_of_all_deltas_at_once():
     """The demo's four deltas, each at its hardest null (independent across deltas, the worst
-    case for the union), 200 streams of 600 audits, a member every 10 (grid 101): with
+    case for the union), 200 streams of 300 audits, a member every 10 (grid 101): with
     `--orca-audit-epsilon-split joint` ANY delta ever alarms in at most epsilon / 2 of the
     streams (+3 SE). The production grid: the slow test below."""
     from tests.audit_simulation import joint_null

@@ -42,6 +42,7 @@ class MemoryJournal:
     replica's audit that was open in the store never resolves here: it is reaped as lost)."""
 
     path = "memory (this process only)"
+    skipped = 0  # nothing is read back, so nothing is ever corrupt
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
@@ -94,6 +95,10 @@ class FleetJournal:
     @property
     def path(self) -> Any:
         return self._active().path
+
+    @property
+    def skipped(self) -> int:
+        return self._active().skipped
 
     def _active(self) -> EventJournal:
         return self.remote if self.remote is not None else self.local  # type: ignore[return-value]

@@ -26,16 +26,31 @@ into the same state (`LiveAudit._apply`), in file order:
 - **Crash safety**: one event is one line, written with one `write` under the lock (outcomes
   fsynced, about 5 ms here; admissions not: see `append`), so a killed process leaves at most
   a torn last line; the next process that opens or appends cuts it off (it was never applied
-  by anyone: readers only take complete lines). An
+  by anyone: readers only take complete lines), however long it is. An
   outcome is journalled before the labelled audit's record is written to the trajectory
   directory, so a crash between the two loses the record's embeddings, never the audit's
   place in the statistics.
+- **Corrupt lines**: a complete line that is not an event (a disk or a file system that lost
+  or mangled data: a power cut can leave zeros where a line was) is skipped by every reader
+  alike, with a warning, and counted (`skipped`, the table's `journal_skipped`). Refusing to
+  start would stop the server for good; skipping loses at most what a crash loses: an
+  outcome skipped leaves its audit open, reaped as `lost` once its process is gone; an
+  admission skipped is known from its outcome, whose number is beyond the admissions folded
+  so far: the fold admits the missing numbers then (`AuditState._apply`), so the numbers
+  after it stay the writers' and its outcome counts (a missing number whose outcome never
+  comes is reaped as `lost`). What is lost does not depend on the audit's loss (corruption
+  does not read it), so the bounds stay valid for the audits they hold, as after a crash. A
+  corrupt header is refused (it tells which bundle the journal is for).
 - **Snapshots**: replaying costs about a millisecond per event and delta, so every
   `SNAPSHOT_EVERY` events the process that applied them writes the folded state with the
-  journal offset it covers to `guard-<...>.snapshot.json` (a temporary file, fsynced, then
-  renamed over the old one: a crash leaves the old snapshot or the new one, never a torn one).
-  A process that attaches restores the snapshot when it was folded under the same settings and
-  replays only the events after it.
+  journal offset it covers and the SHA-256 of the journal's bytes up to it to
+  `guard-<...>.snapshot.json` (the journal fsynced first, so the snapshot never covers bytes
+  the disk may not keep; then a temporary file, fsynced, renamed over the old one: a crash
+  leaves the old snapshot or the new one, never a torn one). A process that attaches restores
+  the snapshot when it was folded under the same settings and the journal still holds those
+  very bytes, and replays only the events after it; otherwise (the journal lost its tail below
+  the offset and grew again, or was replaced) it replays the whole journal, so it never folds
+  an event the journal no longer holds nor starts reading in the middle of a line.
 - **Abandoned audits**: an admission that a crashed process never resolved would keep a
   recalibration window waiting for ever. Each process holds an `flock` on
   `DIR/guard-owners/<owner>.lock` while it lives and tags its admissions with `owner`; a
@@ -50,11 +65,13 @@ through a store (`--orca-audit-store`, orca_serve/live_audit/fleet.py).
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
+import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -62,6 +79,9 @@ from typing import Any, Protocol
 VERSION = 1
 OWNERS = "guard-owners"
 SNAPSHOT_EVERY = 500  # events between two snapshots of the folded state
+_CHUNK = 1 << 20  # bytes read at a time when the journal is scanned (repair, digest)
+
+logger = logging.getLogger("orca_serve.live_audit")
 
 
 class EventJournal(Protocol):
@@ -72,6 +92,7 @@ class EventJournal(Protocol):
     appended since this process last read, then the event itself."""
 
     owner: str  # tags this process's admissions; `alive` tells whether it still runs
+    skipped: int  # corrupt events skipped so far (`parse_events`)
 
     @property
     def path(self) -> Any:
@@ -99,13 +120,51 @@ class EventJournal(Protocol):
         """Stop taking part (this process's open admissions become reapable)."""
 
 
-def snapshot_offset(snap: Any, checksum: str, created: float, length: int) -> int | None:
+def snapshot_offset(snap: Any, checksum: str, created: Any, length: int,
+                    digest: Callable[[int], str]) -> int | None:
     """The event offset a snapshot covers, or None when it is not this journal's (another
-    bundle, or a journal created anew under the same name) or covers more than it holds."""
+    bundle, or a journal created anew under the same name), covers more than it holds, or the
+    journal no longer holds what it covered: `digest(offset)`, the journal's digest of its
+    events up to the offset now, differs from the one the snapshot was written with (a tail
+    lost below the offset and grown again, or a snapshot of before that digest existed)."""
     if not isinstance(snap, dict) or (snap.get("bundle_checksum"), snap.get("created")) != (
-            checksum, created) or not 0 < snap.get("offset", -1) <= length:
+            checksum, created):
         return None
-    return int(snap["offset"])
+    offset = snap.get("offset")
+    if not isinstance(offset, int) or not 0 < offset <= length:
+        return None
+    return offset if snap.get("digest") == digest(offset) else None
+
+
+def _is_event(e: Any) -> bool:
+    """Whether a parsed line is something the fold can apply: the header, an admission, or an
+    outcome (a `risk` one with its scores and labels)."""
+    if not isinstance(e, dict):
+        return False
+    if "v" in e or "a" in e:
+        return True
+    return (isinstance(e.get("r"), int) and isinstance(e.get("o"), str)
+            and (e["o"] != "risk" or (isinstance(e.get("s"), list)
+                                      and isinstance(e.get("l"), list))))
+
+
+def parse_events(raw: Iterable[bytes], where: Any) -> tuple[list[dict[str, Any]], int]:
+    """The events of complete journal lines (or store elements), and how many were skipped as
+    corrupt (`_is_event`): the rule every reader applies alike (module docstring,
+    "Corrupt lines"), each skip logged."""
+    events, skipped = [], 0
+    for line in raw:
+        try:
+            e = json.loads(line)
+        except ValueError:
+            e = None
+        if _is_event(e):
+            events.append(e)
+            continue
+        skipped += 1
+        logger.warning("orca audit: skipped a corrupt event in %s (%d bytes: %r...); it counts "
+                       "as lost", where, len(line), bytes(line[:40]))
+    return events, skipped
 
 
 def journal_path(directory: Path, checksum: str) -> Path:
@@ -122,6 +181,8 @@ class Journal:
         self.fsync = fsync
         self.owner = uuid.uuid4().hex[:12]
         self._offset = 0  # bytes of the file this process has read (complete lines only)
+        self._digest = hashlib.sha256()  # of the bytes up to _offset (a snapshot's check)
+        self.skipped = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
         owners = self.path.parent / OWNERS
         owners.mkdir(exist_ok=True)
@@ -132,12 +193,23 @@ class Journal:
             self._repair()
             if os.fstat(self._fd).st_size == 0:
                 self._write({"v": VERSION, "bundle_checksum": checksum, "created": time.time()})
-        header = self._lines(limit=1)
-        if not header or header[0].get("bundle_checksum") != checksum:
+        header = self._header()
+        if header.get("bundle_checksum") != checksum:
             raise ValueError(f"{self.path} is the audit journal of another bundle "
-                             f"({(header or [{}])[0].get('bundle_checksum')!r}); move it away")
-        self.created = header[0].get("created")  # tells this journal from a recreated one
-        self._offset = 0
+                             f"({header.get('bundle_checksum')!r}); move it away")
+        self.created = header.get("created")  # tells this journal from a recreated one
+
+    def _header(self) -> dict[str, Any]:
+        """The first line, which says whose journal this is; unreadable: refused."""
+        first = os.pread(self._fd, _CHUNK, 0).split(b"\n", 1)[0]
+        try:
+            header = json.loads(first)
+        except ValueError:
+            header = None
+        if not isinstance(header, dict) or "v" not in header:
+            raise ValueError(f"{self.path}: its first line is not an audit journal header "
+                             f"({first[:60]!r}); move the file away")
+        return header
 
     @contextmanager
     def _locked(self, how: int) -> Iterator[None]:
@@ -148,35 +220,39 @@ class Journal:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _repair(self) -> None:
-        """Cut a torn last line (a process died in the middle of writing it); under LOCK_EX."""
+        """Cut a torn last line (a process died in the middle of writing it), only that line,
+        however long; under LOCK_EX."""
         size = os.fstat(self._fd).st_size
-        if size == 0:
+        if size == 0 or os.pread(self._fd, 1, size - 1) == b"\n":
             return
-        tail = os.pread(self._fd, min(size, 1 << 20), max(0, size - (1 << 20)))
-        if tail.endswith(b"\n"):
-            return
-        cut = tail.rfind(b"\n")
-        keep = (size - len(tail) + cut + 1) if cut >= 0 else 0
-        os.ftruncate(self._fd, keep)
+        end = size - 1  # the torn line's last byte; look for the newline before it
+        while end > 0:
+            start = max(0, end - _CHUNK)
+            cut = os.pread(self._fd, end - start, start).rfind(b"\n")
+            if cut >= 0:
+                os.ftruncate(self._fd, start + cut + 1)
+                return
+            end = start
+        os.ftruncate(self._fd, 0)  # the header itself was torn: nothing was ever journalled
 
     def _write(self, event: dict[str, Any], durable: bool = True) -> None:
         os.write(self._fd, (json.dumps(event, separators=(",", ":")) + "\n").encode())
         if self.fsync and durable:
             os.fsync(self._fd)
 
-    def _lines(self, limit: int | None = None) -> list[dict[str, Any]]:
-        """Complete lines after this process's offset (advancing it)."""
+    def _lines(self) -> list[dict[str, Any]]:
+        """The events of the complete lines after this process's offset (advancing it, and
+        the digest with it); corrupt ones skipped (`parse_events`)."""
         size = os.fstat(self._fd).st_size
         data = os.pread(self._fd, size - self._offset, self._offset)
         end = data.rfind(b"\n") + 1
-        out = []
-        pos = 0
-        while pos < end and (limit is None or len(out) < limit):
-            nl = data.index(b"\n", pos)
-            out.append(json.loads(data[pos:nl]))
-            pos = nl + 1
-        self._offset += pos
-        return out
+        if end == 0:
+            return []
+        self._offset += end
+        self._digest.update(data[:end])
+        events, skipped = parse_events(data[:end].splitlines(), self.path)
+        self.skipped += skipped
+        return events
 
     def read(self) -> list[dict[str, Any]]:
         """Events appended (by any process) since this process last read; the header skipped.
@@ -209,10 +285,13 @@ class Journal:
 
     def write_snapshot(self, state: dict[str, Any]) -> None:
         """Save the state folded from the journal up to `offset` (atomically, see above)."""
+        if self.fsync:  # the admissions it covers (not fsynced when appended) reach the disk
+            os.fsync(self._fd)
         tmp = self.path.parent / f".{self.path.stem}.{self.owner}.tmp"
         with open(tmp, "w") as f:
             json.dump({"v": VERSION, "bundle_checksum": self.checksum, "created": self.created,
-                       "offset": self._offset, "state": state}, f, separators=(",", ":"))
+                       "offset": self._offset, "digest": self._digest.hexdigest(),
+                       "state": state}, f, separators=(",", ":"))
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
@@ -225,15 +304,37 @@ class Journal:
             snap = json.loads(self.snapshot_path.read_text())
         except (OSError, ValueError):
             return None
-        offset = snapshot_offset(snap, self.checksum, self.created, os.fstat(self._fd).st_size)
+        digests: dict[int, Any] = {}
+
+        def digest(offset: int) -> str:
+            digests[offset] = self._prefix_digest(offset)
+            return digests[offset].hexdigest()
+
+        with self._locked(fcntl.LOCK_SH):
+            offset = snapshot_offset(snap, self.checksum, self.created,
+                                     os.fstat(self._fd).st_size, digest)
         if offset is None:
+            logger.info("orca audit: the snapshot %s does not match %s; replaying it whole",
+                        self.snapshot_path, self.path)
             return None
-        self._offset = offset
+        self._offset, self._digest = offset, digests[offset]
         return snap["state"]
+
+    def _prefix_digest(self, offset: int) -> Any:
+        """SHA-256 of the journal's first `offset` bytes (a hashlib object, to go on with)."""
+        h = hashlib.sha256()
+        pos = 0
+        while pos < offset:
+            chunk = os.pread(self._fd, min(_CHUNK, offset - pos), pos)
+            if not chunk:
+                break
+            h.update(chunk)
+            pos += len(chunk)
+        return h
 
     def rewind(self) -> None:
         """Read the journal from its start again (a snapshot that could not be used)."""
-        self._offset = 0
+        self._offset, self._digest, self.skipped = 0, hashlib.sha256(), 0
 
     def alive(self, owner: str) -> bool:
         """Whether the process that tagged events with `owner` still holds its lock."""

@@ -291,6 +291,7 @@ class LiveAudit(AuditState):
             "journal": None if self.journal is None else str(self.journal.path),
             "store": store_state(self.journal),
             "admitted": self.admitted, "open": len(self._open), "replayed": self.replayed,
+            "journal_skipped": 0 if self.journal is None else self.journal.skipped,
             "queued": 0 if self._queue is None else self._queue.qsize(),
             **self.counts,
             "attrition": self.attrition(),

@@ -19,7 +19,13 @@ every process, under keys named by the bundle's full checksum:
   because events others applied are gone and the processes' states can no longer agree.
 - **Owners**: each process sets its owner key with a TTL (`OWNER_TTL`) and a daemon thread
   renews it every third of that; a process that died stops renewing, its key expires, and the
-  next process that reaps journals its open admissions as `lost`.
+  next process that reaps journals its open admissions as `lost`. A renewal and `close` take
+  one lock, so a beat never runs on a closed client nor sets the key again after `close`
+  deleted it; a renewal that fails (any exception) is logged and retried at the next beat,
+  never ending the heartbeat.
+- **Snapshots** carry the SHA-256 of the last event they cover, checked against the list
+  before one is used (as the file journal's digest: journal.py, "Snapshots"), and corrupt
+  elements are skipped by the file journal's rule (journal.py, "Corrupt lines").
 - **Durability** is the server's: with `appendonly yes` and `appendfsync always` an event
   acknowledged is on the store's disk (the file journal's guarantee); with Redis's default
   (`everysec`) a crash of the store may lose the last second, which the processes then detect
@@ -28,7 +34,9 @@ every process, under keys named by the bundle's full checksum:
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import threading
 import time
 import uuid
@@ -37,7 +45,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from orca_serve.live_audit.journal import snapshot_offset
+from orca_serve.live_audit.journal import parse_events, snapshot_offset
+
+logger = logging.getLogger("orca_serve.live_audit")
 
 OWNER_TTL = 15.0  # seconds an owner key lives without a heartbeat
 TIMEOUT = 2.0  # seconds a store call may take before the store counts as unreachable
@@ -84,10 +94,13 @@ class RedisJournal:
         self.path = f"{shown_url(url)} {self._events}"
         self._script = self._client.register_script(_APPEND_READ)
         self._offset = 0  # list elements this process has read
+        self._last: bytes | None = None  # the element at _offset - 1 (a snapshot's check)
+        self.skipped = 0
         self._renew()  # first: reaping by others must not see our admissions as orphans
         self._client.set(self._created_key, repr(time.time()), nx=True)
         self.created = self._client.get(self._created_key).decode()
         self._stop = threading.Event()
+        self._beat_lock = threading.Lock()  # a renewal and close() never overlap
         self._heart = threading.Thread(target=self._beat, name="orca-audit-owner", daemon=True)
         self._heart.start()
 
@@ -98,13 +111,20 @@ class RedisJournal:
         self._client.set(self._owner_key(self.owner), "1", px=int(self.owner_ttl * 1000))
 
     def _beat(self) -> None:
-        """Renew the owner key until closed; a failed renewal is retried at the next beat (the
-        request path is what notices an unreachable store)."""
+        """Renew the owner key until closed; a failed renewal is logged and retried at the next
+        beat (the request path is what notices an unreachable store)."""
         while not self._stop.wait(self.owner_ttl / 3):
-            try:
-                self._renew()
-            except redis.RedisError:
-                pass
+            with self._beat_lock:
+                if self._stop.is_set():  # closed while this beat waited for the lock
+                    return
+                try:
+                    self._renew()
+                except redis.RedisError:
+                    pass  # unreachable: the request path says so (fleet.py)
+                except Exception:  # noqa: BLE001 - the heartbeat must outlive any one beat
+                    logger.warning("orca audit: renewing the owner key %s failed; retrying "
+                                   "at the next beat", self._owner_key(self.owner),
+                                   exc_info=True)
 
     def _call(self, event: str) -> list[dict[str, Any]]:
         n, created, new = self._script(keys=[self._events, self._created_key],
@@ -113,19 +133,30 @@ class RedisJournal:
             raise StoreRolledBack(f"the store's {self._events} lost events this process "
                                   f"applied ({n} events, {self._offset} read)")
         self._offset = int(n)
-        return [json.loads(e) for e in new]
+        if new:
+            self._last = new[-1]
+        events, skipped = parse_events(new, self.path)
+        self.skipped += skipped
+        return events
 
     def read(self) -> list[dict[str, Any]]:
         return self._call("")
 
     def append(self, event: dict[str, Any], durable: bool = True) -> list[dict[str, Any]]:
         """Append one event (durable or not is the store's configuration: module docstring)."""
-        return [*self._call(json.dumps(event, separators=(",", ":"))), event]
+        line = json.dumps(event, separators=(",", ":"))
+        before = self._call(line)
+        self._last = line.encode()
+        return [*before, event]
+
+    @staticmethod
+    def _digest(element: bytes | None) -> str:
+        return hashlib.sha256(element or b"").hexdigest()
 
     def write_snapshot(self, state: dict[str, Any]) -> None:
         self._client.set(self._snapshot, json.dumps(
             {"bundle_checksum": self.checksum, "created": self.created, "offset": self._offset,
-             "state": state}, separators=(",", ":")))
+             "digest": self._digest(self._last), "state": state}, separators=(",", ":")))
 
     def read_snapshot(self) -> dict[str, Any] | None:
         raw = self._client.get(self._snapshot)
@@ -134,14 +165,16 @@ class RedisJournal:
         except ValueError:
             return None
         offset = snapshot_offset(snap, self.checksum, self.created,
-                                 self._client.llen(self._events))
+                                 self._client.llen(self._events),
+                                 lambda at: self._digest(self._client.lindex(self._events,
+                                                                             at - 1)))
         if offset is None:
             return None
         self._offset = offset
         return snap["state"]
 
     def rewind(self) -> None:
-        self._offset = 0
+        self._offset, self.skipped = 0, 0
 
     def alive(self, owner: str) -> bool:
         return owner == self.owner or bool(self._client.exists(self._owner_key(owner)))
@@ -149,9 +182,12 @@ class RedisJournal:
     def close(self) -> None:
         """Stop the heartbeat and give up the owner key (best effort: an unreachable store lets
         it expire), so the others reap what this process left open."""
-        self._stop.set()
-        try:
-            self._client.delete(self._owner_key(self.owner))
-        except redis.RedisError:
-            pass
-        self._client.close()
+        with self._beat_lock:  # after a renewal in flight, before any other
+            self._stop.set()
+            try:
+                self._client.delete(self._owner_key(self.owner))
+            except redis.RedisError:
+                pass
+            self._client.close()
+        if self._heart is not threading.current_thread():
+            self._heart.join(timeout=self.owner_ttl)

@@ -33,6 +33,11 @@ from orca_serve.live_audit.options import EPSILON_SPLITS, ON_ALARM, AuditConfig,
 logger = logging.getLogger("orca_serve.live_audit")
 
 
+# the owner of an admission whose journal line was corrupt and skipped (journal.py, "Corrupt
+# lines"), known only from a later outcome's number: reaped as lost unless its outcome comes
+_SKIPPED = "?skipped"
+
+
 def _lookup(guards: dict[float, Any], delta: float, what: str) -> Any:
     for d, g in guards.items():
         if math.isclose(d, delta, rel_tol=0, abs_tol=1e-9):
@@ -215,8 +220,8 @@ class AuditState:
         keep a recalibration window waiting for ever)."""
         if self.journal is None:
             return
-        owners = {owner for owner in self._open.values() if owner is not None}
-        dead = {owner for owner in owners if not self.journal.alive(owner)}
+        owners = {owner for owner in self._open.values() if owner not in (None, _SKIPPED)}
+        dead = {owner for owner in owners if not self.journal.alive(owner)} | {_SKIPPED}
         for seq, owner in list(self._open.items()):
             if owner in dead:
                 self._event({"r": seq, "o": "lost"})
@@ -228,6 +233,9 @@ class AuditState:
             self._open[self.admitted] = e["a"]
             return
         seq, outcome = int(e["r"]), e["o"]
+        if seq > self.admitted:  # admissions up to it were corrupt lines, skipped (journal.py)
+            self._open.update(dict.fromkeys(range(self.admitted + 1, seq + 1), _SKIPPED))
+            self.admitted = seq
         if seq not in self._open:
             return  # resolved twice (two processes reaped it at once): the first counts
         del self._open[seq]
