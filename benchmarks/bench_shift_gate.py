@@ -19,10 +19,11 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 from scipy.stats import binomtest
 
 from orca_calibrate.collect import read_prompts
-from orca_calibrate.gate import first_step_features, gate_collector
+from orca_calibrate.gate import gate_collector, gate_features_of
 from orca_method.bundle import load_bundle
 
 ROOT = Path(__file__).parents[1]
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", help="write the table here too")
+    ap.add_argument("--save", help="also save each family's step embeddings here (.npz)")
     a = ap.parse_args(argv)
     bundle = load_bundle(a.bundle)
     gate = bundle.load_gate()
@@ -48,8 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with gate_collector(str(MODELS[a.reasoner]), bundle, max_tokens=a.max_tokens,
                         temperature=0.7, seed=a.seed, engine=engine) as collector:
-        feats = {name: first_step_features(collector, read_prompts(Path(p)), gate.steps)
-                 for name, p in families.items()}
+        records = {name: collector.record(read_prompts(Path(p))) for name, p in families.items()}
+    embs = {name: [np.asarray(r["step_embeddings"]) for r in recs
+                   if r.get("step_embeddings") is not None] for name, recs in records.items()}
+    if a.save:
+        np.savez(a.save, **{f"{name}/{i}": e for name, es in embs.items()
+                            for i, e in enumerate(es)})
+    feats = {name: gate_features_of(es, gate.steps) for name, es in embs.items()}
     import torch  # deferred: after the engine is gone
 
     for name, x in feats.items():

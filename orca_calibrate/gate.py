@@ -22,14 +22,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from orca_method.bundle import Bundle, GateReference, gate_reference, load_bundle, save_bundle
-from orca_method.shift_gate import DEFAULT_GATE_ALPHA, DEFAULT_GATE_RANK, DEFAULT_GATE_STEPS, gate_features
+from orca_method.shift_gate import (
+    DEFAULT_GATE_ALPHA,
+    DEFAULT_GATE_RANK,
+    DEFAULT_GATE_STEPS,
+    gate_features,
+)
 from orca_method.trajectories import TrajectorySet
 
 if TYPE_CHECKING:
     from orca_calibrate.collect import Collector
 
 
-def _features(embeddings: Sequence[np.ndarray], steps: int) -> np.ndarray:
+def gate_features_of(embeddings: Sequence[np.ndarray], steps: int) -> np.ndarray:
     rows = [f for f in (gate_features(e, steps) for e in embeddings) if f is not None]
     return np.stack(rows) if rows else np.empty((0, 0))
 
@@ -39,8 +44,8 @@ def gate_from_trajectories(ts: TrajectorySet, *, steps: int = DEFAULT_GATE_STEPS
                            rank: int = DEFAULT_GATE_RANK) -> GateReference | None:
     """The gate fitted on the training split and scored on the calibration split (None when
     either has too few trajectories long enough to be gated)."""
-    fit = _features([ts.embeddings(i) for i in ts.split("train")], steps)
-    cal = _features([ts.embeddings(i) for i in ts.split("calibration")], steps)
+    fit = gate_features_of([ts.embeddings(i) for i in ts.split("train")], steps)
+    cal = gate_features_of([ts.embeddings(i) for i in ts.split("calibration")], steps)
     if len(fit) < 2 or len(cal) < 1:
         return None
     return gate_reference(fit, cal, steps=steps, alpha=alpha, rank=rank)
@@ -71,7 +76,7 @@ def first_step_features(collector: Collector, prompts: list[dict], steps: int) -
     """Gate features of `prompts` ([N, d]). Prompts whose output ends before step `steps` + 1
     are left out (noted), as the server never gates them."""
     records = collector.record(prompts)
-    feats = _features([np.asarray(r["step_embeddings"]) for r in records
+    feats = gate_features_of([np.asarray(r["step_embeddings"]) for r in records
                        if r.get("step_embeddings") is not None], steps)
     if len(feats) < len(prompts):
         print(f"note: {len(prompts) - len(feats)} of {len(prompts)} prompts ended before step "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -238,6 +238,10 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
             shift_alpha=fields.shift_alpha,
             **_give_up(fields.give_up, defaults, bundle), **common)
         settings = guard.admit(settings, out)
+        if settings.lam_source == "audit":
+            # lambda* recalibrated on the live audits certifies today's traffic; the bundle's
+            # gate would flag that very traffic (docs/METHOD.md section 11)
+            settings = replace(settings, shift_alpha=0.0)
     new_xargs = {k: v for k, v in (xargs or {}).items() if not k.startswith("orca_")}
     new_xargs.update(settings.xargs())
     out["vllm_xargs"] = new_xargs

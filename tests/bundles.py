@@ -17,6 +17,7 @@ import numpy as np
 
 from orca_method.bundle import (
     Bundle,
+    GateReference,
     GiveUpBlock,
     GiveUpRow,
     GiveUpTable,
@@ -25,6 +26,7 @@ from orca_method.bundle import (
     ModelIdentity,
     ProbeBlock,
     encode_weights,
+    gate_reference,
     save_bundle,
     schema_version_for,
     tokenizer_fingerprint,
@@ -79,10 +81,22 @@ DELTAS = {0.05: None, 0.1: 0.99, 0.2: 0.5}
 GIVE_UP_DELTAS = {0.02: None, 0.05: 0.6}
 
 
-def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: float = 3.0) -> Path:
+def far_gate(hidden: int, n: int = 39) -> GateReference:
+    """A shift gate fitted on features clustered tightly around one axis: any real step
+    embedding is far from them, so the gate flags every request it runs for (p = 1 / (n + 1))."""
+    rng = np.random.default_rng(0)
+    centre = np.zeros(hidden)
+    centre[0] = 1.0
+    return gate_reference(centre + 0.01 * rng.normal(size=(n + 1, hidden)),
+                          centre + 0.01 * rng.normal(size=(n, hidden)), steps=1, alpha=0.05,
+                          rank=4)
+
+
+def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: float = 3.0,
+                gate: bool = False) -> Path:
     """The tiny model's two-sided bundle with lambda* from DELTAS and a constant probe bias
     (scores sit near sigmoid(bias) whatever the hidden state, so which deltas stop is known),
-    and mu* from GIVE_UP_DELTAS (default 0.05)."""
+    and mu* from GIVE_UP_DELTAS (default 0.05); with `gate`, `far_gate`'s shift gate."""
     from transformers import AutoTokenizer
 
     probe = Probe(ProbeSpec(dim=hidden), seed=0)
@@ -90,8 +104,10 @@ def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: floa
     vocab = AutoTokenizer.from_pretrained(str(model_dir)).get_vocab()
     one_sided = tiny_bundle(probe, DELTAS.items(), vocab=vocab, window=3, name=model_dir.name,
                             default_delta=0.2, provenance={"test": "test_server"})
-    return write_bundle(with_give_up(one_sided, GIVE_UP_DELTAS.items(), default_delta=0.05),
-                        path)
+    two_sided = with_give_up(one_sided, GIVE_UP_DELTAS.items(), default_delta=0.05)
+    if gate:
+        two_sided = two_sided.model_copy(update={"shift_gate": far_gate(hidden)})
+    return write_bundle(two_sided, path)
 
 
 # A four-token vocabulary and an 8-wide probe: bundles for the loader's and checks' unit tests.

@@ -1,30 +1,17 @@
 """The shift gate in the engine-step core (orca_serve.core), driven by the simulated engine of
 tests/core_sim.py: a bundle whose gate was fitted on features far from the simulated requests'
-(every request is flagged at its first step) serves flagged requests with the operator's safe
+(`tests.bundles.far_gate`: every request is flagged at its first step) serves flagged requests with the operator's safe
 action, never gives them up, and reports the gate in each result."""
 
 from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 
-from orca_method.bundle import gate_reference
 from orca_serve.contract import XARG_GIVE_UP_MU, XARG_KEY, XARG_LAM, XARG_SHIFT_ALPHA, OrcaResult
-from tests.bundles import tiny_bundle, with_give_up, write_bundle
+from tests.bundles import far_gate, tiny_bundle, with_give_up, write_bundle
 from tests.core_sim import DIM, ID, WINDOW, SimRequest, make_core, run, sim_probe
-
-
-def _far_gate():
-    """A gate fitted on features clustered around one direction: the simulated requests' step
-    embeddings (means of random unit rows) are far from it."""
-    rng = np.random.default_rng(0)
-    centre = np.zeros(DIM)
-    centre[0] = 1.0
-    fit = centre + 0.01 * rng.normal(size=(40, DIM))
-    cal = centre + 0.01 * rng.normal(size=(39, DIM))
-    return gate_reference(fit, cal, steps=1, alpha=0.05, rank=4)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +19,7 @@ def gated_path(tmp_path_factory):
     b = with_give_up(tiny_bundle(sim_probe(), [(0.05, None), (0.1, 0.75)], vocab=ID,
                                  window=WINDOW, default_delta=0.1, name="fake", hidden_size=DIM),
                      [(0.05, 0.1), (0.1, 0.2)], bias=-2.0)
-    b = b.model_copy(update={"shift_gate": _far_gate()})
+    b = b.model_copy(update={"shift_gate": far_gate(DIM)})
     return write_bundle(b, tmp_path_factory.mktemp("gated") / "bundle.json")
 
 

@@ -1,0 +1,54 @@
+"""The shift gate on a real orca-serve (conftest's shared `tiny_server`, real OpenAI client).
+
+The shared server's bundle carries `tests.bundles.far_gate` (fitted far from the tiny model's
+step embeddings: it flags every request it runs for) and runs with `--orca-shift-alpha 0`, so a
+request is gated only when it asks (`orca.shift_alpha`). Delta 0.2 (lambda* 0.5) stops every
+ungated request at its first step.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+from tests.serving import MSG, orca_of, server_model
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_server):
+    return tiny_server["server"].wait()
+
+
+def chat(server, orca: dict, **kw):
+    return server.client().chat.completions.create(
+        model=str(server_model(server)), messages=MSG, extra_body={"orca": orca},
+        max_tokens=kw.pop("max_tokens", 48), temperature=0, **kw)
+
+
+def _flagged_count(server) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    line = next(ln for ln in text.splitlines()
+                if ln.startswith("orca_shift_gated_total") and 'flagged="true"' in ln)
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_a_flagged_request_reasons_in_full_and_says_so(srv):
+    before = _flagged_count(srv)
+    ungated = orca_of(chat(srv, {"delta": 0.2}))
+    assert ungated["stopped_early"] and ungated["stop_step"] == 1 and "shift" not in ungated
+    o = orca_of(chat(srv, {"delta": 0.2, "shift_alpha": 0.05, "give_up": {"delta": 0.05}}))
+    assert o["shift"] == {"alpha": 0.05, "pvalue": pytest.approx(1 / 40), "flagged": True}
+    # no stop at step 1, no give-up (mu* 0.6 would give up at step 1 too): full reasoning
+    assert not o["stopped_early"] and o["give_up_step"] is None and o["ended"] == "full"
+    assert o["steps_scored"] > 1
+    assert _flagged_count(srv) == before + 1
+
+
+def test_a_bad_shift_alpha_is_a_400(srv):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(srv, {"shift_alpha": 1.5})
+    assert e.value.body["param"] == "orca.shift_alpha"
+    assert "[0, 1)" in e.value.body["message"]
