@@ -245,6 +245,9 @@ def orca_error(responses: list[dict], excluded_never_correct: bool) -> dict[str,
     return {"stop_error": stop["rate"], "stop_error_counted": stop["n"],
             "stop_error_ci95": stop["ci95"],
             "stopped_early": float(np.mean([bool(r["orca"].get("stopped_early")) for r in responses])),
+            # the shift gate's share flagged (served the safe action: full reasoning)
+            "shift_flagged": float(np.mean([bool((r["orca"].get("shift") or {}).get("flagged"))
+                                            for r in responses])),
             "probe_accuracy": float(np.mean([probe_right(r["trace"], r["orca"]) for r in responses]))}
 
 
@@ -314,6 +317,10 @@ async def live_arms(url: str, work: Workload, reasoner: Reasoner, a: argparse.Na
         arms.append(("full", {"orca": {"enabled": False}}))
     arms += [(f"orca@{d}", {"orca": {"enabled": True, "delta": d, "policy": "answer"}})
              for d in work.bundle.deltas()]
+    if a.ungated and work.bundle.shift_gate is not None:  # the same ORCA arms without the gate
+        arms += [(f"orca-ungated@{d}", {"orca": {"enabled": True, "delta": d, "policy": "answer",
+                                                 "shift_alpha": 0}})
+                 for d in work.bundle.deltas()]
     if with_full and GIVE_UP_DELTA in work.bundle.give_up_deltas():  # the demo's bundle only
         arms += [(f"two-sided@{d}", {"orca": {"enabled": True, "delta": d, "policy": "answer",
                                               "give_up": {"delta": GIVE_UP_DELTA}}})
@@ -331,7 +338,8 @@ async def live_arms(url: str, work: Workload, reasoner: Reasoner, a: argparse.Na
               file=sys.stderr, flush=True)
     if with_full:
         run["labelling"] = await labelling_cost(client, model, work, run["full"], reasoner, a)
-    orca_arms = {name: arm for name, arm in run.items() if name.startswith(("orca@", "two-sided@"))}
+    orca_arms = {name: arm for name, arm in run.items()
+                 if name.startswith(("orca@", "orca-ungated@", "two-sided@"))}
     to_label = [r for arm in orca_arms.values() for r in arm["responses"]]
     t0 = time.perf_counter()
     await label(client, model, work, to_label, 64, reasoner.max_tokens, a.temperature)
@@ -364,6 +372,8 @@ def summarize(run: dict[str, Any], others: dict[str, dict[str, Any]],
                  for n, v in run.items() if n.startswith("two-sided@")]
     out = {"full": strip(full), "orca": orca, "orca_two_sided": two_sided, "budget": budgets,
            "labelling": run["labelling"], **offline_rules(full["responses"], work)}
+    out["orca_ungated"] = [{"delta": float(n.split("@")[1]), **strip(v)} for n, v in run.items()
+                           if n.startswith("orca-ungated@")]
     out["orca_other"] = {label: [{"delta": float(n.split("@")[1]), **strip(v)}
                                  for n, v in other.items() if n.startswith("orca@")]
                          for label, other in others.items()}
@@ -432,14 +442,17 @@ def table(name: str, s: dict[str, Any], epsilon: float) -> str:
         ci = p["stop_error_ci95"]
         err = (f"{p['stop_error']:.3f} ({p['stop_error_counted']}; {ci[0]:.3f}-{ci[1]:.3f})"
                if ci else "n/a")
+        if p.get("shift_flagged"):
+            err += f"; shift gate flagged {p['shift_flagged']:.3f}"
         if "give_up_error" in p:
             g = p["give_up_error"]
             err += (f"; give-up error {g['rate']:.3f} ({g['n']}; {g['ci95'][0]:.3f}-"
                     f"{g['ci95'][1]:.3f})")
         return err
 
-    arms = [("ORCA TTT no-QK", s["orca"]), *((f"ORCA, {label} bundle", points)
-                                             for label, points in s.get("orca_other", {}).items()),
+    arms = [("ORCA TTT no-QK", s["orca"]), ("ORCA, shift gate off", s.get("orca_ungated", [])),
+            *((f"ORCA, {label} bundle", points)
+              for label, points in s.get("orca_other", {}).items()),
             ("two-sided ORCA", s["orca_two_sided"])]
     for label, points in arms:
         for p in points:
@@ -480,6 +493,8 @@ def main() -> None:
     ap.add_argument("--other-bundle", nargs="*", default=[], metavar="REASONER=LABEL=BUNDLE",
                     help="another bundle of a reasoner's model, served by a second server: its "
                     "one-sided ORCA arms under LABEL (e.g. long=recalibrated=runs/x/bundle.json)")
+    ap.add_argument("--ungated", action="store_true",
+                    help="also the ORCA arms with the bundle's shift gate off (orca.shift_alpha 0)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-frontier")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 DEFAULT_GATE_STEPS = 1  # steps whose embeddings the gate reads: decided at the first step
 DEFAULT_GATE_ALPHA = 0.05  # in-distribution requests flagged, at most
-DEFAULT_GATE_RANK = 16  # principal directions kept
+DEFAULT_GATE_RANK = 32  # principal directions kept (on the toy, 16 misses half its shift)
 _EPS = 1e-6
 
 

@@ -1,7 +1,7 @@
 """The shift gate in the engine-step core (orca_serve.core), driven by the simulated engine of
 tests/core_sim.py: a bundle whose gate was fitted on features far from the simulated requests'
-(`tests.bundles.far_gate`: every request is flagged at its first step) serves flagged requests with the operator's safe
-action, never gives them up, and reports the gate in each result."""
+(`tests.bundles.far_gate`: every request is flagged at its first step) serves flagged requests
+with the operator's safe action, never gives them up, and reports the gate in each result."""
 
 from __future__ import annotations
 

@@ -64,8 +64,8 @@ class StepPlan:
 
 STAGED = ("pool_rows", "pool_slots", "lag_slots", "park_rows", "park_slots", "op_slots",
           "op_kinds", "emit_ops", "emit_slots", "emit_counts", "scored", "bank_lam", "hit_lam",
-          "bank_mu", "bank_gate", "scored_slots", "cand_pos", "cand_rows", "cand_ids", "forced_rows",
-          "forced_ids", "greedy_rows")
+          "bank_mu", "bank_gate", "scored_slots", "cand_pos", "cand_rows", "cand_ids",
+          "forced_rows", "forced_ids", "greedy_rows")
 IDX = {name: i for i, name in enumerate(STAGED)}
 
 
