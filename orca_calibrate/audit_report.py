@@ -364,8 +364,15 @@ def check_window(bundle: Bundle, ts: TrajectorySet, mode: str, last: int | None)
 def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
                 last: int | None = None, retrain: bool = False,
                 train_options: dict | None = None, seed: int = 0,
-                bundle_path: str | None = None, force: bool = False) -> Bundle:
+                bundle_path: str | None = None, force: bool = False,
+                drop_give_up: bool = False) -> Bundle:
     """LTT (the calibrate code) on the audits of the window; the same probe unless ``retrain``.
+
+    A two-sided bundle's give-up block is kept as its parent has it, certified on the parent's
+    calibration data: its mu* holds with any lambda* (docs/METHOD.md section 9), and live
+    audits cannot re-certify it (they have no reference labels, which a give-up risk needs).
+    ``drop_give_up`` writes a one-sided bundle instead (the caller warns: requests asking to
+    give up are then refused).
 
     Cut audits are in the window with their labels up to the cut, as calibration keeps cut
     trajectories (``last`` counts every audit). Unless ``force``,
@@ -403,10 +410,14 @@ def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
                   "audit_first_id": ids[0], "audit_last_id": ids[-1],
                   "parent_bundle": bundle_path, "parent_checksum": bundle.checksum,
                   "retrained": retrain, **facts}
+    if bundle.give_up is not None:
+        provenance["give_up"] = ("dropped (--drop-give-up)" if drop_give_up else
+                                 "the parent bundle's, kept as calibrated")
     return calibrate_bundle(probe, view, out, mode=mode, deltas=bundle.deltas(),
                             epsilon=bundle.ltt.epsilon, pvalue=bundle.ltt.pvalue,
                             window=bundle.window, default_delta=bundle.default_delta,
-                            provenance=provenance)
+                            provenance=provenance,
+                            give_up=None if drop_give_up else bundle.give_up)
 
 
 def _retrain(bundle: Bundle, ts: TrajectorySet, mode: str, options: dict, *,

@@ -212,3 +212,33 @@ def test_audit_report_replays_the_give_up_guard(world):
         assert never["risk"] == 0.0 and not never["alarm"]
         assert always["risk"] == pytest.approx(want[loss]) and always["alarm"]
         assert always["lower"] <= want[loss] <= always["upper"]
+
+
+def test_recalibrate_keeps_a_two_sided_bundles_give_up_block(world, tmp_path, capsys):
+    """Recalibrating a two-sided bundle writes a two-sided one: its give-up block as calibrated
+    (mu* holds with any lambda*; live audits, without reference labels, cannot re-certify it),
+    said on stdout and in the provenance; `--drop-give-up` alone writes a one-sided bundle, and
+    says so on stderr (a server running it refuses every give-up request)."""
+    from orca_method.bundle import save_bundle
+    from orca_method.bundle_checks import check_semantics
+    from tests.bundles import with_give_up
+
+    two = save_bundle(with_give_up(load_bundle(world / "bundle.json"), [(0.05, None), (0.1, 0.4)]),
+                      tmp_path / "two.json")
+    argv = ["recalibrate", "--bundle", str(tmp_path / "two.json"), "--audit",
+            str(world / "in-audits"), "--last", "400"]
+    capsys.readouterr()
+    assert main([*argv, "--out", str(tmp_path / "kept.json")]) == 0
+    assert "give-up: kept the parent's block" in capsys.readouterr().out
+    kept = load_bundle(tmp_path / "kept.json")
+    assert kept.give_up == two.give_up and kept.schema_version == 2
+    assert kept.provenance["give_up"] == "the parent bundle's, kept as calibrated"
+    assert kept.ltt.n_cal != two.ltt.n_cal  # the stop side was recalibrated on the window
+    check_semantics(kept)  # what the server checks at start and on reload
+    assert kept.mu(0.1) == 0.4
+    assert main([*argv, "--out", str(tmp_path / "dropped.json"), "--drop-give-up"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --drop-give-up" in err and "one-sided" in err
+    dropped = load_bundle(tmp_path / "dropped.json")
+    assert dropped.give_up is None and dropped.schema_version == 1
+    assert dropped.provenance["give_up"] == "dropped (--drop-give-up)"
