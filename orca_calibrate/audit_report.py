@@ -8,9 +8,11 @@ server runs, so each audit's scores are the ones the deployed procedure computed
 each audit's loss at every calibrated lambda* (`orca_method.risk`, the LTT loss) to the
 server's statistics (`CensoredAlarm`: anytime-valid confidence sequences restarted every 50
 audits and kept at dyadic ages, the whole history's giving the bounds), in audit order, and the
-scores to the drift monitor when the bundle has a reference. Audits that did not finish (cut by
-max_tokens, aborted) enter censored, as in the server: loss 0 for the alarm, loss 1 for the
-upper bound. Statistics: docs/AUDIT.md.
+scores to the drift monitor when the bundle has a reference. Only the audits the bundle's live
+table counts are read (`served_by`: the ones its live audit took, never those it was
+recalibrated on). Audits that did not finish (cut by max_tokens, aborted, the client gone)
+enter censored by the server's rule (`recorded_incomplete`): loss 0 for the alarm, loss 1 for
+the upper bound. Statistics: docs/AUDIT.md.
 
 `recalibrate` runs the calibration code (`calibrate_bundle`: replay + LTT) on the last N
 audits, cut ones included with their labels up to the cut, as calibration includes cut
@@ -32,7 +34,7 @@ import numpy as np
 
 from orca_calibrate.calibrate import calibrate_bundle, score_split
 from orca_calibrate.train import meta_train, train_static, training_settings
-from orca_method.audit.attrition import incomplete
+from orca_method.audit.attrition import recorded_incomplete
 from orca_method.audit.drift import DRIFT_WINDOW, DriftMonitor
 from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import Bundle, BundleError, Labelling, Segmentation, labelling_for
@@ -72,9 +74,10 @@ def open_audits(path: str | Path, bundle: Bundle | None = None) -> TrajectorySet
              if root.is_dir() and not (root / "info.json").exists() else [])
     if not parts:
         ts = TrajectorySet.open(root)
-        if bundle is not None:
-            labelling_of_audits(bundle, ts.info)
-        return ts
+        if bundle is None:
+            return ts
+        labelling_of_audits(bundle, ts.info)
+        return served_by(bundle, ts)
     sets = [TrajectorySet.open(p) for p in parts]
 
     def settings(info: dict[str, Any]) -> dict[str, Any]:
@@ -98,7 +101,52 @@ def open_audits(path: str | Path, bundle: Bundle | None = None) -> TrajectorySet
               "(before or after a hot reload)", file=sys.stderr)
     problems = [p for ts in kept for p in ts.problems]
     arrays = [ts.embeddings(i) for ts in kept for i in range(len(ts))]
-    return TrajectorySet(root, kept[0].info, problems, arrays)
+    joined = TrajectorySet(root, kept[0].info, problems, arrays)
+    return joined if bundle is None else served_by(bundle, joined)
+
+
+def served_by(bundle: Bundle, ts: TrajectorySet) -> TrajectorySet:
+    """The audits of `ts` that the live table of `bundle` counts, in their order: those its
+    live audit took, which the server journals per bundle checksum (a hot reload starts the new
+    bundle's table afresh) and records in each audit (`extra.audit.bundle_checksum`). So after
+    a reload the report of either bundle counts only its own audits, and a bundle recalibrated
+    on audits never counts them: its parent's live audit took them.
+
+    Records without a checksum (written by a server before it was recorded, or not by a server)
+    cannot say which bundle took them: all are kept, except, for a bundle recalibrated on them,
+    the audits up to the last one it was fitted on (`fitted_through`). Skipped audits are named
+    on stderr; none left is a ValueError (one line)."""
+    served = [((p.extra or {}).get("audit") or {}).get("bundle_checksum") for p in ts.problems]
+    fitted = fitted_through(bundle, ts)
+    keep = [i for i, c in enumerate(served)
+            if (c == bundle.checksum if c is not None else i > fitted)]
+    if len(keep) == len(ts):
+        return ts
+    others = sum(c is not None and c != bundle.checksum for c in served)
+    if not keep:
+        raise ValueError(f"none of the {len(ts)} audits in {ts.path} counts for the bundle "
+                         f"(checksum {bundle.checksum[:16]}): {others} were taken by other "
+                         f"bundles' live audits, {len(ts) - others} are audits it was "
+                         "recalibrated on or older; pass the bundle the server ran")
+    print(f"note: reading {len(keep)} of {len(ts)} audits in {ts.path}: the ones the bundle's "
+          f"live table counts; skipped {others} taken by other bundles (before or after a hot "
+          f"reload) and {len(ts) - len(keep) - others} it was recalibrated on or that predate "
+          "them", file=sys.stderr)
+    return TrajectorySet(ts.path, ts.info, [ts.problems[i] for i in keep],
+                         [ts.embeddings(i) for i in keep])
+
+
+def fitted_through(bundle: Bundle, ts: TrajectorySet) -> int:
+    """The position in `ts` of the last audit `bundle` was recalibrated on (its provenance's
+    window, `recalibrate`), when `ts` holds that whole window; else -1."""
+    prov = bundle.provenance
+    if prov.get("calibration_source") != "live audits":
+        return -1
+    ids = {p.id: i for i, p in enumerate(ts.problems)}
+    first, last = ids.get(prov.get("audit_first_id")), ids.get(prov.get("audit_last_id"))
+    if first is None or last is None or last - first + 1 != prov.get("audit_window"):
+        return -1
+    return last
 
 
 def _labelled_for(bundle: Bundle, info: dict[str, Any]) -> bool:
@@ -111,12 +159,10 @@ def _labelled_for(bundle: Bundle, info: dict[str, Any]) -> bool:
 
 
 def unfinished(ts: TrajectorySet) -> list[int]:
-    """Positions of the audits that did not finish (cut by max_tokens, aborted): censored in
-    the risk, as the server counts them (orca_method.audit.attrition). Records without a
-    finish_reason (written before it was kept) count as finished."""
-    return [i for i, p in enumerate(ts.problems)
-            if (p.extra or {}).get("finish_reason") is not None
-            and incomplete(p.extra["finish_reason"]) is not None]
+    """Positions of the audits that did not finish (cut by max_tokens, aborted, the client
+    gone: `finish_reason` null): censored in the risk, by the server's rule
+    (orca_method.audit.attrition.recorded_incomplete)."""
+    return [i for i, p in enumerate(ts.problems) if recorded_incomplete(p.extra) is not None]
 
 
 def audit_label_mode(bundle: Bundle, ts: TrajectorySet, requested: str | None = None) -> str:
@@ -364,8 +410,15 @@ def check_window(bundle: Bundle, ts: TrajectorySet, mode: str, last: int | None)
 def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
                 last: int | None = None, retrain: bool = False,
                 train_options: dict | None = None, seed: int = 0,
-                bundle_path: str | None = None, force: bool = False) -> Bundle:
+                bundle_path: str | None = None, force: bool = False,
+                drop_give_up: bool = False) -> Bundle:
     """LTT (the calibrate code) on the audits of the window; the same probe unless ``retrain``.
+
+    A two-sided bundle's give-up block is kept as its parent has it, certified on the parent's
+    calibration data: its mu* holds with any lambda* (docs/METHOD.md section 9), and live
+    audits cannot re-certify it (they have no reference labels, which a give-up risk needs).
+    ``drop_give_up`` writes a one-sided bundle instead (the caller warns: requests asking to
+    give up are then refused).
 
     Cut audits are in the window with their labels up to the cut, as calibration keeps cut
     trajectories (``last`` counts every audit). Unless ``force``,
@@ -403,10 +456,14 @@ def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
                   "audit_first_id": ids[0], "audit_last_id": ids[-1],
                   "parent_bundle": bundle_path, "parent_checksum": bundle.checksum,
                   "retrained": retrain, **facts}
+    if bundle.give_up is not None:
+        provenance["give_up"] = ("dropped (--drop-give-up)" if drop_give_up else
+                                 "the parent bundle's, kept as calibrated")
     return calibrate_bundle(probe, view, out, mode=mode, deltas=bundle.deltas(),
                             epsilon=bundle.ltt.epsilon, pvalue=bundle.ltt.pvalue,
                             window=bundle.window, default_delta=bundle.default_delta,
-                            provenance=provenance)
+                            provenance=provenance,
+                            give_up=None if drop_give_up else bundle.give_up)
 
 
 def _retrain(bundle: Bundle, ts: TrajectorySet, mode: str, options: dict, *,

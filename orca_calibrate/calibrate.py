@@ -183,12 +183,15 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
                      pvalue: str = "binomial", window: int = 10, default_delta: float | None = None,
                      dump_scores: Path | None = None,
                      provenance: dict[str, Any] | None = None,
-                     give_up: tuple[Probe, GiveUpOptions] | None = None) -> Bundle:
+                     give_up: tuple[Probe, GiveUpOptions] | GiveUpBlock | None = None
+                     ) -> Bundle:
     """Replay the calibration split, run LTT for every delta, write bundle.json with the drift
     reference of the whole split (the server sees unsolvable requests too) and the shift gate
     (fitted on the training split, scored on the calibration split: orca_calibrate/gate.py);
     with `give_up` (its probe and options), also mu* per give-up delta (a two-sided bundle,
-    schema version 2)."""
+    schema version 2), or, given a block already certified (`recalibrate` keeps its parent's),
+    that block as it is: mu* holds with every lambda* (docs/METHOD.md section 9), so a new
+    lambda* leaves it valid."""
     default = default_delta if default_delta is not None else (0.1 if 0.1 in deltas else deltas[0])
     if default not in deltas:
         raise ValueError(f"default delta {default} is not among the calibrated deltas {deltas}")
@@ -203,8 +206,9 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
                          window=window, n_cal=len(scored.ids), default_delta=default,
                          provenance=provenance or {},
                          drift=build_reference(everything.scores, window, [r.lam for r in results]),
-                         give_up=None if give_up is None else give_up_block(
-                             give_up[0], ts, give_up[1], window=window, pvalue=pvalue),
+                         give_up=give_up if give_up is None or isinstance(give_up, GiveUpBlock)
+                         else give_up_block(give_up[0], ts, give_up[1], window=window,
+                                            pvalue=pvalue),
                          shift_gate=gate_from_trajectories(ts))
     check_semantics(bundle)  # never write a bundle the server would refuse (a saturated probe)
     return save_bundle(bundle, out)

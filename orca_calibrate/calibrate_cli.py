@@ -222,8 +222,18 @@ def cmd_recalibrate(a: argparse.Namespace) -> None:
     new = recalibrate(bundle, ts, Path(a.out), mode=audit_label_mode(bundle, ts, a.label_mode),
                       last=a.last, retrain=a.retrain, seed=a.seed,
                       train_options=training_options(a), bundle_path=a.bundle,
-                      force=a.force)
+                      force=a.force, drop_give_up=a.drop_give_up)
+    if bundle.give_up is not None and a.drop_give_up:
+        print(f"orca-calibrate recalibrate: warning: --drop-give-up: {a.out} is one-sided; a "
+              "server running it refuses every request that asks to give up", file=sys.stderr)
+    elif a.drop_give_up:
+        print(f"orca-calibrate recalibrate: note: --drop-give-up: {a.bundle} has no give-up "
+              "block to drop", file=sys.stderr)
     print(f"wrote {a.out}: n_cal={new.ltt.n_cal} audits, label mode {new.label_mode}")
+    if new.give_up is not None:
+        print(f"  give-up: kept the parent's block as calibrated (mu* per give-up delta "
+              f"{', '.join(f'{d:g}' for d in new.give_up_deltas())}: valid with any lambda*; "
+              "live audits cannot re-certify it)")
     for r, old in zip(new.ltt.rows, bundle.ltt.rows):
         lam, was = ("never" if x.lam is None else f"{x.lam:.4f}" for x in (r, old))
         print(f"  delta={r.delta:<5g} lambda*={lam:<8} (was {was}) risk={r.risk:.3f} "
@@ -431,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="accept a window that reaches back to "
                    "or before the first alarm in the audits (refused by default: those audits "
                    "are not the traffic after the change)")
+    p.add_argument("--drop-give-up", action="store_true", help="write a one-sided bundle from "
+                   "a two-sided one (default: keep its give-up block as calibrated; live audits "
+                   "cannot re-certify it)")
     force_model_arg(p)
     p.set_defaults(fn=cmd_recalibrate)
 

@@ -250,7 +250,7 @@ class GiveUpBlock(_Strict):
     """
 
     probe: ProbeBlock
-    window: int = Field(1, ge=1, le=MAX_WINDOW)
+    window: int = Field(ge=1, le=MAX_WINDOW)  # required: see Bundle.window
     label_mode: str = Field(min_length=1)  # reference labels ("ends right"); never "consistent"
     ltt: GiveUpTable
     default_delta: float = Field(gt=0, lt=1)
@@ -273,7 +273,10 @@ class Bundle(_Strict):
     think: ThinkTags = ThinkTags()
     normalization: Normalization = DEFAULT_NORMALIZATION
     probe: ProbeBlock
-    window: int = Field(10, ge=1, le=MAX_WINDOW)
+    # the smoothing window lambda* were calibrated at: required, since no default is right for
+    # every bundle (the demo's are 1 and 3), and scores smoothed otherwise than calibrated void
+    # the certificate; save_bundle has always written it (model_dump keeps defaults)
+    window: int = Field(ge=1, le=MAX_WINDOW)
     label_mode: str = Field("supervised", min_length=1)
     ltt: LTTTable
     default_delta: float = Field(gt=0, lt=1)
@@ -566,6 +569,11 @@ def _validate(data: Any, p: Path) -> Bundle:
     if data.get("checksum") != _checksum(data):
         raise BundleError(f"bundle {p} fails its checksum: it was edited or truncated after "
                           "calibration; restore the original or recalibrate")
+    for where, block in (("", data), ("give_up.", data.get("give_up"))):
+        if isinstance(block, dict) and "window" not in block:
+            raise BundleError(f"bundle {p} has no '{where}window' (the smoothing window its "
+                              "thresholds were calibrated at, which no default can stand in "
+                              "for): recalibrate, or restore the file calibration wrote")
     try:
         bundle = Bundle.model_validate(data, strict=True)
     except ValidationError as e:

@@ -142,12 +142,16 @@ def check_semantics(bundle: Bundle) -> None:
 
     Data-free, so they hold for any bundle: lambda* is non-increasing in delta and each row is
     consistent with the others and with its own recorded risk (`check_rows`), and the same for
-    mu* of a two-sided bundle (`check_give_up_rows`); the probe's scores are not saturated
-    (`check_not_saturated`).
+    mu* of a two-sided bundle (`check_give_up_rows`); neither the probe's scores nor the
+    give-up probe's are saturated (`check_not_saturated`, the same check for both: a saturated
+    give-up probe gives up on every request or on none, whatever its mu*).
     """
     check_rows(bundle)
     check_give_up_rows(bundle)
-    check_not_saturated(bundle)
+    check_not_saturated(bundle.load_probe())
+    give_up = bundle.load_give_up_probe()
+    if give_up is not None:
+        check_not_saturated(give_up, "give-up probe")
 
 
 def check_rows(bundle: Bundle) -> None:
@@ -248,15 +252,15 @@ def check_give_up_rows(bundle: Bundle) -> None:
 
 
 @torch.no_grad()
-def check_not_saturated(bundle: Bundle, probe: Probe | None = None) -> None:
-    """Refuse a probe whose every score is 0 or 1 (within SATURATED) on a seeded reference.
+def check_not_saturated(probe: Probe, what: str = "probe") -> None:
+    """Refuse a probe (`what` names it in the refusal: the stop probe or the give-up probe)
+    whose every score is 0 or 1 (within SATURATED) on a seeded reference.
 
     The reference: SATURATION_PROBES seeded random unit-norm step embeddings per trajectory (the
     norm of a token-l2 step embedding is at most 1). A probe whose scores are all at sigmoid's
     ends (weights scaled up, e.g. x 1e30: finite, so the load-time smoke test passes) cannot
     place a threshold between steps; a trained probe gives scores spread over (0, 1) there.
     """
-    probe = bundle.load_probe() if probe is None else probe
     n, steps = SATURATION_PROBES
     gen = torch.Generator().manual_seed(0)
     phi = torch.randn(n, steps, probe.spec.dim, generator=gen)  # [n, steps, d]
@@ -268,7 +272,7 @@ def check_not_saturated(bundle: Bundle, probe: Probe | None = None) -> None:
         inside += int(((score > SATURATED) & (score < 1 - SATURATED)).sum())
         fast = probe.update(fast, phi[:, t])
     if inside == 0:
-        raise BundleError(f"the probe's scores are all saturated (0 or 1 within {SATURATED:g}) "
+        raise BundleError(f"the {what}'s scores are all saturated (0 or 1 within {SATURATED:g}) "
                           f"on {n * steps} seeded unit-norm step embeddings: its weights are "
                           "out of scale (edited?); retrain and recalibrate")
 

@@ -143,3 +143,18 @@ def with_give_up(bundle: Bundle, rows: Iterable[tuple[float, float | None]], *,
                               for d, mu in rows]))
     return bundle.model_copy(update={"schema_version": schema_version_for(True),
                                      "give_up": block, "checksum": ""})
+
+
+def with_saturated_give_up(bundle: Bundle) -> Bundle:
+    """`bundle` (made two-sided first if it is not: give-up probe bias 1) with its give-up
+    probe's weights x 1e30, unsealed: finite, so the loader's smoke test passes, but every
+    give-up score is 0 or 1 (the damage issue 38 found accepted; the stop probe's is refused)."""
+    if bundle.give_up is None:
+        bundle = with_give_up(bundle, [(0.05, None)], bias=1.0)
+    probe = bundle.load_give_up_probe()
+    for name, p in probe.params.items():
+        if name != "log_eta":  # eta stays a number: only the scores saturate
+            p.data.mul_(1e30)
+    block = bundle.give_up.probe.model_copy(update={"weights": encode_weights(probe)})
+    return bundle.model_copy(update={
+        "give_up": bundle.give_up.model_copy(update={"probe": block}), "checksum": ""})

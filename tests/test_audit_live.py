@@ -375,6 +375,8 @@ def test_audit_record_says_which_lambda_the_request_was_served(bundle, tmp_path:
     rows = [p.extra["audit"] for p in TrajectorySet.open(tmp_path / "audit-000001").problems]
     assert rows[0]["lambda"] == bundle.lam(0.1) and rows[0]["lambda_source"] == "bundle"
     assert rows[1]["lambda"] is None and rows[1]["lambda_source"] == "fallback"
+    # and which bundle's live audit took it: what audit-report counts it for (served_by)
+    assert {r["bundle_checksum"] for r in rows} == {bundle.checksum}
     # the recorded scores give the server's stop decision at every lambda, 1.0 included: no stop
     # at step 0 (0.99999976 < 1), so no loss; rounded to 1.0 it would stop there, wrong
     assert request_loss(rows[0]["scores"], [0, 1], 1.0) == 0

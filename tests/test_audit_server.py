@@ -242,6 +242,63 @@ def _row(table: dict, delta: float) -> dict:
     return next(r for r in table["deltas"] if r["delta"] == delta)
 
 
+def _disconnect_mid_stream(srv: Server, content: str) -> None:
+    """A streamed request whose client goes away once a step of reasoning has streamed (so the
+    audit has a step to label): the response never finishes, no finish_reason."""
+    text = ""
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60, json={
+            "model": str(MODEL), "messages": [{"role": "user", "content": content}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+            "orca": {"delta": 0.1}}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[len("data: "):])["choices"][0]
+            assert choice.get("finish_reason") is None, "finished before the client went away"
+            delta = choice["delta"]
+            text += "".join(delta.get(k) or "" for k in ("reasoning_content", "reasoning",
+                                                         "content"))
+            if "\n\n" in text:
+                break  # closing the response mid-stream aborts the request
+    assert "\n\n" in text, text
+
+
+def test_audit_report_on_the_servers_directory_gives_the_live_tables_numbers(srv, env,
+                                                                           tmp_path) -> None:
+    """A client that goes away mid-stream leaves an audit the server records with
+    `finish_reason: null` and counts censored (`aborted`). `orca-calibrate audit-report` on
+    the server's own audit directory counts it censored too, by the same rule, and gives the
+    live table's n, censored count and bounds at every delta and give-up delta."""
+    from orca_calibrate.calibrate_cli import main
+
+    for p in _records(env["dir"] / "more.jsonl")[-3:]:  # audits that finish, beside it
+        _ask(srv, p["messages"])
+    before = _settled(srv)
+    _disconnect_mid_stream(srv, "Find x with 6*x - 4 = 20.")
+    deadline = time.time() + 60
+    while _table(srv)["picked"] == before["picked"] and time.time() < deadline:
+        time.sleep(0.5)
+    live = _settled(srv)
+    counts = {k: live[k] - before[k] for k in ("picked", "aborted", "labelled", "failed")}
+    assert counts == {"picked": 1, "aborted": 1, "labelled": 0, "failed": 0}, counts
+    assert _row(live, 0.1)["censored"] == _row(before, 0.1)["censored"] + 1
+    records = TrajectorySet.open(env["audits"] / "audit-000001").problems
+    assert records[-1].extra["finish_reason"] is None  # what the server recorded
+    assert {p.extra["audit"]["bundle_checksum"] for p in records} == {live["bundle_checksum"]}
+    out = tmp_path / "report.json"
+    assert main(["audit-report", "--audit", str(env["audits"]), "--bundle", str(env["bundle"]),
+                 "--json", str(out)]) == 0
+    offline = json.loads(out.read_text())
+    assert offline["unfinished_censored"] == live["aborted"] + live["length"] >= 1
+    give_up = [{**r, "n": offline["give_up"]["n"]} for r in offline["give_up"]["deltas"]]
+    keys = ("delta", "n", "censored")
+    for a, b in [*zip(live["deltas"], offline["deltas"]), *zip(live["give_up"]["deltas"],
+                                                               give_up)]:
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, (a, b)
+        assert (a["lower"], a["upper"]) == pytest.approx((b["lower"], b["upper"]), abs=1e-9), \
+            (a, b)
+
+
 def test_an_audit_cut_by_max_tokens_enters_censored(srv, env) -> None:
     """finish_reason `length`: no final answer of its own, so its loss is unknown; it enters
     the risk censored (loss 0 for the alarm, 1 for the upper bound), counted as `length`."""

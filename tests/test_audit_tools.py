@@ -212,3 +212,92 @@ def test_audit_report_replays_the_give_up_guard(world):
         assert never["risk"] == 0.0 and not never["alarm"]
         assert always["risk"] == pytest.approx(want[loss]) and always["alarm"]
         assert always["lower"] <= want[loss] <= always["upper"]
+
+
+def test_recalibrate_keeps_a_two_sided_bundles_give_up_block(world, tmp_path, capsys):
+    """Recalibrating a two-sided bundle writes a two-sided one: its give-up block as calibrated
+    (mu* holds with any lambda*; live audits, without reference labels, cannot re-certify it),
+    said on stdout and in the provenance; `--drop-give-up` alone writes a one-sided bundle, and
+    says so on stderr (a server running it refuses every give-up request)."""
+    from orca_method.bundle import save_bundle
+    from orca_method.bundle_checks import check_semantics
+    from tests.bundles import with_give_up
+
+    two = save_bundle(with_give_up(load_bundle(world / "bundle.json"), [(0.05, None), (0.1, 0.4)]),
+                      tmp_path / "two.json")
+    argv = ["recalibrate", "--bundle", str(tmp_path / "two.json"), "--audit",
+            str(world / "in-audits"), "--last", "400"]
+    capsys.readouterr()
+    assert main([*argv, "--out", str(tmp_path / "kept.json")]) == 0
+    assert "give-up: kept the parent's block" in capsys.readouterr().out
+    kept = load_bundle(tmp_path / "kept.json")
+    assert kept.give_up == two.give_up and kept.schema_version == 2
+    assert kept.provenance["give_up"] == "the parent bundle's, kept as calibrated"
+    assert kept.ltt.n_cal != two.ltt.n_cal  # the stop side was recalibrated on the window
+    check_semantics(kept)  # what the server checks at start and on reload
+    assert kept.mu(0.1) == 0.4
+    assert main([*argv, "--out", str(tmp_path / "dropped.json"), "--drop-give-up"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --drop-give-up" in err and "one-sided" in err
+    dropped = load_bundle(tmp_path / "dropped.json")
+    assert dropped.give_up is None and dropped.schema_version == 1
+    assert dropped.provenance["give_up"] == "dropped (--drop-give-up)"
+
+
+def test_a_disconnected_audit_is_censored_offline_as_on_the_server(world):
+    """`finish_reason: null` (the server's record of a response that never finished: the
+    client went away) is censored by the server's own rule, `incomplete`; a record without the
+    field (synthetic, imported) counts as finished."""
+    from dataclasses import replace
+
+    from orca_calibrate.audit_report import audit_report, open_audits, unfinished
+    from orca_method.audit.attrition import incomplete
+
+    ts = open_audits(world / "in-audits")
+    ts.problems[3] = replace(ts.problems[3], extra={"finish_reason": None})
+    ts.problems[4] = replace(ts.problems[4], extra={"finish_reason": "abort"})
+    assert incomplete(None) == incomplete("abort") == "aborted"  # the server's counts
+    assert unfinished(ts) == [3, 4]
+    rep = audit_report(load_bundle(world / "bundle.json"), ts, mode="consistent")
+    assert rep["unfinished_censored"] == 2 and all(r["censored"] == 2 for r in rep["deltas"])
+
+
+def test_after_a_reload_each_bundle_counts_only_the_audits_its_live_audit_took(world, tmp_path,
+                                                                             capsys):
+    """Audits record which bundle's live audit took them (`extra.audit.bundle_checksum`, one
+    journal per bundle on the server). After `recalibrate --last 300` and a reload, the report
+    of the recalibrated bundle counts the audits taken after the reload only, never the 300 it
+    was fitted on, and the parent's report only its own. Records without a checksum (older
+    servers) lose, for the recalibrated bundle, every audit up to the last one it was fitted on."""
+    from dataclasses import replace
+
+    from orca_calibrate.audit_report import audit_report, open_audits
+    from orca_method.trajectories import INFO_DEFAULTS
+    from orca_serve.live_audit.store import AuditStore
+
+    parent = load_bundle(world / "bundle.json")
+    assert main(["recalibrate", "--bundle", str(world / "bundle.json"), "--audit",
+                 str(world / "in-audits"), "--last", "300", "--out", str(tmp_path / "r.json")]) == 0
+    recal = load_bundle(tmp_path / "r.json")
+    ts = open_audits(world / "in-audits")
+    for i, p in enumerate(ts.problems):  # the first 700 the parent took, then the reload
+        owner = parent if i < 700 else recal
+        ts.problems[i] = replace(p, extra={**(p.extra or {}),
+                                           "audit": {"bundle_checksum": owner.checksum}})
+    # written by the server's audit store, read back as audit-report reads its directory
+    store = AuditStore(tmp_path / "dir", dim=ts.dim, info={
+        k: v for k, v in ts.info.items() if k in INFO_DEFAULTS})
+    for i, p in enumerate(ts.problems):
+        store.append(p.to_dict(), ts.embeddings(i))
+    store.close()
+    capsys.readouterr()
+    mine, theirs = (open_audits(tmp_path / "dir", b) for b in (recal, parent))
+    assert (len(mine), len(theirs)) == (100, 700)
+    assert "skipped 700 taken by other bundles" in capsys.readouterr().err
+    assert {p.id for p in mine.problems} == {p.id for p in ts.problems[700:]}
+    rep = audit_report(recal, mine, mode="consistent")
+    assert rep["audits"] == 100 and all(r["n"] <= 100 for r in rep["deltas"])
+    # records without the checksum: none after the window it was fitted on, none counted
+    with pytest.raises(ValueError, match="none of the 800 audits .* recalibrated on or older"):
+        open_audits(world / "in-audits", recal)
+    assert len(open_audits(world / "in-audits", parent)) == 800  # the parent: all, as before

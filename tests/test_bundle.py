@@ -23,7 +23,7 @@ from orca_method.bundle import (
 )
 from orca_method.bundle_checks import check_semantics
 from orca_method.probe import Probe, ProbeSpec
-from tests.bundles import SMALL_VOCAB, small_bundle
+from tests.bundles import SMALL_VOCAB, small_bundle, with_give_up, with_saturated_give_up
 from tests.serving import refusals
 
 
@@ -73,6 +73,35 @@ def test_invalid_bundles_are_refused(tmp_path, mutate, message) -> None:
     _rewrite(tmp_path / "b.json", mutate)
     with pytest.raises(BundleError, match=message):
         load_bundle(tmp_path / "b.json")
+
+
+@pytest.mark.parametrize("drop", ["window", "give_up.window"])
+def test_a_bundle_without_its_window_is_refused(tmp_path, drop) -> None:
+    """No default stands in for the smoothing window the thresholds were calibrated at (the
+    loader once gave every such bundle 10; the demo's are 1 and 3): refused in one line."""
+    save_bundle(with_give_up(small_bundle(), [(0.05, 0.2)]), tmp_path / "b.json")
+
+    def mutate(d):
+        *parents, key = drop.split(".")
+        for k in parents:
+            d = d[k]
+        del d[key]
+    _rewrite(tmp_path / "b.json", mutate)
+    with pytest.raises(BundleError, match=f"has no '{drop}'") as e:
+        load_bundle(tmp_path / "b.json")
+    assert "\n" not in str(e.value)
+
+
+def test_every_shipped_bundle_records_its_window() -> None:
+    """The bundles shipped with the code (the two demos, the version-1 one kept for tests)
+    load now that the window is required, with the windows they were calibrated at."""
+    root = Path(__file__).parents[1]
+    shipped = {root / "orca_serve/demo/bundle.json": (1, 1),
+               root / "orca_serve/demo/long/bundle.json": (3, 3),
+               root / "tests/data/demo-bundle-v1.json": (1, None)}
+    for path, (window, give_up) in shipped.items():
+        b = load_bundle(path)
+        assert (b.window, b.give_up and b.give_up.window) == (window, give_up), path
 
 
 def test_checksum_mismatch(tmp_path) -> None:
@@ -306,6 +335,12 @@ def _scaled_weights(data) -> None:
     data["probe"]["weights"] = encode_weights(probe)
 
 
+def _scaled_give_up_weights(data) -> None:
+    """The same damage to the give-up probe (the demo bundle is two-sided)."""
+    damaged = with_saturated_give_up(Bundle.model_validate(data))
+    data["give_up"]["probe"]["weights"] = damaged.give_up.probe.weights
+
+
 def _swap_savings(data) -> None:
     """Savings swapped between two rows: each row alone is consistent with its risk."""
     a, b = _rows(data)[1], _rows(data)[2]
@@ -319,7 +354,8 @@ SEMANTIC = {  # resealed bad bundle -> what the one-line refusal says
                          "whole number"),
     "never beside a risk": (lambda d: _rows(d)[0].update(lam=None), "never stops"),
     "savings fall as lambda falls": (_swap_savings, "no smaller"),
-    "weights x 1e30": (_scaled_weights, "saturated"),
+    "weights x 1e30": (_scaled_weights, "the probe's scores are all saturated"),
+    "give-up weights x 1e30": (_scaled_give_up_weights, "give-up probe's scores are all saturated"),
     "delimiter no token has": (lambda d: d["segmentation"].update(delimiter="#~#"), "delimiter"),
 }
 

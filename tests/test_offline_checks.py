@@ -27,6 +27,7 @@ from orca_method.bundle import (
 )
 from orca_method.bundle_checks import Target, check_bundle, data_target
 from orca_method.trajectories import TrajectorySet
+from tests.bundles import with_saturated_give_up
 
 KW = {"dim": 16, "mean_steps": 20}
 SEGMENTATION = {"delimiter": "\n\n", "keywords": None, "keyword_match": "word",
@@ -74,8 +75,16 @@ def _rising(d) -> None:
     rows[-1]["lam"] = min(1.0, max(r["lam"] or 0 for r in rows) + 0.1)
 
 
+def _saturated_give_up(d) -> None:
+    """Made two-sided, its give-up probe's weights x 1e30 (refused as the stop probe's are)."""
+    damaged = with_saturated_give_up(Bundle.model_validate(d)).model_dump()
+    d.clear()
+    d.update(damaged)
+
+
 DAMAGED = {  # the trial's bundles -> what the refusal says
-    "weights x 1e30": (_scaled, "saturated"),
+    "weights x 1e30": (_scaled, "the probe's scores are all saturated"),
+    "give-up weights x 1e30": (_saturated_give_up, "give-up probe's scores are all saturated"),
     "lambda rising with delta": (_rising, "rises with delta"),
     "all lambdas 0": (lambda d: [r.update(lam=0.0) for r in d["ltt"]["rows"]], "recalibrate"),
     "another model's name": (lambda d: d["model"].update(name="Qwen/QwQ-32B"),

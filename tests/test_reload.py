@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from orca_method.bundle import Labelling, _checksum, load_bundle, save_bundle
+from orca_method.bundle import Bundle, Labelling, _checksum, load_bundle, save_bundle
 from orca_serve.admin import AdminMiddleware
 from orca_serve.contract import XARG_KEY
 from orca_serve.effort import parse_effort_map
@@ -30,6 +30,7 @@ from orca_serve.metrics import OrcaMetrics
 from orca_serve.reload import ReloadRefused
 from orca_serve.requests import OrcaDefaults, resolve
 from orca_serve.vllm_plugin.worker import OrcaWorkerExtension
+from tests.bundles import with_saturated_give_up
 from tests.core_sim import PROMPT, make_core, sim_bundle
 from tests.servers import orca_result, orca_server
 
@@ -212,22 +213,37 @@ def test_a_bundle_without_an_effort_maps_delta_is_refused(paths):
     assert asyncio.run(server.reloader.reload(str(paths["b"]), source="test"))["changed"]
 
 
-def test_a_bundle_the_start_up_checks_refuse_is_refused_with_one_logged_line(paths, tmp_path,
-                                                                            caplog):
-    """The checks made at start run on reload too: a table whose lambda* rises with delta is
-    refused before any engine is asked, and the refusal is one WARNING line of the log."""
-    data = json.loads(Path(paths["b"]).read_text())
+def _rising(data: dict) -> None:
     data["ltt"]["rows"][0]["lam"] = 0.1  # delta 0.05 below delta 0.1's 0.75
+
+
+def _saturated_give_up(data: dict) -> None:
+    damaged = with_saturated_give_up(Bundle.model_validate(data)).model_dump()
+    data.clear()
+    data.update(damaged)
+
+
+@pytest.mark.parametrize("damage, why", [(_rising, "rises with delta"),
+                                         (_saturated_give_up, "give-up probe's scores are all "
+                                                              "saturated")])
+def test_a_bundle_the_start_up_checks_refuse_is_refused_with_one_logged_line(paths, tmp_path,
+                                                                            caplog, damage, why):
+    """The checks made at start run on reload too: a table whose lambda* rises with delta, or a
+    give-up probe whose weights are x 1e30 (re-sealed), is refused before any engine is asked,
+    and the refusal is one WARNING line of the log."""
+    data = json.loads(Path(paths["b"]).read_text())
+    damage(data)
     data["checksum"] = _checksum(data)
-    bad = tmp_path / "rising.json"
+    bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(data))
+    load_bundle(bad)  # it loads: only the check can refuse it
     server, _, calls = setup(paths)
     with caplog.at_level(logging.INFO, logger="orca_serve"), \
-            pytest.raises(ReloadRefused, match="rises with delta"):
+            pytest.raises(ReloadRefused, match=why):
         asyncio.run(server.reloader.reload(str(bad), source="test"))
     assert calls == []
     (line,) = [r for r in caplog.records if r.name == "orca_serve.reload"]
-    assert line.levelno == logging.WARNING and "rises with delta" in line.getMessage()
+    assert line.levelno == logging.WARNING and why in line.getMessage()
     assert "\n" not in line.getMessage()
 
 

@@ -12,6 +12,9 @@ upper bound; docs/AUDIT.md, "Cut and aborted audits"), and the table shows their
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 # finish_reason -> the count it goes to; None: the response never reported one
 INCOMPLETE: dict[str | None, str] = {"length": "length", "abort": "aborted", None: "aborted"}
 
@@ -19,3 +22,15 @@ INCOMPLETE: dict[str | None, str] = {"length": "length", "abort": "aborted", Non
 def incomplete(finish_reason: str | None) -> str | None:
     """The count an audit with this finish_reason goes to when it is censored, else None."""
     return INCOMPLETE.get(finish_reason)
+
+
+def recorded_incomplete(extra: Mapping[str, Any] | None) -> str | None:
+    """`incomplete` of a trajectory record's `extra` (docs/TRAJECTORIES.md): what the offline
+    tools apply to an audit record, by the server's own rule. A record with a `finish_reason`
+    field is judged by it, null included: the server journals an audit whose response never
+    finished (the client went away) with `finish_reason: null`, and counted it censored. A
+    record without the field was not written by a server or `collect` (synthetic or imported
+    trajectories: complete by construction), and counts as finished."""
+    if extra is None or "finish_reason" not in extra:
+        return None
+    return incomplete(extra["finish_reason"])

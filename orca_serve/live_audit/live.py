@@ -184,7 +184,9 @@ class LiveAudit(AuditState):
         # unrounded: replaying them must reproduce the server's stop decisions, also at lambda 1.0
         # (LTT's grid top, what recalibration picks when only saturated scores are safe), which
         # 6-decimal rounding crossed by turning 0.9999998 into 1.0
-        record["extra"]["audit"] = {"scores": [float(s) for s in job.result.scores],
+        # bundle_checksum: the audit is this bundle's (its journal's), as audit-report counts it
+        record["extra"]["audit"] = {"bundle_checksum": self.bundle.checksum,
+                                    "scores": [float(s) for s in job.result.scores],
                                     "delta": job.result.delta,
                                     "lambda": lam_to_json(job.result.lam),
                                     "lambda_source": job.lambda_source, "seq": job.seq}
