@@ -417,17 +417,26 @@ def _demo_config() -> dict:
 
 
 def test_a_model_with_the_bundles_name_but_another_config_is_refused(tmp_path, demo_facts):
-    """Issue 23: the bundle records the model's config fingerprint; a model of another shape
-    is refused whatever it is served as, unless --orca-force-model. The demo bundle (written
-    before the fingerprint) has none and is checked by name, hidden size and tokenizer."""
+    """Issues 23 and 37: the bundle records the model's config fingerprint (the shipped toy
+    bundle too); a model of another shape is refused whatever it is served as, unless
+    --orca-force-model. A bundle without one is checked by name, hidden size and tokenizer."""
+    from dataclasses import replace
+
     from orca_serve.model_checks import check_served
 
     model, names = str(DEMO / "model"), ["orca-toy-reasoner"]
     assert demo_facts.config is not None
-    assert load_bundle(DEMO / "bundle.json").model.config_fingerprint is None
-    same = load_bundle(_resealed(tmp_path, lambda d: d["model"].update(
-        config_fingerprint=_demo_config())))
-    assert check_served(same, demo_facts, model, served_names=names) is None
+    shipped = load_bundle(DEMO / "bundle.json")
+    assert shipped.model.config_fingerprint.model_dump() == _demo_config()
+    assert check_served(shipped, demo_facts, model, served_names=names) is None
+    # the toy's architecture with one layer fewer, served under the toy's name and tokenizer
+    fewer = replace(demo_facts, config=demo_facts.config.model_copy(
+        update={"num_layers": demo_facts.config.num_layers - 1}))
+    with pytest.raises(BundleError, match="config differs \\(num_layers 4 vs 3"):
+        check_served(shipped, fewer, model, served_names=names)
+    unprinted = load_bundle(_resealed(tmp_path, lambda d: d["model"].update(
+        config_fingerprint=None)))
+    assert check_served(unprinted, fewer, model, served_names=names) is None
     for field, value in (("architecture", "LlamaForCausalLM"), ("num_layers", 48),
                          ("vocab_size", 32000)):
         other = load_bundle(_resealed(tmp_path, lambda d: d["model"].update(
