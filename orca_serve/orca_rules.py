@@ -79,7 +79,7 @@ def _delta(v: Any, strict: bool) -> float:
 
 def _policy(v: Any, strict: bool) -> Policy:
     if not isinstance(v, str) or v not in POLICIES:
-        raise ValueError(f"must be one of {', '.join(repr(str(p)) for p in POLICIES)}, "
+        raise ValueError(f"must be one of {', '.join(repr(p) for p in POLICIES)}, "
                          f"got {shown(v)}")
     return Policy(v)
 
@@ -102,7 +102,7 @@ class Rule:
 
 ENABLED = Rule(_enabled, {"type": "boolean"})
 DELTA = Rule(_delta, {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1})
-POLICY = Rule(_policy, {"type": "string", "enum": [str(p) for p in POLICIES]})
+POLICY = Rule(_policy, {"type": "string", "enum": list(POLICIES)})
 ANSWER_BUDGET = Rule(_answer_budget, {"type": "integer", "minimum": 0,
                                       "maximum": MAX_ANSWER_BUDGET})
 # the client-settable settings, by their `orca` field name (their xargs: contract.XARG_FIELDS)
