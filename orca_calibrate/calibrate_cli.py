@@ -256,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
                        default="pessimistic", help="how block labels of a pickle become steps")
 
     def training_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--epochs", type=integer(1), help="default 20 for no-QK, 10 for QK (the paper)")
+        p.add_argument("--epochs", type=integer(1),
+                       help="default 20 for no-QK, 10 for QK (the paper)")
         p.add_argument("--batch-size", type=integer(1), help="trajectories per optimizer step "
                        f"(default {DEFAULTS['batch_size']}; the paper: 1)")
         p.add_argument("--lr", type=float, help="Adam learning rate (default 1e-3 x batch^(2/3): "
@@ -418,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "fingerprint the bundle records (default: --model when it is a folder)")
     p.add_argument("--out", required=True, help="bundle.json to write")
     p.add_argument("--config", help="their run's config.json (default: beside the probe)")
-    p.add_argument("--window", type=integer(1), help="smoothing window (default: the config's, else 10)")
+    p.add_argument("--window", type=integer(1),
+                   help="smoothing window (default: the config's, else 10)")
     p.add_argument("--label-mode", help="recorded in the bundle (default: the config's)")
     p.add_argument("--epsilon", type=float, default=0.05, help="their LTT epsilon (scripts: 0.05)")
     p.add_argument("--default-delta", type=float)
