@@ -1,6 +1,7 @@
 """`orca-calibrate`: the offline job, one subcommand per stage; every stage reads and writes files.
 
-Bad input ends with one line on stderr and exit code 2, never a traceback.
+Bad input ends with one line on stderr and exit code 2, never a traceback: a bad option or
+value too (the parser is orca-serve's one-line parser, `orca_serve.argtypes.OneLineParser`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from orca_method.trajectories import (
     TrajectorySet,
     import_pickle,
 )
-from orca_serve.argtypes import integer
+from orca_serve.argtypes import OneLineParser, OptionError, integer
 
 if TYPE_CHECKING:
     from orca_method.bundle import Bundle
@@ -273,7 +274,7 @@ def cmd_import_probe(a: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="orca-calibrate", description=__doc__)
+    ap = OneLineParser(prog="orca-calibrate", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     def data_arg(p: argparse.ArgumentParser) -> None:
@@ -282,8 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
                        default="pessimistic", help="how block labels of a pickle become steps")
 
     def training_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--epochs", type=int, help="default 20 for no-QK, 10 for QK (the paper)")
-        p.add_argument("--batch-size", type=int, help="trajectories per optimizer step "
+        p.add_argument("--epochs", type=integer(1),
+                       help="default 20 for no-QK, 10 for QK (the paper)")
+        p.add_argument("--batch-size", type=integer(1), help="trajectories per optimizer step "
                        f"(default {DEFAULTS['batch_size']}; the paper: 1)")
         p.add_argument("--lr", type=float, help="Adam learning rate (default 1e-3 x batch^(2/3): "
                        "the paper's 1e-3 at batch 1, ~0.01 at batch 32)")
@@ -306,13 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
                        f"model's; default {default})")
 
     def window_arg(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--window", type=int, default=10, help="smoothing window k")
+        p.add_argument("--window", type=integer(1), default=10, help="smoothing window k")
 
     p = sub.add_parser("synth", help="write a synthetic trajectory set")
     p.add_argument("--out", required=True)
-    p.add_argument("--problems", type=int, default=600)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--steps", type=int, default=100, help="mean steps per problem")
+    p.add_argument("--problems", type=integer(1), default=600)
+    p.add_argument("--dim", type=integer(1), default=64)
+    p.add_argument("--steps", type=integer(1), default=100, help="mean steps per problem")
     p.add_argument("--shift", action="store_true", help="the shifted family")
     p.add_argument("--seed", type=int, default=0)
     embeddings_dtype_arg(p, STORED_DTYPE)
@@ -322,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     data_arg(p)
     p.add_argument("--probe", choices=sorted(PROBES), default="ttt-noqk")
     p.add_argument("--out", required=True, help="probe file (.safetensors)")
-    p.add_argument("--d-h", type=int, default=128, help="QK projection size")
+    p.add_argument("--d-h", type=integer(1), default=128, help="QK projection size")
     p.add_argument("--label-mode", help="supervised (default), consistent, judge")
     training_args(p)
     p.add_argument("--seed", type=int, default=0)
@@ -360,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probes", nargs="+", default=["static", "ttt-noqk", "ttt-qk"],
                    choices=sorted(PROBES))
     p.add_argument("--label-modes", nargs="+", default=["supervised", "consistent"])
-    p.add_argument("--d-h", type=int, default=128)
+    p.add_argument("--d-h", type=integer(1), default=128)
     window_arg(p)
     training_args(p)
     p.add_argument("--seed", type=int, default=0)
@@ -370,18 +372,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model path or hub name")
     p.add_argument("--prompts", required=True, help="JSON lines: id, messages|prompt, answer")
     p.add_argument("--out", required=True, help="trajectory directory (resumed if it exists)")
-    p.add_argument("--samples", type=int, default=1, help="trajectories per prompt")
+    p.add_argument("--samples", type=integer(1), default=1, help="trajectories per prompt")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--max-tokens", type=integer(1), default=1024)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--label-every", type=int, default=1, help="answer-probe every k-th step")
+    p.add_argument("--label-every", type=integer(1), default=1, help="answer-probe every k-th step")
     p.add_argument("--suffix", default=CollectSettings.suffix, help="answer-forcing suffix "
                    "(the bundle records it: the live audit labels with it)")
     p.add_argument("--answer-tokens", type=integer(1), default=CollectSettings.answer_tokens,
                    help="greedy tokens per answer probe (recorded as --suffix)")
     embeddings_dtype_arg(p, CollectSettings.dtype)
-    p.add_argument("--batch", type=int, default=64, help="prompts per generation batch")
+    p.add_argument("--batch", type=integer(1), default=64, help="prompts per generation batch")
     p.add_argument("--judge-url", help="OpenAI-compatible endpoint (…/v1) whose model grades "
                    "every step answer: adds the `judge` label mode")
     p.add_argument("--judge-model", help="the judge's model name at --judge-url")
@@ -417,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-mode", help="default: the bundle's if the audits have it, "
                    "else consistent")
     p.add_argument("--alpha", type=float, help="confidence sequence level (default: epsilon)")
-    p.add_argument("--drift-window", type=int, default=500, help="requests per drift test")
+    p.add_argument("--drift-window", type=integer(1), default=500, help="requests per drift test")
     p.add_argument("--epsilon-split", choices=("per-delta", "joint"), default="per-delta",
                    help="as the server's --orca-audit-epsilon-split: joint splits the level "
                    "across the deltas (docs/AUDIT.md, \"Several deltas\")")
@@ -431,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--audit", required=True, help="the server's audit directory (its "
                    "audit-NNNNNN parts, oldest first) or one trajectory directory")
     p.add_argument("--out", required=True)
-    p.add_argument("--last", type=int, help="only the last N audits (sliding window)")
+    p.add_argument("--last", type=integer(1), help="only the last N audits (sliding window)")
     p.add_argument("--label-mode", help="default: the bundle's if the audits have it, "
                    "else consistent")
     p.add_argument("--retrain", action="store_true", help="retrain the probe on half the "
@@ -469,11 +471,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "fingerprint the bundle records (default: --model when it is a folder)")
     p.add_argument("--out", required=True, help="bundle.json to write")
     p.add_argument("--config", help="their run's config.json (default: beside the probe)")
-    p.add_argument("--window", type=int, help="smoothing window (default: the config's, else 10)")
+    p.add_argument("--window", type=integer(1),
+                   help="smoothing window (default: the config's, else 10)")
     p.add_argument("--label-mode", help="recorded in the bundle (default: the config's)")
     p.add_argument("--epsilon", type=float, default=0.05, help="their LTT epsilon (scripts: 0.05)")
     p.add_argument("--default-delta", type=float)
-    p.add_argument("--max-step-tokens", type=int, default=500,
+    p.add_argument("--max-step-tokens", type=integer(0), default=500,
                    help="cut steps at this many tokens (theirs: 500; 0: never)")
     p.add_argument("--normalization", choices=NORMALIZATIONS, default=DEFAULT_NORMALIZATION,
                    help="pooling the probe was trained on (theirs: token-l2, vLLM's default)")
@@ -492,7 +495,11 @@ QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except OptionError as e:
+        print(f"{e.prog}: error: {e}", file=sys.stderr)  # as the stages' errors below
+        return 2
     if args.cmd in ("collect", "run") and QUIET_TRACKER not in sys.warnoptions:
         sys.warnoptions.append(QUIET_TRACKER)  # before vLLM starts the tracker
     from orca_method.bundle import BundleError  # deferred: torch (not needed by --help)

@@ -255,13 +255,16 @@ ORCA_PATHS = tuple(APIS)
 
 
 def thinking_ended_by(result: OrcaResult, budget: int | None) -> str | None:
-    """What closed the reasoning: `orca` (the probe), `orca_answer_reserve` (policy answer made
-    room for the answer before max_tokens), `thinking_token_budget` (vLLM's budget: it closed
-    with as many reasoning tokens as the budget, counting those the prompt opened, and no stop
-    of orca's), `model` (the model's own end tag or EOS), or None (still reasoning at the end:
-    max_tokens, a stop string, an abort)."""
+    """What closed the reasoning: `orca` (the probe), `orca_give_up` (the give-up threshold:
+    orca forced the end, whichever give-up policy wrote what followed), `orca_answer_reserve`
+    (policy answer made room for the answer before max_tokens), `thinking_token_budget` (vLLM's
+    budget: it closed with as many reasoning tokens as the budget, counting those the prompt
+    opened, and no stop of orca's), `model` (the model's own end tag or EOS), or None (still
+    reasoning at the end: max_tokens, a stop string, an abort)."""
     if result.stop_reason == "probe":
         return "orca"
+    if result.stop_reason == "give_up":
+        return "orca_give_up"
     if result.stop_reason == "budget":
         return "orca_answer_reserve"
     if not result.reasoning_closed:

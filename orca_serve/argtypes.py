@@ -1,12 +1,35 @@
-"""argparse `type=` converters for orca-serve's options: one place for their one-line errors."""
+"""argparse for orca-serve's and orca-calibrate's options: one place for their one-line errors
+(the `type=` converters and the parser that raises instead of printing its usage).
+"""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import NoReturn
 
 from orca_method.errors import shown
 from orca_serve.effort import parse_effort_map
+
+
+class OptionError(Exception):
+    """A bad command-line option or value, as one line; the program prints it after `prog`
+    (the command, with its subcommand) and exits 2."""
+
+    def __init__(self, message: str, prog: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line: a bad option raises OptionError ("MESSAGE (PROG
+    HINT)") instead of printing the usage (4-9 lines) and exiting. Subcommands' parsers are of
+    the same class (argparse's default for add_subparsers), so theirs are one line too."""
+
+    hint = "--help lists the options"
+
+    def error(self, message: str) -> NoReturn:
+        raise OptionError(f"{message} ({self.prog} {self.hint})", self.prog)
 
 
 def integer(minimum: int) -> Callable[[str], int]:

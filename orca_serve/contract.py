@@ -43,7 +43,7 @@ class Policy(StrEnum):
 _RULES = {Policy.ANSWER: PolicyRule(acts=True, answers=True),
           Policy.STOP: PolicyRule(acts=True, answers=False),
           Policy.SHADOW: PolicyRule(acts=False, answers=False)}
-POLICIES: tuple[str, ...] = tuple(Policy)
+POLICIES: tuple[str, ...] = tuple(str(p) for p in Policy)  # names: what argparse lists in errors
 
 DEFAULT_ANSWER_BUDGET = 64
 # the largest answer budget a request may ask for: far above any context length, and inside the

@@ -1,21 +1,31 @@
 """`make demo`: serve the embedded toy reasoner, ask it one question, show what ORCA did.
 
-Starts `orca-serve --demo` on a free local port, sends the same chat request twice with the
-OpenAI client (greedy): once in shadow mode (ORCA scores but never stops: the full reasoning)
-and once with early stopping, prints both, then stops the server.
+Starts `orca-serve --demo` on a local port (`--port`, else a free one), sends the same chat request
+twice with the OpenAI client (greedy): once in shadow mode (ORCA scores but never stops: the full
+reasoning) and once with early stopping, prints both, then stops the server.
+
+The server runs in its own session, and the demo stops that whole process group: vLLM's
+EngineCore and workers are its children, and stopping only the API server would leave them
+running. A server not healthy within `--wait` seconds ends the demo with one line that says so
+and where the server's log is.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from typing import NoReturn
 
 QUESTION = "Find the integer x with 7*x + 3 = 52."
+WAIT_S = 300.0  # a loaded machine needs minutes; an idle one, about a minute
+STOP_GRACE_S = 30.0  # SIGTERM's grace before SIGKILL, for the server's group
 
 
 def _free_port() -> int:
@@ -24,19 +34,74 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+def fail(msg: str) -> NoReturn:
+    """End the demo with one line on stderr, exit code 1."""
+    print(f"demo: error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+def start_server(port: int, log: str) -> subprocess.Popen:
+    """`orca-serve --demo` on `port`, its output to the file `log` (a pipe nobody reads would
+    block the server once full, and the engine's children would hold it open after a stop),
+    in a session of its own so that `stop_server` can reach every process it starts."""
+    env = {**os.environ,
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    # eager: a tiny model gains nothing from torch.compile, whose first start takes longer
+    cmd = [sys.executable, "-m", "orca_serve.serve_cli", "--demo", "--enforce-eager",
+           "--host", "127.0.0.1", "--port", str(port)]
+    with open(log, "wb") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    print(f"starting (pid {proc.pid}, log {log}): {' '.join(cmd)}", flush=True)
+    return proc
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we cannot signal (not ours): still there
+        return True
+    return True
+
+
+def stop_server(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
+    """Stop the server's whole process group: SIGTERM, then SIGKILL after `grace` seconds.
+    Bounded: returns within `grace` + 10 s whatever the group does."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        if not _group_alive(proc.pid):
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the leader, or it stays in the group as a zombie
+            if not _group_alive(proc.pid):
+                break
+            time.sleep(0.2)
+    proc.poll()
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, wait: float, log: str) -> None:
+    deadline = time.monotonic() + wait
+    while True:
         if proc.poll() is not None:
-            raise SystemExit(f"orca-serve exited with code {proc.returncode} before it was ready")
+            fail(f"orca-serve exited with code {proc.returncode} before it was ready "
+                 f"(its log: {log})")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                 if r.status == 200:
                     return
         except OSError:
             pass
-        time.sleep(1)
-    raise SystemExit(f"orca-serve did not answer {url}/health within {timeout:.0f} s")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            fail(f"orca-serve was not healthy at {url}/health within {wait:g} s (a loaded "
+                 f"machine may need more: --wait SECONDS); stopped it (its log: {log})")
+        time.sleep(min(1.0, left))
 
 
 def _ask(client, question: str, policy: str, delta: float | None):
@@ -69,46 +134,46 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--question", default=QUESTION)
     ap.add_argument("--delta", type=float, help="risk level (default: the bundle's)")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds to wait for the server")
+    ap.add_argument("--wait", type=float, default=WAIT_S, metavar="SECONDS",
+                    help=f"how long to wait for the server to be healthy (default {WAIT_S:g})")
+    ap.add_argument("--port", type=int, default=0,
+                    help="the server's port on 127.0.0.1 (default: a free one)")
     a = ap.parse_args()
-    port = _free_port()
+    port = a.port or _free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    # eager: a tiny model gains nothing from torch.compile, whose first start takes longer
-    cmd = [sys.executable, "-m", "orca_serve.serve_cli", "--demo", "--enforce-eager",
-           "--host", "127.0.0.1", "--port", str(port)]
-    print(f"starting: {' '.join(cmd)}  (first start compiles nothing: eager mode; ~1 min)")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    fd, log = tempfile.mkstemp(prefix="orca-demo-", suffix=".log")
+    os.close(fd)
+    print(f"waiting up to {a.wait:g} s for the server (about a minute on an idle machine)")
+    proc = start_server(port, log)
     try:
-        _wait_healthy(url, proc, a.timeout)
-        from openai import OpenAI  # deferred: openai (not needed by --help)
-        client = OpenAI(base_url=f"{url}/v1", api_key="demo")
-        full, total = _show("without early stopping (shadow: ORCA scores, never stops)",
-                            _ask(client, a.question, "shadow", a.delta))
-        early, _ = _show("with ORCA early stopping", _ask(client, a.question, "answer", a.delta))
-        print("\n=== what ORCA did ===")
-        if early.get("stopped_early"):
-            saved = (full.get("reasoning_tokens") or 0) - (early.get("reasoning_tokens") or 0)
-            # Steps are the paragraphs printed above. The probe scores a step when a blank line
-            # ends it, so the full reasoning's last paragraph (ended by </think>) is not scored.
-            print(f"stopped after reasoning step {early.get('stop_step')} of the {total} the full "
-                  f"reasoning has (delta={early.get('delta')}, lambda*={early.get('lambda')}); "
-                  f"reasoning tokens {early.get('reasoning_tokens')} instead of "
-                  f"{full.get('reasoning_tokens')}: {saved} saved")
-        else:
-            print(f"did not stop early: the smoothed score stayed below lambda*="
-                  f"{early.get('lambda')} over {early.get('steps_scored')} steps "
-                  f"(delta={early.get('delta')}); the guarantee allows no earlier stop here")
+        _wait_healthy(url, proc, a.wait, log)
+        _run(url, a.question, a.delta)
     finally:
-        proc.terminate()
-        try:
-            _, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-        if proc.returncode not in (0, -15, None) and err:
-            print(err[-2000:], file=sys.stderr)
+        stop_server(proc)
+    os.unlink(log)  # kept when the demo did not finish: the server's side of what went wrong
+
+
+def _run(url: str, question: str, delta: float | None) -> None:
+    """Ask twice (shadow, then early stopping) and say what ORCA did."""
+    from openai import OpenAI  # deferred: openai (not needed by --help)
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="demo")
+    full, total = _show("without early stopping (shadow: ORCA scores, never stops)",
+                        _ask(client, question, "shadow", delta))
+    early, _ = _show("with ORCA early stopping", _ask(client, question, "answer", delta))
+    print("\n=== what ORCA did ===")
+    if early.get("stopped_early"):
+        saved = (full.get("reasoning_tokens") or 0) - (early.get("reasoning_tokens") or 0)
+        # Steps are the paragraphs printed above. The probe scores a step when a blank line
+        # ends it, so the full reasoning's last paragraph (ended by </think>) is not scored.
+        print(f"stopped after reasoning step {early.get('stop_step')} of the {total} the full "
+              f"reasoning has (delta={early.get('delta')}, lambda*={early.get('lambda')}); "
+              f"reasoning tokens {early.get('reasoning_tokens')} instead of "
+              f"{full.get('reasoning_tokens')}: {saved} saved")
+    else:
+        print(f"did not stop early: the smoothed score stayed below lambda*="
+              f"{early.get('lambda')} over {early.get('steps_scored')} steps "
+              f"(delta={early.get('delta')}); the guarantee allows no earlier stop here")
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def _delta(v: Any, strict: bool) -> float:
 
 def _policy(v: Any, strict: bool) -> Policy:
     if not isinstance(v, str) or v not in POLICIES:
-        raise ValueError(f"must be one of {', '.join(repr(str(p)) for p in POLICIES)}, "
+        raise ValueError(f"must be one of {', '.join(repr(p) for p in POLICIES)}, "
                          f"got {shown(v)}")
     return Policy(v)
 
@@ -89,6 +89,13 @@ def _answer_budget(v: Any, strict: bool) -> int:
     if not 0 <= n <= MAX_ANSWER_BUDGET:
         raise ValueError(f"must be an integer in [0, {MAX_ANSWER_BUDGET}], got {shown(v)}")
     return n
+
+
+def _alpha(v: Any, strict: bool) -> float:
+    a = number(v, strict)
+    if not 0 <= a < 1:
+        raise ValueError(f"must be a number in [0, 1) (0: no shift gate), got {shown(v)}")
+    return a
 
 
 @dataclass(frozen=True)
@@ -102,14 +109,7 @@ class Rule:
 
 ENABLED = Rule(_enabled, {"type": "boolean"})
 DELTA = Rule(_delta, {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1})
-POLICY = Rule(_policy, {"type": "string", "enum": [str(p) for p in POLICIES]})
-def _alpha(v: Any, strict: bool) -> float:
-    a = number(v, strict)
-    if not 0 <= a < 1:
-        raise ValueError(f"must be a number in [0, 1) (0: no shift gate), got {shown(v)}")
-    return a
-
-
+POLICY = Rule(_policy, {"type": "string", "enum": list(POLICIES)})
 SHIFT_ALPHA = Rule(_alpha, {"type": "number", "minimum": 0, "exclusiveMaximum": 1})
 ANSWER_BUDGET = Rule(_answer_budget, {"type": "integer", "minimum": 0,
                                       "maximum": MAX_ANSWER_BUDGET})

@@ -12,10 +12,10 @@ import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from orca_method.errors import first_line
-from orca_serve.argtypes import effort_map, fraction, integer
+from orca_serve.argtypes import OneLineParser, OptionError, effort_map, fraction, integer
 from orca_serve.contract import (
     DEFAULTS,
     GIVE_UP_MESSAGE,
@@ -103,7 +103,7 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # deferred: scipy (not needed by --check-vllm)
     from orca_serve.live_audit.options import add_audit_args
 
-    add_audit_args(parser)
+    add_audit_args(g)  # in the group --help=orca-serve shows (and every error points to)
     return parser
 
 
@@ -112,18 +112,17 @@ _EARLY_VLLM = {"--model": None, "--tokenizer": None, "--revision": None,
                "--tokenizer-revision": None, "--hf-config-path": None}
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """A bad option is a StartupError (one line, exit code 2), not argparse's usage text."""
+class _EarlyParser(OneLineParser):
+    """A bad option is one line (a StartupError: exit code 2), not argparse's usage text."""
 
-    def error(self, message: str) -> NoReturn:
-        raise StartupError(f"{message} (orca-serve --help=orca-serve lists the orca options)")
+    hint = "--help=orca-serve lists the orca options"
 
 
 def early_parse(argv: list[str]) -> argparse.Namespace:
     """Our options plus the model-identity options, ignoring everything else. A bad value of
     one of them is refused in one line here, before vLLM's parser (whose errors print its whole
     usage) sees it."""
-    p = _OneLineParser(prog=PROG, add_help=False, allow_abbrev=False)
+    p = _EarlyParser(prog=PROG, add_help=False, allow_abbrev=False)
     add_orca_args(p)
     for opt in _EARLY_VLLM:
         p.add_argument(opt, default=None)
@@ -137,7 +136,10 @@ def early_parse(argv: list[str]) -> argparse.Namespace:
             head, *rest = a.split("=", 1)
             a = "=".join([head.replace("_", "-"), *rest])
         norm.append(a)
-    ns, _ = p.parse_known_args(norm)
+    try:
+        ns, _ = p.parse_known_args(norm)
+    except OptionError as e:
+        raise StartupError(str(e)) from None
     return ns
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from orca_method.outcomes import FULL
 from orca_method.thresholds import lam_to_json
 from orca_serve.apis import reasoning_spent, thinking_ended_by
-from orca_serve.contract import OrcaResult, merge_results
+from orca_serve.contract import OrcaResult, Policy, merge_results
 from orca_serve.requests import OrcaSettings
 
 logger = logging.getLogger("orca_serve.server")
@@ -104,6 +104,14 @@ def choice_fields(result: OrcaResult | None, bundle: str | None = None,
     return out
 
 
+def give_up_acts(settings: OrcaSettings, policy: Policy) -> bool:
+    """Whether the request's give-up can end it (the response's `give_up.active`): not under a
+    policy that never acts (shadow, what an audited request runs as: it runs to its end), nor
+    when the audit's guard turned give-up off (source fallback)."""
+    return (policy.rule.acts and not settings.audited
+            and settings.give_up_source != "fallback")
+
+
 def orca_object(settings: OrcaSettings,
                 results: dict[int, OrcaResult | None]) -> dict[str, Any]:
     """The response's `orca` object. n == 1: flat; n > 1: common fields + `choices` list."""
@@ -121,17 +129,16 @@ def orca_object(settings: OrcaSettings,
         obj["audited"] = True
     if settings.answer_budget is not None:
         obj["answer_budget"] = settings.answer_budget
-    if settings.give_up_delta is not None:
-        obj["give_up"] = {"delta": settings.give_up_delta, "mu": lam_to_json(settings.give_up_mu),
-                          "policy": settings.give_up_policy, "source": settings.give_up_source,
-                          # an audited request runs to its end, and the audit's guard may have
-                          # turned give-up off (source fallback): neither gives up
-                          "active": not settings.audited and settings.give_up_source != "fallback"}
     if settings.n <= 1:
         r = results.get(0)
         if r is not None:
             obj["policy"] = r.policy  # the plugin may run another policy (see `notes`)
-        obj.update(choice_fields(r, settings.bundle, settings.thinking_budget))
+    if settings.give_up_delta is not None:
+        obj["give_up"] = {"delta": settings.give_up_delta, "mu": lam_to_json(settings.give_up_mu),
+                          "policy": settings.give_up_policy, "source": settings.give_up_source,
+                          "active": give_up_acts(settings, Policy(obj["policy"]))}
+    if settings.n <= 1:
+        obj.update(choice_fields(results.get(0), settings.bundle, settings.thinking_budget))
     else:
         obj["choices"] = []
         for i, r in sorted(results.items()):

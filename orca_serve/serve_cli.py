@@ -20,11 +20,17 @@ Start-up order, so that a wrong bundle is refused in seconds and in one line (ex
    the app built by vLLM's `build_app` plus our additions (`orca_serve.server`).
 
 vLLM is reached through `orca_serve.vllm_compat.launch` (its parser, launchers and app hook).
+
+SIGTERM stops it at any point of start-up: `main` first makes SIGTERM raise SystemExit, which
+unwinds through vLLM's clean-ups (its engine client stops the EngineCore it started) and which,
+unlike vLLM's own start-up handler's KeyboardInterrupt, no part of vLLM's engine start swallows;
+uvicorn's handler takes over once the server serves (`orca_serve.vllm_compat.launch.run_single`).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Any
 
@@ -38,7 +44,18 @@ from orca_serve.vllm_plugin.config import SUPPORTED_VLLM, installed_vllm_version
 from orca_serve.vllm_setup import vllm_args
 
 
+def exit_on_sigterm() -> None:
+    """Until the server's own handler replaces it: SIGTERM raises SystemExit(143) in the main
+    thread, so that the clean-ups on the way out (vLLM's engine shutdown) run."""
+    def stop(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:  # the program itself, not a caller's process (tests call main(argv))
+        exit_on_sigterm()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         _main(argv)

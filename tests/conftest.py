@@ -37,8 +37,8 @@ from tests.tiny_model import build_tiny_model
 # finishing test_parallel alone. Measured with `make test`'s --durations; order only, no skips.
 # test_server_apis runs last of the shared-server group (its last test stops that server).
 LONGEST_FIRST = ["test_parallel", "test_speculation_engine", "test_fuzz_http", "test_audit_server",
-                 "test_audit_fleet_server",
-                 "test_demo", "test_demo_long", "test_toy_job", "test_plugin", "test_server", "test_server_give_up",
+                 "test_audit_fleet_server", "test_startup_stop", "test_demo", "test_demo_long",
+                 "test_toy_job", "test_plugin", "test_server", "test_server_give_up",
                  "test_server_apis", "test_stock_vllm", "test_hot_reload", "test_bundle"]
 
 

@@ -240,6 +240,9 @@ def test_thinking_budget_report():
 @pytest.mark.parametrize("result, budget, by", [
     ({"stop_reason": "probe", "reasoning_closed": True, "reasoning_tokens": 9}, 10, "orca"),
     ({"stop_reason": "budget", "reasoning_closed": True}, None, "orca_answer_reserve"),
+    # orca forced the end, though the reasoning closed like the model's own
+    ({"stop_reason": "give_up", "reasoning_closed": True, "reasoning_tokens": 9}, None,
+     "orca_give_up"),
     # vLLM's budget counts the reasoning tokens the prompt opened (here 1 after <think>)
     ({"reasoning_closed": True, "reasoning_tokens": 9, "prompt_reasoning_tokens": 1}, 10,
      "thinking_token_budget"),

@@ -448,6 +448,20 @@ def bundle_lams(bundle) -> list[float]:
     (["--demo", "--orca-audit-dir", "d"], "--orca-audit-rate is 0"),
     (["--demo", "--orca-audit-rate", "1.5"], "must be in [0, 1]"),
     (["--demo", "--orca-on-alarm", "panic"], "invalid choice"),
+    # nothing is audited at rate 0, so no alarm can act (as --orca-audit-dir at rate 0)
+    (["--demo", "--orca-on-alarm", "recalibrate"],
+     "--orca-on-alarm recalibrate is set but --orca-audit-rate is 0"),
+    (["--demo", "--orca-on-alarm", "fallback"], "--orca-audit-rate is 0"),
+    # redis-py would read a URL without a host as localhost
+    (["--demo", "--orca-audit-rate", "0.5", "--orca-audit-store", "redis://"],
+     "'redis://' names no server: give a host (redis://host:port/db)"),
+    (["--demo", "--orca-audit-rate", "0.5", "--orca-audit-store", "rediss://:6379/0"],
+     "names no server"),
+    (["--demo", "--orca-audit-rate", "0.5", "--orca-audit-store", "unix://"],
+     "names no server: give a socket path"),
+    # the choices as the words to type, not the enum's reprs
+    (["--demo", "--orca-policy", "bogus"],
+     "invalid choice: 'bogus' (choose from 'answer', 'stop', 'shadow')"),
 ])
 def test_bad_audit_options_end_in_one_line(argv, message, capsys) -> None:
     from orca_serve.serve_cli import main
@@ -456,6 +470,23 @@ def test_bad_audit_options_end_in_one_line(argv, message, capsys) -> None:
         main(argv)
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and message in err and "Traceback" not in err, err
+    assert len(err.splitlines()) == 1 and "<Policy" not in err, err
+
+
+def test_the_help_group_every_error_points_to_lists_every_audit_option() -> None:
+    """Errors say `orca-serve --help=orca-serve lists the orca options`: vLLM's --help=NAME
+    prints the option group titled NAME, so every orca option must be in that group."""
+    import argparse
+
+    from orca_serve.preflight import add_orca_args
+
+    p = add_orca_args(argparse.ArgumentParser())
+    # the group: its title, its description, a blank line, its options (up to the next blank)
+    section = p.format_help().split("\norca-serve:\n")[1].split("\n\n")[1]
+    audit = [o for a in p._actions for o in a.option_strings if o.startswith("--orca-audit")]
+    assert len(audit) >= 10
+    assert [o for o in audit if o not in section] == []
+    assert "--orca-on-alarm" in section and "--orca-recalibrate-window" in section
 
 
 # -- the store --------------------------------------------------------------------------------

@@ -21,3 +21,37 @@ def test_the_stored_embeddings_dtype_has_one_default_per_meaning(cmd, default):
     for flag in ("--embeddings-dtype", "--dtype"):
         assert p.parse_args([cmd, *REQUIRED[cmd], flag, other]).dtype == other
     assert CollectSettings().dtype == RECORDED_DTYPE != STORED_DTYPE
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["synth", "--out", "o", "--problems", "-1"], "argument --problems: must be >= 1, got -1"),
+    (["synth", "--out", "o", "--problems", "many"], "not an integer: 'many'"),
+    (["synth", "--out", "o", "--bogus"], "unrecognized arguments: --bogus"),
+    (["synth"], "the following arguments are required: --out"),
+    ([], "the following arguments are required: cmd"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["calibrate", "--data", "d", "--probe", "p", "--out", "o", "--pvalue", "z"],
+     "invalid choice: 'z'"),
+    (["calibrate", "--data", "d", "--probe", "p", "--out", "o", "--window", "0"],
+     "must be >= 1, got 0"),
+    (["collect", "--model", "m", "--prompts", "p", "--out", "o", "--batch", "0"],
+     "must be >= 1, got 0"),
+])
+def test_a_bad_option_is_one_line(argv, words, capsys):
+    """README: bad input ends with one line on stderr and exit code 2 (not argparse's usage)."""
+    from orca_calibrate.calibrate_cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    # the subcommand's parser names it; unknown options are the top parser's to report
+    prog = "orca-calibrate" if not argv or argv[0] == "frobnicate" or "--bogus" in argv \
+        else f"orca-calibrate {argv[0]}"
+    assert len(err) == 1 and err[0].startswith(f"{prog}: error: "), err
+    assert words in err[0] and "--help lists the options" in err[0] and "usage" not in err[0]
+
+
+def test_synth_writes_nothing_for_a_negative_count(tmp_path, capsys):
+    from orca_calibrate.calibrate_cli import main
+
+    assert main(["synth", "--out", str(tmp_path / "s"), "--problems", "-1"]) == 2
+    assert not (tmp_path / "s").exists() and "wrote" not in capsys.readouterr().out

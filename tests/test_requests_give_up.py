@@ -71,12 +71,24 @@ def test_an_audited_request_runs_to_the_end_without_giving_up():
     assert orca_object(audited, {0: None})["give_up"]["active"] is False
 
 
+def test_shadow_never_gives_up_and_says_so():
+    """An explicit shadow request, and one the plugin ran as shadow (policy stop under
+    ignore_eos, `notes`), report their give-up inactive: shadow never acts."""
+    _, s = settings({"policy": "shadow", "give_up": {"delta": 0.05}})
+    assert orca_object(s, {0: None})["give_up"]["active"] is False
+    assert orca_object(s, {0: orca_result(policy="shadow")})["give_up"]["active"] is False
+    _, s = settings({"policy": "stop", "give_up": {"delta": 0.05}})
+    assert orca_object(s, {0: orca_result(policy="stop")})["give_up"]["active"] is True
+    assert orca_object(s, {0: orca_result(policy="shadow")})["give_up"]["active"] is False
+
+
 def test_the_response_says_how_the_reasoning_ended():
     _, s = settings({"give_up": {"delta": 0.05}})
     r = orca_result(steps_scored=4, stop_reason="give_up", give_up_step=4, give_up_mu=0.3,
                     last_give_up_score=0.2, reasoning_tokens=30)
     o = orca_object(s, {0: r})
     assert o["ended"] == "gave_up" and o["give_up_step"] == 4 and o["last_give_up_score"] == 0.2
+    assert o["thinking_ended_by"] == "orca_give_up"  # orca forced the end, not the model
     assert o["give_up"] == {"delta": 0.05, "mu": 0.3, "policy": "guess", "source": "bundle",
                             "active": True}
     assert choice_fields(orca_result(stopped_early=True, stop_reason="probe"))["ended"] == "early"

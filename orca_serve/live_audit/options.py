@@ -53,9 +53,9 @@ class AuditConfig:
         return self.store is not None or self.directory is not None
 
 
-def add_audit_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group(
-        "orca-serve audit", "Realized risk on live traffic (docs/AUDIT-OPERATIONS.md)")
+def add_audit_args(g: argparse._ActionsContainer) -> None:
+    """The options of live auditing (realized risk on live traffic, docs/AUDIT-OPERATIONS.md),
+    added to `g`: orca-serve's option group, so that `--help=orca-serve` lists them."""
     g.add_argument("--orca-audit-rate", type=fraction(open_interval=False), default=0.0, metavar="R",
                    help="Audit each request with probability R (0 = off): it runs in shadow "
                    "(full-budget answer) with record mode on, and is labelled in the background.")
@@ -111,17 +111,15 @@ def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
     if ns.orca_audit_suffix == "":
         raise ValueError("--orca-audit-suffix is empty: the answer probes need the text that "
                          "forces an answer")
-    if ns.orca_audit_dir is not None and ns.orca_audit_rate == 0:
-        raise ValueError("--orca-audit-dir is set but --orca-audit-rate is 0: no request would "
-                         "be audited")
+    if ns.orca_audit_rate == 0:  # options that act on audits mean nothing without them
+        for opt, is_set in (("--orca-audit-dir", ns.orca_audit_dir is not None),
+                            ("--orca-audit-store", ns.orca_audit_store is not None),
+                            (f"--orca-on-alarm {ns.orca_on_alarm}", ns.orca_on_alarm != "report")):
+            if is_set:
+                raise ValueError(f"{opt} is set but --orca-audit-rate is 0: no request would be "
+                                 "audited")
     if ns.orca_audit_store is not None:
-        if ns.orca_audit_rate == 0:
-            raise ValueError("--orca-audit-store is set but --orca-audit-rate is 0: no request "
-                             "would be audited")
-        scheme = urlsplit(ns.orca_audit_store).scheme
-        if scheme not in STORE_SCHEMES:
-            raise ValueError(f"--orca-audit-store {ns.orca_audit_store!r} is not a Redis URL "
-                             f"(redis://host:port/db; schemes: {', '.join(STORE_SCHEMES)})")
+        check_store_url(ns.orca_audit_store)
     if ns.orca_audit_rate > 0 and (getattr(ns, "api_server_count", None) or 1) > 1:
         raise ValueError("auditing runs in one API server process (it keeps the risk statistics "
                          "and writes --orca-audit-dir); use --api-server-count 1 with "
@@ -132,6 +130,20 @@ def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
         d = Path(ns.orca_audit_dir)
         if d.exists() and not d.is_dir():
             raise ValueError(f"--orca-audit-dir {d} exists and is not a directory")
+
+
+def check_store_url(url: str) -> None:
+    """A Redis URL that names its server (ValueError, one line, otherwise): redis-py reads
+    `redis://` with no host as localhost, which no operator meant."""
+    parts = urlsplit(url)
+    if parts.scheme not in STORE_SCHEMES:
+        raise ValueError(f"--orca-audit-store {url!r} is not a Redis URL "
+                         f"(redis://host:port/db; schemes: {', '.join(STORE_SCHEMES)})")
+    where = parts.path if parts.scheme == "unix" else parts.hostname
+    if not where:
+        named = "a socket path (unix:///path/redis.sock)" if parts.scheme == "unix" else \
+            f"a host ({parts.scheme}://host:port/db)"
+        raise ValueError(f"--orca-audit-store {url!r} names no server: give {named}")
 
 
 def audit_labelling(ns: argparse.Namespace, bundle: Bundle) -> ProbeSettings:

@@ -9,8 +9,9 @@ What is private here, and why no public route serves:
   that orca-serve takes every vLLM option. Its module moved in 0.33
   (`entrypoints.launchers.cli_args` -> `entrypoints.common.cli_args`, `cli_env_setup` from
   `entrypoints.serve.utils.api_utils` to `entrypoints.common.startup`): both places are tried.
-- The launchers: `run_server` (one API server, run on our own event loop so that SIGHUP can be
-  handled there) and `run_multi_api_server` (--api-server-count N). orca-serve's routes,
+- The launchers: `run_server`'s steps (one API server, run on our own event loop so that SIGHUP
+  can be handled there; `run_single` says why its steps and not `run_server` itself) and
+  `run_multi_api_server` (--api-server-count N). orca-serve's routes,
   middleware and OpenAPI field reach the app each API server builds through vLLM's public
   endpoint-plugin interface (orca_serve/endpoint_plugin.py), not through these names.
 - The platform (`current_platform.is_cpu()`) and the context length vLLM derives for the model
@@ -38,7 +39,9 @@ TOUCH_POINTS: tuple[str, ...] = (
     "vllm.platforms:current_platform.is_cpu",
     "vllm.engine.arg_utils:EngineArgs.from_cli_args",
     "vllm.engine.arg_utils:EngineArgs.create_model_config",
-    f"{_ENTRY}:run_server",
+    f"{_ENTRY}:setup_server",
+    f"{_ENTRY}:run_server_worker",
+    "vllm.utils.system_utils:decorate_logs",
     f"{_SERVE}:run_multi_api_server",
 )
 
@@ -87,15 +90,25 @@ def derived_max_model_len(args: argparse.Namespace) -> int:
 
 def run_single(args: argparse.Namespace, on_loop: Callable[[], None] | None = None) -> None:
     """vLLM's `run_server` in this process; `on_loop` runs first on the server's event loop
-    (e.g. to add signal handlers)."""
+    (e.g. to add signal handlers).
+
+    `run_server`'s steps, less its first one: it makes SIGTERM raise KeyboardInterrupt until
+    uvicorn's handler takes over, and vLLM's engine handshake (`zmq_socket_ctx` in
+    vllm/utils/network_utils.py) swallows KeyboardInterrupt, so a SIGTERM while the engine
+    loaded its weights was lost and the server went on waiting for the engine (up to
+    VLLM_ENGINE_READY_TIMEOUT_S). orca-serve's own handler (SystemExit,
+    `orca_serve.serve_cli.exit_on_sigterm`) stays in force instead."""
     import uvloop  # deferred: uvloop (vLLM's dependency, not ours)
+    from vllm.utils.system_utils import decorate_logs  # deferred: vllm (resolved at use)
 
     entry = importlib.import_module(_ENTRY)
 
     async def main() -> None:
         if on_loop is not None:
             on_loop()
-        await entry.run_server(args)
+        decorate_logs("APIServer", skip_if_decorated=True)
+        listen_address, sock = entry.setup_server(args, reuse_port=False)
+        await entry.run_server_worker(listen_address, sock, args)
 
     uvloop.run(main())
 

@@ -1,0 +1,137 @@
+"""Stopping a server that is still starting: `orca-serve` on SIGTERM, and `make demo`.
+
+A real `orca-serve --demo` each, stopped at a chosen point of its start-up; what is checked is
+that it ends within a bound and leaves no process of its session behind (vLLM's EngineCore and
+its helpers are children of the API server, in its process group).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from orca_serve import demo
+from tests.serving import free_port, server_env
+
+ENGINE = "EngineCore"  # vLLM names its engine process VLLM::EngineCore
+STOP_BOUND_S = 60  # on 2 shared cores the engine's forced stop and the exit take ~16 s
+
+
+def group(pgid: int) -> list[psutil.Process]:
+    """The live (not zombie) processes of process group `pgid`."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return out
+
+
+def wait_gone(pgid: int, bound: float) -> list[psutil.Process]:
+    """Poll until group `pgid` is empty or `bound` seconds passed; what is left."""
+    deadline = time.monotonic() + bound
+    while (left := group(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def wait_for_engine(proc: subprocess.Popen, log: Path, bound: float = 300) -> None:
+    """Until the server has started vLLM's EngineCore (its weights are loading then)."""
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        if any(ENGINE in p.name() for p in group(proc.pid)):
+            return
+        time.sleep(0.2)
+    raise AssertionError("no EngineCore within the bound:\n" + log.read_text()[-3000:])
+
+
+def sigterm_and_wait(proc: subprocess.Popen, log: Path) -> float:
+    """SIGTERM to the API server alone (as `kill PID` or an orchestrator sends it); seconds it
+    took to exit, checked against the bound, and nothing left in its group."""
+    t = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(STOP_BOUND_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"orca-serve ignored SIGTERM for {STOP_BOUND_S} s:\n"
+                    + log.read_text()[-3000:])
+    took = time.monotonic() - t
+    left = wait_gone(proc.pid, 10)
+    assert not left, [(p.pid, p.name()) for p in left]
+    return took
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    """`orca-serve --demo` started as the demo starts it (own session, log to a file); the
+    group is killed at the end whatever the test did."""
+    log = tmp_path / "server.log"
+    proc = demo.start_server(free_port(), str(log))
+    yield proc, log
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+
+
+def test_sigterm_early_in_start_up_stops_it(server) -> None:
+    """A couple of seconds in: pre-flight, imports; no engine yet."""
+    proc, log = server
+    time.sleep(2)
+    assert proc.poll() is None, log.read_text()
+    sigterm_and_wait(proc, log)
+
+
+@pytest.mark.vllm
+def test_sigterm_while_the_engine_loads_stops_it_and_the_engine(server) -> None:
+    """vLLM's own start-up handler raised KeyboardInterrupt, which its engine handshake
+    swallows: the server went on waiting for the engine (orca_serve/vllm_compat/launch.py)."""
+    proc, log = server
+    wait_for_engine(proc, log)
+    sigterm_and_wait(proc, log)
+    assert proc.returncode == 128 + signal.SIGTERM  # orca-serve's handler, not a crash
+    assert "Traceback" not in log.read_text()
+
+
+@pytest.mark.vllm
+def test_the_demos_stop_reaches_the_engine_of_a_loading_server(server) -> None:
+    """What the demo does when its wait ends: the whole group, EngineCore included."""
+    proc, log = server
+    wait_for_engine(proc, log)
+    t = time.monotonic()
+    demo.stop_server(proc)
+    assert time.monotonic() - t < demo.STOP_GRACE_S + 10 + 1
+    assert not group(proc.pid)
+    assert proc.returncode is not None
+
+
+def test_demo_ends_within_its_wait_in_one_line_and_leaves_nothing() -> None:
+    """`make demo` on a machine too slow for its wait (forced: --wait 1)."""
+    port = free_port()
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "orca_serve.demo", "--wait", "1", "--port",
+                        str(port)], capture_output=True, text=True, timeout=120,
+                       env=server_env(), check=False)
+    took = time.monotonic() - t
+    assert r.returncode == 1, r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("demo: error:"), r.stderr
+    assert f"127.0.0.1:{port}" in err[0] and "within 1 s" in err[0] and "--wait" in err[0]
+    pid = int(re.search(r"starting \(pid (\d+)", r.stdout).group(1))
+    assert not group(pid)  # gone by the time the demo returned
+    log = Path(re.search(r"its log: (\S+)\)", err[0]).group(1))
+    assert log.is_file()  # kept for the user to read
+    log.unlink()
+    assert took < 1 + demo.STOP_GRACE_S + 10 + 10  # the wait, the stop's bound, start-up
