@@ -57,7 +57,11 @@ def fit_gate(fit: np.ndarray, cal: np.ndarray, rank: int = DEFAULT_GATE_RANK
              ) -> tuple[dict[str, np.ndarray], list[float]]:
     """The reference's tensors from the training split's features and the calibration split's
     sorted scores. fit: [N, d], cal: [M, d] (disjoint sets of requests: the p-values are valid
-    for requests exchangeable with `cal`, whatever `fit` is)."""
+    for requests exchangeable with `cal`, whatever `fit` is). The calibration scores come from
+    `ShiftGate.score`, the code the engine scores requests with, in its float32: a score computed
+    any other way would not be exchangeable with the live ones."""
+    import torch  # deferred: the CLI reads this module's defaults without torch
+
     fit = np.asarray(fit, dtype=np.float64)
     cal = np.asarray(cal, dtype=np.float64)
     if fit.ndim != 2 or cal.ndim != 2 or fit.shape[1] != cal.shape[1]:
@@ -74,17 +78,11 @@ def fit_gate(fit: np.ndarray, cal: np.ndarray, rank: int = DEFAULT_GATE_RANK
     var = sv[:r] ** 2 / (fit.shape[0] - 1) + _EPS  # [r]
     resid = centred - (centred @ basis.T) @ basis  # [N, d]
     res_scale = float((resid ** 2).sum(axis=1).mean()) + _EPS
-    tensors = {"mean": mean, "basis": basis, "var": var, "res_scale": np.array([res_scale])}
-    scores = _score_np(tensors, cal)
-    return ({k: v.astype(np.float32) for k, v in tensors.items()},
-            sorted(float(s) for s in scores))
-
-
-def _score_np(t: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
-    c = x - t["mean"]  # [m, d]
-    z = c @ t["basis"].T  # [m, r]
-    resid = (c ** 2).sum(axis=1) - (z ** 2).sum(axis=1)
-    return (z ** 2 / t["var"]).sum(axis=1) + np.maximum(resid, 0.0) / t["res_scale"][0]
+    tensors = {k: np.asarray(v, dtype=np.float32) for k, v in
+               {"mean": mean, "basis": basis, "var": var, "res_scale": [res_scale]}.items()}
+    gate = ShiftGate({k: torch.from_numpy(v) for k, v in tensors.items()}, [0.0], 1, 0.5)
+    scores = gate.score(torch.from_numpy(cal)).tolist()
+    return tensors, sorted(float(s) for s in scores)
 
 
 def threshold(scores: Sequence[float], alpha: float) -> float:
@@ -125,9 +123,10 @@ class ShiftGate:
         inputs never require grad)."""
         c = x.float() - self.mean  # [m, d]
         z = c @ self.basis.T  # [m, r]
-        zz = z.square()
-        resid = (c.square().sum(1) - zz.sum(1)).clamp_(min=0.0)  # [m]
-        return (zz / self.var).sum(1) + resid / self.res_scale
+        # the residual outside the basis, formed directly: |c|^2 - |z|^2 cancels catastrophically
+        # in float32 when the basis holds nearly all of c
+        resid = c - z @ self.basis  # [m, d]
+        return (z.square() / self.var).sum(1) + resid.square().sum(1) / self.res_scale
 
     def threshold(self, alpha: float) -> float:
         return threshold(self.scores, alpha)
