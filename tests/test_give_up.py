@@ -251,7 +251,8 @@ def test_the_deployed_bank_decides_as_the_offline_pair():
         probe.params["w"].mul_(60)
         g_probe.params["w"].mul_(60)
     gen = torch.Generator().manual_seed(0)
-    trajs = [torch.randn(int(n), dim, generator=gen) for n in torch.randint(2, 12, (40,))]
+    trajs = [torch.randn(int(n), dim, generator=gen)
+             for n in torch.randint(2, 12, (40,), generator=gen)]
     stop = [s.numpy().astype(float) for _, s in replay(probe, trajs, window)]
     give = [s.numpy().astype(float) for _, s in replay(g_probe, trajs, 1)]
     end, how = two_sided_ends(stop, give, lam, mu)
