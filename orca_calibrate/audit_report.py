@@ -39,6 +39,7 @@ from orca_method.audit.drift import DRIFT_WINDOW, DriftMonitor
 from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import Bundle, BundleError, Labelling, Segmentation, labelling_for
 from orca_method.give_up import request_give_up_loss
+from orca_method.outcomes import GIVE_UP_GUESS, GIVE_UP_MESSAGE
 from orca_method.risk import is_counted, request_losses
 from orca_method.thresholds import lam_to_json
 from orca_method.trajectories import TrajectorySet, split_ids
@@ -261,6 +262,12 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
     return report
 
 
+# the certified give-up loss per give-up policy (orca_method.give_up.lost_by_giving_up), as the
+# report names it
+CERTIFIED_LOSS = {GIVE_UP_GUESS: "gave_up_with_a_right_answer_ahead",
+                  GIVE_UP_MESSAGE: "gave_up_on_a_trace_right_at_some_step"}
+
+
 def give_up_report(bundle: Bundle, ts: TrajectorySet, mode: str, cut: set[int],
                    epsilon_split: str) -> dict[str, Any] | None:
     """Per give-up delta of a two-sided bundle, the server's give-up guard replayed: the
@@ -268,10 +275,11 @@ def give_up_report(bundle: Bundle, ts: TrajectorySet, mode: str, cut: set[int],
     requests), its loss at mu* fed in audit order to a CensoredAlarm at the give-up table's
     epsilon (split as the server splits it), unfinished audits censored.
 
-    The loss is the certified one (gave up with a right answer ahead) when the audits carry the
-    give-up's reference labels (a collection); server audits label by consistency only, and then
-    it is whether the audit gave up, at least the certified loss (docs/AUDIT.md, "The give-up
-    risk").
+    The loss is the certified one, of the give-up policy the bundle was certified for (under
+    "guess": gave up with a right answer ahead; "message": gave up on a trace right at some
+    step), when the audits carry the give-up's reference labels (a collection); server audits
+    label by consistency only, and then it is whether the audit gave up, at least the certified
+    loss of either policy (docs/AUDIT.md, "The give-up risk").
     None for a one-sided bundle."""
     gu = bundle.give_up
     if gu is None:
@@ -286,14 +294,15 @@ def give_up_report(bundle: Bundle, ts: TrajectorySet, mode: str, cut: set[int],
     first_alarm: list[int | None] = [None] * len(deltas)
     for i, g in enumerate(scored.scores):  # every audit, in order (split "all")
         raw = ts.raw_labels(i, gu.label_mode) if known else None
-        cs.update(np.array([request_give_up_loss(g, mu, raw) for mu in mus], dtype=float),
+        cs.update(np.array([request_give_up_loss(g, mu, raw, gu.policy) for mu in mus],
+                           dtype=float),
                   i in cut)
         for j, fired in enumerate(cs.alarm(np.asarray(deltas))):
             if first_alarm[j] is None and fired:
                 first_alarm[j] = i + 1
     alarm = cs.alarm(np.asarray(deltas))
-    return {"label_mode": gu.label_mode if known else mode,
-            "loss": "gave_up_with_a_right_answer_ahead" if known else "gave_up",
+    return {"label_mode": gu.label_mode if known else mode, "policy": gu.policy,
+            "loss": CERTIFIED_LOSS[gu.policy] if known else "gave_up",
             "alpha": guard_epsilon(gu.ltt.epsilon, len(deltas), epsilon_split), "n": cs.n,
             "deltas": [{"delta": d, "mu": None if math.isinf(mu) else mu,
                         "censored": int(cs.censored[j]),
@@ -329,8 +338,8 @@ def format_report(report: dict[str, Any]) -> str:
                      f"bounds=[{r['lower']:.3f}, {r['upper']:.3f}] {flag}")
     if "give_up" in report:
         g = report["give_up"]
-        what = ("gave up with a right answer ahead"
-                if g["loss"] == "gave_up_with_a_right_answer_ahead" else
+        what = (g["loss"].replace("_", " ") + f" (certified for give-up policy {g['policy']})"
+                if g["loss"] != "gave_up" else
                 "gave up (these audits cannot tell a right end: at least the certified loss, so "
                 "the upper bound holds for the certified risk, an alarm only says the give-up "
                 "rate exceeds delta_2)")

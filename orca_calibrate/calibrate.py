@@ -41,6 +41,7 @@ from orca_method.bundle_checks import check_semantics
 from orca_method.give_up import calibrate_give_up, last_right, mu_grid
 from orca_method.ltt import DeltaResult, calibrate, default_grid
 from orca_method.normalizations import DEFAULT_NORMALIZATION
+from orca_method.outcomes import GIVE_UP_GUESS
 from orca_method.probe import Probe
 from orca_method.procedure import replay
 from orca_method.risk import is_solvable
@@ -63,6 +64,9 @@ class GiveUpOptions:
     epsilon: float = 0.05
     window: int | None = None
     default_delta: float | None = None
+    # what a given-up request serves under the server's --orca-give-up-policy, the one mu* is
+    # certified for (its own loss, orca_method.give_up.give_up_losses); the server refuses others
+    policy: str = GIVE_UP_GUESS
 
 
 @dataclass
@@ -110,7 +114,8 @@ def run_ltt(scored: Scored, deltas: Sequence[float], epsilon: float, pvalue: str
 def give_up_block(probe: Probe, ts: TrajectorySet, opts: GiveUpOptions, *, window: int,
                   pvalue: str) -> GiveUpBlock:
     """LTT for mu* per give-up delta on EVERY trace of the calibration split (the give-up risk
-    is over all requests), with reference labels `opts.label_mode`."""
+    is over all requests), with reference labels `opts.label_mode`, certified for the give-up
+    policy `opts.policy`."""
     deltas = tuple(float(d) for d in opts.deltas)
     default = opts.default_delta if opts.default_delta is not None else (
         0.05 if 0.05 in deltas else deltas[0])
@@ -121,13 +126,13 @@ def give_up_block(probe: Probe, ts: TrajectorySet, opts: GiveUpOptions, *, windo
                              solvable_only=False)
     last = [last_right(ts.raw_labels(i, opts.label_mode)) for i in ts.split("calibration")]
     results = calibrate_give_up(everything.scores, last, deltas, epsilon=opts.epsilon,
-                                grid=mu_grid(GRID_SIZE), pvalue=pvalue)
+                                grid=mu_grid(GRID_SIZE), pvalue=pvalue, policy=opts.policy)
     rows = [GiveUpRow(delta=r.delta, mu=lam_to_json(r.mu), risk=r.risk,
                       pvalue=r.pvalue, give_up_rate=r.give_up_rate) for r in results]
     return GiveUpBlock(
         probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
                          eta=probe.params["log_eta"].exp().item()),
-        window=window, label_mode=opts.label_mode, default_delta=default,
+        window=window, label_mode=opts.label_mode, default_delta=default, policy=opts.policy,
         ltt=GiveUpTable(epsilon=opts.epsilon, n_cal=len(last), pvalue=pvalue,
                         grid_size=GRID_SIZE, rows=rows))
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from orca_calibrate.calibrate import Scored, score_split
 from orca_method.bundle import Bundle
-from orca_method.give_up import last_right, tokens_used, two_sided_ends
+from orca_method.give_up import last_right, lost_by_giving_up, tokens_used, two_sided_ends
 from orca_method.procedure import replay
 from orca_method.stop_metrics import stop_indices, summarize
 from orca_method.thresholds import lam_to_json
@@ -157,8 +157,9 @@ def evaluate_two_sided(bundle: Bundle, ts: TrajectorySet, split: str = "all", *,
     `accuracy_best_guess` counts its forced answer instead), the share ended early / given up.
     Realized risks with k, n and a 95% Clopper-Pearson interval: `stop_error` as certified (the
     bundle's labels, solvable traces, ended early with a wrong cumulative label) and
-    `give_up_error` (every trace: gave up with a right answer at that step or later under
-    `reference`'s raw labels, the certified loss).
+    `give_up_error` (every trace: the certified loss of the give-up policy the bundle was
+    certified for, under `reference`'s raw labels: for "guess", gave up with a right answer at
+    that step or later; for "message", gave up on a trace right at some step).
     Arms: `full` (no stopping), `one_sided` (lambda*(delta)), `two_sided` (lambda*(delta),
     mu*(delta_2)), `oracle_stop` (stop at the first right step) and `oracle_two_sided` (that,
     and give up at the first step after which no step is right). `delta`/`delta_2` default to
@@ -175,6 +176,7 @@ def evaluate_two_sided(bundle: Bundle, ts: TrajectorySet, split: str = "all", *,
     delta_2 = bundle.give_up.default_delta if delta_2 is None else delta_2
     reference = reference or bundle.give_up.label_mode
     lam, mu = bundle.lam(delta), bundle.mu(delta_2)
+    policy = bundle.give_up.policy
     idx = list(range(len(ts))) if split == "all" else ts.split(split)
     if not idx:
         raise ValueError(f"the {split} split of {ts.path} is empty")
@@ -202,7 +204,8 @@ def evaluate_two_sided(bundle: Bundle, ts: TrajectorySet, split: str = "all", *,
                 "accuracy_best_guess": float(np.mean(right_at_end)),
                 "ended_early": float(np.mean(early)), "gave_up": float(np.mean(gave)),
                 "stop_error": _rate(wrong_stop, counted),
-                "give_up_error": _rate(gave & (end <= last), np.full(len(idx), True))}
+                "give_up_error": _rate(gave & lost_by_giving_up(end, last, policy),
+                                       np.full(len(idx), True))}
 
     one_end = stop_indices(stop, np.array([lam]))[0]
     two_end, ended = two_sided_ends(stop, give_up, lam, mu)

@@ -85,22 +85,29 @@ def right_ahead(labels: Sequence[int]) -> np.ndarray:
     return np.maximum.accumulate(raw[::-1])[::-1].copy()
 
 
-def give_up_losses(tau_g: np.ndarray, lengths: np.ndarray, last: np.ndarray,
-                   policy: str = GIVE_UP_GUESS) -> np.ndarray:
-    """0/1 loss (int8, shape of ``tau_g`` [mus, traces]) of a give-up under ``policy`` (module
-    docstring); ``last``: each trace's last right step (`last_right`, -1: never right).
-    "guess": it gave up at or before ``last``, so a right answer lay ahead; "message": it gave
-    up on a trace that is right at some step."""
+def lost_by_giving_up(step: np.ndarray, last: np.ndarray, policy: str) -> np.ndarray:
+    """Whether giving up at ``step`` is a loss under ``policy`` (module docstring), per trace
+    (broadcast); ``last``: each trace's last right step (`last_right`, -1: never right).
+    "guess": ``step`` is at or before ``last``, so a right answer lay ahead; "message": the
+    trace is right at some step. The one rule of calibration and of every offline measure."""
     if policy not in GIVE_UP_POLICIES:
         raise ValueError(f"give-up policy must be one of {GIVE_UP_POLICIES}, got {policy!r}")
     last = np.asarray(last)
-    lost = last >= 0 if policy == GIVE_UP_MESSAGE else tau_g <= last
-    return (gave_up(tau_g, lengths) & lost).astype(np.int8)
+    return last >= 0 if policy == GIVE_UP_MESSAGE else np.asarray(step) <= last
 
 
-def request_give_up_loss(scores: np.ndarray, mu: float, labels: Sequence[int] | None) -> int:
-    """One trace's give-up loss under ``mu`` (`give_up_losses` for one trace), as the live audit
-    and `orca-calibrate audit-report` measure it; ``labels``: its raw reference labels.
+def give_up_losses(tau_g: np.ndarray, lengths: np.ndarray, last: np.ndarray,
+                   policy: str = GIVE_UP_GUESS) -> np.ndarray:
+    """0/1 loss (int8, shape of ``tau_g`` [mus, traces]) of a give-up under ``policy``: it gave
+    up, and that lost (`lost_by_giving_up`)."""
+    return (gave_up(tau_g, lengths) & lost_by_giving_up(tau_g, last, policy)).astype(np.int8)
+
+
+def request_give_up_loss(scores: np.ndarray, mu: float, labels: Sequence[int] | None,
+                         policy: str = GIVE_UP_GUESS) -> int:
+    """One trace's give-up loss under ``mu`` and ``policy`` (`give_up_losses` for one trace), as
+    the live audit and `orca-calibrate audit-report` measure it; ``labels``: its raw reference
+    labels.
 
     ``labels`` None: they cannot tell. Live audits label by consistency only, and under
     consistency the last step always agrees with the final answer, so a right answer counts as
@@ -110,7 +117,7 @@ def request_give_up_loss(scores: np.ndarray, mu: float, labels: Sequence[int] | 
     g = np.asarray(scores, dtype=float)
     tau = give_up_indices([g], np.array([mu], dtype=float))
     last = np.array([g.size - 1 if labels is None else last_right(labels)])
-    return int(give_up_losses(tau, np.array([g.size]), last)[0, 0])
+    return int(give_up_losses(tau, np.array([g.size]), last, policy)[0, 0])
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from orca_serve.contract import (
     POLICIES,
     SHIFT_ACTIONS,
 )
-from orca_serve.effort import DEFAULT_EFFORT_MAP, check_effort_map, describe
+from orca_serve.effort import DEFAULT_EFFORT_MAP, describe
 from orca_serve.model_checks import ModelFacts, check_bundle
 from orca_serve.startup_errors import PROG, StartupError
 from orca_serve.vllm_plugin.config import (
@@ -263,22 +263,18 @@ def preflight(argv: list[str]) -> Preflight:
 
 
 def load_checked(path: str, early: argparse.Namespace) -> Bundle:
-    """The bundle at `path`, with the deltas the options name in its tables."""
+    """The bundle at `path`, satisfying the options (`check_options`, as on every reload)."""
     # deferred: torch (not needed by --check-vllm)
     from orca_method.bundle import BundleError, load_bundle
+    from orca_serve.bundle_options import check_options
 
     try:
         bundle = load_bundle(path)
-        if early.orca_delta is not None:
-            bundle.lam(early.orca_delta)
-        if early.orca_give_up_delta is not None:
-            bundle.mu(early.orca_give_up_delta)
+        check_options(bundle, delta=early.orca_delta, give_up_delta=early.orca_give_up_delta,
+                      give_up_policy=early.orca_give_up_policy,
+                      effort_map=early.orca_effort_map or {})
     except BundleError as e:
         raise StartupError(str(e)) from None
-    try:
-        check_effort_map(early.orca_effort_map or {}, bundle)
-    except BundleError as e:
-        raise StartupError(f"--orca-effort-map: {e}") from None
     if bundle.lambdas_from:
         print(f"{PROG}: note: lambda* in {path} {bundle.lambdas_from}", file=sys.stderr,
               flush=True)

@@ -6,10 +6,12 @@ the request (the `orca_bundle` extra arg); the engine joins the deployment of th
 never compared with the scores of another:
 
 1. The new bundle is read and checked here (its checksum; the checks made at start: the model it
-   names, the table's consistency, the probe's scale, `check`; `--orca-delta` in its table; the
-   live audit's settings), then staged on every engine worker (`orca_load_bundle`: the checks made at
-   start, against the engine's own model). Any refusal: the staged copies are let go, nothing
-   else changes, and the caller gets the reason in one line.
+   names, the table's consistency, the probe's scale, `check`; the options the server runs with,
+   `orca_serve.bundle_options.check_options`: --orca-delta in its table, the give-up policy its
+   mu* was certified for, ...; the live audit's settings), then staged on every engine worker
+   (`orca_load_bundle`: the checks made at start, against the engine's own model). Any
+   refusal: the staged copies are let go, nothing else changes, and the caller gets the reason
+   in one line.
 2. Every worker makes it its default (`orca_use_bundle`, for requests that name no bundle), then
    the server swaps its bundle, defaults and live audit in one synchronous step on the event
    loop: requests resolved before it run on the old bundle (they name it), requests resolved
@@ -37,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from orca_method.bundle import Bundle, BundleError, load_bundle
 from orca_method.bundle_checks import check_semantics
 from orca_method.errors import first_line
-from orca_serve.effort import check_effort_map
+from orca_serve.bundle_options import check_options
 from orca_serve.live_audit.handover import hand_over
 from orca_serve.requests import OrcaSettings
 from orca_serve.serving_state import EngineLink, Serving, ServingRef
@@ -172,21 +174,12 @@ class Reloader:
         if bundle.checksum == old:
             self.serving.swap(replace(st, bundle_path=path))
             return {"changed": False, "checksum": old, "path": path}
-        if self.fixed_delta is not None:
-            try:
-                bundle.lam(self.fixed_delta)
-            except BundleError as e:
-                raise ReloadRefused(f"--orca-delta {self.fixed_delta:g}: {e}") from None
-        if st.defaults.give_up_delta is not None:  # --orca-give-up-delta: every request uses it
-            try:
-                bundle.mu(st.defaults.give_up_delta)
-            except BundleError as e:
-                raise ReloadRefused(f"--orca-give-up-delta {st.defaults.give_up_delta:g}: "
-                                    f"{e}") from None
-        try:
-            check_effort_map(st.defaults.effort_map, bundle)
+        try:  # the options the server runs with, as at start
+            check_options(bundle, delta=self.fixed_delta, give_up_delta=st.defaults.give_up_delta,
+                          give_up_policy=st.defaults.give_up_policy,
+                          effort_map=st.defaults.effort_map)
         except BundleError as e:
-            raise ReloadRefused(f"--orca-effort-map: {e}") from None
+            raise ReloadRefused(str(e)) from None
         audit = None
         if self.make_audit is not None and st.audit is not None:
             try:

@@ -182,8 +182,9 @@ def test_unfinished_audits_enter_censored_offline(world):
 def test_audit_report_replays_the_give_up_guard(world):
     """A two-sided bundle: the report replays the give-up probe on every audit (never-right ones
     too) and measures each give-up delta as the server's give-up guard does. With the audits'
-    reference labels (a collection) the loss is the certified one, gave up with a right answer
-    ahead (here: at the first step, so any right step counts);
+    reference labels (a collection) the loss is the certified one of the bundle's give-up
+    policy, gave up with a right answer ahead ("guess") or on a trace right at some step
+    ("message"; here the give-up is at the first step, so both count any right step);
     without them (the give-up's label mode not in the audits, as on a server's audits) it is
     whether the audit gave up. The probe scores 0.5 at every step: mu* 0.6 gives up at the
     first step (of every audit with two steps or more), mu* 0.4 never."""
@@ -195,19 +196,23 @@ def test_audit_report_replays_the_give_up_guard(world):
     long = [p.n_steps >= 2 for p in ts.problems]
     right = [ts.raw_labels(i, "supervised").any() for i in range(len(ts))]
     certified = "gave_up_with_a_right_answer_ahead"
+    message = "gave_up_on_a_trace_right_at_some_step"  # certified for policy "message"
     want = {certified: sum(a and b for a, b in zip(long, right)) / len(ts),
             "gave_up": sum(long) / len(ts)}
+    want[message] = want[certified]  # a give-up at the first step: the two losses agree
     assert 0.05 < want[certified] < want["gave_up"]
-    for label_mode, loss in (("supervised", certified), ("judge", "gave_up")):
+    for label_mode, policy, loss in (("supervised", "guess", certified),
+                                     ("supervised", "message", message),
+                                     ("judge", "message", "gave_up")):
         two = with_give_up(one, [(0.05, 0.4), (0.1, 0.6)])
         two = two.model_copy(update={"give_up": two.give_up.model_copy(
-            update={"label_mode": label_mode})})
+            update={"label_mode": label_mode, "policy": policy})})
         save_bundle(two, world / "two-sided.json")
         out = world / "two-sided-report.json"
         assert main(["audit-report", "--audit", str(world / "in-audits"), "--bundle",
                      str(world / "two-sided.json"), "--json", str(out)]) == 0
         g = json.loads(out.read_text())["give_up"]
-        assert g["loss"] == loss and g["n"] == len(ts)
+        assert g["loss"] == loss and g["policy"] == policy and g["n"] == len(ts)
         never, always = g["deltas"]
         assert never["risk"] == 0.0 and not never["alarm"]
         assert always["risk"] == pytest.approx(want[loss]) and always["alarm"]

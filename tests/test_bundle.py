@@ -464,3 +464,26 @@ def test_orca_serve_refuses_them_in_one_line_before_vllm(tmp_path) -> None:
     for why, (code, err) in got.items():
         assert code == 2, (why, err)
         assert err.count("\n") == 1 and why in err, (why, err)
+
+
+def test_orca_serve_serves_mu_only_under_the_give_up_policy_it_was_certified_for(tmp_path):
+    """docs/METHOD.md section 9: each give-up policy has its own loss. The real entry point
+    refuses the demo bundle (certified for "guess") under --orca-give-up-policy message, and a
+    bundle certified for "message" under the default "guess": exit 2, one line naming the flag
+    that fits, vLLM not imported. The matching combination passes the same pre-flight."""
+    from orca_serve.preflight import preflight
+
+    message = _resealed(tmp_path, lambda d: d["give_up"].update(policy="message"))
+    got = _serve({"message": ["--demo", "--orca-give-up-policy", "message"],
+                  "guess": ["--calib", str(message), "--model", str(DEMO / "model")]})
+    for served, certified in (("message", "guess"), ("guess", "message")):
+        code, err = got[served]
+        assert code == 2 and err.count("\n") == 1, (served, err)
+        assert err.startswith(f"orca-serve: error: --orca-give-up-policy {served}: the bundle's "
+                              f"give-up threshold mu* was certified for give-up policy "
+                              f"'{certified}'"), err
+        assert f"serve it with --orca-give-up-policy {certified}," in err, err
+        assert f"calibrate.give_up.policy: {served}" in err, err
+    pre = preflight(["--calib", str(message), "--orca-give-up-policy", "message"])
+    assert pre.bundle is not None and pre.bundle.give_up.policy == "message"
+    assert preflight(["--demo"]).bundle.give_up.policy == "guess"

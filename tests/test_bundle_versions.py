@@ -14,10 +14,12 @@ from orca_method.bundle import (
     load_bundle,
     save_bundle,
 )
+from orca_method.outcomes import GIVE_UP_GUESS, GIVE_UP_MESSAGE
 from orca_method.thresholds import GIVE_UP_NEVER
 from tests.bundles import small_bundle, with_give_up
 
 OLD_DEMO = Path(__file__).parent / "data" / "demo-bundle-v1.json"
+DEMO = Path(__file__).parent.parent / "orca_serve" / "demo"  # the shipped (two-sided) bundles
 
 
 def test_a_bundle_written_before_version_2_loads_unchanged():
@@ -62,6 +64,32 @@ def test_a_two_sided_bundle_is_version_2_and_round_trips(tmp_path):
         loaded.mu(0.2)
 
 
+def test_the_give_up_policy_is_written_only_when_it_is_not_guess(tmp_path):
+    """A bundle records the give-up policy its mu* was certified for; "guess" (what every bundle
+    from before the field was certified for) is not written, so those bundles, the shipped demo
+    bundles included, load as "guess" and are re-written byte-identical (same checksum)."""
+    for shipped in (DEMO / "bundle.json", DEMO / "long" / "bundle.json"):
+        assert "policy" not in json.loads(shipped.read_text())["give_up"]
+        b = load_bundle(shipped)
+        assert b.give_up.policy == GIVE_UP_GUESS
+        save_bundle(b, tmp_path / "again.json")
+        assert (tmp_path / "again.json").read_text() == shipped.read_text()
+    guess = with_give_up(small_bundle(), [(0.05, 0.2)])
+    message = guess.model_copy(update={"give_up": guess.give_up.model_copy(
+        update={"policy": GIVE_UP_MESSAGE})})
+    for b, written in ((guess, None), (message, GIVE_UP_MESSAGE)):
+        out = tmp_path / f"{b.give_up.policy}.json"
+        sealed = save_bundle(b, out)
+        assert json.loads(out.read_text())["give_up"].get("policy") == written
+        loaded = load_bundle(out)
+        assert loaded.give_up.policy == b.give_up.policy == sealed.give_up.policy
+        assert loaded.summary()["give_up"]["policy"] == b.give_up.policy  # GET /v1/orca/bundle
+        save_bundle(loaded, tmp_path / "again.json")
+        assert (tmp_path / "again.json").read_text() == out.read_text()
+    assert load_bundle(tmp_path / "message.json").checksum != load_bundle(
+        tmp_path / "guess.json").checksum  # the policy is sealed: editing it breaks the checksum
+
+
 def _edited(tmp_path: Path, bundle, edit) -> Path:
     """`bundle` saved, its JSON edited and re-sealed with a fresh checksum."""
     from orca_method.bundle import _checksum
@@ -85,6 +113,8 @@ def _edited(tmp_path: Path, bundle, edit) -> Path:
     (lambda d: d["give_up"].update(default_delta=0.2), "give_up.default_delta"),
     (lambda d: d["give_up"]["ltt"]["rows"].append(dict(d["give_up"]["ltt"]["rows"][0])),
      "give-up delta 0.05 twice"),
+    (lambda d: d["give_up"].update(policy="stop"), r"give_up.policy': give-up policy must be "
+                                                   "one of guess, message"),
 ])
 def test_two_sided_bundle_refusals_are_one_line(tmp_path, edit, match):
     path = _edited(tmp_path, with_give_up(small_bundle(), [(0.05, 0.2)]), edit)

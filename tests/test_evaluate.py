@@ -93,3 +93,60 @@ def test_evaluate_two_sided_arms_and_risks(data: TrajectorySet, tmp_path) -> Non
             assert x["rate"] == pytest.approx(x["k"] / x["n"])
             assert x["ci95"][0] <= x["rate"] <= x["ci95"][1]
     assert a["two_sided"]["accuracy"] <= a["two_sided"]["accuracy_best_guess"]
+
+
+def test_calibration_certifies_mu_for_the_give_up_policy_and_evaluation_measures_its_loss(
+        data: TrajectorySet, tmp_path, monkeypatch) -> None:
+    """calibrate.give_up.policy reaches the bundle: certified for "message" (its loss counts
+    every give-up on a trace right at some step, at least "guess"'s), each mu* is no higher
+    than "guess"'s, and the bundle records the policy. The offline evaluation measures the loss
+    of the policy the bundle records: at one mu*, "guess" counts the give-ups with a right step
+    ahead, "message" those on a trace right at any step."""
+    from orca_calibrate.calibrate import GiveUpOptions
+    from orca_calibrate.evaluate import evaluate_two_sided
+    from orca_calibrate.train import train_give_up, train_static
+    from orca_method.bundle import load_bundle
+    from orca_method.give_up import last_right, two_sided_ends
+    from orca_method.procedure import replay
+    from orca_method.thresholds import mu_from_json
+
+    probe = train_static(data, "supervised", pca_dim=8)
+    give_up_probe = train_give_up(data, "supervised")
+    bundles = {policy: calibrate_bundle(probe, data, tmp_path / f"{policy}.json", deltas=[0.3],
+                                        window=3, give_up=(give_up_probe, GiveUpOptions(
+                                            deltas=(0.1, 0.2), epsilon=0.1, policy=policy)))
+               for policy in ("guess", "message")}
+    guess, message = bundles["guess"], bundles["message"]
+    assert (guess.give_up.policy, message.give_up.policy) == ("guess", "message")
+    assert load_bundle(tmp_path / "message.json").give_up.policy == "message"
+    for g, m in zip(guess.give_up.ltt.rows, message.give_up.ltt.rows):
+        assert g.delta == m.delta and mu_from_json(m.mu) <= mu_from_json(g.mu)
+    # guess's mu*, measured as certified for "message"
+    at_mu = guess.model_copy(update={"give_up": guess.give_up.model_copy(
+        update={"policy": "message"})})
+    idx = data.split("test")
+    embs = [data.embeddings(i) for i in idx]
+    stop = [s.numpy() for _, s in replay(guess.load_probe(), embs, window=guess.window)]
+    give_up = [s.numpy() for _, s in replay(guess.load_give_up_probe(), embs,
+                                            window=guess.give_up.window)]
+    end, how = two_sided_ends(stop, give_up, guess.lam(0.3), guess.mu(0.2))
+    gave = np.array(how) == "gave_up"
+    # synthetic traces rarely lose a right answer; these, given up on after their first step,
+    # are made right at their first step only: lost to "message", not to "guess"
+    talked_out = {i for i, e, g in zip(idx, end, gave) if g and e >= 1}
+    raw_labels = data.raw_labels
+
+    def edited(i: int, mode: str) -> np.ndarray:
+        labels = raw_labels(i, mode)
+        if i in talked_out and mode == "supervised":
+            labels = np.zeros_like(labels)
+            labels[0] = 1
+        return labels
+
+    monkeypatch.setattr(data, "raw_labels", edited)
+    last = np.array([last_right(data.raw_labels(i, "supervised")) for i in idx])
+    want = {"guess": int((gave & (end <= last)).sum()), "message": int((gave & (last >= 0)).sum())}
+    assert want["message"] >= want["guess"] + len(talked_out) > want["guess"]
+    for policy, bundle in (("guess", guess), ("message", at_mu)):
+        r = evaluate_two_sided(bundle, data, "test", delta=0.3, delta_2=0.2)["arms"]["two_sided"]
+        assert r["give_up_error"]["k"] == want[policy], policy

@@ -11,6 +11,7 @@ from orca_method.give_up import (
     give_up_indices,
     give_up_losses,
     last_right,
+    lost_by_giving_up,
     mu_grid,
     request_give_up_loss,
     right_ahead,
@@ -18,6 +19,7 @@ from orca_method.give_up import (
     two_sided_ends,
 )
 from orca_method.ltt import binomial_pvalues, calibrate, default_grid, n_rejected
+from orca_method.outcomes import GIVE_UP_GUESS, GIVE_UP_MESSAGE
 from orca_method.stop_metrics import losses, stop_indices
 from orca_method.thresholds import GIVE_UP_NEVER
 
@@ -47,6 +49,25 @@ def test_last_right_and_right_ahead_read_raw_labels():
     assert request_give_up_loss(g, 0.2, [1, 0, 0, 0]) == 0  # right only before giving up
     assert request_give_up_loss(g, 0.2, [0, 0, 1, 0]) == 1
     assert request_give_up_loss(g, 0.05, None) == 0
+
+
+def test_one_traces_loss_follows_the_give_up_policy():
+    """What audit-report and the offline evaluation measure of a bundle certified for a policy
+    (`request_give_up_loss`, `lost_by_giving_up`): under "message" a give-up after the trace's
+    only right step still loses (nothing is answered), under "guess" it does not; labels None
+    (consistency) is whether it gave up under either, at least either certified loss."""
+    g = np.array([0.9, 0.1, 0.1, 0.9])  # gives up at step 1 under mu 0.2
+    for labels, guess, message in (([1, 0, 0, 0], 0, 1), ([0, 0, 1, 0], 1, 1),
+                                   ([0, 0, 0, 0], 0, 0), (None, 1, 1)):
+        assert request_give_up_loss(g, 0.2, labels, GIVE_UP_GUESS) == guess, labels
+        assert request_give_up_loss(g, 0.2, labels, GIVE_UP_MESSAGE) == message, labels
+    assert request_give_up_loss(g, 0.05, [1, 0, 0, 0], GIVE_UP_MESSAGE) == 0  # never gave up
+    np.testing.assert_array_equal(lost_by_giving_up(np.array([2, 2, 2]), np.array([1, 3, -1]),
+                                                    GIVE_UP_MESSAGE), [True, True, False])
+    np.testing.assert_array_equal(lost_by_giving_up(np.array([2, 2, 2]), np.array([1, 3, -1]),
+                                                    GIVE_UP_GUESS), [False, True, False])
+    with pytest.raises(ValueError, match="give-up policy must be one of"):
+        lost_by_giving_up(np.array([0]), np.array([0]), "stop")
 
 
 def test_mu_star_is_last_rejected_threshold_and_never_when_first_fails():
@@ -251,7 +272,8 @@ def test_the_deployed_bank_decides_as_the_offline_pair():
         probe.params["w"].mul_(60)
         g_probe.params["w"].mul_(60)
     gen = torch.Generator().manual_seed(0)
-    trajs = [torch.randn(int(n), dim, generator=gen) for n in torch.randint(2, 12, (40,))]
+    trajs = [torch.randn(int(n), dim, generator=gen)
+             for n in torch.randint(2, 12, (40,), generator=gen)]
     stop = [s.numpy().astype(float) for _, s in replay(probe, trajs, window)]
     give = [s.numpy().astype(float) for _, s in replay(g_probe, trajs, 1)]
     end, how = two_sided_ends(stop, give, lam, mu)

@@ -68,6 +68,19 @@ def test_job_file_errors(tmp_path) -> None:
     assert job["prompts"] == str(tmp_path / "p.jsonl") and job["model"] == str(tmp_path / "m")
 
 
+def test_job_give_up_policy_is_checked(tmp_path) -> None:
+    """calibrate.give_up.policy: the give-up policy mu* is certified for (the server serves no
+    other), refused in one line at load unless it is one the server has."""
+    j = tmp_path / "job.yaml"
+    base = "model: m\nprompts: p.jsonl\nout: o\ncalibrate: {give_up: {label_mode: supervised"
+    j.write_text(base + ", policy: stop}}\n")
+    with pytest.raises(JobError, match="calibrate.give_up.policy .* one of guess, message, "
+                                       "not 'stop'"):
+        load_job(j)
+    j.write_text(base + ", policy: message}}\n")
+    assert load_job(j)["calibrate"]["give_up"]["policy"] == "message"
+
+
 class _FakeCollector:
     """Stands in for the vLLM collector (tests/test_toy_job.py runs the real one): writes a
     synthetic trajectory set for the prompts, so the job's own bookkeeping can be tested fast."""

@@ -30,7 +30,7 @@ from orca_serve.metrics import OrcaMetrics
 from orca_serve.reload import ReloadRefused
 from orca_serve.requests import OrcaDefaults, resolve
 from orca_serve.vllm_plugin.worker import OrcaWorkerExtension
-from tests.bundles import with_saturated_give_up
+from tests.bundles import with_give_up, with_saturated_give_up
 from tests.core_sim import PROMPT, make_core, sim_bundle
 from tests.servers import orca_result, orca_server
 
@@ -211,6 +211,34 @@ def test_a_bundle_without_an_effort_maps_delta_is_refused(paths):
     assert calls == [] and server.serving.now.bundle.checksum == load_bundle(paths["a"]).checksum
     _effort_map(server, "low=0.05")
     assert asyncio.run(server.reloader.reload(str(paths["b"]), source="test"))["changed"]
+
+
+def test_a_bundle_certified_for_another_give_up_policy_is_refused(paths, tmp_path):
+    """--orca-give-up-policy is fixed for the server's life, and a two-sided bundle's mu* holds
+    only under the policy it was certified for (docs/METHOD.md section 9): a reload to one
+    certified for the other policy is refused before any engine is asked, by the rule start-up
+    applies (orca_serve.bundle_options), in one line naming the fix; the bundle certified for
+    the served policy reloads."""
+    two = with_give_up(load_bundle(paths["b"]), [(0.05, 0.1)])
+    certified = {}
+    for policy in ("guess", "message"):
+        certified[policy] = tmp_path / f"{policy}.json"
+        save_bundle(two.model_copy(update={"give_up": two.give_up.model_copy(
+            update={"policy": policy})}), certified[policy])
+    for served, other in (("message", "guess"), ("guess", "message")):
+        server, _cores, calls = setup(paths)
+        now = server.serving.now
+        server.serving.swap(replace(now, defaults=replace(now.defaults, give_up_policy=served)))
+        with pytest.raises(ReloadRefused) as e:
+            asyncio.run(server.reloader.reload(str(certified[other]), source="test"))
+        assert str(e.value).startswith(f"--orca-give-up-policy {served}: the bundle's give-up "
+                                       f"threshold mu* was certified for give-up policy "
+                                       f"'{other}'") and "\n" not in str(e.value)
+        assert calls == [] and server.serving.now.bundle.checksum == now.bundle.checksum
+        assert asyncio.run(server.reloader.reload(str(certified[served]), source="test"))[
+            "changed"]
+        assert server.serving.now.bundle.give_up.policy == served
+
 
 
 def _rising(data: dict) -> None:

@@ -95,8 +95,9 @@ def test_start_up_refusals_are_one_line(env, servers):
         assert len(err.strip().splitlines()) == 1, (name, err)
     assert "hidden size" in got["hidden"][1] and str(HIDDEN // 2) in got["hidden"][1]
     assert "checksum" in got["checksum"][1]
-    assert got["delta"][1].strip() == ("orca-serve: error: delta 0.3 has no calibrated lambda* in "
-                                       "this bundle; available deltas: 0.05, 0.1, 0.2")
+    assert got["delta"][1].strip() == ("orca-serve: error: --orca-delta 0.3: delta 0.3 has no "
+                                       "calibrated lambda* in this bundle; available deltas: "
+                                       "0.05, 0.1, 0.2")
     assert got["eagle"][1].strip() == (
         "orca-serve: error: speculative decoding with method 'eagle' is not supported with orca "
         "(tested: ngram, draft_model; set \"method\" in the speculative config)")
