@@ -141,3 +141,18 @@ def test_bundle_carries_the_gate_and_refuses_a_damaged_one(tmp_path, bundle_path
         bad.write_text(json.dumps(data))
         with pytest.raises(BundleError, match="shift gate"):
             load_bundle(bad)
+
+
+@pytest.mark.parametrize("folder, steps", [("", 1), ("long", 2)])
+def test_the_demo_bundles_carry_a_gate(folder, steps):
+    """Both shipped bundles are gated (orca-serve --demo serves with the gate on), each scored
+    on a few hundred in-distribution prompts: enough for a p-value of 1/300."""
+    from pathlib import Path
+
+    import orca_serve
+
+    path = Path(orca_serve.__file__).parent / "demo" / folder / "bundle.json"
+    bundle = load_bundle(path)
+    gate = bundle.load_gate()
+    assert gate is not None and gate.steps == steps and len(gate.scores) >= 250
+    assert gate.threshold(gate.alpha) < math.inf
