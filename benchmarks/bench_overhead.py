@@ -8,7 +8,7 @@ Usage:
     python benchmarks/bench_overhead.py --report FILE   # the tables of a saved --json file
     python benchmarks/bench_overhead.py --models long --conc 64 --max-tokens 1536 --rounds 2
                                         # 64 long requests (the embedded long reasoner)
-Results and tables: benchmarks/overhead.md. SmolLM2 comes from benchmarks/prepare_smollm2.py.
+Results and tables: benchmarks/overhead.md. SmolLM2 comes from scripts/prepare_smollm2.py.
 
 Design (this machine is shared and noisy, +-10-15 % run to run):
 - three configurations, each in its own fresh subprocess (offline `vllm.LLM`, in-process,
@@ -80,7 +80,7 @@ MODELS = {
 def prepare_models(names: list[str]) -> dict[str, dict[str, str]]:
     """Model folders and matching bundles (built once, cached in .cache/bench-overhead)."""
     sys.path.insert(0, str(ROOT))  # the tests package's helpers
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "scripts"))  # prepare_smollm2, the model preparer
     from orca_method.bundle import ModelIdentity, ThinkTags, load_bundle, save_bundle
     from tests.bundles import make_bundle  # the tests' bundle helper
     from tests.tiny_model import HIDDEN, build_tiny_model

@@ -1,4 +1,4 @@
-"""Fuzzing targets shared by tests/test_fuzz_inputs.py (bounded) and benchmarks/fuzz_inputs.py.
+"""Fuzzing targets shared by tests/test_fuzz_inputs.py (bounded) and scripts/fuzz_inputs.py.
 
 Each target is a hypothesis strategy of inputs plus a `check_*` function that raises
 `AssertionError` (or lets an unexpected exception escape) when a property is violated:

@@ -1,6 +1,6 @@
 """Fuzzing a running server's HTTP surface with schemathesis, from its own /openapi.json.
 
-Shared by `tests/test_fuzz_http.py` (a bounded run) and `benchmarks/fuzz_http.py` (a long one).
+Shared by `tests/test_fuzz_http.py` (a bounded run) and `scripts/fuzz_http.py` (a long one).
 Every operation a client can call is fuzzed with schema-valid (positive) and schema-violating
 (negative) inputs; a finding is a 5xx, a request that outlives its timeout, or the server going
 away (501, vLLM's "this model does not serve that route", is counted but is not a finding).

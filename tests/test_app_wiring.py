@@ -6,7 +6,7 @@ parsed by vLLM's parser plus ours, and the plugins' state initialised as vLLM's 
 does: what runs here is what `orca-serve` serves, up to the engine. Checked: the bundle route,
 the order of the middleware (vLLM's API-key check before the orca validation, whose 400 comes
 from inside; the admin route's own key before vLLM's), the `orca` field in vLLM's OpenAPI
-description. benchmarks/check_vllm_release.sh
+description. scripts/check_vllm_release.sh
 runs this file on every supported vLLM release, 0.33 included (whose GPU wheel starts no engine
 on a CPU machine).
 """

@@ -38,7 +38,7 @@ def test_the_stored_embeddings_dtype_has_one_default_per_meaning(cmd, default):
      "must be >= 1, got 0"),
 ])
 def test_a_bad_option_is_one_line(argv, words, capsys):
-    """README: bad input ends with one line on stderr and exit code 2 (not argparse's usage)."""
+    """docs/CALIBRATE.md: bad input ends with one line on stderr and exit code 2 (no usage)."""
     from orca_calibrate.calibrate_cli import main
 
     assert main(argv) == 2

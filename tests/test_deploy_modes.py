@@ -37,7 +37,7 @@ def test_other_versions_are_refused_in_one_line(v, monkeypatch):
     msg = str(e.value)
     assert "\n" not in msg and v in msg and SUPPORTED_VLLM in msg and ENV_ANY_VLLM in msg
     monkeypatch.setenv(ENV_ANY_VLLM, "1")
-    check_vllm_version(v)  # the escape hatch of benchmarks/check_vllm_version.sh
+    check_vllm_version(v)  # the escape hatch of scripts/check_vllm_version.sh
 
 
 def test_installed_vllm_is_supported(monkeypatch):

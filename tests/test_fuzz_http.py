@@ -8,7 +8,7 @@
   settings with a 400, instead of cutting requests short silently.
 - JSON nested too deeply is a 400; /openapi.json works and documents the `orca` field.
 - A bounded schemathesis run over the server's own OpenAPI description: no 5xx, no hang, no crash
-  (`tests/http_fuzz.py`; the long run is `benchmarks/fuzz_http.py`).
+  (`tests/http_fuzz.py`; the long run is `scripts/fuzz_http.py`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Bounded fuzzing of the three input readers (targets and oracles: tests/fuzzing.py).
 
-Derandomized, so every run tries the same inputs; `benchmarks/fuzz_inputs.py` runs the same
+Derandomized, so every run tries the same inputs; `scripts/fuzz_inputs.py` runs the same
 targets for longer with fresh randomness.
 """
 

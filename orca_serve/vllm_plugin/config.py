@@ -43,7 +43,7 @@ from orca_serve.contract import DEFAULTS, MAX_RESULTS, RESULT_TTL_S
 # The vLLM releases the plugin is written and tested for (PEP 440). One definition: orca-serve's
 # start, the plugin's load in every vLLM process and pyproject's `gpu` extra follow it.
 SUPPORTED_VLLM = ">=0.31,<0.34"
-ENV_ANY_VLLM = "ORCA_ANY_VLLM"  # "1": skip the check (benchmarks/check_vllm_version.sh)
+ENV_ANY_VLLM = "ORCA_ANY_VLLM"  # "1": skip the check (scripts/check_vllm_version.sh)
 # vLLM calls a worker extension's `init_worker_extension(self)` once the model runner exists from
 # this release on (0.33's `WorkerWrapperBase.init_device`); before it, the processors find the
 # runner on their call stack (orca_serve/vllm_compat/runner.py)
@@ -155,7 +155,7 @@ def check_vllm_version(version: str | None = None) -> None:
     logits-processor interface, the server's launcher modules) that move between minor releases;
     on another release it could start and compute wrong stops silently. Development builds count
     as their release (0.32.1.dev3+g1234 is 0.32.1). `ORCA_ANY_VLLM=1` skips the check (for
-    trying another release: benchmarks/check_vllm_version.sh).
+    trying another release: scripts/check_vllm_version.sh).
     """
     if os.environ.get(ENV_ANY_VLLM, "").strip() == "1":
         return

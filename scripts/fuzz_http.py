@@ -1,6 +1,6 @@
 """Long fuzzing run of orca-serve's HTTP surface (the test suite runs a bounded one).
 
-    python benchmarks/fuzz_http.py [--examples 60] [--minutes 20] [--url URL] [--json OUT]
+    python scripts/fuzz_http.py [--examples 60] [--minutes 20] [--url URL] [--json OUT]
 
 Starts `orca-serve --demo` (unless --url names a running server), fuzzes every client route of
 its /openapi.json with schemathesis (`tests/http_fuzz.py`: schema-valid and schema-violating

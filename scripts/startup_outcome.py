@@ -1,6 +1,6 @@
-"""Judge one `orca-serve` start of benchmarks/check_vllm_release.sh from its output.
+"""Judge one `orca-serve` start of scripts/check_vllm_release.sh from its output.
 
-    python benchmarks/startup_outcome.py LOG HEALTHY EXIT_CODE [EXPECTED]   (exit 0: it passes)
+    python scripts/startup_outcome.py LOG HEALTHY EXIT_CODE [EXPECTED]   (exit 0: it passes)
 
 Passes when the server answered /health (a CPU build of vLLM), or when it stopped at an error of
 vLLM's having passed every check of orca-serve's: no "orca-serve: error" line, and the frame
