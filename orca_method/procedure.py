@@ -45,11 +45,24 @@ class StepResult:
     steps: Tensor  # steps scored so far per row, this one included
     give_up_score: Tensor | None = None  # g_t per row (smoothed), when the bank has a give-up probe
     give_up: Tensor | None = None  # bool per row: g_t <= mu and not stopping (the stop wins a tie)
-    # the shift gate, when the bank has one and the call passed thresholds: the nonconformity
-    # score per row (meaningful at the gate's step) and whether the gate flagged the row now
+    # the shift gate, when the bank has one and the call passed a GateStep: the nonconformity
+    # score of each deciding row (GateStep.decide, [k]) and whether the gate flagged it
     gate_score: Tensor | None = None
     gate_flag: Tensor | None = None
-    gate_hold: Tensor | None = None  # bool per row: gated, before its gate step (no decision yet)
+
+
+@dataclass
+class GateStep:
+    """Which rows of one `ProbeBank.step` call the shift gate works on, known to the caller (it
+    counts each request's scored steps): `add`, positions (in the call's rows) of steps among a
+    request's first `gate.steps`, whose embeddings the gate sums; `decide`, positions at the
+    gate's step, scored now against their thresholds `thr` ([k] each; all three on the bank's
+    device). A row before its gate step is held by the caller (threshold never, no give-up).
+    The gate's matrix work is thus [k, d] x [d, rank] once per request, not per row and step."""
+
+    add: Tensor
+    decide: Tensor
+    thr: Tensor
 
 
 class ProbeBank:
@@ -60,8 +73,7 @@ class ProbeBank:
     same step embeddings in a bank of its own, so that each step also decides whether to give up.
 
     `gate`: the shift gate (orca_method/shift_gate.py) and the threshold a flagged row runs with
-    from its gate step on (`gate_lam`: NEVER = full reasoning). A gated row neither stops nor
-    gives up before the gate has decided; a flagged row never gives up.
+    from its gate step on (`gate_lam`: NEVER = full reasoning); a flagged row never gives up.
     """
 
     def __init__(self, probe: Probe, window: int = 10, capacity: int = 64,
@@ -121,14 +133,14 @@ class ProbeBank:
     @torch.no_grad()
     def step(self, rows: Sequence[int], phi: Tensor, lam: Tensor,
              rows_dev: Tensor | None = None, mu: Tensor | None = None,
-             gate_thr: Tensor | None = None) -> StepResult:
+             gate: GateStep | None = None) -> StepResult:
         """Score, smooth, decide and (for rows that do not stop) update: one reasoning step.
 
         `mu`: [m] give-up thresholds (GIVE_UP_NEVER = -inf: this row never gives up), for a
         bank with a give-up probe; its smoothed score is computed for every row either way.
-        `gate_thr`: [m] each row's gate threshold (`ShiftGate.threshold(alpha)`; inf: the gate
-        is off for the row), for a bank with a gate; the rows it flags at their gate step run
-        with `gate_lam` at this step already (the host then keeps them on it).
+        `gate`: the rows the shift gate works on (`GateStep`), for a bank with a gate; the rows
+        it flags at their gate step run with `gate_lam` at this step already (the caller then
+        keeps them on it).
 
         rows: [m] distinct row ids on the host (a list, or a CPU tensor), phi: [m, d] step
         embeddings, lam: [m] thresholds (inf = never); `rows_dev`: the same rows already on the
@@ -161,12 +173,11 @@ class ProbeBank:
         count[rows] = n
         lam = lam.to(self.device)
         out = StepResult(raw=raw, smoothed=smoothed, stop=smoothed, steps=n)  # stop: set below
-        if self.gate is not None and gate_thr is not None:
-            out.gate_score, out.gate_flag, out.gate_hold = self._gate(
-                rows, phi, n, gate_thr.to(self.device))
-            lam = self.gated_lam(lam, out)
+        if self.gate is not None and gate is not None:
+            out.gate_score, out.gate_flag = self._gate(rows, phi, gate)
+            lam = self.gated(lam, gate.decide, out.gate_flag, self.gate_lam)
             if mu is not None:
-                mu = torch.where(out.gate_hold | out.gate_flag, GIVE_UP_NEVER, mu.to(self.device))
+                mu = self.gated(mu.to(self.device), gate.decide, out.gate_flag, GIVE_UP_NEVER)
         stop = out.stop = smoothed >= lam
         # a stopping row is not updated (its request ends here)
         self.probe.update_(fast, phi, logit, frozen=stop)
@@ -180,25 +191,22 @@ class ProbeBank:
             out.give_up_score, out.give_up = g, (g <= mu) & ~stop
         return out
 
-    def gated_lam(self, lam: Tensor, res: StepResult) -> Tensor:
-        """The thresholds the gate leaves rows with at this step: never while it has not decided,
-        the safe one where it flags now, the given one otherwise (lam: [m], on the device)."""
-        if res.gate_flag is None:
-            return lam
-        return torch.where(res.gate_hold, NEVER, torch.where(res.gate_flag, self.gate_lam, lam))
+    @staticmethod
+    def gated(v: Tensor, decide: Tensor, flag: Tensor, safe: float) -> Tensor:
+        """`v` ([m] thresholds) with `safe` at the deciding rows the gate flagged (the safe
+        action's lambda, `gate_lam`; or GIVE_UP_NEVER for the give-up threshold)."""
+        now = v.index_select(0, decide)  # [k]
+        return v.index_put((decide,), torch.where(flag, torch.full_like(now, safe), now))
 
-    def _gate(self, rows: Tensor, phi: Tensor, n: Tensor, thr: Tensor
-              ) -> tuple[Tensor, Tensor, Tensor]:
-        """(score, flagged now, held) per row: rows add their first gate.steps step embeddings;
-        at that step the gate scores their mean. n: [m] steps scored, this one included."""
-        g = self.gate.steps
-        on = torch.isfinite(thr)  # [m]
-        gathering = on & (n <= g)
+    def _gate(self, rows: Tensor, phi: Tensor, g: GateStep) -> tuple[Tensor, Tensor]:
+        """(score, flagged) of the deciding rows ([k] each), after the gathering rows added
+        their step embeddings to their running sums."""
         gsum = self._fast["gate_sum"]
-        gsum.index_put_((rows,), phi * gathering[:, None].to(phi.dtype), accumulate=True)
-        score = self.gate.score(gsum.index_select(0, rows) / g)  # [m]
-        flag = on & (n == g) & (score > thr)
-        return score, flag, on & (n < g)
+        gsum.index_put_((rows.index_select(0, g.add),), phi.index_select(0, g.add),
+                        accumulate=True)
+        decide = rows.index_select(0, g.decide)
+        score = self.gate.score(gsum.index_select(0, decide) / self.gate.steps)  # [k]
+        return score, score > g.thr
 
 
 def as_tensor(arr) -> Tensor:

@@ -259,3 +259,6 @@ def to_device(obj) -> None:
         # Parameters)
         bank.probe.__dict__["params"] = {k: v.detach().as_subclass(DeviceTensor)
                                          for k, v in bank.probe.params.items()}
+        if bank.gate is not None:  # the shift gate's reference lives on the device too
+            g = bank.gate
+            g.mean, g.basis, g.var = conv(g.mean), conv(g.basis), conv(g.var)

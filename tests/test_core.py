@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from orca_method.bundle import BundleError
+from orca_method.bundle import BundleError, load_bundle
 from orca_serve.contract import XARG_BUNDLE, XARG_KEY, XARG_LAM
 from orca_serve.core.registry import open_reasoning_tokens
 from tests.core_sim import (
@@ -37,6 +37,7 @@ from tests.core_sim import (
     sim_probe,
     to_device,
 )
+from tests.bundles import far_gate, write_bundle
 
 
 @pytest.mark.parametrize(("seed", "keywords"), [(0, False), (1, False), (2, False), (3, True)])
@@ -159,19 +160,31 @@ def test_parked_requests_are_evicted_into_snapshots_when_slots_run_out(bundle_pa
     assert got["steps_scored"] == ref["steps_scored"] > 0
 
 
-@pytest.mark.parametrize("two_deployments", [False, True])
+@pytest.fixture(scope="module")
+def gated_bundle_path(tmp_path_factory):
+    """The sim bundle with a two-step shift gate that flags every request."""
+    b = load_bundle(sim_bundle(tmp_path_factory))
+    b = b.model_copy(update={"shift_gate": far_gate(DIM).model_copy(update={"steps": 2})})
+    return write_bundle(b, tmp_path_factory.mktemp("gated") / "bundle.json")
+
+
+@pytest.mark.parametrize("two_deployments, gated", [(False, False), (True, False), (True, True)])
 def test_engine_step_makes_at_most_one_device_to_host_copy(bundle_path, other_bundle_path,
-                                                            two_deployments):
+                                                            gated_bundle_path, two_deployments,
+                                                            gated):
     """Steps with joins, scoring, stops, forcing, lag and preemption: per step at most one
     device-to-host copy (the readback) and one host-to-device copy (the staging), never a
     `.item()`/`.tolist()`/`bool()` of a device value or a tensor built from a list on a device.
-    With two deployments live (hot reload), half the requests score through each bank."""
-    core = make_core(bundle_path, max_num_seqs=4)
+    With two deployments live (hot reload), half the requests score through each bank; `gated`:
+    the first bank has a shift gate (it holds, gathers, decides and flags on the device)."""
+    core = make_core(gated_bundle_path if gated else bundle_path, max_num_seqs=4)
     other = core.load_bundle(str(other_bundle_path)).checksum if two_deployments else None
     to_device(core)
     rng = random.Random(3)
     sims = [SimRequest(f"r{i}", rng, xa={XARG_KEY: f"r{i}", "orca_policy": p,
-                                         **({XARG_BUNDLE: other} if other and i % 2 else {})},
+                                         **({XARG_BUNDLE: other} if other and i % 2 else {}),
+                                         # ungated (the gate flags all): the stop path runs
+                                         **({"orca_shift_alpha": 0} if i == 0 else {})},
                        max_tokens=60, join_at=i, preempt_at=10 if i == 1 else None,
                        lag_from=20 if i == 2 else None)
             for i, p in enumerate(["stop", "answer", "shadow", "answer"])]
@@ -198,6 +211,8 @@ def test_engine_step_makes_at_most_one_device_to_host_copy(bundle_path, other_bu
     assert sum("d2h copy_" in log for log in per_step) > 5  # the readback is seen
     if two_deployments:
         assert {r["bundle_checksum"] for r in res.values()} == {core.dep.checksum, other}
+    if gated:  # the gate decided on the device, and the host learned it from the readback
+        assert any(r.get("shift_flagged") for r in res.values())
 
 
 # -- hot reload: several deployments live at once ---------------------------------------------------

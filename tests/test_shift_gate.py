@@ -12,7 +12,7 @@ import torch
 
 from orca_method.bundle import BundleError, _checksum, gate_reference, load_bundle, save_bundle
 from orca_method.probe import Probe, ProbeSpec
-from orca_method.procedure import ProbeBank
+from orca_method.procedure import GateStep, ProbeBank
 from orca_method.shift_gate import ShiftGate, fit_gate, gate_features, pvalue, threshold
 from orca_method.thresholds import GIVE_UP_NEVER, NEVER
 
@@ -79,36 +79,42 @@ def _gate(steps: int) -> ShiftGate:
     return ShiftGate({k: torch.from_numpy(v) for k, v in tensors.items()}, scores, steps, 0.05)
 
 
+def _step(positions: list[int], decide: list[int], thr: float) -> GateStep:
+    return GateStep(torch.tensor(positions, dtype=torch.long),
+                    torch.tensor(decide, dtype=torch.long), torch.full((len(decide),), thr))
+
+
 def test_bank_flags_at_the_gate_step_and_serves_the_safe_lambda():
-    """Row 0 in distribution, row 1 shifted; both would stop at once (lambda 0). The gate holds
-    both until its step 2, then flags row 1 only, which runs with the safe lambda (never)."""
+    """Row 0 in distribution, row 1 shifted; both would stop at once (lambda 0). The gate sums
+    their first two steps (the caller holds them at step 1), then flags row 1 only, which runs
+    with the safe lambda (never) from that step on."""
     gate = _gate(steps=2)
     bank = _bank(gate)
     rng = np.random.default_rng(3)
     phi = torch.from_numpy(np.stack([_population(rng, 1)[0], _population(rng, 1, 3.0)[0]])).float()
-    thr = torch.full((2,), gate.threshold(0.05))
-    lam = torch.zeros(2)
-    first = bank.step([0, 1], phi, lam, gate_thr=thr)
-    assert not first.stop.any() and not first.gate_flag.any()  # held: the gate has not decided
-    second = bank.step([0, 1], phi, lam, gate_thr=thr)
+    thr = gate.threshold(0.05)
+    first = bank.step([0, 1], phi, torch.full((2,), NEVER), gate=_step([0, 1], [], thr))
+    assert not first.stop.any() and first.gate_flag.numel() == 0
+    second = bank.step([0, 1], phi, torch.zeros(2), gate=_step([0, 1], [0, 1], thr))
     assert second.gate_flag.tolist() == [False, True]
     assert second.stop.tolist() == [True, False]
-    # a row whose gate is off (threshold inf) is neither held nor flagged
+    # the gate's features: the mean of the two steps, here the step itself
+    assert second.gate_score.tolist() == pytest.approx(gate.score(phi).tolist(), rel=1e-5)
+    # a row the gate does not work on is neither flagged nor changed
     bank.reset(1)
-    off = bank.step([1], phi[1:], lam[:1], gate_thr=torch.full((1,), math.inf))
-    assert off.stop.tolist() == [True] and off.gate_flag.tolist() == [False]
+    off = bank.step([1], phi[1:], torch.zeros(1), gate=_step([], [], thr))
+    assert off.stop.tolist() == [True] and off.gate_flag.numel() == 0
 
 
 def test_a_flagged_row_never_gives_up():
     gate = _gate(steps=1)
-    bank = _bank(gate, give_up=True)
     rng = np.random.default_rng(4)
     phi = torch.from_numpy(_population(rng, 2, 3.0)).float()
-    res = bank.step([0, 1], phi, torch.full((2,), NEVER), mu=torch.ones(2),
-                    gate_thr=torch.full((2,), gate.threshold(0.05)))
+    never = torch.full((2,), NEVER)
+    res = _bank(gate, give_up=True).step([0, 1], phi, never, mu=torch.ones(2),
+                                         gate=_step([0, 1], [0, 1], gate.threshold(0.05)))
     assert res.gate_flag.all() and not res.give_up.any()
-    unflagged = _bank(gate, give_up=True).step([0, 1], phi, torch.full((2,), NEVER),
-                                               mu=torch.ones(2))
+    unflagged = _bank(gate, give_up=True).step([0, 1], phi, never, mu=torch.ones(2))
     assert unflagged.give_up.all() and unflagged.gate_flag is None
     assert GIVE_UP_NEVER < 0
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from orca_method.procedure import Normalization, finish_step, normalize_tokens
+from orca_method.procedure import GateStep, Normalization, finish_step, normalize_tokens
 from orca_method.steps import CLOSE, MERGE, STEP, STEP_PREV
+from orca_serve.core.deployment import Deployment
 from orca_serve.core.plan import IDX, StepPlan
 from orca_serve.core.pooling import Fence, Readback, SlotPool, Staged, Staging
 
@@ -111,6 +112,16 @@ class DeviceStep:
         if p.scored:
             self._score(p, v, phi, logits)
 
+    @staticmethod
+    def _gate_step(v: Staged, dep: Deployment, ranges: tuple[int, int, int, int]
+                   ) -> GateStep | None:
+        """One deployment group's `GateStep` (None: its bank has no gate)."""
+        if dep.bank.gate is None:
+            return None
+        a0, a1, d0, d1 = ranges
+        return GateStep(v.long(IDX["gate_add"])[a0:a1], v.long(IDX["gate_decide"])[d0:d1],
+                        v.float(IDX["gate_thr"])[d0:d1])
+
     def _score(self, p: StepPlan, v: Staged, phi: Tensor, logits: Tensor) -> None:
         """Each deployment's scored steps through its bank; a stop or a give-up forces its first
         token."""
@@ -118,20 +129,26 @@ class DeviceStep:
         phi_s = phi if in_order else phi.index_select(0, v.long(IDX["scored"]))  # [m, d]
         lam, slots = v.float(IDX["bank_lam"]), v.long(IDX["scored_slots"])
         hit_lam = v.float(IDX["hit_lam"])
-        mu, thr = v.float(IDX["bank_mu"]), v.float(IDX["bank_gate"])
+        mu = v.float(IDX["bank_mu"])
+        gates = [self._gate_step(v, dep, r) for (dep, _, _), r in zip(p.groups, p.gate_ranges)]
         res = [dep.bank.step(p.scored_slots[a:b], phi_s[a:b], lam[a:b], rows_dev=slots[a:b],
-                             mu=mu[a:b], gate_thr=thr[a:b])
-               for dep, a, b in p.groups]
-        # a deployment without a give-up probe: score 1 (it would not give up), flag False
-        # would-stop thresholds as the gate leaves them (one definition: the bank's)
-        hit_thr = [dep.bank.gated_lam(hit_lam[a:b], r) for (dep, a, b), r in zip(p.groups, res)]
-        hit_thr = hit_thr[0] if len(hit_thr) == 1 else torch.cat(hit_thr)
-        # and without a shift gate: score 0, never flagged
-        for r in res:
+                             mu=mu[a:b], gate=g)
+               for (dep, a, b), g in zip(p.groups, gates)]
+        hit_thr = []
+        for (dep, a, b), g, r in zip(p.groups, gates, res):
+            # a deployment without a give-up probe: score 1 (it would not give up), flag False
             if r.give_up is None:
                 r.give_up_score, r.give_up = torch.ones_like(r.smoothed), torch.zeros_like(r.stop)
-            if r.gate_flag is None:
-                r.gate_score, r.gate_flag = torch.zeros_like(r.smoothed), torch.zeros_like(r.stop)
+            # the gate's [k] decisions as [m] rows (score 0, not flagged where it did not decide);
+            # the would-stop thresholds as the gate leaves them, by the bank's own rule
+            score, flag, h = torch.zeros_like(r.smoothed), torch.zeros_like(r.stop), hit_lam[a:b]
+            if r.gate_flag is not None:
+                score = score.index_put((g.decide,), r.gate_score)
+                flag = flag.index_put((g.decide,), r.gate_flag)
+                h = dep.bank.gated(h, g.decide, r.gate_flag, dep.bank.gate_lam)
+            r.gate_score, r.gate_flag = score, flag
+            hit_thr.append(h)
+        hit_thr = hit_thr[0] if len(hit_thr) == 1 else torch.cat(hit_thr)
         # [m] each: slices of device tensors and their concatenation wait for nothing
         keys = ("smoothed", "stop", "steps", "give_up_score", "give_up", "gate_score", "gate_flag")
         smoothed, stop, steps, g, gave, gate_score, flagged = (

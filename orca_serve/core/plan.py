@@ -43,7 +43,10 @@ class StepPlan:
     bank_lam: list[float] = field(default_factory=list)  # the bank's threshold (NEVER: none)
     hit_lam: list[float] = field(default_factory=list)  # the would-stop threshold
     bank_mu: list[float] = field(default_factory=list)  # the give-up threshold (-inf: none)
-    bank_gate: list[float] = field(default_factory=list)  # the shift gate's threshold (inf: none)
+    # the shift gate, by position in the scored steps' deployment group (a GateStep per group):
+    gate_add: list[int] = field(default_factory=list)  # steps among a request's first gate.steps
+    gate_decide: list[int] = field(default_factory=list)  # steps at the gate's step ...
+    gate_thr: list[float] = field(default_factory=list)  # ... and their thresholds
     scored_slots: list[int] = field(default_factory=list)
     cand_pos: list[int] = field(default_factory=list)  # scored steps whose stop forces now:
     cand_rows: list[int] = field(default_factory=list)  # their logits row
@@ -54,6 +57,8 @@ class StepPlan:
     # host only
     record: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, emitted, size)
     groups: list[tuple[Deployment, int, int]] = field(default_factory=list)  # scored ranges
+    # per group: its ranges in gate_add and in gate_decide / gate_thr
+    gate_ranges: list[tuple[int, int, int, int]] = field(default_factory=list)
     # (req, n, guard-stopped, logits rows a stop forces on the device: 1 + draft rows)
     pending: list[tuple[Request, int, bool, int]] = field(default_factory=list)
     keywords: bool = False  # an op of a keyword table: A is in use (else it stays zero)
@@ -64,8 +69,8 @@ class StepPlan:
 
 STAGED = ("pool_rows", "pool_slots", "lag_slots", "park_rows", "park_slots", "op_slots",
           "op_kinds", "emit_ops", "emit_slots", "emit_counts", "scored", "bank_lam", "hit_lam",
-          "bank_mu", "bank_gate", "scored_slots", "cand_pos", "cand_rows", "cand_ids",
-          "forced_rows", "forced_ids", "greedy_rows")
+          "bank_mu", "scored_slots", "cand_pos", "cand_rows", "cand_ids", "forced_rows",
+          "forced_ids", "greedy_rows", "gate_add", "gate_decide", "gate_thr")
 IDX = {name: i for i, name in enumerate(STAGED)}
 
 
@@ -168,26 +173,50 @@ def _plan_scoring(p: StepPlan, scored: list[tuple[Deployment, Request, int, int,
     start = 0
     for j, (dep, req, e, row, n, guard) in enumerate(scored):
         if j and dep is not scored[j - 1][0]:
-            p.groups.append((scored[j - 1][0], start, j))
+            _close_group(p, scored[j - 1][0], start, j)
             start = j
         shadow = not req.policy.rule.acts
-        # a request the shift gate flagged runs with its deployment's safe threshold
-        lam = dep.bank.gate_lam if req.shift_flagged else req.lam
+        # a request the shift gate flagged runs with its deployment's safe threshold; one whose
+        # gate has not decided yet neither stops nor gives up
+        held = _plan_gate(p, req, j - start)
+        lam = NEVER if held else dep.bank.gate_lam if req.shift_flagged else req.lam
         p.scored.append(e)
         p.scored_slots.append(req.slot)
         p.bank_lam.append(NEVER if shadow else lam)
         p.hit_lam.append(NEVER if shadow and req.would_stop_step is not None else lam)
         # shadow (audited) requests run to the end: they never give up; nor do flagged ones
         mu = req.spec.give_up_mu
-        p.bank_mu.append(GIVE_UP_NEVER if shadow or mu is None or req.shift_flagged else mu)
-        p.bank_gate.append(req.shift_thr)
+        p.bank_mu.append(GIVE_UP_NEVER if shadow or mu is None or req.shift_flagged or held
+                         else mu)
         p.pending.append((req, n, guard, 1 + len(req.draft_rows)))
         if not guard and not shadow:
             for _, r, t in forced_rows(req, row, n, request_plan(req, n).forced):
                 p.cand_pos.append(j)
                 p.cand_rows.append(r)
                 p.cand_ids.append(t)
-    p.groups.append((scored[-1][0], start, len(scored)))
+    _close_group(p, scored[-1][0], start, len(scored))
+
+
+def _plan_gate(p: StepPlan, req: Request, pos: int) -> bool:
+    """The shift gate's part of one scored step at `pos` in its group: counts the request's
+    gated steps; returns whether the gate still holds it (its step is before the gate's)."""
+    if not req.gated or req.gate_seen >= req.dep.gate.steps:
+        return False
+    req.gate_seen += 1
+    p.gate_add.append(pos)
+    if req.gate_seen < req.dep.gate.steps:
+        return True
+    p.gate_decide.append(pos)
+    p.gate_thr.append(req.shift_thr)
+    return False
+
+
+def _close_group(p: StepPlan, dep: Deployment, start: int, end: int) -> None:
+    """Scored steps [start, end) are one deployment's; so are the gate entries since the last
+    group's."""
+    add0, dec0 = (p.gate_ranges[-1][1], p.gate_ranges[-1][3]) if p.gate_ranges else (0, 0)
+    p.groups.append((dep, start, end))
+    p.gate_ranges.append((add0, len(p.gate_add), dec0, len(p.gate_decide)))
 
 
 def apply_readback(pending: list[tuple[Request, int, bool, int]], host: list[list[float]],

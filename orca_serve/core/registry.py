@@ -40,7 +40,7 @@ class Request:
     """Everything the core keeps about one engine request (a child of n > 1 is its own)."""
 
     __slots__ = ("active", "answer_budget", "attached", "bundle_checksum", "decided_until", "dep",
-                 "draft_rows", "eos", "error", "fetched", "forced", "give_up_ids", "give_up_step",
+                 "draft_rows", "eos", "error", "fetched", "forced", "gate_seen", "give_up_ids", "give_up_step",
                  "greedy", "guard_pos", "handle", "ident", "ignore_eos", "index", "key", "lag",
                  "last_give_up", "left_at", "max_tokens", "n_seen", "notes",
                  "output", "plan", "policy", "prompt", "prompt_reasoning", "record", "scores",
@@ -98,6 +98,7 @@ class Request:
         self.shift_thr = dep.gate_threshold(spec.shift_alpha) if spec.enabled else math.inf
         self.shift_pvalue: float | None = None
         self.shift_flagged = False
+        self.gate_seen = 0  # steps planned into the gate so far (each scored step is one)
 
     @property
     def enabled(self) -> bool:
