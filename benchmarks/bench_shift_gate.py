@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"family": name, "alpha": alpha, "n": len(scores), "flagged": k,
                          "share": round(k / len(scores), 4),
                          "ci95": [round(ci.low, 4), round(ci.high, 4)]})
-    print(f"| family | alpha | n | flagged | share (95% interval) |\n|---|---|---|---|---|")
+    print("| family | alpha | n | flagged | share (95% interval) |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['family']} | {r['alpha']} | {r['n']} | {r['flagged']} | {r['share']:.3f} "
               f"({r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}) |")

@@ -90,6 +90,20 @@ class SimRequest:
         self.back_at: int | None = None
 
 
+def run_requests(path, requests: dict[str, dict], **cfg) -> tuple[dict, dict]:
+    """Requests by name (their extra_args besides the key) run together from step 0 through a
+    4-slot core of the bundle at `path` (`cfg`: the core's config): (sims, raw results) by
+    name; every slot is free again afterwards."""
+    core = make_core(path, max_num_seqs=4, **cfg)
+    rng = random.Random(0)
+    sims = [SimRequest(name, rng, xa={"orca_key": name, **xa}, max_tokens=60, join_at=0)
+            for name, xa in requests.items()]
+    run(core, sims)
+    res = core.pop_results(list(requests))
+    assert core.pool.free_count == core.capacity
+    return {s.name: s for s in sims}, res
+
+
 def join_due(core: OrcaCore, sims: list[SimRequest], batch: list[SimRequest], t: int) -> None:
     """The requests whose turn it is at step t enter `batch`: new ones join, preempted ones come
     back (same identity, same output so far: `join` must return the request it had)."""

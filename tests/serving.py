@@ -124,6 +124,13 @@ def orca_of(resp) -> dict:
     return extra["orca"]
 
 
+def chat(server: Server, orca: dict, **kw):
+    """One greedy chat request with these `orca` settings (48 tokens unless `max_tokens`)."""
+    return server.client().chat.completions.create(
+        model=str(server_model(server)), messages=MSG, extra_body={"orca": orca},
+        max_tokens=kw.pop("max_tokens", 48), temperature=0, **kw)
+
+
 _MODELS: dict[str, str] = {}
 
 

@@ -4,11 +4,9 @@ requests give up, where, and with which forced tokens is known."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from orca_serve.contract import XARG_GIVE_UP_MU, XARG_KEY, XARG_LAM, OrcaResult
+from orca_serve.contract import XARG_GIVE_UP_MU, XARG_LAM, OrcaResult
 from tests.bundles import tiny_bundle, with_give_up, write_bundle
 from tests.core_sim import (
     DIM,
@@ -16,9 +14,8 @@ from tests.core_sim import (
     FORCE,
     ID,
     WINDOW,
-    SimRequest,
     make_core,
-    run,
+    run_requests,
     sim_probe,
 )
 
@@ -32,20 +29,9 @@ def two_sided_path(tmp_path_factory):
     return write_bundle(b, tmp_path_factory.mktemp("two") / "bundle.json")
 
 
-def _run(path, requests: dict[str, dict], **cfg):
-    core = make_core(path, max_num_seqs=4, **cfg)
-    rng = random.Random(0)
-    sims = [SimRequest(name, rng, xa={XARG_KEY: name, **xa}, max_tokens=60, join_at=0)
-            for name, xa in requests.items()]
-    run(core, sims)
-    res = core.pop_results(list(requests))
-    assert core.pool.free_count == core.capacity
-    return {s.name: s for s in sims}, res
-
-
 def test_a_request_gives_up_at_its_first_step_below_mu_and_answers_its_best_guess(two_sided_path):
     never = {XARG_LAM: "inf"}  # the upper threshold never fires: only the give-up can end it
-    sims, res = _run(two_sided_path, {
+    sims, res = run_requests(two_sided_path, {
         "gives-up": {**never, XARG_GIVE_UP_MU: 0.2, "orca_answer_budget": 4},
         "above-mu": {**never, XARG_GIVE_UP_MU: 0.1},
         "off": dict(never),
@@ -71,7 +57,7 @@ def test_a_request_gives_up_at_its_first_step_below_mu_and_answers_its_best_gues
 
 
 def test_the_message_policy_forces_the_end_of_thinking_text_the_message_and_eos(two_sided_path):
-    sims, res = _run(two_sided_path, {"m": {XARG_LAM: "inf", XARG_GIVE_UP_MU: 0.2}},
+    sims, res = run_requests(two_sided_path, {"m": {XARG_LAM: "inf", XARG_GIVE_UP_MU: 0.2}},
                      defaults={"give_up_policy": "message", "give_up_message": "abc"})
     r = res["m"]
     want = FORCE + [ID["a"], ID["b"], ID["c"], EOS]

@@ -5,13 +5,11 @@ with the operator's safe action, never gives them up, and reports the gate in ea
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from orca_serve.contract import XARG_GIVE_UP_MU, XARG_KEY, XARG_LAM, XARG_SHIFT_ALPHA, OrcaResult
+from orca_serve.contract import XARG_GIVE_UP_MU, XARG_LAM, XARG_SHIFT_ALPHA, OrcaResult
 from tests.bundles import far_gate, tiny_bundle, with_give_up, write_bundle
-from tests.core_sim import DIM, ID, WINDOW, SimRequest, make_core, run, sim_probe
+from tests.core_sim import DIM, ID, WINDOW, run_requests, sim_probe
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +22,8 @@ def gated_path(tmp_path_factory):
 
 
 def _run(path, requests: dict[str, dict], **cfg):
-    core = make_core(path, max_num_seqs=4, **cfg)
-    rng = random.Random(0)
-    sims = [SimRequest(name, rng, xa={XARG_KEY: name, **xa}, max_tokens=60, join_at=0)
-            for name, xa in requests.items()]
-    run(core, sims)
-    res = {k: OrcaResult.from_wire(v) for k, v in core.pop_results(list(requests)).items()}
-    assert core.pool.free_count == core.capacity
-    return {s.name: s for s in sims}, res
+    sims, raw = run_requests(path, requests, **cfg)
+    return sims, {k: OrcaResult.from_wire(v) for k, v in raw.items()}
 
 
 def test_a_flagged_request_reasons_in_full_and_never_gives_up(gated_path):

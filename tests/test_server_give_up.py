@@ -17,18 +17,12 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-from tests.serving import MSG, orca_of, server_model
+from tests.serving import MSG, chat, orca_of, server_model
 
 
 @pytest.fixture(scope="module")
 def srv(tiny_server):
     return tiny_server["server"].wait()
-
-
-def chat(server, orca: dict, **kw):
-    return server.client().chat.completions.create(
-        model=str(server_model(server)), messages=MSG, extra_body={"orca": orca},
-        max_tokens=kw.pop("max_tokens", 48), temperature=0, **kw)
 
 
 def test_a_request_gives_up_and_says_so(srv):
