@@ -189,6 +189,22 @@ def test_a_hot_reload_away_and_back_resumes_the_bundles_state(tmp_path):
     back.state.journal.close()
 
 
+def test_a_hand_over_to_a_directory_that_cannot_be_opened_still_returns_a_working_audit(
+        tmp_path, caplog):
+    """The successor of a hot reload whose audit directory cannot be opened audits without it
+    (logged), with the old audit's engine client."""
+    engine = object()
+    old = LiveAudit(bundle(), AuditConfig(rate=1.0), engine_client=lambda: engine)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with caplog.at_level("WARNING", logger="orca_serve.live_audit"):
+        new = hand_over(old, bundle(), AuditConfig(rate=1.0, directory=blocked))
+    assert "cannot open its directory" in caplog.text and old.retired
+    assert new.store is None and new.state.journal is None and new.engine_client() is engine
+    new.observe(*known_loss(True))
+    assert new.state.guard(DELTA).cs.n == 1 and new.table()["directory"] is None
+
+
 DEMO = Path(__file__).parents[1] / "orca_serve" / "demo" / "bundle.json"
 
 
