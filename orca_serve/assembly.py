@@ -4,7 +4,6 @@ only a hot reload swaps (`orca_serve.serving_state`)."""
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +14,9 @@ from orca_method.bundle import Bundle, load_bundle
 from orca_method.bundle_checks import check_semantics
 from orca_serve.contract import DEFAULTS, Policy
 from orca_serve.effort import DEFAULT_EFFORT_MAP
-from orca_serve.live_audit.live import LiveAudit
+from orca_serve.live_audit.collector import AuditCollector
+from orca_serve.live_audit.factory import make_live_audit
+from orca_serve.live_audit.options import AuditConfig
 from orca_serve.metrics import OrcaMetrics
 from orca_serve.reload import Reloader
 from orca_serve.requests import OrcaDefaults
@@ -63,37 +64,31 @@ def served_model_name(args: Any) -> str:
     return str(names or args.model)
 
 
-# (bundle, metrics registry or None, model name, store?) -> the live audit
-AuditFactory = Callable[[Bundle, Any, str, bool], LiveAudit]
-
-
 def build_server(args: Any, bundle: Bundle | None = None, *,
                  check: Callable[[Bundle], str | None] = check_semantics,
-                 make_audit: AuditFactory | None = None) -> OrcaServer:
+                 audit_config: Callable[[Bundle], AuditConfig] | None = None) -> OrcaServer:
     """This process's orca parts from the parsed command line, assembled once: the bundle
     (`bundle`: the one the caller loaded and checked already; else `args.calib` is read), the
-    defaults, the metrics, the live audit (`make_audit`; None: no audit) and the reloader, whose
-    checks of a new bundle are `check` (the start-up checks against the served model)."""
+    defaults, the metrics, the live audit (configured by `audit_config`, per bundle, on a hot
+    reload too; None: no audit; OSError or ValueError when its directory cannot be used) and the
+    reloader, whose checks of a new bundle are `check` (the start-up checks against the served
+    model)."""
     if bundle is None and args.calib:
         bundle = load_bundle(args.calib)
     path = str(Path(args.calib).absolute()) if args.calib else None
     if bundle is None:
         return OrcaServer(ServingRef(Serving(None, None, orca_defaults(args, None))), EngineLink())
     metrics = OrcaMetrics(model_name=served_model_name(args))
-    audit = None if make_audit is None else make_audit(bundle, metrics.registry,
-                                                       metrics.model_name, True)
-    serving = ServingRef(Serving(bundle, path, orca_defaults(args, bundle), audit))
     engine = EngineLink()
+    audit = (None if audit_config is None
+             else make_live_audit(bundle, audit_config(bundle), engine.client))
+    serving = ServingRef(Serving(bundle, path, orca_defaults(args, bundle), audit))
+    if audit is not None:  # the metrics of whichever audit serves (a reload swaps it)
+        metrics.registry.register(AuditCollector(lambda: serving.now.audit, metrics.model_name))
     key_env = getattr(args, "orca_admin_key_env", None)
     reloader = Reloader(
         serving, engine, calib_path=path or "", fixed_delta=getattr(args, "orca_delta", None),
         admin_key=os.environ.get(key_env) if key_env else None, metrics=metrics, check=check,
-        make_audit=None if make_audit is None else functools.partial(
-            _unregistered_audit, make_audit, metrics.model_name))
+        audit_config=audit_config)
     metrics.bundle_in_use(bundle.checksum)
     return OrcaServer(serving, engine, metrics, reloader)
-
-
-def _unregistered_audit(make: AuditFactory, model_name: str, bundle: Bundle) -> LiveAudit:
-    """A reload's new audit: without store or metrics registration (it takes the old one's)."""
-    return make(bundle, None, model_name, False)

@@ -54,8 +54,8 @@ class OrcaEndpointPlugin:
 
     def attach_router(self, app: Any) -> None:
         """Our routes, OpenAPI field and middleware on vLLM's app; this process's server is the
-        one `orca_serve.server.run` prepared, else built from vLLM's parsed command line (each
-        of N API server processes). An app not started by orca-serve is left alone."""
+        one `orca_serve.server.run` handed over in vLLM's parsed command line (`app.state.args`),
+        else built from it (each of N API server processes). An app not started by orca-serve is left alone."""
         from orca_serve import server  # deferred: torch (vLLM loads this in every API server)
 
         args = getattr(app.state, "args", None)

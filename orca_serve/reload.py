@@ -8,10 +8,10 @@ never compared with the scores of another:
 1. The new bundle is read and checked here (its checksum; the checks made at start: the model it
    names, the table's consistency, the probe's scale, `check`; the options the server runs with,
    `orca_serve.bundle_options.check_options`: --orca-delta in its table, the give-up policy its
-   mu* was certified for, ...; the live audit's settings), then staged on every engine worker
-   (`orca_load_bundle`: the checks made at start, against the engine's own model). Any
-   refusal: the staged copies are let go, nothing else changes, and the caller gets the reason
-   in one line.
+   mu* was certified for, ...; the live audit's settings, `audit_config`), then staged on
+   every engine worker (`orca_load_bundle`: the checks made at start, against the engine's own
+   model). Any refusal: the staged copies are let go, nothing else changes, and the caller gets
+   the reason in one line.
 2. Every worker makes it its default (`orca_use_bundle`, for requests that name no bundle), then
    the server swaps its bundle, defaults and live audit in one synchronous step on the event
    loop: requests resolved before it run on the old bundle (they name it), requests resolved
@@ -41,11 +41,11 @@ from orca_method.bundle_checks import check_semantics
 from orca_method.errors import first_line
 from orca_serve.bundle_options import check_options
 from orca_serve.live_audit.handover import hand_over
-from orca_serve.requests import OrcaSettings
+from orca_serve.live_audit.options import AuditConfig
+from orca_serve.requests import OrcaDefaults, OrcaSettings
 from orca_serve.serving_state import EngineLink, Serving, ServingRef
 
 if TYPE_CHECKING:
-    from orca_serve.live_audit.live import LiveAudit
     from orca_serve.metrics import OrcaMetrics
 
 logger = logging.getLogger("orca_serve.reload")
@@ -70,7 +70,7 @@ class Reloader:
                  fixed_delta: float | None = None, admin_key: str | None = None,
                  metrics: OrcaMetrics | None = None,
                  check: Callable[[Bundle], str | None] = check_semantics,
-                 make_audit: Callable[[Bundle], LiveAudit] | None = None) -> None:
+                 audit_config: Callable[[Bundle], AuditConfig] | None = None) -> None:
         self.serving = serving  # what it swaps
         self.engine = engine
         self.metrics = metrics
@@ -80,8 +80,10 @@ class Reloader:
         # the checks a new bundle passes, raising BundleError, returning a note to log (the
         # server's start-up checks against the served model, orca_serve.model_checks.check_served)
         self.check = check
-        # bundle -> LiveAudit without store or metrics registration (None: no audit follows)
-        self.make_audit = make_audit
+        # bundle -> the configuration of its live audit, which takes over from the serving one
+        # (orca_serve.live_audit.handover); raises ValueError when the options contradict the
+        # bundle. None: the serving audit (if any) stays
+        self.audit_config = audit_config
         self.inflight: Counter[str] = Counter()  # checksum -> requests resolved with it, running
         self.last: dict[str, Any] | None = None  # the last reload's outcome
         self._lock: asyncio.Lock | None = None
@@ -180,10 +182,10 @@ class Reloader:
                           effort_map=st.defaults.effort_map)
         except BundleError as e:
             raise ReloadRefused(str(e)) from None
-        audit = None
-        if self.make_audit is not None and st.audit is not None:
+        audit_config = None
+        if self.audit_config is not None and st.audit is not None:
             try:
-                audit = self.make_audit(bundle)
+                audit_config = self.audit_config(bundle)
             except (OSError, ValueError) as e:
                 raise ReloadRefused(f"the live audit cannot follow the new bundle: "
                                     f"{first_line(e)}") from None
@@ -195,9 +197,9 @@ class Reloader:
         except ReloadRefused:
             await self._roll_back(old)
             raise
-        self._swap(Serving(bundle, path, replace(st.defaults, delta=(
+        self._swap(bundle, path, replace(st.defaults, delta=(
             self.fixed_delta if self.fixed_delta is not None else bundle.default_delta)),
-            st.audit if audit is None else audit))
+            audit_config)
         if self.inflight.get(old, 0) == 0:
             self._spawn(self.retire())  # runs once this reload lets go of the lock
         return {"changed": True, "checksum": bundle.checksum, "previous": old, "path": path}
@@ -235,16 +237,16 @@ class Reloader:
                 logger.warning("orca: rolling back a refused bundle (%s): %s", method,
                                first_line(e))
 
-    def _swap(self, new: Serving) -> None:
-        """The server's switch, synchronous: no request is resolved half way through it. A new
-        live audit takes over the old one's store and counts first."""
+    def _swap(self, bundle: Bundle, path: str, defaults: OrcaDefaults,
+              audit_config: AuditConfig | None) -> None:
+        """The server's switch, synchronous: no request is resolved half way through it. The
+        new bundle's live audit (as `audit_config` sets it up) takes over from the old one
+        first (its store and unfinished count)."""
         old = self.serving.now
-        if new.audit is not old.audit and old.audit is not None and new.audit is not None:
-            try:
-                hand_over(old.audit, new.audit)
-            except OSError as e:  # its directory cannot be opened: audits are not stored
-                logger.warning("orca: the new live audit cannot open its directory: %s",
-                               first_line(e))
+        audit = old.audit
+        if audit is not None and audit_config is not None:
+            audit = hand_over(audit, bundle, audit_config)
+        new = Serving(bundle, path, defaults, audit)
         self.serving.swap(new)
         if self.metrics is not None and new.bundle is not None:
             self.metrics.bundle_in_use(new.bundle.checksum, old.checksum)

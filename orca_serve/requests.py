@@ -108,12 +108,17 @@ class OrcaSettings:
 
 
 class Thresholds(Protocol):
-    """Where an enabled request's lambda* comes from, asked once per request: the bundle
-    (`BundleThresholds`), or the live audit's guard (`orca_serve.live_audit`), which may serve
-    a recalibrated or a never-stop lambda and picks requests to audit."""
+    """Where an enabled request's lambda* and mu* come from, asked once per request: the bundle
+    (`BundleThresholds`), or the live audit's guards (`orca_serve.live_audit`), which may serve
+    a recalibrated or a never-stop lambda, turn give-up off, and pick requests to audit."""
 
     def lam(self, delta: float) -> tuple[float, str]:
         """(lambda*, its source) for `delta`; BundleError for a delta outside the table."""
+        ...
+
+    def mu(self, give_up_delta: float) -> tuple[float, str]:
+        """(mu*, its source) for `give_up_delta`, GIVE_UP_NEVER: never gives up; BundleError
+        for a give-up delta outside the bundle's give-up table."""
         ...
 
     def admit(self, settings: OrcaSettings, body: dict[str, Any]) -> OrcaSettings:
@@ -129,6 +134,9 @@ class BundleThresholds:
 
     def lam(self, delta: float) -> tuple[float, str]:
         return resolve_lam(self.bundle.lam, delta), "bundle"
+
+    def mu(self, give_up_delta: float) -> tuple[float, str]:
+        return self.bundle.mu(give_up_delta), "bundle"
 
     def admit(self, settings: OrcaSettings, body: dict[str, Any]) -> OrcaSettings:
         return settings
@@ -155,7 +163,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     """Validate a request body's orca settings; return (rewritten body, settings).
 
     The settings are resolved completely before they are written into `vllm_xargs`, once:
-    lambda* and the audit's pick come from `thresholds` (the bundle's table when None).
+    lambda*, mu* and the audit's pick come from `thresholds` (the bundle's table when None).
     `check`: the API's own refusals (OrcaRequestError) of a request orca runs on, made before
     the audit may pick it.
 
@@ -236,7 +244,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
             answer_budget=(defaults.answer_budget if fields.answer_budget is None
                            else fields.answer_budget),
             shift_alpha=fields.shift_alpha,
-            **_give_up(fields.give_up, defaults, bundle), **common)
+            **_give_up(fields.give_up, defaults, bundle, guard), **common)
         settings = guard.admit(settings, out)
         if settings.lam_source == "audit":
             # lambda* recalibrated on the live audits certifies today's traffic; the bundle's
@@ -248,12 +256,13 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     return out, settings
 
 
-def _give_up(asked: GiveUpFields | None, defaults: OrcaDefaults,
-             bundle: Bundle) -> dict[str, Any]:
+def _give_up(asked: GiveUpFields | None, defaults: OrcaDefaults, bundle: Bundle,
+             guard: Thresholds) -> dict[str, Any]:
     """A request's give-up settings: on when it asks (`orca.give_up`) or the server's default
     is set, unless it says `enabled: false`; the delta is the request's, else the server's,
-    else the bundle's default. Raises OrcaRequestError for a bundle without give-up or a
-    delta it has no mu* for."""
+    else the bundle's default; mu* is `guard`'s, decided here once (the live audit's give-up
+    guard turns it off after its alarm). Raises OrcaRequestError for a bundle without give-up
+    or a delta it has no mu* for."""
     on = defaults.give_up_delta is not None or asked is not None
     if asked is not None and asked.enabled is not None:
         on = asked.enabled
@@ -267,10 +276,10 @@ def _give_up(asked: GiveUpFields | None, defaults: OrcaDefaults,
         defaults.give_up_delta if defaults.give_up_delta is not None
         else bundle.give_up.default_delta)
     try:
-        mu = bundle.mu(delta)
+        mu, source = guard.mu(delta)
     except BundleError as e:
         raise OrcaRequestError(str(e), "orca.give_up.delta") from None
     return {"give_up_delta": float(delta), "give_up_mu": lam_to_json(mu),
-            "give_up_policy": defaults.give_up_policy}
+            "give_up_policy": defaults.give_up_policy, "give_up_source": source}
 
 

@@ -86,16 +86,14 @@ def serve(args: Any, pre: Preflight) -> None:
 
     if pre.bundle is None:
         return run(args, build_server(args))
-    from orca_serve.live_audit.factory import make_live_audit  # deferred: torch
-
-    def make_audit(bundle: Any, registry: Any, model_name: str, store: bool) -> Any:
-        return make_live_audit(args, bundle, registry, model_name, store=store)
+    from orca_serve.live_audit.options import audit_config  # deferred: torch
 
     def check(bundle: Any) -> str | None:  # a reload's bundle, against the served model
         return check_served(bundle, pre.facts, args.model, **identity(args, bundle))
 
     try:
-        server = build_server(args, pre.bundle, make_audit=make_audit, check=check)
+        server = build_server(args, pre.bundle, check=check,
+                              audit_config=lambda bundle: audit_config(args, bundle))
     except (OSError, ValueError) as e:  # the audit directory cannot be written
         raise StartupError(f"--orca-audit-dir: {e}") from None
     return run(args, server)

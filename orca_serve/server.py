@@ -16,6 +16,7 @@ the app vLLM's `build_app` is building, called by orca-serve's endpoint plugin
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
 from typing import Any
@@ -94,14 +95,10 @@ def _install_openapi(app: Any) -> None:
 def install(app: Any, server: OrcaServer) -> Any:
     """Add the orca routes and middleware to a FastAPI app vLLM is building (the endpoint
     plugin's `attach_router`, before vLLM adds its CORS and API-key middleware)."""
-    server.engine.bind(app.state)
-    app.state.orca = server
+    server.engine.bind(app.state)  # the live audit labels through it too (its engine client)
     add_orca_routes(app, server)
     _install_openapi(app)
     add_audit_route(app, lambda: server.serving.now.audit)
-    audit = server.serving.now.audit
-    if audit is not None:
-        audit.engine_client = server.engine.client
     # Appended: innermost whatever vLLM adds after us (vLLM's auth and CORS run first).
     app.user_middleware.append(Middleware(OrcaMiddleware, server=server))
     _rebuild(app)
@@ -120,15 +117,18 @@ def _rebuild(app: Any) -> None:
         app.middleware_stack = app.build_middleware_stack()
 
 
-_PREPARED: list[OrcaServer] = []  # the server `run` hands to this process's endpoint plugin
+# the parsed option in which `run` hands its server to this process's endpoint plugin: vLLM gives
+# every endpoint plugin the parsed command line it was started with (`app.state.args`)
+SERVER_ARG = "orca_server"
 
 
 def prepared(args: Any) -> OrcaServer:
-    """This process's server: the one `run` prepared (the single API server, with its live
-    audit and reload checks), else one built from vLLM's parsed command line (each process of
-    --api-server-count N)."""
-    if _PREPARED:
-        return _PREPARED.pop()
+    """This process's server: the one `run` handed over in `args` (the single API server, with
+    its live audit and reload checks), else one built from vLLM's parsed command line (each
+    process of --api-server-count N)."""
+    handed = getattr(args, SERVER_ARG, None)
+    if isinstance(handed, OrcaServer):
+        return handed
     server = build_server(args)
     quiet_shutdown.install(server.engine.client)
     return server
@@ -147,7 +147,6 @@ def run(args: Any, server: OrcaServer) -> None:
     if (getattr(args, "api_server_count", None) or 1) > 1:
         launch.run_multi(args)
         return
-    _PREPARED[:] = [server]
     quiet_shutdown.install(server.engine.client)
     reloader = server.reloader
 
@@ -155,4 +154,4 @@ def run(args: Any, server: OrcaServer) -> None:
         if reloader is not None:  # SIGHUP re-reads --calib (orca_serve.reload)
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.on_sighup)
 
-    launch.run_single(args, on_loop)
+    launch.run_single(argparse.Namespace(**vars(args), **{SERVER_ARG: server}), on_loop)

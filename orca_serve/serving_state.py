@@ -38,7 +38,7 @@ class Serving:
 
     @property
     def thresholds(self) -> Thresholds | None:
-        """Where lambda* comes from: the live audit's guards, else the bundle (None)."""
+        """Where lambda* and mu* come from: the live audit's guards, else the bundle (None)."""
         return self.audit
 
     @property

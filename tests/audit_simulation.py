@@ -122,7 +122,7 @@ def recalibrate_stream(seed: int, *, clean: int = 50, shifted: int = 600,
     (policy recalibrate, the server's RestartedAlarm and LTT); which lambda the guard serves
     after each audit, and under which family."""
     audit = LiveAudit(bundle(), AuditConfig(rate=1.0, on_alarm="recalibrate", window=window))
-    g = audit.guard(DELTA)
+    g = audit.state.guard(DELTA)
     rng = np.random.default_rng(seed)
     out = Stream()
     for bias, n in ((0.0, clean), (SHIFT, shifted)):
@@ -237,21 +237,19 @@ def restarted_stream(seed: int, *, risks: list[float], restart_every: int | None
     shifted = False
     for i, risk in enumerate(risks):
         if audit is None or (restart_every and i % restart_every == 0):
-            if audit is not None and audit.journal is not None:
-                audit.journal.close()
-            audit = LiveAudit(b, config)
-            if journal_dir is not None:
-                audit.attach(Journal(journal_path(journal_dir, b.checksum), b.checksum,
-                                     fsync=False))
-        g = audit.guard(DELTA)
+            if audit is not None and audit.state.journal is not None:
+                audit.state.journal.close()
+            audit = LiveAudit(b, config, journal=None if journal_dir is None else Journal(
+                journal_path(journal_dir, b.checksum), b.checksum, fsync=False))
+        g = audit.state.guard(DELTA)
         shifted = shifted or risk > DELTA
         if shifted and g.source == "bundle":
             out.bundle_lambda_served += 1  # what a request admitted now is served
         audit.observe(*known_loss(bool(rng.random() < risk)))
         out.ever_alarm |= bool(g.alarm)
         out.trace.append((g.cs.lower, g.cs.upper, g.alarm, g.lam))
-    if audit is not None and audit.journal is not None:
-        audit.journal.close()
+    if audit is not None and audit.state.journal is not None:
+        audit.state.journal.close()
     return out
 
 
@@ -276,7 +274,7 @@ def drift_stream(seed: int, *, clean: int = 50, drifting: int = 2000, final_bias
     exceeds delta, and the audits served the fallback. `distrust=False`: without the
     recalibrated lambda's drift test (what the server did before)."""
     audit = LiveAudit(bundle(), AuditConfig(rate=1.0, on_alarm="recalibrate", window=window))
-    g = audit.guard(DELTA)
+    g = audit.state.guard(DELTA)
     if not distrust:
         g._window_drift = lambda scores: None  # type: ignore[method-assign]
     rng = np.random.default_rng(seed)

@@ -13,19 +13,25 @@ on a CPU machine).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import importlib
 import os
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 from starlette.testclient import TestClient
 
 from orca_method.bundle import load_bundle
 from orca_serve import endpoint_plugin
 from orca_serve.apis import CHAT_PATH
+from orca_serve.assembly import build_server
+from orca_serve.live_audit.options import audit_config
 from orca_serve.preflight import add_orca_args, demo_paths
 from orca_serve.reload import BUNDLE_PATH
-from orca_serve.server import ORCA_SCHEMA
+from orca_serve.server import ORCA_SCHEMA, SERVER_ARG
 from orca_serve.vllm_compat import launch
 
 KEY = "sk-test"
@@ -37,6 +43,14 @@ BAD_ORCA = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
 
 @pytest.fixture(scope="module")
 def client():
+    app, _ = _app(lambda args: args)
+    return TestClient(app)  # no `with`: vLLM's lifespan wants an engine
+
+
+def _app(hand: Callable[[argparse.Namespace], argparse.Namespace],
+         *extra: str) -> tuple[Any, argparse.Namespace]:
+    """vLLM's app as vLLM builds it, with our endpoint plugin, from orca-serve's parsed options
+    plus `extra`, passed through `hand` (the arguments `orca_serve.server.run` gives vLLM)."""
     model, bundle = demo_paths()
     before = os.environ.get(endpoint_plugin.ENV)
     os.environ.pop(endpoint_plugin.ENV, None)
@@ -45,8 +59,10 @@ def client():
         assert endpoint_plugin.NAME in os.environ[endpoint_plugin.ENV].split(",")
         parser = add_orca_args(launch.serve_parser("orca-serve", "test"))
         args = parser.parse_args(["--model", str(model), "--calib", str(bundle),
-                                  "--api-key", KEY, "--orca-admin-key-env", "ORCA_TEST_ADMIN"])
+                                  "--api-key", KEY, "--orca-admin-key-env", "ORCA_TEST_ADMIN",
+                                  *extra])
         os.environ["ORCA_TEST_ADMIN"] = ADMIN
+        args = hand(args)
         app = importlib.import_module(launch._ENTRY).build_app(args, ("generate",), None)
         for plugin in app.state.endpoint_plugins:  # as vLLM's init_app_state does
             asyncio.run(plugin.init_state(None, app.state, args))
@@ -57,7 +73,32 @@ def client():
         else:
             os.environ[endpoint_plugin.ENV] = before
     assert [p.name for p in app.state.endpoint_plugins] == [endpoint_plugin.NAME]
-    return TestClient(app)  # no `with`: vLLM's lifespan wants an engine
+    return app, args
+
+
+def test_the_server_run_built_reaches_the_plugin_in_vllms_arguments(monkeypatch):
+    """One API server: the server `orca_serve.server.run` built (its live audit included) is the
+    one the endpoint plugin installs, handed over in the parsed arguments vLLM gives every
+    plugin; its audit labels through that app's engine client, and its metrics are the audit's
+    that serves."""
+    monkeypatch.setattr("orca_serve.metrics.REGISTRY", CollectorRegistry())  # not the fixture's
+    built = []
+
+    def hand(args: argparse.Namespace) -> argparse.Namespace:  # as `run` does
+        built.append(build_server(args, load_bundle(args.calib),
+                                  audit_config=lambda b: audit_config(args, b)))
+        return argparse.Namespace(**vars(args), **{SERVER_ARG: built[0]})
+
+    app, _ = _app(hand, "--orca-audit-rate", "0.5")
+    (server,) = built
+    audit = server.serving.now.audit
+    assert audit is not None and audit.engine_client() is None  # vLLM makes it after the app
+    app.state.engine_client = engine = object()
+    assert audit.engine_client() is engine  # the app's: this server was installed
+    r = TestClient(app).get("/v1/orca/audit", headers=AUTH)
+    assert r.status_code == 200 and r.json()["rate"] == 0.5
+    metrics = generate_latest(server.metrics.registry).decode()
+    assert 'orca_audit_requests_total{model_name=' in metrics
 
 
 def test_allow_keeps_a_users_list_and_adds_ours(monkeypatch):

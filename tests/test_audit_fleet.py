@@ -39,9 +39,8 @@ pytestmark = pytest.mark.usefixtures("quiet_audit_log")
 
 
 def _on_store(url: str, directory: Path | None = None, **config) -> LiveAudit:
-    audit = LiveAudit(bundle(), AuditConfig(rate=1.0, store=url, directory=directory, **config))
-    audit.attach(audit_journal(audit.config, audit.bundle))
-    return audit
+    config = AuditConfig(rate=1.0, store=url, directory=directory, **config)
+    return LiveAudit(bundle(), config, journal=audit_journal(config, bundle()))
 
 
 def _append_many(url: str, tag: int, n: int, out, barrier) -> None:
@@ -89,12 +88,12 @@ def test_four_replicas_fold_the_sequence_of_one(redis_store):
     for i, risk in enumerate(RISKS):
         fleet[i % 4].observe(*known_loss(bool(rng.random() < risk)))
         for replica in fleet:
-            replica.sync()
-            g = replica.guard(DELTA)
+            replica.state.sync()
+            g = replica.state.guard(DELTA)
             assert (g.cs.lower, g.cs.upper, g.alarm, g.lam) == one.trace[i], (i, replica)
-    assert one.ever_alarm and fleet[0].guard(DELTA).source == "fallback"
+    assert one.ever_alarm and fleet[0].state.guard(DELTA).source == "fallback"
     for replica in fleet:
-        replica.journal.close()
+        replica.state.journal.close()
 
 
 def test_snapshots_on_the_store_bound_the_replay(redis_store):
@@ -105,13 +104,13 @@ def test_snapshots_on_the_store_bound_the_replay(redis_store):
     for _ in range(SNAPSHOT_EVERY // 2 + 30):  # two events per audit
         audit.observe(*known_loss(bool(rng.random() < 0.2)))
     expect = audit.table()["deltas"]
-    audit.journal.close()
+    audit.state.journal.close()
     again = _on_store(redis_store.url, on_alarm="fallback")
-    assert again.replayed == 60 and again.table()["deltas"] == expect
-    again.journal.close()
+    assert again.state.replayed == 60 and again.table()["deltas"] == expect
+    again.state.journal.close()
     other = _on_store(redis_store.url, on_alarm="report")  # other settings: replays it all
-    assert other.replayed == 2 * (SNAPSHOT_EVERY // 2 + 30)
-    other.journal.close()
+    assert other.state.replayed == 2 * (SNAPSHOT_EVERY // 2 + 30)
+    other.state.journal.close()
 
 
 def test_a_snapshot_of_events_the_store_no_longer_holds_is_not_used(redis_store, monkeypatch):
@@ -123,24 +122,24 @@ def test_a_snapshot_of_events_the_store_no_longer_holds_is_not_used(redis_store,
     audit = _on_store(redis_store.url)
     for i in range(25):
         audit.observe(*known_loss(i == 24))  # the snapshot covers the last one, loss 1
-    audit.journal.close()
+    audit.state.journal.close()
     r = redis.Redis.from_url(redis_store.url)
     events = f"orca:guard:{bundle().checksum}:events"
     r.ltrim(events, 0, 47)  # its admission and outcome are lost
     again = _on_store(redis_store.url)  # the snapshot covers more than the list: replayed
     again.observe(*known_loss(False))  # the replacement: back to the snapshot's length
-    again.journal.close()
+    again.state.journal.close()
     assert r.llen(events) == 50
     third = _on_store(redis_store.url)
-    assert third.replayed == 50 and third.guard(DELTA).cs.mean == 0.0
-    third.journal.close()
+    assert third.state.replayed == 50 and third.state.guard(DELTA).cs.mean == 0.0
+    third.state.journal.close()
 
 
 def _admit_and_die(url: str) -> None:
-    audit = LiveAudit(bundle(), AuditConfig(rate=1.0))
-    audit.attach(RedisJournal(url, bundle().checksum, owner_ttl=0.5))
+    audit = LiveAudit(bundle(), AuditConfig(rate=1.0),
+                      journal=RedisJournal(url, bundle().checksum, owner_ttl=0.5))
     audit.observe(*known_loss(True))
-    audit._admit()  # admitted, never resolved
+    audit.state.admit()  # admitted, never resolved
     os._exit(0)  # a crash: no close, the heartbeat dies with the process
 
 
@@ -148,21 +147,21 @@ def test_a_dead_replicas_open_audit_is_reaped_a_live_ones_not(redis_store):
     """A replica that died with an audit open stops renewing its owner key; once the key's TTL
     ran out the next replica journals that audit as `lost` (a window would wait for it for
     ever). A live replica's key is renewed by its heartbeat, so its open audit stays open."""
-    live = LiveAudit(bundle(), AuditConfig(rate=1.0))
-    live.attach(RedisJournal(redis_store.url, bundle().checksum, owner_ttl=1.0))
-    live._admit()
+    live = LiveAudit(bundle(), AuditConfig(rate=1.0),
+                     journal=RedisJournal(redis_store.url, bundle().checksum, owner_ttl=1.0))
+    live.state.admit()
     ctx = multiprocessing.get_context("fork")
     p = ctx.Process(target=_admit_and_die, args=(redis_store.url,))
     p.start()
     p.join(60)
     assert p.exitcode == 0
     time.sleep(2.0)  # two TTLs of the live one (renewed by its heartbeat); the dead one's ran out
-    late = LiveAudit(bundle(), AuditConfig(rate=1.0))
-    late.attach(RedisJournal(redis_store.url, bundle().checksum))
-    assert late.counts["lost"] == 1 and late.table()["open"] == 1
-    assert late.guard(DELTA).cs.n == 1  # the dead one's labelled audit is in the risk
+    late = LiveAudit(bundle(), AuditConfig(rate=1.0),
+                     journal=RedisJournal(redis_store.url, bundle().checksum))
+    assert late.state.lost == 1 and late.table()["open"] == 1
+    assert late.state.guard(DELTA).cs.n == 1  # the dead one's labelled audit is in the risk
     for a in (live, late):
-        a.journal.close()
+        a.state.journal.close()
 
 
 def test_a_failed_beat_does_not_end_the_heartbeat(redis_store, caplog):
@@ -221,15 +220,15 @@ def test_a_replica_that_loses_the_store_keeps_its_own_guard(redis_store, caplog)
     with caplog.at_level(logging.WARNING, logger="orca_serve.live_audit"):
         for _ in range(5):
             audit.observe(*known_loss(False))
-        audit.sync()
+        audit.state.sync()
     t = audit.table()
     assert t["store"]["up"] is False and t["store"]["down_since"] is not None
     assert t["journal"] == MemoryJournal.path and t["deltas"][0]["n"] == 15
-    (g,) = store_metrics(audit.journal, "m")
+    (g,) = store_metrics(audit.state.journal, "m")
     assert g.samples[0].value == 0.0 and g.samples[0].labels["store"] == redis_store.url
     warned = [r for r in caplog.records if "unreachable" in r.getMessage()]
     assert len(warned) == 1 and "local guard" in warned[0].getMessage()
-    audit.journal.close()
+    audit.state.journal.close()
 
 
 def test_a_store_unreachable_at_start_leaves_the_local_journal(tmp_path, caplog):
@@ -256,8 +255,8 @@ def test_a_store_that_lost_events_is_left(redis_store):
         audit.observe(*known_loss(False))
     redis.Redis.from_url(redis_store.url).flushdb()
     audit.observe(*known_loss(False))
-    assert not audit.table()["store"]["up"] and audit.guard(DELTA).cs.n == 4
-    audit.journal.close()
+    assert not audit.table()["store"]["up"] and audit.state.guard(DELTA).cs.n == 4
+    audit.state.journal.close()
 
 
 @pytest.mark.parametrize("argv, error", [

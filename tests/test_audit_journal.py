@@ -33,9 +33,7 @@ def _journal(d: Path, fsync: bool = False) -> Journal:
 
 
 def _attached(d: Path, **config) -> LiveAudit:
-    audit = LiveAudit(bundle(), AuditConfig(rate=1.0, **config))
-    audit.attach(_journal(d))
-    return audit
+    return LiveAudit(bundle(), AuditConfig(rate=1.0, **config), journal=_journal(d))
 
 
 @pytest.mark.parametrize("policy", ["fallback", "recalibrate"])
@@ -63,27 +61,28 @@ def test_snapshots_bound_the_replay_and_are_checked(tmp_path):
     rng = np.random.default_rng(5)
     for _ in range(SNAPSHOT_EVERY // 2 + 30):  # two events per audit
         audit.observe(*known_loss(bool(rng.random() < 0.2)))
-    snap = audit.journal.snapshot_path
+    snap = audit.state.journal.snapshot_path
     assert snap.is_file()
     expect = audit.table()["deltas"]
-    audit.journal.close()
+    audit.state.journal.close()
     again = _attached(tmp_path, on_alarm="fallback")
-    assert again.replayed == 60 and again.table()["deltas"] == expect
-    again.journal.close()
+    assert again.state.replayed == 60 and again.table()["deltas"] == expect
+    again.state.journal.close()
     for bad in ("{torn", json.dumps({"bundle_checksum": "other", "offset": 10})):
         snap.write_text(bad)
         full = _attached(tmp_path, on_alarm="fallback")
-        assert full.replayed == 2 * (SNAPSHOT_EVERY // 2 + 30) and full.table()["deltas"] == expect
-        full.journal.close()
+        assert full.state.replayed == 2 * (SNAPSHOT_EVERY // 2 + 30)
+        assert full.table()["deltas"] == expect
+        full.state.journal.close()
     other = _attached(tmp_path, on_alarm="report")  # another policy: the fold differs
-    assert other.replayed == 2 * (SNAPSHOT_EVERY // 2 + 30)
-    other.journal.close()
+    assert other.state.replayed == 2 * (SNAPSHOT_EVERY // 2 + 30)
+    other.state.journal.close()
 
 
 def _killed_after_admitting(d: str) -> None:
     audit = _attached(Path(d))
     audit.observe(*known_loss(True))  # labelled and journalled
-    audit._admit()  # admitted, never resolved
+    audit.state.admit()  # admitted, never resolved
     os._exit(0)  # no close, no flush of anything else: a crash
 
 
@@ -100,8 +99,8 @@ def test_a_crash_loses_no_labelled_audit_and_leaves_no_wait(tmp_path):
     with open(path, "ab") as f:
         f.write(b'{"r": 2, "o": "ri')  # a write torn by a crash
     audit = _attached(tmp_path)
-    g = audit.guard(DELTA)
-    assert g.cs.n == 1 and g.cs.mean == 1.0 and audit.counts["lost"] == 1
+    g = audit.state.guard(DELTA)
+    assert g.cs.n == 1 and g.cs.mean == 1.0 and audit.state.lost == 1
     assert audit.table()["open"] == 0 and path.read_bytes().endswith(b"\n")
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert lines[-1] == {"r": 2, "o": "lost"}
@@ -114,7 +113,7 @@ def _feed(d: str, seed: int, n: int, out) -> None:
         audit.observe(*known_loss(bool(rng.random() < 0.3)))
     row = next(r for r in audit.table()["deltas"] if r["delta"] == DELTA)  # table() syncs
     out.put((seed, row))
-    audit.journal.close()
+    audit.state.journal.close()
 
 
 def test_two_processes_share_one_sequence(tmp_path):
@@ -131,7 +130,7 @@ def test_two_processes_share_one_sequence(tmp_path):
         p.join(60)
     third = _attached(tmp_path, on_alarm="fallback")
     final = next(r for r in third.table()["deltas"] if r["delta"] == DELTA)
-    assert final["n"] == 160 and third.admitted == 160
+    assert final["n"] == 160 and third.state.admitted == 160
     # the process that finished last saw everything; the other at least its own 80
     last = max(rows.values(), key=lambda r: r["n"])
     assert last == final and min(r["n"] for r in rows.values()) >= 80
@@ -175,21 +174,35 @@ def test_a_hot_reload_away_and_back_resumes_the_bundles_state(tmp_path):
     first = bundle()
     other = first.model_copy(update={"checksum": "0" * 64})
     config = AuditConfig(rate=1.0, on_alarm="fallback", directory=tmp_path)
-    a = LiveAudit(first, config)
-    a.attach(audit_journal(config, first))
+    a = LiveAudit(first, config, journal=audit_journal(config, first))
     rng = np.random.default_rng(8)
     for _ in range(120):
         a.observe(*known_loss(bool(rng.random() < 0.4)))
     before = a.table()["deltas"]
     assert before[0]["engaged"]
-    b = LiveAudit(other, config)
-    hand_over(a, b)
-    assert b.journal.path != journal_path(tmp_path, first.checksum) and b.guard(DELTA).cs.n == 0
-    back = LiveAudit(first, config)
-    hand_over(b, back)
-    assert back.journal.path == journal_path(tmp_path, first.checksum)
+    b = hand_over(a, other, config)
+    assert b.state.journal.path != journal_path(tmp_path, first.checksum)
+    assert b.state.guard(DELTA).cs.n == 0 and a.state.journal is None  # closed by the hand-over
+    back = hand_over(b, first, config)
+    assert back.state.journal.path == journal_path(tmp_path, first.checksum)
     assert back.table()["deltas"] == before
-    back.journal.close()
+    back.state.journal.close()
+
+
+def test_a_hand_over_to_a_directory_that_cannot_be_opened_still_returns_a_working_audit(
+        tmp_path, caplog):
+    """The successor of a hot reload whose audit directory cannot be opened audits without it
+    (logged), with the old audit's engine client."""
+    engine = object()
+    old = LiveAudit(bundle(), AuditConfig(rate=1.0), engine_client=lambda: engine)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with caplog.at_level("WARNING", logger="orca_serve.live_audit"):
+        new = hand_over(old, bundle(), AuditConfig(rate=1.0, directory=blocked))
+    assert "cannot open its directory" in caplog.text and old.retired
+    assert new.store is None and new.state.journal is None and new.engine_client() is engine
+    new.observe(*known_loss(True))
+    assert new.state.guard(DELTA).cs.n == 1 and new.table()["directory"] is None
 
 
 DEMO = Path(__file__).parents[1] / "orca_serve" / "demo" / "bundle.json"
@@ -199,9 +212,8 @@ def _two_sided(d: Path) -> LiveAudit:
     from orca_method.bundle import load_bundle
 
     b = load_bundle(DEMO)  # two-sided: give-up guards beside the stop guards
-    audit = LiveAudit(b, AuditConfig(rate=1.0, on_alarm="fallback", other_labels=True))
-    audit.attach(Journal(journal_path(d, b.checksum), b.checksum, fsync=False))
-    return audit
+    return LiveAudit(b, AuditConfig(rate=1.0, on_alarm="fallback", other_labels=True),
+                     journal=Journal(journal_path(d, b.checksum), b.checksum, fsync=False))
 
 
 def test_give_up_sequences_resume_and_an_old_journal_replays_the_same(tmp_path, monkeypatch):
@@ -219,13 +231,13 @@ def test_give_up_sequences_resume_and_an_old_journal_replays_the_same(tmp_path, 
         audit.observe([0.99, 0.99, 0.99], labels, censored=bool(rng.random() < 0.1), give_up=g)
     table = audit.table()
     assert any(r["engaged"] for r in table["give_up"]["deltas"])
-    path = audit.journal.path
-    audit.journal.close()
+    path = audit.state.journal.path
+    audit.state.journal.close()
     again = _two_sided(tmp_path / "new")
-    assert again.replayed == 120 - 100  # a snapshot after 100 events, then the rest
+    assert again.state.replayed == 120 - 100  # a snapshot after 100 events, then the rest
     assert again.table()["give_up"] == table["give_up"]
     assert again.table()["deltas"] == table["deltas"]
-    again.journal.close()
+    again.state.journal.close()
     old = tmp_path / "old" / path.name
     old.parent.mkdir()
     events = [json.loads(x) for x in path.read_text().splitlines()]
@@ -236,7 +248,7 @@ def test_give_up_sequences_resume_and_an_old_journal_replays_the_same(tmp_path, 
     assert replayed.table()["deltas"] == table["deltas"]
     assert all(r["n"] == 0 and r["mu_source"] == "bundle"
                for r in replayed.table()["give_up"]["deltas"])
-    replayed.journal.close()
+    replayed.state.journal.close()
 
 
 def _lines(path: Path) -> list[bytes]:
@@ -257,33 +269,33 @@ def test_a_stale_snapshot_is_not_restored(regrowth, tmp_path, monkeypatch):
     for _ in range(24):
         first.observe(*known_loss(False))
     first.observe(*known_loss(True))  # events 49, 50: the snapshot covers them
-    path, snap = first.journal.path, first.journal.snapshot_path
+    path, snap = first.state.journal.path, first.state.journal.snapshot_path
     offset = json.loads(snap.read_text())["offset"]
     assert offset == path.stat().st_size
-    first.journal.close()
+    first.state.journal.close()
     lines = _lines(path)
     path.write_bytes(b"".join(lines[:-2]))  # the dead audit's two lines are lost
     second = _attached(tmp_path)  # the offset is beyond the file: replayed whole
-    assert second.replayed == 48 and second.guard(DELTA).cs.n == 24
+    assert second.state.replayed == 48 and second.state.guard(DELTA).cs.n == 24
     if regrowth == "mid_line":
         second.observe(*known_loss(False), censored=True)  # a shorter outcome line first
     second.observe(*known_loss(False))
-    second.journal.close()
+    second.state.journal.close()
     size = path.stat().st_size
     at_line_end = path.read_bytes()[offset - 1:offset] == b"\n"
     assert size >= offset and at_line_end == (regrowth == "at_a_line_end")
     third = _attached(tmp_path)
-    g = third.guard(DELTA)
-    assert third.replayed == len(_lines(path)) - 1  # every event, not those after the offset
+    g = third.state.guard(DELTA)
+    assert third.state.replayed == len(_lines(path)) - 1  # every event, not those after the offset
     assert g.cs.n == 25 + (regrowth == "mid_line") and g.cs.mean == 0.0  # no loss of the dead
     expect = third.table()["deltas"]
     for _ in range(30):  # a snapshot of this journal again, and it is used
         third.observe(*known_loss(False))
-    third.journal.close()
+    third.state.journal.close()
     fourth = _attached(tmp_path)
-    assert 0 < fourth.replayed < 40 and fourth.guard(DELTA).cs.n == g.cs.n
+    assert 0 < fourth.state.replayed < 40 and fourth.state.guard(DELTA).cs.n == g.cs.n
     assert expect[0]["n"] == 25 + (regrowth == "mid_line")
-    fourth.journal.close()
+    fourth.state.journal.close()
 
 
 def test_a_torn_tail_longer_than_a_chunk_cuts_only_that_line(tmp_path):
@@ -293,15 +305,15 @@ def test_a_torn_tail_longer_than_a_chunk_cuts_only_that_line(tmp_path):
     audit = _attached(tmp_path)
     for _ in range(200):
         audit.observe(*known_loss(False))
-    audit.journal.close()
+    audit.state.journal.close()
     path = journal_path(tmp_path, bundle().checksum)
     whole = path.read_bytes()
     with open(path, "ab") as f:
         f.write(b'{"r": 201, "o": "risk", "s": [' + b"0.5, " * 400_000)  # 2 MB, no newline
     again = _attached(tmp_path)
     assert path.read_bytes() == whole
-    assert again.replayed == 400 and again.guard(DELTA).cs.n == 200
-    again.journal.close()
+    assert again.state.replayed == 400 and again.state.guard(DELTA).cs.n == 200
+    again.state.journal.close()
 
 
 def test_a_corrupt_line_is_skipped_with_a_warning_and_counted(tmp_path, caplog):
@@ -313,7 +325,7 @@ def test_a_corrupt_line_is_skipped_with_a_warning_and_counted(tmp_path, caplog):
     audit = _attached(tmp_path)
     for _ in range(10):
         audit.observe(*known_loss(False))
-    audit.journal.close()
+    audit.state.journal.close()
     path = journal_path(tmp_path, bundle().checksum)
     lines = _lines(path)
     assert json.loads(lines[4])["o"] == "risk"  # the outcome of audit 2
@@ -325,17 +337,17 @@ def test_a_corrupt_line_is_skipped_with_a_warning_and_counted(tmp_path, caplog):
     assert sum("corrupt event" in r.getMessage() for r in caplog.records) == 2
     table = again.table()
     assert table["journal_skipped"] == 2 and table["lost"] == 2 and table["open"] == 0
-    assert again.guard(DELTA).cs.n == 8 and again.admitted == 10
-    again.journal.close()
+    assert again.state.guard(DELTA).cs.n == 8 and again.state.admitted == 10
+    again.state.journal.close()
     assert json.loads(lines[5]) == {"a": json.loads(lines[1])["a"]}  # audit 3's admission
     lines[5] = b"\x00" * (len(lines[5]) - 1) + b"\n"
     path.write_bytes(b"".join(lines))
     # an admission skipped: its outcome's number admits it, and the numbers after it hold
     # (before, each later outcome named an admission number one too high: all were dropped)
     healed = _attached(tmp_path)
-    assert healed.table()["journal_skipped"] == 3 and healed.admitted == 10
-    assert healed.table()["open"] == 0 and healed.guard(DELTA).cs.n == 8
-    healed.journal.close()
+    assert healed.table()["journal_skipped"] == 3 and healed.state.admitted == 10
+    assert healed.table()["open"] == 0 and healed.state.guard(DELTA).cs.n == 8
+    healed.state.journal.close()
     lines[0] = b"\x00\x00garbage\n"
     path.write_bytes(b"".join(lines))
     with pytest.raises(ValueError, match="not an audit journal header"):

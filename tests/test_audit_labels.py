@@ -27,7 +27,7 @@ def _audit(label_mode: str, **config) -> LiveAudit:
 
 def _metrics(audit: LiveAudit) -> str:
     reg = CollectorRegistry()
-    reg.register(AuditCollector(audit, "toy"))
+    reg.register(AuditCollector(lambda: audit, "toy"))
     return generate_latest(reg).decode()
 
 

@@ -206,15 +206,14 @@ def test_recalibrate_waits_for_audits_admitted_after_the_alarm(bundle) -> None:
     import asyncio
 
     audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0, on_alarm="recalibrate", window=3),
-                      cs_factory=FakeCS, loss=_loss)
-    audit.labeller = FakeLabeller()
+                      labeller=FakeLabeller(), cs_factory=FakeCS, loss=_loss)
     windows: list[tuple] = []
 
     def spy(scores, labels, delta, epsilon):
         windows.append((delta, epsilon, [round(float(s[0]), 3) for s in scores]))
         return 0.0  # more aggressive than any bundle lambda*: served at the floor
-    audit._ltt = spy
-    g, h = audit.guard(0.1), bundle.model.hidden_size
+    audit.state._ltt = spy
+    g, h = audit.state.guard(0.1), bundle.model.hidden_size
 
     def admit():
         return resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle, thresholds=audit)[1]
@@ -247,12 +246,12 @@ def test_recalibrate_waits_for_audits_admitted_after_the_alarm(bundle) -> None:
     assert g.served.cs.losses == [1] and windows[1:] == []  # LTT ran once
     g.served.cs.lower = 0.5  # its own alarm: the next audit starts the second wait
     asyncio.run(finish(admit(), 0.08))
-    assert (g.source, g.waiting_since, g.served) == ("fallback", audit.admitted, None)
+    assert (g.source, g.waiting_since, g.served) == ("fallback", audit.state.admitted, None)
     for _ in range(3):
         asyncio.run(finish(admit(), 0.09))
     assert windows[1] == (0.1, 0.05 / 6, [0.09] * 3) and g.recalibrations == 2
-    assert audit.guard(0.2).source == "bundle"  # another delta's guard never alarmed
-    assert audit._resolved == {}  # nothing kept once no guard waits
+    assert audit.state.guard(0.2).source == "bundle"  # another delta's guard never alarmed
+    assert audit.state._resolved == {}  # nothing kept once no guard waits
 
 
 def test_unfinished_audits_enter_the_risk_censored(bundle) -> None:
@@ -261,8 +260,8 @@ def test_unfinished_audits_enter_the_risk_censored(bundle) -> None:
     (as calibration labels a cut trajectory) and censored without labels when there is none."""
     import asyncio
 
-    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0), cs_factory=FakeCS, loss=_loss)
-    audit.labeller = FakeLabeller()
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0), labeller=FakeLabeller(),
+                      cs_factory=FakeCS, loss=_loss)
     h = bundle.model.hidden_size
 
     async def run() -> None:
@@ -278,7 +277,7 @@ def test_unfinished_audits_enter_the_risk_censored(bundle) -> None:
     asyncio.run(run())
     table = audit.table()
     assert (table["length"], table["aborted"], table["labelled"], table["failed"]) == (1, 3, 1, 0)
-    cs = audit.guard(0.1).cs
+    cs = audit.state.guard(0.1).cs
     assert cs.losses == [None, None, None, 1, None] and cs.censored == 4
     row = table["deltas"][[d["delta"] for d in table["deltas"]].index(0.1)]
     assert row["censored"] == 4 and row["n"] == 5
@@ -319,8 +318,8 @@ def test_fallback_reaches_requests_and_losses_use_the_bundle_lambda(bundle) -> N
     lam = bundle.lam(0.1)
     scores = [lam + 0.01, 0.99]  # crosses the 0.1 lambda* at step 0, where the answer is wrong
     audit.observe(scores, [0, 1, 1])
-    g = audit.guard(0.1)
-    assert g.cs.losses == [1] and audit.guard(0.2).cs.losses == [1]
+    g = audit.state.guard(0.1)
+    assert g.cs.losses == [1] and audit.state.guard(0.2).cs.losses == [1]
     g.cs.lower = 0.5
     audit.observe(scores, [0, 0, 1])
     body, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle, thresholds=audit)
@@ -353,9 +352,8 @@ def test_audit_record_says_which_lambda_the_request_was_served(bundle, tmp_path:
     import asyncio
 
     audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0, on_alarm="fallback"),
-                      cs_factory=FakeCS, loss=_loss)
-    audit.labeller = FakeLabeller()
-    audit.store = AuditStore(tmp_path, dim=bundle.model.hidden_size, info={"model": "m"})
+                      store=AuditStore(tmp_path, dim=bundle.model.hidden_size, info={"model": "m"}),
+                      labeller=FakeLabeller(), cs_factory=FakeCS, loss=_loss)
     def result(lam: float) -> OrcaResult:
         return orca_result(policy="shadow", scores=[0.99999976, 0.2], step_tokens=[3, 4], lam=lam,
                            step_embeddings=np.ones((2, bundle.model.hidden_size),
@@ -368,7 +366,7 @@ def test_audit_record_says_which_lambda_the_request_was_served(bundle, tmp_path:
         await audit._worker
 
     asyncio.run(one([{"role": "user", "content": "a"}]))
-    audit.guard(0.1).cs.lower = 0.5  # the next observation engages the guard
+    audit.state.guard(0.1).cs.lower = 0.5  # the next observation engages the guard
     audit.observe([0.5], [0, 1])
     asyncio.run(one([{"role": "user", "content": "b"}]))
     audit.store.close()
@@ -397,7 +395,7 @@ def test_real_confidence_sequence_alarms_on_losses_and_metrics_show_it(bundle) -
         assert row["alarm"] and row["lambda"] is None and row["lambda_source"] == "fallback"
         assert row["alarm_since"] == 0 and row["alarm_lower"] == row["lower"]  # whole history
     reg = CollectorRegistry()
-    reg.register(AuditCollector(audit, "toy"))
+    reg.register(AuditCollector(lambda: audit, "toy"))
     text = generate_latest(reg).decode()
     assert 'orca_audit_requests_total{model_name="toy",state="labelled"} 40.0' in text
     assert 'orca_audit_alarm{delta="0.1",model_name="toy"} 1.0' in text
@@ -422,7 +420,7 @@ def test_drift_pvalue_is_absent_before_the_first_test(bundle) -> None:
 
     rng, drift, audit, settings = _drift_audit(bundle, seed=2)
     reg = CollectorRegistry()
-    reg.register(AuditCollector(audit, "toy"))
+    reg.register(AuditCollector(lambda: audit, "toy"))
 
     def finish(n: int) -> str:
         for _ in range(n):
@@ -552,8 +550,8 @@ def test_a_recalibrated_lambda_is_not_trusted_while_its_drift_test_alarms(bundle
     the one the lambda was certified on), and the lambda returns once a test passes again."""
     audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0, on_alarm="recalibrate", window=40),
                       cs_factory=FakeCS, loss=_loss)
-    audit._ltt = lambda scores, labels, delta, epsilon: 0.95
-    g = audit.guard(0.1)
+    audit.state._ltt = lambda scores, labels, delta, epsilon: 0.95
+    g = audit.state.guard(0.1)
     rng = np.random.default_rng(3)
     g.cs.lower = 0.5  # the bundle's alarm: wait for 40 audits admitted after it
     for _ in range(41):
@@ -611,7 +609,7 @@ def test_a_give_up_alarm_turns_give_up_off_and_leaves_the_stop_threshold(bundle)
                               "source": "fallback", "active": False}
     assert obj["lambda"] == bundle.lam(0.1) and obj["lambda_source"] == "bundle"
     reg = CollectorRegistry()
-    reg.register(AuditCollector(audit, "toy"))
+    reg.register(AuditCollector(lambda: audit, "toy"))
     text = generate_latest(reg).decode()
     assert 'orca_audit_give_up_alarm{delta="0.05",model_name="toy"} 1.0' in text
     assert 'orca_audit_give_up_mu{delta="0.05",model_name="toy",source="fallback"} -Inf' in text
@@ -638,9 +636,9 @@ def test_give_up_risk_counts_never_right_and_censored_audits(bundle) -> None:
     of the stop risk) enters with its loss; a cut one enters censored (loss 0 for the alarm, 1 for
     the upper bound); one without give-up scores is left out; the last step never gives up."""
     audit = _give_up_audit(bundle, on_alarm="fallback", other_labels=True)
-    g = audit.give_up_guard(0.1)
+    g = audit.state.give_up_guard(0.1)
     audit.observe([0.0, 0.0, 0.0], [0, 0, 0], give_up=GIVES_UP)  # never right: give-up loss 1
-    assert audit.counts["unsolvable"] == 1 and audit.guard(0.1).cs.n == 0
+    assert audit.counts["unsolvable"] == 1 and audit.state.guard(0.1).cs.n == 0
     assert (g.cs.n, g.cs.mean) == (1, 1.0)
     audit.observe([0.0, 0.0, 0.0], [0, 1, 1], censored=True, give_up=GIVES_UP)
     assert (g.cs.n, g.cs.censored) == (2, 1)
@@ -680,8 +678,8 @@ def test_an_audit_is_scored_by_the_give_up_probe_it_never_ran(bundle) -> None:
         made.append(FakeCS())
         return made[-1]
 
-    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0), cs_factory=factory, loss=_loss)
-    audit.labeller = FakeLabeller()
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0), labeller=FakeLabeller(),
+                      cs_factory=factory, loss=_loss)
     h = bundle.model.hidden_size
     results = [_recorded(0.5, h), _recorded(0.5, h)]  # the first: embeddings of ones
     results[1] = replace(results[1], step_embeddings=np.random.default_rng(3).normal(
@@ -701,5 +699,5 @@ def test_an_audit_is_scored_by_the_give_up_probe_it_never_ran(bundle) -> None:
                                               window=bundle.give_up.window)[0][1].numpy(),
                                        bundle.mu(d), None) for r in results]
         # the probe scores ones 0 at the first step (gives up at every mu*), the other 1
-        assert audit.give_up_guard(d).cs.losses == expect == [1, 0]
+        assert audit.state.give_up_guard(d).cs.losses == expect == [1, 0]
     assert len(made) == len(bundle.deltas()) + len(bundle.give_up_deltas())

@@ -446,7 +446,7 @@ def test_joint_split_reaches_the_guards_and_the_table():
         eps = b.ltt.epsilon / k
         assert audit.table()["epsilon_split"] == split
         assert audit.table()["guard_epsilon"] == pytest.approx(eps)
-        for g in audit.guards.values():
+        for g in audit.state.guards.values():
             assert g.epsilon == pytest.approx(eps)
             assert g.cs.alarm_side.epsilon == pytest.approx(eps)
             assert recalibration_epsilon(g.epsilon, 1) == pytest.approx(eps / 2)

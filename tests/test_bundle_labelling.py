@@ -16,8 +16,7 @@ from orca_calibrate.train import save_probe, train_static
 from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX
 from orca_method.bundle import BundleError, Labelling, load_bundle, save_bundle
 from orca_method.trajectories import TrajectorySet
-from orca_serve.live_audit.factory import make_live_audit
-from orca_serve.live_audit.options import add_audit_args, store_info
+from orca_serve.live_audit.options import add_audit_args, audit_config, store_info
 from orca_serve.preflight import preflight
 from orca_serve.startup_errors import StartupError
 from tests.bundles import small_bundle
@@ -42,20 +41,20 @@ def _labelled(tmp_path: Path, labelling: Labelling | None) -> Path:
 def test_the_bundles_block_drives_the_audits_answer_probes(tmp_path):
     bundle = load_bundle(_labelled(tmp_path, THEIRS))
     assert bundle.labelling == THEIRS
-    probe = make_live_audit(_options("--orca-audit-label-every", "3"), bundle, None).config.probe
+    probe = audit_config(_options("--orca-audit-label-every", "3"), bundle).probe
     assert (probe.suffix, probe.answer_tokens, probe.label_every) == (THEIRS.suffix, 5, 3)
     # a flag saying the same is harmless
     same = _options("--orca-audit-answer-tokens", "5")
-    assert make_live_audit(same, bundle, None).config.probe.answer_tokens == 5
+    assert audit_config(same, bundle).probe.answer_tokens == 5
 
 
 def test_a_bundle_without_the_block_means_the_defaults_or_the_flags():
     old = load_bundle(OLD_DEMO)
     assert old.labelling is None
-    probe = make_live_audit(_options(), old, None).config.probe
+    probe = audit_config(_options(), old).probe
     assert (probe.suffix, probe.answer_tokens) == (DEFAULT_SUFFIX, DEFAULT_ANSWER_TOKENS)
-    flagged = make_live_audit(_options("--orca-audit-suffix", "S{", "--orca-audit-answer-tokens",
-                                       "7"), old, None).config.probe
+    flagged = audit_config(_options("--orca-audit-suffix", "S{", "--orca-audit-answer-tokens",
+                                    "7"), old).probe
     assert (flagged.suffix, flagged.answer_tokens) == ("S{", 7)
 
 
@@ -64,7 +63,7 @@ def test_a_bundle_without_the_block_means_the_defaults_or_the_flags():
 def test_a_flag_contradicting_the_block_is_refused_before_vllm(tmp_path, flag, value):
     path = _labelled(tmp_path, THEIRS)
     with pytest.raises(BundleError, match=f"{flag} .* contradicts the bundle's labelling"):
-        make_live_audit(_options(flag, value), load_bundle(path), None)
+        audit_config(_options(flag, value), load_bundle(path))
     with pytest.raises(StartupError) as e:  # pre-flight: no model, no vLLM
         preflight(["--calib", str(path), "--orca-audit-rate", "1.0", flag, value])
     assert "contradicts" in str(e.value) and "\n" not in str(e.value)
@@ -144,5 +143,5 @@ def test_offline_tools_read_only_audits_labelled_as_the_bundle_says(collected, t
 
 def test_the_audit_directory_records_how_it_labelled(tmp_path):
     bundle = load_bundle(_labelled(tmp_path, THEIRS))
-    live = make_live_audit(_options(), bundle, None, store=False)
-    assert store_info(bundle, live.config.probe)["labelling"] == THEIRS.model_dump()
+    config = audit_config(_options(), bundle)
+    assert store_info(bundle, config.probe)["labelling"] == THEIRS.model_dump()

@@ -25,7 +25,7 @@ from orca_serve.contract import XARG_KEY
 from orca_serve.effort import parse_effort_map
 from orca_serve.live_audit.factory import make_live_audit
 from orca_serve.live_audit.live import LiveAudit
-from orca_serve.live_audit.options import AuditConfig, add_audit_args
+from orca_serve.live_audit.options import AuditConfig, add_audit_args, audit_config
 from orca_serve.metrics import OrcaMetrics
 from orca_serve.reload import ReloadRefused
 from orca_serve.requests import OrcaDefaults, resolve
@@ -68,7 +68,7 @@ def paths(tmp_path_factory):
             "wrong": sim_bundle(tmp_path_factory, seed=2, hidden=17)}
 
 
-def setup(paths, refuse=()):
+def setup(paths, refuse=(), *, audit=None, audit_config=None):
     a = load_bundle(paths["a"])
     workers = [Worker(Proc(make_core(paths["a"]))), Worker(Proc(make_core(paths["a"]), refuse))]
     calls = []
@@ -79,7 +79,9 @@ def setup(paths, refuse=()):
 
     server = orca_server(a, OrcaDefaults(delta=0.1), rpc=rpc,
                          metrics=OrcaMetrics(CollectorRegistry(), model_name="m"),
-                         reloader={"calib_path": str(paths["a"]), "admin_key": "k"})
+                         audit=None if audit is None else audit(a),
+                         reloader={"calib_path": str(paths["a"]), "admin_key": "k",
+                                   "audit_config": audit_config})
     return server, [w.proc.core for w in workers], calls
 
 
@@ -140,10 +142,9 @@ def test_the_old_bundle_goes_after_its_last_request(paths):
 
 
 def test_the_live_audit_restarts_with_the_new_bundle(paths):
-    server, _, _ = setup(paths)
-    now = server.serving.now
-    server.serving.swap(replace(now, audit=LiveAudit(now.bundle, AuditConfig(rate=1.0, seed=0))))
-    server.reloader.make_audit = lambda b: LiveAudit(b, AuditConfig(rate=1.0, seed=0))
+    config = AuditConfig(rate=1.0, seed=0)
+    server, _, _ = setup(paths, audit=lambda b: LiveAudit(b, config),
+                         audit_config=lambda b: config)
     old = server.serving.now
     _, settings = resolve({"messages": [{"role": "user", "content": "q"}]}, old.defaults,
                           old.bundle, thresholds=old.thresholds)
@@ -308,10 +309,9 @@ def test_a_bundle_whose_labelling_contradicts_the_audit_flags_is_refused(paths, 
     labelled = tmp_path / "labelled.json"
     save_bundle(load_bundle(paths["b"]).model_copy(
         update={"labelling": Labelling(suffix="T{", answer_tokens=4)}), labelled)
-    server, _, calls = setup(paths)
+    server, _, calls = setup(paths, audit=lambda b: make_live_audit(b, audit_config(ns, b)),
+                             audit_config=lambda b: audit_config(ns, b))
     now = server.serving.now
-    server.serving.swap(replace(now, audit=make_live_audit(ns, now.bundle, None, store=False)))
-    server.reloader.make_audit = lambda b: make_live_audit(ns, b, None, store=False)
     with pytest.raises(ReloadRefused, match="live audit cannot follow.*'S\\{' contradicts"):
         asyncio.run(server.reloader.reload(str(labelled), source="test"))
     assert calls == [] and server.serving.now.bundle.checksum == now.bundle.checksum

@@ -1,9 +1,10 @@
-"""The live audit's Prometheus metrics (`orca_audit_*`, `orca_drift_*`), read at each scrape."""
+"""The live audit's Prometheus metrics (`orca_audit_*`, `orca_drift_*`), read at each scrape
+from whichever audit serves then (a hot reload swaps it: `orca_serve.live_audit.handover`)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -12,18 +13,23 @@ from prometheus_client.registry import Collector
 from orca_serve.live_audit.fleet import store_metrics
 from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE
 from orca_serve.live_audit.live import LiveAudit
+from orca_serve.live_audit.state import AuditState
 from orca_serve.metrics import LABEL
 
 
 class AuditCollector(Collector):
-    """The audit's Prometheus metrics, read from the live state at each scrape."""
+    """The audit's Prometheus metrics, read from the live state at each scrape: `audit`
+    returns the audit that serves (None: no metrics)."""
 
-    def __init__(self, audit: LiveAudit, model_name: str = "") -> None:
-        self.audit = audit
+    def __init__(self, audit: Callable[[], LiveAudit | None], model_name: str = "") -> None:
+        self._audit = audit
         self.model_name = model_name  # vLLM's `model_name` label, as on every orca metric
 
     def collect(self) -> Iterable[Any]:
-        a, m = self.audit, self.model_name
+        a, m = self._audit(), self.model_name
+        if a is None:
+            return
+        st = a.state
         c = CounterMetricFamily("orca_audit_requests", "Audited requests by state: labelled "
                                 "(entered the risk), dropped (labelling queue full), failed, "
                                 "aborted (never finished), length (cut by max_tokens)",
@@ -47,7 +53,7 @@ class AuditCollector(Collector):
         }
         lam = GaugeMetricFamily("orca_audit_lambda", "lambda served for this delta (+Inf: never "
                                 "stops early) and where it comes from", labels=[LABEL, "delta", "source"])
-        for g in a.guards.values():
+        for g in st.guards.values():
             row, d = g.row(), f"{g.delta:g}"
             fams["risk"].add_metric([m, d], row["risk"] if row["risk"] is not None else math.nan)
             fams["lower"].add_metric([m, d], row["lower"])
@@ -57,14 +63,14 @@ class AuditCollector(Collector):
             lam.add_metric([m, d, g.source], g.lam)
         yield from fams.values()
         yield lam
-        yield from store_metrics(a.journal, m)
-        if a.give_up_guards:
-            yield from _give_up_families(a, m)
+        yield from store_metrics(st.journal, m)
+        if st.give_up_guards:
+            yield from _give_up_families(st, m)
         lm = GaugeMetricFamily("orca_audit_labels_match", "1 when the audits label as the bundle "
                                "was calibrated (else the audited risk is not the certified one, "
                                "and the guard only reports unless --orca-guard-other-labels)",
                                labels=[LABEL, "bundle_label_mode", "audit_label_mode"])
-        lm.add_metric([m, a.bundle.label_mode, AUDIT_LABEL_MODE], float(a.labels_match))
+        lm.add_metric([m, a.bundle.label_mode, AUDIT_LABEL_MODE], float(st.labels_match))
         yield lm
         if a.drift is not None and a.drift.pvalue is not None:  # absent before the first test
             p = GaugeMetricFamily("orca_drift_pvalue", "p-value of the latest score-drift test "
@@ -78,7 +84,7 @@ class AuditCollector(Collector):
             yield al
 
 
-def _give_up_families(a: LiveAudit, m: str) -> Iterable[Any]:
+def _give_up_families(st: AuditState, m: str) -> Iterable[Any]:
     """The give-up guards' metrics: the audited give-up risk (loss: the audit would have given
     up under mu*), its bounds and alarm per give-up delta, and the mu* served (-Inf: give-up
     off)."""
@@ -99,7 +105,7 @@ def _give_up_families(a: LiveAudit, m: str) -> Iterable[Any]:
     mu = GaugeMetricFamily("orca_audit_give_up_mu", "mu* served for this give-up delta (-Inf: "
                            "never gives up) and where it comes from (fallback: give-up off)",
                            labels=[LABEL, "delta", "source"])
-    for g in a.give_up_guards.values():
+    for g in st.give_up_guards.values():
         row, d = g.row(), f"{g.delta:g}"
         fams["risk"].add_metric([m, d], row["risk"] if row["risk"] is not None else math.nan)
         for k in ("lower", "upper"):

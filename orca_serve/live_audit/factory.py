@@ -1,29 +1,34 @@
-"""The server's live audit, built from the `orca-serve` options: its journal and store when an
-audit directory is set, its metrics registered."""
+"""The server's live audit, built with everything it works with: its journal and store when an
+audit directory (or the fleet's store) is set, its drift monitor, its link to the engine."""
 
 from __future__ import annotations
 
-import argparse
+from collections.abc import Callable
 from typing import Any
 
 from orca_method.audit.drift import DriftMonitor
-from orca_serve.live_audit.collector import AuditCollector
+from orca_method.bundle import Bundle
 from orca_serve.live_audit.live import LiveAudit
-from orca_serve.live_audit.options import audit_config, audit_journal, audit_store
+from orca_serve.live_audit.options import AuditConfig, audit_journal, audit_store
+from orca_serve.live_audit.store import AuditStore
 
 
-def make_live_audit(ns: argparse.Namespace, bundle: Any, registry: Any,
-                    model_name: str = "", *, store: bool = True) -> Any:
-    """The server's LiveAudit (metrics registered on `registry` with vLLM's `model_name`
-    label), its store when a dir is set. `store=False`: without one (a hot reload opens it, or
-    takes the old audit's, when it takes over: `orca_serve.live_audit.handover`)."""
-    config = audit_config(ns, bundle)
-    live = LiveAudit(bundle, config, drift=DriftMonitor.from_bundle(bundle))
-    if store and config.directory is not None:
-        live.store = audit_store(config, bundle)
-    if store and config.journalled:
-        live.attach(audit_journal(config, bundle))
-    if registry is not None:
-        live.collector = AuditCollector(live, model_name)
-        registry.register(live.collector)
-    return live
+def make_live_audit(bundle: Bundle, config: AuditConfig,
+                    engine_client: Callable[[], Any] | None = None, *,
+                    store: AuditStore | None = None, superseded: int = 0) -> LiveAudit:
+    """The live audit of `bundle` as `config` sets it up: its store (`store`: one taken over by
+    a hot reload; else opened when a directory is set), then its journal, replayed
+    (orca_serve/live_audit/journal.py). `engine_client`: returns the server's engine client,
+    which labels the audits. Raises OSError when the directory or journal cannot be opened
+    (the store, given or opened, is closed then)."""
+    if store is None and config.directory is not None:
+        store = audit_store(config, bundle)
+    try:
+        journal = audit_journal(config, bundle) if config.journalled else None
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
+    return LiveAudit(bundle, config, journal=journal, store=store,
+                     drift=DriftMonitor.from_bundle(bundle), engine_client=engine_client,
+                     superseded=superseded)

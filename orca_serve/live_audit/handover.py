@@ -4,37 +4,42 @@ The table, the guards, the recalibration window and the drift monitor are the ne
 because every one of them is about one probe and its thresholds (with an audit directory:
 resumed from that bundle's journal). Audits of requests the old bundle served (waiting for
 labels, being labelled, or still running) are dropped and counted as `superseded` in the new
-table: their losses measure the old thresholds, and the old table is gone.
+table: their losses measure the old thresholds, and the old table is gone. The metrics read
+whichever audit serves (`orca_serve.live_audit.collector`), so nothing moves to the successor
+but the store and the engine client's getter.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
+
+from orca_method.bundle import Bundle
+from orca_method.errors import first_line
+from orca_serve.live_audit.factory import make_live_audit
 from orca_serve.live_audit.live import LiveAudit
-from orca_serve.live_audit.options import audit_journal, audit_store, store_info
+from orca_serve.live_audit.options import AuditConfig, store_info
+
+logger = logging.getLogger("orca_serve.live_audit")
 
 
-def hand_over(old: LiveAudit, successor: LiveAudit) -> None:
-    """A new bundle's audit takes over from `old` (the module docstring): the old one's
-    unfinished audits are dropped and counted as `superseded` there, its metrics collector
-    reads the successor from now on, and the successor writes to the old audit's store when
-    the two bundles' audit records agree (same model and pooling), else opens its own."""
-
-    successor.counts["superseded"] += old.retire()
-    if old.collector is not None:
-        old.collector.audit = successor
-        successor.collector, old.collector = old.collector, None
-    if successor.config.directory is not None and successor.store is None:
-        new_info = store_info(successor.bundle, successor.config.probe)
-        if old.store is not None and old.store.info == new_info:
-            successor.store = old.store
-        else:
-            if old.store is not None:
-                old.store.close()
-            successor.store = audit_store(successor.config, successor.bundle)
-    old.store = None
-    if old.journal is not None:  # closed first: the successor may open the same file
-        old.journal.close()
-        old.journal = None
-    if successor.config.journalled and successor.journal is None:
-        successor.attach(audit_journal(successor.config, successor.bundle))
-    successor.engine_client = old.engine_client
+def hand_over(old: LiveAudit, bundle: Bundle, config: AuditConfig) -> LiveAudit:
+    """The audit of `bundle` (as `config` sets it up) that takes over from `old` (the module
+    docstring): `old` retires (its unfinished audits are counted as `superseded` by the
+    successor, its journal is closed first, since the successor may open the same file), and
+    the successor writes to the old audit's store when the two bundles' audit records agree
+    (same model and pooling), else opens its own. A directory or journal that cannot be opened
+    is logged, and the successor audits without them."""
+    superseded, store = old.retire()
+    if store is not None and (config.directory is None
+                              or store.info != store_info(bundle, config.probe)):
+        store.close()
+        store = None
+    try:
+        return make_live_audit(bundle, config, old.engine_client, store=store,
+                               superseded=superseded)
+    except OSError as e:
+        logger.warning("orca: the new live audit cannot open its directory (%s): its audits are "
+                       "neither stored nor journalled", first_line(e))
+        return make_live_audit(bundle, replace(config, directory=None, store=None),
+                               old.engine_client, superseded=superseded)

@@ -11,7 +11,7 @@ little more than its few answer tokens.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Protocol
 
 from orca_method.answer_probes import (
     ProbeSettings,
@@ -27,6 +27,15 @@ from orca_serve.vllm_compat.engine_client import generate_from_ids, tokenizer
 # has no reference answer for `supervised`, and the server calls no judge).
 AUDIT_LABEL_MODE = "consistent"
 LOW_PRIORITY = 10  # vLLM's priority scheduling serves lower values first
+
+
+class Labeller(Protocol):
+    """What labels a live audit (`AuditLabeller`; tests give their own)."""
+
+    async def label(self, key: str, rec: dict[str, Any], result: OrcaResult,
+                    finish_reason: str | None) -> dict[str, Any]:
+        """The trajectory record of one audited, recorded request (`AuditLabeller.label`)."""
+        ...
 
 
 class AuditLabeller:

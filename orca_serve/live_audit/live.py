@@ -12,15 +12,22 @@ server (statistics: docs/AUDIT.md; operations: docs/AUDIT-OPERATIONS.md). `LiveA
    and one background task labels them with answer probes through the same engine, exactly as
    `orca-calibrate collect` does, consistency labels against the request's own final answer.
    Labelled audits are appended to `--orca-audit-dir` (`orca_serve.live_audit.store`).
-3. **The guards' state** (`orca_serve.live_audit.state`, the fold of the journalled audit
-   events): per delta the realized risk of the bundle's lambda* and the lambda served, per
+3. **The guards' state** (`state`, an `orca_serve.live_audit.state.AuditState`: the fold of
+   the journalled audit events, which a `LiveAudit` holds and changes through its face): per
+   delta the realized risk of the bundle's lambda* and the lambda served, per
    give-up delta the audited give-up risk and whether requests give up; the decisions are the
-   method's (`orca_method.audit.guards`). A two-sided bundle's audits are scored by its
-   give-up probe here (`_give_up_scores`), since audits never give up.
+   method's (`orca_method.audit.guards`). Give-up is decided by the give-up guard (`mu`). A
+   two-sided bundle's audits are scored by its give-up probe here (`_give_up_scores`), since
+   audits never give up.
 4. **Drift**: with a drift reference in the bundle, a `DriftMonitor` sees the scores of one
    choice of every finished request (audited or not).
-5. **Hot reload** (`orca_serve.live_audit.handover`), the table (`GET /v1/orca/audit`:
-   `orca_serve.live_audit.route`) and the metrics (`orca_serve.live_audit.collector`).
+5. **Hot reload** (`orca_serve.live_audit.handover`: builds the successor), the table
+   (`GET /v1/orca/audit`: `orca_serve.live_audit.route`) and the metrics
+   (`orca_serve.live_audit.collector`).
+
+A `LiveAudit` is given everything it works with when it is built (its journal, store, drift
+monitor, labeller and the engine client's getter; `orca_serve.live_audit.factory`), and nothing
+outside it assigns into it.
 
 Everything here runs on the server's event loop; nothing blocks a response but the journal's
 appends (one line per audit admitted, and one fsynced line per audit resolved).
@@ -37,18 +44,22 @@ from typing import Any
 import numpy as np
 
 from orca_method.audit.attrition import incomplete
+from orca_method.audit.drift import DriftMonitor
 from orca_method.audit.guards import CS, aligned_scores
 from orca_method.bundle import Bundle
+from orca_method.probe import Probe
 from orca_method.procedure import replay
 from orca_method.risk import cumulative, is_counted
 from orca_method.thresholds import NEVER, lam_to_json
 from orca_serve.contract import OrcaResult
 from orca_serve.live_audit.fleet import store_state
 from orca_serve.live_audit.guard_log import log_change
-from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE, AuditLabeller
+from orca_serve.live_audit.journal import EventJournal
+from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE, AuditLabeller, Labeller
 from orca_serve.live_audit.options import AuditConfig
 from orca_serve.live_audit.sampling import AuditSampler
 from orca_serve.live_audit.state import AuditState
+from orca_serve.live_audit.store import AuditStore
 from orca_serve.requests import OrcaSettings
 
 logger = logging.getLogger("orca_serve.live_audit")
@@ -59,55 +70,80 @@ class _Job:
     key: str
     rec: dict[str, Any]
     result: OrcaResult  # recorded (record mode)
-    seq: int  # admission number (LiveAudit.admitted when it was picked)
+    seq: int  # admission number (AuditState.admitted when it was picked)
     finish_reason: str | None
     lambda_source: str = "bundle"  # the guard's source of the lambda the request was admitted with
 
 
-class LiveAudit(AuditState):
-    """The server's live audit: its guards' state (`AuditState`), sampling, the request path,
-    the labelling queue, hot reload and the table."""
+# the request-path counts of a live audit (the table's and the metrics'), by cause
+COUNTS = ("picked", "labelled", "dropped", "failed", "aborted", "length", "unsolvable",
+          "unaligned", "superseded")
+
+
+class LiveAudit:
+    """The server's live audit (see the module docstring). Its face: the request path (`lam`,
+    `mu`, `admit`, `finished`), audits fed directly (`observe`, `see`), hot reload (`retire`)
+    and reading (`table`, `attrition`, `counts`, `state`: the guards)."""
 
     def __init__(self, bundle: Bundle, config: AuditConfig, *,
+                 journal: EventJournal | None = None, store: AuditStore | None = None,
+                 drift: DriftMonitor | None = None,
+                 engine_client: Callable[[], Any] | None = None,
+                 labeller: Labeller | None = None, superseded: int = 0,
                  cs_factory: Callable[[], CS] | None = None,
-                 loss: Callable[[np.ndarray, np.ndarray, float], int] | None = None,
-                 drift: Any = None) -> None:
-        super().__init__(bundle, config, cs_factory=cs_factory, loss=loss)
-        self.sampler = AuditSampler(config.rate, config.seed)
-        self._give_up_probe: Any = None  # the bundle's give-up probe, loaded on first use
+                 loss: Callable[[np.ndarray, np.ndarray, float], int] | None = None) -> None:
+        """`journal`: the bundle's event journal (replayed now; None: the events are not
+        kept); `store`: where labelled audits are appended (None: nowhere); `drift`: the
+        bundle's drift test; `engine_client`: returns the server's engine client (vLLM makes
+        it after the app), which labels the audits; `labeller`: labels them instead (tests);
+        `superseded`: the unfinished audits of the audit this one took over from;
+        `cs_factory`, `loss`: the guards' statistics and loss (tests, simulations)."""
+        self.bundle = bundle
+        self.config = config
+        self.state = AuditState(bundle, config, journal=journal, cs_factory=cs_factory,
+                                loss=loss)
+        self.store = store
         self.drift = drift
-        self.labeller: Any = None  # AuditLabeller, made on first use (needs the engine client)
-        self.store: Any = None  # AuditStore when a directory is configured
-        self.collector: Any = None  # its metrics (collector.AuditCollector), when registered
+        self.engine_client = engine_client or (lambda: None)
+        self.sampler = AuditSampler(config.rate, config.seed)
+        self.counts = dict.fromkeys(COUNTS, 0)
+        self.counts["superseded"] = superseded
         self.retired = False  # replaced by a hot reload: takes nothing in any more
+        self._labeller = labeller  # made on first use (needs the engine client), unless given
+        self._give_up_probe: Probe | None = None  # the bundle's give-up probe, on first use
         self._pending: dict[str, tuple[dict[str, Any], int]] = {}
         self._queue: asyncio.Queue[_Job] | None = None
         self._worker: asyncio.Task | None = None
-        self.engine_client: Callable[[], Any] = lambda: None
 
     # -- the request path (cheap, synchronous; orca_serve.requests.Thresholds) ----------------
     def lam(self, delta: float) -> tuple[float, str]:
         """(lambda*, source) an enabled request with `delta` runs with: its guard's, after what
         other processes journalled. BundleError for a delta outside the bundle's table."""
         self.bundle.lam(delta)  # the bundle's refusal, as without an audit
-        self.sync()
-        g = self.guard(delta)
+        self.state.sync()
+        g = self.state.guard(delta)
         return g.lam, g.source
 
+    def mu(self, give_up_delta: float) -> tuple[float, str]:
+        """(mu*, source) a request giving up at `give_up_delta` runs with (right after `lam`,
+        which read what other processes journalled): the give-up guard's, GIVE_UP_NEVER with
+        source `fallback` after its alarm (give-up off: the request reasons on). BundleError
+        for a delta outside the bundle's give-up table."""
+        mu = self.bundle.mu(give_up_delta)  # the bundle's refusal, as without an audit
+        if not self.state.give_up_guards:
+            return mu, "bundle"
+        gu = self.state.give_up_guard(give_up_delta)
+        return gu.mu, gu.source
+
     def admit(self, settings: OrcaSettings, body: dict[str, Any]) -> OrcaSettings:
-        """The settings an enabled request runs with (right after `lam`): give-up as the audit's
-        give-up guard allows (off after its alarm), audited or not. The draw is made for every
-        enabled request and uses nothing but the sampler's RNG."""
-        if settings.give_up_delta is not None and self.give_up_guards:
-            gu = self.give_up_guard(settings.give_up_delta)
-            settings = replace(settings, give_up_source=gu.source)
-            if gu.source == "fallback":  # give-up off: the request reasons on
-                settings = replace(settings, give_up_mu=None)
+        """The settings an enabled request runs with (right after `lam` and `mu`), audited or
+        not. The draw is made for every enabled request and uses nothing but the sampler's
+        RNG."""
         if not self.sampler.pick():
             return settings
         self.counts["picked"] += 1
         self._pending[settings.key] = ({k: body[k] for k in ("messages", "prompt") if k in body},
-                                       self._admit())
+                                       self.state.admit())
         return replace(settings, audited=True)
 
     def finished(self, settings: OrcaSettings, results: dict[int, OrcaResult | None],
@@ -136,11 +172,11 @@ class LiveAudit(AuditState):
         if cut is not None:  # cut or aborted: its loss is unknown, it enters as censored
             self.counts[cut] += 1
             if why is not None:  # nothing to label: censored without a record
-                return self._event(self._with_give_up({"r": seq, "o": "censored"}, None))
+                return self.state.outcome(seq, "censored")
         elif why is not None:
             self.counts["failed"] += 1
             logger.warning("orca audit %s failed: %s", settings.key, why)
-            return self._event({"r": seq, "o": "out"})
+            return self.state.outcome(seq, "out")
         self._submit(_Job(settings.key, rec, first, seq, reason, settings.lam_source))
 
     def see(self, scores: list[float], lam: float) -> None:
@@ -148,7 +184,7 @@ class LiveAudit(AuditState):
         drift tests of the recalibrated lambdas served."""
         if self.drift is not None:
             self.drift.observe(scores, lam)
-        for g in self.guards.values():
+        for g in self.state.guards.values():
             before = (g.engaged, g.source, g.lam)
             g.see(scores, lam)
             log_change(g, *before)
@@ -160,7 +196,7 @@ class LiveAudit(AuditState):
             self._queue.put_nowait(job)
         except asyncio.QueueFull:
             self.counts["dropped"] += 1
-            return self._event({"r": job.seq, "o": "out"})
+            return self.state.outcome(job.seq, "out")
         if self._worker is None or self._worker.done():
             self._worker = asyncio.ensure_future(self._work())
 
@@ -174,13 +210,13 @@ class LiveAudit(AuditState):
             except Exception as e:  # noqa: BLE001 - one bad audit must not stop the others
                 if not self.retired:
                     self.counts["failed"] += 1
-                    self._event({"r": job.seq, "o": "out"})
+                    self.state.outcome(job.seq, "out")
                 logger.warning("orca audit %s failed: %r", job.key, e)
 
     async def _process(self, job: _Job) -> None:
-        if self.labeller is None:
-            self.labeller = AuditLabeller(self.engine_client(), self.config.probe)
-        record = await self.labeller.label(job.key, job.rec, job.result, job.finish_reason)
+        if self._labeller is None:
+            self._labeller = AuditLabeller(self.engine_client(), self.config.probe)
+        record = await self._labeller.label(job.key, job.rec, job.result, job.finish_reason)
         # unrounded: replaying them must reproduce the server's stop decisions, also at lambda 1.0
         # (LTT's grid top, what recalibration picks when only saturated scores are safe), which
         # 6-decimal rounding crossed by turning 0.9999998 into 1.0
@@ -200,7 +236,7 @@ class LiveAudit(AuditState):
         if self.store is not None:
             await asyncio.to_thread(self.store.append, record, job.result.step_embeddings)
 
-    def _give_up_scores(self, embeddings: Any) -> list[float] | None:
+    def _give_up_scores(self, embeddings: np.ndarray | None) -> list[float] | None:
         """The give-up probe's smoothed scores of an audit's recorded steps, by the replay that
         calibration scores them with (None for a one-sided bundle). Audits never give up, so
         the engine computes none of them; the probe is static, so replay gives what it would."""
@@ -224,7 +260,7 @@ class LiveAudit(AuditState):
         risk is over every audit, never-right ones too, as calibration's is.
         """
         if seq is None:
-            seq = self._admit()
+            seq = self.state.admit()
         if not censored:
             self.counts["labelled"] += 1
         labels = cumulative(np.asarray(raw_labels))
@@ -238,21 +274,18 @@ class LiveAudit(AuditState):
                 self.counts["unaligned"] += 1
                 logger.warning("orca audit: %d scores for %d steps; left out", len(scores),
                                len(labels))
-        event: dict[str, Any] = {"r": seq, "o": "censored" if censored else
-                                 "risk" if s is not None else "out"}
-        if s is not None:
-            event.update(s=s.tolist(), l=labels.tolist())
-        if censored:
-            self._with_give_up(event, None)
-        elif give_up is not None and len(give_up) == len(labels):
-            self._with_give_up(event, [float(x) for x in give_up])
-        self._event(event)
+        self.state.outcome(
+            seq, "censored" if censored else "risk" if s is not None else "out",
+            scores=None if s is None else s.tolist(), labels=None if s is None else labels.tolist(),
+            give_up=[float(x) for x in give_up]
+            if give_up is not None and len(give_up) == len(labels) else None)
 
-
-    def retire(self) -> int:
-        """Take nothing in any more (a hot reload replaced this audit) and drop the audits
-        waiting for labels; returns how many were unfinished (admitted and still running,
-        queued, or being labelled: the one being labelled is not recorded when it ends)."""
+    def retire(self) -> tuple[int, AuditStore | None]:
+        """Take nothing in any more (a hot reload replaced this audit), drop the audits waiting
+        for labels and close the journal (the successor may open the same file). Returns how
+        many were unfinished (admitted and still running, queued, or being labelled: the one
+        being labelled is not recorded when it ends) and the store, which is the caller's now
+        (`orca_serve.live_audit.handover`)."""
         self.retired = True
         queued = 0
         while self._queue is not None and not self._queue.empty():
@@ -261,7 +294,9 @@ class LiveAudit(AuditState):
         labelling = self._worker is not None and not self._worker.done()
         unfinished = len(self._pending) + queued + int(labelling)
         self._pending.clear()
-        return unfinished
+        self.state.close()
+        store, self.store = self.store, None
+        return unfinished, store
 
     # -- reading -----------------------------------------------------------------------------
     def attrition(self) -> dict[str, float | None]:
@@ -279,31 +314,32 @@ class LiveAudit(AuditState):
 
     def table(self) -> dict[str, Any]:
         """GET /v1/orca/audit."""
-        self.sync()
+        st = self.state
+        st.sync()
         c = self.config
         out: dict[str, Any] = {
             "bundle_checksum": self.bundle.checksum,
             "rate": c.rate, "on_alarm": c.on_alarm, "label_mode": AUDIT_LABEL_MODE,
-            "bundle_label_mode": self.bundle.label_mode, "labels_match": self.labels_match,
-            "guard_acts": self.guard_acts,
+            "bundle_label_mode": self.bundle.label_mode, "labels_match": st.labels_match,
+            "guard_acts": st.guard_acts,
             "epsilon": self.bundle.ltt.epsilon,
-            "epsilon_split": c.epsilon_split, "guard_epsilon": self.guard_epsilon,
+            "epsilon_split": c.epsilon_split, "guard_epsilon": st.guard_epsilon,
             "recalibrate_window": c.window if c.on_alarm == "recalibrate" else None,
             "directory": None if self.store is None else str(self.store.root),
-            "journal": None if self.journal is None else str(self.journal.path),
-            "store": store_state(self.journal),
-            "admitted": self.admitted, "open": len(self._open), "replayed": self.replayed,
-            "journal_skipped": 0 if self.journal is None else self.journal.skipped,
+            "journal": None if st.journal is None else str(st.journal.path),
+            "store": store_state(st.journal),
+            "admitted": st.admitted, "open": st.unresolved, "replayed": st.replayed,
+            "journal_skipped": 0 if st.journal is None else st.journal.skipped,
             "queued": 0 if self._queue is None else self._queue.qsize(),
-            **self.counts,
+            **self.counts, "lost": st.lost,
             "attrition": self.attrition(),
-            "deltas": [g.row() for g in self.guards.values()],
-            "give_up": None if not self.give_up_guards else {
+            "deltas": [g.row() for g in st.guards.values()],
+            "give_up": None if not st.give_up_guards else {
                 "label_mode": self.bundle.give_up.label_mode,  # type: ignore[union-attr]
-                "loss": "gave_up", "guard_acts": self.give_up_acts,
+                "loss": "gave_up", "guard_acts": st.give_up_acts,
                 "epsilon": self.bundle.give_up.ltt.epsilon,  # type: ignore[union-attr]
-                "guard_epsilon": self.give_up_epsilon,
-                "deltas": [g.row() for g in self.give_up_guards.values()]},
+                "guard_epsilon": st.give_up_epsilon,
+                "deltas": [g.row() for g in st.give_up_guards.values()]},
         }
         if self.drift is not None:
             out["drift"] = {"pvalue": self.drift.pvalue, "alarm": bool(self.drift.alarm)}

@@ -4,11 +4,14 @@ Every admission (an audit picked) and every outcome (its scores and labels when 
 risk, `censored` when it was cut or aborted, left out otherwise; a two-sided bundle's outcomes
 also carry the audit's give-up scores) is an event, and the guards' state is the fold of the
 events in order (`_apply`). With an audit directory every event is journalled per bundle
-checksum before the guards use it (`attach`, orca_serve/live_audit/journal.py): a restart
+checksum before the guards use it (the journal it is built with,
+orca_serve/live_audit/journal.py): a restart
 resumes the state, and the servers of one machine that share the directory share one sequence
 (a fleet's replicas: through `--orca-audit-store`, orca_serve/live_audit/fleet.py).
 The guards' decisions are the method's (`orca_method.audit.guards`); the request path, the
-labelling queue and hot reload are `orca_serve.live_audit.live`. Statistics: docs/AUDIT.md.
+labelling queue and hot reload are `orca_serve.live_audit.live`, whose `LiveAudit` holds one
+`AuditState` and changes it only through its face: `admit`, `outcome`, `sync`, `close`.
+Statistics: docs/AUDIT.md.
 """
 
 from __future__ import annotations
@@ -55,10 +58,11 @@ def _default_loss(scores: np.ndarray, labels: np.ndarray, lam: float) -> int:
 
 class AuditState:
     """The guards of one bundle and the events they are folded from (see the module docstring):
-    with a journal (`attach`) every event goes through it first; without one the events are
-    applied directly."""
+    with a journal every event goes through it first; without one the events are applied
+    directly."""
 
     def __init__(self, bundle: Bundle, config: AuditConfig, *,
+                 journal: EventJournal | None = None,
                  cs_factory: Callable[[], CS] | None = None,
                  loss: Callable[[np.ndarray, np.ndarray, float], int] | None = None) -> None:
         if config.on_alarm not in ON_ALARM:
@@ -110,10 +114,15 @@ class AuditState:
         self._open: dict[int, str | None] = {}  # admitted, not resolved yet: seq -> owner
         self.replayed = 0  # events read back from the journal when it was attached
         self._unsaved = 0  # events applied since the last snapshot
-        self.counts = {"picked": 0, "labelled": 0, "dropped": 0, "failed": 0, "aborted": 0,
-                       "length": 0, "unsolvable": 0, "unaligned": 0, "superseded": 0,
-                       "lost": 0}
+        self.lost = 0  # audits journalled as lost (their process died before their outcome)
         self.journal: EventJournal | None = None  # the events, on disk or the fleet's store
+        if journal is not None:
+            self._attach(journal)
+
+    @property
+    def unresolved(self) -> int:
+        """Audits admitted whose outcome is not known yet (the table's `open`)."""
+        return len(self._open)
 
     def guard(self, delta: float) -> DeltaGuard:
         """The guard of a delta of the table (resolve() accepted only those)."""
@@ -124,9 +133,10 @@ class AuditState:
         return _lookup(self.give_up_guards, delta, "give-up delta")
 
     # -- the events (the only way the guards' state changes) ----------------------------------
-    def attach(self, journal: EventJournal) -> None:
-        """Take the journal of this bundle: replay what it holds (earlier processes, or others
-        running now), then journal every event; audits a dead process left open are lost."""
+    def _attach(self, journal: EventJournal) -> None:
+        """Take the journal of this bundle (at construction): replay what it holds (earlier
+        processes, or others running now), then journal every event; audits a dead process
+        left open are lost."""
         self.journal = journal
         state = journal.read_snapshot()
         if state is not None and state.get("settings") == self._settings():
@@ -174,7 +184,7 @@ class AuditState:
             "open": [[seq, owner] for seq, owner in self._open.items()],
             "resolved": [[seq, None if v is None else [v[0].tolist(), v[1].tolist()]]
                          for seq, v in self._resolved.items()],
-            "lost": self.counts["lost"], "guards": [g.state() for g in self.guards.values()]})
+            "lost": self.lost, "guards": [g.state() for g in self.guards.values()]})
 
     def _restore(self, state: dict[str, Any]) -> None:
         self.admitted = int(state["admitted"])
@@ -182,7 +192,7 @@ class AuditState:
         self._resolved = {int(seq): None if v is None else
                           (np.asarray(v[0], dtype=float), np.asarray(v[1], dtype=np.int8))
                           for seq, v in state["resolved"]}
-        self.counts["lost"] = int(state["lost"])
+        self.lost = int(state["lost"])
         for g, d in zip(self.guards.values(), state["guards"]):
             g.restore(d)
         for gu, d in zip(self.give_up_guards.values(), state.get("give_up", [])):
@@ -240,7 +250,7 @@ class AuditState:
             return  # resolved twice (two processes reaped it at once): the first counts
         del self._open[seq]
         if outcome == "lost":
-            self.counts["lost"] += 1
+            self.lost += 1
         item = None
         if "s" in e:
             item = (np.asarray(e["s"], dtype=float), np.asarray(e["l"], dtype=np.int8))
@@ -264,19 +274,32 @@ class AuditState:
             if not quiet:
                 log_give_up_change(g, *before)
 
-    def _admit(self) -> int:
+    def admit(self) -> int:
         """Admit one audit; its admission number (global across the journal's processes)."""
         self._event({"a": None if self.journal is None else self.journal.owner})
         # the newest admission of this owner: ours (one process admits one at a time)
         return self.admitted
 
-    def _with_give_up(self, event: dict[str, Any], scores: list[float] | None
-                      ) -> dict[str, Any]:
-        """An outcome event with its give-up field when the bundle gives up: "g", the audit's
-        give-up scores (null when censored); an event without "g" is not in the give-up risk."""
-        if self.give_up_guards:
-            event["g"] = scores
-        return event
+    def outcome(self, seq: int, outcome: str, *, scores: list[float] | None = None,
+                labels: list[int] | None = None, give_up: list[float] | None = None) -> None:
+        """The outcome of admission `seq`: `risk` (with its `scores` and cumulative `labels`),
+        `censored` (cut or aborted: its loss is unknown; with its labels up to the cut, if
+        any) or `out` (left out of the risk). A two-sided bundle's event also carries "g", its
+        give-up scores: null when censored, the scores when given (`give_up`); an event
+        without "g" is not in the give-up risk."""
+        event: dict[str, Any] = {"r": seq, "o": outcome}
+        if scores is not None:
+            event.update(s=scores, l=labels)
+        if self.give_up_guards and (outcome == "censored" or give_up is not None):
+            event["g"] = None if outcome == "censored" else give_up
+        self._event(event)
+
+    def close(self) -> None:
+        """Close the journal (a hot reload's successor may open the same file); no event is
+        journalled from here on."""
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
 
     def _resolve(self, seq: int, item: tuple[np.ndarray, np.ndarray] | None,
                  quiet: bool = False) -> None:
