@@ -21,6 +21,7 @@ from orca_method.bundle import (
     GiveUpBlock,
     GiveUpRow,
     GiveUpTable,
+    GroupTable,
     LTTRow,
     LTTTable,
     ModelIdentity,
@@ -57,14 +58,41 @@ def tiny_bundle(probe: Probe, rows: Iterable[tuple[float, float | None]], *,
         probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
                          eta=0.01),
         window=window,
-        ltt=LTTTable(epsilon=epsilon, n_cal=n_cal, grid_size=10,
-                     rows=[LTTRow(delta=d, lam=lam, risk=0.0,
-                                  pvalue=1.0 if lam is None else
-                                  float(binomial_pvalues(np.asarray([0]), n_cal, d)[0]),
-                                  savings=0.0 if lam is None else 0.3)
-                           for d, lam in rows]),
+        ltt=ltt_table(rows, n_cal=n_cal, epsilon=epsilon),
         default_delta=rows[0][0] if default_delta is None else default_delta,
         provenance=provenance or {}, **fields)
+
+
+def ltt_table(rows: Iterable[tuple[float, float | None]], *, n_cal: int = 100,
+              epsilon: float = 0.05) -> LTTTable:
+    """An LTT table of lambda* per delta from `rows`, its facts those of no loss in `n_cal`."""
+    return LTTTable(epsilon=epsilon, n_cal=n_cal, grid_size=10,
+                    rows=[LTTRow(delta=d, lam=lam, risk=0.0,
+                                 pvalue=1.0 if lam is None else
+                                 float(binomial_pvalues(np.asarray([0]), n_cal, d)[0]),
+                                 savings=0.0 if lam is None else 0.3)
+                          for d, lam in rows])
+
+
+def give_up_table(rows: Iterable[tuple[float, float | None]], *,
+                  n_cal: int = 100) -> GiveUpTable:
+    """A give-up table of mu* per give-up delta from `rows`, facts of no loss in `n_cal`."""
+    return GiveUpTable(epsilon=0.05, n_cal=n_cal, grid_size=1001,
+                       rows=[GiveUpRow(delta=d, mu=mu, risk=0.0,
+                                       pvalue=1.0 if mu is None else
+                                       float(binomial_pvalues(np.asarray([0]), n_cal, d)[0]),
+                                       give_up_rate=0.0 if mu is None else 0.5)
+                             for d, mu in rows])
+
+
+def with_groups(bundle: Bundle, groups: Mapping[str, Mapping[str, Any]]) -> Bundle:
+    """`bundle` with a groups block: per name, `lam` rows (delta, lambda*) and optionally `mu`
+    rows (give-up delta, mu*), each table's facts those of no loss in `n_cal` (default 60)."""
+    block = {name: GroupTable(ltt=ltt_table(g["lam"], n_cal=g.get("n_cal", 60)),
+                              give_up=None if g.get("mu") is None else
+                              give_up_table(g["mu"], n_cal=g.get("n_cal", 60)))
+             for name, g in groups.items()}
+    return bundle.model_copy(update={"groups": block, "checksum": ""})
 
 
 def write_bundle(bundle: Bundle, path: Path) -> Path:
@@ -135,12 +163,7 @@ def with_give_up(bundle: Bundle, rows: Iterable[tuple[float, float | None]], *,
                          eta=0.01),
         window=window, label_mode="supervised",
         default_delta=rows[0][0] if default_delta is None else default_delta,
-        ltt=GiveUpTable(epsilon=0.05, n_cal=n_cal, grid_size=1001,
-                        rows=[GiveUpRow(delta=d, mu=mu, risk=0.0,
-                                        pvalue=1.0 if mu is None else
-                                        float(binomial_pvalues(np.asarray([0]), n_cal, d)[0]),
-                                        give_up_rate=0.0 if mu is None else 0.5)
-                              for d, mu in rows]))
+        ltt=give_up_table(rows, n_cal=n_cal))
     return bundle.model_copy(update={"schema_version": schema_version_for(True),
                                      "give_up": block, "checksum": ""})
 
