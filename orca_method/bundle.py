@@ -41,7 +41,7 @@ from orca_method.outcomes import GIVE_UP_GUESS, GIVE_UP_POLICIES
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.shift_gate import DEFAULT_GATE_RANK, ShiftGate, fit_gate
 from orca_method.steps import DEFAULT_DELIMITER, THINK_END, THINK_START
-from orca_method.thresholds import GIVE_UP_NEVER, lam_from_json, mu_from_json
+from orca_method.thresholds import GIVE_UP_NEVER, GROUP_NAME_MAX, lam_from_json, mu_from_json
 
 # Version 1: the one-sided bundle (lambda* only). Version 2: the same plus a `give_up` block (the
 # lower threshold mu*, docs/METHOD.md section 9). A bundle is written as version 1 whenever it has
@@ -241,9 +241,6 @@ class ProbeBlock(_Strict):
             first = e.errors()[0]
             raise ValueError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
         return v
-
-
-GROUP_NAME_MAX = 64  # characters of a group's name (`orca.group`: orca_serve/orca_rules.py)
 
 
 class GroupTable(_Strict):
