@@ -107,6 +107,7 @@ def write_bundle(bundle: Bundle, path: Path) -> Path:
 # step, so 0.05 gives up at the first step, 0.02 never).
 DELTAS = {0.05: None, 0.1: 0.99, 0.2: 0.5}
 GIVE_UP_DELTAS = {0.02: None, 0.05: 0.6}
+CAUTIOUS = "cautious"  # the gated bundle's one group (`orca.group`): never stops early
 
 
 def far_gate(hidden: int, n: int = 39) -> GateReference:
@@ -124,7 +125,8 @@ def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: floa
                 gate: bool = False) -> Path:
     """The tiny model's two-sided bundle with lambda* from DELTAS and a constant probe bias
     (scores sit near sigmoid(bias) whatever the hidden state, so which deltas stop is known),
-    and mu* from GIVE_UP_DELTAS (default 0.05); with `gate`, `far_gate`'s shift gate."""
+    and mu* from GIVE_UP_DELTAS (default 0.05); with `gate`, `far_gate`'s shift gate and a
+    group CAUTIOUS whose table never stops (and which has no mu*: never gives up)."""
     from transformers import AutoTokenizer
 
     probe = Probe(ProbeSpec(dim=hidden), seed=0)
@@ -134,7 +136,8 @@ def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: floa
                             default_delta=0.2, provenance={"test": "test_server"})
     two_sided = with_give_up(one_sided, GIVE_UP_DELTAS.items(), default_delta=0.05)
     if gate:
-        two_sided = two_sided.model_copy(update={"shift_gate": far_gate(hidden)})
+        two_sided = with_groups(two_sided.model_copy(update={"shift_gate": far_gate(hidden)}),
+                                {CAUTIOUS: {"lam": [(d, None) for d in DELTAS]}})
     return write_bundle(two_sided, path)
 
 
