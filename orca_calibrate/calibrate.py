@@ -10,7 +10,7 @@ import hashlib
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from orca_method.bundle import (
     GiveUpBlock,
     GiveUpRow,
     GiveUpTable,
+    GroupTable,
     Labelling,
     LTTRow,
     LTTTable,
@@ -45,13 +46,14 @@ from orca_method.outcomes import GIVE_UP_GUESS
 from orca_method.probe import Probe
 from orca_method.procedure import replay
 from orca_method.risk import is_solvable
-from orca_method.thresholds import lam_to_json
-from orca_method.trajectories import TrajectorySet
+from orca_method.thresholds import GROUP_NAME_MAX, lam_to_json
+from orca_method.trajectories import Problem, TrajectorySet
 from orca_serve import __version__
 
 DEFAULT_DELTAS = (0.05, 0.1, 0.15, 0.2)
 DEFAULT_GIVE_UP_DELTAS = (0.02, 0.05, 0.1)
 GRID_SIZE = 1001
+PROBLEM_FIELDS = {f.name for f in fields(Problem)}  # a group field is one of these, or an extra
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,31 @@ class GiveUpOptions:
     # what a given-up request serves under the server's --orca-give-up-policy, the one mu* is
     # certified for (its own loss, orca_method.give_up.give_up_losses); the server refuses others
     policy: str = GIVE_UP_GUESS
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """Group-conditional calibration (docs/METHOD.md section 12): the problems' tag that names
+    their group (`field`: a trajectory set's problem field, e.g. `family`, or a key of its
+    `extra`), fixed before calibration, and the fewest calibration traces (LTT's n_cal) a group
+    needs for a table of its own; smaller groups get none (a printed note) and are served with
+    the main table, through the shift gate."""
+
+    field: str = "family"
+    min_n: int = 30
+
+    def __post_init__(self) -> None:
+        if not self.field or self.min_n < 1:
+            raise ValueError(f"calibrate.groups needs a field name and min_n >= 1, got "
+                             f"field {self.field!r:.40}, min_n {self.min_n!r:.20}")
+
+
+def group_of(ts: TrajectorySet, i: int, field: str) -> str | None:
+    """Problem i's group: its `field` (a Problem field, else a key of its `extra`) as a string,
+    None when it has none."""
+    p = ts.problems[i]
+    v = getattr(p, field) if field in PROBLEM_FIELDS else (p.extra or {}).get(field)
+    return None if v is None else str(v)
 
 
 @dataclass
@@ -87,13 +114,15 @@ class Scored:
 
 
 def score_split(probe: Probe, ts: TrajectorySet, split: str, mode: str, window: int,
-                solvable_only: bool = True) -> Scored:
+                solvable_only: bool = True, members: Sequence[int] | None = None) -> Scored:
     """Replay the deployed procedure on a split's solvable problems (split "all": every problem;
-    ``solvable_only=False``: the unsolvable ones too)."""
+    ``solvable_only=False``: the unsolvable ones too; `members`: these problems of it only, e.g.
+    one group's, with `split` naming them in errors)."""
     if probe.spec.dim != ts.dim:
         raise ValueError(f"the probe takes {probe.spec.dim}-dim embeddings but {ts.path} has "
                          f"dim {ts.dim}: train the probe on this data's model")
-    members = list(range(len(ts))) if split == "all" else ts.split(split)
+    if members is None:
+        members = list(range(len(ts))) if split == "all" else ts.split(split)
     idx = solvable(ts, members, mode) if solvable_only else members
     if not idx or not solvable(ts, idx, mode):
         raise ValueError(f"the {split} split of {ts.path} has no problem with a correct step "
@@ -122,19 +151,72 @@ def give_up_block(probe: Probe, ts: TrajectorySet, opts: GiveUpOptions, *, windo
     if default not in deltas:
         raise ValueError(f"default give-up delta {default} is not among {deltas}")
     window = opts.window or window
-    everything = score_split(probe, ts, "calibration", opts.label_mode, window,
-                             solvable_only=False)
-    last = [last_right(ts.raw_labels(i, opts.label_mode)) for i in ts.split("calibration")]
-    results = calibrate_give_up(everything.scores, last, deltas, epsilon=opts.epsilon,
-                                grid=mu_grid(GRID_SIZE), pvalue=pvalue, policy=opts.policy)
-    rows = [GiveUpRow(delta=r.delta, mu=lam_to_json(r.mu), risk=r.risk,
-                      pvalue=r.pvalue, give_up_rate=r.give_up_rate) for r in results]
     return GiveUpBlock(
         probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
                          eta=probe.params["log_eta"].exp().item()),
         window=window, label_mode=opts.label_mode, default_delta=default, policy=opts.policy,
-        ltt=GiveUpTable(epsilon=opts.epsilon, n_cal=len(last), pvalue=pvalue,
-                        grid_size=GRID_SIZE, rows=rows))
+        ltt=give_up_table(probe, ts, ts.split("calibration"), opts, window=window,
+                          pvalue=pvalue))
+
+
+def give_up_table(probe: Probe, ts: TrajectorySet, members: Sequence[int], opts: GiveUpOptions,
+                  *, window: int, pvalue: str, what: str = "calibration") -> GiveUpTable:
+    """LTT for mu* per give-up delta on every trace of `members` (the calibration split, or
+    one group's part of it: `what` names it)."""
+    everything = score_split(probe, ts, what, opts.label_mode, window, solvable_only=False,
+                             members=members)
+    last = [last_right(ts.raw_labels(i, opts.label_mode)) for i in members]
+    results = calibrate_give_up(everything.scores, last, tuple(float(d) for d in opts.deltas),
+                                epsilon=opts.epsilon, grid=mu_grid(GRID_SIZE), pvalue=pvalue,
+                                policy=opts.policy)
+    rows = [GiveUpRow(delta=r.delta, mu=lam_to_json(r.mu), risk=r.risk,
+                      pvalue=r.pvalue, give_up_rate=r.give_up_rate) for r in results]
+    return GiveUpTable(epsilon=opts.epsilon, n_cal=len(last), pvalue=pvalue,
+                       grid_size=GRID_SIZE, rows=rows)
+
+
+def ltt_table(results: list[DeltaResult], *, epsilon: float, pvalue: str,
+              n_cal: int) -> LTTTable:
+    """LTT's results as a bundle's table (the main one, or a group's)."""
+    rows = [LTTRow(delta=r.delta, lam=lam_to_json(round(r.lam, 6)), risk=r.risk,
+                   pvalue=r.pvalue, savings=r.savings_total_steps,
+                   token_savings=r.token_savings_total)
+            for r in results]
+    return LTTTable(epsilon=epsilon, n_cal=n_cal, pvalue=pvalue, grid_size=GRID_SIZE, rows=rows)
+
+
+def group_tables(probe: Probe, ts: TrajectorySet, opts: GroupOptions, *, mode: str,
+                 deltas: Sequence[float], epsilon: float, pvalue: str, window: int,
+                 give_up: tuple[Probe, GiveUpOptions] | None = None) -> dict[str, GroupTable]:
+    """Each group's tables, by LTT on the calibration split's traces of that group only (the
+    guarantee then holds within the group: docs/METHOD.md section 12). A group with fewer than
+    `opts.min_n` solvable traces (its lambda* n_cal) gets none, with a printed note; `give_up`
+    (a give-up probe and its options): mu* on all of the group's traces too."""
+    members: dict[str, list[int]] = {}
+    for i in ts.split("calibration"):
+        g = group_of(ts, i, opts.field)
+        if g is not None:
+            members.setdefault(g, []).append(i)
+    if not members:
+        raise ValueError(f"calibrate.groups: no problem of {ts.path}'s calibration split has a "
+                         f"{opts.field!r} tag; tag them, or calibrate without groups")
+    out: dict[str, GroupTable] = {}
+    for name, idx in sorted(members.items()):
+        count = len(solvable(ts, idx, mode))
+        if count < opts.min_n or len(name) > GROUP_NAME_MAX:
+            why = (f"{count} solvable calibration traces < min_n {opts.min_n}"
+                   if count < opts.min_n else f"its name is over {GROUP_NAME_MAX} characters")
+            print(f"calibrate: group {name!r:.70} gets no table of its own ({why}); its "
+                  "requests are served with the main table, through the shift gate")
+            continue
+        scored = score_split(probe, ts, f"calibration ({opts.field} {name})", mode, window,
+                             members=idx)
+        table = ltt_table(run_ltt(scored, deltas, epsilon, pvalue), epsilon=epsilon,
+                          pvalue=pvalue, n_cal=len(scored.ids))
+        out[name] = GroupTable(ltt=table, give_up=None if give_up is None else give_up_table(
+            give_up[0], ts, idx, give_up[1], window=give_up[1].window or window, pvalue=pvalue,
+            what=f"calibration ({opts.field} {name})"))
+    return out
 
 
 def file_sha256(path: Path) -> str:
@@ -156,15 +238,12 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
                 epsilon: float, pvalue: str, window: int, n_cal: int, default_delta: float,
                 provenance: dict[str, Any], drift: DriftReference | None = None,
                 give_up: GiveUpBlock | None = None,
-                shift_gate: GateReference | None = None) -> Bundle:
+                shift_gate: GateReference | None = None,
+                groups: dict[str, GroupTable] | None = None) -> Bundle:
     """Everything the server needs, taken from the data's own record of how it was collected
     (how its steps were labelled included: the live audit labels the same way)."""
     info = ts.info
     model = info.get("model") or "unknown"
-    rows = [LTTRow(delta=r.delta, lam=lam_to_json(round(r.lam, 6)), risk=r.risk,
-                   pvalue=r.pvalue, savings=r.savings_total_steps,
-                   token_savings=r.token_savings_total)
-            for r in results]
     return Bundle(
         schema_version=schema_version_for(give_up is not None), orca_serve_version=__version__,
         model=ModelIdentity(name=model, hidden_size=ts.dim,
@@ -176,8 +255,9 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
         probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
                          eta=probe.params["log_eta"].exp().item()),
         window=window, label_mode=mode,
-        ltt=LTTTable(epsilon=epsilon, n_cal=n_cal, pvalue=pvalue, grid_size=GRID_SIZE, rows=rows),
+        ltt=ltt_table(results, epsilon=epsilon, pvalue=pvalue, n_cal=n_cal),
         default_delta=default_delta, drift=drift, give_up=give_up, shift_gate=shift_gate,
+        groups=groups or None,
         labelling=None if info.get("labelling") is None else Labelling(**info["labelling"]),
         provenance={"data": str(ts.path), "data_sha256": data_hashes(ts),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **provenance})
@@ -188,15 +268,16 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
                      pvalue: str = "binomial", window: int = 10, default_delta: float | None = None,
                      dump_scores: Path | None = None,
                      provenance: dict[str, Any] | None = None,
-                     give_up: tuple[Probe, GiveUpOptions] | GiveUpBlock | None = None
-                     ) -> Bundle:
+                     give_up: tuple[Probe, GiveUpOptions] | GiveUpBlock | None = None,
+                     groups: GroupOptions | None = None) -> Bundle:
     """Replay the calibration split, run LTT for every delta, write bundle.json with the drift
     reference of the whole split (the server sees unsolvable requests too) and the shift gate
     (fitted on the training split, scored on the calibration split: orca_calibrate/gate.py);
     with `give_up` (its probe and options), also mu* per give-up delta (a two-sided bundle,
     schema version 2), or, given a block already certified (`recalibrate` keeps its parent's),
     that block as it is: mu* holds with every lambda* (docs/METHOD.md section 9), so a new
-    lambda* leaves it valid."""
+    lambda* leaves it valid. With `groups`, also each group's own tables (`group_tables`; mu*
+    per group only when the give-up probe is fitted here)."""
     default = default_delta if default_delta is not None else (0.1 if 0.1 in deltas else deltas[0])
     if default not in deltas:
         raise ValueError(f"default delta {default} is not among the calibrated deltas {deltas}")
@@ -214,6 +295,10 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
                          give_up=give_up if give_up is None or isinstance(give_up, GiveUpBlock)
                          else give_up_block(give_up[0], ts, give_up[1], window=window,
                                             pvalue=pvalue),
-                         shift_gate=gate_from_trajectories(ts))
+                         shift_gate=gate_from_trajectories(ts),
+                         groups=None if groups is None else group_tables(
+                             probe, ts, groups, mode=mode, deltas=deltas, epsilon=epsilon,
+                             pvalue=pvalue, window=window,
+                             give_up=give_up if isinstance(give_up, tuple) else None))
     check_semantics(bundle)  # never write a bundle the server would refuse (a saturated probe)
     return save_bundle(bundle, out)

@@ -79,6 +79,17 @@ def load_job(path: Path) -> dict[str, Any]:
             raise JobError(f"{path}: calibrate.give_up.policy is what the server will serve "
                            f"(--orca-give-up-policy): one of {', '.join(GIVE_UP_POLICIES)}, "
                            f"not {give_up['policy']!r:.40}")
+    groups = (job.get("calibrate") or {}).get("groups")
+    if groups is not None:
+        from orca_calibrate.calibrate import GroupOptions  # deferred: torch
+        known = {f.name for f in fields(GroupOptions)}
+        if not isinstance(groups, dict) or set(groups) - known:
+            raise JobError(f"{path}: calibrate.groups is a mapping of {sorted(known)} (e.g. "
+                           "{field: family, min_n: 30})")
+        try:
+            GroupOptions(**groups)
+        except (TypeError, ValueError) as e:
+            raise JobError(f"{path}: {e}") from None
     if (job.get("train") or {}).get("label_mode") == "judge" and \
             (job.get("collect") or {}).get("judge") is None:
         raise JobError(f"{path}: train.label_mode judge needs a collect.judge block "
@@ -129,7 +140,11 @@ def _stage(out: Path, name: str, outputs: list[Path], fn, log: list[str], settin
 
 def run_job(path: Path, progress: bool = True) -> list[str]:
     """Run (or resume) a job; returns one log line per stage."""
-    from orca_calibrate.calibrate import GiveUpOptions, calibrate_bundle  # deferred: torch
+    from orca_calibrate.calibrate import (  # deferred: torch
+        GiveUpOptions,
+        GroupOptions,
+        calibrate_bundle,
+    )
     from orca_calibrate.evaluate import evaluate_bundle, markdown_table, plot_report  # deferred: torch
     from orca_calibrate.train import (  # deferred: torch
         load_probe,
@@ -183,7 +198,8 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
             opts = GiveUpOptions(**{k: tuple(v) if k == "deltas" else v
                                     for k, v in ca["give_up"].items()})
             give_up = (train_give_up(ts, opts.label_mode, seed=tr.get("seed", 0)), opts)
-        calibrate_bundle(probe, ts, bundle_file, give_up=give_up,
+        groups = None if ca.get("groups") is None else GroupOptions(**ca["groups"])
+        calibrate_bundle(probe, ts, bundle_file, give_up=give_up, groups=groups,
                          mode=meta["label_mode"], deltas=ca.get("deltas", [0.05, 0.1, 0.15, 0.2]),
                          epsilon=ca.get("epsilon", 0.05), window=ca.get("window", 10),
                          dump_scores=out / "calibration-scores.jsonl",

@@ -39,7 +39,7 @@ and scalars are drawn before vectors, so latents (steps, labels) do not depend o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,21 +166,34 @@ def generate(out_dir: str | Path, n_problems: int = 600, dim: int = 64, shift: b
     ``shift`` selects the "shifted" family instead of "in-dist". Splits are assigned per
     problem with ``split_ids(ids, splits, seed)``.
     """
-    family = "shifted" if shift else "in-dist"
-    fam, w = FAMILIES[family], world(dim)
-    ids = [f"synth-{family}-{seed}-{p:06d}" for p in range(n_problems)]
+    return generate_mixture(out_dir, {"shifted" if shift else "in-dist": n_problems}, dim=dim,
+                            seed=seed, mean_steps=mean_steps, dtype=dtype, splits=splits)
+
+
+def generate_mixture(out_dir: str | Path, counts: Mapping[str, int], dim: int = 64,
+                     seed: int = 0, mean_steps: int = 100, dtype: str = STORED_DTYPE,
+                     splits: Sequence[float] = (0.6, 0.2, 0.2)) -> Path:
+    """`generate` for a mixture: ``counts[family]`` problems of each family in one set, each
+    tagged with its `family` (what group-conditional calibration groups by), its problems those
+    `generate` would draw for that family alone; splits over the whole set."""
+    plan = [(family, p) for family, n in counts.items() for p in range(n)]
+    unknown = sorted(set(counts) - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"unknown families {unknown}; known: {sorted(FAMILIES)}")
+    w = world(dim)
+    ids = [f"synth-{family}-{seed}-{p:06d}" for family, p in plan]
     assignment = split_ids(ids, splits, seed)
-    source = (f"synth v1: family={family} n_problems={n_problems} seed={seed} "
-              f"mean_steps={mean_steps} splits={tuple(splits)}")
+    what = " ".join(f"family={f} n_problems={n}" for f, n in counts.items())
+    source = (f"synth v1: {what} seed={seed} mean_steps={mean_steps} splits={tuple(splits)}")
     with TrajectoryWriter(out_dir, dim, dtype, model="synthetic", normalization="step-l2",
                           source=source) as writer:
         done = writer.ids
-        big = n_problems * mean_steps * dim >= 5e7
-        for p, pid in enumerate(tqdm(ids, desc=f"synth {family}", disable=not big)):
+        big = len(plan) * mean_steps * dim >= 5e7
+        for (family, p), pid in zip(tqdm(plan, desc=f"synth {what}", disable=not big), ids):
             if pid in done:
                 continue
-            rng = np.random.default_rng([seed, 1 if shift else 0, p])
-            fields, emb = _problem(rng, fam, w, mean_steps)
+            rng = np.random.default_rng([seed, 1 if family == "shifted" else 0, p])
+            fields, emb = _problem(rng, FAMILIES[family], w, mean_steps)
             writer.append({"id": pid, "prompt": f"synthetic {family} problem {p} (seed {seed})",
                            "split": assignment[pid], "family": family, **fields}, emb)
     return Path(out_dir)

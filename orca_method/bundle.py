@@ -41,7 +41,7 @@ from orca_method.outcomes import GIVE_UP_GUESS, GIVE_UP_POLICIES
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.shift_gate import DEFAULT_GATE_RANK, ShiftGate, fit_gate
 from orca_method.steps import DEFAULT_DELIMITER, THINK_END, THINK_START
-from orca_method.thresholds import lam_from_json, mu_from_json
+from orca_method.thresholds import GIVE_UP_NEVER, GROUP_NAME_MAX, lam_from_json, mu_from_json
 
 # Version 1: the one-sided bundle (lambda* only). Version 2: the same plus a `give_up` block (the
 # lower threshold mu*, docs/METHOD.md section 9). A bundle is written as version 1 whenever it has
@@ -243,6 +243,16 @@ class ProbeBlock(_Strict):
         return v
 
 
+class GroupTable(_Strict):
+    """One group's own thresholds (docs/METHOD.md section 12): lambda* per delta certified by
+    LTT on the calibration traces of that group only (its n_cal), and, in a two-sided bundle,
+    optionally mu* per give-up delta on them. The same deltas as the bundle's main tables
+    (`load_bundle` refuses others), so a request's delta means one thing in every group."""
+
+    ltt: LTTTable
+    give_up: GiveUpTable | None = None  # None: a request in this group never gives up
+
+
 class GiveUpBlock(_Strict):
     """The lower threshold (schema version 2): its own probe, smoothing and reference labels.
 
@@ -303,6 +313,10 @@ class Bundle(_Strict):
     shift_gate: GateReference | None = None  # absent in older bundles: no gate
     # how the data was labelled; None: not recorded (the defaults, see Labelling)
     labelling: Labelling | None = None
+    # per group name (a request's `orca.group`), its own tables; None: no groups, every request
+    # takes the main (mixture) table. Written only when present (`save_bundle`)
+    groups: dict[Annotated[str, Field(min_length=1, max_length=GROUP_NAME_MAX)],
+                 GroupTable] | None = None
     checksum: str = ""
 
     @field_validator("schema_version")
@@ -327,9 +341,16 @@ class Bundle(_Strict):
     def deltas(self) -> list[float]:
         return [r.delta for r in self.ltt.rows]
 
-    def lam(self, delta: float) -> float:
-        """lambda*(delta); inf means never stop early."""
-        for r in self.ltt.rows:
+    def group(self, name: str | None) -> GroupTable | None:
+        """The tables of group `name`; None for no group or one the bundle does not know
+        (such a request takes the main table, the mixture's)."""
+        return None if name is None or self.groups is None else self.groups.get(name)
+
+    def lam(self, delta: float, group: str | None = None) -> float:
+        """lambda*(delta) of `group`'s table when the bundle knows the group, else of the main
+        (mixture) table; inf means never stop early."""
+        g = self.group(group)
+        for r in (self.ltt if g is None else g.ltt).rows:
             if math.isclose(r.delta, delta, rel_tol=0, abs_tol=1e-9):
                 return lam_from_json(r.lam)
         raise BundleError(f"delta {delta} has no calibrated lambda* in this bundle; "
@@ -338,14 +359,20 @@ class Bundle(_Strict):
     def give_up_deltas(self) -> list[float]:
         return [] if self.give_up is None else [r.delta for r in self.give_up.ltt.rows]
 
-    def mu(self, delta_2: float) -> float:
+    def mu(self, delta_2: float, group: str | None = None) -> float:
         """mu*(delta_2); GIVE_UP_NEVER (-inf) means never give up. The same mu* holds with
         every lambda*(delta) of the table (docs/METHOD.md section 9), so the pair for
-        (delta, delta_2) is ``(lam(delta), mu(delta_2))``."""
+        (delta, delta_2) is ``(lam(delta), mu(delta_2))``. A group the bundle knows takes its
+        own give-up table, and never gives up without one: the mixture's mu* is not certified
+        for it (a known group is exactly traffic the mixture may not stand for)."""
         if self.give_up is None:
             raise BundleError("this bundle has no give-up threshold (a one-sided bundle, schema "
                               "version 1): calibrate it with a give-up probe")
-        for r in self.give_up.ltt.rows:
+        g = self.group(group)
+        if g is not None and g.give_up is None:
+            self.mu(delta_2)  # the main table's refusal of a delta it lacks
+            return GIVE_UP_NEVER
+        for r in (self.give_up.ltt if g is None else g.give_up).rows:  # type: ignore[union-attr]
             if math.isclose(r.delta, delta_2, rel_tol=0, abs_tol=1e-9):
                 return mu_from_json(r.mu)
         raise BundleError(f"give-up delta {delta_2} has no calibrated mu* in this bundle; "
@@ -512,6 +539,8 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Bundle:
         drop["shift_gate"] = True
     if bundle.labelling in (None, DEFAULT_LABELLING):
         drop["labelling"] = True
+    if bundle.groups is None:
+        drop["groups"] = True
     data = bundle.model_dump(exclude=drop or None)
     data["checksum"] = _checksum(data)
     sealed = Bundle.model_validate(data)
@@ -607,6 +636,7 @@ def _validate(data: Any, p: Path) -> Bundle:
                           f"{bundle.model.hidden_size}")
     if bundle.give_up is not None:
         _check_give_up(bundle, p)
+    _check_groups(bundle, p)
     try:
         bundle.load_gate()
         _smoke_test(bundle.load_probe())
@@ -637,6 +667,36 @@ def _check_give_up(bundle: Bundle, p: Path) -> None:
     if dim != bundle.model.hidden_size:
         raise BundleError(f"bundle {p}: give-up probe dim {dim} != model hidden size "
                           f"{bundle.model.hidden_size}")
+
+
+def _check_groups(bundle: Bundle, p: Path) -> None:
+    """Each group's tables list exactly the main tables' deltas, each once (so its default is
+    calibrated and a request's delta means the same in every group); a give-up table only in a
+    two-sided bundle. Row semantics: `bundle_checks.check_semantics`, as for the main tables."""
+    def same(have: list[float], want: list[float]) -> bool:
+        return len(have) == len(want) and all(
+            any(math.isclose(a, b, rel_tol=0, abs_tol=1e-9) for b in want) for a in have)
+
+    for name, g in (bundle.groups or {}).items():
+        where = f"bundle {p}: group {name!r:.70}"
+        deltas = [r.delta for r in g.ltt.rows]
+        _once(deltas, f"{where} lists delta {{:g}} twice in its LTT table; which lambda* "
+              "applies is ambiguous: recalibrate")
+        if not same(deltas, bundle.deltas()):
+            raise BundleError(f"{where} has lambda* for deltas {sorted(deltas)}, the main table "
+                              f"for {sorted(bundle.deltas())}: a group's table covers the same "
+                              "deltas (the default included); recalibrate")
+        if g.give_up is None:
+            continue
+        if bundle.give_up is None:
+            raise BundleError(f"{where} has a give-up table but the bundle is one-sided: "
+                              "recalibrate")
+        deltas = [r.delta for r in g.give_up.rows]
+        _once(deltas, f"{where} lists give-up delta {{:g}} twice; which mu* applies is "
+              "ambiguous: recalibrate")
+        if not same(deltas, bundle.give_up_deltas()):
+            raise BundleError(f"{where} has mu* for give-up deltas {sorted(deltas)}, the main "
+                              f"table for {sorted(bundle.give_up_deltas())}: recalibrate")
 
 
 @torch.no_grad()

@@ -28,7 +28,9 @@ from orca_method.bundle import (
     Bundle,
     BundleError,
     ConfigFingerprint,
+    GiveUpTable,
     LTTRow,
+    LTTTable,
     Segmentation,
     check_model,
 )
@@ -142,12 +144,18 @@ def check_semantics(bundle: Bundle) -> None:
 
     Data-free, so they hold for any bundle: lambda* is non-increasing in delta and each row is
     consistent with the others and with its own recorded risk (`check_rows`), and the same for
-    mu* of a two-sided bundle (`check_give_up_rows`); neither the probe's scores nor the
-    give-up probe's are saturated (`check_not_saturated`, the same check for both: a saturated
-    give-up probe gives up on every request or on none, whatever its mu*).
+    mu* of a two-sided bundle (`check_give_up_rows`), and for each group's tables
+    (`check_table`, `check_give_up_table`, their refusals prefixed with the group's name);
+    neither the probe's scores nor the give-up probe's are saturated (`check_not_saturated`, the
+    same check for both: a saturated give-up probe gives up on every request or on none,
+    whatever its mu*).
     """
     check_rows(bundle)
     check_give_up_rows(bundle)
+    for name, g in (bundle.groups or {}).items():  # each group's tables, by the same rules
+        check_table(g.ltt, f"group {name!r:.70}: ")
+        if g.give_up is not None:
+            check_give_up_table(g.give_up, f"group {name!r:.70}: ")
     check_not_saturated(bundle.load_probe())
     give_up = bundle.load_give_up_probe()
     if give_up is not None:
@@ -168,7 +176,11 @@ def check_rows(bundle: Bundle) -> None:
        are no smaller; equal lambda* have equal risk and savings (the same stop steps).
     Imported tables (no recorded facts) are held to 1 only.
     """
-    t = bundle.ltt
+    check_table(bundle.ltt)
+
+
+def check_table(t: LTTTable, where: str = "") -> None:
+    """`check_rows` on one LTT table (the main one, or a group's: `where` names it)."""
     rows = sorted(t.rows, key=lambda r: r.delta)
 
     def lam(r: LTTRow) -> float:
@@ -179,21 +191,22 @@ def check_rows(bundle: Bundle) -> None:
 
     for a, b in itertools.pairwise(rows):
         if lam(b) > lam(a):
-            raise BundleError(f"lambda* rises with delta (delta {a.delta:g}: {shown(a)}, delta "
-                              f"{b.delta:g}: {shown(b)}), which LTT never does: the table was "
-                              "edited after calibration; recalibrate")
+            raise BundleError(f"{where}lambda* rises with delta (delta {a.delta:g}: {shown(a)}, "
+                              f"delta {b.delta:g}: {shown(b)}), which LTT never does: the table "
+                              "was edited after calibration; recalibrate")
     facts = [r for r in rows if r.risk is not None and r.pvalue is not None]
     for r in facts if t.n_cal is not None else []:
-        where = f"delta {r.delta:g} (lambda* {shown(r)}, risk {r.risk:g}, p-value {r.pvalue:g})"
-        k = _losses(where, r.risk, t.n_cal)
+        row = (f"{where}delta {r.delta:g} (lambda* {shown(r)}, risk {r.risk:g}, "
+               f"p-value {r.pvalue:g})")
+        k = _losses(row, r.risk, t.n_cal)
         if r.lam is None:
             if r.pvalue != 1.0 or (t.excluded_never_correct and r.risk != 0.0):
-                raise BundleError(f"{where}: a row that never stops early has p-value 1 and "
+                raise BundleError(f"{row}: a row that never stops early has p-value 1 and "
                                   "risk 0; the table was edited: recalibrate")
             continue
         p = float(PVALUES[t.pvalue](np.asarray([round(k)]), t.n_cal, r.delta)[0])
         if not math.isclose(p, r.pvalue, rel_tol=1e-6, abs_tol=1e-12) or p > t.epsilon:
-            raise BundleError(f"{where}: {round(k)} losses in {t.n_cal} give p-value {p:.4g}"
+            raise BundleError(f"{row}: {round(k)} losses in {t.n_cal} give p-value {p:.4g}"
                               f"{'' if p <= t.epsilon else f' > epsilon {t.epsilon:g}'}; the "
                               "row does not match its own risk: recalibrate")
     for a, b in itertools.pairwise(sorted(facts, key=lam, reverse=True)):
@@ -204,8 +217,9 @@ def check_rows(bundle: Bundle) -> None:
                 continue
             bad = not math.isclose(x, y, abs_tol=1e-9) if lam(a) == lam(b) else x > y + 1e-9
             if bad:
-                raise BundleError(f"delta {a.delta:g} (lambda* {shown(a)}) records {name} {x:g} "
-                                  f"but delta {b.delta:g} (lambda* {shown(b)}) records {y:g}: "
+                raise BundleError(f"{where}delta {a.delta:g} (lambda* {shown(a)}) records "
+                                  f"{name} {x:g} but delta {b.delta:g} (lambda* {shown(b)}) "
+                                  f"records {y:g}: "
                                   f"a lower lambda* stops no later, so its {name} is no smaller; "
                                   "the table was edited: recalibrate")
 
@@ -224,9 +238,12 @@ def check_give_up_rows(bundle: Bundle) -> None:
     is non-decreasing in delta_2 (None, never give up, below every number), and each row's risk
     is a whole number of losses whose p-value is the recorded one and <= epsilon_2 (a row that
     never gives up: p-value 1, risk 0)."""
-    if bundle.give_up is None:
-        return
-    t = bundle.give_up.ltt
+    if bundle.give_up is not None:
+        check_give_up_table(bundle.give_up.ltt)
+
+
+def check_give_up_table(t: GiveUpTable, where: str = "") -> None:
+    """`check_give_up_rows` on one give-up table (the main one, or a group's: `where`)."""
     rows = sorted(t.rows, key=lambda r: r.delta)
 
     def mu(r) -> float:
@@ -234,20 +251,22 @@ def check_give_up_rows(bundle: Bundle) -> None:
 
     for a, b in itertools.pairwise(rows):
         if mu(b) < mu(a):
-            raise BundleError(f"give-up mu* falls as delta_2 rises (delta_2 {a.delta:g}: {a.mu}, "
-                              f"{b.delta:g}: {b.mu}), which LTT never does: the table was edited "
+            raise BundleError(f"{where}give-up mu* falls as delta_2 rises (delta_2 "
+                              f"{a.delta:g}: {a.mu}, {b.delta:g}: {b.mu}), which LTT never "
+                              "does: the table was edited "
                               "after calibration; recalibrate")
     for r in rows:
-        where = f"give-up delta {r.delta:g} (mu* {r.mu}, risk {r.risk:g}, p-value {r.pvalue:g})"
-        k = _losses(where, r.risk, t.n_cal)
+        row = (f"{where}give-up delta {r.delta:g} (mu* {r.mu}, risk {r.risk:g}, "
+               f"p-value {r.pvalue:g})")
+        k = _losses(row, r.risk, t.n_cal)
         if r.mu is None:
             if r.pvalue != 1.0 or r.risk != 0.0:
-                raise BundleError(f"{where}: a row that never gives up has p-value 1 and risk 0; "
+                raise BundleError(f"{row}: a row that never gives up has p-value 1 and risk 0; "
                                   "the table was edited: recalibrate")
             continue
         p = float(PVALUES[t.pvalue](np.asarray([round(k)]), t.n_cal, r.delta)[0])
         if not math.isclose(p, r.pvalue, rel_tol=1e-6, abs_tol=1e-12) or p > t.epsilon:
-            raise BundleError(f"{where}: {round(k)} losses in {t.n_cal} give p-value {p:.4g}; "
+            raise BundleError(f"{row}: {round(k)} losses in {t.n_cal} give p-value {p:.4g}; "
                               "the row does not match its own risk: recalibrate")
 
 

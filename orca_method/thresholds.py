@@ -11,6 +11,9 @@ from __future__ import annotations
 import math
 
 NEVER = math.inf
+# the longest name a threshold group may have: a bundle's `groups` keys and a request's
+# `orca.group` (docs/METHOD.md section 12)
+GROUP_NAME_MAX = 64
 GIVE_UP_NEVER = -math.inf  # the never-give-up threshold mu (no score in [0, 1] is <= -inf)
 
 

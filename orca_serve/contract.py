@@ -55,7 +55,7 @@ MIN_ANSWER_TOKENS = 8  # answer tokens the end-of-max_tokens reserve keeps (poli
 DEFAULTS: dict[str, Any] = {"enabled": 1, "delta": None, "policy": Policy.ANSWER,
                             "answer_budget": DEFAULT_ANSWER_BUDGET,
                             "give_up_policy": "guess", "give_up_message": None,
-                            "shift_alpha": None, "shift_action": "full"}
+                            "shift_alpha": None, "shift_action": "full", "group": None}
 
 # What a request the shift gate flags runs with (the operator's choice, `--orca-shift-action`;
 # docs/METHOD.md section 11): "full": full reasoning (no early stop, no give-up); "strict": the
@@ -92,8 +92,12 @@ XARG_DELTA = "orca_delta"  # risk level in (0, 1)
 XARG_POLICY = "orca_policy"  # one of POLICIES
 XARG_ANSWER_BUDGET = "orca_answer_budget"  # answer tokens after a stop (policy answer)
 XARG_SHIFT_ALPHA = "orca_shift_alpha"  # the shift gate's level in [0, 1) (0: no gate)
+# the operator's group tag: a group the bundle knows takes that group's lambda* (and mu*) and
+# is not gated; any other is served with the main (mixture) table (docs/METHOD.md section 12)
+XARG_GROUP = "orca_group"
 XARG_FIELDS = {"enabled": XARG_ENABLED, "delta": XARG_DELTA, "policy": XARG_POLICY,
-               "answer_budget": XARG_ANSWER_BUDGET, "shift_alpha": XARG_SHIFT_ALPHA}
+               "answer_budget": XARG_ANSWER_BUDGET, "shift_alpha": XARG_SHIFT_ALPHA,
+               "group": XARG_GROUP}
 # set by the server or the plugin, never by clients
 XARG_RESERVED = {XARG_KEY, XARG_LAM, XARG_N, XARG_SEED, XARG_BUNDLE, XARG_GIVE_UP_MU}
 # Per-request xargs that run a request without the orca probe (answer probes, audits' forcing).

@@ -16,6 +16,7 @@ from orca_serve.orca_rules import (
     ANSWER_BUDGET,
     DELTA,
     ENABLED,
+    GROUP,
     POLICY,
     RULES,
     SHIFT_ALPHA,
@@ -64,6 +65,8 @@ class OrcaFields(BaseModel):
     give_up: GiveUpFields | None = None
     # the shift gate's level for this request (0: no gate); None: the server's or the bundle's
     shift_alpha: Annotated[float | None, *_checked(SHIFT_ALPHA)] = None
+    # the operator's tag: a group the bundle knows takes its own lambda* (docs/METHOD.md 12)
+    group: Annotated[str | None, *_checked(GROUP)] = None
 
 
 def _fmt_loc(loc: tuple[Any, ...]) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orca_method.errors import cut, shown
+from orca_method.thresholds import GROUP_NAME_MAX
 from orca_serve.contract import MAX_ANSWER_BUDGET, POLICIES, Policy
 
 
@@ -98,6 +99,13 @@ def _alpha(v: Any, strict: bool) -> float:
     return a
 
 
+def _group(v: Any, strict: bool) -> str:
+    if not isinstance(v, str) or not 1 <= len(v) <= GROUP_NAME_MAX:
+        raise ValueError(f"must be a string of 1 to {GROUP_NAME_MAX} characters, "
+                         f"got {shown(v)}")
+    return v
+
+
 @dataclass(frozen=True)
 class Rule:
     """One setting's rule: `check(value, strict)` returns it normalised or raises ValueError
@@ -113,6 +121,7 @@ POLICY = Rule(_policy, {"type": "string", "enum": list(POLICIES)})
 SHIFT_ALPHA = Rule(_alpha, {"type": "number", "minimum": 0, "exclusiveMaximum": 1})
 ANSWER_BUDGET = Rule(_answer_budget, {"type": "integer", "minimum": 0,
                                       "maximum": MAX_ANSWER_BUDGET})
+GROUP = Rule(_group, {"type": "string", "minLength": 1, "maxLength": GROUP_NAME_MAX})
 # the client-settable settings, by their `orca` field name (their xargs: contract.XARG_FIELDS)
 RULES = {"enabled": ENABLED, "delta": DELTA, "policy": POLICY, "answer_budget": ANSWER_BUDGET,
-         "shift_alpha": SHIFT_ALPHA}
+         "shift_alpha": SHIFT_ALPHA, "group": GROUP}

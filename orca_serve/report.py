@@ -123,6 +123,9 @@ def orca_object(settings: OrcaSettings,
                            "lambda": lam_to_json(settings.lam),
                            "lambda_source": settings.lam_source,
                            "bundle_checksum": settings.bundle}
+    if settings.group is not None:  # which table served it: its group's, or the mixture's
+        obj["group"] = settings.group
+        obj["group_known"] = settings.group_known
     if settings.thinking_budget is not None:
         obj["thinking_token_budget"] = settings.thinking_budget
     if settings.audited:

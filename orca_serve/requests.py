@@ -32,6 +32,7 @@ from orca_serve.contract import (
     XARG_ENABLED,
     XARG_FIELDS,
     XARG_GIVE_UP_MU,
+    XARG_GROUP,
     XARG_KEY,
     XARG_LAM,
     XARG_POLICY,
@@ -75,7 +76,9 @@ class OrcaSettings:
     lam: float | None = None  # lambda*(delta), NEVER: never stops early; None: disabled
     answer_budget: int | None = None
     n: int = 1
-    lam_source: str = "bundle"  # where `lam` comes from: bundle | fallback | audit (audit guard)
+    # where `lam` comes from: bundle | fallback | audit (the audit's guard) | group (the table
+    # of the request's group)
+    lam_source: str = "bundle"
     audited: bool = False  # picked for a live audit: runs in shadow with record mode on
     bundle: str | None = None  # checksum of the bundle `lam` was resolved with
     delta_source: str = "server"  # where `delta` (or `enabled`) comes from: request | effort | server
@@ -84,8 +87,11 @@ class OrcaSettings:
     give_up_delta: float | None = None  # None: the request does not give up
     give_up_mu: float | None = None  # mu*(give_up_delta); None: never gives up
     give_up_policy: str | None = None  # what it returns if it gives up (GIVE_UP_POLICIES)
-    give_up_source: str = "bundle"  # where give_up_mu comes from: bundle | fallback (guard: off)
+    # where give_up_mu comes from: bundle | fallback (guard: off) | group (its group's table)
+    give_up_source: str = "bundle"
     shift_alpha: float | None = None  # the request's own gate level; None: the engine's default
+    group: str | None = None  # the request's `orca.group` tag, if any
+    group_known: bool = False  # the bundle has that group's table (and served it)
 
     def xargs(self) -> dict[str, str | int | float]:
         """The settings as the engine reads them (`vllm_xargs`); written once per request."""
@@ -104,6 +110,8 @@ class OrcaSettings:
                 out[XARG_ANSWER_BUDGET] = int(self.answer_budget)
             if self.shift_alpha is not None:
                 out[XARG_SHIFT_ALPHA] = float(self.shift_alpha)
+            if self.group is not None:
+                out[XARG_GROUP] = self.group
         return out
 
 
@@ -128,15 +136,21 @@ class Thresholds(Protocol):
 
 @dataclass(frozen=True)
 class BundleThresholds:
-    """lambda* from the bundle's table, every request as it asked."""
+    """lambda* from the bundle's table (its main one, or `group`'s when the bundle knows that
+    group: source "group"), every request as it asked."""
 
     bundle: Bundle
+    group: str | None = None
 
     def lam(self, delta: float) -> tuple[float, str]:
-        return resolve_lam(self.bundle.lam, delta), "bundle"
+        known = self.bundle.group(self.group) is not None
+        return (resolve_lam(self.bundle.lam, delta, self.group if known else None),
+                "group" if known else "bundle")
 
     def mu(self, give_up_delta: float) -> tuple[float, str]:
-        return self.bundle.mu(give_up_delta), "bundle"
+        known = self.bundle.group(self.group) is not None
+        return (self.bundle.mu(give_up_delta, self.group if known else None),
+                "group" if known else "bundle")
 
     def admit(self, settings: OrcaSettings, body: dict[str, Any]) -> OrcaSettings:
         return settings
@@ -224,7 +238,12 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     if not enabled:
         settings = OrcaSettings(key=new_key(), enabled=False, **common)
     else:
-        guard = thresholds or BundleThresholds(bundle)
+        # a group the bundle knows is served by its own table, certified on its own calibration
+        # traces; the live audit's guard watches the main (mixture) table's traffic and leaves
+        # it alone (docs/METHOD.md section 12)
+        known = bundle.group(fields.group) is not None
+        guard = BundleThresholds(bundle, fields.group) if known else (
+            thresholds or BundleThresholds(bundle))
         try:
             lam, lam_source = guard.lam(delta)
         except BundleError as e:
@@ -243,12 +262,13 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
             lam=lam, lam_source=lam_source,
             answer_budget=(defaults.answer_budget if fields.answer_budget is None
                            else fields.answer_budget),
-            shift_alpha=fields.shift_alpha,
+            shift_alpha=fields.shift_alpha, group=fields.group, group_known=known,
             **_give_up(fields.give_up, defaults, bundle, guard), **common)
         settings = guard.admit(settings, out)
-        if settings.lam_source == "audit":
-            # lambda* recalibrated on the live audits certifies today's traffic; the bundle's
-            # gate would flag that very traffic (docs/METHOD.md section 11)
+        if settings.lam_source in ("audit", "group"):
+            # lambda* recalibrated on the live audits certifies today's traffic, a group's
+            # lambda* its group's; the bundle's gate would flag that very traffic
+            # (docs/METHOD.md sections 11 and 12)
             settings = replace(settings, shift_alpha=0.0)
     new_xargs = {k: v for k, v in (xargs or {}).items() if not k.startswith("orca_")}
     new_xargs.update(settings.xargs())
@@ -260,9 +280,9 @@ def _give_up(asked: GiveUpFields | None, defaults: OrcaDefaults, bundle: Bundle,
              guard: Thresholds) -> dict[str, Any]:
     """A request's give-up settings: on when it asks (`orca.give_up`) or the server's default
     is set, unless it says `enabled: false`; the delta is the request's, else the server's,
-    else the bundle's default; mu* is `guard`'s, decided here once (the live audit's give-up
-    guard turns it off after its alarm). Raises OrcaRequestError for a bundle without give-up
-    or a delta it has no mu* for."""
+    else the bundle's default; mu* is `guard`'s, decided here once (a known group's own, which
+    never gives up without one; the live audit's give-up guard turns it off after its alarm).
+    Raises OrcaRequestError for a bundle without give-up or a delta it has no mu* for."""
     on = defaults.give_up_delta is not None or asked is not None
     if asked is not None and asked.enabled is not None:
         on = asked.enabled

@@ -11,7 +11,7 @@ The server resolves a request's settings (defaults, delta -> lambda*) and writes
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from orca_serve.contract import (
     XARG_ENABLED,
     XARG_FIELDS,
     XARG_GIVE_UP_MU,
+    XARG_GROUP,
     XARG_KEY,
     XARG_LAM,
     XARG_N,
@@ -40,10 +41,11 @@ from orca_serve.orca_rules import RULES, integer, number, refusal
 _INT_XARGS = (XARG_RECORD, XARG_RESERVE, XARG_N)
 
 
-def resolve_lam(lam_of: Callable[[float], float], delta: float) -> float:
-    """lambda*(delta) from a bundle's `lam` (inf: never stop). The one place a delta becomes a
-    threshold: the server calls it per request, the engine only for requests without orca_lam."""
-    return float(lam_of(float(delta)))
+def resolve_lam(lam_of: Callable[..., float], delta: float, group: str | None = None) -> float:
+    """lambda*(delta) from a bundle's `lam` (inf: never stop), of `group`'s table when given
+    (a group the bundle knows). The one place a delta becomes a threshold: the server calls it
+    per request, the engine only for requests without orca_lam."""
+    return float(lam_of(float(delta)) if group is None else lam_of(float(delta), group))
 
 
 def encode_lam(lam: float | None) -> float | str:
@@ -140,19 +142,25 @@ class RequestSpec:
     refused: str | None = None
     give_up_mu: float | None = None  # None: never gives up
     shift_alpha: float | None = None  # the shift gate's level (0: none); None: the bundle's
+    group: str | None = None  # the request's group tag (`orca_group`)
 
 
 def request_spec(xa: Mapping[str, Any] | None, defaults: Mapping[str, Any], *, record: bool,
-                 lam_of: Callable[[float], float] | None,
-                 default_delta: float | None) -> RequestSpec:
+                 lam_of: Callable[..., float] | None,
+                 default_delta: float | None, groups: Collection[str] = ()) -> RequestSpec:
     """A request's settings from its extra_args and the engine's defaults.
 
-    `lam_of`/`default_delta` come from the deployment's bundle (None: record mode only).
-    `orca_lam` (the server's resolution) wins; otherwise lambda* is resolved here with
-    `resolve_lam`. A delta outside the bundle's table is refused as the server refuses it: the
-    request runs without early stopping and `refused` says why (the engine cannot answer 400).
+    `lam_of`/`default_delta` come from the deployment's bundle (None: record mode only), and
+    `groups`, the names of the groups it has tables for. `orca_lam` (the server's resolution)
+    wins; otherwise lambda* is resolved here with `resolve_lam`, from the table of the request's
+    `orca_group` when it is one of `groups`, and such a request is not gated unless it sets
+    `orca_shift_alpha` itself (as the server resolves it). A delta outside the bundle's table
+    is refused as the server refuses it: the request runs without early stopping and `refused`
+    says why (the engine cannot answer 400).
     """
     xa = xa or {}
+    group = xa.get(XARG_GROUP, defaults.get("group"))
+    known = group in groups
     enabled = lam_of is not None and bool(as_int(XARG_ENABLED,
                                                  xa.get(XARG_ENABLED, defaults["enabled"])))
     delta = lam = refused = None
@@ -163,12 +171,13 @@ def request_spec(xa: Mapping[str, Any] | None, defaults: Mapping[str, Any], *, r
             lam = decode_lam(xa[XARG_LAM])
         else:
             try:
-                lam = resolve_lam(lam_of, delta)  # type: ignore[arg-type]
+                lam = resolve_lam(lam_of, delta,  # type: ignore[arg-type]
+                                  group if known else None)
             except Exception as e:  # noqa: BLE001 - the bundle's own words (BundleError)
                 enabled, refused = False, str(e)
     reserve = xa.get(XARG_RESERVE)
     mu = decode_mu(xa[XARG_GIVE_UP_MU]) if enabled and XARG_GIVE_UP_MU in xa else None
-    alpha = xa.get(XARG_SHIFT_ALPHA, defaults.get("shift_alpha"))
+    alpha = xa.get(XARG_SHIFT_ALPHA, 0.0 if known else defaults.get("shift_alpha"))
     return RequestSpec(
         key=xa.get(XARG_KEY), n=int(xa.get(XARG_N, 1)),
         record=bool(as_int(XARG_RECORD, xa.get(XARG_RECORD, record))),
@@ -176,4 +185,4 @@ def request_spec(xa: Mapping[str, Any] | None, defaults: Mapping[str, Any], *, r
         delta=delta, lam=lam,
         answer_budget=int(xa.get(XARG_ANSWER_BUDGET, defaults["answer_budget"])),
         reserve=None if reserve is None else int(reserve), refused=refused, give_up_mu=mu,
-        shift_alpha=None if alpha is None else float(alpha))
+        shift_alpha=None if alpha is None else float(alpha), group=group)

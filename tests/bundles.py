@@ -21,6 +21,7 @@ from orca_method.bundle import (
     GiveUpBlock,
     GiveUpRow,
     GiveUpTable,
+    GroupTable,
     LTTRow,
     LTTTable,
     ModelIdentity,
@@ -57,14 +58,41 @@ def tiny_bundle(probe: Probe, rows: Iterable[tuple[float, float | None]], *,
         probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
                          eta=0.01),
         window=window,
-        ltt=LTTTable(epsilon=epsilon, n_cal=n_cal, grid_size=10,
-                     rows=[LTTRow(delta=d, lam=lam, risk=0.0,
-                                  pvalue=1.0 if lam is None else
-                                  float(binomial_pvalues(np.asarray([0]), n_cal, d)[0]),
-                                  savings=0.0 if lam is None else 0.3)
-                           for d, lam in rows]),
+        ltt=ltt_table(rows, n_cal=n_cal, epsilon=epsilon),
         default_delta=rows[0][0] if default_delta is None else default_delta,
         provenance=provenance or {}, **fields)
+
+
+def ltt_table(rows: Iterable[tuple[float, float | None]], *, n_cal: int = 100,
+              epsilon: float = 0.05) -> LTTTable:
+    """An LTT table of lambda* per delta from `rows`, its facts those of no loss in `n_cal`."""
+    return LTTTable(epsilon=epsilon, n_cal=n_cal, grid_size=10,
+                    rows=[LTTRow(delta=d, lam=lam, risk=0.0,
+                                 pvalue=1.0 if lam is None else
+                                 float(binomial_pvalues(np.asarray([0]), n_cal, d)[0]),
+                                 savings=0.0 if lam is None else 0.3)
+                          for d, lam in rows])
+
+
+def give_up_table(rows: Iterable[tuple[float, float | None]], *,
+                  n_cal: int = 100) -> GiveUpTable:
+    """A give-up table of mu* per give-up delta from `rows`, facts of no loss in `n_cal`."""
+    return GiveUpTable(epsilon=0.05, n_cal=n_cal, grid_size=1001,
+                       rows=[GiveUpRow(delta=d, mu=mu, risk=0.0,
+                                       pvalue=1.0 if mu is None else
+                                       float(binomial_pvalues(np.asarray([0]), n_cal, d)[0]),
+                                       give_up_rate=0.0 if mu is None else 0.5)
+                             for d, mu in rows])
+
+
+def with_groups(bundle: Bundle, groups: Mapping[str, Mapping[str, Any]]) -> Bundle:
+    """`bundle` with a groups block: per name, `lam` rows (delta, lambda*) and optionally `mu`
+    rows (give-up delta, mu*), each table's facts those of no loss in `n_cal` (default 60)."""
+    block = {name: GroupTable(ltt=ltt_table(g["lam"], n_cal=g.get("n_cal", 60)),
+                              give_up=None if g.get("mu") is None else
+                              give_up_table(g["mu"], n_cal=g.get("n_cal", 60)))
+             for name, g in groups.items()}
+    return bundle.model_copy(update={"groups": block, "checksum": ""})
 
 
 def write_bundle(bundle: Bundle, path: Path) -> Path:
@@ -79,6 +107,7 @@ def write_bundle(bundle: Bundle, path: Path) -> Path:
 # step, so 0.05 gives up at the first step, 0.02 never).
 DELTAS = {0.05: None, 0.1: 0.99, 0.2: 0.5}
 GIVE_UP_DELTAS = {0.02: None, 0.05: 0.6}
+CAUTIOUS = "cautious"  # the gated bundle's one group (`orca.group`): never stops early
 
 
 def far_gate(hidden: int, n: int = 39) -> GateReference:
@@ -96,7 +125,8 @@ def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: floa
                 gate: bool = False) -> Path:
     """The tiny model's two-sided bundle with lambda* from DELTAS and a constant probe bias
     (scores sit near sigmoid(bias) whatever the hidden state, so which deltas stop is known),
-    and mu* from GIVE_UP_DELTAS (default 0.05); with `gate`, `far_gate`'s shift gate."""
+    and mu* from GIVE_UP_DELTAS (default 0.05); with `gate`, `far_gate`'s shift gate and a
+    group CAUTIOUS whose table never stops (and which has no mu*: never gives up)."""
     from transformers import AutoTokenizer
 
     probe = Probe(ProbeSpec(dim=hidden), seed=0)
@@ -106,7 +136,8 @@ def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: floa
                             default_delta=0.2, provenance={"test": "test_server"})
     two_sided = with_give_up(one_sided, GIVE_UP_DELTAS.items(), default_delta=0.05)
     if gate:
-        two_sided = two_sided.model_copy(update={"shift_gate": far_gate(hidden)})
+        two_sided = with_groups(two_sided.model_copy(update={"shift_gate": far_gate(hidden)}),
+                                {CAUTIOUS: {"lam": [(d, None) for d in DELTAS]}})
     return write_bundle(two_sided, path)
 
 
@@ -135,12 +166,7 @@ def with_give_up(bundle: Bundle, rows: Iterable[tuple[float, float | None]], *,
                          eta=0.01),
         window=window, label_mode="supervised",
         default_delta=rows[0][0] if default_delta is None else default_delta,
-        ltt=GiveUpTable(epsilon=0.05, n_cal=n_cal, grid_size=1001,
-                        rows=[GiveUpRow(delta=d, mu=mu, risk=0.0,
-                                        pvalue=1.0 if mu is None else
-                                        float(binomial_pvalues(np.asarray([0]), n_cal, d)[0]),
-                                        give_up_rate=0.0 if mu is None else 0.5)
-                              for d, mu in rows]))
+        ltt=give_up_table(rows, n_cal=n_cal))
     return bundle.model_copy(update={"schema_version": schema_version_for(True),
                                      "give_up": block, "checksum": ""})
 

@@ -69,6 +69,7 @@ def test_server_passes_the_lambda_it_resolved():
     class FakeBundle:  # what resolve() uses of a Bundle
         lam = staticmethod(lam_of)
         checksum = "c" * 64
+        group = staticmethod(lambda name: None)  # it knows no group
 
     d = OrcaDefaults(delta=0.1)
     out, s = resolve({"orca": {"delta": 0.2}}, d, FakeBundle())  # type: ignore[arg-type]
@@ -105,6 +106,7 @@ def test_an_unknown_delta_gets_the_same_answer_on_both_sides():
     class FakeBundle:
         lam = staticmethod(bundle_lam)
         checksum = "c" * 64
+        group = staticmethod(lambda name: None)  # it knows no group
 
     with pytest.raises(OrcaRequestError) as server:
         resolve({"orca": {"delta": 0.3}}, OrcaDefaults(delta=0.1), FakeBundle())  # type: ignore[arg-type]

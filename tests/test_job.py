@@ -224,3 +224,33 @@ def test_run_keeps_the_resource_trackers_leftover_report_out(tmp_path, monkeypat
         r = subprocess.run([sys.executable, *opts, "-c", leak], capture_output=True, text=True,
                            timeout=60, check=True)
         assert r.stdout == "table\n" and ("leaked shared_memory" in r.stderr) == reported
+
+
+def test_a_job_with_groups_calibrates_each_tagged_group(tmp_path, monkeypatch, capsys) -> None:
+    """`calibrate.groups` ({field, min_n}) adds a table per group of the calibration split's
+    traces (the fake collection tags every problem `family: in-dist`); a malformed block is
+    refused when the job is read."""
+    import json
+
+    import orca_calibrate.job
+    from orca_calibrate.job import run_job
+    from orca_method.bundle import load_bundle
+
+    monkeypatch.setattr(orca_calibrate.job, "Collector", _FakeCollector)
+    (tmp_path / "p.jsonl").write_text("".join(
+        json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n" for i in range(80)))
+    job = {"model": "m", "prompts": "p.jsonl", "out": "run", "train": {"epochs": 1},
+           "calibrate": {"deltas": [0.3], "window": 2,
+                         "groups": {"field": "family", "min_n": 5}}}
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps(job))
+    run_job(path, progress=False)
+    bundle = load_bundle(tmp_path / "run" / "bundle.json")
+    assert list(bundle.groups) == ["in-dist"]
+    assert bundle.groups["in-dist"].ltt.n_cal == bundle.ltt.n_cal  # one group: the whole split
+    for bad, words in (({"field": "family", "min": 3}, "calibrate.groups is a mapping of"),
+                       ({"field": "family", "min_n": 0}, "min_n >= 1"), ("family", "mapping")):
+        job["calibrate"]["groups"] = bad
+        path.write_text(json.dumps(job))
+        with pytest.raises(JobError, match=words):
+            load_job(path)

@@ -17,12 +17,14 @@ DEFAULTS = OrcaDefaults(enabled=True, delta=0.1)
 # values of the right JSON type but out of range or choice: refused by every spelling alike
 OUT_OF_RANGE = [("delta", 1.5), ("delta", 0), ("delta", -0.5), ("delta", 1),
                 ("policy", "later"), ("policy", "ANSWER"), ("answer_budget", -1),
-                ("answer_budget", 2**31), ("answer_budget", 2**64)]
+                ("answer_budget", 2**31), ("answer_budget", 2**64), ("group", ""),
+                ("group", "g" * 65)]
 # malformed in the xargs' spelling
 BAD_XARGS = [*OUT_OF_RANGE, ("delta", "x"), ("delta", [0.1]), ("delta", True), ("delta", None),
              ("policy", 3), ("policy", ["stop"]), ("enabled", 2), ("enabled", "yes"),
              ("enabled", -1), ("enabled", 0.5), ("answer_budget", 1.5), ("answer_budget", "x"),
-             ("answer_budget", {"n": 1}), ("delta", "y" * 10**5)]
+             ("answer_budget", {"n": 1}), ("delta", "y" * 10**5), ("group", 3),
+             ("group", ["a"])]
 
 
 def _server(body: dict) -> str | None:
@@ -69,6 +71,7 @@ def test_the_openapi_schema_states_the_rules_bounds():
     assert (delta["exclusiveMinimum"], delta["exclusiveMaximum"]) == (0, 1)
     assert props["policy"]["anyOf"][0]["enum"] == ["answer", "stop", "shadow"]
     assert props["answer_budget"]["anyOf"][0]["maximum"] == 2**31 - 1
+    assert props["group"]["anyOf"][0] == {"type": "string", "minLength": 1, "maxLength": 64}
 
 
 _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 2**40),

@@ -3,7 +3,8 @@
 The shared server's bundle carries `tests.bundles.far_gate` (fitted far from the tiny model's
 step embeddings: it flags every request it runs for) and runs with `--orca-shift-alpha 0`, so a
 request is gated only when it asks (`orca.shift_alpha`). Delta 0.2 (lambda* 0.5) stops every
-ungated request at its first step.
+ungated request at its first step. The bundle also has one group, CAUTIOUS, whose table never
+stops (`orca.group`, docs/SERVER.md "Groups").
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
+from tests.bundles import CAUTIOUS
 from tests.serving import chat, orca_of
 
 
@@ -46,3 +48,17 @@ def test_a_bad_shift_alpha_is_a_400(srv):
         chat(srv, {"shift_alpha": 1.5})
     assert e.value.body["param"] == "orca.shift_alpha"
     assert "[0, 1)" in e.value.body["message"]
+
+
+def test_a_known_group_takes_its_table_ungated_and_an_unknown_one_the_mixtures(srv):
+    """The request asks for the gate, which flags every request it runs for: the known group is
+    not gated (its table certifies it) and never stops; an unknown group is served as a request
+    without a group (delta 0.2's lambda* 0.5, gated, flagged) and says so."""
+    o = orca_of(chat(srv, {"delta": 0.2, "shift_alpha": 0.05, "group": CAUTIOUS,
+                           "give_up": {"delta": 0.05}}))
+    assert o["group"] == CAUTIOUS and o["group_known"] is True
+    assert o["lambda_source"] == "group" and o["lambda"] is None and "shift" not in o
+    assert not o["stopped_early"] and o["give_up"]["mu"] is None  # no mu* of its own
+    o = orca_of(chat(srv, {"delta": 0.2, "shift_alpha": 0.05, "group": "other"}))
+    assert o["group"] == "other" and o["group_known"] is False
+    assert o["lambda_source"] == "bundle" and o["lambda"] == 0.5 and o["shift"]["flagged"]

@@ -61,7 +61,8 @@ class Admission:
             dep = self.deployments.current
         spec = request_spec(xa, self.defaults, record=self.record_default,
                             lam_of=None if missing else dep.lam_of,
-                            default_delta=None if missing else dep.default_delta)
+                            default_delta=None if missing else dep.default_delta,
+                            groups=() if missing else dep.groups)
         policy, notes = spec.policy, []
         if policy.rule.acts and not policy.rule.answers and ignore_eos:
             notes.append(f"policy {policy} under ignore_eos: a forced EOS would not end the "

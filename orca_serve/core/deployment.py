@@ -80,6 +80,12 @@ class Deployment:
         return None if self.bundle is None else self.bundle.lam
 
     @property
+    def groups(self) -> tuple[str, ...]:
+        """The groups its bundle has tables for (a request's `orca_group`)."""
+        return () if self.bundle is None or self.bundle.groups is None else \
+            tuple(self.bundle.groups)
+
+    @property
     def default_delta(self) -> float | None:
         return None if self.bundle is None else self.bundle.default_delta
 

@@ -150,7 +150,9 @@ class LiveAudit:
                  finish_reasons: dict[int, str | None]) -> None:
         """A request ended (its results fetched; `finish_reasons` per choice, as the response
         gave them, a choice missing when it never finished): feed drift, queue its audit."""
-        if self.retired:
+        if self.retired or settings.group_known:
+            # a request in a group the bundle knows ran on its group's table, not the one the
+            # audit and the drift test watch (docs/METHOD.md section 12)
             return
         first = results.get(0)
         if first and first.scores and not first.error:

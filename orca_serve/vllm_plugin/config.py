@@ -22,7 +22,9 @@ reads it from the `vllm_config` its constructor gets):
                   "give_up_policy": "guess", "give_up_message": None,
                   # the shift gate: its level (None: the bundle's; 0: off) and what a flagged
                   # request gets (contract.SHIFT_ACTIONS)
-                  "shift_alpha": None, "shift_action": "full"},
+                  "shift_alpha": None, "shift_action": "full",
+                  # a request's group tag (None: none; docs/METHOD.md section 12)
+                  "group": None},
      # bookkeeping of unfetched results:
      "result_ttl_s": 600, "max_results": 10000}
 """
