@@ -69,6 +69,9 @@ from orca_method.labels import labelled_steps
 from orca_method.steps import segment
 from tests.serving import Server, orca_serve_cmd
 
+# a server's start-up, compile warm-up included, on a loaded 2-core machine: 300 s was not enough
+# for the long reasoner at load 25
+SERVER_START_S = 1200
 PROMPT_SEED = 31  # calibration: seeds 1-3; goodput: 18. These prompts are held out.
 TOP_LOGPROBS = 5  # DeepConf's token confidence: minus the mean of the top-k log-probabilities
 CONSISTENCY_K = (2, 3, 4, 6, 8)
@@ -522,7 +525,7 @@ def main() -> None:
         runs: dict[str, dict[str, Any]] = {}
         srv = serve(reasoner, None, a.out / f"{rname}-serve.log")
         try:
-            srv.wait()
+            srv.wait(SERVER_START_S)
             for family, work in works.items():
                 print(f"{rname} / {family}", file=sys.stderr, flush=True)
                 runs[family] = asyncio.run(live_arms(srv.url, work, reasoner, a, with_full=True))
@@ -532,7 +535,7 @@ def main() -> None:
         for label, bundle in others.get(rname, {}).items():
             srv = serve(reasoner, bundle, a.out / f"{rname}-{label}-serve.log")
             try:
-                srv.wait()
+                srv.wait(SERVER_START_S)
                 for family in works:
                     other = Workload(a.out / f"{rname}-{family}-prompts.jsonl",
                                      reasoner.model_dir, bundle, reasoner.tasks)
