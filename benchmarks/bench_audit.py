@@ -57,6 +57,7 @@ from orca_demo.toy.tasks import FORCE_SUFFIX
 from orca_method.audit.sequence import RESTART_EVERY, RESTART_SPAN
 from orca_method.bundle import load_bundle
 from orca_method.labels import equivalent, step_labels
+from orca_method.outcomes import ON_ALARM, OnAlarm, Source
 from tests.serving import Server, orca_serve_cmd
 
 TOY = REASONERS["toy"]
@@ -123,7 +124,7 @@ def stream_prompts(out: Path, reasoner: Reasoner, n_in: int, n_shift: int,
             for x in (out / f).read_text().splitlines()]
 
 
-def serve(bundle: Path, out: Path, rate: float, *, on_alarm: str = "report",
+def serve(bundle: Path, out: Path, rate: float, *, on_alarm: OnAlarm = OnAlarm.REPORT,
           window: int = 200, reasoner: Reasoner = TOY) -> Server:
     """`orca-serve` with this bundle and audit rate (audits appended to OUT/audits; the answer
     probes take the bundle's labelling: its collection's suffix and answer length)."""
@@ -301,20 +302,20 @@ def recalibration_figures(rows: list[dict], delta: float) -> dict:
     (point estimates).
     """
     shifted = [r for r in rows if r["family"] == "shifted"]
-    fresh = [r for r in shifted if r["source"] == "audit"]
+    fresh = [r for r in shifted if r["source"] == Source.AUDIT]
     per_lambda = []
     for lam in sorted({r["served_lambda"] for r in fresh}, key=lambda x: np.inf if x is None else x):
         served = [r for r in fresh if r["served_lambda"] == lam]
         per_lambda.append({"lambda": lam, **summarize(served, "served")})
     bundle_bad = bool(shifted) and summarize(shifted, "bundle")["error"] > delta
-    bad = sum(r["source"] == "bundle" for r in shifted) if bundle_bad else 0
+    bad = sum(r["source"] == Source.BUNDLE for r in shifted) if bundle_bad else 0
     bad += sum(p["n"] for p in per_lambda if p["error"] > delta)
     return {"delta": delta, "fresh_shifted": len(fresh), "per_lambda": per_lambda,
             "recalibrated": summarize(fresh, "served"), "bundle": summarize(fresh, "bundle"),
             "shifted_requests": len(shifted),
             "served_bad_lambda": round(bad / len(shifted), 4) if shifted else None,
-            "sources_shifted": {src: sum(r["source"] == src for r in shifted)
-                                for src in ("bundle", "fallback", "audit")}}
+            "sources_shifted": {str(src): sum(r["source"] == src for r in shifted)
+                                for src in Source}}
 
 
 def alarm_delays(clean: list[float], shifted: list[float], prefixes: list[int], delta: float,
@@ -360,7 +361,7 @@ def main() -> None:
     ap.add_argument("--n-in", type=int, default=100, help="in-distribution requests first")
     ap.add_argument("--n-shift", type=int, default=200, help="then shifted requests")
     ap.add_argument("--rate", type=float, default=1.0)
-    ap.add_argument("--on-alarm", default="report", choices=["report", "fallback", "recalibrate"])
+    ap.add_argument("--on-alarm", default=str(OnAlarm.REPORT), choices=ON_ALARM)
     ap.add_argument("--window", type=int, default=200, help="--orca-recalibrate-window")
     ap.add_argument("--delta", type=float, default=0.1)
     ap.add_argument("--concurrency", type=int, default=4)
@@ -430,7 +431,7 @@ def main() -> None:
                                                     "unaligned")},
         "drift": rep["report"].get("drift"), "by_family": by_family,
         "stream_s": res["stream_s"], "tokens_per_s": res["tokens_per_s"]}
-    if a.on_alarm == "recalibrate":
+    if a.on_alarm == OnAlarm.RECALIBRATE:
         summary["recalibrate"] = recalibration_figures(rows, a.delta)
     (out / "result.json").write_text(json.dumps({**summary, "audits": rows,
                                                  "timeline": res["timeline"]}, indent=1))

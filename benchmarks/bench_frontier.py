@@ -66,6 +66,7 @@ from orca_demo.toy.demo_bundle import demo_folder
 from orca_method.answer_probes import step_ends
 from orca_method.bundle import load_bundle
 from orca_method.labels import labelled_steps
+from orca_method.outcomes import Ended
 from orca_method.steps import segment
 from tests.serving import Server, orca_serve_cmd
 
@@ -370,7 +371,7 @@ def summarize(run: dict[str, Any], others: dict[str, dict[str, Any]],
     budgets = [{"budget": int(n.split("@")[1]), **strip(v)} for n, v in run.items()
                if n.startswith("budget@")]
     two_sided = [{"delta": float(n.split("@")[1]), **strip(v),
-                  "gave_up": float(np.mean([r["orca"].get("ended") == "gave_up"
+                  "gave_up": float(np.mean([r["orca"].get("ended") == Ended.GAVE_UP
                                             for r in v["responses"]]))}
                  for n, v in run.items() if n.startswith("two-sided@")]
     out = {"full": strip(full), "orca": orca, "orca_two_sided": two_sided, "budget": budgets,

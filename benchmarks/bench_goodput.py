@@ -68,7 +68,7 @@ from orca_method.answer_probes import (
 from orca_method.bundle import load_bundle
 from orca_method.give_up import last_right
 from orca_method.labels import extract_forced
-from orca_method.outcomes import ENDED, FULL, GAVE_UP
+from orca_method.outcomes import Ended
 from orca_method.risk import cumulative, is_counted, losses
 from orca_method.thresholds import lam_to_json
 from tests.serving import Server, orca_serve_cmd
@@ -113,7 +113,7 @@ def cut_step(orca: dict[str, Any]) -> int | None:
     None when it ran to its own end."""
     if orca.get("stopped_early"):
         return int(orca["stop_step"])
-    if orca.get("ended") == GAVE_UP:
+    if orca.get("ended") == Ended.GAVE_UP:
         return int(orca["give_up_step"])
     return None
 
@@ -200,8 +200,8 @@ def outcomes(requests: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
     without ORCA: `full`): how many, their share, mean completion tokens and accuracy. Outcomes
     no request had are left out."""
     out = {}
-    for name in ENDED:
-        group = [r for r in requests if (r["orca"].get("ended") or FULL) == name]
+    for name in Ended:
+        group = [r for r in requests if (r["orca"].get("ended") or Ended.FULL) == name]
         if group:
             out[name] = {"n": len(group), "share": len(group) / len(requests),
                          "tokens_per_request": float(np.mean([r["completion_tokens"]
@@ -242,7 +242,7 @@ def give_up_loss(trace: dict[str, Any], orca: dict[str, Any], reference: str) ->
     after its give-up step is right in its labelled never-stopping trajectory (`reference`
     labels, raw per step): continuing could still have reached a right answer. Every request
     counts."""
-    return int(orca.get("ended") == GAVE_UP
+    return int(orca.get("ended") == Ended.GAVE_UP
                and last_right(trace["labels"][reference]) >= int(orca["give_up_step"]) - 1)
 
 

@@ -38,6 +38,7 @@ from orca_demo.toy import tasks as toy_tasks
 from orca_demo.toy.demo_bundle import JOBS, demo_folder
 from orca_method.bundle import load_bundle
 from orca_method.give_up import two_sided_ends
+from orca_method.outcomes import Ended
 from orca_method.procedure import replay
 from orca_method.thresholds import GIVE_UP_NEVER
 from orca_method.trajectories import TrajectorySet
@@ -58,7 +59,7 @@ def offline_stops(bundle, data: Path, lam: float,
                [s.numpy() for _, s in replay(bundle.load_give_up_probe(), embs,
                                              window=bundle.give_up.window)])
     end, how = two_sided_ends(stop, give_up, lam, mu)
-    return {p.id: (h, None if h == "full" else int(e) + 1, s.tolist())
+    return {p.id: (h, None if h == Ended.FULL else int(e) + 1, s.tolist())
             for p, e, h, s in zip(ts.problems, end, how, stop)}
 
 
@@ -151,10 +152,10 @@ def main() -> None:
     result = {"n": len(prompts), "delta": a.delta, "lambda": None if math.isinf(lam) else lam,
               "give_up_delta": a.give_up_delta, "mu": None if math.isinf(mu) else mu,
               "matches": match, "match_rate": match / len(prompts),
-              "gave_up_offline": sum(r["ended_offline"] == "gave_up" for r in rows),
-              "gave_up_online": sum(r["ended_online"] == "gave_up" for r in rows),
-              "stopped_offline": sum(r["ended_offline"] == "early" for r in rows),
-              "stopped_online": sum(r["ended_online"] == "early" for r in rows),
+              "gave_up_offline": sum(r["ended_offline"] == Ended.GAVE_UP for r in rows),
+              "gave_up_online": sum(r["ended_online"] == Ended.GAVE_UP for r in rows),
+              "stopped_offline": sum(r["ended_offline"] == Ended.EARLY for r in rows),
+              "stopped_online": sum(r["ended_online"] == Ended.EARLY for r in rows),
               "mean_steps": float(np.mean([r["steps"] for r in rows])),
               "mean_stop_step_online": float(np.mean([r["online"] or r["steps"] for r in rows])),
               "record_s": round(t1 - t0, 1), "prompts": rows}

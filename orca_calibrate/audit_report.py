@@ -39,11 +39,11 @@ from orca_method.audit.drift import DRIFT_WINDOW, DriftMonitor
 from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import Bundle, BundleError, Labelling, Segmentation, labelling_for
 from orca_method.give_up import request_give_up_loss
-from orca_method.outcomes import GIVE_UP_GUESS, GIVE_UP_MESSAGE
+from orca_method.outcomes import GiveUpLoss
 from orca_method.risk import is_counted, request_losses
 from orca_method.thresholds import lam_to_json
 from orca_method.trajectories import TrajectorySet, split_ids
-from orca_serve.live_audit.options import EPSILON_SPLITS, guard_epsilon
+from orca_serve.live_audit.options import EPSILON_SPLITS, EpsilonSplit, guard_epsilon
 
 AUDIT_DIR = re.compile(r"^audit-\d{6}$")  # the server's rotating audit directories
 # what differs between the directories of two bundles that cannot share one (store_info); the
@@ -190,7 +190,7 @@ def window_view(ts: TrajectorySet, last: int | None, splits: dict[str, str] | No
 
 
 def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float | None = None,
-                 drift_window: int = DRIFT_WINDOW, epsilon_split: str = "per-delta"
+                 drift_window: int = DRIFT_WINDOW, epsilon_split: EpsilonSplit = EpsilonSplit.PER_DELTA
                  ) -> dict[str, Any]:
     """Per delta: audits counted, realized risk, confidence bounds, alarm, and their history.
 
@@ -262,22 +262,16 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
     return report
 
 
-# the certified give-up loss per give-up policy (orca_method.give_up.lost_by_giving_up), as the
-# report names it
-CERTIFIED_LOSS = {GIVE_UP_GUESS: "gave_up_with_a_right_answer_ahead",
-                  GIVE_UP_MESSAGE: "gave_up_on_a_trace_right_at_some_step"}
-
 
 def give_up_report(bundle: Bundle, ts: TrajectorySet, mode: str, cut: set[int],
-                   epsilon_split: str) -> dict[str, Any] | None:
+                   epsilon_split: EpsilonSplit) -> dict[str, Any] | None:
     """Per give-up delta of a two-sided bundle, the server's give-up guard replayed: the
     give-up probe replayed on every audit (never-right ones too: the give-up risk is over all
     requests), its loss at mu* fed in audit order to a CensoredAlarm at the give-up table's
     epsilon (split as the server splits it), unfinished audits censored.
 
-    The loss is the certified one, of the give-up policy the bundle was certified for (under
-    "guess": gave up with a right answer ahead; "message": gave up on a trace right at some
-    step), when the audits carry the give-up's reference labels (a collection); server audits
+    The loss is the certified one, of the give-up policy the bundle was certified for
+    (`GiveUpPolicy.certified_loss`), when the audits carry the give-up's reference labels (a collection); server audits
     label by consistency only, and then it is whether the audit gave up, at least the certified
     loss of either policy (docs/AUDIT.md, "The give-up risk").
     None for a one-sided bundle."""
@@ -302,7 +296,7 @@ def give_up_report(bundle: Bundle, ts: TrajectorySet, mode: str, cut: set[int],
                 first_alarm[j] = i + 1
     alarm = cs.alarm(np.asarray(deltas))
     return {"label_mode": gu.label_mode if known else mode, "policy": gu.policy,
-            "loss": CERTIFIED_LOSS[gu.policy] if known else "gave_up",
+            "loss": gu.policy.certified_loss if known else GiveUpLoss.GAVE_UP,
             "alpha": guard_epsilon(gu.ltt.epsilon, len(deltas), epsilon_split), "n": cs.n,
             "deltas": [{"delta": d, "mu": None if math.isinf(mu) else mu,
                         "censored": int(cs.censored[j]),
@@ -339,7 +333,7 @@ def format_report(report: dict[str, Any]) -> str:
     if "give_up" in report:
         g = report["give_up"]
         what = (g["loss"].replace("_", " ") + f" (certified for give-up policy {g['policy']})"
-                if g["loss"] != "gave_up" else
+                if g["loss"] != GiveUpLoss.GAVE_UP else
                 "gave up (these audits cannot tell a right end: at least the certified loss, so "
                 "the upper bound holds for the certified risk, an alarm only says the give-up "
                 "rate exceeds delta_2)")

@@ -42,7 +42,7 @@ from orca_method.bundle_checks import check_semantics
 from orca_method.give_up import calibrate_give_up, last_right, mu_grid
 from orca_method.ltt import DeltaResult, calibrate, default_grid
 from orca_method.normalizations import DEFAULT_NORMALIZATION
-from orca_method.outcomes import GIVE_UP_GUESS
+from orca_method.outcomes import GiveUpPolicy
 from orca_method.probe import Probe
 from orca_method.procedure import replay
 from orca_method.risk import is_solvable
@@ -68,7 +68,7 @@ class GiveUpOptions:
     default_delta: float | None = None
     # what a given-up request serves under the server's --orca-give-up-policy, the one mu* is
     # certified for (its own loss, orca_method.give_up.give_up_losses); the server refuses others
-    policy: str = GIVE_UP_GUESS
+    policy: GiveUpPolicy = GiveUpPolicy.GUESS
 
 
 @dataclass(frozen=True)

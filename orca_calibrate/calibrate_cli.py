@@ -29,6 +29,7 @@ from orca_method.trajectories import (
     import_pickle,
 )
 from orca_serve.argtypes import OneLineParser, OptionError, integer
+from orca_serve.live_audit.options import EPSILON_SPLITS, EpsilonSplit
 
 if TYPE_CHECKING:
     from orca_method.bundle import Bundle
@@ -420,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "else consistent")
     p.add_argument("--alpha", type=float, help="confidence sequence level (default: epsilon)")
     p.add_argument("--drift-window", type=integer(1), default=500, help="requests per drift test")
-    p.add_argument("--epsilon-split", choices=("per-delta", "joint"), default="per-delta",
+    p.add_argument("--epsilon-split", choices=EPSILON_SPLITS,
+                   default=str(EpsilonSplit.PER_DELTA),
                    help="as the server's --orca-audit-epsilon-split: joint splits the level "
                    "across the deltas (docs/AUDIT.md, \"Several deltas\")")
     p.add_argument("--json", help="write the report (with the bounds' history) here")

@@ -12,6 +12,7 @@ import numpy as np
 from orca_calibrate.calibrate import Scored, score_split
 from orca_method.bundle import Bundle
 from orca_method.give_up import last_right, lost_by_giving_up, tokens_used, two_sided_ends
+from orca_method.outcomes import Ended
 from orca_method.procedure import replay
 from orca_method.stop_metrics import stop_indices, summarize
 from orca_method.thresholds import lam_to_json
@@ -216,7 +217,7 @@ def evaluate_two_sided(bundle: Bundle, ts: TrajectorySet, split: str = "all", *,
     arms = {
         "full": arm(lengths - 1, never, never),
         "one_sided": arm(one_end, one_end < lengths - 1, never),
-        "two_sided": arm(two_end, ended == "early", ended == "gave_up"),
+        "two_sided": arm(two_end, ended == Ended.EARLY, ended == Ended.GAVE_UP),
         "oracle_stop": arm(first_right, ends_right & (first_right < lengths - 1), never),
         "oracle_two_sided": arm(oracle_two, ends_right & (first_right < lengths - 1),
                                 ~ends_right & (lengths > 1)),

@@ -21,7 +21,7 @@ import yaml
 from orca_calibrate.collect import Collector, CollectSettings, read_prompts
 from orca_calibrate.judge import JudgeError, JudgeSettings
 from orca_calibrate.train_defaults import DEFAULTS
-from orca_method.outcomes import GIVE_UP_GUESS, GIVE_UP_POLICIES
+from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy
 from orca_method.trajectories import TrajectorySet, set_splits, split_ids
 
 STAGES = ("collect", "split", "train", "calibrate", "evaluate")
@@ -75,7 +75,7 @@ def load_job(path: Path) -> dict[str, Any]:
         known = {f.name for f in fields(GiveUpOptions)}
         if not isinstance(give_up, dict) or set(give_up) - known:
             raise JobError(f"{path}: calibrate.give_up is a mapping of {sorted(known)}")
-        if give_up.get("policy", GIVE_UP_GUESS) not in GIVE_UP_POLICIES:
+        if give_up.get("policy", GiveUpPolicy.GUESS) not in GIVE_UP_POLICIES:
             raise JobError(f"{path}: calibrate.give_up.policy is what the server will serve "
                            f"(--orca-give-up-policy): one of {', '.join(GIVE_UP_POLICIES)}, "
                            f"not {give_up['policy']!r:.40}")

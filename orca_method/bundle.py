@@ -37,7 +37,7 @@ from safetensors.torch import save as st_save
 from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX
 from orca_method.errors import first_line
 from orca_method.normalizations import DEFAULT_NORMALIZATION, Normalization
-from orca_method.outcomes import GIVE_UP_GUESS, GIVE_UP_POLICIES
+from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.shift_gate import DEFAULT_GATE_RANK, ShiftGate, fit_gate
 from orca_method.steps import DEFAULT_DELIMITER, THINK_END, THINK_START
@@ -269,14 +269,15 @@ class GiveUpBlock(_Strict):
     # orca_method.give_up.give_up_losses); the server serves no other (`check_give_up_policy`).
     # Written only when not "guess" (`save_bundle`): bundles from before the field mean "guess"
     # and keep their checksums, and a reader that predates it refuses a "message" bundle.
-    policy: str = GIVE_UP_GUESS
+    policy: GiveUpPolicy = GiveUpPolicy.GUESS
 
-    @field_validator("policy")
+    @field_validator("policy", mode="before")
     @classmethod
-    def _policy(cls, v: str) -> str:
+    def _policy(cls, v: Any) -> GiveUpPolicy:
+        """The file's name becomes its GiveUpPolicy (strict validation takes no name)."""
         if v not in GIVE_UP_POLICIES:
             raise ValueError(f"give-up policy must be one of {', '.join(GIVE_UP_POLICIES)}")
-        return v
+        return GiveUpPolicy(v)
 
     @field_validator("label_mode")
     @classmethod
@@ -533,7 +534,7 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Bundle:
     # version 1 read it, and its checksum is what they compute; likewise a bundle labelled with
     # the default labelling has no labelling key (Labelling says why)
     drop: dict[str, Any] = {"give_up": True} if bundle.give_up is None else {}
-    if bundle.give_up is not None and bundle.give_up.policy == GIVE_UP_GUESS:
+    if bundle.give_up is not None and bundle.give_up.policy == GiveUpPolicy.GUESS:
         drop["give_up"] = {"policy": True}  # as before the field: "guess" (GiveUpBlock)
     if bundle.shift_gate is None:  # older readers refuse an unknown key; checksums unchanged
         drop["shift_gate"] = True

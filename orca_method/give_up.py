@@ -39,14 +39,7 @@ import numpy as np
 
 from orca_method.ltt import PVALUES, n_rejected
 from orca_method.risk import Ragged, stop_indices, values_at
-from orca_method.outcomes import (
-    ENDED_EARLY,
-    FULL,
-    GAVE_UP,
-    GIVE_UP_GUESS,
-    GIVE_UP_MESSAGE,
-    GIVE_UP_POLICIES,
-)
+from orca_method.outcomes import GIVE_UP_POLICIES, Ended, GiveUpPolicy
 from orca_method.thresholds import GIVE_UP_NEVER
 
 
@@ -85,7 +78,7 @@ def right_ahead(labels: Sequence[int]) -> np.ndarray:
     return np.maximum.accumulate(raw[::-1])[::-1].copy()
 
 
-def lost_by_giving_up(step: np.ndarray, last: np.ndarray, policy: str) -> np.ndarray:
+def lost_by_giving_up(step: np.ndarray, last: np.ndarray, policy: GiveUpPolicy) -> np.ndarray:
     """Whether giving up at ``step`` is a loss under ``policy`` (module docstring), per trace
     (broadcast); ``last``: each trace's last right step (`last_right`, -1: never right).
     "guess": ``step`` is at or before ``last``, so a right answer lay ahead; "message": the
@@ -93,18 +86,18 @@ def lost_by_giving_up(step: np.ndarray, last: np.ndarray, policy: str) -> np.nda
     if policy not in GIVE_UP_POLICIES:
         raise ValueError(f"give-up policy must be one of {GIVE_UP_POLICIES}, got {policy!r}")
     last = np.asarray(last)
-    return last >= 0 if policy == GIVE_UP_MESSAGE else np.asarray(step) <= last
+    return last >= 0 if policy == GiveUpPolicy.MESSAGE else np.asarray(step) <= last
 
 
 def give_up_losses(tau_g: np.ndarray, lengths: np.ndarray, last: np.ndarray,
-                   policy: str = GIVE_UP_GUESS) -> np.ndarray:
+                   policy: GiveUpPolicy = GiveUpPolicy.GUESS) -> np.ndarray:
     """0/1 loss (int8, shape of ``tau_g`` [mus, traces]) of a give-up under ``policy``: it gave
     up, and that lost (`lost_by_giving_up`)."""
     return (gave_up(tau_g, lengths) & lost_by_giving_up(tau_g, last, policy)).astype(np.int8)
 
 
 def request_give_up_loss(scores: np.ndarray, mu: float, labels: Sequence[int] | None,
-                         policy: str = GIVE_UP_GUESS) -> int:
+                         policy: GiveUpPolicy = GiveUpPolicy.GUESS) -> int:
     """One trace's give-up loss under ``mu`` and ``policy`` (`give_up_losses` for one trace), as
     the live audit and `orca-calibrate audit-report` measure it; ``labels``: its raw reference
     labels.
@@ -155,7 +148,7 @@ def check_give_up_set(scores: Ragged, last: Sequence[int]) -> None:
 
 def calibrate_give_up(scores: Ragged, last: Sequence[int], deltas: Sequence[float],
                       epsilon: float = 0.05, grid: np.ndarray | None = None,
-                      pvalue: str = "binomial", policy: str = GIVE_UP_GUESS
+                      pvalue: str = "binomial", policy: GiveUpPolicy = GiveUpPolicy.GUESS
                       ) -> list[GiveUpResult]:
     """mu* for each give-up risk level ``delta`` at level ``epsilon``, certified for what a
     given-up request serves under ``policy`` (`give_up_losses`).
@@ -194,7 +187,7 @@ def calibrate_give_up(scores: Ragged, last: Sequence[int], deltas: Sequence[floa
 
 
 def two_sided_ends(stop_scores: Ragged, give_up_scores: Ragged, lam: float,
-                   mu: float) -> tuple[np.ndarray, list[str]]:
+                   mu: float) -> tuple[np.ndarray, list[Ended]]:
     """Where and how the deployed pair (lambda, mu) ends each trace: 0-based end step and
     `orca_method.outcomes` name per trace. The stop wins a tie (both fire at one step: the
     answer is probably right, so it is given); the server decides the same way
@@ -208,9 +201,9 @@ def two_sided_ends(stop_scores: Ragged, give_up_scores: Ragged, lam: float,
     lengths = np.array([len(m) for m in stop_scores])
     tau_u = stop_indices(stop_scores, np.array([lam]))[0]
     tau_g = give_up_indices(give_up_scores, np.array([mu]))[0]
-    ends: list[str] = []
+    ends: list[Ended] = []
     for u, g, t in zip(tau_u, tau_g, lengths):
-        ends.append(GAVE_UP if g < u else ENDED_EARLY if u < t - 1 else FULL)
+        ends.append(Ended.GAVE_UP if g < u else Ended.EARLY if u < t - 1 else Ended.FULL)
     return np.minimum(tau_u, tau_g), ends
 
 

@@ -1,13 +1,75 @@
-"""How a request's reasoning ended, one name each (the response's `ended`, docs/SERVER.md; the
-offline two-sided evaluation, `orca_method.give_up.two_sided_ends`, uses the same names)."""
+"""The closed sets of words the method and the server share, one enum each: how a request ended,
+the give-up policies and losses, the audit guards' alarm actions and threshold sources. The
+values are the wire's words (JSON responses, journals, bundle files and CLI choices hold them as
+plain strings, and a member compares equal to its word); code compares members, never words.
+Plain Python: the server's request path and the offline CLIs import it without torch."""
 
-ENDED_EARLY = "early"  # the probe's stop: the answer is probably right already
-GAVE_UP = "gave_up"  # the give-up threshold: it will probably not end right
-FULL = "full"  # ran to its own end (or a token budget)
-ENDED: tuple[str, ...] = (ENDED_EARLY, GAVE_UP, FULL)
+from enum import StrEnum
 
-# What a request that gives up returns (`--orca-give-up-policy`, docs/SERVER.md): "guess", its
-# answer at that point, as a stop would; "message", no answer (the operator's message). Each
-# has its own give-up loss (`orca_method.give_up.give_up_losses`, docs/METHOD.md section 9).
-GIVE_UP_GUESS, GIVE_UP_MESSAGE = "guess", "message"
-GIVE_UP_POLICIES: tuple[str, ...] = (GIVE_UP_GUESS, GIVE_UP_MESSAGE)
+
+class Ended(StrEnum):
+    """How a request's reasoning ended (the response's `ended`, docs/SERVER.md; the offline
+    two-sided evaluation, `orca_method.give_up.two_sided_ends`, uses the same names)."""
+
+    EARLY = "early"  # the probe's stop: the answer is probably right already
+    GAVE_UP = "gave_up"  # the give-up threshold: it will probably not end right
+    FULL = "full"  # ran to its own end (or a token budget)
+
+
+class GiveUpLoss(StrEnum):
+    """What an audited give-up counts as a loss (the `loss` of the audit table's and of
+    `orca-calibrate audit-report`'s give-up block): under reference labels, the certified loss
+    of the bundle's give-up policy (`GiveUpPolicy.certified_loss`); under consistency labels,
+    which cannot tell a right end from a wrong one, whether it gave up at all (docs/AUDIT.md,
+    "The give-up risk")."""
+
+    GAVE_UP = "gave_up"
+    RIGHT_AHEAD = "gave_up_with_a_right_answer_ahead"
+    RIGHT_SOMEWHERE = "gave_up_on_a_trace_right_at_some_step"
+
+
+class GiveUpPolicy(StrEnum):
+    """What a request that gives up returns (`--orca-give-up-policy`, docs/SERVER.md): GUESS, its
+    answer at that point, as a stop would; MESSAGE, no answer (the operator's message). Each has
+    its own give-up loss (`orca_method.give_up.lost_by_giving_up`, docs/METHOD.md section 9)."""
+
+    GUESS = "guess"
+    MESSAGE = "message"
+
+    @property
+    def certified_loss(self) -> GiveUpLoss:
+        """The loss its mu* is certified for: GUESS gave up with a right answer still ahead,
+        MESSAGE gave up on a trace right at some step."""
+        return _CERTIFIED_LOSS[self]
+
+
+_CERTIFIED_LOSS = {GiveUpPolicy.GUESS: GiveUpLoss.RIGHT_AHEAD,
+                   GiveUpPolicy.MESSAGE: GiveUpLoss.RIGHT_SOMEWHERE}
+
+
+GIVE_UP_POLICIES: tuple[str, ...] = tuple(str(p) for p in GiveUpPolicy)  # what argparse lists
+
+
+class OnAlarm(StrEnum):
+    """What a guard does when its alarm fires (`--orca-on-alarm`, docs/AUDIT.md): REPORT only
+    reports it; FALLBACK serves no early stop (and no give-up) while engaged; RECALIBRATE falls
+    back until enough audits after the alarm are labelled, then serves LTT's lambda on them."""
+
+    REPORT = "report"
+    FALLBACK = "fallback"
+    RECALIBRATE = "recalibrate"
+
+
+ON_ALARM: tuple[str, ...] = tuple(str(a) for a in OnAlarm)  # what argparse lists
+
+
+class Source(StrEnum):
+    """Where the threshold a request is served with comes from (a guard's `source`, the
+    response's `lambda_source`, the journal's): the bundle's; the fallback (no early stop, or no
+    give-up); a recalibration on the live audits (lambda only, `OnAlarm.RECALIBRATE`); or the
+    table of the request's group (a bundle's `groups`, docs/METHOD.md section 12)."""
+
+    BUNDLE = "bundle"
+    FALLBACK = "fallback"
+    AUDIT = "audit"
+    GROUP = "group"

@@ -26,7 +26,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from orca_serve.contract import OrcaResult
+from orca_serve.contract import OrcaResult, StopReason
 from orca_serve.orca_field import OrcaRequestError, error_body
 
 CHAT_PATH = "/v1/chat/completions"
@@ -261,11 +261,11 @@ def thinking_ended_by(result: OrcaResult, budget: int | None) -> str | None:
     budget: it closed with as many reasoning tokens as the budget, counting those the prompt
     opened, and no stop of orca's), `model` (the model's own end tag or EOS), or None (still
     reasoning at the end: max_tokens, a stop string, an abort)."""
-    if result.stop_reason == "probe":
+    if result.stop_reason == StopReason.PROBE:
         return "orca"
-    if result.stop_reason == "give_up":
+    if result.stop_reason == StopReason.GIVE_UP:
         return "orca_give_up"
-    if result.stop_reason == "budget":
+    if result.stop_reason == StopReason.BUDGET:
         return "orca_answer_reserve"
     if not result.reasoning_closed:
         return None

@@ -12,6 +12,7 @@ from typing import Any
 
 from orca_method.bundle import Bundle, load_bundle
 from orca_method.bundle_checks import check_semantics
+from orca_method.outcomes import GiveUpPolicy
 from orca_serve.contract import DEFAULTS, Policy
 from orca_serve.effort import DEFAULT_EFFORT_MAP
 from orca_serve.live_audit.collector import AuditCollector
@@ -53,7 +54,8 @@ def orca_defaults(args: Any, bundle: Bundle | None) -> OrcaDefaults:
         policy=Policy(args.orca_policy), answer_budget=args.orca_answer_budget,
         effort_map=dict(DEFAULT_EFFORT_MAP if table is None else table),
         give_up_delta=getattr(args, "orca_give_up_delta", None),
-        give_up_policy=getattr(args, "orca_give_up_policy", None) or DEFAULTS["give_up_policy"])
+        give_up_policy=GiveUpPolicy(getattr(args, "orca_give_up_policy", None)
+                                    or DEFAULTS["give_up_policy"]))
 
 
 def served_model_name(args: Any) -> str:

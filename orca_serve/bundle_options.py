@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from orca_method.bundle import BundleError
+from orca_method.outcomes import GiveUpPolicy
 from orca_serve.effort import check_effort_map
 
 if TYPE_CHECKING:
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def check_options(bundle: Bundle, *, delta: float | None, give_up_delta: float | None,
-                  give_up_policy: str, effort_map: Mapping[str, str | float]) -> None:
+                  give_up_policy: GiveUpPolicy, effort_map: Mapping[str, str | float]) -> None:
     """Refuse (BundleError, one line starting with the option) a bundle lacking what the
     options name: --orca-delta's lambda*, --orca-give-up-delta's mu*, a delta of
     --orca-effort-map, or a give-up threshold certified for --orca-give-up-policy."""
@@ -41,11 +42,11 @@ def check_options(bundle: Bundle, *, delta: float | None, give_up_delta: float |
     check_give_up_policy(bundle, give_up_policy)
 
 
-def check_give_up_policy(bundle: Bundle, policy: str) -> None:
+def check_give_up_policy(bundle: Bundle, policy: GiveUpPolicy) -> None:
     """A two-sided bundle's mu* is served only under the give-up policy it was certified for.
 
-    Each policy has its own give-up loss (orca_method.give_up.give_up_losses): under "message" a
-    given-up request answers nothing, and "guess"'s loss does not bound that cost (docs/METHOD.md
+    Each policy has its own give-up loss (orca_method.give_up.give_up_losses): under MESSAGE a
+    given-up request answers nothing, and GUESS's loss does not bound that cost (docs/METHOD.md
     section 9, "The guarantee per give-up policy"); the other way round the guarantee holds but
     the bundle's table, and what the live audit and `audit-report` measure, are another policy's.
     A one-sided bundle never gives up: any policy."""
@@ -53,7 +54,7 @@ def check_give_up_policy(bundle: Bundle, policy: str) -> None:
         return
     certified = bundle.give_up.policy
     raise BundleError(f"--orca-give-up-policy {policy}: the bundle's give-up threshold mu* was "
-                      f"certified for give-up policy {certified!r}, not {policy!r}, and each has "
+                      f"certified for give-up policy '{certified}', not '{policy}', and each has "
                       f"its own give-up loss (docs/METHOD.md section 9); serve it with "
                       f"--orca-give-up-policy {certified}, or recalibrate with "
                       f"calibrate.give_up.policy: {policy}")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
-from orca_method.outcomes import ENDED_EARLY, FULL, GAVE_UP, GIVE_UP_POLICIES  # noqa: F401
+from orca_method.outcomes import Ended, GiveUpPolicy
 from orca_method.thresholds import lam_from_json, lam_to_json
 
 
@@ -45,6 +45,30 @@ _RULES = {Policy.ANSWER: PolicyRule(acts=True, answers=True),
           Policy.SHADOW: PolicyRule(acts=False, answers=False)}
 POLICIES: tuple[str, ...] = tuple(str(p) for p in Policy)  # names: what argparse lists in errors
 
+
+class StopReason(StrEnum):
+    """Why the engine stopped a request's reasoning (`OrcaResult.stop_reason`; None: it did
+    not): the probe's score crossed lambda*; the give-up score crossed mu*; or the budget guard
+    closed the reasoning to keep the answer's reserve before max_tokens (or a thinking budget).
+    """
+
+    PROBE = "probe"
+    GIVE_UP = "give_up"
+    BUDGET = "budget"
+
+
+class ShiftAction(StrEnum):
+    """What a request the shift gate flags runs with (the operator's choice,
+    `--orca-shift-action`; docs/METHOD.md section 11): FULL, full reasoning (no early stop, no
+    give-up); STRICT, the bundle's most conservative lambda* (no give-up); OFF, no gate."""
+
+    FULL = "full"
+    STRICT = "strict"
+    OFF = "off"
+
+
+SHIFT_ACTIONS: tuple[str, ...] = tuple(str(a) for a in ShiftAction)  # what argparse lists
+
 DEFAULT_ANSWER_BUDGET = 64
 # the largest answer budget a request may ask for: far above any context length, and inside the
 # integer range vLLM allows in extra_args (beyond it vLLM's own 400 names `extra_args`, a field
@@ -54,18 +78,13 @@ MIN_ANSWER_TOKENS = 8  # answer tokens the end-of-max_tokens reserve keeps (poli
 # what a request without its own orca_* arguments gets (the server's --orca-* options override)
 DEFAULTS: dict[str, Any] = {"enabled": 1, "delta": None, "policy": Policy.ANSWER,
                             "answer_budget": DEFAULT_ANSWER_BUDGET,
-                            "give_up_policy": "guess", "give_up_message": None,
-                            "shift_alpha": None, "shift_action": "full", "group": None}
-
-# What a request the shift gate flags runs with (the operator's choice, `--orca-shift-action`;
-# docs/METHOD.md section 11): "full": full reasoning (no early stop, no give-up); "strict": the
-# bundle's most conservative lambda* (no give-up); "off": no gate. `shift_alpha` None: the
-# bundle's own level.
-SHIFT_ACTIONS: tuple[str, ...] = ("full", "strict", "off")
+                            "give_up_policy": GiveUpPolicy.GUESS, "give_up_message": None,
+                            "shift_alpha": None, "shift_action": ShiftAction.FULL, "group": None}
+# `shift_alpha` None: the bundle's own level.
 
 # What a request that gives up returns (the operator's choice, `--orca-give-up-policy`; the names:
-# orca_method.outcomes): "guess": its answer at that point, as a stop would (policy answer),
-# flagged `ended: gave_up`; "message": the end-of-thinking text, then GIVE_UP_MESSAGE (or
+# orca_method.outcomes.GiveUpPolicy): GUESS: its answer at that point, as a stop would (policy
+# answer), flagged `ended: gave_up`; MESSAGE: the end-of-thinking text, then GIVE_UP_MESSAGE (or
 # --orca-give-up-message), then EOS.
 GIVE_UP_MESSAGE = "I could not solve this problem."
 
@@ -136,7 +155,7 @@ class OrcaResult:
     scores: list[float]
     reasoning_tokens: int
     forced_tokens: list[int]
-    stop_reason: str | None  # "probe", "give_up", "budget" or None
+    stop_reason: StopReason | None
     index: int
     bundle_checksum: str | None = None  # the bundle whose probe served it (None: none did)
     # the reasoning ended in the output (end tag or EOS); and how many reasoning tokens the prompt
@@ -166,14 +185,16 @@ class OrcaResult:
 
     def __post_init__(self) -> None:
         self.policy = Policy(self.policy)  # a name (the wire's) becomes its Policy
+        if self.stop_reason is not None:
+            self.stop_reason = StopReason(self.stop_reason)
 
     @property
-    def ended(self) -> str:
+    def ended(self) -> Ended:
         """How its reasoning ended (the response's `ended`): answered early (the probe's stop),
         gave up (the give-up threshold), or full (ran to its own end, a budget or a limit)."""
-        if self.stop_reason == "give_up":
-            return GAVE_UP
-        return ENDED_EARLY if self.stopped_early else FULL
+        if self.stop_reason == StopReason.GIVE_UP:
+            return Ended.GAVE_UP
+        return Ended.EARLY if self.stopped_early else Ended.FULL
 
     @property
     def two_sided(self) -> bool:
@@ -190,6 +211,7 @@ class OrcaResult:
         one-sided, no recording); arrays stay numpy arrays. A trajectory record's fields."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}  # no deep copy of arrays
         d["policy"] = str(self.policy)
+        d["stop_reason"] = None if self.stop_reason is None else str(self.stop_reason)
         d["lam"] = lam_to_json(self.lam)
         del d["ran_sampler"]
         for k, empty in (("notes", not self.notes), ("error", self.error is None)):

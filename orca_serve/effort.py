@@ -21,15 +21,27 @@ defaults).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Any
 
 # the levels vLLM 0.32 accepts in chat's `reasoning_effort` (and the Messages API's effort)
 EFFORT_LEVELS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
-SYMBOLS = ("largest", "default", "smallest", "off")
-OFF = "off"
-DEFAULT_EFFORT_MAP: dict[str, str | float] = {"minimal": "largest", "low": "largest",
-                                              "medium": "default", "high": "smallest",
-                                              "xhigh": OFF, "max": OFF}
+
+
+class Target(StrEnum):
+    """A table entry that names a delta by the bundle's table rather than by value: its largest
+    delta (the earliest stops), its default, its smallest, or none (OFF: no early stop)."""
+
+    LARGEST = "largest"
+    DEFAULT = "default"
+    SMALLEST = "smallest"
+    OFF = "off"
+
+
+SYMBOLS: tuple[str, ...] = tuple(str(t) for t in Target)  # what errors list
+DEFAULT_EFFORT_MAP: dict[str, str | float] = {
+    "minimal": Target.LARGEST, "low": Target.LARGEST, "medium": Target.DEFAULT,
+    "high": Target.SMALLEST, "xhigh": Target.OFF, "max": Target.OFF}
 
 
 def parse_effort_map(text: str) -> dict[str, str | float]:
@@ -43,7 +55,7 @@ def parse_effort_map(text: str) -> dict[str, str | float]:
             raise ValueError(f"{item!r}: expected LEVEL=TARGET with LEVEL one of "
                              f"{', '.join(EFFORT_LEVELS)}")
         if target in SYMBOLS:
-            table[level] = target
+            table[level] = Target(target)
             continue
         try:
             delta = float(target)
@@ -58,13 +70,13 @@ def parse_effort_map(text: str) -> dict[str, str | float]:
 
 def effort_delta(target: str | float, deltas: list[float], default_delta: float) -> float | None:
     """The delta one table entry stands for with a bundle's deltas; None: no early stop."""
-    if target == OFF:
+    if target == Target.OFF:
         return None
-    if target == "largest":
+    if target == Target.LARGEST:
         return max(deltas)
-    if target == "smallest":
+    if target == Target.SMALLEST:
         return min(deltas)
-    if target == "default":
+    if target == Target.DEFAULT:
         return default_delta
     return float(target)
 

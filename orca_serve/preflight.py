@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orca_method.errors import first_line
+from orca_method.outcomes import GIVE_UP_POLICIES
 from orca_serve.argtypes import OneLineParser, OptionError, effort_map, fraction, integer
 from orca_serve.contract import (
     DEFAULTS,
     GIVE_UP_MESSAGE,
-    GIVE_UP_POLICIES,
     POLICIES,
     SHIFT_ACTIONS,
 )

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from orca_method.outcomes import FULL
+from orca_method.outcomes import Ended, Source
 from orca_method.thresholds import lam_to_json
 from orca_serve.apis import reasoning_spent, thinking_ended_by
 from orca_serve.contract import OrcaResult, Policy, merge_results
@@ -79,7 +79,7 @@ def choice_fields(result: OrcaResult | None, bundle: str | None = None,
     if result is None:
         return {"steps_scored": 0, "stopped_early": False, "stop_step": None,
                 "would_stop_step": None, "last_score": None, "reasoning_tokens": 0,
-                "forced_tokens": 0, "stop_reason": None, "ended": FULL,
+                "forced_tokens": 0, "stop_reason": None, "ended": Ended.FULL,
                 "thinking_ended_by": None, "error": NO_RESULT}
     r = result
     out: dict[str, Any] = {
@@ -109,7 +109,7 @@ def give_up_acts(settings: OrcaSettings, policy: Policy) -> bool:
     policy that never acts (shadow, what an audited request runs as: it runs to its end), nor
     when the audit's guard turned give-up off (source fallback)."""
     return (policy.rule.acts and not settings.audited
-            and settings.give_up_source != "fallback")
+            and settings.give_up_source != Source.FALLBACK)
 
 
 def orca_object(settings: OrcaSettings,

@@ -18,11 +18,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any, Protocol
 
 from pydantic import ValidationError
 
 from orca_method.bundle import Bundle, BundleError
+from orca_method.outcomes import GiveUpPolicy, Source
 from orca_method.thresholds import lam_to_json
 from orca_serve.contract import (
     DEFAULTS,
@@ -62,7 +64,16 @@ class OrcaDefaults:
     answer_budget: int | None = None  # None: the plugin's own default (DEFAULTS)
     effort_map: dict[str, str | float] = field(default_factory=lambda: dict(DEFAULT_EFFORT_MAP))
     give_up_delta: float | None = None  # --orca-give-up-delta: None = requests do not give up
-    give_up_policy: str = DEFAULTS["give_up_policy"]  # what a given-up request returns
+    give_up_policy: GiveUpPolicy = DEFAULTS["give_up_policy"]  # what a given-up request returns
+
+
+class DeltaSource(StrEnum):
+    """Where a request's delta (or its `enabled`) comes from (the response's `delta_source`):
+    the server's default, the request's own `orca.delta`, or its reasoning effort."""
+
+    SERVER = "server"
+    REQUEST = "request"
+    EFFORT = "effort"
 
 
 @dataclass(frozen=True)
@@ -76,19 +87,18 @@ class OrcaSettings:
     lam: float | None = None  # lambda*(delta), NEVER: never stops early; None: disabled
     answer_budget: int | None = None
     n: int = 1
-    # where `lam` comes from: bundle | fallback | audit (the audit's guard) | group (the table
-    # of the request's group)
-    lam_source: str = "bundle"
+    # where `lam` comes from (AUDIT: the audit's guard; GROUP: the table of the request's group)
+    lam_source: Source = Source.BUNDLE
     audited: bool = False  # picked for a live audit: runs in shadow with record mode on
     bundle: str | None = None  # checksum of the bundle `lam` was resolved with
-    delta_source: str = "server"  # where `delta` (or `enabled`) comes from: request | effort | server
+    delta_source: DeltaSource = DeltaSource.SERVER  # where `delta` (or `enabled`) comes from
     effort: str | None = None  # the request's reasoning effort, when it chose the delta
     thinking_budget: int | None = None  # vLLM's thinking_token_budget of the request, if any
     give_up_delta: float | None = None  # None: the request does not give up
     give_up_mu: float | None = None  # mu*(give_up_delta); None: never gives up
-    give_up_policy: str | None = None  # what it returns if it gives up (GIVE_UP_POLICIES)
-    # where give_up_mu comes from: bundle | fallback (guard: off) | group (its group's table)
-    give_up_source: str = "bundle"
+    give_up_policy: GiveUpPolicy | None = None  # what it returns if it gives up
+    # where give_up_mu comes from (FALLBACK: guard off; GROUP: its group's table)
+    give_up_source: Source = Source.BUNDLE
     shift_alpha: float | None = None  # the request's own gate level; None: the engine's default
     group: str | None = None  # the request's `orca.group` tag, if any
     group_known: bool = False  # the bundle has that group's table (and served it)
@@ -120,11 +130,11 @@ class Thresholds(Protocol):
     (`BundleThresholds`), or the live audit's guards (`orca_serve.live_audit`), which may serve
     a recalibrated or a never-stop lambda, turn give-up off, and pick requests to audit."""
 
-    def lam(self, delta: float) -> tuple[float, str]:
+    def lam(self, delta: float) -> tuple[float, Source]:
         """(lambda*, its source) for `delta`; BundleError for a delta outside the table."""
         ...
 
-    def mu(self, give_up_delta: float) -> tuple[float, str]:
+    def mu(self, give_up_delta: float) -> tuple[float, Source]:
         """(mu*, its source) for `give_up_delta`, GIVE_UP_NEVER: never gives up; BundleError
         for a give-up delta outside the bundle's give-up table."""
         ...
@@ -142,15 +152,15 @@ class BundleThresholds:
     bundle: Bundle
     group: str | None = None
 
-    def lam(self, delta: float) -> tuple[float, str]:
+    def lam(self, delta: float) -> tuple[float, Source]:
         known = self.bundle.group(self.group) is not None
         return (resolve_lam(self.bundle.lam, delta, self.group if known else None),
-                "group" if known else "bundle")
+                Source.GROUP if known else Source.BUNDLE)
 
-    def mu(self, give_up_delta: float) -> tuple[float, str]:
+    def mu(self, give_up_delta: float) -> tuple[float, Source]:
         known = self.bundle.group(self.group) is not None
         return (self.bundle.mu(give_up_delta, self.group if known else None),
-                "group" if known else "bundle")
+                Source.GROUP if known else Source.BUNDLE)
 
     def admit(self, settings: OrcaSettings, body: dict[str, Any]) -> OrcaSettings:
         return settings
@@ -221,19 +231,19 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
 
     enabled = defaults.enabled if fields.enabled is None else fields.enabled
     delta = defaults.delta if fields.delta is None else float(fields.delta)
-    source = "server" if fields.delta is None else "request"
+    source = DeltaSource.SERVER if fields.delta is None else DeltaSource.REQUEST
     target = defaults.effort_map.get(effort) if effort is not None else None
     if target is not None and fields.delta is None:  # an explicit delta wins over the effort
         mapped = effort_delta(target, bundle.deltas(), bundle.default_delta)
         if mapped is not None:
-            delta, source = mapped, "effort"
+            delta, source = mapped, DeltaSource.EFFORT
         elif fields.enabled is None:  # "off", unless the request switched orca on itself
-            enabled, source = False, "effort"
+            enabled, source = False, DeltaSource.EFFORT
     n = body.get("n") or 1
     if not isinstance(n, int) or isinstance(n, bool):
         n = 1  # vLLM rejects it
     common = {"n": n, "bundle": bundle.checksum, "delta_source": source,
-              "effort": effort if source == "effort" else None,
+              "effort": effort if source == DeltaSource.EFFORT else None,
               "thinking_budget": thinking_budget}
     if not enabled:
         settings = OrcaSettings(key=new_key(), enabled=False, **common)
@@ -248,7 +258,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
             lam, lam_source = guard.lam(delta)
         except BundleError as e:
             param = ("vllm_xargs.orca_delta" if "delta" in given_x
-                     else "reasoning_effort" if source == "effort" else "orca.delta")
+                     else "reasoning_effort" if source == DeltaSource.EFFORT else "orca.delta")
             raise OrcaRequestError(str(e), param) from None
         if completions and prompt_count(body) > 1:
             raise OrcaRequestError("orca early stopping takes one prompt per /v1/completions "
@@ -265,7 +275,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
             shift_alpha=fields.shift_alpha, group=fields.group, group_known=known,
             **_give_up(fields.give_up, defaults, bundle, guard), **common)
         settings = guard.admit(settings, out)
-        if settings.lam_source in ("audit", "group"):
+        if settings.lam_source in (Source.AUDIT, Source.GROUP):
             # lambda* recalibrated on the live audits certifies today's traffic, a group's
             # lambda* its group's; the bundle's gate would flag that very traffic
             # (docs/METHOD.md sections 11 and 12)

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 from orca_method.errors import first_line
 from orca_serve import endpoint_plugin
+from orca_serve.contract import ShiftAction
 from orca_serve.model_checks import check_bundle
 from orca_serve.preflight import Preflight, add_orca_args, identity, model_kw, refuse_unsupported
 from orca_serve.startup_errors import PROG, StartupError
@@ -157,6 +158,6 @@ def vllm_args(pre: Preflight) -> argparse.Namespace:
                       "give_up_policy": defaults.give_up_policy,
                       "give_up_message": args.orca_give_up_message,
                       "shift_alpha": args.orca_shift_alpha,
-                      "shift_action": args.orca_shift_action}))
+                      "shift_action": ShiftAction(args.orca_shift_action)}))
     launch.configure_logging(args)
     return args

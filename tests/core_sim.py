@@ -16,6 +16,7 @@ from orca_method.probe import Probe, ProbeSpec
 from orca_method.procedure import replay
 from orca_method.steps import CLOSE, MERGE, NONE, STEP, STEP_PREV, Segmenter
 from orca_serve.core.engine import OrcaCore
+from orca_serve.core.registry import Entry
 from tests.bundles import tiny_bundle, write_bundle
 
 DIM = 16
@@ -152,7 +153,7 @@ def run(core: OrcaCore, sims: list[SimRequest], seed: int = 0, steps: int = 400,
             last = s.out[-1] if n else -1
             if s.lag_from is not None and n >= s.lag_from:
                 last = -1  # async scheduling: the id of the last token is not known yet
-            entries.append((s.req, row, n, s.out[-2] if n > 1 else -1, last))
+            entries.append(Entry(s.req, row, n, s.out[-2] if n > 1 else -1, last))
             rows.append(s.hidden[n - 1] if n else torch.randn(DIM))
         hidden = torch.stack(rows) if rows else torch.zeros(0, DIM)
         logits = torch.stack([s.logits[len(s.out)] for s in batch]) if batch else \

@@ -16,6 +16,7 @@ from orca_calibrate.evaluate import evaluate_bundle
 from orca_calibrate.synth import generate
 from orca_calibrate.train import save_probe, train_static
 from orca_method.bundle import load_bundle
+from orca_method.outcomes import GiveUpPolicy
 from orca_method.trajectories import TrajectorySet
 
 KW = {"dim": 32, "mean_steps": 30}
@@ -201,9 +202,9 @@ def test_audit_report_replays_the_give_up_guard(world):
             "gave_up": sum(long) / len(ts)}
     want[message] = want[certified]  # a give-up at the first step: the two losses agree
     assert 0.05 < want[certified] < want["gave_up"]
-    for label_mode, policy, loss in (("supervised", "guess", certified),
-                                     ("supervised", "message", message),
-                                     ("judge", "message", "gave_up")):
+    for label_mode, policy, loss in (("supervised", GiveUpPolicy.GUESS, certified),
+                                     ("supervised", GiveUpPolicy.MESSAGE, message),
+                                     ("judge", GiveUpPolicy.MESSAGE, "gave_up")):
         two = with_give_up(one, [(0.05, 0.4), (0.1, 0.6)])
         two = two.model_copy(update={"give_up": two.give_up.model_copy(
             update={"label_mode": label_mode, "policy": policy})})

@@ -14,7 +14,7 @@ from orca_method.bundle import (
     load_bundle,
     save_bundle,
 )
-from orca_method.outcomes import GIVE_UP_GUESS, GIVE_UP_MESSAGE
+from orca_method.outcomes import GiveUpPolicy
 from orca_method.thresholds import GIVE_UP_NEVER
 from tests.bundles import small_bundle, with_give_up
 
@@ -71,13 +71,13 @@ def test_the_give_up_policy_is_written_only_when_it_is_not_guess(tmp_path):
     for shipped in (DEMO / "bundle.json", DEMO / "long" / "bundle.json"):
         assert "policy" not in json.loads(shipped.read_text())["give_up"]
         b = load_bundle(shipped)
-        assert b.give_up.policy == GIVE_UP_GUESS
+        assert b.give_up.policy == GiveUpPolicy.GUESS
         save_bundle(b, tmp_path / "again.json")
         assert (tmp_path / "again.json").read_text() == shipped.read_text()
     guess = with_give_up(small_bundle(), [(0.05, 0.2)])
     message = guess.model_copy(update={"give_up": guess.give_up.model_copy(
-        update={"policy": GIVE_UP_MESSAGE})})
-    for b, written in ((guess, None), (message, GIVE_UP_MESSAGE)):
+        update={"policy": GiveUpPolicy.MESSAGE})})
+    for b, written in ((guess, None), (message, GiveUpPolicy.MESSAGE)):
         out = tmp_path / f"{b.give_up.policy}.json"
         sealed = save_bundle(b, out)
         assert json.loads(out.read_text())["give_up"].get("policy") == written

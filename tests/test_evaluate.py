@@ -10,6 +10,7 @@ from orca_calibrate.calibrate_cli import main
 from orca_calibrate.evaluate import evaluate_bundle, markdown_table
 from orca_calibrate.synth import generate
 from orca_calibrate.train import meta_train
+from orca_method.outcomes import GiveUpPolicy
 from orca_method.probe import ProbeSpec
 from orca_method.stop_metrics import stop_indices
 from orca_method.trajectories import TrajectorySet
@@ -123,7 +124,7 @@ def test_calibration_certifies_mu_for_the_give_up_policy_and_evaluation_measures
         assert g.delta == m.delta and mu_from_json(m.mu) <= mu_from_json(g.mu)
     # guess's mu*, measured as certified for "message"
     at_mu = guess.model_copy(update={"give_up": guess.give_up.model_copy(
-        update={"policy": "message"})})
+        update={"policy": GiveUpPolicy.MESSAGE})})
     idx = data.split("test")
     embs = [data.embeddings(i) for i in idx]
     stop = [s.numpy() for _, s in replay(guess.load_probe(), embs, window=guess.window)]

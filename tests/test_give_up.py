@@ -19,7 +19,7 @@ from orca_method.give_up import (
     two_sided_ends,
 )
 from orca_method.ltt import binomial_pvalues, calibrate, default_grid, n_rejected
-from orca_method.outcomes import GIVE_UP_GUESS, GIVE_UP_MESSAGE
+from orca_method.outcomes import GiveUpPolicy
 from orca_method.stop_metrics import losses, stop_indices
 from orca_method.thresholds import GIVE_UP_NEVER
 
@@ -59,13 +59,13 @@ def test_one_traces_loss_follows_the_give_up_policy():
     g = np.array([0.9, 0.1, 0.1, 0.9])  # gives up at step 1 under mu 0.2
     for labels, guess, message in (([1, 0, 0, 0], 0, 1), ([0, 0, 1, 0], 1, 1),
                                    ([0, 0, 0, 0], 0, 0), (None, 1, 1)):
-        assert request_give_up_loss(g, 0.2, labels, GIVE_UP_GUESS) == guess, labels
-        assert request_give_up_loss(g, 0.2, labels, GIVE_UP_MESSAGE) == message, labels
-    assert request_give_up_loss(g, 0.05, [1, 0, 0, 0], GIVE_UP_MESSAGE) == 0  # never gave up
+        assert request_give_up_loss(g, 0.2, labels, GiveUpPolicy.GUESS) == guess, labels
+        assert request_give_up_loss(g, 0.2, labels, GiveUpPolicy.MESSAGE) == message, labels
+    assert request_give_up_loss(g, 0.05, [1, 0, 0, 0], GiveUpPolicy.MESSAGE) == 0  # never gave up
     np.testing.assert_array_equal(lost_by_giving_up(np.array([2, 2, 2]), np.array([1, 3, -1]),
-                                                    GIVE_UP_MESSAGE), [True, True, False])
+                                                    GiveUpPolicy.MESSAGE), [True, True, False])
     np.testing.assert_array_equal(lost_by_giving_up(np.array([2, 2, 2]), np.array([1, 3, -1]),
-                                                    GIVE_UP_GUESS), [False, True, False])
+                                                    GiveUpPolicy.GUESS), [False, True, False])
     with pytest.raises(ValueError, match="give-up policy must be one of"):
         lost_by_giving_up(np.array([0]), np.array([0]), "stop")
 

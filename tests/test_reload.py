@@ -20,6 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from orca_method.bundle import Bundle, Labelling, _checksum, load_bundle, save_bundle
+from orca_method.outcomes import GiveUpPolicy
 from orca_serve.admin import AdminMiddleware
 from orca_serve.contract import XARG_KEY
 from orca_serve.effort import parse_effort_map
@@ -222,7 +223,7 @@ def test_a_bundle_certified_for_another_give_up_policy_is_refused(paths, tmp_pat
     the served policy reloads."""
     two = with_give_up(load_bundle(paths["b"]), [(0.05, 0.1)])
     certified = {}
-    for policy in ("guess", "message"):
+    for policy in GiveUpPolicy:  # model_copy does not validate: members, as a load gives
         certified[policy] = tmp_path / f"{policy}.json"
         save_bundle(two.model_copy(update={"give_up": two.give_up.model_copy(
             update={"policy": policy})}), certified[policy])

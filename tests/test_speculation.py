@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from orca_serve.contract import DEFAULTS, XARG_KEY
-from orca_serve.core.speculation import DraftSteps
+from orca_serve.core.speculation import DraftEntry, DraftSteps
 from tests.core_sim import (
     DIM,
     EOS,
@@ -86,7 +86,7 @@ def run_speculative(core, sims: list[SimRequest], k: int, p_right: float, seed: 
             for i, tok in enumerate(props):
                 ok = ok and tok == s.stream[n + i]
                 hidden.append(s.hidden[n + i] if ok else torch.randn(DIM))
-        entries = [(req, sum(1 + len(p) for _, p in proposals[:j]), c, out)
+        entries = [DraftEntry(req, sum(1 + len(p) for _, p in proposals[:j]), c, out)
                    for j, (req, c, out) in enumerate(entries)]
         h = torch.stack(hidden) if hidden else torch.zeros(0, DIM)
         logits = torch.stack([s.logits[len(s.out) + i] for s, props in proposals

@@ -21,7 +21,9 @@ from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import DriftReference
 from orca_method.give_up import request_give_up_loss
 from orca_method.ltt import calibrate, default_grid
+from orca_method.outcomes import OnAlarm, Source
 from orca_method.thresholds import GIVE_UP_NEVER, NEVER, lam_from_json, lam_to_json, mu_from_json
+
 
 class CS(Protocol):
     """What the guard needs of its statistics (orca_serve.live_audit.CensoredAlarm): the whole
@@ -115,12 +117,12 @@ class DeltaGuard:
     delta: float
     bundle_lam: float  # inf = never stops early
     cs: CS
-    on_alarm: str = "report"
+    on_alarm: OnAlarm = OnAlarm.REPORT
     epsilon: float = 0.05  # the bundle's, split across recalibrations
     floor: float = 0.0  # a recalibrated lambda is served at least this high
     drift_k: int = 10  # the drift statistics' early-mean steps (the bundle's smoothing window)
     lam: float = NEVER
-    source: str = "bundle"
+    source: Source = Source.BUNDLE
     engaged: bool = False  # alarmed and not cleared yet
     waiting_since: int | None = None  # recalibrate: the admission number the wait began at
     recalibrations: int = 0
@@ -129,6 +131,7 @@ class DeltaGuard:
 
     def __post_init__(self) -> None:
         self.lam = self.bundle_lam
+        self.on_alarm = OnAlarm(self.on_alarm)  # a name (the CLI's) becomes its OnAlarm
 
     @property
     def alarm(self) -> bool:
@@ -157,14 +160,14 @@ class DeltaGuard:
         (evidence that the bundle's lambda* holds again), not when the lower bound dips: that
         would flap with every loss near the boundary.
         """
-        if self.on_alarm == "recalibrate":
+        if self.on_alarm == OnAlarm.RECALIBRATE:
             self._recalibrate(now, window, ltt, make_cs)
             return self.trust()
         self.engaged = engagement(self.engaged, self.cs, self.delta)
-        if self.engaged and self.on_alarm == "fallback":
-            self.lam, self.source = NEVER, "fallback"
+        if self.engaged and self.on_alarm == OnAlarm.FALLBACK:
+            self.lam, self.source = NEVER, Source.FALLBACK
         else:
-            self.lam, self.source = self.bundle_lam, "bundle"
+            self.lam, self.source = self.bundle_lam, Source.BUNDLE
 
     def _recalibrate(self, now: int, window: Callable[[int], Window | None],
                      ltt: Callable[[list[np.ndarray], list[np.ndarray], float, float], float],
@@ -176,7 +179,7 @@ class DeltaGuard:
         if self.waiting_since is not None:
             data = window(self.waiting_since)
             if data is None:
-                self.lam, self.source = NEVER, "fallback"
+                self.lam, self.source = NEVER, Source.FALLBACK
                 return
             k = self.recalibrations + 1
             eps = recalibration_epsilon(self.epsilon, k)
@@ -184,9 +187,9 @@ class DeltaGuard:
             self.served = Recalibrated(k, eps, lam, now, make_cs(), self._window_drift(data[0]))
             self.recalibrations, self.waiting_since = k, None
         if self.served is not None:
-            self.lam, self.source = self.served.lam, "audit"
+            self.lam, self.source = self.served.lam, Source.AUDIT
         else:
-            self.lam, self.source = self.bundle_lam, "bundle"
+            self.lam, self.source = self.bundle_lam, Source.BUNDLE
 
     def _window_drift(self, scores: list[np.ndarray]) -> DriftMonitor | None:
         """A drift test against the recalibration window's own scores (docs/AUDIT.md, "While
@@ -211,7 +214,7 @@ class DeltaGuard:
         self.cs = CensoredAlarm.from_dict(d["cs"])
         self.engaged, self.waiting_since = bool(d["engaged"]), d["waiting_since"]
         self.recalibrations = int(d["recalibrations"])
-        self.lam, self.source = lam_from_json(d["lam"]), d["source"]
+        self.lam, self.source = lam_from_json(d["lam"]), Source(d["source"])
         r = d["served"]
         self.served = None if r is None else Recalibrated(
             r["k"], r["epsilon"], lam_from_json(r["lam"]), r["since"],
@@ -232,15 +235,15 @@ class DeltaGuard:
         drift = None if self.served is None else self.served.drift
         self.distrusted = drift is not None and drift.alarming
         if self.distrusted:
-            self.lam, self.source = NEVER, "fallback"
+            self.lam, self.source = NEVER, Source.FALLBACK
         elif self.served is not None and self.waiting_since is None:
-            self.lam, self.source = self.served.lam, "audit"
+            self.lam, self.source = self.served.lam, Source.AUDIT
 
     def row(self) -> dict[str, Any]:
         out = {**_cs_row(self.cs, self.delta), "engaged": self.engaged,
                "lambda": lam_to_json(self.lam), "lambda_source": self.source,
                "bundle_lambda": lam_to_json(self.bundle_lam)}
-        if self.on_alarm == "recalibrate":
+        if self.on_alarm == OnAlarm.RECALIBRATE:
             out.update(recalibrations=self.recalibrations, waiting_since=self.waiting_since,
                        distrusted=self.distrusted,
                        recalibrated=None if self.served is None else _served_row(self))
@@ -262,21 +265,23 @@ class GiveUpGuard:
     delta: float
     bundle_mu: float  # GIVE_UP_NEVER = never gives up
     cs: CS
-    on_alarm: str = "report"
+    on_alarm: OnAlarm = OnAlarm.REPORT
     mu: float = GIVE_UP_NEVER  # the mu* requests are served with
-    source: str = "bundle"  # bundle | fallback (give-up off)
+    source: Source = Source.BUNDLE  # BUNDLE | FALLBACK (give-up off)
     engaged: bool = False
 
     def __post_init__(self) -> None:
         self.mu = self.bundle_mu
+        self.on_alarm = OnAlarm(self.on_alarm)
 
     def observe(self, scores: list[float] | None) -> None:
         """One audit's give-up scores (None: censored, its loss unknown), then the decision."""
         self.cs.update(0.0 if scores is None else request_give_up_loss(
             np.asarray(scores), self.bundle_mu, None), scores is None)
         self.engaged = engagement(self.engaged, self.cs, self.delta)
-        off = self.engaged and self.on_alarm != "report"
-        self.mu, self.source = (GIVE_UP_NEVER, "fallback") if off else (self.bundle_mu, "bundle")
+        off = self.engaged and self.on_alarm != OnAlarm.REPORT
+        self.mu, self.source = ((GIVE_UP_NEVER, Source.FALLBACK) if off
+                                else (self.bundle_mu, Source.BUNDLE))
 
     def row(self) -> dict[str, Any]:
         return {**_cs_row(self.cs, self.delta), "engaged": self.engaged,
@@ -290,7 +295,7 @@ class GiveUpGuard:
 
     def restore(self, d: dict[str, Any]) -> None:
         self.cs = CensoredAlarm.from_dict(d["cs"])
-        self.engaged, self.source = bool(d["engaged"]), d["source"]
+        self.engaged, self.source = bool(d["engaged"]), Source(d["source"])
         self.mu = mu_from_json(d["mu"])
 
 

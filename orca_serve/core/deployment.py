@@ -22,6 +22,7 @@ from orca_method.procedure import ProbeBank
 from orca_method.shift_gate import ShiftGate
 from orca_method.steps import TokenTable
 from orca_method.thresholds import NEVER, lam_from_json
+from orca_serve.contract import ShiftAction
 
 log = logging.getLogger("orca_serve.core")
 
@@ -31,7 +32,7 @@ class Deployment:
 
     def __init__(self, cfg: Mapping[str, Any], tokenizer: Any, *, hidden_size: int,
                  model_name: str, eos_ids: set[int], capacity: int,
-                 device: torch.device, shift_action: str = "full") -> None:
+                 device: torch.device, shift_action: ShiftAction = ShiftAction.FULL) -> None:
         self.bundle = None
         path = cfg.get("bundle")
         if path:
@@ -54,7 +55,7 @@ class Deployment:
         self.gate: ShiftGate | None = None
         if self.bundle is not None:
             g = self.bundle.give_up
-            if shift_action != "off":
+            if shift_action != ShiftAction.OFF:
                 self.gate = self.bundle.load_gate(device)
             self.bank = ProbeBank(self.bundle.load_probe(), window=self.bundle.window,
                                   capacity=capacity, device=device,
@@ -95,10 +96,10 @@ class Deployment:
                 "default_delta": self.default_delta, "normalization": self.normalization}
 
 
-def safe_lam(bundle: Any, action: str) -> float:
-    """The threshold a request the gate flags runs with: never stop ("full"), or the bundle's
-    most conservative lambda* ("strict": the largest)."""
-    if action != "strict":
+def safe_lam(bundle: Any, action: ShiftAction) -> float:
+    """The threshold a request the gate flags runs with: never stop (FULL), or the bundle's
+    most conservative lambda* (STRICT: the largest)."""
+    if action != ShiftAction.STRICT:
         return NEVER
     return max(lam_from_json(r.lam) for r in bundle.ltt.rows)
 

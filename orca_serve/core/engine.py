@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from orca_method.outcomes import GiveUpPolicy
 from orca_serve.contract import (
     DEFAULTS,
     GIVE_UP_MESSAGE,
@@ -49,17 +50,17 @@ from orca_serve.contract import (
 from orca_serve.core.admission import Admission
 from orca_serve.core.deployment import Deployment, Deployments
 from orca_serve.core.device_step import DeviceStep
-from orca_serve.core.plan import Entry, StepPlan, apply_readback, plan_step
-from orca_serve.core.registry import Request, Results
+from orca_serve.core.plan import StepPlan, apply_readback, plan_step
+from orca_serve.core.registry import Entry, Request, Results
 from orca_serve.core.table import RequestTable
 
 log = logging.getLogger("orca_serve.core")
 
 
 def give_up_message_ids(tokenizer: Any, defaults: Mapping[str, Any]) -> list[int] | None:
-    """The ids of the message a give-up answers with under the "message" policy (None: a
+    """The ids of the message a give-up answers with under the MESSAGE give-up policy (None: a
     given-up request answers with its best current guess)."""
-    if defaults.get("give_up_policy") != "message":
+    if defaults.get("give_up_policy") != GiveUpPolicy.MESSAGE:
         return None
     text = defaults.get("give_up_message") or GIVE_UP_MESSAGE
     return list(tokenizer.encode(text, add_special_tokens=False))
@@ -219,8 +220,8 @@ class OrcaCore:
         except Exception as e:  # never take the engine down: fail the tracked requests
             log.exception("orca core failed in a step; disabling it for the requests in it")
             self._pending = None
-            for req, *_ in entries:
-                req.fail(f"internal error: {e!r}")
+            for entry in entries:
+                entry.req.fail(f"internal error: {e!r}")
         dt = perf_counter_ns() - t0
         self.stats["probe_ns"] += dt
         self.stats["active_steps"] += 0 if replay else 1

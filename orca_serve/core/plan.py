@@ -16,12 +16,10 @@ from typing import Any
 from orca_method.steps import CLOSE, MERGE, NONE, STEP_PREV
 from orca_method.thresholds import GIVE_UP_NEVER, NEVER
 from orca_serve.core.deployment import Deployment
-from orca_serve.core.registry import Request
+from orca_serve.contract import StopReason
+from orca_serve.core.registry import Entry, Request
 from orca_serve.core.speculation import UNKNOWN, forced_rows, greedy_rows
 from orca_serve.core.stopping import request_plan, stop_request
-
-# one entry per tracked row and step: (request, logits row, output length, id at n-2, id at n-1)
-Entry = tuple[Request, int, int, int, int]
 
 
 @dataclass(slots=True)
@@ -118,7 +116,7 @@ def plan_step(entries: list[Entry], n_rows: int, stats: dict[str, Any]) -> StepP
         guard = (req.guard_pos is not None and n >= req.guard_pos and not req.stopped
                  and req.active and req.seg.reasoning)
         if guard:
-            stop_request(req, n, "budget")
+            stop_request(req, n, StopReason.BUDGET)
         if scores_now and req.enabled and (not req.stopped or guard):
             scored.append((req.dep, req, len(p.emit_ops) - 1, row, n, guard))
         if req.plan:
@@ -238,7 +236,7 @@ def apply_readback(pending: list[tuple[Request, int, bool, int]], host: list[lis
             if guard_stopped:
                 continue  # the budget guard closed it at this step already: its plan stands
             req.give_up_step = req.steps_scored
-            _end(req, pos, rows, "give_up")
+            _end(req, pos, rows, StopReason.GIVE_UP)
             continue
         if hit[i] < 0.5:
             continue
@@ -248,12 +246,12 @@ def apply_readback(pending: list[tuple[Request, int, bool, int]], host: list[lis
             continue
         req.stop_step = req.steps_scored
         if guard_stopped:  # a guard stop at the same step already planned the same
-            req.stop_reason = "probe"
+            req.stop_reason = StopReason.PROBE
             continue
-        _end(req, pos, rows, "probe")
+        _end(req, pos, rows, StopReason.PROBE)
 
 
-def _end(req: Request, pos: int, rows: int, reason: str) -> None:
+def _end(req: Request, pos: int, rows: int, reason: StopReason) -> None:
     """A device-decided stop or give-up at `pos`: plan the rest, record what was forced."""
     stop_request(req, pos, reason)
     if pos >= req.decided_until:  # else nothing was forced: see core/speculation.py

@@ -14,10 +14,10 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from orca_method.steps import Segmenter
-from orca_serve.contract import OrcaResult, Policy
+from orca_serve.contract import OrcaResult, Policy, StopReason
 from orca_serve.core.deployment import Deployment
 from orca_serve.xargs import RequestSpec
 
@@ -68,7 +68,7 @@ class Request:
         self.steps_scored = 0
         self.stopped = False
         self.stop_step: int | None = None
-        self.stop_reason: str | None = None
+        self.stop_reason: StopReason | None = None
         self.would_stop_step: int | None = None
         self.give_up_step: int | None = None
         self.last_give_up: float | None = None  # the give-up probe's last smoothed score
@@ -136,7 +136,7 @@ class Request:
             enabled=self.enabled, policy=self.policy, delta=self.spec.delta,
             lam=lam,
             steps_scored=self.steps_scored,
-            stopped_early=self.stopped and self.stop_reason == "probe",
+            stopped_early=self.stopped and self.stop_reason == StopReason.PROBE,
             stop_step=self.stop_step, would_stop_step=self.would_stop_step,
             last_score=self.scores[-1] if self.scores else None, scores=list(self.scores),
             reasoning_tokens=self.seg.counted_total,
@@ -160,6 +160,17 @@ class Request:
             r.prompt_token_ids = self.prompt
             r.output_token_ids = None if self.output is None else [int(t) for t in self.output]
         return r
+
+
+class Entry(NamedTuple):
+    """One tracked row of one engine step, as an adapter hands it to the core (`OrcaCore.step`;
+    a tuple underneath: the step's loop unpacks it at tuple speed)."""
+
+    req: Request
+    row: int  # its logits (and hidden) row in this step
+    n: int  # the request's output length
+    prev_id: int  # the token id at n - 2 (-1: none, or not known yet under async scheduling)
+    last_id: int  # the token id at n - 1 (likewise)
 
 
 class Results:

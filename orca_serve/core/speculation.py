@@ -30,17 +30,24 @@ open, at most k tokens after the one plain decoding forces.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from orca_serve.core.registry import Request
+from orca_serve.core.registry import Entry, Request
 
 UNKNOWN = -1  # a token id not known yet (async scheduling placeholder) or absent
 
-# one tracked request in a speculative step: (request, its first logits row, rows it owns,
-# its output ids: the engine's live list, accepted tokens only)
-DraftEntry = tuple[Request, int, int, Sequence[int]]
+
+
+class DraftEntry(NamedTuple):
+    """One tracked request in a speculative step, as the V1 adapter hands it over."""
+
+    req: Request
+    first: int  # its first logits row
+    count: int  # the logits rows it owns (1 + its draft rows)
+    out: Sequence[int]  # its output ids: the engine's live list, accepted tokens only
 
 
 def plan_start(req: Request, pos: int) -> int:
@@ -93,8 +100,8 @@ class DraftSteps:
             n = len(out)
             replays.append(self._accepted(req, out, n))
             req.decided_until = n
-            final.append((req, first, n, out[n - 2] if n > 1 else UNKNOWN,
-                          out[n - 1] if n else UNKNOWN))
+            final.append(Entry(req, first, n, out[n - 2] if n > 1 else UNKNOWN,
+                               out[n - 1] if n else UNKNOWN))
             if count > 1:
                 drafts.append((req, n, first + 1, count - 1))
         if drafts and (hidden is None or hidden.shape[0] != logits.shape[0]):
@@ -149,7 +156,7 @@ class DraftSteps:
         for d in range(depth):
             batch = [s[len(s) - depth + d] for s in replays if len(s) >= depth - d]
             h = torch.stack([row for _, _, row, _ in batch])  # [r, d]
-            entries = [(req, i, n, out[n - 2] if n > 1 else UNKNOWN, out[n - 1])
+            entries = [Entry(req, i, n, out[n - 2] if n > 1 else UNKNOWN, out[n - 1])
                        for i, (req, n, _, out) in enumerate(batch)]
             # nothing is forced into a decided position: the logits are a [r, 0] placeholder
             self.core.step(entries, h, h.new_empty((len(batch), 0)), replay=True)

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from orca_serve.contract import MIN_ANSWER_TOKENS, Policy
+from orca_serve.contract import MIN_ANSWER_TOKENS, Policy, StopReason
 from orca_serve.core.speculation import plan_start
 
 if TYPE_CHECKING:
@@ -71,11 +71,11 @@ def guard_position(policy: Policy, *, max_tokens: int | None, reserve: int | Non
 
 def request_plan(req: Request, pos: int) -> StopPlan:
     """`stop_plan` of a tracked request stopping at output position `pos`. A give-up under the
-    operator's "message" policy forces the end-of-thinking text, the message and EOS (its first
-    token is the stop plan's, which the device may have forced already; without an
+    operator's MESSAGE give-up policy forces the end-of-thinking text, the message and EOS (its
+    first token is the stop plan's, which the device may have forced already; without an
     end-of-thinking text, think tags off, the give-up answers as a stop would)."""
-    if (req.stop_reason == "give_up" and req.give_up_ids is not None and req.policy.rule.answers
-            and req.dep.force_ids):
+    if (req.stop_reason == StopReason.GIVE_UP and req.give_up_ids is not None
+            and req.policy.rule.answers and req.dep.force_ids):
         return stop_plan(Policy.ANSWER, pos, force_ids=req.dep.force_ids + req.give_up_ids,
                          eos=req.eos, answer_budget=0, max_tokens=req.max_tokens,
                          ignore_eos=req.ignore_eos)
@@ -84,7 +84,7 @@ def request_plan(req: Request, pos: int) -> StopPlan:
                      ignore_eos=req.ignore_eos)
 
 
-def stop_request(req: Request, pos: int, reason: str) -> None:
+def stop_request(req: Request, pos: int, reason: StopReason) -> None:
     """The request stops at `pos`: segmentation and scoring end, its forced text and its greedy
     answer are planned."""
     req.stopped = True

@@ -10,6 +10,7 @@ import logging
 import math
 
 from orca_method.audit.guards import DeltaGuard, GiveUpGuard
+from orca_method.outcomes import Source
 
 logger = logging.getLogger("orca_serve.live_audit")
 
@@ -22,7 +23,7 @@ def shown_mu(mu: float) -> str:
     return "never (no give-up)" if math.isinf(mu) else f"{mu:g}"
 
 
-def log_change(g: DeltaGuard, was_engaged: bool, was_source: str, was_lam: float) -> None:
+def log_change(g: DeltaGuard, was_engaged: bool, was_source: Source, was_lam: float) -> None:
     """One server-log line per change of a guard: alarm raised or cleared, and the lambda served
     (fallback, recalibrated, the bundle's again)."""
     n, d = int(g.cs.n), f"{g.delta:g}"
@@ -35,13 +36,14 @@ def log_change(g: DeltaGuard, was_engaged: bool, was_source: str, was_lam: float
         logger.info("orca audit: alarm at delta %s cleared after %d audits (upper bound %.3f <= "
                     "delta)", d, n, g.cs.upper)
     if (g.source, g.lam) != (was_source, was_lam):
-        how = {"fallback": "fallback", "audit": "recalibrated on the audits after the alarm",
-               "bundle": "the bundle's lambda*"}.get(g.source, g.source)
+        how = {Source.FALLBACK: "fallback",
+               Source.AUDIT: "recalibrated on the audits after the alarm",
+               Source.BUNDLE: "the bundle's lambda*"}[g.source]
         logger.warning("orca audit: delta %s now served with lambda %s (%s; was %s)", d,
                        shown_lam(g.lam), how, shown_lam(was_lam))
 
 
-def log_give_up_change(g: GiveUpGuard, was_engaged: bool, was_source: str) -> None:
+def log_give_up_change(g: GiveUpGuard, was_engaged: bool, was_source: Source) -> None:
     """One server-log line per change of a give-up guard: alarm raised or cleared, give-up
     turned off or on again."""
     n, d = int(g.cs.n), f"{g.delta:g}"
@@ -56,4 +58,4 @@ def log_give_up_change(g: GiveUpGuard, was_engaged: bool, was_source: str) -> No
     if g.source != was_source:
         logger.warning("orca audit: give-up delta %s now %s", d,
                        "off (requests reason on; the stop thresholds are unchanged)"
-                       if g.source == "fallback" else f"on again (mu* {shown_mu(g.mu)})")
+                       if g.source == Source.FALLBACK else f"on again (mu* {shown_mu(g.mu)})")

@@ -47,6 +47,7 @@ from orca_method.audit.attrition import incomplete
 from orca_method.audit.drift import DriftMonitor
 from orca_method.audit.guards import CS, aligned_scores
 from orca_method.bundle import Bundle
+from orca_method.outcomes import GiveUpLoss, OnAlarm, Source
 from orca_method.probe import Probe
 from orca_method.procedure import replay
 from orca_method.risk import cumulative, is_counted
@@ -72,7 +73,7 @@ class _Job:
     result: OrcaResult  # recorded (record mode)
     seq: int  # admission number (AuditState.admitted when it was picked)
     finish_reason: str | None
-    lambda_source: str = "bundle"  # the guard's source of the lambda the request was admitted with
+    lambda_source: Source = Source.BUNDLE  # the guard's source of the admitted lambda
 
 
 # the request-path counts of a live audit (the table's and the metrics'), by cause
@@ -116,7 +117,7 @@ class LiveAudit:
         self._worker: asyncio.Task | None = None
 
     # -- the request path (cheap, synchronous; orca_serve.requests.Thresholds) ----------------
-    def lam(self, delta: float) -> tuple[float, str]:
+    def lam(self, delta: float) -> tuple[float, Source]:
         """(lambda*, source) an enabled request with `delta` runs with: its guard's, after what
         other processes journalled. BundleError for a delta outside the bundle's table."""
         self.bundle.lam(delta)  # the bundle's refusal, as without an audit
@@ -124,14 +125,14 @@ class LiveAudit:
         g = self.state.guard(delta)
         return g.lam, g.source
 
-    def mu(self, give_up_delta: float) -> tuple[float, str]:
+    def mu(self, give_up_delta: float) -> tuple[float, Source]:
         """(mu*, source) a request giving up at `give_up_delta` runs with (right after `lam`,
         which read what other processes journalled): the give-up guard's, GIVE_UP_NEVER with
         source `fallback` after its alarm (give-up off: the request reasons on). BundleError
         for a delta outside the bundle's give-up table."""
         mu = self.bundle.mu(give_up_delta)  # the bundle's refusal, as without an audit
         if not self.state.give_up_guards:
-            return mu, "bundle"
+            return mu, Source.BUNDLE
         gu = self.state.give_up_guard(give_up_delta)
         return gu.mu, gu.source
 
@@ -326,7 +327,7 @@ class LiveAudit:
             "guard_acts": st.guard_acts,
             "epsilon": self.bundle.ltt.epsilon,
             "epsilon_split": c.epsilon_split, "guard_epsilon": st.guard_epsilon,
-            "recalibrate_window": c.window if c.on_alarm == "recalibrate" else None,
+            "recalibrate_window": c.window if c.on_alarm == OnAlarm.RECALIBRATE else None,
             "directory": None if self.store is None else str(self.store.root),
             "journal": None if st.journal is None else str(st.journal.path),
             "store": store_state(st.journal),
@@ -338,7 +339,7 @@ class LiveAudit:
             "deltas": [g.row() for g in st.guards.values()],
             "give_up": None if not st.give_up_guards else {
                 "label_mode": self.bundle.give_up.label_mode,  # type: ignore[union-attr]
-                "loss": "gave_up", "guard_acts": st.give_up_acts,
+                "loss": GiveUpLoss.GAVE_UP, "guard_acts": st.give_up_acts,
                 "epsilon": self.bundle.give_up.ltt.epsilon,  # type: ignore[union-attr]
                 "guard_epsilon": st.give_up_epsilon,
                 "deltas": [g.row() for g in st.give_up_guards.values()]},

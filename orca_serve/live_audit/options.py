@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX, ProbeSettings
+from orca_method.outcomes import ON_ALARM, OnAlarm
 from orca_method.labels import require_math_verify
 from orca_serve.argtypes import fraction, integer
 from orca_serve.live_audit.journal import EventJournal, Journal, journal_path
@@ -22,11 +24,17 @@ from orca_serve.live_audit.store import AuditStore
 if TYPE_CHECKING:
     from orca_method.bundle import Bundle
 
-ON_ALARM = ("report", "fallback", "recalibrate")
-# how the guards share the bundle's epsilon (docs/AUDIT.md, "Several deltas"): each delta its
-# own epsilon, the bundle's per-delta statement (the default), or epsilon / k for each of k
-# deltas, so the bounds hold for all of them at once
-EPSILON_SPLITS = ("per-delta", "joint")
+
+class EpsilonSplit(StrEnum):
+    """How the guards share the bundle's epsilon (docs/AUDIT.md, "Several deltas"): PER_DELTA,
+    each delta its own epsilon, the bundle's per-delta statement (the default); JOINT, epsilon / k
+    for each of k deltas, so the bounds hold for all of them at once."""
+
+    PER_DELTA = "per-delta"
+    JOINT = "joint"
+
+
+EPSILON_SPLITS: tuple[str, ...] = tuple(str(s) for s in EpsilonSplit)  # what argparse lists
 # the stores a fleet can share its audit journal through (orca_serve/live_audit/fleet.py)
 STORE_SCHEMES = ("redis", "rediss", "unix")
 
@@ -38,8 +46,8 @@ class AuditConfig:
     seed: int | None = None
     directory: Path | None = None
     store: str | None = None  # the fleet's shared journal (a Redis URL); None: the directory's
-    on_alarm: str = "report"
-    epsilon_split: str = "per-delta"
+    on_alarm: OnAlarm = OnAlarm.REPORT
+    epsilon_split: EpsilonSplit = EpsilonSplit.PER_DELTA
     other_labels: bool = False  # let on_alarm act although the bundle's label mode is not the audit's
     window: int = 200  # audits LTT recalibrates on (on_alarm=recalibrate)
     queue: int = 64  # finished audits waiting for labels; more are dropped
@@ -84,7 +92,7 @@ def add_audit_args(g: argparse._ActionsContainer) -> None:
                    f"block's, else {DEFAULT_ANSWER_TOKENS}.")
     g.add_argument("--orca-audit-label-every", type=integer(1), default=1, metavar="K",
                    help="Probe every K-th step (and the last), as collect's label_every.")
-    g.add_argument("--orca-on-alarm", choices=ON_ALARM, default="report",
+    g.add_argument("--orca-on-alarm", choices=ON_ALARM, default=str(OnAlarm.REPORT),
                    help="When a delta's realized-risk lower bound exceeds delta: report only, "
                    "fallback (that delta stops early no more), or recalibrate (LTT on the "
                    "recent audits).")
@@ -94,7 +102,7 @@ def add_audit_args(g: argparse._ActionsContainer) -> None:
                    "certified one. Without it such a bundle's guard only reports.")
     g.add_argument("--orca-recalibrate-window", type=integer(1), default=200, metavar="N",
                    help="Audits LTT recalibrates on (--orca-on-alarm recalibrate).")
-    g.add_argument("--orca-audit-epsilon-split", choices=EPSILON_SPLITS, default="per-delta",
+    g.add_argument("--orca-audit-epsilon-split", choices=EPSILON_SPLITS, default=str(EpsilonSplit.PER_DELTA),
                    help="per-delta: each delta's alarm and recalibrations at the bundle's "
                    "epsilon (LTT's own per-delta statement); joint: epsilon / (number of "
                    "deltas) each, so the bounds hold for all deltas at once.")
@@ -104,7 +112,7 @@ def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
     """Raise ValueError (one line) for settings that cannot work; before vLLM is imported."""
     if not has_bundle:
         if (ns.orca_audit_rate > 0 or ns.orca_audit_dir or ns.orca_audit_store
-                or ns.orca_on_alarm != "report"
+                or ns.orca_on_alarm != OnAlarm.REPORT
                 or ns.orca_guard_other_labels):
             raise ValueError("auditing (--orca-audit-*, --orca-on-alarm) needs --calib (a bundle)")
         return
@@ -112,9 +120,10 @@ def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
         raise ValueError("--orca-audit-suffix is empty: the answer probes need the text that "
                          "forces an answer")
     if ns.orca_audit_rate == 0:  # options that act on audits mean nothing without them
+        acts = ns.orca_on_alarm != OnAlarm.REPORT
         for opt, is_set in (("--orca-audit-dir", ns.orca_audit_dir is not None),
                             ("--orca-audit-store", ns.orca_audit_store is not None),
-                            (f"--orca-on-alarm {ns.orca_on_alarm}", ns.orca_on_alarm != "report")):
+                            (f"--orca-on-alarm {ns.orca_on_alarm}", acts)):
             if is_set:
                 raise ValueError(f"{opt} is set but --orca-audit-rate is 0: no request would be "
                                  "audited")
@@ -165,8 +174,9 @@ def audit_config(ns: argparse.Namespace, bundle: Bundle) -> AuditConfig:
         rate=ns.orca_audit_rate, seed=ns.orca_audit_seed,
         directory=Path(ns.orca_audit_dir).absolute() if ns.orca_audit_dir else None,
         store=ns.orca_audit_store,
-        on_alarm=ns.orca_on_alarm, other_labels=bool(ns.orca_guard_other_labels),
-        epsilon_split=getattr(ns, "orca_audit_epsilon_split", "per-delta"),
+        on_alarm=OnAlarm(ns.orca_on_alarm), other_labels=bool(ns.orca_guard_other_labels),
+        epsilon_split=EpsilonSplit(getattr(ns, "orca_audit_epsilon_split",
+                                           EpsilonSplit.PER_DELTA)),
         window=ns.orca_recalibrate_window, queue=ns.orca_audit_queue,
         per_dir=ns.orca_audit_per_dir, keep=ns.orca_audit_keep,
         probe=audit_labelling(ns, bundle))
@@ -184,9 +194,9 @@ def store_info(bundle: Any, probe: ProbeSettings) -> dict[str, Any]:
             "source": "orca-serve live audit"}
 
 
-def guard_epsilon(epsilon: float, deltas: int, split: str) -> float:
-    """The level each delta's guard spends: the bundle's epsilon, or a k-th of it (joint)."""
-    return epsilon / max(1, deltas) if split == "joint" else epsilon
+def guard_epsilon(epsilon: float, deltas: int, split: EpsilonSplit) -> float:
+    """The level each delta's guard spends: the bundle's epsilon, or a k-th of it (JOINT)."""
+    return epsilon / max(1, deltas) if split == EpsilonSplit.JOINT else epsilon
 
 
 def audit_journal(config: AuditConfig, bundle: Any) -> EventJournal:

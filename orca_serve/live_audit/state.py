@@ -27,11 +27,12 @@ from orca_method.audit.drift import reference_level
 from orca_method.audit.guards import CS, DeltaGuard, GiveUpGuard, Window, ltt_lambda
 from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import Bundle
+from orca_method.outcomes import ON_ALARM, OnAlarm
 from orca_method.risk import request_loss
 from orca_serve.live_audit.guard_log import log_change, log_give_up_change, shown_lam
 from orca_serve.live_audit.journal import SNAPSHOT_EVERY, EventJournal
 from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE
-from orca_serve.live_audit.options import EPSILON_SPLITS, ON_ALARM, AuditConfig, guard_epsilon
+from orca_serve.live_audit.options import EPSILON_SPLITS, AuditConfig, guard_epsilon
 
 logger = logging.getLogger("orca_serve.live_audit")
 
@@ -85,7 +86,7 @@ class AuditState:
         # statistics (cut at that level) stay observable on every request
         floor = reference_level([bundle.lam(d) for d in bundle.deltas()])
         self.guards = {d: DeltaGuard(d, bundle.lam(d), self.make_cs(),
-                                     config.on_alarm if self.guard_acts else "report",
+                                     config.on_alarm if self.guard_acts else OnAlarm.REPORT,
                                      epsilon=self.guard_epsilon,
                                      floor=0.0 if math.isinf(floor) else floor,
                                      drift_k=bundle.drift.k if bundle.drift else bundle.window)
@@ -104,8 +105,8 @@ class AuditState:
             gu.ltt.epsilon, len(gu.ltt.rows), config.epsilon_split)
         self.give_up_acts = config.other_labels
         make_gu = cs_factory or _default_cs_factory(self.give_up_epsilon or 0.0)
-        self.give_up_guards = {d: GiveUpGuard(d, bundle.mu(d), make_gu(),
-                                              config.on_alarm if self.give_up_acts else "report")
+        on_alarm = config.on_alarm if self.give_up_acts else OnAlarm.REPORT
+        self.give_up_guards = {d: GiveUpGuard(d, bundle.mu(d), make_gu(), on_alarm)
                                for d in bundle.give_up_deltas()}
         self.admitted = 0  # audits admitted so far; each audit's admission number is its seq
         # what became of each audit admitted after the oldest pending wait of a guard: its

@@ -55,7 +55,7 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
 )
 
 from orca_serve.core.pooling import IdReadback
-from orca_serve.core.registry import Request
+from orca_serve.core.registry import Entry, Request
 from orca_serve.core.speculation import UNKNOWN
 from orca_serve.vllm_compat import capture
 from orca_serve.vllm_compat.runner import NewRequests, find_mrv2_runner, offered_mrv2_runner
@@ -160,11 +160,11 @@ class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
                     continue
                 n = seq - int(prompt_len[slot])
                 pos, tid = self._fed.get(req.ident, (-1, UNKNOWN))
-                entries.append((req, row, n, tid if pos == n - 2 else UNKNOWN, UNKNOWN))
+                entries.append(Entry(req, row, n, tid if pos == n - 2 else UNKNOWN, UNKNOWN))
             self.core.step(entries, hidden, logits)
             if entries:  # this step's fed ids, read on the next step
                 self._ids.start(ctx.input_ids)
-                self._in_flight = [(req.ident, n - 1, row) for req, row, n, _, _ in entries]
+                self._in_flight = [(e.req.ident, e.n - 1, e.row) for e in entries]
         return logits
 
     def _read_fed_ids(self) -> None:

@@ -45,8 +45,8 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
 )
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcRequestState
 
-from orca_serve.core.registry import Request
-from orca_serve.core.speculation import DraftSteps
+from orca_serve.core.registry import Entry, Request
+from orca_serve.core.speculation import UNKNOWN, DraftEntry, DraftSteps
 from orca_serve.vllm_compat import capture
 from orca_serve.vllm_compat.runner import V1Runner, find_v1_runner
 from orca_serve.vllm_plugin import speculation
@@ -182,8 +182,8 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
             entries = []
             for row, (req, out) in self._scheduled():
                 n = len(out)
-                entries.append((req, row, n, out[n - 2] if n > 1 else -1,
-                                out[n - 1] if n else -1))
+                entries.append(Entry(req, row, n, out[n - 2] if n > 1 else UNKNOWN,
+                                     out[n - 1] if n else UNKNOWN))
             self.core.step(entries, hidden, logits)
         return logits
 
@@ -194,8 +194,9 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
         with self._lock:
             first = list(range(logits.shape[0])) if rows_per_request is None else \
                 [0, *itertools.accumulate(rows_per_request)]
-            entries = [(req, first[b], 1 if rows_per_request is None else rows_per_request[b],
-                        out) for b, (req, out) in self._scheduled()]
+            entries = [DraftEntry(req, first[b],
+                                  1 if rows_per_request is None else rows_per_request[b], out)
+                       for b, (req, out) in self._scheduled()]
             self._drafts.step(entries, hidden, logits)
 
     def _scheduled(self) -> list[tuple[int, tuple[Request, list[int]]]]:
