@@ -39,13 +39,14 @@ from tests.tiny_model import build_tiny_model
 LONGEST_FIRST = ["test_parallel", "test_speculation_engine", "test_fuzz_http", "test_audit_server",
                  "test_audit_fleet_server", "test_startup_stop", "test_demo", "test_demo_long",
                  "test_toy_job", "test_plugin", "test_server", "test_server_give_up",
-                 "test_server_apis", "test_stock_vllm", "test_hot_reload", "test_bundle"]
+                 "test_server_shift_gate", "test_server_apis", "test_stock_vllm", "test_hot_reload",
+                 "test_bundle"]
 
 
 # Modules that use one session-scoped server (`tiny_server`): one group, so one worker runs them
 # all and the server starts once.
 SHARED_SERVER = {"test_server": "tiny_server", "test_server_apis": "tiny_server",
-                 "test_server_give_up": "tiny_server"}
+                 "test_server_give_up": "tiny_server", "test_server_shift_gate": "tiny_server"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
