@@ -58,6 +58,10 @@ def known_vllm_issue(body: Any, status: int, message: str) -> str | None:
     """A 5xx that plain vLLM 0.32 gives as well (docs/KNOWN-ISSUES.md), named; None otherwise."""
     if status == 500 and not message.strip() and _huge_int(body):
         return "vLLM 0.32: an integer beyond 64 bits in a JSON schema is a 500"
+    so = body.get("structured_outputs") if isinstance(body, dict) else None
+    if (status == 500 and so is not None and not isinstance(so, dict)
+            and "has no attribute" in message):
+        return "vLLM 0.32: a structured_outputs that is not an object is a 500"
     return None
 
 

@@ -119,7 +119,8 @@ def test_deep_json_is_400_and_openapi_documents_orca(demo):
                 "AnthropicMessagesRequest"):
         assert "OrcaFields" in str(schemas[req]["properties"]["orca"])
     assert set(schemas["OrcaFields"]["properties"]) == {"enabled", "delta", "policy",
-                                                        "answer_budget", "give_up"}
+                                                        "answer_budget", "give_up",
+                                                        "shift_alpha", "group"}
     assert set(schemas["GiveUpFields"]["properties"]) == {"enabled", "delta"}
 
 
