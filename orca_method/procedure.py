@@ -172,13 +172,15 @@ class ProbeBank:
         smoothed = hist.index_select(0, rows).sum(1) / n.clamp(max=self.window)
         count[rows] = n
         lam = lam.to(self.device)
-        out = StepResult(raw=raw, smoothed=smoothed, stop=smoothed, steps=n)  # stop: set below
+        score = flag = None
         if self.gate is not None and gate is not None:
-            out.gate_score, out.gate_flag = self._gate(rows, phi, gate)
-            lam = self.gated(lam, gate.decide, out.gate_flag, self.gate_lam)
+            score, flag = self._gate(rows, phi, gate)
+            lam = self.gated(lam, gate.decide, flag, self.gate_lam)
             if mu is not None:
-                mu = self.gated(mu.to(self.device), gate.decide, out.gate_flag, GIVE_UP_NEVER)
-        stop = out.stop = smoothed >= lam
+                mu = self.gated(mu.to(self.device), gate.decide, flag, GIVE_UP_NEVER)
+        stop = smoothed >= lam
+        out = StepResult(raw=raw, smoothed=smoothed, stop=stop, steps=n, gate_score=score,
+                         gate_flag=flag)
         # a stopping row is not updated (its request ends here)
         self.probe.update_(fast, phi, logit, frozen=stop)
         if not contiguous:
