@@ -26,7 +26,7 @@ test-fast: setup
 	$(PYTEST) -q $(PARALLEL) -m "not vllm and not slow"
 
 demo: setup
-	.venv/bin/python -m orca_serve.demo $(DEMO_ARGS)
+	.venv/bin/python -m orca_serve.startup.demo $(DEMO_ARGS)
 
 bench: setup
 	.venv/bin/python benchmarks/bench_ltt.py

@@ -159,7 +159,7 @@ def worker(a: argparse.Namespace) -> None:
     def results(first: int, n: int) -> list:
         if a.config != "shadow":
             return []
-        from orca_serve.contract import merge_results
+        from orca_serve.settings.contract import merge_results
 
         keys = [f"r{i}" for i in range(first, first + n)]
         res = merge_results(llm.collective_rpc("orca_results", args=(keys,)))

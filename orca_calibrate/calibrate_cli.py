@@ -1,7 +1,7 @@
 """`orca-calibrate`: the offline job, one subcommand per stage; every stage reads and writes files.
 
 Bad input ends with one line on stderr and exit code 2, never a traceback: a bad option or
-value too (the parser is orca-serve's one-line parser, `orca_serve.argtypes.OneLineParser`).
+value too (the parser is orca-serve's one-line parser, `orca_serve.checks.argtypes.OneLineParser`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from orca_method.trajectories import (
     TrajectorySet,
     import_pickle,
 )
-from orca_serve.argtypes import OneLineParser, OptionError, integer
+from orca_serve.checks.argtypes import OneLineParser, OptionError, integer
 from orca_serve.live_audit.options import EPSILON_SPLITS, EpsilonSplit
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ from orca_method.answer_probes import (
 from orca_method.labels import extract_forced, require_math_verify
 from orca_method.normalizations import DEFAULT_NORMALIZATION
 from orca_method.trajectories import RECORDED_DTYPE, TrajectoryWriter
-from orca_serve.contract import ORCA_OFF, merge_results
+from orca_serve.settings.contract import ORCA_OFF, merge_results
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
 
 # the dtype the engine computes in (vLLM's `dtype`; a job's `engine: {dtype: ...}` overrides):

@@ -72,7 +72,7 @@ def probe_prompts(prompt_ids: Sequence[int], gen_ids: Sequence[int], record: dic
 def probe_sampling(answer_tokens: int) -> dict[str, Any]:
     """The answer probe's sampling as `vllm.SamplingParams` keyword arguments (the method package
     imports nothing of vLLM): greedy, `answer_tokens` long. Callers add the xarg that turns the
-    orca probe off (`orca_serve.contract.ORCA_OFF`)."""
+    orca probe off (`orca_serve.settings.contract.ORCA_OFF`)."""
     return {"temperature": 0.0, "max_tokens": answer_tokens}
 
 

@@ -1,5 +1,5 @@
 """An `OrcaServer` for the tests that drive the middleware or the reloader without vLLM (a fake
-engine client, or a fake `rpc`), assembled as `orca_serve.assembly.build_server` does."""
+engine client, or a fake `rpc`), assembled as `orca_serve.api_server.assembly.build_server` does."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from orca_serve.assembly import OrcaServer
-from orca_serve.contract import OrcaResult, Policy
+from orca_serve.api_server.assembly import OrcaServer
+from orca_serve.settings.contract import OrcaResult, Policy
 from orca_serve.live_audit.live import LiveAudit
-from orca_serve.metrics import OrcaMetrics
-from orca_serve.reload import Reloader
-from orca_serve.requests import OrcaDefaults
-from orca_serve.serving_state import EngineLink, Serving, ServingRef
+from orca_serve.metrics.prometheus import OrcaMetrics
+from orca_serve.api_server.reload import Reloader
+from orca_serve.settings.resolve import OrcaDefaults
+from orca_serve.api_server.state import EngineLink, Serving, ServingRef
 
 
 def orca_server(bundle: Any, defaults: OrcaDefaults, *, engine: Any = None,

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from orca_serve.contract import merge_results
+from orca_serve.settings.contract import merge_results
 
 VENV_BIN = Path(sys.executable).parent
 START_TIMEOUT = 300
@@ -33,7 +33,7 @@ def orca_serve_cmd(*args: str) -> list[str]:
 # orca-serve's entry function on each command line in turn, in one process
 _CASES = """
 import contextlib, io, json, sys
-from orca_serve.serve_cli import main
+from orca_serve.startup.cli import main
 out = {}
 for name, argv in json.loads(sys.argv[1]).items():
     err = io.StringIO()

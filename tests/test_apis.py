@@ -13,12 +13,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from orca_method.probe import Probe, ProbeSpec
-from orca_serve.apis import reasoning_spent, thinking_ended_by
-from orca_serve.effort import DEFAULT_EFFORT_MAP, parse_effort_map
-from orca_serve.metrics import OrcaMetrics
-from orca_serve.middleware import OrcaMiddleware
-from orca_serve.orca_field import OrcaRequestError
-from orca_serve.requests import OrcaDefaults, resolve
+from orca_serve.api_server.apis import reasoning_spent, thinking_ended_by
+from orca_serve.settings.effort import DEFAULT_EFFORT_MAP, parse_effort_map
+from orca_serve.metrics.prometheus import OrcaMetrics
+from orca_serve.api_server.middleware import OrcaMiddleware
+from orca_serve.settings.field import OrcaRequestError
+from orca_serve.settings.resolve import OrcaDefaults, resolve
 from tests.bundles import tiny_bundle
 from tests.servers import orca_result, orca_server
 
@@ -265,7 +265,7 @@ def test_normal_shutdown_demotes_the_output_handlers_engine_dead_error():
 
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    from orca_serve.quiet_shutdown import SHUTDOWN_TRIGGERED, ShutdownNoise, ShutdownSeen
+    from orca_serve.api_server.quiet_shutdown import SHUTDOWN_TRIGGERED, ShutdownNoise, ShutdownSeen
 
     class Core:
         pass

@@ -1,7 +1,7 @@
 """orca-serve's parts in vLLM's own app, without an engine.
 
 The app is built by vLLM's `build_app` as vLLM's launcher calls it, with orca-serve's endpoint
-plugin allowed as orca-serve allows it (orca_serve/endpoint_plugin.py), from a command line
+plugin allowed as orca-serve allows it (orca_serve/api_server/endpoint_plugin.py), from a command line
 parsed by vLLM's parser plus ours, and the plugins' state initialised as vLLM's `init_app_state`
 does: what runs here is what `orca-serve` serves, up to the engine. Checked: the bundle route,
 the order of the middleware (vLLM's API-key check before the orca validation, whose 400 comes
@@ -25,13 +25,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from starlette.testclient import TestClient
 
 from orca_method.bundle import load_bundle
-from orca_serve import endpoint_plugin
-from orca_serve.apis import CHAT_PATH
-from orca_serve.assembly import build_server
+from orca_serve.api_server import endpoint_plugin
+from orca_serve.api_server.apis import CHAT_PATH
+from orca_serve.api_server.assembly import build_server
 from orca_serve.live_audit.options import audit_config
-from orca_serve.preflight import add_orca_args, demo_paths
-from orca_serve.reload import BUNDLE_PATH
-from orca_serve.server import ORCA_SCHEMA, SERVER_ARG
+from orca_serve.startup.preflight import add_orca_args, demo_paths
+from orca_serve.api_server.reload import BUNDLE_PATH
+from orca_serve.api_server.server import ORCA_SCHEMA, SERVER_ARG
 from orca_serve.vllm_compat import launch
 
 KEY = "sk-test"
@@ -50,7 +50,7 @@ def client():
 def _app(hand: Callable[[argparse.Namespace], argparse.Namespace],
          *extra: str) -> tuple[Any, argparse.Namespace]:
     """vLLM's app as vLLM builds it, with our endpoint plugin, from orca-serve's parsed options
-    plus `extra`, passed through `hand` (the arguments `orca_serve.server.run` gives vLLM)."""
+    plus `extra`, passed through `hand` (the arguments `orca_serve.api_server.server.run` gives vLLM)."""
     model, bundle = demo_paths()
     before = os.environ.get(endpoint_plugin.ENV)
     os.environ.pop(endpoint_plugin.ENV, None)
@@ -77,11 +77,11 @@ def _app(hand: Callable[[argparse.Namespace], argparse.Namespace],
 
 
 def test_the_server_run_built_reaches_the_plugin_in_vllms_arguments(monkeypatch):
-    """One API server: the server `orca_serve.server.run` built (its live audit included) is the
+    """One API server: the server `orca_serve.api_server.server.run` built (its live audit included) is the
     one the endpoint plugin installs, handed over in the parsed arguments vLLM gives every
     plugin; its audit labels through that app's engine client, and its metrics are the audit's
     that serves."""
-    monkeypatch.setattr("orca_serve.metrics.REGISTRY", CollectorRegistry())  # not the fixture's
+    monkeypatch.setattr("orca_serve.metrics.prometheus.REGISTRY", CollectorRegistry())  # not the fixture's
     built = []
 
     def hand(args: argparse.Namespace) -> argparse.Namespace:  # as `run` does

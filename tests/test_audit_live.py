@@ -19,14 +19,14 @@ from orca_method.audit.guards import DeltaGuard, GiveUpGuard, aligned_scores
 from orca_method.bundle import load_bundle
 from orca_method.risk import request_loss
 from orca_method.trajectories import TrajectorySet
-from orca_serve.contract import OrcaResult
+from orca_serve.settings.contract import OrcaResult
 from orca_serve.live_audit.collector import AuditCollector
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
 from orca_serve.live_audit.sampling import AuditSampler
 from orca_serve.live_audit.store import AuditStore
-from orca_serve.report import orca_object
-from orca_serve.requests import OrcaDefaults, resolve
+from orca_serve.api_server.report import orca_object
+from orca_serve.settings.resolve import OrcaDefaults, resolve
 from tests.servers import orca_result
 
 DEMO_BUNDLE = Path(__file__).parents[1] / "orca_serve" / "demo" / "bundle.json"
@@ -462,7 +462,7 @@ def bundle_lams(bundle) -> list[float]:
      "invalid choice: 'bogus' (choose from 'answer', 'stop', 'shadow')"),
 ])
 def test_bad_audit_options_end_in_one_line(argv, message, capsys) -> None:
-    from orca_serve.serve_cli import main
+    from orca_serve.startup.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -476,7 +476,7 @@ def test_the_help_group_every_error_points_to_lists_every_audit_option() -> None
     prints the option group titled NAME, so every orca option must be in that group."""
     import argparse
 
-    from orca_serve.preflight import add_orca_args
+    from orca_serve.startup.preflight import add_orca_args
 
     p = add_orca_args(argparse.ArgumentParser())
     # the group: its title, its description, a blank line, its options (up to the next blank)
@@ -510,10 +510,10 @@ def test_store_rotates_keeps_the_newest_and_resumes(tmp_path: Path) -> None:
 def test_every_api_reports_how_a_request_finished() -> None:
     """The audit leaves out what was cut: chat's finish_reason, the Responses API's
     incomplete status and the Messages API's max_tokens stop all reach the bookkeeping as
-    chat's terms (orca_serve/apis.py)."""
+    chat's terms (orca_serve/api_server/apis.py)."""
     import asyncio
 
-    from orca_serve.apis import CHAT, MessagesApi, ResponsesApi
+    from orca_serve.api_server.apis import CHAT, MessagesApi, ResponsesApi
 
     class Req:
         def __init__(self) -> None:

@@ -19,7 +19,7 @@ from orca_method.ltt import calibrate
 from orca_method.risk import is_counted, request_loss, request_losses, table_losses
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
-from orca_serve.requests import OrcaDefaults, resolve
+from orca_serve.settings.resolve import OrcaDefaults, resolve
 from tests.audit_simulation import give_up_pool, give_up_streams, hardest_null, shift_delays
 from tests.bundles import small_bundle
 from tests.servers import orca_result

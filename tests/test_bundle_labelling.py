@@ -17,8 +17,8 @@ from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX
 from orca_method.bundle import BundleError, Labelling, load_bundle, save_bundle
 from orca_method.trajectories import TrajectorySet
 from orca_serve.live_audit.options import add_audit_args, audit_config, store_info
-from orca_serve.preflight import preflight
-from orca_serve.startup_errors import StartupError
+from orca_serve.startup.preflight import preflight
+from orca_serve.checks.errors import StartupError
 from tests.bundles import small_bundle
 
 OLD_DEMO = Path(__file__).parent / "data" / "demo-bundle-v1.json"  # written before the block

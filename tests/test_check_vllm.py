@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from orca_serve import serve_cli as cli
-from orca_serve import vllm_check as touch_points
-from orca_serve.vllm_check import check, resolve
+from orca_serve.startup import cli as cli
+from orca_serve.startup import vllm_check as touch_points
+from orca_serve.startup.vllm_check import check, resolve
 
 
 def test_installed_vllm_resolves_every_touch_point(capsys):
@@ -49,7 +49,7 @@ def test_check_vllm_exits_1_with_one_line_per_touch_point(fake_compat, monkeypat
         raise RuntimeError("vLLM 9.9 is not supported")
 
     # the check runs before (and whatever) the supported-version check says
-    monkeypatch.setattr("orca_serve.preflight.check_vllm_version", refuse)
+    monkeypatch.setattr("orca_serve.startup.preflight.check_vllm_version", refuse)
     with pytest.raises(SystemExit) as e:
         cli.main(["--check-vllm"])
     assert e.value.code == 1

@@ -1,4 +1,4 @@
-"""The request contract shared by server and plugin (orca_serve.contract): no vLLM needed."""
+"""The request contract shared by server and plugin (orca_serve.settings.contract): no vLLM needed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from orca_serve.contract import (
+from orca_serve.settings.contract import (
     DEFAULTS,
     POLICIES,
     XARG_BUNDLE,
@@ -19,9 +19,9 @@ from orca_serve.contract import (
     child_key,
     to_wire,
 )
-from orca_serve.orca_field import OrcaRequestError
-from orca_serve.requests import OrcaDefaults, resolve
-from orca_serve.xargs import encode_lam, request_spec, validate_xargs
+from orca_serve.settings.field import OrcaRequestError
+from orca_serve.settings.resolve import OrcaDefaults, resolve
+from orca_serve.settings.xargs import encode_lam, request_spec, validate_xargs
 
 LAMS = {0.05: math.inf, 0.1: 0.6, 0.2: 0.4}
 

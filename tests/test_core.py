@@ -17,7 +17,7 @@ import random
 import pytest
 
 from orca_method.bundle import BundleError, load_bundle
-from orca_serve.contract import XARG_BUNDLE, XARG_KEY, XARG_LAM
+from orca_serve.settings.contract import XARG_BUNDLE, XARG_KEY, XARG_LAM
 from orca_serve.core.registry import open_reasoning_tokens
 from tests.core_sim import (
     DIM,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from orca_serve.contract import XARG_GIVE_UP_MU, XARG_LAM, OrcaResult
+from orca_serve.settings.contract import XARG_GIVE_UP_MU, XARG_LAM, OrcaResult
 from tests.bundles import tiny_bundle, with_give_up, write_bundle
 from tests.core_sim import (
     DIM,
@@ -76,9 +76,9 @@ def test_a_one_sided_bundle_is_refused_by_a_reload_under_a_give_up_default(
     from prometheus_client import CollectorRegistry
 
     from orca_method.bundle import load_bundle
-    from orca_serve.metrics import OrcaMetrics
-    from orca_serve.reload import ReloadRefused
-    from orca_serve.requests import OrcaDefaults
+    from orca_serve.metrics.prometheus import OrcaMetrics
+    from orca_serve.api_server.reload import ReloadRefused
+    from orca_serve.settings.resolve import OrcaDefaults
     from tests.servers import orca_server
 
     core = make_core(bundle_path)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from orca_serve.contract import XARG_GIVE_UP_MU, XARG_LAM, XARG_SHIFT_ALPHA, OrcaResult
+from orca_serve.settings.contract import XARG_GIVE_UP_MU, XARG_LAM, XARG_SHIFT_ALPHA, OrcaResult
 from tests.bundles import far_gate, tiny_bundle, with_give_up, write_bundle
 from tests.core_sim import DIM, ID, WINDOW, run_requests, sim_probe
 

@@ -1,6 +1,6 @@
 """`make demo`, the README's first command: the embedded model and bundle, served for real.
 
-Runs `python -m orca_serve.demo` as a user would (it starts `orca-serve --demo`, asks through the
+Runs `python -m orca_serve.startup.demo` as a user would (it starts `orca-serve --demo`, asks through the
 OpenAI client, stops the server) and checks what it prints: the shipped bundle stops the
 shipped model's greedy trace early, the answer after the stop is still right, and the step counts
 it prints are the paragraphs it printed.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from orca_method.bundle import load_bundle
-from orca_serve.demo import paragraphs
+from orca_serve.startup.demo import paragraphs
 
 DEMO = Path(__file__).parents[1] / "orca_serve" / "demo"
 
@@ -34,7 +34,7 @@ def section(out: str, title: str, part: str) -> str:
 
 @pytest.mark.vllm
 def test_demo_stops_early_and_still_answers() -> None:
-    r = subprocess.run([sys.executable, "-m", "orca_serve.demo"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "orca_serve.startup.demo"], capture_output=True, text=True,
                        timeout=600, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout

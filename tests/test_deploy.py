@@ -26,7 +26,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 @pytest.fixture(scope="module")
 def serve_flags() -> set[str]:
     """Every option `orca-serve --help` lists (vLLM's server options and ours)."""
-    r = subprocess.run([sys.executable, "-m", "orca_serve.serve_cli", "--help"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "orca_serve.startup.cli", "--help"], capture_output=True,
                        text=True, timeout=300, check=True)
     return set(re.findall(r"(--[a-z0-9][a-z0-9-]*)", r.stdout))
 

@@ -11,7 +11,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from orca_serve.contract import OrcaResult, merge_results, to_wire
+from orca_serve.settings.contract import OrcaResult, merge_results, to_wire
 from orca_serve.vllm_plugin.config import (
     ENV_ANY_VLLM,
     SUPPORTED_VLLM,

@@ -2,7 +2,7 @@
 
 - vLLM 0.32's CPU build crashed the engine on seeded requests whose prompt prefill got chunked
   (12 concurrent ~680-token prompts did it with the demo's defaults); the server keeps prefills
-  whole on CPU (`orca_serve.vllm_setup.keep_prefills_whole`).
+  whole on CPU (`orca_serve.startup.vllm_setup.keep_prefills_whole`).
 - The Responses and Messages APIs run orca like chat (the server's defaults) and report it; routes
   that cannot report what orca did (the batch route, ...) run without orca and refuse orca
   settings with a 400, instead of cutting requests short silently.

@@ -168,7 +168,7 @@ def test_refusals_are_one_line(tmp_path, capsys, case, match):
 def test_orca_serve_states_where_lambdas_come_from(tmp_path, capsys):
     """The note is printed once at start, before the model check (which fails here: the
     "model" folder has a config but no tokenizer)."""
-    from orca_serve.serve_cli import main as serve_main
+    from orca_serve.startup.cli import main as serve_main
 
     d, _ = _write_release(tmp_path, {"no_kq": True}, {"no_kq": True})
     assert _import(d) == 0

@@ -38,7 +38,7 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
 )
 from vllm.v1.worker.gpu.states import RequestState
 
-from orca_serve.contract import XARG_KEY, XARG_LAM, XARG_N
+from orca_serve.settings.contract import XARG_KEY, XARG_LAM, XARG_N
 from orca_serve.vllm_compat import capture
 from orca_serve.vllm_plugin import engine_setup
 from orca_serve.vllm_plugin.config import PROCESSOR_FQCN

@@ -1,15 +1,15 @@
 """One validation path for a request's orca settings: the server (the `orca` object and
 `vllm_xargs`) and the engine (`validate_xargs`, what offline `LLM` users' extra_args meet) apply
-the same rules (orca_serve/orca_rules.py) and refuse in the same words, naming their own place."""
+the same rules (orca_serve/settings/rules.py) and refuse in the same words, naming their own place."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orca_serve.contract import XARG_FIELDS
-from orca_serve.orca_field import OrcaFields, OrcaRequestError, from_xargs
-from orca_serve.requests import OrcaDefaults, resolve
-from orca_serve.xargs import validate_xargs
+from orca_serve.settings.contract import XARG_FIELDS
+from orca_serve.settings.field import OrcaFields, OrcaRequestError, from_xargs
+from orca_serve.settings.resolve import OrcaDefaults, resolve
+from orca_serve.settings.xargs import validate_xargs
 from tests.bundles import small_bundle
 
 BUNDLE = small_bundle()

@@ -28,7 +28,7 @@ import vllm  # noqa: F401 - a broken install must fail, not skip
 
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.procedure import replay
-from orca_serve.contract import merge_results
+from orca_serve.settings.contract import merge_results
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
 from tests.bundles import tiny_bundle, write_bundle
 from tests.serving import records
@@ -252,7 +252,7 @@ def test_dp_engines_and_api_servers_return_the_orca_object(multi_server):
 
     import httpx
 
-    from orca_serve.demo import QUESTION
+    from orca_serve.startup.demo import QUESTION
 
     async def ask(policy: str) -> dict:
         async with httpx.AsyncClient(base_url=multi_server.url, timeout=300) as c:

@@ -1,4 +1,4 @@
-"""The hot-reload protocol (orca_serve.reload) against real cores, without vLLM.
+"""The hot-reload protocol (orca_serve.api_server.reload) against real cores, without vLLM.
 
 Each fake "worker" is our worker extension whose processors are thin wrappers around a real
 `OrcaCore` (the fake tokenizer model of test_core), reached through the same RPC method names the
@@ -21,15 +21,15 @@ from prometheus_client import CollectorRegistry
 
 from orca_method.bundle import Bundle, Labelling, _checksum, load_bundle, save_bundle
 from orca_method.outcomes import GiveUpPolicy
-from orca_serve.admin import AdminMiddleware
-from orca_serve.contract import XARG_KEY
-from orca_serve.effort import parse_effort_map
+from orca_serve.api_server.admin import AdminMiddleware
+from orca_serve.settings.contract import XARG_KEY
+from orca_serve.settings.effort import parse_effort_map
 from orca_serve.live_audit.factory import make_live_audit
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig, add_audit_args, audit_config
-from orca_serve.metrics import OrcaMetrics
-from orca_serve.reload import ReloadRefused
-from orca_serve.requests import OrcaDefaults, resolve
+from orca_serve.metrics.prometheus import OrcaMetrics
+from orca_serve.api_server.reload import ReloadRefused
+from orca_serve.settings.resolve import OrcaDefaults, resolve
 from orca_serve.vllm_plugin.worker import OrcaWorkerExtension
 from tests.bundles import with_give_up, with_saturated_give_up
 from tests.core_sim import PROMPT, make_core, sim_bundle
@@ -219,7 +219,7 @@ def test_a_bundle_certified_for_another_give_up_policy_is_refused(paths, tmp_pat
     """--orca-give-up-policy is fixed for the server's life, and a two-sided bundle's mu* holds
     only under the policy it was certified for (docs/METHOD.md section 9): a reload to one
     certified for the other policy is refused before any engine is asked, by the rule start-up
-    applies (orca_serve.bundle_options), in one line naming the fix; the bundle certified for
+    applies (orca_serve.checks.bundle_options), in one line naming the fix; the bundle certified for
     the served policy reloads."""
     two = with_give_up(load_bundle(paths["b"]), [(0.05, 0.1)])
     certified = {}
@@ -272,7 +272,7 @@ def test_a_bundle_the_start_up_checks_refuse_is_refused_with_one_logged_line(pat
             pytest.raises(ReloadRefused, match=why):
         asyncio.run(server.reloader.reload(str(bad), source="test"))
     assert calls == []
-    (line,) = [r for r in caplog.records if r.name == "orca_serve.reload"]
+    (line,) = [r for r in caplog.records if r.name == "orca_serve.api_server.reload"]
     assert line.levelno == logging.WARNING and why in line.getMessage()
     assert "\n" not in line.getMessage()
 
@@ -282,7 +282,7 @@ def test_orca_lines_take_vllms_handler_once_vllm_configured_logging():
     orca_serve reaches vLLM's handler after `log_like_vllm`, and nothing before it."""
     from vllm.logger import _configure_vllm_root_logger  # what vLLM runs at import
 
-    from orca_serve.server_log import log_like_vllm
+    from orca_serve.api_server.log import log_like_vllm
 
     _configure_vllm_root_logger()
     (handler,) = logging.getLogger("vllm").handlers
@@ -291,9 +291,9 @@ def test_orca_lines_take_vllms_handler_once_vllm_configured_logging():
     orca = logging.getLogger("orca_serve")
     before = (list(orca.handlers), orca.level, orca.propagate)
     try:
-        logging.getLogger("orca_serve.reload").info("before")
+        logging.getLogger("orca_serve.api_server.reload").info("before")
         log_like_vllm()
-        logging.getLogger("orca_serve.reload").info("after")
+        logging.getLogger("orca_serve.api_server.reload").info("after")
     finally:
         orca.handlers[:], orca.level, orca.propagate = before[0], before[1], before[2]
         handler.filters.clear()

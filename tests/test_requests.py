@@ -15,11 +15,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from orca_method.bundle import save_bundle
 from orca_method.probe import Probe, ProbeSpec
-from orca_serve.metrics import OrcaMetrics, outcome_of
-from orca_serve.middleware import OrcaMiddleware
-from orca_serve.orca_field import OrcaRequestError
-from orca_serve.report import ResultFetcher, orca_object
-from orca_serve.requests import OrcaDefaults, resolve
+from orca_serve.metrics.prometheus import OrcaMetrics, outcome_of
+from orca_serve.api_server.middleware import OrcaMiddleware
+from orca_serve.settings.field import OrcaRequestError
+from orca_serve.api_server.report import ResultFetcher, orca_object
+from orca_serve.settings.resolve import OrcaDefaults, resolve
 from tests.bundles import tiny_bundle
 from tests.servers import orca_result, orca_server
 
@@ -289,7 +289,7 @@ def test_client_errors_logged_by_vllms_handlers_are_one_warning_line():
     as it was; outside a scope, and from other loggers, nothing waits."""
     import logging
 
-    from orca_serve.server_log import ErrorsByStatus, deferred_errors, release
+    from orca_serve.api_server.log import ErrorsByStatus, deferred_errors, release
 
     lines: list[str] = []
 
@@ -352,7 +352,7 @@ def test_a_400_never_echoes_a_value_whole(body):
 
 
 def test_engine_side_xarg_checks_cut_what_they_quote():
-    from orca_serve.xargs import validate_xargs
+    from orca_serve.settings.xargs import validate_xargs
 
     for xa in ({"orca_delta": BIG}, {"orca_policy": BIG}, {"orca_lam": "x" + BIG},
                {"orca_key": [1] * 10**5}):
@@ -434,7 +434,7 @@ def test_metrics_outcomes_and_engine_stats():
 
 # -- CLI refusals before vLLM is imported ------------------------------------------------------
 def test_cli_refuses_corrupt_bundle_and_unknown_delta(tmp_path, capsys):
-    from orca_serve.serve_cli import main
+    from orca_serve.startup.cli import main
 
     p = tmp_path / "b.json"
     save_bundle(BUNDLE, p)
@@ -466,7 +466,7 @@ def test_orca_object_n_choices():
 def test_bundle_route():
     from fastapi import FastAPI
 
-    from orca_serve.server import add_orca_routes
+    from orca_serve.api_server.server import add_orca_routes
 
     async def go(bundle):
         app = FastAPI()
@@ -629,8 +629,8 @@ def test_cpu_build_keeps_prefills_whole():
 
     from vllm.platforms import current_platform
 
-    from orca_serve.startup_errors import StartupError
-    from orca_serve.vllm_setup import keep_prefills_whole
+    from orca_serve.checks.errors import StartupError
+    from orca_serve.startup.vllm_setup import keep_prefills_whole
 
     if not current_platform.is_cpu():
         pytest.skip("the guard applies to vLLM's CPU build only")
@@ -656,7 +656,7 @@ def test_cpu_build_keeps_prefills_whole():
 
 
 def test_demo_implies_its_reasoning_parser(tmp_path):
-    from orca_serve.preflight import demo_argv
+    from orca_serve.startup.preflight import demo_argv
 
     assert demo_argv(["--port", "8000"], tmp_path) == [
         "--model", str(tmp_path), "--port", "8000", "--reasoning-parser", "deepseek_r1"]

@@ -10,11 +10,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from orca_method.probe import Probe, ProbeSpec
-from orca_serve.contract import XARG_GIVE_UP_MU
-from orca_serve.metrics import OrcaMetrics, outcome_of
-from orca_serve.orca_field import OrcaRequestError
-from orca_serve.report import choice_fields, orca_object
-from orca_serve.requests import OrcaDefaults, resolve
+from orca_serve.settings.contract import XARG_GIVE_UP_MU
+from orca_serve.metrics.prometheus import OrcaMetrics, outcome_of
+from orca_serve.settings.field import OrcaRequestError
+from orca_serve.api_server.report import choice_fields, orca_object
+from orca_serve.settings.resolve import OrcaDefaults, resolve
 from tests.bundles import tiny_bundle, with_give_up
 from tests.servers import orca_result
 

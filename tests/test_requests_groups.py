@@ -1,7 +1,7 @@
 """A request's `orca.group` (docs/SERVER.md, docs/METHOD.md section 12): a group the bundle has
 a table for takes its lambda* (and mu*), is not gated and is left alone by the audit's guard;
 any other group is served as a request without one (the mixture's table, through the gate) and
-is told so. The server side through `orca_serve.requests.resolve`; the engine side, reached
+is told so. The server side through `orca_serve.settings.resolve.resolve`; the engine side, reached
 without the server, through the simulated core (tests/core_sim.py)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from orca_serve.contract import (
+from orca_serve.settings.contract import (
     XARG_GIVE_UP_MU,
     XARG_GROUP,
     XARG_KEY,
@@ -21,10 +21,10 @@ from orca_serve.contract import (
     XARG_SHIFT_ALPHA,
     OrcaResult,
 )
-from orca_serve.orca_field import OrcaRequestError
-from orca_serve.report import orca_object
-from orca_serve.requests import OrcaDefaults, OrcaSettings, resolve
-from orca_serve.xargs import request_spec
+from orca_serve.settings.field import OrcaRequestError
+from orca_serve.api_server.report import orca_object
+from orca_serve.settings.resolve import OrcaDefaults, OrcaSettings, resolve
+from orca_serve.settings.xargs import request_spec
 from tests.bundles import far_gate, tiny_bundle, with_give_up, with_groups, write_bundle
 from tests.core_sim import DIM, ID, WINDOW, SimRequest, make_core, run, sim_probe
 from tests.servers import orca_result

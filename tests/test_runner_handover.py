@@ -28,7 +28,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1ModelRunner
 from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-from orca_serve.contract import XARG_KEY
+from orca_serve.settings.contract import XARG_KEY
 from orca_serve.vllm_compat import runner as compat_runner
 from orca_serve.vllm_plugin.config import (
     PROCESSOR_FQCN,

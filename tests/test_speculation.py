@@ -20,7 +20,7 @@ import random
 import pytest
 import torch
 
-from orca_serve.contract import DEFAULTS, XARG_KEY
+from orca_serve.settings.contract import DEFAULTS, XARG_KEY
 from orca_serve.core.speculation import DraftEntry, DraftSteps
 from tests.core_sim import (
     DIM,

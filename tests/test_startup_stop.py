@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orca_serve import demo
+from orca_serve.startup import demo
 from tests.serving import free_port, server_env
 
 ENGINE = "EngineCore"  # vLLM names its engine process VLLM::EngineCore
@@ -121,7 +121,7 @@ def test_demo_ends_within_its_wait_in_one_line_and_leaves_nothing() -> None:
     """`make demo` on a machine too slow for its wait (forced: --wait 1)."""
     port = free_port()
     t = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "orca_serve.demo", "--wait", "1", "--port",
+    r = subprocess.run([sys.executable, "-m", "orca_serve.startup.demo", "--wait", "1", "--port",
                         str(port)], capture_output=True, text=True, timeout=120,
                        env=server_env(), check=False)
     took = time.monotonic() - t

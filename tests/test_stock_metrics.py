@@ -1,5 +1,5 @@
 """The parts of orca metrics on a stock vLLM server that run without an engine
-(orca_serve/stock_metrics.py, orca_serve/metrics_snapshots.py); the served path is
+(orca_serve/metrics/stock.py, orca_serve/metrics/snapshots.py); the served path is
 tests/test_stock_vllm.py."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from orca_serve import stock_metrics
-from orca_serve.metrics_snapshots import ENV_SERVER, metrics_dir, read_snapshots
-from orca_serve.stock_metrics import OrcaStatLogger, PublishedStats
+from orca_serve.metrics import stock as stock_metrics
+from orca_serve.metrics.snapshots import ENV_SERVER, metrics_dir, read_snapshots
+from orca_serve.metrics.stock import OrcaStatLogger, PublishedStats
 
 
 def _config(orca: dict | None) -> SimpleNamespace:
@@ -29,7 +29,7 @@ def test_a_worker_finds_the_directory_of_its_api_server():
     d.mkdir(exist_ok=True)
     try:
         code = ("import subprocess, sys; print(subprocess.run([sys.executable, '-c', "
-                "'from orca_serve.metrics_snapshots import _ancestor_dir; print(_ancestor_dir())'],"
+                "'from orca_serve.metrics.snapshots import _ancestor_dir; print(_ancestor_dir())'],"
                 " capture_output=True, text=True).stdout.strip())")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**os.environ, "PYTHONPATH": os.getcwd()}, check=True)

@@ -7,7 +7,7 @@ itself and stops the reasoning. Evidence of the stop (there is no `orca` object 
 the same greedy request with `orca_enabled: 0` reasons longer; the stopped one is the unforced
 output up to the stop, then the forced end-of-thinking text.
 
-Orca metrics on that server come from the plugin's entry points (orca_serve/stock_metrics.py),
+Orca metrics on that server come from the plugin's entry points (orca_serve/metrics/stock.py),
 which exist only when this checkout is installed (`pip install -e .`): that test is skipped,
 saying so, where they are not registered.
 """
@@ -25,8 +25,8 @@ import openai
 import pytest
 
 from orca_method.bundle import load_bundle
-from orca_serve.demo import QUESTION
-from orca_serve.preflight import demo_paths
+from orca_serve.startup.demo import QUESTION
+from orca_serve.startup.preflight import demo_paths
 from orca_serve.vllm_plugin.config import PROCESSOR_FQCN
 from tests.serving import Server
 
@@ -100,7 +100,7 @@ def _orca_metrics(url: str) -> dict[str, float]:
 
 def test_orca_metrics_on_the_stock_server(server):
     names = {e.value for e in entry_points(group="vllm.stat_logger_plugins")}
-    if "orca_serve.stock_metrics:OrcaStatLogger" not in names:
+    if "orca_serve.metrics.stock:OrcaStatLogger" not in names:
         pytest.skip("orca-serve's vLLM entry points are not registered: pip install -e .")
     _ask(server)  # scored steps, whatever ran before
     deadline, got = time.time() + 60, {}

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from orca_serve.vllm_check import ALTERNATIVES, resolve
+from orca_serve.startup.vllm_check import ALTERNATIVES, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPAT = "orca_serve/vllm_compat"

@@ -24,10 +24,10 @@ from pathlib import Path
 from orca_calibrate.job import load_job, run_job
 from orca_method.bundle import Bundle, load_bundle, save_bundle
 from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE
-from orca_serve.preflight import DEMOS
+from orca_serve.startup.preflight import DEMOS
 
 ROOT = Path(__file__).parents[2]
-# reasoner (orca-serve --demo NAME; its folder: orca_serve.preflight.DEMOS): (job, served name)
+# reasoner (orca-serve --demo NAME; its folder: orca_serve.startup.preflight.DEMOS): (job, served name)
 JOBS = {"toy": ("orca_calibrate/jobs/toy.yaml", "orca-toy-reasoner"),
         "long": ("orca_calibrate/jobs/long.yaml", "orca-long-reasoner")}
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from orca_method.steps import Segmenter
-from orca_serve.contract import (
+from orca_serve.settings.contract import (
     XARG_BUNDLE,
     XARG_ENABLED,
     XARG_RECORD,
@@ -21,7 +21,7 @@ from orca_serve.contract import (
 from orca_serve.core.deployment import Deployments
 from orca_serve.core.registry import Request, open_reasoning_tokens
 from orca_serve.core.stopping import guard_position
-from orca_serve.xargs import request_spec
+from orca_serve.settings.xargs import request_spec
 
 log = logging.getLogger("orca_serve.core")
 

@@ -22,7 +22,7 @@ from orca_method.procedure import ProbeBank
 from orca_method.shift_gate import ShiftGate
 from orca_method.steps import TokenTable
 from orca_method.thresholds import NEVER, lam_from_json
-from orca_serve.contract import ShiftAction
+from orca_serve.settings.contract import ShiftAction
 
 log = logging.getLogger("orca_serve.core")
 

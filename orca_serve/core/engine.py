@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from orca_method.outcomes import GiveUpPolicy
-from orca_serve.contract import (
+from orca_serve.settings.contract import (
     DEFAULTS,
     GIVE_UP_MESSAGE,
     MAX_RESULTS,

@@ -16,7 +16,7 @@ from typing import Any
 from orca_method.steps import CLOSE, MERGE, NONE, STEP_PREV
 from orca_method.thresholds import GIVE_UP_NEVER, NEVER
 from orca_serve.core.deployment import Deployment
-from orca_serve.contract import StopReason
+from orca_serve.settings.contract import StopReason
 from orca_serve.core.registry import Entry, Request
 from orca_serve.core.speculation import UNKNOWN, forced_rows, greedy_rows
 from orca_serve.core.stopping import request_plan, stop_request

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from orca_method.steps import Segmenter
-from orca_serve.contract import OrcaResult, Policy, StopReason
+from orca_serve.settings.contract import OrcaResult, Policy, StopReason
 from orca_serve.core.deployment import Deployment
-from orca_serve.xargs import RequestSpec
+from orca_serve.settings.xargs import RequestSpec
 
 log = logging.getLogger("orca_serve.core")
 

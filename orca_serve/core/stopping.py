@@ -1,6 +1,6 @@
 """Stop planning: which tokens to force, at which output positions, once a request stops.
 
-Policies (`orca_serve.contract.Policy`, asked through their rules): `stop` forces EOS at once; `answer` forces the
+Policies (`orca_serve.settings.contract.Policy`, asked through their rules): `stop` forces EOS at once; `answer` forces the
 end-of-thinking text, lets the model answer for `answer_budget` tokens, then forces EOS; `shadow`
 never forces (it only reports where it would have stopped). The budget guard closes the thinking
 of a policy-`answer` request early enough that an answer still fits in `max_tokens`.
@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from orca_serve.contract import MIN_ANSWER_TOKENS, Policy, StopReason
+from orca_serve.settings.contract import MIN_ANSWER_TOKENS, Policy, StopReason
 from orca_serve.core.speculation import plan_start
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from orca_method.procedure import Normalization, finish_step
-from orca_serve.contract import OrcaResult
+from orca_serve.settings.contract import OrcaResult
 from orca_serve.core.pooling import SlotPool
 from orca_serve.core.registry import Request, Results
 

@@ -14,7 +14,7 @@ from orca_serve.live_audit.fleet import store_metrics
 from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.state import AuditState
-from orca_serve.metrics import LABEL
+from orca_serve.metrics.prometheus import LABEL
 
 
 class AuditCollector(Collector):

@@ -31,7 +31,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from orca_serve.live_audit.journal import EventJournal, Journal, journal_path
 from orca_serve.live_audit.redis_journal import RedisJournal, shown_url
-from orca_serve.metrics import LABEL
+from orca_serve.metrics.prometheus import LABEL
 
 logger = logging.getLogger("orca_serve.live_audit")
 

@@ -20,7 +20,7 @@ from orca_method.answer_probes import (
     trajectory_fields,
 )
 from orca_method.labels import extract_forced
-from orca_serve.contract import ORCA_OFF, OrcaResult
+from orca_serve.settings.contract import ORCA_OFF, OrcaResult
 from orca_serve.vllm_compat.engine_client import generate_from_ids, tokenizer
 
 # What a live audit can label by: agreement with the request's own final answer (live traffic

@@ -52,7 +52,7 @@ from orca_method.probe import Probe
 from orca_method.procedure import replay
 from orca_method.risk import cumulative, is_counted
 from orca_method.thresholds import NEVER, lam_to_json
-from orca_serve.contract import OrcaResult
+from orca_serve.settings.contract import OrcaResult
 from orca_serve.live_audit.fleet import store_state
 from orca_serve.live_audit.guard_log import log_change
 from orca_serve.live_audit.journal import EventJournal
@@ -61,7 +61,7 @@ from orca_serve.live_audit.options import AuditConfig
 from orca_serve.live_audit.sampling import AuditSampler
 from orca_serve.live_audit.state import AuditState
 from orca_serve.live_audit.store import AuditStore
-from orca_serve.requests import OrcaSettings
+from orca_serve.settings.resolve import OrcaSettings
 
 logger = logging.getLogger("orca_serve.live_audit")
 
@@ -116,7 +116,7 @@ class LiveAudit:
         self._queue: asyncio.Queue[_Job] | None = None
         self._worker: asyncio.Task | None = None
 
-    # -- the request path (cheap, synchronous; orca_serve.requests.Thresholds) ----------------
+    # -- the request path (cheap, synchronous; orca_serve.settings.resolve.Thresholds) ----------------
     def lam(self, delta: float) -> tuple[float, Source]:
         """(lambda*, source) an enabled request with `delta` runs with: its guard's, after what
         other processes journalled. BundleError for a delta outside the bundle's table."""

@@ -1,6 +1,6 @@
 """The `orca-serve` options of live auditing and the guard, and the server state they build.
 
-Kept apart from orca_serve/preflight.py, which only calls `add_audit_args`, `check_audit_args` and
+Kept apart from orca_serve/startup/preflight.py, which only calls `add_audit_args`, `check_audit_args` and
 `audit_labelling` (before vLLM is imported, so a bad option fails in seconds, in one line); the
 server's LiveAudit is built by `orca_serve.live_audit.factory.make_live_audit`.
 """
@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX, ProbeSettings
 from orca_method.outcomes import ON_ALARM, OnAlarm
 from orca_method.labels import require_math_verify
-from orca_serve.argtypes import fraction, integer
+from orca_serve.checks.argtypes import fraction, integer
 from orca_serve.live_audit.journal import EventJournal, Journal, journal_path
 from orca_serve.live_audit.store import AuditStore
 

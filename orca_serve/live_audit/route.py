@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from orca_serve.live_audit.live import LiveAudit
-from orca_serve.orca_field import error_body
+from orca_serve.settings.field import error_body
 
 AUDIT_PATH = "/v1/orca/audit"
 

@@ -4,7 +4,7 @@ One module per vLLM surface. Each says which vLLM releases it was checked agains
 a module-level `TOUCH_POINTS` tuple, the "module.path:attr.path" names it relies on (or
 alternatives joined by " | " where a name moved between supported releases: one must resolve),
 so that a new vLLM can be checked before it is trusted: `orca-serve --check-vllm`
-(`orca_serve/vllm_check.py`) resolves them all (docs/PLUGIN.md, "vLLM versions and touch points").
+(`orca_serve/startup/vllm_check.py`) resolves them all (docs/PLUGIN.md, "vLLM versions and touch points").
 Nothing outside this package imports a vLLM name that is not a documented extension point
 (tests/test_vllm_compat.py enforces it).
 """

@@ -13,7 +13,7 @@ What is private here, and why no public route serves:
   can be handled there; `run_single` says why its steps and not `run_server` itself) and
   `run_multi_api_server` (--api-server-count N). orca-serve's routes,
   middleware and OpenAPI field reach the app each API server builds through vLLM's public
-  endpoint-plugin interface (orca_serve/endpoint_plugin.py), not through these names.
+  endpoint-plugin interface (orca_serve/api_server/endpoint_plugin.py), not through these names.
 - The platform (`current_platform.is_cpu()`) and the context length vLLM derives for the model
   (`EngineArgs` -> `ModelConfig.max_model_len`), for the CPU build's prefill rule in cli.py.
 """
@@ -97,7 +97,7 @@ def run_single(args: argparse.Namespace, on_loop: Callable[[], None] | None = No
     vllm/utils/network_utils.py) swallows KeyboardInterrupt, so a SIGTERM while the engine
     loaded its weights was lost and the server went on waiting for the engine (up to
     VLLM_ENGINE_READY_TIMEOUT_S). orca-serve's own handler (SystemExit,
-    `orca_serve.serve_cli.exit_on_sigterm`) stays in force instead."""
+    `orca_serve.startup.cli.exit_on_sigterm`) stays in force instead."""
     import uvloop  # deferred: uvloop (vLLM's dependency, not ours)
     from vllm.utils.system_utils import decorate_logs  # deferred: vllm (resolved at use)
 

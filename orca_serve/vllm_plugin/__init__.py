@@ -7,7 +7,7 @@
 - `mrv2`: `OrcaMRV2LogitsProcessor`, the Model Runner V2 adapter.
 - `adapter`: what both adapters share (admission checks, joining requests, results).
 - `worker`: `OrcaWorkerExtension` (`orca_results(keys)`, `orca_stats()` for `collective_rpc`;
-  `orca_serve.contract.merge_results` reads its answers).
+  `orca_serve.settings.contract.merge_results` reads its answers).
 
 The LM-head capture and everything the adapters read from vLLM's model runners beyond the
 processor interfaces are in `orca_serve.vllm_compat` (`capture`, `runner`, `tokenizer`).

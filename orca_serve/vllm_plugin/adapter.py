@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from orca_serve.contract import XARG_N, XARG_SEED
+from orca_serve.settings.contract import XARG_N, XARG_SEED
 from orca_serve.core.engine import OrcaCore
 from orca_serve.core.registry import Request
 from orca_serve.vllm_plugin.engine_setup import build_core
-from orca_serve.xargs import validate_xargs
+from orca_serve.settings.xargs import validate_xargs
 
 _CHILD_RE = re.compile(r"^(\d+)_")
 

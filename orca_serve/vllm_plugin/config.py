@@ -40,7 +40,7 @@ from typing import Any
 
 from orca_method.errors import first_line, shown
 from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
-from orca_serve.contract import DEFAULTS, MAX_RESULTS, RESULT_TTL_S
+from orca_serve.settings.contract import DEFAULTS, MAX_RESULTS, RESULT_TTL_S
 
 # The vLLM releases the plugin is written and tested for (PEP 440). One definition: orca-serve's
 # start, the plugin's load in every vLLM process and pyproject's `gpu` extra follow it.

@@ -5,7 +5,7 @@ vllm/v1/worker/worker_base.py), so its methods run in the worker process that ow
 processor. Names must not clash with Worker attributes (vLLM asserts this).
 
     per_worker = llm.collective_rpc("orca_results", args=(keys,))  # one dict per worker
-    results = orca_serve.contract.merge_results(per_worker)  # {key: OrcaResult}
+    results = orca_serve.settings.contract.merge_results(per_worker)  # {key: OrcaResult}
     llm.collective_rpc("orca_stats")                   # -> [ {probe_ns, engine_steps, ...}, ... ]
 
 Hot reload, in two phases (the server's `POST /v1/orca/bundle` and SIGHUP; see
@@ -35,7 +35,7 @@ import logging
 from typing import Any
 
 from orca_method.errors import first_line
-from orca_serve.contract import to_wire
+from orca_serve.settings.contract import to_wire
 from orca_serve.vllm_compat.runner import (
     MRV2Runner,
     V1Runner,
@@ -99,7 +99,7 @@ class OrcaWorkerExtension:
         Numpy arrays are always sent as bytes: vLLM's transport would lose them across processes,
         and whether the caller shares this process cannot be told from here (an API server's
         engine core is a process of its own even with VLLM_ENABLE_V1_MULTIPROCESSING=0).
-        `orca_serve.contract.merge_results` restores them.
+        `orca_serve.settings.contract.merge_results` restores them.
         Fetch after the request finished; a result is kept until fetched, for at most
         `result_ttl_s` after the request left the batch, and at most `max_results` of them.
         """

@@ -1,4 +1,4 @@
-"""`POST /v1/orca/bundle`: hot reload by an operator (`orca_serve.reload`), behind its own admin
+"""`POST /v1/orca/bundle`: hot reload by an operator (`orca_serve.api_server.reload`), behind its own admin
 key, and the small ASGI helpers the orca middlewares share."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from orca_serve.orca_field import error_body
-from orca_serve.reload import BUNDLE_PATH, Reloader, ReloadRefused
+from orca_serve.settings.field import error_body
+from orca_serve.api_server.reload import BUNDLE_PATH, Reloader, ReloadRefused
 
 
 async def send_json(send: Callable, status: int, payload: dict[str, Any],

@@ -4,7 +4,7 @@ vLLM 0.32 serves three APIs that reasoning clients call, and all three reach the
 `SamplingParams.extra_args` taken from the body's `vllm_xargs` (`ChatCompletionRequest`,
 `ResponsesRequest.to_sampling_params`, and `AnthropicServingMessages`, which builds a chat request
 with the Messages body's `vllm_xargs`). So the middleware rewrites all three bodies the same way
-(`orca_serve.requests.resolve`); they differ in
+(`orca_serve.settings.resolve.resolve`); they differ in
 
 - where the reasoning effort is (`reasoning_effort`, `reasoning.effort`, `output_config.effort`)
   and vLLM's own thinking budget (`thinking_token_budget`; Messages: `thinking.budget_tokens`;
@@ -17,7 +17,7 @@ with the Messages body's `vllm_xargs`). So the middleware rewrites all three bod
   Responses: `output_tokens_details.reasoning_tokens`; Anthropic's usage has no such field, so
   there only `orca.reasoning_tokens` says it).
 
-Each `Api` below holds those differences; the middleware (`orca_serve.server`) calls them.
+Each `Api` below holds those differences; the middleware (`orca_serve.api_server.server`) calls them.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from orca_serve.contract import OrcaResult, StopReason
-from orca_serve.orca_field import OrcaRequestError, error_body
+from orca_serve.settings.contract import OrcaResult, StopReason
+from orca_serve.settings.field import OrcaRequestError, error_body
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"

@@ -1,8 +1,8 @@
 """The orca middleware: a request's `orca` field in, its `orca` report out (pure ASGI, innermost,
-so vLLM's auth and CORS run first; `orca_serve.server` says where it sits and why).
+so vLLM's auth and CORS run first; `orca_serve.api_server.server` says where it sits and why).
 
 On POST /v1/chat/completions, /v1/completions (and SageMaker's /invocations, which vLLM
-dispatches to one of them), /v1/responses and /v1/messages (`orca_serve.apis`: what differs
+dispatches to one of them), /v1/responses and /v1/messages (`orca_serve.api_server.apis`: what differs
 between those APIs) it validates the body's `orca` field (400 in the API's error format when
 malformed), rewrites the body (removes `orca`, writes the resolved settings and a fresh
 `orca_key` into `vllm_xargs`), lets vLLM's own route run, then adds the `orca` object to the
@@ -18,16 +18,16 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from orca_serve.admin import route_path, send_json
-from orca_serve.apis import APIS, CHAT_PATH, MESSAGES_PATH, ORCA_PATHS, Api
-from orca_serve.assembly import OrcaServer
-from orca_serve.contract import OrcaResult, child_key
-from orca_serve.orca_field import OrcaRequestError, orca_param_in
-from orca_serve.report import orca_object, reasoning_total
-from orca_serve.requests import OrcaSettings, resolve
-from orca_serve.server_log import deferred_errors
-from orca_serve.serving_state import Serving
-from orca_serve.shaping import AnthropicErrors, ResponseShaper
+from orca_serve.api_server.admin import route_path, send_json
+from orca_serve.api_server.apis import APIS, CHAT_PATH, MESSAGES_PATH, ORCA_PATHS, Api
+from orca_serve.api_server.assembly import OrcaServer
+from orca_serve.settings.contract import OrcaResult, child_key
+from orca_serve.settings.field import OrcaRequestError, orca_param_in
+from orca_serve.api_server.report import orca_object, reasoning_total
+from orca_serve.settings.resolve import OrcaSettings, resolve
+from orca_serve.api_server.log import deferred_errors
+from orca_serve.api_server.state import Serving
+from orca_serve.api_server.shaping import AnthropicErrors, ResponseShaper
 from orca_serve.vllm_compat.engine_client import max_choices
 
 

@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING, Any
 
 from orca_method.errors import first_line
 from orca_method.outcomes import GIVE_UP_POLICIES
-from orca_serve.argtypes import OneLineParser, OptionError, effort_map, fraction, integer
-from orca_serve.contract import (
+from orca_serve.checks.argtypes import OneLineParser, OptionError, effort_map, fraction, integer
+from orca_serve.settings.contract import (
     DEFAULTS,
     GIVE_UP_MESSAGE,
     POLICIES,
     SHIFT_ACTIONS,
 )
-from orca_serve.effort import DEFAULT_EFFORT_MAP, describe
-from orca_serve.model_checks import ModelFacts, check_bundle
-from orca_serve.startup_errors import PROG, StartupError
+from orca_serve.settings.effort import DEFAULT_EFFORT_MAP, describe
+from orca_serve.checks.model import ModelFacts, check_bundle
+from orca_serve.checks.errors import PROG, StartupError
 from orca_serve.vllm_plugin.config import (
     check_engine_supported,
     check_vllm_version,
@@ -266,7 +266,7 @@ def load_checked(path: str, early: argparse.Namespace) -> Bundle:
     """The bundle at `path`, satisfying the options (`check_options`, as on every reload)."""
     # deferred: torch (not needed by --check-vllm)
     from orca_method.bundle import BundleError, load_bundle
-    from orca_serve.bundle_options import check_options
+    from orca_serve.checks.bundle_options import check_options
 
     try:
         bundle = load_bundle(path)

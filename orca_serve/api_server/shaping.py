@@ -1,5 +1,5 @@
 """The `send` wrappers of the orca middleware: the `orca` report written into a finished JSON
-response or a stream's finishing events (where the request's API says, `orca_serve.apis`), and
+response or a stream's finishing events (where the request's API says, `orca_serve.api_server.apis`), and
 Anthropic's error shape on the Messages API's routes.
 """
 
@@ -10,8 +10,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from orca_serve.apis import Api, Report, as_anthropic_error
-from orca_serve.server_log import release
+from orca_serve.api_server.apis import Api, Report, as_anthropic_error
+from orca_serve.api_server.log import release
 
 
 def _dumps(obj: Any) -> str:
@@ -55,7 +55,7 @@ class AnthropicErrors:
 
 class ResponseShaper:
     """The `send` wrapper: adds `orca` to a finished JSON response or to a stream's finishing
-    events, where the request's API (`orca_serve.apis`) says they are."""
+    events, where the request's API (`orca_serve.api_server.apis`) says they are."""
 
     def __init__(self, req: Report, api: Api, send: Callable) -> None:
         self.req = req

@@ -54,9 +54,9 @@ class OrcaEndpointPlugin:
 
     def attach_router(self, app: Any) -> None:
         """Our routes, OpenAPI field and middleware on vLLM's app; this process's server is the
-        one `orca_serve.server.run` handed over in vLLM's parsed command line (`app.state.args`),
+        one `orca_serve.api_server.server.run` handed over in vLLM's parsed command line (`app.state.args`),
         else built from it (each of N API server processes). An app not started by orca-serve is left alone."""
-        from orca_serve import server  # deferred: torch (vLLM loads this in every API server)
+        from orca_serve.api_server import server  # deferred: torch (vLLM loads this in every API server)
 
         args = getattr(app.state, "args", None)
         if args is None or not hasattr(args, "calib"):
@@ -68,6 +68,6 @@ class OrcaEndpointPlugin:
         """The admin route outermost, now that vLLM has added its own middleware."""
         if self._app is None:
             return
-        from orca_serve.server import install_admin  # deferred: torch
+        from orca_serve.api_server.server import install_admin  # deferred: torch
 
         install_admin(self._app, self._server)

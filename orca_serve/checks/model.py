@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from orca_method.errors import first_line
 from orca_method.steps import token_bytes_from_tokenizer
-from orca_serve.startup_errors import PROG, StartupError
+from orca_serve.checks.errors import PROG, StartupError
 
 if TYPE_CHECKING:
     from orca_method.bundle import ConfigFingerprint

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from orca_method.errors import first_line
-from orca_serve import endpoint_plugin
-from orca_serve.contract import ShiftAction
-from orca_serve.model_checks import check_bundle
-from orca_serve.preflight import Preflight, add_orca_args, identity, model_kw, refuse_unsupported
-from orca_serve.startup_errors import PROG, StartupError
+from orca_serve.api_server import endpoint_plugin
+from orca_serve.settings.contract import ShiftAction
+from orca_serve.checks.model import check_bundle
+from orca_serve.startup.preflight import Preflight, add_orca_args, identity, model_kw, refuse_unsupported
+from orca_serve.checks.errors import PROG, StartupError
 from orca_serve.vllm_compat import launch
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
 
@@ -144,12 +144,12 @@ def vllm_args(pre: Preflight) -> argparse.Namespace:
         refuse_unsupported(args)
         args.calib = str(Path(pre.bundle_path).absolute())  # type: ignore[arg-type]
         # deferred: torch (not needed by --check-vllm)
-        from orca_serve.assembly import orca_defaults
+        from orca_serve.api_server.assembly import orca_defaults
 
         defaults = orca_defaults(args, bundle)
         # Off in the engine unless the request says otherwise: the server writes every setting
         # (orca_enabled included) into the requests of the routes whose responses report what
-        # orca did (orca_serve.apis); requests on other routes (the batch route, ...) run
+        # orca did (orca_serve.api_server.apis); requests on other routes (the batch route, ...) run
         # without it rather than being cut short silently.
         merge_engine_args(args, engine_kwargs(
             args.calib,

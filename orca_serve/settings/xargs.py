@@ -1,10 +1,10 @@
 """The `vllm_xargs` a request reaches the engine with, read on the engine side: their checks
 (front end, HTTP 400) and the settings a request runs with after the engine's defaults
-(`request_spec`). Names and defaults are `orca_serve.contract`'s, the client-settable settings'
-rules `orca_serve.orca_rules`' (the server's too); plain Python (no vLLM, no torch).
+(`request_spec`). Names and defaults are `orca_serve.settings.contract`'s, the client-settable settings'
+rules `orca_serve.settings.rules`' (the server's too); plain Python (no vLLM, no torch).
 
 The server resolves a request's settings (defaults, delta -> lambda*) and writes them into
-`vllm_xargs` once (`orca_serve.requests`); vLLM hands them to the engine as
+`vllm_xargs` once (`orca_serve.settings.resolve`); vLLM hands them to the engine as
 `SamplingParams.extra_args`. A request that reaches the engine without the server (offline
 `LLM`, a stock vLLM server) is resolved here, through the same `resolve_lam`.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 from orca_method.errors import shown
 from orca_method.thresholds import NEVER, lam_to_json
-from orca_serve.contract import (
+from orca_serve.settings.contract import (
     XARG_ANSWER_BUDGET,
     XARG_BUNDLE,
     XARG_DELTA,
@@ -35,7 +35,7 @@ from orca_serve.contract import (
     XARG_SHIFT_ALPHA,
     Policy,
 )
-from orca_serve.orca_rules import RULES, integer, number, refusal
+from orca_serve.settings.rules import RULES, integer, number, refusal
 
 # the integer xargs the server or the plugin set (the client-settable ones have their rules)
 _INT_XARGS = (XARG_RECORD, XARG_RESERVE, XARG_N)
@@ -72,7 +72,7 @@ def decode_mu(v: Any) -> float:
 
 
 def as_int(name: str, v: Any) -> int:
-    """An integer xarg, as the rules read xargs (`orca_serve.orca_rules.integer`)."""
+    """An integer xarg, as the rules read xargs (`orca_serve.settings.rules.integer`)."""
     try:
         return integer(v, strict=False)
     except ValueError as e:
@@ -91,7 +91,7 @@ def validate_xargs(xa: dict[str, Any] | None, n: int = 1, seed: int | None = Non
 
     Runs in the front end, for every request: the server's (already checked there, by the same
     rules) and those that reach the engine without it (offline `LLM`). The client-settable ones
-    are checked by their rules (orca_serve/orca_rules.py), worded as the server words them; the
+    are checked by their rules (orca_serve/settings/rules.py), worded as the server words them; the
     ones the server or the plugin set, here. With n > 1 vLLM copies these params into n child
     requests; `orca_n` tells each child that it is one (its index then comes from the engine's
     request id, or from its seed minus `orca_seed`).
@@ -138,7 +138,7 @@ class RequestSpec:
     answer_budget: int
     reserve: int | None  # None: the default reserve (force text + min(budget, 8))
     # why orca does not run although the request asked for it (a delta outside the bundle's
-    # table: the server answers 400 with the same words, `orca_serve.requests.resolve`)
+    # table: the server answers 400 with the same words, `orca_serve.settings.resolve.resolve`)
     refused: str | None = None
     give_up_mu: float | None = None  # None: never gives up
     shift_alpha: float | None = None  # the shift gate's level (0: none); None: the bundle's

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from orca_method.bundle import Bundle, BundleError
 from orca_method.outcomes import GiveUpPolicy, Source
 from orca_method.thresholds import lam_to_json
-from orca_serve.contract import (
+from orca_serve.settings.contract import (
     DEFAULTS,
     XARG_ANSWER_BUDGET,
     XARG_BUNDLE,
@@ -42,8 +42,8 @@ from orca_serve.contract import (
     XARG_SHIFT_ALPHA,
     Policy,
 )
-from orca_serve.effort import DEFAULT_EFFORT_MAP, effort_delta
-from orca_serve.orca_field import (
+from orca_serve.settings.effort import DEFAULT_EFFORT_MAP, effort_delta
+from orca_serve.settings.field import (
     GiveUpFields,
     OrcaFields,
     OrcaRequestError,
@@ -51,7 +51,7 @@ from orca_serve.orca_field import (
     strip_orca_xargs,
     validation_message,
 )
-from orca_serve.xargs import encode_lam, resolve_lam
+from orca_serve.settings.xargs import encode_lam, resolve_lam
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     the audit may pick it.
 
     `effort`: the request's reasoning effort (wherever its API carries it), mapped to a delta by
-    `defaults.effort_map` unless the request sets `delta` or `enabled` itself (`orca_serve.effort`).
+    `defaults.effort_map` unless the request sets `delta` or `enabled` itself (`orca_serve.settings.effort`).
     `thinking_budget`: vLLM's own `thinking_token_budget` of the request, kept for the report.
     Settings is None when the server has no bundle and the request does not ask for orca (then
     the body is passed on untouched: plain vLLM). Raises OrcaRequestError for anything malformed.

@@ -58,7 +58,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from orca_method.outcomes import Ended
-from orca_serve.contract import OrcaResult, StopReason
+from orca_serve.settings.contract import OrcaResult, StopReason
 
 OUTCOMES = ("stopped_early", "gave_up", "finished", "answer_forced_at_budget",
             "shadow_would_stop", "shadow_finished", "disabled", "error")

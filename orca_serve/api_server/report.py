@@ -14,11 +14,11 @@ from typing import Any
 
 from orca_method.outcomes import Ended, Source
 from orca_method.thresholds import lam_to_json
-from orca_serve.apis import reasoning_spent, thinking_ended_by
-from orca_serve.contract import OrcaResult, Policy, merge_results
-from orca_serve.requests import OrcaSettings
+from orca_serve.api_server.apis import reasoning_spent, thinking_ended_by
+from orca_serve.settings.contract import OrcaResult, Policy, merge_results
+from orca_serve.settings.resolve import OrcaSettings
 
-logger = logging.getLogger("orca_serve.server")
+logger = logging.getLogger("orca_serve.api_server.server")
 
 RPC_TIMEOUT_S = 30.0
 NO_RESULT = "the engine reported no orca result for this request"

@@ -8,16 +8,16 @@
 Without --calib the server is plain vLLM (plus GET /v1/orca/bundle answering 404).
 
 Start-up order, so that a wrong bundle is refused in seconds and in one line (exit code 2):
-1. pre-flight, no vLLM imported (`orca_serve.preflight`): a vLLM release outside
+1. pre-flight, no vLLM imported (`orca_serve.startup.preflight`): a vLLM release outside
    `vllm_plugin.config.SUPPORTED_VLLM` is refused; our options are read (a small argparse pass
    that ignores vLLM's options); the bundle is loaded and checked against the model's
-   config.json and tokenizer (`orca_serve.model_checks`), long before vLLM loads weights;
-2. vLLM's configuration (`orca_serve.vllm_setup`): vLLM's own parser parses the full command
+   config.json and tokenizer (`orca_serve.checks.model`), long before vLLM loads weights;
+2. vLLM's configuration (`orca_serve.startup.vllm_setup`): vLLM's own parser parses the full command
    line (our options included, so `--help` lists them), unsupported combinations are refused,
    the plugin's engine arguments are merged in;
-3. serving: this process's orca parts built once (`orca_serve.assembly.build_server`), and
+3. serving: this process's orca parts built once (`orca_serve.api_server.assembly.build_server`), and
    vLLM's `run_server` (or, with --api-server-count N > 1, its `run_multi_api_server`) serves
-   the app built by vLLM's `build_app` plus our additions (`orca_serve.server`).
+   the app built by vLLM's `build_app` plus our additions (`orca_serve.api_server.server`).
 
 vLLM is reached through `orca_serve.vllm_compat.launch` (its parser, launchers and app hook).
 
@@ -34,14 +34,14 @@ import signal
 import sys
 from typing import Any
 
-from orca_serve.metrics_snapshots import ENV_SERVER
-from orca_serve.model_checks import check_served
-from orca_serve.preflight import Preflight, identity, preflight
-from orca_serve.server_log import log_like_vllm
-from orca_serve.startup_errors import StartupError, fail
-from orca_serve.vllm_check import main as check_touch_points
+from orca_serve.metrics.snapshots import ENV_SERVER
+from orca_serve.checks.model import check_served
+from orca_serve.startup.preflight import Preflight, identity, preflight
+from orca_serve.api_server.log import log_like_vllm
+from orca_serve.checks.errors import StartupError, fail
+from orca_serve.startup.vllm_check import main as check_touch_points
 from orca_serve.vllm_plugin.config import SUPPORTED_VLLM, installed_vllm_version
-from orca_serve.vllm_setup import vllm_args
+from orca_serve.startup.vllm_setup import vllm_args
 
 
 def exit_on_sigterm() -> None:
@@ -81,8 +81,8 @@ def serve(args: Any, pre: Preflight) -> None:
     """Build this process's orca parts once (the bundle pre-flight loaded and checked) and
     serve them in vLLM's app."""
     # deferred: torch (not needed by --check-vllm)
-    from orca_serve.assembly import build_server
-    from orca_serve.server import run
+    from orca_serve.api_server.assembly import build_server
+    from orca_serve.api_server.server import run
 
     if pre.bundle is None:
         return run(args, build_server(args))

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from orca_method.errors import shown
-from orca_serve.effort import parse_effort_map
+from orca_serve.settings.effort import parse_effort_map
 
 
 class OptionError(Exception):
@@ -65,7 +65,7 @@ def fraction(*, open_interval: bool) -> Callable[[str], float]:
 
 
 def effort_map(s: str) -> dict[str, str | float]:
-    """`--orca-effort-map`: LEVEL=TARGET,... over the default table (`orca_serve.effort`)."""
+    """`--orca-effort-map`: LEVEL=TARGET,... over the default table (`orca_serve.settings.effort`)."""
     try:
         return parse_effort_map(s)
     except ValueError as e:

@@ -1,4 +1,4 @@
-"""The server's state, built once (`orca_serve.server.build_server`): what requests are resolved
+"""The server's state, built once (`orca_serve.api_server.server.build_server`): what requests are resolved
 with (`Serving`, immutable, swapped whole by a hot reload) and the link to the engine.
 
 No vLLM import: the engine client is vLLM's, reached through `rpc_all`.
@@ -12,15 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from orca_serve.report import ResultFetcher
-from orca_serve.requests import OrcaDefaults, Thresholds
+from orca_serve.api_server.report import ResultFetcher
+from orca_serve.settings.resolve import OrcaDefaults, Thresholds
 from orca_serve.vllm_compat.engine_client import rpc_all
 
 if TYPE_CHECKING:
     from orca_method.bundle import Bundle
     from orca_serve.live_audit.live import LiveAudit
 
-logger = logging.getLogger("orca_serve.server")
+logger = logging.getLogger("orca_serve.api_server.server")
 
 STATS_TIMEOUT_S = 5.0
 

@@ -1,4 +1,4 @@
-"""The worker side of orca metrics on a stock vLLM server (orca_serve/stock_metrics.py): snapshot
+"""The worker side of orca metrics on a stock vLLM server (orca_serve/metrics/stock.py): snapshot
 files of the plugin's stats, written where the API server reads them.
 
 Imports nothing of vLLM's at module level: `start_publisher` is a `vllm.general_plugins` entry

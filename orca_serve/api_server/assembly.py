@@ -1,6 +1,6 @@
 """orca-serve's parts of one API server process, assembled once (`build_server`): the bundle,
 the request defaults, the metrics, the live audit and the reloader, around one `Serving` that
-only a hot reload swaps (`orca_serve.serving_state`)."""
+only a hot reload swaps (`orca_serve.api_server.state`)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from typing import Any
 from orca_method.bundle import Bundle, load_bundle
 from orca_method.bundle_checks import check_semantics
 from orca_method.outcomes import GiveUpPolicy
-from orca_serve.contract import DEFAULTS, Policy
-from orca_serve.effort import DEFAULT_EFFORT_MAP
+from orca_serve.settings.contract import DEFAULTS, Policy
+from orca_serve.settings.effort import DEFAULT_EFFORT_MAP
 from orca_serve.live_audit.collector import AuditCollector
 from orca_serve.live_audit.factory import make_live_audit
 from orca_serve.live_audit.options import AuditConfig
-from orca_serve.metrics import OrcaMetrics
-from orca_serve.reload import Reloader
-from orca_serve.requests import OrcaDefaults
-from orca_serve.serving_state import EngineLink, Serving, ServingRef
+from orca_serve.metrics.prometheus import OrcaMetrics
+from orca_serve.api_server.reload import Reloader
+from orca_serve.settings.resolve import OrcaDefaults
+from orca_serve.api_server.state import EngineLink, Serving, ServingRef
 
 
 @dataclass(frozen=True)

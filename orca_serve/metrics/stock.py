@@ -1,7 +1,7 @@
 """Orca metrics on vLLM's own OpenAI server (`vllm serve` / the api_server module, no orca-serve).
 
 orca-serve's server asks the engine for the plugin's stats with collective_rpc at every scrape
-(orca_serve/metrics.py). A stock vLLM server makes no such call, and vLLM's stat-logger
+(orca_serve/metrics/prometheus.py). A stock vLLM server makes no such call, and vLLM's stat-logger
 interface hands a plugin only vLLM's own scheduler and iteration stats, which carry nothing of a
 logits processor's. The plugin's counters live in the worker processes, so two entry points of
 vLLM's carry them to the API server's /metrics:
@@ -11,14 +11,14 @@ vLLM's carry them to the API server's /metrics:
   server is not orca-serve (which exports these metrics itself, and says so in ENV_SERVER), it
   makes a directory named for its process id and registers, on the registry vLLM's /metrics
   serves, a collector that reads the directory at every scrape.
-- `orca_serve.metrics_snapshots.start_publisher` (group `vllm.general_plugins`, which vLLM runs
+- `orca_serve.metrics.snapshots.start_publisher` (group `vllm.general_plugins`, which vLLM runs
   in every one of its processes): a thread that, every PUBLISH_S seconds, writes the cumulative
   stats of the orca processors of its process into the directory of the nearest ancestor
   process that has one (the API server started the engine core, which started the workers),
   from the one worker that speaks for its engine (`vllm_compat.runner.is_reporting_worker`).
 
 Exported, at most PUBLISH_S old, with the served model name as `model_name`: the engine-side
-metrics of orca_serve/metrics.py (orca_probe_seconds_total, orca_engine_steps_total,
+metrics of orca_serve/metrics/prometheus.py (orca_probe_seconds_total, orca_engine_steps_total,
 orca_engine_tracked_requests, orca_engine_stored_results, orca_engine_bundles_loaded) and
 orca_steps_scored_total. Not exported: the per-request ones (orca_requests_total{outcome}, stop
 steps, scores, tokens saved), which orca-serve builds from the results it fetches per request: a
@@ -38,8 +38,8 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily
 from vllm.v1.metrics.loggers import StatLoggerBase  # the interface of vllm.stat_logger_plugins
 
-from orca_serve.metrics import LABEL, EngineStats
-from orca_serve.metrics_snapshots import ENV_SERVER, metrics_dir, read_snapshots
+from orca_serve.metrics.prometheus import LABEL, EngineStats
+from orca_serve.metrics.snapshots import ENV_SERVER, metrics_dir, read_snapshots
 
 _registered = False  # one collector per API server process (vLLM makes a logger per engine)
 
@@ -72,7 +72,7 @@ class OrcaStatLogger(StatLoggerBase):
 
 
 class PublishedStats(EngineStats):
-    """orca_serve.metrics.EngineStats read from the workers' snapshot files at each scrape,
+    """orca_serve.metrics.prometheus.EngineStats read from the workers' snapshot files at each scrape,
     plus orca_steps_scored_total."""
 
     def __init__(self, directory: Path, model_name: str) -> None:

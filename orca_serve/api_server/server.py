@@ -1,17 +1,17 @@
 """vLLM's OpenAI-compatible FastAPI app plus orca-serve's additions, assembled once.
 
-Nothing of vLLM's request handling is re-implemented. `orca_serve.assembly.build_server` makes
+Nothing of vLLM's request handling is re-implemented. `orca_serve.api_server.assembly.build_server` makes
 this process's `OrcaServer` (bundle, defaults, live audit, metrics, reloader); `install` adds to
 the app vLLM's `build_app` is building, called by orca-serve's endpoint plugin
-(orca_serve/endpoint_plugin.py; docs/PLUGIN.md says why not through `--middleware`):
+(orca_serve/api_server/endpoint_plugin.py; docs/PLUGIN.md says why not through `--middleware`):
 
-- `OrcaMiddleware` (`orca_serve.middleware`; pure ASGI, innermost, so vLLM's auth/CORS run
-  first): the `orca` request field in, the response's `orca` report out (`orca_serve.report`).
+- `OrcaMiddleware` (`orca_serve.api_server.middleware`; pure ASGI, innermost, so vLLM's auth/CORS run
+  first): the `orca` request field in, the response's `orca` report out (`orca_serve.api_server.report`).
 - GET /v1/orca/bundle: `Bundle.summary()` (404 without a bundle); POST /v1/orca/bundle and SIGHUP
-  swap in a new bundle without a restart (`orca_serve.reload`). Every orca-enabled response names
+  swap in a new bundle without a restart (`orca_serve.api_server.reload`). Every orca-enabled response names
   the bundle that served it (`bundle_checksum`).
 - The `orca` request field in the published OpenAPI description (/openapi.json).
-- Metrics (`orca_serve.metrics`) on vLLM's `/metrics`.
+- Metrics (`orca_serve.metrics.prometheus`) on vLLM's `/metrics`.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.middleware import Middleware
 
-from orca_serve import quiet_shutdown
-from orca_serve.admin import AdminMiddleware
-from orca_serve.apis import INVOCATIONS_PATH, ORCA_PATHS
-from orca_serve.assembly import OrcaServer, build_server
+from orca_serve.api_server import quiet_shutdown
+from orca_serve.api_server.admin import AdminMiddleware
+from orca_serve.api_server.apis import INVOCATIONS_PATH, ORCA_PATHS
+from orca_serve.api_server.assembly import OrcaServer, build_server
 from orca_serve.live_audit.route import add_audit_route
-from orca_serve.middleware import OrcaMiddleware
-from orca_serve.orca_field import OrcaFields, error_body
-from orca_serve.reload import BUNDLE_PATH
+from orca_serve.api_server.middleware import OrcaMiddleware
+from orca_serve.settings.field import OrcaFields, error_body
+from orca_serve.api_server.reload import BUNDLE_PATH
 from orca_serve.vllm_compat import launch
 
 
@@ -136,7 +136,7 @@ def prepared(args: Any) -> OrcaServer:
 
 def run(args: Any, server: OrcaServer) -> None:
     """Serve with vLLM's own launchers (orca_serve.vllm_compat.launch); our parts reach vLLM's
-    app through the endpoint plugin (orca_serve.endpoint_plugin).
+    app through the endpoint plugin (orca_serve.api_server.endpoint_plugin).
 
     One API server: vLLM's `run_server` in this process, serving `server`. Several
     (--api-server-count N): vLLM's `run_multi_api_server` (engines started here, N spawned API
@@ -151,7 +151,7 @@ def run(args: Any, server: OrcaServer) -> None:
     reloader = server.reloader
 
     def on_loop() -> None:
-        if reloader is not None:  # SIGHUP re-reads --calib (orca_serve.reload)
+        if reloader is not None:  # SIGHUP re-reads --calib (orca_serve.api_server.reload)
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.on_sighup)
 
     launch.run_single(argparse.Namespace(**vars(args), **{SERVER_ARG: server}), on_loop)

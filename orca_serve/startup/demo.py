@@ -47,7 +47,7 @@ def start_server(port: int, log: str) -> subprocess.Popen:
     env = {**os.environ,
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     # eager: a tiny model gains nothing from torch.compile, whose first start takes longer
-    cmd = [sys.executable, "-m", "orca_serve.serve_cli", "--demo", "--enforce-eager",
+    cmd = [sys.executable, "-m", "orca_serve.startup.cli", "--demo", "--enforce-eager",
            "--host", "127.0.0.1", "--port", str(port)]
     with open(log, "wb") as out:  # the child keeps its own descriptor
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,

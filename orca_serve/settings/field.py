@@ -1,7 +1,7 @@
 """The request body's `orca` field: its schema (also published in /openapi.json), its checks
 and its one-line 400s, and the `orca_*` names a client may write into `vllm_xargs` instead.
-Each setting is checked by its rule in orca_serve/orca_rules.py, the one the engine applies to
-the extra_args that reach it (`orca_serve.xargs.validate_xargs`). Plain Python (pydantic, no vLLM).
+Each setting is checked by its rule in orca_serve/settings/rules.py, the one the engine applies to
+the extra_args that reach it (`orca_serve.settings.xargs.validate_xargs`). Plain Python (pydantic, no vLLM).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, WithJsonSchema
 
 from orca_method.errors import cut, shown
-from orca_serve.contract import XARG_FIELDS, XARG_RESERVED, Policy
-from orca_serve.orca_rules import (
+from orca_serve.settings.contract import XARG_FIELDS, XARG_RESERVED, Policy
+from orca_serve.settings.rules import (
     ANSWER_BUDGET,
     DELTA,
     ENABLED,
@@ -80,7 +80,7 @@ def validation_message(e: ValidationError, prefix: str) -> tuple[str, str]:
     if err["type"] == "extra_forbidden":
         allowed = ", ".join(OrcaFields.model_fields)
         return f"unknown field '{param}'; allowed fields of '{prefix}': {allowed}", param
-    if err["type"] == "value_error":  # a rule's refusal (orca_serve/orca_rules.py)
+    if err["type"] == "value_error":  # a rule's refusal (orca_serve/settings/rules.py)
         return refusal(param, err["msg"].removeprefix("Value error, ")), param
     return f"invalid '{param}': {err['msg']} (got {shown(err.get('input'))})", param
 

@@ -1,9 +1,9 @@
 """The request contract between the server and the engine-side plugin, defined once.
 
-Plain Python (no vLLM, no torch): the server (`orca_serve.requests`, `orca_serve.server`), the
+Plain Python (no vLLM, no torch): the server (`orca_serve.settings.resolve`, `orca_serve.api_server.server`), the
 plugin's adapters and its core all import these names, so a policy, a default, an xarg name or the
 result-key rule cannot drift between them. Requests go in as `vllm_xargs` (read on the engine
-side by `orca_serve.xargs`); results come back as `OrcaResult`, through the one codec of its wire
+side by `orca_serve.settings.xargs`); results come back as `OrcaResult`, through the one codec of its wire
 form here (`to_wire`, `OrcaResult.from_wire`, `merge_results`).
 """
 

@@ -1,5 +1,5 @@
-"""What orca-serve's options ask of a bundle, one rule for start-up (orca_serve/preflight.py,
-before vLLM) and every hot reload (orca_serve/reload.py): a bundle that does not satisfy the
+"""What orca-serve's options ask of a bundle, one rule for start-up (orca_serve/startup/preflight.py,
+before vLLM) and every hot reload (orca_serve/api_server/reload.py): a bundle that does not satisfy the
 options the server runs with is refused, in one line naming the option and the fix.
 
 The options are fixed for the server's life, so a reload to a bundle that cannot serve them would
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from orca_method.bundle import BundleError
 from orca_method.outcomes import GiveUpPolicy
-from orca_serve.effort import check_effort_map
+from orca_serve.settings.effort import check_effort_map
 
 if TYPE_CHECKING:
     from orca_method.bundle import Bundle

@@ -1,8 +1,8 @@
 """One definition of each rule on a request's client-settable orca settings, read by both sides.
 
 The server checks a body's `orca` object and its `orca_*` entries of `vllm_xargs`
-(orca_serve/orca_field.py, answering 400); the engine checks the extra_args that reach it
-(`orca_serve.xargs.validate_xargs`, for requests that never passed the server too: offline
+(orca_serve/settings/field.py, answering 400); the engine checks the extra_args that reach it
+(`orca_serve.settings.xargs.validate_xargs`, for requests that never passed the server too: offline
 `LLM` users). Both call the rules here, so the range of delta, the policy names, the answer
 budget's bounds and what `enabled` accepts cannot drift between them, and both word a refusal
 the same way (`refusal`): only the place named differs ('orca.delta', 'vllm_xargs.orca_delta',
@@ -21,7 +21,7 @@ from typing import Any
 
 from orca_method.errors import cut, shown
 from orca_method.thresholds import GROUP_NAME_MAX
-from orca_serve.contract import MAX_ANSWER_BUDGET, POLICIES, Policy
+from orca_serve.settings.contract import MAX_ANSWER_BUDGET, POLICIES, Policy
 
 
 def refusal(where: str, message: str) -> str:
