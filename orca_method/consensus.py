@@ -1,0 +1,234 @@
+"""The consensus stop for k samples of one prompt (docs/METHOD.md section 13).
+
+Each sample stops early by ORCA (its own lambda*), or runs to its end; the group of k samples
+ends as soon as the samples already finished make the vote settled, and answers the vote of
+their answers. The rule: with each finished sample's vote weighted by ``w_i`` in [0, 1] (its
+probe score where it stopped, or 1 for plain counts), the leading answer's weight ``V_1``, the
+runner-up's ``V_2`` and ``R`` samples still running, the group is settled when
+
+    V_1 - V_2 > t * R,
+
+that is, when the leader would still lead if every running sample voted for the runner-up with
+weight t. At t = 1 the remaining samples cannot change the vote at all (a weight is at most 1);
+smaller t bets that they will not all go against the leader. t is certified by Learn-then-Test
+(`calibrate_consensus`) so that the answer differs from the plurality of all k samples run to
+their end (maj@k) with probability at most delta_vote.
+
+Ties: a vote's plurality is the answer with the most weight, among equals the one given by the
+lowest-numbered sample (the engine numbers a request's samples 0..k-1; so does collection).
+
+Everything here is a pure function over arrays of k entries, so the engine core can call
+`verdict` whenever a sample of a group finishes; nothing imports vLLM or a server library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from orca_method.ltt import PVALUES, n_rejected
+
+WEIGHTINGS = ("score", "count")  # a vote's weight: the probe score where the sample stopped, or 1
+DEFAULT_GRID_SIZE = 101
+SAMPLE_SEP = "#"  # a sampled trace's id: "<prompt id>#<sample number>" (orca-calibrate collect)
+
+
+def sample_id(prompt_id: str, sample: int) -> str:
+    """The trajectory id of sample `sample` of a prompt (collection writes these)."""
+    return f"{prompt_id}{SAMPLE_SEP}{sample}"
+
+
+def prompt_of(trace_id: str) -> tuple[str, int]:
+    """(prompt id, sample number) of a trajectory id; a trace without a sample part is sample 0."""
+    head, sep, tail = trace_id.rpartition(SAMPLE_SEP)
+    return (head, int(tail)) if sep and tail.isdigit() else (trace_id, 0)
+
+
+def default_grid(m: int = DEFAULT_GRID_SIZE) -> np.ndarray:
+    """``m`` margins t from 1.0 (the remaining samples cannot change the vote) down to 0.0 (the
+    first finished sample decides), fixed before the data (LTT's hypotheses must be)."""
+    if m < 2:
+        raise ValueError(f"the consensus grid needs >= 2 points, got {m}")
+    return np.linspace(1.0, 0.0, m)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The vote of a group's finished samples: its leader (None before any sample finished),
+    the leader's margin V_1 - V_2, the samples still running, and whether it is settled."""
+
+    settled: bool
+    answer: Hashable | None
+    margin: float
+    running: int
+
+
+def tally(answers: Sequence[Hashable], weights: np.ndarray,
+          finished: np.ndarray) -> tuple[Hashable | None, float]:
+    """(leader, V_1 - V_2) of the finished samples' weighted vote; ties to the lowest sample.
+
+    answers [k] (any hashable, None included: "no answer" is a vote like any other),
+    weights [k] in [0, 1], finished [k] bool.
+    """
+    votes: dict[Hashable, float] = {}
+    first: dict[Hashable, int] = {}
+    for i in np.flatnonzero(finished):
+        a = answers[i]
+        votes[a] = votes.get(a, 0.0) + float(weights[i])
+        first.setdefault(a, int(i))
+    if not votes:
+        return None, 0.0
+    ranked = sorted(votes, key=lambda a: (-votes[a], first[a]))
+    runner_up = votes[ranked[1]] if len(ranked) > 1 else 0.0
+    return ranked[0], votes[ranked[0]] - runner_up
+
+
+def plurality(answers: Sequence[Hashable], weights: np.ndarray | None = None) -> Hashable | None:
+    """The vote of all `answers` (maj@k when unweighted), ties to the lowest sample."""
+    k = len(answers)
+    w = np.ones(k) if weights is None else np.asarray(weights, dtype=float)
+    return tally(answers, w, np.ones(k, dtype=bool))[0]
+
+
+def verdict(answers: Sequence[Hashable], weights: np.ndarray, finished: np.ndarray,
+            t: float) -> Verdict:
+    """The per-step decision: settled when V_1 - V_2 > t * (samples still running), or when
+    every sample has finished. Entries of `answers`/`weights` of running samples are ignored."""
+    finished = np.asarray(finished, dtype=bool)
+    _check_weights(weights)
+    leader, margin = tally(answers, np.asarray(weights, dtype=float), finished)
+    running = int((~finished).sum())
+    settled = running == 0 or (leader is not None and margin > t * running)
+    return Verdict(settled=settled, answer=leader, margin=margin, running=running)
+
+
+def _check_weights(weights: np.ndarray) -> None:
+    w = np.asarray(weights, dtype=float)
+    if not np.all((w >= 0.0) & (w <= 1.0)):  # also refuses NaN
+        raise ValueError("vote weights must be in [0, 1] (a weight above 1 voids t = 1's "
+                         "'the rest cannot change the vote')")
+
+
+# ----------------------------------------------------------------------- groups, offline
+
+
+@dataclass(frozen=True)
+class Group:
+    """k samples of one prompt as calibration sees them.
+
+    ``finish`` [k]: when each sample finishes (stopped by ORCA or at its end), in the group's
+    clock (tokens each sample has generated: the samples decode in parallel, one token each
+    per engine step); ``answers`` [k]: each one's answer there; ``weights`` [k]: its vote
+    weight; ``reference``: the plurality of the k samples run to their end (the loss's target).
+    """
+
+    finish: np.ndarray
+    answers: tuple[Hashable, ...]
+    weights: np.ndarray
+    reference: Hashable
+
+    def __post_init__(self) -> None:
+        k = len(self.answers)
+        if k < 1 or np.shape(self.finish) != (k,) or np.shape(self.weights) != (k,):
+            raise ValueError("a group needs finish, answers and weights of the same length k >= 1")
+        _check_weights(self.weights)
+
+
+@dataclass(frozen=True)
+class VotePath:
+    """A group's vote at each distinct finish time (its events, in time order): when (``times``
+    [E]), the leader then (``leaders``, E entries) and the largest t settled there (``bounds``
+    [E]: V_1 - V_2 over the samples still running; inf once none is)."""
+
+    times: np.ndarray
+    leaders: tuple[Hashable, ...]
+    bounds: np.ndarray
+
+
+def vote_path(g: Group) -> VotePath:
+    """The events of a group: settled at event e for every t < bounds[e]."""
+    times = np.unique(g.finish)  # [E], ascending
+    leaders, bounds = [], []
+    for s in times:
+        finished = g.finish <= s
+        leader, margin = tally(g.answers, g.weights, finished)
+        running = int((~finished).sum())
+        leaders.append(leader)
+        bounds.append(np.inf if running == 0 else margin / running)
+    return VotePath(times=times, leaders=tuple(leaders), bounds=np.asarray(bounds))
+
+
+def settle_events(path: VotePath, grid: np.ndarray) -> np.ndarray:
+    """[len(grid)] the event at which the group settles for each t of `grid`: the first e with
+    margin > t * running (strict, as `verdict`); the last event always settles."""
+    hit = path.bounds[None, :] > np.asarray(grid, dtype=float)[:, None]  # [m, E]
+    return hit.argmax(axis=1)
+
+
+def spent(finish: np.ndarray, at: float) -> float:
+    """Tokens a group has generated when it ends at time `at`: each sample its own until then."""
+    return float(np.minimum(finish, at).sum())
+
+
+@dataclass(frozen=True)
+class ConsensusResult:
+    """LTT's outcome for one delta_vote: t* (None: no t certified; the group then runs its
+    samples to their end, whose vote is maj@k itself), with calibration facts at t* (at t = 1
+    for an uncertified row: what stopping would have cost)."""
+
+    delta_vote: float
+    t: float | None
+    risk: float
+    pvalue: float
+    token_savings: float  # 1 - tokens at t* / tokens with every sample to its ORCA stop
+    n: int
+
+
+def outcomes(groups: Sequence[Group], grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[m, n] 0/1 losses (the group's answer is not its reference) and [m, n] tokens spent, for
+    every t of `grid` and every group."""
+    grid = np.asarray(grid, dtype=float)
+    loss = np.zeros((len(grid), len(groups)), dtype=np.int8)
+    tokens = np.zeros((len(grid), len(groups)))
+    for j, g in enumerate(groups):
+        path = vote_path(g)
+        e = settle_events(path, grid)  # [m]
+        wrong = np.array([a != g.reference for a in path.leaders], dtype=np.int8)  # [E]
+        cost = np.array([spent(g.finish, s) for s in path.times])  # [E]
+        loss[:, j], tokens[:, j] = wrong[e], cost[e]
+    return loss, tokens
+
+
+def calibrate_consensus(groups: Sequence[Group], deltas_vote: Sequence[float],
+                        epsilon: float = 0.05, grid: np.ndarray | None = None,
+                        pvalue: str = "binomial") -> list[ConsensusResult]:
+    """t* per delta_vote by fixed-sequence testing over `grid` (from t = 1 down), as lambda*
+    (orca_method/ltt.py): with probability >= 1 - epsilon over the calibration groups,
+    P(answer != maj@k of the full samples) <= delta_vote for a fresh group. The groups must be
+    exchangeable with the served ones and must not have chosen the samples' lambda* (the
+    per-sample stops are a fixed part of the procedure here)."""
+    if not groups:
+        raise ValueError("no calibration groups")
+    if pvalue not in PVALUES:
+        raise ValueError(f"pvalue must be one of {sorted(PVALUES)}, got {pvalue!r}")
+    if not 0.0 < epsilon < 1.0 or not all(0.0 < d < 1.0 for d in deltas_vote):
+        raise ValueError("epsilon and every delta_vote must be in (0, 1)")
+    grid = default_grid() if grid is None else np.asarray(grid, dtype=float)
+    if grid.ndim != 1 or grid.size == 0 or np.any(np.diff(grid) >= 0) or grid[0] > 1 or grid[-1] < 0:
+        raise ValueError("the grid must be strictly decreasing margins in [0, 1]")
+    n = len(groups)
+    loss, tokens = outcomes(groups, grid)
+    full = sum(float(g.finish.sum()) for g in groups)
+    counts = loss.sum(axis=1, dtype=np.int64)  # [m]
+    out = []
+    for d in deltas_vote:
+        p = PVALUES[pvalue](counts, n, d)
+        last = n_rejected(p, epsilon) - 1
+        j = max(last, 0)
+        out.append(ConsensusResult(
+            delta_vote=float(d), t=float(grid[last]) if last >= 0 else None,
+            risk=float(counts[j] / n), pvalue=float(p[last]) if last >= 0 else 1.0,
+            token_savings=float(1.0 - tokens[j].sum() / full) if full > 0 else 0.0, n=n))
+    return out
