@@ -11,7 +11,7 @@ runner-up's ``V_2`` and ``R`` samples still running, the group is settled when
 that is, when the leader would still lead if every running sample voted for the runner-up with
 weight t. At t = 1 the remaining samples cannot change the vote at all (a weight is at most 1);
 smaller t bets that they will not all go against the leader. t is certified by Learn-then-Test
-(`calibrate_consensus`) so that the answer differs from the plurality of all k samples run to
+(orca_method/consensus_ltt.py) so that the answer differs from the plurality of all k samples run to
 their end (maj@k) with probability at most delta_vote.
 
 Ties: a vote's plurality is the answer with the most weight, among equals the one given by the
@@ -25,12 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 
-from orca_method.ltt import PVALUES, n_rejected
-
-WEIGHTINGS = ("score", "count")  # a vote's weight: the probe score where the sample stopped, or 1
+# a vote's weight: the probe score where the sample stopped, or 1 (plain counts)
+Weighting = Literal["score", "count"]
+WEIGHTINGS: tuple[str, ...] = get_args(Weighting)
+CONSENSUS_VERSION = 1  # of the bundle's `consensus` block (orca_method/bundle.py)
 DEFAULT_GRID_SIZE = 101
 SAMPLE_SEP = "#"  # a sampled trace's id: "<prompt id>#<sample number>" (orca-calibrate collect)
 
@@ -172,20 +174,6 @@ def spent(finish: np.ndarray, at: float) -> float:
     return float(np.minimum(finish, at).sum())
 
 
-@dataclass(frozen=True)
-class ConsensusResult:
-    """LTT's outcome for one delta_vote: t* (None: no t certified; the group then runs its
-    samples to their end, whose vote is maj@k itself), with calibration facts at t* (at t = 1
-    for an uncertified row: what stopping would have cost)."""
-
-    delta_vote: float
-    t: float | None
-    risk: float
-    pvalue: float
-    token_savings: float  # 1 - tokens at t* / tokens with every sample to its ORCA stop
-    n: int
-
-
 def outcomes(groups: Sequence[Group], grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[m, n] 0/1 losses (the group's answer is not its reference) and [m, n] tokens spent, for
     every t of `grid` and every group."""
@@ -199,36 +187,3 @@ def outcomes(groups: Sequence[Group], grid: np.ndarray) -> tuple[np.ndarray, np.
         cost = np.array([spent(g.finish, s) for s in path.times])  # [E]
         loss[:, j], tokens[:, j] = wrong[e], cost[e]
     return loss, tokens
-
-
-def calibrate_consensus(groups: Sequence[Group], deltas_vote: Sequence[float],
-                        epsilon: float = 0.05, grid: np.ndarray | None = None,
-                        pvalue: str = "binomial") -> list[ConsensusResult]:
-    """t* per delta_vote by fixed-sequence testing over `grid` (from t = 1 down), as lambda*
-    (orca_method/ltt.py): with probability >= 1 - epsilon over the calibration groups,
-    P(answer != maj@k of the full samples) <= delta_vote for a fresh group. The groups must be
-    exchangeable with the served ones and must not have chosen the samples' lambda* (the
-    per-sample stops are a fixed part of the procedure here)."""
-    if not groups:
-        raise ValueError("no calibration groups")
-    if pvalue not in PVALUES:
-        raise ValueError(f"pvalue must be one of {sorted(PVALUES)}, got {pvalue!r}")
-    if not 0.0 < epsilon < 1.0 or not all(0.0 < d < 1.0 for d in deltas_vote):
-        raise ValueError("epsilon and every delta_vote must be in (0, 1)")
-    grid = default_grid() if grid is None else np.asarray(grid, dtype=float)
-    if grid.ndim != 1 or grid.size == 0 or np.any(np.diff(grid) >= 0) or grid[0] > 1 or grid[-1] < 0:
-        raise ValueError("the grid must be strictly decreasing margins in [0, 1]")
-    n = len(groups)
-    loss, tokens = outcomes(groups, grid)
-    full = sum(float(g.finish.sum()) for g in groups)
-    counts = loss.sum(axis=1, dtype=np.int64)  # [m]
-    out = []
-    for d in deltas_vote:
-        p = PVALUES[pvalue](counts, n, d)
-        last = n_rejected(p, epsilon) - 1
-        j = max(last, 0)
-        out.append(ConsensusResult(
-            delta_vote=float(d), t=float(grid[last]) if last >= 0 else None,
-            risk=float(counts[j] / n), pvalue=float(p[last]) if last >= 0 else 1.0,
-            token_savings=float(1.0 - tokens[j].sum() / full) if full > 0 else 0.0, n=n))
-    return out

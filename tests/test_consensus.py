@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from orca_method.consensus_ltt import calibrate_consensus
 from orca_method.consensus import (
     Group,
-    calibrate_consensus,
     default_grid,
     outcomes,
     plurality,
