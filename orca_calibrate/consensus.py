@@ -83,15 +83,21 @@ def sample_groups(ts: TrajectorySet, members: Sequence[int]) -> list[list[int]]:
     return [[i for _, i in sorted(v)] for _, v in sorted(by.items()) if len(v) == k]
 
 
-def stopped_groups(probe: Probe, ts: TrajectorySet, groups: Sequence[Sequence[int]], lam: float,
-                   window: int, weighting: str) -> list[Group]:
-    """Each prompt's k samples, each stopped at `lam` as the server stops it: its finish time
-    (reasoning tokens through its stop step), answer there (the probed answer; the final answer
-    when it ran to its end), vote weight (its smoothed score there, or 1); the reference is
-    maj@k of the samples' final answers."""
+def replayed(probe: Probe, ts: TrajectorySet, groups: Sequence[Sequence[int]],
+             window: int) -> dict[int, np.ndarray]:
+    """Every trace's smoothed scores as the server computes them, by trace index (replayed once
+    for every lambda* and weighting that reads them)."""
     flat = [i for g in groups for i in g]
-    scores = {i: s.numpy().astype(np.float64)
-              for i, (_, s) in zip(flat, replay(probe, [ts.embeddings(i) for i in flat], window))}
+    return {i: s.numpy().astype(np.float64)
+            for i, (_, s) in zip(flat, replay(probe, [ts.embeddings(i) for i in flat], window))}
+
+
+def stopped_groups(ts: TrajectorySet, groups: Sequence[Sequence[int]],
+                   scores: dict[int, np.ndarray], lam: float, weighting: str) -> list[Group]:
+    """Each prompt's k samples, each stopped at `lam` as the server stops it (`scores`:
+    `replayed`): its finish time (reasoning tokens through its stop step), answer there (the
+    probed answer; the final answer when it ran to its end), vote weight (its smoothed score
+    there, or 1); the reference is maj@k of the samples' final answers."""
     out = []
     for g in groups:
         tau = stop_indices([scores[i] for i in g], np.array([lam]))[0]  # [k]
@@ -118,10 +124,9 @@ def consensus_block(bundle: Bundle, probe: Probe, ts: TrajectorySet, members: Se
     if not groups or len(groups[0]) < 2:
         raise ValueError("the consensus needs k >= 2 samples per prompt: collect with "
                          "`collect: {samples: k}`")
-    rows = []
+    rows, scores = [], replayed(probe, ts, groups, bundle.window)
     for row in bundle.ltt.rows:
-        stopped = stopped_groups(probe, ts, groups, bundle.lam(row.delta), bundle.window,
-                                 opts.weighting)
+        stopped = stopped_groups(ts, groups, scores, bundle.lam(row.delta), opts.weighting)
         for r in calibrate_consensus(stopped, opts.deltas, epsilon=opts.epsilon):
             rows.append(ConsensusRow(delta=row.delta, delta_vote=r.delta_vote, t=r.t,
                                      risk=r.risk, pvalue=r.pvalue,
@@ -149,10 +154,9 @@ def evaluate_consensus(bundle: Bundle, ts: TrajectorySet, split: str = "test") -
     if groups and len(groups[0]) != block.samples:
         raise ValueError(f"the consensus was certified for k = {block.samples} samples, the "
                          f"{split} split has {len(groups[0])} per prompt")
-    probe, rows = bundle.load_probe(), []
+    rows, scores = [], replayed(bundle.load_probe(), ts, groups, bundle.window)
     for row in block.rows:
-        stopped = stopped_groups(probe, ts, groups, bundle.lam(row.delta), bundle.window,
-                                 block.weighting)
+        stopped = stopped_groups(ts, groups, scores, bundle.lam(row.delta), block.weighting)
         full = sum(float(g.finish.sum()) for g in stopped)
         loss, tokens = outcomes(stopped, np.array([1.0 if row.t is None else row.t]))
         errors = 0 if row.t is None else int(loss.sum())

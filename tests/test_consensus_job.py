@@ -15,6 +15,7 @@ from orca_calibrate.consensus import (
     add_consensus,
     evaluate_consensus,
     hold_out,
+    replayed,
     sample_groups,
     stopped_groups,
 )
@@ -67,12 +68,13 @@ def test_a_consensus_block_round_trips_and_names_calibrated_deltas_only(tmp_path
         load_bundle(tmp_path / "v.json")
 
 
-def sampled_set(path: Path, n_prompts: int, rng: np.random.Generator) -> TrajectorySet:
-    """n_prompts x K traces of 3-6 steps with random embeddings; a prompt's samples mostly
+def sampled_set(path: Path, n_prompts: int, rng: np.random.Generator, k: int = K,
+                splits: bool = True) -> TrajectorySet:
+    """n_prompts x k traces of 3-6 steps with random embeddings; a prompt's samples mostly
     agree on "7" (its answer), with a wrong step answer now and then."""
     with TrajectoryWriter(path, dim=DIM) as w:
         for p in range(n_prompts):
-            for s in range(K):
+            for s in range(k):
                 n = int(rng.integers(3, 7))
                 final = "7" if rng.random() < 0.8 else "5"
                 steps = [None if t == 0 else (final if rng.random() < 0.7 else "5")
@@ -81,7 +83,7 @@ def sampled_set(path: Path, n_prompts: int, rng: np.random.Generator) -> Traject
                           [int(x) for x in rng.integers(20, 60, n)], "step_answers": steps,
                           "final_answer": final,
                           "labels": {"supervised": [int(a == "7") for a in steps]},
-                          "split": ("train", "calibration", "test")[p % 3]},
+                          "split": ("train", "calibration", "test")[p % 3] if splits else None},
                          rng.normal(size=(n, DIM)).astype(np.float32))
     return TrajectorySet.open(path)
 
@@ -100,8 +102,8 @@ def test_held_out_prompts_certify_t_and_the_test_split_evaluates_it(tmp_path):
     groups = sample_groups(ts, held)
     assert all(len(g) == K for g in groups)
     bundle = small_bundle(dim=DIM)
-    stopped = stopped_groups(bundle.load_probe(), ts, groups, bundle.lam(0.1), bundle.window,
-                             "score")
+    scores = replayed(bundle.load_probe(), ts, groups, bundle.window)
+    stopped = stopped_groups(ts, groups, scores, bundle.lam(0.1), "score")
     for g, idx in zip(stopped, groups):  # finish times are the tokens through each stop step
         assert all(f <= sum(ts.problems[i].step_tokens) for f, i in zip(g.finish, idx))
         assert g.reference in ("7", "5")
@@ -134,3 +136,49 @@ def test_a_job_asks_for_samples_and_consensus_consistently(tmp_path):
         load_job(job({"samples": 8}, {"consensus": {"weighting": "votes"}}))
     with pytest.raises(JobError, match="calibrate.consensus is a mapping"):
         load_job(job({"samples": 8}, {"consensus": {"t": 0.3}}))
+
+
+class _SampledCollector:
+    """Stands in for the vLLM collector: `settings.samples` synthetic traces per prompt."""
+
+    def __init__(self, model: str, settings) -> None:
+        self.settings = settings
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def run(self, prompts: list, out, progress: bool):
+        sampled_set(out, len(prompts), np.random.default_rng(5), k=self.settings.samples,
+                    splits=False)
+        return type("Stats", (), {"as_dict": lambda self: {}})()
+
+
+def test_a_job_with_consensus_certifies_t_on_held_out_prompts(tmp_path, monkeypatch):
+    """The whole job with `samples: 4` and `calibrate.consensus`: lambda*'s n_cal counts only
+    the prompts left to it, the block's n_cal the held-out ones, and the test split's realized
+    vote error lands in evaluation.json."""
+    import orca_calibrate.job
+    from orca_calibrate.job import run_job
+
+    monkeypatch.setattr(orca_calibrate.job, "Collector", _SampledCollector)
+    (tmp_path / "p.jsonl").write_text("".join(
+        json.dumps({"id": f"p{i}", "prompt": "x", "answer": "7"}) + "\n" for i in range(120)))
+    job = {"model": "m", "prompts": "p.jsonl", "out": "run", "collect": {"samples": K},
+           "split": {"fractions": [0.4, 0.4, 0.2]}, "train": {"epochs": 1},
+           "calibrate": {"deltas": [0.3], "window": 1,
+                         "consensus": {"deltas": [0.2], "holdout": 0.5}}}
+    (tmp_path / "job.yaml").write_text(json.dumps(job))
+    run_job(tmp_path / "job.yaml", progress=False)
+    bundle = load_bundle(tmp_path / "run" / "bundle.json")
+    ts = TrajectorySet.open(tmp_path / "run" / "trajectories")
+    cal_prompts = {prompt_of(ts.problems[i].id)[0] for i in ts.split("calibration")}
+    c = bundle.consensus
+    assert c.samples == K and [(r.delta, r.delta_vote) for r in c.rows] == [(0.3, 0.2)]
+    assert 0 < c.n_cal < len(cal_prompts)
+    assert bundle.ltt.n_cal <= (len(cal_prompts) - c.n_cal) * K  # the rest, solvable ones only
+    report = json.loads((tmp_path / "run" / "evaluation.json").read_text())["consensus"]
+    assert report["rows"][0]["n"] == len({prompt_of(ts.problems[i].id)[0]
+                                          for i in ts.split("test")})
