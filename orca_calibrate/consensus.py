@@ -157,7 +157,7 @@ def evaluate_consensus(bundle: Bundle, ts: TrajectorySet, split: str = "test") -
     rows, scores = [], replayed(bundle.load_probe(), ts, groups, bundle.window)
     for row in block.rows:
         stopped = stopped_groups(ts, groups, scores, bundle.lam(row.delta), block.weighting)
-        full = sum(float(g.finish.sum()) for g in stopped)
+        full = sum(g.spent(np.inf) for g in stopped)
         loss, tokens = outcomes(stopped, np.array([1.0 if row.t is None else row.t]))
         errors = 0 if row.t is None else int(loss.sum())
         used = full if row.t is None else float(tokens.sum())

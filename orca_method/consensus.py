@@ -121,21 +121,48 @@ class Group:
     """k samples of one prompt as calibration sees them.
 
     ``finish`` [k]: when each sample finishes (stopped by ORCA or at its end), in the group's
-    clock (tokens each sample has generated: the samples decode in parallel, one token each
-    per engine step); ``answers`` [k]: each one's answer there; ``weights`` [k]: its vote
-    weight; ``reference``: the plurality of the k samples run to their end (the loss's target).
+    clock (engine steps: the samples decode in parallel, one token each per step);
+    ``answers`` [k]: each one's answer there; ``weights`` [k]: its vote weight; ``reference``:
+    the plurality of the k samples run to their end (the loss's target); ``start`` [k]: when
+    each sample is launched (all at 0 unless launched in waves: `in_waves`). A sample not yet
+    launched counts as running: it may still vote.
     """
 
     finish: np.ndarray
     answers: tuple[Hashable, ...]
     weights: np.ndarray
     reference: Hashable
+    start: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         k = len(self.answers)
         if k < 1 or np.shape(self.finish) != (k,) or np.shape(self.weights) != (k,):
             raise ValueError("a group needs finish, answers and weights of the same length k >= 1")
+        if self.start is not None and (np.shape(self.start) != (k,)
+                                       or np.any(self.start > self.finish)):
+            raise ValueError("start must be k launch times, none after its sample's finish")
         _check_weights(self.weights)
+
+    def spent(self, at: float) -> float:
+        """Tokens generated when the group ends at time `at`: each launched sample its own
+        until then (a sample launched later than `at` never ran)."""
+        start = np.zeros_like(self.finish) if self.start is None else self.start
+        return float(np.clip(at - start, 0.0, self.finish - start).sum())
+
+
+def in_waves(lengths: np.ndarray, waves: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(start [k], finish [k]) of samples launched in waves of the given sizes (sum k), in sample
+    order, Adaptive-Consistency style: a wave starts once every sample before it has finished.
+    `lengths` [k]: each sample's own tokens to its finish."""
+    lengths = np.asarray(lengths, dtype=float)
+    if sum(waves) != len(lengths) or min(waves, default=0) < 1:
+        raise ValueError(f"waves {tuple(waves)} must be positive sizes summing to k = {len(lengths)}")
+    start, at, i = np.zeros_like(lengths), 0.0, 0
+    for size in waves:
+        start[i:i + size] = at
+        at += float(lengths[i:i + size].max())
+        i += size
+    return start, start + lengths
 
 
 @dataclass(frozen=True)
@@ -169,11 +196,6 @@ def settle_events(path: VotePath, grid: np.ndarray) -> np.ndarray:
     return hit.argmax(axis=1)
 
 
-def spent(finish: np.ndarray, at: float) -> float:
-    """Tokens a group has generated when it ends at time `at`: each sample its own until then."""
-    return float(np.minimum(finish, at).sum())
-
-
 def outcomes(groups: Sequence[Group], grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[m, n] 0/1 losses (the group's answer is not its reference) and [m, n] tokens spent, for
     every t of `grid` and every group."""
@@ -184,6 +206,6 @@ def outcomes(groups: Sequence[Group], grid: np.ndarray) -> tuple[np.ndarray, np.
         path = vote_path(g)
         e = settle_events(path, grid)  # [m]
         wrong = np.array([a != g.reference for a in path.leaders], dtype=np.int8)  # [E]
-        cost = np.array([spent(g.finish, s) for s in path.times])  # [E]
+        cost = np.array([g.spent(s) for s in path.times])  # [E]
         loss[:, j], tokens[:, j] = wrong[e], cost[e]
     return loss, tokens

@@ -50,7 +50,7 @@ def calibrate_consensus(groups: Sequence[Group], deltas_vote: Sequence[float],
         raise ValueError("the grid must be strictly decreasing margins in [0, 1]")
     n = len(groups)
     loss, tokens = outcomes(groups, grid)
-    full = sum(float(g.finish.sum()) for g in groups)
+    full = sum(g.spent(np.inf) for g in groups)
     counts = loss.sum(axis=1, dtype=np.int64)  # [m]
     out = []
     for d in deltas_vote:

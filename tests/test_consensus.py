@@ -10,10 +10,12 @@ from orca_method.consensus_ltt import calibrate_consensus
 from orca_method.consensus import (
     Group,
     default_grid,
+    in_waves,
     outcomes,
     plurality,
     prompt_of,
     sample_id,
+    settle_events,
     verdict,
     vote_path,
 )
@@ -120,9 +122,26 @@ def test_the_rule_saves_samples_when_answers_agree_early():
     assert res.t is not None and res.token_savings > 0.15
     grid = np.array([res.t])
     easy, hard = synthetic_groups(500, rng, agree=1.0), synthetic_groups(500, rng, agree=0.0)
-    full = {name: sum(float(g.finish.sum()) for g in gs) for name, gs in
+    full = {name: sum(g.spent(np.inf) for g in gs) for name, gs in
             (("easy", easy), ("hard", hard))}
     saved = {name: 1 - outcomes(gs, grid)[1].sum() / full[name] for name, gs in
              (("easy", easy), ("hard", hard))}
     assert saved["easy"] > 0.35
     assert saved["easy"] > saved["hard"] + 0.05
+
+
+def test_waves_launch_later_samples_only_when_needed():
+    """In waves (2, 2) a group whose first two samples agree at t = 0.4 settles before the
+    second wave starts: it spends the first wave's tokens only; the second wave's samples count
+    as running until they are launched."""
+    start, finish = in_waves(np.array([100.0, 120.0, 90.0, 80.0]), (2, 2))
+    assert start.tolist() == [0, 0, 120, 120] and finish.tolist() == [100, 120, 210, 200]
+    g = Group(finish=finish, answers=("4", "4", "5", "5"), weights=np.ones(4), reference="4",
+              start=start)
+    path = vote_path(g)
+    e = int(settle_events(path, np.array([0.4]))[0])  # at 120: margin 2 > 0.4 * 2
+    assert path.times[e] == 120 and path.leaders[e] == "4" and g.spent(path.times[e]) == 220
+    assert int(settle_events(path, np.array([1.0]))[0]) == len(path.times) - 1  # 2 > 2 fails
+    assert g.spent(np.inf) == 390
+    with pytest.raises(ValueError, match="summing to k"):
+        in_waves(np.ones(4), (2, 1))
