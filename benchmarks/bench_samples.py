@@ -57,8 +57,17 @@ from orca_calibrate.job import load_job
 from orca_demo.long import tasks as long_tasks
 from orca_demo.toy import tasks as toy_tasks
 from orca_method.bundle import load_bundle
-from orca_method.consensus import Group, in_waves, plurality, settle_events, vote_path
+from orca_method.consensus import (
+    Group,
+    default_grid,
+    in_waves,
+    outcomes,
+    plurality,
+    settle_events,
+    vote_path,
+)
 from orca_method.consensus_ltt import calibrate_consensus
+from orca_method.ltt import PVALUES, n_rejected
 from orca_method.trajectories import TrajectorySet
 
 PROMPT_SEED = 35  # calibration: seeds 1-3; goodput: 18; frontier: 31. These prompts are held out.
@@ -104,6 +113,7 @@ FOLD_SEED = 0
 ADAPTIVE_CONFIDENCE = (0.8, 0.95)  # Adaptive-Consistency's Beta criterion levels
 ESC_WINDOWS = (2, 4)
 WAVES = (2, 2, 4)  # the consensus with samples launched in waves (k = 8)
+REPS = 200  # random calibration / test halves per consensus arm
 BUDGETS = {"toy": (40, 80, 120, 160, 240), "long": (250, 500, 1000, 1500, 2000, 3000)}
 
 
@@ -230,6 +240,25 @@ def consensus_arm(name: str, stopped: list[Group], full: list[list[Trace]], trut
     return arm, ts_used
 
 
+def random_splits(stopped: list[Group], delta_vote: float, reps: int = REPS) -> dict:
+    """Certify t on a random half of the groups, read its vote error on the other half, `reps`
+    times (seeded): how often the realized error is <= delta_vote, over draws of the data
+    rather than the one cross-calibration above."""
+    grid = default_grid()
+    loss, _ = outcomes(stopped, grid)  # [m, n]
+    rng = np.random.default_rng(FOLD_SEED)
+    n, errors = len(stopped), []
+    for _ in range(reps):
+        perm = rng.permutation(n)
+        cal, test = perm[:n // 2], perm[n // 2:]
+        counts = loss[:, cal].sum(axis=1, dtype=np.int64)
+        last = n_rejected(PVALUES["binomial"](counts, len(cal), delta_vote), EPSILON) - 1
+        errors.append(0.0 if last < 0 else float(loss[last, test].mean()))
+    e = np.array(errors)
+    return {"reps": reps, "mean_error": float(e.mean()), "p95_error": float(np.quantile(e, 0.95)),
+            "share_within_delta": float(np.mean(e <= delta_vote))}
+
+
 def cmd_report(a: argparse.Namespace) -> None:
     out = run_dir(a.reasoner, a.k)
     ts = TrajectorySet.open(out / "trajectories")
@@ -291,7 +320,8 @@ def cmd_report(a: argparse.Namespace) -> None:
                         f"ORCA delta {row.delta:g} + consensus ({weighting}, {launch}, "
                         f"delta_vote {dv:g})", groups_, full, truth, folds, dv)
                     arms.append(arm)
-                    certified[arm.name] = t_used
+                    certified[arm.name] = {"t_per_fold": t_used,
+                                           "random_halves": random_splits(groups_, dv)}
     maj_tokens = float(np.mean(arms[1].tokens))
     rows = [arm.row(maj_tokens) for arm in arms]
     report = {"reasoner": a.reasoner, "k": a.k, "n": n, "epsilon": EPSILON,
@@ -312,8 +342,26 @@ def cmd_report(a: argparse.Namespace) -> None:
               f"{r['accuracy_ci'][1]:.3f}] | {r['tokens']:.0f} | {r['tokens_vs_maj']:.2f} | "
               f"{r['tokens'] / single['tokens']:.2f} | {ve} |")
     print()
-    for k, v in certified.items():
-        print(f"- {k}: {v}")
+    for name, v in certified.items():
+        if isinstance(v, float):
+            print(f"- {name}: {v:.3f}")
+            continue
+        h = v["random_halves"]
+        t = ", ".join("none" if x is None else f"{x:.2f}" for x in v["t_per_fold"])
+        print(f"- {name}: t per fold [{t}]; {h['reps']} random halves: vote error mean "
+              f"{h['mean_error']:.3f}, 95th percentile {h['p95_error']:.3f}, <= delta_vote in "
+              f"{h['share_within_delta']:.3f}")
+    print("\nIssue 35's 'Done means', consensus arms only:")
+    maj, one = rows[1], single
+    for r in rows:
+        if "consensus" not in r["arm"]:
+            continue
+        dv = float(r["arm"].rsplit(" ", 1)[1].rstrip(")"))
+        near_maj = r["accuracy"] >= maj["accuracy"] - 0.02 and r["tokens_vs_maj"] <= 0.4
+        beats_one = r["accuracy"] > one["accuracy"] and r["tokens"] <= 1.5 * one["tokens"]
+        print(f"- {r['arm']}: within 2 points of maj@k at <= 40% of its tokens: {near_maj}; "
+              f"beats single at <= 1.5x its tokens: {beats_one}; vote error {r['vote_error']:.3f} "
+              f"<= {dv:g}: {r['vote_error'] <= dv} (95% upper {r['vote_error_ci'][1]:.3f})")
 
 
 def main() -> None:
