@@ -102,8 +102,16 @@ def verdict(answers: Sequence[Hashable], weights: np.ndarray, finished: np.ndarr
     _check_weights(weights)
     leader, margin = tally(answers, np.asarray(weights, dtype=float), finished)
     running = int((~finished).sum())
-    settled = running == 0 or (leader is not None and margin > t * running)
+    settled = leader is not None and bool(settles(margin, running, t))
     return Verdict(settled=settled, answer=leader, margin=margin, running=running)
+
+
+def settles(margin: np.ndarray | float, running: np.ndarray | int,
+            t: np.ndarray | float) -> np.ndarray | bool:
+    """The rule itself, elementwise: V_1 - V_2 > t * running, or nothing left running. One
+    definition for the engine's `verdict` and calibration's `settle_events` (the same floating
+    point comparison, so a t decides the same group the same way in both)."""
+    return (np.asarray(running) == 0) | (np.asarray(margin) > np.asarray(t) * np.asarray(running))
 
 
 def _check_weights(weights: np.ndarray) -> None:
@@ -168,31 +176,34 @@ def in_waves(lengths: np.ndarray, waves: Sequence[int]) -> tuple[np.ndarray, np.
 @dataclass(frozen=True)
 class VotePath:
     """A group's vote at each distinct finish time (its events, in time order): when (``times``
-    [E]), the leader then (``leaders``, E entries) and the largest t settled there (``bounds``
-    [E]: V_1 - V_2 over the samples still running; inf once none is)."""
+    [E]), the leader then (``leaders``, E entries), its margin V_1 - V_2 (``margins`` [E]) and
+    the samples still running (``running`` [E]; 0 at the last event)."""
 
     times: np.ndarray
     leaders: tuple[Hashable, ...]
-    bounds: np.ndarray
+    margins: np.ndarray
+    running: np.ndarray
 
 
 def vote_path(g: Group) -> VotePath:
-    """The events of a group: settled at event e for every t < bounds[e]."""
+    """The events of a group, as `verdict` sees the group at each."""
     times = np.unique(g.finish)  # [E], ascending
-    leaders, bounds = [], []
+    leaders, margins, running = [], [], []
     for s in times:
         finished = g.finish <= s
         leader, margin = tally(g.answers, g.weights, finished)
-        running = int((~finished).sum())
         leaders.append(leader)
-        bounds.append(np.inf if running == 0 else margin / running)
-    return VotePath(times=times, leaders=tuple(leaders), bounds=np.asarray(bounds))
+        margins.append(margin)
+        running.append(int((~finished).sum()))
+    return VotePath(times=times, leaders=tuple(leaders), margins=np.asarray(margins),
+                    running=np.asarray(running))
 
 
 def settle_events(path: VotePath, grid: np.ndarray) -> np.ndarray:
-    """[len(grid)] the event at which the group settles for each t of `grid`: the first e with
-    margin > t * running (strict, as `verdict`); the last event always settles."""
-    hit = path.bounds[None, :] > np.asarray(grid, dtype=float)[:, None]  # [m, E]
+    """[len(grid)] the event at which the group settles for each t of `grid` (`settles`); the
+    last event always settles."""
+    hit = settles(path.margins[None, :], path.running[None, :],
+                  np.asarray(grid, dtype=float)[:, None])  # [m, E]
     return hit.argmax(axis=1)
 
 

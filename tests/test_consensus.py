@@ -59,8 +59,11 @@ def test_t_one_never_changes_the_vote():
         g = Group(finish=rng.integers(1, 50, K).astype(float), answers=answers,
                   weights=rng.uniform(0, 1, K), reference=None)
         path = vote_path(g)
-        e = int(np.argmax(path.bounds > 1.0))
+        e = int(settle_events(path, np.array([1.0]))[0])
         assert path.leaders[e] == plurality(answers, g.weights)
+        # offline, the group ends where the engine's verdict first says settled
+        said = [verdict(answers, g.weights, g.finish <= s, t=0.3).settled for s in path.times]
+        assert said.index(True) == int(settle_events(path, np.array([0.3]))[0])
 
 
 # ----------------------------------------------------------------- the certificate, simulated
