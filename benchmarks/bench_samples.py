@@ -90,7 +90,8 @@ def cmd_collect(a: argparse.Namespace) -> None:
         tasks.write_prompts(prompts_file, "in-dist", a.n, PROMPT_SEED)
     prompts = read_prompts(prompts_file)[:a.n]
     job = load_job(ROOT / "orca_calibrate" / "jobs" / f"{a.reasoner}.yaml")
-    settings = CollectSettings(**{**job["collect"], "samples": a.k})
+    settings = CollectSettings(**{**job["collect"], "samples": a.k,
+                                  **({"batch": a.batch} if a.batch else {})})
     per_round = max(1, settings.batch // a.k)  # prompts per generation batch
     with Collector(job["model"], settings) as collector:
         for i in range(0, len(prompts), per_round):
@@ -371,6 +372,9 @@ def main() -> None:
     c.add_argument("--reasoner", choices=sorted(REASONERS), required=True)
     c.add_argument("--n", type=int, default=160, help="prompts")
     c.add_argument("--k", type=int, default=8, help="samples per prompt")
+    c.add_argument("--batch", type=int, default=0,
+                   help="traces per generation batch (0: the job's); the tiny demo reasoners "
+                   "run faster in larger batches")
     c.add_argument("--budget-s", type=float, default=1080,
                    help="stop cleanly after the round in flight once this has passed")
     c.set_defaults(fn=cmd_collect)
