@@ -1,4 +1,4 @@
-"""Parallel samples, offline (issue 35): accuracy against tokens per prompt for k samples per prompt.
+"""Parallel samples, offline (issue 35): accuracy against tokens per prompt, k samples a prompt.
 
 Two subcommands.
 
@@ -68,7 +68,7 @@ from orca_method.consensus import (
 )
 from orca_method.consensus_ltt import calibrate_consensus
 from orca_method.ltt import PVALUES, n_rejected
-from orca_method.trajectories import TrajectorySet
+from orca_method.trajectories import Problem, TrajectorySet
 
 PROMPT_SEED = 35  # calibration: seeds 1-3; goodput: 18; frontier: 31. These prompts are held out.
 REASONERS = {"toy": (toy_tasks, "orca_serve/demo/bundle.json"),
@@ -166,13 +166,15 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
 
 
 def traces(ts: TrajectorySet, groups: list[list[int]]) -> list[list[Trace]]:
-    return [[Trace(cum=np.cumsum(ts.problems[i].step_tokens), step_answers=ts.problems[i].step_answers,
-                   final=ts.problems[i].final_answer,
-                   completion=int((ts.problems[i].extra or {})["completion_tokens"]))
-             for i in g] for g in groups]
+    def trace(p: Problem) -> Trace:
+        return Trace(cum=np.cumsum(p.step_tokens), step_answers=p.step_answers,
+                     final=p.final_answer, completion=int((p.extra or {})["completion_tokens"]))
+
+    return [[trace(ts.problems[i]) for i in g] for g in groups]
 
 
-def sequential(group: list[Trace], done: Callable[[list[Hashable]], bool]) -> tuple[Hashable, float]:
+def sequential(group: list[Trace],
+               done: Callable[[list[Hashable]], bool]) -> tuple[Hashable, float]:
     """Draw full samples one after another until `done(answers so far)`: (vote, tokens)."""
     answers: list[Hashable] = []
     for tr in group:
@@ -284,7 +286,8 @@ def cmd_report(a: argparse.Namespace) -> None:
     ]
     for level in ADAPTIVE_CONFIDENCE:
         res = [sequential(grp, adaptive_consistency(level)) for grp in full]
-        arms.append(Arm(f"Adaptive-Consistency (Beta, {level})", [r[0] == y for r, y in zip(res, truth)],
+        arms.append(Arm(f"Adaptive-Consistency (Beta, {level})",
+                        [r[0] == y for r, y in zip(res, truth)],
                         [r[1] for r in res], [r[0] != m for r, m in zip(res, maj)]))
     for w in ESC_WINDOWS:
         res = [sequential(grp, esc(w)) for grp in full]
@@ -294,7 +297,8 @@ def cmd_report(a: argparse.Namespace) -> None:
         res = [[budget_answer(tr, b) for tr in grp] for grp in full]
         votes = [plurality([r[0] for r in rr]) for rr in res]
         arms.append(Arm(f"thinking budget {b} x {a.k}", [v == y for v, y in zip(votes, truth)],
-                        [sum(r[1] for r in rr) for rr in res], [v != m for v, m in zip(votes, maj)]))
+                        [sum(r[1] for r in rr) for rr in res],
+                        [v != m for v, m in zip(votes, maj)]))
     certified, scores = {}, replayed(probe, ts, groups, bundle.window)
     for row in bundle.ltt.rows:
         lam = bundle.lam(row.delta)
@@ -306,8 +310,9 @@ def cmd_report(a: argparse.Namespace) -> None:
                           for g, grp in zip(stopped, full)]
                 stop_err = float(np.mean([ans != tr.final for g, grp in zip(stopped, full)
                                           for ans, tr in zip(g.answers, grp)]))
-                arm = Arm(f"ORCA delta {row.delta:g} + full vote", [v == y for v, y in zip(votes, truth)],
-                          tokens, [v != m for v, m in zip(votes, maj)])
+                arm = Arm(f"ORCA delta {row.delta:g} + full vote",
+                          [v == y for v, y in zip(votes, truth)], tokens,
+                          [v != m for v, m in zip(votes, maj)])
                 arms.append(arm)
                 certified[f"ORCA delta {row.delta:g} per-sample stop error"] = stop_err
             launches = {"parallel": stopped}
@@ -326,19 +331,22 @@ def cmd_report(a: argparse.Namespace) -> None:
     maj_tokens = float(np.mean(arms[1].tokens))
     rows = [arm.row(maj_tokens) for arm in arms]
     report = {"reasoner": a.reasoner, "k": a.k, "n": n, "epsilon": EPSILON,
-              "bundle": REASONERS[a.reasoner][1], "lambdas": {f"{r.delta:g}": r.lam for r in bundle.ltt.rows},
+              "bundle": REASONERS[a.reasoner][1],
+              "lambdas": {f"{r.delta:g}": r.lam for r in bundle.ltt.rows},
               "t_per_fold": certified, "rows": rows}
     (out / "report.json").write_text(json.dumps(report, indent=1))
     single = rows[0]
     print(f"**{a.reasoner}, in-dist, k = {a.k}** (n = {n} prompts; epsilon = {EPSILON}; "
-          f"single full reasoning {single['tokens']:.0f} tokens, accuracy {single['accuracy']:.3f}; "
+          f"single full reasoning {single['tokens']:.0f} tokens, accuracy "
+          f"{single['accuracy']:.3f}; "
           f"maj@{a.k} {rows[1]['tokens']:.0f} tokens, accuracy {rows[1]['accuracy']:.3f})\n")
     print("| arm | accuracy (95% CI) | tokens / prompt | x maj@k tokens | x single | "
           "differs from maj@k (95% CI) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        ve = (f"{r['vote_errors']}/{r['n']} = {r['vote_error']:.3f} "
-              f"[{r['vote_error_ci'][0]:.3f}, {r['vote_error_ci'][1]:.3f}]") if "vote_error" in r else "-"
+        ve = "-" if "vote_error" not in r else (
+            f"{r['vote_errors']}/{r['n']} = {r['vote_error']:.3f} "
+            f"[{r['vote_error_ci'][0]:.3f}, {r['vote_error_ci'][1]:.3f}]")
         print(f"| {r['arm']} | {r['accuracy']:.3f} [{r['accuracy_ci'][0]:.3f}, "
               f"{r['accuracy_ci'][1]:.3f}] | {r['tokens']:.0f} | {r['tokens_vs_maj']:.2f} | "
               f"{r['tokens'] / single['tokens']:.2f} | {ve} |")

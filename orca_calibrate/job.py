@@ -92,7 +92,8 @@ def load_job(path: Path) -> dict[str, Any]:
         except (TypeError, ValueError) as e:
             raise JobError(f"{path}: {e}") from None
     collect = job.get("collect") or {}
-    if collect.get("samples", 1) > 1 and collect.get("temperature", CollectSettings.temperature) <= 0:
+    temperature = collect.get("temperature", CollectSettings.temperature)
+    if collect.get("samples", 1) > 1 and temperature <= 0:
         raise JobError(f"{path}: collect.samples > 1 needs temperature > 0 (greedy samples are "
                        "copies of one trace)")
     consensus = (job.get("calibrate") or {}).get("consensus")

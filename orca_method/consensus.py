@@ -164,7 +164,8 @@ def in_waves(lengths: np.ndarray, waves: Sequence[int]) -> tuple[np.ndarray, np.
     `lengths` [k]: each sample's own tokens to its finish."""
     lengths = np.asarray(lengths, dtype=float)
     if sum(waves) != len(lengths) or min(waves, default=0) < 1:
-        raise ValueError(f"waves {tuple(waves)} must be positive sizes summing to k = {len(lengths)}")
+        raise ValueError(f"waves {tuple(waves)} must be positive sizes summing to "
+                         f"k = {len(lengths)}")
     start, at, i = np.zeros_like(lengths), 0.0, 0
     for size in waves:
         start[i:i + size] = at

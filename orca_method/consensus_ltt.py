@@ -46,7 +46,8 @@ def calibrate_consensus(groups: Sequence[Group], deltas_vote: Sequence[float],
     if not 0.0 < epsilon < 1.0 or not all(0.0 < d < 1.0 for d in deltas_vote):
         raise ValueError("epsilon and every delta_vote must be in (0, 1)")
     grid = default_grid() if grid is None else np.asarray(grid, dtype=float)
-    if grid.ndim != 1 or grid.size == 0 or np.any(np.diff(grid) >= 0) or grid[0] > 1 or grid[-1] < 0:
+    if (grid.ndim != 1 or grid.size == 0 or np.any(np.diff(grid) >= 0) or grid[0] > 1
+            or grid[-1] < 0):
         raise ValueError("the grid must be strictly decreasing margins in [0, 1]")
     n = len(groups)
     loss, tokens = outcomes(groups, grid)
