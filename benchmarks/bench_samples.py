@@ -9,26 +9,29 @@ answer probe at every step boundary) with the reasoner's job settings (orca_cali
 ``--budget-s`` has passed, so each run fits a slot of the shared vLLM lock; a rerun resumes
 (the trajectory writer skips what it holds). Run it under ``flock /tmp/vllm.lock``.
 
-``report``: every rule below computed from the recorded traces (no engine):
+``report``: every rule below computed from the recorded traces (no engine); tokens are
+completion tokens (reasoning through the stop step plus the answer written after it):
 
-- **single**: one full trace per prompt (sample 0);
-- **maj@k**: the plurality of the k full traces' final answers;
+- **single**: one full trace, as the mean over the k samples (less variance than sample 0);
+- **maj@k**: the plurality of the k full traces' final answers (ties to the lowest sample);
 - **ORCA + full vote**: each sample stops where the reasoner's shipped bundle stops it (its probe
-  replayed on the recorded step embeddings, the server's code path), answers its forced answer
+  replayed on the recorded step embeddings, the server's code path), answers the probed answer
   at that step; the group votes over all k;
 - **ORCA + consensus**: as above, but the group ends once the consensus rule (orca_method/
-  consensus.py) is settled at the LTT-certified threshold; the samples still running are charged
-  the tokens they wrote until then;
-- **ESC / Adaptive-Consistency style**: count-based, over full traces in a fixed order: stop once
-  the leader's count among those finished beats the runner-up by ``c`` votes... (Adaptive-
-  Consistency's stopping criterion on counts, without our scores or certificate);
-- **thinking budget x k**: each trace truncated at the last step boundary within a budget of B
-  reasoning tokens; its answer is the answer probe at that boundary (the job's suffix, which is the
-  long reasoner's forced answer text), the group votes; tokens are the truncated reasoning.
+  consensus.py) is settled at its certified t; the samples still running are charged the tokens
+  they wrote until then. All k launched at once, or in waves (``WAVES``); score or count weights;
+- **Adaptive-Consistency**: full samples one at a time until the Beta criterion on the top two
+  counts is met; **ESC**: windows of full samples until one window is unanimous;
+- **thinking budget x k**: each trace cut at its last step boundary within B reasoning tokens,
+  answering the answer probe recorded there (the job's suffix, the long reasoner's own stop
+  text); the group votes. vLLM's budget cuts at exactly B tokens, this at the boundary before.
 
-The consensus threshold t is certified on half of the prompts and evaluated on the other half,
-then the halves swap (two-fold cross-calibration): every prompt is a test prompt for a threshold
-that never saw it, so the realized vote error is over all n prompts.
+DeepConf's confidence filtering needs token log-probabilities, which the traces do not carry.
+The consensus t is certified on half of the prompts and applied to the other half, then the
+halves swap (two-fold cross-calibration): every prompt is judged by a t that never saw it, so
+the realized vote error is over all n prompts; 200 random halves add how often the test half's
+error stays within delta_vote. The per-sample lambda* come from the shipped bundle, calibrated on
+other prompts, so the groups that certify t did not choose lambda*.
 
 Usage:
   flock /tmp/vllm.lock python benchmarks/bench_samples.py collect --reasoner long --n 160 --k 8
