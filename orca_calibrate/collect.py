@@ -31,6 +31,7 @@ from orca_method.answer_probes import (
     probe_sampling,
     trajectory_fields,
 )
+from orca_method.consensus import sample_id
 from orca_method.labels import extract_forced, require_math_verify
 from orca_method.normalizations import DEFAULT_NORMALIZATION
 from orca_method.trajectories import RECORDED_DTYPE, TrajectoryWriter
@@ -44,7 +45,9 @@ ENGINE_DTYPE = "float32"
 
 @dataclass
 class CollectSettings:
-    samples: int = 1  # trajectories per prompt
+    # trajectories per prompt, ids "<id>#<n>" (orca_method.consensus.sample_id): distinct draws
+    # at `temperature` > 0 from the engine's seeded generator (no per-request seed: see below)
+    samples: int = 1
     temperature: float = 0.7
     top_p: float = 1.0
     max_tokens: int = 1024
@@ -239,7 +242,7 @@ class Collector:
         s = self.settings
         with TrajectoryWriter(out_dir, dim=self.llm.llm_engine.model_config.get_hidden_size(),
                               dtype=s.dtype, **self.info_fields()) as writer:
-            todo = [(f"{rec['id']}#{k}" if s.samples > 1 else str(rec["id"]), rec)
+            todo = [(sample_id(str(rec["id"]), k) if s.samples > 1 else str(rec["id"]), rec)
                     for rec in prompts for k in range(s.samples)]
             todo = [(key, rec) for key, rec in todo if key not in writer.ids]
             bar = tqdm(total=len(todo), desc="collect", unit="traj", disable=not progress)

@@ -21,6 +21,7 @@ import yaml
 from orca_calibrate.collect import Collector, CollectSettings, read_prompts
 from orca_calibrate.judge import JudgeError, JudgeSettings
 from orca_calibrate.train_defaults import DEFAULTS
+from orca_method.consensus import prompt_of
 from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy
 from orca_method.trajectories import TrajectorySet, set_splits, split_ids
 
@@ -90,6 +91,24 @@ def load_job(path: Path) -> dict[str, Any]:
             GroupOptions(**groups)
         except (TypeError, ValueError) as e:
             raise JobError(f"{path}: {e}") from None
+    collect = job.get("collect") or {}
+    temperature = collect.get("temperature", CollectSettings.temperature)
+    if collect.get("samples", 1) > 1 and temperature <= 0:
+        raise JobError(f"{path}: collect.samples > 1 needs temperature > 0 (greedy samples are "
+                       "copies of one trace)")
+    consensus = (job.get("calibrate") or {}).get("consensus")
+    if consensus is not None:
+        from orca_calibrate.consensus import ConsensusOptions  # deferred: torch
+        known = {f.name for f in fields(ConsensusOptions)}
+        if not isinstance(consensus, dict) or set(consensus) - known:
+            raise JobError(f"{path}: calibrate.consensus is a mapping of {sorted(known)}")
+        if collect.get("samples", 1) < 2:
+            raise JobError(f"{path}: calibrate.consensus needs collect.samples >= 2 (k samples "
+                           "per prompt)")
+        try:
+            ConsensusOptions(**{k: tuple(v) if k == "deltas" else v for k, v in consensus.items()})
+        except (TypeError, ValueError) as e:
+            raise JobError(f"{path}: calibrate.consensus: {e}") from None
     if (job.get("train") or {}).get("label_mode") == "judge" and \
             (job.get("collect") or {}).get("judge") is None:
         raise JobError(f"{path}: train.label_mode judge needs a collect.judge block "
@@ -145,6 +164,12 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
         GroupOptions,
         calibrate_bundle,
     )
+    from orca_calibrate.consensus import (  # deferred: torch
+        ConsensusOptions,
+        add_consensus,
+        evaluate_consensus,
+        hold_out,
+    )
     from orca_calibrate.evaluate import evaluate_bundle, markdown_table, plot_report  # deferred: torch
     from orca_calibrate.train import (  # deferred: torch
         load_probe,
@@ -176,7 +201,7 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
     def split() -> None:
         ts = TrajectorySet.open(data)
         ids = [p.id for p in ts.problems]
-        groups = {pid: pid.split("#")[0] for pid in ids}  # all samples of a prompt together
+        groups = {pid: prompt_of(pid)[0] for pid in ids}  # all samples of a prompt together
         set_splits(data, split_ids(ids, tuple(sp.get("fractions", (0.6, 0.2, 0.2))),
                                    seed=sp.get("seed", 0), groups=groups))
 
@@ -193,6 +218,12 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
     def calibrate() -> None:
         probe, meta = load_probe(probe_file)
         ts = TrajectorySet.open(data)
+        consensus = None
+        if ca.get("consensus") is not None:  # its prompts leave lambda*'s calibration
+            opts = ConsensusOptions(**{k: tuple(v) if k == "deltas" else v
+                                       for k, v in ca["consensus"].items()})
+            ts, held = hold_out(ts, opts)
+            consensus = (opts, held)
         give_up = None
         if ca.get("give_up") is not None:  # the give-up probe is fitted here (seconds)
             opts = GiveUpOptions(**{k: tuple(v) if k == "deltas" else v
@@ -204,6 +235,8 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
                          epsilon=ca.get("epsilon", 0.05), window=ca.get("window", 10),
                          dump_scores=out / "calibration-scores.jsonl",
                          provenance={"job": str(path), "selected_epoch": meta.get("selected_epoch")})
+        if consensus is not None:
+            add_consensus(bundle_file, probe, ts, consensus[1], consensus[0])
 
     def evaluate() -> None:
         bundle, ts = load_bundle(bundle_file), TrajectorySet.open(data)
@@ -217,6 +250,8 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
             rep, _ = evaluate_bundle(bundle, TrajectorySet.open(shifted), "all")
             rows.append(("shifted family", rep))
             reports["shifted"] = rep
+        if bundle.consensus is not None:
+            reports["consensus"] = evaluate_consensus(bundle, ts, "test")
         (out / "evaluation.json").write_text(json.dumps(reports, indent=1))
         (out / "evaluation.md").write_text(markdown_table(rows) + "\n")
 

@@ -399,6 +399,18 @@ class TrajectorySet:
             return ()
         return tuple(sorted(set.intersection(*(set(p.labels) for p in self.problems))))
 
+    def with_splits(self, splits: Mapping[int, str | None]) -> TrajectorySet:
+        """A view of the same embeddings whose problems `splits` (index -> split or None) are in
+        other splits, in memory only (e.g. calibration prompts held out for another test)."""
+        bad = {s for s in splits.values() if s is not None and s not in SPLITS}
+        if bad:
+            raise TrajectoryError(f"unknown split name(s) {sorted(bad)}; splits are {SPLITS}")
+        problems = [replace(p, split=splits[i]) if i in splits else p
+                    for i, p in enumerate(self.problems)]
+        view = TrajectorySet(self.path, self.info, problems, self._arrays)
+        view._finite = list(self._finite)
+        return view
+
     def split(self, name: str) -> list[int]:
         """Indices of the problems in split ``name``."""
         if name not in SPLITS:
