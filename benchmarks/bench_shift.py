@@ -31,11 +31,11 @@ the requests served a bad lambda before anything reacted to them; each arm also 
 the stream the first reaction came (the first flagged request and the first request served the
 fallback, counted from the first request of the shift).
 
-Usage (every run that starts a server under the shared lock, one configuration per run):
-  flock /tmp/vllm.lock python benchmarks/bench_shift.py --reasoner toy --n 100 \\
+Usage (one server configuration per run; runs on the same stream add their arms to its file):
+  python benchmarks/bench_shift.py --reasoner toy --n 100 \\
       --arms full budget gated ungated two-sided two-sided-ungated
-  flock /tmp/vllm.lock python benchmarks/bench_shift.py --reasoner toy --n 100 \\
-      --arms gated --deltas 0.1 --audit-rate 0.2
+  python benchmarks/bench_shift.py --reasoner toy --n 100 --arms gated --deltas 0.1 \\
+      --audit-rate 0.2
   python benchmarks/bench_shift.py --reasoner toy --report
 """
 
@@ -274,7 +274,12 @@ async def run_stream(url: str, work: Workload, stream: list[dict], arms: list[st
     model = (await client.models.list()).data[0].id
     by_id = {p["id"]: p for p in stream}
     bundle = work.bundle
+    t0 = time.monotonic()
     for arm in arms:
+        if time.monotonic() - t0 > a.deadline_s:
+            print(f"  past --deadline-s {a.deadline_s:.0f}: not starting {arm}", file=sys.stderr,
+                  flush=True)
+            continue
         resp, wall = await run_arm(client, model, stream, arm_body(arm), a.concurrency,
                                    reasoner.max_tokens, a.temperature)
         orca_arm = arm_body(arm)["orca"].get("enabled", True)
@@ -321,7 +326,10 @@ def config_name(a: argparse.Namespace) -> str:
 
 
 def server_options(a: argparse.Namespace, out: Path) -> list[str]:
-    opts = []
+    """The run's orca-serve options: eager (a start in well under a minute, as the demo and the
+    served tests start; the long reasoner's compile takes many minutes on this machine), then
+    the live audit and the shift action of its configuration."""
+    opts = ["--enforce-eager"]
     if a.audit_rate > 0:
         audits = out / f"audits-{config_name(a)}"
         if audits.exists():  # the store resumes: each run starts anew
@@ -550,6 +558,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shift-action", choices=["off"], default=None,
                     help="off: serve with --orca-shift-action off (no gate for any request)")
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--deadline-s", type=float, default=1080,
+                    help="start no arm after this many seconds of serving (the shared machine's "
+                    "runs are kept short; the arms a run skips can be run again with --arms)")
     ap.add_argument("--temperature", type=float, default=0.7, help="the calibration's")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-shift")
     ap.add_argument("--report", action="store_true",
