@@ -69,6 +69,7 @@ from orca_method.outcomes import Ended, Source
 MIXTURE = "mixture"
 ARM_KINDS = ("full", "budget", "gated", "ungated", "two-sided", "two-sided-ungated")
 LABEL_CONCURRENCY = 64
+SUMMARY = "summary.json"  # the report's, beside the runs' CONFIG.json files
 
 
 # ------------------------------------------------------- pure parts (tests/test_bench_shift.py)
@@ -477,6 +478,31 @@ def table(summary: Mapping[str, Any]) -> str:
     return "\n".join(lines + [""] + reactions)
 
 
+def done_means(summary: Mapping[str, Any], config: str = "plain") -> str:
+    """Issue 34's checks on one run's arms, per segment and delta: the gated stop error against
+    delta (its upper 95% bound too), the two-sided give-up error against GIVE_UP_DELTA, and
+    two-sided minus one-sided accuracy with its 95% interval (the issue asks >= -0.02)."""
+    arms = summary["arms"]
+    lines = ["| segment | delta | stop error, gated (95%) | <= delta | give-up error, two-sided "
+             "(95%) | two-sided - one-sided accuracy (95%) |", "|---" * 6 + "|"]
+    for key, e in arms.items():
+        if not key.startswith(f"{config}/gated@"):
+            continue
+        two = arms.get(f"{config}/two-sided@{e['delta']:g}")
+        for seg, f in e["segments"].items():
+            err = f["stop_error"]
+            ok = ("yes" if err["ci95"] and err["ci95"][1] <= e["delta"] else
+                  "point only" if err["n"] and err["rate"] <= e["delta"] else "no")
+            g = diff = ""
+            if two is not None and seg in two["segments"]:
+                t = two["segments"][seg]
+                g = risk_cell(t["give_up_error"])
+                lo, hi = gap_interval(t["accuracy"], t["n"], f["accuracy"], f["n"])
+                diff = f"{t['accuracy'] - f['accuracy']:+.3f} ({lo:+.3f} to {hi:+.3f})"
+            lines.append(f"| {seg} | {e['delta']:g} | {risk_cell(err)} | {ok} | {g} | {diff} |")
+    return "\n".join(lines)
+
+
 def plot(summary: Mapping[str, Any], title: str, path: Path) -> None:
     """Accuracy against tokens per request, one panel per segment: the thinking budget's
     curve, full reasoning, and every ORCA arm (labelled by delta)."""
@@ -488,7 +514,7 @@ def plot(summary: Mapping[str, Any], title: str, path: Path) -> None:
     entries = list(summary["arms"].values())
     segments = list(entries[0]["segments"])
     fig, axes = plt.subplots(1, len(segments), figsize=(4.2 * len(segments), 4.0), squeeze=False)
-    styles = {"gated": "o-", "ungated": "x--", "two-sided": "s-.", "two-sided-ungated": "d:"}
+    styles = {"gated": "o", "ungated": "x", "two-sided": "s", "two-sided-ungated": "d"}  # points
     for ax, seg in zip(axes[0], segments):
         pts = sorted(summary["budgets"].get(seg, []), key=lambda p: p["tokens"])
         if pts:
@@ -524,11 +550,12 @@ def plot(summary: Mapping[str, Any], title: str, path: Path) -> None:
 
 def report(a: argparse.Namespace) -> None:
     out = a.out / a.reasoner
-    runs = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
+    runs = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))
+            if p.name != SUMMARY}
     if not runs:
         raise SystemExit(f"no runs under {out}")
     summary = summarize(runs)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / SUMMARY).write_text(json.dumps(summary, indent=1))
     first = next(iter(runs.values()))
     n = {**first["sizes"], MIXTURE: first["n_mix"]}
     plot(summary, f"{a.reasoner} reasoner, the mixed stream (n per segment {n})",
@@ -539,6 +566,8 @@ def report(a: argparse.Namespace) -> None:
               f"{run['epsilon']}, give-up delta {run['give_up_delta']}, concurrency "
               f"{run['concurrency']}, temperature {run['temperature']}")
     print(table(summary))
+    print()
+    print(done_means(summary))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,6 +16,7 @@ from bench_shift import (  # noqa: E402
     against_budget,
     arm_body,
     build_stream,
+    done_means,
     by_segment,
     first_reactions,
     gap_interval,
@@ -155,3 +156,5 @@ def test_a_labelled_response_becomes_a_record_and_the_report_reads_it() -> None:
     assert g["bad_served"] == 1 and g["first_reaction"] == {"gate": None, "audit": None}
     assert g["segments"]["shifted"]["versus_budget"]["budget_accuracy"] == 1.0
     assert "| plain | gated@0.1 | shifted | 1 | 40 | 0.000 (0.000) |" in table(s)
+    # one counted stop error of 1 at delta 0.1: over delta, no two-sided arm beside it
+    assert done_means(s).splitlines()[-1] == "| shifted | 0.1 | 1.000 (1/1; 0.025-1.000) | no |  |  |"
