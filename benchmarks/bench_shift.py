@@ -168,7 +168,9 @@ def first_reactions(records: Sequence[dict], shift_start: int) -> dict[str, int 
 
 
 def share(records: Sequence[dict], key: str) -> float:
-    return float(np.mean([bool(r[key]) for r in records])) if records else math.nan
+    """The share of records whose `key` is true, over those that have it (None: not labelled)."""
+    known = [bool(r[key]) for r in records if r[key] is not None]
+    return float(np.mean(known)) if known else math.nan
 
 
 def segment_figures(records: Sequence[dict]) -> dict[str, Any]:
@@ -246,8 +248,9 @@ def against_budget(point: Mapping[str, Any],
 
 def record(resp: dict, prompt: dict, orca_arm: bool, excluded_never_correct: bool,
            give_up_reference: str) -> dict[str, Any]:
-    """What a summary needs of one labelled response (its token ids are dropped)."""
-    o = resp["orca"]
+    """What a summary needs of one response (its token ids are dropped); its errors are None
+    until it is labelled (its `trace`)."""
+    o, trace = resp["orca"], resp.get("trace")
     r = {"i": prompt["i"], "id": prompt["id"], "segment": prompt["segment"],
          "family": prompt["family"], "tokens": resp["completion_tokens"],
          "correct": bool(resp["correct"]), "orca": orca_arm}
@@ -257,9 +260,11 @@ def record(resp: dict, prompt: dict, orca_arm: bool, excluded_never_correct: boo
                   "lambda": o.get("lambda"), "lambda_source": o.get("lambda_source"),
                   "gave_up": o.get("ended") == Ended.GAVE_UP,
                   "stopped_early": bool(o.get("stopped_early")),
-                  "loss": request_loss(resp["trace"], o, excluded_never_correct),
-                  "give_up_loss": give_up_loss(resp["trace"], o, give_up_reference),
-                  "probe_right": probe_right(resp["trace"], o)})
+                  "loss": None, "give_up_loss": None, "probe_right": None})
+        if trace is not None:
+            r.update({"loss": request_loss(trace, o, excluded_never_correct),
+                      "give_up_loss": give_up_loss(trace, o, give_up_reference),
+                      "probe_right": probe_right(trace, o)})
     return r
 
 
@@ -275,9 +280,9 @@ async def run_stream(url: str, work: Workload, stream: list[dict], arms: list[st
     model = (await client.models.list()).data[0].id
     by_id = {p["id"]: p for p in stream}
     bundle = work.bundle
-    t0 = time.monotonic()
+    started = time.monotonic()
     for arm in arms:
-        if time.monotonic() - t0 > a.deadline_s:
+        if time.monotonic() - started > a.deadline_s:
             print(f"  past --deadline-s {a.deadline_s:.0f}: not starting {arm}", file=sys.stderr,
                   flush=True)
             continue
@@ -286,24 +291,28 @@ async def run_stream(url: str, work: Workload, stream: list[dict], arms: list[st
         orca_arm = arm_body(arm)["orca"].get("enabled", True)
         for r in resp:
             r["correct"] = work.correct(by_id[r["id"]], work.text(r["token_ids"]))
+
+        def records() -> list[dict[str, Any]]:
+            return [record(r, by_id[r["id"]], orca_arm, bundle.ltt.excluded_never_correct,
+                           bundle.give_up.label_mode if bundle.give_up else "supervised")
+                    for r in resp]
+
+        done = {"records": records(), "wall_s": wall, "label_s": None,
+                "loadavg": os.getloadavg()[0]}
+        if a.audit_rate > 0:
+            done["audit_table"] = await client.get("/orca/audit", cast_to=object)
+        save({arm: done})  # the served figures, kept should the labelling be cut short
         if orca_arm:
             t0 = time.perf_counter()
             await label(client, model, work, resp, LABEL_CONCURRENCY, reasoner.max_tokens,
                         a.temperature)
-            label_s = time.perf_counter() - t0
-        else:
-            label_s = 0.0
-        recs = [record(r, by_id[r["id"]], orca_arm, bundle.ltt.excluded_never_correct,
-                       bundle.give_up.label_mode if bundle.give_up else "supervised")
-                for r in resp]
-        done = {"records": recs, "wall_s": wall, "label_s": label_s,
-                "loadavg": os.getloadavg()[0]}
-        if a.audit_rate > 0:
-            done["audit_table"] = await client.get("/orca/audit", cast_to=object)
-        save({arm: done})
+            done.update(records=records(), label_s=time.perf_counter() - t0)
+            save({arm: done})
+        recs = done["records"]
         print(f"  {arm}: {np.mean([r['tokens'] for r in recs]):.0f} tokens, accuracy "
-              f"{np.mean([r['correct'] for r in recs]):.3f} ({wall:.0f} s serving, {label_s:.0f} s "
-              f"labelling, load {done['loadavg']:.1f})", file=sys.stderr, flush=True)
+              f"{np.mean([r['correct'] for r in recs]):.3f} ({wall:.0f} s serving, "
+              f"{done['label_s'] or 0:.0f} s labelling, load {done['loadavg']:.1f})",
+              file=sys.stderr, flush=True)
     await client.close()
 
 

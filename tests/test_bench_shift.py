@@ -144,6 +144,12 @@ def test_a_labelled_response_becomes_a_record_and_the_report_reads_it() -> None:
                      "stopped_early": True, "stop_step": 2, "ended": "early",
                      "shift": {"alpha": 0.05, "pvalue": 0.3, "flagged": False}}}
     prompt = {"i": 0, "id": "shifted-0", "segment": "shifted", "family": "shifted"}
+    served = record({k: v for k, v in resp.items() if k != "trace"}, prompt, True,
+                    excluded_never_correct=True, give_up_reference="supervised")
+    assert (served["loss"], served["probe_right"], served["acting"]) == (None, None, True)
+    mark_bad([served], delta=0.1)
+    assert not served["bad"]  # not labelled: no error yet, so no bad lambda either
+    assert by_segment([served])["shifted"]["stop_error"]["n"] == 0
     r = record(resp, prompt, True, excluded_never_correct=True, give_up_reference="supervised")
     assert (r["loss"], r["acting"], r["flagged"], r["give_up_loss"]) == (1, True, False, 0)
     full = {"i": 0, "id": "shifted-0", "segment": "shifted", "family": "shifted", "tokens": 60,
@@ -157,4 +163,5 @@ def test_a_labelled_response_becomes_a_record_and_the_report_reads_it() -> None:
     assert g["segments"]["shifted"]["versus_budget"]["budget_accuracy"] == 1.0
     assert "| plain | gated@0.1 | shifted | 1 | 40 | 0.000 (0.000) |" in table(s)
     # one counted stop error of 1 at delta 0.1: over delta, no two-sided arm beside it
-    assert done_means(s).splitlines()[-1] == "| shifted | 0.1 | 1.000 (1/1; 0.025-1.000) | no |  |  |"
+    last = "| shifted | 0.1 | 1.000 (1/1; 0.025-1.000) | no |  |  |"
+    assert done_means(s).splitlines()[-1] == last
