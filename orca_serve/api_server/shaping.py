@@ -22,7 +22,7 @@ def _dumps(obj: Any) -> str:
 class AnthropicErrors:
     """The `send` of a /v1/messages route: an error response in Anthropic's shape, whoever wrote
     it (vLLM's request validation answers in OpenAI's; `apis.as_anthropic_error`), and the
-    handler's error log records released by the status (`server_log.release`)."""
+    handler's error log records released by the status (`log.release`)."""
 
     def __init__(self, send: Callable, held: list) -> None:
         self.send = send
