@@ -308,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
                        default=default, help="dtype the embeddings are stored in (not the "
                        f"model's; default {default})")
 
+    def audits_args(p: argparse.ArgumentParser) -> None:
+        """What audit-report and recalibrate read: the server's audits, the labels of them."""
+        p.add_argument("--audit", required=True, help="the server's audit directory (its "
+                       "audit-NNNNNN parts, oldest first) or one trajectory directory")
+        p.add_argument("--label-mode", help="default: the bundle's if the audits have it, "
+                       "else consistent")
+
     def window_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--window", type=integer(1), default=10, help="smoothing window k")
 
@@ -414,11 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_gate)
 
     p = sub.add_parser("audit-report", help="realized risk of a bundle on live audits")
-    p.add_argument("--audit", required=True, help="the server's audit directory (its "
-                   "audit-NNNNNN parts, oldest first) or one trajectory directory")
+    audits_args(p)
     p.add_argument("--bundle", required=True, help="the bundle the server ran")
-    p.add_argument("--label-mode", help="default: the bundle's if the audits have it, "
-                   "else consistent")
     p.add_argument("--alpha", type=float, help="confidence sequence level (default: epsilon)")
     p.add_argument("--drift-window", type=integer(1), default=500, help="requests per drift test")
     p.add_argument("--epsilon-split", choices=EPSILON_SPLITS,
@@ -432,12 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("recalibrate", help="LTT on live audits; writes a new bundle")
     p.add_argument("--bundle", required=True)
-    p.add_argument("--audit", required=True, help="the server's audit directory (its "
-                   "audit-NNNNNN parts, oldest first) or one trajectory directory")
+    audits_args(p)
     p.add_argument("--out", required=True)
     p.add_argument("--last", type=integer(1), help="only the last N audits (sliding window)")
-    p.add_argument("--label-mode", help="default: the bundle's if the audits have it, "
-                   "else consistent")
     p.add_argument("--retrain", action="store_true", help="retrain the probe on half the "
                    "window (split by prompt) and calibrate on the other half")
     training_args(p)  # the retraining's settings, as in train
