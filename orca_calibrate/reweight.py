@@ -39,13 +39,14 @@ def gate_steps(bundle: Bundle) -> int:
     return bundle.shift_gate.steps if bundle.shift_gate is not None else DEFAULT_GATE_STEPS
 
 
-def split_features(ts: TrajectorySet, split: str, steps: int) -> tuple[list[int], np.ndarray]:
-    """The problems of a split that have gate features, and those features ([n, d]). A trace
+def features_of(ts: TrajectorySet, members: Sequence[int], steps: int
+                ) -> tuple[list[int], np.ndarray]:
+    """The problems of `members` that have gate features, and those features ([n, d]). A trace
     too short to have them (its reasoning ended before the gate's step) is left out: the server
     never stops one (it never scores a trace's last step), so its loss is 0 at every lambda and
     leaving it out only raises the risk LTT sees."""
     idx, rows = [], []
-    for i in ts.split(split):
+    for i in members:
         f = gate_features(ts.embeddings(i), steps)
         if f is not None:
             idx.append(i)
@@ -88,8 +89,8 @@ def reweight_bundle(job: Path, traffic: np.ndarray, out: Path, *, source: str, s
         raise ValueError(f"dimensions differ: bundle {parent.model.hidden_size}, job "
                          f"trajectories {ts.dim}, traffic features {traffic.shape[1]}")
     steps = gate_steps(parent)
-    _, ref = split_features(ts, "train", steps)
-    cal_idx, cal = split_features(ts, "calibration", steps)
+    _, ref = features_of(ts, ts.split("train"), steps)
+    cal_idx, cal = features_of(ts, ts.split("calibration"), steps)
     if not len(cal_idx):
         raise ValueError(f"{ts.path} has no calibration trace with gate features "
                          f"(step {steps} + 1)")

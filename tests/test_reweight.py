@@ -12,7 +12,7 @@ import torch
 
 from orca_calibrate.calibrate import calibrate_bundle
 from orca_calibrate.calibrate_cli import main
-from orca_calibrate.reweight import split_features
+from orca_calibrate.reweight import features_of
 from orca_calibrate.synth import generate, world
 from orca_method.bundle import load_bundle
 from orca_method.probe import Probe, ProbeSpec
@@ -35,7 +35,7 @@ def job(tmp_path_factory):
     for name, shift, seed in (("shifted", True, 1), ("in-dist", False, 2)):
         other = TrajectorySet.open(generate(root / name, 300, dim=DIM, mean_steps=20, seed=seed,
                                             shift=shift, splits=(0.0, 0.0, 1.0)))
-        np.save(root / f"{name}.npy", split_features(other, "test", 1)[1])
+        np.save(root / f"{name}.npy", features_of(other, range(len(other)), 1)[1])
     return root
 
 
