@@ -10,9 +10,11 @@ Families: `in-dist` (the job's test split: the control), each `--family` set, an
 half and half with the test split (`in-dist+NAME`: traffic that overlaps the calibration set).
 Per repetition, a family's traces are split at random into a traffic half, whose gate features
 alone (no label) fit the density ratio against the job's training split, and a held-out half,
-whose solvable traces give the realized stop error and token savings. The unweighted lambda* is
-the job's bundle's; the weighted one is LTT on the calibration traces rejection sampling kept
-(`orca_method.covariate_shift`, the code `orca-calibrate reweight` runs).
+whose solvable traces give the realized stop error and token savings. Three arms: the job's
+bundle's lambda* served without the gate, the same with the gate (a flagged trace runs in full:
+the default safe action), and the weighted lambda* with the gate: LTT on the calibration traces
+rejection sampling kept (`orca_calibrate.reweight.draw`, the code `orca-calibrate reweight`
+runs: everything restricted to what the gate passes).
 
 The assumption check: at the unweighted lambda*, the weighted calibration estimate of the risk
 (sum of w_i L_i over sum of w_i, solvable calibration traces) against the family's realized
@@ -27,11 +29,10 @@ import json
 from pathlib import Path
 
 import numpy as np
-from scipy.stats import binomtest
 
-from orca_calibrate.reweight import features_of, gate_steps
+from orca_calibrate.reweight import draw, features_of, gate_passes, gate_steps
 from orca_method.bundle import load_bundle
-from orca_method.covariate_shift import fit_density_ratio, resample, weighted_calibrate
+from orca_method.covariate_shift import CV_FOLDS, weighted_calibrate
 from orca_method.ltt import default_grid
 from orca_method.procedure import replay
 from orca_method.risk import is_solvable, losses, stop_indices
@@ -45,6 +46,7 @@ class Pool:
 
     def __init__(self, ts: TrajectorySet, members: list[int], bundle, steps: int) -> None:
         idx, self.x = features_of(ts, members, steps)
+        self.passes = gate_passes(bundle, self.x)
         runs = replay(bundle.load_probe(), [ts.embeddings(i) for i in idx], bundle.window)
         self.scores = [s.numpy().astype(np.float64) for _, s in runs]
         self.labels = [ts.labels(i, bundle.label_mode) for i in idx]
@@ -54,11 +56,14 @@ class Pool:
     def __len__(self) -> int:
         return len(self.scores)
 
-    def outcome(self, rows: np.ndarray, lam: float) -> tuple[float, int, int, float]:
-        """(error, losses, n, token savings) of the solvable traces among `rows` at `lam`."""
+    def outcome(self, rows: np.ndarray, lam: float, gated: bool = True
+                ) -> tuple[float, int, int, float]:
+        """(error, losses, n, token savings) of the solvable traces among `rows` served with
+        `lam`; `gated`: those the gate flags run in full (the default safe action)."""
         rows = rows[self.solvable[rows]]
         s, c, k = ([v[i] for i in rows] for v in (self.scores, self.labels, self.tokens))
-        tau = stop_indices(s, np.array([lam]))[0]
+        lams = np.where(self.passes[rows] | (not gated), lam, np.inf)
+        tau = np.array([stop_indices([m], np.array([x]))[0, 0] for m, x in zip(s, lams)])
         out = summarize(tau, np.array([len(x) for x in s]), c, k)
         return out.error, int(round(out.error * len(rows))), len(rows), out.token_savings_total
 
@@ -69,61 +74,69 @@ def concat(a: Pool, b: Pool) -> Pool:
     out.scores, out.labels, out.tokens = a.scores + b.scores, a.labels + b.labels, \
         a.tokens + b.tokens
     out.solvable = np.concatenate([a.solvable, b.solvable])
+    out.passes = np.concatenate([a.passes, b.passes])
     return out
 
 
 def measure(name: str, fam: Pool, ref: np.ndarray, cal: Pool, bundle, reps: int,
             seed: int) -> list[dict]:
+    """Per delta: the unweighted lambda* served without and with the gate, and the weighted one
+    (fitted on the traffic half the gate passes) with the gate, on the held-out halves."""
     deltas = bundle.deltas()
     lam_u = [bundle.lam(d) for d in deltas]
-    sol = np.flatnonzero(cal.solvable)
+    sol = np.flatnonzero(cal.solvable & cal.passes)  # the calibration traces the gate passes
+    at = np.searchsorted(np.flatnonzero(cal.passes), sol)  # their places among the passing
     cal_loss_u = losses(stop_indices([cal.scores[i] for i in sol], np.array(lam_u)),
                         [cal.labels[i] for i in sol])  # [n_deltas, n_solvable]
-    per: dict[str, list] = {k: [] for k in ("err_u", "err_w", "tok_u", "tok_w", "lam_w",
-                                             "n_eff", "n_kept", "mean_w", "bound", "est_u")}
+    keys = ("err_0", "err_u", "err_w", "tok_0", "tok_u", "tok_w", "lam_w", "n_eff", "n_kept",
+            "mean_w", "bound", "est_u", "real_u", "passed")
+    per: dict[str, list] = {k: [] for k in keys}
     rng = np.random.default_rng(seed)
     for r in range(reps):
         order = rng.permutation(len(fam))
         traffic, held = order[:len(fam) // 2], order[len(fam) // 2:]
-        ratio = fit_density_ratio(ref, fam.x[traffic], seed=r)
-        rs = resample(ratio, cal.x, np.vstack([ref, fam.x[traffic]]), seed=r)
-        kept = rs.kept[sol]
+        if fam.passes[traffic].sum() >= CV_FOLDS:
+            rs = draw(bundle, ref, cal.x, fam.x[traffic], seed=r).resample
+            kept, w = rs.kept[at], rs.weights[at]
+            facts = (rs.n_eff, int(kept.sum()), float(rs.weights.mean()), rs.bound)
+        else:  # the gate flags (nearly) all the traffic: nothing to reweight for
+            kept, w = np.zeros(len(sol), dtype=bool), np.ones(len(sol))
+            facts = (0.0, 0, 0.0, np.inf)
         res = weighted_calibrate([cal.scores[i] for i in sol], [cal.labels[i] for i in sol],
                                  kept, deltas, epsilon=bundle.ltt.epsilon,
                                  grid=default_grid(bundle.ltt.grid_size))
-        w = rs.weights[sol]
+        out_0 = [fam.outcome(held, lam, gated=False) for lam in lam_u]
         out_u = [fam.outcome(held, lam) for lam in lam_u]
         out_w = [fam.outcome(held, x.lam) for x in res]
-        per["err_u"].append([o[0] for o in out_u])
-        per["err_w"].append([o[0] for o in out_w])
-        per["tok_u"].append([o[3] for o in out_u])
-        per["tok_w"].append([o[3] for o in out_w])
+        for key, out in (("0", out_0), ("u", out_u), ("w", out_w)):
+            per[f"err_{key}"].append([o[0] for o in out])
+            per[f"tok_{key}"].append([o[3] for o in out])
         per["lam_w"].append([x.lam for x in res])
         per["est_u"].append((cal_loss_u * w).sum(axis=1) / w.sum())
-        per["n_eff"].append(rs.n_eff)
-        per["n_kept"].append(int(kept.sum()))
-        per["mean_w"].append(float(rs.weights.mean()))
-        per["bound"].append(rs.bound)
+        inside = held[fam.passes[held]]
+        per["real_u"].append([fam.outcome(inside, lam)[0] if fam.solvable[inside].any()
+                              else np.nan for lam in lam_u])
+        per["passed"].append(fam.passes[held].mean())
+        for key, v in zip(("n_eff", "n_kept", "mean_w", "bound"), facts):
+            per[key].append(v)
     a = {k: np.asarray(v, dtype=float) for k, v in per.items()}
-    all_rows = np.arange(len(fam))
     rows = []
     for j, d in enumerate(deltas):
-        err_all, k, n, _ = fam.outcome(all_rows, lam_u[j])
-        ci = binomtest(k, n).proportion_ci(0.95, method="exact")
         lw = a["lam_w"][:, j]
-        rows.append({
-            "family": name, "delta": d, "n_family": len(fam), "n_solvable": int(fam.solvable.sum()),
-            "reps": reps, "lam_u": lam_u[j], "err_u_all": err_all,
-            "err_u_all_ci95": [ci.low, ci.high],
-            "err_u": a["err_u"][:, j].mean(), "err_w": a["err_w"][:, j].mean(),
-            "err_w_sd": a["err_w"][:, j].std(), "over_w": (a["err_w"][:, j] > d).mean(),
-            "over_u": (a["err_u"][:, j] > d).mean(),
-            "tok_u": a["tok_u"][:, j].mean(), "tok_w": a["tok_w"][:, j].mean(),
-            "lam_w_median": float(np.median(np.where(np.isinf(lw), 1.0, lw))),
-            "never_w": float(np.isinf(lw).mean()), "est_u": a["est_u"][:, j].mean(),
-            "n_eff": a["n_eff"].mean(), "n_kept": a["n_kept"].mean(),
-            "mean_w": a["mean_w"].mean(), "bound_median": float(np.median(a["bound"])),
-            "n_cal": len(cal), "n_cal_solvable": int(cal.solvable.sum())})
+        row = {"family": name, "delta": d, "n_family": len(fam),
+               "n_solvable": int(fam.solvable.sum()), "reps": reps, "lam_u": lam_u[j],
+               "passed": a["passed"].mean(), "lam_w_median": float(np.median(np.where(
+                   np.isinf(lw), 1.0, lw))), "never_w": float(np.isinf(lw).mean()),
+               "est_u": float(np.nanmean(a["est_u"][:, j])),
+               "real_u": float(np.nanmean(a["real_u"][:, j])),
+               "n_eff": a["n_eff"].mean(), "n_kept": a["n_kept"].mean(),
+               "mean_w": a["mean_w"].mean(), "bound_median": float(np.median(a["bound"])),
+               "n_cal": len(cal), "n_cal_passed": int(cal.passes.sum())}
+        for key in ("0", "u", "w"):
+            e = a[f"err_{key}"][:, j]
+            row |= {f"err_{key}": e.mean(), f"err_{key}_sd": e.std(),
+                    f"over_{key}": (e > d).mean(), f"tok_{key}": a[f"tok_{key}"][:, j].mean()}
+        rows.append(row)
     return rows
 
 
@@ -151,20 +164,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, fam in families.items():
         rows += measure(name, fam, ref, cal, bundle, a.reps, a.seed)
-    print(f"job {job}: n_ref {len(ref)}, n_cal {len(cal)} ({int(cal.solvable.sum())} solvable), "
-          f"gate steps {steps}, epsilon {bundle.ltt.epsilon}, {a.reps} traffic/held-out splits")
-    print("| family | delta | unweighted lambda* | its error on the family (all, 95%) | on the "
-          "held-out halves | weighted lambda* (median; never) | its error on the held-out "
-          "halves (mean, sd; share > delta) | tokens saved unweighted / weighted | n_eff | kept "
-          "| mean weight | weighted estimate of the unweighted's risk |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"job {job}: n_ref {len(ref)}, n_cal {len(cal)} ({int(cal.solvable.sum())} solvable, "
+          f"{int(cal.passes.sum())} passed by the gate), gate steps {steps}, epsilon "
+          f"{bundle.ltt.epsilon}, {a.reps} traffic/held-out splits")
+    print("| family | delta | gate passes | ungated lambda*: error (sd; share > delta) / tokens "
+          "saved | gated lambda*: error / tokens | gated weighted lambda* (median; share never): "
+          "error / tokens | n_eff / kept / mean weight | assumption: weighted estimate vs "
+          "realized, unweighted lambda*, gate passed |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        lo, hi = r["err_u_all_ci95"]
-        print(f"| {r['family']} | {r['delta']:g} | {r['lam_u']:.3f} | {r['err_u_all']:.3f} "
-              f"({lo:.3f}-{hi:.3f}; n {r['n_solvable']}) | {r['err_u']:.3f} | "
-              f"{r['lam_w_median']:.3f}; {r['never_w']:.2f} | {r['err_w']:.3f} "
-              f"({r['err_w_sd']:.3f}; {r['over_w']:.2f}) | {r['tok_u']:.3f} / {r['tok_w']:.3f} | "
-              f"{r['n_eff']:.0f} | {r['n_kept']:.0f} | {r['mean_w']:.3f} | {r['est_u']:.3f} |")
+        arm = [f"{r[f'err_{k}']:.3f} ({r[f'err_{k}_sd']:.3f}; {r[f'over_{k}']:.2f}) / "
+               f"{r[f'tok_{k}']:.3f}" for k in ("0", "u", "w")]
+        print(f"| {r['family']} | {r['delta']:g} | {r['passed']:.2f} | {r['lam_u']:.3f}: "
+              f"{arm[0]} | {arm[1]} | {r['lam_w_median']:.3f} ({r['never_w']:.2f}): {arm[2]} | "
+              f"{r['n_eff']:.0f} / {r['n_kept']:.0f} / {r['mean_w']:.3f} | {r['est_u']:.3f} vs "
+              f"{r['real_u']:.3f} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1, default=float))
     return 0

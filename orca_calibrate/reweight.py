@@ -11,23 +11,32 @@ checked and sealed as every other. What it needs:
   reads (`traffic_features_from_prompts`: record mode, the plugin's own embeddings, as
   `orca-calibrate gate` does). No label of the traffic is read.
 
-The new bundle records what it was reweighted to in its provenance (`reweight`); its schema is
-the parent's, so every reader that loads the parent loads it.
+The population certified is the traffic the bundle's gate passes: the gate serves the rest with
+its safe action, so the weights never need to speak for requests the calibration set does not
+cover. The new bundle records what it was reweighted to in its provenance (`reweight`); its
+schema is the parent's, so every reader that loads the parent loads it.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from orca_calibrate.calibrate import calibrate_bundle
-from orca_method.bundle import Bundle, load_bundle
-from orca_method.covariate_shift import DEFAULT_RATIO_RANK, Resample, fit_density_ratio, resample
+from orca_method.bundle import Bundle, load_bundle, save_bundle
+from orca_method.covariate_shift import (
+    CV_FOLDS,
+    DEFAULT_RATIO_RANK,
+    DensityRatio,
+    Resample,
+    fit_density_ratio,
+    resample,
+)
 from orca_method.risk import is_solvable
 from orca_method.shift_gate import DEFAULT_GATE_STEPS, gate_features
 from orca_method.trajectories import TrajectorySet
@@ -73,16 +82,66 @@ def _fingerprint(x: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(x, dtype=np.float64).tobytes()).hexdigest()
 
 
+def gate_passes(bundle: Bundle, x: np.ndarray) -> np.ndarray:
+    """[n] bool: which of these gate features ([n, d]) the bundle's gate passes at its default
+    alpha (all, for a bundle without a gate). The flagged ones are served by the gate's safe
+    action (full reasoning by default: loss 0), so the weights need to speak for the rest only."""
+    gate = bundle.load_gate()
+    if gate is None or not len(x):
+        return np.ones(len(x), dtype=bool)
+    import torch  # deferred: the CLI's --help needs no torch
+
+    scores = gate.score(torch.from_numpy(np.asarray(x, dtype=np.float32))).numpy()  # [n]
+    return ~(scores > gate.threshold(gate.alpha))
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One reweighting: which traffic requests and calibration traces the gate passes ([N] and
+    [n] bool), the ratio fitted on the passing ones, and rejection sampling over the passing
+    calibration traces (`resample.kept` indexes those)."""
+
+    traffic_passes: np.ndarray
+    cal_passes: np.ndarray
+    ratio: DensityRatio
+    resample: Resample
+    n_ref: int
+
+
+def draw(parent: Bundle, ref: np.ndarray, cal: np.ndarray, traffic: np.ndarray, *, seed: int,
+         rank: int = DEFAULT_RATIO_RANK, clip: float | None = None) -> Draw:
+    """The reweighting of `reweight_bundle` on features alone (reference [n0, d], calibration
+    [n, d], traffic [N, d]): everything restricted to what the parent's gate passes, the ratio
+    fitted reference-vs-traffic, the passing calibration traces drawn towards the traffic.
+    ValueError when fewer than CV_FOLDS traffic requests pass."""
+    ref = ref[gate_passes(parent, ref)]
+    passing = gate_passes(parent, traffic)
+    if passing.sum() < CV_FOLDS:
+        raise ValueError(f"the bundle's gate flags {int((~passing).sum())} of {len(traffic)} "
+                         "traffic requests: they are served by its safe action, and too few "
+                         "pass to reweight for")
+    cal_in = gate_passes(parent, cal)
+    ratio = fit_density_ratio(ref, traffic[passing], rank=rank, seed=seed)
+    rs = resample(ratio, cal[cal_in], np.vstack([ref, traffic[passing]]), seed=seed, clip=clip)
+    return Draw(traffic_passes=passing, cal_passes=cal_in, ratio=ratio, resample=rs,
+                n_ref=len(ref))
+
+
 def reweight_bundle(job: Path, traffic: np.ndarray, out: Path, *, source: str, seed: int = 0,
                     rank: int = DEFAULT_RATIO_RANK, clip: float | None = None
                     ) -> tuple[Bundle, Resample]:
-    """The job's bundle recertified for traffic with these gate features ([N, d]): LTT on the
-    calibration traces rejection sampling kept, the probe, window, deltas, epsilon and p-value
-    kind the parent's. The give-up block is kept as calibrated (in distribution: the weights
-    recertify lambda* only), as `recalibrate` keeps it; a group table is dropped (a group's
-    traces are not what the weights re-draw). ValueError when no solvable trace is kept: the
-    traffic lies outside what the calibration set can speak for, and only labels can say more
-    (the live audit, `orca-calibrate recalibrate`)."""
+    """The job's bundle recertified for traffic with these gate features ([N, d]).
+
+    The population certified is the traffic the bundle's gate passes (at its default alpha; the
+    rest gets the gate's safe action): `draw` restricts the reference, calibration and traffic
+    features to what the gate passes, fits the ratio and keeps calibration traces, and LTT runs
+    on the kept ones (the calibrate stage's code) with the parent's probe, window, deltas,
+    epsilon and p-value kind. The new bundle keeps the parent's gate as it is (the same requests
+    pass it online) and its give-up block as calibrated (in distribution: the weights recertify
+    lambda* only, as `recalibrate` keeps it); group tables are dropped (a group's traces are not
+    what the weights re-draw). ValueError when the gate flags (nearly) all the traffic (nothing
+    to reweight for) or when no solvable trace is kept: the traffic lies outside what the
+    calibration set can speak for, and only labels can say more (`orca-calibrate recalibrate`)."""
     parent = load_bundle(job / "bundle.json")
     ts = TrajectorySet.open(job / "trajectories")
     if ts.dim != parent.model.hidden_size or traffic.shape[1] != ts.dim:
@@ -91,42 +150,43 @@ def reweight_bundle(job: Path, traffic: np.ndarray, out: Path, *, source: str, s
     steps = gate_steps(parent)
     _, ref = features_of(ts, ts.split("train"), steps)
     cal_idx, cal = features_of(ts, ts.split("calibration"), steps)
-    if not len(cal_idx):
-        raise ValueError(f"{ts.path} has no calibration trace with gate features "
-                         f"(step {steps} + 1)")
-    ratio = fit_density_ratio(ref, traffic, rank=rank, seed=seed)
-    rs = resample(ratio, cal, np.vstack([ref, traffic]), seed=seed, clip=clip)
-    kept = [i for i, k in zip(cal_idx, rs.kept) if k]
+    if not cal_idx:
+        raise ValueError(f"{ts.path} has no calibration trace with gate features (step "
+                         f"{steps} + 1)")
+    d = draw(parent, ref, cal, traffic, seed=seed, rank=rank, clip=clip)
+    rs = d.resample
+    passed = [i for i, k in zip(cal_idx, d.cal_passes) if k]
+    kept = [i for i, k in zip(passed, rs.kept) if k]
     mode = parent.label_mode
     if not any(is_solvable(ts.labels(i, mode)) for i in kept):
         raise ValueError(
-            f"the weights kept {len(kept)} of {len(cal_idx)} calibration traces and none with a "
+            f"the weights kept {len(kept)} of {len(passed)} calibration traces and none with a "
             f"right step (B {rs.bound:.3g}, mean calibration weight {rs.weights.mean():.3g}, "
             f"n_eff {rs.n_eff:.1f}): the traffic lies outside what the calibration set can "
             "speak for; recalibrate on labelled audits instead (orca-calibrate recalibrate)")
-    view = _view(ts, ts.split("train"), kept)
     provenance: dict[str, Any] = {
-        "calibration_source": "the parent's calibration split, reweighted to the traffic "
-                              "(covariate shift, docs/METHOD.md section 13)",
+        "calibration_source": "the parent's calibration split, reweighted to the traffic its "
+                              "gate passes (covariate shift, docs/METHOD.md section 13)",
         "parent_checksum": parent.checksum,
         "reweight": {"traffic": source, "traffic_sha256": _fingerprint(traffic),
-                     "n_traffic": len(traffic), "n_ref": len(ref), "gate_steps": steps,
-                     "ratio_rank": int(ratio.basis.shape[0]), "ratio_l2": ratio.l2,
+                     "n_traffic": len(traffic), "n_traffic_passed": int(d.traffic_passes.sum()),
+                     "n_ref": d.n_ref, "gate_steps": steps,
+                     "ratio_rank": int(d.ratio.basis.shape[0]), "ratio_l2": d.ratio.l2,
                      **rs.facts()}}
     if parent.give_up is not None:
         provenance["give_up"] = "the parent bundle's, kept as calibrated (in distribution)"
-    bundle = calibrate_bundle(parent.load_probe(), view, out, mode=mode,
-                              deltas=parent.deltas(), epsilon=parent.ltt.epsilon,
-                              pvalue=parent.ltt.pvalue, window=parent.window,
-                              default_delta=parent.default_delta, provenance=provenance,
-                              give_up=parent.give_up)
-    return bundle, rs
+    fresh = calibrate_bundle(parent.load_probe(), _view(ts, ts.split("train"), kept), out,
+                             mode=mode, deltas=parent.deltas(), epsilon=parent.ltt.epsilon,
+                             pvalue=parent.ltt.pvalue, window=parent.window,
+                             default_delta=parent.default_delta, provenance=provenance,
+                             give_up=parent.give_up)
+    # the parent's gate, as it is: the population certified is the traffic it passes
+    return save_bundle(fresh.model_copy(update={"shift_gate": parent.shift_gate}), out), rs
 
 
 def _view(ts: TrajectorySet, train: Sequence[int], calibration: Sequence[int]) -> TrajectorySet:
     """The training split and the kept calibration traces as a set of their own (no copy of the
-    embeddings): the calibrate stage replays the kept ones and fits the new bundle's gate on
-    the training split, scored on the kept ones (its p-values are then for requests like them)."""
+    embeddings), for the calibrate stage to replay the kept ones."""
     idx = [*train, *calibration]
     problems = [replace(ts.problems[i], split="train" if k < len(train) else "calibration")
                 for k, i in enumerate(idx)]

@@ -54,7 +54,9 @@ def test_reweight_writes_a_bundle_that_says_what_it_was_reweighted_to(job, capsy
     assert new.ltt.n_cal <= facts["n_kept"]  # the kept solvable ones
     assert new.deltas() == parent.deltas() and new.window == parent.window
     assert new.ltt.epsilon == parent.ltt.epsilon and new.default_delta == parent.default_delta
-    assert new.shift_gate is not None and len(new.shift_gate.scores) == facts["n_kept"]
+    # the parent's gate as it is: the traffic it passes is the population certified
+    assert new.shift_gate == parent.shift_gate is not None
+    assert 5 <= facts["n_traffic_passed"] <= 300
     # the schema is the parent's: the keys a reader of the parent knows, nothing else
     assert set(json.loads(out.read_text())) == set(json.loads((job / "bundle.json").read_text()))
 
@@ -81,6 +83,16 @@ def test_bad_input_is_one_line(job, extra, words, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("orca-calibrate reweight: error: ")
     assert words in err[0]
+    assert not (job / "x.json").exists()
+
+
+def test_traffic_the_gate_flags_is_left_to_the_gate(job, capsys):
+    """Features far from anything calibrated: the gate flags them all (they get its safe
+    action), and there is nothing to reweight for: one line, exit 2, no bundle."""
+    np.save(job / "far.npy", np.load(job / "shifted.npy") + 10.0)
+    assert main(["reweight", "--job", str(job), "--traffic-features", str(job / "far.npy"),
+                 "--out", str(job / "x.json")]) == 2
+    assert "gate flags 300 of 300" in capsys.readouterr().err
     assert not (job / "x.json").exists()
 
 
