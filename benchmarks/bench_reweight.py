@@ -6,8 +6,13 @@ assumption (the loss given the gate features unchanged) fails.
     python benchmarks/bench_reweight.py --job runs/long \\
         --family shifted=runs/long/trajectories-shifted --family hard=runs/long/trajectories-hard
 
-Families: `in-dist` (the job's test split: the control), each `--family` set, and each mixed
-half and half with the test split (`in-dist+NAME`: traffic that overlaps the calibration set).
+Families: `in-dist` (the job's test split: the control); two shifts of it: `in-dist tilted`
+(the test split resampled towards a direction of the gate features along which the loss grows:
+covariate shift by construction, the assumption exact) and `in-dist, answer late` (the test
+split's problems whose answer lies further from the walk's start than the median, read off the
+prompt: a shift a deployment could see, the assumption only as good as the features' view of
+the prompt); each `--family` set; and each mixed half and half with the test split
+(`in-dist+NAME`: traffic that overlaps the calibration set).
 Per repetition, a family's traces are split at random into a traffic half, whose gate features
 alone (no label) fit the density ratio against the job's training split, and a held-out half,
 whose solvable traces give the realized stop error and token savings. Three arms: the job's
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +43,7 @@ from orca_method.ltt import default_grid
 from orca_method.procedure import replay
 from orca_method.risk import is_solvable, losses, stop_indices
 from orca_method.stop_metrics import summarize
+from orca_method.shift_gate import gate_features
 from orca_method.trajectories import TrajectorySet
 
 
@@ -68,6 +75,15 @@ class Pool:
         return out.error, int(round(out.error * len(rows))), len(rows), out.token_savings_total
 
 
+    def take(self, rows: np.ndarray) -> Pool:
+        """These traces (repeats allowed) as a pool of their own."""
+        out = Pool.__new__(Pool)
+        out.x, out.solvable, out.passes = self.x[rows], self.solvable[rows], self.passes[rows]
+        out.scores, out.labels, out.tokens = ([v[i] for i in rows]
+                                              for v in (self.scores, self.labels, self.tokens))
+        return out
+
+
 def concat(a: Pool, b: Pool) -> Pool:
     out = Pool.__new__(Pool)
     out.x = np.vstack([a.x, b.x])
@@ -76,6 +92,33 @@ def concat(a: Pool, b: Pool) -> Pool:
     out.solvable = np.concatenate([a.solvable, b.solvable])
     out.passes = np.concatenate([a.passes, b.passes])
     return out
+
+
+def answer_position(problem) -> int:
+    """How far the reasoning walks before the answer, read off the prompt: the toy tries x =
+    1, 2, ... (the answer itself), the long reasoner walks from its given start."""
+    start = re.search(r"Start at x=(-?\d+)", problem.prompt or "")
+    return int(problem.answer) - (int(start.group(1)) if start else 0)
+
+
+def tilted(test: Pool, train: Pool, lam: float, beta: float, seed: int) -> Pool:
+    """The test split resampled (with repeats, as many traces) with probability proportional to
+    exp(beta s(x)), s a standardised direction of the gate features along which the stop loss
+    at `lam` grows (a ridge fit on the training split's traces): a covariate shift by
+    construction (the loss given x is untouched), chosen to hurt the unweighted lambda*."""
+    sol = np.flatnonzero(train.solvable)
+    loss = losses(stop_indices([train.scores[i] for i in sol], np.array([lam])),
+                  [train.labels[i] for i in sol])[0].astype(float)  # [n]
+    x = train.x[sol]
+    mean = x.mean(axis=0)
+    _, _, vt = np.linalg.svd(x - mean, full_matrices=False)
+    z = (x - mean) @ vt[:16].T  # [n, 16]
+    coef = np.linalg.solve(z.T @ z + 1e-3 * len(z) * np.eye(z.shape[1]), z.T @ (loss - loss.mean()))
+    s_train = z @ coef
+    s = ((test.x - mean) @ vt[:16].T @ coef - s_train.mean()) / s_train.std()  # [m]
+    p = np.exp(beta * (s - s.max()))
+    rows = np.random.default_rng(seed).choice(len(test), size=len(test), p=p / p.sum())
+    return test.take(rows)
 
 
 def measure(name: str, fam: Pool, ref: np.ndarray, cal: Pool, bundle, reps: int,
@@ -115,7 +158,7 @@ def measure(name: str, fam: Pool, ref: np.ndarray, cal: Pool, bundle, reps: int,
         per["est_u"].append((cal_loss_u * w).sum(axis=1) / w.sum())
         inside = held[fam.passes[held]]
         per["real_u"].append([fam.outcome(inside, lam)[0] if fam.solvable[inside].any()
-                              else np.nan for lam in lam_u])
+                              else np.nan for lam in lam_u])  # nan: the gate passed none
         per["passed"].append(fam.passes[held].mean())
         for key, v in zip(("n_eff", "n_kept", "mean_w", "bound"), facts):
             per[key].append(v)
@@ -128,7 +171,8 @@ def measure(name: str, fam: Pool, ref: np.ndarray, cal: Pool, bundle, reps: int,
                "passed": a["passed"].mean(), "lam_w_median": float(np.median(np.where(
                    np.isinf(lw), 1.0, lw))), "never_w": float(np.isinf(lw).mean()),
                "est_u": float(np.nanmean(a["est_u"][:, j])),
-               "real_u": float(np.nanmean(a["real_u"][:, j])),
+               "real_u": float(np.nanmean(a["real_u"][:, j])) if np.isfinite(
+                   a["real_u"][:, j]).any() else float("nan"),
                "n_eff": a["n_eff"].mean(), "n_kept": a["n_kept"].mean(),
                "mean_w": a["mean_w"].mean(), "bound_median": float(np.median(a["bound"])),
                "n_cal": len(cal), "n_cal_passed": int(cal.passes.sum())}
@@ -146,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", action="append", default=[], metavar="NAME=TRAJECTORIES")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--beta", type=float, default=0.75, help="the tilted family's strength")
     ap.add_argument("--json", help="write the rows here too")
     a = ap.parse_args(argv)
     job = Path(a.job)
@@ -156,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     cal = Pool(ts, ts.split("calibration"), bundle, steps)
     test = Pool(ts, ts.split("test"), bundle, steps)
     families = {"in-dist": test}
+    train = Pool(ts, ts.split("train"), bundle, steps)
+    families[f"in-dist tilted (beta {a.beta:g})"] = tilted(
+        test, train, bundle.lam(bundle.default_delta), a.beta, a.seed)
+    test_ids = [i for i in ts.split("test") if gate_features(ts.embeddings(i), steps) is not None]
+    position = np.array([answer_position(ts.problems[i]) for i in test_ids])
+    families["in-dist, answer late"] = test.take(np.flatnonzero(position > np.median(position)))
     for spec in a.family:
         name, path = spec.split("=", 1)
         other = TrajectorySet.open(path)
