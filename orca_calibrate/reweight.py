@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from orca_calibrate.calibrate import calibrate_bundle
-from orca_method.bundle import Bundle, load_bundle, save_bundle
+from orca_calibrate.calibrate import GiveUpOptions, calibrate_bundle
+from orca_method.bundle import Bundle, GiveUpBlock, load_bundle, save_bundle
 from orca_method.covariate_shift import (
     CV_FOLDS,
     DEFAULT_RATIO_RANK,
@@ -37,6 +37,7 @@ from orca_method.covariate_shift import (
     fit_density_ratio,
     resample,
 )
+from orca_method.probe import Probe
 from orca_method.risk import is_solvable
 from orca_method.shift_gate import DEFAULT_GATE_STEPS, gate_features
 from orca_method.trajectories import TrajectorySet
@@ -137,9 +138,9 @@ def reweight_bundle(job: Path, traffic: np.ndarray, out: Path, *, source: str, s
     features to what the gate passes, fits the ratio and keeps calibration traces, and LTT runs
     on the kept ones (the calibrate stage's code) with the parent's probe, window, deltas,
     epsilon and p-value kind. The new bundle keeps the parent's gate as it is (the same requests
-    pass it online) and its give-up block as calibrated (in distribution: the weights recertify
-    lambda* only, as `recalibrate` keeps it); group tables are dropped (a group's traces are not
-    what the weights re-draw). ValueError when the gate flags (nearly) all the traffic (nothing
+    pass it online); group tables are dropped (a group's traces are not
+    what the weights re-draw). mu* of a two-sided bundle is recertified on the kept traces too
+    (`_give_up`). ValueError when the gate flags (nearly) all the traffic (nothing
     to reweight for) or when no solvable trace is kept: the traffic lies outside what the
     calibration set can speak for, and only labels can say more (`orca-calibrate recalibrate`)."""
     parent = load_bundle(job / "bundle.json")
@@ -173,15 +174,35 @@ def reweight_bundle(job: Path, traffic: np.ndarray, out: Path, *, source: str, s
                      "n_ref": d.n_ref, "gate_steps": steps,
                      "ratio_rank": int(d.ratio.basis.shape[0]), "ratio_l2": d.ratio.l2,
                      **rs.facts()}}
+    give_up = _give_up(parent, ts)
     if parent.give_up is not None:
-        provenance["give_up"] = "the parent bundle's, kept as calibrated (in distribution)"
+        provenance["give_up"] = ("recertified on the kept traces, its probe the parent's"
+                                 if isinstance(give_up, tuple) else "the parent bundle's, kept "
+                                 f"as calibrated (in distribution: {ts.path} has no "
+                                 f"'{parent.give_up.label_mode}' labels to recertify it on)")
     fresh = calibrate_bundle(parent.load_probe(), _view(ts, ts.split("train"), kept), out,
                              mode=mode, deltas=parent.deltas(), epsilon=parent.ltt.epsilon,
                              pvalue=parent.ltt.pvalue, window=parent.window,
                              default_delta=parent.default_delta, provenance=provenance,
-                             give_up=parent.give_up)
+                             give_up=give_up)
     # the parent's gate, as it is: the population certified is the traffic it passes
     return save_bundle(fresh.model_copy(update={"shift_gate": parent.shift_gate}), out), rs
+
+
+def _give_up(parent: Bundle, ts: TrajectorySet
+             ) -> tuple[Probe, GiveUpOptions] | GiveUpBlock | None:
+    """How the new bundle's give-up side is made: mu* recertified on the kept traces (the give-up
+    risk is over every request, and the same weights re-draw every trace), with the parent's
+    give-up probe and settings, when the job's traces carry its reference labels; else the
+    parent's block as calibrated. The give-up loss needs the same assumption as the stop loss:
+    unchanged given the features."""
+    g = parent.give_up
+    if g is None or g.label_mode not in ts.label_modes:
+        return g
+    opts = GiveUpOptions(label_mode=g.label_mode, deltas=tuple(parent.give_up_deltas()),
+                         epsilon=g.ltt.epsilon, window=g.window, default_delta=g.default_delta,
+                         policy=g.policy)
+    return parent.load_give_up_probe(), opts
 
 
 def _view(ts: TrajectorySet, train: Sequence[int], calibration: Sequence[int]) -> TrajectorySet:

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from orca_calibrate.calibrate import calibrate_bundle
+from orca_calibrate.calibrate import GiveUpOptions, calibrate_bundle
 from orca_calibrate.calibrate_cli import main
 from orca_calibrate.reweight import features_of
 from orca_calibrate.synth import generate, world
+from orca_calibrate.train import train_give_up
 from orca_method.bundle import load_bundle
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.trajectories import TrajectorySet
@@ -23,7 +24,8 @@ DIM = 16
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    """A job directory (trajectories/ with train, calibration and test splits, bundle.json) and
+    """A job directory (trajectories/ with train, calibration and test splits, a two-sided
+    bundle.json) and
     the gate features of a shifted and of a fresh in-distribution set, as .npy files."""
     root = tmp_path_factory.mktemp("job")
     ts = TrajectorySet.open(generate(root / "trajectories", 600, dim=DIM, mean_steps=20,
@@ -31,7 +33,8 @@ def job(tmp_path_factory):
     probe = Probe(ProbeSpec(dim=DIM, online=False), seed=0)
     probe.params["w"].data = torch.tensor(world(DIM).v * 8, dtype=torch.float32)
     probe.params["b"].data.fill_(-2.0)
-    calibrate_bundle(probe, ts, root / "bundle.json", deltas=(0.1, 0.2), window=2)
+    calibrate_bundle(probe, ts, root / "bundle.json", deltas=(0.1, 0.2), window=2,
+                     give_up=(train_give_up(ts, "supervised"), GiveUpOptions()))
     for name, shift, seed in (("shifted", True, 1), ("in-dist", False, 2)):
         other = TrajectorySet.open(generate(root / name, 300, dim=DIM, mean_steps=20, seed=seed,
                                             shift=shift, splits=(0.0, 0.0, 1.0)))
@@ -57,6 +60,10 @@ def test_reweight_writes_a_bundle_that_says_what_it_was_reweighted_to(job, capsy
     # the parent's gate as it is: the traffic it passes is the population certified
     assert new.shift_gate == parent.shift_gate is not None
     assert 5 <= facts["n_traffic_passed"] <= 300
+    # mu* recertified on the same kept traces (all of them: the give-up risk is over every
+    # request), with the parent's give-up probe
+    assert new.provenance["give_up"].startswith("recertified")
+    assert new.give_up.ltt.n_cal == facts["n_kept"] and new.give_up.probe == parent.give_up.probe
     # the schema is the parent's: the keys a reader of the parent knows, nothing else
     assert set(json.loads(out.read_text())) == set(json.loads((job / "bundle.json").read_text()))
 
