@@ -21,6 +21,11 @@ the default safe action), and the weighted lambda* with the gate: LTT on the cal
 rejection sampling kept (`orca_calibrate.reweight.draw`, the code `orca-calibrate reweight`
 runs: everything restricted to what the gate passes).
 
+For a two-sided bundle a second table does the same for the give-up side: the bundle's mu*
+without and with the gate (a flagged trace never gives up) and mu* recertified on the same kept
+traces (all of them: the give-up risk is over every request), the give-up error over every
+held-out trace under the bundle's give-up policy.
+
 The assumption check: at the unweighted lambda*, the weighted calibration estimate of the risk
 (sum of w_i L_i over sum of w_i, solvable calibration traces) against the family's realized
 risk. Under covariate shift with the right weights they agree up to noise; a gap far beyond
@@ -39,11 +44,20 @@ import numpy as np
 from orca_calibrate.reweight import draw, features_of, gate_passes, gate_steps
 from orca_method.bundle import load_bundle
 from orca_method.covariate_shift import CV_FOLDS, weighted_calibrate
+from orca_method.give_up import (
+    calibrate_give_up,
+    gave_up,
+    give_up_indices,
+    give_up_losses,
+    last_right,
+    mu_grid,
+)
 from orca_method.ltt import default_grid
 from orca_method.procedure import replay
 from orca_method.risk import is_solvable, losses, stop_indices
 from orca_method.stop_metrics import summarize
 from orca_method.shift_gate import gate_features
+from orca_method.thresholds import GIVE_UP_NEVER
 from orca_method.trajectories import TrajectorySet
 
 
@@ -59,6 +73,13 @@ class Pool:
         self.labels = [ts.labels(i, bundle.label_mode) for i in idx]
         self.tokens = [np.asarray(ts.problems[i].step_tokens) for i in idx]
         self.solvable = np.array([is_solvable(c) for c in self.labels])
+        self.give_up = last = None
+        if bundle.give_up is not None:  # the give-up probe's smoothed scores, last right steps
+            g = bundle.give_up
+            runs = replay(bundle.load_give_up_probe(), [ts.embeddings(i) for i in idx], g.window)
+            self.give_up = [s.numpy().astype(np.float64) for _, s in runs]
+            last = np.array([last_right(ts.raw_labels(i, g.label_mode)) for i in idx])
+        self.last = last
 
     def __len__(self) -> int:
         return len(self.scores)
@@ -75,12 +96,25 @@ class Pool:
         return out.error, int(round(out.error * len(rows))), len(rows), out.token_savings_total
 
 
+    def give_up_outcome(self, rows: np.ndarray, mu: float, policy, gated: bool = True
+                        ) -> tuple[float, float]:
+        """(give-up error, share given up) over every trace among `rows` with threshold `mu`;
+        `gated`: a trace the gate flags never gives up."""
+        mus = np.where(self.passes[rows] | (not gated), mu, GIVE_UP_NEVER)
+        g = [self.give_up[i] for i in rows]
+        tau = np.array([give_up_indices([x], np.array([m]))[0, 0] for x, m in zip(g, mus)])
+        lengths = np.array([len(x) for x in g])
+        loss = give_up_losses(tau[None], lengths, self.last[rows], policy)[0]
+        return float(loss.mean()), float(gave_up(tau, lengths).mean())
+
     def take(self, rows: np.ndarray) -> Pool:
         """These traces (repeats allowed) as a pool of their own."""
         out = Pool.__new__(Pool)
         out.x, out.solvable, out.passes = self.x[rows], self.solvable[rows], self.passes[rows]
         out.scores, out.labels, out.tokens = ([v[i] for i in rows]
                                               for v in (self.scores, self.labels, self.tokens))
+        out.give_up = None if self.give_up is None else [self.give_up[i] for i in rows]
+        out.last = None if self.last is None else self.last[rows]
         return out
 
 
@@ -91,6 +125,8 @@ def concat(a: Pool, b: Pool) -> Pool:
         a.tokens + b.tokens
     out.solvable = np.concatenate([a.solvable, b.solvable])
     out.passes = np.concatenate([a.passes, b.passes])
+    out.give_up = None if a.give_up is None else a.give_up + b.give_up
+    out.last = None if a.last is None else np.concatenate([a.last, b.last])
     return out
 
 
@@ -134,6 +170,12 @@ def measure(name: str, fam: Pool, ref: np.ndarray, cal: Pool, bundle, reps: int,
     keys = ("err_0", "err_u", "err_w", "tok_0", "tok_u", "tok_w", "lam_w", "n_eff", "n_kept",
             "mean_w", "bound", "est_u", "real_u", "passed")
     per: dict[str, list] = {k: [] for k in keys}
+    g = bundle.give_up
+    d2s = bundle.give_up_deltas()
+    mu_u = [bundle.mu(d) for d in d2s]
+    passing = np.flatnonzero(cal.passes)
+    gkeys = ("gerr_0", "gerr_u", "gerr_w", "gave_0", "gave_u", "gave_w", "mu_w")
+    per |= {k: [] for k in gkeys}
     rng = np.random.default_rng(seed)
     for r in range(reps):
         order = rng.permutation(len(fam))
@@ -141,10 +183,22 @@ def measure(name: str, fam: Pool, ref: np.ndarray, cal: Pool, bundle, reps: int,
         if fam.passes[traffic].sum() >= CV_FOLDS:
             rs = draw(bundle, ref, cal.x, fam.x[traffic], seed=r).resample
             kept, w = rs.kept[at], rs.weights[at]
+            kept_all = passing[rs.kept]  # every kept trace: the give-up risk is over all
             facts = (rs.n_eff, int(kept.sum()), float(rs.weights.mean()), rs.bound)
         else:  # the gate flags (nearly) all the traffic: nothing to reweight for
             kept, w = np.zeros(len(sol), dtype=bool), np.ones(len(sol))
+            kept_all = np.array([], dtype=int)
             facts = (0.0, 0, 0.0, np.inf)
+        if g is not None:
+            mu_w = ([GIVE_UP_NEVER] * len(d2s) if not len(kept_all) else [x.mu for x in (
+                calibrate_give_up([cal.give_up[i] for i in kept_all], cal.last[kept_all], d2s,
+                                  epsilon=g.ltt.epsilon, grid=mu_grid(g.ltt.grid_size),
+                                  pvalue=g.ltt.pvalue, policy=g.policy))])
+            for key, mus, gated in (("0", mu_u, False), ("u", mu_u, True), ("w", mu_w, True)):
+                out = [fam.give_up_outcome(held, m, g.policy, gated) for m in mus]
+                per[f"gerr_{key}"].append([o[0] for o in out])
+                per[f"gave_{key}"].append([o[1] for o in out])
+            per["mu_w"].append(mu_w)
         res = weighted_calibrate([cal.scores[i] for i in sol], [cal.labels[i] for i in sol],
                                  kept, deltas, epsilon=bundle.ltt.epsilon,
                                  grid=default_grid(bundle.ltt.grid_size))
@@ -162,7 +216,7 @@ def measure(name: str, fam: Pool, ref: np.ndarray, cal: Pool, bundle, reps: int,
         per["passed"].append(fam.passes[held].mean())
         for key, v in zip(("n_eff", "n_kept", "mean_w", "bound"), facts):
             per[key].append(v)
-    a = {k: np.asarray(v, dtype=float) for k, v in per.items()}
+    a = {k: np.asarray(v, dtype=float) for k, v in per.items() if v}
     rows = []
     for j, d in enumerate(deltas):
         lw = a["lam_w"][:, j]
@@ -180,6 +234,16 @@ def measure(name: str, fam: Pool, ref: np.ndarray, cal: Pool, bundle, reps: int,
             e = a[f"err_{key}"][:, j]
             row |= {f"err_{key}": e.mean(), f"err_{key}_sd": e.std(),
                     f"over_{key}": (e > d).mean(), f"tok_{key}": a[f"tok_{key}"][:, j].mean()}
+        rows.append(row)
+    for j, d in enumerate(d2s):
+        mw = a["mu_w"][:, j]
+        row = {"family": name, "give_up_delta": d, "mu_u": mu_u[j], "reps": reps,
+               "n_family": len(fam), "mu_w_median": float(np.median(np.where(
+                   np.isinf(mw), 0.0, mw))), "never_w": float(np.isinf(mw).mean())}
+        for key in ("0", "u", "w"):
+            e = a[f"gerr_{key}"][:, j]
+            row |= {f"gerr_{key}": e.mean(), f"gover_{key}": (e > d).mean(),
+                    f"gave_{key}": a[f"gave_{key}"][:, j].mean()}
         rows.append(row)
     return rows
 
@@ -223,13 +287,22 @@ def main(argv: list[str] | None = None) -> int:
           "error / tokens | n_eff / kept / mean weight | assumption: weighted estimate vs "
           "realized, unweighted lambda*, gate passed |")
     print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    for r in (r for r in rows if "delta" in r):
         arm = [f"{r[f'err_{k}']:.3f} ({r[f'err_{k}_sd']:.3f}; {r[f'over_{k}']:.2f}) / "
                f"{r[f'tok_{k}']:.3f}" for k in ("0", "u", "w")]
         print(f"| {r['family']} | {r['delta']:g} | {r['passed']:.2f} | {r['lam_u']:.3f}: "
               f"{arm[0]} | {arm[1]} | {r['lam_w_median']:.3f} ({r['never_w']:.2f}): {arm[2]} | "
               f"{r['n_eff']:.0f} / {r['n_kept']:.0f} / {r['mean_w']:.3f} | {r['est_u']:.3f} vs "
               f"{r['real_u']:.3f} |")
+    give_up = [r for r in rows if "give_up_delta" in r]
+    if give_up:
+        print("\n| family | give-up delta | ungated mu*: give-up error (share > delta) / gave up "
+              "| gated mu* | gated, weighted mu* (median; share never) |\n|---|---|---|---|---|")
+    for r in give_up:
+        arm = [f"{r[f'gerr_{k}']:.3f} ({r[f'gover_{k}']:.2f}) / {r[f'gave_{k}']:.3f}"
+               for k in ("0", "u", "w")]
+        print(f"| {r['family']} | {r['give_up_delta']:g} | {r['mu_u']:.3f}: {arm[0]} | "
+              f"{arm[1]} | {r['mu_w_median']:.3f} ({r['never_w']:.2f}): {arm[2]} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1, default=float))
     return 0
