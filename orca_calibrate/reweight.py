@@ -8,7 +8,7 @@ checked and sealed as every other. What it needs:
 - the bundle's job directory: `bundle.json` and `trajectories/` with its train and calibration
   splits (their step embeddings give the gate features; their labels the losses);
 - the traffic's gate features, [N, d]: a `.npy` file, or prompts run only as far as the gate
-  reads (`traffic_features_from_prompts`: record mode, the plugin's own embeddings, as
+  reads (`--traffic-prompts`: record mode, the plugin's own embeddings, as
   `orca-calibrate gate` does). No label of the traffic is read.
 
 The population certified is the traffic the bundle's gate passes: the gate serves the rest with
