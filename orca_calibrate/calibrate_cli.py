@@ -200,12 +200,18 @@ def cmd_reweight(a: argparse.Namespace) -> None:
 
     job = Path(a.job)
     parent = load_bundle(job / "bundle.json")
-    if (a.traffic_features is None) == (a.traffic_prompts is None):
-        raise UsageError("give the traffic as --traffic-features FILE.npy or as "
-                         "--traffic-prompts FILE.jsonl (with --model), one of the two")
+    given = [x for x in (a.traffic_features, a.traffic_prompts, a.traffic_audits) if x]
+    if len(given) != 1:
+        raise UsageError("give the traffic as --traffic-features FILE.npy, --traffic-prompts "
+                         "FILE.jsonl (with --model) or --traffic-audits DIR, one of the three")
+    source = given[0]
     if a.traffic_features is not None:
         traffic = read_traffic_features(Path(a.traffic_features), parent.model.hidden_size)
-        source = a.traffic_features
+    elif a.traffic_audits is not None:
+        from orca_calibrate.audit_report import open_audits
+        from orca_calibrate.reweight import features_of
+        audits = open_audits(a.traffic_audits, parent)
+        traffic = features_of(audits, range(len(audits)), gate_steps(parent))[1]
     else:
         from orca_calibrate.gate import first_step_features, gate_collector
         if not a.model:
@@ -215,7 +221,6 @@ def cmd_reweight(a: argparse.Namespace) -> None:
                             seed=a.seed, engine=dict(a.engine or {})) as collector:
             traffic = first_step_features(collector, read_prompts(Path(a.traffic_prompts)),
                                           gate_steps(parent))
-        source = a.traffic_prompts
     new, rs = reweight_bundle(job, traffic, Path(a.out), source=source, seed=a.seed,
                               rank=a.rank, clip=a.clip)
     print(f"wrote {a.out}: {len(traffic)} traffic requests; kept {int(rs.kept.sum())} of "
@@ -457,6 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "[N, d] (docs/CALIBRATE.md says how to get them)")
     p.add_argument("--traffic-prompts", help="or the traffic's prompts (JSON lines), run to "
                    "the gate's step with --model in record mode")
+    p.add_argument("--traffic-audits", help="or a server's audit directory (--orca-audit-dir): "
+                   "the audited requests' recorded step embeddings (their labels are not read)")
     p.add_argument("--model", help="the bundle's model (with --traffic-prompts)")
     p.add_argument("--out", required=True, help="the recertified bundle")
     p.add_argument("--rank", type=integer(1), default=DEFAULT_RATIO_RANK,

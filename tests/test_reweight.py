@@ -80,8 +80,8 @@ def test_in_distribution_traffic_keeps_most_traces_and_about_the_same_lambda(job
 
 
 @pytest.mark.parametrize("extra, words", [
-    ([], "one of the two"),
-    (["--traffic-features", "X", "--traffic-prompts", "Y"], "one of the two"),
+    ([], "one of the three"),
+    (["--traffic-features", "X", "--traffic-prompts", "Y"], "one of the three"),
     (["--traffic-prompts", "Y"], "give --model"),
     (["--traffic-features", "missing.npy"], "cannot read traffic features"),
 ])
@@ -91,6 +91,18 @@ def test_bad_input_is_one_line(job, extra, words, capsys):
     assert len(err) == 1 and err[0].startswith("orca-calibrate reweight: error: ")
     assert words in err[0]
     assert not (job / "x.json").exists()
+
+
+def test_traffic_from_a_servers_audit_directory(job):
+    """--traffic-audits reads the recorded step embeddings of audited requests (a trajectory
+    directory, as the server writes them): the same features as the .npy of the same traces."""
+    assert main(["reweight", "--job", str(job), "--traffic-audits", str(job / "shifted"),
+                 "--out", str(job / "from-audits.json")]) == 0
+    assert main(["reweight", "--job", str(job), "--traffic-features", str(job / "shifted.npy"),
+                 "--out", str(job / "from-npy.json")]) == 0
+    a, b = (load_bundle(job / f).provenance["reweight"] for f in ("from-audits.json",
+                                                                  "from-npy.json"))
+    assert a["traffic_sha256"] == b["traffic_sha256"] and a["n_kept"] == b["n_kept"]
 
 
 def test_traffic_the_gate_flags_is_left_to_the_gate(job, capsys):
