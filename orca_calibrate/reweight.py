@@ -9,7 +9,8 @@ checked and sealed as every other. What it needs:
   splits (their step embeddings give the gate features; their labels the losses);
 - the traffic's gate features, [N, d]: a `.npy` file, or prompts run only as far as the gate
   reads (`--traffic-prompts`: record mode, the plugin's own embeddings, as
-  `orca-calibrate gate` does). No label of the traffic is read.
+  `orca-calibrate gate` does), or a server's audit directory (the step embeddings it records
+  for a uniform sample of requests). No label of the traffic is read.
 
 The population certified is the traffic the bundle's gate passes: the gate serves the rest with
 its safe action, so the weights never need to speak for requests the calibration set does not
