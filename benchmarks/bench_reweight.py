@@ -2,7 +2,8 @@
 a job's trajectories: where the weighted lambda* keeps the stop error within delta and where the
 assumption (the loss given the gate features unchanged) fails.
 
-    python benchmarks/bench_reweight.py --job runs/toy --family shifted=runs/toy/trajectories-shifted
+    python benchmarks/bench_reweight.py --job runs/toy \\
+        --family shifted=runs/toy/trajectories-shifted
     python benchmarks/bench_reweight.py --job runs/long \\
         --family shifted=runs/long/trajectories-shifted --family hard=runs/long/trajectories-hard
 
