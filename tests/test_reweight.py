@@ -105,6 +105,37 @@ def test_traffic_from_a_servers_audit_directory(job):
     assert a["traffic_sha256"] == b["traffic_sha256"] and a["n_kept"] == b["n_kept"]
 
 
+def test_traffic_prompts_are_run_to_the_gates_step(job, monkeypatch):
+    """--traffic-prompts: the prompts go to a record-mode engine with the bundle's settings,
+    read to the bundle's gate step (a fake engine here: tests/test_toy_job.py runs the real
+    one), and the prompts file is the traffic's recorded source."""
+    import contextlib
+
+    import orca_calibrate.gate as gate
+
+    seen = {}
+
+    @contextlib.contextmanager
+    def collector(model, bundle, **kw):
+        seen.update(model=model, max_tokens=kw["max_tokens"])
+        yield "engine"
+
+    def features(engine, prompts, steps):
+        seen.update(n=len(prompts), steps=steps)
+        return np.load(job / "shifted.npy")
+
+    monkeypatch.setattr(gate, "gate_collector", collector)
+    monkeypatch.setattr(gate, "first_step_features", features)
+    prompts = job / "traffic.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": "x"}) + "\n"
+                               for i in range(3)))
+    assert main(["reweight", "--job", str(job), "--traffic-prompts", str(prompts), "--model",
+                 "M", "--max-tokens", "99", "--out", str(job / "p.json")]) == 0
+    assert seen == {"model": "M", "max_tokens": 99, "n": 3,
+                    "steps": load_bundle(job / "bundle.json").shift_gate.steps}
+    assert load_bundle(job / "p.json").provenance["reweight"]["traffic"] == str(prompts)
+
+
 def test_traffic_the_gate_flags_is_left_to_the_gate(job, capsys):
     """Features far from anything calibrated: the gate flags them all (they get its safe
     action), and there is nothing to reweight for: one line, exit 2, no bundle."""
