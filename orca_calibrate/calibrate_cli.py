@@ -19,6 +19,7 @@ from orca_calibrate.judge import JudgeError, JudgeSettings
 from orca_calibrate.probe_variants import PROBES
 from orca_calibrate.synth import generate
 from orca_calibrate.train_defaults import DEFAULTS, EPOCH_SELECT
+from orca_method.covariate_shift import DEFAULT_RATIO_RANK
 from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
 from orca_method.shift_gate import DEFAULT_GATE_ALPHA, DEFAULT_GATE_RANK, DEFAULT_GATE_STEPS
 from orca_method.trajectories import (
@@ -190,6 +191,46 @@ def cmd_gate(a: argparse.Namespace) -> None:
     g = sealed.shift_gate
     print(f"wrote {a.out}: shift gate on {g.steps} step(s), fitted on {g.n_fit} prompts, "
           f"scored on {len(g.scores)}, alpha {g.alpha}; checksum {sealed.checksum}")
+
+
+def cmd_reweight(a: argparse.Namespace) -> None:
+    # deferred: torch (not needed by --help)
+    from orca_calibrate.reweight import gate_steps, read_traffic_features, reweight_bundle
+    from orca_method.bundle import load_bundle
+
+    job = Path(a.job)
+    parent = load_bundle(job / "bundle.json")
+    given = [x for x in (a.traffic_features, a.traffic_prompts, a.traffic_audits) if x]
+    if len(given) != 1:
+        raise UsageError("give the traffic as --traffic-features FILE.npy, --traffic-prompts "
+                         "FILE.jsonl (with --model) or --traffic-audits DIR, one of the three")
+    source = given[0]
+    if a.traffic_features is not None:
+        traffic = read_traffic_features(Path(a.traffic_features), parent.model.hidden_size)
+    elif a.traffic_audits is not None:
+        from orca_calibrate.audit_report import open_audits
+        from orca_calibrate.reweight import features_of
+        audits = open_audits(a.traffic_audits, parent)
+        traffic = features_of(audits, range(len(audits)), gate_steps(parent))[1]
+    else:
+        from orca_calibrate.gate import first_step_features, gate_collector
+        if not a.model:
+            raise UsageError("--traffic-prompts runs the prompts to the gate's step: give "
+                             "--model (the bundle's model)")
+        with gate_collector(a.model, parent, max_tokens=a.max_tokens, temperature=a.temperature,
+                            seed=a.seed, engine=dict(a.engine or {})) as collector:
+            traffic = first_step_features(collector, read_prompts(Path(a.traffic_prompts)),
+                                          gate_steps(parent))
+    new, rs = reweight_bundle(job, traffic, Path(a.out), source=source, seed=a.seed,
+                              rank=a.rank, clip=a.clip)
+    print(f"wrote {a.out}: {len(traffic)} traffic requests; kept {int(rs.kept.sum())} of "
+          f"{rs.kept.size} calibration traces (B {rs.bound:.3g}, mean weight "
+          f"{rs.weights.mean():.3g}, n_eff {rs.n_eff:.1f}, clipped {rs.clipped}); "
+          f"n_cal={new.ltt.n_cal}")
+    for r, old in zip(new.ltt.rows, parent.ltt.rows):
+        lam, was = ("never" if x.lam is None else f"{x.lam:.4f}" for x in (r, old))
+        print(f"  delta={r.delta:<5g} lambda*={lam:<8} (was {was}) risk={r.risk:.3f} "
+              f"savings={r.savings:.3f} p={r.pvalue:.3g}")
 
 
 def cmd_audit_report(a: argparse.Namespace) -> None:
@@ -419,6 +460,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", type=json.loads, default=None,
                    help="extra vLLM LLM(...) arguments as JSON, e.g. '{\"max_model_len\": 5120}'")
     p.set_defaults(fn=cmd_gate)
+
+    p = sub.add_parser("reweight", help="recertify a job's lambda* for traffic whose gate "
+                       "features you have, without labels (covariate shift)")
+    p.add_argument("--job", required=True, help="the bundle's job directory (bundle.json and "
+                   "trajectories/ with its train and calibration splits)")
+    p.add_argument("--traffic-features", help="the traffic's gate features: a .npy array "
+                   "[N, d] (docs/CALIBRATE.md says how to get them)")
+    p.add_argument("--traffic-prompts", help="or the traffic's prompts (JSON lines), run to "
+                   "the gate's step with --model in record mode")
+    p.add_argument("--traffic-audits", help="or a server's audit directory (--orca-audit-dir): "
+                   "the audited requests' recorded step embeddings (their labels are not read)")
+    p.add_argument("--model", help="the bundle's model (with --traffic-prompts)")
+    p.add_argument("--out", required=True, help="the recertified bundle")
+    p.add_argument("--rank", type=integer(1), default=DEFAULT_RATIO_RANK,
+                   help="principal directions the density-ratio classifier reads")
+    p.add_argument("--clip", type=float, help="cap on the weights (default: the largest "
+                   "fitted weight); traces above it are clipped and the statement weakens")
+    p.add_argument("--max-tokens", type=integer(1), default=256,
+                   help="tokens per traffic prompt (with --traffic-prompts)")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--seed", type=int, default=0, help="the classifier's folds and the "
+                   "rejection sampling")
+    p.add_argument("--engine", type=json.loads, default=None,
+                   help="extra vLLM LLM(...) arguments as JSON (with --traffic-prompts)")
+    p.set_defaults(fn=cmd_reweight)
 
     p = sub.add_parser("audit-report", help="realized risk of a bundle on live audits")
     audits_args(p)

@@ -2,7 +2,7 @@
 
 A job that records k samples per prompt (`collect: {samples: k}`) and asks for it
 (`calibrate: {consensus: {...}}`) divides its calibration split's prompts in two: lambda* is
-certified on one part as before, the consensus margin t on the other (docs/METHOD.md section 13
+certified on one part as before, the consensus margin t on the other (docs/METHOD.md section 14
 says why the groups that certify t must not have chosen lambda*). The per-sample stops come from
 the server's code path (`orca_method.procedure.replay`), the rule from orca_method/consensus.py.
 """

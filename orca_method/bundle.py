@@ -268,7 +268,7 @@ class ConsensusRow(_Strict):
 
 
 class ConsensusBlock(_Strict):
-    """The consensus stop for k samples of a prompt (docs/METHOD.md section 13): optional, and
+    """The consensus stop for k samples of a prompt (docs/METHOD.md section 14): optional, and
     versioned on its own (`version`), so that a later rule can change it without touching the
     bundle's schema version; written only when present (`save_bundle`)."""
 

@@ -1,4 +1,4 @@
-"""The consensus stop for k samples of one prompt (docs/METHOD.md section 13).
+"""The consensus stop for k samples of one prompt (docs/METHOD.md section 14).
 
 Each sample stops early by ORCA (its own lambda*), or runs to its end; the group of k samples
 ends as soon as the samples already finished make the vote settled, and answers the vote of

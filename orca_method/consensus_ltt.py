@@ -1,4 +1,4 @@
-"""Learn-then-Test for the consensus margin t (docs/METHOD.md section 13), as for lambda*.
+"""Learn-then-Test for the consensus margin t (docs/METHOD.md section 14), as for lambda*.
 
 The loss of a group is 0/1: its answer is not maj@k of its samples run to their end. It needs no
 reference answer, so the live audit can check it. Fixed-sequence testing over the grid of t from
