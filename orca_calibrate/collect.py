@@ -83,6 +83,9 @@ class CollectSettings:
         if self.label_steps not in LABEL_STEPS:
             raise ValueError(f"collect.label_steps is one of {', '.join(LABEL_STEPS)}, not "
                              f"{self.label_steps!r:.40}")
+        if self.label_steps == "selective" and self.judge is not None:
+            raise ValueError("collect.label_steps selective asks no judge (its label stage "
+                             "probes without one): label every step with a judge")
 
     def probe(self) -> ProbeSettings:
         """The answer probes these settings make (orca_method/answer_probes.py)."""

@@ -362,3 +362,41 @@ def test_selective_labelling_certifies_what_every_step_labelling_does(tmp_path, 
     path.write_text(json.dumps(job))
     with pytest.raises(JobError, match="collect settings .* changed"):
         run_job(path, progress=False)
+
+
+def test_plan_scales_the_pilot_to_the_job(tmp_path, monkeypatch, capsys) -> None:
+    """`orca-calibrate plan` runs the job's collection on a random pilot of its prompts and one
+    epoch of its training, then scales per-trace figures to the whole job (the fake engine's
+    times are what it measured; the arithmetic is the plan's)."""
+    import json
+
+    import orca_calibrate.plan
+    from orca_calibrate.calibrate_cli import main
+
+    class Timed(_FakeEngine):
+        def __init__(self, model: str, settings) -> None:
+            super().__init__(model, settings)
+            self.llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(
+                get_hidden_size=lambda: 8)))
+
+        def run(self, prompts, out, progress, defer=None):
+            super().run(prompts, out, progress, defer)
+            return SimpleNamespace(generate_s=2.0 * len(prompts), probe_s=1.0 * len(prompts),
+                                   answer_probes=_FakeEngine.probes)
+
+    monkeypatch.setattr(orca_calibrate.plan, "Collector", Timed)
+    monkeypatch.setattr(_FakeEngine, "probes", 0)
+    (tmp_path / "p.jsonl").write_text("".join(
+        json.dumps({"id": f"q{i}", "prompt": "x"}) + "\n" for i in range(100)))
+    (tmp_path / "job.yaml").write_text(json.dumps({
+        "model": "m", "prompts": "p.jsonl", "out": "run", "collect": {"dtype": "float16"},
+        "split": {"fractions": [0.5, 0.25, 0.25]}, "train": {"epochs": 4}}))
+    assert main(["plan", "--config", str(tmp_path / "job.yaml"), "--pilot", "20"]) == 0
+    plan = json.loads((tmp_path / "run" / "plan" / "trajectories" / ".." / "plan.json").read_text())
+    assert plan["pilot_traces"] == 20 and plan["job_traces"] == 100
+    assert plan["train_traces"] == 50 and plan["epochs"] == 4
+    assert plan["collect_s"] == pytest.approx(plan["engine_start_s"] + 100 * 3.0)
+    assert plan["train_s"] == pytest.approx(plan["train_s_per_trace_epoch"] * 50 * 4)
+    assert plan["embeddings_bytes"] == pytest.approx(100 * plan["steps_per_trace"] * 8 * 2)
+    assert plan["probes_per_trace"] == pytest.approx(plan["steps_per_trace"])  # every step
+    assert "disk:" in capsys.readouterr().out
