@@ -78,11 +78,15 @@ class CollectSettings:
     engine: dict[str, Any] = field(default_factory=dict)  # extra vLLM LLM(...) arguments
     judge: JudgeSettings | None = None  # adds labels["judge"]
     label_steps: str = "every"  # LABEL_STEPS
+    engines: int = 1  # engine processes collecting shards at once (a job's; orca_calibrate/shards.py)
 
     def __post_init__(self) -> None:
         if self.label_steps not in LABEL_STEPS:
             raise ValueError(f"collect.label_steps is one of {', '.join(LABEL_STEPS)}, not "
                              f"{self.label_steps!r:.40}")
+        if not isinstance(self.engines, int) or self.engines < 1:
+            raise ValueError(f"collect.engines is a number of engines >= 1, not "
+                             f"{self.engines!r:.40}")
         if self.label_steps == "selective" and self.judge is not None:
             raise ValueError("collect.label_steps selective asks no judge (its label stage "
                              "probes without one): label every step with a judge")

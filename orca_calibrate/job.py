@@ -31,6 +31,7 @@ from orca_calibrate.collect import (
     trace_keys,
 )
 from orca_calibrate.judge import JudgeError, JudgeSettings
+from orca_calibrate.shards import collect_shards
 from orca_calibrate.train_defaults import DEFAULTS
 from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy
 from orca_method.trajectories import TrajectorySet, set_splits, split_ids
@@ -200,11 +201,16 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
         return job_split([key for key, _ in trace_keys(prompts, settings.samples)], sp)
 
     def collect() -> None:
-        assignment = planned_split() if selective(job) else {}
-        stats = collector().run(prompts, data, progress,
-                                defer=lambda key: assignment.get(key) == "calibration")
-        if shifted_prompts:
-            collector().run(shifted_prompts, shifted, progress)
+        later = {k for k, v in planned_split().items() if v == "calibration"} \
+            if selective(job) else set()
+        if settings.engines > 1:  # engine processes of their own, a shard each
+            sets = [(prompts, data, later)] + ([(shifted_prompts, shifted, set())]
+                                               if shifted_prompts else [])
+            stats = collect_shards(job["model"], settings, sets, out / "shards")
+        else:
+            stats = collector().run(prompts, data, progress, defer=lambda key: key in later)
+            if shifted_prompts:
+                collector().run(shifted_prompts, shifted, progress)
         (out / "collect-stats.json").write_text(json.dumps(stats.as_dict(), indent=1))
 
     def split() -> None:
