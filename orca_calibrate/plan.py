@@ -4,8 +4,9 @@ The pilot runs the job's own collection (same engine arguments, sampling, labell
 dozen of its prompts, drawn at random, into a scratch folder, and one epoch of the job's
 meta-training on what it collected. From those it measures tokens, steps and answer probes per
 trace and the engine's time per trace, and scales them to the job: collection wall time on the
-configured engine (its start included once), device-hours (wall time x the devices one engine
-spans: tensor_parallel_size x pipeline_parallel_size), training time (epochs x the training
+configured engines (one engine's start included once; `engines: N` collect at once, so the
+time per trace is divided by N), device-hours (that time x the devices of all engines: N x
+tensor_parallel_size x pipeline_parallel_size), training time (epochs x the training
 split's share of the traces), and disk for the step embeddings (steps x the model's hidden size
 x the job's embedding dtype). With `label_steps: selective` the estimate counts a probe at
 every step of the calibration split too: an upper bound (how many the label stage saves depends
@@ -46,6 +47,7 @@ class Plan:
     job_traces: int
     train_traces: int
     epochs: int
+    engines: int
     devices_per_engine: int
     device: str
     hidden_size: int
@@ -64,8 +66,8 @@ class Plan:
             f"pilot: {self.pilot_traces} traces; engine start {self.engine_start_s:.0f} s",
             f"per trace: {per}",
             f"job: {self.job_traces} traces ({self.train_traces} in the training split)",
-            f"collection: {_duration(self.collect_s)} on 1 engine x {self.devices_per_engine} "
-            f"{self.device}(s)",
+            f"collection: {_duration(self.collect_s)} on {self.engines} engine(s) x "
+            f"{self.devices_per_engine} {self.device}(s)",
             f"training: {_duration(self.train_s)} ({self.epochs} epochs)",
             f"wall time: {_duration(self.wall_s)} (collection + training; LTT and evaluation "
             "take seconds)",
@@ -130,7 +132,7 @@ def plan_job(path: Path, pilot: int = DEFAULT_PILOT, seed: int = 0,
     engine = settings.engine
     devices = int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1))
     steps = sum(p.n_steps for p in ts.problems) / n
-    collect_s = start + total * (stats.generate_s + stats.probe_s) / n
+    collect_s = start + total * (stats.generate_s + stats.probe_s) / n / settings.engines
     train_s = train_per * n_train * epochs
     out = Plan(
         pilot_traces=n, engine_start_s=start,
@@ -138,9 +140,9 @@ def plan_job(path: Path, pilot: int = DEFAULT_PILOT, seed: int = 0,
         steps_per_trace=steps, probes_per_trace=stats.answer_probes / n,
         generate_s_per_trace=stats.generate_s / n, probe_s_per_trace=stats.probe_s / n,
         train_s_per_trace_epoch=train_per, job_traces=total, train_traces=n_train,
-        epochs=epochs, devices_per_engine=devices, device=_device(), hidden_size=hidden,
+        epochs=epochs, engines=settings.engines, devices_per_engine=devices, device=_device(), hidden_size=hidden,
         dtype=settings.dtype, collect_s=collect_s, train_s=train_s,
-        wall_s=collect_s + train_s, device_hours=collect_s * devices / 3600,
+        wall_s=collect_s + train_s, device_hours=collect_s * devices * settings.engines / 3600,
         embeddings_bytes=total * steps * hidden * DTYPES[settings.dtype].itemsize)
     (scratch / "plan.json").write_text(json.dumps(asdict(out), indent=1))
     return out
