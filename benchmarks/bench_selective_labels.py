@@ -1,6 +1,11 @@
 """Selective labelling on a real job: probes per trajectory, wall time and the bundle's lambda*
 and mu* against every-step labelling, side by side (issue 36, item 4).
 
+`simulate` needs no engine: on a finished every-step job (its trajectories, probe and job
+file) it replays the label stage with the recorded answers standing in for the engine (an
+every-step record holds the answer probed at every step), writes the labels it would have kept
+into a copy of the set, calibrates both with the job's settings and compares the bundles' tables.
+
 `run` runs a job (default: the long reasoner's) on the first --n of its prompts (its shifted
 prompts dropped: they are labelled at every step either way) with `collect.label_steps` set to
 --mode, into OUT/MODE; `compare` reads both runs and says whether they collected the same
@@ -11,6 +16,7 @@ Usage (each `run` starts vLLM: under the shared lock on a shared machine):
   python benchmarks/bench_selective_labels.py run --mode every [--job J] [--n 200] [--out DIR]
   python benchmarks/bench_selective_labels.py run --mode selective [...]
   python benchmarks/bench_selective_labels.py compare [--out DIR]
+  python benchmarks/bench_selective_labels.py simulate --run runs/long [--job J] [--out DIR]
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -110,9 +117,89 @@ def compare(out: Path) -> None:
     print(json.dumps(report, indent=1))
 
 
+def simulate(run_dir: Path, job_file: Path, out: Path) -> None:
+    """The label stage on a finished every-step job, its recorded answers as the engine."""
+    from orca_calibrate.calibrate import GiveUpOptions, calibrate_bundle, deciding_points
+    from orca_calibrate.train import load_probe, train_give_up
+    from orca_method.labels import fill_pessimistic, step_labels
+    from orca_method.selective import next_round
+    from orca_method.trajectories import update_problems
+
+    job = load_job(job_file)
+    ca, tr = job.get("calibrate") or {}, job.get("train") or {}
+    every = (job.get("collect") or {}).get("label_every", 1)
+    ts = TrajectorySet.open(run_dir / "trajectories")
+    probe, meta = load_probe(run_dir / "probe.safetensors")
+    mode = meta["label_mode"]
+    give_up = None
+    if ca.get("give_up") is not None:
+        opts = GiveUpOptions(**{k: tuple(v) if k == "deltas" else v
+                                for k, v in ca["give_up"].items()})
+        give_up = (train_give_up(ts, opts.label_mode, seed=tr.get("seed", 0)), opts)
+    window = ca.get("window", 10)
+    cal = ts.split("calibration")
+    t0 = time.perf_counter()
+    deciding = deciding_points(probe, ts, cal, mode=mode, window=window, label_every=every,
+                               give_up=give_up)
+    plan_s = time.perf_counter() - t0
+    changes, probes, every_probes, rounds = {}, 0, 0, 0
+    for i in cal:
+        p = ts.problems[i]
+        targets = {"consistent": p.final_answer, "supervised": p.answer}
+        probed: dict[int, str | None] = {}
+        k = 0
+        while True:
+            labels = {m: step_labels(fill_pessimistic(probed, p.n_steps), targets[m])
+                      for m in deciding[p.id]}
+            steps = next_round(deciding[p.id], labels, probed)
+            if not steps:
+                break
+            probed.update({t: p.step_answers[t] for t in steps})
+            k += 1
+        rounds = max(rounds, k)
+        probes += len(probed)
+        every_probes += len(next(iter(deciding[p.id].values())).candidates)
+        filled = fill_pessimistic(probed, p.n_steps)
+        changes[p.id] = {"step_answers": filled,
+                         "labels": {m: step_labels(filled, t) for m, t in targets.items()
+                                    if m in p.labels},
+                         "extra": {**(p.extra or {}), "selective": {
+                             "probed": sorted(probed), "resolved": {
+                                 "stop": mode, "give_up": give_up and give_up[1].label_mode}}}}
+    copy = out / "simulated-trajectories"
+    shutil.rmtree(copy, ignore_errors=True)
+    copy.mkdir(parents=True)
+    for name in ("info.json", "problems.jsonl"):
+        shutil.copy(run_dir / "trajectories" / name, copy / name)
+    (copy / "embeddings.bin").symlink_to((run_dir / "trajectories" / "embeddings.bin").resolve())
+    update_problems(copy, changes)
+    settings = dict(mode=mode, deltas=ca.get("deltas", [0.05, 0.1, 0.15, 0.2]),
+                    epsilon=ca.get("epsilon", 0.05), window=window)
+    bundles = {
+        name: calibrate_bundle(probe, TrajectorySet.open(d), out / f"{name}.json",
+                               give_up=give_up, **settings)
+        for name, d in (("every", run_dir / "trajectories"), ("selective", copy))}
+    report = {
+        "run": str(run_dir), "n_cal_traces": len(cal), "n_cal": {
+            k: b.ltt.n_cal for k, b in bundles.items()},
+        "probes_per_trajectory": round(probes / len(cal), 2),
+        "every_step_probes_per_trajectory": round(every_probes / len(cal), 2),
+        "probe_share": round(probes / every_probes, 3), "rounds": rounds,
+        "deciding_points_s": round(plan_s, 2),
+        "ltt_equal": bundles["every"].ltt == bundles["selective"].ltt,
+        "give_up_equal": (bundles["every"].give_up is None or
+                          bundles["every"].give_up.ltt == bundles["selective"].give_up.ltt),
+        "lambda": {r.delta: r.lam for r in bundles["selective"].ltt.rows},
+        "mu": None if give_up is None else {
+            r.delta: r.mu for r in bundles["selective"].give_up.ltt.rows}}
+    (out / "simulate.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["run", "compare"])
+    ap.add_argument("what", choices=["run", "compare", "simulate"])
+    ap.add_argument("--run", help="simulate: a finished every-step job's out folder")
     ap.add_argument("--mode", choices=MODES)
     ap.add_argument("--job", default=str(ROOT / "orca_calibrate" / "jobs" / "long.yaml"))
     ap.add_argument("--n", type=int, default=200, help="prompts (the job's first n)")
@@ -122,6 +209,10 @@ def main() -> None:
         if a.mode is None:
             ap.error("run needs --mode")
         run(Path(a.job), a.n, a.mode, Path(a.out))
+    elif a.what == "simulate":
+        if a.run is None:
+            ap.error("simulate needs --run")
+        simulate(Path(a.run), Path(a.job), Path(a.out))
     else:
         compare(Path(a.out))
 
