@@ -117,9 +117,37 @@ def compare(out: Path) -> None:
     print(json.dumps(report, indent=1))
 
 
-def simulate(run_dir: Path, job_file: Path, out: Path) -> None:
+def stop_side_probes(ts: TrajectorySet, members: list[int], probe, window: int, every: int,
+                     grid: np.ndarray) -> float:
+    """Probes per trace that settle the stop side alone on `grid` (no give-up block): the
+    whole grid, or the part of it fixed-sequence testing looks at (lambda >= a floor)."""
+    from orca_method.labels import fill_pessimistic, step_labels
+    from orca_method.procedure import replay
+    from orca_method.selective import deciding_steps, next_round
+
+    runs = replay(probe, [ts.embeddings(i) for i in members], window=window)
+    total = 0
+    for (_, scores), i in zip(runs, members):
+        p = ts.problems[i]
+        modes = {"consistent": deciding_steps(scores.numpy().astype(np.float64), grid,
+                                              label_every=every)}
+        probed: dict[int, str | None] = {}
+        while steps := next_round(modes, {"consistent": step_labels(
+                fill_pessimistic(probed, p.n_steps), p.final_answer)}, probed):
+            probed.update({t: p.step_answers[t] for t in steps})
+        total += len(probed)
+    return round(total / len(members), 2)
+
+
+def simulate(run_dir: Path, job_file: Path, out: Path, floor: float | None) -> None:
     """The label stage on a finished every-step job, its recorded answers as the engine."""
-    from orca_calibrate.calibrate import GiveUpOptions, calibrate_bundle, deciding_points
+    from orca_calibrate.calibrate import (
+        GRID_SIZE,
+        GiveUpOptions,
+        calibrate_bundle,
+        deciding_points,
+    )
+    from orca_method.ltt import default_grid
     from orca_calibrate.train import load_probe, train_give_up
     from orca_method.labels import fill_pessimistic, step_labels
     from orca_method.selective import next_round
@@ -186,6 +214,13 @@ def simulate(run_dir: Path, job_file: Path, out: Path) -> None:
         "every_step_probes_per_trajectory": round(every_probes / len(cal), 2),
         "probe_share": round(probes / every_probes, 3), "rounds": rounds,
         "deciding_points_s": round(plan_s, 2),
+        "stop_side_only_probes_per_trajectory": None if mode != "consistent" else
+        stop_side_probes(ts, cal, probe, window, every, default_grid(GRID_SIZE)),
+        "lambda_floor": floor,
+        "stop_side_above_floor_probes_per_trajectory": None if floor is None or
+        mode != "consistent" else stop_side_probes(ts, cal, probe, window, every,
+                                                   default_grid(GRID_SIZE)[
+                                                       default_grid(GRID_SIZE) >= floor]),
         "ltt_equal": bundles["every"].ltt == bundles["selective"].ltt,
         "give_up_equal": (bundles["every"].give_up is None or
                           bundles["every"].give_up.ltt == bundles["selective"].give_up.ltt),
@@ -200,6 +235,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=["run", "compare", "simulate"])
     ap.add_argument("--run", help="simulate: a finished every-step job's out folder")
+    ap.add_argument("--lambda-floor", type=float, help="simulate: also the stop side's probes "
+                    "on the grid above this threshold only (e.g. the first one that fails for "
+                    "the largest delta: what fixed-sequence testing looks at; no certificate)")
     ap.add_argument("--mode", choices=MODES)
     ap.add_argument("--job", default=str(ROOT / "orca_calibrate" / "jobs" / "long.yaml"))
     ap.add_argument("--n", type=int, default=200, help="prompts (the job's first n)")
@@ -212,7 +250,7 @@ def main() -> None:
     elif a.what == "simulate":
         if a.run is None:
             ap.error("simulate needs --run")
-        simulate(Path(a.run), Path(a.job), Path(a.out))
+        simulate(Path(a.run), Path(a.job), Path(a.out), a.lambda_floor)
     else:
         compare(Path(a.out))
 
