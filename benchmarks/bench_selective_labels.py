@@ -246,7 +246,7 @@ def main() -> None:
     if a.what == "run":
         if a.mode is None:
             ap.error("run needs --mode")
-        run(Path(a.job), a.n, a.mode, Path(a.out))
+        run(Path(a.job), a.n, a.mode, Path(a.out).resolve())
     elif a.what == "simulate":
         if a.run is None:
             ap.error("simulate needs --run")
