@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from orca_calibrate.collect import Collector, CollectSettings, read_prompts
 from orca_calibrate.job import JobError, load_job, run_job
 from orca_calibrate.judge import JudgeError, JudgeSettings
+from orca_calibrate.plan import DEFAULT_PILOT
 from orca_calibrate.probe_variants import PROBES
 from orca_calibrate.synth import generate
 from orca_calibrate.train_defaults import DEFAULTS, EPOCH_SELECT
@@ -294,6 +295,14 @@ def cmd_run(a: argparse.Namespace) -> None:
     print(f"bundle: {out / 'bundle.json'}")
 
 
+def cmd_plan(a: argparse.Namespace) -> None:
+    """A pilot of the job, then its estimated cost (orca_calibrate/plan.py)."""
+    from orca_calibrate.plan import plan_job  # deferred: torch, vllm (not needed by --help)
+    plan = plan_job(Path(a.config), pilot=a.pilot, seed=a.seed,
+                    scratch=Path(a.scratch) if a.scratch else None)
+    print("\n".join(plan.lines()))
+
+
 def cmd_import_pickle(a: argparse.Namespace) -> None:
     import_pickle(a.pickle, a.out, dtype=a.dtype, pickle_labels=a.pickle_labels)
     print(f"wrote {a.out}")
@@ -524,6 +533,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "orca_calibrate/jobs/toy.yaml); paths in it are relative to its folder")
     p.set_defaults(fn=cmd_run)
 
+    p = sub.add_parser("plan", help="a short pilot of a job, then its estimated hours, wall "
+                       "time and disk")
+    p.add_argument("--config", required=True, metavar="JOB.yaml", help="the job file, as for run")
+    p.add_argument("--pilot", type=integer(1), default=DEFAULT_PILOT,
+                   help="prompts the pilot collects (drawn at random from the job's)")
+    p.add_argument("--seed", type=int, default=0, help="which prompts the pilot draws")
+    p.add_argument("--scratch", help="the pilot's folder (default: the job's out/plan; emptied "
+                   "first)")
+    p.set_defaults(fn=cmd_plan)
+
     p = sub.add_parser("import-pickle", help="convert a research-code pickle to our format")
     p.add_argument("pickle")
     p.add_argument("--out", required=True)
@@ -558,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Python's resource tracker (a process of its own, started with the interpreter's -W options)
 # warns at exit about the shared memory and semaphores of vLLM workers that vLLM force-killed
 # after its 5 s grace period (a loaded machine) and unlinks them: freed either way, but printed
-# after the job's table. `collect` and `run` close the engine first (Collector.close); this
+# after the job's table. `collect`, `run` and `plan` close the engine first (Collector.close); this
 # keeps the tracker's leftover report out of the output.
 QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
 
@@ -569,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     except OptionError as e:
         print(f"{e.prog}: error: {e}", file=sys.stderr)  # as the stages' errors below
         return 2
-    if args.cmd in ("collect", "run") and QUIET_TRACKER not in sys.warnoptions:
+    if args.cmd in ("collect", "run", "plan") and QUIET_TRACKER not in sys.warnoptions:
         sys.warnoptions.append(QUIET_TRACKER)  # before vLLM starts the tracker
     from orca_method.bundle import BundleError  # deferred: torch (not needed by --help)
     try:
