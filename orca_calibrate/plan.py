@@ -83,9 +83,9 @@ def _duration(s: float) -> str:
 
 
 def _device() -> str:
-    from vllm.platforms import current_platform  # deferred: vllm
+    from orca_serve.vllm_compat.launch import is_cpu_platform  # deferred: vllm
 
-    return "CPU" if current_platform.is_cpu() else "GPU"
+    return "CPU" if is_cpu_platform() else "GPU"
 
 
 def plan_job(path: Path, pilot: int = DEFAULT_PILOT, seed: int = 0,

@@ -45,10 +45,10 @@ def device_env(shard: int, engines: int, settings: CollectSettings,
     """The environment that gives shard `shard` its own devices: a slice of the visible GPUs
     (`CUDA_VISIBLE_DEVICES`) or, on the CPU build, of the cores vLLM binds its threads to
     (`VLLM_CPU_OMP_THREADS_BIND`). Refuses more engines than devices."""
-    from vllm.platforms import current_platform  # deferred: vllm
+    from orca_serve.vllm_compat.launch import is_cpu_platform  # deferred: vllm
 
     env = dict(os.environ if environ is None else environ)
-    if current_platform.is_cpu():
+    if is_cpu_platform():
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) < engines:
             raise ValueError(f"collect.engines {engines} on {len(cores)} cores: one engine "
