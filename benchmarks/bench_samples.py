@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from orca_calibrate.collect import Collector, CollectSettings, read_prompts
 from orca_calibrate.consensus import replayed, sample_groups, stopped_groups
+from orca_calibrate.evaluate import interval95 as clopper_pearson
 from orca_calibrate.job import load_job
 from orca_demo.long import tasks as long_tasks
 from orca_demo.toy import tasks as toy_tasks
@@ -159,13 +160,6 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     p = k / n
     mid, half = (p + z * z / (2 * n)), z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     return (float((mid - half) / (1 + z * z / n)), float((mid + half) / (1 + z * z / n)))
-
-
-def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
-    a = (1 - level) / 2
-    lo = 0.0 if k == 0 else float(beta_dist.ppf(a, k, n - k + 1))
-    hi = 1.0 if k == n else float(beta_dist.ppf(1 - a, k + 1, n - k))
-    return lo, hi
 
 
 def traces(ts: TrajectorySet, groups: list[list[int]]) -> list[list[Trace]]:
