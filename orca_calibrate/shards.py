@@ -111,8 +111,16 @@ def write_spec(model: str, settings: CollectSettings,
             and not {k for k, _ in trace_keys([p], settings.samples)} <= done]})
     (work / f"shard-{shard}.stats.json").unlink(missing_ok=True)
     path = work / f"shard-{shard}.json"
-    path.write_text(json.dumps(spec))
+    _write(path, json.dumps(spec))
     return path
+
+
+def _write(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: the other workers of a cluster read the shards' files
+    while one is written."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def started(work: Path) -> dict[int, dict]:
@@ -146,7 +154,7 @@ def run_shard(spec_file: Path) -> Stats:
                 collector.run(s["prompts"], Path(s["out"]), progress=False,
                               defer=lambda key, defer=defer: key in defer)
         stats = collector.stats
-    spec_file.with_name(spec_file.stem + ".stats.json").write_text(json.dumps(stats.as_dict()))
+    _write(spec_file.with_name(spec_file.stem + ".stats.json"), json.dumps(stats.as_dict()))
     return stats
 
 
