@@ -134,6 +134,7 @@ def started(work: Path) -> dict[int, dict]:
 
 
 def _same_collection(old: dict, new: dict, where: Path) -> None:
+    """Refuse a shard `where` started with another model or settings than `new`'s."""
     if (old["model"], old["settings"]) != (new["model"], new["settings"]):
         raise ShardError(f"{where} was started with another model or other collection settings "
                          "(collect.engines included): finish it with those, or delete "
