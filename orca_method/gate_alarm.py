@@ -67,10 +67,12 @@ def flag_rate_bound(n: int, alpha: float, eps: float) -> float:
 
 
 class _ChangePointWealth:
-    """Wealth of the bets `fractions` on x - target (sign +1: x above the target; -1: below),
-    mixed over start requests k with weights 1 / (k (k + 1)): the mixture's wealth is
-    sum_k w_k prod_{s >= k} factor_s (1 for a start not reached yet), kept per bet as
-    running[j] = sum_{k <= t} w_k prod_{k <= s <= t} factor_s."""
+    """Wealth of the bets BETS on x - target (sign +1: that x runs above the target; -1:
+    below), mixed equally over the bets and over start requests k with weights
+    w_k = 1 / (k (k + 1)): sum_k w_k prod_{k <= s <= t} factor_s, a start not reached yet
+    holding its stake w_k. Kept per bet as running[j] = sum_{k <= t} w_k prod_{k <= s <= t}
+    factor_s, so one request costs O(len(BETS)). Under the null every product is a
+    nonnegative supermartingale, so their mixture (weights summing to 1) is one from 1."""
 
     def __init__(self, target: float, sign: int) -> None:
         self.target, self.sign = target, sign
