@@ -63,15 +63,16 @@ def _metric(server: Server, prefix: str) -> float:
 
 def test_after_the_alarm_an_unflagged_request_is_served_the_safe_way(toy, tmp_path) -> None:
     # shifted traffic, one request at a time: the gate flags them, the alarm is raised
-    sent = 0
+    sent = flagged = 0
     for p in _prompts(tmp_path, "shifted", 12):
         o = _ask(toy, p)
         sent += 1
         if o.get("shift_alarm"):
             break
-        assert o["shift"]["flagged"], o  # the gate flags ~100% of these
-    assert o.get("shift_alarm") is True, f"no alarm after {sent} shifted requests"
-    assert sent <= 8
+        flagged += o["shift"]["flagged"]
+    assert o.get("shift_alarm") is True, f"no alarm after {sent} shifted requests ({flagged} " \
+                                          "flagged)"
+    assert sent <= 8  # 4 flags in a row raise it at the toy's n; one more: the feed's lag
     assert _metric(toy, "orca_shift_alarm{") == 1.0
     assert _metric(toy, 'orca_shift_alarm_changes_total{change="raised"') == 1.0
     # in-distribution traffic: the first request the gate alone passes is served as a flagged
