@@ -510,7 +510,8 @@ def table(summary: Mapping[str, Any]) -> str:
                 f"| {f['accuracy']:.3f} ({f['probe_accuracy']:.3f}) "
                 f"| {versus_cell(f.get('versus_budget'))} | {risk_cell(f['stop_error'])} "
                 f"| {risk_cell(f['give_up_error']) if two else ''} | {f['flagged']:.3f} "
-                f"| {f.get('alarm', math.nan):.3f} | {f['gave_up']:.3f} | {f['audited']:.3f} | {f['bad_served']} |")
+                f"| {f.get('alarm', math.nan):.3f} | {f['gave_up']:.3f} | {f['audited']:.3f} "
+                f"| {f['bad_served']} |")
     reactions = [f"- {e['config']} / {e['arm']}: {e['bad_served']} requests served a bad "
                  f"lambda; first gate flag at request {e['first_reaction']['gate']} of the shift, "
                  f"first served by the gate alarm at {e['first_reaction'].get('alarm')}, "

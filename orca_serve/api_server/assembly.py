@@ -1,6 +1,6 @@
 """orca-serve's parts of one API server process, assembled once (`build_server`): the bundle,
-the request defaults, the metrics, the live audit, the gate alarm and the reloader, around one `Serving` that
-only a hot reload swaps (`orca_serve.api_server.state`)."""
+the request defaults, the metrics, the live audit, the gate alarm and the reloader, around one
+`Serving` that only a hot reload swaps (`orca_serve.api_server.state`)."""
 
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ STATS_TIMEOUT_S = 5.0
 @dataclass(frozen=True)
 class Serving:
     """What a request is resolved with: the bundle, the defaults, the live audit and the gate
-    alarm that go together. A request reads one `Serving` from start to end, so a reload that swaps it in
-    between never mixes two bundles in one request."""
+    alarm that go together. A request reads one `Serving` from start to end, so a reload that
+    swaps it in between never mixes two bundles in one request."""
 
     bundle: Bundle | None
     bundle_path: str | None
