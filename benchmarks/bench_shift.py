@@ -15,6 +15,10 @@ OpenAI client, sampled at the calibration's temperature:
 The live audit is a server option, so it is a run of its own: `--audit-rate R` serves with
 `--orca-audit-rate R --orca-on-alarm fallback` (an alarm at a delta stops early there no more),
 and `--shift-action off` turns the gate off for the whole server (`--orca-shift-action off`).
+The gate alarm (docs/SERVER.md, "The gate alarm") is on by default, as the server's; `--gate-alarm
+0` serves without it (`--orca-gate-alarm 0`). Its state is the server's, so with it on every arm
+the gate runs for (gated, two-sided) gets a server of its own, started afresh: an arm never
+inherits the alarm the arm before it raised.
 Each run writes OUT/REASONER/CONFIG.json; `--report` reads them all and prints the tables of
 benchmarks/RESULTS.md ("The mixed stream") and draws benchmarks/shift-REASONER.png.
 
@@ -28,14 +32,16 @@ not audited, a finite lambda) and that lambda's realized stop error on the reque
 it was served to in this arm is above delta. Served after a reaction (the gate flagged it, the
 audit's alarm turned its delta to the fallback), a request runs no such lambda, so the count is
 the requests served a bad lambda before anything reacted to them; each arm also says where in
-the stream the first reaction came (the first flagged request and the first request served the
-fallback, counted from the first request of the shift).
+the stream the first reaction came (the first flagged request, the first served as a flagged one
+by the gate alarm and the first served the fallback, counted from the first request of the
+shift).
 
 Usage (one server configuration per run; runs on the same stream add their arms to its file):
   python benchmarks/bench_shift.py --reasoner toy --n 100 \\
       --arms full budget gated ungated two-sided two-sided-ungated
   python benchmarks/bench_shift.py --reasoner toy --n 100 --arms gated --deltas 0.1 \\
       --audit-rate 0.2
+  python benchmarks/bench_shift.py --reasoner toy --n 100 --arms gated --gate-alarm 0
   python benchmarks/bench_shift.py --reasoner toy --report
 """
 
@@ -131,6 +137,22 @@ def arm_names(kinds: Sequence[str], deltas: Sequence[float], budgets: Sequence[i
     return out
 
 
+def arm_batches(arms: Sequence[str], fresh: bool) -> list[list[str]]:
+    """The arms in the order they are sent, in batches that each get a server of their own:
+    with `fresh` (the gate alarm on), at most one arm the gate runs for per batch, so that no
+    such arm starts with the alarm another arm raised; other arms (ORCA off, ungated) neither
+    feed nor read the alarm and join the batch before them."""
+    def alarmed(arm: str) -> bool:
+        return arm.partition("@")[0] in ("gated", "two-sided")
+
+    out: list[list[str]] = []
+    for arm in arms:
+        if not out or (fresh and alarmed(arm) and any(map(alarmed, out[-1]))):
+            out.append([])
+        out[-1].append(arm)
+    return out
+
+
 def acting(orca: Mapping[str, Any]) -> bool:
     """Whether a response ran with a lambda that could stop it: ORCA on, not audited (shadow),
     not flagged by the gate, and a finite lambda (null: never stops, the fallback's)."""
@@ -158,13 +180,15 @@ def mark_bad(records: list[dict], delta: float) -> None:
 def first_reactions(records: Sequence[dict], shift_start: int) -> dict[str, int | None]:
     """Where the first reactions came, in requests from the first request of the shift (its
     place `shift_start` in the stream; 0: that first request): the first request the gate
-    flagged, and the first served the audit's fallback; None when there was none."""
+    flagged, the first the gate alarm served as a flagged one, and the first served the audit's
+    fallback; None when there was none."""
     def first(pred: Any) -> int | None:
         hits = [r["i"] - shift_start for r in records if r["i"] >= shift_start and pred(r)]
         return min(hits) if hits else None
 
-    return {"gate": first(lambda r: r["flagged"]),
-            "audit": first(lambda r: r["lambda_source"] == Source.FALLBACK)}
+    return {"gate": first(lambda r: r["flagged"]), "alarm": first(lambda r: r.get("alarm")),
+            "audit": first(lambda r: r["lambda_source"] == Source.FALLBACK
+                           and not r.get("alarm"))}
 
 
 def share(records: Sequence[dict], key: str) -> float:
@@ -182,6 +206,7 @@ def segment_figures(records: Sequence[dict]) -> dict[str, Any]:
         out.update(stop_error=realized([r["loss"] for r in records]),
                    give_up_error=realized([r["give_up_loss"] for r in records]),
                    flagged=share(records, "flagged"), audited=share(records, "audited"),
+                   alarm=share(records, "alarm") if "alarm" in records[0] else math.nan,
                    gave_up=share(records, "gave_up"), acting=share(records, "acting"),
                    probe_accuracy=share(records, "probe_right"),
                    bad_served=sum(r["bad"] for r in records))
@@ -256,6 +281,7 @@ def record(resp: dict, prompt: dict, orca_arm: bool, excluded_never_correct: boo
          "correct": bool(resp["correct"]), "orca": orca_arm}
     if orca_arm:
         r.update({"flagged": bool((o.get("shift") or {}).get("flagged")),
+                  "alarm": bool(o.get("shift_alarm")),
                   "audited": bool(o.get("audited")), "acting": acting(o),
                   "lambda": o.get("lambda"), "lambda_source": o.get("lambda_source"),
                   "gave_up": o.get("ended") == Ended.GAVE_UP,
@@ -270,17 +296,17 @@ def record(resp: dict, prompt: dict, orca_arm: bool, excluded_never_correct: boo
 
 async def run_stream(url: str, work: Workload, stream: list[dict], arms: list[str],
                      reasoner: Reasoner, a: argparse.Namespace,
-                     save: Callable[[dict[str, Any]], None]) -> None:
+                     save: Callable[[dict[str, Any]], None], started: float) -> None:
     """Every arm over the whole stream in order, then the labelling of the ORCA arms; per arm
     its records, and the server's audit table at its end (when auditing), handed to `save`
-    arm by arm (a run cut short keeps the arms it finished)."""
+    arm by arm (a run cut short keeps the arms it finished); no arm starts past `--deadline-s`
+    after `started` (time.monotonic)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=3600, max_retries=3)
     model = (await client.models.list()).data[0].id
     by_id = {p["id"]: p for p in stream}
     bundle = work.bundle
-    started = time.monotonic()
     for arm in arms:
         if time.monotonic() - started > a.deadline_s:
             print(f"  past --deadline-s {a.deadline_s:.0f}: not starting {arm}", file=sys.stderr,
@@ -330,15 +356,17 @@ def write_stream(out: Path, reasoner: Reasoner, sizes: dict[str, int], n_mix: in
 
 
 def config_name(a: argparse.Namespace) -> str:
-    """The run's server configuration, its file's name: plain, audit-R, and -gate-off."""
+    """The run's server configuration, its file's name: plain, audit-R, and -gate-off or
+    -no-alarm."""
     name = f"audit-{a.audit_rate:g}" if a.audit_rate > 0 else "plain"
-    return name + ("-gate-off" if a.shift_action == "off" else "")
+    return (name + ("-gate-off" if a.shift_action == "off" else "")
+            + ("-no-alarm" if a.gate_alarm == 0 else ""))
 
 
 def server_options(a: argparse.Namespace, out: Path) -> list[str]:
     """The run's orca-serve options: eager (a start in well under a minute, as the demo and the
     served tests start; the long reasoner's compile takes many minutes on this machine), then
-    the live audit and the shift action of its configuration."""
+    the live audit, the shift action and the gate alarm of its configuration."""
     opts = ["--enforce-eager"]
     if a.audit_rate > 0:
         audits = out / f"audits-{config_name(a)}"
@@ -351,6 +379,8 @@ def server_options(a: argparse.Namespace, out: Path) -> list[str]:
                  "--orca-on-alarm", "fallback"]
     if a.shift_action:
         opts += ["--orca-shift-action", a.shift_action]
+    if a.gate_alarm is not None:
+        opts += ["--orca-gate-alarm", str(a.gate_alarm)]
     return opts
 
 
@@ -386,16 +416,22 @@ def live(a: argparse.Namespace) -> None:
                                loadavg=os.getloadavg())
         path.write_text(json.dumps(res, indent=1))
 
-    t0 = time.time()
-    srv = serve(reasoner, None, out / f"{config}-serve.log", options)
-    try:
-        srv.wait(SERVER_START_S)
-        res["runs"][-1]["server_start_s"] = time.time() - t0
-        print(f"{a.reasoner} / {config}: server up in {time.time() - t0:.0f} s", file=sys.stderr,
-              flush=True)
-        asyncio.run(run_stream(srv.url, work, stream, arms, reasoner, a, save))
-    finally:
-        srv.stop()
+    started = time.monotonic()
+    for k, batch in enumerate(arm_batches(arms, fresh=a.gate_alarm != 0)):
+        if time.monotonic() - started > a.deadline_s:
+            print(f"  past --deadline-s {a.deadline_s:.0f}: not starting {batch}",
+                  file=sys.stderr, flush=True)
+            break
+        t0 = time.time()
+        srv = serve(reasoner, None, out / f"{config}-serve-{k}.log", options)
+        try:
+            srv.wait(SERVER_START_S)
+            res["runs"][-1].setdefault("server_start_s", []).append(time.time() - t0)
+            print(f"{a.reasoner} / {config}: server up in {time.time() - t0:.0f} s for {batch}",
+                  file=sys.stderr, flush=True)
+            asyncio.run(run_stream(srv.url, work, stream, batch, reasoner, a, save, started))
+        finally:
+            srv.stop()
     print(f"wrote {path}", file=sys.stderr)
 
 
@@ -461,12 +497,12 @@ def table(summary: Mapping[str, Any]) -> str:
     """The markdown table of RESULTS.md: one row per run, arm and segment."""
     lines = ["| run | arm | segment | n | tokens | accuracy (probe at stop) | budget at these "
              "tokens; gap (95%) | stop error (k/n; 95%) | give-up error (k/n; 95%) | flagged "
-             "| gave up | audited | served a bad lambda |", "|---" * 13 + "|"]
+             "| alarm-served | gave up | audited | served a bad lambda |", "|---" * 14 + "|"]
     for entry in summary["arms"].values():
         for seg, f in entry["segments"].items():
             if entry["delta"] is None:
                 lines.append(f"| {entry['config']} | {entry['arm']} | {seg} | {f['n']} "
-                             f"| {f['tokens']:.0f} | {f['accuracy']:.3f} | | | | | | | |")
+                             f"| {f['tokens']:.0f} | {f['accuracy']:.3f} | | | | | | | | |")
                 continue
             two = entry["arm"].startswith("two-sided")
             lines.append(
@@ -474,9 +510,11 @@ def table(summary: Mapping[str, Any]) -> str:
                 f"| {f['accuracy']:.3f} ({f['probe_accuracy']:.3f}) "
                 f"| {versus_cell(f.get('versus_budget'))} | {risk_cell(f['stop_error'])} "
                 f"| {risk_cell(f['give_up_error']) if two else ''} | {f['flagged']:.3f} "
-                f"| {f['gave_up']:.3f} | {f['audited']:.3f} | {f['bad_served']} |")
+                f"| {f.get('alarm', math.nan):.3f} | {f['gave_up']:.3f} | {f['audited']:.3f} "
+                f"| {f['bad_served']} |")
     reactions = [f"- {e['config']} / {e['arm']}: {e['bad_served']} requests served a bad "
                  f"lambda; first gate flag at request {e['first_reaction']['gate']} of the shift, "
+                 f"first served by the gate alarm at {e['first_reaction'].get('alarm')}, "
                  f"first fallback at {e['first_reaction']['audit']}"
                  + (f"; audit: {e['audit']['labelled']} of {e['audit']['picked']} labelled, "
                     + ", ".join(f"delta {r['delta']:g} alarm {r['alarm']} (n {r['n']}, lower "
@@ -595,6 +633,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="serve with the live audit at this rate, on-alarm fallback (0: off)")
     ap.add_argument("--shift-action", choices=["off"], default=None,
                     help="off: serve with --orca-shift-action off (no gate for any request)")
+    ap.add_argument("--gate-alarm", type=float, default=None, metavar="LEVEL",
+                    help="serve with --orca-gate-alarm LEVEL (0: no gate alarm; default: the "
+                    "server's, on)")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--deadline-s", type=float, default=1080,
                     help="start no arm after this many seconds of serving (the shared machine's "

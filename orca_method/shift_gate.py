@@ -85,11 +85,18 @@ def fit_gate(fit: np.ndarray, cal: np.ndarray, rank: int = DEFAULT_GATE_RANK
     return tensors, sorted(float(s) for s in scores)
 
 
+def flag_count(n: int, alpha: float) -> int:
+    """m = floor(alpha (n + 1)): a request is flagged at level alpha when at most m - 1 of the n
+    calibration scores are >= its own (p <= alpha), i.e. when it exceeds the (n + 1 - m)-th
+    smallest. One definition, shared by the threshold and the gate alarm's reading of p."""
+    return math.floor(alpha * (n + 1))
+
+
 def threshold(scores: Sequence[float], alpha: float) -> float:
     """The score above which a request is flagged at level alpha (module docstring); inf when
     no request can be (alpha below 1 / (n + 1), or alpha = 0: the gate off)."""
     n = len(scores)
-    k = n + 1 - math.floor(alpha * (n + 1))
+    k = n + 1 - flag_count(n, alpha)
     if k < 1:  # alpha = 1: every request
         return -math.inf
     return math.inf if k > n else float(scores[k - 1])

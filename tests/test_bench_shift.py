@@ -14,6 +14,7 @@ from bench_shift import (  # noqa: E402
     MIXTURE,
     acting,
     against_budget,
+    arm_batches,
     arm_body,
     build_stream,
     done_means,
@@ -77,11 +78,12 @@ def test_a_request_acts_only_with_a_lambda_that_could_stop_it(orca: dict, acts: 
 
 def rec(i: int, family: str, loss: int | None, *, flagged: bool = False, lam: float | None = 0.4,
         source: str = "bundle", give_up_loss: int = 0, correct: bool = True,
-        segment: str | None = None) -> dict:
+        segment: str | None = None, alarm: bool = False) -> dict:
     orca = {"enabled": True, "lambda": lam, "lambda_source": source,
-            "shift": {"flagged": flagged}}
+            "shift": {"flagged": flagged}, **({"shift_alarm": True} if alarm else {})}
     return {"i": i, "id": f"{family}-{i}", "segment": segment or family, "family": family,
             "tokens": 100 + i, "correct": correct, "orca": True, "flagged": flagged,
+            "alarm": alarm,
             "audited": False, "acting": acting(orca), "lambda": lam, "lambda_source": source,
             "gave_up": bool(give_up_loss), "stopped_early": True, "loss": loss,
             "give_up_loss": give_up_loss, "probe_right": correct}
@@ -105,8 +107,24 @@ def test_a_lambda_is_bad_for_a_family_when_its_error_there_is_above_delta() -> N
     err = segs["shifted"]["stop_error"]
     assert (err["k"], err["n"]) == (7, 12) and err["ci95"][0] < 7 / 12 < err["ci95"][1]
     assert segs["shifted"]["flagged"] == pytest.approx(4 / 13)
-    assert first_reactions(recs, shift_start=10) == {"gate": 6, "audit": 10}
-    assert first_reactions(recs[:16], shift_start=10) == {"gate": None, "audit": None}
+    assert first_reactions(recs, shift_start=10) == {"gate": 6, "alarm": None, "audit": 10}
+    assert first_reactions(recs[:16], shift_start=10) == {"gate": None, "alarm": None,
+                                                          "audit": None}
+    # served as a flagged one by the gate alarm: full reasoning (lambda null, source fallback),
+    # a reaction of the alarm's, not the audit's; no bad lambda whatever its loss
+    alarmed = recs + [rec(23, "shifted", 1, lam=None, source="fallback", alarm=True)]
+    mark_bad(alarmed, delta=0.2)
+    assert not alarmed[-1]["acting"] and not alarmed[-1]["bad"]
+    assert first_reactions(alarmed, shift_start=10) == {"gate": 6, "alarm": 13, "audit": 10}
+    assert by_segment(alarmed)["shifted"]["alarm"] == pytest.approx(1 / 14)
+
+
+def test_with_the_gate_alarm_every_gated_arm_gets_a_fresh_server() -> None:
+    arms = ["full", "budget@48", "gated@0.1", "gated@0.2", "ungated@0.1", "two-sided@0.1"]
+    assert arm_batches(arms, fresh=True) == [["full", "budget@48", "gated@0.1"], ["gated@0.2",
+                                             "ungated@0.1"], ["two-sided@0.1"]]
+    assert arm_batches(arms, fresh=False) == [arms]
+    assert arm_batches(["gated@0.1"], fresh=True) == [["gated@0.1"]]
 
 
 def test_a_point_against_the_budget_at_matched_tokens() -> None:
@@ -159,7 +177,8 @@ def test_a_labelled_response_becomes_a_record_and_the_report_reads_it() -> None:
                                "gated@0.1": {"records": [r], "wall_s": 1.0}}}}
     s = summarize(runs)
     g = s["arms"]["plain/gated@0.1"]
-    assert g["bad_served"] == 1 and g["first_reaction"] == {"gate": None, "audit": None}
+    assert g["bad_served"] == 1
+    assert g["first_reaction"] == {"gate": None, "alarm": None, "audit": None}
     assert g["segments"]["shifted"]["versus_budget"]["budget_accuracy"] == 1.0
     assert "| plain | gated@0.1 | shifted | 1 | 40 | 0.000 (0.000) |" in table(s)
     # one counted stop error of 1 at delta 0.1: over delta, no two-sided arm beside it

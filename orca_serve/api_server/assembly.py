@@ -1,6 +1,6 @@
 """orca-serve's parts of one API server process, assembled once (`build_server`): the bundle,
-the request defaults, the metrics, the live audit and the reloader, around one `Serving` that
-only a hot reload swaps (`orca_serve.api_server.state`)."""
+the request defaults, the metrics, the live audit, the gate alarm and the reloader, around one
+`Serving` that only a hot reload swaps (`orca_serve.api_server.state`)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,15 @@ from typing import Any
 
 from orca_method.bundle import Bundle, load_bundle
 from orca_method.bundle_checks import check_semantics
+from orca_method.gate_alarm import DEFAULT_ALARM_LEVEL
 from orca_method.outcomes import GiveUpPolicy
-from orca_serve.settings.contract import DEFAULTS, Policy
+from orca_serve.settings.contract import DEFAULTS, Policy, ShiftAction
 from orca_serve.settings.effort import DEFAULT_EFFORT_MAP
 from orca_serve.live_audit.collector import AuditCollector
 from orca_serve.live_audit.factory import make_live_audit
 from orca_serve.live_audit.options import AuditConfig
 from orca_serve.metrics.prometheus import OrcaMetrics
+from orca_serve.api_server.gate_alarm import alarm_feed
 from orca_serve.api_server.reload import Reloader
 from orca_serve.settings.resolve import OrcaDefaults
 from orca_serve.api_server.state import EngineLink, Serving, ServingRef
@@ -55,7 +57,11 @@ def orca_defaults(args: Any, bundle: Bundle | None) -> OrcaDefaults:
         effort_map=dict(DEFAULT_EFFORT_MAP if table is None else table),
         give_up_delta=getattr(args, "orca_give_up_delta", None),
         give_up_policy=GiveUpPolicy(getattr(args, "orca_give_up_policy", None)
-                                    or DEFAULTS.give_up_policy))
+                                    or DEFAULTS.give_up_policy),
+        shift_alpha=getattr(args, "orca_shift_alpha", None),
+        shift_action=ShiftAction(getattr(args, "orca_shift_action", None)
+                                 or DEFAULTS.shift_action),
+        gate_alarm=getattr(args, "orca_gate_alarm", DEFAULT_ALARM_LEVEL))
 
 
 def served_model_name(args: Any) -> str:
@@ -84,7 +90,9 @@ def build_server(args: Any, bundle: Bundle | None = None, *,
     engine = EngineLink()
     audit = (None if audit_config is None
              else make_live_audit(bundle, audit_config(bundle), engine.client))
-    serving = ServingRef(Serving(bundle, path, orca_defaults(args, bundle), audit))
+    defaults = orca_defaults(args, bundle)
+    serving = ServingRef(Serving(bundle, path, defaults, audit,
+                                 alarm_feed(bundle, defaults, metrics)))
     if audit is not None:  # the metrics of whichever audit serves (a reload swaps it)
         metrics.registry.register(AuditCollector(lambda: serving.now.audit, metrics.model_name))
     key_env = getattr(args, "orca_admin_key_env", None)

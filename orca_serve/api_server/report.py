@@ -130,6 +130,8 @@ def orca_object(settings: OrcaSettings,
         obj["thinking_token_budget"] = settings.thinking_budget
     if settings.audited:
         obj["audited"] = True
+    if settings.shift_alarm:  # served as a flagged request: the gate alarm was raised
+        obj["shift_alarm"] = True
     if settings.answer_budget is not None:
         obj["answer_budget"] = settings.answer_budget
     if settings.n <= 1:

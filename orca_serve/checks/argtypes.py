@@ -64,6 +64,17 @@ def fraction(*, open_interval: bool) -> Callable[[str], float]:
     return convert
 
 
+def level(s: str) -> float:
+    """A probability level in [0, 1) (0: off)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {shown(s)}") from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1) (0: off), got {v}")
+    return v
+
+
 def effort_map(s: str) -> dict[str, str | float]:
     """`--orca-effort-map`: LEVEL=TARGET,... over the default table (`orca_serve.settings.effort`)."""
     try:

@@ -20,8 +20,7 @@ from orca_method.bundle import BundleError, Segmentation, ThinkTags, check_model
 from orca_method.procedure import ProbeBank
 from orca_method.shift_gate import ShiftGate
 from orca_method.steps import TokenTable
-from orca_method.thresholds import NEVER, lam_from_json
-from orca_serve.settings.contract import ShiftAction
+from orca_serve.settings.contract import ShiftAction, safe_lam
 from orca_serve.settings.engine_config import EngineConfig
 
 log = logging.getLogger("orca_serve.core")
@@ -94,14 +93,6 @@ class Deployment:
         b = self.bundle
         return {"bundle": self.path, "checksum": None if b is None else b.checksum,
                 "default_delta": self.default_delta, "normalization": self.normalization}
-
-
-def safe_lam(bundle: Any, action: ShiftAction) -> float:
-    """The threshold a request the gate flags runs with: never stop (FULL), or the bundle's
-    most conservative lambda* (STRICT: the largest)."""
-    if action != ShiftAction.STRICT:
-        return NEVER
-    return max(lam_from_json(r.lam) for r in bundle.ltt.rows)
 
 
 class Deployments:

@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import Any
 
 from orca_method.outcomes import Ended, GiveUpPolicy
-from orca_method.thresholds import lam_from_json, lam_to_json
+from orca_method.thresholds import NEVER, lam_from_json, lam_to_json
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,15 @@ class ShiftAction(StrEnum):
 
 
 SHIFT_ACTIONS: tuple[str, ...] = tuple(str(a) for a in ShiftAction)  # what argparse lists
+
+
+def safe_lam(bundle: Any, action: ShiftAction) -> float:
+    """The threshold a request the gate flags runs with (the engine's, `core.deployment`), and
+    one the gate alarm serves (the server's, `settings.resolve`): never stop (FULL), or the
+    bundle's most conservative lambda* (STRICT: the largest)."""
+    if action != ShiftAction.STRICT:
+        return NEVER
+    return max(lam_from_json(r.lam) for r in bundle.ltt.rows)
 
 DEFAULT_ANSWER_BUDGET = 64
 # the largest answer budget a request may ask for: far above any context length, and inside the

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orca_method.errors import first_line
+from orca_method.gate_alarm import DEFAULT_ALARM_LEVEL
 from orca_method.outcomes import GIVE_UP_POLICIES
-from orca_serve.checks.argtypes import OneLineParser, OptionError, effort_map, fraction, integer
+from orca_serve.checks.argtypes import (OneLineParser, OptionError, effort_map, fraction, integer,
+                                       level)
 from orca_serve.settings.contract import (
     DEFAULTS,
     GIVE_UP_MESSAGE,
@@ -87,6 +89,13 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="What a request the shift gate flags gets: full (full reasoning, never "
                    "gives up), strict (the bundle's most conservative lambda*, never gives up), "
                    "or off (no gate).")
+    g.add_argument("--orca-gate-alarm", type=level, default=DEFAULT_ALARM_LEVEL,
+                   metavar="LEVEL",
+                   help="The gate alarm: a sequential test on the shift gate's flags that, once "
+                   "the flag rate is clearly above what traffic like the calibration set allows, "
+                   "serves every request as a flagged one until the rate is back down. LEVEL: "
+                   "its chance of ever being raised on such traffic (0: no alarm). Only for "
+                   "bundles with a shift_gate block, with the gate on.")
     g.add_argument("--orca-effort-map", type=effort_map, default=None, metavar="LEVEL=TARGET,...",
                    help="How a request's reasoning effort (chat reasoning_effort, Responses "
                    "reasoning.effort, Messages output_config.effort) chooses its delta, when the "

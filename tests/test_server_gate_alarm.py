@@ -1,0 +1,88 @@
+"""The gate alarm on a real orca-serve: the embedded toy reasoner with its shipped bundle (what
+`orca-serve --demo` serves), real vLLM, real HTTP. The bundle's gate flags about all of the
+toy's shifted prompts and about alpha of its in-distribution ones, so a run of shifted requests
+raises the alarm within a handful, and then an in-distribution request the gate alone passes is
+served as a flagged one (full reasoning, the server's default shift action) and says so."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from orca_demo.toy import tasks as toy_tasks
+from orca_demo.toy.demo_bundle import demo_folder
+from orca_method.bundle import load_bundle
+from tests.serving import Server, orca_of, orca_serve_cmd
+
+pytestmark = pytest.mark.vllm
+
+TOY = demo_folder("toy")
+MAX_TOKENS = 400  # the toy's traces end well within it (bench_frontier's)
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory) -> Iterator[Server]:
+    d = tmp_path_factory.mktemp("toy_alarm")
+    server = Server(orca_serve_cmd("--model", str(TOY / "model"), "--calib",
+                                   str(TOY / "bundle.json")), d / "orca.log",
+                    ["--host", "127.0.0.1", "--enforce-eager", "--seed", "0",
+                     "--reasoning-parser", "deepseek_r1", "--disable-uvicorn-access-log",
+                     "--served-model-name", load_bundle(TOY / "bundle.json").model.name,
+                     "--max-model-len", str(MAX_TOKENS + 120)])
+    try:
+        yield server.wait()
+    finally:
+        server.stop()
+
+
+def _prompts(tmp: Path, family: str, n: int) -> list[dict]:
+    path = tmp / f"{family}.jsonl"
+    toy_tasks.write_prompts(path, family, n, seed=7)
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def _ask(server: Server, prompt: dict) -> dict:
+    """One greedy request at delta 0.2 (the toy bundle's lambda* there stops most in-distribution
+    traces early: a request that reasons in full was served the safe way)."""
+    r = server.client(timeout=300).chat.completions.create(
+        model=load_bundle(TOY / "bundle.json").model.name, messages=prompt["messages"],
+        temperature=0, max_tokens=MAX_TOKENS, extra_body={"orca": {"delta": 0.2}})
+    return orca_of(r)
+
+
+def _metric(server: Server, prefix: str) -> float:
+    """The value of the first sample whose line starts with `prefix` (name and labels)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return float(next(ln for ln in text.splitlines() if ln.startswith(prefix))
+                 .rsplit(" ", 1)[1])
+
+
+def test_after_the_alarm_an_unflagged_request_is_served_the_safe_way(toy, tmp_path) -> None:
+    # shifted traffic, one request at a time: the gate flags them, the alarm is raised
+    sent = flagged = 0
+    for p in _prompts(tmp_path, "shifted", 12):
+        o = _ask(toy, p)
+        sent += 1
+        if o.get("shift_alarm"):
+            break
+        flagged += o["shift"]["flagged"]
+    assert o.get("shift_alarm") is True, f"no alarm after {sent} shifted requests ({flagged} " \
+                                          "flagged)"
+    assert sent <= 8  # 4 flags in a row raise it at the toy's n; one more: the feed's lag
+    assert _metric(toy, "orca_shift_alarm{") == 1.0
+    assert _metric(toy, 'orca_shift_alarm_changes_total{change="raised"') == 1.0
+    # in-distribution traffic: the first request the gate alone passes is served as a flagged
+    # one, says so, and reasons in full
+    for p in _prompts(tmp_path, "in-dist", 10):
+        o = _ask(toy, p)
+        assert o["shift_alarm"] is True, o  # it takes ~90 such requests to clear
+        if not o["shift"]["flagged"]:
+            break
+    assert o["shift"]["flagged"] is False and o["shift"]["pvalue"] > 0.05
+    assert o["lambda"] is None and o["lambda_source"] == "fallback"
+    assert not o["stopped_early"] and o["ended"] == "full"
+    assert _metric(toy, "orca_shift_alarm_served_total{") >= 2
