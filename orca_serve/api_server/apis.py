@@ -67,6 +67,7 @@ class Api:
     """OpenAI chat and completions (and /invocations, which vLLM hands to one of them)."""
 
     usage_details: str | None = "completion_tokens_details"
+    votes = True  # serves `orca.samples` (orca_serve/api_server/voting.py)
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:
         """Whether the body is a /v1/completions request (one result key per prompt)."""
@@ -134,6 +135,7 @@ class ResponsesApi(Api):
     the stream's closing event (`response.completed` / `response.incomplete`)."""
 
     usage_details = "output_tokens_details"
+    votes = False
     CLOSING = ("response.completed", "response.incomplete", "response.failed")
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:
@@ -176,6 +178,7 @@ class MessagesApi(Api):
     `message_delta` event (the one with `stop_reason` and the final usage)."""
 
     usage_details = None  # Anthropic's usage has no reasoning-token count
+    votes = False
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:
         return False

@@ -10,6 +10,11 @@ What is private here, and why:
   the engine that ran it. vLLM 0.31 has no `call_utility_all_async`: there the first engine
   alone answers (public `collective_rpc`), which is all of them without data parallelism.
 - `max_choices`: vLLM's limit on a request's `n` (VLLM_MAX_N_SEQUENCES), read from `vllm.envs`.
+- `engine_request_id`, `abort`: a voted answer's samples (`orca.samples`) run through vLLM's own
+  chat and completions routes, each with an `X-Request-Id` the server picks; vLLM makes the
+  engine's (external) request id from it with a prefix per route (`chatcmpl-<id>`;
+  `cmpl-<id>-<prompt index>`, vllm/entrypoints/openai/*/serving.py), and `AsyncLLM.abort` takes
+  that id, aborting the request in the engine (its KV cache freed), not merely hiding it.
 - `tokenizer`, `generate_from_ids`: the live audit's labeller asks the served model extra
   questions from token ids; the engine client takes only rendered prompts, and the renderer
   that makes one from token ids is vLLM's own.
@@ -30,7 +35,9 @@ TOUCH_POINTS: tuple[str, ...] = (
     "vllm.renderers.inputs.preprocess:parse_model_prompt",
     "vllm.inputs:TokensPrompt",
     "vllm.engine.protocol:EngineClient.generate",
+    "vllm.engine.protocol:EngineClient.abort",
 )
+REQUEST_ID_HEADER = b"x-request-id"  # vLLM's `_base_request_id` reads it on every route
 
 
 async def rpc_all(client: Any, method: str, args: tuple = ()) -> list[Any]:
@@ -48,6 +55,18 @@ def max_choices() -> int:
     from vllm import envs  # deferred: vllm (resolved at use; see the docstring)
 
     return int(envs.VLLM_MAX_N_SEQUENCES)
+
+
+def engine_request_id(base: str, completions: bool) -> str:
+    """The engine's request id of a chat (or one-prompt completions) request sent with
+    `X-Request-Id: base`."""
+    return f"cmpl-{base}-0" if completions else f"chatcmpl-{base}"
+
+
+async def abort(client: Any, request_ids: list[str]) -> None:
+    """Abort running requests in the engine by the ids `engine_request_id` names (ids that
+    already finished are ignored by vLLM)."""
+    await client.abort(request_ids)
 
 
 def tokenizer(client: Any) -> Any:
