@@ -41,6 +41,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -370,6 +371,129 @@ def cmd_report(a: argparse.Namespace) -> None:
               f"<= {dv:g}: {r['vote_error'] <= dv} (95% upper {r['vote_error_ci'][1]:.3f})")
 
 
+# -------------------------------------------------------------------------------------- serve
+
+SERVE_SEED = 135  # fresh prompts: neither the traces that certify t (35) nor calibration saw them
+
+
+def serve_bundle(a: argparse.Namespace, out: Path) -> Path:
+    """The shipped bundle plus a consensus block certified on every recorded group of
+    `collect` (held-out prompts, not the ones served): sealed under runs/, the shipped bundle
+    untouched."""
+    from orca_calibrate.consensus import ConsensusOptions, consensus_block
+    from orca_method.bundle import save_bundle
+
+    ts = TrajectorySet.open(run_dir(a.reasoner, a.k) / "trajectories")
+    bundle = load_bundle(ROOT / REASONERS[a.reasoner][1])
+    block = consensus_block(bundle, bundle.load_probe(), ts, list(range(len(ts))),
+                            ConsensusOptions(deltas=(a.delta_vote,), epsilon=EPSILON))
+    path = out / "bundle.json"
+    save_bundle(bundle.model_copy(update={"consensus": block}), path)
+    return path
+
+
+async def serve_arm(client, model: str, prompts: list[dict], a: argparse.Namespace,
+                    orca: dict, n: int) -> dict:
+    """Every prompt once at `a.concurrency` requests in flight: per prompt its answer (the
+    voted one; for n > 1 the plurality of its choices), completion tokens and per-choice
+    answers; and the arm's wall time."""
+    from orca_method.answer_probes import answer_after
+
+    sem = asyncio.Semaphore(a.concurrency)
+
+    async def one(i: int, rec: dict) -> dict:
+        async with sem:
+            r = await client.chat.completions.create(
+                model=model, messages=rec["messages"], n=n, max_tokens=a.max_tokens,
+                temperature=a.temperature, seed=1000 * i, extra_body={"orca": orca})
+        answers = [answer_after(c.message.content or "") for c in r.choices]
+        o = (r.model_extra or {}).get("orca") or {}
+        vote = o.get("vote")
+        return {"answer": vote["answer"] if vote else plurality(answers), "choices": answers,
+                "tokens": r.usage.completion_tokens, "vote": vote,
+                "aborted": sum(x["aborted"] for x in o.get("samples", []))}
+
+    t0 = time.monotonic()
+    rows = await asyncio.gather(*(one(i, rec) for i, rec in enumerate(prompts)))
+    return {"wall_s": time.monotonic() - t0, "rows": rows}
+
+
+def cmd_serve(a: argparse.Namespace) -> None:
+    from orca_demo.toy.tasks import write_prompts
+    from tests.serving import Server, orca_serve_cmd
+
+    out = run_dir(a.reasoner, a.k) / "serve"
+    out.mkdir(parents=True, exist_ok=True)
+    bundle_path = serve_bundle(a, out)
+    block = load_bundle(bundle_path).consensus
+    rows = [r for r in block.rows if r.delta == a.delta]
+    print(f"consensus block: k {block.samples}, {block.n_cal} groups, rows "
+          f"{[(r.delta, r.delta_vote, r.t) for r in block.rows]}", flush=True)
+    prompts_file = out / "prompts.jsonl"
+    REASONERS[a.reasoner][0].write_prompts(prompts_file, "in-dist", a.n, SERVE_SEED)
+    prompts = read_prompts(prompts_file)
+    model_dir = ROOT / REASONERS[a.reasoner][1].replace("bundle.json", "model")
+    srv = Server(orca_serve_cmd("--model", str(model_dir), "--calib", str(bundle_path)),
+                 out / "serve.log", ["--host", "127.0.0.1", "--seed", "0",
+                                     "--reasoning-parser", "deepseek_r1",
+                                     "--disable-uvicorn-access-log"])
+    arms = {f"maj@{a.k}, {a.k} full samples (n = {a.k}, orca off)": ({"enabled": False}, a.k),
+            f"consensus, orca.samples {a.k} (delta {a.delta:g})": (
+                {"samples": a.k, "delta": a.delta}, 1)}
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    runs: dict[str, list[dict]] = {name: [] for name in arms}
+    try:
+        srv.wait()
+        client = srv.aclient()
+        model = asyncio.run(_model(client))
+        order = list(arms)
+        for rnd in range(a.rounds):  # alternate the order: neither arm always runs first
+            for name in (order if rnd % 2 == 0 else order[::-1]):
+                orca, n = arms[name]
+                runs[name].append(asyncio.run(serve_arm(srv.aclient(), model, prompts, a,
+                                                        orca, n)))
+                print(f"round {rnd}: {name}: {runs[name][-1]['wall_s']:.1f} s", flush=True)
+    finally:
+        srv.stop()
+    truth = [str(p["answer"]) for p in prompts]
+    full = runs[order[0]][0]["rows"]
+    maj = [r["answer"] for r in full]
+    table = []
+    for name, rr in runs.items():
+        rows_ = rr[0]["rows"]
+        correct = sum(r["answer"] == y for r, y in zip(rows_, truth))
+        differs = sum(r["answer"] != m for r, m in zip(rows_, maj))
+        rps = [a.n / x["wall_s"] for x in rr]
+        table.append({"arm": name, "n": a.n, "accuracy": correct / a.n,
+                      "accuracy_ci": wilson(correct, a.n),
+                      "tokens": float(np.mean([r["tokens"] for x in rr for r in x["rows"]])),
+                      "requests_per_s": rps, "differs_from_served_maj": differs,
+                      "differs_ci": clopper_pearson(differs, a.n),
+                      "aborted_per_prompt": float(np.mean([r["aborted"] for x in rr
+                                                           for r in x["rows"]]))})
+    result = {"date": started, "reasoner": a.reasoner, "k": a.k, "n": a.n,
+              "concurrency": a.concurrency, "rounds": a.rounds, "delta": a.delta,
+              "temperature": a.temperature, "max_tokens": a.max_tokens,
+              "consensus_rows": [r.model_dump() for r in rows], "table": table, "runs": runs}
+    (out / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    print(f"{started}; {a.reasoner}, k = {a.k}, n = {a.n} fresh prompts, concurrency "
+          f"{a.concurrency}, {a.rounds} rounds (order alternated), temperature "
+          f"{a.temperature}; consensus rows {[(r.delta_vote, r.t) for r in rows]}\n")
+    print("| arm | accuracy (95% CI) | completion tokens / prompt | requests/s per round | "
+          "aborted samples / prompt | != served maj@k (round 0, 95% CI) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in table:
+        print(f"| {r['arm']} | {r['accuracy']:.3f} [{r['accuracy_ci'][0]:.3f}, "
+              f"{r['accuracy_ci'][1]:.3f}] | {r['tokens']:.0f} | "
+              f"{', '.join(f'{x:.2f}' for x in r['requests_per_s'])} | "
+              f"{r['aborted_per_prompt']:.2f} | {r['differs_from_served_maj']}/{r['n']} "
+              f"[{r['differs_ci'][0]:.3f}, {r['differs_ci'][1]:.3f}] |")
+
+
+async def _model(client) -> str:
+    return (await client.models.list()).data[0].id
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(required=True)
@@ -388,6 +512,18 @@ def main() -> None:
     r.add_argument("--k", type=int, default=8, help="samples per prompt")
     r.add_argument("--n", type=int, default=0, help="first n prompts only (0: all)")
     r.set_defaults(fn=cmd_report)
+    s = sub.add_parser("serve", help="maj@k as k full samples vs orca.samples k with aborts, "
+                       "through one live orca-serve (needs `collect` first: its traces certify t)")
+    s.add_argument("--reasoner", choices=["toy"], default="toy")
+    s.add_argument("--k", type=int, default=8, help="samples per prompt")
+    s.add_argument("--n", type=int, default=100, help="fresh prompts")
+    s.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    s.add_argument("--rounds", type=int, default=2)
+    s.add_argument("--delta", type=float, default=0.05, help="per-sample delta")
+    s.add_argument("--delta-vote", type=float, default=0.05)
+    s.add_argument("--temperature", type=float, default=0.7, help="the collection's")
+    s.add_argument("--max-tokens", type=int, default=400, help="the collection's")
+    s.set_defaults(fn=cmd_serve)
     a = p.parse_args()
     a.fn(a)
 
