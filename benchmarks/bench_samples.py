@@ -393,10 +393,12 @@ def serve_bundle(a: argparse.Namespace, out: Path) -> Path:
 
 
 async def serve_arm(client, model: str, prompts: list[dict], a: argparse.Namespace,
-                    orca: dict, n: int) -> dict:
+                    orca: dict, n: int, offset: int = 0) -> dict:
     """Every prompt once at `a.concurrency` requests in flight: per prompt its answer (the
     voted one; for n > 1 the plurality of its choices), completion tokens and per-choice
-    answers; and the arm's wall time."""
+    answers; and the arm's wall time. Prompt j is seeded 1000 * j: vLLM seeds choice i of `n`
+    with seed + i, the server sample i of `orca.samples` too, so both arms draw the same k
+    samples of a prompt (up to where ORCA stops one), and "!= maj@k" is the vote's loss."""
     from orca_method.answer_probes import answer_after
 
     sem = asyncio.Semaphore(a.concurrency)
@@ -405,7 +407,8 @@ async def serve_arm(client, model: str, prompts: list[dict], a: argparse.Namespa
         async with sem:
             r = await client.chat.completions.create(
                 model=model, messages=rec["messages"], n=n, max_tokens=a.max_tokens,
-                temperature=a.temperature, seed=1000 * i, extra_body={"orca": orca})
+                temperature=a.temperature, seed=1000 * (offset + i),
+                extra_body={"orca": orca})
         answers = [answer_after(c.message.content or "") for c in r.choices]
         o = (r.model_extra or {}).get("orca") or {}
         vote = o.get("vote")
@@ -419,7 +422,6 @@ async def serve_arm(client, model: str, prompts: list[dict], a: argparse.Namespa
 
 
 def cmd_serve(a: argparse.Namespace) -> None:
-    from orca_demo.toy.tasks import write_prompts
     from tests.serving import Server, orca_serve_cmd
 
     out = run_dir(a.reasoner, a.k) / "serve"
@@ -436,6 +438,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
     srv = Server(orca_serve_cmd("--model", str(model_dir), "--calib", str(bundle_path)),
                  out / "serve.log", ["--host", "127.0.0.1", "--seed", "0",
                                      "--reasoning-parser", "deepseek_r1",
+                                     "--served-model-name", load_bundle(bundle_path).model.name,
                                      "--disable-uvicorn-access-log"])
     arms = {f"maj@{a.k}, {a.k} full samples (n = {a.k}, orca off)": ({"enabled": False}, a.k),
             f"consensus, orca.samples {a.k} (delta {a.delta:g})": (
@@ -447,46 +450,50 @@ def cmd_serve(a: argparse.Namespace) -> None:
         client = srv.aclient()
         model = asyncio.run(_model(client))
         order = list(arms)
-        for rnd in range(a.rounds):  # alternate the order: neither arm always runs first
+        per = a.n // a.rounds
+        for rnd in range(a.rounds):  # fresh prompts per round, the arms' order alternated
+            part = prompts[rnd * per:(rnd + 1) * per]
             for name in (order if rnd % 2 == 0 else order[::-1]):
                 orca, n = arms[name]
-                runs[name].append(asyncio.run(serve_arm(srv.aclient(), model, prompts, a,
-                                                        orca, n)))
+                runs[name].append(asyncio.run(serve_arm(srv.aclient(), model, part, a, orca,
+                                                        n, offset=rnd * per)))
                 print(f"round {rnd}: {name}: {runs[name][-1]['wall_s']:.1f} s", flush=True)
     finally:
         srv.stop()
-    truth = [str(p["answer"]) for p in prompts]
-    full = runs[order[0]][0]["rows"]
-    maj = [r["answer"] for r in full]
+    truth = [str(p["answer"]) for p in prompts[:per * a.rounds]]
+    maj = [r["answer"] for x in runs[order[0]] for r in x["rows"]]
     table = []
     for name, rr in runs.items():
-        rows_ = rr[0]["rows"]
+        rows_ = [r for x in rr for r in x["rows"]]
+        n_ = len(rows_)
         correct = sum(r["answer"] == y for r, y in zip(rows_, truth))
         differs = sum(r["answer"] != m for r, m in zip(rows_, maj))
-        rps = [a.n / x["wall_s"] for x in rr]
-        table.append({"arm": name, "n": a.n, "accuracy": correct / a.n,
-                      "accuracy_ci": wilson(correct, a.n),
-                      "tokens": float(np.mean([r["tokens"] for x in rr for r in x["rows"]])),
+        rps = [per / x["wall_s"] for x in rr]
+        table.append({"arm": name, "n": n_, "accuracy": correct / n_,
+                      "accuracy_ci": wilson(correct, n_),
+                      "tokens": float(np.mean([r["tokens"] for r in rows_])),
                       "requests_per_s": rps, "differs_from_served_maj": differs,
-                      "differs_ci": clopper_pearson(differs, a.n),
-                      "aborted_per_prompt": float(np.mean([r["aborted"] for x in rr
-                                                           for r in x["rows"]]))})
+                      "differs_ci": clopper_pearson(differs, n_),
+                      "aborted_per_prompt": float(np.mean([r["aborted"] for r in rows_])),
+                      "settled": sum(bool(r["vote"]) and r["vote"]["ended"] == "settled"
+                                     for r in rows_)})
     result = {"date": started, "reasoner": a.reasoner, "k": a.k, "n": a.n,
               "concurrency": a.concurrency, "rounds": a.rounds, "delta": a.delta,
               "temperature": a.temperature, "max_tokens": a.max_tokens,
               "consensus_rows": [r.model_dump() for r in rows], "table": table, "runs": runs}
     (out / "result.json").write_text(json.dumps(result, indent=1, default=str))
-    print(f"{started}; {a.reasoner}, k = {a.k}, n = {a.n} fresh prompts, concurrency "
-          f"{a.concurrency}, {a.rounds} rounds (order alternated), temperature "
+    print(f"{started}; {a.reasoner}, k = {a.k}, n = {per * a.rounds} fresh prompts, concurrency "
+          f"{a.concurrency}, {a.rounds} rounds of {per} (order alternated), temperature "
           f"{a.temperature}; consensus rows {[(r.delta_vote, r.t) for r in rows]}\n")
     print("| arm | accuracy (95% CI) | completion tokens / prompt | requests/s per round | "
-          "aborted samples / prompt | != served maj@k (round 0, 95% CI) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          "aborted samples / prompt | settled early | != served maj@k (95% CI) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in table:
         print(f"| {r['arm']} | {r['accuracy']:.3f} [{r['accuracy_ci'][0]:.3f}, "
               f"{r['accuracy_ci'][1]:.3f}] | {r['tokens']:.0f} | "
               f"{', '.join(f'{x:.2f}' for x in r['requests_per_s'])} | "
-              f"{r['aborted_per_prompt']:.2f} | {r['differs_from_served_maj']}/{r['n']} "
+              f"{r['aborted_per_prompt']:.2f} | {r['settled']}/{r['n']} | "
+              f"{r['differs_from_served_maj']}/{r['n']} "
               f"[{r['differs_ci'][0]:.3f}, {r['differs_ci'][1]:.3f}] |")
 
 
@@ -516,7 +523,7 @@ def main() -> None:
                        "through one live orca-serve (needs `collect` first: its traces certify t)")
     s.add_argument("--reasoner", choices=["toy"], default="toy")
     s.add_argument("--k", type=int, default=8, help="samples per prompt")
-    s.add_argument("--n", type=int, default=100, help="fresh prompts")
+    s.add_argument("--n", type=int, default=120, help="fresh prompts, split over the rounds")
     s.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     s.add_argument("--rounds", type=int, default=2)
     s.add_argument("--delta", type=float, default=0.05, help="per-sample delta")

@@ -10,12 +10,12 @@ import math
 
 import pytest
 
+from orca_serve.api_server.apis import APIS, CHAT, RESPONSES_PATH
 from orca_serve.api_server.voting import Vote, call_app, sample_bodies
 from orca_serve.metrics.prometheus import OrcaMetrics, SampleEvent
 from orca_serve.settings.contract import XARG_KEY, XARG_LAM
 from orca_serve.settings.field import OrcaRequestError
 from orca_serve.settings.resolve import OrcaDefaults, resolve
-from orca_serve.vllm_compat.engine_client import engine_request_id
 from tests.bundles import small_bundle, with_consensus
 from tests.servers import orca_result
 
@@ -83,7 +83,7 @@ def test_n_without_samples_resolves_exactly_as_before():
 
 def test_each_sample_is_the_clients_body_with_its_own_key_and_seed():
     body, s = resolved({"messages": MSG, "orca": {"samples": 4}, "seed": 10, "max_tokens": 9})
-    made = sample_bodies(body, s)
+    made = sample_bodies(body, s, CHAT)
     bodies = [json.loads(b) for _, b in made]
     assert [b["seed"] for b in bodies] == [10, 11, 12, 13]
     assert len({b["vllm_xargs"][XARG_KEY] for b in bodies}) == 4
@@ -107,7 +107,7 @@ class FakeEngine:
         self.finished: dict[str, str] = {}
 
     async def launch(self, sample, body):
-        eid = engine_request_id(sample.base_id, self.completions)
+        eid = sample.engine_id
         ev = self.events.setdefault(eid, asyncio.Event())
         try:
             await asyncio.wait_for(ev.wait(), self.at[sample.index])
@@ -159,7 +159,7 @@ def test_the_vote_settles_at_the_first_finish_and_aborts_the_rest():
     vote = out["orca"]["vote"]
     assert vote == {"k": 4, "answer": "7", "sample": 0, "settled_after": 1, "ended": "settled",
                     "margin": 1.0, "t": 0.0, "delta_vote": 0.1, "weighting": "count"}
-    assert eng.aborted == [f"chatcmpl-{s.key}" for s in v.samples[1:]]
+    assert eng.aborted == [f"chatcmpl-{s.key}" for s in v.samples[1:]]  # vLLM's engine ids
     samples = out["orca"]["samples"]
     assert [x["aborted"] for x in samples] == [False, True, True, True]
     assert [x["finish_reason"] for x in samples] == ["stop", "abort", "abort", "abort"]
@@ -236,3 +236,16 @@ def test_call_app_runs_a_sample_through_an_asgi_app_with_its_own_request_id():
 
     assert asyncio.run(go()) == (200, b"{}")
     assert seen == {"id": b"s-1", "body": b"abc", "next": "http.disconnect"}
+
+
+def test_responses_samples_carry_their_request_id_in_the_body():
+    body, s = resolved({"input": "2+2?", "orca": {"samples": 2}})
+    made = sample_bodies(body, s, APIS[RESPONSES_PATH])
+    for sample, raw in made:
+        assert json.loads(raw)["request_id"] == sample.key and sample.header_id is None
+        assert sample.engine_id == f"{sample.key}_0"
+    resp = {"object": "response", "status": "completed", "output": [
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "\\boxed{1}"}]},
+        {"type": "message", "content": [{"type": "output_text", "text": "So \\boxed{4}."}]}]}
+    assert APIS[RESPONSES_PATH].answer_text(resp) == "So \\boxed{4}."
+    assert APIS[RESPONSES_PATH].finish_reason(resp) == "stop"

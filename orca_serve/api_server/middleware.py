@@ -24,6 +24,7 @@ from orca_serve.api_server.apis import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     MESSAGES_PATH,
+    RESPONSES_PATH,
     ORCA_PATHS,
     Api,
 )
@@ -204,18 +205,19 @@ class OrcaMiddleware:
         (`orca_serve.api_server.voting`)."""
         if not api.votes:
             return await send_json(send, 400, api.error(
-                f"'orca.samples' is served on {CHAT_PATH} and {COMPLETIONS_PATH} only",
+                f"'orca.samples' is served on {CHAT_PATH}, {COMPLETIONS_PATH} and "
+                f"{RESPONSES_PATH} only",
                 "orca.samples"))
         assert serving.bundle is not None  # resolve refuses `samples` without one
         completions = api.completions(path, body)
-        vote = Vote(settings, LinkedEngine(self.server.engine), completions=completions,
+        vote = Vote(settings, LinkedEngine(self.server.engine), api=api, completions=completions,
                     end_tag=serving.bundle.think.end, metrics=self.server.metrics)
         gone = asyncio.Event()
         watch = asyncio.ensure_future(_watch_disconnect(receive, gone))
         if self.server.reloader is not None:
             self.server.reloader.started(settings)
         try:
-            await vote.run(body, lambda s, b: call_app(self.app, scope, b, s.base_id, gone))
+            await vote.run(body, lambda s, b: call_app(self.app, scope, b, s.header_id, gone))
         finally:
             watch.cancel()
             if self.server.reloader is not None:

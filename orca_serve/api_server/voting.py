@@ -29,12 +29,13 @@ import numpy as np
 
 from orca_method.answer_probes import answer_after
 from orca_method.consensus import Verdict, verdict
+from orca_serve.api_server.apis import CHAT, Api
 from orca_serve.api_server.report import orca_object, reasoning_total
 from orca_serve.metrics.prometheus import OrcaMetrics, SampleEvent
 from orca_serve.settings.contract import OrcaResult
 from orca_serve.settings.resolve import OrcaSettings
 from orca_serve.api_server.state import EngineLink
-from orca_serve.vllm_compat.engine_client import REQUEST_ID_HEADER, abort, engine_request_id
+from orca_serve.vllm_compat.engine_client import REQUEST_ID_HEADER, abort
 
 logger = logging.getLogger("orca_serve.api_server.server")
 
@@ -77,7 +78,8 @@ class Sample:
 
     index: int
     key: str  # its orca result key (the engine's `orca_key`)
-    base_id: str  # its X-Request-Id (vLLM makes the engine's request id of it)
+    engine_id: str  # its request id in the engine (what `abort` takes)
+    header_id: str | None = None  # its X-Request-Id (None: the API takes it in the body)
     status: int | None = None
     response: dict[str, Any] | None = None  # its JSON response (status 200)
     raw: bytes = b""
@@ -88,9 +90,11 @@ class Sample:
     aborted: bool = False  # still running when the vote settled: aborted in the engine
 
 
-def sample_bodies(body: dict[str, Any], settings: OrcaSettings) -> list[tuple[Sample, bytes]]:
+def sample_bodies(body: dict[str, Any], settings: OrcaSettings, api: Api,
+                  completions: bool = False) -> list[tuple[Sample, bytes]]:
     """The k sample requests of a resolved body: each the client's body as vLLM would run it
-    with n = 1, its own orca key in `vllm_xargs`, and seed + i when the client gave a seed."""
+    with n = 1, its own orca key in `vllm_xargs`, its own request id (where `api` takes one),
+    and seed + i when the client gave a seed."""
     assert settings.vote is not None
     xargs = {k: v for k, v in (body.get("vllm_xargs") or {}).items() if not k.startswith("orca_")}
     seed = body.get("seed")
@@ -102,40 +106,36 @@ def sample_bodies(body: dict[str, Any], settings: OrcaSettings) -> list[tuple[Sa
         b["vllm_xargs"] = {**xargs, **one.xargs()}
         if isinstance(seed, int) and not isinstance(seed, bool):
             b["seed"] = seed + i
-        out.append((Sample(index=i, key=key, base_id=key), json.dumps(b).encode()))
+        b, engine_id, header = api.sample(b, key, completions)
+        out.append((Sample(index=i, key=key, engine_id=engine_id,
+                           header_id=key if header else None), json.dumps(b).encode()))
     return out
 
 
-def choice_text(response: dict[str, Any]) -> str:
-    """The text after the reasoning of a response's one choice (chat: the message's content,
-    which a reasoning parser keeps apart from the reasoning; completions: the text)."""
-    choice = (response.get("choices") or [{}])[0]
-    if "message" in choice:
-        return (choice.get("message") or {}).get("content") or ""
-    return choice.get("text") or ""
-
-
-def vote_of(sample: Sample, weighting: str, end_tag: str) -> tuple[Hashable | None, float]:
+def vote_of(sample: Sample, api: Api, weighting: str,
+            end_tag: str) -> tuple[Hashable | None, float]:
     """(answer, vote weight) of a finished sample, as calibration counted it: the answer written
     after its reasoning (`answer_after`; none when its reasoning never closed), weighted by its
     last smoothed score (score weighting) or 1 (count)."""
     r = sample.result
     closed = r is None or r.reasoning_closed
-    answer = answer_after(choice_text(sample.response or {}), end_tag) if closed else None
+    answer = answer_after(api.answer_text(sample.response or {}), end_tag) if closed else None
     if weighting == "count":
         return answer, 1.0
     s = None if r is None else r.last_score
     return answer, 0.0 if s is None or not math.isfinite(s) else min(max(float(s), 0.0), 1.0)
 
 
-async def call_app(app: Callable, scope: dict, body: bytes, request_id: str,
+async def call_app(app: Callable, scope: dict, body: bytes, request_id: str | None,
                    gone: asyncio.Event) -> tuple[int, bytes]:
-    """Run one sample request through `app` (vLLM's routes): its status and body. Its `receive`
-    reports a disconnect once `gone` is set (the client left: vLLM then aborts it itself)."""
+    """Run one sample request through `app` (vLLM's routes): its status and body, with
+    `request_id` as its X-Request-Id (None: none, the client's dropped). Its `receive` reports a
+    disconnect once `gone` is set (the client left: vLLM then aborts it itself)."""
     headers = [(k, v) for k, v in scope.get("headers", [])
                if k.lower() not in (b"content-length", REQUEST_ID_HEADER)]
-    headers += [(b"content-length", str(len(body)).encode()),
-                (REQUEST_ID_HEADER, request_id.encode())]
+    headers.append((b"content-length", str(len(body)).encode()))
+    if request_id is not None:
+        headers.append((REQUEST_ID_HEADER, request_id.encode()))
     sub = dict(scope, headers=headers, state=dict(scope.get("state") or {}))
     fed = False
 
@@ -164,12 +164,14 @@ class Vote:
     """The fan-out and the vote of one request (`run`); `samples` and `verdict` say what
     happened, `response` builds the answer."""
 
-    def __init__(self, settings: OrcaSettings, engine: Engine, *, completions: bool,
-                 end_tag: str, metrics: OrcaMetrics | None = None) -> None:
+    def __init__(self, settings: OrcaSettings, engine: Engine, *, api: Api = CHAT,
+                 completions: bool = False, end_tag: str = "</think>",
+                 metrics: OrcaMetrics | None = None) -> None:
         assert settings.vote is not None
         self.settings = settings
         self.rule = settings.vote
         self.engine = engine
+        self.api = api
         self.completions = completions
         self.end_tag = end_tag
         self.metrics = metrics
@@ -191,7 +193,7 @@ class Vote:
                   launch: Callable[[Sample, bytes], Any]) -> None:
         """Launch the samples (`launch(sample, body)`: an awaitable of (status, raw body)), vote
         as they finish, abort the rest once settled."""
-        made = sample_bodies(body, self.settings)
+        made = sample_bodies(body, self.settings, self.api, self.completions)
         self.samples = [s for s, _ in made]
         tasks = {asyncio.ensure_future(launch(s, b)): s for s, b in made}
         self._count(SampleEvent.LAUNCHED, len(tasks))
@@ -207,7 +209,8 @@ class Vote:
                         self.error = s
                         break
                     s.voted = True
-                    s.answer, s.weight = vote_of(s, self.rule.weighting, self.end_tag)
+                    s.answer, s.weight = vote_of(s, self.api, self.rule.weighting,
+                                                 self.end_tag)
                 if self.error is None:
                     self.verdict = self._decide()
                     self.settled_after = sum(s.voted for s in self.samples)
@@ -215,8 +218,7 @@ class Vote:
                     running = sorted(tasks.values(), key=lambda s: s.index)
                     for s in running:
                         s.aborted = True
-                    await self.engine.abort([engine_request_id(s.base_id, self.completions)
-                                             for s in running])
+                    await self.engine.abort([s.engine_id for s in running])
                     self._count(SampleEvent.ABORTED, len(running))
                     await self._drain(tasks)
                     tasks = {}
@@ -237,7 +239,7 @@ class Vote:
         for t in done:
             s = tasks[t]
             s.status, s.raw = t.result()
-            s.response = _json(s.raw) if s.status == 200 else None
+            s.response = self._json(s.raw) if s.status == 200 else None
         for t in pending:
             logger.warning("orca: aborted sample %s did not end in %.0f s", tasks[t].key,
                            ABORTED_WAIT_S)
@@ -246,7 +248,7 @@ class Vote:
     async def _fetch(self, samples: list[Sample]) -> None:
         for s in samples:
             if s.response is None and s.status == 200:
-                s.response = _json(s.raw)
+                s.response = self._json(s.raw)
         todo = [s for s in samples if s.result is None]
         if todo:
             got = await self.engine.results([s.key for s in todo])
@@ -265,14 +267,14 @@ class Vote:
         v = self.verdict
         assert v is not None and v.settled
         winner = next(s for s in self.samples if s.voted and s.answer == v.answer)
-        out = copy.deepcopy(winner.response or {})
-        out["choices"] = [{**out["choices"][0], "index": 0}]
+        out = self.api.as_one(copy.deepcopy(winner.response or {}))
         self._usage(out)
         k_settings = replace(self.settings, n=self.rule.k)
         obj = orca_object(k_settings, {s.index: s.result for s in self.samples})
         reports = obj.pop("choices")
         for s, rep in zip(self.samples, reports):
-            rep.update(finish_reason=_finish_reason(s), answer=s.answer, in_vote=s.voted,
+            rep.update(finish_reason=self.api.finish_reason(s.response or {}), answer=s.answer,
+                       in_vote=s.voted,
                        aborted=s.aborted)
         obj["samples"] = reports
         obj["vote"] = {"k": self.rule.k, "answer": v.answer, "sample": winner.index,
@@ -290,25 +292,19 @@ class Vote:
         usage: dict[str, Any] = {}
         for s in self.samples:
             u = (s.response or {}).get("usage") or {}
-            for name in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            for name in self.api.usage_counts:
                 if isinstance(u.get(name), int):
                     usage[name] = usage.get(name, 0) + u[name]
         spent = reasoning_total(replace(self.settings, n=self.rule.k),
                                 {s.index: s.result for s in self.samples})
-        if spent is not None:
-            usage["completion_tokens_details"] = {"reasoning_tokens": spent}
+        if spent is not None and self.api.usage_details is not None:
+            usage[self.api.usage_details] = {"reasoning_tokens": spent}
         if usage:
             out["usage"] = {**(out.get("usage") or {}), **usage}
 
-
-def _finish_reason(s: Sample) -> str | None:
-    choice = ((s.response or {}).get("choices") or [{}])[0]
-    return choice.get("finish_reason")
-
-
-def _json(raw: bytes) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return obj if isinstance(obj, dict) and obj.get("choices") else None
+    def _json(self, raw: bytes) -> dict[str, Any] | None:
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        return obj if self.api.is_response(obj) else None

@@ -11,10 +11,11 @@ What is private here, and why:
   alone answers (public `collective_rpc`), which is all of them without data parallelism.
 - `max_choices`: vLLM's limit on a request's `n` (VLLM_MAX_N_SEQUENCES), read from `vllm.envs`.
 - `engine_request_id`, `abort`: a voted answer's samples (`orca.samples`) run through vLLM's own
-  chat and completions routes, each with an `X-Request-Id` the server picks; vLLM makes the
-  engine's (external) request id from it with a prefix per route (`chatcmpl-<id>`;
-  `cmpl-<id>-<prompt index>`, vllm/entrypoints/openai/*/serving.py), and `AsyncLLM.abort` takes
-  that id, aborting the request in the engine (its KV cache freed), not merely hiding it.
+  routes, each with a request id the server picks (chat and completions: the `X-Request-Id`
+  header; Responses: the body's `request_id`); vLLM makes the engine's (external) request id
+  from it per route (`chatcmpl-<id>`; `cmpl-<id>-<prompt index>`; `<id>_<sub-request>`:
+  vllm/entrypoints/openai/*/serving.py), and `AsyncLLM.abort` takes that id, aborting the
+  request in the engine (its KV cache freed), not merely hiding it.
 - `tokenizer`, `generate_from_ids`: the live audit's labeller asks the served model extra
   questions from token ids; the engine client takes only rendered prompts, and the renderer
   that makes one from token ids is vLLM's own.
@@ -57,10 +58,13 @@ def max_choices() -> int:
     return int(envs.VLLM_MAX_N_SEQUENCES)
 
 
-def engine_request_id(base: str, completions: bool) -> str:
-    """The engine's request id of a chat (or one-prompt completions) request sent with
-    `X-Request-Id: base`."""
-    return f"cmpl-{base}-0" if completions else f"chatcmpl-{base}"
+ROUTE_IDS = {"chat": "chatcmpl-{}", "completions": "cmpl-{}-0", "responses": "{}_0"}
+
+
+def engine_request_id(base: str, route: str) -> str:
+    """The engine's request id of a request on `route` (ROUTE_IDS: chat, one-prompt
+    completions, a Responses request's first engine request) sent with request id `base`."""
+    return ROUTE_IDS[route].format(base)
 
 
 async def abort(client: Any, request_ids: list[str]) -> None:
