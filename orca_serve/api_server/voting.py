@@ -200,9 +200,11 @@ class Vote:
         try:
             while tasks:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                finished = [tasks.pop(t) for t in done]
-                for s, t in zip(finished, done):
+                finished = []
+                for t in done:
+                    s = tasks.pop(t)
                     s.status, s.raw = t.result()
+                    finished.append(s)
                 await self._fetch(finished)
                 for s in sorted(finished, key=lambda s: s.index):
                     if s.status != 200 or s.response is None:
