@@ -249,3 +249,112 @@ def test_responses_samples_carry_their_request_id_in_the_body():
         {"type": "message", "content": [{"type": "output_text", "text": "So \\boxed{4}."}]}]}
     assert APIS[RESPONSES_PATH].answer_text(resp) == "So \\boxed{4}."
     assert APIS[RESPONSES_PATH].finish_reason(resp) == "stop"
+
+
+# ---------------------------------------------------------- through the middleware, no vLLM
+
+
+class FakeClient:
+    """vLLM's engine client as the middleware reaches it: `collective_rpc` for the results and
+    `abort` by engine request id, which ends that request's route at once (finish_reason
+    abort), as AsyncLLM's abort does."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, dict] = {}
+        self.aborts: dict[str, asyncio.Event] = {}
+        self.aborted: list[str] = []
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        # the plugin forgets a result once fetched
+        return [{k: self.results.pop(k) for k in args[0] if k in self.results}]
+
+    async def abort(self, ids):
+        self.aborted += list(ids)
+        for i in ids:
+            self.aborts.setdefault(i, asyncio.Event()).set()
+
+
+def fake_chat_route(client: FakeClient, seen: list):
+    """vLLM's chat route: a sample with seed s runs s/100 s and answers s % 2 (so the samples
+    of seeds 0..3 finish in order, answering 0, 1, 0, 1) unless aborted first."""
+
+    async def app(scope, receive, send):
+        body = json.loads((await receive())["body"])
+        seen.append(body)
+        eid = "chatcmpl-" + dict(scope["headers"])[b"x-request-id"].decode()
+        ev = client.aborts.setdefault(eid, asyncio.Event())
+        try:
+            await asyncio.wait_for(ev.wait(), body["seed"] / 100)
+            reason, content = "abort", ""
+        except TimeoutError:
+            reason, content = "stop", f"\\boxed{{{body['seed'] % 2}}}"
+        client.results[body["vllm_xargs"]["orca_key"]] = orca_result(
+            index=0, last_score=0.9, reasoning_closed=reason == "stop",
+            stopped_early=True).to_dict()
+        data = json.dumps({"id": eid, "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": content},
+             "finish_reason": reason}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}}).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": data})
+
+    return app
+
+
+def post_vote(body: dict, b=None):
+    import httpx
+    from prometheus_client import CollectorRegistry
+
+    from orca_serve.api_server.middleware import OrcaMiddleware
+    from tests.servers import orca_server
+
+    client, seen = FakeClient(), []
+    metrics = OrcaMetrics(CollectorRegistry())
+    server = orca_server(bundle() if b is None else b, OrcaDefaults(enabled=True, delta=0.1),
+                         engine=client, metrics=metrics)
+    app = OrcaMiddleware(fake_chat_route(client, seen), server)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as c:
+            return await c.post("/v1/chat/completions", json={"model": "m", **body})
+
+    return asyncio.run(go()), client, seen, metrics
+
+
+def test_the_middleware_votes_and_aborts_through_the_engine_client():
+    r, client, seen, metrics = post_vote({"messages": MSG, "seed": 1, "orca": {"samples": 4}})
+    assert r.status_code == 200
+    out = r.json()
+    assert [b["seed"] for b in seen] == [1, 2, 3, 4]  # sample 0 first: it answers 1
+    assert out["orca"]["vote"]["answer"] == "1" and out["orca"]["vote"]["ended"] == "settled"
+    assert len(out["choices"]) == 1 and out["choices"][0]["message"]["content"] == "\\boxed{1}"
+    keys = [b["vllm_xargs"]["orca_key"] for b in seen]
+    assert client.aborted == [f"chatcmpl-{k}" for k in keys[1:]]  # vLLM's ids for the header
+    assert [s["finish_reason"] for s in out["orca"]["samples"]] == ["stop"] + ["abort"] * 3
+    assert out["usage"]["completion_tokens"] == 4 * 7
+    assert count(metrics, SampleEvent.ABORTED) == 3
+    assert not client.results  # every sample's result fetched (the plugin may forget it)
+    assert not any("error" in s for s in out["orca"]["samples"])  # each got its result
+
+
+def test_the_middleware_refuses_samples_on_the_messages_api():
+    import httpx
+    from prometheus_client import CollectorRegistry
+
+    from orca_serve.api_server.middleware import OrcaMiddleware
+    from tests.servers import orca_server
+
+    server = orca_server(bundle(), OrcaDefaults(enabled=True, delta=0.1), engine=FakeClient(),
+                         metrics=OrcaMetrics(CollectorRegistry()))
+    app = OrcaMiddleware(fake_chat_route(FakeClient(), []), server)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as c:
+            return await c.post("/v1/messages", json={
+                "model": "m", "max_tokens": 8, "messages": MSG, "orca": {"samples": 2}})
+
+    r = asyncio.run(go())
+    assert r.status_code == 400 and "only" in r.json()["error"]["message"]
