@@ -33,9 +33,19 @@ the realized vote error is over all n prompts; 200 random halves add how often t
 error stays within delta_vote. The per-sample lambda* come from the shipped bundle, calibrated on
 other prompts, so the groups that certify t did not choose lambda*.
 
+``serve``: the same through one live orca-serve (issue 35 item 2): the shipped bundle plus a
+consensus block certified on every group ``collect`` recorded, fresh prompts (another seed) at a
+fixed concurrency, three arms side by side on the same prompts and seeds (the arms' order
+alternated per round): maj@k as k full samples (``n: k``, orca off), ORCA per sample with a full
+vote (``n: k``), and ``orca.samples: k`` (the consensus stop, the samples still running aborted
+in the engine). Requests/s per round, completion tokens per prompt (aborted samples' tokens
+included), accuracy, and how often the answer differs from the maj@k arm's on the same prompt
+(the same k samples: choice i of ``n`` and sample i both get seed + i).
+
 Usage:
   flock /tmp/vllm.lock python benchmarks/bench_samples.py collect --reasoner long --n 160 --k 8
   python benchmarks/bench_samples.py report --reasoner long
+  flock /tmp/vllm.lock python benchmarks/bench_samples.py serve --reasoner toy --k 8 --n 300
 """
 
 from __future__ import annotations
@@ -441,7 +451,9 @@ def cmd_serve(a: argparse.Namespace) -> None:
                                      "--served-model-name", load_bundle(bundle_path).model.name,
                                      "--disable-uvicorn-access-log"])
     arms = {f"maj@{a.k}, {a.k} full samples (n = {a.k}, orca off)": ({"enabled": False}, a.k),
-            f"consensus, orca.samples {a.k} (delta {a.delta:g})": (
+            f"ORCA per sample + full vote (n = {a.k}, delta {a.delta:g})": (
+                {"delta": a.delta}, a.k),
+            f"consensus with aborts, orca.samples {a.k} (delta {a.delta:g})": (
                 {"samples": a.k, "delta": a.delta}, 1)}
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     runs: dict[str, list[dict]] = {name: [] for name in arms}
@@ -449,7 +461,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
         srv.wait()
         client = srv.aclient()
         model = asyncio.run(_model(client))
-        order = list(arms)
+        order = list(arms)  # maj@k first: the other arms' "!= maj@k" reads its answers
         per = a.n // a.rounds
         for rnd in range(a.rounds):  # fresh prompts per round, the arms' order alternated
             part = prompts[rnd * per:(rnd + 1) * per]
