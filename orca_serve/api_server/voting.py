@@ -1,5 +1,5 @@
-"""One voted answer from k samples (`orca.samples: k`; docs/SERVE.md "One voted answer", the rule
-and its guarantee: docs/METHOD.md section 14).
+"""One voted answer from k samples (`orca.samples: k`; docs/SERVER.md "One voted answer from k
+samples"; the rule and its guarantee: docs/METHOD.md section 14).
 
 The server launches k sample requests through vLLM's own route (each an ORCA request as today,
 with its own result key, its own engine request id and, when the client gave a seed, seed + i as
@@ -42,7 +42,7 @@ logger = logging.getLogger("orca_serve.api_server.server")
 ABORTED_WAIT_S = 30.0  # how long aborted samples get to hand back their (cut) responses
 
 
-class Ended(StrEnum):
+class GroupEnd(StrEnum):
     """How a group ended (the response's `orca.vote.ended`): the rule settled the vote while
     samples were still running (they were aborted), or every sample finished first."""
 
@@ -281,8 +281,8 @@ class Vote:
         obj["samples"] = reports
         obj["vote"] = {"k": self.rule.k, "answer": v.answer, "sample": winner.index,
                        "settled_after": self.settled_after,
-                       "ended": Ended.SETTLED if any(s.aborted for s in self.samples)
-                       or v.running else Ended.ALL_FINISHED,
+                       "ended": GroupEnd.SETTLED if any(s.aborted for s in self.samples)
+                       or v.running else GroupEnd.ALL_FINISHED,
                        "margin": v.margin, "t": self.rule.t, "delta_vote": self.rule.delta_vote,
                        "weighting": self.rule.weighting}
         out["orca"] = obj
