@@ -402,7 +402,7 @@ def serve_bundle(a: argparse.Namespace, out: Path) -> Path:
     return path
 
 
-async def serve_arm(client, model: str, prompts: list[dict], a: argparse.Namespace,
+async def serve_arm(srv, model: str, prompts: list[dict], a: argparse.Namespace,
                     orca: dict, n: int, offset: int = 0) -> dict:
     """Every prompt once at `a.concurrency` requests in flight: per prompt its answer (the
     voted one; for n > 1 the plurality of its choices), completion tokens and per-choice
@@ -413,7 +413,7 @@ async def serve_arm(client, model: str, prompts: list[dict], a: argparse.Namespa
 
     sem = asyncio.Semaphore(a.concurrency)
 
-    async def one(i: int, rec: dict) -> dict:
+    async def one(client, i: int, rec: dict) -> dict:
         async with sem:
             r = await client.chat.completions.create(
                 model=model, messages=rec["messages"], n=n, max_tokens=a.max_tokens,
@@ -426,9 +426,10 @@ async def serve_arm(client, model: str, prompts: list[dict], a: argparse.Namespa
                 "tokens": r.usage.completion_tokens, "vote": vote,
                 "aborted": sum(x["aborted"] for x in o.get("samples", []))}
 
-    t0 = time.monotonic()
-    rows = await asyncio.gather(*(one(i, rec) for i, rec in enumerate(prompts)))
-    return {"wall_s": time.monotonic() - t0, "rows": rows}
+    async with srv.aclient() as client:
+        t0 = time.monotonic()
+        rows = await asyncio.gather(*(one(client, i, rec) for i, rec in enumerate(prompts)))
+        return {"wall_s": time.monotonic() - t0, "rows": rows}
 
 
 def cmd_serve(a: argparse.Namespace) -> None:
@@ -459,16 +460,15 @@ def cmd_serve(a: argparse.Namespace) -> None:
     runs: dict[str, list[dict]] = {name: [] for name in arms}
     try:
         srv.wait()
-        client = srv.aclient()
-        model = asyncio.run(_model(client))
+        model = asyncio.run(_model(srv))
         order = list(arms)  # maj@k first: the other arms' "!= maj@k" reads its answers
         per = a.n // a.rounds
         for rnd in range(a.rounds):  # fresh prompts per round, the arms' order alternated
             part = prompts[rnd * per:(rnd + 1) * per]
             for name in (order if rnd % 2 == 0 else order[::-1]):
                 orca, n = arms[name]
-                runs[name].append(asyncio.run(serve_arm(srv.aclient(), model, part, a, orca,
-                                                        n, offset=rnd * per)))
+                runs[name].append(asyncio.run(serve_arm(srv, model, part, a, orca, n,
+                                                        offset=rnd * per)))
                 print(f"round {rnd}: {name}: {runs[name][-1]['wall_s']:.1f} s", flush=True)
     finally:
         srv.stop()
@@ -509,8 +509,9 @@ def cmd_serve(a: argparse.Namespace) -> None:
               f"[{r['differs_ci'][0]:.3f}, {r['differs_ci'][1]:.3f}] |")
 
 
-async def _model(client) -> str:
-    return (await client.models.list()).data[0].id
+async def _model(srv) -> str:
+    async with srv.aclient() as client:
+        return (await client.models.list()).data[0].id
 
 
 def main() -> None:
