@@ -33,14 +33,25 @@ the realized vote error is over all n prompts; 200 random halves add how often t
 error stays within delta_vote. The per-sample lambda* come from the shipped bundle, calibrated on
 other prompts, so the groups that certify t did not choose lambda*.
 
+``serve``: the same through one live orca-serve (issue 35 item 2): the shipped bundle plus a
+consensus block certified on every group ``collect`` recorded, fresh prompts (another seed) at a
+fixed concurrency, three arms side by side on the same prompts and seeds (the arms' order
+alternated per round): maj@k as k full samples (``n: k``, orca off), ORCA per sample with a full
+vote (``n: k``), and ``orca.samples: k`` (the consensus stop, the samples still running aborted
+in the engine). Requests/s per round, completion tokens per prompt (aborted samples' tokens
+included), accuracy, and how often the answer differs from the maj@k arm's on the same prompt
+(the same k samples: choice i of ``n`` and sample i both get seed + i).
+
 Usage:
   flock /tmp/vllm.lock python benchmarks/bench_samples.py collect --reasoner long --n 160 --k 8
   python benchmarks/bench_samples.py report --reasoner long
+  flock /tmp/vllm.lock python benchmarks/bench_samples.py serve --reasoner toy --k 8 --n 300
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -370,6 +381,139 @@ def cmd_report(a: argparse.Namespace) -> None:
               f"<= {dv:g}: {r['vote_error'] <= dv} (95% upper {r['vote_error_ci'][1]:.3f})")
 
 
+# -------------------------------------------------------------------------------------- serve
+
+SERVE_SEED = 135  # fresh prompts: neither the traces that certify t (35) nor calibration saw them
+
+
+def serve_bundle(a: argparse.Namespace, out: Path) -> Path:
+    """The shipped bundle plus a consensus block certified on every recorded group of
+    `collect` (held-out prompts, not the ones served): sealed under runs/, the shipped bundle
+    untouched."""
+    from orca_calibrate.consensus import ConsensusOptions, consensus_block
+    from orca_method.bundle import save_bundle
+
+    ts = TrajectorySet.open(run_dir(a.reasoner, a.k) / "trajectories")
+    bundle = load_bundle(ROOT / REASONERS[a.reasoner][1])
+    block = consensus_block(bundle, bundle.load_probe(), ts, list(range(len(ts))),
+                            ConsensusOptions(deltas=(a.delta_vote,), epsilon=EPSILON))
+    path = out / "bundle.json"
+    save_bundle(bundle.model_copy(update={"consensus": block}), path)
+    return path
+
+
+async def serve_arm(srv, model: str, prompts: list[dict], a: argparse.Namespace,
+                    orca: dict, n: int, offset: int = 0) -> dict:
+    """Every prompt once at `a.concurrency` requests in flight: per prompt its answer (the
+    voted one; for n > 1 the plurality of its choices), completion tokens and per-choice
+    answers; and the arm's wall time. Prompt j is seeded 1000 * j: vLLM seeds choice i of `n`
+    with seed + i, the server sample i of `orca.samples` too, so both arms draw the same k
+    samples of a prompt (up to where ORCA stops one), and "!= maj@k" is the vote's loss."""
+    from orca_method.answer_probes import answer_after
+
+    sem = asyncio.Semaphore(a.concurrency)
+
+    async def one(client, i: int, rec: dict) -> dict:
+        async with sem:
+            r = await client.chat.completions.create(
+                model=model, messages=rec["messages"], n=n, max_tokens=a.max_tokens,
+                temperature=a.temperature, seed=1000 * (offset + i),
+                extra_body={"orca": orca})
+        answers = [answer_after(c.message.content or "") for c in r.choices]
+        o = (r.model_extra or {}).get("orca") or {}
+        vote = o.get("vote")
+        return {"answer": vote["answer"] if vote else plurality(answers), "choices": answers,
+                "tokens": r.usage.completion_tokens, "vote": vote,
+                "aborted": sum(x["aborted"] for x in o.get("samples", []))}
+
+    async with srv.aclient() as client:
+        t0 = time.monotonic()
+        rows = await asyncio.gather(*(one(client, i, rec) for i, rec in enumerate(prompts)))
+        return {"wall_s": time.monotonic() - t0, "rows": rows}
+
+
+def cmd_serve(a: argparse.Namespace) -> None:
+    from tests.serving import Server, orca_serve_cmd
+
+    out = run_dir(a.reasoner, a.k) / "serve"
+    out.mkdir(parents=True, exist_ok=True)
+    bundle_path = serve_bundle(a, out)
+    block = load_bundle(bundle_path).consensus
+    rows = [r for r in block.rows if r.delta == a.delta]
+    print(f"consensus block: k {block.samples}, {block.n_cal} groups, rows "
+          f"{[(r.delta, r.delta_vote, r.t) for r in block.rows]}", flush=True)
+    prompts_file = out / "prompts.jsonl"
+    REASONERS[a.reasoner][0].write_prompts(prompts_file, "in-dist", a.n, SERVE_SEED)
+    prompts = read_prompts(prompts_file)
+    model_dir = ROOT / REASONERS[a.reasoner][1].replace("bundle.json", "model")
+    srv = Server(orca_serve_cmd("--model", str(model_dir), "--calib", str(bundle_path)),
+                 out / "serve.log", ["--host", "127.0.0.1", "--seed", "0",
+                                     "--reasoning-parser", "deepseek_r1",
+                                     "--served-model-name", load_bundle(bundle_path).model.name,
+                                     "--disable-uvicorn-access-log"])
+    arms = {f"maj@{a.k}, {a.k} full samples (n = {a.k}, orca off)": ({"enabled": False}, a.k),
+            f"ORCA per sample + full vote (n = {a.k}, delta {a.delta:g})": (
+                {"delta": a.delta}, a.k),
+            f"consensus with aborts, orca.samples {a.k} (delta {a.delta:g})": (
+                {"samples": a.k, "delta": a.delta}, 1)}
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    runs: dict[str, list[dict]] = {name: [] for name in arms}
+    try:
+        srv.wait()
+        model = asyncio.run(_model(srv))
+        order = list(arms)  # maj@k first: the other arms' "!= maj@k" reads its answers
+        per = a.n // a.rounds
+        for rnd in range(a.rounds):  # fresh prompts per round, the arms' order alternated
+            part = prompts[rnd * per:(rnd + 1) * per]
+            for name in (order if rnd % 2 == 0 else order[::-1]):
+                orca, n = arms[name]
+                runs[name].append(asyncio.run(serve_arm(srv, model, part, a, orca, n,
+                                                        offset=rnd * per)))
+                print(f"round {rnd}: {name}: {runs[name][-1]['wall_s']:.1f} s", flush=True)
+    finally:
+        srv.stop()
+    truth = [str(p["answer"]) for p in prompts[:per * a.rounds]]
+    maj = [r["answer"] for x in runs[order[0]] for r in x["rows"]]
+    table = []
+    for name, rr in runs.items():
+        rows_ = [r for x in rr for r in x["rows"]]
+        n_ = len(rows_)
+        correct = sum(r["answer"] == y for r, y in zip(rows_, truth))
+        differs = sum(r["answer"] != m for r, m in zip(rows_, maj))
+        rps = [per / x["wall_s"] for x in rr]
+        table.append({"arm": name, "n": n_, "accuracy": correct / n_,
+                      "accuracy_ci": wilson(correct, n_),
+                      "tokens": float(np.mean([r["tokens"] for r in rows_])),
+                      "requests_per_s": rps, "differs_from_served_maj": differs,
+                      "differs_ci": clopper_pearson(differs, n_),
+                      "aborted_per_prompt": float(np.mean([r["aborted"] for r in rows_])),
+                      "settled": sum(bool(r["vote"]) and r["vote"]["ended"] == "settled"
+                                     for r in rows_)})
+    result = {"date": started, "reasoner": a.reasoner, "k": a.k, "n": a.n,
+              "concurrency": a.concurrency, "rounds": a.rounds, "delta": a.delta,
+              "temperature": a.temperature, "max_tokens": a.max_tokens,
+              "consensus_rows": [r.model_dump() for r in rows], "table": table, "runs": runs}
+    (out / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    print(f"{started}; {a.reasoner}, k = {a.k}, n = {per * a.rounds} fresh prompts, concurrency "
+          f"{a.concurrency}, {a.rounds} rounds of {per} (order alternated), temperature "
+          f"{a.temperature}; consensus rows {[(r.delta_vote, r.t) for r in rows]}\n")
+    print("| arm | accuracy (95% CI) | completion tokens / prompt | requests/s per round | "
+          "aborted samples / prompt | settled early | != served maj@k (95% CI) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in table:
+        print(f"| {r['arm']} | {r['accuracy']:.3f} [{r['accuracy_ci'][0]:.3f}, "
+              f"{r['accuracy_ci'][1]:.3f}] | {r['tokens']:.0f} | "
+              f"{', '.join(f'{x:.2f}' for x in r['requests_per_s'])} | "
+              f"{r['aborted_per_prompt']:.2f} | {r['settled']}/{r['n']} | "
+              f"{r['differs_from_served_maj']}/{r['n']} "
+              f"[{r['differs_ci'][0]:.3f}, {r['differs_ci'][1]:.3f}] |")
+
+
+async def _model(srv) -> str:
+    async with srv.aclient() as client:
+        return (await client.models.list()).data[0].id
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(required=True)
@@ -388,6 +532,18 @@ def main() -> None:
     r.add_argument("--k", type=int, default=8, help="samples per prompt")
     r.add_argument("--n", type=int, default=0, help="first n prompts only (0: all)")
     r.set_defaults(fn=cmd_report)
+    s = sub.add_parser("serve", help="maj@k as k full samples vs orca.samples k with aborts, "
+                       "through one live orca-serve (needs `collect` first: its traces certify t)")
+    s.add_argument("--reasoner", choices=["toy"], default="toy")
+    s.add_argument("--k", type=int, default=8, help="samples per prompt")
+    s.add_argument("--n", type=int, default=120, help="fresh prompts, split over the rounds")
+    s.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    s.add_argument("--rounds", type=int, default=2)
+    s.add_argument("--delta", type=float, default=0.05, help="per-sample delta")
+    s.add_argument("--delta-vote", type=float, default=0.05)
+    s.add_argument("--temperature", type=float, default=0.7, help="the collection's")
+    s.add_argument("--max-tokens", type=int, default=400, help="the collection's")
+    s.set_defaults(fn=cmd_serve)
     a = p.parse_args()
     a.fn(a)
 

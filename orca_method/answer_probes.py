@@ -80,9 +80,18 @@ def probe_sampling(answer_tokens: int) -> dict[str, Any]:
     return {"temperature": 0.0, "max_tokens": answer_tokens}
 
 
+def answer_after(text: str, end: str = "</think>") -> str | None:
+    """The answer a response writes after its reasoning: `extract_final` of what follows the
+    last `end` tag (all of `text` without one: a server's reasoning parser split it off). The one
+    definition of a sample's answer for the vote, offline (`final_answer`) and served
+    (orca_serve/api_server/voting.py), so the served vote counts what the consensus was
+    certified on."""
+    return extract_final(text.split(end)[-1])
+
+
 def final_answer(text: str, step_answers: Sequence[str | None]) -> str | None:
     """ans(y_T): the answer written after the reasoning, else the last step's probed answer."""
-    final = extract_final(text.split("</think>")[-1]) if "</think>" in text else None
+    final = answer_after(text) if "</think>" in text else None
     return final if final is not None else step_answers[-1]
 
 

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from orca_serve.settings.contract import OrcaResult, StopReason
 from orca_serve.settings.field import OrcaRequestError, error_body
+from orca_serve.vllm_compat.engine_client import engine_request_id
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -67,6 +68,10 @@ class Api:
     """OpenAI chat and completions (and /invocations, which vLLM hands to one of them)."""
 
     usage_details: str | None = "completion_tokens_details"
+    # `orca.samples` (orca_serve/api_server/voting.py): served here, and the usage counts that
+    # a vote sums over its samples
+    votes = True
+    usage_counts: tuple[str, ...] = ("prompt_tokens", "completion_tokens", "total_tokens")
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:
         """Whether the body is a /v1/completions request (one result key per prompt)."""
@@ -82,6 +87,33 @@ class Api:
 
     def check(self, body: dict[str, Any]) -> None:
         """Refusals particular to the API for a request orca runs on (OrcaRequestError)."""
+
+    def sample(self, body: dict[str, Any], base_id: str, completions: bool
+               ) -> tuple[dict[str, Any], str, bool]:
+        """A vote's sample request: (its body, its engine request id, whether `base_id` goes in
+        the X-Request-Id header). Chat and completions take the header."""
+        return body, engine_request_id(base_id, "completions" if completions else "chat"), True
+
+    def answer_text(self, response: dict[str, Any]) -> str:
+        """The text after the reasoning of a finished response's one answer (chat: the
+        message's content, which a reasoning parser keeps apart from the reasoning;
+        completions: the text)."""
+        choice = (response.get("choices") or [{}])[0]
+        if "message" in choice:
+            return (choice.get("message") or {}).get("content") or ""
+        return choice.get("text") or ""
+
+    def finish_reason(self, response: dict[str, Any]) -> str | None:
+        """How a finished response's one answer ended, in chat's terms (`stop`, `abort`...)."""
+        return ((response.get("choices") or [{}])[0]).get("finish_reason")
+
+    def as_one(self, response: dict[str, Any]) -> dict[str, Any]:
+        """A sample's response as the answer of the whole request (its one choice, index 0)."""
+        return {**response, "choices": [{**response["choices"][0], "index": 0}]}
+
+    def is_response(self, obj: Any) -> bool:
+        """Whether a JSON body is a finished response of this API (else: an error)."""
+        return isinstance(obj, dict) and bool(obj.get("choices"))
 
     def error(self, message: str, param: str | None) -> dict[str, Any]:
         return error_body(message, param)
@@ -134,6 +166,7 @@ class ResponsesApi(Api):
     the stream's closing event (`response.completed` / `response.incomplete`)."""
 
     usage_details = "output_tokens_details"
+    usage_counts = ("input_tokens", "output_tokens", "total_tokens")
     CLOSING = ("response.completed", "response.incomplete", "response.failed")
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:
@@ -152,6 +185,29 @@ class ResponsesApi(Api):
                                    "background response is fetched later: send the request "
                                    "without 'background', or disable orca with "
                                    "\"orca\": {\"enabled\": false}", "background")
+
+    def sample(self, body: dict[str, Any], base_id: str, completions: bool
+               ) -> tuple[dict[str, Any], str, bool]:
+        # the Responses route takes its request id from the body, not the header
+        return {**body, "request_id": base_id}, engine_request_id(base_id, "responses"), False
+
+    def answer_text(self, response: dict[str, Any]) -> str:
+        return "".join(c.get("text") or "" for item in response.get("output") or []
+                       if isinstance(item, dict) and item.get("type") == "message"
+                       for c in item.get("content") or []
+                       if isinstance(c, dict) and c.get("type") == "output_text")
+
+    def finish_reason(self, response: dict[str, Any]) -> str | None:
+        if response.get("status") == "completed":
+            return "stop"
+        why = _get(response, "incomplete_details", "reason")
+        return "length" if why == "max_output_tokens" else why or response.get("status")
+
+    def as_one(self, response: dict[str, Any]) -> dict[str, Any]:
+        return dict(response)
+
+    def is_response(self, obj: Any) -> bool:
+        return isinstance(obj, dict) and obj.get("object") == "response"
 
     async def on_json(self, obj: Any, req: Report) -> bool:
         if not isinstance(obj, dict) or obj.get("object") != "response":
@@ -176,6 +232,7 @@ class MessagesApi(Api):
     `message_delta` event (the one with `stop_reason` and the final usage)."""
 
     usage_details = None  # Anthropic's usage has no reasoning-token count
+    votes = False
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:
         return False

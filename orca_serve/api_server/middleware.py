@@ -19,7 +19,15 @@ from collections.abc import Callable
 from typing import Any
 
 from orca_serve.api_server.admin import route_path, send_json
-from orca_serve.api_server.apis import APIS, CHAT_PATH, MESSAGES_PATH, ORCA_PATHS, Api
+from orca_serve.api_server.apis import (
+    APIS,
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    MESSAGES_PATH,
+    RESPONSES_PATH,
+    ORCA_PATHS,
+    Api,
+)
 from orca_serve.api_server.assembly import OrcaServer
 from orca_serve.settings.contract import OrcaResult, child_key
 from orca_serve.settings.field import OrcaRequestError, orca_param_in
@@ -28,6 +36,7 @@ from orca_serve.settings.resolve import OrcaSettings, resolve
 from orca_serve.api_server.log import deferred_errors
 from orca_serve.api_server.state import Serving
 from orca_serve.api_server.shaping import AnthropicErrors, ResponseShaper
+from orca_serve.api_server.voting import LinkedEngine, Vote, call_app
 from orca_serve.vllm_compat.engine_client import max_choices
 
 
@@ -187,6 +196,9 @@ class OrcaMiddleware:
         if settings is None:
             return await self.app(scope, replay, send)
 
+        if settings.vote is not None:
+            return await self._vote(scope, receive, send, api or APIS[CHAT_PATH], path,
+                                    new_body, settings, serving)
         req = _Request(self.server, serving, settings)
         if self.server.reloader is not None:
             self.server.reloader.started(settings)
@@ -198,6 +210,47 @@ class OrcaMiddleware:
             task = asyncio.ensure_future(_finish(req))
             _BACKGROUND.add(task)
             task.add_done_callback(_BACKGROUND.discard)
+
+
+    async def _vote(self, scope: dict, receive: Callable, send: Callable, api: Api, path: str,
+                    body: dict, settings: OrcaSettings, serving: Serving) -> None:
+        """`orca.samples`: k samples through vLLM's route, one voted answer
+        (`orca_serve.api_server.voting`)."""
+        if not api.votes:
+            return await send_json(send, 400, api.error(
+                f"'orca.samples' is served on {CHAT_PATH}, {COMPLETIONS_PATH} and "
+                f"{RESPONSES_PATH} only",
+                "orca.samples"))
+        assert serving.bundle is not None  # resolve refuses `samples` without one
+        completions = api.completions(path, body)
+        vote = Vote(settings, LinkedEngine(self.server.engine), api=api, completions=completions,
+                    end_tag=serving.bundle.think.end, metrics=self.server.metrics)
+        gone = asyncio.Event()
+        watch = asyncio.ensure_future(_watch_disconnect(receive, gone))
+        if self.server.reloader is not None:
+            self.server.reloader.started(settings)
+        try:
+            await vote.run(body, lambda s, b: call_app(self.app, scope, b, s.header_id, gone))
+        finally:
+            watch.cancel()
+            if self.server.reloader is not None:
+                self.server.reloader.finished(settings)
+        if gone.is_set():
+            return None
+        status, out = vote.response()
+        if isinstance(out, dict):
+            return await send_json(send, status, out)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(out)).encode())]})
+        await send({"type": "http.response.body", "body": out, "more_body": False})
+
+
+async def _watch_disconnect(receive: Callable, gone: asyncio.Event) -> None:
+    """Set `gone` when the client disconnects (the samples' `receive`s then report it)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
 
 
 def _error_api(path: str) -> Api:

@@ -80,6 +80,14 @@ class Outcome(StrEnum):
     ERROR = "error"
 
 
+class SampleEvent(StrEnum):
+    """What happened to a sample of a voted request (`OrcaMetrics.sampled`)."""
+
+    LAUNCHED = "launched"
+    STOPPED = "stopped"
+    ABORTED = "aborted"
+
+
 class ReloadOutcome(StrEnum):
     """A hot reload's outcome, as `orca_bundle_reloads{outcome}` counts it."""
 
@@ -232,6 +240,13 @@ class OrcaMetrics:
                                "outcome (loaded, refused)", [LABEL, "outcome"], registry=reg)
         for o in ReloadOutcome:
             self.reloads.labels(outcome=o, **m)
+        # `orca.samples` (one voted answer from k samples): launched into the engine; stopped
+        # early by ORCA; aborted in the engine once the vote settled (their KV cache freed)
+        self.samples = Counter("orca_samples", "Samples of voted requests (orca.samples) by "
+                               "event: launched, stopped (early, by ORCA), aborted (the vote "
+                               "settled first)", [LABEL, "event"], registry=reg)
+        for e in SampleEvent:
+            self.samples.labels(event=e, **m)
         self.model_name = model_name
         self.engine = EngineStats(model_name)
         reg.register(self.engine)
@@ -252,6 +267,9 @@ class OrcaMetrics:
 
     def reloaded(self, outcome: ReloadOutcome) -> None:
         self.reloads.labels(outcome=outcome, **{LABEL: self.model_name}).inc()
+
+    def sampled(self, event: SampleEvent, count: int = 1) -> None:
+        self.samples.labels(event=event, **{LABEL: self.model_name}).inc(count)
 
     def observe(self, result: OrcaResult | None) -> None:
         """Account one finished choice (None: orca was off for its request)."""

@@ -19,6 +19,7 @@ from orca_serve.settings.rules import (
     GROUP,
     POLICY,
     RULES,
+    SAMPLES,
     SHIFT_ALPHA,
     Rule,
     refusal,
@@ -67,6 +68,9 @@ class OrcaFields(BaseModel):
     shift_alpha: Annotated[float | None, *_checked(SHIFT_ALPHA)] = None
     # the operator's tag: a group the bundle knows takes its own lambda* (docs/METHOD.md 12)
     group: Annotated[str | None, *_checked(GROUP)] = None
+    # one voted answer from k samples, each an ORCA request, the group stopped by the bundle's
+    # consensus rule (docs/METHOD.md section 14, docs/SERVE.md "One voted answer")
+    samples: Annotated[int | None, *_checked(SAMPLES)] = None
 
 
 def _fmt_loc(loc: tuple[Any, ...]) -> str:

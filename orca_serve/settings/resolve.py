@@ -83,6 +83,19 @@ class DeltaSource(StrEnum):
 
 
 @dataclass(frozen=True)
+class VoteSettings:
+    """One voted answer from `k` samples (`orca.samples`): the bundle's consensus row for the
+    request's delta with the smallest delta_vote. `t` None (the row certified none, or k is
+    below the k it was certified for): no early stop at all, each sample runs to its end and the
+    vote is maj@k itself (what the consensus block's rows with t null promise)."""
+
+    k: int
+    t: float | None
+    delta_vote: float
+    weighting: str
+
+
+@dataclass(frozen=True)
 class OrcaSettings:
     """What one request runs with, after defaults; `key` identifies it to the plugin."""
 
@@ -109,6 +122,7 @@ class OrcaSettings:
     group: str | None = None  # the request's `orca.group` tag, if any
     group_known: bool = False  # the bundle has that group's table (and served it)
     shift_alarm: bool = False  # served as a flagged request because the gate alarm was raised
+    vote: VoteSettings | None = None  # `orca.samples`: the server runs k samples and votes
 
     def xargs(self) -> dict[str, str | int | float]:
         """The settings as the engine reads them (`vllm_xargs`); written once per request."""
@@ -255,6 +269,9 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
               "effort": effort if source == DeltaSource.EFFORT else None,
               "thinking_budget": thinking_budget}
     if not enabled:
+        if fields.samples is not None:
+            raise OrcaRequestError("'orca.samples' votes over ORCA-stopped samples: it needs orca "
+                                   "enabled", "orca.samples")
         settings = OrcaSettings(key=new_key(), enabled=False, **common)
     else:
         # a group the bundle knows is served by its own table, certified on its own calibration
@@ -283,7 +300,15 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
                            else fields.answer_budget),
             shift_alpha=fields.shift_alpha, group=fields.group, group_known=known,
             **_give_up(fields.give_up, defaults, bundle, guard), **common)
-        settings = guard.admit(settings, out)
+        if fields.samples is not None:
+            # t is certified on samples stopped at lambda* alone: a vote's samples never give
+            # up, run to their end when no t applies, and are not audited (docs/SERVE.md)
+            vote = _vote(fields.samples, delta, body, bundle)
+            settings = replace(settings, vote=vote, give_up_delta=None, give_up_mu=None,
+                               give_up_policy=None,
+                               **({} if vote.t is not None else {"lam": NEVER}))
+        else:
+            settings = guard.admit(settings, out)
         if settings.lam_source in (Source.AUDIT, Source.GROUP):
             # lambda* recalibrated on the live audits certifies today's traffic, a group's
             # lambda* its group's; the bundle's gate would flag that very traffic
@@ -309,6 +334,36 @@ def alarm_served(settings: OrcaSettings, bundle: Bundle, action: ShiftAction) ->
                {"give_up_mu": lam_to_json(GIVE_UP_NEVER), "give_up_source": Source.FALLBACK})
     return replace(settings, lam=lam, shift_alarm=True,
                    lam_source=Source.BUNDLE if lam != NEVER else Source.FALLBACK, **give_up)
+
+
+def _vote(k: int, delta: float, body: dict[str, Any], bundle: Bundle) -> VoteSettings:
+    """The vote of `orca.samples: k` at the request's per-sample `delta`: the consensus row for
+    that delta with the smallest delta_vote. Raises OrcaRequestError for a bundle without a
+    consensus block, a k beyond the block's, no row for the delta, or `n` / `stream` besides."""
+    block = bundle.consensus
+    if block is None:
+        raise OrcaRequestError("this server's bundle has no consensus block, so 'orca.samples' "
+                               "cannot apply; calibrate one with calibrate.consensus "
+                               "(docs/CALIBRATE.md)", "orca.samples")
+    if k > block.samples:
+        raise OrcaRequestError(f"'orca.samples' is {k}, but the bundle's consensus rule is "
+                               f"certified for groups of {block.samples} samples at most",
+                               "orca.samples")
+    n = body.get("n")
+    if n not in (None, 1):
+        raise OrcaRequestError("'orca.samples' returns one voted answer: send it without 'n'",
+                               "n")
+    if body.get("stream"):
+        raise OrcaRequestError("'orca.samples' is not served on streams yet: send it with "
+                               "\"stream\": false", "stream")
+    rows = [r for r in block.rows if abs(r.delta - delta) <= 1e-9]
+    if not rows:
+        raise OrcaRequestError(f"the bundle's consensus rule has no row for delta {delta:g} "
+                               f"(it has {sorted({r.delta for r in block.rows})})", "orca.delta")
+    row = min(rows, key=lambda r: r.delta_vote)
+    # t is certified for groups of exactly block.samples; a smaller group waits for all its k
+    t = None if row.t is None or k != block.samples else float(row.t)
+    return VoteSettings(k=k, t=t, delta_vote=row.delta_vote, weighting=block.weighting)
 
 
 def _give_up(asked: GiveUpFields | None, defaults: OrcaDefaults, bundle: Bundle,

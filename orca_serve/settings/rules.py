@@ -106,6 +106,14 @@ def _group(v: Any, strict: bool) -> str:
     return v
 
 
+def _samples(v: Any, strict: bool) -> int:
+    k = integer(v, strict)
+    if k < 2:
+        raise ValueError(f"must be an integer >= 2 (the samples one vote is taken over), "
+                         f"got {shown(v)}")
+    return k
+
+
 @dataclass(frozen=True)
 class Rule:
     """One setting's rule: `check(value, strict)` returns it normalised or raises ValueError
@@ -122,6 +130,9 @@ SHIFT_ALPHA = Rule(_alpha, {"type": "number", "minimum": 0, "exclusiveMaximum": 
 ANSWER_BUDGET = Rule(_answer_budget, {"type": "integer", "minimum": 0,
                                       "maximum": MAX_ANSWER_BUDGET})
 GROUP = Rule(_group, {"type": "string", "minLength": 1, "maxLength": GROUP_NAME_MAX})
+# server-side only (no xarg: the engine runs each sample as a plain request): the k samples of one
+# voted answer; its upper bound is the bundle's consensus block's (`resolve`)
+SAMPLES = Rule(_samples, {"type": "integer", "minimum": 2})
 # the client-settable settings, by their `orca` field name (their xargs: contract.XARG_FIELDS)
 RULES = {"enabled": ENABLED, "delta": DELTA, "policy": POLICY, "answer_budget": ANSWER_BUDGET,
          "shift_alpha": SHIFT_ALPHA, "group": GROUP}

@@ -10,6 +10,12 @@ What is private here, and why:
   the engine that ran it. vLLM 0.31 has no `call_utility_all_async`: there the first engine
   alone answers (public `collective_rpc`), which is all of them without data parallelism.
 - `max_choices`: vLLM's limit on a request's `n` (VLLM_MAX_N_SEQUENCES), read from `vllm.envs`.
+- `engine_request_id`, `abort`: a voted answer's samples (`orca.samples`) run through vLLM's own
+  routes, each with a request id the server picks (chat and completions: the `X-Request-Id`
+  header; Responses: the body's `request_id`); vLLM makes the engine's (external) request id
+  from it per route (`chatcmpl-<id>`; `cmpl-<id>-<prompt index>`; `<id>_<sub-request>`:
+  vllm/entrypoints/openai/*/serving.py), and `AsyncLLM.abort` takes that id, aborting the
+  request in the engine (its KV cache freed), not merely hiding it.
 - `tokenizer`, `generate_from_ids`: the live audit's labeller asks the served model extra
   questions from token ids; the engine client takes only rendered prompts, and the renderer
   that makes one from token ids is vLLM's own.
@@ -30,7 +36,9 @@ TOUCH_POINTS: tuple[str, ...] = (
     "vllm.renderers.inputs.preprocess:parse_model_prompt",
     "vllm.inputs:TokensPrompt",
     "vllm.engine.protocol:EngineClient.generate",
+    "vllm.engine.protocol:EngineClient.abort",
 )
+REQUEST_ID_HEADER = b"x-request-id"  # vLLM's `_base_request_id` reads it on every route
 
 
 async def rpc_all(client: Any, method: str, args: tuple = ()) -> list[Any]:
@@ -48,6 +56,21 @@ def max_choices() -> int:
     from vllm import envs  # deferred: vllm (resolved at use; see the docstring)
 
     return int(envs.VLLM_MAX_N_SEQUENCES)
+
+
+ROUTE_IDS = {"chat": "chatcmpl-{}", "completions": "cmpl-{}-0", "responses": "{}_0"}
+
+
+def engine_request_id(base: str, route: str) -> str:
+    """The engine's request id of a request on `route` (ROUTE_IDS: chat, one-prompt
+    completions, a Responses request's first engine request) sent with request id `base`."""
+    return ROUTE_IDS[route].format(base)
+
+
+async def abort(client: Any, request_ids: list[str]) -> None:
+    """Abort running requests in the engine by the ids `engine_request_id` names (ids that
+    already finished are ignored by vLLM)."""
+    await client.abort(request_ids)
 
 
 def tokenizer(client: Any) -> Any:

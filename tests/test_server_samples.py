@@ -1,0 +1,134 @@
+"""`orca.samples` on a real orca-serve serving the toy reasoner (orca_serve/demo/model), with a
+bundle of its own: the shipped toy bundle plus a consensus block certified on small synthetic
+groups (tests/bundles.py `with_consensus`: t* = 0, the first finished sample decides, so the
+samples still running then are aborted). Real vLLM engine, real HTTP, the OpenAI client."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+from orca_demo.toy.tasks import extract_answer, make_problem
+from orca_method.bundle import load_bundle
+from tests.bundles import with_consensus, write_bundle
+from tests.serving import Server, orca_of, orca_serve_cmd
+
+DEMO = Path(__file__).parents[1] / "orca_serve" / "demo"
+K = 4
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    d = tmp_path_factory.mktemp("samples")
+    path = write_bundle(with_consensus(load_bundle(DEMO / "bundle.json"), samples=K), d / "b.json")
+    s = Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path)),
+               d / "serve.log", ["--host", "127.0.0.1", "--reasoning-parser", "deepseek_r1",
+                                 "--served-model-name", "orca-toy-reasoner",
+                                 "--seed", "0", "--disable-uvicorn-access-log"])
+    try:
+        yield s.wait()
+    finally:
+        s.stop()
+
+
+def questions(n: int) -> list[str]:
+    rng = random.Random("samples-test")
+    return [make_problem(rng, "in-dist").question for _ in range(n)]
+
+
+def ask(srv, question: str, orca: dict, **kw):
+    return srv.client().chat.completions.create(
+        model=srv.client().models.list().data[0].id,
+        messages=[{"role": "user", "content": question}], extra_body={"orca": orca},
+        max_tokens=kw.pop("max_tokens", 400), temperature=1.0, **kw)
+
+
+def metric(srv, name: str, **labels: str) -> float:
+    """The sum of a metric's samples on /metrics whose labels include `labels` (0: none)."""
+    total = 0.0
+    for line in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines():
+        if line.split("{", 1)[0].split(" ", 1)[0] == name and \
+                all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_one_voted_answer_and_the_settled_samples_are_aborted_in_the_engine(srv):
+    ours_before = metric(srv, "orca_samples_total", event="aborted")
+    launched_before = metric(srv, "orca_samples_total", event="launched")
+    seen_settled, flagged = False, 0
+    for i, q in enumerate(questions(6)):
+        r = ask(srv, q, {"samples": K}, seed=100 + i)
+        assert len(r.choices) == 1
+        o = orca_of(r)
+        vote, samples = o["vote"], o["samples"]
+        assert vote["k"] == K and len(samples) == K and vote["t"] == 0.0
+        voted = samples[vote["sample"]]
+        assert voted["in_vote"] and voted["answer"] == vote["answer"]
+        assert str(extract_answer(r.choices[0].message.content)) == vote["answer"]
+        if vote["ended"] == "settled":
+            seen_settled = True
+            cut = [s for s in samples if s["aborted"]]
+            flagged += len(cut)
+            assert cut and all(not s["in_vote"] for s in cut)
+            # vLLM's own answer for a request its engine client aborted: finish_reason abort
+            assert any(s["finish_reason"] == "abort" for s in cut), cut
+        else:
+            assert vote["ended"] == "all_finished" and not any(s["aborted"] for s in samples)
+    assert seen_settled, "no vote settled before its samples all finished in 6 prompts"
+    assert metric(srv, "orca_samples_total", event="launched") - launched_before == 6 * K
+    assert metric(srv, "orca_samples_total", event="aborted") - ours_before == flagged
+    assert metric(srv, "vllm:num_requests_running") == 0  # nothing left running in the engine
+
+
+def test_bad_samples_are_a_clear_400(srv):
+    q = questions(1)[0]
+    for orca, kw, words in (({"samples": K + 1}, {}, "at most"),
+                            ({"samples": 2}, {"n": 2}, "without 'n'"),
+                            ({"samples": 0}, {}, ">= 2")):
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={
+            "model": srv.client().models.list().data[0].id, "max_tokens": 8,
+            "messages": [{"role": "user", "content": q}], "orca": orca, **kw})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    r = httpx.post(srv.url + "/v1/messages", timeout=30, json={
+        "model": srv.client().models.list().data[0].id, "max_tokens": 8, "orca": {"samples": 2},
+        "messages": [{"role": "user", "content": q}]})
+    assert r.status_code == 400 and "only" in r.json()["error"]["message"], r.text
+
+
+def test_n_without_samples_is_as_before(srv):
+    r = ask(srv, questions(1)[0], {}, n=2, seed=3, max_tokens=200)
+    o = orca_of(r)
+    assert len(r.choices) == 2 and "vote" not in o and "samples" not in o
+    assert [c["index"] for c in o["choices"]] == [0, 1]
+
+
+def test_completions_vote_too(srv):
+    from orca_demo.toy.train import render_prompt
+
+    q = questions(1)[0]
+    r = srv.client().completions.create(
+        model=srv.client().models.list().data[0].id, prompt=render_prompt(q) + "<think>", max_tokens=400,
+        temperature=1.0, seed=7, extra_body={"orca": {"samples": K}})
+    o = (r.model_extra or {})["orca"]
+    assert len(r.choices) == 1 and o["vote"]["k"] == K
+    assert str(extract_answer(r.choices[0].text)) == o["vote"]["answer"]
+
+
+def test_the_responses_api_votes_too(srv):
+    r = httpx.post(srv.url + "/v1/responses", timeout=300, json={
+        "model": srv.client().models.list().data[0].id, "input": questions(1)[0],
+        "max_output_tokens": 400, "temperature": 1.0, "orca": {"samples": K}})
+    assert r.status_code == 200, r.text
+    obj = r.json()
+    o = obj["orca"]
+    assert obj["object"] == "response" and o["vote"]["k"] == K and len(o["samples"]) == K
+    text = "".join(c["text"] for item in obj["output"] if item["type"] == "message"
+                   for c in item["content"] if c["type"] == "output_text")
+    assert str(extract_answer(text)) == o["vote"]["answer"]
+    assert obj["usage"]["output_tokens"] >= sum(s["reasoning_tokens"] for s in o["samples"])
