@@ -137,8 +137,10 @@ class RequestTable:
     def _take_slot(self) -> int | None:
         slot = self.pool.take()
         if slot is None and self.parked:  # evict the longest-parked request into a snapshot
-            old = next(iter(self.parked.values()))
-            if old.slot is not None:
+            # that still holds a slot (an evicted one stays parked, without a slot, until it
+            # comes back or its TTL ends it)
+            old = next((r for r in self.parked.values() if r.slot is not None), None)
+            if old is not None:
                 bank = old.dep.bank if old.enabled else None
                 old.snapshot = (self.pool.snapshot(old.slot),
                                 None if bank is None else bank.snapshot(old.slot))
