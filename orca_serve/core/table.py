@@ -3,9 +3,9 @@
 A request is known by the adapter's identity string from the moment it joins the batch until it
 leaves for good. Leaving for good frees its slot at once; only the small result stays (keyed
 requests only, `Results`) until fetched. A request that leaves for a while (preemption) is
-parked with its slot; when slots run out, the longest-parked one is evicted into a snapshot and
-restored into a new slot when it comes back. Removals that arrive while a step's readback is
-still unread wait for it (`leave(..., defer=True)`, then `settle`).
+parked with its slot; when slots run out, the longest-parked one still holding a slot is
+evicted into a snapshot and restored into a new slot when it comes back. Removals that arrive
+while a step's readback is still unread wait for it (`leave(..., defer=True)`, then `settle`).
 """
 
 from __future__ import annotations
