@@ -18,6 +18,9 @@ from orca_serve.settings.contract import merge_results
 
 VENV_BIN = Path(sys.executable).parent
 START_TIMEOUT = 300
+# how often a starting server's /health is asked: a start takes 15 s to minutes, so a second
+# between asks made each start end on average half a second after the server was up
+POLL_S = 0.25
 
 
 def free_port() -> int:
@@ -89,7 +92,7 @@ class Server:
             if time.time() > deadline:
                 raise RuntimeError("server did not start:\n" + self.log.read_text()[-4000:])
             if not self.ready:
-                time.sleep(1)
+                time.sleep(POLL_S)
         return self
 
     def client(self, **kw) -> openai.OpenAI:

@@ -190,12 +190,12 @@ def test_v1_processor_gets_the_runner_from_the_hook(bundle_path, vllm_033):
                                       moved=[]))
 
     batch(added=[(0, params, list(PROMPT), out)])
-    req = proc._rows[0][0]
+    req = proc._rows.get(0).req
     assert (req.ident, req.index) == ("1_p", 1)  # by the runner's request id, not the params
     batch(removed=[0])  # still the runner's: preempted
     assert "1_p" in proc.core.live and proc.get_stats()["parked_requests"] == 1
     batch(added=[(0, params, list(PROMPT), out)])
-    assert proc._rows[0][0] is req  # resumed with its state
+    assert proc._rows.get(0).req is req  # resumed with its state
     del runner.requests["1_p"]
     batch(removed=[0])  # gone from the runner: finished
     assert "1_p" not in proc.core.live and set(proc.pop_results(["p/1"])) == {"p/1"}

@@ -2,6 +2,7 @@
 
 - `engine`: `OrcaCore` (join/leave/step/pop_results), what every adapter drives; it composes:
 - `table`: the request table (join, park, evict, leave, stored results);
+- `rows`: the row map both adapters feed (engine position -> tracked request);
 - `plan`: the host half of a step (segmentation, budget guard, forced tokens) as one `StepPlan`;
 - `device_step`: the device half (pooling, scoring, forcing) on preallocated memory;
 - `pooling`: per-slot device memory, the per-step staging copy, readback and event fence;

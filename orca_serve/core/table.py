@@ -3,9 +3,9 @@
 A request is known by the adapter's identity string from the moment it joins the batch until it
 leaves for good. Leaving for good frees its slot at once; only the small result stays (keyed
 requests only, `Results`) until fetched. A request that leaves for a while (preemption) is
-parked with its slot; when slots run out, the longest-parked one is evicted into a snapshot and
-restored into a new slot when it comes back. Removals that arrive while a step's readback is
-still unread wait for it (`leave(..., defer=True)`, then `settle`).
+parked with its slot; when slots run out, the longest-parked one still holding a slot is
+evicted into a snapshot and restored into a new slot when it comes back. Removals that arrive
+while a step's readback is still unread wait for it (`leave(..., defer=True)`, then `settle`).
 """
 
 from __future__ import annotations
@@ -137,8 +137,10 @@ class RequestTable:
     def _take_slot(self) -> int | None:
         slot = self.pool.take()
         if slot is None and self.parked:  # evict the longest-parked request into a snapshot
-            old = next(iter(self.parked.values()))
-            if old.slot is not None:
+            # that still holds a slot (an evicted one stays parked, without a slot, until it
+            # comes back or its TTL ends it)
+            old = next((r for r in self.parked.values() if r.slot is not None), None)
+            if old is not None:
                 bank = old.dep.bank if old.enabled else None
                 old.snapshot = (self.pool.snapshot(old.slot),
                                 None if bank is None else bank.snapshot(old.slot))

@@ -76,6 +76,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -85,6 +86,16 @@ SNAPSHOT_EVERY = 500  # events between two snapshots of the folded state
 _CHUNK = 1 << 20  # bytes read at a time when the journal is scanned (repair, digest)
 
 logger = logging.getLogger("orca_serve.live_audit")
+
+
+class AuditOutcome(StrEnum):
+    """What became of an admitted audit: an outcome event's "o" (the module docstring). Members
+    compare equal to the journal's words, so journals written before the enum read the same."""
+
+    RISK = "risk"  # labelled to its end: in the risk with its scores and labels
+    CENSORED = "censored"  # cut by max_tokens or aborted: in the risk, loss unknown past the cut
+    OUT = "out"  # left out of the risk (failed, dropped, never right, unaligned)
+    LOST = "lost"  # its process died before its outcome (reaped)
 
 
 class EventJournal(Protocol):
@@ -162,7 +173,7 @@ def _is_event(e: Any) -> bool:
     if "v" in e or "a" in e:
         return True
     return (isinstance(e.get("r"), int) and isinstance(e.get("o"), str)
-            and (e["o"] != "risk" or (isinstance(e.get("s"), list)
+            and (e["o"] != AuditOutcome.RISK or (isinstance(e.get("s"), list)
                                       and isinstance(e.get("l"), list))))
 
 

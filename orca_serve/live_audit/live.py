@@ -55,7 +55,7 @@ from orca_method.thresholds import NEVER, lam_to_json
 from orca_serve.settings.contract import OrcaResult
 from orca_serve.live_audit.fleet import store_state
 from orca_serve.live_audit.guard_log import log_change
-from orca_serve.live_audit.journal import EventJournal
+from orca_serve.live_audit.journal import AuditOutcome, EventJournal
 from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE, AuditLabeller, Labeller
 from orca_serve.live_audit.options import AuditConfig
 from orca_serve.live_audit.sampling import AuditSampler
@@ -175,11 +175,11 @@ class LiveAudit:
         if cut is not None:  # cut or aborted: its loss is unknown, it enters as censored
             self.counts[cut] += 1
             if why is not None:  # nothing to label: censored without a record
-                return self.state.outcome(seq, "censored", cause=cut)
+                return self.state.outcome(seq, AuditOutcome.CENSORED, cause=cut)
         elif why is not None:
             self.counts["failed"] += 1
             logger.warning("orca audit %s failed: %s", settings.key, why)
-            return self.state.outcome(seq, "out")
+            return self.state.outcome(seq, AuditOutcome.OUT)
         self._submit(_Job(settings.key, rec, first, seq, reason, settings.lam_source))
 
     def see(self, scores: list[float], lam: float) -> None:
@@ -199,7 +199,7 @@ class LiveAudit:
             self._queue.put_nowait(job)
         except asyncio.QueueFull:
             self.counts["dropped"] += 1
-            return self.state.outcome(job.seq, "out")
+            return self.state.outcome(job.seq, AuditOutcome.OUT)
         if self._worker is None or self._worker.done():
             self._worker = asyncio.ensure_future(self._work())
 
@@ -213,7 +213,7 @@ class LiveAudit:
             except Exception as e:  # noqa: BLE001 - one bad audit must not stop the others
                 if not self.retired:
                     self.counts["failed"] += 1
-                    self.state.outcome(job.seq, "out")
+                    self.state.outcome(job.seq, AuditOutcome.OUT)
                 logger.warning("orca audit %s failed: %r", job.key, e)
 
     async def _process(self, job: _Job) -> None:
@@ -281,7 +281,8 @@ class LiveAudit:
                 logger.warning("orca audit: %d scores for %d steps; left out", len(scores),
                                len(labels))
         self.state.outcome(
-            seq, "censored" if censored else "risk" if s is not None else "out",
+            seq, AuditOutcome.CENSORED if censored else AuditOutcome.RISK if s is not None
+            else AuditOutcome.OUT,
             cause=cause if censored else None,
             scores=None if s is None else s.tolist(), labels=None if s is None else labels.tolist(),
             give_up=[float(x) for x in give_up]

@@ -30,7 +30,7 @@ from orca_method.bundle import Bundle
 from orca_method.outcomes import ON_ALARM, OnAlarm
 from orca_method.risk import request_loss
 from orca_serve.live_audit.guard_log import log_change, log_give_up_change, shown_lam
-from orca_serve.live_audit.journal import SNAPSHOT_EVERY, EventJournal
+from orca_serve.live_audit.journal import SNAPSHOT_EVERY, AuditOutcome, EventJournal
 from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE
 from orca_serve.live_audit.options import EPSILON_SPLITS, AuditConfig, guard_epsilon
 
@@ -239,7 +239,7 @@ class AuditState:
         dead = {owner for owner in owners if not self.journal.alive(owner)} | {_SKIPPED}
         for seq, owner in list(self._open.items()):
             if owner in dead:
-                self._event({"r": seq, "o": "lost"})
+                self._event({"r": seq, "o": AuditOutcome.LOST})
 
     def _apply(self, e: dict[str, Any], quiet: bool = False) -> None:
         """Fold one event into the guards (identically in every process that reads it)."""
@@ -247,24 +247,24 @@ class AuditState:
             self.admitted += 1
             self._open[self.admitted] = e["a"]
             return
-        seq, outcome = int(e["r"]), e["o"]
+        seq, outcome = int(e["r"]), e["o"]  # a word: members compare equal to it
         if seq > self.admitted:  # admissions up to it were corrupt lines, skipped (journal.py)
             self._open.update(dict.fromkeys(range(self.admitted + 1, seq + 1), _SKIPPED))
             self.admitted = seq
         if seq not in self._open:
             return  # resolved twice (two processes reaped it at once): the first counts
         del self._open[seq]
-        if outcome == "lost":
+        if outcome == AuditOutcome.LOST:
             self.lost += 1
         item = None
         if "s" in e:
             item = (np.asarray(e["s"], dtype=float), np.asarray(e["l"], dtype=np.int8))
-        if outcome == "risk":
+        if outcome == AuditOutcome.RISK:
             assert item is not None
             s, labels = item
             for g in self.guards.values():
                 g.observe(seq, lambda lam: (float(self.loss(s, labels, lam)), False, 1.0))
-        elif outcome == "censored":
+        elif outcome == AuditOutcome.CENSORED:
             # with its recording, known at the thresholds that stop before its end (cut_feed);
             # "c": why it did not finish (journals before it: unknown, treated as aborted)
             feed = None if item is None else (
@@ -272,8 +272,9 @@ class AuditState:
             for g in self.guards.values():
                 g.observe(seq, feed)
         if "g" in e:  # in the give-up risk (journals written before it have no "g": left out)
-            self._give_up(None if outcome == "censored" else e["g"], quiet)
-        self._resolve(seq, item if outcome in ("risk", "censored") else None, quiet)
+            self._give_up(None if outcome == AuditOutcome.CENSORED else e["g"], quiet)
+        counted = outcome in (AuditOutcome.RISK, AuditOutcome.CENSORED)
+        self._resolve(seq, item if counted else None, quiet)
 
     def _give_up(self, scores: list[float] | None, quiet: bool) -> None:
         """One audit's give-up scores (None: censored) to every give-up guard."""
@@ -289,7 +290,7 @@ class AuditState:
         # the newest admission of this owner: ours (one process admits one at a time)
         return self.admitted
 
-    def outcome(self, seq: int, outcome: str, *, scores: list[float] | None = None,
+    def outcome(self, seq: int, outcome: AuditOutcome, *, scores: list[float] | None = None,
                 labels: list[int] | None = None, give_up: list[float] | None = None,
                 cause: str | None = None) -> None:
         """The outcome of admission `seq`: `risk` (with its `scores` and cumulative `labels`),
@@ -303,8 +304,8 @@ class AuditState:
             event.update(s=scores, l=labels)
         if cause is not None:
             event["c"] = cause
-        if self.give_up_guards and (outcome == "censored" or give_up is not None):
-            event["g"] = None if outcome == "censored" else give_up
+        if self.give_up_guards and (outcome == AuditOutcome.CENSORED or give_up is not None):
+            event["g"] = None if outcome == AuditOutcome.CENSORED else give_up
         self._event(event)
 
     def close(self) -> None:

@@ -55,7 +55,8 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
 )
 
 from orca_serve.core.pooling import IdReadback
-from orca_serve.core.registry import Entry, Request
+from orca_serve.core.registry import Entry
+from orca_serve.core.rows import RowMap, Tracked
 from orca_serve.core.speculation import UNKNOWN
 from orca_serve.vllm_compat import capture
 from orca_serve.vllm_compat.runner import NewRequests, find_mrv2_runner, offered_mrv2_runner
@@ -74,8 +75,7 @@ class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
         device = torch.device(req_states.device)
         self._states = req_states
         self._start_core(vllm_config, device, device.type == "cuda")
-        self._slots: dict[int, Request] = {}  # slot -> tracked request in the batch
-        self._slot_of: dict[str, int] = {}  # request id -> its slot
+        self._slots = RowMap(self._park)  # slot -> tracked request in the batch
         self._new: dict[str, tuple[list[int], int]] = {}  # during add_requests: id -> ids, P
         self._fed: dict[str, tuple[int, int]] = {}  # request id -> (output position, its id)
         self._in_flight: list[tuple[str, int, int]] = []  # (request id, position, row) copied
@@ -100,43 +100,39 @@ class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
             if finished and self._in_flight:  # their ids in flight are of no use any more
                 self._in_flight = [e for e in self._in_flight if e[0] not in finished]
             for rid in finished | preempted:
+                self._slots.pop(rid)
                 req = self.core.live.get(rid)
                 if req is None:
                     continue
                 final = rid in finished
-                slot = self._slot_of.pop(rid, None)
-                if slot is not None and self._slots.get(slot) is req:
-                    del self._slots[slot]
                 if final:
                     self._fed.pop(rid, None)
                 if final or req.attached:
                     self.core.leave(req, final)
 
+    def _park(self, old: Tracked) -> None:
+        """A slot reused without finish_requests naming its occupant (should not happen): park
+        it, which the result TTL ends if it never comes back."""
+        if old.req.attached:
+            self.core.leave(old.req, False)
+
     # -- the MRV2 interface -----------------------------------------------------------------
     def add_request(self, req_idx: int, sampling_params) -> bool:
         with self._lock:
-            old = self._slots.pop(req_idx, None)
-            if old is not None and old.attached:  # freed without finish_requests: park it
-                self._slot_of.pop(old.ident, None)
-                self.core.leave(old, False)
-            if self._runner is None or not self.core.wants(sampling_params.extra_args):
-                return False
-            req_id = self._runner.request_id(req_idx)
-            new = self._new.get(req_id) if req_id is not None else None
-            if new is None:
-                log.error("orca: slot %d has no new request in this step; not tracked", req_idx)
-                return False
-            ids, prompt_len = new
-            req = self._join(req_id, sampling_params, ids[:prompt_len], len(ids) - prompt_len,
-                             None, child_index(req_id, sampling_params))
-            if req is None:
-                return False
-            moved_from = self._slot_of.get(req_id)
-            if moved_from is not None and self._slots.get(moved_from) is req:
-                del self._slots[moved_from]
-            self._slots[req_idx] = req
-            self._slot_of[req_id] = req_idx
-            return True
+            return self._slots.add(req_idx, sampling_params, self._join_slot)
+
+    def _join_slot(self, slot: int, sampling_params) -> Tracked | None:
+        if self._runner is None or not self.core.wants(sampling_params.extra_args):
+            return None
+        req_id = self._runner.request_id(slot)
+        new = self._new.get(req_id) if req_id is not None else None
+        if new is None:
+            log.error("orca: slot %d has no new request in this step; not tracked", slot)
+            return None
+        ids, prompt_len = new
+        req = self._join(req_id, sampling_params, ids[:prompt_len], len(ids) - prompt_len,
+                         None, child_index(req_id, sampling_params))
+        return None if req is None else Tracked(req, None)
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
         """One engine step: [rows, vocab] float32 logits, changed in place."""
@@ -148,9 +144,10 @@ class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
             one_row_each = logits.shape[0] == len(ctx.idx_mapping_np)
             entries = []
             for row, slot in enumerate(ctx.idx_mapping_np.tolist()):
-                req = self._slots.get(slot)
-                if req is None:
+                tracked = self._slots.get(slot)
+                if tracked is None:
                     continue
+                req = tracked.req
                 if not one_row_each:  # refused at construction; should not happen
                     req.fail("more than one logits row per request (speculative decoding)")
                     continue

@@ -1,9 +1,11 @@
 """The V1 adapter: vLLM's V1 custom logits processor interface, driving `OrcaCore`.
 
-The only code that touches `vllm.v1.sample.logits_processor`. It turns `BatchUpdate`s (rows
-removed, added, moved) into the core's join/leave, and each `apply(logits)` into one core step
-with plain data (per tracked row: output length and its last two token ids). All decisions are
-the core's (orca_serve/core); what both adapters share is in `adapter.py`.
+The only code that touches `vllm.v1.sample.logits_processor`. It feeds `BatchUpdate`s (rows
+removed, added, moved) to the row map (`orca_serve.core.rows.RowMap`, shared with the MRV2
+adapter), whose joins and displacements are the core's join/leave, and turns each
+`apply(logits)` into one core step with plain data (per tracked row: output length and its
+last two token ids). All decisions are the core's (orca_serve/core); what both adapters share
+is in `adapter.py`.
 
 `OrcaLogitsProcessor` is also the FQCN for Model Runner V2: constructed the MRV2 way it returns
 the MRV2 adapter (`mrv2.py`), so one engine argument serves whichever runner vLLM picks.
@@ -39,13 +41,15 @@ check_vllm_version()
 import itertools
 
 import torch
+from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 from vllm.v1.worker.gpu.sample.logits_processor.interface import (
     LogitsProcessor as MRV2LogitsProcessor,
 )
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcRequestState
 
-from orca_serve.core.registry import Entry, Request
+from orca_serve.core.registry import Entry
+from orca_serve.core.rows import Added, Moved, RowMap, Tracked
 from orca_serve.core.speculation import UNKNOWN, DraftEntry, DraftSteps
 from orca_serve.vllm_compat import capture
 from orca_serve.vllm_compat.runner import V1Runner, find_v1_runner
@@ -79,7 +83,7 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
         self._runner: V1Runner | None = None
         self._start_core(vllm_config, device, is_pin_memory)
         self.core.rows_exact = False  # until the runner is attached
-        self._rows: dict[int, tuple[Request, list[int]]] = {}
+        self._rows = RowMap(self._leave)
         # speculative decoding: every step goes through the draft-row driver (speculation.py)
         self._drafts: DraftSteps | None = None
         self.sampling_drafts = False  # vLLM's rejection sampler is running (rows handled)
@@ -112,40 +116,29 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
         if batch_update is None:
             return
         with self._lock:
-            rows = self._rows
-            for row in batch_update.removed:
-                self._leave(rows.pop(row, None))
-            new: dict[int, tuple] = {}
-            for row, params, prompt, out in batch_update.added:
-                self._leave(rows.pop(row, None))  # replaced without a removal (should not happen)
-                new.pop(row, None)
-                if self.core.wants(params.extra_args):
-                    new[row] = (params, prompt, out)
-            for a, b, kind in batch_update.moved:
-                for table in (rows, new):
-                    va, vb = table.pop(a, None), table.pop(b, None)
-                    if kind == MoveDirectionality.SWAP:
-                        if vb is not None:
-                            table[a] = vb
-                    elif table is rows:
-                        self._leave(vb)
-                    if va is not None:
-                        table[b] = va
-            for row, (params, prompt, out) in new.items():
-                req = self._join_row(row, params, prompt, out)
-                if req is not None:
-                    rows[row] = (req, out)
+            self._rows.update(
+                batch_update.removed,
+                [Added(row, (params, prompt, out))
+                 for row, params, prompt, out in batch_update.added],
+                [Moved(a, b, kind == MoveDirectionality.SWAP)
+                 for a, b, kind in batch_update.moved],
+                self._join_row)
 
-    def _join_row(self, row: int, params, prompt, out: list[int]) -> Request | None:
+    def _join_row(self, row: int, added: tuple[SamplingParams, list[int] | None, list[int]],
+                  ) -> Tracked | None:
+        params, prompt, out = added
+        if not self.core.wants(params.extra_args):
+            return None
         req_id = self._req_id(row, out)
         index = child_index(req_id, params)
         ident = req_id if req_id is not None else f"params-{id(params)}/{index}"
-        return self._join(ident, params, prompt, len(out), out, index)
+        req = self._join(ident, params, prompt, len(out), out, index)
+        return None if req is None else Tracked(req, out)
 
-    def _leave(self, tracked: tuple[Request, list[int]] | None) -> None:
-        if tracked is None:
-            return
+    def _leave(self, tracked: Tracked) -> None:
+        """A tracked request lost its row (the row map's `displaced`): ended, or preempted."""
         req, out = tracked
+        assert out is not None
         if self._runner is not None:
             final = not self._runner.is_preempted(req.ident)
         else:
@@ -199,7 +192,7 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
                        for b, (req, out) in self._scheduled()]
             self._drafts.step(entries, hidden, logits)
 
-    def _scheduled(self) -> list[tuple[int, tuple[Request, list[int]]]]:
+    def _scheduled(self) -> list[tuple[int, Tracked]]:
         """The tracked batch rows of this step, without those whose sampled token vLLM throws
         away (partial prefill chunks)."""
         discard = None if self._runner is None else self._runner.discarded_rows()

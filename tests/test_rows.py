@@ -1,0 +1,131 @@
+"""The row map both adapters feed (orca_serve/core/rows.py), against vLLM's own bookkeeping.
+
+vLLM's builtin logits processors keep position -> state with `process_dict_updates`
+(vllm/v1/sample/logits_processor/builtin.py); the row map must place every request where it
+does, over random batch updates of the kinds vLLM's persistent batch sends, and hand each
+request that loses its position without moving to `displaced` exactly once.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+from orca_serve.core.rows import Added, Moved, RowMap, Tracked
+from orca_serve.vllm_plugin.processor import OrcaLogitsProcessor
+from tests.core_sim import PROMPT, sim_bundle
+from tests.test_mrv2 import cpu_vllm, vllm_config  # noqa: F401 - cpu_vllm: autouse fixture
+
+
+def _fake(ident: str) -> Tracked:
+    return Tracked(SimpleNamespace(ident=ident), None)  # type: ignore[arg-type]
+
+
+def _random_update(rng: random.Random, occupied: list[int], size: int,
+                   fresh: Callable[[], tuple[Any, list[int] | None, list[int]]]) -> BatchUpdate:
+    """What vLLM's persistent batch sends (`fresh()`: a new request's params, prompt, output):
+    removals, additions into the lowest freed rows (then past the end; a freed row that is
+    filled is not reported removed: BatchUpdateBuilder's `pop_removed`), unidirectional moves from the tail into holes, swaps, and now and then an
+    addition or a move onto an occupied row ("Added or moved requests may replace existing
+    requests with the same index", vLLM's BatchUpdate)."""
+    removed = sorted(rng.sample(occupied, rng.randint(0, len(occupied))))
+    added, holes = [], list(removed)
+    for _ in range(rng.randint(0, 4)):
+        row = holes.pop(0) if holes else size + len([a for a in added if a[0] >= size])
+        if rng.random() < 0.1 and occupied:
+            row = rng.choice(occupied)
+        added.append((row, *fresh()))
+    removed = [r for r in removed if r not in {a[0] for a in added}]
+    rows = sorted(set(occupied) - set(removed) | {a[0] for a in added})
+    moved = []
+    for _ in range(rng.randint(0, 3)):
+        if len(rows) < 2:
+            break
+        a, b = rng.sample(rows, 2)
+        kind = MoveDirectionality.SWAP if rng.random() < 0.6 else MoveDirectionality.UNIDIRECTIONAL
+        moved.append((a, b, kind))
+    return BatchUpdate(batch_size=len(rows), removed=removed, added=added, moved=moved)
+
+
+def test_row_map_places_every_request_where_vllms_own_bookkeeping_does():
+    rng = random.Random(7)
+    displaced: list[str] = []
+    rows = RowMap(lambda t: displaced.append(t.req.ident))
+    reference: dict[int, str] = {}
+    names = iter(range(10**6))
+
+    def fresh() -> tuple[str, None, list[int]]:
+        return f"r{next(names)}", None, []
+
+    tracked_ever = 0
+    for _ in range(3000):
+        update = _random_update(rng, sorted(reference), max(reference, default=-1) + 1, fresh)
+        # one in three added requests is not tracked (the core does not want it)
+        wanted = {params: rng.random() < 2 / 3 for _, params, _, _ in update.added}
+        before = {t.req.ident for _, t in rows.items()}
+        rows.update(update.removed, [Added(r, p) for r, p, _, _ in update.added],
+                    [Moved(a, b, k == MoveDirectionality.SWAP) for a, b, k in update.moved],
+                    lambda row, p: _fake(p) if wanted[p] else None)
+        process_dict_updates(reference, update, lambda p, _prompt, _out: p if wanted[p] else None)
+        assert {r: t.req.ident for r, t in rows.items()} == reference
+        joined = {p for p, w in wanted.items() if w}
+        tracked_ever += len(joined)
+        # displaced this update: every tracked request that lost its place without moving
+        gone = (before | joined) - set(reference.values())
+        assert sorted(displaced) == sorted(gone)
+        displaced.clear()
+        assert len(rows) == len(reference)
+    assert tracked_ever > 1000 and len(reference) >= 1  # it did real work
+
+
+def test_a_slot_reused_or_a_request_resumed_elsewhere_keeps_one_position_each():
+    """MRV2's use: add_request per slot, finished or preempted ids popped by identity."""
+    displaced: list[str] = []
+    rows = RowMap(lambda t: displaced.append(t.req.ident))
+    a, b = _fake("a"), _fake("b")
+    assert rows.add(0, a, lambda _row, t: t) and rows.add(1, b, lambda _row, t: t)
+    assert not rows.add(0, None, lambda _row, t: t)  # slot 0 reused by an untracked request
+    assert displaced == ["a"] and rows.get(0) is None
+    assert rows.add(5, b, lambda _row, t: t)  # b resumed into a new slot: its old one let go
+    assert displaced == ["a"] and rows.get(1) is None and rows.get(5) is b
+    assert rows.pop("b") is b and rows.pop("b") is None and len(rows) == 0
+    assert displaced == ["a"]  # popped by the caller: the caller tells the core
+
+
+def test_the_v1_adapter_keeps_the_core_attached_to_exactly_the_rows_it_maps(tmp_path_factory):
+    """The V1 adapter's glue (`update_state`: joins through the core, displaced rows left) on
+    random batch updates: every row holds the request vLLM's bookkeeping puts there, and the
+    core's attached requests are exactly the mapped ones (a displaced one parked: without the
+    runner an unfinished output counts as a preemption)."""
+    proc = OrcaLogitsProcessor(vllm_config(sim_bundle(tmp_path_factory), 64),
+                               torch.device("cpu"), False)
+    rng = random.Random(11)
+
+    def fresh() -> tuple[SamplingParams, list[int], list[int]]:
+        on = int(rng.random() < 2 / 3)  # one in three not tracked (orca off)
+        return (SamplingParams(max_tokens=1000, extra_args={"orca_enabled": on,
+                                                            "orca_policy": "shadow"}),
+                list(PROMPT), [])
+
+    def ident(params: SamplingParams) -> str | None:
+        return f"params-{id(params)}/0" if params.extra_args["orca_enabled"] else None
+
+    reference: dict[int, str] = {}
+    kept: list[SamplingParams] = []  # alive: the identities are their ids
+    for _ in range(300):
+        update = _random_update(rng, sorted(reference), max(reference, default=-1) + 1, fresh)
+        kept += [p for _, p, _, _ in update.added]
+        proc.update_state(update)
+        process_dict_updates(reference, update, lambda p, _prompt, _out: ident(p))
+        rows = {r: t.req for r, t in proc._rows.items()}
+        assert {r: q.ident for r, q in rows.items()} == reference
+        attached = {id(q) for q in proc.core.live.values() if q.attached}
+        assert attached == {id(q) for q in rows.values()}
+    assert len(kept) > 300 and proc.get_stats()["parked_requests"] > 0  # it did real work
