@@ -11,8 +11,10 @@ audits and kept at dyadic ages, the whole history's giving the bounds), in audit
 scores to the drift monitor when the bundle has a reference. Only the audits the bundle's live
 table counts are read (`served_by`: the ones its live audit took, never those it was
 recalibrated on). Audits that did not finish (cut by max_tokens, aborted, the client gone)
-enter censored by the server's rule (`recorded_incomplete`): loss 0 for the alarm, loss 1 for
-the upper bound. Statistics: docs/AUDIT.md.
+enter by the server's rule (`recorded_incomplete`, `cut_feed`): with their loss at a lambda
+that stops before where they ended, censored at one that would stop later (loss 0 for the
+alarm; for the upper bound the loss at the cut when cut by max_tokens, else 1). Statistics:
+docs/AUDIT.md.
 
 `recalibrate` runs the calibration code (`calibrate_bundle`: replay + LTT) on the last N
 audits, cut ones included with their labels up to the cut, as calibration includes cut
@@ -36,6 +38,7 @@ from orca_calibrate.calibrate import calibrate_bundle, score_split
 from orca_calibrate.train import meta_train, train_static, training_settings
 from orca_method.audit.attrition import recorded_incomplete
 from orca_method.audit.drift import DRIFT_WINDOW, DriftMonitor
+from orca_method.audit.guards import cut_feed
 from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import Bundle, BundleError, Labelling, Segmentation, labelling_for
 from orca_method.give_up import request_give_up_loss
@@ -159,11 +162,13 @@ def _labelled_for(bundle: Bundle, info: dict[str, Any]) -> bool:
     return True
 
 
-def unfinished(ts: TrajectorySet) -> list[int]:
+def unfinished(ts: TrajectorySet) -> dict[int, str]:
     """Positions of the audits that did not finish (cut by max_tokens, aborted, the client
-    gone: `finish_reason` null): censored in the risk, by the server's rule
-    (orca_method.audit.attrition.recorded_incomplete)."""
-    return [i for i, p in enumerate(ts.problems) if recorded_incomplete(p.extra) is not None]
+    gone: `finish_reason` null), each with its attrition count: censored in the risk past
+    where they ended, by the server's rule (orca_method.audit.attrition.recorded_incomplete,
+    orca_method.audit.guards.cut_feed)."""
+    return {i: cause for i, p in enumerate(ts.problems)
+            if (cause := recorded_incomplete(p.extra)) is not None}
 
 
 def audit_label_mode(bundle: Bundle, ts: TrajectorySet, requested: str | None = None) -> str:
@@ -194,8 +199,8 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
                  ) -> dict[str, Any]:
     """Per delta: audits counted, realized risk, confidence bounds, alarm, and their history.
 
-    Audits that did not finish enter censored, as in the server (CensoredAlarm): loss 0 for
-    the alarm, 1 for the upper bound. ``alpha`` (default: the bundle's epsilon) is split across
+    Audits that did not finish enter as in the server (`cut_feed`): known at a lambda that
+    stops before where they ended, censored past it. ``alpha`` (default: the bundle's epsilon) is split across
     the deltas when ``epsilon_split`` is ``joint``, as the server's guards split it."""
     if ts.dim != bundle.model.hidden_size:
         raise ValueError(f"the bundle is for {bundle.model.hidden_size}-dim embeddings "
@@ -207,7 +212,7 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
     deltas = bundle.deltas()
     alpha = guard_epsilon(bundle.ltt.epsilon if alpha is None else alpha, len(deltas),
                           epsilon_split)
-    cut = set(unfinished(ts))
+    cut = unfinished(ts)
     scored = score_split(bundle.load_probe(), ts, "all", mode, bundle.window, solvable_only=False)
     lams = [bundle.lam(d) for d in deltas]
     cs = CensoredAlarm(alpha, shape=(len(deltas),))  # the server's statistics (live.py)
@@ -223,8 +228,12 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
         if not censored and not is_counted(c, bundle.ltt.excluded_never_correct):
             skipped += 1
             continue
-        cs.update(np.zeros(len(deltas)) if censored
-                  else request_losses(s, c, lams).astype(float), censored)
+        if not censored:
+            cs.update(request_losses(s, c, lams).astype(float))
+        elif not is_counted(c, bundle.ltt.excluded_never_correct):
+            cs.update(np.zeros(len(deltas)), True)  # never right up to its end: unknown
+        else:
+            cs.update(*map(np.asarray, zip(*(cut_feed(s, c, lam, cut[i]) for lam in lams))))
         for key, values in history.items():
             values.append(np.asarray(getattr(cs, key)).tolist())
         for j, fired in enumerate(cs.alarm(np.asarray(deltas))):
@@ -263,7 +272,7 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
 
 
 
-def give_up_report(bundle: Bundle, ts: TrajectorySet, mode: str, cut: set[int],
+def give_up_report(bundle: Bundle, ts: TrajectorySet, mode: str, cut: dict[int, str],
                    epsilon_split: EpsilonSplit) -> dict[str, Any] | None:
     """Per give-up delta of a two-sided bundle, the server's give-up guard replayed: the
     give-up probe replayed on every audit (never-right ones too: the give-up risk is over all

@@ -93,6 +93,19 @@ def request_loss(scores: Sequence[float], labels: Sequence[int], lam: float) -> 
     return int(request_losses(scores, labels, [lam])[0])
 
 
+def stops_before_end(scores: Sequence[float], lam: float) -> bool:
+    """Whether the procedure under ``lam`` stops strictly before the last recorded step: some
+    smoothed score before the last one reaches ``lam``.
+
+    For a trajectory that did not finish (cut by max_tokens, aborted) this is whether the stop
+    at ``lam`` came before the end of the recording; then the loss at ``lam`` is the label at
+    that stop, which the recorded steps determine (docs/METHOD.md section 10), and only the
+    thresholds that stop later have an unknown loss.
+    """
+    m = np.asarray(scores, dtype=float)
+    return bool(m.size > 1 and np.any(m[:-1] >= lam))
+
+
 def is_counted(labels: Sequence[int], excluded_never_correct: bool = True) -> bool:
     """Whether a trajectory enters the calibrated risk: not when its labels are all 0 and the
     bundle excluded never-correct trajectories (their loss is 1 at every threshold)."""

@@ -43,9 +43,11 @@ class FakeCS:
     def __init__(self) -> None:
         self.n, self.censored, self.mean, self.lower, self.upper = 0, 0, 0.0, 0.0, 1.0
         self.losses: list[float | None] = []  # None: censored
+        self.worst: list[float | None] = []  # a censored audit's upper imputation
 
-    def update(self, loss: float, censored: bool = False) -> None:
+    def update(self, loss: float, censored: bool = False, worst: float = 1.0) -> None:
         self.losses.append(None if censored else loss)
+        self.worst.append(worst if censored else None)
         self.n = len(self.losses)
         self.censored += int(censored)
         known = [x for x in self.losses if x is not None]
@@ -255,19 +257,22 @@ def test_recalibrate_waits_for_audits_admitted_after_the_alarm(bundle) -> None:
 
 
 def test_unfinished_audits_enter_the_risk_censored(bundle) -> None:
-    """Cut by max_tokens or never finished: counted, and in the risk with an unknown loss (at 0
-    for the alarm, at 1 for the upper bound: CensoredAlarm), labelled when there is a recording
-    (as calibration labels a cut trajectory) and censored without labels when there is none."""
+    """Cut by max_tokens or never finished: counted, labelled when there is a recording (as
+    calibration labels a cut trajectory), and in the risk with their loss at a lambda that stops
+    before where they ended, censored at one that would stop later (at 0 for the alarm; for
+    the upper bound at the loss at the cut when cut, at 1 when aborted: cut_feed) and censored
+    at every lambda without a recording."""
     import asyncio
 
     audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0), labeller=FakeLabeller(),
                       cs_factory=FakeCS, loss=_loss)
     h = bundle.model.hidden_size
+    assert 0.01 < bundle.lam(0.1) <= 0.5  # 0.5 stops at the first step, 0.01 at the last
 
     async def run() -> None:
         for reasons, result in (({0: "length"}, _recorded(0.5, h)), ({}, _recorded(0.5, h)),
-                                ({0: "abort"}, _recorded(0.5, h)), ({0: "stop"}, _recorded(0.5, h)),
-                                ({}, None)):
+                                ({0: "abort"}, _recorded(0.01, h)), ({0: "stop"}, _recorded(0.5, h)),
+                                ({0: "length"}, _recorded(0.01, h)), ({}, None)):
             _, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle,
                                   thresholds=audit)
             audit.finished(settings, {0: result}, reasons)
@@ -276,12 +281,15 @@ def test_unfinished_audits_enter_the_risk_censored(bundle) -> None:
 
     asyncio.run(run())
     table = audit.table()
-    assert (table["length"], table["aborted"], table["labelled"], table["failed"]) == (1, 3, 1, 0)
+    assert (table["length"], table["aborted"], table["labelled"], table["failed"]) == (2, 3, 1, 0)
     cs = audit.state.guard(0.1).cs
-    assert cs.losses == [None, None, None, 1, None] and cs.censored == 4
+    # stopped at the first step, before the cut (or the abort): loss known (labels [0, 1])
+    assert cs.losses == [1, 1, None, 1, None, None] and cs.censored == 3
+    # past the end: an aborted one at 1, a cut one at its loss at the cut (right there: 0)
+    assert cs.worst == [None, None, 1.0, None, 0.0, 1.0]
     row = table["deltas"][[d["delta"] for d in table["deltas"]].index(0.1)]
-    assert row["censored"] == 4 and row["n"] == 5
-    assert table["attrition"]["length"] == 0.2 and table["attrition"]["aborted"] == 0.6
+    assert row["censored"] == 3 and row["n"] == 6
+    assert table["attrition"]["length"] == pytest.approx(2 / 6)
 
 
 def _drift_audit(bundle, seed: int):

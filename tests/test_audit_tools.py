@@ -152,10 +152,26 @@ def test_bad_input_is_one_line(world, tmp_path, capsys):
         assert err.startswith(f"orca-calibrate {argv[0]}: error:") and err.count("\n") == 1
 
 
+def _past_the_end(bundle, ts, i: int) -> list[tuple[bool, int]]:
+    """Per delta of the bundle: whether the stop at its lambda* comes at or after the last
+    recorded step of audit i (so a cut there is censored), and the loss at that lambda."""
+    from orca_calibrate.calibrate import score_split
+    from orca_method.risk import is_counted, request_loss, stops_before_end
+
+    scored = score_split(bundle.load_probe(), ts, "all", "consistent", bundle.window,
+                         solvable_only=False)
+    s, c = scored.scores[i], scored.labels[i]
+    counted = is_counted(c, bundle.ltt.excluded_never_correct)  # never right: unknown throughout
+    return [(not (counted and stops_before_end(s, bundle.lam(d))),
+             request_loss(s, c, bundle.lam(d)) if counted else 1) for d in bundle.deltas()]
+
+
 def test_unfinished_audits_enter_censored_offline(world):
-    """An audit record whose finish_reason says it was cut enters censored, as the server
-    counts it: at loss 0 for the alarm's lower bound and 1 for the upper bound (the range is
-    1/n wide); `stop` and records without one count as finished. `joint` splits alpha."""
+    """An audit record whose finish_reason says it was cut enters as the server counts it: with
+    its loss at a lambda* that stops before the cut, censored at one that would stop later (at
+    loss 0 for the alarm's lower bound and at its loss at the cut for the upper bound, so the
+    range is that over n wide); `stop` and records without one count as finished. `joint`
+    splits alpha."""
     from dataclasses import replace
 
     from orca_calibrate.audit_report import audit_report, open_audits
@@ -170,10 +186,12 @@ def test_unfinished_audits_enter_censored_offline(world):
     assert (rep["audits"], rep["unfinished_censored"]) == (800, 1)
     recovered = plain["never_correct_skipped"] - rep["never_correct_skipped"]  # 0 or 1
     assert n == plain["counted"] + recovered
-    for row, was in zip(rep["deltas"], plain["deltas"]):
+    for row, was, (past, loss) in zip(rep["deltas"], plain["deltas"],
+                                      _past_the_end(bundle, ts, 0)):
         low, high = row["risk_range"]
-        assert row["censored"] == 1 and high - low == pytest.approx(1 / n)
-        assert row["lower"] <= was["lower"] + 1e-9 and row["upper"] >= was["upper"] - 1e-9
+        assert row["censored"] == int(past) and high - low == pytest.approx(past * loss / n)
+        if not recovered:  # the same audits, one of them censored or not
+            assert row["lower"] <= was["lower"] + 1e-9 and row["upper"] >= was["upper"] - 1e-9
     joint = audit_report(bundle, ts, mode="consistent", epsilon_split="joint")
     assert joint["alpha"] == pytest.approx(rep["alpha"] / len(rep["deltas"]))
     assert all(j["lower"] <= r["lower"] and j["upper"] >= r["upper"]
@@ -263,9 +281,14 @@ def test_a_disconnected_audit_is_censored_offline_as_on_the_server(world):
     ts.problems[3] = replace(ts.problems[3], extra={"finish_reason": None})
     ts.problems[4] = replace(ts.problems[4], extra={"finish_reason": "abort"})
     assert incomplete(None) == incomplete("abort") == "aborted"  # the server's counts
-    assert unfinished(ts) == [3, 4]
-    rep = audit_report(load_bundle(world / "bundle.json"), ts, mode="consistent")
-    assert rep["unfinished_censored"] == 2 and all(r["censored"] == 2 for r in rep["deltas"])
+    assert list(unfinished(ts)) == [3, 4]
+    import numpy as np
+
+    bundle = load_bundle(world / "bundle.json")
+    rep = audit_report(bundle, ts, mode="consistent")
+    past = np.array([_past_the_end(bundle, ts, i) for i in (3, 4)])[..., 0].sum(axis=0)
+    assert rep["unfinished_censored"] == 2
+    assert [r["censored"] for r in rep["deltas"]] == past.tolist()
 
 
 def test_after_a_reload_each_bundle_counts_only_the_audits_its_live_audit_took(world, tmp_path,

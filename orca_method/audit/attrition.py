@@ -3,11 +3,14 @@
 An audit measures the loss of a request that ran to its natural end: the answer after the last
 step is what the consistency labels compare every step with. A request cut by `max_tokens`
 (finish_reason `length`) or never finished (the client went away, the server aborted it: no
-finish_reason, or vLLM's `abort`) has no such end, so its loss is unknown. Leaving such audits
-out biases the risk low when being cut depends on the loss (long, hard requests are cut more
-often, and are where an early stop is wrong), so they enter the statistics censored, by the
-server and by the offline tools alike (`CensoredAlarm`: loss 0 for the alarm, loss 1 for the
-upper bound; docs/AUDIT.md, "Cut and aborted audits"), and the table shows their share.
+finish_reason, or vLLM's `abort`) has no such end, so its loss is unknown at every threshold that
+would stop after where it ended (at one that stops before, the label at the stop gives it:
+`orca_method.audit.guards.cut_feed`). Leaving such audits out biases the risk low when being
+cut depends on the loss (long, hard requests are cut more often, and are where an early stop is
+wrong), so at those thresholds they enter the statistics censored, by the server and by the
+offline tools alike (`CensoredAlarm`: loss 0 for the alarm; for the upper bound loss 1, or for a
+cut audit the loss at its cut, which the certified population counts), docs/AUDIT.md, "Cut and
+aborted audits"; the table shows their share.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+CUT = "length"  # the count of audits cut by max_tokens: their cut is their end (section 10)
 # finish_reason -> the count it goes to; None: the response never reported one
-INCOMPLETE: dict[str | None, str] = {"length": "length", "abort": "aborted", None: "aborted"}
+INCOMPLETE: dict[str | None, str] = {"length": CUT, "abort": "aborted", None: "aborted"}
 
 
 def incomplete(finish_reason: str | None) -> str | None:

@@ -16,12 +16,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from orca_method.audit.attrition import CUT
 from orca_method.audit.drift import DriftMonitor, build_reference
 from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import DriftReference
 from orca_method.give_up import request_give_up_loss
 from orca_method.ltt import calibrate, default_grid
 from orca_method.outcomes import OnAlarm, Source
+from orca_method.risk import request_loss, stops_before_end
 from orca_method.thresholds import GIVE_UP_NEVER, NEVER, lam_from_json, lam_to_json, mu_from_json
 
 
@@ -35,7 +37,7 @@ class CS(Protocol):
     lower: float
     upper: float
 
-    def update(self, loss: float, censored: bool = False) -> None: ...
+    def update(self, loss: float, censored: bool = False, worst: float = 1.0) -> None: ...
 
     def alarm(self, delta: float) -> bool: ...
 
@@ -54,6 +56,29 @@ def aligned_scores(scores: Iterable[float], n_steps: int) -> np.ndarray | None:
     if len(s) not in (n_steps, n_steps - 1) or not np.all((s >= 0) & (s <= 1)):
         return None
     return np.concatenate([s, np.zeros(n_steps - len(s))])
+
+
+# what one audit feeds a guard's statistics at one threshold: CS.update's (loss, censored, worst)
+Feed = tuple[float, bool, float]
+UNKNOWN: Feed = (0.0, True, 1.0)  # censored without a usable recording: any loss in [0, 1]
+
+
+def cut_feed(scores: np.ndarray, labels: np.ndarray, lam: float, cause: str | None,
+             loss: Callable[[np.ndarray, np.ndarray, float], int] = request_loss) -> Feed:
+    """What an audit that did not finish (cut or aborted) with a recording feeds at `lam`.
+
+    Its scores and cumulative labels run up to where it ended. When the procedure under `lam`
+    stops before that end (`stops_before_end`), the request under `lam` would have answered at
+    that stop, whatever came after, and the label there says whether that answer is right: the
+    loss is known and enters uncensored. When it would stop later, the loss is unknown:
+    censored, with `worst` 1 for an aborted audit and, for one cut by max_tokens (`cause`
+    CUT), the loss at the cut (the last recorded step), which is the loss of the population
+    calibration certified, where a cut trajectory ends at its cut (docs/METHOD.md section 10).
+    """
+    x = loss(scores, labels, lam)
+    if stops_before_end(scores, lam):
+        return float(x), False, 1.0
+    return 0.0, True, float(x) if cause == CUT else 1.0
 
 
 def ltt_lambda(scores: list[np.ndarray], labels: list[np.ndarray], delta: float, *,
@@ -138,13 +163,14 @@ class DeltaGuard:
         """The realized risk of the bundle's lambda* exceeds delta (its lower bound does)."""
         return bool(self.cs.n) and bool(self.cs.alarm(self.delta))
 
-    def observe(self, seq: int, loss: Callable[[float], int] | None) -> None:
-        """One counted audit (admission number `seq`): its loss at the bundle's lambda*, and at
-        the recalibrated lambda when the audit was admitted after that lambda took effect.
-        `loss` None: a censored audit (cut or aborted), whose loss is unknown (CensoredAlarm)."""
-        self.cs.update(0.0 if loss is None else loss(self.bundle_lam), loss is None)
+    def observe(self, seq: int, feed: Callable[[float], Feed] | None) -> None:
+        """One counted audit (admission number `seq`): what it feeds at the bundle's lambda*,
+        and at the recalibrated lambda when the audit was admitted after that lambda took
+        effect (`feed(lam)`: its loss, or censored, `cut_feed`). `feed` None: an audit whose
+        loss is unknown at every threshold (UNKNOWN)."""
+        self.cs.update(*(UNKNOWN if feed is None else feed(self.bundle_lam)))
         if self.served is not None and seq > self.served.since:
-            self.served.cs.update(0.0 if loss is None else loss(self.served.lam), loss is None)
+            self.served.cs.update(*(UNKNOWN if feed is None else feed(self.served.lam)))
 
     def decide(self, now: int, window: Callable[[int], Window | None],
                ltt: Callable[[list[np.ndarray], list[np.ndarray], float, float], float],

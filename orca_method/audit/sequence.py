@@ -316,27 +316,28 @@ class RestartedAlarm:
 class CensoredAlarm:
     """The guard's statistics when some audits' losses are unknown (censored, `censored=True`).
 
-    An audit cut by max_tokens or aborted has no loss that the whole traffic's risk could be
-    estimated from: the answer the request would have reached is unknown, and leaving it out
-    biases the risk low exactly when being cut goes with being wrong (hard problems run long).
-    Its loss is only known to lie in [0, 1], so it enters twice, at both ends:
+    An audit cut by max_tokens or aborted has no natural end, so its loss at a threshold whose
+    stop would come after the cut is unknown; leaving it out biases the risk low exactly when
+    being cut goes with being wrong (hard problems run long). (At a threshold that stops before
+    the cut its loss is known and it enters uncensored: `orca_method.audit.guards.cut_feed`.)
+    Its loss is only known to lie in [0, `worst`], so it enters twice, at both ends:
 
     - the ALARM (`RestartedAlarm`, lower bounds) counts it as loss 0. Each loss fed there is
       at most the audit's true loss, so the fed mean is at most the traffic's risk, and a lower
       bound above delta still establishes risk > delta at the alarm's level (epsilon / 2);
     - the UPPER bound (a `ConfidenceSequence` at epsilon / 2, the level of the alarm's member
-      0) counts it as loss 1: the fed mean is at least the risk, so the upper bound, and the
-      clearing that reads it, stay on the safe side.
+      0) counts it as loss `worst`: 1 (any loss) for an aborted audit; for a cut one, the loss
+      of the population calibration certified, where the cut is the trajectory's end
+      (docs/METHOD.md section 10). The fed mean is at least that risk, so the upper bound, and
+      the clearing that reads it, stay on the safe side for it.
 
     The displayed interval [lower, upper] (member 0's lower bound, the upper sequence's upper
-    bound; each side at level epsilon / 4) covers the whole traffic's risk at all times with
-    probability >= 1 - epsilon / 2, whatever the censored audits' losses are, so also for
-    calibration's convention (a cut trajectory labelled up to its cut; docs/METHOD.md) and for
-    a cut that depends on the loss. The price: the interval is at least the censored share
-    wide, and the alarm sees the risk less the censored audits' share of it.
+    bound; each side at level epsilon / 4) covers the certified risk at all times with
+    probability >= 1 - epsilon / 2, however being cut depends on the loss. The price: the
+    alarm sees the risk less the censored audits' share of it.
 
     `mean` is the mean over the uncensored audits; `risk_range` the means with censored audits
-    at 0 and at 1. Batched over `shape` like `RestartedAlarm` (the simulations use it).
+    at 0 and at `worst`. Batched over `shape` like `RestartedAlarm` (the simulations use it).
     """
 
     def __init__(self, epsilon: float = 0.05, every: int = RESTART_EVERY,
@@ -347,13 +348,16 @@ class CensoredAlarm:
         self.upper_side = ConfidenceSequence(epsilon / 2, grid_size, self.shape)
         self._censored = np.zeros(self.shape, dtype=np.int64)
 
-    def update(self, loss: float | np.ndarray, censored: bool | np.ndarray = False) -> None:
-        """One audit per stream: its loss, or (where `censored`) an unknown loss in [0, 1]
-        (the value passed there is ignored)."""
+    def update(self, loss: float | np.ndarray, censored: bool | np.ndarray = False,
+               worst: float | np.ndarray = 1.0) -> None:
+        """One audit per stream: its loss, or (where `censored`) an unknown loss in
+        [0, `worst`] (the value passed as `loss` there is ignored). `worst` is 1 but where the
+        censored loss is bounded by what the population certified counts (a cut audit at a
+        threshold that stops at the cut: `orca_method.audit.guards.cut_feed`)."""
         cut = np.broadcast_to(np.asarray(censored, dtype=bool), self.shape)
         x = np.where(cut, 0.0, np.asarray(loss, dtype=float))
         self.alarm_side.update(x)
-        self.upper_side.update(np.where(cut, 1.0, x))
+        self.upper_side.update(np.where(cut, np.asarray(worst, dtype=float), x))
         self._censored = self._censored + cut
 
     def _out(self, a: np.ndarray) -> Any:
@@ -379,7 +383,8 @@ class CensoredAlarm:
 
     @property
     def risk_range(self) -> tuple[Any, Any]:
-        """(mean with every censored audit at loss 0, mean with them at loss 1)."""
+        """(mean with every censored audit at loss 0, mean with them at their `worst`: loss 1
+        but for cut audits, docs/AUDIT.md "Cut and aborted audits")."""
         return self.alarm_side.mean, self.upper_side.mean
 
     @property

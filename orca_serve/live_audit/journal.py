@@ -15,6 +15,9 @@ into the same state (`LiveAudit._apply`), in file order:
                                                                     "g" its give-up scores (null:
                                                                     censored); no "g" (journals
                                                                     before it): not in that risk
+    {"r": 19, "o": "censored", "s": [...], "l": [...], "c": "length"}  cut by max_tokens ("c":
+                                                                    why; journals before it:
+                                                                    none, read as aborted)
 
 - **Restarts**: a server that starts with the same bundle and directory replays the journal and
   carries on where the last one stopped, so the alarm's levels are spent once per bundle, not

@@ -175,7 +175,7 @@ class LiveAudit:
         if cut is not None:  # cut or aborted: its loss is unknown, it enters as censored
             self.counts[cut] += 1
             if why is not None:  # nothing to label: censored without a record
-                return self.state.outcome(seq, "censored")
+                return self.state.outcome(seq, "censored", cause=cut)
         elif why is not None:
             self.counts["failed"] += 1
             logger.warning("orca audit %s failed: %s", settings.key, why)
@@ -233,8 +233,9 @@ class LiveAudit:
             return
         # the outcome first (the statistics), then the record: a crash between the two loses
         # the record's embeddings, never the audit's place in the risk
+        cause = incomplete(job.finish_reason)
         self.observe(list(job.result.scores), record["labels"][AUDIT_LABEL_MODE], job.seq,
-                     censored=incomplete(job.finish_reason) is not None,
+                     censored=cause is not None, cause=cause,
                      give_up=self._give_up_scores(job.result.step_embeddings))
         if self.store is not None:
             await asyncio.to_thread(self.store.append, record, job.result.step_embeddings)
@@ -252,14 +253,16 @@ class LiveAudit:
         return [float(x) for x in smoothed]
 
     def observe(self, scores: list[float], raw_labels: list[int], seq: int | None = None, *,
-                censored: bool = False, give_up: list[float] | None = None) -> None:
+                censored: bool = False, cause: str | None = None,
+                give_up: list[float] | None = None) -> None:
         """One labelled audit: losses at every lambda a guard measures, then every guard decides.
 
         `seq`: its admission number; None for an audit fed directly (tests, simulations),
         admitted and labelled at once. `censored`: it was cut by max_tokens or aborted, so
-        its loss is unknown (it enters both ends of the bounds, CensoredAlarm); its labels
-        (up to the cut, as calibration labels a cut trajectory) still go to a recalibration
-        window. `give_up`: its give-up scores, one per step (a two-sided bundle); the give-up
+        its loss is unknown at the lambdas that would stop after where it ended (it enters
+        both ends of the bounds there, `cut_feed`; `cause`: why, the attrition count); its
+        labels (up to the cut, as calibration labels a cut trajectory) still go to a
+        recalibration window. `give_up`: its give-up scores, one per step (a two-sided bundle); the give-up
         risk is over every audit, never-right ones too, as calibration's is.
         """
         if seq is None:
@@ -279,6 +282,7 @@ class LiveAudit:
                                len(labels))
         self.state.outcome(
             seq, "censored" if censored else "risk" if s is not None else "out",
+            cause=cause if censored else None,
             scores=None if s is None else s.tolist(), labels=None if s is None else labels.tolist(),
             give_up=[float(x) for x in give_up]
             if give_up is not None and len(give_up) == len(labels) else None)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from orca_method.audit.drift import reference_level
-from orca_method.audit.guards import CS, DeltaGuard, GiveUpGuard, Window, ltt_lambda
+from orca_method.audit.guards import CS, DeltaGuard, GiveUpGuard, Window, cut_feed, ltt_lambda
 from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import Bundle
 from orca_method.outcomes import ON_ALARM, OnAlarm
@@ -40,6 +40,7 @@ logger = logging.getLogger("orca_serve.live_audit")
 # the owner of an admission whose journal line was corrupt and skipped (journal.py, "Corrupt
 # lines"), known only from a later outcome's number: reaped as lost unless its outcome comes
 _SKIPPED = "?skipped"
+CENSORING = "stop-before-end"  # the fold's rule for unfinished audits (_settings)
 
 
 def _lookup(guards: dict[float, Any], delta: float, what: str) -> Any:
@@ -165,7 +166,10 @@ class AuditState:
         bundle's settings are what they were before the give-up guards existed, so its
         snapshots stay usable."""
         out: dict[str, Any] = {"on_alarm": [g.on_alarm for g in self.guards.values()],
-                               "window": self.config.window, "guard_epsilon": self.guard_epsilon}
+                               "window": self.config.window, "guard_epsilon": self.guard_epsilon,
+                               # how a censored audit is folded (guards.cut_feed): snapshots
+                               # folded before it counted every one censored at every lambda
+                               "censoring": CENSORING}
         if self.give_up_guards:
             out["give_up"] = {"on_alarm": [g.on_alarm for g in self.give_up_guards.values()],
                               "guard_epsilon": self.give_up_epsilon}
@@ -259,10 +263,14 @@ class AuditState:
             assert item is not None
             s, labels = item
             for g in self.guards.values():
-                g.observe(seq, lambda lam: self.loss(s, labels, lam))
+                g.observe(seq, lambda lam: (float(self.loss(s, labels, lam)), False, 1.0))
         elif outcome == "censored":
+            # with its recording, known at the thresholds that stop before its end (cut_feed);
+            # "c": why it did not finish (journals before it: unknown, treated as aborted)
+            feed = None if item is None else (
+                lambda lam: cut_feed(item[0], item[1], lam, e.get("c"), self.loss))
             for g in self.guards.values():
-                g.observe(seq, None)
+                g.observe(seq, feed)
         if "g" in e:  # in the give-up risk (journals written before it have no "g": left out)
             self._give_up(None if outcome == "censored" else e["g"], quiet)
         self._resolve(seq, item if outcome in ("risk", "censored") else None, quiet)
@@ -282,15 +290,19 @@ class AuditState:
         return self.admitted
 
     def outcome(self, seq: int, outcome: str, *, scores: list[float] | None = None,
-                labels: list[int] | None = None, give_up: list[float] | None = None) -> None:
+                labels: list[int] | None = None, give_up: list[float] | None = None,
+                cause: str | None = None) -> None:
         """The outcome of admission `seq`: `risk` (with its `scores` and cumulative `labels`),
-        `censored` (cut or aborted: its loss is unknown; with its labels up to the cut, if
-        any) or `out` (left out of the risk). A two-sided bundle's event also carries "g", its
-        give-up scores: null when censored, the scores when given (`give_up`); an event
-        without "g" is not in the give-up risk."""
+        `censored` (cut or aborted: its loss is unknown past where it ended; with its labels up
+        to there, if any, and "c", its `cause`: the attrition count) or `out` (left out of the
+        risk). A two-sided bundle's event also carries "g", its give-up scores: null when
+        censored, the scores when given (`give_up`); an event without "g" is not in the
+        give-up risk."""
         event: dict[str, Any] = {"r": seq, "o": outcome}
         if scores is not None:
             event.update(s=scores, l=labels)
+        if cause is not None:
+            event["c"] = cause
         if self.give_up_guards and (outcome == "censored" or give_up is not None):
             event["g"] = None if outcome == "censored" else give_up
         self._event(event)
