@@ -9,6 +9,8 @@ production configuration (grid 501, a member every 50 audits kept at dyadic ages
     python benchmarks/bench_audit_stats.py --joint         # four deltas: per-delta vs joint
     python benchmarks/bench_audit_stats.py --restarts      # restarts every 250 audits
     python benchmarks/bench_audit_stats.py --drift 10      # recalibrate under a gradual drift
+    python benchmarks/bench_audit_stats.py --cut           # cut audits by rule: power, coverage
+    python benchmarks/bench_audit_stats.py --clearing 20   # fallback with half the audits cut
 
 The simulations are tests/audit_simulation.py's (the tests assert the same quantities on
 smaller runs). Every mode prints markdown rows for benchmarks/RESULTS.md.
@@ -29,10 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests packag
 from orca_method.audit.drift import DriftMonitor, build_reference
 from orca_method.audit.sequence import ConfidenceSequence, RestartedAlarm
 from tests.audit_simulation import (
+    CUT_RULES,
     EPSILON,
+    RISK_015_BIAS,
     bad_lambda_served,
     censored_streams,
+    cut_streams,
+    cut_truth,
     drift_stream,
+    fallback_clearing,
     hardest_null,
     joint_null,
     restart_null,
@@ -186,6 +193,41 @@ def drift(streams: int) -> None:
               f"{np.mean([r['recalibrations'] for r in rs]):.1f} |", flush=True)
 
 
+def cut(streams: int, audits: int) -> None:
+    """Issue 34 item 4: trajectories whose loss-dependent cuts enter by each rule (CUT_RULES)."""
+    print("| true risk (certified) | cut share | rule | alarm (delta 0.1) within "
+          f"{audits:,} | median audit of the alarm | interval ever missed the risk | ... the "
+          "certified risk | censored share | final upper |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for bias in (0.0, RISK_015_BIAS):
+        for share in (0.1, 0.5):
+            risk, certified = cut_truth(bias, share, 3.0)
+            for rule in CUT_RULES:
+                r = cut_streams(bias, share=share, ratio=3, rule=rule, streams=streams,
+                                audits=audits, seed=81)
+                fired = np.isfinite(r["first_alarm"])
+                se = np.sqrt(fired.mean() * (1 - fired.mean()) / streams)
+                med = f"{np.median(r['first_alarm'][fired]):,.0f}" if fired.any() else "-"
+                print(f"| {risk:.3f} ({certified:.3f}) | {share:.0%} | {rule} | "
+                      f"{fired.mean():.1%} +- {se:.1%} | {med} | {r['missed_risk'].mean():.1%} | "
+                      f"{r['missed_certified'].mean():.1%} | {r['censored'].mean():.3f} | "
+                      f"{r['upper'].mean():.3f} |", flush=True)
+
+
+def clearing(streams: int) -> None:
+    """Issue 34 item 4: does a fallback clear on clean traffic with half the audits cut?"""
+    for share in (0.5, 0.0):
+        for rule in CUT_RULES if share else CUT_RULES[-1:]:
+            runs = [fallback_clearing(seed, rule=rule, share=share, clean=12_000)
+                    for seed in range(streams)]
+            after = np.array([r["cleared_after"] for r in runs])
+            done = np.isfinite(after)
+            print(f"| fallback: 150 shifted audits, then 12,000 clean, {share:.0%} cut | {rule} | "
+                  f"cleared in {done.sum()} of {streams} streams, median "
+                  f"{'never' if np.isinf(np.median(after)) else f'{np.median(after):,.0f}'} clean audits | final upper: mean "
+                  f"{np.mean([r['upper'] for r in runs]):.3f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--false-alarms", action="store_true")
@@ -195,6 +237,8 @@ def main() -> None:
     ap.add_argument("--joint", action="store_true")
     ap.add_argument("--restarts", type=int, metavar="EXACT_STREAMS")
     ap.add_argument("--drift", type=int, metavar="STREAMS")
+    ap.add_argument("--cut", action="store_true")
+    ap.add_argument("--clearing", type=int, metavar="STREAMS")
     ap.add_argument("--streams", type=int, default=400,
                     help="--false-alarms, --delays, --censored, --joint")
     ap.add_argument("--audits", type=int, default=3000,
@@ -214,6 +258,10 @@ def main() -> None:
         restarts(a.streams, a.audits, a.restarts)
     elif a.drift:
         drift(a.drift)
+    elif a.cut:
+        cut(a.streams, a.audits)
+    elif a.clearing:
+        clearing(a.clearing)
     else:
         cost()
 

@@ -567,6 +567,7 @@ def test_a_recalibrated_lambda_is_not_trusted_while_its_drift_test_alarms(bundle
     assert (g.source, g.lam, g.recalibrations) == ("audit", 0.95, 1)
     mon = g.served.drift
     assert mon is not None and mon.window == 20 and not mon.spend
+    g.served.sequential = None  # the window test alone (the sequential one: the next test)
     for _ in range(20):  # like the window: trusted
         audit.see(list(rng.uniform(0, 0.4, 5)), math.inf)
     assert mon.tests == 1 and not g.distrusted and g.source == "audit"
@@ -577,6 +578,64 @@ def test_a_recalibrated_lambda_is_not_trusted_while_its_drift_test_alarms(bundle
     for _ in range(20):
         audit.see(list(rng.uniform(0, 0.4, 5)), math.inf)
     assert not g.distrusted and (g.source, g.lam) == ("audit", 0.95)
+
+
+def test_a_recalibrated_lambdas_sequential_drift_alarm_recalibrates_anew(bundle,
+                                                                        tmp_path) -> None:
+    """The sequential test against the recalibration window alarms within tens of requests of
+    scores far above the window's; its alarm is journalled, and the guard answers it as its own
+    alarm: fallback, then LTT on the first `window` audits admitted after it."""
+    from orca_serve.live_audit.journal import Journal, journal_path
+
+    path = journal_path(tmp_path, bundle.checksum)
+    config = AuditConfig(rate=1.0, seed=0, on_alarm="recalibrate", window=40)
+    audit = LiveAudit(bundle, config, journal=Journal(path, bundle.checksum, fsync=False),
+                      loss=_loss)
+    lams = {d: iter([0.95, 0.9]) for d in bundle.deltas()}
+    audit.state._ltt = lambda scores, labels, delta, epsilon: next(lams[delta])
+    g = audit.state.guard(0.1)
+    rng = np.random.default_rng(3)
+    audit.state.drift_alarm()  # as if the bundle's sequential test alarmed: wait
+    for _ in range(40):
+        audit.observe(list(rng.uniform(0, 0.4, 6)), [0, 0, 0, 0, 1, 1])
+    assert (g.source, g.lam, g.recalibrations) == ("audit", 0.95, 1)
+    seq = g.served.sequential
+    for i in range(60):  # like the window: no alarm
+        audit.see(list(rng.uniform(0, 0.4, 5)), math.inf)
+    assert not seq.alarm and g.source == "audit"
+    for i in range(60):  # scores far above the window's
+        audit.see(list(rng.uniform(0.6, 0.9, 5)), math.inf)
+        if seq.alarm:
+            break
+    assert seq.alarm and seq.alarm_at - 60 < 30, seq.to_dict()
+    assert (g.source, g.lam, g.waiting_since, g.served) == ("fallback", math.inf, 40, None)
+    for _ in range(40):
+        audit.observe(list(rng.uniform(0, 0.4, 6)), [0, 0, 0, 0, 1, 1])
+    assert (g.source, g.lam, g.recalibrations) == ("audit", 0.9, 2)
+    audit.state.close()
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e for e in events if "x" in e] == [{"x": "drift", "d": None, "k": None}] + [
+        {"x": "drift", "d": d, "k": 1} for d in bundle.deltas()]  # every delta's window moved
+
+
+def test_the_bundles_sequential_drift_alarm_engages_fallback_until_later_audits_clear(
+        bundle) -> None:
+    """`fallback`: the bundle's sequential drift alarm (journalled) makes the guard fall back
+    although the audits so far are clean; it serves the bundle's lambda* again once the audits
+    admitted after the alarm bound its risk at delta or below."""
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0, on_alarm="fallback"), loss=_loss)
+    g = audit.state.guard(0.1)
+    for _ in range(5):
+        audit.observe([0.0, 0.0, 0.9], [0, 1, 1])  # never stops early: loss 0
+    audit.state.drift_alarm()
+    assert (g.engaged, g.source, g.lam, g.drift_since) == (True, "fallback", math.inf, 5)
+    assert g.row()["drift_hold"]["n"] == 0
+    n = 0
+    while g.source == "fallback":
+        audit.observe([0.0, 0.0, 0.9], [0, 1, 1])
+        n += 1
+    assert g.source == "bundle" and g.drift_cs is None and 10 < n < 200
+    assert audit.state.guard(0.2).source == "bundle"  # every delta engaged, every one cleared
 
 
 # -- the give-up risk ------------------------------------------------------------------------

@@ -337,7 +337,7 @@ class CensoredAlarm:
     alarm sees the risk less the censored audits' share of it.
 
     `mean` is the mean over the uncensored audits; `risk_range` the means with censored audits
-    at 0 and at `worst`. Batched over `shape` like `RestartedAlarm` (the simulations use it).
+    at 0 and at 1. Batched over `shape` like `RestartedAlarm` (the simulations use it).
     """
 
     def __init__(self, epsilon: float = 0.05, every: int = RESTART_EVERY,
@@ -383,9 +383,11 @@ class CensoredAlarm:
 
     @property
     def risk_range(self) -> tuple[Any, Any]:
-        """(mean with every censored audit at loss 0, mean with them at their `worst`: loss 1
-        but for cut audits, docs/AUDIT.md "Cut and aborted audits")."""
-        return self.alarm_side.mean, self.upper_side.mean
+        """(mean with every censored audit at loss 0, mean with them at loss 1): what their
+        unknown losses could make the mean, the cut ones' included (the upper bound counts a cut
+        one at its loss at the cut, the certified population's)."""
+        low = self.alarm_side.mean
+        return low, self._out(np.asarray(low) + self._censored / max(self.n, 1))
 
     @property
     def lower(self) -> float | np.ndarray:

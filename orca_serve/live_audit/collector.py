@@ -82,6 +82,18 @@ class AuditCollector(Collector):
                                    labels=[LABEL])
             al.add_metric([m], float(bool(a.drift.alarm)))
             yield al
+        if a.sequential is not None:
+            cap = GaugeMetricFamily("orca_drift_sequential_capital", "Capital of the sequential "
+                                    "drift test (a test martingale against the bundle's "
+                                    "reference: 1 at the start, the alarm at 1/alpha)",
+                                    labels=[LABEL])
+            cap.add_metric([m], a.sequential.capital)
+            yield cap
+            sal = GaugeMetricFamily("orca_drift_sequential_alarm", "1 once the sequential drift "
+                                    "test has alarmed (the guards respond as to their alarm)",
+                                    labels=[LABEL])
+            sal.add_metric([m], float(a.sequential.alarm))
+            yield sal
 
 
 def _give_up_families(st: AuditState, m: str) -> Iterable[Any]:

@@ -247,6 +247,14 @@ class AuditState:
             self.admitted += 1
             self._open[self.admitted] = e["a"]
             return
+        if e.get("x") == "drift":  # a sequential drift test alarmed (drift_alarm)
+            for g in self.guards.values():
+                if e.get("d") is None or math.isclose(g.delta, e["d"], abs_tol=1e-9):
+                    before = (g.engaged, g.source, g.lam)
+                    g.drift_alarm(self.admitted, e.get("k"), self.make_cs)
+                    if not quiet:
+                        log_change(g, *before)
+            return
         seq, outcome = int(e["r"]), e["o"]
         if seq > self.admitted:  # admissions up to it were corrupt lines, skipped (journal.py)
             self._open.update(dict.fromkeys(range(self.admitted + 1, seq + 1), _SKIPPED))
@@ -282,6 +290,12 @@ class AuditState:
             g.observe(scores)
             if not quiet:
                 log_give_up_change(g, *before)
+
+    def drift_alarm(self, delta: float | None = None, k: int | None = None) -> None:
+        """A sequential drift test alarmed in this process: the bundle's (`delta` None), or
+        that of `delta`'s k-th recalibrated lambda. Journalled, so that every process (and a
+        replay) responds at the same place in the sequence (DeltaGuard.drift_alarm)."""
+        self._event({"x": "drift", "d": delta, "k": k})
 
     def admit(self) -> int:
         """Admit one audit; its admission number (global across the journal's processes)."""
