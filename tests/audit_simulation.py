@@ -484,3 +484,35 @@ def fallback_clearing(seed: int, *, rule: str, share: float = 0.5, ratio: float 
         if math.isinf(cleared) and g.source == "bundle":
             cleared = i + 1
     return {"cleared_after": cleared, "upper": float(g.cs.upper)}
+
+
+def drift_alarms(biases: list[float], *, streams: int, seed: int, window: bool = True
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Requests until the bundle's drift tests alarm on a stream whose score bias follows
+    `biases` (one request each), the reference built from 1,000 unshifted never-stopping
+    replays per stream as `orca-calibrate calibrate` builds it: the sequential test's
+    (`ConformalMartingale`) and the window test's (`DriftMonitor`, 500 requests, alpha
+    spent over windows); inf where none within the stream. `window=False`: the sequential
+    test alone (cheaper)."""
+    from orca_method.audit.drift import DriftMonitor, build_reference
+    from orca_method.audit.martingale import ConformalMartingale
+
+    lam = bundle().lam(DELTA)
+    seq_at, win_at = np.full(streams, np.inf), np.full(streams, np.inf)
+    for j in range(streams):
+        rng = np.random.default_rng([seed, j])
+        s, _ = trajectories(rng, 1000, 0.0)
+        ref = build_reference(list(s), 3, [lam], seed=j)
+        seq, win = ConformalMartingale(ref, seed=j), DriftMonitor(ref) if window else None
+        for i, bias in enumerate(biases):
+            s, _ = trajectories(rng, 1, bias)
+            scores = s[0][:-1]  # the server never scores the last step
+            if not seq.alarm:
+                seq.observe(scores)
+                seq_at[j] = i + 1 if seq.alarm else np.inf
+            if win is not None and not win.alarm:
+                win.observe(scores)
+                win_at[j] = i + 1 if win.alarm else np.inf
+            if seq.alarm and (win is None or win.alarm):
+                break
+    return seq_at, win_at

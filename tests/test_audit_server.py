@@ -147,6 +147,10 @@ def test_audited_requests_get_full_budget_answers_and_labels_match_collect(srv, 
     assert re.search(r"^orca_drift_alarm\{", metrics, re.MULTILINE), metrics[-2000:]
     assert not re.search(r"^orca_drift_pvalue\{", metrics, re.MULTILINE)
     assert table["drift"]["pvalue"] is None
+    # the sequential drift test sees every request at once: its capital and alarm are exported
+    assert re.search(r"^orca_drift_sequential_capital\{", metrics, re.MULTILINE)
+    assert re.search(r"^orca_drift_sequential_alarm\{.*\} 0\.0", metrics, re.MULTILINE)
+    assert table["sequential_drift"]["observed"] >= 1 and not table["sequential_drift"]["alarm"]
     assert re.search(r'^orca_audit_labels_match\{.*bundle_label_mode="consistent".*\} 1\.0',
                      metrics, re.MULTILINE)
     assert table["labels_match"] and table["guard_acts"] and "drift" in table
