@@ -194,7 +194,9 @@ class DeltaGuard:
         `report` and `fallback`: the guard engages on an alarm and is cleared only when no
         member alarms any more and the whole history's upper bound is back at delta or below
         (evidence that the bundle's lambda* holds again), not when the lower bound dips: that
-        would flap with every loss near the boundary.
+        would flap with every loss near the boundary. After a sequential drift alarm
+        (`drift_alarm`) they also hold until the audits admitted after it bound the risk at
+        delta or below.
         """
         if self.on_alarm == OnAlarm.RECALIBRATE:
             self._recalibrate(now, window, ltt, make_cs)

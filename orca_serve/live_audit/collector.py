@@ -47,8 +47,10 @@ class AuditCollector(Collector):
             "alarm": GaugeMetricFamily("orca_audit_alarm", "1 when the lower bound exceeds delta",
                                        labels=[LABEL, "delta"]),
             "censored": GaugeMetricFamily("orca_audit_censored", "Audits in the risk with an "
-                                          "unknown loss (cut by max_tokens or aborted): loss 0 "
-                                          "for the lower bound, 1 for the upper",
+                                          "unknown loss at lambda* (cut by max_tokens or "
+                                          "aborted before its stop): loss 0 for the lower "
+                                          "bound; for the upper, the loss at the cut (1 if "
+                                          "aborted)",
                                           labels=[LABEL, "delta"]),
         }
         lam = GaugeMetricFamily("orca_audit_lambda", "lambda served for this delta (+Inf: never "
