@@ -516,13 +516,15 @@ def test_sequential_drift_alarms_within_tens_of_requests_of_an_abrupt_shift():
 
 
 def test_sequential_drift_test_skips_what_stopping_censors():
-    """The request statistics are the window test's (`drift_statistics`), skipped as it skips
-    them: a request stopped below the reference level before crossing it is not tested."""
+    """The request statistics are the window test's (`drift_statistics`); a request that ran
+    below the reference level is not tested, whether it crossed the level or not (leaving out
+    only the ones that stopped before it would select by the scores)."""
     from orca_method.audit.martingale import ConformalMartingale, statistic
 
     ref = _reference_of(np.linspace(0, 0.4, 50))
     mart = ConformalMartingale(ref)
     assert not mart.observe([0.1, 0.45], lam=0.4)  # stopped at 0.45 < level 0.5
-    assert mart.observe([0.1, 0.2, 0.6]) and (mart.observed, mart.skipped) == (1, 1)
+    assert not mart.observe([0.1, 0.55], lam=0.4)  # crossed the level too: still skipped
+    assert mart.observe([0.1, 0.2, 0.6]) and (mart.observed, mart.skipped) == (1, 2)
     assert statistic(0.2, 3) == pytest.approx(0.2 + 1 / 3) and statistic(0.2, math.inf) == 0.2
     assert mart.to_dict()["capital"] == pytest.approx(mart.capital)

@@ -110,11 +110,13 @@ class ConformalMartingale:
     def observe(self, scores: Sequence[float], lam: float = NEVER) -> bool:
         """Add one finished request's smoothed scores (in step order, up to where it stopped;
         `lam`: the threshold it ran with). Returns whether it was tested: a request without
-        scores, with a non-finite one, or stopped below the reference level before the
-        crossing its statistics need is skipped (as DriftMonitor.observe skips it)."""
+        scores or with a non-finite one is skipped, and so is EVERY request that ran below the
+        reference level, whatever its scores: one that stopped before the crossing its
+        statistics need would otherwise be left out and one that crossed kept, a choice by its
+        scores that makes the kept ones look drifted (a server test's bundle serves lambda 0
+        at one delta, below its reference's level, and alarmed so)."""
         m = np.asarray(scores, dtype=float)
-        if (m.ndim != 1 or m.size == 0 or not np.all(np.isfinite(m))
-                or (lam < self.level and np.any(m >= lam) and not np.any(m >= self.level))):
+        if m.ndim != 1 or m.size == 0 or not np.all(np.isfinite(m)) or lam < self.level:
             self.skipped += 1
             return False
         early, stop = drift_statistics(m, self.k, self.level)
