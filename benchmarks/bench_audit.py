@@ -14,7 +14,7 @@
    audit's loss, steps and tokens under the lambda it was served and under the bundle's lambda*,
    and whether the answer probed at that stop (the answer served after a stop) is right.
 
-The figures of benchmarks/RESULTS.md ("Live audit on the toy model, end to end"):
+The figures of benchmarks/RESULTS-archive.md ("Live audit on the toy model, end to end"):
   python benchmarks/bench_audit.py --probe static --rate 1.0 --n-in 100 --n-shift 200 --name switch-r1
   python benchmarks/bench_audit.py --probe static --rate 0.1 --n-in 100 --n-shift 500 --name switch-r01
   python benchmarks/bench_audit.py --probe ttt-noqk --rate 1.0 --n-in 100 --n-shift 200 --name switch-r1

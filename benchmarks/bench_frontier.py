@@ -476,12 +476,15 @@ def table(name: str, s: dict[str, Any], epsilon: float) -> str:
     return "\n".join(lines)
 
 
-def serve(reasoner: Reasoner, bundle: Path | None, log: Path) -> Server:
-    """orca-serve on the reasoner's model with its own bundle, or another one (the static arm),
-    under the name the bundle gives the model; the context is the longest prompt (~60 tokens)
-    plus max_tokens, within the long reasoner's 5,120 positions."""
+def serve(reasoner: Reasoner, bundle: Path | None, log: Path,
+          extra: Sequence[str] = ()) -> Server:
+    """orca-serve on the reasoner's model with its own bundle (what `--demo` serves), or another
+    one (the static arm), under the name the bundle gives the model; the context is the longest
+    prompt (~60 tokens) plus max_tokens, within the long reasoner's 5,120 positions. `extra`:
+    more orca-serve options (bench_shift's live audit and shift action)."""
     bundle = bundle or reasoner.bundle
-    return Server(orca_serve_cmd("--model", str(reasoner.model_dir), "--calib", str(bundle)), log,
+    return Server(orca_serve_cmd("--model", str(reasoner.model_dir), "--calib", str(bundle),
+                                 *extra), log,
                   ["--host", "127.0.0.1", "--seed", "0", "--reasoning-parser", "deepseek_r1",
                    "--served-model-name", load_bundle(bundle).model.name,
                    "--max-model-len", str(reasoner.max_tokens + 120)])

@@ -46,6 +46,7 @@ from orca_method.outcomes import GiveUpPolicy
 from orca_method.probe import Probe
 from orca_method.procedure import replay
 from orca_method.risk import is_solvable
+from orca_method.selective import DecidingSteps, deciding_steps
 from orca_method.thresholds import GROUP_NAME_MAX, lam_to_json
 from orca_method.trajectories import Problem, TrajectorySet
 from orca_serve import __version__
@@ -133,6 +134,51 @@ def score_split(probe: Probe, ts: TrajectorySet, split: str, mode: str, window: 
                   scores=[s.numpy().astype(np.float64) for _, s in runs],
                   labels=[ts.labels(i, mode) for i in idx],
                   tokens=[np.asarray(ts.problems[i].step_tokens) for i in idx] if has_tokens else None)
+
+
+def deciding_points(probe: Probe, ts: TrajectorySet, members: Sequence[int], *, mode: str,
+                    window: int, label_every: int,
+                    give_up: tuple[Probe, GiveUpOptions] | None = None
+                    ) -> dict[str, dict[str, DecidingSteps]]:
+    """id -> label mode -> the steps whose labels decide this stage's LTT on `members` (the
+    calibration split; orca_method/selective.py): the stop side under `mode` from the probe's
+    replayed scores (as `score_split` replays them), the give-up side under the give-up label
+    mode from the give-up probe's. What `orca_calibrate.collect.label_deferred` probes."""
+    runs = replay(probe, [ts.embeddings(i) for i in members], window=window)
+    lams = default_grid(GRID_SIZE)
+    g_runs = None if give_up is None else replay(
+        give_up[0], [ts.embeddings(i) for i in members], window=give_up[1].window or window)
+    out: dict[str, dict[str, DecidingSteps]] = {}
+    for k, i in enumerate(members):
+        stop = runs[k][1].numpy().astype(np.float64)
+        modes = {mode: deciding_steps(stop, lams, label_every=label_every)}
+        if give_up is not None:
+            opts, g = give_up[1], g_runs[k][1].numpy().astype(np.float64)
+            side = deciding_steps(stop if opts.label_mode == mode else None, lams,
+                                  label_every=label_every, give_up_scores=g,
+                                  mu_grid=mu_grid(GRID_SIZE),
+                                  solvable=opts.label_mode == mode
+                                  or opts.policy == GiveUpPolicy.MESSAGE)
+            modes[opts.label_mode] = side
+        out[ts.problems[i].id] = modes
+    return out
+
+
+def check_labelled(ts: TrajectorySet, members: Sequence[int], side: str, mode: str) -> None:
+    """Refuse traces whose labels were chosen selectively (`extra.selective`) for another label
+    mode's LTT on this `side` ("stop" or "give_up"), or are still pending: their labels are
+    every-step labels only at the points that LTT reads."""
+    for i in members:
+        sel = (ts.problems[i].extra or {}).get("selective")
+        if sel is None:
+            continue
+        resolved = (sel.get("resolved") or {}).get(side)
+        if resolved != mode:
+            state = "still pending" if not sel.get("resolved") else f"chosen for '{resolved}'"
+            raise ValueError(f"problem {ts.problems[i].id!r} of {ts.path} was labelled "
+                             f"selectively and its {side.replace('_', '-')} labels are {state}, "
+                             f"not for label mode '{mode}'; rerun the job (its label stage "
+                             "probes what this calibration reads)")
 
 
 def run_ltt(scored: Scored, deltas: Sequence[float], epsilon: float, pvalue: str) -> list[DeltaResult]:
@@ -281,6 +327,9 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
     default = default_delta if default_delta is not None else (0.1 if 0.1 in deltas else deltas[0])
     if default not in deltas:
         raise ValueError(f"default delta {default} is not among the calibrated deltas {deltas}")
+    check_labelled(ts, ts.split("calibration"), "stop", mode)
+    if isinstance(give_up, tuple):
+        check_labelled(ts, ts.split("calibration"), "give_up", give_up[1].label_mode)
     everything = score_split(probe, ts, "calibration", mode, window, solvable_only=False)
     scored = everything.solvable()
     results = run_ltt(scored, deltas, epsilon, pvalue)

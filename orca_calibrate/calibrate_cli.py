@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING
 from orca_calibrate.collect import Collector, CollectSettings, read_prompts
 from orca_calibrate.job import JobError, load_job, run_job
 from orca_calibrate.judge import JudgeError, JudgeSettings
+from orca_calibrate.plan import DEFAULT_PILOT
 from orca_calibrate.probe_variants import PROBES
 from orca_calibrate.synth import generate
 from orca_calibrate.train_defaults import DEFAULTS, EPOCH_SELECT
+from orca_method.covariate_shift import DEFAULT_RATIO_RANK
 from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
 from orca_method.shift_gate import DEFAULT_GATE_ALPHA, DEFAULT_GATE_RANK, DEFAULT_GATE_STEPS
 from orca_method.trajectories import (
@@ -192,6 +194,46 @@ def cmd_gate(a: argparse.Namespace) -> None:
           f"scored on {len(g.scores)}, alpha {g.alpha}; checksum {sealed.checksum}")
 
 
+def cmd_reweight(a: argparse.Namespace) -> None:
+    # deferred: torch (not needed by --help)
+    from orca_calibrate.reweight import gate_steps, read_traffic_features, reweight_bundle
+    from orca_method.bundle import load_bundle
+
+    job = Path(a.job)
+    parent = load_bundle(job / "bundle.json")
+    given = [x for x in (a.traffic_features, a.traffic_prompts, a.traffic_audits) if x]
+    if len(given) != 1:
+        raise UsageError("give the traffic as --traffic-features FILE.npy, --traffic-prompts "
+                         "FILE.jsonl (with --model) or --traffic-audits DIR, one of the three")
+    source = given[0]
+    if a.traffic_features is not None:
+        traffic = read_traffic_features(Path(a.traffic_features), parent.model.hidden_size)
+    elif a.traffic_audits is not None:
+        from orca_calibrate.audit_report import open_audits
+        from orca_calibrate.reweight import features_of
+        audits = open_audits(a.traffic_audits, parent)
+        traffic = features_of(audits, range(len(audits)), gate_steps(parent))[1]
+    else:
+        from orca_calibrate.gate import first_step_features, gate_collector
+        if not a.model:
+            raise UsageError("--traffic-prompts runs the prompts to the gate's step: give "
+                             "--model (the bundle's model)")
+        with gate_collector(a.model, parent, max_tokens=a.max_tokens, temperature=a.temperature,
+                            seed=a.seed, engine=dict(a.engine or {})) as collector:
+            traffic = first_step_features(collector, read_prompts(Path(a.traffic_prompts)),
+                                          gate_steps(parent))
+    new, rs = reweight_bundle(job, traffic, Path(a.out), source=source, seed=a.seed,
+                              rank=a.rank, clip=a.clip)
+    print(f"wrote {a.out}: {len(traffic)} traffic requests; kept {int(rs.kept.sum())} of "
+          f"{rs.kept.size} calibration traces (B {rs.bound:.3g}, mean weight "
+          f"{rs.weights.mean():.3g}, n_eff {rs.n_eff:.1f}, clipped {rs.clipped}); "
+          f"n_cal={new.ltt.n_cal}")
+    for r, old in zip(new.ltt.rows, parent.ltt.rows):
+        lam, was = ("never" if x.lam is None else f"{x.lam:.4f}" for x in (r, old))
+        print(f"  delta={r.delta:<5g} lambda*={lam:<8} (was {was}) risk={r.risk:.3f} "
+              f"savings={r.savings:.3f} p={r.pvalue:.3g}")
+
+
 def cmd_audit_report(a: argparse.Namespace) -> None:
     from orca_calibrate.audit_report import (  # deferred: torch (not needed by --help)
         audit_label_mode,
@@ -253,6 +295,14 @@ def cmd_run(a: argparse.Namespace) -> None:
     print(f"bundle: {out / 'bundle.json'}")
 
 
+def cmd_plan(a: argparse.Namespace) -> None:
+    """A pilot of the job, then its estimated cost (orca_calibrate/plan.py)."""
+    from orca_calibrate.plan import plan_job  # deferred: torch, vllm (not needed by --help)
+    plan = plan_job(Path(a.config), pilot=a.pilot, seed=a.seed,
+                    scratch=Path(a.scratch) if a.scratch else None)
+    print("\n".join(plan.lines()))
+
+
 def cmd_import_pickle(a: argparse.Namespace) -> None:
     import_pickle(a.pickle, a.out, dtype=a.dtype, pickle_labels=a.pickle_labels)
     print(f"wrote {a.out}")
@@ -307,6 +357,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--embeddings-dtype", "--dtype", dest="dtype", choices=sorted(DTYPES),
                        default=default, help="dtype the embeddings are stored in (not the "
                        f"model's; default {default})")
+
+    def audits_args(p: argparse.ArgumentParser) -> None:
+        """What audit-report and recalibrate read: the server's audits, the labels of them."""
+        p.add_argument("--audit", required=True, help="the server's audit directory (its "
+                       "audit-NNNNNN parts, oldest first) or one trajectory directory")
+        p.add_argument("--label-mode", help="default: the bundle's if the audits have it, "
+                       "else consistent")
 
     def window_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--window", type=integer(1), default=10, help="smoothing window k")
@@ -413,12 +470,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra vLLM LLM(...) arguments as JSON, e.g. '{\"max_model_len\": 5120}'")
     p.set_defaults(fn=cmd_gate)
 
+    p = sub.add_parser("reweight", help="recertify a job's lambda* for traffic whose gate "
+                       "features you have, without labels (covariate shift)")
+    p.add_argument("--job", required=True, help="the bundle's job directory (bundle.json and "
+                   "trajectories/ with its train and calibration splits)")
+    p.add_argument("--traffic-features", help="the traffic's gate features: a .npy array "
+                   "[N, d] (docs/CALIBRATE.md says how to get them)")
+    p.add_argument("--traffic-prompts", help="or the traffic's prompts (JSON lines), run to "
+                   "the gate's step with --model in record mode")
+    p.add_argument("--traffic-audits", help="or a server's audit directory (--orca-audit-dir): "
+                   "the audited requests' recorded step embeddings (their labels are not read)")
+    p.add_argument("--model", help="the bundle's model (with --traffic-prompts)")
+    p.add_argument("--out", required=True, help="the recertified bundle")
+    p.add_argument("--rank", type=integer(1), default=DEFAULT_RATIO_RANK,
+                   help="principal directions the density-ratio classifier reads")
+    p.add_argument("--clip", type=float, help="cap on the weights (default: the largest "
+                   "fitted weight); traces above it are clipped and the statement weakens")
+    p.add_argument("--max-tokens", type=integer(1), default=256,
+                   help="tokens per traffic prompt (with --traffic-prompts)")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--seed", type=int, default=0, help="the classifier's folds and the "
+                   "rejection sampling")
+    p.add_argument("--engine", type=json.loads, default=None,
+                   help="extra vLLM LLM(...) arguments as JSON (with --traffic-prompts)")
+    p.set_defaults(fn=cmd_reweight)
+
     p = sub.add_parser("audit-report", help="realized risk of a bundle on live audits")
-    p.add_argument("--audit", required=True, help="the server's audit directory (its "
-                   "audit-NNNNNN parts, oldest first) or one trajectory directory")
+    audits_args(p)
     p.add_argument("--bundle", required=True, help="the bundle the server ran")
-    p.add_argument("--label-mode", help="default: the bundle's if the audits have it, "
-                   "else consistent")
     p.add_argument("--alpha", type=float, help="confidence sequence level (default: epsilon)")
     p.add_argument("--drift-window", type=integer(1), default=500, help="requests per drift test")
     p.add_argument("--epsilon-split", choices=EPSILON_SPLITS,
@@ -432,12 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("recalibrate", help="LTT on live audits; writes a new bundle")
     p.add_argument("--bundle", required=True)
-    p.add_argument("--audit", required=True, help="the server's audit directory (its "
-                   "audit-NNNNNN parts, oldest first) or one trajectory directory")
+    audits_args(p)
     p.add_argument("--out", required=True)
     p.add_argument("--last", type=integer(1), help="only the last N audits (sliding window)")
-    p.add_argument("--label-mode", help="default: the bundle's if the audits have it, "
-                   "else consistent")
     p.add_argument("--retrain", action="store_true", help="retrain the probe on half the "
                    "window (split by prompt) and calibrate on the other half")
     training_args(p)  # the retraining's settings, as in train
@@ -456,6 +532,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "(YAML: model, prompts, out and each stage's settings, as in "
                    "orca_calibrate/jobs/toy.yaml); paths in it are relative to its folder")
     p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("plan", help="a short pilot of a job, then its estimated hours, wall "
+                       "time and disk")
+    p.add_argument("--config", required=True, metavar="JOB.yaml", help="the job file, as for run")
+    p.add_argument("--pilot", type=integer(1), default=DEFAULT_PILOT,
+                   help="prompts the pilot collects (drawn at random from the job's)")
+    p.add_argument("--seed", type=int, default=0, help="which prompts the pilot draws")
+    p.add_argument("--scratch", help="the pilot's folder (default: the job's out/plan; emptied "
+                   "first)")
+    p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("import-pickle", help="convert a research-code pickle to our format")
     p.add_argument("pickle")
@@ -491,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Python's resource tracker (a process of its own, started with the interpreter's -W options)
 # warns at exit about the shared memory and semaphores of vLLM workers that vLLM force-killed
 # after its 5 s grace period (a loaded machine) and unlinks them: freed either way, but printed
-# after the job's table. `collect` and `run` close the engine first (Collector.close); this
+# after the job's table. `collect`, `run` and `plan` close the engine first (Collector.close); this
 # keeps the tracker's leftover report out of the output.
 QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
 
@@ -502,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     except OptionError as e:
         print(f"{e.prog}: error: {e}", file=sys.stderr)  # as the stages' errors below
         return 2
-    if args.cmd in ("collect", "run") and QUIET_TRACKER not in sys.warnoptions:
+    if args.cmd in ("collect", "run", "plan") and QUIET_TRACKER not in sys.warnoptions:
         sys.warnoptions.append(QUIET_TRACKER)  # before vLLM starts the tracker
     from orca_method.bundle import BundleError  # deferred: torch (not needed by --help)
     try:

@@ -7,6 +7,10 @@ on) to read the intermediate answer; labels follow. Probe prompts, their samplin
 record are orca_method/answer_probes.py's, shared with the server's live audits. With a judge
 configured its verdicts too (orca_calibrate/judge.py, one concurrent round per batch). Each finished
 problem is appended and flushed at once, so a killed job loses at most the batch in flight.
+
+With `label_steps: selective` the trajectories of the calibration split are written unprobed
+(labels pending) with what probing them needs beside them (`PENDING_FILE`); once the probe is
+trained, `label_deferred` probes only the steps LTT reads (orca_method/selective.py).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import gc
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,22 +33,38 @@ from orca_method.answer_probes import (
     ProbeSettings,
     probe_prompts,
     probe_sampling,
+    step_ends,
     trajectory_fields,
 )
+from orca_method.consensus import sample_id
 from orca_method.labels import extract_forced, require_math_verify
 from orca_method.normalizations import DEFAULT_NORMALIZATION
-from orca_method.trajectories import RECORDED_DTYPE, TrajectoryWriter
+from orca_method.selective import DecidingSteps, next_round
+from orca_method.trajectories import (
+    PROBLEMS_FILE,
+    RECORDED_DTYPE,
+    TrajectorySet,
+    TrajectoryWriter,
+    update_problems,
+)
 from orca_serve.settings.contract import ORCA_OFF, merge_results
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
 
 # the dtype the engine computes in (vLLM's `dtype`; a job's `engine: {dtype: ...}` overrides):
 # float32, as the CPU tests serve, so collection and serving compute the same hidden states
 ENGINE_DTYPE = "float32"
+# which steps of a trajectory get an answer probe: every labelled step (`label_every`), or, on
+# the calibration split, only those LTT's losses read (orca_method/selective.py)
+LABEL_STEPS = ("every", "selective")
+# beside a trajectory directory: what probing its deferred trajectories needs (token ids)
+PENDING_FILE = "pending-probes.jsonl"
 
 
 @dataclass
 class CollectSettings:
-    samples: int = 1  # trajectories per prompt
+    # trajectories per prompt, ids "<id>#<n>" (orca_method.consensus.sample_id): distinct draws
+    # at `temperature` > 0 from the engine's seeded generator (no per-request seed: see below)
+    samples: int = 1
     temperature: float = 0.7
     top_p: float = 1.0
     max_tokens: int = 1024
@@ -60,6 +80,19 @@ class CollectSettings:
     normalization: str = DEFAULT_NORMALIZATION
     engine: dict[str, Any] = field(default_factory=dict)  # extra vLLM LLM(...) arguments
     judge: JudgeSettings | None = None  # adds labels["judge"]
+    label_steps: str = "every"  # LABEL_STEPS
+    engines: int = 1  # engine processes collecting shards at once (a job's; orca_calibrate/shards.py)
+
+    def __post_init__(self) -> None:
+        if self.label_steps not in LABEL_STEPS:
+            raise ValueError(f"collect.label_steps is one of {', '.join(LABEL_STEPS)}, not "
+                             f"{self.label_steps!r:.40}")
+        if not isinstance(self.engines, int) or self.engines < 1:
+            raise ValueError(f"collect.engines is a number of engines >= 1, not "
+                             f"{self.engines!r:.40}")
+        if self.label_steps == "selective" and self.judge is not None:
+            raise ValueError("collect.label_steps selective asks no judge (its label stage "
+                             "probes without one): label every step with a judge")
 
     def probe(self) -> ProbeSettings:
         """The answer probes these settings make (orca_method/answer_probes.py)."""
@@ -111,6 +144,13 @@ def read_prompts(path: Path) -> list[dict]:
     if not out:
         raise ValueError(f"{path} holds no prompts")
     return out
+
+
+def trace_keys(prompts: list[dict], samples: int) -> list[tuple[str, dict]]:
+    """(trajectory id, prompt record) of every trace a collection makes: `id`, or `id#k` for
+    the k-th of several samples."""
+    return [(sample_id(str(rec["id"]), k) if samples > 1 else str(rec["id"]), rec)
+            for rec in prompts for k in range(samples)]
 
 
 def _chunks(items: list, size: int) -> Iterator[list]:
@@ -193,20 +233,27 @@ class Collector:
 
     def _probe_answers(self, done: list[tuple[str, dict, Any, dict]]) -> list[dict[int, str | None]]:
         """Continue every labelled step prefix with the answer-forcing suffix (orca_method/answer_probes)."""
+        return self.probe_steps([(out.prompt_token_ids, out.outputs[0].token_ids, res, None)
+                                 for _, _, out, res in done])
+
+    def probe_steps(self, traces: list[tuple[list[int], list[int], dict, set[int] | None]]
+                    ) -> list[dict[int, str | None]]:
+        """The answers probed at `steps` (None: every labelled step) of each (prompt ids,
+        generated ids, record, steps), in one engine call."""
         from vllm import SamplingParams  # deferred: vllm (calibrate_cli imports this module)
         from vllm.inputs import TokensPrompt  # deferred: vllm
         s = self.settings
         t0 = time.perf_counter()
         suffix_ids = self.tokenizer.encode(s.suffix, add_special_tokens=False)
         prompts, where = [], []
-        for j, (_, _, out, res) in enumerate(done):
-            for t, ids in probe_prompts(out.prompt_token_ids, out.outputs[0].token_ids, res,
-                                        suffix_ids, s.label_every):
+        for j, (prompt_ids, gen_ids, record, steps) in enumerate(traces):
+            for t, ids in probe_prompts(prompt_ids, gen_ids, record, suffix_ids, s.label_every,
+                                        steps):
                 prompts.append(TokensPrompt(prompt_token_ids=ids))
                 where.append((j, t))
         params = SamplingParams(**probe_sampling(s.answer_tokens), extra_args=dict(ORCA_OFF))
         outs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
-        answers: list[dict[int, str | None]] = [{} for _ in done]
+        answers: list[dict[int, str | None]] = [{} for _ in traces]
         for (j, t), o in zip(where, outs):
             answers[j][t] = extract_forced(o.outputs[0].text)
         self.stats.answer_probes += len(prompts)
@@ -234,24 +281,33 @@ class Collector:
         return [res for batch in _chunks(todo, self.settings.batch)
                 for _, _, _, res in self._generate(batch)]
 
-    def run(self, prompts: list[dict], out_dir: Path, progress: bool = True) -> Stats:
-        """Collect every (prompt, sample) not yet in `out_dir`; resumable."""
+    def run(self, prompts: list[dict], out_dir: Path, progress: bool = True,
+            defer: Callable[[str], bool] | None = None) -> Stats:
+        """Collect every (prompt, sample) not yet in `out_dir`; resumable. Trajectories whose id
+        `defer` accepts are written unprobed, labels pending (`label_deferred` labels them)."""
         s = self.settings
         with TrajectoryWriter(out_dir, dim=self.llm.llm_engine.model_config.get_hidden_size(),
                               dtype=s.dtype, **self.info_fields()) as writer:
-            todo = [(f"{rec['id']}#{k}" if s.samples > 1 else str(rec["id"]), rec)
-                    for rec in prompts for k in range(s.samples)]
-            todo = [(key, rec) for key, rec in todo if key not in writer.ids]
+            todo = [(key, rec) for key, rec in trace_keys(prompts, s.samples)
+                    if key not in writer.ids]
             bar = tqdm(total=len(todo), desc="collect", unit="traj", disable=not progress)
             for batch in _chunks(todo, s.batch):
-                done = [d for d in self._generate(batch) if d[3]["step_tokens"]]
+                generated = [d for d in self._generate(batch) if d[3]["step_tokens"]]
+                later = [d for d in generated if defer is not None and defer(d[0])]
+                done = [d for d in generated if defer is None or not defer(d[0])]
                 answers = self._probe_answers(done)
                 t0 = time.perf_counter()
                 records = _label_batch(done, answers, self.judge)
                 if self.judge is not None:
                     self.stats.judge_s += time.perf_counter() - t0
                     self.stats.judge = self.judge.counts()
-                for record, (_, _, _, res) in zip(records, done):
+                for key, rec, out, res in later:  # the sidecar line first; on a resume (the
+                    # trajectory generated again) the last line of an id is its record's
+                    p = _pending_line(key, rec, out, res)
+                    with open(out_dir / PENDING_FILE, "a") as f:
+                        f.write(json.dumps(p) + "\n")
+                    records.append(_deferred_fields(p, {}))
+                for record, (_, _, _, res) in zip(records, done + later):
                     writer.append(record, res["step_embeddings"])
                     self.stats.trajectories += 1
                 bar.update(len(batch))
@@ -262,6 +318,107 @@ class Collector:
             print(f"warning: {self.judge.unparseable} of {self.judge.calls} judge replies were "
                   f"neither yes nor no (labelled 0), e.g. {self.judge.example!r}", file=sys.stderr)
         return self.stats
+
+
+@dataclass
+class LabelStats:
+    """What `label_deferred` did: trajectories labelled, probes and probe rounds, and the probes
+    every-step labelling would have made on them (`labelled_steps`)."""
+
+    trajectories: int = 0
+    answer_probes: int = 0
+    every_step_probes: int = 0
+    rounds: int = 0
+    probe_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        n = self.trajectories or 1
+        return {"trajectories": self.trajectories, "answer_probes": self.answer_probes,
+                "every_step_probes": self.every_step_probes, "rounds": self.rounds,
+                "probes_per_trajectory": round(self.answer_probes / n, 2),
+                "every_step_probes_per_trajectory": round(self.every_step_probes / n, 2),
+                "probe_s": round(self.probe_s, 2)}
+
+
+def _pending_line(key: str, rec: dict, out: Any, res: dict) -> dict[str, Any]:
+    """What probing a deferred trajectory later needs: its prompt and generated token ids (to
+    the end of its last step) and step ends, and what its record is built from."""
+    o = out.outputs[0]
+    gen = list(o.token_ids)
+    ends = step_ends(gen, res["step_token_ids"])
+    return {"id": key, "rec": rec, "text": o.text, "finish_reason": o.finish_reason,
+            "completion_tokens": len(gen), "step_tokens": list(res["step_tokens"]),
+            "prompt_ids": list(out.prompt_token_ids), "gen_ids": gen[:ends[-1]],
+            "step_ends": ends}
+
+
+def _deferred_fields(p: dict[str, Any], probed: dict[int, str | None],
+                     resolved: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The record of a deferred trajectory with the answers probed so far; `extra.selective`
+    says which steps were probed and for which label modes' LTT (`resolved`: None while its
+    labels are pending, and calibration refuses it)."""
+    record = trajectory_fields(p["id"], p["rec"], text=p["text"],
+                               finish_reason=p["finish_reason"],
+                               completion_tokens=p["completion_tokens"],
+                               step_tokens=p["step_tokens"], probed=probed)
+    record["extra"]["selective"] = {"probed": sorted(probed), "resolved": resolved}
+    return record
+
+
+def label_deferred(out_dir: Path, deciding: Mapping[str, Mapping[str, DecidingSteps]],
+                   collector: Callable[[], Collector], resolved: Mapping[str, Any],
+                   progress: bool = True) -> LabelStats:
+    """Label the deferred trajectories `deciding` names (id -> label mode -> its deciding
+    points, orca_method/selective.py) in rounds of probes (each one engine call over all of
+    them) until every point is settled, and rewrite their records after each round (a killed
+    stage resumes from the answers already stored). `collector` is called only when there is
+    something to probe (no engine starts for a finished set); `resolved` goes into each
+    record's `extra.selective` (the modes calibration may read)."""
+    ts = TrajectorySet.open(out_dir)
+    by_id = {p.id: p for p in ts.problems}
+    pending = {}
+    for line in (out_dir / PENDING_FILE).read_text().splitlines():
+        p = json.loads(line)
+        if p["id"] in deciding:
+            pending[p["id"]] = p
+    missing = set(deciding) - set(pending)
+    if missing:
+        raise ValueError(f"{out_dir / PENDING_FILE} has no token ids for {len(missing)} deferred "
+                         f"trajectories, e.g. {sorted(missing)[:3]}; recollect {out_dir}")
+    answers: dict[str, dict[int, str | None]] = {}
+    for pid in deciding:
+        prob = by_id[pid]
+        answers[pid] = {t: prob.step_answers[t] for t in prob.extra["selective"]["probed"]}
+    # the candidates of every mode are the steps every-step labelling probes
+    stats = LabelStats(trajectories=len(deciding), every_step_probes=sum(
+        len(next(iter(modes.values())).candidates) for modes in deciding.values()))
+    engine: Collector | None = None
+    while True:
+        todo = {}
+        for pid, modes in deciding.items():
+            labels = _deferred_fields(pending[pid], answers[pid])["labels"]
+            steps = next_round(modes, labels, answers[pid])
+            if steps:
+                todo[pid] = steps
+        if not todo:
+            break
+        engine = engine or collector()
+        t0 = time.perf_counter()
+        got = engine.probe_steps([(pending[pid]["prompt_ids"], pending[pid]["gen_ids"],
+                                   pending[pid], steps) for pid, steps in todo.items()])
+        stats.probe_s += time.perf_counter() - t0
+        stats.rounds += 1
+        for pid, new in zip(todo, got):
+            answers[pid].update(new)
+        update_problems(out_dir, {pid: _deferred_fields(pending[pid], answers[pid])
+                                  for pid in todo})
+        if progress:
+            print(f"label: round {stats.rounds}: {sum(map(len, todo.values()))} probes on "
+                  f"{len(todo)} trajectories", flush=True)
+    stats.answer_probes = sum(map(len, answers.values()))  # a resumed stage's earlier ones too
+    update_problems(out_dir, {pid: _deferred_fields(pending[pid], answers[pid], resolved)
+                              for pid in deciding})
+    return stats
 
 
 def _label_batch(done: list[tuple[str, dict, Any, dict]], answers: list[dict[int, str | None]],

@@ -5,6 +5,11 @@ output exists and the settings it depends on are unchanged, so a killed job resu
 stopped (collection itself resumes per problem) and an edited job reruns what the edit affects.
 Changed collection settings are refused instead: the trajectories on disk were made with the old
 ones, and mixing would corrupt the set. Paths in the YAML are relative to the YAML file.
+
+With `collect: {label_steps: selective}` the calibration split is known before collection (the
+split is then a collection setting) and its trajectories are collected unprobed; the `label`
+stage, after training, probes only the steps that decide LTT (orca_method/selective.py), on the
+engine the collection started when the job runs straight through.
 """
 
 from __future__ import annotations
@@ -18,13 +23,21 @@ from typing import Any
 
 import yaml
 
-from orca_calibrate.collect import Collector, CollectSettings, read_prompts
+from orca_calibrate.collect import (
+    Collector,
+    CollectSettings,
+    label_deferred,
+    read_prompts,
+    trace_keys,
+)
 from orca_calibrate.judge import JudgeError, JudgeSettings
+from orca_calibrate.shards import collect_shards
 from orca_calibrate.train_defaults import DEFAULTS
+from orca_method.consensus import prompt_of
 from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy
 from orca_method.trajectories import TrajectorySet, set_splits, split_ids
 
-STAGES = ("collect", "split", "train", "calibrate", "evaluate")
+STAGES = ("collect", "split", "train", "label", "calibrate", "evaluate")
 # `train:` keys of a job besides the `meta_train` settings (orca_calibrate.train_defaults.DEFAULTS)
 TRAIN_JOB_KEYS = {"probe", "label_mode", "seed", "d_h"}
 
@@ -90,6 +103,24 @@ def load_job(path: Path) -> dict[str, Any]:
             GroupOptions(**groups)
         except (TypeError, ValueError) as e:
             raise JobError(f"{path}: {e}") from None
+    collect = job.get("collect") or {}
+    temperature = collect.get("temperature", CollectSettings.temperature)
+    if collect.get("samples", 1) > 1 and temperature <= 0:
+        raise JobError(f"{path}: collect.samples > 1 needs temperature > 0 (greedy samples are "
+                       "copies of one trace)")
+    consensus = (job.get("calibrate") or {}).get("consensus")
+    if consensus is not None:
+        from orca_calibrate.consensus import ConsensusOptions  # deferred: torch
+        known = {f.name for f in fields(ConsensusOptions)}
+        if not isinstance(consensus, dict) or set(consensus) - known:
+            raise JobError(f"{path}: calibrate.consensus is a mapping of {sorted(known)}")
+        if collect.get("samples", 1) < 2:
+            raise JobError(f"{path}: calibrate.consensus needs collect.samples >= 2 (k samples "
+                           "per prompt)")
+        try:
+            ConsensusOptions(**{k: tuple(v) if k == "deltas" else v for k, v in consensus.items()})
+        except (TypeError, ValueError) as e:
+            raise JobError(f"{path}: calibrate.consensus: {e}") from None
     if (job.get("train") or {}).get("label_mode") == "judge" and \
             (job.get("collect") or {}).get("judge") is None:
         raise JobError(f"{path}: train.label_mode judge needs a collect.judge block "
@@ -98,18 +129,26 @@ def load_job(path: Path) -> dict[str, Any]:
 
 
 # What each stage's result depends on, beyond the stages before it.
+# (`label` reads the calibrate block: its grid points come from the probes and window there)
 STAGE_KEYS = {"collect": ("model", "prompts", "shifted_prompts", "collect"), "split": ("split",),
-              "train": ("train",), "calibrate": ("calibrate",), "evaluate": ()}
+              "train": ("train",), "label": ("calibrate",), "calibrate": (), "evaluate": ()}
+
+
+def selective(job: dict[str, Any]) -> bool:
+    """Whether the job labels its calibration split selectively (`collect.label_steps`)."""
+    return (job.get("collect") or {}).get("label_steps") == "selective"
 
 
 def stage_settings(job: dict[str, Any]) -> dict[str, str]:
-    """A fingerprint per stage of the settings it depends on, its predecessors' included."""
+    """A fingerprint per stage of the settings it depends on, its predecessors' included (with
+    selective labelling the split is a collection setting: it says what is left unprobed)."""
     def plain(v: Any) -> Any:  # the judge settings are a dataclass
         return asdict(v) if is_dataclass(v) else str(v)
 
     out, seen = {}, {}
     for name in STAGES:
-        seen.update({k: job.get(k) for k in STAGE_KEYS[name]})
+        keys = STAGE_KEYS[name] + (("split",) if name == "collect" and selective(job) else ())
+        seen.update({k: job.get(k) for k in keys})
         text = json.dumps(seen, sort_keys=True, default=plain)
         out[name] = hashlib.sha256(text.encode()).hexdigest()[:16]
     return out
@@ -117,25 +156,27 @@ def stage_settings(job: dict[str, Any]) -> dict[str, str]:
 
 def _stage(out: Path, name: str, outputs: list[Path], fn, log: list[str], settings: str,
            rerun: bool) -> bool:
-    """Run one stage unless it is done with the same settings; returns whether it ran."""
+    """Run one stage unless it is done with the same settings; returns whether it ran and
+    changed something (a stage whose `fn` returns False ran without changing anything)."""
     marker = out / f".done-{name}"
     try:
         done = json.loads(marker.read_text())["settings"] if marker.exists() else None
     except (ValueError, KeyError, TypeError):
         done = "unknown"  # a marker from before settings were recorded
     if name == "collect" and done not in (None, "unknown", settings):
-        raise JobError(f"the collect settings (model, prompts or collect block) changed since "
+        raise JobError(f"the collect settings (model, prompts, collect block, and the split "
+                       f"with selective labelling) changed since "
                        f"{out} was collected; use another 'out', or delete {out} to recollect")
     current = done == settings or (name == "collect" and done == "unknown")
     if not rerun and current and all(p.exists() for p in outputs):
         log.append(f"{name}: done already, skipped")
         return False
     t0 = time.perf_counter()
-    fn()
+    changed = fn() is not False
     marker.write_text(json.dumps({"settings": settings, "finished": time.strftime(
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
     log.append(f"{name}: {time.perf_counter() - t0:.0f} s")
-    return True
+    return changed
 
 
 def run_job(path: Path, progress: bool = True) -> list[str]:
@@ -144,6 +185,13 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
         GiveUpOptions,
         GroupOptions,
         calibrate_bundle,
+        deciding_points,
+    )
+    from orca_calibrate.consensus import (  # deferred: torch
+        ConsensusOptions,
+        add_consensus,
+        evaluate_consensus,
+        hold_out,
     )
     from orca_calibrate.evaluate import evaluate_bundle, markdown_table, plot_report  # deferred: torch
     from orca_calibrate.train import (  # deferred: torch
@@ -166,19 +214,58 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
     prompts = read_prompts(Path(job["prompts"]))
     shifted_prompts = read_prompts(Path(job["shifted_prompts"])) if job.get("shifted_prompts") else []
 
+    engine: list[Collector] = []  # one vLLM engine for collect and label, started on first use
+
+    def collector() -> Collector:
+        if not engine:
+            engine.append(Collector(job["model"], settings))
+        return engine[0]
+
+    def planned_split() -> dict[str, str]:
+        """The split of every trace the collection makes (selective labelling needs it before)."""
+        return job_split([key for key, _ in trace_keys(prompts, settings.samples)], sp)
+
     def collect() -> None:
-        with Collector(job["model"], settings) as collector:  # vLLM ends with the stage
-            stats = collector.run(prompts, data, progress)
+        later = {k for k, v in planned_split().items() if v == "calibration"} \
+            if selective(job) else set()
+        if settings.engines > 1:  # engine processes of their own, a shard each
+            sets = [(prompts, data, later)] + ([(shifted_prompts, shifted, set())]
+                                               if shifted_prompts else [])
+            stats = collect_shards(job["model"], settings, sets, out / "shards")
+        else:
+            stats = collector().run(prompts, data, progress, defer=lambda key: key in later)
             if shifted_prompts:
-                collector.run(shifted_prompts, shifted, progress)
+                collector().run(shifted_prompts, shifted, progress)
         (out / "collect-stats.json").write_text(json.dumps(stats.as_dict(), indent=1))
 
     def split() -> None:
+        ids = [p.id for p in TrajectorySet.open(data).problems]
+        assignment = planned_split() if selective(job) else job_split(ids, sp)
+        set_splits(data, {pid: assignment[pid] for pid in ids})
+
+    def give_up_probe(ts: TrajectorySet) -> tuple[Any, GiveUpOptions] | None:
+        """The give-up probe and its options (fitted in seconds, deterministically)."""
+        if ca.get("give_up") is None:
+            return None
+        opts = GiveUpOptions(**{k: tuple(v) if k == "deltas" else v
+                                for k, v in ca["give_up"].items()})
+        return train_give_up(ts, opts.label_mode, seed=tr.get("seed", 0)), opts
+
+    def label() -> bool:
         ts = TrajectorySet.open(data)
-        ids = [p.id for p in ts.problems]
-        groups = {pid: pid.split("#")[0] for pid in ids}  # all samples of a prompt together
-        set_splits(data, split_ids(ids, tuple(sp.get("fractions", (0.6, 0.2, 0.2))),
-                                   seed=sp.get("seed", 0), groups=groups))
+        members = [i for i in ts.split("calibration")
+                   if "selective" in (ts.problems[i].extra or {})]
+        if not members:
+            return False  # nothing labelled: the later stages need not rerun
+        probe, meta = load_probe(probe_file)
+        give_up = give_up_probe(ts)
+        deciding = deciding_points(probe, ts, members, mode=meta["label_mode"],
+                                   window=ca.get("window", 10), label_every=settings.label_every,
+                                   give_up=give_up)
+        resolved = {"stop": meta["label_mode"], "give_up": give_up and give_up[1].label_mode}
+        stats = label_deferred(data, deciding, collector, resolved, progress)
+        (out / "label-stats.json").write_text(json.dumps(stats.as_dict(), indent=1))
+        return True
 
     def train() -> None:
         ts = TrajectorySet.open(data)
@@ -193,17 +280,21 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
     def calibrate() -> None:
         probe, meta = load_probe(probe_file)
         ts = TrajectorySet.open(data)
-        give_up = None
-        if ca.get("give_up") is not None:  # the give-up probe is fitted here (seconds)
-            opts = GiveUpOptions(**{k: tuple(v) if k == "deltas" else v
-                                    for k, v in ca["give_up"].items()})
-            give_up = (train_give_up(ts, opts.label_mode, seed=tr.get("seed", 0)), opts)
+        consensus = None
+        if ca.get("consensus") is not None:  # its prompts leave lambda*'s calibration
+            opts = ConsensusOptions(**{k: tuple(v) if k == "deltas" else v
+                                       for k, v in ca["consensus"].items()})
+            ts, held = hold_out(ts, opts)
+            consensus = (opts, held)
+        give_up = give_up_probe(ts)
         groups = None if ca.get("groups") is None else GroupOptions(**ca["groups"])
         calibrate_bundle(probe, ts, bundle_file, give_up=give_up, groups=groups,
                          mode=meta["label_mode"], deltas=ca.get("deltas", [0.05, 0.1, 0.15, 0.2]),
                          epsilon=ca.get("epsilon", 0.05), window=ca.get("window", 10),
                          dump_scores=out / "calibration-scores.jsonl",
                          provenance={"job": str(path), "selected_epoch": meta.get("selected_epoch")})
+        if consensus is not None:
+            add_consensus(bundle_file, probe, ts, consensus[1], consensus[0])
 
     def evaluate() -> None:
         bundle, ts = load_bundle(bundle_file), TrajectorySet.open(data)
@@ -217,16 +308,33 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
             rep, _ = evaluate_bundle(bundle, TrajectorySet.open(shifted), "all")
             rows.append(("shifted family", rep))
             reports["shifted"] = rep
+        if bundle.consensus is not None:
+            reports["consensus"] = evaluate_consensus(bundle, ts, "test")
         (out / "evaluation.json").write_text(json.dumps(reports, indent=1))
         (out / "evaluation.md").write_text(markdown_table(rows) + "\n")
 
     stages = {"collect": (collect, [data / "problems.jsonl"]), "split": (split, []),
-              "train": (train, [probe_file]), "calibrate": (calibrate, [bundle_file]),
+              "train": (train, [probe_file]), "label": (label, []),
+              "calibrate": (calibrate, [bundle_file]),
               "evaluate": (evaluate, [out / "evaluation.json"])}
     fingerprints, rerun = stage_settings(job), False
-    for name in STAGES:
-        fn, outputs = stages[name]
-        rerun |= _stage(out, name, outputs, fn, log, fingerprints[name], rerun)  # later ones follow
-        if progress:
-            print(log[-1], flush=True)
+    try:
+        for name in STAGES:
+            fn, outputs = stages[name]
+            rerun |= _stage(out, name, outputs, fn, log, fingerprints[name], rerun)  # later follow
+            if progress:
+                print(log[-1], flush=True)
+            # vLLM ends with the last stage that probes: collect, or label when selective
+            if engine and name == ("label" if selective(job) else "collect"):
+                engine.pop().close()
+    finally:
+        if engine:
+            engine.pop().close()
     return log
+
+
+def job_split(ids: list[str], sp: dict[str, Any]) -> dict[str, str]:
+    """The job's split of these trajectory ids: every sample of a prompt in one part."""
+    groups = {pid: prompt_of(pid)[0] for pid in ids}
+    return split_ids(ids, tuple(sp.get("fractions", (0.6, 0.2, 0.2))), seed=sp.get("seed", 0),
+                     groups=groups)

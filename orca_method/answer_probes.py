@@ -13,7 +13,7 @@ exactly as `orca-calibrate collect` labels a collected one; only the engine call
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,12 +61,16 @@ def step_ends(gen_ids: Sequence[int], step_ids: Sequence[Sequence[int]]) -> list
 
 
 def probe_prompts(prompt_ids: Sequence[int], gen_ids: Sequence[int], record: dict[str, Any],
-                  suffix_ids: Sequence[int], label_every: int) -> list[tuple[int, list[int]]]:
-    """(step t, prompt token ids) of every answer probe of one recorded trajectory."""
+                  suffix_ids: Sequence[int], label_every: int,
+                  steps: Iterable[int] | None = None) -> list[tuple[int, list[int]]]:
+    """(step t, prompt token ids) of every answer probe of one recorded trajectory: at its
+    labelled steps (`labelled_steps`), or at `steps` (selective labelling,
+    orca_method/selective.py). `record` needs `step_token_ids`, or `step_ends` (`step_ends`'
+    result, as a deferred trajectory keeps it)."""
     gen = list(gen_ids)
-    ends = step_ends(gen, record["step_token_ids"])
-    return [(t, list(prompt_ids) + gen[:ends[t]] + list(suffix_ids))
-            for t in labelled_steps(len(ends), label_every)]
+    ends = record.get("step_ends") or step_ends(gen, record["step_token_ids"])
+    chosen = labelled_steps(len(ends), label_every) if steps is None else sorted(steps)
+    return [(t, list(prompt_ids) + gen[:ends[t]] + list(suffix_ids)) for t in chosen]
 
 
 def probe_sampling(answer_tokens: int) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX
+from orca_method.consensus import CONSENSUS_VERSION, Weighting
 from orca_method.errors import first_line
 from orca_method.normalizations import DEFAULT_NORMALIZATION, Normalization
 from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy
@@ -253,6 +254,34 @@ class GroupTable(_Strict):
     give_up: GiveUpTable | None = None  # None: a request in this group never gives up
 
 
+class ConsensusRow(_Strict):
+    """One certified pair: with each sample stopped at the main table's lambda* for `delta`, the
+    group settles at margin `t` (null: never early, the samples run to their end) so that its
+    vote differs from maj@k of the full samples with probability <= `delta_vote`."""
+
+    delta: float = Field(gt=0, lt=1)  # the per-sample delta (a row of the main table)
+    delta_vote: float = Field(gt=0, lt=1)
+    t: Fraction | None
+    risk: Fraction  # calibration facts at t (at t = 1 when t is null)
+    pvalue: Fraction
+    token_savings: Fraction  # against every sample running to its own stop
+
+
+class ConsensusBlock(_Strict):
+    """The consensus stop for k samples of a prompt (docs/METHOD.md section 14): optional, and
+    versioned on its own (`version`), so that a later rule can change it without touching the
+    bundle's schema version; written only when present (`save_bundle`)."""
+
+    version: Literal[CONSENSUS_VERSION]
+    samples: int = Field(ge=2)  # the k it was certified for: a group of another size is not
+    weighting: Weighting
+    epsilon: float = Field(gt=0, lt=1)
+    n_cal: int = Field(ge=1)  # calibration groups (prompts), none of them seen by lambda*
+    pvalue: Literal["binomial", "hb"] = "binomial"
+    grid_size: int = Field(ge=2)
+    rows: list[ConsensusRow] = Field(min_length=1)
+
+
 class GiveUpBlock(_Strict):
     """The lower threshold (schema version 2): its own probe, smoothing and reference labels.
 
@@ -318,6 +347,8 @@ class Bundle(_Strict):
     # takes the main (mixture) table. Written only when present (`save_bundle`)
     groups: dict[Annotated[str, Field(min_length=1, max_length=GROUP_NAME_MAX)],
                  GroupTable] | None = None
+    # the consensus stop for k samples; None: none calibrated. Written only when present
+    consensus: ConsensusBlock | None = None
     checksum: str = ""
 
     @field_validator("schema_version")
@@ -542,6 +573,8 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Bundle:
         drop["labelling"] = True
     if bundle.groups is None:
         drop["groups"] = True
+    if bundle.consensus is None:
+        drop["consensus"] = True
     data = bundle.model_dump(exclude=drop or None)
     data["checksum"] = _checksum(data)
     sealed = Bundle.model_validate(data)
@@ -638,6 +671,7 @@ def _validate(data: Any, p: Path) -> Bundle:
     if bundle.give_up is not None:
         _check_give_up(bundle, p)
     _check_groups(bundle, p)
+    _check_consensus(bundle, p)
     try:
         bundle.load_gate()
         _smoke_test(bundle.load_probe())
@@ -698,6 +732,22 @@ def _check_groups(bundle: Bundle, p: Path) -> None:
         if not same(deltas, bundle.give_up_deltas()):
             raise BundleError(f"{where} has mu* for give-up deltas {sorted(deltas)}, the main "
                               f"table for {sorted(bundle.give_up_deltas())}: recalibrate")
+
+
+def _check_consensus(bundle: Bundle, p: Path) -> None:
+    """Each consensus row stops its samples at a lambda* of the main table, and names a
+    (delta, delta_vote) pair once."""
+    if bundle.consensus is None:
+        return
+    seen: set[tuple[float, float]] = set()
+    for r in bundle.consensus.rows:
+        if not any(math.isclose(r.delta, d, rel_tol=0, abs_tol=1e-9) for d in bundle.deltas()):
+            raise BundleError(f"bundle {p}: a consensus row is for delta {r.delta:g}, which the "
+                              "main table does not calibrate: recalibrate")
+        if (r.delta, r.delta_vote) in seen:
+            raise BundleError(f"bundle {p}: consensus lists delta {r.delta:g}, delta_vote "
+                              f"{r.delta_vote:g} twice; which t applies is ambiguous: recalibrate")
+        seen.add((r.delta, r.delta_vote))
 
 
 @torch.no_grad()

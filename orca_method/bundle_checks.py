@@ -204,11 +204,7 @@ def check_table(t: LTTTable, where: str = "") -> None:
                 raise BundleError(f"{row}: a row that never stops early has p-value 1 and "
                                   "risk 0; the table was edited: recalibrate")
             continue
-        p = float(PVALUES[t.pvalue](np.asarray([round(k)]), t.n_cal, r.delta)[0])
-        if not math.isclose(p, r.pvalue, rel_tol=1e-6, abs_tol=1e-12) or p > t.epsilon:
-            raise BundleError(f"{row}: {round(k)} losses in {t.n_cal} give p-value {p:.4g}"
-                              f"{'' if p <= t.epsilon else f' > epsilon {t.epsilon:g}'}; the "
-                              "row does not match its own risk: recalibrate")
+        _check_pvalue(row, k, r.delta, r.pvalue, t)
     for a, b in itertools.pairwise(sorted(facts, key=lam, reverse=True)):
         pairs = [("risk", a.risk, b.risk), ("savings", a.savings, b.savings),
                  ("token savings", a.token_savings, b.token_savings)]
@@ -231,6 +227,18 @@ def _losses(where: str, risk: float, n_cal: int) -> float:
         raise BundleError(f"{where}: risk x n_cal = {k:g} is not a whole number of losses "
                           f"out of {n_cal}; the table was edited: recalibrate")
     return k
+
+
+def _check_pvalue(row: str, k: float, delta: float, recorded: float,
+                  t: LTTTable | GiveUpTable) -> None:
+    """A row's recorded p-value is the one its k losses in the table's n_cal give at its delta,
+    under the table's p-value, and it is <= the table's epsilon (stop and give-up tables alike:
+    both come from one LTT run)."""
+    p = float(PVALUES[t.pvalue](np.asarray([round(k)]), t.n_cal, delta)[0])
+    if not math.isclose(p, recorded, rel_tol=1e-6, abs_tol=1e-12) or p > t.epsilon:
+        raise BundleError(f"{row}: {round(k)} losses in {t.n_cal} give p-value {p:.4g}"
+                          f"{'' if p <= t.epsilon else f' > epsilon {t.epsilon:g}'}; the "
+                          "row does not match its own risk: recalibrate")
 
 
 def check_give_up_rows(bundle: Bundle) -> None:
@@ -264,10 +272,7 @@ def check_give_up_table(t: GiveUpTable, where: str = "") -> None:
                 raise BundleError(f"{row}: a row that never gives up has p-value 1 and risk 0; "
                                   "the table was edited: recalibrate")
             continue
-        p = float(PVALUES[t.pvalue](np.asarray([round(k)]), t.n_cal, r.delta)[0])
-        if not math.isclose(p, r.pvalue, rel_tol=1e-6, abs_tol=1e-12) or p > t.epsilon:
-            raise BundleError(f"{row}: {round(k)} losses in {t.n_cal} give p-value {p:.4g}; "
-                              "the row does not match its own risk: recalibrate")
+        _check_pvalue(row, k, r.delta, r.pvalue, t)
 
 
 @torch.no_grad()

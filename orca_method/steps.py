@@ -362,11 +362,15 @@ class Segmenter:
         m = self.table.max_step_tokens
         if m is None or op not in (NONE, MERGE) or self.pending < m:
             return op
+        self._end_step()
+        return STEP
+
+    def _end_step(self) -> None:
+        """Everything pending (A + S) becomes one step; the next step starts empty."""
         if self.keep_ids:
             self.steps.append(self.a_ids + self.s_ids)
             self.a_ids, self.s_ids = [], []
         self.a_count = self.s_count = 0
-        return STEP
 
     def _section_end(self) -> int:
         t = self.table
@@ -377,10 +381,7 @@ class Segmenter:
             self.sec_text = bytearray()
             op = STEP_PREV if (has_kw and self.a_count > 0) else MERGE
         if op == STEP:
-            if self.keep_ids:
-                self.steps.append(self.a_ids + self.s_ids)
-                self.a_ids, self.s_ids = [], []
-            self.a_count = self.s_count = 0
+            self._end_step()
         elif op == STEP_PREV:
             if self.keep_ids:
                 self.steps.append(self.a_ids)
@@ -399,10 +400,7 @@ class Segmenter:
         self.sec_text = bytearray()
         if self.pending == 0:
             return NONE
-        if self.keep_ids:
-            self.steps.append(self.a_ids + self.s_ids)
-            self.a_ids, self.s_ids = [], []
-        self.a_count = self.s_count = 0
+        self._end_step()
         return CLOSE
 
     def finish(self) -> list[int] | None:

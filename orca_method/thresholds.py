@@ -3,7 +3,7 @@
 LTT certifies lambda*(delta) or nothing; "nothing" means the deployed procedure never stops early
 (no smoothed score in [0, 1] reaches an infinite threshold). Every never-stop threshold in the
 code is `NEVER`; JSON (bundles, results, audit tables) has no infinity and writes null, and the
-`orca_lam` xarg writes "inf" (`orca_serve.settings.contract.encode_lam`).
+`orca_lam` xarg writes "inf" (`orca_serve.settings.xargs.encode_lam`).
 """
 
 from __future__ import annotations

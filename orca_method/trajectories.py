@@ -399,6 +399,18 @@ class TrajectorySet:
             return ()
         return tuple(sorted(set.intersection(*(set(p.labels) for p in self.problems))))
 
+    def with_splits(self, splits: Mapping[int, str | None]) -> TrajectorySet:
+        """A view of the same embeddings whose problems `splits` (index -> split or None) are in
+        other splits, in memory only (e.g. calibration prompts held out for another test)."""
+        bad = {s for s in splits.values() if s is not None and s not in SPLITS}
+        if bad:
+            raise TrajectoryError(f"unknown split name(s) {sorted(bad)}; splits are {SPLITS}")
+        problems = [replace(p, split=splits[i]) if i in splits else p
+                    for i, p in enumerate(self.problems)]
+        view = TrajectorySet(self.path, self.info, problems, self._arrays)
+        view._finite = list(self._finite)
+        return view
+
     def split(self, name: str) -> list[int]:
         """Indices of the problems in split ``name``."""
         if name not in SPLITS:
@@ -532,20 +544,33 @@ def set_splits(path: str | Path, assignment: Mapping[str, str | None]) -> None:
 
     Must not run while a TrajectoryWriter has the directory open.
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise TrajectoryError(f"{path}: set_splits needs a trajectory directory (import pickles "
-                              "with import_pickle first)")
-    problems, _ = _read_problems(path / PROBLEMS_FILE, tolerate_partial_tail=False)
-    unknown = set(assignment) - {p.id for p in problems}
-    if unknown:
-        raise TrajectoryError(f"{path}: {len(unknown)} id(s) in the split assignment are not in "
-                              f"the set, e.g. {sorted(unknown)[:5]}")
     bad = {s for s in assignment.values() if s is not None and s not in SPLITS}
     if bad:
         raise TrajectoryError(f"unknown split name(s) {sorted(bad)}; splits are {SPLITS}")
-    lines = [json.dumps(replace(p, split=assignment.get(p.id, p.split)).to_dict()) + "\n"
-             for p in problems]
+    update_problems(path, {pid: {"split": s} for pid, s in assignment.items()})
+
+
+def update_problems(path: str | Path, changes: Mapping[str, Mapping[str, Any]]) -> None:
+    """Replace fields of the given ids' metadata (others unchanged), atomically: a split, or the
+    labels of a trajectory labelled after collection (orca_calibrate/selective_labels.py). The
+    fields that locate its embeddings (`offset`, `n_steps`) and its `id` stay.
+
+    Must not run while a TrajectoryWriter has the directory open.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise TrajectoryError(f"{path}: updating problems needs a trajectory directory (import "
+                              "pickles with import_pickle first)")
+    problems, _ = _read_problems(path / PROBLEMS_FILE, tolerate_partial_tail=False)
+    unknown = set(changes) - {p.id for p in problems}
+    if unknown:
+        raise TrajectoryError(f"{path}: {len(unknown)} id(s) to update are not in the set, "
+                              f"e.g. {sorted(unknown)[:5]}")
+    fixed = {"id", "offset", "n_steps"}
+    lines = []
+    for p in problems:
+        d = {**p.to_dict(), **{k: v for k, v in changes.get(p.id, {}).items() if k not in fixed}}
+        lines.append(json.dumps(Problem.from_dict(d, f"problem {p.id!r}").to_dict()) + "\n")
     _write_atomic(path / PROBLEMS_FILE, "".join(lines).encode())
 
 

@@ -17,6 +17,7 @@ from orca_method.procedure import replay
 from orca_method.steps import CLOSE, MERGE, NONE, STEP, STEP_PREV, Segmenter
 from orca_serve.core.engine import OrcaCore
 from orca_serve.core.registry import Entry
+from orca_serve.settings.engine_config import EngineConfig
 from tests.bundles import tiny_bundle, write_bundle
 
 DIM = 16
@@ -67,7 +68,8 @@ def sim_bundle(tmp_path_factory, keywords=None, *, seed: int = 1, hidden: int = 
 
 
 def make_core(bundle_path, max_num_seqs: int = 8, **cfg) -> OrcaCore:
-    return OrcaCore({"bundle": str(bundle_path), **cfg}, FakeTokenizer(), hidden_size=DIM,
+    return OrcaCore(EngineConfig.from_dict({"bundle": str(bundle_path), **cfg}), FakeTokenizer(),
+                    hidden_size=DIM,
                     model_name="fake", eos_ids={EOS}, default_eos=EOS,
                     max_num_seqs=max_num_seqs, device=torch.device("cpu"))
 

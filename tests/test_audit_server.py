@@ -277,13 +277,16 @@ def test_audit_report_on_the_servers_directory_gives_the_live_tables_numbers(srv
 
     for p in _records(env["dir"] / "more.jsonl")[-3:]:  # audits that finish, beside it
         _ask(srv, p["messages"])
-    before = _settled(srv)
-    _disconnect_mid_stream(srv, "Find x with 6*x - 4 = 20.")
-    deadline = time.time() + 60
-    while _table(srv)["picked"] == before["picked"] and time.time() < deadline:
-        time.sleep(0.5)
-    live = _settled(srv)
-    counts = {k: live[k] - before[k] for k in ("picked", "aborted", "labelled", "failed")}
+    for _ in range(3):  # on a loaded machine the engine can finish before the client goes away
+        before = _settled(srv)
+        _disconnect_mid_stream(srv, "Find x with 6*x - 4 = 20.")
+        deadline = time.time() + 60
+        while _table(srv)["picked"] == before["picked"] and time.time() < deadline:
+            time.sleep(0.5)
+        live = _settled(srv)
+        counts = {k: live[k] - before[k] for k in ("picked", "aborted", "labelled", "failed")}
+        if counts != {"picked": 1, "aborted": 0, "labelled": 1, "failed": 0}:
+            break
     assert counts == {"picked": 1, "aborted": 1, "labelled": 0, "failed": 0}, counts
     assert _row(live, 0.1)["censored"] == _row(before, 0.1)["censored"] + 1
     records = TrajectorySet.open(env["audits"] / "audit-000001").problems

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,9 +17,11 @@ from orca_serve.settings.contract import (
     XARG_SEED,
     OrcaResult,
     Policy,
+    ShiftAction,
     child_key,
     to_wire,
 )
+from orca_method.outcomes import GiveUpPolicy
 from orca_serve.settings.field import OrcaRequestError
 from orca_serve.settings.resolve import OrcaDefaults, resolve
 from orca_serve.settings.xargs import encode_lam, request_spec, validate_xargs
@@ -157,3 +160,44 @@ def test_result_wire_form():
     d = OrcaResult(**base, notes=["n"], step_embeddings=arr, step_tokens=[4, 5],
                    step_token_ids=[[1], [2]]).to_dict()
     assert d["notes"] == ["n"] and d["step_embeddings"] is arr and d["step_tokens"] == [4, 5]
+
+
+def test_the_engine_config_crosses_vllm_as_json_and_comes_back_typed():
+    """`additional_config["orca"]` is the wire form of one EngineConfig: through JSON (what
+    --additional-config carries) and back it is the same object, its words enums again; a
+    misspelt key or default is refused with its name instead of served as the default."""
+    import json
+
+    from orca_serve.settings.engine_config import EngineConfig
+
+    cfg = EngineConfig(bundle="/b.json", record=True, segmentation={"delimiter": "\n\n"},
+                       defaults=replace(DEFAULTS, enabled=False, policy=Policy.STOP,
+                                        give_up_policy=GiveUpPolicy.MESSAGE,
+                                        shift_action=ShiftAction.STRICT, shift_alpha=0.2),
+                       max_results=5)
+    back = EngineConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert back == cfg and back.defaults.policy is Policy.STOP
+    assert back.defaults.shift_action is ShiftAction.STRICT
+    assert EngineConfig.from_dict(None) == EngineConfig() and EngineConfig().defaults == DEFAULTS
+    partial = EngineConfig.from_dict({"bundle": "/b.json", "defaults": {"policy": "shadow"}})
+    assert partial.defaults == replace(DEFAULTS, policy=Policy.SHADOW)
+    with pytest.raises(ValueError, match="unknown keys bundel"):
+        EngineConfig.from_dict({"bundel": "/b.json"})
+    with pytest.raises(ValueError, match="unknown request defaults polcy"):
+        EngineConfig.from_dict({"defaults": {"polcy": "stop"}})
+    with pytest.raises(ValueError, match="'later' is not a valid Policy"):
+        EngineConfig.from_dict({"defaults": {"policy": "later"}})
+    with pytest.raises(ValueError, match="normalization must be one of"):
+        EngineConfig(normalization="l3")
+
+
+def test_reload_answers_round_trip_and_refuse_anything_else():
+    from orca_serve.settings.contract import ReloadAnswer
+
+    for a in (ReloadAnswer(checksum="c"), ReloadAnswer(live=("c", None)),
+              ReloadAnswer(error="loading the bundle failed: x")):
+        assert ReloadAnswer.from_wire(a.to_wire()) == a
+    assert ReloadAnswer(live=("c",)).to_wire() == {"live": ["c"]}
+    for bad in (None, "c", {"checksum": "c", "extra": 1}):
+        with pytest.raises(ValueError, match="unexpected answer from an engine worker"):
+            ReloadAnswer.from_wire(bad)

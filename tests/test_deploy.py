@@ -53,9 +53,14 @@ def test_images_run_orca_serve_with_real_flags(name: str, serve_flags: set[str])
     assert json.loads(entry) == ["orca-serve"] and "orca-serve" in PYPROJECT["project"]["scripts"]
     [cmd] = df["CMD"]
     assert set(_flags(json.loads(cmd))) <= serve_flags
+    copied = set()
     for copy in df["COPY"]:
         *sources, _ = copy.split()
         assert all((ROOT / s).exists() for s in sources), copy
+        copied |= set(sources)
+    # `pip install .` in the image installs what is copied: every package pyproject ships
+    packages = {p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert packages <= copied, packages - copied
 
 
 def test_gpu_image_is_a_supported_vllm() -> None:

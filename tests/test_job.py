@@ -96,7 +96,10 @@ class _FakeCollector:
     def __exit__(self, *exc: object) -> None:
         pass
 
-    def run(self, prompts: list, out, progress: bool):
+    def close(self) -> None:
+        pass
+
+    def run(self, prompts: list, out, progress: bool, defer=None):
         from orca_calibrate.synth import generate
 
         _FakeCollector.runs += 1
@@ -123,8 +126,8 @@ def test_rerun_follows_edits_and_refuses_changed_collection(tmp_path, monkeypatc
         return [line.split(":")[1].strip() for line in run_job(path, progress=False)]
 
     first = run()
-    assert len(first) == 5 and all("skipped" not in x for x in first)
-    assert run() == ["done already, skipped"] * 5
+    assert len(first) == 6 and all("skipped" not in x for x in first)
+    assert run() == ["done already, skipped"] * 6
     # a new training setting reruns training and everything after it, nothing before
     got = run(train={"epochs": 2})
     assert got[:2] == ["done already, skipped"] * 2 and all("skipped" not in x for x in got[2:])
@@ -254,3 +257,146 @@ def test_a_job_with_groups_calibrates_each_tagged_group(tmp_path, monkeypatch, c
         path.write_text(json.dumps(job))
         with pytest.raises(JobError, match=words):
             load_job(path)
+
+
+class _FakeEngine(_FakeCollector):
+    """A fake engine that answers probes: synthetic traces (orca_calibrate/synth.py) with an
+    answer at every step, recorded by the collector's own record code (`trajectory_fields`,
+    and for deferred traces the collector's pending records), so every-step and selective
+    labelling of one job can be compared on the same traces without vLLM."""
+
+    probes = 0
+
+    def __init__(self, model: str, settings) -> None:
+        super().__init__(model, settings)
+        self.stats = SimpleNamespace(answer_probes=0, probe_s=0.0)
+
+    @staticmethod
+    def trace(key: str):
+        import zlib
+
+        import numpy as np
+
+        from orca_calibrate.synth import FAMILIES, _problem, world
+
+        rng = np.random.default_rng(zlib.crc32(key.encode()))
+        return _problem(rng, FAMILIES["in-dist"], world(8), 14)
+
+    def run(self, prompts: list, out, progress: bool, defer=None):
+        import json
+
+        from orca_calibrate.collect import PENDING_FILE, _deferred_fields
+        from orca_method.answer_probes import trajectory_fields
+        from orca_method.trajectories import TrajectoryWriter
+
+        with TrajectoryWriter(out, dim=8, dtype="float32", model="m") as writer:
+            for rec in prompts:
+                key = str(rec["id"])
+                fields, emb = self.trace(key)
+                n = len(fields["step_answers"])
+                p = {"id": key, "rec": {**rec, "answer": fields["answer"]}, "text": "",
+                     "finish_reason": "stop", "completion_tokens": sum(fields["step_tokens"]),
+                     "step_tokens": fields["step_tokens"], "prompt_ids": [],
+                     "gen_ids": list(range(n)), "step_ends": list(range(1, n + 1))}
+                if defer is not None and defer(key):
+                    with open(out / PENDING_FILE, "a") as f:
+                        f.write(json.dumps(p) + "\n")
+                    record = _deferred_fields(p, {})
+                else:
+                    _FakeEngine.probes += n
+                    record = trajectory_fields(key, p["rec"], text="", finish_reason="stop",
+                                               completion_tokens=p["completion_tokens"],
+                                               step_tokens=p["step_tokens"],
+                                               probed=dict(enumerate(fields["step_answers"])))
+                writer.append(record, emb)
+        return SimpleNamespace(as_dict=lambda: {"trajectories": len(prompts)})
+
+    def probe_steps(self, traces: list) -> list[dict]:
+        out = []
+        for _, _, p, steps in traces:
+            answers = self.trace(p["id"])[0]["step_answers"]
+            out.append({t: answers[t] for t in steps})
+            _FakeEngine.probes += len(steps)
+        return out
+
+
+def test_selective_labelling_certifies_what_every_step_labelling_does(tmp_path, monkeypatch):
+    """The job with `collect.label_steps: selective` collects the calibration split unprobed,
+    trains, then probes only the steps LTT reads: its bundle's tables (lambda* per delta, mu*
+    per give-up delta, with risks, p-values and savings) equal the every-step job's on the
+    same traces, for fewer probes. Editing the split afterwards is a changed collection."""
+    import json
+
+    import orca_calibrate.job
+    from orca_calibrate.job import run_job
+    from orca_method.bundle import load_bundle
+    from orca_method.trajectories import TrajectorySet
+
+    monkeypatch.setattr(orca_calibrate.job, "Collector", _FakeEngine)
+    (tmp_path / "p.jsonl").write_text("".join(
+        json.dumps({"id": f"q{i}", "prompt": "x"}) + "\n" for i in range(240)))
+    bundles, probes = {}, {}
+    for mode in ("every", "selective"):
+        monkeypatch.setattr(_FakeEngine, "probes", 0)
+        job = {"model": "m", "prompts": "p.jsonl", "out": mode,
+               "collect": {"label_steps": mode}, "split": {"fractions": [0.4, 0.4, 0.2]},
+               "train": {"epochs": 2, "label_mode": "consistent"},
+               "calibrate": {"deltas": [0.1, 0.2, 0.3], "window": 2,
+                             "give_up": {"deltas": [0.1, 0.2], "label_mode": "supervised"}}}
+        path = tmp_path / f"{mode}.yaml"
+        path.write_text(json.dumps(job))
+        run_job(path, progress=False)
+        bundles[mode], probes[mode] = load_bundle(tmp_path / mode / "bundle.json"), _FakeEngine.probes
+    every, sel = bundles["every"], bundles["selective"]
+    assert sel.ltt == every.ltt and sel.give_up.ltt == every.give_up.ltt
+    assert any(r.lam is not None for r in every.ltt.rows)  # a certificate worth comparing
+    assert probes["selective"] < probes["every"]
+    stats = json.loads((tmp_path / "selective" / "label-stats.json").read_text())
+    assert stats["answer_probes"] < stats["every_step_probes"] and stats["rounds"] >= 1
+    ts = TrajectorySet.open(tmp_path / "selective" / "trajectories")
+    cal = ts.split("calibration")
+    assert cal and all(ts.problems[i].extra["selective"]["resolved"] ==
+                       {"stop": "consistent", "give_up": "supervised"} for i in cal)
+    assert not any("selective" in (ts.problems[i].extra or {}) for i in ts.split("train"))
+    job["split"] = {"fractions": [0.5, 0.3, 0.2]}
+    path.write_text(json.dumps(job))
+    with pytest.raises(JobError, match="collect settings .* changed"):
+        run_job(path, progress=False)
+
+
+def test_plan_scales_the_pilot_to_the_job(tmp_path, monkeypatch, capsys) -> None:
+    """`orca-calibrate plan` runs the job's collection on a random pilot of its prompts and one
+    epoch of its training, then scales per-trace figures to the whole job (the fake engine's
+    times are what it measured; the arithmetic is the plan's)."""
+    import json
+
+    import orca_calibrate.plan
+    from orca_calibrate.calibrate_cli import main
+
+    class Timed(_FakeEngine):
+        def __init__(self, model: str, settings) -> None:
+            super().__init__(model, settings)
+            self.llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(
+                get_hidden_size=lambda: 8)))
+
+        def run(self, prompts, out, progress, defer=None):
+            super().run(prompts, out, progress, defer)
+            return SimpleNamespace(generate_s=2.0 * len(prompts), probe_s=1.0 * len(prompts),
+                                   answer_probes=_FakeEngine.probes)
+
+    monkeypatch.setattr(orca_calibrate.plan, "Collector", Timed)
+    monkeypatch.setattr(_FakeEngine, "probes", 0)
+    (tmp_path / "p.jsonl").write_text("".join(
+        json.dumps({"id": f"q{i}", "prompt": "x"}) + "\n" for i in range(100)))
+    (tmp_path / "job.yaml").write_text(json.dumps({
+        "model": "m", "prompts": "p.jsonl", "out": "run", "collect": {"dtype": "float16"},
+        "split": {"fractions": [0.5, 0.25, 0.25]}, "train": {"epochs": 4}}))
+    assert main(["plan", "--config", str(tmp_path / "job.yaml"), "--pilot", "20"]) == 0
+    plan = json.loads((tmp_path / "run" / "plan" / "trajectories" / ".." / "plan.json").read_text())
+    assert plan["pilot_traces"] == 20 and plan["job_traces"] == 100
+    assert plan["train_traces"] == 50 and plan["epochs"] == 4
+    assert plan["collect_s"] == pytest.approx(plan["engine_start_s"] + 100 * 3.0)
+    assert plan["train_s"] == pytest.approx(plan["train_s_per_trace_epoch"] * 50 * 4)
+    assert plan["embeddings_bytes"] == pytest.approx(100 * plan["steps_per_trace"] * 8 * 2)
+    assert plan["probes_per_trace"] == pytest.approx(plan["steps_per_trace"])  # every step
+    assert "disk:" in capsys.readouterr().out

@@ -20,6 +20,7 @@ from orca_serve.settings.contract import (
     XARG_LAM,
     XARG_SHIFT_ALPHA,
     OrcaResult,
+    RequestDefaults,
 )
 from orca_serve.settings.field import OrcaRequestError
 from orca_serve.api_server.report import orca_object
@@ -128,7 +129,7 @@ def test_the_orca_object_says_which_table_served_it():
 def test_the_engine_resolves_a_group_when_the_server_did_not():
     """An offline request (no orca_lam): lambda* of its known group's table, ungated; an
     unknown group: the main table, the bundle's gate level."""
-    defaults = {"enabled": 1, "policy": "answer", "answer_budget": 8}
+    defaults = RequestDefaults(answer_budget=8)
     groups = tuple(BUNDLE.groups)
     spec = request_spec({XARG_GROUP: "shifted"}, defaults, record=False, lam_of=BUNDLE.lam,
                         default_delta=0.1, groups=groups)

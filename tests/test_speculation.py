@@ -165,7 +165,7 @@ def test_drafts_give_the_plain_runs_steps_scores_and_stops(bundle_path, seed,
         forced = rb["forced_tokens"]
         if forced != ra["forced_tokens"]:  # a late answer whose EOS no longer fits max_tokens
             assert pb > pa and forced == ra["forced_tokens"][:-1]
-            assert pb + len(forced) + DEFAULTS["answer_budget"] >= b.max_tokens
+            assert pb + len(forced) + DEFAULTS.answer_budget >= b.max_tokens
         n = len(forced) - (forced[-1] == EOS)
         assert b.out[pb:pb + n] == forced[:n]
         assert (b.out[-1] == EOS) == (forced[-1] == EOS)

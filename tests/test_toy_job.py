@@ -98,3 +98,22 @@ def test_served_bundle_stops_early(job: Path) -> None:
         assert stopped >= len(prompts) // 2  # 23 of 24 at delta 0.3 when measured
     finally:
         srv.stop()
+
+
+def test_reweight_to_traffic_prompts(job: Path, capsys) -> None:
+    """`orca-calibrate reweight --traffic-prompts`: fresh prompts run in record mode only to the
+    gate's step (the server's own features), then the job's bundle recertified for them. Fresh
+    in-distribution prompts: most pass the gate and a bundle is written; the shifted family: the
+    gate flags it all, and there is nothing to reweight for (one line, exit 2)."""
+    from orca_calibrate.calibrate_cli import main
+
+    write_prompts(job / "traffic.jsonl", "in-dist", 40, seed=13)
+    args = ["reweight", "--job", str(job / "run"), "--model", str(MODEL), "--max-tokens", "120"]
+    assert main([*args, "--traffic-prompts", str(job / "traffic.jsonl"),
+                 "--out", str(job / "reweighted.json")]) == 0
+    facts = load_bundle(job / "reweighted.json").provenance["reweight"]
+    assert facts["traffic"] == str(job / "traffic.jsonl")
+    assert 30 <= facts["n_traffic_passed"] <= facts["n_traffic"] <= 40 and facts["n_kept"] > 0
+    assert main([*args, "--traffic-prompts", str(job / "shifted.jsonl"),
+                 "--out", str(job / "none.json")]) == 2
+    assert "gate flags" in capsys.readouterr().err and not (job / "none.json").exists()

@@ -62,18 +62,15 @@ _FOUND_RE = re.compile(r"^So x=(\d+)\.$")
 
 
 @dataclass(frozen=True)
-class Problem:
-    """`A*x + B = C`, to be solved by walking from x = start (whose value the prompt gives)."""
+class Problem(toy_tasks.Problem):
+    """The toy's equation, `A*x + B = C` in every family, to be solved by walking from x = start
+    (whose value the prompt gives)."""
 
-    a: int
-    b: int
-    c: int
-    x: int
     start: int
-    family: str
 
-    def value(self, t: int) -> int:
-        return self.a * t + self.b
+    @property
+    def op(self) -> str:
+        return "+"  # the families differ in the walk's direction and A, not in the equation
 
     @property
     def step(self) -> int:
@@ -107,7 +104,7 @@ def make_problem(rng: random.Random, family: str) -> Problem:
     else:
         start = rng.randint(MIN_START - MIN_WALK, MIN_START - MIN_WALK + 40)
         x = start + walk
-    return Problem(a, b, a * x + b, x, start, family)
+    return Problem(a=a, b=b, c=a * x + b, x=x, family=family, start=start)
 
 
 def _relation(value: int, target: int) -> str:

@@ -55,7 +55,7 @@ def orca_defaults(args: Any, bundle: Bundle | None) -> OrcaDefaults:
         effort_map=dict(DEFAULT_EFFORT_MAP if table is None else table),
         give_up_delta=getattr(args, "orca_give_up_delta", None),
         give_up_policy=GiveUpPolicy(getattr(args, "orca_give_up_policy", None)
-                                    or DEFAULTS["give_up_policy"]))
+                                    or DEFAULTS.give_up_policy))
 
 
 def served_model_name(args: Any) -> str:

@@ -44,7 +44,7 @@ class _Request:
         self.status: int | None = None  # of vLLM's response, once it started
 
     def note_finished(self, reasons: dict[int, str]) -> None:
-        """Record how choices finished, in chat's terms (`stop`, `length`, ...: apis.py)."""
+        """Record how choices finished, in chat's terms (`stop`, `length`, ...: `apis`)."""
         self.finish_reasons.update(reasons)
 
     def keys(self, indexes: list[int]) -> list[str]:

@@ -42,6 +42,8 @@ from orca_method.errors import first_line
 from orca_serve.checks.bundle_options import check_options
 from orca_serve.live_audit.handover import hand_over
 from orca_serve.live_audit.options import AuditConfig
+from orca_serve.metrics.prometheus import ReloadOutcome
+from orca_serve.settings.contract import ReloadAnswer
 from orca_serve.settings.resolve import OrcaDefaults, OrcaSettings
 from orca_serve.api_server.state import EngineLink, Serving, ServingRef
 
@@ -132,9 +134,13 @@ class Reloader:
             except Exception as e:  # noqa: BLE001 - it is retried at the next reload
                 logger.warning("orca: letting go of replaced bundles failed: %s", first_line(e))
                 return
-            for a in answers or []:
-                if isinstance(a, dict) and a.get("error"):
-                    logger.warning("orca: letting go of replaced bundles: %s", a["error"])
+            for wire in answers or []:
+                try:
+                    error = ReloadAnswer.from_wire(wire).error
+                except ValueError as e:
+                    error = str(e)
+                if error:
+                    logger.warning("orca: letting go of replaced bundles: %s", error)
 
     # -- the reload -----------------------------------------------------------------------------
     async def reload(self, path: str, *, source: str) -> dict[str, Any]:
@@ -148,7 +154,7 @@ class Reloader:
             except ReloadRefused as e:
                 self.last = {"at": when, "source": source, "path": path, "refused": e.message}
                 if self.metrics is not None:
-                    self.metrics.reloaded("refused")
+                    self.metrics.reloaded(ReloadOutcome.REFUSED)
                 logger.warning("orca: bundle %s refused (%s); the old one serves on: %s", path,
                                source, e.message)
                 raise
@@ -157,7 +163,7 @@ class Reloader:
             out["waited_s"] = round(t0 - t_asked, 3)
             self.last = {"at": when, "source": source, **out}
             if out["changed"] and self.metrics is not None:
-                self.metrics.reloaded("loaded")
+                self.metrics.reloaded(ReloadOutcome.LOADED)
             logger.info("orca: bundle %s (%s): %s", path, source,
                         f"now serving {out['checksum']}" if out["changed"] else "unchanged")
             return out
@@ -191,9 +197,9 @@ class Reloader:
                                     f"{first_line(e)}") from None
         try:
             answers = await self._rpc("orca_load_bundle", path)
-            self._check(answers, "checksum", bundle.checksum)
+            self._check(answers, bundle.checksum)
             answers = await self._rpc("orca_use_bundle", bundle.checksum)
-            self._check(answers, "checksum", bundle.checksum)
+            self._check(answers, bundle.checksum)
         except ReloadRefused:
             await self._roll_back(old)
             raise
@@ -215,18 +221,21 @@ class Reloader:
             raise ReloadRefused(f"{method} failed: {first_line(e)}") from None
 
     @staticmethod
-    def _check(answers: list[Any], field: str, want: str) -> None:
-        """Every worker answered {field: want}; else the first refusal is the reason."""
+    def _check(answers: list[Any], want: str) -> None:
+        """Every worker answered the bundle `want` (`ReloadAnswer.checksum`); else the first
+        refusal is the reason."""
         if not answers:
             raise ReloadRefused("no engine worker answered")
-        for a in answers:
-            if not isinstance(a, dict):
-                raise ReloadRefused(f"unexpected answer from an engine worker: {a!r:.80}")
-            if a.get("error"):
-                raise ReloadRefused(str(a["error"]))
-            if a.get(field) != want:
+        for wire in answers:
+            try:
+                a = ReloadAnswer.from_wire(wire)
+            except ValueError as e:
+                raise ReloadRefused(str(e)) from None
+            if a.error:
+                raise ReloadRefused(a.error)
+            if a.checksum != want:
                 raise ReloadRefused("the bundle file changed while it was being loaded "
-                                    f"({a.get(field)} instead of {want}); try again")
+                                    f"({a.checksum} instead of {want}); try again")
 
     async def _roll_back(self, old: str | None) -> None:
         """Back to the old bundle on every worker; the staged one is let go."""

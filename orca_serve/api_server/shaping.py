@@ -8,6 +8,7 @@ from __future__ import annotations
 import codecs
 import json
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Any
 
 from orca_serve.api_server.apis import Api, Report, as_anthropic_error
@@ -19,10 +20,19 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
+class Body(StrEnum):
+    """How a response's body is shaped: JSON (held whole, the `orca` object added), SSE (events
+    rewritten as they pass), or passed through untouched (an error status, another type)."""
+
+    JSON = "json"
+    SSE = "sse"
+    PASS = "pass"
+
+
 class AnthropicErrors:
     """The `send` of a /v1/messages route: an error response in Anthropic's shape, whoever wrote
     it (vLLM's request validation answers in OpenAI's; `apis.as_anthropic_error`), and the
-    handler's error log records released by the status (`server_log.release`)."""
+    handler's error log records released by the status (`log.release`)."""
 
     def __init__(self, send: Callable, held: list) -> None:
         self.send = send
@@ -62,7 +72,7 @@ class ResponseShaper:
         self.api = api
         self.send = send
         self.start: dict | None = None
-        self.mode: str | None = None  # "json" | "sse" | "pass"
+        self.mode: Body | None = None  # set by the response's start
         self.buf = bytearray()
         self.sse_buf = ""
         # SSE bodies may split a multi-byte UTF-8 character across two messages
@@ -75,20 +85,20 @@ class ResponseShaper:
             headers = {k.lower(): v for k, v in msg.get("headers", [])}
             ctype = headers.get(b"content-type", b"").decode("latin-1")
             if msg.get("status") != 200:
-                self.mode = "pass"
+                self.mode = Body.PASS
             elif ctype.startswith("text/event-stream"):
-                self.mode = "sse"
+                self.mode = Body.SSE
             elif ctype.startswith("application/json"):
-                self.mode = "json"
+                self.mode = Body.JSON
             else:
-                self.mode = "pass"
-            if self.mode == "json":
+                self.mode = Body.PASS
+            if self.mode == Body.JSON:
                 self.start = msg  # held until the body is complete (content-length changes)
                 return
             return await self.send(msg)
-        if t != "http.response.body" or self.mode == "pass":
+        if t != "http.response.body" or self.mode == Body.PASS:
             return await self.send(msg)
-        if self.mode == "json":
+        if self.mode == Body.JSON:
             self.buf += msg.get("body", b"")
             if msg.get("more_body", False):
                 return

@@ -16,6 +16,7 @@ from orca_serve.settings.contract import (
     XARG_ENABLED,
     XARG_RECORD,
     Policy,
+    RequestDefaults,
     child_key,
 )
 from orca_serve.core.deployment import Deployments
@@ -31,11 +32,11 @@ class Admission:
 
     MAX_LOGGED_NOTES = 64  # clients choose deltas: the set of logged refusals stays bounded
 
-    def __init__(self, deployments: Deployments, defaults: Mapping[str, Any], *,
+    def __init__(self, deployments: Deployments, defaults: RequestDefaults, *,
                  record_default: bool, default_eos: int | None,
                  give_up_ids: list[int] | None = None) -> None:
         self.deployments = deployments
-        self.defaults = dict(defaults)
+        self.defaults = defaults
         self.give_up_ids = give_up_ids  # the "could not solve" message's ids (policy message)
         self.record_default = record_default
         self.default_eos = default_eos
@@ -46,7 +47,7 @@ class Admission:
         xa = xa or {}
         if int(xa.get(XARG_RECORD, self.record_default)):
             return True
-        if not int(xa.get(XARG_ENABLED, self.defaults["enabled"])):
+        if not int(xa.get(XARG_ENABLED, self.defaults.enabled)):
             return False
         return XARG_BUNDLE in xa or self.deployments.current.bank is not None
 

@@ -9,7 +9,7 @@ the core, so two live deployments cost two banks until the old one's last reques
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import math
@@ -17,12 +17,12 @@ import math
 import torch
 
 from orca_method.bundle import BundleError, Segmentation, ThinkTags, check_model, load_bundle
-from orca_method.normalizations import DEFAULT_NORMALIZATION
 from orca_method.procedure import ProbeBank
 from orca_method.shift_gate import ShiftGate
 from orca_method.steps import TokenTable
 from orca_method.thresholds import NEVER, lam_from_json
 from orca_serve.settings.contract import ShiftAction
+from orca_serve.settings.engine_config import EngineConfig
 
 log = logging.getLogger("orca_serve.core")
 
@@ -30,20 +30,20 @@ log = logging.getLogger("orca_serve.core")
 class Deployment:
     """Bundle (None in record-only mode), segmentation table, forced text ids, probe bank."""
 
-    def __init__(self, cfg: Mapping[str, Any], tokenizer: Any, *, hidden_size: int,
+    def __init__(self, cfg: EngineConfig, tokenizer: Any, *, hidden_size: int,
                  model_name: str, eos_ids: set[int], capacity: int,
                  device: torch.device, shift_action: ShiftAction = ShiftAction.FULL) -> None:
         self.bundle = None
-        path = cfg.get("bundle")
+        path = cfg.bundle
         if path:
             self.bundle = load_bundle(path)
             check_model(self.bundle, hidden_size, tokenizer.get_vocab(), model_name)
             seg_cfg, think = self.bundle.segmentation, self.bundle.think
             self.normalization = self.bundle.normalization
         else:
-            seg_cfg = Segmentation(**(cfg.get("segmentation") or {}))
-            think = ThinkTags(**(cfg.get("think") or {}))
-            self.normalization = cfg.get("normalization") or DEFAULT_NORMALIZATION
+            seg_cfg = Segmentation(**(cfg.segmentation or {}))
+            think = ThinkTags(**(cfg.think or {}))
+            self.normalization = cfg.normalization
         self.path = path
         self.think = think
         self.table = TokenTable.from_tokenizer(tokenizer, segmentation=seg_cfg, think=think,
@@ -108,7 +108,7 @@ class Deployments:
     """The live deployments of one core, by checksum: the current one (for requests naming no
     bundle) and the older ones still used by running requests (hot reload)."""
 
-    def __init__(self, cfg: Mapping[str, Any], tokenizer: Any, **dep_args: Any) -> None:
+    def __init__(self, cfg: EngineConfig, tokenizer: Any, **dep_args: Any) -> None:
         self._tokenizer = tokenizer
         self._args = dep_args
         self.current = Deployment(cfg, tokenizer, **dep_args)
@@ -123,7 +123,7 @@ class Deployments:
         model): requests naming its checksum join it from now on; `use` makes it the one for
         requests naming none. Raises BundleError; the live deployments are left untouched.
         Loading a bundle that is live already returns that deployment (and un-retires it)."""
-        dep = Deployment({"bundle": str(path)}, self._tokenizer, **self._args)
+        dep = Deployment(EngineConfig(bundle=str(path)), self._tokenizer, **self._args)
         if dep.normalization != self.current.normalization:
             # the token rows of one step are normalised together, for every deployment
             raise BundleError(f"bundle {path} normalises token states with "

@@ -41,12 +41,8 @@ import torch
 from torch import Tensor
 
 from orca_method.outcomes import GiveUpPolicy
-from orca_serve.settings.contract import (
-    DEFAULTS,
-    GIVE_UP_MESSAGE,
-    MAX_RESULTS,
-    RESULT_TTL_S,
-)
+from orca_serve.settings.contract import GIVE_UP_MESSAGE, RequestDefaults
+from orca_serve.settings.engine_config import EngineConfig
 from orca_serve.core.admission import Admission
 from orca_serve.core.deployment import Deployment, Deployments
 from orca_serve.core.device_step import DeviceStep
@@ -57,30 +53,30 @@ from orca_serve.core.table import RequestTable
 log = logging.getLogger("orca_serve.core")
 
 
-def give_up_message_ids(tokenizer: Any, defaults: Mapping[str, Any]) -> list[int] | None:
+def give_up_message_ids(tokenizer: Any, defaults: RequestDefaults) -> list[int] | None:
     """The ids of the message a give-up answers with under the MESSAGE give-up policy (None: a
     given-up request answers with its best current guess)."""
-    if defaults.get("give_up_policy") != GiveUpPolicy.MESSAGE:
+    if defaults.give_up_policy != GiveUpPolicy.MESSAGE:
         return None
-    text = defaults.get("give_up_message") or GIVE_UP_MESSAGE
+    text = defaults.give_up_message or GIVE_UP_MESSAGE
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 class OrcaCore:
     """Requests, slots, pooling, probe and stops of one engine (see module docstring)."""
 
-    def __init__(self, cfg: Mapping[str, Any], tokenizer: Any, *, hidden_size: int,
+    def __init__(self, cfg: EngineConfig, tokenizer: Any, *, hidden_size: int,
                  model_name: str, eos_ids: set[int], default_eos: int | None,
                  max_num_seqs: int, device: torch.device, pin_memory: bool = False) -> None:
         device = torch.device(device)
         self.capacity = 2 * max(1, int(max_num_seqs))  # preempted requests keep their slot
-        defaults = {**DEFAULTS, **(cfg.get("defaults") or {})}
+        defaults = cfg.defaults
         self.deployments = Deployments(cfg, tokenizer, hidden_size=hidden_size,
                                        model_name=model_name, eos_ids=set(eos_ids),
                                        capacity=self.capacity, device=device,
-                                       shift_action=defaults["shift_action"])
+                                       shift_action=defaults.shift_action)
         self.admission = Admission(self.deployments, defaults,
-                                   record_default=bool(cfg.get("record", False)),
+                                   record_default=cfg.record,
                                    default_eos=default_eos,
                                    give_up_ids=give_up_message_ids(tokenizer, defaults))
         self.normalization = self.dep.normalization
@@ -89,8 +85,7 @@ class OrcaCore:
         self.stats = {"probe_ns": 0, "engine_steps": 0, "active_steps": 0, "rows_captured": 0,
                       "steps_scored": 0, "max_step_ns": 0, "resumed": 0, "recompute_chunks": 0,
                       "lagged_tokens": 0, "evictions": 0, "drafts_accepted": 0}
-        results = Results(float(cfg.get("result_ttl_s", RESULT_TTL_S)),
-                          int(cfg.get("max_results", MAX_RESULTS)))
+        results = Results(cfg.result_ttl_s, cfg.max_results)
         self.table = RequestTable(self.pool, results, self.normalization, self.stats)
         self._pending: StepPlan | None = None  # the step whose readback is unread
 

@@ -8,7 +8,7 @@ of a policy-`answer` request early enough that an answer still fits in `max_toke
 The answer after a stop is decoded greedily, whatever the request's sampling: the guarantee is
 about the answer the calibration's probes forced, and they force it greedily. Sampled at the
 request's temperature instead, a trace stopped mid-verification often writes another answer
-(benchmarks/RESULTS.md, "The answer after a stop").
+(benchmarks/RESULTS-archive.md, "The answer after a stop").
 """
 
 from __future__ import annotations

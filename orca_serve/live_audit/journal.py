@@ -127,20 +127,35 @@ class EventJournal(Protocol):
         """Stop taking part (this process's open admissions become reapable)."""
 
 
-def snapshot_offset(snap: Any, checksum: str, created: Any, length: int,
-                    digest: Callable[[int], str]) -> int | None:
-    """The event offset a snapshot covers, or None when it is not this journal's (another
-    bundle, or a journal created anew under the same name), covers more than it holds, or the
-    journal no longer holds what it covered: `digest(offset)`, the journal's digest of its
-    events up to the offset now, differs from the one the snapshot was written with (a tail
-    lost below the offset and grown again, or a snapshot of before that digest existed)."""
+def snapshot_json(checksum: str, created: Any, offset: int, digest: str,
+                  state: dict[str, Any]) -> str:
+    """A snapshot as every backend stores it: the folded state, the event offset it covers, and
+    what `read_snapshot_json` checks it against (the bundle, the journal's creation, the
+    journal's digest up to the offset)."""
+    return json.dumps({"v": VERSION, "bundle_checksum": checksum, "created": created,
+                       "offset": offset, "digest": digest, "state": state},
+                      separators=(",", ":"))
+
+
+def read_snapshot_json(raw: str | bytes | None, checksum: str, created: Any, length: int,
+                       digest: Callable[[int], str]) -> tuple[int, dict[str, Any]] | None:
+    """A stored snapshot's (offset, state), or None when there is none, it is unreadable, or it
+    is not this journal's: of another bundle, or of a journal created anew under the same name;
+    covering more than the journal's `length` holds; or the journal no longer holds what it
+    covered: `digest(offset)`, the journal's digest of its events up to the offset now, differs
+    from the one the snapshot was written with (a tail lost below the offset and grown again, or
+    a snapshot of before that digest existed). The caller then replays the journal whole."""
+    try:
+        snap = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
     if not isinstance(snap, dict) or (snap.get("bundle_checksum"), snap.get("created")) != (
             checksum, created):
         return None
     offset = snap.get("offset")
     if not isinstance(offset, int) or not 0 < offset <= length:
         return None
-    return offset if snap.get("digest") == digest(offset) else None
+    return (offset, snap["state"]) if snap.get("digest") == digest(offset) else None
 
 
 def _is_event(e: Any) -> bool:
@@ -299,9 +314,8 @@ class Journal:
             os.fsync(self._fd)
         tmp = self.path.parent / f".{self.path.stem}.{self.owner}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"v": VERSION, "bundle_checksum": self.checksum, "created": self.created,
-                       "offset": self._offset, "digest": self._digest.hexdigest(),
-                       "state": state}, f, separators=(",", ":"))
+            f.write(snapshot_json(self.checksum, self.created, self._offset,
+                                  self._digest.hexdigest(), state))
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
@@ -311,8 +325,8 @@ class Journal:
         """The latest snapshot's state, positioned at its offset; None when there is none,
         it is unreadable, or it is not this journal's (the caller then replays it all)."""
         try:
-            snap = json.loads(self.snapshot_path.read_text())
-        except (OSError, ValueError):
+            raw = self.snapshot_path.read_text()
+        except OSError:
             return None
         digests: dict[int, Any] = {}
 
@@ -321,14 +335,15 @@ class Journal:
             return digests[offset].hexdigest()
 
         with self._locked(fcntl.LOCK_SH):
-            offset = snapshot_offset(snap, self.checksum, self.created,
-                                     os.fstat(self._fd).st_size, digest)
-        if offset is None:
+            found = read_snapshot_json(raw, self.checksum, self.created,
+                                       os.fstat(self._fd).st_size, digest)
+        if found is None:
             logger.info("orca audit: the snapshot %s does not match %s; replaying it whole",
                         self.snapshot_path, self.path)
             return None
+        offset, state = found
         self._offset, self._digest = offset, digests[offset]
-        return snap["state"]
+        return state
 
     def _prefix_digest(self, offset: int) -> Any:
         """SHA-256 of the journal's first `offset` bytes (a hashlib object, to go on with)."""

@@ -45,7 +45,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from orca_serve.live_audit.journal import parse_events, snapshot_offset
+from orca_serve.live_audit.journal import parse_events, read_snapshot_json, snapshot_json
 
 logger = logging.getLogger("orca_serve.live_audit")
 
@@ -154,24 +154,18 @@ class RedisJournal:
         return hashlib.sha256(element or b"").hexdigest()
 
     def write_snapshot(self, state: dict[str, Any]) -> None:
-        self._client.set(self._snapshot, json.dumps(
-            {"bundle_checksum": self.checksum, "created": self.created, "offset": self._offset,
-             "digest": self._digest(self._last), "state": state}, separators=(",", ":")))
+        self._client.set(self._snapshot, snapshot_json(self.checksum, self.created, self._offset,
+                                                       self._digest(self._last), state))
 
     def read_snapshot(self) -> dict[str, Any] | None:
-        raw = self._client.get(self._snapshot)
-        try:
-            snap = json.loads(raw) if raw is not None else None
-        except ValueError:
+        found = read_snapshot_json(self._client.get(self._snapshot), self.checksum, self.created,
+                                   self._client.llen(self._events),
+                                   lambda at: self._digest(self._client.lindex(self._events,
+                                                                               at - 1)))
+        if found is None:
             return None
-        offset = snapshot_offset(snap, self.checksum, self.created,
-                                 self._client.llen(self._events),
-                                 lambda at: self._digest(self._client.lindex(self._events,
-                                                                             at - 1)))
-        if offset is None:
-            return None
-        self._offset = offset
-        return snap["state"]
+        self._offset, state = found
+        return state
 
     def rewind(self) -> None:
         self._offset, self.skipped = 0, 0

@@ -51,6 +51,7 @@ Metric names (all prefixed `orca_`):
 from __future__ import annotations
 
 from collections.abc import Iterable
+from enum import StrEnum
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -60,30 +61,51 @@ from prometheus_client.registry import Collector
 from orca_method.outcomes import Ended
 from orca_serve.settings.contract import OrcaResult, StopReason
 
-OUTCOMES = ("stopped_early", "gave_up", "finished", "answer_forced_at_budget",
-            "shadow_would_stop", "shadow_finished", "disabled", "error")
+
+
+class Outcome(StrEnum):
+    """How one choice of an orca request ended, as `orca_requests_total{outcome}` counts it."""
+
+    STOPPED_EARLY = "stopped_early"
+    GAVE_UP = "gave_up"
+    FINISHED = "finished"
+    ANSWER_FORCED_AT_BUDGET = "answer_forced_at_budget"
+    SHADOW_WOULD_STOP = "shadow_would_stop"
+    SHADOW_FINISHED = "shadow_finished"
+    DISABLED = "disabled"
+    ERROR = "error"
+
+
+class ReloadOutcome(StrEnum):
+    """A hot reload's outcome, as `orca_bundle_reloads{outcome}` counts it."""
+
+    LOADED = "loaded"
+    REFUSED = "refused"
+
+
 LABEL = "model_name"  # vLLM's label for the served model name, on every orca metric too
 STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 32, 40, 50, 64, 80, 100, 128, 256)
 SCORE_BUCKETS = tuple(round(0.05 * i, 2) for i in range(1, 20)) + (0.99, 1.0)
 
 
-def outcome_of(result: OrcaResult | None) -> str:
+def outcome_of(result: OrcaResult | None) -> Outcome:
     """The outcome label of one choice's orca result (None: orca was off for the request)."""
     if result is None:
-        return "disabled"
+        return Outcome.DISABLED
     if result.error:
-        return "error"
+        return Outcome.ERROR
     if not result.enabled:
-        return "disabled"
+        return Outcome.DISABLED
     if not result.policy.rule.acts:
-        return "shadow_would_stop" if result.would_stop_step is not None else "shadow_finished"
+        return (Outcome.SHADOW_WOULD_STOP if result.would_stop_step is not None
+                else Outcome.SHADOW_FINISHED)
     if result.stopped_early:
-        return "stopped_early"
+        return Outcome.STOPPED_EARLY
     if result.stop_reason == StopReason.GIVE_UP:
-        return "gave_up"
+        return Outcome.GAVE_UP
     if result.stop_reason == StopReason.BUDGET:
-        return "answer_forced_at_budget"
-    return "finished"
+        return Outcome.ANSWER_FORCED_AT_BUDGET
+    return Outcome.FINISHED
 
 
 def shadow_tokens_saved(result: OrcaResult) -> tuple[str, int] | None:
@@ -162,7 +184,7 @@ class OrcaMetrics:
         m = {LABEL: model_name}
         self.requests = Counter("orca_requests", "Requests by orca outcome", [LABEL, "outcome"],
                                 registry=reg)
-        for o in OUTCOMES:
+        for o in Outcome:
             self.requests.labels(outcome=o, **m)
         self.steps_scored = Counter("orca_steps_scored", "Reasoning steps scored by the probe",
                                     [LABEL], registry=reg).labels(**m)
@@ -193,7 +215,7 @@ class OrcaMetrics:
                                  registry=reg)
         self.reloads = Counter("orca_bundle_reloads", "Hot reloads of the calibration bundle by "
                                "outcome (loaded, refused)", [LABEL, "outcome"], registry=reg)
-        for o in ("loaded", "refused"):
+        for o in ReloadOutcome:
             self.reloads.labels(outcome=o, **m)
         self.model_name = model_name
         self.engine = EngineStats(model_name)
@@ -207,7 +229,7 @@ class OrcaMetrics:
                 pass
         self.bundle_info.labels(checksum=checksum, **{LABEL: self.model_name}).set(1)
 
-    def reloaded(self, outcome: str) -> None:
+    def reloaded(self, outcome: ReloadOutcome) -> None:
         self.reloads.labels(outcome=outcome, **{LABEL: self.model_name}).inc()
 
     def observe(self, result: OrcaResult | None) -> None:

@@ -40,6 +40,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase  # the interface of vllm.stat
 
 from orca_serve.metrics.prometheus import LABEL, EngineStats
 from orca_serve.metrics.snapshots import ENV_SERVER, metrics_dir, read_snapshots
+from orca_serve.settings.engine_config import KEY
 
 _registered = False  # one collector per API server process (vLLM makes a logger per engine)
 
@@ -50,7 +51,7 @@ class OrcaStatLogger(StatLoggerBase):
 
     def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
         global _registered
-        orca = (getattr(vllm_config, "additional_config", None) or {}).get("orca")
+        orca = (getattr(vllm_config, "additional_config", None) or {}).get(KEY)
         if orca is None or os.environ.get(ENV_SERVER) == "1" or _registered:
             return
         d = metrics_dir(os.getpid())

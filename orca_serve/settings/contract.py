@@ -75,12 +75,50 @@ DEFAULT_ANSWER_BUDGET = 64
 # the client never sent)
 MAX_ANSWER_BUDGET = 2**31 - 1
 MIN_ANSWER_TOKENS = 8  # answer tokens the end-of-max_tokens reserve keeps (policy answer)
-# what a request without its own orca_* arguments gets (the server's --orca-* options override)
-DEFAULTS: dict[str, Any] = {"enabled": 1, "delta": None, "policy": Policy.ANSWER,
-                            "answer_budget": DEFAULT_ANSWER_BUDGET,
-                            "give_up_policy": GiveUpPolicy.GUESS, "give_up_message": None,
-                            "shift_alpha": None, "shift_action": ShiftAction.FULL, "group": None}
-# `shift_alpha` None: the bundle's own level.
+
+
+def _flag(v: Any) -> bool:
+    """A 0/1 (or bool) setting of the wire form."""
+    return bool(int(v))
+
+
+@dataclass(frozen=True)
+class RequestDefaults:
+    """What a request without its own orca_* arguments gets in the engine (`DEFAULTS`; the
+    server's --orca-* options override them through the engine config, `EngineConfig.defaults`).
+    The client-settable ones share their names with `XARG_FIELDS`."""
+
+    enabled: bool = True
+    delta: float | None = None  # None: the bundle's default_delta
+    policy: Policy = Policy.ANSWER
+    answer_budget: int = DEFAULT_ANSWER_BUDGET
+    give_up_policy: GiveUpPolicy = GiveUpPolicy.GUESS  # what a given-up request returns
+    give_up_message: str | None = None  # GiveUpPolicy.MESSAGE's text (None: GIVE_UP_MESSAGE)
+    shift_alpha: float | None = None  # the shift gate's level (None: the bundle's; 0: no gate)
+    shift_action: ShiftAction = ShiftAction.FULL  # what a request the gate flags gets
+    group: str | None = None  # a request's group tag (None: none; docs/METHOD.md section 12)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form (JSON: the enums are their words)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> RequestDefaults:
+        """From the wire form: missing names keep `DEFAULTS`'s, words become their enums; an
+        unknown name is a ValueError naming it."""
+        d = dict(d or {})
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown request defaults {', '.join(unknown)} (known: "
+                             f"{', '.join(f.name for f in fields(cls))})")
+        return cls(**{**cls().to_dict(), **d, **{
+            k: kind(d[k]) for k, kind in (("enabled", _flag), ("policy", Policy),
+                                          ("give_up_policy", GiveUpPolicy),
+                                          ("shift_action", ShiftAction),
+                                          ("answer_budget", int)) if k in d}})
+
+
+DEFAULTS = RequestDefaults()
 
 # What a request that gives up returns (the operator's choice, `--orca-give-up-policy`; the names:
 # orca_method.outcomes.GiveUpPolicy): GUESS: its answer at that point, as a stop would (policy
@@ -235,6 +273,35 @@ class OrcaResult:
         kw["lam"] = lam_from_json(kw.get("lam")) if kw.get("enabled") else None
         kw["notes"] = [str(x) for x in kw.get("notes") or []]
         return cls(**kw)
+
+
+@dataclass(frozen=True)
+class ReloadAnswer:
+    """One engine worker's answer to a hot-reload call (docs/SERVER.md, "Hot reload of the
+    bundle"): `orca_load_bundle(path)` and `orca_use_bundle(checksum)` answer the bundle's
+    `checksum`, `orca_retire_bundles(keep)` the checksums still `live`; a worker that cannot
+    answers `error`, one line. It crosses `collective_rpc` in its wire form (`to_wire`, a dict:
+    what vLLM's transport carries), built by the worker extension and read back by the server's
+    reloader (`from_wire`)."""
+
+    checksum: str | None = None
+    live: tuple[str | None, ...] | None = None
+    error: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        """The fields that are set (`live` as a list)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in
+                (("checksum", self.checksum), ("live", self.live), ("error", self.error))
+                if v is not None}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> ReloadAnswer:
+        """ValueError (one line) for anything but a worker's answer."""
+        if not isinstance(d, Mapping) or not set(d) <= {"checksum", "live", "error"}:
+            raise ValueError(f"unexpected answer from an engine worker: {d!r:.80}")
+        live = d.get("live")
+        return cls(checksum=d.get("checksum"), live=None if live is None else tuple(live),
+                   error=None if d.get("error") is None else str(d["error"]))
 
 
 def to_wire(result: Mapping[str, Any]) -> dict[str, Any]:

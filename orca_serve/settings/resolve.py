@@ -58,13 +58,13 @@ from orca_serve.settings.xargs import encode_lam, resolve_lam
 class OrcaDefaults:
     """Server-wide defaults (from the CLI and the bundle; unset ones are contract.DEFAULTS)."""
 
-    enabled: bool = bool(DEFAULTS["enabled"])
-    delta: float | None = DEFAULTS["delta"]  # set from the bundle whenever enabled
-    policy: Policy = DEFAULTS["policy"]
+    enabled: bool = DEFAULTS.enabled
+    delta: float | None = DEFAULTS.delta  # set from the bundle whenever enabled
+    policy: Policy = DEFAULTS.policy
     answer_budget: int | None = None  # None: the plugin's own default (DEFAULTS)
     effort_map: dict[str, str | float] = field(default_factory=lambda: dict(DEFAULT_EFFORT_MAP))
     give_up_delta: float | None = None  # --orca-give-up-delta: None = requests do not give up
-    give_up_policy: GiveUpPolicy = DEFAULTS["give_up_policy"]  # what a given-up request returns
+    give_up_policy: GiveUpPolicy = DEFAULTS.give_up_policy  # what a given-up request returns
 
 
 class DeltaSource(StrEnum):

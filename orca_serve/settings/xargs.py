@@ -34,6 +34,7 @@ from orca_serve.settings.contract import (
     XARG_SEED,
     XARG_SHIFT_ALPHA,
     Policy,
+    RequestDefaults,
 )
 from orca_serve.settings.rules import RULES, integer, number, refusal
 
@@ -145,7 +146,7 @@ class RequestSpec:
     group: str | None = None  # the request's group tag (`orca_group`)
 
 
-def request_spec(xa: Mapping[str, Any] | None, defaults: Mapping[str, Any], *, record: bool,
+def request_spec(xa: Mapping[str, Any] | None, defaults: RequestDefaults, *, record: bool,
                  lam_of: Callable[..., float] | None,
                  default_delta: float | None, groups: Collection[str] = ()) -> RequestSpec:
     """A request's settings from its extra_args and the engine's defaults.
@@ -159,13 +160,13 @@ def request_spec(xa: Mapping[str, Any] | None, defaults: Mapping[str, Any], *, r
     says why (the engine cannot answer 400).
     """
     xa = xa or {}
-    group = xa.get(XARG_GROUP, defaults.get("group"))
+    group = xa.get(XARG_GROUP, defaults.group)
     known = group in groups
     enabled = lam_of is not None and bool(as_int(XARG_ENABLED,
-                                                 xa.get(XARG_ENABLED, defaults["enabled"])))
+                                                 xa.get(XARG_ENABLED, int(defaults.enabled))))
     delta = lam = refused = None
     if enabled:
-        d = xa.get(XARG_DELTA, defaults.get("delta"))
+        d = xa.get(XARG_DELTA, defaults.delta)
         delta = float(d) if d is not None else default_delta
         if XARG_LAM in xa:
             lam = decode_lam(xa[XARG_LAM])
@@ -177,12 +178,12 @@ def request_spec(xa: Mapping[str, Any] | None, defaults: Mapping[str, Any], *, r
                 enabled, refused = False, str(e)
     reserve = xa.get(XARG_RESERVE)
     mu = decode_mu(xa[XARG_GIVE_UP_MU]) if enabled and XARG_GIVE_UP_MU in xa else None
-    alpha = xa.get(XARG_SHIFT_ALPHA, 0.0 if known else defaults.get("shift_alpha"))
+    alpha = xa.get(XARG_SHIFT_ALPHA, 0.0 if known else defaults.shift_alpha)
     return RequestSpec(
         key=xa.get(XARG_KEY), n=int(xa.get(XARG_N, 1)),
         record=bool(as_int(XARG_RECORD, xa.get(XARG_RECORD, record))),
-        enabled=enabled, policy=Policy(xa.get(XARG_POLICY, defaults["policy"])),
+        enabled=enabled, policy=Policy(xa.get(XARG_POLICY, defaults.policy)),
         delta=delta, lam=lam,
-        answer_budget=int(xa.get(XARG_ANSWER_BUDGET, defaults["answer_budget"])),
+        answer_budget=int(xa.get(XARG_ANSWER_BUDGET, defaults.answer_budget)),
         reserve=None if reserve is None else int(reserve), refused=refused, give_up_mu=mu,
         shift_alpha=None if alpha is None else float(alpha), group=group)

@@ -58,7 +58,7 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--orca-delta", type=fraction(open_interval=True), default=None, metavar="DELTA",
                    help="Default risk level delta for requests that do not set one; must have a "
                    "lambda* in the bundle. None: the bundle's default_delta.")
-    g.add_argument("--orca-policy", choices=POLICIES, default=DEFAULTS["policy"],
+    g.add_argument("--orca-policy", choices=POLICIES, default=DEFAULTS.policy,
                    help="Default policy: answer (close the reasoning and let the model answer), "
                    "stop (end the request), shadow (never stop; report where it would have).")
     g.add_argument("--orca-answer-budget", type=integer(0), default=None, metavar="N",
@@ -71,7 +71,7 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "requests turn it off with \"give_up\": {\"enabled\": false}). None: only "
                    "requests that set orca.give_up give up.")
     g.add_argument("--orca-give-up-policy", choices=GIVE_UP_POLICIES,
-                   default=DEFAULTS["give_up_policy"],
+                   default=DEFAULTS.give_up_policy,
                    help="What a given-up request returns: guess (its best current answer, as a "
                    "stop would, flagged ended: gave_up) or message (the end-of-thinking text and "
                    "--orca-give-up-message).")
@@ -83,7 +83,7 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "most ALPHA of requests like the calibration set are flagged (0: no gate). "
                    "None: the bundle's. Only for bundles with a shift_gate block.")
     g.add_argument("--orca-shift-action", choices=SHIFT_ACTIONS,
-                   default=DEFAULTS["shift_action"],
+                   default=DEFAULTS.shift_action,
                    help="What a request the shift gate flags gets: full (full reasoning, never "
                    "gives up), strict (the bundle's most conservative lambda*, never gives up), "
                    "or off (no gate).")

@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
 from orca_method.errors import first_line
 from orca_serve.api_server import endpoint_plugin
-from orca_serve.settings.contract import ShiftAction
+from orca_serve.settings.contract import DEFAULTS, ShiftAction
 from orca_serve.checks.model import check_bundle
 from orca_serve.startup.preflight import Preflight, add_orca_args, identity, model_kw, refuse_unsupported
 from orca_serve.checks.errors import PROG, StartupError
@@ -151,13 +152,11 @@ def vllm_args(pre: Preflight) -> argparse.Namespace:
         # (orca_enabled included) into the requests of the routes whose responses report what
         # orca did (orca_serve.api_server.apis); requests on other routes (the batch route, ...) run
         # without it rather than being cut short silently.
-        merge_engine_args(args, engine_kwargs(
-            args.calib,
-            defaults={"enabled": 0, "delta": defaults.delta, "policy": defaults.policy,
-                      "answer_budget": defaults.answer_budget,
-                      "give_up_policy": defaults.give_up_policy,
-                      "give_up_message": args.orca_give_up_message,
-                      "shift_alpha": args.orca_shift_alpha,
-                      "shift_action": ShiftAction(args.orca_shift_action)}))
+        budget = defaults.answer_budget
+        merge_engine_args(args, engine_kwargs(args.calib, defaults=replace(
+            DEFAULTS, enabled=False, delta=defaults.delta, policy=defaults.policy,
+            answer_budget=DEFAULTS.answer_budget if budget is None else budget,
+            give_up_policy=defaults.give_up_policy, give_up_message=args.orca_give_up_message,
+            shift_alpha=args.orca_shift_alpha, shift_action=ShiftAction(args.orca_shift_action))))
     launch.configure_logging(args)
     return args

@@ -1,4 +1,5 @@
-"""orca-serve's vLLM adapters (vllm 0.32: the V1 model runner and Model Runner V2).
+"""orca-serve's vLLM adapters (vLLM 0.31-0.33, `config.SUPPORTED_VLLM`: the V1 model runner and
+Model Runner V2).
 
 - `config`: `engine_kwargs(bundle_path, record=...)`, `prepare_environment()`,
   `check_engine_supported(...)` -- how a caller turns the plugin on.
@@ -6,6 +7,8 @@
   FQCN for both runners (built the MRV2 way, it returns the MRV2 adapter).
 - `mrv2`: `OrcaMRV2LogitsProcessor`, the Model Runner V2 adapter.
 - `adapter`: what both adapters share (admission checks, joining requests, results).
+- `engine_setup`: the core built from vLLM's engine config; where the model runner comes from.
+- `speculation`: the V1 runner under speculative decoding (n-gram, draft model).
 - `worker`: `OrcaWorkerExtension` (`orca_results(keys)`, `orca_stats()` for `collective_rpc`;
   `orca_serve.settings.contract.merge_results` reads its answers).
 

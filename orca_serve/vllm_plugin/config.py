@@ -5,28 +5,10 @@
     llm = vllm.LLM(model, **engine_kwargs("bundle.json"))
 
 `additional_config["orca"]` (VllmConfig.additional_config reaches every worker, and the processor
-reads it from the `vllm_config` its constructor gets):
-
-    {"bundle": "/abs/path/bundle.json" | None,
-     "record": bool,               # default of the per-request `orca_record`
-     # used only without a bundle (record mode); with a bundle the bundle's settings win:
-     "segmentation": {"delimiter": "\\n\\n", "keywords": None},
-     "think": {"enabled": True, "start": "<think>", "end": "</think>",
-               "force_text": "\\n</think>\\n\\n"},
-     "normalization": "token-l2",
-     # what a request without its own orca_* arguments gets (the server's --orca-* options):
-     "defaults": {"enabled": 1, "delta": None (= the bundle's), "policy": "answer",
-                  "answer_budget": 64,
-                  # what a request that gives up returns: "guess" (its stop plan) or "message"
-                  # (the end-of-thinking text, give_up_message or contract.GIVE_UP_MESSAGE, EOS)
-                  "give_up_policy": "guess", "give_up_message": None,
-                  # the shift gate: its level (None: the bundle's; 0: off) and what a flagged
-                  # request gets (contract.SHIFT_ACTIONS)
-                  "shift_alpha": None, "shift_action": "full",
-                  # a request's group tag (None: none; docs/METHOD.md section 12)
-                  "group": None},
-     # bookkeeping of unfetched results:
-     "result_ttl_s": 600, "max_results": 10000}
+reads it from the `vllm_config` its constructor gets) is the wire form of one
+`orca_serve.settings.engine_config.EngineConfig`: the bundle, the record-mode settings, the
+request defaults (`RequestDefaults`: the server's --orca-* options) and the bookkeeping of
+unfetched results.
 """
 
 from __future__ import annotations
@@ -39,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from orca_method.errors import first_line, shown
-from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
-from orca_serve.settings.contract import DEFAULTS, MAX_RESULTS, RESULT_TTL_S
+from orca_serve.settings.contract import DEFAULTS, RequestDefaults
+from orca_serve.settings.engine_config import KEY, EngineConfig
 
 # The vLLM releases the plugin is written and tested for (PEP 440). One definition: orca-serve's
 # start, the plugin's load in every vLLM process and pyproject's `gpu` extra follow it.
@@ -70,28 +52,21 @@ def orca_settings(bundle_path: str | os.PathLike | None, *, record: bool = False
                   segmentation: Mapping[str, Any] | None = None,
                   think: Mapping[str, Any] | None = None,
                   normalization: str | None = None,
-                  defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The `additional_config["orca"]` dict; the record-mode settings default to Bundle's."""
+                  defaults: RequestDefaults = DEFAULTS) -> EngineConfig:
+    """The engine config; the record-mode settings are checked as, and default to, Bundle's."""
     # deferred: torch (the plugin package stays light)
     from orca_method.bundle import Segmentation, ThinkTags
 
     def as_dict(x: Any) -> dict[str, Any]:
         return x.model_dump() if hasattr(x, "model_dump") else dict(x or {})
 
-    d: dict[str, Any] = {
-        "bundle": str(Path(bundle_path).absolute()) if bundle_path is not None else None,
-        "record": bool(record),
-        "segmentation": Segmentation(**as_dict(segmentation)).model_dump(),
-        "think": ThinkTags(**as_dict(think)).model_dump(),
-        "normalization": normalization or DEFAULT_NORMALIZATION,
-        "defaults": {**DEFAULTS, **{k: v for k, v in dict(defaults or {}).items() if v is not None}},
-        "result_ttl_s": RESULT_TTL_S,
-        "max_results": MAX_RESULTS,
-    }
-    if d["normalization"] not in NORMALIZATIONS:
-        raise ValueError(f"normalization must be one of {', '.join(NORMALIZATIONS)}, "
-                         f"got {normalization!r}")
-    return d
+    return EngineConfig(
+        bundle=str(Path(bundle_path).absolute()) if bundle_path is not None else None,
+        record=bool(record),
+        segmentation=Segmentation(**as_dict(segmentation)).model_dump(),
+        think=ThinkTags(**as_dict(think)).model_dump(),
+        **({} if normalization is None else {"normalization": normalization}),
+        defaults=defaults)
 
 
 def engine_kwargs(bundle_path: str | os.PathLike | None, *, record: bool = False,
@@ -107,7 +82,8 @@ def engine_kwargs(bundle_path: str | os.PathLike | None, *, record: bool = False
     return {
         "logits_processors": [PROCESSOR_FQCN],
         "worker_extension_cls": WORKER_EXTENSION,
-        "additional_config": {"orca": orca_settings(bundle_path, record=record, **settings)},
+        "additional_config": {KEY: orca_settings(bundle_path, record=record,
+                                                 **settings).to_dict()},
     }
 
 

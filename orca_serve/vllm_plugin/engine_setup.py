@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from orca_serve.core.engine import OrcaCore
+from orca_serve.settings.engine_config import KEY, EngineConfig
 from orca_serve.vllm_compat.tokenizer import load_tokenizer
 from orca_serve.vllm_plugin.config import (
     ENV_BUNDLE,
@@ -21,13 +22,13 @@ from orca_serve.vllm_plugin.config import (
 log = logging.getLogger("orca_serve.vllm_plugin")
 
 
-def orca_config(vllm_config: Any) -> dict[str, Any]:
-    """`additional_config["orca"]`, or the bundle named by $ORCA_BUNDLE when a front end dropped
-    the additional config."""
-    cfg = dict((getattr(vllm_config, "additional_config", None) or {}).get("orca") or {})
-    if not cfg and os.environ.get(ENV_BUNDLE):
-        cfg = {"bundle": os.environ[ENV_BUNDLE]}
-    return cfg
+def orca_config(vllm_config: Any) -> EngineConfig:
+    """The engine config from `additional_config["orca"]`, or the bundle named by $ORCA_BUNDLE
+    when a front end dropped the additional config."""
+    wire = (getattr(vllm_config, "additional_config", None) or {}).get(KEY)
+    if not wire and os.environ.get(ENV_BUNDLE):
+        return EngineConfig(bundle=os.environ[ENV_BUNDLE])
+    return EngineConfig.from_dict(wire)
 
 
 def build_core(vllm_config: Any, device: torch.device, pin_memory: bool) -> OrcaCore:
@@ -48,7 +49,7 @@ def build_core(vllm_config: Any, device: torch.device, pin_memory: bool) -> Orca
                     default_eos=None if tok.eos_token_id is None else int(tok.eos_token_id),
                     max_num_seqs=int(vllm_config.scheduler_config.max_num_seqs),
                     device=torch.device(device), pin_memory=pin_memory)
-    log.info("orca core ready: bundle=%s record=%s", cfg.get("bundle"), core.record_default)
+    log.info("orca core ready: bundle=%s record=%s", cfg.bundle, core.record_default)
     return core
 
 

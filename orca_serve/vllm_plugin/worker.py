@@ -35,7 +35,7 @@ import logging
 from typing import Any
 
 from orca_method.errors import first_line
-from orca_serve.settings.contract import to_wire
+from orca_serve.settings.contract import ReloadAnswer, to_wire
 from orca_serve.vllm_compat.runner import (
     MRV2Runner,
     V1Runner,
@@ -121,33 +121,37 @@ class OrcaWorkerExtension:
         return processor_stats(self._orca_processors()) if self._orca_reports() else {}
 
     # -- hot reload -------------------------------------------------------------------------------
-    def _orca_each(self, what: str, fn: Any) -> dict[str, Any]:
-        """Run `fn(processor)` on every processor of this worker; a refusal is one line."""
+    def _orca_each(self, what: str, fn: Any, answer: Any) -> dict[str, Any]:
+        """Run `fn(processor)` on every processor of this worker; the wire form of
+        `answer(the last processor's result)`, or of a refusal in one line."""
         procs = self._orca_processors()
         if not procs:
-            return {"error": "this engine runs no orca processor (start it with a bundle)"}
+            return ReloadAnswer(error="this engine runs no orca processor (start it with a "
+                                "bundle)").to_wire()
         try:
             for p in procs:
                 out = fn(p)
         except Exception as e:  # noqa: BLE001 - a refusal must reach the caller, not kill the RPC
             msg = first_line(e)
-            return {"error": f"{what}: {msg}" if not isinstance(e, ValueError) else msg}
-        return {"result": out}
+            return ReloadAnswer(error=f"{what}: {msg}" if not isinstance(e, ValueError)
+                                else msg).to_wire()
+        return answer(out).to_wire()
 
     def orca_load_bundle(self, path: str) -> dict[str, Any]:
-        """Stage a bundle (checksum, model match: `OrcaCore.load_bundle`): {"checksum": c} or
-        {"error": reason}; the running deployments serve on either way."""
-        r = self._orca_each("loading the bundle failed", lambda p: p.load_bundle(path))
-        return r if "error" in r else {"checksum": r["result"]}
+        """Stage a bundle (checksum, model match: `OrcaCore.load_bundle`): a `ReloadAnswer` with
+        its checksum or the refusal; the running deployments serve on either way."""
+        return self._orca_each("loading the bundle failed", lambda p: p.load_bundle(path),
+                               lambda c: ReloadAnswer(checksum=c))
 
     def orca_use_bundle(self, checksum: str) -> dict[str, Any]:
         """Make a staged bundle the default for requests that name none."""
-        r = self._orca_each("switching bundles failed", lambda p: p.use_bundle(checksum))
-        return r if "error" in r else {"checksum": checksum}
+        return self._orca_each("switching bundles failed", lambda p: p.use_bundle(checksum),
+                               lambda _: ReloadAnswer(checksum=checksum))
 
     def orca_retire_bundles(self, keep: list[str]) -> dict[str, Any]:
         """Let every deployment but the current one and `keep` go when its last request leaves;
-        {"live": checksums still loaded}."""
-        r = self._orca_each("retiring bundles failed", lambda p: p.retire_bundles(list(keep)))
-        return r if "error" in r else {"live": r["result"]}
+        a `ReloadAnswer` with the checksums still loaded (`live`)."""
+        return self._orca_each("retiring bundles failed",
+                               lambda p: p.retire_bundles(list(keep)),
+                               lambda live: ReloadAnswer(live=tuple(live)))
 

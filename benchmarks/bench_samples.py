@@ -1,0 +1,396 @@
+"""Parallel samples, offline (issue 35): accuracy against tokens per prompt, k samples a prompt.
+
+Two subcommands.
+
+``collect``: k full traces per prompt of held-out prompts (a seed no calibration saw), recorded by
+the calibration job's own collector (orca_calibrate/collect.py, the plugin in record mode, an
+answer probe at every step boundary) with the reasoner's job settings (orca_calibrate/jobs/
+<reasoner>.yaml, `samples: k`). It works in rounds of a few batches and stops cleanly once
+``--budget-s`` has passed, so each run fits a slot of the shared vLLM lock; a rerun resumes
+(the trajectory writer skips what it holds). Run it under ``flock /tmp/vllm.lock``.
+
+``report``: every rule below computed from the recorded traces (no engine); tokens are
+completion tokens (reasoning through the stop step plus the answer written after it):
+
+- **single**: one full trace, as the mean over the k samples (less variance than sample 0);
+- **maj@k**: the plurality of the k full traces' final answers (ties to the lowest sample);
+- **ORCA + full vote**: each sample stops where the reasoner's shipped bundle stops it (its probe
+  replayed on the recorded step embeddings, the server's code path), answers the probed answer
+  at that step; the group votes over all k;
+- **ORCA + consensus**: as above, but the group ends once the consensus rule (orca_method/
+  consensus.py) is settled at its certified t; the samples still running are charged the tokens
+  they wrote until then. All k launched at once, or in waves (``WAVES``); score or count weights;
+- **Adaptive-Consistency**: full samples one at a time until the Beta criterion on the top two
+  counts is met; **ESC**: windows of full samples until one window is unanimous;
+- **thinking budget x k**: each trace cut at its last step boundary within B reasoning tokens,
+  answering the answer probe recorded there (the job's suffix, the long reasoner's own stop
+  text); the group votes. vLLM's budget cuts at exactly B tokens, this at the boundary before.
+
+DeepConf's confidence filtering needs token log-probabilities, which the traces do not carry.
+The consensus t is certified on half of the prompts and applied to the other half, then the
+halves swap (two-fold cross-calibration): every prompt is judged by a t that never saw it, so
+the realized vote error is over all n prompts; 200 random halves add how often the test half's
+error stays within delta_vote. The per-sample lambda* come from the shipped bundle, calibrated on
+other prompts, so the groups that certify t did not choose lambda*.
+
+Usage:
+  flock /tmp/vllm.lock python benchmarks/bench_samples.py collect --reasoner long --n 160 --k 8
+  python benchmarks/bench_samples.py report --reasoner long
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import beta as beta_dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from orca_calibrate.collect import Collector, CollectSettings, read_prompts
+from orca_calibrate.consensus import replayed, sample_groups, stopped_groups
+from orca_calibrate.evaluate import interval95 as clopper_pearson
+from orca_calibrate.job import load_job
+from orca_demo.long import tasks as long_tasks
+from orca_demo.toy import tasks as toy_tasks
+from orca_method.bundle import load_bundle
+from orca_method.consensus import (
+    Group,
+    default_grid,
+    in_waves,
+    outcomes,
+    plurality,
+    settle_events,
+    vote_path,
+)
+from orca_method.consensus_ltt import calibrate_consensus
+from orca_method.ltt import PVALUES, n_rejected
+from orca_method.trajectories import Problem, TrajectorySet
+
+PROMPT_SEED = 35  # calibration: seeds 1-3; goodput: 18; frontier: 31. These prompts are held out.
+REASONERS = {"toy": (toy_tasks, "orca_serve/demo/bundle.json"),
+             "long": (long_tasks, "orca_serve/demo/long/bundle.json")}
+RUNS = ROOT / "runs" / "bench-samples"
+
+
+def run_dir(reasoner: str, k: int) -> Path:
+    return RUNS / f"{reasoner}-k{k}"
+
+
+def cmd_collect(a: argparse.Namespace) -> None:
+    t0 = time.monotonic()
+    tasks, _ = REASONERS[a.reasoner]
+    out = run_dir(a.reasoner, a.k)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts_file = out / "prompts.jsonl"
+    if not prompts_file.exists():
+        tasks.write_prompts(prompts_file, "in-dist", a.n, PROMPT_SEED)
+    prompts = read_prompts(prompts_file)[:a.n]
+    job = load_job(ROOT / "orca_calibrate" / "jobs" / f"{a.reasoner}.yaml")
+    settings = CollectSettings(**{**job["collect"], "samples": a.k,
+                                  **({"batch": a.batch} if a.batch else {})})
+    per_round = max(1, settings.batch // a.k)  # prompts per generation batch
+    with Collector(job["model"], settings) as collector:
+        for i in range(0, len(prompts), per_round):
+            if time.monotonic() - t0 > a.budget_s:
+                print(f"budget spent: stopped before prompt {i} of {len(prompts)}; rerun to resume",
+                      flush=True)
+                break
+            collector.run(prompts[i:i + per_round], out / "trajectories", progress=False)
+            print(f"{min(i + per_round, len(prompts))}/{len(prompts)} prompts, "
+                  f"{time.monotonic() - t0:.0f} s", flush=True)
+        (out / f"collect-stats-{int(time.time())}.json").write_text(
+            json.dumps(collector.stats.as_dict(), indent=1))
+
+
+# ------------------------------------------------------------------------------------ report
+
+DELTAS_VOTE = (0.05, 0.1)
+EPSILON = 0.05
+FOLD_SEED = 0
+ADAPTIVE_CONFIDENCE = (0.8, 0.95)  # Adaptive-Consistency's Beta criterion levels
+ESC_WINDOWS = (2, 4)
+WAVES = (2, 2, 4)  # the consensus with samples launched in waves (k = 8)
+REPS = 200  # random calibration / test halves per consensus arm
+BUDGETS = {"toy": (40, 80, 120, 160, 240), "long": (250, 500, 1000, 1500, 2000, 3000)}
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One full sample as recorded: per-step cumulative reasoning tokens and probed answers,
+    its final answer, and the tokens it wrote outside its steps (its answer)."""
+
+    cum: np.ndarray  # [T]
+    step_answers: list[str | None]
+    final: str | None
+    completion: int
+
+    @property
+    def answer_tokens(self) -> int:
+        return max(self.completion - int(self.cum[-1]), 0)
+
+
+@dataclass
+class Arm:
+    name: str
+    correct: list[bool]
+    tokens: list[float]
+    vote_error: list[bool] | None = None  # the answer is not maj@k of the full samples
+
+    def row(self, maj_tokens: float) -> dict:
+        n = len(self.correct)
+        out = {"arm": self.name, "n": n, "accuracy": float(np.mean(self.correct)),
+               "accuracy_ci": wilson(int(np.sum(self.correct)), n),
+               "tokens": float(np.mean(self.tokens)),
+               "tokens_vs_maj": float(np.mean(self.tokens) / maj_tokens)}
+        if self.vote_error is not None:
+            e = int(np.sum(self.vote_error))
+            out |= {"vote_errors": e, "vote_error": e / n, "vote_error_ci": clopper_pearson(e, n)}
+        return out
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    p = k / n
+    mid, half = (p + z * z / (2 * n)), z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (float((mid - half) / (1 + z * z / n)), float((mid + half) / (1 + z * z / n)))
+
+
+def traces(ts: TrajectorySet, groups: list[list[int]]) -> list[list[Trace]]:
+    def trace(p: Problem) -> Trace:
+        return Trace(cum=np.cumsum(p.step_tokens), step_answers=p.step_answers,
+                     final=p.final_answer, completion=int((p.extra or {})["completion_tokens"]))
+
+    return [[trace(ts.problems[i]) for i in g] for g in groups]
+
+
+def sequential(group: list[Trace],
+               done: Callable[[list[Hashable]], bool]) -> tuple[Hashable, float]:
+    """Draw full samples one after another until `done(answers so far)`: (vote, tokens)."""
+    answers: list[Hashable] = []
+    for tr in group:
+        answers.append(tr.final)
+        if done(answers):
+            break
+    return plurality(answers), float(sum(tr.completion for tr in group[:len(answers)]))
+
+
+def adaptive_consistency(level: float) -> Callable[[list[Hashable]], bool]:
+    """Adaptive-Consistency's Beta stopping criterion: stop once P(p_1 > p_2 | the top two
+    counts) >= level, with p_1 ~ Beta(c_1 + 1, c_2 + 1)."""
+    def done(answers: list[Hashable]) -> bool:
+        counts = sorted((answers.count(a) for a in set(answers)), reverse=True) + [0]
+        return float(beta_dist.sf(0.5, counts[0] + 1, counts[1] + 1)) >= level
+    return done
+
+
+def esc(window: int) -> Callable[[list[Hashable]], bool]:
+    """Early-Stopping Self-Consistency: samples in windows of `window`; stop after a window
+    whose answers all agree."""
+    def done(answers: list[Hashable]) -> bool:
+        n = len(answers)
+        return n % window == 0 and len(set(answers[n - window:])) == 1
+    return done
+
+
+def budget_answer(tr: Trace, budget: int) -> tuple[str | None, float]:
+    """The thinking budget, offline: the trace cut at its last step boundary within `budget`
+    reasoning tokens, its answer the probe there (None when no step fits); a trace within the
+    budget runs to its end."""
+    if tr.cum[-1] <= budget:
+        return tr.final, float(tr.completion)
+    t = int(np.searchsorted(tr.cum, budget, side="right")) - 1
+    if t < 0:
+        return None, float(budget + tr.answer_tokens)
+    return tr.step_answers[t], float(tr.cum[t] + tr.answer_tokens)
+
+
+def consensus_arm(name: str, stopped: list[Group], full: list[list[Trace]], truth: list[str],
+                  folds: np.ndarray, delta_vote: float) -> tuple[Arm, list[float | None]]:
+    """The consensus stop with t certified on the other fold (two-fold cross-calibration); a
+    group's tokens are its samples' until it settles plus the answers of those finished."""
+    ts_used: list[float | None] = []
+    t_of = {}
+    for f in (0, 1):
+        cal = [g for g, fold in zip(stopped, folds) if fold != f]
+        (res,) = calibrate_consensus(cal, [delta_vote], epsilon=EPSILON)
+        t_of[f] = res.t
+        ts_used.append(res.t)
+    arm = Arm(name, [], [], [])
+    for g, group, ref_truth, fold in zip(stopped, full, truth, folds):
+        t = t_of[fold]
+        if t is None:  # not certified: every sample runs to its end, the vote is maj@k
+            answer, tokens = g.reference, float(sum(tr.completion for tr in group))
+        else:
+            path = vote_path(g)
+            e = int(settle_events(path, np.array([t]))[0])
+            at = path.times[e]
+            answer = path.leaders[e]
+            tokens = g.spent(at) + sum(tr.answer_tokens for tr, f in zip(group, g.finish)
+                                       if f <= at)
+        arm.correct.append(answer == ref_truth)
+        arm.tokens.append(tokens)
+        arm.vote_error.append(answer != g.reference)
+    return arm, ts_used
+
+
+def random_splits(stopped: list[Group], delta_vote: float, reps: int = REPS) -> dict:
+    """Certify t on a random half of the groups, read its vote error on the other half, `reps`
+    times (seeded): how often the realized error is <= delta_vote, over draws of the data
+    rather than the one cross-calibration above."""
+    grid = default_grid()
+    loss, _ = outcomes(stopped, grid)  # [m, n]
+    rng = np.random.default_rng(FOLD_SEED)
+    n, errors = len(stopped), []
+    for _ in range(reps):
+        perm = rng.permutation(n)
+        cal, test = perm[:n // 2], perm[n // 2:]
+        counts = loss[:, cal].sum(axis=1, dtype=np.int64)
+        last = n_rejected(PVALUES["binomial"](counts, len(cal), delta_vote), EPSILON) - 1
+        errors.append(0.0 if last < 0 else float(loss[last, test].mean()))
+    e = np.array(errors)
+    return {"reps": reps, "mean_error": float(e.mean()), "p95_error": float(np.quantile(e, 0.95)),
+            "share_within_delta": float(np.mean(e <= delta_vote))}
+
+
+def cmd_report(a: argparse.Namespace) -> None:
+    out = run_dir(a.reasoner, a.k)
+    ts = TrajectorySet.open(out / "trajectories")
+    groups = sample_groups(ts, list(range(len(ts))))
+    groups = [g for g in groups if len(g) == a.k]
+    if a.n:
+        groups = groups[:a.n]
+    bundle = load_bundle(ROOT / REASONERS[a.reasoner][1])
+    probe = bundle.load_probe()
+    full = traces(ts, groups)
+    truth = [ts.problems[g[0]].answer for g in groups]
+    n = len(groups)
+    folds = np.random.default_rng(FOLD_SEED).permutation(n) % 2
+    maj = [plurality([tr.final for tr in grp]) for grp in full]
+    arms = [
+        Arm("single full reasoning (mean over the k samples)",
+            [float(np.mean([tr.final == y for tr in grp])) for grp, y in zip(full, truth)],
+            [float(np.mean([tr.completion for tr in grp])) for grp in full]),
+        Arm(f"maj@{a.k} of full traces", [m == y for m, y in zip(maj, truth)],
+            [float(sum(tr.completion for tr in grp)) for grp in full],
+            [False] * n),
+    ]
+    for level in ADAPTIVE_CONFIDENCE:
+        res = [sequential(grp, adaptive_consistency(level)) for grp in full]
+        arms.append(Arm(f"Adaptive-Consistency (Beta, {level})",
+                        [r[0] == y for r, y in zip(res, truth)],
+                        [r[1] for r in res], [r[0] != m for r, m in zip(res, maj)]))
+    for w in ESC_WINDOWS:
+        res = [sequential(grp, esc(w)) for grp in full]
+        arms.append(Arm(f"ESC (window {w})", [r[0] == y for r, y in zip(res, truth)],
+                        [r[1] for r in res], [r[0] != m for r, m in zip(res, maj)]))
+    for b in BUDGETS[a.reasoner]:
+        res = [[budget_answer(tr, b) for tr in grp] for grp in full]
+        votes = [plurality([r[0] for r in rr]) for rr in res]
+        arms.append(Arm(f"thinking budget {b} x {a.k}", [v == y for v, y in zip(votes, truth)],
+                        [sum(r[1] for r in rr) for rr in res],
+                        [v != m for v, m in zip(votes, maj)]))
+    certified, scores = {}, replayed(probe, ts, groups, bundle.window)
+    for row in bundle.ltt.rows:
+        lam = bundle.lam(row.delta)
+        for weighting in ("score", "count"):
+            stopped = stopped_groups(ts, groups, scores, lam, weighting)
+            if weighting == "score":  # the plain vote of the ORCA-stopped samples
+                votes = [plurality(g.answers) for g in stopped]
+                tokens = [float(g.finish.sum()) + sum(tr.answer_tokens for tr in grp)
+                          for g, grp in zip(stopped, full)]
+                stop_err = float(np.mean([ans != tr.final for g, grp in zip(stopped, full)
+                                          for ans, tr in zip(g.answers, grp)]))
+                arm = Arm(f"ORCA delta {row.delta:g} + full vote",
+                          [v == y for v, y in zip(votes, truth)], tokens,
+                          [v != m for v, m in zip(votes, maj)])
+                arms.append(arm)
+                certified[f"ORCA delta {row.delta:g} per-sample stop error"] = stop_err
+            launches = {"parallel": stopped}
+            if weighting == "score" and sum(WAVES) == a.k:
+                launches[f"waves {'+'.join(map(str, WAVES))}"] = [
+                    replace(g, start=st, finish=fi) for g in stopped
+                    for st, fi in [in_waves(g.finish, WAVES)]]
+            for launch, groups_ in launches.items():
+                for dv in DELTAS_VOTE:
+                    arm, t_used = consensus_arm(
+                        f"ORCA delta {row.delta:g} + consensus ({weighting}, {launch}, "
+                        f"delta_vote {dv:g})", groups_, full, truth, folds, dv)
+                    arms.append(arm)
+                    certified[arm.name] = {"t_per_fold": t_used,
+                                           "random_halves": random_splits(groups_, dv)}
+    maj_tokens = float(np.mean(arms[1].tokens))
+    rows = [arm.row(maj_tokens) for arm in arms]
+    report = {"reasoner": a.reasoner, "k": a.k, "n": n, "epsilon": EPSILON,
+              "bundle": REASONERS[a.reasoner][1],
+              "lambdas": {f"{r.delta:g}": r.lam for r in bundle.ltt.rows},
+              "t_per_fold": certified, "rows": rows}
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    single = rows[0]
+    print(f"**{a.reasoner}, in-dist, k = {a.k}** (n = {n} prompts; epsilon = {EPSILON}; "
+          f"single full reasoning {single['tokens']:.0f} tokens, accuracy "
+          f"{single['accuracy']:.3f}; "
+          f"maj@{a.k} {rows[1]['tokens']:.0f} tokens, accuracy {rows[1]['accuracy']:.3f})\n")
+    print("| arm | accuracy (95% CI) | tokens / prompt | x maj@k tokens | x single | "
+          "differs from maj@k (95% CI) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        ve = "-" if "vote_error" not in r else (
+            f"{r['vote_errors']}/{r['n']} = {r['vote_error']:.3f} "
+            f"[{r['vote_error_ci'][0]:.3f}, {r['vote_error_ci'][1]:.3f}]")
+        print(f"| {r['arm']} | {r['accuracy']:.3f} [{r['accuracy_ci'][0]:.3f}, "
+              f"{r['accuracy_ci'][1]:.3f}] | {r['tokens']:.0f} | {r['tokens_vs_maj']:.2f} | "
+              f"{r['tokens'] / single['tokens']:.2f} | {ve} |")
+    print()
+    for name, v in certified.items():
+        if isinstance(v, float):
+            print(f"- {name}: {v:.3f}")
+            continue
+        h = v["random_halves"]
+        t = ", ".join("none" if x is None else f"{x:.2f}" for x in v["t_per_fold"])
+        print(f"- {name}: t per fold [{t}]; {h['reps']} random halves: vote error mean "
+              f"{h['mean_error']:.3f}, 95th percentile {h['p95_error']:.3f}, <= delta_vote in "
+              f"{h['share_within_delta']:.3f}")
+    print("\nIssue 35's 'Done means', consensus arms only:")
+    maj, one = rows[1], single
+    for r in rows:
+        if "consensus" not in r["arm"]:
+            continue
+        dv = float(r["arm"].rsplit(" ", 1)[1].rstrip(")"))
+        near_maj = r["accuracy"] >= maj["accuracy"] - 0.02 and r["tokens_vs_maj"] <= 0.4
+        beats_one = r["accuracy"] > one["accuracy"] and r["tokens"] <= 1.5 * one["tokens"]
+        print(f"- {r['arm']}: within 2 points of maj@k at <= 40% of its tokens: {near_maj}; "
+              f"beats single at <= 1.5x its tokens: {beats_one}; vote error {r['vote_error']:.3f} "
+              f"<= {dv:g}: {r['vote_error'] <= dv} (95% upper {r['vote_error_ci'][1]:.3f})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(required=True)
+    c = sub.add_parser("collect", help="record k full traces per held-out prompt")
+    c.add_argument("--reasoner", choices=sorted(REASONERS), required=True)
+    c.add_argument("--n", type=int, default=160, help="prompts")
+    c.add_argument("--k", type=int, default=8, help="samples per prompt")
+    c.add_argument("--batch", type=int, default=0,
+                   help="traces per generation batch (0: the job's); the tiny demo reasoners "
+                   "run faster in larger batches")
+    c.add_argument("--budget-s", type=float, default=1080,
+                   help="stop cleanly after the round in flight once this has passed")
+    c.set_defaults(fn=cmd_collect)
+    r = sub.add_parser("report", help="every rule from the recorded traces")
+    r.add_argument("--reasoner", choices=sorted(REASONERS), required=True)
+    r.add_argument("--k", type=int, default=8, help="samples per prompt")
+    r.add_argument("--n", type=int, default=0, help="first n prompts only (0: all)")
+    r.set_defaults(fn=cmd_report)
+    a = p.parse_args()
+    a.fn(a)
+
+
+if __name__ == "__main__":
+    main()

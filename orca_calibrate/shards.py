@@ -1,0 +1,160 @@
+"""Data-parallel collection: N engine processes, each collecting a shard of the job's traces into
+a folder of its own, then one merge into the job's trajectory directory (`collect.engines: N`).
+
+Each engine is an independent vLLM `LLM` in its own process, on devices of its own (GPUs
+`tensor_parallel_size x pipeline_parallel_size` apiece; on the CPU build, a share of the cores),
+so a node's devices all work and none waits for another's batch. Trace k of the job's order
+(`trace_keys`) goes to shard k mod N. A shard's folder is a trajectory directory
+(`shards/shard-I/trajectories`), so each shard resumes on its own after a kill; the merge then
+appends every shard's problems to the job's directory in the job's order (itself resumable:
+ids already there are skipped) and removes the shard folders.
+
+The traces are not those of a one-engine run with the same seed when sampling (temperature > 0):
+vLLM draws every request of an engine from one random stream seeded once per engine (requests
+carry no seed of their own: the CPU build crashes on seeded requests whose prefill is chunked,
+orca_calibrate/collect.py), so a trace's tokens depend on which requests shared its batches and
+in what order, which sharding changes. Each trace is still a draw from the model's sampling
+distribution for its prompt, independent of the others, which is all calibration assumes.
+Greedy traces (temperature 0) draw nothing and are the same, up to floating-point differences
+between batch shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from orca_calibrate.collect import PENDING_FILE, Collector, CollectSettings, Stats, trace_keys
+from orca_calibrate.judge import JudgeSettings
+from orca_method.trajectories import INFO_DEFAULTS, TrajectorySet, TrajectoryWriter
+
+
+def shard_of(ids: list[str], engines: int) -> dict[str, int]:
+    """Prompt id -> its shard: the k-th prompt of the job's order goes to shard k mod `engines`
+    (every sample of a prompt in one shard; shards of equal size, long and short prompts
+    alike spread)."""
+    return {pid: k % engines for k, pid in enumerate(ids)}
+
+
+def device_env(shard: int, engines: int, settings: CollectSettings,
+               environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment that gives shard `shard` its own devices: a slice of the visible GPUs
+    (`CUDA_VISIBLE_DEVICES`) or, on the CPU build, of the cores vLLM binds its threads to
+    (`VLLM_CPU_OMP_THREADS_BIND`). Refuses more engines than devices."""
+    from orca_serve.vllm_compat.launch import is_cpu_platform  # deferred: vllm
+
+    env = dict(os.environ if environ is None else environ)
+    if is_cpu_platform():
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < engines:
+            raise ValueError(f"collect.engines {engines} on {len(cores)} cores: one engine "
+                             "needs a core at least")
+        part = cores[shard * len(cores) // engines:(shard + 1) * len(cores) // engines]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, part))
+        return env
+    import torch  # deferred: torch
+
+    engine = settings.engine
+    per = int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1))
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if len(gpus) < engines * per:
+        raise ValueError(f"collect.engines {engines} x {per} device(s) per engine, but "
+                         f"{len(gpus)} GPUs are visible")
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[shard * per:(shard + 1) * per])
+    return env
+
+
+def collect_shards(model: str, settings: CollectSettings,
+                   sets: list[tuple[list[dict], Path, set[str]]], work: Path) -> Stats:
+    """Collect each (prompts, trajectory directory, ids to collect unprobed) of `sets` with
+    `settings.engines` engine processes at once, then merge into each directory. Returns the
+    engines' statistics, summed (seconds: the slowest engine's)."""
+    n = settings.engines
+    work.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i in range(n):
+        spec = {"model": model, "settings": asdict(settings), "sets": []}
+        for s, (prompts, directory, defer) in enumerate(sets):
+            done = {p.id for p in TrajectorySet.open(directory).problems} \
+                if (directory / "problems.jsonl").exists() else set()  # a merge before a kill
+            shard = shard_of([str(p["id"]) for p in prompts], n)
+            spec["sets"].append({"out": str(work / f"shard-{i}" / f"set-{s}"),
+                                 "defer": sorted(defer), "prompts": [
+                p for p in prompts if shard[str(p["id"])] == i
+                and not {k for k, _ in trace_keys([p], settings.samples)} <= done]})
+        (work / f"shard-{i}.json").write_text(json.dumps(spec))
+        log = open(work / f"shard-{i}.log", "a")  # noqa: SIM115 - closed after wait
+        procs.append((subprocess.Popen(
+            [sys.executable, "-m", "orca_calibrate.shards", str(work / f"shard-{i}.json")],
+            env=device_env(i, n, settings), stdout=log, stderr=subprocess.STDOUT), log))
+    failed = []
+    for i, (proc, log) in enumerate(procs):
+        proc.wait()
+        log.close()
+        if proc.returncode != 0:
+            failed.append(i)
+    if failed:
+        tail = (work / f"shard-{failed[0]}.log").read_text().splitlines()[-5:]
+        raise RuntimeError(f"collection shard(s) {failed} failed (their folders keep what they "
+                           f"collected; rerun to resume); {work}/shard-{failed[0]}.log ends: "
+                           + " | ".join(tail))
+    for s, (prompts, directory, _) in enumerate(sets):
+        order = [k for k, _ in trace_keys(prompts, settings.samples)]
+        merge([work / f"shard-{i}" / f"set-{s}" for i in range(n)], directory, order)
+    stats = Stats()
+    for i in range(n):
+        d = json.loads((work / f"shard-{i}.stats.json").read_text())
+        stats.trajectories += d["trajectories"]
+        stats.answer_probes += d["answer_probes"]
+        # the slowest engine's seconds: the engines run at once, so that is the wall time
+        stats.generate_s = max(stats.generate_s, d["generate_s"])
+        stats.probe_s = max(stats.probe_s, d["probe_s"])
+    shutil.rmtree(work)
+    return stats
+
+
+def merge(shards: list[Path], into: Path, order: list[str]) -> None:
+    """Append the shards' problems to `into` in the job's `order` (ids already there are
+    skipped: a killed merge resumes), and their deferred traces' probe data."""
+    sets = [TrajectorySet.open(d) for d in shards if (d / "problems.jsonl").exists()]
+    if not sets:  # nothing left to collect: a resumed job's merged set is complete
+        return
+    where = {p.id: (ts, i) for ts in sets for i, p in enumerate(ts.problems)}
+    info = sets[0].info
+    with TrajectoryWriter(into, dim=info["dim"], dtype=info["dtype"],
+                          **{k: info[k] for k in INFO_DEFAULTS}) as writer:
+        for key in order:
+            if key in where and key not in writer.ids:
+                ts, i = where[key]
+                fields = {k: v for k, v in ts.problems[i].to_dict().items()
+                          if k not in ("offset", "n_steps")}
+                writer.append(fields, ts.embeddings(i))
+    lines = [line for d in shards if (d / PENDING_FILE).exists()
+             for line in (d / PENDING_FILE).read_text().splitlines()]
+    if lines:
+        (into / PENDING_FILE).write_text("\n".join(lines) + "\n")
+
+
+def _worker(spec_file: Path) -> None:
+    """One engine process: collect its shard of every set, then write its statistics."""
+    spec = json.loads(spec_file.read_text())
+    raw = spec["settings"]
+    settings = CollectSettings(**{**raw, "judge": None if raw["judge"] is None
+                                  else JudgeSettings(**raw["judge"])})
+    with Collector(spec["model"], settings) as collector:
+        for s in spec["sets"]:
+            if s["prompts"]:
+                defer = set(s["defer"])
+                collector.run(s["prompts"], Path(s["out"]), progress=False,
+                              defer=lambda key, defer=defer: key in defer)
+        stats = collector.stats.as_dict()
+    spec_file.with_name(spec_file.stem + ".stats.json").write_text(json.dumps(stats))
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))

@@ -1,0 +1,223 @@
+"""The consensus stop for k samples of one prompt (docs/METHOD.md section 14).
+
+Each sample stops early by ORCA (its own lambda*), or runs to its end; the group of k samples
+ends as soon as the samples already finished make the vote settled, and answers the vote of
+their answers. The rule: with each finished sample's vote weighted by ``w_i`` in [0, 1] (its
+probe score where it stopped, or 1 for plain counts), the leading answer's weight ``V_1``, the
+runner-up's ``V_2`` and ``R`` samples still running, the group is settled when
+
+    V_1 - V_2 > t * R,
+
+that is, when the leader would still lead if every running sample voted for the runner-up with
+weight t. At t = 1 the remaining samples cannot change the vote at all (a weight is at most 1);
+smaller t bets that they will not all go against the leader. t is certified by Learn-then-Test
+(orca_method/consensus_ltt.py) so that the answer differs from the plurality of all k samples run to
+their end (maj@k) with probability at most delta_vote.
+
+Ties: a vote's plurality is the answer with the most weight, among equals the one given by the
+lowest-numbered sample (the engine numbers a request's samples 0..k-1; so does collection).
+
+Everything here is a pure function over arrays of k entries, so the engine core can call
+`verdict` whenever a sample of a group finishes; nothing imports vLLM or a server library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import numpy as np
+
+# a vote's weight: the probe score where the sample stopped, or 1 (plain counts)
+Weighting = Literal["score", "count"]
+WEIGHTINGS: tuple[str, ...] = get_args(Weighting)
+CONSENSUS_VERSION = 1  # of the bundle's `consensus` block (orca_method/bundle.py)
+DEFAULT_GRID_SIZE = 101
+SAMPLE_SEP = "#"  # a sampled trace's id: "<prompt id>#<sample number>" (orca-calibrate collect)
+
+
+def sample_id(prompt_id: str, sample: int) -> str:
+    """The trajectory id of sample `sample` of a prompt (collection writes these)."""
+    return f"{prompt_id}{SAMPLE_SEP}{sample}"
+
+
+def prompt_of(trace_id: str) -> tuple[str, int]:
+    """(prompt id, sample number) of a trajectory id; a trace without a sample part is sample 0."""
+    head, sep, tail = trace_id.rpartition(SAMPLE_SEP)
+    return (head, int(tail)) if sep and tail.isdigit() else (trace_id, 0)
+
+
+def default_grid(m: int = DEFAULT_GRID_SIZE) -> np.ndarray:
+    """``m`` margins t from 1.0 (the remaining samples cannot change the vote) down to 0.0 (the
+    first finished sample decides), fixed before the data (LTT's hypotheses must be)."""
+    if m < 2:
+        raise ValueError(f"the consensus grid needs >= 2 points, got {m}")
+    return np.linspace(1.0, 0.0, m)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The vote of a group's finished samples: its leader (None before any sample finished),
+    the leader's margin V_1 - V_2, the samples still running, and whether it is settled."""
+
+    settled: bool
+    answer: Hashable | None
+    margin: float
+    running: int
+
+
+def tally(answers: Sequence[Hashable], weights: np.ndarray,
+          finished: np.ndarray) -> tuple[Hashable | None, float]:
+    """(leader, V_1 - V_2) of the finished samples' weighted vote; ties to the lowest sample.
+
+    answers [k] (any hashable, None included: "no answer" is a vote like any other),
+    weights [k] in [0, 1], finished [k] bool.
+    """
+    votes: dict[Hashable, float] = {}
+    first: dict[Hashable, int] = {}
+    for i in np.flatnonzero(finished):
+        a = answers[i]
+        votes[a] = votes.get(a, 0.0) + float(weights[i])
+        first.setdefault(a, int(i))
+    if not votes:
+        return None, 0.0
+    ranked = sorted(votes, key=lambda a: (-votes[a], first[a]))
+    runner_up = votes[ranked[1]] if len(ranked) > 1 else 0.0
+    return ranked[0], votes[ranked[0]] - runner_up
+
+
+def plurality(answers: Sequence[Hashable], weights: np.ndarray | None = None) -> Hashable | None:
+    """The vote of all `answers` (maj@k when unweighted), ties to the lowest sample."""
+    k = len(answers)
+    w = np.ones(k) if weights is None else np.asarray(weights, dtype=float)
+    return tally(answers, w, np.ones(k, dtype=bool))[0]
+
+
+def verdict(answers: Sequence[Hashable], weights: np.ndarray, finished: np.ndarray,
+            t: float) -> Verdict:
+    """The per-step decision: settled when V_1 - V_2 > t * (samples still running), or when
+    every sample has finished. Entries of `answers`/`weights` of running samples are ignored."""
+    finished = np.asarray(finished, dtype=bool)
+    _check_weights(weights)
+    leader, margin = tally(answers, np.asarray(weights, dtype=float), finished)
+    running = int((~finished).sum())
+    settled = leader is not None and bool(settles(margin, running, t))
+    return Verdict(settled=settled, answer=leader, margin=margin, running=running)
+
+
+def settles(margin: np.ndarray | float, running: np.ndarray | int,
+            t: np.ndarray | float) -> np.ndarray | bool:
+    """The rule itself, elementwise: V_1 - V_2 > t * running, or nothing left running. One
+    definition for the engine's `verdict` and calibration's `settle_events` (the same floating
+    point comparison, so a t decides the same group the same way in both)."""
+    return (np.asarray(running) == 0) | (np.asarray(margin) > np.asarray(t) * np.asarray(running))
+
+
+def _check_weights(weights: np.ndarray) -> None:
+    w = np.asarray(weights, dtype=float)
+    if not np.all((w >= 0.0) & (w <= 1.0)):  # also refuses NaN
+        raise ValueError("vote weights must be in [0, 1] (a weight above 1 voids t = 1's "
+                         "'the rest cannot change the vote')")
+
+
+# ----------------------------------------------------------------------- groups, offline
+
+
+@dataclass(frozen=True)
+class Group:
+    """k samples of one prompt as calibration sees them.
+
+    ``finish`` [k]: when each sample finishes (stopped by ORCA or at its end), in the group's
+    clock (engine steps: the samples decode in parallel, one token each per step);
+    ``answers`` [k]: each one's answer there; ``weights`` [k]: its vote weight; ``reference``:
+    the plurality of the k samples run to their end (the loss's target); ``start`` [k]: when
+    each sample is launched (all at 0 unless launched in waves: `in_waves`). A sample not yet
+    launched counts as running: it may still vote.
+    """
+
+    finish: np.ndarray
+    answers: tuple[Hashable, ...]
+    weights: np.ndarray
+    reference: Hashable
+    start: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        k = len(self.answers)
+        if k < 1 or np.shape(self.finish) != (k,) or np.shape(self.weights) != (k,):
+            raise ValueError("a group needs finish, answers and weights of the same length k >= 1")
+        if self.start is not None and (np.shape(self.start) != (k,)
+                                       or np.any(self.start > self.finish)):
+            raise ValueError("start must be k launch times, none after its sample's finish")
+        _check_weights(self.weights)
+
+    def spent(self, at: float) -> float:
+        """Tokens generated when the group ends at time `at`: each launched sample its own
+        until then (a sample launched later than `at` never ran)."""
+        start = np.zeros_like(self.finish) if self.start is None else self.start
+        return float(np.clip(at - start, 0.0, self.finish - start).sum())
+
+
+def in_waves(lengths: np.ndarray, waves: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(start [k], finish [k]) of samples launched in waves of the given sizes (sum k), in sample
+    order, Adaptive-Consistency style: a wave starts once every sample before it has finished.
+    `lengths` [k]: each sample's own tokens to its finish."""
+    lengths = np.asarray(lengths, dtype=float)
+    if sum(waves) != len(lengths) or min(waves, default=0) < 1:
+        raise ValueError(f"waves {tuple(waves)} must be positive sizes summing to "
+                         f"k = {len(lengths)}")
+    start, at, i = np.zeros_like(lengths), 0.0, 0
+    for size in waves:
+        start[i:i + size] = at
+        at += float(lengths[i:i + size].max())
+        i += size
+    return start, start + lengths
+
+
+@dataclass(frozen=True)
+class VotePath:
+    """A group's vote at each distinct finish time (its events, in time order): when (``times``
+    [E]), the leader then (``leaders``, E entries), its margin V_1 - V_2 (``margins`` [E]) and
+    the samples still running (``running`` [E]; 0 at the last event)."""
+
+    times: np.ndarray
+    leaders: tuple[Hashable, ...]
+    margins: np.ndarray
+    running: np.ndarray
+
+
+def vote_path(g: Group) -> VotePath:
+    """The events of a group, as `verdict` sees the group at each."""
+    times = np.unique(g.finish)  # [E], ascending
+    leaders, margins, running = [], [], []
+    for s in times:
+        finished = g.finish <= s
+        leader, margin = tally(g.answers, g.weights, finished)
+        leaders.append(leader)
+        margins.append(margin)
+        running.append(int((~finished).sum()))
+    return VotePath(times=times, leaders=tuple(leaders), margins=np.asarray(margins),
+                    running=np.asarray(running))
+
+
+def settle_events(path: VotePath, grid: np.ndarray) -> np.ndarray:
+    """[len(grid)] the event at which the group settles for each t of `grid` (`settles`); the
+    last event always settles."""
+    hit = settles(path.margins[None, :], path.running[None, :],
+                  np.asarray(grid, dtype=float)[:, None])  # [m, E]
+    return hit.argmax(axis=1)
+
+
+def outcomes(groups: Sequence[Group], grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[m, n] 0/1 losses (the group's answer is not its reference) and [m, n] tokens spent, for
+    every t of `grid` and every group."""
+    grid = np.asarray(grid, dtype=float)
+    loss = np.zeros((len(grid), len(groups)), dtype=np.int8)
+    tokens = np.zeros((len(grid), len(groups)))
+    for j, g in enumerate(groups):
+        path = vote_path(g)
+        e = settle_events(path, grid)  # [m]
+        wrong = np.array([a != g.reference for a in path.leaders], dtype=np.int8)  # [E]
+        cost = np.array([g.spent(s) for s in path.times])  # [E]
+        loss[:, j], tokens[:, j] = wrong[e], cost[e]
+    return loss, tokens

@@ -1,0 +1,150 @@
+"""The consensus stop for k samples (orca_method/consensus.py): the rule, and its LTT certificate
+tested statistically (repeated simulation, fixed seed, stated tolerance)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orca_method.consensus_ltt import calibrate_consensus
+from orca_method.consensus import (
+    Group,
+    default_grid,
+    in_waves,
+    outcomes,
+    plurality,
+    prompt_of,
+    sample_id,
+    settle_events,
+    verdict,
+    vote_path,
+)
+from orca_method.ltt import PVALUES, n_rejected
+
+K = 8
+
+
+def test_verdict_margin_against_the_running_samples():
+    answers = ["7", "7", "7", None, None, None, None, None]
+    finished = np.array([1, 1, 1, 0, 0, 0, 0, 0], dtype=bool)
+    w = np.array([0.9, 0.8, 0.7, 0, 0, 0, 0, 0])
+    v = verdict(answers, w, finished, t=0.4)  # margin 2.4 against 0.4 * 5 = 2.0
+    assert v.settled and v.answer == "7" and v.margin == pytest.approx(2.4) and v.running == 5
+    assert not verdict(answers, w, finished, t=0.5).settled  # 2.4 is not > 2.5
+    assert not verdict(answers, w, np.zeros(K, dtype=bool), t=0.0).settled  # nobody finished
+
+
+def test_all_finished_is_settled_and_ties_go_to_the_lowest_sample():
+    answers = ["3", "5", "5", "3"]
+    v = verdict(answers, np.ones(4), np.ones(4, dtype=bool), t=1.0)
+    assert v.settled and v.answer == "3" and v.margin == 0.0
+    assert plurality(["5", "3", "3", "5"]) == "5"
+    assert plurality([None, None, "1"]) is None  # "no answer" is a vote like any other
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        verdict(answers, np.array([1.0, 1.0, 1.5, 1.0]), np.ones(4, dtype=bool), t=0.5)
+
+
+def test_sample_ids_round_trip():
+    assert prompt_of(sample_id("long-in-dist-4", 7)) == ("long-in-dist-4", 7)
+    assert prompt_of("toy-3") == ("toy-3", 0)
+    assert prompt_of("a#b") == ("a#b", 0)
+
+
+def test_t_one_never_changes_the_vote():
+    """At t = 1 the remaining samples cannot overturn the leader: the settled answer is the
+    weighted vote of all k stopped answers, whenever the group settles."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        answers = tuple(rng.choice(["a", "b", "c"], size=K, p=[0.6, 0.3, 0.1]))
+        g = Group(finish=rng.integers(1, 50, K).astype(float), answers=answers,
+                  weights=rng.uniform(0, 1, K), reference=None)
+        path = vote_path(g)
+        e = int(settle_events(path, np.array([1.0]))[0])
+        assert path.leaders[e] == plurality(answers, g.weights)
+        # offline, the group ends where the engine's verdict first says settled
+        said = [verdict(answers, g.weights, g.finish <= s, t=0.3).settled for s in path.times]
+        assert said.index(True) == int(settle_events(path, np.array([0.3]))[0])
+
+
+# ----------------------------------------------------------------- the certificate, simulated
+
+
+def synthetic_groups(n: int, rng: np.random.Generator, agree: float = 0.5) -> list[Group]:
+    """Groups of K samples: a share `agree` of easy prompts (the modal answer has probability
+    0.92), the rest hard (0.5-0.75); a stopped sample keeps its full trace's answer with
+    probability 0.98; a sample's score is higher when its answer is the modal one; finish
+    times are log-normal token counts."""
+    groups = []
+    for _ in range(n):
+        top = 0.92 if rng.random() < agree else rng.uniform(0.5, 0.75)
+        p = np.array([top, *(np.full(3, (1 - top) / 3))])
+        full = rng.choice(4, size=K, p=p)
+        kept = rng.random(K) < 0.98
+        stopped = np.where(kept, full, rng.integers(0, 4, K))
+        w = np.where(stopped == 0, rng.beta(5, 2, K), rng.beta(2, 3, K))
+        groups.append(Group(finish=np.round(rng.lognormal(6.5, 0.5, K)),
+                            answers=tuple(int(a) for a in stopped), weights=w,
+                            reference=plurality([int(a) for a in full])))
+    return groups
+
+
+def test_certified_t_keeps_vote_risk_within_delta_in_repeated_draws():
+    """The population is a pool of 20,000 synthetic groups (its risk at each t is exact); each
+    repetition draws 300 calibration groups from it with replacement (i.i.d. from the pool),
+    certifies t* and reads t*'s population risk. LTT promises risk <= delta_vote with
+    probability >= 1 - epsilon; 400 repetitions estimate that probability with a standard error
+    of ~0.011, so the test allows 1 - epsilon - 0.035 (3 standard errors)."""
+    rng = np.random.default_rng(35)
+    grid = default_grid()
+    pool = synthetic_groups(20_000, rng)
+    loss, _ = outcomes(pool, grid)  # [m, N]
+    risk = loss.mean(axis=1)  # [m] the population risk of every t
+    delta, epsilon, n_cal, reps = 0.1, 0.05, 300, 400
+    assert risk[0] < delta < risk[-1], "the simulation must make the choice of t matter"
+    ok, ts = 0, []
+    for _ in range(reps):
+        idx = rng.integers(0, len(pool), n_cal)
+        counts = loss[:, idx].sum(axis=1, dtype=np.int64)
+        last = n_rejected(PVALUES["binomial"](counts, n_cal, delta), epsilon) - 1
+        ok += last < 0 or risk[last] <= delta  # no t certified: samples run to their end
+        ts.append(grid[last] if last >= 0 else 1.0)
+    assert ok / reps >= 1 - epsilon - 0.035
+    # the same through the public entry point, on one draw: its t is one the sequence rejects
+    draw = [pool[i] for i in rng.integers(0, len(pool), n_cal)]
+    (res,) = calibrate_consensus(draw, [delta], epsilon=epsilon, grid=grid)
+    assert res.t is not None and risk[int(np.argmin(np.abs(grid - res.t)))] <= delta + 0.02
+    assert np.median(ts) < 1.0  # it does certify stopping before the trivial point
+
+
+def test_the_rule_saves_samples_when_answers_agree_early():
+    """Certified on one draw, the rule spends far fewer tokens on groups that agree than on
+    groups that do not, and fewer than running every sample to its ORCA stop."""
+    rng = np.random.default_rng(36)
+    cal = synthetic_groups(400, rng)
+    (res,) = calibrate_consensus(cal, [0.1], epsilon=0.05)
+    assert res.t is not None and res.token_savings > 0.15
+    grid = np.array([res.t])
+    easy, hard = synthetic_groups(500, rng, agree=1.0), synthetic_groups(500, rng, agree=0.0)
+    full = {name: sum(g.spent(np.inf) for g in gs) for name, gs in
+            (("easy", easy), ("hard", hard))}
+    saved = {name: 1 - outcomes(gs, grid)[1].sum() / full[name] for name, gs in
+             (("easy", easy), ("hard", hard))}
+    assert saved["easy"] > 0.35
+    assert saved["easy"] > saved["hard"] + 0.05
+
+
+def test_waves_launch_later_samples_only_when_needed():
+    """In waves (2, 2) a group whose first two samples agree at t = 0.4 settles before the
+    second wave starts: it spends the first wave's tokens only; the second wave's samples count
+    as running until they are launched."""
+    start, finish = in_waves(np.array([100.0, 120.0, 90.0, 80.0]), (2, 2))
+    assert start.tolist() == [0, 0, 120, 120] and finish.tolist() == [100, 120, 210, 200]
+    g = Group(finish=finish, answers=("4", "4", "5", "5"), weights=np.ones(4), reference="4",
+              start=start)
+    path = vote_path(g)
+    e = int(settle_events(path, np.array([0.4]))[0])  # at 120: margin 2 > 0.4 * 2
+    assert path.times[e] == 120 and path.leaders[e] == "4" and g.spent(path.times[e]) == 220
+    assert int(settle_events(path, np.array([1.0]))[0]) == len(path.times) - 1  # 2 > 2 fails
+    assert g.spent(np.inf) == 390
+    with pytest.raises(ValueError, match="summing to k"):
+        in_waves(np.ones(4), (2, 1))

@@ -1,0 +1,187 @@
+"""The consensus block in the bundle (optional, versioned on its own: old bundles load and are
+written unchanged) and the job's side of it: prompts held out from lambda*, t certified on them,
+sealed, evaluated on the test split."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orca_calibrate.consensus import (
+    ConsensusOptions,
+    add_consensus,
+    evaluate_consensus,
+    hold_out,
+    replayed,
+    sample_groups,
+    stopped_groups,
+)
+from orca_calibrate.job import JobError, load_job
+from orca_method.bundle import BundleError, ConsensusBlock, ConsensusRow, load_bundle, save_bundle
+from orca_method.consensus import CONSENSUS_VERSION, prompt_of, sample_id
+from orca_method.trajectories import TrajectorySet, TrajectoryWriter
+from tests.bundles import small_bundle
+
+DEMO = Path(__file__).parent.parent / "orca_serve" / "demo"
+OLD_DEMO = Path(__file__).parent / "data" / "demo-bundle-v1.json"
+K, DIM = 4, 8
+
+
+def block(rows: list[tuple[float, float, float | None]]) -> ConsensusBlock:
+    return ConsensusBlock(version=CONSENSUS_VERSION, samples=K, weighting="score", epsilon=0.05,
+                          n_cal=50, grid_size=101,
+                          rows=[ConsensusRow(delta=d, delta_vote=dv, t=t, risk=0.02, pvalue=0.01,
+                                             token_savings=0.3) for d, dv, t in rows])
+
+
+@pytest.mark.parametrize("path", [OLD_DEMO, DEMO / "bundle.json", DEMO / "long" / "bundle.json"])
+def test_bundles_without_consensus_load_unchanged(path):
+    b = load_bundle(path)
+    assert b.consensus is None and b.checksum == json.loads(path.read_text())["checksum"]
+
+
+@pytest.mark.parametrize("path", [DEMO / "bundle.json", DEMO / "long" / "bundle.json"])
+def test_bundles_without_consensus_are_written_unchanged(path, tmp_path):
+    b = load_bundle(path)
+    save_bundle(b, tmp_path / "again.json")
+    assert "consensus" not in json.loads((tmp_path / "again.json").read_text())
+    assert load_bundle(tmp_path / "again.json").checksum == b.checksum
+
+
+def test_a_consensus_block_round_trips_and_names_calibrated_deltas_only(tmp_path):
+    b = small_bundle()  # deltas 0.05 and 0.1
+    save_bundle(b.model_copy(update={"consensus": block([(0.1, 0.05, 0.3), (0.05, 0.05, None)])}),
+                tmp_path / "c.json")
+    loaded = load_bundle(tmp_path / "c.json")
+    assert loaded.consensus.rows[0].t == 0.3 and loaded.consensus.rows[1].t is None
+    assert loaded.schema_version == b.schema_version  # the block carries its own version
+    save_bundle(b.model_copy(update={"consensus": block([(0.2, 0.05, 0.3)])}), tmp_path / "x.json")
+    with pytest.raises(BundleError, match="delta 0.2, which the main table does not calibrate"):
+        load_bundle(tmp_path / "x.json")
+    data = json.loads((tmp_path / "c.json").read_text())
+    data["consensus"]["version"] = 2
+    (tmp_path / "v.json").write_text(json.dumps(data))
+    with pytest.raises(BundleError):
+        load_bundle(tmp_path / "v.json")
+
+
+def sampled_set(path: Path, n_prompts: int, rng: np.random.Generator, k: int = K,
+                splits: bool = True) -> TrajectorySet:
+    """n_prompts x k traces of 3-6 steps with random embeddings; a prompt's samples mostly
+    agree on "7" (its answer), with a wrong step answer now and then."""
+    with TrajectoryWriter(path, dim=DIM) as w:
+        for p in range(n_prompts):
+            for s in range(k):
+                n = int(rng.integers(3, 7))
+                final = "7" if rng.random() < 0.8 else "5"
+                steps = [None if t == 0 else (final if rng.random() < 0.7 else "5")
+                         for t in range(n - 1)] + [final]
+                w.append({"id": sample_id(f"p{p}", s), "answer": "7", "step_tokens":
+                          [int(x) for x in rng.integers(20, 60, n)], "step_answers": steps,
+                          "final_answer": final,
+                          "labels": {"supervised": [int(a == "7") for a in steps]},
+                          "split": ("train", "calibration", "test")[p % 3] if splits else None},
+                         rng.normal(size=(n, DIM)).astype(np.float32))
+    return TrajectorySet.open(path)
+
+
+def test_held_out_prompts_certify_t_and_the_test_split_evaluates_it(tmp_path):
+    rng = np.random.default_rng(3)
+    ts = sampled_set(tmp_path / "data", 90, rng)
+    opts = ConsensusOptions(deltas=(0.1, 0.2), holdout=0.5)
+    view, held = hold_out(ts, opts)
+    lam_side = {prompt_of(ts.problems[i].id)[0] for i in view.split("calibration")}
+    t_side = {prompt_of(ts.problems[i].id)[0] for i in held}
+    assert lam_side and t_side and not lam_side & t_side  # whole prompts, on one side each
+    assert len(view.split("calibration")) + len(held) == len(ts.split("calibration"))
+    assert len(TrajectorySet.open(tmp_path / "data").split("calibration")) == 30 * K  # on disk
+
+    groups = sample_groups(ts, held)
+    assert all(len(g) == K for g in groups)
+    bundle = small_bundle(dim=DIM)
+    scores = replayed(bundle.load_probe(), ts, groups, bundle.window)
+    stopped = stopped_groups(ts, groups, scores, bundle.lam(0.1), "score")
+    for g, idx in zip(stopped, groups):  # finish times are the tokens through each stop step
+        assert all(f <= sum(ts.problems[i].step_tokens) for f, i in zip(g.finish, idx))
+        assert g.reference in ("7", "5")
+    save_bundle(bundle, tmp_path / "b.json")
+    sealed = add_consensus(tmp_path / "b.json", bundle.load_probe(), ts, held, opts)
+    c = load_bundle(tmp_path / "b.json").consensus
+    assert c == sealed.consensus and c.samples == K and c.n_cal == len(groups)
+    assert {(r.delta, r.delta_vote) for r in c.rows} == {(d, v) for d in (0.05, 0.1)
+                                                         for v in (0.1, 0.2)}
+    report = evaluate_consensus(load_bundle(tmp_path / "b.json"), ts, "test")
+    assert report["samples"] == K and len(report["rows"]) == 4
+    for r in report["rows"]:
+        assert r["n"] == 30 and 0 <= r["realized_vote_error"] <= 1
+        assert (r["t"] is None) == (r["errors"] == 0 and r["token_savings"] == 0)
+
+
+def test_a_job_asks_for_samples_and_consensus_consistently(tmp_path):
+    def job(collect: dict, calibrate: dict) -> Path:
+        p = tmp_path / "job.yaml"
+        p.write_text(json.dumps({"model": "m", "prompts": "p.jsonl", "out": "o",
+                                 "collect": collect, "calibrate": calibrate}))
+        return p
+
+    load_job(job({"samples": 8}, {"consensus": {"deltas": [0.05], "weighting": "count"}}))
+    with pytest.raises(JobError, match="needs collect.samples >= 2"):
+        load_job(job({"samples": 1}, {"consensus": {}}))
+    with pytest.raises(JobError, match="temperature > 0"):
+        load_job(job({"samples": 8, "temperature": 0.0}, {}))
+    with pytest.raises(JobError, match="weighting must be one of"):
+        load_job(job({"samples": 8}, {"consensus": {"weighting": "votes"}}))
+    with pytest.raises(JobError, match="calibrate.consensus is a mapping"):
+        load_job(job({"samples": 8}, {"consensus": {"t": 0.3}}))
+
+
+class _SampledCollector:
+    """Stands in for the vLLM collector: `settings.samples` synthetic traces per prompt."""
+
+    def __init__(self, model: str, settings) -> None:
+        self.settings = settings
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def run(self, prompts: list, out, progress: bool, defer=None):
+        sampled_set(out, len(prompts), np.random.default_rng(5), k=self.settings.samples,
+                    splits=False)
+        return type("Stats", (), {"as_dict": lambda self: {}})()
+
+
+def test_a_job_with_consensus_certifies_t_on_held_out_prompts(tmp_path, monkeypatch):
+    """The whole job with `samples: 4` and `calibrate.consensus`: lambda*'s n_cal counts only
+    the prompts left to it, the block's n_cal the held-out ones, and the test split's realized
+    vote error lands in evaluation.json."""
+    import orca_calibrate.job
+    from orca_calibrate.job import run_job
+
+    monkeypatch.setattr(orca_calibrate.job, "Collector", _SampledCollector)
+    (tmp_path / "p.jsonl").write_text("".join(
+        json.dumps({"id": f"p{i}", "prompt": "x", "answer": "7"}) + "\n" for i in range(120)))
+    job = {"model": "m", "prompts": "p.jsonl", "out": "run", "collect": {"samples": K},
+           "split": {"fractions": [0.4, 0.4, 0.2]}, "train": {"epochs": 1},
+           "calibrate": {"deltas": [0.3], "window": 1,
+                         "consensus": {"deltas": [0.2], "holdout": 0.5}}}
+    (tmp_path / "job.yaml").write_text(json.dumps(job))
+    run_job(tmp_path / "job.yaml", progress=False)
+    bundle = load_bundle(tmp_path / "run" / "bundle.json")
+    ts = TrajectorySet.open(tmp_path / "run" / "trajectories")
+    cal_prompts = {prompt_of(ts.problems[i].id)[0] for i in ts.split("calibration")}
+    c = bundle.consensus
+    assert c.samples == K and [(r.delta, r.delta_vote) for r in c.rows] == [(0.3, 0.2)]
+    assert 0 < c.n_cal < len(cal_prompts)
+    assert bundle.ltt.n_cal <= (len(cal_prompts) - c.n_cal) * K  # the rest, solvable ones only
+    report = json.loads((tmp_path / "run" / "evaluation.json").read_text())["consensus"]
+    assert report["rows"][0]["n"] == len({prompt_of(ts.problems[i].id)[0]
+                                          for i in ts.split("test")})

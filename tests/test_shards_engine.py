@@ -1,0 +1,44 @@
+"""Two engine processes, a shard of the prompts each, against one engine on the same prompts
+(real vLLM, the embedded toy reasoner). Greedy traces draw no random numbers, so sharding must
+not change them: same ids in the job's order, same steps and labels, embeddings equal up to
+floating point (sampled traces differ by design: orca_calibrate/shards.py says why)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orca_calibrate.collect import Collector, CollectSettings, read_prompts
+from orca_calibrate.shards import collect_shards
+from orca_demo.toy.tasks import write_prompts
+from orca_method.trajectories import TrajectorySet
+
+pytestmark = pytest.mark.vllm
+
+MODEL = str(Path(__file__).parents[1] / "orca_serve" / "demo" / "model")
+
+
+def test_two_engines_collect_the_one_engine_traces(tmp_path):
+    write_prompts(tmp_path / "p.jsonl", "in-dist", 12, seed=5)
+    prompts = read_prompts(tmp_path / "p.jsonl")
+    settings = CollectSettings(temperature=0.0, max_tokens=320, answer_tokens=6,
+                               suffix="\n</think>\nThe answer is \\boxed{", batch=16,
+                               engine={"max_model_len": 1024})
+    with Collector(MODEL, settings) as one:
+        one.run(prompts, tmp_path / "one", progress=False)
+    two = CollectSettings(**{**settings.__dict__, "engines": 2})
+    later = {str(prompts[1]["id"])}  # one trace collected unprobed, as selective labelling does
+    stats = collect_shards(MODEL, two, [(prompts, tmp_path / "two", later)], tmp_path / "work")
+    a, b = TrajectorySet.open(tmp_path / "one"), TrajectorySet.open(tmp_path / "two")
+    assert [p.id for p in b.problems] == [p.id for p in a.problems] and len(a) >= 10
+    assert stats.trajectories == len(b)
+    assert not (tmp_path / "work").exists()  # the shard folders are gone after the merge
+    for i, (p, q) in enumerate(zip(a.problems, b.problems)):
+        assert q.step_tokens == p.step_tokens
+        np.testing.assert_allclose(b.embeddings(i), a.embeddings(i), atol=1e-4)
+        if q.id in later:
+            assert q.extra["selective"] == {"probed": [], "resolved": None}
+        else:
+            assert q.labels == p.labels
