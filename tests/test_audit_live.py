@@ -458,6 +458,7 @@ def bundle_lams(bundle) -> list[float]:
     (["--demo", "--orca-on-alarm", "recalibrate"],
      "--orca-on-alarm recalibrate is set but --orca-audit-rate is 0"),
     (["--demo", "--orca-on-alarm", "fallback"], "--orca-audit-rate is 0"),
+    (["--demo", "--orca-audit-drift-acts"], "--orca-audit-drift-acts is set but"),
     # redis-py would read a URL without a host as localhost
     (["--demo", "--orca-audit-rate", "0.5", "--orca-audit-store", "redis://"],
      "'redis://' names no server: give a host (redis://host:port/db)"),
@@ -588,7 +589,7 @@ def test_a_recalibrated_lambdas_sequential_drift_alarm_recalibrates_anew(bundle,
     from orca_serve.live_audit.journal import Journal, journal_path
 
     path = journal_path(tmp_path, bundle.checksum)
-    config = AuditConfig(rate=1.0, seed=0, on_alarm="recalibrate", window=40)
+    config = AuditConfig(rate=1.0, seed=0, on_alarm="recalibrate", window=40, drift_acts=True)
     audit = LiveAudit(bundle, config, journal=Journal(path, bundle.checksum, fsync=False),
                       loss=_loss)
     lams = {d: iter([0.95, 0.9]) for d in bundle.deltas()}
@@ -620,10 +621,12 @@ def test_a_recalibrated_lambdas_sequential_drift_alarm_recalibrates_anew(bundle,
 
 def test_the_bundles_sequential_drift_alarm_engages_fallback_until_later_audits_clear(
         bundle) -> None:
-    """`fallback`: the bundle's sequential drift alarm (journalled) makes the guard fall back
-    although the audits so far are clean; it serves the bundle's lambda* again once the audits
-    admitted after the alarm bound its risk at delta or below."""
-    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0, on_alarm="fallback"), loss=_loss)
+    """`fallback` with `--orca-audit-drift-acts`: the bundle's sequential drift alarm
+    (journalled) makes the guard fall back although the audits so far are clean; it serves the
+    bundle's lambda* again once the audits admitted after the alarm bound its risk at delta or
+    below."""
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0, on_alarm="fallback", drift_acts=True),
+                      loss=_loss)
     g = audit.state.guard(0.1)
     for _ in range(5):
         audit.observe([0.0, 0.0, 0.9], [0, 1, 1])  # never stops early: loss 0
@@ -636,6 +639,39 @@ def test_the_bundles_sequential_drift_alarm_engages_fallback_until_later_audits_
         n += 1
     assert g.source == "bundle" and g.drift_cs is None and 10 < n < 200
     assert audit.state.guard(0.2).source == "bundle"  # every delta engaged, every one cleared
+
+
+@pytest.mark.parametrize("acts", [False, True])
+def test_the_bundles_sequential_drift_alarm_acts_only_with_the_operators_leave(bundle, tmp_path,
+                                                                             acts) -> None:
+    """Scores far above the calibration split's set the bundle's sequential drift test off
+    within a few requests. It is journalled; by default it is reported (the table) and nothing
+    else: it says the scores changed, not that the risk grew, and every delta keeps its
+    lambda*. With `drift_acts` `fallback` engages every delta until later audits clear."""
+    from orca_method.audit.martingale import ConformalMartingale
+    from orca_serve.live_audit.journal import Journal, journal_path
+
+    path = journal_path(tmp_path, bundle.checksum)
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0, on_alarm="fallback", drift_acts=acts),
+                      journal=Journal(path, bundle.checksum, fsync=False),
+                      sequential=ConformalMartingale(bundle.drift), loss=_loss)
+    for _ in range(30):
+        audit.see([0.99] * 5, math.inf)  # crosses every lambda at the first step
+    table = audit.table()
+    assert table["sequential_drift"]["alarm"] and table["sequential_drift"]["acts"] is acts
+    assert table["sequential_drift"]["alarm_at"] < 15, table["sequential_drift"]
+    for row in table["deltas"]:
+        assert row["engaged"] is acts, row
+        assert row["lambda_source"] == ("fallback" if acts else "bundle"), row
+    audit.state.close()
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e for e in events if "x" in e] == [{"x": "drift", "d": None, "k": None}]
+    # a restart folds the journalled alarm by the settings it starts with
+    again = LiveAudit(bundle, replace(audit.config, drift_acts=not acts),
+                      journal=Journal(path, bundle.checksum, fsync=False), loss=_loss)
+    assert [r["lambda_source"] for r in again.table()["deltas"]] == [
+        "bundle" if acts else "fallback"] * len(bundle.deltas())
+    again.state.close()
 
 
 # -- the give-up risk ------------------------------------------------------------------------

@@ -20,8 +20,9 @@ server (statistics: docs/AUDIT.md; operations: docs/AUDIT-OPERATIONS.md). `LiveA
    two-sided bundle's audits are scored by its give-up probe here (`_give_up_scores`), since
    audits never give up.
 4. **Drift**: with a drift reference in the bundle, a `DriftMonitor` (window test) and a
-   `ConformalMartingale` (sequential test, whose alarm the guards answer as their own) see the
-   scores of one choice of every finished request (audited or not).
+   `ConformalMartingale` (sequential test; reported, and answered by the guards as their own
+   alarm only with `--orca-audit-drift-acts`) see the scores of one choice of every finished
+   request (audited or not).
 5. **Hot reload** (`orca_serve.live_audit.handover`: builds the successor), the table
    (`GET /v1/orca/audit`: `orca_serve.live_audit.route`) and the metrics
    (`orca_serve.live_audit.collector`).
@@ -189,16 +190,23 @@ class LiveAudit:
     def see(self, scores: list[float], lam: float) -> None:
         """One finished request's scores (choice 0): to the bundle's drift tests (the window
         test and the sequential one) and to the drift tests of the recalibrated lambdas
-        served. A sequential test's alarm is journalled (`AuditState.drift_alarm`): the guards
-        respond to it as to their alarm."""
+        served. A sequential test's alarm is journalled (`AuditState.drift_alarm`): a
+        recalibrated lambda's guard recalibrates anew; the guards answer the bundle's as their
+        alarm only with `config.drift_acts`, since it says the scores changed, not that the
+        risk grew (greedy clients of a bundle calibrated on sampled traces set it off), so by
+        default it is reported only."""
         if self.drift is not None:
             self.drift.observe(scores, lam)
         seq = self.sequential
         if seq is not None and not seq.alarm and seq.observe(scores, lam) and seq.alarm:
+            acts = self.config.drift_acts
             logger.warning("orca audit: DRIFT ALARM after %d requests: the sequential drift "
-                           "test's capital reached %.3g >= 1/alpha (alpha %g); on alarm: %s",
-                           seq.observed, seq.capital, seq.alpha, self.config.on_alarm)
-            self.state.drift_alarm()
+                           "test's capital reached %.3g >= 1/alpha (alpha %g): the live scores "
+                           "no longer look like the calibration split's; %s",
+                           seq.observed, seq.capital, seq.alpha,
+                           f"on alarm: {self.config.on_alarm}" if acts else
+                           "reported only (--orca-audit-drift-acts lets the guards answer it)")
+            self.state.drift_alarm()  # journalled either way; folded only with drift_acts
         for g in self.state.guards.values():
             before = (g.engaged, g.source, g.lam)
             k = None if g.served is None else g.served.k
@@ -367,5 +375,6 @@ class LiveAudit:
         if self.drift is not None:
             out["drift"] = {"pvalue": self.drift.pvalue, "alarm": bool(self.drift.alarm)}
         if self.sequential is not None:
-            out["sequential_drift"] = self.sequential.to_dict()
+            out["sequential_drift"] = {**self.sequential.to_dict(),
+                                       "acts": self.config.drift_acts}
         return out

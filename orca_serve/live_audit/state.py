@@ -170,6 +170,8 @@ class AuditState:
                                # how a censored audit is folded (guards.cut_feed): snapshots
                                # folded before it counted every one censored at every lambda
                                "censoring": CENSORING}
+        if self.config.drift_acts:  # the bundle's drift alarms are folded (absent: skipped)
+            out["drift_acts"] = True
         if self.give_up_guards:
             out["give_up"] = {"on_alarm": [g.on_alarm for g in self.give_up_guards.values()],
                               "guard_epsilon": self.give_up_epsilon}
@@ -248,6 +250,8 @@ class AuditState:
             self._open[self.admitted] = e["a"]
             return
         if e.get("x") == "drift":  # a sequential drift test alarmed (drift_alarm)
+            if e.get("d") is None and not self.config.drift_acts:
+                return  # the bundle's: reported only without --orca-audit-drift-acts
             for g in self.guards.values():
                 if e.get("d") is None or math.isclose(g.delta, e["d"], abs_tol=1e-9):
                     before = (g.engaged, g.source, g.lam)
@@ -294,7 +298,8 @@ class AuditState:
     def drift_alarm(self, delta: float | None = None, k: int | None = None) -> None:
         """A sequential drift test alarmed in this process: the bundle's (`delta` None), or
         that of `delta`'s k-th recalibrated lambda. Journalled, so that every process (and a
-        replay) responds at the same place in the sequence (DeltaGuard.drift_alarm)."""
+        replay) responds at the same place in the sequence (DeltaGuard.drift_alarm); the
+        bundle's is folded only with `config.drift_acts` (else reported only)."""
         self._event({"x": "drift", "d": delta, "k": k})
 
     def admit(self) -> int:
