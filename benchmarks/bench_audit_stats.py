@@ -182,8 +182,10 @@ def restarts(streams: int, audits: int, exact: int) -> None:
 
 
 def drift(streams: int) -> None:
-    tests = {"none": {"distrust": False}, "window test (before)": {"sequential": False},
-             "window and sequential tests": {}}
+    tests = {"none": {"distrust": False, "recent_half": False},
+             "window test (before)": {"sequential": False, "recent_half": False},
+             "window and sequential tests": {"recent_half": False},
+             "window and sequential tests, lambda of the window and its recent half (now)": {}}
     runs = {k: [drift_stream(seed, **kw) for seed in range(streams)] for k, kw in tests.items()}
     for k, rs in runs.items():
         bad = np.array([r["bad"] for r in rs])

@@ -16,6 +16,7 @@ import copy
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from unittest import mock
 
 import numpy as np
 
@@ -267,15 +268,21 @@ def _risk_at(lam: float, bias: float) -> float:
 
 
 def drift_stream(seed: int, *, clean: int = 50, drifting: int = 2000, final_bias: float = 3.0,
-                 window: int = 200, distrust: bool = True, sequential: bool = True
-                 ) -> dict[str, int]:
+                 window: int = 200, distrust: bool = True, sequential: bool = True,
+                 recent_half: bool = True) -> dict[str, int]:
     """`recalibrate` under a gradual drift: `clean` unshifted audits, then `drifting` audits
     whose score bias grows linearly from 0 to `final_bias`, every request audited and its
     scores fed to the drift tests (as LiveAudit.finished does). Counts the audits that were
     served a recalibrated lambda whose true risk on the current traffic (bias rounded to 0.1)
     exceeds delta, and the audits served the fallback. `distrust=False`: without the
     recalibrated lambda's drift tests; `sequential=False`: without its sequential one (what the
-    server did before issue 34)."""
+    server did before issue 34); `recent_half=False`: recalibrating on the whole window alone
+    (before `window_lambda` took the larger lambda of the window and its recent half)."""
+    if not recent_half:
+        with mock.patch("orca_method.audit.guards.window_lambda",
+                        lambda s, labels, d, eps, ltt: ltt(s, labels, d, eps)):
+            return drift_stream(seed, clean=clean, drifting=drifting, final_bias=final_bias,
+                                window=window, distrust=distrust, sequential=sequential)
     audit = LiveAudit(bundle(), AuditConfig(rate=1.0, on_alarm="recalibrate", window=window))
     g = audit.state.guard(DELTA)
     tests = g._window_drift

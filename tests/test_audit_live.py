@@ -201,9 +201,9 @@ def _recorded(first_score: float, hidden: int) -> OrcaResult:
 
 
 def test_recalibrate_waits_for_audits_admitted_after_the_alarm(bundle) -> None:
-    """On the alarm the guard falls back; LTT runs once, at epsilon / 2, on the first `window`
+    """On the alarm the guard falls back; LTT runs, at epsilon / 2, on the first `window`
     audits ADMITTED after the alarm (by admission order, not by the order they finish, and
-    none from before); the recalibrated lambda (not below the bundle's smallest lambda*) is
+    none from before) and on their recent half (`window_lambda`); the recalibrated lambda (not below the bundle's smallest lambda*) is
     then audited on its own, and its own alarm starts the second recalibration at epsilon / 6."""
     import asyncio
 
@@ -238,20 +238,20 @@ def test_recalibrate_waits_for_audits_admitted_after_the_alarm(bundle) -> None:
     assert windows == [] and g.source == "fallback"  # waits for audit 4, admitted first
     asyncio.run(finish(after[0], None))  # it failed: skipped, and the window is complete
     floor = min(bundle.lam(d) for d in bundle.deltas())
-    assert windows == [(0.1, 0.025, [0.05, 0.06, 0.07])]
+    assert windows == [(0.1, 0.025, [0.05, 0.06, 0.07]), (0.1, 0.025, [0.06, 0.07])]
     assert (g.lam, g.source, g.recalibrations) == (floor, "audit", 1)
     row = g.row()["recalibrated"]
     assert (row["k"], row["epsilon"], row["lambda"], row["n"]) == (1, 0.025, floor, 0)
 
     late = admit()  # admitted after the recalibration: measures the served lambda
     asyncio.run(finish(late, floor + 0.01))
-    assert g.served.cs.losses == [1] and windows[1:] == []  # LTT ran once
+    assert g.served.cs.losses == [1] and windows[2:] == []  # once, on the window and its half
     g.served.cs.lower = 0.5  # its own alarm: the next audit starts the second wait
     asyncio.run(finish(admit(), 0.08))
     assert (g.source, g.waiting_since, g.served) == ("fallback", audit.state.admitted, None)
     for _ in range(3):
         asyncio.run(finish(admit(), 0.09))
-    assert windows[1] == (0.1, 0.05 / 6, [0.09] * 3) and g.recalibrations == 2
+    assert windows[2] == (0.1, 0.05 / 6, [0.09] * 3) and g.recalibrations == 2
     assert audit.state.guard(0.2).source == "bundle"  # another delta's guard never alarmed
     assert audit.state._resolved == {}  # nothing kept once no guard waits
 
@@ -592,7 +592,7 @@ def test_a_recalibrated_lambdas_sequential_drift_alarm_recalibrates_anew(bundle,
     config = AuditConfig(rate=1.0, seed=0, on_alarm="recalibrate", window=40, drift_acts=True)
     audit = LiveAudit(bundle, config, journal=Journal(path, bundle.checksum, fsync=False),
                       loss=_loss)
-    lams = {d: iter([0.95, 0.9]) for d in bundle.deltas()}
+    lams = {d: iter([0.95, 0.95, 0.9, 0.9]) for d in bundle.deltas()}  # window, recent half
     audit.state._ltt = lambda scores, labels, delta, epsilon: next(lams[delta])
     g = audit.state.guard(0.1)
     rng = np.random.default_rng(3)
