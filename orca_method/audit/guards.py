@@ -103,8 +103,8 @@ def window_lambda(scores: list[np.ndarray], labels: list[np.ndarray], delta: flo
     argument). Under a continuing drift the window's older half comes from traffic further from
     what follows, and the lambda certified on the whole of it went bad at or soon after its
     first request (benchmarks/RESULTS.md, "The live audit's repair"); its recent half then asks
-    for the larger lambda. On unchanged traffic the half's lambda is larger only when its draw is unlucky: the
-    price is savings, never the guarantee."""
+    for the larger lambda. On unchanged traffic the half's lambda is larger only when its draw
+    is unlucky: the price is savings, never the guarantee."""
     half = len(scores) // 2
     return max(ltt(scores, labels, delta, epsilon),
                ltt(scores[half:], labels[half:], delta, epsilon))
@@ -157,8 +157,8 @@ class DeltaGuard:
     `recalibrate` (docs/AUDIT.md, "Recalibration in the server"): on the bundle's alarm the
     guard falls back (never stops early) until `window` audits ADMITTED AFTER the alarm are
     labelled, runs LTT on those alone (and on their recent half: `window_lambda`) at
-    `recalibration_epsilon(epsilon, k)` and serves that lambda (not below `floor`), then audits it with its own alarm; that alarm starts the
-    next wait and recalibration. The bundle's lambda* does not return for this bundle (with a
+    `recalibration_epsilon(epsilon, k)` and serves that lambda (not below `floor`), then
+    audits it with its own alarm; that alarm starts the next wait and recalibration. The bundle's lambda* does not return for this bundle (with a
     journal: not after a restart either).
     """
 

@@ -19,8 +19,10 @@ into the same state (`LiveAudit._apply`), in file order:
                                                                     why; journals before it:
                                                                     none, read as aborted)
     {"x": "drift", "d": null, "k": null}                            the sequential drift test
-                                                                    alarmed (the bundle's; "d",
-                                                                    "k": a delta's k-th
+                                                                    alarmed (the bundle's,
+                                                                    folded only with
+                                                                    --orca-audit-drift-acts;
+                                                                    "d", "k": a delta's k-th
                                                                     recalibrated lambda's)
 
 - **Restarts**: a server that starts with the same bundle and directory replays the journal and
