@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orca_calibrate.collect import Collector, CollectSettings, read_prompts
-from orca_calibrate.job import JobError, load_job, run_job
+from orca_calibrate.job import JobError, collect_shard, load_job, run_job
 from orca_calibrate.judge import JudgeError, JudgeSettings
 from orca_calibrate.plan import DEFAULT_PILOT
 from orca_calibrate.probe_variants import PROBES
@@ -35,6 +35,9 @@ from orca_serve.live_audit.options import EPSILON_SPLITS, EpsilonSplit
 
 if TYPE_CHECKING:
     from orca_method.bundle import Bundle
+
+# the shard a pod of a Kubernetes indexed Job collects: its completion index, set by Kubernetes
+COMPLETION_INDEX = "JOB_COMPLETION_INDEX"
 
 
 class UsageError(Exception):
@@ -164,6 +167,15 @@ def cmd_compare(a: argparse.Namespace) -> None:
 
 
 def cmd_collect(a: argparse.Namespace) -> None:
+    if a.config:
+        _collect_shard(a)
+        return
+    missing = [f"--{k}" for k in ("model", "prompts", "out") if getattr(a, k) is None]
+    if missing:
+        raise UsageError(f"give {', '.join(missing)} (or --config JOB.yaml --shard I: one shard "
+                         "of a job)")
+    if a.shard is not None or a.of is not None:
+        raise UsageError("--shard and --of collect a shard of a job: give --config JOB.yaml")
     if bool(a.judge_url) != bool(a.judge_model):
         raise UsageError("--judge-url and --judge-model go together")
     judge = JudgeSettings(base_url=a.judge_url, model=a.judge_model,
@@ -176,6 +188,28 @@ def cmd_collect(a: argparse.Namespace) -> None:
     with Collector(a.model, settings) as collector:  # vLLM's shutdown lines before the stats
         stats = collector.run(prompts, Path(a.out))
     print(json.dumps(stats.as_dict()))
+
+
+def _collect_shard(a: argparse.Namespace) -> None:
+    """One shard of a job (`collect --config JOB --shard I`), the shard from the option or, as a
+    Kubernetes indexed Job gives each pod its index, from $JOB_COMPLETION_INDEX."""
+    given = [f"--{k}" for k in ("model", "prompts", "out") if getattr(a, k) is not None]
+    if given:
+        raise UsageError(f"--config takes the model, prompts and out from the job file: drop "
+                         f"{', '.join(given)}")
+    shard = a.shard if a.shard is not None else os.environ.get(COMPLETION_INDEX)
+    if shard is None:
+        raise UsageError(f"collect --config runs one shard of the job: give --shard I (or set "
+                         f"{COMPLETION_INDEX}, as a Kubernetes indexed Job does)")
+    try:
+        shard = int(shard)
+    except ValueError:
+        raise UsageError(f"{COMPLETION_INDEX}={shard!r:.20} is not a shard number") from None
+    stats = collect_shard(Path(a.config), shard, a.of)
+    if stats is None:
+        print(f"{a.config}: collected and merged already; shard {shard} has nothing to do")
+    else:
+        print(json.dumps({"shard": shard, **stats.as_dict()}))
 
 
 def cmd_gate(a: argparse.Namespace) -> None:
@@ -285,10 +319,21 @@ def cmd_recalibrate(a: argparse.Namespace) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> None:
-    """Run the job, then show what it produced: the evaluation table and the bundle (paths
-    normalised: the job's are joined to the config's folder, `jobs/../runs/x`)."""
+    """Run the job, then show what it produced."""
     run_job(Path(a.config))
-    out = Path(os.path.normpath(load_job(Path(a.config))["out"]))
+    _show(a.config)
+
+
+def cmd_merge(a: argparse.Namespace) -> None:
+    """Merge the shards a cluster's workers collected, then run the rest of the job."""
+    run_job(Path(a.config), merge=True)
+    _show(a.config)
+
+
+def _show(config: str) -> None:
+    """What a job produced: the evaluation table and the bundle (paths normalised: the job's
+    are joined to the config's folder, `jobs/../runs/x`)."""
+    out = Path(os.path.normpath(load_job(Path(config))["out"]))
     table = out / "evaluation.md"
     if table.exists():
         print(f"\nresults ({table}):\n{table.read_text().rstrip()}")
@@ -426,10 +471,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_compare)
 
-    p = sub.add_parser("collect", help="run the model with the plugin in record mode")
-    p.add_argument("--model", required=True, help="model path or hub name")
-    p.add_argument("--prompts", required=True, help="JSON lines: id, messages|prompt, answer")
-    p.add_argument("--out", required=True, help="trajectory directory (resumed if it exists)")
+    p = sub.add_parser("collect", help="run the model with the plugin in record mode (or one "
+                       "shard of a job's collection)")
+    p.add_argument("--model", help="model path or hub name")
+    p.add_argument("--prompts", help="JSON lines: id, messages|prompt, answer")
+    p.add_argument("--out", help="trajectory directory (resumed if it exists)")
+    p.add_argument("--config", metavar="JOB.yaml", help="instead of --model/--prompts/--out: "
+                   "collect one shard of this job into its out (the job's collect block "
+                   "decides; the options below are not read), for `merge` to join "
+                   "(docs/CALIBRATE.md, \"Beyond one node\")")
+    p.add_argument("--shard", type=integer(0), help=f"with --config: the shard, 0 to N-1 "
+                   f"(default ${COMPLETION_INDEX}, which a Kubernetes indexed Job sets)")
+    p.add_argument("--of", type=integer(1), help="with --config: the number of shards N, "
+                   "which must be the job's collect.engines (default: that)")
     p.add_argument("--samples", type=integer(1), default=1, help="trajectories per prompt")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -533,6 +587,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "orca_calibrate/jobs/toy.yaml); paths in it are relative to its folder")
     p.set_defaults(fn=cmd_run)
 
+    p = sub.add_parser("merge", help="merge the shards of a job that `collect --config "
+                       "--shard` collected (all must be complete), then run the rest of it")
+    p.add_argument("--config", required=True, metavar="JOB.yaml", help="the job file, as for run")
+    p.set_defaults(fn=cmd_merge)
+
     p = sub.add_parser("plan", help="a short pilot of a job, then its estimated hours, wall "
                        "time and disk")
     p.add_argument("--config", required=True, metavar="JOB.yaml", help="the job file, as for run")
@@ -577,8 +636,8 @@ def build_parser() -> argparse.ArgumentParser:
 # Python's resource tracker (a process of its own, started with the interpreter's -W options)
 # warns at exit about the shared memory and semaphores of vLLM workers that vLLM force-killed
 # after its 5 s grace period (a loaded machine) and unlinks them: freed either way, but printed
-# after the job's table. `collect`, `run` and `plan` close the engine first (Collector.close); this
-# keeps the tracker's leftover report out of the output.
+# after the job's table. `collect`, `run`, `merge` and `plan` close the engine first
+# (Collector.close); this keeps the tracker's leftover report out of the output.
 QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
 
 
@@ -588,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     except OptionError as e:
         print(f"{e.prog}: error: {e}", file=sys.stderr)  # as the stages' errors below
         return 2
-    if args.cmd in ("collect", "run", "plan") and QUIET_TRACKER not in sys.warnoptions:
+    if args.cmd in ("collect", "run", "merge", "plan") and QUIET_TRACKER not in sys.warnoptions:
         sys.warnoptions.append(QUIET_TRACKER)  # before vLLM starts the tracker
     from orca_method.bundle import BundleError  # deferred: torch (not needed by --help)
     try:

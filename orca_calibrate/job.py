@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
@@ -26,17 +27,20 @@ import yaml
 from orca_calibrate.collect import (
     Collector,
     CollectSettings,
+    Stats,
     label_deferred,
     read_prompts,
     trace_keys,
 )
 from orca_calibrate.judge import JudgeError, JudgeSettings
-from orca_calibrate.shards import collect_shards
+from orca_calibrate.shards import SHARDS, collect_shards, merge_shards, run_shard, write_spec
 from orca_calibrate.train_defaults import DEFAULTS
 from orca_method.consensus import prompt_of
 from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy
 from orca_method.trajectories import TrajectorySet, set_splits, split_ids
 
+# the trajectory directories of a job's `out`: its prompts, and its shifted prompts
+TRAJECTORIES, SHIFTED = "trajectories", "trajectories-shifted"
 STAGES = ("collect", "split", "train", "label", "calibrate", "evaluate")
 # `train:` keys of a job besides the `meta_train` settings (orca_calibrate.train_defaults.DEFAULTS)
 TRAIN_JOB_KEYS = {"probe", "label_mode", "seed", "d_h"}
@@ -154,33 +158,98 @@ def stage_settings(job: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def _done(out: Path, name: str) -> str | None:
+    """The settings fingerprint stage `name` of the job in `out` was finished with (None: not
+    finished; "unknown": a marker from before settings were recorded)."""
+    marker = out / f".done-{name}"
+    try:
+        return json.loads(marker.read_text())["settings"] if marker.exists() else None
+    except (ValueError, KeyError, TypeError):
+        return "unknown"
+
+
+def collected(out: Path, settings: str) -> bool:
+    """Whether the job in `out` is collected with these collect settings; refuses a collection
+    made with other ones (mixing would corrupt the set)."""
+    done = _done(out, "collect")
+    if done not in (None, "unknown", settings):
+        raise JobError(f"the collect settings (model, prompts, collect block, and the split "
+                       f"with selective labelling) changed since "
+                       f"{out} was collected; use another 'out', or delete {out} to recollect")
+    return done is not None
+
+
 def _stage(out: Path, name: str, outputs: list[Path], fn, log: list[str], settings: str,
            rerun: bool) -> bool:
     """Run one stage unless it is done with the same settings; returns whether it ran and
     changed something (a stage whose `fn` returns False ran without changing anything)."""
-    marker = out / f".done-{name}"
-    try:
-        done = json.loads(marker.read_text())["settings"] if marker.exists() else None
-    except (ValueError, KeyError, TypeError):
-        done = "unknown"  # a marker from before settings were recorded
-    if name == "collect" and done not in (None, "unknown", settings):
-        raise JobError(f"the collect settings (model, prompts, collect block, and the split "
-                       f"with selective labelling) changed since "
-                       f"{out} was collected; use another 'out', or delete {out} to recollect")
-    current = done == settings or (name == "collect" and done == "unknown")
+    current = collected(out, settings) if name == "collect" else _done(out, name) == settings
     if not rerun and current and all(p.exists() for p in outputs):
         log.append(f"{name}: done already, skipped")
         return False
     t0 = time.perf_counter()
     changed = fn() is not False
-    marker.write_text(json.dumps({"settings": settings, "finished": time.strftime(
+    (out / f".done-{name}").write_text(json.dumps({"settings": settings, "finished": time.strftime(
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
     log.append(f"{name}: {time.perf_counter() - t0:.0f} s")
     return changed
 
 
-def run_job(path: Path, progress: bool = True) -> list[str]:
-    """Run (or resume) a job; returns one log line per stage."""
+def planned_split(job: dict[str, Any], prompts: list[dict]) -> dict[str, str]:
+    """The split of every trace the collection makes (selective labelling needs it before)."""
+    samples = CollectSettings(**(job.get("collect") or {})).samples
+    return job_split([key for key, _ in trace_keys(prompts, samples)], job.get("split") or {})
+
+
+def collection_sets(job: dict[str, Any]) -> list[tuple[list[dict], Path, set[str]]]:
+    """What the collect stage collects: (prompts, trajectory directory, ids collected unprobed)
+    per set, the job's prompts into `out/trajectories` (with selective labelling its calibration
+    split unprobed) and its shifted prompts into `out/trajectories-shifted`. One definition for
+    one engine, the engines of one machine and the workers of a cluster."""
+    out = Path(job["out"])
+    prompts = read_prompts(Path(job["prompts"]))
+    later = {k for k, v in planned_split(job, prompts).items() if v == "calibration"} \
+        if selective(job) else set()
+    sets = [(prompts, out / TRAJECTORIES, later)]
+    if job.get("shifted_prompts"):
+        sets.append((read_prompts(Path(job["shifted_prompts"])), out / SHIFTED, set()))
+    return sets
+
+
+def _engines(path: Path, job: dict[str, Any]) -> int:
+    """The job's shards (`collect.engines`), refusing a job that has none to spread."""
+    n = CollectSettings(**(job.get("collect") or {})).engines
+    if n < 2:
+        raise JobError(f"{path}: collect.engines is {n}: a job collected in shards says how many "
+                       "(collect.engines: N, the number of workers; docs/CALIBRATE.md)")
+    return n
+
+
+def collect_shard(path: Path, shard: int, of: int | None = None) -> Stats | None:
+    """`orca-calibrate collect --config JOB --shard I`: collect shard I of the job's
+    `collect.engines` into its `out` (shared by all workers), resuming what the shard's folder
+    holds. `of`, when given, must be the job's number of shards (the cluster's manifest and the
+    job file must agree, or the workers would split the prompts differently). Returns the
+    shard's statistics, or None when the job is collected and merged already."""
+    job = load_job(path)
+    n = _engines(path, job)
+    if of is not None and of != n:
+        raise JobError(f"--of {of}, but {path} says collect.engines: {n}; make them agree (the "
+                       "shards are the job's: collect.engines is the number of workers)")
+    if not 0 <= shard < n:
+        raise JobError(f"shard {shard} of {n}: a shard is 0 to {n - 1}")
+    out = Path(job["out"])
+    if collected(out, stage_settings(job)["collect"]):
+        return None
+    settings = CollectSettings(**(job.get("collect") or {}))
+    spec = write_spec(job["model"], settings, collection_sets(job), out / SHARDS, shard)
+    return run_shard(spec)
+
+
+def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]:
+    """Run (or resume) a job; returns one log line per stage. With `merge` the collect stage
+    merges the shards the cluster's workers collected (`orca-calibrate merge`; refused until
+    every one is complete) instead of collecting."""
     from orca_calibrate.calibrate import (  # deferred: torch
         GiveUpOptions,
         GroupOptions,
@@ -204,15 +273,17 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
     from orca_method.bundle_checks import check_bundle, data_target  # deferred: torch
 
     job = load_job(path)
+    if merge:
+        _engines(path, job)
     out = Path(job["out"])
     out.mkdir(parents=True, exist_ok=True)
-    data, shifted = out / "trajectories", out / "trajectories-shifted"
+    data, shifted = out / TRAJECTORIES, out / SHIFTED
     probe_file, bundle_file = out / "probe.safetensors", out / "bundle.json"
     settings = CollectSettings(**(job.get("collect") or {}))
     sp, tr, ca = (job.get(k) or {} for k in ("split", "train", "calibrate"))
     log: list[str] = []
-    prompts = read_prompts(Path(job["prompts"]))
-    shifted_prompts = read_prompts(Path(job["shifted_prompts"])) if job.get("shifted_prompts") else []
+    sets = collection_sets(job)
+    prompts = sets[0][0]
 
     engine: list[Collector] = []  # one vLLM engine for collect and label, started on first use
 
@@ -221,26 +292,20 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
             engine.append(Collector(job["model"], settings))
         return engine[0]
 
-    def planned_split() -> dict[str, str]:
-        """The split of every trace the collection makes (selective labelling needs it before)."""
-        return job_split([key for key, _ in trace_keys(prompts, settings.samples)], sp)
-
     def collect() -> None:
-        later = {k for k, v in planned_split().items() if v == "calibration"} \
-            if selective(job) else set()
-        if settings.engines > 1:  # engine processes of their own, a shard each
-            sets = [(prompts, data, later)] + ([(shifted_prompts, shifted, set())]
-                                               if shifted_prompts else [])
-            stats = collect_shards(job["model"], settings, sets, out / "shards")
+        if merge:
+            stats = merge_shards(job["model"], settings, sets, out / SHARDS)
+        elif settings.engines > 1:  # engine processes of their own, a shard each
+            stats = collect_shards(job["model"], settings, sets, out / SHARDS)
         else:
-            stats = collector().run(prompts, data, progress, defer=lambda key: key in later)
-            if shifted_prompts:
-                collector().run(shifted_prompts, shifted, progress)
+            for set_prompts, directory, later in sets:
+                stats = collector().run(set_prompts, directory, progress,
+                                        defer=lambda key, later=later: key in later)
         (out / "collect-stats.json").write_text(json.dumps(stats.as_dict(), indent=1))
 
     def split() -> None:
         ids = [p.id for p in TrajectorySet.open(data).problems]
-        assignment = planned_split() if selective(job) else job_split(ids, sp)
+        assignment = planned_split(job, prompts) if selective(job) else job_split(ids, sp)
         set_splits(data, {pid: assignment[pid] for pid in ids})
 
     def give_up_probe(ts: TrajectorySet) -> tuple[Any, GiveUpOptions] | None:
@@ -322,6 +387,8 @@ def run_job(path: Path, progress: bool = True) -> list[str]:
         for name in STAGES:
             fn, outputs = stages[name]
             rerun |= _stage(out, name, outputs, fn, log, fingerprints[name], rerun)  # later follow
+            if name == "collect":  # merged and recorded: the shards' copies are not needed
+                shutil.rmtree(out / SHARDS, ignore_errors=True)
             if progress:
                 print(log[-1], flush=True)
             # vLLM ends with the last stage that probes: collect, or label when selective

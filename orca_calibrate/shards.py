@@ -1,13 +1,20 @@
-"""Data-parallel collection: N engine processes, each collecting a shard of the job's traces into
-a folder of its own, then one merge into the job's trajectory directory (`collect.engines: N`).
+"""Data-parallel collection: N engines, each collecting a shard of the job's traces into a folder
+of its own, then one merge into the job's trajectory directory (`collect.engines: N`).
 
 Each engine is an independent vLLM `LLM` in its own process, on devices of its own (GPUs
 `tensor_parallel_size x pipeline_parallel_size` apiece; on the CPU build, a share of the cores),
 so a node's devices all work and none waits for another's batch. Trace k of the job's order
-(`trace_keys`) goes to shard k mod N. A shard's folder is a trajectory directory
-(`shards/shard-I/trajectories`), so each shard resumes on its own after a kill; the merge then
-appends every shard's problems to the job's directory in the job's order (itself resumable:
-ids already there are skipped) and removes the shard folders.
+(`trace_keys`) goes to shard k mod N. A shard's folder is a trajectory directory per set
+(`shards/shard-I/set-S`), so each shard resumes on its own after a kill; once every shard has
+written its completion marker the merge appends every shard's problems to the job's directory
+in the job's order (itself resumable: ids already there are skipped); the job removes the shard
+folders once the merge is recorded.
+
+The engines are the processes of one machine (`collect_shards`, the job's collect stage) or the
+workers of a cluster, each running `orca-calibrate collect --config JOB --shard I` against one
+shared job folder, merged by `orca-calibrate merge` (orca_calibrate/job.py; docs/CALIBRATE.md,
+"Beyond one node"): the same spec (`write_spec`), worker (`run_shard`) and merge
+(`merge_shards`) either way, so a collection started on one can be finished on the other.
 
 The traces are not those of a one-engine run with the same seed when sampling (temperature > 0):
 vLLM draws every request of an engine from one random stream seeded once per engine (requests
@@ -23,14 +30,24 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import re
 import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
+
 from orca_calibrate.collect import PENDING_FILE, Collector, CollectSettings, Stats, trace_keys
 from orca_calibrate.judge import JudgeSettings
 from orca_method.trajectories import INFO_DEFAULTS, TrajectorySet, TrajectoryWriter
+
+
+# the shards' folder in a job's `out`: spec, log, completion marker and trajectory folders per shard
+SHARDS = "shards"
+
+
+class ShardError(ValueError):
+    """Shards that cannot be collected into or merged as asked; the message says which."""
 
 
 def shard_of(ids: list[str], engines: int) -> dict[str, int]:
@@ -69,28 +86,91 @@ def device_env(shard: int, engines: int, settings: CollectSettings,
     return env
 
 
+def write_spec(model: str, settings: CollectSettings,
+               sets: list[tuple[list[dict], Path, set[str]]], work: Path, shard: int) -> Path:
+    """Write what shard `shard` of `settings.engines` collects (its prompts of every set, not yet
+    in the set's merged directory) to `work/shard-I.json`, the file `run_shard` reads. The one
+    definition of a shard, for the engine processes of one machine (`collect_shards`) and for the
+    workers of a cluster (`orca-calibrate collect --shard I`, orca_calibrate/job.py) alike.
+    Refuses a folder whose shards were started with another model or other collection settings
+    (a shard resumes what is in its folder: a mix would corrupt the set), and removes the
+    shard's completion marker: it is collecting again, so it is not complete until it ends."""
+    n = settings.engines
+    work.mkdir(parents=True, exist_ok=True)
+    spec: dict[str, Any] = {"model": model, "settings": json.loads(json.dumps(asdict(settings))),
+                            "shard": shard, "sets": []}
+    for i, old in started(work).items():
+        _same_collection(old, spec, work / f"shard-{i}.json")
+    for s, (prompts, directory, defer) in enumerate(sets):
+        done = {p.id for p in TrajectorySet.open(directory).problems} \
+            if (directory / "problems.jsonl").exists() else set()  # a merge before a kill
+        part = shard_of([str(p["id"]) for p in prompts], n)
+        spec["sets"].append({"out": str(work / f"shard-{shard}" / f"set-{s}"),
+                             "defer": sorted(defer), "prompts": [
+            p for p in prompts if part[str(p["id"])] == shard
+            and not {k for k, _ in trace_keys([p], settings.samples)} <= done]})
+    (work / f"shard-{shard}.stats.json").unlink(missing_ok=True)
+    path = work / f"shard-{shard}.json"
+    _write(path, json.dumps(spec))
+    return path
+
+
+def _write(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: the other workers of a cluster read the shards' files
+    while one is written."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def started(work: Path) -> dict[int, dict]:
+    """The specs of the shards started in `work`, by shard."""
+    out = {}
+    for f in work.glob("shard-*.json") if work.is_dir() else ():
+        m = re.fullmatch(r"shard-(\d+)\.json", f.name)
+        if m:
+            out[int(m.group(1))] = json.loads(f.read_text())
+    return out
+
+
+def _same_collection(old: dict, new: dict, where: Path) -> None:
+    """Refuse a shard `where` started with another model or settings than `new`'s."""
+    if (old["model"], old["settings"]) != (new["model"], new["settings"]):
+        raise ShardError(f"{where} was started with another model or other collection settings "
+                         "(collect.engines included): finish it with those, or delete "
+                         f"{where.parent} to collect again")
+
+
+def run_shard(spec_file: Path) -> Stats:
+    """Collect the shard `spec_file` describes (resuming what its folder holds), then write its
+    statistics beside it: the marker that says the shard is complete."""
+    spec = json.loads(spec_file.read_text())
+    raw = spec["settings"]
+    settings = CollectSettings(**{**raw, "judge": None if raw["judge"] is None
+                                  else JudgeSettings(**raw["judge"])})
+    with Collector(spec["model"], settings) as collector:
+        for s in spec["sets"]:
+            if s["prompts"]:
+                defer = set(s["defer"])
+                collector.run(s["prompts"], Path(s["out"]), progress=False,
+                              defer=lambda key, defer=defer: key in defer)
+        stats = collector.stats
+    _write(spec_file.with_name(spec_file.stem + ".stats.json"), json.dumps(stats.as_dict()))
+    return stats
+
+
 def collect_shards(model: str, settings: CollectSettings,
                    sets: list[tuple[list[dict], Path, set[str]]], work: Path) -> Stats:
     """Collect each (prompts, trajectory directory, ids to collect unprobed) of `sets` with
-    `settings.engines` engine processes at once, then merge into each directory. Returns the
-    engines' statistics, summed (seconds: the slowest engine's)."""
+    `settings.engines` engine processes at once, then merge into each directory (`merge_shards`;
+    `work` stays: the caller removes it once the merge is recorded)."""
     n = settings.engines
-    work.mkdir(parents=True, exist_ok=True)
     procs = []
     for i in range(n):
-        spec = {"model": model, "settings": asdict(settings), "sets": []}
-        for s, (prompts, directory, defer) in enumerate(sets):
-            done = {p.id for p in TrajectorySet.open(directory).problems} \
-                if (directory / "problems.jsonl").exists() else set()  # a merge before a kill
-            shard = shard_of([str(p["id"]) for p in prompts], n)
-            spec["sets"].append({"out": str(work / f"shard-{i}" / f"set-{s}"),
-                                 "defer": sorted(defer), "prompts": [
-                p for p in prompts if shard[str(p["id"])] == i
-                and not {k for k, _ in trace_keys([p], settings.samples)} <= done]})
-        (work / f"shard-{i}.json").write_text(json.dumps(spec))
+        spec = write_spec(model, settings, sets, work, i)
         log = open(work / f"shard-{i}.log", "a")  # noqa: SIM115 - closed after wait
         procs.append((subprocess.Popen(
-            [sys.executable, "-m", "orca_calibrate.shards", str(work / f"shard-{i}.json")],
+            [sys.executable, "-m", "orca_calibrate.shards", str(spec)],
             env=device_env(i, n, settings), stdout=log, stderr=subprocess.STDOUT), log))
     failed = []
     for i, (proc, log) in enumerate(procs):
@@ -103,6 +183,31 @@ def collect_shards(model: str, settings: CollectSettings,
         raise RuntimeError(f"collection shard(s) {failed} failed (their folders keep what they "
                            f"collected; rerun to resume); {work}/shard-{failed[0]}.log ends: "
                            + " | ".join(tail))
+    return merge_shards(model, settings, sets, work)
+
+
+def merge_shards(model: str, settings: CollectSettings,
+                 sets: list[tuple[list[dict], Path, set[str]]], work: Path) -> Stats:
+    """Merge the `settings.engines` shards in `work` into each set's directory, in the job's
+    order, once every one is complete (collected with this model and these settings, and its
+    completion marker written); otherwise refuse, naming the shards that are missing or
+    unfinished. Returns the shards' statistics, summed (seconds: the slowest shard's, as the
+    shards collect at once; a shard resumed after a kill counts its last run only)."""
+    n = settings.engines
+    specs = started(work)
+    new = {"model": model, "settings": json.loads(json.dumps(asdict(settings)))}
+    missing = []
+    for i in range(n):
+        if i not in specs:
+            missing.append(f"shard {i} never started")
+            continue
+        _same_collection(specs[i], new, work / f"shard-{i}.json")
+        if not (work / f"shard-{i}.stats.json").exists():
+            missing.append(f"shard {i} started but did not finish")
+    if missing:
+        raise ShardError(f"{work}: {len(missing)} of the {n} shards are not complete: "
+                         f"{'; '.join(missing)}. Run each again (it resumes what it collected): "
+                         "`orca-calibrate collect --config JOB.yaml --shard I`")
     for s, (prompts, directory, _) in enumerate(sets):
         order = [k for k, _ in trace_keys(prompts, settings.samples)]
         merge([work / f"shard-{i}" / f"set-{s}" for i in range(n)], directory, order)
@@ -114,7 +219,6 @@ def collect_shards(model: str, settings: CollectSettings,
         # the slowest engine's seconds: the engines run at once, so that is the wall time
         stats.generate_s = max(stats.generate_s, d["generate_s"])
         stats.probe_s = max(stats.probe_s, d["probe_s"])
-    shutil.rmtree(work)
     return stats
 
 
@@ -140,21 +244,5 @@ def merge(shards: list[Path], into: Path, order: list[str]) -> None:
         (into / PENDING_FILE).write_text("\n".join(lines) + "\n")
 
 
-def _worker(spec_file: Path) -> None:
-    """One engine process: collect its shard of every set, then write its statistics."""
-    spec = json.loads(spec_file.read_text())
-    raw = spec["settings"]
-    settings = CollectSettings(**{**raw, "judge": None if raw["judge"] is None
-                                  else JudgeSettings(**raw["judge"])})
-    with Collector(spec["model"], settings) as collector:
-        for s in spec["sets"]:
-            if s["prompts"]:
-                defer = set(s["defer"])
-                collector.run(s["prompts"], Path(s["out"]), progress=False,
-                              defer=lambda key, defer=defer: key in defer)
-        stats = collector.stats.as_dict()
-    spec_file.with_name(spec_file.stem + ".stats.json").write_text(json.dumps(stats))
-
-
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    run_shard(Path(sys.argv[1]))

@@ -101,3 +101,54 @@ def test_kubernetes_manifest_lines_up(serve_flags: set[str]) -> None:
     assert volume["configMap"]["name"] == "orca-bundle"
     assert f"--from-file={calib.name}=" in (DEPLOY / "k8s" / "orca-serve.yaml").read_text()
     assert f"--from-file={calib.name}=" in (DEPLOY / "README.md").read_text()
+
+
+def _calibrate_docs(name: str) -> dict[str, dict]:
+    docs = yaml.safe_load_all((DEPLOY / "k8s" / name).read_text())
+    return {d["metadata"]["name"]: d for d in docs}
+
+
+def _pod(job: dict) -> tuple[dict, dict]:
+    spec = job["spec"]["template"]["spec"]
+    [c] = spec["containers"]
+    return spec, c
+
+
+def test_calibration_manifests_run_real_commands_on_one_volume() -> None:
+    """deploy/k8s/calibrate-*.yaml: the workers and the merge run `orca-calibrate` subcommands
+    with options it accepts, the indexed Job's N is the workers' --of, and every pod mounts the
+    one shared volume the job file lies on."""
+    from orca_calibrate.calibrate_cli import build_parser
+
+    volume = _calibrate_docs("calibrate-volume.yaml")
+    [collect] = _calibrate_docs("calibrate-job.yaml").values()
+    [merge] = _calibrate_docs("calibrate-merge.yaml").values()
+    assert volume["orca-calibrate"]["kind"] == "PersistentVolumeClaim"
+    assert volume["orca-calibrate"]["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert collect["kind"] == merge["kind"] == "Job"
+    assert collect["spec"]["completionMode"] == "Indexed"
+    n = collect["spec"]["completions"]
+    assert collect["spec"]["parallelism"] == n >= 2
+    parsed = {}
+    for job in (collect, merge):
+        spec, c = _pod(job)
+        assert spec["restartPolicy"] == "Never"
+        assert c["command"] == ["orca-calibrate"]
+        assert "orca-calibrate" in PYPROJECT["project"]["scripts"]
+        assert c["image"] == "orca-serve:gpu"
+        assert "-t orca-serve:gpu" in (DEPLOY / "Dockerfile").read_text()
+        assert int(c["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+        a = build_parser().parse_args(c["args"])  # a subcommand and options that exist
+        parsed[a.cmd] = a
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]
+                  if "persistentVolumeClaim" in v}
+        [(name, claim)] = claims.items()
+        assert claim == "orca-calibrate" and Path(a.config).is_relative_to(mounts[name])
+    assert set(parsed) == {"collect", "merge"}
+    assert parsed["collect"].of == n and parsed["collect"].shard is None  # the index says it
+    assert parsed["collect"].config == parsed["merge"].config
+    files = volume["orca-calibrate-files"]["spec"]  # where the job file is copied in
+    assert files["volumes"][0]["persistentVolumeClaim"]["claimName"] == "orca-calibrate"
+    [mount] = files["containers"][0]["volumeMounts"]
+    assert Path(parsed["merge"].config).is_relative_to(mount["mountPath"])

@@ -52,3 +52,66 @@ def test_merge_keeps_the_jobs_order_and_resumes(tmp_path):
     assert [p.offset for p in ts.problems] == [0, 2, 5, 9]
     assert ts.problems[3].labels["consistent"] == [0, 0, 0, 0, 1]
     assert [json.loads(x)["id"] for x in (into / PENDING_FILE).read_text().splitlines()] == ["c"]
+
+
+def _job(tmp_path, engines=2, **collect):
+    """A job file of 5 prompts (no model is loaded by what these tests call)."""
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": f"q{k}", "prompt": "x"}) + "\n"
+                                              for k in range(5)))
+    job = {"model": "m", "prompts": "p.jsonl", "out": "run",
+           "collect": {"engines": engines, "temperature": 0.0, **collect}}
+    (tmp_path / "job.yaml").write_text(json.dumps(job))  # JSON is YAML
+    return tmp_path / "job.yaml"
+
+
+def test_a_shard_is_the_same_partition_on_one_machine_and_on_a_cluster(tmp_path):
+    from orca_calibrate.job import collection_sets, load_job
+    from orca_calibrate.shards import write_spec
+
+    job = load_job(_job(tmp_path))
+    sets = collection_sets(job)
+    settings = CollectSettings(**job["collect"])
+    specs = [json.loads(write_spec("m", settings, sets, tmp_path / "w", i).read_text())
+             for i in range(2)]
+    assert [[p["id"] for p in s["sets"][0]["prompts"]] for s in specs] == \
+        [["q0", "q2", "q4"], ["q1", "q3"]]
+    other = CollectSettings(**{**job["collect"], "max_tokens": 7})
+    with pytest.raises(ValueError, match="other collection settings"):
+        write_spec("m", other, sets, tmp_path / "w", 0)
+
+
+def test_merge_names_the_shards_that_are_not_complete(tmp_path):
+    from orca_calibrate.job import collection_sets, load_job
+    from orca_calibrate.shards import merge_shards, write_spec
+
+    job = load_job(_job(tmp_path, engines=3))
+    sets, settings, work = collection_sets(job), CollectSettings(**job["collect"]), tmp_path / "w"
+    write_spec("m", settings, sets, work, 0)
+    write_spec("m", settings, sets, work, 2)
+    _shard(work / "shard-0" / "set-0", ["q0", "q3"], [2, 3])
+    (work / "shard-0.stats.json").write_text(json.dumps(
+        {"trajectories": 2, "answer_probes": 5, "generate_s": 1.0, "probe_s": 2.0}))
+    with pytest.raises(ValueError) as e:
+        merge_shards("m", settings, sets, work)
+    assert "2 of the 3 shards are not complete: shard 1 never started; shard 2 started but " \
+        "did not finish" in str(e.value)
+    assert not (sets[0][1] / "problems.jsonl").exists()  # nothing merged from an incomplete set
+
+
+def test_the_shard_comes_from_the_completion_index_and_must_fit_the_job(tmp_path, monkeypatch,
+                                                                        capsys):
+    from orca_calibrate.calibrate_cli import main
+
+    job = str(_job(tmp_path))
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "2")
+    assert main(["collect", "--config", job]) == 2
+    assert "shard 2 of 2: a shard is 0 to 1" in capsys.readouterr().err
+    assert main(["collect", "--config", job, "--shard", "0", "--of", "3"]) == 2
+    assert "--of 3, but" in capsys.readouterr().err
+    monkeypatch.delenv("JOB_COMPLETION_INDEX")
+    assert main(["collect", "--config", job]) == 2
+    assert "give --shard I (or set JOB_COMPLETION_INDEX" in capsys.readouterr().err
+    assert main(["collect", "--config", job, "--shard", "0", "--model", "m"]) == 2
+    assert "drop --model" in capsys.readouterr().err
+    assert main(["merge", "--config", str(_job(tmp_path, engines=1))]) == 2
+    assert "collect.engines is 1" in capsys.readouterr().err
