@@ -9,6 +9,9 @@ production configuration (grid 501, a member every 50 audits kept at dyadic ages
     python benchmarks/bench_audit_stats.py --joint         # four deltas: per-delta vs joint
     python benchmarks/bench_audit_stats.py --restarts      # restarts every 250 audits
     python benchmarks/bench_audit_stats.py --drift 10      # recalibrate under a gradual drift
+    python benchmarks/bench_audit_stats.py --cut           # cut audits by rule: power, coverage
+    python benchmarks/bench_audit_stats.py --clearing 20   # fallback with half the audits cut
+    python benchmarks/bench_audit_stats.py --sequential 400  # the drift tests' false alarms, delays
 
 The simulations are tests/audit_simulation.py's (the tests assert the same quantities on
 smaller runs). Every mode prints markdown rows for benchmarks/RESULTS.md.
@@ -29,10 +32,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests packag
 from orca_method.audit.drift import DriftMonitor, build_reference
 from orca_method.audit.sequence import ConfidenceSequence, RestartedAlarm
 from tests.audit_simulation import (
+    CUT_RULES,
     EPSILON,
+    RISK_015_BIAS,
     bad_lambda_served,
     censored_streams,
+    cut_streams,
+    cut_truth,
+    drift_alarms,
     drift_stream,
+    fallback_clearing,
     hardest_null,
     joint_null,
     restart_null,
@@ -173,17 +182,79 @@ def restarts(streams: int, audits: int, exact: int) -> None:
 
 
 def drift(streams: int) -> None:
-    runs = {k: [drift_stream(seed, distrust=k) for seed in range(streams)]
-            for k in (False, True)}
+    tests = {"none": {"distrust": False, "recent_half": False},
+             "window test (before)": {"sequential": False, "recent_half": False},
+             "window and sequential tests": {"recent_half": False},
+             "window and sequential tests, lambda of the window and its recent half (now)": {}}
+    runs = {k: [drift_stream(seed, **kw) for seed in range(streams)] for k, kw in tests.items()}
     for k, rs in runs.items():
         bad = np.array([r["bad"] for r in rs])
         print(f"| gradual drift (bias 0 -> 3 over 2,000 audits after 50 clean; recalibrate, "
-              f"window 200), {streams} streams, recalibrated lambda's drift test "
-              f"{'on' if k else 'off (before)'} | audits served a recalibrated lambda bad for "
+              f"window 200), {streams} streams, recalibrated lambda's drift tests: "
+              f"{k} | audits served a recalibrated lambda bad for "
               f"the current traffic: mean {bad.mean():.0f} (streams with any: "
               f"{(bad > 0).sum()} of {streams}) | fallback audits: mean "
               f"{np.mean([r['fallback'] for r in rs]):.0f}; recalibrations: mean "
               f"{np.mean([r['recalibrations'] for r in rs]):.1f} |", flush=True)
+
+
+def cut(streams: int, audits: int) -> None:
+    """Issue 34 item 4: trajectories whose loss-dependent cuts enter by each rule (CUT_RULES)."""
+    print("| true risk (certified) | cut share | rule | alarm (delta 0.1) within "
+          f"{audits:,} | median audit of the alarm | interval ever missed the risk | ... the "
+          "certified risk | censored share | final upper |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for bias in (RISK_015_BIAS, 0.0):
+        for share in (0.1, 0.5):
+            risk, certified = cut_truth(bias, share, 3.0)
+            for rule in CUT_RULES:
+                r = cut_streams(bias, share=share, ratio=3, rule=rule, streams=streams,
+                                audits=audits, seed=81)
+                fired = np.isfinite(r["first_alarm"])
+                se = np.sqrt(fired.mean() * (1 - fired.mean()) / streams)
+                med = f"{np.median(r['first_alarm'][fired]):,.0f}" if fired.any() else "-"
+                print(f"| {risk:.3f} ({certified:.3f}) | {share:.0%} | {rule} | "
+                      f"{fired.mean():.1%} +- {se:.1%} | {med} | {r['missed_risk'].mean():.1%} | "
+                      f"{r['missed_certified'].mean():.1%} | {r['censored'].mean():.3f} | "
+                      f"{r['upper'].mean():.3f} |", flush=True)
+
+
+def clearing(streams: int) -> None:
+    """Issue 34 item 4: does a fallback clear on clean traffic with half the audits cut?"""
+    for share in (0.5, 0.0):
+        for rule in CUT_RULES if share else CUT_RULES[-1:]:
+            runs = [fallback_clearing(seed, rule=rule, share=share, clean=12_000)
+                    for seed in range(streams)]
+            after = np.array([r["cleared_after"] for r in runs])
+            done = np.isfinite(after)
+            print(f"| fallback: 150 shifted audits, then 12,000 clean, {share:.0%} cut | {rule} | "
+                  f"cleared in {done.sum()} of {streams} streams, median "
+                  f"{'never' if np.isinf(np.median(after)) else f'{np.median(after):,.0f}'} clean audits | final upper: mean "
+                  f"{np.mean([r['upper'] for r in runs]):.3f} |", flush=True)
+
+
+def sequential(streams: int) -> None:
+    """Issue 34 item 4: requests until the bundle's drift tests alarm, sequential vs window."""
+    clean = 200
+    print("| stream (one request each) | test | alarmed | requests from the shift to the alarm: "
+          "median [10 %, 90 %] |")
+    print("| --- | --- | --- | --- |")
+    null = drift_alarms([0.0] * 2000, streams=streams, seed=91)
+    for name, at in zip(("sequential", "window (500)"), null):
+        share = np.isfinite(at).mean()
+        print(f"| unchanged, 2,000 requests | {name} | {share:.1%} +- "
+              f"{np.sqrt(share * (1 - share) / streams):.1%} (false; level 5 %) | - |", flush=True)
+    for label, after in (("abrupt, bias 1.5", [1.5] * 2000), ("abrupt, bias 0.5", [0.5] * 2000),
+                         ("gradual, bias 0 -> 3 over 2,000", list(np.linspace(0, 3, 2000)))):
+        res = drift_alarms([0.0] * clean + after, streams=streams, seed=92)
+        for name, at in zip(("sequential", "window (500)"), res):
+            d = at - clean
+            fired = np.isfinite(d)
+            q = np.quantile(d, [0.5, 0.1, 0.9])
+            shown = ["never" if np.isinf(x) else f"{x:,.0f}" for x in q]
+            early = (fired & (d <= 0)).mean()
+            print(f"| {clean} unchanged, then {label} | {name} | {fired.mean():.1%} (before the "
+                  f"shift: {early:.1%}) | {shown[0]} [{shown[1]}, {shown[2]}] |", flush=True)
 
 
 def main() -> None:
@@ -195,6 +266,9 @@ def main() -> None:
     ap.add_argument("--joint", action="store_true")
     ap.add_argument("--restarts", type=int, metavar="EXACT_STREAMS")
     ap.add_argument("--drift", type=int, metavar="STREAMS")
+    ap.add_argument("--cut", action="store_true")
+    ap.add_argument("--clearing", type=int, metavar="STREAMS")
+    ap.add_argument("--sequential", type=int, metavar="STREAMS")
     ap.add_argument("--streams", type=int, default=400,
                     help="--false-alarms, --delays, --censored, --joint")
     ap.add_argument("--audits", type=int, default=3000,
@@ -214,6 +288,12 @@ def main() -> None:
         restarts(a.streams, a.audits, a.restarts)
     elif a.drift:
         drift(a.drift)
+    elif a.cut:
+        cut(a.streams, a.audits)
+    elif a.clearing:
+        clearing(a.clearing)
+    elif a.sequential:
+        sequential(a.sequential)
     else:
         cost()
 

@@ -317,8 +317,10 @@ def give_up_report(bundle: Bundle, ts: TrajectorySet, mode: str, cut: dict[int, 
 
 def format_report(report: dict[str, Any]) -> str:
     lines = [(f"{report['audit']}: {report['audits']} audits, {report['counted']} counted "
-              f"({report['unfinished_censored']} unfinished among them, counted censored: loss 0 "
-              f"for the alarm, 1 for the upper bound; {report['never_correct_skipped']} never "
+              f"({report['unfinished_censored']} unfinished among them, each counted with its "
+              f"loss where lambda* stops before its end, else censored: loss 0 for the alarm, "
+              f"its loss at the cut (1 if aborted) for the upper bound; "
+              f"{report['never_correct_skipped']} never "
               f"correct, left out), labels {report['label_mode']}, alarm at level "
               f"alpha={report['alpha']:g}/2 per delta ({report['epsilon_split']}), bounds at "
               f"alpha={report['alpha'] / 2:g} (anytime-valid)")]

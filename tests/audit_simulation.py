@@ -13,8 +13,10 @@ shift the review measured on the demo (0.092 -> 0.561). True risks are Monte Car
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from unittest import mock
 
 import numpy as np
 
@@ -266,17 +268,27 @@ def _risk_at(lam: float, bias: float) -> float:
 
 
 def drift_stream(seed: int, *, clean: int = 50, drifting: int = 2000, final_bias: float = 3.0,
-                 window: int = 200, distrust: bool = True) -> dict[str, int]:
+                 window: int = 200, distrust: bool = True, sequential: bool = True,
+                 recent_half: bool = True) -> dict[str, int]:
     """`recalibrate` under a gradual drift: `clean` unshifted audits, then `drifting` audits
     whose score bias grows linearly from 0 to `final_bias`, every request audited and its
     scores fed to the drift tests (as LiveAudit.finished does). Counts the audits that were
     served a recalibrated lambda whose true risk on the current traffic (bias rounded to 0.1)
     exceeds delta, and the audits served the fallback. `distrust=False`: without the
-    recalibrated lambda's drift test (what the server did before)."""
+    recalibrated lambda's drift tests; `sequential=False`: without its sequential one (what the
+    server did before issue 34); `recent_half=False`: recalibrating on the whole window alone
+    (before `window_lambda` took the larger lambda of the window and its recent half)."""
+    if not recent_half:
+        with mock.patch("orca_method.audit.guards.window_lambda",
+                        lambda s, labels, d, eps, ltt: ltt(s, labels, d, eps)):
+            return drift_stream(seed, clean=clean, drifting=drifting, final_bias=final_bias,
+                                window=window, distrust=distrust, sequential=sequential)
     audit = LiveAudit(bundle(), AuditConfig(rate=1.0, on_alarm="recalibrate", window=window))
     g = audit.state.guard(DELTA)
-    if not distrust:
-        g._window_drift = lambda scores: None  # type: ignore[method-assign]
+    tests = g._window_drift
+    if not distrust or not sequential:
+        g._window_drift = lambda scores: (  # type: ignore[method-assign]
+            tests(scores)[0] if distrust else None, None)
     rng = np.random.default_rng(seed)
     out = {"bad": 0, "fallback": 0, "recalibrations": 0}
     biases = [0.0] * clean + list(np.linspace(0, final_bias, drifting))
@@ -361,3 +373,153 @@ def give_up_streams(audit: np.ndarray, certified: np.ndarray, delta: float, *, s
         missed |= cs.upper < risk
         ever |= cs.alarm(delta)
     return float(missed.mean()), float(ever.mean())
+
+
+# -- audits cut by max_tokens (issue 34 item 4) -------------------------------------------------
+# how a cut audit enters the guard: "every-cut" (censored at every lambda, any loss in [0, 1]:
+# the rule before, what the server does for an audit without a recording), "stop-before-cut"
+# (its loss at a lambda that stops before the cut, censored with any loss past it: cut_feed as
+# for an aborted audit) and "certified" (that, and past the cut its loss at the cut for the upper
+# bound: cut_feed for a cut one, the server's rule now)
+CUT_RULES = ("every-cut", "stop-before-cut", "certified")
+RISK_015_BIAS = 0.325  # the bias at which the bundle's lambda*(0.1) has risk 0.15
+
+
+def cut_recording(rng: np.random.Generator, s: np.ndarray, c: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """What the audit of a trajectory cut by max_tokens records: its steps up to a uniform
+    step k in 1..T-1, labelled by consistency with the answer forced at the cut (calibration's
+    convention): the true labels before k (a wrong answer before the first right one matches
+    nothing after it, the right one stays right) and 1 at k."""
+    k = int(rng.integers(1, STEPS))
+    labels = c[:k + 1].copy()
+    labels[k] = 1
+    return s[:k + 1], labels
+
+
+def _feed(rule: str, s: np.ndarray, labels: np.ndarray, lam: float) -> tuple[float, bool, float]:
+    from orca_method.audit.attrition import CUT
+    from orca_method.audit.guards import UNKNOWN, cut_feed
+
+    if rule == "every-cut":
+        return UNKNOWN
+    return cut_feed(s, labels, lam, CUT if rule == "certified" else "aborted")
+
+
+@lru_cache(maxsize=16)
+def cut_truth(bias: float, share: float, ratio: float, seed: int = 777) -> tuple[float, float]:
+    """(risk, certified risk) of the bundle's lambda*(delta) on the family with `bias` when a
+    loss-dependent `share` is cut (`cut_probabilities`, `cut_recording`): the loss with the
+    request's whole reasoning, and the loss of the population calibration certifies (a cut
+    trajectory ends at its cut). Monte Carlo over the 100,000 trajectories of `_truth`."""
+    lam = bundle().lam(DELTA)
+    s, c = _truth(bias)
+    loss = losses(stop_indices(list(s), np.asarray([lam])), list(c))[0].astype(float)  # [n]
+    p0, p1 = cut_probabilities(float(loss.mean()), share, ratio)
+    rng = np.random.default_rng(seed)
+    cut = rng.random(len(s)) < np.where(loss > 0, p1, p0)
+    certified = loss.copy()
+    for i in np.flatnonzero(cut):
+        x, known, _ = _feed("certified", *cut_recording(rng, s[i], c[i]), lam)
+        certified[i] = 0.0 if known else x  # censored: its loss at the cut (worst) is 0 here
+    return float(loss.mean()), float(certified.mean())
+
+
+def cut_streams(bias: float, *, share: float, ratio: float, rule: str, streams: int,
+                audits: int, seed: int, grid: int = DEFAULT_GRID) -> dict[str, np.ndarray]:
+    """Audits of the family with `bias` at the bundle's lambda*(0.1), a loss-dependent `share`
+    of them cut (`cut_probabilities`: a loss-1 audit `ratio` times as often; `cut_recording`),
+    each entering the server's CensoredAlarm (batched over streams) by `rule` (CUT_RULES). Per
+    stream: the audit of the first alarm (inf: none), whether [lower, upper] ever missed the
+    risk and the certified risk (`cut_truth`), the final bounds and the censored share."""
+    from orca_method.audit.sequence import CensoredAlarm
+
+    lam = bundle().lam(DELTA)
+    risk, certified = cut_truth(bias, share, ratio)
+    p0, p1 = cut_probabilities(risk, share, ratio)
+    rng = np.random.default_rng(seed)
+    alarm = CensoredAlarm(EPSILON, grid_size=grid, shape=(streams,))
+    first = np.full(streams, np.inf)
+    missed = {"risk": np.zeros(streams, bool), "certified": np.zeros(streams, bool)}
+    for i in range(1, audits + 1):
+        s, c = trajectories(rng, streams, bias)
+        loss = losses(stop_indices(list(s), np.asarray([lam])), list(c))[0].astype(float)
+        cut = rng.random(streams) < np.where(loss > 0, p1, p0)
+        fed = np.stack([loss, np.zeros(streams), np.ones(streams)])  # [3, streams]
+        for j in np.flatnonzero(cut):
+            fed[:, j] = _feed(rule, *cut_recording(rng, s[j], c[j]), lam)
+        alarm.update(fed[0], fed[1].astype(bool), fed[2])
+        for key, r in (("risk", risk), ("certified", certified)):
+            missed[key] |= (alarm.lower > r) | (alarm.upper < r)
+        first[np.isinf(first) & alarm.alarm(DELTA)] = i
+    return {"first_alarm": first, "missed_risk": missed["risk"],
+            "missed_certified": missed["certified"], "lower": alarm.lower,
+            "upper": alarm.upper, "censored": alarm.censored / audits}
+
+
+def fallback_clearing(seed: int, *, rule: str, share: float = 0.5, ratio: float = 3.0,
+                      shifted: int = 150, clean: int = 5850) -> dict[str, float]:
+    """`fallback` through the server's LiveAudit: `shifted` audits of the shifted family (none
+    cut) make the guard fall back, then `clean` unshifted ones, `share` of them cut (loss
+    dependent), each entering by `rule` (CUT_RULES; "every-cut": an outcome without its
+    recording, as the server journals one). The clean audits until the guard serves the
+    bundle's lambda* again (inf: never), and the final upper bound."""
+    from orca_method.audit.attrition import CUT
+
+    audit = LiveAudit(bundle(), AuditConfig(rate=1.0, on_alarm="fallback"))
+    g = audit.state.guard(DELTA)
+    lam = g.bundle_lam
+    rng = np.random.default_rng(seed)
+    s, c = trajectories(rng, shifted, SHIFT)
+    for i in range(shifted):
+        audit.observe(list(s[i]), list(c[i]))
+    assert g.source == "fallback", "the shift did not make the guard fall back"
+    risk = float(true_risk([lam], 0.0)[0])
+    p0, p1 = cut_probabilities(risk, share, ratio)
+    s, c = trajectories(rng, clean, 0.0)
+    cleared = math.inf
+    for i in range(clean):
+        loss = int(losses(stop_indices([s[i]], np.asarray([lam])), [c[i]])[0, 0])
+        if rng.random() >= (p1 if loss else p0):
+            audit.observe(list(s[i]), list(c[i]))
+        elif rule == "every-cut":
+            audit.state.outcome(audit.state.admit(), "censored", cause=CUT)
+        else:
+            rs, rl = cut_recording(rng, s[i], c[i])
+            audit.observe(list(rs), list(rl), censored=True,
+                          cause=CUT if rule == "certified" else "aborted")
+        if math.isinf(cleared) and g.source == "bundle":
+            cleared = i + 1
+    return {"cleared_after": cleared, "upper": float(g.cs.upper)}
+
+
+def drift_alarms(biases: list[float], *, streams: int, seed: int, window: bool = True
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Requests until the bundle's drift tests alarm on a stream whose score bias follows
+    `biases` (one request each), the reference built from 1,000 unshifted never-stopping
+    replays per stream as `orca-calibrate calibrate` builds it: the sequential test's
+    (`ConformalMartingale`) and the window test's (`DriftMonitor`, 500 requests, alpha
+    spent over windows); inf where none within the stream. `window=False`: the sequential
+    test alone (cheaper)."""
+    from orca_method.audit.drift import DriftMonitor, build_reference
+    from orca_method.audit.martingale import ConformalMartingale
+
+    lam = bundle().lam(DELTA)
+    seq_at, win_at = np.full(streams, np.inf), np.full(streams, np.inf)
+    for j in range(streams):
+        rng = np.random.default_rng([seed, j])
+        s, _ = trajectories(rng, 1000, 0.0)
+        ref = build_reference(list(s), 3, [lam], seed=j)
+        seq, win = ConformalMartingale(ref, seed=j), DriftMonitor(ref) if window else None
+        for i, bias in enumerate(biases):
+            s, _ = trajectories(rng, 1, bias)
+            scores = s[0][:-1]  # the server never scores the last step
+            if not seq.alarm:
+                seq.observe(scores)
+                seq_at[j] = i + 1 if seq.alarm else np.inf
+            if win is not None and not win.alarm:
+                win.observe(scores)
+                win_at[j] = i + 1 if win.alarm else np.inf
+            if seq.alarm and (win is None or win.alarm):
+                break
+    return seq_at, win_at

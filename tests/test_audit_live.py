@@ -201,9 +201,9 @@ def _recorded(first_score: float, hidden: int) -> OrcaResult:
 
 
 def test_recalibrate_waits_for_audits_admitted_after_the_alarm(bundle) -> None:
-    """On the alarm the guard falls back; LTT runs once, at epsilon / 2, on the first `window`
+    """On the alarm the guard falls back; LTT runs, at epsilon / 2, on the first `window`
     audits ADMITTED after the alarm (by admission order, not by the order they finish, and
-    none from before); the recalibrated lambda (not below the bundle's smallest lambda*) is
+    none from before) and on their recent half (`window_lambda`); the recalibrated lambda (not below the bundle's smallest lambda*) is
     then audited on its own, and its own alarm starts the second recalibration at epsilon / 6."""
     import asyncio
 
@@ -238,20 +238,20 @@ def test_recalibrate_waits_for_audits_admitted_after_the_alarm(bundle) -> None:
     assert windows == [] and g.source == "fallback"  # waits for audit 4, admitted first
     asyncio.run(finish(after[0], None))  # it failed: skipped, and the window is complete
     floor = min(bundle.lam(d) for d in bundle.deltas())
-    assert windows == [(0.1, 0.025, [0.05, 0.06, 0.07])]
+    assert windows == [(0.1, 0.025, [0.05, 0.06, 0.07]), (0.1, 0.025, [0.06, 0.07])]
     assert (g.lam, g.source, g.recalibrations) == (floor, "audit", 1)
     row = g.row()["recalibrated"]
     assert (row["k"], row["epsilon"], row["lambda"], row["n"]) == (1, 0.025, floor, 0)
 
     late = admit()  # admitted after the recalibration: measures the served lambda
     asyncio.run(finish(late, floor + 0.01))
-    assert g.served.cs.losses == [1] and windows[1:] == []  # LTT ran once
+    assert g.served.cs.losses == [1] and windows[2:] == []  # once, on the window and its half
     g.served.cs.lower = 0.5  # its own alarm: the next audit starts the second wait
     asyncio.run(finish(admit(), 0.08))
     assert (g.source, g.waiting_since, g.served) == ("fallback", audit.state.admitted, None)
     for _ in range(3):
         asyncio.run(finish(admit(), 0.09))
-    assert windows[1] == (0.1, 0.05 / 6, [0.09] * 3) and g.recalibrations == 2
+    assert windows[2] == (0.1, 0.05 / 6, [0.09] * 3) and g.recalibrations == 2
     assert audit.state.guard(0.2).source == "bundle"  # another delta's guard never alarmed
     assert audit.state._resolved == {}  # nothing kept once no guard waits
 
@@ -458,6 +458,7 @@ def bundle_lams(bundle) -> list[float]:
     (["--demo", "--orca-on-alarm", "recalibrate"],
      "--orca-on-alarm recalibrate is set but --orca-audit-rate is 0"),
     (["--demo", "--orca-on-alarm", "fallback"], "--orca-audit-rate is 0"),
+    (["--demo", "--orca-audit-drift-acts"], "--orca-audit-drift-acts is set but"),
     # redis-py would read a URL without a host as localhost
     (["--demo", "--orca-audit-rate", "0.5", "--orca-audit-store", "redis://"],
      "'redis://' names no server: give a host (redis://host:port/db)"),
@@ -567,6 +568,7 @@ def test_a_recalibrated_lambda_is_not_trusted_while_its_drift_test_alarms(bundle
     assert (g.source, g.lam, g.recalibrations) == ("audit", 0.95, 1)
     mon = g.served.drift
     assert mon is not None and mon.window == 20 and not mon.spend
+    g.served.sequential = None  # the window test alone (the sequential one: the next test)
     for _ in range(20):  # like the window: trusted
         audit.see(list(rng.uniform(0, 0.4, 5)), math.inf)
     assert mon.tests == 1 and not g.distrusted and g.source == "audit"
@@ -577,6 +579,99 @@ def test_a_recalibrated_lambda_is_not_trusted_while_its_drift_test_alarms(bundle
     for _ in range(20):
         audit.see(list(rng.uniform(0, 0.4, 5)), math.inf)
     assert not g.distrusted and (g.source, g.lam) == ("audit", 0.95)
+
+
+def test_a_recalibrated_lambdas_sequential_drift_alarm_recalibrates_anew(bundle,
+                                                                        tmp_path) -> None:
+    """The sequential test against the recalibration window alarms within tens of requests of
+    scores far above the window's; its alarm is journalled, and the guard answers it as its own
+    alarm: fallback, then LTT on the first `window` audits admitted after it."""
+    from orca_serve.live_audit.journal import Journal, journal_path
+
+    path = journal_path(tmp_path, bundle.checksum)
+    config = AuditConfig(rate=1.0, seed=0, on_alarm="recalibrate", window=40, drift_acts=True)
+    audit = LiveAudit(bundle, config, journal=Journal(path, bundle.checksum, fsync=False),
+                      loss=_loss)
+    lams = {d: iter([0.95, 0.95, 0.9, 0.9]) for d in bundle.deltas()}  # window, recent half
+    audit.state._ltt = lambda scores, labels, delta, epsilon: next(lams[delta])
+    g = audit.state.guard(0.1)
+    rng = np.random.default_rng(3)
+    audit.state.drift_alarm()  # as if the bundle's sequential test alarmed: wait
+    for _ in range(40):
+        audit.observe(list(rng.uniform(0, 0.4, 6)), [0, 0, 0, 0, 1, 1])
+    assert (g.source, g.lam, g.recalibrations) == ("audit", 0.95, 1)
+    seq = g.served.sequential
+    for i in range(60):  # like the window: no alarm
+        audit.see(list(rng.uniform(0, 0.4, 5)), math.inf)
+    assert not seq.alarm and g.source == "audit"
+    for i in range(60):  # scores far above the window's
+        audit.see(list(rng.uniform(0.6, 0.9, 5)), math.inf)
+        if seq.alarm:
+            break
+    assert seq.alarm and seq.alarm_at - 60 < 30, seq.to_dict()
+    assert (g.source, g.lam, g.waiting_since, g.served) == ("fallback", math.inf, 40, None)
+    for _ in range(40):
+        audit.observe(list(rng.uniform(0, 0.4, 6)), [0, 0, 0, 0, 1, 1])
+    assert (g.source, g.lam, g.recalibrations) == ("audit", 0.9, 2)
+    audit.state.close()
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e for e in events if "x" in e] == [{"x": "drift", "d": None, "k": None}] + [
+        {"x": "drift", "d": d, "k": 1} for d in bundle.deltas()]  # every delta's window moved
+
+
+def test_the_bundles_sequential_drift_alarm_engages_fallback_until_later_audits_clear(
+        bundle) -> None:
+    """`fallback` with `--orca-audit-drift-acts`: the bundle's sequential drift alarm
+    (journalled) makes the guard fall back although the audits so far are clean; it serves the
+    bundle's lambda* again once the audits admitted after the alarm bound its risk at delta or
+    below."""
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0, on_alarm="fallback", drift_acts=True),
+                      loss=_loss)
+    g = audit.state.guard(0.1)
+    for _ in range(5):
+        audit.observe([0.0, 0.0, 0.9], [0, 1, 1])  # never stops early: loss 0
+    audit.state.drift_alarm()
+    assert (g.engaged, g.source, g.lam, g.drift_since) == (True, "fallback", math.inf, 5)
+    assert g.row()["drift_hold"]["n"] == 0
+    n = 0
+    while g.source == "fallback":
+        audit.observe([0.0, 0.0, 0.9], [0, 1, 1])
+        n += 1
+    assert g.source == "bundle" and g.drift_cs is None and 10 < n < 200
+    assert audit.state.guard(0.2).source == "bundle"  # every delta engaged, every one cleared
+
+
+@pytest.mark.parametrize("acts", [False, True])
+def test_the_bundles_sequential_drift_alarm_acts_only_with_the_operators_leave(bundle, tmp_path,
+                                                                             acts) -> None:
+    """Scores far above the calibration split's set the bundle's sequential drift test off
+    within a few requests. It is journalled; by default it is reported (the table) and nothing
+    else: it says the scores changed, not that the risk grew, and every delta keeps its
+    lambda*. With `drift_acts` `fallback` engages every delta until later audits clear."""
+    from orca_method.audit.martingale import ConformalMartingale
+    from orca_serve.live_audit.journal import Journal, journal_path
+
+    path = journal_path(tmp_path, bundle.checksum)
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0, on_alarm="fallback", drift_acts=acts),
+                      journal=Journal(path, bundle.checksum, fsync=False),
+                      sequential=ConformalMartingale(bundle.drift), loss=_loss)
+    for _ in range(30):
+        audit.see([0.99] * 5, math.inf)  # crosses every lambda at the first step
+    table = audit.table()
+    assert table["sequential_drift"]["alarm"] and table["sequential_drift"]["acts"] is acts
+    assert table["sequential_drift"]["alarm_at"] < 15, table["sequential_drift"]
+    for row in table["deltas"]:
+        assert row["engaged"] is acts, row
+        assert row["lambda_source"] == ("fallback" if acts else "bundle"), row
+    audit.state.close()
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e for e in events if "x" in e] == [{"x": "drift", "d": None, "k": None}]
+    # a restart folds the journalled alarm by the settings it starts with
+    again = LiveAudit(bundle, replace(audit.config, drift_acts=not acts),
+                      journal=Journal(path, bundle.checksum, fsync=False), loss=_loss)
+    assert [r["lambda_source"] for r in again.table()["deltas"]] == [
+        "bundle" if acts else "fallback"] * len(bundle.deltas())
+    again.state.close()
 
 
 # -- the give-up risk ------------------------------------------------------------------------

@@ -24,8 +24,10 @@ import numpy as np
 import pytest
 
 from orca_demo.toy.tasks import write_prompts
+from orca_method.audit.guards import aligned_scores
 from orca_method.bundle import Bundle, GiveUpRow, LTTRow, load_bundle, save_bundle
 from orca_method.ltt import binomial_pvalues
+from orca_method.risk import stops_before_end
 from orca_method.trajectories import TrajectorySet
 
 pytestmark = pytest.mark.vllm
@@ -147,6 +149,10 @@ def test_audited_requests_get_full_budget_answers_and_labels_match_collect(srv, 
     assert re.search(r"^orca_drift_alarm\{", metrics, re.MULTILINE), metrics[-2000:]
     assert not re.search(r"^orca_drift_pvalue\{", metrics, re.MULTILINE)
     assert table["drift"]["pvalue"] is None
+    # the sequential drift test sees every request at once: its capital and alarm are exported
+    assert re.search(r"^orca_drift_sequential_capital\{", metrics, re.MULTILINE)
+    assert re.search(r"^orca_drift_sequential_alarm\{.*\} 0\.0", metrics, re.MULTILINE)
+    assert table["sequential_drift"]["observed"] >= 1 and not table["sequential_drift"]["alarm"]
     assert re.search(r'^orca_audit_labels_match\{.*bundle_label_mode="consistent".*\} 1\.0',
                      metrics, re.MULTILINE)
     assert table["labels_match"] and table["guard_acts"] and "drift" in table
@@ -284,9 +290,14 @@ def test_audit_report_on_the_servers_directory_gives_the_live_tables_numbers(srv
         if counts != {"picked": 1, "aborted": 0, "labelled": 1, "failed": 0}:
             break
     assert counts == {"picked": 1, "aborted": 1, "labelled": 0, "failed": 0}, counts
-    assert _row(live, 0.1)["censored"] == _row(before, 0.1)["censored"] + 1
     records = TrajectorySet.open(env["audits"] / "audit-000001").problems
-    assert records[-1].extra["finish_reason"] is None  # what the server recorded
+    aborted = records[-1]
+    assert aborted.extra["finish_reason"] is None  # what the server recorded
+    # censored at delta 0.1 only if lambda*'s stop would come at or after where it ended; a
+    # stop before that end gives its loss (cut_feed)
+    s = aligned_scores(aborted.extra["audit"]["scores"], aborted.n_steps)
+    unknown = s is None or not stops_before_end(s, load_bundle(env["bundle"]).lam(0.1))
+    assert _row(live, 0.1)["censored"] == _row(before, 0.1)["censored"] + unknown
     assert {p.extra["audit"]["bundle_checksum"] for p in records} == {live["bundle_checksum"]}
     out = tmp_path / "report.json"
     assert main(["audit-report", "--audit", str(env["audits"]), "--bundle", str(env["bundle"]),

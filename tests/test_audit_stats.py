@@ -466,3 +466,65 @@ def test_distrusting_a_drifting_recalibrated_lambda_serves_fewer_bad_audits():
     without = sum(drift_stream(seed, distrust=False)["bad"] for seed in range(4))
     with_test = sum(drift_stream(seed)["bad"] for seed in range(4))
     assert with_test <= 0.95 * without, (with_test, without)
+
+
+# ------------------------------------------------- the sequential drift test (issue 34 item 4)
+def _reference_of(values: np.ndarray):
+    """A drift reference whose statistics are `values` (early means; never crossing)."""
+    from orca_method.bundle import DriftReference
+
+    return DriftReference(k=3, level=0.5, n_cal=len(values), early_mean=[float(v) for v in values],
+                          stop_step=[None] * len(values))
+
+
+def _martingale_streams(streams: int, requests: int, seed: int, draw) -> np.ndarray:
+    """Per stream: the request (1-based) at which the sequential test first alarmed, inf if
+    never; the reference 500 draws of the null (uniform on [0, 1], to 0.05: with ties), the
+    live statistics `draw(rng, i)`."""
+    from orca_method.audit.martingale import ConformalMartingale
+
+    at = np.full(streams, np.inf)
+    for j in range(streams):
+        rng = np.random.default_rng([seed, j])
+        mart = ConformalMartingale(_reference_of(np.round(rng.random(500) * 20) / 20), seed=j)
+        for i in range(requests):
+            mart.test(draw(rng, i))
+            if mart.alarm:
+                at[j] = mart.alarm_at
+                break
+    return at
+
+
+def test_sequential_drift_false_alarm_rate_is_at_most_alpha():
+    """Exchangeable traffic (the live statistics drawn as the reference's, ties included), 400
+    streams of 1,500 requests: the test martingale ever reaches 1/alpha in at most alpha of them
+    (+3 SE), although every stream shares its reference with all its requests (the online
+    p-values: without them a stream whose reference is unlucky alarms for ever)."""
+    at = _martingale_streams(400, 1500, 101, lambda rng, i: np.round(rng.random() * 20) / 20)
+    share = float(np.isfinite(at).mean())
+    assert share <= 0.05 + _tolerance(0.05, 400), share
+
+
+def test_sequential_drift_alarms_within_tens_of_requests_of_an_abrupt_shift():
+    """Live statistics shifted up by 0.5 from the first request: the test alarms in every one
+    of 100 streams, after a median of at most 40 requests; a shift down (later stops: savings,
+    not the guarantee) is not what it looks for and alarms in at most alpha of them (+3 SE)."""
+    up = _martingale_streams(100, 300, 102, lambda rng, i: rng.random() + 0.5)
+    assert np.isfinite(up).all() and np.median(up) <= 40, np.median(up)
+    down = _martingale_streams(100, 300, 103, lambda rng, i: rng.random() - 0.5)
+    assert np.isfinite(down).mean() <= 0.05 + _tolerance(0.05, 100)
+
+
+def test_sequential_drift_test_skips_what_stopping_censors():
+    """The request statistics are the window test's (`drift_statistics`); a request that ran
+    below the reference level is not tested, whether it crossed the level or not (leaving out
+    only the ones that stopped before it would select by the scores)."""
+    from orca_method.audit.martingale import ConformalMartingale, statistic
+
+    ref = _reference_of(np.linspace(0, 0.4, 50))
+    mart = ConformalMartingale(ref)
+    assert not mart.observe([0.1, 0.45], lam=0.4)  # stopped at 0.45 < level 0.5
+    assert not mart.observe([0.1, 0.55], lam=0.4)  # crossed the level too: still skipped
+    assert mart.observe([0.1, 0.2, 0.6]) and (mart.observed, mart.skipped) == (1, 2)
+    assert statistic(0.2, 3) == pytest.approx(0.2 + 1 / 3) and statistic(0.2, math.inf) == 0.2
+    assert mart.to_dict()["capital"] == pytest.approx(mart.capital)

@@ -18,6 +18,7 @@ import numpy as np
 
 from orca_method.audit.attrition import CUT
 from orca_method.audit.drift import DriftMonitor, build_reference
+from orca_method.audit.martingale import ConformalMartingale
 from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import DriftReference
 from orca_method.give_up import request_give_up_loss
@@ -90,6 +91,25 @@ def ltt_lambda(scores: list[np.ndarray], labels: list[np.ndarray], delta: float,
     return res.lam
 
 
+def window_lambda(scores: list[np.ndarray], labels: list[np.ndarray], delta: float,
+                  epsilon: float,
+                  ltt: Callable[[list[np.ndarray], list[np.ndarray], float, float], float]
+                  ) -> float:
+    """The lambda a recalibration serves: the larger of LTT's on the whole window and on its
+    most recent half (the window in admission order).
+
+    Valid at `epsilon` with no split: every request's loss, so the risk, only falls as lambda
+    grows, so a lambda at or above one LTT certified at `epsilon` is certified too (the floor's
+    argument). Under a continuing drift the window's older half comes from traffic further from
+    what follows, and the lambda certified on the whole of it went bad at or soon after its
+    first request (benchmarks/RESULTS.md, "The live audit's repair"); its recent half then asks
+    for the larger lambda. On unchanged traffic the half's lambda is larger only when its draw
+    is unlucky: the price is savings, never the guarantee."""
+    half = len(scores) // 2
+    return max(ltt(scores, labels, delta, epsilon),
+               ltt(scores[half:], labels[half:], delta, epsilon))
+
+
 def recalibration_epsilon(epsilon: float, k: int) -> float:
     """The level of a delta's k-th recalibration (k >= 1): epsilon / (k (k + 1)).
 
@@ -125,6 +145,9 @@ class Recalibrated:
     # the scores of the window it was certified on, as a drift reference: while the live
     # scores differ from them, the lambda is not trusted (DeltaGuard.distrusted)
     drift: DriftMonitor | None = None
+    # the sequential test against the same reference: its alarm (journalled) makes the guard
+    # recalibrate anew (DeltaGuard.drift_alarm)
+    sequential: ConformalMartingale | None = None
 
 
 @dataclass
@@ -133,9 +156,9 @@ class DeltaGuard:
 
     `recalibrate` (docs/AUDIT.md, "Recalibration in the server"): on the bundle's alarm the
     guard falls back (never stops early) until `window` audits ADMITTED AFTER the alarm are
-    labelled, runs LTT once on those alone at `recalibration_epsilon(epsilon, k)` and serves
-    that lambda (not below `floor`), then audits it with its own alarm; that alarm starts the
-    next wait and recalibration. The bundle's lambda* does not return for this bundle (with a
+    labelled, runs LTT on those alone (and on their recent half: `window_lambda`) at
+    `recalibration_epsilon(epsilon, k)` and serves that lambda (not below `floor`), then
+    audits it with its own alarm; that alarm starts the next wait and recalibration. The bundle's lambda* does not return for this bundle (with a
     journal: not after a restart either).
     """
 
@@ -153,6 +176,10 @@ class DeltaGuard:
     recalibrations: int = 0
     served: Recalibrated | None = None
     distrusted: bool = False  # the served lambda's drift test alarms: fallback meanwhile
+    # report / fallback after the bundle's sequential drift test alarmed: engaged until the
+    # audits admitted after that admission number (`drift_cs`) bound the risk at delta or below
+    drift_since: int | None = None
+    drift_cs: CS | None = None
 
     def __post_init__(self) -> None:
         self.lam = self.bundle_lam
@@ -169,6 +196,8 @@ class DeltaGuard:
         effect (`feed(lam)`: its loss, or censored, `cut_feed`). `feed` None: an audit whose
         loss is unknown at every threshold (UNKNOWN)."""
         self.cs.update(*(UNKNOWN if feed is None else feed(self.bundle_lam)))
+        if self.drift_cs is not None and seq > self.drift_since:  # type: ignore[operator]
+            self.drift_cs.update(*(UNKNOWN if feed is None else feed(self.bundle_lam)))
         if self.served is not None and seq > self.served.since:
             self.served.cs.update(*(UNKNOWN if feed is None else feed(self.served.lam)))
 
@@ -184,12 +213,22 @@ class DeltaGuard:
         `report` and `fallback`: the guard engages on an alarm and is cleared only when no
         member alarms any more and the whole history's upper bound is back at delta or below
         (evidence that the bundle's lambda* holds again), not when the lower bound dips: that
-        would flap with every loss near the boundary.
+        would flap with every loss near the boundary. After a sequential drift alarm
+        (`drift_alarm`) they also hold until the audits admitted after it bound the risk at
+        delta or below.
         """
         if self.on_alarm == OnAlarm.RECALIBRATE:
             self._recalibrate(now, window, ltt, make_cs)
             return self.trust()
-        self.engaged = engagement(self.engaged, self.cs, self.delta)
+        held = self.drift_cs is not None and not (self.drift_cs.n
+                                                   and self.drift_cs.upper <= self.delta)
+        if self.drift_cs is not None and not held:  # the traffic since the drift alarm is fine
+            self.drift_since, self.drift_cs = None, None
+        self.engaged = engagement(self.engaged, self.cs, self.delta) or held
+        self._serve()
+
+    def _serve(self) -> None:
+        """`report` and `fallback`: the lambda an engaged guard serves, or the bundle's."""
         if self.engaged and self.on_alarm == OnAlarm.FALLBACK:
             self.lam, self.source = NEVER, Source.FALLBACK
         else:
@@ -209,28 +248,56 @@ class DeltaGuard:
                 return
             k = self.recalibrations + 1
             eps = recalibration_epsilon(self.epsilon, k)
-            lam = max(ltt(data[0], data[1], self.delta, eps), self.floor)
-            self.served = Recalibrated(k, eps, lam, now, make_cs(), self._window_drift(data[0]))
+            lam = max(window_lambda(data[0], data[1], self.delta, eps, ltt), self.floor)
+            self.served = Recalibrated(k, eps, lam, now, make_cs(), *self._window_drift(data[0]))
             self.recalibrations, self.waiting_since = k, None
         if self.served is not None:
             self.lam, self.source = self.served.lam, Source.AUDIT
         else:
             self.lam, self.source = self.bundle_lam, Source.BUNDLE
 
-    def _window_drift(self, scores: list[np.ndarray]) -> DriftMonitor | None:
-        """A drift test against the recalibration window's own scores (docs/AUDIT.md, "While
-        drift alarms after a recalibration"); None when no audit of it has a scored step."""
+    def drift_alarm(self, now: int, k: int | None, make_cs: Callable[[], CS]) -> None:
+        """A sequential drift test alarmed (`ConformalMartingale`; journalled, so every process
+        folds it at the same place; `now`: audits admitted so far): the bundle's (`k` None,
+        against the calibration split) or the one of this delta's k-th recalibrated lambda
+        (against its window). The response is the alarm's (docs/AUDIT.md, "Sequential drift
+        test"): `recalibrate` falls back and recalibrates on the first `window` audits admitted
+        after now (the bundle's test only while the bundle's lambda* is served); `fallback`
+        and `report` engage until the audits admitted after now bound the risk of the bundle's
+        lambda* at delta or below."""
+        if k is not None:
+            if self.served is None or self.served.k != k:
+                return  # a lambda no longer served
+            self.waiting_since, self.served, self.distrusted = now, None, False
+            self.lam, self.source = NEVER, Source.FALLBACK
+        elif self.on_alarm == OnAlarm.RECALIBRATE:
+            if self.engaged:
+                return  # the bundle's lambda* is not served any more
+            self.engaged, self.waiting_since, self.served = True, now, None
+            self.lam, self.source = NEVER, Source.FALLBACK
+        elif self.drift_cs is None:
+            self.engaged, self.drift_since, self.drift_cs = True, now, make_cs()
+            self._serve()
+
+    def _window_drift(self, scores: list[np.ndarray]
+                      ) -> tuple[DriftMonitor | None, ConformalMartingale | None]:
+        """The drift tests against the recalibration window's own scores (docs/AUDIT.md,
+        "While drift alarms after a recalibration"): the window test and the sequential one;
+        None when no audit of it has a scored step."""
         ref = build_reference(scores, self.drift_k, [self.floor])
-        return None if ref is None else _window_monitor(ref)
+        return (None, None) if ref is None else _window_tests(ref)
 
     def state(self) -> dict[str, Any]:
         """What the journal's snapshot keeps of this guard (its drift tests' observations are
         the process's own and start empty)."""
         r = self.served
         cs: Any = self.cs  # a CensoredAlarm (LiveAudit._snapshot checks that it can be saved)
+        dcs: Any = self.drift_cs
         return {"delta": self.delta, "cs": cs.to_dict(), "engaged": self.engaged,
                 "waiting_since": self.waiting_since, "recalibrations": self.recalibrations,
                 "lam": lam_to_json(self.lam), "source": self.source,
+                "drift_since": self.drift_since,
+                "drift_cs": None if dcs is None else dcs.to_dict(),
                 "served": None if r is None else {
                     "k": r.k, "epsilon": r.epsilon, "lam": lam_to_json(r.lam), "since": r.since,
                     "cs": r.cs.to_dict(),  # type: ignore[attr-defined]
@@ -241,19 +308,31 @@ class DeltaGuard:
         self.engaged, self.waiting_since = bool(d["engaged"]), d["waiting_since"]
         self.recalibrations = int(d["recalibrations"])
         self.lam, self.source = lam_from_json(d["lam"]), Source(d["source"])
+        self.drift_since = d.get("drift_since")
+        self.drift_cs = None if d.get("drift_cs") is None else CensoredAlarm.from_dict(
+            d["drift_cs"])
         r = d["served"]
         self.served = None if r is None else Recalibrated(
             r["k"], r["epsilon"], lam_from_json(r["lam"]), r["since"],
             CensoredAlarm.from_dict(r["cs"]),
-            None if r["drift"] is None else _window_monitor(DriftReference.model_validate(
-                r["drift"])))
+            *((None, None) if r["drift"] is None else _window_tests(
+                DriftReference.model_validate(r["drift"]))))
         self.trust()
 
-    def see(self, scores: list[float], lam: float) -> None:
-        """A finished request's scores (one choice): to the served lambda's drift test."""
-        if self.served is not None and self.served.drift is not None:
-            self.served.drift.observe(scores, lam)
+    def see(self, scores: list[float], lam: float) -> bool:
+        """A finished request's scores (one choice): to the served lambda's drift tests.
+        Returns whether its sequential test alarmed at this request (the caller journals that:
+        `drift_alarm`)."""
+        r = self.served
+        if r is None:
+            return False
+        if r.drift is not None:
+            r.drift.observe(scores, lam)
             self.trust()
+        if r.sequential is None or r.sequential.alarm:
+            return False
+        r.sequential.observe(scores, lam)
+        return r.sequential.alarm
 
     def trust(self) -> None:
         """Under `recalibrate`: fall back while the recalibrated lambda's drift test alarms at
@@ -269,6 +348,9 @@ class DeltaGuard:
         out = {**_cs_row(self.cs, self.delta), "engaged": self.engaged,
                "lambda": lam_to_json(self.lam), "lambda_source": self.source,
                "bundle_lambda": lam_to_json(self.bundle_lam)}
+        if self.drift_cs is not None:  # engaged by the sequential drift test, clearing on these
+            out["drift_hold"] = {"since": self.drift_since, "n": int(self.drift_cs.n),
+                                 "upper": float(self.drift_cs.upper)}
         if self.on_alarm == OnAlarm.RECALIBRATE:
             out.update(recalibrations=self.recalibrations, waiting_since=self.waiting_since,
                        distrusted=self.distrusted,
@@ -334,11 +416,13 @@ def _cs_row(cs: CS, delta: float) -> dict[str, Any]:
             **dict(zip(("alarm_since", "alarm_lower"), cs.alarm_source(delta)))}
 
 
-def _window_monitor(ref: DriftReference) -> DriftMonitor:
-    """The drift test of a recalibrated lambda: windows of the reference's size (the
-    recalibration window's audits), tested every half window."""
+def _window_tests(ref: DriftReference) -> tuple[DriftMonitor, ConformalMartingale]:
+    """The drift tests of a recalibrated lambda against its window's reference: the window
+    test (windows of half the reference's size, tested every quarter) and the sequential one
+    (at the sequential test's default level)."""
     size = len(ref.early_mean)
-    return DriftMonitor(ref, window=max(10, size // 2), every=max(5, size // 4), spend=False)
+    return (DriftMonitor(ref, window=max(10, size // 2), every=max(5, size // 4), spend=False),
+            ConformalMartingale(ref))
 
 
 def _finite(x: float) -> float | None:
@@ -364,4 +448,5 @@ def _served_row(g: DeltaGuard) -> dict[str, Any]:
             "upper": float(r.cs.upper), "alarm": bool(n) and bool(r.cs.alarm(g.delta)),
             "drift": None if r.drift is None else {"pvalue": r.drift.pvalue,
                                                    "alarm": bool(r.drift.alarming),
-                                                   "tests": r.drift.tests}}
+                                                   "tests": r.drift.tests},
+            "sequential": None if r.sequential is None else r.sequential.to_dict()}

@@ -47,8 +47,10 @@ class AuditCollector(Collector):
             "alarm": GaugeMetricFamily("orca_audit_alarm", "1 when the lower bound exceeds delta",
                                        labels=[LABEL, "delta"]),
             "censored": GaugeMetricFamily("orca_audit_censored", "Audits in the risk with an "
-                                          "unknown loss (cut by max_tokens or aborted): loss 0 "
-                                          "for the lower bound, 1 for the upper",
+                                          "unknown loss at lambda* (cut by max_tokens or "
+                                          "aborted before its stop): loss 0 for the lower "
+                                          "bound; for the upper, the loss at the cut (1 if "
+                                          "aborted)",
                                           labels=[LABEL, "delta"]),
         }
         lam = GaugeMetricFamily("orca_audit_lambda", "lambda served for this delta (+Inf: never "
@@ -82,6 +84,18 @@ class AuditCollector(Collector):
                                    labels=[LABEL])
             al.add_metric([m], float(bool(a.drift.alarm)))
             yield al
+        if a.sequential is not None:
+            cap = GaugeMetricFamily("orca_drift_sequential_capital", "Capital of the sequential "
+                                    "drift test (a test martingale against the bundle's "
+                                    "reference: 1 at the start, the alarm at 1/alpha)",
+                                    labels=[LABEL])
+            cap.add_metric([m], a.sequential.capital)
+            yield cap
+            sal = GaugeMetricFamily("orca_drift_sequential_alarm", "1 once the sequential drift "
+                                    "test has alarmed (the guards respond as to their alarm)",
+                                    labels=[LABEL])
+            sal.add_metric([m], float(a.sequential.alarm))
+            yield sal
 
 
 def _give_up_families(st: AuditState, m: str) -> Iterable[Any]:

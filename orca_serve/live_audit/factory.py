@@ -1,5 +1,5 @@
 """The server's live audit, built with everything it works with: its journal and store when an
-audit directory (or the fleet's store) is set, its drift monitor, its link to the engine."""
+audit directory (or the fleet's store) is set, its drift tests, its link to the engine."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from orca_method.audit.drift import DriftMonitor
+from orca_method.audit.martingale import ConformalMartingale
 from orca_method.bundle import Bundle
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig, audit_journal, audit_store
@@ -30,5 +31,7 @@ def make_live_audit(bundle: Bundle, config: AuditConfig,
             store.close()
         raise
     return LiveAudit(bundle, config, journal=journal, store=store,
-                     drift=DriftMonitor.from_bundle(bundle), engine_client=engine_client,
+                     drift=DriftMonitor.from_bundle(bundle),
+                     sequential=ConformalMartingale.from_bundle(bundle),
+                     engine_client=engine_client,
                      superseded=superseded)

@@ -27,7 +27,10 @@ def log_change(g: DeltaGuard, was_engaged: bool, was_source: Source, was_lam: fl
     """One server-log line per change of a guard: alarm raised or cleared, and the lambda served
     (fallback, recalibrated, the bundle's again)."""
     n, d = int(g.cs.n), f"{g.delta:g}"
-    if g.engaged and not was_engaged:
+    if g.engaged and not was_engaged and not (n and g.cs.alarm(g.delta)):
+        logger.warning("orca audit: delta %s engaged by the sequential drift test after %d "
+                       "audits (on alarm: %s)", d, n, g.on_alarm)
+    elif g.engaged and not was_engaged:
         logger.warning("orca audit: ALARM at delta %s after %d audits: the realized risk of the "
                        "bundle's lambda* %s has lower bound %.3f > delta (on alarm: %s)", d, n,
                        shown_lam(g.bundle_lam), g.cs.alarm_source(g.delta)[1] or g.cs.lower,

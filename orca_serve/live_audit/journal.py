@@ -18,6 +18,12 @@ into the same state (`LiveAudit._apply`), in file order:
     {"r": 19, "o": "censored", "s": [...], "l": [...], "c": "length"}  cut by max_tokens ("c":
                                                                     why; journals before it:
                                                                     none, read as aborted)
+    {"x": "drift", "d": null, "k": null}                            the sequential drift test
+                                                                    alarmed (the bundle's,
+                                                                    folded only with
+                                                                    --orca-audit-drift-acts;
+                                                                    "d", "k": a delta's k-th
+                                                                    recalibrated lambda's)
 
 - **Restarts**: a server that starts with the same bundle and directory replays the journal and
   carries on where the last one stopped, so the alarm's levels are spent once per bundle, not
@@ -98,6 +104,14 @@ class AuditOutcome(StrEnum):
     LOST = "lost"  # its process died before its outcome (reaped)
 
 
+DRIFT = "drift"  # a sequential drift alarm event's "x" (the module docstring)
+
+
+def is_drift(e: dict[str, Any]) -> bool:
+    """Whether an event is a sequential drift test's alarm."""
+    return e.get("x") == DRIFT
+
+
 class EventJournal(Protocol):
     """One bundle's ordered stream of audit events, shared by every process that opens it.
 
@@ -166,12 +180,15 @@ def read_snapshot_json(raw: str | bytes | None, checksum: str, created: Any, len
 
 
 def _is_event(e: Any) -> bool:
-    """Whether a parsed line is something the fold can apply: the header, an admission, or an
-    outcome (a `risk` one with its scores and labels)."""
+    """Whether a parsed line is something the fold can apply: the header, an admission, a
+    sequential drift alarm, or an outcome (a `risk` one with its scores and labels)."""
     if not isinstance(e, dict):
         return False
     if "v" in e or "a" in e:
         return True
+    if is_drift(e):
+        return (e.get("d") is None or isinstance(e["d"], (int, float))) and (
+            e.get("k") is None or isinstance(e["k"], int))
     return (isinstance(e.get("r"), int) and isinstance(e.get("o"), str)
             and (e["o"] != AuditOutcome.RISK or (isinstance(e.get("s"), list)
                                       and isinstance(e.get("l"), list))))

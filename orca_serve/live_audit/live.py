@@ -19,8 +19,10 @@ server (statistics: docs/AUDIT.md; operations: docs/AUDIT-OPERATIONS.md). `LiveA
    method's (`orca_method.audit.guards`). Give-up is decided by the give-up guard (`mu`). A
    two-sided bundle's audits are scored by its give-up probe here (`_give_up_scores`), since
    audits never give up.
-4. **Drift**: with a drift reference in the bundle, a `DriftMonitor` sees the scores of one
-   choice of every finished request (audited or not).
+4. **Drift**: with a drift reference in the bundle, a `DriftMonitor` (window test) and a
+   `ConformalMartingale` (sequential test; reported, and answered by the guards as their own
+   alarm only with `--orca-audit-drift-acts`) see the scores of one choice of every finished
+   request (audited or not).
 5. **Hot reload** (`orca_serve.live_audit.handover`: builds the successor), the table
    (`GET /v1/orca/audit`: `orca_serve.live_audit.route`) and the metrics
    (`orca_serve.live_audit.collector`).
@@ -46,6 +48,7 @@ import numpy as np
 from orca_method.audit.attrition import incomplete
 from orca_method.audit.drift import DriftMonitor
 from orca_method.audit.guards import CS, aligned_scores
+from orca_method.audit.martingale import ConformalMartingale
 from orca_method.bundle import Bundle
 from orca_method.outcomes import GiveUpLoss, OnAlarm, Source
 from orca_method.probe import Probe
@@ -89,13 +92,14 @@ class LiveAudit:
     def __init__(self, bundle: Bundle, config: AuditConfig, *,
                  journal: EventJournal | None = None, store: AuditStore | None = None,
                  drift: DriftMonitor | None = None,
+                 sequential: ConformalMartingale | None = None,
                  engine_client: Callable[[], Any] | None = None,
                  labeller: Labeller | None = None, superseded: int = 0,
                  cs_factory: Callable[[], CS] | None = None,
                  loss: Callable[[np.ndarray, np.ndarray, float], int] | None = None) -> None:
         """`journal`: the bundle's event journal (replayed now; None: the events are not
         kept); `store`: where labelled audits are appended (None: nowhere); `drift`: the
-        bundle's drift test; `engine_client`: returns the server's engine client (vLLM makes
+        bundle's drift test; `sequential`: its sequential drift test; `engine_client`: returns the server's engine client (vLLM makes
         it after the app), which labels the audits; `labeller`: labels them instead (tests);
         `superseded`: the unfinished audits of the audit this one took over from;
         `cs_factory`, `loss`: the guards' statistics and loss (tests, simulations)."""
@@ -105,6 +109,7 @@ class LiveAudit:
                                 loss=loss)
         self.store = store
         self.drift = drift
+        self.sequential = sequential
         self.engine_client = engine_client or (lambda: None)
         self.sampler = AuditSampler(config.rate, config.seed)
         self.counts = dict.fromkeys(COUNTS, 0)
@@ -183,13 +188,32 @@ class LiveAudit:
         self._submit(_Job(settings.key, rec, first, seq, reason, settings.lam_source))
 
     def see(self, scores: list[float], lam: float) -> None:
-        """One finished request's scores (choice 0): to the bundle's drift test and to the
-        drift tests of the recalibrated lambdas served."""
+        """One finished request's scores (choice 0): to the bundle's drift tests (the window
+        test and the sequential one) and to the drift tests of the recalibrated lambdas
+        served. A sequential test's alarm is journalled (`AuditState.drift_alarm`): a
+        recalibrated lambda's guard recalibrates anew; the guards answer the bundle's as their
+        alarm only with `config.drift_acts`, since it says the scores changed, not that the
+        risk grew (greedy clients of a bundle calibrated on sampled traces set it off), so by
+        default it is reported only."""
         if self.drift is not None:
             self.drift.observe(scores, lam)
+        seq = self.sequential
+        if seq is not None and not seq.alarm and seq.observe(scores, lam) and seq.alarm:
+            acts = self.config.drift_acts
+            logger.warning("orca audit: DRIFT ALARM after %d requests: the sequential drift "
+                           "test's capital reached %.3g >= 1/alpha (alpha %g): the live scores "
+                           "no longer look like the calibration split's; %s",
+                           seq.observed, seq.capital, seq.alpha,
+                           f"on alarm: {self.config.on_alarm}" if acts else
+                           "reported only (--orca-audit-drift-acts lets the guards answer it)")
+            self.state.drift_alarm()  # journalled either way; folded only with drift_acts
         for g in self.state.guards.values():
             before = (g.engaged, g.source, g.lam)
-            g.see(scores, lam)
+            k = None if g.served is None else g.served.k
+            if g.see(scores, lam):
+                logger.warning("orca audit: DRIFT ALARM at delta %g: the traffic is no longer "
+                               "the window recalibration %d was certified on", g.delta, k)
+                self.state.drift_alarm(g.delta, k)
             log_change(g, *before)
 
     def _submit(self, job: _Job) -> None:
@@ -351,4 +375,7 @@ class LiveAudit:
         }
         if self.drift is not None:
             out["drift"] = {"pvalue": self.drift.pvalue, "alarm": bool(self.drift.alarm)}
+        if self.sequential is not None:
+            out["sequential_drift"] = {**self.sequential.to_dict(),
+                                       "acts": self.config.drift_acts}
         return out

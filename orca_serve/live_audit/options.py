@@ -49,6 +49,9 @@ class AuditConfig:
     on_alarm: OnAlarm = OnAlarm.REPORT
     epsilon_split: EpsilonSplit = EpsilonSplit.PER_DELTA
     other_labels: bool = False  # let on_alarm act although the bundle's label mode is not the audit's
+    # let the guards answer the bundle's sequential drift alarm as their own (default: it is
+    # reported only: it is evidence that the scores changed, not that the risk grew)
+    drift_acts: bool = False
     window: int = 200  # audits LTT recalibrates on (on_alarm=recalibrate)
     queue: int = 64  # finished audits waiting for labels; more are dropped
     per_dir: int = 1000  # audits per trajectory directory before rotating
@@ -100,6 +103,12 @@ def add_audit_args(g: argparse._ActionsContainer) -> None:
                    help="Let --orca-on-alarm act although the bundle was calibrated with other "
                    "labels than the audits' (consistency): the audited risk is then not the "
                    "certified one. Without it such a bundle's guard only reports.")
+    g.add_argument("--orca-audit-drift-acts", action="store_true", default=False,
+                   help="Let --orca-on-alarm answer the sequential drift test's alarm (the "
+                   "scores of live requests no longer look like the calibration split's) as a "
+                   "risk alarm: fallback until later audits clear it, or recalibrate. Without "
+                   "it the alarm is reported only (log, table, metrics): it says the traffic "
+                   "changed (other prompts, or another temperature), not that the risk grew.")
     g.add_argument("--orca-recalibrate-window", type=integer(1), default=200, metavar="N",
                    help="Audits LTT recalibrates on (--orca-on-alarm recalibrate).")
     g.add_argument("--orca-audit-epsilon-split", choices=EPSILON_SPLITS, default=str(EpsilonSplit.PER_DELTA),
@@ -113,7 +122,7 @@ def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
     if not has_bundle:
         if (ns.orca_audit_rate > 0 or ns.orca_audit_dir or ns.orca_audit_store
                 or ns.orca_on_alarm != OnAlarm.REPORT
-                or ns.orca_guard_other_labels):
+                or ns.orca_guard_other_labels or ns.orca_audit_drift_acts):
             raise ValueError("auditing (--orca-audit-*, --orca-on-alarm) needs --calib (a bundle)")
         return
     if ns.orca_audit_suffix == "":
@@ -123,7 +132,8 @@ def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
         acts = ns.orca_on_alarm != OnAlarm.REPORT
         for opt, is_set in (("--orca-audit-dir", ns.orca_audit_dir is not None),
                             ("--orca-audit-store", ns.orca_audit_store is not None),
-                            (f"--orca-on-alarm {ns.orca_on_alarm}", acts)):
+                            (f"--orca-on-alarm {ns.orca_on_alarm}", acts),
+                            ("--orca-audit-drift-acts", ns.orca_audit_drift_acts)):
             if is_set:
                 raise ValueError(f"{opt} is set but --orca-audit-rate is 0: no request would be "
                                  "audited")
@@ -175,6 +185,7 @@ def audit_config(ns: argparse.Namespace, bundle: Bundle) -> AuditConfig:
         directory=Path(ns.orca_audit_dir).absolute() if ns.orca_audit_dir else None,
         store=ns.orca_audit_store,
         on_alarm=OnAlarm(ns.orca_on_alarm), other_labels=bool(ns.orca_guard_other_labels),
+        drift_acts=bool(ns.orca_audit_drift_acts),
         epsilon_split=EpsilonSplit(getattr(ns, "orca_audit_epsilon_split",
                                            EpsilonSplit.PER_DELTA)),
         window=ns.orca_recalibrate_window, queue=ns.orca_audit_queue,

@@ -30,7 +30,7 @@ from orca_method.bundle import Bundle
 from orca_method.outcomes import ON_ALARM, OnAlarm
 from orca_method.risk import request_loss
 from orca_serve.live_audit.guard_log import log_change, log_give_up_change, shown_lam
-from orca_serve.live_audit.journal import SNAPSHOT_EVERY, AuditOutcome, EventJournal
+from orca_serve.live_audit.journal import DRIFT, SNAPSHOT_EVERY, AuditOutcome, EventJournal, is_drift
 from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE
 from orca_serve.live_audit.options import EPSILON_SPLITS, AuditConfig, guard_epsilon
 
@@ -170,6 +170,8 @@ class AuditState:
                                # how a censored audit is folded (guards.cut_feed): snapshots
                                # folded before it counted every one censored at every lambda
                                "censoring": CENSORING}
+        if self.config.drift_acts:  # the bundle's drift alarms are folded (absent: skipped)
+            out["drift_acts"] = True
         if self.give_up_guards:
             out["give_up"] = {"on_alarm": [g.on_alarm for g in self.give_up_guards.values()],
                               "guard_epsilon": self.give_up_epsilon}
@@ -247,6 +249,16 @@ class AuditState:
             self.admitted += 1
             self._open[self.admitted] = e["a"]
             return
+        if is_drift(e):  # a sequential drift test alarmed (drift_alarm)
+            if e.get("d") is None and not self.config.drift_acts:
+                return  # the bundle's: reported only without --orca-audit-drift-acts
+            for g in self.guards.values():
+                if e.get("d") is None or math.isclose(g.delta, e["d"], abs_tol=1e-9):
+                    before = (g.engaged, g.source, g.lam)
+                    g.drift_alarm(self.admitted, e.get("k"), self.make_cs)
+                    if not quiet:
+                        log_change(g, *before)
+            return
         seq, outcome = int(e["r"]), e["o"]  # a word: members compare equal to it
         if seq > self.admitted:  # admissions up to it were corrupt lines, skipped (journal.py)
             self._open.update(dict.fromkeys(range(self.admitted + 1, seq + 1), _SKIPPED))
@@ -283,6 +295,13 @@ class AuditState:
             g.observe(scores)
             if not quiet:
                 log_give_up_change(g, *before)
+
+    def drift_alarm(self, delta: float | None = None, k: int | None = None) -> None:
+        """A sequential drift test alarmed in this process: the bundle's (`delta` None), or
+        that of `delta`'s k-th recalibrated lambda. Journalled, so that every process (and a
+        replay) responds at the same place in the sequence (DeltaGuard.drift_alarm); the
+        bundle's is folded only with `config.drift_acts` (else reported only)."""
+        self._event({"x": DRIFT, "d": delta, "k": k})
 
     def admit(self) -> int:
         """Admit one audit; its admission number (global across the journal's processes)."""
