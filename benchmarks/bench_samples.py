@@ -8,6 +8,8 @@ answer probe at every step boundary) with the reasoner's job settings (orca_cali
 <reasoner>.yaml, `samples: k`). It works in rounds of a few batches and stops cleanly once
 ``--budget-s`` has passed, so each run fits a slot of the shared vLLM lock; a rerun resumes
 (the trajectory writer skips what it holds). Run it under ``flock /tmp/vllm.lock``.
+``--family`` records another prompt family of the task (the same seed); with ``--k 1`` that
+is what benchmarks/bench_replay_shift.py replays.
 
 ``report``: every rule below computed from the recorded traces (no engine); tokens are
 completion tokens (reasoning through the stop step plus the answer written after it):
