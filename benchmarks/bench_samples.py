@@ -8,6 +8,8 @@ answer probe at every step boundary) with the reasoner's job settings (orca_cali
 <reasoner>.yaml, `samples: k`). It works in rounds of a few batches and stops cleanly once
 ``--budget-s`` has passed, so each run fits a slot of the shared vLLM lock; a rerun resumes
 (the trajectory writer skips what it holds). Run it under ``flock /tmp/vllm.lock``.
+``--family`` records another prompt family of the task (the same seed); with ``--k 1`` that
+is what benchmarks/bench_replay_shift.py replays.
 
 ``report``: every rule below computed from the recorded traces (no engine); tokens are
 completion tokens (reasoning through the stop step plus the answer written after it):
@@ -91,18 +93,19 @@ REASONERS = {"toy": (toy_tasks, "orca_serve/demo/bundle.json"),
 RUNS = ROOT / "runs" / "bench-samples"
 
 
-def run_dir(reasoner: str, k: int) -> Path:
-    return RUNS / f"{reasoner}-k{k}"
+def run_dir(reasoner: str, k: int, family: str = "in-dist") -> Path:
+    """Where one collection lives; the in-distribution one keeps its original name."""
+    return RUNS / (f"{reasoner}-k{k}" if family == "in-dist" else f"{reasoner}-{family}-k{k}")
 
 
 def cmd_collect(a: argparse.Namespace) -> None:
     t0 = time.monotonic()
     tasks, _ = REASONERS[a.reasoner]
-    out = run_dir(a.reasoner, a.k)
+    out = run_dir(a.reasoner, a.k, a.family)
     out.mkdir(parents=True, exist_ok=True)
     prompts_file = out / "prompts.jsonl"
     if not prompts_file.exists():
-        tasks.write_prompts(prompts_file, "in-dist", a.n, PROMPT_SEED)
+        tasks.write_prompts(prompts_file, a.family, a.n, PROMPT_SEED)
     prompts = read_prompts(prompts_file)[:a.n]
     job = load_job(ROOT / "orca_calibrate" / "jobs" / f"{a.reasoner}.yaml")
     settings = CollectSettings(**{**job["collect"], "samples": a.k,
@@ -521,6 +524,9 @@ def main() -> None:
     c.add_argument("--reasoner", choices=sorted(REASONERS), required=True)
     c.add_argument("--n", type=int, default=160, help="prompts")
     c.add_argument("--k", type=int, default=8, help="samples per prompt")
+    c.add_argument("--family", default="in-dist",
+                   help="the task's prompt family (its FAMILIES); benchmarks/"
+                   "bench_replay_shift.py replays the shifted and hard ones with k = 1")
     c.add_argument("--batch", type=int, default=0,
                    help="traces per generation batch (0: the job's); the tiny demo reasoners "
                    "run faster in larger batches")

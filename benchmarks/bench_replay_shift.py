@@ -1,0 +1,330 @@
+"""Issue 34's done-means on the long reasoner's shifted and hard families, replayed offline.
+
+Serving one ORCA arm at one delta live and labelling it costs ~20 min of the shared machine per
+family, too much for every delta of the bundle on two families. So the traces are recorded once,
+in full (`bench_samples.py collect --family F --k 1`: the job's collector, plugin in record mode,
+an answer probe at every step boundary, temperature 0.7, prompts seed 35 that no calibration
+saw), and every arm is replayed from them through the server's own code path:
+
+- the shipped bundle's probe with its online update on the recorded step embeddings
+  (`orca_method.procedure.replay`, the `ProbeBank.step` the engine runs), never stopping: the
+  scores up to any stop are the ones the server computes, so one replay serves every lambda;
+- the shift gate (the defaults: on, alpha = the bundle's, action `full`): its score of the mean
+  of the first `gate.steps` step embeddings (`ShiftGate.score`, the engine's code); before its
+  gate step a request neither stops nor gives up; a flagged one runs with no lambda (full
+  reasoning) and never gives up (orca_serve/core/plan.py `_plan_scoring`);
+- the give-up probe (its own bank, no online update) and `two_sided_ends` (the stop wins a tie);
+- `stop_indices` on the masked scores.
+
+Per family and delta: the stop error (supervised labels, the live benchmarks' loss; and under
+the bundle's own label mode, the loss LTT certified), the give-up error, accuracy and tokens of
+one- and two-sided ORCA, the flag rate; all with exact 95% intervals (Clopper-Pearson, the
+project's `interval95`) or Wilson's for accuracy. Beside them full reasoning and the thinking
+budget at B tokens from the same traces (`bench_samples.budget_answer`: the trace cut at its
+last step boundary within B reasoning tokens, the recorded answer probe there). vLLM's live
+budget differs: it cuts at exactly B tokens, mid-step, and the model then writes its own answer
+after the forced end of thinking, sampled at the request's temperature, where the replay answers
+the job's suffix greedily at a step boundary before B.
+
+`GateAlarm`: a stream-level alarm may serve requests as flagged that the per-request gate
+passed (`replay_family(..., alarm=f)`: f gets the stream's per-request gate decisions in order
+and returns the serve-as-flagged mask); the default serves exactly the gate's flags.
+
+Usage (after the collections):
+  python benchmarks/bench_replay_shift.py            # every family collected
+  python benchmarks/bench_replay_shift.py --families shifted --out runs/replay-shift
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_samples import BUDGETS, Trace, budget_answer, run_dir, traces, wilson  # noqa: E402
+from bench_shift import against_budget  # noqa: E402
+
+from orca_calibrate.evaluate import interval95  # noqa: E402
+from orca_method.bundle import Bundle, load_bundle  # noqa: E402
+from orca_method.give_up import last_right, lost_by_giving_up, two_sided_ends  # noqa: E402
+from orca_method.labels import equivalent  # noqa: E402
+from orca_method.outcomes import Ended, GiveUpPolicy  # noqa: E402
+from orca_method.procedure import replay  # noqa: E402
+from orca_method.risk import cumulative, stop_indices  # noqa: E402
+from orca_method.shift_gate import gate_features  # noqa: E402
+from orca_method.trajectories import TrajectorySet  # noqa: E402
+
+BUNDLE = ROOT / "orca_serve/demo/long/bundle.json"
+FAMILIES = ("shifted", "hard")
+GIVE_UP_DELTA = 0.05  # the two-sided arm's delta_2, as bench_frontier / bench_shift serve it
+OUT = ROOT / "runs" / "replay-shift"
+
+# A stream-level alarm: the per-request gate decisions of a stream, in order ([n] bool) -> which
+# requests are served as flagged ([n] bool; at least the gate's own flags are)
+GateAlarm = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass
+class Replayed:
+    """One family's recorded traces as the server scores them, never stopping."""
+
+    stop: list[np.ndarray]  # smoothed stop scores, [T_i] each
+    give_up: list[np.ndarray]  # smoothed give-up scores, [T_i] each
+    gate_score: np.ndarray  # [n]; nan where the trace is too short to be gated
+    traces: list[Trace]
+    truth: list[str]
+    supervised: list[np.ndarray]  # raw per-step labels against the reference answer
+    certified: list[np.ndarray]  # cumulative labels of the bundle's label mode (LTT's loss)
+
+    def __len__(self) -> int:
+        return len(self.traces)
+
+
+def replay_family(bundle: Bundle, ts: TrajectorySet) -> Replayed:
+    """Score every trace of `ts` as the server would (module docstring)."""
+    import torch  # deferred: the report alone needs no torch
+
+    idx = list(range(len(ts)))
+    embs = [ts.embeddings(i) for i in idx]
+    stop = [s.numpy().astype(np.float64)
+            for _, s in replay(bundle.load_probe(), embs, window=bundle.window)]
+    give_up = [s.numpy().astype(np.float64)
+               for _, s in replay(bundle.load_give_up_probe(), embs,
+                                  window=bundle.give_up.window)]
+    gate = bundle.load_gate()
+    gate_score = np.full(len(idx), np.nan)
+    feats = [gate_features(e, gate.steps) for e in embs]
+    have = [i for i, f in enumerate(feats) if f is not None]
+    if have:
+        x = torch.from_numpy(np.stack([feats[i] for i in have]))  # [m, d]
+        gate_score[have] = gate.score(x).numpy()
+    return Replayed(stop=stop, give_up=give_up, gate_score=gate_score,
+                    traces=[g[0] for g in traces(ts, [[i] for i in idx])],
+                    truth=[ts.problems[i].answer for i in idx],
+                    supervised=[ts.raw_labels(i, "supervised") for i in idx],
+                    certified=[ts.labels(i, bundle.label_mode) for i in idx])
+
+
+def gate_flags(rep: Replayed, threshold: float) -> np.ndarray:
+    """The gate's decision per request ([n] bool): score above the bundle's threshold at its
+    alpha (a trace too short to be gated is never flagged: its gate never decides)."""
+    with np.errstate(invalid="ignore"):
+        return np.nan_to_num(rep.gate_score, nan=-np.inf) > threshold
+
+
+def served_flagged(flags: np.ndarray, alarm: GateAlarm | None = None) -> np.ndarray:
+    """The requests served as flagged: the gate's own flags, and those a stream-level alarm
+    (fed the gate's decisions in stream order) adds."""
+    return flags if alarm is None else flags | np.asarray(alarm(flags), dtype=bool)
+
+
+def served_ends(rep: Replayed, lam: float, mu: float | None, flagged: np.ndarray,
+                gate_steps: int) -> tuple[np.ndarray, list[Ended]]:
+    """Where and how each request ends under (lambda, mu) with the gate: steps before the gate
+    step (0-based gate_steps - 1) neither stop nor give up; a flagged request runs its safe
+    action (full reasoning) and never gives up. `mu` None: one-sided."""
+    held = [np.arange(len(s)) < gate_steps - 1 for s in rep.stop]
+    stop = [np.where(h | f, -np.inf, s) for s, h, f in zip(rep.stop, held, flagged)]
+    if mu is None:
+        end = stop_indices(stop, np.array([lam]))[0]
+        lengths = np.array([len(s) for s in stop])
+        return end, [Ended.EARLY if e < n - 1 else Ended.FULL for e, n in zip(end, lengths)]
+    give_up = [np.where(h | f, np.inf, g) for g, h, f in zip(rep.give_up, held, flagged)]
+    return two_sided_ends(stop, give_up, lam, mu)
+
+
+def rate(events: Sequence[bool]) -> dict[str, Any]:
+    """k / n with its exact 95% interval."""
+    k, n = int(np.sum(events)), len(events)
+    return {"rate": k / n if n else math.nan, "k": k, "n": n,
+            "ci95": list(interval95(k, n)) if n else None}
+
+
+def arm_figures(rep: Replayed, end: np.ndarray, ended: Sequence[Ended], flagged: np.ndarray,
+                policy: GiveUpPolicy, excluded_never_correct: bool) -> dict[str, Any]:
+    """Accuracy (the delivered answer: the probed one at an early stop or a give-up under
+    "guess", the trace's own at its end), tokens (reasoning through the end step plus the
+    trace's answer), stop errors (over the requests the certified risk counts: an early stop
+    whose cumulative label there is 0) and the give-up error (every request)."""
+    correct, tokens, sup_err, cert_err, gave_err = [], [], [], [], []
+    for tr, y, sup, cert, e, how in zip(rep.traces, rep.truth, rep.supervised, rep.certified,
+                                        end, ended):
+        answer = tr.final if how == Ended.FULL else tr.step_answers[e]
+        if how == Ended.GAVE_UP and policy == GiveUpPolicy.MESSAGE:
+            answer = None
+        correct.append(equivalent(answer, y))
+        tokens.append(float(tr.completion) if how == Ended.FULL
+                      else float(tr.cum[e] + tr.answer_tokens))
+        early = how == Ended.EARLY
+        if not excluded_never_correct or sup.any():
+            sup_err.append(early and cumulative(sup)[e] == 0)
+        if not excluded_never_correct or cert.any():
+            cert_err.append(early and cert[e] == 0)
+        gave_err.append(how == Ended.GAVE_UP
+                        and bool(lost_by_giving_up(e, last_right(sup), policy)))
+    n = len(correct)
+    return {"n": n, "accuracy": float(np.mean(correct)),
+            "accuracy_ci95": list(wilson(int(np.sum(correct)), n)),
+            "tokens": float(np.mean(tokens)),
+            "stop_error": rate(sup_err), "stop_error_certified": rate(cert_err),
+            "give_up_error": rate(gave_err),
+            "ended_early": float(np.mean([h == Ended.EARLY for h in ended])),
+            "gave_up": float(np.mean([h == Ended.GAVE_UP for h in ended])),
+            "flagged": rate(list(flagged))}
+
+
+def family_report(bundle: Bundle, rep: Replayed, alarm: GateAlarm | None = None
+                  ) -> dict[str, Any]:
+    """Every arm on one family's replayed traces."""
+    gate = bundle.load_gate()
+    flags = gate_flags(rep, gate.threshold(gate.alpha))
+    served = served_flagged(flags, alarm)
+    none = np.zeros(len(rep), dtype=bool)
+    policy, excl = bundle.give_up.policy, bundle.ltt.excluded_never_correct
+    mu = bundle.mu(GIVE_UP_DELTA)
+    lengths = np.array([len(s) for s in rep.stop])
+    full_end = lengths - 1
+    out: dict[str, Any] = {
+        "n": len(rep), "gate": {"alpha": gate.alpha, "steps": gate.steps,
+                                "flagged": rate(list(flags)), "served_flagged": rate(list(served))},
+        "full": arm_figures(rep, full_end, [Ended.FULL] * len(rep), none, policy, excl),
+        "budget": [], "orca": []}
+    for b in BUDGETS["long"]:
+        res = [budget_answer(tr, b) for tr in rep.traces]
+        ok = [equivalent(a, y) for (a, _), y in zip(res, rep.truth)]
+        out["budget"].append({"budget": b, "n": len(ok), "accuracy": float(np.mean(ok)),
+                              "accuracy_ci95": list(wilson(int(np.sum(ok)), len(ok))),
+                              "tokens": float(np.mean([t for _, t in res]))})
+    for row in bundle.ltt.rows:
+        lam = bundle.lam(row.delta)
+        arms = {"one-sided": (None, served), "two-sided": (mu, served),
+                "one-sided, no gate": (None, none)}
+        point: dict[str, Any] = {"delta": row.delta, "lambda": lam}
+        for name, (m, flagged) in arms.items():
+            end, ended = served_ends(rep, lam, m, flagged, gate.steps)
+            fig = arm_figures(rep, end, ended, flagged, policy, excl)
+            fig["versus_budget"] = against_budget(fig, out["budget"])
+            point[name] = fig
+        out["orca"].append(point)
+    return out
+
+
+def cell(r: dict[str, Any]) -> str:
+    lo, hi = r["ci95"]
+    return f"{r['k']}/{r['n']} = {r['rate']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def acc(r: dict[str, Any]) -> str:
+    lo, hi = r["accuracy_ci95"]
+    return f"{r['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def versus(v: dict[str, Any]) -> str:
+    if "gap" not in v:
+        return v["where"]
+    lo, hi = v["gap_ci95"]
+    return f"{v['gap']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
+def table(family: str, rep: dict[str, Any]) -> str:
+    """The family's markdown table and its done-means lines."""
+    g = rep["gate"]
+    lines = [f"**{family}** (n = {rep['n']}; gate alpha {g['alpha']:g} on {g['steps']} steps "
+             f"flags {cell(g['flagged'])}; full reasoning {rep['full']['tokens']:.0f} tokens, "
+             f"accuracy {acc(rep['full'])})", "",
+             "| delta | arm | stop error (supervised) | stop error (certified loss) | "
+             "give-up error | accuracy | tokens | early / gave up | vs budget at its tokens |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for p in rep["orca"]:
+        for name in ("one-sided", "two-sided", "one-sided, no gate"):
+            r = p[name]
+            lines.append(f"| {p['delta']:g} | {name} | {cell(r['stop_error'])} | "
+                         f"{cell(r['stop_error_certified'])} | {cell(r['give_up_error'])} | "
+                         f"{acc(r)} | {r['tokens']:.0f} | {r['ended_early']:.2f} / "
+                         f"{r['gave_up']:.2f} | {versus(r['versus_budget'])} |")
+    lines += ["", "| thinking budget B | accuracy | tokens |", "| --- | --- | --- |"]
+    lines += [f"| {b['budget']} | {acc(b)} | {b['tokens']:.0f} |" for b in rep["budget"]]
+    lines += ["", *done_means(rep)]
+    return "\n".join(lines)
+
+
+def done_means(rep: dict[str, Any]) -> list[str]:
+    """Issue 34's done-means on this family, the defaults (gated) arms: one line each."""
+    out = []
+    for p in rep["orca"]:
+        one, two = p["one-sided"], p["two-sided"]
+        d = p["delta"]
+        out.append(
+            f"- delta {d:g}: stop error {one['stop_error']['rate']:.3f} <= delta: "
+            f"{one['stop_error']['rate'] <= d} (95% upper {one['stop_error']['ci95'][1]:.3f}); "
+            f"two-sided stop error {two['stop_error']['rate']:.3f} <= delta: "
+            f"{two['stop_error']['rate'] <= d}; give-up error {two['give_up_error']['rate']:.3f} "
+            f"<= {GIVE_UP_DELTA:g}: {two['give_up_error']['rate'] <= GIVE_UP_DELTA}; two-sided "
+            f"accuracy >= one-sided - 0.02: {two['accuracy'] >= one['accuracy'] - 0.02}; "
+            f"one-sided vs budget: {versus(one['versus_budget'])}")
+    return out
+
+
+def plot(family: str, rep: dict[str, Any], path: Path) -> None:
+    import matplotlib  # deferred: only the report draws
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # deferred: only the report draws
+
+    def bars(points: list[dict[str, Any]]) -> np.ndarray:
+        a = np.array([p["accuracy"] for p in points])
+        ci = np.array([p["accuracy_ci95"] for p in points])
+        return np.stack([a - ci[:, 0], ci[:, 1] - a])
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    b = rep["budget"]
+    ax.errorbar([x["tokens"] for x in b], [x["accuracy"] for x in b], yerr=bars(b), fmt="s--",
+                color="grey", capsize=3, label="thinking budget (replayed)")
+    for name, style in (("one-sided", "o-"), ("two-sided", "^-"), ("one-sided, no gate", "x:")):
+        pts = [p[name] for p in rep["orca"]]
+        ax.errorbar([x["tokens"] for x in pts], [x["accuracy"] for x in pts], yerr=bars(pts),
+                    fmt=style, capsize=3, label=f"ORCA {name}")
+        for p, x in zip(rep["orca"], pts):
+            ax.annotate(f"{p['delta']:g}", (x["tokens"], x["accuracy"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+    f = rep["full"]
+    ax.errorbar([f["tokens"]], [f["accuracy"]], yerr=bars([f]), fmt="k*", markersize=10,
+                label="full reasoning")
+    ax.set(xlabel="completion tokens per request", ylabel="accuracy", ylim=(0, 1),
+           title=f"long reasoner, {family} (n = {rep['n']}), shipped bundle, replayed")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES))
+    ap.add_argument("--bundle", type=Path, default=BUNDLE)
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--plots", type=Path, default=ROOT / "benchmarks",
+                    help="where replay-shift-long-FAMILY.png go")
+    a = ap.parse_args(argv)
+    bundle = load_bundle(a.bundle)
+    a.out.mkdir(parents=True, exist_ok=True)
+    for family in a.families:
+        ts = TrajectorySet.open(run_dir("long", 1, family) / "trajectories")
+        rep = family_report(bundle, replay_family(bundle, ts))
+        (a.out / f"{family}.json").write_text(json.dumps(rep, indent=1))
+        plot(family, rep, a.plots / f"replay-shift-long-{family}.png")
+        print(table(family, rep), "\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""benchmarks/bench_replay_shift.py: the gate, the give-up and the errors on hand-made traces,
+and the replay's wiring on the shipped long bundle (fast, no engine)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from bench_replay_shift import (  # noqa: E402
+    BUNDLE,
+    Replayed,
+    arm_figures,
+    family_report,
+    replay_family,
+    served_ends,
+    served_flagged,
+)
+from bench_samples import Trace  # noqa: E402
+
+from orca_method.bundle import load_bundle  # noqa: E402
+from orca_method.outcomes import Ended, GiveUpPolicy  # noqa: E402
+from orca_method.trajectories import TrajectorySet, TrajectoryWriter  # noqa: E402
+
+
+def replayed(stop: list[list[float]], give_up: list[list[float]], sup: list[list[int]],
+             answers: list[list[str]], final: list[str], truth: list[str]) -> Replayed:
+    traces = [Trace(cum=np.cumsum([10] * len(a)), step_answers=a, final=f,
+                    completion=10 * len(a) + 5) for a, f in zip(answers, final)]
+    return Replayed(stop=[np.array(s) for s in stop], give_up=[np.array(g) for g in give_up],
+                    gate_score=np.zeros(len(stop)), traces=traces, truth=truth,
+                    supervised=[np.array(c) for c in sup],
+                    certified=[np.maximum.accumulate(np.array(c)) for c in sup])
+
+
+def test_the_gate_holds_its_first_steps_and_a_flagged_request_runs_in_full():
+    rep = replayed(stop=[[0.9] * 4, [0.9] * 4], give_up=[[0.5] * 4] * 2, sup=[[1] * 4] * 2,
+                   answers=[["1"] * 4] * 2, final=["1", "1"], truth=["1", "1"])
+    flagged = np.array([False, True])
+    end, ended = served_ends(rep, 0.5, None, flagged, gate_steps=2)
+    # the first request crosses at step 0 but the gate decides at step 1: it stops there
+    assert end.tolist() == [1, 3] and ended == [Ended.EARLY, Ended.FULL]
+    end, ended = served_ends(rep, 0.5, None, flagged, gate_steps=1)
+    assert end.tolist() == [0, 3]
+
+
+def test_a_flagged_request_never_gives_up_and_the_stop_wins_a_tie():
+    low = [0.1, 0.1, 0.1, 0.1]
+    rep = replayed(stop=[low, low, [0.1, 0.9, 0.9, 0.9]], give_up=[[0.0] * 4] * 3,
+                   sup=[[0, 0, 1, 1]] * 3, answers=[["2", "2", "1", "1"]] * 3,
+                   final=["1"] * 3, truth=["1"] * 3)
+    end, ended = served_ends(rep, 0.5, 0.05, np.array([False, True, False]), gate_steps=2)
+    assert end.tolist() == [1, 3, 1]
+    assert ended == [Ended.GAVE_UP, Ended.FULL, Ended.EARLY]
+    fig = arm_figures(rep, end, ended, np.array([False, True, False]), GiveUpPolicy.GUESS, True)
+    # the early stop at step 1 is wrong (right only from step 2); the give-up lost a right answer
+    assert fig["stop_error"]["k"] == 1 and fig["stop_error"]["n"] == 3
+    assert fig["give_up_error"]["k"] == 1
+    assert fig["accuracy"] == pytest.approx(1 / 3)  # only the flagged one, run in full
+    # reasoning through the end step plus the trace's 5 answer tokens
+    assert fig["tokens"] == pytest.approx((25 + 45 + 25) / 3)
+    assert fig["flagged"]["k"] == 1
+
+
+def test_never_right_requests_are_left_out_of_the_stop_error_as_calibrated():
+    rep = replayed(stop=[[0.9] * 3, [0.9] * 3], give_up=[[0.5] * 3] * 2,
+                   sup=[[0, 0, 0], [0, 1, 1]], answers=[["2"] * 3, ["2", "1", "1"]],
+                   final=["2", "1"], truth=["1", "1"])
+    end, ended = served_ends(rep, 0.5, None, np.zeros(2, dtype=bool), gate_steps=1)
+    fig = arm_figures(rep, end, ended, np.zeros(2, dtype=bool), GiveUpPolicy.GUESS, True)
+    assert fig["stop_error"]["n"] == 1 and fig["stop_error"]["k"] == 1
+    fig = arm_figures(rep, end, ended, np.zeros(2, dtype=bool), GiveUpPolicy.GUESS, False)
+    assert fig["stop_error"]["n"] == 2 and fig["stop_error"]["k"] == 2
+
+
+def test_a_stream_alarm_adds_to_the_gates_flags():
+    flags = np.array([False, True, False, False])
+    assert served_flagged(flags).tolist() == flags.tolist()
+    after_first = lambda f: np.arange(len(f)) > int(np.argmax(f))  # noqa: E731
+    assert served_flagged(flags, after_first).tolist() == [False, True, True, True]
+
+
+def test_the_replay_runs_the_shipped_bundle_on_recorded_traces(tmp_path):
+    """Random 256-dim embeddings through the long bundle's probe, give-up probe and gate: every
+    arm's figures come out, in range, with a row per delta of the bundle."""
+    bundle = load_bundle(BUNDLE)
+    rng = np.random.default_rng(0)
+    with TrajectoryWriter(tmp_path / "t", dim=256) as w:
+        for i in range(12):
+            n = int(rng.integers(2, 9))
+            answers = [str(rng.integers(0, 3)) for _ in range(n)]
+            w.append({"id": f"p{i}", "answer": "1", "step_tokens": [20] * n,
+                      "step_answers": answers, "final_answer": answers[-1],
+                      "labels": {"supervised": [int(a == "1") for a in answers],
+                                 "consistent": [int(a == answers[-1]) for a in answers]},
+                      "extra": {"completion_tokens": 20 * n + 6}},
+                     rng.standard_normal((n, 256)).astype(np.float32))
+    rep = family_report(bundle, replay_family(bundle, TrajectorySet.open(tmp_path / "t")))
+    assert [p["delta"] for p in rep["orca"]] == bundle.deltas()
+    for p in rep["orca"]:
+        for arm in ("one-sided", "two-sided", "one-sided, no gate"):
+            assert 0 <= p[arm]["accuracy"] <= 1 and p[arm]["stop_error"]["n"] <= 12
+    assert len(rep["budget"]) > 0 and rep["gate"]["flagged"]["n"] == 12
