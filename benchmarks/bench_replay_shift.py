@@ -26,13 +26,17 @@ budget differs: it cuts at exactly B tokens, mid-step, and the model then writes
 after the forced end of thinking, sampled at the request's temperature, where the replay answers
 the job's suffix greedily at a step boundary before B.
 
-`GateAlarm`: a stream-level alarm may serve requests as flagged that the per-request gate
-passed (`replay_family(..., alarm=f)`: f gets the stream's per-request gate decisions in order
-and returns the serve-as-flagged mask); the default serves exactly the gate's flags.
+The gate alarm (`--gate-alarm LEVEL`): the server's stream-level alarm (orca_method/gate_alarm.py)
+serves requests as flagged that the per-request gate passed (`family_report(..., alarm=f)`: f gets
+the stream's gate decisions in order and returns the serve-as-flagged mask). It hears a request's
+decision when the request finishes, `--in-flight` requests later, and depends on the arrival
+order, so it is replayed over `--orders` random orders of the family's requests, from a fresh
+alarm at the first one (no in-distribution traffic before it).
 
 Usage (after the collections):
   python benchmarks/bench_replay_shift.py            # every family collected
   python benchmarks/bench_replay_shift.py --families shifted --out runs/replay-shift
+  python benchmarks/bench_replay_shift.py --families shifted --gate-alarm 0.01 --in-flight 32
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from bench_shift import against_budget  # noqa: E402
 
 from orca_calibrate.evaluate import interval95  # noqa: E402
 from orca_method.bundle import Bundle, load_bundle  # noqa: E402
+from orca_method.gate_alarm import GateAlarm  # noqa: E402
 from orca_method.give_up import last_right, lost_by_giving_up, two_sided_ends  # noqa: E402
 from orca_method.labels import equivalent  # noqa: E402
 from orca_method.outcomes import Ended, GiveUpPolicy  # noqa: E402
@@ -72,7 +77,7 @@ OUT = ROOT / "runs" / "replay-shift"
 
 # A stream-level alarm: the per-request gate decisions of a stream, in order ([n] bool) -> which
 # requests are served as flagged ([n] bool; at least the gate's own flags are)
-GateAlarm = Callable[[np.ndarray], np.ndarray]
+StreamAlarm = Callable[[np.ndarray], np.ndarray]
 
 
 @dataclass
@@ -123,7 +128,7 @@ def gate_flags(rep: Replayed, threshold: float) -> np.ndarray:
         return np.nan_to_num(rep.gate_score, nan=-np.inf) > threshold
 
 
-def served_flagged(flags: np.ndarray, alarm: GateAlarm | None = None) -> np.ndarray:
+def served_flagged(flags: np.ndarray, alarm: StreamAlarm | None = None) -> np.ndarray:
     """The requests served as flagged: the gate's own flags, and those a stream-level alarm
     (fed the gate's decisions in stream order) adds."""
     return flags if alarm is None else flags | np.asarray(alarm(flags), dtype=bool)
@@ -184,7 +189,24 @@ def arm_figures(rep: Replayed, end: np.ndarray, ended: Sequence[Ended], flagged:
             "flagged": rate(list(flagged))}
 
 
-def family_report(bundle: Bundle, rep: Replayed, alarm: GateAlarm | None = None
+def server_alarm(n_cal: int, alpha: float, level: float, in_flight: int) -> StreamAlarm:
+    """The server's gate alarm (orca_method.gate_alarm, fresh at the stream's first request) as
+    a stream alarm: request j is served as flagged when the alarm is raised at its arrival. The
+    server feeds a request's decision when it finishes, so at request j's arrival the alarm has
+    heard the requests up to j - in_flight - 1 (the requests still running are `in_flight`)."""
+    def served(flags: np.ndarray) -> np.ndarray:
+        alarm = GateAlarm(n_cal, alpha, level)
+        hi, lo = 1.0 / (n_cal + 1), 1.0  # p-values the alarm reads as flagged / passed
+        raised = np.zeros(len(flags), dtype=bool)
+        for j in range(len(flags)):
+            if j - in_flight - 1 >= 0:
+                alarm.observe(hi if flags[j - in_flight - 1] else lo)
+            raised[j] = alarm.alarmed
+        return raised
+    return served
+
+
+def family_report(bundle: Bundle, rep: Replayed, alarm: StreamAlarm | None = None
                   ) -> dict[str, Any]:
     """Every arm on one family's replayed traces."""
     gate = bundle.load_gate()
@@ -315,15 +337,63 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--plots", type=Path, default=ROOT / "benchmarks",
                     help="where replay-shift-long-FAMILY.png go")
+    ap.add_argument("--gate-alarm", type=float, default=0.0, metavar="LEVEL",
+                    help="replay with the server's gate alarm at this level (0: none), fresh "
+                         "at the family's first request, over --orders random arrival orders")
+    ap.add_argument("--in-flight", type=int, default=0,
+                    help="requests running while a request arrives (the alarm hears a "
+                         "request's decision only when it finishes)")
+    ap.add_argument("--orders", type=int, default=20)
     a = ap.parse_args(argv)
     bundle = load_bundle(a.bundle)
     a.out.mkdir(parents=True, exist_ok=True)
     for family in a.families:
         ts = TrajectorySet.open(run_dir("long", 1, family) / "trajectories")
-        rep = family_report(bundle, replay_family(bundle, ts))
-        (a.out / f"{family}.json").write_text(json.dumps(rep, indent=1))
-        plot(family, rep, a.plots / f"replay-shift-long-{family}.png")
-        print(table(family, rep), "\n", flush=True)
+        rep = replay_family(bundle, ts)
+        if a.gate_alarm:
+            alarmed(bundle, rep, family, a)
+            continue
+        fig = family_report(bundle, rep)
+        (a.out / f"{family}.json").write_text(json.dumps(fig, indent=1))
+        plot(family, fig, a.plots / f"replay-shift-long-{family}.png")
+        print(table(family, fig), "\n", flush=True)
+
+
+def alarmed(bundle: Bundle, rep: Replayed, family: str, a: argparse.Namespace) -> None:
+    """The defaults plus the gate alarm, over random arrival orders of the family's requests:
+    per delta the gated arms' stop and give-up errors (mean and worst order), and the requests
+    served a bad lambda (stopped or gave up wrongly) before the alarm acted."""
+    gate = bundle.load_gate()
+    alarm = server_alarm(len(gate.scores), gate.alpha, a.gate_alarm, a.in_flight)
+    rng = np.random.default_rng(34)
+    runs = []
+    for _ in range(a.orders):
+        order = rng.permutation(len(rep))
+        sub = Replayed(stop=[rep.stop[i] for i in order], give_up=[rep.give_up[i] for i in order],
+                       gate_score=rep.gate_score[order], traces=[rep.traces[i] for i in order],
+                       truth=[rep.truth[i] for i in order],
+                       supervised=[rep.supervised[i] for i in order],
+                       certified=[rep.certified[i] for i in order])
+        runs.append(family_report(bundle, sub, alarm))
+    path = a.out / f"{family}-alarm{a.gate_alarm:g}-inflight{a.in_flight}.json"
+    path.write_text(json.dumps(runs, indent=1))
+    served = [r["gate"]["served_flagged"]["rate"] for r in runs]
+    print(f"**{family}**, gate alarm level {a.gate_alarm:g}, {a.in_flight} in flight, "
+          f"{a.orders} arrival orders (n = {rep.__len__()}): served as flagged "
+          f"{np.mean(served):.3f} (gate alone {runs[0]['gate']['flagged']['rate']:.3f})\n")
+    print("| delta | stop error, mean (worst order) | give-up error, mean (worst) | "
+          "two-sided minus one-sided accuracy, mean (worst) | tokens |")
+    print("| --- | --- | --- | --- | --- |")
+    for i, row in enumerate(runs[0]["orca"]):
+        one = [r["orca"][i]["one-sided"] for r in runs]
+        two = [r["orca"][i]["two-sided"] for r in runs]
+        se = [o["stop_error"]["rate"] for o in one]
+        ge = [t["give_up_error"]["rate"] for t in two]
+        gap = [t["accuracy"] - o["accuracy"] for o, t in zip(one, two)]
+        print(f"| {row['delta']:g} | {np.mean(se):.3f} ({max(se):.3f}) | {np.mean(ge):.3f} "
+              f"({max(ge):.3f}) | {np.mean(gap):+.3f} ({min(gap):+.3f}) | "
+              f"{np.mean([o['tokens'] for o in one]):.0f} |")
+    print(flush=True)
 
 
 if __name__ == "__main__":

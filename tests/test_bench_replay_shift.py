@@ -17,6 +17,7 @@ from bench_replay_shift import (  # noqa: E402
     family_report,
     replay_family,
     served_ends,
+    server_alarm,
     served_flagged,
 )
 from bench_samples import Trace  # noqa: E402
@@ -104,3 +105,16 @@ def test_the_replay_runs_the_shipped_bundle_on_recorded_traces(tmp_path):
         for arm in ("one-sided", "two-sided", "one-sided, no gate"):
             assert 0 <= p[arm]["accuracy"] <= 1 and p[arm]["stop_error"]["n"] <= 12
     assert len(rep["budget"]) > 0 and rep["gate"]["flagged"]["n"] == 12
+
+
+@pytest.mark.parametrize("in_flight", [0, 5])
+def test_the_replayed_alarm_hears_a_decision_only_when_its_request_has_finished(in_flight):
+    alarm = server_alarm(n_cal=300, alpha=0.05, level=0.01, in_flight=in_flight)
+    raised = alarm(np.ones(60, dtype=bool))  # every request flagged: the alarm must rise
+    first = int(np.argmax(raised))
+    assert raised.any() and raised[first:].all()
+    assert first > in_flight  # nothing was heard before the first request finished
+    # the same decisions heard `in_flight` requests later: the same alarm, shifted
+    assert first - in_flight == int(np.argmax(server_alarm(300, 0.05, 0.01, 0)(
+        np.ones(60, dtype=bool))))
+    assert not alarm(np.zeros(60, dtype=bool)).any()  # nothing flagged: never raised
