@@ -332,7 +332,13 @@ def plot(family: str, rep: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--families", nargs="+", default=list(FAMILIES))
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES),
+                    help="collected families (in-dist: the savings the gate costs where the "
+                         "bundle was calibrated)")
+    ap.add_argument("--k", type=int, default=1,
+                    help="the collection's samples per prompt; every sample is replayed as a "
+                         "request of its own (k > 1: the intervals treat samples of one prompt "
+                         "as independent, so they are too narrow)")
     ap.add_argument("--bundle", type=Path, default=BUNDLE)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--plots", type=Path, default=ROOT / "benchmarks",
@@ -348,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     bundle = load_bundle(a.bundle)
     a.out.mkdir(parents=True, exist_ok=True)
     for family in a.families:
-        ts = TrajectorySet.open(run_dir("long", 1, family) / "trajectories")
+        ts = TrajectorySet.open(run_dir("long", a.k, family) / "trajectories")
         rep = replay_family(bundle, ts)
         if a.gate_alarm:
             alarmed(bundle, rep, family, a)
