@@ -28,6 +28,7 @@ from orca_serve.api_server.apis import (
     ORCA_PATHS,
     Api,
 )
+from orca_serve.api_server.asgi import replay_body
 from orca_serve.api_server.assembly import OrcaServer
 from orca_serve.settings.contract import OrcaResult, child_key
 from orca_serve.settings.field import OrcaRequestError, orca_param_in
@@ -172,7 +173,7 @@ class OrcaMiddleware:
                     f"'{param}' is not supported on {path}: orca early stopping runs on "
                     f"{', '.join(ORCA_PATHS)} only, whose responses report what it did; "
                     "requests on other routes run without it", param))
-            return await self.app(scope, _replay(body_bytes, receive), send)
+            return await self.app(scope, replay_body(body_bytes, receive), send)
         serving = self.server.serving.now  # one Serving for the whole request
         if isinstance(body, dict) and api is not None:
             try:
@@ -188,7 +189,7 @@ class OrcaMiddleware:
             if new_body is not body:
                 new_bytes = json.dumps(new_body).encode()
 
-        replay = _replay(new_bytes, receive)
+        replay = replay_body(new_bytes, receive)
         if new_bytes is not body_bytes:
             headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
             headers.append((b"content-length", str(len(new_bytes)).encode()))
@@ -265,21 +266,6 @@ def _json_body(scope: dict) -> bool:
         if k.lower() == b"content-type":
             return b"json" in v.lower()
     return False
-
-
-def _replay(body: bytes, receive: Callable) -> Callable:
-    """A `receive` that hands the (read, maybe rewritten) body to the app once, then waits on the
-    client as the original would (vLLM's handlers watch it for disconnects)."""
-    replayed = False
-
-    async def replay() -> dict:
-        nonlocal replayed
-        if not replayed:
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 _BACKGROUND: set[asyncio.Future] = set()

@@ -30,6 +30,7 @@ import numpy as np
 from orca_method.answer_probes import answer_after
 from orca_method.consensus import Verdict, verdict
 from orca_serve.api_server.apis import CHAT, Api
+from orca_serve.api_server.asgi import replay_body
 from orca_serve.api_server.report import orca_object, reasoning_total
 from orca_serve.metrics.prometheus import OrcaMetrics, SampleEvent
 from orca_serve.settings.contract import OrcaResult
@@ -137,13 +138,8 @@ async def call_app(app: Callable, scope: dict, body: bytes, request_id: str | No
     if request_id is not None:
         headers.append((REQUEST_ID_HEADER, request_id.encode()))
     sub = dict(scope, headers=headers, state=dict(scope.get("state") or {}))
-    fed = False
 
-    async def receive() -> dict:
-        nonlocal fed
-        if not fed:
-            fed = True
-            return {"type": "http.request", "body": body, "more_body": False}
+    async def disconnect() -> dict:
         await gone.wait()
         return {"type": "http.disconnect"}
 
@@ -156,7 +152,7 @@ async def call_app(app: Callable, scope: dict, body: bytes, request_id: str | No
         elif msg["type"] == "http.response.body":
             chunks.append(msg.get("body", b""))
 
-    await app(sub, receive, send)
+    await app(sub, replay_body(body, disconnect), send)
     return status, b"".join(chunks)
 
 
