@@ -30,7 +30,8 @@ completion tokens (reasoning through the stop step plus the answer written after
 
 DeepConf's confidence filtering needs token log-probabilities, which the traces do not carry.
 The consensus t is certified on half of the prompts and applied to the other half, then the
-halves swap (two-fold cross-calibration): every prompt is judged by a t that never saw it, so
+halves swap (two-fold cross-calibration; `--folds F`: on F - 1 of F folds, for few prompts):
+every prompt is judged by a t that never saw it, so
 the realized vote error is over all n prompts; 200 random halves add how often the test half's
 error stays within delta_vote. The per-sample lambda* come from the shipped bundle, calibrated on
 other prompts, so the groups that certify t did not choose lambda*.
@@ -227,11 +228,12 @@ def budget_answer(tr: Trace, budget: int) -> tuple[str | None, float]:
 
 def consensus_arm(name: str, stopped: list[Group], full: list[list[Trace]], truth: list[str],
                   folds: np.ndarray, delta_vote: float) -> tuple[Arm, list[float | None]]:
-    """The consensus stop with t certified on the other fold (two-fold cross-calibration); a
-    group's tokens are its samples' until it settles plus the answers of those finished."""
+    """The consensus stop with t certified on the other folds (cross-calibration: each group is
+    judged by a t certified without it); a group's tokens are its samples' until it settles plus
+    the answers of those finished."""
     ts_used: list[float | None] = []
     t_of = {}
-    for f in (0, 1):
+    for f in sorted(set(folds.tolist())):
         cal = [g for g, fold in zip(stopped, folds) if fold != f]
         (res,) = calibrate_consensus(cal, [delta_vote], epsilon=EPSILON)
         t_of[f] = res.t
@@ -285,7 +287,7 @@ def cmd_report(a: argparse.Namespace) -> None:
     full = traces(ts, groups)
     truth = [ts.problems[g[0]].answer for g in groups]
     n = len(groups)
-    folds = np.random.default_rng(FOLD_SEED).permutation(n) % 2
+    folds = np.random.default_rng(FOLD_SEED).permutation(n) % a.folds
     maj = [plurality([tr.final for tr in grp]) for grp in full]
     arms = [
         Arm("single full reasoning (mean over the k samples)",
@@ -537,6 +539,10 @@ def main() -> None:
     r.add_argument("--reasoner", choices=sorted(REASONERS), required=True)
     r.add_argument("--k", type=int, default=8, help="samples per prompt")
     r.add_argument("--n", type=int, default=0, help="first n prompts only (0: all)")
+    r.add_argument("--folds", type=int, default=2,
+                   help="cross-calibration folds: t for each fold is certified on the others "
+                        "(n (F-1)/F groups; LTT certifies nothing at delta_vote 0.05 and "
+                        "epsilon 0.05 with fewer than 59)")
     r.set_defaults(fn=cmd_report)
     s = sub.add_parser("serve", help="maj@k as k full samples vs orca.samples k with aborts, "
                        "through one live orca-serve (needs `collect` first: its traces certify t)")
