@@ -68,7 +68,9 @@ from orca_method.outcomes import Ended, GiveUpPolicy  # noqa: E402
 from orca_method.procedure import replay  # noqa: E402
 from orca_method.risk import cumulative, stop_indices  # noqa: E402
 from orca_method.shift_gate import gate_features  # noqa: E402
+from orca_method.thresholds import NEVER  # noqa: E402
 from orca_method.trajectories import TrajectorySet  # noqa: E402
+from orca_serve.settings.contract import ShiftAction, safe_lam  # noqa: E402
 
 BUNDLE = ROOT / "orca_serve/demo/long/bundle.json"
 FAMILIES = ("shifted", "hard")
@@ -135,18 +137,30 @@ def served_flagged(flags: np.ndarray, alarm: StreamAlarm | None = None) -> np.nd
 
 
 def served_ends(rep: Replayed, lam: float, mu: float | None, flagged: np.ndarray,
-                gate_steps: int) -> tuple[np.ndarray, list[Ended]]:
+                gate_steps: int, safe: float = NEVER) -> tuple[np.ndarray, list[Ended]]:
     """Where and how each request ends under (lambda, mu) with the gate: steps before the gate
     step (0-based gate_steps - 1) neither stop nor give up; a flagged request runs its safe
-    action (full reasoning) and never gives up. `mu` None: one-sided."""
+    threshold `safe` (`settings.contract.safe_lam`: NEVER, full reasoning, for the `full`
+    action; the bundle's largest lambda* for `strict`) and never gives up. `mu` None:
+    one-sided."""
     held = [np.arange(len(s)) < gate_steps - 1 for s in rep.stop]
     stop = [np.where(h | f, -np.inf, s) for s, h, f in zip(rep.stop, held, flagged)]
+    lengths = np.array([len(s) for s in stop])
     if mu is None:
         end = stop_indices(stop, np.array([lam]))[0]
-        lengths = np.array([len(s) for s in stop])
-        return end, [Ended.EARLY if e < n - 1 else Ended.FULL for e, n in zip(end, lengths)]
-    give_up = [np.where(h | f, np.inf, g) for g, h, f in zip(rep.give_up, held, flagged)]
-    return two_sided_ends(stop, give_up, lam, mu)
+        ended = [Ended.EARLY if e < n - 1 else Ended.FULL for e, n in zip(end, lengths)]
+    else:
+        give_up = [np.where(h | f, np.inf, g) for g, h, f in zip(rep.give_up, held, flagged)]
+        end, ended = two_sided_ends(stop, give_up, lam, mu)
+    if safe < NEVER and flagged.any():  # the flagged ones stop at the safe threshold instead
+        rows = np.flatnonzero(flagged)
+        strict = stop_indices([np.where(held[i], -np.inf, rep.stop[i]) for i in rows],
+                              np.array([safe]))[0]
+        end, ended = np.array(end).copy(), list(ended)
+        for i, e in zip(rows, strict):
+            end[i] = e
+            ended[i] = Ended.EARLY if e < lengths[i] - 1 else Ended.FULL
+    return end, ended
 
 
 def rate(events: Sequence[bool]) -> dict[str, Any]:
@@ -206,9 +220,10 @@ def server_alarm(n_cal: int, alpha: float, level: float, in_flight: int) -> Stre
     return served
 
 
-def family_report(bundle: Bundle, rep: Replayed, alarm: StreamAlarm | None = None
-                  ) -> dict[str, Any]:
-    """Every arm on one family's replayed traces."""
+def family_report(bundle: Bundle, rep: Replayed, alarm: StreamAlarm | None = None,
+                  action: ShiftAction = ShiftAction.FULL) -> dict[str, Any]:
+    """Every arm on one family's replayed traces, flagged requests served by `action`."""
+    safe = safe_lam(bundle, action)
     gate = bundle.load_gate()
     flags = gate_flags(rep, gate.threshold(gate.alpha))
     served = served_flagged(flags, alarm)
@@ -234,7 +249,7 @@ def family_report(bundle: Bundle, rep: Replayed, alarm: StreamAlarm | None = Non
                 "one-sided, no gate": (None, none)}
         point: dict[str, Any] = {"delta": row.delta, "lambda": lam}
         for name, (m, flagged) in arms.items():
-            end, ended = served_ends(rep, lam, m, flagged, gate.steps)
+            end, ended = served_ends(rep, lam, m, flagged, gate.steps, safe)
             fig = arm_figures(rep, end, ended, flagged, policy, excl)
             fig["versus_budget"] = against_budget(fig, out["budget"])
             point[name] = fig
@@ -350,6 +365,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="requests running while a request arrives (the alarm hears a "
                          "request's decision only when it finishes)")
     ap.add_argument("--orders", type=int, default=20)
+    ap.add_argument("--shift-action", choices=[str(ShiftAction.FULL), str(ShiftAction.STRICT)],
+                    default=str(ShiftAction.FULL), help="how a flagged request is served (the server's "
+                    "--orca-shift-action)")
     a = ap.parse_args(argv)
     bundle = load_bundle(a.bundle)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -359,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
         if a.gate_alarm:
             alarmed(bundle, rep, family, a)
             continue
-        fig = family_report(bundle, rep)
+        fig = family_report(bundle, rep, action=ShiftAction(a.shift_action))
         (a.out / f"{family}.json").write_text(json.dumps(fig, indent=1))
         plot(family, fig, a.plots / f"replay-shift-long-{family}.png")
         print(table(family, fig), "\n", flush=True)
@@ -380,7 +398,7 @@ def alarmed(bundle: Bundle, rep: Replayed, family: str, a: argparse.Namespace) -
                        truth=[rep.truth[i] for i in order],
                        supervised=[rep.supervised[i] for i in order],
                        certified=[rep.certified[i] for i in order])
-        runs.append(family_report(bundle, sub, alarm))
+        runs.append(family_report(bundle, sub, alarm, ShiftAction(a.shift_action)))
     path = a.out / f"{family}-alarm{a.gate_alarm:g}-inflight{a.in_flight}.json"
     path.write_text(json.dumps(runs, indent=1))
     served = [r["gate"]["served_flagged"]["rate"] for r in runs]

@@ -48,6 +48,20 @@ def test_the_gate_holds_its_first_steps_and_a_flagged_request_runs_in_full():
     assert end.tolist() == [0, 3]
 
 
+def test_under_strict_a_flagged_request_stops_at_the_safe_threshold_and_never_gives_up():
+    rep = replayed(stop=[[0.6, 0.7, 0.8, 0.95]] * 2, give_up=[[0.0] * 4] * 2,
+                   sup=[[1] * 4] * 2, answers=[["1"] * 4] * 2, final=["1", "1"],
+                   truth=["1", "1"])
+    flagged = np.array([False, True])
+    for mu in (None, 0.05):  # the unflagged one gives up at once when two-sided; not the other
+        end, ended = served_ends(rep, 0.5, mu, flagged, gate_steps=1, safe=0.9)
+        assert end[1] == 3 and ended[1] == Ended.FULL  # 0.95 at the last step: no early stop
+        end, ended = served_ends(rep, 0.5, mu, flagged, gate_steps=1, safe=0.75)
+        assert end[1] == 2 and ended[1] == Ended.EARLY
+    end, _ = served_ends(rep, 0.5, None, flagged, gate_steps=1, safe=0.75)
+    assert end[0] == 0  # the unflagged request keeps the served lambda
+
+
 def test_a_flagged_request_never_gives_up_and_the_stop_wins_a_tie():
     low = [0.1, 0.1, 0.1, 0.1]
     rep = replayed(stop=[low, low, [0.1, 0.9, 0.9, 0.9]], give_up=[[0.0] * 4] * 3,

@@ -78,6 +78,7 @@ def safe_lam(bundle: Any, action: ShiftAction) -> float:
         return NEVER
     return max(lam_from_json(r.lam) for r in bundle.ltt.rows)
 
+
 DEFAULT_ANSWER_BUDGET = 64
 # the largest answer budget a request may ask for: far above any context length, and inside the
 # integer range vLLM allows in extra_args (beyond it vLLM's own 400 names `extra_args`, a field
