@@ -21,7 +21,8 @@ completion tokens (reasoning through the stop step plus the answer written after
   at that step; the group votes over all k;
 - **ORCA + consensus**: as above, but the group ends once the consensus rule (orca_method/
   consensus.py) is settled at its certified t; the samples still running are charged the tokens
-  they wrote until then. All k launched at once, or in waves (``WAVES``); score or count weights;
+  they wrote until then. All k launched at once, or in waves (``WAVES``, ``--waves``); score or
+  count weights; and "no per-sample stop": the consensus alone over samples run to their ends;
 - **Adaptive-Consistency**: full samples one at a time until the Beta criterion on the top two
   counts is met; **ESC**: windows of full samples until one window is unanimous;
 - **thinking budget x k**: each trace cut at its last step boundary within B reasoning tokens,
@@ -86,6 +87,7 @@ from orca_method.consensus import (
 )
 from orca_method.consensus_ltt import calibrate_consensus
 from orca_method.ltt import PVALUES, n_rejected
+from orca_method.thresholds import NEVER
 from orca_method.trajectories import Problem, TrajectorySet
 
 PROMPT_SEED = 35  # calibration: seeds 1-3; goodput: 18; frontier: 31. These prompts are held out.
@@ -132,7 +134,7 @@ EPSILON = 0.05
 FOLD_SEED = 0
 ADAPTIVE_CONFIDENCE = (0.8, 0.95)  # Adaptive-Consistency's Beta criterion levels
 ESC_WINDOWS = (2, 4)
-WAVES = (2, 2, 4)  # the consensus with samples launched in waves (k = 8)
+WAVES = ((2, 2, 4),)  # the consensus with samples launched in waves (k = 8; --waves)
 REPS = 200  # random calibration / test halves per consensus arm
 BUDGETS = {"toy": (40, 80, 120, 160, 240), "long": (250, 500, 1000, 1500, 2000, 3000)}
 
@@ -313,31 +315,33 @@ def cmd_report(a: argparse.Namespace) -> None:
                         [sum(r[1] for r in rr) for rr in res],
                         [v != m for v, m in zip(votes, maj)]))
     certified, scores = {}, replayed(probe, ts, groups, bundle.window)
-    for row in bundle.ltt.rows:
-        lam = bundle.lam(row.delta)
+    stops = [(f"ORCA delta {r.delta:g}", bundle.lam(r.delta)) for r in bundle.ltt.rows]
+    stops.append(("no per-sample stop", NEVER))  # the consensus alone, over full samples
+    for label, lam in stops:
         for weighting in ("score", "count"):
             stopped = stopped_groups(ts, groups, scores, lam, weighting)
-            if weighting == "score":  # the plain vote of the ORCA-stopped samples
+            if weighting == "score" and lam < NEVER:  # the plain vote of the stopped samples
                 votes = [plurality(g.answers) for g in stopped]
                 tokens = [float(g.finish.sum()) + sum(tr.answer_tokens for tr in grp)
                           for g, grp in zip(stopped, full)]
                 stop_err = float(np.mean([ans != tr.final for g, grp in zip(stopped, full)
                                           for ans, tr in zip(g.answers, grp)]))
-                arm = Arm(f"ORCA delta {row.delta:g} + full vote",
+                arm = Arm(f"{label} + full vote",
                           [v == y for v, y in zip(votes, truth)], tokens,
                           [v != m for v, m in zip(votes, maj)])
                 arms.append(arm)
-                certified[f"ORCA delta {row.delta:g} per-sample stop error"] = stop_err
+                certified[f"{label} per-sample stop error"] = stop_err
             launches = {"parallel": stopped}
-            if weighting == "score" and sum(WAVES) == a.k:
-                launches[f"waves {'+'.join(map(str, WAVES))}"] = [
-                    replace(g, start=st, finish=fi) for g in stopped
-                    for st, fi in [in_waves(g.finish, WAVES)]]
+            for waves in a.waves:
+                if sum(waves) == a.k:
+                    launches[f"waves {'+'.join(map(str, waves))}"] = [
+                        replace(g, start=st, finish=fi) for g in stopped
+                        for st, fi in [in_waves(g.finish, waves)]]
             for launch, groups_ in launches.items():
                 for dv in DELTAS_VOTE:
                     arm, t_used = consensus_arm(
-                        f"ORCA delta {row.delta:g} + consensus ({weighting}, {launch}, "
-                        f"delta_vote {dv:g})", groups_, full, truth, folds, dv)
+                        f"{label} + consensus ({weighting}, {launch}, delta_vote {dv:g})",
+                        groups_, full, truth, folds, dv)
                     arms.append(arm)
                     certified[arm.name] = {"t_per_fold": t_used,
                                            "random_halves": random_splits(groups_, dv)}
@@ -539,6 +543,9 @@ def main() -> None:
     r.add_argument("--reasoner", choices=sorted(REASONERS), required=True)
     r.add_argument("--k", type=int, default=8, help="samples per prompt")
     r.add_argument("--n", type=int, default=0, help="first n prompts only (0: all)")
+    r.add_argument("--waves", nargs="+", default=list(WAVES),
+                   type=lambda v: tuple(int(x) for x in v.split("+")), metavar="A+B+...",
+                   help="wave launches to report beside all-at-once (each summing to k)")
     r.add_argument("--folds", type=int, default=2,
                    help="cross-calibration folds: t for each fold is certified on the others "
                         "(n (F-1)/F groups; LTT certifies nothing at delta_vote 0.05 and "
