@@ -97,6 +97,14 @@ class Replayed:
     def __len__(self) -> int:
         return len(self.traces)
 
+    def subset(self, idx: Sequence[int]) -> Replayed:
+        """These requests, in this order (an arrival order, or a split)."""
+        return Replayed(stop=[self.stop[i] for i in idx], give_up=[self.give_up[i] for i in idx],
+                        gate_score=self.gate_score[np.asarray(idx, dtype=int)],
+                        traces=[self.traces[i] for i in idx], truth=[self.truth[i] for i in idx],
+                        supervised=[self.supervised[i] for i in idx],
+                        certified=[self.certified[i] for i in idx])
+
 
 def replay_family(bundle: Bundle, ts: TrajectorySet) -> Replayed:
     """Score every trace of `ts` as the server would (module docstring)."""
@@ -392,12 +400,7 @@ def alarmed(bundle: Bundle, rep: Replayed, family: str, a: argparse.Namespace) -
     rng = np.random.default_rng(34)
     runs = []
     for _ in range(a.orders):
-        order = rng.permutation(len(rep))
-        sub = Replayed(stop=[rep.stop[i] for i in order], give_up=[rep.give_up[i] for i in order],
-                       gate_score=rep.gate_score[order], traces=[rep.traces[i] for i in order],
-                       truth=[rep.truth[i] for i in order],
-                       supervised=[rep.supervised[i] for i in order],
-                       certified=[rep.certified[i] for i in order])
+        sub = rep.subset(rng.permutation(len(rep)))
         runs.append(family_report(bundle, sub, alarm, ShiftAction(a.shift_action)))
     path = a.out / f"{family}-alarm{a.gate_alarm:g}-inflight{a.in_flight}.json"
     path.write_text(json.dumps(runs, indent=1))

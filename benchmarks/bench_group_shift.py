@@ -1,0 +1,90 @@
+"""Group-conditional lambda* on the long reasoner's shifted family (docs/METHOD.md section 12),
+from the traces recorded for the shift replay: what an operator's `orca.group` tag buys where
+the in-distribution bundle fails.
+
+The shifted family's recorded traces (`bench_samples.py collect --reasoner long --family
+shifted`) are replayed through the server's code path (`bench_replay_shift.replay_family`: the
+shipped probe with its online update). Over `--splits` random halves, lambda* per delta is
+certified by LTT (`orca_method.ltt.calibrate`, the bundle's epsilon and label mode, as the job's
+`calibrate.groups` does per group) on one half, and the other half is served with it as a known
+group's requests are (no gate: `lambda_source: group`). Reported per delta: how often the held-out
+stop error (the certified loss) is within delta, its mean, and the held-out tokens and accuracy
+against full reasoning and the thinking budget replayed from the same traces.
+
+Usage: python benchmarks/bench_group_shift.py [--splits 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_replay_shift import BUNDLE, arm_figures, replay_family, served_ends  # noqa: E402
+from bench_samples import BUDGETS, budget_answer, run_dir  # noqa: E402
+
+from orca_method.bundle import load_bundle  # noqa: E402
+from orca_method.labels import equivalent  # noqa: E402
+from orca_method.ltt import calibrate  # noqa: E402
+from orca_method.risk import is_counted  # noqa: E402
+from orca_method.thresholds import NEVER  # noqa: E402
+from orca_method.trajectories import TrajectorySet  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", default="shifted")
+    ap.add_argument("--splits", type=int, default=50)
+    a = ap.parse_args()
+    bundle = load_bundle(BUNDLE)
+    rep = replay_family(bundle, TrajectorySet.open(run_dir("long", 1, a.family) / "trajectories"))
+    deltas = [r.delta for r in bundle.ltt.rows]
+    excl, policy = bundle.ltt.excluded_never_correct, bundle.give_up.policy
+    rng = np.random.default_rng(12)
+    n = len(rep)
+    rows: dict[float, list[dict]] = {d: [] for d in deltas}
+    for _ in range(a.splits):
+        perm = rng.permutation(n)
+        cal, test = rep.subset(perm[: n // 2]), rep.subset(perm[n // 2:])
+        keep = [i for i in range(len(cal)) if is_counted(cal.certified[i], excl)]
+        results = calibrate([cal.stop[i] for i in keep], [cal.certified[i] for i in keep],
+                            deltas, epsilon=bundle.ltt.epsilon)
+        none = np.zeros(len(test), dtype=bool)
+        for res in results:
+            end, ended = served_ends(test, res.lam, None, none, gate_steps=1)
+            fig = arm_figures(test, end, ended, none, policy, excl)
+            rows[res.delta].append({"lam": res.lam, "err": fig["stop_error_certified"]["rate"],
+                                    "sup": fig["stop_error"]["rate"], "acc": fig["accuracy"],
+                                    "tokens": fig["tokens"]})
+    full_tokens = float(np.mean([tr.completion for tr in rep.traces]))
+    full_acc = float(np.mean([equivalent(tr.final, y) for tr, y in zip(rep.traces, rep.truth)]))
+    print(f"**long, {a.family}, group-conditional lambda\\*** (n = {n}: {n // 2} calibrate, "
+          f"{n - n // 2} held out; {a.splits} random splits; epsilon {bundle.ltt.epsilon:g}; "
+          f"full reasoning {full_tokens:.0f} tokens, accuracy {full_acc:.3f})\n")
+    print("| delta | lambda\\* (median; never certified) | held-out stop error: mean, "
+          "within delta | supervised stop error, mean | accuracy, mean | tokens, mean |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for d in deltas:
+        r = rows[d]
+        lams = [x["lam"] for x in r]
+        finite = [x for x in lams if x < NEVER]
+        med = f"{np.median(finite):.3f}" if finite else "-"
+        print(f"| {d:g} | {med}; {len(lams) - len(finite)}/{len(lams)} | "
+              f"{np.mean([x['err'] for x in r]):.3f}, "
+              f"{np.mean([x['err'] <= d for x in r]):.2f} | "
+              f"{np.mean([x['sup'] for x in r]):.3f} | {np.mean([x['acc'] for x in r]):.3f} | "
+              f"{np.mean([x['tokens'] for x in r]):.0f} |")
+    print("\n| thinking budget B (all traces) | accuracy | tokens |\n| --- | --- | --- |")
+    for b in BUDGETS["long"]:
+        res = [budget_answer(tr, b) for tr in rep.traces]
+        ok = [equivalent(x, y) for (x, _), y in zip(res, rep.truth)]
+        print(f"| {b} | {np.mean(ok):.3f} | {np.mean([t for _, t in res]):.0f} |")
+
+
+if __name__ == "__main__":
+    main()
