@@ -24,6 +24,7 @@ from orca_method.bundle import BundleError, ConsensusBlock, ConsensusRow, load_b
 from orca_method.consensus import CONSENSUS_VERSION, prompt_of, sample_id
 from orca_method.trajectories import TrajectorySet, TrajectoryWriter
 from tests.bundles import small_bundle
+from tests.fake_collector import FakeCollector
 
 DEMO = Path(__file__).parent.parent / "orca_serve" / "demo"
 OLD_DEMO = Path(__file__).parent / "data" / "demo-bundle-v1.json"
@@ -138,20 +139,8 @@ def test_a_job_asks_for_samples_and_consensus_consistently(tmp_path):
         load_job(job({"samples": 8}, {"consensus": {"t": 0.3}}))
 
 
-class _SampledCollector:
+class _SampledCollector(FakeCollector):
     """Stands in for the vLLM collector: `settings.samples` synthetic traces per prompt."""
-
-    def __init__(self, model: str, settings) -> None:
-        self.settings = settings
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
     def run(self, prompts: list, out, progress: bool, defer=None):
         sampled_set(out, len(prompts), np.random.default_rng(5), k=self.settings.samples,

@@ -7,6 +7,7 @@ import pytest
 from orca_calibrate.collect import _problem_fields, read_prompts
 from orca_calibrate.job import JobError, load_job
 from orca_method.answer_probes import probe_prompts, step_ends
+from tests.fake_collector import FakeCollector
 
 
 def test_step_ends() -> None:
@@ -81,23 +82,11 @@ def test_job_give_up_policy_is_checked(tmp_path) -> None:
     assert load_job(j)["calibrate"]["give_up"]["policy"] == "message"
 
 
-class _FakeCollector:
+class _FakeCollector(FakeCollector):
     """Stands in for the vLLM collector (tests/test_toy_job.py runs the real one): writes a
     synthetic trajectory set for the prompts, so the job's own bookkeeping can be tested fast."""
 
     runs = 0
-
-    def __init__(self, model: str, settings) -> None:
-        self.settings = settings
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
     def run(self, prompts: list, out, progress: bool, defer=None):
         from orca_calibrate.synth import generate
