@@ -212,7 +212,6 @@ class OrcaMiddleware:
             _BACKGROUND.add(task)
             task.add_done_callback(_BACKGROUND.discard)
 
-
     async def _vote(self, scope: dict, receive: Callable, send: Callable, api: Api, path: str,
                     body: dict, settings: OrcaSettings, serving: Serving) -> None:
         """`orca.samples`: k samples through vLLM's route, one voted answer
