@@ -164,11 +164,13 @@ def served_flagged(flags: np.ndarray, alarm: StreamAlarm | None = None) -> np.nd
 
 
 def served_ends(rep: Replayed, lam: float, mu: float | None, flagged: np.ndarray,
-                gate_steps: int, safe: float = NEVER) -> tuple[np.ndarray, list[Ended]]:
+                gate_steps: int, safe: float = NEVER, no_give_up: np.ndarray | None = None
+                ) -> tuple[np.ndarray, list[Ended]]:
     """Where and how each request ends under (lambda, mu) with the gate: steps before the gate
     step (0-based gate_steps - 1) neither stop nor give up; a flagged request runs its safe
     threshold `safe` (`settings.contract.safe_lam`: NEVER, full reasoning, for the `full`
-    action; the bundle's largest lambda* for `strict`) and never gives up. `mu` None:
+    action; the bundle's largest lambda* for `strict`) and never gives up; nor does one in
+    `no_give_up` ([n] bool; the give-up side's own gate level, `--give-up-alpha`). `mu` None:
     one-sided."""
     held = [np.arange(len(s)) < gate_steps - 1 for s in rep.stop]
     stop = [np.where(h | f, -np.inf, s) for s, h, f in zip(rep.stop, held, flagged)]
@@ -177,7 +179,8 @@ def served_ends(rep: Replayed, lam: float, mu: float | None, flagged: np.ndarray
         end = stop_indices(stop, np.array([lam]))[0]
         ended = [Ended.EARLY if e < n - 1 else Ended.FULL for e, n in zip(end, lengths)]
     else:
-        give_up = [np.where(h | f, np.inf, g) for g, h, f in zip(rep.give_up, held, flagged)]
+        blocked = flagged if no_give_up is None else flagged | no_give_up
+        give_up = [np.where(h | f, np.inf, g) for g, h, f in zip(rep.give_up, held, blocked)]
         end, ended = two_sided_ends(stop, give_up, lam, mu)
     if safe < NEVER and flagged.any():  # the flagged ones stop at the safe threshold instead
         rows = np.flatnonzero(flagged)
@@ -312,16 +315,18 @@ def server_alarm(n_cal: int, alpha: float, level: float, in_flight: int) -> Stre
 
 def family_report(bundle: Bundle, rep: Replayed, alarm: StreamAlarm | None = None,
                   action: ShiftAction = ShiftAction.FULL, alpha: float | None = None,
-                  reasoner: str = "long") -> dict[str, Any]:
+                  reasoner: str = "long", give_up_alpha: float | None = None) -> dict[str, Any]:
     """Every arm on one family's replayed traces, flagged requests served by `action`, the
     gate at level `alpha` (None: the bundle's, as the server's --orca-shift-alpha), the
-    thinking budgets of `reasoner`."""
+    thinking budgets of `reasoner`. `give_up_alpha` (a design the server does not have yet):
+    the give-up side also leaves alone every request the gate would flag at that level."""
     safe = safe_lam(bundle, action)
     gate = bundle.load_gate()
     alpha = gate.alpha if alpha is None else alpha
     flags = gate_flags(rep, gate.threshold(alpha))
     served = served_flagged(flags, alarm)
     none = np.zeros(len(rep), dtype=bool)
+    no_give_up = None if give_up_alpha is None else gate_flags(rep, gate.threshold(give_up_alpha))
     policy, excl = bundle.give_up.policy, bundle.ltt.excluded_never_correct
     mu = bundle.mu(GIVE_UP_DELTA)
     lengths = np.array([len(s) for s in rep.stop])
@@ -343,7 +348,8 @@ def family_report(bundle: Bundle, rep: Replayed, alarm: StreamAlarm | None = Non
                 "one-sided, no gate": (None, none)}
         point: dict[str, Any] = {"delta": row.delta, "lambda": lam}
         for name, (m, flagged) in arms.items():
-            end, ended = served_ends(rep, lam, m, flagged, gate.steps, safe)
+            end, ended = served_ends(rep, lam, m, flagged, gate.steps, safe,
+                                     no_give_up if flagged is served else None)
             fig = arm_figures(rep, end, ended, flagged, policy, excl)
             fig["versus_budget"] = against_budget(fig, out["budget"])
             point[name] = fig
@@ -464,6 +470,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shift-action", choices=[str(ShiftAction.FULL), str(ShiftAction.STRICT)],
                     default=str(DEFAULTS.shift_action), help="how a flagged request is served "
                     "(the server's --orca-shift-action, and its default)")
+    ap.add_argument("--give-up-alpha", type=float, default=None,
+                    help="a design, not served yet: the give-up side also leaves alone the "
+                         "requests the gate would flag at this level (above --shift-alpha)")
     ap.add_argument("--trajectories", type=Path, default=None,
                     help="replay this trajectory set (e.g. a calibration job's own) as the one "
                          "family --families names, instead of its bench_samples collection")
@@ -486,7 +495,8 @@ def main(argv: list[str] | None = None) -> None:
             lost = savings_lost(bundle, rep, action, a.shift_alpha)
             (a.out / f"{a.reasoner}-savings-{action}.json").write_text(json.dumps(lost, indent=1))
             print(savings_table(lost), "\n", flush=True)
-        fig = family_report(bundle, rep, action=action, alpha=a.shift_alpha, reasoner=a.reasoner)
+        fig = family_report(bundle, rep, action=action, alpha=a.shift_alpha, reasoner=a.reasoner,
+                            give_up_alpha=a.give_up_alpha)
         (a.out / f"{family}.json").write_text(json.dumps(fig, indent=1))
         plot(family, fig, a.plots / f"replay-shift-{a.reasoner}-{family}.png", a.reasoner)
         print(table(family, fig), "\n", flush=True)
@@ -504,7 +514,7 @@ def alarmed(bundle: Bundle, rep: Replayed, family: str, a: argparse.Namespace) -
     for _ in range(a.orders):
         sub = rep.subset(rng.permutation(len(rep)))
         runs.append(family_report(bundle, sub, alarm, ShiftAction(a.shift_action), alpha,
-                                  a.reasoner))
+                                  a.reasoner, a.give_up_alpha))
     path = a.out / f"{family}-alarm{a.gate_alarm:g}-inflight{a.in_flight}.json"
     path.write_text(json.dumps(runs, indent=1))
     served = [r["gate"]["served_flagged"]["rate"] for r in runs]
@@ -512,8 +522,9 @@ def alarmed(bundle: Bundle, rep: Replayed, family: str, a: argparse.Namespace) -
           f"{a.orders} arrival orders (n = {rep.__len__()}): served as flagged "
           f"{np.mean(served):.3f} (gate alone {runs[0]['gate']['flagged']['rate']:.3f})\n")
     print("| delta | stop error, mean (worst order) | give-up error, mean (worst) | "
-          "two-sided minus one-sided accuracy, mean (worst) | tokens |")
-    print("| --- | --- | --- | --- | --- |")
+          "two-sided minus one-sided accuracy, mean (worst) | tokens | orders where each "
+          f"holds: stop <= delta / give-up <= {GIVE_UP_DELTA:g} / accuracy within 2 points |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for i, row in enumerate(runs[0]["orca"]):
         one = [r["orca"][i]["one-sided"] for r in runs]
         two = [r["orca"][i]["two-sided"] for r in runs]
@@ -522,7 +533,10 @@ def alarmed(bundle: Bundle, rep: Replayed, family: str, a: argparse.Namespace) -
         gap = [t["accuracy"] - o["accuracy"] for o, t in zip(one, two)]
         print(f"| {row['delta']:g} | {np.mean(se):.3f} ({max(se):.3f}) | {np.mean(ge):.3f} "
               f"({max(ge):.3f}) | {np.mean(gap):+.3f} ({min(gap):+.3f}) | "
-              f"{np.mean([o['tokens'] for o in one]):.0f} |")
+              f"{np.mean([o['tokens'] for o in one]):.0f} | "
+              f"{np.mean(np.array(se) <= row['delta']):.2f} / "
+              f"{np.mean(np.array(ge) <= GIVE_UP_DELTA):.2f} / "
+              f"{np.mean(np.array(gap) >= -0.02 - 1e-9):.2f} |")
     print(flush=True)
 
 

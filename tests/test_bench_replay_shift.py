@@ -164,3 +164,15 @@ def test_the_clustered_interval_resamples_prompts_not_samples():
     lo1, hi1 = clustered_ci(num, np.ones(160), [str(i) for i in range(160)])
     assert lo <= num.mean() <= hi and hi - lo > 2 * (hi1 - lo1)
     assert clustered_ci(num, np.ones(160), ["one"] * 160) == (num.mean(), num.mean())
+
+
+def test_a_give_up_level_of_its_own_blocks_the_give_up_only():
+    """`no_give_up` (the give-up side's own gate level): the request in it neither gives up nor
+    is served the safe threshold; the stop side still runs lambda."""
+    rep = replayed(stop=[[0.0, 0.1, 0.1, 0.95, 0.95]] * 2, give_up=[[1.0, 0.0, 0.0, 0.0, 0.0]] * 2,
+                   sup=[[0, 0, 0, 1, 1]] * 2, answers=[["0", "0", "0", "1", "1"]] * 2,
+                   final=["1", "1"], truth=["1", "1"])
+    none = np.zeros(2, dtype=bool)
+    end, ended = served_ends(rep, 0.5, 0.05, none, gate_steps=1, safe=0.9,
+                             no_give_up=np.array([True, False]))
+    assert [str(e) for e in ended] == ["early", "gave_up"] and end.tolist() == [3, 1]
