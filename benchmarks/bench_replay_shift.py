@@ -9,10 +9,11 @@ saw), and every arm is replayed from them through the server's own code path:
 - the shipped bundle's probe with its online update on the recorded step embeddings
   (`orca_method.procedure.replay`, the `ProbeBank.step` the engine runs), never stopping: the
   scores up to any stop are the ones the server computes, so one replay serves every lambda;
-- the shift gate (the defaults: on, alpha = the bundle's, action `full`): its score of the mean
-  of the first `gate.steps` step embeddings (`ShiftGate.score`, the engine's code); before its
-  gate step a request neither stops nor gives up; a flagged one runs with no lambda (full
-  reasoning) and never gives up (orca_serve/core/plan.py `_plan_scoring`);
+- the shift gate (the defaults: on, alpha = the bundle's, action `strict`): its score of the
+  mean of the first `gate.steps` step embeddings (`ShiftGate.score`, the engine's code); before
+  its gate step a request neither stops nor gives up; a flagged one runs with the bundle's
+  largest lambda* (`--shift-action full`: none, full reasoning) and never gives up
+  (orca_serve/core/plan.py `_plan_scoring`);
 - the give-up probe (its own bank, no online update) and `two_sided_ends` (the stop wins a tie);
 - `stop_indices` on the masked scores.
 
@@ -33,10 +34,16 @@ decision when the request finishes, `--in-flight` requests later, and depends on
 order, so it is replayed over `--orders` random orders of the family's requests, from a fresh
 alarm at the first one (no in-distribution traffic before it).
 
+In distribution (`--families in-dist`, e.g. the k = 8 collection of issue 35) it also prints
+what the gate costs there: the one-sided tokens with the gate minus without, in points of full
+reasoning's tokens, with 95% intervals from a bootstrap over prompts (k samples of a prompt are
+not independent requests). `--reasoner toy` replays the toy's collections with its bundle.
+
 Usage (after the collections):
   python benchmarks/bench_replay_shift.py            # every family collected
   python benchmarks/bench_replay_shift.py --families shifted --out runs/replay-shift
   python benchmarks/bench_replay_shift.py --families shifted --gate-alarm 0.01 --in-flight 32
+  python benchmarks/bench_replay_shift.py --reasoner toy --families in-dist --k 8
 """
 
 from __future__ import annotations
@@ -56,11 +63,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_samples import BUDGETS, Trace, budget_answer, run_dir, traces, wilson  # noqa: E402
+from bench_samples import (  # noqa: E402
+    BUDGETS,
+    REASONERS,
+    Trace,
+    budget_answer,
+    run_dir,
+    traces,
+    wilson,
+)
 from bench_shift import against_budget  # noqa: E402
 
 from orca_calibrate.evaluate import interval95  # noqa: E402
 from orca_method.bundle import Bundle, load_bundle  # noqa: E402
+from orca_method.consensus import prompt_of  # noqa: E402
 from orca_method.gate_alarm import GateAlarm  # noqa: E402
 from orca_method.give_up import last_right, lost_by_giving_up, two_sided_ends  # noqa: E402
 from orca_method.labels import equivalent  # noqa: E402
@@ -70,9 +86,9 @@ from orca_method.risk import cumulative, stop_indices  # noqa: E402
 from orca_method.shift_gate import gate_features  # noqa: E402
 from orca_method.thresholds import NEVER  # noqa: E402
 from orca_method.trajectories import TrajectorySet  # noqa: E402
-from orca_serve.settings.contract import ShiftAction, safe_lam  # noqa: E402
+from orca_serve.settings.contract import DEFAULTS, ShiftAction, safe_lam  # noqa: E402
 
-BUNDLE = ROOT / "orca_serve/demo/long/bundle.json"
+BUNDLE = ROOT / REASONERS["long"][1]  # the long reasoner's shipped bundle
 FAMILIES = ("shifted", "hard")
 GIVE_UP_DELTA = 0.05  # the two-sided arm's delta_2, as bench_frontier / bench_shift serve it
 OUT = ROOT / "runs" / "replay-shift"
@@ -93,6 +109,7 @@ class Replayed:
     truth: list[str]
     supervised: list[np.ndarray]  # raw per-step labels against the reference answer
     certified: list[np.ndarray]  # cumulative labels of the bundle's label mode (LTT's loss)
+    prompt: list[str] | None = None  # each trace's prompt id (k samples of a prompt share one)
 
     def __len__(self) -> int:
         return len(self.traces)
@@ -103,7 +120,8 @@ class Replayed:
                         gate_score=self.gate_score[np.asarray(idx, dtype=int)],
                         traces=[self.traces[i] for i in idx], truth=[self.truth[i] for i in idx],
                         supervised=[self.supervised[i] for i in idx],
-                        certified=[self.certified[i] for i in idx])
+                        certified=[self.certified[i] for i in idx],
+                        prompt=None if self.prompt is None else [self.prompt[i] for i in idx])
 
 
 def replay_family(bundle: Bundle, ts: TrajectorySet) -> Replayed:
@@ -128,7 +146,8 @@ def replay_family(bundle: Bundle, ts: TrajectorySet) -> Replayed:
                     traces=[g[0] for g in traces(ts, [[i] for i in idx])],
                     truth=[ts.problems[i].answer for i in idx],
                     supervised=[ts.raw_labels(i, "supervised") for i in idx],
-                    certified=[ts.labels(i, bundle.label_mode) for i in idx])
+                    certified=[ts.labels(i, bundle.label_mode) for i in idx],
+                    prompt=[prompt_of(ts.problems[i].id)[0] for i in idx])
 
 
 def gate_flags(rep: Replayed, threshold: float) -> np.ndarray:
@@ -145,11 +164,13 @@ def served_flagged(flags: np.ndarray, alarm: StreamAlarm | None = None) -> np.nd
 
 
 def served_ends(rep: Replayed, lam: float, mu: float | None, flagged: np.ndarray,
-                gate_steps: int, safe: float = NEVER) -> tuple[np.ndarray, list[Ended]]:
+                gate_steps: int, safe: float = NEVER, no_give_up: np.ndarray | None = None
+                ) -> tuple[np.ndarray, list[Ended]]:
     """Where and how each request ends under (lambda, mu) with the gate: steps before the gate
     step (0-based gate_steps - 1) neither stop nor give up; a flagged request runs its safe
     threshold `safe` (`settings.contract.safe_lam`: NEVER, full reasoning, for the `full`
-    action; the bundle's largest lambda* for `strict`) and never gives up. `mu` None:
+    action; the bundle's largest lambda* for `strict`) and never gives up; nor does one in
+    `no_give_up` ([n] bool; the give-up side's own gate level, `--give-up-alpha`). `mu` None:
     one-sided."""
     held = [np.arange(len(s)) < gate_steps - 1 for s in rep.stop]
     stop = [np.where(h | f, -np.inf, s) for s, h, f in zip(rep.stop, held, flagged)]
@@ -158,7 +179,8 @@ def served_ends(rep: Replayed, lam: float, mu: float | None, flagged: np.ndarray
         end = stop_indices(stop, np.array([lam]))[0]
         ended = [Ended.EARLY if e < n - 1 else Ended.FULL for e, n in zip(end, lengths)]
     else:
-        give_up = [np.where(h | f, np.inf, g) for g, h, f in zip(rep.give_up, held, flagged)]
+        blocked = flagged if no_give_up is None else flagged | no_give_up
+        give_up = [np.where(h | f, np.inf, g) for g, h, f in zip(rep.give_up, held, blocked)]
         end, ended = two_sided_ends(stop, give_up, lam, mu)
     if safe < NEVER and flagged.any():  # the flagged ones stop at the safe threshold instead
         rows = np.flatnonzero(flagged)
@@ -178,21 +200,84 @@ def rate(events: Sequence[bool]) -> dict[str, Any]:
             "ci95": list(interval95(k, n)) if n else None}
 
 
+def tokens_of(rep: Replayed, end: np.ndarray, ended: Sequence[Ended]) -> np.ndarray:
+    """Completion tokens per request ([n]): reasoning through its end step plus the trace's
+    answer, or the whole trace where it ran to its end."""
+    return np.array([float(tr.completion) if how == Ended.FULL
+                     else float(tr.cum[e] + tr.answer_tokens)
+                     for tr, e, how in zip(rep.traces, end, ended)])
+
+
+def clustered_ci(num: np.ndarray, den: np.ndarray, clusters: Sequence[str], boots: int = 4000,
+                 seed: int = 34) -> tuple[float, float]:
+    """A 95% percentile interval for sum(num) / sum(den) from a bootstrap over clusters (the
+    prompts: k samples of one prompt are not independent requests, so resampling them one by
+    one gives intervals too narrow)."""
+    ids = {c: j for j, c in enumerate(dict.fromkeys(clusters))}
+    col = np.array([ids[c] for c in clusters])
+    n_, d_ = (np.bincount(col, weights=x, minlength=len(ids)) for x in (num, den))  # [P] each
+    draws = np.random.default_rng(seed).integers(0, len(ids), (boots, len(ids)))  # [B, P]
+    ratio = n_[draws].sum(1) / d_[draws].sum(1)  # [B]
+    lo, hi = np.percentile(ratio, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def savings_lost(bundle: Bundle, rep: Replayed, action: ShiftAction = ShiftAction.FULL,
+                 alpha: float | None = None) -> dict[str, Any]:
+    """What the gate costs where the bundle was calibrated: per delta, the one-sided tokens
+    with the gate (flagged requests served by `action`) minus without, in points of full
+    reasoning's tokens, and the flag rate; intervals clustered by prompt."""
+    gate = bundle.load_gate()
+    alpha = gate.alpha if alpha is None else alpha
+    flags = gate_flags(rep, gate.threshold(alpha))
+    none = np.zeros(len(rep), dtype=bool)
+    prompts = rep.prompt or [str(i) for i in range(len(rep))]
+    full = np.array([float(tr.completion) for tr in rep.traces])  # [n]
+    out: dict[str, Any] = {"n": len(rep), "prompts": len(set(prompts)), "alpha": alpha,
+                           "action": str(action), "full_tokens": float(full.mean()),
+                           "flagged": float(flags.mean()),
+                           "flagged_ci95": list(clustered_ci(flags.astype(float),
+                                                             np.ones(len(rep)), prompts)),
+                           "rows": []}
+    for row in bundle.ltt.rows:
+        lam = bundle.lam(row.delta)
+        ungated = tokens_of(rep, *served_ends(rep, lam, None, none, gate.steps))
+        gated = tokens_of(rep, *served_ends(rep, lam, None, flags, gate.steps,
+                                            safe_lam(bundle, action)))
+        lo, hi = clustered_ci(gated - ungated, full, prompts)
+        out["rows"].append({"delta": row.delta, "tokens_ungated": float(ungated.mean()),
+                            "tokens_gated": float(gated.mean()),
+                            "lost_points": 100 * float((gated - ungated).sum() / full.sum()),
+                            "lost_ci95": [100 * lo, 100 * hi]})
+    return out
+
+
+def savings_table(fig: dict[str, Any]) -> str:
+    lo, hi = fig["flagged_ci95"]
+    lines = [f"savings lost to the gate ({fig['action']}, alpha {fig['alpha']:g}; n = {fig['n']}, "
+             f"{fig['prompts']} prompts; flagged {fig['flagged']:.3f} [{lo:.3f}, {hi:.3f}] "
+             f"clustered by prompt; full reasoning {fig['full_tokens']:.0f} tokens)", "",
+             "| delta | tokens, no gate -> gate | savings lost (points of full's tokens) [95%, by "
+             "prompt] |", "| --- | --- | --- |"]
+    lines += [f"| {r['delta']:g} | {r['tokens_ungated']:.0f} -> {r['tokens_gated']:.0f} | "
+              f"{r['lost_points']:.1f} [{r['lost_ci95'][0]:.1f}, {r['lost_ci95'][1]:.1f}] |"
+              for r in fig["rows"]]
+    return "\n".join(lines)
+
+
 def arm_figures(rep: Replayed, end: np.ndarray, ended: Sequence[Ended], flagged: np.ndarray,
                 policy: GiveUpPolicy, excluded_never_correct: bool) -> dict[str, Any]:
     """Accuracy (the delivered answer: the probed one at an early stop or a give-up under
     "guess", the trace's own at its end), tokens (reasoning through the end step plus the
     trace's answer), stop errors (over the requests the certified risk counts: an early stop
     whose cumulative label there is 0) and the give-up error (every request)."""
-    correct, tokens, sup_err, cert_err, gave_err = [], [], [], [], []
+    correct, sup_err, cert_err, gave_err = [], [], [], []
     for tr, y, sup, cert, e, how in zip(rep.traces, rep.truth, rep.supervised, rep.certified,
                                         end, ended):
         answer = tr.final if how == Ended.FULL else tr.step_answers[e]
         if how == Ended.GAVE_UP and policy == GiveUpPolicy.MESSAGE:
             answer = None
         correct.append(equivalent(answer, y))
-        tokens.append(float(tr.completion) if how == Ended.FULL
-                      else float(tr.cum[e] + tr.answer_tokens))
         early = how == Ended.EARLY
         if not excluded_never_correct or sup.any():
             sup_err.append(early and cumulative(sup)[e] == 0)
@@ -203,7 +288,7 @@ def arm_figures(rep: Replayed, end: np.ndarray, ended: Sequence[Ended], flagged:
     n = len(correct)
     return {"n": n, "accuracy": float(np.mean(correct)),
             "accuracy_ci95": list(wilson(int(np.sum(correct)), n)),
-            "tokens": float(np.mean(tokens)),
+            "tokens": float(np.mean(tokens_of(rep, end, ended))),
             "stop_error": rate(sup_err), "stop_error_certified": rate(cert_err),
             "give_up_error": rate(gave_err),
             "ended_early": float(np.mean([h == Ended.EARLY for h in ended])),
@@ -229,23 +314,29 @@ def server_alarm(n_cal: int, alpha: float, level: float, in_flight: int) -> Stre
 
 
 def family_report(bundle: Bundle, rep: Replayed, alarm: StreamAlarm | None = None,
-                  action: ShiftAction = ShiftAction.FULL) -> dict[str, Any]:
-    """Every arm on one family's replayed traces, flagged requests served by `action`."""
+                  action: ShiftAction = ShiftAction.FULL, alpha: float | None = None,
+                  reasoner: str = "long", give_up_alpha: float | None = None) -> dict[str, Any]:
+    """Every arm on one family's replayed traces, flagged requests served by `action`, the
+    gate at level `alpha` (None: the bundle's, as the server's --orca-shift-alpha), the
+    thinking budgets of `reasoner`. `give_up_alpha` (a design the server does not have yet):
+    the give-up side also leaves alone every request the gate would flag at that level."""
     safe = safe_lam(bundle, action)
     gate = bundle.load_gate()
-    flags = gate_flags(rep, gate.threshold(gate.alpha))
+    alpha = gate.alpha if alpha is None else alpha
+    flags = gate_flags(rep, gate.threshold(alpha))
     served = served_flagged(flags, alarm)
     none = np.zeros(len(rep), dtype=bool)
+    no_give_up = None if give_up_alpha is None else gate_flags(rep, gate.threshold(give_up_alpha))
     policy, excl = bundle.give_up.policy, bundle.ltt.excluded_never_correct
     mu = bundle.mu(GIVE_UP_DELTA)
     lengths = np.array([len(s) for s in rep.stop])
     full_end = lengths - 1
     out: dict[str, Any] = {
-        "n": len(rep), "gate": {"alpha": gate.alpha, "steps": gate.steps,
+        "n": len(rep), "gate": {"alpha": alpha, "steps": gate.steps,
                                 "flagged": rate(list(flags)), "served_flagged": rate(list(served))},
         "full": arm_figures(rep, full_end, [Ended.FULL] * len(rep), none, policy, excl),
         "budget": [], "orca": []}
-    for b in BUDGETS["long"]:
+    for b in BUDGETS[reasoner]:
         res = [budget_answer(tr, b) for tr in rep.traces]
         ok = [equivalent(a, y) for (a, _), y in zip(res, rep.truth)]
         out["budget"].append({"budget": b, "n": len(ok), "accuracy": float(np.mean(ok)),
@@ -257,7 +348,8 @@ def family_report(bundle: Bundle, rep: Replayed, alarm: StreamAlarm | None = Non
                 "one-sided, no gate": (None, none)}
         point: dict[str, Any] = {"delta": row.delta, "lambda": lam}
         for name, (m, flagged) in arms.items():
-            end, ended = served_ends(rep, lam, m, flagged, gate.steps, safe)
+            end, ended = served_ends(rep, lam, m, flagged, gate.steps, safe,
+                                     no_give_up if flagged is served else None)
             fig = arm_figures(rep, end, ended, flagged, policy, excl)
             fig["versus_budget"] = against_budget(fig, out["budget"])
             point[name] = fig
@@ -321,7 +413,7 @@ def done_means(rep: dict[str, Any]) -> list[str]:
     return out
 
 
-def plot(family: str, rep: dict[str, Any], path: Path) -> None:
+def plot(family: str, rep: dict[str, Any], path: Path, reasoner: str = "long") -> None:
     import matplotlib  # deferred: only the report draws
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # deferred: only the report draws
@@ -346,7 +438,7 @@ def plot(family: str, rep: dict[str, Any], path: Path) -> None:
     ax.errorbar([f["tokens"]], [f["accuracy"]], yerr=bars([f]), fmt="k*", markersize=10,
                 label="full reasoning")
     ax.set(xlabel="completion tokens per request", ylabel="accuracy", ylim=(0, 1),
-           title=f"long reasoner, {family} (n = {rep['n']}), shipped bundle, replayed")
+           title=f"{reasoner} reasoner, {family} (n = {rep['n']}), shipped bundle, replayed")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -362,10 +454,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="the collection's samples per prompt; every sample is replayed as a "
                          "request of its own (k > 1: the intervals treat samples of one prompt "
                          "as independent, so they are too narrow)")
-    ap.add_argument("--bundle", type=Path, default=BUNDLE)
+    ap.add_argument("--reasoner", choices=sorted(REASONERS), default="long")
+    ap.add_argument("--bundle", type=Path, default=None,
+                    help="default: the reasoner's shipped bundle")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--plots", type=Path, default=ROOT / "benchmarks",
-                    help="where replay-shift-long-FAMILY.png go")
+                    help="where replay-shift-REASONER-FAMILY.png go")
     ap.add_argument("--gate-alarm", type=float, default=0.0, metavar="LEVEL",
                     help="replay with the server's gate alarm at this level (0: none), fresh "
                          "at the family's first request, over --orders random arrival orders")
@@ -374,20 +468,37 @@ def main(argv: list[str] | None = None) -> None:
                          "request's decision only when it finishes)")
     ap.add_argument("--orders", type=int, default=20)
     ap.add_argument("--shift-action", choices=[str(ShiftAction.FULL), str(ShiftAction.STRICT)],
-                    default=str(ShiftAction.FULL), help="how a flagged request is served (the server's "
-                    "--orca-shift-action)")
+                    default=str(DEFAULTS.shift_action), help="how a flagged request is served "
+                    "(the server's --orca-shift-action, and its default)")
+    ap.add_argument("--give-up-alpha", type=float, default=None,
+                    help="a design, not served yet: the give-up side also leaves alone the "
+                         "requests the gate would flag at this level (above --shift-alpha)")
+    ap.add_argument("--trajectories", type=Path, default=None,
+                    help="replay this trajectory set (e.g. a calibration job's own) as the one "
+                         "family --families names, instead of its bench_samples collection")
+    ap.add_argument("--shift-alpha", type=float, default=None,
+                    help="the gate's level (the server's --orca-shift-alpha; default: the "
+                         "bundle's)")
     a = ap.parse_args(argv)
-    bundle = load_bundle(a.bundle)
+    if a.trajectories is not None and len(a.families) != 1:
+        ap.error("--trajectories replays one family: name it with --families")
+    bundle = load_bundle(a.bundle or ROOT / REASONERS[a.reasoner][1])
     a.out.mkdir(parents=True, exist_ok=True)
     for family in a.families:
-        ts = TrajectorySet.open(run_dir("long", a.k, family) / "trajectories")
+        ts = TrajectorySet.open(a.trajectories or run_dir(a.reasoner, a.k, family) / "trajectories")
         rep = replay_family(bundle, ts)
         if a.gate_alarm:
             alarmed(bundle, rep, family, a)
             continue
-        fig = family_report(bundle, rep, action=ShiftAction(a.shift_action))
+        action = ShiftAction(a.shift_action)
+        if family == "in-dist":
+            lost = savings_lost(bundle, rep, action, a.shift_alpha)
+            (a.out / f"{a.reasoner}-savings-{action}.json").write_text(json.dumps(lost, indent=1))
+            print(savings_table(lost), "\n", flush=True)
+        fig = family_report(bundle, rep, action=action, alpha=a.shift_alpha, reasoner=a.reasoner,
+                            give_up_alpha=a.give_up_alpha)
         (a.out / f"{family}.json").write_text(json.dumps(fig, indent=1))
-        plot(family, fig, a.plots / f"replay-shift-long-{family}.png")
+        plot(family, fig, a.plots / f"replay-shift-{a.reasoner}-{family}.png", a.reasoner)
         print(table(family, fig), "\n", flush=True)
 
 
@@ -396,12 +507,14 @@ def alarmed(bundle: Bundle, rep: Replayed, family: str, a: argparse.Namespace) -
     per delta the gated arms' stop and give-up errors (mean and worst order), and the requests
     served a bad lambda (stopped or gave up wrongly) before the alarm acted."""
     gate = bundle.load_gate()
-    alarm = server_alarm(len(gate.scores), gate.alpha, a.gate_alarm, a.in_flight)
+    alpha = gate.alpha if a.shift_alpha is None else a.shift_alpha
+    alarm = server_alarm(len(gate.scores), alpha, a.gate_alarm, a.in_flight)
     rng = np.random.default_rng(34)
     runs = []
     for _ in range(a.orders):
         sub = rep.subset(rng.permutation(len(rep)))
-        runs.append(family_report(bundle, sub, alarm, ShiftAction(a.shift_action)))
+        runs.append(family_report(bundle, sub, alarm, ShiftAction(a.shift_action), alpha,
+                                  a.reasoner, a.give_up_alpha))
     path = a.out / f"{family}-alarm{a.gate_alarm:g}-inflight{a.in_flight}.json"
     path.write_text(json.dumps(runs, indent=1))
     served = [r["gate"]["served_flagged"]["rate"] for r in runs]
@@ -409,8 +522,9 @@ def alarmed(bundle: Bundle, rep: Replayed, family: str, a: argparse.Namespace) -
           f"{a.orders} arrival orders (n = {rep.__len__()}): served as flagged "
           f"{np.mean(served):.3f} (gate alone {runs[0]['gate']['flagged']['rate']:.3f})\n")
     print("| delta | stop error, mean (worst order) | give-up error, mean (worst) | "
-          "two-sided minus one-sided accuracy, mean (worst) | tokens |")
-    print("| --- | --- | --- | --- | --- |")
+          "two-sided minus one-sided accuracy, mean (worst) | tokens | orders where each "
+          f"holds: stop <= delta / give-up <= {GIVE_UP_DELTA:g} / accuracy within 2 points |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for i, row in enumerate(runs[0]["orca"]):
         one = [r["orca"][i]["one-sided"] for r in runs]
         two = [r["orca"][i]["two-sided"] for r in runs]
@@ -419,7 +533,10 @@ def alarmed(bundle: Bundle, rep: Replayed, family: str, a: argparse.Namespace) -
         gap = [t["accuracy"] - o["accuracy"] for o, t in zip(one, two)]
         print(f"| {row['delta']:g} | {np.mean(se):.3f} ({max(se):.3f}) | {np.mean(ge):.3f} "
               f"({max(ge):.3f}) | {np.mean(gap):+.3f} ({min(gap):+.3f}) | "
-              f"{np.mean([o['tokens'] for o in one]):.0f} |")
+              f"{np.mean([o['tokens'] for o in one]):.0f} | "
+              f"{np.mean(np.array(se) <= row['delta']):.2f} / "
+              f"{np.mean(np.array(ge) <= GIVE_UP_DELTA):.2f} / "
+              f"{np.mean(np.array(gap) >= -0.02 - 1e-9):.2f} |")
     print(flush=True)
 
 

@@ -14,13 +14,16 @@ from bench_replay_shift import (  # noqa: E402
     BUNDLE,
     Replayed,
     arm_figures,
+    clustered_ci,
     family_report,
     replay_family,
+    savings_lost,
     served_ends,
     server_alarm,
     served_flagged,
 )
 from bench_samples import Trace  # noqa: E402
+from orca_serve.settings.contract import ShiftAction  # noqa: E402
 
 from orca_method.bundle import load_bundle  # noqa: E402
 from orca_method.outcomes import Ended, GiveUpPolicy  # noqa: E402
@@ -132,3 +135,44 @@ def test_the_replayed_alarm_hears_a_decision_only_when_its_request_has_finished(
     assert first - in_flight == int(np.argmax(server_alarm(300, 0.05, 0.01, 0)(
         np.ones(60, dtype=bool))))
     assert not alarm(np.zeros(60, dtype=bool)).any()  # nothing flagged: never raised
+
+
+def test_savings_lost_are_the_flagged_requests_and_strict_keeps_what_its_lambda_allows():
+    """Two requests whose stop score crosses every lambda* of the long bundle at step 1 (0-based,
+    its gate step): the flagged one loses its savings under `full` (30 of the 110 tokens full
+    reasoning spends on both) and none under `strict` (the largest lambda* stops it there too)."""
+    bundle = load_bundle(BUNDLE)
+    rep = replayed(stop=[[0.0, 0.95, 0.95, 0.95, 0.95]] * 2, give_up=[[1.0] * 5] * 2,
+                   sup=[[0, 1, 1, 1, 1]] * 2, answers=[["0", "1", "1", "1", "1"]] * 2,
+                   final=["1", "1"], truth=["1", "1"])
+    rep.gate_score = np.array([np.inf, np.nan])  # the first flagged, the second never gated
+    rep.prompt = ["a", "b"]
+    full = savings_lost(bundle, rep, ShiftAction.FULL)
+    assert full["flagged"] == 0.5 and full["prompts"] == 2
+    assert [r["lost_points"] for r in full["rows"]] == pytest.approx([100 * 30 / 110] * 4)
+    strict = savings_lost(bundle, rep, ShiftAction.STRICT)
+    assert [r["lost_points"] for r in strict["rows"]] == [0.0] * 4
+
+
+def test_the_clustered_interval_resamples_prompts_not_samples():
+    """Eight samples of each of 20 prompts, every prompt's samples alike: resampled by prompt the
+    interval is that of 20 draws, twice as wide as resampling 160 independent ones would give."""
+    rng = np.random.default_rng(1)
+    per_prompt = (rng.uniform(size=20) < 0.3).astype(float)  # [20]
+    num, prompts = np.repeat(per_prompt, 8), [str(i) for i in np.repeat(np.arange(20), 8)]
+    lo, hi = clustered_ci(num, np.ones(160), prompts)
+    lo1, hi1 = clustered_ci(num, np.ones(160), [str(i) for i in range(160)])
+    assert lo <= num.mean() <= hi and hi - lo > 2 * (hi1 - lo1)
+    assert clustered_ci(num, np.ones(160), ["one"] * 160) == (num.mean(), num.mean())
+
+
+def test_a_give_up_level_of_its_own_blocks_the_give_up_only():
+    """`no_give_up` (the give-up side's own gate level): the request in it neither gives up nor
+    is served the safe threshold; the stop side still runs lambda."""
+    rep = replayed(stop=[[0.0, 0.1, 0.1, 0.95, 0.95]] * 2, give_up=[[1.0, 0.0, 0.0, 0.0, 0.0]] * 2,
+                   sup=[[0, 0, 0, 1, 1]] * 2, answers=[["0", "0", "0", "1", "1"]] * 2,
+                   final=["1", "1"], truth=["1", "1"])
+    none = np.zeros(2, dtype=bool)
+    end, ended = served_ends(rep, 0.5, 0.05, none, gate_steps=1, safe=0.9,
+                             no_give_up=np.array([True, False]))
+    assert [str(e) for e in ended] == ["early", "gave_up"] and end.tolist() == [3, 1]

@@ -19,9 +19,12 @@ from orca_serve.settings.contract import (
     Policy,
     ShiftAction,
     child_key,
+    safe_lam,
     to_wire,
 )
+from orca_method.bundle import load_bundle
 from orca_method.outcomes import GiveUpPolicy
+from orca_method.risk import cumulative, stop_indices
 from orca_serve.settings.field import OrcaRequestError
 from orca_serve.settings.resolve import OrcaDefaults, resolve
 from orca_serve.settings.xargs import encode_lam, request_spec, validate_xargs
@@ -201,3 +204,25 @@ def test_reload_answers_round_trip_and_refuse_anything_else():
     for bad in (None, "c", {"checksum": "c", "extra": 1}):
         with pytest.raises(ValueError, match="unexpected answer from an engine worker"):
             ReloadAnswer.from_wire(bad)
+
+
+@pytest.mark.parametrize("bundle", ["orca_serve/demo/bundle.json",
+                                    "orca_serve/demo/long/bundle.json"])
+def test_strict_keeps_every_in_distribution_guarantee(bundle):
+    """The default shift action serves a flagged request the bundle's largest lambda*. That
+    threshold is at least every lambda*, a trace's first crossing of a higher threshold comes no
+    earlier, and under cumulative labels a later stop is never wrong where an earlier one was
+    right: per trace the loss under `strict` is at most the loss under lambda*(delta), whatever
+    the gate flags, so the in-distribution risk stays <= delta (docs/METHOD.md section 11)."""
+    assert DEFAULTS.shift_action is ShiftAction.STRICT
+    b = load_bundle(bundle)
+    safe = safe_lam(b, DEFAULTS.shift_action)
+    assert all(safe >= b.lam(r.delta) for r in b.ltt.rows)
+    rng = np.random.default_rng(34)
+    scores = [rng.uniform(size=int(rng.integers(2, 40))) for _ in range(400)]  # [T_i] each
+    labels = [cumulative(rng.uniform(size=len(s)) < 0.1) for s in scores]
+    lams = np.array([b.lam(r.delta) for r in b.ltt.rows] + [safe])
+    tau = stop_indices(scores, lams)  # [n_lambdas + 1, n]
+    loss = np.array([[1 - y[t] for y, t in zip(labels, row)] for row in tau])
+    assert (tau[-1] >= tau[:-1]).all() and (loss[-1] <= loss[:-1]).all()
+    assert (tau[-1] > tau[:-1]).any()  # the property is not vacuous: strict does stop later

@@ -32,7 +32,7 @@ def test_a_flagged_request_reasons_in_full_and_never_gives_up(gated_path):
         "flagged": dict(now),
         "flagged-two-sided": {**now, XARG_GIVE_UP_MU: 0.2},  # would give up at step 1 too
         "ungated": {**now, XARG_SHIFT_ALPHA: 0, "orca_answer_budget": 4},
-    })
+    }, defaults={"shift_action": "full"})
     for name in ("flagged", "flagged-two-sided"):
         r = res[name]
         assert r.shift_flagged and r.shift_alpha == 0.05, name
@@ -46,9 +46,10 @@ def test_a_flagged_request_reasons_in_full_and_never_gives_up(gated_path):
     assert len(sims["ungated"].out) < len(sims["flagged"].out)
 
 
-def test_strict_serves_the_most_conservative_lambda(gated_path):
-    _, res = _run(gated_path, {"r": {XARG_LAM: 0.0}},
-                  defaults={"shift_action": "strict"})
+@pytest.mark.parametrize("defaults", [{"shift_action": "strict"}, {}])
+def test_strict_serves_the_most_conservative_lambda(gated_path, defaults):
+    """`strict`, the default: a flagged request runs the bundle's largest lambda*."""
+    _, res = _run(gated_path, {"r": {XARG_LAM: 0.0}}, defaults=defaults)
     r = res["r"]
     assert r.shift_flagged
     # the table's largest lambda* (0.75) from the gate's step on: never below it

@@ -2,7 +2,9 @@
 `orca-serve --demo` serves), real vLLM, real HTTP. The bundle's gate flags about all of the
 toy's shifted prompts and about alpha of its in-distribution ones, so a run of shifted requests
 raises the alarm within a handful, and then an in-distribution request the gate alone passes is
-served as a flagged one (full reasoning, the server's default shift action) and says so."""
+served as a flagged one (full reasoning: this server runs `--orca-shift-action full`, so that a
+request served safely shows as one that never stopped; the default, `strict`, serves the
+bundle's largest lambda*) and says so."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ MAX_TOKENS = 400  # the toy's traces end well within it (bench_frontier's)
 def toy(tmp_path_factory) -> Iterator[Server]:
     d = tmp_path_factory.mktemp("toy_alarm")
     server = Server(orca_serve_cmd("--model", str(TOY / "model"), "--calib",
-                                   str(TOY / "bundle.json")), d / "orca.log",
+                                   str(TOY / "bundle.json"), "--orca-shift-action", "full"),
+                    d / "orca.log",
                     ["--host", "127.0.0.1", "--enforce-eager", "--seed", "0",
                      "--reasoning-parser", "deepseek_r1", "--disable-uvicorn-access-log",
                      "--served-model-name", load_bundle(TOY / "bundle.json").model.name,

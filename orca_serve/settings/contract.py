@@ -59,8 +59,9 @@ class StopReason(StrEnum):
 
 class ShiftAction(StrEnum):
     """What a request the shift gate flags runs with (the operator's choice,
-    `--orca-shift-action`; docs/METHOD.md section 11): FULL, full reasoning (no early stop, no
-    give-up); STRICT, the bundle's most conservative lambda* (no give-up); OFF, no gate."""
+    `--orca-shift-action`; docs/METHOD.md section 11): STRICT (the default), the bundle's most
+    conservative lambda* (no give-up); FULL, full reasoning (no early stop, no give-up); OFF, no
+    gate."""
 
     FULL = "full"
     STRICT = "strict"
@@ -105,7 +106,10 @@ class RequestDefaults:
     give_up_policy: GiveUpPolicy = GiveUpPolicy.GUESS  # what a given-up request returns
     give_up_message: str | None = None  # GiveUpPolicy.MESSAGE's text (None: GIVE_UP_MESSAGE)
     shift_alpha: float | None = None  # the shift gate's level (None: the bundle's; 0: no gate)
-    shift_action: ShiftAction = ShiftAction.FULL  # what a request the gate flags gets
+    # what a request the gate flags gets: the bundle's largest lambda*, which keeps every
+    # in-distribution guarantee (docs/METHOD.md section 11) and gives back most of the savings
+    # `full` loses (benchmarks/RESULTS.md, "In distribution: what the gate and its alarm cost")
+    shift_action: ShiftAction = ShiftAction.STRICT
     group: str | None = None  # a request's group tag (None: none; docs/METHOD.md section 12)
 
     def to_dict(self) -> dict[str, Any]:

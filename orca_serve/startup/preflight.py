@@ -86,9 +86,9 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "None: the bundle's. Only for bundles with a shift_gate block.")
     g.add_argument("--orca-shift-action", choices=SHIFT_ACTIONS,
                    default=DEFAULTS.shift_action,
-                   help="What a request the shift gate flags gets: full (full reasoning, never "
-                   "gives up), strict (the bundle's most conservative lambda*, never gives up), "
-                   "or off (no gate).")
+                   help="What a request the shift gate flags gets: strict (the default: the "
+                   "bundle's most conservative lambda*, never gives up), full (full reasoning, "
+                   "never gives up), or off (no gate).")
     g.add_argument("--orca-gate-alarm", type=level, default=DEFAULT_ALARM_LEVEL,
                    metavar="LEVEL",
                    help="The gate alarm: a sequential test on the shift gate's flags that, once "
