@@ -228,6 +228,23 @@ def server_alarm(n_cal: int, alpha: float, level: float, in_flight: int) -> Stre
     return served
 
 
+def references(bundle: Bundle, rep: Replayed) -> dict[str, Any]:
+    """What every ORCA arm on these traces is compared with: full reasoning (`full`) and the
+    thinking budget at each of BUDGETS (`budget`), replayed from the same traces."""
+    n = len(rep)
+    full = arm_figures(rep, np.array([len(s) - 1 for s in rep.stop]), [Ended.FULL] * n,
+                       np.zeros(n, dtype=bool), bundle.give_up.policy,
+                       bundle.ltt.excluded_never_correct)
+    budgets = []
+    for b in BUDGETS["long"]:
+        res = [budget_answer(tr, b) for tr in rep.traces]
+        ok = [equivalent(a, y) for (a, _), y in zip(res, rep.truth)]
+        budgets.append({"budget": b, "n": len(ok), "accuracy": float(np.mean(ok)),
+                        "accuracy_ci95": list(wilson(int(np.sum(ok)), len(ok))),
+                        "tokens": float(np.mean([t for _, t in res]))})
+    return {"full": full, "budget": budgets}
+
+
 def family_report(bundle: Bundle, rep: Replayed, alarm: StreamAlarm | None = None,
                   action: ShiftAction = ShiftAction.FULL) -> dict[str, Any]:
     """Every arm on one family's replayed traces, flagged requests served by `action`."""
@@ -238,19 +255,10 @@ def family_report(bundle: Bundle, rep: Replayed, alarm: StreamAlarm | None = Non
     none = np.zeros(len(rep), dtype=bool)
     policy, excl = bundle.give_up.policy, bundle.ltt.excluded_never_correct
     mu = bundle.mu(GIVE_UP_DELTA)
-    lengths = np.array([len(s) for s in rep.stop])
-    full_end = lengths - 1
     out: dict[str, Any] = {
         "n": len(rep), "gate": {"alpha": gate.alpha, "steps": gate.steps,
                                 "flagged": rate(list(flags)), "served_flagged": rate(list(served))},
-        "full": arm_figures(rep, full_end, [Ended.FULL] * len(rep), none, policy, excl),
-        "budget": [], "orca": []}
-    for b in BUDGETS["long"]:
-        res = [budget_answer(tr, b) for tr in rep.traces]
-        ok = [equivalent(a, y) for (a, _), y in zip(res, rep.truth)]
-        out["budget"].append({"budget": b, "n": len(ok), "accuracy": float(np.mean(ok)),
-                              "accuracy_ci95": list(wilson(int(np.sum(ok)), len(ok))),
-                              "tokens": float(np.mean([t for _, t in res]))})
+        **references(bundle, rep), "orca": []}
     for row in bundle.ltt.rows:
         lam = bundle.lam(row.delta)
         arms = {"one-sided": (None, served), "two-sided": (mu, served),
