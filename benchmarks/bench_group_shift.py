@@ -42,6 +42,7 @@ from bench_replay_shift import (  # noqa: E402
     OUT,
     acc,
     arm_figures,
+    budget_lines,
     cell,
     references,
     replay_family,
@@ -98,9 +99,7 @@ def served_table(family: str, rep: dict[str, Any]) -> str:
                      f"{cell(one['stop_error'])} | {acc(one)} | {one['tokens']:.0f} | "
                      f"{versus(one['versus_budget'])} | {cell(two['give_up_error'])} | "
                      f"{acc(two)} |")
-    lines += ["", "| thinking budget B | accuracy | tokens |", "| --- | --- | --- |"]
-    lines += [f"| {b['budget']} | {acc(b)} | {b['tokens']:.0f} |" for b in rep["budget"]]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *budget_lines(rep)])
 
 
 def main() -> None:

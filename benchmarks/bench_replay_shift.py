@@ -306,10 +306,14 @@ def table(family: str, rep: dict[str, Any]) -> str:
                          f"{cell(r['stop_error_certified'])} | {cell(r['give_up_error'])} | "
                          f"{acc(r)} | {r['tokens']:.0f} | {r['ended_early']:.2f} / "
                          f"{r['gave_up']:.2f} | {versus(r['versus_budget'])} |")
-    lines += ["", "| thinking budget B | accuracy | tokens |", "| --- | --- | --- |"]
-    lines += [f"| {b['budget']} | {acc(b)} | {b['tokens']:.0f} |" for b in rep["budget"]]
-    lines += ["", *done_means(rep)]
+    lines += ["", *budget_lines(rep), "", *done_means(rep)]
     return "\n".join(lines)
+
+
+def budget_lines(rep: dict[str, Any]) -> list[str]:
+    """The thinking budget's points (`references`) as a markdown table."""
+    return ["| thinking budget B | accuracy | tokens |", "| --- | --- | --- |",
+            *(f"| {b['budget']} | {acc(b)} | {b['tokens']:.0f} |" for b in rep["budget"])]
 
 
 def done_means(rep: dict[str, Any]) -> list[str]:
