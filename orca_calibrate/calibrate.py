@@ -322,15 +322,15 @@ def add_groups(bundle: Bundle, sets: Sequence[TrajectorySet], opts: GroupOptions
                          "calibration set is fixed (calibrate it again from its job instead)")
     grown = bundle.model_copy(update={
         "groups": {**(bundle.groups or {}), **tables}, "checksum": "",
-        "provenance": {**bundle.provenance, **group_provenance(sets)}})
+        "provenance": {**bundle.provenance, "group_data": [
+            *bundle.provenance.get("group_data", []), *group_data(sets)]}})
     check_semantics(grown)
     return save_bundle(grown, out)
 
 
-def group_provenance(sets: Sequence[TrajectorySet]) -> dict[str, Any]:
-    """Where the groups' calibration-only traces came from (provenance; none: no key)."""
-    return {"group_data": [{"data": str(ts.path), "data_sha256": data_hashes(ts)}
-                           for ts in sets]} if sets else {}
+def group_data(sets: Sequence[TrajectorySet]) -> list[dict[str, Any]]:
+    """Where the groups' calibration-only traces came from (provenance's `group_data`)."""
+    return [{"data": str(ts.path), "data_sha256": data_hashes(ts)} for ts in sets]
 
 
 def file_sha256(path: Path) -> str:
@@ -417,7 +417,8 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
                                     "labels": c.astype(int).tolist()}) + "\n" for pid, s, c in zip(scored.ids, scored.scores, scored.labels))
     bundle = make_bundle(probe, ts, results, mode=mode, epsilon=epsilon, pvalue=pvalue,
                          window=window, n_cal=len(scored.ids), default_delta=default,
-                         provenance={**(provenance or {}), **group_provenance(group_sets)},
+                         provenance={**(provenance or {}), **(
+                             {"group_data": group_data(group_sets)} if group_sets else {})},
                          drift=build_reference(everything.scores, window, [r.lam for r in results]),
                          give_up=give_up if give_up is None or isinstance(give_up, GiveUpBlock)
                          else give_up_block(give_up[0], ts, give_up[1], window=window,

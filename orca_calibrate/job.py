@@ -233,7 +233,8 @@ def collection_sets(job: dict[str, Any]) -> list[tuple[list[dict], Path, set[str
 def group_sets(job: dict[str, Any]) -> list[tuple[list[dict], Path]]:
     """What the groups stage collects: (prompts, trajectory directory) per file of the job's
     `group_prompts`, into `out/trajectories-groups/<its stem>`. Calibration-only: no split, no
-    training, only their groups' tables read them (docs/CALIBRATE.md, "Groups")."""
+    training, only their groups' tables read them (docs/CALIBRATE.md, "Groups collected
+    apart")."""
     return [(read_prompts(Path(f)), Path(job["out"]) / GROUP_SETS / Path(f).stem)
             for f in job.get("group_prompts") or []]
 
@@ -409,7 +410,8 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
         (out / "evaluation.md").write_text(markdown_table(rows) + "\n")
 
     stages = {"collect": (collect, [data / "problems.jsonl"]), "split": (split, []),
-              "train": (train, [probe_file]), "label": (label, []), "groups": (groups, [d / "problems.jsonl" for _, d in group_sets(job)]),
+              "train": (train, [probe_file]), "label": (label, []),
+              "groups": (groups, [d / "problems.jsonl" for _, d in group_sets(job)]),
               "calibrate": (calibrate, [bundle_file]),
               "evaluate": (evaluate, [out / "evaluation.json"])}
     fingerprints, rerun = stage_settings(job), False

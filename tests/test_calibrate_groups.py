@@ -168,6 +168,12 @@ def test_groups_from_sets_apart_leave_the_main_tables_as_they_were(tmp_path, cap
         add_groups(sealed, [twin], GroupOptions(), tmp_path / "x.json")
     with pytest.raises(ValueError, match="no table to add"):
         add_groups(parent, [few], GroupOptions(), tmp_path / "x.json")
+    # a later group joins the earlier ones, and the provenance keeps where each came from
+    more = _set_apart(tmp_path / "more", "in-dist", 60, seed=10)
+    both = add_groups(sealed, [more], GroupOptions(), tmp_path / "y.json")
+    assert sorted(both.groups) == ["in-dist", "shifted"] and both.groups["shifted"] == g
+    assert [d["data"] for d in both.provenance["group_data"]] == [str(shifted.path),
+                                                                  str(few.path), str(more.path)]
 
 
 def test_a_group_calibrated_apart_holds_on_its_held_out_traces(tmp_path):
