@@ -10,6 +10,10 @@ With `collect: {label_steps: selective}` the calibration split is known before c
 split is then a collection setting) and its trajectories are collected unprobed; the `label`
 stage, after training, probes only the steps that decide LTT (orca_method/selective.py), on the
 engine the collection started when the job runs straight through.
+
+With `group_prompts` the `groups` stage collects those prompt files apart (calibration-only
+traces of groups, docs/CALIBRATE.md "Groups collected apart"), and the calibrate stage certifies
+each group on its own set.
 """
 
 from __future__ import annotations
