@@ -11,24 +11,48 @@ group's requests are (no gate: `lambda_source: group`). Reported per delta: how 
 stop error (the certified loss) is within delta, its mean, and the held-out tokens and accuracy
 against full reasoning and the thinking budget replayed from the same traces.
 
+`--served`: the bundle's own group tables instead (the shipped long bundle's `groups`, each
+certified on its family's calibration-only traces, prompts no replay saw: docs/CALIBRATE.md,
+"Groups collected apart"), on ALL of each family's recorded traces, served as requests tagged
+with the family are (`lambda_source: group`: no gate, lambda*_g; the two-sided arm with mu*_g
+at delta_2 0.05): per delta the stop error under the bundle's label mode (the certified loss)
+and under supervised labels, the give-up error, accuracy and tokens, all with 95% intervals,
+against full reasoning and the thinking budget from the same traces.
+
 Usage: python benchmarks/bench_group_shift.py [--splits 50]
+       python benchmarks/bench_group_shift.py --served [--families shifted hard]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_replay_shift import BUNDLE, arm_figures, replay_family, served_ends  # noqa: E402
+from bench_replay_shift import (  # noqa: E402
+    BUNDLE,
+    GIVE_UP_DELTA,
+    OUT,
+    acc,
+    arm_figures,
+    budget_lines,
+    cell,
+    references,
+    replay_family,
+    served_ends,
+    versus,
+)
+from bench_shift import against_budget  # noqa: E402
 from bench_samples import BUDGETS, budget_answer, run_dir  # noqa: E402
 
-from orca_method.bundle import load_bundle  # noqa: E402
+from orca_method.bundle import Bundle, load_bundle  # noqa: E402
 from orca_method.labels import equivalent  # noqa: E402
 from orca_method.ltt import calibrate  # noqa: E402
 from orca_method.risk import is_counted  # noqa: E402
@@ -36,12 +60,65 @@ from orca_method.thresholds import NEVER  # noqa: E402
 from orca_method.trajectories import TrajectorySet  # noqa: E402
 
 
+def served(bundle: Bundle, family: str) -> dict[str, Any]:
+    """The family's recorded traces served with the bundle's table for group `family`, as
+    tagged requests are (module docstring, `--served`)."""
+    if bundle.group(family) is None:
+        raise SystemExit(f"the bundle has no table for group {family!r}: add it "
+                         "(orca-calibrate groups) first")
+    rep = replay_family(bundle, TrajectorySet.open(run_dir("long", 1, family) / "trajectories"))
+    none = np.zeros(len(rep), dtype=bool)
+    policy, excl = bundle.give_up.policy, bundle.ltt.excluded_never_correct
+    out = {"n": len(rep), "group": bundle.groups[family].model_dump(), **references(bundle, rep),
+           "orca": []}
+    mu = bundle.mu(GIVE_UP_DELTA, family)
+    for delta in bundle.deltas():
+        lam = bundle.lam(delta, family)
+        point: dict[str, Any] = {"delta": delta, "lambda": lam, "mu": mu}
+        for name, m in (("one-sided", None), ("two-sided", mu)):
+            end, ended = served_ends(rep, lam, m, none, gate_steps=1)  # a known group: no gate
+            fig = arm_figures(rep, end, ended, none, policy, excl)
+            fig["versus_budget"] = against_budget(fig, out["budget"])
+            point[name] = fig
+        out["orca"].append(point)
+    return out
+
+
+def served_table(family: str, rep: dict[str, Any]) -> str:
+    g = rep["group"]
+    lines = [f"**{family}, served as the group `{family}`** (n = {rep['n']} held-out traces; "
+             f"the group's table: n_cal {g['ltt']['n_cal']}, epsilon {g['ltt']['epsilon']:g}; "
+             f"full reasoning {rep['full']['tokens']:.0f} tokens, accuracy {acc(rep['full'])})",
+             "", "| delta | lambda\*_g | stop error (certified loss) | stop error (supervised) | "
+             "accuracy | tokens | vs budget at its tokens | two-sided: give-up error | "
+             "two-sided: accuracy |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for p in rep["orca"]:
+        one, two = p["one-sided"], p["two-sided"]
+        lam = "never" if p["lambda"] >= NEVER else f"{p['lambda']:.3f}"
+        lines.append(f"| {p['delta']:g} | {lam} | {cell(one['stop_error_certified'])} | "
+                     f"{cell(one['stop_error'])} | {acc(one)} | {one['tokens']:.0f} | "
+                     f"{versus(one['versus_budget'])} | {cell(two['give_up_error'])} | "
+                     f"{acc(two)} |")
+    return "\n".join([*lines, "", *budget_lines(rep)])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", default="shifted")
     ap.add_argument("--splits", type=int, default=50)
+    ap.add_argument("--served", action="store_true", help="serve every recorded trace of "
+                    "--families with the bundle's own group tables")
+    ap.add_argument("--families", nargs="+", default=["shifted", "hard"])
+    ap.add_argument("--bundle", type=Path, default=BUNDLE)
     a = ap.parse_args()
-    bundle = load_bundle(BUNDLE)
+    bundle = load_bundle(a.bundle)
+    if a.served:
+        OUT.mkdir(parents=True, exist_ok=True)
+        for family in a.families:
+            rep = served(bundle, family)
+            (OUT / f"group-{family}.json").write_text(json.dumps(rep, indent=1))
+            print(served_table(family, rep), "\n", flush=True)
+        return
     rep = replay_family(bundle, TrajectorySet.open(run_dir("long", 1, a.family) / "trajectories"))
     deltas = [r.delta for r in bundle.ltt.rows]
     excl, policy = bundle.ltt.excluded_never_correct, bundle.give_up.policy

@@ -313,6 +313,23 @@ def server_alarm(n_cal: int, alpha: float, level: float, in_flight: int) -> Stre
     return served
 
 
+def references(bundle: Bundle, rep: Replayed, reasoner: str = "long") -> dict[str, Any]:
+    """What every ORCA arm on these traces is compared with: full reasoning (`full`) and the
+    thinking budget at each of `reasoner`'s BUDGETS (`budget`), replayed from the same traces."""
+    n = len(rep)
+    full = arm_figures(rep, np.array([len(s) - 1 for s in rep.stop]), [Ended.FULL] * n,
+                       np.zeros(n, dtype=bool), bundle.give_up.policy,
+                       bundle.ltt.excluded_never_correct)
+    budgets = []
+    for b in BUDGETS[reasoner]:
+        res = [budget_answer(tr, b) for tr in rep.traces]
+        ok = [equivalent(a, y) for (a, _), y in zip(res, rep.truth)]
+        budgets.append({"budget": b, "n": len(ok), "accuracy": float(np.mean(ok)),
+                        "accuracy_ci95": list(wilson(int(np.sum(ok)), len(ok))),
+                        "tokens": float(np.mean([t for _, t in res]))})
+    return {"full": full, "budget": budgets}
+
+
 def family_report(bundle: Bundle, rep: Replayed, alarm: StreamAlarm | None = None,
                   action: ShiftAction = ShiftAction.FULL, alpha: float | None = None,
                   reasoner: str = "long", give_up_alpha: float | None = None) -> dict[str, Any]:
@@ -329,19 +346,10 @@ def family_report(bundle: Bundle, rep: Replayed, alarm: StreamAlarm | None = Non
     no_give_up = None if give_up_alpha is None else gate_flags(rep, gate.threshold(give_up_alpha))
     policy, excl = bundle.give_up.policy, bundle.ltt.excluded_never_correct
     mu = bundle.mu(GIVE_UP_DELTA)
-    lengths = np.array([len(s) for s in rep.stop])
-    full_end = lengths - 1
     out: dict[str, Any] = {
         "n": len(rep), "gate": {"alpha": alpha, "steps": gate.steps,
                                 "flagged": rate(list(flags)), "served_flagged": rate(list(served))},
-        "full": arm_figures(rep, full_end, [Ended.FULL] * len(rep), none, policy, excl),
-        "budget": [], "orca": []}
-    for b in BUDGETS[reasoner]:
-        res = [budget_answer(tr, b) for tr in rep.traces]
-        ok = [equivalent(a, y) for (a, _), y in zip(res, rep.truth)]
-        out["budget"].append({"budget": b, "n": len(ok), "accuracy": float(np.mean(ok)),
-                              "accuracy_ci95": list(wilson(int(np.sum(ok)), len(ok))),
-                              "tokens": float(np.mean([t for _, t in res]))})
+        **references(bundle, rep, reasoner), "orca": []}
     for row in bundle.ltt.rows:
         lam = bundle.lam(row.delta)
         arms = {"one-sided": (None, served), "two-sided": (mu, served),
@@ -390,10 +398,14 @@ def table(family: str, rep: dict[str, Any]) -> str:
                          f"{cell(r['stop_error_certified'])} | {cell(r['give_up_error'])} | "
                          f"{acc(r)} | {r['tokens']:.0f} | {r['ended_early']:.2f} / "
                          f"{r['gave_up']:.2f} | {versus(r['versus_budget'])} |")
-    lines += ["", "| thinking budget B | accuracy | tokens |", "| --- | --- | --- |"]
-    lines += [f"| {b['budget']} | {acc(b)} | {b['tokens']:.0f} |" for b in rep["budget"]]
-    lines += ["", *done_means(rep)]
+    lines += ["", *budget_lines(rep), "", *done_means(rep)]
     return "\n".join(lines)
+
+
+def budget_lines(rep: dict[str, Any]) -> list[str]:
+    """The thinking budget's points (`references`) as a markdown table."""
+    return ["| thinking budget B | accuracy | tokens |", "| --- | --- | --- |",
+            *(f"| {b['budget']} | {acc(b)} | {b['tokens']:.0f} |" for b in rep["budget"])]
 
 
 def done_means(rep: dict[str, Any]) -> list[str]:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from orca_calibrate.gate import gate_from_trajectories
+from orca_calibrate.group_options import GroupOptions  # re-exported
 from orca_calibrate.train import solvable
 from orca_method.audit.drift import build_reference
 from orca_method.bundle import (
@@ -70,23 +71,6 @@ class GiveUpOptions:
     # what a given-up request serves under the server's --orca-give-up-policy, the one mu* is
     # certified for (its own loss, orca_method.give_up.give_up_losses); the server refuses others
     policy: GiveUpPolicy = GiveUpPolicy.GUESS
-
-
-@dataclass(frozen=True)
-class GroupOptions:
-    """Group-conditional calibration (docs/METHOD.md section 12): the problems' tag that names
-    their group (`field`: a trajectory set's problem field, e.g. `family`, or a key of its
-    `extra`), fixed before calibration, and the fewest calibration traces (LTT's n_cal) a group
-    needs for a table of its own; smaller groups get none (a printed note) and are served with
-    the main table, through the shift gate."""
-
-    field: str = "family"
-    min_n: int = 30
-
-    def __post_init__(self) -> None:
-        if not self.field or self.min_n < 1:
-            raise ValueError(f"calibrate.groups needs a field name and min_n >= 1, got "
-                             f"field {self.field!r:.40}, min_n {self.min_n!r:.20}")
 
 
 def group_of(ts: TrajectorySet, i: int, field: str) -> str | None:
@@ -233,18 +217,21 @@ def ltt_table(results: list[DeltaResult], *, epsilon: float, pvalue: str,
 
 def group_tables(probe: Probe, ts: TrajectorySet, opts: GroupOptions, *, mode: str,
                  deltas: Sequence[float], epsilon: float, pvalue: str, window: int,
-                 give_up: tuple[Probe, GiveUpOptions] | None = None) -> dict[str, GroupTable]:
-    """Each group's tables, by LTT on the calibration split's traces of that group only (the
-    guarantee then holds within the group: docs/METHOD.md section 12). A group with fewer than
-    `opts.min_n` solvable traces (its lambda* n_cal) gets none, with a printed note; `give_up`
-    (a give-up probe and its options): mu* on all of the group's traces too."""
+                 give_up: tuple[Probe, GiveUpOptions] | None = None,
+                 calibration: Sequence[int] | None = None) -> dict[str, GroupTable]:
+    """Each group's tables, by LTT on the calibration traces of that group only (the guarantee
+    then holds within the group: docs/METHOD.md section 12); `calibration`: those traces of
+    `ts` (default: its calibration split; a calibration-only set's: all of them). A group with
+    fewer than `opts.min_n` solvable traces (its lambda* n_cal) gets none, with a printed note;
+    `give_up` (a give-up probe and its options): mu* on all of the group's traces too."""
     members: dict[str, list[int]] = {}
-    for i in ts.split("calibration"):
+    for i in ts.split("calibration") if calibration is None else calibration:
         g = group_of(ts, i, opts.field)
         if g is not None:
             members.setdefault(g, []).append(i)
     if not members:
-        raise ValueError(f"calibrate.groups: no problem of {ts.path}'s calibration split has a "
+        where = "calibration split" if calibration is None else "calibration traces"
+        raise ValueError(f"calibrate.groups: no problem of {ts.path}'s {where} has a "
                          f"{opts.field!r} tag; tag them, or calibrate without groups")
     out: dict[str, GroupTable] = {}
     for name, idx in sorted(members.items()):
@@ -263,6 +250,87 @@ def group_tables(probe: Probe, ts: TrajectorySet, opts: GroupOptions, *, mode: s
             give_up[0], ts, idx, give_up[1], window=give_up[1].window or window, pvalue=pvalue,
             what=f"calibration ({opts.field} {name})"))
     return out
+
+
+def calibration_only(ts: TrajectorySet) -> list[int]:
+    """Every trace of a group's calibration set, refusing a set that a job split (its training
+    split trained the probe, its calibration split chose the main lambda*: traces used for
+    either are not exchangeable with fresh traffic given the bundle)."""
+    used = next((p for p in ts.problems if p.split is not None), None)
+    if used is not None:
+        raise ValueError(f"problem {used.id!r:.70} of {ts.path} is in a job's {used.split!r:.20} "
+                         "split; a group set holds calibration traces only, none trained on or "
+                         "used to choose anything (collect its prompts apart, or use "
+                         "calibrate.groups on the job's own calibration split)")
+    return list(range(len(ts)))
+
+
+def set_group_tables(probe: Probe, sets: Sequence[TrajectorySet], opts: GroupOptions, *,
+                     mode: str, deltas: Sequence[float], epsilon: float, pvalue: str,
+                     window: int, give_up: tuple[Probe, GiveUpOptions] | None = None
+                     ) -> dict[str, GroupTable]:
+    """The tables of the groups of calibration-only trajectory sets (`group_tables` on every
+    trace of each set): the statement of group g then needs only g's set exchangeable with g's
+    traffic (docs/METHOD.md section 12). A group's traces come from one set."""
+    out: dict[str, GroupTable] = {}
+    named: dict[str, str] = {}  # group -> the set its traces are in
+    for ts in sets:
+        members = calibration_only(ts)
+        check_labelled(ts, members, "stop", mode)
+        if give_up is not None:
+            check_labelled(ts, members, "give_up", give_up[1].label_mode)
+        for g in {group_of(ts, i, opts.field) for i in members} - {None}:
+            if named.setdefault(g, str(ts.path)) != str(ts.path):
+                raise ValueError(f"group {g!r:.70} has calibration traces in {named[g]} and in "
+                                 f"{ts.path}; collect a group's prompts into one set")
+        out.update(group_tables(probe, ts, opts, mode=mode, deltas=deltas, epsilon=epsilon,
+                                pvalue=pvalue, window=window, give_up=give_up,
+                                calibration=members))
+    return out
+
+
+def give_up_options(block: GiveUpBlock) -> GiveUpOptions:
+    """The options a bundle's give-up block was certified with, so that a group's mu* is
+    certified as the main one was (its deltas, epsilon, window, reference labels, policy)."""
+    return GiveUpOptions(label_mode=block.label_mode, deltas=tuple(r.delta for r in block.ltt.rows),
+                         epsilon=block.ltt.epsilon, window=block.window,
+                         default_delta=block.default_delta, policy=block.policy)
+
+
+def add_groups(bundle: Bundle, sets: Sequence[TrajectorySet], opts: GroupOptions,
+               out: Path) -> Bundle:
+    """`orca-calibrate groups`: `bundle` with the tables of the groups of calibration-only sets
+    added (`set_group_tables`, with the bundle's own probes, window, label modes, deltas and
+    epsilons), every other field as it was: an untagged request, or one of a group the bundle
+    does not know, is served exactly as before. A group the bundle has a table for already is
+    refused (its calibration set is fixed). The caller checks the sets against the bundle's
+    model first (`check_bundle`, as `orca-calibrate groups` does with `--force-model`)."""
+    if bundle.give_up is not None and bundle.give_up.ltt.pvalue != bundle.ltt.pvalue:
+        raise ValueError("the bundle's lambda* and mu* tables use different p-values; a group's "
+                         "tables are certified with one")
+    give_up = None if bundle.give_up is None else (bundle.load_give_up_probe(),
+                                                   give_up_options(bundle.give_up))
+    tables = set_group_tables(bundle.load_probe(), sets, opts, mode=bundle.label_mode,
+                              deltas=bundle.deltas(), epsilon=bundle.ltt.epsilon,
+                              pvalue=bundle.ltt.pvalue, window=bundle.window, give_up=give_up)
+    if not tables:
+        raise ValueError(f"no group of {', '.join(str(ts.path) for ts in sets)} has min_n "
+                         f"{opts.min_n} solvable traces: no table to add")
+    have = sorted(set(tables) & set(bundle.groups or {}))
+    if have:
+        raise ValueError(f"the bundle has a table for group {have[0]!r:.70} already; its "
+                         "calibration set is fixed (calibrate it again from its job instead)")
+    grown = bundle.model_copy(update={
+        "groups": {**(bundle.groups or {}), **tables}, "checksum": "",
+        "provenance": {**bundle.provenance, "group_data": [
+            *bundle.provenance.get("group_data", []), *group_data(sets)]}})
+    check_semantics(grown)
+    return save_bundle(grown, out)
+
+
+def group_data(sets: Sequence[TrajectorySet]) -> list[dict[str, Any]]:
+    """Where the groups' calibration-only traces came from (provenance's `group_data`)."""
+    return [{"data": str(ts.path), "data_sha256": data_hashes(ts)} for ts in sets]
 
 
 def file_sha256(path: Path) -> str:
@@ -315,7 +383,8 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
                      dump_scores: Path | None = None,
                      provenance: dict[str, Any] | None = None,
                      give_up: tuple[Probe, GiveUpOptions] | GiveUpBlock | None = None,
-                     groups: GroupOptions | None = None) -> Bundle:
+                     groups: GroupOptions | None = None,
+                     group_sets: Sequence[TrajectorySet] = ()) -> Bundle:
     """Replay the calibration split, run LTT for every delta, write bundle.json with the drift
     reference of the whole split (the server sees unsolvable requests too) and the shift gate
     (fitted on the training split, scored on the calibration split: orca_calibrate/gate.py);
@@ -323,7 +392,10 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
     schema version 2), or, given a block already certified (`recalibrate` keeps its parent's),
     that block as it is: mu* holds with every lambda* (docs/METHOD.md section 9), so a new
     lambda* leaves it valid. With `groups`, also each group's own tables (`group_tables`; mu*
-    per group only when the give-up probe is fitted here)."""
+    per group only when the give-up probe is fitted here), on the calibration split's tagged
+    traces or, given `group_sets`, on those calibration-only sets instead (`set_group_tables`)."""
+    if group_sets and groups is None:
+        raise ValueError("group sets need the group options (calibrate.groups: field, min_n)")
     default = default_delta if default_delta is not None else (0.1 if 0.1 in deltas else deltas[0])
     if default not in deltas:
         raise ValueError(f"default delta {default} is not among the calibrated deltas {deltas}")
@@ -333,21 +405,24 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
     everything = score_split(probe, ts, "calibration", mode, window, solvable_only=False)
     scored = everything.solvable()
     results = run_ltt(scored, deltas, epsilon, pvalue)
+    tables = None
+    if groups is not None:
+        how = {"mode": mode, "deltas": deltas, "epsilon": epsilon, "pvalue": pvalue,
+               "window": window, "give_up": give_up if isinstance(give_up, tuple) else None}
+        tables = set_group_tables(probe, group_sets, groups, **how) if group_sets else \
+            group_tables(probe, ts, groups, **how)
     if dump_scores is not None:
         with open(dump_scores, "w") as f:
             f.writelines(json.dumps({"id": pid, "scores": s.round(6).tolist(),
                                     "labels": c.astype(int).tolist()}) + "\n" for pid, s, c in zip(scored.ids, scored.scores, scored.labels))
     bundle = make_bundle(probe, ts, results, mode=mode, epsilon=epsilon, pvalue=pvalue,
                          window=window, n_cal=len(scored.ids), default_delta=default,
-                         provenance=provenance or {},
+                         provenance={**(provenance or {}), **(
+                             {"group_data": group_data(group_sets)} if group_sets else {})},
                          drift=build_reference(everything.scores, window, [r.lam for r in results]),
                          give_up=give_up if give_up is None or isinstance(give_up, GiveUpBlock)
                          else give_up_block(give_up[0], ts, give_up[1], window=window,
                                             pvalue=pvalue),
-                         shift_gate=gate_from_trajectories(ts),
-                         groups=None if groups is None else group_tables(
-                             probe, ts, groups, mode=mode, deltas=deltas, epsilon=epsilon,
-                             pvalue=pvalue, window=window,
-                             give_up=give_up if isinstance(give_up, tuple) else None))
+                         shift_gate=gate_from_trajectories(ts), groups=tables)
     check_semantics(bundle)  # never write a bundle the server would refuse (a saturated probe)
     return save_bundle(bundle, out)

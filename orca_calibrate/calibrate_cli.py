@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orca_calibrate.collect import Collector, CollectSettings, read_prompts
+from orca_calibrate.group_options import GroupOptions
 from orca_calibrate.job import JobError, collect_shard, load_job, run_job
 from orca_calibrate.judge import JudgeError, JudgeSettings
 from orca_calibrate.plan import DEFAULT_PILOT
@@ -226,6 +227,23 @@ def cmd_gate(a: argparse.Namespace) -> None:
     g = sealed.shift_gate
     print(f"wrote {a.out}: shift gate on {g.steps} step(s), fitted on {g.n_fit} prompts, "
           f"scored on {len(g.scores)}, alpha {g.alpha}; checksum {sealed.checksum}")
+
+
+def cmd_groups(a: argparse.Namespace) -> None:
+    from orca_calibrate.calibrate import add_groups  # deferred: torch
+    from orca_method.bundle import load_bundle  # deferred: torch (not needed by --help)
+
+    bundle, sets = load_bundle(a.bundle), [_open(d) for d in a.data]
+    for ts in sets:
+        check_on_data(a, bundle, ts)
+    sealed = add_groups(bundle, sets, GroupOptions(a.field, a.min_n), Path(a.out))
+    print(f"wrote {a.out}: checksum {sealed.checksum}; the main tables as they were")
+    for name, g in sorted((sealed.groups or {}).items()):
+        lams = ", ".join("never" if r.lam is None else f"{r.lam:.4f}" for r in g.ltt.rows)
+        mus = "" if g.give_up is None else ", mu* " + ", ".join(
+            "never" if r.mu is None else f"{r.mu:.4f}" for r in g.give_up.rows)
+        print(f"  group {name}: n_cal {g.ltt.n_cal}, lambda* {lams} at deltas "
+              f"{', '.join(f'{r.delta:g}' for r in g.ltt.rows)}{mus}")
 
 
 def cmd_reweight(a: argparse.Namespace) -> None:
@@ -523,6 +541,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", type=json.loads, default=None,
                    help="extra vLLM LLM(...) arguments as JSON, e.g. '{\"max_model_len\": 5120}'")
     p.set_defaults(fn=cmd_gate)
+
+    p = sub.add_parser("groups", help="add per-group lambda* (and mu*) to a bundle, each "
+                       "certified on its own group's calibration-only traces")
+    p.add_argument("--bundle", required=True, help="the bundle to add the groups to (its "
+                   "probes, main tables, gate and drift reference stay as they are)")
+    p.add_argument("--data", required=True, nargs="+", help="trajectory directories collected "
+                   "apart from the bundle's job (no split: none of them trained or chose "
+                   "anything), each problem tagged with its group; a group's traces in one")
+    p.add_argument("--out", required=True, help="the bundle with groups (may be --bundle itself)")
+    p.add_argument("--field", default=GroupOptions.field, help="the problems' tag that names "
+                   "their group (a trajectory field or a key of its extra)")
+    p.add_argument("--min-n", type=integer(1), default=GroupOptions.min_n,
+                   help="solvable traces a group needs for a table of its own")
+    force_model_arg(p)
+    p.set_defaults(fn=cmd_groups)
 
     p = sub.add_parser("reweight", help="recertify a job's lambda* for traffic whose gate "
                        "features you have, without labels (covariate shift)")

@@ -10,6 +10,10 @@ With `collect: {label_steps: selective}` the calibration split is known before c
 split is then a collection setting) and its trajectories are collected unprobed; the `label`
 stage, after training, probes only the steps that decide LTT (orca_method/selective.py), on the
 engine the collection started when the job runs straight through.
+
+With `group_prompts` the `groups` stage collects those prompt files apart (calibration-only
+traces of groups, docs/CALIBRATE.md "Groups collected apart"), and the calibrate stage certifies
+each group on its own set.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from orca_calibrate.collect import (
     read_prompts,
     trace_keys,
 )
+from orca_calibrate.group_options import GroupOptions
 from orca_calibrate.judge import JudgeError, JudgeSettings
 from orca_calibrate.shards import SHARDS, collect_shards, merge_shards, run_shard, write_spec
 from orca_calibrate.train_defaults import DEFAULTS
@@ -39,9 +44,10 @@ from orca_method.consensus import prompt_of
 from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy
 from orca_method.trajectories import TrajectorySet, set_splits, split_ids
 
-# the trajectory directories of a job's `out`: its prompts, and its shifted prompts
-TRAJECTORIES, SHIFTED = "trajectories", "trajectories-shifted"
-STAGES = ("collect", "split", "train", "label", "calibrate", "evaluate")
+# the trajectory directories of a job's `out`: its prompts, its shifted prompts, and (one
+# folder per prompt file, named by its stem) its groups' calibration-only prompts
+TRAJECTORIES, SHIFTED, GROUP_SETS = "trajectories", "trajectories-shifted", "trajectories-groups"
+STAGES = ("collect", "split", "train", "label", "groups", "calibrate", "evaluate")
 # `train:` keys of a job besides the `meta_train` settings (orca_calibrate.train_defaults.DEFAULTS)
 TRAIN_JOB_KEYS = {"probe", "label_mode", "seed", "d_h"}
 
@@ -62,14 +68,26 @@ def load_job(path: Path) -> dict[str, Any]:
     for key in ("model", "prompts", "out"):
         if key not in job:
             raise JobError(f"{path}: missing required key '{key}'")
-    unknown = set(job) - {"model", "prompts", "shifted_prompts", "out", "collect", "split",
-                          "train", "calibrate", "description"}
+    unknown = set(job) - {"model", "prompts", "shifted_prompts", "group_prompts", "out",
+                          "collect", "split", "train", "calibrate", "description"}
     if unknown:
         raise JobError(f"{path}: unknown keys {sorted(unknown)}")
     base = path.parent
     for key in ("prompts", "shifted_prompts", "out"):
         if key in job and not Path(job[key]).is_absolute():
             job[key] = str(base / job[key])
+    if "group_prompts" in job:
+        files = job["group_prompts"]
+        if not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files):
+            raise JobError(f"{path}: group_prompts is a list of prompt files (JSON lines, each "
+                           "prompt tagged with its group)")
+        if len({Path(f).stem for f in files}) < len(files):
+            raise JobError(f"{path}: group_prompts' files are collected into folders named by "
+                           "their stems: give them distinct names")
+        if (job.get("calibrate") or {}).get("groups") is None:
+            raise JobError(f"{path}: group_prompts calibrates groups: add calibrate.groups "
+                           "(e.g. {field: family, min_n: 30}) to name them")
+        job["group_prompts"] = [f if Path(f).is_absolute() else str(base / f) for f in files]
     if str(job["model"]).startswith((".", "/")) and not Path(job["model"]).is_absolute():
         job["model"] = str((base / job["model"]).resolve())
     bad = set(job.get("train") or {}) - TRAIN_JOB_KEYS - set(DEFAULTS)
@@ -98,7 +116,6 @@ def load_job(path: Path) -> dict[str, Any]:
                            f"not {give_up['policy']!r:.40}")
     groups = (job.get("calibrate") or {}).get("groups")
     if groups is not None:
-        from orca_calibrate.calibrate import GroupOptions  # deferred: torch
         known = {f.name for f in fields(GroupOptions)}
         if not isinstance(groups, dict) or set(groups) - known:
             raise JobError(f"{path}: calibrate.groups is a mapping of {sorted(known)} (e.g. "
@@ -135,7 +152,8 @@ def load_job(path: Path) -> dict[str, Any]:
 # What each stage's result depends on, beyond the stages before it.
 # (`label` reads the calibrate block: its grid points come from the probes and window there)
 STAGE_KEYS = {"collect": ("model", "prompts", "shifted_prompts", "collect"), "split": ("split",),
-              "train": ("train",), "label": ("calibrate",), "calibrate": (), "evaluate": ()}
+              "train": ("train",), "label": ("calibrate",), "groups": ("group_prompts",),
+              "calibrate": (), "evaluate": ()}
 
 
 def selective(job: dict[str, Any]) -> bool:
@@ -216,6 +234,15 @@ def collection_sets(job: dict[str, Any]) -> list[tuple[list[dict], Path, set[str
     return sets
 
 
+def group_sets(job: dict[str, Any]) -> list[tuple[list[dict], Path]]:
+    """What the groups stage collects: (prompts, trajectory directory) per file of the job's
+    `group_prompts`, into `out/trajectories-groups/<its stem>`. Calibration-only: no split, no
+    training, only their groups' tables read them (docs/CALIBRATE.md, "Groups collected
+    apart")."""
+    return [(read_prompts(Path(f)), Path(job["out"]) / GROUP_SETS / Path(f).stem)
+            for f in job.get("group_prompts") or []]
+
+
 def _engines(path: Path, job: dict[str, Any]) -> int:
     """The job's shards (`collect.engines`), refusing a job that has none to spread."""
     n = CollectSettings(**(job.get("collect") or {})).engines
@@ -252,7 +279,6 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
     every one is complete) instead of collecting."""
     from orca_calibrate.calibrate import (  # deferred: torch
         GiveUpOptions,
-        GroupOptions,
         calibrate_bundle,
         deciding_points,
     )
@@ -332,6 +358,14 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
         (out / "label-stats.json").write_text(json.dumps(stats.as_dict(), indent=1))
         return True
 
+    def groups() -> None:
+        """Collect the groups' calibration-only prompts (resumable; no engine when all are)."""
+        for set_prompts, directory in group_sets(job):
+            have = {p.id for p in TrajectorySet.open(directory).problems} \
+                if (directory / "problems.jsonl").is_file() else set()
+            if any(key not in have for key, _ in trace_keys(set_prompts, settings.samples)):
+                collector().run(set_prompts, directory, progress)
+
     def train() -> None:
         ts = TrajectorySet.open(data)
         mode = tr.get("label_mode", "supervised")
@@ -352,8 +386,9 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
             ts, held = hold_out(ts, opts)
             consensus = (opts, held)
         give_up = give_up_probe(ts)
-        groups = None if ca.get("groups") is None else GroupOptions(**ca["groups"])
-        calibrate_bundle(probe, ts, bundle_file, give_up=give_up, groups=groups,
+        calibrate_bundle(probe, ts, bundle_file, give_up=give_up,
+                         groups=None if ca.get("groups") is None else GroupOptions(**ca["groups"]),
+                         group_sets=[TrajectorySet.open(d) for _, d in group_sets(job)],
                          mode=meta["label_mode"], deltas=ca.get("deltas", [0.05, 0.1, 0.15, 0.2]),
                          epsilon=ca.get("epsilon", 0.05), window=ca.get("window", 10),
                          dump_scores=out / "calibration-scores.jsonl",
@@ -380,6 +415,7 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
 
     stages = {"collect": (collect, [data / "problems.jsonl"]), "split": (split, []),
               "train": (train, [probe_file]), "label": (label, []),
+              "groups": (groups, [d / "problems.jsonl" for _, d in group_sets(job)]),
               "calibrate": (calibrate, [bundle_file]),
               "evaluate": (evaluate, [out / "evaluation.json"])}
     fingerprints, rerun = stage_settings(job), False
@@ -391,8 +427,9 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
                 shutil.rmtree(out / SHARDS, ignore_errors=True)
             if progress:
                 print(log[-1], flush=True)
-            # vLLM ends with the last stage that probes: collect, or label when selective
-            if engine and name == ("label" if selective(job) else "collect"):
+            # vLLM ends with the last stage that probes: collect, or label when selective, and
+            # (an engine of its own, started when it has something to collect) groups
+            if engine and name in ("label" if selective(job) else "collect", "groups"):
                 engine.pop().close()
     finally:
         if engine:

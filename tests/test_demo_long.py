@@ -8,6 +8,8 @@ and before the end of the verification, the answer after the stop is still right
 response says how the reasoning ended. Then one sampled request (temperature 0.7, the
 calibration's) that stops: the answer after its stop is the greedy one, token for token what a
 temperature-0 completion of the same prefix writes (docs/SERVER.md, "The answer after a stop").
+Beside them, a shifted problem tagged `orca.group: shifted` runs with that group's own lambda*
+and says so, where the untagged ones run with the main (in-distribution) table.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ DEMO = Path(__file__).parents[1] / "orca_serve" / "demo" / "long"
 # prompts that the shipped model solves greedily (not the four before it).
 PROBLEM = Problem(a=3, b=46, c=3 * 71 + 46, x=71, start=25, family="in-dist")
 SAMPLED_SEED = 1  # a sampled run of PROBLEM that the loosest delta stops early
+SHIFTED = Problem(a=4, b=96, c=4 * 20 + 96, x=20, start=59, family="shifted")  # walks down
+# The bundle's calibration data is gone; what the groups stage added to it is `groups` and
+# provenance's `group_data`: without them the bundle is the one shipped before, by its checksum.
+BEFORE_GROUPS = "57c52090f5f8309efbfc175003bec55d133b494198d9be2b780c4f09aaeb787b"
 
 
 def test_long_demo_bundle_matches_its_model() -> None:
@@ -38,6 +44,26 @@ def test_long_demo_bundle_matches_its_model() -> None:
     assert bundle.give_up is not None and bundle.deltas()
     config = (DEMO / "model" / "config.json").read_text()
     assert f'"hidden_size": {bundle.model.hidden_size}' in config
+
+
+def test_long_demo_bundle_carries_its_families_as_groups_and_means_what_it_meant() -> None:
+    """The shifted and hard families are groups with tables of their own (certified on their
+    own calibration-only traces: at least min_n 30 each, the bundle's deltas, a give-up table
+    each); everything else of the bundle is what it was before they were added, value for
+    value: its body without them hashes to the earlier bundle's checksum."""
+    import hashlib
+    import json
+
+    bundle = load_bundle(DEMO / "bundle.json")
+    assert sorted(bundle.groups or {}) == ["hard", "shifted"]
+    for g in bundle.groups.values():
+        assert g.ltt.n_cal >= 30 and [r.delta for r in g.ltt.rows] == bundle.deltas()
+        assert g.give_up is not None and g.ltt.epsilon == bundle.ltt.epsilon
+    data = json.loads((DEMO / "bundle.json").read_text())
+    assert [d["data"] for d in data["provenance"].pop("group_data")] == [
+        "runs/long/trajectories-groups/shifted", "runs/long/trajectories-groups/hard-cal"]
+    body = {k: v for k, v in data.items() if k not in ("groups", "checksum")}
+    assert hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest() == BEFORE_GROUPS
 
 
 @pytest.mark.vllm
@@ -52,9 +78,9 @@ def test_long_demo_stops_after_the_answer_and_before_the_end(tmp_path: Path) -> 
         bundle = load_bundle(DEMO / "bundle.json")
         delta = min(bundle.deltas())
 
-        def ask(orca: dict, **sampling) -> Any:
+        def ask(orca: dict, messages: list = msg, **sampling) -> Any:
             return client.chat.completions.create(
-                model=model, messages=msg, max_tokens=5000,
+                model=model, messages=messages, max_tokens=5000,
                 extra_body={"orca": orca, "return_token_ids": True}, **sampling)
 
         def text(r: Any) -> str:
@@ -64,12 +90,20 @@ def test_long_demo_stops_after_the_answer_and_before_the_end(tmp_path: Path) -> 
             return reasoning + "\n</think>\n" + (m.content or "")
 
         # independent requests, sent together: one engine batch instead of three in a row
-        with ThreadPoolExecutor(3) as pool:
-            full_r, early_r, sampled = pool.map(lambda a: ask(a[0], **a[1]), [
-                ({"enabled": False}, {"temperature": 0}),
-                ({"delta": delta, "policy": "answer"}, {"temperature": 0}),
-                ({"delta": max(bundle.deltas()), "policy": "answer"},
-                 {"temperature": 0.7, "seed": SAMPLED_SEED})])
+        with ThreadPoolExecutor(4) as pool:
+            full_r, early_r, sampled, tagged = pool.map(lambda a: ask(*a[:2], **a[2]), [
+                ({"enabled": False}, msg, {"temperature": 0}),
+                ({"delta": delta, "policy": "answer"}, msg, {"temperature": 0}),
+                ({"delta": max(bundle.deltas()), "policy": "answer"}, msg,
+                 {"temperature": 0.7, "seed": SAMPLED_SEED}),
+                ({"delta": 0.1, "group": "shifted"},
+                 [{"role": "user", "content": SHIFTED.question}], {"temperature": 0})])
+
+        got = orca_of(tagged)
+        assert (got["group"], got["group_known"], got["lambda_source"]) == (
+            "shifted", True, "group"), got
+        assert got["lambda"] == bundle.lam(0.1, "shifted") != bundle.lam(0.1)
+        assert orca_of(early_r)["lambda"] == bundle.lam(delta) and "group" not in orca_of(early_r)
 
         full_text, early_text, early = text(full_r), text(early_r), orca_of(early_r)
         stats = trace_stats(full_text, PROBLEM)

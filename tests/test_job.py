@@ -7,6 +7,7 @@ import pytest
 from orca_calibrate.collect import _problem_fields, read_prompts
 from orca_calibrate.job import JobError, load_job
 from orca_method.answer_probes import probe_prompts, step_ends
+from orca_method.trajectories import TrajectorySet
 from tests.fake_collector import FakeCollector
 
 
@@ -115,8 +116,8 @@ def test_rerun_follows_edits_and_refuses_changed_collection(tmp_path, monkeypatc
         return [line.split(":")[1].strip() for line in run_job(path, progress=False)]
 
     first = run()
-    assert len(first) == 6 and all("skipped" not in x for x in first)
-    assert run() == ["done already, skipped"] * 6
+    assert len(first) == 7 and all("skipped" not in x for x in first)
+    assert run() == ["done already, skipped"] * 7
     # a new training setting reruns training and everything after it, nothing before
     got = run(train={"epochs": 2})
     assert got[:2] == ["done already, skipped"] * 2 and all("skipped" not in x for x in got[2:])
@@ -244,6 +245,68 @@ def test_a_job_with_groups_calibrates_each_tagged_group(tmp_path, monkeypatch, c
                        ({"field": "family", "min_n": 0}, "min_n >= 1"), ("family", "mapping")):
         job["calibrate"]["groups"] = bad
         path.write_text(json.dumps(job))
+        with pytest.raises(JobError, match=words):
+            load_job(path)
+
+
+class _GroupCollector(_FakeCollector):
+    """Collects a set of the family its folder is named for, with no split (as the job's
+    collector leaves a set it does not split)."""
+
+    def run(self, prompts: list, out, progress: bool, defer=None):
+        from orca_calibrate.synth import generate_mixture
+        from orca_method.trajectories import set_splits
+
+        if out.parent.name != "trajectories-groups":
+            return super().run(prompts, out, progress, defer)
+        _FakeCollector.runs += 1
+        generate_mixture(out, {out.name: len(prompts)}, dim=8, mean_steps=12, seed=3)
+        set_splits(out, {p.id: None for p in TrajectorySet.open(out).problems})
+        return SimpleNamespace(as_dict=lambda: {"trajectories": len(prompts)})
+
+
+def test_group_prompts_calibrate_groups_apart_from_the_job(tmp_path, monkeypatch) -> None:
+    """`group_prompts` files are collected by the job's collector into
+    out/trajectories-groups/<stem> and each group found there is certified on those traces
+    only; the main table is the one the job certifies without them, and a rerun collects
+    nothing again. group_prompts without calibrate.groups, or two files of one stem, are
+    refused when the job is read."""
+    import json
+
+    import orca_calibrate.job
+    from orca_calibrate.job import run_job
+    from orca_method.bundle import load_bundle
+
+    monkeypatch.setattr(orca_calibrate.job, "Collector", _GroupCollector)
+    monkeypatch.setattr(_FakeCollector, "runs", 0)
+    for name, n in (("p", 80), ("shifted", 60), ("sub/in-dist", 10)):
+        (tmp_path / f"{name}.jsonl").parent.mkdir(exist_ok=True)
+        (tmp_path / f"{name}.jsonl").write_text("".join(
+            json.dumps({"id": f"{name}{i}", "prompt": "x", "answer": "1"}) + "\n"
+            for i in range(n)))
+    job = {"model": "m", "prompts": "p.jsonl", "out": "run", "train": {"epochs": 1},
+           "calibrate": {"deltas": [0.3], "window": 2}}
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps(job))
+    run_job(path, progress=False)
+    alone = load_bundle(tmp_path / "run" / "bundle.json")
+    job = {**job, "group_prompts": ["shifted.jsonl", "sub/in-dist.jsonl"],
+           "calibrate": {**job["calibrate"], "groups": {"field": "family", "min_n": 20}}}
+    path.write_text(json.dumps(job))
+    log = run_job(path, progress=False)
+    assert [x.split(":")[1].strip() for x in log][:3] == ["done already, skipped"] * 3
+    bundle = load_bundle(tmp_path / "run" / "bundle.json")
+    assert list(bundle.groups) == ["shifted"]  # in-dist's 10 traces are below min_n
+    shifted = TrajectorySet.open(tmp_path / "run" / "trajectories-groups" / "shifted")
+    assert bundle.groups["shifted"].ltt.n_cal <= len(shifted) == 60
+    assert bundle.ltt == alone.ltt and bundle.probe == alone.probe
+    runs = _FakeCollector.runs
+    run_job(path, progress=False)
+    assert _FakeCollector.runs == runs  # collected already: no engine, nothing again
+    for edit, words in (({"calibrate": {"deltas": [0.3]}}, "add calibrate.groups"),
+                        ({"group_prompts": ["shifted.jsonl", "x/shifted.jsonl"]}, "stems"),
+                        ({"group_prompts": "shifted.jsonl"}, "list of prompt files")):
+        path.write_text(json.dumps({**job, **edit}))
         with pytest.raises(JobError, match=words):
             load_job(path)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from orca_calibrate.collect import CollectSettings
-from orca_calibrate.job import load_job, stage_settings
+from orca_calibrate.job import STAGES, load_job, stage_settings
 from orca_method.bundle import Segmentation, ThinkTags
 from orca_method.normalizations import NORMALIZATIONS
 
@@ -32,7 +32,8 @@ def test_every_job_file_loads_with_settings_that_exist(path: Path) -> None:
     assert settings.normalization in NORMALIZATIONS
     assert set(settings.engine) <= {f.name for f in fields(EngineArgs)}
     assert think.end in settings.suffix  # the labelling suffix closes the reasoning
-    assert len(stage_settings(job)) == 6
+    assert len(stage_settings(job)) == len(STAGES)
+    assert all(Path(f).is_file() for f in job.get("group_prompts") or [])  # shipped with it
 
 
 def test_the_recipes_name_every_real_model_job_and_existing_parsers() -> None:

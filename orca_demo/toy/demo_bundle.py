@@ -38,7 +38,12 @@ def demo_folder(name: str) -> Path:
 
 
 def _relative(value: object) -> object:
-    """A path inside the repository as a repository-relative path; anything else as it is."""
+    """A path inside the repository as a repository-relative path, also within lists and
+    mappings (the groups' `group_data`); anything else as it is."""
+    if isinstance(value, list):
+        return [_relative(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _relative(v) for k, v in value.items()}
     if not isinstance(value, str) or "/" not in value:
         return value
     try:
