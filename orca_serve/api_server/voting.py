@@ -3,7 +3,8 @@ samples"; the rule and its guarantee: docs/METHOD.md section 14).
 
 The server launches k sample requests through vLLM's own route (each an ORCA request as today,
 with its own result key, its own engine request id and, when the client gave a seed, seed + i as
-vLLM seeds the choices of `n`), watches them finish, and after each finish asks the consensus rule
+vLLM seeds the choices of `n`; all at once, or in the waves the bundle certified: `waves.py`),
+watches them finish, and after each finish asks the consensus rule
 (`orca_method.consensus.verdict`) whether the vote of the samples finished so far is settled at
 the bundle's certified margin t. Once it is, the samples still running are ABORTED in the engine
 (`vllm_compat.engine_client.abort`: their KV cache is freed, they stop taking decode steps), and
