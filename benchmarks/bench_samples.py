@@ -21,8 +21,12 @@ completion tokens (reasoning through the stop step plus the answer written after
   at that step; the group votes over all k;
 - **ORCA + consensus**: as above, but the group ends once the consensus rule (orca_method/
   consensus.py) is settled at its certified t; the samples still running are charged the tokens
-  they wrote until then. All k launched at once, or in waves (``WAVES``, ``--waves``); score or
-  count weights; and "no per-sample stop": the consensus alone over samples run to their ends;
+  they wrote until then. All k launched at once, or in waves (``WAVES``, ``--waves``: each wave
+  once the ones before have finished and left the vote open); score or count weights; per-sample
+  stops at the bundle's lambda*, at stricter lambdas that carry its smallest delta's certificate
+  (``STRICTER_LAMS``), and "no per-sample stop": the consensus alone over full samples. Latency:
+  waves launched, and the group's end on the critical path. And one launch **chosen on data**
+  without touching its certificate: per fold, another fold chooses, the remaining ones certify;
 - **Adaptive-Consistency**: full samples one at a time until the Beta criterion on the top two
   counts is met; **ESC**: windows of full samples until one window is unanimous;
 - **thinking budget x k**: each trace cut at its last step boundary within B reasoning tokens,
@@ -60,7 +64,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -79,8 +83,10 @@ from orca_method.bundle import load_bundle
 from orca_method.consensus import (
     Group,
     default_grid,
-    in_waves,
+    format_waves,
+    launched,
     outcomes,
+    parse_waves,
     plurality,
     settle_events,
     vote_path,
@@ -129,12 +135,17 @@ def cmd_collect(a: argparse.Namespace) -> None:
 
 # ------------------------------------------------------------------------------------ report
 
-DELTAS_VOTE = (0.05, 0.1)
+DELTAS_VOTE = (0.05, 0.1, 0.15)
 EPSILON = 0.05
 FOLD_SEED = 0
 ADAPTIVE_CONFIDENCE = (0.8, 0.95)  # Adaptive-Consistency's Beta criterion levels
 ESC_WINDOWS = (2, 4)
-WAVES = ((2, 2, 4),)  # the consensus with samples launched in waves (k = 8; --waves)
+# the consensus with samples launched in waves (k = 8; --waves): pairs, or one sample first
+WAVES = ((2, 2, 4), (2, 2, 2, 2), (1, 1, 2, 4), (1,) * 8)
+# per-sample lambdas above the smallest delta's lambda*: fixed-sequence testing rejected every
+# grid lambda from the top down to lambda*(delta), so each carries delta's certificate too, and
+# its stopped answers differ from their own ends less often (a stricter stop inside the vote)
+STRICTER_LAMS = (0.9, 0.95)
 REPS = 200  # random calibration / test halves per consensus arm
 BUDGETS = {"toy": (40, 80, 120, 160, 240), "long": (250, 500, 1000, 1500, 2000, 3000)}
 
@@ -160,6 +171,10 @@ class Arm:
     correct: list[bool]
     tokens: list[float]
     vote_error: list[bool] | None = None  # the answer is not maj@k of the full samples
+    # latency of a consensus arm: waves launched, and the group's end in its clock (tokens one
+    # sample decodes on the critical path: a wave costs the longest of its samples)
+    waves: list[int] | None = None
+    span: list[float] | None = None
 
     def row(self, maj_tokens: float) -> dict:
         n = len(self.correct)
@@ -170,7 +185,20 @@ class Arm:
         if self.vote_error is not None:
             e = int(np.sum(self.vote_error))
             out |= {"vote_errors": e, "vote_error": e / n, "vote_error_ci": clopper_pearson(e, n)}
+        if self.waves is not None and self.span is not None:
+            out |= {"waves_mean": float(np.mean(self.waves)), "waves_max": int(max(self.waves)),
+                    "span": float(np.mean(self.span))}
         return out
+
+    def settle(self, g: Group, group: list[Trace], truth: str, t: float | None) -> None:
+        """Add one group of a consensus arm, settled at margin t (`settled`)."""
+        assert self.vote_error is not None and self.waves is not None and self.span is not None
+        answer, tokens, waves, span = settled(g, group, t)
+        self.correct.append(answer == truth)
+        self.tokens.append(tokens)
+        self.vote_error.append(answer != g.reference)
+        self.waves.append(waves)
+        self.span.append(span)
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -240,22 +268,60 @@ def consensus_arm(name: str, stopped: list[Group], full: list[list[Trace]], trut
         (res,) = calibrate_consensus(cal, [delta_vote], epsilon=EPSILON)
         t_of[f] = res.t
         ts_used.append(res.t)
-    arm = Arm(name, [], [], [])
+    arm = Arm(name, [], [], [], [], [])
     for g, group, ref_truth, fold in zip(stopped, full, truth, folds):
-        t = t_of[fold]
-        if t is None:  # not certified: every sample runs to its end, the vote is maj@k
-            answer, tokens = g.reference, float(sum(tr.completion for tr in group))
-        else:
-            path = vote_path(g)
-            e = int(settle_events(path, np.array([t]))[0])
-            at = path.times[e]
-            answer = path.leaders[e]
-            tokens = g.spent(at) + sum(tr.answer_tokens for tr, f in zip(group, g.finish)
-                                       if f <= at)
-        arm.correct.append(answer == ref_truth)
-        arm.tokens.append(tokens)
-        arm.vote_error.append(answer != g.reference)
+        arm.settle(g, group, ref_truth, t_of[fold])
     return arm, ts_used
+
+
+def settled(g: Group, group: list[Trace], t: float | None) -> tuple[Hashable, float, int, float]:
+    """(answer, tokens, waves launched, end time) of one group at margin t. t None (not
+    certified): every sample runs to its end, launched at once, and the vote is maj@k."""
+    if t is None:
+        return (g.reference, float(sum(tr.completion for tr in group)), 1,
+                float(max(tr.completion for tr in group)))
+    path = vote_path(g)
+    e = int(settle_events(path, np.array([t]))[0])
+    at = float(path.times[e])
+    start = np.zeros(len(group)) if g.start is None else g.start
+    tokens = g.spent(at) + sum(tr.answer_tokens for tr, f in zip(group, g.finish) if f <= at)
+    return path.leaders[e], tokens, len(np.unique(start[start <= at])), at
+
+
+def selected_arm(candidates: dict[str, list[Group]], full: list[list[Trace]], truth: list[str],
+                 folds: np.ndarray, delta_vote: float) -> tuple[Arm, list[tuple[str, float | None]]]:
+    """The launch chosen on data, with the certificate kept valid: for test fold f, fold f + 1
+    chooses the candidate (per-sample stop, weighting, wave schedule) and the other folds,
+    which chose nothing, certify its t. The choice: the fewest tokens on the choosing fold at
+    the t that LTT would certify on as many groups as certify, were their vote errors at the
+    choosing fold's rates (a plug-in guess: any choice keeps the certificate valid, since the
+    certifying groups did not see it; a poor guess costs tokens, never error)."""
+    grid, names = default_grid(), list(candidates)
+    F = int(folds.max()) + 1
+    arm, chosen = Arm(f"chosen on another fold + consensus (delta_vote {delta_vote:g})",
+                      [], [], [], [], []), []
+    by_fold: dict[int, tuple[str, float | None]] = {}
+    for f in range(F):
+        pick = (f + 1) % F
+        n_cert = int(np.sum((folds != f) & (folds != pick)))
+        cost = []
+        for name in names:
+            loss, tokens = outcomes([g for g, x in zip(candidates[name], folds) if x == pick],
+                                    grid)  # [m, n_pick]
+            counts = np.round(loss.mean(axis=1) * n_cert).astype(np.int64)  # [m]
+            last = n_rejected(PVALUES["binomial"](counts, n_cert, delta_vote), EPSILON) - 1
+            at_end = float(np.mean([g.spent(np.inf) for g, x in zip(candidates[name], folds)
+                                    if x == pick]))
+            cost.append(at_end if last < 0 else float(tokens[last].mean()))
+        name = names[int(np.argmin(cost))]
+        cal = [g for g, x in zip(candidates[name], folds) if x not in (f, pick)]
+        (res,) = calibrate_consensus(cal, [delta_vote], epsilon=EPSILON)
+        by_fold[f] = (name, res.t)
+        chosen.append(by_fold[f])
+    for j, (grp, y, f) in enumerate(zip(full, truth, folds)):
+        name, t = by_fold[int(f)]
+        arm.settle(candidates[name][j], grp, y, t)
+    return arm, chosen
 
 
 def random_splits(stopped: list[Group], delta_vote: float, reps: int = REPS) -> dict:
@@ -315,7 +381,11 @@ def cmd_report(a: argparse.Namespace) -> None:
                         [sum(r[1] for r in rr) for rr in res],
                         [v != m for v, m in zip(votes, maj)]))
     certified, scores = {}, replayed(probe, ts, groups, bundle.window)
+    candidates: dict[str, list[Group]] = {}  # every consensus launch, for `selected_arm`
     stops = [(f"ORCA delta {r.delta:g}", bundle.lam(r.delta)) for r in bundle.ltt.rows]
+    strict = min(r.delta for r in bundle.ltt.rows)
+    stops += [(f"ORCA lambda {lam:g} (delta {strict:g}'s certificate)", lam)
+              for lam in STRICTER_LAMS if lam > bundle.lam(strict)]
     stops.append(("no per-sample stop", NEVER))  # the consensus alone, over full samples
     for label, lam in stops:
         for weighting in ("score", "count"):
@@ -334,10 +404,9 @@ def cmd_report(a: argparse.Namespace) -> None:
             launches = {"parallel": stopped}
             for waves in a.waves:
                 if sum(waves) == a.k:
-                    launches[f"waves {'+'.join(map(str, waves))}"] = [
-                        replace(g, start=st, finish=fi) for g in stopped
-                        for st, fi in [in_waves(g.finish, waves)]]
+                    launches[f"waves {format_waves(waves)}"] = launched(stopped, waves)
             for launch, groups_ in launches.items():
+                candidates[f"{label}, {weighting}, {launch}"] = groups_
                 for dv in DELTAS_VOTE:
                     arm, t_used = consensus_arm(
                         f"{label} + consensus ({weighting}, {launch}, delta_vote {dv:g})",
@@ -345,6 +414,12 @@ def cmd_report(a: argparse.Namespace) -> None:
                     arms.append(arm)
                     certified[arm.name] = {"t_per_fold": t_used,
                                            "random_halves": random_splits(groups_, dv)}
+    for dv in DELTAS_VOTE:
+        arm, chosen = selected_arm(candidates, full, truth, folds, dv)
+        arms.append(arm)
+        certified[arm.name] = {"t_per_fold": [t for _, t in chosen],
+                               "chosen_per_fold": [name for name, _ in chosen],
+                               "random_halves": None}
     maj_tokens = float(np.mean(arms[1].tokens))
     rows = [arm.row(maj_tokens) for arm in arms]
     report = {"reasoner": a.reasoner, "k": a.k, "n": n, "epsilon": EPSILON,
@@ -353,20 +428,23 @@ def cmd_report(a: argparse.Namespace) -> None:
               "t_per_fold": certified, "rows": rows}
     (out / "report.json").write_text(json.dumps(report, indent=1))
     single = rows[0]
+    one_span = float(np.mean([tr.cum[-1] for grp in full for tr in grp]))  # one sample's clock
     print(f"**{a.reasoner}, in-dist, k = {a.k}** (n = {n} prompts; epsilon = {EPSILON}; "
           f"single full reasoning {single['tokens']:.0f} tokens, accuracy "
           f"{single['accuracy']:.3f}; "
           f"maj@{a.k} {rows[1]['tokens']:.0f} tokens, accuracy {rows[1]['accuracy']:.3f})\n")
     print("| arm | accuracy (95% CI) | tokens / prompt | x maj@k tokens | x single | "
-          "differs from maj@k (95% CI) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          "differs from maj@k (95% CI) | waves mean / max | end, x one sample |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         ve = "-" if "vote_error" not in r else (
             f"{r['vote_errors']}/{r['n']} = {r['vote_error']:.3f} "
             f"[{r['vote_error_ci'][0]:.3f}, {r['vote_error_ci'][1]:.3f}]")
+        lat = ("- | -" if "span" not in r else f"{r['waves_mean']:.2f} / {r['waves_max']} | "
+               f"{r['span'] / one_span:.2f}")
         print(f"| {r['arm']} | {r['accuracy']:.3f} [{r['accuracy_ci'][0]:.3f}, "
               f"{r['accuracy_ci'][1]:.3f}] | {r['tokens']:.0f} | {r['tokens_vs_maj']:.2f} | "
-              f"{r['tokens'] / single['tokens']:.2f} | {ve} |")
+              f"{r['tokens'] / single['tokens']:.2f} | {ve} | {lat} |")
     print()
     for name, v in certified.items():
         if isinstance(v, float):
@@ -374,6 +452,10 @@ def cmd_report(a: argparse.Namespace) -> None:
             continue
         h = v["random_halves"]
         t = ", ".join("none" if x is None else f"{x:.2f}" for x in v["t_per_fold"])
+        if h is None:
+            print(f"- {name}: per fold (chosen, t): "
+                  f"{list(zip(v['chosen_per_fold'], v['t_per_fold']))}")
+            continue
         print(f"- {name}: t per fold [{t}]; {h['reps']} random halves: vote error mean "
               f"{h['mean_error']:.3f}, 95th percentile {h['p95_error']:.3f}, <= delta_vote in "
               f"{h['share_within_delta']:.3f}")
@@ -544,7 +626,7 @@ def main() -> None:
     r.add_argument("--k", type=int, default=8, help="samples per prompt")
     r.add_argument("--n", type=int, default=0, help="first n prompts only (0: all)")
     r.add_argument("--waves", nargs="+", default=list(WAVES),
-                   type=lambda v: tuple(int(x) for x in v.split("+")), metavar="A+B+...",
+                   type=parse_waves, metavar="A+B+...",
                    help="wave launches to report beside all-at-once (each summing to k)")
     r.add_argument("--folds", type=int, default=2,
                    help="cross-calibration folds: t for each fold is certified on the others "

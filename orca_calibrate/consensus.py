@@ -19,10 +19,12 @@ import numpy as np
 from orca_method.bundle import Bundle, ConsensusBlock, ConsensusRow, load_bundle, save_bundle
 from orca_method.consensus_ltt import calibrate_consensus
 from orca_method.consensus import (
-    CONSENSUS_VERSION,
     DEFAULT_GRID_SIZE,
     WEIGHTINGS,
     Group,
+    block_version,
+    check_waves,
+    launched,
     outcomes,
     plurality,
     prompt_of,
@@ -43,6 +45,7 @@ class ConsensusOptions:
     weighting: str = "score"
     holdout: float = 0.5
     seed: int = 0
+    waves: tuple[int, ...] | None = None  # the launch schedule t is certified for; None: at once
 
     def __post_init__(self) -> None:
         if self.weighting not in WEIGHTINGS:
@@ -54,6 +57,11 @@ class ConsensusOptions:
         if not self.deltas or not all(0.0 < d < 1.0 for d in self.deltas) \
                 or not 0.0 < self.epsilon < 1.0:
             raise ValueError("consensus deltas and epsilon must be in (0, 1)")
+        if self.waves is not None:
+            object.__setattr__(self, "waves", tuple(self.waves))  # a job's YAML gives a list
+            if len(self.waves) < 2:
+                raise ValueError("consensus waves need two waves or more (omit them: all at once)")
+            check_waves(self.waves, sum(self.waves))
 
 
 def hold_out(ts: TrajectorySet, opts: ConsensusOptions) -> tuple[TrajectorySet, list[int]]:
@@ -124,16 +132,20 @@ def consensus_block(bundle: Bundle, probe: Probe, ts: TrajectorySet, members: Se
     if not groups or len(groups[0]) < 2:
         raise ValueError("the consensus needs k >= 2 samples per prompt: collect with "
                          "`collect: {samples: k}`")
+    if opts.waves is not None:
+        check_waves(opts.waves, len(groups[0]))
     rows, scores = [], replayed(probe, ts, groups, bundle.window)
     for row in bundle.ltt.rows:
-        stopped = stopped_groups(ts, groups, scores, bundle.lam(row.delta), opts.weighting)
+        stopped = launched(stopped_groups(ts, groups, scores, bundle.lam(row.delta),
+                                          opts.weighting), opts.waves)
         for r in calibrate_consensus(stopped, opts.deltas, epsilon=opts.epsilon):
             rows.append(ConsensusRow(delta=row.delta, delta_vote=r.delta_vote, t=r.t,
                                      risk=r.risk, pvalue=r.pvalue,
                                      token_savings=max(r.token_savings, 0.0)))
-    return ConsensusBlock(version=CONSENSUS_VERSION, samples=len(groups[0]),
+    return ConsensusBlock(version=block_version(opts.waves), samples=len(groups[0]),
                           weighting=opts.weighting, epsilon=opts.epsilon, n_cal=len(groups),
-                          grid_size=DEFAULT_GRID_SIZE, rows=rows)
+                          grid_size=DEFAULT_GRID_SIZE, rows=rows,
+                          waves=None if opts.waves is None else list(opts.waves))
 
 
 def add_consensus(bundle_file: Path, probe: Probe, ts: TrajectorySet, members: Sequence[int],
@@ -156,7 +168,8 @@ def evaluate_consensus(bundle: Bundle, ts: TrajectorySet, split: str = "test") -
                          f"{split} split has {len(groups[0])} per prompt")
     rows, scores = [], replayed(bundle.load_probe(), ts, groups, bundle.window)
     for row in block.rows:
-        stopped = stopped_groups(ts, groups, scores, bundle.lam(row.delta), block.weighting)
+        stopped = launched(stopped_groups(ts, groups, scores, bundle.lam(row.delta),
+                                          block.weighting), block.waves)
         full = sum(g.spent(np.inf) for g in stopped)
         loss, tokens = outcomes(stopped, np.array([1.0 if row.t is None else row.t]))
         errors = 0 if row.t is None else int(loss.sum())

@@ -35,7 +35,13 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX
-from orca_method.consensus import CONSENSUS_VERSION, Weighting
+from orca_method.consensus import (
+    ALL_AT_ONCE_VERSION,
+    CONSENSUS_VERSION,
+    Weighting,
+    check_waves,
+    format_waves,
+)
 from orca_method.errors import first_line
 from orca_method.normalizations import DEFAULT_NORMALIZATION, Normalization
 from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy
@@ -272,7 +278,7 @@ class ConsensusBlock(_Strict):
     versioned on its own (`version`), so that a later rule can change it without touching the
     bundle's schema version; written only when present (`save_bundle`)."""
 
-    version: Literal[CONSENSUS_VERSION]
+    version: Literal[ALL_AT_ONCE_VERSION, CONSENSUS_VERSION]
     samples: int = Field(ge=2)  # the k it was certified for: a group of another size is not
     weighting: Weighting
     epsilon: float = Field(gt=0, lt=1)
@@ -280,6 +286,28 @@ class ConsensusBlock(_Strict):
     pvalue: Literal["binomial", "hb"] = "binomial"
     grid_size: int = Field(ge=2)
     rows: list[ConsensusRow] = Field(min_length=1)
+    # the launch schedule every t was certified for (version 2): wave sizes summing to
+    # `samples`, each wave launched once the one before has finished and left the vote
+    # unsettled; None: all at once (every version 1 block). Written only when present.
+    waves: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _waves(self) -> ConsensusBlock:
+        if self.waves is None:
+            return self
+        if self.version < CONSENSUS_VERSION:
+            raise ValueError(f"a consensus block of version {self.version} launches all samples "
+                             f"at once: waves need version {CONSENSUS_VERSION}")
+        check_waves(self.waves, self.samples)
+        if len(self.waves) < 2:
+            raise ValueError(f"waves {format_waves(self.waves)} is one wave: all at once is "
+                             "spelled without waves")
+        return self
+
+    @property
+    def schedule(self) -> tuple[int, ...]:
+        """The wave sizes the samples are launched in ((samples,): all at once)."""
+        return (self.samples,) if self.waves is None else tuple(self.waves)
 
 
 class GiveUpBlock(_Strict):
@@ -575,6 +603,8 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Bundle:
         drop["groups"] = True
     if bundle.consensus is None:
         drop["consensus"] = True
+    elif bundle.consensus.waves is None:  # all at once: as a version 1 block was written
+        drop["consensus"] = {"waves": True}
     data = bundle.model_dump(exclude=drop or None)
     data["checksum"] = _checksum(data)
     sealed = Bundle.model_validate(data)

@@ -24,7 +24,7 @@ Everything here is a pure function over arrays of k entries, so the engine core 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 import numpy as np
@@ -32,7 +32,11 @@ import numpy as np
 # a vote's weight: the probe score where the sample stopped, or 1 (plain counts)
 Weighting = Literal["score", "count"]
 WEIGHTINGS: tuple[str, ...] = get_args(Weighting)
-CONSENSUS_VERSION = 1  # of the bundle's `consensus` block (orca_method/bundle.py)
+# of the bundle's `consensus` block (orca_method/bundle.py): version 1 launches all k samples at
+# once; version 2 adds the wave schedule its t was certified for (`waves`). A block without waves
+# is still written as version 1, so such bundles keep their bytes and checksums
+CONSENSUS_VERSION = 2
+ALL_AT_ONCE_VERSION = 1
 DEFAULT_GRID_SIZE = 101
 SAMPLE_SEP = "#"  # a sampled trace's id: "<prompt id>#<sample number>" (orca-calibrate collect)
 
@@ -158,20 +162,56 @@ class Group:
         return float(np.clip(at - start, 0.0, self.finish - start).sum())
 
 
+WAVE_SEP = "+"  # a schedule's spelling: "1+1+2+4"
+
+
+def check_waves(waves: Sequence[int], k: int) -> tuple[int, ...]:
+    """A launch schedule for k samples: wave sizes >= 1 summing to k, in launch order."""
+    out = tuple(int(w) for w in waves)
+    if sum(out) != k or min(out, default=0) < 1:
+        raise ValueError(f"waves {format_waves(out)} must be positive sizes summing to k = {k}")
+    return out
+
+
+def parse_waves(text: str) -> tuple[int, ...]:
+    """"1+1+2+4" -> (1, 1, 2, 4) (the operator's and the benchmark's spelling)."""
+    try:
+        out = tuple(int(x) for x in text.split(WAVE_SEP))
+    except ValueError:
+        raise ValueError(f"a wave schedule is sizes joined by '{WAVE_SEP}' (e.g. 1+1+2+4), "
+                         f"got {text!r:.40}") from None
+    return check_waves(out, sum(out))
+
+
+def format_waves(waves: Sequence[int]) -> str:
+    return WAVE_SEP.join(str(w) for w in waves)
+
+
+def block_version(waves: Sequence[int] | None) -> int:
+    """The version a consensus block is written with: 1 when all samples launch at once."""
+    return ALL_AT_ONCE_VERSION if waves is None else CONSENSUS_VERSION
+
+
 def in_waves(lengths: np.ndarray, waves: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """(start [k], finish [k]) of samples launched in waves of the given sizes (sum k), in sample
     order, Adaptive-Consistency style: a wave starts once every sample before it has finished.
     `lengths` [k]: each sample's own tokens to its finish."""
     lengths = np.asarray(lengths, dtype=float)
-    if sum(waves) != len(lengths) or min(waves, default=0) < 1:
-        raise ValueError(f"waves {tuple(waves)} must be positive sizes summing to "
-                         f"k = {len(lengths)}")
+    waves = check_waves(waves, len(lengths))
     start, at, i = np.zeros_like(lengths), 0.0, 0
     for size in waves:
         start[i:i + size] = at
         at += float(lengths[i:i + size].max())
         i += size
     return start, start + lengths
+
+
+def launched(groups: Sequence[Group], waves: Sequence[int] | None) -> list[Group]:
+    """`groups` (all launched at once) as launched in `waves` (None: unchanged)."""
+    if waves is None:
+        return list(groups)
+    return [replace(g, start=start, finish=finish) for g in groups
+            for start, finish in [in_waves(g.finish, waves)]]
 
 
 @dataclass(frozen=True)

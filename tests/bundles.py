@@ -187,22 +187,25 @@ def with_saturated_give_up(bundle: Bundle) -> Bundle:
 
 
 def with_consensus(bundle: Bundle, *, samples: int = 4, weighting: str = "count",
-                   delta_vote: float = 0.1, n_cal: int = 60) -> Bundle:
+                   delta_vote: float = 0.1, n_cal: int = 60,
+                   waves: list[int] | None = None) -> Bundle:
     """`bundle` with a consensus block certified by LTT (orca_method/consensus_ltt.py) on `n_cal`
     synthetic groups of `samples` whose samples all agree and finish one after another: no
     margin t can err on them, so every row certifies t* = 0 (the first finished sample
     decides), the fastest settle, which makes aborts certain in the serving tests."""
-    from orca_method.consensus import CONSENSUS_VERSION, DEFAULT_GRID_SIZE, Group
+    from orca_method.consensus import DEFAULT_GRID_SIZE, Group, block_version, launched
     from orca_method.consensus_ltt import calibrate_consensus
     from orca_method.bundle import ConsensusBlock, ConsensusRow
 
     groups = [Group(finish=np.arange(1.0, samples + 1), answers=("7",) * samples,
                     weights=np.ones(samples), reference="7") for _ in range(n_cal)]
+    groups = launched(groups, waves)  # `waves`: certified for that launch schedule
     rows = []
     for d in bundle.deltas():
         (r,) = calibrate_consensus(groups, [delta_vote])
         rows.append(ConsensusRow(delta=d, delta_vote=r.delta_vote, t=r.t, risk=r.risk,
                                  pvalue=r.pvalue, token_savings=r.token_savings))
-    block = ConsensusBlock(version=CONSENSUS_VERSION, samples=samples, weighting=weighting,
-                           epsilon=0.05, n_cal=n_cal, grid_size=DEFAULT_GRID_SIZE, rows=rows)
+    block = ConsensusBlock(version=block_version(waves), samples=samples, weighting=weighting,
+                           epsilon=0.05, n_cal=n_cal, grid_size=DEFAULT_GRID_SIZE, rows=rows,
+                           waves=waves)
     return bundle.model_copy(update={"consensus": block})

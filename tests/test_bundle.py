@@ -487,3 +487,24 @@ def test_orca_serve_serves_mu_only_under_the_give_up_policy_it_was_certified_for
     pre = preflight(["--calib", str(message), "--orca-give-up-policy", "message"])
     assert pre.bundle is not None and pre.bundle.give_up.policy == "message"
     assert preflight(["--demo"]).bundle.give_up.policy == "guess"
+
+
+def test_orca_serve_serves_a_vote_only_in_the_schedule_it_was_certified_for(tmp_path):
+    """docs/METHOD.md section 14, "Waves": a consensus t holds for one launch schedule. The
+    pre-flight refuses a bundle certified for waves without --orca-vote-waves naming them, and
+    the demo's schedule (all at once) under waves; the matching schedule passes."""
+    from orca_serve.checks.errors import StartupError
+    from orca_serve.startup.preflight import preflight
+    from tests.bundles import with_consensus
+
+    waved = tmp_path / "waved.json"
+    save_bundle(with_consensus(load_bundle(DEMO / "bundle.json"), waves=[1, 1, 2]), waved)
+    at_once = tmp_path / "at-once.json"
+    save_bundle(with_consensus(load_bundle(DEMO / "bundle.json")), at_once)
+    model = ["--model", str(DEMO / "model"), "--served-model-name", "orca-toy-reasoner"]
+    with pytest.raises(StartupError, match="serve it with --orca-vote-waves 1\\+1\\+2,"):
+        preflight(["--calib", str(waved), *model])
+    with pytest.raises(StartupError, match="serve it without --orca-vote-waves,"):
+        preflight(["--calib", str(at_once), *model, "--orca-vote-waves", "2+2"])
+    pre = preflight(["--calib", str(waved), *model, "--orca-vote-waves", "1+1+2"])
+    assert pre.bundle.consensus.schedule == (1, 1, 2)

@@ -10,8 +10,11 @@ from orca_method.consensus_ltt import calibrate_consensus
 from orca_method.consensus import (
     Group,
     default_grid,
+    format_waves,
     in_waves,
+    launched,
     outcomes,
+    parse_waves,
     plurality,
     prompt_of,
     sample_id,
@@ -148,3 +151,13 @@ def test_waves_launch_later_samples_only_when_needed():
     assert g.spent(np.inf) == 390
     with pytest.raises(ValueError, match="summing to k"):
         in_waves(np.ones(4), (2, 1))
+    (w,) = launched([Group(finish=np.array([100.0, 120.0, 90.0, 80.0]), answers=("4",) * 4,
+                           weights=np.ones(4), reference="4")], (2, 2))
+    assert w.start.tolist() == start.tolist() and w.finish.tolist() == finish.tolist()
+
+
+def test_a_wave_schedule_is_spelled_one_way():
+    assert parse_waves("1+1+2+4") == (1, 1, 2, 4) and format_waves((1, 1, 2, 4)) == "1+1+2+4"
+    for bad in ("1+0+2", "1,2", "", "2+x"):
+        with pytest.raises(ValueError):
+            parse_waves(bad)

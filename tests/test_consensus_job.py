@@ -21,7 +21,7 @@ from orca_calibrate.consensus import (
 )
 from orca_calibrate.job import JobError, load_job
 from orca_method.bundle import BundleError, ConsensusBlock, ConsensusRow, load_bundle, save_bundle
-from orca_method.consensus import CONSENSUS_VERSION, prompt_of, sample_id
+from orca_method.consensus import ALL_AT_ONCE_VERSION, CONSENSUS_VERSION, prompt_of, sample_id
 from orca_method.trajectories import TrajectorySet, TrajectoryWriter
 from tests.bundles import small_bundle
 from tests.fake_collector import FakeCollector
@@ -63,10 +63,28 @@ def test_a_consensus_block_round_trips_and_names_calibrated_deltas_only(tmp_path
     with pytest.raises(BundleError, match="delta 0.2, which the main table does not calibrate"):
         load_bundle(tmp_path / "x.json")
     data = json.loads((tmp_path / "c.json").read_text())
-    data["consensus"]["version"] = 2
+    data["consensus"]["version"] = CONSENSUS_VERSION + 1
     (tmp_path / "v.json").write_text(json.dumps(data))
     with pytest.raises(BundleError):
         load_bundle(tmp_path / "v.json")
+
+
+def test_a_wave_schedule_is_version_2_and_all_at_once_keeps_version_1s_bytes(tmp_path):
+    b = small_bundle()
+    at_once = block([(0.1, 0.05, 0.3)]).model_copy(update={"version": ALL_AT_ONCE_VERSION})
+    save_bundle(b.model_copy(update={"consensus": at_once}), tmp_path / "v1.json")
+    data = json.loads((tmp_path / "v1.json").read_text())
+    assert data["consensus"]["version"] == 1 and "waves" not in data["consensus"]
+    assert load_bundle(tmp_path / "v1.json").consensus.schedule == (K,)
+    waved = block([(0.1, 0.05, 0.3)]).model_copy(update={"waves": [1, 1, 2]})
+    save_bundle(b.model_copy(update={"consensus": waved}), tmp_path / "w.json")
+    assert load_bundle(tmp_path / "w.json").consensus.schedule == (1, 1, 2)
+    data = json.loads((tmp_path / "w.json").read_text())
+    for bad, words in ((dict(version=1), "waves need version 2"),
+                       (dict(waves=[1, 1, 1]), "summing to k = 4"),
+                       (dict(waves=[4]), "one wave")):
+        with pytest.raises(ValueError, match=words):
+            ConsensusBlock.model_validate({**data["consensus"], **bad})
 
 
 def sampled_set(path: Path, n_prompts: int, rng: np.random.Generator, k: int = K,
@@ -119,6 +137,16 @@ def test_held_out_prompts_certify_t_and_the_test_split_evaluates_it(tmp_path):
     for r in report["rows"]:
         assert r["n"] == 30 and 0 <= r["realized_vote_error"] <= 1
         assert (r["t"] is None) == (r["errors"] == 0 and r["token_savings"] == 0)
+
+    # certified for waves: the block says so, and evaluation replays the same schedule
+    waved = ConsensusOptions(deltas=(0.1, 0.2), holdout=0.5, waves=[1, 1, 2])  # a YAML list
+    save_bundle(bundle, tmp_path / "w.json")
+    w = add_consensus(tmp_path / "w.json", bundle.load_probe(), ts, held, waved).consensus
+    assert w.version == CONSENSUS_VERSION and w.schedule == (1, 1, 2)
+    assert evaluate_consensus(load_bundle(tmp_path / "w.json"), ts, "test")["rows"]
+    with pytest.raises(ValueError, match="summing to k = 4"):
+        add_consensus(tmp_path / "w.json", bundle.load_probe(), ts, held,
+                      ConsensusOptions(waves=(1, 2)))
 
 
 def test_a_job_asks_for_samples_and_consensus_consistently(tmp_path):

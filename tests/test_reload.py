@@ -31,7 +31,7 @@ from orca_serve.metrics.prometheus import OrcaMetrics
 from orca_serve.api_server.reload import ReloadRefused
 from orca_serve.settings.resolve import OrcaDefaults, resolve
 from orca_serve.vllm_plugin.worker import OrcaWorkerExtension
-from tests.bundles import with_give_up, with_saturated_give_up
+from tests.bundles import with_consensus, with_give_up, with_saturated_give_up
 from tests.core_sim import PROMPT, make_core, sim_bundle
 from tests.servers import orca_result, orca_server
 
@@ -317,3 +317,21 @@ def test_a_bundle_whose_labelling_contradicts_the_audit_flags_is_refused(paths, 
         asyncio.run(server.reloader.reload(str(labelled), source="test"))
     assert calls == [] and server.serving.now.bundle.checksum == now.bundle.checksum
     assert server.serving.now.audit.config.probe.suffix == "S{"
+
+
+def test_a_bundle_certified_for_another_vote_schedule_is_refused(paths, tmp_path):
+    """--orca-vote-waves is fixed for the server's life, and a consensus t holds only for the
+    launch schedule it was certified for (docs/METHOD.md section 14, "Waves"): a reload to a
+    block certified for waves is refused under all-at-once, by the rule start-up applies; the
+    same bundle reloads once the server runs its schedule."""
+    waved = tmp_path / "waved.json"
+    save_bundle(with_consensus(load_bundle(paths["b"]), waves=[1, 1, 2]), waved)
+    server, _cores, calls = setup(paths)
+    now = server.serving.now
+    with pytest.raises(ReloadRefused) as e:
+        asyncio.run(server.reloader.reload(str(waved), source="test"))
+    assert str(e.value).startswith("--orca-vote-waves all at once: the bundle's consensus "
+                                   "margin t was certified for samples launched in waves 1+1+2")
+    assert calls == [] and server.serving.now.bundle.checksum == now.bundle.checksum
+    server.serving.swap(replace(now, defaults=replace(now.defaults, vote_waves=(1, 1, 2))))
+    assert asyncio.run(server.reloader.reload(str(waved), source="test"))["changed"]

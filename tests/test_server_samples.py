@@ -22,11 +22,12 @@ DEMO = Path(__file__).parents[1] / "orca_serve" / "demo"
 K = 4
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    d = tmp_path_factory.mktemp("samples")
-    path = write_bundle(with_consensus(load_bundle(DEMO / "bundle.json"), samples=K), d / "b.json")
-    s = Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path)),
+def serve(d: Path, waves: list[int] | None = None):
+    """A server of the toy with a consensus block for K samples (certified for `waves`)."""
+    path = write_bundle(with_consensus(load_bundle(DEMO / "bundle.json"), samples=K,
+                                       waves=waves), d / "b.json")
+    flag = [] if waves is None else ["--orca-vote-waves", "+".join(map(str, waves))]
+    s = Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path), *flag),
                d / "serve.log", ["--host", "127.0.0.1", "--reasoning-parser", "deepseek_r1",
                                  "--served-model-name", "orca-toy-reasoner",
                                  "--seed", "0", "--disable-uvicorn-access-log"])
@@ -34,6 +35,16 @@ def srv(tmp_path_factory):
         yield s.wait()
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    yield from serve(tmp_path_factory.mktemp("samples"))
+
+
+@pytest.fixture(scope="module")
+def waved(tmp_path_factory):
+    yield from serve(tmp_path_factory.mktemp("waves"), waves=[1, 1, 2])
 
 
 def questions(n: int) -> list[str]:
@@ -132,3 +143,22 @@ def test_the_responses_api_votes_too(srv):
                    for c in item["content"] if c["type"] == "output_text")
     assert str(extract_answer(text)) == o["vote"]["answer"]
     assert obj["usage"]["output_tokens"] >= sum(s["reasoning_tokens"] for s in o["samples"])
+
+
+def test_waves_launch_only_what_the_vote_needs(waved):
+    """Served under --orca-vote-waves 1+1+2 with a block certified for it (t* = 0: the first
+    finished sample decides): each request runs one sample in the engine, the later waves are
+    never launched (so never aborted), and vLLM counts one finished request per vote."""
+    launched_before = metric(waved, "orca_samples_total", event="launched")
+    engine_before = metric(waved, "vllm:request_success_total")
+    for i, q in enumerate(questions(3)):
+        r = ask(waved, q, {"samples": K}, seed=300 + i)
+        o = orca_of(r)
+        vote, samples = o["vote"], o["samples"]
+        assert vote["waves"] == [1, 1, 2] and vote["waves_launched"] == 1, vote
+        assert vote["sample"] == 0 and vote["settled_after"] == 1 and vote["ended"] == "settled"
+        assert samples[1:] == [{"index": j, "launched": False} for j in range(1, K)]
+        assert samples[0]["launched"] and not samples[0]["aborted"]
+        assert str(extract_answer(r.choices[0].message.content)) == vote["answer"]
+    assert metric(waved, "orca_samples_total", event="launched") - launched_before == 3
+    assert metric(waved, "vllm:request_success_total") - engine_before == 3

@@ -11,7 +11,9 @@ import math
 import pytest
 
 from orca_serve.api_server.apis import APIS, CHAT, RESPONSES_PATH
+from orca_method.bundle import BundleError
 from orca_serve.api_server.voting import Vote, call_app, sample_bodies
+from orca_serve.checks.bundle_options import check_vote_waves
 from orca_serve.metrics.prometheus import OrcaMetrics, SampleEvent
 from orca_serve.settings.contract import XARG_KEY, XARG_LAM
 from orca_serve.settings.field import OrcaRequestError
@@ -181,6 +183,47 @@ def test_score_weights_are_the_samples_last_scores():
     v, _, _ = voted([0.01, 5, 5, 5], ["7", "3", "3", "3"], weighting="score",
                     scores=[0.25, 0.9, 0.9, 0.9])
     assert v.samples[0].weight == 0.25 and v.response()[1]["orca"]["vote"]["margin"] == 0.25
+
+
+def test_waves_launch_the_next_wave_only_while_the_vote_is_open():
+    """Waves 1+1+2 at t* = 0 with score weights: sample 0 votes with weight 0 (nothing
+    settled), so wave 2 goes out; sample 1 settles the vote, and wave 3 is never launched."""
+    b = bundle(weighting="score", waves=[1, 1, 2])
+    body, s = resolved({"messages": MSG, "orca": {"samples": 4}}, b)
+    assert s.vote.waves == (1, 1, 2) and s.vote.t == 0.0
+    eng = FakeEngine([0.01, 0.01, 0.01, 0.01], ["7", "3", "3", "3"], scores=[0.0, 0.9, 0.9, 0.9])
+    metrics = OrcaMetrics(registry=__import__("prometheus_client").CollectorRegistry())
+    v = Vote(s, eng, completions=False, end_tag="</think>", metrics=metrics)
+    asyncio.run(v.run(body, eng.launch))
+    status, out = v.response()
+    assert sorted(eng.finished) == [v.samples[0].key, v.samples[1].key] and eng.aborted == []
+    vote = out["orca"]["vote"]
+    assert vote["answer"] == "3" and vote["sample"] == 1 and vote["ended"] == "settled"
+    assert vote["waves"] == [1, 1, 2] and vote["waves_launched"] == 2
+    samples = out["orca"]["samples"]
+    assert samples[2:] == [{"index": 2, "launched": False}, {"index": 3, "launched": False}]
+    assert [x["launched"] for x in samples[:2]] == [True, True]
+    assert out["usage"]["completion_tokens"] == 10 + 20  # only what was launched
+    assert count(metrics, SampleEvent.LAUNCHED) == 2 and count(metrics, SampleEvent.ABORTED) == 0
+
+
+def test_a_wave_bundle_without_a_certified_t_launches_all_at_once():
+    b = bundle(waves=[1, 1, 2], samples=4)
+    _, s = resolved({"messages": MSG, "orca": {"samples": 3}}, b)  # k below the block's
+    assert s.vote.t is None and s.vote.waves == (3,)
+
+
+def test_a_schedule_the_bundle_does_not_certify_is_refused():
+    waved, at_once = bundle(waves=[1, 1, 2]), bundle()
+    check_vote_waves(waved, (1, 1, 2))
+    check_vote_waves(at_once, None)
+    check_vote_waves(small_bundle(), (1, 1, 2))  # no block: no orca.samples to serve
+    with pytest.raises(BundleError, match="--orca-vote-waves all at once: .* in waves 1\\+1\\+2"):
+        check_vote_waves(waved, None)
+    with pytest.raises(BundleError, match="--orca-vote-waves 2\\+2: .*launched all at once"):
+        check_vote_waves(at_once, (2, 2))
+    with pytest.raises(BundleError, match="with --orca-vote-waves 1\\+1\\+2"):
+        check_vote_waves(waved, (2, 2))
 
 
 def test_a_sample_whose_reasoning_never_closed_votes_no_answer():

@@ -61,7 +61,8 @@ def orca_defaults(args: Any, bundle: Bundle | None) -> OrcaDefaults:
         shift_alpha=getattr(args, "orca_shift_alpha", None),
         shift_action=ShiftAction(getattr(args, "orca_shift_action", None)
                                  or DEFAULTS.shift_action),
-        gate_alarm=getattr(args, "orca_gate_alarm", DEFAULT_ALARM_LEVEL))
+        gate_alarm=getattr(args, "orca_gate_alarm", DEFAULT_ALARM_LEVEL),
+        vote_waves=getattr(args, "orca_vote_waves", None))
 
 
 def served_model_name(args: Any) -> str:

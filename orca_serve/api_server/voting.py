@@ -3,7 +3,8 @@ samples"; the rule and its guarantee: docs/METHOD.md section 14).
 
 The server launches k sample requests through vLLM's own route (each an ORCA request as today,
 with its own result key, its own engine request id and, when the client gave a seed, seed + i as
-vLLM seeds the choices of `n`), watches them finish, and after each finish asks the consensus rule
+vLLM seeds the choices of `n`; all at once, or in the waves the bundle certified: `waves.py`),
+watches them finish, and after each finish asks the consensus rule
 (`orca_method.consensus.verdict`) whether the vote of the samples finished so far is settled at
 the bundle's certified margin t. Once it is, the samples still running are ABORTED in the engine
 (`vllm_compat.engine_client.abort`: their KV cache is freed, they stop taking decode steps), and
@@ -36,6 +37,7 @@ from orca_serve.metrics.prometheus import OrcaMetrics, SampleEvent
 from orca_serve.settings.contract import OrcaResult
 from orca_serve.settings.resolve import OrcaSettings
 from orca_serve.api_server.state import EngineLink
+from orca_serve.api_server.waves import Waves
 from orca_serve.vllm_compat.engine_client import REQUEST_ID_HEADER, abort
 
 logger = logging.getLogger("orca_serve.api_server.server")
@@ -88,6 +90,7 @@ class Sample:
     answer: Hashable | None = None
     weight: float = 0.0
     voted: bool = False  # finished before the vote settled: its answer is in the vote
+    launched: bool = False  # sent to the engine (a later wave's is not, once the vote settled)
     aborted: bool = False  # still running when the vote settled: aborted in the engine
 
 
@@ -172,6 +175,7 @@ class Vote:
         self.end_tag = end_tag
         self.metrics = metrics
         self.samples: list[Sample] = []
+        self.waves: Waves[tuple[Sample, bytes]] | None = None
         self.verdict: Verdict | None = None
         self.settled_after = 0
         self.error: Sample | None = None  # a sample vLLM refused: its answer is the response
@@ -187,12 +191,22 @@ class Vote:
 
     async def run(self, body: dict[str, Any],
                   launch: Callable[[Sample, bytes], Any]) -> None:
-        """Launch the samples (`launch(sample, body)`: an awaitable of (status, raw body)), vote
-        as they finish, abort the rest once settled."""
+        """Launch the samples (`launch(sample, body)`: an awaitable of (status, raw body)) wave
+        by wave (`self.rule.waves`; one wave: all at once), vote as they finish, abort the rest
+        once settled; a wave not yet launched when the vote settles never is."""
         made = sample_bodies(body, self.settings, self.api, self.completions)
         self.samples = [s for s, _ in made]
-        tasks = {asyncio.ensure_future(launch(s, b)): s for s, b in made}
-        self._count(SampleEvent.LAUNCHED, len(tasks))
+        self.waves = Waves(made, self.rule.waves)
+        tasks: dict[asyncio.Future, Sample] = {}
+
+        def launch_wave() -> None:
+            wave = self.waves.next()
+            for s, b in wave:
+                s.launched = True
+                tasks[asyncio.ensure_future(launch(s, b))] = s
+            self._count(SampleEvent.LAUNCHED, len(wave))
+
+        launch_wave()
         try:
             while tasks:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -220,10 +234,12 @@ class Vote:
                     self._count(SampleEvent.ABORTED, len(running))
                     await self._drain(tasks)
                     tasks = {}
+                elif not tasks and self.error is None and not self.verdict.settled:
+                    launch_wave()  # the waves so far have finished and left the vote open
         finally:
             for t in tasks:
                 t.cancel()
-            await self._fetch([s for s in self.samples if s.result is None])
+            await self._fetch([s for s in self.samples if s.launched and s.result is None])
             self._count(SampleEvent.STOPPED,
                         sum(1 for s in self.samples if s.result and s.result.stopped_early))
             if self.metrics is not None:
@@ -268,19 +284,28 @@ class Vote:
         out = self.api.as_one(copy.deepcopy(winner.response or {}))
         self._usage(out)
         k_settings = replace(self.settings, n=self.rule.k)
-        obj = orca_object(k_settings, {s.index: s.result for s in self.samples})
-        reports = obj.pop("choices")
-        for s, rep in zip(self.samples, reports):
+        obj = orca_object(k_settings, self._results())
+        reports = iter(obj.pop("choices"))
+        waved = len(self.rule.waves) > 1
+        obj["samples"] = []
+        for s in self.samples:
+            if not s.launched:  # a later wave the settled vote never needed
+                obj["samples"].append({"index": s.index, "launched": False})
+                continue
+            rep = next(reports)
             rep.update(finish_reason=self.api.finish_reason(s.response or {}), answer=s.answer,
                        in_vote=s.voted,
-                       aborted=s.aborted)
-        obj["samples"] = reports
+                       aborted=s.aborted, **({"launched": True} if waved else {}))
+            obj["samples"].append(rep)
         obj["vote"] = {"k": self.rule.k, "answer": v.answer, "sample": winner.index,
                        "settled_after": self.settled_after,
                        "ended": GroupEnd.SETTLED if any(s.aborted for s in self.samples)
                        or v.running else GroupEnd.ALL_FINISHED,
                        "margin": v.margin, "t": self.rule.t, "delta_vote": self.rule.delta_vote,
                        "weighting": self.rule.weighting}
+        if waved:
+            obj["vote"] |= {"waves": list(self.rule.waves),
+                            "waves_launched": self.waves.launched if self.waves else 0}
         out["orca"] = obj
         return 200, out
 
@@ -293,12 +318,15 @@ class Vote:
             for name in self.api.usage_counts:
                 if isinstance(u.get(name), int):
                     usage[name] = usage.get(name, 0) + u[name]
-        spent = reasoning_total(replace(self.settings, n=self.rule.k),
-                                {s.index: s.result for s in self.samples})
+        spent = reasoning_total(replace(self.settings, n=self.rule.k), self._results())
         if spent is not None and self.api.usage_details is not None:
             usage[self.api.usage_details] = {"reasoning_tokens": spent}
         if usage:
             out["usage"] = {**(out.get("usage") or {}), **usage}
+
+    def _results(self) -> dict[int, OrcaResult | None]:
+        """The launched samples' results, by sample index."""
+        return {s.index: s.result for s in self.samples if s.launched}
 
     def _json(self, raw: bytes) -> dict[str, Any] | None:
         try:

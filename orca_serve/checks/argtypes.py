@@ -8,6 +8,7 @@ import argparse
 from collections.abc import Callable
 from typing import NoReturn
 
+from orca_method.consensus import parse_waves
 from orca_method.errors import shown
 from orca_serve.settings.effort import parse_effort_map
 
@@ -73,6 +74,14 @@ def level(s: str) -> float:
     if not 0 <= v < 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1) (0: off), got {v}")
     return v
+
+
+def waves(s: str) -> tuple[int, ...]:
+    """`--orca-vote-waves`: wave sizes joined by '+' (`orca_method.consensus.parse_waves`)."""
+    try:
+        return parse_waves(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def effort_map(s: str) -> dict[str, str | float]:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from orca_method.bundle import BundleError
+from orca_method.consensus import format_waves
 from orca_method.outcomes import GiveUpPolicy
 from orca_serve.settings.effort import check_effort_map
 
@@ -21,10 +22,12 @@ if TYPE_CHECKING:
 
 
 def check_options(bundle: Bundle, *, delta: float | None, give_up_delta: float | None,
-                  give_up_policy: GiveUpPolicy, effort_map: Mapping[str, str | float]) -> None:
+                  give_up_policy: GiveUpPolicy, effort_map: Mapping[str, str | float],
+                  vote_waves: tuple[int, ...] | None = None) -> None:
     """Refuse (BundleError, one line starting with the option) a bundle lacking what the
     options name: --orca-delta's lambda*, --orca-give-up-delta's mu*, a delta of
-    --orca-effort-map, or a give-up threshold certified for --orca-give-up-policy."""
+    --orca-effort-map, a give-up threshold certified for --orca-give-up-policy, or a consensus
+    block certified for --orca-vote-waves."""
     if delta is not None:
         try:
             bundle.lam(delta)
@@ -40,6 +43,7 @@ def check_options(bundle: Bundle, *, delta: float | None, give_up_delta: float |
     except BundleError as e:
         raise BundleError(f"--orca-effort-map: {e}") from None
     check_give_up_policy(bundle, give_up_policy)
+    check_vote_waves(bundle, vote_waves)
 
 
 def check_give_up_policy(bundle: Bundle, policy: GiveUpPolicy) -> None:
@@ -58,3 +62,26 @@ def check_give_up_policy(bundle: Bundle, policy: GiveUpPolicy) -> None:
                       f"its own give-up loss (docs/METHOD.md section 9); serve it with "
                       f"--orca-give-up-policy {certified}, or recalibrate with "
                       f"calibrate.give_up.policy: {policy}")
+
+
+def check_vote_waves(bundle: Bundle, waves: tuple[int, ...] | None) -> None:
+    """`orca.samples` is served only in the launch schedule its t was certified for.
+
+    A wave that is launched only once the vote before it is unsettled changes when the group's
+    samples finish, so a t certified for one schedule says nothing of another (docs/METHOD.md
+    section 14, "Waves"). The operator names the schedule (`waves`, None: all at once) and the
+    bundle's consensus block must carry that one; a bundle without the block serves no
+    `orca.samples` at all: any schedule."""
+    if bundle.consensus is None:
+        return
+    certified = bundle.consensus.waves
+    if (None if certified is None else tuple(certified)) == waves:
+        return
+    have = "all at once" if certified is None else f"in waves {format_waves(certified)}"
+    fix = ("serve it without --orca-vote-waves" if certified is None else
+           f"serve it with --orca-vote-waves {format_waves(certified)}")
+    asked = "all at once" if waves is None else format_waves(waves)
+    raise BundleError(f"--orca-vote-waves {asked}: the bundle's consensus margin t was certified "
+                      f"for samples launched {have}, and t holds for that schedule only "
+                      f"(docs/METHOD.md section 14); {fix}, or recalibrate with "
+                      f"calibrate.consensus.waves")

@@ -71,6 +71,9 @@ class OrcaDefaults:
     shift_alpha: float | None = DEFAULTS.shift_alpha  # --orca-shift-alpha (None: the bundle's)
     shift_action: ShiftAction = DEFAULTS.shift_action  # what a flagged (or alarm-served) gets
     gate_alarm: float = DEFAULT_ALARM_LEVEL  # --orca-gate-alarm: its level (0: no alarm)
+    # --orca-vote-waves: the launch schedule of orca.samples (None: all at once); the bundle's
+    # consensus block is certified for it (`checks.bundle_options.check_vote_waves`)
+    vote_waves: tuple[int, ...] | None = None
 
 
 class DeltaSource(StrEnum):
@@ -93,6 +96,9 @@ class VoteSettings:
     t: float | None
     delta_vote: float
     weighting: str
+    # the wave sizes the k samples are launched in (the schedule t was certified for); (k,):
+    # all at once, as whenever t is None (nothing settles early, so waves would only wait)
+    waves: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -363,7 +369,8 @@ def _vote(k: int, delta: float, body: dict[str, Any], bundle: Bundle) -> VoteSet
     row = min(rows, key=lambda r: r.delta_vote)
     # t is certified for groups of exactly block.samples; a smaller group waits for all its k
     t = None if row.t is None or k != block.samples else float(row.t)
-    return VoteSettings(k=k, t=t, delta_vote=row.delta_vote, weighting=block.weighting)
+    return VoteSettings(k=k, t=t, delta_vote=row.delta_vote, weighting=block.weighting,
+                        waves=(k,) if t is None else block.schedule)
 
 
 def _give_up(asked: GiveUpFields | None, defaults: OrcaDefaults, bundle: Bundle,

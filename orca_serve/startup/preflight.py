@@ -18,7 +18,7 @@ from orca_method.errors import first_line
 from orca_method.gate_alarm import DEFAULT_ALARM_LEVEL
 from orca_method.outcomes import GIVE_UP_POLICIES
 from orca_serve.checks.argtypes import (OneLineParser, OptionError, effort_map, fraction, integer,
-                                       level)
+                                       level, waves)
 from orca_serve.settings.contract import (
     DEFAULTS,
     GIVE_UP_MESSAGE,
@@ -42,7 +42,7 @@ DEMO_REASONING_PARSER = "deepseek_r1"  # what --demo implies (unless the command
 DEMOS = {"toy": "", "long": "long"}
 # --orca-* options that mean nothing without a bundle
 NEED_BUNDLE = ("orca_delta", "orca_answer_budget", "orca_effort_map", "orca_give_up_delta",
-               "orca_give_up_message")
+               "orca_give_up_message", "orca_vote_waves")
 
 
 def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -96,6 +96,11 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "serves every request as a flagged one until the rate is back down. LEVEL: "
                    "its chance of ever being raised on such traffic (0: no alarm). Only for "
                    "bundles with a shift_gate block, with the gate on.")
+    g.add_argument("--orca-vote-waves", type=waves, default=None, metavar="A+B+...",
+                   help="Launch the samples of orca.samples in waves of these sizes (e.g. "
+                   "1+1+2+4), each once the ones before have finished without settling the "
+                   "vote: fewer tokens, more latency. The bundle's consensus block must be "
+                   "certified for this schedule. None: all at once.")
     g.add_argument("--orca-effort-map", type=effort_map, default=None, metavar="LEVEL=TARGET,...",
                    help="How a request's reasoning effort (chat reasoning_effort, Responses "
                    "reasoning.effort, Messages output_config.effort) chooses its delta, when the "
@@ -281,7 +286,8 @@ def load_checked(path: str, early: argparse.Namespace) -> Bundle:
         bundle = load_bundle(path)
         check_options(bundle, delta=early.orca_delta, give_up_delta=early.orca_give_up_delta,
                       give_up_policy=early.orca_give_up_policy,
-                      effort_map=early.orca_effort_map or {})
+                      effort_map=early.orca_effort_map or {},
+                      vote_waves=early.orca_vote_waves)
     except BundleError as e:
         raise StartupError(str(e)) from None
     if bundle.lambdas_from:
