@@ -16,6 +16,7 @@ import copy
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 from unittest import mock
 
 import numpy as np
@@ -24,7 +25,9 @@ from orca_method.audit.sequence import DEFAULT_GRID, RESTART_EVERY, RestartedAla
 from orca_method.ltt import calibrate, default_grid
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.risk import losses, stop_indices
+from orca_method.answer_probes import ProbeSettings
 from orca_method.thresholds import NEVER
+from orca_serve.live_audit.labeller import AuditLabeller
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
 from tests.bundles import tiny_bundle
@@ -523,3 +526,24 @@ def drift_alarms(biases: list[float], *, streams: int, seed: int, window: bool =
             if seq.alarm and (win is None or win.alarm):
                 break
     return seq_at, win_at
+
+
+class TableLabeller(AuditLabeller):
+    """The server's labeller with its engine replaced by a table of each step's forced answer
+    (our own fake of the engine call only: the rounds, prompts and records are the server's)."""
+
+    def __init__(self, answers: dict[str, list[str]], texts: dict[str, str]) -> None:
+        self.settings = ProbeSettings()
+        self.suffix_ids: list[int] = []
+        self.priority, self.probes = 0, 0
+        self.answers, self.texts = answers, texts
+        self.tokenizer: Any = None
+
+    async def label(self, key: str, *args: Any, **kw: Any) -> dict[str, Any]:
+        self.tokenizer = type("Tok", (), {"decode": lambda _, *a, **k: self.texts[key]})()
+        return await super().label(key, *args, **kw)
+
+    async def _answer(self, request_id: str, ids: list[int]) -> str | None:
+        key, t = request_id.rsplit("-probe-", 1)
+        self.probes += 1
+        return self.answers[key][int(t)]

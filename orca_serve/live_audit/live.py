@@ -243,7 +243,12 @@ class LiveAudit:
     async def _process(self, job: _Job) -> None:
         if self._labeller is None:
             self._labeller = AuditLabeller(self.engine_client(), self.config.probe)
-        record = await self._labeller.label(job.key, job.rec, job.result, job.finish_reason)
+        give_up = self._give_up_scores(job.result.step_embeddings)
+        self.state.sync()  # what other processes decided before this audit was admitted
+        needs = (self.state.label_needs(job.seq) if self.config.label_steps == "selective"
+                 else None)
+        record = await self._labeller.label(job.key, job.rec, job.result, job.finish_reason,
+                                            needs, give_up)
         # unrounded: replaying them must reproduce the server's stop decisions, also at lambda 1.0
         # (LTT's grid top, what recalibration picks when only saturated scores are safe), which
         # 6-decimal rounding crossed by turning 0.9999998 into 1.0
@@ -259,8 +264,7 @@ class LiveAudit:
         # the record's embeddings, never the audit's place in the risk
         cause = incomplete(job.finish_reason)
         self.observe(list(job.result.scores), record["labels"][AUDIT_LABEL_MODE], job.seq,
-                     censored=cause is not None, cause=cause,
-                     give_up=self._give_up_scores(job.result.step_embeddings))
+                     censored=cause is not None, cause=cause, give_up=give_up)
         if self.store is not None:
             await asyncio.to_thread(self.store.append, record, job.result.step_embeddings)
 

@@ -296,6 +296,27 @@ class AuditState:
             if not quiet:
                 log_give_up_change(g, *before)
 
+    def label_needs(self, seq: int) -> tuple[list[float], list[float]] | None:
+        """The thresholds whose losses the guards will read of audit `seq` (selective audit
+        labelling, orca_method/audit/labelling.py): every delta's bundle lambda*, and the
+        recalibrated lambda its guard serves when the audit was admitted after it took
+        effect; no give-up threshold (the give-up loss reads the scores only). None: label
+        every step, since a guard waits for a recalibration window the audit may enter.
+
+        Exact at any later fold: a decision that makes an audit measure a new threshold (a
+        recalibrated lambda, or a wait whose window takes it) is taken at an admission number
+        below the audit's only if it was folded before the audit's admission, so it is in
+        this state already; one folded later has a number at or above it and never reads it.
+        """
+        lams: set[float] = set()
+        for g in self.guards.values():
+            if g.waiting_since is not None and seq > g.waiting_since:
+                return None
+            lams.add(g.bundle_lam)
+            if g.served is not None and seq > g.served.since:
+                lams.add(g.served.lam)
+        return sorted(lams), []
+
     def drift_alarm(self, delta: float | None = None, k: int | None = None) -> None:
         """A sequential drift test alarmed in this process: the bundle's (`delta` None), or
         that of `delta`'s k-th recalibrated lambda. Journalled, so that every process (and a
