@@ -314,7 +314,8 @@ class LiveAudit:
             cause=cause if censored else None,
             scores=None if s is None else s.tolist(), labels=None if s is None else labels.tolist(),
             give_up=[float(x) for x in give_up]
-            if give_up is not None and len(give_up) == len(labels) else None)
+            if give_up is not None and len(give_up) == len(labels) else None,
+            raw=[int(x) for x in raw_labels] if self.state.give_up_guards else None)
 
     def retire(self) -> tuple[int, AuditStore | None]:
         """Take nothing in any more (a hot reload replaced this audit), drop the audits waiting
@@ -372,7 +373,8 @@ class LiveAudit:
             "deltas": [g.row() for g in st.guards.values()],
             "give_up": None if not st.give_up_guards else {
                 "label_mode": self.bundle.give_up.label_mode,  # type: ignore[union-attr]
-                "loss": GiveUpLoss.GAVE_UP, "guard_acts": st.give_up_acts,
+                "loss": GiveUpLoss.GAVE_UP, "recalibrated_loss": GiveUpLoss.CHANGED,
+                "guard_acts": st.give_up_acts,
                 "epsilon": self.bundle.give_up.ltt.epsilon,  # type: ignore[union-attr]
                 "guard_epsilon": st.give_up_epsilon,
                 "deltas": [g.row() for g in st.give_up_guards.values()]},
