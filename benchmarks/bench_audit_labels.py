@@ -7,7 +7,8 @@ in for the engine's answer probes), a share `rate` of them audited; every audit 
 `--orca-audit-label-steps every` and once `selective`, on two audits fed the same stream. The
 scores are the bundle's probe replayed on the recorded step embeddings (what the server would
 have computed). Prints per rate: audits, answer probes per audit and per served request for
-both modes, and whether the guards' decisions (bounds, alarms, lambda served) were equal after
+both modes (and per audit the selective mode did not label in full: one no recalibration
+window could take), and whether the guards' decisions (bounds, alarms, lambda served) were equal after
 every audit.
 
     python benchmarks/bench_audit_labels.py --bundle runs/long/bundle.json \\
@@ -64,7 +65,7 @@ def stream(pool: list[dict], shifted: list[dict], bundle, *, rate: float, reques
         audits[mode] = LiveAudit(bundle, AuditConfig(rate=rate, on_alarm=on_alarm, window=window,
                                                      label_steps=mode),
                                  labeller=labellers[mode])
-    n_audits, equal, full = 0, True, 0
+    n_audits, equal, full, chosen = 0, True, 0, 0
     for r in range(requests):
         if rng.random() >= rate:
             continue
@@ -79,14 +80,19 @@ def stream(pool: list[dict], shifted: list[dict], bundle, *, rate: float, reques
                              step_embeddings=t["embeddings"])
         for mode, audit in audits.items():
             seq = audit.state.admit()
-            if mode == "selective":
-                full += audit.state.label_needs(seq) is None
+            before = labellers[mode].probes
+            in_full = audit.state.label_needs(seq) is None
             asyncio.run(audit._process(_Job(key, {"prompt": "p"}, result, seq, t["reason"])))
+            if mode == "selective":
+                full += in_full
+                if not in_full:
+                    chosen += labellers[mode].probes - before
         n_audits += 1
         equal &= _state(audits["every"]) == _state(audits["selective"])
     probes = {m: lab.probes for m, lab in labellers.items()}
     return {"rate": rate, "requests": requests, "audits": n_audits, "labelled_in_full": full,
             "decisions_equal": bool(equal),
+            "probes_per_audit_not_in_full": chosen / max(n_audits - full, 1),
             **{f"probes_per_audit_{m}": p / max(n_audits, 1) for m, p in probes.items()},
             **{f"probes_per_request_{m}": p / requests for m, p in probes.items()},
             "recalibrations": [g.recalibrations for g in audits["every"].state.guards.values()],
