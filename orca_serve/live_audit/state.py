@@ -58,6 +58,24 @@ def _lookup(guards: dict[float, Any], delta: float, what: str) -> Any:
     raise KeyError(f"{what} {delta} is not in the bundle's table")
 
 
+def _first_resolved(resolved: dict[int, tuple[np.ndarray, np.ndarray] | None], after: int,
+                    size: int) -> Window | None:
+    """The first `size` items of `resolved` (admission number -> item, None: skipped) admitted
+    after `after`, in admission order, once every audit admitted between them is resolved;
+    else None (the window is the first audits by admission, not the first to finish)."""
+    scores, labels = [], []
+    seq = after + 1
+    while len(scores) < size:
+        if seq not in resolved:
+            return None
+        item = resolved[seq]
+        if item is not None:
+            scores.append(item[0])
+            labels.append(item[1])
+        seq += 1
+    return scores, labels
+
+
 def _default_cs_factory(epsilon: float) -> Callable[[], CS]:
     return lambda: CensoredAlarm(epsilon)
 
@@ -440,33 +458,13 @@ class AuditState:
     def _window(self, after: int) -> Window | None:
         """The first `config.window` counted audits admitted after `after`, by admission
         number, once every audit admitted between them is resolved; else None."""
-        scores, labels = [], []
-        seq = after + 1
-        while len(scores) < self.config.window:
-            if seq not in self._resolved:
-                return None
-            item = self._resolved[seq]
-            if item is not None:
-                scores.append(item[0])
-                labels.append(item[1])
-            seq += 1
-        return scores, labels
+        return _first_resolved(self._resolved, after, self.config.window)
 
     def _give_up_window(self, after: int) -> Window | None:
         """The first `config.window` audits admitted after `after` that carry give-up scores
         and raw consistency labels (the give-up risk is over every request: never-right ones
         too), once every audit admitted between them is resolved; else None."""
-        scores, labels = [], []
-        seq = after + 1
-        while len(scores) < self.config.window:
-            if seq not in self._give_up_resolved:
-                return None
-            item = self._give_up_resolved[seq]
-            if item is not None:
-                scores.append(item[0])
-                labels.append(item[1])
-            seq += 1
-        return scores, labels
+        return _first_resolved(self._give_up_resolved, after, self.config.window)
 
     def _mu_ltt(self, scores: list[np.ndarray], labels: list[np.ndarray], delta: float,
                 epsilon: float) -> float:
