@@ -97,7 +97,7 @@ def main() -> None:
         for d, g in audit.state.give_up_guards.items():
             row = {"order": o, "give_up_delta": d, "stream": len(stream), "held_out": len(held),
                    "lambda": None if not np.isfinite(lam) else lam, "mu_source": str(g.source),
-                   "alarm_at": None, "recalibrations": g.recalibrations,
+                   "recalibrations": g.recalibrations,
                    "served": measure(bundle, rep, cons, held, lam, g.mu),
                    "bundle": measure(bundle, rep, cons, held, lam, bundle.mu(d))}
             rows.append(row)
