@@ -72,3 +72,41 @@ def test_recalibrated_mu_holds_the_give_up_delta_under_shift() -> None:
 @pytest.mark.slow
 def test_recalibrated_mu_holds_the_give_up_delta_under_shift_200_streams() -> None:
     _check(sim.give_up_recalibration(200, audits=400, window=150), 200)
+
+
+def _give_up_state(audit) -> list:
+    out = []
+    for g in audit.state.give_up_guards.values():
+        r = g.served
+        out.append((g.cs.n, g.cs.upper, g.engaged, g.mu, g.source, g.recalibrations,
+                    g.waiting_since, None if r is None else (r.mu, r.k, r.cs.n, r.cs.upper)))
+    return out
+
+
+@pytest.mark.parametrize("every", [40, 600])
+def test_a_restart_resumes_the_give_up_recalibration(tmp_path, every: int) -> None:
+    """With a journal (every 40 audits: replayed events; every 600: from a snapshot too), a
+    process built anew resumes the give-up guard as it was: its wait, its recalibrated mu and
+    that mu's own statistics, after every restart, as one process that never restarted."""
+    from orca_serve.live_audit.journal import Journal, journal_path
+    from orca_serve.live_audit.live import LiveAudit
+    from orca_serve.live_audit.options import AuditConfig
+    from tests.bundles import with_give_up
+
+    b = with_give_up(sim.bundle(), [(sim.GIVE_UP_DELTA, sim.GIVE_UP_MU)])
+    config = AuditConfig(rate=1.0, on_alarm="recalibrate", window=60)
+
+    def attached() -> LiveAudit:
+        return LiveAudit(b, config, journal=Journal(journal_path(tmp_path, b.checksum),
+                                                    b.checksum, fsync=False))
+
+    alone, audit = LiveAudit(b, config), attached()
+    s, y, g = sim.give_up_trajectories(np.random.default_rng(5), 700, sim.GIVE_UP_SHIFT)
+    for i in range(700):
+        for a in (alone, audit):
+            a.observe(list(s[i]), list(y[i]), give_up=list(g[i]))
+        if (i + 1) % every == 0:
+            audit.state.close()
+            audit = attached()
+        assert _give_up_state(audit) == _give_up_state(alone), i
+    assert alone.state.give_up_guard(sim.GIVE_UP_DELTA).recalibrations >= 1
