@@ -8,8 +8,8 @@ in for the engine's answer probes), a share `rate` of them audited; every audit 
 scores are the bundle's probe replayed on the recorded step embeddings (what the server would
 have computed). Prints per rate: audits, answer probes per audit and per served request for
 both modes (and per audit the selective mode did not label in full: one no recalibration
-window could take), and whether the guards' decisions (bounds, alarms, lambda served) were equal after
-every audit.
+window could take), and whether the guards' decisions (bounds, alarms, lambda served) were
+equal after every audit.
 
     python benchmarks/bench_audit_labels.py --bundle runs/long/bundle.json \\
         --trajectories runs/long/trajectories --shifted runs/long/trajectories-shifted
