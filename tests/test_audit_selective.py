@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from orca_method.answer_probes import trajectory_fields
 from orca_method.audit.labelling import audit_points
+from orca_method.give_up import request_consistency_give_up_loss
 from orca_method.risk import is_solvable, request_losses
 from orca_method.selective import next_round
 from orca_serve.live_audit.live import LiveAudit, _Job
@@ -43,13 +44,17 @@ def _labels(answers: list[str], probed: set[int], text: str) -> list[int]:
 @given(data=st.data(), n=st.integers(1, 12), every=st.integers(1, 3))
 def test_selected_steps_settle_every_threshold_as_every_step_labels(data, n: int,
                                                                      every: int) -> None:
+    """Random scores, answers, final answers, thresholds (stop and give-up) and strides: the
+    rounds' labels give every threshold's loss and the count of every-step labelling."""
     scores = data.draw(st.lists(st.floats(0, 1), min_size=n, max_size=n))
     answers = data.draw(st.lists(st.sampled_from(ANSWERS), min_size=n, max_size=n))
     lams = data.draw(st.lists(st.one_of(st.floats(0, 1), st.just(float("inf"))), min_size=1,
                               max_size=4))
     text = data.draw(st.sampled_from(["", "</think> \\boxed{r}", "</think> \\boxed{x}"]))
     shown = scores[:-1] if data.draw(st.booleans()) else scores  # the plugin may skip the last
-    points = audit_points(shown, n, lams, label_every=every)
+    give_up = data.draw(st.lists(st.floats(0, 1), min_size=n, max_size=n))
+    mus = data.draw(st.lists(st.floats(0, 1), max_size=3))
+    points = audit_points(shown, n, lams, label_every=every, give_up_scores=give_up, mus=mus)
     assert points is not None
     probed: set[int] = set()
     todo = points.first_round()
@@ -62,6 +67,9 @@ def test_selected_steps_settle_every_threshold_as_every_step_labels(data, n: int
     assert is_solvable(part) == is_solvable(full)
     s = np.concatenate([shown, np.zeros(n - len(shown))])
     assert (request_losses(s, part, lams) == request_losses(s, full, lams)).all()
+    for mu in mus:  # a recalibrated mu's loss reads the raw label at its give-up step
+        assert (request_consistency_give_up_loss(give_up, mu, part)
+                == request_consistency_give_up_loss(give_up, mu, full))
     assert probed <= set(points.candidates)
 
 
