@@ -26,6 +26,7 @@ from orca_method.selective import next_round
 from orca_serve.live_audit.live import LiveAudit, _Job
 from orca_serve.live_audit.options import AuditConfig
 from tests import audit_simulation as sim
+from tests.bundles import with_give_up
 from tests.servers import orca_result
 
 ANSWERS = ("r", "w", "v")
@@ -98,27 +99,40 @@ def _decisions(audit: LiveAudit) -> list[Any]:
         out.append((g.cs.n, g.cs.censored, g.cs.lower, g.cs.upper, g.alarm, g.lam, g.source,
                     g.engaged, g.recalibrations, g.waiting_since,
                     None if r is None else (r.lam, r.cs.n, r.cs.lower, r.cs.upper)))
+    for gu in audit.state.give_up_guards.values():
+        r = gu.served
+        out.append((gu.cs.n, gu.cs.upper, gu.engaged, gu.mu, gu.source, gu.recalibrations,
+                    gu.waiting_since, None if r is None else (r.mu, r.cs.n, r.cs.upper)))
     return out
 
 
-def _stream(seed: int, label_steps: str) -> tuple[list[Any], int, int]:
+def _stream(seed: int, label_steps: str, two_sided: bool = False
+            ) -> tuple[list[Any], int, int]:
     """Decisions after every audit, probes, and audits labelled selectively, of one stream:
-    60 unshifted audits, then 540 shifted ones, `recalibrate` on windows of 150."""
+    60 unshifted audits, then 540 shifted ones, `recalibrate` on windows of 150. `two_sided`:
+    the bundle has a give-up row (mu* 0.2 at 0.1), and each audit give-up scores (given as
+    its embeddings, which the audit's give-up replay hands on as they are: our own fake of
+    the probe) that fall with the shift, so the give-up guard recalibrates too."""
     rng = np.random.default_rng(seed)
     answers: dict[str, list[str]] = {}
     texts: dict[str, str] = {}
     labeller = sim.TableLabeller(answers, texts)
-    audit = LiveAudit(sim.bundle(), AuditConfig(rate=1.0, on_alarm="recalibrate", window=150,
-                                                label_steps=label_steps), labeller=labeller)
+    b = with_give_up(sim.bundle(), [(sim.GIVE_UP_DELTA, sim.GIVE_UP_MU)]) if two_sided else (
+        sim.bundle())
+    audit = LiveAudit(b, AuditConfig(rate=1.0, on_alarm="recalibrate", window=150,
+                                     label_steps=label_steps), labeller=labeller)
+    audit._give_up_scores = lambda e: None if e is None else [float(x) for x in e[:, 0]]
     history, selective = [], 0
     for i in range(AUDITS):
         s, ans, text, reason = _trace(rng, 0.0 if i < 60 else sim.SHIFT)
         key = f"a{i}"
         answers[key], texts[key] = ans, text
         n = len(s)
+        g = 1 / (1 + np.exp(-rng.normal(1.5 - 2.0 * (i >= 60), 1.5, n)))  # [n]
         result = orca_result(policy="shadow", scores=[float(x) for x in s[:-1]],
                              step_tokens=[1] * n, step_token_ids=[[t] for t in range(n)],
-                             prompt_token_ids=[100], output_token_ids=list(range(n)))
+                             prompt_token_ids=[100], output_token_ids=list(range(n)),
+                             step_embeddings=g[:, None] if two_sided else None)
         seq = audit.state.admit()
         selective += audit.state.label_needs(seq) is not None
         asyncio.run(audit._process(_Job(key, {"prompt": "p"}, result, seq, reason)))
@@ -139,3 +153,14 @@ def test_selective_labelling_decides_as_every_step_labelling() -> None:
         assert guard[8] >= 1  # recalibrated at least once
         assert 0 < n_sel < AUDITS
         assert p_sel < 0.8 * p_every
+
+
+def test_selective_labelling_decides_the_give_up_side_as_every_step_labelling() -> None:
+    """A two-sided bundle whose give-up guard recalibrates mu from consistency labels: the
+    stop and give-up guards' decisions after every audit are equal, with fewer probes."""
+    every, p_every, _ = _stream(7, "every", two_sided=True)
+    sel, p_sel, n_sel = _stream(7, "selective", two_sided=True)
+    assert sel == every
+    give_up = every[-1][2]
+    assert give_up[5] >= 1 and give_up[7] is not None  # recalibrated, a mu audited
+    assert 0 < n_sel < AUDITS and p_sel < p_every
