@@ -42,6 +42,7 @@ from tests.audit_simulation import (
     drift_alarms,
     drift_stream,
     fallback_clearing,
+    give_up_recalibration,
     hardest_null,
     joint_null,
     restart_null,
@@ -257,6 +258,17 @@ def sequential(streams: int) -> None:
                   f"shift: {early:.1%}) | {shown[0]} [{shown[1]}, {shown[2]}] |", flush=True)
 
 
+def give_up_recalibrate(streams: int) -> None:
+    """The give-up threshold recalibrated from consistency labels on a shifted family."""
+    out = give_up_recalibration(streams, audits=400, window=150)
+    print(f"| give-up recalibrate, {streams} streams (400 shifted audits, window 150) | "
+          f"recalibrated {out['recalibrated']:.1%}, alarm after a median "
+          f"{out['alarm_median']:.0f} audits; P(bad mu ever served) {out['bad']:.1%} "
+          f"(epsilon_2 5%); bound missed {out['missed']:.1%}; served mu {out['served_mu']:.3f}: "
+          f"risk {out['served_risk']:.3f}, gave up {out['served_rate']:.3f} (the bundle's mu*: "
+          f"{out['bundle_risk']:.3f}, {out['bundle_rate']:.3f}) |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--false-alarms", action="store_true")
@@ -269,6 +281,7 @@ def main() -> None:
     ap.add_argument("--cut", action="store_true")
     ap.add_argument("--clearing", type=int, metavar="STREAMS")
     ap.add_argument("--sequential", type=int, metavar="STREAMS")
+    ap.add_argument("--give-up-recalibrate", type=int, metavar="STREAMS")
     ap.add_argument("--streams", type=int, default=400,
                     help="--false-alarms, --delays, --censored, --joint")
     ap.add_argument("--audits", type=int, default=3000,
@@ -294,6 +307,8 @@ def main() -> None:
         clearing(a.clearing)
     elif a.sequential:
         sequential(a.sequential)
+    elif a.give_up_recalibrate:
+        give_up_recalibrate(a.give_up_recalibrate)
     else:
         cost()
 

@@ -96,6 +96,36 @@ def give_up_losses(tau_g: np.ndarray, lengths: np.ndarray, last: np.ndarray,
     return (gave_up(tau_g, lengths) & lost_by_giving_up(tau_g, last, policy)).astype(np.int8)
 
 
+def changed_by_giving_up(agrees: np.ndarray, policy: GiveUpPolicy) -> np.ndarray:
+    """Whether giving up changed what the request serves from what reasoning to the end serves,
+    per trace (broadcast): the give-up loss under consistency labels (docs/METHOD.md section 9,
+    "Giving up under consistency labels"). ``agrees``: the raw consistency label at the give-up
+    step (its answer is the final one). "guess" serves that answer: changed when it is not the
+    final one; "message" serves none: always changed."""
+    if policy not in GIVE_UP_POLICIES:
+        raise ValueError(f"give-up policy must be one of {GIVE_UP_POLICIES}, got {policy!r}")
+    agrees = np.asarray(agrees)
+    return np.ones(agrees.shape, bool) if policy == GiveUpPolicy.MESSAGE else agrees == 0
+
+
+def consistency_give_up_losses(tau_g: np.ndarray, labels: Ragged,
+                               policy: GiveUpPolicy = GiveUpPolicy.GUESS) -> np.ndarray:
+    """0/1 loss (int8, shape of ``tau_g`` [mus, traces]) under consistency labels: it gave up,
+    and that changed the answer (`changed_by_giving_up`); ``labels``: each trace's raw
+    consistency labels (1 where the step's answer is the trace's final answer)."""
+    lengths = np.array([len(y) for y in labels])
+    agrees = values_at([np.asarray(y, dtype=np.int8) for y in labels], tau_g)
+    return (gave_up(tau_g, lengths) & changed_by_giving_up(agrees, policy)).astype(np.int8)
+
+
+def request_consistency_give_up_loss(scores: Sequence[float], mu: float, labels: Sequence[int],
+                                     policy: GiveUpPolicy = GiveUpPolicy.GUESS) -> int:
+    """One audit's give-up loss under consistency labels at ``mu`` (what a mu recalibrated on
+    live audits is certified for and audited with)."""
+    tau = give_up_indices([np.asarray(scores, dtype=float)], np.array([mu], dtype=float))
+    return int(consistency_give_up_losses(tau, [labels], policy)[0, 0])
+
+
 def request_give_up_loss(scores: np.ndarray, mu: float, labels: Sequence[int] | None,
                          policy: GiveUpPolicy = GiveUpPolicy.GUESS) -> int:
     """One trace's give-up loss under ``mu`` and ``policy`` (`give_up_losses` for one trace), as
@@ -148,15 +178,22 @@ def check_give_up_set(scores: Ragged, last: Sequence[int]) -> None:
 
 def calibrate_give_up(scores: Ragged, last: Sequence[int], deltas: Sequence[float],
                       epsilon: float = 0.05, grid: np.ndarray | None = None,
-                      pvalue: str = "binomial", policy: GiveUpPolicy = GiveUpPolicy.GUESS
-                      ) -> list[GiveUpResult]:
+                      pvalue: str = "binomial", policy: GiveUpPolicy = GiveUpPolicy.GUESS,
+                      consistency: Ragged | None = None) -> list[GiveUpResult]:
     """mu* for each give-up risk level ``delta`` at level ``epsilon``, certified for what a
     given-up request serves under ``policy`` (`give_up_losses`).
 
     ``scores``: smoothed give-up scores of EVERY calibration trace (the risk is over all
     requests: never-right traces count, with loss 0); ``last``: each trace's last right step
-    under raw reference labels (`last_right`, -1 when never right).
+    under raw reference labels (`last_right`, -1 when never right). ``consistency``: the
+    traces' raw consistency labels instead (``last`` unused): certifies the loss under
+    consistency labels (`consistency_give_up_losses`), as a live recalibration does.
     """
+    if consistency is not None:
+        if len(consistency) != len(scores) or any(
+                len(y) != len(g) for y, g in zip(consistency, scores)):
+            raise ValueError("need one consistency label per give-up score of every trace")
+        last = [len(g) - 1 for g in scores]
     check_give_up_set(scores, last)
     for name, v in [("epsilon", epsilon)] + [("delta_2", d) for d in deltas]:
         if not 0.0 < v < 1.0:
@@ -171,7 +208,8 @@ def calibrate_give_up(scores: Ragged, last: Sequence[int], deltas: Sequence[floa
     n = len(scores)
     lengths = np.array([len(g) for g in scores])
     tau = give_up_indices(scores, grid)
-    loss = give_up_losses(tau, lengths, np.asarray(last), policy)
+    loss = (give_up_losses(tau, lengths, np.asarray(last), policy) if consistency is None
+            else consistency_give_up_losses(tau, consistency, policy))
     counts = loss.sum(axis=1, dtype=np.int64)
     rates = gave_up(tau, lengths).mean(axis=1)
     out = []

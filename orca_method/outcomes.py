@@ -24,6 +24,9 @@ class GiveUpLoss(StrEnum):
     "The give-up risk")."""
 
     GAVE_UP = "gave_up"
+    # under consistency labels: it gave up and the answer it served is not the final one
+    # (`orca_method.give_up.changed_by_giving_up`): what a mu recalibrated on audits certifies
+    CHANGED = "gave_up_and_changed_the_answer"
     RIGHT_AHEAD = "gave_up_with_a_right_answer_ahead"
     RIGHT_SOMEWHERE = "gave_up_on_a_trace_right_at_some_step"
 

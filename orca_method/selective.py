@@ -45,12 +45,15 @@ class DecidingSteps:
 
     `stops`: steps whose cumulative label LTT reads (the distinct stop steps over the lambda
     grid, and the last step); `give_ups`: steps before the last at which some mu of the grid
-    gives up (whether a right step lies at or after them).
+    gives up (whether a right step lies at or after them); `raws`: steps whose own label is read
+    (the give-up loss under consistency labels, `orca_method.give_up.changed_by_giving_up`),
+    which their own candidate's probe settles.
     """
 
     candidates: tuple[int, ...]  # ascending; always ends with the last step
     stops: tuple[int, ...] = ()
     give_ups: tuple[int, ...] = ()
+    raws: tuple[int, ...] = ()
 
     def _source(self, t: int) -> int:
         """Index into `candidates` of the latest candidate at or before step t (-1: none, so
@@ -59,7 +62,7 @@ class DecidingSteps:
 
     def first_round(self) -> set[int]:
         """The candidates whose answers fill the deciding points themselves."""
-        src = (self._source(t) for t in (*self.stops, *self.give_ups))
+        src = (self._source(t) for t in (*self.stops, *self.give_ups, *self.raws))
         return {self.candidates[k] for k in src if k >= 0}
 
     def still_needed(self, right: Mapping[int, int]) -> set[int]:
@@ -81,11 +84,13 @@ class DecidingSteps:
 
 def deciding_steps(stop_scores: Sequence[float] | np.ndarray, lam_grid: np.ndarray, *,
                    label_every: int = 1, give_up_scores: Sequence[float] | None = None,
-                   mu_grid: np.ndarray | None = None, solvable: bool = True) -> DecidingSteps:
+                   mu_grid: np.ndarray | None = None, solvable: bool = True,
+                   raw: bool = False) -> DecidingSteps:
     """The deciding points of one trace for one label mode: the stop side when `stop_scores`
     are given (None: not calibrated under this mode), the give-up side when `give_up_scores`
-    and `mu_grid` are; `solvable` adds the last step (whether any step is right: LTT's n_cal,
-    and the give-up loss under the "message" policy)."""
+    and `mu_grid` are (`raw`: the give-up steps' own labels, the loss under consistency labels;
+    else whether a right step lies at or after each); `solvable` adds the last step (whether
+    any step is right: LTT's n_cal, and the give-up loss under the "message" policy)."""
     n = len(stop_scores if stop_scores is not None else give_up_scores)
     stops: set[int] = {n - 1} if solvable else set()
     if stop_scores is not None:
@@ -94,8 +99,10 @@ def deciding_steps(stop_scores: Sequence[float] | np.ndarray, lam_grid: np.ndarr
     if give_up_scores is not None and mu_grid is not None:
         tau = give_up_indices([np.asarray(give_up_scores)], mu_grid)[:, 0]
         give_ups.update(int(t) for t in tau if t < n - 1)
+    ordered = tuple(sorted(give_ups))
     return DecidingSteps(candidates=tuple(labelled_steps(n, label_every)),
-                         stops=tuple(sorted(stops)), give_ups=tuple(sorted(give_ups)))
+                         stops=tuple(sorted(stops)), give_ups=() if raw else ordered,
+                         raws=ordered if raw else ())
 
 
 def next_round(deciding: Mapping[str, DecidingSteps], labels: Mapping[str, Sequence[int]],

@@ -16,6 +16,7 @@ import copy
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 from unittest import mock
 
 import numpy as np
@@ -24,7 +25,9 @@ from orca_method.audit.sequence import DEFAULT_GRID, RESTART_EVERY, RestartedAla
 from orca_method.ltt import calibrate, default_grid
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.risk import losses, stop_indices
+from orca_method.answer_probes import ProbeSettings
 from orca_method.thresholds import NEVER
+from orca_serve.live_audit.labeller import AuditLabeller
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
 from tests.bundles import tiny_bundle
@@ -523,3 +526,122 @@ def drift_alarms(biases: list[float], *, streams: int, seed: int, window: bool =
             if seq.alarm and (win is None or win.alarm):
                 break
     return seq_at, win_at
+
+
+class TableLabeller(AuditLabeller):
+    """The server's labeller with its engine replaced by a table of each step's forced answer
+    (our own fake of the engine call only: the rounds, prompts and records are the server's)."""
+
+    def __init__(self, answers: dict[str, list[str]], texts: dict[str, str]) -> None:
+        self.settings = ProbeSettings()
+        self.suffix_ids: list[int] = []
+        self.priority, self.probes = 0, 0
+        self.answers, self.texts = answers, texts
+        self.tokenizer: Any = None
+
+    async def label(self, key: str, *args: Any, **kw: Any) -> dict[str, Any]:
+        self.tokenizer = type("Tok", (), {"decode": lambda _, *a, **k: self.texts[key]})()
+        return await super().label(key, *args, **kw)
+
+    async def _answer(self, request_id: str, ids: list[int]) -> str | None:
+        key, t = request_id.rsplit("-probe-", 1)
+        self.probes += 1
+        return self.answers[key][int(t)]
+
+
+# -- give-up recalibrated from consistency labels (issue 34 item 4) -----------------------------
+GIVE_UP_DELTA, GIVE_UP_MU = 0.1, 0.2  # the two-sided bundle's give-up row (certified in dist.)
+GIVE_UP_SHIFT = -1.5  # the shifted family's give-up score bias: every trace gives up more
+
+
+def give_up_trajectories(rng: np.random.Generator, n: int, bias: float
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Stop scores [n, T], raw consistency labels [n, T] (the answer is the final one from a
+    uniform step F on: `trajectories`) and give-up scores [n, T]: sigmoid(3 R - 1 -
+    0.7 (1 - R) (t - F) + bias + N(0, 1)), R whether the trace ends right (70 %), so a trace
+    that ends wrong gives up, mostly once its answer has settled; a negative `bias` makes
+    every trace give up more, also before its answer settles (the shift)."""
+    s, y = trajectories(rng, n, 0.0)
+    first = STEPS - y.sum(axis=1)  # [n]
+    right = rng.random(n) < 0.7
+    t = np.arange(STEPS)
+    wrong = ~right[:, None]
+    z = (3.0 * right[:, None] - 1 - 0.7 * wrong * (t[None] - first[:, None]) + bias
+         + rng.normal(0, 1, (n, STEPS)))
+    return s, y, 1 / (1 + np.exp(-z))
+
+
+@lru_cache(maxsize=4)
+def _give_up_truth(bias: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return give_up_trajectories(np.random.default_rng(24680), 100_000, bias)
+
+
+def true_give_up_risk(mus: list[float], bias: float) -> tuple[np.ndarray, np.ndarray]:
+    """(consistency give-up risk, give-up rate) of the family with this bias, per mu."""
+    from orca_method.give_up import consistency_give_up_losses, gave_up, give_up_indices
+
+    _, y, g = _give_up_truth(bias)
+    tau = give_up_indices(list(g), np.asarray(mus, dtype=float))  # [mus, n]
+    return (consistency_give_up_losses(tau, list(y)).mean(axis=1),
+            gave_up(tau, np.full(len(g), STEPS)).mean(axis=1))
+
+
+@dataclass
+class GiveUpStream:
+    alarm_at: int | None = None  # audits until the bundle's give-up alarm
+    served: list[float] = field(default_factory=list)  # the recalibrated mu after each audit
+    missed: bool = False  # a served mu's upper bound ever fell below its true risk
+    recalibrations: int = 0
+
+
+def give_up_recalibrate_stream(seed: int, *, audits: int = 400, window: int = 150,
+                               bias: float = GIVE_UP_SHIFT) -> GiveUpStream:
+    """A two-sided bundle (the simulation's, mu* 0.2 at give-up delta 0.1) served the family
+    with this give-up bias from the first audit, every request audited, `recalibrate`: through
+    LiveAudit, which mu the give-up guard serves after each audit."""
+    from tests.bundles import with_give_up
+
+    audit = LiveAudit(with_give_up(bundle(), [(GIVE_UP_DELTA, GIVE_UP_MU)]),
+                      AuditConfig(rate=1.0, on_alarm="recalibrate", window=window))
+    g = audit.state.give_up_guard(GIVE_UP_DELTA)
+    s, y, gs = give_up_trajectories(np.random.default_rng(seed), audits, bias)
+    out = GiveUpStream()
+    risks: dict[float, float] = {}
+    for i in range(audits):
+        audit.observe(list(s[i]), list(y[i]), give_up=list(gs[i]))
+        if out.alarm_at is None and g.engaged:
+            out.alarm_at = i + 1
+        if g.source == "audit":
+            r = g.served
+            out.served.append(r.mu)
+            if r.mu not in risks:
+                risks[r.mu] = float(true_give_up_risk([r.mu], bias)[0][0])
+            out.missed |= bool(r.cs.n) and r.cs.upper < risks[r.mu]
+    out.recalibrations = g.recalibrations
+    return out
+
+
+def give_up_recalibration(streams: int, *, audits: int = 400, window: int = 150,
+                          bias: float = GIVE_UP_SHIFT, seed: int = 0) -> dict[str, float]:
+    """`give_up_recalibrate_stream` over `streams` seeds: the share of streams ever served a
+    recalibrated mu whose true give-up risk (consistency) on the family exceeds the give-up
+    delta (bound: epsilon_2), whose served mu's upper bound ever missed its true risk, and
+    the served mus' true risk and give-up rate (means over the audits served them), against
+    the bundle's mu* on the same family."""
+    runs = [give_up_recalibrate_stream(seed + k, audits=audits, window=window, bias=bias)
+            for k in range(streams)]
+    mus = sorted({m for r in runs for m in r.served})
+    risk, rate = true_give_up_risk(mus, bias) if mus else (np.zeros(0), np.zeros(0))
+    at = dict(zip(mus, zip(risk, rate)))
+    served = [m for r in runs for m in r.served]
+    bundle_risk, bundle_rate = true_give_up_risk([GIVE_UP_MU], bias)
+    return {"streams": streams,
+            "bad": float(np.mean([any(at[m][0] > GIVE_UP_DELTA for m in r.served)
+                                  for r in runs])),
+            "missed": float(np.mean([r.missed for r in runs])),
+            "recalibrated": float(np.mean([r.recalibrations > 0 for r in runs])),
+            "alarm_median": float(np.median([r.alarm_at or np.inf for r in runs])),
+            "served_mu": float(np.mean(served)) if served else float("nan"),
+            "served_risk": float(np.mean([at[m][0] for m in served])) if served else 0.0,
+            "served_rate": float(np.mean([at[m][1] for m in served])) if served else 0.0,
+            "bundle_risk": float(bundle_risk[0]), "bundle_rate": float(bundle_rate[0])}

@@ -348,7 +348,7 @@ class FakeLabeller:
     """Labels every audit [0, 1] (our own fake of AuditLabeller: no engine)."""
 
     async def label(self, key: str, rec: dict, result: OrcaResult,
-                    finish_reason: str | None) -> dict:
+                    finish_reason: str | None, needs=None, give_up=None) -> dict:
         return {"id": key, "prompt": json.dumps(rec.get("messages")), "step_tokens": [3, 4],
                 "labels": {"consistent": [0, 1]}, "extra": {"finish_reason": finish_reason}}
 

@@ -21,9 +21,14 @@ from orca_method.audit.drift import DriftMonitor, build_reference
 from orca_method.audit.martingale import ConformalMartingale
 from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import DriftReference
-from orca_method.give_up import request_give_up_loss
+from orca_method.give_up import (
+    calibrate_give_up,
+    mu_grid,
+    request_consistency_give_up_loss,
+    request_give_up_loss,
+)
 from orca_method.ltt import calibrate, default_grid
-from orca_method.outcomes import OnAlarm, Source
+from orca_method.outcomes import GiveUpPolicy, OnAlarm, Source
 from orca_method.risk import request_loss, stops_before_end
 from orca_method.thresholds import GIVE_UP_NEVER, NEVER, lam_from_json, lam_to_json, mu_from_json
 
@@ -89,6 +94,16 @@ def ltt_lambda(scores: list[np.ndarray], labels: list[np.ndarray], delta: float,
     (res,) = calibrate(scores, labels, [delta], epsilon=epsilon, grid=default_grid(grid_size),
                        pvalue=pvalue)
     return res.lam
+
+
+def ltt_mu(scores: list[np.ndarray], labels: list[np.ndarray], delta: float, *,
+           epsilon: float, grid_size: int, pvalue: str, policy: GiveUpPolicy) -> float:
+    """mu* for the give-up risk `delta` by calibration's LTT over mu (orca_method/give_up.py)
+    on these audits' give-up scores, certified for the give-up loss under their (raw)
+    consistency labels (`orca_method.give_up.changed_by_giving_up`)."""
+    (res,) = calibrate_give_up(scores, [], [delta], epsilon=epsilon, grid=mu_grid(grid_size),
+                               pvalue=pvalue, policy=policy, consistency=labels)
+    return res.mu
 
 
 def window_lambda(scores: list[np.ndarray], labels: list[np.ndarray], delta: float,
@@ -359,15 +374,31 @@ class DeltaGuard:
 
 
 @dataclass
+class RecalibratedMu:
+    """A mu the give-up guard serves after a recalibration on consistency-labelled audits, and
+    the audit of that mu (its own alarm, on the loss it was certified for)."""
+
+    k: int  # the give-up delta's k-th recalibration
+    epsilon: float  # LTT's level for it (recalibration_epsilon)
+    mu: float  # GIVE_UP_NEVER when LTT certified none
+    since: int  # audits admitted after this admission number measure it
+    cs: CS
+
+
+@dataclass
 class GiveUpGuard:
     """One give-up delta's audited risk (at the bundle's mu*) and whether its requests give up.
 
-    An audit's loss is `request_give_up_loss` with the outcome unknown: live audits label by
-    consistency, which cannot tell a right end from a wrong one, so the loss is whether the
-    audit would have given up under mu*, at least the certified loss (docs/AUDIT.md, "The
-    give-up risk"). Acting (`fallback`, and `recalibrate`, since consistency labels cannot
-    certify a new mu*) turns give-up off for this give-up delta while the guard is engaged:
-    its requests reason on, and no stop threshold changes.
+    The bundle's mu* is audited with `request_give_up_loss` with the outcome unknown: live
+    audits label by consistency, which cannot tell a right end from a wrong one, so the loss is
+    whether the audit would have given up under mu*, at least the certified loss whatever the
+    reference labels (docs/AUDIT.md, "The give-up risk"). `fallback` turns give-up off for this
+    give-up delta while the guard is engaged: its requests reason on, and no stop threshold
+    changes. `recalibrate` does as the stop side's (`DeltaGuard`): on the alarm give-up is off
+    until `window` audits admitted after it are labelled, then LTT over mu on those alone at
+    `recalibration_epsilon(epsilon, k)` certifies a mu for the give-up loss under consistency
+    labels (`orca_method.give_up.changed_by_giving_up`: giving up changed the answer), which
+    is served and audited with that loss by its own alarm, whose alarm starts the next wait.
     """
 
     delta: float
@@ -375,36 +406,96 @@ class GiveUpGuard:
     cs: CS
     on_alarm: OnAlarm = OnAlarm.REPORT
     mu: float = GIVE_UP_NEVER  # the mu* requests are served with
-    source: Source = Source.BUNDLE  # BUNDLE | FALLBACK (give-up off)
+    source: Source = Source.BUNDLE  # BUNDLE | FALLBACK (give-up off) | AUDIT (recalibrated)
     engaged: bool = False
+    epsilon: float = 0.05  # the give-up table's, split across recalibrations
+    policy: GiveUpPolicy = GiveUpPolicy.GUESS  # what a given-up request serves (the loss's)
+    waiting_since: int | None = None  # recalibrate: the admission number the wait began at
+    recalibrations: int = 0
+    served: RecalibratedMu | None = None
 
     def __post_init__(self) -> None:
         self.mu = self.bundle_mu
         self.on_alarm = OnAlarm(self.on_alarm)
+        self.policy = GiveUpPolicy(self.policy)
 
-    def observe(self, scores: list[float] | None) -> None:
-        """One audit's give-up scores (None: censored, its loss unknown), then the decision."""
+    def observe(self, scores: list[float] | None, seq: int | None = None,
+                labels: list[int] | None = None) -> None:
+        """One audit's give-up scores (None: censored, its loss unknown) and, for a
+        recalibrated mu, its raw consistency labels (None: unknown, censored there); under
+        `report` and `fallback` also the decision (`recalibrate` decides in `decide`)."""
         self.cs.update(0.0 if scores is None else request_give_up_loss(
             np.asarray(scores), self.bundle_mu, None), scores is None)
+        r = self.served
+        if r is not None and seq is not None and seq > r.since:
+            known = scores is not None and labels is not None
+            r.cs.update(float(request_consistency_give_up_loss(scores, r.mu, labels, self.policy))
+                        if known else 0.0, not known)  # type: ignore[arg-type]
+        if self.on_alarm == OnAlarm.RECALIBRATE:
+            return
         self.engaged = engagement(self.engaged, self.cs, self.delta)
         off = self.engaged and self.on_alarm != OnAlarm.REPORT
         self.mu, self.source = ((GIVE_UP_NEVER, Source.FALLBACK) if off
                                 else (self.bundle_mu, Source.BUNDLE))
 
+    def decide(self, now: int, window: Callable[[int], Window | None],
+               ltt: Callable[[list[np.ndarray], list[np.ndarray], float, float], float],
+               make_cs: Callable[[], CS]) -> None:
+        """`recalibrate` (see the class docstring): `now`, audits admitted so far;
+        `window(after)`: the first `window` audits admitted after `after` with their give-up
+        scores and raw consistency labels, once all are known, else None; `ltt(scores,
+        labels, delta, epsilon)`: LTT's mu (`ltt_mu`)."""
+        if self.on_alarm != OnAlarm.RECALIBRATE:
+            return
+        r = self.served
+        served_alarm = r is not None and bool(r.cs.n) and bool(r.cs.alarm(self.delta))
+        if (not self.engaged and bool(self.cs.n) and self.cs.alarm(self.delta)) or served_alarm:
+            self.engaged, self.waiting_since, self.served = True, now, None
+        if self.waiting_since is not None:
+            data = window(self.waiting_since)
+            if data is None:
+                self.mu, self.source = GIVE_UP_NEVER, Source.FALLBACK
+                return
+            k = self.recalibrations + 1
+            eps = recalibration_epsilon(self.epsilon, k)
+            self.served = RecalibratedMu(k, eps, ltt(data[0], data[1], self.delta, eps), now,
+                                         make_cs())
+            self.recalibrations, self.waiting_since = k, None
+        self.mu, self.source = ((self.served.mu, Source.AUDIT) if self.served is not None
+                                else (self.bundle_mu, Source.BUNDLE))
+
     def row(self) -> dict[str, Any]:
-        return {**_cs_row(self.cs, self.delta), "engaged": self.engaged,
-                "mu": lam_to_json(self.mu), "mu_source": self.source,
-                "bundle_mu": lam_to_json(self.bundle_mu)}
+        out = {**_cs_row(self.cs, self.delta), "engaged": self.engaged,
+               "mu": lam_to_json(self.mu), "mu_source": self.source,
+               "bundle_mu": lam_to_json(self.bundle_mu)}
+        if self.on_alarm == OnAlarm.RECALIBRATE:
+            r = self.served
+            out.update(recalibrations=self.recalibrations, waiting_since=self.waiting_since,
+                       recalibrated=None if r is None else {
+                           "k": r.k, "epsilon": r.epsilon, "mu": lam_to_json(r.mu),
+                           "since": r.since, **_cs_row(r.cs, self.delta)})
+        return out
 
     def state(self) -> dict[str, Any]:
         cs: Any = self.cs  # a CensoredAlarm (LiveAudit._snapshot checks that it can be saved)
+        r = self.served
         return {"delta": self.delta, "cs": cs.to_dict(), "engaged": self.engaged,
-                "mu": lam_to_json(self.mu), "source": self.source}
+                "mu": lam_to_json(self.mu), "source": self.source,
+                "waiting_since": self.waiting_since, "recalibrations": self.recalibrations,
+                "served": None if r is None else {
+                    "k": r.k, "epsilon": r.epsilon, "mu": lam_to_json(r.mu), "since": r.since,
+                    "cs": r.cs.to_dict()}}  # type: ignore[attr-defined]
 
     def restore(self, d: dict[str, Any]) -> None:
         self.cs = CensoredAlarm.from_dict(d["cs"])
         self.engaged, self.source = bool(d["engaged"]), Source(d["source"])
         self.mu = mu_from_json(d["mu"])
+        self.waiting_since = d.get("waiting_since")
+        self.recalibrations = int(d.get("recalibrations", 0))
+        r = d.get("served")
+        self.served = None if r is None else RecalibratedMu(
+            r["k"], r["epsilon"], mu_from_json(r["mu"]), r["since"],
+            CensoredAlarm.from_dict(r["cs"]))
 
 
 def _cs_row(cs: CS, delta: float) -> dict[str, Any]:

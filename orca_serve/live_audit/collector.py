@@ -117,7 +117,8 @@ def _give_up_families(st: AuditState, m: str) -> Iterable[Any]:
                                    labels=[LABEL, "delta"]),
     }
     mu = GaugeMetricFamily("orca_audit_give_up_mu", "mu* served for this give-up delta (-Inf: "
-                           "never gives up) and where it comes from (fallback: give-up off)",
+                           "never gives up) and where it comes from (fallback: give-up off; "
+                           "audit: recalibrated)",
                            labels=[LABEL, "delta", "source"])
     for g in st.give_up_guards.values():
         row, d = g.row(), f"{g.delta:g}"

@@ -48,7 +48,7 @@ def log_change(g: DeltaGuard, was_engaged: bool, was_source: Source, was_lam: fl
 
 def log_give_up_change(g: GiveUpGuard, was_engaged: bool, was_source: Source) -> None:
     """One server-log line per change of a give-up guard: alarm raised or cleared, give-up
-    turned off or on again."""
+    turned off, on with a recalibrated mu, or on again."""
     n, d = int(g.cs.n), f"{g.delta:g}"
     if g.engaged and not was_engaged:
         logger.warning("orca audit: give-up ALARM at give-up delta %s after %d audits: the "
@@ -59,6 +59,8 @@ def log_give_up_change(g: GiveUpGuard, was_engaged: bool, was_source: Source) ->
         logger.info("orca audit: give-up alarm at give-up delta %s cleared after %d audits "
                     "(upper bound %.3f <= delta)", d, n, g.cs.upper)
     if g.source != was_source:
-        logger.warning("orca audit: give-up delta %s now %s", d,
-                       "off (requests reason on; the stop thresholds are unchanged)"
-                       if g.source == Source.FALLBACK else f"on again (mu* {shown_mu(g.mu)})")
+        how = {Source.FALLBACK: "off (requests reason on; the stop thresholds are unchanged)",
+               Source.AUDIT: f"on with mu {shown_mu(g.mu)}, recalibrated on the audits after "
+                             "the alarm (consistency labels)",
+               Source.BUNDLE: f"on again (mu* {shown_mu(g.mu)})"}[g.source]
+        logger.warning("orca audit: give-up delta %s now %s", d, how)

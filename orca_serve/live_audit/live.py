@@ -243,7 +243,12 @@ class LiveAudit:
     async def _process(self, job: _Job) -> None:
         if self._labeller is None:
             self._labeller = AuditLabeller(self.engine_client(), self.config.probe)
-        record = await self._labeller.label(job.key, job.rec, job.result, job.finish_reason)
+        give_up = self._give_up_scores(job.result.step_embeddings)
+        self.state.sync()  # what other processes decided before this audit was admitted
+        needs = (self.state.label_needs(job.seq) if self.config.label_steps == "selective"
+                 else None)
+        record = await self._labeller.label(job.key, job.rec, job.result, job.finish_reason,
+                                            needs, give_up)
         # unrounded: replaying them must reproduce the server's stop decisions, also at lambda 1.0
         # (LTT's grid top, what recalibration picks when only saturated scores are safe), which
         # 6-decimal rounding crossed by turning 0.9999998 into 1.0
@@ -259,8 +264,7 @@ class LiveAudit:
         # the record's embeddings, never the audit's place in the risk
         cause = incomplete(job.finish_reason)
         self.observe(list(job.result.scores), record["labels"][AUDIT_LABEL_MODE], job.seq,
-                     censored=cause is not None, cause=cause,
-                     give_up=self._give_up_scores(job.result.step_embeddings))
+                     censored=cause is not None, cause=cause, give_up=give_up)
         if self.store is not None:
             await asyncio.to_thread(self.store.append, record, job.result.step_embeddings)
 
@@ -310,7 +314,8 @@ class LiveAudit:
             cause=cause if censored else None,
             scores=None if s is None else s.tolist(), labels=None if s is None else labels.tolist(),
             give_up=[float(x) for x in give_up]
-            if give_up is not None and len(give_up) == len(labels) else None)
+            if give_up is not None and len(give_up) == len(labels) else None,
+            raw=[int(x) for x in raw_labels] if self.state.give_up_guards else None)
 
     def retire(self) -> tuple[int, AuditStore | None]:
         """Take nothing in any more (a hot reload replaced this audit), drop the audits waiting
@@ -368,7 +373,8 @@ class LiveAudit:
             "deltas": [g.row() for g in st.guards.values()],
             "give_up": None if not st.give_up_guards else {
                 "label_mode": self.bundle.give_up.label_mode,  # type: ignore[union-attr]
-                "loss": GiveUpLoss.GAVE_UP, "guard_acts": st.give_up_acts,
+                "loss": GiveUpLoss.GAVE_UP, "recalibrated_loss": GiveUpLoss.CHANGED,
+                "guard_acts": st.give_up_acts,
                 "epsilon": self.bundle.give_up.ltt.epsilon,  # type: ignore[union-attr]
                 "guard_epsilon": st.give_up_epsilon,
                 "deltas": [g.row() for g in st.give_up_guards.values()]},

@@ -35,6 +35,7 @@ class EpsilonSplit(StrEnum):
 
 
 EPSILON_SPLITS: tuple[str, ...] = tuple(str(s) for s in EpsilonSplit)  # what argparse lists
+AUDIT_LABEL_STEPS = ("every", "selective")  # --orca-audit-label-steps
 # the stores a fleet can share its audit journal through (orca_serve/live_audit/fleet.py)
 STORE_SCHEMES = ("redis", "rediss", "unix")
 
@@ -53,6 +54,9 @@ class AuditConfig:
     # reported only: it is evidence that the scores changed, not that the risk grew)
     drift_acts: bool = False
     window: int = 200  # audits LTT recalibrates on (on_alarm=recalibrate)
+    # which steps an audit's answer probes label: every one, or only those whose labels the
+    # guards read (orca_method/audit/labelling.py)
+    label_steps: str = "every"
     queue: int = 64  # finished audits waiting for labels; more are dropped
     per_dir: int = 1000  # audits per trajectory directory before rotating
     keep: int = 10  # directories kept
@@ -95,6 +99,12 @@ def add_audit_args(g: argparse._ActionsContainer) -> None:
                    f"block's, else {DEFAULT_ANSWER_TOKENS}.")
     g.add_argument("--orca-audit-label-every", type=integer(1), default=1, metavar="K",
                    help="Probe every K-th step (and the last), as collect's label_every.")
+    g.add_argument("--orca-audit-label-steps", choices=AUDIT_LABEL_STEPS, default="every",
+                   help="every: probe every (K-th) step of an audit; selective: only the steps "
+                   "whose labels decide the guards' losses (the stop steps of the thresholds "
+                   "they test, and the steps before a stop until one is right; every step "
+                   "while a recalibration window may take the audit): the same bounds, alarms "
+                   "and lambdas for fewer probes (docs/AUDIT.md, 'What labelling costs').")
     g.add_argument("--orca-on-alarm", choices=ON_ALARM, default=str(OnAlarm.REPORT),
                    help="When a delta's realized-risk lower bound exceeds delta: report only, "
                    "fallback (that delta stops early no more), or recalibrate (LTT on the "
@@ -189,6 +199,7 @@ def audit_config(ns: argparse.Namespace, bundle: Bundle) -> AuditConfig:
         epsilon_split=EpsilonSplit(getattr(ns, "orca_audit_epsilon_split",
                                            EpsilonSplit.PER_DELTA)),
         window=ns.orca_recalibrate_window, queue=ns.orca_audit_queue,
+        label_steps=getattr(ns, "orca_audit_label_steps", "every"),
         per_dir=ns.orca_audit_per_dir, keep=ns.orca_audit_keep,
         probe=audit_labelling(ns, bundle))
 

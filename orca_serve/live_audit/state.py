@@ -24,7 +24,15 @@ from typing import Any
 import numpy as np
 
 from orca_method.audit.drift import reference_level
-from orca_method.audit.guards import CS, DeltaGuard, GiveUpGuard, Window, cut_feed, ltt_lambda
+from orca_method.audit.guards import (
+    CS,
+    DeltaGuard,
+    GiveUpGuard,
+    Window,
+    cut_feed,
+    ltt_lambda,
+    ltt_mu,
+)
 from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import Bundle
 from orca_method.outcomes import ON_ALARM, OnAlarm
@@ -48,6 +56,24 @@ def _lookup(guards: dict[float, Any], delta: float, what: str) -> Any:
         if math.isclose(d, delta, rel_tol=0, abs_tol=1e-9):
             return g
     raise KeyError(f"{what} {delta} is not in the bundle's table")
+
+
+def _first_resolved(resolved: dict[int, tuple[np.ndarray, np.ndarray] | None], after: int,
+                    size: int) -> Window | None:
+    """The first `size` items of `resolved` (admission number -> item, None: skipped) admitted
+    after `after`, in admission order, once every audit admitted between them is resolved;
+    else None (the window is the first audits by admission, not the first to finish)."""
+    scores, labels = [], []
+    seq = after + 1
+    while len(scores) < size:
+        if seq not in resolved:
+            return None
+        item = resolved[seq]
+        if item is not None:
+            scores.append(item[0])
+            labels.append(item[1])
+        seq += 1
+    return scores, labels
 
 
 def _default_cs_factory(epsilon: float) -> Callable[[], CS]:
@@ -100,15 +126,22 @@ class AuditState:
                            "(--orca-guard-other-labels)" if self.guard_acts else
                            "the guard reports only (--orca-guard-other-labels lets it act)")
         # the give-up guards (a two-sided bundle): live audits cannot label by the give-up's
-        # reference labels, so they act only when the operator lets them (as above)
+        # reference labels, so falling back on their alarm needs the operator's leave (as
+        # above); `recalibrate` serves a mu certified on the audits' own labels (consistency:
+        # docs/METHOD.md section 9), so it acts without it
         gu = bundle.give_up
         self.give_up_epsilon = None if gu is None else guard_epsilon(
             gu.ltt.epsilon, len(gu.ltt.rows), config.epsilon_split)
-        self.give_up_acts = config.other_labels
-        make_gu = cs_factory or _default_cs_factory(self.give_up_epsilon or 0.0)
+        self.give_up_acts = config.other_labels or config.on_alarm == OnAlarm.RECALIBRATE
+        self.make_gu_cs = cs_factory or _default_cs_factory(self.give_up_epsilon or 0.0)
         on_alarm = config.on_alarm if self.give_up_acts else OnAlarm.REPORT
-        self.give_up_guards = {d: GiveUpGuard(d, bundle.mu(d), make_gu(), on_alarm)
+        self.give_up_guards = {d: GiveUpGuard(d, bundle.mu(d), self.make_gu_cs(), on_alarm,
+                                              epsilon=self.give_up_epsilon or 0.0,
+                                              policy=gu.policy)  # type: ignore[union-attr]
                                for d in bundle.give_up_deltas()}
+        # what became of each audit admitted after the oldest wait of a give-up guard: its
+        # give-up scores and raw consistency labels, None when it has not both
+        self._give_up_resolved: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
         self.admitted = 0  # audits admitted so far; each audit's admission number is its seq
         # what became of each audit admitted after the oldest pending wait of a guard: its
         # (scores, labels) when it entered the risk, None when it did not (see _resolve)
@@ -175,6 +208,9 @@ class AuditState:
         if self.give_up_guards:
             out["give_up"] = {"on_alarm": [g.on_alarm for g in self.give_up_guards.values()],
                               "guard_epsilon": self.give_up_epsilon}
+            if any(g.on_alarm == OnAlarm.RECALIBRATE for g in self.give_up_guards.values()):
+                # snapshots folded before give-up recalibration fell back instead
+                out["give_up"]["recalibrates"] = "consistency"
         return out
 
     def _snapshot(self) -> None:
@@ -191,6 +227,8 @@ class AuditState:
             "open": [[seq, owner] for seq, owner in self._open.items()],
             "resolved": [[seq, None if v is None else [v[0].tolist(), v[1].tolist()]]
                          for seq, v in self._resolved.items()],
+            "give_up_resolved": [[seq, None if v is None else [v[0].tolist(), v[1].tolist()]]
+                                 for seq, v in self._give_up_resolved.items()],
             "lost": self.lost, "guards": [g.state() for g in self.guards.values()]})
 
     def _restore(self, state: dict[str, Any]) -> None:
@@ -199,6 +237,9 @@ class AuditState:
         self._resolved = {int(seq): None if v is None else
                           (np.asarray(v[0], dtype=float), np.asarray(v[1], dtype=np.int8))
                           for seq, v in state["resolved"]}
+        self._give_up_resolved = {int(seq): None if v is None else
+                                  (np.asarray(v[0], dtype=float), np.asarray(v[1], dtype=np.int8))
+                                  for seq, v in state.get("give_up_resolved", [])}
         self.lost = int(state["lost"])
         for g, d in zip(self.guards.values(), state["guards"]):
             g.restore(d)
@@ -229,7 +270,8 @@ class AuditState:
         for e in events:
             self._apply(e)
         self._count_unsaved(len(events))
-        if any(g.waiting_since is not None for g in self.guards.values()):
+        if any(g.waiting_since is not None for g in [*self.guards.values(),
+                                                     *self.give_up_guards.values()]):
             self.reap()
 
     def reap(self) -> None:
@@ -284,17 +326,73 @@ class AuditState:
             for g in self.guards.values():
                 g.observe(seq, feed)
         if "g" in e:  # in the give-up risk (journals written before it have no "g": left out)
-            self._give_up(None if outcome == AuditOutcome.CENSORED else e["g"], quiet)
+            self._give_up(seq, None if outcome == AuditOutcome.CENSORED else e["g"], e.get("y"),
+                          quiet)
         counted = outcome in (AuditOutcome.RISK, AuditOutcome.CENSORED)
         self._resolve(seq, item if counted else None, quiet)
+        self._give_up_resolve(seq, e.get("g"), e.get("y"), quiet)
 
-    def _give_up(self, scores: list[float] | None, quiet: bool) -> None:
-        """One audit's give-up scores (None: censored) to every give-up guard."""
+    def _give_up(self, seq: int, scores: list[float] | None, labels: list[int] | None,
+                 quiet: bool) -> None:
+        """One audit's give-up scores (None: censored) and raw consistency labels (None:
+        unknown) to every give-up guard."""
         for g in self.give_up_guards.values():
             before = (g.engaged, g.source)
-            g.observe(scores)
+            g.observe(scores, seq, labels)
             if not quiet:
                 log_give_up_change(g, *before)
+
+    def _give_up_resolve(self, seq: int, scores: list[float] | None, labels: list[int] | None,
+                         quiet: bool) -> None:
+        """`_resolve` of the give-up side (`recalibrate`): keep the audit's give-up scores and
+        raw consistency labels while a give-up guard waits (a cut audit's up to its cut, as
+        calibration keeps cut traces; None without both: the window skips it), then let
+        every give-up guard decide."""
+        if not any(g.on_alarm == OnAlarm.RECALIBRATE for g in self.give_up_guards.values()):
+            return
+        waits = [g.waiting_since for g in self.give_up_guards.values()
+                 if g.waiting_since is not None]
+        if waits and seq > min(waits):
+            self._give_up_resolved[seq] = None if scores is None or labels is None else (
+                np.asarray(scores, dtype=float), np.asarray(labels, dtype=np.int8))
+        for g in self.give_up_guards.values():
+            before = (g.engaged, g.source)
+            g.decide(self.admitted, self._give_up_window, self._mu_ltt, self.make_gu_cs)
+            if not quiet:
+                log_give_up_change(g, *before)
+        waits = [g.waiting_since for g in self.give_up_guards.values()
+                 if g.waiting_since is not None]
+        oldest = min(waits, default=self.admitted)
+        for old in [q for q in self._give_up_resolved if q <= oldest]:
+            del self._give_up_resolved[old]
+
+    def label_needs(self, seq: int) -> tuple[list[float], list[float]] | None:
+        """The thresholds whose losses the guards will read of audit `seq` (selective audit
+        labelling, orca_method/audit/labelling.py): every delta's bundle lambda*, and the
+        recalibrated lambda its guard serves when the audit was admitted after it took
+        effect; the recalibrated mu of a give-up guard likewise (the bundle's mu* is audited
+        by its scores alone). None: label every step, since a guard waits for a recalibration
+        window the audit may enter.
+
+        Exact at any later fold: a decision that makes an audit measure a new threshold (a
+        recalibrated lambda, or a wait whose window takes it) is taken at an admission number
+        below the audit's only if it was folded before the audit's admission, so it is in
+        this state already; one folded later has a number at or above it and never reads it.
+        """
+        lams: set[float] = set()
+        for g in self.guards.values():
+            if g.waiting_since is not None and seq > g.waiting_since:
+                return None
+            lams.add(g.bundle_lam)
+            if g.served is not None and seq > g.served.since:
+                lams.add(g.served.lam)
+        mus: set[float] = set()
+        for gu in self.give_up_guards.values():
+            if gu.waiting_since is not None and seq > gu.waiting_since:
+                return None
+            if gu.served is not None and seq > gu.served.since:
+                mus.add(gu.served.mu)
+        return sorted(lams), sorted(mus)
 
     def drift_alarm(self, delta: float | None = None, k: int | None = None) -> None:
         """A sequential drift test alarmed in this process: the bundle's (`delta` None), or
@@ -311,20 +409,24 @@ class AuditState:
 
     def outcome(self, seq: int, outcome: AuditOutcome, *, scores: list[float] | None = None,
                 labels: list[int] | None = None, give_up: list[float] | None = None,
-                cause: str | None = None) -> None:
+                cause: str | None = None, raw: list[int] | None = None) -> None:
         """The outcome of admission `seq`: `risk` (with its `scores` and cumulative `labels`),
         `censored` (cut or aborted: its loss is unknown past where it ended; with its labels up
         to there, if any, and "c", its `cause`: the attrition count) or `out` (left out of the
-        risk). A two-sided bundle's event also carries "g", its give-up scores: null when
-        censored, the scores when given (`give_up`); an event without "g" is not in the
-        give-up risk."""
+        risk). A two-sided bundle's event also carries "g", its give-up scores when given
+        (`give_up`; a censored audit's are in the give-up risk censored, and in a give-up
+        recalibration window with its labels up to the cut), null when censored without them,
+        and "y", the raw consistency labels (`raw`) a recalibrated mu's loss reads; an event
+        without "g" is not in the give-up risk."""
         event: dict[str, Any] = {"r": seq, "o": outcome}
         if scores is not None:
             event.update(s=scores, l=labels)
         if cause is not None:
             event["c"] = cause
         if self.give_up_guards and (outcome == AuditOutcome.CENSORED or give_up is not None):
-            event["g"] = None if outcome == AuditOutcome.CENSORED else give_up
+            event["g"] = give_up
+            if raw is not None:
+                event["y"] = raw
         self._event(event)
 
     def close(self) -> None:
@@ -356,17 +458,20 @@ class AuditState:
     def _window(self, after: int) -> Window | None:
         """The first `config.window` counted audits admitted after `after`, by admission
         number, once every audit admitted between them is resolved; else None."""
-        scores, labels = [], []
-        seq = after + 1
-        while len(scores) < self.config.window:
-            if seq not in self._resolved:
-                return None
-            item = self._resolved[seq]
-            if item is not None:
-                scores.append(item[0])
-                labels.append(item[1])
-            seq += 1
-        return scores, labels
+        return _first_resolved(self._resolved, after, self.config.window)
+
+    def _give_up_window(self, after: int) -> Window | None:
+        """The first `config.window` audits admitted after `after` that carry give-up scores
+        and raw consistency labels (the give-up risk is over every request: never-right ones
+        too), once every audit admitted between them is resolved; else None."""
+        return _first_resolved(self._give_up_resolved, after, self.config.window)
+
+    def _mu_ltt(self, scores: list[np.ndarray], labels: list[np.ndarray], delta: float,
+                epsilon: float) -> float:
+        gu = self.bundle.give_up
+        assert gu is not None
+        return ltt_mu(scores, labels, delta, epsilon=epsilon, grid_size=gu.ltt.grid_size,
+                      pvalue=gu.ltt.pvalue, policy=gu.policy)
 
     def _ltt(self, scores: list[np.ndarray], labels: list[np.ndarray], delta: float,
              epsilon: float) -> float:
