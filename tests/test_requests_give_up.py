@@ -82,6 +82,17 @@ def test_shadow_never_gives_up_and_says_so():
     assert orca_object(s, {0: orca_result(policy="shadow")})["give_up"]["active"] is False
 
 
+def test_no_certified_mu_is_reported_inactive():
+    """A give-up block without a threshold (a live recalibration whose LTT certified no mu
+    serves mu None: the request never gives up) says so rather than `active: true`."""
+    import dataclasses
+
+    _, s = settings({"policy": "stop", "give_up": {"delta": 0.05}})
+    assert orca_object(s, {0: orca_result(policy="stop")})["give_up"]["active"] is True
+    none = dataclasses.replace(s, give_up_mu=None)
+    assert orca_object(none, {0: orca_result(policy="stop")})["give_up"]["active"] is False
+
+
 def test_the_response_says_how_the_reasoning_ended():
     _, s = settings({"give_up": {"delta": 0.05}})
     r = orca_result(steps_scored=4, stop_reason="give_up", give_up_step=4, give_up_mu=0.3,

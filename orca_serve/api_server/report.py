@@ -107,8 +107,9 @@ def choice_fields(result: OrcaResult | None, bundle: str | None = None,
 def give_up_acts(settings: OrcaSettings, policy: Policy) -> bool:
     """Whether the request's give-up can end it (the response's `give_up.active`): not under a
     policy that never acts (shadow, what an audited request runs as: it runs to its end), nor
-    when the audit's guard turned give-up off (source fallback)."""
-    return (policy.rule.acts and not settings.audited
+    when the audit's guard turned give-up off (source fallback), nor without a threshold (mu
+    None: nothing was certified, e.g. a live recalibration whose LTT rejected every mu)."""
+    return (policy.rule.acts and not settings.audited and settings.give_up_mu is not None
             and settings.give_up_source != Source.FALLBACK)
 
 
