@@ -1,12 +1,15 @@
 """Collection: run the model on the user's prompts with the plugin in record mode, probe answers.
 
 The step embeddings come from the plugin's own capture and segmentation (the code that serves),
-so calibration is on-policy for exactly the online procedure. After each batch of trajectories,
-every labelled step boundary is continued with the answer-forcing suffix (greedy, prefix caching
-on) to read the intermediate answer; labels follow. Probe prompts, their sampling and the labelled
-record are orca_method/answer_probes.py's, shared with the server's live audits. With a judge
-configured its verdicts too (orca_calibrate/judge.py, one concurrent round per batch). Each finished
-problem is appended and flushed at once, so a killed job loses at most the batch in flight.
+so calibration is on-policy for exactly the online procedure. Every labelled step boundary of a
+trajectory is continued with the answer-forcing suffix (greedy, prefix caching on) to read the
+intermediate answer; labels follow. Probe prompts, their sampling and the labelled record are
+orca_method/answer_probes.py's, shared with the server's live audits. When the probes run is the
+`schedule`: as soon as the trajectory is generated, in the engine's batches with the trajectories
+still generating (`pipelined`, orca_calibrate/pipeline.py), or after its whole batch is
+(`batches`). With a judge configured its verdicts too (orca_calibrate/judge.py, one concurrent
+round per group of trajectories written). Each finished problem is appended and flushed at once,
+so a killed job loses at most the trajectories in flight (`batch`; pipelined, at most twice that).
 
 With `label_steps: selective` the trajectories of the calibration split are written unprobed
 (labels pending) with what probing them needs beside them (`PENDING_FILE`); once the probe is
