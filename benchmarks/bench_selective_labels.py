@@ -14,6 +14,7 @@ and give-up tables), and what each labelling cost (answer probes and stage times
 
 Usage (each `run` starts vLLM: under the shared lock on a shared machine):
   python benchmarks/bench_selective_labels.py run --mode every [--job J] [--n 200] [--out DIR]
+      [--schedule pipelined|batches]
   python benchmarks/bench_selective_labels.py run --mode selective [...]
   python benchmarks/bench_selective_labels.py compare [--out DIR]
   python benchmarks/bench_selective_labels.py simulate --run runs/long [--job J] [--out DIR]
@@ -35,6 +36,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from orca_calibrate.collect import SCHEDULES  # noqa: E402
 from orca_calibrate.job import load_job, run_job  # noqa: E402
 from orca_method.bundle import load_bundle  # noqa: E402
 from orca_method.trajectories import TrajectorySet  # noqa: E402
@@ -42,7 +44,7 @@ from orca_method.trajectories import TrajectorySet  # noqa: E402
 MODES = ("every", "selective")
 
 
-def run(job_file: Path, n: int, mode: str, out: Path) -> None:
+def run(job_file: Path, n: int, mode: str, out: Path, schedule: str | None) -> None:
     job = load_job(job_file)  # paths made absolute
     out.mkdir(parents=True, exist_ok=True)
     prompts = out / "prompts.jsonl"
@@ -50,7 +52,8 @@ def run(job_file: Path, n: int, mode: str, out: Path) -> None:
     prompts.write_text("\n".join(lines) + "\n")
     job.pop("shifted_prompts", None)
     job.update(prompts=str(prompts), out=str(out / mode))
-    job["collect"] = {**(job.get("collect") or {}), "label_steps": mode}
+    job["collect"] = {**(job.get("collect") or {}), "label_steps": mode,
+                      **({"schedule": schedule} if schedule else {})}
     path = out / f"{mode}.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
@@ -241,12 +244,14 @@ def main() -> None:
     ap.add_argument("--mode", choices=MODES)
     ap.add_argument("--job", default=str(ROOT / "orca_calibrate" / "jobs" / "long.yaml"))
     ap.add_argument("--n", type=int, default=200, help="prompts (the job's first n)")
+    ap.add_argument("--schedule", choices=SCHEDULES, help="run: the collection's schedule "
+                    "(default: the job's); both modes of one comparison need the same")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench-selective"))
     a = ap.parse_args()
     if a.what == "run":
         if a.mode is None:
             ap.error("run needs --mode")
-        run(Path(a.job), a.n, a.mode, Path(a.out).resolve())
+        run(Path(a.job), a.n, a.mode, Path(a.out).resolve(), a.schedule)
     elif a.what == "simulate":
         if a.run is None:
             ap.error("simulate needs --run")

@@ -1,12 +1,15 @@
 """Collection: run the model on the user's prompts with the plugin in record mode, probe answers.
 
 The step embeddings come from the plugin's own capture and segmentation (the code that serves),
-so calibration is on-policy for exactly the online procedure. After each batch of trajectories,
-every labelled step boundary is continued with the answer-forcing suffix (greedy, prefix caching
-on) to read the intermediate answer; labels follow. Probe prompts, their sampling and the labelled
-record are orca_method/answer_probes.py's, shared with the server's live audits. With a judge
-configured its verdicts too (orca_calibrate/judge.py, one concurrent round per batch). Each finished
-problem is appended and flushed at once, so a killed job loses at most the batch in flight.
+so calibration is on-policy for exactly the online procedure. Every labelled step boundary of a
+trajectory is continued with the answer-forcing suffix (greedy, prefix caching on) to read the
+intermediate answer; labels follow. Probe prompts, their sampling and the labelled record are
+orca_method/answer_probes.py's, shared with the server's live audits. When the probes run is the
+`schedule`: as soon as the trajectory is generated, in the engine's batches with the trajectories
+still generating (`pipelined`, orca_calibrate/pipeline.py), or after its whole batch is
+(`batches`). With a judge configured its verdicts too (orca_calibrate/judge.py, one concurrent
+round per group of trajectories written). Each finished problem is appended and flushed at once,
+so a killed job loses at most the trajectories in flight (`batch`; pipelined, at most twice that).
 
 With `label_steps: selective` the trajectories of the calibration split are written unprobed
 (labels pending) with what probing them needs beside them (`PENDING_FILE`); once the probe is
@@ -19,7 +22,9 @@ import gc
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +32,7 @@ from typing import Any
 from tqdm import tqdm
 
 from orca_calibrate.judge import Judge, JudgeSettings, question_text
+from orca_calibrate.pipeline import Schedule
 from orca_method.answer_probes import (
     DEFAULT_ANSWER_TOKENS,
     DEFAULT_SUFFIX,
@@ -48,6 +54,7 @@ from orca_method.trajectories import (
     update_problems,
 )
 from orca_serve.settings.contract import ORCA_OFF, merge_results
+from orca_serve.vllm_compat import offline
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
 
 # the dtype the engine computes in (vLLM's `dtype`; a job's `engine: {dtype: ...}` overrides):
@@ -58,6 +65,11 @@ ENGINE_DTYPE = "float32"
 LABEL_STEPS = ("every", "selective")
 # beside a trajectory directory: what probing its deferred trajectories needs (token ids)
 PENDING_FILE = "pending-probes.jsonl"
+# how the engine's time is spent: probes of finished traces while later ones generate, or a
+# batch generated, then probed (orca_calibrate/pipeline.py)
+SCHEDULES = ("pipelined", "batches")
+# pipelined: traces started and not yet written, in batches (what a kill loses at most)
+UNWRITTEN = 2
 
 
 @dataclass
@@ -72,7 +84,7 @@ class CollectSettings:
     suffix: str = DEFAULT_SUFFIX  # answer-forcing text appended to a reasoning prefix
     answer_tokens: int = DEFAULT_ANSWER_TOKENS  # greedy tokens generated after the suffix
     label_every: int = 1
-    batch: int = 64  # prompts per generation batch
+    batch: int = 64  # traces generating at once (batches: prompts per generation batch)
     dtype: str = RECORDED_DTYPE  # of the stored embeddings (the engine's: engine["dtype"])
     # the procedure's settings (copied into the bundle later; defaults = the Bundle defaults)
     segmentation: dict[str, Any] = field(default_factory=dict)
@@ -82,11 +94,15 @@ class CollectSettings:
     judge: JudgeSettings | None = None  # adds labels["judge"]
     label_steps: str = "every"  # LABEL_STEPS
     engines: int = 1  # engine processes collecting shards at once (a job's; orca_calibrate/shards.py)
+    schedule: str = "pipelined"  # SCHEDULES
 
     def __post_init__(self) -> None:
         if self.label_steps not in LABEL_STEPS:
             raise ValueError(f"collect.label_steps is one of {', '.join(LABEL_STEPS)}, not "
                              f"{self.label_steps!r:.40}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"collect.schedule is one of {', '.join(SCHEDULES)}, not "
+                             f"{self.schedule!r:.40}")
         if not isinstance(self.engines, int) or self.engines < 1:
             raise ValueError(f"collect.engines is a number of engines >= 1, not "
                              f"{self.engines!r:.40}")
@@ -102,21 +118,35 @@ class CollectSettings:
 
 @dataclass
 class Stats:
+    """What a collection did and where the engine's time went: generating alone and probing
+    alone (`batches`), or both at once (`pipelined_s`)."""
+
     trajectories: int = 0
     answer_probes: int = 0
+    generated_tokens: int = 0
     generate_s: float = 0.0
     probe_s: float = 0.0
+    pipelined_s: float = 0.0
     judge_s: float = 0.0
     judge: dict[str, int] = field(default_factory=dict)  # the judge's counts, when there is one
 
+    @property
+    def engine_s(self) -> float:
+        """Seconds the engine ran (generating, probing, or both at once)."""
+        return self.generate_s + self.probe_s + self.pipelined_s
+
     def as_dict(self) -> dict[str, float]:
-        total = self.generate_s + self.probe_s + self.judge_s
+        total = self.engine_s + self.judge_s
+        probing = self.probe_s + self.pipelined_s  # seconds in which probes ran
         judge = {**self.judge, "judge_s": round(self.judge_s, 2)} if self.judge else {}
         return {"trajectories": self.trajectories, "answer_probes": self.answer_probes,
+                "generated_tokens": self.generated_tokens,
                 "generate_s": round(self.generate_s, 2), "probe_s": round(self.probe_s, 2),
+                "pipelined_s": round(self.pipelined_s, 2),
                 "trajectories_per_min": round(60 * self.trajectories / total, 2) if total else 0,
-                "answer_probes_per_s": round(self.answer_probes / self.probe_s, 2)
-                if self.probe_s else 0,
+                "generated_tokens_per_s": round(self.generated_tokens / self.engine_s, 1)
+                if self.engine_s else 0,
+                "answer_probes_per_s": round(self.answer_probes / probing, 2) if probing else 0,
                 "probe_share": round(self.probe_s / total, 3) if total else 0, **judge}
 
 
@@ -195,26 +225,32 @@ class Collector:
                 "model_config": None if config is None else config.model_dump(),
                 "labelling": self.settings.probe().labelling()}
 
-    def _generate(self, batch: list[tuple[str, dict]]) -> list[tuple[str, dict, Any, dict]]:
+    def _generation(self, batch: list[tuple[str, dict]]) -> tuple[list[Any], list[Any]]:
+        """The prompts (all chats, or all rendered) and sampling of these traces, in record mode."""
         from vllm import SamplingParams  # deferred: vllm (calibrate_cli imports this module)
         s = self.settings
-        t0 = time.perf_counter()
-        params, chats, keys = [], [], []
+        params, chats = [], []
         for key, rec in batch:
-            keys.append(key)
             params.append(SamplingParams(
                 # no per-request seed: vLLM 0.32's CPU build crashes on seeded requests whose
                 # prefill is chunked; the engine's seed (LLM(seed=...)) makes runs repeatable
                 temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
                 extra_args={"orca_key": key, "orca_record": 1, "orca_enabled": 0}))
             chats.append(rec.get("messages") or rec["prompt"])
-        if all(isinstance(c, list) for c in chats):
-            outs = self.llm.chat(chats, params, use_tqdm=False)
+        if not all(isinstance(c, list) for c in chats):
+            chats = [c if isinstance(c, str) else self._render(c) for c in chats]
+        return chats, params
+
+    def _generate(self, batch: list[tuple[str, dict]]) -> list[tuple[str, dict, Any, dict]]:
+        t0 = time.perf_counter()
+        prompts, params = self._generation(batch)
+        if all(isinstance(c, list) for c in prompts):
+            outs = self.llm.chat(prompts, params, use_tqdm=False)
         else:
-            outs = self.llm.generate([c if isinstance(c, str) else self._render(c) for c in chats],
-                                     params, use_tqdm=False)
-        results = self._results(keys)
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+        results = self._results([key for key, _ in batch])
         self.stats.generate_s += time.perf_counter() - t0
+        self.stats.generated_tokens += sum(len(o.outputs[0].token_ids) for o in outs)
         return [(k, rec, out, results[k]) for (k, rec), out in zip(batch, outs)]
 
     def _render(self, messages: list[dict]) -> str:
@@ -236,14 +272,13 @@ class Collector:
         return self.probe_steps([(out.prompt_token_ids, out.outputs[0].token_ids, res, None)
                                  for _, _, out, res in done])
 
-    def probe_steps(self, traces: list[tuple[list[int], list[int], dict, set[int] | None]]
-                    ) -> list[dict[int, str | None]]:
-        """The answers probed at `steps` (None: every labelled step) of each (prompt ids,
-        generated ids, record, steps), in one engine call."""
+    def _probe_requests(self, traces: list[tuple[list[int], list[int], dict, set[int] | None]]
+                        ) -> tuple[list[Any], list[tuple[int, int]], Any]:
+        """The answer probes of each (prompt ids, generated ids, record, steps): prompts, (trace,
+        step) of each, and their sampling."""
         from vllm import SamplingParams  # deferred: vllm (calibrate_cli imports this module)
         from vllm.inputs import TokensPrompt  # deferred: vllm
         s = self.settings
-        t0 = time.perf_counter()
         suffix_ids = self.tokenizer.encode(s.suffix, add_special_tokens=False)
         prompts, where = [], []
         for j, (prompt_ids, gen_ids, record, steps) in enumerate(traces):
@@ -251,7 +286,15 @@ class Collector:
                                         steps):
                 prompts.append(TokensPrompt(prompt_token_ids=ids))
                 where.append((j, t))
-        params = SamplingParams(**probe_sampling(s.answer_tokens), extra_args=dict(ORCA_OFF))
+        return prompts, where, SamplingParams(**probe_sampling(s.answer_tokens),
+                                              extra_args=dict(ORCA_OFF))
+
+    def probe_steps(self, traces: list[tuple[list[int], list[int], dict, set[int] | None]]
+                    ) -> list[dict[int, str | None]]:
+        """The answers probed at `steps` (None: every labelled step) of each (prompt ids,
+        generated ids, record, steps), in one engine call."""
+        t0 = time.perf_counter()
+        prompts, where, params = self._probe_requests(traces)
         outs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
         answers: list[dict[int, str | None]] = [{} for _ in traces]
         for (j, t), o in zip(where, outs):
@@ -286,38 +329,120 @@ class Collector:
         """Collect every (prompt, sample) not yet in `out_dir`; resumable. Trajectories whose id
         `defer` accepts are written unprobed, labels pending (`label_deferred` labels them)."""
         s = self.settings
+        later = defer or (lambda key: False)
+        collect = self._pipelined if s.schedule == "pipelined" else self._batches
         with TrajectoryWriter(out_dir, dim=self.llm.llm_engine.model_config.get_hidden_size(),
                               dtype=s.dtype, **self.info_fields()) as writer:
             todo = [(key, rec) for key, rec in trace_keys(prompts, s.samples)
                     if key not in writer.ids]
             bar = tqdm(total=len(todo), desc="collect", unit="traj", disable=not progress)
-            for batch in _chunks(todo, s.batch):
-                generated = [d for d in self._generate(batch) if d[3]["step_tokens"]]
-                later = [d for d in generated if defer is not None and defer(d[0])]
-                done = [d for d in generated if defer is None or not defer(d[0])]
-                answers = self._probe_answers(done)
-                t0 = time.perf_counter()
-                records = _label_batch(done, answers, self.judge)
-                if self.judge is not None:
-                    self.stats.judge_s += time.perf_counter() - t0
-                    self.stats.judge = self.judge.counts()
-                for key, rec, out, res in later:  # the sidecar line first; on a resume (the
-                    # trajectory generated again) the last line of an id is its record's
-                    p = _pending_line(key, rec, out, res)
-                    with open(out_dir / PENDING_FILE, "a") as f:
-                        f.write(json.dumps(p) + "\n")
-                    records.append(_deferred_fields(p, {}))
-                for record, (_, _, _, res) in zip(records, done + later):
-                    writer.append(record, res["step_embeddings"])
-                    self.stats.trajectories += 1
-                bar.update(len(batch))
-                bar.set_postfix(**{k: v for k, v in self.stats.as_dict().items()
-                                   if k in ("trajectories_per_min", "probe_share")})
+            # closed on the way out, an exception's too: what is still in the engine is aborted
+            with closing(collect(todo, later)) as ready:
+                for ended, generated, answers in ready:
+                    self._write(generated, answers, writer, out_dir)
+                    bar.update(ended)
+                    bar.set_postfix(**{k: v for k, v in self.stats.as_dict().items()
+                                       if k in ("trajectories_per_min", "probe_share")})
             bar.close()
         if self.judge is not None and self.judge.unparseable:
             print(f"warning: {self.judge.unparseable} of {self.judge.calls} judge replies were "
                   f"neither yes nor no (labelled 0), e.g. {self.judge.example!r}", file=sys.stderr)
         return self.stats
+
+    def _batches(self, todo: list[tuple[str, dict]], defer: Callable[[str], bool]) -> Iterator[
+            tuple[int, list[tuple[str, dict, Any, dict]], list[dict[int, str | None] | None]]]:
+        """Generate a batch, then probe it: per batch, (traces it ended, those with a step,
+        their answers: None for the deferred ones, written after the probed ones)."""
+        for batch in _chunks(todo, self.settings.batch):
+            generated = [d for d in self._generate(batch) if d[3]["step_tokens"]]
+            done = [d for d in generated if not defer(d[0])]
+            later = [d for d in generated if defer(d[0])]
+            yield len(batch), done + later, [*self._probe_answers(done), *[None] * len(later)]
+
+    def _pipelined(self, todo: list[tuple[str, dict]], defer: Callable[[str], bool]) -> Iterator[
+            tuple[int, list[tuple[str, dict, Any, dict]], list[dict[int, str | None] | None]]]:
+        """Probe each trace as soon as it is generated, while later ones generate
+        (orca_calibrate/pipeline.py): (traces ended, those with a step, their answers: None for
+        the deferred ones), in the job's order, as they become ready. Requests still in the
+        engine when this stops early (a kill, an error) are aborted."""
+        s = self.settings
+        schedule = Schedule([key for key, _ in todo], generating=s.batch,
+                            unwritten=UNWRITTEN * s.batch)
+        records = dict(todo)
+        requests: dict[str, tuple[str, int | None]] = {}  # engine id -> (trace, probed step)
+        traces: dict[str, tuple[str, dict, Any, dict]] = {}  # generated, not yet handed on
+        answers: dict[str, dict[int, str | None]] = {}
+        t0 = time.perf_counter()
+        try:
+            while not schedule.done:
+                if start := schedule.start():
+                    ids = offline.enqueue(self.llm, *self._generation(
+                        [(key, records[key]) for key in start]))
+                    requests.update((rid, (key, None)) for rid, key in zip(ids, start))
+                if not offline.busy(self.llm):
+                    raise RuntimeError("the pipelined collection stalled: nothing in the engine "
+                                       "and no trace ready")
+                finished = offline.step(self.llm)
+                generated = [o for o in finished if requests[o.request_id][1] is None]
+                results = self._results([requests[o.request_id][0] for o in generated]) \
+                    if generated else {}
+                probes: list[tuple[str, Any]] = []
+                for o in finished:
+                    key, step = requests.pop(o.request_id)
+                    if step is not None:
+                        answers[key][step] = extract_forced(o.outputs[0].text)
+                        schedule.probed(key)
+                        continue
+                    res = results[key]
+                    traces[key] = (key, records[key], o, res)
+                    self.stats.generated_tokens += len(o.outputs[0].token_ids)
+                    if res["step_tokens"] and not defer(key):
+                        answers[key] = {}
+                        probes.append((key, (o.prompt_token_ids, o.outputs[0].token_ids, res,
+                                             None)))
+                    else:
+                        schedule.generated(key, 0)
+                if probes:
+                    prompts, where, params = self._probe_requests([t for _, t in probes])
+                    ids = offline.enqueue(self.llm, prompts, params)
+                    requests.update((rid, (probes[j][0], t)) for rid, (j, t) in zip(ids, where))
+                    per_trace = Counter(j for j, _ in where)
+                    for j, (key, _) in enumerate(probes):
+                        schedule.generated(key, per_trace[j])
+                    self.stats.answer_probes += len(prompts)
+                if ready := schedule.ready():
+                    self.stats.pipelined_s += time.perf_counter() - t0
+                    done = [traces.pop(key) for key in ready]
+                    done = [d for d in done if d[3]["step_tokens"]]
+                    yield len(ready), done, [answers.pop(d[0], None) for d in done]
+                    t0 = time.perf_counter()
+            self.stats.pipelined_s += time.perf_counter() - t0
+        finally:
+            offline.abort(self.llm, list(requests))
+
+    def _write(self, generated: list[tuple[str, dict, Any, dict]],
+               answers: list[dict[int, str | None] | None], writer: TrajectoryWriter,
+               out_dir: Path) -> None:
+        """Append these traces to the set, in the order given: a probed one (its answers) with
+        its labels (and the judge's, one round for all), a deferred one (answers None) with its
+        probe data beside the set (`PENDING_FILE`)."""
+        probed = [(d, a) for d, a in zip(generated, answers) if a is not None]
+        t0 = time.perf_counter()
+        labelled = iter(_label_batch([d for d, _ in probed], [a for _, a in probed], self.judge))
+        if self.judge is not None:
+            self.stats.judge_s += time.perf_counter() - t0
+            self.stats.judge = self.judge.counts()
+        for (key, rec, out, res), a in zip(generated, answers):
+            if a is None:  # the sidecar line first; on a resume (the trajectory generated
+                # again) the last line of an id is its record's
+                p = _pending_line(key, rec, out, res)
+                with open(out_dir / PENDING_FILE, "a") as f:
+                    f.write(json.dumps(p) + "\n")
+                record = _deferred_fields(p, {})
+            else:
+                record = next(labelled)
+            writer.append(record, res["step_embeddings"])
+            self.stats.trajectories += 1
 
 
 @dataclass

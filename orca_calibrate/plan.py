@@ -43,6 +43,7 @@ class Plan:
     probes_per_trace: float
     generate_s_per_trace: float
     probe_s_per_trace: float
+    pipelined_s_per_trace: float  # generating and probing at once (`schedule: pipelined`)
     train_s_per_trace_epoch: float
     job_traces: int
     train_traces: int
@@ -59,9 +60,12 @@ class Plan:
     embeddings_bytes: float
 
     def lines(self) -> list[str]:
+        engine = (f"generation and probes at once {self.pipelined_s_per_trace:.3f} s"
+                  if self.pipelined_s_per_trace else
+                  f"generation {self.generate_s_per_trace:.3f} s + probes "
+                  f"{self.probe_s_per_trace:.3f} s")
         per = (f"{self.tokens_per_trace:,.0f} tokens, {self.steps_per_trace:.1f} steps, "
-               f"{self.probes_per_trace:.1f} answer probes; generation "
-               f"{self.generate_s_per_trace:.3f} s + probes {self.probe_s_per_trace:.3f} s")
+               f"{self.probes_per_trace:.1f} answer probes; {engine}")
         return [
             f"pilot: {self.pilot_traces} traces; engine start {self.engine_start_s:.0f} s",
             f"per trace: {per}",
@@ -132,13 +136,14 @@ def plan_job(path: Path, pilot: int = DEFAULT_PILOT, seed: int = 0,
     engine = settings.engine
     devices = int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1))
     steps = sum(p.n_steps for p in ts.problems) / n
-    collect_s = start + total * (stats.generate_s + stats.probe_s) / n / settings.engines
+    collect_s = start + total * stats.engine_s / n / settings.engines
     train_s = train_per * n_train * epochs
     out = Plan(
         pilot_traces=n, engine_start_s=start,
         tokens_per_trace=sum(p.extra["completion_tokens"] for p in ts.problems) / n,
         steps_per_trace=steps, probes_per_trace=stats.answer_probes / n,
         generate_s_per_trace=stats.generate_s / n, probe_s_per_trace=stats.probe_s / n,
+        pipelined_s_per_trace=stats.pipelined_s / n,
         train_s_per_trace_epoch=train_per, job_traces=total, train_traces=n_train,
         epochs=epochs, engines=settings.engines, devices_per_engine=devices, device=_device(), hidden_size=hidden,
         dtype=settings.dtype, collect_s=collect_s, train_s=train_s,

@@ -216,9 +216,11 @@ def merge_shards(model: str, settings: CollectSettings,
         d = json.loads((work / f"shard-{i}.stats.json").read_text())
         stats.trajectories += d["trajectories"]
         stats.answer_probes += d["answer_probes"]
+        stats.generated_tokens += d["generated_tokens"]
         # the slowest engine's seconds: the engines run at once, so that is the wall time
         stats.generate_s = max(stats.generate_s, d["generate_s"])
         stats.probe_s = max(stats.probe_s, d["probe_s"])
+        stats.pipelined_s = max(stats.pipelined_s, d["pipelined_s"])
     return stats
 
 

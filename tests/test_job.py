@@ -424,6 +424,7 @@ def test_plan_scales_the_pilot_to_the_job(tmp_path, monkeypatch, capsys) -> None
 
     import orca_calibrate.plan
     from orca_calibrate.calibrate_cli import main
+    from orca_calibrate.collect import Stats
 
     class Timed(_FakeEngine):
         def __init__(self, model: str, settings) -> None:
@@ -433,8 +434,8 @@ def test_plan_scales_the_pilot_to_the_job(tmp_path, monkeypatch, capsys) -> None
 
         def run(self, prompts, out, progress, defer=None):
             super().run(prompts, out, progress, defer)
-            return SimpleNamespace(generate_s=2.0 * len(prompts), probe_s=1.0 * len(prompts),
-                                   answer_probes=_FakeEngine.probes)
+            return Stats(generate_s=2.0 * len(prompts), probe_s=1.0 * len(prompts),
+                         answer_probes=_FakeEngine.probes)
 
     monkeypatch.setattr(orca_calibrate.plan, "Collector", Timed)
     monkeypatch.setattr(_FakeEngine, "probes", 0)

@@ -115,3 +115,22 @@ def test_the_shard_comes_from_the_completion_index_and_must_fit_the_job(tmp_path
     assert "drop --model" in capsys.readouterr().err
     assert main(["merge", "--config", str(_job(tmp_path, engines=1))]) == 2
     assert "collect.engines is 1" in capsys.readouterr().err
+
+
+def test_merged_statistics_sum_the_counts_and_take_the_slowest_shards_seconds(tmp_path):
+    from orca_calibrate.job import collection_sets, load_job
+    from orca_calibrate.shards import merge_shards, write_spec
+
+    job = load_job(_job(tmp_path, engines=2))
+    sets, settings, work = collection_sets(job), CollectSettings(**job["collect"]), tmp_path / "w"
+    for i, (ids, probes, seconds) in enumerate([(["q0", "q2", "q4"], 9, 30.0),
+                                                (["q1", "q3"], 5, 20.0)]):
+        write_spec("m", settings, sets, work, i)
+        _shard(work / f"shard-{i}" / "set-0", ids, [3] * len(ids))
+        (work / f"shard-{i}.stats.json").write_text(json.dumps(
+            {"trajectories": len(ids), "answer_probes": probes, "generated_tokens": 100 * (i + 1),
+             "generate_s": 0.0, "probe_s": 0.0, "pipelined_s": seconds}))
+    stats = merge_shards("m", settings, sets, work)
+    assert (stats.trajectories, stats.answer_probes, stats.generated_tokens) == (5, 14, 300)
+    assert stats.pipelined_s == stats.engine_s == 30.0  # the shards collect at once
+    assert [p.id for p in TrajectorySet.open(sets[0][1]).problems] == [f"q{k}" for k in range(5)]
