@@ -27,7 +27,8 @@ def srv(tmp_path_factory):
     d = tmp_path_factory.mktemp("samples")
     path = write_bundle(with_consensus(load_bundle(DEMO / "bundle.json"), samples=K), d / "b.json")
     s = Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path)),
-               d / "serve.log", ["--host", "127.0.0.1", "--reasoning-parser", "deepseek_r1",
+               d / "serve.log", ["--host", "127.0.0.1", "--enforce-eager",
+                                 "--reasoning-parser", "deepseek_r1",
                                  "--served-model-name", "orca-toy-reasoner",
                                  "--seed", "0", "--disable-uvicorn-access-log"])
     try:
