@@ -1,12 +1,12 @@
 """`orca.samples` on a real orca-serve serving the toy reasoner (orca_serve/demo/model), with a
 bundle of its own: the shipped toy bundle plus a consensus block certified on small synthetic
 groups (tests/bundles.py `with_consensus`: t* = 0, the first finished sample decides, so the
-samples still running then are aborted). Real vLLM engine, real HTTP, the OpenAI client."""
+samples still running then are aborted); the server is conftest's `toy_server`, shared with
+test_server_gate_alarm. Real vLLM engine, real HTTP, the OpenAI client."""
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import httpx
 import pytest
@@ -14,27 +14,13 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 from orca_demo.toy.tasks import extract_answer, make_problem
-from orca_method.bundle import load_bundle
-from tests.bundles import with_consensus, write_bundle
-from tests.serving import Server, orca_of, orca_serve_cmd
-
-DEMO = Path(__file__).parents[1] / "orca_serve" / "demo"
-K = 4
+from tests.conftest import TOY_VOTE_K as K
+from tests.serving import orca_of
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    d = tmp_path_factory.mktemp("samples")
-    path = write_bundle(with_consensus(load_bundle(DEMO / "bundle.json"), samples=K), d / "b.json")
-    s = Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path)),
-               d / "serve.log", ["--host", "127.0.0.1", "--enforce-eager",
-                                 "--reasoning-parser", "deepseek_r1",
-                                 "--served-model-name", "orca-toy-reasoner",
-                                 "--seed", "0", "--disable-uvicorn-access-log"])
-    try:
-        yield s.wait()
-    finally:
-        s.stop()
+def srv(toy_server):
+    return toy_server.wait()
 
 
 def questions(n: int) -> list[str]:
