@@ -26,7 +26,8 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 import pytest
 
-from tests.bundles import make_bundle
+from orca_method.bundle import load_bundle
+from tests.bundles import make_bundle, with_consensus, write_bundle
 from tests.core_sim import sim_bundle
 from tests.redis_server import RedisServer
 from tests.serving import COMMON, Server, orca_serve_cmd
@@ -115,9 +116,6 @@ def toy_server(tmp_path_factory) -> Iterator[Server]:
     bundle's model name, greedy requests reproducible (`--seed 0`). Shared by
     test_server_samples and test_server_gate_alarm, in that order: the second raises the gate
     alarm, which stays raised. Started, not waited for: a test calls `.wait()`."""
-    from orca_method.bundle import load_bundle
-    from tests.bundles import with_consensus, write_bundle
-
     d = tmp_path_factory.mktemp("toy_server")
     shipped = load_bundle(TOY / "bundle.json")
     bundle = write_bundle(with_consensus(shipped, samples=TOY_VOTE_K), d / "bundle.json")
