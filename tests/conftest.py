@@ -26,27 +26,33 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 import pytest
 
-from tests.bundles import make_bundle
+from orca_method.bundle import load_bundle
+from tests.bundles import make_bundle, with_consensus, write_bundle
 from tests.core_sim import sim_bundle
 from tests.redis_server import RedisServer
 from tests.serving import COMMON, Server, orca_serve_cmd
 from tests.tiny_model import build_tiny_model
 
+TOY = Path(__file__).parents[1] / "orca_serve" / "demo"  # the embedded toy reasoner
+TOY_VOTE_K = 4  # `toy_server`'s consensus block: votes over groups of this many samples
+
 # The modules that take longest (each starts engines or servers), longest first: the workers take
 # modules in collection order, so starting with these keeps both busy to the end instead of one
 # finishing test_parallel alone. Measured with `make test`'s --durations; order only, no skips.
-# test_server_apis runs last of the shared-server group (its last test stops that server).
+# test_server_apis runs last of the shared-server group (its last test stops that server), and
+# test_server_gate_alarm after test_server_samples (it leaves the toy server's gate alarm raised).
 LONGEST_FIRST = ["test_parallel", "test_speculation_engine", "test_fuzz_http", "test_audit_server",
                  "test_audit_fleet_server", "test_startup_stop", "test_demo", "test_demo_long",
-                 "test_toy_job", "test_plugin", "test_server", "test_server_give_up",
-                 "test_server_shift_gate", "test_server_apis", "test_stock_vllm", "test_hot_reload",
-                 "test_bundle"]
+                 "test_toy_job", "test_server_samples", "test_server_gate_alarm", "test_plugin",
+                 "test_server", "test_server_give_up", "test_server_shift_gate", "test_server_apis",
+                 "test_stock_vllm", "test_hot_reload", "test_bundle"]
 
 
-# Modules that use one session-scoped server (`tiny_server`): one group, so one worker runs them
-# all and the server starts once.
+# Modules that use one session-scoped server (`tiny_server`, `toy_server`): one group each, so one
+# worker runs them all and the server starts once.
 SHARED_SERVER = {"test_server": "tiny_server", "test_server_apis": "tiny_server",
-                 "test_server_give_up": "tiny_server", "test_server_shift_gate": "tiny_server"}
+                 "test_server_give_up": "tiny_server", "test_server_shift_gate": "tiny_server",
+                 "test_server_samples": "toy_server", "test_server_gate_alarm": "toy_server"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -99,6 +105,30 @@ def tiny_server(model, tmp_path_factory) -> Iterator[dict]:
                     d / "orca.log", COMMON)
     try:
         yield {"server": server, "model": model, "bundle": bundle}
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def toy_server(tmp_path_factory) -> Iterator[Server]:
+    """orca-serve on the embedded toy reasoner (orca_serve/demo) with its shipped bundle plus a
+    consensus block (tests/bundles.py `with_consensus`: `orca.samples` votes), under the
+    bundle's model name, greedy requests reproducible (`--seed 0`). Shared by
+    test_server_samples and test_server_gate_alarm, in that order: the second raises the gate
+    alarm, which stays raised. `--orca-shift-action full`, so that a request served as flagged
+    shows as one that never stopped (the default, `strict`, serves the bundle's largest lambda*).
+    Started, not waited for: a test calls `.wait()`."""
+    d = tmp_path_factory.mktemp("toy_server")
+    shipped = load_bundle(TOY / "bundle.json")
+    bundle = write_bundle(with_consensus(shipped, samples=TOY_VOTE_K), d / "bundle.json")
+    server = Server(orca_serve_cmd("--model", str(TOY / "model"), "--calib", str(bundle),
+                                   "--orca-shift-action", "full"),
+                    d / "orca.log",
+                    ["--host", "127.0.0.1", "--enforce-eager", "--seed", "0",
+                     "--reasoning-parser", "deepseek_r1", "--disable-uvicorn-access-log",
+                     "--served-model-name", shipped.model.name])
+    try:
+        yield server
     finally:
         server.stop()
 

@@ -311,7 +311,7 @@ DEMO = Path(__file__).parents[1] / "orca_serve" / "demo"
 
 @pytest.fixture(scope="module")
 def demo_facts():
-    from orca_serve.checks.model import model_facts
+    from orca_serve.checks.bundle import model_facts
 
     return model_facts(str(DEMO / "model"))
 
@@ -362,7 +362,7 @@ SEMANTIC = {  # resealed bad bundle -> what the one-line refusal says
 
 @pytest.mark.parametrize("name", sorted(SEMANTIC))
 def test_resealed_bad_bundles_are_refused_before_serving(tmp_path, demo_facts, name) -> None:
-    from orca_serve.checks.model import check_served
+    from orca_serve.checks.bundle import check_served
 
     mutate, why = SEMANTIC[name]
     bundle = load_bundle(_resealed(tmp_path, mutate))  # the checksum holds: it was resealed
@@ -372,7 +372,7 @@ def test_resealed_bad_bundles_are_refused_before_serving(tmp_path, demo_facts, n
 
 
 def test_the_demo_bundle_passes_every_check(demo_facts) -> None:
-    from orca_serve.checks.model import check_served
+    from orca_serve.checks.bundle import check_served
 
     bundle = load_bundle(DEMO / "bundle.json")
     assert check_served(bundle, demo_facts, str(DEMO / "model"),
@@ -384,7 +384,7 @@ def test_another_model_is_refused_unless_forced(tmp_path, demo_facts) -> None:
     """The model name must match --model (or its last path component) or --served-model-name;
     a bundle that names no tokenizer is refused too; --orca-force-model lets both through with
     a note, but never a different tokenizer."""
-    from orca_serve.checks.model import check_served
+    from orca_serve.checks.bundle import check_served
 
     model = str(DEMO / "model")
     other = load_bundle(_resealed(tmp_path, lambda d: d["model"].update(name="Qwen/QwQ-32B")))
@@ -422,7 +422,7 @@ def test_a_model_with_the_bundles_name_but_another_config_is_refused(tmp_path, d
     --orca-force-model. A bundle without one is checked by name, hidden size and tokenizer."""
     from dataclasses import replace
 
-    from orca_serve.checks.model import check_served
+    from orca_serve.checks.bundle import check_served
 
     model, names = str(DEMO / "model"), ["orca-toy-reasoner"]
     assert demo_facts.config is not None

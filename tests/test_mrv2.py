@@ -40,7 +40,7 @@ from vllm.v1.worker.gpu.states import RequestState
 
 from orca_serve.settings.contract import XARG_KEY, XARG_LAM, XARG_N
 from orca_serve.vllm_compat import capture
-from orca_serve.vllm_plugin import engine_setup
+from orca_serve.vllm_plugin import adapter
 from orca_serve.vllm_plugin.config import PROCESSOR_FQCN
 from orca_serve.vllm_plugin.mrv2 import OrcaMRV2LogitsProcessor
 from orca_serve.vllm_plugin.processor import OrcaLogitsProcessor
@@ -76,7 +76,7 @@ def bundle_path(tmp_path_factory):
 def cpu_vllm(monkeypatch):
     """vLLM's CPU UVA buffer (what its CPU worker installs) and our fake tokenizer."""
     monkeypatch.setattr(buffer_utils, "UvaBuffer", cpu_buffer_utils.UvaBuffer)
-    monkeypatch.setattr(engine_setup, "load_tokenizer", lambda mc: FakeTokenizer())
+    monkeypatch.setattr(adapter, "load_tokenizer", lambda mc: FakeTokenizer())
 
 
 def vllm_config(bundle_path, max_num_seqs: int):

@@ -219,7 +219,7 @@ def test_a_bundle_certified_for_another_give_up_policy_is_refused(paths, tmp_pat
     """--orca-give-up-policy is fixed for the server's life, and a two-sided bundle's mu* holds
     only under the policy it was certified for (docs/METHOD.md section 9): a reload to one
     certified for the other policy is refused before any engine is asked, by the rule start-up
-    applies (orca_serve.checks.bundle_options), in one line naming the fix; the bundle certified for
+    applies (orca_serve.checks.bundle), in one line naming the fix; the bundle certified for
     the served policy reloads."""
     two = with_give_up(load_bundle(paths["b"]), [(0.05, 0.1)])
     certified = {}

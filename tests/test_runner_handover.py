@@ -36,7 +36,7 @@ from orca_serve.vllm_plugin.config import (
     WORKER_HOOK_SINCE,
     calls_worker_extension_hook,
 )
-from orca_serve.vllm_plugin.engine_setup import hands_over_the_runner
+from orca_serve.vllm_plugin.adapter import hands_over_the_runner
 from orca_serve.vllm_plugin.processor import OrcaLogitsProcessor
 from orca_serve.vllm_plugin.worker import OrcaWorkerExtension
 from tests.core_sim import PROMPT, sim_bundle

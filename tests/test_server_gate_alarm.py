@@ -1,5 +1,6 @@
 """The gate alarm on a real orca-serve: the embedded toy reasoner with its shipped bundle (what
-`orca-serve --demo` serves), real vLLM, real HTTP. The bundle's gate flags about all of the
+`orca-serve --demo` serves; conftest's `toy_server`, shared with test_server_samples, whose
+bundle adds a consensus block), real vLLM, real HTTP. The bundle's gate flags about all of the
 toy's shifted prompts and about alpha of its in-distribution ones, so a run of shifted requests
 raises the alarm within a handful, and then an in-distribution request the gate alone passes is
 served as a flagged one (full reasoning: this server runs `--orca-shift-action full`, so that a
@@ -9,7 +10,6 @@ bundle's largest lambda*) and says so."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,7 +18,7 @@ import pytest
 from orca_demo.toy import tasks as toy_tasks
 from orca_demo.toy.demo_bundle import demo_folder
 from orca_method.bundle import load_bundle
-from tests.serving import Server, orca_of, orca_serve_cmd
+from tests.serving import Server, orca_of
 
 pytestmark = pytest.mark.vllm
 
@@ -27,19 +27,8 @@ MAX_TOKENS = 400  # the toy's traces end well within it (bench_frontier's)
 
 
 @pytest.fixture(scope="module")
-def toy(tmp_path_factory) -> Iterator[Server]:
-    d = tmp_path_factory.mktemp("toy_alarm")
-    server = Server(orca_serve_cmd("--model", str(TOY / "model"), "--calib",
-                                   str(TOY / "bundle.json"), "--orca-shift-action", "full"),
-                    d / "orca.log",
-                    ["--host", "127.0.0.1", "--enforce-eager", "--seed", "0",
-                     "--reasoning-parser", "deepseek_r1", "--disable-uvicorn-access-log",
-                     "--served-model-name", load_bundle(TOY / "bundle.json").model.name,
-                     "--max-model-len", str(MAX_TOKENS + 120)])
-    try:
-        yield server.wait()
-    finally:
-        server.stop()
+def toy(toy_server) -> Server:
+    return toy_server.wait()
 
 
 def _prompts(tmp: Path, family: str, n: int) -> list[dict]:

@@ -1,7 +1,8 @@
 """`orca.samples` on a real orca-serve serving the toy reasoner (orca_serve/demo/model), with a
 bundle of its own: the shipped toy bundle plus a consensus block certified on small synthetic
 groups (tests/bundles.py `with_consensus`: t* = 0, the first finished sample decides, so the
-samples still running then are aborted). Real vLLM engine, real HTTP, the OpenAI client."""
+samples still running then are aborted); the server is conftest's `toy_server`, shared with
+test_server_gate_alarm. Real vLLM engine, real HTTP, the OpenAI client."""
 
 from __future__ import annotations
 
@@ -16,19 +17,21 @@ pytestmark = pytest.mark.vllm
 from orca_demo.toy.tasks import extract_answer, make_problem
 from orca_method.bundle import load_bundle
 from tests.bundles import with_consensus, write_bundle
+from tests.conftest import TOY_VOTE_K as K
 from tests.serving import Server, orca_of, orca_serve_cmd
 
 DEMO = Path(__file__).parents[1] / "orca_serve" / "demo"
-K = 4
 
 
-def serve(d: Path, waves: list[int] | None = None):
-    """A server of the toy with a consensus block for K samples (certified for `waves`)."""
+def serve(d: Path, waves: list[int]):
+    """A server of the toy with a consensus block for K samples certified for `waves` (the
+    all-at-once server is conftest's `toy_server`)."""
     path = write_bundle(with_consensus(load_bundle(DEMO / "bundle.json"), samples=K,
                                        waves=waves), d / "b.json")
-    flag = [] if waves is None else ["--orca-vote-waves", "+".join(map(str, waves))]
-    s = Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path), *flag),
-               d / "serve.log", ["--host", "127.0.0.1", "--reasoning-parser", "deepseek_r1",
+    s = Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path),
+                              "--orca-vote-waves", "+".join(map(str, waves))),
+               d / "serve.log", ["--host", "127.0.0.1", "--enforce-eager",
+                                 "--reasoning-parser", "deepseek_r1",
                                  "--served-model-name", "orca-toy-reasoner",
                                  "--seed", "0", "--disable-uvicorn-access-log"])
     try:
@@ -38,8 +41,8 @@ def serve(d: Path, waves: list[int] | None = None):
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    yield from serve(tmp_path_factory.mktemp("samples"))
+def srv(toy_server):
+    return toy_server.wait()
 
 
 @pytest.fixture(scope="module")

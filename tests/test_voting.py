@@ -13,7 +13,7 @@ import pytest
 from orca_serve.api_server.apis import APIS, CHAT, RESPONSES_PATH
 from orca_method.bundle import BundleError
 from orca_serve.api_server.voting import Vote, call_app, sample_bodies
-from orca_serve.checks.bundle_options import check_vote_waves
+from orca_serve.checks.bundle import check_vote_waves
 from orca_serve.metrics.prometheus import OrcaMetrics, SampleEvent
 from orca_serve.settings.contract import XARG_KEY, XARG_LAM
 from orca_serve.settings.field import OrcaRequestError

@@ -7,7 +7,7 @@ never compared with the scores of another:
 
 1. The new bundle is read and checked here (its checksum; the checks made at start: the model it
    names, the table's consistency, the probe's scale, `check`; the options the server runs with,
-   `orca_serve.checks.bundle_options.check_options`: --orca-delta in its table, the give-up policy its
+   `orca_serve.checks.bundle.check_options`: --orca-delta in its table, the give-up policy its
    mu* was certified for, ...; the live audit's settings, `audit_config`), then staged on
    every engine worker (`orca_load_bundle`: the checks made at start, against the engine's own
    model). Any refusal: the staged copies are let go, nothing else changes, and the caller gets
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from orca_method.bundle import Bundle, BundleError, load_bundle
 from orca_method.bundle_checks import check_semantics
 from orca_method.errors import first_line
-from orca_serve.checks.bundle_options import check_options
+from orca_serve.checks.bundle import check_options
 from orca_serve.live_audit.handover import hand_over
 from orca_serve.live_audit.options import AuditConfig
 from orca_serve.metrics.prometheus import ReloadOutcome
@@ -81,7 +81,7 @@ class Reloader:
         self.fixed_delta = fixed_delta  # --orca-delta: must be in every bundle's table
         self.admin_key = admin_key  # None: POST /v1/orca/bundle is off (404)
         # the checks a new bundle passes, raising BundleError, returning a note to log (the
-        # server's start-up checks against the served model, orca_serve.checks.model.check_served)
+        # server's start-up checks against the served model, orca_serve.checks.bundle.check_served)
         self.check = check
         # bundle -> the configuration of its live audit, which takes over from the serving one
         # (orca_serve.live_audit.handover); raises ValueError when the options contradict the

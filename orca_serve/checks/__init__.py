@@ -2,6 +2,6 @@
 
 - `errors`: how orca-serve refuses to start (`StartupError`, exit code 2).
 - `argtypes`: argparse converters for the CLIs' options, each with its one-line error.
-- `model`: a bundle against the model it would serve (config.json and tokenizer, no weights).
-- `bundle_options`: a bundle against the options the server runs with.
+- `bundle`: a bundle against the model it would serve (config.json and tokenizer, no weights)
+  and against the options the server runs with.
 """

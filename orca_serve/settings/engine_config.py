@@ -3,7 +3,7 @@
 The server (`orca_serve.startup.vllm_setup`) and offline callers (`engine_kwargs`) build an
 `EngineConfig`; vLLM carries its wire form (`to_dict`, JSON: `--additional-config` takes it as
 text) to every worker, where the plugin reads it back with `from_dict` before the core is built
-(`orca_serve.vllm_plugin.engine_setup`). Between those two boundaries it is this object, never a
+(`orca_serve.vllm_plugin.adapter`). Between those two boundaries it is this object, never a
 dict. Plain Python (no vLLM, no torch): vLLM's front end and the CLIs read it cheaply.
 """
 

@@ -72,7 +72,7 @@ class OrcaDefaults:
     shift_action: ShiftAction = DEFAULTS.shift_action  # what a flagged (or alarm-served) gets
     gate_alarm: float = DEFAULT_ALARM_LEVEL  # --orca-gate-alarm: its level (0: no alarm)
     # --orca-vote-waves: the launch schedule of orca.samples (None: all at once); the bundle's
-    # consensus block is certified for it (`checks.bundle_options.check_vote_waves`)
+    # consensus block is certified for it (`checks.bundle.check_vote_waves`)
     vote_waves: tuple[int, ...] | None = None
 
 

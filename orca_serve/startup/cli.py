@@ -11,7 +11,7 @@ Start-up order, so that a wrong bundle is refused in seconds and in one line (ex
 1. pre-flight, no vLLM imported (`orca_serve.startup.preflight`): a vLLM release outside
    `vllm_plugin.config.SUPPORTED_VLLM` is refused; our options are read (a small argparse pass
    that ignores vLLM's options); the bundle is loaded and checked against the model's
-   config.json and tokenizer (`orca_serve.checks.model`), long before vLLM loads weights;
+   config.json and tokenizer (`orca_serve.checks.bundle`), long before vLLM loads weights;
 2. vLLM's configuration (`orca_serve.startup.vllm_setup`): vLLM's own parser parses the full command
    line (our options included, so `--help` lists them), unsupported combinations are refused,
    the plugin's engine arguments are merged in;
@@ -35,7 +35,7 @@ import sys
 from typing import Any
 
 from orca_serve.metrics.snapshots import ENV_SERVER
-from orca_serve.checks.model import check_served
+from orca_serve.checks.bundle import check_served
 from orca_serve.startup.preflight import Preflight, identity, preflight
 from orca_serve.api_server.log import log_like_vllm
 from orca_serve.checks.errors import StartupError, fail

@@ -26,7 +26,7 @@ from orca_serve.settings.contract import (
     SHIFT_ACTIONS,
 )
 from orca_serve.settings.effort import DEFAULT_EFFORT_MAP, describe
-from orca_serve.checks.model import ModelFacts, check_bundle
+from orca_serve.checks.bundle import ModelFacts, check_bundle
 from orca_serve.checks.errors import PROG, StartupError
 from orca_serve.vllm_plugin.config import (
     check_engine_supported,
@@ -280,7 +280,7 @@ def load_checked(path: str, early: argparse.Namespace) -> Bundle:
     """The bundle at `path`, satisfying the options (`check_options`, as on every reload)."""
     # deferred: torch (not needed by --check-vllm)
     from orca_method.bundle import BundleError, load_bundle
-    from orca_serve.checks.bundle_options import check_options
+    from orca_serve.checks.bundle import check_options
 
     try:
         bundle = load_bundle(path)

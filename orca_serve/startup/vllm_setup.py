@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 from orca_method.errors import first_line
 from orca_serve.api_server import endpoint_plugin
 from orca_serve.settings.contract import DEFAULTS, ShiftAction
-from orca_serve.checks.model import check_bundle
+from orca_serve.checks.bundle import check_bundle
 from orca_serve.startup.preflight import Preflight, add_orca_args, identity, model_kw, refuse_unsupported
 from orca_serve.checks.errors import PROG, StartupError
 from orca_serve.vllm_compat import launch

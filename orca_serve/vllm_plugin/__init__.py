@@ -6,8 +6,8 @@ Model Runner V2).
 - `processor`: `OrcaLogitsProcessor`, the custom logits processor of the V1 runner, and the one
   FQCN for both runners (built the MRV2 way, it returns the MRV2 adapter).
 - `mrv2`: `OrcaMRV2LogitsProcessor`, the Model Runner V2 adapter.
-- `adapter`: what both adapters share (admission checks, joining requests, results).
-- `engine_setup`: the core built from vLLM's engine config; where the model runner comes from.
+- `adapter`: what both adapters share (the core built from vLLM's engine config, admission
+  checks, joining requests, results; where the model runner comes from).
 - `speculation`: the V1 runner under speculative decoding (n-gram, draft model).
 - `worker`: `OrcaWorkerExtension` (`orca_results(keys)`, `orca_stats()` for `collective_rpc`;
   `orca_serve.settings.contract.merge_results` reads its answers).

@@ -60,9 +60,13 @@ from orca_serve.core.rows import RowMap, Tracked
 from orca_serve.core.speculation import UNKNOWN
 from orca_serve.vllm_compat import capture
 from orca_serve.vllm_compat.runner import NewRequests, find_mrv2_runner, offered_mrv2_runner
-from orca_serve.vllm_plugin.adapter import CoreAdapter, child_index
+from orca_serve.vllm_plugin.adapter import (
+    CoreAdapter,
+    child_index,
+    hands_over_the_runner,
+    log,
+)
 from orca_serve.vllm_plugin.config import MRV2_SPEC_REFUSAL
-from orca_serve.vllm_plugin.engine_setup import hands_over_the_runner, log
 
 
 class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):

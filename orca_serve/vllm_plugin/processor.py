@@ -54,8 +54,12 @@ from orca_serve.core.speculation import UNKNOWN, DraftEntry, DraftSteps
 from orca_serve.vllm_compat import capture
 from orca_serve.vllm_compat.runner import V1Runner, find_v1_runner
 from orca_serve.vllm_plugin import speculation
-from orca_serve.vllm_plugin.adapter import CoreAdapter, child_index
-from orca_serve.vllm_plugin.engine_setup import hands_over_the_runner, log
+from orca_serve.vllm_plugin.adapter import (
+    CoreAdapter,
+    child_index,
+    hands_over_the_runner,
+    log,
+)
 from orca_serve.vllm_plugin.mrv2 import OrcaMRV2LogitsProcessor
 
 NO_RUNNER_UNDER_SPECULATION = ("orca: speculative decoding needs vLLM's V1 model runner, which "
