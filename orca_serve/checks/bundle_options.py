@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from orca_method.bundle import BundleError
 from orca_method.outcomes import GiveUpPolicy
+from orca_method.shift_gate import give_up_level
 from orca_serve.settings.effort import check_effort_map
 
 if TYPE_CHECKING:
@@ -21,10 +22,21 @@ if TYPE_CHECKING:
 
 
 def check_options(bundle: Bundle, *, delta: float | None, give_up_delta: float | None,
-                  give_up_policy: GiveUpPolicy, effort_map: Mapping[str, str | float]) -> None:
+                  give_up_policy: GiveUpPolicy, effort_map: Mapping[str, str | float],
+                  shift_alpha: float | None = None,
+                  shift_give_up_alpha: float | None = None) -> None:
     """Refuse (BundleError, one line starting with the option) a bundle lacking what the
     options name: --orca-delta's lambda*, --orca-give-up-delta's mu*, a delta of
-    --orca-effort-map, or a give-up threshold certified for --orca-give-up-policy."""
+    --orca-effort-map, a give-up threshold certified for --orca-give-up-policy, or a gate whose
+    stop level (--orca-shift-alpha, else the bundle's) is above --orca-shift-give-up-alpha."""
+    if shift_give_up_alpha is not None and bundle.shift_gate is not None:
+        alpha = bundle.shift_gate.alpha if shift_alpha is None else shift_alpha
+        try:
+            give_up_level(alpha, shift_give_up_alpha)
+        except ValueError as e:
+            source = "the bundle" if shift_alpha is None else "--orca-shift-alpha"
+            raise BundleError(f"--orca-shift-give-up-alpha {shift_give_up_alpha:g}: {e} (the "
+                              f"stop side's is {source}'s {alpha:g})") from None
     if delta is not None:
         try:
             bundle.lam(delta)
