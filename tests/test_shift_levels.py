@@ -19,7 +19,7 @@ from orca_serve.settings.contract import (
 )
 from orca_serve.settings.field import OrcaRequestError
 from orca_serve.settings.resolve import OrcaDefaults, resolve
-from orca_serve.settings.xargs import request_spec
+from orca_serve.settings.xargs import request_spec, validate_xargs
 from tests.bundles import far_gate, tiny_bundle
 
 HIDDEN = 16
@@ -87,3 +87,11 @@ def test_an_old_bundle_has_one_level_whatever_the_request_sets():
     assert gate.levels() == (0.05, 0.05) and gate.levels(0.1) == (0.1, 0.1)
     two = TWO_LEVELS.load_gate()
     assert two.levels() == (0.035, 0.05) and two.levels(0.1) == (0.1, 0.1)
+
+
+def test_the_engine_refuses_a_request_whose_own_levels_are_the_wrong_way_round():
+    """Offline `LLM` requests reach the engine without the server: its front-end check refuses
+    them in the server's words."""
+    validate_xargs({XARG_SHIFT_ALPHA: 0.05, XARG_SHIFT_GIVE_UP_ALPHA: 0.1})
+    with pytest.raises(ValueError, match="'orca_shift_give_up_alpha' .*at least the stop side's"):
+        validate_xargs({XARG_SHIFT_ALPHA: 0.05, XARG_SHIFT_GIVE_UP_ALPHA: 0.02})

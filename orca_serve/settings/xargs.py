@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orca_method.errors import shown
+from orca_method.shift_gate import give_up_level
 from orca_method.thresholds import NEVER, lam_to_json
 from orca_serve.settings.contract import (
     XARG_ANSWER_BUDGET,
@@ -106,6 +107,11 @@ def validate_xargs(xa: dict[str, Any] | None, n: int = 1, seed: int | None = Non
                 RULES[field].check(xa[name], False)
             except ValueError as e:
                 raise ValueError(refusal(name, str(e))) from None
+    if XARG_SHIFT_ALPHA in xa and XARG_SHIFT_GIVE_UP_ALPHA in xa:  # both the request's own
+        try:
+            give_up_level(float(xa[XARG_SHIFT_ALPHA]), float(xa[XARG_SHIFT_GIVE_UP_ALPHA]))
+        except ValueError as e:
+            raise ValueError(refusal(XARG_SHIFT_GIVE_UP_ALPHA, str(e))) from None
     for name in (XARG_KEY, XARG_BUNDLE):
         if name in xa and not isinstance(xa[name], str):
             raise ValueError(refusal(name, f"must be a string, got {shown(xa[name])}"))
