@@ -9,11 +9,12 @@ saw), and every arm is replayed from them through the server's own code path:
 - the shipped bundle's probe with its online update on the recorded step embeddings
   (`orca_method.procedure.replay`, the `ProbeBank.step` the engine runs), never stopping: the
   scores up to any stop are the ones the server computes, so one replay serves every lambda;
-- the shift gate (the defaults: on, alpha = the bundle's, action `strict`): its score of the
-  mean of the first `gate.steps` step embeddings (`ShiftGate.score`, the engine's code); before
-  its gate step a request neither stops nor gives up; a flagged one runs with the bundle's
-  largest lambda* (`--shift-action full`: none, full reasoning) and never gives up
-  (orca_serve/core/plan.py `_plan_scoring`);
+- the shift gate (the defaults: on, the bundle's levels, action `strict`): its score of the
+  mean of the first `gate.steps` step embeddings (`ShiftGate.score`, the engine's code) against
+  the request's two thresholds (`ShiftGate.thresholds`, as the engine resolves them); before its
+  gate step a request neither stops nor gives up; a flagged one runs with the bundle's largest
+  lambda* (`--shift-action full`: none, full reasoning) and never gives up, nor does one above
+  the give-up side's threshold (orca_serve/core/plan.py `_plan_scoring`, `ProbeBank.step`);
 - the give-up probe (its own bank, no online update) and `two_sided_ends` (the stop wins a tie);
 - `stop_indices` on the masked scores.
 
@@ -170,7 +171,7 @@ def served_ends(rep: Replayed, lam: float, mu: float | None, flagged: np.ndarray
     step (0-based gate_steps - 1) neither stop nor give up; a flagged request runs its safe
     threshold `safe` (`settings.contract.safe_lam`: NEVER, full reasoning, for the `full`
     action; the bundle's largest lambda* for `strict`) and never gives up; nor does one in
-    `no_give_up` ([n] bool; the give-up side's own gate level, `--give-up-alpha`). `mu` None:
+    `no_give_up` ([n] bool; above the give-up side's threshold, `--give-up-alpha`). `mu` None:
     one-sided."""
     held = [np.arange(len(s)) < gate_steps - 1 for s in rep.stop]
     stop = [np.where(h | f, -np.inf, s) for s, h, f in zip(rep.stop, held, flagged)]
@@ -228,8 +229,8 @@ def savings_lost(bundle: Bundle, rep: Replayed, action: ShiftAction = ShiftActio
     with the gate (flagged requests served by `action`) minus without, in points of full
     reasoning's tokens, and the flag rate; intervals clustered by prompt."""
     gate = bundle.load_gate()
-    alpha = gate.alpha if alpha is None else alpha
-    flags = gate_flags(rep, gate.threshold(alpha))
+    alpha = gate.levels(alpha)[0]
+    flags = gate_flags(rep, gate.thresholds(alpha)[0])
     none = np.zeros(len(rep), dtype=bool)
     prompts = rep.prompt or [str(i) for i in range(len(rep))]
     full = np.array([float(tr.completion) for tr in rep.traces])  # [n]
@@ -334,21 +335,25 @@ def family_report(bundle: Bundle, rep: Replayed, alarm: StreamAlarm | None = Non
                   action: ShiftAction = ShiftAction.FULL, alpha: float | None = None,
                   reasoner: str = "long", give_up_alpha: float | None = None) -> dict[str, Any]:
     """Every arm on one family's replayed traces, flagged requests served by `action`, the
-    gate at level `alpha` (None: the bundle's, as the server's --orca-shift-alpha), the
-    thinking budgets of `reasoner`. `give_up_alpha` (a design the server does not have yet):
-    the give-up side also leaves alone every request the gate would flag at that level."""
+    gate at levels `alpha` and `give_up_alpha` (None: the bundle's, as the server's
+    --orca-shift-alpha and --orca-shift-give-up-alpha; `ShiftGate.levels`), the thinking
+    budgets of `reasoner`: the give-up side leaves alone every request above its level's
+    threshold."""
     safe = safe_lam(bundle, action)
     gate = bundle.load_gate()
-    alpha = gate.alpha if alpha is None else alpha
-    flags = gate_flags(rep, gate.threshold(alpha))
+    alpha, give_up_alpha = gate.levels(alpha, give_up_alpha)
+    thr, thr_give_up = gate.thresholds(alpha, give_up_alpha)
+    flags = gate_flags(rep, thr)
     served = served_flagged(flags, alarm)
     none = np.zeros(len(rep), dtype=bool)
-    no_give_up = None if give_up_alpha is None else gate_flags(rep, gate.threshold(give_up_alpha))
+    no_give_up = gate_flags(rep, thr_give_up)
     policy, excl = bundle.give_up.policy, bundle.ltt.excluded_never_correct
     mu = bundle.mu(GIVE_UP_DELTA)
     out: dict[str, Any] = {
-        "n": len(rep), "gate": {"alpha": alpha, "steps": gate.steps,
-                                "flagged": rate(list(flags)), "served_flagged": rate(list(served))},
+        "n": len(rep), "gate": {"alpha": alpha, "give_up_alpha": give_up_alpha,
+                                "steps": gate.steps, "flagged": rate(list(flags)),
+                                "barred": rate(list(no_give_up)),
+                                "served_flagged": rate(list(served))},
         **references(bundle, rep, reasoner), "orca": []}
     for row in bundle.ltt.rows:
         lam = bundle.lam(row.delta)
@@ -385,7 +390,8 @@ def versus(v: dict[str, Any]) -> str:
 def table(family: str, rep: dict[str, Any]) -> str:
     """The family's markdown table and its done-means lines."""
     g = rep["gate"]
-    lines = [f"**{family}** (n = {rep['n']}; gate alpha {g['alpha']:g} on {g['steps']} steps "
+    lines = [f"**{family}** (n = {rep['n']}; gate alpha {g['alpha']:g} / give-up "
+             f"{g['give_up_alpha']:g} on {g['steps']} steps "
              f"flags {cell(g['flagged'])}; full reasoning {rep['full']['tokens']:.0f} tokens, "
              f"accuracy {acc(rep['full'])})", "",
              "| delta | arm | stop error (supervised) | stop error (certified loss) | "
@@ -483,8 +489,8 @@ def main(argv: list[str] | None = None) -> None:
                     default=str(DEFAULTS.shift_action), help="how a flagged request is served "
                     "(the server's --orca-shift-action, and its default)")
     ap.add_argument("--give-up-alpha", type=float, default=None,
-                    help="a design, not served yet: the give-up side also leaves alone the "
-                         "requests the gate would flag at this level (above --shift-alpha)")
+                    help="the give-up side's gate level (the server's "
+                         "--orca-shift-give-up-alpha; default: the bundle's)")
     ap.add_argument("--trajectories", type=Path, default=None,
                     help="replay this trajectory set (e.g. a calibration job's own) as the one "
                          "family --families names, instead of its bench_samples collection")
@@ -519,7 +525,7 @@ def alarmed(bundle: Bundle, rep: Replayed, family: str, a: argparse.Namespace) -
     per delta the gated arms' stop and give-up errors (mean and worst order), and the requests
     served a bad lambda (stopped or gave up wrongly) before the alarm acted."""
     gate = bundle.load_gate()
-    alpha = gate.alpha if a.shift_alpha is None else a.shift_alpha
+    alpha = gate.levels(a.shift_alpha)[0]
     alarm = server_alarm(len(gate.scores), alpha, a.gate_alarm, a.in_flight)
     rng = np.random.default_rng(34)
     runs = []

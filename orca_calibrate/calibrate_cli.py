@@ -23,7 +23,13 @@ from orca_calibrate.synth import generate
 from orca_calibrate.train_defaults import DEFAULTS, EPOCH_SELECT
 from orca_method.covariate_shift import DEFAULT_RATIO_RANK
 from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
-from orca_method.shift_gate import DEFAULT_GATE_ALPHA, DEFAULT_GATE_RANK, DEFAULT_GATE_STEPS
+from orca_method.shift_gate import (
+    DEFAULT_GATE_ALPHA,
+    DEFAULT_GATE_GIVE_UP_ALPHA,
+    DEFAULT_GATE_RANK,
+    DEFAULT_GATE_STEPS,
+    give_up_level,
+)
 from orca_method.trajectories import (
     DTYPES,
     STORED_DTYPE,
@@ -218,15 +224,23 @@ def cmd_gate(a: argparse.Namespace) -> None:
     from orca_method.bundle import load_bundle
 
     bundle = load_bundle(a.bundle)
+    give_up_alpha = (max(a.alpha, DEFAULT_GATE_GIVE_UP_ALPHA) if a.give_up_alpha is None
+                     else a.give_up_alpha)
+    try:
+        give_up_level(a.alpha, give_up_alpha)
+    except ValueError as e:
+        raise UsageError(f"--give-up-alpha: {e}") from None
     prompts = read_prompts(Path(a.prompts))
     with gate_collector(a.model, bundle, max_tokens=a.max_tokens, temperature=a.temperature,
                         seed=a.seed, engine=dict(a.engine or {})) as collector:
         feats = first_step_features(collector, prompts, a.steps)
     sealed = add_gate(Path(a.bundle), Path(a.out), feats, steps=a.steps, alpha=a.alpha,
-                      rank=a.rank, fit_fraction=a.fit_fraction, seed=a.seed)
+                      rank=a.rank, fit_fraction=a.fit_fraction, seed=a.seed,
+                      give_up_alpha=give_up_alpha)
     g = sealed.shift_gate
     print(f"wrote {a.out}: shift gate on {g.steps} step(s), fitted on {g.n_fit} prompts, "
-          f"scored on {len(g.scores)}, alpha {g.alpha}; checksum {sealed.checksum}")
+          f"scored on {len(g.scores)}, alpha {g.alpha} (give-up side {g.give_up_alpha}); "
+          f"checksum {sealed.checksum}")
 
 
 def cmd_groups(a: argparse.Namespace) -> None:
@@ -530,6 +544,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step embeddings the gate reads (it decides at this step)")
     p.add_argument("--alpha", type=float, default=DEFAULT_GATE_ALPHA,
                    help="default level: share of in-distribution requests flagged, at most")
+    p.add_argument("--give-up-alpha", type=float, default=None,
+                   help="the give-up side's default level, at least --alpha: share of "
+                   "in-distribution requests denied their give-up, at most (default: "
+                   f"{DEFAULT_GATE_GIVE_UP_ALPHA:g}, or --alpha where that is higher)")
     p.add_argument("--rank", type=integer(1), default=DEFAULT_GATE_RANK,
                    help="principal directions of the nonconformity score")
     p.add_argument("--fit-fraction", type=float, default=0.5,

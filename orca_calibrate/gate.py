@@ -24,6 +24,7 @@ import numpy as np
 from orca_method.bundle import Bundle, GateReference, gate_reference, load_bundle, save_bundle
 from orca_method.shift_gate import (
     DEFAULT_GATE_ALPHA,
+    DEFAULT_GATE_GIVE_UP_ALPHA,
     DEFAULT_GATE_RANK,
     DEFAULT_GATE_STEPS,
     gate_features,
@@ -41,6 +42,7 @@ def gate_features_of(embeddings: Sequence[np.ndarray], steps: int) -> np.ndarray
 
 def gate_from_trajectories(ts: TrajectorySet, *, steps: int = DEFAULT_GATE_STEPS,
                            alpha: float = DEFAULT_GATE_ALPHA,
+                           give_up_alpha: float | None = DEFAULT_GATE_GIVE_UP_ALPHA,
                            rank: int = DEFAULT_GATE_RANK) -> GateReference | None:
     """The gate fitted on the training split and scored on the calibration split (None when
     either has too few trajectories long enough to be gated)."""
@@ -48,7 +50,8 @@ def gate_from_trajectories(ts: TrajectorySet, *, steps: int = DEFAULT_GATE_STEPS
     cal = gate_features_of([ts.embeddings(i) for i in ts.split("calibration")], steps)
     if len(fit) < 2 or len(cal) < 1:
         return None
-    return gate_reference(fit, cal, steps=steps, alpha=alpha, rank=rank)
+    return gate_reference(fit, cal, steps=steps, alpha=alpha, give_up_alpha=give_up_alpha,
+                          rank=rank)
 
 
 def split_features(features: np.ndarray, fit_fraction: float, seed: int
@@ -86,7 +89,8 @@ def first_step_features(collector: Collector, prompts: list[dict], steps: int) -
 
 
 def add_gate(bundle_path: Path, out: Path, features: np.ndarray, *, steps: int, alpha: float,
-             rank: int, fit_fraction: float, seed: int) -> Bundle:
+             rank: int, fit_fraction: float, seed: int,
+             give_up_alpha: float | None = DEFAULT_GATE_GIVE_UP_ALPHA) -> Bundle:
     """The bundle with a gate fitted on part of `features` and scored on the rest, re-sealed."""
     bundle = load_bundle(bundle_path)
     if features.shape[1] != bundle.model.hidden_size:
@@ -96,5 +100,6 @@ def add_gate(bundle_path: Path, out: Path, features: np.ndarray, *, steps: int, 
     if len(fit) < 2 or len(cal) < 1:
         raise ValueError(f"{len(features)} usable prompts are too few for a gate (fitted "
                          f"{len(fit)}, scored {len(cal)}); give more prompts")
-    ref = gate_reference(fit, cal, steps=steps, alpha=alpha, rank=rank)
+    ref = gate_reference(fit, cal, steps=steps, alpha=alpha, give_up_alpha=give_up_alpha,
+                         rank=rank)
     return save_bundle(bundle.model_copy(update={"shift_gate": ref}), out)

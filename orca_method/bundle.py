@@ -46,7 +46,7 @@ from orca_method.errors import first_line
 from orca_method.normalizations import DEFAULT_NORMALIZATION, Normalization
 from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy
 from orca_method.probe import Probe, ProbeSpec
-from orca_method.shift_gate import DEFAULT_GATE_RANK, ShiftGate, fit_gate
+from orca_method.shift_gate import DEFAULT_GATE_RANK, ShiftGate, fit_gate, give_up_level
 from orca_method.steps import DEFAULT_DELIMITER, THINK_END, THINK_START
 from orca_method.thresholds import GIVE_UP_NEVER, GROUP_NAME_MAX, lam_from_json, mu_from_json
 
@@ -187,13 +187,19 @@ class GateReference(_Strict):
     """The per-request shift gate's reference (orca_method/shift_gate.py, docs/METHOD.md section
     11): the nonconformity model fitted on the training split (`tensors`: base64 safetensors of
     mean [d], basis [rank, d], var [rank], res_scale [1]) and the calibration split's sorted
-    scores. Optional: a bundle without it serves every request ungated."""
+    scores. Optional: a bundle without it serves every request ungated.
+
+    `give_up_alpha`, the give-up side's default level (>= alpha), is optional too: absent (every
+    bundle written before it), it is alpha, one level for both sides, as those bundles meant;
+    written only when set (`save_bundle`), so their checksums stay what they were."""
 
     steps: int = Field(ge=1)  # step embeddings the gate reads (it decides at this step)
     alpha: float = Field(gt=0, lt=1)  # the default level: in-distribution requests flagged
     n_fit: int = Field(ge=2)  # training requests the model was fitted on
     tensors: str = Field(min_length=1)
     scores: list[float] = Field(min_length=1)
+    # the default level of the give-up side: in-distribution requests denied their give-up
+    give_up_alpha: float | None = Field(default=None, gt=0, lt=1)
 
     @field_validator("scores")
     @classmethod
@@ -201,6 +207,11 @@ class GateReference(_Strict):
         if any(b < a for a, b in itertools.pairwise(v)):
             raise ValueError("shift gate scores must be sorted ascending")
         return v
+
+    @model_validator(mode="after")
+    def _levels(self) -> GateReference:
+        give_up_level(self.alpha, self.give_up_alpha)  # ValueError below alpha
+        return self
 
 
 class GiveUpRow(_Strict):
@@ -475,7 +486,7 @@ class Bundle(_Strict):
                 raise BundleError(f"shift gate tensor {k} has non-finite values: rebuild its gate")
         if r < 1 or (t["var"] <= 0).any() or float(t["res_scale"][0]) <= 0:
             raise BundleError("shift gate variances must be positive: rebuild its gate")
-        return ShiftGate(t, g.scores, g.steps, g.alpha, device)
+        return ShiftGate(t, g.scores, g.steps, g.alpha, device, g.give_up_alpha)
 
     def summary(self) -> dict[str, Any]:
         """Everything but the weights and the drift reference's numbers (for /v1/orca/bundle
@@ -487,8 +498,9 @@ class Bundle(_Strict):
                           "size": len(self.drift.early_mean)}
         if self.shift_gate is not None:
             sg = self.shift_gate
-            d["shift_gate"] = {"steps": sg.steps, "alpha": sg.alpha, "n_fit": sg.n_fit,
-                               "n_cal": len(sg.scores)}
+            d["shift_gate"] = {"steps": sg.steps, "alpha": sg.alpha,
+                               "give_up_alpha": give_up_level(sg.alpha, sg.give_up_alpha),
+                               "n_fit": sg.n_fit, "n_cal": len(sg.scores)}
         if self.give_up is not None:
             g = self.give_up
             d["give_up"]["probe"] = {"variant": ProbeSpec.from_dict(g.probe.spec).name,
@@ -497,12 +509,15 @@ class Bundle(_Strict):
 
 
 def gate_reference(fit: Any, cal: Any, *, steps: int, alpha: float,
+                   give_up_alpha: float | None = None,
                    rank: int = DEFAULT_GATE_RANK) -> GateReference:
     """A bundle's shift gate from gate features ([N, d] of the training split, [M, d] of the
-    calibration split; orca_method.shift_gate.gate_features)."""
+    calibration split; orca_method.shift_gate.gate_features), at levels `alpha` and
+    `give_up_alpha` (None: alpha's, one level)."""
     tensors, scores = fit_gate(fit, cal, rank)
-    return GateReference(steps=steps, alpha=alpha, n_fit=len(fit), tensors=encode_tensors(
-        {k: torch.from_numpy(v) for k, v in tensors.items()}), scores=scores)
+    return GateReference(steps=steps, alpha=alpha, give_up_alpha=give_up_alpha, n_fit=len(fit),
+                         tensors=encode_tensors({k: torch.from_numpy(v)
+                                                 for k, v in tensors.items()}), scores=scores)
 
 
 def schema_version_for(two_sided: bool) -> int:
@@ -597,6 +612,8 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Bundle:
         drop["give_up"] = {"policy": True}  # as before the field: "guess" (GiveUpBlock)
     if bundle.shift_gate is None:  # older readers refuse an unknown key; checksums unchanged
         drop["shift_gate"] = True
+    elif bundle.shift_gate.give_up_alpha is None:  # likewise: one level, as before the field
+        drop["shift_gate"] = {"give_up_alpha": True}
     if bundle.labelling in (None, DEFAULT_LABELLING):
         drop["labelling"] = True
     if bundle.groups is None:

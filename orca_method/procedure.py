@@ -46,9 +46,11 @@ class StepResult:
     give_up_score: Tensor | None = None  # g_t per row (smoothed), when the bank has a give-up probe
     give_up: Tensor | None = None  # bool per row: g_t <= mu and not stopping (the stop wins a tie)
     # the shift gate, when the bank has one and the call passed a GateStep: the nonconformity
-    # score of each deciding row (GateStep.decide, [k]) and whether the gate flagged it
+    # score of each deciding row (GateStep.decide, [k]), whether the gate flagged it (the stop
+    # side's level) and whether it bars its give-up (the give-up side's; every flagged row too)
     gate_score: Tensor | None = None
     gate_flag: Tensor | None = None
+    gate_barred: Tensor | None = None
 
 
 @dataclass
@@ -56,13 +58,16 @@ class GateStep:
     """Which rows of one `ProbeBank.step` call the shift gate works on, known to the caller (it
     counts each request's scored steps): `add`, positions (in the call's rows) of steps among a
     request's first `gate.steps`, whose embeddings the gate sums; `decide`, positions at the
-    gate's step, scored now against their thresholds `thr` ([k] each; all three on the bank's
-    device). A row before its gate step is held by the caller (threshold never, no give-up).
-    The gate's matrix work is thus [k, d] x [d, rank] once per request, not per row and step."""
+    gate's step, scored now against their thresholds: `thr`, the stop side's (above it: flagged),
+    and `thr_give_up`, the give-up side's (above it: never gives up; <= thr, its level being the
+    higher one: `ShiftGate.thresholds`) ([k] each; all on the bank's device). A row before its
+    gate step is held by the caller (threshold never, no give-up). The gate's matrix work is
+    thus [k, d] x [d, rank] once per request, not per row and step."""
 
     add: Tensor
     decide: Tensor
     thr: Tensor
+    thr_give_up: Tensor
 
 
 class ProbeBank:
@@ -73,7 +78,8 @@ class ProbeBank:
     same step embeddings in a bank of its own, so that each step also decides whether to give up.
 
     `gate`: the shift gate (orca_method/shift_gate.py) and the threshold a flagged row runs with
-    from its gate step on (`gate_lam`: NEVER = full reasoning); a flagged row never gives up.
+    from its gate step on (`gate_lam`: NEVER = full reasoning); a flagged row never gives up, nor
+    does one the gate bars at the give-up side's level (`GateStep.thr_give_up`).
     """
 
     def __init__(self, probe: Probe, window: int = 10, capacity: int = 64,
@@ -139,8 +145,9 @@ class ProbeBank:
         `mu`: [m] give-up thresholds (GIVE_UP_NEVER = -inf: this row never gives up), for a
         bank with a give-up probe; its smoothed score is computed for every row either way.
         `gate`: the rows the shift gate works on (`GateStep`), for a bank with a gate; the rows
-        it flags at their gate step run with `gate_lam` at this step already (the caller then
-        keeps them on it).
+        it flags at their gate step run with `gate_lam` at this step already, and those it bars
+        (flagged ones included) do not give up at it (the caller then keeps them so): the one
+        place the gate's decisions are applied.
 
         rows: [m] distinct row ids on the host (a list, or a CPU tensor), phi: [m, d] step
         embeddings, lam: [m] thresholds (inf = never); `rows_dev`: the same rows already on the
@@ -172,15 +179,15 @@ class ProbeBank:
         smoothed = hist.index_select(0, rows).sum(1) / n.clamp(max=self.window)
         count[rows] = n
         lam = lam.to(self.device)
-        score = flag = None
+        score = flag = barred = None
         if self.gate is not None and gate is not None:
-            score, flag = self._gate(rows, phi, gate)
+            score, flag, barred = self._gate(rows, phi, gate)
             lam = self.gated(lam, gate.decide, flag, self.gate_lam)
             if mu is not None:
-                mu = self.gated(mu.to(self.device), gate.decide, flag, GIVE_UP_NEVER)
+                mu = self.gated(mu.to(self.device), gate.decide, barred, GIVE_UP_NEVER)
         stop = smoothed >= lam
         out = StepResult(raw=raw, smoothed=smoothed, stop=stop, steps=n, gate_score=score,
-                         gate_flag=flag)
+                         gate_flag=flag, gate_barred=barred)
         # a stopping row is not updated (its request ends here)
         self.probe.update_(fast, phi, logit, frozen=stop)
         if not contiguous:
@@ -200,15 +207,17 @@ class ProbeBank:
         now = v.index_select(0, decide)  # [k]
         return v.index_put((decide,), torch.where(flag, torch.full_like(now, safe), now))
 
-    def _gate(self, rows: Tensor, phi: Tensor, g: GateStep) -> tuple[Tensor, Tensor]:
-        """(score, flagged) of the deciding rows ([k] each), after the gathering rows added
-        their step embeddings to their running sums."""
+    def _gate(self, rows: Tensor, phi: Tensor, g: GateStep) -> tuple[Tensor, Tensor, Tensor]:
+        """(score, flagged, barred from giving up) of the deciding rows ([k] each), after the
+        gathering rows added their step embeddings to their running sums. Every flagged row is
+        barred, whatever thresholds the caller passed."""
         gsum = self._fast["gate_sum"]
         gsum.index_put_((rows.index_select(0, g.add),), phi.index_select(0, g.add),
                         accumulate=True)
         decide = rows.index_select(0, g.decide)
         score = self.gate.score(gsum.index_select(0, decide) / self.gate.steps)  # [k]
-        return score, score > g.thr
+        flag = score > g.thr
+        return score, flag, flag | (score > g.thr_give_up)
 
 
 def as_tensor(arr) -> Tensor:

@@ -11,7 +11,15 @@ p-value against the calibration split's own scores:
 Under exchangeability of the request with the n calibration requests, P(p <= alpha) <= alpha
 (split conformal, Vovk et al. 2005; Angelopoulos & Bates 2021): on in-distribution traffic at
 most alpha of requests are flagged. A flagged request is served by the operator's safe action
-(full reasoning by default), so on traffic the gate catches the stop error is that action's.
+(the bundle's largest lambda* by default), so on traffic the gate catches the stop error is
+that action's.
+
+Two levels, one p-value: the stop side's `alpha` (p <= alpha: flagged, served the safe action,
+never gives up) and the give-up side's `give_up_alpha` >= alpha (p <= give_up_alpha: never gives
+up, stops as usual). The same bound holds for each: on in-distribution traffic at most alpha of
+requests are flagged and at most give_up_alpha are denied their give-up. The give-up side's
+level may be the higher one because giving up wrongly under shift is the costlier error there
+and denying a give-up costs tokens only (docs/METHOD.md section 11).
 
 The score: a Mahalanobis distance in the top `rank` principal directions of the training
 features plus the squared residual outside them, scaled by its training mean (PCA Mahalanobis
@@ -37,7 +45,13 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 DEFAULT_GATE_STEPS = 1  # steps whose embeddings the gate reads: decided at the first step
-DEFAULT_GATE_ALPHA = 0.05  # in-distribution requests flagged, at most
+# The levels the job writes into a bundle (and the demo bundles carry): in-distribution requests
+# flagged, at most, and denied their give-up, at most. The stop side's 0.035 keeps the savings the
+# gate costs in distribution within 2 points; the give-up side's 0.05 keeps two-sided stopping
+# safe on shifted traffic the stop side's lower level lets through (benchmarks/RESULTS.md, "The
+# shift action and the gate's level").
+DEFAULT_GATE_ALPHA = 0.035
+DEFAULT_GATE_GIVE_UP_ALPHA = 0.05
 DEFAULT_GATE_RANK = 32  # principal directions kept (on the toy, 16 misses half its shift)
 _EPS = 1e-6
 
@@ -109,15 +123,31 @@ def pvalue(scores: Sequence[float], s: float) -> float:
     return (1 + at_least) / (n + 1)
 
 
+def give_up_level(alpha: float, give_up_alpha: float | None) -> float:
+    """The give-up side's level beside the stop side's `alpha` (None: alpha's, one level for
+    both: what a bundle without the block's give_up_alpha means). ValueError when it is below
+    alpha: a flagged request never gives up, so a lower give-up level would mean nothing."""
+    if give_up_alpha is None:
+        return alpha
+    if give_up_alpha < alpha:
+        raise ValueError(f"the give-up side's gate level ({give_up_alpha:g}) must be at least the "
+                         f"stop side's ({alpha:g}): a request the gate flags never gives up")
+    return give_up_alpha
+
+
 class ShiftGate:
     """A bundle's gate on a device: `score` for a batch of feature rows, thresholds and p-values
-    on the host (see the module docstring)."""
+    on the host (see the module docstring). `alpha` and `give_up_alpha` are the bundle's levels
+    (give_up_alpha None: one level, the stop side's, whatever a request sets it to)."""
 
     def __init__(self, tensors: dict[str, Tensor], scores: Sequence[float], steps: int,
-                 alpha: float, device: str | torch.device = "cpu") -> None:
+                 alpha: float, device: str | torch.device = "cpu",
+                 give_up_alpha: float | None = None) -> None:
         import torch  # deferred: the CLI reads this module's defaults without torch
 
         self.steps, self.alpha = int(steps), float(alpha)
+        give_up_level(self.alpha, give_up_alpha)  # ValueError below alpha
+        self.give_up_alpha = None if give_up_alpha is None else float(give_up_alpha)
         self.scores = [float(s) for s in scores]
         dev = torch.device(device)
         self.mean = tensors["mean"].to(dev, torch.float32)  # [d]
@@ -137,6 +167,26 @@ class ShiftGate:
 
     def threshold(self, alpha: float) -> float:
         return threshold(self.scores, alpha)
+
+    def levels(self, alpha: float | None = None, give_up_alpha: float | None = None
+               ) -> tuple[float, float]:
+        """The (stop, give-up) levels a request runs with: its own where it has them, else the
+        bundle's; a bundle without a give-up level has one level, the stop side's (as it had
+        before the field). Alpha 0 turns the gate off on both sides (0, 0). A give-up level
+        below the stop level is raised to it (a flagged request never gives up): the server
+        refuses a request that asks for that itself (orca_serve.settings.resolve), so only a
+        default give-up level is ever raised."""
+        a = self.alpha if alpha is None else float(alpha)
+        if a == 0:
+            return 0.0, 0.0
+        g = give_up_alpha if give_up_alpha is not None else self.give_up_alpha
+        return a, a if g is None else max(a, float(g))
+
+    def thresholds(self, alpha: float | None = None, give_up_alpha: float | None = None
+                   ) -> tuple[float, float]:
+        """The score thresholds of `levels` (stop, give-up; give-up <= stop; inf: off)."""
+        a, g = self.levels(alpha, give_up_alpha)
+        return self.threshold(a), self.threshold(g)
 
     def pvalue(self, s: float) -> float:
         return pvalue(self.scores, s)

@@ -55,3 +55,15 @@ def test_synth_writes_nothing_for_a_negative_count(tmp_path, capsys):
 
     assert main(["synth", "--out", str(tmp_path / "s"), "--problems", "-1"]) == 2
     assert not (tmp_path / "s").exists() and "wrote" not in capsys.readouterr().out
+
+
+def test_gate_refuses_a_give_up_level_below_its_alpha(bundle_path, tmp_path, capsys):
+    """Before any engine starts: one line, exit 2 (docs/METHOD.md section 11)."""
+    from orca_calibrate.calibrate_cli import main
+
+    out = tmp_path / "gated.json"
+    assert main(["gate", "--model", "m", "--bundle", str(bundle_path), "--prompts", "p",
+                 "--out", str(out), "--alpha", "0.05", "--give-up-alpha", "0.02"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--give-up-alpha" in err[0] and "at least the stop side's" in err[0]
+    assert not out.exists()

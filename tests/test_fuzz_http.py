@@ -120,7 +120,8 @@ def test_deep_json_is_400_and_openapi_documents_orca(demo):
         assert "OrcaFields" in str(schemas[req]["properties"]["orca"])
     assert set(schemas["OrcaFields"]["properties"]) == {"enabled", "delta", "policy",
                                                         "answer_budget", "give_up",
-                                                        "shift_alpha", "group", "samples"}
+                                                        "shift_alpha", "shift_give_up_alpha",
+                                                        "group", "samples"}
     assert set(schemas["GiveUpFields"]["properties"]) == {"enabled", "delta"}
 
 

@@ -36,11 +36,28 @@ def test_a_flagged_request_reasons_in_full_and_says_so(srv):
     ungated = orca_of(chat(srv, {"delta": 0.2}))
     assert ungated["stopped_early"] and ungated["stop_step"] == 1 and "shift" not in ungated
     o = orca_of(chat(srv, {"delta": 0.2, "shift_alpha": 0.05, "give_up": {"delta": 0.05}}))
-    assert o["shift"] == {"alpha": 0.05, "pvalue": pytest.approx(1 / 40), "flagged": True}
+    assert o["shift"] == {"alpha": 0.05, "give_up_alpha": 0.05, "pvalue": pytest.approx(1 / 40),
+                          "flagged": True, "give_up_barred": True}
     # no stop at step 1, no give-up (mu* 0.6 would give up at step 1 too): full reasoning
     assert not o["stopped_early"] and o["give_up_step"] is None and o["ended"] == "full"
     assert o["steps_scored"] > 1
     assert _flagged_count(srv) == before + 1
+
+
+def test_a_request_barred_at_the_give_up_level_only_stops_but_never_gives_up(srv):
+    """Two levels: p = 1/40 is above 0.02 (no stop-side flag: lambda* stops it at step 1 as
+    usual) and at most 0.05 (its give-up is barred: mu* 0.6 would give up at step 1)."""
+    levels = {"shift_alpha": 0.02, "shift_give_up_alpha": 0.05}
+    o = orca_of(chat(srv, {"delta": 0.2, **levels}))
+    assert o["shift"] == {"alpha": 0.02, "give_up_alpha": 0.05, "pvalue": pytest.approx(1 / 40),
+                          "flagged": False, "give_up_barred": True}
+    assert o["stopped_early"] and o["stop_step"] == 1
+    o = orca_of(chat(srv, {"delta": 0.05, **levels, "give_up": {"delta": 0.05}}))
+    assert o["shift"]["give_up_barred"] and o["give_up_step"] is None and o["ended"] != "gave_up"
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(srv, {"shift_alpha": 0.05, "shift_give_up_alpha": 0.02})
+    assert e.value.body["param"] == "orca.shift_give_up_alpha"
+    assert "at least the stop side's" in e.value.body["message"]
 
 
 def test_a_bad_shift_alpha_is_a_400(srv):

@@ -59,6 +59,7 @@ def orca_defaults(args: Any, bundle: Bundle | None) -> OrcaDefaults:
         give_up_policy=GiveUpPolicy(getattr(args, "orca_give_up_policy", None)
                                     or DEFAULTS.give_up_policy),
         shift_alpha=getattr(args, "orca_shift_alpha", None),
+        shift_give_up_alpha=getattr(args, "orca_shift_give_up_alpha", None),
         shift_action=ShiftAction(getattr(args, "orca_shift_action", None)
                                  or DEFAULTS.shift_action),
         gate_alarm=getattr(args, "orca_gate_alarm", DEFAULT_ALARM_LEVEL),

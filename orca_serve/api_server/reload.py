@@ -186,7 +186,8 @@ class Reloader:
         try:  # the options the server runs with, as at start
             check_options(bundle, delta=self.fixed_delta, give_up_delta=st.defaults.give_up_delta,
                           give_up_policy=st.defaults.give_up_policy,
-                          effort_map=st.defaults.effort_map,
+                          effort_map=st.defaults.effort_map, shift_alpha=st.defaults.shift_alpha,
+                          shift_give_up_alpha=st.defaults.shift_give_up_alpha,
                           vote_waves=st.defaults.vote_waves)
         except BundleError as e:
             raise ReloadRefused(str(e)) from None

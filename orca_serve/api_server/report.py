@@ -93,8 +93,9 @@ def choice_fields(result: OrcaResult | None, bundle: str | None = None,
         out["give_up_step"] = r.give_up_step
         out["last_give_up_score"] = _score(r.last_give_up_score)
     if r.shift_alpha is not None:  # the shift gate ran (pvalue None: it had not decided yet)
-        out["shift"] = {"alpha": r.shift_alpha, "pvalue": r.shift_pvalue,
-                        "flagged": r.shift_flagged}
+        out["shift"] = {"alpha": r.shift_alpha, "give_up_alpha": r.shift_give_up_alpha,
+                        "pvalue": r.shift_pvalue, "flagged": r.shift_flagged,
+                        "give_up_barred": r.shift_barred}
     if r.notes:
         out["notes"] = list(r.notes)
     if r.error:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from orca_method.consensus import format_waves
 from orca_method.errors import first_line
 from orca_method.outcomes import GiveUpPolicy
+from orca_method.shift_gate import give_up_level
 from orca_method.steps import token_bytes_from_tokenizer
 from orca_serve.checks.errors import PROG, StartupError
 from orca_serve.settings.effort import check_effort_map
@@ -110,12 +111,23 @@ def check_bundle(bundle: Any, model: str, *, served_names: list[str] | None = No
 
 def check_options(bundle: Bundle, *, delta: float | None, give_up_delta: float | None,
                   give_up_policy: GiveUpPolicy, effort_map: Mapping[str, str | float],
+                  shift_alpha: float | None = None, shift_give_up_alpha: float | None = None,
                   vote_waves: tuple[int, ...] | None = None) -> None:
     """Refuse (BundleError, one line starting with the option) a bundle lacking what the
     options name: --orca-delta's lambda*, --orca-give-up-delta's mu*, a delta of
-    --orca-effort-map, a give-up threshold certified for --orca-give-up-policy, or a consensus
-    block certified for --orca-vote-waves."""
+    --orca-effort-map, a give-up threshold certified for --orca-give-up-policy, a gate whose
+    stop level (--orca-shift-alpha, else the bundle's) is above --orca-shift-give-up-alpha, or
+    a consensus block certified for --orca-vote-waves."""
     from orca_method.bundle import BundleError  # deferred: torch (not needed by --check-vllm)
+
+    if shift_give_up_alpha is not None and bundle.shift_gate is not None:
+        alpha = bundle.shift_gate.alpha if shift_alpha is None else shift_alpha
+        try:
+            give_up_level(alpha, shift_give_up_alpha)
+        except ValueError as e:
+            source = "the bundle" if shift_alpha is None else "--orca-shift-alpha"
+            raise BundleError(f"--orca-shift-give-up-alpha {shift_give_up_alpha:g}: {e} (the "
+                              f"stop side's is {source}'s {alpha:g})") from None
 
     if delta is not None:
         try:

@@ -63,12 +63,14 @@ class Deployment:
                                   gate=self.gate, gate_lam=safe_lam(self.bundle, shift_action))
         self.shift_action = shift_action
 
-    def gate_threshold(self, alpha: float | None) -> float:
-        """The gate's score threshold for a request at level `alpha` (None: the bundle's);
-        inf when the gate does not run for it (no gate, or alpha 0)."""
+    def gate_thresholds(self, alpha: float | None, give_up_alpha: float | None
+                        ) -> tuple[float, float]:
+        """The gate's score thresholds (stop side, give-up side) for a request at levels
+        `alpha` and `give_up_alpha` (None: the bundle's; `ShiftGate.levels`); inf when the gate
+        does not run for it (no gate, or alpha 0)."""
         if self.gate is None:
-            return math.inf
-        return self.gate.threshold(self.gate.alpha if alpha is None else alpha)
+            return math.inf, math.inf
+        return self.gate.thresholds(alpha, give_up_alpha)
 
     @property
     def checksum(self) -> str | None:

@@ -120,7 +120,7 @@ class DeviceStep:
             return None
         a0, a1, d0, d1 = ranges
         return GateStep(v.long(IDX["gate_add"])[a0:a1], v.long(IDX["gate_decide"])[d0:d1],
-                        v.float(IDX["gate_thr"])[d0:d1])
+                        v.float(IDX["gate_thr"])[d0:d1], v.float(IDX["gate_thr_give_up"])[d0:d1])
 
     def _score(self, p: StepPlan, v: Staged, phi: Tensor, logits: Tensor) -> None:
         """Each deployment's scored steps through its bank; a stop or a give-up forces its first
@@ -139,19 +139,22 @@ class DeviceStep:
             # a deployment without a give-up probe: score 1 (it would not give up), flag False
             if r.give_up is None:
                 r.give_up_score, r.give_up = torch.ones_like(r.smoothed), torch.zeros_like(r.stop)
-            # the gate's [k] decisions as [m] rows (score 0, not flagged where it did not decide);
-            # the would-stop thresholds as the gate leaves them, by the bank's own rule
+            # the gate's [k] decisions as [m] rows (score 0, not flagged nor barred where it did
+            # not decide); the would-stop thresholds as the gate leaves them, by the bank's rule
             score, flag, h = torch.zeros_like(r.smoothed), torch.zeros_like(r.stop), hit_lam[a:b]
+            barred = flag
             if r.gate_flag is not None:
                 score = score.index_put((g.decide,), r.gate_score)
+                barred = flag.index_put((g.decide,), r.gate_barred)
                 flag = flag.index_put((g.decide,), r.gate_flag)
                 h = dep.bank.gated(h, g.decide, r.gate_flag, dep.bank.gate_lam)
-            r.gate_score, r.gate_flag = score, flag
+            r.gate_score, r.gate_flag, r.gate_barred = score, flag, barred
             hit_thr.append(h)
         hit_thr = hit_thr[0] if len(hit_thr) == 1 else torch.cat(hit_thr)
         # [m] each: slices of device tensors and their concatenation wait for nothing
-        keys = ("smoothed", "stop", "steps", "give_up_score", "give_up", "gate_score", "gate_flag")
-        smoothed, stop, steps, g, gave, gate_score, flagged = (
+        keys = ("smoothed", "stop", "steps", "give_up_score", "give_up", "gate_score", "gate_flag",
+                "gate_barred")
+        smoothed, stop, steps, g, gave, gate_score, flagged, barred = (
             tuple(getattr(res[0], k) for k in keys) if len(res) == 1
             else tuple(torch.cat([getattr(r, k) for r in res]) for k in keys))
         # a give-up ends the request like a stop: the same first forced token
@@ -168,4 +171,4 @@ class DeviceStep:
         hit = smoothed >= hit_thr
         self.readback.start(torch.stack([smoothed.float(), hit.float(), steps.float(),
                                          g.float(), gave.float(), gate_score.float(),
-                                         flagged.float()]))
+                                         flagged.float(), barred.float()]))

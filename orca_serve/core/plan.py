@@ -44,7 +44,8 @@ class StepPlan:
     # the shift gate, by position in the scored steps' deployment group (a GateStep per group):
     gate_add: list[int] = field(default_factory=list)  # steps among a request's first gate.steps
     gate_decide: list[int] = field(default_factory=list)  # steps at the gate's step ...
-    gate_thr: list[float] = field(default_factory=list)  # ... and their thresholds
+    gate_thr: list[float] = field(default_factory=list)  # ... their stop side's thresholds
+    gate_thr_give_up: list[float] = field(default_factory=list)  # ... and give-up side's
     scored_slots: list[int] = field(default_factory=list)
     cand_pos: list[int] = field(default_factory=list)  # scored steps whose stop forces now:
     cand_rows: list[int] = field(default_factory=list)  # their logits row
@@ -68,7 +69,8 @@ class StepPlan:
 STAGED = ("pool_rows", "pool_slots", "lag_slots", "park_rows", "park_slots", "op_slots",
           "op_kinds", "emit_ops", "emit_slots", "emit_counts", "scored", "bank_lam", "hit_lam",
           "bank_mu", "scored_slots", "cand_pos", "cand_rows", "cand_ids", "forced_rows",
-          "forced_ids", "greedy_rows", "gate_add", "gate_decide", "gate_thr")
+          "forced_ids", "greedy_rows", "gate_add", "gate_decide", "gate_thr",
+          "gate_thr_give_up")
 IDX = {name: i for i, name in enumerate(STAGED)}
 
 
@@ -182,9 +184,10 @@ def _plan_scoring(p: StepPlan, scored: list[tuple[Deployment, Request, int, int,
         p.scored_slots.append(req.slot)
         p.bank_lam.append(NEVER if shadow else lam)
         p.hit_lam.append(NEVER if shadow and req.would_stop_step is not None else lam)
-        # shadow (audited) requests run to the end: they never give up; nor do flagged ones
+        # shadow (audited) requests run to the end: they never give up; nor do flagged ones,
+        # nor those the gate barred at the give-up side's level (flagged ones are barred too)
         mu = req.spec.give_up_mu
-        p.bank_mu.append(GIVE_UP_NEVER if shadow or mu is None or req.shift_flagged or held
+        p.bank_mu.append(GIVE_UP_NEVER if shadow or mu is None or req.shift_barred or held
                          else mu)
         p.pending.append((req, n, guard, 1 + len(req.draft_rows)))
         if not guard and not shadow:
@@ -206,6 +209,7 @@ def _plan_gate(p: StepPlan, req: Request, pos: int) -> bool:
         return True
     p.gate_decide.append(pos)
     p.gate_thr.append(req.shift_thr)
+    p.gate_thr_give_up.append(req.shift_thr_give_up)
     return False
 
 
@@ -222,7 +226,7 @@ def apply_readback(pending: list[tuple[Request, int, bool, int]], host: list[lis
     """The previous step's decisions reach the host: scores, would-stop, stop and give-up steps,
     and the rest of each stop's forced text (its first token was forced on the device; a
     give-up forces the same first token as a stop: core/stopping.py)."""
-    sm, hit, steps, give_up, gave, gate_score, flagged = host
+    sm, hit, steps, give_up, gave, gate_score, flagged, barred = host
     stats["steps_scored"] += len(pending)
     for i, (req, pos, guard_stopped, rows) in enumerate(pending):
         req.scores.append(sm[i])
@@ -232,6 +236,7 @@ def apply_readback(pending: list[tuple[Request, int, bool, int]], host: list[lis
         if req.gated and req.steps_scored == req.dep.gate.steps:
             req.shift_pvalue = req.dep.gate.pvalue(gate_score[i])
             req.shift_flagged = flagged[i] >= 0.5
+            req.shift_barred = barred[i] >= 0.5
         if gave[i] >= 0.5:
             if guard_stopped:
                 continue  # the budget guard closed it at this step already: its plan stands

@@ -149,10 +149,10 @@ class Staged:
 
 class Readback:
     """The step's one device-to-host copy: a [ROWS, m] float32 block (smoothed score, stop flag,
-    steps scored, give-up score, give-up flag, shift gate score, gate flag) copied non_blocking
-    into pinned memory, read on the next step."""
+    steps scored, give-up score, give-up flag, shift gate score, gate flag, gate's give-up bar)
+    copied non_blocking into pinned memory, read on the next step."""
 
-    ROWS = 7
+    ROWS = 8
 
     def __init__(self, capacity: int, device: torch.device, pin: bool, fence: Fence) -> None:
         pin = pin and device.type == "cuda"

@@ -44,7 +44,8 @@ class Request:
                  "greedy", "guard_pos", "handle", "ident", "ignore_eos", "index", "key", "lag",
                  "last_give_up", "left_at", "max_tokens", "n_seen", "notes",
                  "output", "plan", "policy", "prompt", "prompt_reasoning", "record", "scores",
-                 "seg", "shift_flagged", "shift_pvalue", "shift_thr", "slot", "snapshot", "spec",
+                 "seg", "shift_barred", "shift_flagged", "shift_pvalue", "shift_thr",
+                 "shift_thr_give_up", "slot", "snapshot", "spec",
                  "step_counts", "step_embs", "steps_scored", "stop_reason", "stop_step",
                  "stopped", "would_stop_step")
 
@@ -93,11 +94,15 @@ class Request:
         self.error: str | None = None
         self.handle: Any = None
         self.bundle_checksum = dep.checksum  # None when no deployment of its bundle was live
-        # the shift gate: its score threshold for this request (inf: not gated), its p-value
-        # once decided, and whether it flagged the request (then the deployment's safe lambda)
-        self.shift_thr = dep.gate_threshold(spec.shift_alpha) if spec.enabled else math.inf
+        # the shift gate: its score thresholds for this request (stop side, give-up side; inf:
+        # not gated), its p-value once decided, whether it flagged the request (then the
+        # deployment's safe lambda, no give-up) and whether it barred its give-up
+        self.shift_thr, self.shift_thr_give_up = (
+            dep.gate_thresholds(spec.shift_alpha, spec.shift_give_up_alpha) if spec.enabled
+            else (math.inf, math.inf))
         self.shift_pvalue: float | None = None
         self.shift_flagged = False
+        self.shift_barred = False
         self.gate_seen = 0  # steps planned into the gate so far (each scored step is one)
 
     @property
@@ -110,14 +115,25 @@ class Request:
 
     @property
     def gated(self) -> bool:
-        return self.shift_thr != math.inf
+        """The gate runs for it: on either side (the give-up side's threshold is the lower)."""
+        return self.shift_thr_give_up != math.inf
 
     @property
-    def shift_alpha(self) -> float | None:
-        """The gate's level this request ran with (None: the gate did not run for it)."""
+    def shift_levels(self) -> tuple[float, float] | None:
+        """The gate's levels this request ran with (stop side, give-up side; None: the gate did
+        not run for it)."""
         if not self.gated:
             return None
-        return self.dep.gate.alpha if self.spec.shift_alpha is None else self.spec.shift_alpha
+        return self.dep.gate.levels(self.spec.shift_alpha, self.spec.shift_give_up_alpha)
+
+    def _shift(self) -> dict[str, Any]:
+        """The gate's fields of the result (none when it did not run for this request)."""
+        levels = self.shift_levels
+        if levels is None:
+            return {}
+        return {"shift_alpha": levels[0], "shift_give_up_alpha": levels[1],
+                "shift_pvalue": self.shift_pvalue, "shift_flagged": self.shift_flagged,
+                "shift_barred": self.shift_barred}
 
     def fail(self, msg: str, *, log_it: bool = True) -> None:
         if self.error is None:
@@ -147,8 +163,7 @@ class Request:
             reasoning_closed=self.stopped or (self.seg.fed > 0 and not self.seg.reasoning),
             prompt_reasoning_tokens=self.prompt_reasoning,
             give_up_mu=self.spec.give_up_mu, give_up_step=self.give_up_step,
-            last_give_up_score=self.last_give_up, shift_alpha=self.shift_alpha,
-            shift_pvalue=self.shift_pvalue, shift_flagged=self.shift_flagged)
+            last_give_up_score=self.last_give_up, **self._shift())
         if self.record:
             embs, counts = list(self.step_embs), list(self.step_counts)
             ids = [list(s) for s in self.seg.steps]

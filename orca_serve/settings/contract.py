@@ -106,6 +106,8 @@ class RequestDefaults:
     give_up_policy: GiveUpPolicy = GiveUpPolicy.GUESS  # what a given-up request returns
     give_up_message: str | None = None  # GiveUpPolicy.MESSAGE's text (None: GIVE_UP_MESSAGE)
     shift_alpha: float | None = None  # the shift gate's level (None: the bundle's; 0: no gate)
+    # the give-up side's level, >= shift_alpha (None: the bundle's, whose own default is its alpha)
+    shift_give_up_alpha: float | None = None
     # what a request the gate flags gets: the bundle's largest lambda*, which keeps every
     # in-distribution guarantee (docs/METHOD.md section 11) and gives back most of the savings
     # `full` loses (benchmarks/RESULTS.md, "In distribution: what the gate and its alarm cost")
@@ -163,12 +165,14 @@ XARG_DELTA = "orca_delta"  # risk level in (0, 1)
 XARG_POLICY = "orca_policy"  # one of POLICIES
 XARG_ANSWER_BUDGET = "orca_answer_budget"  # answer tokens after a stop (policy answer)
 XARG_SHIFT_ALPHA = "orca_shift_alpha"  # the shift gate's level in [0, 1) (0: no gate)
+# the give-up side's level in [0, 1), at least the stop side's (p-value at most it: no give-up)
+XARG_SHIFT_GIVE_UP_ALPHA = "orca_shift_give_up_alpha"
 # the operator's group tag: a group the bundle knows takes that group's lambda* (and mu*) and
 # is not gated; any other is served with the main (mixture) table (docs/METHOD.md section 12)
 XARG_GROUP = "orca_group"
 XARG_FIELDS = {"enabled": XARG_ENABLED, "delta": XARG_DELTA, "policy": XARG_POLICY,
                "answer_budget": XARG_ANSWER_BUDGET, "shift_alpha": XARG_SHIFT_ALPHA,
-               "group": XARG_GROUP}
+               "shift_give_up_alpha": XARG_SHIFT_GIVE_UP_ALPHA, "group": XARG_GROUP}
 # set by the server or the plugin, never by clients
 XARG_RESERVED = {XARG_KEY, XARG_LAM, XARG_N, XARG_SEED, XARG_BUNDLE, XARG_GIVE_UP_MU}
 # Per-request xargs that run a request without the orca probe (answer probes, audits' forcing).
@@ -186,7 +190,7 @@ _ARRAY_TAG = "__orca_ndarray__"
 _RECORDING = ("step_embeddings", "step_tokens", "step_token_ids", "prompt_token_ids",
               "output_token_ids")
 _GIVE_UP = ("give_up_mu", "give_up_step", "last_give_up_score")
-_SHIFT = ("shift_alpha", "shift_pvalue", "shift_flagged")
+_SHIFT = ("shift_alpha", "shift_give_up_alpha", "shift_pvalue", "shift_flagged", "shift_barred")
 
 
 @dataclass
@@ -217,11 +221,14 @@ class OrcaResult:
     give_up_mu: float | None = None  # mu* it ran with (None: never gives up)
     give_up_step: int | None = None  # the step it gave up at
     last_give_up_score: float | None = None
-    # the shift gate (None: it did not run for this request): its level, the request's conformal
-    # p-value (None until the gate's step) and whether it flagged the request
+    # the shift gate (None: it did not run for this request): its levels (stop side, give-up
+    # side), the request's conformal p-value (None until the gate's step), whether it flagged the
+    # request (p <= shift_alpha) and whether it barred its give-up (p <= shift_give_up_alpha)
     shift_alpha: float | None = None
+    shift_give_up_alpha: float | None = None
     shift_pvalue: float | None = None
     shift_flagged: bool = False
+    shift_barred: bool = False
     notes: list[str] = field(default_factory=list)
     error: str | None = None
     # record mode only: [steps, d] float32 numpy array, tokens per step, ids per step

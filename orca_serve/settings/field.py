@@ -66,6 +66,9 @@ class OrcaFields(BaseModel):
     give_up: GiveUpFields | None = None
     # the shift gate's level for this request (0: no gate); None: the server's or the bundle's
     shift_alpha: Annotated[float | None, *_checked(SHIFT_ALPHA)] = None
+    # the give-up side's level (at least the stop side's): a request whose p-value is at most it
+    # never gives up; None: the server's or the bundle's
+    shift_give_up_alpha: Annotated[float | None, *_checked(SHIFT_ALPHA)] = None
     # the operator's tag: a group the bundle knows takes its own lambda* (docs/METHOD.md 12)
     group: Annotated[str | None, *_checked(GROUP)] = None
     # one voted answer from k samples, each an ORCA request, the group stopped by the bundle's

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from orca_method.bundle import Bundle, BundleError
 from orca_method.gate_alarm import DEFAULT_ALARM_LEVEL
 from orca_method.outcomes import GiveUpPolicy, Source
+from orca_method.shift_gate import give_up_level
 from orca_method.thresholds import GIVE_UP_NEVER, NEVER, lam_to_json
 from orca_serve.settings.contract import (
     DEFAULTS,
@@ -41,6 +42,7 @@ from orca_serve.settings.contract import (
     XARG_POLICY,
     XARG_RECORD,
     XARG_SHIFT_ALPHA,
+    XARG_SHIFT_GIVE_UP_ALPHA,
     Policy,
     ShiftAction,
     safe_lam,
@@ -69,6 +71,8 @@ class OrcaDefaults:
     give_up_delta: float | None = None  # --orca-give-up-delta: None = requests do not give up
     give_up_policy: GiveUpPolicy = DEFAULTS.give_up_policy  # what a given-up request returns
     shift_alpha: float | None = DEFAULTS.shift_alpha  # --orca-shift-alpha (None: the bundle's)
+    # --orca-shift-give-up-alpha (None: the bundle's)
+    shift_give_up_alpha: float | None = DEFAULTS.shift_give_up_alpha
     shift_action: ShiftAction = DEFAULTS.shift_action  # what a flagged (or alarm-served) gets
     gate_alarm: float = DEFAULT_ALARM_LEVEL  # --orca-gate-alarm: its level (0: no alarm)
     # --orca-vote-waves: the launch schedule of orca.samples (None: all at once); the bundle's
@@ -125,6 +129,7 @@ class OrcaSettings:
     # where give_up_mu comes from (FALLBACK: guard off; GROUP: its group's table)
     give_up_source: Source = Source.BUNDLE
     shift_alpha: float | None = None  # the request's own gate level; None: the engine's default
+    shift_give_up_alpha: float | None = None  # its own give-up side's level; likewise
     group: str | None = None  # the request's `orca.group` tag, if any
     group_known: bool = False  # the bundle has that group's table (and served it)
     shift_alarm: bool = False  # served as a flagged request because the gate alarm was raised
@@ -147,6 +152,8 @@ class OrcaSettings:
                 out[XARG_ANSWER_BUDGET] = int(self.answer_budget)
             if self.shift_alpha is not None:
                 out[XARG_SHIFT_ALPHA] = float(self.shift_alpha)
+            if self.shift_give_up_alpha is not None:
+                out[XARG_SHIFT_GIVE_UP_ALPHA] = float(self.shift_give_up_alpha)
             if self.group is not None:
                 out[XARG_GROUP] = self.group
         return out
@@ -298,13 +305,16 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
                                    "orca with \"orca\": {\"enabled\": false})", "prompt")
         if check is not None:
             check(body)
+        _check_levels(fields, defaults, bundle, "vllm_xargs" if "shift_give_up_alpha" in given_x
+                      else "orca")
         settings = OrcaSettings(
             key=new_key(), enabled=True, delta=delta,
             policy=defaults.policy if fields.policy is None else fields.policy,
             lam=lam, lam_source=lam_source,
             answer_budget=(defaults.answer_budget if fields.answer_budget is None
                            else fields.answer_budget),
-            shift_alpha=fields.shift_alpha, group=fields.group, group_known=known,
+            shift_alpha=fields.shift_alpha, shift_give_up_alpha=fields.shift_give_up_alpha,
+            group=fields.group, group_known=known,
             **_give_up(fields.give_up, defaults, bundle, guard), **common)
         if fields.samples is not None:
             # t is certified on samples stopped at lambda* alone: a vote's samples never give
@@ -326,6 +336,23 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     new_xargs.update(settings.xargs())
     out["vllm_xargs"] = new_xargs
     return out, settings
+
+
+def _check_levels(fields: OrcaFields, defaults: OrcaDefaults, bundle: Bundle, where: str) -> None:
+    """A give-up level the request sets itself must be at least the stop level it runs with
+    (its own, the server's or the bundle's): a flagged request never gives up, so a lower one
+    would mean nothing (`orca_method.shift_gate.give_up_level`). A default give-up level below a
+    request's own stop level is raised to it (`ShiftGate.levels`), not refused."""
+    if fields.shift_give_up_alpha is None or bundle.shift_gate is None:
+        return
+    alpha = next(a for a in (fields.shift_alpha, defaults.shift_alpha, bundle.shift_gate.alpha)
+                 if a is not None)
+    try:
+        give_up_level(alpha, fields.shift_give_up_alpha)
+    except ValueError as e:
+        param = (f"vllm_xargs.{XARG_SHIFT_GIVE_UP_ALPHA}" if where == "vllm_xargs"
+                 else "orca.shift_give_up_alpha")
+        raise OrcaRequestError(f"'{param}' is {fields.shift_give_up_alpha:g}: {e}", param) from None
 
 
 def alarm_served(settings: OrcaSettings, bundle: Bundle, action: ShiftAction) -> OrcaSettings:

@@ -135,4 +135,4 @@ GROUP = Rule(_group, {"type": "string", "minLength": 1, "maxLength": GROUP_NAME_
 SAMPLES = Rule(_samples, {"type": "integer", "minimum": 2})
 # the client-settable settings, by their `orca` field name (their xargs: contract.XARG_FIELDS)
 RULES = {"enabled": ENABLED, "delta": DELTA, "policy": POLICY, "answer_budget": ANSWER_BUDGET,
-         "shift_alpha": SHIFT_ALPHA, "group": GROUP}
+         "shift_alpha": SHIFT_ALPHA, "shift_give_up_alpha": SHIFT_ALPHA, "group": GROUP}

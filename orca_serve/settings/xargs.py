@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orca_method.errors import shown
+from orca_method.shift_gate import give_up_level
 from orca_method.thresholds import NEVER, lam_to_json
 from orca_serve.settings.contract import (
     XARG_ANSWER_BUDGET,
@@ -33,6 +34,7 @@ from orca_serve.settings.contract import (
     XARG_RESERVE,
     XARG_SEED,
     XARG_SHIFT_ALPHA,
+    XARG_SHIFT_GIVE_UP_ALPHA,
     Policy,
     RequestDefaults,
 )
@@ -105,6 +107,11 @@ def validate_xargs(xa: dict[str, Any] | None, n: int = 1, seed: int | None = Non
                 RULES[field].check(xa[name], False)
             except ValueError as e:
                 raise ValueError(refusal(name, str(e))) from None
+    if XARG_SHIFT_ALPHA in xa and XARG_SHIFT_GIVE_UP_ALPHA in xa:  # both the request's own
+        try:
+            give_up_level(float(xa[XARG_SHIFT_ALPHA]), float(xa[XARG_SHIFT_GIVE_UP_ALPHA]))
+        except ValueError as e:
+            raise ValueError(refusal(XARG_SHIFT_GIVE_UP_ALPHA, str(e))) from None
     for name in (XARG_KEY, XARG_BUNDLE):
         if name in xa and not isinstance(xa[name], str):
             raise ValueError(refusal(name, f"must be a string, got {shown(xa[name])}"))
@@ -143,6 +150,7 @@ class RequestSpec:
     refused: str | None = None
     give_up_mu: float | None = None  # None: never gives up
     shift_alpha: float | None = None  # the shift gate's level (0: none); None: the bundle's
+    shift_give_up_alpha: float | None = None  # the give-up side's level; None: the bundle's
     group: str | None = None  # the request's group tag (`orca_group`)
 
 
@@ -179,6 +187,7 @@ def request_spec(xa: Mapping[str, Any] | None, defaults: RequestDefaults, *, rec
     reserve = xa.get(XARG_RESERVE)
     mu = decode_mu(xa[XARG_GIVE_UP_MU]) if enabled and XARG_GIVE_UP_MU in xa else None
     alpha = xa.get(XARG_SHIFT_ALPHA, 0.0 if known else defaults.shift_alpha)
+    give_up_alpha = xa.get(XARG_SHIFT_GIVE_UP_ALPHA, defaults.shift_give_up_alpha)
     return RequestSpec(
         key=xa.get(XARG_KEY), n=int(xa.get(XARG_N, 1)),
         record=bool(as_int(XARG_RECORD, xa.get(XARG_RECORD, record))),
@@ -186,4 +195,5 @@ def request_spec(xa: Mapping[str, Any] | None, defaults: RequestDefaults, *, rec
         delta=delta, lam=lam,
         answer_budget=int(xa.get(XARG_ANSWER_BUDGET, defaults.answer_budget)),
         reserve=None if reserve is None else int(reserve), refused=refused, give_up_mu=mu,
-        shift_alpha=None if alpha is None else float(alpha), group=group)
+        shift_alpha=None if alpha is None else float(alpha),
+        shift_give_up_alpha=None if give_up_alpha is None else float(give_up_alpha), group=group)

@@ -84,6 +84,12 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="The shift gate's level for requests that set no orca.shift_alpha: at "
                    "most ALPHA of requests like the calibration set are flagged (0: no gate). "
                    "None: the bundle's. Only for bundles with a shift_gate block.")
+    g.add_argument("--orca-shift-give-up-alpha", type=fraction(open_interval=False), default=None,
+                   metavar="ALPHA",
+                   help="The give-up side's gate level for requests that set no "
+                   "orca.shift_give_up_alpha, at least the stop side's: a request whose p-value is "
+                   "at most ALPHA never gives up (at most ALPHA of requests like the calibration "
+                   "set). None: the bundle's (its alpha when its gate block has no give_up_alpha).")
     g.add_argument("--orca-shift-action", choices=SHIFT_ACTIONS,
                    default=DEFAULTS.shift_action,
                    help="What a request the shift gate flags gets: strict (the default: the "
@@ -286,7 +292,8 @@ def load_checked(path: str, early: argparse.Namespace) -> Bundle:
         bundle = load_bundle(path)
         check_options(bundle, delta=early.orca_delta, give_up_delta=early.orca_give_up_delta,
                       give_up_policy=early.orca_give_up_policy,
-                      effort_map=early.orca_effort_map or {},
+                      effort_map=early.orca_effort_map or {}, shift_alpha=early.orca_shift_alpha,
+                      shift_give_up_alpha=early.orca_shift_give_up_alpha,
                       vote_waves=early.orca_vote_waves)
     except BundleError as e:
         raise StartupError(str(e)) from None

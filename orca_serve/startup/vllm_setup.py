@@ -157,6 +157,8 @@ def vllm_args(pre: Preflight) -> argparse.Namespace:
             DEFAULTS, enabled=False, delta=defaults.delta, policy=defaults.policy,
             answer_budget=DEFAULTS.answer_budget if budget is None else budget,
             give_up_policy=defaults.give_up_policy, give_up_message=args.orca_give_up_message,
-            shift_alpha=args.orca_shift_alpha, shift_action=ShiftAction(args.orca_shift_action))))
+            shift_alpha=args.orca_shift_alpha,
+            shift_give_up_alpha=args.orca_shift_give_up_alpha,
+            shift_action=ShiftAction(args.orca_shift_action))))
     launch.configure_logging(args)
     return args
