@@ -51,7 +51,6 @@ def test_fewer_samples_than_certified_run_to_their_end():
     ({"orca": {"samples": 1}}, "orca.samples", ">= 2"),
     ({"orca": {"samples": 2.0}}, "orca.samples", "integer"),
     ({"orca": {"samples": 4}, "n": 2}, "n", "without 'n'"),
-    ({"orca": {"samples": 4}, "stream": True}, "stream", "not served on streams"),
     ({"orca": {"samples": 4, "enabled": False}}, "orca.samples", "needs orca enabled"),
     ({"orca": {"samples": 4, "delta": 0.05}}, None, None),  # a row exists for 0.05
 ])
@@ -158,7 +157,8 @@ def test_the_vote_settles_at_the_first_finish_and_aborts_the_rest():
     assert status == 200 and out["choices"][0]["message"]["content"].endswith("{7}.")
     vote = out["orca"]["vote"]
     assert vote == {"k": 4, "answer": "7", "sample": 0, "settled_after": 1, "ended": "settled",
-                    "margin": 1.0, "t": 0.0, "delta_vote": 0.1, "weighting": "count"}
+                    "margin": 1.0, "t": 0.0, "delta_vote": 0.1, "weighting": "count",
+                    "audited": False, "t_source": "bundle"}
     assert eng.aborted == [f"chatcmpl-{s.key}" for s in v.samples[1:]]  # vLLM's engine ids
     samples = out["orca"]["samples"]
     assert [x["aborted"] for x in samples] == [False, True, True, True]

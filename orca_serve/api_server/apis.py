@@ -71,6 +71,7 @@ class Api:
     # `orca.samples` (orca_serve/api_server/voting.py): served here, and the usage counts that
     # a vote sums over its samples
     votes = True
+    votes_stream = True  # a voted answer streams (orca_serve/api_server/vote_stream.py)
     usage_counts: tuple[str, ...] = ("prompt_tokens", "completion_tokens", "total_tokens")
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:
@@ -167,6 +168,9 @@ class ResponsesApi(Api):
 
     usage_details = "output_tokens_details"
     usage_counts = ("input_tokens", "output_tokens", "total_tokens")
+    # its stream is a protocol of typed events (created, output items, deltas, completed), not
+    # chunks of one shape: a voted answer is not streamed here (docs/SERVER.md)
+    votes_stream = False
     CLOSING = ("response.completed", "response.incomplete", "response.failed")
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:

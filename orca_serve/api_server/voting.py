@@ -9,6 +9,13 @@ the bundle's certified margin t. Once it is, the samples still running are ABORT
 (`vllm_compat.engine_client.abort`: their KV cache is freed, they stop taking decode steps), and
 the response is the voted sample's, with every sample's `orca` object and how the group ended.
 
+An audited group (`VoteSettings.audited`: the live audit of the vote,
+`orca_serve.live_audit.votes`) aborts nothing: `answered` is set once its vote settles (the
+middleware answers then), and `run` goes on until every sample has finished, when `loss` says
+whether the settled vote differs from the vote of all k. A group whose row's guard acts on an
+alarm (`t_source` FALLBACK) settles only when every sample has finished; the vote at t* is still
+followed (`early`), so its audits keep measuring t*.
+
 Nothing of vLLM's request handling is re-implemented: each sample is the client's own body, run
 by vLLM's app below the orca middleware (its validation, chat template, parsers and response).
 """
@@ -29,6 +36,7 @@ import numpy as np
 
 from orca_method.answer_probes import answer_after
 from orca_method.consensus import Verdict, verdict
+from orca_method.outcomes import Source
 from orca_serve.api_server.apis import CHAT, Api
 from orca_serve.api_server.asgi import replay_body
 from orca_serve.api_server.report import orca_object, reasoning_total
@@ -172,9 +180,14 @@ class Vote:
         self.end_tag = end_tag
         self.metrics = metrics
         self.samples: list[Sample] = []
-        self.verdict: Verdict | None = None
+        self.verdict: Verdict | None = None  # the vote the response answers (frozen once settled)
         self.settled_after = 0
         self.error: Sample | None = None  # a sample vLLM refused: its answer is the response
+        # t* settles groups (else: it is only followed, the group waits for every sample)
+        self.acts = self.rule.t is not None and self.rule.t_source == Source.BUNDLE
+        self.early: Verdict | None = None  # the first vote settled at t* (acting or not)
+        self.full: Verdict | None = None  # the vote of all k, once every sample finished
+        self.answered = asyncio.Event()  # the response is known (settled, or a refusal)
 
     def _decide(self) -> Verdict:
         finished = np.array([s.voted for s in self.samples])  # [k]
@@ -182,13 +195,26 @@ class Vote:
         weights = np.array([s.weight for s in self.samples])  # [k]
         # no certified t: the vote waits for every sample (t = 1 only to read the leader)
         v = verdict(answers, weights, finished, 1.0 if self.rule.t is None else self.rule.t)
+        if self.early is None and (v.settled or finished.all()):
+            self.early = v
+        if finished.all():
+            self.full = v
         # every sample in: settled whatever the rule (also when the leading answer is None)
-        return replace(v, settled=bool(finished.all()) or (self.rule.t is not None and v.settled))
+        return replace(v, settled=bool(finished.all()) or (self.acts and v.settled))
+
+    def loss(self) -> float | None:
+        """An audited group's vote error: 1 when the vote settled at t* differs from the vote of
+        all k samples run to their end, else 0; None when that is unknown (a sample failed, or
+        the group was cut short)."""
+        if self.error is not None or self.early is None or self.full is None:
+            return None
+        return float(self.early.answer != self.full.answer)
 
     async def run(self, body: dict[str, Any],
                   launch: Callable[[Sample, bytes], Any]) -> None:
         """Launch the samples (`launch(sample, body)`: an awaitable of (status, raw body)), vote
-        as they finish, abort the rest once settled."""
+        as they finish, abort the rest once settled (an audited group: once a sample failed;
+        else it runs on to its end)."""
         made = sample_bodies(body, self.settings, self.api, self.completions)
         self.samples = [s for s, _ in made]
         tasks = {asyncio.ensure_future(launch(s, b)): s for s, b in made}
@@ -210,9 +236,13 @@ class Vote:
                     s.answer, s.weight = vote_of(s, self.api, self.rule.weighting,
                                                  self.end_tag)
                 if self.error is None:
-                    self.verdict = self._decide()
-                    self.settled_after = sum(s.voted for s in self.samples)
-                if (self.error is not None or self.verdict.settled) and tasks:
+                    v = self._decide()
+                    if not self.answered.is_set():
+                        self.verdict, self.settled_after = v, sum(s.voted for s in self.samples)
+                if self.error is not None or self.verdict.settled:
+                    self.answered.set()
+                if (self.error is not None or (self.verdict.settled and not self.rule.audited)
+                        ) and tasks:
                     running = sorted(tasks.values(), key=lambda s: s.index)
                     for s in running:
                         s.aborted = True
@@ -274,13 +304,16 @@ class Vote:
             rep.update(finish_reason=self.api.finish_reason(s.response or {}), answer=s.answer,
                        in_vote=s.voted,
                        aborted=s.aborted)
+            if self.rule.audited:  # still running after the answer (it runs to its end)
+                rep["running"] = s.status is None
         obj["samples"] = reports
         obj["vote"] = {"k": self.rule.k, "answer": v.answer, "sample": winner.index,
                        "settled_after": self.settled_after,
                        "ended": GroupEnd.SETTLED if any(s.aborted for s in self.samples)
                        or v.running else GroupEnd.ALL_FINISHED,
                        "margin": v.margin, "t": self.rule.t, "delta_vote": self.rule.delta_vote,
-                       "weighting": self.rule.weighting}
+                       "weighting": self.rule.weighting, "audited": self.rule.audited,
+                       "t_source": self.rule.t_source}
         out["orca"] = obj
         return 200, out
 
