@@ -6,6 +6,8 @@ samples still running then are aborted). Real vLLM engine, real HTTP, the OpenAI
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -22,11 +24,12 @@ DEMO = Path(__file__).parents[1] / "orca_serve" / "demo"
 K = 4
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    d = tmp_path_factory.mktemp("samples")
+@contextmanager
+def samples_server(d: Path, *orca_flags: str) -> Iterator[Server]:
+    """orca-serve on the toy model with the toy bundle plus a consensus block for K samples
+    (t* = 0), started in `d` with `orca_flags` besides."""
     path = write_bundle(with_consensus(load_bundle(DEMO / "bundle.json"), samples=K), d / "b.json")
-    s = Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path)),
+    s = Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path), *orca_flags),
                d / "serve.log", ["--host", "127.0.0.1", "--reasoning-parser", "deepseek_r1",
                                  "--served-model-name", "orca-toy-reasoner",
                                  "--seed", "0", "--disable-uvicorn-access-log"])
@@ -34,6 +37,12 @@ def srv(tmp_path_factory):
         yield s.wait()
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    with samples_server(tmp_path_factory.mktemp("samples")) as s:
+        yield s
 
 
 def questions(n: int) -> list[str]:

@@ -15,26 +15,16 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 from orca_demo.toy.tasks import extract_answer
-from orca_method.bundle import load_bundle
-from tests.bundles import with_consensus, write_bundle
-from tests.serving import Server, orca_of, orca_serve_cmd
-from tests.test_server_samples import DEMO, K, ask, metric, questions
+from tests.serving import orca_of
+from tests.test_server_samples import K, ask, metric, questions, samples_server
 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     d = tmp_path_factory.mktemp("vote-audit")
-    path = write_bundle(with_consensus(load_bundle(DEMO / "bundle.json"), samples=K), d / "b.json")
-    s = Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path),
-                              "--orca-vote-audit-rate", "0.5", "--orca-audit-seed", "0",
-                              "--orca-audit-dir", str(d / "audit")),
-               d / "serve.log", ["--host", "127.0.0.1", "--reasoning-parser", "deepseek_r1",
-                                 "--served-model-name", "orca-toy-reasoner",
-                                 "--seed", "0", "--disable-uvicorn-access-log"])
-    try:
-        yield s.wait()
-    finally:
-        s.stop()
+    with samples_server(d, "--orca-vote-audit-rate", "0.5", "--orca-audit-seed", "0",
+                        "--orca-audit-dir", str(d / "audit")) as s:
+        yield s
 
 
 def vote_table(srv) -> dict:
