@@ -85,6 +85,18 @@ def test_a_voted_completion_streams_too(srv):
     assert str(extract_answer(text)) == o["vote"]["answer"]
 
 
+def test_the_messages_api_votes(srv):
+    r = httpx.post(srv.url + "/v1/messages", timeout=120, json={
+        "model": srv.client().models.list().data[0].id, "max_tokens": 400, "temperature": 1.0,
+        "messages": [{"role": "user", "content": questions(1)[0]}], "orca": {"samples": K}})
+    out = r.json()
+    assert r.status_code == 200 and out["type"] == "message", r.text
+    text = "".join(b.get("text", "") for b in out["content"] if b["type"] == "text")
+    assert out["orca"]["vote"]["k"] == K and len(out["orca"]["samples"]) == K
+    assert str(extract_answer(text)) == out["orca"]["vote"]["answer"]
+    assert out["usage"]["output_tokens"] > 0
+
+
 def test_the_responses_api_refuses_a_voted_stream(srv):
     r = httpx.post(srv.url + "/v1/responses", timeout=30, json={
         "model": srv.client().models.list().data[0].id, "input": questions(1)[0],

@@ -154,6 +154,27 @@ def test_the_guards_state_survives_a_restart(tmp_path):
 # ---------------------------------------------------------- through the middleware, no vLLM
 
 
+def as_message_route(route):
+    """vLLM's Messages route as the fake chat route's answers in Anthropic's shape (vLLM runs a
+    message through its chat route: the same X-Request-Id and engine request id)."""
+
+    async def app(scope, receive, send):
+        async def shaped(msg):
+            if msg["type"] == "http.response.body":
+                c = json.loads(msg["body"])
+                choice = c["choices"][0]
+                msg = {**msg, "body": json.dumps({
+                    "id": c["id"], "type": "message", "role": "assistant", "model": "m",
+                    "content": [{"type": "text", "text": choice["message"]["content"]}],
+                    "stop_reason": "end_turn" if choice["finish_reason"] == "stop" else None,
+                    "usage": {"input_tokens": 3, "output_tokens": 7}}).encode()}
+            await send(msg)
+
+        await route(scope, receive, shaped)
+
+    return app
+
+
 def post(body: dict, audit: LiveAudit | None = None, path="/v1/chat/completions",
          wait_audited: int = 0):
     """POST through the orca middleware over test_voting's fake chat route; with
@@ -167,7 +188,8 @@ def post(body: dict, audit: LiveAudit | None = None, path="/v1/chat/completions"
     client, seen = FakeClient(), []
     server = orca_server(bundle(), OrcaDefaults(enabled=True, delta=0.1), engine=client,
                          metrics=OrcaMetrics(CollectorRegistry()), audit=audit)
-    app = OrcaMiddleware(fake_chat_route(client, seen), server)
+    route = fake_chat_route(client, seen)
+    app = OrcaMiddleware(as_message_route(route) if path == "/v1/messages" else route, server)
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
@@ -215,10 +237,25 @@ def test_a_voted_answer_streams_as_chat_chunks_with_orca_in_the_finishing_chunk(
     assert chunks[-1]["orca"]["vote"]["k"] == 4
 
 
-def test_a_voted_answer_is_not_streamed_on_the_responses_api():
+def test_a_voted_answer_is_not_streamed_on_the_responses_and_messages_apis():
     r, _ = post({"input": "2+2?", "stream": True, "orca": {"samples": 4}},
                 path="/v1/responses")
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+    r, _ = post({"messages": MSG, "max_tokens": 8, "stream": True, "orca": {"samples": 4}},
+                path="/v1/messages")
+    assert r.status_code == 400 and r.json()["type"] == "error"  # Anthropic's shape
+
+
+def test_the_messages_api_votes_and_aborts():
+    r, client = post({"messages": MSG, "max_tokens": 50, "seed": 1, "orca": {"samples": 4}},
+                     path="/v1/messages")
+    out = r.json()
+    assert r.status_code == 200 and out["type"] == "message"
+    assert out["content"] == [{"type": "text", "text": "\\boxed{1}"}]
+    vote = out["orca"]["vote"]
+    assert vote["answer"] == "1" and vote["ended"] == "settled" and len(client.aborted) == 3
+    assert [s["finish_reason"] for s in out["orca"]["samples"]] == ["stop"] + [None] * 3
+    assert out["usage"] == {"input_tokens": 4 * 3, "output_tokens": 4 * 7}
 
 
 # ---------------------------------------------------------------------- the bound, statistically

@@ -337,24 +337,3 @@ def test_the_middleware_votes_and_aborts_through_the_engine_client():
     assert count(metrics, SampleEvent.ABORTED) == 3
     assert not client.results  # every sample's result fetched (the plugin may forget it)
     assert not any("error" in s for s in out["orca"]["samples"])  # each got its result
-
-
-def test_the_middleware_refuses_samples_on_the_messages_api():
-    import httpx
-    from prometheus_client import CollectorRegistry
-
-    from orca_serve.api_server.middleware import OrcaMiddleware
-    from tests.servers import orca_server
-
-    server = orca_server(bundle(), OrcaDefaults(enabled=True, delta=0.1), engine=FakeClient(),
-                         metrics=OrcaMetrics(CollectorRegistry()))
-    app = OrcaMiddleware(fake_chat_route(FakeClient(), []), server)
-
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://t") as c:
-            return await c.post("/v1/messages", json={
-                "model": "m", "max_tokens": 8, "messages": MSG, "orca": {"samples": 2}})
-
-    r = asyncio.run(go())
-    assert r.status_code == 400 and "only" in r.json()["error"]["message"]

@@ -26,7 +26,6 @@ from orca_serve.api_server.apis import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     MESSAGES_PATH,
-    RESPONSES_PATH,
     ORCA_PATHS,
     Api,
 )
@@ -221,11 +220,6 @@ class OrcaMiddleware:
                     body: dict, settings: OrcaSettings, serving: Serving) -> None:
         """`orca.samples`: k samples through vLLM's route, one voted answer
         (`orca_serve.api_server.voting`)."""
-        if not api.votes:
-            return await send_json(send, 400, api.error(
-                f"'orca.samples' is served on {CHAT_PATH}, {COMPLETIONS_PATH} and "
-                f"{RESPONSES_PATH} only",
-                "orca.samples"))
         if body.get("stream") and not api.votes_stream:
             return await send_json(send, 400, api.error(
                 f"'orca.samples' streams its voted answer on {CHAT_PATH} and {COMPLETIONS_PATH} "
