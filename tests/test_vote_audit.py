@@ -303,3 +303,44 @@ def test_the_vote_bound_false_alarm_rate_and_power():
     wrong = _pool_losses(0.1, rng)  # ~0.24
     assert wrong.mean() >= 2 * delta_vote
     assert _alarms(wrong, delta_vote, eps, rng).mean() >= 0.9
+
+
+def test_the_vote_audit_needs_no_request_audit_but_a_bundle_and_one_api_server():
+    import argparse
+
+    from orca_serve.live_audit.options import add_audit_args, audit_config, check_audit_args
+
+    p = argparse.ArgumentParser()
+    add_audit_args(p)
+    ns = p.parse_args(["--orca-vote-audit-rate", "0.5", "--orca-on-alarm", "fallback",
+                       "--orca-audit-dir", "d"])
+    check_audit_args(ns, has_bundle=True)  # acting on the vote's alarm needs no request audit
+    assert audit_config(ns, bundle()).vote_rate == 0.5
+    with pytest.raises(ValueError, match="needs --calib"):
+        check_audit_args(ns, has_bundle=False)
+    ns.api_server_count = 2
+    with pytest.raises(ValueError, match="one API server"):
+        check_audit_args(ns, has_bundle=True)
+
+
+def test_the_vote_audit_metrics():
+    from orca_serve.live_audit.collector import AuditCollector
+
+    b = bundle()
+    audit = LiveAudit(b, AuditConfig(vote_rate=1.0, seed=0, on_alarm=OnAlarm.FALLBACK))
+    _, s = resolved({"messages": MSG, "orca": {"samples": 4}})
+    for _ in range(60):
+        audit.vote_finished(s.vote, s.delta, 1.0)
+    reg = CollectorRegistry()
+    reg.register(AuditCollector(lambda: audit, "toy"))
+    labels = {"model_name": "toy", "delta": "0.1", "delta_vote": "0.1"}
+    g = audit.votes.guard(s.delta, s.vote.delta_vote)
+    assert reg.get_sample_value("orca_vote_audit_groups_total",
+                                {"model_name": "toy", "state": "measured"}) == 60
+    assert reg.get_sample_value("orca_vote_error", labels) == 1.0
+    assert reg.get_sample_value("orca_vote_error_upper", labels) == g.cs.upper
+    assert reg.get_sample_value("orca_vote_alarm", labels) == 1.0
+    assert reg.get_sample_value("orca_vote_fallback", labels) == 1.0
+    audit.retire()  # a hot reload replaced it: its groups still running are not counted
+    audit.vote_finished(s.vote, s.delta, 0.0)
+    assert audit.votes.counts["measured"] == 60
