@@ -252,6 +252,8 @@ class OrcaMiddleware:
             watch.cancel()
             answered.cancel()
             run.add_done_callback(lambda t: self._vote_ended(t, vote, settings, audit))
+            _BACKGROUND.add(run)  # an audited group's run outlives the response
+            run.add_done_callback(_BACKGROUND.discard)
         if run.done() and not run.cancelled() and run.exception() is not None:
             raise run.exception()  # type: ignore[misc]
         if gone.is_set() or not vote.answered.is_set():
