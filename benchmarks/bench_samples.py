@@ -48,7 +48,11 @@ alternated per round): maj@k as k full samples (``n: k``, orca off), ORCA per sa
 vote (``n: k``), and ``orca.samples: k`` (the consensus stop, the samples still running aborted
 in the engine). Requests/s per round, completion tokens per prompt (aborted samples' tokens
 included), accuracy, and how often the answer differs from the maj@k arm's on the same prompt
-(the same k samples: choice i of ``n`` and sample i both get seed + i).
+(the same k samples: choice i of ``n`` and sample i both get seed + i). With
+``--vote-audit-rate R`` the server audits that share of the voted groups (docs/AUDIT.md, "The
+vote's audit": they abort nothing and run to their end after their answer); each arm then also
+reports the tokens the engine generated (vLLM's `vllm:generation_tokens_total`, read once every
+audited sample has ended), and the run the vote audit's table (GET /v1/orca/audit).
 
 Usage:
   flock /tmp/vllm.lock python benchmarks/bench_samples.py collect --reasoner long --n 160 --k 8
@@ -537,7 +541,9 @@ def cmd_serve(a: argparse.Namespace) -> None:
     REASONERS[a.reasoner][0].write_prompts(prompts_file, "in-dist", a.n, SERVE_SEED)
     prompts = read_prompts(prompts_file)
     model_dir = ROOT / REASONERS[a.reasoner][1].replace("bundle.json", "model")
-    srv = Server(orca_serve_cmd("--model", str(model_dir), "--calib", str(bundle_path)),
+    audit = ([] if not a.vote_audit_rate else
+             ["--orca-vote-audit-rate", str(a.vote_audit_rate), "--orca-audit-seed", "0"])
+    srv = Server(orca_serve_cmd("--model", str(model_dir), "--calib", str(bundle_path), *audit),
                  out / "serve.log", ["--host", "127.0.0.1", "--seed", "0",
                                      "--reasoning-parser", "deepseek_r1",
                                      "--served-model-name", load_bundle(bundle_path).model.name,
@@ -547,6 +553,8 @@ def cmd_serve(a: argparse.Namespace) -> None:
                 {"delta": a.delta}, a.k),
             f"consensus with aborts, orca.samples {a.k} (delta {a.delta:g})": (
                 {"samples": a.k, "delta": a.delta}, 1)}
+    if a.skip_orca_arm:
+        del arms[list(arms)[1]]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     runs: dict[str, list[dict]] = {name: [] for name in arms}
     try:
@@ -558,9 +566,12 @@ def cmd_serve(a: argparse.Namespace) -> None:
             part = prompts[rnd * per:(rnd + 1) * per]
             for name in (order if rnd % 2 == 0 else order[::-1]):
                 orca, n = arms[name]
+                before = engine_tokens(srv)
                 runs[name].append(asyncio.run(serve_arm(srv, model, part, a, orca, n,
                                                         offset=rnd * per)))
+                runs[name][-1]["engine_tokens"] = engine_tokens(srv) - before
                 print(f"round {rnd}: {name}: {runs[name][-1]['wall_s']:.1f} s", flush=True)
+        vote_audit = audit_table(srv).get("vote")
     finally:
         srv.stop()
     truth = [str(p["answer"]) for p in prompts[:per * a.rounds]]
@@ -578,26 +589,64 @@ def cmd_serve(a: argparse.Namespace) -> None:
                       "requests_per_s": rps, "differs_from_served_maj": differs,
                       "differs_ci": clopper_pearson(differs, n_),
                       "aborted_per_prompt": float(np.mean([r["aborted"] for r in rows_])),
+                      "engine_tokens": sum(x["engine_tokens"] for x in rr) / n_,
+                      "audited": sum(bool(r["vote"]) and r["vote"]["audited"] for r in rows_),
                       "settled": sum(bool(r["vote"]) and r["vote"]["ended"] == "settled"
                                      for r in rows_)})
     result = {"date": started, "reasoner": a.reasoner, "k": a.k, "n": a.n,
               "concurrency": a.concurrency, "rounds": a.rounds, "delta": a.delta,
               "temperature": a.temperature, "max_tokens": a.max_tokens,
-              "consensus_rows": [r.model_dump() for r in rows], "table": table, "runs": runs}
+              "consensus_rows": [r.model_dump() for r in rows], "table": table, "runs": runs,
+              "vote_audit_rate": a.vote_audit_rate, "vote_audit": vote_audit}
     (out / "result.json").write_text(json.dumps(result, indent=1, default=str))
     print(f"{started}; {a.reasoner}, k = {a.k}, n = {per * a.rounds} fresh prompts, concurrency "
           f"{a.concurrency}, {a.rounds} rounds of {per} (order alternated), temperature "
           f"{a.temperature}; consensus rows {[(r.delta_vote, r.t) for r in rows]}\n")
-    print("| arm | accuracy (95% CI) | completion tokens / prompt | requests/s per round | "
-          "aborted samples / prompt | settled early | != served maj@k (95% CI) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| arm | accuracy (95% CI) | completion tokens / prompt | engine tokens / prompt | "
+          "requests/s per round | aborted samples / prompt | settled early | audited | "
+          "!= served maj@k (95% CI) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in table:
         print(f"| {r['arm']} | {r['accuracy']:.3f} [{r['accuracy_ci'][0]:.3f}, "
-              f"{r['accuracy_ci'][1]:.3f}] | {r['tokens']:.0f} | "
+              f"{r['accuracy_ci'][1]:.3f}] | {r['tokens']:.0f} | {r['engine_tokens']:.0f} | "
               f"{', '.join(f'{x:.2f}' for x in r['requests_per_s'])} | "
-              f"{r['aborted_per_prompt']:.2f} | {r['settled']}/{r['n']} | "
+              f"{r['aborted_per_prompt']:.2f} | {r['settled']}/{r['n']} | {r['audited']} | "
               f"{r['differs_from_served_maj']}/{r['n']} "
               f"[{r['differs_ci'][0]:.3f}, {r['differs_ci'][1]:.3f}] |")
+    for row in (vote_audit or {}).get("rows", []):
+        if row["n"]:
+            errors = round(row["risk"] * (row["n"] - row["censored"]))
+            lo, hi = clopper_pearson(errors, row["n"] - row["censored"])
+            print(f"\nvote audit (rate {a.vote_audit_rate:g}): delta {row['delta']:g}, "
+                  f"delta_vote {row['delta_vote']:g}, t {row['t']:g}: {row['n']} audited groups "
+                  f"({row['censored']} censored), vote error {errors}/{row['n'] - row['censored']}"
+                  f" [{lo:.3f}, {hi:.3f}] (95% CI), anytime-valid bounds [{row['lower']:.3f}, "
+                  f"{row['upper']:.3f}], alarm {row['alarm']}")
+
+
+def engine_tokens(srv, idle_s: float = 300) -> float:
+    """vLLM's generated tokens so far (`vllm:generation_tokens_total`), read once the engine is
+    idle and every audited group has ended (their samples run on after the answers)."""
+    import httpx
+
+    deadline = time.monotonic() + idle_s
+    while True:
+        lines = httpx.get(srv.url + "/metrics", timeout=10).text.splitlines()
+        value = lambda name: sum(float(ln.rsplit(" ", 1)[1]) for ln in lines
+                                 if ln.split("{", 1)[0].split(" ", 1)[0] == name)
+        vote = audit_table(srv).get("vote") or {}
+        open_audits = vote.get("picked", 0) - vote.get("measured", 0) - vote.get("censored", 0)
+        if (value("vllm:num_requests_running") == 0 and open_audits == 0) \
+                or time.monotonic() > deadline:
+            return value("vllm:generation_tokens_total")
+        time.sleep(0.5)
+
+
+def audit_table(srv) -> dict:
+    import httpx
+
+    r = httpx.get(srv.url + "/v1/orca/audit", timeout=10)
+    return r.json() if r.status_code == 200 else {}
 
 
 async def _model(srv) -> str:
@@ -644,6 +693,10 @@ def main() -> None:
     s.add_argument("--delta-vote", type=float, default=0.05)
     s.add_argument("--temperature", type=float, default=0.7, help="the collection's")
     s.add_argument("--max-tokens", type=int, default=400, help="the collection's")
+    s.add_argument("--vote-audit-rate", type=float, default=0.0,
+                   help="the server's --orca-vote-audit-rate (0: no vote audit)")
+    s.add_argument("--skip-orca-arm", action="store_true",
+                   help="leave out the ORCA-per-sample arm (a shorter run)")
     s.set_defaults(fn=cmd_serve)
     a = p.parse_args()
     a.fn(a)

@@ -7,6 +7,8 @@ test_server_gate_alarm. Real vLLM engine, real HTTP, the OpenAI client."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -23,13 +25,16 @@ from tests.serving import Server, orca_of, orca_serve_cmd
 DEMO = Path(__file__).parents[1] / "orca_serve" / "demo"
 
 
-def serve(d: Path, waves: list[int]):
-    """A server of the toy with a consensus block for K samples certified for `waves` (the
-    all-at-once server is conftest's `toy_server`)."""
+@contextmanager
+def samples_server(d: Path, *orca_flags: str, waves: list[int] | None = None) -> Iterator[Server]:
+    """orca-serve on the toy model with the toy bundle plus a consensus block for K samples
+    (t* = 0) certified for `waves` (None: all at once), started in `d` with `orca_flags`
+    besides (the plain all-at-once server is conftest's shared `toy_server`)."""
     path = write_bundle(with_consensus(load_bundle(DEMO / "bundle.json"), samples=K,
                                        waves=waves), d / "b.json")
-    s = Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path),
-                              "--orca-vote-waves", "+".join(map(str, waves))),
+    flags = [*orca_flags] + ([] if waves is None else
+                             ["--orca-vote-waves", "+".join(map(str, waves))])
+    s = Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path), *flags),
                d / "serve.log", ["--host", "127.0.0.1", "--enforce-eager",
                                  "--reasoning-parser", "deepseek_r1",
                                  "--served-model-name", "orca-toy-reasoner",
@@ -47,7 +52,8 @@ def srv(toy_server):
 
 @pytest.fixture(scope="module")
 def waved(tmp_path_factory):
-    yield from serve(tmp_path_factory.mktemp("waves"), waves=[1, 1, 2])
+    with samples_server(tmp_path_factory.mktemp("waves"), waves=[1, 1, 2]) as s:
+        yield s
 
 
 def questions(n: int) -> list[str]:
@@ -109,10 +115,6 @@ def test_bad_samples_are_a_clear_400(srv):
             "model": srv.client().models.list().data[0].id, "max_tokens": 8,
             "messages": [{"role": "user", "content": q}], "orca": orca, **kw})
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
-    r = httpx.post(srv.url + "/v1/messages", timeout=30, json={
-        "model": srv.client().models.list().data[0].id, "max_tokens": 8, "orca": {"samples": 2},
-        "messages": [{"role": "user", "content": q}]})
-    assert r.status_code == 400 and "only" in r.json()["error"]["message"], r.text
 
 
 def test_n_without_samples_is_as_before(srv):

@@ -53,7 +53,6 @@ def test_fewer_samples_than_certified_run_to_their_end():
     ({"orca": {"samples": 1}}, "orca.samples", ">= 2"),
     ({"orca": {"samples": 2.0}}, "orca.samples", "integer"),
     ({"orca": {"samples": 4}, "n": 2}, "n", "without 'n'"),
-    ({"orca": {"samples": 4}, "stream": True}, "stream", "not served on streams"),
     ({"orca": {"samples": 4, "enabled": False}}, "orca.samples", "needs orca enabled"),
     ({"orca": {"samples": 4, "delta": 0.05}}, None, None),  # a row exists for 0.05
 ])
@@ -160,7 +159,8 @@ def test_the_vote_settles_at_the_first_finish_and_aborts_the_rest():
     assert status == 200 and out["choices"][0]["message"]["content"].endswith("{7}.")
     vote = out["orca"]["vote"]
     assert vote == {"k": 4, "answer": "7", "sample": 0, "settled_after": 1, "ended": "settled",
-                    "margin": 1.0, "t": 0.0, "delta_vote": 0.1, "weighting": "count"}
+                    "margin": 1.0, "t": 0.0, "delta_vote": 0.1, "weighting": "count",
+                    "audited": False, "t_source": "bundle"}
     assert eng.aborted == [f"chatcmpl-{s.key}" for s in v.samples[1:]]  # vLLM's engine ids
     samples = out["orca"]["samples"]
     assert [x["aborted"] for x in samples] == [False, True, True, True]
@@ -380,24 +380,3 @@ def test_the_middleware_votes_and_aborts_through_the_engine_client():
     assert count(metrics, SampleEvent.ABORTED) == 3
     assert not client.results  # every sample's result fetched (the plugin may forget it)
     assert not any("error" in s for s in out["orca"]["samples"])  # each got its result
-
-
-def test_the_middleware_refuses_samples_on_the_messages_api():
-    import httpx
-    from prometheus_client import CollectorRegistry
-
-    from orca_serve.api_server.middleware import OrcaMiddleware
-    from tests.servers import orca_server
-
-    server = orca_server(bundle(), OrcaDefaults(enabled=True, delta=0.1), engine=FakeClient(),
-                         metrics=OrcaMetrics(CollectorRegistry()))
-    app = OrcaMiddleware(fake_chat_route(FakeClient(), []), server)
-
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://t") as c:
-            return await c.post("/v1/messages", json={
-                "model": "m", "max_tokens": 8, "messages": MSG, "orca": {"samples": 2}})
-
-    r = asyncio.run(go())
-    assert r.status_code == 400 and "only" in r.json()["error"]["message"]

@@ -1,10 +1,10 @@
 """The guards' decisions: per delta, the lambda served from the audited risk; per give-up delta,
-whether requests give up.
+whether requests give up; per consensus row, whether voted groups settle early.
 
 Pure: each guard is fed losses (or the scores to take them from) and its statistics
 (`orca_method.audit.sequence`), and decides; the server (`orca_serve/live_audit/`) folds its
 journalled audit events into them, the simulations call them directly. docs/AUDIT.md, "What an
-alarm means", "Recalibration in the server", "The give-up risk".
+alarm means", "Recalibration in the server", "The give-up risk", "The vote's audit".
 """
 
 from __future__ import annotations
@@ -496,6 +496,60 @@ class GiveUpGuard:
         self.served = None if r is None else RecalibratedMu(
             r["k"], r["epsilon"], mu_from_json(r["mu"]), r["since"],
             CensoredAlarm.from_dict(r["cs"]))
+
+
+def fed(cs: CS, engaged: bool, delta: float, on_alarm: OnAlarm,
+        loss: float | None) -> tuple[bool, bool]:
+    """One audit's loss (None: censored, unknown in [0, 1]) into a guard's statistics, and its
+    decision under `report` / `fallback` (`recalibrate` acts as `fallback` where the audits
+    cannot certify a new threshold): (engaged, whether the guard acts: serves the fallback)."""
+    cs.update(0.0 if loss is None else float(loss), loss is None)
+    engaged = engagement(engaged, cs, delta)
+    return engaged, engaged and on_alarm != OnAlarm.REPORT
+
+
+@dataclass
+class VoteGuard:
+    """One consensus row's audited vote error, and whether its groups settle early.
+
+    A row is (per-sample delta, delta_vote) with its certified margin t*. An audited group runs
+    every sample to its own (ORCA) end; its loss is 1 when the vote the rule settled at t*
+    differs from the vote of all k samples (`orca_serve/api_server/vote_audit.py`). Acting
+    (`fallback`, and `recalibrate`, since no t is recalibrated live) serves the row's groups
+    without early settling while the guard is engaged: every sample runs to its ORCA stop and
+    the answer is their whole vote (docs/AUDIT.md, "The vote's audit").
+    """
+
+    delta: float  # the row's per-sample delta
+    delta_vote: float
+    t: float  # the row's certified margin t*
+    cs: CS
+    on_alarm: OnAlarm = OnAlarm.REPORT
+    source: Source = Source.BUNDLE  # BUNDLE: t* settles groups; FALLBACK: they wait for all
+    engaged: bool = False
+
+    def __post_init__(self) -> None:
+        self.on_alarm = OnAlarm(self.on_alarm)
+
+    def observe(self, loss: float | None) -> None:
+        """One audited group's vote loss (None: censored: it did not finish), then the
+        decision."""
+        self.engaged, off = fed(self.cs, self.engaged, self.delta_vote, self.on_alarm, loss)
+        self.source = Source.FALLBACK if off else Source.BUNDLE
+
+    def row(self) -> dict[str, Any]:
+        return {**_cs_row(self.cs, self.delta_vote), "delta": self.delta,
+                "delta_vote": self.delta_vote, "t": self.t, "engaged": self.engaged,
+                "t_source": self.source}
+
+    def state(self) -> dict[str, Any]:
+        cs: Any = self.cs  # a CensoredAlarm
+        return {"delta": self.delta, "delta_vote": self.delta_vote, "cs": cs.to_dict(),
+                "engaged": self.engaged, "source": self.source}
+
+    def restore(self, d: dict[str, Any]) -> None:
+        self.cs = CensoredAlarm.from_dict(d["cs"])
+        self.engaged, self.source = bool(d["engaged"]), Source(d["source"])
 
 
 def _cs_row(cs: CS, delta: float) -> dict[str, Any]:

@@ -68,9 +68,9 @@ class Api:
     """OpenAI chat and completions (and /invocations, which vLLM hands to one of them)."""
 
     usage_details: str | None = "completion_tokens_details"
-    # `orca.samples` (orca_serve/api_server/voting.py): served here, and the usage counts that
-    # a vote sums over its samples
-    votes = True
+    # `orca.samples` (orca_serve/api_server/voting.py): whether a voted answer streams
+    # (orca_serve/api_server/vote_stream.py), and the usage counts a vote sums over its samples
+    votes_stream = True
     usage_counts: tuple[str, ...] = ("prompt_tokens", "completion_tokens", "total_tokens")
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:
@@ -167,6 +167,9 @@ class ResponsesApi(Api):
 
     usage_details = "output_tokens_details"
     usage_counts = ("input_tokens", "output_tokens", "total_tokens")
+    # its stream is a protocol of typed events (created, output items, deltas, completed), not
+    # chunks of one shape: a voted answer is not streamed here (docs/SERVER.md)
+    votes_stream = False
     CLOSING = ("response.completed", "response.incomplete", "response.failed")
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:
@@ -232,7 +235,9 @@ class MessagesApi(Api):
     `message_delta` event (the one with `stop_reason` and the final usage)."""
 
     usage_details = None  # Anthropic's usage has no reasoning-token count
-    votes = False
+    usage_counts = ("input_tokens", "output_tokens")
+    # its stream is typed events (message_start, content blocks, message_delta): as Responses'
+    votes_stream = False
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:
         return False
@@ -255,8 +260,27 @@ class MessagesApi(Api):
         if isinstance(stop_reason, str):
             req.note_finished({0: "length" if stop_reason == "max_tokens" else "stop"})
 
+    # a vote's sample: vLLM runs a message through its chat route (its X-Request-Id, chat's
+    # engine request id), so `sample` is chat's
+
+    def answer_text(self, response: dict[str, Any]) -> str:
+        """The message's text blocks (its thinking blocks hold the reasoning)."""
+        return "".join(b.get("text") or "" for b in response.get("content") or []
+                       if isinstance(b, dict) and b.get("type") == "text")
+
+    def finish_reason(self, response: dict[str, Any]) -> str | None:
+        """Anthropic's `stop_reason` in chat's terms (`max_tokens`: `length`)."""
+        r = response.get("stop_reason")
+        return None if not isinstance(r, str) else "length" if r == "max_tokens" else "stop"
+
+    def as_one(self, response: dict[str, Any]) -> dict[str, Any]:
+        return response  # a message is one answer
+
+    def is_response(self, obj: Any) -> bool:
+        return isinstance(obj, dict) and obj.get("type") == "message"
+
     async def on_json(self, obj: Any, req: Report) -> bool:
-        if not isinstance(obj, dict) or obj.get("type") != "message":
+        if not self.is_response(obj):
             return False
         self._note(obj.get("stop_reason"), req)
         await req.fetch_all()

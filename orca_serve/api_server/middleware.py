@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from orca_serve.api_server.admin import route_path, send_json
@@ -24,7 +26,6 @@ from orca_serve.api_server.apis import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     MESSAGES_PATH,
-    RESPONSES_PATH,
     ORCA_PATHS,
     Api,
 )
@@ -37,8 +38,11 @@ from orca_serve.settings.resolve import OrcaSettings, resolve
 from orca_serve.api_server.log import deferred_errors
 from orca_serve.api_server.state import Serving
 from orca_serve.api_server.shaping import AnthropicErrors, ResponseShaper
+from orca_serve.api_server.vote_stream import stream_vote
 from orca_serve.api_server.voting import LinkedEngine, Vote, call_app
 from orca_serve.vllm_compat.engine_client import max_choices
+
+logger = logging.getLogger("orca_serve.api_server.server")
 
 
 class _Request:
@@ -216,12 +220,15 @@ class OrcaMiddleware:
                     body: dict, settings: OrcaSettings, serving: Serving) -> None:
         """`orca.samples`: k samples through vLLM's route, one voted answer
         (`orca_serve.api_server.voting`)."""
-        if not api.votes:
+        if body.get("stream") and not api.votes_stream:
             return await send_json(send, 400, api.error(
-                f"'orca.samples' is served on {CHAT_PATH}, {COMPLETIONS_PATH} and "
-                f"{RESPONSES_PATH} only",
-                "orca.samples"))
+                f"'orca.samples' streams its voted answer on {CHAT_PATH} and {COMPLETIONS_PATH} "
+                "only (docs/SERVER.md, 'Streaming a voted answer'): send it with "
+                "\"stream\": false", "stream"))
         assert serving.bundle is not None  # resolve refuses `samples` without one
+        audit = serving.audit  # the one that admitted it (a reload may replace it)
+        if audit is not None:  # the vote's audit: audited? t* acting or only followed?
+            settings = replace(settings, vote=audit.votes.admit(settings.vote, settings.delta))
         completions = api.completions(path, body)
         vote = Vote(settings, LinkedEngine(self.server.engine), api=api, completions=completions,
                     end_tag=serving.bundle.think.end, metrics=self.server.metrics)
@@ -229,21 +236,51 @@ class OrcaMiddleware:
         watch = asyncio.ensure_future(_watch_disconnect(receive, gone))
         if self.server.reloader is not None:
             self.server.reloader.started(settings)
+        run = asyncio.ensure_future(
+            vote.run(body, lambda s, b: call_app(self.app, scope, b, s.header_id, gone)))
+        answered = asyncio.ensure_future(vote.answered.wait())
         try:
-            await vote.run(body, lambda s, b: call_app(self.app, scope, b, s.header_id, gone))
+            # an audited group is answered once settled and its other samples run on (the
+            # client's leaving after its answer no longer reaches them: `watch` ends here);
+            # any other group once its aborted samples' results are in
+            await asyncio.wait({run, answered} if settings.vote.audited else {run},
+                               return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            run.cancel()
+            raise
         finally:
             watch.cancel()
-            if self.server.reloader is not None:
-                self.server.reloader.finished(settings)
-        if gone.is_set():
+            answered.cancel()
+            run.add_done_callback(lambda t: self._vote_ended(t, vote, settings, audit))
+            _BACKGROUND.add(run)  # an audited group's run outlives the response
+            run.add_done_callback(_BACKGROUND.discard)
+        if run.done() and not run.cancelled() and run.exception() is not None:
+            raise run.exception()  # type: ignore[misc]
+        if gone.is_set() or not vote.answered.is_set():
             return None
         status, out = vote.response()
+        if body.get("stream") and status == 200 and isinstance(out, dict):
+            return await stream_vote(send, out, body)
         if isinstance(out, dict):
             return await send_json(send, status, out)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(out)).encode())]})
         await send({"type": "http.response.body", "body": out, "more_body": False})
+
+
+    def _vote_ended(self, run: asyncio.Future, vote: Vote, settings: OrcaSettings,
+                    audit: Any) -> None:
+        """A vote's samples all ended (an audited group's after its answer): its audit's
+        loss to the vote's guard (None, censored, when the run failed)."""
+        failed = run.cancelled() or run.exception() is not None
+        if failed and not run.cancelled() and vote.answered.is_set():
+            logger.warning("orca: audited vote %s failed after its answer: %r", settings.key,
+                           run.exception())
+        if self.server.reloader is not None:
+            self.server.reloader.finished(settings)
+        if audit is not None and settings.vote is not None and settings.vote.audited:
+            audit.vote_finished(settings.vote, settings.delta, None if failed else vote.loss())
 
 
 async def _watch_disconnect(receive: Callable, gone: asyncio.Event) -> None:

@@ -10,6 +10,13 @@ the bundle's certified margin t. Once it is, the samples still running are ABORT
 (`vllm_compat.engine_client.abort`: their KV cache is freed, they stop taking decode steps), and
 the response is the voted sample's, with every sample's `orca` object and how the group ended.
 
+An audited group (`VoteSettings.audited`: the live audit of the vote,
+`orca_serve.live_audit.votes`) aborts nothing: `answered` is set once its vote settles (the
+middleware answers then), and `run` goes on until every sample has finished, when `loss` says
+whether the settled vote differs from the vote of all k. A group whose row's guard acts on an
+alarm (`t_source` FALLBACK) settles only when every sample has finished; the vote at t* is still
+followed (`early`), so its audits keep measuring t*.
+
 Nothing of vLLM's request handling is re-implemented: each sample is the client's own body, run
 by vLLM's app below the orca middleware (its validation, chat template, parsers and response).
 """
@@ -30,6 +37,7 @@ import numpy as np
 
 from orca_method.answer_probes import answer_after
 from orca_method.consensus import Verdict, verdict
+from orca_method.outcomes import Source
 from orca_serve.api_server.apis import CHAT, Api
 from orca_serve.api_server.asgi import replay_body
 from orca_serve.api_server.report import orca_object, reasoning_total
@@ -176,9 +184,14 @@ class Vote:
         self.metrics = metrics
         self.samples: list[Sample] = []
         self.waves: Waves[tuple[Sample, bytes]] | None = None
-        self.verdict: Verdict | None = None
+        self.verdict: Verdict | None = None  # the vote the response answers (frozen once settled)
         self.settled_after = 0
         self.error: Sample | None = None  # a sample vLLM refused: its answer is the response
+        # t* settles groups (else: it is only followed, the group waits for every sample)
+        self.acts = self.rule.t is not None and self.rule.t_source == Source.BUNDLE
+        self.early: Verdict | None = None  # the first vote settled at t* (acting or not)
+        self.full: Verdict | None = None  # the vote of all k, once every sample finished
+        self.answered = asyncio.Event()  # the response is known (settled, or a refusal)
 
     def _decide(self) -> Verdict:
         finished = np.array([s.voted for s in self.samples])  # [k]
@@ -186,14 +199,28 @@ class Vote:
         weights = np.array([s.weight for s in self.samples])  # [k]
         # no certified t: the vote waits for every sample (t = 1 only to read the leader)
         v = verdict(answers, weights, finished, 1.0 if self.rule.t is None else self.rule.t)
+        if self.early is None and (v.settled or finished.all()):
+            self.early = v
+        if finished.all():
+            self.full = v
         # every sample in: settled whatever the rule (also when the leading answer is None)
-        return replace(v, settled=bool(finished.all()) or (self.rule.t is not None and v.settled))
+        return replace(v, settled=bool(finished.all()) or (self.acts and v.settled))
+
+    def loss(self) -> float | None:
+        """An audited group's vote error: 1 when the vote settled at t* differs from the vote of
+        all k samples run to their end, else 0; None when that is unknown (a sample failed, or
+        the group was cut short)."""
+        if self.error is not None or self.early is None or self.full is None:
+            return None
+        return float(self.early.answer != self.full.answer)
 
     async def run(self, body: dict[str, Any],
                   launch: Callable[[Sample, bytes], Any]) -> None:
         """Launch the samples (`launch(sample, body)`: an awaitable of (status, raw body)) wave
         by wave (`self.rule.waves`; one wave: all at once), vote as they finish, abort the rest
-        once settled; a wave not yet launched when the vote settles never is."""
+        once settled; a wave not yet launched when the vote settles never is. An audited group
+        aborts only once a sample failed: after its answer it runs on, every wave, to its end
+        (its loss compares the settled vote with the vote of all k)."""
         made = sample_bodies(body, self.settings, self.api, self.completions)
         self.samples = [s for s, _ in made]
         self.waves = Waves(made, self.rule.waves)
@@ -224,9 +251,13 @@ class Vote:
                     s.answer, s.weight = vote_of(s, self.api, self.rule.weighting,
                                                  self.end_tag)
                 if self.error is None:
-                    self.verdict = self._decide()
-                    self.settled_after = sum(s.voted for s in self.samples)
-                if (self.error is not None or self.verdict.settled) and tasks:
+                    v = self._decide()
+                    if not self.answered.is_set():
+                        self.verdict, self.settled_after = v, sum(s.voted for s in self.samples)
+                if self.error is not None or self.verdict.settled:
+                    self.answered.set()
+                if (self.error is not None or (self.verdict.settled and not self.rule.audited)
+                        ) and tasks:
                     running = sorted(tasks.values(), key=lambda s: s.index)
                     for s in running:
                         s.aborted = True
@@ -234,7 +265,8 @@ class Vote:
                     self._count(SampleEvent.ABORTED, len(running))
                     await self._drain(tasks)
                     tasks = {}
-                elif not tasks and self.error is None and not self.verdict.settled:
+                elif (not tasks and self.error is None and self.waves.left
+                      and (not self.verdict.settled or self.rule.audited)):
                     launch_wave()  # the waves so far have finished and left the vote open
         finally:
             for t in tasks:
@@ -296,13 +328,16 @@ class Vote:
             rep.update(finish_reason=self.api.finish_reason(s.response or {}), answer=s.answer,
                        in_vote=s.voted,
                        aborted=s.aborted, **({"launched": True} if waved else {}))
+            if self.rule.audited:  # still running after the answer (it runs to its end)
+                rep["running"] = s.status is None
             obj["samples"].append(rep)
         obj["vote"] = {"k": self.rule.k, "answer": v.answer, "sample": winner.index,
                        "settled_after": self.settled_after,
                        "ended": GroupEnd.SETTLED if any(s.aborted for s in self.samples)
                        or v.running else GroupEnd.ALL_FINISHED,
                        "margin": v.margin, "t": self.rule.t, "delta_vote": self.rule.delta_vote,
-                       "weighting": self.rule.weighting}
+                       "weighting": self.rule.weighting, "audited": self.rule.audited,
+                       "t_source": self.rule.t_source}
         if waved:
             obj["vote"] |= {"waves": list(self.rule.waves),
                             "waves_launched": self.waves.launched if self.waves else 0}

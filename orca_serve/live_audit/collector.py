@@ -10,10 +10,12 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from orca_method.outcomes import Source
 from orca_serve.live_audit.fleet import store_metrics
 from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.state import AuditState
+from orca_serve.live_audit.votes import VOTE_COUNTS, VoteAudit
 from orca_serve.metrics.prometheus import LABEL
 
 
@@ -68,6 +70,8 @@ class AuditCollector(Collector):
         yield from store_metrics(st.journal, m)
         if st.give_up_guards:
             yield from _give_up_families(st, m)
+        if a.votes.guards:
+            yield from _vote_families(a.votes, m)
         lm = GaugeMetricFamily("orca_audit_labels_match", "1 when the audits label as the bundle "
                                "was calibrated (else the audited risk is not the certified one, "
                                "and the guard only reports unless --orca-guard-other-labels)",
@@ -129,3 +133,36 @@ def _give_up_families(st: AuditState, m: str) -> Iterable[Any]:
         mu.add_metric([m, d, g.source], g.mu)
     yield from fams.values()
     yield mu
+
+
+def _vote_families(votes: VoteAudit, m: str) -> Iterable[Any]:
+    """The vote's audit (`orca.samples`): audited groups by state, and per consensus row the
+    audited vote error, its anytime-valid bounds, the alarm and whether groups settle early."""
+    c = CounterMetricFamily("orca_vote_audit_groups", "Voted groups picked for the vote's audit "
+                            "(run to their end), measured (their vote error known) and "
+                            "censored (a sample failed or the client left first)",
+                            labels=[LABEL, "state"])
+    for state in VOTE_COUNTS:
+        c.add_metric([m, state], votes.counts[state])
+    yield c
+    labels = [LABEL, "delta", "delta_vote"]
+    fams = {
+        "risk": GaugeMetricFamily("orca_vote_error", "Audited vote error (the settled vote "
+                                  "differs from the vote of all k samples)", labels=labels),
+        "lower": GaugeMetricFamily("orca_vote_error_lower", "Anytime-valid lower confidence "
+                                   "bound of the audited vote error", labels=labels),
+        "upper": GaugeMetricFamily("orca_vote_error_upper", "Anytime-valid upper confidence "
+                                   "bound of the audited vote error", labels=labels),
+        "alarm": GaugeMetricFamily("orca_vote_alarm", "1 when the vote error's lower bound "
+                                   "exceeds delta_vote", labels=labels),
+        "fallback": GaugeMetricFamily("orca_vote_fallback", "1 while groups of this row settle "
+                                      "no more early (the guard acts on its alarm)",
+                                      labels=labels),
+    }
+    for g in votes.guards.values():
+        row, key = g.row(), [m, f"{g.delta:g}", f"{g.delta_vote:g}"]
+        fams["risk"].add_metric(key, row["risk"] if row["risk"] is not None else math.nan)
+        for k in ("lower", "upper", "alarm"):
+            fams[k].add_metric(key, float(row[k]))
+        fams["fallback"].add_metric(key, float(g.source == Source.FALLBACK))
+    yield from fams.values()

@@ -23,7 +23,9 @@ server (statistics: docs/AUDIT.md; operations: docs/AUDIT-OPERATIONS.md). `LiveA
    `ConformalMartingale` (sequential test; reported, and answered by the guards as their own
    alarm only with `--orca-audit-drift-acts`) see the scores of one choice of every finished
    request (audited or not).
-5. **Hot reload** (`orca_serve.live_audit.handover`: builds the successor), the table
+5. **The vote** (`votes`, an `orca_serve.live_audit.votes.VoteAudit`): a share of the voted
+   groups (`orca.samples`) run to their end, their vote error against its own bound.
+6. **Hot reload** (`orca_serve.live_audit.handover`: builds the successor), the table
    (`GET /v1/orca/audit`: `orca_serve.live_audit.route`) and the metrics
    (`orca_serve.live_audit.collector`).
 
@@ -64,7 +66,8 @@ from orca_serve.live_audit.options import AuditConfig
 from orca_serve.live_audit.sampling import AuditSampler
 from orca_serve.live_audit.state import AuditState
 from orca_serve.live_audit.store import AuditStore
-from orca_serve.settings.resolve import OrcaSettings
+from orca_serve.live_audit.votes import VoteAudit
+from orca_serve.settings.resolve import OrcaSettings, VoteSettings
 
 logger = logging.getLogger("orca_serve.live_audit")
 
@@ -95,13 +98,15 @@ class LiveAudit:
                  sequential: ConformalMartingale | None = None,
                  engine_client: Callable[[], Any] | None = None,
                  labeller: Labeller | None = None, superseded: int = 0,
+                 votes: VoteAudit | None = None,
                  cs_factory: Callable[[], CS] | None = None,
                  loss: Callable[[np.ndarray, np.ndarray, float], int] | None = None) -> None:
         """`journal`: the bundle's event journal (replayed now; None: the events are not
         kept); `store`: where labelled audits are appended (None: nowhere); `drift`: the
         bundle's drift test; `sequential`: its sequential drift test; `engine_client`: returns the server's engine client (vLLM makes
         it after the app), which labels the audits; `labeller`: labels them instead (tests);
-        `superseded`: the unfinished audits of the audit this one took over from;
+        `superseded`: the unfinished audits of the audit this one took over from; `votes`:
+        the vote's audit (None: one without a state file);
         `cs_factory`, `loss`: the guards' statistics and loss (tests, simulations)."""
         self.bundle = bundle
         self.config = config
@@ -114,6 +119,7 @@ class LiveAudit:
         self.sampler = AuditSampler(config.rate, config.seed)
         self.counts = dict.fromkeys(COUNTS, 0)
         self.counts["superseded"] = superseded
+        self.votes = votes or VoteAudit(bundle, config)
         self.retired = False  # replaced by a hot reload: takes nothing in any more
         self._labeller = labeller  # made on first use (needs the engine client), unless given
         self._give_up_probe: Probe | None = None  # the bundle's give-up probe, on first use
@@ -186,6 +192,13 @@ class LiveAudit:
             logger.warning("orca audit %s failed: %s", settings.key, why)
             return self.state.outcome(seq, AuditOutcome.OUT)
         self._submit(_Job(settings.key, rec, first, seq, reason, settings.lam_source))
+
+    def vote_finished(self, vote: VoteSettings, delta: float, loss: float | None) -> None:
+        """An audited voted group ended (`loss`: its vote error, None when unknown): to the
+        vote's guard, unless a hot reload replaced this audit meanwhile (its successor's guards
+        are another bundle's, or the same one's read back from the state file)."""
+        if not self.retired:
+            self.votes.finished(vote, delta, loss)
 
     def see(self, scores: list[float], lam: float) -> None:
         """One finished request's scores (choice 0): to the bundle's drift tests (the window
@@ -379,6 +392,8 @@ class LiveAudit:
                 "guard_epsilon": st.give_up_epsilon,
                 "deltas": [g.row() for g in st.give_up_guards.values()]},
         }
+        if self.votes.guards:
+            out["vote"] = self.votes.table()
         if self.drift is not None:
             out["drift"] = {"pvalue": self.drift.pvalue, "alarm": bool(self.drift.alarm)}
         if self.sequential is not None:

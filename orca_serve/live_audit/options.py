@@ -44,6 +44,7 @@ class AuditConfig:
     """What the options below configure (orca_serve/live_audit/live.py `LiveAudit`)."""
 
     rate: float = 0.0
+    vote_rate: float = 0.0  # share of voted groups (`orca.samples`) run to their end (votes.py)
     seed: int | None = None
     directory: Path | None = None
     store: str | None = None  # the fleet's shared journal (a Redis URL); None: the directory's
@@ -74,6 +75,12 @@ def add_audit_args(g: argparse._ActionsContainer) -> None:
     g.add_argument("--orca-audit-rate", type=fraction(open_interval=False), default=0.0, metavar="R",
                    help="Audit each request with probability R (0 = off): it runs in shadow "
                    "(full-budget answer) with record mode on, and is labelled in the background.")
+    g.add_argument("--orca-vote-audit-rate", type=fraction(open_interval=False), default=0.0,
+                   metavar="R",
+                   help="Audit each voted group (orca.samples) with probability R (0 = off): it "
+                   "aborts none of its samples, which run to their end after the answer is "
+                   "returned, and its vote error (the settled vote differs from the vote of all "
+                   "k samples) feeds the vote's anytime-valid bound (docs/AUDIT.md).")
     g.add_argument("--orca-audit-seed", type=int, default=None, metavar="S",
                    help="Seed of the audit sampler (tests; default: random).")
     g.add_argument("--orca-audit-dir", default=None, metavar="DIR",
@@ -129,8 +136,9 @@ def add_audit_args(g: argparse._ActionsContainer) -> None:
 
 def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
     """Raise ValueError (one line) for settings that cannot work; before vLLM is imported."""
+    vote_rate = getattr(ns, "orca_vote_audit_rate", 0.0)
     if not has_bundle:
-        if (ns.orca_audit_rate > 0 or ns.orca_audit_dir or ns.orca_audit_store
+        if (ns.orca_audit_rate > 0 or vote_rate > 0 or ns.orca_audit_dir or ns.orca_audit_store
                 or ns.orca_on_alarm != OnAlarm.REPORT
                 or ns.orca_guard_other_labels or ns.orca_audit_drift_acts):
             raise ValueError("auditing (--orca-audit-*, --orca-on-alarm) needs --calib (a bundle)")
@@ -140,16 +148,19 @@ def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
                          "forces an answer")
     if ns.orca_audit_rate == 0:  # options that act on audits mean nothing without them
         acts = ns.orca_on_alarm != OnAlarm.REPORT
-        for opt, is_set in (("--orca-audit-dir", ns.orca_audit_dir is not None),
+        # the vote's audit keeps its state in the directory and answers --orca-on-alarm too
+        for opt, is_set in (("--orca-audit-dir", ns.orca_audit_dir is not None
+                             and vote_rate == 0),
                             ("--orca-audit-store", ns.orca_audit_store is not None),
-                            (f"--orca-on-alarm {ns.orca_on_alarm}", acts),
+                            (f"--orca-on-alarm {ns.orca_on_alarm}", acts and vote_rate == 0),
                             ("--orca-audit-drift-acts", ns.orca_audit_drift_acts)):
             if is_set:
                 raise ValueError(f"{opt} is set but --orca-audit-rate is 0: no request would be "
                                  "audited")
     if ns.orca_audit_store is not None:
         check_store_url(ns.orca_audit_store)
-    if ns.orca_audit_rate > 0 and (getattr(ns, "api_server_count", None) or 1) > 1:
+    if (ns.orca_audit_rate > 0 or vote_rate > 0) and (
+            getattr(ns, "api_server_count", None) or 1) > 1:
         raise ValueError("auditing runs in one API server process (it keeps the risk statistics "
                          "and writes --orca-audit-dir); use --api-server-count 1 with "
                          "--orca-audit-rate")
@@ -191,7 +202,8 @@ def audit_labelling(ns: argparse.Namespace, bundle: Bundle) -> ProbeSettings:
 def audit_config(ns: argparse.Namespace, bundle: Bundle) -> AuditConfig:
     """The live audit of `bundle` as the options configure it."""
     return AuditConfig(
-        rate=ns.orca_audit_rate, seed=ns.orca_audit_seed,
+        rate=ns.orca_audit_rate, vote_rate=getattr(ns, "orca_vote_audit_rate", 0.0),
+        seed=ns.orca_audit_seed,
         directory=Path(ns.orca_audit_dir).absolute() if ns.orca_audit_dir else None,
         store=ns.orca_audit_store,
         on_alarm=OnAlarm(ns.orca_on_alarm), other_labels=bool(ns.orca_guard_other_labels),

@@ -94,7 +94,10 @@ class VoteSettings:
     """One voted answer from `k` samples (`orca.samples`): the bundle's consensus row for the
     request's delta with the smallest delta_vote. `t` None (the row certified none, or k is
     below the k it was certified for): no early stop at all, each sample runs to its end and the
-    vote is maj@k itself (what the consensus block's rows with t null promise)."""
+    vote is maj@k itself (what the consensus block's rows with t null promise). The live audit
+    of the vote (`orca_serve.live_audit.votes`) sets `audited` (the group aborts nothing: its
+    samples run to their end after the answer) and `t_source` (FALLBACK: t is only measured,
+    the group waits for every sample)."""
 
     k: int
     t: float | None
@@ -103,6 +106,8 @@ class VoteSettings:
     # the wave sizes the k samples are launched in (the schedule t was certified for); (k,):
     # all at once, as whenever t is None (nothing settles early, so waves would only wait)
     waves: tuple[int, ...]
+    audited: bool = False
+    t_source: Source = Source.BUNDLE
 
 
 @dataclass(frozen=True)
@@ -372,7 +377,8 @@ def alarm_served(settings: OrcaSettings, bundle: Bundle, action: ShiftAction) ->
 def _vote(k: int, delta: float, body: dict[str, Any], bundle: Bundle) -> VoteSettings:
     """The vote of `orca.samples: k` at the request's per-sample `delta`: the consensus row for
     that delta with the smallest delta_vote. Raises OrcaRequestError for a bundle without a
-    consensus block, a k beyond the block's, no row for the delta, or `n` / `stream` besides."""
+    consensus block, a k beyond the block's, no row for the delta, or `n` besides (a stream
+    is the API's to allow: `orca_serve.api_server.apis.Api.votes_stream`)."""
     block = bundle.consensus
     if block is None:
         raise OrcaRequestError("this server's bundle has no consensus block, so 'orca.samples' "
@@ -386,9 +392,6 @@ def _vote(k: int, delta: float, body: dict[str, Any], bundle: Bundle) -> VoteSet
     if n not in (None, 1):
         raise OrcaRequestError("'orca.samples' returns one voted answer: send it without 'n'",
                                "n")
-    if body.get("stream"):
-        raise OrcaRequestError("'orca.samples' is not served on streams yet: send it with "
-                               "\"stream\": false", "stream")
     rows = [r for r in block.rows if abs(r.delta - delta) <= 1e-9]
     if not rows:
         raise OrcaRequestError(f"the bundle's consensus rule has no row for delta {delta:g} "
