@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -205,6 +206,21 @@ def test_waves_launch_the_next_wave_only_while_the_vote_is_open():
     assert [x["launched"] for x in samples[:2]] == [True, True]
     assert out["usage"]["completion_tokens"] == 10 + 20  # only what was launched
     assert count(metrics, SampleEvent.LAUNCHED) == 2 and count(metrics, SampleEvent.ABORTED) == 0
+
+
+def test_an_audited_group_in_waves_launches_every_wave_to_know_the_whole_vote():
+    """The same waves and answers as above, audited: the answer is still sample 1's settled
+    vote, but the group goes on to launch wave 3, since its loss compares that vote with the
+    vote of all k samples; nothing is aborted."""
+    b = bundle(weighting="score", waves=[1, 1, 2])
+    body, s = resolved({"messages": MSG, "orca": {"samples": 4}}, b)
+    s = replace(s, vote=replace(s.vote, audited=True))
+    eng = FakeEngine([0.01, 0.01, 0.01, 0.01], ["7", "3", "3", "3"], scores=[0.0, 0.9, 0.9, 0.9])
+    v = Vote(s, eng, completions=False, end_tag="</think>")
+    asyncio.run(v.run(body, eng.launch))
+    assert sorted(eng.finished) == sorted(x.key for x in v.samples) and eng.aborted == []
+    assert v.waves.launched == 3 and v.verdict.answer == "3" and v.settled_after == 2
+    assert v.full is not None and v.full.answer == "3" and v.loss() == 0.0
 
 
 def test_a_wave_bundle_without_a_certified_t_launches_all_at_once():
