@@ -89,7 +89,7 @@ def served_table(family: str, rep: dict[str, Any]) -> str:
     lines = [f"**{family}, served as the group `{family}`** (n = {rep['n']} held-out traces; "
              f"the group's table: n_cal {g['ltt']['n_cal']}, epsilon {g['ltt']['epsilon']:g}; "
              f"full reasoning {rep['full']['tokens']:.0f} tokens, accuracy {acc(rep['full'])})",
-             "", "| delta | lambda\*_g | stop error (certified loss) | stop error (supervised) | "
+             "", r"| delta | lambda\*_g | stop error (certified loss) | stop error (supervised) | "
              "accuracy | tokens | vs budget at its tokens | two-sided: give-up error | "
              "two-sided: accuracy |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in rep["orca"]:
