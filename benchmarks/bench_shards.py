@@ -102,10 +102,10 @@ def fixed_probe(job_file: Path, sets: dict[str, Path], probe_file: Path, boot: i
     lams = []
     for _ in range(boot):
         pick = rng.integers(0, len(base.ids), len(base.ids))
-        resample = type(base)(ids=[base.ids[i] for i in pick],
-                              scores=[base.scores[i] for i in pick],
-                              labels=[base.labels[i] for i in pick],
-                              tokens=None if base.tokens is None else [base.tokens[i] for i in pick])
+        resample = type(base)(
+            ids=[base.ids[i] for i in pick], scores=[base.scores[i] for i in pick],
+            labels=[base.labels[i] for i in pick],
+            tokens=None if base.tokens is None else [base.tokens[i] for i in pick])
         lams.append([r.lam for r in run_ltt(resample, deltas, eps, "binomial")])
     arr = np.array(lams)  # (boot, deltas); inf where nothing is certified
     report["bootstrap"] = {"resamples": boot, "of": next(iter(sets)), **{
@@ -150,10 +150,11 @@ def resume(job_file: Path, n: int, engines: int, out: Path, kill_after: float) -
     stats, prompts = sharded_collection(job_file, n, engines, out)
     merged = TrajectorySet.open(out / "resume")
     kept = sum(p.id in before and p.step_tokens == before[p.id] for p in merged.problems)
+    order = [str(p["id"]) for p in prompts]
     report = {"prompts": n, "engines": engines, "killed_after_s": kill_after, "killed": killed,
               "written_before_kill": per_shard, "rerun_wall_s": round(time.perf_counter() - t0, 1),
               "rerun_collected": stats.trajectories, "merged": len(merged),
-              "complete_in_order": [p.id for p in merged.problems] == [str(p["id"]) for p in prompts],
+              "complete_in_order": [p.id for p in merged.problems] == order,
               "kept_unchanged": kept}
     (out / "resume.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
