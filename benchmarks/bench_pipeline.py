@@ -26,15 +26,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from orca_calibrate.collect import (  # noqa: E402
-    SCHEDULES,
-    Collector,
-    CollectSettings,
-    Stats,
-    read_prompts,
-)
-from orca_calibrate.job import load_job  # noqa: E402
+from bench_shards import job_cut  # noqa: E402
+from orca_calibrate.collect import SCHEDULES, Collector, Stats  # noqa: E402
 from orca_method.trajectories import TrajectorySet  # noqa: E402
 
 
@@ -48,9 +43,7 @@ def main() -> None:
     order = a.order.split(",")
     if sorted(order) != sorted(SCHEDULES):
         ap.error(f"--order names each of {', '.join(SCHEDULES)} once")
-    job = load_job(Path(a.job))
-    prompts = read_prompts(Path(job["prompts"]))[:a.n]
-    settings = CollectSettings(**(job.get("collect") or {}))
+    job, prompts, settings = job_cut(Path(a.job), a.n)
     out = Path(a.out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

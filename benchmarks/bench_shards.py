@@ -117,12 +117,18 @@ def fixed_probe(job_file: Path, sets: dict[str, Path], probe_file: Path, boot: i
     return report
 
 
+def job_cut(job_file: Path, n: int, **collect: object) -> tuple[dict, list, CollectSettings]:
+    """The job, its first `n` prompts and its collect settings (`collect` overriding some): the
+    long job cut to a size one locked run can collect (also bench_pipeline's)."""
+    job = load_job(job_file)
+    prompts = read_prompts(Path(job["prompts"]))[:n]
+    return job, prompts, CollectSettings(**{**(job.get("collect") or {}), **collect})
+
+
 def sharded_collection(job_file: Path, n: int, engines: int, out: Path):
     """The first `n` prompts of the job collected by `engines` engine processes into
     out/resume (shards in out/resume-work), as the job's collect stage does."""
-    job = load_job(job_file)
-    prompts = read_prompts(Path(job["prompts"]))[:n]
-    settings = CollectSettings(**{**(job.get("collect") or {}), "engines": engines})
+    job, prompts, settings = job_cut(job_file, n, engines=engines)
     return collect_shards(job["model"], settings, [(prompts, out / "resume", set())],
                           out / "resume-work"), prompts
 
@@ -192,9 +198,7 @@ def main() -> None:
     if a.what == "bundles":
         bundles(Path(a.job), Path(a.out).resolve(), a.probe and Path(a.probe), a.boot)
         return
-    job = load_job(Path(a.job))
-    prompts = read_prompts(Path(job["prompts"]))[:a.n]
-    settings = CollectSettings(**(job.get("collect") or {}))
+    job, prompts, settings = job_cut(Path(a.job), a.n)
     out = Path(a.out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
