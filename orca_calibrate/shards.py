@@ -39,6 +39,7 @@ from typing import Any
 
 from orca_calibrate.collect import PENDING_FILE, Collector, CollectSettings, Stats, trace_keys
 from orca_calibrate.judge import JudgeSettings
+from orca_method.files import write_atomic
 from orca_method.trajectories import INFO_DEFAULTS, TrajectorySet, TrajectoryWriter
 
 
@@ -111,16 +112,8 @@ def write_spec(model: str, settings: CollectSettings,
             and not {k for k, _ in trace_keys([p], settings.samples)} <= done]})
     (work / f"shard-{shard}.stats.json").unlink(missing_ok=True)
     path = work / f"shard-{shard}.json"
-    _write(path, json.dumps(spec))
+    write_atomic(path, json.dumps(spec))  # other workers read the shards' files meanwhile
     return path
-
-
-def _write(path: Path, text: str) -> None:
-    """Write `path` whole or not at all: the other workers of a cluster read the shards' files
-    while one is written."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def started(work: Path) -> dict[int, dict]:
@@ -155,7 +148,7 @@ def run_shard(spec_file: Path) -> Stats:
                 collector.run(s["prompts"], Path(s["out"]), progress=False,
                               defer=lambda key, defer=defer: key in defer)
         stats = collector.stats
-    _write(spec_file.with_name(spec_file.stem + ".stats.json"), json.dumps(stats.as_dict()))
+    write_atomic(spec_file.with_name(spec_file.stem + ".stats.json"), json.dumps(stats.as_dict()))
     return stats
 
 

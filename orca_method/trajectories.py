@@ -23,6 +23,7 @@ from typing import Any, Self
 import numpy as np
 
 from orca_method.errors import first_line
+from orca_method.files import write_atomic
 from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
 from orca_method.risk import cumulative
 
@@ -279,16 +280,6 @@ def _read_bytes(path: Path) -> bytes:
         raise TrajectoryError(f"cannot read {path}: {e.strerror or e}") from None
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temporary file and os.replace, so readers never see a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------------------------- the set
 
 
@@ -470,7 +461,7 @@ class TrajectoryWriter:
             if stray:
                 raise TrajectoryError(f"{self.path} has {stray} but no {INFO_FILE}; it is not a "
                                       "trajectory directory this writer can resume")
-            _write_atomic(info_path, (json.dumps(self.info, indent=1) + "\n").encode())
+            write_atomic(info_path, json.dumps(self.info, indent=1) + "\n", fsync=True)
         for name in (PROBLEMS_FILE, EMBEDDINGS_FILE):
             (self.path / name).touch()
 
@@ -571,7 +562,7 @@ def update_problems(path: str | Path, changes: Mapping[str, Mapping[str, Any]]) 
     for p in problems:
         d = {**p.to_dict(), **{k: v for k, v in changes.get(p.id, {}).items() if k not in fixed}}
         lines.append(json.dumps(Problem.from_dict(d, f"problem {p.id!r}").to_dict()) + "\n")
-    _write_atomic(path / PROBLEMS_FILE, "".join(lines).encode())
+    write_atomic(path / PROBLEMS_FILE, "".join(lines), fsync=True)
 
 
 def split_ids(ids: Sequence[str], fractions: Sequence[float] = (0.6, 0.2, 0.2), seed: int = 0,

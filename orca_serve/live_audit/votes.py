@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 from orca_method.audit.guards import VoteGuard
 from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import Bundle
+from orca_method.files import write_atomic
 from orca_method.outcomes import Source
 from orca_serve.live_audit.options import AuditConfig, guard_epsilon
 from orca_serve.live_audit.sampling import AuditSampler
@@ -124,10 +124,8 @@ class VoteAudit:
                 "rows": [[g.delta, g.delta_vote, g.t] for g in self.guards.values()]}
 
     def _save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"settings": self._settings(), "counts": self.counts,
-                                   "guards": [g.state() for g in self.guards.values()]}))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps({"settings": self._settings(), "counts": self.counts,
+                                       "guards": [g.state() for g in self.guards.values()]}))
 
     def _load(self, path: Path) -> None:
         try:
