@@ -176,10 +176,15 @@ def test_engine_step_makes_at_most_one_device_to_host_copy(bundle_path, other_bu
     device-to-host copy (the readback) and one host-to-device copy (the staging), never a
     `.item()`/`.tolist()`/`bool()` of a device value or a tensor built from a list on a device.
     With two deployments live (hot reload), half the requests score through each bank; `gated`:
-    the first bank has a shift gate (it holds, gathers, decides and flags on the device)."""
+    the first bank has a shift gate (it holds, gathers, decides and flags on the device) and
+    its gate alarm is raised (fed and applied on the host from values read back)."""
     core = make_core(gated_bundle_path if gated else bundle_path, max_num_seqs=4)
     other = core.load_bundle(str(other_bundle_path)).checksum if two_deployments else None
     to_device(core)
+    if gated:  # the gate alarm raised: it serves gated requests as flagged ones, on the host
+        alarm = core.dep.alarm.alarm
+        while not alarm.alarmed:
+            alarm.observe(1 / (alarm.n_cal + 1))
     rng = random.Random(3)
     sims = [SimRequest(f"r{i}", rng, xa={XARG_KEY: f"r{i}", "orca_policy": p,
                                          **({XARG_BUNDLE: other} if other and i % 2 else {}),
