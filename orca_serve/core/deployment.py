@@ -17,15 +17,24 @@ import math
 import torch
 
 from orca_method.bundle import BundleError, Segmentation, ThinkTags, check_model, load_bundle
-from orca_method.gate_alarm import ArrivalFeed
+from orca_method.gate_alarm import ArrivalFeed, GateAlarm
 from orca_method.procedure import ProbeBank
 from orca_method.shift_gate import ShiftGate
 from orca_method.steps import TokenTable
-from orca_serve.core.gate_alarm import alarm_feed
 from orca_serve.settings.contract import DEFAULTS, ShiftAction, safe_lam
 from orca_serve.settings.engine_config import EngineConfig
 
 log = logging.getLogger("orca_serve.core")
+
+
+def alarm_feed(gate: ShiftGate | None, alpha: float | None, level: float) -> ArrivalFeed | None:
+    """The gate alarm on `gate`'s stream (core/gate_alarm.py) at level `level` and the engine's
+    default gate level `alpha` (None: the bundle's); None without a gate, with the gate off
+    (alpha 0) or the alarm off (level 0)."""
+    if gate is None or level <= 0:
+        return None
+    a = gate.alpha if alpha is None else float(alpha)
+    return ArrivalFeed(GateAlarm(len(gate.scores), a, level)) if a > 0 else None
 
 
 class Deployment:

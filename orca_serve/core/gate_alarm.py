@@ -1,6 +1,6 @@
 """The gate alarm in the engine core (`orca_method.gate_alarm`; docs/SERVER.md, "The gate alarm").
 
-One alarm per deployment (a bundle in one engine core), on that deployment's gate: with data
+One alarm per deployment (a bundle in one engine core: `Deployment.alarm`), on its gate: with data
 parallelism each engine core tests its own share of the traffic, each at the stated level. It
 hears a request's gate decision at the request's gate step (a few scored steps in, read back on
 the next engine step), not when the request ends, so it lags by about two engine steps of
@@ -29,25 +29,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from orca_method.gate_alarm import AlarmChange, ArrivalFeed, GateAlarm
-from orca_method.shift_gate import ShiftGate
+from orca_method.gate_alarm import AlarmChange, GateAlarm
 
 if TYPE_CHECKING:
     from orca_serve.core.registry import Request
 
 log = logging.getLogger("orca_serve.core")
-
-
-def alarm_feed(gate: ShiftGate | None, alpha: float | None, level: float) -> ArrivalFeed | None:
-    """The alarm on `gate`'s stream at level `level` and the engine's default gate level `alpha`
-    (None: the bundle's); None without a gate, with the gate off (alpha 0) or the alarm off
-    (level 0)."""
-    if gate is None or level <= 0:
-        return None
-    a = gate.alpha if alpha is None else float(alpha)
-    if a <= 0:
-        return None
-    return ArrivalFeed(GateAlarm(len(gate.scores), a, level))
 
 
 def take_ticket(req: Request) -> None:
