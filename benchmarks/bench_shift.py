@@ -16,7 +16,7 @@ The live audit is a server option, so it is a run of its own: `--audit-rate R` s
 `--orca-audit-rate R --orca-on-alarm fallback` (an alarm at a delta stops early there no more),
 and `--shift-action off` turns the gate off for the whole server (`--orca-shift-action off`).
 The gate alarm (docs/SERVER.md, "The gate alarm") is on by default, as the server's; `--gate-alarm
-0` serves without it (`--orca-gate-alarm 0`). Its state is the server's, so with it on every arm
+0` serves without it (`--orca-gate-alarm 0`). Its state is the engine's, so with it on every arm
 the gate runs for (gated, two-sided) gets a server of its own, started afresh: an arm never
 inherits the alarm the arm before it raised.
 Each run writes OUT/REASONER/CONFIG.json; `--report` reads them all and prints the tables of
