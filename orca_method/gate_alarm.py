@@ -5,7 +5,8 @@ a family it flags 86% of, the other 14% are served the in-distribution lambda*, 
 family may be badly wrong. Those requests cannot be told apart one by one, but the *stream* can:
 on traffic exchangeable with the calibration split the gate flags about alpha of requests, so a
 flag rate clearly above that says the traffic moved. The alarm tests exactly that, without a
-label, and while it is raised the server serves every request as a flagged one.
+label, and while it is raised the engine serves every gated request as a flagged one
+(orca_serve/core/gate_alarm.py).
 
 **The null, honestly.** Test requests share one calibration set, so their flags are not
 independent given it: with m = floor(alpha (n + 1)) (the flag count of `shift_gate.threshold`),
@@ -115,8 +116,8 @@ class AlarmChange:
 
 
 class GateAlarm:
-    """The alarm on one gate's stream of decisions (module docstring). `observe` each finished
-    request's conformal p-value, once per request; read `alarmed` when serving a new one."""
+    """The alarm on one gate's stream of decisions (module docstring). `observe` each request's
+    conformal p-value once, in arrival order (`ArrivalFeed`); read `alarmed` when serving."""
 
     def __init__(self, n_cal: int, alpha: float, level: float = DEFAULT_ALARM_LEVEL) -> None:
         if not 0 < level < 1:
@@ -144,7 +145,7 @@ class GateAlarm:
         return round(pvalue * (self.n_cal + 1)) <= self.m
 
     def observe(self, pvalue: float) -> AlarmChange:
-        """One finished request's gate p-value in; whether that raised or cleared the alarm."""
+        """One request's gate p-value in; whether that raised or cleared the alarm."""
         x = 1.0 if self.flagged(pvalue) else 0.0
         self.seen += 1
         self.flags += int(x)
