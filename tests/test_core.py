@@ -26,9 +26,8 @@ from tests.core_sim import (
     ID,
     POLICY_XA,
     PROMPT,
-    DeviceTensor,
-    FactoryWatch,
     SimRequest,
+    count_copies,
     first_cross,
     make_core,
     reference,
@@ -193,17 +192,7 @@ def test_engine_step_makes_at_most_one_device_to_host_copy(bundle_path, other_bu
                        max_tokens=60, join_at=i, preempt_at=10 if i == 1 else None,
                        lag_from=20 if i == 2 else None)
             for i, p in enumerate(["stop", "answer", "shadow", "answer"])]
-    per_step: list[list[str]] = []
-    orig = core.step
-
-    def counted_step(entries, hidden, logits):
-        DeviceTensor.log = []
-        with FactoryWatch():
-            orig(entries, hidden.as_subclass(DeviceTensor), logits.as_subclass(DeviceTensor))
-        per_step.append(DeviceTensor.log)
-        DeviceTensor.log = []  # joins and leaves between steps are not the step's
-
-    core.step = counted_step
+    per_step = count_copies(core)
     run(core, sims)
     res = core.pop_results([s.name for s in sims])
     assert any(r["stopped_early"] for r in res.values())  # the stop path ran

@@ -23,14 +23,14 @@ from orca_serve.settings.contract import (
     OrcaResult,
 )
 from orca_serve.settings.xargs import encode_lam
-from tests.bundles import tiny_bundle, with_give_up, write_bundle
+from tests.bundles import tiny_bundle, write_bundle
 from tests.core_sim import (
     DIM,
     ID,
     WINDOW,
-    DeviceTensor,
-    FactoryWatch,
     SimRequest,
+    count_copies,
+    gated_sim_bundle,
     make_core,
     run,
     sim_probe,
@@ -53,11 +53,7 @@ def typical_gate(hidden: int):
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    b = with_give_up(tiny_bundle(sim_probe(), [(0.05, None), (0.1, 0.75)], vocab=ID,
-                                 window=WINDOW, default_delta=0.1, name="fake", hidden_size=DIM),
-                     [(0.05, 0.1), (0.1, 0.2)], bias=-2.0)
-    b = b.model_copy(update={"shift_gate": typical_gate(DIM)})
-    return write_bundle(b, tmp_path_factory.mktemp("typical") / "bundle.json")
+    return gated_sim_bundle(tmp_path_factory.mktemp("typical") / "bundle.json", typical_gate(DIM))
 
 
 def raise_alarm(alarm: GateAlarm) -> None:
@@ -169,17 +165,7 @@ def test_the_alarm_costs_no_device_sync(tmp_path) -> None:
     core = make_core(one_sided, max_num_seqs=4)
     to_device(core)
     sims = _sims({f"r{i}": {} for i in range(4)})
-    per_step: list[list[str]] = []
-    orig = core.step
-
-    def counted_step(entries, hidden, logits):
-        DeviceTensor.log = []
-        with FactoryWatch():
-            orig(entries, hidden.as_subclass(DeviceTensor), logits.as_subclass(DeviceTensor))
-        per_step.append(DeviceTensor.log)
-        DeviceTensor.log = []
-
-    core.step = counted_step
+    per_step = count_copies(core)
 
     def on_step(t: int) -> None:
         if t == 6:
