@@ -155,9 +155,11 @@ def arm_batches(arms: Sequence[str], fresh: bool) -> list[list[str]]:
 
 def acting(orca: Mapping[str, Any]) -> bool:
     """Whether a response ran with a lambda that could stop it: ORCA on, not audited (shadow),
-    not flagged by the gate, and a finite lambda (null: never stops, the fallback's)."""
+    not flagged by the gate nor served as flagged by the gate alarm (`shift_alarm`: the engine
+    ran the safe action, whatever `lambda` it was resolved with), and a finite lambda (null:
+    never stops, the fallback's)."""
     return (bool(orca.get("enabled")) and not orca.get("audited")
-            and not (orca.get("shift") or {}).get("flagged")
+            and not (orca.get("shift") or {}).get("flagged") and not orca.get("shift_alarm")
             and isinstance(orca.get("lambda"), (int, float)))
 
 
