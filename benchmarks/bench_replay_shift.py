@@ -28,12 +28,16 @@ budget differs: it cuts at exactly B tokens, mid-step, and the model then writes
 after the forced end of thinking, sampled at the request's temperature, where the replay answers
 the job's suffix greedily at a step boundary before B.
 
-The gate alarm (`--gate-alarm LEVEL`): the server's stream-level alarm (orca_method/gate_alarm.py)
-serves requests as flagged that the per-request gate passed (`family_report(..., alarm=f)`: f gets
-the stream's gate decisions in order and returns the serve-as-flagged mask). It hears a request's
-decision when the request finishes, `--in-flight` requests later, and depends on the arrival
-order, so it is replayed over `--orders` random orders of the family's requests, from a fresh
-alarm at the first one (no in-distribution traffic before it).
+The gate alarm (`--gate-alarm LEVEL`): the engine core's stream-level alarm
+(orca_method/gate_alarm.py, orca_serve/core/gate_alarm.py) serves requests as flagged that the
+per-request gate passed (`family_report(..., alarm=f)`: f gets the stream's gate decisions in
+order and returns the serve-as-flagged mask). It hears a request's decision at the request's gate
+step (`--alarm-at gate`, the default; `--alarm-at finish`: when the request finishes, as the
+server's alarm did before), with `--in-flight` requests running (`alarm_lags`), and depends on
+the arrival order, so it is replayed over `--orders` random orders of the family's requests,
+from a fresh alarm at the first one (no in-distribution traffic before it). Not replayed: a
+request already past its gate when the alarm rises switches to the flagged policy in the engine
+(its stop can only come later); here it keeps its lambda*, so the errors are upper bounds.
 
 In distribution (`--families in-dist`, e.g. the k = 8 collection of issue 35) it also prints
 what the gate costs there: the one-sided tokens with the gate minus without, in points of full
@@ -297,21 +301,36 @@ def arm_figures(rep: Replayed, end: np.ndarray, ended: Sequence[Ended], flagged:
             "flagged": rate(list(flagged))}
 
 
-def server_alarm(n_cal: int, alpha: float, level: float, in_flight: int) -> StreamAlarm:
-    """The server's gate alarm (orca_method.gate_alarm, fresh at the stream's first request) as
-    a stream alarm: request j is served as flagged when the alarm is raised at its arrival. The
-    server feeds a request's decision when it finishes, so at request j's arrival the alarm has
-    heard the requests up to j - in_flight - 1 (the requests still running are `in_flight`)."""
+def stream_alarm(n_cal: int, alpha: float, level: float, lag: np.ndarray) -> StreamAlarm:
+    """The gate alarm (orca_method.gate_alarm, fresh at the stream's first request, fed in
+    arrival order) as a stream alarm: request j is served as flagged when the alarm is raised
+    once it has heard the requests before j - lag[j] (`alarm_lags`)."""
     def served(flags: np.ndarray) -> np.ndarray:
         alarm = GateAlarm(n_cal, alpha, level)
         hi, lo = 1.0 / (n_cal + 1), 1.0  # p-values the alarm reads as flagged / passed
-        raised = np.zeros(len(flags), dtype=bool)
-        for j in range(len(flags)):
-            if j - in_flight - 1 >= 0:
-                alarm.observe(hi if flags[j - in_flight - 1] else lo)
-            raised[j] = alarm.alarmed
-        return raised
+        raised_after = [alarm.alarmed]  # [k]: raised once it has heard k decisions
+        for f in flags:
+            alarm.observe(hi if f else lo)
+            raised_after.append(alarm.alarmed)
+        return np.array([raised_after[max(0, j - int(lag[j]))] for j in range(len(flags))])
     return served
+
+
+def alarm_lags(rep: Replayed, in_flight: int, gate_steps: int, at: str) -> np.ndarray:
+    """How many requests before request j the alarm has not heard when it serves j ([n]), with
+    `in_flight` requests running and a new one arriving as one ends. `at` "finish" (the
+    server's alarm before issue 34's round 4): a decision is heard when its request finishes, so
+    the `in_flight` before j are not. `at` "gate" (the engine core's, `orca_serve/core/
+    gate_alarm.py`): a decision is heard at its request's gate step, so j is served knowing every
+    request before it but those that arrived while j was reaching its gate step (in arrival
+    order, a request not decided holds the later ones back): in_flight x (j's tokens to its gate
+    step, + 1 for the readback) / (the family's mean completion tokens) arrivals, rounded up."""
+    if at == "finish":
+        return np.full(len(rep), in_flight)
+    mean = float(np.mean([tr.completion for tr in rep.traces]))
+    to_gate = np.array([float(tr.cum[min(gate_steps, len(tr.cum)) - 1]) + 1.0
+                        for tr in rep.traces])
+    return np.ceil(in_flight * to_gate / mean).astype(int)
 
 
 def references(bundle: Bundle, rep: Replayed, reasoner: str = "long") -> dict[str, Any]:
@@ -385,6 +404,15 @@ def versus(v: dict[str, Any]) -> str:
         return v["where"]
     lo, hi = v["gap_ci95"]
     return f"{v['gap']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
+def versus_orders(vs: list[dict[str, Any]]) -> str:
+    """One arm against the thinking budget over arrival orders (`versus`, averaged)."""
+    if any("gap" not in v for v in vs):
+        return next(v["where"] for v in vs if "gap" not in v)
+    gaps = [v["gap"] for v in vs]
+    lo, hi = (np.mean([v["gap_ci95"][k] for v in vs]) for k in (0, 1))
+    return f"{np.mean(gaps):+.3f} [{lo:+.3f}, {hi:+.3f}] ({min(gaps):+.3f})"
 
 
 def table(family: str, rep: dict[str, Any]) -> str:
@@ -482,8 +510,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="replay with the server's gate alarm at this level (0: none), fresh "
                          "at the family's first request, over --orders random arrival orders")
     ap.add_argument("--in-flight", type=int, default=0,
-                    help="requests running while a request arrives (the alarm hears a "
-                         "request's decision only when it finishes)")
+                    help="requests running while a request arrives (`alarm_lags`)")
+    ap.add_argument("--alarm-at", choices=("gate", "finish"), default="gate",
+                    help="when the alarm hears a request's decision: at its gate step (the "
+                         "engine core's alarm, the default) or when it finishes (the server's "
+                         "alarm before it moved into the engine)")
     ap.add_argument("--orders", type=int, default=20)
     ap.add_argument("--shift-action", choices=[str(ShiftAction.FULL), str(ShiftAction.STRICT)],
                     default=str(DEFAULTS.shift_action), help="how a flagged request is served "
@@ -526,32 +557,40 @@ def alarmed(bundle: Bundle, rep: Replayed, family: str, a: argparse.Namespace) -
     served a bad lambda (stopped or gave up wrongly) before the alarm acted."""
     gate = bundle.load_gate()
     alpha = gate.levels(a.shift_alpha)[0]
-    alarm = server_alarm(len(gate.scores), alpha, a.gate_alarm, a.in_flight)
     rng = np.random.default_rng(34)
     runs = []
     for _ in range(a.orders):
         sub = rep.subset(rng.permutation(len(rep)))
+        alarm = stream_alarm(len(gate.scores), alpha, a.gate_alarm,
+                             alarm_lags(sub, a.in_flight, gate.steps, a.alarm_at))
         runs.append(family_report(bundle, sub, alarm, ShiftAction(a.shift_action), alpha,
                                   a.reasoner, a.give_up_alpha))
-    path = a.out / f"{family}-alarm{a.gate_alarm:g}-inflight{a.in_flight}.json"
+    tag = "" if a.alarm_at == "gate" else "-at-finish"
+    path = a.out / f"{family}-alarm{a.gate_alarm:g}-inflight{a.in_flight}{tag}.json"
     path.write_text(json.dumps(runs, indent=1))
     served = [r["gate"]["served_flagged"]["rate"] for r in runs]
-    print(f"**{family}**, gate alarm level {a.gate_alarm:g}, {a.in_flight} in flight, "
+    print(f"**{family}**, gate alarm level {a.gate_alarm:g} heard at each request's "
+          f"{a.alarm_at}, {a.in_flight} in flight, "
           f"{a.orders} arrival orders (n = {rep.__len__()}): served as flagged "
           f"{np.mean(served):.3f} (gate alone {runs[0]['gate']['flagged']['rate']:.3f})\n")
-    print("| delta | stop error, mean (worst order) | give-up error, mean (worst) | "
-          "two-sided minus one-sided accuracy, mean (worst) | tokens | orders where each "
-          f"holds: stop <= delta / give-up <= {GIVE_UP_DELTA:g} / accuracy within 2 points |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| delta | stop error, mean (worst order) [mean 95% upper] | give-up error, mean "
+          "(worst) | two-sided minus one-sided accuracy, mean (worst) | one-sided accuracy | "
+          "tokens | vs thinking budget at its tokens, mean gap [mean 95% bounds] (worst) | "
+          "orders where each holds: stop <= delta / give-up <= "
+          f"{GIVE_UP_DELTA:g} / accuracy within 2 points |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for i, row in enumerate(runs[0]["orca"]):
         one = [r["orca"][i]["one-sided"] for r in runs]
         two = [r["orca"][i]["two-sided"] for r in runs]
         se = [o["stop_error"]["rate"] for o in one]
         ge = [t["give_up_error"]["rate"] for t in two]
         gap = [t["accuracy"] - o["accuracy"] for o, t in zip(one, two)]
-        print(f"| {row['delta']:g} | {np.mean(se):.3f} ({max(se):.3f}) | {np.mean(ge):.3f} "
+        print(f"| {row['delta']:g} | {np.mean(se):.3f} ({max(se):.3f}) "
+              f"[{np.mean([o['stop_error']['ci95'][1] for o in one]):.3f}] | {np.mean(ge):.3f} "
               f"({max(ge):.3f}) | {np.mean(gap):+.3f} ({min(gap):+.3f}) | "
+              f"{np.mean([o['accuracy'] for o in one]):.3f} | "
               f"{np.mean([o['tokens'] for o in one]):.0f} | "
+              f"{versus_orders([o['versus_budget'] for o in one])} | "
               f"{np.mean(np.array(se) <= row['delta']):.2f} / "
               f"{np.mean(np.array(ge) <= GIVE_UP_DELTA):.2f} / "
               f"{np.mean(np.array(gap) >= -0.02 - 1e-9):.2f} |")

@@ -16,7 +16,7 @@ The live audit is a server option, so it is a run of its own: `--audit-rate R` s
 `--orca-audit-rate R --orca-on-alarm fallback` (an alarm at a delta stops early there no more),
 and `--shift-action off` turns the gate off for the whole server (`--orca-shift-action off`).
 The gate alarm (docs/SERVER.md, "The gate alarm") is on by default, as the server's; `--gate-alarm
-0` serves without it (`--orca-gate-alarm 0`). Its state is the server's, so with it on every arm
+0` serves without it (`--orca-gate-alarm 0`). Its state is the engine's, so with it on every arm
 the gate runs for (gated, two-sided) gets a server of its own, started afresh: an arm never
 inherits the alarm the arm before it raised.
 Each run writes OUT/REASONER/CONFIG.json; `--report` reads them all and prints the tables of
@@ -155,9 +155,11 @@ def arm_batches(arms: Sequence[str], fresh: bool) -> list[list[str]]:
 
 def acting(orca: Mapping[str, Any]) -> bool:
     """Whether a response ran with a lambda that could stop it: ORCA on, not audited (shadow),
-    not flagged by the gate, and a finite lambda (null: never stops, the fallback's)."""
+    not flagged by the gate nor served as flagged by the gate alarm (`shift_alarm`: the engine
+    ran the safe action, whatever `lambda` it was resolved with), and a finite lambda (null:
+    never stops, the fallback's)."""
     return (bool(orca.get("enabled")) and not orca.get("audited")
-            and not (orca.get("shift") or {}).get("flagged")
+            and not (orca.get("shift") or {}).get("flagged") and not orca.get("shift_alarm")
             and isinstance(orca.get("lambda"), (int, float)))
 
 

@@ -5,7 +5,8 @@ a family it flags 86% of, the other 14% are served the in-distribution lambda*, 
 family may be badly wrong. Those requests cannot be told apart one by one, but the *stream* can:
 on traffic exchangeable with the calibration split the gate flags about alpha of requests, so a
 flag rate clearly above that says the traffic moved. The alarm tests exactly that, without a
-label, and while it is raised the server serves every request as a flagged one.
+label, and while it is raised the engine serves every gated request as a flagged one
+(orca_serve/core/gate_alarm.py).
 
 **The null, honestly.** Test requests share one calibration set, so their flags are not
 independent given it: with m = floor(alpha (n + 1)) (the flag count of `shift_gate.threshold`),
@@ -38,14 +39,22 @@ the alarm. It clears when that wealth reaches 1 / gamma: while the traffic's fla
 from k = 1): each stretch from a clear on has false-alarm probability <= gamma given the same
 calibration event. A flag rate between b and c may clear and raise the alarm in turn.
 
-Pure: no server import, so an offline replay of gate decisions runs the server's very alarm.
+**The order it is fed in** (`ArrivalFeed`). The bets are valid only when each is made on past
+flags alone, and the flags arrive i.i.d. in the order they are fed. The order requests *decide*
+in depends on their flags (a flagged request runs on with another policy, and the steps of the
+requests around it shift), so the alarm is fed in the order requests **arrived**, fixed before
+any of them decided: a request whose gate has not decided yet holds back the ones after it, and
+one that ends before its gate decides gives up its place with no observation. Whether a request
+reaches its gate step at all is a matter of its own first steps, as for the calibration split's
+traces (whose gate features need as many steps), so the flags fed are those of requests like the
+calibration split's that reached the gate.
+
+Pure: no server import, so an offline replay of gate decisions runs the engine's very alarm.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from scipy.stats import beta as beta_dist
 
 from orca_method.shift_gate import flag_count
 
@@ -58,6 +67,8 @@ def flag_rate_bound(n: int, alpha: float, eps: float) -> float:
     """b: the gate's flag rate given its calibration set is <= b with probability >= 1 - eps
     over n calibration scores (the Beta(m, n + 1 - m) quantile at 1 - eps, module docstring);
     0 when the gate flags nothing at alpha (m = 0), 1 when it flags everything."""
+    from scipy.stats import beta as beta_dist  # deferred: the serving contract reads the level
+
     m = flag_count(n, alpha)
     if m <= 0:
         return 0.0
@@ -105,8 +116,8 @@ class AlarmChange:
 
 
 class GateAlarm:
-    """The alarm on one gate's stream of decisions (module docstring). `observe` each finished
-    request's conformal p-value, once per request; read `alarmed` when serving a new one."""
+    """The alarm on one gate's stream of decisions (module docstring). `observe` each request's
+    conformal p-value once, in arrival order (`ArrivalFeed`); read `alarmed` when serving."""
 
     def __init__(self, n_cal: int, alpha: float, level: float = DEFAULT_ALARM_LEVEL) -> None:
         if not 0 < level < 1:
@@ -134,7 +145,7 @@ class GateAlarm:
         return round(pvalue * (self.n_cal + 1)) <= self.m
 
     def observe(self, pvalue: float) -> AlarmChange:
-        """One finished request's gate p-value in; whether that raised or cleared the alarm."""
+        """One request's gate p-value in; whether that raised or cleared the alarm."""
         x = 1.0 if self.flagged(pvalue) else 0.0
         self.seen += 1
         self.flags += int(x)
@@ -161,6 +172,47 @@ class GateAlarm:
 
     def _clearer(self) -> _ChangePointWealth:
         return _ChangePointWealth(self.clear_rate, -1)
+
+
+class ArrivalFeed:
+    """A `GateAlarm` fed in arrival order (module docstring, "The order it is fed in"): each
+    request takes a `ticket` when it arrives and hands back its gate's p-value when the gate
+    decides (`decided`; None: it ended first and gives its place up)."""
+
+    def __init__(self, alarm: GateAlarm) -> None:
+        self.alarm = alarm
+        self._issued = 0  # tickets handed out
+        self._fed = 0  # the next ticket the alarm waits for
+        self._done: dict[int, float | None] = {}  # decided, waiting for an earlier ticket
+
+    @property
+    def alarmed(self) -> bool:
+        return self.alarm.alarmed
+
+    @property
+    def waiting(self) -> int:
+        """Tickets handed out whose p-value the alarm has not read yet."""
+        return self._issued - self._fed
+
+    def ticket(self) -> int:
+        """A new request's place in the arrival order."""
+        self._issued += 1
+        return self._issued - 1
+
+    def decided(self, ticket: int, pvalue: float | None) -> list[AlarmChange]:
+        """Request `ticket`'s gate p-value (None: no decision, skipped): feed it and every later
+        one already decided, in order; the changes that made to the alarm (most often none)."""
+        self._done[ticket] = pvalue
+        changes = []
+        while self._fed in self._done:
+            p = self._done.pop(self._fed)
+            self._fed += 1
+            if p is None:
+                continue
+            change = self.alarm.observe(p)
+            if change.raised or change.cleared:
+                changes.append(change)
+        return changes
 
 
 def requests_to_alarm(alarm: GateAlarm, flags: list[bool] | tuple[bool, ...]) -> int | None:

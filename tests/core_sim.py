@@ -18,7 +18,7 @@ from orca_method.steps import CLOSE, MERGE, NONE, STEP, STEP_PREV, Segmenter
 from orca_serve.core.engine import OrcaCore
 from orca_serve.core.registry import Entry
 from orca_serve.settings.engine_config import EngineConfig
-from tests.bundles import tiny_bundle, write_bundle
+from tests.bundles import tiny_bundle, with_give_up, write_bundle
 
 DIM = 16
 WINDOW = 2
@@ -65,6 +65,15 @@ def sim_bundle(tmp_path_factory, keywords=None, *, seed: int = 1, hidden: int = 
                     default_delta=0.1, name="fake", hidden_size=hidden,
                     segmentation=Segmentation(keywords=keywords), normalization=normalization)
     return write_bundle(b, tmp_path_factory.mktemp("bundle") / "bundle.json")
+
+
+def gated_sim_bundle(path, gate):
+    """The sim bundle made two-sided (`with_give_up`: a static give-up score of sigmoid(-2) =
+    0.12, mu* 0.1 / 0.2) with this shift gate, written at `path`."""
+    b = with_give_up(tiny_bundle(sim_probe(), [(0.05, None), (0.1, 0.75)], vocab=ID,
+                                 window=WINDOW, default_delta=0.1, name="fake", hidden_size=DIM),
+                     [(0.05, 0.1), (0.1, 0.2)], bias=-2.0)
+    return write_bundle(b.model_copy(update={"shift_gate": gate}), path)
 
 
 def make_core(bundle_path, max_num_seqs: int = 8, **cfg) -> OrcaCore:
@@ -279,3 +288,21 @@ def to_device(obj) -> None:
         if bank.gate is not None:  # the shift gate's reference lives on the device too
             g = bank.gate
             g.mean, g.basis, g.var = conv(g.mean), conv(g.basis), conv(g.var)
+
+
+def count_copies(core: OrcaCore) -> list[list[str]]:
+    """Wrap `core.step` so that each engine step's host-device traffic is logged (the
+    DeviceTensor log of that step alone, joins and leaves between steps left out); the list it
+    returns fills with one log per step. Call after `to_device(core)`."""
+    per_step: list[list[str]] = []
+    orig = core.step
+
+    def counted_step(entries, hidden, logits):
+        DeviceTensor.log = []
+        with FactoryWatch():
+            orig(entries, hidden.as_subclass(DeviceTensor), logits.as_subclass(DeviceTensor))
+        per_step.append(DeviceTensor.log)
+        DeviceTensor.log = []
+
+    core.step = counted_step
+    return per_step

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 from typing import Any
 
 from orca_serve.api_server.assembly import OrcaServer
-from orca_serve.api_server.gate_alarm import alarm_feed
 from orca_serve.settings.contract import OrcaResult, Policy
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.metrics.prometheus import OrcaMetrics
@@ -23,8 +22,7 @@ def orca_server(bundle: Any, defaults: OrcaDefaults, *, engine: Any = None,
                 reloader: dict[str, Any] | None = None) -> OrcaServer:
     """`engine`: a fake engine client (its `collective_rpc`); `rpc`: a fake of
     `EngineLink.rpc` instead; `reloader`: Reloader keyword arguments (None: no reloader)."""
-    serving = ServingRef(Serving(bundle, bundle_path, defaults, audit,
-                                 alarm_feed(bundle, defaults, metrics)))
+    serving = ServingRef(Serving(bundle, bundle_path, defaults, audit))
     link = EngineLink()
     link.bind(SimpleNamespace(engine_client=engine))
     if rpc is not None:

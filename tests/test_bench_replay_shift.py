@@ -18,9 +18,10 @@ from bench_replay_shift import (  # noqa: E402
     family_report,
     replay_family,
     savings_lost,
+    alarm_lags,
     served_ends,
-    server_alarm,
     served_flagged,
+    stream_alarm,
 )
 from bench_samples import Trace  # noqa: E402
 from orca_serve.settings.contract import ShiftAction  # noqa: E402
@@ -124,17 +125,29 @@ def test_the_replay_runs_the_shipped_bundle_on_recorded_traces(tmp_path):
     assert len(rep["budget"]) > 0 and rep["gate"]["flagged"]["n"] == 12
 
 
-@pytest.mark.parametrize("in_flight", [0, 5])
-def test_the_replayed_alarm_hears_a_decision_only_when_its_request_has_finished(in_flight):
-    alarm = server_alarm(n_cal=300, alpha=0.05, level=0.01, in_flight=in_flight)
+@pytest.mark.parametrize("lag", [0, 5])
+def test_the_replayed_alarm_serves_a_request_knowing_the_decisions_before_its_lag(lag):
+    lags = np.full(60, lag)
+    alarm = stream_alarm(n_cal=300, alpha=0.05, level=0.01, lag=lags)
     raised = alarm(np.ones(60, dtype=bool))  # every request flagged: the alarm must rise
     first = int(np.argmax(raised))
     assert raised.any() and raised[first:].all()
-    assert first > in_flight  # nothing was heard before the first request finished
-    # the same decisions heard `in_flight` requests later: the same alarm, shifted
-    assert first - in_flight == int(np.argmax(server_alarm(300, 0.05, 0.01, 0)(
+    assert first > lag  # nothing was heard before the first decision
+    # the same decisions heard `lag` requests later: the same alarm, shifted
+    assert first - lag == int(np.argmax(stream_alarm(300, 0.05, 0.01, np.zeros(60))(
         np.ones(60, dtype=bool))))
     assert not alarm(np.zeros(60, dtype=bool)).any()  # nothing flagged: never raised
+
+
+def test_the_engine_hears_a_decision_at_the_gate_step_the_server_at_the_end():
+    """At the gate step only the requests that arrived while this one reached its gate are
+    not heard (a trace of 4 steps of 10 tokens + 5 answer tokens: 45 tokens; gate step 2: 21
+    tokens); when requests finish, all `in_flight` of them."""
+    rep = replayed(stop=[[0.5] * 4] * 3, give_up=[[0.5] * 4] * 3, sup=[[1] * 4] * 3,
+                   answers=[["1"] * 4] * 3, final=["1"] * 3, truth=["1"] * 3)
+    assert alarm_lags(rep, 32, 2, "finish").tolist() == [32] * 3
+    assert alarm_lags(rep, 32, 2, "gate").tolist() == [15] * 3  # ceil(32 x 21 / 45)
+    assert alarm_lags(rep, 0, 2, "gate").tolist() == [0] * 3
 
 
 def test_savings_lost_are_the_flagged_requests_and_strict_keeps_what_its_lambda_allows():

@@ -69,6 +69,8 @@ def test_each_arm_sends_its_defences() -> None:
     ({"enabled": True, "lambda": 0.4, "shift": {"flagged": True}}, False),
     ({"enabled": True, "lambda": 0.4, "shift": {"flagged": False}}, True),
     ({"enabled": True, "lambda": 0.4, "audited": True}, False),  # shadow: runs in full
+    # the engine's gate alarm served it as flagged: the safe action, whatever it was resolved with
+    ({"enabled": True, "lambda": 0.4, "shift": {"flagged": False}, "shift_alarm": True}, False),
     ({"enabled": True, "lambda": None, "lambda_source": "fallback"}, False),
     ({"enabled": False}, False),
 ])

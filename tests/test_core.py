@@ -26,9 +26,8 @@ from tests.core_sim import (
     ID,
     POLICY_XA,
     PROMPT,
-    DeviceTensor,
-    FactoryWatch,
     SimRequest,
+    count_copies,
     first_cross,
     make_core,
     reference,
@@ -176,10 +175,15 @@ def test_engine_step_makes_at_most_one_device_to_host_copy(bundle_path, other_bu
     device-to-host copy (the readback) and one host-to-device copy (the staging), never a
     `.item()`/`.tolist()`/`bool()` of a device value or a tensor built from a list on a device.
     With two deployments live (hot reload), half the requests score through each bank; `gated`:
-    the first bank has a shift gate (it holds, gathers, decides and flags on the device)."""
+    the first bank has a shift gate (it holds, gathers, decides and flags on the device) and
+    its gate alarm is raised (fed and applied on the host from values read back)."""
     core = make_core(gated_bundle_path if gated else bundle_path, max_num_seqs=4)
     other = core.load_bundle(str(other_bundle_path)).checksum if two_deployments else None
     to_device(core)
+    if gated:  # the gate alarm raised: it serves gated requests as flagged ones, on the host
+        alarm = core.dep.alarm.alarm
+        while not alarm.alarmed:
+            alarm.observe(1 / (alarm.n_cal + 1))
     rng = random.Random(3)
     sims = [SimRequest(f"r{i}", rng, xa={XARG_KEY: f"r{i}", "orca_policy": p,
                                          **({XARG_BUNDLE: other} if other and i % 2 else {}),
@@ -188,17 +192,7 @@ def test_engine_step_makes_at_most_one_device_to_host_copy(bundle_path, other_bu
                        max_tokens=60, join_at=i, preempt_at=10 if i == 1 else None,
                        lag_from=20 if i == 2 else None)
             for i, p in enumerate(["stop", "answer", "shadow", "answer"])]
-    per_step: list[list[str]] = []
-    orig = core.step
-
-    def counted_step(entries, hidden, logits):
-        DeviceTensor.log = []
-        with FactoryWatch():
-            orig(entries, hidden.as_subclass(DeviceTensor), logits.as_subclass(DeviceTensor))
-        per_step.append(DeviceTensor.log)
-        DeviceTensor.log = []  # joins and leaves between steps are not the step's
-
-    core.step = counted_step
+    per_step = count_copies(core)
     run(core, sims)
     res = core.pop_results([s.name for s in sims])
     assert any(r["stopped_early"] for r in res.values())  # the stop path ran

@@ -16,17 +16,13 @@ from orca_serve.settings.contract import (
     OrcaResult,
 )
 from orca_serve.settings.xargs import encode_lam
-from tests.bundles import far_gate, tiny_bundle, with_give_up, write_bundle
-from tests.core_sim import DIM, ID, WINDOW, run_requests, sim_probe
+from tests.bundles import far_gate
+from tests.core_sim import DIM, gated_sim_bundle, run_requests
 
 
 @pytest.fixture(scope="module")
 def gated_path(tmp_path_factory):
-    b = with_give_up(tiny_bundle(sim_probe(), [(0.05, None), (0.1, 0.75)], vocab=ID,
-                                 window=WINDOW, default_delta=0.1, name="fake", hidden_size=DIM),
-                     [(0.05, 0.1), (0.1, 0.2)], bias=-2.0)
-    b = b.model_copy(update={"shift_gate": far_gate(DIM)})
-    return write_bundle(b, tmp_path_factory.mktemp("gated") / "bundle.json")
+    return gated_sim_bundle(tmp_path_factory.mktemp("gated") / "bundle.json", far_gate(DIM))
 
 
 def _run(path, requests: dict[str, dict], **cfg):

@@ -12,15 +12,13 @@ from typing import Any
 
 from orca_method.bundle import Bundle, load_bundle
 from orca_method.bundle_checks import check_semantics
-from orca_method.gate_alarm import DEFAULT_ALARM_LEVEL
 from orca_method.outcomes import GiveUpPolicy
-from orca_serve.settings.contract import DEFAULTS, Policy, ShiftAction
+from orca_serve.settings.contract import DEFAULTS, Policy
 from orca_serve.settings.effort import DEFAULT_EFFORT_MAP
 from orca_serve.live_audit.collector import AuditCollector
 from orca_serve.live_audit.factory import make_live_audit
 from orca_serve.live_audit.options import AuditConfig
 from orca_serve.metrics.prometheus import OrcaMetrics
-from orca_serve.api_server.gate_alarm import alarm_feed
 from orca_serve.api_server.reload import Reloader
 from orca_serve.settings.resolve import OrcaDefaults
 from orca_serve.api_server.state import EngineLink, Serving, ServingRef
@@ -60,9 +58,6 @@ def orca_defaults(args: Any, bundle: Bundle | None) -> OrcaDefaults:
                                     or DEFAULTS.give_up_policy),
         shift_alpha=getattr(args, "orca_shift_alpha", None),
         shift_give_up_alpha=getattr(args, "orca_shift_give_up_alpha", None),
-        shift_action=ShiftAction(getattr(args, "orca_shift_action", None)
-                                 or DEFAULTS.shift_action),
-        gate_alarm=getattr(args, "orca_gate_alarm", DEFAULT_ALARM_LEVEL),
         vote_waves=getattr(args, "orca_vote_waves", None))
 
 
@@ -93,8 +88,7 @@ def build_server(args: Any, bundle: Bundle | None = None, *,
     audit = (None if audit_config is None
              else make_live_audit(bundle, audit_config(bundle), engine.client))
     defaults = orca_defaults(args, bundle)
-    serving = ServingRef(Serving(bundle, path, defaults, audit,
-                                 alarm_feed(bundle, defaults, metrics)))
+    serving = ServingRef(Serving(bundle, path, defaults, audit))
     if audit is not None:  # the metrics of whichever audit serves (a reload swaps it)
         metrics.registry.register(AuditCollector(lambda: serving.now.audit, metrics.model_name))
     key_env = getattr(args, "orca_admin_key_env", None)

@@ -54,8 +54,6 @@ class _Request:
         self.results: dict[int, OrcaResult | None] = {}
         self.finish_reasons: dict[int, str | None] = {}  # per choice, as the response gave them
         self.audit = serving.audit  # the one that admitted it (a reload may replace it)
-        self.alarm = serving.alarm if settings.enabled else None  # likewise
-        self.ticket = None if self.alarm is None else self.alarm.ticket()
         self.observed = False
         self.status: int | None = None  # of vLLM's response, once it started
 
@@ -92,13 +90,6 @@ class _Request:
             return orca_object(self.settings, self.results)
         return orca_object(self.settings, {i: self.results.get(i) for i in indexes})
 
-    def feed_alarm(self) -> None:
-        """The gate's p-value of its first choice to the alarm, in its arrival order (None: the
-        gate did not decide; choices of one prompt are not independent: one per request)."""
-        if self.alarm is not None and self.ticket is not None:
-            r = self.results.get(0)
-            self.alarm.finished(self.ticket, None if r is None else r.shift_pvalue)
-
     def account(self) -> None:
         """Metrics, once per request, for every choice that got a result (or is disabled)."""
         metrics = self.server.metrics
@@ -108,8 +99,8 @@ class _Request:
             return  # never ran
         self.observed = True
         s = self.settings
-        if s.shift_alarm:
-            metrics.shift_alarm_served.inc()
+        if any(r is not None and r.shift_alarm for r in self.results.values()):
+            metrics.shift_alarm_served.inc()  # the engine's gate alarm served it as flagged
         for i in range(max(1, s.n)):
             if not s.enabled:
                 metrics.observe(None)
@@ -185,9 +176,7 @@ class OrcaMiddleware:
                                              thresholds=serving.thresholds, check=api.check,
                                              completions=api.completions(path, body),
                                              effort=api.effort(body),
-                                             thinking_budget=api.thinking_budget(body),
-                                             shift_alarm=serving.alarm is not None
-                                             and serving.alarm.alarmed)
+                                             thinking_budget=api.thinking_budget(body))
             except OrcaRequestError as e:
                 return await send_json(send, 400, error(e.message, e.param))
             if new_body is not body:
@@ -311,7 +300,6 @@ async def _finish(req: _Request) -> None:
     try:
         await req.fetch_all()
     finally:
-        req.feed_alarm()
         req.account()
         if req.audit is not None:
             req.audit.finished(req.settings, req.results, req.finish_reasons)

@@ -45,7 +45,6 @@ from orca_serve.live_audit.options import AuditConfig
 from orca_serve.metrics.prometheus import ReloadOutcome
 from orca_serve.settings.contract import ReloadAnswer
 from orca_serve.settings.resolve import OrcaDefaults, OrcaSettings
-from orca_serve.api_server.gate_alarm import alarm_feed
 from orca_serve.api_server.state import EngineLink, Serving, ServingRef
 
 if TYPE_CHECKING:
@@ -258,11 +257,7 @@ class Reloader:
         audit = old.audit
         if audit is not None and audit_config is not None:
             audit = hand_over(audit, bundle, audit_config)
-        # the gate alarm tests the flag rate against the bundle's calibration scores: a new
-        # bundle's alarm starts afresh, the same bundle re-read keeps its own
-        alarm = (old.alarm if old.checksum == bundle.checksum and old.defaults == defaults
-                 else alarm_feed(bundle, defaults, self.metrics))
-        new = Serving(bundle, path, defaults, audit, alarm)
+        new = Serving(bundle, path, defaults, audit)
         self.serving.swap(new)
         if self.metrics is not None and new.bundle is not None:
             self.metrics.bundle_in_use(new.bundle.checksum, old.checksum)

@@ -95,7 +95,7 @@ def choice_fields(result: OrcaResult | None, bundle: str | None = None,
     if r.shift_alpha is not None:  # the shift gate ran (pvalue None: it had not decided yet)
         out["shift"] = {"alpha": r.shift_alpha, "give_up_alpha": r.shift_give_up_alpha,
                         "pvalue": r.shift_pvalue, "flagged": r.shift_flagged,
-                        "give_up_barred": r.shift_barred}
+                        "give_up_barred": r.shift_barred, "alarm": r.shift_alarm}
     if r.notes:
         out["notes"] = list(r.notes)
     if r.error:
@@ -132,8 +132,8 @@ def orca_object(settings: OrcaSettings,
         obj["thinking_token_budget"] = settings.thinking_budget
     if settings.audited:
         obj["audited"] = True
-    if settings.shift_alarm:  # served as a flagged request: the gate alarm was raised
-        obj["shift_alarm"] = True
+    if any(r is not None and r.shift_alarm for r in results.values()):
+        obj["shift_alarm"] = True  # the engine's gate alarm served it as a flagged request
     if settings.answer_budget is not None:
         obj["answer_budget"] = settings.answer_budget
     if settings.n <= 1:

@@ -18,7 +18,6 @@ from orca_serve.vllm_compat.engine_client import rpc_all
 
 if TYPE_CHECKING:
     from orca_method.bundle import Bundle
-    from orca_serve.api_server.gate_alarm import AlarmFeed
     from orca_serve.live_audit.live import LiveAudit
 
 logger = logging.getLogger("orca_serve.api_server.server")
@@ -28,15 +27,14 @@ STATS_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class Serving:
-    """What a request is resolved with: the bundle, the defaults, the live audit and the gate
-    alarm that go together. A request reads one `Serving` from start to end, so a reload that
+    """What a request is resolved with: the bundle, the defaults and the live audit that go
+    together. A request reads one `Serving` from start to end, so a reload that
     swaps it in between never mixes two bundles in one request."""
 
     bundle: Bundle | None
     bundle_path: str | None
     defaults: OrcaDefaults
     audit: LiveAudit | None = None
-    alarm: AlarmFeed | None = None  # the bundle's gate alarm (None: no gate, or the alarm off)
 
     @property
     def thresholds(self) -> Thresholds | None:

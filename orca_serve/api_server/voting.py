@@ -42,7 +42,7 @@ from orca_serve.api_server.apis import CHAT, Api
 from orca_serve.api_server.asgi import replay_body
 from orca_serve.api_server.report import orca_object, reasoning_total
 from orca_serve.metrics.prometheus import OrcaMetrics, SampleEvent
-from orca_serve.settings.contract import OrcaResult
+from orca_serve.settings.contract import XARG_ALARM, OrcaResult
 from orca_serve.settings.resolve import OrcaSettings
 from orca_serve.api_server.state import EngineLink
 from orca_serve.api_server.waves import Waves
@@ -116,6 +116,8 @@ def sample_bodies(body: dict[str, Any], settings: OrcaSettings, api: Api,
         one = replace(settings, key=key, n=1, vote=None)
         b = {k: v for k, v in body.items() if k not in ("n", "stream", "stream_options")}
         b["vllm_xargs"] = {**xargs, **one.xargs()}
+        if i:  # one gate decision per prompt feeds the gate alarm (core/gate_alarm.py)
+            b["vllm_xargs"][XARG_ALARM] = 0
         if isinstance(seed, int) and not isinstance(seed, bool):
             b["seed"] = seed + i
         b, engine_id, header = api.sample(b, key, completions)

@@ -17,13 +17,24 @@ import math
 import torch
 
 from orca_method.bundle import BundleError, Segmentation, ThinkTags, check_model, load_bundle
+from orca_method.gate_alarm import ArrivalFeed, GateAlarm
 from orca_method.procedure import ProbeBank
 from orca_method.shift_gate import ShiftGate
 from orca_method.steps import TokenTable
-from orca_serve.settings.contract import ShiftAction, safe_lam
+from orca_serve.settings.contract import DEFAULTS, ShiftAction, safe_lam
 from orca_serve.settings.engine_config import EngineConfig
 
 log = logging.getLogger("orca_serve.core")
+
+
+def alarm_feed(gate: ShiftGate | None, alpha: float | None, level: float) -> ArrivalFeed | None:
+    """The gate alarm on `gate`'s stream (core/gate_alarm.py) at level `level` and the engine's
+    default gate level `alpha` (None: the bundle's); None without a gate, with the gate off
+    (alpha 0) or the alarm off (level 0)."""
+    if gate is None or level <= 0:
+        return None
+    a = gate.alpha if alpha is None else float(alpha)
+    return ArrivalFeed(GateAlarm(len(gate.scores), a, level)) if a > 0 else None
 
 
 class Deployment:
@@ -31,7 +42,9 @@ class Deployment:
 
     def __init__(self, cfg: EngineConfig, tokenizer: Any, *, hidden_size: int,
                  model_name: str, eos_ids: set[int], capacity: int,
-                 device: torch.device, shift_action: ShiftAction = ShiftAction.FULL) -> None:
+                 device: torch.device, shift_action: ShiftAction = ShiftAction.FULL,
+                 shift_alpha: float | None = None,
+                 gate_alarm: float = DEFAULTS.gate_alarm) -> None:
         self.bundle = None
         path = cfg.bundle
         if path:
@@ -62,6 +75,9 @@ class Deployment:
                                   (self.bundle.load_give_up_probe(), g.window),
                                   gate=self.gate, gate_lam=safe_lam(self.bundle, shift_action))
         self.shift_action = shift_action
+        # the gate alarm on this deployment's stream (core/gate_alarm.py; None: none): a bundle
+        # loaded again keeps its deployment and so its alarm, a new bundle's starts afresh
+        self.alarm: ArrivalFeed | None = alarm_feed(self.gate, shift_alpha, gate_alarm)
 
     def gate_thresholds(self, alpha: float | None, give_up_alpha: float | None
                         ) -> tuple[float, float]:

@@ -45,6 +45,7 @@ from orca_serve.settings.contract import GIVE_UP_MESSAGE, RequestDefaults
 from orca_serve.settings.engine_config import EngineConfig
 from orca_serve.core.admission import Admission
 from orca_serve.core.deployment import Deployment, Deployments
+from orca_serve.core.gate_alarm import take_ticket
 from orca_serve.core.device_step import DeviceStep
 from orca_serve.core.plan import StepPlan, apply_readback, plan_step
 from orca_serve.core.registry import Entry, Request, Results
@@ -74,7 +75,9 @@ class OrcaCore:
         self.deployments = Deployments(cfg, tokenizer, hidden_size=hidden_size,
                                        model_name=model_name, eos_ids=set(eos_ids),
                                        capacity=self.capacity, device=device,
-                                       shift_action=defaults.shift_action)
+                                       shift_action=defaults.shift_action,
+                                       shift_alpha=defaults.shift_alpha,
+                                       gate_alarm=defaults.gate_alarm)
         self.admission = Admission(self.deployments, defaults,
                                    record_default=cfg.record,
                                    default_eos=default_eos,
@@ -84,7 +87,8 @@ class OrcaCore:
                                       self.normalization)
         self.stats = {"probe_ns": 0, "engine_steps": 0, "active_steps": 0, "rows_captured": 0,
                       "steps_scored": 0, "max_step_ns": 0, "resumed": 0, "recompute_chunks": 0,
-                      "lagged_tokens": 0, "evictions": 0, "drafts_accepted": 0}
+                      "lagged_tokens": 0, "evictions": 0, "drafts_accepted": 0,
+                      "alarm_raised": 0, "alarm_cleared": 0}
         results = Results(cfg.result_ttl_s, cfg.max_results)
         self.table = RequestTable(self.pool, results, self.normalization, self.stats)
         self._pending: StepPlan | None = None  # the step whose readback is unread
@@ -162,6 +166,7 @@ class OrcaCore:
         if not self.table.add(req):
             log.error("orca: no free slot for %s; not tracked", ident)
             return None
+        take_ticket(req)
         return req
 
     def leave(self, req: Request, final: bool) -> None:
@@ -192,6 +197,8 @@ class OrcaCore:
         s["slots_in_use"] = self.capacity - self.pool.free_count
         s["parked_requests"] = len(self.table.parked)
         s["deployments"] = len(self.deps)
+        s["alarms_raised"] = sum(1 for d in self.deps.values()
+                                 if d.alarm is not None and d.alarm.alarmed)
         return s
 
     # -- the engine step --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 
 from orca_method.steps import CLOSE, MERGE, NONE, STEP_PREV
 from orca_method.thresholds import GIVE_UP_NEVER, NEVER
+from orca_serve.core import gate_alarm
 from orca_serve.core.deployment import Deployment
 from orca_serve.settings.contract import StopReason
 from orca_serve.core.registry import Entry, Request
@@ -179,7 +180,9 @@ def _plan_scoring(p: StepPlan, scored: list[tuple[Deployment, Request, int, int,
         # a request the shift gate flagged runs with its deployment's safe threshold; one whose
         # gate has not decided yet neither stops nor gives up
         held = _plan_gate(p, req, j - start)
-        lam = NEVER if held else dep.bank.gate_lam if req.shift_flagged else req.lam
+        alarm = gate_alarm.serves(req)  # the gate alarm serves it as a flagged one
+        lam = (NEVER if held else dep.bank.gate_lam if req.shift_flagged
+               else max(req.lam, dep.bank.gate_lam) if alarm else req.lam)
         p.scored.append(e)
         p.scored_slots.append(req.slot)
         p.bank_lam.append(NEVER if shadow else lam)
@@ -188,7 +191,7 @@ def _plan_scoring(p: StepPlan, scored: list[tuple[Deployment, Request, int, int,
         # nor those the gate barred at the give-up side's level (flagged ones are barred too)
         mu = req.spec.give_up_mu
         p.bank_mu.append(GIVE_UP_NEVER if shadow or mu is None or req.shift_barred or held
-                         else mu)
+                         or alarm else mu)
         p.pending.append((req, n, guard, 1 + len(req.draft_rows)))
         if not guard and not shadow:
             for _, r, t in forced_rows(req, row, n, request_plan(req, n).forced):
@@ -237,6 +240,7 @@ def apply_readback(pending: list[tuple[Request, int, bool, int]], host: list[lis
             req.shift_pvalue = req.dep.gate.pvalue(gate_score[i])
             req.shift_flagged = flagged[i] >= 0.5
             req.shift_barred = barred[i] >= 0.5
+            gate_alarm.feed(req, req.shift_pvalue, stats)
         if gave[i] >= 0.5:
             if guard_stopped:
                 continue  # the budget guard closed it at this step already: its plan stands

@@ -39,12 +39,12 @@ def open_reasoning_tokens(table: Any, prompt: Sequence[int] | None) -> int:
 class Request:
     """Everything the core keeps about one engine request (a child of n > 1 is its own)."""
 
-    __slots__ = ("active", "answer_budget", "attached", "bundle_checksum", "decided_until", "dep",
+    __slots__ = ("active", "alarm_ticket", "answer_budget", "attached", "bundle_checksum", "decided_until", "dep",
                  "draft_rows", "eos", "error", "fetched", "forced", "gate_seen", "give_up_ids", "give_up_step",
                  "greedy", "guard_pos", "handle", "ident", "ignore_eos", "index", "key", "lag",
                  "last_give_up", "left_at", "max_tokens", "n_seen", "notes",
                  "output", "plan", "policy", "prompt", "prompt_reasoning", "record", "scores",
-                 "seg", "shift_barred", "shift_flagged", "shift_pvalue", "shift_thr",
+                 "seg", "shift_alarm", "shift_barred", "shift_flagged", "shift_pvalue", "shift_thr",
                  "shift_thr_give_up", "slot", "snapshot", "spec",
                  "step_counts", "step_embs", "steps_scored", "stop_reason", "stop_step",
                  "stopped", "would_stop_step")
@@ -104,6 +104,10 @@ class Request:
         self.shift_flagged = False
         self.shift_barred = False
         self.gate_seen = 0  # steps planned into the gate so far (each scored step is one)
+        # the gate alarm (core/gate_alarm.py): its place in the arrival order until its gate
+        # decides (None: none, or fed already); served as a flagged one because it was raised
+        self.alarm_ticket: int | None = None
+        self.shift_alarm = False
 
     @property
     def enabled(self) -> bool:
@@ -133,7 +137,7 @@ class Request:
             return {}
         return {"shift_alpha": levels[0], "shift_give_up_alpha": levels[1],
                 "shift_pvalue": self.shift_pvalue, "shift_flagged": self.shift_flagged,
-                "shift_barred": self.shift_barred}
+                "shift_barred": self.shift_barred, "shift_alarm": self.shift_alarm}
 
     def fail(self, msg: str, *, log_it: bool = True) -> None:
         if self.error is None:

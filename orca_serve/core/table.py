@@ -19,6 +19,7 @@ import torch
 
 from orca_method.procedure import Normalization, finish_step
 from orca_serve.settings.contract import OrcaResult
+from orca_serve.core import gate_alarm
 from orca_serve.core.pooling import SlotPool
 from orca_serve.core.registry import Request, Results
 
@@ -104,6 +105,7 @@ class RequestTable:
             self.prune_parked()
             return
         self.parked.pop(req.ident, None)
+        gate_alarm.feed(req, None, self.stats)  # left before its gate decided: its place goes
         if self.live.get(req.ident) is req:
             del self.live[req.ident]
         if req.key is not None and self.by_key.get(req.key) is req:

@@ -26,10 +26,11 @@ Metric names (all prefixed `orca_`):
   shift gate"), by whether it flagged them (flagged="true": served by the safe action). On
   in-distribution traffic the flagged share stays at most the gate's alpha; a rising share is
   the first sign of traffic unlike the calibration set.
-- `orca_shift_alarm`: 1 while the gate alarm is raised (this API server's; docs/SERVER.md, "The
-  gate alarm"), else 0; `orca_shift_alarm_changes_total{change}`: times it was raised and
-  cleared; `orca_shift_alarm_served_total`: requests served as flagged ones because it was
-  raised (the gate alone would have served them their lambda*).
+- `orca_shift_alarm`: gate alarms raised now (each engine core runs its own; docs/SERVER.md,
+  "The gate alarm"): 1 while raised with one engine, else 0; `orca_shift_alarm_changes_total
+  {change}`: times they were raised and cleared (both from the engines' `orca_stats`, refreshed
+  at each scrape); `orca_shift_alarm_served_total`: requests served as flagged ones because an
+  alarm was raised (from their results).
 - `orca_tokens_saved_total{basis}`: only shadow requests, the only ones where it can be known:
   reasoning tokens generated after the point where the probe would have stopped. The plugin
   reports the step, not the token position, so basis="step_fraction": the reasoning tokens
@@ -143,18 +144,23 @@ class EngineStats(Collector):
         self.tracked = 0
         self.stored = 0
         self.bundles = 0
+        self.alarms = 0  # gate alarms raised now (one per engine core and bundle)
+        self.alarm_changes = dict.fromkeys(ALARM_CHANGES, 0)
 
     def update(self, probe_ns: int, engine_steps: int, tracked: int = 0, stored: int = 0,
-               bundles: int = 0) -> None:
+               bundles: int = 0, alarms: int = 0, raised: int = 0, cleared: int = 0) -> None:
         # Counters must not go down (a worker restart would do that): keep the maximum.
         self.probe_ns = max(self.probe_ns, int(probe_ns))
         self.engine_steps = max(self.engine_steps, int(engine_steps))
         self.tracked, self.stored, self.bundles = int(tracked), int(stored), int(bundles)
+        self.alarms = int(alarms)
+        for change, n in zip(ALARM_CHANGES, (raised, cleared)):
+            self.alarm_changes[change] = max(self.alarm_changes[change], int(n))
 
     def update_from(self, per_worker: Iterable[Any]) -> None:
         """From the plugin's stats of each reporting worker (`orca_stats`): sums over workers,
         bundles loaded the most of any."""
-        probe_ns = steps = tracked = stored = bundles = 0
+        probe_ns = steps = tracked = stored = bundles = alarms = raised = cleared = 0
         for w in per_worker or []:
             if isinstance(w, dict):
                 probe_ns += int(w.get("probe_ns") or 0)
@@ -162,7 +168,10 @@ class EngineStats(Collector):
                 tracked += int(w.get("tracked_requests") or 0)
                 stored += int(w.get("stored_results") or 0)
                 bundles = max(bundles, int(w.get("deployments") or 0))
-        self.update(probe_ns, steps, tracked, stored, bundles)
+                alarms += int(w.get("alarms_raised") or 0)
+                raised += int(w.get("alarm_raised") or 0)
+                cleared += int(w.get("alarm_cleared") or 0)
+        self.update(probe_ns, steps, tracked, stored, bundles, alarms, raised, cleared)
 
     def collect(self) -> Iterable[Any]:
         labels, value = [LABEL], [self.model_name]
@@ -188,6 +197,15 @@ class EngineStats(Collector):
                               labels=labels)
         b.add_metric(value, self.bundles)
         yield b
+        a = GaugeMetricFamily("orca_shift_alarm", "Gate alarms raised now (each engine core's, "
+                              "at the last scrape; 1 or 0 with one engine)", labels=labels)
+        a.add_metric(value, self.alarms)
+        yield a
+        ch = CounterMetricFamily("orca_shift_alarm_changes", "Times the engines' gate alarms "
+                                 "were raised and cleared", labels=[LABEL, "change"])
+        for change, n in self.alarm_changes.items():
+            ch.add_metric([self.model_name, change], n)
+        yield ch
 
 
 class OrcaMetrics:
@@ -217,13 +235,6 @@ class OrcaMetrics:
                                    "whether it flagged them", [LABEL, "flagged"], registry=reg)
         for f in ("true", "false"):
             self.shift_gated.labels(flagged=f, **m)
-        self.shift_alarm = Gauge("orca_shift_alarm", "1 while the shift gate's alarm is "
-                                 "raised (this API server's)", [LABEL], registry=reg).labels(**m)
-        self.shift_alarm_changes = Counter("orca_shift_alarm_changes", "Times the shift gate's "
-                                           "alarm was raised and cleared", [LABEL, "change"],
-                                           registry=reg)
-        for c in ALARM_CHANGES:
-            self.shift_alarm_changes.labels(change=c, **m)
         self.shift_alarm_served = Counter("orca_shift_alarm_served", "Requests served as flagged "
                                           "ones because the gate alarm was raised", [LABEL],
                                           registry=reg).labels(**m)
@@ -258,12 +269,6 @@ class OrcaMetrics:
             except KeyError:
                 pass
         self.bundle_info.labels(checksum=checksum, **{LABEL: self.model_name}).set(1)
-
-    def alarm_state(self, raised: bool, change: str | None = None) -> None:
-        """The gate alarm's state (`change`: "raised" or "cleared" when it just changed)."""
-        self.shift_alarm.set(int(raised))
-        if change is not None:
-            self.shift_alarm_changes.labels(change=change, **{LABEL: self.model_name}).inc()
 
     def reloaded(self, outcome: ReloadOutcome) -> None:
         self.reloads.labels(outcome=outcome, **{LABEL: self.model_name}).inc()

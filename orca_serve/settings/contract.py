@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
+from orca_method.gate_alarm import DEFAULT_ALARM_LEVEL
 from orca_method.outcomes import Ended, GiveUpPolicy
 from orca_method.thresholds import NEVER, lam_from_json, lam_to_json
 
@@ -112,6 +113,9 @@ class RequestDefaults:
     # in-distribution guarantee (docs/METHOD.md section 11) and gives back most of the savings
     # `full` loses (benchmarks/RESULTS.md, "In distribution: what the gate and its alarm cost")
     shift_action: ShiftAction = ShiftAction.STRICT
+    # the gate alarm's level (`--orca-gate-alarm`; 0: no alarm): each engine core's alarm on its
+    # deployments' gates (`orca_serve.core.gate_alarm`)
+    gate_alarm: float = DEFAULT_ALARM_LEVEL
     group: str | None = None  # a request's group tag (None: none; docs/METHOD.md section 12)
 
     def to_dict(self) -> dict[str, Any]:
@@ -153,6 +157,9 @@ XARG_N = "orca_n"  # n of the parent request (set in validation; children read t
 XARG_SEED = "orca_seed"  # the parent's seed, n > 1 only (vLLM seeds child i with seed + i)
 XARG_RECORD = "orca_record"  # 0/1: keep step embeddings (calibration's collect step)
 XARG_RESERVE = "orca_reserve"  # tokens kept for the answer before max_tokens (policy answer)
+# 0: the request's gate decision does not feed the gate alarm (a vote's samples after the first:
+# samples of one prompt are not independent draws; `orca_serve.core.gate_alarm`)
+XARG_ALARM = "orca_alarm"
 # checksum of the bundle the server resolved orca_lam with: the engine joins that deployment
 # (hot reload: old and new bundles are live at once, and lambda* belongs to one probe)
 XARG_BUNDLE = "orca_bundle"
@@ -174,7 +181,7 @@ XARG_FIELDS = {"enabled": XARG_ENABLED, "delta": XARG_DELTA, "policy": XARG_POLI
                "answer_budget": XARG_ANSWER_BUDGET, "shift_alpha": XARG_SHIFT_ALPHA,
                "shift_give_up_alpha": XARG_SHIFT_GIVE_UP_ALPHA, "group": XARG_GROUP}
 # set by the server or the plugin, never by clients
-XARG_RESERVED = {XARG_KEY, XARG_LAM, XARG_N, XARG_SEED, XARG_BUNDLE, XARG_GIVE_UP_MU}
+XARG_RESERVED = {XARG_KEY, XARG_LAM, XARG_N, XARG_SEED, XARG_BUNDLE, XARG_GIVE_UP_MU, XARG_ALARM}
 # Per-request xargs that run a request without the orca probe (answer probes, audits' forcing).
 ORCA_OFF = {XARG_ENABLED: 0}
 
@@ -190,7 +197,8 @@ _ARRAY_TAG = "__orca_ndarray__"
 _RECORDING = ("step_embeddings", "step_tokens", "step_token_ids", "prompt_token_ids",
               "output_token_ids")
 _GIVE_UP = ("give_up_mu", "give_up_step", "last_give_up_score")
-_SHIFT = ("shift_alpha", "shift_give_up_alpha", "shift_pvalue", "shift_flagged", "shift_barred")
+_SHIFT = ("shift_alpha", "shift_give_up_alpha", "shift_pvalue", "shift_flagged", "shift_barred",
+          "shift_alarm")
 
 
 @dataclass
@@ -229,6 +237,9 @@ class OrcaResult:
     shift_pvalue: float | None = None
     shift_flagged: bool = False
     shift_barred: bool = False
+    # served as a flagged request because its engine's gate alarm was raised (whatever its own
+    # gate decided; `orca_serve.core.gate_alarm`)
+    shift_alarm: bool = False
     notes: list[str] = field(default_factory=list)
     error: str | None = None
     # record mode only: [steps, d] float32 numpy array, tokens per step, ids per step

@@ -24,10 +24,9 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from orca_method.bundle import Bundle, BundleError
-from orca_method.gate_alarm import DEFAULT_ALARM_LEVEL
 from orca_method.outcomes import GiveUpPolicy, Source
 from orca_method.shift_gate import give_up_level
-from orca_method.thresholds import GIVE_UP_NEVER, NEVER, lam_to_json
+from orca_method.thresholds import NEVER, lam_to_json
 from orca_serve.settings.contract import (
     DEFAULTS,
     XARG_ANSWER_BUDGET,
@@ -44,8 +43,6 @@ from orca_serve.settings.contract import (
     XARG_SHIFT_ALPHA,
     XARG_SHIFT_GIVE_UP_ALPHA,
     Policy,
-    ShiftAction,
-    safe_lam,
 )
 from orca_serve.settings.effort import DEFAULT_EFFORT_MAP, effort_delta
 from orca_serve.settings.field import (
@@ -73,8 +70,6 @@ class OrcaDefaults:
     shift_alpha: float | None = DEFAULTS.shift_alpha  # --orca-shift-alpha (None: the bundle's)
     # --orca-shift-give-up-alpha (None: the bundle's)
     shift_give_up_alpha: float | None = DEFAULTS.shift_give_up_alpha
-    shift_action: ShiftAction = DEFAULTS.shift_action  # what a flagged (or alarm-served) gets
-    gate_alarm: float = DEFAULT_ALARM_LEVEL  # --orca-gate-alarm: its level (0: no alarm)
     # --orca-vote-waves: the launch schedule of orca.samples (None: all at once); the bundle's
     # consensus block is certified for it (`checks.bundle.check_vote_waves`)
     vote_waves: tuple[int, ...] | None = None
@@ -137,7 +132,6 @@ class OrcaSettings:
     shift_give_up_alpha: float | None = None  # its own give-up side's level; likewise
     group: str | None = None  # the request's `orca.group` tag, if any
     group_known: bool = False  # the bundle has that group's table (and served it)
-    shift_alarm: bool = False  # served as a flagged request because the gate alarm was raised
     vote: VoteSettings | None = None  # `orca.samples`: the server runs k samples and votes
 
     def xargs(self) -> dict[str, str | int | float]:
@@ -221,8 +215,8 @@ def prompt_count(body: dict[str, Any]) -> int:
 def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
             *, thresholds: Thresholds | None = None,
             check: Callable[[dict[str, Any]], None] | None = None, completions: bool = False,
-            effort: str | None = None, thinking_budget: int | None = None,
-            shift_alarm: bool = False) -> tuple[dict[str, Any], OrcaSettings | None]:
+            effort: str | None = None, thinking_budget: int | None = None
+            ) -> tuple[dict[str, Any], OrcaSettings | None]:
     """Validate a request body's orca settings; return (rewritten body, settings).
 
     The settings are resolved completely before they are written into `vllm_xargs`, once:
@@ -233,8 +227,6 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     `effort`: the request's reasoning effort (wherever its API carries it), mapped to a delta by
     `defaults.effort_map` unless the request sets `delta` or `enabled` itself (`orca_serve.settings.effort`).
     `thinking_budget`: vLLM's own `thinking_token_budget` of the request, kept for the report.
-    `shift_alarm`: the gate alarm is raised (`orca_method.gate_alarm`): a request the gate runs
-    for is served as a flagged one (`alarm_served`).
     Settings is None when the server has no bundle and the request does not ask for orca (then
     the body is passed on untouched: plain vLLM). Raises OrcaRequestError for anything malformed.
     """
@@ -335,8 +327,6 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
             # lambda* its group's; the bundle's gate would flag that very traffic
             # (docs/METHOD.md sections 11 and 12)
             settings = replace(settings, shift_alpha=0.0)
-        elif shift_alarm and not settings.audited and settings.shift_alpha != 0:
-            settings = alarm_served(settings, bundle, defaults.shift_action)
     new_xargs = {k: v for k, v in (xargs or {}).items() if not k.startswith("orca_")}
     new_xargs.update(settings.xargs())
     out["vllm_xargs"] = new_xargs
@@ -358,20 +348,6 @@ def _check_levels(fields: OrcaFields, defaults: OrcaDefaults, bundle: Bundle, wh
         param = (f"vllm_xargs.{XARG_SHIFT_GIVE_UP_ALPHA}" if where == "vllm_xargs"
                  else "orca.shift_give_up_alpha")
         raise OrcaRequestError(f"'{param}' is {fields.shift_give_up_alpha:g}: {e}", param) from None
-
-
-def alarm_served(settings: OrcaSettings, bundle: Bundle, action: ShiftAction) -> OrcaSettings:
-    """A request served while the gate alarm is raised: as the gate serves a flagged one
-    (`--orca-shift-action`: never stops, or the bundle's most conservative lambda*; never gives
-    up), whatever its own gate decides. The gate still runs for it: its p-value feeds the alarm,
-    and its `shift` report says what the gate alone decided. An audited request is left alone
-    (it runs to its end anyway), and so are those the gate does not run for (a known group's, a
-    recalibrated lambda's, `shift_alpha` 0)."""
-    lam = safe_lam(bundle, action)
-    give_up = ({} if settings.give_up_delta is None else
-               {"give_up_mu": lam_to_json(GIVE_UP_NEVER), "give_up_source": Source.FALLBACK})
-    return replace(settings, lam=lam, shift_alarm=True,
-                   lam_source=Source.BUNDLE if lam != NEVER else Source.FALLBACK, **give_up)
 
 
 def _vote(k: int, delta: float, body: dict[str, Any], bundle: Bundle) -> VoteSettings:

@@ -19,6 +19,7 @@ from orca_method.errors import shown
 from orca_method.shift_gate import give_up_level
 from orca_method.thresholds import NEVER, lam_to_json
 from orca_serve.settings.contract import (
+    XARG_ALARM,
     XARG_ANSWER_BUDGET,
     XARG_BUNDLE,
     XARG_DELTA,
@@ -41,7 +42,7 @@ from orca_serve.settings.contract import (
 from orca_serve.settings.rules import RULES, integer, number, refusal
 
 # the integer xargs the server or the plugin set (the client-settable ones have their rules)
-_INT_XARGS = (XARG_RECORD, XARG_RESERVE, XARG_N)
+_INT_XARGS = (XARG_RECORD, XARG_RESERVE, XARG_N, XARG_ALARM)
 
 
 def resolve_lam(lam_of: Callable[..., float], delta: float, group: str | None = None) -> float:
@@ -118,7 +119,7 @@ def validate_xargs(xa: dict[str, Any] | None, n: int = 1, seed: int | None = Non
     for name in _INT_XARGS:
         if name in xa:
             v = as_int(name, xa[name])
-            if name == XARG_RECORD and v not in (0, 1):
+            if name in (XARG_RECORD, XARG_ALARM) and v not in (0, 1):
                 raise ValueError(refusal(name, f"must be 0 or 1, got {shown(xa[name])}"))
             if v < 0:
                 raise ValueError(refusal(name, f"must be >= 0, got {shown(xa[name])}"))
@@ -152,6 +153,7 @@ class RequestSpec:
     shift_alpha: float | None = None  # the shift gate's level (0: none); None: the bundle's
     shift_give_up_alpha: float | None = None  # the give-up side's level; None: the bundle's
     group: str | None = None  # the request's group tag (`orca_group`)
+    alarm: bool = True  # its gate decision feeds the gate alarm (`orca_alarm`)
 
 
 def request_spec(xa: Mapping[str, Any] | None, defaults: RequestDefaults, *, record: bool,
@@ -196,4 +198,5 @@ def request_spec(xa: Mapping[str, Any] | None, defaults: RequestDefaults, *, rec
         answer_budget=int(xa.get(XARG_ANSWER_BUDGET, defaults.answer_budget)),
         reserve=None if reserve is None else int(reserve), refused=refused, give_up_mu=mu,
         shift_alpha=None if alpha is None else float(alpha),
-        shift_give_up_alpha=None if give_up_alpha is None else float(give_up_alpha), group=group)
+        shift_give_up_alpha=None if give_up_alpha is None else float(give_up_alpha), group=group,
+        alarm=bool(as_int(XARG_ALARM, xa.get(XARG_ALARM, 1))))

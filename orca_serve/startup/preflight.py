@@ -100,8 +100,9 @@ def add_orca_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="The gate alarm: a sequential test on the shift gate's flags that, once "
                    "the flag rate is clearly above what traffic like the calibration set allows, "
                    "serves every request as a flagged one until the rate is back down. LEVEL: "
-                   "its chance of ever being raised on such traffic (0: no alarm). Only for "
-                   "bundles with a shift_gate block, with the gate on.")
+                   "its chance of ever being raised on such traffic (0: no alarm). Each engine "
+                   "core runs its own, fed at each request's gate step. Only for bundles with "
+                   "a shift_gate block, with the gate on.")
     g.add_argument("--orca-vote-waves", type=waves, default=None, metavar="A+B+...",
                    help="Launch the samples of orca.samples in waves of these sizes (e.g. "
                    "1+1+2+4), each once the ones before have finished without settling the "

@@ -159,6 +159,7 @@ def vllm_args(pre: Preflight) -> argparse.Namespace:
             give_up_policy=defaults.give_up_policy, give_up_message=args.orca_give_up_message,
             shift_alpha=args.orca_shift_alpha,
             shift_give_up_alpha=args.orca_shift_give_up_alpha,
-            shift_action=ShiftAction(args.orca_shift_action))))
+            shift_action=ShiftAction(args.orca_shift_action),
+            gate_alarm=args.orca_gate_alarm)))
     launch.configure_logging(args)
     return args
