@@ -18,7 +18,7 @@ import logging
 
 from orca_method.bundle import Bundle
 from orca_method.gate_alarm import GateAlarm
-from orca_serve.metrics.prometheus import OrcaMetrics
+from orca_serve.metrics.prometheus import AlarmChange, OrcaMetrics
 from orca_serve.settings.contract import ShiftAction
 from orca_serve.settings.resolve import OrcaDefaults
 
@@ -62,11 +62,11 @@ class AlarmFeed:
                 continue
             change = self.alarm.observe(p)
             if change.raised or change.cleared:
-                self._changed("raised" if change.raised else "cleared")
+                self._changed(AlarmChange.RAISED if change.raised else AlarmChange.CLEARED)
 
-    def _changed(self, change: str) -> None:
+    def _changed(self, change: AlarmChange) -> None:
         a = self.alarm
-        if change == "raised":
+        if change == AlarmChange.RAISED:
             logger.warning("orca: gate alarm raised after %d gated requests (%d flagged; the flag "
                            "rate is above %.3f, what traffic like the calibration set allows at "
                            "level %g): every request is now served as a flagged one", a.seen,

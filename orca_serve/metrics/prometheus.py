@@ -88,6 +88,13 @@ class SampleEvent(StrEnum):
     ABORTED = "aborted"
 
 
+class AlarmChange(StrEnum):
+    """How the gate alarm just changed: orca_shift_alarm_changes_total{change}."""
+
+    RAISED = "raised"
+    CLEARED = "cleared"
+
+
 class ReloadOutcome(StrEnum):
     """A hot reload's outcome, as `orca_bundle_reloads{outcome}` counts it."""
 
@@ -98,7 +105,6 @@ class ReloadOutcome(StrEnum):
 LABEL = "model_name"  # vLLM's label for the served model name, on every orca metric too
 STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 32, 40, 50, 64, 80, 100, 128, 256)
 SCORE_BUCKETS = tuple(round(0.05 * i, 2) for i in range(1, 20)) + (0.99, 1.0)
-ALARM_CHANGES = ("raised", "cleared")  # orca_shift_alarm_changes_total{change}
 
 
 def outcome_of(result: OrcaResult | None) -> Outcome:
@@ -222,7 +228,7 @@ class OrcaMetrics:
         self.shift_alarm_changes = Counter("orca_shift_alarm_changes", "Times the shift gate's "
                                            "alarm was raised and cleared", [LABEL, "change"],
                                            registry=reg)
-        for c in ALARM_CHANGES:
+        for c in AlarmChange:
             self.shift_alarm_changes.labels(change=c, **m)
         self.shift_alarm_served = Counter("orca_shift_alarm_served", "Requests served as flagged "
                                           "ones because the gate alarm was raised", [LABEL],
@@ -259,8 +265,8 @@ class OrcaMetrics:
                 pass
         self.bundle_info.labels(checksum=checksum, **{LABEL: self.model_name}).set(1)
 
-    def alarm_state(self, raised: bool, change: str | None = None) -> None:
-        """The gate alarm's state (`change`: "raised" or "cleared" when it just changed)."""
+    def alarm_state(self, raised: bool, change: AlarmChange | None = None) -> None:
+        """The gate alarm's state (`change`: when it just changed)."""
         self.shift_alarm.set(int(raised))
         if change is not None:
             self.shift_alarm_changes.labels(change=change, **{LABEL: self.model_name}).inc()
