@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import closing
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from orca_method.answer_probes import (
 from orca_method.consensus import sample_id
 from orca_method.labels import extract_forced, require_math_verify
 from orca_method.normalizations import DEFAULT_NORMALIZATION
+from orca_method.outcomes import LABEL_STEPS, LabelSteps
 from orca_method.selective import DecidingSteps, next_round
 from orca_method.trajectories import (
     PROBLEMS_FILE,
@@ -60,14 +62,20 @@ from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
 # the dtype the engine computes in (vLLM's `dtype`; a job's `engine: {dtype: ...}` overrides):
 # float32, as the CPU tests serve, so collection and serving compute the same hidden states
 ENGINE_DTYPE = "float32"
-# which steps of a trajectory get an answer probe: every labelled step (`label_every`), or, on
-# the calibration split, only those LTT's losses read (orca_method/selective.py)
-LABEL_STEPS = ("every", "selective")
 # beside a trajectory directory: what probing its deferred trajectories needs (token ids)
 PENDING_FILE = "pending-probes.jsonl"
-# how the engine's time is spent: probes of finished traces while later ones generate, or a
-# batch generated, then probed (orca_calibrate/pipeline.py)
-SCHEDULES = ("pipelined", "batches")
+
+
+class Scheduling(StrEnum):
+    """How the engine's time is spent (collect's `schedule`): PIPELINED, probes of finished
+    traces while later ones generate (orca_calibrate/pipeline.py); BATCHES, a batch generated,
+    then probed."""
+
+    PIPELINED = "pipelined"
+    BATCHES = "batches"
+
+
+SCHEDULES: tuple[str, ...] = tuple(str(s) for s in Scheduling)  # what argparse lists
 # pipelined: traces started and not yet written, in batches (what a kill loses at most)
 UNWRITTEN = 2
 
@@ -92,9 +100,9 @@ class CollectSettings:
     normalization: str = DEFAULT_NORMALIZATION
     engine: dict[str, Any] = field(default_factory=dict)  # extra vLLM LLM(...) arguments
     judge: JudgeSettings | None = None  # adds labels["judge"]
-    label_steps: str = "every"  # LABEL_STEPS
+    label_steps: LabelSteps = LabelSteps.EVERY  # on the calibration split
     engines: int = 1  # engine processes collecting shards at once (a job's; orca_calibrate/shards.py)
-    schedule: str = "pipelined"  # SCHEDULES
+    schedule: Scheduling = Scheduling.PIPELINED
 
     def __post_init__(self) -> None:
         if self.label_steps not in LABEL_STEPS:
@@ -103,10 +111,11 @@ class CollectSettings:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"collect.schedule is one of {', '.join(SCHEDULES)}, not "
                              f"{self.schedule!r:.40}")
+        self.label_steps, self.schedule = LabelSteps(self.label_steps), Scheduling(self.schedule)
         if not isinstance(self.engines, int) or self.engines < 1:
             raise ValueError(f"collect.engines is a number of engines >= 1, not "
                              f"{self.engines!r:.40}")
-        if self.label_steps == "selective" and self.judge is not None:
+        if self.label_steps == LabelSteps.SELECTIVE and self.judge is not None:
             raise ValueError("collect.label_steps selective asks no judge (its label stage "
                              "probes without one): label every step with a judge")
 
@@ -330,7 +339,7 @@ class Collector:
         `defer` accepts are written unprobed, labels pending (`label_deferred` labels them)."""
         s = self.settings
         later = defer or (lambda key: False)
-        collect = self._pipelined if s.schedule == "pipelined" else self._batches
+        collect = self._pipelined if s.schedule == Scheduling.PIPELINED else self._batches
         with TrajectoryWriter(out_dir, dim=self.llm.llm_engine.model_config.get_hidden_size(),
                               dtype=s.dtype, **self.info_fields()) as writer:
             todo = [(key, rec) for key, rec in trace_keys(prompts, s.samples)

@@ -32,7 +32,7 @@ from orca_method.consensus import (
 from orca_method.probe import Probe
 from orca_method.procedure import replay
 from orca_method.stop_metrics import stop_indices
-from orca_method.trajectories import TrajectorySet, split_ids
+from orca_method.trajectories import Split, TrajectorySet, split_ids
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def hold_out(ts: TrajectorySet, opts: ConsensusOptions) -> tuple[TrajectorySet, 
     # split_ids' second part ("calibration") is the held-out one, its first stays for lambda*
     parts = split_ids(ids, (1 - opts.holdout, opts.holdout, 0.0), seed=opts.seed,
                       groups={pid: prompt_of(pid)[0] for pid in ids})
-    held = [i for i in cal if parts[ts.problems[i].id] == "calibration"]
+    held = [i for i in cal if parts[ts.problems[i].id] == Split.CALIBRATION]
     if not held or len(held) == len(cal):
         raise ValueError(f"consensus holdout {opts.holdout} of {len(cal)} calibration traces "
                          "leaves one side empty; collect more prompts")

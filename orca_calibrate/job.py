@@ -41,8 +41,8 @@ from orca_calibrate.judge import JudgeError, JudgeSettings
 from orca_calibrate.shards import SHARDS, collect_shards, merge_shards, run_shard, write_spec
 from orca_calibrate.train_defaults import DEFAULTS
 from orca_method.consensus import prompt_of
-from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy
-from orca_method.trajectories import TrajectorySet, set_splits, split_ids
+from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy, LabelSteps
+from orca_method.trajectories import Split, TrajectorySet, set_splits, split_ids
 
 # the trajectory directories of a job's `out`: its prompts, its shifted prompts, and (one
 # folder per prompt file, named by its stem) its groups' calibration-only prompts
@@ -158,7 +158,7 @@ STAGE_KEYS = {"collect": ("model", "prompts", "shifted_prompts", "collect"), "sp
 
 def selective(job: dict[str, Any]) -> bool:
     """Whether the job labels its calibration split selectively (`collect.label_steps`)."""
-    return (job.get("collect") or {}).get("label_steps") == "selective"
+    return (job.get("collect") or {}).get("label_steps") == LabelSteps.SELECTIVE
 
 
 def stage_settings(job: dict[str, Any]) -> dict[str, str]:
@@ -226,7 +226,7 @@ def collection_sets(job: dict[str, Any]) -> list[tuple[list[dict], Path, set[str
     one engine, the engines of one machine and the workers of a cluster."""
     out = Path(job["out"])
     prompts = read_prompts(Path(job["prompts"]))
-    later = {k for k, v in planned_split(job, prompts).items() if v == "calibration"} \
+    later = {k for k, v in planned_split(job, prompts).items() if v == Split.CALIBRATION} \
         if selective(job) else set()
     sets = [(prompts, out / TRAJECTORIES, later)]
     if job.get("shifted_prompts"):

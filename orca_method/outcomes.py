@@ -1,5 +1,6 @@
 """The closed sets of words the method and the server share, one enum each: how a request ended,
-the give-up policies and losses, the audit guards' alarm actions and threshold sources. The
+the give-up policies and losses, the audit guards' alarm actions and threshold sources, which
+steps an answer probe labels. The
 values are the wire's words (JSON responses, journals, bundle files and CLI choices hold them as
 plain strings, and a member compares equal to its word); code compares members, never words.
 Plain Python: the server's request path and the offline CLIs import it without torch."""
@@ -64,6 +65,19 @@ class OnAlarm(StrEnum):
 
 
 ON_ALARM: tuple[str, ...] = tuple(str(a) for a in OnAlarm)  # what argparse lists
+
+
+class LabelSteps(StrEnum):
+    """Which steps get an answer probe (collect's `label_steps`, `--orca-audit-label-steps`):
+    EVERY labelled step (every `label_every`-th and the last); SELECTIVE only those whose labels
+    the losses read (the calibration split's: orca_method/selective.py; an audit's, the guards':
+    orca_method/audit/labelling.py)."""
+
+    EVERY = "every"
+    SELECTIVE = "selective"
+
+
+LABEL_STEPS: tuple[str, ...] = tuple(str(s) for s in LabelSteps)  # what argparse lists
 
 
 class Source(StrEnum):

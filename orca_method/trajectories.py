@@ -17,6 +17,7 @@ import os
 import pickle
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Self
 
@@ -37,12 +38,34 @@ DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
 # probe reads them, so a replay scores exactly what was served
 STORED_DTYPE = "float16"
 RECORDED_DTYPE = "float32"
-SPLITS = ("train", "calibration", "test")
+
+
+class Split(StrEnum):
+    """The parts a set's problems are split into (a problem's `split`): the probe is trained on
+    TRAIN, lambda* certified on CALIBRATION, the bundle evaluated on TEST."""
+
+    TRAIN = "train"
+    CALIBRATION = "calibration"
+    TEST = "test"
+
+
+SPLITS: tuple[str, ...] = tuple(str(s) for s in Split)
+
 INFO_DEFAULTS: dict[str, Any] = {
     "model": None, "normalization": DEFAULT_NORMALIZATION, "segmentation": None, "source": None,
     "think": None, "tokenizer_fingerprint": None, "model_config": None, "labelling": None,
 }
-PICKLE_LABELS = ("pessimistic", "research")
+
+
+class PickleLabels(StrEnum):
+    """How a research-code pickle's one label per block becomes a label per step
+    (`expand_block_labels`)."""
+
+    PESSIMISTIC = "pessimistic"
+    RESEARCH = "research"
+
+
+PICKLE_LABELS: tuple[str, ...] = tuple(str(m) for m in PickleLabels)
 _PICKLE_LABEL_KEYS = {"step_labels": "supervised", "step_labels_consistent": "consistent"}
 
 
@@ -671,9 +694,9 @@ def expand_block_labels(block_labels: Sequence[Any], n_steps: int, batch_size: i
                               f"{math.ceil(n_steps / batch_size)}")
     t = np.arange(n_steps)
     batch_size = min(batch_size, n_steps + 1)  # same blocks; keeps the arithmetic in int64
-    if mode == "research":
+    if mode == PickleLabels.RESEARCH:
         return lab[t // batch_size]
-    if mode != "pessimistic":
+    if mode != PickleLabels.PESSIMISTIC:
         raise TrajectoryError(f"pickle_labels must be one of {PICKLE_LABELS}, got {mode!r}")
     block = (t + 1) // batch_size - 1
     block[-1] = len(lab) - 1  # the last (possibly partial) block is labelled at the last step

@@ -466,6 +466,27 @@ def test_orca_serve_refuses_them_in_one_line_before_vllm(tmp_path) -> None:
         assert err.count("\n") == 1 and why in err, (why, err)
 
 
+def test_orca_serve_refuses_the_toy_bundle_on_a_model_of_another_config(tmp_path) -> None:
+    """Issue 37: the shipped toy bundle on the toy's architecture with one layer fewer (its
+    config.json says so; tokenizer and weights files as the toy's), served under the toy's
+    name: the real entry point reads the served model's config.json and refuses in one line
+    before vLLM (the check function's cases, --orca-force-model included: the test above)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in (DEMO / "model").iterdir():
+        if f.name != "config.json":
+            (model / f.name).symlink_to(f)
+    config = json.loads((DEMO / "model" / "config.json").read_text())
+    config["num_hidden_layers"] -= 1
+    config["layer_types"] = config["layer_types"][:-1]
+    (model / "config.json").write_text(json.dumps(config))
+    serve = ["--calib", str(DEMO / "bundle.json"), "--model", str(model),
+             "--served-model-name", "orca-toy-reasoner"]
+    (code, err), = _serve({"other config": serve}).values()
+    assert code == 2 and err.count("\n") == 1, err
+    assert "config differs (num_layers 4 vs 3" in err, err
+
+
 def test_orca_serve_serves_mu_only_under_the_give_up_policy_it_was_certified_for(tmp_path):
     """docs/METHOD.md section 9: each give-up policy has its own loss. The real entry point
     refuses the demo bundle (certified for "guess") under --orca-give-up-policy message, and a

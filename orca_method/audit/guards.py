@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -138,6 +138,15 @@ def recalibration_epsilon(epsilon: float, k: int) -> float:
 Window = tuple[list[np.ndarray], list[np.ndarray]]
 
 
+class Served(Protocol):
+    """A recalibrated threshold a guard serves: what `recalibration` reads of it, its alarm."""
+
+    cs: CS
+
+
+R = TypeVar("R", bound=Served)
+
+
 def engagement(engaged: bool, cs: CS, delta: float) -> bool:
     """Whether a guard is engaged after its latest audit: on an alarm, and until no member
     alarms any more AND the whole history's upper bound is back at delta or below (evidence
@@ -146,6 +155,42 @@ def engagement(engaged: bool, cs: CS, delta: float) -> bool:
     if cs.n and cs.alarm(delta):
         return True
     return engaged and cs.upper > delta
+
+
+class Recalibrating(Protocol[R]):
+    """What `recalibration` reads and moves of a guard (`DeltaGuard`, `GiveUpGuard`): its
+    alarm's statistics and level, its split of epsilon, and the recalibration it serves."""
+
+    delta: float
+    cs: CS
+    epsilon: float
+    engaged: bool
+    waiting_since: int | None
+    recalibrations: int
+    served: R | None
+
+
+def recalibration(g: Recalibrating[R], now: int, window: Callable[[int], Window | None],
+                  certify: Callable[[int, float, Window], R]) -> Source:
+    """One `recalibrate` decision of a guard, the stop side's and the give-up side's alike
+    (docs/AUDIT.md, "Recalibration in the server"): the bundle's alarm (once) or the served
+    threshold's own alarm starts a wait at `now`; once `window(since)` has the audits admitted
+    after it, the k-th recalibration certifies on them alone at `recalibration_epsilon(epsilon,
+    k)` (`certify(k, epsilon_k, window)`, the side's own threshold and its fresh alarm) and is
+    served. Returns where the served threshold comes from: FALLBACK while waiting, AUDIT once
+    recalibrated, BUNDLE before any alarm."""
+    served_alarm = g.served is not None and bool(g.served.cs.n) and bool(
+        g.served.cs.alarm(g.delta))
+    if (not g.engaged and bool(g.cs.n) and g.cs.alarm(g.delta)) or served_alarm:
+        g.engaged, g.waiting_since, g.served = True, now, None
+    if g.waiting_since is not None:
+        data = window(g.waiting_since)
+        if data is None:
+            return Source.FALLBACK
+        k = g.recalibrations + 1
+        g.served = certify(k, recalibration_epsilon(g.epsilon, k), data)
+        g.recalibrations, g.waiting_since = k, None
+    return Source.BUNDLE if g.served is None else Source.AUDIT
 
 
 @dataclass
@@ -252,24 +297,15 @@ class DeltaGuard:
     def _recalibrate(self, now: int, window: Callable[[int], Window | None],
                      ltt: Callable[[list[np.ndarray], list[np.ndarray], float, float], float],
                      make_cs: Callable[[], CS]) -> None:
-        served_alarm = self.served is not None and bool(self.served.cs.n) and bool(
-            self.served.cs.alarm(self.delta))
-        if (not self.engaged and self.alarm) or served_alarm:
-            self.engaged, self.waiting_since, self.served = True, now, None
-        if self.waiting_since is not None:
-            data = window(self.waiting_since)
-            if data is None:
-                self.lam, self.source = NEVER, Source.FALLBACK
-                return
-            k = self.recalibrations + 1
-            eps = recalibration_epsilon(self.epsilon, k)
+        def certify(k: int, eps: float, data: Window) -> Recalibrated:
+            # the stop side's own: not below the floor, and the window's scores as the drift
+            # reference the served lambda is watched against
             lam = max(window_lambda(data[0], data[1], self.delta, eps, ltt), self.floor)
-            self.served = Recalibrated(k, eps, lam, now, make_cs(), *self._window_drift(data[0]))
-            self.recalibrations, self.waiting_since = k, None
-        if self.served is not None:
-            self.lam, self.source = self.served.lam, Source.AUDIT
-        else:
-            self.lam, self.source = self.bundle_lam, Source.BUNDLE
+            return Recalibrated(k, eps, lam, now, make_cs(), *self._window_drift(data[0]))
+
+        self.source = recalibration(self, now, window, certify)
+        self.lam = (NEVER if self.source == Source.FALLBACK else self.bundle_lam
+                    if self.served is None else self.served.lam)
 
     def drift_alarm(self, now: int, k: int | None, make_cs: Callable[[], CS]) -> None:
         """A sequential drift test alarmed (`ConformalMartingale`; journalled, so every process
@@ -447,22 +483,12 @@ class GiveUpGuard:
         labels, delta, epsilon)`: LTT's mu (`ltt_mu`)."""
         if self.on_alarm != OnAlarm.RECALIBRATE:
             return
-        r = self.served
-        served_alarm = r is not None and bool(r.cs.n) and bool(r.cs.alarm(self.delta))
-        if (not self.engaged and bool(self.cs.n) and self.cs.alarm(self.delta)) or served_alarm:
-            self.engaged, self.waiting_since, self.served = True, now, None
-        if self.waiting_since is not None:
-            data = window(self.waiting_since)
-            if data is None:
-                self.mu, self.source = GIVE_UP_NEVER, Source.FALLBACK
-                return
-            k = self.recalibrations + 1
-            eps = recalibration_epsilon(self.epsilon, k)
-            self.served = RecalibratedMu(k, eps, ltt(data[0], data[1], self.delta, eps), now,
-                                         make_cs())
-            self.recalibrations, self.waiting_since = k, None
-        self.mu, self.source = ((self.served.mu, Source.AUDIT) if self.served is not None
-                                else (self.bundle_mu, Source.BUNDLE))
+        self.source = recalibration(
+            self, now, window,
+            lambda k, eps, data: RecalibratedMu(k, eps, ltt(data[0], data[1], self.delta, eps),
+                                                now, make_cs()))
+        self.mu = (GIVE_UP_NEVER if self.source == Source.FALLBACK else self.bundle_mu
+                   if self.served is None else self.served.mu)
 
     def row(self) -> dict[str, Any]:
         out = {**_cs_row(self.cs, self.delta), "engaged": self.engaged,

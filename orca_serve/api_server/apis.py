@@ -72,13 +72,14 @@ class Api:
     # (orca_serve/api_server/vote_stream.py), and the usage counts a vote sums over its samples
     votes_stream = True
     usage_counts: tuple[str, ...] = ("prompt_tokens", "completion_tokens", "total_tokens")
+    effort_path: tuple[str, ...] = ("reasoning_effort",)  # where the body says its effort
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:
         """Whether the body is a /v1/completions request (one result key per prompt)."""
         return path == COMPLETIONS_PATH or (path == INVOCATIONS_PATH and "messages" not in body)
 
     def effort(self, body: dict[str, Any]) -> str | None:
-        v = body.get("reasoning_effort")
+        v = _get(body, *self.effort_path)
         return v if isinstance(v, str) else None
 
     def thinking_budget(self, body: dict[str, Any]) -> int | None:
@@ -171,13 +172,10 @@ class ResponsesApi(Api):
     # chunks of one shape: a voted answer is not streamed here (docs/SERVER.md)
     votes_stream = False
     CLOSING = ("response.completed", "response.incomplete", "response.failed")
+    effort_path = ("reasoning", "effort")
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:
         return False
-
-    def effort(self, body: dict[str, Any]) -> str | None:
-        v = _get(body, "reasoning", "effort")
-        return v if isinstance(v, str) else None
 
     def thinking_budget(self, body: dict[str, Any]) -> int | None:
         return None
@@ -238,13 +236,10 @@ class MessagesApi(Api):
     usage_counts = ("input_tokens", "output_tokens")
     # its stream is typed events (message_start, content blocks, message_delta): as Responses'
     votes_stream = False
+    effort_path = ("output_config", "effort")
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:
         return False
-
-    def effort(self, body: dict[str, Any]) -> str | None:
-        v = _get(body, "output_config", "effort")
-        return v if isinstance(v, str) else None
 
     def thinking_budget(self, body: dict[str, Any]) -> int | None:
         if _get(body, "thinking", "type") != "enabled":

@@ -48,7 +48,7 @@ from orca_serve.core.deployment import Deployment, Deployments
 from orca_serve.core.gate_alarm import take_ticket
 from orca_serve.core.device_step import DeviceStep
 from orca_serve.core.plan import StepPlan, apply_readback, plan_step
-from orca_serve.core.registry import Entry, Request, Results
+from orca_serve.core.registry import Entry, Handle, Request, Results
 from orca_serve.core.table import RequestTable
 
 log = logging.getLogger("orca_serve.core")
@@ -139,7 +139,7 @@ class OrcaCore:
 
     def join(self, ident: str, xa: Mapping[str, Any] | None, *, prompt: Sequence[int] | None,
              n_out: int, index: int, max_tokens: int | None, eos: int | None,
-             ignore_eos: bool, structured: bool, handle: Any = None,
+             ignore_eos: bool, structured: bool, handle: Handle | None = None,
              output: Sequence[int] | None = None) -> Request | None:
         """A request enters the batch: a new one (tracked if it asks for it) or a parked one.
 

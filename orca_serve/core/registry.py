@@ -14,12 +14,27 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from orca_method.steps import Segmenter
 from orca_serve.settings.contract import OrcaResult, Policy, StopReason
 from orca_serve.core.deployment import Deployment
 from orca_serve.settings.xargs import RequestSpec
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+# a parked request's state while evicted from its slot: its pool rows (`SlotPool.snapshot`) and
+# its probe-bank row (`ProbeBank.snapshot`; None when its deployment scores nothing)
+Parked = tuple[tuple["Tensor", "Tensor", "Tensor"], dict[str, "Tensor"] | None]
+
+
+class Handle(Protocol):
+    """What the adapter hands the core with a new request (vLLM's SamplingParams, kept alive
+    while the request is tracked so that the id derived from it is not reused) and reads back
+    when the request leaves its row: its token limit."""
+
+    max_tokens: int | None
 
 log = logging.getLogger("orca_serve.core")
 
@@ -63,7 +78,7 @@ class Request:
         self.fetched = False
         self.left_at = 0.0
         self.slot: int | None = None
-        self.snapshot: Any = None  # (pool rows, bank row) while parked without a slot
+        self.snapshot: Parked | None = None  # while parked without a slot
         self.lag: int | None = None  # position whose hidden row is parked in pool.lag
         self.scores: list[float] = []
         self.steps_scored = 0
@@ -84,7 +99,7 @@ class Request:
         # decided already (accepted drafts), so a stop plans its forced text from here
         self.decided_until = 0
         self.draft_rows: tuple[int, ...] = ()  # this step's logits rows for positions n+1, ...
-        self.step_embs: list = []
+        self.step_embs: list[Tensor] = []  # [d] each
         self.step_counts: list[int] = []
         self.notes: list[str] = []
         # record mode: the prompt's ids and the engine's live output list (read at the end)
@@ -92,7 +107,7 @@ class Request:
         self.prompt_reasoning = 0  # reasoning tokens the prompt holds after its open start tag
         self.output: Sequence[int] | None = None
         self.error: str | None = None
-        self.handle: Any = None
+        self.handle: Handle | None = None
         self.bundle_checksum = dep.checksum  # None when no deployment of its bundle was live
         # the shift gate: its score thresholds for this request (stop side, give-up side; inf:
         # not gated), its p-value once decided, whether it flagged the request (then the
@@ -149,7 +164,7 @@ class Request:
         self.greedy = range(0)
         self.guard_pos = None
 
-    def result(self, pending_step: Any = None) -> OrcaResult:
+    def result(self, pending_step: Tensor | None = None) -> OrcaResult:
         """The result; `pending_step` (record mode): the embedding of the unfinished last step."""
         lam = self.lam
         r = OrcaResult(

@@ -52,7 +52,7 @@ from orca_method.audit.drift import DriftMonitor
 from orca_method.audit.guards import CS, aligned_scores
 from orca_method.audit.martingale import ConformalMartingale
 from orca_method.bundle import Bundle
-from orca_method.outcomes import GiveUpLoss, OnAlarm, Source
+from orca_method.outcomes import GiveUpLoss, LabelSteps, OnAlarm, Source
 from orca_method.probe import Probe
 from orca_method.procedure import replay
 from orca_method.risk import cumulative, is_counted
@@ -258,7 +258,7 @@ class LiveAudit:
             self._labeller = AuditLabeller(self.engine_client(), self.config.probe)
         give_up = self._give_up_scores(job.result.step_embeddings)
         self.state.sync()  # what other processes decided before this audit was admitted
-        needs = (self.state.label_needs(job.seq) if self.config.label_steps == "selective"
+        needs = (self.state.label_needs(job.seq) if self.config.label_steps == LabelSteps.SELECTIVE
                  else None)
         record = await self._labeller.label(job.key, job.rec, job.result, job.finish_reason,
                                             needs, give_up)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX, ProbeSettings
-from orca_method.outcomes import ON_ALARM, OnAlarm
+from orca_method.outcomes import LABEL_STEPS, ON_ALARM, LabelSteps, OnAlarm
 from orca_method.labels import require_math_verify
 from orca_serve.checks.argtypes import fraction, integer
 from orca_serve.live_audit.journal import EventJournal, Journal, journal_path
@@ -35,7 +35,6 @@ class EpsilonSplit(StrEnum):
 
 
 EPSILON_SPLITS: tuple[str, ...] = tuple(str(s) for s in EpsilonSplit)  # what argparse lists
-AUDIT_LABEL_STEPS = ("every", "selective")  # --orca-audit-label-steps
 # the stores a fleet can share its audit journal through (orca_serve/live_audit/fleet.py)
 STORE_SCHEMES = ("redis", "rediss", "unix")
 
@@ -57,7 +56,7 @@ class AuditConfig:
     window: int = 200  # audits LTT recalibrates on (on_alarm=recalibrate)
     # which steps an audit's answer probes label: every one, or only those whose labels the
     # guards read (orca_method/audit/labelling.py)
-    label_steps: str = "every"
+    label_steps: LabelSteps = LabelSteps.EVERY
     queue: int = 64  # finished audits waiting for labels; more are dropped
     per_dir: int = 1000  # audits per trajectory directory before rotating
     keep: int = 10  # directories kept
@@ -106,7 +105,7 @@ def add_audit_args(g: argparse._ActionsContainer) -> None:
                    f"block's, else {DEFAULT_ANSWER_TOKENS}.")
     g.add_argument("--orca-audit-label-every", type=integer(1), default=1, metavar="K",
                    help="Probe every K-th step (and the last), as collect's label_every.")
-    g.add_argument("--orca-audit-label-steps", choices=AUDIT_LABEL_STEPS, default="every",
+    g.add_argument("--orca-audit-label-steps", choices=LABEL_STEPS, default=str(LabelSteps.EVERY),
                    help="every: probe every (K-th) step of an audit; selective: only the steps "
                    "whose labels decide the guards' losses (the stop steps of the thresholds "
                    "they test, and the steps before a stop until one is right; every step "
@@ -211,7 +210,7 @@ def audit_config(ns: argparse.Namespace, bundle: Bundle) -> AuditConfig:
         epsilon_split=EpsilonSplit(getattr(ns, "orca_audit_epsilon_split",
                                            EpsilonSplit.PER_DELTA)),
         window=ns.orca_recalibrate_window, queue=ns.orca_audit_queue,
-        label_steps=getattr(ns, "orca_audit_label_steps", "every"),
+        label_steps=LabelSteps(getattr(ns, "orca_audit_label_steps", LabelSteps.EVERY)),
         per_dir=ns.orca_audit_per_dir, keep=ns.orca_audit_keep,
         probe=audit_labelling(ns, bundle))
 

@@ -89,6 +89,13 @@ class SampleEvent(StrEnum):
     ABORTED = "aborted"
 
 
+class AlarmChange(StrEnum):
+    """How the gate alarm just changed: orca_shift_alarm_changes_total{change}."""
+
+    RAISED = "raised"
+    CLEARED = "cleared"
+
+
 class ReloadOutcome(StrEnum):
     """A hot reload's outcome, as `orca_bundle_reloads{outcome}` counts it."""
 
@@ -99,7 +106,6 @@ class ReloadOutcome(StrEnum):
 LABEL = "model_name"  # vLLM's label for the served model name, on every orca metric too
 STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 32, 40, 50, 64, 80, 100, 128, 256)
 SCORE_BUCKETS = tuple(round(0.05 * i, 2) for i in range(1, 20)) + (0.99, 1.0)
-ALARM_CHANGES = ("raised", "cleared")  # orca_shift_alarm_changes_total{change}
 
 
 def outcome_of(result: OrcaResult | None) -> Outcome:
@@ -145,7 +151,7 @@ class EngineStats(Collector):
         self.stored = 0
         self.bundles = 0
         self.alarms = 0  # gate alarms raised now (one per engine core and bundle)
-        self.alarm_changes = dict.fromkeys(ALARM_CHANGES, 0)
+        self.alarm_changes = dict.fromkeys(AlarmChange, 0)
 
     def update(self, probe_ns: int, engine_steps: int, tracked: int = 0, stored: int = 0,
                bundles: int = 0, alarms: int = 0, raised: int = 0, cleared: int = 0) -> None:
@@ -154,7 +160,7 @@ class EngineStats(Collector):
         self.engine_steps = max(self.engine_steps, int(engine_steps))
         self.tracked, self.stored, self.bundles = int(tracked), int(stored), int(bundles)
         self.alarms = int(alarms)
-        for change, n in zip(ALARM_CHANGES, (raised, cleared)):
+        for change, n in zip(AlarmChange, (raised, cleared)):
             self.alarm_changes[change] = max(self.alarm_changes[change], int(n))
 
     def update_from(self, per_worker: Iterable[Any]) -> None:

@@ -12,11 +12,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orca_method.gate_alarm import DEFAULT_ALARM_LEVEL
 from orca_method.outcomes import Ended, GiveUpPolicy
 from orca_method.thresholds import NEVER, lam_from_json, lam_to_json
+
+if TYPE_CHECKING:  # types only: this module loads without numpy and torch
+    import numpy as np
+    from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -242,8 +246,9 @@ class OrcaResult:
     shift_alarm: bool = False
     notes: list[str] = field(default_factory=list)
     error: str | None = None
-    # record mode only: [steps, d] float32 numpy array, tokens per step, ids per step
-    step_embeddings: Any = None
+    # record mode only: [steps, d] float32 numpy array (the core's [d] tensors per step until
+    # `RequestTable` moves them to the host), tokens per step, ids per step
+    step_embeddings: np.ndarray | list[Tensor] | None = None
     step_tokens: list[int] | None = None
     step_token_ids: list[list[int]] | None = None
     # record mode only: the request's token ids (what live audits' answer probes continue)

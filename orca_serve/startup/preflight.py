@@ -184,10 +184,20 @@ def demo_argv(argv: list[str], model_dir: Path) -> list[str]:
             *([] if named else ["--reasoning-parser", DEMO_REASONING_PARSER])]
 
 
-def model_kw(ns: argparse.Namespace) -> dict[str, Any]:
+ModelOption = str | bool | None
+# the served model and the options its facts were read with, sorted: a later read with the same
+# key reads the same facts (`Preflight.checked`)
+ModelKey = tuple[str, tuple[tuple[str, ModelOption], ...]]
+
+
+def model_kw(ns: argparse.Namespace) -> dict[str, ModelOption]:
     return {"tokenizer": ns.tokenizer, "revision": ns.revision,
             "tokenizer_revision": ns.tokenizer_revision, "hf_config_path": ns.hf_config_path,
             "trust_remote_code": bool(ns.trust_remote_code)}
+
+
+def model_key(ns: argparse.Namespace) -> ModelKey:
+    return ns.model, tuple(sorted(model_kw(ns).items()))
 
 
 def identity(ns: argparse.Namespace, bundle: Any) -> dict[str, Any]:
@@ -240,7 +250,7 @@ class Preflight:
     bundle: Bundle | None = None
     bundle_path: str | None = None
     facts: ModelFacts | None = None  # the model the bundle was checked against
-    checked: tuple[Any, ...] | None = None  # (model, options) `facts` were read with
+    checked: ModelKey | None = None  # the model and options `facts` were read with
 
 
 def preflight(argv: list[str]) -> Preflight:
@@ -279,7 +289,7 @@ def preflight(argv: list[str]) -> Preflight:
     if pre.bundle is not None and early.model:
         pre.facts = check_bundle(pre.bundle, early.model, **identity(early, pre.bundle),
                                  **model_kw(early))
-        pre.checked = (early.model, tuple(sorted(model_kw(early).items())))
+        pre.checked = model_key(early)
     return pre
 
 

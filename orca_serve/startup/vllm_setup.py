@@ -16,7 +16,14 @@ from orca_method.errors import first_line
 from orca_serve.api_server import endpoint_plugin
 from orca_serve.settings.contract import DEFAULTS, ShiftAction
 from orca_serve.checks.bundle import check_bundle
-from orca_serve.startup.preflight import Preflight, add_orca_args, identity, model_kw, refuse_unsupported
+from orca_serve.startup.preflight import (
+    Preflight,
+    add_orca_args,
+    identity,
+    model_key,
+    model_kw,
+    refuse_unsupported,
+)
 from orca_serve.checks.errors import PROG, StartupError
 from orca_serve.vllm_compat import launch
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
@@ -139,7 +146,7 @@ def vllm_args(pre: Preflight) -> argparse.Namespace:
             args.served_model_name = [bundle.model.name]  # not the install path
     keep_prefills_whole(args)
     if bundle is not None:
-        if pre.checked != (args.model, tuple(sorted(model_kw(args).items()))):
+        if pre.checked != model_key(args):
             pre.facts = check_bundle(bundle, args.model, **identity(args, bundle),
                                      **model_kw(args))
         refuse_unsupported(args)

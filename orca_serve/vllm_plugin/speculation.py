@@ -11,7 +11,7 @@ orca_serve/core/speculation.py; docs/PLUGIN.md, "Speculative decoding".
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from orca_serve.vllm_compat import speculation as compat
 from orca_serve.vllm_plugin.config import (
@@ -19,6 +19,11 @@ from orca_serve.vllm_plugin.config import (
     speculation_refusal,
     speculative_method,
 )
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from orca_serve.vllm_compat.runner import V1Runner
 
 
 def install() -> None:
@@ -37,8 +42,17 @@ def _is_orca(proc: Any) -> bool:
                                           for c in proc.__mro__)
 
 
-def attach(processor: Any, runner: Any) -> None:
-    """`runner`: the V1 runner view (`vllm_compat.runner.V1Runner`)."""
+class DraftRows(Protocol):
+    """What `attach` wires of ORCA's V1 processor (`vllm_plugin.processor`, which imports this
+    module): the step's rows, and the flag of vLLM's own sampling of a step with drafts."""
+
+    sampling_drafts: bool
+
+    def apply_rows(self, logits: Tensor, rows_per_request: list[int] | None) -> None: ...
+
+
+def attach(processor: DraftRows, runner: V1Runner) -> None:
+    """`runner`: the V1 runner view."""
     def sampling(on: bool) -> None:
         processor.sampling_drafts = on
 
