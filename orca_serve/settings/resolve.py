@@ -108,6 +108,9 @@ class VoteSettings:
     waves: tuple[int, ...]
     audited: bool = False
     t_source: Source = Source.BUNDLE
+    # the confidence clause's certified cap (a version 3 block's row): one finished sample that
+    # ORCA stopped within `cap` reasoning tokens settles the vote for a leading answer; None: off
+    cap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -400,7 +403,8 @@ def _vote(k: int, delta: float, body: dict[str, Any], bundle: Bundle) -> VoteSet
     # t is certified for groups of exactly block.samples; a smaller group waits for all its k
     t = None if row.t is None or k != block.samples else float(row.t)
     return VoteSettings(k=k, t=t, delta_vote=row.delta_vote, weighting=block.weighting,
-                        waves=(k,) if t is None else block.schedule)
+                        waves=(k,) if t is None else block.schedule,
+                        cap=None if t is None else row.cap)
 
 
 def _give_up(asked: GiveUpFields | None, defaults: OrcaDefaults, bundle: Bundle,
