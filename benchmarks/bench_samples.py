@@ -301,7 +301,8 @@ def settled(g: Group, group: list[Trace], t: float | None,
     at = float(path.times[e])
     start = np.zeros(len(group)) if g.start is None else g.start
     tokens = g.spent(at) + sum(tr.answer_tokens for tr, f in zip(group, g.finish) if f <= at)
-    return path.leaders[e], tokens, len(np.unique(start[start <= at])), at
+    # a wave due when the vote settles (its start == the settling finish) is never launched
+    return path.leaders[e], tokens, len(np.unique(start[start < at])), at
 
 
 def selected_arm(candidates: dict[tuple[str, bool], list[Group]], full: list[list[Trace]],

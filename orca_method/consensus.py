@@ -85,15 +85,17 @@ def confident_path(k: int, grid: np.ndarray | None = None, cap_step: float = DEF
                    cap_max: float = DEFAULT_CAP_MAX) -> tuple[np.ndarray, np.ndarray]:
     """The hypotheses of the two-parameter rule, in the order LTT tests them, fixed in advance:
     (t [m], c [m]). First the margin alone (c off) from t = 1 down to `first_t`, as the count
-    rule's own sequence; then, at that t, the cap c from `cap_step` up to `cap_max`. Along it each
-    step settles more groups earlier, so the vote risk grows (nearly) monotonically, which is what
-    makes a fixed sequence powerful: it stops at the first hypothesis it cannot reject."""
+    rule's own sequence; then, at that t, the cap c from `cap_step` up to `cap_max`; then, at
+    `cap_max`, the rest of the grid's t below `first_t` (where a lone sample settles by the
+    margin too, so the margin alone's lower t stay reachable). Along it each step settles more
+    groups earlier, so the vote risk grows (nearly) monotonically, which is what makes a fixed
+    sequence powerful: it stops at the first hypothesis it cannot reject."""
     grid = default_grid() if grid is None else np.asarray(grid, dtype=float)
     t0 = first_t(k, grid)
-    ts = grid[grid >= t0]
+    above, below = grid[grid >= t0], grid[grid < t0]
     caps = np.arange(cap_step, cap_max + cap_step / 2, cap_step, dtype=float)
-    return (np.concatenate([ts, np.full(len(caps), t0)]),
-            np.concatenate([np.full(len(ts), NO_CAP), caps]))
+    return (np.concatenate([above, np.full(len(caps), t0), below]),
+            np.concatenate([np.full(len(above), NO_CAP), caps, np.full(len(below), caps[-1])]))
 
 
 @dataclass(frozen=True)

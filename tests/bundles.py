@@ -193,8 +193,9 @@ def with_consensus(bundle: Bundle, *, samples: int = 4, weighting: str = "count"
     synthetic groups of `samples` whose samples all agree and finish one after another: no
     margin t can err on them, so every row certifies t* = 0 (the first finished sample
     decides), the fastest settle, which makes aborts certain in the serving tests. With
-    `cap_max`, the two-parameter rule (version 3): its path ends at `first_t` (no lone sample
-    settles by the margin) with caps of cap_max / 2 and cap_max, both certified (c* = cap_max)."""
+    `cap_max`, the two-parameter rule (version 3), its path cut after its caps (cap_max / 2 and
+    cap_max at `first_t`, where no lone sample settles by the margin): t* = first_t,
+    c* = cap_max."""
     from orca_method.consensus import (
         DEFAULT_GRID_SIZE,
         Group,
@@ -211,11 +212,13 @@ def with_consensus(bundle: Bundle, *, samples: int = 4, weighting: str = "count"
     groups = launched(groups, waves)  # `waves`: certified for that launch schedule
     grid, caps = ((None, None) if cap_max is None else
                   confident_path(samples, cap_step=cap_max / 2, cap_max=cap_max))
+    if caps is not None:  # the path up to its last cap: t* stays first_t (nothing below it)
+        grid, caps = grid[:int(np.argmax(caps)) + 1], caps[:int(np.argmax(caps)) + 1]
     rows = []
     for d in bundle.deltas():
         (r,) = calibrate_consensus(groups, [delta_vote], grid=grid, caps=caps)
         rows.append(ConsensusRow(delta=d, delta_vote=r.delta_vote, t=r.t, risk=r.risk,
-                                 pvalue=r.pvalue, token_savings=r.token_savings, cap=r.cap))
+                                 pvalue=r.pvalue, token_savings=r.token_savings, confident_tokens=r.cap))
     block = ConsensusBlock(version=block_version(waves, cap_max is not None), samples=samples,
                            weighting=weighting, epsilon=0.05, n_cal=n_cal,
                            grid_size=DEFAULT_GRID_SIZE, rows=rows, waves=waves,
