@@ -165,7 +165,7 @@ def consensus_block(bundle: Bundle, probe: Probe, ts: TrajectorySet, members: Se
         for r in calibrate_consensus(stopped, opts.deltas, epsilon=opts.epsilon, grid=grid,
                                      caps=caps):
             rows.append(ConsensusRow(delta=row.delta, delta_vote=r.delta_vote, t=r.t,
-                                     risk=r.risk, pvalue=r.pvalue, cap=r.cap,
+                                     risk=r.risk, pvalue=r.pvalue, confident_tokens=r.cap,
                                      token_savings=max(r.token_savings, 0.0)))
     return ConsensusBlock(version=block_version(opts.waves, opts.confident),
                           samples=len(groups[0]), weighting=opts.weighting,
@@ -200,7 +200,8 @@ def evaluate_consensus(bundle: Bundle, ts: TrajectorySet, split: str = "test") -
                                           block.weighting), block.waves)
         full = sum(g.spent(np.inf) for g in stopped)
         loss, tokens = outcomes(stopped, np.array([1.0 if row.t is None else row.t]),
-                                None if row.cap is None else np.array([row.cap]))
+                                None if row.confident_tokens is None
+                                else np.array([row.confident_tokens]))
         errors = 0 if row.t is None else int(loss.sum())
         used = full if row.t is None else float(tokens.sum())
         rows.append({"delta": row.delta, "delta_vote": row.delta_vote, "t": row.t,

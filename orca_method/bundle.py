@@ -283,10 +283,10 @@ class ConsensusRow(_Strict):
     risk: Fraction  # calibration facts at t (at t = 1 when t is null)
     pvalue: Fraction
     token_savings: Fraction  # against every sample running to its own stop
-    # the confidence clause's certified cap c (version 3): a finished sample that ORCA stopped
+    # the confidence clause's certified cap c* (version 3): a finished sample that ORCA stopped
     # early within c reasoning tokens settles the vote when its answer leads; None: the clause
     # is off for this row (LTT stopped on the margin's part of the path, or before)
-    cap: float | None = Field(default=None, gt=0)
+    confident_tokens: float | None = Field(default=None, gt=0)
 
 
 class ConfidentPath(_Strict):
@@ -323,8 +323,8 @@ class ConsensusBlock(_Strict):
         if (self.confident is not None) != (self.version >= CONFIDENT_VERSION):
             raise ValueError(f"a consensus block carries the confidence clause's path "
                              f"(`confident`) exactly when its version is {CONFIDENT_VERSION}")
-        if self.confident is None and any(r.cap is not None for r in self.rows):
-            raise ValueError("a consensus row has a cap, but the block no confidence clause")
+        if self.confident is None and any(r.confident_tokens is not None for r in self.rows):
+            raise ValueError("a consensus row has confident_tokens, but the block no confidence clause")
         return self
 
     @model_validator(mode="after")
@@ -647,7 +647,7 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Bundle:
         drop["consensus"] = True
     else:  # all at once, or the margin alone: as a version 1 or 2 block was written
         drop["consensus"] = ({"waves": True} if bundle.consensus.waves is None else {}) | (
-            {"confident": True, "rows": {"__all__": {"cap"}}}
+            {"confident": True, "rows": {"__all__": {"confident_tokens"}}}
             if bundle.consensus.confident is None else {}) or None
         if drop["consensus"] is None:
             del drop["consensus"]

@@ -94,7 +94,7 @@ def test_a_wave_schedule_is_version_2_and_all_at_once_keeps_version_1s_bytes(tmp
 
 
 def test_the_confidence_clause_is_version_3_and_older_blocks_keep_their_bytes(tmp_path):
-    """A block with the confidence clause (version 3) writes its path and each row's cap; a
+    """A block with the confidence clause (version 3) writes its path and each row's cap (`confident_tokens`); a
     version 1 or 2 block writes neither key (its bytes and checksum as before the clause), and a
     cap without the clause's path, or the path at another version, is refused."""
     b = small_bundle()
@@ -102,23 +102,23 @@ def test_the_confidence_clause_is_version_3_and_older_blocks_keep_their_bytes(tm
         old = block([(0.1, 0.05, 0.3)]).model_copy(update={"version": version})
         save_bundle(b.model_copy(update={"consensus": old}), tmp_path / "old.json")
         data = json.loads((tmp_path / "old.json").read_text())["consensus"]
-        assert "confident" not in data and "cap" not in data["rows"][0]
+        assert "confident" not in data and "confident_tokens" not in data["rows"][0]
     new = ConsensusBlock.model_validate({
         **block([(0.1, 0.05, 0.15), (0.05, 0.05, 0.3)]).model_dump(exclude={"rows"}),
         "version": CONFIDENT_VERSION, "confident": {"step": 25, "max": 4000},
-        "rows": [{"delta": 0.1, "delta_vote": 0.05, "t": 0.15, "cap": 975, "risk": 0.04,
+        "rows": [{"delta": 0.1, "delta_vote": 0.05, "t": 0.15, "confident_tokens": 975, "risk": 0.04,
                   "pvalue": 0.02, "token_savings": 0.5},
                  {"delta": 0.05, "delta_vote": 0.05, "t": 0.3, "risk": 0.02, "pvalue": 0.01,
                   "token_savings": 0.3}]})
     save_bundle(b.model_copy(update={"consensus": new}), tmp_path / "v3.json")
     loaded = load_bundle(tmp_path / "v3.json").consensus
-    assert loaded == new and [r.cap for r in loaded.rows] == [975, None]
+    assert loaded == new and [r.confident_tokens for r in loaded.rows] == [975, None]
     data = json.loads((tmp_path / "v3.json").read_text())["consensus"]
     for bad, words in (({"version": CONSENSUS_VERSION}, "exactly when its version is 3"),
                        ({"confident": None}, "exactly when its version is 3")):
         with pytest.raises(ValueError, match=words):
             ConsensusBlock.model_validate({**data, **bad})
-    with pytest.raises(ValueError, match="a cap, but the block no confidence clause"):
+    with pytest.raises(ValueError, match="confident_tokens, but the block no confidence clause"):
         ConsensusBlock.model_validate({**data, "version": CONSENSUS_VERSION, "confident": None})
 
 
@@ -190,7 +190,8 @@ def test_held_out_prompts_certify_t_and_the_test_split_evaluates_it(tmp_path):
     save_bundle(bundle, tmp_path / "c.json")
     c3 = add_consensus(tmp_path / "c.json", bundle.load_probe(), ts, held, sure).consensus
     assert c3.version == CONFIDENT_VERSION and c3.confident.max == 400
-    assert all(r.cap is None or (r.t is not None and 0 < r.cap <= 400) for r in c3.rows)
+    assert all(r.confident_tokens is None or (r.t is not None and 0 < r.confident_tokens <= 400)
+               for r in c3.rows)
     assert len(evaluate_consensus(load_bundle(tmp_path / "c.json"), ts, "test")["rows"]) == 4
     with pytest.raises(ValueError, match="cap_step <= cap_max"):
         ConsensusOptions(confident=True, cap_step=500, cap_max=400)

@@ -187,12 +187,12 @@ def test_one_confident_sample_settles_the_vote_alone():
     tokens, above the cap, does not: the vote waits for samples 1 and 3 (which ran to their end),
     whose agreement settles it by the margin before sample 0 finishes."""
     b = bundle(cap_max=20.0)
-    assert b.consensus.version == 3 and {r.cap for r in b.consensus.rows} == {20.0}
+    assert b.consensus.version == 3 and {r.confident_tokens for r in b.consensus.rows} == {20.0}
     _, s = resolved({"messages": MSG, "orca": {"samples": 4}}, b)
-    assert s.vote.t == pytest.approx(0.34) and s.vote.cap == 20.0
+    assert s.vote.t == pytest.approx(0.34) and s.vote.confident_tokens == 20.0
     v, eng, _ = voted([0.01, 5, 5, 5], ["7", "3", "3", "3"], cap_max=20.0)
     vote = v.response()[1]["orca"]["vote"]
-    assert vote["answer"] == "7" and vote["settled_after"] == 1 and vote["cap"] == 20.0
+    assert vote["answer"] == "7" and vote["settled_after"] == 1 and vote["confident_tokens"] == 20.0
     assert len(eng.aborted) == 3 and v.samples[0].stop_tokens == 10.0
     v, eng, _ = voted([0.5, 0.1, 0.01, 0.1], ["7", "3", "3", "3"], cap_max=20.0)
     assert v.samples[2].stop_tokens == 30.0 and v.settled_after == 3

@@ -209,7 +209,7 @@ class Vote:
         stops = np.array([s.stop_tokens for s in self.samples])  # [k]
         # no certified t: the vote waits for every sample (t = 1 only to read the leader)
         v = verdict(answers, weights, finished, 1.0 if self.rule.t is None else self.rule.t,
-                    cap=self.rule.cap, stop_tokens=stops)
+                    cap=self.rule.confident_tokens, stop_tokens=stops)
         if self.early is None and (v.settled or finished.all()):
             self.early = v
         if finished.all():
@@ -350,8 +350,8 @@ class Vote:
                        "margin": v.margin, "t": self.rule.t, "delta_vote": self.rule.delta_vote,
                        "weighting": self.rule.weighting, "audited": self.rule.audited,
                        "t_source": self.rule.t_source}
-        if self.rule.cap is not None:  # the confidence clause (a version 3 block)
-            obj["vote"]["cap"] = self.rule.cap
+        if self.rule.confident_tokens is not None:  # the confidence clause (version 3 block)
+            obj["vote"]["confident_tokens"] = self.rule.confident_tokens
         if waved:
             obj["vote"] |= {"waves": list(self.rule.waves),
                             "waves_launched": self.waves.launched if self.waves else 0}

@@ -109,8 +109,9 @@ class VoteSettings:
     audited: bool = False
     t_source: Source = Source.BUNDLE
     # the confidence clause's certified cap (a version 3 block's row): one finished sample that
-    # ORCA stopped within `cap` reasoning tokens settles the vote for a leading answer; None: off
-    cap: float | None = None
+    # ORCA stopped within this many reasoning tokens settles the vote for a leading answer;
+    # None: off
+    confident_tokens: float | None = None
 
 
 @dataclass(frozen=True)
@@ -404,7 +405,7 @@ def _vote(k: int, delta: float, body: dict[str, Any], bundle: Bundle) -> VoteSet
     t = None if row.t is None or k != block.samples else float(row.t)
     return VoteSettings(k=k, t=t, delta_vote=row.delta_vote, weighting=block.weighting,
                         waves=(k,) if t is None else block.schedule,
-                        cap=None if t is None else row.cap)
+                        confident_tokens=None if t is None else row.confident_tokens)
 
 
 def _give_up(asked: GiveUpFields | None, defaults: OrcaDefaults, bundle: Bundle,
