@@ -324,7 +324,8 @@ class ConsensusBlock(_Strict):
             raise ValueError(f"a consensus block carries the confidence clause's path "
                              f"(`confident`) exactly when its version is {CONFIDENT_VERSION}")
         if self.confident is None and any(r.confident_tokens is not None for r in self.rows):
-            raise ValueError("a consensus row has confident_tokens, but the block no confidence clause")
+            raise ValueError("a consensus row has confident_tokens, but the block no "
+                             "confidence clause")
         return self
 
     @model_validator(mode="after")

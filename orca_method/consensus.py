@@ -14,9 +14,9 @@ smaller t bets that they will not all go against the leader. Optionally one conf
 settle it too (the confidence clause, a second parameter c): the group is also settled when the
 leader's answer was given by a finished sample that ORCA stopped early within c reasoning tokens
 (`stop_tokens`): a short, early stop is the reasoner's confident case, where one sample agrees
-with the full vote most often (docs/METHOD.md section 14, "One confident sample"). t is certified by Learn-then-Test
-(orca_method/consensus_ltt.py) so that the answer differs from the plurality of all k samples run to
-their end (maj@k) with probability at most delta_vote.
+with the full vote most often (docs/METHOD.md section 14, "One confident sample"). t (and c) is
+certified by Learn-then-Test (orca_method/consensus_ltt.py) so that the answer differs from the
+plurality of all k samples run to their end (maj@k) with probability at most delta_vote.
 
 Ties: a vote's plurality is the answer with the most weight, among equals the one given by the
 lowest-numbered sample (the engine numbers a request's samples 0..k-1; so does collection).

@@ -218,7 +218,8 @@ def with_consensus(bundle: Bundle, *, samples: int = 4, weighting: str = "count"
     for d in bundle.deltas():
         (r,) = calibrate_consensus(groups, [delta_vote], grid=grid, caps=caps)
         rows.append(ConsensusRow(delta=d, delta_vote=r.delta_vote, t=r.t, risk=r.risk,
-                                 pvalue=r.pvalue, token_savings=r.token_savings, confident_tokens=r.cap))
+                                 pvalue=r.pvalue, token_savings=r.token_savings,
+                                 confident_tokens=r.cap))
     block = ConsensusBlock(version=block_version(waves, cap_max is not None), samples=samples,
                            weighting=weighting, epsilon=0.05, n_cal=n_cal,
                            grid_size=DEFAULT_GRID_SIZE, rows=rows, waves=waves,

@@ -128,10 +128,11 @@ def test_certified_t_keeps_vote_risk_within_delta_in_repeated_draws():
 def test_certified_confident_rule_keeps_vote_risk_within_delta_in_repeated_draws():
     """The two-parameter rule (margin t, and one early stop within c tokens settles): the same
     repeated simulation as above over the fixed path `confident_path` (t from 1 down to
-    `first_t`, then c up, then the lower t at the last cap). Each of 400 draws of 300 groups certifies (t*, c*); the population
-    risk of the certified pair is <= delta_vote in >= 1 - epsilon - 0.035 of the draws (3
-    standard errors). The path must matter: the risk crosses delta_vote along the caps, and
-    the certified pairs do settle with one sample (c* > 0 in most draws)."""
+    `first_t`, then c up, then the lower t at the last cap). Each of 400 draws of 300 groups
+    certifies (t*, c*); the population risk of the certified pair is <= delta_vote in
+    >= 1 - epsilon - 0.035 of the draws (3 standard errors). The path must matter: the risk
+    crosses delta_vote along the caps, and the certified pairs do settle with one sample (c* > 0
+    in most draws)."""
     rng = np.random.default_rng(135)
     grid, caps = confident_path(K, cap_max=2000)
     pool = synthetic_groups(20_000, rng, agree=0.6)

@@ -94,9 +94,10 @@ def test_a_wave_schedule_is_version_2_and_all_at_once_keeps_version_1s_bytes(tmp
 
 
 def test_the_confidence_clause_is_version_3_and_older_blocks_keep_their_bytes(tmp_path):
-    """A block with the confidence clause (version 3) writes its path and each row's cap (`confident_tokens`); a
-    version 1 or 2 block writes neither key (its bytes and checksum as before the clause), and a
-    cap without the clause's path, or the path at another version, is refused."""
+    """A block with the confidence clause (version 3) writes its path and each row's cap
+    (`confident_tokens`); a version 1 or 2 block writes neither key (its bytes and checksum as
+    before the clause), and a cap without the clause's path, or the path at another version, is
+    refused."""
     b = small_bundle()
     for version in (ALL_AT_ONCE_VERSION, CONSENSUS_VERSION):
         old = block([(0.1, 0.05, 0.3)]).model_copy(update={"version": version})
@@ -106,8 +107,8 @@ def test_the_confidence_clause_is_version_3_and_older_blocks_keep_their_bytes(tm
     new = ConsensusBlock.model_validate({
         **block([(0.1, 0.05, 0.15), (0.05, 0.05, 0.3)]).model_dump(exclude={"rows"}),
         "version": CONFIDENT_VERSION, "confident": {"step": 25, "max": 4000},
-        "rows": [{"delta": 0.1, "delta_vote": 0.05, "t": 0.15, "confident_tokens": 975, "risk": 0.04,
-                  "pvalue": 0.02, "token_savings": 0.5},
+        "rows": [{"delta": 0.1, "delta_vote": 0.05, "t": 0.15, "confident_tokens": 975,
+                  "risk": 0.04, "pvalue": 0.02, "token_savings": 0.5},
                  {"delta": 0.05, "delta_vote": 0.05, "t": 0.3, "risk": 0.02, "pvalue": 0.01,
                   "token_savings": 0.3}]})
     save_bundle(b.model_copy(update={"consensus": new}), tmp_path / "v3.json")
