@@ -86,6 +86,7 @@ from orca_demo.toy import tasks as toy_tasks
 from orca_method.bundle import load_bundle
 from orca_method.consensus import (
     Group,
+    confident_path,
     default_grid,
     format_waves,
     launched,
@@ -150,6 +151,9 @@ WAVES = ((2, 2, 4), (2, 2, 2, 2), (1, 1, 2, 4), (1,) * 8)
 # grid lambda from the top down to lambda*(delta), so each carries delta's certificate too, and
 # its stopped answers differ from their own ends less often (a stricter stop inside the vote)
 STRICTER_LAMS = (0.9, 0.95)
+# the confidence clause (one early, short stop settles the vote: orca_method/consensus.py) beside
+# the margin alone, per weighting; with count weights, where the margin's floor is two samples
+CONFIDENT = {"count": (False, True), "score": (False,)}
 REPS = 200  # random calibration / test halves per consensus arm
 BUDGETS = {"toy": (40, 80, 120, 160, 240), "long": (250, 500, 1000, 1500, 2000, 3000)}
 
@@ -194,10 +198,11 @@ class Arm:
                     "span": float(np.mean(self.span))}
         return out
 
-    def settle(self, g: Group, group: list[Trace], truth: str, t: float | None) -> None:
-        """Add one group of a consensus arm, settled at margin t (`settled`)."""
+    def settle(self, g: Group, group: list[Trace], truth: str, t: float | None,
+               cap: float | None = None) -> None:
+        """Add one group of a consensus arm, settled at margin t and cap (`settled`)."""
         assert self.vote_error is not None and self.waves is not None and self.span is not None
-        answer, tokens, waves, span = settled(g, group, t)
+        answer, tokens, waves, span = settled(g, group, t, cap)
         self.correct.append(answer == truth)
         self.tokens.append(tokens)
         self.vote_error.append(answer != g.reference)
@@ -260,58 +265,69 @@ def budget_answer(tr: Trace, budget: int) -> tuple[str | None, float]:
     return tr.step_answers[t], float(tr.cum[t] + tr.answer_tokens)
 
 
+def hypotheses(confident: bool, k: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """LTT's path: the margin t alone, or (t, c) with the confidence clause (`confident_path`)."""
+    return confident_path(k) if confident else (default_grid(), None)
+
+
 def consensus_arm(name: str, stopped: list[Group], full: list[list[Trace]], truth: list[str],
-                  folds: np.ndarray, delta_vote: float) -> tuple[Arm, list[float | None]]:
-    """The consensus stop with t certified on the other folds (cross-calibration: each group is
-    judged by a t certified without it); a group's tokens are its samples' until it settles plus
-    the answers of those finished."""
-    ts_used: list[float | None] = []
-    t_of = {}
+                  folds: np.ndarray, delta_vote: float,
+                  confident: bool = False) -> tuple[Arm, list[tuple[float | None, float | None]]]:
+    """The consensus stop with t (and c, `confident`) certified on the other folds
+    (cross-calibration: each group is judged by a rule certified without it); a group's tokens
+    are its samples' until it settles plus the answers of those finished."""
+    grid, caps = hypotheses(confident, len(full[0]))
+    rule_of = {}
     for f in sorted(set(folds.tolist())):
         cal = [g for g, fold in zip(stopped, folds) if fold != f]
-        (res,) = calibrate_consensus(cal, [delta_vote], epsilon=EPSILON)
-        t_of[f] = res.t
-        ts_used.append(res.t)
+        (res,) = calibrate_consensus(cal, [delta_vote], epsilon=EPSILON, grid=grid, caps=caps)
+        rule_of[f] = (res.t, res.cap)
     arm = Arm(name, [], [], [], [], [])
     for g, group, ref_truth, fold in zip(stopped, full, truth, folds):
-        arm.settle(g, group, ref_truth, t_of[fold])
-    return arm, ts_used
+        arm.settle(g, group, ref_truth, *rule_of[fold])
+    return arm, list(rule_of.values())
 
 
-def settled(g: Group, group: list[Trace], t: float | None) -> tuple[Hashable, float, int, float]:
-    """(answer, tokens, waves launched, end time) of one group at margin t. t None (not
-    certified): every sample runs to its end, launched at once, and the vote is maj@k."""
+def settled(g: Group, group: list[Trace], t: float | None,
+            cap: float | None = None) -> tuple[Hashable, float, int, float]:
+    """(answer, tokens, waves launched, end time) of one group at margin t and cap (None: no
+    confidence clause). t None (not certified): every sample runs to its end, launched at once,
+    and the vote is maj@k."""
     if t is None:
         return (g.reference, float(sum(tr.completion for tr in group)), 1,
                 float(max(tr.completion for tr in group)))
     path = vote_path(g)
-    e = int(settle_events(path, np.array([t]))[0])
+    e = int(settle_events(path, np.array([t]), None if cap is None else np.array([cap]))[0])
     at = float(path.times[e])
     start = np.zeros(len(group)) if g.start is None else g.start
     tokens = g.spent(at) + sum(tr.answer_tokens for tr, f in zip(group, g.finish) if f <= at)
-    return path.leaders[e], tokens, len(np.unique(start[start <= at])), at
+    # a wave due when the vote settles (its start == the settling finish) is never launched
+    return path.leaders[e], tokens, len(np.unique(start[start < at])), at
 
 
-def selected_arm(candidates: dict[str, list[Group]], full: list[list[Trace]], truth: list[str],
-                 folds: np.ndarray, delta_vote: float) -> tuple[Arm, list[tuple[str, float | None]]]:
+def selected_arm(candidates: dict[tuple[str, bool], list[Group]], full: list[list[Trace]],
+                 truth: list[str], folds: np.ndarray, delta_vote: float
+                 ) -> tuple[Arm, list[tuple[str, float | None, float | None]]]:
     """The launch chosen on data, with the certificate kept valid: for test fold f, fold f + 1
-    chooses the candidate (per-sample stop, weighting, wave schedule) and the other folds,
-    which chose nothing, certify its t. The choice: the fewest tokens on the choosing fold at
-    the t that LTT would certify on as many groups as certify, were their vote errors at the
-    choosing fold's rates (a plug-in guess: any choice keeps the certificate valid, since the
-    certifying groups did not see it; a poor guess costs tokens, never error)."""
-    grid, names = default_grid(), list(candidates)
+    chooses the candidate (per-sample stop, weighting, wave schedule, and whether one confident
+    sample may settle) and the other folds, which chose nothing, certify its rule. The choice:
+    the fewest tokens on the choosing fold at the hypothesis that LTT would certify on as many
+    groups as certify, were their vote errors at the choosing fold's rates (a plug-in guess: any
+    choice keeps the certificate valid, since the certifying groups did not see it; a poor
+    guess costs tokens, never error)."""
+    k, names = len(full[0]), list(candidates)
     F = int(folds.max()) + 1
     arm, chosen = Arm(f"chosen on another fold + consensus (delta_vote {delta_vote:g})",
                       [], [], [], [], []), []
-    by_fold: dict[int, tuple[str, float | None]] = {}
+    by_fold: dict[int, tuple[tuple[str, bool], float | None, float | None]] = {}
     for f in range(F):
         pick = (f + 1) % F
         n_cert = int(np.sum((folds != f) & (folds != pick)))
         cost = []
         for name in names:
+            grid, caps = hypotheses(name[1], k)
             loss, tokens = outcomes([g for g, x in zip(candidates[name], folds) if x == pick],
-                                    grid)  # [m, n_pick]
+                                    grid, caps)  # [m, n_pick]
             counts = np.round(loss.mean(axis=1) * n_cert).astype(np.int64)  # [m]
             last = n_rejected(PVALUES["binomial"](counts, n_cert, delta_vote), EPSILON) - 1
             at_end = float(np.mean([g.spent(np.inf) for g, x in zip(candidates[name], folds)
@@ -319,21 +335,23 @@ def selected_arm(candidates: dict[str, list[Group]], full: list[list[Trace]], tr
             cost.append(at_end if last < 0 else float(tokens[last].mean()))
         name = names[int(np.argmin(cost))]
         cal = [g for g, x in zip(candidates[name], folds) if x not in (f, pick)]
-        (res,) = calibrate_consensus(cal, [delta_vote], epsilon=EPSILON)
-        by_fold[f] = (name, res.t)
-        chosen.append(by_fold[f])
+        grid, caps = hypotheses(name[1], k)
+        (res,) = calibrate_consensus(cal, [delta_vote], epsilon=EPSILON, grid=grid, caps=caps)
+        by_fold[f] = (name, res.t, res.cap)
+        chosen.append((name[0] + (" + one confident sample" if name[1] else ""), res.t, res.cap))
     for j, (grp, y, f) in enumerate(zip(full, truth, folds)):
-        name, t = by_fold[int(f)]
-        arm.settle(candidates[name][j], grp, y, t)
+        name, t, cap = by_fold[int(f)]
+        arm.settle(candidates[name][j], grp, y, t, cap)
     return arm, chosen
 
 
-def random_splits(stopped: list[Group], delta_vote: float, reps: int = REPS) -> dict:
-    """Certify t on a random half of the groups, read its vote error on the other half, `reps`
-    times (seeded): how often the realized error is <= delta_vote, over draws of the data
+def random_splits(stopped: list[Group], delta_vote: float, reps: int = REPS,
+                  confident: bool = False) -> dict:
+    """Certify t (and c) on a random half of the groups, read its vote error on the other half,
+    `reps` times (seeded): how often the realized error is <= delta_vote, over draws of the data
     rather than the one cross-calibration above."""
-    grid = default_grid()
-    loss, _ = outcomes(stopped, grid)  # [m, n]
+    grid, caps = hypotheses(confident, len(stopped[0].answers))
+    loss, _ = outcomes(stopped, grid, caps)  # [m, n]
     rng = np.random.default_rng(FOLD_SEED)
     n, errors = len(stopped), []
     for _ in range(reps):
@@ -385,7 +403,7 @@ def cmd_report(a: argparse.Namespace) -> None:
                         [sum(r[1] for r in rr) for rr in res],
                         [v != m for v, m in zip(votes, maj)]))
     certified, scores = {}, replayed(probe, ts, groups, bundle.window)
-    candidates: dict[str, list[Group]] = {}  # every consensus launch, for `selected_arm`
+    candidates: dict[tuple[str, bool], list[Group]] = {}  # every launch, for `selected_arm`
     stops = [(f"ORCA delta {r.delta:g}", bundle.lam(r.delta)) for r in bundle.ltt.rows]
     strict = min(r.delta for r in bundle.ltt.rows)
     stops += [(f"ORCA lambda {lam:g} (delta {strict:g}'s certificate)", lam)
@@ -410,19 +428,24 @@ def cmd_report(a: argparse.Namespace) -> None:
                 if sum(waves) == a.k:
                     launches[f"waves {format_waves(waves)}"] = launched(stopped, waves)
             for launch, groups_ in launches.items():
-                candidates[f"{label}, {weighting}, {launch}"] = groups_
-                for dv in DELTAS_VOTE:
-                    arm, t_used = consensus_arm(
-                        f"{label} + consensus ({weighting}, {launch}, delta_vote {dv:g})",
-                        groups_, full, truth, folds, dv)
+                for confident in CONFIDENT[weighting]:
+                    candidates[(f"{label}, {weighting}, {launch}", confident)] = groups_
+                for dv, confident in [(dv, c) for c in CONFIDENT[weighting] for dv in DELTAS_VOTE]:
+                    rule = " + one confident sample" if confident else ""
+                    arm, used = consensus_arm(
+                        f"{label} + consensus{rule} ({weighting}, {launch}, delta_vote {dv:g})",
+                        groups_, full, truth, folds, dv, confident)
                     arms.append(arm)
-                    certified[arm.name] = {"t_per_fold": t_used,
-                                           "random_halves": random_splits(groups_, dv)}
+                    certified[arm.name] = {
+                        "t_per_fold": [t for t, _ in used],
+                        "cap_per_fold": [c for _, c in used],
+                        "random_halves": random_splits(groups_, dv, confident=confident)}
     for dv in DELTAS_VOTE:
         arm, chosen = selected_arm(candidates, full, truth, folds, dv)
         arms.append(arm)
-        certified[arm.name] = {"t_per_fold": [t for _, t in chosen],
-                               "chosen_per_fold": [name for name, _ in chosen],
+        certified[arm.name] = {"t_per_fold": [t for _, t, _ in chosen],
+                               "cap_per_fold": [c for _, _, c in chosen],
+                               "chosen_per_fold": [name for name, _, _ in chosen],
                                "random_halves": None}
     maj_tokens = float(np.mean(arms[1].tokens))
     rows = [arm.row(maj_tokens) for arm in arms]
@@ -457,9 +480,12 @@ def cmd_report(a: argparse.Namespace) -> None:
         h = v["random_halves"]
         t = ", ".join("none" if x is None else f"{x:.2f}" for x in v["t_per_fold"])
         if h is None:
-            print(f"- {name}: per fold (chosen, t): "
-                  f"{list(zip(v['chosen_per_fold'], v['t_per_fold']))}")
+            print(f"- {name}: per fold (chosen, t, cap): "
+                  f"{list(zip(v['chosen_per_fold'], v['t_per_fold'], v['cap_per_fold']))}")
             continue
+        if any(c is not None for c in v.get("cap_per_fold", [])):
+            t += "; cap c per fold [" + ", ".join(
+                "off" if c is None else f"{c:.0f}" for c in v["cap_per_fold"]) + "]"
         print(f"- {name}: t per fold [{t}]; {h['reps']} random halves: vote error mean "
               f"{h['mean_error']:.3f}, 95th percentile {h['p95_error']:.3f}, <= delta_vote in "
               f"{h['share_within_delta']:.3f}")

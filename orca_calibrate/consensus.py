@@ -16,14 +16,24 @@ from typing import Any
 
 import numpy as np
 
-from orca_method.bundle import Bundle, ConsensusBlock, ConsensusRow, load_bundle, save_bundle
+from orca_method.bundle import (
+    Bundle,
+    ConfidentPath,
+    ConsensusBlock,
+    ConsensusRow,
+    load_bundle,
+    save_bundle,
+)
 from orca_method.consensus_ltt import calibrate_consensus
 from orca_method.consensus import (
+    DEFAULT_CAP_MAX,
+    DEFAULT_CAP_STEP,
     DEFAULT_GRID_SIZE,
     WEIGHTINGS,
     Group,
     block_version,
     check_waves,
+    confident_path,
     launched,
     outcomes,
     plurality,
@@ -38,7 +48,9 @@ from orca_method.trajectories import Split, TrajectorySet, split_ids
 @dataclass(frozen=True)
 class ConsensusOptions:
     """`calibrate.consensus` of a job: the delta_vote levels, LTT's epsilon, the vote weighting
-    and the share of the calibration split's prompts held out from lambda* to certify t."""
+    and the share of the calibration split's prompts held out from lambda* to certify t; with
+    `confident`, the two-parameter rule (one early stop within c reasoning tokens settles too),
+    its caps c tested from `cap_step` up to `cap_max` (docs/METHOD.md section 14)."""
 
     deltas: tuple[float, ...] = (0.05, 0.1)
     epsilon: float = 0.05
@@ -46,6 +58,9 @@ class ConsensusOptions:
     holdout: float = 0.5
     seed: int = 0
     waves: tuple[int, ...] | None = None  # the launch schedule t is certified for; None: at once
+    confident: bool = False
+    cap_step: float = DEFAULT_CAP_STEP
+    cap_max: float = DEFAULT_CAP_MAX
 
     def __post_init__(self) -> None:
         if self.weighting not in WEIGHTINGS:
@@ -57,6 +72,9 @@ class ConsensusOptions:
         if not self.deltas or not all(0.0 < d < 1.0 for d in self.deltas) \
                 or not 0.0 < self.epsilon < 1.0:
             raise ValueError("consensus deltas and epsilon must be in (0, 1)")
+        if not 0.0 < self.cap_step <= self.cap_max:
+            raise ValueError(f"consensus caps need 0 < cap_step <= cap_max, got "
+                             f"{self.cap_step!r:.20} and {self.cap_max!r:.20}")
         if self.waves is not None:
             object.__setattr__(self, "waves", tuple(self.waves))  # a job's YAML gives a list
             if len(self.waves) < 2:
@@ -105,11 +123,13 @@ def stopped_groups(ts: TrajectorySet, groups: Sequence[Sequence[int]],
     """Each prompt's k samples, each stopped at `lam` as the server stops it (`scores`:
     `replayed`): its finish time (reasoning tokens through its stop step), answer there (the
     probed answer; the final answer when it ran to its end), vote weight (its smoothed score
-    there, or 1); the reference is maj@k of the samples' final answers."""
+    there, or 1), and its early-stop tokens (the confidence clause's signal: its finish when ORCA
+    stopped it, inf when it ran to its end); the reference is maj@k of the samples' final
+    answers."""
     out = []
     for g in groups:
         tau = stop_indices([scores[i] for i in g], np.array([lam]))[0]  # [k]
-        finish, answers, weights = [], [], []
+        finish, answers, weights, early = [], [], [], []
         for i, t in zip(g, tau):
             p = ts.problems[i]
             if p.step_tokens is None or p.step_answers is None:
@@ -119,33 +139,41 @@ def stopped_groups(ts: TrajectorySet, groups: Sequence[Sequence[int]],
             finish.append(float(np.sum(p.step_tokens[:t + 1])))
             answers.append(p.final_answer if end else p.step_answers[t])
             weights.append(1.0 if weighting == "count" else float(scores[i][t]))
+            early.append(np.inf if end else finish[-1])
         out.append(Group(finish=np.array(finish), answers=tuple(answers),
-                         weights=np.array(weights),
+                         weights=np.array(weights), stop_tokens=np.array(early),
                          reference=plurality([ts.problems[i].final_answer for i in g])))
     return out
 
 
 def consensus_block(bundle: Bundle, probe: Probe, ts: TrajectorySet, members: Sequence[int],
                     opts: ConsensusOptions) -> ConsensusBlock:
-    """t* per (delta of the bundle, delta_vote) on the groups of `members`."""
+    """t* (and c*, `opts.confident`) per (delta of the bundle, delta_vote) on the groups of
+    `members`."""
     groups = sample_groups(ts, members)
     if not groups or len(groups[0]) < 2:
         raise ValueError("the consensus needs k >= 2 samples per prompt: collect with "
                          "`collect: {samples: k}`")
     if opts.waves is not None:
         check_waves(opts.waves, len(groups[0]))
+    grid, caps = (confident_path(len(groups[0]), cap_step=opts.cap_step, cap_max=opts.cap_max)
+                  if opts.confident else (None, None))
     rows, scores = [], replayed(probe, ts, groups, bundle.window)
     for row in bundle.ltt.rows:
         stopped = launched(stopped_groups(ts, groups, scores, bundle.lam(row.delta),
                                           opts.weighting), opts.waves)
-        for r in calibrate_consensus(stopped, opts.deltas, epsilon=opts.epsilon):
+        for r in calibrate_consensus(stopped, opts.deltas, epsilon=opts.epsilon, grid=grid,
+                                     caps=caps):
             rows.append(ConsensusRow(delta=row.delta, delta_vote=r.delta_vote, t=r.t,
-                                     risk=r.risk, pvalue=r.pvalue,
+                                     risk=r.risk, pvalue=r.pvalue, confident_tokens=r.cap,
                                      token_savings=max(r.token_savings, 0.0)))
-    return ConsensusBlock(version=block_version(opts.waves), samples=len(groups[0]),
-                          weighting=opts.weighting, epsilon=opts.epsilon, n_cal=len(groups),
+    return ConsensusBlock(version=block_version(opts.waves, opts.confident),
+                          samples=len(groups[0]), weighting=opts.weighting,
+                          epsilon=opts.epsilon, n_cal=len(groups),
                           grid_size=DEFAULT_GRID_SIZE, rows=rows,
-                          waves=None if opts.waves is None else list(opts.waves))
+                          waves=None if opts.waves is None else list(opts.waves),
+                          confident=ConfidentPath(step=opts.cap_step, max=opts.cap_max)
+                          if opts.confident else None)
 
 
 def add_consensus(bundle_file: Path, probe: Probe, ts: TrajectorySet, members: Sequence[int],
@@ -171,7 +199,9 @@ def evaluate_consensus(bundle: Bundle, ts: TrajectorySet, split: str = "test") -
         stopped = launched(stopped_groups(ts, groups, scores, bundle.lam(row.delta),
                                           block.weighting), block.waves)
         full = sum(g.spent(np.inf) for g in stopped)
-        loss, tokens = outcomes(stopped, np.array([1.0 if row.t is None else row.t]))
+        loss, tokens = outcomes(stopped, np.array([1.0 if row.t is None else row.t]),
+                                None if row.confident_tokens is None
+                                else np.array([row.confident_tokens]))
         errors = 0 if row.t is None else int(loss.sum())
         used = full if row.t is None else float(tokens.sum())
         rows.append({"delta": row.delta, "delta_vote": row.delta_vote, "t": row.t,

@@ -37,6 +37,7 @@ from safetensors.torch import save as st_save
 from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX
 from orca_method.consensus import (
     ALL_AT_ONCE_VERSION,
+    CONFIDENT_VERSION,
     CONSENSUS_VERSION,
     Weighting,
     check_waves,
@@ -282,6 +283,19 @@ class ConsensusRow(_Strict):
     risk: Fraction  # calibration facts at t (at t = 1 when t is null)
     pvalue: Fraction
     token_savings: Fraction  # against every sample running to its own stop
+    # the confidence clause's certified cap c* (version 3): a finished sample that ORCA stopped
+    # early within c reasoning tokens settles the vote when its answer leads; None: the clause
+    # is off for this row (LTT stopped on the margin's part of the path, or before)
+    confident_tokens: float | None = Field(default=None, gt=0)
+
+
+class ConfidentPath(_Strict):
+    """The caps c a version 3 block's LTT tested after the margin's part of its path
+    (`orca_method.consensus.confident_path`): step, 2 step, ... up to `max`, at the smallest
+    t under which no lone sample settles by the margin."""
+
+    step: float = Field(gt=0)
+    max: float = Field(gt=0)
 
 
 class ConsensusBlock(_Strict):
@@ -289,7 +303,7 @@ class ConsensusBlock(_Strict):
     versioned on its own (`version`), so that a later rule can change it without touching the
     bundle's schema version; written only when present (`save_bundle`)."""
 
-    version: Literal[ALL_AT_ONCE_VERSION, CONSENSUS_VERSION]
+    version: Literal[ALL_AT_ONCE_VERSION, CONSENSUS_VERSION, CONFIDENT_VERSION]
     samples: int = Field(ge=2)  # the k it was certified for: a group of another size is not
     weighting: Weighting
     epsilon: float = Field(gt=0, lt=1)
@@ -301,6 +315,18 @@ class ConsensusBlock(_Strict):
     # `samples`, each wave launched once the one before has finished and left the vote
     # unsettled; None: all at once (every version 1 block). Written only when present.
     waves: list[int] | None = None
+    # the confidence clause's path (version 3); None: the margin alone. Written only when present
+    confident: ConfidentPath | None = None
+
+    @model_validator(mode="after")
+    def _confident(self) -> ConsensusBlock:
+        if (self.confident is not None) != (self.version >= CONFIDENT_VERSION):
+            raise ValueError(f"a consensus block carries the confidence clause's path "
+                             f"(`confident`) exactly when its version is {CONFIDENT_VERSION}")
+        if self.confident is None and any(r.confident_tokens is not None for r in self.rows):
+            raise ValueError("a consensus row has confident_tokens, but the block no "
+                             "confidence clause")
+        return self
 
     @model_validator(mode="after")
     def _waves(self) -> ConsensusBlock:
@@ -620,8 +646,12 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Bundle:
         drop["groups"] = True
     if bundle.consensus is None:
         drop["consensus"] = True
-    elif bundle.consensus.waves is None:  # all at once: as a version 1 block was written
-        drop["consensus"] = {"waves": True}
+    else:  # all at once, or the margin alone: as a version 1 or 2 block was written
+        drop["consensus"] = ({"waves": True} if bundle.consensus.waves is None else {}) | (
+            {"confident": True, "rows": {"__all__": {"confident_tokens"}}}
+            if bundle.consensus.confident is None else {}) or None
+        if drop["consensus"] is None:
+            del drop["consensus"]
     data = bundle.model_dump(exclude=drop or None)
     data["checksum"] = _checksum(data)
     sealed = Bundle.model_validate(data)

@@ -188,24 +188,41 @@ def with_saturated_give_up(bundle: Bundle) -> Bundle:
 
 def with_consensus(bundle: Bundle, *, samples: int = 4, weighting: str = "count",
                    delta_vote: float = 0.1, n_cal: int = 60,
-                   waves: list[int] | None = None) -> Bundle:
+                   waves: list[int] | None = None, cap_max: float | None = None) -> Bundle:
     """`bundle` with a consensus block certified by LTT (orca_method/consensus_ltt.py) on `n_cal`
     synthetic groups of `samples` whose samples all agree and finish one after another: no
     margin t can err on them, so every row certifies t* = 0 (the first finished sample
-    decides), the fastest settle, which makes aborts certain in the serving tests."""
-    from orca_method.consensus import DEFAULT_GRID_SIZE, Group, block_version, launched
+    decides), the fastest settle, which makes aborts certain in the serving tests. With
+    `cap_max`, the two-parameter rule (version 3), its path cut after its caps (cap_max / 2 and
+    cap_max at `first_t`, where no lone sample settles by the margin): t* = first_t,
+    c* = cap_max."""
+    from orca_method.consensus import (
+        DEFAULT_GRID_SIZE,
+        Group,
+        block_version,
+        confident_path,
+        launched,
+    )
     from orca_method.consensus_ltt import calibrate_consensus
-    from orca_method.bundle import ConsensusBlock, ConsensusRow
+    from orca_method.bundle import ConfidentPath, ConsensusBlock, ConsensusRow
 
-    groups = [Group(finish=np.arange(1.0, samples + 1), answers=("7",) * samples,
-                    weights=np.ones(samples), reference="7") for _ in range(n_cal)]
+    finish = np.arange(1.0, samples + 1)
+    groups = [Group(finish=finish, answers=("7",) * samples, weights=np.ones(samples),
+                    reference="7", stop_tokens=finish) for _ in range(n_cal)]
     groups = launched(groups, waves)  # `waves`: certified for that launch schedule
+    grid, caps = ((None, None) if cap_max is None else
+                  confident_path(samples, cap_step=cap_max / 2, cap_max=cap_max))
+    if caps is not None:  # the path up to its last cap: t* stays first_t (nothing below it)
+        grid, caps = grid[:int(np.argmax(caps)) + 1], caps[:int(np.argmax(caps)) + 1]
     rows = []
     for d in bundle.deltas():
-        (r,) = calibrate_consensus(groups, [delta_vote])
+        (r,) = calibrate_consensus(groups, [delta_vote], grid=grid, caps=caps)
         rows.append(ConsensusRow(delta=d, delta_vote=r.delta_vote, t=r.t, risk=r.risk,
-                                 pvalue=r.pvalue, token_savings=r.token_savings))
-    block = ConsensusBlock(version=block_version(waves), samples=samples, weighting=weighting,
-                           epsilon=0.05, n_cal=n_cal, grid_size=DEFAULT_GRID_SIZE, rows=rows,
-                           waves=waves)
+                                 pvalue=r.pvalue, token_savings=r.token_savings,
+                                 confident_tokens=r.cap))
+    block = ConsensusBlock(version=block_version(waves, cap_max is not None), samples=samples,
+                           weighting=weighting, epsilon=0.05, n_cal=n_cal,
+                           grid_size=DEFAULT_GRID_SIZE, rows=rows, waves=waves,
+                           confident=None if cap_max is None else
+                           ConfidentPath(step=cap_max / 2, max=cap_max))
     return bundle.model_copy(update={"consensus": block})

@@ -14,10 +14,11 @@ from bench_samples import (  # noqa: E402
     budget_answer,
     consensus_arm,
     esc,
+    settled,
     sequential,
 )
 
-from orca_method.consensus import Group  # noqa: E402
+from orca_method.consensus import DEFAULT_CAP_MAX, Group, launched  # noqa: E402
 
 # reasoning 30 + 40 + 50 = 120 tokens, then 10 answer tokens; probed answers per step
 TRACE = Trace(cum=np.array([30, 70, 120]), step_answers=["1", "2", "3"], final="3",
@@ -56,5 +57,17 @@ def test_consensus_arm_counts_tokens_until_the_group_settles():
     g = Group(finish=np.array([50.0, 50, 200, 200]), answers=("4", "4", "5", "6"),
               weights=np.ones(4), reference="4")
     arm, ts = consensus_arm("x", [g] * 40, [traces] * 40, ["4"] * 40, np.arange(40) % 2, 0.2)
-    assert ts == [0.0, 0.0] and arm.tokens[0] == 4 * 50 + 2 * 5 and arm.correct[0]
-    assert not any(arm.vote_error)
+    assert ts == [(0.0, None), (0.0, None)] and arm.tokens[0] == 4 * 50 + 2 * 5
+    assert arm.correct[0] and not any(arm.vote_error)
+    # with the confidence clause its path goes down to first_t (0.34 for k = 4), up the caps,
+    # then below first_t at the last cap: no pair errs here, so all of it is certified; the
+    # group settles at 50 as before (sample 0, stopped early at 50 tokens, is confident too)
+    sure = Group(finish=g.finish, answers=g.answers, weights=g.weights, reference="4",
+                 stop_tokens=np.array([50.0, 50, np.inf, np.inf]))
+    arm, ts = consensus_arm("y", [sure] * 40, [traces] * 40, ["4"] * 40, np.arange(40) % 2, 0.2,
+                            confident=True)
+    assert ts == [(0.0, DEFAULT_CAP_MAX)] * 2
+    assert arm.tokens[0] == 4 * 50 + 2 * 5 and not any(arm.vote_error)
+    # in waves 2+2 the group settles when the first wave ends: the second is never launched
+    (w,) = launched([g], (2, 2))
+    assert settled(w, traces, 0.0) == ("4", 2 * 50 + 2 * 5, 1, 50.0)

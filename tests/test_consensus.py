@@ -8,8 +8,11 @@ import pytest
 
 from orca_method.consensus_ltt import calibrate_consensus
 from orca_method.consensus import (
+    NO_CAP,
     Group,
+    confident_path,
     default_grid,
+    first_t,
     format_waves,
     in_waves,
     launched,
@@ -76,18 +79,21 @@ def synthetic_groups(n: int, rng: np.random.Generator, agree: float = 0.5) -> li
     """Groups of K samples: a share `agree` of easy prompts (the modal answer has probability
     0.92), the rest hard (0.5-0.75); a stopped sample keeps its full trace's answer with
     probability 0.98; a sample's score is higher when its answer is the modal one; finish
-    times are log-normal token counts."""
+    times are log-normal token counts, shorter on easy prompts; 80% of the samples were stopped
+    early by ORCA (their `stop_tokens`: their finish), the rest ran to their end."""
     groups = []
     for _ in range(n):
-        top = 0.92 if rng.random() < agree else rng.uniform(0.5, 0.75)
+        easy = rng.random() < agree
+        top = 0.92 if easy else rng.uniform(0.5, 0.75)
         p = np.array([top, *(np.full(3, (1 - top) / 3))])
         full = rng.choice(4, size=K, p=p)
         kept = rng.random(K) < 0.98
         stopped = np.where(kept, full, rng.integers(0, 4, K))
         w = np.where(stopped == 0, rng.beta(5, 2, K), rng.beta(2, 3, K))
-        groups.append(Group(finish=np.round(rng.lognormal(6.5, 0.5, K)),
-                            answers=tuple(int(a) for a in stopped), weights=w,
-                            reference=plurality([int(a) for a in full])))
+        finish = np.round(rng.lognormal(6.2 if easy else 7.0, 0.5, K))
+        groups.append(Group(finish=finish, answers=tuple(int(a) for a in stopped), weights=w,
+                            reference=plurality([int(a) for a in full]),
+                            stop_tokens=np.where(rng.random(K) < 0.8, finish, np.inf)))
     return groups
 
 
@@ -117,6 +123,68 @@ def test_certified_t_keeps_vote_risk_within_delta_in_repeated_draws():
     (res,) = calibrate_consensus(draw, [delta], epsilon=epsilon, grid=grid)
     assert res.t is not None and risk[int(np.argmin(np.abs(grid - res.t)))] <= delta + 0.02
     assert np.median(ts) < 1.0  # it does certify stopping before the trivial point
+
+
+def test_certified_confident_rule_keeps_vote_risk_within_delta_in_repeated_draws():
+    """The two-parameter rule (margin t, and one early stop within c tokens settles): the same
+    repeated simulation as above over the fixed path `confident_path` (t from 1 down to
+    `first_t`, then c up, then the lower t at the last cap). Each of 400 draws of 300 groups
+    certifies (t*, c*); the population risk of the certified pair is <= delta_vote in
+    >= 1 - epsilon - 0.035 of the draws (3 standard errors). The path must matter: the risk
+    crosses delta_vote along the caps, and the certified pairs do settle with one sample (c* > 0
+    in most draws)."""
+    rng = np.random.default_rng(135)
+    grid, caps = confident_path(K, cap_max=2000)
+    pool = synthetic_groups(20_000, rng, agree=0.6)
+    loss, tokens = outcomes(pool, grid, caps)  # [m, N]
+    risk = loss.mean(axis=1)  # [m] the population risk of every (t, c) on the path
+    delta, epsilon, n_cal, reps = 0.1, 0.05, 300, 400
+    on_caps = caps > NO_CAP
+    assert risk[~on_caps].max() < delta < risk[on_caps].max(), "the cap must matter"
+    ok, capped = 0, 0
+    for _ in range(reps):
+        idx = rng.integers(0, len(pool), n_cal)
+        counts = loss[:, idx].sum(axis=1, dtype=np.int64)
+        last = n_rejected(PVALUES["binomial"](counts, n_cal, delta), epsilon) - 1
+        ok += last < 0 or risk[last] <= delta
+        capped += last >= 0 and bool(on_caps[last])
+    assert ok / reps >= 1 - epsilon - 0.035
+    assert capped / reps > 0.5
+    # the public entry point on one draw: its pair is one the path rejects, past the margin's
+    # part, and it spends fewer tokens than that part's last t (the cap off) on the pool
+    draw = [pool[i] for i in rng.integers(0, len(pool), n_cal)]
+    (res,) = calibrate_consensus(draw, [delta], epsilon=epsilon, grid=grid, caps=caps)
+    assert res.t == first_t(K) and res.cap is not None
+    j = int(np.flatnonzero(caps == res.cap)[0])
+    assert risk[j] <= delta + 0.02
+    assert tokens[j].mean() < tokens[int(np.flatnonzero(~on_caps)[-1])].mean()
+
+
+def test_one_confident_sample_settles_for_its_answer_only():
+    """The confidence clause: a finished sample stopped early within the cap settles the vote
+    when its answer leads; a confident sample of a trailing answer (tie to a lower sample), a
+    stop above the cap, or a sample that ran to its end does not; engine and calibration agree."""
+    answers = ["4", "5", None, None]
+    stop = np.array([np.inf, 300.0, np.inf, np.inf])  # sample 0 ran to its end
+    w = np.ones(4)
+    lone = np.array([0, 1, 0, 0], dtype=bool)
+    assert verdict(answers, w, lone, t=0.5, cap=300, stop_tokens=stop).settled
+    assert not verdict(answers, w, lone, t=0.5, cap=299, stop_tokens=stop).settled
+    assert not verdict(answers, w, lone, t=0.5, stop_tokens=stop).settled  # clause off
+    both = np.array([1, 1, 0, 0], dtype=bool)  # a 1-1 tie: "4" leads (lowest sample)
+    v = verdict(answers, w, both, t=0.5, cap=1000, stop_tokens=stop)
+    assert v.answer == "4" and not v.settled
+    g = Group(finish=np.array([500.0, 300.0, 700.0, 800.0]), answers=("4", "5", "5", "4"),
+              weights=w, reference="5", stop_tokens=np.array([np.inf, 300.0, 700.0, 800.0]))
+    path = vote_path(g)
+    assert path.backing.tolist() == [300.0, np.inf, 300.0, 800.0]  # ties: "4" at 500 and 800
+    e = settle_events(path, np.array([1.0, 1.0, 0.9]), np.array([NO_CAP, 300.0, 299.0]))
+    assert e.tolist() == [3, 0, 2]  # the last: at 700 by the margin (1 > 0.9 * 1)
+    said = [verdict(g.answers, w, g.finish <= s, t=1.0, cap=300, stop_tokens=g.stop_tokens).settled
+            for s in path.times]
+    assert said.index(True) == 0
+    with pytest.raises(ValueError, match="confidence path"):
+        calibrate_consensus([g], [0.1], grid=np.array([1.0, 1.0]), caps=np.array([5.0, 4.0]))
 
 
 def test_the_rule_saves_samples_when_answers_agree_early():

@@ -21,7 +21,13 @@ from orca_calibrate.consensus import (
 )
 from orca_calibrate.job import JobError, load_job
 from orca_method.bundle import BundleError, ConsensusBlock, ConsensusRow, load_bundle, save_bundle
-from orca_method.consensus import ALL_AT_ONCE_VERSION, CONSENSUS_VERSION, prompt_of, sample_id
+from orca_method.consensus import (
+    ALL_AT_ONCE_VERSION,
+    CONFIDENT_VERSION,
+    CONSENSUS_VERSION,
+    prompt_of,
+    sample_id,
+)
 from orca_method.trajectories import TrajectorySet, TrajectoryWriter
 from tests.bundles import small_bundle
 from tests.fake_collector import FakeCollector
@@ -63,7 +69,7 @@ def test_a_consensus_block_round_trips_and_names_calibrated_deltas_only(tmp_path
     with pytest.raises(BundleError, match="delta 0.2, which the main table does not calibrate"):
         load_bundle(tmp_path / "x.json")
     data = json.loads((tmp_path / "c.json").read_text())
-    data["consensus"]["version"] = CONSENSUS_VERSION + 1
+    data["consensus"]["version"] = CONFIDENT_VERSION + 1
     (tmp_path / "v.json").write_text(json.dumps(data))
     with pytest.raises(BundleError):
         load_bundle(tmp_path / "v.json")
@@ -85,6 +91,36 @@ def test_a_wave_schedule_is_version_2_and_all_at_once_keeps_version_1s_bytes(tmp
                        (dict(waves=[4]), "one wave")):
         with pytest.raises(ValueError, match=words):
             ConsensusBlock.model_validate({**data["consensus"], **bad})
+
+
+def test_the_confidence_clause_is_version_3_and_older_blocks_keep_their_bytes(tmp_path):
+    """A block with the confidence clause (version 3) writes its path and each row's cap
+    (`confident_tokens`); a version 1 or 2 block writes neither key (its bytes and checksum as
+    before the clause), and a cap without the clause's path, or the path at another version, is
+    refused."""
+    b = small_bundle()
+    for version in (ALL_AT_ONCE_VERSION, CONSENSUS_VERSION):
+        old = block([(0.1, 0.05, 0.3)]).model_copy(update={"version": version})
+        save_bundle(b.model_copy(update={"consensus": old}), tmp_path / "old.json")
+        data = json.loads((tmp_path / "old.json").read_text())["consensus"]
+        assert "confident" not in data and "confident_tokens" not in data["rows"][0]
+    new = ConsensusBlock.model_validate({
+        **block([(0.1, 0.05, 0.15), (0.05, 0.05, 0.3)]).model_dump(exclude={"rows"}),
+        "version": CONFIDENT_VERSION, "confident": {"step": 25, "max": 4000},
+        "rows": [{"delta": 0.1, "delta_vote": 0.05, "t": 0.15, "confident_tokens": 975,
+                  "risk": 0.04, "pvalue": 0.02, "token_savings": 0.5},
+                 {"delta": 0.05, "delta_vote": 0.05, "t": 0.3, "risk": 0.02, "pvalue": 0.01,
+                  "token_savings": 0.3}]})
+    save_bundle(b.model_copy(update={"consensus": new}), tmp_path / "v3.json")
+    loaded = load_bundle(tmp_path / "v3.json").consensus
+    assert loaded == new and [r.confident_tokens for r in loaded.rows] == [975, None]
+    data = json.loads((tmp_path / "v3.json").read_text())["consensus"]
+    for bad, words in (({"version": CONSENSUS_VERSION}, "exactly when its version is 3"),
+                       ({"confident": None}, "exactly when its version is 3")):
+        with pytest.raises(ValueError, match=words):
+            ConsensusBlock.model_validate({**data, **bad})
+    with pytest.raises(ValueError, match="confident_tokens, but the block no confidence clause"):
+        ConsensusBlock.model_validate({**data, "version": CONSENSUS_VERSION, "confident": None})
 
 
 def sampled_set(path: Path, n_prompts: int, rng: np.random.Generator, k: int = K,
@@ -147,6 +183,19 @@ def test_held_out_prompts_certify_t_and_the_test_split_evaluates_it(tmp_path):
     with pytest.raises(ValueError, match="summing to k = 4"):
         add_consensus(tmp_path / "w.json", bundle.load_probe(), ts, held,
                       ConsensusOptions(waves=(1, 2)))
+
+    # the confidence clause: a version 3 block whose rows carry c* (or none), replayed by the
+    # evaluation with the same (t*, c*)
+    sure = ConsensusOptions(deltas=(0.1, 0.2), holdout=0.5, waves=[1, 1, 2], confident=True,
+                            cap_step=50, cap_max=400)
+    save_bundle(bundle, tmp_path / "c.json")
+    c3 = add_consensus(tmp_path / "c.json", bundle.load_probe(), ts, held, sure).consensus
+    assert c3.version == CONFIDENT_VERSION and c3.confident.max == 400
+    assert all(r.confident_tokens is None or (r.t is not None and 0 < r.confident_tokens <= 400)
+               for r in c3.rows)
+    assert len(evaluate_consensus(load_bundle(tmp_path / "c.json"), ts, "test")["rows"]) == 4
+    with pytest.raises(ValueError, match="cap_step <= cap_max"):
+        ConsensusOptions(confident=True, cap_step=500, cap_max=400)
 
 
 def test_a_job_asks_for_samples_and_consensus_consistently(tmp_path):

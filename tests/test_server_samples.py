@@ -26,12 +26,14 @@ DEMO = Path(__file__).parents[1] / "orca_serve" / "demo"
 
 
 @contextmanager
-def samples_server(d: Path, *orca_flags: str, waves: list[int] | None = None) -> Iterator[Server]:
+def samples_server(d: Path, *orca_flags: str, waves: list[int] | None = None,
+                   cap_max: float | None = None) -> Iterator[Server]:
     """orca-serve on the toy model with the toy bundle plus a consensus block for K samples
-    (t* = 0) certified for `waves` (None: all at once), started in `d` with `orca_flags`
-    besides (the plain all-at-once server is conftest's shared `toy_server`)."""
+    (t* = 0; with `cap_max`, the confidence clause: t* = first_t, c* = cap_max) certified for
+    `waves` (None: all at once), started in `d` with `orca_flags` besides (the plain
+    all-at-once server is conftest's shared `toy_server`)."""
     path = write_bundle(with_consensus(load_bundle(DEMO / "bundle.json"), samples=K,
-                                       waves=waves), d / "b.json")
+                                       waves=waves, cap_max=cap_max), d / "b.json")
     flags = [*orca_flags] + ([] if waves is None else
                              ["--orca-vote-waves", "+".join(map(str, waves))])
     s = Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path), *flags),
@@ -167,3 +169,29 @@ def test_waves_launch_only_what_the_vote_needs(waved):
         assert str(extract_answer(r.choices[0].message.content)) == vote["answer"]
     assert metric(waved, "orca_samples_total", event="launched") - launched_before == 3
     assert metric(waved, "vllm:request_success_total") - engine_before == 3
+
+
+CAP = 120.0  # reasoning tokens: the toy's early stops fall on both sides of it
+
+
+def test_one_confident_sample_settles_a_served_vote(tmp_path):
+    """A version 3 block under --orca-vote-waves 1+1+2 (t* = first_t: no lone sample settles by
+    the margin; c* = CAP): the first sample settles the vote alone exactly when the engine
+    reports it stopped early by ORCA within CAP reasoning tokens; otherwise the second wave goes
+    out. The engine's own report of the sample is what the vote read."""
+    alone = waited = 0
+    with samples_server(tmp_path, waves=[1, 1, 2], cap_max=CAP) as srv:
+        for i, q in enumerate(questions(8)):
+            o = orca_of(ask(srv, q, {"samples": K}, seed=500 + i))
+            vote, first = o["vote"], o["samples"][0]
+            assert vote["confident_tokens"] == CAP and vote["t"] > 1 / K, vote
+            sure = first["stopped_early"] and first["reasoning_tokens"] <= CAP
+            if sure:
+                alone += 1
+                assert vote["settled_after"] == 1 and vote["waves_launched"] == 1, (vote, first)
+                assert vote["sample"] == 0 and vote["ended"] == "settled"
+            else:
+                waited += 1
+                assert vote["waves_launched"] >= 2, (vote, first)
+        assert metric(srv, "vllm:num_requests_running") == 0
+    assert alone and waited, f"8 prompts gave {alone} confident first samples, {waited} others"

@@ -140,8 +140,8 @@ class FakeEngine:
             self.events.setdefault(eid, asyncio.Event()).set()
 
 
-def voted(at, answers, k=4, weighting="count", samples=None, **kw):
-    b = bundle(samples=samples or k, weighting=weighting)
+def voted(at, answers, k=4, weighting="count", samples=None, cap_max=None, **kw):
+    b = bundle(samples=samples or k, weighting=weighting, cap_max=cap_max)
     body, s = resolved({"messages": MSG, "orca": {"samples": k}}, b)
     eng = FakeEngine(at, answers, **kw)
     metrics = OrcaMetrics(registry=__import__("prometheus_client").CollectorRegistry())
@@ -178,6 +178,26 @@ def test_without_a_certified_t_every_sample_votes_and_none_is_aborted():
     assert eng.aborted == [] and out["orca"]["vote"]["ended"] == "all_finished"
     assert out["orca"]["vote"]["answer"] == "3" and out["orca"]["vote"]["sample"] == 1
     assert out["orca"]["vote"]["settled_after"] == 3 and out["orca"]["vote"]["t"] is None
+
+
+def test_one_confident_sample_settles_the_vote_alone():
+    """A version 3 block (t* = first_t = 0.34 for k = 4, c* = 20 tokens): no lone sample settles
+    by the margin (1 is not > 0.34 * 3), but sample 0, stopped early by ORCA within 10 reasoning
+    tokens (the fake's), settles the vote alone and the rest are aborted; sample 2, stopped at 30
+    tokens, above the cap, does not: the vote waits for samples 1 and 3 (which ran to their end),
+    whose agreement settles it by the margin before sample 0 finishes."""
+    b = bundle(cap_max=20.0)
+    assert b.consensus.version == 3 and {r.confident_tokens for r in b.consensus.rows} == {20.0}
+    _, s = resolved({"messages": MSG, "orca": {"samples": 4}}, b)
+    assert s.vote.t == pytest.approx(0.34) and s.vote.confident_tokens == 20.0
+    v, eng, _ = voted([0.01, 5, 5, 5], ["7", "3", "3", "3"], cap_max=20.0)
+    vote = v.response()[1]["orca"]["vote"]
+    assert vote["answer"] == "7" and vote["settled_after"] == 1 and vote["confident_tokens"] == 20.0
+    assert len(eng.aborted) == 3 and v.samples[0].stop_tokens == 10.0
+    v, eng, _ = voted([0.5, 0.1, 0.01, 0.1], ["7", "3", "3", "3"], cap_max=20.0)
+    assert v.samples[2].stop_tokens == 30.0 and v.settled_after == 3
+    assert v.verdict.answer == "3" and v.samples[1].stop_tokens == math.inf  # ran to its end
+    assert eng.aborted == [v.samples[0].engine_id]
 
 
 def test_score_weights_are_the_samples_last_scores():

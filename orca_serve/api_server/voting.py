@@ -97,6 +97,7 @@ class Sample:
     result: OrcaResult | None = None
     answer: Hashable | None = None
     weight: float = 0.0
+    stop_tokens: float = math.inf  # its reasoning tokens where ORCA stopped it early, else inf
     voted: bool = False  # finished before the vote settled: its answer is in the vote
     launched: bool = False  # sent to the engine (a later wave's is not, once the vote settled)
     aborted: bool = False  # still running when the vote settled: aborted in the engine
@@ -138,6 +139,14 @@ def vote_of(sample: Sample, api: Api, weighting: str,
         return answer, 1.0
     s = None if r is None else r.last_score
     return answer, 0.0 if s is None or not math.isfinite(s) else min(max(float(s), 0.0), 1.0)
+
+
+def early_stop_tokens(sample: Sample) -> float:
+    """The confidence clause's signal for a finished sample, as calibration counts it
+    (`orca_calibrate.consensus.stopped_groups`): its reasoning tokens when ORCA stopped it early,
+    inf when it ran to its end (or reported nothing)."""
+    r = sample.result
+    return float(r.reasoning_tokens) if r is not None and r.stopped_early else math.inf
 
 
 async def call_app(app: Callable, scope: dict, body: bytes, request_id: str | None,
@@ -199,8 +208,10 @@ class Vote:
         finished = np.array([s.voted for s in self.samples])  # [k]
         answers = [s.answer for s in self.samples]
         weights = np.array([s.weight for s in self.samples])  # [k]
+        stops = np.array([s.stop_tokens for s in self.samples])  # [k]
         # no certified t: the vote waits for every sample (t = 1 only to read the leader)
-        v = verdict(answers, weights, finished, 1.0 if self.rule.t is None else self.rule.t)
+        v = verdict(answers, weights, finished, 1.0 if self.rule.t is None else self.rule.t,
+                    cap=self.rule.confident_tokens, stop_tokens=stops)
         if self.early is None and (v.settled or finished.all()):
             self.early = v
         if finished.all():
@@ -252,6 +263,7 @@ class Vote:
                     s.voted = True
                     s.answer, s.weight = vote_of(s, self.api, self.rule.weighting,
                                                  self.end_tag)
+                    s.stop_tokens = early_stop_tokens(s)
                 if self.error is None:
                     v = self._decide()
                     if not self.answered.is_set():
@@ -340,6 +352,8 @@ class Vote:
                        "margin": v.margin, "t": self.rule.t, "delta_vote": self.rule.delta_vote,
                        "weighting": self.rule.weighting, "audited": self.rule.audited,
                        "t_source": self.rule.t_source}
+        if self.rule.confident_tokens is not None:  # the confidence clause (version 3 block)
+            obj["vote"]["confident_tokens"] = self.rule.confident_tokens
         if waved:
             obj["vote"] |= {"waves": list(self.rule.waves),
                             "waves_launched": self.waves.launched if self.waves else 0}

@@ -103,6 +103,10 @@ class VoteSettings:
     waves: tuple[int, ...]
     audited: bool = False
     t_source: Source = Source.BUNDLE
+    # the confidence clause's certified cap (a version 3 block's row): one finished sample that
+    # ORCA stopped within this many reasoning tokens settles the vote for a leading answer;
+    # None: off
+    confident_tokens: float | None = None
 
 
 @dataclass(frozen=True)
@@ -376,7 +380,8 @@ def _vote(k: int, delta: float, body: dict[str, Any], bundle: Bundle) -> VoteSet
     # t is certified for groups of exactly block.samples; a smaller group waits for all its k
     t = None if row.t is None or k != block.samples else float(row.t)
     return VoteSettings(k=k, t=t, delta_vote=row.delta_vote, weighting=block.weighting,
-                        waves=(k,) if t is None else block.schedule)
+                        waves=(k,) if t is None else block.schedule,
+                        confident_tokens=None if t is None else row.confident_tokens)
 
 
 def _give_up(asked: GiveUpFields | None, defaults: OrcaDefaults, bundle: Bundle,
