@@ -19,8 +19,19 @@ at delta_2 0.05): per delta the stop error under the bundle's label mode (the ce
 and under supervised labels, the give-up error, accuracy and tokens, all with 95% intervals,
 against full reasoning and the thinking budget from the same traces.
 
+`--pooled DIR [DIR ...]`: the statistical check of a group's table where one recorded set is
+all there is. The family's traces in DIR (the group's calibration-only sets) and its held-out
+recording are pooled, and LTT is run on `--reps` random calibration parts of n_cal of them
+(`orca_method.ltt.split_replay`: the bundle's grid, p-value, epsilon and label mode; n_cal the
+group's own unless `--n-cal`), each lambda* read on the rest. Per delta: the held-out error's
+mean and 95th percentile, the share of splits above delta, and where the shipped split (DIR
+calibrates, the recording tests) stands among them. LTT bounds by epsilon the share of
+calibration draws whose risk exceeds delta; one test part's realized error exceeds delta more
+often (its binomial noise), so the shipped split's figure is read against that spread.
+
 Usage: python benchmarks/bench_group_shift.py [--splits 50]
        python benchmarks/bench_group_shift.py --served [--families shifted hard]
+       python benchmarks/bench_group_shift.py --pooled runs/long/trajectories-groups/shifted-cal
 """
 
 from __future__ import annotations
@@ -54,8 +65,8 @@ from bench_samples import BUDGETS, budget_answer, run_dir  # noqa: E402
 
 from orca_method.bundle import Bundle, load_bundle  # noqa: E402
 from orca_method.labels import equivalent  # noqa: E402
-from orca_method.ltt import calibrate  # noqa: E402
-from orca_method.risk import is_counted  # noqa: E402
+from orca_method.ltt import calibrate, default_grid, split_replay  # noqa: E402
+from orca_method.risk import is_counted, losses, stop_indices  # noqa: E402
 from orca_method.thresholds import NEVER  # noqa: E402
 from orca_method.trajectories import TrajectorySet  # noqa: E402
 
@@ -102,6 +113,60 @@ def served_table(family: str, rep: dict[str, Any]) -> str:
     return "\n".join([*lines, "", *budget_lines(rep)])
 
 
+def pooled(bundle: Bundle, family: str, cal_dirs: list[Path], n_cals: list[int] | None,
+           reps: int) -> dict[str, Any]:
+    """`--pooled` (module docstring): split replays of the family's pooled traces, and the
+    shipped split (the group's table on the held-out recording) among them."""
+    table = bundle.group(family)
+    if table is None:
+        raise SystemExit(f"the bundle has no table for group {family!r}")
+    excl = bundle.ltt.excluded_never_correct
+    held = replay_family(bundle, TrajectorySet.open(run_dir("long", 1, family) / "trajectories"))
+    parts = [replay_family(bundle, TrajectorySet.open(d)) for d in cal_dirs] + [held]
+    stop, labels, is_test = [], [], []
+    for k, rep in enumerate(parts):
+        for s, c in zip(rep.stop, rep.certified):
+            if is_counted(c, excl):
+                stop.append(s)
+                labels.append(c)
+                is_test.append(k == len(parts) - 1)
+    test = np.flatnonzero(is_test)
+    grid = default_grid(table.ltt.grid_size)
+    loss = losses(stop_indices(stop, grid), labels)  # [m, n]
+    shipped = {}
+    for delta in bundle.deltas():
+        lam = bundle.lam(delta, family)
+        tau = stop_indices([stop[i] for i in test], np.array([lam]))
+        shipped[delta] = float(losses(tau, [labels[i] for i in test]).mean())
+    out: dict[str, Any] = {"n": len(stop), "n_held_out": len(test), "reps": reps,
+                           "group_n_cal": table.ltt.n_cal, "shipped": shipped, "splits": []}
+    for n_cal in n_cals or [len(stop) - len(test)]:
+        sr = split_replay(loss, n_cal, bundle.deltas(), table.ltt.epsilon, table.ltt.pvalue,
+                          reps=reps, seed=0)
+        rows = []
+        for d, delta in enumerate(sr.deltas):
+            row = sr.row(d)
+            row["shipped_quantile"] = float(np.mean(sr.held_out[:, d] < shipped[delta]))
+            rows.append(row)
+        out["splits"].append({"n_cal": n_cal, "n_test": sr.n_test, "rows": rows})
+    return out
+
+
+def pooled_table(family: str, rep: dict[str, Any]) -> str:
+    lines = [f"**{family}, pooled** ({rep['n']} counted traces: the group's calibration sets "
+             f"and {rep['n_held_out']} held out; {rep['reps']} random splits each)", "",
+             "| n_cal / n_test | delta | held-out error: mean (95th pct) | share of splits "
+             "above delta | shipped split: error (its quantile) |",
+             "| --- | --- | --- | --- | --- |"]
+    for sp in rep["splits"]:
+        for r in sp["rows"]:
+            lines.append(f"| {sp['n_cal']} / {sp['n_test']} | {r['delta']:g} | "
+                         f"{r['mean_error']:.3f} ({r['p95_error']:.3f}) | "
+                         f"{r['share_above_delta']:.3f} | {rep['shipped'][r['delta']]:.3f} "
+                         f"({r['shipped_quantile']:.2f}) |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", default="shifted")
@@ -110,8 +175,19 @@ def main() -> None:
                     "--families with the bundle's own group tables")
     ap.add_argument("--families", nargs="+", default=["shifted", "hard"])
     ap.add_argument("--bundle", type=Path, default=BUNDLE)
+    ap.add_argument("--pooled", type=Path, nargs="+", metavar="DIR", help="split replays of "
+                    "--family's traces in these sets and its held-out recording")
+    ap.add_argument("--n-cal", type=int, nargs="+", help="--pooled: calibration part sizes "
+                    "(default: the traces of the --pooled sets)")
+    ap.add_argument("--reps", type=int, default=2000, help="--pooled: random splits")
     a = ap.parse_args()
     bundle = load_bundle(a.bundle)
+    if a.pooled:
+        OUT.mkdir(parents=True, exist_ok=True)
+        rep = pooled(bundle, a.family, a.pooled, a.n_cal, a.reps)
+        (OUT / f"group-{a.family}-pooled.json").write_text(json.dumps(rep, indent=1))
+        print(pooled_table(a.family, rep), flush=True)
+        return
     if a.served:
         OUT.mkdir(parents=True, exist_ok=True)
         for family in a.families:
