@@ -29,26 +29,38 @@ calibrates, the recording tests) stands among them. LTT bounds by epsilon the sh
 calibration draws whose risk exceeds delta; one test part's realized error exceeds delta more
 often (its binomial noise), so the shipped split's figure is read against that spread.
 
+`--compare DIR`: are the group's calibration set (DIR) and the held-out recording exchangeable?
+Both were recorded by the job's collector from one prompt generator at two seeds; per trace
+the walk the prompt asks for (|start - x|), its steps and tokens, full reasoning's accuracy,
+the first right step, the gate score and the probe's scores, and the stop loss at fixed
+lambdas, compared by two-sample tests (Mann-Whitney, Fisher), and each set's mean walk against
+the generator's own (POPULATION draws at another seed).
+
 Usage: python benchmarks/bench_group_shift.py [--splits 50]
        python benchmarks/bench_group_shift.py --served [--families shifted hard]
        python benchmarks/bench_group_shift.py --pooled runs/long/trajectories-groups/shifted-cal
+       python benchmarks/bench_group_shift.py --compare runs/long/trajectories-groups/shifted
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_replay_shift import (  # noqa: E402
     BUNDLE,
+    Replayed,
     GIVE_UP_DELTA,
     OUT,
     acc,
@@ -63,6 +75,7 @@ from bench_replay_shift import (  # noqa: E402
 from bench_shift import against_budget  # noqa: E402
 from bench_samples import BUDGETS, budget_answer, run_dir  # noqa: E402
 
+from orca_demo.long import tasks  # noqa: E402
 from orca_method.bundle import Bundle, load_bundle  # noqa: E402
 from orca_method.labels import equivalent  # noqa: E402
 from orca_method.ltt import calibrate, default_grid, split_replay  # noqa: E402
@@ -167,6 +180,80 @@ def pooled_table(family: str, rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+POPULATION = 100_000  # the generator's own walks, for each set's mean against it
+COMPARE_LAMS = (0.6, 0.5, 0.47, 0.45)  # lambdas whose stop loss the two sets compare at
+_START = re.compile(r"Start at x=(\d+)")
+
+
+def trace_features(rep: Replayed, prompts: list[str], answers: list[str]) -> dict[str, np.ndarray]:
+    """Per trace what `--compare` tests (module docstring); [n] each, nan where undefined."""
+    walk = np.array([abs(int(_START.search(p).group(1)) - int(y)) for p, y in zip(prompts, answers)])
+    first = [int(np.argmax(c)) if c.any() else -1 for c in rep.certified]
+    nan = float("nan")
+    out = {"walk": walk.astype(float), "steps": np.array([len(s) for s in rep.stop], float),
+           "tokens": np.array([tr.completion for tr in rep.traces], float),
+           "accuracy": np.array([equivalent(tr.final, y) for tr, y in zip(rep.traces, rep.truth)]),
+           "first right step": np.array([f if f >= 0 else nan for f in first], float),
+           "gate score": rep.gate_score,
+           "score at step 6": np.array([s[5] if len(s) > 5 else nan for s in rep.stop]),
+           "highest score before right": np.array([s[:f].max() if f > 0 else nan
+                                                   for s, f in zip(rep.stop, first)])}
+    counted = [i for i, c in enumerate(rep.certified) if c.any()]
+    for lam in COMPARE_LAMS:
+        loss = np.full(len(rep), nan)
+        tau = stop_indices([rep.stop[i] for i in counted], np.array([lam]))
+        loss[counted] = losses(tau, [rep.certified[i] for i in counted])[0]
+        out[f"stop loss at {lam:g}"] = loss
+    return out
+
+
+def compare(bundle: Bundle, family: str, cal_dir: Path) -> dict[str, Any]:
+    """`--compare` (module docstring)."""
+    sets = {"calibration": TrajectorySet.open(cal_dir),
+            "held out": TrajectorySet.open(run_dir("long", 1, family) / "trajectories")}
+    feats = {}
+    for name, ts in sets.items():
+        prompts = [json.loads(p.prompt)[0]["content"] for p in ts.problems]
+        feats[name] = trace_features(replay_family(bundle, ts), prompts,
+                                     [p.answer for p in ts.problems])
+    rng = random.Random(f"{family}:population")
+    pop = np.array([abs(p.start - p.x) for p in
+                    (tasks.make_problem(rng, family) for _ in range(POPULATION))])
+    out: dict[str, Any] = {"n": {k: len(ts) for k, ts in sets.items()},
+                           "population_walk": {"mean": float(pop.mean()), "sd": float(pop.std())},
+                           "walk_vs_population": {}, "features": []}
+    for name, f in feats.items():
+        w = f["walk"]
+        out["walk_vs_population"][name] = {
+            "mean": float(w.mean()), "z": float((w.mean() - pop.mean()) / (pop.std() / np.sqrt(len(w)))),
+            "ks_p": float(stats.kstest(w, pop).pvalue)}
+    for key in feats["calibration"]:
+        a, b = (f[key][~np.isnan(f[key].astype(float))].astype(float) for f in feats.values())
+        if key == "accuracy" or key.startswith("stop loss"):
+            p = stats.fisher_exact([[a.sum(), len(a) - a.sum()], [b.sum(), len(b) - b.sum()]]).pvalue
+            test = "Fisher"
+        else:
+            p, test = stats.mannwhitneyu(a, b).pvalue, "Mann-Whitney"
+        out["features"].append({"feature": key, "calibration": float(a.mean()), "n_cal": len(a),
+                                "held_out": float(b.mean()), "n_held_out": len(b),
+                                "test": test, "p": float(p)})
+    return out
+
+
+def compare_table(family: str, rep: dict[str, Any]) -> str:
+    pop = rep["population_walk"]
+    lines = [f"**{family}: calibration set ({rep['n']['calibration']}) against held out "
+             f"({rep['n']['held out']})**; the generator's walk: mean {pop['mean']:.1f}, "
+             f"sd {pop['sd']:.1f}"]
+    for name, w in rep["walk_vs_population"].items():
+        lines.append(f"- {name}: mean walk {w['mean']:.1f}, z {w['z']:+.2f} against the "
+                     f"generator's, KS p {w['ks_p']:.3f}")
+    lines += ["", "| per trace | calibration | held out | test | p |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['feature']} | {r['calibration']:.3f} | {r['held_out']:.3f} | {r['test']} | "
+              f"{r['p']:.3f} |" for r in rep["features"]]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", default="shifted")
@@ -180,8 +267,16 @@ def main() -> None:
     ap.add_argument("--n-cal", type=int, nargs="+", help="--pooled: calibration part sizes "
                     "(default: the traces of the --pooled sets)")
     ap.add_argument("--reps", type=int, default=2000, help="--pooled: random splits")
+    ap.add_argument("--compare", type=Path, metavar="DIR", help="two-sample tests of --family's "
+                    "calibration set DIR against its held-out recording")
     a = ap.parse_args()
     bundle = load_bundle(a.bundle)
+    if a.compare:
+        OUT.mkdir(parents=True, exist_ok=True)
+        rep = compare(bundle, a.family, a.compare)
+        (OUT / f"group-{a.family}-compare.json").write_text(json.dumps(rep, indent=1))
+        print(compare_table(a.family, rep), flush=True)
+        return
     if a.pooled:
         OUT.mkdir(parents=True, exist_ok=True)
         rep = pooled(bundle, a.family, a.pooled, a.n_cal, a.reps)
