@@ -36,10 +36,16 @@ the first right step, the gate score and the probe's scores, and the stop loss a
 lambdas, compared by two-sample tests (Mann-Whitney, Fisher), and each set's mean walk against
 the generator's own (POPULATION draws at another seed).
 
+`--rerecorded DIR`: the held-out prompts recorded again (DIR, by the job's collector), paired
+with the held-out recording per prompt: the same per-trace figures (Wilcoxon signed-rank,
+McNemar), the share of traces whose first step's embedding is the same, to float precision. A
+difference in production shows here; one in the prompts cannot.
+
 Usage: python benchmarks/bench_group_shift.py [--splits 50]
        python benchmarks/bench_group_shift.py --served [--families shifted hard]
        python benchmarks/bench_group_shift.py --pooled runs/long/trajectories-groups/shifted-cal
        python benchmarks/bench_group_shift.py --compare runs/long/trajectories-groups/shifted
+       python benchmarks/bench_group_shift.py --rerecorded runs/rerecord/long-shifted
 """
 
 from __future__ import annotations
@@ -207,15 +213,55 @@ def trace_features(rep: Replayed, prompts: list[str], answers: list[str]) -> dic
     return out
 
 
+def recorded_features(bundle: Bundle, ts: TrajectorySet) -> dict[str, np.ndarray]:
+    """`trace_features` of a recorded set, replayed as the server scores it."""
+    prompts = [json.loads(p.prompt)[0]["content"] for p in ts.problems]
+    return trace_features(replay_family(bundle, ts), prompts, [p.answer for p in ts.problems])
+
+
+def rerecorded(bundle: Bundle, family: str, again_dir: Path) -> dict[str, Any]:
+    """`--rerecorded` (module docstring)."""
+    first = TrajectorySet.open(run_dir("long", 1, family) / "trajectories")
+    again = TrajectorySet.open(again_dir)
+    pos = {p.id: i for i, p in enumerate(again.problems)}
+    pairs = [(i, pos[p.id]) for i, p in enumerate(first.problems) if p.id in pos]
+    fa, fb = recorded_features(bundle, first), recorded_features(bundle, again)
+    rows = []
+    for key in fa:
+        x = np.array([fa[key][i] for i, _ in pairs], float)
+        y = np.array([fb[key][j] for _, j in pairs], float)
+        keep = ~np.isnan(x) & ~np.isnan(y)
+        x, y = x[keep], y[keep]
+        if key == "accuracy" or key.startswith("stop loss"):
+            b10, b01 = int(((x == 1) & (y == 0)).sum()), int(((x == 0) & (y == 1)).sum())
+            p = stats.binomtest(b10, b10 + b01).pvalue if b10 + b01 else 1.0
+            test = f"McNemar ({b10} / {b01} discordant)"
+        else:
+            p = stats.wilcoxon(x, y).pvalue if np.any(x != y) else 1.0
+            test = "Wilcoxon"
+        rows.append({"feature": key, "first": float(x.mean()), "again": float(y.mean()),
+                     "n": int(len(x)), "test": test, "p": float(p)})
+    step0 = [float(np.abs(np.asarray(first.embeddings(i))[0]
+                          - np.asarray(again.embeddings(j))[0]).max()) for i, j in pairs]
+    return {"pairs": len(pairs), "features": rows,
+            "step0_same": float(np.mean(np.array(step0) < 1e-4))}
+
+
+def rerecorded_table(family: str, rep: dict[str, Any]) -> str:
+    lines = [f"**{family}: the held-out prompts recorded twice** ({rep['pairs']} pairs; first "
+             f"step's embedding the same in {rep['step0_same']:.0%} of them)", "",
+             "| per trace | held-out recording | recorded again | test | p |",
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['feature']} | {r['first']:.3f} | {r['again']:.3f} | {r['test']} | "
+              f"{r['p']:.3f} |" for r in rep["features"]]
+    return "\n".join(lines)
+
+
 def compare(bundle: Bundle, family: str, cal_dir: Path) -> dict[str, Any]:
     """`--compare` (module docstring)."""
     sets = {"calibration": TrajectorySet.open(cal_dir),
             "held out": TrajectorySet.open(run_dir("long", 1, family) / "trajectories")}
-    feats = {}
-    for name, ts in sets.items():
-        prompts = [json.loads(p.prompt)[0]["content"] for p in ts.problems]
-        feats[name] = trace_features(replay_family(bundle, ts), prompts,
-                                     [p.answer for p in ts.problems])
+    feats = {name: recorded_features(bundle, ts) for name, ts in sets.items()}
     rng = random.Random(f"{family}:population")
     pop = np.array([abs(p.start - p.x) for p in
                     (tasks.make_problem(rng, family) for _ in range(POPULATION))])
@@ -269,8 +315,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2000, help="--pooled: random splits")
     ap.add_argument("--compare", type=Path, metavar="DIR", help="two-sample tests of --family's "
                     "calibration set DIR against its held-out recording")
+    ap.add_argument("--rerecorded", type=Path, metavar="DIR", help="--family's held-out "
+                    "prompts recorded again, paired with the held-out recording")
     a = ap.parse_args()
     bundle = load_bundle(a.bundle)
+    if a.rerecorded:
+        OUT.mkdir(parents=True, exist_ok=True)
+        rep = rerecorded(bundle, a.family, a.rerecorded)
+        (OUT / f"group-{a.family}-rerecorded.json").write_text(json.dumps(rep, indent=1))
+        print(rerecorded_table(a.family, rep), flush=True)
+        return
     if a.compare:
         OUT.mkdir(parents=True, exist_ok=True)
         rep = compare(bundle, a.family, a.compare)
