@@ -319,24 +319,16 @@ def main() -> None:
                     "prompts recorded again, paired with the held-out recording")
     a = ap.parse_args()
     bundle = load_bundle(a.bundle)
-    if a.rerecorded:
-        OUT.mkdir(parents=True, exist_ok=True)
-        rep = rerecorded(bundle, a.family, a.rerecorded)
-        (OUT / f"group-{a.family}-rerecorded.json").write_text(json.dumps(rep, indent=1))
-        print(rerecorded_table(a.family, rep), flush=True)
-        return
-    if a.compare:
-        OUT.mkdir(parents=True, exist_ok=True)
-        rep = compare(bundle, a.family, a.compare)
-        (OUT / f"group-{a.family}-compare.json").write_text(json.dumps(rep, indent=1))
-        print(compare_table(a.family, rep), flush=True)
-        return
-    if a.pooled:
-        OUT.mkdir(parents=True, exist_ok=True)
-        rep = pooled(bundle, a.family, a.pooled, a.n_cal, a.reps)
-        (OUT / f"group-{a.family}-pooled.json").write_text(json.dumps(rep, indent=1))
-        print(pooled_table(a.family, rep), flush=True)
-        return
+    modes = {"rerecorded": (lambda: rerecorded(bundle, a.family, a.rerecorded), rerecorded_table),
+             "compare": (lambda: compare(bundle, a.family, a.compare), compare_table),
+             "pooled": (lambda: pooled(bundle, a.family, a.pooled, a.n_cal, a.reps), pooled_table)}
+    for name, (run, table) in modes.items():
+        if getattr(a, name):
+            OUT.mkdir(parents=True, exist_ok=True)
+            rep = run()
+            (OUT / f"group-{a.family}-{name}.json").write_text(json.dumps(rep, indent=1))
+            print(table(a.family, rep), flush=True)
+            return
     if a.served:
         OUT.mkdir(parents=True, exist_ok=True)
         for family in a.families:
