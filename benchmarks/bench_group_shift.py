@@ -191,9 +191,11 @@ COMPARE_LAMS = (0.6, 0.5, 0.47, 0.45)  # lambdas whose stop loss the two sets co
 _START = re.compile(r"Start at x=(\d+)")
 
 
-def trace_features(rep: Replayed, prompts: list[str], answers: list[str]) -> dict[str, np.ndarray]:
+def trace_features(rep: Replayed, prompts: list[str],
+                   answers: list[str]) -> dict[str, np.ndarray]:
     """Per trace what `--compare` tests (module docstring); [n] each, nan where undefined."""
-    walk = np.array([abs(int(_START.search(p).group(1)) - int(y)) for p, y in zip(prompts, answers)])
+    walk = np.array([abs(int(_START.search(p).group(1)) - int(y))
+                     for p, y in zip(prompts, answers)])
     first = [int(np.argmax(c)) if c.any() else -1 for c in rep.certified]
     nan = float("nan")
     out = {"walk": walk.astype(float), "steps": np.array([len(s) for s in rep.stop], float),
@@ -271,12 +273,14 @@ def compare(bundle: Bundle, family: str, cal_dir: Path) -> dict[str, Any]:
     for name, f in feats.items():
         w = f["walk"]
         out["walk_vs_population"][name] = {
-            "mean": float(w.mean()), "z": float((w.mean() - pop.mean()) / (pop.std() / np.sqrt(len(w)))),
+            "mean": float(w.mean()),
+            "z": float((w.mean() - pop.mean()) / (pop.std() / np.sqrt(len(w)))),
             "ks_p": float(stats.kstest(w, pop).pvalue)}
     for key in feats["calibration"]:
         a, b = (f[key][~np.isnan(f[key].astype(float))].astype(float) for f in feats.values())
         if key == "accuracy" or key.startswith("stop loss"):
-            p = stats.fisher_exact([[a.sum(), len(a) - a.sum()], [b.sum(), len(b) - b.sum()]]).pvalue
+            p = stats.fisher_exact([[a.sum(), len(a) - a.sum()],
+                                    [b.sum(), len(b) - b.sum()]]).pvalue
             test = "Fisher"
         else:
             p, test = stats.mannwhitneyu(a, b).pvalue, "Mann-Whitney"
@@ -294,7 +298,8 @@ def compare_table(family: str, rep: dict[str, Any]) -> str:
     for name, w in rep["walk_vs_population"].items():
         lines.append(f"- {name}: mean walk {w['mean']:.1f}, z {w['z']:+.2f} against the "
                      f"generator's, KS p {w['ks_p']:.3f}")
-    lines += ["", "| per trace | calibration | held out | test | p |", "| --- | --- | --- | --- | --- |"]
+    lines += ["", "| per trace | calibration | held out | test | p |",
+              "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['feature']} | {r['calibration']:.3f} | {r['held_out']:.3f} | {r['test']} | "
               f"{r['p']:.3f} |" for r in rep["features"]]
     return "\n".join(lines)
@@ -319,9 +324,10 @@ def main() -> None:
                     "prompts recorded again, paired with the held-out recording")
     a = ap.parse_args()
     bundle = load_bundle(a.bundle)
-    modes = {"rerecorded": (lambda: rerecorded(bundle, a.family, a.rerecorded), rerecorded_table),
-             "compare": (lambda: compare(bundle, a.family, a.compare), compare_table),
-             "pooled": (lambda: pooled(bundle, a.family, a.pooled, a.n_cal, a.reps), pooled_table)}
+    modes = {  # report mode -> (its report, its table)
+        "rerecorded": (lambda: rerecorded(bundle, a.family, a.rerecorded), rerecorded_table),
+        "compare": (lambda: compare(bundle, a.family, a.compare), compare_table),
+        "pooled": (lambda: pooled(bundle, a.family, a.pooled, a.n_cal, a.reps), pooled_table)}
     for name, (run, table) in modes.items():
         if getattr(a, name):
             OUT.mkdir(parents=True, exist_ok=True)

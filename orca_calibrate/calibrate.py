@@ -290,7 +290,7 @@ def set_group_tables(probe: Probe, sets: Sequence[TrajectorySet], opts: GroupOpt
     """The tables of the groups of calibration-only trajectory sets (`group_tables` on every
     trace of each set): the statement of group g then needs only g's set exchangeable with g's
     traffic (docs/METHOD.md section 12). A group's traces come from one set, recorded as
-    `made_with` says the bundle's data was (its fields, and what to call it: `check_made_alike`)."""
+    `made_with` says the bundle's data was (its fields and its name: `check_made_alike`)."""
     out: dict[str, GroupTable] = {}
     named: dict[str, str] = {}  # group -> the set its traces are in
     for ts in sets:

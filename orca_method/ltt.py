@@ -152,7 +152,7 @@ class SplitReplay:
     n_cal: int
     n_test: int
     certified: np.ndarray  # [reps, D] int: the grid index of each split's lambda*, -1 for none
-    held_out: np.ndarray  # [reps, D]: the test part's error at that lambda* (0 for none: never stop)
+    held_out: np.ndarray  # [reps, D]: the test part's error there (0 for none: never stop)
 
     def row(self, d: int) -> dict[str, float]:
         """Delta `self.deltas[d]`'s summary: the held-out error's mean, 95th percentile and share
