@@ -97,7 +97,7 @@ from orca_method.consensus import (
     vote_path,
 )
 from orca_method.consensus_ltt import calibrate_consensus
-from orca_method.ltt import PVALUES, n_rejected
+from orca_method.ltt import PVALUES, n_rejected, split_replay
 from orca_method.thresholds import NEVER
 from orca_method.trajectories import Problem, TrajectorySet
 
@@ -352,17 +352,10 @@ def random_splits(stopped: list[Group], delta_vote: float, reps: int = REPS,
     rather than the one cross-calibration above."""
     grid, caps = hypotheses(confident, len(stopped[0].answers))
     loss, _ = outcomes(stopped, grid, caps)  # [m, n]
-    rng = np.random.default_rng(FOLD_SEED)
-    n, errors = len(stopped), []
-    for _ in range(reps):
-        perm = rng.permutation(n)
-        cal, test = perm[:n // 2], perm[n // 2:]
-        counts = loss[:, cal].sum(axis=1, dtype=np.int64)
-        last = n_rejected(PVALUES["binomial"](counts, len(cal), delta_vote), EPSILON) - 1
-        errors.append(0.0 if last < 0 else float(loss[last, test].mean()))
-    e = np.array(errors)
-    return {"reps": reps, "mean_error": float(e.mean()), "p95_error": float(np.quantile(e, 0.95)),
-            "share_within_delta": float(np.mean(e <= delta_vote))}
+    row = split_replay(loss, len(stopped) // 2, [delta_vote], EPSILON, reps=reps,
+                       seed=FOLD_SEED).row(0)
+    return {"reps": reps, "mean_error": row["mean_error"], "p95_error": row["p95_error"],
+            "share_within_delta": 1.0 - row["share_above_delta"]}
 
 
 def cmd_report(a: argparse.Namespace) -> None:

@@ -56,6 +56,10 @@ DEFAULT_DELTAS = (0.05, 0.1, 0.15, 0.2)
 DEFAULT_GIVE_UP_DELTAS = (0.02, 0.05, 0.1)
 GRID_SIZE = 1001
 PROBLEM_FIELDS = {f.name for f in fields(Problem)}  # a group field is one of these, or an extra
+# What a trajectory set's labels and step embeddings depend on besides the model and the step
+# cut (`check_bundle` checks those): the answer probe's suffix and length (the loss), the think
+# tags (where reasoning ends) and the pooling. Recorded in a set's info by its collector.
+MADE_WITH = ("labelling", "think", "normalization")
 
 
 @dataclass(frozen=True)
@@ -265,16 +269,32 @@ def calibration_only(ts: TrajectorySet) -> list[int]:
     return list(range(len(ts)))
 
 
+def check_made_alike(ts: TrajectorySet, reference: dict[str, Any], what: str) -> None:
+    """Refuse a group's set recorded with another labelling, think tags or pooling than
+    `reference` (the info of the data the bundle was calibrated on, or the bundle's own fields):
+    its losses would measure another risk than the one certified, or its embeddings would not be
+    the ones the probe reads. A field either side does not record is not compared."""
+    for key in MADE_WITH:
+        ours, theirs = reference.get(key), ts.info.get(key)
+        if ours is not None and theirs is not None and ours != theirs:
+            raise ValueError(f"{ts.path} was recorded with {key} {theirs!r:.80}, {what} with "
+                             f"{ours!r:.80}: collect a group's set with the job's own collect "
+                             "block (its `groups` stage)")
+
+
 def set_group_tables(probe: Probe, sets: Sequence[TrajectorySet], opts: GroupOptions, *,
                      mode: str, deltas: Sequence[float], epsilon: float, pvalue: str,
-                     window: int, give_up: tuple[Probe, GiveUpOptions] | None = None
+                     window: int, made_with: tuple[dict[str, Any], str],
+                     give_up: tuple[Probe, GiveUpOptions] | None = None
                      ) -> dict[str, GroupTable]:
     """The tables of the groups of calibration-only trajectory sets (`group_tables` on every
     trace of each set): the statement of group g then needs only g's set exchangeable with g's
-    traffic (docs/METHOD.md section 12). A group's traces come from one set."""
+    traffic (docs/METHOD.md section 12). A group's traces come from one set, recorded as
+    `made_with` says the bundle's data was (its fields and its name: `check_made_alike`)."""
     out: dict[str, GroupTable] = {}
     named: dict[str, str] = {}  # group -> the set its traces are in
     for ts in sets:
+        check_made_alike(ts, *made_with)
         members = calibration_only(ts)
         check_labelled(ts, members, "stop", mode)
         if give_up is not None:
@@ -310,9 +330,12 @@ def add_groups(bundle: Bundle, sets: Sequence[TrajectorySet], opts: GroupOptions
                          "tables are certified with one")
     give_up = None if bundle.give_up is None else (bundle.load_give_up_probe(),
                                                    give_up_options(bundle.give_up))
+    made_with = {"labelling": None if bundle.labelling is None else bundle.labelling.model_dump(),
+                 "think": bundle.think.model_dump(), "normalization": bundle.normalization}
     tables = set_group_tables(bundle.load_probe(), sets, opts, mode=bundle.label_mode,
                               deltas=bundle.deltas(), epsilon=bundle.ltt.epsilon,
-                              pvalue=bundle.ltt.pvalue, window=bundle.window, give_up=give_up)
+                              pvalue=bundle.ltt.pvalue, window=bundle.window,
+                              made_with=(made_with, "the bundle's data"), give_up=give_up)
     if not tables:
         raise ValueError(f"no group of {', '.join(str(ts.path) for ts in sets)} has min_n "
                          f"{opts.min_n} solvable traces: no table to add")
@@ -409,8 +432,9 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
     if groups is not None:
         how = {"mode": mode, "deltas": deltas, "epsilon": epsilon, "pvalue": pvalue,
                "window": window, "give_up": give_up if isinstance(give_up, tuple) else None}
-        tables = set_group_tables(probe, group_sets, groups, **how) if group_sets else \
-            group_tables(probe, ts, groups, **how)
+        tables = set_group_tables(probe, group_sets, groups, **how,
+                                  made_with=(ts.info, f"the job's data {ts.path}")) \
+            if group_sets else group_tables(probe, ts, groups, **how)
     if dump_scores is not None:
         with open(dump_scores, "w") as f:
             f.writelines(json.dumps({"id": pid, "scores": s.round(6).tolist(),

@@ -142,3 +142,56 @@ def calibrate(
                         out.savings_total_steps, out.token_savings_total, n)
         )
     return results
+
+
+@dataclass(frozen=True)
+class SplitReplay:
+    """LTT over random calibration / test splits of one finite set of traces (`split_replay`)."""
+
+    deltas: tuple[float, ...]
+    n_cal: int
+    n_test: int
+    certified: np.ndarray  # [reps, D] int: the grid index of each split's lambda*, -1 for none
+    held_out: np.ndarray  # [reps, D]: the test part's error there (0 for none: never stop)
+
+    def row(self, d: int) -> dict[str, float]:
+        """Delta `self.deltas[d]`'s summary: the held-out error's mean, 95th percentile and share
+        of splits above delta, and the share of splits that certify no lambda."""
+        e, delta = self.held_out[:, d], self.deltas[d]
+        return {"delta": delta, "mean_error": float(e.mean()),
+                "p95_error": float(np.quantile(e, 0.95)),
+                "share_above_delta": float(np.mean(e > delta)),
+                "share_none": float(np.mean(self.certified[:, d] < 0))}
+
+
+def split_replay(loss: np.ndarray, n_cal: int, deltas: Sequence[float], epsilon: float,
+                 pvalue: str = "binomial", reps: int = 1000, seed: int = 0) -> SplitReplay:
+    """LTT on `reps` random calibration parts of `n_cal` of a set's traces, each lambda* read on
+    the rest: how a guarantee is checked on recorded traces when only one finite set exists.
+
+    `loss` is the set's loss matrix over a fixed grid ([m, n], conservative to aggressive, e.g.
+    `losses(stop_indices(scores, default_grid()), labels)`), computed once: a split's matrix is
+    its columns, so each split costs one p-value vector per delta. LTT bounds by `epsilon` the
+    share of calibration draws whose risk at lambda* (the expected loss on fresh traffic)
+    exceeds delta; a test part's realized error scatters around that risk by its binomial
+    noise, so its share above delta is larger, most where lambda* sits close to delta."""
+    loss = np.asarray(loss)
+    m, n = loss.shape
+    if not 0 < n_cal < n:
+        raise ValueError(f"n_cal must leave traces on both sides of a split: 0 < n_cal < {n}, "
+                         f"got {n_cal}")
+    deltas = tuple(_check_level(d, "delta") for d in deltas)
+    rng = np.random.default_rng(seed)
+    certified = np.full((reps, len(deltas)), -1, dtype=np.int64)
+    held_out = np.zeros((reps, len(deltas)))
+    for r in range(reps):
+        perm = rng.permutation(n)
+        cal, test = perm[:n_cal], perm[n_cal:]
+        counts = loss[:, cal].sum(axis=1, dtype=np.int64)  # [m]
+        for d, delta in enumerate(deltas):
+            last = n_rejected(PVALUES[pvalue](counts, n_cal, delta), epsilon) - 1
+            if last >= 0:
+                certified[r, d] = last
+                held_out[r, d] = float(loss[last, test].mean())
+    return SplitReplay(deltas=deltas, n_cal=n_cal, n_test=n - n_cal, certified=certified,
+                       held_out=held_out)

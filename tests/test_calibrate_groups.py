@@ -218,3 +218,38 @@ def test_orca_calibrate_groups_reseals_and_refuses_in_one_line(tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "a group set holds calibration traces only" in err[0]
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_group_set_labelled_or_cut_otherwise_than_the_bundles_data_is_refused(tmp_path):
+    """A group's losses are the bundle's only if its set was labelled with the same answer
+    probe (suffix, tokens) and its steps end where the bundle's reasoning ends (think tags):
+    `add_groups` refuses a set that records another of either, and takes one that records the
+    same (or none, as older sets)."""
+    import json
+
+    from orca_calibrate.calibrate import add_groups
+
+    labelling = {"suffix": "\n</think>\nThe answer is \\boxed{", "answer_tokens": 6}
+    main = generate_mixture(tmp_path / "main", {"in-dist": 600}, dim=DIM, mean_steps=20,
+                            splits=(0.2, 0.5, 0.3))
+    info = json.loads((main / "info.json").read_text())
+    (main / "info.json").write_text(json.dumps({**info, "labelling": labelling}))
+    parent = calibrate_bundle(_probe(), TrajectorySet.open(main), tmp_path / "main.json",
+                              deltas=DELTAS, window=WINDOW)
+    assert parent.labelling is not None and parent.labelling.model_dump() == labelling
+
+    def recorded(name: str, **fields) -> TrajectorySet:
+        ts = _set_apart(tmp_path / name, "shifted", 80, seed=4)
+        info = json.loads((ts.path / "info.json").read_text())
+        (ts.path / "info.json").write_text(json.dumps({**info, **fields}))
+        return TrajectorySet.open(ts.path)
+
+    for name, fields, word in (
+            ("suffix", {"labelling": {**labelling, "suffix": "\nThe answer is \\boxed{"}},
+             "labelling"),
+            ("think", {"think": {**parent.think.model_dump(), "enabled": False}}, "think")):
+        with pytest.raises(ValueError, match=f"recorded with {word} .* the bundle's data"):
+            add_groups(parent, [recorded(name, **fields)], GroupOptions(), tmp_path / "x.json")
+        assert not (tmp_path / "x.json").exists()
+    same = recorded("same", labelling=labelling, think=parent.think.model_dump())
+    assert "shifted" in add_groups(parent, [same], GroupOptions(), tmp_path / "ok.json").groups

@@ -62,7 +62,7 @@ def test_long_demo_bundle_carries_its_families_as_groups_and_means_what_it_meant
         assert g.give_up is not None and g.ltt.epsilon == bundle.ltt.epsilon
     data = json.loads((DEMO / "bundle.json").read_text())
     assert [d["data"] for d in data["provenance"].pop("group_data")] == [
-        "runs/long/trajectories-groups/shifted", "runs/long/trajectories-groups/hard-cal"]
+        "runs/long/trajectories-groups/shifted-cal", "runs/long/trajectories-groups/hard-cal"]
     body = {k: v for k, v in data.items() if k not in ("groups", "checksum")}
     assert hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest() == BEFORE_GROUPS
 
