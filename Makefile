@@ -7,8 +7,11 @@ PARALLEL ?= -n 2
 # Only the pytest plugins the tests use: autoloaded plugins (schemathesis, anyio, ...) are imported
 # and assertion-rewritten by every worker on every run (no bytecode cache where
 # PYTHONDONTWRITEBYTECODE is set): 4-5 s of each worker's start.
-PYTEST = PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 .venv/bin/python -m pytest -p xdist.plugin \
-	-p _hypothesis_pytestplugin
+# This checkout's packages first on the path of the tests and of every process they start: a
+# console script (`orca-serve`, `orca-calibrate`) otherwise imports them through the venv's
+# editable install, which may be another checkout's (a worktree or clone sharing its .venv).
+PYTEST = PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 \
+	.venv/bin/python -m pytest -p xdist.plugin -p _hypothesis_pytestplugin
 
 # Python's bytecode cache on, where the machine turns it off: the install skips compiling
 # (scripts/setup-venv.sh) and each module compiles once, on its first import, not in every process.

@@ -36,16 +36,23 @@ from tests.tiny_model import build_tiny_model
 TOY = Path(__file__).parents[1] / "orca_serve" / "demo"  # the embedded toy reasoner
 TOY_VOTE_K = 4  # `toy_server`'s consensus block: votes over groups of this many samples
 
-# The modules that take longest (each starts engines or servers), longest first: the workers take
-# modules in collection order, so starting with these keeps both busy to the end instead of one
-# finishing test_parallel alone. Measured with `make test`'s --durations; order only, no skips.
+# The modules that take longest (engines, servers, long simulations), longest first: the workers
+# take modules in collection order, so starting with these keeps both busy to the end instead of
+# one finishing a long module alone while the other idles. A module left off this list runs
+# among the quick ones, in file-name order (test_shards_cluster's 45 s of engines began 800 s
+# into an 850 s run). Measured with `make test`'s timings; order only, no skips.
 # test_server_apis runs last of the shared-server group (its last test stops that server), and
 # test_server_gate_alarm after test_server_samples (it leaves the toy server's gate alarm raised).
 LONGEST_FIRST = ["test_parallel", "test_speculation_engine", "test_fuzz_http", "test_audit_server",
-                 "test_audit_fleet_server", "test_startup_stop", "test_demo", "test_demo_long",
-                 "test_toy_job", "test_server_samples", "test_server_gate_alarm", "test_plugin",
-                 "test_server", "test_server_give_up", "test_server_shift_gate", "test_server_apis",
-                 "test_stock_vllm", "test_hot_reload", "test_bundle"]
+                 "test_toy_job", "test_server_samples", "test_server_gate_alarm",
+                 "test_startup_stop", "test_plugin", "test_audit_fleet_server",
+                 "test_audit_selective_server", "test_server", "test_server_give_up",
+                 "test_server_shift_gate", "test_server_apis", "test_demo_long",
+                 "test_shards_cluster", "test_demo", "test_audit_stats", "test_stock_vllm",
+                 "test_audit_tools", "test_hot_reload", "test_audit_give_up_recalibration",
+                 "test_server_vote_audit", "test_bundle", "test_deploy", "test_shards_engine",
+                 "test_pipeline_engine", "test_import_probe_engine", "test_calibrate_groups",
+                 "test_gate_alarm"]
 
 
 # Modules that use one session-scoped server (`tiny_server`, `toy_server`): one group each, so one

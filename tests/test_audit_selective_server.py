@@ -6,8 +6,6 @@ labelling's."""
 
 from __future__ import annotations
 
-import subprocess
-
 import numpy as np
 import pytest
 
@@ -16,8 +14,8 @@ from orca_method.audit.guards import aligned_scores
 from orca_method.bundle import load_bundle
 from orca_method.risk import is_solvable, request_losses
 from orca_method.trajectories import TrajectorySet
-from tests.serving import VENV_BIN, Server, orca_serve_cmd
-from tests.test_audit_server import COMMON, MAX_TOKENS, MODEL, _ask, _records, _settled, audit_env
+from tests.serving import Server, orca_serve_cmd
+from tests.test_audit_server import COMMON, MODEL, _ask, _records, _settled, audit_env, collect
 
 pytestmark = pytest.mark.vllm
 N = 8
@@ -42,14 +40,7 @@ def test_selective_audit_labels_give_every_step_losses(tmp_path) -> None:
     finally:
         s.stop()
     audited = TrajectorySet.open(env["audits"] / "audit-000001")
-    out = tmp_path / "collected"
-    labelling = bundle.labelling
-    subprocess.run([str(VENV_BIN / "orca-calibrate"), "collect", "--model", str(MODEL),
-                    "--prompts", str(tmp_path / "selective.jsonl"), "--out", str(out),
-                    "--temperature", "0", "--max-tokens", str(MAX_TOKENS),
-                    "--suffix", labelling.suffix, "--answer-tokens", str(labelling.answer_tokens)],
-                   check=True, capture_output=True, timeout=1800)
-    collected = TrajectorySet.open(out)
+    collected = collect(tmp_path / "selective.jsonl", tmp_path / "collected", bundle.labelling)
     assert len(audited) == len(collected) == N
     probes = steps = 0
     risk: dict[float, list[int]] = {d: [] for d in bundle.deltas()}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,14 +24,14 @@ import pytest
 
 from orca_demo.toy.tasks import write_prompts
 from orca_method.audit.guards import aligned_scores
-from orca_method.bundle import Bundle, GiveUpRow, LTTRow, load_bundle, save_bundle
+from orca_method.bundle import Bundle, GiveUpRow, Labelling, LTTRow, load_bundle, save_bundle
 from orca_method.ltt import binomial_pvalues
 from orca_method.risk import stops_before_end
 from orca_method.trajectories import TrajectorySet
 
 pytestmark = pytest.mark.vllm
 
-from tests.serving import VENV_BIN, Server, orca_serve_cmd
+from tests.serving import Server, orca_serve_cmd
 
 ROOT = Path(__file__).parents[1]
 MODEL = ROOT / "orca_serve" / "demo" / "model"
@@ -86,6 +85,19 @@ def srv(env):
                env["dir"] / "server.log", COMMON)
     yield s.wait()
     s.stop()
+
+
+def collect(prompts: Path, out: Path, labelling: Labelling) -> TrajectorySet:
+    """`prompts` through `orca-calibrate collect` (offline vLLM, greedy, MAX_TOKENS), labelled
+    as the bundle says its data was (a server's audit takes the same from the bundle). The
+    CLI's entry function in this process: a process of its own would import vLLM once more."""
+    from orca_calibrate.calibrate_cli import main
+
+    assert main(["collect", "--model", str(MODEL), "--prompts", str(prompts), "--out", str(out),
+                 "--temperature", "0", "--max-tokens", str(MAX_TOKENS),
+                 "--suffix", labelling.suffix,
+                 "--answer-tokens", str(labelling.answer_tokens)]) == 0
+    return TrajectorySet.open(out)
 
 
 def _records(path: Path) -> list[dict]:
@@ -159,16 +171,8 @@ def test_audited_requests_get_full_budget_answers_and_labels_match_collect(srv, 
 
     audited = TrajectorySet.open(env["audits"] / "audit-000001")
     assert len(audited) == len(prompts)
-    # the same prompts through `orca-calibrate collect` (offline vLLM, greedy), labelled as the
-    # bundle says its data was (the server's audit took the same from the bundle)
     labelling = load_bundle(env["bundle"]).labelling
-    out = env["dir"] / "collected"
-    subprocess.run([str(VENV_BIN / "orca-calibrate"), "collect", "--model", str(MODEL),
-                    "--prompts", str(env["dir"] / "prompts.jsonl"), "--out", str(out),
-                    "--temperature", "0", "--max-tokens", str(MAX_TOKENS),
-                    "--suffix", labelling.suffix, "--answer-tokens", str(labelling.answer_tokens)],
-                   check=True, capture_output=True, timeout=1800)
-    collected = TrajectorySet.open(out)
+    collected = collect(env["dir"] / "prompts.jsonl", env["dir"] / "collected", labelling)
     assert len(collected) == len(prompts)
     assert audited.info["labelling"] == collected.info["labelling"] == labelling.model_dump()
     for i, (a, c) in enumerate(zip(audited.problems, collected.problems)):

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.vllm
 
 from tests.bundles import make_bundle
 from tests.serving import COMMON, MSG, Server, orca_serve_cmd
-from tests.tiny_model import HIDDEN, build_tiny_model
+from tests.tiny_model import HIDDEN
 
 KEY_ENV = "ORCA_TEST_ADMIN_KEY"
 KEY = "test-admin-key"
@@ -34,9 +34,9 @@ N = 64
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def env(model, tmp_path_factory):
+    """Bundles A and B of the session's tiny model (conftest builds it once per run)."""
     d = tmp_path_factory.mktemp("hot_reload")
-    model = build_tiny_model(d / "tiny")
     a = make_bundle(d / "a.json", model, bias=3.0)
     b = make_bundle(d / "b.json", model, bias=-3.0)
     calib = d / "calib.json"  # what --calib names: SIGHUP re-reads it

@@ -133,9 +133,15 @@ def parallel(request, model, prompts, reference, monkeypatch_module):
     # eagerly is enough for the warm-up, without inductor's compile (what vLLM's own CPU CI does)
     compiled = {"enforce_eager": False,
                 "compilation_config": {"mode": 2, "backend": "eager"}}  # DYNAMO_TRACE_ONCE
-    llm = _llm(model, **engine_kwargs(reference["path"]), **size,
-               distributed_executor_backend="mp",
-               **(compiled if request.param == "pp2" else {}))  # else COMMON's enforce_eager
+    # the engine core in this process, the two ranks in their own (executor "mp"): what is
+    # tested runs in the ranks, and a core process of its own would be one more process
+    # importing vLLM (~10 s of a core per mode here); the module's setting holds again after
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        vllm.envs.disable_envs_cache()
+        llm = _llm(model, **engine_kwargs(reference["path"]), **size,
+                   distributed_executor_backend="mp",
+                   **(compiled if request.param == "pp2" else {}))  # else enforce_eager
     try:
         before = llm.collective_rpc("orca_stats")
         n = len(prompts)
