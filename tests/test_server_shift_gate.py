@@ -37,7 +37,7 @@ def test_a_flagged_request_reasons_in_full_and_says_so(srv):
     assert ungated["stopped_early"] and ungated["stop_step"] == 1 and "shift" not in ungated
     o = orca_of(chat(srv, {"delta": 0.2, "shift_alpha": 0.05, "give_up": {"delta": 0.05}}))
     assert o["shift"] == {"alpha": 0.05, "give_up_alpha": 0.05, "pvalue": pytest.approx(1 / 40),
-                          "flagged": True, "give_up_barred": True}
+                          "flagged": True, "give_up_barred": True, "alarm": False}
     # no stop at step 1, no give-up (mu* 0.6 would give up at step 1 too): full reasoning
     assert not o["stopped_early"] and o["give_up_step"] is None and o["ended"] == "full"
     assert o["steps_scored"] > 1
@@ -50,7 +50,7 @@ def test_a_request_barred_at_the_give_up_level_only_stops_but_never_gives_up(srv
     levels = {"shift_alpha": 0.02, "shift_give_up_alpha": 0.05}
     o = orca_of(chat(srv, {"delta": 0.2, **levels}))
     assert o["shift"] == {"alpha": 0.02, "give_up_alpha": 0.05, "pvalue": pytest.approx(1 / 40),
-                          "flagged": False, "give_up_barred": True}
+                          "flagged": False, "give_up_barred": True, "alarm": False}
     assert o["stopped_early"] and o["stop_step"] == 1
     o = orca_of(chat(srv, {"delta": 0.05, **levels, "give_up": {"delta": 0.05}}))
     assert o["shift"]["give_up_barred"] and o["give_up_step"] is None and o["ended"] != "gave_up"
