@@ -42,7 +42,7 @@ McNemar), the share of traces whose first step's embedding is the same, to float
 difference in production shows here; one in the prompts cannot.
 
 Usage: python benchmarks/bench_group_shift.py [--splits 50]
-       python benchmarks/bench_group_shift.py --served [--families shifted hard]
+       python benchmarks/bench_group_shift.py --served [--families shifted hard] [--skip N]
        python benchmarks/bench_group_shift.py --pooled runs/long/trajectories-groups/shifted-cal
        python benchmarks/bench_group_shift.py --compare runs/long/trajectories-groups/shifted
        python benchmarks/bench_group_shift.py --rerecorded runs/rerecord/long-shifted
@@ -80,6 +80,7 @@ from bench_replay_shift import (  # noqa: E402
 )
 from bench_shift import against_budget  # noqa: E402
 from bench_samples import BUDGETS, budget_answer, run_dir  # noqa: E402
+from orca_calibrate.collect import read_prompts  # noqa: E402
 
 from orca_demo.long import tasks  # noqa: E402
 from orca_method.bundle import Bundle, load_bundle  # noqa: E402
@@ -90,13 +91,18 @@ from orca_method.thresholds import NEVER  # noqa: E402
 from orca_method.trajectories import TrajectorySet  # noqa: E402
 
 
-def served(bundle: Bundle, family: str) -> dict[str, Any]:
+def served(bundle: Bundle, family: str, skip: int = 0) -> dict[str, Any]:
     """The family's recorded traces served with the bundle's table for group `family`, as
-    tagged requests are (module docstring, `--served`)."""
+    tagged requests are (module docstring, `--served`); `skip`: leave out the traces of the
+    first `skip` prompts of the recording (a set extended later: its fresh part alone)."""
     if bundle.group(family) is None:
         raise SystemExit(f"the bundle has no table for group {family!r}: add it "
                          "(orca-calibrate groups) first")
     rep = replay_family(bundle, TrajectorySet.open(run_dir("long", 1, family) / "trajectories"))
+    if skip:
+        order = {r["id"]: i for i, r in
+                 enumerate(read_prompts(run_dir("long", 1, family) / "prompts.jsonl"))}
+        rep = rep.subset([i for i, p in enumerate(rep.prompt or []) if order[p] >= skip])
     none = np.zeros(len(rep), dtype=bool)
     policy, excl = bundle.give_up.policy, bundle.ltt.excluded_never_correct
     out = {"n": len(rep), "group": bundle.groups[family].model_dump(), **references(bundle, rep),
@@ -312,6 +318,8 @@ def main() -> None:
     ap.add_argument("--served", action="store_true", help="serve every recorded trace of "
                     "--families with the bundle's own group tables")
     ap.add_argument("--families", nargs="+", default=["shifted", "hard"])
+    ap.add_argument("--skip", type=int, default=0, metavar="N", help="--served: leave out the "
+                    "traces of each recording's first N prompts (its prompts.jsonl order)")
     ap.add_argument("--bundle", type=Path, default=BUNDLE)
     ap.add_argument("--pooled", type=Path, nargs="+", metavar="DIR", help="split replays of "
                     "--family's traces in these sets and its held-out recording")
@@ -338,8 +346,8 @@ def main() -> None:
     if a.served:
         OUT.mkdir(parents=True, exist_ok=True)
         for family in a.families:
-            rep = served(bundle, family)
-            (OUT / f"group-{family}.json").write_text(json.dumps(rep, indent=1))
+            rep = served(bundle, family, a.skip)
+            (OUT / f"group-{family}{f'-from{a.skip}' if a.skip else ''}.json").write_text(json.dumps(rep, indent=1))
             print(served_table(family, rep), "\n", flush=True)
         return
     rep = replay_family(bundle, TrajectorySet.open(run_dir("long", 1, a.family) / "trajectories"))
