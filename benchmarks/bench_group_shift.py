@@ -103,6 +103,9 @@ def served(bundle: Bundle, family: str, skip: int = 0) -> dict[str, Any]:
         order = {r["id"]: i for i, r in
                  enumerate(read_prompts(run_dir("long", 1, family) / "prompts.jsonl"))}
         rep = rep.subset([i for i, p in enumerate(rep.prompt or []) if order[p] >= skip])
+        if not len(rep):
+            raise SystemExit(f"--skip {skip} leaves none of {family}'s {len(order)} recorded "
+                             "prompts to serve")
     none = np.zeros(len(rep), dtype=bool)
     policy, excl = bundle.give_up.policy, bundle.ltt.excluded_never_correct
     out = {"n": len(rep), "group": bundle.groups[family].model_dump(), **references(bundle, rep),
