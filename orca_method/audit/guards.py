@@ -117,9 +117,9 @@ def window_lambda(scores: list[np.ndarray], labels: list[np.ndarray], delta: flo
     grows, so a lambda at or above one LTT certified at `epsilon` is certified too (the floor's
     argument). Under a continuing drift the window's older half comes from traffic further from
     what follows, and the lambda certified on the whole of it went bad at or soon after its
-    first request (benchmarks/RESULTS.md, "The live audit's repair"); its recent half then asks
-    for the larger lambda. On unchanged traffic the half's lambda is larger only when its draw
-    is unlucky: the price is savings, never the guarantee."""
+    first request (benchmarks/RESULTS-archive.md, "The live audit's repair"); its recent half
+    then asks for the larger lambda. On unchanged traffic the half's lambda is larger only when
+    its draw is unlucky: the price is savings, never the guarantee."""
     half = len(scores) // 2
     return max(ltt(scores, labels, delta, epsilon),
                ltt(scores[half:], labels[half:], delta, epsilon))
