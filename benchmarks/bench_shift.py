@@ -20,7 +20,7 @@ The gate alarm (docs/SERVER.md, "The gate alarm") is on by default, as the serve
 the gate runs for (gated, two-sided) gets a server of its own, started afresh: an arm never
 inherits the alarm the arm before it raised.
 Each run writes OUT/REASONER/CONFIG.json; `--report` reads them all and prints the tables of
-benchmarks/RESULTS.md ("The mixed stream") and draws benchmarks/shift-REASONER.png.
+benchmarks/RESULTS.md ("Mixed stream, served") and draws benchmarks/shift-REASONER.png.
 
 Per segment and arm: tokens per request, accuracy (the task's checker on the delivered text),
 the realized stop error and give-up error with exact 95% intervals (labelled as
