@@ -48,8 +48,8 @@ DEFAULT_GATE_STEPS = 1  # steps whose embeddings the gate reads: decided at the 
 # The levels the job writes into a bundle (and the demo bundles carry): in-distribution requests
 # flagged, at most, and denied their give-up, at most. The stop side's 0.035 keeps the savings the
 # gate costs in distribution within 2 points; the give-up side's 0.05 keeps two-sided stopping
-# safe on shifted traffic the stop side's lower level lets through (benchmarks/RESULTS.md, "The
-# shift action and the gate's level").
+# safe on shifted traffic the stop side's lower level lets through (benchmarks/RESULTS-archive.md,
+# "The shift action and the gate's level").
 DEFAULT_GATE_ALPHA = 0.035
 DEFAULT_GATE_GIVE_UP_ALPHA = 0.05
 DEFAULT_GATE_RANK = 32  # principal directions kept (on the toy, 16 misses half its shift)

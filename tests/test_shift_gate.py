@@ -240,5 +240,5 @@ def test_the_demo_bundles_carry_a_gate(folder, steps):
     gate = bundle.load_gate()
     assert gate is not None and gate.steps == steps and len(gate.scores) >= 250
     assert gate.threshold(gate.alpha) < math.inf
-    # the job's default levels (benchmarks/RESULTS.md, "Served: a give-up level of its own")
+    # the job's default levels (benchmarks/RESULTS.md, "Shift replay")
     assert gate.levels() == (DEFAULT_GATE_ALPHA, DEFAULT_GATE_GIVE_UP_ALPHA) == (0.035, 0.05)

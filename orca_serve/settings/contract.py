@@ -115,7 +115,8 @@ class RequestDefaults:
     shift_give_up_alpha: float | None = None
     # what a request the gate flags gets: the bundle's largest lambda*, which keeps every
     # in-distribution guarantee (docs/METHOD.md section 11) and gives back most of the savings
-    # `full` loses (benchmarks/RESULTS.md, "In distribution: what the gate and its alarm cost")
+    # `full` loses (benchmarks/RESULTS-archive.md, "In distribution: what the gate and its alarm
+    # cost")
     shift_action: ShiftAction = ShiftAction.STRICT
     # the gate alarm's level (`--orca-gate-alarm`; 0: no alarm): each engine core's alarm on its
     # deployments' gates (`orca_serve.core.gate_alarm`)
