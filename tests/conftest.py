@@ -42,7 +42,7 @@ TOY_VOTE_K = 4  # `toy_server`'s consensus block: votes over groups of this many
 # among the quick ones, in file-name order (test_shards_cluster's 45 s of engines began 800 s
 # into an 850 s run). Measured with `make test`'s timings; order only, no skips.
 # test_server_apis runs last of the shared-server group (its last test stops that server), and
-# test_server_gate_alarm after test_server_samples (it leaves the toy server's gate alarm raised).
+# test_server_gate_alarm last of the toy server's (it leaves that server's gate alarm raised).
 LONGEST_FIRST = ["test_parallel", "test_speculation_engine", "test_fuzz_http", "test_audit_server",
                  "test_toy_job", "test_server_samples", "test_server_gate_alarm",
                  "test_startup_stop", "test_plugin", "test_audit_fleet_server",
@@ -59,7 +59,8 @@ LONGEST_FIRST = ["test_parallel", "test_speculation_engine", "test_fuzz_http", "
 # worker runs them all and the server starts once.
 SHARED_SERVER = {"test_server": "tiny_server", "test_server_apis": "tiny_server",
                  "test_server_give_up": "tiny_server", "test_server_shift_gate": "tiny_server",
-                 "test_server_samples": "toy_server", "test_server_gate_alarm": "toy_server"}
+                 "test_fuzz_http": "toy_server", "test_server_samples": "toy_server",
+                 "test_server_gate_alarm": "toy_server"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -120,9 +121,9 @@ def tiny_server(model, tmp_path_factory) -> Iterator[dict]:
 def toy_server(tmp_path_factory) -> Iterator[Server]:
     """orca-serve on the embedded toy reasoner (orca_serve/demo) with its shipped bundle plus a
     consensus block (tests/bundles.py `with_consensus`: `orca.samples` votes), under the
-    bundle's model name, greedy requests reproducible (`--seed 0`). Shared by
-    test_server_samples and test_server_gate_alarm, in that order: the second raises the gate
-    alarm, which stays raised. `--orca-shift-action full`, so that a request served as flagged
+    bundle's model name, greedy requests reproducible (`--seed 0`): what `orca-serve --demo`
+    serves, plus the consensus block. Shared by test_fuzz_http, test_server_samples and
+    test_server_gate_alarm, in that order: the last raises the gate alarm, which stays raised. `--orca-shift-action full`, so that a request served as flagged
     shows as one that never stopped (the default, `strict`, serves the bundle's largest lambda*).
     Started, not waited for: a test calls `.wait()`."""
     d = tmp_path_factory.mktemp("toy_server")

@@ -77,6 +77,7 @@ def test_long_demo_stops_after_the_answer_and_before_the_end(tmp_path: Path) -> 
         model = client.models.list().data[0].id
         msg = [{"role": "user", "content": PROBLEM.question}]
         bundle = load_bundle(DEMO / "bundle.json")
+        assert model == bundle.model.name and "/" not in model  # --demo: not its install path
         delta = min(bundle.deltas())
 
         def ask(orca: dict, messages: list = msg, **sampling) -> Any:

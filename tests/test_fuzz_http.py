@@ -1,4 +1,7 @@
-"""`orca-serve --demo` under hostile and unusual HTTP input: one real server for the module.
+"""What `orca-serve --demo` serves, under hostile and unusual HTTP input: conftest's `toy_server`
+(the embedded toy reasoner with its shipped bundle under the bundle's name, plus a consensus block
+that only `orca.samples` requests use), shared with test_server_samples and test_server_gate_alarm
+and run before them (a server start is two processes importing vLLM, ~20 s of a core).
 
 - vLLM 0.32's CPU build crashed the engine on seeded requests whose prompt prefill got chunked
   (12 concurrent ~680-token prompts did it with the demo's defaults); the server keeps prefills
@@ -21,20 +24,14 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-from tests.serving import Server, orca_serve_cmd
+from tests.serving import Server
 
 QUESTION = "Find the integer x with 7*x + 3 = 52."
-DEMO_ARGS = ["--host", "127.0.0.1", "--enforce-eager", "--reasoning-parser", "deepseek_r1",
-             "--disable-uvicorn-access-log"]
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    s = Server(orca_serve_cmd("--demo"), tmp_path_factory.mktemp("fuzz") / "demo.log", DEMO_ARGS)
-    try:
-        yield s.wait()
-    finally:
-        s.stop()
+def demo(toy_server) -> Server:
+    return toy_server.wait()
 
 
 def model(server: Server) -> str:
@@ -132,7 +129,7 @@ def test_orca_metrics_carry_vllms_model_name(demo):
     assert names == {model(demo)}
     orca = [ln for ln in text.splitlines() if ln.startswith("orca_")]
     assert orca and all(f'model_name="{model(demo)}"' in ln for ln in orca)
-    assert "/" not in model(demo)  # the demo serves a portable name, not its install path
+    assert "/" not in model(demo)  # the bundle's portable name, not the model's install path
 
 
 def test_fuzz_http_surface(demo):
