@@ -27,7 +27,8 @@ from orca_method.outcomes import GiveUpPolicy
 from orca_method.risk import cumulative, stop_indices
 from orca_serve.settings.field import OrcaRequestError
 from orca_serve.settings.resolve import OrcaDefaults, resolve
-from orca_serve.settings.xargs import encode_lam, request_spec, validate_xargs
+from orca_serve.settings.xargs import encode_lam, validate_xargs
+from tests.core_sim import engine_settings
 
 LAMS = {0.05: math.inf, 0.1: 0.6, 0.2: 0.4}
 
@@ -58,16 +59,16 @@ def test_validate_xargs_marks_children_and_refuses_bad_values():
 
 
 def test_lambda_resolution_server_value_wins_engine_resolves_the_rest():
-    spec = request_spec({XARG_LAM: "inf", "orca_delta": 0.2}, DEFAULTS, record=False,
-                        lam_of=lam_of, default_delta=0.1)
+    spec = engine_settings({XARG_LAM: "inf", "orca_delta": 0.2}, DEFAULTS, record=False,
+                           lam_of=lam_of, default_delta=0.1)
     assert spec.lam == math.inf and spec.delta == 0.2  # the server's resolution, not 0.4
-    spec = request_spec({"orca_delta": 0.2}, DEFAULTS, record=False, lam_of=lam_of,
-                        default_delta=0.1)
+    spec = engine_settings({"orca_delta": 0.2}, DEFAULTS, record=False, lam_of=lam_of,
+                           default_delta=0.1)
     assert spec.lam == 0.4 and spec.enabled and spec.policy == "answer"
-    spec = request_spec({"orca_delta": 0.3}, DEFAULTS, record=False, lam_of=lam_of,
-                        default_delta=0.1)
+    spec = engine_settings({"orca_delta": 0.3}, DEFAULTS, record=False, lam_of=lam_of,
+                           default_delta=0.1)
     assert not spec.enabled and spec.lam is None and spec.refused == str(_refusal(0.3))
-    spec = request_spec({}, DEFAULTS, record=True, lam_of=None, default_delta=None)
+    spec = engine_settings({}, DEFAULTS, record=True, lam_of=None, default_delta=None)
     assert not spec.enabled and spec.record and spec.lam is None
 
 
@@ -116,8 +117,8 @@ def test_an_unknown_delta_gets_the_same_answer_on_both_sides():
 
     with pytest.raises(OrcaRequestError) as server:
         resolve({"orca": {"delta": 0.3}}, OrcaDefaults(delta=0.1), FakeBundle())  # type: ignore[arg-type]
-    engine = request_spec({"orca_delta": 0.3}, DEFAULTS, record=False, lam_of=bundle_lam,
-                          default_delta=0.1)
+    engine = engine_settings({"orca_delta": 0.3}, DEFAULTS, record=False, lam_of=bundle_lam,
+                             default_delta=0.1)
     assert server.value.message == engine.refused == "delta 0.3 has no calibrated lambda*"
     assert server.value.param == "orca.delta" and not engine.enabled
 
@@ -127,8 +128,8 @@ def test_policy_rules():
     assert [(p.rule.acts, p.rule.answers) for p in Policy] == [
         (True, True), (True, False), (False, False)]
     assert POLICIES == ("answer", "stop", "shadow") and Policy("shadow") is Policy.SHADOW
-    assert request_spec({"orca_policy": "stop"}, DEFAULTS, record=False, lam_of=lam_of,
-                        default_delta=0.1).policy is Policy.STOP
+    assert engine_settings({"orca_policy": "stop"}, DEFAULTS, record=False, lam_of=lam_of,
+                           default_delta=0.1).policy is Policy.STOP
 
 
 def test_result_wire_round_trip():
