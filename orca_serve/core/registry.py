@@ -58,8 +58,8 @@ class Request:
                  "greedy", "guard_pos", "handle", "ident", "ignore_eos", "index", "key", "lag",
                  "last_give_up", "left_at", "max_tokens", "n_seen", "notes",
                  "output", "plan", "policy", "prompt", "prompt_reasoning", "record", "scores",
-                 "seg", "settings", "shift_alarm", "shift_barred", "shift_flagged", "shift_pvalue", "shift_thr",
-                 "shift_thr_give_up", "slot", "snapshot",
+                 "seg", "settings", "shift_alarm", "shift_barred", "shift_flagged",
+                 "shift_pvalue", "shift_thr", "shift_thr_give_up", "slot", "snapshot",
                  "step_counts", "step_embs", "steps_scored", "stop_reason", "stop_step",
                  "stopped", "would_stop_step")
 

@@ -10,8 +10,8 @@ given twice):
 The server removes `orca` and builds the request's `OrcaSettings` once (the body's field, its
 rules, the server's defaults, the bundle's or the live audit's lambda*, a fresh `orca_key`); the
 xargs codec writes them into `vllm_xargs`, which vLLM hands to the engine-side plugin as
-`SamplingParams.extra_args`, read back there into the same type. Everything here is plain Python (no vLLM import) so it is unit-tested
-without an engine.
+`SamplingParams.extra_args`, read back there into the same type. Everything here is plain
+Python (no vLLM import) so it is unit-tested without an engine.
 """
 
 from __future__ import annotations
