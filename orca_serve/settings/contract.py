@@ -247,8 +247,8 @@ class OrcaSettings:
     default on the server. An audited request travels as what it means to the engine: shadow,
     recorded."""
 
-    key: str | None = None  # the result key (`orca_key`, the server's; None: unkeyed)
-    enabled: bool = False
+    key: str | None  # the result key (`orca_key`, the server's; None: unkeyed)
+    enabled: bool
     delta: float | None = None
     policy: Policy | None = None  # None: off (the server's); the engine's is always a Policy
     lam: float | None = None  # lambda*(delta), NEVER: never stops early; None: no probe
