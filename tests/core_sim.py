@@ -17,7 +17,9 @@ from orca_method.procedure import replay
 from orca_method.steps import CLOSE, MERGE, NONE, STEP, STEP_PREV, Segmenter
 from orca_serve.core.engine import OrcaCore
 from orca_serve.core.registry import Entry
+from orca_serve.settings.contract import DEFAULTS, OrcaSettings, RequestDefaults
 from orca_serve.settings.engine_config import EngineConfig
+from orca_serve.settings.xargs import decode_settings, on_deployment
 from tests.bundles import tiny_bundle, with_give_up, write_bundle
 
 DIM = 16
@@ -76,6 +78,14 @@ def gated_sim_bundle(path, gate):
     return write_bundle(b.model_copy(update={"shift_gate": gate}), path)
 
 
+def engine_settings(xa: dict, defaults: RequestDefaults = DEFAULTS, *, record: bool = False,
+                    lam_of, default_delta: float | None, groups=()) -> OrcaSettings:
+    """What the engine's admission makes of the extra_args `xa` on a deployment whose bundle
+    resolves lambda* with `lam_of` (`decode_settings`, then `on_deployment`)."""
+    return on_deployment(decode_settings(xa, defaults, record=record), defaults, lam_of=lam_of,
+                         default_delta=default_delta, groups=groups)
+
+
 def make_core(bundle_path, max_num_seqs: int = 8, **cfg) -> OrcaCore:
     return OrcaCore(EngineConfig.from_dict({"bundle": str(bundle_path), **cfg}), FakeTokenizer(),
                     hidden_size=DIM,
@@ -121,12 +131,12 @@ def join_due(core: OrcaCore, sims: list[SimRequest], batch: list[SimRequest], t:
     back (same identity, same output so far: `join` must return the request it had)."""
     for s in sims:
         if s.req is None and not s.done and t == s.join_at:
-            s.req = core.join(s.name, s.xa, prompt=PROMPT, n_out=0, index=0,
+            s.req = core.join(s.name, core.settings(s.xa), prompt=PROMPT, n_out=0, index=0,
                               max_tokens=s.max_tokens, eos=None, ignore_eos=False,
                               structured=False)
             batch.append(s)
         if s.back_at == t:
-            assert core.join(s.name, s.xa, prompt=PROMPT, n_out=len(s.out), index=0,
+            assert core.join(s.name, core.settings(s.xa), prompt=PROMPT, n_out=len(s.out), index=0,
                              max_tokens=s.max_tokens, eos=None, ignore_eos=False,
                              structured=False) is s.req
             batch.append(s)

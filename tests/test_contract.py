@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -16,6 +17,7 @@ from orca_serve.settings.contract import (
     XARG_N,
     XARG_SEED,
     OrcaResult,
+    OrcaSettings,
     Policy,
     ShiftAction,
     child_key,
@@ -27,7 +29,13 @@ from orca_method.outcomes import GiveUpPolicy
 from orca_method.risk import cumulative, stop_indices
 from orca_serve.settings.field import OrcaRequestError
 from orca_serve.settings.resolve import OrcaDefaults, resolve
-from orca_serve.settings.xargs import encode_lam, request_spec, validate_xargs
+from orca_serve.settings.xargs import (
+    decode_settings,
+    encode_lam,
+    encode_settings,
+    validate_xargs,
+)
+from tests.core_sim import engine_settings
 
 LAMS = {0.05: math.inf, 0.1: 0.6, 0.2: 0.4}
 
@@ -58,17 +66,36 @@ def test_validate_xargs_marks_children_and_refuses_bad_values():
 
 
 def test_lambda_resolution_server_value_wins_engine_resolves_the_rest():
-    spec = request_spec({XARG_LAM: "inf", "orca_delta": 0.2}, DEFAULTS, record=False,
-                        lam_of=lam_of, default_delta=0.1)
+    spec = engine_settings({XARG_LAM: "inf", "orca_delta": 0.2}, DEFAULTS, record=False,
+                           lam_of=lam_of, default_delta=0.1)
     assert spec.lam == math.inf and spec.delta == 0.2  # the server's resolution, not 0.4
-    spec = request_spec({"orca_delta": 0.2}, DEFAULTS, record=False, lam_of=lam_of,
-                        default_delta=0.1)
+    spec = engine_settings({"orca_delta": 0.2}, DEFAULTS, record=False, lam_of=lam_of,
+                           default_delta=0.1)
     assert spec.lam == 0.4 and spec.enabled and spec.policy == "answer"
-    spec = request_spec({"orca_delta": 0.3}, DEFAULTS, record=False, lam_of=lam_of,
-                        default_delta=0.1)
+    spec = engine_settings({"orca_delta": 0.3}, DEFAULTS, record=False, lam_of=lam_of,
+                           default_delta=0.1)
     assert not spec.enabled and spec.lam is None and spec.refused == str(_refusal(0.3))
-    spec = request_spec({}, DEFAULTS, record=True, lam_of=None, default_delta=None)
+    spec = engine_settings({}, DEFAULTS, record=True, lam_of=None, default_delta=None)
     assert not spec.enabled and spec.record and spec.lam is None
+
+
+def test_the_settings_codec_reads_back_what_the_server_wrote():
+    """One type, one codec: what the server encodes (through JSON, as vLLM's extra_args carry
+    it) the engine decodes into the same type, every field it acts on as it was; an audited
+    request arrives as what it means to the engine (shadow, recorded, never giving up)."""
+    s = OrcaSettings(key="k", enabled=True, delta=0.1, policy=Policy.STOP, lam=math.inf,
+                     answer_budget=32, bundle="c" * 64, give_up_mu=0.2, shift_alpha=0.05,
+                     shift_give_up_alpha=0.1, group="g", alarm=False, effort="low")
+    back = decode_settings(json.loads(json.dumps(encode_settings(s))), DEFAULTS, record=False)
+    travels = ("key", "enabled", "delta", "policy", "lam", "answer_budget", "bundle",
+               "give_up_mu", "shift_alpha", "shift_give_up_alpha", "group", "alarm", "record")
+    assert [getattr(back, f) for f in travels] == [getattr(s, f) for f in travels]
+    assert back.effort is None  # the server's report's, not the engine's
+    audited = decode_settings(encode_settings(replace(s, audited=True)), DEFAULTS, record=False)
+    assert audited.policy is Policy.SHADOW and audited.record and audited.give_up_mu is None
+    off = decode_settings(encode_settings(OrcaSettings(key="k", enabled=False)), DEFAULTS,
+                          record=False)
+    assert not off.enabled and off.lam is None
 
 
 def test_server_passes_the_lambda_it_resolved():
@@ -116,8 +143,8 @@ def test_an_unknown_delta_gets_the_same_answer_on_both_sides():
 
     with pytest.raises(OrcaRequestError) as server:
         resolve({"orca": {"delta": 0.3}}, OrcaDefaults(delta=0.1), FakeBundle())  # type: ignore[arg-type]
-    engine = request_spec({"orca_delta": 0.3}, DEFAULTS, record=False, lam_of=bundle_lam,
-                          default_delta=0.1)
+    engine = engine_settings({"orca_delta": 0.3}, DEFAULTS, record=False, lam_of=bundle_lam,
+                             default_delta=0.1)
     assert server.value.message == engine.refused == "delta 0.3 has no calibrated lambda*"
     assert server.value.param == "orca.delta" and not engine.enabled
 
@@ -127,8 +154,8 @@ def test_policy_rules():
     assert [(p.rule.acts, p.rule.answers) for p in Policy] == [
         (True, True), (True, False), (False, False)]
     assert POLICIES == ("answer", "stop", "shadow") and Policy("shadow") is Policy.SHADOW
-    assert request_spec({"orca_policy": "stop"}, DEFAULTS, record=False, lam_of=lam_of,
-                        default_delta=0.1).policy is Policy.STOP
+    assert engine_settings({"orca_policy": "stop"}, DEFAULTS, record=False, lam_of=lam_of,
+                           default_delta=0.1).policy is Policy.STOP
 
 
 def test_result_wire_round_trip():

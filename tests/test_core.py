@@ -103,16 +103,17 @@ def test_core_matches_offline_replay_with_moves_preemption_and_lag(bundle_path,
 
 def test_state_is_freed_when_a_request_leaves_for_good(bundle_path):
     core = make_core(bundle_path, max_num_seqs=2)
-    keyed = core.join("k", {XARG_KEY: "k", "orca_record": 1}, prompt=PROMPT, n_out=0, index=0,
-                      max_tokens=50, eos=None, ignore_eos=False, structured=False)
-    unkeyed = core.join("u", {}, prompt=PROMPT, n_out=0, index=0, max_tokens=50, eos=None,
-                        ignore_eos=False, structured=False)
+    keyed = core.join("k", core.settings({XARG_KEY: "k", "orca_record": 1}), prompt=PROMPT,
+                      n_out=0, index=0, max_tokens=50, eos=None, ignore_eos=False,
+                      structured=False)
+    unkeyed = core.join("u", core.settings({}), prompt=PROMPT, n_out=0, index=0, max_tokens=50,
+                        eos=None, ignore_eos=False, structured=False)
     assert core.pool.free_count == core.capacity - 2
     core.leave(unkeyed, False)  # preempted: keeps its slot
     assert core.pool.free_count == core.capacity - 2 and "u" in core.live
     core.leave(keyed, True)
-    core.leave(core.join("u", {}, prompt=PROMPT, n_out=0, index=0, max_tokens=50, eos=None,
-                         ignore_eos=False, structured=False), True)
+    core.leave(core.join("u", core.settings({}), prompt=PROMPT, n_out=0, index=0,
+                         max_tokens=50, eos=None, ignore_eos=False, structured=False), True)
     assert core.pool.free_count == core.capacity and not core.live
     st = core.get_stats()
     assert st["stored_results"] == 1 and st["tracked_requests"] == 0
@@ -123,13 +124,13 @@ def test_state_is_freed_when_a_request_leaves_for_good(bundle_path):
 def test_results_expire_and_are_bounded(bundle_path):
     core = make_core(bundle_path, max_results=2)
     for i in range(3):
-        r = core.join(f"k{i}", {XARG_KEY: f"k{i}"}, prompt=PROMPT, n_out=0, index=0,
-                      max_tokens=9, eos=None, ignore_eos=False, structured=False)
+        r = core.join(f"k{i}", core.settings({XARG_KEY: f"k{i}"}), prompt=PROMPT, n_out=0,
+                      index=0, max_tokens=9, eos=None, ignore_eos=False, structured=False)
         core.leave(r, True)
     assert set(core.pop_results(["k0", "k1", "k2"])) == {"k1", "k2"}
     core = make_core(bundle_path, result_ttl_s=0.0)
-    core.leave(core.join("k", {XARG_KEY: "k"}, prompt=PROMPT, n_out=0, index=0, max_tokens=9,
-                         eos=None, ignore_eos=False, structured=False), True)
+    core.leave(core.join("k", core.settings({XARG_KEY: "k"}), prompt=PROMPT, n_out=0, index=0,
+                         max_tokens=9, eos=None, ignore_eos=False, structured=False), True)
     assert core.pop_results(["k"]) == {}
 
 
@@ -146,8 +147,9 @@ def test_parked_requests_are_evicted_into_snapshots_when_slots_run_out(bundle_pa
     b = SimRequest("a", random.Random(5), xa=a.xa, max_tokens=40, join_at=0, preempt_at=15)
 
     def crowd() -> None:  # two new requests take both slots while "a" is parked, then end
-        others = [core.join(f"c{i}", {}, prompt=PROMPT, n_out=0, index=0, max_tokens=9,
-                            eos=None, ignore_eos=False, structured=False) for i in range(2)]
+        others = [core.join(f"c{i}", core.settings({}), prompt=PROMPT, n_out=0, index=0,
+                            max_tokens=9, eos=None, ignore_eos=False, structured=False)
+                  for i in range(2)]
         assert core.pool.free_count == 0 and b.req.slot is None  # "a" was evicted
         for r in others:
             core.leave(r, True)
@@ -290,8 +292,9 @@ def test_a_request_naming_an_unloaded_bundle_runs_without_early_stopping(bundle_
     """lambda* of one probe is never applied to another: a request whose bundle is gone gets
     an error in its result instead of the current probe."""
     core = make_core(bundle_path)
-    req = core.join("g", {XARG_KEY: "g", XARG_BUNDLE: "f" * 64, XARG_LAM: 0.1}, prompt=PROMPT,
-                    n_out=0, index=0, max_tokens=9, eos=None, ignore_eos=False, structured=False)
+    req = core.join("g", core.settings({XARG_KEY: "g", XARG_BUNDLE: "f" * 64, XARG_LAM: 0.1}),
+                    prompt=PROMPT, n_out=0, index=0, max_tokens=9, eos=None, ignore_eos=False,
+                    structured=False)
     assert req is not None and not req.enabled
     core.leave(req, True)
     r = core.pop_results(["g"])["g"]
@@ -307,8 +310,9 @@ def test_a_delta_outside_the_table_is_refused_as_the_server_refuses_it(bundle_pa
     core = make_core(bundle_path)
     with caplog.at_level(logging.WARNING, logger="orca_serve.core"):
         for name in ("a", "b"):
-            req = core.join(name, {"orca_delta": 0.3}, prompt=PROMPT, n_out=0, index=0,
-                            max_tokens=20, eos=None, ignore_eos=False, structured=False)
+            req = core.join(name, core.settings({"orca_delta": 0.3}), prompt=PROMPT, n_out=0,
+                            index=0, max_tokens=20, eos=None, ignore_eos=False,
+                            structured=False)
             r = req.result()
             assert not r.enabled and r.lam is None and "delta 0.3" in r.error
             assert r.error.endswith("it ran without early stopping")

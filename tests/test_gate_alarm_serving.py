@@ -18,8 +18,8 @@ from orca_serve.api_server.middleware import OrcaMiddleware
 from orca_serve.api_server.report import orca_object
 from orca_serve.api_server.voting import sample_bodies
 from orca_serve.metrics.prometheus import OrcaMetrics
-from orca_serve.settings.contract import XARG_ALARM
-from orca_serve.settings.resolve import OrcaDefaults, VoteSettings, resolve
+from orca_serve.settings.contract import XARG_ALARM, VoteSettings
+from orca_serve.settings.resolve import OrcaDefaults, resolve
 from tests.bundles import far_gate, tiny_bundle
 from tests.servers import orca_result, orca_server
 from tests.test_requests import FakeEngine, fake_vllm

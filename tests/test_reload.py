@@ -121,8 +121,8 @@ def test_the_old_bundle_goes_after_its_last_request(paths):
         assert list(core.deps) == [a, b] and core.dep.checksum == b
     # the engine sees the request only now (it waited in vLLM's queue): it joins A
     xa = body["vllm_xargs"]
-    req = cores[0].join("r", xa, prompt=PROMPT, n_out=0, index=0, max_tokens=9, eos=None,
-                        ignore_eos=False, structured=False)
+    req = cores[0].join("r", cores[0].settings(xa), prompt=PROMPT, n_out=0, index=0,
+                        max_tokens=9, eos=None, ignore_eos=False, structured=False)
     assert req.dep.checksum == a and req.enabled
     _, new = resolve({"messages": []}, server.serving.now.defaults, server.serving.now.bundle)
     assert new.bundle == b

@@ -15,6 +15,7 @@ from orca_serve.metrics.prometheus import OrcaMetrics, outcome_of
 from orca_serve.settings.field import OrcaRequestError
 from orca_serve.api_server.report import choice_fields, orca_object
 from orca_serve.settings.resolve import OrcaDefaults, resolve
+from orca_serve.settings.xargs import encode_settings
 from tests.bundles import tiny_bundle, with_give_up
 from tests.servers import orca_result
 
@@ -66,7 +67,7 @@ def test_an_audited_request_runs_to_the_end_without_giving_up():
 
     _, s = settings({"give_up": {"delta": 0.05}})
     audited = dataclasses.replace(s, audited=True)
-    xa = audited.xargs()
+    xa = encode_settings(audited)
     assert xa["orca_policy"] == "shadow" and XARG_GIVE_UP_MU not in xa
     assert orca_object(audited, {0: None})["give_up"]["active"] is False
 

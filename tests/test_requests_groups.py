@@ -20,14 +20,23 @@ from orca_serve.settings.contract import (
     XARG_LAM,
     XARG_SHIFT_ALPHA,
     OrcaResult,
+    OrcaSettings,
     RequestDefaults,
 )
 from orca_serve.settings.field import OrcaRequestError
 from orca_serve.api_server.report import orca_object
-from orca_serve.settings.resolve import OrcaDefaults, OrcaSettings, resolve
-from orca_serve.settings.xargs import request_spec
+from orca_serve.settings.resolve import OrcaDefaults, resolve
 from tests.bundles import far_gate, tiny_bundle, with_give_up, with_groups, write_bundle
-from tests.core_sim import DIM, ID, WINDOW, SimRequest, make_core, run, sim_probe
+from tests.core_sim import (
+    DIM,
+    ID,
+    WINDOW,
+    SimRequest,
+    engine_settings,
+    make_core,
+    run,
+    sim_probe,
+)
 from tests.servers import orca_result
 
 # main table: 0.05 never, 0.1 at 0.75; "shifted" never stops at 0.05 and stops later at 0.1;
@@ -131,15 +140,15 @@ def test_the_engine_resolves_a_group_when_the_server_did_not():
     unknown group: the main table, the bundle's gate level."""
     defaults = RequestDefaults(answer_budget=8)
     groups = tuple(BUNDLE.groups)
-    spec = request_spec({XARG_GROUP: "shifted"}, defaults, record=False, lam_of=BUNDLE.lam,
-                        default_delta=0.1, groups=groups)
-    assert spec.lam == 0.97 and spec.shift_alpha == 0.0 and spec.group == "shifted"
-    spec = request_spec({XARG_GROUP: "shifted", XARG_SHIFT_ALPHA: 0.1}, defaults, record=False,
-                        lam_of=BUNDLE.lam, default_delta=0.1, groups=groups)
-    assert spec.shift_alpha == 0.1  # its own level wins
-    spec = request_spec({XARG_GROUP: "nope"}, defaults, record=False, lam_of=BUNDLE.lam,
-                        default_delta=0.1, groups=groups)
-    assert spec.lam == 0.75 and spec.shift_alpha is None
+    s = engine_settings({XARG_GROUP: "shifted"}, defaults, record=False, lam_of=BUNDLE.lam,
+                           default_delta=0.1, groups=groups)
+    assert s.lam == 0.97 and s.shift_alpha == 0.0 and s.group == "shifted"
+    s = engine_settings({XARG_GROUP: "shifted", XARG_SHIFT_ALPHA: 0.1}, defaults, record=False,
+                           lam_of=BUNDLE.lam, default_delta=0.1, groups=groups)
+    assert s.shift_alpha == 0.1  # its own level wins
+    s = engine_settings({XARG_GROUP: "nope"}, defaults, record=False, lam_of=BUNDLE.lam,
+                           default_delta=0.1, groups=groups)
+    assert s.lam == 0.75 and s.shift_alpha is None
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,9 @@ from orca_serve.settings.contract import (
 )
 from orca_serve.settings.field import OrcaRequestError
 from orca_serve.settings.resolve import OrcaDefaults, resolve
-from orca_serve.settings.xargs import request_spec, validate_xargs
+from orca_serve.settings.xargs import validate_xargs
 from tests.bundles import far_gate, tiny_bundle
+from tests.core_sim import engine_settings
 
 HIDDEN = 16
 ONE_LEVEL = tiny_bundle(Probe(ProbeSpec(dim=HIDDEN), seed=0), [(0.05, 0.5), (0.1, 0.7)],
@@ -39,15 +40,15 @@ def test_the_request_level_reaches_the_engine():
     assert (s.shift_alpha, s.shift_give_up_alpha) == (0.02, 0.1)
     x = out["vllm_xargs"]
     assert x[XARG_SHIFT_ALPHA] == 0.02 and x[XARG_SHIFT_GIVE_UP_ALPHA] == 0.1
-    spec = request_spec(x, ENGINE_DEFAULTS, record=False, lam_of=TWO_LEVELS.lam,
-                        default_delta=0.05)
-    assert (spec.shift_alpha, spec.shift_give_up_alpha) == (0.02, 0.1)
+    s = engine_settings(x, ENGINE_DEFAULTS, record=False, lam_of=TWO_LEVELS.lam,
+                           default_delta=0.05)
+    assert (s.shift_alpha, s.shift_give_up_alpha) == (0.02, 0.1)
     # unset: nothing written, the engine's default (the bundle's) applies
     out, s = _resolve({})
     assert s.shift_give_up_alpha is None and XARG_SHIFT_GIVE_UP_ALPHA not in out["vllm_xargs"]
-    spec = request_spec(out["vllm_xargs"], RequestDefaults(shift_give_up_alpha=0.2),
-                        record=False, lam_of=TWO_LEVELS.lam, default_delta=0.05)
-    assert spec.shift_give_up_alpha == 0.2
+    s = engine_settings(out["vllm_xargs"], RequestDefaults(shift_give_up_alpha=0.2),
+                           record=False, lam_of=TWO_LEVELS.lam, default_delta=0.05)
+    assert s.shift_give_up_alpha == 0.2
 
 
 @pytest.mark.parametrize("orca, stop", [

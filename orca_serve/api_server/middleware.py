@@ -31,10 +31,10 @@ from orca_serve.api_server.apis import (
 )
 from orca_serve.api_server.asgi import replay_body
 from orca_serve.api_server.assembly import OrcaServer
-from orca_serve.settings.contract import OrcaResult, child_key
+from orca_serve.settings.contract import OrcaResult, OrcaSettings, child_key
 from orca_serve.settings.field import OrcaRequestError, orca_param_in
 from orca_serve.api_server.report import orca_object, reasoning_total
-from orca_serve.settings.resolve import OrcaSettings, resolve
+from orca_serve.settings.resolve import resolve
 from orca_serve.api_server.log import deferred_errors
 from orca_serve.api_server.state import Serving
 from orca_serve.api_server.shaping import AnthropicErrors, ResponseShaper

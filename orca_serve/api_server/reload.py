@@ -43,8 +43,8 @@ from orca_serve.checks.bundle import check_options
 from orca_serve.live_audit.handover import hand_over
 from orca_serve.live_audit.options import AuditConfig
 from orca_serve.metrics.prometheus import ReloadOutcome
-from orca_serve.settings.contract import ReloadAnswer
-from orca_serve.settings.resolve import OrcaDefaults, OrcaSettings
+from orca_serve.settings.contract import OrcaSettings, ReloadAnswer
+from orca_serve.settings.resolve import OrcaDefaults
 from orca_serve.api_server.state import EngineLink, Serving, ServingRef
 
 if TYPE_CHECKING:

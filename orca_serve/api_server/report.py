@@ -15,8 +15,7 @@ from typing import Any
 from orca_method.outcomes import Ended, Source
 from orca_method.thresholds import lam_to_json
 from orca_serve.api_server.apis import reasoning_spent, thinking_ended_by
-from orca_serve.settings.contract import OrcaResult, Policy, merge_results
-from orca_serve.settings.resolve import OrcaSettings
+from orca_serve.settings.contract import OrcaResult, OrcaSettings, Policy, merge_results
 
 logger = logging.getLogger("orca_serve.api_server.server")
 

@@ -42,8 +42,8 @@ from orca_serve.api_server.apis import CHAT, Api
 from orca_serve.api_server.asgi import replay_body
 from orca_serve.api_server.report import orca_object, reasoning_total
 from orca_serve.metrics.prometheus import OrcaMetrics, SampleEvent
-from orca_serve.settings.contract import XARG_ALARM, OrcaResult
-from orca_serve.settings.resolve import OrcaSettings
+from orca_serve.settings.contract import OrcaResult, OrcaSettings
+from orca_serve.settings.xargs import encode_settings
 from orca_serve.api_server.state import EngineLink
 from orca_serve.api_server.waves import Waves
 from orca_serve.vllm_compat.engine_client import REQUEST_ID_HEADER, abort
@@ -114,11 +114,10 @@ def sample_bodies(body: dict[str, Any], settings: OrcaSettings, api: Api,
     out = []
     for i in range(settings.vote.k):
         key = f"{settings.key}-s{i}"
-        one = replace(settings, key=key, n=1, vote=None)
+        # one gate decision per prompt feeds the gate alarm (core/gate_alarm.py): the first's
+        one = replace(settings, key=key, n=1, vote=None, alarm=i == 0)
         b = {k: v for k, v in body.items() if k not in ("n", "stream", "stream_options")}
-        b["vllm_xargs"] = {**xargs, **one.xargs()}
-        if i:  # one gate decision per prompt feeds the gate alarm (core/gate_alarm.py)
-            b["vllm_xargs"][XARG_ALARM] = 0
+        b["vllm_xargs"] = {**xargs, **encode_settings(one)}
         if isinstance(seed, int) and not isinstance(seed, bool):
             b["seed"] = seed + i
         b, engine_id, header = api.sample(b, key, completions)

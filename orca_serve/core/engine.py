@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from orca_method.outcomes import GiveUpPolicy
-from orca_serve.settings.contract import GIVE_UP_MESSAGE, RequestDefaults
+from orca_serve.settings.contract import GIVE_UP_MESSAGE, OrcaSettings, RequestDefaults
 from orca_serve.settings.engine_config import EngineConfig
 from orca_serve.core.admission import Admission
 from orca_serve.core.deployment import Deployment, Deployments
@@ -134,14 +134,17 @@ class OrcaCore:
         return self.deployments.retire(keep, (r.dep for r in self.live.values()))
 
     # -- joining and leaving --------------------------------------------------------------------
-    def wants(self, xa: Mapping[str, Any] | None) -> bool:
-        return self.admission.wants(xa)
+    def settings(self, xa: Mapping[str, Any] | None) -> OrcaSettings | None:
+        """A request's settings, read once from its extra_args; None: the core does not track
+        it (`Admission.settings`)."""
+        return self.admission.settings(xa)
 
-    def join(self, ident: str, xa: Mapping[str, Any] | None, *, prompt: Sequence[int] | None,
+    def join(self, ident: str, settings: OrcaSettings | None, *, prompt: Sequence[int] | None,
              n_out: int, index: int, max_tokens: int | None, eos: int | None,
              ignore_eos: bool, structured: bool, handle: Handle | None = None,
              output: Sequence[int] | None = None) -> Request | None:
-        """A request enters the batch: a new one (tracked if it asks for it) or a parked one.
+        """A request enters the batch: a new one with its `settings` (None: one the core does
+        not track) or a parked one. Returns the tracked request, or None.
 
         `handle`: an object the adapter's identity is derived from (kept alive while tracked,
         so that its id is not reused). `output`: the engine's live list of the request's output
@@ -154,9 +157,9 @@ class OrcaCore:
             if output is not None:
                 req.output = output
             return self.table.resume(req, n_out)
-        if not self.wants(xa):
+        if settings is None:
             return None
-        req = self.admission.new_request(ident, xa or {}, prompt=prompt, n_out=n_out,
+        req = self.admission.new_request(ident, settings, prompt=prompt, n_out=n_out,
                                          index=index, max_tokens=max_tokens, eos=eos,
                                          ignore_eos=ignore_eos, structured=structured)
         req.handle = handle

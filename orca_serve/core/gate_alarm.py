@@ -41,7 +41,7 @@ def take_ticket(req: Request) -> None:
     """A request added to the core takes its place in its deployment's arrival order (module
     docstring: gated, the first of its prompt)."""
     feed = req.dep.alarm
-    if feed is not None and req.gated and req.index == 0 and req.spec.alarm:
+    if feed is not None and req.gated and req.index == 0 and req.settings.alarm:
         req.alarm_ticket = feed.ticket()
 
 

@@ -189,7 +189,7 @@ def _plan_scoring(p: StepPlan, scored: list[tuple[Deployment, Request, int, int,
         p.hit_lam.append(NEVER if shadow and req.would_stop_step is not None else lam)
         # shadow (audited) requests run to the end: they never give up; nor do flagged ones,
         # nor those the gate barred at the give-up side's level (flagged ones are barred too)
-        mu = req.spec.give_up_mu
+        mu = req.settings.give_up_mu
         p.bank_mu.append(GIVE_UP_NEVER if shadow or mu is None or req.shift_barred or held
                          or alarm else mu)
         p.pending.append((req, n, guard, 1 + len(req.draft_rows)))

@@ -17,9 +17,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from orca_method.steps import Segmenter
-from orca_serve.settings.contract import OrcaResult, Policy, StopReason
+from orca_serve.settings.contract import OrcaResult, OrcaSettings, Policy, StopReason
 from orca_serve.core.deployment import Deployment
-from orca_serve.settings.xargs import RequestSpec
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -59,18 +58,19 @@ class Request:
                  "greedy", "guard_pos", "handle", "ident", "ignore_eos", "index", "key", "lag",
                  "last_give_up", "left_at", "max_tokens", "n_seen", "notes",
                  "output", "plan", "policy", "prompt", "prompt_reasoning", "record", "scores",
-                 "seg", "shift_alarm", "shift_barred", "shift_flagged", "shift_pvalue", "shift_thr",
-                 "shift_thr_give_up", "slot", "snapshot", "spec",
+                 "seg", "settings", "shift_alarm", "shift_barred", "shift_flagged",
+                 "shift_pvalue", "shift_thr", "shift_thr_give_up", "slot", "snapshot",
                  "step_counts", "step_embs", "steps_scored", "stop_reason", "stop_step",
                  "stopped", "would_stop_step")
 
-    def __init__(self, ident: str, spec: RequestSpec, dep: Deployment, seg: Segmenter, *,
+    def __init__(self, ident: str, settings: OrcaSettings, dep: Deployment, seg: Segmenter, *,
                  index: int, key: str | None, policy: Policy, max_tokens: int | None,
                  eos: int | None, ignore_eos: bool, n_out: int) -> None:
-        self.ident, self.spec, self.dep, self.seg = ident, spec, dep, seg
+        # what it runs with (its deployment's: `orca_serve.settings.xargs.on_deployment`)
+        self.ident, self.settings, self.dep, self.seg = ident, settings, dep, seg
         self.index, self.key, self.policy = index, key, policy
-        self.record = spec.record
-        self.answer_budget = spec.answer_budget
+        self.record = settings.record
+        self.answer_budget = settings.answer_budget
         self.max_tokens, self.eos, self.ignore_eos = max_tokens, eos, ignore_eos
         self.n_seen = n_out  # tokens generated before we saw it are not pooled
         self.active = True  # segmentation and scoring run (ends with a stop or an error)
@@ -113,7 +113,8 @@ class Request:
         # not gated), its p-value once decided, whether it flagged the request (then the
         # deployment's safe lambda, no give-up) and whether it barred its give-up
         self.shift_thr, self.shift_thr_give_up = (
-            dep.gate_thresholds(spec.shift_alpha, spec.shift_give_up_alpha) if spec.enabled
+            dep.gate_thresholds(settings.shift_alpha, settings.shift_give_up_alpha)
+            if settings.enabled
             else (math.inf, math.inf))
         self.shift_pvalue: float | None = None
         self.shift_flagged = False
@@ -126,11 +127,11 @@ class Request:
 
     @property
     def enabled(self) -> bool:
-        return self.spec.enabled
+        return self.settings.enabled
 
     @property
     def lam(self) -> float | None:
-        return self.spec.lam
+        return self.settings.lam
 
     @property
     def gated(self) -> bool:
@@ -143,7 +144,7 @@ class Request:
         not run for it)."""
         if not self.gated:
             return None
-        return self.dep.gate.levels(self.spec.shift_alpha, self.spec.shift_give_up_alpha)
+        return self.dep.gate.levels(self.settings.shift_alpha, self.settings.shift_give_up_alpha)
 
     def _shift(self) -> dict[str, Any]:
         """The gate's fields of the result (none when it did not run for this request)."""
@@ -168,7 +169,7 @@ class Request:
         """The result; `pending_step` (record mode): the embedding of the unfinished last step."""
         lam = self.lam
         r = OrcaResult(
-            enabled=self.enabled, policy=self.policy, delta=self.spec.delta,
+            enabled=self.enabled, policy=self.policy, delta=self.settings.delta,
             lam=lam,
             steps_scored=self.steps_scored,
             stopped_early=self.stopped and self.stop_reason == StopReason.PROBE,
@@ -181,7 +182,7 @@ class Request:
             # closed by a stop of ours (forced end text or EOS), or in the output
             reasoning_closed=self.stopped or (self.seg.fed > 0 and not self.seg.reasoning),
             prompt_reasoning_tokens=self.prompt_reasoning,
-            give_up_mu=self.spec.give_up_mu, give_up_step=self.give_up_step,
+            give_up_mu=self.settings.give_up_mu, give_up_step=self.give_up_step,
             last_give_up_score=self.last_give_up, **self._shift())
         if self.record:
             embs, counts = list(self.step_embs), list(self.step_counts)

@@ -57,7 +57,7 @@ from orca_method.probe import Probe
 from orca_method.procedure import replay
 from orca_method.risk import cumulative, is_counted
 from orca_method.thresholds import NEVER, lam_to_json
-from orca_serve.settings.contract import OrcaResult
+from orca_serve.settings.contract import OrcaResult, OrcaSettings, VoteSettings
 from orca_serve.live_audit.fleet import store_state
 from orca_serve.live_audit.guard_log import log_change
 from orca_serve.live_audit.journal import AuditOutcome, EventJournal
@@ -67,7 +67,6 @@ from orca_serve.live_audit.sampling import AuditSampler
 from orca_serve.live_audit.state import AuditState
 from orca_serve.live_audit.store import AuditStore
 from orca_serve.live_audit.votes import VoteAudit
-from orca_serve.settings.resolve import OrcaSettings, VoteSettings
 
 logger = logging.getLogger("orca_serve.live_audit")
 

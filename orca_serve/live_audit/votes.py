@@ -36,7 +36,7 @@ from orca_method.files import write_atomic
 from orca_method.outcomes import Source
 from orca_serve.live_audit.options import AuditConfig, guard_epsilon
 from orca_serve.live_audit.sampling import AuditSampler
-from orca_serve.settings.resolve import VoteSettings
+from orca_serve.settings.contract import VoteSettings
 
 logger = logging.getLogger("orca_serve.live_audit")
 

@@ -2,8 +2,9 @@
 
 Plain Python (no vLLM, no torch): the server (`orca_serve.settings.resolve`, `orca_serve.api_server.server`), the
 plugin's adapters and its core all import these names, so a policy, a default, an xarg name or the
-result-key rule cannot drift between them. Requests go in as `vllm_xargs` (read on the engine
-side by `orca_serve.settings.xargs`); results come back as `OrcaResult`, through the one codec of its wire
+result-key rule cannot drift between them. A request goes in as one `OrcaSettings`, the same frozen
+type on both sides, through the one codec of its wire form (`vllm_xargs`:
+`orca_serve.settings.xargs`); results come back as `OrcaResult`, through the one codec of its wire
 form here (`to_wire`, `OrcaResult.from_wire`, `merge_results`).
 """
 
@@ -15,7 +16,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from orca_method.gate_alarm import DEFAULT_ALARM_LEVEL
-from orca_method.outcomes import Ended, GiveUpPolicy
+from orca_method.outcomes import Ended, GiveUpPolicy, Source
 from orca_method.thresholds import NEVER, lam_from_json, lam_to_json
 
 if TYPE_CHECKING:  # types only: this module loads without numpy and torch
@@ -196,6 +197,90 @@ def child_key(key: str, index: int, n: int) -> str:
     """Result key of choice `index` of a request with `n` choices (n > 1: vLLM fans it out into
     child requests "<index>_<parent id>"): choice 0 keeps `key`, choice i > 0 is "<key>/<i>"."""
     return key if n <= 1 or index == 0 else f"{key}/{index}"
+
+
+class DeltaSource(StrEnum):
+    """Where a request's delta (or its `enabled`) comes from (the response's `delta_source`):
+    the server's default, the request's own `orca.delta`, or its reasoning effort."""
+
+    SERVER = "server"
+    REQUEST = "request"
+    EFFORT = "effort"
+
+
+@dataclass(frozen=True)
+class VoteSettings:
+    """One voted answer from `k` samples (`orca.samples`): the bundle's consensus row for the
+    request's delta with the smallest delta_vote. `t` None (the row certified none, or k is
+    below the k it was certified for): no early stop at all, each sample runs to its end and the
+    vote is maj@k itself (what the consensus block's rows with t null promise). The live audit
+    of the vote (`orca_serve.live_audit.votes`) sets `audited` (the group aborts nothing: its
+    samples run to their end after the answer) and `t_source` (FALLBACK: t is only measured,
+    the group waits for every sample)."""
+
+    k: int
+    t: float | None
+    delta_vote: float
+    weighting: str
+    # the wave sizes the k samples are launched in (the schedule t was certified for); (k,):
+    # all at once, as whenever t is None (nothing settles early, so waves would only wait)
+    waves: tuple[int, ...]
+    audited: bool = False
+    t_source: Source = Source.BUNDLE
+    # the confidence clause's certified cap (a version 3 block's row): one finished sample that
+    # ORCA stopped within this many reasoning tokens settles the vote for a leading answer;
+    # None: off
+    confident_tokens: float | None = None
+
+
+@dataclass(frozen=True)
+class OrcaSettings:
+    """What one request runs with, after defaults: one frozen type for the server and the engine.
+
+    The server builds it once per request from the body's `orca` field, its rules, the server's
+    defaults and the bundle's (or the live audit's) lambda* (`orca_serve.settings.resolve`); the
+    xargs codec (`orca_serve.settings.xargs`) writes it into `vllm_xargs` and reads it back in
+    the engine into this type, which the core keeps on its request (`core.registry.Request`).
+
+    What the engine acts on travels; what only the server's report reads (where a value came
+    from, the effort, the vote) does not, and keeps its default in the engine. What only the
+    engine decides (record mode's default, the reserve, a refusal, the alarm's feed) keeps its
+    default on the server. An audited request travels as what it means to the engine: shadow,
+    recorded."""
+
+    key: str | None  # the result key (`orca_key`, the server's; None: unkeyed)
+    enabled: bool
+    delta: float | None = None
+    policy: Policy | None = None  # None: off (the server's); the engine's is always a Policy
+    lam: float | None = None  # lambda*(delta), NEVER: never stops early; None: no probe
+    # answer tokens after a stop (None: the engine's default; the engine's is always set)
+    answer_budget: int | None = None
+    n: int = 1  # n of the request (the engine's: of its parent; each child is its own request)
+    bundle: str | None = None  # checksum of the bundle `lam` was resolved with: its deployment
+    give_up_mu: float | None = None  # mu*(give_up_delta); None: never gives up
+    shift_alpha: float | None = None  # the request's own gate level; None: the engine's default
+    shift_give_up_alpha: float | None = None  # its own give-up side's level; likewise
+    group: str | None = None  # the request's group tag (`orca.group`), if any
+    # -- the engine's: keep step embeddings; tokens reserved for the answer before max_tokens
+    # (None: force text + min(budget, 8)); why orca does not run although the request asked for
+    # it (a delta outside the bundle's table: the server answers 400 with the same words); and
+    # whether its gate decision feeds the gate alarm
+    record: bool = False
+    reserve: int | None = None
+    refused: str | None = None
+    alarm: bool = True
+    # -- the server's: where `lam` comes from (AUDIT: the audit's guard; GROUP: its group's table)
+    lam_source: Source = Source.BUNDLE
+    audited: bool = False  # picked for a live audit: runs in shadow with record mode on
+    delta_source: DeltaSource = DeltaSource.SERVER  # where `delta` (or `enabled`) comes from
+    effort: str | None = None  # the request's reasoning effort, when it chose the delta
+    thinking_budget: int | None = None  # vLLM's thinking_token_budget of the request, if any
+    give_up_delta: float | None = None  # None: the request does not give up
+    give_up_policy: GiveUpPolicy | None = None  # what it returns if it gives up
+    # where give_up_mu comes from (FALLBACK: guard off; GROUP: its group's table)
+    give_up_source: Source = Source.BUNDLE
+    group_known: bool = False  # the bundle has that group's table (and served it)
+    vote: VoteSettings | None = None  # `orca.samples`: the server runs k samples and votes
 
 
 _ARRAY_TAG = "__orca_ndarray__"

@@ -7,10 +7,11 @@ given twice):
     {"vllm_xargs": {"orca_enabled": 1, "orca_delta": 0.05, "orca_policy": "answer",
                     "orca_answer_budget": 64}}
 
-The server removes `orca`, fills in its defaults and writes the fully resolved settings plus a
-fresh `orca_key` into `vllm_xargs`, which vLLM hands to the engine-side plugin as
-`SamplingParams.extra_args`. Everything here is plain Python (no vLLM import) so it is unit-tested
-without an engine.
+The server removes `orca` and builds the request's `OrcaSettings` once (the body's field, its
+rules, the server's defaults, the bundle's or the live audit's lambda*, a fresh `orca_key`); the
+xargs codec writes them into `vllm_xargs`, which vLLM hands to the engine-side plugin as
+`SamplingParams.extra_args`, read back there into the same type. Everything here is plain
+Python (no vLLM import) so it is unit-tested without an engine.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -29,20 +29,12 @@ from orca_method.shift_gate import give_up_level
 from orca_method.thresholds import NEVER, lam_to_json
 from orca_serve.settings.contract import (
     DEFAULTS,
-    XARG_ANSWER_BUDGET,
-    XARG_BUNDLE,
-    XARG_DELTA,
-    XARG_ENABLED,
     XARG_FIELDS,
-    XARG_GIVE_UP_MU,
-    XARG_GROUP,
-    XARG_KEY,
-    XARG_LAM,
-    XARG_POLICY,
-    XARG_RECORD,
-    XARG_SHIFT_ALPHA,
     XARG_SHIFT_GIVE_UP_ALPHA,
+    DeltaSource,
+    OrcaSettings,
     Policy,
+    VoteSettings,
 )
 from orca_serve.settings.effort import DEFAULT_EFFORT_MAP, effort_delta
 from orca_serve.settings.field import (
@@ -53,7 +45,7 @@ from orca_serve.settings.field import (
     strip_orca_xargs,
     validation_message,
 )
-from orca_serve.settings.xargs import encode_lam, resolve_lam
+from orca_serve.settings.xargs import encode_settings, resolve_lam
 
 
 @dataclass(frozen=True)
@@ -73,93 +65,6 @@ class OrcaDefaults:
     # --orca-vote-waves: the launch schedule of orca.samples (None: all at once); the bundle's
     # consensus block is certified for it (`checks.bundle.check_vote_waves`)
     vote_waves: tuple[int, ...] | None = None
-
-
-class DeltaSource(StrEnum):
-    """Where a request's delta (or its `enabled`) comes from (the response's `delta_source`):
-    the server's default, the request's own `orca.delta`, or its reasoning effort."""
-
-    SERVER = "server"
-    REQUEST = "request"
-    EFFORT = "effort"
-
-
-@dataclass(frozen=True)
-class VoteSettings:
-    """One voted answer from `k` samples (`orca.samples`): the bundle's consensus row for the
-    request's delta with the smallest delta_vote. `t` None (the row certified none, or k is
-    below the k it was certified for): no early stop at all, each sample runs to its end and the
-    vote is maj@k itself (what the consensus block's rows with t null promise). The live audit
-    of the vote (`orca_serve.live_audit.votes`) sets `audited` (the group aborts nothing: its
-    samples run to their end after the answer) and `t_source` (FALLBACK: t is only measured,
-    the group waits for every sample)."""
-
-    k: int
-    t: float | None
-    delta_vote: float
-    weighting: str
-    # the wave sizes the k samples are launched in (the schedule t was certified for); (k,):
-    # all at once, as whenever t is None (nothing settles early, so waves would only wait)
-    waves: tuple[int, ...]
-    audited: bool = False
-    t_source: Source = Source.BUNDLE
-    # the confidence clause's certified cap (a version 3 block's row): one finished sample that
-    # ORCA stopped within this many reasoning tokens settles the vote for a leading answer;
-    # None: off
-    confident_tokens: float | None = None
-
-
-@dataclass(frozen=True)
-class OrcaSettings:
-    """What one request runs with, after defaults; `key` identifies it to the plugin."""
-
-    key: str
-    enabled: bool
-    delta: float | None = None
-    policy: Policy | None = None
-    lam: float | None = None  # lambda*(delta), NEVER: never stops early; None: disabled
-    answer_budget: int | None = None
-    n: int = 1
-    # where `lam` comes from (AUDIT: the audit's guard; GROUP: the table of the request's group)
-    lam_source: Source = Source.BUNDLE
-    audited: bool = False  # picked for a live audit: runs in shadow with record mode on
-    bundle: str | None = None  # checksum of the bundle `lam` was resolved with
-    delta_source: DeltaSource = DeltaSource.SERVER  # where `delta` (or `enabled`) comes from
-    effort: str | None = None  # the request's reasoning effort, when it chose the delta
-    thinking_budget: int | None = None  # vLLM's thinking_token_budget of the request, if any
-    give_up_delta: float | None = None  # None: the request does not give up
-    give_up_mu: float | None = None  # mu*(give_up_delta); None: never gives up
-    give_up_policy: GiveUpPolicy | None = None  # what it returns if it gives up
-    # where give_up_mu comes from (FALLBACK: guard off; GROUP: its group's table)
-    give_up_source: Source = Source.BUNDLE
-    shift_alpha: float | None = None  # the request's own gate level; None: the engine's default
-    shift_give_up_alpha: float | None = None  # its own give-up side's level; likewise
-    group: str | None = None  # the request's `orca.group` tag, if any
-    group_known: bool = False  # the bundle has that group's table (and served it)
-    vote: VoteSettings | None = None  # `orca.samples`: the server runs k samples and votes
-
-    def xargs(self) -> dict[str, str | int | float]:
-        """The settings as the engine reads them (`vllm_xargs`); written once per request."""
-        out: dict[str, str | int | float] = {XARG_KEY: self.key, XARG_ENABLED: int(self.enabled)}
-        if self.enabled:
-            out[XARG_DELTA] = float(self.delta)  # type: ignore[arg-type]
-            out[XARG_POLICY] = str(Policy.SHADOW if self.audited else self.policy)
-            out[XARG_LAM] = encode_lam(self.lam)
-            if self.bundle is not None:  # the engine joins this bundle's deployment
-                out[XARG_BUNDLE] = self.bundle
-            if self.audited:
-                out[XARG_RECORD] = 1
-            elif self.give_up_mu is not None:  # an audited request runs to the end: no give-up
-                out[XARG_GIVE_UP_MU] = float(self.give_up_mu)
-            if self.answer_budget is not None:
-                out[XARG_ANSWER_BUDGET] = int(self.answer_budget)
-            if self.shift_alpha is not None:
-                out[XARG_SHIFT_ALPHA] = float(self.shift_alpha)
-            if self.shift_give_up_alpha is not None:
-                out[XARG_SHIFT_GIVE_UP_ALPHA] = float(self.shift_give_up_alpha)
-            if self.group is not None:
-                out[XARG_GROUP] = self.group
-        return out
 
 
 class Thresholds(Protocol):
@@ -332,7 +237,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
             # (docs/METHOD.md sections 11 and 12)
             settings = replace(settings, shift_alpha=0.0)
     new_xargs = {k: v for k, v in (xargs or {}).items() if not k.startswith("orca_")}
-    new_xargs.update(settings.xargs())
+    new_xargs.update(encode_settings(settings))
     out["vllm_xargs"] = new_xargs
     return out, settings
 

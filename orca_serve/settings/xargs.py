@@ -1,18 +1,21 @@
-"""The `vllm_xargs` a request reaches the engine with, read on the engine side: their checks
-(front end, HTTP 400) and the settings a request runs with after the engine's defaults
-(`request_spec`). Names and defaults are `orca_serve.settings.contract`'s, the client-settable settings'
-rules `orca_serve.settings.rules`' (the server's too); plain Python (no vLLM, no torch).
+"""The one codec of a request's settings on the wire: `OrcaSettings` (the same frozen type on
+both sides) into the `vllm_xargs` the server writes (`encode_settings`), and back from the
+`SamplingParams.extra_args` vLLM hands the engine (`decode_settings`, then `on_deployment` for
+what depends on the bundle the request joins); their checks (`validate_xargs`, the front end's
+HTTP 400). Names and defaults are `orca_serve.settings.contract`'s, the client-settable
+settings' rules `orca_serve.settings.rules`' (the server's too); plain Python (no vLLM, no
+torch).
 
-The server resolves a request's settings (defaults, delta -> lambda*) and writes them into
-`vllm_xargs` once (`orca_serve.settings.resolve`); vLLM hands them to the engine as
-`SamplingParams.extra_args`. A request that reaches the engine without the server (offline
-`LLM`, a stock vLLM server) is resolved here, through the same `resolve_lam`.
+The server resolves a request's settings (defaults, delta -> lambda*) once
+(`orca_serve.settings.resolve`) and encodes them here. A request that reaches the engine without
+the server (offline `LLM`, a stock vLLM server) is resolved in the engine, through the same
+`resolve_lam`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 from orca_method.errors import shown
@@ -36,6 +39,7 @@ from orca_serve.settings.contract import (
     XARG_SEED,
     XARG_SHIFT_ALPHA,
     XARG_SHIFT_GIVE_UP_ALPHA,
+    OrcaSettings,
     Policy,
     RequestDefaults,
 )
@@ -133,70 +137,94 @@ def validate_xargs(xa: dict[str, Any] | None, n: int = 1, seed: int | None = Non
             xa[XARG_SEED] = int(seed)
 
 
-@dataclass(frozen=True)
-class RequestSpec:
-    """What one engine request runs with, after defaults (engine side)."""
+def encode_settings(s: OrcaSettings) -> dict[str, str | int | float]:
+    """A request's settings as the engine reads them (`vllm_xargs`; `decode_settings` reads
+    them back): written once per request, by the server. Only what the engine acts on travels
+    (`OrcaSettings`); an audited request travels as shadow, recorded, never giving up."""
+    out: dict[str, str | int | float] = {} if s.key is None else {XARG_KEY: s.key}
+    out[XARG_ENABLED] = int(s.enabled)
+    if s.enabled:
+        out[XARG_DELTA] = float(s.delta)  # type: ignore[arg-type]
+        out[XARG_POLICY] = str(Policy.SHADOW if s.audited else s.policy)
+        out[XARG_LAM] = encode_lam(s.lam)
+        if s.bundle is not None:  # the engine joins this bundle's deployment
+            out[XARG_BUNDLE] = s.bundle
+        if s.audited:
+            out[XARG_RECORD] = 1
+        elif s.give_up_mu is not None:  # an audited request runs to the end: no give-up
+            out[XARG_GIVE_UP_MU] = float(s.give_up_mu)
+        if s.answer_budget is not None:
+            out[XARG_ANSWER_BUDGET] = int(s.answer_budget)
+        if s.shift_alpha is not None:
+            out[XARG_SHIFT_ALPHA] = float(s.shift_alpha)
+        if s.shift_give_up_alpha is not None:
+            out[XARG_SHIFT_GIVE_UP_ALPHA] = float(s.shift_give_up_alpha)
+        if s.group is not None:
+            out[XARG_GROUP] = s.group
+    if not s.alarm:  # its gate decision does not feed the gate alarm
+        out[XARG_ALARM] = 0
+    return out
 
-    key: str | None
-    n: int
-    record: bool
-    enabled: bool
-    policy: Policy
-    delta: float | None
-    lam: float | None  # None: no probe (disabled or record only); NEVER: never stops early
-    answer_budget: int
-    reserve: int | None  # None: the default reserve (force text + min(budget, 8))
-    # why orca does not run although the request asked for it (a delta outside the bundle's
-    # table: the server answers 400 with the same words, `orca_serve.settings.resolve.resolve`)
-    refused: str | None = None
-    give_up_mu: float | None = None  # None: never gives up
-    shift_alpha: float | None = None  # the shift gate's level (0: none); None: the bundle's
-    shift_give_up_alpha: float | None = None  # the give-up side's level; None: the bundle's
-    group: str | None = None  # the request's group tag (`orca_group`)
-    alarm: bool = True  # its gate decision feeds the gate alarm (`orca_alarm`)
 
+def decode_settings(xa: Mapping[str, Any] | None, defaults: RequestDefaults, *,
+                    record: bool) -> OrcaSettings:
+    """A request's settings from its extra_args (checked already: `validate_xargs`), the
+    engine's defaults for what they leave out: the codec's other half (`encode_settings`), for
+    the server's requests and for those that reach the engine without it (offline `LLM`).
 
-def request_spec(xa: Mapping[str, Any] | None, defaults: RequestDefaults, *, record: bool,
-                 lam_of: Callable[..., float] | None,
-                 default_delta: float | None, groups: Collection[str] = ()) -> RequestSpec:
-    """A request's settings from its extra_args and the engine's defaults.
-
-    `lam_of`/`default_delta` come from the deployment's bundle (None: record mode only), and
-    `groups`, the names of the groups it has tables for. `orca_lam` (the server's resolution)
-    wins; otherwise lambda* is resolved here with `resolve_lam`, from the table of the request's
-    `orca_group` when it is one of `groups`, and such a request is not gated unless it sets
-    `orca_shift_alpha` itself (as the server resolves it). A delta outside the bundle's table
-    is refused as the server refuses it: the request runs without early stopping and `refused`
-    says why (the engine cannot answer 400).
+    What depends on the deployment the request joins is left to `on_deployment`: whether orca
+    runs at all (a bundle that scores), the bundle's default delta, lambda* when `orca_lam` is
+    absent, and the gate level of a request that sets none (a group the bundle knows is not
+    gated). `shift_alpha` is therefore the request's own here (None: not set).
     """
     xa = xa or {}
-    group = xa.get(XARG_GROUP, defaults.group)
-    known = group in groups
-    enabled = lam_of is not None and bool(as_int(XARG_ENABLED,
-                                                 xa.get(XARG_ENABLED, int(defaults.enabled))))
-    delta = lam = refused = None
-    if enabled:
-        d = xa.get(XARG_DELTA, defaults.delta)
-        delta = float(d) if d is not None else default_delta
-        if XARG_LAM in xa:
-            lam = decode_lam(xa[XARG_LAM])
-        else:
-            try:
-                lam = resolve_lam(lam_of, delta,  # type: ignore[arg-type]
-                                  group if known else None)
-            except Exception as e:  # noqa: BLE001 - the bundle's own words (BundleError)
-                enabled, refused = False, str(e)
-    reserve = xa.get(XARG_RESERVE)
-    mu = decode_mu(xa[XARG_GIVE_UP_MU]) if enabled and XARG_GIVE_UP_MU in xa else None
-    alpha = xa.get(XARG_SHIFT_ALPHA, 0.0 if known else defaults.shift_alpha)
+    delta, reserve = xa.get(XARG_DELTA, defaults.delta), xa.get(XARG_RESERVE)
+    alpha = xa.get(XARG_SHIFT_ALPHA)
     give_up_alpha = xa.get(XARG_SHIFT_GIVE_UP_ALPHA, defaults.shift_give_up_alpha)
-    return RequestSpec(
+    bundle = xa.get(XARG_BUNDLE)
+    return OrcaSettings(
         key=xa.get(XARG_KEY), n=int(xa.get(XARG_N, 1)),
         record=bool(as_int(XARG_RECORD, xa.get(XARG_RECORD, record))),
-        enabled=enabled, policy=Policy(xa.get(XARG_POLICY, defaults.policy)),
-        delta=delta, lam=lam,
+        enabled=bool(as_int(XARG_ENABLED, xa.get(XARG_ENABLED, int(defaults.enabled)))),
+        policy=Policy(xa.get(XARG_POLICY, defaults.policy)),
+        delta=None if delta is None else float(delta),
+        lam=decode_lam(xa[XARG_LAM]) if XARG_LAM in xa else None,
         answer_budget=int(xa.get(XARG_ANSWER_BUDGET, defaults.answer_budget)),
-        reserve=None if reserve is None else int(reserve), refused=refused, give_up_mu=mu,
+        reserve=None if reserve is None else int(reserve),
+        give_up_mu=decode_mu(xa[XARG_GIVE_UP_MU]) if XARG_GIVE_UP_MU in xa else None,
         shift_alpha=None if alpha is None else float(alpha),
-        shift_give_up_alpha=None if give_up_alpha is None else float(give_up_alpha), group=group,
+        shift_give_up_alpha=None if give_up_alpha is None else float(give_up_alpha),
+        group=xa.get(XARG_GROUP, defaults.group), bundle=None if bundle is None else str(bundle),
         alarm=bool(as_int(XARG_ALARM, xa.get(XARG_ALARM, 1))))
+
+
+def on_deployment(s: OrcaSettings, defaults: RequestDefaults, *,
+                  lam_of: Callable[..., float] | None, default_delta: float | None,
+                  groups: Collection[str] = ()) -> OrcaSettings:
+    """The settings `s` (`decode_settings`) run with on a deployment: `lam_of`/`default_delta`
+    come from its bundle (None: record mode only, or the bundle the request names is no longer
+    loaded), `groups` are the groups it has tables for.
+
+    The server's `orca_lam` wins; otherwise lambda* is resolved here with `resolve_lam`, from
+    the table of the request's group when it is one of `groups`, and such a request is not gated
+    unless it sets `orca_shift_alpha` itself (as the server resolves it). A delta outside the
+    bundle's table is refused as the server refuses it: the request runs without early stopping
+    and `refused` says why (the engine cannot answer 400).
+    """
+    known = s.group in groups
+    enabled = s.enabled and lam_of is not None
+    delta = lam = refused = None
+    if enabled:
+        delta = s.delta if s.delta is not None else default_delta
+        lam = s.lam
+        if lam is None:
+            try:
+                lam = resolve_lam(lam_of, delta,  # type: ignore[arg-type]
+                                  s.group if known else None)
+            except Exception as e:  # noqa: BLE001 - the bundle's own words (BundleError)
+                enabled, refused = False, str(e)
+    alpha = s.shift_alpha if s.shift_alpha is not None else (
+        0.0 if known else defaults.shift_alpha)
+    return replace(s, enabled=enabled, delta=delta, lam=lam, refused=refused,
+                   give_up_mu=s.give_up_mu if enabled else None,
+                   shift_alpha=None if alpha is None else float(alpha))

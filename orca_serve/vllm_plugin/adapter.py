@@ -23,7 +23,7 @@ import torch
 
 from orca_serve.core.engine import OrcaCore
 from orca_serve.core.registry import Request
-from orca_serve.settings.contract import XARG_N, XARG_SEED
+from orca_serve.settings.contract import XARG_N, XARG_SEED, OrcaSettings
 from orca_serve.settings.engine_config import KEY, EngineConfig
 from orca_serve.settings.xargs import validate_xargs
 from orca_serve.vllm_compat.tokenizer import load_tokenizer
@@ -112,11 +112,12 @@ class CoreAdapter:
         self.core = build_core(vllm_config, torch.device(device), bool(pin_memory))
         PROCESSORS.add(self)
 
-    def _join(self, ident: str, params, prompt: Sequence[int] | None, n_out: int,
-              output: Sequence[int] | None, index: int) -> Request | None:
-        """Hand a request entering the batch to the core (a new one or a resumed one)."""
+    def _join(self, ident: str, params, settings: OrcaSettings, prompt: Sequence[int] | None,
+              n_out: int, output: Sequence[int] | None, index: int) -> Request | None:
+        """Hand a request entering the batch to the core (a new one or a resumed one), with its
+        settings (`OrcaCore.settings`, read once from its extra_args)."""
         eos = getattr(params, "eos_token_id", None)
-        return self.core.join(ident, params.extra_args or {}, prompt=prompt, n_out=n_out,
+        return self.core.join(ident, settings, prompt=prompt, n_out=n_out,
                               index=index, max_tokens=params.max_tokens,
                               eos=None if eos is None else int(eos),
                               ignore_eos=bool(params.ignore_eos),

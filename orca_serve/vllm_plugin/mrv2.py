@@ -126,7 +126,10 @@ class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
             return self._slots.add(req_idx, sampling_params, self._join_slot)
 
     def _join_slot(self, slot: int, sampling_params) -> Tracked | None:
-        if self._runner is None or not self.core.wants(sampling_params.extra_args):
+        if self._runner is None:
+            return None
+        settings = self.core.settings(sampling_params.extra_args)
+        if settings is None:
             return None
         req_id = self._runner.request_id(slot)
         new = self._new.get(req_id) if req_id is not None else None
@@ -134,8 +137,8 @@ class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
             log.error("orca: slot %d has no new request in this step; not tracked", slot)
             return None
         ids, prompt_len = new
-        req = self._join(req_id, sampling_params, ids[:prompt_len], len(ids) - prompt_len,
-                         None, child_index(req_id, sampling_params))
+        req = self._join(req_id, sampling_params, settings, ids[:prompt_len],
+                         len(ids) - prompt_len, None, child_index(req_id, sampling_params))
         return None if req is None else Tracked(req, None)
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:

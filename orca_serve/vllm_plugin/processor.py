@@ -131,12 +131,13 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
     def _join_row(self, row: int, added: tuple[SamplingParams, list[int] | None, list[int]],
                   ) -> Tracked | None:
         params, prompt, out = added
-        if not self.core.wants(params.extra_args):
+        settings = self.core.settings(params.extra_args)
+        if settings is None:
             return None
         req_id = self._req_id(row, out)
         index = child_index(req_id, params)
         ident = req_id if req_id is not None else f"params-{id(params)}/{index}"
-        req = self._join(ident, params, prompt, len(out), out, index)
+        req = self._join(ident, params, settings, prompt, len(out), out, index)
         return None if req is None else Tracked(req, out)
 
     def _leave(self, tracked: Tracked) -> None:
