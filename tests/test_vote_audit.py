@@ -237,15 +237,6 @@ def test_a_voted_answer_streams_as_chat_chunks_with_orca_in_the_finishing_chunk(
     assert chunks[-1]["orca"]["vote"]["k"] == 4
 
 
-def test_a_voted_answer_is_not_streamed_on_the_responses_and_messages_apis():
-    r, _ = post({"input": "2+2?", "stream": True, "orca": {"samples": 4}},
-                path="/v1/responses")
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
-    r, _ = post({"messages": MSG, "max_tokens": 8, "stream": True, "orca": {"samples": 4}},
-                path="/v1/messages")
-    assert r.status_code == 400 and r.json()["type"] == "error"  # Anthropic's shape
-
-
 def test_the_messages_api_votes_and_aborts():
     r, client = post({"messages": MSG, "max_tokens": 50, "seed": 1, "orca": {"samples": 4}},
                      path="/v1/messages")
