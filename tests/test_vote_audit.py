@@ -169,25 +169,33 @@ def test_the_guards_state_survives_a_restart(tmp_path, events):
 # ---------------------------------------------------------- through the middleware, no vLLM
 
 
-def as_message_route(route):
-    """vLLM's Messages route as the fake chat route's answers in Anthropic's shape (vLLM runs a
-    message through its chat route: the same X-Request-Id and engine request id)."""
+def reshaped(route, shape):
+    """Another API's route over the fake chat route: its answers reshaped by `shape` (a chat
+    completion's JSON -> the API's response)."""
 
     async def app(scope, receive, send):
         async def shaped(msg):
             if msg["type"] == "http.response.body":
-                c = json.loads(msg["body"])
-                choice = c["choices"][0]
-                msg = {**msg, "body": json.dumps({
-                    "id": c["id"], "type": "message", "role": "assistant", "model": "m",
-                    "content": [{"type": "text", "text": choice["message"]["content"]}],
-                    "stop_reason": "end_turn" if choice["finish_reason"] == "stop" else None,
-                    "usage": {"input_tokens": 3, "output_tokens": 7}}).encode()}
+                msg = {**msg, "body": json.dumps(shape(json.loads(msg["body"]))).encode()}
             await send(msg)
 
         await route(scope, receive, shaped)
 
     return app
+
+
+def as_message_route(route):
+    """vLLM's Messages route as the fake chat route's answers in Anthropic's shape (vLLM runs a
+    message through its chat route: the same X-Request-Id and engine request id)."""
+
+    def message(c: dict) -> dict:
+        choice = c["choices"][0]
+        return {"id": c["id"], "type": "message", "role": "assistant", "model": "m",
+                "content": [{"type": "text", "text": choice["message"]["content"]}],
+                "stop_reason": "end_turn" if choice["finish_reason"] == "stop" else None,
+                "usage": {"input_tokens": 3, "output_tokens": 7}}
+
+    return reshaped(route, message)
 
 
 def post(body: dict, audit: LiveAudit | None = None, path="/v1/chat/completions",

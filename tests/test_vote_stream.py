@@ -21,7 +21,7 @@ from orca_serve.metrics.prometheus import OrcaMetrics
 from orca_serve.settings.resolve import OrcaDefaults
 from orca_serve.vllm_compat.engine_client import engine_request_id
 from tests.servers import orca_server
-from tests.test_vote_audit import as_message_route
+from tests.test_vote_audit import as_message_route, reshaped
 from tests.test_voting import MSG, FakeClient, bundle, fake_chat_route
 
 ORCA = {"vote": {"k": 4, "answer": "1", "ended": "settled"}, "samples": [{"index": 0}]}
@@ -109,24 +109,12 @@ def test_chat_chunks_are_unnamed_data_events():
 # ------------------------------------------------------ through the middleware, real clients
 
 
-def as_response_route(route):
-    """vLLM's Responses route as the fake chat route's answers in its shape (its engine request
-    id from the body's `request_id`, as vLLM's)."""
-
-    async def app(scope, receive, send):
-        async def shaped(msg):
-            if msg["type"] == "http.response.body":
-                c = json.loads(msg["body"])
-                choice = c["choices"][0]
-                msg = {**msg, "body": json.dumps({
-                    **a_response(choice["message"]["content"],
-                                 status="completed" if choice["finish_reason"] == "stop"
-                                 else "incomplete"), "id": "resp_" + c["id"]}).encode()}
-            await send(msg)
-
-        await route(scope, receive, shaped)
-
-    return app
+def as_response(c: dict) -> dict:
+    """A fake chat route's answer as vLLM's Responses route writes it."""
+    choice = c["choices"][0]
+    return {**a_response(choice["message"]["content"], status="completed"
+                         if choice["finish_reason"] == "stop" else "incomplete"),
+            "id": "resp_" + c["id"]}
 
 
 def voting_app() -> tuple[OrcaMiddleware, FakeClient]:
@@ -135,8 +123,10 @@ def voting_app() -> tuple[OrcaMiddleware, FakeClient]:
     server = orca_server(bundle(), OrcaDefaults(enabled=True, delta=0.1), engine=client,
                          metrics=OrcaMetrics(CollectorRegistry()))
     chat = fake_chat_route(client, seen)
-    responses = as_response_route(fake_chat_route(
-        client, seen, lambda scope, body: engine_request_id(body["request_id"], "responses")))
+    # its engine request id from the body's `request_id`, as vLLM's Responses route takes it
+    responses = reshaped(fake_chat_route(
+        client, seen, lambda scope, body: engine_request_id(body["request_id"], "responses")),
+        as_response)
     messages = as_message_route(chat)
 
     async def routes(scope, receive, send):
