@@ -188,11 +188,12 @@ def test_the_messages_api_streams_a_voted_answer(srv):
     `message_delta`."""
     anthropic = pytest.importorskip("anthropic", reason="the anthropic client is not installed")
     a = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=300)
-    ask_m = dict(model=srv.client().models.list().data[0].id, max_tokens=400, temperature=1.0,
+    ask_m = dict(model=srv.client().models.list().data[0].id, max_tokens=400,
                  messages=[{"role": "user", "content": questions(1)[0]}])
-    with a.messages.stream(**ask_m) as stream:
+    with a.messages.stream(**ask_m, extra_body={"temperature": 1.0}) as stream:
         own = {e.type for e in stream}
-    with a.messages.stream(**ask_m, extra_body={"orca": {"samples": K}}) as stream:
+    with a.messages.stream(**ask_m, extra_body={"temperature": 1.0,
+                                                "orca": {"samples": K}}) as stream:
         events = list(stream)
         final = stream.get_final_message()
     raw = {"message_start", "content_block_start", "content_block_delta", "content_block_stop",
