@@ -25,22 +25,28 @@ from tests.serving import Server, orca_of, orca_serve_cmd
 DEMO = Path(__file__).parents[1] / "orca_serve" / "demo"
 
 
-@contextmanager
-def samples_server(d: Path, *orca_flags: str, waves: list[int] | None = None,
-                   cap_max: float | None = None) -> Iterator[Server]:
+def start_samples_server(d: Path, *orca_flags: str, waves: list[int] | None = None,
+                         cap_max: float | None = None) -> Server:
     """orca-serve on the toy model with the toy bundle plus a consensus block for K samples
     (t* = 0; with `cap_max`, the confidence clause: t* = first_t, c* = cap_max) certified for
-    `waves` (None: all at once), started in `d` with `orca_flags` besides (the plain
-    all-at-once server is conftest's shared `toy_server`)."""
+    `waves` (None: all at once), started (not waited for) in `d` with `orca_flags` besides (the
+    plain all-at-once server is conftest's shared `toy_server`)."""
     path = write_bundle(with_consensus(load_bundle(DEMO / "bundle.json"), samples=K,
                                        waves=waves, cap_max=cap_max), d / "b.json")
     flags = [*orca_flags] + ([] if waves is None else
                              ["--orca-vote-waves", "+".join(map(str, waves))])
-    s = Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path), *flags),
-               d / "serve.log", ["--host", "127.0.0.1", "--enforce-eager",
-                                 "--reasoning-parser", "deepseek_r1",
-                                 "--served-model-name", "orca-toy-reasoner",
-                                 "--seed", "0", "--disable-uvicorn-access-log"])
+    return Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path), *flags),
+                  d / "serve.log", ["--host", "127.0.0.1", "--enforce-eager",
+                                    "--reasoning-parser", "deepseek_r1",
+                                    "--served-model-name", "orca-toy-reasoner",
+                                    "--seed", "0", "--disable-uvicorn-access-log"])
+
+
+@contextmanager
+def samples_server(d: Path, *orca_flags: str, waves: list[int] | None = None,
+                   cap_max: float | None = None) -> Iterator[Server]:
+    """`start_samples_server`'s server, waited for, stopped after."""
+    s = start_samples_server(d, *orca_flags, waves=waves, cap_max=cap_max)
     try:
         yield s.wait()
     finally:
