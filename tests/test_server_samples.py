@@ -25,22 +25,28 @@ from tests.serving import Server, orca_of, orca_serve_cmd
 DEMO = Path(__file__).parents[1] / "orca_serve" / "demo"
 
 
-@contextmanager
-def samples_server(d: Path, *orca_flags: str, waves: list[int] | None = None,
-                   cap_max: float | None = None) -> Iterator[Server]:
+def start_samples_server(d: Path, *orca_flags: str, waves: list[int] | None = None,
+                         cap_max: float | None = None) -> Server:
     """orca-serve on the toy model with the toy bundle plus a consensus block for K samples
     (t* = 0; with `cap_max`, the confidence clause: t* = first_t, c* = cap_max) certified for
-    `waves` (None: all at once), started in `d` with `orca_flags` besides (the plain
-    all-at-once server is conftest's shared `toy_server`)."""
+    `waves` (None: all at once), started (not waited for) in `d` with `orca_flags` besides (the
+    plain all-at-once server is conftest's shared `toy_server`)."""
     path = write_bundle(with_consensus(load_bundle(DEMO / "bundle.json"), samples=K,
                                        waves=waves, cap_max=cap_max), d / "b.json")
     flags = [*orca_flags] + ([] if waves is None else
                              ["--orca-vote-waves", "+".join(map(str, waves))])
-    s = Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path), *flags),
-               d / "serve.log", ["--host", "127.0.0.1", "--enforce-eager",
-                                 "--reasoning-parser", "deepseek_r1",
-                                 "--served-model-name", "orca-toy-reasoner",
-                                 "--seed", "0", "--disable-uvicorn-access-log"])
+    return Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path), *flags),
+                  d / "serve.log", ["--host", "127.0.0.1", "--enforce-eager",
+                                    "--reasoning-parser", "deepseek_r1",
+                                    "--served-model-name", "orca-toy-reasoner",
+                                    "--seed", "0", "--disable-uvicorn-access-log"])
+
+
+@contextmanager
+def samples_server(d: Path, *orca_flags: str, waves: list[int] | None = None,
+                   cap_max: float | None = None) -> Iterator[Server]:
+    """`start_samples_server`'s server, waited for, stopped after."""
+    s = start_samples_server(d, *orca_flags, waves=waves, cap_max=cap_max)
     try:
         yield s.wait()
     finally:
@@ -150,6 +156,71 @@ def test_the_responses_api_votes_too(srv):
                    for c in item["content"] if c["type"] == "output_text")
     assert str(extract_answer(text)) == o["vote"]["answer"]
     assert obj["usage"]["output_tokens"] >= sum(s["reasoning_tokens"] for s in o["samples"])
+
+
+def test_the_responses_api_streams_a_voted_answer(srv):
+    """The voted answer as the Responses API's typed events, read by the real openai client
+    (raw and through its stream helper, which checks the events' order and identities): the
+    event types vLLM's own stream of the same request uses, the answer in
+    `response.output_text.delta`, the `orca` object on `response.completed` alone."""
+    client, q = srv.client(), questions(1)[0]
+    model = client.models.list().data[0].id
+    ask_r = dict(model=model, input=q, max_output_tokens=400, temperature=1.0)
+    own = {e.type for e in client.responses.create(**ask_r, stream=True)}
+    events = list(client.responses.create(**ask_r, stream=True,
+                                          extra_body={"orca": {"samples": K}}))
+    # vLLM closes its own stream with response.completed whatever the status; ours by status
+    closing = {"response.completed", "response.incomplete"}
+    assert {e.type for e in events} - closing == own - closing, own ^ {e.type for e in events}
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert ["orca" in (e.response.model_extra or {}) for e in events
+            if hasattr(e, "response")] == [False, False, True]
+    o = events[-1].response.model_extra["orca"]
+    assert o["vote"]["k"] == K and len(o["samples"]) == K
+    assert o["vote"]["ended"] in ("settled", "all_finished")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert str(extract_answer(text)) == o["vote"]["answer"]
+    with client.responses.stream(**ask_r, extra_body={"orca": {"samples": K}}) as stream:
+        final = stream.get_final_response()
+    vote = final.model_extra["orca"]["vote"]
+    assert str(extract_answer(final.output_text)) == vote["answer"]
+    assert final.usage.output_tokens > 0
+
+
+def test_the_messages_api_streams_a_voted_answer(srv):
+    """The voted answer as Anthropic's stream events, read by the real anthropic client: the
+    event types vLLM's own stream of the same request uses, the `orca` object on
+    `message_delta`."""
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic client is not installed")
+    a = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=300)
+    ask_m = dict(model=srv.client().models.list().data[0].id, max_tokens=400,
+                 messages=[{"role": "user", "content": questions(1)[0]}])
+    with a.messages.stream(**ask_m, extra_body={"temperature": 1.0}) as stream:
+        own = {e.type for e in stream}
+    with a.messages.stream(**ask_m, extra_body={"temperature": 1.0,
+                                                "orca": {"samples": K}}) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    raw = {"message_start", "content_block_start", "content_block_delta", "content_block_stop",
+           "message_delta", "message_stop"}  # the SDK adds its own (text, thinking) beside
+    assert {e.type for e in events} & raw == own & raw, own ^ {e.type for e in events}
+    (delta,) = [e for e in events if e.type == "message_delta"]
+    o = delta.model_extra["orca"]
+    assert o["vote"]["k"] == K and len(o["samples"]) == K
+    text = "".join(b.text for b in final.content if b.type == "text")
+    assert str(extract_answer(text)) == o["vote"]["answer"]
+
+
+def test_a_malformed_voted_stream_is_a_clear_400(srv):
+    model = srv.client().models.list().data[0].id
+    for path, body in (("/v1/responses", {"input": "2+2?", "stream": "yes"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                 "stream_options": {"include_usage": True}})):
+        r = httpx.post(srv.url + path, timeout=30,
+                       json={"model": model, **body, "orca": {"samples": K}})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] in ("stream", "stream_options"), r.text
 
 
 def test_waves_launch_only_what_the_vote_needs(waved):

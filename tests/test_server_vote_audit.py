@@ -95,10 +95,3 @@ def test_the_messages_api_votes(srv):
     assert out["orca"]["vote"]["k"] == K and len(out["orca"]["samples"]) == K
     assert str(extract_answer(text)) == out["orca"]["vote"]["answer"]
     assert out["usage"]["output_tokens"] > 0
-
-
-def test_the_responses_api_refuses_a_voted_stream(srv):
-    r = httpx.post(srv.url + "/v1/responses", timeout=30, json={
-        "model": srv.client().models.list().data[0].id, "input": questions(1)[0],
-        "max_output_tokens": 64, "stream": True, "orca": {"samples": K}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stream", r.text

@@ -21,7 +21,7 @@ from orca_method.outcomes import OnAlarm, Source
 from orca_serve.api_server.voting import Vote
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
-from orca_serve.live_audit.votes import VoteAudit, vote_state_path
+from orca_serve.live_audit.journal import Journal, journal_path
 from orca_serve.metrics.prometheus import OrcaMetrics
 from orca_serve.settings.resolve import OrcaDefaults
 from tests.test_consensus import synthetic_groups
@@ -95,14 +95,17 @@ def test_a_group_with_a_failed_sample_is_censored():
 
 
 def vote_audit(tmp_path=None, **kw):
+    """(the bundle, a live audit of it: its events journalled in `tmp_path` when given)."""
     b = bundle()
     config = AuditConfig(seed=0, directory=tmp_path, **kw)
-    return b, VoteAudit(b, config, None if tmp_path is None
-                        else vote_state_path(tmp_path, b.checksum))
+    journal = None if tmp_path is None else Journal(journal_path(tmp_path, b.checksum),
+                                                    b.checksum)
+    return b, LiveAudit(b, config, journal=journal)
 
 
 def test_admission_picks_the_configured_share_and_skips_votes_without_t_star():
-    _, va = vote_audit(vote_rate=0.3)
+    _, la = vote_audit(vote_rate=0.3)
+    va = la.votes
     _, s = resolved({"messages": MSG, "orca": {"samples": 4}})
     picked = [va.admit(s.vote, s.delta).audited for _ in range(2000)]
     assert abs(np.mean(picked) - 0.3) < 3 * math.sqrt(0.3 * 0.7 / 2000)
@@ -114,10 +117,11 @@ def test_admission_picks_the_configured_share_and_skips_votes_without_t_star():
                                               (OnAlarm.RECALIBRATE, Source.FALLBACK),
                                               (OnAlarm.REPORT, Source.BUNDLE)])
 def test_an_alarm_on_the_vote_error_stops_early_settling_unless_report(on_alarm, source):
-    _, va = vote_audit(vote_rate=1.0, on_alarm=on_alarm)
+    _, la = vote_audit(vote_rate=1.0, on_alarm=on_alarm)
+    va = la.votes
     _, s = resolved({"messages": MSG, "orca": {"samples": 4}})
     for _ in range(60):  # every audited vote wrong: the lower bound passes delta_vote = 0.1
-        va.finished(s.vote, s.delta, 1.0)
+        la.vote_finished(s.vote, s.delta, 1.0)
     g = va.guard(s.delta, s.vote.delta_vote)
     assert g.engaged and g.cs.lower > 0.1 and g.source == source
     assert va.admit(s.vote, s.delta).t_source == source
@@ -126,53 +130,72 @@ def test_an_alarm_on_the_vote_error_stops_early_settling_unless_report(on_alarm,
 
 
 def test_no_alarm_while_the_vote_holds_and_censored_groups_widen_the_upper_bound():
-    _, va = vote_audit(vote_rate=1.0, on_alarm=OnAlarm.FALLBACK)
+    _, la = vote_audit(vote_rate=1.0, on_alarm=OnAlarm.FALLBACK)
+    va = la.votes
     _, s = resolved({"messages": MSG, "orca": {"samples": 4}})
     for _ in range(100):
-        va.finished(s.vote, s.delta, 0.0)
+        la.vote_finished(s.vote, s.delta, 0.0)
     g = va.guard(s.delta, s.vote.delta_vote)
     upper = g.cs.upper
     for _ in range(10):
-        va.finished(s.vote, s.delta, None)
+        la.vote_finished(s.vote, s.delta, None)
     assert not g.engaged and g.source == Source.BUNDLE and g.cs.upper > upper
     assert va.counts == {"picked": 0, "measured": 100, "censored": 10}
 
 
-def test_the_guards_state_survives_a_restart(tmp_path):
-    b, va = vote_audit(tmp_path, vote_rate=1.0, on_alarm=OnAlarm.FALLBACK)
+@pytest.mark.parametrize("events", [60, 1100])  # 1100: past a snapshot (SNAPSHOT_EVERY)
+def test_the_guards_state_survives_a_restart(tmp_path, events):
+    """The vote's events are the audit journal's: a restart replays them (or the snapshot that
+    carries the vote guards), the alarm included."""
+    b, la = vote_audit(tmp_path, vote_rate=1.0, on_alarm=OnAlarm.FALLBACK)
     _, s = resolved({"messages": MSG, "orca": {"samples": 4}})
-    for _ in range(60):
-        va.finished(s.vote, s.delta, 1.0)
+    for i in range(events):
+        la.vote_finished(s.vote, s.delta, 1.0 if i < 60 else None)
+    before = la.votes.guard(s.delta, s.vote.delta_vote).row()
+    la.state.close()
     _, again = vote_audit(tmp_path, vote_rate=1.0, on_alarm=OnAlarm.FALLBACK)
-    g = again.guard(s.delta, s.vote.delta_vote)
-    assert g.cs.n == 60 and g.engaged and g.source == Source.FALLBACK
-    assert again.counts["measured"] == 60
-    _, other = vote_audit(tmp_path, vote_rate=1.0, on_alarm=OnAlarm.REPORT)  # other settings
-    assert other.guard(s.delta, s.vote.delta_vote).cs.n == 0
+    g = again.votes.guard(s.delta, s.vote.delta_vote)
+    assert g.row() == before and g.cs.n == events and g.engaged and g.source == Source.FALLBACK
+    assert g.cs.censored == events - 60  # (the counts are this process's: none yet)
+    assert (again.state.replayed < events) == (events > 1000)  # resumed from the snapshot
+    again.state.close()
+    # under another --orca-on-alarm the journal is replayed (the snapshot was folded under
+    # other settings): the same sequence, which only reports
+    _, other = vote_audit(tmp_path, vote_rate=1.0, on_alarm=OnAlarm.REPORT)
+    g = other.votes.guard(s.delta, s.vote.delta_vote)
+    assert g.cs.n == events and g.source == Source.BUNDLE
 
 
 # ---------------------------------------------------------- through the middleware, no vLLM
+
+
+def reshaped(route, shape):
+    """Another API's route over the fake chat route: its answers reshaped by `shape` (a chat
+    completion's JSON -> the API's response)."""
+
+    async def app(scope, receive, send):
+        async def shaped(msg):
+            if msg["type"] == "http.response.body":
+                msg = {**msg, "body": json.dumps(shape(json.loads(msg["body"]))).encode()}
+            await send(msg)
+
+        await route(scope, receive, shaped)
+
+    return app
 
 
 def as_message_route(route):
     """vLLM's Messages route as the fake chat route's answers in Anthropic's shape (vLLM runs a
     message through its chat route: the same X-Request-Id and engine request id)."""
 
-    async def app(scope, receive, send):
-        async def shaped(msg):
-            if msg["type"] == "http.response.body":
-                c = json.loads(msg["body"])
-                choice = c["choices"][0]
-                msg = {**msg, "body": json.dumps({
-                    "id": c["id"], "type": "message", "role": "assistant", "model": "m",
-                    "content": [{"type": "text", "text": choice["message"]["content"]}],
-                    "stop_reason": "end_turn" if choice["finish_reason"] == "stop" else None,
-                    "usage": {"input_tokens": 3, "output_tokens": 7}}).encode()}
-            await send(msg)
+    def message(c: dict) -> dict:
+        choice = c["choices"][0]
+        return {"id": c["id"], "type": "message", "role": "assistant", "model": "m",
+                "content": [{"type": "text", "text": choice["message"]["content"]}],
+                "stop_reason": "end_turn" if choice["finish_reason"] == "stop" else None,
+                "usage": {"input_tokens": 3, "output_tokens": 7}}
 
-        await route(scope, receive, shaped)
-
-    return app
+    return reshaped(route, message)
 
 
 def post(body: dict, audit: LiveAudit | None = None, path="/v1/chat/completions",
@@ -237,15 +260,6 @@ def test_a_voted_answer_streams_as_chat_chunks_with_orca_in_the_finishing_chunk(
     assert chunks[-1]["orca"]["vote"]["k"] == 4
 
 
-def test_a_voted_answer_is_not_streamed_on_the_responses_and_messages_apis():
-    r, _ = post({"input": "2+2?", "stream": True, "orca": {"samples": 4}},
-                path="/v1/responses")
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
-    r, _ = post({"messages": MSG, "max_tokens": 8, "stream": True, "orca": {"samples": 4}},
-                path="/v1/messages")
-    assert r.status_code == 400 and r.json()["type"] == "error"  # Anthropic's shape
-
-
 def test_the_messages_api_votes_and_aborts():
     r, client = post({"messages": MSG, "max_tokens": 50, "seed": 1, "orca": {"samples": 4}},
                      path="/v1/messages")
@@ -294,8 +308,8 @@ def test_the_vote_bound_false_alarm_rate_and_power():
     inequality over the restarted family; +3 binomial standard errors); at a margin whose true
     vote error is twice delta_vote it must fire within AUDITS groups in >= 90% of them."""
     rng = np.random.default_rng(35)
-    _, va = vote_audit(vote_rate=0.1)
-    eps = va.epsilon
+    _, la = vote_audit(vote_rate=0.1)
+    eps = la.votes.epsilon
     null = _pool_losses(0.2, rng)  # ~0.10
     delta_vote = float(null.mean())
     share = _alarms(null, delta_vote, eps, rng).mean()
@@ -316,6 +330,9 @@ def test_the_vote_audit_needs_no_request_audit_but_a_bundle_and_one_api_server()
                        "--orca-audit-dir", "d"])
     check_audit_args(ns, has_bundle=True)  # acting on the vote's alarm needs no request audit
     assert audit_config(ns, bundle()).vote_rate == 0.5
+    fleet = p.parse_args(["--orca-vote-audit-rate", "0.5", "--orca-audit-store",
+                          "redis://h:6379/0"])
+    check_audit_args(fleet, has_bundle=True)  # the vote's journal on the fleet's store
     with pytest.raises(ValueError, match="needs --calib"):
         check_audit_args(ns, has_bundle=False)
     ns.api_server_count = 2

@@ -353,14 +353,20 @@ class FakeClient:
             self.aborts.setdefault(i, asyncio.Event()).set()
 
 
-def fake_chat_route(client: FakeClient, seen: list):
+def chat_engine_id(scope: dict, body: dict) -> str:
+    """The engine request id vLLM's chat route gives a request (from its X-Request-Id)."""
+    return "chatcmpl-" + dict(scope["headers"])[b"x-request-id"].decode()
+
+
+def fake_chat_route(client: FakeClient, seen: list, engine_id=chat_engine_id):
     """vLLM's chat route: a sample with seed s runs s/100 s and answers s % 2 (so the samples
-    of seeds 0..3 finish in order, answering 0, 1, 0, 1) unless aborted first."""
+    of seeds 0..3 finish in order, answering 0, 1, 0, 1) unless aborted first (by its
+    `engine_id(scope, body)`)."""
 
     async def app(scope, receive, send):
         body = json.loads((await receive())["body"])
         seen.append(body)
-        eid = "chatcmpl-" + dict(scope["headers"])[b"x-request-id"].decode()
+        eid = engine_id(scope, body)
         ev = client.aborts.setdefault(eid, asyncio.Event())
         try:
             await asyncio.wait_for(ev.wait(), body["seed"] / 100)

@@ -26,6 +26,12 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from orca_serve.api_server.vote_stream import (
+    Event,
+    chunk_events,
+    message_events,
+    response_events,
+)
 from orca_serve.settings.contract import OrcaResult, StopReason
 from orca_serve.settings.field import OrcaRequestError, error_body
 from orca_serve.vllm_compat.engine_client import engine_request_id
@@ -68,10 +74,10 @@ class Api:
     """OpenAI chat and completions (and /invocations, which vLLM hands to one of them)."""
 
     usage_details: str | None = "completion_tokens_details"
-    # `orca.samples` (orca_serve/api_server/voting.py): whether a voted answer streams
-    # (orca_serve/api_server/vote_stream.py), and the usage counts a vote sums over its samples
-    votes_stream = True
+    # `orca.samples` (orca_serve/api_server/voting.py): the usage counts a vote sums over its
+    # samples, and whether its stream (orca_serve/api_server/vote_stream.py) ends `data: [DONE]`
     usage_counts: tuple[str, ...] = ("prompt_tokens", "completion_tokens", "total_tokens")
+    stream_done = True
     effort_path: tuple[str, ...] = ("reasoning_effort",)  # where the body says its effort
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:
@@ -115,6 +121,11 @@ class Api:
     def is_response(self, obj: Any) -> bool:
         """Whether a JSON body is a finished response of this API (else: an error)."""
         return isinstance(obj, dict) and bool(obj.get("choices"))
+
+    def vote_events(self, response: dict[str, Any], body: dict[str, Any]) -> list[Event]:
+        """A voted answer (`as_one`'s, with its `orca` object) as this API's stream events."""
+        return chunk_events(response, bool((body.get("stream_options") or {}).get(
+            "include_usage")))
 
     def error(self, message: str, param: str | None) -> dict[str, Any]:
         return error_body(message, param)
@@ -168,9 +179,7 @@ class ResponsesApi(Api):
 
     usage_details = "output_tokens_details"
     usage_counts = ("input_tokens", "output_tokens", "total_tokens")
-    # its stream is a protocol of typed events (created, output items, deltas, completed), not
-    # chunks of one shape: a voted answer is not streamed here (docs/SERVER.md)
-    votes_stream = False
+    stream_done = False  # its stream ends with the closing event
     CLOSING = ("response.completed", "response.incomplete", "response.failed")
     effort_path = ("reasoning", "effort")
 
@@ -210,6 +219,9 @@ class ResponsesApi(Api):
     def is_response(self, obj: Any) -> bool:
         return isinstance(obj, dict) and obj.get("object") == "response"
 
+    def vote_events(self, response: dict[str, Any], body: dict[str, Any]) -> list[Event]:
+        return response_events(response)
+
     async def on_json(self, obj: Any, req: Report) -> bool:
         if not isinstance(obj, dict) or obj.get("object") != "response":
             return False
@@ -234,8 +246,7 @@ class MessagesApi(Api):
 
     usage_details = None  # Anthropic's usage has no reasoning-token count
     usage_counts = ("input_tokens", "output_tokens")
-    # its stream is typed events (message_start, content blocks, message_delta): as Responses'
-    votes_stream = False
+    stream_done = False  # its stream ends with message_stop
     effort_path = ("output_config", "effort")
 
     def completions(self, path: str, body: dict[str, Any]) -> bool:
@@ -273,6 +284,9 @@ class MessagesApi(Api):
 
     def is_response(self, obj: Any) -> bool:
         return isinstance(obj, dict) and obj.get("type") == "message"
+
+    def vote_events(self, response: dict[str, Any], body: dict[str, Any]) -> list[Event]:
+        return message_events(response)
 
     async def on_json(self, obj: Any, req: Report) -> bool:
         if not self.is_response(obj):

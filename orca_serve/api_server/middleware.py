@@ -24,7 +24,6 @@ from orca_serve.api_server.admin import route_path, send_json
 from orca_serve.api_server.apis import (
     APIS,
     CHAT_PATH,
-    COMPLETIONS_PATH,
     MESSAGES_PATH,
     ORCA_PATHS,
     Api,
@@ -209,11 +208,6 @@ class OrcaMiddleware:
                     body: dict, settings: OrcaSettings, serving: Serving) -> None:
         """`orca.samples`: k samples through vLLM's route, one voted answer
         (`orca_serve.api_server.voting`)."""
-        if body.get("stream") and not api.votes_stream:
-            return await send_json(send, 400, api.error(
-                f"'orca.samples' streams its voted answer on {CHAT_PATH} and {COMPLETIONS_PATH} "
-                "only (docs/SERVER.md, 'Streaming a voted answer'): send it with "
-                "\"stream\": false", "stream"))
         assert serving.bundle is not None  # resolve refuses `samples` without one
         audit = serving.audit  # the one that admitted it (a reload may replace it)
         if audit is not None:  # the vote's audit: audited? t* acting or only followed?
@@ -249,7 +243,7 @@ class OrcaMiddleware:
             return None
         status, out = vote.response()
         if body.get("stream") and status == 200 and isinstance(out, dict):
-            return await stream_vote(send, out, body)
+            return await stream_vote(send, api.vote_events(out, body), api.stream_done)
         if isinstance(out, dict):
             return await send_json(send, status, out)
         await send({"type": "http.response.start", "status": status,

@@ -12,7 +12,6 @@ from orca_method.bundle import Bundle
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig, audit_journal, audit_store
 from orca_serve.live_audit.store import AuditStore
-from orca_serve.live_audit.votes import make_vote_audit
 
 
 def make_live_audit(bundle: Bundle, config: AuditConfig,
@@ -35,4 +34,4 @@ def make_live_audit(bundle: Bundle, config: AuditConfig,
                      drift=DriftMonitor.from_bundle(bundle),
                      sequential=ConformalMartingale.from_bundle(bundle),
                      engine_client=engine_client,
-                     superseded=superseded, votes=make_vote_audit(bundle, config))
+                     superseded=superseded)

@@ -24,6 +24,11 @@ into the same state (`LiveAudit._apply`), in file order:
                                                                     --orca-audit-drift-acts;
                                                                     "d", "k": a delta's k-th
                                                                     recalibrated lambda's)
+    {"vote": [0.1, 0.05], "l": 1.0}                                 an audited voted group of
+                                                                    the consensus row (delta
+                                                                    0.1, delta_vote 0.05): its
+                                                                    vote error (null: censored;
+                                                                    live_audit/votes.py)
 
 - **Restarts**: a server that starts with the same bundle and directory replays the journal and
   carries on where the last one stopped, so the alarm's levels are spent once per bundle, not
@@ -112,6 +117,20 @@ def is_drift(e: dict[str, Any]) -> bool:
     return e.get("x") == DRIFT
 
 
+VOTE = "vote"  # an audited voted group's event: its consensus row (the module docstring)
+
+
+def vote_event(delta: float, delta_vote: float, loss: float | None) -> dict[str, Any]:
+    """The event of an audited voted group of the consensus row (delta, delta_vote): its vote
+    loss, None when censored (orca_serve/live_audit/votes.py)."""
+    return {VOTE: [delta, delta_vote], "l": loss}
+
+
+def is_vote(e: dict[str, Any]) -> bool:
+    """Whether an event is an audited voted group's."""
+    return VOTE in e
+
+
 class EventJournal(Protocol):
     """One bundle's ordered stream of audit events, shared by every process that opens it.
 
@@ -181,11 +200,17 @@ def read_snapshot_json(raw: str | bytes | None, checksum: str, created: Any, len
 
 def _is_event(e: Any) -> bool:
     """Whether a parsed line is something the fold can apply: the header, an admission, a
-    sequential drift alarm, or an outcome (a `risk` one with its scores and labels)."""
+    sequential drift alarm, an audited voted group's loss, or an outcome (a `risk` one with its
+    scores and labels)."""
     if not isinstance(e, dict):
         return False
     if "v" in e or "a" in e:
         return True
+    if is_vote(e):
+        row, loss = e[VOTE], e.get("l")
+        return (isinstance(row, list) and len(row) == 2
+                and all(isinstance(x, (int, float)) for x in row)
+                and (loss is None or isinstance(loss, (int, float))))
     if is_drift(e):
         return (e.get("d") is None or isinstance(e["d"], (int, float))) and (
             e.get("k") is None or isinstance(e["k"], int))

@@ -23,8 +23,9 @@ server (statistics: docs/AUDIT.md; operations: docs/AUDIT-OPERATIONS.md). `LiveA
    `ConformalMartingale` (sequential test; reported, and answered by the guards as their own
    alarm only with `--orca-audit-drift-acts`) see the scores of one choice of every finished
    request (audited or not).
-5. **The vote** (`votes`, an `orca_serve.live_audit.votes.VoteAudit`): a share of the voted
-   groups (`orca.samples`) run to their end, their vote error against its own bound.
+5. **The vote** (`votes`, an `orca_serve.live_audit.votes.VoteAudit`, the state's): a share of
+   the voted groups (`orca.samples`) run to their end, their vote error against its own bound,
+   journalled as the other audit events.
 6. **Hot reload** (`orca_serve.live_audit.handover`: builds the successor), the table
    (`GET /v1/orca/audit`: `orca_serve.live_audit.route`) and the metrics
    (`orca_serve.live_audit.collector`).
@@ -66,7 +67,6 @@ from orca_serve.live_audit.options import AuditConfig
 from orca_serve.live_audit.sampling import AuditSampler
 from orca_serve.live_audit.state import AuditState
 from orca_serve.live_audit.store import AuditStore
-from orca_serve.live_audit.votes import VoteAudit
 
 logger = logging.getLogger("orca_serve.live_audit")
 
@@ -97,20 +97,19 @@ class LiveAudit:
                  sequential: ConformalMartingale | None = None,
                  engine_client: Callable[[], Any] | None = None,
                  labeller: Labeller | None = None, superseded: int = 0,
-                 votes: VoteAudit | None = None,
                  cs_factory: Callable[[], CS] | None = None,
                  loss: Callable[[np.ndarray, np.ndarray, float], int] | None = None) -> None:
         """`journal`: the bundle's event journal (replayed now; None: the events are not
         kept); `store`: where labelled audits are appended (None: nowhere); `drift`: the
         bundle's drift test; `sequential`: its sequential drift test; `engine_client`: returns the server's engine client (vLLM makes
         it after the app), which labels the audits; `labeller`: labels them instead (tests);
-        `superseded`: the unfinished audits of the audit this one took over from; `votes`:
-        the vote's audit (None: one without a state file);
+        `superseded`: the unfinished audits of the audit this one took over from;
         `cs_factory`, `loss`: the guards' statistics and loss (tests, simulations)."""
         self.bundle = bundle
         self.config = config
         self.state = AuditState(bundle, config, journal=journal, cs_factory=cs_factory,
                                 loss=loss)
+        self.votes = self.state.votes
         self.store = store
         self.drift = drift
         self.sequential = sequential
@@ -118,7 +117,6 @@ class LiveAudit:
         self.sampler = AuditSampler(config.rate, config.seed)
         self.counts = dict.fromkeys(COUNTS, 0)
         self.counts["superseded"] = superseded
-        self.votes = votes or VoteAudit(bundle, config)
         self.retired = False  # replaced by a hot reload: takes nothing in any more
         self._labeller = labeller  # made on first use (needs the engine client), unless given
         self._give_up_probe: Probe | None = None  # the bundle's give-up probe, on first use
@@ -193,11 +191,12 @@ class LiveAudit:
         self._submit(_Job(settings.key, rec, first, seq, reason, settings.lam_source))
 
     def vote_finished(self, vote: VoteSettings, delta: float, loss: float | None) -> None:
-        """An audited voted group ended (`loss`: its vote error, None when unknown): to the
-        vote's guard, unless a hot reload replaced this audit meanwhile (its successor's guards
-        are another bundle's, or the same one's read back from the state file)."""
-        if not self.retired:
-            self.votes.finished(vote, delta, loss)
+        """An audited voted group ended (`loss`: its vote error, None when unknown): journalled
+        to the vote's guard, unless a hot reload replaced this audit meanwhile (its successor's
+        guards are another bundle's, or the same one's read back from the journal)."""
+        event = None if self.retired else self.votes.event(vote, delta, loss)
+        if event is not None:
+            self.state.vote(event)
 
     def see(self, scores: list[float], lam: float) -> None:
         """One finished request's scores (choice 0): to the bundle's drift tests (the window

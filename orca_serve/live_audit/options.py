@@ -87,7 +87,8 @@ def add_audit_args(g: argparse._ActionsContainer) -> None:
     g.add_argument("--orca-audit-store", default=None, metavar="URL",
                    help="Share the guards' journal with the fleet's other replicas through "
                    "this Redis server (redis://host:port/db): one sequence and one decision "
-                   "per bundle for all of them (docs/AUDIT.md, 'A fleet'). Default: the "
+                   "per bundle (and consensus row, for the vote's audit) for all of them "
+                   "(docs/AUDIT.md, 'A fleet'). Default: the "
                    "journal in --orca-audit-dir (the servers of one machine).")
     g.add_argument("--orca-audit-per-dir", type=integer(1), default=1000, metavar="N",
                    help="Audits per trajectory directory before a new one is started.")
@@ -147,10 +148,12 @@ def check_audit_args(ns: argparse.Namespace, has_bundle: bool) -> None:
                          "forces an answer")
     if ns.orca_audit_rate == 0:  # options that act on audits mean nothing without them
         acts = ns.orca_on_alarm != OnAlarm.REPORT
-        # the vote's audit keeps its state in the directory and answers --orca-on-alarm too
+        # the vote's audit journals its state to the directory or the fleet's store and
+        # answers --orca-on-alarm too
         for opt, is_set in (("--orca-audit-dir", ns.orca_audit_dir is not None
                              and vote_rate == 0),
-                            ("--orca-audit-store", ns.orca_audit_store is not None),
+                            ("--orca-audit-store", ns.orca_audit_store is not None
+                             and vote_rate == 0),
                             (f"--orca-on-alarm {ns.orca_on_alarm}", acts and vote_rate == 0),
                             ("--orca-audit-drift-acts", ns.orca_audit_drift_acts)):
             if is_set:

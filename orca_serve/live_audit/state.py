@@ -38,9 +38,17 @@ from orca_method.bundle import Bundle
 from orca_method.outcomes import ON_ALARM, OnAlarm
 from orca_method.risk import request_loss
 from orca_serve.live_audit.guard_log import log_change, log_give_up_change, shown_lam
-from orca_serve.live_audit.journal import DRIFT, SNAPSHOT_EVERY, AuditOutcome, EventJournal, is_drift
+from orca_serve.live_audit.journal import (
+    DRIFT,
+    SNAPSHOT_EVERY,
+    AuditOutcome,
+    EventJournal,
+    is_drift,
+    is_vote,
+)
 from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE
 from orca_serve.live_audit.options import EPSILON_SPLITS, AuditConfig, guard_epsilon
+from orca_serve.live_audit.votes import VoteAudit
 
 logger = logging.getLogger("orca_serve.live_audit")
 
@@ -100,6 +108,7 @@ class AuditState:
                              f"got {config.epsilon_split!r}")
         self.bundle = bundle
         self.config = config
+        self.votes = VoteAudit(bundle, config)  # the vote's guards: folded from the events too
         self.guard_epsilon = guard_epsilon(bundle.ltt.epsilon, len(bundle.deltas()),
                                            config.epsilon_split)
         self.make_cs = cs_factory or _default_cs_factory(self.guard_epsilon)
@@ -211,6 +220,8 @@ class AuditState:
             if any(g.on_alarm == OnAlarm.RECALIBRATE for g in self.give_up_guards.values()):
                 # snapshots folded before give-up recalibration fell back instead
                 out["give_up"]["recalibrates"] = "consistency"
+        if self.votes.guards:  # absent without a consensus block: its snapshots stay usable
+            out["votes"] = self.votes.settings()
         return out
 
     def _snapshot(self) -> None:
@@ -221,7 +232,8 @@ class AuditState:
         if not all(hasattr(g.cs, "to_dict") for g in [*self.guards.values(),
                                                           *self.give_up_guards.values()]):
             return
-        self.journal.write_snapshot({
+        votes = {"votes": self.votes.state()} if self.votes.guards else {}
+        self.journal.write_snapshot({**votes,
             "give_up": [g.state() for g in self.give_up_guards.values()],
             "settings": self._settings(), "admitted": self.admitted,
             "open": [[seq, owner] for seq, owner in self._open.items()],
@@ -245,6 +257,8 @@ class AuditState:
             g.restore(d)
         for gu, d in zip(self.give_up_guards.values(), state.get("give_up", [])):
             gu.restore(d)
+        if "votes" in state:  # folded under the same vote settings (`_settings`)
+            self.votes.restore(state["votes"])
 
     def _event(self, event: dict[str, Any]) -> None:
         """Journal one event (first applying what other processes journalled before it), or
@@ -291,6 +305,8 @@ class AuditState:
             self.admitted += 1
             self._open[self.admitted] = e["a"]
             return
+        if is_vote(e):  # an audited voted group's loss (`vote`)
+            return self.votes.apply(e, quiet)
         if is_drift(e):  # a sequential drift test alarmed (drift_alarm)
             if e.get("d") is None and not self.config.drift_acts:
                 return  # the bundle's: reported only without --orca-audit-drift-acts
@@ -400,6 +416,11 @@ class AuditState:
         replay) responds at the same place in the sequence (DeltaGuard.drift_alarm); the
         bundle's is folded only with `config.drift_acts` (else reported only)."""
         self._event({"x": DRIFT, "d": delta, "k": k})
+
+    def vote(self, event: dict[str, Any]) -> None:
+        """An audited voted group's loss (`journal.vote_event`): journalled
+        as every audit event, so its row's sequence is the fleet's and survives a restart."""
+        self._event(event)
 
     def admit(self) -> int:
         """Admit one audit; its admission number (global across the journal's processes)."""

@@ -13,50 +13,46 @@ censored confidence sequence, engagement rule and `--orca-on-alarm` reaction as 
 `recalibrate` the row's groups then settle no more early, every sample runs to its ORCA stop,
 until the upper bound is back at delta_vote or below). docs/AUDIT.md, "The vote's audit".
 
-With an audit directory the guards' state is saved after every audited group
-(`vote-<checksum>.json`, replaced atomically) and read back at start-up, so a restart resumes
-the bound and the engagement. Unlike the stop-side journal, nothing else is kept: an audited
-group still running when its process dies is not counted (neither as lost nor censored), and the
-state is this process's (a fleet's replicas, `--orca-audit-store`, do not share it).
+The guards' state is a fold of the audited groups' losses in order, one journal event each
+(`vote_event`: the row's (delta, delta_vote) and the loss, null when censored), so it goes
+through the stop audit's own journal of the bundle (`orca_serve.live_audit.state.AuditState`:
+the file journal of `--orca-audit-dir`, or the fleet's store of `--orca-audit-store`, keyed by
+the bundle's checksum as every audit event is): a restart replays it (or its snapshot, which
+carries the vote guards' state too), and the replicas of a fleet fold one sequence per bundle
+and (delta, delta_vote) row and act on one decision. What stays this process's: which groups it
+picked and what became of them (the counts; the rows' `n` is the fleet's), and the groups
+running when it dies, which are not counted (neither as lost nor censored).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from orca_method.audit.guards import VoteGuard
 from orca_method.audit.sequence import CensoredAlarm
 from orca_method.bundle import Bundle
-from orca_method.files import write_atomic
 from orca_method.outcomes import Source
+from orca_serve.live_audit.journal import VOTE, vote_event
 from orca_serve.live_audit.options import AuditConfig, guard_epsilon
 from orca_serve.live_audit.sampling import AuditSampler
 from orca_serve.settings.contract import VoteSettings
 
 logger = logging.getLogger("orca_serve.live_audit")
 
-# what became of the picked groups: measured (their loss is known), censored (a sample failed
-# or the client left before the vote was known: any loss in [0, 1])
+# what became of this process's picked groups (the fleet's are the rows' `n`): measured (their
+# loss is known), censored (a sample failed or the client left before the vote was known: any
+# loss in [0, 1])
 VOTE_COUNTS = ("picked", "measured", "censored")
 SAMPLER_SEED_OFFSET = 1  # the vote's sampler draws apart from the requests' (same --orca-audit-seed)
-
-
-def vote_state_path(directory: Path, checksum: str) -> Path:
-    """Where the vote guards' state of the bundle with this checksum lives in an audit
-    directory (beside its stop-side journal, `journal.journal_path`)."""
-    return Path(directory) / f"vote-{checksum[:16]}.json"
-
-
 class VoteAudit:
-    """The vote guards of one bundle (one per consensus row with a certified t*), the sampler
-    that picks audited groups, and the state file (see the module docstring)."""
+    """The vote guards of one bundle (one per consensus row with a certified t*) and the sampler
+    that picks audited groups (see the module docstring); the guards change only by `apply`,
+    the fold of a journalled `vote_event`."""
 
-    def __init__(self, bundle: Bundle, config: AuditConfig, path: Path | None = None) -> None:
+    def __init__(self, bundle: Bundle, config: AuditConfig) -> None:
         block = bundle.consensus
         rows = [] if block is None else [r for r in block.rows if r.t is not None]
         self.rate = config.vote_rate
@@ -69,9 +65,6 @@ class VoteAudit:
                                                           config.on_alarm)
                        for r in rows if self.epsilon is not None and r.t is not None}
         self.counts = dict.fromkeys(VOTE_COUNTS, 0)
-        self.path = path
-        if path is not None and path.exists():
-            self._load(path)
 
     def guard(self, delta: float, delta_vote: float) -> VoteGuard | None:
         for (d, dv), g in self.guards.items():
@@ -91,61 +84,47 @@ class VoteAudit:
         self.counts["picked"] += int(audited)
         return replace(vote, audited=audited, t_source=g.source)
 
-    def finished(self, vote: VoteSettings, delta: float, loss: float | None) -> None:
-        """An audited group's vote loss (None: censored), to its row's guard."""
-        g = self.guard(delta, vote.delta_vote)
+    def event(self, vote: VoteSettings, delta: float, loss: float | None
+              ) -> dict[str, Any] | None:
+        """The journal event of an audited group's vote loss (None: censored); None for a vote
+        whose row has no guard."""
+        if self.guard(delta, vote.delta_vote) is None:
+            return None
+        self.counts["censored" if loss is None else "measured"] += 1
+        return vote_event(delta, vote.delta_vote, loss)
+
+    def apply(self, e: dict[str, Any], quiet: bool = False) -> None:
+        """Fold one `vote_event` into its row's guard (identically in every process that reads
+        it; `quiet`: a replay, whose guard changes are not logged again)."""
+        g = self.guard(*e[VOTE])
         if g is None:
             return
         before = g.engaged
-        g.observe(loss)
-        self.counts["censored" if loss is None else "measured"] += 1
-        if g.engaged != before:
+        g.observe(e["l"])
+        if g.engaged != before and not quiet:
             logger.warning("orca vote audit: delta %g, delta_vote %g: %s (vote error in "
                            "[%.3f, %.3f] after %d audited groups); its groups %s",
                            g.delta, g.delta_vote, "ALARM" if g.engaged else "cleared",
                            g.cs.lower, g.cs.upper, g.cs.n,
                            "settle early" if g.source == Source.BUNDLE else
                            "wait for every sample (fallback)")
-        if self.path is not None:
-            self._save(self.path)
 
     def table(self) -> dict[str, Any]:
         """The vote's part of GET /v1/orca/audit."""
         return {"rate": self.rate, "epsilon": self.epsilon, **self.counts,
-                "rows": [g.row() for g in self.guards.values()],
-                "state": None if self.path is None else str(self.path)}
+                "rows": [g.row() for g in self.guards.values()]}
 
-    # -- the state file ------------------------------------------------------------------------
-    def _settings(self) -> dict[str, Any]:
-        """What the saved state depends on besides the audits: state saved under others is not
+    # -- in the audit's snapshots (orca_serve/live_audit/state.py) ------------------------------
+    def settings(self) -> dict[str, Any]:
+        """What the fold depends on besides the events: a snapshot folded under others is not
         used."""
         return {"epsilon": self.epsilon,
                 "on_alarm": [str(g.on_alarm) for g in self.guards.values()],
                 "rows": [[g.delta, g.delta_vote, g.t] for g in self.guards.values()]}
 
-    def _save(self, path: Path) -> None:
-        write_atomic(path, json.dumps({"settings": self._settings(), "counts": self.counts,
-                                       "guards": [g.state() for g in self.guards.values()]}))
+    def state(self) -> list[dict[str, Any]]:
+        return [g.state() for g in self.guards.values()]
 
-    def _load(self, path: Path) -> None:
-        try:
-            d = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            logger.warning("orca vote audit: %s unreadable (%r): starting afresh", path, e)
-            return
-        if d.get("settings") != self._settings():
-            logger.warning("orca vote audit: %s was saved under other settings: starting "
-                           "afresh", path)
-            return
-        for g, s in zip(self.guards.values(), d["guards"]):
+    def restore(self, state: list[dict[str, Any]]) -> None:
+        for g, s in zip(self.guards.values(), state):
             g.restore(s)
-        self.counts.update({k: int(v) for k, v in d["counts"].items() if k in self.counts})
-        logger.info("orca vote audit: resumed from %s (%d audited groups)", path,
-                    self.counts["measured"] + self.counts["censored"])
-
-
-def make_vote_audit(bundle: Bundle, config: AuditConfig) -> VoteAudit:
-    """The vote audit of `bundle` as `config` sets it up (its state in the audit directory)."""
-    path = None if config.directory is None else vote_state_path(config.directory,
-                                                                 bundle.checksum)
-    return VoteAudit(bundle, config, path)

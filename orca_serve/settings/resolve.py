@@ -16,6 +16,7 @@ Python (no vLLM import) so it is unit-tested without an engine.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -262,8 +263,8 @@ def _check_levels(fields: OrcaFields, defaults: OrcaDefaults, bundle: Bundle, wh
 def _vote(k: int, delta: float, body: dict[str, Any], bundle: Bundle) -> VoteSettings:
     """The vote of `orca.samples: k` at the request's per-sample `delta`: the consensus row for
     that delta with the smallest delta_vote. Raises OrcaRequestError for a bundle without a
-    consensus block, a k beyond the block's, no row for the delta, or `n` besides (a stream
-    is the API's to allow: `orca_serve.api_server.apis.Api.votes_stream`)."""
+    consensus block, a k beyond the block's, no row for the delta, `n` besides, or a malformed
+    stream request (`_check_vote_stream`)."""
     block = bundle.consensus
     if block is None:
         raise OrcaRequestError("this server's bundle has no consensus block, so 'orca.samples' "
@@ -277,6 +278,7 @@ def _vote(k: int, delta: float, body: dict[str, Any], bundle: Bundle) -> VoteSet
     if n not in (None, 1):
         raise OrcaRequestError("'orca.samples' returns one voted answer: send it without 'n'",
                                "n")
+    _check_vote_stream(body)
     rows = [r for r in block.rows if abs(r.delta - delta) <= 1e-9]
     if not rows:
         raise OrcaRequestError(f"the bundle's consensus rule has no row for delta {delta:g} "
@@ -287,6 +289,26 @@ def _vote(k: int, delta: float, body: dict[str, Any], bundle: Bundle) -> VoteSet
     return VoteSettings(k=k, t=t, delta_vote=row.delta_vote, weighting=block.weighting,
                         waves=(k,) if t is None else block.schedule,
                         confident_tokens=None if t is None else row.confident_tokens)
+
+
+def _check_vote_stream(body: dict[str, Any]) -> None:
+    """A voted request's `stream` and `stream_options`, checked here because vLLM never sees
+    them: its samples run unstreamed and the middleware streams the voted answer
+    (`orca_serve.api_server.vote_stream`). `stream` is a JSON bool; `stream_options` an object
+    whose `include_usage` is a bool, and only with `"stream": true` (vLLM's own rule)."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise OrcaRequestError(f"'stream' must be true or false, got {json.dumps(stream)}",
+                               "stream")
+    if options is None:
+        return
+    usage = options.get("include_usage") if isinstance(options, dict) else None
+    if not isinstance(options, dict) or not isinstance(usage, (bool, type(None))):
+        raise OrcaRequestError("'stream_options' must be an object whose 'include_usage' is "
+                               f"true or false, got {json.dumps(options)}", "stream_options")
+    if options and not stream:
+        raise OrcaRequestError("'stream_options' can only be given with \"stream\": true",
+                               "stream_options")
 
 
 def _give_up(asked: GiveUpFields | None, defaults: OrcaDefaults, bundle: Bundle,
