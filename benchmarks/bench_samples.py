@@ -112,14 +112,36 @@ def run_dir(reasoner: str, k: int, family: str = "in-dist") -> Path:
     return RUNS / (f"{reasoner}-k{k}" if family == "in-dist" else f"{reasoner}-{family}-k{k}")
 
 
+def extend_prompts(prompts_file: Path, write: Callable[[Path], None]) -> None:
+    """Write the prompts, or, when the file holds fewer than `write` writes, extend it along the
+    same seeded stream: the traces already recorded stay keyed to their prompts, so the new file
+    must start with the old one byte for byte (refused otherwise, and the old file kept)."""
+    if not prompts_file.exists():
+        write(prompts_file)
+        return
+    fresh = prompts_file.with_suffix(".new")
+    write(fresh)
+    old, new = prompts_file.read_bytes(), fresh.read_bytes()
+    if len(new) <= len(old):
+        fresh.unlink()
+        return
+    if not new.startswith(old):
+        fresh.unlink()
+        raise SystemExit(f"{prompts_file}: the prompt stream no longer starts with the recorded "
+                         "prompts; not extended")
+    fresh.replace(prompts_file)
+    was, now = old.count(b"\n"), new.count(b"\n")
+    print(f"{prompts_file}: extended from {was} to {now} prompts (the first {was} byte for byte)",
+          flush=True)
+
+
 def cmd_collect(a: argparse.Namespace) -> None:
     t0 = time.monotonic()
     tasks, _ = REASONERS[a.reasoner]
     out = run_dir(a.reasoner, a.k, a.family)
     out.mkdir(parents=True, exist_ok=True)
     prompts_file = out / "prompts.jsonl"
-    if not prompts_file.exists():
-        tasks.write_prompts(prompts_file, a.family, a.n, PROMPT_SEED)
+    extend_prompts(prompts_file, lambda path: tasks.write_prompts(path, a.family, a.n, PROMPT_SEED))
     prompts = read_prompts(prompts_file)[:a.n]
     job = load_job(ROOT / "orca_calibrate" / "jobs" / f"{a.reasoner}.yaml")
     settings = CollectSettings(**{**job["collect"], "samples": a.k,
