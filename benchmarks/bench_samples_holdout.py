@@ -349,10 +349,56 @@ def rule_text(t: np.ndarray, c: np.ndarray | None, most: np.ndarray | None, h: i
 # ---------------------------------------------------------------------------------- check
 
 
+SIGNAL_EDGES = (0, 500, 1000, 1500, 2000, 2500, np.inf)  # reasoning tokens at an early stop
+
+
+def print_signal(rec: Recording) -> None:
+    """The confidence clause's signal on each set: how often a sample's stopped answer agrees
+    with maj@k, by the reasoning tokens where ORCA stopped it (samples that ran to their end
+    last). Chosen on the old prompts; the fresh ones say whether it carries over. The k samples
+    of a prompt are not independent, so n overstates the evidence."""
+    print("| per-sample stop | prompts | " + " | ".join(
+        f"{lo:,.0f}-{hi:,.0f}" if hi < np.inf else f">= {lo:,.0f}"
+        for lo, hi in zip(SIGNAL_EDGES[:-1], SIGNAL_EDGES[1:])) + " | ran to its end |")
+    print("|" + " --- |" * (len(SIGNAL_EDGES) + 2))
+    for stop, groups in rec.stopped.items():
+        for label, mask in parts(rec)[:2]:
+            st = np.array([x for g, m in zip(groups, mask) if m for x in g.stop_tokens])
+            ag = np.array([a == g.reference for g, m in zip(groups, mask) if m
+                           for a in g.answers])
+            bins = [(st >= lo) & (st < hi) for lo, hi in zip(SIGNAL_EDGES[:-1], SIGNAL_EDGES[1:])]
+            cells = [f"{ag[b].mean():.3f} ({b.sum()})" if b.any() else "-"
+                     for b in bins + [np.isinf(st)]]
+            print(f"| {stop} | {label} | " + " | ".join(cells) + " |")
+    print()
+
+
+def print_stops(rec: Recording) -> None:
+    """Per set and per-sample stop: how often a stopped sample's answer differs from its own end
+    (the per-sample loss; samples of a prompt are not independent), and how often the vote of
+    all k stopped samples differs from maj@k (the floor of every consensus rule's vote error:
+    its t = 1)."""
+    print("| per-sample stop | prompts | stop error (samples) | full vote of the stopped "
+          "samples != maj@k (95% CI) |\n| --- | --- | --- | --- |")
+    for stop, groups in rec.stopped.items():
+        for label, mask in parts(rec)[:2]:
+            own = [a != tr.final for g, grp, m in zip(groups, rec.full, mask) if m
+                   for a, tr in zip(g.answers, grp)]
+            vote = sum(plurality(list(g.answers)) != g.reference
+                       for g, m in zip(groups, mask) if m)
+            n = int(mask.sum())
+            lo, hi = clopper_pearson(vote, n)
+            print(f"| {stop} | {label} | {np.mean(own):.3f} ({len(own)}) | {vote}/{n} = "
+                  f"{vote / n:.3f} [{lo:.3f}, {hi:.3f}] |")
+    print()
+
+
 def cmd_check(a: argparse.Namespace) -> None:
     rec = load(a.reasoner, a.k, a.old)
     maj_ok, maj_tokens, _, _ = baselines(rec)
     one = print_baselines(rec)
+    print_stops(rec)
+    print_signal(rec)
     old, fresh = ~rec.fresh, rec.fresh
     report = []
     print(head("launch, certified on -> served on"))
@@ -430,8 +476,35 @@ def cmd_cap(a: argparse.Namespace) -> None:
                 f"{label}: {nm} at {served[(nm, label)][0]['tokens']:,.0f} tokens, accuracy "
                 f"{served[(nm, label)][0]['accuracy']:.3f}" for label, nm in cheapest.items())
                 + "\n")
+    summary(report, single_ok, single_tokens, [label for label, _ in parts(rec)], rec)
     frontier(tables, single_ok, single_tokens, grid, report)
     (run_dir(a.reasoner, a.k) / "holdout-cap.json").write_text(json.dumps(report, indent=1))
+
+
+def summary(report: dict, single_ok: np.ndarray, single_tokens: np.ndarray, labels: list[str],
+            rec: Recording) -> None:
+    """One line per (delta_vote, path): the launch picked on the old prompts, on each set
+    (accuracy / tokens / vote error), and whether (b) holds there: accuracy above single's, at
+    <= 1.5x its tokens, vote error <= delta_vote."""
+    masks = dict(parts(rec))
+    print("| delta_vote | path | launch (picked on old) | " + " | ".join(
+        f"{x}: accuracy / tokens / != maj@k" for x in labels) + " |")
+    print("|" + " --- |" * (3 + len(labels)))
+    keys = sorted({(r["delta_vote"], r["path"]) for r in report["rows"]},
+                  key=lambda x: (x[0], x[1] != CAPS_LAST))
+    for dv, path in keys:
+        rows = {r["prompts"]: r for r in report["rows"] if r["delta_vote"] == dv
+                and r["path"] == path and r["picked_on_old"]}
+        cells = []
+        for x in labels:
+            r, m = rows[x], masks[x]
+            b = (r["accuracy"] > single_ok[m].mean() and r["vote_error"] <= dv
+                 and r["tokens"] <= 1.5 * single_tokens[m].mean())
+            lo, hi = r["vote_error_ci"]
+            cells.append(f"{r['accuracy']:.3f} / {r['tokens']:,.0f} / {r['vote_error']:.3f} "
+                         f"[{lo:.3f}, {hi:.3f}]{' (b) met' if b else ''}")
+        print(f"| {dv:g} | {path} | {rows[labels[0]]['launch']} | " + " | ".join(cells) + " |")
+    print()
 
 
 def frontier(tables: dict, single_ok: np.ndarray, single_tokens: np.ndarray, grid: CapGrid,
