@@ -7,7 +7,8 @@ the calibration job's own collector (orca_calibrate/collect.py, the plugin in re
 answer probe at every step boundary) with the reasoner's job settings (orca_calibrate/jobs/
 <reasoner>.yaml, `samples: k`). It works in rounds of a few batches and stops cleanly once
 ``--budget-s`` has passed, so each run fits a slot of the shared vLLM lock; a rerun resumes
-(the trajectory writer skips what it holds). Run it under ``flock /tmp/vllm.lock``.
+(the trajectory writer skips what it holds), and a rerun with a larger ``--n`` extends the
+prompts along the same seeded stream (`extend_prompts`: the recorded ones stay byte for byte). Run it under ``flock /tmp/vllm.lock``.
 ``--family`` records another prompt family of the task (the same seed); with ``--k 1`` that
 is what benchmarks/bench_replay_shift.py replays.
 
