@@ -94,6 +94,7 @@ from orca_method.consensus import (
     outcomes,
     parse_waves,
     plurality,
+    prompt_of,
     settle_events,
     vote_path,
 )
@@ -237,6 +238,12 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     p = k / n
     mid, half = (p + z * z / (2 * n)), z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     return (float((mid - half) / (1 + z * z / n)), float((mid + half) / (1 + z * z / n)))
+
+
+def prompt_number(ts: TrajectorySet, group: list[int]) -> int:
+    """A group's prompt's place in its seeded stream (ids `<prefix>-<n>`, the task's
+    write_prompts): the first 100 of an extended recording are the ones recorded first."""
+    return int(prompt_of(ts.problems[group[0]].id)[0].rsplit("-", 1)[1])
 
 
 def traces(ts: TrajectorySet, groups: list[list[int]]) -> list[list[Trace]]:
@@ -386,8 +393,8 @@ def cmd_report(a: argparse.Namespace) -> None:
     ts = TrajectorySet.open(out / "trajectories")
     groups = sample_groups(ts, list(range(len(ts))))
     groups = [g for g in groups if len(g) == a.k]
-    if a.n:
-        groups = groups[:a.n]
+    if a.n:  # by the prompts' place in their stream (groups come sorted by id, "-10" before "-2")
+        groups = [g for g in groups if prompt_number(ts, g) < a.n]
     bundle = load_bundle(ROOT / REASONERS[a.reasoner][1])
     probe = bundle.load_probe()
     full = traces(ts, groups)
@@ -715,7 +722,8 @@ def main() -> None:
     r = sub.add_parser("report", help="every rule from the recorded traces")
     r.add_argument("--reasoner", choices=sorted(REASONERS), required=True)
     r.add_argument("--k", type=int, default=8, help="samples per prompt")
-    r.add_argument("--n", type=int, default=0, help="first n prompts only (0: all)")
+    r.add_argument("--n", type=int, default=0,
+                   help="the stream's first n prompts only (0: all)")
     r.add_argument("--waves", nargs="+", default=list(WAVES),
                    type=parse_waves, metavar="A+B+...",
                    help="wave launches to report beside all-at-once (each summing to k)")

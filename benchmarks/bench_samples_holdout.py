@@ -47,6 +47,7 @@ from bench_samples import (  # noqa: E402
     FOLD_SEED,
     REASONERS,
     Trace,
+    prompt_number,
     run_dir,
     traces,
     wilson,
@@ -64,7 +65,6 @@ from orca_method.consensus import (  # noqa: E402
     format_waves,
     launched,
     plurality,
-    prompt_of,
     settle_events,
     vote_path,
 )
@@ -136,7 +136,7 @@ class Recording:
 def load(reasoner: str, k: int, old: int) -> Recording:
     ts = TrajectorySet.open(run_dir(reasoner, k) / "trajectories")
     groups = [g for g in sample_groups(ts, list(range(len(ts)))) if len(g) == k]
-    number = [int(prompt_of(ts.problems[g[0]].id)[0].rsplit("-", 1)[1]) for g in groups]
+    number = [prompt_number(ts, g) for g in groups]
     bundle = load_bundle(ROOT / REASONERS[reasoner][1])
     scores = replayed(bundle.load_probe(), ts, groups, bundle.window)
     lams = {f"delta {r.delta:g}": bundle.lam(r.delta) for r in bundle.ltt.rows}
