@@ -91,3 +91,15 @@ def test_collect_extends_the_prompts_along_their_stream_and_keeps_the_recorded_o
     with pytest.raises(SystemExit, match="no longer starts"):
         extend_prompts(path, lambda p: tasks.write_prompts(p, "in-dist", 8, 36))
     assert path.read_bytes() == before and not path.with_suffix(".new").exists()
+
+
+def test_a_group_is_placed_by_its_prompt_number_not_its_sorted_id():
+    """Groups come sorted by id ("-10" before "-2"): `report --n` and the holdout bench place
+    them by the number in the id, so an extended recording's first 100 are the first recorded."""
+    from types import SimpleNamespace
+
+    from bench_samples import prompt_number
+
+    ts = SimpleNamespace(problems=[SimpleNamespace(id=i) for i in
+                                   ("long-in-dist-10#0", "long-in-dist-10#1", "long-in-dist-2#0")])
+    assert prompt_number(ts, [0, 1]) == 10 and prompt_number(ts, [2]) == 2
