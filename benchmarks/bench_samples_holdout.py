@@ -16,11 +16,14 @@ vote error with its exact interval.
 ``cap``: the same rule with a third parameter, m, the most samples that may finish: a group is
 also settled once m of its samples have finished, and answers the vote of those (ties to the
 lowest sample). The loss is unchanged (the answer != maj@k of the k samples run to their end),
-so LTT's bound covers the cap: the hypotheses (t, c, m) are one fixed sequence (`capped_path`:
-the shipped path's margin and caps, then m from k - 1 down to 1 at the largest cap). Per
-delta_vote and launch: the rule certified by 5-fold cross-fitting on the old, the fresh and the
-pooled prompts; the launch picked on the old prompts and read on the fresh ones; and the
-frontier of every hypothesis in sample (accuracy and tokens against its vote error).
+so LTT's bound covers the cap: the hypotheses (t, c, m) are one fixed sequence along a path of
+`CapGrid`. The path is either *caps last*, fixed a priori (the shipped path's margin and caps,
+then m from k - 1 down to 1 at the largest cap), or a *staircase* chosen on the old prompts
+(which certify nothing on the fresh ones). Per delta_vote and launch: the rule certified by
+5-fold cross-fitting on the old, the fresh and the pooled prompts; the launch picked on the old
+prompts and read on the fresh ones; whether issue 35's (b) holds (accuracy above single full
+reasoning's at <= 1.5x its tokens, vote error <= delta_vote); and, in sample, what (b) would
+need whatever the path (the least vote error of any hypothesis within (b)'s budget).
 
 Usage:
   python benchmarks/bench_samples_holdout.py check --reasoner long
