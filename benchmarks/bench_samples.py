@@ -7,7 +7,8 @@ the calibration job's own collector (orca_calibrate/collect.py, the plugin in re
 answer probe at every step boundary) with the reasoner's job settings (orca_calibrate/jobs/
 <reasoner>.yaml, `samples: k`). It works in rounds of a few batches and stops cleanly once
 ``--budget-s`` has passed, so each run fits a slot of the shared vLLM lock; a rerun resumes
-(the trajectory writer skips what it holds). Run it under ``flock /tmp/vllm.lock``.
+(the trajectory writer skips what it holds), and a rerun with a larger ``--n`` extends the
+prompts along the same seeded stream (`extend_prompts`: the recorded ones stay byte for byte). Run it under ``flock /tmp/vllm.lock``.
 ``--family`` records another prompt family of the task (the same seed); with ``--k 1`` that
 is what benchmarks/bench_replay_shift.py replays.
 
@@ -93,6 +94,7 @@ from orca_method.consensus import (
     outcomes,
     parse_waves,
     plurality,
+    prompt_of,
     settle_events,
     vote_path,
 )
@@ -112,14 +114,36 @@ def run_dir(reasoner: str, k: int, family: str = "in-dist") -> Path:
     return RUNS / (f"{reasoner}-k{k}" if family == "in-dist" else f"{reasoner}-{family}-k{k}")
 
 
+def extend_prompts(prompts_file: Path, write: Callable[[Path], None]) -> None:
+    """Write the prompts, or, when the file holds fewer than `write` writes, extend it along the
+    same seeded stream: the traces already recorded stay keyed to their prompts, so the new file
+    must start with the old one byte for byte (refused otherwise, and the old file kept)."""
+    if not prompts_file.exists():
+        write(prompts_file)
+        return
+    fresh = prompts_file.with_suffix(".new")
+    write(fresh)
+    old, new = prompts_file.read_bytes(), fresh.read_bytes()
+    if len(new) <= len(old):
+        fresh.unlink()
+        return
+    if not new.startswith(old):
+        fresh.unlink()
+        raise SystemExit(f"{prompts_file}: the prompt stream no longer starts with the recorded "
+                         "prompts; not extended")
+    fresh.replace(prompts_file)
+    was, now = old.count(b"\n"), new.count(b"\n")
+    print(f"{prompts_file}: extended from {was} to {now} prompts (the first {was} byte for byte)",
+          flush=True)
+
+
 def cmd_collect(a: argparse.Namespace) -> None:
     t0 = time.monotonic()
     tasks, _ = REASONERS[a.reasoner]
     out = run_dir(a.reasoner, a.k, a.family)
     out.mkdir(parents=True, exist_ok=True)
     prompts_file = out / "prompts.jsonl"
-    if not prompts_file.exists():
-        tasks.write_prompts(prompts_file, a.family, a.n, PROMPT_SEED)
+    extend_prompts(prompts_file, lambda path: tasks.write_prompts(path, a.family, a.n, PROMPT_SEED))
     prompts = read_prompts(prompts_file)[:a.n]
     job = load_job(ROOT / "orca_calibrate" / "jobs" / f"{a.reasoner}.yaml")
     settings = CollectSettings(**{**job["collect"], "samples": a.k,
@@ -214,6 +238,12 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     p = k / n
     mid, half = (p + z * z / (2 * n)), z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     return (float((mid - half) / (1 + z * z / n)), float((mid + half) / (1 + z * z / n)))
+
+
+def prompt_number(ts: TrajectorySet, group: list[int]) -> int:
+    """A group's prompt's place in its seeded stream (ids `<prefix>-<n>`, the task's
+    write_prompts): the first 100 of an extended recording are the ones recorded first."""
+    return int(prompt_of(ts.problems[group[0]].id)[0].rsplit("-", 1)[1])
 
 
 def traces(ts: TrajectorySet, groups: list[list[int]]) -> list[list[Trace]]:
@@ -363,8 +393,8 @@ def cmd_report(a: argparse.Namespace) -> None:
     ts = TrajectorySet.open(out / "trajectories")
     groups = sample_groups(ts, list(range(len(ts))))
     groups = [g for g in groups if len(g) == a.k]
-    if a.n:
-        groups = groups[:a.n]
+    if a.n:  # by the prompts' place in their stream (groups come sorted by id, "-10" before "-2")
+        groups = [g for g in groups if prompt_number(ts, g) < a.n]
     bundle = load_bundle(ROOT / REASONERS[a.reasoner][1])
     probe = bundle.load_probe()
     full = traces(ts, groups)
@@ -692,7 +722,8 @@ def main() -> None:
     r = sub.add_parser("report", help="every rule from the recorded traces")
     r.add_argument("--reasoner", choices=sorted(REASONERS), required=True)
     r.add_argument("--k", type=int, default=8, help="samples per prompt")
-    r.add_argument("--n", type=int, default=0, help="first n prompts only (0: all)")
+    r.add_argument("--n", type=int, default=0,
+                   help="the stream's first n prompts only (0: all)")
     r.add_argument("--waves", nargs="+", default=list(WAVES),
                    type=parse_waves, metavar="A+B+...",
                    help="wave launches to report beside all-at-once (each summing to k)")

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 from bench_samples import (  # noqa: E402
@@ -71,3 +72,34 @@ def test_consensus_arm_counts_tokens_until_the_group_settles():
     # in waves 2+2 the group settles when the first wave ends: the second is never launched
     (w,) = launched([g], (2, 2))
     assert settled(w, traces, 0.0) == ("4", 2 * 50 + 2 * 5, 1, 50.0)
+
+
+def test_collect_extends_the_prompts_along_their_stream_and_keeps_the_recorded_ones(tmp_path):
+    from bench_samples import extend_prompts
+
+    from orca_demo.long import tasks
+
+    path = tmp_path / "prompts.jsonl"
+    extend_prompts(path, lambda p: tasks.write_prompts(p, "in-dist", 3, 35))
+    first = path.read_bytes()
+    extend_prompts(path, lambda p: tasks.write_prompts(p, "in-dist", 5, 35))
+    assert path.read_bytes().startswith(first) and path.read_bytes().count(b"\n") == 5
+    extend_prompts(path, lambda p: tasks.write_prompts(p, "in-dist", 2, 35))  # fewer: kept
+    assert path.read_bytes().count(b"\n") == 5
+    # another stream does not start with the recorded prompts: refused, the file untouched
+    before = path.read_bytes()
+    with pytest.raises(SystemExit, match="no longer starts"):
+        extend_prompts(path, lambda p: tasks.write_prompts(p, "in-dist", 8, 36))
+    assert path.read_bytes() == before and not path.with_suffix(".new").exists()
+
+
+def test_a_group_is_placed_by_its_prompt_number_not_its_sorted_id():
+    """Groups come sorted by id ("-10" before "-2"): `report --n` and the holdout bench place
+    them by the number in the id, so an extended recording's first 100 are the first recorded."""
+    from types import SimpleNamespace
+
+    from bench_samples import prompt_number
+
+    ts = SimpleNamespace(problems=[SimpleNamespace(id=i) for i in
+                                   ("long-in-dist-10#0", "long-in-dist-10#1", "long-in-dist-2#0")])
+    assert prompt_number(ts, [0, 1]) == 10 and prompt_number(ts, [2]) == 2
