@@ -47,6 +47,8 @@ logger = logging.getLogger("orca_serve.live_audit")
 # loss in [0, 1])
 VOTE_COUNTS = ("picked", "measured", "censored")
 SAMPLER_SEED_OFFSET = 1  # the vote's sampler draws apart from the requests' (same --orca-audit-seed)
+
+
 class VoteAudit:
     """The vote guards of one bundle (one per consensus row with a certified t*) and the sampler
     that picks audited groups (see the module docstring); the guards change only by `apply`,
