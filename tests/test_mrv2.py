@@ -38,7 +38,8 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
 )
 from vllm.v1.worker.gpu.states import RequestState
 
-from orca_serve.settings.contract import XARG_KEY, XARG_LAM, XARG_N
+from orca_serve.settings.contract import DEFAULTS, XARG_KEY, XARG_LAM, XARG_N
+from orca_serve.settings.xargs import decode_settings
 from orca_serve.vllm_compat import capture
 from orca_serve.vllm_plugin import adapter
 from orca_serve.vllm_plugin.config import PROCESSOR_FQCN
@@ -316,6 +317,20 @@ def test_n_children_get_their_own_results(bundle_path):
         assert res[key]["index"] == index
         assert res[key]["scores"] == pytest.approx(sm, abs=1e-5) and len(sm) > 3
     assert runner.proc.core.pool.free_count == runner.proc.core.capacity
+
+
+def test_child_index_from_the_id_or_the_seed():
+    """A child's index from vLLM's "<index>_<parent>" id, else from its seed minus the parent's
+    as the codec carries it (`OrcaSettings.seed`); 0 for a request that is no child."""
+    params = SamplingParams(n=3, seed=40, extra_args={XARG_KEY: "p"})
+    OrcaLogitsProcessor.validate_params(params)
+    settings = decode_settings(params.extra_args, DEFAULTS, record=False)
+    assert (settings.n, settings.seed) == (3, 40)
+    assert adapter.child_index("2_parent", settings, 40) == 2  # the id wins
+    assert adapter.child_index(None, settings, 41) == 1  # vLLM seeded child 1 with 40 + 1
+    assert adapter.child_index(None, settings, None) == 0
+    single = decode_settings({XARG_KEY: "q"}, DEFAULTS, record=False)
+    assert single.seed is None and adapter.child_index("1_parent", single, 41) == 0
 
 
 def test_mrv2_apply_never_waits_for_the_device(bundle_path):

@@ -256,6 +256,7 @@ class OrcaSettings:
     # answer tokens after a stop (None: the engine's default; the engine's is always set)
     answer_budget: int | None = None
     n: int = 1  # n of the request (the engine's: of its parent; each child is its own request)
+    seed: int | None = None  # the engine's, n > 1 only: the parent's seed (child i gets seed + i)
     bundle: str | None = None  # checksum of the bundle `lam` was resolved with: its deployment
     give_up_mu: float | None = None  # mu*(give_up_delta); None: never gives up
     shift_alpha: float | None = None  # the request's own gate level; None: the engine's default

@@ -184,6 +184,7 @@ def decode_settings(xa: Mapping[str, Any] | None, defaults: RequestDefaults, *,
     bundle = xa.get(XARG_BUNDLE)
     return OrcaSettings(
         key=xa.get(XARG_KEY), n=int(xa.get(XARG_N, 1)),
+        seed=int(xa[XARG_SEED]) if XARG_SEED in xa else None,
         record=bool(as_int(XARG_RECORD, xa.get(XARG_RECORD, record))),
         enabled=bool(as_int(XARG_ENABLED, xa.get(XARG_ENABLED, int(defaults.enabled)))),
         policy=Policy(xa.get(XARG_POLICY, defaults.policy)),

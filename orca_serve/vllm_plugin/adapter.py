@@ -23,7 +23,7 @@ import torch
 
 from orca_serve.core.engine import OrcaCore
 from orca_serve.core.registry import Request
-from orca_serve.settings.contract import XARG_N, XARG_SEED, OrcaSettings
+from orca_serve.settings.contract import OrcaSettings
 from orca_serve.settings.engine_config import KEY, EngineConfig
 from orca_serve.settings.xargs import validate_xargs
 from orca_serve.vllm_compat.tokenizer import load_tokenizer
@@ -147,17 +147,16 @@ class CoreAdapter:
             return self.core.retire_bundles(keep)
 
 
-def child_index(req_id: str | None, params) -> int:
+def child_index(req_id: str | None, settings: OrcaSettings, seed: int | None) -> int:
     """Choice index of an n > 1 child: vLLM names children "<index>_<parent id>"
     (vllm/v1/engine/parallel_sampling.py); without the id, the seed vLLM gives child i
-    (parent seed + i) minus the parent's seed (`orca_seed`, set in validation)."""
-    xa = params.extra_args or {}
-    if int(xa.get(XARG_N, 1)) <= 1:
+    (`seed`: the parent's seed + i) minus the parent's (`settings.seed`, set in validation)."""
+    if settings.n <= 1:
         return 0
     m = _CHILD_RE.match(req_id or "")
     if m:
         return int(m.group(1))
-    if XARG_SEED in xa and params.seed is not None:
-        return int(params.seed) - int(xa[XARG_SEED])
+    if settings.seed is not None and seed is not None:
+        return int(seed) - settings.seed
     return 0
 

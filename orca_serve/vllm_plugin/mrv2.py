@@ -138,7 +138,7 @@ class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
             return None
         ids, prompt_len = new
         req = self._join(req_id, sampling_params, settings, ids[:prompt_len],
-                         len(ids) - prompt_len, None, child_index(req_id, sampling_params))
+                         len(ids) - prompt_len, None, child_index(req_id, settings, sampling_params.seed))
         return None if req is None else Tracked(req, None)
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:

@@ -135,7 +135,7 @@ class OrcaLogitsProcessor(CoreAdapter, LogitsProcessor, MRV2LogitsProcessor):
         if settings is None:
             return None
         req_id = self._req_id(row, out)
-        index = child_index(req_id, params)
+        index = child_index(req_id, settings, params.seed)
         ident = req_id if req_id is not None else f"params-{id(params)}/{index}"
         req = self._join(ident, params, settings, prompt, len(out), out, index)
         return None if req is None else Tracked(req, out)
