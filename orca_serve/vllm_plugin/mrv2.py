@@ -137,8 +137,9 @@ class OrcaMRV2LogitsProcessor(CoreAdapter, LogitsProcessor):
             log.error("orca: slot %d has no new request in this step; not tracked", slot)
             return None
         ids, prompt_len = new
+        index = child_index(req_id, settings, sampling_params.seed)
         req = self._join(req_id, sampling_params, settings, ids[:prompt_len],
-                         len(ids) - prompt_len, None, child_index(req_id, settings, sampling_params.seed))
+                         len(ids) - prompt_len, None, index)
         return None if req is None else Tracked(req, None)
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
