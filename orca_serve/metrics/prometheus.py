@@ -181,32 +181,25 @@ class EngineStats(Collector):
 
     def collect(self) -> Iterable[Any]:
         labels, value = [LABEL], [self.model_name]
-        c = CounterMetricFamily("orca_probe_seconds", "In-engine time of the orca probe "
-                                "(capture, scoring, decisions), summed over workers", labels=labels)
-        c.add_metric(value, self.probe_ns / 1e9)
-        yield c
-        s = CounterMetricFamily("orca_engine_steps", "Engine steps seen by the orca plugin "
-                                "(summed over workers)", labels=labels)
-        s.add_metric(value, self.engine_steps)
-        yield s
-        t = GaugeMetricFamily("orca_engine_tracked_requests", "Requests the plugin tracks in the "
-                              "running batch (at the last scrape)", labels=labels)
-        t.add_metric(value, self.tracked)
-        yield t
-        r = GaugeMetricFamily("orca_engine_stored_results", "Results the plugin keeps for requests "
-                              "that left the batch and were not fetched yet (at the last scrape)",
-                              labels=labels)
-        r.add_metric(value, self.stored)
-        yield r
-        b = GaugeMetricFamily("orca_engine_bundles_loaded", "Calibration bundles an engine holds "
-                              "(2 while requests of a replaced one finish; most over engines)",
-                              labels=labels)
-        b.add_metric(value, self.bundles)
-        yield b
-        a = GaugeMetricFamily("orca_shift_alarm", "Gate alarms raised now (each engine core's, "
-                              "at the last scrape; 1 or 0 with one engine)", labels=labels)
-        a.add_metric(value, self.alarms)
-        yield a
+        families = (  # (type, name, help, value)
+            (CounterMetricFamily, "orca_probe_seconds", "In-engine time of the orca probe "
+             "(capture, scoring, decisions), summed over workers", self.probe_ns / 1e9),
+            (CounterMetricFamily, "orca_engine_steps", "Engine steps seen by the orca plugin "
+             "(summed over workers)", self.engine_steps),
+            (GaugeMetricFamily, "orca_engine_tracked_requests", "Requests the plugin tracks in "
+             "the running batch (at the last scrape)", self.tracked),
+            (GaugeMetricFamily, "orca_engine_stored_results", "Results the plugin keeps for "
+             "requests that left the batch and were not fetched yet (at the last scrape)",
+             self.stored),
+            (GaugeMetricFamily, "orca_engine_bundles_loaded", "Calibration bundles an engine "
+             "holds (2 while requests of a replaced one finish; most over engines)", self.bundles),
+            (GaugeMetricFamily, "orca_shift_alarm", "Gate alarms raised now (each engine core's, "
+             "at the last scrape; 1 or 0 with one engine)", self.alarms),
+        )
+        for family, name, doc, v in families:
+            m = family(name, doc, labels=labels)
+            m.add_metric(value, v)
+            yield m
         ch = CounterMetricFamily("orca_shift_alarm_changes", "Times the engines' gate alarms "
                                  "were raised and cleared", labels=[LABEL, "change"])
         for change, n in self.alarm_changes.items():
