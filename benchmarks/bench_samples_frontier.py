@@ -13,7 +13,14 @@ advance. For each delta_vote of `DELTAS_VOTE`, three arms (count weights):
   (per-sample stop x wave schedule x rule) the one with the fewest tokens at the hypothesis LTT
   would certify were the certifying groups' errors at the choosing fold's rates
   (`bench_samples.selected_arm`'s plug-in guess), and the other folds, which chose nothing,
-  certify it. Any choice keeps the certificate valid; a poor guess costs tokens, never error.
+  certify it. Any choice keeps the certificate valid; a poor guess costs tokens, never error;
+- three launches new here, each fixed before it was run (`NEW`, `WEIGHTED`): *rolling pairs*
+  (two samples run, the next launched whenever one finishes, where a wave waits for both), a
+  *stricter stop for the first pair* only (lambda 0.9, which carries delta 0.05's per-sample
+  certificate, then delta 0.1's lambda*), each with the margin alone and with the clause; and
+  the margin rule over *agreement weights* (`agreement_weights`: a sample's weight is how often
+  a stop in its band of reasoning tokens gave maj@k's answer, fitted on a fold that certifies
+  nothing).
 
 Each arm is certified by K-fold cross-fitting over every recorded prompt (each fold's rule by LTT
 on the other folds; an uncertified fold runs its samples to their end: maj@k itself), and the
@@ -39,6 +46,7 @@ import argparse
 import heapq
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -66,9 +74,11 @@ from bench_samples_holdout import (  # noqa: E402
     Served,
     accuracy_gap,
     baselines,
+    SIGNAL_EDGES,
     certify,
     cross_fit,
     load,
+    serve_fold,
     table,
 )
 
@@ -142,6 +152,7 @@ def stricter_first(strict: list[Group], rest: list[Group], m: int) -> list[Group
 FIXED_STOP, FIXED_WAVES = "delta 0.1", PAIRS
 MARGIN, CLAUSE = Candidate(FIXED_STOP, FIXED_WAVES, False), Candidate(FIXED_STOP, FIXED_WAVES, True)
 CHOSEN = "chosen out of fold"
+WEIGHTED = f"{FIXED_STOP}, waves {format_waves(FIXED_WAVES)}, agreement weights fit out of fold"
 CANDIDATES = tuple(Candidate(stop, waves, confident)
                    for stop in ("delta 0.05", "delta 0.1", "delta 0.15", "delta 0.2", "lambda 0.9")
                    for waves in (None, (2, 2, 4), PAIRS, (1, 1, 2, 4), ONES)
@@ -191,15 +202,45 @@ def chosen_fit(tabs: dict[Candidate, Table], full_tokens: np.ndarray, maj_ok: np
         n_cert = int(cert.sum())
         cand = min(CANDIDATES, key=lambda c: guess_cost(
             tabs[c][0][:, pick], tabs[c][2][:, pick], full_tokens[pick], n_cert, delta_vote))
-        err, ok, tok = tabs[cand]
-        h = certify(err[:, cert], delta_vote)
-        out.rules.append(h)
+        serve_fold(out, test, certify(tabs[cand][0][:, cert], delta_vote), tabs[cand],
+                   full_tokens, maj_ok)
         picks.append(cand.name)
-        if h < 0:
-            out.ok[test], out.tokens[test] = maj_ok[test], full_tokens[test]
-        else:
-            out.err[test], out.ok[test], out.tokens[test] = err[h, test], ok[h, test], tok[h, test]
     return out, picks
+
+
+def agreement_weights(fit: list[Group]) -> Callable[[np.ndarray], np.ndarray]:
+    """Vote weights fitted on the groups `fit` (which must certify nothing): a sample's weight
+    is how often, on those groups, a sample stopped by ORCA within the same band of reasoning
+    tokens (`SIGNAL_EDGES`; one that ran to its end: a band of its own) gave maj@k's answer,
+    (agree + 1) / (n + 2), in [0, 1] as the rule needs. The confidence clause's signal, made a
+    weight: a short early stop counts nearly fully, a late one or a full trace little."""
+    edges = np.asarray(SIGNAL_EDGES, dtype=float)
+
+    def band(stop_tokens: np.ndarray) -> np.ndarray:
+        st = np.asarray(stop_tokens, dtype=float)
+        return np.where(np.isinf(st), len(edges) - 1, np.digitize(st, edges[1:-1]))
+
+    b = np.concatenate([band(g.stop_tokens) for g in fit])
+    agree = np.concatenate([[a == g.reference for a in g.answers] for g in fit])
+    n_b = np.bincount(b, minlength=len(edges))
+    w = (np.bincount(b, weights=agree, minlength=len(edges)) + 1) / (n_b + 2)
+    return lambda stop_tokens: w[band(stop_tokens)]
+
+
+def weighted_fit(groups: list[Group], rec: Recording, full_tokens: np.ndarray,
+                 maj_ok: np.ndarray, folds: np.ndarray, delta_vote: float) -> Served:
+    """The margin rule with `agreement_weights`: for test fold f, fold f + 1 fits the weights,
+    the other folds certify t on the default grid, fold f is served."""
+    n, F = len(folds), int(folds.max()) + 1
+    out = Served(np.zeros(n, bool), np.zeros(n, bool), np.zeros(n), [])
+    for f in range(F):
+        pick, test = folds == (f + 1) % F, folds == f
+        w_of = agreement_weights([g for g, p in zip(groups, pick) if p])
+        weighted = [replace(g, weights=w_of(g.stop_tokens)) for g in groups]
+        tab = table(weighted, rec.full, rec.truth, default_grid(), None, None)
+        serve_fold(out, test, certify(tab[0][:, ~pick & ~test], delta_vote), tab, full_tokens,
+                   maj_ok)
+    return out
 
 
 @dataclass
@@ -409,6 +450,7 @@ def main() -> None:
     rec = load(a.reasoner, a.k, a.old)
     maj_ok, maj_tokens, single_ok, single_tokens = baselines(rec)
     tabs = tables(rec, a.k)
+    weighted_groups = MARGIN.launch(rec.stopped[FIXED_STOP])
     n = len(rec.full)
     print(f"**{a.reasoner}, k = {a.k}, n = {n} prompts** (epsilon {EPSILON}, {FOLDS}-fold "
           f"cross-fitting, {a.seeds} fold seeds; maj@k {maj_ok.mean():.3f} at "
@@ -416,7 +458,8 @@ def main() -> None:
           f"{single_tokens.mean():,.0f})\n")
     rows = []
     for dv in DELTAS_VOTE:
-        runs: dict[str, list[Served]] = {c.name: [] for c in FIXED} | {CHOSEN: []}
+        runs: dict[str, list[Served]] = {c.name: [] for c in FIXED} | {CHOSEN: [],
+                                                                        WEIGHTED: []}
         picks: list[list[str]] = []
         for seed in range(a.seeds):
             folds = np.random.default_rng(seed).permutation(n) % FOLDS
@@ -425,6 +468,8 @@ def main() -> None:
             served, chosen = chosen_fit(tabs, maj_tokens, maj_ok, folds, dv)
             runs[CHOSEN].append(served)
             picks.append(chosen)
+            runs[WEIGHTED].append(weighted_fit(weighted_groups, rec, maj_tokens, maj_ok, folds,
+                                               dv))
         for arm, rr in runs.items():
             s = summarize(rr, maj_ok, maj_tokens, single_ok, single_tokens, dv,
                           picks if arm == CHOSEN else None)

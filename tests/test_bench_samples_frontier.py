@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 from bench_samples_frontier import (  # noqa: E402
     CANDIDATES,
     Candidate,
+    agreement_weights,
     chosen_fit,
     rolling,
     stricter_first,
@@ -48,6 +49,18 @@ def test_the_stricter_first_pair_takes_its_stops_from_the_strict_groups():
     (g,) = stricter_first([strict], [rest], 2)
     assert g.finish.tolist() == [50, 60, 7, 8] and g.answers == ("a", "a", "c", "c")
     assert g.stop_tokens.tolist() == [50, 60, 7, 8] and g.reference == "a"
+
+
+def test_agreement_weights_are_smoothed_shares_per_band_of_stop_tokens():
+    """Two groups: in the 0-500 band 3 of 3 stopped answers agree with maj@k, weight (3 + 1) /
+    (3 + 2); in 500-1,000, 0 of 1: 1/3; the samples that ran to their end, 1 of 2: 1/2; a band
+    nobody fell in: 1/2. Every weight is in [0, 1], as the margin rule needs."""
+    g1 = Group(finish=np.ones(3), answers=("a", "a", "b"), weights=np.ones(3), reference="a",
+               stop_tokens=np.array([100.0, 200, 700]))
+    g2 = Group(finish=np.ones(3), answers=("c", "c", "d"), weights=np.ones(3), reference="c",
+               stop_tokens=np.array([499.0, np.inf, np.inf]))
+    w = agreement_weights([g1, g2])(np.array([0.0, 500, 999, 1200, np.inf]))
+    assert np.allclose(w, [4 / 5, 1 / 3, 1 / 3, 1 / 2, 1 / 2])
 
 
 def test_the_launch_is_chosen_on_another_fold_and_certified_on_the_rest():
