@@ -29,7 +29,9 @@ spread of splits rather than one lucky split. Per delta_vote and arm: accuracy a
 (paired bootstrap interval by prompt, seed 0), tokens as a share of maj@k's and of single full
 reasoning's, the realized vote error (exact interval, seed 0), each as mean and range over the
 seeds, and in how many seeds (a) and (b) hold. Then the clean holdout: the fixed launches
-certified on the first `--old` prompts alone, served on the later (fresh) ones.
+certified on the first `--old` prompts alone, served on the later (fresh) ones. With
+`--fresh-only` the frontier is drawn over the fresh prompts alone, none of which chose a rule,
+a signal or a launch.
 
 `--plot PATH` draws accuracy against tokens per prompt: maj@k, single, ESC, Adaptive-
 Consistency, the thinking budget x k, and ORCA's vote at each delta_vote (seed means), each
@@ -38,6 +40,7 @@ point labelled with its realized vote error.
 Usage:
   python benchmarks/bench_samples_frontier.py --reasoner long \
       --plot benchmarks/vote-frontier-long.png
+  python benchmarks/bench_samples_frontier.py --reasoner long --fresh-only
 """
 
 from __future__ import annotations
@@ -179,6 +182,14 @@ def tables(rec: Recording, k: int) -> dict[Candidate, Table]:
         t, c = confident_path(k) if cand.confident else (default_grid(), None)
         out[cand] = table(cand.launch(stopped[cand.stop]), rec.full, rec.truth, t, c, None)
     return out
+
+
+def fresh_part(rec: Recording) -> Recording:
+    """The recording's fresh prompts alone."""
+    keep = np.flatnonzero(rec.fresh)
+    return Recording(full=[rec.full[i] for i in keep], truth=[rec.truth[i] for i in keep],
+                     fresh=rec.fresh[keep],
+                     stopped={s: [g[i] for i in keep] for s, g in rec.stopped.items()})
 
 
 def guess_cost(err: np.ndarray, tok: np.ndarray, full_tokens: np.ndarray, n_cert: int,
@@ -446,8 +457,13 @@ def main() -> None:
                     help="prompts numbered below this are the first recording's")
     ap.add_argument("--seeds", type=int, default=SEEDS, help="fold assignments (seeds 0..S-1)")
     ap.add_argument("--plot", type=Path, default=None, help="write the figure here (PNG)")
+    ap.add_argument("--fresh-only", action="store_true",
+                    help="the frontier over the fresh prompts alone (none of them chose a rule, "
+                    "a signal or a launch); no holdout")
     a = ap.parse_args()
     rec = load(a.reasoner, a.k, a.old)
+    if a.fresh_only:
+        rec = fresh_part(rec)
     maj_ok, maj_tokens, single_ok, single_tokens = baselines(rec)
     tabs = tables(rec, a.k)
     weighted_groups = MARGIN.launch(rec.stopped[FIXED_STOP])
@@ -480,13 +496,15 @@ def main() -> None:
             print(f"- delta_vote {r['delta_vote']:g}, chosen per fold (seed 0): "
                   + "; ".join(r["seed0"]["picks"]))
     print()
-    held = holdout(rec, tabs, maj_ok, maj_tokens, single_ok, single_tokens)
+    held = [] if a.fresh_only else holdout(rec, tabs, maj_ok, maj_tokens, single_ok,
+                                           single_tokens)
     others = other_arms(rec, a.reasoner, a.k)
     for o in others:
         print(f"- {o['arm']}: accuracy {o['accuracy']:.3f}, {o['tokens']:,.0f} tokens "
               f"({o['tokens'] / maj_tokens.mean():.2f} x maj@k), != maj@k {o['vote_error']:.3f}")
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"n": n, "epsilon": EPSILON, "folds": FOLDS, "seeds": a.seeds,
+    out = OUT.with_stem(OUT.stem + "-fresh") if a.fresh_only else OUT
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"n": n, "epsilon": EPSILON, "folds": FOLDS, "seeds": a.seeds,
                                "rows": rows, "holdout": held, "others": others}, indent=1,
                               default=float))
     if a.plot:
