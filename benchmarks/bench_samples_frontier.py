@@ -2,7 +2,7 @@
 `bench_samples.py collect` recorded; no engine).
 
 delta_vote is the user's knob, and the consensus certificate holds for each value fixed in
-advance. For each delta_vote of `DELTAS_VOTE`, three arms (count weights):
+advance. For each delta_vote of `DELTAS_VOTE`, these arms (count weights unless said):
 
 - the **margin rule alone** at a fixed launch (`FIXED_STOP`, `FIXED_WAVES`: per-sample delta 0.1,
   waves 2+2+2+2); the rule's design predates the data, the launch was picked on the first 100
