@@ -256,13 +256,22 @@ def cross_fit(err: np.ndarray, ok: np.ndarray, tok: np.ndarray, full_tokens: np.
     out = Served(np.zeros(n, bool), np.zeros(n, bool), np.zeros(n), [])
     for f in np.unique(folds[folds >= 0]):
         test, cal = folds == f, (folds != f) & (folds >= 0)
-        h = certify(err[:, cal], delta_vote)
-        out.rules.append(h)
-        if h < 0:
-            out.ok[test], out.tokens[test] = maj_ok[test], full_tokens[test]
-        else:
-            out.err[test], out.ok[test], out.tokens[test] = err[h, test], ok[h, test], tok[h, test]
+        serve_fold(out, test, certify(err[:, cal], delta_vote), (err, ok, tok), full_tokens,
+                   maj_ok)
     return out
+
+
+def serve_fold(out: Served, test: np.ndarray, h: int,
+               tab: tuple[np.ndarray, np.ndarray, np.ndarray], full_tokens: np.ndarray,
+               maj_ok: np.ndarray) -> None:
+    """Serve the prompts of `test` by hypothesis h of `tab` ([H, n] error, correct, tokens);
+    h < 0 (nothing certified): every sample runs to its end, answering maj@k at its tokens."""
+    err, ok, tok = tab
+    out.rules.append(h)
+    if h < 0:
+        out.ok[test], out.tokens[test] = maj_ok[test], full_tokens[test]
+    else:
+        out.err[test], out.ok[test], out.tokens[test] = err[h, test], ok[h, test], tok[h, test]
 
 
 # -------------------------------------------------------------------------------- figures

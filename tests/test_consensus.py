@@ -97,6 +97,21 @@ def synthetic_groups(n: int, rng: np.random.Generator, agree: float = 0.5) -> li
     return groups
 
 
+def repeated_draws(loss: np.ndarray, delta: float, epsilon: float, rng: np.random.Generator,
+                   n_cal: int = 300, reps: int = 400) -> tuple[float, np.ndarray]:
+    """LTT's fixed sequence on `reps` draws of `n_cal` groups (with replacement) from a pool
+    whose losses `loss` [H, N] make every hypothesis's risk exact (the pool mean): the share of
+    draws whose certified hypothesis has pool risk <= delta (none certified counts: the samples
+    then run to their end), and each draw's certified index [reps] (-1: none)."""
+    risk = loss.mean(axis=1)  # [H]
+    lasts = np.empty(reps, dtype=int)
+    for r in range(reps):
+        idx = rng.integers(0, loss.shape[1], n_cal)
+        counts = loss[:, idx].sum(axis=1, dtype=np.int64)
+        lasts[r] = n_rejected(PVALUES["binomial"](counts, n_cal, delta), epsilon) - 1
+    return float(np.mean((lasts < 0) | (risk[lasts] <= delta))), lasts
+
+
 def test_certified_t_keeps_vote_risk_within_delta_in_repeated_draws():
     """The population is a pool of 20,000 synthetic groups (its risk at each t is exact); each
     repetition draws 300 calibration groups from it with replacement (i.i.d. from the pool),
@@ -108,16 +123,11 @@ def test_certified_t_keeps_vote_risk_within_delta_in_repeated_draws():
     pool = synthetic_groups(20_000, rng)
     loss, _ = outcomes(pool, grid)  # [m, N]
     risk = loss.mean(axis=1)  # [m] the population risk of every t
-    delta, epsilon, n_cal, reps = 0.1, 0.05, 300, 400
+    delta, epsilon, n_cal = 0.1, 0.05, 300
     assert risk[0] < delta < risk[-1], "the simulation must make the choice of t matter"
-    ok, ts = 0, []
-    for _ in range(reps):
-        idx = rng.integers(0, len(pool), n_cal)
-        counts = loss[:, idx].sum(axis=1, dtype=np.int64)
-        last = n_rejected(PVALUES["binomial"](counts, n_cal, delta), epsilon) - 1
-        ok += last < 0 or risk[last] <= delta  # no t certified: samples run to their end
-        ts.append(grid[last] if last >= 0 else 1.0)
-    assert ok / reps >= 1 - epsilon - 0.035
+    within, lasts = repeated_draws(loss, delta, epsilon, rng)
+    ts = np.where(lasts >= 0, grid[lasts], 1.0)
+    assert within >= 1 - epsilon - 0.035
     # the same through the public entry point, on one draw: its t is one the sequence rejects
     draw = [pool[i] for i in rng.integers(0, len(pool), n_cal)]
     (res,) = calibrate_consensus(draw, [delta], epsilon=epsilon, grid=grid)
@@ -138,18 +148,12 @@ def test_certified_confident_rule_keeps_vote_risk_within_delta_in_repeated_draws
     pool = synthetic_groups(20_000, rng, agree=0.6)
     loss, tokens = outcomes(pool, grid, caps)  # [m, N]
     risk = loss.mean(axis=1)  # [m] the population risk of every (t, c) on the path
-    delta, epsilon, n_cal, reps = 0.1, 0.05, 300, 400
+    delta, epsilon, n_cal = 0.1, 0.05, 300
     on_caps = caps > NO_CAP
     assert risk[~on_caps].max() < delta < risk[on_caps].max(), "the cap must matter"
-    ok, capped = 0, 0
-    for _ in range(reps):
-        idx = rng.integers(0, len(pool), n_cal)
-        counts = loss[:, idx].sum(axis=1, dtype=np.int64)
-        last = n_rejected(PVALUES["binomial"](counts, n_cal, delta), epsilon) - 1
-        ok += last < 0 or risk[last] <= delta
-        capped += last >= 0 and bool(on_caps[last])
-    assert ok / reps >= 1 - epsilon - 0.035
-    assert capped / reps > 0.5
+    within, lasts = repeated_draws(loss, delta, epsilon, rng)
+    assert within >= 1 - epsilon - 0.035
+    assert np.mean((lasts >= 0) & on_caps[lasts]) > 0.5
     # the public entry point on one draw: its pair is one the path rejects, past the margin's
     # part, and it spends fewer tokens than that part's last t (the cap off) on the pool
     draw = [pool[i] for i in rng.integers(0, len(pool), n_cal)]
