@@ -139,7 +139,9 @@ def test_every_flag_of_a_command_line_in_the_docs_exists():
     for doc in DOCS + [ROOT / "benchmarks" / "RESULTS.md"]:
         for where, code in code_spans(doc):
             flags = FLAG.findall(code)
-            calib = re.search(r"orca-calibrate\s+([a-z-]+)", code)
+            # `orca-calibrate SUB ...`, or `SUB ...` alone as CALIBRATE.md's table writes it
+            calib = re.search(r"orca-calibrate\s+([a-z-]+)", code) or (
+                doc.name == "CALIBRATE.md" and re.match(r"([a-z-]+)\b", code))
             script = re.search(r"(?:benchmarks|scripts)/\w+\.py|\bbench_\w+\.py", code)
             if calib and calib.group(1) in subs:
                 known, who = subs[calib.group(1)], calib.group(0)
@@ -152,6 +154,25 @@ def test_every_flag_of_a_command_line_in_the_docs_exists():
                 flags = [f for f in flags if f.startswith("--orca") or f in serve]
             bad += [f"{where}: {who} has no {f}" for f in flags if f not in known]
     assert not bad, "flags the docs give that the command does not take:\n" + "\n".join(bad)
+
+
+def test_calibrate_md_lists_every_subcommand():
+    text = _text(ROOT / "docs" / "CALIBRATE.md")
+    section = text[text.index("## The subcommands"):]
+    listed = set(re.findall(r"^\| `([a-z-]+)", section, re.M)) | set(
+        re.findall(r"`([a-z-]+) --config JOB.yaml`", section))
+    assert set(_subcommand_flags()) == listed
+
+
+def test_trajectories_md_documents_every_field():
+    """docs/TRAJECTORIES.md names every key of info.json and every field of a problem."""
+    from orca_method.trajectories import INFO_DEFAULTS, Problem  # deferred: the format's module
+
+    named = set(re.findall(r"`(\w+)`", _text(ROOT / "docs" / "TRAJECTORIES.md")))
+    info = set(re.findall(r'"(\w+)":', _text(ROOT / "docs" / "TRAJECTORIES.md")))
+    keys = {*INFO_DEFAULTS, "format", "version", "dim", "dtype"}
+    assert keys - named - info == set()
+    assert {f.name for f in dataclasses.fields(Problem)} - named == set()
 
 
 def test_every_orca_serve_flag_is_documented():
