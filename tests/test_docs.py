@@ -298,6 +298,18 @@ def test_every_section_a_doc_points_to_exists():
     assert not bad, "sections the docs point to that do not exist:\n" + "\n".join(bad)
 
 
+def test_the_indexes_are_complete():
+    """docs/README.md links every page of docs/ and names every tool in scripts/; every
+    benchmark has its figure in benchmarks/RESULTS.md."""
+    index = _text(ROOT / "docs" / "README.md")
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"README.md"}
+    assert pages <= set(re.findall(r"\]\((\w[\w-]*\.md)\)", index)), "pages docs/README.md lacks"
+    assert [p.name for p in (ROOT / "scripts").iterdir()
+            if p.name not in index and not p.name.startswith(("_", "."))] == []
+    results = _text(ROOT / "benchmarks" / "RESULTS.md")
+    assert [p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name not in results] == []
+
+
 def test_the_scans_see_what_they_check():
     """The patterns find the kinds of name they exist for (a scan that matches nothing passes)."""
     assert REPO_PATH.findall("see `orca_serve/settings/field.py` and benchmarks/x-{a,b}.png.") == [
