@@ -109,7 +109,7 @@ REASONERS = {
 }
 
 
-# ------------------------------------------------------------------ pure parts (tests/test_frontier)
+# --------------------------------------------------------- pure parts (tests/test_long_reasoner.py)
 
 def consistency_stop(step_answers: Sequence[str | None], k: int) -> int | None:
     """0-based step at which k consecutive forced answers (none missing) first agree, or None."""

@@ -83,7 +83,7 @@ FIGURES = ("requests_per_s", "goodput", "tokens_per_request", "p50_latency_s", "
            "accuracy")
 
 
-# ------------------------------------------------------------------ pure parts (tests/test_goodput)
+# --------------------------------------------------------------- pure parts (tests/test_goodput.py)
 
 def orca_body(arm: str, delta: float, give_up_delta: float) -> dict[str, Any]:
     """The request's `orca` object for one arm."""

@@ -277,7 +277,7 @@ class Collector:
         return merged
 
     def _probe_answers(self, done: list[tuple[str, dict, Any, dict]]) -> list[dict[int, str | None]]:
-        """Continue every labelled step prefix with the answer-forcing suffix (orca_method/answer_probes)."""
+        """Continue every labelled step prefix with the answer-forcing suffix (orca_method/answer_probes.py)."""
         return self.probe_steps([(out.prompt_token_ids, out.outputs[0].token_ids, res, None)
                                  for _, _, out, res in done])
 

@@ -566,7 +566,7 @@ def set_splits(path: str | Path, assignment: Mapping[str, str | None]) -> None:
 
 def update_problems(path: str | Path, changes: Mapping[str, Mapping[str, Any]]) -> None:
     """Replace fields of the given ids' metadata (others unchanged), atomically: a split, or the
-    labels of a trajectory labelled after collection (orca_calibrate/selective_labels.py). The
+    labels of a trajectory labelled after collection (`orca_calibrate.collect.label_deferred`). The
     fields that locate its embeddings (`offset`, `n_steps`) and its `id` stay.
 
     Must not run while a TrajectoryWriter has the directory open.

@@ -540,7 +540,7 @@ class VoteGuard:
 
     A row is (per-sample delta, delta_vote) with its certified margin t*. An audited group runs
     every sample to its own (ORCA) end; its loss is 1 when the vote the rule settled at t*
-    differs from the vote of all k samples (`orca_serve/api_server/vote_audit.py`). Acting
+    differs from the vote of all k samples (`orca_serve/live_audit/votes.py`). Acting
     (`fallback`, and `recalibrate`, since no t is recalibrated live) serves the row's groups
     without early settling while the guard is engaged: every sample runs to its ORCA stop and
     the answer is their whole vote (docs/AUDIT.md, "The vote's audit").
