@@ -34,7 +34,7 @@ from orca_method.thresholds import GIVE_UP_NEVER, NEVER, lam_from_json, lam_to_j
 
 
 class CS(Protocol):
-    """What the guard needs of its statistics (orca_serve.live_audit.CensoredAlarm): the whole
+    """What the guard needs of its statistics (orca_method.audit.sequence.CensoredAlarm): the whole
     history's mean and bounds, the audits counted with an unknown loss, and the alarm."""
 
     n: int
