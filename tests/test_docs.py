@@ -298,6 +298,25 @@ def test_every_section_a_doc_points_to_exists():
     assert not bad, "sections the docs point to that do not exist:\n" + "\n".join(bad)
 
 
+def test_every_method_section_a_doc_or_docstring_cites_exists():
+    """`docs/METHOD.md section 11a` (and `section 9, "Giving up under consistency labels"`) in a
+    doc or in the code's docstrings: METHOD.md has that numbered section (and that lead)."""
+    method = ROOT / "docs" / "METHOD.md"
+    numbers = set(re.findall(r"^##+ (\d+[a-z]?)\. ", _text(method), re.M))
+    cite = re.compile(r"METHOD\.md`?,?\s+section\s+(\d+[a-z]?)\b(?:,?\s*\"([^\"]+)\")?")
+    sources = DOCS + [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    bad = []
+    for path in sources:
+        text = re.sub(r"\s*\n\s*(?:#\s*)?", " ", _text(path))  # a citation may wrap, in comments too
+        for m in cite.finditer(text):
+            lead = m.group(2)
+            if m.group(1) not in numbers or (
+                    lead and not any(lead.lower() in s.lower() for s in _sections(method))):
+                bad.append(f"{path.relative_to(ROOT)}: {m.group(0)}")
+    assert len(numbers) >= 14 and not bad, "METHOD.md sections cited that do not exist:\n" + \
+        "\n".join(bad)
+
+
 def test_the_indexes_are_complete():
     """docs/README.md links every page of docs/ and names every tool in scripts/; every
     benchmark has its figure in benchmarks/RESULTS.md."""
