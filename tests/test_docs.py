@@ -307,7 +307,7 @@ def test_every_method_section_a_doc_or_docstring_cites_exists():
     sources = DOCS + [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
     bad = []
     for path in sources:
-        text = re.sub(r"\s*\n\s*(?:#\s*)?", " ", _text(path))  # a citation may wrap, in comments too
+        text = re.sub(r"\s*\n\s*(?:#\s*)?", " ", _text(path))  # a citation may wrap a comment
         for m in cite.finditer(text):
             lead = m.group(2)
             if m.group(1) not in numbers or (
