@@ -28,7 +28,8 @@ from orca_serve.settings import contract
 from orca_serve.startup.preflight import add_orca_args
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", ROOT / "deploy" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "deploy" / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "orca_demo").glob("*/README.md"))]
 PACKAGES = ("orca_serve", "orca_method", "orca_calibrate", "orca_demo")
 REPO_PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./*{},-]*[\w*}])"
                        % "|".join((*PACKAGES, "benchmarks", "deploy", "docs", "scripts", "tests")))
