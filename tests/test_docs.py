@@ -264,6 +264,20 @@ def test_plugin_md_lists_every_extra_arg():
     assert len(names) >= 15 and not missing, f"extra_args PLUGIN.md's table lacks: {missing}"
 
 
+def test_plugin_md_names_every_result_field_and_stat():
+    """docs/PLUGIN.md's "Results" names every field of `OrcaResult` and every key the engine's
+    `orca_stats` reports (the core's counters and gauges)."""
+    text = _text(ROOT / "docs" / "PLUGIN.md")
+    results = text[text.index("## Results"):text.index("## State lifetime")]
+    fields = {f.name for f in dataclasses.fields(contract.OrcaResult)}
+    engine = _text(ROOT / "orca_serve" / "core" / "engine.py")
+    counters = re.search(r"self\.stats = \{(.*?)\}", engine, re.S).group(1)
+    stats = set(re.findall(r'"(\w+)":', counters)) | set(re.findall(r's\["(\w+)"\] =', engine))
+    assert len(stats) >= 15, "the scan sees the core's stats"
+    assert [n for n in sorted(fields) if not re.search(rf"\b{n}\b", results)] == []
+    assert [n for n in sorted(stats) if not re.search(rf"\b{n}\b", text)] == []
+
+
 def _anchor(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
     return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
