@@ -332,6 +332,23 @@ def test_every_method_section_a_doc_or_docstring_cites_exists():
         "\n".join(bad)
 
 
+def test_every_wing_lists_its_modules():
+    """Each wing of orca_serve/ names each of its modules on its face (its `__init__` docstring)
+    and in docs/SERVER.md's "Where the code lives": a module added or renamed reaches both."""
+    server = _text(ROOT / "docs" / "SERVER.md")
+    rows = dict(re.findall(r"^\| `(\w+)/` \|(.*)$", server, re.M))
+    wings = [d for d in (ROOT / "orca_serve").iterdir() if (d / "__init__.py").is_file()]
+    assert len(wings) >= 9 and set(rows) == {d.name for d in wings}
+    bad = []
+    for wing in wings:
+        face = ast.get_docstring(ast.parse(_text(wing / "__init__.py"))) or ""
+        for module in sorted(p.stem for p in wing.glob("*.py") if p.stem != "__init__"):
+            bad += [f"{wing.name}/{module}.py: not in {where}" for where, text in
+                    (("its __init__", face), ("docs/SERVER.md", rows[wing.name]))
+                    if f"`{module}`" not in text]
+    assert not bad, "\n".join(bad)
+
+
 def test_the_indexes_are_complete():
     """docs/README.md links every page of docs/ and names every tool in scripts/; every
     benchmark has its figure in benchmarks/RESULTS.md."""

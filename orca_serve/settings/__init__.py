@@ -10,4 +10,6 @@
 - `xargs`: the one codec of `OrcaSettings` to and from `vllm_xargs` (`encode_settings` on the
   server; `decode_settings` and `on_deployment` in the engine), and their checks.
 - `effort`: `reasoning_effort` as a calibrated risk level.
+- `engine_config`: the plugin's engine config, `additional_config["orca"]`, one frozen
+  `EngineConfig` on both sides.
 """

@@ -7,4 +7,8 @@ so that a new vLLM can be checked before it is trusted: `orca-serve --check-vllm
 (`orca_serve/startup/vllm_check.py`) resolves them all (docs/PLUGIN.md, "vLLM versions and touch points").
 Nothing outside this package imports a vLLM name that is not a documented extension point
 (tests/test_vllm_compat.py enforces it).
+
+- `capture`, `runner`, `speculation`, `tokenizer`: the engine side (the plugin's adapters).
+- `launch`, `engine_client`: the server side (the launch, and the engine client's calls).
+- `offline`: the calibration job's collector stepping vLLM's offline `LLM` itself.
 """
