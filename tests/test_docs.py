@@ -23,7 +23,9 @@ from pydantic import BaseModel
 
 from orca_calibrate.calibrate_cli import build_parser
 from orca_method.bundle import Bundle
+from orca_method.outcomes import Ended
 from orca_method.probe import ProbeSpec
+from orca_serve.metrics.prometheus import AlarmChange, Outcome, ReloadOutcome, SampleEvent
 from orca_serve.settings import contract
 from orca_serve.startup.preflight import add_orca_args
 
@@ -228,6 +230,10 @@ def test_metrics_md_lists_exactly_the_registered_metrics():
             documented.add(base + tail[overlap:])
     assert documented - registered == set(), "documented but not registered"
     assert registered - documented == set(), "registered but not in docs/METRICS.md"
+    text = _text(ROOT / "docs" / "METRICS.md")
+    values = [str(v) for enum in (Outcome, SampleEvent, AlarmChange, ReloadOutcome, Ended)
+              for v in enum]
+    assert [v for v in values if f"`{v}`" not in text] == [], "label values METRICS.md lacks"
 
 
 def _model_fields(model: type[BaseModel], seen: frozenset[str] = frozenset()) -> set[str]:
