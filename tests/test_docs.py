@@ -25,6 +25,7 @@ from orca_calibrate.calibrate_cli import build_parser
 from orca_method.bundle import Bundle
 from orca_method.outcomes import Ended
 from orca_method.probe import ProbeSpec
+from orca_method.trajectories import INFO_DEFAULTS, Problem
 from orca_serve.metrics.prometheus import AlarmChange, Outcome, ReloadOutcome, SampleEvent
 from orca_serve.settings import contract
 from orca_serve.startup.preflight import add_orca_args
@@ -169,8 +170,6 @@ def test_calibrate_md_lists_every_subcommand():
 
 def test_trajectories_md_documents_every_field():
     """docs/TRAJECTORIES.md names every key of info.json and every field of a problem."""
-    from orca_method.trajectories import INFO_DEFAULTS, Problem  # deferred: the format's module
-
     named = set(re.findall(r"`(\w+)`", _text(ROOT / "docs" / "TRAJECTORIES.md")))
     info = set(re.findall(r'"(\w+)":', _text(ROOT / "docs" / "TRAJECTORIES.md")))
     keys = {*INFO_DEFAULTS, "format", "version", "dim", "dtype"}
