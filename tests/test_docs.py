@@ -1,5 +1,6 @@
-"""The docs name only what exists: paths, Python names, flags, `orca_*` names, metrics, bundle keys,
-extra_args and the sections they point to.
+"""The docs name only what exists (paths, Python names, flags, `orca_*` names, metrics, bundle
+keys, extra_args, result fields, the sections they point to), and their lists are complete (every
+bundle key, metric, extra_arg, subcommand, wing module, doc page, script and benchmark).
 
 A newcomer follows README.md and docs/ literally; a renamed module, a dropped flag or a moved
 section turns a sentence into a dead end without failing any other test. These checks are
