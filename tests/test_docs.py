@@ -29,6 +29,7 @@ from orca_method.probe import ProbeSpec
 from orca_method.trajectories import INFO_DEFAULTS, Problem
 from orca_serve.metrics.prometheus import AlarmChange, Outcome, ReloadOutcome, SampleEvent
 from orca_serve.settings import contract
+from orca_serve.settings.field import GiveUpFields, OrcaFields
 from orca_serve.startup.preflight import add_orca_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -282,6 +283,15 @@ def test_plugin_md_names_every_result_field_and_stat():
     assert len(stats) >= 15, "the scan sees the core's stats"
     assert [n for n in sorted(fields) if not re.search(rf"\b{n}\b", results)] == []
     assert [n for n in sorted(stats) if not re.search(rf"\b{n}\b", text)] == []
+
+
+def test_server_md_documents_every_request_field():
+    """Each field of the body's `orca` object (and of `orca.give_up`) is in docs/SERVER.md, as
+    `orca.NAME` or as a key of an example."""
+    text = _text(ROOT / "docs" / "SERVER.md")
+    names = set(OrcaFields.model_fields) | {f"give_up.{n}" for n in GiveUpFields.model_fields}
+    assert [n for n in sorted(names) if f"orca.{n}" not in text
+            and f'"{n.rpartition(".")[2]}":' not in text] == []
 
 
 def _anchor(heading: str) -> str:
