@@ -95,8 +95,9 @@ def main() -> None:
                 print(json.dumps(runs[-1]), flush=True)
     for layout in args.layouts:
         mine = [r for r in runs if r["layout"] == layout]
-        print(f"{layout}: n={len(mine)} CPU median {statistics.median(r['cpu_s'] for r in mine):.1f}"
-              f" s, wall median {statistics.median(r['wall_s'] for r in mine):.1f} s")
+        cpu = statistics.median(r["cpu_s"] for r in mine)
+        wall = statistics.median(r["wall_s"] for r in mine)
+        print(f"{layout}: n={len(mine)} CPU median {cpu:.1f} s, wall median {wall:.1f} s")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(runs, indent=1) + "\n")
