@@ -4,10 +4,10 @@ one real redis-server, the real OpenAI client.
 Both servers run `--orca-audit-store` at the same Redis (no audit directory), every request
 audited and every voted group too (`--orca-audit-rate 1 --orca-vote-audit-rate 1`),
 `--orca-on-alarm fallback`, on test_audit_server's bundle (the demo's plus delta 0.3 at lambda 0,
-which alarms after a few audits) with test_server_samples' consensus block (t* = 0). The stop
-audit's sequence is checked first, then the vote's (and a replica started later resumes it),
-then the store is killed under them. One fleet for both audits: a fleet serves both at once, and
-two more orca-serve processes would cost a minute of the suite.
+which alarms after a few audits, and a consensus block: t* = 0). The stop audit's sequence is
+checked first, then the vote's (and a replica started later resumes it), then the store is
+killed under them. One fleet for both audits: a fleet serves both at once, and two more
+orca-serve processes would cost a minute of the suite.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from orca_method.bundle import load_bundle
-from tests.bundles import with_consensus, write_bundle
 from tests.redis_server import RedisServer
 from tests.serving import START_TIMEOUT, Server, orca_of, orca_serve_cmd
 from tests.test_audit_server import (
@@ -46,10 +44,7 @@ GROUPS = 4  # voted requests, alternately to each replica
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
-    """test_audit_server's bundle plus a consensus block for K samples (t* = 0)."""
-    env = audit_env(tmp_path_factory.mktemp("fleet"))
-    write_bundle(with_consensus(load_bundle(env["bundle"]), samples=K), env["bundle"])
-    return env
+    return audit_env(tmp_path_factory.mktemp("fleet"))
 
 
 @pytest.fixture(scope="module")
