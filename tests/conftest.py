@@ -50,9 +50,8 @@ LONGEST_FIRST = ["test_parallel", "test_speculation_engine", "test_fuzz_http", "
                  "test_server_shift_gate", "test_server_apis", "test_demo_long",
                  "test_shards_cluster", "test_demo", "test_audit_stats", "test_stock_vllm",
                  "test_audit_tools", "test_hot_reload", "test_audit_give_up_recalibration",
-                 "test_server_vote_audit", "test_vote_fleet_server", "test_bundle", "test_deploy",
-                 "test_shards_engine", "test_pipeline_engine", "test_import_probe_engine", "test_calibrate_groups",
-                 "test_gate_alarm"]
+                 "test_bundle", "test_deploy", "test_shards_engine", "test_pipeline_engine",
+                 "test_import_probe_engine", "test_calibrate_groups", "test_gate_alarm"]
 
 
 # Modules that use one session-scoped server (`tiny_server`, `toy_server`): one group each, so one

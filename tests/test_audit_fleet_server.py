@@ -2,13 +2,18 @@
 one real redis-server, the real OpenAI client.
 
 Both servers run `--orca-audit-store` at the same Redis (no audit directory), every request
-audited, `--orca-on-alarm fallback`, on test_audit_server's bundle (the demo's plus delta 0.3 at
-lambda 0, which alarms after a few audits). Then the store is killed under them.
+audited and every voted group too (`--orca-audit-rate 1 --orca-vote-audit-rate 1`),
+`--orca-on-alarm fallback`, on test_audit_server's bundle (the demo's plus delta 0.3 at lambda 0,
+which alarms after a few audits, and a consensus block: t* = 0). The stop audit's sequence is
+checked first, then the vote's (and a replica started later resumes it), then the store is
+killed under them. One fleet for both audits: a fleet serves both at once, and two more
+orca-serve processes would cost a minute of the suite.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +21,7 @@ import httpx
 import pytest
 
 from tests.redis_server import RedisServer
-from tests.serving import START_TIMEOUT, Server, orca_serve_cmd
+from tests.serving import START_TIMEOUT, Server, orca_of, orca_serve_cmd
 from tests.test_audit_server import (
     BAD_DELTA,
     BATCH,
@@ -29,10 +34,12 @@ from tests.test_audit_server import (
     _table,
     audit_env,
 )
+from tests.test_server_samples import K, ask, questions
 
 pytestmark = pytest.mark.vllm
 
 KEYS = ("n", "censored", "lower", "upper", "alarm", "engaged", "lambda_source")
+GROUPS = 4  # voted requests, alternately to each replica
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +54,18 @@ def store(tmp_path_factory) -> Iterator[RedisServer]:
         yield server
 
 
+def replica(env: dict, store: RedisServer, name: str, seed: int) -> Server:
+    """A replica of the fleet (started, not waited for), logging to `name`.log."""
+    return Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(env["bundle"]),
+                                 "--orca-audit-rate", "1.0", "--orca-vote-audit-rate", "1.0",
+                                 "--orca-audit-seed", str(seed), "--orca-audit-store", store.url,
+                                 "--orca-on-alarm", "fallback"),
+                  env["dir"] / f"{name}.log", COMMON)
+
+
 @pytest.fixture(scope="module")
 def fleet(env, store) -> Iterator[list[Server]]:
-    servers = [Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(env["bundle"]),
-                                     "--orca-audit-rate", "1.0", "--orca-audit-seed", str(i),
-                                     "--orca-audit-store", store.url,
-                                     "--orca-on-alarm", "fallback"),
-                      env["dir"] / f"replica{i}.log", COMMON) for i in range(2)]
+    servers = [replica(env, store, f"replica{i}", i) for i in range(2)]
     try:
         yield [s.wait(2 * START_TIMEOUT) for s in servers]  # two start at once
     finally:
@@ -97,6 +109,36 @@ def test_two_replicas_on_one_store_keep_one_sequence_and_one_decision(fleet, env
                     delta=BAD_DELTA).model_extra["orca"]
         assert orca["lambda_source"] == "fallback" and orca["lambda"] is None
         assert _store_up(s) == 1.0 and _table(s)["store"]["up"]
+
+
+def vote_rows(server: Server) -> list[dict]:
+    """The vote rows of the server's GET /v1/orca/audit that hold audited groups."""
+    return [r for r in _table(server)["vote"]["rows"] if r["n"]]
+
+
+def test_two_replicas_count_each_others_voted_groups_and_a_restart_resumes(fleet, store,
+                                                                           env) -> None:
+    """Voted requests alternately to each replica, every group audited: each replica's vote
+    row counts the groups of both (one sequence), what each picked stays its own, and a
+    replica started after the second stopped resumes the row from the store."""
+    for i, q in enumerate(questions(GROUPS)):
+        o = orca_of(ask(fleet[i % 2], q, {"samples": K}, seed=700 + i))
+        assert o["vote"]["audited"], o["vote"]
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:  # audited groups end after their responses
+        rows = [vote_rows(s) for s in fleet]  # the table reads the other's events first
+        if all(len(r) == 1 and r[0]["n"] == GROUPS for r in rows):
+            break
+        time.sleep(1)
+    assert rows[0] == rows[1] and rows[0][0]["n"] == GROUPS, rows  # one sequence
+    for s in fleet:
+        assert _table(s)["vote"]["picked"] == GROUPS // 2  # what this replica picked is its own
+    fleet[1].stop()
+    late = replica(env, store, "late", 2)  # a restart: resumes from the store
+    try:
+        assert vote_rows(late.wait()) == rows[0]
+    finally:
+        late.stop()
 
 
 def test_a_replica_keeps_serving_on_its_own_guard_when_the_store_dies(fleet, store, env) -> None:

@@ -8,6 +8,12 @@ alarm fires after a few audits, and one give-up row that cannot either (give-up 
 1.0: every request would give up at its first step), whose guard acts with
 `--orca-guard-other-labels`. The labelled audits are compared with what
 `orca-calibrate collect` writes for the same prompts (greedy, so the same trajectories).
+
+The same server audits the vote (`--orca-vote-audit-rate 0.5`; the bundle carries
+test_server_samples' consensus block, t* = 0): audited groups abort nothing, run to their end
+after their answer and are counted in the vote's bound (GET /v1/orca/audit, /metrics), and a
+voted answer streams to the real OpenAI client. A server that audits both is one a user runs,
+and a server of its own for the vote cost the suite another start.
 """
 
 from __future__ import annotations
@@ -31,7 +37,11 @@ from orca_method.trajectories import TrajectorySet
 
 pytestmark = pytest.mark.vllm
 
-from tests.serving import Server, orca_serve_cmd
+from orca_demo.toy.tasks import extract_answer
+from tests.bundles import with_consensus
+from tests.conftest import TOY_VOTE_K
+from tests.serving import Server, orca_of, orca_serve_cmd
+from tests.test_server_samples import ask, metric, questions
 
 ROOT = Path(__file__).parents[1]
 MODEL = ROOT / "orca_serve" / "demo" / "model"
@@ -53,7 +63,8 @@ def env(tmp_path_factory) -> dict:
 
 
 def audit_env(d: Path) -> dict:
-    """The module's bundle (the demo's plus the failing row) and prompts, written to `d`."""
+    """The module's bundle (the demo's plus the failing rows, and a consensus block for
+    TOY_VOTE_K samples: t* = 0) and prompts, written to `d`."""
     demo = load_bundle(ROOT / "orca_serve" / "demo" / "bundle.json")
     # consistent with the table (the start-up check): lambda 0 at the largest delta, recording
     # the largest risk and savings of the other rows
@@ -71,7 +82,8 @@ def audit_env(d: Path) -> dict:
         delta=BAD_GIVE_UP, mu=1.0, risk=k / gu.n_cal, give_up_rate=1.0,
         pvalue=float(binomial_pvalues(np.asarray([k]), gu.n_cal, BAD_GIVE_UP)[0])).model_dump())
     data["model"]["name"] = str(MODEL)  # served as --model MODEL
-    save_bundle(Bundle.model_validate({**data, "checksum": ""}), d / "bundle.json")
+    save_bundle(with_consensus(Bundle.model_validate({**data, "checksum": ""}),
+                               samples=TOY_VOTE_K), d / "bundle.json")
     write_prompts(d / "prompts.jsonl", "in-dist", N_COMPARED, seed=21)
     write_prompts(d / "more.jsonl", "in-dist", 60, seed=22)
     return {"dir": d, "bundle": d / "bundle.json", "audits": d / "audits"}
@@ -81,7 +93,8 @@ def audit_env(d: Path) -> dict:
 def srv(env):
     s = Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(env["bundle"]),
                               "--orca-audit-rate", "1.0", "--orca-audit-seed", "0",
-                              "--orca-audit-dir", str(env["audits"]), *GUARD_FLAGS),
+                              "--orca-audit-dir", str(env["audits"]), *GUARD_FLAGS,
+                              "--orca-vote-audit-rate", "0.5"),
                env["dir"] / "server.log", COMMON)
     yield s.wait()
     s.stop()
@@ -334,6 +347,79 @@ def test_an_audit_cut_by_max_tokens_enters_censored(srv, env) -> None:
     assert (now["n"], now["censored"]) == (was["n"] + 1, was["censored"] + 1), now
     low, high = now["risk_range"]
     assert high - low == pytest.approx(now["censored"] / now["n"]) and now["upper"] >= low
+
+
+# -- the vote's audit on the same server (after the stop audit's tests: audit-report and the
+# audit directory's records are the stop audit's) ------------------------------------------
+def vote_table(srv: Server) -> dict:
+    return _table(srv)["vote"]
+
+
+def test_audited_groups_run_to_their_end_and_are_counted(srv) -> None:
+    audited, plain = [], []
+    for i, q in enumerate(questions(8)):
+        o = orca_of(ask(srv, q, {"samples": TOY_VOTE_K}, seed=200 + i))
+        (audited if o["vote"]["audited"] else plain).append(o)
+    assert audited and plain, "a rate of 0.5 picked all or none of 8 groups"
+    for o in audited:  # nothing aborted: the samples still running went on after the answer
+        assert not any(s["aborted"] for s in o["samples"]), o["samples"]
+        assert o["vote"]["t_source"] == "bundle"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # their samples end after the responses
+        t = vote_table(srv)
+        if t["measured"] + t["censored"] == len(audited):
+            break
+        time.sleep(0.5)
+    assert t["picked"] == len(audited) and t["measured"] == len(audited), t
+    (row,) = [r for r in t["rows"] if r["n"]]
+    assert row["n"] == len(audited) and row["delta_vote"] == 0.1 and row["t"] == 0.0
+    assert 0.0 <= row["lower"] <= row["upper"] <= 1.0 and not row["alarm"]
+    assert metric(srv, "orca_vote_audit_groups_total", state="measured") == len(audited)
+    assert abs(metric(srv, "orca_vote_error_upper", delta="0.1") - row["upper"]) < 1e-9
+    assert metric(srv, "vllm:num_requests_running") == 0  # every audited sample ended
+
+
+def test_a_voted_answer_streams_to_the_openai_client(srv) -> None:
+    client = srv.client()
+    stream = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": questions(1)[0]}], max_tokens=400,
+        temperature=1.0, seed=7, stream=True, stream_options={"include_usage": True},
+        extra_body={"orca": {"samples": TOY_VOTE_K}})
+    chunks = list(stream)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1
+    o = (finish[0].model_extra or {})["orca"]
+    assert o["vote"]["k"] == TOY_VOTE_K and len(o["samples"]) == TOY_VOTE_K
+    assert str(extract_answer(content)) == o["vote"]["answer"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_a_voted_completion_streams_too(srv) -> None:
+    from orca_demo.toy.train import render_prompt
+    client = srv.client()
+    chunks = list(client.completions.create(
+        model=client.models.list().data[0].id, prompt=render_prompt(questions(1)[0]) + "<think>",
+        max_tokens=400, temperature=1.0, seed=8, stream=True,
+        extra_body={"orca": {"samples": TOY_VOTE_K}}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    o = (chunks[-1].model_extra or {})["orca"]
+    assert chunks[-1].choices[0].finish_reason is not None
+    assert str(extract_answer(text)) == o["vote"]["answer"]
+
+
+def test_the_messages_api_votes(srv) -> None:
+    r = httpx.post(srv.url + "/v1/messages", timeout=120, json={
+        "model": srv.client().models.list().data[0].id, "max_tokens": 400, "temperature": 1.0,
+        "messages": [{"role": "user", "content": questions(1)[0]}],
+        "orca": {"samples": TOY_VOTE_K}})
+    out = r.json()
+    assert r.status_code == 200 and out["type"] == "message", r.text
+    text = "".join(b.get("text", "") for b in out["content"] if b["type"] == "text")
+    assert out["orca"]["vote"]["k"] == TOY_VOTE_K and len(out["orca"]["samples"]) == TOY_VOTE_K
+    assert str(extract_answer(text)) == out["orca"]["vote"]["answer"]
+    assert out["usage"]["output_tokens"] > 0
 
 
 def test_a_second_server_on_the_audit_dir_shares_and_resumes_the_sequence(srv, env) -> None:
