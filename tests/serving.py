@@ -62,8 +62,19 @@ def refusals(cases: dict[str, list[str]]) -> tuple[dict[str, tuple[int, str]], b
 
 
 def server_env() -> dict[str, str]:
+    """The environment of every server and CLI the tests start.
+
+    The layout is pinned, not inherited by accident: with `VLLM_ENABLE_V1_MULTIPROCESSING=0`
+    the engine core runs its single worker inside itself (executor "uni"), as vLLM lays out a
+    server on one GPU, the product's usual deployment; vLLM's CPU build would otherwise add a
+    worker process (executor "mp", ~9 s more CPU per start). Several engine test modules set
+    the variable at import, so without this a server's layout depended on which modules the
+    process had collected. Workers in processes of their own are what the 2-rank engines
+    (tests/test_parallel.py) and the multiprocess engine (tests/test_plugin.py) run; a test
+    that sets the variable keeps its value."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     return env
 
