@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,10 +24,25 @@ START_TIMEOUT = 300
 POLL_S = 0.25
 
 
+# Ports for the servers the tests start, below Linux's ephemeral range (32768-60999 by default).
+# A port the OS hands out for "any free port" (bind to 0) is one any process may be handed next,
+# and a server binds its port only seconds after it is chosen (its imports come first): an engine
+# starting meanwhile in the other worker (torch.distributed's rendezvous port, vLLM's ZMQ
+# sockets) took one such port once, and that server died with "Address already in use".
+PORTS = range(20000, 32000)
+_ports = random.Random(os.getpid())
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, drawn outside the ephemeral range (`PORTS`)."""
+    while True:
+        port = _ports.choice(PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def orca_serve_cmd(*args: str) -> list[str]:
