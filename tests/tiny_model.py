@@ -5,7 +5,7 @@ both load: `config.json`, `model.safetensors`, `generation_config.json`, `tokeni
 `tokenizer_config.json` (with a Qwen-style chat template whose generation prompt opens
 `<think>`). The folder is cached by content: a stamp holds the hash of this file, so it is
 rebuilt only when the recipe changes. Building takes a few seconds and is safe to run from
-several processes at once (each builds into a private folder and renames it into place).
+several processes at once (one builds, under a lock file, the others wait and reuse it).
 
 Tokenizer facts the tests rely on (checked at build time):
 - special tokens `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` (EOS), `<think>`, `</think>`;
@@ -24,6 +24,7 @@ or `</think>`).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -172,38 +173,37 @@ def _stamp_ok(out: Path, stamp: str) -> bool:
 
 
 def build_tiny_model(path: str | os.PathLike) -> Path:
-    """Build (or reuse) the tiny model folder at `path`; returns its absolute Path."""
+    """Build (or reuse) the tiny model folder at `path`; returns its absolute Path.
+
+    One builder at a time (a lock file beside the folder): the other processes wait and reuse
+    its folder. Without the lock two workers built at once, and the one that finished second
+    could find the first one's fresh folder, take it for a stale one and remove it while the
+    first worker's tests were loading it."""
     out = Path(path).absolute()
     stamp = _recipe_hash()
     if _stamp_ok(out, stamp):
         return out
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-    tmp.mkdir(parents=True)
-    try:
-        tok = _train_tokenizer()
-        _check_tokenizer(tok)
-        _write_tokenizer(tmp, tok)
-        _write_model(tmp, tok)
-        (tmp / ".tiny_model_stamp").write_text(stamp)
-        if _stamp_ok(out, stamp):
-            shutil.rmtree(tmp)  # another process finished first
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(f"{out.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if _stamp_ok(out, stamp):  # built while this process waited
             return out
-        if out.exists():
-            old = out.with_name(f"{out.name}.old-{uuid.uuid4().hex[:6]}")
-            try:
-                out.rename(old)
-                shutil.rmtree(old, ignore_errors=True)
-            except FileNotFoundError:
-                pass
+        # built aside and renamed into place: a killed build leaves no half-written folder
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+        tmp.mkdir()
         try:
+            tok = _train_tokenizer()
+            _check_tokenizer(tok)
+            _write_tokenizer(tmp, tok)
+            _write_model(tmp, tok)
+            (tmp / ".tiny_model_stamp").write_text(stamp)
+            if out.exists():  # another recipe's folder
+                shutil.rmtree(out)
             tmp.rename(out)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)  # lost the race to an identical build
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out
-
 
 
 def chat_prompts(tok, questions: list[str]) -> list[str]:
