@@ -80,7 +80,9 @@ from bench_samples_holdout import (  # noqa: E402
     SIGNAL_EDGES,
     certify,
     cross_fit,
+    figures,
     load,
+    rule_text,
     serve_fold,
     table,
 )
@@ -371,18 +373,15 @@ def holdout(rec: Recording, tabs: dict[Candidate, Table], maj_ok: np.ndarray,
             s = cross_fit(err, ok, tok, maj_tokens, maj_ok, fresh.astype(int), dv)
             h = s.rules[1]  # fold 1 (fresh) served by the rule certified on fold 0 (old)
             t, c = confident_path(len(rec.full[0])) if cand.confident else (default_grid(), None)
-            rule = "none" if h < 0 else f"t {t[h]:.2f}" + (
-                f", c {c[h]:.0f}" if c is not None and c[h] > 0 else "")
-            e, n = int(s.err[fresh].sum()), int(fresh.sum())
-            g = accuracy_gap(s.ok[fresh], maj_ok[fresh])
-            lo, hi = clopper_pearson(e, n)
-            x_maj = s.tokens[fresh].mean() / maj_tokens[fresh].mean()
-            x_single = s.tokens[fresh].mean() / single_tokens[fresh].mean()
+            rule = rule_text(t, c, None, h, len(rec.full[0]))
+            f = figures(s, fresh, maj_ok, maj_tokens)
+            g, (lo, hi), e, n = f["gap"], f["vote_error_ci"], f["vote_errors"], f["n"]
+            x_single = f["tokens"] / single_tokens[fresh].mean()
             print(f"| {dv:g} | {cand.name} ({rule}) | {g[0]:+.3f} [{g[1]:+.3f}, {g[2]:+.3f}] | "
-                  f"{x_maj:.2f} | {x_single:.2f} | {e}/{n} = {e / n:.3f} [{lo:.3f}, {hi:.3f}] |")
+                  f"{f['x_maj']:.2f} | {x_single:.2f} | {e}/{n} = {e / n:.3f} [{lo:.3f}, {hi:.3f}] |")
             out.append({"delta_vote": dv, "arm": cand.name, "rule": rule, "gap": g,
-                        "x_maj": float(x_maj), "x_single": float(x_single), "vote_errors": e,
-                        "n": n, "vote_error_ci": clopper_pearson(e, n)})
+                        "x_maj": f["x_maj"], "x_single": float(x_single), "vote_errors": e,
+                        "n": n, "vote_error_ci": f["vote_error_ci"]})
     print()
     return out
 
