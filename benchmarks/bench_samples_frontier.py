@@ -378,7 +378,8 @@ def holdout(rec: Recording, tabs: dict[Candidate, Table], maj_ok: np.ndarray,
             g, (lo, hi), e, n = f["gap"], f["vote_error_ci"], f["vote_errors"], f["n"]
             x_single = f["tokens"] / single_tokens[fresh].mean()
             print(f"| {dv:g} | {cand.name} ({rule}) | {g[0]:+.3f} [{g[1]:+.3f}, {g[2]:+.3f}] | "
-                  f"{f['x_maj']:.2f} | {x_single:.2f} | {e}/{n} = {e / n:.3f} [{lo:.3f}, {hi:.3f}] |")
+                  f"{f['x_maj']:.2f} | {x_single:.2f} | {e}/{n} = {e / n:.3f} "
+                  f"[{lo:.3f}, {hi:.3f}] |")
             out.append({"delta_vote": dv, "arm": cand.name, "rule": rule, "gap": g,
                         "x_maj": f["x_maj"], "x_single": float(x_single), "vote_errors": e,
                         "n": n, "vote_error_ci": f["vote_error_ci"]})
