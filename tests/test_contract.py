@@ -58,7 +58,7 @@ def test_validate_xargs_marks_children_and_refuses_bad_values():
     for bad in ({"orca_policy": "later"}, {"orca_enabled": 2}, {"orca_delta": "x"},
                 {"orca_delta": 1.5}, {"orca_answer_budget": -1}, {"orca_key": 3},
                 {XARG_LAM: "nan"}, {XARG_LAM: [1]}, {XARG_LAM: 5.0}, {XARG_LAM: -3},
-                {XARG_LAM: "-inf"}, {XARG_BUNDLE: 5}):
+                {XARG_LAM: "-inf"}, {XARG_BUNDLE: 5}, {XARG_SEED: "x"}, {XARG_SEED: 1.5}):
         with pytest.raises(ValueError, match="orca_"):
             validate_xargs(dict(bad))
     for good in (0, 1, 0.5, "0.25", "inf", math.inf):  # a probability, or never

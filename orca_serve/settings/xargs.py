@@ -127,6 +127,8 @@ def validate_xargs(xa: dict[str, Any] | None, n: int = 1, seed: int | None = Non
                 raise ValueError(refusal(name, f"must be 0 or 1, got {shown(xa[name])}"))
             if v < 0:
                 raise ValueError(refusal(name, f"must be >= 0, got {shown(xa[name])}"))
+    if XARG_SEED in xa:  # any integer: vLLM's seeds may be negative
+        as_int(XARG_SEED, xa[XARG_SEED])
     if XARG_LAM in xa:
         decode_lam(xa[XARG_LAM])
     if XARG_GIVE_UP_MU in xa:
@@ -184,7 +186,7 @@ def decode_settings(xa: Mapping[str, Any] | None, defaults: RequestDefaults, *,
     bundle = xa.get(XARG_BUNDLE)
     return OrcaSettings(
         key=xa.get(XARG_KEY), n=int(xa.get(XARG_N, 1)),
-        seed=int(xa[XARG_SEED]) if XARG_SEED in xa else None,
+        seed=as_int(XARG_SEED, xa[XARG_SEED]) if XARG_SEED in xa else None,
         record=bool(as_int(XARG_RECORD, xa.get(XARG_RECORD, record))),
         enabled=bool(as_int(XARG_ENABLED, xa.get(XARG_ENABLED, int(defaults.enabled)))),
         policy=Policy(xa.get(XARG_POLICY, defaults.policy)),
