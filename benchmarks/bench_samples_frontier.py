@@ -98,7 +98,7 @@ from orca_method.consensus import (  # noqa: E402
 )
 from orca_method.ltt import PVALUES, n_rejected  # noqa: E402
 
-DELTAS_VOTE = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3)
+DELTAS_VOTE = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4)
 FOLDS = 5
 SEEDS = 20
 OUT = ROOT / "runs" / "bench-samples" / "vote-frontier.json"
