@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 POLL_S = 0.2
+BUSY_BIN_S = 30
+MAPS_EVERY = 10  # readings between two looks at a process's mapped libraries
 TICK = os.sysconf("SC_CLK_TCK")
 
 # (kind, a word of the command line's first three words that marks it), first match wins; the
@@ -98,6 +100,8 @@ class Watcher(threading.Thread):
         self.procs: dict[tuple[int, int], Proc] = {}  # (pid, start time): pids are reused
         self.live: dict[int, int] = {os.getpid(): -1}  # tree pid -> its start time
         self.stop = threading.Event()
+        self.t0 = time.monotonic()
+        self.cumulative: list[tuple[float, float]] = []  # (s since start, CPU seen so far)
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -134,9 +138,11 @@ class Watcher(threading.Thread):
             if argv:
                 p.kind = kind_of(argv)
             p.cpu_s = stats[pid][2]
-            if not p.vllm:
+            if not p.vllm and len(self.cumulative) % MAPS_EVERY == 0:  # maps are long: seldom
                 p.torch, p.vllm = _maps_flags(pid)
         self.live = live
+        self.cumulative.append((time.monotonic() - self.t0,
+                                sum(p.cpu_s for p in self.procs.values())))
 
     def report(self, total: float) -> str:
         by: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
@@ -155,7 +161,19 @@ class Watcher(threading.Thread):
         n = sum(r[0] for r in by.values())
         lines.append(f"{'all':<48} {n:>4} {total:>8.1f} {1:>6.1%} "
                      f"{sum(r[2] for r in by.values()):>6} {sum(r[3] for r in by.values()):>7}")
+        lines.append(f"cores busy per {BUSY_BIN_S} s of wall (the tree's CPU seen; the host has "
+                     f"{os.cpu_count()}): " + " ".join(f"{c:.1f}" for c in self.busy()))
         return "\n".join(lines)
+
+    def busy(self) -> list[float]:
+        """The tree's CPU per BUSY_BIN_S of wall, in cores: where the run leaves a core idle
+        (one pytest worker finishing alone, a start-up waiting on a port)."""
+        out, t_edge, cpu_edge = [], BUSY_BIN_S, 0.0
+        for (t, cpu), (t_next, _) in zip(self.cumulative, self.cumulative[1:] + [(1e18, 0)]):
+            if t_next > t_edge:
+                out.append((cpu - cpu_edge) / BUSY_BIN_S)
+                t_edge, cpu_edge = t_edge + BUSY_BIN_S, cpu
+        return out
 
 
 def main() -> int:
