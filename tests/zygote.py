@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,13 +86,15 @@ class ForkedServer:
 class Zygote:
     """The test side of one zygote process (started by `start`, one per pytest worker)."""
 
-    def __init__(self, env: dict[str, str], status_dir: Path) -> None:
+    def __init__(self, env: dict[str, str], status_dir: Path,
+                 preload: list[str] = PRELOAD) -> None:
         self.env = env
         self.status_dir = status_dir
         status_dir.mkdir(parents=True, exist_ok=True)
         log = status_dir / "zygote.log"  # what its imports print
         with open(log, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", str(status_dir)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", str(status_dir),
+                                          *preload],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=err, env=env, text=True, bufsize=1)
         ready = self.proc.stdout.readline()  # type: ignore[union-attr]
@@ -108,6 +111,7 @@ class Zygote:
             target, argv = {"script": cmd[0]}, cmd
         request = {**target, "argv": argv, "cmd": cmd, "env": env, "cwd": os.getcwd(),
                    "log": str(log)}
+        log.write_bytes(b"")  # there on return, as a Popen's log is
         self.proc.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
         answer = self.proc.stdout.readline()  # type: ignore[union-attr]
         if not answer:
@@ -132,7 +136,7 @@ def _serve_child(request: dict, own_fds: tuple[int, ...]) -> None:
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the only handler the zygote changed
     os.open(os.devnull, os.O_RDONLY)  # fd 0
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    log = os.open(request["log"], os.O_WRONLY)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
@@ -158,14 +162,15 @@ def _native_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def main(status_dir: Path) -> None:
-    """The zygote: import `PRELOAD`, then fork a child per request line on stdin, answering
-    its pid on stdout; write each child's exit status to `status_dir/<pid>` when reaped."""
+def main(status_dir: Path, preload: list[str]) -> None:
+    """The zygote: import `preload`, then fork a child per request line on stdin, answering
+    its pid on stdout; write each child's exit status to `status_dir/<pid>` when reaped; remove
+    `status_dir` when stdin closes."""
     import importlib
 
     answers = os.fdopen(os.dup(1), "w", buffering=1)  # the pids; what imports print goes to stderr
     os.dup2(2, 1)
-    for name in PRELOAD:
+    for name in preload:
         importlib.import_module(name)
     if threading.active_count() != 1 or _native_threads() != 1:
         sys.exit(f"zygote: threads after the imports ({threading.enumerate()}, "
@@ -193,7 +198,8 @@ def main(status_dir: Path) -> None:
             tmp.rename(status_dir / str(pid))
         if stdin in ready:
             chunk = os.read(stdin.fileno(), 1 << 20)
-            if not chunk:
+            if not chunk:  # the test process is done (or gone): so is what it could read
+                shutil.rmtree(status_dir, ignore_errors=True)
                 return
             pending += chunk
             while b"\n" in pending:
@@ -208,4 +214,4 @@ def main(status_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:])
