@@ -14,6 +14,8 @@ CLI subprocesses, redis, ...) and counts the processes that loaded torch and vLL
 extension, by reading /proc every `POLL_S`: a process stopped by SIGKILL runs no exit hook, so
 the tree is watched from outside. What a process spent after its last reading, and processes
 shorter than one reading, show as "between readings" (the tree's total less the kinds' sum).
+The torch and vLLM counts are lower bounds: a process's mapped libraries are read every
+`MAPS_EVERY` readings, so one that ends sooner may be missed.
 """
 
 from __future__ import annotations
