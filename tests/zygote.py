@@ -2,7 +2,7 @@
 
 A test server's own process spends ~9 s of CPU importing vLLM, torch, transformers and our
 server before it parses its first option (benchmarks/RESULTS.md, "Test time"): the same
-imports in each of the suite's dozens of servers. Each pytest worker starts one zygote when
+imports in each of the suite's 17 test servers. Each pytest worker starts one zygote when
 its first test server starts; the zygote imports what a server imports (`PRELOAD`) and then
 forks a child per server. The child takes the server's environment, working directory, command
 line and log, in a session of its own (as `Popen(start_new_session=True)`), and runs the very
@@ -14,7 +14,7 @@ exec'd server's.
 What keeps a fork sound here:
 - no thread in the zygote when it forks (checked after the imports: `Zygote` refuses to start
   otherwise) and no torch op run, so no OpenMP pool to lose;
-- only modules are imported, no state built: vLLM's `envs` are read when used, not at import;
+- only modules are imported, nothing else run: vLLM's `envs` are read when used, not at import;
   the few variables read at import (`IMPORT_TIME`: OpenMP, logging, Python's own, Hugging
   Face's) must equal the zygote's, else the server is exec'd (`forkable`);
 - the child's signal handlers are those a fresh interpreter starts with (the zygote changes
@@ -90,6 +90,7 @@ class Zygote:
                  preload: list[str] = PRELOAD) -> None:
         self.env = env
         self.status_dir = status_dir
+        self._lock = threading.Lock()  # one request and its answer at a time
         status_dir.mkdir(parents=True, exist_ok=True)
         log = status_dir / "zygote.log"  # what its imports print
         with open(log, "wb") as err:
@@ -112,8 +113,9 @@ class Zygote:
         request = {**target, "argv": argv, "cmd": cmd, "env": env, "cwd": os.getcwd(),
                    "log": str(log)}
         log.write_bytes(b"")  # there on return, as a Popen's log is
-        self.proc.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
-        answer = self.proc.stdout.readline()  # type: ignore[union-attr]
+        with self._lock:
+            self.proc.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
+            answer = self.proc.stdout.readline()  # type: ignore[union-attr]
         if not answer:
             raise RuntimeError(f"zygote ended (exit {self.proc.wait(10)})")
         pid = int(answer)
