@@ -75,11 +75,15 @@ def test_a_signal_ends_a_child_as_it_ends_a_popen(zygote, tmp_path):
     (tmp_path / "prog.py").write_text(PROG)
     child = zygote.fork([str(tmp_path / "prog.py"), "sleep"], dict(os.environ),
                         tmp_path / "forked.log")
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "forked.log").read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)  # started: it printed its report
-    assert child.poll() is None
-    with pytest.raises(subprocess.TimeoutExpired):
-        child.wait(0.1)
-    os.killpg(child.pid, signal.SIGTERM)  # its own session, as Server.stop signals it
-    assert child.wait(60) == -signal.SIGTERM
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "forked.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)  # started: it printed its report
+        assert child.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(0.1)
+        os.killpg(child.pid, signal.SIGTERM)  # its own session, as Server.stop signals it
+        assert child.wait(60) == -signal.SIGTERM
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
