@@ -7,6 +7,15 @@ its parent is re-parented to this process and reaped here, so RUSAGE_CHILDREN en
 the CPU of every process the command started. Linux only.
 
     python scripts/tree_cpu.py make test
+    python scripts/tree_cpu.py --by-kind make test
+
+`--by-kind` also splits that CPU by kind of process (pytest workers, test servers, engine cores,
+CLI subprocesses, redis, ...) and counts the processes that loaded torch and vLLM's compiled
+extension, by reading /proc every `POLL_S`: a process stopped by SIGKILL runs no exit hook, so
+the tree is watched from outside. What a process spent after its last reading, and processes
+shorter than one reading, show as "between readings" (the tree's total less the kinds' sum).
+The torch and vLLM counts are lower bounds: a process's mapped libraries are read every
+`MAPS_EVERY` readings, so one that ends sooner may be missed.
 """
 
 from __future__ import annotations
@@ -16,18 +25,174 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 import time
+from collections import defaultdict
+from dataclasses import dataclass
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+POLL_S = 0.2
+BUSY_BIN_S = 30
+MAPS_EVERY = 10  # readings between two looks at a process's mapped libraries
+TICK = os.sysconf("SC_CLK_TCK")
+
+# (kind, a word of the command line's first three words that marks it), first match wins; the
+# command line is read at every reading, so a process renamed by setproctitle (VLLM::EngineCore,
+# xdist's "[pytest-xdist running] ...") is classed by its latest title
+KINDS = [("vLLM engine core", "VLLM::EngineCore"), ("vLLM worker", "VLLM::Worker"),
+         ("vLLM API server (spawned: --api-server-count)", "VLLM::APIServer"),
+         ("vLLM DP coordinator", "VLLM::DPCoordinator"),
+         ("vLLM spawned (before its title)", "multiprocessing.spawn"),
+         ("multiprocessing resource tracker", "multiprocessing.resource_tracker"),
+         ("pytest worker (xdist)", "[pytest-xdist"),
+         ("pytest worker (xdist)", "sys.stdin.readline"),
+         ("pytest controller", "-m pytest"), ("test zygote", "tests.zygote"),
+         ("test server (orca-serve)", "orca-serve"),
+         ("plain vLLM server", "vllm.entrypoints.openai.api_server"),
+         ("demo (orca_serve.startup.demo)", "orca_serve.startup.demo"),
+         ("orca-serve CLI (-m orca_serve.startup.cli)", "orca_serve.startup.cli"),
+         ("calibrate CLI", "orca-calibrate"), ("calibrate CLI", "orca_calibrate"),
+         ("redis-server", "redis-server"), ("lint-imports", "lint-imports")]
+SHELLS = {"make", "sh", "bash", "flock", "timeout"}  # by the program's name
+
+
+def kind_of(argv: list[str]) -> str:
+    line = " ".join(argv[:3])
+    for kind, word in KINDS:
+        if word in line:
+            return kind
+    if not argv:
+        return "?"
+    name = os.path.basename(argv[0].split()[0])
+    if name in SHELLS or "setup-" in line:
+        return "make / shell / setup"
+    if name.startswith("python") and argv[1:2] == ["-c"]:
+        return "python -c (test subprocess)"
+    return name
+
+
+@dataclass
+class Proc:
+    kind: str
+    cpu_s: float = 0.0
+    torch: bool = False
+    vllm: bool = False
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _maps_flags(pid: int) -> tuple[bool, bool]:
+    """Whether the process has torch's and vLLM's compiled libraries mapped."""
+    try:
+        maps = _read(f"/proc/{pid}/maps")
+    except OSError:
+        return False, False
+    return b"libtorch_cpu" in maps, b"/vllm/_C" in maps
+
+
+class Watcher(threading.Thread):
+    """Reads /proc every POLL_S: the processes whose parent is in the tree join it (orphans are
+    re-parented to this subreaper, whose pid roots the tree); each keeps its latest CPU."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.procs: dict[tuple[int, int], Proc] = {}  # (pid, start time): pids are reused
+        self.live: dict[int, int] = {os.getpid(): -1}  # tree pid -> its start time
+        self.stop = threading.Event()
+        self.t0 = time.monotonic()
+        self.cumulative: list[tuple[float, float]] = []  # (s since start, CPU seen so far)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.read_once()
+            self.stop.wait(POLL_S)
+
+    def read_once(self) -> None:
+        stats = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    stat = _read(f"/proc/{name}/stat")
+                except OSError:
+                    continue
+                f = stat[stat.rindex(b")") + 2:].split()  # fields from the 3rd (state) on
+                stats[int(name)] = (int(f[1]), int(f[19]), (int(f[11]) + int(f[12])) / TICK)
+        live = {os.getpid(): -1}
+        changed = True
+        while changed:  # parents before children, whatever the order of /proc
+            changed = False
+            for pid, (ppid, start, _) in stats.items():
+                if pid not in live and ppid in live:
+                    live[pid] = start
+                    changed = True
+        for pid, start in live.items():
+            if start < 0:
+                continue
+            try:
+                cmdline = _read(f"/proc/{pid}/cmdline")
+                argv = [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
+            except OSError:
+                continue
+            p = self.procs.setdefault((pid, start), Proc(kind_of(argv)))
+            if argv:
+                p.kind = kind_of(argv)
+            p.cpu_s = stats[pid][2]
+            if not p.vllm and len(self.cumulative) % MAPS_EVERY == 0:  # maps are long: seldom
+                p.torch, p.vllm = _maps_flags(pid)
+        self.live = live
+        self.cumulative.append((time.monotonic() - self.t0,
+                                sum(p.cpu_s for p in self.procs.values())))
+
+    def report(self, total: float) -> str:
+        by: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
+        for p in self.procs.values():
+            row = by[p.kind]
+            row[0] += 1
+            row[1] += p.cpu_s
+            row[2] += p.torch
+            row[3] += p.vllm
+        seen = sum(r[1] for r in by.values())
+        lines = [f"{'kind':<48} {'n':>4} {'CPU s':>8} {'share':>6} {'torch':>6} {'vLLM _C':>7}"]
+        for kind, (n, cpu, t, v) in sorted(by.items(), key=lambda kv: -kv[1][1]):
+            lines.append(f"{kind:<48} {n:>4} {cpu:>8.1f} {cpu / total:>6.1%} {t:>6} {v:>7}")
+        lines.append(f"{'between readings':<48} {'':>4} {total - seen:>8.1f} "
+                     f"{(total - seen) / total:>6.1%}")
+        n = sum(r[0] for r in by.values())
+        lines.append(f"{'all':<48} {n:>4} {total:>8.1f} {1:>6.1%} "
+                     f"{sum(r[2] for r in by.values()):>6} {sum(r[3] for r in by.values()):>7}")
+        lines.append(f"cores busy per {BUSY_BIN_S} s of wall (the tree's CPU seen; the host has "
+                     f"{os.cpu_count()}): " + " ".join(f"{c:.1f}" for c in self.busy()))
+        return "\n".join(lines)
+
+    def busy(self) -> list[float]:
+        """The tree's CPU per BUSY_BIN_S of wall, in cores: where the run leaves a core idle
+        (one pytest worker finishing alone, a start-up waiting on a port)."""
+        out, t_edge, cpu_edge = [], BUSY_BIN_S, 0.0
+        for (t, cpu), (t_next, _) in zip(self.cumulative, self.cumulative[1:] + [(1e18, 0)]):
+            if t_next > t_edge:
+                out.append((cpu - cpu_edge) / BUSY_BIN_S)
+                t_edge, cpu_edge = t_edge + BUSY_BIN_S, cpu
+        return out
 
 
 def main() -> int:
-    if len(sys.argv) < 2:
+    args = sys.argv[1:]
+    by_kind = bool(args) and args[0] == "--by-kind"
+    if by_kind:
+        args = args[1:]
+    if not args:
         sys.exit(__doc__)
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         sys.exit(f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}")
+    watcher = Watcher()
+    if by_kind:
+        watcher.start()
+    load = os.getloadavg()[0]
     t = time.monotonic()
-    rc = subprocess.call(sys.argv[1:])
+    rc = subprocess.call(args)
     wall = time.monotonic() - t
     while True:  # the orphans left running: reaped when they end
         try:
@@ -35,9 +200,15 @@ def main() -> int:
         except ChildProcessError:
             break
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = r.ru_utime + r.ru_stime
+    if by_kind:
+        watcher.stop.set()
+        watcher.join()
+        print(watcher.report(total), flush=True)
     print(f"tree_cpu: exit {rc}, wall {wall:.1f} s, CPU of the whole tree "
-          f"{r.ru_utime + r.ru_stime:.1f} s (user {r.ru_utime:.1f} s, sys {r.ru_stime:.1f} s), "
-          f"orphans reaped {time.monotonic() - t - wall:.1f} s after", flush=True)
+          f"{total:.1f} s (user {r.ru_utime:.1f} s, sys {r.ru_stime:.1f} s), "
+          f"orphans reaped {time.monotonic() - t - wall:.1f} s after, load at start {load:.2f}",
+          flush=True)
     return rc
 
 

@@ -23,6 +23,9 @@ from typing import Any
 # the other idles (test_parallel pins its two ranks itself).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+# Test servers forked from a zygote that imported vLLM's server stack once per worker, not
+# exec'd (tests/zygote.py says why and what stays exec'd); ORCA_TEST_ZYGOTE=0 execs them all.
+os.environ.setdefault("ORCA_TEST_ZYGOTE", "1")
 
 import pytest
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import httpx
 import openai
 
 from orca_serve.settings.contract import merge_results
+from tests.zygote import ForkedServer, Zygote, forkable
 
 VENV_BIN = Path(sys.executable).parent
 START_TIMEOUT = 300
@@ -95,14 +98,33 @@ def server_env() -> dict[str, str]:
     return env
 
 
+_zygote: Zygote | None = None
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen | ForkedServer:
+    """`cmd` started in a session of its own, stdout and stderr to `log`, in `server_env()`:
+    forked from this process's zygote (tests/zygote.py) where `ORCA_TEST_ZYGOTE=1` (the suite's
+    conftest sets it) and `cmd` runs a console script of the venv or a `python -m` module;
+    exec'd otherwise (and always in the benchmarks, which time server starts)."""
+    global _zygote
+    env = server_env()
+    runs_python = cmd[:2] == [sys.executable, "-m"] or Path(cmd[0]).parent == VENV_BIN
+    if os.environ.get("ORCA_TEST_ZYGOTE") == "1" and runs_python:
+        if _zygote is None:
+            _zygote = Zygote(env, Path(tempfile.mkdtemp(prefix="orca-zygote-")))
+            atexit.register(_zygote.close)
+        if forkable(env, _zygote.env):
+            return _zygote.fork(cmd, env, log)
+    with open(log, "wb") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+
 class Server:
     def __init__(self, cmd: list[str], log: Path, args: list[str]) -> None:
         self.port = free_port()
         self.log = log
-        self._f = open(log, "wb")  # noqa: SIM115 - the server writes it until stop()
-        self.proc = subprocess.Popen([*cmd, "--port", str(self.port), *args],
-                                     stdout=self._f, stderr=subprocess.STDOUT, env=server_env(),
-                                     start_new_session=True)
+        self.proc = start([*cmd, "--port", str(self.port), *args], log)
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready = False
 
@@ -138,7 +160,6 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
-        self._f.close()
 
 
 # The tiny model's server options and a question, shared by the live-server tests.

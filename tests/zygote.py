@@ -1,0 +1,219 @@
+"""Test servers forked from a process that imported vLLM's API server stack once (a "zygote").
+
+A test server's own process spends ~9 s of CPU importing vLLM, torch, transformers and our
+server before it parses its first option (benchmarks/RESULTS.md, "Test time"): the same
+imports in each of the suite's 17 test servers. Each pytest worker starts one zygote when
+its first test server starts; the zygote imports what a server imports (`PRELOAD`) and then
+forks a child per server. The child takes the server's environment, working directory, command
+line and log, in a session of its own (as `Popen(start_new_session=True)`), and runs the very
+console script (or `-m` module) the exec'd command would have run, as `__main__`: the same
+code from the options on (real HTTP, a real engine). The engine core vLLM starts is spawned as
+before (vLLM's CPU platform forces `spawn`): a fresh interpreter with its own imports, as the
+exec'd server's.
+
+What keeps a fork sound here:
+- no thread in the zygote when it forks (checked after the imports: `Zygote` refuses to start
+  otherwise) and no torch op run, so no OpenMP pool to lose;
+- only modules are imported, nothing else run: vLLM's `envs` are read when used, not at import;
+  the few variables read at import (`IMPORT_TIME`: OpenMP, logging, Python's own, Hugging
+  Face's) must equal the zygote's, else the server is exec'd (`forkable`);
+- the child's signal handlers are those a fresh interpreter starts with (the zygote changes
+  only SIGCHLD's, and the child restores it), its stdio is its log, and it ends through the
+  interpreter's own exit (atexit hooks, `SystemExit` codes), as the exec'd one;
+- the zygote reaps its children and writes each one's exit status (`Popen.returncode`'s form)
+  to a file the test side reads (`ForkedServer`): the server is the zygote's child, not the
+  test's. A zygote whose test process is gone sees its stdin close and exits.
+
+The tests whose subject is the console script or the start-up path (test_startup_stop,
+test_deploy, test_demo, the refusals in tests/serving.py `refusals`) exec a fresh interpreter
+as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+# What a server's own process imports before it serves (orca_serve.startup.cli's deferred
+# imports included); vLLM's own API server for the tests that run it plain
+PRELOAD = ["orca_serve.startup.cli", "orca_serve.api_server.assembly",
+           "orca_serve.api_server.server", "orca_serve.live_audit.options",
+           "vllm.entrypoints.openai.api_server", "uvloop"]
+# Variables read when a module is imported, not when used: a child cannot change them
+IMPORT_TIME = ("OMP_", "KMP_", "MKL_", "GOMP_", "PYTHON", "LD_", "MALLOC_", "TORCH", "CUDA",
+               "HF_", "TRANSFORMERS_", "TOKENIZERS_", "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING",
+               "PROMETHEUS_MULTIPROC_DIR")
+
+
+def forkable(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
+    """Whether a process with `env` may come from a zygote started with `zygote_env`."""
+    keys = {k for k in env.keys() | zygote_env.keys() if env.get(k) != zygote_env.get(k)}
+    return not any(k.startswith(IMPORT_TIME) for k in keys)
+
+
+class ForkedServer:
+    """What tests/serving.py `Server` uses of a `subprocess.Popen`, for a zygote's child:
+    `pid`, `poll()`, `wait(timeout)`, `returncode` (negative: the signal that ended it)."""
+
+    def __init__(self, pid: int, status: Path, argv: list[str]) -> None:
+        self.pid = pid
+        self.args = argv
+        self.returncode: int | None = None
+        self._status = status
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._status.exists():
+            self.returncode = int(self._status.read_text())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.returncode  # type: ignore[return-value]
+
+
+class Zygote:
+    """The test side of one zygote process (started by `start`, one per pytest worker)."""
+
+    def __init__(self, env: dict[str, str], status_dir: Path,
+                 preload: list[str] = PRELOAD) -> None:
+        self.env = env
+        self.status_dir = status_dir
+        self._lock = threading.Lock()  # one request and its answer at a time
+        status_dir.mkdir(parents=True, exist_ok=True)
+        log = status_dir / "zygote.log"  # what its imports print
+        with open(log, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", str(status_dir),
+                                          *preload],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, env=env, text=True, bufsize=1)
+        ready = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if ready.strip() != "ready":
+            self.proc.wait(10)
+            raise RuntimeError(f"zygote did not start (exit {self.proc.returncode}):\n"
+                               + log.read_text()[-4000:])
+
+    def fork(self, cmd: list[str], env: dict[str, str], log: Path) -> ForkedServer:
+        """Start `cmd` (a console script, or `python -m module ...`) as a child of the zygote."""
+        if cmd[:2] == [sys.executable, "-m"]:
+            target, argv = {"module": cmd[2]}, [cmd[2], *cmd[3:]]
+        else:
+            target, argv = {"script": cmd[0]}, cmd
+        request = {**target, "argv": argv, "cmd": cmd, "env": env, "cwd": os.getcwd(),
+                   "log": str(log)}
+        log.write_bytes(b"")  # there on return, as a Popen's log is
+        with self._lock:
+            self.proc.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
+            answer = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not answer:
+            raise RuntimeError(f"zygote ended (exit {self.proc.wait(10)})")
+        pid = int(answer)
+        return ForkedServer(pid, self.status_dir / str(pid), cmd)
+
+    def close(self) -> None:
+        self.proc.stdin.close()  # type: ignore[union-attr]
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _serve_child(request: dict, own_fds: tuple[int, ...]) -> None:
+    """In the forked child: become the server the request describes; ends the process."""
+    os.setsid()
+    for fd in (*own_fds, 0):
+        os.close(fd)
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the only handler the zygote changed
+    os.open(os.devnull, os.O_RDONLY)  # fd 0
+    log = os.open(request["log"], os.O_WRONLY)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    import setproctitle  # vLLM's dependency: `ps` shows the command the child runs
+
+    setproctitle.setproctitle(" ".join(request["cmd"]))
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = list(request["argv"])
+    import runpy
+
+    if "script" in request:
+        sys.path[0] = os.path.dirname(request["script"])
+        runpy.run_path(request["script"], run_name="__main__")
+    else:
+        sys.path[0] = os.getcwd()
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    raise SystemExit(0)
+
+
+def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def main(status_dir: Path, preload: list[str]) -> None:
+    """The zygote: import `preload`, then fork a child per request line on stdin, answering
+    its pid on stdout; write each child's exit status to `status_dir/<pid>` when reaped; remove
+    `status_dir` when stdin closes."""
+    import importlib
+
+    answers = os.fdopen(os.dup(1), "w", buffering=1)  # the pids; what imports print goes to stderr
+    os.dup2(2, 1)
+    for name in preload:
+        importlib.import_module(name)
+    if threading.active_count() != 1 or _native_threads() != 1:
+        sys.exit(f"zygote: threads after the imports ({threading.enumerate()}, "
+                 f"{_native_threads()} native): forking would be unsound")
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    print("ready", file=answers)
+    stdin = sys.stdin.buffer.raw  # type: ignore[attr-defined]
+    pending = b""
+    while True:
+        ready, _, _ = select.select([stdin, wake_r], [], [])
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        while True:  # every child that ended: its status, as Popen's returncode
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            tmp = status_dir / f".{pid}"
+            tmp.write_text(str(os.waitstatus_to_exitcode(status)))
+            tmp.rename(status_dir / str(pid))
+        if stdin in ready:
+            chunk = os.read(stdin.fileno(), 1 << 20)
+            if not chunk:  # the test process is done (or gone): so is what it could read
+                shutil.rmtree(status_dir, ignore_errors=True)
+                return
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _serve_child(json.loads(line), (wake_r, wake_w, answers.fileno()))
+                (status_dir / str(pid)).unlink(missing_ok=True)  # an earlier child's, same pid
+                print(pid, file=answers)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
