@@ -136,8 +136,8 @@ class Watcher(threading.Thread):
                 argv = [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
             except OSError:
                 continue
-            p = self.procs.setdefault((pid, start), Proc(kind_of(argv)))
-            if argv:
+            p = self.procs.setdefault((pid, start), Proc("?"))
+            if argv:  # a zombie's is empty: it keeps its last kind
                 p.kind = kind_of(argv)
             p.cpu_s = stats[pid][2]
             if not p.vllm and len(self.cumulative) % MAPS_EVERY == 0:  # maps are long: seldom
