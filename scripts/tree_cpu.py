@@ -8,6 +8,7 @@ the CPU of every process the command started. Linux only.
 
     python scripts/tree_cpu.py make test
     python scripts/tree_cpu.py --by-kind make test
+    python scripts/tree_cpu.py --by-test make test
 
 `--by-kind` also splits that CPU by kind of process (pytest workers, test servers, engine cores,
 CLI subprocesses, redis, ...) and counts the processes that loaded torch and vLLM's compiled
@@ -16,6 +17,12 @@ the tree is watched from outside. What a process spent after its last reading, a
 shorter than one reading, show as "between readings" (the tree's total less the kinds' sum).
 The torch and vLLM counts are lower bounds: a process's mapped libraries are read every
 `MAPS_EVERY` readings, so one that ends sooner may be missed.
+
+`--by-test` splits the same CPU by test module instead: each reading's CPU of a process goes to
+the module its nearest pytest-xdist ancestor is running (xdist titles a worker "[pytest-xdist
+running] tests/test_x.py::name"), so a test server's engine core counts for the module that was
+running when it spent it. A process that lost its worker (an orphan re-parented here) keeps the
+module it last had; CPU spent while a worker sat between tests shows as "(between tests)".
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ class Proc:
     cpu_s: float = 0.0
     torch: bool = False
     vllm: bool = False
+    module: str = "(outside tests)"  # --by-test: the test module it last spent CPU for
 
 
 def _read(path: str) -> bytes:
@@ -104,6 +112,7 @@ class Watcher(threading.Thread):
         self.stop = threading.Event()
         self.t0 = time.monotonic()
         self.cumulative: list[tuple[float, float]] = []  # (s since start, CPU seen so far)
+        self.by_module: dict[str, float] = defaultdict(float)  # --by-test: CPU per test module
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -128,17 +137,21 @@ class Watcher(threading.Thread):
                 if pid not in live and ppid in live:
                     live[pid] = start
                     changed = True
+        argvs: dict[int, list[str]] = {}
         for pid, start in live.items():
             if start < 0:
                 continue
             try:
                 cmdline = _read(f"/proc/{pid}/cmdline")
-                argv = [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
+                argvs[pid] = [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
             except OSError:
                 continue
-            p = self.procs.setdefault((pid, start), Proc("?"))
+        for pid, argv in argvs.items():
+            p = self.procs.setdefault((pid, live[pid]), Proc("?"))
             if argv:  # a zombie's is empty: it keeps its last kind
                 p.kind = kind_of(argv)
+            p.module = _module(pid, stats, argvs) or p.module
+            self.by_module[p.module] += stats[pid][2] - p.cpu_s
             p.cpu_s = stats[pid][2]
             if not p.vllm and len(self.cumulative) % MAPS_EVERY == 0:  # maps are long: seldom
                 p.torch, p.vllm = _maps_flags(pid)
@@ -167,6 +180,14 @@ class Watcher(threading.Thread):
                      f"{os.cpu_count()}): " + " ".join(f"{c:.1f}" for c in self.busy()))
         return "\n".join(lines)
 
+    def report_modules(self, total: float) -> str:
+        lines = [f"{'test module':<56} {'CPU s':>8} {'share':>6}"]
+        for module, cpu in sorted(self.by_module.items(), key=lambda kv: -kv[1]):
+            lines.append(f"{module:<56} {cpu:>8.1f} {cpu / total:>6.1%}")
+        seen = sum(self.by_module.values())
+        lines.append(f"{'between readings':<56} {total - seen:>8.1f} {(total - seen) / total:>6.1%}")
+        return "\n".join(lines)
+
     def busy(self) -> list[float]:
         """The tree's CPU per BUSY_BIN_S of wall, in cores: where the run leaves a core idle
         (one pytest worker finishing alone, a start-up waiting on a port)."""
@@ -178,17 +199,31 @@ class Watcher(threading.Thread):
         return out
 
 
+def _module(pid: int, stats: dict[int, tuple[int, int, float]],
+            argvs: dict[int, list[str]]) -> str | None:
+    """The test module pid's nearest pytest-xdist ancestor (or pid itself) is running; None
+    when no ancestor in the tree is a worker."""
+    while pid in argvs:
+        title = " ".join(argvs[pid][:1])
+        if title.startswith("[pytest-xdist running] "):
+            return title.split(" ", 2)[2].split("::")[0]
+        if title.startswith("[pytest-xdist"):
+            return "(between tests)"
+        pid = stats[pid][0]
+    return None
+
+
 def main() -> int:
     args = sys.argv[1:]
-    by_kind = bool(args) and args[0] == "--by-kind"
-    if by_kind:
+    split = args[0] if args and args[0] in ("--by-kind", "--by-test") else None
+    if split:
         args = args[1:]
     if not args:
         sys.exit(__doc__)
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         sys.exit(f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}")
     watcher = Watcher()
-    if by_kind:
+    if split:
         watcher.start()
     load = os.getloadavg()[0]
     t = time.monotonic()
@@ -201,10 +236,11 @@ def main() -> int:
             break
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     total = r.ru_utime + r.ru_stime
-    if by_kind:
+    if split:
         watcher.stop.set()
         watcher.join()
-        print(watcher.report(total), flush=True)
+        print(watcher.report(total) if split == "--by-kind" else watcher.report_modules(total),
+              flush=True)
     print(f"tree_cpu: exit {rc}, wall {wall:.1f} s, CPU of the whole tree "
           f"{total:.1f} s (user {r.ru_utime:.1f} s, sys {r.ru_stime:.1f} s), "
           f"orphans reaped {time.monotonic() - t - wall:.1f} s after, load at start {load:.2f}",
