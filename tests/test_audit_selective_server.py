@@ -6,6 +6,9 @@ labelling's."""
 
 from __future__ import annotations
 
+import json
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -21,6 +24,11 @@ pytestmark = pytest.mark.vllm
 N = 8
 
 
+def _prompt_key(prompt: str) -> str:
+    """A trace's prompt (its messages as JSON), written the same way by the audit and collect."""
+    return json.dumps(json.loads(prompt), sort_keys=True)
+
+
 def test_selective_audit_labels_give_every_step_losses(tmp_path) -> None:
     env = audit_env(tmp_path)
     write_prompts(tmp_path / "selective.jsonl", "in-dist", N, seed=23)
@@ -34,17 +42,22 @@ def test_selective_audit_labels_give_every_step_losses(tmp_path) -> None:
     srv = s.wait()
     try:
         prompts = _records(tmp_path / "selective.jsonl")
-        for p in prompts:
-            assert _ask(srv, p["messages"]).model_extra["orca"]["audited"] is True
+        with ThreadPoolExecutor(N) as pool:  # at once: the engine batches them
+            for r in pool.map(lambda p: _ask(srv, p["messages"]), prompts):
+                assert r.model_extra["orca"]["audited"] is True
         table = _settled(srv)
     finally:
         s.stop()
     audited = TrajectorySet.open(env["audits"] / "audit-000001")
     collected = collect(tmp_path / "selective.jsonl", tmp_path / "collected", bundle.labelling)
     assert len(audited) == len(collected) == N
+    # the audits in the order the requests ended; each with the trace collected for its prompt
+    by_prompt = {_prompt_key(c.prompt): c for c in collected.problems}
+    assert sorted(map(_prompt_key, (a.prompt for a in audited.problems))) == sorted(by_prompt)
     probes = steps = 0
     risk: dict[float, list[int]] = {d: [] for d in bundle.deltas()}
-    for i, (a, c) in enumerate(zip(audited.problems, collected.problems)):
+    for i, a in enumerate(audited.problems):
+        c = by_prompt[_prompt_key(a.prompt)]
         assert a.step_tokens == c.step_tokens, i
         sel = a.extra["audit_labels"]
         assert sorted(sel["lambdas"]) == sorted(set(lams))

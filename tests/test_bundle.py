@@ -276,19 +276,76 @@ def _bad_bundle(tmp_path, name: str):
     return tmp_path / "b.json"
 
 
-def _serve(cases: dict[str, list[str]]) -> dict[str, tuple[int, str]]:
-    got, vllm_imported = refusals(cases)
-    assert not vllm_imported, "a refusal imported vLLM"
-    return got
+# -- orca-serve's refusals through its real entry point ----------------------------------------
+# Each test below builds its command lines with a function of its own (`SERVED`); `refused` runs
+# them all in one process, as tests/serving.py `refusals` does for a test's own lines: a process
+# for each test cost ~2.5 s of CPU, and none of these lines gets as far as starting a server.
+Cases = dict[str, list[str]]
 
 
-def test_orca_serve_refuses_a_bad_bundle_in_one_line_before_vllm(tmp_path) -> None:
-    """The real entry point: exit 2, one line on stderr, and vLLM never imported."""
+def _bad_bundle_cases(d: Path) -> Cases:
     cases = {}
     for name in BAD_BUNDLES:
-        (tmp_path / name).mkdir()
-        cases[name] = ["--calib", str(_bad_bundle(tmp_path / name, name)), "--model", "x"]
-    for name, (code, err) in _serve(cases).items():
+        (d / name).mkdir()
+        cases[name] = ["--calib", str(_bad_bundle(d / name, name)), "--model", "x"]
+    return cases
+
+
+def _table_and_name_cases(d: Path) -> Cases:
+    model = ["--model", str(DEMO / "model")]
+    rising = _resealed(d, SEMANTIC["lambda rises with delta"][0])
+    (d / "other").mkdir()
+    other_config = _resealed(d / "other", lambda b: b["model"].update(
+        config_fingerprint={**_demo_config(), "num_layers": 48}))
+    return {"rises with delta": ["--calib", str(rising), *model,
+                                 "--served-model-name", "orca-toy-reasoner"],
+            "made for model 'orca-toy-reasoner'": ["--calib", str(DEMO / "bundle.json"), *model],
+            "config differs (num_layers 48 vs": ["--calib", str(other_config), *model,
+                                                 "--served-model-name", "orca-toy-reasoner"]}
+
+
+def _fewer_layers_cases(d: Path) -> Cases:
+    """The toy's architecture with one layer fewer (its config.json says so; tokenizer and
+    weights files as the toy's), served under the toy's name with the shipped toy bundle."""
+    model = d / "model"
+    model.mkdir()
+    for f in (DEMO / "model").iterdir():
+        if f.name != "config.json":
+            (model / f.name).symlink_to(f)
+    config = json.loads((DEMO / "model" / "config.json").read_text())
+    config["num_hidden_layers"] -= 1
+    config["layer_types"] = config["layer_types"][:-1]
+    (model / "config.json").write_text(json.dumps(config))
+    return {"other config": ["--calib", str(DEMO / "bundle.json"), "--model", str(model),
+                             "--served-model-name", "orca-toy-reasoner"]}
+
+
+def _give_up_policy_cases(d: Path) -> Cases:
+    """The demo bundle (certified for "guess") under --orca-give-up-policy message, and one
+    certified for "message" under the default "guess"."""
+    message = _resealed(d, lambda b: b["give_up"].update(policy="message"))
+    return {"message": ["--demo", "--orca-give-up-policy", "message"],
+            "guess": ["--calib", str(message), "--model", str(DEMO / "model")]}
+
+
+SERVED = (_bad_bundle_cases, _table_and_name_cases, _fewer_layers_cases, _give_up_policy_cases)
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[str, dict[str, tuple[list[str], int, str]]]:
+    """{builder's name: {case: (command line, exit code, stderr)}} for every builder of
+    `SERVED`, each in a folder of its own; vLLM not imported by the end (so by none of them)."""
+    lines = {build.__name__: build(tmp_path_factory.mktemp(build.__name__)) for build in SERVED}
+    got, vllm_imported = refusals({f"{b}/{k}": argv for b, cases in lines.items()
+                                   for k, argv in cases.items()})
+    assert not vllm_imported, "a refusal imported vLLM"
+    return {b: {k: (argv, *got[f"{b}/{k}"]) for k, argv in cases.items()}
+            for b, cases in lines.items()}
+
+
+def test_orca_serve_refuses_a_bad_bundle_in_one_line_before_vllm(refused) -> None:
+    """The real entry point: exit 2, one line on stderr, and vLLM never imported."""
+    for name, (_, code, err) in refused["_bad_bundle_cases"].items():
         assert code == 2, (name, err)
         assert err.count("\n") == 1 and err.startswith("orca-serve: error: bundle"), (name, err)
 
@@ -447,65 +504,43 @@ def test_a_model_with_the_bundles_name_but_another_config_is_refused(tmp_path, d
         assert note.startswith("--orca-force-model") and field in note
 
 
-def test_orca_serve_refuses_them_in_one_line_before_vllm(tmp_path) -> None:
+def test_orca_serve_refuses_them_in_one_line_before_vllm(refused) -> None:
     """The real entry point: a resealed table (lambda* rising with delta) under the right
     model name, and the demo bundle under another name: exit 2, one line, vLLM not imported."""
-    model = ["--model", str(DEMO / "model")]
-    rising = _resealed(tmp_path, SEMANTIC["lambda rises with delta"][0])
-    (tmp_path / "other").mkdir()
-    other_config = _resealed(tmp_path / "other", lambda d: d["model"].update(
-        config_fingerprint={**_demo_config(), "num_layers": 48}))
-    got = _serve({
-        "rises with delta": ["--calib", str(rising), *model,
-                             "--served-model-name", "orca-toy-reasoner"],
-        "made for model 'orca-toy-reasoner'": ["--calib", str(DEMO / "bundle.json"), *model],
-        "config differs (num_layers 48 vs": ["--calib", str(other_config), *model,
-                                             "--served-model-name", "orca-toy-reasoner"]})
-    for why, (code, err) in got.items():
+    for why, (_, code, err) in refused["_table_and_name_cases"].items():
         assert code == 2, (why, err)
         assert err.count("\n") == 1 and why in err, (why, err)
 
 
-def test_orca_serve_refuses_the_toy_bundle_on_a_model_of_another_config(tmp_path) -> None:
-    """Issue 37: the shipped toy bundle on the toy's architecture with one layer fewer (its
-    config.json says so; tokenizer and weights files as the toy's), served under the toy's
-    name: the real entry point reads the served model's config.json and refuses in one line
-    before vLLM (the check function's cases, --orca-force-model included: the test above)."""
-    model = tmp_path / "model"
-    model.mkdir()
-    for f in (DEMO / "model").iterdir():
-        if f.name != "config.json":
-            (model / f.name).symlink_to(f)
-    config = json.loads((DEMO / "model" / "config.json").read_text())
-    config["num_hidden_layers"] -= 1
-    config["layer_types"] = config["layer_types"][:-1]
-    (model / "config.json").write_text(json.dumps(config))
-    serve = ["--calib", str(DEMO / "bundle.json"), "--model", str(model),
-             "--served-model-name", "orca-toy-reasoner"]
-    (code, err), = _serve({"other config": serve}).values()
+def test_orca_serve_refuses_the_toy_bundle_on_a_model_of_another_config(refused) -> None:
+    """Issue 37: the shipped toy bundle on the toy's architecture with one layer fewer, served
+    under the toy's name: the real entry point reads the served model's config.json and refuses
+    in one line before vLLM (the check function's cases, --orca-force-model included: the test
+    above)."""
+    (_, code, err), = refused["_fewer_layers_cases"].values()
     assert code == 2 and err.count("\n") == 1, err
     assert "config differs (num_layers 4 vs 3" in err, err
 
 
-def test_orca_serve_serves_mu_only_under_the_give_up_policy_it_was_certified_for(tmp_path):
+def test_orca_serve_serves_mu_only_under_the_give_up_policy_it_was_certified_for(refused):
     """docs/METHOD.md section 9: each give-up policy has its own loss. The real entry point
     refuses the demo bundle (certified for "guess") under --orca-give-up-policy message, and a
     bundle certified for "message" under the default "guess": exit 2, one line naming the flag
     that fits, vLLM not imported. The matching combination passes the same pre-flight."""
     from orca_serve.startup.preflight import preflight
 
-    message = _resealed(tmp_path, lambda d: d["give_up"].update(policy="message"))
-    got = _serve({"message": ["--demo", "--orca-give-up-policy", "message"],
-                  "guess": ["--calib", str(message), "--model", str(DEMO / "model")]})
+    got = refused["_give_up_policy_cases"]
     for served, certified in (("message", "guess"), ("guess", "message")):
-        code, err = got[served]
+        _, code, err = got[served]
         assert code == 2 and err.count("\n") == 1, (served, err)
         assert err.startswith(f"orca-serve: error: --orca-give-up-policy {served}: the bundle's "
                               f"give-up threshold mu* was certified for give-up policy "
                               f"'{certified}'"), err
         assert f"serve it with --orca-give-up-policy {certified}," in err, err
         assert f"calibrate.give_up.policy: {served}" in err, err
-    pre = preflight(["--calib", str(message), "--orca-give-up-policy", "message"])
+    argv = got["guess"][0]
+    message = argv[argv.index("--calib") + 1]  # the bundle certified for "message"
+    pre = preflight(["--calib", message, "--orca-give-up-policy", "message"])
     assert pre.bundle is not None and pre.bundle.give_up.policy == "message"
     assert preflight(["--demo"]).bundle.give_up.policy == "guess"
 

@@ -6,9 +6,8 @@ test_server_gate_alarm. Real vLLM engine, real HTTP, the OpenAI client."""
 
 from __future__ import annotations
 
+import os
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -25,14 +24,23 @@ from tests.serving import Server, orca_of, orca_serve_cmd
 DEMO = Path(__file__).parents[1] / "orca_serve" / "demo"
 
 
-def start_samples_server(d: Path, *orca_flags: str, waves: list[int] | None = None,
-                         cap_max: float | None = None) -> Server:
-    """orca-serve on the toy model with the toy bundle plus a consensus block for K samples
-    (t* = 0; with `cap_max`, the confidence clause: t* = first_t, c* = cap_max) certified for
-    `waves` (None: all at once), started (not waited for) in `d` with `orca_flags` besides (the
-    plain all-at-once server is conftest's shared `toy_server`)."""
-    path = write_bundle(with_consensus(load_bundle(DEMO / "bundle.json"), samples=K,
-                                       waves=waves, cap_max=cap_max), d / "b.json")
+ADMIN_KEY_ENV, ADMIN_KEY = "ORCA_TEST_SAMPLES_ADMIN_KEY", "samples-test-key"
+
+
+def samples_bundle(path: Path, waves: list[int] | None = None,
+                   cap_max: float | None = None) -> Path:
+    """The toy bundle plus a consensus block for K samples (t* = 0; with `cap_max`, the
+    confidence clause: t* = first_t, c* = cap_max) certified for `waves` (None: all at once),
+    written to `path`."""
+    return write_bundle(with_consensus(load_bundle(DEMO / "bundle.json"), samples=K,
+                                       waves=waves, cap_max=cap_max), path)
+
+
+def start_samples_server(d: Path, *orca_flags: str, waves: list[int] | None = None) -> Server:
+    """orca-serve on the toy model with `samples_bundle(waves)`, started (not waited for) in
+    `d` with `orca_flags` besides (the plain all-at-once server is conftest's shared
+    `toy_server`)."""
+    path = samples_bundle(d / "b.json", waves)
     flags = [*orca_flags] + ([] if waves is None else
                              ["--orca-vote-waves", "+".join(map(str, waves))])
     return Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path), *flags),
@@ -42,17 +50,6 @@ def start_samples_server(d: Path, *orca_flags: str, waves: list[int] | None = No
                                     "--seed", "0", "--disable-uvicorn-access-log"])
 
 
-@contextmanager
-def samples_server(d: Path, *orca_flags: str, waves: list[int] | None = None,
-                   cap_max: float | None = None) -> Iterator[Server]:
-    """`start_samples_server`'s server, waited for, stopped after."""
-    s = start_samples_server(d, *orca_flags, waves=waves, cap_max=cap_max)
-    try:
-        yield s.wait()
-    finally:
-        s.stop()
-
-
 @pytest.fixture(scope="module")
 def srv(toy_server):
     return toy_server.wait()
@@ -60,8 +57,18 @@ def srv(toy_server):
 
 @pytest.fixture(scope="module")
 def waved(tmp_path_factory):
-    with samples_server(tmp_path_factory.mktemp("waves"), waves=[1, 1, 2]) as s:
-        yield s
+    """Served under --orca-vote-waves 1+1+2, with an admin key: the module's last test reloads
+    a bundle of the same schedule into it (a server of its own cost a start, ~13 s of CPU)."""
+    os.environ[ADMIN_KEY_ENV] = ADMIN_KEY  # the server process takes it at its start
+    try:
+        s = start_samples_server(tmp_path_factory.mktemp("waves"), "--orca-admin-key-env",
+                                 ADMIN_KEY_ENV, waves=[1, 1, 2])
+    finally:
+        os.environ.pop(ADMIN_KEY_ENV)
+    try:
+        yield s.wait()
+    finally:
+        s.stop()
 
 
 def questions(n: int) -> list[str]:
@@ -245,24 +252,28 @@ def test_waves_launch_only_what_the_vote_needs(waved):
 CAP = 120.0  # reasoning tokens: the toy's early stops fall on both sides of it
 
 
-def test_one_confident_sample_settles_a_served_vote(tmp_path):
+def test_one_confident_sample_settles_a_served_vote(waved, tmp_path):
     """A version 3 block under --orca-vote-waves 1+1+2 (t* = first_t: no lone sample settles by
-    the margin; c* = CAP): the first sample settles the vote alone exactly when the engine
-    reports it stopped early by ORCA within CAP reasoning tokens; otherwise the second wave goes
-    out. The engine's own report of the sample is what the vote read."""
+    the margin; c* = CAP), reloaded into `waved` (last: its t* = 0 block is gone after): the
+    first sample settles the vote alone exactly when the engine reports it stopped early by
+    ORCA within CAP reasoning tokens; otherwise the second wave goes out. The engine's own
+    report of the sample is what the vote read."""
+    path = samples_bundle(tmp_path / "confident.json", [1, 1, 2], cap_max=CAP)
+    r = httpx.post(waved.url + "/v1/orca/bundle", json={"path": str(path)}, timeout=180,
+                   headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert r.status_code == 200 and r.json()["changed"], r.text
     alone = waited = 0
-    with samples_server(tmp_path, waves=[1, 1, 2], cap_max=CAP) as srv:
-        for i, q in enumerate(questions(8)):
-            o = orca_of(ask(srv, q, {"samples": K}, seed=500 + i))
-            vote, first = o["vote"], o["samples"][0]
-            assert vote["confident_tokens"] == CAP and vote["t"] > 1 / K, vote
-            sure = first["stopped_early"] and first["reasoning_tokens"] <= CAP
-            if sure:
-                alone += 1
-                assert vote["settled_after"] == 1 and vote["waves_launched"] == 1, (vote, first)
-                assert vote["sample"] == 0 and vote["ended"] == "settled"
-            else:
-                waited += 1
-                assert vote["waves_launched"] >= 2, (vote, first)
-        assert metric(srv, "vllm:num_requests_running") == 0
+    for i, q in enumerate(questions(8)):
+        o = orca_of(ask(waved, q, {"samples": K}, seed=500 + i))
+        vote, first = o["vote"], o["samples"][0]
+        assert vote["confident_tokens"] == CAP and vote["t"] > 1 / K, vote
+        sure = first["stopped_early"] and first["reasoning_tokens"] <= CAP
+        if sure:
+            alone += 1
+            assert vote["settled_after"] == 1 and vote["waves_launched"] == 1, (vote, first)
+            assert vote["sample"] == 0 and vote["ended"] == "settled"
+        else:
+            waited += 1
+            assert vote["waves_launched"] >= 2, (vote, first)
+    assert metric(waved, "vllm:num_requests_running") == 0
     assert alone and waited, f"8 prompts gave {alone} confident first samples, {waited} others"
