@@ -23,6 +23,13 @@ from typing import Any
 # the other idles (test_parallel pins its two ranks itself).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+# Engines started in the tests' own processes (`LLM`, the calibrate job's `Collector`) run their
+# core in that process with its single worker (executor "uni"): no process importing vLLM again
+# (~9 s of CPU each); the tests that need processes of their own say so themselves
+# (test_parallel, test_plugin's multiprocess engine). Set here, before any test module is
+# imported, so a module's engines run the same way whichever modules were collected with it.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine
 # Test servers forked from a zygote that imported vLLM's server stack once per worker, not
 # exec'd (tests/zygote.py says why and what stays exec'd); ORCA_TEST_ZYGOTE=0 execs them all.
 os.environ.setdefault("ORCA_TEST_ZYGOTE", "1")

@@ -12,12 +12,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
-
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import numpy as np
 import torch

@@ -8,12 +8,8 @@ crosses it at a known step), then an engine serving that bundle must stop exactl
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
-
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 # Plain imports, not importorskip: vllm is a declared dependency, and a broken install must fail
 # CI rather than skip the engine tests and pass.

