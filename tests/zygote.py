@@ -130,8 +130,11 @@ class Zygote:
             self.proc.wait(10)
 
 
-def _serve_child(request: dict, own_fds: tuple[int, ...]) -> None:
-    """In the forked child: become the server the request describes; ends the process."""
+def _serve_child(request: dict, own_fds: tuple[int, ...], start_env: dict[str, str],
+                 imports_set: dict[str, str | None]) -> None:
+    """In the forked child: become the server the request describes; ends the process.
+    `start_env`, `imports_set`: the zygote's environment before its imports, and what they set
+    in it (tests/engine_fork.py `start` uses both)."""
     os.setsid()
     for fd in (*own_fds, 0):
         os.close(fd)
@@ -149,6 +152,9 @@ def _serve_child(request: dict, own_fds: tuple[int, ...]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = list(request["argv"])
+    from tests import engine_fork
+
+    engine_fork.start(start_env, imports_set)  # while this is one thread with nothing run
     import runpy
 
     if "script" in request:
@@ -172,8 +178,13 @@ def main(status_dir: Path, preload: list[str]) -> None:
 
     answers = os.fdopen(os.dup(1), "w", buffering=1)  # the pids; what imports print goes to stderr
     os.dup2(2, 1)
-    for name in preload:
+    import setproctitle  # set up while argv and environ lie as exec left them: some imports
+    setproctitle.getproctitle()  # move environ, and a child's title would not show then
+    start_env = dict(os.environ)
+    for name in [*preload, "tests.engine_fork"]:
         importlib.import_module(name)
+    imports_set = {k: os.environ.get(k) for k in os.environ.keys() | start_env.keys()
+                   if os.environ.get(k) != start_env.get(k)}
     if threading.active_count() != 1 or _native_threads() != 1:
         sys.exit(f"zygote: threads after the imports ({threading.enumerate()}, "
                  f"{_native_threads()} native): forking would be unsound")
@@ -210,7 +221,8 @@ def main(status_dir: Path, preload: list[str]) -> None:
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
-                    _serve_child(json.loads(line), (wake_r, wake_w, answers.fileno()))
+                    _serve_child(json.loads(line), (wake_r, wake_w, answers.fileno()), start_env,
+                                 imports_set)
                 (status_dir / str(pid)).unlink(missing_ok=True)  # an earlier child's, same pid
                 print(pid, file=answers)
 
