@@ -7,16 +7,19 @@ its first test server starts; the zygote imports what a server imports (`PRELOAD
 forks a child per server. The child takes the server's environment, working directory, command
 line and log, in a session of its own (as `Popen(start_new_session=True)`), and runs the very
 console script (or `-m` module) the exec'd command would have run, as `__main__`: the same
-code from the options on (real HTTP, a real engine). The engine core vLLM starts is spawned as
-before (vLLM's CPU platform forces `spawn`): a fresh interpreter with its own imports, as the
-exec'd server's.
+code from the options on (real HTTP, a real engine). Before it runs that, the child forks its
+engine forker (tests/engine_fork.py): the processes vLLM spawns (its CPU platform forces
+`spawn`: the engine core, a TP/PP engine's workers, DP's coordinator and API servers) come from
+there instead of a fresh interpreter, with spawn's semantics otherwise (that module says which
+and why); the zygote starts with the variables vLLM sets for its engine (tests/serving.py).
 
 What keeps a fork sound here:
 - no thread in the zygote when it forks (checked after the imports: `Zygote` refuses to start
   otherwise) and no torch op run, so no OpenMP pool to lose;
 - only modules are imported, nothing else run: vLLM's `envs` are read when used, not at import;
   the few variables read at import (`IMPORT_TIME`: OpenMP, logging, Python's own, Hugging
-  Face's) must equal the zygote's, else the server is exec'd (`forkable`);
+  Face's) must equal the zygote's, else the server is exec'd (`forkable`); setproctitle is set
+  up before the imports (some move the environment, and a child's title would not show);
 - the child's signal handlers are those a fresh interpreter starts with (the zygote changes
   only SIGCHLD's, and the child restores it), its stdio is its log, and it ends through the
   interpreter's own exit (atexit hooks, `SystemExit` codes), as the exec'd one;
@@ -26,7 +29,7 @@ What keeps a fork sound here:
 
 The tests whose subject is the console script or the start-up path (test_startup_stop,
 test_deploy, test_demo, the refusals in tests/serving.py `refusals`) exec a fresh interpreter
-as before.
+as before, and so do the processes their servers spawn: users' path stays covered.
 """
 
 from __future__ import annotations
