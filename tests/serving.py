@@ -113,7 +113,9 @@ def start(cmd: list[str], log: Path) -> subprocess.Popen | ForkedServer:
     env = server_env()
     runs_python = cmd[:2] == [sys.executable, "-m"] or Path(cmd[0]).parent == VENV_BIN
     if os.environ.get("ORCA_TEST_ZYGOTE") == "1" and runs_python:
-        forked_env = {**engine_env(), **env}  # so its engines may come from it too
+        # so its engines may come from it too; last, as vLLM would add them: setproctitle finds
+        # a process's argv from its first variable, which must stay as exec left it
+        forked_env = {**env, **{k: v for k, v in engine_env().items() if k not in env}}
         if _zygote is None:
             _zygote = Zygote(forked_env, Path(tempfile.mkdtemp(prefix="orca-zygote-")))
             atexit.register(_zygote.close)

@@ -18,8 +18,7 @@ What keeps a fork sound here:
   otherwise) and no torch op run, so no OpenMP pool to lose;
 - only modules are imported, nothing else run: vLLM's `envs` are read when used, not at import;
   the few variables read at import (`IMPORT_TIME`: OpenMP, logging, Python's own, Hugging
-  Face's) must equal the zygote's, else the server is exec'd (`forkable`); setproctitle is set
-  up before the imports (some move the environment, and a child's title would not show);
+  Face's) must equal the zygote's, else the server is exec'd (`forkable`);
 - the child's signal handlers are those a fresh interpreter starts with (the zygote changes
   only SIGCHLD's, and the child restores it), its stdio is its log, and it ends through the
   interpreter's own exit (atexit hooks, `SystemExit` codes), as the exec'd one;
@@ -181,8 +180,6 @@ def main(status_dir: Path, preload: list[str]) -> None:
 
     answers = os.fdopen(os.dup(1), "w", buffering=1)  # the pids; what imports print goes to stderr
     os.dup2(2, 1)
-    import setproctitle  # set up while argv and environ lie as exec left them: some imports
-    setproctitle.getproctitle()  # move environ, and a child's title would not show then
     start_env = dict(os.environ)
     for name in [*preload, "tests.engine_fork"]:
         importlib.import_module(name)
