@@ -13,9 +13,11 @@ process), and tells the parent the child's pid and, once reaped, its exit status
 
 What a spawned child gets, a forked one gets too:
 - the parent's environment, stdout, stderr and process group *at `Process.start()`* (vLLM sets
-  variables around a start, e.g. per DP rank), sent with each start (`_launch`); its argv,
-  sys.path, working directory, `__main__` and authkey through spawn's own preparation data;
-  the fds the process object pickles (pipes, sockets), sent as Python's forkserver sends them;
+  variables around a start, e.g. per DP rank), sent with each start (`_launch`), plus what the
+  zygote's imports set in the environment, as a spawned child's own imports would (torch and
+  cv2 set some); its argv, sys.path, working directory, `__main__` and authkey through spawn's
+  own preparation data; the fds the process object pickles (pipes, sockets), sent as Python's
+  forkserver sends them;
 - the signal handlers a fresh interpreter starts with (the forker's loop changes two and the
   child restores them), the parent's resource tracker, a parent sentinel (`parent_process()`);
 - its end through `sys.exit`'s path: the process's own exit code, its atexit hooks run;
@@ -32,7 +34,10 @@ child comes from it only where the variables read at exec or import (`IMPORT_TIM
 start what the zygote was started with, and spawn would exec the interpreter itself (vLLM's
 NUMA binding swaps in a wrapper); otherwise it is spawned. vLLM's CPU platform sets three such
 variables in a server before it starts an engine (`engine_env`); the zygote is started with them
-set, so that its servers' engines qualify (see tests/serving.py `start`).
+set, so that its servers' engines qualify (see tests/serving.py `start`). The DP server with
+`--api-server-count 2` sets `PROMETHEUS_MULTIPROC_DIR` (read at import) before it starts its
+processes: those are spawned. The engines the pytest workers start in-process (`LLM(...)`)
+and the servers exec'd on purpose spawn theirs as users' do: neither passes through here.
 """
 
 from __future__ import annotations
