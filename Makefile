@@ -4,7 +4,8 @@
 # Two workers, a group of tests per worker at a time (a module, or the modules that share a server:
 # each server starts once), longest first: tests/conftest.py says how. PARALLEL= runs in one process.
 # Each worker forks its test servers from a process that imported vLLM's server stack once
-# (tests/zygote.py: ~9 s of CPU a server); `ORCA_TEST_ZYGOTE=0 make test` execs each one instead.
+# (tests/zygote.py: ~9 s of CPU a server), and each server forks the engine processes vLLM would
+# spawn (tests/engine_fork.py: ~9 s each); `ORCA_TEST_ZYGOTE=0 make test` execs and spawns them all.
 PARALLEL ?= -n 2
 # Only the pytest plugins the tests use: autoloaded plugins (schemathesis, anyio, ...) are imported
 # and assertion-rewritten by every worker on every run (no bytecode cache where

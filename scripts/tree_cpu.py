@@ -54,6 +54,7 @@ KINDS = [("vLLM engine core", "VLLM::EngineCore"), ("vLLM worker", "VLLM::Worker
          ("pytest worker (xdist)", "[pytest-xdist"),
          ("pytest worker (xdist)", "sys.stdin.readline"),
          ("pytest controller", "-m pytest"), ("test zygote", "tests.zygote"),
+         ("test engine forker (and its children before their title)", "orca-engine-forker"),
          ("test server (orca-serve)", "orca-serve"),
          ("plain vLLM server", "vllm.entrypoints.openai.api_server"),
          ("demo (orca_serve.startup.demo)", "orca_serve.startup.demo"),

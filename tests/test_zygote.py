@@ -87,3 +87,82 @@ def test_a_signal_ends_a_child_as_it_ends_a_popen(zygote, tmp_path):
     finally:
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
+
+
+# A zygote's child that starts processes through multiprocessing's spawn context, as vLLM starts
+# its engine: one that reports itself and exits with 3, then one killed by a signal; first as
+# they come from the server's forker (tests/engine_fork.py), then with a variable read at import
+# changed just before start, so they are spawned (a fresh interpreter) instead. `sets_env`, which
+# the zygote imported, sets variables when imported, as torch and cv2 do.
+SETS_ENV = """
+import os
+os.environ.setdefault("ZYGOTE_IMPORTED", "yes")
+os.environ["ZYGOTE_APPENDED"] = "a:" + os.environ.get("ZYGOTE_APPENDED", "")
+"""
+MP_PROG = """
+import atexit, json, multiprocessing as mp, os, signal, sys, time
+import sets_env
+
+def report(tag):
+    atexit.register(print, tag, "atexit", flush=True)
+    print(json.dumps({"tag": tag, "env": dict(os.environ), "argv": sys.argv, "path": sys.path,
+                      "cwd": os.getcwd(), "pgid": os.getpgid(0), "sid": os.getsid(0),
+                      "main": sys.modules["__main__"].__name__,
+                      "handlers": {s: str(signal.getsignal(getattr(signal, s)))
+                                   for s in ("SIGINT", "SIGTERM", "SIGPIPE", "SIGCHLD", "SIGHUP")},
+                      "parent": mp.parent_process().pid,
+                      "forked": os.getppid() != mp.parent_process().pid}), flush=True)
+    sys.exit(3)
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    ends = {}
+    for tag, extra in (("forked", {}), ("spawned", {"OMP_ZYGOTE_TEST": "1"})):
+        os.environ.update({"AT_START": tag, **extra})  # the child's, not the process's
+        p = ctx.Process(target=report, args=(tag,))
+        p.start()
+        sleeper = ctx.Process(target=time.sleep, args=(60,))
+        sleeper.start()
+        for k in ("AT_START", *extra):
+            del os.environ[k]
+        p.join(60)
+        alive = sleeper.is_alive()
+        os.kill(sleeper.pid, signal.SIGKILL)
+        seen = mp.connection.wait([sleeper.sentinel], 60) == [sleeper.sentinel]
+        sleeper.join(60)
+        ends[tag] = {"exit": p.exitcode, "sleeper": [alive, seen, sleeper.exitcode]}
+    print(json.dumps({"ends": ends, "pid": os.getpid(), "pgid": os.getpgid(0)}), flush=True)
+"""
+
+
+def test_a_spawn_child_forked_for_a_zygote_s_child_runs_as_a_spawned_one(tmp_path, monkeypatch):
+    (tmp_path / "prog.py").write_text(MP_PROG)
+    (tmp_path / "sets_env.py").write_text(SETS_ENV)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    zygote = Zygote(env, tmp_path / "status", preload=["sets_env"])
+    monkeypatch.chdir(tmp_path)
+    try:
+        server = zygote.fork([str(tmp_path / "prog.py"), "an arg"], env, tmp_path / "forked.log")
+        assert server.wait(120) == 0, (tmp_path / "forked.log").read_text()
+    finally:
+        zygote.close()
+    lines = (tmp_path / "forked.log").read_text().splitlines()
+    reports = {r["tag"]: r for r in map(json.loads, [ln for ln in lines if ln.startswith("{")])
+               if "tag" in r}
+    summary = json.loads(next(ln for ln in lines if ln.startswith('{"ends"')))
+    forked, spawned = reports["forked"], reports["spawned"]
+    assert forked["forked"] and not spawned["forked"]  # from the forker; fresh, as the fallback
+    assert forked["env"]["AT_START"] == "forked" and spawned["env"]["OMP_ZYGOTE_TEST"] == "1"
+    assert forked["env"]["ZYGOTE_IMPORTED"] == "yes" and forked["env"]["ZYGOTE_APPENDED"] == "a:"
+    drop = ("AT_START", "OMP_ZYGOTE_TEST")
+    assert ({k: v for k, v in forked["env"].items() if k not in drop}
+            == {k: v for k, v in spawned["env"].items() if k not in drop})
+    same = ("argv", "path", "cwd", "pgid", "sid", "main", "handlers", "parent")
+    assert {k: forked[k] for k in same} == {k: spawned[k] for k in same}
+    assert forked["argv"] == [str(tmp_path / "prog.py"), "an arg"] and forked["cwd"] == str(tmp_path)
+    assert forked["main"] == "__mp_main__" and forked["parent"] == summary["pid"]
+    assert forked["pgid"] == summary["pgid"] == summary["pid"]  # the server's own group
+    assert "forked atexit" in lines and "spawned atexit" in lines
+    assert summary["ends"]["forked"] == summary["ends"]["spawned"] == {
+        "exit": 3, "sleeper": [True, True, -signal.SIGKILL]}

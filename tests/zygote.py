@@ -7,9 +7,11 @@ its first test server starts; the zygote imports what a server imports (`PRELOAD
 forks a child per server. The child takes the server's environment, working directory, command
 line and log, in a session of its own (as `Popen(start_new_session=True)`), and runs the very
 console script (or `-m` module) the exec'd command would have run, as `__main__`: the same
-code from the options on (real HTTP, a real engine). The engine core vLLM starts is spawned as
-before (vLLM's CPU platform forces `spawn`): a fresh interpreter with its own imports, as the
-exec'd server's.
+code from the options on (real HTTP, a real engine). Before it runs that, the child forks its
+engine forker (tests/engine_fork.py): the processes vLLM spawns (its CPU platform forces
+`spawn`: the engine core, a TP/PP engine's workers, DP's coordinator and API servers) come from
+there instead of a fresh interpreter, with spawn's semantics otherwise (that module says which
+and why); the zygote starts with the variables vLLM sets for its engine (tests/serving.py).
 
 What keeps a fork sound here:
 - no thread in the zygote when it forks (checked after the imports: `Zygote` refuses to start
@@ -26,7 +28,7 @@ What keeps a fork sound here:
 
 The tests whose subject is the console script or the start-up path (test_startup_stop,
 test_deploy, test_demo, the refusals in tests/serving.py `refusals`) exec a fresh interpreter
-as before.
+as before, and so do the processes their servers spawn: users' path stays covered.
 """
 
 from __future__ import annotations
@@ -130,8 +132,11 @@ class Zygote:
             self.proc.wait(10)
 
 
-def _serve_child(request: dict, own_fds: tuple[int, ...]) -> None:
-    """In the forked child: become the server the request describes; ends the process."""
+def _serve_child(request: dict, own_fds: tuple[int, ...], start_env: dict[str, str],
+                 imports_set: dict[str, str | None]) -> None:
+    """In the forked child: become the server the request describes; ends the process.
+    `start_env`, `imports_set`: the zygote's environment before its imports, and what they set
+    in it (tests/engine_fork.py `start` uses both)."""
     os.setsid()
     for fd in (*own_fds, 0):
         os.close(fd)
@@ -149,6 +154,9 @@ def _serve_child(request: dict, own_fds: tuple[int, ...]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = list(request["argv"])
+    from tests import engine_fork
+
+    engine_fork.start(start_env, imports_set)  # while this is one thread with nothing run
     import runpy
 
     if "script" in request:
@@ -172,8 +180,11 @@ def main(status_dir: Path, preload: list[str]) -> None:
 
     answers = os.fdopen(os.dup(1), "w", buffering=1)  # the pids; what imports print goes to stderr
     os.dup2(2, 1)
-    for name in preload:
+    start_env = dict(os.environ)
+    for name in [*preload, "tests.engine_fork"]:
         importlib.import_module(name)
+    imports_set = {k: os.environ.get(k) for k in os.environ.keys() | start_env.keys()
+                   if os.environ.get(k) != start_env.get(k)}
     if threading.active_count() != 1 or _native_threads() != 1:
         sys.exit(f"zygote: threads after the imports ({threading.enumerate()}, "
                  f"{_native_threads()} native): forking would be unsound")
@@ -210,7 +221,8 @@ def main(status_dir: Path, preload: list[str]) -> None:
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
-                    _serve_child(json.loads(line), (wake_r, wake_w, answers.fileno()))
+                    _serve_child(json.loads(line), (wake_r, wake_w, answers.fileno()), start_env,
+                                 imports_set)
                 (status_dir / str(pid)).unlink(missing_ok=True)  # an earlier child's, same pid
                 print(pid, file=answers)
 

@@ -1,0 +1,203 @@
+"""A test server's engine processes forked from a copy of the server taken before it ran (a
+"forker"), with spawn's semantics otherwise.
+
+vLLM's CPU platform starts its engine core (and the workers, the DP coordinator and API servers
+an engine or server starts) with multiprocessing's `spawn`: a fresh interpreter that spends ~9 s
+of CPU importing vLLM and torch again, ~2/3 of an engine core's CPU in the suite
+(benchmarks/RESULTS.md, "Test time"). A server forked from the zygote (tests/zygote.py) has
+those modules already, and before it runs anything it is a single thread: there `start` forks
+the forker, and redirects `spawn` to it. The forker runs the loop of Python's forkserver
+(`multiprocessing.forkserver.main`): for each start it forks a child, which runs the process
+object as a spawned child does (`spawn._main`: the parent's preparation data, then the pickled
+process), and tells the parent the child's pid and, once reaped, its exit status.
+
+What a spawned child gets, a forked one gets too:
+- the parent's environment, stdout, stderr and process group *at `Process.start()`* (vLLM sets
+  variables around a start, e.g. per DP rank), sent with each start (`_launch`), plus what the
+  zygote's imports set in the environment, as a spawned child's own imports would (torch and
+  cv2 set some); its argv, sys.path, working directory, `__main__` and authkey through spawn's
+  own preparation data; the fds the process object pickles (pipes, sockets), sent as Python's
+  forkserver sends them;
+- the signal handlers a fresh interpreter starts with (the forker's loop changes two and the
+  child restores them), the parent's resource tracker, a parent sentinel (`parent_process()`);
+- its end through `sys.exit`'s path: the process's own exit code, its atexit hooks run;
+- for the parent: `pid`, `sentinel`, `exitcode` (negative: the signal that ended it), `join`,
+  `is_alive`, `terminate`, `kill` of Python's forkserver Popen (the status comes over a pipe
+  from the forker, the child's parent), the sentinel vLLM watches for an engine's death;
+- being in the server's process group and session (`Server.stop` signals the group): the
+  forker is the server's child, so its children are too; a child of a forked engine (a TP/PP
+  worker) comes from the same forker.
+
+What keeps it sound, as tests/zygote.py argues for the servers: the forker is forked while the
+server is one thread with nothing run but imports, and forks only from its one-thread loop; a
+child comes from it only where the variables read at exec or import (`IMPORT_TIME`) are at
+start what the zygote was started with, and spawn would exec the interpreter itself (vLLM's
+NUMA binding swaps in a wrapper); otherwise it is spawned. vLLM's CPU platform sets three such
+variables in a server before it starts an engine (`engine_env`); the zygote is started with them
+set, so that its servers' engines qualify (see tests/serving.py `start`). The DP server with
+`--api-server-count 2` sets `PROMETHEUS_MULTIPROC_DIR` (read at import) before it starts its
+processes: those are spawned. The engines the pytest workers start in-process (`LLM(...)`)
+and the servers exec'd on purpose spawn theirs as users' do: neither passes through here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import os
+import pickle
+import signal
+import socket
+import sys
+from importlib.util import find_spec
+from multiprocessing import context, forkserver, popen_forkserver, popen_spawn_posix, process
+from multiprocessing import resource_tracker, spawn, util
+from multiprocessing.context import reduction
+from pathlib import Path
+
+from tests.zygote import forkable
+
+_start_env: dict[str, str] = {}  # the environment the zygote imported its modules in
+_imports_set: dict[str, str | None] = {}  # what those imports set in it (None: removed)
+
+
+def engine_env() -> dict[str, str]:
+    """The variables read at exec or import that vLLM's CPU platform sets in a server before it
+    starts an engine (vllm/platforms/cpu.py `check_and_update_config`: inductor's thread settings,
+    and torch's OpenMP runtime preloaded, found where vLLM looks for it)."""
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1"}
+    torch_dir = Path(find_spec("torch").origin).parent  # type: ignore[union-attr, arg-type]
+    gomp = [p for d in (torch_dir.parent / "torch.libs", torch_dir / "lib")
+            for p in d.glob("libgomp*.so*")]
+    if gomp:
+        env["LD_PRELOAD"] = str(gomp[0])
+    return env
+
+
+def start(start_env: dict[str, str], imports_set: dict[str, str | None]) -> None:
+    """In a zygote's child before it runs anything: fork its forker and send `spawn` there.
+    `start_env`: the environment the zygote was started (and imported its modules) in;
+    `imports_set`: the variables those imports set (torch, cv2, ... set some when imported)."""
+    global _start_env, _imports_set
+    _start_env, _imports_set = dict(start_env), dict(imports_set)
+    context.SpawnProcess._Popen = staticmethod(_popen)  # type: ignore[method-assign]
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(f"\0orca-engine-fork-{os.getpid()}")  # abstract: no file to clean up
+    listener.listen()
+    alive_r, alive_w = os.pipe()  # held by the server and each child: EOF ends the forker
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(alive_w)
+            import setproctitle
+
+            setproctitle.setproctitle("orca-engine-forker")
+            # a SIGTERM to the server's group: outlive the children, to tell how they ended
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            forkserver._serve_one = _serve_one  # type: ignore[attr-defined]
+            forkserver.main(listener.fileno(), alive_r, [])
+        finally:
+            os._exit(0)
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    server._forkserver_address = listener.getsockname()
+    server._forkserver_alive_fd = alive_w
+    listener.close()
+    os.close(alive_r)
+
+
+def _popen(process_obj: process.BaseProcess):
+    """`SpawnProcess._Popen`: forked where that is sound, spawned otherwise."""
+    if (forkable(dict(os.environ), _start_env)
+            and os.fsdecode(spawn.get_executable()) == sys.executable):
+        return Popen(process_obj)
+    return popen_spawn_posix.Popen(process_obj)
+
+
+class Popen(popen_forkserver.Popen):
+    """Python's forkserver Popen against this server's forker; the start sends what spawn's
+    exec would give the child besides the preparation data (`_serve_one` applies it)."""
+
+    def _launch(self, process_obj: process.BaseProcess) -> None:
+        at_start = pickle.dumps({"env": dict(os.environ), "pgid": os.getpgid(0)})
+        buf = io.BytesIO()
+        buf.write(forkserver.SIGNED_STRUCT.pack(len(at_start)))
+        buf.write(at_start)
+        prep_data = spawn.get_preparation_data(process_obj._name)  # type: ignore[attr-defined]
+        context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            context.set_spawning_popen(None)
+        self.sentinel, w = _connect(self._fds)
+        _parent_w = os.dup(w)  # the child's parent sentinel, as Python's forkserver keeps it
+        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+def _connect(fds: list[int]) -> tuple[int, int]:
+    """`forkserver.connect_to_new_process` for this process's forker (inherited, not started
+    here), with this process's stdout and stderr among the fds: (status_r, data_w)."""
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    with socket.socket(socket.AF_UNIX) as client:
+        client.connect(server._forkserver_address)
+        parent_r, child_w = os.pipe()
+        child_r, parent_w = os.pipe()
+        try:
+            reduction.sendfds(client, [child_r, child_w, server._forkserver_alive_fd,
+                                       resource_tracker.getfd(), 1, 2, *fds])
+            return parent_r, parent_w
+        except BaseException:
+            os.close(parent_r)
+            os.close(parent_w)
+            raise
+        finally:
+            os.close(child_r)
+            os.close(child_w)
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = os.read(fd, n - len(data))
+        if not chunk:
+            raise EOFError("the parent went away during a start")
+        data += chunk
+    return data
+
+
+def _serve_one(child_r: int, fds: list[int], unused_fds: list[int],
+               handlers: dict[int, object]) -> int:
+    """`forkserver._serve_one` in the forker's child: also takes the parent's environment,
+    stdio and process group at start, and runs its atexit hooks at the end (the forker's loop
+    ends the child with `os._exit(code)`)."""
+    signal.set_wakeup_fd(-1)
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)  # type: ignore[arg-type]
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the one the forker ignores itself
+    for fd in unused_fds:
+        os.close(fd)
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    alive, tracker, out, err, *server._inherited_fds = fds
+    server._forkserver_alive_fd = alive
+    resource_tracker._resource_tracker._fd = tracker
+    for fd, std in ((out, 1), (err, 2)):
+        os.dup2(fd, std)
+        os.close(fd)
+    at_start = pickle.loads(_read_exact(child_r, forkserver.read_signed(child_r)))
+    os.environ.clear()
+    os.environ.update(at_start["env"])
+    for key, value in _imports_set.items():  # what a spawned child's own imports would set
+        if os.environ.get(key) == _start_env.get(key):
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
+    if os.getpgid(0) != at_start["pgid"]:
+        os.setpgid(0, at_start["pgid"])
+    code = spawn._main(child_r, os.dup(child_r))
+    atexit._run_exitfuncs()
+    util._flush_std_streams()
+    return code
