@@ -57,6 +57,9 @@ from pathlib import Path
 
 from tests.zygote import forkable
 
+# The Python whose multiprocessing.forkserver internals this reuses (its loop `main`,
+# `_serve_one`, the client's address and alive fd): private names, so checked against one version
+FORKSERVER_AS_OF = (3, 11)
 _start_env: dict[str, str] = {}  # the environment the zygote imported its modules in
 _imports_set: dict[str, str | None] = {}  # what those imports set in it (None: removed)
 
@@ -79,6 +82,8 @@ def start(start_env: dict[str, str], imports_set: dict[str, str | None]) -> None
     `start_env`: the environment the zygote was started (and imported its modules) in;
     `imports_set`: the variables those imports set (torch, cv2, ... set some when imported)."""
     global _start_env, _imports_set
+    if sys.version_info[:2] != FORKSERVER_AS_OF:
+        return  # its loop and fields may differ: engines are spawned, as an exec'd server's
     _start_env, _imports_set = dict(start_env), dict(imports_set)
     context.SpawnProcess._Popen = staticmethod(_popen)  # type: ignore[method-assign]
     listener = socket.socket(socket.AF_UNIX)

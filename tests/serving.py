@@ -87,9 +87,9 @@ def server_env() -> dict[str, str]:
     The layout is pinned, not inherited by accident: with `VLLM_ENABLE_V1_MULTIPROCESSING=0`
     the engine core runs its single worker inside itself (executor "uni"), as vLLM lays out a
     server on one GPU, the product's usual deployment; vLLM's CPU build would otherwise add a
-    worker process (executor "mp", ~9 s more CPU per start). Several engine test modules set
-    the variable at import, so without this a server's layout depended on which modules the
-    process had collected. Workers in processes of their own are what the 2-rank engines
+    worker process (executor "mp", ~9 s more CPU per start). The suite's conftest sets the same
+    for the tests' own engines; here it also holds for the benchmarks that start servers
+    through this module. Workers in processes of their own are what the 2-rank engines
     (tests/test_parallel.py) and the multiprocess engine (tests/test_plugin.py) run; a test
     that sets the variable keeps its value."""
     env = dict(os.environ)
