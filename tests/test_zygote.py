@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from tests.engine_fork import FORKSERVER_AS_OF
 from tests.zygote import Zygote, forkable
 
 # What the child reports of itself, then exits with the code its first argument names
@@ -135,6 +136,8 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.skipif(sys.version_info[:2] != FORKSERVER_AS_OF,
+                    reason="engine_fork forks only on the Python whose forkserver it reuses")
 def test_a_spawn_child_forked_for_a_zygote_s_child_runs_as_a_spawned_one(tmp_path, monkeypatch):
     (tmp_path / "prog.py").write_text(MP_PROG)
     (tmp_path / "sets_env.py").write_text(SETS_ENV)
