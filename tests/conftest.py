@@ -28,8 +28,10 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 # (~9 s of CPU each); the tests that need processes of their own say so themselves
 # (test_parallel, test_plugin's multiprocess engine). Set here, before any test module is
 # imported, so a module's engines run the same way whichever modules were collected with it.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine
+from tests.serving import ENGINE_LAYOUT  # noqa: E402 - imports neither torch nor vLLM
+
+for _name, _value in ENGINE_LAYOUT.items():
+    os.environ.setdefault(_name, _value)
 # Test servers forked from a zygote that imported vLLM's server stack once per worker, not
 # exec'd (tests/zygote.py says why and what stays exec'd); ORCA_TEST_ZYGOTE=0 execs them all.
 os.environ.setdefault("ORCA_TEST_ZYGOTE", "1")

@@ -81,6 +81,11 @@ def refusals(cases: dict[str, list[str]]) -> tuple[dict[str, tuple[int, str]], b
     return {k: (v[0], v[1]) for k, v in report["cases"].items()}, report["vllm imported"]
 
 
+# How the tests' engines are laid out unless a test says otherwise (`server_env` and the suite's
+# conftest): the engine core runs its one worker inside itself, with the smallest KV cache (GiB)
+ENGINE_LAYOUT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
 def server_env() -> dict[str, str]:
     """The environment of every server and CLI the tests start.
 
@@ -93,8 +98,8 @@ def server_env() -> dict[str, str]:
     (tests/test_parallel.py) and the multiprocess engine (tests/test_plugin.py) run; a test
     that sets the variable keeps its value."""
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    for name, value in ENGINE_LAYOUT.items():  # after the inherited ones, as they were
+        env.setdefault(name, value)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     return env
 
