@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from orca_serve.metrics import snapshots
 from orca_serve.metrics import stock as stock_metrics
 from orca_serve.metrics.snapshots import ENV_SERVER, metrics_dir, read_snapshots
 from orca_serve.metrics.stock import OrcaStatLogger, PublishedStats
@@ -36,6 +37,20 @@ def test_a_worker_finds_the_directory_of_its_api_server():
         assert out.stdout.strip() == str(d)
     finally:
         d.rmdir()
+
+
+def test_no_publisher_in_orca_serves_processes(monkeypatch):
+    """orca-serve fetches the stats itself: its engine processes (ENV_SERVER inherited) start
+    no thread that would write snapshots into an ancestor's directory."""
+    monkeypatch.setattr(snapshots, "_publisher", None)
+    monkeypatch.setenv(ENV_SERVER, "1")
+    snapshots.start_publisher()
+    assert snapshots._publisher is None
+    monkeypatch.setattr(snapshots, "_publish_forever", lambda: None)
+    monkeypatch.delenv(ENV_SERVER)
+    snapshots.start_publisher()  # a stock server's process: one thread, as before
+    assert snapshots._publisher is not None
+    snapshots._publisher.join(10)
 
 
 def test_collector_sums_workers_and_never_goes_down(tmp_path):

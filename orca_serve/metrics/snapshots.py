@@ -84,8 +84,14 @@ def _publish_forever() -> None:
 
 def start_publisher() -> None:
     """vLLM general plugin: start this process's publisher thread (once; it idles until an orca
-    processor exists here and an ancestor process has a metrics directory)."""
+    processor exists here and an ancestor process has a metrics directory). None in the
+    processes of orca-serve (ENV_SERVER, which they inherit from its server): that server asks
+    its engine for the stats itself, and a publisher there would only poll its ancestors every
+    PUBLISH_S and write into the first directory it found (a stock vLLM process above it, or
+    one that merely has the same name)."""
     global _publisher
+    if os.environ.get(ENV_SERVER) == "1":
+        return
     if _publisher is None:
         _publisher = threading.Thread(target=_publish_forever, name="orca-metrics", daemon=True)
         _publisher.start()
