@@ -22,7 +22,10 @@ The torch and vLLM counts are lower bounds: a process's mapped libraries are rea
 the module its nearest pytest-xdist ancestor is running (xdist titles a worker "[pytest-xdist
 running] tests/test_x.py::name"), so a test server's engine core counts for the module that was
 running when it spent it. A process that lost its worker (an orphan re-parented here) keeps the
-module it last had; CPU spent while a worker sat between tests shows as "(between tests)".
+module it last had; CPU spent while a worker sat between tests shows as "(between tests)". Each
+module's CPU is split into the worker's own (in-process engines, simulations) and its
+children's (servers, engines, CLIs); then the costliest tests, and each worker's timeline (the
+modules it ran, when): where one worker ran on alone at the end, the run waited on it.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ class Proc:
     torch: bool = False
     vllm: bool = False
     module: str = "(outside tests)"  # --by-test: the test module it last spent CPU for
+    test: str = "(outside tests)"  # --by-test: the test (node id) it last spent CPU for
 
 
 def _read(path: str) -> bytes:
@@ -113,7 +117,9 @@ class Watcher(threading.Thread):
         self.stop = threading.Event()
         self.t0 = time.monotonic()
         self.cumulative: list[tuple[float, float]] = []  # (s since start, CPU seen so far)
-        self.by_module: dict[str, float] = defaultdict(float)  # --by-test: CPU per test module
+        # --by-test: CPU per (test node id, spent by the worker itself); each worker's timeline
+        self.by_test: dict[tuple[str, bool], float] = defaultdict(float)
+        self.timeline: dict[int, list[tuple[float, str]]] = defaultdict(list)
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -151,8 +157,13 @@ class Watcher(threading.Thread):
             p = self.procs.setdefault((pid, live[pid]), Proc("?"))
             if argv:  # a zombie's is empty: it keeps its last kind
                 p.kind = kind_of(argv)
-            p.module = _module(pid, stats, argvs) or p.module
-            self.by_module[p.module] += stats[pid][2] - p.cpu_s
+            p.test = _running(pid, stats, argvs) or p.test
+            self.by_test[(p.test, _is_worker(argv))] += stats[pid][2] - p.cpu_s
+            if _is_worker(argv) and not _is_worker(argvs.get(stats[pid][0], [])):  # not a fork
+                module = p.test.split("::")[0]
+                line = self.timeline[pid]
+                if not line or line[-1][1] != module:
+                    line.append((time.monotonic() - self.t0, module))
             p.cpu_s = stats[pid][2]
             if not p.vllm and len(self.cumulative) % MAPS_EVERY == 0:  # maps are long: seldom
                 p.torch, p.vllm = _maps_flags(pid)
@@ -181,12 +192,26 @@ class Watcher(threading.Thread):
                      f"{os.cpu_count()}): " + " ".join(f"{c:.1f}" for c in self.busy()))
         return "\n".join(lines)
 
-    def report_modules(self, total: float) -> str:
-        lines = [f"{'test module':<56} {'CPU s':>8} {'share':>6}"]
-        for module, cpu in sorted(self.by_module.items(), key=lambda kv: -kv[1]):
-            lines.append(f"{module:<56} {cpu:>8.1f} {cpu / total:>6.1%}")
-        seen = sum(self.by_module.values())
+    def report_modules(self, total: float, top: int = 30) -> str:
+        modules: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # [all, the worker's]
+        tests: dict[str, float] = defaultdict(float)
+        for (test, in_worker), cpu in self.by_test.items():
+            row = modules[test.split("::")[0]]
+            row[0] += cpu
+            row[1] += cpu * in_worker
+            tests[test] += cpu
+        lines = [f"{'test module':<56} {'CPU s':>8} {'share':>6} {'worker':>7}"]
+        for module, (cpu, own) in sorted(modules.items(), key=lambda kv: -kv[1][0]):
+            lines.append(f"{module:<56} {cpu:>8.1f} {cpu / total:>6.1%} {own:>7.1f}")
+        seen = sum(r[0] for r in modules.values())
         lines.append(f"{'between readings':<56} {total - seen:>8.1f} {(total - seen) / total:>6.1%}")
+        lines.append(f"\nthe {top} costliest tests (CPU s, all processes; the worker's own):")
+        for test, cpu in sorted(tests.items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(f"{cpu:>7.1f} {self.by_test.get((test, True), 0.0):>7.1f}  {test}")
+        for n, (pid, line) in enumerate(sorted(self.timeline.items())):
+            lines.append(f"\nworker {n} (pid {pid}): module, from s to s")
+            ends = [t for t, _ in line[1:]] + [self.cumulative[-1][0]]
+            lines += [f"  {t:>6.0f} {end:>6.0f}  {module}" for (t, module), end in zip(line, ends)]
         return "\n".join(lines)
 
     def busy(self) -> list[float]:
@@ -200,14 +225,18 @@ class Watcher(threading.Thread):
         return out
 
 
-def _module(pid: int, stats: dict[int, tuple[int, int, float]],
-            argvs: dict[int, list[str]]) -> str | None:
-    """The test module pid's nearest pytest-xdist ancestor (or pid itself) is running; None
+def _is_worker(argv: list[str]) -> bool:
+    return bool(argv) and argv[0].startswith("[pytest-xdist")
+
+
+def _running(pid: int, stats: dict[int, tuple[int, int, float]],
+             argvs: dict[int, list[str]]) -> str | None:
+    """The test (node id) pid's nearest pytest-xdist ancestor (or pid itself) is running; None
     when no ancestor in the tree is a worker."""
     while pid in argvs:
         title = " ".join(argvs[pid][:1])
         if title.startswith("[pytest-xdist running] "):
-            return title.split(" ", 2)[2].split("::")[0]
+            return title.split(" ", 2)[2]
         if title.startswith("[pytest-xdist"):
             return "(between tests)"
         pid = stats[pid][0]
