@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import random
@@ -10,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import openai
 
 from orca_serve.settings.contract import merge_results
 from tests.engine_fork import engine_env
-from tests.zygote import ForkedServer, Zygote, forkable
+from tests.zygote import ForkedServer, zygote_for
 
 VENV_BIN = Path(sys.executable).parent
 START_TIMEOUT = 300
@@ -104,28 +102,21 @@ def server_env() -> dict[str, str]:
     return env
 
 
-_zygote: Zygote | None = None
-
-
 def start(cmd: list[str], log: Path) -> subprocess.Popen | ForkedServer:
     """`cmd` started in a session of its own, stdout and stderr to `log`, in `server_env()`:
     forked from this process's zygote (tests/zygote.py) where `ORCA_TEST_ZYGOTE=1` (the suite's
     conftest sets it) and `cmd` runs a console script of the venv or a `python -m` module;
     exec'd otherwise (and always in the benchmarks, which time server starts). A forked server
     starts with the variables vLLM sets for its engine (tests/engine_fork.py `engine_env`), as
-    its zygote does, so that its engines are forked too."""
-    global _zygote
+    its zygote does, so that its engines are forked too; a server whose variables read at
+    import differ from the usual ones gets a zygote of its own (`zygote_for`)."""
     env = server_env()
     runs_python = cmd[:2] == [sys.executable, "-m"] or Path(cmd[0]).parent == VENV_BIN
     if os.environ.get("ORCA_TEST_ZYGOTE") == "1" and runs_python:
         # so its engines may come from it too; last, as vLLM would add them: setproctitle finds
         # a process's argv from its first variable, which must stay as exec left it
         forked_env = {**env, **{k: v for k, v in engine_env().items() if k not in env}}
-        if _zygote is None:
-            _zygote = Zygote(forked_env, Path(tempfile.mkdtemp(prefix="orca-zygote-")))
-            atexit.register(_zygote.close)
-        if forkable(forked_env, _zygote.env):
-            return _zygote.fork(cmd, forked_env, log)
+        return zygote_for(forked_env).fork(cmd, forked_env, log)
     with open(log, "wb") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
