@@ -102,15 +102,17 @@ def server_env() -> dict[str, str]:
     return env
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen | ForkedServer:
-    """`cmd` started in a session of its own, stdout and stderr to `log`, in `server_env()`:
+def start(cmd: list[str], log: Path,
+          env: dict[str, str] | None = None) -> subprocess.Popen | ForkedServer:
+    """`cmd` started in a session of its own, stdout and stderr to `log`, in `env` (by default
+    `server_env()`):
     forked from this process's zygote (tests/zygote.py) where `ORCA_TEST_ZYGOTE=1` (the suite's
     conftest sets it) and `cmd` runs a console script of the venv or a `python -m` module;
     exec'd otherwise (and always in the benchmarks, which time server starts). A forked server
     starts with the variables vLLM sets for its engine (tests/engine_fork.py `engine_env`), as
     its zygote does, so that its engines are forked too; a server whose variables read at
     import differ from the usual ones gets a zygote of its own (`zygote_for`)."""
-    env = server_env()
+    env = server_env() if env is None else env
     runs_python = cmd[:2] == [sys.executable, "-m"] or Path(cmd[0]).parent == VENV_BIN
     if os.environ.get("ORCA_TEST_ZYGOTE") == "1" and runs_python:
         # so its engines may come from it too; last, as vLLM would add them: setproctitle finds
@@ -123,10 +125,11 @@ def start(cmd: list[str], log: Path) -> subprocess.Popen | ForkedServer:
 
 
 class Server:
-    def __init__(self, cmd: list[str], log: Path, args: list[str]) -> None:
+    def __init__(self, cmd: list[str], log: Path, args: list[str],
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.log = log
-        self.proc = start([*cmd, "--port", str(self.port), *args], log)
+        self.proc = start([*cmd, "--port", str(self.port), *args], log, env)
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready = False
 
