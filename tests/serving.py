@@ -17,7 +17,7 @@ import openai
 
 from orca_serve.settings.contract import merge_results
 from tests.engine_fork import engine_env
-from tests.zygote import ForkedServer, zygote_for
+from tests.zygote import IMPORT_TIME, ForkedServer, import_time, zygote_for
 
 VENV_BIN = Path(sys.executable).parent
 START_TIMEOUT = 300
@@ -82,6 +82,9 @@ def refusals(cases: dict[str, list[str]]) -> tuple[dict[str, tuple[int, str]], b
 # How the tests' engines are laid out unless a test says otherwise (`server_env` and the suite's
 # conftest): the engine core runs its one worker inside itself, with the smallest KV cache (GiB)
 ENGINE_LAYOUT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# This process's variables read at exec or import when this module was first imported: the
+# suite's conftest imports it before any test module, so before any engine ran in this process
+BEFORE_TESTS = import_time(dict(os.environ))
 
 
 def server_env() -> dict[str, str]:
@@ -94,8 +97,17 @@ def server_env() -> dict[str, str]:
     for the tests' own engines; here it also holds for the benchmarks that start servers
     through this module. Workers in processes of their own are what the 2-rank engines
     (tests/test_parallel.py) and the multiprocess engine (tests/test_plugin.py) run; a test
-    that sets the variable keeps its value."""
-    env = dict(os.environ)
+    that sets the variable keeps its value.
+
+    The variables read at exec or import (tests/zygote.py `IMPORT_TIME`) are this process's
+    before any test ran (`BEFORE_TESTS`), not as an engine run in this process left them: its
+    imports set some (cv2 `LD_LIBRARY_PATH`, torch `TORCHINDUCTOR_CACHE_DIR`), as a server's
+    own imports do, and vLLM sets others before it starts an engine (tests/engine_fork.py
+    `engine_env`). No test sets one for a server; one that must passes its own environment to
+    `start`."""
+    env = {k: BEFORE_TESTS.get(k, v) for k, v in os.environ.items()  # in the order they were
+           if not k.startswith(IMPORT_TIME) or k in BEFORE_TESTS}
+    env.update(BEFORE_TESTS)  # and any the process dropped since
     for name, value in ENGINE_LAYOUT.items():  # after the inherited ones, as they were
         env.setdefault(name, value)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
