@@ -42,11 +42,12 @@ platform sets three such variables in a server before it starts an engine (`engi
 zygote is started with them set, so that its servers' engines qualify (see tests/serving.py
 `start`). A pytest worker's start always finds its zygote (one per value of those variables:
 the TP/PP ranks' `GOMP_CPU_AFFINITY`, read by libgomp when it is loaded at exec, gives each
-rank a zygote of its own, pinned as the spawned rank would be). Still spawned: a forked
-engine's own spawns where it changed such a variable (cv2 appends to `LD_LIBRARY_PATH` at each
-import, so test_plugin's multiprocess engine core spawns its worker), the DP server's processes
-(`--api-server-count 2` sets `PROMETHEUS_MULTIPROC_DIR`, read at import, before it starts
-them), and every process of the servers exec'd on purpose: users' path.
+rank a zygote of its own, pinned as the spawned rank would be). The DP server with
+`--api-server-count 2` would set `PROMETHEUS_MULTIPROC_DIR` (read at import) before it starts
+its five processes: its test sets that variable itself, so the server comes from a zygote
+started with it and they qualify. Still spawned: a forked engine's own spawns where it changed
+such a variable (cv2 appends to `LD_LIBRARY_PATH` at each import, so test_plugin's multiprocess
+engine core spawns its worker), and every process of the servers exec'd on purpose: users' path.
 """
 
 from __future__ import annotations
