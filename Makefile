@@ -3,9 +3,11 @@
 
 # Two workers, a group of tests per worker at a time (a module, or the modules that share a server:
 # each server starts once), longest first: tests/conftest.py says how. PARALLEL= runs in one process.
-# Each worker forks its test servers from a process that imported vLLM's server stack once
-# (tests/zygote.py: ~9 s of CPU a server), and each server forks the engine processes vLLM would
-# spawn (tests/engine_fork.py: ~9 s each); `ORCA_TEST_ZYGOTE=0 make test` execs and spawns them all.
+# Each worker forks its test servers and calibrate CLI workers from a process that imported vLLM's
+# server stack once (tests/zygote.py: ~9 s of CPU a process), and the engine processes vLLM would
+# spawn, a server's or the worker's own engines' (TP/PP ranks, the DP server's five), from a copy
+# of one (tests/engine_fork.py: ~9 s each); exec'd: what tests the console scripts' start.
+# `ORCA_TEST_ZYGOTE=0 make test` execs and spawns them all.
 PARALLEL ?= -n 2
 # Only the pytest plugins the tests use: autoloaded plugins (schemathesis, anyio, ...) are imported
 # and assertion-rewritten by every worker on every run (no bytecode cache where

@@ -35,6 +35,12 @@ for _name, _value in ENGINE_LAYOUT.items():
 # Test servers forked from a zygote that imported vLLM's server stack once per worker, not
 # exec'd (tests/zygote.py says why and what stays exec'd); ORCA_TEST_ZYGOTE=0 execs them all.
 os.environ.setdefault("ORCA_TEST_ZYGOTE", "1")
+if os.environ["ORCA_TEST_ZYGOTE"] == "1":
+    # and the processes the tests' own engines spawn, from a forker a zygote forks (the worker
+    # itself has threads): tests/engine_fork.py `fork_spawns_of_test_process`
+    from tests.engine_fork import fork_spawns_of_test_process  # noqa: E402 - no torch, no vLLM
+
+    fork_spawns_of_test_process()
 
 import pytest
 

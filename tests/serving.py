@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import random
@@ -10,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import openai
 
 from orca_serve.settings.contract import merge_results
 from tests.engine_fork import engine_env
-from tests.zygote import ForkedServer, Zygote, forkable
+from tests.zygote import IMPORT_TIME, ForkedServer, import_time, zygote_for
 
 VENV_BIN = Path(sys.executable).parent
 START_TIMEOUT = 300
@@ -84,6 +82,9 @@ def refusals(cases: dict[str, list[str]]) -> tuple[dict[str, tuple[int, str]], b
 # How the tests' engines are laid out unless a test says otherwise (`server_env` and the suite's
 # conftest): the engine core runs its one worker inside itself, with the smallest KV cache (GiB)
 ENGINE_LAYOUT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# This process's variables read at exec or import when this module was first imported: the
+# suite's conftest imports it before any test module, so before any engine ran in this process
+BEFORE_TESTS = import_time(dict(os.environ))
 
 
 def server_env() -> dict[str, str]:
@@ -96,46 +97,51 @@ def server_env() -> dict[str, str]:
     for the tests' own engines; here it also holds for the benchmarks that start servers
     through this module. Workers in processes of their own are what the 2-rank engines
     (tests/test_parallel.py) and the multiprocess engine (tests/test_plugin.py) run; a test
-    that sets the variable keeps its value."""
-    env = dict(os.environ)
+    that sets the variable keeps its value.
+
+    The variables read at exec or import (tests/zygote.py `IMPORT_TIME`) are this process's
+    before any test ran (`BEFORE_TESTS`), not as an engine run in this process left them: its
+    imports set some (cv2 `LD_LIBRARY_PATH`, torch `TORCHINDUCTOR_CACHE_DIR`), as a server's
+    own imports do, and vLLM sets others before it starts an engine (tests/engine_fork.py
+    `engine_env`). No test sets one for a server; one that must passes its own environment to
+    `start`."""
+    env = {k: BEFORE_TESTS.get(k, v) for k, v in os.environ.items()  # in the order they were
+           if not k.startswith(IMPORT_TIME) or k in BEFORE_TESTS}
+    env.update(BEFORE_TESTS)  # and any the process dropped since
     for name, value in ENGINE_LAYOUT.items():  # after the inherited ones, as they were
         env.setdefault(name, value)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     return env
 
 
-_zygote: Zygote | None = None
-
-
-def start(cmd: list[str], log: Path) -> subprocess.Popen | ForkedServer:
-    """`cmd` started in a session of its own, stdout and stderr to `log`, in `server_env()`:
+def start(cmd: list[str], log: Path,
+          env: dict[str, str] | None = None) -> subprocess.Popen | ForkedServer:
+    """`cmd` started in a session of its own, stdout and stderr to `log`, in `env` (by default
+    `server_env()`):
     forked from this process's zygote (tests/zygote.py) where `ORCA_TEST_ZYGOTE=1` (the suite's
     conftest sets it) and `cmd` runs a console script of the venv or a `python -m` module;
     exec'd otherwise (and always in the benchmarks, which time server starts). A forked server
     starts with the variables vLLM sets for its engine (tests/engine_fork.py `engine_env`), as
-    its zygote does, so that its engines are forked too."""
-    global _zygote
-    env = server_env()
+    its zygote does, so that its engines are forked too; a server whose variables read at
+    import differ from the usual ones gets a zygote of its own (`zygote_for`)."""
+    env = server_env() if env is None else env
     runs_python = cmd[:2] == [sys.executable, "-m"] or Path(cmd[0]).parent == VENV_BIN
     if os.environ.get("ORCA_TEST_ZYGOTE") == "1" and runs_python:
         # so its engines may come from it too; last, as vLLM would add them: setproctitle finds
         # a process's argv from its first variable, which must stay as exec left it
         forked_env = {**env, **{k: v for k, v in engine_env().items() if k not in env}}
-        if _zygote is None:
-            _zygote = Zygote(forked_env, Path(tempfile.mkdtemp(prefix="orca-zygote-")))
-            atexit.register(_zygote.close)
-        if forkable(forked_env, _zygote.env):
-            return _zygote.fork(cmd, forked_env, log)
+        return zygote_for(forked_env).fork(cmd, forked_env, log)
     with open(log, "wb") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
 
 
 class Server:
-    def __init__(self, cmd: list[str], log: Path, args: list[str]) -> None:
+    def __init__(self, cmd: list[str], log: Path, args: list[str],
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.log = log
-        self.proc = start([*cmd, "--port", str(self.port), *args], log)
+        self.proc = start([*cmd, "--port", str(self.port), *args], log, env)
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready = False
 

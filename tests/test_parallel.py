@@ -231,13 +231,19 @@ def test_engine_steps_counted_once(parallel):
 @pytest.fixture(scope="module")
 def multi_server(tmp_path_factory):
     """orca-serve with 2 data-parallel engines and 2 API server processes: a request may run on
-    either engine and be answered by either API server."""
-    from tests.serving import Server, orca_serve_cmd
+    either engine and be answered by either API server. The processes' metrics directory is the
+    server's own (`PROMETHEUS_MULTIPROC_DIR`, a fresh folder, as vLLM asks of a directory its
+    user sets): else vLLM makes one and sets the variable, read at import, before it starts its
+    processes, and none of the five could be forked from the server's zygote
+    (tests/engine_fork.py)."""
+    from tests.serving import Server, orca_serve_cmd, server_env
 
-    log = tmp_path_factory.mktemp("multi") / "server.log"
-    srv = Server(orca_serve_cmd(), log, ["--demo", "--data-parallel-size", "2",
-                                         "--api-server-count", "2", "--enforce-eager",
-                                         "--host", "127.0.0.1"])
+    d = tmp_path_factory.mktemp("multi")
+    (d / "prometheus").mkdir()
+    srv = Server(orca_serve_cmd(), d / "server.log", ["--demo", "--data-parallel-size", "2",
+                                                      "--api-server-count", "2",
+                                                      "--enforce-eager", "--host", "127.0.0.1"],
+                 env={**server_env(), "PROMETHEUS_MULTIPROC_DIR": str(d / "prometheus")})
     try:
         yield srv.wait(timeout=900)  # 2 engines + 2 API servers: minutes on a loaded 2-core host
     finally:

@@ -1,7 +1,9 @@
 """The multi-machine path on a local cluster of two workers (issue 36, item 3; real vLLM, the
 embedded toy reasoner, greedy). Two separate `orca-calibrate collect --config JOB` processes, each
 told its shard only by its own JOB_COMPLETION_INDEX as the pods of a Kubernetes indexed Job are
-(deploy/k8s/calibrate-job.yaml), collect into one job folder at once; `orca-calibrate merge` then
+(deploy/k8s/calibrate-job.yaml), collect into one job folder at once (started as the tests start
+a server, tests/serving.py `start`: forked from a zygote that imported vLLM, each in its own
+environment; the console script's start is not this test's subject); `orca-calibrate merge` then
 checks both shards, merges them and runs the rest of the job. Greedy traces draw no random
 numbers, so the merged sets must be the traces one engine collects (ids in the job's order, steps
 and labels; embeddings up to floating point), and the job must end in a bundle that certifies."""
@@ -9,7 +11,6 @@ and labels; embeddings up to floating point), and the job must end in a bundle t
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from orca_calibrate.shards import device_env
 from orca_demo.toy.tasks import write_prompts
 from orca_method.bundle import load_bundle
 from orca_method.trajectories import TrajectorySet
+from tests.serving import server_env, start
 
 pytestmark = pytest.mark.vllm
 
@@ -48,13 +50,13 @@ def test_two_workers_and_a_merge_make_the_one_engine_traces_and_a_bundle(tmp_pat
 
     workers = []
     for i in range(2):  # a core each, as device_env gives the engines of one machine
-        env = {**device_env(i, 2, settings), "JOB_COMPLETION_INDEX": str(i)}
-        workers.append(subprocess.Popen(
-            [sys.executable, "-m", "orca_calibrate.calibrate_cli", "collect", "--config",
-             str(config), "--of", "2"], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True))
-    logs = [w.communicate(timeout=600)[0] for w in workers]
-    assert [w.returncode for w in workers] == [0, 0], "\n".join(x[-2000:] for x in logs)
+        env = {**device_env(i, 2, settings, server_env()), "JOB_COMPLETION_INDEX": str(i)}
+        workers.append(start([sys.executable, "-m", "orca_calibrate.calibrate_cli", "collect",
+                              "--config", str(config), "--of", "2"],
+                             tmp_path / f"worker-{i}.log", env))
+    codes = [w.wait(600) for w in workers]
+    logs = [(tmp_path / f"worker-{i}.log").read_text() for i in range(2)]
+    assert codes == [0, 0], "\n".join(x[-2000:] for x in logs)
     shard_stats = [json.loads(log.strip().splitlines()[-1]) for log in logs]
     assert [s["shard"] for s in shard_stats] == [0, 1]
 

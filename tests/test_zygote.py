@@ -169,3 +169,83 @@ def test_a_spawn_child_forked_for_a_zygote_s_child_runs_as_a_spawned_one(tmp_pat
     assert "forked atexit" in lines and "spawned atexit" in lines
     assert summary["ends"]["forked"] == summary["ends"]["spawned"] == {
         "exit": 3, "sleeper": [True, True, -signal.SIGKILL]}
+
+
+# What a process started by the test process itself (a pytest worker, as an in-process engine
+# starts its core or ranks) reports, as `report` above; `sets_env` imported first, as above
+MP_REPORT = """
+import atexit, json, multiprocessing as mp, os, signal, sys
+import sets_env
+
+def report(out, code):
+    atexit.register(lambda: open(out + ".atexit", "w").close())
+    with open(out, "w") as f:
+        json.dump({"env": dict(os.environ), "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(),
+                   "pgid": os.getpgid(0), "sid": os.getsid(0),
+                   "main": sys.modules["__main__"].__name__,
+                   "handlers": {s: str(signal.getsignal(getattr(signal, s)))
+                                for s in ("SIGINT", "SIGTERM", "SIGPIPE", "SIGCHLD", "SIGHUP")},
+                   "parent": mp.parent_process().pid,
+                   "forked": os.getppid() != mp.parent_process().pid}, f)
+    sys.exit(code)
+"""
+
+
+@pytest.mark.skipif(sys.version_info[:2] != FORKSERVER_AS_OF,
+                    reason="engine_fork forks only on the Python whose forkserver it reuses")
+def test_a_spawn_child_of_the_test_process_from_its_zygote_runs_as_a_spawned_one(tmp_path,
+                                                                                 monkeypatch):
+    """tests/engine_fork.py `fork_spawns_of_test_process`: the test process's spawns come from
+    a forker its zygote forks (`Zygote.forker`), as spawned ones otherwise."""
+    import importlib
+    import multiprocessing as mp
+    from multiprocessing import context, popen_spawn_posix
+
+    from tests import engine_fork
+
+    (tmp_path / "mp_report.py").write_text(MP_REPORT)
+    (tmp_path / "sets_env.py").write_text(SETS_ENV)
+    before = dict(os.environ)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    mp_report = importlib.import_module("mp_report")  # sets this process's variables, as torch
+    zygote = Zygote(dict(os.environ), tmp_path / "status", preload=["mp_report"])
+    ctx = mp.get_context("spawn")
+    ends = {}
+    try:
+        for tag, popen in (("forked", lambda obj: engine_fork.Popen(obj, zygote.forker())),
+                           ("spawned", popen_spawn_posix.Popen)):
+            monkeypatch.setattr(context.SpawnProcess, "_Popen", staticmethod(popen))
+            monkeypatch.setenv("AT_START", tag)  # the child's, not the process's
+            p = ctx.Process(target=mp_report.report, args=(str(tmp_path / tag), 3))
+            p.start()
+            sleeper = ctx.Process(target=time.sleep, args=(60,))
+            sleeper.start()
+            monkeypatch.delenv("AT_START")
+            p.join(60)
+            alive = sleeper.is_alive()
+            sleeper.kill()
+            seen = mp.connection.wait([sleeper.sentinel], 60) == [sleeper.sentinel]
+            sleeper.join(60)
+            ends[tag] = {"exit": p.exitcode, "sleeper": [alive, seen, sleeper.exitcode],
+                         "atexit": (tmp_path / f"{tag}.atexit").exists()}
+    finally:
+        zygote.close()
+        os.environ.clear()
+        os.environ.update(before)
+        for name in ("mp_report", "sets_env"):
+            sys.modules.pop(name, None)
+    forked, spawned = (json.loads((tmp_path / tag).read_text()) for tag in ("forked", "spawned"))
+    assert forked["forked"] and not spawned["forked"]
+    assert forked["env"]["AT_START"] == "forked" and spawned["env"]["AT_START"] == "spawned"
+    assert forked["env"]["ZYGOTE_APPENDED"] == spawned["env"]["ZYGOTE_APPENDED"] == "a:a:"
+    for r in (forked, spawned):
+        del r["env"]["AT_START"]
+    env = {k: (forked["env"].get(k), spawned["env"].get(k))
+           for k in forked["env"].keys() | spawned["env"].keys()}
+    assert {k: v for k, v in env.items() if v[0] != v[1]} == {}
+    assert forked == {**spawned, "forked": True}
+    assert forked["parent"] == os.getpid() and forked["pgid"] == os.getpgid(0)
+    assert ends["forked"] == ends["spawned"] == {
+        "exit": 3, "sleeper": [True, True, -signal.SIGKILL], "atexit": True}

@@ -2,9 +2,10 @@
 
 A test server's own process spends ~9 s of CPU importing vLLM, torch, transformers and our
 server before it parses its first option (benchmarks/RESULTS.md, "Test time"): the same
-imports in each of the suite's 17 test servers. Each pytest worker starts one zygote when
-its first test server starts; the zygote imports what a server imports (`PRELOAD`) and then
-forks a child per server. The child takes the server's environment, working directory, command
+imports in each of the suite's 17 test servers. Each pytest worker starts a zygote when its
+first test server starts (`zygote_for`: one per value of the variables read at import, which a
+fork cannot change; the usual servers share one); the zygote imports what a server imports
+(`PRELOAD`) and then forks a child per server. The child takes the server's environment, working directory, command
 line and log, in a session of its own (as `Popen(start_new_session=True)`), and runs the very
 console script (or `-m` module) the exec'd command would have run, as `__main__`: the same
 code from the options on (real HTTP, a real engine). Before it runs that, the child forks its
@@ -12,6 +13,9 @@ engine forker (tests/engine_fork.py): the processes vLLM spawns (its CPU platfor
 `spawn`: the engine core, a TP/PP engine's workers, DP's coordinator and API servers) come from
 there instead of a fresh interpreter, with spawn's semantics otherwise (that module says which
 and why); the zygote starts with the variables vLLM sets for its engine (tests/serving.py).
+The engines a pytest worker runs in-process spawn too (their cores, workers, TP/PP ranks); the
+worker has threads and is never forked: a zygote forks an engine forker for it (`forker`), and
+the worker sends its spawns there (tests/engine_fork.py `fork_spawns_of_test_process`).
 
 What keeps a fork sound here:
 - no thread in the zygote when it forks (checked after the imports: `Zygote` refuses to start
@@ -26,20 +30,28 @@ What keeps a fork sound here:
   to a file the test side reads (`ForkedServer`): the server is the zygote's child, not the
   test's. A zygote whose test process is gone sees its stdin close and exits.
 
-The tests whose subject is the console script or the start-up path (test_startup_stop,
-test_deploy, test_demo, the refusals in tests/serving.py `refusals`) exec a fresh interpreter
-as before, and so do the processes their servers spawn: users' path stays covered.
+Besides the servers, what tests/serving.py `start` is given: the cluster workers of
+test_shards_cluster (`python -m orca_calibrate.calibrate_cli collect`, each in its shard's
+environment). The tests whose subject is the console script or the start-up path
+(test_startup_stop, test_deploy, test_demo, the refusals in tests/serving.py `refusals`) exec a
+fresh interpreter as before, and so do the processes their servers spawn: users' path stays
+covered; so does the job's own start of its engine processes (orca_calibrate/shards.py
+`collect_shards`, test_shards_engine's subject).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import select
 import shutil
 import signal
 import subprocess
+import socket
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -55,10 +67,14 @@ IMPORT_TIME = ("OMP_", "KMP_", "MKL_", "GOMP_", "PYTHON", "LD_", "MALLOC_", "TOR
                "PROMETHEUS_MULTIPROC_DIR")
 
 
+def import_time(env: dict[str, str]) -> dict[str, str]:
+    """The variables of `env` read at exec or import (`IMPORT_TIME`)."""
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME)}
+
+
 def forkable(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
     """Whether a process with `env` may come from a zygote started with `zygote_env`."""
-    keys = {k for k in env.keys() | zygote_env.keys() if env.get(k) != zygote_env.get(k)}
-    return not any(k.startswith(IMPORT_TIME) for k in keys)
+    return import_time(env) == import_time(zygote_env)
 
 
 class ForkedServer:
@@ -93,13 +109,18 @@ class Zygote:
         self.env = env
         self.status_dir = status_dir
         self._lock = threading.Lock()  # one request and its answer at a time
+        self._forker: tuple[str, int] | None = None
         status_dir.mkdir(parents=True, exist_ok=True)
         log = status_dir / "zygote.log"  # what its imports print
+        # the zygote's forker (`forker`) ends when this end closes, and its children are gone
+        alive_r, self._alive_w = os.pipe()
         with open(log, "wb") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", str(status_dir),
-                                          *preload],
+                                          str(alive_r), *preload],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=err, env=env, text=True, bufsize=1)
+                                         stderr=err, env=env, text=True, bufsize=1,
+                                         pass_fds=(alive_r,))
+        os.close(alive_r)
         ready = self.proc.stdout.readline()  # type: ignore[union-attr]
         if ready.strip() != "ready":
             self.proc.wait(10)
@@ -115,21 +136,52 @@ class Zygote:
         request = {**target, "argv": argv, "cmd": cmd, "env": env, "cwd": os.getcwd(),
                    "log": str(log)}
         log.write_bytes(b"")  # there on return, as a Popen's log is
+        pid = int(self._ask(request))
+        return ForkedServer(pid, self.status_dir / str(pid), cmd)
+
+    def forker(self) -> tuple[str, int]:
+        """The address of the zygote's engine forker (tests/engine_fork.py) and the fd that keeps
+        it alive, for the processes this (multi-threaded) test process would spawn: forked at
+        the first call, from the zygote's one thread."""
         with self._lock:
+            if self._forker is None:
+                self._forker = ("\0" + self._ask({"forker": True}, locked=True), self._alive_w)
+            return self._forker
+
+    def _ask(self, request: dict, locked: bool = False) -> str:
+        """Send one request line, return the zygote's answer line."""
+        with contextlib.nullcontext() if locked else self._lock:
             self.proc.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
             answer = self.proc.stdout.readline()  # type: ignore[union-attr]
         if not answer:
             raise RuntimeError(f"zygote ended (exit {self.proc.wait(10)})")
-        pid = int(answer)
-        return ForkedServer(pid, self.status_dir / str(pid), cmd)
+        return answer.strip()
 
     def close(self) -> None:
+        os.close(self._alive_w)
         self.proc.stdin.close()  # type: ignore[union-attr]
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
+
+
+_zygotes: dict[frozenset, Zygote] = {}
+_zygotes_lock = threading.Lock()
+
+
+def zygote_for(env: dict[str, str]) -> Zygote:
+    """This process's zygote for processes started in `env`: one per value of its variables read
+    at exec or import (`import_time`), started with `env` at the first call for that value, so
+    that what comes from it is `forkable`; closed when this process exits."""
+    key = frozenset(import_time(env).items())
+    with _zygotes_lock:
+        if key not in _zygotes:
+            zygote = Zygote(dict(env), Path(tempfile.mkdtemp(prefix="orca-zygote-")))
+            atexit.register(zygote.close)
+            _zygotes[key] = zygote
+        return _zygotes[key]
 
 
 def _serve_child(request: dict, own_fds: tuple[int, ...], start_env: dict[str, str],
@@ -172,10 +224,25 @@ def _native_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def main(status_dir: Path, preload: list[str]) -> None:
+def _serve_forker(listener: socket.socket, alive_r: int, own_fds: tuple[int, ...],
+                  start_env: dict[str, str], imports_set: dict[str, str | None]) -> None:
+    """In the forked child: become the engine forker of the test process (tests/engine_fork.py
+    `serve`); ends the process. Its stdin is closed by the forker's loop; stdout and stderr are
+    the zygote's log (each process it forks takes its parent's at start)."""
+    for fd in own_fds:
+        os.close(fd)
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the only handler the zygote changed
+    from tests import engine_fork
+
+    engine_fork.serve(listener, alive_r, start_env, imports_set)
+
+
+def main(status_dir: Path, alive_r: int, preload: list[str]) -> None:
     """The zygote: import `preload`, then fork a child per request line on stdin, answering
-    its pid on stdout; write each child's exit status to `status_dir/<pid>` when reaped; remove
-    `status_dir` when stdin closes."""
+    its pid on stdout (or, for `{"forker": true}`, the abstract address of the engine forker it
+    forked, which ends when `alive_r` reads EOF); write each child's exit status to
+    `status_dir/<pid>` when reaped; remove `status_dir` when stdin closes."""
     import importlib
 
     answers = os.fdopen(os.dup(1), "w", buffering=1)  # the pids; what imports print goes to stderr
@@ -193,6 +260,7 @@ def main(status_dir: Path, preload: list[str]) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
     print("ready", file=answers)
+    forkers = 0
     stdin = sys.stdin.buffer.raw  # type: ignore[attr-defined]
     pending = b""
     while True:
@@ -217,15 +285,27 @@ def main(status_dir: Path, preload: list[str]) -> None:
             pending += chunk
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                own_fds = (wake_r, wake_w, answers.fileno(), alive_r)
                 sys.stdout.flush()
                 sys.stderr.flush()
+                if request.get("forker"):
+                    forkers += 1
+                    name = f"orca-zygote-forker-{os.getpid()}-{forkers}"
+                    listener = socket.socket(socket.AF_UNIX)
+                    listener.bind("\0" + name)  # abstract: no file; bound before the fork
+                    listener.listen()
+                    if os.fork() == 0:
+                        _serve_forker(listener, alive_r, own_fds[:3], start_env, imports_set)
+                    listener.close()
+                    print(name, file=answers)
+                    continue
                 pid = os.fork()
                 if pid == 0:
-                    _serve_child(json.loads(line), (wake_r, wake_w, answers.fileno()), start_env,
-                                 imports_set)
+                    _serve_child(request, own_fds, start_env, imports_set)
                 (status_dir / str(pid)).unlink(missing_ok=True)  # an earlier child's, same pid
                 print(pid, file=answers)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:])
+    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
