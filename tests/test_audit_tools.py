@@ -44,6 +44,14 @@ def _report(world, audits: str, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def first_alarm(world) -> int:
+    """The audit of the shifted directory at which the bundle first alarmed (the earliest over
+    its deltas), from one report that the recalibration tests share."""
+    return min(r["first_alarm_audit"] for r in _report(world, "shifted-audits")["deltas"]
+               if r["first_alarm_audit"] is not None)
+
+
 def _fresh_errors(bundle_path) -> tuple[dict[float, float], int]:
     rep, _ = evaluate_bundle(load_bundle(bundle_path),
                              TrajectorySet.open(bundle_path.parent / "shifted-fresh"), "all")
@@ -73,11 +81,10 @@ def test_alarm_and_drift_on_the_shifted_family(world, capsys):
     assert (world / "plots" / "audit_risk.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_recalibrate_refuses_a_window_reaching_back_to_the_alarm(world, capsys):
+def test_recalibrate_refuses_a_window_reaching_back_to_the_alarm(world, first_alarm, capsys):
     """The whole shifted directory holds the audits up to the first alarm: refused in one
     line that says how many recent audits are usable; --force takes it anyway."""
-    at = min(r["first_alarm_audit"] for r in _report(world, "shifted-audits")["deltas"]
-             if r["first_alarm_audit"] is not None)
+    at = first_alarm
     argv = ["recalibrate", "--bundle", str(world / "bundle.json"), "--audit",
             str(world / "shifted-audits"), "--out", str(world / "forced.json")]
     capsys.readouterr()
@@ -89,11 +96,10 @@ def test_recalibrate_refuses_a_window_reaching_back_to_the_alarm(world, capsys):
     assert main([*argv, "--force"]) == 0 and load_bundle(world / "forced.json").ltt.n_cal == 1200
 
 
-def test_recalibrate_brings_the_risk_back(world):
+def test_recalibrate_brings_the_risk_back(world, first_alarm):
     before, n = _fresh_errors(world / "bundle.json")
     assert before[0.05] > 0.05 + _tolerance(0.05, n)  # the shift really broke the guarantee
-    at = min(r["first_alarm_audit"] for r in _report(world, "shifted-audits")["deltas"]
-             if r["first_alarm_audit"] is not None)
+    at = first_alarm
     out = world / "recalibrated.json"
     assert main(["recalibrate", "--bundle", str(world / "bundle.json"), "--audit",
                  str(world / "shifted-audits"), "--out", str(out), "--last", str(1200 - at)]) == 0
