@@ -118,10 +118,12 @@ def tally(answers: Sequence[Hashable], weights: np.ndarray,
     """
     votes: dict[Hashable, float] = {}
     first: dict[Hashable, int] = {}
-    for i in np.flatnonzero(finished):
-        a = answers[i]
-        votes[a] = votes.get(a, 0.0) + float(weights[i])
-        first.setdefault(a, int(i))
+    # over Python lists: per-element numpy indexing was most of a calibration's vote paths
+    for i, (a, w, done) in enumerate(zip(answers, np.asarray(weights, dtype=float).tolist(),
+                                            np.asarray(finished, dtype=bool).tolist())):
+        if done:
+            votes[a] = votes.get(a, 0.0) + w
+            first.setdefault(a, i)
     if not votes:
         return None, 0.0
     ranked = sorted(votes, key=lambda a: (-votes[a], first[a]))
@@ -160,7 +162,9 @@ def backing(answers: Sequence[Hashable], finished: np.ndarray, leader: Hashable 
     early by ORCA (inf: none was; `stop_tokens` None: no sample was)."""
     if stop_tokens is None or leader is None:
         return np.inf
-    mine = [float(stop_tokens[i]) for i in np.flatnonzero(finished) if answers[i] == leader]
+    mine = [s for a, s, done in zip(answers, np.asarray(stop_tokens, dtype=float).tolist(),
+                                    np.asarray(finished, dtype=bool).tolist())
+            if done and a == leader]
     return min(mine, default=np.inf)
 
 
@@ -218,11 +222,15 @@ class Group:
             raise ValueError("stop_tokens must have one entry per sample")
         _check_weights(self.weights)
 
-    def spent(self, at: float) -> float:
-        """Tokens generated when the group ends at time `at`: each launched sample its own
-        until then (a sample launched later than `at` never ran)."""
+    def spent(self, at: float | np.ndarray) -> float | np.ndarray:
+        """Tokens generated when the group ends at time `at` (or at each of the times `at`
+        [E]: [E]): each launched sample its own until then (a sample launched later than `at`
+        never ran)."""
         start = np.zeros_like(self.finish) if self.start is None else self.start
-        return float(np.clip(at - start, 0.0, self.finish - start).sum())
+        ran = np.clip(np.asarray(at, dtype=float)[..., None] - start, 0.0,
+                      self.finish - start)  # [..., k]
+        out = ran.sum(axis=-1)
+        return float(out) if out.ndim == 0 else out
 
 
 WAVE_SEP = "+"  # a schedule's spelling: "1+1+2+4"
@@ -331,6 +339,6 @@ def outcomes(groups: Sequence[Group], grid: np.ndarray,
         path = vote_path(g)
         e = settle_events(path, grid, caps)  # [m]
         wrong = np.array([a != g.reference for a in path.leaders], dtype=np.int8)  # [E]
-        cost = np.array([g.spent(s) for s in path.times])  # [E]
+        cost = g.spent(path.times)  # [E]
         loss[:, j], tokens[:, j] = wrong[e], cost[e]
     return loss, tokens

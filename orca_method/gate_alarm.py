@@ -115,6 +115,9 @@ class AlarmChange:
     cleared: bool = False
 
 
+NO_CHANGE = AlarmChange()  # what almost every observation returns (frozen: one instance serves)
+
+
 class GateAlarm:
     """The alarm on one gate's stream of decisions (module docstring). `observe` each request's
     conformal p-value once, in arrival order (`ArrivalFeed`); read `alarmed` when serving."""
@@ -150,9 +153,9 @@ class GateAlarm:
         self.seen += 1
         self.flags += int(x)
         if self._test is None:
-            return AlarmChange()
+            return NO_CHANGE
         if self._test.update(x) < self.threshold:
-            return AlarmChange()
+            return NO_CHANGE
         self.alarmed = not self.alarmed
         self._test = self._clearer() if self.alarmed else self._detector()
         if self.alarmed:

@@ -480,15 +480,16 @@ def _reference_of(values: np.ndarray):
 def _martingale_streams(streams: int, requests: int, seed: int, draw) -> np.ndarray:
     """Per stream: the request (1-based) at which the sequential test first alarmed, inf if
     never; the reference 500 draws of the null (uniform on [0, 1], to 0.05: with ties), the
-    live statistics `draw(rng, i)`."""
+    live statistics `draw(rng, requests)`, drawn at once (the values one draw per request
+    would give: the same stream of the same generator)."""
     from orca_method.audit.martingale import ConformalMartingale
 
     at = np.full(streams, np.inf)
     for j in range(streams):
         rng = np.random.default_rng([seed, j])
         mart = ConformalMartingale(_reference_of(np.round(rng.random(500) * 20) / 20), seed=j)
-        for i in range(requests):
-            mart.test(draw(rng, i))
+        for x in draw(rng, requests):
+            mart.test(x)
             if mart.alarm:
                 at[j] = mart.alarm_at
                 break
@@ -500,7 +501,7 @@ def test_sequential_drift_false_alarm_rate_is_at_most_alpha():
     streams of 1,500 requests: the test martingale ever reaches 1/alpha in at most alpha of them
     (+3 SE), although every stream shares its reference with all its requests (the online
     p-values: without them a stream whose reference is unlucky alarms for ever)."""
-    at = _martingale_streams(400, 1500, 101, lambda rng, i: np.round(rng.random() * 20) / 20)
+    at = _martingale_streams(400, 1500, 101, lambda rng, n: np.round(rng.random(n) * 20) / 20)
     share = float(np.isfinite(at).mean())
     assert share <= 0.05 + _tolerance(0.05, 400), share
 
@@ -509,9 +510,9 @@ def test_sequential_drift_alarms_within_tens_of_requests_of_an_abrupt_shift():
     """Live statistics shifted up by 0.5 from the first request: the test alarms in every one
     of 100 streams, after a median of at most 40 requests; a shift down (later stops: savings,
     not the guarantee) is not what it looks for and alarms in at most alpha of them (+3 SE)."""
-    up = _martingale_streams(100, 300, 102, lambda rng, i: rng.random() + 0.5)
+    up = _martingale_streams(100, 300, 102, lambda rng, n: rng.random(n) + 0.5)
     assert np.isfinite(up).all() and np.median(up) <= 40, np.median(up)
-    down = _martingale_streams(100, 300, 103, lambda rng, i: rng.random() - 0.5)
+    down = _martingale_streams(100, 300, 103, lambda rng, n: rng.random(n) - 0.5)
     assert np.isfinite(down).mean() <= 0.05 + _tolerance(0.05, 100)
 
 

@@ -44,6 +44,14 @@ def _report(world, audits: str, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def first_alarm(world) -> int:
+    """The audit of the shifted directory at which the bundle first alarmed (the earliest over
+    its deltas), from one report that the recalibration tests share."""
+    return min(r["first_alarm_audit"] for r in _report(world, "shifted-audits")["deltas"]
+               if r["first_alarm_audit"] is not None)
+
+
 def _fresh_errors(bundle_path) -> tuple[dict[float, float], int]:
     rep, _ = evaluate_bundle(load_bundle(bundle_path),
                              TrajectorySet.open(bundle_path.parent / "shifted-fresh"), "all")
@@ -73,11 +81,10 @@ def test_alarm_and_drift_on_the_shifted_family(world, capsys):
     assert (world / "plots" / "audit_risk.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_recalibrate_refuses_a_window_reaching_back_to_the_alarm(world, capsys):
+def test_recalibrate_refuses_a_window_reaching_back_to_the_alarm(world, first_alarm, capsys):
     """The whole shifted directory holds the audits up to the first alarm: refused in one
     line that says how many recent audits are usable; --force takes it anyway."""
-    at = min(r["first_alarm_audit"] for r in _report(world, "shifted-audits")["deltas"]
-             if r["first_alarm_audit"] is not None)
+    at = first_alarm
     argv = ["recalibrate", "--bundle", str(world / "bundle.json"), "--audit",
             str(world / "shifted-audits"), "--out", str(world / "forced.json")]
     capsys.readouterr()
@@ -89,11 +96,10 @@ def test_recalibrate_refuses_a_window_reaching_back_to_the_alarm(world, capsys):
     assert main([*argv, "--force"]) == 0 and load_bundle(world / "forced.json").ltt.n_cal == 1200
 
 
-def test_recalibrate_brings_the_risk_back(world):
+def test_recalibrate_brings_the_risk_back(world, first_alarm):
     before, n = _fresh_errors(world / "bundle.json")
     assert before[0.05] > 0.05 + _tolerance(0.05, n)  # the shift really broke the guarantee
-    at = min(r["first_alarm_audit"] for r in _report(world, "shifted-audits")["deltas"]
-             if r["first_alarm_audit"] is not None)
+    at = first_alarm
     out = world / "recalibrated.json"
     assert main(["recalibrate", "--bundle", str(world / "bundle.json"), "--audit",
                  str(world / "shifted-audits"), "--out", str(out), "--last", str(1200 - at)]) == 0
@@ -152,18 +158,23 @@ def test_bad_input_is_one_line(world, tmp_path, capsys):
         assert err.startswith(f"orca-calibrate {argv[0]}: error:") and err.count("\n") == 1
 
 
-def _past_the_end(bundle, ts, i: int) -> list[tuple[bool, int]]:
-    """Per delta of the bundle: whether the stop at its lambda* comes at or after the last
-    recorded step of audit i (so a cut there is censored), and the loss at that lambda."""
+def _past_the_end(bundle, ts, audits: list[int]) -> list[list[tuple[bool, int]]]:
+    """Per audit of `audits`, per delta of the bundle: whether the stop at its lambda* comes at
+    or after the last recorded step of the audit (so a cut there is censored), and the loss at
+    that lambda (the set scored once)."""
     from orca_calibrate.calibrate import score_split
     from orca_method.risk import is_counted, request_loss, stops_before_end
 
     scored = score_split(bundle.load_probe(), ts, "all", "consistent", bundle.window,
                          solvable_only=False)
-    s, c = scored.scores[i], scored.labels[i]
-    counted = is_counted(c, bundle.ltt.excluded_never_correct)  # never right: unknown throughout
-    return [(not (counted and stops_before_end(s, bundle.lam(d))),
-             request_loss(s, c, bundle.lam(d)) if counted else 1) for d in bundle.deltas()]
+    out = []
+    for i in audits:
+        s, c = scored.scores[i], scored.labels[i]
+        counted = is_counted(c, bundle.ltt.excluded_never_correct)  # never right: unknown
+        out.append([(not (counted and stops_before_end(s, bundle.lam(d))),
+                     request_loss(s, c, bundle.lam(d)) if counted else 1)
+                    for d in bundle.deltas()])
+    return out
 
 
 def test_unfinished_audits_enter_censored_offline(world):
@@ -187,7 +198,7 @@ def test_unfinished_audits_enter_censored_offline(world):
     recovered = plain["never_correct_skipped"] - rep["never_correct_skipped"]  # 0 or 1
     assert n == plain["counted"] + recovered
     for row, was, (past, loss) in zip(rep["deltas"], plain["deltas"],
-                                      _past_the_end(bundle, ts, 0)):
+                                      _past_the_end(bundle, ts, [0])[0]):
         low, high = row["risk_range"]
         assert row["censored"] == int(past) and high - low == pytest.approx(past * loss / n)
         if not recovered:  # the same audits, one of them censored or not
@@ -286,7 +297,7 @@ def test_a_disconnected_audit_is_censored_offline_as_on_the_server(world):
 
     bundle = load_bundle(world / "bundle.json")
     rep = audit_report(bundle, ts, mode="consistent")
-    past = np.array([_past_the_end(bundle, ts, i) for i in (3, 4)])[..., 0].sum(axis=0)
+    past = np.array(_past_the_end(bundle, ts, [3, 4]))[..., 0].sum(axis=0)
     assert rep["unfinished_censored"] == 2
     assert [r["censored"] for r in rep["deltas"]] == past.tolist()
 

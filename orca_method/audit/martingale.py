@@ -86,8 +86,8 @@ class ConformalMartingale:
                                                             reference.stop_step))
         # the capital S_t = exp(log_capital), split over the bets in the shares `_shares`
         # (kept apart so that a long unchanged stretch cannot underflow it)
-        self._kappa = np.asarray(KAPPAS)
-        self._shares = np.full(len(KAPPAS), 1.0 / len(KAPPAS))
+        # (Python floats: three numbers, where numpy's per-call overhead was most of `test`)
+        self._shares = [1.0 / len(KAPPAS)] * len(KAPPAS)
         self.log_capital = 0.0
         self._rng = random.Random(seed)  # the smoothing U_t: nothing of the request
         self.observed = 0  # requests tested
@@ -129,10 +129,13 @@ class ConformalMartingale:
         n = len(self._bag)
         p = ((n - hi) + self._rng.random() * (hi - lo + 1)) / (n + 1)
         bisect.insort(self._bag, x)
-        shares = (1 - self.jump) * self._shares + self.jump / len(KAPPAS)  # the jump
-        shares = shares * (1.0 + self._kappa * (1.0 - 2.0 * p))  # the bets
-        growth = float(shares.sum())  # S_t / S_{t-1}: conditional mean 1 under the null
-        self._shares = shares / growth
+        spread, edge = self.jump / len(KAPPAS), 1.0 - 2.0 * p
+        shares = [((1 - self.jump) * s + spread) * (1.0 + k * edge)  # the jump, then the bets
+                  for s, k in zip(self._shares, KAPPAS)]
+        growth = 0.0  # S_t / S_{t-1}: conditional mean 1 under the null
+        for s in shares:  # summed in order, as numpy sums three numbers
+            growth += s
+        self._shares = [s / growth for s in shares]
         self.log_capital += math.log(growth)
         self.observed += 1
         self.pvalue = p

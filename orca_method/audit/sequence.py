@@ -79,6 +79,13 @@ class ConfidenceSequence:
         self._fold()
         self._lower = np.zeros(self.shape)
         self._upper = np.ones(self.shape)
+        # _tighten's lookups: the bound for k points excluded from below (k = 0: none, 0.0)
+        # and from above (k = 0: none, 1.0); the kept-point masks carry one more point that is
+        # always kept, so that the first kept point is G when none of the grid is
+        self._lower_of = np.concatenate(([0.0], self.grid))  # [G + 1]
+        self._upper_of = np.concatenate(([1.0], self.grid[::-1]))  # [G + 1]
+        self._kept_low = np.ones(self.shape + (self.grid_size + 1,), dtype=bool)
+        self._kept_high = np.ones_like(self._kept_low)
 
     # -- updates ----------------------------------------------------------------------------
     def update(self, loss: float | np.ndarray) -> None:
@@ -91,14 +98,16 @@ class ConfidenceSequence:
         t = self.n + 1
         var_prev = (0.25 + self._sum_sq) / t  # s2_{t-1}
         bet = np.sqrt(2.0 * self._threshold / (var_prev * t * math.log1p(t)))[..., None]
-        diff = np.subtract(x[..., None], self.grid)  # [*shape, G]
-        for cap, prod, sign in ((self._cap_plus, self._prod_plus, 1.0),
-                                (self._cap_minus, self._prod_minus, -1.0)):
-            factor = np.minimum(bet, cap)  # [*shape, G], then 1 +- bet (X - m) in place
-            factor *= diff
-            factor *= sign
-            factor += 1.0
-            prod *= factor
+        diff = np.subtract(x[..., None], self.grid)  # [*shape, G]: X - m
+        factor = np.minimum(bet, self._cap_plus)  # [*shape, G], then 1 + l+ (X - m) in place
+        factor *= diff
+        factor += 1.0
+        self._prod_plus *= factor
+        np.negative(diff, out=diff)  # m - X: l- (m - X) is -(l- (X - m)) exactly
+        np.minimum(bet, self._cap_minus, out=factor)  # then 1 - l- (X - m) in place
+        factor *= diff
+        factor += 1.0
+        self._prod_minus *= factor
         self._sum += x
         self._sum_sq += (x - (0.5 + self._sum) / (t + 1)) ** 2
         self.n = t
@@ -127,16 +136,13 @@ class ConfidenceSequence:
         """The bounds from the grid points the capital processes exclude: the leading run for
         K+ and the trailing run for K-, found with argmax (the first point NOT excluded), so
         float noise in the monotonicity in m never excludes an interior point."""
-        kept_low = self._prod_plus < self._need_plus
-        kept_high = (self._prod_minus < self._need_minus)[..., ::-1]
-        # grid points 0..k_low-1 are excluded, and the last k_high ones
-        k_low = np.where(kept_low.any(axis=-1), kept_low.argmax(axis=-1), self.grid_size)
-        k_high = np.where(kept_high.any(axis=-1), kept_high.argmax(axis=-1), self.grid_size)
-        g = self.grid
-        lower = np.where(k_low > 0, g[np.maximum(k_low - 1, 0)], 0.0)
-        upper = np.where(k_high > 0, g[np.minimum(self.grid_size - k_high, self.grid_size - 1)],
-                         1.0)
-        self._lower, self._upper = lower, upper
+        g = self.grid_size
+        np.less(self._prod_plus, self._need_plus, out=self._kept_low[..., :g])
+        np.less(self._prod_minus[..., ::-1], self._need_minus[..., ::-1],
+                out=self._kept_high[..., :g])
+        # grid points 0..k_low-1 are excluded, and the last k_high ones (G: all of them)
+        self._lower = self._lower_of[self._kept_low.argmax(axis=-1)]
+        self._upper = self._upper_of[self._kept_high.argmax(axis=-1)]
 
     # -- reading ----------------------------------------------------------------------------
     def _out(self, a: np.ndarray) -> float | np.ndarray:
