@@ -235,13 +235,18 @@ def multi_server(tmp_path_factory):
     server's own (`PROMETHEUS_MULTIPROC_DIR`, a fresh folder, as vLLM asks of a directory its
     user sets): else vLLM makes one and sets the variable, read at import, before it starts its
     processes, and none of the five could be forked from the server's zygote
-    (tests/engine_fork.py)."""
+    (tests/engine_fork.py). Each engine runs its one worker inside its core (executor "uni"),
+    as the suite's other servers do: vLLM's default under DP is a worker process per engine
+    (executor "mp"), which on a forked engine core is spawned (~10 s of CPU each, half this
+    test's); what the test asserts is the DP ranks', the coordinator's and the API servers',
+    and the plugin in an "mp" worker is the TP/PP engines' above and test_plugin's subject."""
     from tests.serving import Server, orca_serve_cmd, server_env
 
     d = tmp_path_factory.mktemp("multi")
     (d / "prometheus").mkdir()
     srv = Server(orca_serve_cmd(), d / "server.log", ["--demo", "--data-parallel-size", "2",
                                                       "--api-server-count", "2",
+                                                      "--distributed-executor-backend", "uni",
                                                       "--enforce-eager", "--host", "127.0.0.1"],
                  env={**server_env(), "PROMETHEUS_MULTIPROC_DIR": str(d / "prometheus")})
     try:
