@@ -132,9 +132,8 @@ class ConformalMartingale:
         spread, edge = self.jump / len(KAPPAS), 1.0 - 2.0 * p
         shares = [((1 - self.jump) * s + spread) * (1.0 + k * edge)  # the jump, then the bets
                   for s, k in zip(self._shares, KAPPAS)]
-        growth = 0.0  # S_t / S_{t-1}: conditional mean 1 under the null
-        for s in shares:  # summed in order, as numpy sums three numbers
-            growth += s
+        growth = sum(shares)  # S_t / S_{t-1}: conditional mean 1 under the null (in order,
+        # as numpy summed the three)
         self._shares = [s / growth for s in shares]
         self.log_capital += math.log(growth)
         self.observed += 1
