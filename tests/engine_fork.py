@@ -147,17 +147,22 @@ def fork_spawns_of_test_process() -> None:
         context.SpawnProcess._Popen = staticmethod(_popen_in_test_process)  # type: ignore
 
 
+def _spawn_execs_this_python() -> bool:
+    """Whether spawn would exec this interpreter (vLLM's NUMA binding may swap in a wrapper,
+    which a fork cannot stand for)."""
+    return os.fsdecode(spawn.get_executable()) == sys.executable
+
+
 def _popen_in_test_process(process_obj: process.BaseProcess):
     """`SpawnProcess._Popen` of a pytest worker: from the zygote for this environment."""
-    if os.fsdecode(spawn.get_executable()) == sys.executable:
+    if _spawn_execs_this_python():
         return Popen(process_obj, zygote_for(process_environ()).forker())
     return popen_spawn_posix.Popen(process_obj)
 
 
 def _popen(process_obj: process.BaseProcess):
     """`SpawnProcess._Popen`: forked where that is sound, spawned otherwise."""
-    if (forkable(process_environ(), _start_env)
-            and os.fsdecode(spawn.get_executable()) == sys.executable):
+    if forkable(process_environ(), _start_env) and _spawn_execs_this_python():
         server = forkserver._forkserver  # type: ignore[attr-defined]
         return Popen(process_obj, (server._forkserver_address, server._forkserver_alive_fd))
     return popen_spawn_posix.Popen(process_obj)

@@ -42,7 +42,6 @@ covered; so does the job's own start of its engine processes (orca_calibrate/sha
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import os
 import select
@@ -102,13 +101,14 @@ class ForkedServer:
 
 
 class Zygote:
-    """The test side of one zygote process (started by `start`, one per pytest worker)."""
+    """The test side of one zygote process (started by `zygote_for`: one per pytest worker and
+    value of the variables read at import)."""
 
     def __init__(self, env: dict[str, str], status_dir: Path,
                  preload: list[str] = PRELOAD) -> None:
         self.env = env
         self.status_dir = status_dir
-        self._lock = threading.Lock()  # one request and its answer at a time
+        self._lock = threading.RLock()  # one request and its answer at a time
         self._forker: tuple[str, int] | None = None
         status_dir.mkdir(parents=True, exist_ok=True)
         log = status_dir / "zygote.log"  # what its imports print
@@ -145,12 +145,12 @@ class Zygote:
         the first call, from the zygote's one thread."""
         with self._lock:
             if self._forker is None:
-                self._forker = ("\0" + self._ask({"forker": True}, locked=True), self._alive_w)
+                self._forker = ("\0" + self._ask({"forker": True}), self._alive_w)
             return self._forker
 
-    def _ask(self, request: dict, locked: bool = False) -> str:
+    def _ask(self, request: dict) -> str:
         """Send one request line, return the zygote's answer line."""
-        with contextlib.nullcontext() if locked else self._lock:
+        with self._lock:
             self.proc.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
             answer = self.proc.stdout.readline()  # type: ignore[union-attr]
         if not answer:
