@@ -4,7 +4,9 @@
 and a server stopped by signal can leave its EngineCore to be reaped by init. Here the command
 runs under a child subreaper (Linux `PR_SET_CHILD_SUBREAPER`): every descendant that outlives
 its parent is re-parented to this process and reaped here, so RUSAGE_CHILDREN ends up holding
-the CPU of every process the command started. Linux only.
+the CPU of every process the command started. Reaped as each ends, as init would: a zombie kept
+to the end would keep its process group alive for a test that waits for the group to empty
+(the demo's stop waited out its 40 s of grace so). Linux only.
 
     python scripts/tree_cpu.py make test
     python scripts/tree_cpu.py --by-kind make test
@@ -257,13 +259,16 @@ def main() -> int:
         watcher.start()
     load = os.getloadavg()[0]
     t = time.monotonic()
-    rc = subprocess.call(args)
-    wall = time.monotonic() - t
-    while True:  # the orphans left running: reaped when they end
+    proc = subprocess.Popen(args)
+    rc, wall = 1, 0.0
+    while True:  # each child reaped as it ends: the command, and the orphans re-parented here
         try:
-            os.waitpid(-1, 0)
+            pid, status = os.waitpid(-1, 0)
         except ChildProcessError:
             break
+        if pid == proc.pid:
+            rc = proc.returncode = os.waitstatus_to_exitcode(status)
+            wall = time.monotonic() - t
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     total = r.ru_utime + r.ru_stime
     if split:

@@ -25,22 +25,10 @@ ENGINE = "EngineCore"  # vLLM names its engine process VLLM::EngineCore
 STOP_BOUND_S = 60  # on 2 shared cores the engine's forced stop and the exit take ~16 s
 
 
-def group(pgid: int) -> list[psutil.Process]:
-    """The live (not zombie) processes of process group `pgid`."""
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return out
-
-
 def wait_gone(pgid: int, bound: float) -> list[psutil.Process]:
     """Poll until group `pgid` is empty or `bound` seconds passed; what is left."""
     deadline = time.monotonic() + bound
-    while (left := group(pgid)) and time.monotonic() < deadline:
+    while (left := demo.group_members(pgid)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
 
@@ -50,7 +38,7 @@ def wait_for_engine(proc: subprocess.Popen, log: Path, bound: float = 300) -> No
     deadline = time.monotonic() + bound
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text()[-3000:]
-        if any(ENGINE in p.name() for p in group(proc.pid)):
+        if any(ENGINE in p.name() for p in demo.group_members(proc.pid)):
             return
         time.sleep(0.2)
     raise AssertionError("no EngineCore within the bound:\n" + log.read_text()[-3000:])
@@ -113,7 +101,7 @@ def test_the_demos_stop_reaches_the_engine_of_a_loading_server(server) -> None:
     t = time.monotonic()
     demo.stop_server(proc)
     assert time.monotonic() - t < demo.STOP_GRACE_S + 10 + 1
-    assert not group(proc.pid)
+    assert not demo.group_members(proc.pid)
     assert proc.returncode is not None
 
 
@@ -130,8 +118,28 @@ def test_demo_ends_within_its_wait_in_one_line_and_leaves_nothing() -> None:
     assert len(err) == 1 and err[0].startswith("demo: error:"), r.stderr
     assert f"127.0.0.1:{port}" in err[0] and "within 1 s" in err[0] and "--wait" in err[0]
     pid = int(re.search(r"starting \(pid (\d+)", r.stdout).group(1))
-    assert not group(pid)  # gone by the time the demo returned
+    assert not demo.group_members(pid)  # gone by the time the demo returned
     log = Path(re.search(r"its log: (\S+)\)", err[0]).group(1))
     assert log.is_file()  # kept for the user to read
     log.unlink()
     assert took < 1 + demo.STOP_GRACE_S + 10 + 10  # the wait, the stop's bound, start-up
+
+
+def test_a_group_of_zombies_counts_as_stopped() -> None:
+    """An engine orphaned by the stop goes to init or the nearest subreaper, which may reap it
+    late: its zombie must not hold the demo's stop for the whole grace (it did, 40 s)."""
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            start_new_session=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while psutil.Process(dead.pid).status() != psutil.STATUS_ZOMBIE:  # ended, not reaped
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.killpg(dead.pid, 0)  # the group is still there for a signal ...
+        assert demo.group_members(dead.pid) == []  # ... but nothing in it runs
+        assert [p.pid for p in demo.group_members(live.pid)] == [live.pid]
+    finally:
+        live.kill()
+        live.wait()
+        dead.wait()

@@ -23,6 +23,8 @@ import time
 import urllib.request
 from typing import NoReturn
 
+import psutil
+
 QUESTION = "Find the integer x with 7*x + 3 = 52."
 WAIT_S = 300.0  # a loaded machine needs minutes; an idle one, about a minute
 STOP_GRACE_S = 30.0  # SIGTERM's grace before SIGKILL, for the server's group
@@ -56,21 +58,26 @@ def start_server(port: int, log: str) -> subprocess.Popen:
     return proc
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a member we cannot signal (not ours): still there
-        return True
-    return True
+def group_members(pgid: int) -> list[psutil.Process]:
+    """The processes of group `pgid` still running. Zombies do not count: a member orphaned by
+    the stop is re-parented to init or to the nearest subreaper, which may reap it late (a
+    container's first process that is not an init never does), and a group of zombies would
+    hold the stop for its whole grace."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return out
 
 
 def stop_server(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
     """Stop the server's whole process group: SIGTERM, then SIGKILL after `grace` seconds.
     Bounded: returns within `grace` + 10 s whatever the group does."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        if not _group_alive(proc.pid):
+        if not group_members(proc.pid):
             break
         try:
             os.killpg(proc.pid, sig)
@@ -79,7 +86,7 @@ def stop_server(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             proc.poll()  # reap the leader, or it stays in the group as a zombie
-            if not _group_alive(proc.pid):
+            if not group_members(proc.pid):
                 break
             time.sleep(0.2)
     proc.poll()
