@@ -2,7 +2,9 @@
 
 A real `orca-serve --demo` each, stopped at a chosen point of its start-up; what is checked is
 that it ends within a bound and leaves no process of its session behind (vLLM's EngineCore and
-its helpers are children of the API server, in its process group).
+its helpers are children of the API server, in its process group). The one stopped during its
+imports is exec'd as the demo starts it; the two stopped while the engine loads are forked with
+their engine from the worker's zygote (~9 s of CPU less each: their imports are done already).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import psutil
 import pytest
 
 from orca_serve.startup import demo
-from tests.serving import free_port, server_env
+from tests.serving import free_port, server_env, start
 
 ENGINE = "EngineCore"  # vLLM names its engine process VLLM::EngineCore
 STOP_BOUND_S = 60  # on 2 shared cores the engine's forced stop and the exit take ~16 s
@@ -60,18 +62,30 @@ def sigterm_and_wait(proc: subprocess.Popen, log: Path) -> float:
     return took
 
 
-@pytest.fixture
-def server(tmp_path: Path):
-    """`orca-serve --demo` started as the demo starts it (own session, log to a file); the
-    group is killed at the end whatever the test did."""
-    log = tmp_path / "server.log"
-    proc = demo.start_server(free_port(), str(log))
+def _killed_at_the_end(proc, log: Path):
     yield proc, log
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     proc.wait(10)
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    """`orca-serve --demo` started as the demo starts it (exec'd, own session, log to a file);
+    the group is killed at the end whatever the test did."""
+    log = tmp_path / "server.log"
+    yield from _killed_at_the_end(demo.start_server(free_port(), str(log)), log)
+
+
+@pytest.fixture
+def loading_server(tmp_path: Path):
+    """The demo's server command, forked with its engine from the worker's zygote
+    (tests/serving.py `start`: own session, log to a file), for the tests that stop it while its
+    engine loads: its imports are not what they stop (`server` runs them). Killed at the end."""
+    log = tmp_path / "server.log"
+    yield from _killed_at_the_end(start(demo.server_command(free_port()), log), log)
 
 
 def test_sigterm_early_in_start_up_stops_it(server) -> None:
@@ -83,10 +97,10 @@ def test_sigterm_early_in_start_up_stops_it(server) -> None:
 
 
 @pytest.mark.vllm
-def test_sigterm_while_the_engine_loads_stops_it_and_the_engine(server) -> None:
+def test_sigterm_while_the_engine_loads_stops_it_and_the_engine(loading_server) -> None:
     """vLLM's own start-up handler raised KeyboardInterrupt, which its engine handshake
     swallows: the server went on waiting for the engine (orca_serve/vllm_compat/launch.py)."""
-    proc, log = server
+    proc, log = loading_server
     wait_for_engine(proc, log)
     sigterm_and_wait(proc, log)
     assert proc.returncode == 128 + signal.SIGTERM  # orca-serve's handler, not a crash
@@ -94,9 +108,9 @@ def test_sigterm_while_the_engine_loads_stops_it_and_the_engine(server) -> None:
 
 
 @pytest.mark.vllm
-def test_the_demos_stop_reaches_the_engine_of_a_loading_server(server) -> None:
+def test_the_demos_stop_reaches_the_engine_of_a_loading_server(loading_server) -> None:
     """What the demo does when its wait ends: the whole group, EngineCore included."""
-    proc, log = server
+    proc, log = loading_server
     wait_for_engine(proc, log)
     t = time.monotonic()
     demo.stop_server(proc)

@@ -77,8 +77,8 @@ def forkable(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
 
 
 class ForkedServer:
-    """What tests/serving.py `Server` uses of a `subprocess.Popen`, for a zygote's child:
-    `pid`, `poll()`, `wait(timeout)`, `returncode` (negative: the signal that ended it)."""
+    """What the tests use of a `subprocess.Popen`, for a zygote's child: `pid`, `poll()`,
+    `wait(timeout)`, `send_signal(sig)`, `returncode` (negative: the signal that ended it)."""
 
     def __init__(self, pid: int, status: Path, argv: list[str]) -> None:
         self.pid = pid
@@ -90,6 +90,10 @@ class ForkedServer:
         if self.returncode is None and self._status.exists():
             self.returncode = int(self._status.read_text())
         return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -42,15 +42,20 @@ def fail(msg: str) -> NoReturn:
     raise SystemExit(1)
 
 
+def server_command(port: int) -> list[str]:
+    """The server the demo starts: `orca-serve --demo` on 127.0.0.1:`port`."""
+    # eager: a tiny model gains nothing from torch.compile, whose first start takes longer
+    return [sys.executable, "-m", "orca_serve.startup.cli", "--demo", "--enforce-eager",
+            "--host", "127.0.0.1", "--port", str(port)]
+
+
 def start_server(port: int, log: str) -> subprocess.Popen:
     """`orca-serve --demo` on `port`, its output to the file `log` (a pipe nobody reads would
     block the server once full, and the engine's children would hold it open after a stop),
     in a session of its own so that `stop_server` can reach every process it starts."""
     env = {**os.environ,
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    # eager: a tiny model gains nothing from torch.compile, whose first start takes longer
-    cmd = [sys.executable, "-m", "orca_serve.startup.cli", "--demo", "--enforce-eager",
-           "--host", "127.0.0.1", "--port", str(port)]
+    cmd = server_command(port)
     with open(log, "wb") as out:  # the child keeps its own descriptor
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
