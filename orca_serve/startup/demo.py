@@ -90,7 +90,7 @@ def stop_server(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
             break
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            proc.poll()  # reap the leader, or it stays in the group as a zombie
+            proc.poll()  # reap the leader: its exit code (a zombie counts as stopped already)
             if not group_members(proc.pid):
                 break
             time.sleep(0.2)
