@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,19 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     config.option.loadscopereorder = False
     return ModuleGroups(config, log)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """An xdist worker ends here, after its last report (xdist counts it done from its
+    "workerfinished", sent at session finish): the interpreter's own exit would tear down the
+    heap its in-process engines left (torch, vLLM: ~4-5 s of CPU), at the end of the run when
+    nothing else is left to overlap. Its servers are stopped by then (session fixtures); its
+    zygotes and engine forker end when its pipes close."""
+    if hasattr(config, "workerinput"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 @pytest.fixture
