@@ -22,7 +22,8 @@ What keeps a fork sound here:
   otherwise) and no torch op run, so no OpenMP pool to lose;
 - only modules are imported, nothing else run: vLLM's `envs` are read when used, not at import;
   the few variables read at import (`IMPORT_TIME`: OpenMP, logging, Python's own, Hugging
-  Face's) must equal the zygote's, else the server is exec'd (`forkable`);
+  Face's) must equal the zygote's (`forkable`): a server whose values differ gets a zygote of
+  its own, started with them (`zygote_for`);
 - the child's signal handlers are those a fresh interpreter starts with (the zygote changes
   only SIGCHLD's, and the child restores it), its stdio is its log, and it ends through the
   interpreter's own exit (atexit hooks, `SystemExit` codes), as the exec'd one;
@@ -287,7 +288,8 @@ def main(status_dir: Path, alive_r: int, preload: list[str]) -> None:
                 shutil.rmtree(status_dir, ignore_errors=True)
                 sys.stderr.flush()
                 # nothing of its own to finish: the interpreter's exit, tearing down vLLM's
-                # server stack, would be ~2 s of CPU, and the test process waits for it
+                # server stack, would be ~2 s of CPU (a test process run without xdist waits
+                # for it in `Zygote.close`)
                 os._exit(0)
             pending += chunk
             while b"\n" in pending:
