@@ -45,9 +45,12 @@ the TP/PP ranks' `GOMP_CPU_AFFINITY`, read by libgomp when it is loaded at exec,
 rank a zygote of its own, pinned as the spawned rank would be). The DP server with
 `--api-server-count 2` would set `PROMETHEUS_MULTIPROC_DIR` (read at import) before it starts
 its five processes: its test sets that variable itself, so the server comes from a zygote
-started with it and they qualify. Still spawned: a forked engine's own spawns where it changed
-such a variable (cv2 appends to `LD_LIBRARY_PATH` at each import, so test_plugin's multiprocess
-engine core spawns its worker), and every process of the servers exec'd on purpose: users' path.
+started with it and they qualify. cv2 prepends its directory to `LD_LIBRARY_PATH` at each
+import, so a forked engine core starts its worker with that directory twice: the loader's
+search is the same, so the paths are compared without repeats (tests/zygote.py `import_time`)
+and that worker is forked too (test_plugin's multiprocess engine). Still spawned: a forked
+engine's own spawns where it changed such a variable, and every process of the servers exec'd
+on purpose: users' path.
 """
 
 from __future__ import annotations

@@ -49,6 +49,11 @@ def test_import_time_variables_keep_a_child_on_exec():
     assert not forkable({**base, "OMP_NUM_THREADS": "2"}, base)
     assert not forkable({**base, "HF_HUB_OFFLINE": "1"}, base)
     assert not forkable({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, base)  # one dropped
+    # the library path as the loader searches it: a directory again adds nothing, a new one does
+    lib = {**base, "LD_LIBRARY_PATH": "/cv2/lib64:/usr/lib:"}
+    assert forkable({**base, "LD_LIBRARY_PATH": "/cv2/lib64:/cv2/lib64:/usr/lib:"}, lib)
+    assert not forkable({**base, "LD_LIBRARY_PATH": "/usr/lib:/cv2/lib64:"}, lib)
+    assert not forkable({**base, "LD_LIBRARY_PATH": "/other:/cv2/lib64:/usr/lib:"}, lib)
 
 
 @pytest.mark.parametrize("as_module", [False, True], ids=["script", "module"])

@@ -68,8 +68,14 @@ IMPORT_TIME = ("OMP_", "KMP_", "MKL_", "GOMP_", "PYTHON", "LD_", "MALLOC_", "TOR
 
 
 def import_time(env: dict[str, str]) -> dict[str, str]:
-    """The variables of `env` read at exec or import (`IMPORT_TIME`)."""
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME)}
+    """The variables of `env` read at exec or import (`IMPORT_TIME`), the library path without
+    its repeated entries: cv2 prepends its directory at each import, so a process whose parent
+    imported it starts with that directory twice, and the dynamic loader, searching the
+    directories in order, finds each library where it would with it once."""
+    out = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME)}
+    if "LD_LIBRARY_PATH" in out:
+        out["LD_LIBRARY_PATH"] = ":".join(dict.fromkeys(out["LD_LIBRARY_PATH"].split(":")))
+    return out
 
 
 def forkable(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
