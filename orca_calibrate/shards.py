@@ -35,7 +35,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from orca_calibrate.collect import PENDING_FILE, Collector, CollectSettings, Stats, trace_keys
 from orca_calibrate.judge import JudgeSettings
@@ -152,6 +152,12 @@ def run_shard(spec_file: Path) -> Stats:
     return stats
 
 
+def start_shard(cmd: list[str], env: dict[str, str], log: IO[str]) -> subprocess.Popen:
+    """One shard's engine process: `cmd` in `env`, its output to `log`. A function of its own so
+    that the tests can start the same command another way (from a pre-imported interpreter)."""
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
 def collect_shards(model: str, settings: CollectSettings,
                    sets: list[tuple[list[dict], Path, set[str]]], work: Path) -> Stats:
     """Collect each (prompts, trajectory directory, ids to collect unprobed) of `sets` with
@@ -162,9 +168,8 @@ def collect_shards(model: str, settings: CollectSettings,
     for i in range(n):
         spec = write_spec(model, settings, sets, work, i)
         log = open(work / f"shard-{i}.log", "a")  # noqa: SIM115 - closed after wait
-        procs.append((subprocess.Popen(
-            [sys.executable, "-m", "orca_calibrate.shards", str(spec)],
-            env=device_env(i, n, settings), stdout=log, stderr=subprocess.STDOUT), log))
+        procs.append((start_shard([sys.executable, "-m", "orca_calibrate.shards", str(spec)],
+                                  device_env(i, n, settings), log), log))
     failed = []
     for i, (proc, log) in enumerate(procs):
         proc.wait()

@@ -87,8 +87,9 @@ ENGINE_LAYOUT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE"
 BEFORE_TESTS = import_time(dict(os.environ))
 
 
-def server_env() -> dict[str, str]:
-    """The environment of every server and CLI the tests start.
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of every server and CLI the tests start: `base` (this process's
+    environment by default) with the changes below.
 
     The layout is pinned, not inherited by accident: with `VLLM_ENABLE_V1_MULTIPROCESSING=0`
     the engine core runs its single worker inside itself (executor "uni"), as vLLM lays out a
@@ -105,7 +106,8 @@ def server_env() -> dict[str, str]:
     own imports do, and vLLM sets others before it starts an engine (tests/engine_fork.py
     `engine_env`). No test sets one for a server; one that must passes its own environment to
     `start`."""
-    env = {k: BEFORE_TESTS.get(k, v) for k, v in os.environ.items()  # in the order they were
+    base = dict(os.environ) if base is None else base
+    env = {k: BEFORE_TESTS.get(k, v) for k, v in base.items()  # in the order they were
            if not k.startswith(IMPORT_TIME) or k in BEFORE_TESTS}
     env.update(BEFORE_TESTS)  # and any the process dropped since
     for name, value in ENGINE_LAYOUT.items():  # after the inherited ones, as they were

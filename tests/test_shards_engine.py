@@ -10,17 +10,31 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orca_calibrate import shards
 from orca_calibrate.collect import Collector, CollectSettings, read_prompts
 from orca_calibrate.shards import collect_shards
 from orca_demo.toy.tasks import write_prompts
 from orca_method.trajectories import TrajectorySet
+from tests.serving import server_env, start
 
 pytestmark = pytest.mark.vllm
 
 MODEL = str(Path(__file__).parents[1] / "orca_serve" / "demo" / "model")
 
 
-def test_two_engines_collect_the_one_engine_traces(tmp_path):
+@pytest.fixture
+def forked_shards(monkeypatch):
+    """The shards' engine processes started as the suite starts its servers and cluster workers
+    (tests/serving.py `start`): the same command, in the environment the job gives each shard
+    with the variables read at exec or import as this worker had them before its engines ran
+    (`server_env`), forked from the zygote its servers come from (tests/zygote.py), not a
+    fresh interpreter importing vLLM again (~9 s of CPU each); exec'd under
+    `ORCA_TEST_ZYGOTE=0`."""
+    monkeypatch.setattr(shards, "start_shard",
+                        lambda cmd, env, log: start(cmd, Path(log.name), server_env(env)))
+
+
+def test_two_engines_collect_the_one_engine_traces(tmp_path, forked_shards):
     write_prompts(tmp_path / "p.jsonl", "in-dist", 12, seed=5)
     prompts = read_prompts(tmp_path / "p.jsonl")
     settings = CollectSettings(temperature=0.0, max_tokens=320, answer_tokens=6,

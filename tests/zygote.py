@@ -33,11 +33,11 @@ What keeps a fork sound here:
 
 Besides the servers, what tests/serving.py `start` is given: the cluster workers of
 test_shards_cluster (`python -m orca_calibrate.calibrate_cli collect`, each in its shard's
-environment). The tests whose subject is the console script or the start-up path
-(test_startup_stop, test_deploy, test_demo, the refusals in tests/serving.py `refusals`) exec a
-fresh interpreter as before, and so do the processes their servers spawn: users' path stays
-covered; so does the job's own start of its engine processes (orca_calibrate/shards.py
-`collect_shards`, test_shards_engine's subject).
+environment) and the engine processes of test_shards_engine's one-machine job
+(`python -m orca_calibrate.shards SPEC`, through orca_calibrate/shards.py `start_shard`). The
+tests whose subject is the console script or the start-up path (test_startup_stop,
+test_deploy, test_demo, the refusals in tests/serving.py `refusals`) exec a fresh interpreter
+as before, and so do the processes their servers spawn: users' path stays covered.
 """
 
 from __future__ import annotations
