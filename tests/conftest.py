@@ -45,12 +45,13 @@ if os.environ["ORCA_TEST_ZYGOTE"] == "1":
 
 import pytest
 
-from orca_method.bundle import load_bundle
-from tests.bundles import make_bundle, with_consensus, write_bundle
-from tests.core_sim import sim_bundle
 from tests.redis_server import RedisServer
 from tests.serving import COMMON, Server, orca_serve_cmd
 from tests.tiny_model import build_tiny_model
+
+# The bundles' helpers (torch, the method) are imported in the fixtures that use them: the
+# xdist controller loads this file too, runs no fixture, and starts the workers once it has
+# (~1.8 s less before the first test)
 
 TOY = Path(__file__).parents[1] / "orca_serve" / "demo"  # the embedded toy reasoner
 TOY_VOTE_K = 4  # `toy_server`'s consensus block: votes over groups of this many samples
@@ -136,6 +137,8 @@ def tiny_server(model, tmp_path_factory) -> Iterator[dict]:
     medium=0.1`. Its bundle has a shift gate that flags every request it runs for, off by
     default (`--orca-shift-alpha 0`): requests opt in with `orca.shift_alpha`. Started, not
     waited for: a test calls `.wait()` when it needs it."""
+    from tests.bundles import make_bundle
+
     d = tmp_path_factory.mktemp("tiny_server")
     bundle = make_bundle(d / "bundle.json", model, gate=True)
     server = Server(orca_serve_cmd("--model", str(model), "--calib", str(bundle),
@@ -154,9 +157,13 @@ def toy_server(tmp_path_factory) -> Iterator[Server]:
     consensus block (tests/bundles.py `with_consensus`: `orca.samples` votes), under the
     bundle's model name, greedy requests reproducible (`--seed 0`): what `orca-serve --demo`
     serves, plus the consensus block. Shared by test_fuzz_http, test_server_samples and
-    test_server_gate_alarm, in that order: the last raises the gate alarm, which stays raised. `--orca-shift-action full`, so that a request served as flagged
-    shows as one that never stopped (the default, `strict`, serves the bundle's largest lambda*).
+    test_server_gate_alarm, in that order: the last raises the gate alarm, which stays raised.
+    `--orca-shift-action full`, so that a request served as flagged shows as one that never
+    stopped (the default, `strict`, serves the bundle's largest lambda*).
     Started, not waited for: a test calls `.wait()`."""
+    from orca_method.bundle import load_bundle
+    from tests.bundles import with_consensus, write_bundle
+
     d = tmp_path_factory.mktemp("toy_server")
     shipped = load_bundle(TOY / "bundle.json")
     bundle = write_bundle(with_consensus(shipped, samples=TOY_VOTE_K), d / "bundle.json")
@@ -189,16 +196,22 @@ def tok(model):
 # The simulated engine's bundles (tests/core_sim.py), module-scoped like the engines using them.
 @pytest.fixture(scope="module")
 def bundle_path(tmp_path_factory):
+    from tests.core_sim import sim_bundle
+
     return sim_bundle(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def other_bundle_path(tmp_path_factory):
     """Another probe for the same model (hot reload): other scores, another checksum."""
+    from tests.core_sim import sim_bundle
+
     return sim_bundle(tmp_path_factory, seed=7)
 
 
 @pytest.fixture(scope="module")
 def keyword_bundle_path(tmp_path_factory):
     """Steps open at sections with the keyword "x" (sections merge, steps end one late)."""
+    from tests.core_sim import sim_bundle
+
     return sim_bundle(tmp_path_factory, keywords=["x"])
