@@ -124,12 +124,6 @@ def parallel(request, model, prompts, reference, monkeypatch_module):
     vllm.envs.disable_envs_cache()
     size = {"pipeline_parallel_size": 2} if request.param == "pp2" else \
         {"tensor_parallel_size": 2}
-    # PP on the CPU build needs a compiled model: with enforce_eager the CPU runner skips its
-    # warm-up, later stages never allocate their intermediate-tensor buffers and the first step
-    # fails (`assert self.intermediate_tensors is not None`, vLLM 0.32). One dynamo trace run
-    # eagerly is enough for the warm-up, without inductor's compile (what vLLM's own CPU CI does)
-    compiled = {"enforce_eager": False,
-                "compilation_config": {"mode": 2, "backend": "eager"}}  # DYNAMO_TRACE_ONCE
     # the engine core in this process, the two ranks in their own (executor "mp"): what is
     # tested runs in the ranks, and a core process of its own would be one more process
     # importing vLLM (~10 s of a core per mode here); the module's setting holds again after
@@ -137,9 +131,14 @@ def parallel(request, model, prompts, reference, monkeypatch_module):
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm.envs.disable_envs_cache()
         llm = _llm(model, **engine_kwargs(reference["path"]), **size,
-                   distributed_executor_backend="mp",
-                   **(compiled if request.param == "pp2" else {}))  # else enforce_eager
+                   distributed_executor_backend="mp")
     try:
+        # PP on the CPU build: with enforce_eager the CPU runner skips its warm-up, so later
+        # stages never allocate their intermediate-tensor buffers and the first step fails
+        # (`assert self.intermediate_tensors is not None`, vLLM 0.32). A dummy batch on every
+        # rank (what DP runs on an idle rank) allocates them, without compiling the model
+        if request.param == "pp2":
+            llm.collective_rpc("execute_dummy_batch")
         before = llm.collective_rpc("orca_stats")
         n = len(prompts)
         sps = [_sp(f"stop{i}", orca_policy="stop", orca_record=1) for i in range(n)]
