@@ -47,7 +47,7 @@ rank a zygote of its own, pinned as the spawned rank would be). The DP server wi
 its five processes: its test sets that variable itself, so the server comes from a zygote
 started with it and they qualify. cv2 prepends its directory to `LD_LIBRARY_PATH` at each
 import, so a forked engine core starts its worker with that directory twice: the loader's
-search is the same, so the paths are compared without repeats (tests/zygote.py `import_time`)
+search is the same, so the paths are compared without repeats (tests/zygote.py `as_read`)
 and that worker is forked too (test_plugin's multiprocess engine). Still spawned: a forked
 engine's own spawns where it changed such a variable, and every process of the servers exec'd
 on purpose: users' path.

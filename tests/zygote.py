@@ -72,19 +72,24 @@ IMPORT_TIME = ("OMP_", "KMP_", "MKL_", "GOMP_", "PYTHON", "LD_", "MALLOC_", "TOR
 
 
 def import_time(env: dict[str, str]) -> dict[str, str]:
-    """The variables of `env` read at exec or import (`IMPORT_TIME`), the library path without
-    its repeated entries: cv2 prepends its directory at each import, so a process whose parent
-    imported it starts with that directory twice, and the dynamic loader, searching the
-    directories in order, finds each library where it would with it once."""
-    out = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME)}
-    if "LD_LIBRARY_PATH" in out:
-        out["LD_LIBRARY_PATH"] = ":".join(dict.fromkeys(out["LD_LIBRARY_PATH"].split(":")))
-    return out
+    """The variables of `env` read at exec or import (`IMPORT_TIME`)."""
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME)}
+
+
+def as_read(env: dict[str, str]) -> frozenset[tuple[str, str]]:
+    """`import_time(env)` as the process reads it: the library path without its repeated
+    entries. cv2 prepends its directory at each import, so a process whose parent imported it
+    starts with that directory twice, and the dynamic loader, searching the directories in
+    order, finds each library where it would with it once."""
+    read = import_time(env)
+    if "LD_LIBRARY_PATH" in read:
+        read["LD_LIBRARY_PATH"] = ":".join(dict.fromkeys(read["LD_LIBRARY_PATH"].split(":")))
+    return frozenset(read.items())
 
 
 def forkable(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
     """Whether a process with `env` may come from a zygote started with `zygote_env`."""
-    return import_time(env) == import_time(zygote_env)
+    return as_read(env) == as_read(zygote_env)
 
 
 class ForkedServer:
@@ -188,9 +193,10 @@ _zygotes_lock = threading.Lock()
 
 def zygote_for(env: dict[str, str]) -> Zygote:
     """This process's zygote for processes started in `env`: one per value of its variables read
-    at exec or import (`import_time`), started with `env` at the first call for that value, so
-    that what comes from it is `forkable`; closed when this process exits."""
-    key = frozenset(import_time(env).items())
+    at exec or import, as the process reads them (`as_read`), started with `env` at the first
+    call for that value, so that what comes from it is `forkable`; closed when this process
+    exits."""
+    key = as_read(env)
     with _zygotes_lock:
         if key not in _zygotes:
             zygote = Zygote(dict(env), Path(tempfile.mkdtemp(prefix="orca-zygote-")))
