@@ -388,6 +388,45 @@ def test_audit_record_says_which_lambda_the_request_was_served(bundle, tmp_path:
     assert request_loss(rows[0]["scores"], [0, 1], 1.0) == 0
 
 
+def test_the_table_says_labelling_until_the_record_is_written(bundle, tmp_path: Path) -> None:
+    """An audit's outcome enters the table before its record reaches the directory: `labelling`
+    stays 1 until the record is written, so a reader of the directory (`audit-report`, a test)
+    knows when to read it."""
+    import asyncio
+    import threading
+
+    written = threading.Event()
+
+    class SlowStore(AuditStore):
+        def append(self, record, embeddings):
+            assert written.wait(30)
+            return super().append(record, embeddings)
+
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0),
+                      store=SlowStore(tmp_path, dim=bundle.model.hidden_size, info={"model": "m"}),
+                      labeller=FakeLabeller(), cs_factory=FakeCS, loss=_loss)
+    result = orca_result(policy="shadow", scores=[0.2, 0.3], step_tokens=[3, 4], lam=0.5,
+                         step_embeddings=np.ones((2, bundle.model.hidden_size), dtype=np.float32))
+
+    async def go() -> None:
+        _, settings = resolve({"messages": [{"role": "user", "content": "a"}]},
+                              OrcaDefaults(delta=0.1), bundle, thresholds=audit)
+        audit.finished(settings, {0: result}, {0: "stop"})
+        for _ in range(3000):
+            if audit.table()["open"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        t = audit.table()
+        assert (t["open"], t["queued"], t["labelling"], t["labelled"]) == (0, 0, 1, 1)
+        assert audit.store.written == 0
+        written.set()
+        await audit._worker
+        assert audit.table()["labelling"] == 0 and audit.store.written == 1
+
+    asyncio.run(go())
+    audit.store.close()
+
+
 def test_real_confidence_sequence_alarms_on_losses_and_metrics_show_it(bundle) -> None:
     """With the server's own confidence sequence and loss: audits that all stop before the answer
     is right at every bundle lambda* (score 1 at step 0, right only at the end) raise every

@@ -138,12 +138,13 @@ def _wait_labelled(srv: Server, n: int, timeout: float = 120) -> dict:
 
 
 def _settled(srv: Server, timeout: float = 120) -> dict:
-    """The table once every admitted audit is resolved (in the risk, censored or left out): an
-    earlier test's audits are still being labelled when the next one starts."""
+    """The table once every admitted audit is resolved (in the risk, censored or left out) and
+    its record written: an earlier test's audits are still being labelled when the next one
+    starts, and an audit's outcome comes before its record."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         t = _table(srv)
-        if t["open"] == 0 and t["queued"] == 0:
+        if t["open"] == 0 and t["queued"] == 0 and t["labelling"] == 0:
             return t
         time.sleep(0.5)
     raise AssertionError(f"audits still pending after {timeout} s: {_table(srv)}")

@@ -339,14 +339,19 @@ class LiveAudit:
         while self._queue is not None and not self._queue.empty():
             self._queue.get_nowait()
             queued += 1
-        labelling = self._worker is not None and not self._worker.done()
-        unfinished = len(self._pending) + queued + int(labelling)
+        unfinished = len(self._pending) + queued + int(self.labelling)
         self._pending.clear()
         self.state.close()
         store, self.store = self.store, None
         return unfinished, store
 
     # -- reading -----------------------------------------------------------------------------
+    @property
+    def labelling(self) -> bool:
+        """An audit is being labelled or its record written (the outcome comes first, the
+        record after it: until this is False, the directory may lack the last one)."""
+        return self._worker is not None and not self._worker.done()
+
     def attrition(self) -> dict[str, float | None]:
         """Shares of the picked audits that did not enter the risk with a known loss, by cause:
         bias diagnostics.
@@ -379,6 +384,7 @@ class LiveAudit:
             "admitted": st.admitted, "open": st.unresolved, "replayed": st.replayed,
             "journal_skipped": 0 if st.journal is None else st.journal.skipped,
             "queued": 0 if self._queue is None else self._queue.qsize(),
+            "labelling": int(self.labelling),
             **self.counts, "lost": st.lost,
             "attrition": self.attrition(),
             "deltas": [g.row() for g in st.guards.values()],
