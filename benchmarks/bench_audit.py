@@ -199,9 +199,10 @@ def stream(srv: Server, prompts: list[dict], concurrency: int, delta: float,
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(ask, prompts))
     stream_s = time.time() - t0
-    while True:  # let the labelling queue drain
+    while True:  # let the labelling queue drain, the last record written
         t = audit_table(client)
-        if sum(t[k] for k in ("labelled", "failed", "dropped", "aborted", "length")) >= t["picked"]:
+        resolved = sum(t[k] for k in ("labelled", "failed", "dropped", "aborted", "length"))
+        if resolved >= t["picked"] and t["labelling"] == 0:
             break
         time.sleep(1)
     time.sleep(1)
