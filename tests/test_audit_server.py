@@ -128,10 +128,12 @@ def _table(srv: Server) -> dict:
 
 
 def _wait_labelled(srv: Server, n: int, timeout: float = 120) -> dict:
+    """The table once `n` audits have an outcome and the last record is written (an audit's
+    outcome comes before its record: `labelling`)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         t = _table(srv)
-        if t["labelled"] + t["failed"] + t["aborted"] + t["length"] >= n:
+        if t["labelled"] + t["failed"] + t["aborted"] + t["length"] >= n and not t["labelling"]:
             return t
         time.sleep(0.5)
     raise AssertionError(f"{n} audits not labelled in {timeout} s: {_table(srv)}")
