@@ -18,6 +18,7 @@ import numpy as np
 
 from orca_calibrate.gate import gate_from_trajectories
 from orca_calibrate.group_options import GroupOptions  # re-exported
+from orca_calibrate.job_options import DEFAULT_DELTAS, DEFAULT_WINDOW
 from orca_calibrate.train import solvable
 from orca_method.audit.drift import build_reference
 from orca_method.bundle import (
@@ -41,7 +42,7 @@ from orca_method.bundle import (
 )
 from orca_method.bundle_checks import check_semantics
 from orca_method.give_up import calibrate_give_up, last_right, mu_grid
-from orca_method.ltt import DeltaResult, calibrate, default_grid
+from orca_method.ltt import DEFAULT_EPSILON, DeltaResult, calibrate, default_grid
 from orca_method.normalizations import DEFAULT_NORMALIZATION
 from orca_method.outcomes import GiveUpPolicy
 from orca_method.probe import Probe
@@ -52,7 +53,6 @@ from orca_method.thresholds import GROUP_NAME_MAX, lam_to_json
 from orca_method.trajectories import Problem, TrajectorySet
 from orca_serve import __version__
 
-DEFAULT_DELTAS = (0.05, 0.1, 0.15, 0.2)
 DEFAULT_GIVE_UP_DELTAS = (0.02, 0.05, 0.1)
 GRID_SIZE = 1001
 PROBLEM_FIELDS = {f.name for f in fields(Problem)}  # a group field is one of these, or an extra
@@ -401,8 +401,8 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
 
 
 def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = "supervised",
-                     deltas: Sequence[float] = DEFAULT_DELTAS, epsilon: float = 0.05,
-                     pvalue: str = "binomial", window: int = 10, default_delta: float | None = None,
+                     deltas: Sequence[float] = DEFAULT_DELTAS, epsilon: float = DEFAULT_EPSILON,
+                     pvalue: str = "binomial", window: int = DEFAULT_WINDOW, default_delta: float | None = None,
                      dump_scores: Path | None = None,
                      provenance: dict[str, Any] | None = None,
                      give_up: tuple[Probe, GiveUpOptions] | GiveUpBlock | None = None,

@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING
 from orca_calibrate.collect import Collector, CollectSettings, read_prompts
 from orca_calibrate.group_options import GroupOptions
 from orca_calibrate.job import JobError, collect_shard, load_job, run_job
+from orca_calibrate.job_options import DEFAULT_DELTAS, DEFAULT_WINDOW, LttOptions
 from orca_calibrate.judge import JudgeError, JudgeSettings
 from orca_calibrate.plan import DEFAULT_PILOT
 from orca_calibrate.probe_variants import PROBES
 from orca_calibrate.synth import generate
 from orca_calibrate.train_defaults import DEFAULTS, EPOCH_SELECT
 from orca_method.covariate_shift import DEFAULT_RATIO_RANK
+from orca_method.ltt import DEFAULT_EPSILON
 from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
 from orca_method.shift_gate import (
     DEFAULT_GATE_ALPHA,
@@ -37,7 +39,7 @@ from orca_method.trajectories import (
     TrajectorySet,
     import_pickle,
 )
-from orca_serve.checks.argtypes import OneLineParser, OptionError, integer
+from orca_serve.checks.argtypes import OneLineParser, OptionError, fraction, integer
 from orca_serve.live_audit.options import EPSILON_SPLITS, EpsilonSplit
 
 if TYPE_CHECKING:
@@ -95,12 +97,13 @@ def cmd_train(a: argparse.Namespace) -> None:
 def cmd_calibrate(a: argparse.Namespace) -> None:
     from orca_calibrate.calibrate import calibrate_bundle  # deferred: torch (not needed by --help)
     from orca_calibrate.train import load_probe  # deferred: torch (not needed by --help)
+    ltt = LttOptions(tuple(a.delta), a.epsilon, a.window)  # a delta listed twice: one line
     ts = _open(a.data, a.pickle_labels)
     probe, meta = load_probe(Path(a.probe))
     mode = _label_mode(ts, a.label_mode or meta.get("label_mode"))
     bundle = calibrate_bundle(
-        probe, ts, Path(a.out), mode=mode, deltas=a.delta, epsilon=a.epsilon, pvalue=a.pvalue,
-        window=a.window, default_delta=a.default_delta,
+        probe, ts, Path(a.out), mode=mode, deltas=ltt.deltas, epsilon=ltt.epsilon,
+        pvalue=a.pvalue, window=ltt.window, default_delta=a.default_delta,
         dump_scores=Path(a.dump_scores) if a.dump_scores else None,
         provenance={"probe_file": a.probe, "train_seed": meta.get("seed"),
                     "selected_epoch": meta.get("selected_epoch")})
@@ -443,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "else consistent")
 
     def window_arg(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--window", type=integer(1), default=10, help="smoothing window k")
+        p.add_argument("--window", type=integer(1), default=DEFAULT_WINDOW,
+                      help="smoothing window k")
 
     p = sub.add_parser("synth", help="write a synthetic trajectory set")
     p.add_argument("--out", required=True)
@@ -470,8 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     data_arg(p)
     p.add_argument("--probe", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--delta", type=float, nargs="+", default=[0.05, 0.1, 0.15, 0.2])
-    p.add_argument("--epsilon", type=float, default=0.05)
+    p.add_argument("--delta", type=fraction(open_interval=True), nargs="+",
+                   default=list(DEFAULT_DELTAS))
+    p.add_argument("--epsilon", type=fraction(open_interval=True), default=DEFAULT_EPSILON)
     p.add_argument("--pvalue", choices=["binomial", "hb"], default="binomial")
     window_arg(p)
     p.add_argument("--default-delta", type=float)
@@ -672,7 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=integer(1),
                    help="smoothing window (default: the config's, else 10)")
     p.add_argument("--label-mode", help="recorded in the bundle (default: the config's)")
-    p.add_argument("--epsilon", type=float, default=0.05, help="their LTT epsilon (scripts: 0.05)")
+    p.add_argument("--epsilon", type=fraction(open_interval=True), default=DEFAULT_EPSILON,
+                   help="their LTT epsilon (scripts: 0.05)")
     p.add_argument("--default-delta", type=float)
     p.add_argument("--max-step-tokens", type=integer(0), default=500,
                    help="cut steps at this many tokens (theirs: 500; 0: never)")

@@ -48,6 +48,7 @@ from orca_method.bundle import (
     tokenizer_fingerprint,
 )
 from orca_method.errors import first_line
+from orca_method.ltt import DEFAULT_EPSILON
 from orca_method.probe import Probe, ProbeSpec
 from orca_serve import __version__
 
@@ -247,7 +248,7 @@ def config_fingerprint_of(model: str) -> ConfigFingerprint | None:
 def import_probe(probe_pt: str | Path, lambdas: str | Path, model: str, out: str | Path, *,
                  tokenizer: str | None = None,
                  config: str | Path | None = None, window: int | None = None,
-                 label_mode: str | None = None, epsilon: float = 0.05,
+                 label_mode: str | None = None, epsilon: float = DEFAULT_EPSILON,
                  default_delta: float | None = None,
                  max_step_tokens: int | None = AUTHORS_MAX_STEP_TOKENS,
                  normalization: str = "token-l2", probe_out: str | Path | None = None) -> Bundle:

@@ -37,6 +37,7 @@ from orca_calibrate.collect import (
     trace_keys,
 )
 from orca_calibrate.group_options import GroupOptions
+from orca_calibrate.job_options import SplitOptions, ltt_options, split_options
 from orca_calibrate.judge import JudgeError, JudgeSettings
 from orca_calibrate.shards import SHARDS, collect_shards, merge_shards, run_shard, write_spec
 from orca_calibrate.train_defaults import DEFAULTS
@@ -90,6 +91,11 @@ def load_job(path: Path) -> dict[str, Any]:
         job["group_prompts"] = [f if Path(f).is_absolute() else str(base / f) for f in files]
     if str(job["model"]).startswith((".", "/")) and not Path(job["model"]).is_absolute():
         job["model"] = str((base / job["model"]).resolve())
+    try:  # the split's and LTT's settings (the calibrate block's sub-blocks below)
+        split_options(job.get("split"))
+        ltt_options(job.get("calibrate"))
+    except ValueError as e:
+        raise JobError(f"{path}: {e}") from None
     bad = set(job.get("train") or {}) - TRAIN_JOB_KEYS - set(DEFAULTS)
     if bad:
         raise JobError(f"{path}: unknown train settings {sorted(bad)} "
@@ -216,7 +222,7 @@ def _stage(out: Path, name: str, outputs: list[Path], fn, log: list[str], settin
 def planned_split(job: dict[str, Any], prompts: list[dict]) -> dict[str, str]:
     """The split of every trace the collection makes (selective labelling needs it before)."""
     samples = CollectSettings(**(job.get("collect") or {})).samples
-    return job_split([key for key, _ in trace_keys(prompts, samples)], job.get("split") or {})
+    return job_split([key for key, _ in trace_keys(prompts, samples)], split_options(job.get("split")))
 
 
 def collection_sets(job: dict[str, Any]) -> list[tuple[list[dict], Path, set[str]]]:
@@ -306,7 +312,8 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
     data, shifted = out / TRAJECTORIES, out / SHIFTED
     probe_file, bundle_file = out / "probe.safetensors", out / "bundle.json"
     settings = CollectSettings(**(job.get("collect") or {}))
-    sp, tr, ca = (job.get(k) or {} for k in ("split", "train", "calibrate"))
+    tr, ca = (job.get(k) or {} for k in ("train", "calibrate"))
+    sp, ltt = split_options(job.get("split")), ltt_options(ca)
     log: list[str] = []
     sets = collection_sets(job)
     prompts = sets[0][0]
@@ -351,7 +358,7 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
         probe, meta = load_probe(probe_file)
         give_up = give_up_probe(ts)
         deciding = deciding_points(probe, ts, members, mode=meta["label_mode"],
-                                   window=ca.get("window", 10), label_every=settings.label_every,
+                                   window=ltt.window, label_every=settings.label_every,
                                    give_up=give_up)
         resolved = {"stop": meta["label_mode"], "give_up": give_up and give_up[1].label_mode}
         stats = label_deferred(data, deciding, collector, resolved, progress)
@@ -389,8 +396,8 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
         calibrate_bundle(probe, ts, bundle_file, give_up=give_up,
                          groups=None if ca.get("groups") is None else GroupOptions(**ca["groups"]),
                          group_sets=[TrajectorySet.open(d) for _, d in group_sets(job)],
-                         mode=meta["label_mode"], deltas=ca.get("deltas", [0.05, 0.1, 0.15, 0.2]),
-                         epsilon=ca.get("epsilon", 0.05), window=ca.get("window", 10),
+                         mode=meta["label_mode"], deltas=ltt.deltas, epsilon=ltt.epsilon,
+                         window=ltt.window,
                          dump_scores=out / "calibration-scores.jsonl",
                          provenance={"job": str(path), "selected_epoch": meta.get("selected_epoch")})
         if consensus is not None:
@@ -437,8 +444,7 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
     return log
 
 
-def job_split(ids: list[str], sp: dict[str, Any]) -> dict[str, str]:
+def job_split(ids: list[str], sp: SplitOptions) -> dict[str, str]:
     """The job's split of these trajectory ids: every sample of a prompt in one part."""
     groups = {pid: prompt_of(pid)[0] for pid in ids}
-    return split_ids(ids, tuple(sp.get("fractions", (0.6, 0.2, 0.2))), seed=sp.get("seed", 0),
-                     groups=groups)
+    return split_ids(ids, sp.fractions, seed=sp.seed, groups=groups)

@@ -26,6 +26,7 @@ from typing import Any
 
 from orca_calibrate.collect import Collector, CollectSettings, read_prompts, trace_keys
 from orca_calibrate.job import TRAIN_JOB_KEYS, job_split, load_job
+from orca_calibrate.job_options import split_options
 from orca_calibrate.probe_variants import PROBES
 from orca_method.trajectories import DTYPES, Split, TrajectorySet, set_splits
 
@@ -131,7 +132,7 @@ def plan_job(path: Path, pilot: int = DEFAULT_PILOT, seed: int = 0,
                 **{**options, "epochs": 1, "epoch_select": "last"})
     train_per = (time.perf_counter() - t1) / n
     keys = [key for key, _ in trace_keys(prompts, settings.samples)]
-    n_train = sum(s == Split.TRAIN for s in job_split(keys, job.get("split") or {}).values())
+    n_train = sum(s == Split.TRAIN for s in job_split(keys, split_options(job.get("split"))).values())
     total = len(every) * settings.samples
     engine = settings.engine
     devices = int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1))

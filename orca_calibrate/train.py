@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from scipy.optimize import minimize
 from tqdm import tqdm
 
+from orca_calibrate.job_options import DEFAULT_WINDOW
 from orca_calibrate.probe_variants import PROBES
 from orca_calibrate.train_defaults import DEFAULTS, EPOCH_SELECT
 from orca_method.give_up import right_ahead
@@ -191,7 +192,7 @@ def meta_train(ts: TrajectorySet, spec: ProbeSpec, mode: str, *, epochs: int = D
                batch_size: int = DEFAULTS["batch_size"], lr: float | None = None,
                warmup: float = DEFAULTS["warmup"], clip: float = 1.0, seed: int = 0,
                epoch_select: str = DEFAULTS["epoch_select"], val_fraction: float = 0.1,
-               window: int = 10, checkpoints: Path | None = None,
+               window: int = DEFAULT_WINDOW, checkpoints: Path | None = None,
                progress: bool = True) -> TrainResult:
     """Adam on the outer loss; returns the probe of the selected epoch.
 

@@ -21,6 +21,8 @@ from scipy.stats import binom
 from orca_method.stop_metrics import Ragged, check_problems, losses, stop_indices, summarize
 from orca_method.thresholds import NEVER
 
+DEFAULT_EPSILON = 0.05  # LTT's level: the guarantee holds with probability >= 1 - epsilon
+
 
 def default_grid(m: int = 1001) -> np.ndarray:
     """``m`` evenly spaced thresholds from 1.0 (conservative) down to 0.0 (aggressive).
@@ -107,7 +109,7 @@ def calibrate(
     scores: Ragged,
     labels: Ragged,
     deltas: Sequence[float],
-    epsilon: float = 0.05,
+    epsilon: float = DEFAULT_EPSILON,
     grid: np.ndarray | None = None,
     pvalue: str = "binomial",
     step_tokens: Ragged | None = None,

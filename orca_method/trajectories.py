@@ -50,6 +50,7 @@ class Split(StrEnum):
 
 
 SPLITS: tuple[str, ...] = tuple(str(s) for s in Split)
+DEFAULT_FRACTIONS = (0.6, 0.2, 0.2)  # of SPLITS, in that order
 
 INFO_DEFAULTS: dict[str, Any] = {
     "model": None, "normalization": DEFAULT_NORMALIZATION, "segmentation": None, "source": None,
@@ -588,7 +589,7 @@ def update_problems(path: str | Path, changes: Mapping[str, Mapping[str, Any]]) 
     write_atomic(path / PROBLEMS_FILE, "".join(lines), fsync=True)
 
 
-def split_ids(ids: Sequence[str], fractions: Sequence[float] = (0.6, 0.2, 0.2), seed: int = 0,
+def split_ids(ids: Sequence[str], fractions: Sequence[float] = DEFAULT_FRACTIONS, seed: int = 0,
               groups: Mapping[str, Any] | None = None) -> dict[str, str]:
     """Deterministic disjoint train/calibration/test split by prompt group.
 

@@ -34,6 +34,10 @@ def test_the_stored_embeddings_dtype_has_one_default_per_meaning(cmd, default):
      "invalid choice: 'z'"),
     (["calibrate", "--data", "d", "--probe", "p", "--out", "o", "--window", "0"],
      "must be >= 1, got 0"),
+    (["calibrate", "--data", "d", "--probe", "p", "--out", "o", "--delta", "0.1", "1.5"],
+     "argument --delta: must be in (0, 1), got 1.5"),
+    (["calibrate", "--data", "d", "--probe", "p", "--out", "o", "--epsilon", "0"],
+     "argument --epsilon: must be in (0, 1), got 0.0"),
     (["collect", "--model", "m", "--prompts", "p", "--out", "o", "--batch", "0"],
      "must be >= 1, got 0"),
 ])

@@ -70,6 +70,45 @@ def test_job_file_errors(tmp_path) -> None:
     assert job["prompts"] == str(tmp_path / "p.jsonl") and job["model"] == str(tmp_path / "m")
 
 
+@pytest.mark.parametrize("blocks, words", [
+    # a misspelt key used to fall back to the default deltas without a word
+    ("calibrate: {delta: [0.1]}", r"calibrate: unknown keys \['delta'\] \(known: deltas, epsilon, "
+                                  r"window, give_up, groups, consensus\)"),
+    ("calibrate: {deltas: [0.1, 1.5]}", r"calibrate: deltas are risk levels in \(0, 1\)"),
+    ("calibrate: {deltas: []}", r"calibrate: deltas are risk levels"),
+    ("calibrate: {deltas: 0.1}", r"calibrate.deltas is a list"),
+    ("calibrate: {deltas: [0.1, 0.1]}", r"deltas are listed once each"),
+    ("calibrate: {epsilon: 0}", r"calibrate: epsilon is in \(0, 1\), got 0"),
+    ("calibrate: {window: 2.5}", r"calibrate: window is a whole number of steps"),
+    ("calibrate: [0.1]", r"calibrate is a mapping of deltas, epsilon, window"),
+    ("split: {fraction: [0.5, 0.3, 0.2]}", r"split: unknown keys \['fraction'\]"),
+    ("split: {fractions: [0.5, 0.3]}", r"split: fractions are 3 non-negative numbers \(train, "),
+    ("split: {fractions: [0.6, 0.3, 0.3]}", r"summing to 1, got \[0.6, 0.3, 0.3\]"),
+    ("split: {seed: x}", r"split: seed is a whole number, got 'x'"),
+])
+def test_job_split_and_calibrate_blocks_are_checked(tmp_path, blocks, words) -> None:
+    """The split's and LTT's settings are typed when the job is read: a misspelt key or a value
+    out of range is one line naming it, before any stage runs."""
+    j = tmp_path / "job.yaml"
+    j.write_text(f"model: m\nprompts: p.jsonl\nout: o\n{blocks}\n")
+    with pytest.raises(JobError, match=words):
+        load_job(j)
+
+
+def test_job_split_and_calibrate_blocks_reach_the_stages(tmp_path) -> None:
+    from orca_calibrate.job import job_split
+    from orca_calibrate.job_options import DEFAULT_DELTAS, LttOptions, ltt_options, split_options
+
+    j = tmp_path / "job.yaml"
+    j.write_text("model: m\nprompts: p.jsonl\nout: o\nsplit: {fractions: [0.5, 0.5, 0], seed: 3}\n"
+                 "calibrate: {deltas: [0.2, 0.1], window: 4, groups: {field: family}}\n")
+    job = load_job(j)
+    assert ltt_options(job["calibrate"]) == LttOptions((0.2, 0.1), 0.05, 4)
+    assert ltt_options(None).deltas == DEFAULT_DELTAS
+    parts = job_split([f"q{i}" for i in range(40)], split_options(job["split"]))
+    assert set(parts.values()) == {"train", "calibration"}  # no test part at fraction 0
+
+
 def test_job_give_up_policy_is_checked(tmp_path) -> None:
     """calibrate.give_up.policy: the give-up policy mu* is certified for (the server serves no
     other), refused in one line at load unless it is one the server has."""

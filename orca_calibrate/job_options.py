@@ -1,0 +1,94 @@
+"""A calibration's split and LTT settings, typed and checked where they come in.
+
+A job file's `split:` and `calibrate:` blocks, and `orca-calibrate calibrate`'s flags, become
+these frozen records once, with one-line errors, instead of dictionaries read with a default at
+each use: a misspelt key (`delta:` for `deltas:`) or a delta outside (0, 1) used to fall back to
+the defaults, or fail deep in LTT, without a word. Kept apart from orca_calibrate/calibrate.py
+(torch) so that a job's check and `--help` need no torch. The defaults live here only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from orca_method.ltt import DEFAULT_EPSILON
+from orca_method.trajectories import DEFAULT_FRACTIONS, SPLITS
+
+DEFAULT_DELTAS = (0.05, 0.1, 0.15, 0.2)
+DEFAULT_WINDOW = 10  # the smoothing window k the bundle records and the server uses
+# `calibrate:` keys that are blocks of their own, checked by their own records (job.py)
+CALIBRATE_BLOCKS = ("give_up", "groups", "consensus")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class LttOptions:
+    """The risk levels LTT certifies, its level epsilon and the smoothing window."""
+
+    deltas: tuple[float, ...] = DEFAULT_DELTAS
+    epsilon: float = DEFAULT_EPSILON
+    window: int = DEFAULT_WINDOW
+
+    def __post_init__(self) -> None:
+        if not self.deltas or not all(_number(d) and 0 < d < 1 for d in self.deltas):
+            raise ValueError(f"deltas are risk levels in (0, 1), got {list(self.deltas)!r:.80}")
+        if len(set(self.deltas)) < len(self.deltas):
+            raise ValueError(f"deltas are listed once each, got {list(self.deltas)}")
+        if not (_number(self.epsilon) and 0 < self.epsilon < 1):
+            raise ValueError(f"epsilon is in (0, 1), got {self.epsilon!r:.40}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window is a whole number of steps >= 1, got {self.window!r:.40}")
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    """How a job's trajectories are split into train / calibration / test (by prompt)."""
+
+    fractions: tuple[float, ...] = DEFAULT_FRACTIONS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        f = self.fractions
+        if (len(f) != len(SPLITS) or not all(_number(x) and x >= 0 for x in f)
+                or not math.isclose(sum(f), 1)):
+            raise ValueError(f"fractions are {len(SPLITS)} non-negative numbers ({', '.join(SPLITS)}) "
+                             f"summing to 1, got {list(f)!r:.80}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed is a whole number, got {self.seed!r:.40}")
+
+
+def _record(cls: type, block: Any, name: str, skip: tuple[str, ...] = ()) -> Any:
+    """`cls` from a job file's block; ValueError names the block and the key."""
+    if block is None:
+        block = {}
+    known = [f.name for f in fields(cls)]
+    if not isinstance(block, Mapping):
+        raise ValueError(f"{name} is a mapping of {', '.join(known + list(skip))}")
+    unknown = sorted(set(block) - set(known) - set(skip))
+    if unknown:
+        raise ValueError(f"{name}: unknown keys {unknown} (known: {', '.join(known + list(skip))})")
+    values = {k: v for k, v in block.items() if k in known}
+    for k, v in values.items():
+        if isinstance(v, list):
+            values[k] = tuple(v)
+        elif k in ("deltas", "fractions") and not isinstance(v, tuple):
+            raise ValueError(f"{name}.{k} is a list, got {v!r:.40}")
+    try:
+        return cls(**values)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def ltt_options(block: Any) -> LttOptions:
+    """A job's `calibrate:` block's LTT settings (its sub-blocks are checked on their own)."""
+    return _record(LttOptions, block, "calibrate", skip=CALIBRATE_BLOCKS)
+
+
+def split_options(block: Any) -> SplitOptions:
+    """A job's `split:` block."""
+    return _record(SplitOptions, block, "split")
