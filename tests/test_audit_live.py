@@ -505,6 +505,11 @@ def bundle_lams(bundle) -> list[float]:
      "names no server"),
     (["--demo", "--orca-audit-rate", "0.5", "--orca-audit-store", "unix://"],
      "names no server: give a socket path"),
+    # a bad port surfaced after vLLM's import, named as --orca-audit-dir
+    (["--demo", "--orca-audit-rate", "0.5", "--orca-audit-store", "redis://h:abc/0"],
+     "--orca-audit-store 'redis://h:abc/0': Port could not be cast to integer value"),
+    (["--demo", "--orca-audit-rate", "0.5", "--orca-audit-store", "redis://h:99999/0"],
+     "Port out of range"),
     # the choices as the words to type, not the enum's reprs
     (["--demo", "--orca-policy", "bogus"],
      "invalid choice: 'bogus' (choose from 'answer', 'stop', 'shadow')"),

@@ -186,6 +186,10 @@ def check_store_url(url: str) -> None:
         named = "a socket path (unix:///path/redis.sock)" if parts.scheme == "unix" else \
             f"a host ({parts.scheme}://host:port/db)"
         raise ValueError(f"--orca-audit-store {url!r} names no server: give {named}")
+    try:
+        parts.port  # read here: a bad port would otherwise surface after vLLM's import
+    except ValueError as e:
+        raise ValueError(f"--orca-audit-store {url!r}: {e}") from None
 
 
 def audit_labelling(ns: argparse.Namespace, bundle: Bundle) -> ProbeSettings:
