@@ -18,7 +18,7 @@ import numpy as np
 
 from orca_calibrate.gate import gate_from_trajectories
 from orca_calibrate.group_options import GroupOptions  # re-exported
-from orca_calibrate.job_options import DEFAULT_DELTAS, DEFAULT_WINDOW
+from orca_calibrate.job_options import DEFAULT_DELTAS, DEFAULT_WINDOW, LttOptions
 from orca_calibrate.train import solvable
 from orca_method.audit.drift import build_reference
 from orca_method.bundle import (
@@ -69,12 +69,15 @@ class GiveUpOptions:
 
     label_mode: str = "supervised"
     deltas: tuple[float, ...] = DEFAULT_GIVE_UP_DELTAS
-    epsilon: float = 0.05
+    epsilon: float = DEFAULT_EPSILON
     window: int | None = None
     default_delta: float | None = None
     # what a given-up request serves under the server's --orca-give-up-policy, the one mu* is
     # certified for (its own loss, orca_method.give_up.give_up_losses); the server refuses others
     policy: GiveUpPolicy = GiveUpPolicy.GUESS
+
+    def __post_init__(self) -> None:
+        LttOptions(tuple(self.deltas), self.epsilon, self.window or DEFAULT_WINDOW)  # LTT's checks
 
 
 def group_of(ts: TrajectorySet, i: int, field: str) -> str | None:

@@ -21,7 +21,7 @@ from orca_calibrate.judge import JudgeError, JudgeSettings
 from orca_calibrate.plan import DEFAULT_PILOT
 from orca_calibrate.probe_variants import PROBES
 from orca_calibrate.synth import generate
-from orca_calibrate.train_defaults import DEFAULTS, EPOCH_SELECT
+from orca_calibrate.train_defaults import DEFAULT_D_H, DEFAULT_PROBE, DEFAULTS, EPOCH_SELECT
 from orca_method.covariate_shift import DEFAULT_RATIO_RANK
 from orca_method.ltt import DEFAULT_EPSILON
 from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
@@ -461,9 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="meta-train a probe (or fit the static baseline)")
     data_arg(p)
-    p.add_argument("--probe", choices=sorted(PROBES), default="ttt-noqk")
+    p.add_argument("--probe", choices=sorted(PROBES), default=DEFAULT_PROBE)
     p.add_argument("--out", required=True, help="probe file (.safetensors)")
-    p.add_argument("--d-h", type=integer(1), default=128, help="QK projection size")
+    p.add_argument("--d-h", type=integer(1), default=DEFAULT_D_H, help="QK projection size")
     p.add_argument("--label-mode", help="supervised (default), consistent, judge")
     training_args(p)
     p.add_argument("--seed", type=int, default=0)
@@ -502,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probes", nargs="+", default=["static", "ttt-noqk", "ttt-qk"],
                    choices=sorted(PROBES))
     p.add_argument("--label-modes", nargs="+", default=["supervised", "consistent"])
-    p.add_argument("--d-h", type=integer(1), default=128)
+    p.add_argument("--d-h", type=integer(1), default=DEFAULT_D_H)
     window_arg(p)
     training_args(p)
     p.add_argument("--seed", type=int, default=0)
@@ -710,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.fn(args)
     except (UsageError, TrajectoryError, BundleError, JobError, JudgeError, ValueError,
-            FileNotFoundError, KeyError) as e:
+            OSError, KeyError) as e:  # OSError: an output path that is a file, a folder, ...
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"orca-calibrate {args.cmd}: error: {msg}", file=sys.stderr)
         return 2

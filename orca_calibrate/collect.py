@@ -32,6 +32,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from orca_calibrate.job_options import check_number, check_whole
 from orca_calibrate.judge import Judge, JudgeSettings, question_text
 from orca_calibrate.pipeline import Schedule
 from orca_method.answer_probes import (
@@ -45,10 +46,11 @@ from orca_method.answer_probes import (
 )
 from orca_method.consensus import sample_id
 from orca_method.labels import extract_forced, require_math_verify
-from orca_method.normalizations import DEFAULT_NORMALIZATION
+from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
 from orca_method.outcomes import LABEL_STEPS, LabelSteps
 from orca_method.selective import DecidingSteps, next_round
 from orca_method.trajectories import (
+    DTYPES,
     PROBLEMS_FILE,
     RECORDED_DTYPE,
     TrajectorySet,
@@ -112,9 +114,21 @@ class CollectSettings:
             raise ValueError(f"collect.schedule is one of {', '.join(SCHEDULES)}, not "
                              f"{self.schedule!r:.40}")
         self.label_steps, self.schedule = LabelSteps(self.label_steps), Scheduling(self.schedule)
-        if not isinstance(self.engines, int) or self.engines < 1:
-            raise ValueError(f"collect.engines is a number of engines >= 1, not "
-                             f"{self.engines!r:.40}")
+        for name, least in (("samples", 1), ("max_tokens", 1), ("seed", None),
+                            ("answer_tokens", 1), ("label_every", 1), ("batch", 1), ("engines", 1)):
+            check_whole(f"collect.{name}", getattr(self, name), least)
+        check_number("collect.temperature", self.temperature, 0, 100)
+        check_number("collect.top_p", self.top_p, 0, 1, low_open=True)
+        for name in ("segmentation", "think", "engine"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"collect.{name} is a mapping, got {getattr(self, name)!r:.40}")
+        if not isinstance(self.suffix, str):
+            raise ValueError(f"collect.suffix is text, got {self.suffix!r:.40}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"collect.dtype is one of {', '.join(DTYPES)}, not {self.dtype!r:.40}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"collect.normalization is one of {', '.join(NORMALIZATIONS)}, not "
+                             f"{self.normalization!r:.40}")
         if self.label_steps == LabelSteps.SELECTIVE and self.judge is not None:
             raise ValueError("collect.label_steps selective asks no judge (its label stage "
                              "probes without one): label every step with a judge")

@@ -37,11 +37,13 @@ from orca_calibrate.collect import (
     trace_keys,
 )
 from orca_calibrate.group_options import GroupOptions
-from orca_calibrate.job_options import SplitOptions, ltt_options, split_options
+from orca_calibrate.job_options import SplitOptions, check_whole, ltt_options, split_options
+from orca_calibrate.probe_variants import PROBES
 from orca_calibrate.judge import JudgeError, JudgeSettings
 from orca_calibrate.shards import SHARDS, collect_shards, merge_shards, run_shard, write_spec
-from orca_calibrate.train_defaults import DEFAULTS
+from orca_calibrate.train_defaults import DEFAULT_D_H, DEFAULT_PROBE, DEFAULTS, check_training
 from orca_method.consensus import prompt_of
+from orca_method.errors import first_line
 from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy, LabelSteps
 from orca_method.trajectories import Split, TrajectorySet, set_splits, split_ids
 
@@ -62,8 +64,13 @@ def load_job(path: Path) -> dict[str, Any]:
         raise JobError(f"job file {path} not found")
     try:
         job = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise JobError(f"{path} is not valid YAML: {e}") from None
+    except UnicodeDecodeError:
+        raise JobError(f"{path} is not a text file (UTF-8)") from None
+    except yaml.YAMLError as e:  # one line: what went wrong, and where
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise JobError(f"{path} is not valid YAML{where}: "
+                       f"{getattr(e, 'problem', None) or first_line(str(e))}") from None
     if not isinstance(job, dict):
         raise JobError(f"{path}: a job is a mapping with keys model, prompts, out, …")
     for key in ("model", "prompts", "out"):
@@ -73,6 +80,12 @@ def load_job(path: Path) -> dict[str, Any]:
                           "collect", "split", "train", "calibrate", "description"}
     if unknown:
         raise JobError(f"{path}: unknown keys {sorted(unknown)}")
+    for key in ("model", "prompts", "shifted_prompts", "out"):
+        if key in job and not (isinstance(job[key], str) and job[key]):
+            raise JobError(f"{path}: {key} is a path (text), got {job[key]!r:.40}")
+    for key in ("collect", "split", "train", "calibrate"):
+        if not isinstance(job.get(key) or {}, dict):
+            raise JobError(f"{path}: {key} is a mapping of settings, got {job[key]!r:.40}")
     base = path.parent
     for key in ("prompts", "shifted_prompts", "out"):
         if key in job and not Path(job[key]).is_absolute():
@@ -91,15 +104,29 @@ def load_job(path: Path) -> dict[str, Any]:
         job["group_prompts"] = [f if Path(f).is_absolute() else str(base / f) for f in files]
     if str(job["model"]).startswith((".", "/")) and not Path(job["model"]).is_absolute():
         job["model"] = str((base / job["model"]).resolve())
+    if job["model"].startswith("/") and not Path(job["model"]).is_dir():  # a hub id is not a path
+        raise JobError(f"{path}: model {job['model']} is not a folder (a local model, or a hub "
+                       "id such as Qwen/QwQ-32B)")
+    if Path(job["out"]).exists() and not Path(job["out"]).is_dir():
+        raise JobError(f"{path}: out {job['out']} is a file, not a folder")
     try:  # the split's and LTT's settings (the calibrate block's sub-blocks below)
         split_options(job.get("split"))
         ltt_options(job.get("calibrate"))
     except ValueError as e:
         raise JobError(f"{path}: {e}") from None
-    bad = set(job.get("train") or {}) - TRAIN_JOB_KEYS - set(DEFAULTS)
+    tr = job.get("train") or {}
+    bad = set(tr) - TRAIN_JOB_KEYS - set(DEFAULTS)
     if bad:
         raise JobError(f"{path}: unknown train settings {sorted(bad)} "
                        f"(known: {sorted(TRAIN_JOB_KEYS | set(DEFAULTS))})")
+    try:  # checked now, not after the collection
+        check_training(**{**DEFAULTS, **{k: v for k, v in tr.items() if k in DEFAULTS}})
+        if tr.get("probe", DEFAULT_PROBE) not in PROBES:
+            raise ValueError(f"probe is one of {', '.join(sorted(PROBES))}, not {tr['probe']!r:.40}")
+        check_whole("d_h", tr.get("d_h", DEFAULT_D_H), 1)
+        check_whole("seed", tr.get("seed", 0))
+    except ValueError as e:
+        raise JobError(f"{path}: train.{e}") from None
     known = {f.name for f in fields(CollectSettings)}
     bad = set(job.get("collect") or {}) - known
     if bad:
@@ -110,6 +137,10 @@ def load_job(path: Path) -> dict[str, Any]:
                                                               f"{path}: collect")
         except JudgeError as e:
             raise JobError(str(e)) from None
+    try:  # types and ranges, before a stage starts an engine
+        CollectSettings(**(job.get("collect") or {}))
+    except ValueError as e:
+        raise JobError(f"{path}: {e}") from None
     give_up = (job.get("calibrate") or {}).get("give_up")
     if give_up is not None:
         from orca_calibrate.calibrate import GiveUpOptions  # deferred: torch
@@ -120,6 +151,11 @@ def load_job(path: Path) -> dict[str, Any]:
             raise JobError(f"{path}: calibrate.give_up.policy is what the server will serve "
                            f"(--orca-give-up-policy): one of {', '.join(GIVE_UP_POLICIES)}, "
                            f"not {give_up['policy']!r:.40}")
+        try:
+            GiveUpOptions(**{k: tuple(v) if k == "deltas" and isinstance(v, list) else v
+                             for k, v in give_up.items()})
+        except (TypeError, ValueError) as e:
+            raise JobError(f"{path}: calibrate.give_up: {e}") from None
     groups = (job.get("calibrate") or {}).get("groups")
     if groups is not None:
         known = {f.name for f in fields(GroupOptions)}
@@ -377,7 +413,8 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
         ts = TrajectorySet.open(data)
         mode = tr.get("label_mode", "supervised")
         options = {k: v for k, v in tr.items() if k not in TRAIN_JOB_KEYS}
-        probe, facts = train_probe(ts, tr.get("probe", "ttt-noqk"), mode, d_h=tr.get("d_h", 128),
+        probe, facts = train_probe(ts, tr.get("probe", DEFAULT_PROBE), mode,
+                                   d_h=tr.get("d_h", DEFAULT_D_H),
                                    seed=tr.get("seed", 0), checkpoints=out / "checkpoints",
                                    progress=progress, **options)
         save_probe(probe, probe_file, {"label_mode": mode, **facts,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from orca_method.ltt import DEFAULT_EPSILON
+from orca_method.thresholds import MAX_WINDOW
 from orca_method.trajectories import DEFAULT_FRACTIONS, SPLITS
 
 DEFAULT_DELTAS = (0.05, 0.1, 0.15, 0.2)
@@ -24,6 +25,20 @@ CALIBRATE_BLOCKS = ("give_up", "groups", "consensus")
 
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_whole(name: str, v: Any, least: int | None = None) -> None:
+    """ValueError (one line, naming the setting) unless `v` is an integer >= `least`."""
+    if isinstance(v, bool) or not isinstance(v, int) or (least is not None and v < least):
+        at_least = "" if least is None else f" >= {least}"
+        raise ValueError(f"{name} is a whole number{at_least}, got {v!r:.40}")
+
+
+def check_number(name: str, v: Any, low: float, high: float, *, low_open: bool = False) -> None:
+    """ValueError unless `v` is a finite number in [low, high] ((low, high] with `low_open`)."""
+    if not _number(v) or not (low < v if low_open else low <= v) or v > high:
+        where = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ValueError(f"{name} is a number in {where}, got {v!r:.40}")
 
 
 @dataclass(frozen=True)
@@ -41,8 +56,9 @@ class LttOptions:
             raise ValueError(f"deltas are listed once each, got {list(self.deltas)}")
         if not (_number(self.epsilon) and 0 < self.epsilon < 1):
             raise ValueError(f"epsilon is in (0, 1), got {self.epsilon!r:.40}")
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window is a whole number of steps >= 1, got {self.window!r:.40}")
+        w = self.window
+        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_WINDOW:
+            raise ValueError(f"window is a whole number of steps in [1, {MAX_WINDOW}], got {w!r:.40}")
 
 
 @dataclass(frozen=True)

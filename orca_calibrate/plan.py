@@ -28,6 +28,7 @@ from orca_calibrate.collect import Collector, CollectSettings, read_prompts, tra
 from orca_calibrate.job import TRAIN_JOB_KEYS, job_split, load_job
 from orca_calibrate.job_options import split_options
 from orca_calibrate.probe_variants import PROBES
+from orca_calibrate.train_defaults import DEFAULT_D_H, DEFAULT_PROBE
 from orca_method.trajectories import DTYPES, Split, TrajectorySet, set_splits
 
 DEFAULT_PILOT = 48  # prompts
@@ -122,12 +123,12 @@ def plan_job(path: Path, pilot: int = DEFAULT_PILOT, seed: int = 0,
     set_splits(ts.path, {p.id: "train" for p in ts.problems})
     ts = TrajectorySet.open(ts.path)
     tr = job.get("train") or {}
-    name, options = tr.get("probe", "ttt-noqk"), {k: v for k, v in tr.items()
+    name, options = tr.get("probe", DEFAULT_PROBE), {k: v for k, v in tr.items()
                                                   if k not in TRAIN_JOB_KEYS}
     epochs = 1 if name == "static" else training_settings(
         ProbeSpec(dim=ts.dim, **PROBES[name]), options)["epochs"]
     t1 = time.perf_counter()
-    train_probe(ts, name, tr.get("label_mode", "supervised"), d_h=tr.get("d_h", 128),
+    train_probe(ts, name, tr.get("label_mode", "supervised"), d_h=tr.get("d_h", DEFAULT_D_H),
                 seed=tr.get("seed", 0), checkpoints=None, progress=False,
                 **{**options, "epochs": 1, "epoch_select": "last"})
     train_per = (time.perf_counter() - t1) / n

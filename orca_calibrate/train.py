@@ -19,14 +19,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from scipy.optimize import minimize
 from tqdm import tqdm
 
 from orca_calibrate.job_options import DEFAULT_WINDOW
 from orca_calibrate.probe_variants import PROBES
-from orca_calibrate.train_defaults import DEFAULTS, EPOCH_SELECT
+from orca_calibrate.train_defaults import DEFAULTS, EPOCH_SELECT, check_training
 from orca_method.give_up import right_ahead
 from orca_method.ltt import calibrate
 from orca_method.probe import Probe, ProbeSpec
@@ -202,10 +202,7 @@ def meta_train(ts: TrajectorySet, spec: ProbeSpec, mode: str, *, epochs: int = D
     learning rate rises linearly from 0 to `lr` (default `lr_for_batch(batch_size)`).
     """
     lr = lr_for_batch(batch_size) if lr is None else lr
-    if epoch_select not in EPOCH_SELECT:
-        raise ValueError(f"epoch selection must be one of {EPOCH_SELECT}, got {epoch_select!r}")
-    if epochs < 1 or batch_size < 1 or lr <= 0 or not 0 <= warmup < 1:
-        raise ValueError("epochs and batch size must be >= 1, lr > 0 and 0 <= warmup < 1")
+    check_training(batch_size, lr, epochs, epoch_select, warmup)
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     train = solvable(ts, ts.split("train"), mode)
@@ -340,8 +337,13 @@ def save_probe(probe: Probe, path: Path, meta: dict | None = None) -> None:
 
 
 def load_probe(path: Path) -> tuple[Probe, dict[str, str]]:
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"probe file {path} not found (or not a file)")
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a probe file (safetensors): {e}") from None
     if meta.get("format") != "orca-probe-1":
         raise ValueError(f"{path} is not a probe written by `orca-calibrate train`")
     probe = Probe(ProbeSpec.from_dict(json.loads(meta["spec"])))

@@ -13,3 +13,22 @@ that `orca-calibrate --help` and a job file's check can name them without import
 DEFAULTS = {"batch_size": 32, "lr": None, "epochs": 20, "epoch_select": "last", "warmup": 0.0}
 
 EPOCH_SELECT = ("validation", "last")  # how `meta_train` picks the epoch it keeps
+DEFAULT_PROBE = "ttt-noqk"  # orca_calibrate.probe_variants.PROBES: the paper's main probe
+DEFAULT_D_H = 128  # the QK variants' projection size
+
+
+def check_training(batch_size: int, lr: float | None, epochs: int, epoch_select: str,
+                   warmup: float) -> None:
+    """ValueError (one line) for settings `meta_train` cannot run with: checked by it, and by a
+    job file's check before collection (which may take hours) rather than after."""
+    from orca_calibrate.job_options import check_number, check_whole
+
+    check_whole("batch_size", batch_size, 1)
+    check_whole("epochs", epochs, 1)
+    if lr is not None:
+        check_number("lr", lr, 0, 1, low_open=True)
+    check_number("warmup", warmup, 0, 1)
+    if warmup == 1:
+        raise ValueError("warmup is a fraction of the steps below 1, got 1")
+    if epoch_select not in EPOCH_SELECT:
+        raise ValueError(f"epoch_select is one of {', '.join(EPOCH_SELECT)}, got {epoch_select!r:.40}")

@@ -49,7 +49,13 @@ from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.shift_gate import DEFAULT_GATE_RANK, ShiftGate, fit_gate, give_up_level
 from orca_method.steps import DEFAULT_DELIMITER, THINK_END, THINK_START
-from orca_method.thresholds import GIVE_UP_NEVER, GROUP_NAME_MAX, lam_from_json, mu_from_json
+from orca_method.thresholds import (
+    GIVE_UP_NEVER,
+    GROUP_NAME_MAX,
+    MAX_WINDOW,
+    lam_from_json,
+    mu_from_json,
+)
 
 # Version 1: the one-sided bundle (lambda* only). Version 2: the same plus a `give_up` block (the
 # lower threshold mu*, docs/METHOD.md section 9). A bundle is written as version 1 whenever it has
@@ -58,7 +64,6 @@ from orca_method.thresholds import GIVE_UP_NEVER, GROUP_NAME_MAX, lam_from_json,
 SCHEMA_VERSION = 1
 TWO_SIDED_VERSION = 2
 SCHEMA_VERSIONS = (SCHEMA_VERSION, TWO_SIDED_VERSION)
-MAX_WINDOW = 10_000  # the server keeps window floats per request row
 
 
 class BundleError(ValueError):

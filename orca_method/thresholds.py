@@ -15,6 +15,8 @@ NEVER = math.inf
 # `orca.group` (docs/METHOD.md section 12)
 GROUP_NAME_MAX = 64
 GIVE_UP_NEVER = -math.inf  # the never-give-up threshold mu (no score in [0, 1] is <= -inf)
+# the longest smoothing window a bundle may fix: the server keeps window floats per request row
+MAX_WINDOW = 10_000
 
 
 def lam_to_json(lam: float | None) -> float | None:

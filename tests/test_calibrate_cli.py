@@ -61,6 +61,27 @@ def test_synth_writes_nothing_for_a_negative_count(tmp_path, capsys):
     assert not (tmp_path / "s").exists() and "wrote" not in capsys.readouterr().out
 
 
+def test_wrong_files_are_one_line_not_a_traceback(tmp_path, capsys):
+    """An output path that is a file, a probe that is not one: one line and exit 2 (they were
+    tracebacks: FileExistsError, safetensors' header error)."""
+    from orca_calibrate.calibrate_cli import main
+
+    not_probe = tmp_path / "probe.json"
+    not_probe.write_text("{}")
+    assert main(["synth", "--out", str(tmp_path / "data"), "--problems", "8", "--dim", "4",
+                 "--steps", "5"]) == 0
+    capsys.readouterr()
+    cases = [(["synth", "--out", str(not_probe), "--problems", "5"], "File exists"),
+             (["calibrate", "--data", str(tmp_path / "data"), "--probe", str(not_probe),
+               "--out", str(tmp_path / "b.json")], "is not a probe file (safetensors)"),
+             (["calibrate", "--data", str(tmp_path / "data"), "--probe", str(tmp_path),
+               "--out", str(tmp_path / "b.json")], "not found (or not a file)")]
+    for argv, words in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], (argv, err)
+
+
 def test_gate_refuses_a_give_up_level_below_its_alpha(bundle_path, tmp_path, capsys):
     """Before any engine starts: one line, exit 2 (docs/METHOD.md section 11)."""
     from orca_calibrate.calibrate_cli import main

@@ -66,8 +66,22 @@ def test_job_file_errors(tmp_path) -> None:
     with pytest.raises(JobError, match="unknown collect settings"):
         load_job(j)
     j.write_text("model: ./m\nprompts: p.jsonl\nout: o\n")
+    with pytest.raises(JobError, match=f"model {tmp_path / 'm'} is not a folder"):
+        load_job(j)  # a local path, checked before vLLM would take it for a hub id
+    (tmp_path / "m").mkdir()
     job = load_job(j)
     assert job["prompts"] == str(tmp_path / "p.jsonl") and job["model"] == str(tmp_path / "m")
+    for text, words in [("model: [unclosed\n", r"not valid YAML at line 2, column 1: expected ',' or ']'"),
+                        ("model: m\nprompts: 5\nout: o\n", "prompts is a path \\(text\\), got 5"),
+                        ("model: m\nprompts: p\nout: o\ncollect: abc\n",
+                         "collect is a mapping of settings, got 'abc'"),
+                        ("model: m\nprompts: p\nout: job.yaml\n", "out .* is a file, not a folder")]:
+        j.write_text(text)
+        with pytest.raises(JobError, match=words):
+            load_job(j)
+    j.write_bytes(b"\xcc\xff")
+    with pytest.raises(JobError, match="is not a text file"):
+        load_job(j)
 
 
 @pytest.mark.parametrize("blocks, words", [
@@ -80,15 +94,28 @@ def test_job_file_errors(tmp_path) -> None:
     ("calibrate: {deltas: [0.1, 0.1]}", r"deltas are listed once each"),
     ("calibrate: {epsilon: 0}", r"calibrate: epsilon is in \(0, 1\), got 0"),
     ("calibrate: {window: 2.5}", r"calibrate: window is a whole number of steps"),
-    ("calibrate: [0.1]", r"calibrate is a mapping of deltas, epsilon, window"),
+    ("calibrate: {window: 100000}", r"calibrate: window .* in \[1, 10000\], got 100000"),
+    ("calibrate: [0.1]", r"calibrate is a mapping of settings, got \[0.1\]"),
     ("split: {fraction: [0.5, 0.3, 0.2]}", r"split: unknown keys \['fraction'\]"),
     ("split: {fractions: [0.5, 0.3]}", r"split: fractions are 3 non-negative numbers \(train, "),
     ("split: {fractions: [0.6, 0.3, 0.3]}", r"summing to 1, got \[0.6, 0.3, 0.3\]"),
     ("split: {seed: x}", r"split: seed is a whole number, got 'x'"),
+    # these failed after the collection (hours on a real model) or with a traceback
+    ("collect: {samples: '2'}", r"collect.samples is a whole number >= 1, got '2'"),
+    ("collect: {temperature: hot}", r"collect.temperature is a number in \[0, 100\], got 'hot'"),
+    ("collect: {top_p: 0}", r"collect.top_p is a number in \(0, 1\], got 0"),
+    ("collect: {batch: 0}", r"collect.batch is a whole number >= 1, got 0"),
+    ("collect: {dtype: int8}", r"collect.dtype is one of float16, float32, not 'int8'"),
+    ("collect: {engine: x}", r"collect.engine is a mapping, got 'x'"),
+    ("train: {epochs: ten}", r"train.epochs is a whole number >= 1, got 'ten'"),
+    ("train: {lr: fast}", r"train.lr is a number in \(0, 1\], got 'fast'"),
+    ("train: {probe: nope}", r"train.probe is one of static, .*, not 'nope'"),
+    ("train: {epoch_select: best}", r"train.epoch_select is one of validation, last"),
+    ("calibrate: {give_up: {deltas: [2]}}", r"calibrate.give_up: deltas are risk levels in \(0, 1\)"),
 ])
-def test_job_split_and_calibrate_blocks_are_checked(tmp_path, blocks, words) -> None:
-    """The split's and LTT's settings are typed when the job is read: a misspelt key or a value
-    out of range is one line naming it, before any stage runs."""
+def test_job_blocks_are_checked_when_read(tmp_path, blocks, words) -> None:
+    """Every block's settings are typed when the job is read: a misspelt key or a value of the
+    wrong type or out of range is one line naming it, before any stage runs."""
     j = tmp_path / "job.yaml"
     j.write_text(f"model: m\nprompts: p.jsonl\nout: o\n{blocks}\n")
     with pytest.raises(JobError, match=words):
