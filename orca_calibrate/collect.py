@@ -177,8 +177,12 @@ def read_prompts(path: Path) -> list[dict]:
     """JSON lines with `id`, `messages` (chat) or `prompt`, optional `answer` and `family`."""
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {path} not found")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"prompts file {path} is not text (UTF-8 JSON lines)") from None
     out, seen = [], set()
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

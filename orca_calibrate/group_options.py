@@ -21,6 +21,7 @@ class GroupOptions:
     min_n: int = 30
 
     def __post_init__(self) -> None:
-        if not self.field or self.min_n < 1:
+        if not isinstance(self.field, str) or not self.field or isinstance(self.min_n, bool) \
+                or not isinstance(self.min_n, int) or self.min_n < 1:
             raise ValueError(f"calibrate.groups needs a field name and min_n >= 1, got "
                              f"field {self.field!r:.40}, min_n {self.min_n!r:.20}")

@@ -11,9 +11,15 @@ from __future__ import annotations
 
 
 def first_line(e: BaseException) -> str:
-    """The first line of `e`'s message (its type name when the message is empty)."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    """The first non-empty line of `e`'s message (its type name when the message is empty); a
+    line that ends in a colon announces the next one, which is what it is about, so it comes
+    too ("Validation error for field 'hidden_size': Input should be a valid integer")."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
 
 
 SHOWN_CHARS = 100

@@ -527,6 +527,7 @@ def test_orca_serve_serves_mu_only_under_the_give_up_policy_it_was_certified_for
     refuses the demo bundle (certified for "guess") under --orca-give-up-policy message, and a
     bundle certified for "message" under the default "guess": exit 2, one line naming the flag
     that fits, vLLM not imported. The matching combination passes the same pre-flight."""
+    from orca_serve.checks.errors import StartupError
     from orca_serve.startup.preflight import preflight
 
     got = refused["_give_up_policy_cases"]
@@ -543,6 +544,8 @@ def test_orca_serve_serves_mu_only_under_the_give_up_policy_it_was_certified_for
     pre = preflight(["--calib", message, "--orca-give-up-policy", "message"])
     assert pre.bundle is not None and pre.bundle.give_up.policy == "message"
     assert preflight(["--demo"]).bundle.give_up.policy == "guess"
+    with pytest.raises(StartupError, match="--calib is empty"):  # was "bundle . is a directory"
+        preflight(["--calib", ""])
 
 
 def test_orca_serve_serves_a_vote_only_in_the_schedule_it_was_certified_for(tmp_path):
@@ -564,3 +567,22 @@ def test_orca_serve_serves_a_vote_only_in_the_schedule_it_was_certified_for(tmp_
         preflight(["--calib", str(at_once), *model, "--orca-vote-waves", "2+2"])
     pre = preflight(["--calib", str(waved), *model, "--orca-vote-waves", "1+1+2"])
     assert pre.bundle.consensus.schedule == (1, 1, 2)
+
+
+def test_a_model_config_of_the_wrong_type_is_named_in_its_one_line(tmp_path):
+    """transformers' validation error announces its field with a colon and says what is wrong on
+    the next line; the one-line refusal carries both (it ended at the colon)."""
+    import shutil
+
+    from orca_serve.checks.bundle import model_facts
+    from orca_serve.checks.errors import StartupError
+
+    model = tmp_path / "model"
+    shutil.copytree(DEMO / "model", model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "hidden_size": "256"}))
+    with pytest.raises(StartupError) as e:
+        model_facts(str(model))
+    msg = str(e.value)
+    assert "\n" not in msg and "hidden_size" in msg and not msg.endswith(":"), msg
+    assert "'256'" in msg, msg

@@ -55,6 +55,9 @@ def test_read_prompts_errors(tmp_path) -> None:
         read_prompts(p)
     with pytest.raises(FileNotFoundError):
         read_prompts(tmp_path / "nope.jsonl")
+    p.write_bytes(b"\xcc\xff\n")
+    with pytest.raises(ValueError, match=f"prompts file {p} is not text"):
+        read_prompts(p)
 
 
 def test_job_file_errors(tmp_path) -> None:
@@ -308,7 +311,8 @@ def test_a_job_with_groups_calibrates_each_tagged_group(tmp_path, monkeypatch, c
     assert list(bundle.groups) == ["in-dist"]
     assert bundle.groups["in-dist"].ltt.n_cal == bundle.ltt.n_cal  # one group: the whole split
     for bad, words in (({"field": "family", "min": 3}, "calibrate.groups is a mapping of"),
-                       ({"field": "family", "min_n": 0}, "min_n >= 1"), ("family", "mapping")):
+                       ({"field": "family", "min_n": 0}, "min_n >= 1"),
+                       ({"field": "family", "min_n": "x"}, "min_n 'x'"), ("family", "mapping")):
         job["calibrate"]["groups"] = bad
         path.write_text(json.dumps(job))
         with pytest.raises(JobError, match=words):

@@ -260,6 +260,8 @@ def preflight(argv: list[str]) -> Preflight:
     except RuntimeError as e:
         raise StartupError(str(e)) from None
     early = early_parse(argv)
+    if early.calib is not None and not early.calib.strip():  # Path("") is the working directory
+        raise StartupError("--calib is empty: give a bundle file (bundle.json)")
     pre = Preflight(argv, early, bundle_path=early.calib)
     if early.demo:
         if early.calib or early.model:
