@@ -586,3 +586,17 @@ def test_a_model_config_of_the_wrong_type_is_named_in_its_one_line(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and "hidden_size" in msg and not msg.endswith(":"), msg
     assert "'256'" in msg, msg
+
+
+def test_a_model_folder_without_tokenizer_files_is_named_so(tmp_path):
+    """transformers stands in a one-token tokenizer for a folder without tokenizer files; the
+    check said the tokenizer differed from the bundle's, not that it was missing."""
+    import shutil
+
+    from orca_serve.checks.bundle import model_facts
+    from orca_serve.checks.errors import StartupError
+
+    model = tmp_path / "model"
+    shutil.copytree(DEMO / "model", model, ignore=shutil.ignore_patterns("tokenizer*"))
+    with pytest.raises(StartupError, match="has no tokenizer .* tokenizer files .* missing"):
+        model_facts(str(model))

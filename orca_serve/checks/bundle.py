@@ -72,6 +72,10 @@ def model_facts(model: str, *, tokenizer: str | None = None, revision: str | Non
     except Exception as e:  # noqa: BLE001
         raise StartupError(f"cannot load the tokenizer of model {model!r}: "
                            f"{first_line(e)}") from None
+    if len(vocab) < 2:  # transformers' stand-in when a folder has no tokenizer files
+        raise StartupError(f"model {tokenizer or model!r} has no tokenizer (its vocabulary has "
+                           f"{len(vocab)} token): are its tokenizer files (tokenizer.json, "
+                           "tokenizer_config.json) missing? --tokenizer names another folder")
     return ModelFacts(hidden, vocab, token_bytes_from_tokenizer(tok), config_fingerprint(cfg))
 
 
