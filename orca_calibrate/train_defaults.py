@@ -1,8 +1,10 @@
 """The training settings' defaults and choices, apart from orca_calibrate/train.py (torch, scipy), so
 that `orca-calibrate --help` and a job file's check can name them without importing torch.
 
-`orca_calibrate.train` re-exports both.
+`orca_calibrate.train` re-exports DEFAULTS and EPOCH_SELECT.
 """
+
+from orca_calibrate.job_options import check_number, check_whole
 
 # Defaults of `meta_train` and of `orca-calibrate train` (no-QK epochs; QK uses 10). lr None:
 # `orca_calibrate.train.lr_for_batch(batch_size)`. Batch 32 is for speed (9.4x less CPU than batch 1
@@ -21,8 +23,6 @@ def check_training(batch_size: int, lr: float | None, epochs: int, epoch_select:
                    warmup: float) -> None:
     """ValueError (one line) for settings `meta_train` cannot run with: checked by it, and by a
     job file's check before collection (which may take hours) rather than after."""
-    from orca_calibrate.job_options import check_number, check_whole
-
     check_whole("batch_size", batch_size, 1)
     check_whole("epochs", epochs, 1)
     if lr is not None:
