@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import sys
 import time
 from collections import Counter
@@ -117,7 +118,7 @@ class CollectSettings:
         for name, least in (("samples", 1), ("max_tokens", 1), ("seed", None),
                             ("answer_tokens", 1), ("label_every", 1), ("batch", 1), ("engines", 1)):
             check_whole(f"collect.{name}", getattr(self, name), least)
-        check_number("collect.temperature", self.temperature, 0, 100)
+        check_number("collect.temperature", self.temperature, 0, math.inf)
         check_number("collect.top_p", self.top_p, 0, 1, low_open=True)
         for name in ("segmentation", "think", "engine"):
             if not isinstance(getattr(self, name), dict):

@@ -24,7 +24,7 @@ import shutil
 import time
 from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -38,14 +38,17 @@ from orca_calibrate.collect import (
 )
 from orca_calibrate.group_options import GroupOptions
 from orca_calibrate.job_options import SplitOptions, check_whole, ltt_options, split_options
-from orca_calibrate.probe_variants import PROBES
 from orca_calibrate.judge import JudgeError, JudgeSettings
+from orca_calibrate.probe_variants import PROBES
 from orca_calibrate.shards import SHARDS, collect_shards, merge_shards, run_shard, write_spec
 from orca_calibrate.train_defaults import DEFAULT_D_H, DEFAULT_PROBE, DEFAULTS, check_training
 from orca_method.consensus import prompt_of
 from orca_method.errors import first_line
 from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy, LabelSteps
 from orca_method.trajectories import Split, TrajectorySet, set_splits, split_ids
+
+if TYPE_CHECKING:
+    from orca_calibrate.calibrate import GiveUpOptions
 
 # the trajectory directories of a job's `out`: its prompts, its shifted prompts, and (one
 # folder per prompt file, named by its stem) its groups' calibration-only prompts
@@ -122,7 +125,8 @@ def load_job(path: Path) -> dict[str, Any]:
     try:  # checked now, not after the collection
         check_training(**{**DEFAULTS, **{k: v for k, v in tr.items() if k in DEFAULTS}})
         if tr.get("probe", DEFAULT_PROBE) not in PROBES:
-            raise ValueError(f"probe is one of {', '.join(sorted(PROBES))}, not {tr['probe']!r:.40}")
+            raise ValueError(f"probe is one of {', '.join(sorted(PROBES))}, "
+                             f"not {tr['probe']!r:.40}")
         check_whole("d_h", tr.get("d_h", DEFAULT_D_H), 1)
         check_whole("seed", tr.get("seed", 0))
     except ValueError as e:
@@ -152,8 +156,7 @@ def load_job(path: Path) -> dict[str, Any]:
                            f"(--orca-give-up-policy): one of {', '.join(GIVE_UP_POLICIES)}, "
                            f"not {give_up['policy']!r:.40}")
         try:
-            GiveUpOptions(**{k: tuple(v) if k == "deltas" and isinstance(v, list) else v
-                             for k, v in give_up.items()})
+            give_up_options(give_up)
         except (TypeError, ValueError) as e:
             raise JobError(f"{path}: calibrate.give_up: {e}") from None
     groups = (job.get("calibrate") or {}).get("groups")
@@ -189,6 +192,13 @@ def load_job(path: Path) -> dict[str, Any]:
         raise JobError(f"{path}: train.label_mode judge needs a collect.judge block "
                        "(base_url, model, api_key_env)")
     return job
+
+
+def give_up_options(block: dict[str, Any]) -> GiveUpOptions:
+    """A job's `calibrate.give_up` block as the calibrate stage takes it (YAML lists as tuples)."""
+    from orca_calibrate.calibrate import GiveUpOptions  # deferred: torch
+
+    return GiveUpOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in block.items()})
 
 
 # What each stage's result depends on, beyond the stages before it.
@@ -258,7 +268,8 @@ def _stage(out: Path, name: str, outputs: list[Path], fn, log: list[str], settin
 def planned_split(job: dict[str, Any], prompts: list[dict]) -> dict[str, str]:
     """The split of every trace the collection makes (selective labelling needs it before)."""
     samples = CollectSettings(**(job.get("collect") or {})).samples
-    return job_split([key for key, _ in trace_keys(prompts, samples)], split_options(job.get("split")))
+    keys = [key for key, _ in trace_keys(prompts, samples)]
+    return job_split(keys, split_options(job.get("split")))
 
 
 def collection_sets(job: dict[str, Any]) -> list[tuple[list[dict], Path, set[str]]]:
@@ -381,8 +392,7 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
         """The give-up probe and its options (fitted in seconds, deterministically)."""
         if ca.get("give_up") is None:
             return None
-        opts = GiveUpOptions(**{k: tuple(v) if k == "deltas" else v
-                                for k, v in ca["give_up"].items()})
+        opts = give_up_options(ca["give_up"])
         return train_give_up(ts, opts.label_mode, seed=tr.get("seed", 0)), opts
 
     def label() -> bool:

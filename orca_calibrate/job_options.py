@@ -58,7 +58,8 @@ class LttOptions:
             raise ValueError(f"epsilon is in (0, 1), got {self.epsilon!r:.40}")
         w = self.window
         if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_WINDOW:
-            raise ValueError(f"window is a whole number of steps in [1, {MAX_WINDOW}], got {w!r:.40}")
+            raise ValueError(f"window is a whole number of steps in [1, {MAX_WINDOW}], "
+                             f"got {w!r:.40}")
 
 
 @dataclass(frozen=True)
@@ -72,19 +73,18 @@ class SplitOptions:
         f = self.fractions
         if (len(f) != len(SPLITS) or not all(_number(x) and x >= 0 for x in f)
                 or not math.isclose(sum(f), 1)):
-            raise ValueError(f"fractions are {len(SPLITS)} non-negative numbers ({', '.join(SPLITS)}) "
-                             f"summing to 1, got {list(f)!r:.80}")
+            raise ValueError(f"fractions are {len(SPLITS)} non-negative numbers "
+                             f"({', '.join(SPLITS)}) summing to 1, got {list(f)!r:.80}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed is a whole number, got {self.seed!r:.40}")
 
 
-def _record(cls: type, block: Any, name: str, skip: tuple[str, ...] = ()) -> Any:
-    """`cls` from a job file's block; ValueError names the block and the key."""
-    if block is None:
-        block = {}
+def _record(cls: type, block: Mapping[str, Any] | None, name: str,
+            skip: tuple[str, ...] = ()) -> Any:
+    """`cls` from a job file's block (a mapping: load_job checks every block is one); ValueError
+    names the block and the key."""
+    block = block or {}
     known = [f.name for f in fields(cls)]
-    if not isinstance(block, Mapping):
-        raise ValueError(f"{name} is a mapping of {', '.join(known + list(skip))}")
     unknown = sorted(set(block) - set(known) - set(skip))
     if unknown:
         raise ValueError(f"{name}: unknown keys {unknown} (known: {', '.join(known + list(skip))})")
@@ -100,11 +100,11 @@ def _record(cls: type, block: Any, name: str, skip: tuple[str, ...] = ()) -> Any
         raise ValueError(f"{name}: {e}") from None
 
 
-def ltt_options(block: Any) -> LttOptions:
+def ltt_options(block: Mapping[str, Any] | None) -> LttOptions:
     """A job's `calibrate:` block's LTT settings (its sub-blocks are checked on their own)."""
     return _record(LttOptions, block, "calibrate", skip=CALIBRATE_BLOCKS)
 
 
-def split_options(block: Any) -> SplitOptions:
+def split_options(block: Mapping[str, Any] | None) -> SplitOptions:
     """A job's `split:` block."""
     return _record(SplitOptions, block, "split")

@@ -133,7 +133,8 @@ def plan_job(path: Path, pilot: int = DEFAULT_PILOT, seed: int = 0,
                 **{**options, "epochs": 1, "epoch_select": "last"})
     train_per = (time.perf_counter() - t1) / n
     keys = [key for key, _ in trace_keys(prompts, settings.samples)]
-    n_train = sum(s == Split.TRAIN for s in job_split(keys, split_options(job.get("split"))).values())
+    split = job_split(keys, split_options(job.get("split")))
+    n_train = sum(s == Split.TRAIN for s in split.values())
     total = len(every) * settings.samples
     engine = settings.engine
     devices = int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1))

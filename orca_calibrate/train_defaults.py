@@ -31,4 +31,5 @@ def check_training(batch_size: int, lr: float | None, epochs: int, epoch_select:
     if warmup == 1:
         raise ValueError("warmup is a fraction of the steps below 1, got 1")
     if epoch_select not in EPOCH_SELECT:
-        raise ValueError(f"epoch_select is one of {', '.join(EPOCH_SELECT)}, got {epoch_select!r:.40}")
+        raise ValueError(f"epoch_select is one of {', '.join(EPOCH_SELECT)}, "
+                         f"got {epoch_select!r:.40}")
