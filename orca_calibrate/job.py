@@ -24,7 +24,7 @@ import shutil
 import time
 from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -47,8 +47,7 @@ from orca_method.errors import first_line
 from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy, LabelSteps
 from orca_method.trajectories import Split, TrajectorySet, set_splits, split_ids
 
-if TYPE_CHECKING:
-    from orca_calibrate.calibrate import GiveUpOptions
+T = TypeVar("T")
 
 # the trajectory directories of a job's `out`: its prompts, its shifted prompts, and (one
 # folder per prompt file, named by its stem) its groups' calibration-only prompts
@@ -156,7 +155,7 @@ def load_job(path: Path) -> dict[str, Any]:
                            f"(--orca-give-up-policy): one of {', '.join(GIVE_UP_POLICIES)}, "
                            f"not {give_up['policy']!r:.40}")
         try:
-            give_up_options(give_up)
+            block_options(GiveUpOptions, give_up)
         except (TypeError, ValueError) as e:
             raise JobError(f"{path}: calibrate.give_up: {e}") from None
     groups = (job.get("calibrate") or {}).get("groups")
@@ -184,7 +183,7 @@ def load_job(path: Path) -> dict[str, Any]:
             raise JobError(f"{path}: calibrate.consensus needs collect.samples >= 2 (k samples "
                            "per prompt)")
         try:
-            ConsensusOptions(**{k: tuple(v) if k == "deltas" else v for k, v in consensus.items()})
+            block_options(ConsensusOptions, consensus)
         except (TypeError, ValueError) as e:
             raise JobError(f"{path}: calibrate.consensus: {e}") from None
     if (job.get("train") or {}).get("label_mode") == "judge" and \
@@ -194,11 +193,10 @@ def load_job(path: Path) -> dict[str, Any]:
     return job
 
 
-def give_up_options(block: dict[str, Any]) -> GiveUpOptions:
-    """A job's `calibrate.give_up` block as the calibrate stage takes it (YAML lists as tuples)."""
-    from orca_calibrate.calibrate import GiveUpOptions  # deferred: torch
-
-    return GiveUpOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in block.items()})
+def block_options(cls: type[T], block: dict[str, Any]) -> T:
+    """A `calibrate:` sub-block (give_up, consensus) as its frozen options (YAML lists as
+    tuples): load_job's check and the stages build it the one way."""
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in block.items()})
 
 
 # What each stage's result depends on, beyond the stages before it.
@@ -392,7 +390,7 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
         """The give-up probe and its options (fitted in seconds, deterministically)."""
         if ca.get("give_up") is None:
             return None
-        opts = give_up_options(ca["give_up"])
+        opts = block_options(GiveUpOptions, ca["give_up"])
         return train_give_up(ts, opts.label_mode, seed=tr.get("seed", 0)), opts
 
     def label() -> bool:
@@ -435,8 +433,7 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
         ts = TrajectorySet.open(data)
         consensus = None
         if ca.get("consensus") is not None:  # its prompts leave lambda*'s calibration
-            opts = ConsensusOptions(**{k: tuple(v) if k == "deltas" else v
-                                       for k, v in ca["consensus"].items()})
+            opts = block_options(ConsensusOptions, ca["consensus"])
             ts, held = hold_out(ts, opts)
             consensus = (opts, held)
         give_up = give_up_probe(ts)
