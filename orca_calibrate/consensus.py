@@ -25,6 +25,7 @@ from orca_method.bundle import (
     save_bundle,
 )
 from orca_method.consensus_ltt import calibrate_consensus
+from orca_method.ltt import DEFAULT_EPSILON
 from orca_method.consensus import (
     DEFAULT_CAP_MAX,
     DEFAULT_CAP_STEP,
@@ -53,7 +54,7 @@ class ConsensusOptions:
     its caps c tested from `cap_step` up to `cap_max` (docs/METHOD.md section 14)."""
 
     deltas: tuple[float, ...] = (0.05, 0.1)
-    epsilon: float = 0.05
+    epsilon: float = DEFAULT_EPSILON
     weighting: str = "score"
     holdout: float = 0.5
     seed: int = 0

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from orca_method.consensus import NO_CAP, Group, default_grid, outcomes
-from orca_method.ltt import PVALUES, n_rejected
+from orca_method.ltt import DEFAULT_EPSILON, PVALUES, n_rejected
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class ConsensusResult:
 
 
 def calibrate_consensus(groups: Sequence[Group], deltas_vote: Sequence[float],
-                        epsilon: float = 0.05, grid: np.ndarray | None = None,
+                        epsilon: float = DEFAULT_EPSILON, grid: np.ndarray | None = None,
                         pvalue: str = "binomial",
                         caps: np.ndarray | None = None) -> list[ConsensusResult]:
     """t* per delta_vote by fixed-sequence testing over `grid` (from t = 1 down), as lambda*

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orca_method.ltt import PVALUES, n_rejected
+from orca_method.ltt import DEFAULT_EPSILON, PVALUES, n_rejected
 from orca_method.risk import Ragged, stop_indices, values_at
 from orca_method.outcomes import GIVE_UP_POLICIES, Ended, GiveUpPolicy
 from orca_method.thresholds import GIVE_UP_NEVER
@@ -177,7 +177,7 @@ def check_give_up_set(scores: Ragged, last: Sequence[int]) -> None:
 
 
 def calibrate_give_up(scores: Ragged, last: Sequence[int], deltas: Sequence[float],
-                      epsilon: float = 0.05, grid: np.ndarray | None = None,
+                      epsilon: float = DEFAULT_EPSILON, grid: np.ndarray | None = None,
                       pvalue: str = "binomial", policy: GiveUpPolicy = GiveUpPolicy.GUESS,
                       consistency: Ragged | None = None) -> list[GiveUpResult]:
     """mu* for each give-up risk level ``delta`` at level ``epsilon``, certified for what a

@@ -27,7 +27,7 @@ from orca_method.give_up import (
     request_consistency_give_up_loss,
     request_give_up_loss,
 )
-from orca_method.ltt import calibrate, default_grid
+from orca_method.ltt import DEFAULT_EPSILON, calibrate, default_grid
 from orca_method.outcomes import GiveUpPolicy, OnAlarm, Source
 from orca_method.risk import request_loss, stops_before_end
 from orca_method.thresholds import GIVE_UP_NEVER, NEVER, lam_from_json, lam_to_json, mu_from_json
@@ -226,7 +226,7 @@ class DeltaGuard:
     bundle_lam: float  # inf = never stops early
     cs: CS
     on_alarm: OnAlarm = OnAlarm.REPORT
-    epsilon: float = 0.05  # the bundle's, split across recalibrations
+    epsilon: float = DEFAULT_EPSILON  # the bundle's, split across recalibrations
     floor: float = 0.0  # a recalibrated lambda is served at least this high
     drift_k: int = 10  # the drift statistics' early-mean steps (the bundle's smoothing window)
     lam: float = NEVER
@@ -444,7 +444,7 @@ class GiveUpGuard:
     mu: float = GIVE_UP_NEVER  # the mu* requests are served with
     source: Source = Source.BUNDLE  # BUNDLE | FALLBACK (give-up off) | AUDIT (recalibrated)
     engaged: bool = False
-    epsilon: float = 0.05  # the give-up table's, split across recalibrations
+    epsilon: float = DEFAULT_EPSILON  # the give-up table's, split across recalibrations
     policy: GiveUpPolicy = GiveUpPolicy.GUESS  # what a given-up request serves (the loss's)
     waiting_since: int | None = None  # recalibrate: the admission number the wait began at
     recalibrations: int = 0
