@@ -34,10 +34,12 @@ def check_whole(name: str, v: Any, least: int | None = None) -> None:
         raise ValueError(f"{name} is a whole number{at_least}, got {v!r:.40}")
 
 
-def check_number(name: str, v: Any, low: float, high: float, *, low_open: bool = False) -> None:
-    """ValueError unless `v` is a finite number in [low, high] ((low, high] with `low_open`)."""
-    if not _number(v) or not (low < v if low_open else low <= v) or v > high:
-        where = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+def check_number(name: str, v: Any, low: float, high: float, *, low_open: bool = False,
+                 high_open: bool = False) -> None:
+    """ValueError unless `v` is a finite number in [low, high] (an end left out when open)."""
+    if (not _number(v) or not (low < v if low_open else low <= v)
+            or not (v < high if high_open else v <= high)):
+        where = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
         raise ValueError(f"{name} is a number in {where}, got {v!r:.40}")
 
 
@@ -75,8 +77,7 @@ class SplitOptions:
                 or not math.isclose(sum(f), 1)):
             raise ValueError(f"fractions are {len(SPLITS)} non-negative numbers "
                              f"({', '.join(SPLITS)}) summing to 1, got {list(f)!r:.80}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed is a whole number, got {self.seed!r:.40}")
+        check_whole("seed", self.seed)
 
 
 def _record(cls: type, block: Mapping[str, Any] | None, name: str,

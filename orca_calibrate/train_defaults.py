@@ -27,9 +27,7 @@ def check_training(batch_size: int, lr: float | None, epochs: int, epoch_select:
     check_whole("epochs", epochs, 1)
     if lr is not None:
         check_number("lr", lr, 0, 1, low_open=True)
-    check_number("warmup", warmup, 0, 1)
-    if warmup == 1:
-        raise ValueError("warmup is a fraction of the steps below 1, got 1")
+    check_number("warmup", warmup, 0, 1, high_open=True)
     if epoch_select not in EPOCH_SELECT:
         raise ValueError(f"epoch_select is one of {', '.join(EPOCH_SELECT)}, "
                          f"got {epoch_select!r:.40}")
