@@ -18,7 +18,7 @@ import numpy as np
 
 from orca_calibrate.gate import gate_from_trajectories
 from orca_calibrate.group_options import GroupOptions  # re-exported
-from orca_calibrate.job_options import DEFAULT_DELTAS, DEFAULT_WINDOW, LttOptions
+from orca_calibrate.job_options import DEFAULT_DELTAS, DEFAULT_WINDOW, GateOptions, LttOptions
 from orca_calibrate.train import solvable
 from orca_method.audit.drift import build_reference
 from orca_method.bundle import (
@@ -411,10 +411,12 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
                      provenance: dict[str, Any] | None = None,
                      give_up: tuple[Probe, GiveUpOptions] | GiveUpBlock | None = None,
                      groups: GroupOptions | None = None,
-                     group_sets: Sequence[TrajectorySet] = ()) -> Bundle:
+                     group_sets: Sequence[TrajectorySet] = (),
+                     gate: GateOptions = GateOptions()) -> Bundle:
     """Replay the calibration split, run LTT for every delta, write bundle.json with the drift
     reference of the whole split (the server sees unsolvable requests too) and the shift gate
-    (fitted on the training split, scored on the calibration split: orca_calibrate/gate.py);
+    (`gate`'s, fitted on the training split, scored on the calibration split:
+    orca_calibrate/gate.py);
     with `give_up` (its probe and options), also mu* per give-up delta (a two-sided bundle,
     schema version 2), or, given a block already certified (`recalibrate` keeps its parent's),
     that block as it is: mu* holds with every lambda* (docs/METHOD.md section 9), so a new
@@ -451,6 +453,6 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
                          give_up=give_up if give_up is None or isinstance(give_up, GiveUpBlock)
                          else give_up_block(give_up[0], ts, give_up[1], window=window,
                                             pvalue=pvalue),
-                         shift_gate=gate_from_trajectories(ts), groups=tables)
+                         shift_gate=gate_from_trajectories(ts, gate), groups=tables)
     check_semantics(bundle)  # never write a bundle the server would refuse (a saturated probe)
     return save_bundle(bundle, out)

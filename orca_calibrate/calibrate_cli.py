@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from orca_calibrate.collect import Collector, CollectSettings, read_prompts
 from orca_calibrate.group_options import GroupOptions
 from orca_calibrate.job import JobError, collect_shard, load_job, run_job
-from orca_calibrate.job_options import DEFAULT_DELTAS, DEFAULT_WINDOW, LttOptions
+from orca_calibrate.job_options import DEFAULT_DELTAS, DEFAULT_WINDOW, GateOptions, LttOptions
 from orca_calibrate.judge import JudgeError, JudgeSettings
 from orca_calibrate.plan import DEFAULT_PILOT
 from orca_calibrate.probe_variants import PROBES
@@ -30,7 +30,6 @@ from orca_method.shift_gate import (
     DEFAULT_GATE_GIVE_UP_ALPHA,
     DEFAULT_GATE_RANK,
     DEFAULT_GATE_STEPS,
-    give_up_level,
 )
 from orca_method.trajectories import (
     DTYPES,
@@ -226,20 +225,18 @@ def cmd_gate(a: argparse.Namespace) -> None:
     from orca_calibrate.gate import add_gate, first_step_features, gate_collector
     from orca_method.bundle import load_bundle
 
-    bundle = load_bundle(a.bundle)
-    give_up_alpha = (max(a.alpha, DEFAULT_GATE_GIVE_UP_ALPHA) if a.give_up_alpha is None
-                     else a.give_up_alpha)
-    try:
-        give_up_level(a.alpha, give_up_alpha)
+    try:  # before an engine starts; argparse checked each flag, this is their order
+        opts = GateOptions(steps=a.steps, alpha=a.alpha, give_up_alpha=a.give_up_alpha,
+                           rank=a.rank)
     except ValueError as e:
         raise UsageError(f"--give-up-alpha: {e}") from None
+    bundle = load_bundle(a.bundle)
     prompts = read_prompts(Path(a.prompts))
     with gate_collector(a.model, bundle, max_tokens=a.max_tokens, temperature=a.temperature,
                         seed=a.seed, engine=dict(a.engine or {})) as collector:
         feats = first_step_features(collector, prompts, a.steps)
-    sealed = add_gate(Path(a.bundle), Path(a.out), feats, steps=a.steps, alpha=a.alpha,
-                      rank=a.rank, fit_fraction=a.fit_fraction, seed=a.seed,
-                      give_up_alpha=give_up_alpha)
+    sealed = add_gate(Path(a.bundle), Path(a.out), feats, opts, fit_fraction=a.fit_fraction,
+                      seed=a.seed)
     g = sealed.shift_gate
     print(f"wrote {a.out}: shift gate on {g.steps} step(s), fitted on {g.n_fit} prompts, "
           f"scored on {len(g.scores)}, alpha {g.alpha} (give-up side {g.give_up_alpha}); "
@@ -547,9 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the gated bundle (may be --bundle itself)")
     p.add_argument("--steps", type=integer(1), default=DEFAULT_GATE_STEPS,
                    help="step embeddings the gate reads (it decides at this step)")
-    p.add_argument("--alpha", type=float, default=DEFAULT_GATE_ALPHA,
+    p.add_argument("--alpha", type=fraction(open_interval=True), default=DEFAULT_GATE_ALPHA,
                    help="default level: share of in-distribution requests flagged, at most")
-    p.add_argument("--give-up-alpha", type=float, default=None,
+    p.add_argument("--give-up-alpha", type=fraction(open_interval=True), default=None,
                    help="the give-up side's default level, at least --alpha: share of "
                    "in-distribution requests denied their give-up, at most (default: "
                    f"{DEFAULT_GATE_GIVE_UP_ALPHA:g}, or --alpha where that is higher)")

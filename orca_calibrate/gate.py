@@ -21,14 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from orca_calibrate.job_options import GateOptions
 from orca_method.bundle import Bundle, GateReference, gate_reference, load_bundle, save_bundle
-from orca_method.shift_gate import (
-    DEFAULT_GATE_ALPHA,
-    DEFAULT_GATE_GIVE_UP_ALPHA,
-    DEFAULT_GATE_RANK,
-    DEFAULT_GATE_STEPS,
-    gate_features,
-)
+from orca_method.shift_gate import gate_features
 from orca_method.trajectories import TrajectorySet
 
 if TYPE_CHECKING:
@@ -40,18 +35,20 @@ def gate_features_of(embeddings: Sequence[np.ndarray], steps: int) -> np.ndarray
     return np.stack(rows) if rows else np.empty((0, 0))
 
 
-def gate_from_trajectories(ts: TrajectorySet, *, steps: int = DEFAULT_GATE_STEPS,
-                           alpha: float = DEFAULT_GATE_ALPHA,
-                           give_up_alpha: float | None = DEFAULT_GATE_GIVE_UP_ALPHA,
-                           rank: int = DEFAULT_GATE_RANK) -> GateReference | None:
+def gate_from_trajectories(ts: TrajectorySet, opts: GateOptions = GateOptions()
+                           ) -> GateReference | None:
     """The gate fitted on the training split and scored on the calibration split (None when
     either has too few trajectories long enough to be gated)."""
-    fit = gate_features_of([ts.embeddings(i) for i in ts.split("train")], steps)
-    cal = gate_features_of([ts.embeddings(i) for i in ts.split("calibration")], steps)
+    fit = gate_features_of([ts.embeddings(i) for i in ts.split("train")], opts.steps)
+    cal = gate_features_of([ts.embeddings(i) for i in ts.split("calibration")], opts.steps)
     if len(fit) < 2 or len(cal) < 1:
         return None
-    return gate_reference(fit, cal, steps=steps, alpha=alpha, give_up_alpha=give_up_alpha,
-                          rank=rank)
+    return _reference(fit, cal, opts)
+
+
+def _reference(fit: np.ndarray, cal: np.ndarray, opts: GateOptions) -> GateReference:
+    return gate_reference(fit, cal, steps=opts.steps, alpha=opts.alpha,
+                          give_up_alpha=opts.give_up_level, rank=opts.rank)
 
 
 def split_features(features: np.ndarray, fit_fraction: float, seed: int
@@ -88,9 +85,8 @@ def first_step_features(collector: Collector, prompts: list[dict], steps: int) -
     return feats
 
 
-def add_gate(bundle_path: Path, out: Path, features: np.ndarray, *, steps: int, alpha: float,
-             rank: int, fit_fraction: float, seed: int,
-             give_up_alpha: float | None = DEFAULT_GATE_GIVE_UP_ALPHA) -> Bundle:
+def add_gate(bundle_path: Path, out: Path, features: np.ndarray, opts: GateOptions, *,
+             fit_fraction: float, seed: int) -> Bundle:
     """The bundle with a gate fitted on part of `features` and scored on the rest, re-sealed."""
     bundle = load_bundle(bundle_path)
     if features.shape[1] != bundle.model.hidden_size:
@@ -100,6 +96,4 @@ def add_gate(bundle_path: Path, out: Path, features: np.ndarray, *, steps: int, 
     if len(fit) < 2 or len(cal) < 1:
         raise ValueError(f"{len(features)} usable prompts are too few for a gate (fitted "
                          f"{len(fit)}, scored {len(cal)}); give more prompts")
-    ref = gate_reference(fit, cal, steps=steps, alpha=alpha, give_up_alpha=give_up_alpha,
-                         rank=rank)
-    return save_bundle(bundle.model_copy(update={"shift_gate": ref}), out)
+    return save_bundle(bundle.model_copy(update={"shift_gate": _reference(fit, cal, opts)}), out)

@@ -37,7 +37,13 @@ from orca_calibrate.collect import (
     trace_keys,
 )
 from orca_calibrate.group_options import GroupOptions
-from orca_calibrate.job_options import SplitOptions, check_whole, ltt_options, split_options
+from orca_calibrate.job_options import (
+    SplitOptions,
+    check_whole,
+    gate_options,
+    ltt_options,
+    split_options,
+)
 from orca_calibrate.judge import JudgeError, JudgeSettings
 from orca_calibrate.probe_variants import PROBES
 from orca_calibrate.shards import SHARDS, collect_shards, merge_shards, run_shard, write_spec
@@ -111,9 +117,10 @@ def load_job(path: Path) -> dict[str, Any]:
                        "id such as Qwen/QwQ-32B)")
     if Path(job["out"]).exists() and not Path(job["out"]).is_dir():
         raise JobError(f"{path}: out {job['out']} is a file, not a folder")
-    try:  # the split's and LTT's settings (the calibrate block's sub-blocks below)
+    try:  # the split's, LTT's and the gate's settings (the calibrate block's others below)
         split_options(job.get("split"))
         ltt_options(job.get("calibrate"))
+        gate_options((job.get("calibrate") or {}).get("gate"))
     except ValueError as e:
         raise JobError(f"{path}: {e}") from None
     tr = job.get("train") or {}
@@ -441,7 +448,7 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
                          groups=None if ca.get("groups") is None else GroupOptions(**ca["groups"]),
                          group_sets=[TrajectorySet.open(d) for _, d in group_sets(job)],
                          mode=meta["label_mode"], deltas=ltt.deltas, epsilon=ltt.epsilon,
-                         window=ltt.window,
+                         window=ltt.window, gate=gate_options(ca.get("gate")),
                          dump_scores=out / "calibration-scores.jsonl",
                          provenance={"job": str(path), "selected_epoch": meta.get("selected_epoch")})
         if consensus is not None:

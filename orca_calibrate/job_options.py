@@ -1,6 +1,7 @@
-"""A calibration's split and LTT settings, typed and checked where they come in.
+"""A calibration's split, LTT and shift gate settings, typed and checked where they come in.
 
-A job file's `split:` and `calibrate:` blocks, and `orca-calibrate calibrate`'s flags, become
+A job file's `split:` and `calibrate:` blocks (`calibrate.gate` included), `orca-calibrate
+calibrate`'s flags and `orca-calibrate gate`'s, become
 these frozen records once, with one-line errors, instead of dictionaries read with a default at
 each use: a misspelt key (`delta:` for `deltas:`) or a delta outside (0, 1) used to fall back to
 the defaults, or fail deep in LTT, without a word. Kept apart from orca_calibrate/calibrate.py
@@ -14,13 +15,20 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from orca_method.ltt import DEFAULT_EPSILON
+from orca_method.shift_gate import (
+    DEFAULT_GATE_ALPHA,
+    DEFAULT_GATE_GIVE_UP_ALPHA,
+    DEFAULT_GATE_RANK,
+    DEFAULT_GATE_STEPS,
+    give_up_level,
+)
 from orca_method.thresholds import MAX_WINDOW
 from orca_method.trajectories import DEFAULT_FRACTIONS, SPLITS
 
 DEFAULT_DELTAS = (0.05, 0.1, 0.15, 0.2)
 DEFAULT_WINDOW = 10  # the smoothing window k the bundle records and the server uses
 # `calibrate:` keys that are blocks of their own, checked by their own records (job.py)
-CALIBRATE_BLOCKS = ("give_up", "groups", "consensus")
+CALIBRATE_BLOCKS = ("give_up", "groups", "consensus", "gate")
 
 
 def _number(v: Any) -> bool:
@@ -80,10 +88,40 @@ class SplitOptions:
         check_whole("seed", self.seed)
 
 
+@dataclass(frozen=True)
+class GateOptions:
+    """The shift gate a calibration fits (docs/METHOD.md section 11): the step embeddings it reads
+    (it decides at that step), its levels for stops (`alpha`) and give-ups, and the principal
+    directions of its score. A reasoner whose first step says little of its prompt's family is
+    told apart better on more steps (the long demo's: 2 steps, rank 64)."""
+
+    steps: int = DEFAULT_GATE_STEPS
+    alpha: float = DEFAULT_GATE_ALPHA
+    # None: DEFAULT_GATE_GIVE_UP_ALPHA, or alpha where that is higher (`give_up_level`)
+    give_up_alpha: float | None = None
+    rank: int = DEFAULT_GATE_RANK
+
+    def __post_init__(self) -> None:
+        check_whole("steps", self.steps, 1)
+        check_whole("rank", self.rank, 1)
+        check_number("alpha", self.alpha, 0, 1, low_open=True, high_open=True)
+        if self.give_up_alpha is not None:
+            check_number("give_up_alpha", self.give_up_alpha, 0, 1, low_open=True, high_open=True)
+            give_up_level(self.alpha, self.give_up_alpha)
+
+    @property
+    def give_up_level(self) -> float:
+        """The give-up side's level the gate is fitted with."""
+        if self.give_up_alpha is None:
+            return max(self.alpha, DEFAULT_GATE_GIVE_UP_ALPHA)
+        return self.give_up_alpha
+
+
 def _record(cls: type, block: Mapping[str, Any] | None, name: str,
             skip: tuple[str, ...] = ()) -> Any:
-    """`cls` from a job file's block (a mapping: load_job checks every block is one); ValueError
-    names the block and the key."""
+    """`cls` from a job file's block; ValueError names the block and the key."""
+    if block is not None and not isinstance(block, Mapping):
+        raise ValueError(f"{name} is a mapping of settings, got {block!r:.40}")
     block = block or {}
     known = [f.name for f in fields(cls)]
     unknown = sorted(set(block) - set(known) - set(skip))
@@ -109,3 +147,8 @@ def ltt_options(block: Mapping[str, Any] | None) -> LttOptions:
 def split_options(block: Mapping[str, Any] | None) -> SplitOptions:
     """A job's `split:` block."""
     return _record(SplitOptions, block, "split")
+
+
+def gate_options(block: Mapping[str, Any] | None) -> GateOptions:
+    """A job's `calibrate.gate:` block."""
+    return _record(GateOptions, block, "calibrate.gate")

@@ -92,7 +92,7 @@ def test_job_file_errors(tmp_path) -> None:
 @pytest.mark.parametrize("blocks, words", [
     # a misspelt key used to fall back to the default deltas without a word
     ("calibrate: {delta: [0.1]}", r"calibrate: unknown keys \['delta'\] \(known: deltas, epsilon, "
-                                  r"window, give_up, groups, consensus\)"),
+                                  r"window, give_up, groups, consensus, gate\)"),
     ("calibrate: {deltas: [0.1, 1.5]}", r"calibrate: deltas are risk levels in \(0, 1\)"),
     ("calibrate: {deltas: []}", r"calibrate: deltas are risk levels"),
     ("calibrate: {deltas: 0.1}", r"calibrate.deltas is a list"),
@@ -118,6 +118,13 @@ def test_job_file_errors(tmp_path) -> None:
     ("train: {epoch_select: best}", r"train.epoch_select is one of validation, last"),
     ("calibrate: {give_up: {deltas: [2]}}",
      r"calibrate.give_up: deltas are risk levels in \(0, 1\)"),
+    ("calibrate: {gate: {step: 2}}", r"calibrate.gate: unknown keys \['step'\] \(known: steps, "),
+    ("calibrate: {gate: {steps: 0}}", r"calibrate.gate: steps is a whole number >= 1, got 0"),
+    ("calibrate: {gate: {alpha: 0}}", r"calibrate.gate: alpha is a number in \(0, 1\), got 0"),
+    ("calibrate: {gate: {rank: 1.5}}", r"calibrate.gate: rank is a whole number >= 1, got 1.5"),
+    ("calibrate: {gate: {alpha: 0.1, give_up_alpha: 0.05}}",
+     r"calibrate.gate: the give-up side's gate level \(0.05\) must be at least"),
+    ("calibrate: {gate: [2]}", r"calibrate.gate is a mapping of settings, got \[2\]"),
 ])
 def test_job_blocks_are_checked_when_read(tmp_path, blocks, words) -> None:
     """Every block's settings are typed when the job is read: a misspelt key or a value of the
@@ -140,6 +147,34 @@ def test_job_split_and_calibrate_blocks_reach_the_stages(tmp_path) -> None:
     assert ltt_options(None).deltas == DEFAULT_DELTAS
     parts = job_split([f"q{i}" for i in range(40)], split_options(job["split"]))
     assert set(parts.values()) == {"train", "calibration"}  # no test part at fraction 0
+
+
+def test_a_jobs_gate_block_sets_the_bundles_gate(tmp_path, monkeypatch) -> None:
+    """`calibrate.gate` is the gate the calibrate stage fits (steps, levels, rank); without it,
+    the defaults (orca_method.shift_gate)."""
+    import json
+
+    import orca_calibrate.job
+    from orca_calibrate.job import run_job
+    from orca_method.bundle import decode_weights, load_bundle
+    from orca_method.shift_gate import DEFAULT_GATE_ALPHA, DEFAULT_GATE_STEPS
+
+    monkeypatch.setattr(orca_calibrate.job, "Collector", _FakeCollector)
+    (tmp_path / "p.jsonl").write_text("".join(
+        json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n" for i in range(60)))
+    job = {"model": "m", "prompts": "p.jsonl", "out": "run", "train": {"epochs": 1},
+           "calibrate": {"deltas": [0.3], "window": 2}}
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps(job))
+    run_job(path, progress=False)
+    gate = load_bundle(tmp_path / "run" / "bundle.json").shift_gate
+    assert (gate.steps, gate.alpha) == (DEFAULT_GATE_STEPS, DEFAULT_GATE_ALPHA)
+    job["calibrate"]["gate"] = {"steps": 3, "alpha": 0.1, "rank": 2}
+    path.write_text(json.dumps(job))
+    assert "skipped" not in run_job(path, progress=False)[5]  # the calibrate stage reruns
+    gate = load_bundle(tmp_path / "run" / "bundle.json").shift_gate
+    assert (gate.steps, gate.alpha, gate.give_up_alpha) == (3, 0.1, 0.1)  # give-ups: >= alpha
+    assert decode_weights(gate.tensors, "gate")["basis"].shape[0] <= 2  # its rank
 
 
 def test_job_give_up_policy_is_checked(tmp_path) -> None:
