@@ -54,9 +54,10 @@ def measure(bundle, rep, cons: list[np.ndarray], idx: np.ndarray, lam: float,
     none = np.zeros(len(idx), dtype=bool)
     steps = bundle.load_gate().steps
     policy, excl = bundle.give_up.policy, bundle.ltt.excluded_never_correct
-    end, ended = served_ends(sub, lam, mu, none, steps)
+    end, ended = served_ends(sub.stop, sub.give_up, lam, mu, none, steps)
     two = arm_figures(sub, end, ended, none, policy, excl)
-    one = arm_figures(sub, *served_ends(sub, lam, None, none, steps), none, policy, excl)
+    one = arm_figures(sub, *served_ends(sub.stop, sub.give_up, lam, None, none, steps), none,
+                      policy, excl)
     gave = np.array([h == Ended.GAVE_UP for h in ended])
     changed = consistency_give_up_losses(np.asarray(end)[None], [cons[i] for i in idx],
                                          policy)[0].astype(bool) & gave

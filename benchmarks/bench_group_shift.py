@@ -115,7 +115,8 @@ def served(bundle: Bundle, family: str, skip: int = 0) -> dict[str, Any]:
         lam = bundle.lam(delta, family)
         point: dict[str, Any] = {"delta": delta, "lambda": lam, "mu": mu}
         for name, m in (("one-sided", None), ("two-sided", mu)):
-            end, ended = served_ends(rep, lam, m, none, gate_steps=1)  # a known group: no gate
+            # a known group: no gate
+            end, ended = served_ends(rep.stop, rep.give_up, lam, m, none, gate_steps=1)
             fig = arm_figures(rep, end, ended, none, policy, excl)
             fig["versus_budget"] = against_budget(fig, out["budget"])
             point[name] = fig
@@ -367,7 +368,7 @@ def main() -> None:
                             deltas, epsilon=bundle.ltt.epsilon)
         none = np.zeros(len(test), dtype=bool)
         for res in results:
-            end, ended = served_ends(test, res.lam, None, none, gate_steps=1)
+            end, ended = served_ends(test.stop, test.give_up, res.lam, None, none, gate_steps=1)
             fig = arm_figures(test, end, ended, none, policy, excl)
             rows[res.delta].append({"lam": res.lam, "err": fig["stop_error_certified"]["rate"],
                                     "sup": fig["stop_error"]["rate"], "acc": fig["accuracy"],

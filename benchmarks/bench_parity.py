@@ -5,7 +5,10 @@
    the first step whose smoothed score reaches lambda*(delta) (the final step, emitted at
    `</think>`, is never scored online, so a crossing there is no early stop); with
    `--give-up-delta`, the first step where the pair (lambda*, mu*) ends the trace and how
-   (`orca_method.give_up.two_sided_ends`: answered early or gave up);
+   (`orca_method.give_up.two_sided_ends`: answered early or gave up); through the bundle's shift
+   gate as the server runs it by default (`bench_replay_shift.served_ends`: nothing ends before
+   the gate step, a flagged request runs the strict action's lambda and never gives up, one
+   above the give-up side's threshold never gives up; the gate alarm is not replayed);
 3. serve the same prompts through a live `orca-serve` with greedy decoding and read `stop_step`
    (and `ended`, `give_up_step`).
 
@@ -31,36 +34,48 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests package's helpers
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_replay_shift import gate_scores, served_ends  # noqa: E402
 
 from orca_calibrate.collect import Collector, CollectSettings, read_prompts
 from orca_demo.long import tasks as long_tasks
 from orca_demo.toy import tasks as toy_tasks
 from orca_demo.toy.demo_bundle import JOBS, demo_folder
 from orca_method.bundle import load_bundle
-from orca_method.give_up import two_sided_ends
 from orca_method.outcomes import Ended
 from orca_method.procedure import replay
 from orca_method.thresholds import GIVE_UP_NEVER
 from orca_method.trajectories import TrajectorySet
+from orca_serve.settings.contract import DEFAULTS, safe_lam
 from tests.serving import Server, orca_serve_cmd
 
 # reasoner: its tasks module and max_tokens (the calibration job's); folder and name: demo_bundle
 REASONERS = {"toy": (toy_tasks, 400), "long": (long_tasks, 5000)}
 
 
-def offline_stops(bundle, data: Path, lam: float,
-                  mu: float = GIVE_UP_NEVER) -> dict[str, tuple[str, int | None, list[float]]]:
-    """Per problem: how the pair ends it (`ended`), the 1-based step (None: ran to its end)
-    and the smoothed stop scores."""
+def offline_stops(bundle, data: Path, lam: float, mu: float = GIVE_UP_NEVER
+                  ) -> dict[str, tuple[str, int | None, list[float], bool]]:
+    """Per problem: how the pair ends it (`ended`), the 1-based step (None: ran to its end),
+    the smoothed stop scores, and whether the gate flagged it (the server's defaults: module
+    docstring)."""
     ts = TrajectorySet.open(data)
     embs = [ts.embeddings(i) for i in range(len(ts))]
     stop = [s.numpy() for _, s in replay(bundle.load_probe(), embs, window=bundle.window)]
     give_up = (stop if math.isinf(mu) else  # never gives up: any scores do
                [s.numpy() for _, s in replay(bundle.load_give_up_probe(), embs,
                                              window=bundle.give_up.window)])
-    end, how = two_sided_ends(stop, give_up, lam, mu)
-    return {p.id: (h, None if h == Ended.FULL else int(e) + 1, s.tolist())
-            for p, e, h, s in zip(ts.problems, end, how, stop)}
+    flagged = barred = np.zeros(len(ts), dtype=bool)
+    steps, safe = 1, safe_lam(bundle, DEFAULTS.shift_action)
+    gate = bundle.load_gate()
+    if gate is not None:
+        score = np.nan_to_num(gate_scores(bundle, embs), nan=-np.inf)  # too short: not gated
+        thr, thr_give_up = gate.thresholds()
+        flagged, barred, steps = score > thr, score > thr_give_up, gate.steps
+    end, how = served_ends(stop, give_up, lam, None if math.isinf(mu) else mu, flagged, steps,
+                           safe, barred)
+    return {p.id: (h, None if h == Ended.FULL else int(e) + 1, s.tolist(), bool(f))
+            for p, e, h, s, f in zip(ts.problems, end, how, stop, flagged)}
 
 
 async def online_stops(srv: Server, model: str, prompts: list[dict], delta: float,
@@ -136,14 +151,16 @@ def main() -> None:
     rows, match = [], 0
     for rec in prompts:
         pid = str(rec["id"])
-        off_how, off_step, scores = offline.get(pid, ("full", None, []))
+        off_how, off_step, scores, off_flagged = offline.get(pid, ("full", None, [], False))
         on = online[pid]
         on_how = on["ended"]
         on_step = {"early": on["stop_step"], "gave_up": on.get("give_up_step")}.get(on_how)
         ok = (off_how, off_step) == (on_how, on_step)
         match += ok
+        on_flagged = bool((on.get("shift") or {}).get("flagged"))
         row = {"id": pid, "steps": len(scores), "offline": off_step, "online": on_step,
-               "ended_offline": off_how, "ended_online": on_how, "match": ok}
+               "ended_offline": off_how, "ended_online": on_how,
+               "flagged_offline": off_flagged, "flagged_online": on_flagged, "match": ok}
         if not ok:
             k = (off_step or on_step or 1) - 1
             row["offline_scores_near"] = scores[max(0, k - 2):k + 3]
@@ -156,6 +173,8 @@ def main() -> None:
               "gave_up_online": sum(r["ended_online"] == Ended.GAVE_UP for r in rows),
               "stopped_offline": sum(r["ended_offline"] == Ended.EARLY for r in rows),
               "stopped_online": sum(r["ended_online"] == Ended.EARLY for r in rows),
+              "flagged_offline": sum(r["flagged_offline"] for r in rows),
+              "flagged_online": sum(r["flagged_online"] for r in rows),
               "mean_steps": float(np.mean([r["steps"] for r in rows])),
               "mean_stop_step_online": float(np.mean([r["online"] or r["steps"] for r in rows])),
               "record_s": round(t1 - t0, 1), "prompts": rows}

@@ -140,19 +140,26 @@ def replay_family(bundle: Bundle, ts: TrajectorySet) -> Replayed:
     give_up = [s.numpy().astype(np.float64)
                for _, s in replay(bundle.load_give_up_probe(), embs,
                                   window=bundle.give_up.window)]
-    gate = bundle.load_gate()
-    gate_score = np.full(len(idx), np.nan)
-    feats = [gate_features(e, gate.steps) for e in embs]
-    have = [i for i, f in enumerate(feats) if f is not None]
-    if have:
-        x = torch.from_numpy(np.stack([feats[i] for i in have]))  # [m, d]
-        gate_score[have] = gate.score(x).numpy()
-    return Replayed(stop=stop, give_up=give_up, gate_score=gate_score,
+    return Replayed(stop=stop, give_up=give_up, gate_score=gate_scores(bundle, embs),
                     traces=[g[0] for g in traces(ts, [[i] for i in idx])],
                     truth=[ts.problems[i].answer for i in idx],
                     supervised=[ts.raw_labels(i, "supervised") for i in idx],
                     certified=[ts.labels(i, bundle.label_mode) for i in idx],
                     prompt=[prompt_of(ts.problems[i].id)[0] for i in idx])
+
+
+def gate_scores(bundle: Bundle, embs: Sequence[np.ndarray]) -> np.ndarray:
+    """The bundle's gate score of each trace's first `gate.steps` step embeddings ([n]; nan
+    where the trace is too short to be gated), as the engine scores them (`ShiftGate.score`)."""
+    import torch  # deferred: the report alone needs no torch
+
+    gate = bundle.load_gate()
+    out = np.full(len(embs), np.nan)
+    feats = [gate_features(e, gate.steps) for e in embs]
+    have = [i for i, f in enumerate(feats) if f is not None]
+    if have:
+        out[have] = gate.score(torch.from_numpy(np.stack([feats[i] for i in have]))).numpy()
+    return out
 
 
 def gate_flags(rep: Replayed, threshold: float) -> np.ndarray:
@@ -168,28 +175,30 @@ def served_flagged(flags: np.ndarray, alarm: StreamAlarm | None = None) -> np.nd
     return flags if alarm is None else flags | np.asarray(alarm(flags), dtype=bool)
 
 
-def served_ends(rep: Replayed, lam: float, mu: float | None, flagged: np.ndarray,
-                gate_steps: int, safe: float = NEVER, no_give_up: np.ndarray | None = None
+def served_ends(stop_scores: Sequence[np.ndarray], give_up_scores: Sequence[np.ndarray],
+                lam: float, mu: float | None, flagged: np.ndarray, gate_steps: int,
+                safe: float = NEVER, no_give_up: np.ndarray | None = None
                 ) -> tuple[np.ndarray, list[Ended]]:
     """Where and how each request ends under (lambda, mu) with the gate: steps before the gate
     step (0-based gate_steps - 1) neither stop nor give up; a flagged request runs its safe
     threshold `safe` (`settings.contract.safe_lam`: NEVER, full reasoning, for the `full`
     action; the bundle's largest lambda* for `strict`) and never gives up; nor does one in
     `no_give_up` ([n] bool; above the give-up side's threshold, `--give-up-alpha`). `mu` None:
-    one-sided."""
-    held = [np.arange(len(s)) < gate_steps - 1 for s in rep.stop]
-    stop = [np.where(h | f, -np.inf, s) for s, h, f in zip(rep.stop, held, flagged)]
+    one-sided. The scores: each request's smoothed stop and give-up scores ([T_i] each)."""
+    held = [np.arange(len(s)) < gate_steps - 1 for s in stop_scores]
+    stop = [np.where(h | f, -np.inf, s) for s, h, f in zip(stop_scores, held, flagged)]
     lengths = np.array([len(s) for s in stop])
     if mu is None:
         end = stop_indices(stop, np.array([lam]))[0]
         ended = [Ended.EARLY if e < n - 1 else Ended.FULL for e, n in zip(end, lengths)]
     else:
         blocked = flagged if no_give_up is None else flagged | no_give_up
-        give_up = [np.where(h | f, np.inf, g) for g, h, f in zip(rep.give_up, held, blocked)]
+        give_up = [np.where(h | f, np.inf, g)
+                   for g, h, f in zip(give_up_scores, held, blocked)]
         end, ended = two_sided_ends(stop, give_up, lam, mu)
     if safe < NEVER and flagged.any():  # the flagged ones stop at the safe threshold instead
         rows = np.flatnonzero(flagged)
-        strict = stop_indices([np.where(held[i], -np.inf, rep.stop[i]) for i in rows],
+        strict = stop_indices([np.where(held[i], -np.inf, stop_scores[i]) for i in rows],
                               np.array([safe]))[0]
         end, ended = np.array(end).copy(), list(ended)
         for i, e in zip(rows, strict):
@@ -246,8 +255,8 @@ def savings_lost(bundle: Bundle, rep: Replayed, action: ShiftAction = ShiftActio
                            "rows": []}
     for row in bundle.ltt.rows:
         lam = bundle.lam(row.delta)
-        ungated = tokens_of(rep, *served_ends(rep, lam, None, none, gate.steps))
-        gated = tokens_of(rep, *served_ends(rep, lam, None, flags, gate.steps,
+        ungated = tokens_of(rep, *served_ends(rep.stop, rep.give_up, lam, None, none, gate.steps))
+        gated = tokens_of(rep, *served_ends(rep.stop, rep.give_up, lam, None, flags, gate.steps,
                                             safe_lam(bundle, action)))
         lo, hi = clustered_ci(gated - ungated, full, prompts)
         out["rows"].append({"delta": row.delta, "tokens_ungated": float(ungated.mean()),
@@ -380,7 +389,7 @@ def family_report(bundle: Bundle, rep: Replayed, alarm: StreamAlarm | None = Non
                 "one-sided, no gate": (None, none)}
         point: dict[str, Any] = {"delta": row.delta, "lambda": lam}
         for name, (m, flagged) in arms.items():
-            end, ended = served_ends(rep, lam, m, flagged, gate.steps, safe,
+            end, ended = served_ends(rep.stop, rep.give_up, lam, m, flagged, gate.steps, safe,
                                      no_give_up if flagged is served else None)
             fig = arm_figures(rep, end, ended, flagged, policy, excl)
             fig["versus_budget"] = against_budget(fig, out["budget"])

@@ -45,10 +45,10 @@ def test_the_gate_holds_its_first_steps_and_a_flagged_request_runs_in_full():
     rep = replayed(stop=[[0.9] * 4, [0.9] * 4], give_up=[[0.5] * 4] * 2, sup=[[1] * 4] * 2,
                    answers=[["1"] * 4] * 2, final=["1", "1"], truth=["1", "1"])
     flagged = np.array([False, True])
-    end, ended = served_ends(rep, 0.5, None, flagged, gate_steps=2)
+    end, ended = served_ends(rep.stop, rep.give_up, 0.5, None, flagged, gate_steps=2)
     # the first request crosses at step 0 but the gate decides at step 1: it stops there
     assert end.tolist() == [1, 3] and ended == [Ended.EARLY, Ended.FULL]
-    end, ended = served_ends(rep, 0.5, None, flagged, gate_steps=1)
+    end, ended = served_ends(rep.stop, rep.give_up, 0.5, None, flagged, gate_steps=1)
     assert end.tolist() == [0, 3]
 
 
@@ -58,11 +58,11 @@ def test_under_strict_a_flagged_request_stops_at_the_safe_threshold_and_never_gi
                    truth=["1", "1"])
     flagged = np.array([False, True])
     for mu in (None, 0.05):  # the unflagged one gives up at once when two-sided; not the other
-        end, ended = served_ends(rep, 0.5, mu, flagged, gate_steps=1, safe=0.9)
+        end, ended = served_ends(rep.stop, rep.give_up, 0.5, mu, flagged, gate_steps=1, safe=0.9)
         assert end[1] == 3 and ended[1] == Ended.FULL  # 0.95 at the last step: no early stop
-        end, ended = served_ends(rep, 0.5, mu, flagged, gate_steps=1, safe=0.75)
+        end, ended = served_ends(rep.stop, rep.give_up, 0.5, mu, flagged, gate_steps=1, safe=0.75)
         assert end[1] == 2 and ended[1] == Ended.EARLY
-    end, _ = served_ends(rep, 0.5, None, flagged, gate_steps=1, safe=0.75)
+    end, _ = served_ends(rep.stop, rep.give_up, 0.5, None, flagged, gate_steps=1, safe=0.75)
     assert end[0] == 0  # the unflagged request keeps the served lambda
 
 
@@ -71,7 +71,8 @@ def test_a_flagged_request_never_gives_up_and_the_stop_wins_a_tie():
     rep = replayed(stop=[low, low, [0.1, 0.9, 0.9, 0.9]], give_up=[[0.0] * 4] * 3,
                    sup=[[0, 0, 1, 1]] * 3, answers=[["2", "2", "1", "1"]] * 3,
                    final=["1"] * 3, truth=["1"] * 3)
-    end, ended = served_ends(rep, 0.5, 0.05, np.array([False, True, False]), gate_steps=2)
+    end, ended = served_ends(rep.stop, rep.give_up, 0.5, 0.05, np.array([False, True, False]),
+                             gate_steps=2)
     assert end.tolist() == [1, 3, 1]
     assert ended == [Ended.GAVE_UP, Ended.FULL, Ended.EARLY]
     fig = arm_figures(rep, end, ended, np.array([False, True, False]), GiveUpPolicy.GUESS, True)
@@ -88,7 +89,8 @@ def test_never_right_requests_are_left_out_of_the_stop_error_as_calibrated():
     rep = replayed(stop=[[0.9] * 3, [0.9] * 3], give_up=[[0.5] * 3] * 2,
                    sup=[[0, 0, 0], [0, 1, 1]], answers=[["2"] * 3, ["2", "1", "1"]],
                    final=["2", "1"], truth=["1", "1"])
-    end, ended = served_ends(rep, 0.5, None, np.zeros(2, dtype=bool), gate_steps=1)
+    end, ended = served_ends(rep.stop, rep.give_up, 0.5, None, np.zeros(2, dtype=bool),
+                             gate_steps=1)
     fig = arm_figures(rep, end, ended, np.zeros(2, dtype=bool), GiveUpPolicy.GUESS, True)
     assert fig["stop_error"]["n"] == 1 and fig["stop_error"]["k"] == 1
     fig = arm_figures(rep, end, ended, np.zeros(2, dtype=bool), GiveUpPolicy.GUESS, False)
@@ -186,6 +188,6 @@ def test_a_give_up_level_of_its_own_blocks_the_give_up_only():
                    sup=[[0, 0, 0, 1, 1]] * 2, answers=[["0", "0", "0", "1", "1"]] * 2,
                    final=["1", "1"], truth=["1", "1"])
     none = np.zeros(2, dtype=bool)
-    end, ended = served_ends(rep, 0.5, 0.05, none, gate_steps=1, safe=0.9,
+    end, ended = served_ends(rep.stop, rep.give_up, 0.5, 0.05, none, gate_steps=1, safe=0.9,
                              no_give_up=np.array([True, False]))
     assert [str(e) for e in ended] == ["early", "gave_up"] and end.tolist() == [3, 1]
