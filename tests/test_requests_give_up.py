@@ -53,8 +53,10 @@ def test_the_server_default_and_a_request_turning_it_off():
     ({"give_up": {"delta": 0.05}}, ONE_SIDED, "orca.give_up", "no give-up threshold"),
     ({"give_up": {"delta": 0.2}}, TWO_SIDED, "orca.give_up.delta", "no calibrated mu"),
     ({"give_up": {"delta": 1.5}}, TWO_SIDED, "orca.give_up.delta", r"a number in \(0, 1\)"),
-    ({"give_up": {"detla": 0.05}}, TWO_SIDED, "orca.give_up.detla", "unknown field"),
-    ({"give_up": 0.05}, TWO_SIDED, "orca.give_up", "invalid"),
+    # the give-up object's own fields, not the orca object's
+    ({"give_up": {"detla": 0.05}}, TWO_SIDED, "orca.give_up.detla",
+     r"unknown field 'orca.give_up.detla'; allowed fields of 'orca.give_up': enabled, delta$"),
+    ({"give_up": 0.05}, TWO_SIDED, "orca.give_up", r"^'orca.give_up' must be an object, got 0.05$"),
 ])
 def test_malformed_give_up_is_a_one_line_400(orca, bundle, param, words):
     with pytest.raises(OrcaRequestError, match=words) as e:

@@ -6,7 +6,7 @@ the extra_args that reach it (`orca_serve.settings.xargs.validate_xargs`). Plain
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, WithJsonSchema
 
@@ -80,15 +80,30 @@ def _fmt_loc(loc: tuple[Any, ...]) -> str:
     return cut(".".join(str(x) for x in loc))
 
 
+def _holder(loc: tuple[Any, ...]) -> type[BaseModel]:
+    """The model whose field `loc` names: OrcaFields, or an object nested in it (`give_up`)."""
+    model: type[BaseModel] = OrcaFields
+    for part in loc[:-1]:
+        model = next(t for t in get_args(model.model_fields[part].annotation)
+                     if isinstance(t, type) and issubclass(t, BaseModel))
+    return model
+
+
 def validation_message(e: ValidationError, prefix: str) -> tuple[str, str]:
+    """The first of `OrcaFields`' validation errors as (one-line message, param), worded as the
+    rules word theirs."""
     err = e.errors()[0]
-    where = _fmt_loc(err["loc"])
+    loc = err["loc"]
+    where = _fmt_loc(loc)
     param = f"{prefix}.{where}" if where else prefix
     if err["type"] == "extra_forbidden":
-        allowed = ", ".join(OrcaFields.model_fields)
-        return f"unknown field '{param}'; allowed fields of '{prefix}': {allowed}", param
+        allowed = ", ".join(_holder(loc).model_fields)
+        obj = f"{prefix}.{_fmt_loc(loc[:-1])}" if len(loc) > 1 else prefix
+        return f"unknown field '{param}'; allowed fields of '{obj}': {allowed}", param
     if err["type"] == "value_error":  # a rule's refusal (orca_serve/settings/rules.py)
         return refusal(param, err["msg"].removeprefix("Value error, ")), param
+    if err["type"] == "model_type":  # a nested object (`give_up`) given as something else
+        return refusal(param, f"must be an object, got {shown(err.get('input'))}"), param
     return f"invalid '{param}': {err['msg']} (got {shown(err.get('input'))})", param
 
 
