@@ -20,17 +20,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from orca_method.bundle import load_bundle
-from orca_method.procedure import replay
-from orca_method.trajectories import TrajectorySet
-from orca_serve.live_audit.live import LiveAudit, _Job
-from orca_serve.live_audit.options import AuditConfig
-from tests.audit_simulation import TableLabeller
-from tests.servers import orca_result
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests package's helpers
+
+from orca_method.bundle import load_bundle  # noqa: E402
+from orca_method.procedure import replay  # noqa: E402
+from orca_method.trajectories import TrajectorySet  # noqa: E402
+from orca_serve.live_audit.live import LiveAudit, _Job  # noqa: E402
+from orca_serve.live_audit.options import AuditConfig  # noqa: E402
+from tests.audit_simulation import TableLabeller  # noqa: E402
+from tests.servers import orca_result  # noqa: E402
 
 
 def traces(path: str, bundle, split: str | None) -> list[dict]:

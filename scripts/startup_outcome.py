@@ -62,6 +62,11 @@ def judge(text: str, healthy: bool, rc: int, expected: str = "device") -> tuple[
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
+    if not 3 <= len(argv) <= 4:
+        sys.exit(__doc__)
     log, healthy, rc, *expected = argv
     ok, why = judge(Path(log).read_text(errors="replace"), healthy == "1", int(rc), *expected)
     print(("PASS " if ok else "FAIL ") + why)

@@ -250,6 +250,9 @@ def main() -> int:
     split = args[0] if args and args[0] in ("--by-kind", "--by-test") else None
     if split:
         args = args[1:]
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if not args:
         sys.exit(__doc__)
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
@@ -259,7 +262,10 @@ def main() -> int:
         watcher.start()
     load = os.getloadavg()[0]
     t = time.monotonic()
-    proc = subprocess.Popen(args)
+    try:
+        proc = subprocess.Popen(args)
+    except OSError as e:  # not found, not executable: one line, as a shell says it
+        sys.exit(f"tree_cpu: {args[0]}: {e.strerror}")
     rc, wall = 1, 0.0
     while True:  # each child reaped as it ends: the command, and the orphans re-parented here
         try:
