@@ -225,7 +225,7 @@ def cmd_gate(a: argparse.Namespace) -> None:
     from orca_calibrate.gate import add_gate, first_step_features, gate_collector
     from orca_method.bundle import load_bundle
 
-    try:  # before an engine starts; argparse checked each flag, this is their order
+    try:  # before an engine starts; argparse checked each flag, this the give-up level's order
         opts = GateOptions(steps=a.steps, alpha=a.alpha, give_up_alpha=a.give_up_alpha,
                            rank=a.rank)
     except ValueError as e:
@@ -234,7 +234,7 @@ def cmd_gate(a: argparse.Namespace) -> None:
     prompts = read_prompts(Path(a.prompts))
     with gate_collector(a.model, bundle, max_tokens=a.max_tokens, temperature=a.temperature,
                         seed=a.seed, engine=dict(a.engine or {})) as collector:
-        feats = first_step_features(collector, prompts, a.steps)
+        feats = first_step_features(collector, prompts, opts.steps)
     sealed = add_gate(Path(a.bundle), Path(a.out), feats, opts, fit_fraction=a.fit_fraction,
                       seed=a.seed)
     g = sealed.shift_gate

@@ -48,7 +48,7 @@ def gate_from_trajectories(ts: TrajectorySet, opts: GateOptions = GateOptions()
 
 def _reference(fit: np.ndarray, cal: np.ndarray, opts: GateOptions) -> GateReference:
     return gate_reference(fit, cal, steps=opts.steps, alpha=opts.alpha,
-                          give_up_alpha=opts.give_up_level, rank=opts.rank)
+                          give_up_alpha=opts.fitted_give_up_alpha, rank=opts.rank)
 
 
 def split_features(features: np.ndarray, fit_fraction: float, seed: int

@@ -97,7 +97,7 @@ class GateOptions:
 
     steps: int = DEFAULT_GATE_STEPS
     alpha: float = DEFAULT_GATE_ALPHA
-    # None: DEFAULT_GATE_GIVE_UP_ALPHA, or alpha where that is higher (`give_up_level`)
+    # None: DEFAULT_GATE_GIVE_UP_ALPHA, or alpha where that is higher (`fitted_give_up_alpha`)
     give_up_alpha: float | None = None
     rank: int = DEFAULT_GATE_RANK
 
@@ -110,7 +110,7 @@ class GateOptions:
             give_up_level(self.alpha, self.give_up_alpha)
 
     @property
-    def give_up_level(self) -> float:
+    def fitted_give_up_alpha(self) -> float:
         """The give-up side's level the gate is fitted with."""
         if self.give_up_alpha is None:
             return max(self.alpha, DEFAULT_GATE_GIVE_UP_ALPHA)

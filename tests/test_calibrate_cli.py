@@ -92,3 +92,38 @@ def test_gate_refuses_a_give_up_level_below_its_alpha(bundle_path, tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--give-up-alpha" in err[0] and "at least the stop side's" in err[0]
     assert not out.exists()
+
+
+def test_gate_adds_the_gate_its_flags_ask_for(bundle_path, tmp_path, monkeypatch, capsys):
+    """`orca-calibrate gate` fits the gate on the prompts' first-step features (a fake engine
+    here: the features drawn at random) with its flags' steps, levels and rank, and seals it."""
+    import contextlib
+
+    import numpy as np
+
+    import orca_calibrate.gate as gate
+    from orca_calibrate.calibrate_cli import main
+    from orca_method.bundle import decode_weights, load_bundle
+
+    hidden = load_bundle(bundle_path).model.hidden_size
+    seen = {}
+
+    @contextlib.contextmanager
+    def collector(model, bundle, **kw):
+        yield "engine"
+
+    def features(engine, prompts, steps):
+        seen["steps"] = steps
+        return np.random.default_rng(0).normal(size=(40, hidden))
+
+    monkeypatch.setattr(gate, "gate_collector", collector)
+    monkeypatch.setattr(gate, "first_step_features", features)
+    (tmp_path / "p.jsonl").write_text('{"id": "p0", "prompt": "x"}\n')
+    out = tmp_path / "gated.json"
+    assert main(["gate", "--model", "m", "--bundle", str(bundle_path), "--prompts",
+                 str(tmp_path / "p.jsonl"), "--out", str(out), "--steps", "2", "--alpha", "0.1",
+                 "--rank", "3"]) == 0
+    g = load_bundle(out).shift_gate
+    assert seen["steps"] == 2 and (g.steps, g.alpha, g.give_up_alpha, g.n_fit) == (2, 0.1, 0.1, 20)
+    assert decode_weights(g.tensors, "gate")["basis"].shape[0] <= 3
+    assert "shift gate on 2 step(s), fitted on 20 prompts" in capsys.readouterr().out
