@@ -35,12 +35,21 @@ from typing import Any
 import numpy as np
 
 from orca_calibrate.calibrate import calibrate_bundle, score_split
+from orca_calibrate.gate import gate_features_of, gate_from_features, options_of
+from orca_calibrate.job_options import GateOptions
 from orca_calibrate.train import meta_train, train_static, training_settings
 from orca_method.audit.attrition import recorded_incomplete
 from orca_method.audit.drift import DRIFT_WINDOW, DriftMonitor
 from orca_method.audit.guards import cut_feed
 from orca_method.audit.sequence import CensoredAlarm
-from orca_method.bundle import Bundle, BundleError, Labelling, Segmentation, labelling_for
+from orca_method.bundle import (
+    Bundle,
+    BundleError,
+    Labelling,
+    Segmentation,
+    labelling_for,
+    save_bundle,
+)
 from orca_method.give_up import request_give_up_loss
 from orca_method.outcomes import GiveUpLoss
 from orca_method.risk import is_counted, request_losses
@@ -473,11 +482,27 @@ def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
     if bundle.give_up is not None:
         provenance["give_up"] = ("dropped (--drop-give-up)" if drop_give_up else
                                  "the parent bundle's, kept as calibrated")
-    return calibrate_bundle(probe, view, out, mode=mode, deltas=bundle.deltas(),
-                            epsilon=bundle.ltt.epsilon, pvalue=bundle.ltt.pvalue,
-                            window=bundle.window, default_delta=bundle.default_delta,
-                            provenance=provenance,
-                            give_up=None if drop_give_up else bundle.give_up)
+    # the gate, with the parent's settings, for the traffic the window holds: with `retrain`
+    # fitted on its training half and scored on its calibration half (calibrate_bundle); without,
+    # the window has no training half, so a seeded half of its audits fits it and the other half
+    # scores it (as `orca-calibrate gate` fits one on fresh prompts)
+    gate = GateOptions() if bundle.shift_gate is None else options_of(bundle.shift_gate)
+    own_gate = None
+    if not retrain and bundle.shift_gate is not None:
+        features = gate_features_of([view.embeddings(i) for i in range(len(view))], gate.steps)
+        try:
+            own_gate = gate_from_features(features, gate, fit_fraction=0.5, seed=seed)
+            provenance["shift_gate"] = "fitted on a seeded half of the window's audits"
+        except ValueError as e:
+            provenance["shift_gate"] = f"none: {e}"
+    fresh = calibrate_bundle(probe, view, out, mode=mode, deltas=bundle.deltas(),
+                             epsilon=bundle.ltt.epsilon, pvalue=bundle.ltt.pvalue,
+                             window=bundle.window, default_delta=bundle.default_delta,
+                             provenance=provenance, gate=gate,
+                             give_up=None if drop_give_up else bundle.give_up)
+    if own_gate is None:
+        return fresh
+    return save_bundle(fresh.model_copy(update={"shift_gate": own_gate}), out)
 
 
 def _retrain(bundle: Bundle, ts: TrajectorySet, mode: str, options: dict, *,

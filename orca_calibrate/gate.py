@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from orca_calibrate.job_options import GateOptions
-from orca_method.bundle import Bundle, GateReference, gate_reference, load_bundle, save_bundle
+from orca_method.bundle import (
+    Bundle,
+    GateReference,
+    decode_weights,
+    gate_reference,
+    load_bundle,
+    save_bundle,
+)
 from orca_method.shift_gate import gate_features
 from orca_method.trajectories import TrajectorySet
 
@@ -49,6 +56,25 @@ def gate_from_trajectories(ts: TrajectorySet, opts: GateOptions = GateOptions()
 def _reference(fit: np.ndarray, cal: np.ndarray, opts: GateOptions) -> GateReference:
     return gate_reference(fit, cal, steps=opts.steps, alpha=opts.alpha,
                           give_up_alpha=opts.fitted_give_up_alpha, rank=opts.rank)
+
+
+def options_of(ref: GateReference) -> GateOptions:
+    """The settings a bundle's gate was fitted with (its rank: the directions it kept; a gate
+    of one level, from before the give-up side had its own, keeps one)."""
+    rank = int(decode_weights(ref.tensors, "shift gate tensors")["basis"].shape[0])
+    return GateOptions(steps=ref.steps, alpha=ref.alpha, rank=rank,
+                       give_up_alpha=ref.alpha if ref.give_up_alpha is None else ref.give_up_alpha)
+
+
+def gate_from_features(features: np.ndarray, opts: GateOptions, *, fit_fraction: float,
+                       seed: int) -> GateReference:
+    """A gate fitted on a seeded part of `features` ([N, d]) and scored on the rest; ValueError
+    when they are too few."""
+    fit, cal = split_features(features, fit_fraction, seed)
+    if len(fit) < 2 or len(cal) < 1:
+        raise ValueError(f"{len(features)} usable prompts are too few for a gate (fitted "
+                         f"{len(fit)}, scored {len(cal)}); give more prompts")
+    return _reference(fit, cal, opts)
 
 
 def split_features(features: np.ndarray, fit_fraction: float, seed: int
@@ -92,8 +118,5 @@ def add_gate(bundle_path: Path, out: Path, features: np.ndarray, opts: GateOptio
     if features.shape[1] != bundle.model.hidden_size:
         raise ValueError(f"features have width {features.shape[1]}, the bundle's model "
                          f"{bundle.model.hidden_size}")
-    fit, cal = split_features(features, fit_fraction, seed)
-    if len(fit) < 2 or len(cal) < 1:
-        raise ValueError(f"{len(features)} usable prompts are too few for a gate (fitted "
-                         f"{len(fit)}, scored {len(cal)}); give more prompts")
-    return save_bundle(bundle.model_copy(update={"shift_gate": _reference(fit, cal, opts)}), out)
+    ref = gate_from_features(features, opts, fit_fraction=fit_fraction, seed=seed)
+    return save_bundle(bundle.model_copy(update={"shift_gate": ref}), out)

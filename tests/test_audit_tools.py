@@ -114,6 +114,32 @@ def test_recalibrate_brings_the_risk_back(world, first_alarm):
         assert after[d] <= d + _tolerance(d, n), (d, after[d])
 
 
+def test_a_recalibrated_bundle_is_gated_for_the_windows_traffic(world, first_alarm):
+    """The parent's gate settings, fitted on a seeded half of the window's audits and scored on
+    the other half (the window has no training half): traffic like the window's is flagged at
+    about alpha, traffic unlike it is flagged."""
+    import torch
+
+    from orca_calibrate.gate import gate_features_of
+
+    out = world / "gated-recalibrated.json"
+    window = 1200 - first_alarm
+    assert main(["recalibrate", "--bundle", str(world / "bundle.json"), "--audit",
+                 str(world / "shifted-audits"), "--out", str(out), "--last", str(window)]) == 0
+    old, new = load_bundle(world / "bundle.json").shift_gate, load_bundle(out)
+    g = new.shift_gate
+    assert (g.steps, g.alpha, g.give_up_alpha) == (old.steps, old.alpha, old.give_up_alpha)
+    assert g.n_fit == round(window / 2) and len(g.scores) == window - g.n_fit
+    assert new.provenance["shift_gate"] == "fitted on a seeded half of the window's audits"
+    gate = new.load_gate()
+    fresh = TrajectorySet.open(world / "shifted-fresh")  # the window's family, unseen
+    x = torch.from_numpy(gate_features_of([fresh.embeddings(i) for i in range(len(fresh))],
+                                          gate.steps))
+    flagged = float((gate.score(x) > gate.thresholds()[0]).float().mean())
+    assert flagged <= g.alpha + _tolerance(g.alpha, len(fresh))
+    assert bool((gate.score(x + 10.0) > gate.thresholds()[0]).all())
+
+
 def test_recalibrate_on_a_window_with_retraining(world):
     out = world / "retrained.json"
     assert main(["recalibrate", "--bundle", str(world / "bundle.json"), "--audit",
