@@ -19,6 +19,7 @@ trained, `label_deferred` probes only the steps LTT reads (orca_method/selective
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import math
 import sys
@@ -59,7 +60,7 @@ from orca_method.trajectories import (
     update_problems,
 )
 from orca_serve.settings.contract import ORCA_OFF, merge_results
-from orca_serve.vllm_compat import offline
+from orca_serve.vllm_compat import launch, offline
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
 
 # the dtype the engine computes in (vLLM's `dtype`; a job's `engine: {dtype: ...}` overrides):
@@ -86,7 +87,8 @@ UNWRITTEN = 2
 @dataclass
 class CollectSettings:
     # trajectories per prompt, ids "<id>#<n>" (orca_method.consensus.sample_id): distinct draws
-    # at `temperature` > 0 from the engine's seeded generator (no per-request seed: see below)
+    # at `temperature` > 0, each from its own generator seeded by `seed` and its id
+    # (`trace_seed`)
     samples: int = 1
     temperature: float = 0.7
     top_p: float = 1.0
@@ -211,6 +213,15 @@ def trace_keys(prompts: list[dict], samples: int) -> list[tuple[str, dict]]:
             for rec in prompts for k in range(samples)]
 
 
+def trace_seed(seed: int, key: str) -> int:
+    """The sampling seed of the trace `key` (a prompt id, or a sample's "<id>#<n>") in a
+    collection seeded `seed`. Per trace, not the engine's one generator: that one hands its
+    draws out in the order the batch happens to run, so one trace ending a step sooner (or a
+    request reaching the engine a step later) changed nearly every other trace of a rerun (1,195
+    of the toy job's 1,200); a trace's own generator makes its draws its own."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:4], "big")
+
+
 def _chunks(items: list, size: int) -> Iterator[list]:
     for i in range(0, len(items), size):
         yield items[i:i + size]
@@ -234,6 +245,12 @@ class Collector:
                                normalization=settings.normalization)
         kwargs = {"dtype": ENGINE_DTYPE, "enforce_eager": True, "enable_prefix_caching": True,
                   "seed": settings.seed, **plugin, **settings.engine}
+        if launch.is_cpu_platform():  # each trace is seeded (`trace_seed`): prefills kept whole
+            if kwargs.get("enable_chunked_prefill") or kwargs.get("long_prefill_token_threshold"):
+                raise ValueError("collect.engine: chunked prefill is refused on vLLM's CPU build "
+                                 "(a seeded request prefilled in chunks crashes its engine, "
+                                 "docs/KNOWN-ISSUES.md)")
+            kwargs["enable_chunked_prefill"] = False
         self.llm = LLM(model=model, **kwargs)
         self.model = model
         self.tokenizer = self.llm.get_tokenizer()
@@ -260,9 +277,8 @@ class Collector:
         params, chats = [], []
         for key, rec in batch:
             params.append(SamplingParams(
-                # no per-request seed: vLLM 0.32's CPU build crashes on seeded requests whose
-                # prefill is chunked; the engine's seed (LLM(seed=...)) makes runs repeatable
                 temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
+                seed=trace_seed(s.seed, key),
                 extra_args={"orca_key": key, "orca_record": 1, "orca_enabled": 0}))
             chats.append(rec.get("messages") or rec["prompt"])
         if not all(isinstance(c, list) for c in chats):

@@ -45,6 +45,31 @@ def test_problem_fields_labels() -> None:
         "consistent": [0, 0, 0], "supervised": [0, 0, 1]}
 
 
+def test_each_trace_has_a_seed_of_its_own() -> None:
+    """A trace's sampling seed depends on the collection's seed and the trace's id only, so a
+    rerun, a shard or a pipelined schedule draws it the same (tests/test_shards_engine.py); it
+    differs between traces (a prompt's samples included) and between seeds."""
+    from orca_calibrate.collect import trace_seed
+
+    keys = [f"p{i}" for i in range(50)] + [f"p0#{n}" for n in range(1, 8)]
+    seeds = {trace_seed(0, k) for k in keys}
+    assert len(seeds) == len(keys) and all(0 <= s < 2**32 for s in seeds)
+    assert trace_seed(0, "p0") == trace_seed(0, "p0") != trace_seed(1, "p0")
+
+
+def test_the_collector_refuses_chunked_prefill_on_vllms_cpu_build() -> None:
+    """Every trace is seeded, and vLLM 0.32's CPU build crashes on a seeded request prefilled in
+    chunks (docs/KNOWN-ISSUES.md): refused before the engine starts."""
+    from orca_calibrate.collect import Collector, CollectSettings
+    from orca_serve.vllm_compat import launch
+
+    if not launch.is_cpu_platform():
+        pytest.skip("vLLM's CPU build only")
+    for engine in ({"enable_chunked_prefill": True}, {"long_prefill_token_threshold": 64}):
+        with pytest.raises(ValueError, match="chunked prefill is refused on vLLM's CPU build"):
+            Collector("m", CollectSettings(engine=engine))
+
+
 def test_read_prompts_errors(tmp_path) -> None:
     p = tmp_path / "p.jsonl"
     p.write_text('{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n')

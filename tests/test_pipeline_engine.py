@@ -1,10 +1,9 @@
 """The pipelined collector against the batch collector on one real vLLM engine (the embedded toy
-reasoner, greedy): the same traces, probes and labels, written in the job's order; and a
-pipelined collection killed part-way resumes to the same set, the engine left empty.
+reasoner, sampled at temperature 0.7): the same traces, probes and labels, written in the job's
+order; and a pipelined collection killed part-way resumes to the same set, the engine left empty.
 
-Greedy traces draw no random numbers, so the schedule must not change them (embeddings equal up
-to floating point between batch shapes; sampled traces differ by design: docs/CALIBRATE.md,
-"No phase barrier")."""
+Each trace draws from its own generator (`orca_calibrate.collect.trace_seed`), so the schedule
+must not change it (embeddings equal up to floating point between batch shapes)."""
 
 from __future__ import annotations
 
@@ -44,7 +43,7 @@ def test_pipelined_collects_the_batch_traces_and_resumes(tmp_path, monkeypatch):
     prompts = read_prompts(tmp_path / "p.jsonl")
     order = [k for k, _ in trace_keys(prompts, 1)]
     later = {order[2]}  # collected unprobed, as selective labelling does
-    settings = CollectSettings(temperature=0.0, max_tokens=320, answer_tokens=6,
+    settings = CollectSettings(temperature=0.7, max_tokens=320, answer_tokens=6,
                                suffix="\n</think>\nThe answer is \\boxed{", batch=4,
                                schedule="batches", engine={"max_model_len": 1024})
     with Collector(MODEL, settings) as c:

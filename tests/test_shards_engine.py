@@ -1,7 +1,8 @@
 """Two engine processes, a shard of the prompts each, against one engine on the same prompts
-(real vLLM, the embedded toy reasoner). Greedy traces draw no random numbers, so sharding must
-not change them: same ids in the job's order, same steps and labels, embeddings equal up to
-floating point (sampled traces differ by design: orca_calibrate/shards.py says why)."""
+(real vLLM, the embedded toy reasoner, sampled at temperature 0.7). Each trace draws from its own
+generator (`orca_calibrate.collect.trace_seed`), so sharding must not change it: same ids in the
+job's order, same steps and labels, embeddings equal up to floating point between batch
+shapes."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def forked_shards(monkeypatch):
 def test_two_engines_collect_the_one_engine_traces(tmp_path, forked_shards):
     write_prompts(tmp_path / "p.jsonl", "in-dist", 12, seed=5)
     prompts = read_prompts(tmp_path / "p.jsonl")
-    settings = CollectSettings(temperature=0.0, max_tokens=320, answer_tokens=6,
+    settings = CollectSettings(temperature=0.7, max_tokens=320, answer_tokens=6,
                                suffix="\n</think>\nThe answer is \\boxed{", batch=16,
                                engine={"max_model_len": 1024})
     with Collector(MODEL, settings) as one:
