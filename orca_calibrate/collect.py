@@ -246,10 +246,10 @@ class Collector:
         kwargs = {"dtype": ENGINE_DTYPE, "enforce_eager": True, "enable_prefix_caching": True,
                   "seed": settings.seed, **plugin, **settings.engine}
         if launch.is_cpu_platform():  # each trace is seeded (`trace_seed`): prefills kept whole
-            if kwargs.get("enable_chunked_prefill") or kwargs.get("long_prefill_token_threshold"):
-                raise ValueError("collect.engine: chunked prefill is refused on vLLM's CPU build "
-                                 "(a seeded request prefilled in chunks crashes its engine, "
-                                 "docs/KNOWN-ISSUES.md)")
+            chunking = launch.chunking_option(kwargs)
+            if chunking:
+                raise ValueError(f"collect.engine.{chunking} is refused: "
+                                 f"{launch.SEEDED_CHUNKS_CRASH}; every trace is seeded")
             kwargs["enable_chunked_prefill"] = False
         self.llm = LLM(model=model, **kwargs)
         self.model = model

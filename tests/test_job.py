@@ -66,7 +66,8 @@ def test_the_collector_refuses_chunked_prefill_on_vllms_cpu_build() -> None:
     if not launch.is_cpu_platform():
         pytest.skip("vLLM's CPU build only")
     for engine in ({"enable_chunked_prefill": True}, {"long_prefill_token_threshold": 64}):
-        with pytest.raises(ValueError, match="chunked prefill is refused on vLLM's CPU build"):
+        with pytest.raises(ValueError, match=f"collect.engine.{next(iter(engine))} is refused: "
+                                             "on vLLM's CPU build a seeded request"):
             Collector("m", CollectSettings(engine=engine))
 
 

@@ -64,12 +64,10 @@ def keep_prefills_whole(args: argparse.Namespace,
     """
     if not launch.is_cpu_platform():
         return
-    why = ("on vLLM's CPU build a seeded request whose prompt is prefilled in chunks crashes the "
-           "engine (CPU Generator does not use offset); orca-serve keeps prefills whole there")
-    if getattr(args, "enable_chunked_prefill", None):
-        raise StartupError(f"--enable-chunked-prefill is refused: {why}")
-    if getattr(args, "long_prefill_token_threshold", 0):
-        raise StartupError(f"--long-prefill-token-threshold is refused: {why}")
+    why = f"{launch.SEEDED_CHUNKS_CRASH}; orca-serve keeps prefills whole there"
+    chunking = launch.chunking_option(vars(args))
+    if chunking:
+        raise StartupError(f"--{chunking.replace('_', '-')} is refused: {why}")
     budget = getattr(args, "max_num_batched_tokens", None)
     max_len = getattr(args, "max_model_len", None)
     given = "--max-model-len"

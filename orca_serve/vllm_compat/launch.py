@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 _CLI_ARGS = ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.launchers.cli_args")
@@ -72,6 +72,18 @@ def configure_logging(args: argparse.Namespace) -> None:
     from vllm.logger import configure_logging_from_args  # deferred: vllm (resolved at use)
 
     configure_logging_from_args(args)
+
+
+# why prefills stay whole on vLLM's CPU build wherever requests are seeded (docs/KNOWN-ISSUES.md)
+SEEDED_CHUNKS_CRASH = ("on vLLM's CPU build a seeded request whose prompt is prefilled in chunks "
+                       "crashes the engine (CPU Generator does not use offset)")
+
+
+def chunking_option(options: Mapping[str, Any]) -> str | None:
+    """The engine argument among `options` (vLLM's, by name) that would chunk a prefill, or
+    None: the server's pre-flight and the calibration collector refuse it on the CPU build."""
+    return next((name for name in ("enable_chunked_prefill", "long_prefill_token_threshold")
+                 if options.get(name)), None)
 
 
 def is_cpu_platform() -> bool:
