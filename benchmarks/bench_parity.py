@@ -69,7 +69,7 @@ def offline_stops(bundle, data: Path, lam: float, mu: float = GIVE_UP_NEVER
     steps, safe = 1, safe_lam(bundle, DEFAULTS.shift_action)
     gate = bundle.load_gate()
     if gate is not None:
-        score = np.nan_to_num(gate_scores(bundle, embs), nan=-np.inf)  # too short: not gated
+        score = np.nan_to_num(gate_scores(gate, embs), nan=-np.inf)  # too short: not gated
         thr, thr_give_up = gate.thresholds()
         flagged, barred, steps = score > thr, score > thr_give_up, gate.steps
     end, how = served_ends(stop, give_up, lam, None if math.isinf(mu) else mu, flagged, steps,

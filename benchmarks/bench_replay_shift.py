@@ -88,7 +88,7 @@ from orca_method.labels import equivalent  # noqa: E402
 from orca_method.outcomes import Ended, GiveUpPolicy  # noqa: E402
 from orca_method.procedure import replay  # noqa: E402
 from orca_method.risk import cumulative, stop_indices  # noqa: E402
-from orca_method.shift_gate import gate_features  # noqa: E402
+from orca_method.shift_gate import ShiftGate, gate_features  # noqa: E402
 from orca_method.thresholds import NEVER  # noqa: E402
 from orca_method.trajectories import TrajectorySet  # noqa: E402
 from orca_serve.settings.contract import DEFAULTS, ShiftAction, safe_lam  # noqa: E402
@@ -131,8 +131,6 @@ class Replayed:
 
 def replay_family(bundle: Bundle, ts: TrajectorySet) -> Replayed:
     """Score every trace of `ts` as the server would (module docstring)."""
-    import torch  # deferred: the report alone needs no torch
-
     idx = list(range(len(ts)))
     embs = [ts.embeddings(i) for i in idx]
     stop = [s.numpy().astype(np.float64)
@@ -140,7 +138,7 @@ def replay_family(bundle: Bundle, ts: TrajectorySet) -> Replayed:
     give_up = [s.numpy().astype(np.float64)
                for _, s in replay(bundle.load_give_up_probe(), embs,
                                   window=bundle.give_up.window)]
-    return Replayed(stop=stop, give_up=give_up, gate_score=gate_scores(bundle, embs),
+    return Replayed(stop=stop, give_up=give_up, gate_score=gate_scores(bundle.load_gate(), embs),
                     traces=[g[0] for g in traces(ts, [[i] for i in idx])],
                     truth=[ts.problems[i].answer for i in idx],
                     supervised=[ts.raw_labels(i, "supervised") for i in idx],
@@ -148,12 +146,11 @@ def replay_family(bundle: Bundle, ts: TrajectorySet) -> Replayed:
                     prompt=[prompt_of(ts.problems[i].id)[0] for i in idx])
 
 
-def gate_scores(bundle: Bundle, embs: Sequence[np.ndarray]) -> np.ndarray:
-    """The bundle's gate score of each trace's first `gate.steps` step embeddings ([n]; nan
-    where the trace is too short to be gated), as the engine scores them (`ShiftGate.score`)."""
+def gate_scores(gate: ShiftGate, embs: Sequence[np.ndarray]) -> np.ndarray:
+    """The gate's score of each trace's first `gate.steps` step embeddings ([n]; nan where the
+    trace is too short to be gated), as the engine scores them (`ShiftGate.score`)."""
     import torch  # deferred: the report alone needs no torch
 
-    gate = bundle.load_gate()
     out = np.full(len(embs), np.nan)
     feats = [gate_features(e, gate.steps) for e in embs]
     have = [i for i, f in enumerate(feats) if f is not None]
