@@ -250,6 +250,16 @@ class Collector:
             if chunking:
                 raise ValueError(f"collect.engine.{chunking} is refused: "
                                  f"{launch.SEEDED_CHUNKS_CRASH}; every trace is seeded")
+            budget = kwargs.get("max_num_batched_tokens")
+            if budget is not None:  # a step must then fit a whole prompt
+                max_len = (kwargs.get("max_model_len")
+                           or launch.derived_max_model_len({"model": model, **kwargs}))
+                if budget < max_len:
+                    raise ValueError(f"collect.engine.max_num_batched_tokens {budget} is below "
+                                     f"the context length {max_len}: "
+                                     f"{launch.SEEDED_CHUNKS_CRASH}; every trace is seeded, so "
+                                     "a step must fit a whole prompt (raise it, or lower "
+                                     "collect.engine.max_model_len)")
             kwargs["enable_chunked_prefill"] = False
         self.llm = LLM(model=model, **kwargs)
         self.model = model

@@ -1,5 +1,6 @@
 """Job files and collection bookkeeping that need no engine."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -57,7 +58,7 @@ def test_each_trace_has_a_seed_of_its_own() -> None:
     assert trace_seed(0, "p0") == trace_seed(0, "p0") != trace_seed(1, "p0")
 
 
-def test_the_collector_refuses_chunked_prefill_on_vllms_cpu_build() -> None:
+def test_the_collector_keeps_prefills_whole_on_vllms_cpu_build() -> None:
     """Every trace is seeded, and vLLM 0.32's CPU build crashes on a seeded request prefilled in
     chunks (docs/KNOWN-ISSUES.md): refused before the engine starts."""
     from orca_calibrate.collect import Collector, CollectSettings
@@ -69,6 +70,11 @@ def test_the_collector_refuses_chunked_prefill_on_vllms_cpu_build() -> None:
         with pytest.raises(ValueError, match=f"collect.engine.{next(iter(engine))} is refused: "
                                              "on vLLM's CPU build a seeded request"):
             Collector("m", CollectSettings(engine=engine))
+    # a step budget below the model's context length (derived from its config.json here)
+    model = str(Path(__file__).parents[1] / "orca_serve" / "demo" / "model")
+    with pytest.raises(ValueError, match="collect.engine.max_num_batched_tokens 256 is below the "
+                                         "context length 1024: on vLLM's CPU build"):
+        Collector(model, CollectSettings(engine={"max_num_batched_tokens": 256}))
 
 
 def test_read_prompts_errors(tmp_path) -> None:

@@ -92,12 +92,15 @@ def is_cpu_platform() -> bool:
     return bool(current_platform.is_cpu())
 
 
-def derived_max_model_len(args: argparse.Namespace) -> int:
-    """The context length vLLM derives for the model from the parsed options (its ModelConfig,
-    from the model's config.json); raises what vLLM raises when it cannot."""
+def derived_max_model_len(args: argparse.Namespace | Mapping[str, Any]) -> int:
+    """The context length vLLM derives for the model from the parsed options, or from `LLM(...)`'s
+    keyword arguments with `model` among them (its ModelConfig, from the model's config.json);
+    raises what vLLM raises when it cannot."""
     from vllm.engine.arg_utils import EngineArgs  # deferred: vllm (resolved at use)
 
-    return int(EngineArgs.from_cli_args(args).create_model_config().max_model_len)
+    engine = (EngineArgs.from_cli_args(args) if isinstance(args, argparse.Namespace)
+              else EngineArgs(**args))
+    return int(engine.create_model_config().max_model_len)
 
 
 def run_single(args: argparse.Namespace, on_loop: Callable[[], None] | None = None) -> None:
