@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from orca_calibrate.calibrate import calibrate_bundle, score_split
+from orca_calibrate.calibrate import calibrate_bundle, parent_groups, score_split
 from orca_calibrate.gate import gate_features_of, gate_from_features, options_of
 from orca_calibrate.job_options import GateOptions
 from orca_calibrate.train import meta_train, train_static, training_settings
@@ -441,7 +441,8 @@ def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
     calibration data: its mu* holds with any lambda* (docs/METHOD.md section 9), and live
     audits cannot re-certify it (they have no reference labels, which a give-up risk needs).
     ``drop_give_up`` writes a one-sided bundle instead (the caller warns: requests asking to
-    give up are then refused).
+    give up are then refused). Group tables are kept likewise unless ``retrain``
+    (`parent_groups`); a consensus block is not (its rows stop samples at the old lambda*).
 
     Cut audits are in the window with their labels up to the cut, as calibration keeps cut
     trajectories (``last`` counts every audit). Unless ``force``,
@@ -482,6 +483,8 @@ def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
     if bundle.give_up is not None:
         provenance["give_up"] = ("dropped (--drop-give-up)" if drop_give_up else
                                  "the parent bundle's, kept as calibrated")
+    groups, said = parent_groups(bundle, same_probe=not retrain)
+    provenance.update(said)
     # the gate, with the parent's settings, for the traffic the window holds: with `retrain`
     # fitted on its training half and scored on its calibration half (calibrate_bundle); without,
     # the window has no training half, so a seeded half of its audits fits it and the other half
@@ -498,7 +501,7 @@ def recalibrate(bundle: Bundle, ts: TrajectorySet, out: Path, *, mode: str,
     fresh = calibrate_bundle(probe, view, out, mode=mode, deltas=bundle.deltas(),
                              epsilon=bundle.ltt.epsilon, pvalue=bundle.ltt.pvalue,
                              window=bundle.window, default_delta=bundle.default_delta,
-                             provenance=provenance, gate=gate,
+                             provenance=provenance, gate=gate, groups=groups,
                              give_up=None if drop_give_up else bundle.give_up)
     if own_gate is None:
         return fresh

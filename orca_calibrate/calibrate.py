@@ -354,6 +354,27 @@ def add_groups(bundle: Bundle, sets: Sequence[TrajectorySet], opts: GroupOptions
     return save_bundle(grown, out)
 
 
+def parent_groups(parent: Bundle, *, same_probe: bool
+                  ) -> tuple[dict[str, GroupTable] | None, dict[str, Any]]:
+    """The group tables a bundle recalibrated from `parent` keeps (`recalibrate`, `reweight`),
+    and what its provenance says of them.
+
+    A group's lambda*_g is certified on that group's own traces with the probe and window it was
+    calibrated with (docs/METHOD.md section 12). Neither recalibration touches those traces: the
+    live audit leaves known groups out, and reweighting re-draws the mixture's. So with the same
+    probe they stay valid as calibrated; a retrained probe voids them."""
+    if parent.groups is None:
+        return None, {}
+    if not same_probe:
+        return None, {"groups": "dropped: a group's tables hold for the probe they were "
+                                "certified with, and the probe was retrained"}
+    said: dict[str, Any] = {"groups": "the parent bundle's, kept as calibrated (the same probe "
+                                      "and window)"}
+    if "group_data" in parent.provenance:  # where calibration-only group sets came from
+        said["group_data"] = parent.provenance["group_data"]
+    return parent.groups, said
+
+
 def group_data(sets: Sequence[TrajectorySet]) -> list[dict[str, Any]]:
     """Where the groups' calibration-only traces came from (provenance's `group_data`)."""
     return [{"data": str(ts.path), "data_sha256": data_hashes(ts)} for ts in sets]
@@ -410,7 +431,7 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
                      dump_scores: Path | None = None,
                      provenance: dict[str, Any] | None = None,
                      give_up: tuple[Probe, GiveUpOptions] | GiveUpBlock | None = None,
-                     groups: GroupOptions | None = None,
+                     groups: GroupOptions | dict[str, GroupTable] | None = None,
                      group_sets: Sequence[TrajectorySet] = (),
                      gate: GateOptions = GateOptions()) -> Bundle:
     """Replay the calibration split, run LTT for every delta, write bundle.json with the drift
@@ -422,8 +443,10 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
     that block as it is: mu* holds with every lambda* (docs/METHOD.md section 9), so a new
     lambda* leaves it valid. With `groups`, also each group's own tables (`group_tables`; mu*
     per group only when the give-up probe is fitted here), on the calibration split's tagged
-    traces or, given `group_sets`, on those calibration-only sets instead (`set_group_tables`)."""
-    if group_sets and groups is None:
+    traces or, given `group_sets`, on those calibration-only sets instead (`set_group_tables`);
+    given tables already certified (`parent_groups`), those tables, without their mu* when the
+    new bundle is one-sided."""
+    if group_sets and not isinstance(groups, GroupOptions):
         raise ValueError("group sets need the group options (calibrate.groups: field, min_n)")
     default = default_delta if default_delta is not None else (0.1 if 0.1 in deltas else deltas[0])
     if default not in deltas:
@@ -435,7 +458,10 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
     scored = everything.solvable()
     results = run_ltt(scored, deltas, epsilon, pvalue)
     tables = None
-    if groups is not None:
+    if isinstance(groups, dict):
+        tables = groups if give_up is not None else {
+            name: g.model_copy(update={"give_up": None}) for name, g in groups.items()}
+    elif groups is not None:
         how = {"mode": mode, "deltas": deltas, "epsilon": epsilon, "pvalue": pvalue,
                "window": window, "give_up": give_up if isinstance(give_up, tuple) else None}
         tables = set_group_tables(probe, group_sets, groups, **how,

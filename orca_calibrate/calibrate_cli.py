@@ -294,10 +294,20 @@ def cmd_reweight(a: argparse.Namespace) -> None:
           f"{rs.kept.size} calibration traces (B {rs.bound:.3g}, mean weight "
           f"{rs.weights.mean():.3g}, n_eff {rs.n_eff:.1f}, clipped {rs.clipped}); "
           f"n_cal={new.ltt.n_cal}")
+    _show_recalibrated(parent, new)
+
+
+def _show_recalibrated(parent: Bundle, new: Bundle) -> None:
+    """lambda* per delta against the parent's, and what became of its groups and consensus."""
     for r, old in zip(new.ltt.rows, parent.ltt.rows):
         lam, was = ("never" if x.lam is None else f"{x.lam:.4f}" for x in (r, old))
         print(f"  delta={r.delta:<5g} lambda*={lam:<8} (was {was}) risk={r.risk:.3f} "
               f"savings={r.savings:.3f} p={r.pvalue:.3g}")
+    if parent.groups is not None:
+        print(f"  groups {', '.join(sorted(parent.groups))}: {new.provenance['groups']}")
+    if parent.consensus is not None:
+        print("  consensus: dropped (its rows stop samples at the parent's lambda*; certify it "
+              "anew with the job's calibrate.consensus)")
 
 
 def cmd_audit_report(a: argparse.Namespace) -> None:
@@ -344,10 +354,7 @@ def cmd_recalibrate(a: argparse.Namespace) -> None:
         print(f"  give-up: kept the parent's block as calibrated (mu* per give-up delta "
               f"{', '.join(f'{d:g}' for d in new.give_up_deltas())}: valid with any lambda*; "
               "live audits cannot re-certify it)")
-    for r, old in zip(new.ltt.rows, bundle.ltt.rows):
-        lam, was = ("never" if x.lam is None else f"{x.lam:.4f}" for x in (r, old))
-        print(f"  delta={r.delta:<5g} lambda*={lam:<8} (was {was}) risk={r.risk:.3f} "
-              f"savings={r.savings:.3f} p={r.pvalue:.3g}")
+    _show_recalibrated(bundle, new)
 
 
 def cmd_run(a: argparse.Namespace) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from orca_calibrate.calibrate import GiveUpOptions, calibrate_bundle
+from orca_calibrate.calibrate import GiveUpOptions, calibrate_bundle, parent_groups
 from orca_method.bundle import Bundle, GiveUpBlock, load_bundle, save_bundle
 from orca_method.covariate_shift import (
     CV_FOLDS,
@@ -139,8 +139,8 @@ def reweight_bundle(job: Path, traffic: np.ndarray, out: Path, *, source: str, s
     features to what the gate passes, fits the ratio and keeps calibration traces, and LTT runs
     on the kept ones (the calibrate stage's code) with the parent's probe, window, deltas,
     epsilon and p-value kind. The new bundle keeps the parent's gate as it is (the same requests
-    pass it online); group tables are dropped (a group's traces are not
-    what the weights re-draw). mu* of a two-sided bundle is recertified on the kept traces too
+    pass it online) and its group tables (`parent_groups`: a group's traces are not what the
+    weights re-draw, and its table holds as calibrated). mu* of a two-sided bundle is recertified on the kept traces too
     (`_give_up`). ValueError when the gate flags (nearly) all the traffic (nothing
     to reweight for) or when no solvable trace is kept: the traffic lies outside what the
     calibration set can speak for, and only labels can say more (`orca-calibrate recalibrate`)."""
@@ -176,6 +176,8 @@ def reweight_bundle(job: Path, traffic: np.ndarray, out: Path, *, source: str, s
                      "ratio_rank": int(d.ratio.basis.shape[0]), "ratio_l2": d.ratio.l2,
                      **rs.facts()}}
     give_up = _give_up(parent, ts)
+    groups, said = parent_groups(parent, same_probe=True)
+    provenance.update(said)
     if parent.give_up is not None:
         provenance["give_up"] = ("recertified on the kept traces, its probe the parent's"
                                  if isinstance(give_up, tuple) else "the parent bundle's, kept "
@@ -185,7 +187,7 @@ def reweight_bundle(job: Path, traffic: np.ndarray, out: Path, *, source: str, s
                              mode=mode, deltas=parent.deltas(), epsilon=parent.ltt.epsilon,
                              pvalue=parent.ltt.pvalue, window=parent.window,
                              default_delta=parent.default_delta, provenance=provenance,
-                             give_up=give_up)
+                             give_up=give_up, groups=groups)
     # the parent's gate, as it is: the population certified is the traffic it passes
     return save_bundle(fresh.model_copy(update={"shift_gate": parent.shift_gate}), out), rs
 

@@ -305,6 +305,50 @@ def test_recalibrate_keeps_a_two_sided_bundles_give_up_block(world, tmp_path, ca
     assert dropped.provenance["give_up"] == "dropped (--drop-give-up)"
 
 
+def test_recalibrate_keeps_the_group_tables_of_the_same_probe(world, tmp_path, capsys):
+    """A group's table is certified on its own traces with the probe (the live audit leaves
+    known groups out): recalibrating the mixture keeps it as calibrated, its mu* too, or without
+    them when `--drop-give-up` makes the bundle one-sided; a retrained probe voids it; a
+    consensus block, whose rows stop samples at the parent's lambda*, is dropped. Each said on
+    stdout and in the provenance, and the result passes the server's checks."""
+    from orca_method.bundle import save_bundle
+    from orca_method.bundle_checks import check_semantics
+    from tests.bundles import with_consensus, with_give_up, with_groups
+
+    parent = with_groups(with_give_up(load_bundle(world / "bundle.json"), [(0.05, None),
+                                                                           (0.1, 0.4)]),
+                         {"hard": {"lam": [(0.05, None), (0.1, 0.9)], "mu": [(0.05, None),
+                                                                            (0.1, 0.3)]}})
+    parent = with_consensus(parent)
+    parent = save_bundle(parent.model_copy(update={
+        "provenance": {**parent.provenance, "group_data": [{"data": "hard-set"}]}}),
+        tmp_path / "grouped.json")
+    argv = ["recalibrate", "--bundle", str(tmp_path / "grouped.json"), "--audit",
+            str(world / "in-audits"), "--last", "400"]
+    capsys.readouterr()
+    assert main([*argv, "--out", str(tmp_path / "kept.json")]) == 0
+    out = capsys.readouterr().out
+    assert "groups hard: the parent bundle's, kept as calibrated" in out
+    assert "consensus: dropped" in out
+    kept = load_bundle(tmp_path / "kept.json")
+    check_semantics(kept)
+    assert kept.groups == parent.groups and kept.consensus is None
+    assert kept.lam(0.1, "hard") == 0.9 and kept.mu(0.1, "hard") == 0.3
+    assert kept.ltt.n_cal != parent.ltt.n_cal  # the mixture was recalibrated
+    assert kept.provenance["group_data"] == [{"data": "hard-set"}]
+
+    assert main([*argv, "--out", str(tmp_path / "one.json"), "--drop-give-up"]) == 0
+    one = load_bundle(tmp_path / "one.json")
+    check_semantics(one)
+    assert one.groups["hard"].ltt == parent.groups["hard"].ltt
+    assert one.give_up is None and one.groups["hard"].give_up is None
+
+    assert main([*argv, "--out", str(tmp_path / "retrained.json"), "--retrain"]) == 0
+    assert "groups hard: dropped" in capsys.readouterr().out
+    retrained = load_bundle(tmp_path / "retrained.json")
+    assert retrained.groups is None and "retrained" in retrained.provenance["groups"]
+
+
 def test_a_disconnected_audit_is_censored_offline_as_on_the_server(world):
     """`finish_reason: null` (the server's record of a response that never finished: the
     client went away) is censored by the server's own rule, `incomplete`; a record without the

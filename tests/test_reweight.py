@@ -151,3 +151,25 @@ def test_features_of_another_width_are_refused(job, capsys):
     assert main(["reweight", "--job", str(job), "--traffic-features", str(job / "narrow.npy"),
                  "--out", str(job / "x.json")]) == 2
     assert f"needs [N, {DIM}]" in capsys.readouterr().err
+
+
+def test_reweight_keeps_the_parents_group_tables(job, tmp_path, capsys):
+    """Reweighting re-draws the mixture's calibration traces, not a group's: the group tables
+    (lambda*_g and mu*_g, with the parent's probes) are kept as calibrated, and said so."""
+    from orca_method.bundle import save_bundle
+    from tests.bundles import with_groups
+
+    grouped = tmp_path / "job"
+    grouped.mkdir()
+    (grouped / "trajectories").symlink_to(job / "trajectories")
+    parent = save_bundle(with_groups(load_bundle(job / "bundle.json"), {
+        "hard": {"lam": [(0.1, 0.95), (0.2, 0.9)],
+                 "mu": [(d, None) for d in load_bundle(job / "bundle.json").give_up_deltas()]}}),
+        grouped / "bundle.json")
+    capsys.readouterr()
+    assert main(["reweight", "--job", str(grouped), "--traffic-features",
+                 str(job / "shifted.npy"), "--out", str(tmp_path / "r.json")]) == 0
+    assert "groups hard: the parent bundle's, kept as calibrated" in capsys.readouterr().out
+    new = load_bundle(tmp_path / "r.json")
+    assert new.groups == parent.groups and new.lam(0.2, "hard") == 0.9
+    assert new.ltt != parent.ltt  # the mixture was recertified
