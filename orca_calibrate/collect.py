@@ -125,6 +125,14 @@ class CollectSettings:
         for name in ("segmentation", "think", "engine"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"collect.{name} is a mapping, got {getattr(self, name)!r:.40}")
+        from pydantic import ValidationError
+
+        from orca_method.bundle import Segmentation, ThinkTags, first_error  # deferred: torch
+        for name, model in (("segmentation", Segmentation), ("think", ThinkTags)):
+            try:  # the bundle's own types: checked when the job is read, not at engine start
+                model(**getattr(self, name))
+            except ValidationError as e:
+                raise ValueError(f"collect.{name}: {first_error(e)}") from None
         if not isinstance(self.suffix, str):
             raise ValueError(f"collect.suffix is text, got {self.suffix!r:.40}")
         if self.dtype not in DTYPES:

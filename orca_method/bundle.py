@@ -691,7 +691,7 @@ def _parse_json(raw: bytes, p: Path) -> Any:
                           "bundle.json?") from None
 
 
-def _first_error(e: ValidationError) -> str:
+def first_error(e: ValidationError) -> str:
     """Where and what, for the first of pydantic's errors (one line)."""
     first = e.errors()[0]
     where = ".".join(str(x) for x in first["loc"])
@@ -737,7 +737,7 @@ def _validate(data: Any, p: Path) -> Bundle:
     try:
         bundle = Bundle.model_validate(data, strict=True)
     except ValidationError as e:
-        raise BundleError(f"bundle {p} is {_first_error(e)}") from None
+        raise BundleError(f"bundle {p} is {first_error(e)}") from None
     if not bundle.ltt.rows:
         raise BundleError(f"bundle {p} has an empty LTT table; recalibrate with at least one delta")
     _once(bundle.deltas(), f"bundle {p} lists delta {{:g}} twice in its LTT table; which "

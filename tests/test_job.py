@@ -144,6 +144,11 @@ def test_job_file_errors(tmp_path) -> None:
     ("collect: {batch: 0}", r"collect.batch is a whole number >= 1, got 0"),
     ("collect: {dtype: int8}", r"collect.dtype is one of float16, float32, not 'int8'"),
     ("collect: {engine: x}", r"collect.engine is a mapping, got 'x'"),
+    # these were read first when the collect stage built its engine, in pydantic's four lines
+    ("collect: {segmentation: {keywordz: [wait]}}",
+     r"collect.segmentation: invalid at 'keywordz': Extra inputs are not permitted$"),
+    ("collect: {think: {force_text: 3}}",
+     r"collect.think: invalid at 'force_text': Input should be a valid string \(got 3\)$"),
     ("train: {epochs: ten}", r"train.epochs is a whole number >= 1, got 'ten'"),
     ("train: {lr: fast}", r"train.lr is a number in \(0, 1\], got 'fast'"),
     ("train: {probe: nope}", r"train.probe is one of static, .*, not 'nope'"),
