@@ -280,6 +280,10 @@ def check_made_alike(ts: TrajectorySet, reference: dict[str, Any], what: str) ->
     for key in MADE_WITH:
         ours, theirs = reference.get(key), ts.info.get(key)
         if ours is not None and theirs is not None and ours != theirs:
+            if isinstance(ours, dict) and isinstance(theirs, dict):  # name the setting apart
+                sub = next(k for k in sorted(ours.keys() | theirs.keys())
+                           if ours.get(k) != theirs.get(k))
+                key, ours, theirs = f"{key}.{sub}", ours.get(sub), theirs.get(sub)
             raise ValueError(f"{ts.path} was recorded with {key} {theirs!r:.80}, {what} with "
                              f"{ours!r:.80}: collect a group's set with the job's own collect "
                              "block (its `groups` stage)")

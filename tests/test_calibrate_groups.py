@@ -244,11 +244,16 @@ def test_a_group_set_labelled_or_cut_otherwise_than_the_bundles_data_is_refused(
         (ts.path / "info.json").write_text(json.dumps({**info, **fields}))
         return TrajectorySet.open(ts.path)
 
-    for name, fields, word in (
+    force = "\n</think>\n"  # the default's prefix: the refusal names the setting, in full
+    for name, fields, words in (
             ("suffix", {"labelling": {**labelling, "suffix": "\nThe answer is \\boxed{"}},
-             "labelling"),
-            ("think", {"think": {**parent.think.model_dump(), "enabled": False}}, "think")):
-        with pytest.raises(ValueError, match=f"recorded with {word} .* the bundle's data"):
+             r"labelling.suffix '\\nThe answer is \\\\boxed\{', the bundle's data with "
+             r"'\\n</think>\\nThe answer"),
+            ("think", {"think": {**parent.think.model_dump(), "enabled": False}},
+             r"think.enabled False, the bundle's data with True"),
+            ("force", {"think": {**parent.think.model_dump(), "force_text": force}},
+             r"think.force_text '\\n</think>\\n', the bundle's data with '\\n</think>\\n\\n'")):
+        with pytest.raises(ValueError, match=words):
             add_groups(parent, [recorded(name, **fields)], GroupOptions(), tmp_path / "x.json")
         assert not (tmp_path / "x.json").exists()
     same = recorded("same", labelling=labelling, think=parent.think.model_dump())
