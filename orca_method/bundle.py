@@ -17,6 +17,7 @@ import hashlib
 import itertools
 import json
 import math
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_type_hints
@@ -702,10 +703,27 @@ def first_error(e: ValidationError) -> str:
     return f"invalid at '{where}': {first['msg'].removeprefix('Value error, ')}{shown}{more}"
 
 
+# a real model's bundle is a few MB (its probes and gate basis grow with the hidden size: ~5 MB at
+# 12,288); anything far larger is another file, which reading whole could exhaust memory
+MAX_BUNDLE_BYTES = 256 * 2**20
+
+
 def load_bundle(path: str | Path) -> Bundle:
-    """Read and validate a bundle; every refusal is a BundleError with a one-line reason."""
+    """Read and validate a bundle; every refusal is a BundleError with a one-line reason.
+
+    Only a regular file of at most MAX_BUNDLE_BYTES is read: a device (/dev/zero) or a pipe
+    would block or exhaust memory in the server's reload, not fail."""
     p = Path(path)
     try:
+        st = p.stat()
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError
+        if not stat.S_ISREG(st.st_mode):
+            raise BundleError(f"bundle {p} is not a regular file; pass the bundle.json file")
+        if st.st_size > MAX_BUNDLE_BYTES:
+            raise BundleError(f"bundle {p} is {st.st_size / 2**20:.0f} MiB, more than a bundle "
+                              f"holds ({MAX_BUNDLE_BYTES // 2**20} MiB at most); is it a "
+                              "bundle.json?")
         raw = p.read_bytes()
     except FileNotFoundError:
         raise BundleError(f"bundle {p} not found; create one with `orca-calibrate calibrate`") from None

@@ -235,6 +235,25 @@ def test_unreadable_paths(tmp_path) -> None:
         load_bundle(tmp_path / "b.json")
 
 
+def test_only_a_regular_file_of_a_bundles_size_is_read(tmp_path, monkeypatch) -> None:
+    """A device read whole exhausted the server's memory on reload (/dev/zero: killed by the
+    kernel), and a pipe held every later reload waiting: both are refused before a read, as
+    is a regular file far larger than any bundle."""
+    import os
+
+    import orca_method.bundle
+
+    with pytest.raises(BundleError, match="/dev/zero is not a regular file"):
+        load_bundle("/dev/zero")
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(BundleError, match="is not a regular file"):  # returns: nothing opened
+        load_bundle(tmp_path / "fifo")
+    monkeypatch.setattr(orca_method.bundle, "MAX_BUNDLE_BYTES", 1000)
+    (tmp_path / "big.json").write_bytes(b" " * 2**20)
+    with pytest.raises(BundleError, match=r"is 1 MiB, more than a bundle holds \(0 MiB"):
+        load_bundle(tmp_path / "big.json")
+
+
 def test_a_huge_declared_probe_is_refused_before_allocation(tmp_path) -> None:
     """dim 10^12 with matching hidden size: the weights' shapes are checked before Probe()."""
     save_bundle(small_bundle(), tmp_path / "b.json")
