@@ -108,6 +108,8 @@ def test_the_response_says_how_the_reasoning_ended():
     assert choice_fields(orca_result(stopped_early=True, stop_reason="probe"))["ended"] == "early"
     assert choice_fields(orca_result(stop_reason="budget"))["ended"] == "full"
     assert "give_up_step" not in choice_fields(orca_result())  # one-sided: as before
+    scored = orca_result(give_up_mu=0.3, last_give_up_score=0.2)  # two-sided, give-up not asked
+    assert "last_give_up_score" not in orca_object(settings({})[1], {0: scored})
     assert choice_fields(None)["ended"] == "full"  # no result: it never stopped
 
 

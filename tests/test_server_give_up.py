@@ -30,6 +30,8 @@ def test_a_request_gives_up_and_says_so(srv):
     gave = chat(srv, {"delta": 0.1, "give_up": {"delta": 0.05}})
     o, f = orca_of(gave), orca_of(full)
     assert f["ended"] == "full" and "give_up" not in f
+    # the engine scores the give-up probe for every request; one that did not ask hears nothing
+    assert "give_up_step" not in f and "last_give_up_score" not in f
     assert o["ended"] == "gave_up" and o["stop_reason"] == "give_up" and o["give_up_step"] == 1
     assert o["thinking_ended_by"] == "orca_give_up" and f["thinking_ended_by"] != "orca_give_up"
     assert o["give_up"] == {"delta": 0.05, "mu": 0.6, "policy": "guess", "source": "bundle",

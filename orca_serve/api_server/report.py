@@ -70,11 +70,13 @@ def _score(v: float | None) -> float | None:
 
 
 def choice_fields(result: OrcaResult | None, bundle: str | None = None,
-                  thinking_budget: int | None = None) -> dict[str, Any]:
+                  thinking_budget: int | None = None, give_up: bool = False) -> dict[str, Any]:
     """Per-choice part of the `orca` object from one plugin result (zeros when none came).
     `bundle`: the checksum the server resolved lambda* with; the engine must have served the
     request with the same bundle (an error says so otherwise). `thinking_budget`: the request's
-    vLLM `thinking_token_budget` (`thinking_ended_by` says which of the two ended thinking)."""
+    vLLM `thinking_token_budget` (`thinking_ended_by` says which of the two ended thinking).
+    `give_up`: the request asked to give up, and its choices say where and at what score (the
+    engine scores the give-up probe of a two-sided bundle for every request, asked or not)."""
     if result is None:
         return {"steps_scored": 0, "stopped_early": False, "stop_step": None,
                 "would_stop_step": None, "last_score": None, "reasoning_tokens": 0,
@@ -88,7 +90,7 @@ def choice_fields(result: OrcaResult | None, bundle: str | None = None,
         "forced_tokens": len(r.forced_tokens), "stop_reason": r.stop_reason, "ended": r.ended,
         "thinking_ended_by": thinking_ended_by(r, thinking_budget),
     }
-    if r.two_sided:
+    if give_up:
         out["give_up_step"] = r.give_up_step
         out["last_give_up_score"] = _score(r.last_give_up_score)
     if r.shift_alpha is not None:  # the shift gate ran (pvalue None: it had not decided yet)
@@ -143,12 +145,14 @@ def orca_object(settings: OrcaSettings,
         obj["give_up"] = {"delta": settings.give_up_delta, "mu": lam_to_json(settings.give_up_mu),
                           "policy": settings.give_up_policy, "source": settings.give_up_source,
                           "active": give_up_acts(settings, Policy(obj["policy"]))}
+    per_choice = {"bundle": settings.bundle, "thinking_budget": settings.thinking_budget,
+                  "give_up": settings.give_up_delta is not None}
     if settings.n <= 1:
-        obj.update(choice_fields(results.get(0), settings.bundle, settings.thinking_budget))
+        obj.update(choice_fields(results.get(0), **per_choice))
     else:
         obj["choices"] = []
         for i, r in sorted(results.items()):
-            c = {"index": i, **choice_fields(r, settings.bundle, settings.thinking_budget)}
+            c = {"index": i, **choice_fields(r, **per_choice)}
             if r is not None and r.policy != settings.policy:
                 c["policy"] = r.policy
             obj["choices"].append(c)
