@@ -292,6 +292,33 @@ def test_unfinished_audits_enter_the_risk_censored(bundle) -> None:
     assert table["attrition"]["length"] == pytest.approx(2 / 6)
 
 
+def test_a_request_without_a_reasoning_step_is_left_out_not_failed(bundle) -> None:
+    """Thinking off or a zero thinking budget: a recording with no step. Nothing to stop and no
+    step to label (no calibration trace is like it): left out as `no_steps`, not counted as an
+    engine failure (which operators read as one); cut, it is censored as any cut audit."""
+    import asyncio
+
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0), labeller=FakeLabeller(),
+                      cs_factory=FakeCS, loss=_loss)
+    h = bundle.model.hidden_size
+    empty = orca_result(policy="shadow", scores=[], step_tokens=[], lam=math.inf,
+                        step_embeddings=np.ones((0, h), dtype=np.float32))
+
+    async def run() -> None:
+        for reasons in ({0: "stop"}, {0: "stop"}, {0: "length"}):
+            _, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle,
+                                  thresholds=audit)
+            audit.finished(settings, {0: empty}, reasons)
+            if audit._worker is not None:
+                await audit._worker
+
+    asyncio.run(run())
+    table = audit.table()
+    assert (table["no_steps"], table["failed"], table["length"], table["labelled"]) == (2, 0, 1, 0)
+    assert table["attrition"]["no_steps"] == pytest.approx(2 / 3)
+    assert audit.state.guard(0.1).cs.losses == [None]  # the cut one, censored
+
+
 def _drift_audit(bundle, seed: int):
     """A drift monitor (reference: uniform scores below 0.4) on an audit that samples nothing,
     the settings of one admitted request at delta 0.1, and the random stream that goes on."""

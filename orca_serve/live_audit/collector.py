@@ -34,9 +34,10 @@ class AuditCollector(Collector):
         st = a.state
         c = CounterMetricFamily("orca_audit_requests", "Audited requests by state: labelled "
                                 "(entered the risk), dropped (labelling queue full), failed, "
-                                "aborted (never finished), length (cut by max_tokens)",
+                                "aborted (never finished), length (cut by max_tokens), no_steps "
+                                "(no reasoning step to label)",
                                 labels=[LABEL, "state"])
-        for state in ("labelled", "dropped", "failed", "aborted", "length"):
+        for state in ("labelled", "dropped", "failed", "aborted", "length", "no_steps"):
             c.add_metric([m, state], a.counts[state])
         yield c
         fams = {

@@ -83,7 +83,7 @@ class _Job:
 
 # the request-path counts of a live audit (the table's and the metrics'), by cause
 COUNTS = ("picked", "labelled", "dropped", "failed", "aborted", "length", "unsolvable",
-          "unaligned", "superseded")
+          "unaligned", "no_steps", "superseded")
 
 
 class LiveAudit:
@@ -176,14 +176,19 @@ class LiveAudit:
         rec, seq = pending
         why = ("the engine reported no result" if not first else
                f"the engine reported an error: {first.error}" if first.error else
-               "the result has no recording" if not first.recorded else
-               "no reasoning step to label" if not first.step_tokens else None)
+               "the result has no recording" if not first.recorded else None)
+        # no reasoning step (thinking off, a zero thinking budget): nothing ORCA could stop, and
+        # no step a label could call right; calibration has no such trace either
+        no_steps = why is None and not first.step_tokens
         reason = finish_reasons.get(0)
         cut = incomplete(reason)
         if cut is not None:  # cut or aborted: its loss is unknown, it enters as censored
             self.counts[cut] += 1
-            if why is not None:  # nothing to label: censored without a record
+            if why is not None or no_steps:  # nothing to label: censored without a record
                 return self.state.outcome(seq, AuditOutcome.CENSORED, cause=cut)
+        elif no_steps:
+            self.counts["no_steps"] += 1
+            return self.state.outcome(seq, AuditOutcome.OUT)
         elif why is not None:
             self.counts["failed"] += 1
             logger.warning("orca audit %s failed: %s", settings.key, why)
@@ -363,7 +368,8 @@ class LiveAudit:
         the bounds."""
         picked = self.counts["picked"]
         return {k: (self.counts[k] / picked if picked else None)
-                for k in ("dropped", "failed", "aborted", "length", "unaligned", "unsolvable")}
+                for k in ("dropped", "failed", "aborted", "length", "unaligned", "unsolvable",
+                          "no_steps")}
 
     def table(self) -> dict[str, Any]:
         """GET /v1/orca/audit."""
