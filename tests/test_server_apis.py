@@ -11,6 +11,7 @@ largest delta: stops), medium -> 0.1 (the option), high -> 0.05 (the smallest), 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -202,4 +203,6 @@ def test_zz_sigterm_shuts_down_without_an_error_traceback(srv):
     srv.proc.wait(60)
     log = srv.log.read_text()
     assert "shutdown triggered" in log
+    # the engine process's orca lines in vLLM's format too (its gate alarm's are warnings)
+    assert re.search(r"\(EngineCore[^)]*\) INFO [^\n]*\[adapter.py:\d+\] orca core ready", log)
     assert "Traceback" not in log and "EngineDeadError" not in log and " ERROR " not in log

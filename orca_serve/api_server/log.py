@@ -1,11 +1,5 @@
-"""orca-serve's log lines in the server's log, formatted as vLLM's own.
-
-vLLM configures logging for its `vllm` logger only (a handler on it, `propagate` off); the root
-logger keeps Python's defaults, so a line logged under `orca_serve.*` below WARNING is dropped and
-one at WARNING or above reaches stderr only through Python's last-resort handler, unformatted and
-only while no other handler exists anywhere up the hierarchy. Reload outcomes, alarms, fallback
-and recalibration are INFO or WARNING lines operators must see, so the `orca_serve` logger gets
-vLLM's handlers and level.
+"""orca-serve's log lines in the API server's log, formatted as vLLM's own
+(`orca_serve.vllm_compat.logs`), and vLLM's API tracebacks by the response's status.
 
 vLLM's Messages route logs every exception of its handler with `logger.exception`, so a client's
 mistake (max_tokens above the context length) filled the log with a 40-line traceback per request.
@@ -22,7 +16,8 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-ORCA_LOGGER = "orca_serve"
+from orca_serve.vllm_compat.logs import VLLM_LOGGER, log_with_vllm
+
 _API_LOGGERS = "vllm.entrypoints"
 _DEFERRED: contextvars.ContextVar[list[logging.LogRecord] | None] = contextvars.ContextVar(
     "orca_deferred_errors", default=None)
@@ -68,21 +63,9 @@ def release(held: list[logging.LogRecord], status: int) -> None:
 
 
 def log_like_vllm() -> None:
-    """Give the `orca_serve` logger vLLM's handlers and level (after vLLM configured logging),
-    and vLLM's handlers the `ErrorsByStatus` filter.
-
-    With vLLM's logging configuration turned off (VLLM_CONFIGURE_LOGGING=0) its logger has no
-    handler and this does nothing: whoever configured logging decides.
-    """
-    vllm = logging.getLogger("vllm")
-    if not vllm.handlers:
-        return
-    for h in vllm.handlers:
+    """Give vLLM's handlers the `ErrorsByStatus` filter and the `orca_serve` logger vLLM's
+    handlers and level (`log_with_vllm`: nothing when vLLM's logging configuration is off)."""
+    for h in logging.getLogger(VLLM_LOGGER).handlers:
         if not any(isinstance(f, ErrorsByStatus) for f in h.filters):
             h.addFilter(ErrorsByStatus())
-    orca = logging.getLogger(ORCA_LOGGER)
-    for h in vllm.handlers:
-        if h not in orca.handlers:
-            orca.addHandler(h)
-    orca.setLevel(vllm.level)
-    orca.propagate = False
+    log_with_vllm()

@@ -26,6 +26,7 @@ from orca_serve.core.registry import Request
 from orca_serve.settings.contract import OrcaSettings
 from orca_serve.settings.engine_config import KEY, EngineConfig
 from orca_serve.settings.xargs import validate_xargs
+from orca_serve.vllm_compat.logs import log_with_vllm
 from orca_serve.vllm_compat.tokenizer import load_tokenizer
 from orca_serve.vllm_plugin.config import (
     ENV_BUNDLE,
@@ -48,6 +49,7 @@ def orca_config(vllm_config: Any) -> EngineConfig:
 
 
 def build_core(vllm_config: Any, device: torch.device, pin_memory: bool) -> OrcaCore:
+    log_with_vllm()  # the engine process's orca lines (the gate alarm's) in vLLM's format
     mc = vllm_config.model_config
     tok = load_tokenizer(mc)
     eos_ids: set[int] = set()
