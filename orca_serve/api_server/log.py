@@ -1,5 +1,5 @@
 """orca-serve's log lines in the API server's log, formatted as vLLM's own
-(`orca_serve.vllm_compat.logs`), and vLLM's API tracebacks by the response's status.
+(`orca_serve.vllm_plugin.config.log_with_vllm`), and vLLM's API tracebacks by the response's status.
 
 vLLM's Messages route logs every exception of its handler with `logger.exception`, so a client's
 mistake (max_tokens above the context length) filled the log with a 40-line traceback per request.
@@ -16,7 +16,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from orca_serve.vllm_compat.logs import VLLM_LOGGER, log_with_vllm
+from orca_serve.vllm_plugin.config import VLLM_LOGGER, log_with_vllm
 
 _API_LOGGERS = "vllm.entrypoints"
 _DEFERRED: contextvars.ContextVar[list[logging.LogRecord] | None] = contextvars.ContextVar(

@@ -2,7 +2,7 @@
 Model Runner V2).
 
 - `config`: `engine_kwargs(bundle_path, record=...)`, `prepare_environment()`,
-  `check_engine_supported(...)` -- how a caller turns the plugin on.
+  `check_engine_supported(...)`, `log_with_vllm()` -- how a caller turns the plugin on.
 - `processor`: `OrcaLogitsProcessor`, the custom logits processor of the V1 runner, and the one
   FQCN for both runners (built the MRV2 way, it returns the MRV2 adapter).
 - `mrv2`: `OrcaMRV2LogitsProcessor`, the Model Runner V2 adapter.

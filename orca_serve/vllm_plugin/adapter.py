@@ -26,12 +26,12 @@ from orca_serve.core.registry import Request
 from orca_serve.settings.contract import OrcaSettings
 from orca_serve.settings.engine_config import KEY, EngineConfig
 from orca_serve.settings.xargs import validate_xargs
-from orca_serve.vllm_compat.logs import log_with_vllm
 from orca_serve.vllm_compat.tokenizer import load_tokenizer
 from orca_serve.vllm_plugin.config import (
     ENV_BUNDLE,
     WORKER_EXTENSION,
     calls_worker_extension_hook,
+    log_with_vllm,
 )
 
 log = logging.getLogger("orca_serve.vllm_plugin")

@@ -1,4 +1,4 @@
-"""How a caller turns the plugin on: engine kwargs, environment, supported-engine checks.
+"""How a caller turns the plugin on: engine kwargs, environment, supported-engine checks, logs.
 
     from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
     prepare_environment()
@@ -14,6 +14,7 @@ unfetched results.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -242,3 +243,27 @@ def pin_runner_for_speculation(speculative_config: Any) -> None:
     if os.environ.get(ENV_V2_RUNNER, "").strip().lower() in ("1", "true"):
         raise RuntimeError(MRV2_SPEC_REFUSAL)
     os.environ[ENV_V2_RUNNER] = "0"
+
+
+# vLLM configures logging for its `vllm` logger only (a handler on it, `propagate` off); the root
+# logger keeps Python's defaults, so a line logged under `orca_serve.*` below WARNING is dropped
+# and one at WARNING or above reaches stderr only through Python's last-resort handler,
+# unformatted. Reload outcomes, the audit's and the gate's alarms are lines operators must see,
+# from the API server and from the engine process alike.
+ORCA_LOGGER = "orca_serve"
+VLLM_LOGGER = "vllm"
+
+
+def log_with_vllm() -> None:
+    """Give the `orca_serve` logger vLLM's handlers and level (once vLLM configured logging:
+    importing vLLM does). With vLLM's configuration off (VLLM_CONFIGURE_LOGGING=0) its logger has
+    no handler and this does nothing: whoever configured logging decides."""
+    vllm = logging.getLogger(VLLM_LOGGER)
+    if not vllm.handlers:
+        return
+    orca = logging.getLogger(ORCA_LOGGER)
+    for h in vllm.handlers:
+        if h not in orca.handlers:
+            orca.addHandler(h)
+    orca.setLevel(vllm.level)
+    orca.propagate = False
