@@ -256,23 +256,13 @@ def test_recalibrate_waits_for_audits_admitted_after_the_alarm(bundle) -> None:
     assert audit.state._resolved == {}  # nothing kept once no guard waits
 
 
-def test_unfinished_audits_enter_the_risk_censored(bundle) -> None:
-    """Cut by max_tokens or never finished: counted, labelled when there is a recording (as
-    calibration labels a cut trajectory), and in the risk with their loss at a lambda that stops
-    before where they ended, censored at one that would stop later (at 0 for the alarm; for
-    the upper bound at the loss at the cut when cut, at 1 when aborted: cut_feed) and censored
-    at every lambda without a recording."""
+def _finish(audit: LiveAudit, bundle, ends) -> None:
+    """Requests at delta 0.1 admitted and ended one after another, each `(finish reasons,
+    result)`, every audit's labelling awaited before the next ends."""
     import asyncio
 
-    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0), labeller=FakeLabeller(),
-                      cs_factory=FakeCS, loss=_loss)
-    h = bundle.model.hidden_size
-    assert 0.01 < bundle.lam(0.1) <= 0.5  # 0.5 stops at the first step, 0.01 at the last
-
     async def run() -> None:
-        for reasons, result in (({0: "length"}, _recorded(0.5, h)), ({}, _recorded(0.5, h)),
-                                ({0: "abort"}, _recorded(0.01, h)), ({0: "stop"}, _recorded(0.5, h)),
-                                ({0: "length"}, _recorded(0.01, h)), ({}, None)):
+        for reasons, result in ends:
             _, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle,
                                   thresholds=audit)
             audit.finished(settings, {0: result}, reasons)
@@ -280,6 +270,22 @@ def test_unfinished_audits_enter_the_risk_censored(bundle) -> None:
                 await audit._worker
 
     asyncio.run(run())
+
+
+def test_unfinished_audits_enter_the_risk_censored(bundle) -> None:
+    """Cut by max_tokens or never finished: counted, labelled when there is a recording (as
+    calibration labels a cut trajectory), and in the risk with their loss at a lambda that stops
+    before where they ended, censored at one that would stop later (at 0 for the alarm; for
+    the upper bound at the loss at the cut when cut, at 1 when aborted: cut_feed) and censored
+    at every lambda without a recording."""
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0), labeller=FakeLabeller(),
+                      cs_factory=FakeCS, loss=_loss)
+    h = bundle.model.hidden_size
+    assert 0.01 < bundle.lam(0.1) <= 0.5  # 0.5 stops at the first step, 0.01 at the last
+
+    _finish(audit, bundle, [({0: "length"}, _recorded(0.5, h)), ({}, _recorded(0.5, h)),
+                            ({0: "abort"}, _recorded(0.01, h)), ({0: "stop"}, _recorded(0.5, h)),
+                            ({0: "length"}, _recorded(0.01, h)), ({}, None)])
     table = audit.table()
     assert (table["length"], table["aborted"], table["labelled"], table["failed"]) == (2, 3, 1, 0)
     cs = audit.state.guard(0.1).cs
@@ -296,23 +302,13 @@ def test_a_request_without_a_reasoning_step_is_left_out_not_failed(bundle) -> No
     """Thinking off or a zero thinking budget: a recording with no step. Nothing to stop and no
     step to label (no calibration trace is like it): left out as `no_steps`, not counted as an
     engine failure (which operators read as one); cut, it is censored as any cut audit."""
-    import asyncio
-
     audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0), labeller=FakeLabeller(),
                       cs_factory=FakeCS, loss=_loss)
     h = bundle.model.hidden_size
     empty = orca_result(policy="shadow", scores=[], step_tokens=[], lam=math.inf,
                         step_embeddings=np.ones((0, h), dtype=np.float32))
 
-    async def run() -> None:
-        for reasons in ({0: "stop"}, {0: "stop"}, {0: "length"}):
-            _, settings = resolve({"messages": []}, OrcaDefaults(delta=0.1), bundle,
-                                  thresholds=audit)
-            audit.finished(settings, {0: empty}, reasons)
-            if audit._worker is not None:
-                await audit._worker
-
-    asyncio.run(run())
+    _finish(audit, bundle, [({0: "stop"}, empty), ({0: "stop"}, empty), ({0: "length"}, empty)])
     table = audit.table()
     assert (table["no_steps"], table["failed"], table["length"], table["labelled"]) == (2, 0, 1, 0)
     assert table["attrition"]["no_steps"] == pytest.approx(2 / 3)
