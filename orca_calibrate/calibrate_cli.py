@@ -461,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dim", type=integer(1), default=64)
     p.add_argument("--steps", type=integer(1), default=100, help="mean steps per problem")
     p.add_argument("--shift", action="store_true", help="the shifted family")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
     embeddings_dtype_arg(p, STORED_DTYPE)
     p.set_defaults(fn=cmd_synth)
 
@@ -472,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-h", type=integer(1), default=DEFAULT_D_H, help="QK projection size")
     p.add_argument("--label-mode", help="supervised (default), consistent, judge")
     training_args(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--checkpoints", help="per-epoch checkpoints (default PROBE.ckpt/)")
     p.set_defaults(fn=cmd_train)
 
@@ -511,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-h", type=integer(1), default=DEFAULT_D_H)
     window_arg(p)
     training_args(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
     p.set_defaults(fn=cmd_compare)
 
     p = sub.add_parser("collect", help="run the model with the plugin in record mode (or one "
@@ -531,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-tokens", type=integer(1), default=1024)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--label-every", type=integer(1), default=1, help="answer-probe every k-th step")
     p.add_argument("--suffix", default=CollectSettings.suffix, help="answer-forcing suffix "
                    "(the bundle records it: the live audit labels with it)")
@@ -561,12 +561,12 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{DEFAULT_GATE_GIVE_UP_ALPHA:g}, or --alpha where that is higher)")
     p.add_argument("--rank", type=integer(1), default=DEFAULT_GATE_RANK,
                    help="principal directions of the nonconformity score")
-    p.add_argument("--fit-fraction", type=float, default=0.5,
+    p.add_argument("--fit-fraction", type=fraction(open_interval=True), default=0.5,
                    help="share of the prompts the score is fitted on (the rest are scored)")
     p.add_argument("--max-tokens", type=integer(1), default=256,
                    help="tokens per prompt: enough for --steps + 1 reasoning steps")
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--engine", type=json.loads, default=None,
                    help="extra vLLM LLM(...) arguments as JSON, e.g. '{\"max_model_len\": 5120}'")
     p.set_defaults(fn=cmd_gate)
@@ -605,7 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=integer(1), default=256,
                    help="tokens per traffic prompt (with --traffic-prompts)")
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--seed", type=int, default=0, help="the classifier's folds and the "
+    p.add_argument("--seed", type=integer(0), default=0, help="the classifier's folds and the "
                    "rejection sampling")
     p.add_argument("--engine", type=json.loads, default=None,
                    help="extra vLLM LLM(...) arguments as JSON (with --traffic-prompts)")
@@ -633,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retrain", action="store_true", help="retrain the probe on half the "
                    "window (split by prompt) and calibrate on the other half")
     training_args(p)  # the retraining's settings, as in train
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--force", action="store_true", help="accept a window that reaches back to "
                    "or before the first alarm in the audits (refused by default: those audits "
                    "are not the traffic after the change)")
@@ -659,7 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, metavar="JOB.yaml", help="the job file, as for run")
     p.add_argument("--pilot", type=integer(1), default=DEFAULT_PILOT,
                    help="prompts the pilot collects (drawn at random from the job's)")
-    p.add_argument("--seed", type=int, default=0, help="which prompts the pilot draws")
+    p.add_argument("--seed", type=integer(0), default=0, help="which prompts the pilot draws")
     p.add_argument("--scratch", help="the pilot's folder (default: the job's out/plan; emptied "
                    "first)")
     p.set_defaults(fn=cmd_plan)

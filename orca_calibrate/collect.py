@@ -269,7 +269,12 @@ class Collector:
                                      "a step must fit a whole prompt (raise it, or lower "
                                      "collect.engine.max_model_len)")
             kwargs["enable_chunked_prefill"] = False
-        self.llm = LLM(model=model, **kwargs)
+        try:
+            self.llm = LLM(model=model, **kwargs)
+        except TypeError as e:  # an argument vLLM does not take: a job's collect.engine, --engine
+            if "unexpected keyword argument" not in str(e):
+                raise
+            raise ValueError(f"engine arguments (collect.engine, --engine): {e}") from None
         self.model = model
         self.tokenizer = self.llm.get_tokenizer()
         self.record_settings = kwargs["additional_config"]["orca"]

@@ -33,6 +33,7 @@ sample size (sum w)^2 / sum w^2 (how unequal they are; blind to their scale).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -180,8 +181,8 @@ def resample(ratio: DensityRatio, cal: np.ndarray, fitted: np.ndarray, *, seed: 
     w = ratio.weights(cal)  # [n]
     bound = float(ratio.weights(fitted).max())
     if clip is not None:
-        if clip <= 0:
-            raise ValueError(f"the weight cap must be > 0, got {clip}")
+        if not 0 < clip < math.inf:  # nan too: it compared as no cap
+            raise ValueError(f"the weight cap must be a number > 0, got {clip}")
         bound = min(bound, float(clip))
     clipped = int(np.sum(w > bound))
     w = np.minimum(w, bound)

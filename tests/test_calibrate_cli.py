@@ -40,6 +40,10 @@ def test_the_stored_embeddings_dtype_has_one_default_per_meaning(cmd, default):
      "argument --epsilon: must be in (0, 1), got 0.0"),
     (["collect", "--model", "m", "--prompts", "p", "--out", "o", "--batch", "0"],
      "must be >= 1, got 0"),
+    # these named no option ("expected non-negative integer"), or failed after generating
+    (["synth", "--out", "o", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["gate", "--model", "m", "--bundle", "b", "--prompts", "p", "--out", "o",
+      "--fit-fraction", "nan"], "argument --fit-fraction: must be in (0, 1), got nan"),
 ])
 def test_a_bad_option_is_one_line(argv, words, capsys):
     """docs/CALIBRATE.md: bad input ends with one line on stderr and exit code 2 (no usage)."""

@@ -77,6 +77,17 @@ def test_the_collector_keeps_prefills_whole_on_vllms_cpu_build() -> None:
         Collector(model, CollectSettings(engine={"max_num_batched_tokens": 256}))
 
 
+def test_an_engine_argument_vllm_does_not_take_is_one_line() -> None:
+    """A misspelt `collect.engine` key (or `--engine` of `gate`, `reweight`) ended in vLLM's
+    traceback (exit 1); vLLM reads it when the engine is built, before any process starts."""
+    from orca_calibrate.collect import Collector, CollectSettings
+
+    model = str(Path(__file__).parents[1] / "orca_serve" / "demo" / "model")
+    with pytest.raises(ValueError, match=r"^engine arguments \(collect.engine, --engine\): "
+                                         r".*unexpected keyword argument 'tensor_paralel_size'"):
+        Collector(model, CollectSettings(engine={"tensor_paralel_size": 1}))
+
+
 def test_read_prompts_errors(tmp_path) -> None:
     p = tmp_path / "p.jsonl"
     p.write_text('{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n')

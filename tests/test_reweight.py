@@ -173,3 +173,10 @@ def test_reweight_keeps_the_parents_group_tables(job, tmp_path, capsys):
     new = load_bundle(tmp_path / "r.json")
     assert new.groups == parent.groups and new.lam(0.2, "hard") == 0.9
     assert new.ltt != parent.ltt  # the mixture was recertified
+
+
+def test_a_weight_cap_that_is_not_a_number_is_refused(job, capsys):
+    """`--clip nan` compared as no cap and was served as one."""
+    assert main(["reweight", "--job", str(job), "--traffic-features", str(job / "shifted.npy"),
+                 "--out", str(job / "nan.json"), "--clip", "nan"]) == 2
+    assert "the weight cap must be a number > 0, got nan" in capsys.readouterr().err
