@@ -374,11 +374,20 @@ def cmd_merge(a: argparse.Namespace) -> None:
 def _show(config: str) -> None:
     """What a job produced: the evaluation table and the bundle (paths normalised: the job's
     are joined to the config's folder, `jobs/../runs/x`)."""
+    from orca_method.bundle import load_bundle  # deferred: torch (not needed by --help)
+
     out = Path(os.path.normpath(load_job(Path(config))["out"]))
     table = out / "evaluation.md"
     if table.exists():
         print(f"\nresults ({table}):\n{table.read_text().rstrip()}")
     print(f"bundle: {out / 'bundle.json'}")
+    ltt = load_bundle(out / "bundle.json").ltt
+    never = [r.delta for r in ltt.rows if r.lam is None]
+    if never:  # LTT rejected nothing for them: such requests run to their end, silently
+        print(f"note: no lambda* certified for delta {', '.join(f'{d:g}' for d in never)} "
+              f"(n_cal {ltt.n_cal} at epsilon {ltt.epsilon:g}): requests at "
+              f"{'that delta' if len(never) == 1 else 'those deltas'} never stop early; more "
+              "calibration prompts (or a larger delta) certify one")
 
 
 def cmd_plan(a: argparse.Namespace) -> None:

@@ -225,6 +225,27 @@ def test_a_jobs_gate_block_sets_the_bundles_gate(tmp_path, monkeypatch) -> None:
     assert decode_weights(gate.tensors, "gate")["basis"].shape[0] <= 2  # its rank
 
 
+def test_run_says_when_a_delta_certified_nothing(tmp_path, monkeypatch, capsys) -> None:
+    """A job whose calibration split is too small for a delta ended with exit 0 and a bundle
+    whose lambda* is "never" there, without a word (only the evaluation's zeros hinted)."""
+    import json
+
+    import orca_calibrate.job
+    from orca_calibrate.calibrate_cli import main
+
+    monkeypatch.setattr(orca_calibrate.job, "Collector", _FakeCollector)
+    (tmp_path / "p.jsonl").write_text("".join(
+        json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n" for i in range(60)))
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps({"model": "m", "prompts": "p.jsonl", "out": "run",
+                                "train": {"epochs": 1},
+                                "calibrate": {"deltas": [0.3, 0.001], "window": 2}}))
+    assert main(["run", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "note: no lambda* certified for delta 0.001 (n_cal " in out
+    assert "delta 0.3" not in out.split("note:")[1]  # a certified one is not named
+
+
 def test_job_give_up_policy_is_checked(tmp_path) -> None:
     """calibrate.give_up.policy: the give-up policy mu* is certified for (the server serves no
     other), refused in one line at load unless it is one the server has."""
