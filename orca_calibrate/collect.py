@@ -204,6 +204,8 @@ def read_prompts(path: Path) -> list[dict]:
                 isinstance(rec.get("messages"), list) or isinstance(rec.get("prompt"), str)):
             raise ValueError(f"{path}:{n}: each line needs `id` and `messages` (list) or "
                              "`prompt` (string)")
+        if rec.get("messages") == [] and "prompt" not in rec:  # vLLM said only "prompt"
+            raise ValueError(f"{path}:{n}: `messages` is empty: nothing to ask")
         rid = str(rec["id"])
         if rid in seen:
             raise ValueError(f"{path}:{n}: duplicate id {rid!r}")

@@ -96,6 +96,9 @@ def test_read_prompts_errors(tmp_path) -> None:
     p.write_text('{"id": 1}\n')
     with pytest.raises(ValueError, match="needs `id` and `messages`"):
         read_prompts(p)
+    p.write_text('{"id": 1, "prompt": "a"}\n{"id": 2, "messages": []}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: `messages` is empty"):
+        read_prompts(p)  # the engine's refusal named nothing but "prompt"
     with pytest.raises(FileNotFoundError):
         read_prompts(tmp_path / "nope.jsonl")
     p.write_bytes(b"\xcc\xff\n")
