@@ -40,7 +40,14 @@ from orca_method.trajectories import (
     TrajectorySet,
     import_pickle,
 )
-from orca_serve.checks.argtypes import OneLineParser, OptionError, fraction, integer
+from orca_serve.checks.argtypes import (
+    OneLineParser,
+    OptionError,
+    fraction,
+    integer,
+    out_dir,
+    out_file,
+)
 from orca_serve.live_audit.options import EPSILON_SPLITS, EpsilonSplit
 
 if TYPE_CHECKING:
@@ -465,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="smoothing window k")
 
     p = sub.add_parser("synth", help="write a synthetic trajectory set")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", type=out_dir, required=True)
     p.add_argument("--problems", type=integer(1), default=600)
     p.add_argument("--dim", type=integer(1), default=64)
     p.add_argument("--steps", type=integer(1), default=100, help="mean steps per problem")
@@ -477,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="meta-train a probe (or fit the static baseline)")
     data_arg(p)
     p.add_argument("--probe", choices=sorted(PROBES), default=DEFAULT_PROBE)
-    p.add_argument("--out", required=True, help="probe file (.safetensors)")
+    p.add_argument("--out", type=out_file, required=True, help="probe file (.safetensors)")
     p.add_argument("--d-h", type=integer(1), default=DEFAULT_D_H, help="QK projection size")
     p.add_argument("--label-mode", help="supervised (default), consistent, judge")
     training_args(p)
@@ -488,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="LTT on the calibration split; writes bundle.json")
     data_arg(p)
     p.add_argument("--probe", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", type=out_file, required=True)
     p.add_argument("--delta", type=fraction(open_interval=True), nargs="+",
                    default=list(DEFAULT_DELTAS))
     p.add_argument("--epsilon", type=fraction(open_interval=True), default=DEFAULT_EPSILON)
@@ -513,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="static vs TTT probes, supervised and consistent")
     p.add_argument("--data", required=True)
     p.add_argument("--shifted", help="a shifted trajectory set, evaluated whole")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", type=out_dir, required=True)
     p.add_argument("--probes", nargs="+", default=["static", "ttt-noqk", "ttt-qk"],
                    choices=sorted(PROBES))
     p.add_argument("--label-modes", nargs="+", default=["supervised", "consistent"])
@@ -527,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "shard of a job's collection)")
     p.add_argument("--model", help="model path or hub name")
     p.add_argument("--prompts", help="JSON lines: id, messages|prompt, answer")
-    p.add_argument("--out", help="trajectory directory (resumed if it exists)")
+    p.add_argument("--out", type=out_dir, help="trajectory directory (resumed if it exists)")
     p.add_argument("--config", metavar="JOB.yaml", help="instead of --model/--prompts/--out: "
                    "collect one shard of this job into its out (the job's collect block "
                    "decides; the options below are not read), for `merge` to join "
@@ -559,7 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bundle", required=True, help="the bundle to add the gate to")
     p.add_argument("--prompts", required=True, help="JSON lines of in-distribution prompts "
                    "(id, messages|prompt), none of them used to train or calibrate the probe")
-    p.add_argument("--out", required=True, help="the gated bundle (may be --bundle itself)")
+    p.add_argument("--out", type=out_file, required=True,
+                   help="the gated bundle (may be --bundle itself)")
     p.add_argument("--steps", type=integer(1), default=DEFAULT_GATE_STEPS,
                    help="step embeddings the gate reads (it decides at this step)")
     p.add_argument("--alpha", type=fraction(open_interval=True), default=DEFAULT_GATE_ALPHA,
@@ -587,7 +595,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, nargs="+", help="trajectory directories collected "
                    "apart from the bundle's job (no split: none of them trained or chose "
                    "anything), each problem tagged with its group; a group's traces in one")
-    p.add_argument("--out", required=True, help="the bundle with groups (may be --bundle itself)")
+    p.add_argument("--out", type=out_file, required=True,
+                   help="the bundle with groups (may be --bundle itself)")
     p.add_argument("--field", default=GroupOptions.field, help="the problems' tag that names "
                    "their group (a trajectory field or a key of its extra)")
     p.add_argument("--min-n", type=integer(1), default=GroupOptions.min_n,
@@ -606,7 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--traffic-audits", help="or a server's audit directory (--orca-audit-dir): "
                    "the audited requests' recorded step embeddings (their labels are not read)")
     p.add_argument("--model", help="the bundle's model (with --traffic-prompts)")
-    p.add_argument("--out", required=True, help="the recertified bundle")
+    p.add_argument("--out", type=out_file, required=True, help="the recertified bundle")
     p.add_argument("--rank", type=integer(1), default=DEFAULT_RATIO_RANK,
                    help="principal directions the density-ratio classifier reads")
     p.add_argument("--clip", type=float, help="cap on the weights (default: the largest "
@@ -637,7 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("recalibrate", help="LTT on live audits; writes a new bundle")
     p.add_argument("--bundle", required=True)
     audits_args(p)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", type=out_file, required=True)
     p.add_argument("--last", type=integer(1), help="only the last N audits (sliding window)")
     p.add_argument("--retrain", action="store_true", help="retrain the probe on half the "
                    "window (split by prompt) and calibrate on the other half")
@@ -675,7 +684,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("import-pickle", help="convert a research-code pickle to our format")
     p.add_argument("pickle")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", type=out_dir, required=True)
     embeddings_dtype_arg(p, STORED_DTYPE)
     p.add_argument("--pickle-labels", choices=["pessimistic", "research"], default="pessimistic")
     p.set_defaults(fn=cmd_import_pickle)
@@ -687,7 +696,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "name or local folder; orca-serve serves the bundle on this model only)")
     p.add_argument("--tokenizer", help="a local folder with that model's tokenizer, whose "
                    "fingerprint the bundle records (default: --model when it is a folder)")
-    p.add_argument("--out", required=True, help="bundle.json to write")
+    p.add_argument("--out", type=out_file, required=True, help="bundle.json to write")
     p.add_argument("--config", help="their run's config.json (default: beside the probe)")
     p.add_argument("--window", type=integer(1),
                    help="smoothing window (default: the config's, else 10)")

@@ -42,6 +42,10 @@ def test_the_stored_embeddings_dtype_has_one_default_per_meaning(cmd, default):
      "must be >= 1, got 0"),
     # these named no option ("expected non-negative integer"), or failed after generating
     (["synth", "--out", "o", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    # found after the training (a traceback), or written into the working folder
+    (["train", "--data", "d", "--out", "."], "argument --out: '.' is a folder: give a file path"),
+    (["calibrate", "--data", "d", "--probe", "p", "--out", "."], "argument --out: '.' is a folder"),
+    (["synth", "--out", ""], "argument --out: is empty: give a folder path"),
     (["gate", "--model", "m", "--bundle", "b", "--prompts", "p", "--out", "o",
       "--fit-fraction", "nan"], "argument --fit-fraction: must be in (0, 1), got nan"),
 ])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 from orca_method.consensus import parse_waves
@@ -90,3 +91,20 @@ def effort_map(s: str) -> dict[str, str | float]:
         return parse_effort_map(s)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def out_file(s: str) -> str:
+    """A file to write: named, and not an existing folder (found before the work it ends, not
+    after it, with a temporary file left behind)."""
+    if not s:
+        raise argparse.ArgumentTypeError("is empty: give a file path")
+    if Path(s).is_dir():
+        raise argparse.ArgumentTypeError(f"{shown(s)} is a folder: give a file path")
+    return s
+
+
+def out_dir(s: str) -> str:
+    """A folder to write into: named (an empty path wrote into the working folder)."""
+    if not s:
+        raise argparse.ArgumentTypeError("is empty: give a folder path")
+    return s
