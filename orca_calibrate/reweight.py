@@ -140,9 +140,9 @@ def reweight_bundle(job: Path, traffic: np.ndarray, out: Path, *, source: str, s
     on the kept ones (the calibrate stage's code) with the parent's probe, window, deltas,
     epsilon and p-value kind. The new bundle keeps the parent's gate as it is (the same requests
     pass it online) and its group tables (`parent_groups`: a group's traces are not what the
-    weights re-draw, and its table holds as calibrated). mu* of a two-sided bundle is recertified on the kept traces too
-    (`_give_up`). ValueError when the gate flags (nearly) all the traffic (nothing
-    to reweight for) or when no solvable trace is kept: the traffic lies outside what the
+    weights re-draw, and its table holds as calibrated). mu* of a two-sided bundle is
+    recertified on the kept traces too (`_give_up`). ValueError when the gate flags (nearly)
+    all the traffic (nothing to reweight for) or when no solvable trace is kept: the traffic lies outside what the
     calibration set can speak for, and only labels can say more (`orca-calibrate recalibrate`)."""
     parent = load_bundle(job / "bundle.json")
     ts = TrajectorySet.open(job / "trajectories")

@@ -74,7 +74,8 @@ def require_math_verify() -> None:
         import math_verify  # noqa: F401 - deferred: math_verify (the calib extra)
     except ImportError:
         raise ValueError("math-verify is not installed; labels need it: "
-                         "pip install math-verify (in this project's checkout: pip install -e '.[calib]')") from None
+                         "pip install math-verify (in this project's checkout: "
+                         "pip install -e '.[calib]')") from None
 
 
 def step_labels(answers: Sequence[str | None], target: str | None) -> list[int]:

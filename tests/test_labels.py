@@ -45,7 +45,8 @@ def test_missing_math_verify_is_a_clear_error_not_exact_match_only(monkeypatch) 
 
     monkeypatch.setitem(sys.modules, "math_verify", None)  # import now raises ImportError
     equivalent.cache_clear()
-    with pytest.raises(ValueError, match=r"pip install math-verify \(in this project's checkout: pip install -e '\.\[calib\]'\)"):
+    with pytest.raises(ValueError, match=r"pip install math-verify \(in this project's "
+                                         r"checkout: pip install -e '\.\[calib\]'\)"):
         require_math_verify()
     with pytest.raises(ImportError):
         equivalent("1/2", "0.5")
