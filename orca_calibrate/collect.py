@@ -117,7 +117,7 @@ class CollectSettings:
             raise ValueError(f"collect.schedule is one of {', '.join(SCHEDULES)}, not "
                              f"{self.schedule!r:.40}")
         self.label_steps, self.schedule = LabelSteps(self.label_steps), Scheduling(self.schedule)
-        for name, least in (("samples", 1), ("max_tokens", 1), ("seed", None),
+        for name, least in (("samples", 1), ("max_tokens", 1), ("seed", 0),
                             ("answer_tokens", 1), ("label_every", 1), ("batch", 1), ("engines", 1)):
             check_whole(f"collect.{name}", getattr(self, name), least)
         check_number("collect.temperature", self.temperature, 0, math.inf)

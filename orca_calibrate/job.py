@@ -134,7 +134,7 @@ def load_job(path: Path) -> dict[str, Any]:
             raise ValueError(f"probe is one of {', '.join(sorted(PROBES))}, "
                              f"not {tr['probe']!r:.40}")
         check_whole("d_h", tr.get("d_h", DEFAULT_D_H), 1)
-        check_whole("seed", tr.get("seed", 0))
+        check_whole("seed", tr.get("seed", 0), 0)
     except ValueError as e:
         raise JobError(f"{path}: train.{e}") from None
     known = {f.name for f in fields(CollectSettings)}

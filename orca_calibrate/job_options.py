@@ -85,7 +85,11 @@ class SplitOptions:
                 or not math.isclose(sum(f), 1)):
             raise ValueError(f"fractions are {len(SPLITS)} non-negative numbers "
                              f"({', '.join(SPLITS)}) summing to 1, got {list(f)!r:.80}")
-        check_whole("seed", self.seed)
+        if not (f[0] > 0 and f[1] > 0):  # found after collection (hours), or after training
+            raise ValueError(f"fractions give the train and the calibration split a share each "
+                             f"(the probe is trained on one, lambda* certified on the other), "
+                             f"got {list(f)!r:.80}")
+        check_whole("seed", self.seed, 0)
 
 
 @dataclass(frozen=True)

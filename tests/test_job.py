@@ -150,7 +150,13 @@ def test_job_file_errors(tmp_path) -> None:
     ("split: {fraction: [0.5, 0.3, 0.2]}", r"split: unknown keys \['fraction'\]"),
     ("split: {fractions: [0.5, 0.3]}", r"split: fractions are 3 non-negative numbers \(train, "),
     ("split: {fractions: [0.6, 0.3, 0.3]}", r"summing to 1, got \[0.6, 0.3, 0.3\]"),
-    ("split: {seed: x}", r"split: seed is a whole number, got 'x'"),
+    ("split: {seed: x}", r"split: seed is a whole number >= 0, got 'x'"),
+    # these were found after the collection (hours on a real model), or after the training
+    ("split: {seed: -1}", r"split: seed is a whole number >= 0, got -1"),
+    ("split: {fractions: [0.9, 0.0, 0.1]}", r"split: fractions give the train and the "
+                                           r"calibration split a share each"),
+    ("train: {seed: -1}", r"train.seed is a whole number >= 0, got -1"),
+    ("collect: {seed: -1}", r"collect.seed is a whole number >= 0, got -1"),
     # these failed after the collection (hours on a real model) or with a traceback
     ("collect: {samples: '2'}", r"collect.samples is a whole number >= 1, got '2'"),
     ("collect: {temperature: hot}", r"collect.temperature is a number in \[0, inf\], got 'hot'"),
