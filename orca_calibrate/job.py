@@ -457,19 +457,22 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
     def evaluate() -> None:
         bundle, ts = load_bundle(bundle_file), TrajectorySet.open(data)
         check_bundle(bundle, data_target(ts.info, ts.dim))  # as `orca-calibrate evaluate` does
-        rows = []
-        report, scored = evaluate_bundle(bundle, ts, "test")
-        plot_report(bundle, scored, report, out / "plots")
-        rows.append(("test split", report))
-        reports = {"test": report}
+        rows, reports = [], {}
+        if ts.split("test"):  # split.fractions may give it none
+            report, scored = evaluate_bundle(bundle, ts, "test")
+            plot_report(bundle, scored, report, out / "plots")
+            rows.append(("test split", report))
+            reports["test"] = report
+            if bundle.consensus is not None:
+                reports["consensus"] = evaluate_consensus(bundle, ts, "test")
         if shifted.exists():
             rep, _ = evaluate_bundle(bundle, TrajectorySet.open(shifted), "all")
             rows.append(("shifted family", rep))
             reports["shifted"] = rep
-        if bundle.consensus is not None:
-            reports["consensus"] = evaluate_consensus(bundle, ts, "test")
         (out / "evaluation.json").write_text(json.dumps(reports, indent=1))
-        (out / "evaluation.md").write_text(markdown_table(rows) + "\n")
+        (out / "evaluation.md").write_text(
+            (markdown_table(rows) if rows else "nothing evaluated: the split has no test part "
+             "and the job no shifted_prompts") + "\n")
 
     stages = {"collect": (collect, [data / "problems.jsonl"]), "split": (split, []),
               "train": (train, [probe_file]), "label": (label, []),

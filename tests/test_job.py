@@ -255,6 +255,26 @@ def test_run_says_when_a_delta_certified_nothing(tmp_path, monkeypatch, capsys) 
     assert "delta 0.3" not in out.split("note:")[1]  # a certified one is not named
 
 
+def test_a_job_without_a_test_split_ends_with_its_bundle(tmp_path, monkeypatch) -> None:
+    """`split.fractions` may give the test part nothing: the evaluate stage failed after the
+    bundle was written; it now evaluates what there is (here nothing) and says so."""
+    import json
+
+    import orca_calibrate.job
+    from orca_calibrate.job import run_job
+
+    monkeypatch.setattr(orca_calibrate.job, "Collector", _FakeCollector)
+    (tmp_path / "p.jsonl").write_text("".join(
+        json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n" for i in range(60)))
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps({"model": "m", "prompts": "p.jsonl", "out": "run",
+                                "train": {"epochs": 1}, "split": {"fractions": [0.5, 0.5, 0]},
+                                "calibrate": {"deltas": [0.3], "window": 2}}))
+    run_job(path, progress=False)
+    assert json.loads((tmp_path / "run" / "evaluation.json").read_text()) == {}
+    assert "no test part" in (tmp_path / "run" / "evaluation.md").read_text()
+
+
 def test_job_give_up_policy_is_checked(tmp_path) -> None:
     """calibrate.give_up.policy: the give-up policy mu* is certified for (the server serves no
     other), refused in one line at load unless it is one the server has."""
