@@ -9,9 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,6 +46,7 @@ from orca_serve.checks.argtypes import (
     out_dir,
     out_file,
 )
+from orca_serve.checks.errors import Stopped, exit_on_sigterm
 from orca_serve.live_audit.options import EPSILON_SPLITS, EpsilonSplit
 
 if TYPE_CHECKING:
@@ -722,11 +721,6 @@ def build_parser() -> argparse.ArgumentParser:
 QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
 
 
-def _stop(signum: int, frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -736,12 +730,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("collect", "run", "merge", "plan") and QUIET_TRACKER not in sys.warnoptions:
         sys.warnoptions.append(QUIET_TRACKER)  # before vLLM starts the tracker
     from orca_method.bundle import BundleError  # deferred: torch (not needed by --help)
-    # SIGTERM (a scheduler's or Kubernetes' stop) unwinds as Ctrl-C does: the engines a stage
-    # started are shut down on the way out (killed outright, vLLM's processes ran on orphaned,
-    # holding their devices), and what was written stays for the rerun to resume from. Only as
-    # the command (argv None), not when a caller runs main() inside its own process
-    if argv is None and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _stop)
+    # SIGTERM (a scheduler's stop) unwinds as Ctrl-C does: the engines a stage started are shut
+    # down on the way out, and what was written stays for the rerun to resume from. Only as the
+    # command (argv None), not when a caller runs main() inside its own process
+    if argv is None:
+        exit_on_sigterm()
     try:
         args.fn(args)
     except (UsageError, TrajectoryError, BundleError, JobError, JudgeError, ValueError,
@@ -749,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"orca-calibrate {args.cmd}: error: {msg}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Stopped):
         print(f"orca-calibrate {args.cmd}: interrupted; what it finished is kept (run and collect "
               "resume from it)", file=sys.stderr)
         return 130

@@ -30,7 +30,6 @@ uvicorn's handler takes over once the server serves (`orca_serve.vllm_compat.lau
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from typing import Any
 
@@ -38,24 +37,15 @@ from orca_serve.metrics.snapshots import ENV_SERVER
 from orca_serve.checks.bundle import check_served
 from orca_serve.startup.preflight import Preflight, identity, preflight
 from orca_serve.api_server.log import log_like_vllm
-from orca_serve.checks.errors import StartupError, fail
+from orca_serve.checks.errors import StartupError, exit_on_sigterm, fail
 from orca_serve.startup.vllm_check import main as check_touch_points
 from orca_serve.vllm_plugin.config import SUPPORTED_VLLM, installed_vllm_version
 from orca_serve.startup.vllm_setup import vllm_args
 
 
-def exit_on_sigterm() -> None:
-    """Until the server's own handler replaces it: SIGTERM raises SystemExit(143) in the main
-    thread, so that the clean-ups on the way out (vLLM's engine shutdown) run."""
-    def stop(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-
-
 def main(argv: list[str] | None = None) -> None:
     if argv is None:  # the program itself, not a caller's process (tests call main(argv))
-        exit_on_sigterm()
+        exit_on_sigterm()  # until the server's own handler replaces it
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         _main(argv)

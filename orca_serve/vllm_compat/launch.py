@@ -112,7 +112,7 @@ def run_single(args: argparse.Namespace, on_loop: Callable[[], None] | None = No
     vllm/utils/network_utils.py) swallows KeyboardInterrupt, so a SIGTERM while the engine
     loaded its weights was lost and the server went on waiting for the engine (up to
     VLLM_ENGINE_READY_TIMEOUT_S). orca-serve's own handler (SystemExit,
-    `orca_serve.startup.cli.exit_on_sigterm`) stays in force instead."""
+    `orca_serve.checks.errors.exit_on_sigterm`) stays in force instead."""
     import uvloop  # deferred: uvloop (vLLM's dependency, not ours)
     from vllm.utils.system_utils import decorate_logs  # deferred: vllm (resolved at use)
 
