@@ -2,7 +2,7 @@
 
 Every stage writes a file into the job's output directory and is skipped on a rerun when its
 output exists and the settings it depends on are unchanged, so a killed job resumes where it
-stopped (collection itself resumes per problem) and an edited job reruns what the edit affects.
+stopped (collection itself resumes per problem, training per epoch) and an edited job reruns what the edit affects.
 Changed collection settings are refused instead: the trajectories on disk were made with the old
 ones, and mixing would corrupt the set. Paths in the YAML are relative to the YAML file.
 

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from orca_calibrate.job_options import DEFAULT_WINDOW
 from orca_calibrate.probe_variants import PROBES
 from orca_calibrate.train_defaults import DEFAULTS, EPOCH_SELECT, check_training
+from orca_calibrate.train_resume import Best, Checkpoints, training_key
 from orca_method.give_up import right_ahead
 from orca_method.ltt import calibrate
 from orca_method.probe import Probe, ProbeSpec
@@ -200,6 +201,8 @@ def meta_train(ts: TrajectorySet, spec: ProbeSpec, mode: str, *, epochs: int = D
     epoch with the best validation savings; `"last"` (the paper's protocol) trains on all of
     them and keeps the last epoch. `warmup` is the fraction of all steps over which the
     learning rate rises linearly from 0 to `lr` (default `lr_for_batch(batch_size)`).
+    `checkpoints`: a folder for the state after every epoch; a rerun with the same settings and
+    data goes on after the last epoch saved there (`orca_calibrate.train_resume`).
     """
     lr = lr_for_batch(batch_size) if lr is None else lr
     check_training(batch_size, lr, epochs, epoch_select, warmup)
@@ -214,15 +217,28 @@ def meta_train(ts: TrajectorySet, spec: ProbeSpec, mode: str, *, epochs: int = D
     val, fit = order[:n_val], order[n_val:]
     probe = Probe(spec, seed=seed)
     opt = torch.optim.Adam(probe.parameters(), lr=lr)
-    total = epochs * math.ceil(len(fit) / batch_size)
-    n_warm = round(warmup * total)
+    per_epoch = math.ceil(len(fit) / batch_size)
+    n_warm = round(warmup * epochs * per_epoch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / (n_warm + 1)))
     history: list[dict] = []
-    best: tuple[float, float, int, dict] | None = None
+    best: Best | None = None
+    ckpt = None
+    if checkpoints is not None:
+        settings = {"epochs": epochs, "batch_size": batch_size, "lr": lr, "warmup": warmup,
+                    "clip": clip, "seed": seed, "epoch_select": epoch_select,
+                    "val_fraction": val_fraction, "window": window}
+        ckpt = Checkpoints(checkpoints, training_key(ts, fit + val, spec, mode, settings))
+    resumed = ckpt.resume(probe, opt, sched, rng) if ckpt is not None else None
+    if resumed is not None:
+        history, best = resumed.history, resumed.best
+    done = resumed.epoch if resumed is not None else 0
     loader = Loader(ts, mode, batch_size, cache_gram=kernel_form(spec) and spec.kind == "noqk")
-    bar = tqdm(total=total, desc=f"meta-train {spec.name}", disable=not progress, unit="batch")
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for epoch in range(1, epochs + 1):
+    bar = tqdm(total=epochs * per_epoch, initial=done * per_epoch, desc=f"meta-train {spec.name}",
+               disable=not progress, unit="batch")
+    # the time rows count from the first epoch's start, across a resume
+    ran = (history[-1]["seconds"], history[-1]["cpu_seconds"]) if history else (0.0, 0.0)
+    start, cpu_start = time.perf_counter() - ran[0], time.process_time() - ran[1]
+    for epoch in range(done + 1, epochs + 1):
         losses = []
         for batch in loader.batches(fit, rng):
             loss = outer_loss(unroll_scores(probe, batch.phi, batch.mask, batch.gram), batch)
@@ -237,8 +253,6 @@ def meta_train(ts: TrajectorySet, spec: ProbeSpec, mode: str, *, epochs: int = D
         probe.check_finite()
         row = {"epoch": epoch, "train_loss": float(np.mean(losses)),
                "eta": probe.params["log_eta"].exp().item()}
-        if checkpoints is not None:
-            save_probe(probe, checkpoints / f"epoch_{epoch:03d}.safetensors", {"epoch": epoch})
         if epoch_select == "validation":
             with torch.no_grad():
                 row["val_loss"] = float(np.mean([
@@ -252,6 +266,9 @@ def meta_train(ts: TrajectorySet, spec: ProbeSpec, mode: str, *, epochs: int = D
         row["seconds"] = time.perf_counter() - start
         row["cpu_seconds"] = time.process_time() - cpu_start
         history.append(row)
+        if ckpt is not None:
+            save_probe(probe, ckpt.folder / f"epoch_{epoch:03d}.safetensors", {"epoch": epoch})
+            ckpt.save(epoch, probe, opt, sched, rng, history, best)
     bar.close()
     selected = epochs
     if best is not None:

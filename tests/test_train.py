@@ -70,7 +70,7 @@ def test_meta_training_reduces_loss_and_is_reproducible(synth: TrajectorySet, tm
     assert a.history[-1]["train_loss"] < a.history[0]["train_loss"]
     assert [h["train_loss"] for h in a.history] == [h["train_loss"] for h in b.history]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-        "epoch_001.safetensors", "epoch_002.safetensors", "epoch_003.safetensors"]
+        "epoch_001.safetensors", "epoch_002.safetensors", "epoch_003.safetensors", "resume.pt"]
     save_probe(a.probe, tmp_path / "p.safetensors", {"epoch": a.epoch})
     loaded, meta = load_probe(tmp_path / "p.safetensors")
     assert loaded.spec == spec and meta["epoch"] == str(a.epoch)
@@ -146,3 +146,60 @@ def test_default_learning_rate_follows_the_batch_size() -> None:
     assert lr_for_batch(1) == PAPER_LR  # batch 1 keeps the paper's setting
     assert lr_for_batch(32) == pytest.approx(1.008e-2, rel=1e-3)
     assert DEFAULTS["lr"] is None and DEFAULTS["epoch_select"] == "last"
+
+
+class Killed(Exception):
+    """Stands for a kill in the middle of an epoch."""
+
+
+def _kill_in_epoch(monkeypatch, epoch: int) -> None:
+    """The run dies after training `epoch`'s batches, before that epoch is saved."""
+    calls = iter(range(1, 100))
+    real = Probe.check_finite
+
+    def check(self) -> None:
+        if next(calls) == epoch:
+            raise Killed
+        real(self)
+    monkeypatch.setattr(Probe, "check_finite", check)
+
+
+@pytest.mark.parametrize("select", ["last", "validation"])
+def test_a_killed_training_resumes_to_the_uninterrupted_probe(synth: TrajectorySet, tmp_path,
+                                                              monkeypatch, select: str) -> None:
+    kw = dict(epochs=4, seed=3, progress=False, epoch_select=select)
+    whole = meta_train(synth, ProbeSpec(dim=D), "supervised", checkpoints=tmp_path / "a", **kw)
+    with monkeypatch.context() as m:
+        _kill_in_epoch(m, 3)
+        with pytest.raises(Killed):
+            meta_train(synth, ProbeSpec(dim=D), "supervised", checkpoints=tmp_path / "b", **kw)
+    assert sorted(p.name for p in (tmp_path / "b").glob("epoch_*")) == [
+        "epoch_001.safetensors", "epoch_002.safetensors"]
+    resumed = meta_train(synth, ProbeSpec(dim=D), "supervised", checkpoints=tmp_path / "b", **kw)
+    assert resumed.epoch == whole.epoch
+    for k, v in whole.probe.params.items():
+        assert torch.equal(resumed.probe.params[k], v), k
+    strip = [{k: v for k, v in h.items() if "seconds" not in k} for h in whole.history]
+    assert [{k: v for k, v in h.items() if "seconds" not in k} for h in resumed.history] == strip
+    seconds = [h["seconds"] for h in resumed.history]
+    assert seconds == sorted(seconds)  # counted from the first epoch, across the resume
+
+
+def test_checkpoints_of_other_settings_are_cleared_not_resumed(synth: TrajectorySet, tmp_path,
+                                                               capsys) -> None:
+    ckpt = tmp_path / "ckpt"
+    first = meta_train(synth, ProbeSpec(dim=D), "supervised", epochs=3, seed=3, progress=False,
+                       checkpoints=ckpt)
+    again = meta_train(synth, ProbeSpec(dim=D), "supervised", epochs=3, seed=3, progress=False,
+                       checkpoints=ckpt)  # done already: nothing left to train
+    assert "resuming after epoch 3" in capsys.readouterr().err
+    assert again.history == first.history
+    other = meta_train(synth, ProbeSpec(dim=D), "supervised", epochs=2, seed=3, lr=0.02,
+                       progress=False, checkpoints=ckpt)
+    assert "removed 4 checkpoint file(s)" in capsys.readouterr().err
+    assert [h["epoch"] for h in other.history] == [1, 2]
+    assert sorted(p.name for p in ckpt.glob("epoch_*")) == [
+        "epoch_001.safetensors", "epoch_002.safetensors"]
+    (ckpt / "resume.pt").write_bytes(b"not a checkpoint")  # unreadable: stale, never fatal
+    assert meta_train(synth, ProbeSpec(dim=D), "supervised", epochs=2, seed=3, lr=0.02,
+                      progress=False, checkpoints=ckpt).history[0]["epoch"] == 1
