@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from orca_calibrate.job_options import DEFAULT_WINDOW
 from orca_calibrate.probe_variants import PROBES
-from orca_calibrate.train_defaults import DEFAULTS, EPOCH_SELECT, check_training
+from orca_calibrate.train_defaults import DEFAULTS, EPOCH_SELECT, check_training, lr_for_batch
 from orca_calibrate.train_resume import Best, Checkpoints, training_key
 from orca_method.give_up import right_ahead
 from orca_method.ltt import calibrate
@@ -36,20 +36,6 @@ from orca_method.risk import is_solvable
 from orca_method.trajectories import TrajectorySet
 
 VALIDATION_DELTA = 0.1
-PAPER_LR = 1e-3  # the paper's Adam learning rate, at one trajectory per step
-
-
-def lr_for_batch(batch_size: int) -> float:
-    """Adam learning rate for a batch size: the paper's 1e-3 at batch 1, times batch^(2/3).
-
-    A batch of B trajectories takes B times fewer Adam steps per epoch. At batch 32 and the
-    paper's lr the probe stays undertrained (held-out outer loss 0.205 vs 0.159 at batch 1);
-    32^(2/3) ~ 10 (lr 0.01) matched batch 1's held-out loss on a 231-problem synthetic set (not
-    on the toy job's 582 problems: 0.100 vs 0.072), while the square-root rule's 5.7x
-    sits between (3x: 0.175) and the linear rule's 32x overfit (train 0.09, held-out 0.169).
-    Measured at batches 1 and 32 only.
-    """
-    return PAPER_LR * batch_size ** (2 / 3)
 
 
 @dataclass
@@ -184,6 +170,7 @@ def training_settings(spec: ProbeSpec, options: dict) -> dict:
     settings = DEFAULTS | {k: v for k, v in options.items() if v is not None}
     if options.get("epochs") is None and spec.kind != "noqk":
         settings["epochs"] = 10
+    check_training(**settings)
     if settings["lr"] is None:
         settings["lr"] = lr_for_batch(settings["batch_size"])
     return settings
@@ -204,8 +191,8 @@ def meta_train(ts: TrajectorySet, spec: ProbeSpec, mode: str, *, epochs: int = D
     `checkpoints`: a folder for the state after every epoch; a rerun with the same settings and
     data goes on after the last epoch saved there (`orca_calibrate.train_resume`).
     """
-    lr = lr_for_batch(batch_size) if lr is None else lr
     check_training(batch_size, lr, epochs, epoch_select, warmup)
+    lr = lr_for_batch(batch_size) if lr is None else lr
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     train = solvable(ts, ts.split("train"), mode)

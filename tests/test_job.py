@@ -173,6 +173,8 @@ def test_job_file_errors(tmp_path) -> None:
     ("train: {lr: fast}", r"train.lr is a number in \(0, 1\], got 'fast'"),
     ("train: {probe: nope}", r"train.probe is one of static, .*, not 'nope'"),
     ("train: {epoch_select: best}", r"train.epoch_select is one of validation, last"),
+    ("train: {batch_size: 40000}",
+     r"train.lr is not set, and batch_size 40000 gives 1.17 by the batch rule .* at most 31622$"),
     ("calibrate: {give_up: {deltas: [2]}}",
      r"calibrate.give_up: deltas are risk levels in \(0, 1\)"),
     ("calibrate: {gate: {step: 2}}", r"calibrate.gate: unknown keys \['step'\] \(known: steps, "),

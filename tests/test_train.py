@@ -11,6 +11,7 @@ from orca_calibrate.train import (
     save_probe,
     solvable,
     train_static,
+    training_settings,
     unroll_scores,
 )
 from orca_method.probe import Probe, ProbeSpec
@@ -128,6 +129,14 @@ def test_bad_training_settings_are_refused(synth: TrajectorySet, bad: dict) -> N
         meta_train(synth, ProbeSpec(dim=D), "supervised", progress=False, **{"epochs": 1, **bad})
 
 
+def test_an_lr_the_batch_rule_derives_is_named_as_such(synth: TrajectorySet) -> None:
+    """The user set a batch size, not an lr: the refusal says the rule gave it."""
+    with pytest.raises(ValueError, match=r"^lr is not set, and batch_size 40000 gives 1.17 "):
+        meta_train(synth, ProbeSpec(dim=D), "supervised", progress=False, batch_size=40000)
+    with pytest.raises(ValueError, match=r"^lr is not set"):
+        training_settings(ProbeSpec(dim=D), {"batch_size": 40000})
+
+
 def test_cli_training_options(synth: TrajectorySet, tmp_path, capsys) -> None:
     from orca_calibrate.calibrate_cli import main
     out = tmp_path / "p.safetensors"
@@ -142,7 +151,7 @@ def test_cli_training_options(synth: TrajectorySet, tmp_path, capsys) -> None:
 
 
 def test_default_learning_rate_follows_the_batch_size() -> None:
-    from orca_calibrate.train import DEFAULTS, PAPER_LR, lr_for_batch
+    from orca_calibrate.train_defaults import DEFAULTS, PAPER_LR, lr_for_batch
     assert lr_for_batch(1) == PAPER_LR  # batch 1 keeps the paper's setting
     assert lr_for_batch(32) == pytest.approx(1.008e-2, rel=1e-3)
     assert DEFAULTS["lr"] is None and DEFAULTS["epoch_select"] == "last"
