@@ -86,7 +86,7 @@ def open_audits(path: str | Path, bundle: Bundle | None = None) -> TrajectorySet
     parts = (sorted(p for p in root.iterdir() if p.is_dir() and AUDIT_DIR.match(p.name))
              if root.is_dir() and not (root / "info.json").exists() else [])
     if not parts:
-        ts = TrajectorySet.open(root)
+        ts = unseen(TrajectorySet.open(root))
         if bundle is None:
             return ts
         labelling_of_audits(bundle, ts.info)
@@ -116,6 +116,18 @@ def open_audits(path: str | Path, bundle: Bundle | None = None) -> TrajectorySet
     arrays = [ts.embeddings(i) for ts in kept for i in range(len(ts))]
     joined = TrajectorySet(root, kept[0].info, problems, arrays)
     return joined if bundle is None else served_by(bundle, joined)
+
+
+def unseen(ts: TrajectorySet) -> TrajectorySet:
+    """`ts`, unless it holds traces a job put in its training split: a probe was fitted on
+    such traces and scores them better than it scores traffic, so as audits they would make a
+    bundle look safer than it is (ValueError, one line). The server's audits carry no split."""
+    trained = sum(p.split == "train" for p in ts.problems)
+    if trained:
+        raise ValueError(f"{trained} of the {len(ts)} traces in {ts.path} are a job's training "
+                         "split, which a probe was fitted on: they cannot stand for traffic; "
+                         "pass the server's audits, or traces no probe was trained on")
+    return ts
 
 
 def served_by(bundle: Bundle, ts: TrajectorySet) -> TrajectorySet:

@@ -160,11 +160,12 @@ def _problem(rng: np.random.Generator, fam: Family, w: World, mean_steps: float
 
 def generate(out_dir: str | Path, n_problems: int = 600, dim: int = 64, shift: bool = False,
              seed: int = 0, mean_steps: int = 100, dtype: str = STORED_DTYPE,
-             splits: Sequence[float] = (0.6, 0.2, 0.2)) -> Path:
+             splits: Sequence[float] | None = (0.6, 0.2, 0.2)) -> Path:
     """Write a synthetic trajectory directory, problem by problem (resumable; see module doc).
 
     ``shift`` selects the "shifted" family instead of "in-dist". Splits are assigned per
-    problem with ``split_ids(ids, splits, seed)``.
+    problem with ``split_ids(ids, splits, seed)``; ``splits=None`` assigns none, as the
+    server's audits have none (what the audit tools read).
     """
     return generate_mixture(out_dir, {"shifted" if shift else "in-dist": n_problems}, dim=dim,
                             seed=seed, mean_steps=mean_steps, dtype=dtype, splits=splits)
@@ -172,7 +173,7 @@ def generate(out_dir: str | Path, n_problems: int = 600, dim: int = 64, shift: b
 
 def generate_mixture(out_dir: str | Path, counts: Mapping[str, int], dim: int = 64,
                      seed: int = 0, mean_steps: int = 100, dtype: str = STORED_DTYPE,
-                     splits: Sequence[float] = (0.6, 0.2, 0.2)) -> Path:
+                     splits: Sequence[float] | None = (0.6, 0.2, 0.2)) -> Path:
     """`generate` for a mixture: ``counts[family]`` problems of each family in one set, each
     tagged with its `family` (what group-conditional calibration groups by), its problems those
     `generate` would draw for that family alone; splits over the whole set."""
@@ -182,9 +183,10 @@ def generate_mixture(out_dir: str | Path, counts: Mapping[str, int], dim: int = 
         raise ValueError(f"unknown families {unknown}; known: {sorted(FAMILIES)}")
     w = world(dim)
     ids = [f"synth-{family}-{seed}-{p:06d}" for family, p in plan]
-    assignment = split_ids(ids, splits, seed)
+    assignment = {} if splits is None else split_ids(ids, splits, seed)
     what = " ".join(f"family={f} n_problems={n}" for f, n in counts.items())
-    source = (f"synth v1: {what} seed={seed} mean_steps={mean_steps} splits={tuple(splits)}")
+    shown = None if splits is None else tuple(splits)
+    source = f"synth v1: {what} seed={seed} mean_steps={mean_steps} splits={shown}"
     with TrajectoryWriter(out_dir, dim, dtype, model="synthetic", normalization="step-l2",
                           source=source) as writer:
         done = writer.ids
@@ -195,5 +197,5 @@ def generate_mixture(out_dir: str | Path, counts: Mapping[str, int], dim: int = 
             rng = np.random.default_rng([seed, 1 if family == "shifted" else 0, p])
             fields, emb = _problem(rng, FAMILIES[family], w, mean_steps)
             writer.append({"id": pid, "prompt": f"synthetic {family} problem {p} (seed {seed})",
-                           "split": assignment[pid], "family": family, **fields}, emb)
+                           "split": assignment.get(pid), "family": family, **fields}, emb)
     return Path(out_dir)

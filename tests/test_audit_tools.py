@@ -27,9 +27,9 @@ DELTAS = (0.05, 0.1)
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("audit")
     data = generate(root / "in", n_problems=1600, splits=(0.5, 0.5, 0.0), **KW)
-    generate(root / "shifted-audits", n_problems=1200, shift=True, seed=1, **KW)
+    generate(root / "shifted-audits", n_problems=1200, shift=True, seed=1, splits=None, **KW)
     generate(root / "shifted-fresh", n_problems=1200, shift=True, seed=2, **KW)
-    generate(root / "in-audits", n_problems=800, seed=3, **KW)
+    generate(root / "in-audits", n_problems=800, seed=3, splits=None, **KW)
     probe = train_static(TrajectorySet.open(data), "consistent", seed=0)
     save_probe(probe, root / "static.safetensors", {"label_mode": "consistent", "seed": "0"})
     assert main(["calibrate", "--data", str(data), "--probe", str(root / "static.safetensors"),
@@ -156,7 +156,8 @@ def test_recalibrate_on_a_window_with_retraining(world):
 def test_the_servers_rotating_directories_read_as_one(world, tmp_path):
     """`--audit` takes the server's audit root: its audit-NNNNNN parts in order."""
     for part, seed in (("audit-000002", 5), ("audit-000001", 4)):
-        generate(tmp_path / "root" / part, n_problems=60, shift=True, seed=seed, **KW)
+        generate(tmp_path / "root" / part, n_problems=60, shift=True, seed=seed, splits=None,
+                 **KW)
     out = tmp_path / "r.json"
     assert main(["audit-report", "--audit", str(tmp_path / "root"), "--bundle",
                  str(world / "bundle.json"), "--json", str(out)]) == 0
@@ -171,7 +172,7 @@ def test_the_servers_rotating_directories_read_as_one(world, tmp_path):
 
 def test_bad_input_is_one_line(world, tmp_path, capsys):
     bundle = str(world / "bundle.json")
-    generate(tmp_path / "narrow", n_problems=5, dim=16, mean_steps=5)
+    generate(tmp_path / "narrow", n_problems=5, dim=16, mean_steps=5, splits=None)
     cases = [["audit-report", "--audit", str(tmp_path / "missing"), "--bundle", bundle],
              ["audit-report", "--audit", str(tmp_path / "narrow"), "--bundle", bundle],
              ["recalibrate", "--audit", str(world / "in-audits"), "--bundle", bundle,
@@ -182,6 +183,19 @@ def test_bad_input_is_one_line(world, tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"orca-calibrate {argv[0]}: error:") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("cmd", ["audit-report", "recalibrate"])
+def test_a_jobs_training_traces_are_not_audits(world, tmp_path, capsys, cmd):
+    """The bundle's own training set passed as audits (its probe was fitted on half of it)
+    would make the bundle look safer than it is: refused (`open_audits`, which every tool
+    reading audits goes through)."""
+    bundle, data = str(world / "bundle.json"), str(world / "in")
+    out = ["--out", str(tmp_path / "b")] if cmd == "recalibrate" else []
+    assert main([cmd, "--audit", data, "--bundle", bundle, *out]) == 2
+    err = capsys.readouterr().err
+    assert "800 of the 1600 traces" in err and "training split" in err and err.count("\n") == 1
+    assert not (tmp_path / "b").exists()
 
 
 def _past_the_end(bundle, ts, audits: list[int]) -> list[list[tuple[bool, int]]]:

@@ -123,10 +123,14 @@ def test_offline_tools_read_only_audits_labelled_as_the_bundle_says(collected, t
     """audit-report and recalibrate: audits labelled otherwise than the bundle's block are
     another risk (refused); the recalibrated bundle records the audits' labelling."""
     bundle = load_bundle(collected / "bundle.json")
-    audits = collected / "data"  # labelled as the bundle says
+    audits = generate(tmp_path / "audits", n_problems=20, dim=16, mean_steps=12, seed=1,
+                      splits=None)
+    info = json.loads((audits / "info.json").read_text())
+    info["labelling"] = load_bundle(collected / "bundle.json").labelling.model_dump()
+    (audits / "info.json").write_text(json.dumps(info))  # labelled as the bundle says
     assert open_audits(audits, bundle).info["labelling"] == THEIRS.model_dump()
     other = tmp_path / "other"
-    generate(other, n_problems=20, dim=16, mean_steps=12)
+    generate(other, n_problems=20, dim=16, mean_steps=12, splits=None)
     info = json.loads((other / "info.json").read_text())
     info["labelling"] = Labelling(suffix="x{", answer_tokens=5).model_dump()
     (other / "info.json").write_text(json.dumps(info))

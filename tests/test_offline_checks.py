@@ -47,7 +47,7 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("offline")
     data = generate(root / "data", n_problems=400, splits=(0.5, 0.3, 0.2), **KW)
     _record(data, segmentation=SEGMENTATION, model_config=CONFIG)
-    audits = generate(root / "audits", n_problems=200, seed=3, **KW)
+    audits = generate(root / "audits", n_problems=200, seed=3, splits=None, **KW)
     _record(audits, segmentation=SEGMENTATION, model_config=CONFIG)
     probe = train_static(TrajectorySet.open(data), "consistent", seed=0)
     save_probe(probe, root / "static.safetensors", {"label_mode": "consistent", "seed": "0"})
