@@ -753,21 +753,30 @@ def _step_tokens(raw: Mapping[str, Any], n_emb: int, n: int) -> list[int] | None
     return sizes[:n] if len(sizes) == n_emb else None
 
 
+def _pickle_batch_size(pkl: Mapping[str, Any]) -> int:
+    return 10 if pkl.get("batch_size") is None else int(pkl["batch_size"])
+
+
+def _usable_steps(raw: Mapping[str, Any], batch_size: int) -> int:
+    """Steps of a pickle problem with both an embedding and a label; 0: the problem is skipped,
+    as the research code skips it (no step embedding or no label)."""
+    emb = np.asarray(raw["step_embeddings"])  # shape checked by _check_pickle
+    return _aligned_steps(raw, len(emb), batch_size) if emb.size else 0
+
+
 def _pickle_records(pkl: Mapping[str, Any], pickle_labels: str
                     ) -> Iterator[tuple[dict[str, Any], np.ndarray]]:
     """(problem fields, float32 embeddings) per usable pickle problem, labels expanded per step.
 
     Problems with no step embedding or no label are skipped, as the research code skips them.
     """
-    batch_size = 10 if pkl.get("batch_size") is None else int(pkl["batch_size"])
+    batch_size = _pickle_batch_size(pkl)
     splits = _pickle_splits(pkl)
     for i, raw in enumerate(pkl["problems"]):
-        emb = np.asarray(raw["step_embeddings"], dtype=np.float32)  # shape checked by _check_pickle
-        if emb.size == 0:
-            continue
-        n = _aligned_steps(raw, len(emb), batch_size)
+        n = _usable_steps(raw, batch_size)
         if n == 0:
             continue
+        emb = np.asarray(raw["step_embeddings"], dtype=np.float32)
         labels = {}
         for key, mode in _PICKLE_LABEL_KEYS.items():
             if key in raw:
@@ -815,14 +824,19 @@ def _infer_normalization(pkl: Mapping[str, Any]) -> str:
 
 def _pickle_info(pkl: Mapping[str, Any], path: Path | None, pickle_labels: str,
                  dtype: str) -> dict[str, Any]:
+    """The set's info; refuses a pickle with no usable problem before anything is written (it
+    would convert to an empty set without a word)."""
     if pickle_labels not in PICKLE_LABELS:
         raise TrajectoryError(f"pickle_labels must be one of {PICKLE_LABELS}, "
                               f"got {pickle_labels!r}")
+    batch_size = _pickle_batch_size(pkl)
+    first = next((raw for raw in pkl["problems"] if _usable_steps(raw, batch_size)), None)
+    if first is None:
+        raise TrajectoryError(f"{path or 'pickle'} holds no problems with both step embeddings "
+                              f"and labels ({len(pkl['problems'])} problems in all)")
     dim = pkl.get("embed_dim")
-    if dim is None and pkl["problems"]:
-        dim = np.asarray(pkl["problems"][0]["step_embeddings"]).shape[-1]
     if dim is None:
-        raise TrajectoryError("pickle has neither 'embed_dim' nor problems to infer it from")
+        dim = np.asarray(first["step_embeddings"]).shape[-1]
     model = pkl.get("model")
     return _make_info(int(dim), dtype, {
         "model": None if model is None else str(model),

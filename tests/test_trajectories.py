@@ -327,3 +327,23 @@ def test_import_pickle(tmp_path):
         assert ts.problems[i] == direct.problems[i]
     import_pickle(tmp_path / "r.pkl", out, dtype="float32")  # resuming a complete import: no-op
     assert len(TrajectorySet.open(out)) == 3
+
+
+@pytest.mark.parametrize("problems", [
+    [],
+    [{"step_embeddings": np.empty((0, DIM), np.float32), "step_labels": []},
+     {"step_embeddings": np.ones((3, DIM), np.float32), "step_labels": []}],
+])
+def test_a_pickle_with_no_usable_problem_is_refused_before_writing(tmp_path, capsys, problems):
+    """It converted to an empty set, exit 0 (every problem is skipped, as the research code
+    skips problems without steps or labels); now one line naming the pickle, nothing written."""
+    from orca_calibrate.calibrate_cli import main
+
+    pkl = {**_fake_pickle(with_ids=True), "splits": None, "problems": problems}
+    (tmp_path / "r.pkl").write_bytes(pickle.dumps(pkl))
+    assert main(["import-pickle", str(tmp_path / "r.pkl"), "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{tmp_path / 'r.pkl'} holds no problems" in err[0], err
+    assert not (tmp_path / "d").exists()
+    with pytest.raises(TrajectoryError, match="holds no problems"):
+        TrajectorySet.open(tmp_path / "r.pkl")
