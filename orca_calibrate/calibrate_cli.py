@@ -20,7 +20,7 @@ from orca_calibrate.job_options import DEFAULT_DELTAS, DEFAULT_WINDOW, GateOptio
 from orca_calibrate.judge import JudgeError, JudgeSettings
 from orca_calibrate.plan import DEFAULT_PILOT
 from orca_calibrate.probe_variants import PROBES
-from orca_calibrate.synth import generate
+from orca_calibrate.synth import disk_room, generate
 from orca_calibrate.train_defaults import DEFAULT_D_H, DEFAULT_PROBE, DEFAULTS, EPOCH_SELECT
 from orca_method.covariate_shift import DEFAULT_RATIO_RANK
 from orca_method.ltt import DEFAULT_EPSILON
@@ -71,6 +71,12 @@ def _open(path: str, pickle_labels: str = "pessimistic"):
 
 
 def cmd_synth(a: argparse.Namespace) -> None:
+    need, free = disk_room(a.out, a.problems, a.dim, a.steps, a.dtype)
+    if need > free:  # it wrote until killed (10^11 problems: 11.5 GB before the kill)
+        raise UsageError(f"the set needs about {need / 2**30:,.1f} GiB of step embeddings "
+                         f"({a.problems:,} problems x {a.steps} steps x {a.dim} x {a.dtype}), "
+                         f"more than the {free / 2**30:,.1f} GiB free where --out is; lower "
+                         "--problems, --steps or --dim")
     out = generate(a.out, n_problems=a.problems, dim=a.dim, shift=a.shift, seed=a.seed,
                    mean_steps=a.steps, dtype=a.dtype)
     print(f"wrote {a.problems} synthetic {'shifted' if a.shift else 'in-dist'} trajectories to {out}")

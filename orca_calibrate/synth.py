@@ -39,6 +39,7 @@ and scalars are drawn before vectors, so latents (steps, labels) do not depend o
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,13 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from orca_method.trajectories import STORED_DTYPE, TrajectoryWriter, split_ids
+from orca_method.trajectories import (
+    DTYPES,
+    EMBEDDINGS_FILE,
+    STORED_DTYPE,
+    TrajectoryWriter,
+    split_ids,
+)
 
 FLIP_SIGNAL = 0.3  # share of the signal left while the current answer is wrong after b_p
 N_WRONG = 3  # size of the pool of wrong answers per problem
@@ -156,6 +163,20 @@ def _problem(rng: np.random.Generator, fam: Family, w: World, mean_steps: float
         "extra": {"breakthrough": b, "final_correct": bool(current[-1] == answer)},
     }
     return fields, x
+
+
+def disk_room(out_dir: str | Path, n_problems: int, dim: int, mean_steps: int, dtype: str
+              ) -> tuple[int, int]:
+    """(About the bytes the set's step embeddings still need, the bytes free on the filesystem
+    of ``out_dir``), to refuse before writing a set the disk cannot hold: it is written problem
+    by problem until the disk is full otherwise. Problems have ``mean_steps`` steps on average
+    (`_problem`'s lognormal factor has mean 1); a resumed set needs what it has not written."""
+    out = Path(out_dir).absolute()
+    total = n_problems * mean_steps * dim * DTYPES[dtype].itemsize
+    written = out / EMBEDDINGS_FILE
+    left = total - (written.stat().st_size if written.is_file() else 0)
+    existing = next(p for p in (out, *out.parents) if p.exists())  # out need not exist yet
+    return max(left, 0), shutil.disk_usage(existing).free
 
 
 def generate(out_dir: str | Path, n_problems: int = 600, dim: int = 64, shift: bool = False,

@@ -69,6 +69,26 @@ def test_synth_writes_nothing_for_a_negative_count(tmp_path, capsys):
     assert not (tmp_path / "s").exists() and "wrote" not in capsys.readouterr().out
 
 
+def test_synth_refuses_a_set_the_disk_cannot_hold(tmp_path, capsys):
+    """10^11 problems started writing (11.5 GB before it was killed); refused before writing,
+    naming the estimate (problems x mean steps x dim x stored dtype), the free space and the
+    flags to lower. A resumed set needs only what it has not written yet."""
+    from orca_calibrate.calibrate_cli import main
+    from orca_calibrate.synth import disk_room
+
+    out = tmp_path / "a" / "s"
+    assert main(["synth", "--out", str(out), "--problems", str(10**11)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs about 1,192,092.9 GiB of step embeddings" in err[0], err
+    assert "GiB free where --out is; lower --problems, --steps or --dim" in err[0]
+    assert not (tmp_path / "a").exists()
+    assert disk_room(out, 8, 4, 5, "float32")[0] == 8 * 5 * 4 * 4
+    assert main(["synth", "--out", str(out), "--problems", "8", "--dim", "4", "--steps", "5",
+                 "--dtype", "float32"]) == 0
+    written = (out / "embeddings.bin").stat().st_size
+    assert disk_room(out, 8, 4, 5, "float32")[0] == max(8 * 5 * 4 * 4 - written, 0)
+
+
 def test_wrong_files_are_one_line_not_a_traceback(tmp_path, capsys):
     """An output path that is a file, a probe that is not one: one line and exit 2 (they were
     tracebacks: FileExistsError, safetensors' header error)."""
@@ -152,7 +172,7 @@ def test_sigterm_unwinds_as_ctrl_c_does(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; from orca_calibrate.calibrate_cli import main; "
          "sys.argv[0] = 'orca-calibrate'; sys.exit(main())", "synth", "--out",
-         str(tmp_path / "s"), "--problems", "5000000", "--dim", "8"],
+         str(tmp_path / "s"), "--problems", "5000000", "--dim", "8", "--steps", "2"],
         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     def catches_sigterm() -> bool:  # the handler installed (Linux: the caught-signals mask)
         status = Path(f"/proc/{proc.pid}/status").read_text()
