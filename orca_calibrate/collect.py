@@ -59,6 +59,7 @@ from orca_method.trajectories import (
     TrajectoryWriter,
     update_problems,
 )
+from orca_serve.checks.bundle import check_model_folder
 from orca_serve.settings.contract import ORCA_OFF, merge_results
 from orca_serve.vllm_compat import launch, offline
 from orca_serve.vllm_plugin.config import engine_kwargs, prepare_environment
@@ -241,6 +242,7 @@ class Collector:
     """One vLLM engine with the plugin in record mode; writes a trajectory directory."""
 
     def __init__(self, model: str, settings: CollectSettings) -> None:
+        check_model_folder(model, settings.engine.get("hf_config_path"))  # before vLLM's import
         require_math_verify()
         self.judge = Judge(settings.judge) if settings.judge else None
         if self.judge is not None:

@@ -52,6 +52,7 @@ from orca_method.consensus import prompt_of
 from orca_method.errors import first_line
 from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy, LabelSteps
 from orca_method.trajectories import Split, TrajectorySet, set_splits, split_ids
+from orca_serve.checks.bundle import check_model_folder
 
 T = TypeVar("T")
 
@@ -147,8 +148,9 @@ def load_job(path: Path) -> dict[str, Any]:
                                                               f"{path}: collect")
         except JudgeError as e:
             raise JobError(str(e)) from None
-    try:  # types and ranges, before a stage starts an engine
-        CollectSettings(**(job.get("collect") or {}))
+    try:  # types and ranges, and the model's folder, before a stage starts an engine
+        settings = CollectSettings(**(job.get("collect") or {}))
+        check_model_folder(job["model"], settings.engine.get("hf_config_path"))
     except ValueError as e:
         raise JobError(f"{path}: {e}") from None
     give_up = (job.get("calibrate") or {}).get("give_up")

@@ -607,6 +607,17 @@ def test_a_model_config_of_the_wrong_type_is_named_in_its_one_line(tmp_path):
     assert "'256'" in msg, msg
 
 
+def test_a_model_folder_without_config_is_named_so(tmp_path):
+    """transformers asked for a `model_type` key in the config.json the folder lacks; the
+    server's check is the offline collector's (`check_model_folder`)."""
+    from orca_serve.checks.bundle import model_facts
+    from orca_serve.checks.errors import StartupError
+
+    with pytest.raises(StartupError, match=f"model folder {tmp_path} has no config.json: give "
+                                           "the folder that holds"):
+        model_facts(str(tmp_path))
+
+
 def test_a_model_folder_without_tokenizer_files_is_named_so(tmp_path):
     """transformers stands in a one-token tokenizer for a folder without tokenizer files; the
     check said the tokenizer differed from the bundle's, not that it was missing."""

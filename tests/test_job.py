@@ -88,6 +88,31 @@ def test_an_engine_argument_vllm_does_not_take_is_one_line() -> None:
         Collector(model, CollectSettings(engine={"tensor_paralel_size": 1}))
 
 
+def test_a_model_folder_without_config_is_one_line_before_vllm(tmp_path, capsys) -> None:
+    """An empty folder as `collect --model` ended in vLLM's 8-line ModelConfig error; refused in
+    one line before vLLM is imported, nothing written. A name that is no folder may be a hub id:
+    left to vLLM. The config is looked for where vLLM reads it (`hf_config_path`)."""
+    import sys
+
+    from orca_calibrate.calibrate_cli import main
+    from orca_calibrate.collect import Collector, CollectSettings
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "p.jsonl").write_text('{"id": "p0", "prompt": "a"}\n')
+    vllm_loaded = "vllm" in sys.modules
+    assert main(["collect", "--model", str(tmp_path / "m"), "--prompts",
+                 str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"orca-calibrate collect: error: model folder {tmp_path / 'm'} has no "
+                   "config.json: give the folder that holds the model's config.json, tokenizer "
+                   "and weights, or a hub name"], err
+    assert not (tmp_path / "o").exists() and ("vllm" in sys.modules) == vllm_loaded
+    elsewhere = tmp_path / "config"
+    elsewhere.mkdir()
+    with pytest.raises(ValueError, match=f"model folder {elsewhere} has no config.json"):
+        Collector(str(tmp_path / "m"), CollectSettings(engine={"hf_config_path": str(elsewhere)}))
+
+
 def test_read_prompts_errors(tmp_path) -> None:
     p = tmp_path / "p.jsonl"
     p.write_text('{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n')
@@ -118,6 +143,10 @@ def test_job_file_errors(tmp_path) -> None:
     with pytest.raises(JobError, match=f"model {tmp_path / 'm'} is not a folder"):
         load_job(j)  # a local path, checked before vLLM would take it for a hub id
     (tmp_path / "m").mkdir()
+    with pytest.raises(JobError, match=f"job.yaml: model folder {tmp_path / 'm'} has no "
+                                       "config.json: give the folder"):
+        load_job(j)  # vLLM's 8-line pydantic error once the job had made its out folder
+    (tmp_path / "m" / "config.json").write_text("{}")
     job = load_job(j)
     assert job["prompts"] == str(tmp_path / "p.jsonl") and job["model"] == str(tmp_path / "m")
     for text, words in [("model: [unclosed\n",

@@ -3,7 +3,8 @@ the model (`check_served`: its config.json and tokenizer, read without loading i
 transformers' AutoConfig/AutoTokenizer, a local folder or a hub name; before vLLM is imported)
 and the options the server runs with (`check_options`, orca_serve/startup/preflight.py and
 orca_serve/api_server/reload.py: a bundle that does not satisfy them is refused, in one line
-naming the option and the fix).
+naming the option and the fix). `check_model_folder` (a local model folder needs config.json)
+is the offline collector's check too, so both refuse such a folder in the same line.
 
 The options are fixed for the server's life, so a reload to a bundle that cannot serve them would
 turn every request they shape into an error (or, for the give-up policy, serve a guarantee the
@@ -16,6 +17,7 @@ import logging
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orca_method.consensus import format_waves
@@ -40,6 +42,17 @@ class ModelFacts:
     config: ConfigFingerprint | None = None  # of config.json (None: it lacks one of its fields)
 
 
+def check_model_folder(model: str, hf_config_path: str | None = None) -> None:
+    """Refuse (ValueError, one line) a local model folder without config.json, before anything
+    reads it: transformers then asks for a `model_type` in the missing file, vLLM for a hub id or
+    a folder in an 8-line pydantic error. The config is read from `hf_config_path` when given,
+    as vLLM and `model_facts` read it. A path that is no folder may be a hub name: not ours."""
+    folder = Path(str(hf_config_path or model))
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        raise ValueError(f"model folder {folder} has no config.json: give the folder that holds "
+                         "the model's config.json, tokenizer and weights, or a hub name")
+
+
 def model_facts(model: str, *, tokenizer: str | None = None, revision: str | None = None,
                 tokenizer_revision: str | None = None, hf_config_path: str | None = None,
                 trust_remote_code: bool = False) -> ModelFacts:
@@ -54,6 +67,7 @@ def model_facts(model: str, *, tokenizer: str | None = None, revision: str | Non
     hf_logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
+        check_model_folder(model, hf_config_path)
         cfg = AutoConfig.from_pretrained(hf_config_path or model, revision=revision,
                                          trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - any failure is one line for the user
