@@ -48,6 +48,7 @@ from orca_calibrate.judge import JudgeError, JudgeSettings
 from orca_calibrate.probe_variants import PROBES
 from orca_calibrate.shards import SHARDS, collect_shards, merge_shards, run_shard, write_spec
 from orca_calibrate.train_defaults import DEFAULT_D_H, DEFAULT_PROBE, DEFAULTS, check_training
+from orca_method.answer_probes import SUPERVISED
 from orca_method.consensus import prompt_of
 from orca_method.errors import first_line
 from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy, LabelSteps
@@ -195,11 +196,51 @@ def load_job(path: Path) -> dict[str, Any]:
             block_options(ConsensusOptions, consensus)
         except (TypeError, ValueError) as e:
             raise JobError(f"{path}: calibrate.consensus: {e}") from None
-    if (job.get("train") or {}).get("label_mode") == "judge" and \
-            (job.get("collect") or {}).get("judge") is None:
-        raise JobError(f"{path}: train.label_mode judge needs a collect.judge block "
-                       "(base_url, model, api_key_env)")
+    check_label_modes(path, job, prompt_files(path, job))
     return job
+
+
+def prompt_files(path: Path, job: dict[str, Any]) -> dict[str, list[dict]]:
+    """The prompts of each of the job's prompt files (prompts, shifted_prompts, group_prompts)
+    that is there: read when the job is, so that what they decide is refused before an engine
+    starts. A file not there yet (a recipe's data, built later) is refused by the run, which
+    reads every prompt file before its first stage."""
+    files = [job[k] for k in ("prompts", "shifted_prompts") if job.get(k)]
+    try:
+        return {f: read_prompts(Path(f)) for f in files + list(job.get("group_prompts") or [])
+                if Path(f).is_file()}
+    except ValueError as e:
+        raise JobError(f"{path}: {e}") from None
+
+
+def label_modes(job: dict[str, Any]) -> dict[str, str]:
+    """The label mode each side of the job reads, by the key that sets it: the stop probe's
+    (trained, calibrated and evaluated under it) and, with a give-up block, the give-up's."""
+    modes = {"train.label_mode": (job.get("train") or {}).get("label_mode", SUPERVISED)}
+    give_up = (job.get("calibrate") or {}).get("give_up")
+    if give_up is not None:
+        from orca_calibrate.calibrate import GiveUpOptions  # deferred: torch
+        modes["calibrate.give_up.label_mode"] = block_options(GiveUpOptions, give_up).label_mode
+    return modes
+
+
+def check_label_modes(path: Path, job: dict[str, Any], prompts: dict[str, list[dict]]) -> None:
+    """Refuse a label mode the collection will not give every trace: training, calibration or
+    the evaluation found its labels missing only after the collection (hours of engine time).
+    Judge labels come from collect.judge; supervised ones from the prompt's reference `answer`,
+    so every prompt of every file needs one (a set's label modes are those all its traces
+    have, and the shifted and group sets are evaluated and calibrated under the same modes)."""
+    for key, mode in label_modes(job).items():
+        if mode == "judge" and (job.get("collect") or {}).get("judge") is None:
+            raise JobError(f"{path}: {key} judge needs a collect.judge block "
+                           "(base_url, model, api_key_env)")
+        if mode != SUPERVISED:
+            continue
+        for file, records in prompts.items():
+            bare = next((r["id"] for r in records if r.get("answer") is None), None)
+            if bare is not None:
+                raise JobError(f"{path}: {key} is {mode} (labels against each prompt's reference "
+                               f"`answer`): prompt {bare!r} of {file} has no answer")
 
 
 def block_options(cls: type[T], block: dict[str, Any]) -> T:
@@ -428,7 +469,7 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
 
     def train() -> None:
         ts = TrajectorySet.open(data)
-        mode = tr.get("label_mode", "supervised")
+        mode = label_modes(job)["train.label_mode"]
         options = {k: v for k, v in tr.items() if k not in TRAIN_JOB_KEYS}
         probe, facts = train_probe(ts, tr.get("probe", DEFAULT_PROBE), mode,
                                    d_h=tr.get("d_h", DEFAULT_D_H),

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from orca_calibrate.collect import Collector, CollectSettings, read_prompts, trace_keys
-from orca_calibrate.job import TRAIN_JOB_KEYS, job_split, load_job
+from orca_calibrate.job import TRAIN_JOB_KEYS, job_split, label_modes, load_job
 from orca_calibrate.job_options import split_options
 from orca_calibrate.probe_variants import PROBES
 from orca_calibrate.train_defaults import DEFAULT_D_H, DEFAULT_PROBE
@@ -128,7 +128,7 @@ def plan_job(path: Path, pilot: int = DEFAULT_PILOT, seed: int = 0,
     epochs = 1 if name == "static" else training_settings(
         ProbeSpec(dim=ts.dim, **PROBES[name]), options)["epochs"]
     t1 = time.perf_counter()
-    train_probe(ts, name, tr.get("label_mode", "supervised"), d_h=tr.get("d_h", DEFAULT_D_H),
+    train_probe(ts, name, label_modes(job)["train.label_mode"], d_h=tr.get("d_h", DEFAULT_D_H),
                 seed=tr.get("seed", 0), checkpoints=None, progress=False,
                 **{**options, "epochs": 1, "epoch_select": "last"})
     train_per = (time.perf_counter() - t1) / n

@@ -21,6 +21,8 @@ from orca_method.labels import extract_final, fill_pessimistic, labelled_steps, 
 
 DEFAULT_SUFFIX = "\n</think>\n\nThe answer is \\boxed{"
 DEFAULT_ANSWER_TOKENS = 16
+# the label mode a prompt's reference `answer` gives its traces (a prompt without one: none)
+SUPERVISED = "supervised"
 
 
 @dataclass(frozen=True)
@@ -108,11 +110,11 @@ def trajectory_fields(key: str, rec: dict[str, Any], *, text: str, finish_reason
     final = final_answer(text, step_answers)
     labels = {"consistent": step_labels(step_answers, final)}
     if rec.get("answer") is not None:
-        labels["supervised"] = step_labels(step_answers, str(rec["answer"]))
+        labels[SUPERVISED] = step_labels(step_answers, str(rec["answer"]))
     return {"id": key, "prompt": json.dumps(rec.get("messages") or rec.get("prompt")),
             "answer": None if rec.get("answer") is None else str(rec["answer"]),
             "family": rec.get("family"), "step_tokens": list(step_tokens),
             "step_answers": step_answers, "final_answer": final, "labels": labels,
             "extra": {"finish_reason": finish_reason, "completion_tokens": completion_tokens,
                       "final_correct": None if rec.get("answer") is None
-                      else bool(labels["supervised"][-1])}}
+                      else bool(labels[SUPERVISED][-1])}}

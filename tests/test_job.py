@@ -319,6 +319,47 @@ def test_job_give_up_policy_is_checked(tmp_path) -> None:
     assert load_job(j)["calibrate"]["give_up"]["policy"] == "message"
 
 
+def test_a_label_mode_is_refused_when_read_unless_the_collection_gives_it(tmp_path) -> None:
+    """A side labelled `supervised` (train's default, and the give-up's) needs every prompt of
+    every prompt file to carry its reference `answer`, a `judge` one a collect.judge block:
+    such jobs failed at the train, calibrate or evaluate stage, after the collection."""
+    import json
+
+    def prompts(name: str, answered: int, bare: int = 0) -> None:
+        (tmp_path / name).write_text("".join(json.dumps(
+            {"id": f"{name[0]}{i}", "prompt": "x", **({"answer": "1"} if i < answered else {})})
+            + "\n" for i in range(answered + bare)))
+
+    j = tmp_path / "job.yaml"
+    prompts("p.jsonl", 20, 1)
+    j.write_text("model: m\nprompts: p.jsonl\nout: o\n")  # train.label_mode: supervised
+    with pytest.raises(JobError, match=f"train.label_mode is supervised .* prompt 'p20' of "
+                                       f"{tmp_path / 'p.jsonl'} has no answer"):
+        load_job(j)
+    j.write_text("model: m\nprompts: p.jsonl\nout: o\ntrain: {label_mode: consistent}\n")
+    load_job(j)
+    prompts("p.jsonl", 20)
+    prompts("s.jsonl", 2, 1)
+    j.write_text("model: m\nprompts: p.jsonl\nshifted_prompts: s.jsonl\nout: o\n"
+                 "train: {label_mode: consistent}\ncalibrate: {give_up: {deltas: [0.1]}}\n")
+    with pytest.raises(JobError, match="calibrate.give_up.label_mode is supervised .* prompt "
+                                       "'s2' of .*s.jsonl has no answer"):
+        load_job(j)
+    prompts("s.jsonl", 3)
+    load_job(j)
+    j.write_text("model: m\nprompts: p.jsonl\nout: o\ntrain: {label_mode: consistent}\n"
+                 "calibrate: {give_up: {label_mode: judge}}\n")
+    with pytest.raises(JobError, match="calibrate.give_up.label_mode judge needs a "
+                                       "collect.judge block"):
+        load_job(j)
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "x", "answer": "1"}\n{"id": "a"}\n')
+    with pytest.raises(JobError, match=f"job.yaml: {tmp_path / 'p.jsonl'}:2: each line needs"):
+        load_job(j)  # a prompts file is read with the job
+    (tmp_path / "p.jsonl").unlink()  # a recipe's data, not built yet: the run refuses it
+    j.write_text("model: m\nprompts: p.jsonl\nout: o\n")
+    load_job(j)
+
+
 class _FakeCollector(FakeCollector):
     """Stands in for the vLLM collector (tests/test_toy_job.py runs the real one): writes a
     synthetic trajectory set for the prompts, so the job's own bookkeeping can be tested fast."""
@@ -623,7 +664,7 @@ def test_selective_labelling_certifies_what_every_step_labelling_does(tmp_path, 
 
     monkeypatch.setattr(orca_calibrate.job, "Collector", _FakeEngine)
     (tmp_path / "p.jsonl").write_text("".join(
-        json.dumps({"id": f"q{i}", "prompt": "x"}) + "\n" for i in range(240)))
+        json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n" for i in range(240)))
     bundles, probes = {}, {}
     for mode in ("every", "selective"):
         monkeypatch.setattr(_FakeEngine, "probes", 0)
@@ -677,7 +718,7 @@ def test_plan_scales_the_pilot_to_the_job(tmp_path, monkeypatch, capsys) -> None
     monkeypatch.setattr(orca_calibrate.plan, "Collector", Timed)
     monkeypatch.setattr(_FakeEngine, "probes", 0)
     (tmp_path / "p.jsonl").write_text("".join(
-        json.dumps({"id": f"q{i}", "prompt": "x"}) + "\n" for i in range(100)))
+        json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n" for i in range(100)))
     (tmp_path / "job.yaml").write_text(json.dumps({
         "model": "m", "prompts": "p.jsonl", "out": "run", "collect": {"dtype": "float16"},
         "split": {"fractions": [0.5, 0.25, 0.25]}, "train": {"epochs": 4}}))

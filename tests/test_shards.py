@@ -56,8 +56,8 @@ def test_merge_keeps_the_jobs_order_and_resumes(tmp_path):
 
 def _job(tmp_path, engines=2, **collect):
     """A job file of 5 prompts (no model is loaded by what these tests call)."""
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": f"q{k}", "prompt": "x"}) + "\n"
-                                              for k in range(5)))
+    (tmp_path / "p.jsonl").write_text("".join(
+        json.dumps({"id": f"q{k}", "prompt": "x", "answer": "1"}) + "\n" for k in range(5)))
     job = {"model": "m", "prompts": "p.jsonl", "out": "run",
            "collect": {"engines": engines, "temperature": 0.0, **collect}}
     (tmp_path / "job.yaml").write_text(json.dumps(job))  # JSON is YAML
