@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import time
+from collections import Counter
 from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -47,7 +49,13 @@ from orca_calibrate.job_options import (
 from orca_calibrate.judge import JudgeError, JudgeSettings
 from orca_calibrate.probe_variants import PROBES
 from orca_calibrate.shards import SHARDS, collect_shards, merge_shards, run_shard, write_spec
-from orca_calibrate.train_defaults import DEFAULT_D_H, DEFAULT_PROBE, DEFAULTS, check_training
+from orca_calibrate.train_defaults import (
+    DEFAULT_D_H,
+    DEFAULT_PROBE,
+    DEFAULTS,
+    MIN_TRAIN_PROBLEMS,
+    check_training,
+)
 from orca_method.answer_probes import SUPERVISED
 from orca_method.consensus import prompt_of
 from orca_method.errors import first_line
@@ -196,7 +204,10 @@ def load_job(path: Path) -> dict[str, Any]:
             block_options(ConsensusOptions, consensus)
         except (TypeError, ValueError) as e:
             raise JobError(f"{path}: calibrate.consensus: {e}") from None
-    check_label_modes(path, job, prompt_files(path, job))
+    prompts = prompt_files(path, job)
+    check_label_modes(path, job, prompts)
+    if job["prompts"] in prompts:
+        check_split_size(path, job, prompts[job["prompts"]])
     return job
 
 
@@ -241,6 +252,28 @@ def check_label_modes(path: Path, job: dict[str, Any], prompts: dict[str, list[d
             if bare is not None:
                 raise JobError(f"{path}: {key} is {mode} (labels against each prompt's reference "
                                f"`answer`): prompt {bare!r} of {file} has no answer")
+
+
+def check_split_size(path: Path, job: dict[str, Any], prompts: list[dict]) -> None:
+    """Refuse prompts too few for the split to give training the problems it takes and LTT a
+    calibration trace: the train or calibrate stage found it after the collection. The split
+    is by prompt and its parts' sizes depend on the count alone, so the job's own split of its
+    prompts decides; which traces get a step, and a correct one, only the collection shows."""
+    parts = Counter(planned_split(job, prompts).values())  # traces per part
+    static = (job.get("train") or {}).get("probe", DEFAULT_PROBE) == "static"
+    least = 1 if static else MIN_TRAIN_PROBLEMS
+    if parts[Split.TRAIN] >= least and parts[Split.CALIBRATION]:
+        return
+    f = split_options(job.get("split")).fractions
+    samples = CollectSettings(**(job.get("collect") or {})).samples
+    # a prompt goes to the part its samples' middle falls in (split_ids): of n prompts the
+    # training part holds at least f_train * n - 1/2, the calibration part f_cal * n - 1, so
+    # every n > least_prompts / f_train and > 1 / f_cal gives both parts theirs
+    enough = math.floor(max(math.ceil(least / samples) / f[0], 1 / f[1])) + 1
+    raise JobError(f"{path}: {job['prompts']} holds {len(prompts)} prompt(s), too few for "
+                   f"split.fractions {list(f)}: its training part gets {parts[Split.TRAIN]} "
+                   f"trace(s) and its calibration part {parts[Split.CALIBRATION]} (the probe's "
+                   f"training needs {least}, LTT 1); {enough} prompts or more give them")
 
 
 def block_options(cls: type[T], block: dict[str, Any]) -> T:

@@ -26,7 +26,13 @@ from tqdm import tqdm
 
 from orca_calibrate.job_options import DEFAULT_WINDOW
 from orca_calibrate.probe_variants import PROBES
-from orca_calibrate.train_defaults import DEFAULTS, EPOCH_SELECT, check_training, lr_for_batch
+from orca_calibrate.train_defaults import (
+    DEFAULTS,
+    EPOCH_SELECT,
+    MIN_TRAIN_PROBLEMS,
+    check_training,
+    lr_for_batch,
+)
 from orca_calibrate.train_resume import Best, Checkpoints, training_key
 from orca_method.give_up import right_ahead
 from orca_method.ltt import calibrate
@@ -196,9 +202,9 @@ def meta_train(ts: TrajectorySet, spec: ProbeSpec, mode: str, *, epochs: int = D
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     train = solvable(ts, ts.split("train"), mode)
-    if len(train) < 2:
+    if len(train) < MIN_TRAIN_PROBLEMS:
         raise ValueError(f"the training split has {len(train)} problems with a correct step under "
-                         f"label mode '{mode}'; at least 2 are needed")
+                         f"label mode '{mode}'; at least {MIN_TRAIN_PROBLEMS} are needed")
     order = rng.permutation(train).tolist()
     n_val = max(1, round(val_fraction * len(order))) if epoch_select == "validation" else 0
     val, fit = order[:n_val], order[n_val:]

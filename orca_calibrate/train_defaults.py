@@ -17,6 +17,9 @@ DEFAULTS = {"batch_size": 32, "lr": None, "epochs": 20, "epoch_select": "last", 
 EPOCH_SELECT = ("validation", "last")  # how `meta_train` picks the epoch it keeps
 DEFAULT_PROBE = "ttt-noqk"  # orca_calibrate.probe_variants.PROBES: the paper's main probe
 DEFAULT_D_H = 128  # the QK variants' projection size
+# the fewest training problems with a correct step meta-training takes (under epoch_select
+# validation it holds one out and fits on the rest); the static probe's fit takes one
+MIN_TRAIN_PROBLEMS = 2
 
 
 PAPER_LR = 1e-3  # the paper's Adam learning rate, at one trajectory per step

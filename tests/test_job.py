@@ -360,6 +360,54 @@ def test_a_label_mode_is_refused_when_read_unless_the_collection_gives_it(tmp_pa
     load_job(j)
 
 
+@pytest.mark.parametrize("n, settings, parts", [
+    (1, "", "training part gets 1 trace.* calibration part 0 .*needs 2, LTT 1.*; 6 prompts"),
+    (3, "split: {fractions: [0.5, 0.25, 0.25]}\n", "gets 2 .* calibration part 0 .*; 5 prompts"),
+    (3, "split: {fractions: [0.2, 0.6, 0.2]}\n", "gets 1 .* part 1 .*needs 2.*; 11 prompts"),
+])
+def test_a_job_with_too_few_prompts_for_its_split_is_refused_when_read(tmp_path, n, settings,
+                                                                       parts) -> None:
+    """Prompts too few for the split to give training the problems it takes (2 for a TTT probe)
+    and LTT a calibration trace failed at the train or calibrate stage, after the collection.
+    The split's parts depend on the prompt count alone: it is refused when the job is read,
+    with the count and a count that does; what only the collection shows (which traces are
+    solvable) is left to the stages."""
+    import json
+
+    def prompts(count: int) -> None:
+        (tmp_path / "p.jsonl").write_text("".join(
+            json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n"
+            for i in range(count)))
+
+    j = tmp_path / "job.yaml"
+    j.write_text(f"model: m\nprompts: p.jsonl\nout: o\n{settings}")
+    prompts(n)
+    with pytest.raises(JobError, match=f"p.jsonl holds {n} prompt\\(s\\), too few for "
+                                       f"split.fractions .*{parts} or more give them"):
+        load_job(j)
+    enough = int(parts.rsplit(" ", 2)[-2])
+    prompts(enough)
+    load_job(j)
+
+
+def test_the_split_check_counts_samples_and_the_probe(tmp_path) -> None:
+    """A training part of one prompt holds its k samples, 2 problems for meta-training; the
+    static probe's fit takes one: neither job is refused."""
+    import json
+
+    (tmp_path / "p.jsonl").write_text("".join(
+        json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n" for i in range(2)))
+    j = tmp_path / "job.yaml"
+    fractions = "split: {fractions: [0.5, 0.5, 0]}\n"
+    j.write_text(f"model: m\nprompts: p.jsonl\nout: o\n{fractions}")
+    with pytest.raises(JobError, match="training part gets 1 trace"):
+        load_job(j)
+    j.write_text(f"model: m\nprompts: p.jsonl\nout: o\n{fractions}collect: {{samples: 2}}\n")
+    load_job(j)
+    j.write_text(f"model: m\nprompts: p.jsonl\nout: o\n{fractions}train: {{probe: static}}\n")
+    load_job(j)
+
+
 class _FakeCollector(FakeCollector):
     """Stands in for the vLLM collector (tests/test_toy_job.py runs the real one): writes a
     synthetic trajectory set for the prompts, so the job's own bookkeeping can be tested fast."""
