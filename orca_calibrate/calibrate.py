@@ -37,6 +37,7 @@ from orca_method.bundle import (
     Segmentation,
     ThinkTags,
     encode_weights,
+    give_up_label_mode,
     save_bundle,
     schema_version_for,
 )
@@ -78,6 +79,7 @@ class GiveUpOptions:
 
     def __post_init__(self) -> None:
         LttOptions(tuple(self.deltas), self.epsilon, self.window or DEFAULT_WINDOW)  # LTT's checks
+        give_up_label_mode(self.label_mode)  # the bundle's rule, before a job collects
 
 
 def group_of(ts: TrajectorySet, i: int, field: str) -> str | None:

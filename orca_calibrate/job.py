@@ -56,7 +56,7 @@ from orca_calibrate.train_defaults import (
     MIN_TRAIN_PROBLEMS,
     check_training,
 )
-from orca_method.answer_probes import SUPERVISED
+from orca_method.answer_probes import COLLECTED_MODES, JUDGE, SUPERVISED
 from orca_method.consensus import prompt_of
 from orca_method.errors import first_line
 from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy, LabelSteps
@@ -242,7 +242,10 @@ def check_label_modes(path: Path, job: dict[str, Any], prompts: dict[str, list[d
     so every prompt of every file needs one (a set's label modes are those all its traces
     have, and the shifted and group sets are evaluated and calibrated under the same modes)."""
     for key, mode in label_modes(job).items():
-        if mode == "judge" and (job.get("collect") or {}).get("judge") is None:
+        if mode not in COLLECTED_MODES:
+            raise JobError(f"{path}: {key} is one of {', '.join(COLLECTED_MODES)} (the labels a "
+                           f"collection writes), got {mode!r:.40}")
+        if mode == JUDGE and (job.get("collect") or {}).get("judge") is None:
             raise JobError(f"{path}: {key} judge needs a collect.judge block "
                            "(base_url, model, api_key_env)")
         if mode != SUPERVISED:

@@ -23,6 +23,9 @@ DEFAULT_SUFFIX = "\n</think>\n\nThe answer is \\boxed{"
 DEFAULT_ANSWER_TOKENS = 16
 # the label mode a prompt's reference `answer` gives its traces (a prompt without one: none)
 SUPERVISED = "supervised"
+CONSISTENT = "consistent"  # agreement with the trace's own final answer: every trace has it
+JUDGE = "judge"  # an LLM judge's verdict (orca_calibrate/judge.py), with collect.judge
+COLLECTED_MODES = (SUPERVISED, CONSISTENT, JUDGE)  # the label modes a collection can write
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ def trajectory_fields(key: str, rec: dict[str, Any], *, text: str, finish_reason
     n = len(step_tokens)
     step_answers = fill_pessimistic(probed, n)
     final = final_answer(text, step_answers)
-    labels = {"consistent": step_labels(step_answers, final)}
+    labels = {CONSISTENT: step_labels(step_answers, final)}
     if rec.get("answer") is not None:
         labels[SUPERVISED] = step_labels(step_answers, str(rec["answer"]))
     return {"id": key, "prompt": json.dumps(rec.get("messages") or rec.get("prompt")),

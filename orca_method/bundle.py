@@ -35,7 +35,7 @@ from pydantic import (
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX
+from orca_method.answer_probes import CONSISTENT, DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX
 from orca_method.consensus import (
     ALL_AT_ONCE_VERSION,
     CONFIDENT_VERSION,
@@ -353,6 +353,16 @@ class ConsensusBlock(_Strict):
         return (self.samples,) if self.waves is None else tuple(self.waves)
 
 
+def give_up_label_mode(mode: str) -> str:
+    """`mode`, unless a give-up risk cannot be measured under it (ValueError): the bundle's rule,
+    and a job's when it is read (orca_calibrate.calibrate.GiveUpOptions)."""
+    if mode == CONSISTENT:
+        raise ValueError("a give-up risk needs reference labels: under consistency labels "
+                         "every trace ends with its own final answer, so every give-up "
+                         "would be a loss")
+    return mode
+
+
 class GiveUpBlock(_Strict):
     """The lower threshold (schema version 2): its own probe, smoothing and reference labels.
 
@@ -382,11 +392,7 @@ class GiveUpBlock(_Strict):
     @field_validator("label_mode")
     @classmethod
     def _reference(cls, v: str) -> str:
-        if v == "consistent":
-            raise ValueError("a give-up risk needs reference labels: under consistency labels "
-                             "every trace ends with its own final answer, so every give-up "
-                             "would be a loss")
-        return v
+        return give_up_label_mode(v)
 
 
 class Bundle(_Strict):
