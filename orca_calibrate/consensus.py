@@ -88,15 +88,23 @@ def hold_out(ts: TrajectorySet, opts: ConsensusOptions) -> tuple[TrajectorySet, 
     the calibration split's prompts, all samples of a prompt together, leaves that split (in
     memory only; problems.jsonl keeps its splits)."""
     cal = ts.split("calibration")
-    ids = [ts.problems[i].id for i in cal]
+    out = held_ids([ts.problems[i].id for i in cal], opts)
+    held = [i for i in cal if ts.problems[i].id in out]
+    return ts.with_splits({i: None for i in held}), held
+
+
+def held_ids(ids: Sequence[str], opts: ConsensusOptions) -> set[str]:
+    """Which of the calibration traces `ids` `hold_out` holds out (ValueError when either side
+    would be empty): the split is by prompt and seeded, so a job's check knows it before the
+    collection from the trace ids the collection will write."""
     # split_ids' second part ("calibration") is the held-out one, its first stays for lambda*
     parts = split_ids(ids, (1 - opts.holdout, opts.holdout, 0.0), seed=opts.seed,
                       groups={pid: prompt_of(pid)[0] for pid in ids})
-    held = [i for i in cal if parts[ts.problems[i].id] == Split.CALIBRATION]
-    if not held or len(held) == len(cal):
-        raise ValueError(f"consensus holdout {opts.holdout} of {len(cal)} calibration traces "
+    held = {pid for pid in ids if parts[pid] == Split.CALIBRATION}
+    if not held or len(held) == len(ids):
+        raise ValueError(f"consensus holdout {opts.holdout} of {len(ids)} calibration traces "
                          "leaves one side empty; collect more prompts")
-    return ts.with_splits({i: None for i in held}), held
+    return held
 
 
 def sample_groups(ts: TrajectorySet, members: Sequence[int]) -> list[list[int]]:

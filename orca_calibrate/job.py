@@ -262,10 +262,19 @@ def check_split_size(path: Path, job: dict[str, Any], prompts: list[dict]) -> No
     calibration trace: the train or calibrate stage found it after the collection. The split
     is by prompt and its parts' sizes depend on the count alone, so the job's own split of its
     prompts decides; which traces get a step, and a correct one, only the collection shows."""
-    parts = Counter(planned_split(job, prompts).values())  # traces per part
+    split = planned_split(job, prompts)
+    parts = Counter(split.values())  # traces per part
     static = (job.get("train") or {}).get("probe", DEFAULT_PROBE) == "static"
     least = 1 if static else MIN_TRAIN_PROBLEMS
     if parts[Split.TRAIN] >= least and parts[Split.CALIBRATION]:
+        consensus = (job.get("calibrate") or {}).get("consensus")
+        if consensus is not None:  # its share of the calibration prompts must leave both sides
+            from orca_calibrate.consensus import ConsensusOptions, held_ids  # deferred: torch
+            try:
+                held_ids([k for k, s in split.items() if s == Split.CALIBRATION],
+                         block_options(ConsensusOptions, consensus))
+            except ValueError as e:
+                raise JobError(f"{path}: calibrate.consensus: {e}") from None
         return
     f = split_options(job.get("split")).fractions
     samples = CollectSettings(**(job.get("collect") or {})).samples

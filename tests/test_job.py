@@ -412,6 +412,28 @@ def test_the_split_check_counts_samples_and_the_probe(tmp_path) -> None:
     load_job(j)
 
 
+def test_a_consensus_holdout_leaving_a_side_empty_is_refused_when_read(tmp_path) -> None:
+    """The consensus block holds a share of the calibration prompts out of lambda*'s
+    calibration; with one calibration prompt a side is empty, which the calibrate stage found
+    after the collection: the held-out split is by prompt and seeded, known when read."""
+    import json
+
+    def prompts(count: int) -> None:
+        (tmp_path / "p.jsonl").write_text("".join(
+            json.dumps({"id": f"q{i}", "prompt": "x", "answer": "1"}) + "\n"
+            for i in range(count)))
+
+    j = tmp_path / "job.yaml"
+    j.write_text("model: m\nprompts: p.jsonl\nout: o\nsplit: {fractions: [0.5, 0.5, 0]}\n"
+                 "collect: {samples: 2, temperature: 0.7}\ncalibrate: {consensus: {}}\n")
+    prompts(2)  # one calibration prompt: all held out or none
+    with pytest.raises(JobError, match=r"calibrate.consensus: consensus holdout 0.5 of 2 "
+                                       r"calibration traces leaves one side empty"):
+        load_job(j)
+    prompts(8)
+    load_job(j)
+
+
 class _FakeCollector(FakeCollector):
     """Stands in for the vLLM collector (tests/test_toy_job.py runs the real one): writes a
     synthetic trajectory set for the prompts, so the job's own bookkeeping can be tested fast."""
