@@ -59,6 +59,13 @@ def test_an_audited_group_answers_when_settled_and_runs_every_sample_to_its_end(
     assert v.full.answer == "3" and v.loss() == 1.0
 
 
+def test_an_audited_groups_usage_counts_the_reasoning_of_the_samples_it_sums():
+    # answered once sample 0 settled the vote: the others still run, their tokens unknown
+    _, _, out, running = audited_vote([0.01, 0.2, 0.25, 0.3], ["7", "3", "3", "3"])
+    assert running and out["usage"]["completion_tokens"] == 10
+    assert out["usage"]["completion_tokens_details"] == {"reasoning_tokens": 10}
+
+
 def test_an_audited_group_whose_vote_holds_has_loss_zero():
     v, eng, _, _ = audited_vote([0.01, 0.2, 0.25, 0.3], ["7", "7", "3", "3"])  # tie: sample 0's
     assert eng.aborted == [] and v.loss() == 0.0

@@ -361,14 +361,18 @@ class Vote:
 
     def _usage(self, out: dict[str, Any]) -> None:
         """Usage summed over every sample that answered (what the engine ran), and the
-        reasoning tokens the engine generated over all of them."""
+        reasoning tokens the engine generated over the same samples: an audited group answers
+        while some still run, and with their missing results counted the total was vLLM's own
+        count of the voted sample alone (0 under a template that opens `<think>` in the
+        prompt) beside completion tokens of several."""
         usage: dict[str, Any] = {}
         for s in self.samples:
             u = (s.response or {}).get("usage") or {}
             for name in self.api.usage_counts:
                 if isinstance(u.get(name), int):
                     usage[name] = usage.get(name, 0) + u[name]
-        spent = reasoning_total(replace(self.settings, n=self.rule.k), self._results())
+        answered = {s.index: s.result for s in self.samples if s.response is not None}
+        spent = reasoning_total(replace(self.settings, n=self.rule.k), answered)
         if spent is not None and self.api.usage_details is not None:
             usage[self.api.usage_details] = {"reasoning_tokens": spent}
         if usage:
