@@ -67,6 +67,19 @@ def test_bad_samples_are_refused_clearly(body, param, words):
     assert e.value.param == param and words in e.value.message
 
 
+@pytest.mark.parametrize("effort", ["xhigh", "max"])
+def test_samples_with_an_effort_that_switches_orca_off_are_refused_naming_it(effort):
+    body = {"messages": MSG, "orca": {"samples": 4}}
+    with pytest.raises(OrcaRequestError) as e:
+        resolve(body, OrcaDefaults(enabled=True, delta=0.1), bundle(), effort=effort)
+    assert e.value.param == "orca.samples"
+    assert f"reasoning effort '{effort}'" in e.value.message
+    assert '"enabled": true' in e.value.message
+    on = {**body, "orca": {"samples": 4, "enabled": True}}  # what the message advises
+    assert resolve(on, OrcaDefaults(enabled=True, delta=0.1), bundle(),
+                   effort=effort)[1].vote.k == 4
+
+
 def test_samples_need_a_consensus_block():
     with pytest.raises(OrcaRequestError, match="no consensus block") as e:
         resolved({"messages": MSG, "orca": {"samples": 2}}, small_bundle())

@@ -190,8 +190,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
               "thinking_budget": thinking_budget}
     if not enabled:
         if fields.samples is not None:
-            raise OrcaRequestError("'orca.samples' votes over ORCA-stopped samples: it needs orca "
-                                   "enabled", "orca.samples")
+            raise _samples_need_orca(effort if source == DeltaSource.EFFORT else None)
         settings = OrcaSettings(key=new_key(), enabled=False, **common)
     else:
         # a group the bundle knows is served by its own table, certified on its own calibration
@@ -241,6 +240,16 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
     new_xargs.update(encode_settings(settings))
     out["vllm_xargs"] = new_xargs
     return out, settings
+
+
+def _samples_need_orca(effort: str | None) -> OrcaRequestError:
+    """The refusal of `orca.samples` with orca off. `effort`: the reasoning effort that switched
+    it off (the effort map's `off`, `xhigh` and `max` by default): the client never disabled
+    orca itself, so the message says what did and what wins over it."""
+    why = ("" if effort is None else f", and reasoning effort '{effort}' switches it off on this "
+           "server: add \"enabled\": true or a 'delta' to 'orca' to vote")
+    return OrcaRequestError("'orca.samples' votes over ORCA-stopped samples: it needs orca "
+                            f"enabled{why}", "orca.samples")
 
 
 def _check_levels(fields: OrcaFields, defaults: OrcaDefaults, bundle: Bundle, where: str) -> None:
