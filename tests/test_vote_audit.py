@@ -55,6 +55,9 @@ def test_an_audited_group_answers_when_settled_and_runs_every_sample_to_its_end(
     vote = out["orca"]["vote"]
     assert vote["answer"] == "7" and vote["audited"] is True and vote["ended"] == "settled"
     assert [s["running"] for s in out["orca"]["samples"]] == [False, True, True, True]
+    # the running ones have no result yet: nothing invented (it said ended "full", 0 tokens)
+    assert out["orca"]["samples"][1:] == [{"index": i, "running": True} for i in (1, 2, 3)]
+    assert out["orca"]["samples"][0]["answer"] == "7" and "error" not in out["orca"]["samples"][0]
     assert eng.aborted == [] and set(eng.finished.values()) == {"stop"}
     assert v.full.answer == "3" and v.loss() == 1.0
 

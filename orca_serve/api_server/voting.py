@@ -329,21 +329,24 @@ class Vote:
         out = self.api.as_one(copy.deepcopy(winner.response or {}))
         self._usage(out)
         k_settings = replace(self.settings, n=self.rule.k)
-        obj = orca_object(k_settings, self._results())
+        obj = orca_object(k_settings, {i: r for i, r in self._results().items()
+                                       if not self._running(self.samples[i])})
         reports = iter(obj.pop("choices"))
         waved = len(self.rule.waves) > 1
+        launched = {"launched": True} if waved else {}
         obj["samples"] = []
         for s in self.samples:
             if not s.launched:  # a later wave the settled vote never needed
                 obj["samples"].append({"index": s.index, "launched": False})
-                continue
-            rep = next(reports)
-            rep.update(finish_reason=self.api.finish_reason(s.response or {}), answer=s.answer,
-                       in_vote=s.voted,
-                       aborted=s.aborted, **({"launched": True} if waved else {}))
-            if self.rule.audited:  # still running after the answer (it runs to its end)
-                rep["running"] = s.status is None
-            obj["samples"].append(rep)
+            elif self._running(s):  # nothing to report yet: no result, no finish, no answer
+                obj["samples"].append({"index": s.index, "running": True, **launched})
+            else:
+                rep = next(reports)
+                rep.update(finish_reason=self.api.finish_reason(s.response or {}),
+                           answer=s.answer, in_vote=s.voted, aborted=s.aborted, **launched)
+                if self.rule.audited:
+                    rep["running"] = False
+                obj["samples"].append(rep)
         obj["vote"] = {"k": self.rule.k, "answer": v.answer, "sample": winner.index,
                        "settled_after": self.settled_after,
                        "ended": GroupEnd.SETTLED if any(s.aborted for s in self.samples)
@@ -377,6 +380,11 @@ class Vote:
             usage[self.api.usage_details] = {"reasoning_tokens": spent}
         if usage:
             out["usage"] = {**(out.get("usage") or {}), **usage}
+
+    def _running(self, s: Sample) -> bool:
+        """An audited group's sample still running when its answer goes out (it runs on to its
+        end, for the audit's full vote): the engine has no result of it to report yet."""
+        return self.rule.audited and s.launched and s.status is None
 
     def _results(self) -> dict[int, OrcaResult | None]:
         """The launched samples' results, by sample index."""
