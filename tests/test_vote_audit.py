@@ -150,7 +150,7 @@ def test_no_alarm_while_the_vote_holds_and_censored_groups_widen_the_upper_bound
     for _ in range(10):
         la.vote_finished(s.vote, s.delta, None)
     assert not g.engaged and g.source == Source.BUNDLE and g.cs.upper > upper
-    assert va.counts == {"picked": 0, "measured": 100, "censored": 10}
+    assert va.counts == {"picked": 0, "measured": 100, "censored": 10, "refused": 0}
 
 
 @pytest.mark.parametrize("events", [60, 1100])  # 1100: past a snapshot (SNAPSHOT_EVERY)
@@ -230,12 +230,24 @@ def post(body: dict, audit: LiveAudit | None = None, path="/v1/chat/completions"
             r = await c.post(path, json={"model": "m", **body})
         for _ in range(200):
             if audit is None or sum(audit.votes.counts[k] for k in
-                                    ("measured", "censored")) >= wait_audited:
+                                    ("measured", "censored", "refused")) >= wait_audited:
                 break
             await asyncio.sleep(0.01)
         return r
 
     return asyncio.run(go()), client
+
+
+def test_a_group_vllm_refuses_is_no_censored_audit():
+    """A malformed request (vLLM's 400, e.g. max_tokens 0) ran nothing: counted `refused`,
+    outside the vote's risk (it was censored, pushing the upper bound up per client mistake)."""
+    audit = LiveAudit(bundle(), AuditConfig(vote_rate=1.0, seed=0))
+    for i in range(3):
+        r, _ = post({"messages": MSG, "seed": 1, "max_tokens": 0, "orca": {"samples": 4}}, audit,
+                    wait_audited=i + 1)
+        assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    assert audit.votes.counts == {"picked": 3, "measured": 0, "censored": 0, "refused": 3}
+    assert all(r["n"] == 0 for r in audit.table()["vote"]["rows"])
 
 
 def test_the_middleware_audits_a_group_after_answering_it():
@@ -248,7 +260,7 @@ def test_the_middleware_audits_a_group_after_answering_it():
     out = r.json()
     assert out["orca"]["vote"]["audited"] is True and out["orca"]["vote"]["answer"] == "1"
     assert client.aborted == []
-    assert audit.votes.counts == {"picked": 1, "measured": 1, "censored": 0}
+    assert audit.votes.counts == {"picked": 1, "measured": 1, "censored": 0, "refused": 0}
     (row,) = [r for r in audit.table()["vote"]["rows"] if r["n"]]
     assert row["delta"] == 0.1 and row["risk"] == 0.0
 

@@ -379,6 +379,13 @@ def fake_chat_route(client: FakeClient, seen: list, engine_id=chat_engine_id):
     async def app(scope, receive, send):
         body = json.loads((await receive())["body"])
         seen.append(body)
+        if body.get("max_tokens") == 0:  # refused by vLLM's validation, as vLLM answers it
+            data = json.dumps({"error": {"message": "max_tokens must be at least 1, got 0.",
+                                         "type": "BadRequestError", "code": 400}}).encode()
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": data})
+            return
         eid = engine_id(scope, body)
         ev = client.aborts.setdefault(eid, asyncio.Event())
         try:

@@ -263,7 +263,8 @@ class OrcaMiddleware:
         if self.server.reloader is not None:
             self.server.reloader.finished(settings)
         if audit is not None and settings.vote is not None and settings.vote.audited:
-            audit.vote_finished(settings.vote, settings.delta, None if failed else vote.loss())
+            audit.vote_finished(settings.vote, settings.delta, None if failed else vote.loss(),
+                                refused=not failed and vote.refused)
 
 
 async def _watch_disconnect(receive: Callable, gone: asyncio.Event) -> None:

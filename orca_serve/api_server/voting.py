@@ -218,6 +218,12 @@ class Vote:
         # every sample in: settled whatever the rule (also when the leading answer is None)
         return replace(v, settled=bool(finished.all()) or (self.acts and v.settled))
 
+    @property
+    def refused(self) -> bool:
+        """vLLM refused the group's request (a 4xx: its own validation, the same for every
+        sample): nothing ran, so an audited group has no vote error, not even an unknown one."""
+        return self.error is not None and 400 <= (self.error.status or 0) < 500
+
     def loss(self) -> float | None:
         """An audited group's vote error: 1 when the vote settled at t* differs from the vote of
         all k samples run to their end, else 0; None when that is unknown (a sample failed, or

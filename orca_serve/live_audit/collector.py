@@ -140,8 +140,9 @@ def _vote_families(votes: VoteAudit, m: str) -> Iterable[Any]:
     """The vote's audit (`orca.samples`): audited groups by state, and per consensus row the
     audited vote error, its anytime-valid bounds, the alarm and whether groups settle early."""
     c = CounterMetricFamily("orca_vote_audit_groups", "Voted groups picked for the vote's audit "
-                            "(run to their end), measured (their vote error known) and "
-                            "censored (a sample failed or the client left first)",
+                            "(run to their end), measured (their vote error known), "
+                            "censored (a sample failed or the client left first) and refused "
+                            "(vLLM refused the request: nothing ran)",
                             labels=[LABEL, "state"])
     for state in VOTE_COUNTS:
         c.add_metric([m, state], votes.counts[state])

@@ -195,11 +195,13 @@ class LiveAudit:
             return self.state.outcome(seq, AuditOutcome.OUT)
         self._submit(_Job(settings.key, rec, first, seq, reason, settings.lam_source))
 
-    def vote_finished(self, vote: VoteSettings, delta: float, loss: float | None) -> None:
-        """An audited voted group ended (`loss`: its vote error, None when unknown): journalled
-        to the vote's guard, unless a hot reload replaced this audit meanwhile (its successor's
-        guards are another bundle's, or the same one's read back from the journal)."""
-        event = None if self.retired else self.votes.event(vote, delta, loss)
+    def vote_finished(self, vote: VoteSettings, delta: float, loss: float | None, *,
+                      refused: bool = False) -> None:
+        """An audited voted group ended (`loss`: its vote error, None when unknown; `refused`:
+        vLLM refused it, nothing ran): journalled to the vote's guard, unless a hot reload
+        replaced this audit meanwhile (its successor's guards are another bundle's, or the same
+        one's read back from the journal)."""
+        event = None if self.retired else self.votes.event(vote, delta, loss, refused=refused)
         if event is not None:
             self.state.vote(event)
 

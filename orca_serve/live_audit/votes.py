@@ -44,8 +44,8 @@ logger = logging.getLogger("orca_serve.live_audit")
 
 # what became of this process's picked groups (the fleet's are the rows' `n`): measured (their
 # loss is known), censored (a sample failed or the client left before the vote was known: any
-# loss in [0, 1])
-VOTE_COUNTS = ("picked", "measured", "censored")
+# loss in [0, 1]), refused (vLLM refused the request, a client error: nothing ran, no loss)
+VOTE_COUNTS = ("picked", "measured", "censored", "refused")
 SAMPLER_SEED_OFFSET = 1  # the vote's sampler draws apart from the requests' (same --orca-audit-seed)
 
 
@@ -86,11 +86,15 @@ class VoteAudit:
         self.counts["picked"] += int(audited)
         return replace(vote, audited=audited, t_source=g.source)
 
-    def event(self, vote: VoteSettings, delta: float, loss: float | None
-              ) -> dict[str, Any] | None:
+    def event(self, vote: VoteSettings, delta: float, loss: float | None, *,
+              refused: bool = False) -> dict[str, Any] | None:
         """The journal event of an audited group's vote loss (None: censored); None for a vote
-        whose row has no guard."""
+        whose row has no guard, and for one vLLM `refused` (a client's malformed request ran
+        nothing: counted as such, outside the risk, as the stop audit leaves its failures)."""
         if self.guard(delta, vote.delta_vote) is None:
+            return None
+        if refused:
+            self.counts["refused"] += 1
             return None
         self.counts["censored" if loss is None else "measured"] += 1
         return vote_event(delta, vote.delta_vote, loss)
