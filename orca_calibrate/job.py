@@ -48,7 +48,14 @@ from orca_calibrate.job_options import (
 )
 from orca_calibrate.judge import JudgeError, JudgeSettings
 from orca_calibrate.probe_variants import PROBES
-from orca_calibrate.shards import SHARDS, collect_shards, merge_shards, run_shard, write_spec
+from orca_calibrate.shards import (
+    SHARDS,
+    claim_shard,
+    collect_shards,
+    merge_shards,
+    run_shard,
+    write_spec,
+)
 from orca_calibrate.train_defaults import (
     DEFAULT_D_H,
     DEFAULT_PROBE,
@@ -415,8 +422,9 @@ def collect_shard(path: Path, shard: int, of: int | None = None) -> Stats | None
     if collected(out, stage_settings(job)["collect"]):
         return None
     settings = CollectSettings(**(job.get("collect") or {}))
-    spec = write_spec(job["model"], settings, collection_sets(job), out / SHARDS, shard)
-    return run_shard(spec)
+    with claim_shard(out / SHARDS, shard):  # before write_spec: it unmarks the shard complete
+        spec = write_spec(job["model"], settings, collection_sets(job), out / SHARDS, shard)
+        return run_shard(spec)
 
 
 def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]:

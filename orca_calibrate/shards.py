@@ -24,11 +24,15 @@ near-tie (none in tests/test_shards_engine.py at temperature 0.7).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
@@ -128,6 +132,32 @@ def _same_collection(old: dict, new: dict, where: Path) -> None:
         raise ShardError(f"{where} was started with another model or other collection settings "
                          "(collect.engines included): finish it with those, or delete "
                          f"{where.parent} to collect again")
+
+
+@contextmanager
+def claim_shard(work: Path, shard: int) -> Iterator[None]:
+    """Hold shard `shard`'s lock in `work` while it is collected. A second worker on the same
+    shard (a Kubernetes retry racing the pod it replaced, a shard process a killed `run` left
+    running) would append the same traces to its folder again: duplicate ids, each line's offset
+    counted by its own writer, and the shard marked complete. It is refused in one line instead.
+    The lock ends with its process, a killed one's too, so the retry that follows resumes. A
+    volume that has no locks collects unguarded, as before, with a warning."""
+    work.mkdir(parents=True, exist_ok=True)
+    with open(work / f"shard-{shard}.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise ShardError(f"shard {shard} of {work} is being collected by another worker "
+                             f"({f.read().strip() or 'unknown'}); two at once would duplicate "
+                             "its traces: rerun it once that one has ended") from None
+        except OSError as e:
+            print(f"warning: {f.name}: no lock ({e.strerror}); make sure no other worker "
+                  f"collects shard {shard}", file=sys.stderr)
+        f.truncate(0)
+        f.write(f"{socket.gethostname()}, pid {os.getpid()}\n")
+        f.flush()
+        yield
 
 
 def run_shard(spec_file: Path) -> Stats:
@@ -240,5 +270,11 @@ def merge(shards: list[Path], into: Path, order: list[str]) -> None:
         (into / PENDING_FILE).write_text("\n".join(lines) + "\n")
 
 
+def main(spec_file: Path) -> None:
+    """An engine process of `collect_shards`: its shard, under the shard's lock."""
+    with claim_shard(spec_file.parent, json.loads(spec_file.read_text())["shard"]):
+        run_shard(spec_file)
+
+
 if __name__ == "__main__":
-    run_shard(Path(sys.argv[1]))
+    main(Path(sys.argv[1]))

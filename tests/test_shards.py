@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from orca_calibrate.collect import PENDING_FILE, CollectSettings
+from orca_calibrate.collect import PENDING_FILE, CollectSettings, Stats
 from orca_calibrate.shards import device_env, merge, shard_of
 from orca_method.trajectories import TrajectorySet, TrajectoryWriter
 
@@ -134,3 +134,26 @@ def test_merged_statistics_sum_the_counts_and_take_the_slowest_shards_seconds(tm
     assert (stats.trajectories, stats.answer_probes, stats.generated_tokens) == (5, 14, 300)
     assert stats.pipelined_s == stats.engine_s == 30.0  # the shards collect at once
     assert [p.id for p in TrajectorySet.open(sets[0][1]).problems] == [f"q{k}" for k in range(5)]
+
+
+def test_a_second_worker_on_a_shard_being_collected_is_refused(tmp_path, monkeypatch, capsys):
+    # a Kubernetes retry racing the pod it replaced appended the same traces to the shard's
+    # folder again (136 duplicate ids of 200 on the toy job) and marked the shard complete
+    import fcntl
+
+    from orca_calibrate import job as job_module
+    from orca_calibrate.calibrate_cli import main
+
+    ran = []
+    monkeypatch.setattr(job_module, "run_shard", lambda spec: ran.append(spec) or Stats())
+    config = str(_job(tmp_path))
+    work = tmp_path / "run" / "shards"
+    work.mkdir(parents=True)
+    (work / "shard-0.stats.json").write_text("{}")  # the first worker's finished run
+    with open(work / "shard-0.lock", "w") as held:  # the first worker, collecting again
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert main(["collect", "--config", config, "--shard", "0"]) == 2
+        assert "is being collected by another worker" in capsys.readouterr().err
+        assert not ran and (work / "shard-0.stats.json").exists()  # its marker left to it
+    assert main(["collect", "--config", config, "--shard", "0"]) == 0  # it ended: resumes
+    assert len(ran) == 1
