@@ -228,6 +228,8 @@ def merge_shards(model: str, settings: CollectSettings,
         _same_collection(specs[i], new, work / f"shard-{i}.json")
         if not (work / f"shard-{i}.stats.json").exists():
             missing.append(f"shard {i} started but did not finish")
+        elif lost := _lost_sets(specs[i], work, i):
+            missing.append(f"shard {i} is marked complete but its {', '.join(lost)} are gone")
     if missing:
         raise ShardError(f"{work}: {len(missing)} of the {n} shards are not complete: "
                          f"{'; '.join(missing)}. Run each again (it resumes what it collected): "
@@ -246,6 +248,15 @@ def merge_shards(model: str, settings: CollectSettings,
         stats.probe_s = max(stats.probe_s, d["probe_s"])
         stats.pipelined_s = max(stats.pipelined_s, d["pipelined_s"])
     return stats
+
+
+def _lost_sets(spec: dict, work: Path, shard: int) -> list[str]:
+    """The folders of a complete shard that its spec gave prompts and that hold no trajectory
+    file (its collector writes one for every set it is given): removed after the shard ended,
+    e.g. to collect it again. The merge skipped them, so their traces were lost for good once
+    the collection was recorded and the shards removed."""
+    return [f"set-{s}" for s, part in enumerate(spec["sets"]) if part["prompts"]
+            and not (work / f"shard-{shard}" / f"set-{s}" / "problems.jsonl").exists()]
 
 
 def merge(shards: list[Path], into: Path, order: list[str]) -> None:

@@ -5,6 +5,7 @@ the job's one trajectory directory (tests/test_shards_engine.py runs real engine
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -157,3 +158,21 @@ def test_a_second_worker_on_a_shard_being_collected_is_refused(tmp_path, monkeyp
         assert not ran and (work / "shard-0.stats.json").exists()  # its marker left to it
     assert main(["collect", "--config", config, "--shard", "0"]) == 0  # it ended: resumes
     assert len(ran) == 1
+
+
+def test_merge_refuses_a_complete_shard_whose_folder_is_gone(tmp_path):
+    # removed after the shard ended (to collect it again): the merge skipped it, recorded the
+    # collection and removed the shards, and half the job's traces were lost for good
+    from orca_calibrate.job import collection_sets, load_job
+    from orca_calibrate.shards import merge_shards, write_spec
+
+    job = load_job(_job(tmp_path))
+    sets, settings, work = collection_sets(job), CollectSettings(**job["collect"]), tmp_path / "w"
+    for i, ids in enumerate((["q0", "q2", "q4"], ["q1", "q3"])):
+        write_spec("m", settings, sets, work, i)
+        _shard(work / f"shard-{i}" / "set-0", ids, [2] * len(ids))
+        (work / f"shard-{i}.stats.json").write_text("{}")
+    shutil.rmtree(work / "shard-1" / "set-0")
+    with pytest.raises(ValueError, match="shard 1 is marked complete but its set-0 are gone"):
+        merge_shards("m", settings, sets, work)
+    assert not (sets[0][1] / "problems.jsonl").exists()
