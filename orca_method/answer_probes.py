@@ -45,24 +45,40 @@ class ProbeSettings:
 def step_ends(gen_ids: Sequence[int], step_ids: Sequence[Sequence[int]]) -> list[int]:
     """Exclusive end offsets (in generated tokens) of each recorded step, found in order.
 
-    Steps are runs of the generated tokens in order, but not always one run: tokens in no step
-    may come before them (a generated `<think>`) and between them (a `<think>` the model writes
-    again inside its reasoning, or an answer between a `</think>` and a reopened `<think>`,
-    which the segmenter skips). Each step is matched at its first occurrence after the previous
-    one's end.
+    Steps are the generated tokens in order, but not one run: tokens the segmenter does not
+    count come before them (a generated `<think>`), between them (an answer between a
+    `</think>` and a reopened `<think>`) and inside one (a `<think>` the model writes again in
+    the middle of a step: orca_method/steps.py skips it). So a step is matched at its first
+    occurrence after the previous one's end, where only tokens that are in no step may come
+    between its own: any other token there means capture and generation disagree.
     """
     gen = list(gen_ids)
+    counted = {t for step in step_ids for t in step}
     ends, pos = [], 0
     for k, step in enumerate(step_ids):
-        step = list(step)
-        n = len(step)
-        start = next((i for i in range(pos, len(gen) - n + 1) if gen[i:i + n] == step), None)
-        if start is None:
+        end = _step_end(gen, pos, list(step), counted)
+        if end is None:
             raise RuntimeError(f"recorded step {k} is not a run of the generated tokens after "
                                "the steps before it; capture and generation disagree")
-        pos = start + n
+        pos = end
         ends.append(pos)
     return ends
+
+
+def _step_end(gen: list[int], pos: int, step: list[int], counted: set[int]) -> int | None:
+    """The end of `step`'s first occurrence in `gen` from `pos` on, tokens of no step (`counted`
+    holds every step's) skipped inside it; None when it does not occur."""
+    for start in range(pos, len(gen)) if step else ():
+        j = start
+        for n, t in enumerate(step):
+            while n and j < len(gen) and gen[j] not in counted:
+                j += 1  # an uncounted token inside the step
+            if j >= len(gen) or gen[j] != t:
+                break
+            j += 1
+        else:
+            return j
+    return pos if not step else None
 
 
 def probe_prompts(prompt_ids: Sequence[int], gen_ids: Sequence[int], record: dict[str, Any],

@@ -17,6 +17,10 @@ def test_step_ends() -> None:
     assert step_ends(gen, [[1, 2], [3, 4, 5]]) == [3, 6]
     # a <think> (9) written again inside the reasoning is in no step: the steps have a gap
     assert step_ends([9, 1, 2, 9, 3, 4, 5, 7], [[1, 2], [3, 4, 5]]) == [3, 7]
+    # ... and inside a step (a trace of the toy at temperature 0.7 crashed its collection):
+    assert step_ends([9, 1, 2, 9, 3, 9, 4, 5, 7], [[1, 2], [3, 4, 5]]) == [3, 8]
+    with pytest.raises(RuntimeError, match="step 1"):  # a counted token inside: no match
+        step_ends([9, 1, 2, 3, 1, 4, 5, 7], [[1, 2], [3, 4, 5]])
     with pytest.raises(RuntimeError, match="disagree"):
         step_ends(gen, [[2, 1]])
     with pytest.raises(RuntimeError, match="step 1"):
