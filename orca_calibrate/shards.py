@@ -25,6 +25,7 @@ near-tie (none in tests/test_shards_engine.py at temperature 0.7).
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -99,7 +100,7 @@ def write_spec(model: str, settings: CollectSettings,
     n = settings.engines
     work.mkdir(parents=True, exist_ok=True)
     spec: dict[str, Any] = {"model": model, "settings": json.loads(json.dumps(asdict(settings))),
-                            "shard": shard, "sets": []}
+                            "prompts": prompts_digest(sets), "shard": shard, "sets": []}
     for i, old in started(work).items():
         _same_collection(old, spec, work / f"shard-{i}.json")
     for s, (prompts, directory, defer) in enumerate(sets):
@@ -126,11 +127,25 @@ def started(work: Path) -> dict[int, dict]:
     return out
 
 
+def prompts_digest(sets: list[tuple[list[dict], Path, set[str]]]) -> str:
+    """A digest of every set's prompt ids in order: which shard a prompt goes to follows from its
+    position, so prompts added, removed or reordered between two shards' starts would leave some
+    in no shard (lost without a word: the merge takes what the shards hold)."""
+    ids = [[str(p["id"]) for p in prompts] for prompts, _, _ in sets]
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+
+
 def _same_collection(old: dict, new: dict, where: Path) -> None:
-    """Refuse a shard `where` started with another model or settings than `new`'s."""
+    """Refuse a shard `where` started with another model, settings or prompts than `new`'s (a
+    spec of a version that did not record its prompts is taken as theirs)."""
     if (old["model"], old["settings"]) != (new["model"], new["settings"]):
         raise ShardError(f"{where} was started with another model or other collection settings "
                          "(collect.engines included): finish it with those, or delete "
+                         f"{where.parent} to collect again")
+    if old.get("prompts", new["prompts"]) != new["prompts"]:
+        raise ShardError(f"{where} was started with other prompts (the job's prompt files were "
+                         "edited since: added, removed or reordered prompts would land in no "
+                         "shard): restore them to finish, or delete "
                          f"{where.parent} to collect again")
 
 
@@ -219,7 +234,8 @@ def merge_shards(model: str, settings: CollectSettings,
     shards collect at once; a shard resumed after a kill counts its last run only)."""
     n = settings.engines
     specs = started(work)
-    new = {"model": model, "settings": json.loads(json.dumps(asdict(settings)))}
+    new = {"model": model, "settings": json.loads(json.dumps(asdict(settings))),
+           "prompts": prompts_digest(sets)}
     missing = []
     for i in range(n):
         if i not in specs:

@@ -79,6 +79,15 @@ def test_a_shard_is_the_same_partition_on_one_machine_and_on_a_cluster(tmp_path)
     other = CollectSettings(**{**job["collect"], "max_tokens": 7})
     with pytest.raises(ValueError, match="other collection settings"):
         write_spec("m", other, sets, tmp_path / "w", 0)
+    # prompts added between two shards' starts would land in no shard (a probe: 7 of 8 merged)
+    more = [(prompts + [{"id": "q5", "prompt": "x", "answer": "1"}], d, defer)
+            for prompts, d, defer in sets]
+    with pytest.raises(ValueError, match="started with other prompts"):
+        write_spec("m", settings, more, tmp_path / "w", 1)
+    reordered = [(prompts[::-1], d, defer) for prompts, d, defer in sets]
+    with pytest.raises(ValueError, match="started with other prompts"):
+        write_spec("m", settings, reordered, tmp_path / "w", 1)
+    write_spec("m", settings, sets, tmp_path / "w", 1)  # the same prompts: it resumes
 
 
 def test_merge_names_the_shards_that_are_not_complete(tmp_path):
