@@ -24,11 +24,13 @@ near-tie (none in tests/test_shards_engine.py at temperature 0.7).
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -42,10 +44,13 @@ from orca_calibrate.collect import PENDING_FILE, Collector, CollectSettings, Sta
 from orca_calibrate.judge import JudgeSettings
 from orca_method.files import write_atomic
 from orca_method.trajectories import INFO_DEFAULTS, TrajectorySet, TrajectoryWriter
+from orca_serve.checks.errors import Stopped, exit_on_sigterm
 
 
 # the shards' folder in a job's `out`: spec, log, completion marker and trajectory folders per shard
 SHARDS = "shards"
+PR_SET_PDEATHSIG = 1  # prctl(2)'s option: the signal a process gets when its parent dies
+STOP_WAIT_S = 120  # how long a stopped shard may take to shut its engine down before a SIGKILL
 
 
 class ShardError(ValueError):
@@ -199,6 +204,31 @@ def start_shard(cmd: list[str], env: dict[str, str], log: IO[str]) -> subprocess
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
+def stop_shards(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every shard process still running and wait for it: each unwinds as Ctrl-C does
+    (`main`), shutting its vLLM engine down and keeping what it collected. Left running, they
+    collected on, orphaned, holding their devices and racing a rerun's shards."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def die_with_parent() -> None:
+    """SIGTERM this process when the one that started it dies, a SIGKILLed `run` included,
+    whose shard processes otherwise collected on (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # it died before the line above: nothing would signal us
+        raise Stopped(128 + signal.SIGTERM)
+
+
 def collect_shards(model: str, settings: CollectSettings,
                    sets: list[tuple[list[dict], Path, set[str]]], work: Path) -> Stats:
     """Collect each (prompts, trajectory directory, ids to collect unprobed) of `sets` with
@@ -211,12 +241,16 @@ def collect_shards(model: str, settings: CollectSettings,
         log = open(work / f"shard-{i}.log", "a")  # noqa: SIM115 - closed after wait
         procs.append((start_shard([sys.executable, "-m", "orca_calibrate.shards", str(spec)],
                                   device_env(i, n, settings), log), log))
-    failed = []
-    for i, (proc, log) in enumerate(procs):
-        proc.wait()
-        log.close()
-        if proc.returncode != 0:
-            failed.append(i)
+    try:
+        for proc, _ in procs:
+            proc.wait()
+    except BaseException:  # Ctrl-C, SIGTERM (`Stopped`): the shards stop too, engines and all
+        stop_shards([proc for proc, _ in procs])
+        raise
+    finally:
+        for _, log in procs:
+            log.close()
+    failed = [i for i, (proc, _) in enumerate(procs) if proc.returncode != 0]
     if failed:
         tail = (work / f"shard-{failed[0]}.log").read_text().splitlines()[-5:]
         raise RuntimeError(f"collection shard(s) {failed} failed (their folders keep what they "
@@ -298,7 +332,10 @@ def merge(shards: list[Path], into: Path, order: list[str]) -> None:
 
 
 def main(spec_file: Path) -> None:
-    """An engine process of `collect_shards`: its shard, under the shard's lock."""
+    """An engine process of `collect_shards`: its shard, under the shard's lock; a SIGTERM (its
+    parent's `stop_shards`, or the parent's death) unwinds it, its engine shut down."""
+    exit_on_sigterm()
+    die_with_parent()
     with claim_shard(spec_file.parent, json.loads(spec_file.read_text())["shard"]):
         run_shard(spec_file)
 

@@ -185,3 +185,69 @@ def test_merge_refuses_a_complete_shard_whose_folder_is_gone(tmp_path):
     with pytest.raises(ValueError, match="shard 1 is marked complete but its set-0 are gone"):
         merge_shards("m", settings, sets, work)
     assert not (sets[0][1] / "problems.jsonl").exists()
+
+
+def test_an_interrupted_collection_stops_its_shard_processes(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM of `run` with collect.engines > 1 left its shard processes collecting,
+    orphaned, holding their devices: they are now stopped and waited for."""
+    import subprocess
+    import sys
+
+    from orca_calibrate import shards
+    from orca_calibrate.job import collection_sets, load_job
+
+    started = []
+
+    class Interrupted(subprocess.Popen):
+        def wait(self, timeout=None):
+            if timeout is None and self is started[0]:
+                raise KeyboardInterrupt  # the user's Ctrl-C while the shards collect
+            return super().wait(timeout)
+
+    def start(cmd, env, log):
+        started.append(Interrupted([sys.executable, "-c", "import time; time.sleep(60)"]))
+        return started[-1]
+
+    monkeypatch.setattr(shards, "start_shard", start)
+    monkeypatch.setattr(shards, "device_env", lambda i, n, settings: {})
+    job = load_job(_job(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        shards.collect_shards("m", CollectSettings(**job["collect"]), collection_sets(job),
+                              tmp_path / "w")
+    assert len(started) == 2 and all(p.returncode is not None for p in started)
+
+
+def test_a_shard_process_stops_when_the_process_that_started_it_dies(tmp_path):
+    """`python -m orca_calibrate.shards` under a SIGKILLed `run`: SIGTERM (prctl's parent-death
+    signal), which unwinds it as Ctrl-C does (its engine shut down), instead of collecting on."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = ("import pathlib, time\n"
+             "from orca_calibrate.shards import die_with_parent, exit_on_sigterm\n"
+             "exit_on_sigterm(); die_with_parent()\n"
+             f"out = pathlib.Path({str(tmp_path)!r})\n"
+             "(out / 'ready').write_text('')\n"
+             "try:\n    time.sleep(60)\n"
+             "finally:\n    (out / 'unwound').write_text('')\n")
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                               f"c = subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+                               "print(c.pid, flush=True)\ntime.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    for _ in range(600):
+        if (tmp_path / "ready").exists():
+            break
+        time.sleep(0.05)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    for _ in range(200):  # its `finally` runs once the parent-death SIGTERM unwinds it
+        if (tmp_path / "unwound").exists():
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the shard process outlived its parent")
