@@ -16,7 +16,7 @@ from orca_method.bundle import BundleError
 from orca_serve.api_server.voting import Vote, call_app, sample_bodies
 from orca_serve.checks.bundle import check_vote_waves
 from orca_serve.metrics.prometheus import OrcaMetrics, SampleEvent
-from orca_serve.settings.contract import XARG_KEY, XARG_LAM
+from orca_serve.settings.contract import XARG_KEY, XARG_LAM, Policy
 from orca_serve.settings.field import OrcaRequestError
 from orca_serve.settings.resolve import OrcaDefaults, resolve
 from tests.bundles import small_bundle, with_consensus
@@ -56,6 +56,11 @@ def test_fewer_samples_than_certified_run_to_their_end():
     ({"orca": {"samples": 4}, "n": 2}, "n", "without 'n'"),
     ({"orca": {"samples": 4, "enabled": False}}, "orca.samples", "needs orca enabled"),
     ({"orca": {"samples": 4, "delta": 0.05}}, None, None),  # a row exists for 0.05
+    # nothing certified to vote on (a probe: `stop` settled on a null answer, 3 votes of 4)
+    ({"orca": {"samples": 4, "policy": "stop"}}, "orca.policy", "policy 'stop' gives none"),
+    ({"orca": {"samples": 4, "policy": "shadow"}}, "orca.policy", "'shadow' never stops"),
+    ({"orca": {"samples": 4, "answer_budget": 0}}, "orca.answer_budget", "budget of 0"),
+    ({"orca": {"samples": 4, "answer_budget": 8}}, None, None),
 ])
 def test_bad_samples_are_refused_clearly(body, param, words):
     body = {"messages": MSG, **body}
@@ -78,6 +83,26 @@ def test_samples_with_an_effort_that_switches_orca_off_are_refused_naming_it(eff
     on = {**body, "orca": {"samples": 4, "enabled": True}}  # what the message advises
     assert resolve(on, OrcaDefaults(enabled=True, delta=0.1), bundle(),
                    effort=effort)[1].vote.k == 4
+
+
+def test_samples_under_a_servers_policy_that_gives_no_answer_are_refused_naming_it():
+    with pytest.raises(OrcaRequestError) as e:
+        resolve({"messages": MSG, "orca": {"samples": 4}},
+                OrcaDefaults(enabled=True, delta=0.1, policy=Policy.STOP), bundle())
+    assert e.value.param == "orca.samples" and "(this server's --orca-policy)" in e.value.message
+    body = {"messages": MSG, "orca": {"samples": 4, "policy": "answer"}}  # what it advises
+    assert resolve(body, OrcaDefaults(enabled=True, delta=0.1, policy=Policy.STOP),
+                   bundle())[1].vote.k == 4
+
+
+def test_samples_with_an_explicit_give_up_are_refused():
+    """A vote's samples never give up: the give-up asked for was dropped without a word."""
+    from tests.bundles import with_give_up
+
+    two_sided = with_consensus(with_give_up(small_bundle(), [(0.1, 0.3)]))
+    with pytest.raises(OrcaRequestError) as e:
+        resolved({"messages": MSG, "orca": {"samples": 4, "give_up": {"delta": 0.1}}}, two_sided)
+    assert e.value.param == "orca.give_up" and "never give up" in e.value.message
 
 
 def test_samples_need_a_consensus_block():

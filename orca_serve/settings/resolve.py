@@ -225,6 +225,7 @@ def resolve(body: dict[str, Any], defaults: OrcaDefaults, bundle: Bundle | None,
         if fields.samples is not None:
             # t is certified on samples stopped at lambda* alone: a vote's samples never give
             # up, run to their end when no t applies, and are not audited (docs/SERVE.md)
+            _check_votable(settings, fields)
             vote = _vote(fields.samples, delta, body, bundle)
             settings = replace(settings, vote=vote, give_up_delta=None, give_up_mu=None,
                                give_up_policy=None,
@@ -267,6 +268,28 @@ def _check_levels(fields: OrcaFields, defaults: OrcaDefaults, bundle: Bundle, wh
         param = (f"vllm_xargs.{XARG_SHIFT_GIVE_UP_ALPHA}" if where == "vllm_xargs"
                  else "orca.shift_give_up_alpha")
         raise OrcaRequestError(f"'{param}' is {fields.shift_give_up_alpha:g}: {e}", param) from None
+
+
+def _check_votable(settings: OrcaSettings, fields: OrcaFields) -> None:
+    """Refuse `orca.samples` with what leaves the vote nothing certified to count: t* is
+    certified on samples that stop at lambda* and then answer, so a policy that does not stop
+    them (shadow), or stops them without an answer (stop), or an answer budget of 0, would vote
+    on other samples (a probe: `stop` settled on a null answer, 3 votes of 4); an explicit
+    `give_up` would be dropped (a vote's samples never give up)."""
+    rule = settings.policy.rule
+    if not (rule.acts and rule.answers):
+        whose = "" if fields.policy is not None else " (this server's --orca-policy)"
+        raise OrcaRequestError(f"'orca.samples' votes over answers given after ORCA's stop, "
+                               f"and policy '{settings.policy}'{whose} "
+                               f"{'gives none' if rule.acts else 'never stops'}: use policy "
+                               "'answer'", "orca.policy" if fields.policy else "orca.samples")
+    if settings.answer_budget == 0:
+        raise OrcaRequestError("'orca.samples' votes over answers given after ORCA's stop, and "
+                               "an answer budget of 0 leaves none", "orca.answer_budget")
+    if fields.give_up is not None:
+        raise OrcaRequestError("a vote's samples never give up (t* is certified on samples "
+                               "stopped at lambda* alone): send 'give_up' without "
+                               "'orca.samples'", "orca.give_up")
 
 
 def _vote(k: int, delta: float, body: dict[str, Any], bundle: Bundle) -> VoteSettings:
