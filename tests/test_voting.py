@@ -281,6 +281,12 @@ def test_an_audited_group_in_waves_launches_every_wave_to_know_the_whole_vote():
     assert v.full is not None and v.full.answer == "3" and v.loss() == 0.0
 
 
+def test_a_group_below_the_blocks_k_says_no_t_settled_it():
+    v, _, _ = voted([0.01, 0.02, 0.03], ["7", "3", "3"], k=3, samples=4)  # t certified for 4
+    vote = v.response()[1]["orca"]["vote"]
+    assert vote["t"] is None and vote["t_source"] is None and vote["ended"] == "all_finished"
+
+
 def test_a_wave_bundle_without_a_certified_t_launches_all_at_once():
     b = bundle(waves=[1, 1, 2], samples=4)
     _, s = resolved({"messages": MSG, "orca": {"samples": 3}}, b)  # k below the block's

@@ -359,7 +359,8 @@ class Vote:
                        or v.running else GroupEnd.ALL_FINISHED,
                        "margin": v.margin, "t": self.rule.t, "delta_vote": self.rule.delta_vote,
                        "weighting": self.rule.weighting, "audited": self.rule.audited,
-                       "t_source": self.rule.t_source}
+                       # what settled it; none without a t (maj@k of every sample)
+                       "t_source": None if self.rule.t is None else self.rule.t_source}
         if self.rule.confident_tokens is not None:  # the confidence clause (version 3 block)
             obj["vote"]["confident_tokens"] = self.rule.confident_tokens
         if waved:
