@@ -568,7 +568,9 @@ async def serve_arm(srv, model: str, prompts: list[dict], a: argparse.Namespace,
         vote = o.get("vote")
         return {"answer": vote["answer"] if vote else plurality(answers), "choices": answers,
                 "tokens": r.usage.completion_tokens, "vote": vote,
-                "aborted": sum(x["aborted"] for x in o.get("samples", []))}
+                # a sample not launched (waves) or still running (an audited group) has no
+                # `aborted`
+                "aborted": sum(x.get("aborted", False) for x in o.get("samples", []))}
 
     async with srv.aclient() as client:
         t0 = time.monotonic()
