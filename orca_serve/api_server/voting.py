@@ -333,7 +333,7 @@ class Vote:
         assert v is not None and v.settled
         winner = next(s for s in self.samples if s.voted and s.answer == v.answer)
         out = self.api.as_one(copy.deepcopy(winner.response or {}))
-        self._usage(out)
+        spent = self._usage(out)
         k_settings = replace(self.settings, n=self.rule.k)
         obj = orca_object(k_settings, {i: r for i, r in self._results().items()
                                        if not self._running(self.samples[i])})
@@ -366,15 +366,17 @@ class Vote:
         if waved:
             obj["vote"] |= {"waves": list(self.rule.waves),
                             "waves_launched": self.waves.launched if self.waves else 0}
+        if self.api.usage_details is None and spent is not None:
+            obj["reasoning_tokens"] = spent  # where a usage without the field tells it (Messages)
         out["orca"] = obj
         return 200, out
 
-    def _usage(self, out: dict[str, Any]) -> None:
+    def _usage(self, out: dict[str, Any]) -> int | None:
         """Usage summed over every sample that answered (what the engine ran), and the
-        reasoning tokens the engine generated over the same samples: an audited group answers
-        while some still run, and with their missing results counted the total was vLLM's own
-        count of the voted sample alone (0 under a template that opens `<think>` in the
-        prompt) beside completion tokens of several."""
+        reasoning tokens the engine generated over the same samples (returned): an audited
+        group answers while some still run, and with their missing results counted the total
+        was vLLM's own count of the voted sample alone (0 under a template that opens `<think>`
+        in the prompt) beside completion tokens of several."""
         usage: dict[str, Any] = {}
         for s in self.samples:
             u = (s.response or {}).get("usage") or {}
@@ -387,6 +389,7 @@ class Vote:
             usage[self.api.usage_details] = {"reasoning_tokens": spent}
         if usage:
             out["usage"] = {**(out.get("usage") or {}), **usage}
+        return spent
 
     def _running(self, s: Sample) -> bool:
         """An audited group's sample still running when its answer goes out (it runs on to its
