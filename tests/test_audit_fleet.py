@@ -259,6 +259,29 @@ def test_a_store_that_lost_events_is_left(redis_store):
     audit.state.journal.close()
 
 
+def test_a_store_restored_from_an_older_save_is_left_after_it_grew_back(redis_store):
+    """The store comes back from an older save (or loses its last second under `everysec`)
+    without replica a's last audits, and replica b, which never read them, appends past a's
+    read position before a reads again: a must still leave the store (neither the list's
+    length nor its start marker tells then), and nothing of a's goes into b's list."""
+    a, b = _on_store(redis_store.url), _on_store(redis_store.url)
+    for _ in range(2):
+        a.observe(*known_loss(False))
+    b.state.sync()  # b has read the 4 events the save keeps
+    for _ in range(2):
+        a.observe(*known_loss(True))  # lost with the restore
+    events = f"orca:guard:{bundle().checksum}:events"
+    r = redis.Redis.from_url(redis_store.url)
+    r.ltrim(events, 0, 3)
+    for _ in range(3):
+        b.observe(*known_loss(False))  # the list grows back past a's 8 events
+    a.observe(*known_loss(False))
+    assert not a.table()["store"]["up"] and b.table()["store"]["up"]
+    assert r.llen(events) == 10 and b.state.guard(DELTA).cs.n == 5
+    for audit in (a, b):
+        audit.state.journal.close()
+
+
 @pytest.mark.parametrize("argv, error", [
     (["--orca-audit-store", "http://x:1"], "is not a Redis URL"),
     (["--orca-audit-store", "redis://x:1/0", "--orca-audit-rate", "0"], "no request would"),

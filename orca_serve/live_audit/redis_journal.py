@@ -13,10 +13,15 @@ every process, under keys named by the bundle's full checksum:
   event (the others' appends it has not applied yet). Redis runs scripts one at a time, so
   every process applies the same list in the same order, as `flock` does for the file.
 - **Reading** costs one round trip per request (the list's length, its start marker and what
-  is new). A list that is shorter than what this process already read, or whose start marker
-  changed, was rolled back or recreated by the store (a restart without persistence, or a
-  flush): that raises `StoreRolledBack`, and the caller stops using the store (fleet.py),
-  because events others applied are gone and the processes' states can no longer agree.
+  is new). A list that is shorter than what this process already read, whose start marker
+  changed, or whose last `TAIL` elements before this process's read position are not the ones
+  it read there, was rolled back or recreated by the store (a restart without persistence or
+  from an older save, a flush): that raises `StoreRolledBack`, and the caller stops using the
+  store (fleet.py), because events others applied are gone and the processes' states can no
+  longer agree. The script checks before it pushes, so a process that finds the list rolled
+  back adds nothing to it; and the tail is compared because a list restored from an older save
+  may have grown back past this process's position (the other replicas append meanwhile) before
+  this process reads again, and then neither its length nor its start marker tells.
 - **Owners**: each process sets its owner key with a TTL (`OWNER_TTL`) and a daemon thread
   renews it every third of that; a process that died stops renewing, its key expires, and the
   next process that reaps journals its open admissions as `lost`. A renewal and `close` take
@@ -40,6 +45,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -52,17 +58,24 @@ logger = logging.getLogger("orca_serve.live_audit")
 OWNER_TTL = 15.0  # seconds an owner key lives without a heartbeat
 TIMEOUT = 2.0  # seconds a store call may take before the store counts as unreachable
 
-# KEYS: events, created. ARGV: the event (or "" to only read), the read position.
-# Returns {length, created, events after the position and before the pushed one}.
+TAIL = 8  # elements before the read position compared with what this process read there
+
+# KEYS: events, created. ARGV: the event (or "" to only read), the read position, the start
+# marker read, the SHA-1 of the last elements read (joined by newlines) and how many they are.
+# Returns {length, events after the position and before the pushed one}, or {-1, length}
+# without pushing when the list is not the one this process read (module docstring).
 _APPEND_READ = """
 local n = redis.call('LLEN', KEYS[1])
 local from = tonumber(ARGV[2])
-local created = redis.call('GET', KEYS[2])
-if n < from then return {n, created, {}} end
+local k = tonumber(ARGV[5])
+if n < from or redis.call('GET', KEYS[2]) ~= ARGV[3] or (k > 0 and redis.sha1hex(
+    table.concat(redis.call('LRANGE', KEYS[1], from - k, from - 1), '\\n')) ~= ARGV[4]) then
+  return {-1, n}
+end
 local new = {}
 if n > from then new = redis.call('LRANGE', KEYS[1], from, n - 1) end
 if ARGV[1] ~= '' then n = redis.call('RPUSH', KEYS[1], ARGV[1]) end
-return {n, created, new}
+return {n, new}
 """
 
 
@@ -94,7 +107,8 @@ class RedisJournal:
         self.path = f"{shown_url(url)} {self._events}"
         self._script = self._client.register_script(_APPEND_READ)
         self._offset = 0  # list elements this process has read
-        self._last: bytes | None = None  # the element at _offset - 1 (a snapshot's check)
+        # the last elements before _offset: the rollback check's, and a snapshot's (the last)
+        self._tail: deque[bytes] = deque(maxlen=TAIL)
         self.skipped = 0
         self._renew()  # first: reaping by others must not see our admissions as orphans
         self._client.set(self._created_key, repr(time.time()), nx=True)
@@ -127,14 +141,15 @@ class RedisJournal:
                                    exc_info=True)
 
     def _call(self, event: str) -> list[dict[str, Any]]:
-        n, created, new = self._script(keys=[self._events, self._created_key],
-                                       args=[event, self._offset])
-        if n < self._offset or created is None or created.decode() != self.created:
-            raise StoreRolledBack(f"the store's {self._events} lost events this process "
-                                  f"applied ({n} events, {self._offset} read)")
+        tail = hashlib.sha1(b"\n".join(self._tail)).hexdigest()
+        n, new = self._script(keys=[self._events, self._created_key],
+                              args=[event, self._offset, self.created, tail, len(self._tail)])
+        if n < 0:
+            raise StoreRolledBack(f"the store's {self._events} no longer holds the events "
+                                  f"this process applied ({new} events now, {self._offset} "
+                                  "read, or another start marker, or other events before)")
         self._offset = int(n)
-        if new:
-            self._last = new[-1]
+        self._tail.extend(new)
         events, skipped = parse_events(new, self.path)
         self.skipped += skipped
         return events
@@ -146,8 +161,12 @@ class RedisJournal:
         """Append one event (durable or not is the store's configuration: module docstring)."""
         line = json.dumps(event, separators=(",", ":"))
         before = self._call(line)
-        self._last = line.encode()
+        self._tail.append(line.encode())
         return [*before, event]
+
+    def _last(self) -> bytes | None:
+        """The element at _offset - 1, if this process read one."""
+        return self._tail[-1] if self._tail else None
 
     @staticmethod
     def _digest(element: bytes | None) -> str:
@@ -155,7 +174,7 @@ class RedisJournal:
 
     def write_snapshot(self, state: dict[str, Any]) -> None:
         self._client.set(self._snapshot, snapshot_json(self.checksum, self.created, self._offset,
-                                                       self._digest(self._last), state))
+                                                       self._digest(self._last()), state))
 
     def read_snapshot(self) -> dict[str, Any] | None:
         found = read_snapshot_json(self._client.get(self._snapshot), self.checksum, self.created,
@@ -165,10 +184,13 @@ class RedisJournal:
         if found is None:
             return None
         self._offset, state = found
+        self._tail = deque(self._client.lrange(self._events, max(0, self._offset - TAIL),
+                                               self._offset - 1), maxlen=TAIL)
         return state
 
     def rewind(self) -> None:
         self._offset, self.skipped = 0, 0
+        self._tail.clear()
 
     def alive(self, owner: str) -> bool:
         return owner == self.owner or bool(self._client.exists(self._owner_key(owner)))
