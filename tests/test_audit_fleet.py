@@ -164,6 +164,26 @@ def test_a_dead_replicas_open_audit_is_reaped_a_live_ones_not(redis_store):
         a.state.journal.close()
 
 
+def test_a_replica_that_waits_for_nothing_reaps_a_dead_ones_audits_too(redis_store,
+                                                                       monkeypatch):
+    """No guard waits for a window and no process starts: the replica that goes on serving
+    still journals a dead replica's open audit as `lost` once its key expired (at most
+    `REAP_EVERY` later), so its table's `open` comes back to what is really open."""
+    monkeypatch.setattr("orca_serve.live_audit.state.REAP_EVERY", 0.5)
+    live = LiveAudit(bundle(), AuditConfig(rate=1.0),
+                     journal=RedisJournal(redis_store.url, bundle().checksum, owner_ttl=1.0))
+    live.state.admit()
+    ctx = multiprocessing.get_context("fork")
+    p = ctx.Process(target=_admit_and_die, args=(redis_store.url,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    time.sleep(2.0)  # the dead one's key ran out; the live one's is renewed
+    live.state.sync()
+    assert live.state.lost == 1 and live.table()["open"] == 1
+    live.state.journal.close()
+
+
 def test_a_failed_beat_does_not_end_the_heartbeat(redis_store, caplog):
     """A renewal that raises something other than RedisError (a ValueError from the client) is
     logged, and the heartbeat goes on: the owner key outlives its TTL many times over."""

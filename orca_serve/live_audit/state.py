@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +58,9 @@ logger = logging.getLogger("orca_serve.live_audit")
 # lines"), known only from a later outcome's number: reaped as lost unless its outcome comes
 _SKIPPED = "?skipped"
 CENSORING = "stop-before-end"  # the fold's rule for unfinished audits (_settings)
+# seconds between two looks (`sync`) for the open audits of processes that are gone, while no
+# guard waits for a window: one store call per owner then, not one per request
+REAP_EVERY = 5.0
 
 
 def _lookup(guards: dict[float, Any], delta: float, what: str) -> Any:
@@ -159,6 +163,7 @@ class AuditState:
         self.replayed = 0  # events read back from the journal when it was attached
         self._unsaved = 0  # events applied since the last snapshot
         self.lost = 0  # audits journalled as lost (their process died before their outcome)
+        self._reaped_at = time.monotonic()  # when `reap` last looked (`_reap_due`)
         self.journal: EventJournal | None = None  # the events, on disk or the fleet's store
         if journal is not None:
             self._attach(journal)
@@ -277,22 +282,31 @@ class AuditState:
 
     def sync(self) -> None:
         """Apply what other processes journalled since (cheap when nothing was: one fstat);
-        while a guard waits for a window, also reap the audits of processes that are gone."""
+        and reap the audits of processes that are gone when it is due (`_reap_due`)."""
         if self.journal is None:
             return
         events = self.journal.read()
         for e in events:
             self._apply(e)
         self._count_unsaved(len(events))
-        if any(g.waiting_since is not None for g in [*self.guards.values(),
-                                                     *self.give_up_guards.values()]):
+        if self._reap_due():
             self.reap()
+
+    def _reap_due(self) -> bool:
+        """Whether `sync` reaps: always while a guard waits for a window (a dead process's
+        admission must not hold it up), else every `REAP_EVERY` seconds, so that the table's
+        `open` and `lost` show a replica that died, or the others' audits open when this one
+        lost the store, without a store call per owner on every request."""
+        waiting = any(g.waiting_since is not None for g in [*self.guards.values(),
+                                                            *self.give_up_guards.values()])
+        return waiting or time.monotonic() - self._reaped_at >= REAP_EVERY
 
     def reap(self) -> None:
         """Journal as `lost` the open audits of processes that are gone (their admissions would
-        keep a recalibration window waiting for ever)."""
+        keep a recalibration window waiting for ever, and `open` above 0)."""
         if self.journal is None:
             return
+        self._reaped_at = time.monotonic()
         owners = {owner for owner in self._open.values() if owner not in (None, _SKIPPED)}
         dead = {owner for owner in owners if not self.journal.alive(owner)} | {_SKIPPED}
         for seq, owner in list(self._open.items()):
