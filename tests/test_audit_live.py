@@ -450,6 +450,36 @@ def test_the_table_says_labelling_until_the_record_is_written(bundle, tmp_path: 
     audit.store.close()
 
 
+def test_a_record_that_cannot_be_written_leaves_the_audit_in_the_risk(bundle,
+                                                                     tmp_path: Path) -> None:
+    """The directory's disk is full when a labelled audit's record is written: its outcome is
+    journalled already, so the audit stays in the risk, once, and the table does not also count
+    it as `failed` (the attrition of audits that did not enter the risk)."""
+    import asyncio
+
+    class FullStore(AuditStore):
+        def append(self, record, embeddings):
+            raise OSError(28, "No space left on device")
+
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0),
+                      store=FullStore(tmp_path, dim=bundle.model.hidden_size, info={"model": "m"}),
+                      labeller=FakeLabeller(), cs_factory=FakeCS, loss=_loss)
+    result = orca_result(policy="shadow", scores=[0.2, 0.3], step_tokens=[3, 4], lam=0.5,
+                         step_embeddings=np.ones((2, bundle.model.hidden_size), dtype=np.float32))
+
+    async def go() -> None:
+        _, settings = resolve({"messages": [{"role": "user", "content": "a"}]},
+                              OrcaDefaults(delta=0.1), bundle, thresholds=audit)
+        audit.finished(settings, {0: result}, {0: "stop"})
+        await audit._worker
+
+    asyncio.run(go())
+    t = audit.table()
+    assert (t["picked"], t["labelled"], t["failed"], t["open"]) == (1, 1, 0, 0)
+    assert t["attrition"]["failed"] == 0.0 and audit.state.guard(0.1).cs.n == 1
+    audit.store.close()
+
+
 def test_real_confidence_sequence_alarms_on_losses_and_metrics_show_it(bundle) -> None:
     """With the server's own confidence sequence and loss: audits that all stop before the answer
     is right at every bundle lambda* (score 1 at step 0, right only at the end) raise every

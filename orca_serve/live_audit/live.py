@@ -284,7 +284,20 @@ class LiveAudit:
         self.observe(list(job.result.scores), record["labels"][AUDIT_LABEL_MODE], job.seq,
                      censored=cause is not None, cause=cause, give_up=give_up)
         if self.store is not None:
+            await self._record(job, record)
+
+    async def _record(self, job: _Job, record: dict[str, Any]) -> None:
+        """Write a labelled audit's record to the directory. Its outcome is journalled already,
+        so a failure here (a full disk) costs the record only: it is logged, and neither counted
+        as `failed` (attrition: an audit that did not enter the risk) nor given a second
+        outcome, which the table would show as an audit both labelled and failed."""
+        assert self.store is not None
+        try:
             await asyncio.to_thread(self.store.append, record, job.result.step_embeddings)
+        except Exception as e:  # noqa: BLE001 - the audit itself is in the risk already
+            logger.warning("orca audit %s: its record could not be written (%r); the audit is "
+                           "in the risk all the same, its record is missing from %s", job.key,
+                           e, self.config.directory)
 
     def _give_up_scores(self, embeddings: np.ndarray | None) -> list[float] | None:
         """The give-up probe's smoothed scores of an audit's recorded steps, by the replay that
