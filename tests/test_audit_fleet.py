@@ -258,12 +258,12 @@ def test_a_store_unreachable_at_start_leaves_the_local_journal(tmp_path, caplog)
     url = f"redis://127.0.0.1:{free_port()}/0"
     with caplog.at_level(logging.WARNING, logger="orca_serve.live_audit"):
         with_dir = FleetJournal(url, bundle().checksum, tmp_path)
-    assert not with_dir.up and isinstance(with_dir.local, Journal)
+    assert not with_dir.up and isinstance(with_dir.journal, Journal)
     assert with_dir.path == journal_path(tmp_path, bundle().checksum)
     assert any("unreachable at start" in r.getMessage() for r in caplog.records)
     with_dir.close()
     alone = FleetJournal(url, bundle().checksum, None)
-    assert isinstance(alone.local, MemoryJournal) and alone.append({"a": None}) == [{"a": None}]
+    assert isinstance(alone.journal, MemoryJournal) and alone.append({"a": None}) == [{"a": None}]
 
 
 def test_a_store_that_lost_events_is_left(redis_store):

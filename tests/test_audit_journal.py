@@ -352,3 +352,38 @@ def test_a_corrupt_line_is_skipped_with_a_warning_and_counted(tmp_path, caplog):
     path.write_bytes(b"".join(lines))
     with pytest.raises(ValueError, match="not an audit journal header"):
         _journal(tmp_path)
+
+
+def test_a_journal_cut_shorter_is_left_for_the_guard_in_memory(tmp_path):
+    """A journal truncated below what a process applied (a copytruncate, a restore from a copy)
+    made every orca request and GET /v1/orca/audit fail ([Errno 22]: a read of a negative
+    length): the process now goes on in memory from the state it folded."""
+    from orca_serve.live_audit.journal import LocalFallback, MemoryJournal
+
+    j = LocalFallback(_journal(tmp_path))
+    for k in range(5):
+        j.append({"a": k})
+    path = journal_path(tmp_path, bundle().checksum)
+    os.truncate(path, path.stat().st_size // 2)
+    assert j.read() == [] and isinstance(j.journal, MemoryJournal) and j.down_since is not None
+    assert j.append({"a": 5}) == [{"a": 5}] and j.path == MemoryJournal.path
+    assert j.owner == j.journal.owner  # the same owner: its open admissions stay its own
+
+
+def test_a_line_the_disk_does_not_take_whole_is_not_applied_as_journalled(tmp_path,
+                                                                          monkeypatch):
+    """A full disk took half a line while the guards applied the event (the journal ended in
+    `{"r":25,"o":"o` with n 26 in memory): the process leaves the file for memory, and a
+    process attaching later cuts the half line and replays what the file holds."""
+    from orca_serve.live_audit import journal as journal_module
+    from orca_serve.live_audit.journal import LocalFallback, MemoryJournal
+
+    j = LocalFallback(_journal(tmp_path))
+    j.append({"a": 0})
+    real = os.write
+    with monkeypatch.context() as m:
+        m.setattr(journal_module.os, "write", lambda fd, data: real(fd, data[:len(data) // 2]))
+        assert j.append({"a": 1}) == [{"a": 1}]  # applied: in memory from here on
+    assert isinstance(j.journal, MemoryJournal)
+    again = _journal(tmp_path)  # the next process: the torn line is cut, {"a": 1} not in it
+    assert [e for e in again.read()] == [{"a": 0}]

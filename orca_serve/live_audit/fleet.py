@@ -29,123 +29,45 @@ from typing import Any
 import redis
 from prometheus_client.core import GaugeMetricFamily
 
-from orca_serve.live_audit.journal import EventJournal, Journal, journal_path
+from orca_serve.live_audit.journal import (
+    Journal,
+    JournalLost,
+    LocalFallback,
+    MemoryJournal,
+    journal_path,
+)
 from orca_serve.live_audit.redis_journal import RedisJournal, shown_url
 from orca_serve.metrics.prometheus import LABEL
 
 logger = logging.getLogger("orca_serve.live_audit")
 
 
-class MemoryJournal:
-    """This process's own events, in memory: the local guard when no store and no directory
-    hold them. Alone, so nothing precedes its appends, and only its own owner is alive (another
-    replica's audit that was open in the store never resolves here: it is reaped as lost)."""
-
-    path = "memory (this process only)"
-    skipped = 0  # nothing is read back, so nothing is ever corrupt
-
-    def __init__(self, owner: str) -> None:
-        self.owner = owner
-
-    def read(self) -> list[dict[str, Any]]:
-        return []
-
-    def append(self, event: dict[str, Any], durable: bool = True) -> list[dict[str, Any]]:
-        return [event]
-
-    def read_snapshot(self) -> dict[str, Any] | None:
-        return None
-
-    def write_snapshot(self, state: dict[str, Any]) -> None:
-        pass  # the state is this process's; nothing outlives it
-
-    def rewind(self) -> None:
-        pass
-
-    def alive(self, owner: str) -> bool:
-        return owner == self.owner
-
-    def close(self) -> None:
-        pass
-
-
-class FleetJournal:
+class FleetJournal(LocalFallback):
     """The store's journal while it answers; the local guard's from the first failure on."""
+
+    lost_on = (redis.RedisError, JournalLost)
 
     def __init__(self, url: str, checksum: str, directory: Path | None) -> None:
         self.url = shown_url(url)
-        self.down_since: float | None = None
-        self.local: EventJournal | None = None
-        self.remote: RedisJournal | None = None
         try:
-            self.remote = RedisJournal(url, checksum)
+            super().__init__(RedisJournal(url, checksum))
         except redis.RedisError as e:
-            self.local = (Journal(journal_path(directory, checksum), checksum)
-                          if directory is not None else MemoryJournal("local"))
-            self._down(e, "at start")
+            super().__init__(Journal(journal_path(directory, checksum), checksum)
+                             if directory is not None else MemoryJournal("local"))
+            self.lost(e, "at start")
 
     @property
     def up(self) -> bool:
-        return self.remote is not None
+        return isinstance(self.journal, RedisJournal)
 
-    @property
-    def owner(self) -> str:
-        return self._active().owner
-
-    @property
-    def path(self) -> Any:
-        return self._active().path
-
-    @property
-    def skipped(self) -> int:
-        return self._active().skipped
-
-    def _active(self) -> EventJournal:
-        return self.remote if self.remote is not None else self.local  # type: ignore[return-value]
-
-    def _down(self, e: Exception, when: str) -> None:
+    def lost(self, e: Exception, when: str) -> None:
+        if not self.up and self.down_since is not None:  # the local file journal failed too
+            super().lost(e, when)
+            return
         self.down_since = time.time()
         logger.warning("orca audit: the audit store %s is unreachable %s (%s); this replica "
                        "goes on with its own local guard (%s) until it restarts", self.url,
                        when, e, self.path)
-
-    def _lose(self, e: Exception) -> None:
-        """Leave the store for good (module docstring): the guard goes on in memory from the
-        state folded so far, under the same owner."""
-        assert self.remote is not None
-        remote, self.remote = self.remote, None
-        self.local = MemoryJournal(remote.owner)
-        remote.close()
-        self._down(e, "while serving")
-
-    def _try(self, call: str, *args: Any) -> Any:
-        if self.remote is not None:
-            try:
-                return getattr(self.remote, call)(*args)
-            except redis.RedisError as e:
-                self._lose(e)
-        return getattr(self.local, call)(*args)
-
-    def read(self) -> list[dict[str, Any]]:
-        return self._try("read")
-
-    def append(self, event: dict[str, Any], durable: bool = True) -> list[dict[str, Any]]:
-        return self._try("append", event, durable)
-
-    def read_snapshot(self) -> dict[str, Any] | None:
-        return self._try("read_snapshot")
-
-    def write_snapshot(self, state: dict[str, Any]) -> None:
-        self._try("write_snapshot", state)
-
-    def rewind(self) -> None:
-        self._active().rewind()
-
-    def alive(self, owner: str) -> bool:
-        return self._try("alive", owner)
-
-    def close(self) -> None:
-        self._active().close()
 
     def state(self) -> dict[str, Any]:
         """The table's `store`."""

@@ -71,6 +71,13 @@ into the same state (`LiveAudit._apply`), in file order:
   process that finds an unresolved admission whose owner's lock is free (that process is gone)
   journals it as `lost` (`LiveAudit.reap`).
 
+- **A file that fails**: a journal shorter than what this process applied (truncated, restored
+  from a copy) or that cannot take a whole line (a full disk) no longer holds what the guards
+  folded, so the process leaves it (`JournalLost`, `LocalFallback`): its guard goes on in
+  memory from the state folded so far, said once in the log, until a restart attaches anew.
+  Before, a shorter file failed every request, and a full disk kept half lines of events the
+  guards had applied.
+
 `EventJournal` is what `LiveAudit` needs of a journal; this file journal is the embedded
 default (it needs nothing but the audit directory). A fleet on several machines shares one
 through a store (`--orca-audit-store`, orca_serve/live_audit/fleet.py).
@@ -238,6 +245,108 @@ def parse_events(raw: Iterable[bytes], where: Any) -> tuple[list[dict[str, Any]]
     return events, skipped
 
 
+class JournalLost(OSError):
+    """A journal that no longer holds the events this process applied, or cannot take one: the
+    process leaves it (`LocalFallback`)."""
+
+
+class MemoryJournal:
+    """This process's own events, in memory: the guard when no journal holds them (none set,
+    or the one it had was lost). Alone, so nothing precedes its appends, and only its own owner
+    is alive (another process's audit that was open in the journal never resolves here: it is
+    reaped as lost)."""
+
+    path = "memory (this process only)"
+    skipped = 0  # nothing is read back, so nothing is ever corrupt
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+
+    def read(self) -> list[dict[str, Any]]:
+        return []
+
+    def append(self, event: dict[str, Any], durable: bool = True) -> list[dict[str, Any]]:
+        return [event]
+
+    def read_snapshot(self) -> dict[str, Any] | None:
+        return None
+
+    def write_snapshot(self, state: dict[str, Any]) -> None:
+        pass  # the state is this process's; nothing outlives it
+
+    def rewind(self) -> None:
+        pass
+
+    def alive(self, owner: str) -> bool:
+        return owner == self.owner
+
+    def close(self) -> None:
+        pass
+
+
+class LocalFallback:
+    """A journal this process leaves for its own guard in memory (`MemoryJournal`, the same
+    owner, the state folded so far) once it fails for good (`lost_on`); said once in the log.
+    It does not go back before a restart: what the guard in memory decided cannot be put into
+    the journal's order after the fact (orca_serve/live_audit/fleet.py says why for a store)."""
+
+    lost_on: tuple[type[Exception], ...] = (JournalLost,)
+
+    def __init__(self, journal: EventJournal) -> None:
+        self.journal = journal
+        self.down_since: float | None = None
+
+    @property
+    def owner(self) -> str:
+        return self.journal.owner
+
+    @property
+    def path(self) -> Any:
+        return self.journal.path
+
+    @property
+    def skipped(self) -> int:
+        return self.journal.skipped
+
+    def lost(self, e: Exception, when: str) -> None:
+        """Say that the journal was left (`when`: at start, while serving)."""
+        self.down_since = time.time()
+        logger.warning("orca audit: the audit journal %s failed %s (%s); this process goes on "
+                       "with its own guard in memory until it restarts", self.path, when, e)
+
+    def _try(self, call: str, *args: Any) -> Any:
+        try:
+            return getattr(self.journal, call)(*args)
+        except self.lost_on as e:
+            if isinstance(self.journal, MemoryJournal):
+                raise
+            old, self.journal = self.journal, MemoryJournal(self.journal.owner)
+            old.close()
+            self.lost(e, "while serving")
+        return getattr(self.journal, call)(*args)
+
+    def read(self) -> list[dict[str, Any]]:
+        return self._try("read")
+
+    def append(self, event: dict[str, Any], durable: bool = True) -> list[dict[str, Any]]:
+        return self._try("append", event, durable)
+
+    def read_snapshot(self) -> dict[str, Any] | None:
+        return self._try("read_snapshot")
+
+    def write_snapshot(self, state: dict[str, Any]) -> None:
+        self._try("write_snapshot", state)
+
+    def rewind(self) -> None:
+        self.journal.rewind()
+
+    def alive(self, owner: str) -> bool:
+        return self._try("alive", owner)
+
+    def close(self) -> None:
+        self.journal.close()
+
+
 def journal_path(directory: Path, checksum: str) -> Path:
     """Where the journal of the bundle with this checksum lives in an audit directory."""
     return Path(directory) / f"guard-{checksum[:16]}.jsonl"
@@ -307,14 +416,26 @@ class Journal:
         os.ftruncate(self._fd, 0)  # the header itself was torn: nothing was ever journalled
 
     def _write(self, event: dict[str, Any], durable: bool = True) -> None:
-        os.write(self._fd, (json.dumps(event, separators=(",", ":")) + "\n").encode())
-        if self.fsync and durable:
-            os.fsync(self._fd)
+        """One line, whole, or `JournalLost` (a half line is cut by the next `_repair`)."""
+        line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
+        try:
+            written = os.write(self._fd, line)
+            if self.fsync and durable:
+                os.fsync(self._fd)
+        except OSError as e:
+            raise JournalLost(f"{self.path}: {e.strerror or e}") from e
+        if written != len(line):
+            raise JournalLost(f"{self.path}: {written} of {len(line)} bytes written (a full "
+                              "disk?)")
 
     def _lines(self) -> list[dict[str, Any]]:
         """The events of the complete lines after this process's offset (advancing it, and
-        the digest with it); corrupt ones skipped (`parse_events`)."""
+        the digest with it); corrupt ones skipped (`parse_events`). A file now shorter than
+        that offset lost events this process applied: `JournalLost`."""
         size = os.fstat(self._fd).st_size
+        if size < self._offset:
+            raise JournalLost(f"{self.path} is {size} bytes, shorter than the {self._offset} "
+                              "this process applied (truncated, or restored from a copy)")
         data = os.pread(self._fd, size - self._offset, self._offset)
         end = data.rfind(b"\n") + 1
         if end == 0:

@@ -18,7 +18,7 @@ from orca_method.answer_probes import DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX, Pro
 from orca_method.outcomes import LABEL_STEPS, ON_ALARM, LabelSteps, OnAlarm
 from orca_method.labels import require_math_verify
 from orca_serve.checks.argtypes import fraction, integer
-from orca_serve.live_audit.journal import EventJournal, Journal, journal_path
+from orca_serve.live_audit.journal import EventJournal, Journal, LocalFallback, journal_path
 from orca_serve.live_audit.store import AuditStore
 
 if TYPE_CHECKING:
@@ -247,7 +247,8 @@ def audit_journal(config: AuditConfig, bundle: Any) -> EventJournal:
 
         return FleetJournal(config.store, bundle.checksum, config.directory)
     assert config.directory is not None
-    return Journal(journal_path(config.directory, bundle.checksum), bundle.checksum)
+    return LocalFallback(Journal(journal_path(config.directory, bundle.checksum),
+                                 bundle.checksum))
 
 
 def audit_store(config: AuditConfig, bundle: Any) -> Any:
