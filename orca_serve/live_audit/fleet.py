@@ -54,15 +54,16 @@ class FleetJournal(LocalFallback):
         except redis.RedisError as e:
             super().__init__(Journal(journal_path(directory, checksum), checksum)
                              if directory is not None else MemoryJournal("local"))
-            self.lost(e, "at start")
+            self.lost(e, "at start", self.url)
 
     @property
     def up(self) -> bool:
         return isinstance(self.journal, RedisJournal)
 
-    def lost(self, e: Exception, when: str) -> None:
-        if not self.up and self.down_since is not None:  # the local file journal failed too
-            super().lost(e, when)
+    def lost(self, e: Exception, when: str, left: Any) -> None:
+        """The store left (said as such), or then the local file journal too."""
+        if self.down_since is not None:  # the store was left before: its local file failed
+            super().lost(e, when, left)
             return
         self.down_since = time.time()
         logger.warning("orca audit: the audit store %s is unreachable %s (%s); this replica "

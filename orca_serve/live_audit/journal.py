@@ -308,11 +308,12 @@ class LocalFallback:
     def skipped(self) -> int:
         return self.journal.skipped
 
-    def lost(self, e: Exception, when: str) -> None:
-        """Say that the journal was left (`when`: at start, while serving)."""
-        self.down_since = time.time()
+    def lost(self, e: Exception, when: str, left: Any) -> None:
+        """Say that the journal at `left` was left (`when`: at start, while serving);
+        `down_since` is the first journal's leaving."""
+        self.down_since = self.down_since or time.time()
         logger.warning("orca audit: the audit journal %s failed %s (%s); this process goes on "
-                       "with its own guard in memory until it restarts", self.path, when, e)
+                       "with its own guard in memory until it restarts", left, when, e)
 
     def _try(self, call: str, *args: Any) -> Any:
         try:
@@ -322,7 +323,7 @@ class LocalFallback:
                 raise
             old, self.journal = self.journal, MemoryJournal(self.journal.owner)
             old.close()
-            self.lost(e, "while serving")
+            self.lost(e, "while serving", old.path)
         return getattr(self.journal, call)(*args)
 
     def read(self) -> list[dict[str, Any]]:
