@@ -143,19 +143,25 @@ def _admit_and_die(url: str) -> None:
     os._exit(0)  # a crash: no close, the heartbeat dies with the process
 
 
+def _live_beside_a_dead_replica(url: str) -> LiveAudit:
+    """A replica with an audit open, once another one that had an audit open died and its
+    owner key ran out (two TTLs of the live one's, which its heartbeat renews)."""
+    live = LiveAudit(bundle(), AuditConfig(rate=1.0),
+                     journal=RedisJournal(url, bundle().checksum, owner_ttl=1.0))
+    live.state.admit()
+    p = multiprocessing.get_context("fork").Process(target=_admit_and_die, args=(url,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    time.sleep(2.0)
+    return live
+
+
 def test_a_dead_replicas_open_audit_is_reaped_a_live_ones_not(redis_store):
     """A replica that died with an audit open stops renewing its owner key; once the key's TTL
     ran out the next replica journals that audit as `lost` (a window would wait for it for
     ever). A live replica's key is renewed by its heartbeat, so its open audit stays open."""
-    live = LiveAudit(bundle(), AuditConfig(rate=1.0),
-                     journal=RedisJournal(redis_store.url, bundle().checksum, owner_ttl=1.0))
-    live.state.admit()
-    ctx = multiprocessing.get_context("fork")
-    p = ctx.Process(target=_admit_and_die, args=(redis_store.url,))
-    p.start()
-    p.join(60)
-    assert p.exitcode == 0
-    time.sleep(2.0)  # two TTLs of the live one (renewed by its heartbeat); the dead one's ran out
+    live = _live_beside_a_dead_replica(redis_store.url)
     late = LiveAudit(bundle(), AuditConfig(rate=1.0),
                      journal=RedisJournal(redis_store.url, bundle().checksum))
     assert late.state.lost == 1 and late.table()["open"] == 1
@@ -170,15 +176,7 @@ def test_a_replica_that_waits_for_nothing_reaps_a_dead_ones_audits_too(redis_sto
     still journals a dead replica's open audit as `lost` once its key expired (at most
     `REAP_EVERY` later), so its table's `open` comes back to what is really open."""
     monkeypatch.setattr("orca_serve.live_audit.state.REAP_EVERY", 0.5)
-    live = LiveAudit(bundle(), AuditConfig(rate=1.0),
-                     journal=RedisJournal(redis_store.url, bundle().checksum, owner_ttl=1.0))
-    live.state.admit()
-    ctx = multiprocessing.get_context("fork")
-    p = ctx.Process(target=_admit_and_die, args=(redis_store.url,))
-    p.start()
-    p.join(60)
-    assert p.exitcode == 0
-    time.sleep(2.0)  # the dead one's key ran out; the live one's is renewed
+    live = _live_beside_a_dead_replica(redis_store.url)
     live.state.sync()
     assert live.state.lost == 1 and live.table()["open"] == 1
     live.state.journal.close()

@@ -411,6 +411,19 @@ def test_audit_record_says_which_lambda_the_request_was_served(bundle, tmp_path:
     assert request_loss(rows[0]["scores"], [0, 1], 1.0) == 0
 
 
+def _one_shadow_audit(bundle, store: AuditStore) -> LiveAudit:
+    """A live audit (rate 1) on `store` that took one finished shadow request; called in a
+    running loop, where its labelling worker starts."""
+    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0), store=store,
+                      labeller=FakeLabeller(), cs_factory=FakeCS, loss=_loss)
+    result = orca_result(policy="shadow", scores=[0.2, 0.3], step_tokens=[3, 4], lam=0.5,
+                         step_embeddings=np.ones((2, bundle.model.hidden_size), dtype=np.float32))
+    _, settings = resolve({"messages": [{"role": "user", "content": "a"}]},
+                          OrcaDefaults(delta=0.1), bundle, thresholds=audit)
+    audit.finished(settings, {0: result}, {0: "stop"})
+    return audit
+
+
 def test_the_table_says_labelling_until_the_record_is_written(bundle, tmp_path: Path) -> None:
     """An audit's outcome enters the table before its record reaches the directory: `labelling`
     stays 1 until the record is written, so a reader of the directory (`audit-report`, a test)
@@ -425,16 +438,9 @@ def test_the_table_says_labelling_until_the_record_is_written(bundle, tmp_path: 
             assert written.wait(30)
             return super().append(record, embeddings)
 
-    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0),
-                      store=SlowStore(tmp_path, dim=bundle.model.hidden_size, info={"model": "m"}),
-                      labeller=FakeLabeller(), cs_factory=FakeCS, loss=_loss)
-    result = orca_result(policy="shadow", scores=[0.2, 0.3], step_tokens=[3, 4], lam=0.5,
-                         step_embeddings=np.ones((2, bundle.model.hidden_size), dtype=np.float32))
-
-    async def go() -> None:
-        _, settings = resolve({"messages": [{"role": "user", "content": "a"}]},
-                              OrcaDefaults(delta=0.1), bundle, thresholds=audit)
-        audit.finished(settings, {0: result}, {0: "stop"})
+    async def go() -> LiveAudit:
+        audit = _one_shadow_audit(bundle, SlowStore(tmp_path, dim=bundle.model.hidden_size,
+                                                    info={"model": "m"}))
         for _ in range(3000):
             if audit.table()["open"] == 0:
                 break
@@ -445,9 +451,9 @@ def test_the_table_says_labelling_until_the_record_is_written(bundle, tmp_path: 
         written.set()
         await audit._worker
         assert audit.table()["labelling"] == 0 and audit.store.written == 1
+        return audit
 
-    asyncio.run(go())
-    audit.store.close()
+    asyncio.run(go()).store.close()
 
 
 def test_a_record_that_cannot_be_written_leaves_the_audit_in_the_risk(bundle,
@@ -461,19 +467,13 @@ def test_a_record_that_cannot_be_written_leaves_the_audit_in_the_risk(bundle,
         def append(self, record, embeddings):
             raise OSError(28, "No space left on device")
 
-    audit = LiveAudit(bundle, AuditConfig(rate=1.0, seed=0),
-                      store=FullStore(tmp_path, dim=bundle.model.hidden_size, info={"model": "m"}),
-                      labeller=FakeLabeller(), cs_factory=FakeCS, loss=_loss)
-    result = orca_result(policy="shadow", scores=[0.2, 0.3], step_tokens=[3, 4], lam=0.5,
-                         step_embeddings=np.ones((2, bundle.model.hidden_size), dtype=np.float32))
-
-    async def go() -> None:
-        _, settings = resolve({"messages": [{"role": "user", "content": "a"}]},
-                              OrcaDefaults(delta=0.1), bundle, thresholds=audit)
-        audit.finished(settings, {0: result}, {0: "stop"})
+    async def go() -> LiveAudit:
+        audit = _one_shadow_audit(bundle, FullStore(tmp_path, dim=bundle.model.hidden_size,
+                                                    info={"model": "m"}))
         await audit._worker
+        return audit
 
-    asyncio.run(go())
+    audit = asyncio.run(go())
     t = audit.table()
     assert (t["picked"], t["labelled"], t["failed"], t["open"]) == (1, 1, 0, 0)
     assert t["attrition"]["failed"] == 0.0 and audit.state.guard(0.1).cs.n == 1
