@@ -35,7 +35,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
@@ -154,26 +154,38 @@ def _same_collection(old: dict, new: dict, where: Path) -> None:
                          f"{where.parent} to collect again")
 
 
-@contextmanager
-def claim_shard(work: Path, shard: int) -> Iterator[None]:
+def claim_shard(work: Path, shard: int) -> AbstractContextManager[None]:
     """Hold shard `shard`'s lock in `work` while it is collected. A second worker on the same
     shard (a Kubernetes retry racing the pod it replaced, a shard process a killed `run` left
     running) would append the same traces to its folder again: duplicate ids, each line's offset
     counted by its own writer, and the shard marked complete. It is refused in one line instead.
-    The lock ends with its process, a killed one's too, so the retry that follows resumes. A
-    volume that has no locks collects unguarded, as before, with a warning."""
-    work.mkdir(parents=True, exist_ok=True)
-    with open(work / f"shard-{shard}.lock", "a+") as f:
+    The lock ends with its process, a killed one's too, so the retry that follows resumes."""
+    return _claim(work / f"shard-{shard}.lock", f"shard {shard} of {work} is being collected",
+                  "its traces")
+
+
+def claim_merge(work: Path) -> AbstractContextManager[None]:
+    """Hold the merge's lock in `work`: two merges at once (a merge pod retried while the first
+    still runs) would append the same shards' traces to the job's directory twice."""
+    return _claim(work / "merge.lock", f"the shards of {work} are being merged", "the traces")
+
+
+@contextmanager
+def _claim(lock: Path, busy: str, what: str) -> Iterator[None]:
+    """Hold `lock` (flock) for one process at a time, or refuse in one line naming its holder
+    (`busy`: what it is doing). A volume that has no locks goes on unguarded, with a warning."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            raise ShardError(f"shard {shard} of {work} is being collected by another worker "
-                             f"({f.read().strip() or 'unknown'}); two at once would duplicate "
-                             "its traces: rerun it once that one has ended") from None
+            raise ShardError(f"{busy} by another process ({f.read().strip() or 'unknown'}); "
+                             f"two at once would duplicate {what}: rerun once that one has "
+                             "ended") from None
         except OSError as e:
-            print(f"warning: {f.name}: no lock ({e.strerror}); make sure no other worker "
-                  f"collects shard {shard}", file=sys.stderr)
+            print(f"warning: {f.name}: no lock ({e.strerror}); make sure no other process "
+                  "does the same at once", file=sys.stderr)
         f.truncate(0)
         f.write(f"{socket.gethostname()}, pid {os.getpid()}\n")
         f.flush()
@@ -261,6 +273,13 @@ def collect_shards(model: str, settings: CollectSettings,
 
 def merge_shards(model: str, settings: CollectSettings,
                  sets: list[tuple[list[dict], Path, set[str]]], work: Path) -> Stats:
+    """`_merge_shards` under the merge's lock (`claim_merge`): one merge at a time."""
+    with claim_merge(work):
+        return _merge_shards(model, settings, sets, work)
+
+
+def _merge_shards(model: str, settings: CollectSettings,
+                  sets: list[tuple[list[dict], Path, set[str]]], work: Path) -> Stats:
     """Merge the `settings.engines` shards in `work` into each set's directory, in the job's
     order, once every one is complete (collected with this model and these settings, and its
     completion marker written); otherwise refuse, naming the shards that are missing or

@@ -163,10 +163,29 @@ def test_a_second_worker_on_a_shard_being_collected_is_refused(tmp_path, monkeyp
     with open(work / "shard-0.lock", "w") as held:  # the first worker, collecting again
         fcntl.flock(held, fcntl.LOCK_EX)
         assert main(["collect", "--config", config, "--shard", "0"]) == 2
-        assert "is being collected by another worker" in capsys.readouterr().err
+        assert "is being collected by another process" in capsys.readouterr().err
         assert not ran and (work / "shard-0.stats.json").exists()  # its marker left to it
     assert main(["collect", "--config", config, "--shard", "0"]) == 0  # it ended: resumes
     assert len(ran) == 1
+
+
+def test_a_second_merge_at_once_is_refused(tmp_path):
+    """A merge pod retried while the first still runs would append every shard's traces to the
+    job's directory a second time: it is refused, naming the holder."""
+    import fcntl
+
+    from orca_calibrate.job import collection_sets, load_job
+    from orca_calibrate.shards import ShardError, merge_shards
+
+    job = load_job(_job(tmp_path))
+    work = tmp_path / "w"
+    work.mkdir()
+    with open(work / "merge.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(ShardError, match="are being merged by another process"):
+            merge_shards("m", CollectSettings(**job["collect"]), collection_sets(job), work)
+    with pytest.raises(ShardError, match="2 shards are not complete"):  # free again: it checks
+        merge_shards("m", CollectSettings(**job["collect"]), collection_sets(job), work)
 
 
 def test_merge_refuses_a_complete_shard_whose_folder_is_gone(tmp_path):
