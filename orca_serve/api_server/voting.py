@@ -348,8 +348,11 @@ class Vote:
                 obj["samples"].append({"index": s.index, "running": True, **launched})
             else:
                 rep = next(reports)
-                rep.update(finish_reason=self.api.finish_reason(s.response or {}),
-                           answer=s.answer, in_vote=s.voted, aborted=s.aborted, **launched)
+                # an aborted sample's own word differs by API (chat `abort`, Messages none,
+                # Responses `stop`: vLLM 0.32 says `completed` for an aborted response)
+                reason = "abort" if s.aborted else self.api.finish_reason(s.response or {})
+                rep.update(finish_reason=reason, answer=s.answer, in_vote=s.voted,
+                           aborted=s.aborted, **launched)
                 if self.rule.audited:
                     rep["running"] = False
                 obj["samples"].append(rep)
