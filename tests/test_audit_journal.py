@@ -361,6 +361,9 @@ def test_a_journal_cut_shorter_is_left_for_the_guard_in_memory(tmp_path):
     from orca_serve.live_audit.journal import LocalFallback, MemoryJournal
 
     j = LocalFallback(_journal(tmp_path))
+    from orca_serve.live_audit.fleet import store_metrics
+
+    assert store_metrics(j, "m")[0].samples[0].value == 1.0
     for k in range(5):
         j.append({"a": k})
     path = journal_path(tmp_path, bundle().checksum)
@@ -368,6 +371,10 @@ def test_a_journal_cut_shorter_is_left_for_the_guard_in_memory(tmp_path):
     assert j.read() == [] and isinstance(j.journal, MemoryJournal) and j.down_since is not None
     assert j.append({"a": 5}) == [{"a": 5}] and j.path == MemoryJournal.path
     assert j.owner == j.journal.owner  # the same owner: its open admissions stay its own
+    from orca_serve.live_audit.fleet import store_metrics
+
+    [up] = store_metrics(j, "m")  # said in /metrics too
+    assert up.name == "orca_audit_journal_up" and up.samples[0].value == 0.0
 
 
 def test_a_line_the_disk_does_not_take_whole_is_not_applied_as_journalled(tmp_path,

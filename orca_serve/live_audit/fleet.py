@@ -81,7 +81,15 @@ def store_state(journal: Any) -> dict[str, Any] | None:
 
 
 def store_metrics(journal: Any, model_name: str) -> list[GaugeMetricFamily]:
-    """`orca_audit_store_up` for an audit on a shared store (none otherwise)."""
+    """`orca_audit_store_up` for an audit on a shared store, `orca_audit_journal_up` for one on
+    a file journal (none otherwise)."""
+    if isinstance(journal, LocalFallback) and not isinstance(journal, FleetJournal):
+        g = GaugeMetricFamily("orca_audit_journal_up", "1 while the audit journals to its file in "
+                              "--orca-audit-dir; 0 once this process went on with its own guard "
+                              "in memory (the file was cut shorter or could not take a line; it "
+                              "attaches anew when restarted)", labels=[LABEL])
+        g.add_metric([model_name], float(journal.down_since is None))
+        return [g]
     if not isinstance(journal, FleetJournal):
         return []
     g = GaugeMetricFamily("orca_audit_store_up", "1 while the audit journals to the fleet's "
