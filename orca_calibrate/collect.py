@@ -40,6 +40,7 @@ from orca_calibrate.pipeline import Schedule
 from orca_method.answer_probes import (
     DEFAULT_ANSWER_TOKENS,
     DEFAULT_SUFFIX,
+    JUDGE,
     ProbeSettings,
     probe_prompts,
     probe_sampling,
@@ -626,7 +627,7 @@ def _label_batch(done: list[tuple[str, dict, Any, dict]], answers: list[dict[int
         verdicts = judge.label([(question_text(rec), r["answer"], r["step_answers"])
                                 for (_, rec, _, _), r in zip(done, records)])
         for r, v in zip(records, verdicts):
-            r["labels"]["judge"] = v
+            r["labels"][JUDGE] = v
     return records
 
 

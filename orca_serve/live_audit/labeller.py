@@ -21,6 +21,7 @@ import asyncio
 from typing import Any, Protocol
 
 from orca_method.answer_probes import (
+    CONSISTENT,
     ProbeSettings,
     probe_prompts,
     probe_sampling,
@@ -35,7 +36,7 @@ from orca_serve.vllm_compat.engine_client import generate_from_ids, tokenizer
 
 # What a live audit can label by: agreement with the request's own final answer (live traffic
 # has no reference answer for `supervised`, and the server calls no judge).
-AUDIT_LABEL_MODE = "consistent"
+AUDIT_LABEL_MODE = CONSISTENT
 LOW_PRIORITY = 10  # vLLM's priority scheduling serves lower values first
 # what the thresholds an audit's labels must settle are: None, every step (a recalibration
 # window may take it); else (stop thresholds, give-up thresholds): `AuditState.label_needs`
