@@ -90,13 +90,17 @@ def test_the_block_is_written_only_when_it_differs_from_the_defaults(tmp_path):
 
 
 def test_the_shipped_demo_bundles_carry_their_jobs_labelling():
+    """Each demo bundle names the job that made it (a file of this checkout: a user reads the
+    provenance to rebuild it), and carries that job's labelling."""
     import yaml
 
     root = Path(__file__).parents[1]
-    for bundle, job in (("orca_serve/demo/bundle.json", "toy.yaml"),
-                        ("orca_serve/demo/long/bundle.json", "long.yaml")):
-        collect = yaml.safe_load((root / "orca_calibrate" / "jobs" / job).read_text())["collect"]
-        assert load_bundle(root / bundle).labelling == Labelling(
+    for bundle in ("orca_serve/demo/bundle.json", "orca_serve/demo/long/bundle.json"):
+        b = load_bundle(root / bundle)
+        job = root / b.provenance["job"]
+        assert job.is_file(), f"{bundle}: its provenance names {job}, not a file"
+        collect = yaml.safe_load(job.read_text())["collect"]
+        assert b.labelling == Labelling(
             suffix=collect["suffix"], answer_tokens=collect["answer_tokens"]), bundle
 
 

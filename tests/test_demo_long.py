@@ -51,7 +51,8 @@ def test_long_demo_bundle_carries_its_families_as_groups_and_means_what_it_meant
     """The shifted and hard families are groups with tables of their own (certified on their
     own calibration-only traces: at least min_n 30 each, the bundle's deltas, a give-up table
     each); everything else of the bundle is what it was before they were added, value for
-    value: its body without them hashes to the earlier bundle's checksum."""
+    value: its body without them hashes to the earlier bundle's checksum (the job's path
+    as it was then)."""
     import hashlib
     import json
 
@@ -63,6 +64,8 @@ def test_long_demo_bundle_carries_its_families_as_groups_and_means_what_it_meant
     data = json.loads((DEMO / "bundle.json").read_text())
     assert [d["data"] for d in data["provenance"].pop("group_data")] == [
         "runs/long/trajectories-groups/shifted-cal", "runs/long/trajectories-groups/hard-cal"]
+    assert data["provenance"]["job"] == "orca_calibrate/jobs/long.yaml"
+    data["provenance"]["job"] = "calibration/jobs/long.yaml"  # its path before the rename
     body = {k: v for k, v in data.items() if k not in ("groups", "checksum")}
     assert hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest() == BEFORE_GROUPS
 
