@@ -99,7 +99,8 @@ from orca_method.consensus import (
     vote_path,
 )
 from orca_method.consensus_ltt import calibrate_consensus
-from orca_method.ltt import PVALUES, n_rejected, split_replay
+from orca_method.ltt import binomial_pvalues, n_rejected, split_replay
+from orca_method.outcomes import Weighting
 from orca_method.thresholds import NEVER
 from orca_method.trajectories import Problem, TrajectorySet
 
@@ -359,7 +360,7 @@ def selected_arm(candidates: dict[tuple[str, bool], list[Group]], full: list[lis
             loss, tokens = outcomes([g for g, x in zip(candidates[name], folds) if x == pick],
                                     grid, caps)  # [m, n_pick]
             counts = np.round(loss.mean(axis=1) * n_cert).astype(np.int64)  # [m]
-            last = n_rejected(PVALUES["binomial"](counts, n_cert, delta_vote), EPSILON) - 1
+            last = n_rejected(binomial_pvalues(counts, n_cert, delta_vote), EPSILON) - 1
             at_end = float(np.mean([g.spent(np.inf) for g, x in zip(candidates[name], folds)
                                     if x == pick]))
             cost.append(at_end if last < 0 else float(tokens[last].mean()))
@@ -433,9 +434,9 @@ def cmd_report(a: argparse.Namespace) -> None:
               for lam in STRICTER_LAMS if lam > bundle.lam(strict)]
     stops.append(("no per-sample stop", NEVER))  # the consensus alone, over full samples
     for label, lam in stops:
-        for weighting in ("score", "count"):
+        for weighting in Weighting:
             stopped = stopped_groups(ts, groups, scores, lam, weighting)
-            if weighting == "score" and lam < NEVER:  # the plain vote of the stopped samples
+            if weighting == Weighting.SCORE and lam < NEVER:  # the plain vote of the stopped samples
                 votes = [plurality(g.answers) for g in stopped]
                 tokens = [float(g.finish.sum()) + sum(tr.answer_tokens for tr in grp)
                           for g, grp in zip(stopped, full)]

@@ -96,7 +96,7 @@ from orca_method.consensus import (  # noqa: E402
     launched,
     plurality,
 )
-from orca_method.ltt import PVALUES, n_rejected  # noqa: E402
+from orca_method.ltt import binomial_pvalues, n_rejected  # noqa: E402
 
 DELTAS_VOTE = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4)
 FOLDS = 5
@@ -199,7 +199,7 @@ def guess_cost(err: np.ndarray, tok: np.ndarray, full_tokens: np.ndarray, n_cert
     """The choosing fold's tokens per prompt at the hypothesis LTT would certify on `n_cert`
     groups erring at this fold's rates (`err`, `tok` [H, n_pick]); maj@k's when none."""
     counts = np.round(err.mean(axis=1) * n_cert).astype(np.int64)  # [H]
-    last = n_rejected(PVALUES["binomial"](counts, n_cert, delta_vote), EPSILON) - 1
+    last = n_rejected(binomial_pvalues(counts, n_cert, delta_vote), EPSILON) - 1
     return float(full_tokens.mean() if last < 0 else tok[last].mean())
 
 

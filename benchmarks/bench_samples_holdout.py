@@ -71,7 +71,8 @@ from orca_method.consensus import (  # noqa: E402
     settle_events,
     vote_path,
 )
-from orca_method.ltt import PVALUES, n_rejected  # noqa: E402
+from orca_method.ltt import binomial_pvalues, n_rejected  # noqa: E402
+from orca_method.outcomes import Weighting  # noqa: E402
 from orca_method.trajectories import TrajectorySet  # noqa: E402
 
 BOOT = 2000  # paired bootstrap resamples of the prompts (accuracy differences)
@@ -146,7 +147,7 @@ def load(reasoner: str, k: int, old: int) -> Recording:
     lams |= {"lambda 0.9": 0.9}
     return Recording(full=traces(ts, groups), truth=[ts.problems[g[0]].answer for g in groups],
                      fresh=np.array(number) >= old,
-                     stopped={s: stopped_groups(ts, groups, scores, lam, "count")
+                     stopped={s: stopped_groups(ts, groups, scores, lam, Weighting.COUNT)
                               for s, lam in lams.items()})
 
 
@@ -233,7 +234,7 @@ def certify(err: np.ndarray, delta_vote: float) -> int:
     """The last hypothesis LTT's fixed sequence rejects on these groups' errors [H, n] (binomial
     p-values, EPSILON), -1 when none: the group then runs every sample to its end (maj@k)."""
     n = err.shape[1]
-    return n_rejected(PVALUES["binomial"](err.sum(axis=1, dtype=np.int64), n, delta_vote),
+    return n_rejected(binomial_pvalues(err.sum(axis=1, dtype=np.int64), n, delta_vote),
                       EPSILON) - 1
 
 

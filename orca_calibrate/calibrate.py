@@ -45,7 +45,7 @@ from orca_method.bundle_checks import check_semantics
 from orca_method.give_up import calibrate_give_up, last_right, mu_grid
 from orca_method.ltt import DEFAULT_EPSILON, DeltaResult, calibrate, default_grid
 from orca_method.normalizations import DEFAULT_NORMALIZATION
-from orca_method.outcomes import GiveUpPolicy
+from orca_method.outcomes import GiveUpPolicy, PValue
 from orca_method.probe import Probe
 from orca_method.procedure import replay
 from orca_method.risk import is_solvable
@@ -174,13 +174,13 @@ def check_labelled(ts: TrajectorySet, members: Sequence[int], side: str, mode: s
                              "probes what this calibration reads)")
 
 
-def run_ltt(scored: Scored, deltas: Sequence[float], epsilon: float, pvalue: str) -> list[DeltaResult]:
+def run_ltt(scored: Scored, deltas: Sequence[float], epsilon: float, pvalue: PValue) -> list[DeltaResult]:
     return calibrate(scored.scores, scored.labels, deltas, epsilon=epsilon,
                      grid=default_grid(GRID_SIZE), pvalue=pvalue, step_tokens=scored.tokens)
 
 
 def give_up_block(probe: Probe, ts: TrajectorySet, opts: GiveUpOptions, *, window: int,
-                  pvalue: str) -> GiveUpBlock:
+                  pvalue: PValue) -> GiveUpBlock:
     """LTT for mu* per give-up delta on EVERY trace of the calibration split (the give-up risk
     is over all requests), with reference labels `opts.label_mode`, certified for the give-up
     policy `opts.policy`."""
@@ -199,7 +199,7 @@ def give_up_block(probe: Probe, ts: TrajectorySet, opts: GiveUpOptions, *, windo
 
 
 def give_up_table(probe: Probe, ts: TrajectorySet, members: Sequence[int], opts: GiveUpOptions,
-                  *, window: int, pvalue: str, what: str = "calibration") -> GiveUpTable:
+                  *, window: int, pvalue: PValue, what: str = "calibration") -> GiveUpTable:
     """LTT for mu* per give-up delta on every trace of `members` (the calibration split, or
     one group's part of it: `what` names it)."""
     everything = score_split(probe, ts, what, opts.label_mode, window, solvable_only=False,
@@ -214,7 +214,7 @@ def give_up_table(probe: Probe, ts: TrajectorySet, members: Sequence[int], opts:
                        grid_size=GRID_SIZE, rows=rows)
 
 
-def ltt_table(results: list[DeltaResult], *, epsilon: float, pvalue: str,
+def ltt_table(results: list[DeltaResult], *, epsilon: float, pvalue: PValue,
               n_cal: int) -> LTTTable:
     """LTT's results as a bundle's table (the main one, or a group's)."""
     rows = [LTTRow(delta=r.delta, lam=lam_to_json(round(r.lam, 6)), risk=r.risk,
@@ -225,7 +225,7 @@ def ltt_table(results: list[DeltaResult], *, epsilon: float, pvalue: str,
 
 
 def group_tables(probe: Probe, ts: TrajectorySet, opts: GroupOptions, *, mode: str,
-                 deltas: Sequence[float], epsilon: float, pvalue: str, window: int,
+                 deltas: Sequence[float], epsilon: float, pvalue: PValue, window: int,
                  give_up: tuple[Probe, GiveUpOptions] | None = None,
                  calibration: Sequence[int] | None = None) -> dict[str, GroupTable]:
     """Each group's tables, by LTT on the calibration traces of that group only (the guarantee
@@ -292,7 +292,7 @@ def check_made_alike(ts: TrajectorySet, reference: dict[str, Any], what: str) ->
 
 
 def set_group_tables(probe: Probe, sets: Sequence[TrajectorySet], opts: GroupOptions, *,
-                     mode: str, deltas: Sequence[float], epsilon: float, pvalue: str,
+                     mode: str, deltas: Sequence[float], epsilon: float, pvalue: PValue,
                      window: int, made_with: tuple[dict[str, Any], str],
                      give_up: tuple[Probe, GiveUpOptions] | None = None
                      ) -> dict[str, GroupTable]:
@@ -402,7 +402,7 @@ def data_hashes(ts: TrajectorySet) -> dict[str, str]:
 
 
 def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, mode: str,
-                epsilon: float, pvalue: str, window: int, n_cal: int, default_delta: float,
+                epsilon: float, pvalue: PValue, window: int, n_cal: int, default_delta: float,
                 provenance: dict[str, Any], drift: DriftReference | None = None,
                 give_up: GiveUpBlock | None = None,
                 shift_gate: GateReference | None = None,
@@ -432,7 +432,7 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
 
 def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = "supervised",
                      deltas: Sequence[float] = DEFAULT_DELTAS, epsilon: float = DEFAULT_EPSILON,
-                     pvalue: str = "binomial", window: int = DEFAULT_WINDOW,
+                     pvalue: PValue = PValue.BINOMIAL, window: int = DEFAULT_WINDOW,
                      default_delta: float | None = None,
                      dump_scores: Path | None = None,
                      provenance: dict[str, Any] | None = None,

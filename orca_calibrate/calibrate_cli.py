@@ -25,6 +25,7 @@ from orca_calibrate.train_defaults import DEFAULT_D_H, DEFAULT_PROBE, DEFAULTS, 
 from orca_method.covariate_shift import DEFAULT_RATIO_RANK
 from orca_method.ltt import DEFAULT_EPSILON
 from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
+from orca_method.outcomes import PVALUE_CHOICES, PValue
 from orca_method.shift_gate import (
     DEFAULT_GATE_ALPHA,
     DEFAULT_GATE_GIVE_UP_ALPHA,
@@ -504,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delta", type=fraction(open_interval=True), nargs="+",
                    default=list(DEFAULT_DELTAS))
     p.add_argument("--epsilon", type=fraction(open_interval=True), default=DEFAULT_EPSILON)
-    p.add_argument("--pvalue", choices=["binomial", "hb"], default="binomial")
+    p.add_argument("--pvalue", choices=PVALUE_CHOICES, default=str(PValue.BINOMIAL))
     window_arg(p)
     p.add_argument("--default-delta", type=float)
     p.add_argument("--label-mode", help="default: the mode the probe was trained with")

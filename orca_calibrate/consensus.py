@@ -30,7 +30,6 @@ from orca_method.consensus import (
     DEFAULT_CAP_MAX,
     DEFAULT_CAP_STEP,
     DEFAULT_GRID_SIZE,
-    WEIGHTINGS,
     Group,
     block_version,
     check_waves,
@@ -40,6 +39,7 @@ from orca_method.consensus import (
     plurality,
     prompt_of,
 )
+from orca_method.outcomes import Weighting
 from orca_method.probe import Probe
 from orca_method.procedure import replay
 from orca_method.stop_metrics import stop_indices
@@ -55,7 +55,7 @@ class ConsensusOptions:
 
     deltas: tuple[float, ...] = (0.05, 0.1)
     epsilon: float = DEFAULT_EPSILON
-    weighting: str = "score"
+    weighting: Weighting = Weighting.SCORE
     holdout: float = 0.5
     seed: int = 0
     waves: tuple[int, ...] | None = None  # the launch schedule t is certified for; None: at once
@@ -64,9 +64,10 @@ class ConsensusOptions:
     cap_max: float = DEFAULT_CAP_MAX
 
     def __post_init__(self) -> None:
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"consensus weighting must be one of {WEIGHTINGS}, "
+        if self.weighting not in list(Weighting):
+            raise ValueError(f"consensus weighting must be one of {', '.join(Weighting)}, "
                              f"got {self.weighting!r:.40}")
+        object.__setattr__(self, "weighting", Weighting(self.weighting))
         if not 0.0 < self.holdout < 1.0:
             raise ValueError(f"consensus holdout is a share of the calibration prompts in (0, 1), "
                              f"got {self.holdout!r:.20}")
@@ -128,7 +129,7 @@ def replayed(probe: Probe, ts: TrajectorySet, groups: Sequence[Sequence[int]],
 
 
 def stopped_groups(ts: TrajectorySet, groups: Sequence[Sequence[int]],
-                   scores: dict[int, np.ndarray], lam: float, weighting: str) -> list[Group]:
+                   scores: dict[int, np.ndarray], lam: float, weighting: Weighting) -> list[Group]:
     """Each prompt's k samples, each stopped at `lam` as the server stops it (`scores`:
     `replayed`): its finish time (reasoning tokens through its stop step), answer there (the
     probed answer; the final answer when it ran to its end), vote weight (its smoothed score
@@ -147,7 +148,7 @@ def stopped_groups(ts: TrajectorySet, groups: Sequence[Sequence[int]],
             end = t == p.n_steps - 1
             finish.append(float(np.sum(p.step_tokens[:t + 1])))
             answers.append(p.final_answer if end else p.step_answers[t])
-            weights.append(1.0 if weighting == "count" else float(scores[i][t]))
+            weights.append(weighting.weight(float(scores[i][t])))
             early.append(np.inf if end else finish[-1])
         out.append(Group(finish=np.array(finish), answers=tuple(answers),
                          weights=np.array(weights), stop_tokens=np.array(early),

@@ -49,6 +49,7 @@ from orca_method.bundle import (
 )
 from orca_method.errors import first_line
 from orca_method.ltt import DEFAULT_EPSILON
+from orca_method.outcomes import KeywordMatch
 from orca_method.probe import Probe, ProbeSpec
 from orca_serve import __version__
 
@@ -292,7 +293,7 @@ def import_probe(probe_pt: str | Path, lambdas: str | Path, model: str, out: str
                             tokenizer_fingerprint=fingerprint,
                             config_fingerprint=config_fingerprint_of(model)),
         segmentation=Segmentation(delimiter="\n", keywords=AUTHORS_KEYWORDS,
-                                  keyword_match="substring", max_step_tokens=max_step_tokens),
+                                  keyword_match=KeywordMatch.SUBSTRING, max_step_tokens=max_step_tokens),
         normalization=normalization,
         probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
                          eta=probe.params["log_eta"].exp().item()),

@@ -19,12 +19,14 @@ import json
 import math
 import stat
 from collections.abc import Mapping
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_type_hints
 
 import torch
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -40,13 +42,17 @@ from orca_method.consensus import (
     ALL_AT_ONCE_VERSION,
     CONFIDENT_VERSION,
     CONSENSUS_VERSION,
-    Weighting,
     check_waves,
     format_waves,
 )
 from orca_method.errors import first_line
 from orca_method.normalizations import DEFAULT_NORMALIZATION, Normalization
-from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy
+from orca_method.outcomes import (
+    GiveUpPolicy,
+    KeywordMatch,
+    PValue,
+    Weighting,
+)
 from orca_method.probe import Probe, ProbeSpec
 from orca_method.shift_gate import DEFAULT_GATE_RANK, ShiftGate, fit_gate, give_up_level
 from orca_method.steps import DEFAULT_DELIMITER, THINK_END, THINK_START
@@ -78,6 +84,16 @@ class _Strict(BaseModel):
 Fraction = Annotated[float, Field(ge=0, le=1)]
 
 
+def _word_of(kind: type[StrEnum]) -> Any:
+    """A field of the closed set `kind`, written in the file as its word: the word becomes its
+    member (strict validation takes no word), and any other value is refused naming the words."""
+    def member(v: Any) -> StrEnum:
+        if not isinstance(v, str) or v not in kind._value2member_map_:
+            raise ValueError(f"must be one of {', '.join(kind)}")
+        return kind(v)
+    return Annotated[kind, BeforeValidator(member)]
+
+
 class ConfigFingerprint(_Strict):
     """What a model's config.json says of its shape (`config_fingerprint`): two checkpoints that
     differ here are different models, whatever they are called. Not a proof of equal weights
@@ -107,7 +123,7 @@ class Segmentation(_Strict):
     keywords: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
     # "word": a keyword matches as a whole word, any case; "substring": verbatim, inside words too
     # (the authors' rule: a line containing "wait", "Wait", "but" or "But" opens a step)
-    keyword_match: Literal["word", "substring"] = "word"
+    keyword_match: _word_of(KeywordMatch) = KeywordMatch.WORD
     max_step_tokens: int | None = Field(None, ge=1)  # None: steps are never cut by length
 
 
@@ -162,7 +178,7 @@ class LTTRow(_Strict):
 class LTTTable(_Strict):
     epsilon: float = Field(gt=0, lt=1)
     n_cal: int | None = Field(ge=1)  # None: imported lambda*, calibration set unknown
-    pvalue: Literal["binomial", "hb"] = "binomial"
+    pvalue: _word_of(PValue) = PValue.BINOMIAL
     grid_size: int = Field(ge=1)
     excluded_never_correct: bool = True
     rows: list[LTTRow]
@@ -234,7 +250,7 @@ class GiveUpTable(_Strict):
 
     epsilon: float = Field(gt=0, lt=1)  # epsilon_2; the joint statement: docs/METHOD.md section 9
     n_cal: int = Field(ge=1)  # every calibration trace (unsolvable ones included)
-    pvalue: Literal["binomial", "hb"] = "binomial"
+    pvalue: _word_of(PValue) = PValue.BINOMIAL
     grid_size: int = Field(ge=1)
     rows: list[GiveUpRow] = Field(min_length=1)
 
@@ -311,10 +327,10 @@ class ConsensusBlock(_Strict):
 
     version: Literal[ALL_AT_ONCE_VERSION, CONSENSUS_VERSION, CONFIDENT_VERSION]
     samples: int = Field(ge=2)  # the k it was certified for: a group of another size is not
-    weighting: Weighting
+    weighting: _word_of(Weighting)
     epsilon: float = Field(gt=0, lt=1)
     n_cal: int = Field(ge=1)  # calibration groups (prompts), none of them seen by lambda*
-    pvalue: Literal["binomial", "hb"] = "binomial"
+    pvalue: _word_of(PValue) = PValue.BINOMIAL
     grid_size: int = Field(ge=2)
     rows: list[ConsensusRow] = Field(min_length=1)
     # the launch schedule every t was certified for (version 2): wave sizes summing to
@@ -379,15 +395,7 @@ class GiveUpBlock(_Strict):
     # orca_method.give_up.give_up_losses); the server serves no other (`check_give_up_policy`).
     # Written only when not "guess" (`save_bundle`): bundles from before the field mean "guess"
     # and keep their checksums, and a reader that predates it refuses a "message" bundle.
-    policy: GiveUpPolicy = GiveUpPolicy.GUESS
-
-    @field_validator("policy", mode="before")
-    @classmethod
-    def _policy(cls, v: Any) -> GiveUpPolicy:
-        """The file's name becomes its GiveUpPolicy (strict validation takes no name)."""
-        if v not in GIVE_UP_POLICIES:
-            raise ValueError(f"give-up policy must be one of {', '.join(GIVE_UP_POLICIES)}")
-        return GiveUpPolicy(v)
+    policy: _word_of(GiveUpPolicy) = GiveUpPolicy.GUESS
 
     @field_validator("label_mode")
     @classmethod
@@ -401,7 +409,7 @@ class Bundle(_Strict):
     model: ModelIdentity
     segmentation: Segmentation = Segmentation()
     think: ThinkTags = ThinkTags()
-    normalization: Normalization = DEFAULT_NORMALIZATION
+    normalization: _word_of(Normalization) = DEFAULT_NORMALIZATION
     probe: ProbeBlock
     # the smoothing window lambda* were calibrated at: required, since no default is right for
     # every bundle (the demo's are 1 and 3), and scores smoothed otherwise than calibrated void

@@ -34,7 +34,7 @@ from orca_method.bundle import (
     Segmentation,
     check_model,
 )
-from orca_method.ltt import PVALUES
+from orca_method.ltt import pvalue_fn
 from orca_method.probe import Probe
 from orca_method.thresholds import lam_from_json, mu_from_json
 from orca_method.trajectories import TrajectoryError
@@ -234,7 +234,7 @@ def _check_pvalue(row: str, k: float, delta: float, recorded: float,
     """A row's recorded p-value is the one its k losses in the table's n_cal give at its delta,
     under the table's p-value, and it is <= the table's epsilon (stop and give-up tables alike:
     both come from one LTT run)."""
-    p = float(PVALUES[t.pvalue](np.asarray([round(k)]), t.n_cal, delta)[0])
+    p = float(pvalue_fn(t.pvalue)(np.asarray([round(k)]), t.n_cal, delta)[0])
     if not math.isclose(p, recorded, rel_tol=1e-6, abs_tol=1e-12) or p > t.epsilon:
         raise BundleError(f"{row}: {round(k)} losses in {t.n_cal} give p-value {p:.4g}"
                           f"{'' if p <= t.epsilon else f' > epsilon {t.epsilon:g}'}; the "

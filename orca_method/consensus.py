@@ -29,13 +29,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, get_args
 
 import numpy as np
 
-# a vote's weight: the probe score where the sample stopped, or 1 (plain counts)
-Weighting = Literal["score", "count"]
-WEIGHTINGS: tuple[str, ...] = get_args(Weighting)
 # of the bundle's `consensus` block (orca_method/bundle.py): version 1 launches all k samples at
 # once; version 2 adds the wave schedule its t was certified for (`waves`); version 3 the
 # confidence clause (`confident`: its caps' path; each row's certified `cap`). A block without

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from orca_method.consensus import NO_CAP, Group, default_grid, outcomes
-from orca_method.ltt import DEFAULT_EPSILON, PVALUES, n_rejected
+from orca_method.ltt import DEFAULT_EPSILON, n_rejected, pvalue_fn
+from orca_method.outcomes import PValue
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class ConsensusResult:
 
 def calibrate_consensus(groups: Sequence[Group], deltas_vote: Sequence[float],
                         epsilon: float = DEFAULT_EPSILON, grid: np.ndarray | None = None,
-                        pvalue: str = "binomial",
+                        pvalue: PValue = PValue.BINOMIAL,
                         caps: np.ndarray | None = None) -> list[ConsensusResult]:
     """t* per delta_vote by fixed-sequence testing over `grid` (from t = 1 down), as lambda*
     (orca_method/ltt.py): with probability >= 1 - epsilon over the calibration groups,
@@ -47,8 +48,7 @@ def calibrate_consensus(groups: Sequence[Group], deltas_vote: Sequence[float],
     the procedure here), nor the path."""
     if not groups:
         raise ValueError("no calibration groups")
-    if pvalue not in PVALUES:
-        raise ValueError(f"pvalue must be one of {sorted(PVALUES)}, got {pvalue!r}")
+    pvalues = pvalue_fn(pvalue)
     if not 0.0 < epsilon < 1.0 or not all(0.0 < d < 1.0 for d in deltas_vote):
         raise ValueError("epsilon and every delta_vote must be in (0, 1)")
     grid = default_grid() if grid is None else np.asarray(grid, dtype=float)
@@ -69,7 +69,7 @@ def calibrate_consensus(groups: Sequence[Group], deltas_vote: Sequence[float],
     counts = loss.sum(axis=1, dtype=np.int64)  # [m]
     out = []
     for d in deltas_vote:
-        p = PVALUES[pvalue](counts, n, d)
+        p = pvalues(counts, n, d)
         last = n_rejected(p, epsilon) - 1
         j = max(last, 0)
         out.append(ConsensusResult(

@@ -41,6 +41,7 @@ import numpy as np
 from scipy.special import expit, log_expit
 
 from orca_method.ltt import DEFAULT_EPSILON, DeltaResult, calibrate
+from orca_method.outcomes import PValue
 from orca_method.stop_metrics import Ragged
 from orca_method.thresholds import NEVER
 
@@ -193,7 +194,7 @@ def resample(ratio: DensityRatio, cal: np.ndarray, fitted: np.ndarray, *, seed: 
 
 def weighted_calibrate(scores: Ragged, labels: Ragged, kept: np.ndarray,
                        deltas: Sequence[float], *, epsilon: float = DEFAULT_EPSILON,
-                       grid: np.ndarray | None = None, pvalue: str = "binomial",
+                       grid: np.ndarray | None = None, pvalue: PValue = PValue.BINOMIAL,
                        step_tokens: Ragged | None = None) -> list[DeltaResult]:
     """LTT (`orca_method.ltt.calibrate`) on the kept solvable calibration traces (`kept`: [n]
     bool over the problems given); none kept: no threshold is certified (never stop early)."""

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orca_method.ltt import DEFAULT_EPSILON, PVALUES, n_rejected
+from orca_method.ltt import DEFAULT_EPSILON, n_rejected, pvalue_fn
 from orca_method.risk import Ragged, stop_indices, values_at
-from orca_method.outcomes import GIVE_UP_POLICIES, Ended, GiveUpPolicy
+from orca_method.outcomes import GIVE_UP_POLICIES, Ended, GiveUpPolicy, PValue
 from orca_method.thresholds import GIVE_UP_NEVER
 
 
@@ -178,7 +178,7 @@ def check_give_up_set(scores: Ragged, last: Sequence[int]) -> None:
 
 def calibrate_give_up(scores: Ragged, last: Sequence[int], deltas: Sequence[float],
                       epsilon: float = DEFAULT_EPSILON, grid: np.ndarray | None = None,
-                      pvalue: str = "binomial", policy: GiveUpPolicy = GiveUpPolicy.GUESS,
+                      pvalue: PValue = PValue.BINOMIAL, policy: GiveUpPolicy = GiveUpPolicy.GUESS,
                       consistency: Ragged | None = None) -> list[GiveUpResult]:
     """mu* for each give-up risk level ``delta`` at level ``epsilon``, certified for what a
     given-up request serves under ``policy`` (`give_up_losses`).
@@ -203,8 +203,7 @@ def calibrate_give_up(scores: Ragged, last: Sequence[int], deltas: Sequence[floa
         raise ValueError("grid must be a non-empty 1-D array of finite thresholds")
     if np.any(np.diff(grid) <= 0):
         raise ValueError("grid must be strictly increasing (conservative to aggressive)")
-    if pvalue not in PVALUES:
-        raise ValueError(f"pvalue must be one of {sorted(PVALUES)}, got {pvalue!r}")
+    pvalues = pvalue_fn(pvalue)
     n = len(scores)
     lengths = np.array([len(g) for g in scores])
     tau = give_up_indices(scores, grid)
@@ -214,7 +213,7 @@ def calibrate_give_up(scores: Ragged, last: Sequence[int], deltas: Sequence[floa
     rates = gave_up(tau, lengths).mean(axis=1)
     out = []
     for delta in deltas:
-        p = PVALUES[pvalue](counts, n, float(delta))
+        p = pvalues(counts, n, float(delta))
         last = n_rejected(p, epsilon) - 1
         if last < 0:
             out.append(GiveUpResult(float(delta), GIVE_UP_NEVER, 0.0, 1.0, 0.0, n))

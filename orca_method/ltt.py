@@ -18,6 +18,7 @@ import numpy as np
 from scipy.special import xlogy
 from scipy.stats import binom
 
+from orca_method.outcomes import PValue
 from orca_method.stop_metrics import Ragged, check_problems, losses, stop_indices, summarize
 from orca_method.thresholds import NEVER
 
@@ -56,10 +57,18 @@ def hoeffding_bentkus_pvalues(loss_sums: np.ndarray, n: int, delta: float) -> np
     return np.minimum(hoeffding, bentkus)
 
 
-PVALUES: dict[str, Callable[[np.ndarray, int, float], np.ndarray]] = {
-    "binomial": binomial_pvalues,
-    "hb": hoeffding_bentkus_pvalues,
+PVALUES: dict[PValue, Callable[[np.ndarray, int, float], np.ndarray]] = {
+    PValue.BINOMIAL: binomial_pvalues,
+    PValue.HB: hoeffding_bentkus_pvalues,
 }
+
+
+def pvalue_fn(pvalue: str) -> Callable[[np.ndarray, int, float], np.ndarray]:
+    """The p-value of the method named `pvalue` (a `PValue`'s word), checked once for every
+    LTT of the package."""
+    if pvalue not in PVALUES:
+        raise ValueError(f"pvalue must be one of {', '.join(PValue)}, got {pvalue!r:.40}")
+    return PVALUES[PValue(pvalue)]
 
 
 def n_rejected(pvalues: np.ndarray, epsilon: float) -> int:
@@ -111,7 +120,7 @@ def calibrate(
     deltas: Sequence[float],
     epsilon: float = DEFAULT_EPSILON,
     grid: np.ndarray | None = None,
-    pvalue: str = "binomial",
+    pvalue: PValue = PValue.BINOMIAL,
     step_tokens: Ragged | None = None,
 ) -> list[DeltaResult]:
     """lambda* for each ``delta`` at level ``epsilon``; the loss matrix is computed once.
@@ -123,15 +132,14 @@ def calibrate(
     deltas = [_check_level(d, "delta") for d in deltas]
     epsilon = _check_level(epsilon, "epsilon")
     grid = default_grid() if grid is None else _check_grid(grid)
-    if pvalue not in PVALUES:
-        raise ValueError(f"pvalue must be one of {sorted(PVALUES)}, got {pvalue!r}")
+    pvalues = pvalue_fn(pvalue)
     n = len(scores)
     lengths = np.array([len(m) for m in scores])
     tau = stop_indices(scores, grid)
     loss_counts = losses(tau, labels).sum(axis=1, dtype=np.int64)
     results = []
     for delta in deltas:
-        p = PVALUES[pvalue](loss_counts, n, delta)
+        p = pvalues(loss_counts, n, delta)
         last = n_rejected(p, epsilon) - 1
         lam, tau_star, p_star = (
             (float(grid[last]), tau[last], float(p[last]))
@@ -167,7 +175,7 @@ class SplitReplay:
 
 
 def split_replay(loss: np.ndarray, n_cal: int, deltas: Sequence[float], epsilon: float,
-                 pvalue: str = "binomial", reps: int = 1000, seed: int = 0) -> SplitReplay:
+                 pvalue: PValue = PValue.BINOMIAL, reps: int = 1000, seed: int = 0) -> SplitReplay:
     """LTT on `reps` random calibration parts of `n_cal` of a set's traces, each lambda* read on
     the rest: how a guarantee is checked on recorded traces when only one finite set exists.
 
@@ -191,7 +199,7 @@ def split_replay(loss: np.ndarray, n_cal: int, deltas: Sequence[float], epsilon:
         cal, test = perm[:n_cal], perm[n_cal:]
         counts = loss[:, cal].sum(axis=1, dtype=np.int64)  # [m]
         for d, delta in enumerate(deltas):
-            last = n_rejected(PVALUES[pvalue](counts, n_cal, delta), epsilon) - 1
+            last = n_rejected(pvalue_fn(pvalue)(counts, n_cal, delta), epsilon) - 1
             if last >= 0:
                 certified[r, d] = last
                 held_out[r, d] = float(loss[last, test].mean())

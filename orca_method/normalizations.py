@@ -1,11 +1,21 @@
 """How a step's token hidden states are pooled into the probe's step embedding (docs/METHOD.md),
 named once: the names every part accepts and the default (what the paper's probes were trained
-on). No imports beyond typing: vLLM's processes and the CLIs' pre-flight read it cheaply."""
+on). No imports beyond the standard library: vLLM's processes and the CLIs' pre-flight read it
+cheaply."""
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from enum import StrEnum
 
-Normalization = Literal["token-l2", "step-l2", "none"]
-NORMALIZATIONS: tuple[str, ...] = get_args(Normalization)
-DEFAULT_NORMALIZATION: Normalization = "token-l2"
+
+class Normalization(StrEnum):
+    """TOKEN_L2: each token's state scaled to unit length, then the step's mean; STEP_L2: the
+    mean of the raw states, scaled to unit length; NONE: the mean of the raw states."""
+
+    TOKEN_L2 = "token-l2"
+    STEP_L2 = "step-l2"
+    NONE = "none"
+
+
+NORMALIZATIONS: tuple[str, ...] = tuple(str(n) for n in Normalization)  # what argparse lists
+DEFAULT_NORMALIZATION = Normalization.TOKEN_L2

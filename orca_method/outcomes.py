@@ -1,10 +1,11 @@
 """The closed sets of words the method and the server share, one enum each: how a request ended,
 the give-up policies and losses, the audit guards' alarm actions and threshold sources, which
-steps an answer probe labels. The
+steps an answer probe labels, LTT's p-values, how a step keyword matches, a vote's weight. The
 values are the wire's words (JSON responses, journals, bundle files and CLI choices hold them as
 plain strings, and a member compares equal to its word); code compares members, never words.
 Plain Python: the server's request path and the offline CLIs import it without torch."""
 
+import math
 from enum import StrEnum
 
 
@@ -90,3 +91,40 @@ class Source(StrEnum):
     FALLBACK = "fallback"
     AUDIT = "audit"
     GROUP = "group"
+
+
+class PValue(StrEnum):
+    """LTT's p-value for a threshold's loss count (a table's `pvalue`, `orca-calibrate calibrate
+    --pvalue`; `orca_method.ltt.PVALUES` computes each): BINOMIAL, the exact binomial tail;
+    HB, Hoeffding-Bentkus."""
+
+    BINOMIAL = "binomial"
+    HB = "hb"
+
+
+PVALUE_CHOICES: tuple[str, ...] = tuple(str(p) for p in PValue)  # what argparse lists
+
+
+class KeywordMatch(StrEnum):
+    """How a step keyword matches a line (the bundle's `segmentation.keyword_match`): WORD, as a
+    whole word in any case; SUBSTRING, verbatim, inside words too (the authors' rule)."""
+
+    WORD = "word"
+    SUBSTRING = "substring"
+
+
+class Weighting(StrEnum):
+    """A finished sample's vote in the consensus stop (a bundle's `consensus.weighting`,
+    docs/METHOD.md section 14): SCORE, its smoothed probe score where it stopped; COUNT, 1."""
+
+    SCORE = "score"
+    COUNT = "count"
+
+    def weight(self, score: float | None) -> float:
+        """The vote weight of a sample whose last smoothed score is `score`, in [0, 1] (no score,
+        or one not finite: 0 under SCORE); calibration and the server both count by it."""
+        if self is Weighting.COUNT:
+            return 1.0
+        if score is None or not math.isfinite(score):
+            return 0.0
+        return min(max(float(score), 0.0), 1.0)

@@ -24,7 +24,7 @@ from orca_method.thresholds import GIVE_UP_NEVER, NEVER
 
 def normalize_tokens(h: Tensor, mode: Normalization) -> Tensor:
     """Per-token normalisation applied before the step mean (docs/METHOD.md section 1)."""
-    if mode == "token-l2":
+    if mode == Normalization.TOKEN_L2:
         return torch.nn.functional.normalize(h.float(), dim=-1)
     return h.float()
 
@@ -32,7 +32,7 @@ def normalize_tokens(h: Tensor, mode: Normalization) -> Tensor:
 def finish_step(total: Tensor, count: Tensor, mode: Normalization) -> Tensor:
     """Step embedding phi_t from the running sum of (normalised) token states and the count."""
     phi = total / count.clamp(min=1).to(total.dtype).unsqueeze(-1)
-    if mode == "step-l2":
+    if mode == Normalization.STEP_L2:
         phi = torch.nn.functional.normalize(phi, dim=-1)
     return phi
 

@@ -53,6 +53,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from orca_method.outcomes import KeywordMatch
+
 # Ops returned by Segmenter.feed (what the caller does with its two accumulators:
 # A = completed sections of the current step, S = the current section).
 NONE = 0  # nothing completed (the token may still have been added to S)
@@ -155,7 +157,7 @@ class TokenTable:
     token_bytes: Sequence[bytes]
     delimiter: bytes = b"\n\n"
     keywords: tuple[str, ...] | None = None
-    keyword_match: str = "word"  # "word": whole word, any case; "substring": verbatim
+    keyword_match: KeywordMatch = KeywordMatch.WORD
     max_step_tokens: int | None = None  # cut steps at this many counted tokens
     think_enabled: bool = True
     start_id: int | None = None
@@ -183,12 +185,12 @@ class TokenTable:
             raise ValueError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
         if self.keywords:
             alternatives = "|".join(re.escape(k) for k in self.keywords)
-            if self.keyword_match == "word":
+            if self.keyword_match == KeywordMatch.WORD:
                 regex = re.compile(r"\b(?:" + alternatives + r")\b", re.IGNORECASE)
-            elif self.keyword_match == "substring":
+            elif self.keyword_match == KeywordMatch.SUBSTRING:
                 regex = re.compile(alternatives)
             else:
-                raise ValueError(f"keyword_match must be 'word' or 'substring', "
+                raise ValueError(f"keyword_match must be one of {', '.join(KeywordMatch)}, "
                                  f"got {self.keyword_match!r}")
             object.__setattr__(self, "keyword_re", regex)
         if self.think_enabled and (self.start_id is None or self.end_id is None):
@@ -201,7 +203,7 @@ class TokenTable:
         """From per-id bytes plus the bundle's `Segmentation` and `ThinkTags` (objects or dicts)."""
         delim = _get(segmentation, "delimiter", DEFAULT_DELIMITER)
         kws = _get(segmentation, "keywords", None)
-        match = _get(segmentation, "keyword_match", "word")
+        match = _get(segmentation, "keyword_match", KeywordMatch.WORD)
         max_step = _get(segmentation, "max_step_tokens", None)
         enabled = bool(_get(think, "enabled", True))
         start_id = end_id = None

@@ -25,7 +25,7 @@ import numpy as np
 
 from orca_method.errors import first_line
 from orca_method.files import write_atomic
-from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
+from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS, Normalization
 from orca_method.risk import cumulative
 
 FORMAT = "orca-trajectories"
@@ -810,16 +810,16 @@ def _is_json_scalar(v: Any) -> bool:
     return v is None or isinstance(v, (str, bool, int, float))
 
 
-def _infer_normalization(pkl: Mapping[str, Any]) -> str:
+def _infer_normalization(pkl: Mapping[str, Any]) -> Normalization:
     """Guess from step norms: all ~1 is step-l2; all <= 1 is token-l2 (a mean of unit vectors)."""
     arrays = [np.asarray(p["step_embeddings"], dtype=np.float32) for p in pkl["problems"]]
     norms = np.concatenate([np.linalg.norm(a, axis=-1) for a in arrays if a.ndim == 2]
                            or [np.zeros(0)])
     if norms.size and np.all(np.abs(norms - 1) < 1e-3):
-        return "step-l2"
+        return Normalization.STEP_L2
     if norms.size and np.all(norms <= 1 + 1e-3):
-        return "token-l2"
-    return "none"
+        return Normalization.TOKEN_L2
+    return Normalization.NONE
 
 
 def _pickle_info(pkl: Mapping[str, Any], path: Path | None, pickle_labels: str,

@@ -113,8 +113,8 @@ def _edited(tmp_path: Path, bundle, edit) -> Path:
     (lambda d: d["give_up"].update(default_delta=0.2), "give_up.default_delta"),
     (lambda d: d["give_up"]["ltt"]["rows"].append(dict(d["give_up"]["ltt"]["rows"][0])),
      "give-up delta 0.05 twice"),
-    (lambda d: d["give_up"].update(policy="stop"), r"give_up.policy': give-up policy must be "
-                                                   "one of guess, message"),
+    (lambda d: d["give_up"].update(policy="stop"), r"give_up.policy': must be one of guess, "
+                                                   r"message \(got 'stop'\)"),
 ])
 def test_two_sided_bundle_refusals_are_one_line(tmp_path, edit, match):
     path = _edited(tmp_path, with_give_up(small_bundle(), [(0.05, 0.2)]), edit)

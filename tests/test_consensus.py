@@ -25,7 +25,7 @@ from orca_method.consensus import (
     verdict,
     vote_path,
 )
-from orca_method.ltt import PVALUES, n_rejected
+from orca_method.ltt import binomial_pvalues, n_rejected
 
 K = 8
 
@@ -108,7 +108,7 @@ def repeated_draws(loss: np.ndarray, delta: float, epsilon: float, rng: np.rando
     for r in range(reps):
         idx = rng.integers(0, loss.shape[1], n_cal)
         counts = loss[:, idx].sum(axis=1, dtype=np.int64)
-        lasts[r] = n_rejected(PVALUES["binomial"](counts, n_cal, delta), epsilon) - 1
+        lasts[r] = n_rejected(binomial_pvalues(counts, n_cal, delta), epsilon) - 1
     return float(np.mean((lasts < 0) | (risk[lasts] <= delta))), lasts
 
 

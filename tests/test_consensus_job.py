@@ -28,6 +28,7 @@ from orca_method.consensus import (
     prompt_of,
     sample_id,
 )
+from orca_method.outcomes import Weighting
 from orca_method.trajectories import TrajectorySet, TrajectoryWriter
 from tests.bundles import small_bundle
 from tests.fake_collector import FakeCollector
@@ -158,7 +159,7 @@ def test_held_out_prompts_certify_t_and_the_test_split_evaluates_it(tmp_path):
     assert all(len(g) == K for g in groups)
     bundle = small_bundle(dim=DIM)
     scores = replayed(bundle.load_probe(), ts, groups, bundle.window)
-    stopped = stopped_groups(ts, groups, scores, bundle.lam(0.1), "score")
+    stopped = stopped_groups(ts, groups, scores, bundle.lam(0.1), Weighting.SCORE)
     for g, idx in zip(stopped, groups):  # finish times are the tokens through each stop step
         assert all(f <= sum(ts.problems[i].step_tokens) for f, i in zip(g.finish, idx))
         assert g.reference in ("7", "5")

@@ -12,6 +12,7 @@ from dataclasses import replace
 import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 
+from orca_method.outcomes import Weighting
 from orca_method.probe import Probe, ProbeSpec
 from orca_serve.api_server.apis import APIS, CHAT_PATH
 from orca_serve.api_server.middleware import OrcaMiddleware
@@ -46,7 +47,8 @@ def test_one_sample_of_a_vote_feeds_the_alarm() -> None:
     """Samples of one prompt are not independent draws: the first feeds the alarm, the others
     say `orca_alarm` 0."""
     _, s = resolve({"messages": [], "orca": {"delta": 0.05}}, DEFAULTS, GATED)
-    vote = VoteSettings(k=3, t=None, delta_vote=0.1, weighting="none", waves=(3,))
+    vote = VoteSettings(k=3, t=None, delta_vote=0.1, weighting=Weighting.COUNT,
+                        waves=(3,))
     bodies = sample_bodies({"messages": []}, replace(s, vote=vote), APIS[CHAT_PATH])
     xargs = [json.loads(b)["vllm_xargs"] for _, b in bodies]
     assert [x.get(XARG_ALARM, 1) for x in xargs] == [1, 0, 0]

@@ -28,7 +28,7 @@ from orca_method.give_up import (
     request_give_up_loss,
 )
 from orca_method.ltt import DEFAULT_EPSILON, calibrate, default_grid
-from orca_method.outcomes import GiveUpPolicy, OnAlarm, Source
+from orca_method.outcomes import GiveUpPolicy, OnAlarm, PValue, Source
 from orca_method.risk import request_loss, stops_before_end
 from orca_method.thresholds import GIVE_UP_NEVER, NEVER, lam_from_json, lam_to_json, mu_from_json
 
@@ -88,7 +88,7 @@ def cut_feed(scores: np.ndarray, labels: np.ndarray, lam: float, cause: str | No
 
 
 def ltt_lambda(scores: list[np.ndarray], labels: list[np.ndarray], delta: float, *,
-               epsilon: float, grid_size: int, pvalue: str) -> float:
+               epsilon: float, grid_size: int, pvalue: PValue) -> float:
     """lambda* for `delta` by the calibration code's LTT (orca_method/ltt.py) on these audits."""
 
     (res,) = calibrate(scores, labels, [delta], epsilon=epsilon, grid=default_grid(grid_size),
@@ -97,7 +97,7 @@ def ltt_lambda(scores: list[np.ndarray], labels: list[np.ndarray], delta: float,
 
 
 def ltt_mu(scores: list[np.ndarray], labels: list[np.ndarray], delta: float, *,
-           epsilon: float, grid_size: int, pvalue: str, policy: GiveUpPolicy) -> float:
+           epsilon: float, grid_size: int, pvalue: PValue, policy: GiveUpPolicy) -> float:
     """mu* for the give-up risk `delta` by calibration's LTT over mu (orca_method/give_up.py)
     on these audits' give-up scores, certified for the give-up loss under their (raw)
     consistency labels (`orca_method.give_up.changed_by_giving_up`)."""

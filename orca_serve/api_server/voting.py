@@ -37,7 +37,7 @@ import numpy as np
 
 from orca_method.answer_probes import answer_after
 from orca_method.consensus import Verdict, verdict
-from orca_method.outcomes import Source
+from orca_method.outcomes import Source, Weighting
 from orca_serve.api_server.apis import CHAT, Api
 from orca_serve.api_server.asgi import replay_body
 from orca_serve.api_server.report import orca_object, reasoning_total
@@ -126,7 +126,7 @@ def sample_bodies(body: dict[str, Any], settings: OrcaSettings, api: Api,
     return out
 
 
-def vote_of(sample: Sample, api: Api, weighting: str,
+def vote_of(sample: Sample, api: Api, weighting: Weighting,
             end_tag: str) -> tuple[Hashable | None, float]:
     """(answer, vote weight) of a finished sample, as calibration counted it: the answer written
     after its reasoning (`answer_after`; none when its reasoning never closed), weighted by its
@@ -134,10 +134,7 @@ def vote_of(sample: Sample, api: Api, weighting: str,
     r = sample.result
     closed = r is None or r.reasoning_closed
     answer = answer_after(api.answer_text(sample.response or {}), end_tag) if closed else None
-    if weighting == "count":
-        return answer, 1.0
-    s = None if r is None else r.last_score
-    return answer, 0.0 if s is None or not math.isfinite(s) else min(max(float(s), 0.0), 1.0)
+    return answer, weighting.weight(None if r is None else r.last_score)
 
 
 def early_stop_tokens(sample: Sample) -> float:

@@ -16,7 +16,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from orca_method.gate_alarm import DEFAULT_ALARM_LEVEL
-from orca_method.outcomes import Ended, GiveUpPolicy, Source
+from orca_method.outcomes import Ended, GiveUpPolicy, Source, Weighting
 from orca_method.thresholds import NEVER, lam_from_json, lam_to_json
 
 if TYPE_CHECKING:  # types only: this module loads without numpy and torch
@@ -221,7 +221,7 @@ class VoteSettings:
     k: int
     t: float | None
     delta_vote: float
-    weighting: str
+    weighting: Weighting
     # the wave sizes the k samples are launched in (the schedule t was certified for); (k,):
     # all at once, as whenever t is None (nothing settles early, so waves would only wait)
     waves: tuple[int, ...]

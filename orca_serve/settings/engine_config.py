@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
+from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS, Normalization
 from orca_serve.settings.contract import DEFAULTS, MAX_RESULTS, RESULT_TTL_S, RequestDefaults
 
 KEY = "orca"  # its key in vLLM's `additional_config`
@@ -29,7 +29,7 @@ class EngineConfig:
     # Segmentation and ThinkTags; None: theirs); with a bundle the bundle's settings win
     segmentation: Mapping[str, Any] | None = None
     think: Mapping[str, Any] | None = None
-    normalization: str = DEFAULT_NORMALIZATION
+    normalization: Normalization = DEFAULT_NORMALIZATION
     defaults: RequestDefaults = DEFAULTS
     result_ttl_s: float = RESULT_TTL_S  # how long an unfetched result is kept
     max_results: int = MAX_RESULTS  # and how many at most
@@ -38,6 +38,7 @@ class EngineConfig:
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {', '.join(NORMALIZATIONS)}, "
                              f"got {self.normalization!r}")
+        object.__setattr__(self, "normalization", Normalization(self.normalization))
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form vLLM carries (JSON)."""
