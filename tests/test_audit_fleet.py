@@ -20,7 +20,12 @@ import pytest
 import redis
 
 from orca_serve.live_audit.fleet import FleetJournal, MemoryJournal, store_metrics
-from orca_serve.live_audit.journal import SNAPSHOT_EVERY, Journal, journal_path
+from orca_serve.live_audit.journal import (
+    SNAPSHOT_EVERY,
+    FoldSettingsDiffer,
+    Journal,
+    journal_path,
+)
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import (
     AuditConfig,
@@ -39,7 +44,7 @@ pytestmark = pytest.mark.usefixtures("quiet_audit_log")
 
 
 def _on_store(url: str, directory: Path | None = None, **config) -> LiveAudit:
-    config = AuditConfig(rate=1.0, store=url, directory=directory, **config)
+    config = AuditConfig(store=url, directory=directory, **{"rate": 1.0, **config})
     return LiveAudit(bundle(), config, journal=audit_journal(config, bundle()))
 
 
@@ -135,6 +140,90 @@ def test_a_snapshot_of_events_the_store_no_longer_holds_is_not_used(redis_store,
     third.state.journal.close()
 
 
+FOLD_FLAGS = [  # (the running replica's flag that changes the fold, how the refusal names it)
+    (dict(on_alarm="fallback"), "--orca-on-alarm fallback there, report here"),
+    (dict(epsilon_split="joint"), "--orca-audit-epsilon-split joint there, per-delta here"),
+    (dict(drift_acts=True), "--orca-audit-drift-acts on there, off here"),
+    (dict(other_labels=True), "--orca-guard-other-labels on there, off here"),
+]
+
+
+@pytest.mark.parametrize("theirs, said", FOLD_FLAGS)
+def test_a_replica_with_other_guard_flags_is_refused(redis_store, theirs, said):
+    """A replica whose flags change the fold differently from the running replica's is
+    refused, the flag named with both values, and leaves nothing in the store (its owner key
+    is gone): on the same events its decisions would differ (before: it joined silently, and
+    with fallback against report the two served different lambdas after 90 of 200 audits)."""
+    first = _on_store(redis_store.url, **theirs)
+    with pytest.raises(FoldSettingsDiffer, match=f"1 running process.*\\({said}\\)"):
+        _on_store(redis_store.url)
+    owners = redis.Redis.from_url(redis_store.url).keys("orca:guard-owner:*")
+    assert owners == [f"orca:guard-owner:{first.state.journal.owner}".encode()]
+    first.state.journal.close()
+
+
+def test_the_refusal_names_every_differing_flag_and_only_those(redis_store):
+    """Several flags differ: each is named with both values in one line; the window, read only
+    when a guard recalibrates, is named as unused on the side that does not; what only picks,
+    labels or stores audits differs freely."""
+    first = _on_store(redis_store.url, on_alarm="recalibrate", window=50, drift_acts=True)
+    with pytest.raises(FoldSettingsDiffer) as e:
+        _on_store(redis_store.url, on_alarm="fallback")
+    assert "(--orca-on-alarm recalibrate there, fallback here; --orca-recalibrate-window 50 " \
+           "there, unused here; --orca-audit-drift-acts on there, off here)" in str(e.value)
+    assert "\n" not in str(e.value)
+    same = _on_store(redis_store.url, on_alarm="recalibrate", window=50, drift_acts=True,
+                     rate=0.01, vote_rate=0.5, seed=3, queue=2, label_steps="selective")
+    for audit in (first, same):
+        audit.state.journal.close()
+
+
+def test_once_every_replica_stopped_the_next_ones_flags_are_the_fleets(redis_store):
+    """The flags are the running replicas': once they all left (a clean stop deletes the owner
+    key), a replica with other flags joins and replays the list under its own, and then the
+    old flags are the ones refused."""
+    first = _on_store(redis_store.url, on_alarm="fallback")
+    for _ in range(3):
+        first.observe(*known_loss(False))
+    first.state.journal.close()
+    changed = _on_store(redis_store.url, on_alarm="report")
+    assert changed.state.replayed == 6
+    with pytest.raises(FoldSettingsDiffer, match="report there, fallback here"):
+        _on_store(redis_store.url, on_alarm="fallback")
+    changed.state.journal.close()
+
+
+def _join_at_once(url: str, on_alarm: str, barrier, out) -> None:
+    barrier.wait()
+    try:
+        audit = _on_store(url, on_alarm=on_alarm)
+    except FoldSettingsDiffer:
+        out.put((on_alarm, "refused"))
+        barrier.wait()
+        return
+    out.put((on_alarm, "joined"))
+    barrier.wait()  # the other has tried while this one ran
+    audit.state.journal.close()
+
+
+def test_two_replicas_with_other_flags_starting_at_once_one_is_refused(redis_store):
+    """Two replicas with other flags join an empty store at the same moment, many times: one
+    joins and the other is refused every time (the join is one transaction), never both."""
+    ctx = multiprocessing.get_context("fork")
+    r = redis.Redis.from_url(redis_store.url)
+    for _ in range(10):
+        r.flushdb()
+        q, barrier = ctx.Queue(), ctx.Barrier(2)
+        procs = [ctx.Process(target=_join_at_once, args=(redis_store.url, a, barrier, q))
+                 for a in ("fallback", "report")]
+        for p in procs:
+            p.start()
+        got = dict(q.get(timeout=60) for _ in procs)
+        for p in procs:
+            p.join(60)
+        assert sorted(got.values()) == ["joined", "refused"], got
+
+
 def _admit_and_die(url: str) -> None:
     audit = LiveAudit(bundle(), AuditConfig(rate=1.0),
                       journal=RedisJournal(url, bundle().checksum, owner_ttl=0.5))
@@ -155,6 +244,20 @@ def _live_beside_a_dead_replica(url: str) -> LiveAudit:
     assert p.exitcode == 0
     time.sleep(2.0)
     return live
+
+
+def test_a_dead_replicas_flags_bind_no_one(redis_store):
+    """A replica that crashed holds the fleet's flags until its owner key expires (TTL 0.5 s):
+    a replica with other flags is refused while it may still run, and joins after."""
+    p = multiprocessing.get_context("fork").Process(target=_admit_and_die,
+                                                    args=(redis_store.url,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    with pytest.raises(FoldSettingsDiffer, match="off there, on here"):
+        _on_store(redis_store.url, other_labels=True)
+    time.sleep(1.0)  # two of its TTLs
+    _on_store(redis_store.url, other_labels=True).state.journal.close()
 
 
 def test_a_dead_replicas_open_audit_is_reaped_a_live_ones_not(redis_store):

@@ -54,12 +54,13 @@ def store(tmp_path_factory) -> Iterator[RedisServer]:
         yield server
 
 
-def replica(env: dict, store: RedisServer, name: str, seed: int) -> Server:
+def replica(env: dict, store: RedisServer, name: str, seed: int,
+            on_alarm: str = "fallback") -> Server:
     """A replica of the fleet (started, not waited for), logging to `name`.log."""
     return Server(orca_serve_cmd("--model", str(MODEL), "--calib", str(env["bundle"]),
                                  "--orca-audit-rate", "1.0", "--orca-vote-audit-rate", "1.0",
                                  "--orca-audit-seed", str(seed), "--orca-audit-store", store.url,
-                                 "--orca-on-alarm", "fallback"),
+                                 "--orca-on-alarm", on_alarm),
                   env["dir"] / f"{name}.log", COMMON)
 
 
@@ -109,6 +110,23 @@ def test_two_replicas_on_one_store_keep_one_sequence_and_one_decision(fleet, env
                     delta=BAD_DELTA).model_extra["orca"]
         assert orca["lambda_source"] == "fallback" and orca["lambda"] is None
         assert _store_up(s) == 1.0 and _table(s)["store"]["up"]
+
+
+def test_a_replica_started_with_other_guard_flags_exits_naming_them(fleet, store, env) -> None:
+    """A third replica with `--orca-on-alarm report` beside the fleet's `fallback` would fold
+    the shared events into other decisions (it would serve the lambda the fleet fell back
+    from): it exits before its engine starts, with one line naming the flag and both values;
+    the fleet serves on."""
+    odd = replica(env, store, "odd", 3, on_alarm="report")
+    try:
+        assert odd.proc.wait(START_TIMEOUT) == 2
+    finally:
+        odd.stop()
+    errors = [line for line in (env["dir"] / "odd.log").read_text().splitlines()
+              if line.startswith("orca-serve: error:")]
+    assert len(errors) == 1 and "--orca-on-alarm fallback there, report here" in errors[0]
+    assert store.url in errors[0]
+    assert all(_table(s)["store"]["up"] for s in fleet)
 
 
 def vote_rows(server: Server) -> list[dict]:

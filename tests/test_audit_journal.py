@@ -9,15 +9,21 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from orca_serve.live_audit.handover import hand_over
-from orca_serve.live_audit.journal import SNAPSHOT_EVERY, Journal, journal_path
+from orca_serve.live_audit.handover import check_takeover, hand_over
+from orca_serve.live_audit.journal import (
+    SNAPSHOT_EVERY,
+    FoldSettingsDiffer,
+    Journal,
+    journal_path,
+)
 from orca_serve.live_audit.live import LiveAudit
-from orca_serve.live_audit.options import AuditConfig
+from orca_serve.live_audit.options import AuditConfig, audit_journal
 from orca_serve.live_audit.store import AuditStore
 from tests.audit_simulation import DELTA, bundle, known_loss, restarted_stream
 
@@ -203,6 +209,40 @@ def test_a_hand_over_to_a_directory_that_cannot_be_opened_still_returns_a_workin
     assert new.store is None and new.state.journal is None and new.engine_client() is engine
     new.observe(*known_loss(True))
     assert new.state.guard(DELTA).cs.n == 1 and new.table()["directory"] is None
+
+
+def test_two_servers_sharing_a_directory_fold_under_one_set_of_flags(tmp_path):
+    """A server whose guard flags differ from those of a running server on the directory's
+    journal is refused, naming the flag (on the same events they would decide differently);
+    once that one stopped, its flags are free to change (the journal replays under them)."""
+    a = _attached(tmp_path, on_alarm="fallback")
+    a.observe(*known_loss(False))
+    with pytest.raises(FoldSettingsDiffer, match="--orca-on-alarm fallback there, report here"):
+        _attached(tmp_path)
+    assert _attached(tmp_path, on_alarm="fallback", queue=3).state.replayed == 2
+    a.state.journal.close()
+    b = _attached(tmp_path)
+    assert b.state.replayed == 2 and b.config.on_alarm == "report"
+    b.state.journal.close()
+
+
+def test_a_hand_over_to_a_journal_folded_under_other_flags_audits_without_it(tmp_path,
+                                                                           caplog):
+    """The new bundle's journal is folded by a server with other flags (it joined between the
+    reload's check and the swap): the successor does not fold it into other decisions, it
+    audits without journal, and the log names the flag."""
+    other = bundle().model_copy(update={"checksum": "0" * 64})
+    config = AuditConfig(rate=1.0, directory=tmp_path)
+    running = LiveAudit(other, replace(config, drift_acts=True),
+                        journal=audit_journal(config, other))
+    old = LiveAudit(bundle(), config, journal=audit_journal(config, bundle()))
+    with pytest.raises(FoldSettingsDiffer, match="drift-acts on there, off here"):
+        check_takeover(other, config)
+    with caplog.at_level("WARNING", logger="orca_serve.live_audit"):
+        new = hand_over(old, other, config)
+    assert "--orca-audit-drift-acts on there, off here" in caplog.text
+    assert new.state.journal is None and new.store is None
+    running.state.journal.close()
 
 
 DEMO = Path(__file__).parents[1] / "orca_serve" / "demo" / "bundle.json"

@@ -161,6 +161,28 @@ def test_the_live_audit_restarts_with_the_new_bundle(paths):
     assert old.defaults is not new.defaults and old.bundle is not new.bundle  # swapped whole
 
 
+def test_a_bundle_whose_fleet_runs_other_guard_flags_is_refused(paths, redis_store):
+    """A reload to a bundle whose journal on the fleet's store a running replica folds under
+    other guard flags is refused before any engine is asked, naming the flag with both values
+    (the audit would decide otherwise on the same events); the old bundle and audit serve on.
+    Once that replica stopped, the same reload goes through and its audit joins the store."""
+    config = AuditConfig(rate=1.0, store=redis_store.url)
+    running = make_live_audit(load_bundle(paths["b"]), replace(config, on_alarm="fallback"))
+    server, _, calls = setup(paths, audit=lambda b: make_live_audit(b, config),
+                             audit_config=lambda b: config)
+    now = server.serving.now
+    with pytest.raises(ReloadRefused, match="live audit cannot follow.*orca:guard:.*"
+                       "--orca-on-alarm fallback there, report here"):
+        asyncio.run(server.reloader.reload(str(paths["b"]), source="test"))
+    assert calls == [] and server.serving.now.audit is now.audit
+    assert now.audit.state.journal.up
+    running.state.journal.close()
+    asyncio.run(server.reloader.reload(str(paths["b"]), source="test"))
+    new = server.serving.now.audit
+    assert new is not now.audit and new.state.journal.up
+    new.state.journal.close()
+
+
 def test_admin_route(paths):
     server, _, _ = setup(paths)
     seen = []

@@ -8,7 +8,8 @@ never compared with the scores of another:
 1. The new bundle is read and checked here (its checksum; the checks made at start: the model it
    names, the table's consistency, the probe's scale, `check`; the options the server runs with,
    `orca_serve.checks.bundle.check_options`: --orca-delta in its table, the give-up policy its
-   mu* was certified for, ...; the live audit's settings, `audit_config`), then staged on
+   mu* was certified for, ...; the live audit's settings, `audit_config`, and that the processes
+   folding its journal run with the same guard flags, `check_takeover`), then staged on
    every engine worker (`orca_load_bundle`: the checks made at start, against the engine's own
    model). Any refusal: the staged copies are let go, nothing else changes, and the caller gets
    the reason in one line.
@@ -40,7 +41,7 @@ from orca_method.bundle import Bundle, BundleError, load_bundle
 from orca_method.bundle_checks import check_semantics
 from orca_method.errors import first_line
 from orca_serve.checks.bundle import check_options
-from orca_serve.live_audit.handover import hand_over
+from orca_serve.live_audit.handover import check_takeover, hand_over
 from orca_serve.live_audit.options import AuditConfig
 from orca_serve.metrics.prometheus import ReloadOutcome
 from orca_serve.settings.contract import OrcaSettings, ReloadAnswer
@@ -194,6 +195,8 @@ class Reloader:
         if self.audit_config is not None and st.audit is not None:
             try:
                 audit_config = self.audit_config(bundle)
+                # the processes folding its journal run with the same flags (handover.py)
+                await asyncio.to_thread(check_takeover, bundle, audit_config)
             except (OSError, ValueError) as e:
                 raise ReloadRefused(f"the live audit cannot follow the new bundle: "
                                     f"{first_line(e)}") from None

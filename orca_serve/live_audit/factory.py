@@ -20,18 +20,19 @@ def make_live_audit(bundle: Bundle, config: AuditConfig,
     """The live audit of `bundle` as `config` sets it up: its store (`store`: one taken over by
     a hot reload; else opened when a directory is set), then its journal, replayed
     (orca_serve/live_audit/journal.py). `engine_client`: returns the server's engine client,
-    which labels the audits. Raises OSError when the directory or journal cannot be opened
-    (the store, given or opened, is closed then)."""
+    which labels the audits. Raises OSError when the directory or journal cannot be opened,
+    FoldSettingsDiffer when the processes folding the journal run with other flags
+    (orca_serve/live_audit/journal.py `joined`); the store, given or opened, is closed then."""
     if store is None and config.directory is not None:
         store = audit_store(config, bundle)
     try:
         journal = audit_journal(config, bundle) if config.journalled else None
+        return LiveAudit(bundle, config, journal=journal, store=store,
+                         drift=DriftMonitor.from_bundle(bundle),
+                         sequential=ConformalMartingale.from_bundle(bundle),
+                         engine_client=engine_client,
+                         superseded=superseded)
     except BaseException:
         if store is not None:
             store.close()
         raise
-    return LiveAudit(bundle, config, journal=journal, store=store,
-                     drift=DriftMonitor.from_bundle(bundle),
-                     sequential=ConformalMartingale.from_bundle(bundle),
-                     engine_client=engine_client,
-                     superseded=superseded)

@@ -3,7 +3,8 @@
 With `--orca-audit-store redis://host:port/db` every replica (every orca-serve process) of a
 deployment journals its audits to one Redis list per bundle (orca_serve/live_audit/redis_journal.py),
 so all of them fold one sequence per bundle and delta and act on one decision (docs/AUDIT.md,
-"A fleet").
+"A fleet"), under one set of guard flags: a replica with others is refused when it joins
+(journal.py `joined`).
 
 A replica that cannot reach the store keeps serving with its **own local guard**, says so once in
 the log (a warning) and in /metrics (`orca_audit_store_up` 0; the table's `store`):

@@ -71,6 +71,14 @@ into the same state (`LiveAudit._apply`), in file order:
   process that finds an unresolved admission whose owner's lock is free (that process is gone)
   journals it as `lost` (`LiveAudit.reap`).
 
+- **Settings**: the processes that fold one journal at the same time must fold it under the
+  same settings (the flags of `orca_serve.live_audit.options.fold_flags`), or their decisions
+  differ on the same events. The first one to attach records them with its owner
+  (`DIR/guard-<...>.fold.json`, under the journal's lock; `joined`); a later one whose settings
+  differ while a process recorded there still runs is refused (`FoldSettingsDiffer`, naming each
+  flag). Once all of them are gone the next one records its own: a restart with other flags
+  replays the journal under them ("Snapshots" above).
+
 - **A file that fails**: a journal shorter than what this process applied (truncated, restored
   from a copy) or that cannot take a whole line (a full disk) no longer holds what the guards
   folded, so the process leaves it (`JournalLost`, `LocalFallback`): its guard goes on in
@@ -138,6 +146,40 @@ def is_vote(e: dict[str, Any]) -> bool:
     return VOTE in e
 
 
+class FoldSettingsDiffer(ValueError):
+    """Processes that fold a journal now fold it under other settings than this one's: it must
+    not join them, since on the same events its decisions would differ from theirs."""
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as the refusal names it: a switch on or off; None, a flag the fold
+    does not read under the other settings (`fold_flags`)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "unused" if value is None else str(value)
+
+
+def joined(record: Any, settings: dict[str, Any], owner: str, alive: Callable[[str], bool],
+           where: Any) -> dict[str, Any]:
+    """A journal's fold record (`{"settings", "members"}`: what its processes fold under, and
+    which processes joined) once `owner` joins it under `settings`. The members that still run
+    (`alive`) must hold the same settings, else `FoldSettingsDiffer` names each differing one
+    with both values; when none runs (the first process, or all stopped to change a flag)
+    `settings` become the journal's. The dead are dropped, so the record stays small."""
+    ok = isinstance(record, dict) and isinstance(record.get("members"), list) \
+        and isinstance(record.get("settings"), dict)
+    members = [m for m in record["members"] if alive(m)] if ok else []
+    theirs = record["settings"] if ok else {}
+    if members and theirs != settings:
+        diff = "; ".join(f"{k} {_shown(theirs.get(k))} there, {_shown(settings.get(k))} here"
+                         for k in dict.fromkeys([*settings, *theirs])
+                         if theirs.get(k) != settings.get(k))
+        raise FoldSettingsDiffer(
+            f"{where}: {len(members)} running process(es) fold these audit events under "
+            f"other settings ({diff}); give this one theirs, or stop them all to change them")
+    return {"settings": settings, "members": [*members, owner]}
+
+
 class EventJournal(Protocol):
     """One bundle's ordered stream of audit events, shared by every process that opens it.
 
@@ -151,6 +193,10 @@ class EventJournal(Protocol):
     @property
     def path(self) -> Any:
         """Where the events live (a file, or a store's key), for the log and the table."""
+
+    def join(self, settings: dict[str, Any]) -> None:
+        """Fold the journal under `settings` beside the processes that fold it now, or raise
+        `FoldSettingsDiffer` (their settings differ: `joined`); before the first read."""
 
     def read(self) -> list[dict[str, Any]]:
         """Events appended by anyone since this process last read (cheap when none were)."""
@@ -262,6 +308,9 @@ class MemoryJournal:
     def __init__(self, owner: str) -> None:
         self.owner = owner
 
+    def join(self, settings: dict[str, Any]) -> None:
+        pass  # alone: no other process folds these events
+
     def read(self) -> list[dict[str, Any]]:
         return []
 
@@ -325,6 +374,9 @@ class LocalFallback:
             old.close()
             self.lost(e, "while serving", old.path)
         return getattr(self.journal, call)(*args)
+
+    def join(self, settings: dict[str, Any]) -> None:
+        self._try("join", settings)
 
     def read(self) -> list[dict[str, Any]]:
         return self._try("read")
@@ -476,18 +528,38 @@ class Journal:
     def snapshot_path(self) -> Path:
         return self.path.with_suffix(".snapshot.json")
 
+    @property
+    def fold_path(self) -> Path:
+        """The fold record (`joined`: the settings its running processes fold under)."""
+        return self.path.with_suffix(".fold.json")
+
+    def _replace(self, path: Path, text: str) -> None:
+        """Write `path` whole or not at all: a temporary file, fsynced, renamed over it."""
+        tmp = self.path.parent / f".{self.path.stem}.{self.owner}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def join(self, settings: dict[str, Any]) -> None:
+        """Record this process in the fold record under `settings`, or `FoldSettingsDiffer`
+        (`joined`); under the journal's exclusive lock, so two that start at once agree."""
+        with self._locked(fcntl.LOCK_EX):
+            try:
+                record = json.loads(self.fold_path.read_text())
+            except (OSError, ValueError):
+                record = None  # none yet, or unreadable: written anew
+            self._replace(self.fold_path, json.dumps(
+                joined(record, settings, self.owner, self.alive, self.path)))
+
     def write_snapshot(self, state: dict[str, Any]) -> None:
         """Save the state folded from the journal up to `offset` (atomically, see above)."""
         if self.fsync:  # the admissions it covers (not fsynced when appended) reach the disk
             os.fsync(self._fd)
-        tmp = self.path.parent / f".{self.path.stem}.{self.owner}.tmp"
-        with open(tmp, "w") as f:
-            f.write(snapshot_json(self.checksum, self.created, self._offset,
-                                  self._digest.hexdigest(), state))
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, self.snapshot_path)
+        self._replace(self.snapshot_path, snapshot_json(
+            self.checksum, self.created, self._offset, self._digest.hexdigest(), state))
 
     def read_snapshot(self) -> dict[str, Any] | None:
         """The latest snapshot's state, positioned at its offset; None when there is none,

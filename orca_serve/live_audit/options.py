@@ -234,6 +234,21 @@ def store_info(bundle: Any, probe: ProbeSettings) -> dict[str, Any]:
             "source": "orca-serve live audit"}
 
 
+def fold_flags(config: AuditConfig) -> dict[str, Any]:
+    """The flags that change how the journal's events fold into the guards' decisions (the
+    stop audit's, `orca_serve.live_audit.state`, and the vote's, `votes`), by name: the
+    processes that fold one journal at once must agree on them (journal.py `joined`: a replica
+    of a fleet with others is refused). The one list of them. The window is None unless a
+    guard recalibrates, the only time the fold reads it. What only picks, labels or stores
+    audits (the rates, the seed, the directory, the queue, the answer probes) is not here."""
+    return {"--orca-on-alarm": str(config.on_alarm),
+            "--orca-audit-epsilon-split": str(config.epsilon_split),
+            "--orca-recalibrate-window": config.window
+            if config.on_alarm == OnAlarm.RECALIBRATE else None,
+            "--orca-audit-drift-acts": config.drift_acts,
+            "--orca-guard-other-labels": config.other_labels}
+
+
 def guard_epsilon(epsilon: float, deltas: int, split: EpsilonSplit) -> float:
     """The level each delta's guard spends: the bundle's epsilon, or a k-th of it (JOINT)."""
     return epsilon / max(1, deltas) if split == EpsilonSplit.JOINT else epsilon

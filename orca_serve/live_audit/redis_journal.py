@@ -6,6 +6,7 @@ every process, under keys named by the bundle's full checksum:
     orca:guard:<checksum>:events     a list, one JSON event per element: the total order
     orca:guard:<checksum>:created    when the list was started (tells it from a recreated one)
     orca:guard:<checksum>:snapshot   the folded state and the list length it covers
+    orca:guard:<checksum>:fold       the settings the fleet folds under, and who joined
     orca:guard-owner:<owner>         exists while that process runs (a TTL its heartbeat renews)
 
 - **Order**: an append is one server-side script, so atomic: it pushes the event and returns
@@ -28,6 +29,10 @@ every process, under keys named by the bundle's full checksum:
   one lock, so a beat never runs on a closed client nor sets the key again after `close`
   deleted it; a renewal that fails (any exception) is logged and retried at the next beat,
   never ending the heartbeat.
+- **Settings**: a replica joins (`join`) in one optimistic transaction on the `fold` key
+  (WATCH, then MULTI): the fleet's settings are the first replica's, a replica whose settings
+  differ while one that joined runs (its owner key lives) is refused, naming each flag
+  (journal.py `joined`); once none runs, the next one's settings become the fleet's.
 - **Snapshots** carry the SHA-256 of the last event they cover, checked against the list
   before one is used (as the file journal's digest: journal.py, "Snapshots"), and corrupt
   elements are skipped by the file journal's rule (journal.py, "Corrupt lines").
@@ -51,7 +56,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from orca_serve.live_audit.journal import parse_events, read_snapshot_json, snapshot_json
+from orca_serve.live_audit.journal import (
+    joined,
+    parse_events,
+    read_snapshot_json,
+    snapshot_json,
+)
 
 logger = logging.getLogger("orca_serve.live_audit")
 
@@ -102,8 +112,8 @@ class RedisJournal:
         self._client = redis.Redis.from_url(url, socket_timeout=timeout,
                                             socket_connect_timeout=timeout)
         prefix = f"orca:guard:{checksum}"
-        self._events, self._created_key, self._snapshot = (
-            f"{prefix}:events", f"{prefix}:created", f"{prefix}:snapshot")
+        self._events, self._created_key, self._snapshot, self._fold = (
+            f"{prefix}:events", f"{prefix}:created", f"{prefix}:snapshot", f"{prefix}:fold")
         self.path = f"{shown_url(url)} {self._events}"
         self._script = self._client.register_script(_APPEND_READ)
         self._offset = 0  # list elements this process has read
@@ -153,6 +163,26 @@ class RedisJournal:
         events, skipped = parse_events(new, self.path)
         self.skipped += skipped
         return events
+
+    def join(self, settings: dict[str, Any]) -> None:
+        """Record this replica in the fold record under `settings`, or `FoldSettingsDiffer`
+        (module docstring, "Settings"); retried when another replica joined meanwhile."""
+        with self._client.pipeline() as p:
+            while True:
+                try:
+                    p.watch(self._fold)
+                    raw = p.get(self._fold)
+                    try:
+                        record = json.loads(raw) if raw is not None else None
+                    except ValueError:
+                        record = None  # unreadable: written anew
+                    record = joined(record, settings, self.owner, self.alive, self.path)
+                    p.multi()
+                    p.set(self._fold, json.dumps(record))
+                    p.execute()
+                    return
+                except redis.WatchError:
+                    continue
 
     def read(self) -> list[dict[str, Any]]:
         return self._call("")

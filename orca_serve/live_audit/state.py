@@ -44,11 +44,12 @@ from orca_serve.live_audit.journal import (
     SNAPSHOT_EVERY,
     AuditOutcome,
     EventJournal,
+    FoldSettingsDiffer,
     is_drift,
     is_vote,
 )
 from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE
-from orca_serve.live_audit.options import EPSILON_SPLITS, AuditConfig, guard_epsilon
+from orca_serve.live_audit.options import EPSILON_SPLITS, AuditConfig, fold_flags, guard_epsilon
 from orca_serve.live_audit.votes import VoteAudit
 
 logger = logging.getLogger("orca_serve.live_audit")
@@ -183,9 +184,15 @@ class AuditState:
 
     # -- the events (the only way the guards' state changes) ----------------------------------
     def _attach(self, journal: EventJournal) -> None:
-        """Take the journal of this bundle (at construction): replay what it holds (earlier
-        processes, or others running now), then journal every event; audits a dead process
-        left open are lost."""
+        """Take the journal of this bundle (at construction): join the processes that fold it
+        now, under the same flags (`fold_flags`; other ones: `FoldSettingsDiffer`, the journal
+        closed), replay what it holds (earlier processes, or others running now), then journal
+        every event; audits a dead process left open are lost."""
+        try:
+            journal.join(fold_flags(self.config))
+        except FoldSettingsDiffer:
+            journal.close()
+            raise
         self.journal = journal
         state = journal.read_snapshot()
         if state is not None and state.get("settings") == self._settings():
@@ -211,7 +218,8 @@ class AuditState:
         """What the fold depends on besides the events: a snapshot folded under other settings
         is not used (the journal is replayed under the current ones instead). A one-sided
         bundle's settings are what they were before the give-up guards existed, so its
-        snapshots stay usable."""
+        snapshots stay usable. Derived from the flags that processes folding the journal at
+        once must share (`fold_flags`, checked when attaching)."""
         out: dict[str, Any] = {"on_alarm": [g.on_alarm for g in self.guards.values()],
                                "window": self.config.window, "guard_epsilon": self.guard_epsilon,
                                # how a censored audit is folded (guards.cut_feed): snapshots
