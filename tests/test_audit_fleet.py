@@ -403,6 +403,26 @@ def test_a_store_restored_from_an_older_save_is_left_after_it_grew_back(redis_st
         audit.state.journal.close()
 
 
+def test_events_appended_without_the_chain_are_chained_not_taken_for_a_rollback(redis_store):
+    """Elements pushed by a replica that keeps no running digest (an older version, during a
+    rolling upgrade) are chained by the next script: the replicas that read them stay on the
+    store, one that joins afterwards folds the same state, and the chain is the list's length."""
+    a = _on_store(redis_store.url)
+    a.observe(*known_loss(False))
+    r = redis.Redis.from_url(redis_store.url)
+    events = f"orca:guard:{bundle().checksum}:events"
+    r.rpush(events, '{"a":"old"}', '{"r":2,"o":"risk","s":[1.0,1.0],"l":[0,1]}')
+    b = _on_store(redis_store.url)
+    for audit in (a, b):
+        audit.observe(*known_loss(False))
+    a.state.sync()
+    assert a.table()["store"]["up"] and b.table()["store"]["up"]
+    assert a.table()["deltas"] == b.table()["deltas"] and a.state.guard(DELTA).cs.n == 4
+    assert r.llen(f"orca:guard:{bundle().checksum}:chain") == r.llen(events) == 8
+    for audit in (a, b):
+        audit.state.journal.close()
+
+
 @pytest.mark.parametrize("argv, error", [
     (["--orca-audit-store", "http://x:1"], "is not a Redis URL"),
     (["--orca-audit-store", "redis://x:1/0", "--orca-audit-rate", "0"], "no request would"),

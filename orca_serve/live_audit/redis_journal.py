@@ -4,6 +4,7 @@ The same events as the file journal (orca_serve/live_audit/journal.py), in the s
 every process, under keys named by the bundle's full checksum:
 
     orca:guard:<checksum>:events     a list, one JSON event per element: the total order
+    orca:guard:<checksum>:chain      the running digest after each element (40 hex each)
     orca:guard:<checksum>:created    when the list was started (tells it from a recreated one)
     orca:guard:<checksum>:snapshot   the folded state and the list length it covers
     orca:guard:<checksum>:fold       the settings the fleet folds under, and who joined
@@ -15,14 +16,21 @@ every process, under keys named by the bundle's full checksum:
   every process applies the same list in the same order, as `flock` does for the file.
 - **Reading** costs one round trip per request (the list's length, its start marker and what
   is new). A list that is shorter than what this process already read, whose start marker
-  changed, or whose last `TAIL` elements before this process's read position are not the ones
-  it read there, was rolled back or recreated by the store (a restart without persistence or
-  from an older save, a flush): that raises `StoreRolledBack`, and the caller stops using the
-  store (fleet.py), because events others applied are gone and the processes' states can no
-  longer agree. The script checks before it pushes, so a process that finds the list rolled
-  back adds nothing to it; and the tail is compared because a list restored from an older save
-  may have grown back past this process's position (the other replicas append meanwhile) before
-  this process reads again, and then neither its length nor its start marker tells.
+  changed, or whose running digest at this process's read position is not the one this
+  process computed over what it read, was rolled back or recreated by the store (a restart
+  without persistence or from an older save, a flush): that raises `StoreRolledBack`, and the
+  caller stops using the store (fleet.py), because events others applied are gone and the
+  processes' states can no longer agree. The script checks before it pushes, so a process that
+  finds the list rolled back adds nothing to it. The digest is needed because a list restored
+  from an older save may have grown back past this process's position (the other replicas
+  append meanwhile) before this process reads again, and then neither its length nor its start
+  marker tells; it covers every element up to the position, since the elements appended after
+  the restore can equal the lost ones at the end and differ before (a vote's events carry no
+  number: ten groups without error read the same, whoever ran them), which a comparison of the
+  last few missed. The `chain` list holds it after each element, sha1(previous digest + the
+  element), appended by the script with the element; elements a process that keeps no chain
+  appended (an older version, during a rolling upgrade) are chained by the next script that
+  runs, and a chain longer than the list (the list alone cut, by hand) is cut to it.
 - **Owners**: each process sets its owner key with a TTL (`OWNER_TTL`) and a daemon thread
   renews it every third of that; a process that died stops renewing, its key expires, and the
   next process that reaps journals its open admissions as `lost`. A renewal and `close` take
@@ -33,8 +41,8 @@ every process, under keys named by the bundle's full checksum:
   (WATCH, then MULTI): the fleet's settings are the first replica's, a replica whose settings
   differ while one that joined runs (its owner key lives) is refused, naming each flag
   (journal.py `joined`); once none runs, the next one's settings become the fleet's.
-- **Snapshots** carry the SHA-256 of the last event they cover, checked against the list
-  before one is used (as the file journal's digest: journal.py, "Snapshots"), and corrupt
+- **Snapshots** carry the running digest of the events they cover, checked against the
+  chain before one is used (as the file journal's digest: journal.py, "Snapshots"), and corrupt
   elements are skipped by the file journal's rule (journal.py, "Corrupt lines").
 - **Durability** is the server's: with `appendonly yes` and `appendfsync always` an event
   acknowledged is on the store's disk (the file journal's guarantee); with Redis's default
@@ -50,7 +58,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -68,25 +75,42 @@ logger = logging.getLogger("orca_serve.live_audit")
 OWNER_TTL = 15.0  # seconds an owner key lives without a heartbeat
 TIMEOUT = 2.0  # seconds a store call may take before the store counts as unreachable
 
-TAIL = 8  # elements before the read position compared with what this process read there
-
-# KEYS: events, created. ARGV: the event (or "" to only read), the read position, the start
-# marker read, the SHA-1 of the last elements read (joined by newlines) and how many they are.
-# Returns {length, events after the position and before the pushed one}, or {-1, length}
-# without pushing when the list is not the one this process read (module docstring).
+# KEYS: events, created, chain. ARGV: the event (or "" to only read), the read position, the
+# start marker read, the running digest at the read position ("" at 0). Chains what is not
+# chained yet, then returns {length, events after the position and before the pushed one}, or
+# {-1, length} without pushing when the list is not the one this process read (module
+# docstring).
 _APPEND_READ = """
 local n = redis.call('LLEN', KEYS[1])
 local from = tonumber(ARGV[2])
-local k = tonumber(ARGV[5])
-if n < from or redis.call('GET', KEYS[2]) ~= ARGV[3] or (k > 0 and redis.sha1hex(
-    table.concat(redis.call('LRANGE', KEYS[1], from - k, from - 1), '\\n')) ~= ARGV[4]) then
-  return {-1, n}
+if n < from or redis.call('GET', KEYS[2]) ~= ARGV[3] then return {-1, n} end
+local m = redis.call('LLEN', KEYS[3])
+if m > n then
+  redis.call('LTRIM', KEYS[3], 0, n - 1)
+  m = n
 end
+local d = ''
+if m > 0 then d = redis.call('LINDEX', KEYS[3], m - 1) end
+if m < n then
+  for _, e in ipairs(redis.call('LRANGE', KEYS[1], m, n - 1)) do
+    d = redis.sha1hex(d .. e)
+    redis.call('RPUSH', KEYS[3], d)
+  end
+end
+if from > 0 and redis.call('LINDEX', KEYS[3], from - 1) ~= ARGV[4] then return {-1, n} end
 local new = {}
 if n > from then new = redis.call('LRANGE', KEYS[1], from, n - 1) end
-if ARGV[1] ~= '' then n = redis.call('RPUSH', KEYS[1], ARGV[1]) end
+if ARGV[1] ~= '' then
+  n = redis.call('RPUSH', KEYS[1], ARGV[1])
+  redis.call('RPUSH', KEYS[3], redis.sha1hex(d .. ARGV[1]))
+end
 return {n, new}
 """
+
+
+def chained(digest: str, element: bytes) -> str:
+    """The running digest after `element` (the script's `redis.sha1hex(d .. e)`)."""
+    return hashlib.sha1(digest.encode() + element).hexdigest()
 
 
 class StoreRolledBack(redis.RedisError):
@@ -112,13 +136,13 @@ class RedisJournal:
         self._client = redis.Redis.from_url(url, socket_timeout=timeout,
                                             socket_connect_timeout=timeout)
         prefix = f"orca:guard:{checksum}"
-        self._events, self._created_key, self._snapshot, self._fold = (
-            f"{prefix}:events", f"{prefix}:created", f"{prefix}:snapshot", f"{prefix}:fold")
+        self._events, self._created_key, self._chain_key, self._snapshot, self._fold = (
+            f"{prefix}:events", f"{prefix}:created", f"{prefix}:chain", f"{prefix}:snapshot",
+            f"{prefix}:fold")
         self.path = f"{shown_url(url)} {self._events}"
         self._script = self._client.register_script(_APPEND_READ)
         self._offset = 0  # list elements this process has read
-        # the last elements before _offset: the rollback check's, and a snapshot's (the last)
-        self._tail: deque[bytes] = deque(maxlen=TAIL)
+        self._chain = ""  # the running digest of those (the rollback check's, a snapshot's)
         self.skipped = 0
         self._renew()  # first: reaping by others must not see our admissions as orphans
         self._client.set(self._created_key, repr(time.time()), nx=True)
@@ -151,15 +175,15 @@ class RedisJournal:
                                    exc_info=True)
 
     def _call(self, event: str) -> list[dict[str, Any]]:
-        tail = hashlib.sha1(b"\n".join(self._tail)).hexdigest()
-        n, new = self._script(keys=[self._events, self._created_key],
-                              args=[event, self._offset, self.created, tail, len(self._tail)])
+        n, new = self._script(keys=[self._events, self._created_key, self._chain_key],
+                              args=[event, self._offset, self.created, self._chain])
         if n < 0:
             raise StoreRolledBack(f"the store's {self._events} no longer holds the events "
                                   f"this process applied ({new} events now, {self._offset} "
                                   "read, or another start marker, or other events before)")
         self._offset = int(n)
-        self._tail.extend(new)
+        for element in new:
+            self._chain = chained(self._chain, element)
         events, skipped = parse_events(new, self.path)
         self.skipped += skipped
         return events
@@ -191,36 +215,33 @@ class RedisJournal:
         """Append one event (durable or not is the store's configuration: module docstring)."""
         line = json.dumps(event, separators=(",", ":"))
         before = self._call(line)
-        self._tail.append(line.encode())
+        self._chain = chained(self._chain, line.encode())
         return [*before, event]
-
-    def _last(self) -> bytes | None:
-        """The element at _offset - 1, if this process read one."""
-        return self._tail[-1] if self._tail else None
-
-    @staticmethod
-    def _digest(element: bytes | None) -> str:
-        return hashlib.sha256(element or b"").hexdigest()
 
     def write_snapshot(self, state: dict[str, Any]) -> None:
         self._client.set(self._snapshot, snapshot_json(self.checksum, self.created, self._offset,
-                                                       self._digest(self._last()), state))
+                                                       self._chain, state))
 
     def read_snapshot(self) -> dict[str, Any] | None:
+        """The snapshot's state when the chain holds its digest at its offset (a chain that
+        lags there, elements appended by a process that keeps none: replayed whole)."""
+        digests: dict[int, str] = {}
+
+        def digest(at: int) -> str:
+            found = self._client.lindex(self._chain_key, at - 1)
+            digests[at] = "" if found is None else found.decode()
+            return digests[at]
+
         found = read_snapshot_json(self._client.get(self._snapshot), self.checksum, self.created,
-                                   self._client.llen(self._events),
-                                   lambda at: self._digest(self._client.lindex(self._events,
-                                                                               at - 1)))
+                                   self._client.llen(self._events), digest)
         if found is None:
             return None
         self._offset, state = found
-        self._tail = deque(self._client.lrange(self._events, max(0, self._offset - TAIL),
-                                               self._offset - 1), maxlen=TAIL)
+        self._chain = digests[self._offset]
         return state
 
     def rewind(self) -> None:
-        self._offset, self.skipped = 0, 0
-        self._tail.clear()
+        self._offset, self.skipped, self._chain = 0, 0, ""
 
     def alive(self, owner: str) -> bool:
         return owner == self.owner or bool(self._client.exists(self._owner_key(owner)))
