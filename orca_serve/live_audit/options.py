@@ -239,8 +239,10 @@ def fold_flags(config: AuditConfig) -> dict[str, Any]:
     stop audit's, `orca_serve.live_audit.state`, and the vote's, `votes`), by name: the
     processes that fold one journal at once must agree on them (journal.py `joined`: a replica
     of a fleet with others is refused). The one list of them. The window is None unless a
-    guard recalibrates, the only time the fold reads it. What only picks, labels or stores
-    audits (the rates, the seed, the directory, the queue, the answer probes) is not here."""
+    guard recalibrates, the only time the fold reads it; the others count whatever the bundle
+    (a process's flags outlive a hot reload to a bundle for which they matter). What only
+    picks, labels or stores audits (the rates, the seed, the directory, the queue, the answer
+    probes) is not here."""
     return {"--orca-on-alarm": str(config.on_alarm),
             "--orca-audit-epsilon-split": str(config.epsilon_split),
             "--orca-recalibrate-window": config.window
