@@ -29,12 +29,15 @@ from tests.core_sim import (
     ID,
     POLICY_XA,
     TOKENS,
+    DeviceTensor,
+    FactoryWatch,
     SimRequest,
     join_due,
     make_core,
     reference,
     run,
     sim_probe,
+    to_device,
 )
 
 WRONG = [ID["\n\n"], ID[".\n\n"], ID["a"], ID["x"]]
@@ -189,6 +192,31 @@ def test_a_boundary_inside_rejected_drafts_does_not_count(bundle_path):
             assert want[s.name][f] == got[s.name][f], (s.name, f)
     assert [s.out for s in plain_sims] == [s.out for s in spec_sims]
 
+
+def test_a_step_with_drafts_never_waits_for_the_device(bundle_path, monkeypatch):
+    """The core's sync check (tests/core_sim.py) on engine steps with drafts: parking the draft
+    rows and replaying the accepted ones builds no host tensor on the device and reads no device
+    value; each core call of the step stages in one copy and reads back in at most one (the
+    replay's documented wait is that readback: docs/PLUGIN.md, "Speculative decoding")."""
+    core = make_core(bundle_path, max_num_seqs=9)
+    to_device(core)
+    per_step: list[list[str]] = []
+    step = DraftSteps.step
+
+    def counted(self, entries, hidden, logits) -> None:
+        DeviceTensor.log = []
+        with FactoryWatch():
+            step(self, entries, hidden.as_subclass(DeviceTensor),
+                 logits.as_subclass(DeviceTensor))
+        per_step.append(DeviceTensor.log)
+        DeviceTensor.log = []
+
+    monkeypatch.setattr(DraftSteps, "step", counted)
+    assert run_speculative(core, _sims(0), 3, 0.7, 0) >= 50
+    assert any(log.count("h2d copy_") > 1 for log in per_step)  # accepted drafts were replayed
+    for log in per_step:
+        assert set(log) <= {"h2d copy_", "d2h copy_"}, log
+        assert log.count("d2h copy_") <= log.count("h2d copy_"), log
 
 
 def test_speculation_pins_the_v1_runner_or_refuses_model_runner_v2(monkeypatch):

@@ -110,9 +110,10 @@ class DraftSteps:
                 req.fail(f"captured {got} hidden rows for {logits.shape[0]} logits rows")
             drafts = []
         if drafts:
-            idx = torch.tensor([r for _, _, a, k in drafts for r in range(a, a + k)],
-                               device=hidden.device)
-            rows = hidden.index_select(0, idx)  # [sum k, d]: a copy, the step's tensor may go
+            # [sum k, d]: a copy (the step's tensor may go), gathered from each request's
+            # contiguous draft rows by slicing: an index tensor would be a host-to-device copy
+            # from pageable memory, which waits for the device
+            rows = torch.cat([hidden[a:a + k] for _, _, a, k in drafts])
             off = 0
             for req, n, a, k in drafts:
                 self._parked[req.ident] = (req, n, rows[off:off + k])
