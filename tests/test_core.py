@@ -27,6 +27,8 @@ from tests.core_sim import (
     POLICY_XA,
     PROMPT,
     SimRequest,
+    DeviceTensor,
+    FactoryWatch,
     count_copies,
     first_cross,
     make_core,
@@ -209,6 +211,37 @@ def test_engine_step_makes_at_most_one_device_to_host_copy(bundle_path, other_bu
         assert {r["bundle_checksum"] for r in res.values()} == {core.dep.checksum, other}
     if gated:  # the gate decided on the device, and the host learned it from the readback
         assert any(r.get("shift_flagged") for r in res.values())
+
+
+def test_a_record_mode_request_ends_without_waiting_for_the_device(bundle_path):
+    """A record-mode request that ends mid-step has its result built, with the unfinished
+    step's embedding, when it leaves: in the engine step's path (a batch update, or the settle
+    of a deferred leave at the next step). Building it makes no host tensor on the device and
+    reads no device value (the embeddings reach the host when the result is fetched)."""
+    core = make_core(bundle_path, max_num_seqs=4)
+    to_device(core)
+    per_step = count_copies(core)
+    leave, leaves = core.leave, []
+
+    def counted_leave(req, final) -> None:
+        DeviceTensor.log = []
+        with FactoryWatch():
+            leave(req, final)
+        leaves.append(DeviceTensor.log)
+        DeviceTensor.log = []
+
+    core.leave = counted_leave
+    rng = random.Random(4)
+    sims = [SimRequest(f"r{i}", rng, xa={XARG_KEY: f"r{i}", "orca_record": 1,
+                                         "orca_policy": "shadow"},
+                       max_tokens=30 + 7 * i, join_at=i) for i in range(3)]
+    run(core, sims)
+    res = core.pop_results([s.name for s in sims])
+    # most ended inside a step: their results hold the unfinished step
+    assert sum(len(r["step_tokens"]) == r["steps_scored"] + 1 for r in res.values()) >= 2
+    assert len(leaves) == 3 and all(log == [] for log in leaves), leaves
+    for log in per_step:  # the deferred leaves settle inside the step
+        assert set(log) <= {"h2d copy_", "d2h copy_"} and len(log) <= 2, log
 
 
 # -- hot reload: several deployments live at once ---------------------------------------------------

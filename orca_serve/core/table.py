@@ -180,8 +180,9 @@ class RequestTable:
                 src = (self.pool.A[req.slot], self.pool.S[req.slot])
             elif req.snapshot is not None:
                 src = req.snapshot[0][:2]
-            if src is not None:
-                count = torch.tensor([req.seg.pending], device=src[0].device)
+            if src is not None:  # built in the step's path (a leave): filled on the device,
+                # not copied from a host list (a pageable copy waits for the device)
+                count = torch.full((1,), req.seg.pending, device=src[0].device)
                 pending = finish_step((src[0] + src[1])[None], count, self.normalization)[0]
         return req.result(pending)
 
