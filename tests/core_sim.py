@@ -286,8 +286,7 @@ def to_device(obj) -> None:
     staging = obj.device_step.staging
     staging.copy = True  # a real device needs the staging copy (a CPU one skips it)
     staging._dev = conv(staging._dev)
-    for dep in obj.deps.values():
-        bank = dep.bank
+    def conv_bank(bank) -> None:
         bank._fast = {k: conv(v) for k, v in bank._fast.items()}
         bank._buf = {k: conv(v) for k, v in bank._buf.items()}
         bank._scratch = conv(bank._scratch)
@@ -298,6 +297,11 @@ def to_device(obj) -> None:
         if bank.gate is not None:  # the shift gate's reference lives on the device too
             g = bank.gate
             g.mean, g.basis, g.var = conv(g.mean), conv(g.basis), conv(g.var)
+        if bank.give_up is not None:  # the give-up probe's bank (a two-sided bundle)
+            conv_bank(bank.give_up)
+
+    for dep in obj.deps.values():
+        conv_bank(dep.bank)
 
 
 def count_copies(core: OrcaCore) -> list[list[str]]:

@@ -17,7 +17,7 @@ import random
 import pytest
 
 from orca_method.bundle import BundleError, load_bundle
-from orca_serve.settings.contract import XARG_BUNDLE, XARG_KEY, XARG_LAM
+from orca_serve.settings.contract import XARG_BUNDLE, XARG_GIVE_UP_MU, XARG_KEY, XARG_LAM
 from orca_serve.core.registry import open_reasoning_tokens
 from tests.core_sim import (
     DIM,
@@ -31,6 +31,7 @@ from tests.core_sim import (
     FactoryWatch,
     count_copies,
     first_cross,
+    gated_sim_bundle,
     make_core,
     reference,
     run,
@@ -211,6 +212,40 @@ def test_engine_step_makes_at_most_one_device_to_host_copy(bundle_path, other_bu
         assert {r["bundle_checksum"] for r in res.values()} == {core.dep.checksum, other}
     if gated:  # the gate decided on the device, and the host learned it from the readback
         assert any(r.get("shift_flagged") for r in res.values())
+
+
+@pytest.fixture(scope="module")
+def two_sided_bundle_path(tmp_path_factory):
+    """The sim bundle made two-sided: a give-up score of 0.12 at every step (mu 0.2 gives up)."""
+    return gated_sim_bundle(tmp_path_factory.mktemp("two") / "bundle.json", None)
+
+
+@pytest.mark.parametrize("kind", ["keywords", "give_up"])
+def test_keyword_and_give_up_steps_wait_no_more(keyword_bundle_path, two_sided_bundle_path,
+                                                 kind):
+    """The sync check above on the two paths its bundles leave out: a keyword table (sections
+    merge: the A sums are read and rewritten on the device) and a give-up probe (a second bank
+    scored each step, its give-up forcing the stop's first token on the device)."""
+    keywords = kind == "keywords"
+    core = make_core(keyword_bundle_path if keywords else two_sided_bundle_path, max_num_seqs=4)
+    to_device(core)
+    rng = random.Random(3)
+    xa = {} if keywords else {XARG_LAM: "inf", XARG_GIVE_UP_MU: 0.2}
+    sims = [SimRequest(f"r{i}", rng, xa={XARG_KEY: f"r{i}", "orca_policy": p, **xa},
+                       max_tokens=90, join_at=i, preempt_at=10 if i == 1 else None,
+                       lag_from=20 if i == 2 else None)
+            for i, p in enumerate(["stop", "answer", "shadow", "answer"])]
+    per_step = count_copies(core)
+    run(core, sims)
+    res = core.pop_results([s.name for s in sims])
+    if keywords:
+        assert core.dep.table.keyword_re is not None
+        assert sum(r["steps_scored"] for r in res.values()) >= 4
+    else:
+        assert sum(r["stop_reason"] == "give_up" for r in res.values()) == 3  # not the shadow
+    for log in per_step:
+        assert set(log) <= {"h2d copy_", "d2h copy_"} and len(log) <= 2, log
+    assert sum("d2h copy_" in log for log in per_step) >= 4  # the readback is seen
 
 
 def test_a_record_mode_request_ends_without_waiting_for_the_device(bundle_path):
