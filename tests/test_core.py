@@ -18,6 +18,7 @@ import pytest
 
 from orca_method.bundle import BundleError, load_bundle
 from orca_serve.settings.contract import XARG_BUNDLE, XARG_GIVE_UP_MU, XARG_KEY, XARG_LAM
+from orca_serve.core import engine
 from orca_serve.core.registry import open_reasoning_tokens
 from tests.core_sim import (
     DIM,
@@ -277,6 +278,37 @@ def test_a_record_mode_request_ends_without_waiting_for_the_device(bundle_path):
     assert len(leaves) == 3 and all(log == [] for log in leaves), leaves
     for log in per_step:  # the deferred leaves settle inside the step
         assert set(log) <= {"h2d copy_", "d2h copy_"} and len(log) <= 2, log
+
+
+def test_a_step_that_fails_to_stage_still_marks_its_end(bundle_path, monkeypatch):
+    """A step whose staging copy fails (more values than the buffer holds) fails its requests,
+    never the engine, and still marks its end on the fence. Unmarked, the next step that
+    reused its staging buffer took it for finished and recorded a step as done that had not
+    been marked yet: that step's readback was then read without waiting for the device."""
+    core = make_core(bundle_path, max_num_seqs=2)
+    plan_step, steps = engine.plan_step, [0]
+
+    def oversized_once(entries, n_rows, stats):
+        plan = plan_step(entries, n_rows, stats)
+        steps[0] += 1
+        if steps[0] == 5:
+            plan.forced_rows += [0] * core.device_step.staging._dev.numel()
+        return plan
+
+    monkeypatch.setattr(engine, "plan_step", oversized_once)
+    fence, wait = core.device_step.fence, core.device_step.fence.wait
+    claimed: list[tuple[int, int]] = []  # (steps known done, steps marked) after each wait
+
+    def checked_wait(step: int) -> None:
+        wait(step)
+        claimed.append((fence._done, fence.marked))
+
+    fence.wait = checked_wait
+    rng = random.Random(0)
+    sims = [SimRequest(n, rng, xa={XARG_KEY: n}, max_tokens=20, join_at=0) for n in "ab"]
+    run(core, sims)
+    assert "internal error" in core.pop_results(["a"])["a"]["error"]
+    assert len(claimed) > 10 and all(done <= marked for done, marked in claimed), claimed
 
 
 # -- hot reload: several deployments live at once ---------------------------------------------------

@@ -31,15 +31,17 @@ class DeviceStep:
                  normalization: Normalization) -> None:
         self.pool = SlotPool(capacity, hidden_size, device)
         self.fence = Fence(device)
-        # every staged vector has at most `capacity` values
+        # room for `capacity` values per staged vector, shared: the forcing vectors (cand_*,
+        # forced_*, greedy_rows) hold up to 1 + k values per request under speculative
+        # decoding with k drafts; a step that does not fit fails its requests, not the engine
         self.staging = Staging(len(IDX) * capacity, device, pin, self.fence)
         self.readback = Readback(capacity, device, pin, self.fence)
         self.normalization = normalization
 
     def run(self, p: StepPlan, hidden: Tensor | None, logits: Tensor) -> None:
         """hidden: [rows, d] captured rows, logits: [rows, vocab] (changed in place)."""
-        v = self.staging.upload(p.staged())
-        try:
+        try:  # marked even when the staging fails: its buffer counts this step as its user
+            v = self.staging.upload(p.staged())
             self._pool_tokens(p, v, hidden, logits.shape[0])
             if p.op_slots:
                 self._finish_steps(p, v, logits)
