@@ -46,9 +46,8 @@ class Deployment:
                  shift_alpha: float | None = None,
                  gate_alarm: float = DEFAULTS.gate_alarm) -> None:
         self.bundle = None
-        path = cfg.bundle
-        if path:
-            self.bundle = load_bundle(path)
+        if cfg.bundle:
+            self.bundle = load_bundle(cfg.bundle)
             check_model(self.bundle, hidden_size, tokenizer.get_vocab(), model_name)
             seg_cfg, think = self.bundle.segmentation, self.bundle.think
             self.normalization = self.bundle.normalization
@@ -56,8 +55,6 @@ class Deployment:
             seg_cfg = Segmentation(**(cfg.segmentation or {}))
             think = ThinkTags(**(cfg.think or {}))
             self.normalization = cfg.normalization
-        self.path = path
-        self.think = think
         self.table = TokenTable.from_tokenizer(tokenizer, segmentation=seg_cfg, think=think,
                                                eos_ids=eos_ids)
         self.force_ids: list[int] = (tokenizer.encode(think.force_text, add_special_tokens=False)
@@ -74,7 +71,6 @@ class Deployment:
                                   give_up=None if g is None else
                                   (self.bundle.load_give_up_probe(), g.window),
                                   gate=self.gate, gate_lam=safe_lam(self.bundle, shift_action))
-        self.shift_action = shift_action
         # the gate alarm on this deployment's stream (core/gate_alarm.py; None: none): a bundle
         # loaded again keeps its deployment and so its alarm, a new bundle's starts afresh
         self.alarm: ArrivalFeed | None = alarm_feed(self.gate, shift_alpha, gate_alarm)
@@ -106,11 +102,6 @@ class Deployment:
     @property
     def default_delta(self) -> float | None:
         return None if self.bundle is None else self.bundle.default_delta
-
-    def summary(self) -> dict[str, Any]:
-        b = self.bundle
-        return {"bundle": self.path, "checksum": None if b is None else b.checksum,
-                "default_delta": self.default_delta, "normalization": self.normalization}
 
 
 class Deployments:

@@ -8,7 +8,7 @@ so nothing grows while serving.
 Host-to-device traffic of a step goes through `Staging`: every per-step index/flag/threshold
 vector is written on the host into one (pinned, where the device has pinned memory) float64
 buffer and copied with ONE non_blocking copy. float64 holds every index and every float32
-threshold exactly. Device-to-host traffic is the `Readback` (one [3, m] block per step). Both
+threshold exactly. Device-to-host traffic is the `Readback` (one [8, m] block per step). Both
 are ordered by one `Fence`: a reused event per step, waited on only when the host needs that
 step's device work finished and does not know it to be.
 """

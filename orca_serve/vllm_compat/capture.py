@@ -36,11 +36,10 @@ TOUCH_POINTS: tuple[str, ...] = (
 
 
 class _Stash:
-    __slots__ = ("calls", "rows")
+    __slots__ = ("rows",)
 
     def __init__(self) -> None:
         self.rows: torch.Tensor | None = None
-        self.calls = 0
 
 
 STASH = _Stash()
@@ -52,7 +51,6 @@ class OrcaCaptureLogitsLayer(_VllmLogitsLayer):
     def forward(self, lm_head, hidden_states: torch.Tensor, embedding_bias=None,
                 skip_gather: bool = False):
         STASH.rows = hidden_states  # [rows, hidden]
-        STASH.calls += 1
         return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
 
 
