@@ -48,6 +48,7 @@ from orca_serve.core.deployment import Deployment, Deployments
 from orca_serve.core.gate_alarm import take_ticket
 from orca_serve.core.device_step import DeviceStep
 from orca_serve.core.plan import StepPlan, apply_readback, plan_step
+from orca_serve.core.pooling import SlotPool
 from orca_serve.core.registry import Entry, Handle, Request, Results
 from orca_serve.core.table import RequestTable
 
@@ -112,7 +113,7 @@ class OrcaCore:
         return self.table.live
 
     @property
-    def pool(self):
+    def pool(self) -> SlotPool:
         return self.device_step.pool
 
     @property

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from orca_method.steps import Segmenter
+from orca_method.steps import Segmenter, TokenTable
 from orca_serve.settings.contract import OrcaResult, OrcaSettings, Policy, StopReason
 from orca_serve.core.deployment import Deployment
 
@@ -38,7 +38,7 @@ class Handle(Protocol):
 log = logging.getLogger("orca_serve.core")
 
 
-def open_reasoning_tokens(table: Any, prompt: Sequence[int] | None) -> int:
+def open_reasoning_tokens(table: TokenTable, prompt: Sequence[int] | None) -> int:
     """Tokens after the prompt's last start tag when the prompt leaves the reasoning open (a
     template that opens `<think>` in the generation prompt, e.g. `<think>` + newline): vLLM's
     `thinking_token_budget` counts them, so the server needs them to tell its stop from ours."""
@@ -53,15 +53,15 @@ def open_reasoning_tokens(table: Any, prompt: Sequence[int] | None) -> int:
 class Request:
     """Everything the core keeps about one engine request (a child of n > 1 is its own)."""
 
-    __slots__ = ("active", "alarm_ticket", "answer_budget", "attached", "bundle_checksum", "decided_until", "dep",
-                 "draft_rows", "eos", "error", "fetched", "forced", "gate_seen", "give_up_ids", "give_up_step",
-                 "greedy", "guard_pos", "handle", "ident", "ignore_eos", "index", "key", "lag",
-                 "last_give_up", "left_at", "max_tokens", "n_seen", "notes",
-                 "output", "plan", "policy", "prompt", "prompt_reasoning", "record", "scores",
-                 "seg", "settings", "shift_alarm", "shift_barred", "shift_flagged",
-                 "shift_pvalue", "shift_thr", "shift_thr_give_up", "slot", "snapshot",
-                 "step_counts", "step_embs", "steps_scored", "stop_reason", "stop_step",
-                 "stopped", "would_stop_step")
+    __slots__ = ("active", "alarm_ticket", "answer_budget", "attached", "bundle_checksum",
+                 "decided_until", "dep", "draft_rows", "eos", "error", "fetched", "forced",
+                 "gate_seen", "give_up_ids", "give_up_step", "greedy", "guard_pos", "handle",
+                 "ident", "ignore_eos", "index", "key", "lag", "last_give_up", "left_at",
+                 "max_tokens", "n_seen", "notes", "output", "plan", "policy", "prompt",
+                 "prompt_reasoning", "record", "scores", "seg", "settings", "shift_alarm",
+                 "shift_barred", "shift_flagged", "shift_pvalue", "shift_thr", "shift_thr_give_up",
+                 "slot", "snapshot", "step_counts", "step_embs", "steps_scored", "stop_reason",
+                 "stop_step", "stopped", "would_stop_step")
 
     def __init__(self, ident: str, settings: OrcaSettings, dep: Deployment, seg: Segmenter, *,
                  index: int, key: str | None, policy: Policy, max_tokens: int | None,

@@ -30,15 +30,20 @@ open, at most k tokens after the one plain decoding forces.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
 from orca_serve.core.registry import Entry, Request
 
+if TYPE_CHECKING:
+    from orca_serve.core.engine import OrcaCore
+
 UNKNOWN = -1  # a token id not known yet (async scheduling placeholder) or absent
 
+# an accepted draft to replay: (request, output length after it, its hidden row [d], output ids)
+Replay = tuple[Request, int, Tensor, Sequence[int]]
 
 
 class DraftEntry(NamedTuple):
@@ -80,9 +85,10 @@ class DraftSteps:
     """Parks the hidden rows of draft tokens until their fate is known, and replays the accepted
     ones through the core (see module docstring). One per core."""
 
-    def __init__(self, core) -> None:
+    def __init__(self, core: OrcaCore) -> None:
         self.core = core
-        self._parked: dict[str, tuple[Request, int, Tensor]] = {}  # ident -> (req, position, [k, d])
+        # ident -> (request, position of its first draft, the drafts' hidden rows [k, d])
+        self._parked: dict[str, tuple[Request, int, Tensor]] = {}
 
     def step(self, entries: Sequence[DraftEntry], hidden: Tensor | None, logits: Tensor) -> None:
         """One engine step. hidden: [rows, d] captured at the LM head, logits: [rows, vocab]
@@ -93,7 +99,7 @@ class DraftSteps:
         if not entries:
             core.step([], hidden, logits)
             return
-        replays: list[list[tuple[Request, int, Tensor, Sequence[int]]]] = []
+        replays: list[list[Replay]] = []
         final = []
         drafts: list[tuple[Request, int, int, int]] = []  # (req, n, first draft row, count)
         for req, first, count, out in entries:
@@ -139,7 +145,7 @@ class DraftSteps:
         req.decided_until = n
         self._replay([self._accepted(req, out, n)])
 
-    def _accepted(self, req: Request, out: Sequence[int], n: int) -> list[tuple]:
+    def _accepted(self, req: Request, out: Sequence[int], n: int) -> list[Replay]:
         """The parked drafts of `req` that are output tokens at output length n, as replay
         entries (request, output length after the token, its hidden row [d], output ids)."""
         parked = self._parked.pop(req.ident, None)
@@ -150,7 +156,7 @@ class DraftSteps:
         self.core.stats["drafts_accepted"] += accepted
         return [(req, m + j + 1, rows[j], out) for j in range(accepted)]
 
-    def _replay(self, replays: list[list[tuple[Request, int, Tensor, Sequence[int]]]]) -> None:
+    def _replay(self, replays: list[list[Replay]]) -> None:
         """Feed the accepted drafts, one token per request per core call, aligned so that every
         request's last replayed token comes right before its row-0 token."""
         depth = max((len(s) for s in replays), default=0)

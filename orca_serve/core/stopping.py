@@ -1,9 +1,10 @@
 """Stop planning: which tokens to force, at which output positions, once a request stops.
 
-Policies (`orca_serve.settings.contract.Policy`, asked through their rules): `stop` forces EOS at once; `answer` forces the
-end-of-thinking text, lets the model answer for `answer_budget` tokens, then forces EOS; `shadow`
-never forces (it only reports where it would have stopped). The budget guard closes the thinking
-of a policy-`answer` request early enough that an answer still fits in `max_tokens`.
+Policies (`orca_serve.settings.contract.Policy`, asked through their rules): `stop` forces EOS at
+once; `answer` forces the end-of-thinking text, lets the model answer for `answer_budget` tokens,
+then forces EOS; `shadow` never forces (it only reports where it would have stopped). The budget
+guard closes the thinking of a policy-`answer` request early enough that an answer still fits in
+`max_tokens`.
 
 The answer after a stop is decoded greedily, whatever the request's sampling: the guarantee is
 about the answer the calibration's probes forced, and they force it greedily. Sampled at the

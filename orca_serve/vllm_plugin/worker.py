@@ -32,6 +32,7 @@ find it instead).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from orca_method.errors import first_line
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 speculation.install()
 
 
-def processor_stats(processors: Any) -> dict[str, Any]:
+def processor_stats(processors: Iterable[CoreAdapter]) -> dict[str, Any]:
     """The cumulative stats of a worker's orca processors, added up (`max_step_ns`: the most)."""
     total: dict[str, Any] = {}
     for p in processors:
@@ -80,7 +81,7 @@ class OrcaWorkerExtension:
                         "plugin reads; requests are known by what the processor interface gives",
                         type(getattr(self, "model_runner", None)).__name__)
 
-    def _orca_processors(self) -> list:
+    def _orca_processors(self) -> list[CoreAdapter]:
         """Our processors in this worker (either runner's; `vllm_compat.runner`)."""
         return [p for p in processors_in(self) if isinstance(p, CoreAdapter)]
 
@@ -121,7 +122,8 @@ class OrcaWorkerExtension:
         return processor_stats(self._orca_processors()) if self._orca_reports() else {}
 
     # -- hot reload -------------------------------------------------------------------------------
-    def _orca_each(self, what: str, fn: Any, answer: Any) -> dict[str, Any]:
+    def _orca_each(self, what: str, fn: Callable[[CoreAdapter], Any],
+                   answer: Callable[[Any], ReloadAnswer]) -> dict[str, Any]:
         """Run `fn(processor)` on every processor of this worker; the wire form of
         `answer(the last processor's result)`, or of a refusal in one line."""
         procs = self._orca_processors()
