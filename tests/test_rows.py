@@ -19,8 +19,19 @@ from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from orca_serve.core.rows import Added, Moved, RowMap, Tracked
+from orca_serve.settings.contract import XARG_KEY
+from orca_serve.vllm_compat import capture
 from orca_serve.vllm_plugin.processor import OrcaLogitsProcessor
-from tests.core_sim import PROMPT, sim_bundle
+from tests.core_sim import (
+    DIM,
+    EOS,
+    PROMPT,
+    DeviceTensor,
+    FactoryWatch,
+    SimRequest,
+    sim_bundle,
+    to_device,
+)
 from tests.test_mrv2 import cpu_vllm, vllm_config  # noqa: F401 - cpu_vllm: autouse fixture
 
 
@@ -129,3 +140,79 @@ def test_the_v1_adapter_keeps_the_core_attached_to_exactly_the_rows_it_maps(tmp_
         attached = {id(q) for q in proc.core.live.values() if q.attached}
         assert attached == {id(q) for q in rows.values()}
     assert len(kept) > 300 and proc.get_stats()["parked_requests"] > 0  # it did real work
+
+
+def test_the_v1_adapter_never_waits_for_the_device(tmp_path_factory):
+    """The core's sync check (tests/core_sim.py) through the V1 adapter: batch updates as vLLM's
+    persistent batch sends them (additions into freed rows, removals, the tail moved into holes,
+    swaps, a preempted request re-added) and apply() on the step's captured rows. An update
+    reads and copies nothing; an apply() makes at most the core's two copies (staging in,
+    readback out)."""
+    proc = OrcaLogitsProcessor(vllm_config(sim_bundle(tmp_path_factory), 4),
+                               torch.device("cpu"), False)
+    to_device(proc.core)
+    rng = random.Random(5)
+    sims = [SimRequest(f"r{i}", rng, xa={XARG_KEY: f"r{i}", "orca_policy": p}, max_tokens=50,
+                       join_at=2 * i, preempt_at=12 if i == 1 else None)
+            for i, p in enumerate(["stop", "answer", "shadow", "answer", "stop"])]
+    params = {s.name: SamplingParams(max_tokens=s.max_tokens, extra_args=dict(s.xa))
+              for s in sims}
+    rows: dict[int, SimRequest] = {}
+    updates: list[list[str]] = []
+    applies: list[list[str]] = []
+
+    def logged(log: list[list[str]], fn: Callable[..., Any], *args: Any) -> Any:
+        DeviceTensor.log = []
+        with FactoryWatch():
+            out = fn(*args)
+        log.append(DeviceTensor.log)
+        DeviceTensor.log = []
+        return out
+
+    for t in range(300):
+        gone = sorted(r for r, s in rows.items() if s.out and (
+            s.out[-1] == EOS or len(s.out) >= s.max_tokens or len(s.out) == s.preempt_at))
+        for r in gone:
+            s = rows.pop(r)
+            s.done = s.preempt_at != len(s.out)
+            if not s.done:  # preempted: back in two steps, with its params and output list
+                s.preempt_at, s.back_at = None, t + 2
+        holes, added = list(gone), []
+        for s in sims:
+            if (s.req is None and t == s.join_at) or s.back_at == t:
+                r = holes.pop(0) if holes else max(rows, default=-1) + 1
+                rows[r], s.req, s.back_at = s, True, None
+                added.append((r, params[s.name], list(PROMPT), s.out))
+        moved = []
+        while holes and rows and max(rows) > holes[0]:  # condense: the tail into the holes
+            a, b = max(rows), holes.pop(0)
+            rows[b] = rows.pop(a)
+            moved.append((a, b, MoveDirectionality.UNIDIRECTIONAL))
+        if len(rows) > 1 and rng.random() < 0.5:
+            a, b = rng.sample(sorted(rows), 2)
+            rows[a], rows[b] = rows[b], rows[a]
+            moved.append((a, b, MoveDirectionality.SWAP))
+        removed = [r for r in gone if r not in {a[0] for a in added}]
+        if removed or added or moved:
+            logged(updates, proc.update_state, BatchUpdate(batch_size=len(rows), removed=removed,
+                                                           added=added, moved=moved))
+        if not rows:
+            if all(s.done for s in sims):
+                break
+            continue
+        batch = [rows[r] for r in range(len(rows))]
+        capture.STASH.rows = torch.stack([s.hidden[len(s.out) - 1] if s.out else torch.randn(DIM)
+                                          for s in batch]).as_subclass(DeviceTensor)
+        logits = torch.stack([s.logits[len(s.out)] for s in batch])
+        logits = logged(applies, proc.apply, logits.as_subclass(DeviceTensor))
+        for row, s in enumerate(batch):
+            forced = torch.isfinite(logits[row]).as_subclass(torch.Tensor)
+            s.out.append(int(forced.nonzero()[0]) if int(forced.sum()) == 1
+                         else s.stream[len(s.out)])
+    res = proc.pop_results([s.name for s in sims])
+    assert all(s.done for s in sims) and any(r["stopped_early"] for r in res.values())
+    assert proc.get_stats()["resumed"] == 1 and len(updates) > 5
+    assert all(log == [] for log in updates), updates
+    for log in applies:
+        assert set(log) <= {"h2d copy_", "d2h copy_"} and len(log) <= 2, log
+    assert sum("d2h copy_" in log for log in applies) > 5  # the readback is seen
