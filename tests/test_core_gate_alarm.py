@@ -23,17 +23,13 @@ from orca_serve.settings.contract import (
     OrcaResult,
 )
 from orca_serve.settings.xargs import encode_lam
-from tests.bundles import tiny_bundle, write_bundle
 from tests.core_sim import (
     DIM,
-    ID,
-    WINDOW,
     SimRequest,
     count_copies,
     gated_sim_bundle,
     make_core,
     run,
-    sim_probe,
     to_device,
 )
 
@@ -154,15 +150,10 @@ def test_a_request_past_its_gate_switches_when_the_alarm_rises(path) -> None:
     assert r.steps_scored > k
 
 
-def test_the_alarm_costs_no_device_sync(tmp_path) -> None:
+def test_the_alarm_costs_no_device_sync(path) -> None:
     """Fed, raised and applied from values the step reads back anyway: per step at most the
-    one readback and the one staging copy (as tests/test_core.py checks for the core; a
-    one-sided bundle, as there: the sync harness makes no give-up bank a device one)."""
-    b = tiny_bundle(sim_probe(), [(0.05, None), (0.1, 0.75)], vocab=ID, window=WINDOW,
-                    default_delta=0.1, name="fake", hidden_size=DIM)
-    one_sided = write_bundle(b.model_copy(update={"shift_gate": typical_gate(DIM)}),
-                             tmp_path / "bundle.json")
-    core = make_core(one_sided, max_num_seqs=4)
+    one readback and the one staging copy (as tests/test_core.py checks for the core)."""
+    core = make_core(path, max_num_seqs=4)
     to_device(core)
     sims = _sims({f"r{i}": {} for i in range(4)})
     per_step = count_copies(core)
