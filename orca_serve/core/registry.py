@@ -1,7 +1,8 @@
 """Tracked requests and their results.
 
-A request is known by the adapter's identity string (its `orca_key` and child index, or an id of
-its params object) from the moment it joins the batch until it leaves for good. Leaving for good
+A request is known by the adapter's identity string (vLLM's request id, read from the model
+runner; without the runner, an id of its params object and its child index: `orca_key` names its
+result only) from the moment it joins the batch until it leaves for good. Leaving for good
 frees its slot and probe row at once; only the small result stays (keyed requests only) until it
 is fetched, `ttl` seconds pass, or `max_results` newer results push it out. A request that leaves
 for a while (preemption) is parked with its slot, and resumes with its state.
