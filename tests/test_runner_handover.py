@@ -16,7 +16,7 @@ fallback of 0.31/0.32, is made to fail there, so a runner found proves the hook 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,6 +25,7 @@ import vllm
 from vllm import SamplingParams
 from vllm.v1.sample import logits_processor as v1_processors
 from vllm.v1.sample.logits_processor import BatchUpdate
+from vllm.v1.worker.gpu_input_batch import InputBatch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1ModelRunner
 from vllm.v1.worker.worker_base import WorkerWrapperBase
 
@@ -84,6 +85,7 @@ class V1Runner(V1ModelRunner):
         self.requests: dict[str, object] = {}
         self.input_batch = SimpleNamespace(
             req_ids=[], req_output_token_ids=[],
+            update_async_output_token_ids=lambda: None,  # no async scheduling here
             # the module's name, as the runner module's: orca wraps it for speculation
             logitsprocs=v1_processors.build_logitsprocs(cfg, torch.device("cpu"), False, False,
                                                         [PROCESSOR_FQCN]))
@@ -214,6 +216,32 @@ def test_v1_speculation_is_wired_when_the_runner_arrives(bundle_path, vllm_033):
     orphan = start_worker(Worker, cfg, hook=False)._orca_processors()[0]
     with pytest.raises(RuntimeError, match="V1 model runner"):
         orphan.apply(torch.zeros(1, 4))
+
+
+def test_the_draft_rows_see_the_async_placeholders_filled():
+    """Under async scheduling (vLLM's default on a GPU with draft-model speculation) the V1
+    runner leaves the last step's sampled ids as -1 placeholders in the output lists, with one
+    more per draft of that step (optimistically accepted), and fills them in its own `_sample`
+    (`InputBatch.update_async_output_token_ids`), which the draft-row hook runs before. Read
+    unfilled, every draft would count as accepted and placeholders would be segmented."""
+    out = [5, 6, -1, -1, -1]  # the last step: 2 drafts (placeholders) and its own sample
+    batch = SimpleNamespace(req_ids=["a"], prev_req_id_to_index={"a": 0},
+                            sampling_metadata=SimpleNamespace(output_token_ids=[out]),
+                            sampled_token_ids_cpu=torch.tensor([[7, -1, -1]]),  # none accepted
+                            async_copy_ready_event=SimpleNamespace(synchronize=lambda: None))
+    batch.update_async_output_token_ids = MethodType(InputBatch.update_async_output_token_ids,
+                                                     batch)
+    runner = SimpleNamespace(input_batch=batch, use_async_scheduling=True,
+                             _draft_token_req_ids=None,
+                             _get_spec_decode_draft_probs=lambda metadata: None,
+                             rejection_sampler=lambda *args: "sampled by vLLM")
+    runner._sample = MethodType(V1ModelRunner._sample, runner)  # vLLM's own
+    seen: list[list[int]] = []
+    view = compat_runner.V1Runner(runner)
+    view.intercept_draft_steps(lambda logits, rows: seen.append(list(out)), lambda on: None)
+    metadata = SimpleNamespace(num_draft_tokens=[3])
+    assert runner._sample(torch.zeros(4, 8), metadata) == "sampled by vLLM"
+    assert seen == [[5, 6, 7]] and out == [5, 6, 7]
 
 
 def test_mrv2_processor_takes_the_runner_the_hook_offered(bundle_path, vllm_033, monkeypatch):

@@ -75,7 +75,11 @@ TEST_EXCEPTIONS: dict[str, dict[str, str]] = {
             "its build_logitsprocs, read at call time (orca wraps it for speculation), builds "
             "the processors as vLLM's V1 runner constructor does (no V1 runner without a model)",
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner":
-            "stands in for vLLM's V1 runner that the worker-extension hook hands over",
+            "stands in for vLLM's V1 runner that the worker-extension hook hands over, and its "
+            "own `_sample` runs under the draft-row hook",
+        "vllm.v1.worker.gpu_input_batch:InputBatch":
+            "its own filling of async-scheduling placeholders, which the draft-row hook runs "
+            "(no V1 runner's batch without a model)",
         "vllm.v1.worker.worker_base:WorkerWrapperBase":
             "checks the hook's version rule against the installed release's worker wrapper",
     },

@@ -62,6 +62,7 @@ TOUCH_POINTS: tuple[str, ...] = (
     "vllm.v1.sample.logits_processor:LogitsProcessors.all",
     # speculative decoding: the step's sampling, wrapped (intercept_draft_steps)
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
+    "vllm.v1.worker.gpu_input_batch:InputBatch.update_async_output_token_ids",
     "vllm.v1.spec_decode.metadata:SpecDecodeMetadata",
     # Model Runner V2 (handed over, or found on the stack): its per-step request bookkeeping,
     # wrapped
@@ -173,12 +174,20 @@ class V1Runner:
         `on_rows(logits, rows)` sees every logits row first (batch row b owns rows[b] = 1 +
         its draft count consecutive rows; the rejection sampler reads its target and bonus
         logits from this tensor), and `sampling(True)` ... `sampling(False)` bracket vLLM's own
-        sampling of the step (which calls the processors on the bonus rows again)."""
-        sample = self.runner._sample
+        sampling of the step (which calls the processors on the bonus rows again).
+
+        Under async scheduling the output lists still hold the last step's sampled ids as -1
+        placeholders (one more per draft of that step, optimistically accepted) until
+        `_sample` fills them (`InputBatch.update_async_output_token_ids`, "called right before
+        they are needed by the logits processors"): `on_rows` needs them, so it is called here
+        first (then a no-op in `_sample`: no placeholder is left; without async scheduling it
+        returns at once)."""
+        runner, sample = self.runner, self.runner._sample
 
         def _sample(logits: Any, spec_decode_metadata: Any) -> Any:
             if spec_decode_metadata is None or logits is None:
                 return sample(logits, spec_decode_metadata)
+            runner.input_batch.update_async_output_token_ids()  # the runner may rebuild its batch
             on_rows(logits, [1 + k for k in spec_decode_metadata.num_draft_tokens])
             sampling(True)
             try:
