@@ -3,7 +3,8 @@ interfaces do not hand it.
 
 Checked against vLLM 0.31 and 0.32 (engine tests, CPU build: the V1 runner) and 0.33 (its
 source: every name and attribute below is unchanged; the MRV2 processor interface is identical
-to 0.32's). The MRV2 part runs in tests against vLLM's own MRV2 runner class and request state
+to 0.32's), but for `InputBatch.update_async_output_token_ids`, checked on 0.32 only (added
+since; `orca-serve --check-vllm` resolves it on another release). The MRV2 part runs in tests against vLLM's own MRV2 runner class and request state
 (tests/test_mrv2.py), not in an engine (MRV2 needs Triton's GPU backend).
 
 What the public interfaces give, and use everywhere they suffice: V1's `BatchUpdate` hands
