@@ -115,7 +115,9 @@ class ProbeBank:
         for k, v in init.items():
             self._fast[k][row] = v[0]
         self._fast["hist"][row] = 0
-        self._fast["count"][row] = 0
+        # zero_, not `= 0`: a number written into one element is copied from the host (on CUDA a
+        # pageable copy, which waits for the device), where zero_ runs on the device
+        self._fast["count"][row].zero_()
         if self.gate is not None:
             self._fast["gate_sum"][row] = 0
         if self.give_up is not None:

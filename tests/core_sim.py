@@ -240,6 +240,13 @@ class DeviceTensor(torch.Tensor):
                 return func(*args, **kwargs)
         if func is torch.Tensor.to and ("cpu" in args[1:] or kwargs.get("device") == "cpu"):
             cls.log.append("d2h to('cpu')")
+        if func is torch.Tensor.__setitem__ and isinstance(args[2], (bool, int, float)):
+            # a Python number written into one element copies it from the host (a lifted
+            # scalar, `aten.copy_`: a pageable copy on CUDA, seen there); into a slice it is a
+            # fill on the device
+            with torch._C.DisableTorchFunctionSubclass():
+                if args[0][args[1]].dim() == 0:
+                    cls.log.append("h2d number into one element")
         if func is torch.Tensor.copy_:
             dst, src = args[0], args[1]
             if not isinstance(dst, DeviceTensor) and isinstance(src, DeviceTensor):
@@ -320,3 +327,22 @@ def count_copies(core: OrcaCore) -> list[list[str]]:
 
     core.step = counted_step
     return per_step
+
+
+def count_join_copies(core: OrcaCore) -> list[list[str]]:
+    """Wrap `core.join` likewise: a request joins in the engine step's path (vLLM's batch
+    update), where a wait for the device stalls the step as one inside it would. One log per
+    join. Call after `to_device(core)`."""
+    per_join: list[list[str]] = []
+    orig = core.join
+
+    def counted_join(*args, **kwargs):
+        DeviceTensor.log = []
+        with FactoryWatch():
+            out = orig(*args, **kwargs)
+        per_join.append(DeviceTensor.log)
+        DeviceTensor.log = []
+        return out
+
+    core.join = counted_join
+    return per_join

@@ -31,6 +31,7 @@ from tests.core_sim import (
     DeviceTensor,
     FactoryWatch,
     count_copies,
+    count_join_copies,
     first_cross,
     gated_sim_bundle,
     make_core,
@@ -198,9 +199,10 @@ def test_engine_step_makes_at_most_one_device_to_host_copy(bundle_path, other_bu
                        max_tokens=60, join_at=i, preempt_at=10 if i == 1 else None,
                        lag_from=20 if i == 2 else None)
             for i, p in enumerate(["stop", "answer", "shadow", "answer"])]
-    per_step = count_copies(core)
+    per_step, per_join = count_copies(core), count_join_copies(core)
     run(core, sims)
     res = core.pop_results([s.name for s in sims])
+    assert len(per_join) >= len(sims) and not any(per_join), per_join  # joins wait for nothing
     assert any(r["stopped_early"] for r in res.values())  # the stop path ran
     assert sum(r["steps_scored"] for r in res.values()) > 10
     worst = max(per_step, key=len)
@@ -236,9 +238,10 @@ def test_keyword_and_give_up_steps_wait_no_more(keyword_bundle_path, two_sided_b
                        max_tokens=90, join_at=i, preempt_at=10 if i == 1 else None,
                        lag_from=20 if i == 2 else None)
             for i, p in enumerate(["stop", "answer", "shadow", "answer"])]
-    per_step = count_copies(core)
+    per_step, per_join = count_copies(core), count_join_copies(core)
     run(core, sims)
     res = core.pop_results([s.name for s in sims])
+    assert len(per_join) >= len(sims) and not any(per_join), per_join
     if keywords:
         assert core.dep.table.keyword_re is not None
         assert sum(r["steps_scored"] for r in res.values()) >= 4
