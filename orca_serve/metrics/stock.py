@@ -19,8 +19,9 @@ vLLM's carry them to the API server's /metrics:
 
 Exported, at most PUBLISH_S old, with the served model name as `model_name`: the engine-side
 metrics of orca_serve/metrics/prometheus.py (orca_probe_seconds_total, orca_engine_steps_total,
-orca_engine_tracked_requests, orca_engine_stored_results, orca_engine_bundles_loaded) and
-orca_steps_scored_total. Not exported: the per-request ones (orca_requests_total{outcome}, stop
+orca_engine_tracked_requests, orca_engine_stored_results, orca_engine_bundles_loaded, and the
+gate alarm's orca_shift_alarm and orca_shift_alarm_changes_total) and orca_steps_scored_total.
+Not exported: the per-request ones (orca_requests_total{outcome}, stop
 steps, scores, tokens saved), which orca-serve builds from the results it fetches per request: a
 stock server fetches none. The workers must share the API server's machine (not Ray on others).
 """
