@@ -455,6 +455,8 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
     job = load_job(path)
     if merge:
         _engines(path, job)
+    sets = collection_sets(job)  # its prompts read (a missing file refused) before out is made
+    prompts = sets[0][0]
     out = Path(job["out"])
     out.mkdir(parents=True, exist_ok=True)
     data, shifted = out / TRAJECTORIES, out / SHIFTED
@@ -463,8 +465,6 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
     tr, ca = (job.get(k) or {} for k in ("train", "calibrate"))
     sp, ltt = split_options(job.get("split")), ltt_options(ca)
     log: list[str] = []
-    sets = collection_sets(job)
-    prompts = sets[0][0]
 
     engine: list[Collector] = []  # one vLLM engine for collect and label, started on first use
 

@@ -117,6 +117,21 @@ def test_a_model_folder_without_config_is_one_line_before_vllm(tmp_path, capsys)
         Collector(str(tmp_path / "m"), CollectSettings(engine={"hf_config_path": str(elsewhere)}))
 
 
+def test_a_job_without_its_prompts_file_writes_nothing(tmp_path, capsys) -> None:
+    """The shipped GPU jobs name prompts files they do not ship: `run` refuses such a job in one
+    line, exit 2, and leaves no empty `out` folder behind (it made `runs/<job>` before reading
+    the prompts)."""
+    from orca_calibrate.calibrate_cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text("model: Org/Model\nprompts: data/p.jsonl\nout: runs/job\n")
+    assert main(["run", "--config", str(job)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"orca-calibrate run: error: prompts file {tmp_path / 'data' / 'p.jsonl'} "
+                   "not found"], err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_read_prompts_errors(tmp_path) -> None:
     p = tmp_path / "p.jsonl"
     p.write_text('{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n')
