@@ -30,15 +30,12 @@ open, at most k tokens after the one plain decoding forces.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
 from orca_serve.core.registry import Entry, Request
-
-if TYPE_CHECKING:
-    from orca_serve.core.engine import OrcaCore
 
 UNKNOWN = -1  # a token id not known yet (async scheduling placeholder) or absent
 
@@ -81,11 +78,26 @@ def greedy_rows(req: Request, row: int, n: int) -> list[int]:
     return [r for q, r in sampled_rows(req, row, n) if q in req.greedy]
 
 
+class SteppedCore(Protocol):
+    """What `DraftSteps` drives of the core (`orca_serve.core.engine.OrcaCore`), named here since
+    the core's own modules import this one."""
+
+    stats: dict[str, Any]
+
+    @property
+    def live(self) -> dict[str, Request]: ...
+
+    def settle(self) -> None: ...
+
+    def step(self, entries: list[Entry], hidden: Tensor | None, logits: Tensor, *,
+             replay: bool = False) -> None: ...
+
+
 class DraftSteps:
     """Parks the hidden rows of draft tokens until their fate is known, and replays the accepted
     ones through the core (see module docstring). One per core."""
 
-    def __init__(self, core: OrcaCore) -> None:
+    def __init__(self, core: SteppedCore) -> None:
         self.core = core
         # ident -> (request, position of its first draft, the drafts' hidden rows [k, d])
         self._parked: dict[str, tuple[Request, int, Tensor]] = {}
