@@ -7,6 +7,7 @@ the fake device that counts host-device copies (the sync tests).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -17,7 +18,7 @@ from orca_method.procedure import replay
 from orca_method.steps import CLOSE, MERGE, NONE, STEP, STEP_PREV, Segmenter
 from orca_serve.core.engine import OrcaCore
 from orca_serve.core.registry import Entry
-from orca_serve.settings.contract import DEFAULTS, OrcaSettings, RequestDefaults
+from orca_serve.settings.contract import DEFAULTS, XARG_KEY, OrcaSettings, RequestDefaults
 from orca_serve.settings.engine_config import EngineConfig
 from orca_serve.settings.xargs import decode_settings, on_deployment
 from tests.bundles import tiny_bundle, with_give_up, write_bundle
@@ -86,11 +87,17 @@ def engine_settings(xa: dict, defaults: RequestDefaults = DEFAULTS, *, record: b
                          default_delta=default_delta, groups=groups)
 
 
-def make_core(bundle_path, max_num_seqs: int = 8, **cfg) -> OrcaCore:
+def make_core(bundle_path, max_num_seqs: int = 8, *, device: str | torch.device = "cpu",
+              **cfg) -> OrcaCore:
+    """A core of the bundle at `bundle_path` (`cfg`: its config) on `device`, with pinned host
+    buffers where that is CUDA, as the adapters build it (scripts/cuda_sync_check.py runs the
+    sync checks' scenarios on a GPU so)."""
+    device = torch.device(device)
     return OrcaCore(EngineConfig.from_dict({"bundle": str(bundle_path), **cfg}), FakeTokenizer(),
                     hidden_size=DIM,
                     model_name="fake", eos_ids={EOS}, default_eos=EOS,
-                    max_num_seqs=max_num_seqs, device=torch.device("cpu"))
+                    max_num_seqs=max_num_seqs, device=device,
+                    pin_memory=device.type == "cuda")
 
 
 class SimRequest:
@@ -110,6 +117,19 @@ class SimRequest:
         self.req = None
         self.done = False
         self.back_at: int | None = None
+
+
+def sync_sims(max_tokens: int, xa: Callable[[int], dict] = lambda i: {}) -> list[SimRequest]:
+    """The requests of the sync checks (tests/test_core.py, scripts/cuda_sync_check.py), every
+    path of the step that moves data between host and device: one per policy (stop, answer,
+    shadow, answer) joining a step apart, the second preempted at 10 tokens and resumed, the
+    third lagging from 20 (async scheduling's placeholder ids). `xa(i)`: request i's extra_args
+    besides its key and policy."""
+    rng = random.Random(3)
+    return [SimRequest(f"r{i}", rng, xa={XARG_KEY: f"r{i}", "orca_policy": p, **xa(i)},
+                       max_tokens=max_tokens, join_at=i, preempt_at=10 if i == 1 else None,
+                       lag_from=20 if i == 2 else None)
+            for i, p in enumerate(["stop", "answer", "shadow", "answer"])]
 
 
 def run_requests(path, requests: dict[str, dict], **cfg) -> tuple[dict, dict]:

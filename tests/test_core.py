@@ -39,6 +39,7 @@ from tests.core_sim import (
     run,
     sim_bundle,
     sim_probe,
+    sync_sims,
     to_device,
 )
 from tests.bundles import far_gate, write_bundle
@@ -191,14 +192,9 @@ def test_engine_step_makes_at_most_one_device_to_host_copy(bundle_path, other_bu
         alarm = core.dep.alarm.alarm
         while not alarm.alarmed:
             alarm.observe(1 / (alarm.n_cal + 1))
-    rng = random.Random(3)
-    sims = [SimRequest(f"r{i}", rng, xa={XARG_KEY: f"r{i}", "orca_policy": p,
-                                         **({XARG_BUNDLE: other} if other and i % 2 else {}),
-                                         # ungated (the gate flags all): the stop path runs
-                                         **({"orca_shift_alpha": 0} if i == 0 else {})},
-                       max_tokens=60, join_at=i, preempt_at=10 if i == 1 else None,
-                       lag_from=20 if i == 2 else None)
-            for i, p in enumerate(["stop", "answer", "shadow", "answer"])]
+    sims = sync_sims(60, lambda i: {**({XARG_BUNDLE: other} if other and i % 2 else {}),
+                                    # ungated (the gate flags all): the stop path runs
+                                    **({"orca_shift_alpha": 0} if i == 0 else {})})
     per_step, per_join = count_copies(core), count_join_copies(core)
     run(core, sims)
     res = core.pop_results([s.name for s in sims])
@@ -232,12 +228,8 @@ def test_keyword_and_give_up_steps_wait_no_more(keyword_bundle_path, two_sided_b
     keywords = kind == "keywords"
     core = make_core(keyword_bundle_path if keywords else two_sided_bundle_path, max_num_seqs=4)
     to_device(core)
-    rng = random.Random(3)
     xa = {} if keywords else {XARG_LAM: "inf", XARG_GIVE_UP_MU: 0.2}
-    sims = [SimRequest(f"r{i}", rng, xa={XARG_KEY: f"r{i}", "orca_policy": p, **xa},
-                       max_tokens=90, join_at=i, preempt_at=10 if i == 1 else None,
-                       lag_from=20 if i == 2 else None)
-            for i, p in enumerate(["stop", "answer", "shadow", "answer"])]
+    sims = sync_sims(90, lambda i: xa)
     per_step, per_join = count_copies(core), count_join_copies(core)
     run(core, sims)
     res = core.pop_results([s.name for s in sims])

@@ -115,7 +115,9 @@ def run_speculative(core, sims: list[SimRequest], k: int, p_right: float, seed: 
     return core.stats["drafts_accepted"]
 
 
-def _sims(seed: int) -> list[SimRequest]:
+def draft_sims(seed: int) -> list[SimRequest]:
+    """Nine requests, three per policy, joining in the first six steps, every second one
+    preempted once (also the draft scenario of scripts/cuda_sync_check.py)."""
     rng = random.Random(seed)
     sims = []
     for i in range(9):
@@ -138,7 +140,7 @@ def _first_forced(s: SimRequest, forced: list[int]) -> int | None:
                                                     (3, 1, 0.8), (4, 3, 1.0)])
 def test_drafts_give_the_plain_runs_steps_scores_and_stops(bundle_path, seed,
                                                            k, p_right):
-    plain_sims, spec_sims = _sims(seed), _sims(seed)
+    plain_sims, spec_sims = draft_sims(seed), draft_sims(seed)
     plain, spec = make_core(bundle_path, max_num_seqs=9), make_core(bundle_path, max_num_seqs=9)
     run(plain, plain_sims, seed)
     accepted = run_speculative(spec, spec_sims, k, p_right, seed)
@@ -181,7 +183,7 @@ def test_drafts_give_the_plain_runs_steps_scores_and_stops(bundle_path, seed,
 
 def test_a_boundary_inside_rejected_drafts_does_not_count(bundle_path):
     """Every draft wrong and a delimiter: nothing but the accepted tokens is segmented."""
-    plain_sims, spec_sims = _sims(7), _sims(7)
+    plain_sims, spec_sims = draft_sims(7), draft_sims(7)
     plain, spec = make_core(bundle_path, max_num_seqs=9), make_core(bundle_path, max_num_seqs=9)
     run(plain, plain_sims, 7)
     assert run_speculative(spec, spec_sims, 4, 0.0, 7) == 0
@@ -212,7 +214,7 @@ def test_a_step_with_drafts_never_waits_for_the_device(bundle_path, monkeypatch)
         DeviceTensor.log = []
 
     monkeypatch.setattr(DraftSteps, "step", counted)
-    assert run_speculative(core, _sims(0), 3, 0.7, 0) >= 50
+    assert run_speculative(core, draft_sims(0), 3, 0.7, 0) >= 50
     assert any(log.count("h2d copy_") > 1 for log in per_step)  # accepted drafts were replayed
     for log in per_step:
         assert set(log) <= {"h2d copy_", "d2h copy_"}, log
