@@ -15,10 +15,12 @@ import logging
 import random
 
 import pytest
+import torch
 
 from orca_method.bundle import BundleError, load_bundle
 from orca_serve.settings.contract import XARG_BUNDLE, XARG_GIVE_UP_MU, XARG_KEY, XARG_LAM
 from orca_serve.core import engine
+from orca_serve.core.pooling import Fence, Staging
 from orca_serve.core.registry import open_reasoning_tokens
 from tests.core_sim import (
     DIM,
@@ -275,12 +277,25 @@ def test_a_record_mode_request_ends_without_waiting_for_the_device(bundle_path):
         assert set(log) <= {"h2d copy_", "d2h copy_"} and len(log) <= 2, log
 
 
+def test_a_step_that_stages_more_than_the_buffer_holds_grows_it():
+    """Under speculative decoding the forcing vectors hold 1 + k values per request that stops,
+    so a step may stage more than the buffers' usual room: they grow (the step failed its
+    requests before), and every vector reads back as staged, in this step and the next."""
+    staging = Staging(4, torch.device("cpu"), False, Fence(torch.device("cpu")))
+    for step in ([[1, 2, 3], [4.5, 5, 6], []], [[7], [8, 9]]):
+        staged = staging.upload(step)
+        staging._fence.mark()
+        assert [staged.float(i).tolist() for i in range(len(step))] == step
+    assert len(staging._dev) == 8  # twice the old room, at least the step's six
+
+
 def test_a_step_that_fails_to_stage_still_marks_its_end(bundle_path, monkeypatch):
-    """A step whose staging copy fails (more values than the buffer holds) fails its requests,
-    never the engine, and still marks its end on the fence. Unmarked, the next step that
-    reused its staging buffer took it for finished and recorded a step as done that had not
-    been marked yet: that step's readback was then read without waiting for the device."""
+    """A step whose staging fails (here: the buffers cannot grow) fails its requests, never the
+    engine, and still marks its end on the fence. Unmarked, the next step that reused its
+    staging buffer took it for finished and recorded a step as done that had not been marked
+    yet: that step's readback was then read without waiting for the device."""
     core = make_core(bundle_path, max_num_seqs=2)
+    monkeypatch.setattr(core.device_step.staging, "_grow", lambda n: 1 / 0)
     plan_step, steps = engine.plan_step, [0]
 
     def oversized_once(entries, n_rows, stats):

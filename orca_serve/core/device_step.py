@@ -31,9 +31,9 @@ class DeviceStep:
                  normalization: Normalization) -> None:
         self.pool = SlotPool(capacity, hidden_size, device)
         self.fence = Fence(device)
-        # room for `capacity` values per staged vector, shared: the forcing vectors (cand_*,
+        # room for `capacity` values per staged vector, shared; the forcing vectors (cand_*,
         # forced_*, greedy_rows) hold up to 1 + k values per request under speculative
-        # decoding with k drafts; a step that does not fit fails its requests, not the engine
+        # decoding with k drafts: a step that needs more grows it (`Staging._grow`)
         self.staging = Staging(len(IDX) * capacity, device, pin, self.fence)
         self.readback = Readback(capacity, device, pin, self.fence)
         self.normalization = normalization

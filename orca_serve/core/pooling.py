@@ -120,6 +120,8 @@ class Staging:
         for v in vectors:
             bounds.append((n, n + len(v)))
             n += len(v)
+        if n > len(self._dev):
+            self._grow(n)
         if n:
             self._np[cur][:n] = list(chain.from_iterable(vectors))
         src = self._host[cur][:n]
@@ -127,6 +129,19 @@ class Staging:
             self._dev[:n].copy_(src, non_blocking=True)
             src = self._dev[:n]
         return Staged(src, bounds)
+
+    def _grow(self, n: int) -> None:
+        """Room for at least `n` values (twice the old room). The buffers are sized for the
+        usual step; under speculative decoding the forcing vectors hold 1 + k values per request
+        that stops, so a step where many stop at once with many drafts may need more. Rare, so
+        they grow then rather than being sized for the worst k. The old buffers may still be
+        read by the last step's copy and kernels: torch's allocators keep a pinned block until
+        its non_blocking copy is done and a device block until its stream's work is."""
+        size = max(n, 2 * len(self._dev))
+        pin = self._host[0].is_pinned()
+        self._host = [torch.zeros(size, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        self._np = [h.numpy() for h in self._host]
+        self._dev = torch.zeros(size, dtype=torch.float64, device=self.device)  # [size]
 
 
 class Staged:
