@@ -19,6 +19,9 @@ import numpy as np
 import pytest
 import redis
 
+from orca_serve.api_server import quiet_shutdown
+from orca_serve.api_server.server import run
+from orca_serve.checks.errors import Stopped
 from orca_serve.live_audit.fleet import FleetJournal, MemoryJournal, store_metrics
 from orca_serve.live_audit.journal import (
     SNAPSHOT_EVERY,
@@ -34,7 +37,10 @@ from orca_serve.live_audit.options import (
     check_audit_args,
 )
 from orca_serve.live_audit.redis_journal import RedisJournal
+from orca_serve.settings.resolve import OrcaDefaults
+from orca_serve.vllm_compat import launch
 from tests.audit_simulation import DELTA, bundle, known_loss, restarted_stream
+from tests.servers import orca_server
 from tests.serving import free_port
 
 RISKS = [0.05] * 100 + [0.4] * 100  # a clean stretch, then a shift the alarm catches
@@ -191,6 +197,26 @@ def test_once_every_replica_stopped_the_next_ones_flags_are_the_fleets(redis_sto
     with pytest.raises(FoldSettingsDiffer, match="report there, fallback here"):
         _on_store(redis_store.url, on_alarm="fallback")
     changed.state.journal.close()
+
+
+def test_a_server_that_stops_leaves_the_fleet_at_once(redis_store, monkeypatch):
+    """orca-serve stopping (SIGTERM ends vLLM's launcher) closes its audit's journal: its owner
+    key is gone when the process exits, so a fleet stopped to change a flag takes the new one
+    at once. Before, the key outlived a clean stop by its TTL: measured with real orca-serve
+    replicas, a replica started 3 s after the last one stopped, and a hot reload to a bundle
+    whose only replica had just stopped, were refused as beside '1 running process(es)'."""
+    audit = _on_store(redis_store.url, on_alarm="fallback")
+    server = orca_server(bundle(), OrcaDefaults(enabled=True), audit=audit)
+
+    def stopped(args, on_loop) -> None:
+        raise Stopped(143)  # SIGTERM while serving (orca_serve.checks.errors.exit_on_sigterm)
+
+    monkeypatch.setattr(launch, "run_single", stopped)
+    monkeypatch.setattr(quiet_shutdown, "install", lambda client: None)  # vLLM's loggers alone
+    with pytest.raises(Stopped):
+        run(argparse.Namespace(api_server_count=1), server)
+    assert redis.Redis.from_url(redis_store.url).keys("orca:guard-owner:*") == []
+    _on_store(redis_store.url, on_alarm="report").close()
 
 
 def _join_at_once(url: str, on_alarm: str, barrier, out) -> None:

@@ -34,6 +34,11 @@ class OrcaServer:
     metrics: OrcaMetrics | None = None  # None without a bundle
     reloader: Reloader | None = None  # hot reload (None without a bundle)
 
+    def close(self) -> None:
+        """The server stopped: the audit that serves leaves its journal (`LiveAudit.close`)."""
+        if self.serving.now.audit is not None:
+            self.serving.now.audit.close()
+
     async def refresh_engine_stats(self) -> None:
         """The engines' probe-time counters into the metrics (before a scrape)."""
         if self.metrics is None or self.serving.now.bundle is None:

@@ -154,4 +154,7 @@ def run(args: Any, server: OrcaServer) -> None:
         if reloader is not None:  # SIGHUP re-reads --calib (orca_serve.api_server.reload)
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.on_sighup)
 
-    launch.run_single(argparse.Namespace(**vars(args), **{SERVER_ARG: server}), on_loop)
+    try:
+        launch.run_single(argparse.Namespace(**vars(args), **{SERVER_ARG: server}), on_loop)
+    finally:  # stopped (SIGTERM, SIGINT) or failed: a fleet's replica leaves its store at once
+        server.close()

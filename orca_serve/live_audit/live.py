@@ -361,9 +361,16 @@ class LiveAudit:
             queued += 1
         unfinished = len(self._pending) + queued + int(self.labelling)
         self._pending.clear()
-        self.state.close()
+        self.close()
         store, self.store = self.store, None
         return unfinished, store
+
+    def close(self) -> None:
+        """Leave the journal (a reload's `retire`, or the server stopping): on a fleet's store
+        this process's owner key goes at once, so the other replicas reap what it left open
+        and, once it was the last, replicas with other guard flags may join; left to expire,
+        the key counted this process as running for its TTL (15 s) after it stopped."""
+        self.state.close()
 
     # -- reading -----------------------------------------------------------------------------
     @property
