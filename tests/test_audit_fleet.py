@@ -274,13 +274,16 @@ def _live_beside_a_dead_replica(url: str) -> LiveAudit:
 
 def test_a_dead_replicas_flags_bind_no_one(redis_store):
     """A replica that crashed holds the fleet's flags until its owner key expires (TTL 0.5 s):
-    a replica with other flags is refused while it may still run, and joins after."""
+    a replica with other flags is refused while it may still run, the refusal saying how long
+    a crashed one counts (before, it said '1 running process(es)' of a process that was gone),
+    and joins after."""
     p = multiprocessing.get_context("fork").Process(target=_admit_and_die,
                                                     args=(redis_store.url,))
     p.start()
     p.join(60)
     assert p.exitcode == 0
-    with pytest.raises(FoldSettingsDiffer, match="off there, on here"):
+    with pytest.raises(FoldSettingsDiffer, match="off there, on here.*\\(one that crashed counts "
+                       "as running until its owner key expires, 15 s\\)"):
         _on_store(redis_store.url, other_labels=True)
     time.sleep(1.0)  # two of its TTLs
     _on_store(redis_store.url, other_labels=True).state.journal.close()

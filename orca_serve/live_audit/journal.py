@@ -160,12 +160,15 @@ def _shown(value: Any) -> str:
 
 
 def joined(record: Any, settings: dict[str, Any], owner: str, alive: Callable[[str], bool],
-           where: Any) -> dict[str, Any]:
+           where: Any, lingers: float = 0.0) -> dict[str, Any]:
     """A journal's fold record (`{"settings", "members"}`: what its processes fold under, and
     which processes joined) once `owner` joins it under `settings`. The members that still run
     (`alive`) must hold the same settings, else `FoldSettingsDiffer` names each differing one
     with both values; when none runs (the first process, or all stopped to change a flag)
-    `settings` become the journal's. The dead are dropped, so the record stays small."""
+    `settings` become the journal's. The dead are dropped, so the record stays small.
+    `lingers`: seconds a process that crashed still counts as running (a store's owner key
+    expiring), said in the refusal: an operator who finds none of them running must know to
+    wait, not look for a process that is gone."""
     ok = isinstance(record, dict) and isinstance(record.get("members"), list) \
         and isinstance(record.get("settings"), dict)
     members = [m for m in record["members"] if alive(m)] if ok else []
@@ -176,7 +179,9 @@ def joined(record: Any, settings: dict[str, Any], owner: str, alive: Callable[[s
                          if theirs.get(k) != settings.get(k))
         raise FoldSettingsDiffer(
             f"{where}: {len(members)} running process(es) fold these audit events under "
-            f"other settings ({diff}); give this one theirs, or stop them all to change them")
+            f"other settings ({diff}); give this one theirs, or stop them all to change them"
+            + (f" (one that crashed counts as running until its owner key expires, {lingers:g} s)"
+               if lingers else ""))
     return {"settings": settings, "members": [*members, owner]}
 
 

@@ -200,7 +200,8 @@ class RedisJournal:
                         record = json.loads(raw) if raw is not None else None
                     except ValueError:
                         record = None  # unreadable: written anew
-                    record = joined(record, settings, self.owner, self.alive, self.path)
+                    record = joined(record, settings, self.owner, self.alive, self.path,
+                                    self.owner_ttl)
                     p.multi()
                     p.set(self._fold, json.dumps(record))
                     p.execute()
