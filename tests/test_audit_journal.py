@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orca_serve.live_audit.factory import make_live_audit
 from orca_serve.live_audit.handover import check_takeover, hand_over
 from orca_serve.live_audit.journal import (
     SNAPSHOT_EVERY,
@@ -224,6 +225,19 @@ def test_two_servers_sharing_a_directory_fold_under_one_set_of_flags(tmp_path):
     b = _attached(tmp_path)
     assert b.state.replayed == 2 and b.config.on_alarm == "report"
     b.state.journal.close()
+
+
+def test_a_server_refused_for_its_flags_leaves_no_audit_directory(tmp_path):
+    """The refused server opens no `audit-NNNNNN` of its own: the running one holds the newest,
+    so before, each refused start (a supervisor restarting it in a loop) added an empty one,
+    whose rotation could delete the oldest kept audits past --orca-audit-keep."""
+    config = AuditConfig(rate=1.0, directory=tmp_path, keep=1)
+    running = make_live_audit(bundle(), replace(config, on_alarm="fallback"))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(FoldSettingsDiffer, match="fallback there, report here"):
+        make_live_audit(bundle(), config)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    running.close()
 
 
 def test_a_hand_over_to_a_journal_folded_under_other_flags_audits_without_it(tmp_path,
