@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import redis
 
 from tests.redis_server import RedisServer
 from tests.serving import START_TIMEOUT, Server, orca_of, orca_serve_cmd
@@ -137,8 +138,9 @@ def vote_rows(server: Server) -> list[dict]:
 def test_two_replicas_count_each_others_voted_groups_and_a_restart_resumes(fleet, store,
                                                                            env) -> None:
     """Voted requests alternately to each replica, every group audited: each replica's vote
-    row counts the groups of both (one sequence), what each picked stays its own, and a
-    replica started after the second stopped resumes the row from the store."""
+    row counts the groups of both (one sequence), what each picked stays its own, the second
+    leaves the store as it stops (its owner key), and a replica started after it resumes the
+    row from the store."""
     for i, q in enumerate(questions(GROUPS)):
         o = orca_of(ask(fleet[i % 2], q, {"samples": K}, seed=700 + i))
         assert o["vote"]["audited"], o["vote"]
@@ -152,6 +154,8 @@ def test_two_replicas_count_each_others_voted_groups_and_a_restart_resumes(fleet
     for s in fleet:
         assert _table(s)["vote"]["picked"] == GROUPS // 2  # what this replica picked is its own
     fleet[1].stop()
+    owners = redis.Redis.from_url(store.url).keys("orca:guard-owner:*")
+    assert len(owners) == 1, owners  # the stopped one left as it exited, not its key's TTL later
     late = replica(env, store, "late", 2)  # a restart: resumes from the store
     try:
         assert vote_rows(late.wait()) == rows[0]
