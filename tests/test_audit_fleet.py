@@ -40,6 +40,7 @@ from orca_serve.live_audit.redis_journal import RedisJournal
 from orca_serve.settings.resolve import OrcaDefaults
 from orca_serve.vllm_compat import launch
 from tests.audit_simulation import DELTA, bundle, known_loss, restarted_stream
+from tests.redis_server import RedisServer
 from tests.servers import orca_server
 from tests.serving import free_port
 
@@ -356,6 +357,20 @@ def test_close_during_a_beat_waits_for_it_and_no_beat_follows(redis_store, monke
     time.sleep(0.5)  # a beat that slipped through would have set the key again by now
     assert not j._heart.is_alive() and not crashed
     assert not redis.Redis.from_url(redis_store.url).exists(j._owner_key(j.owner))
+
+
+@pytest.mark.parametrize("policy, warned", [("noeviction", False), ("volatile-ttl", True)])
+def test_a_store_that_may_evict_keys_is_warned_of(tmp_path, caplog, policy, warned):
+    """A store that evicts when full drops the owner keys first under a volatile-* policy
+    (the only keys with a TTL): measured, 400 cache keys with an hour's TTL in a 3 MB store
+    evicted the running replica's key, and a replica with other guard flags joined beside it.
+    Each replica warns at start unless the policy is noeviction (Redis's default)."""
+    with RedisServer(tmp_path, "--maxmemory-policy", policy) as server, \
+            caplog.at_level(logging.WARNING, logger="orca_serve.live_audit"):
+        RedisJournal(server.url, bundle().checksum).close()
+    said = [r.getMessage() for r in caplog.records if "may evict keys" in r.getMessage()]
+    assert len(said) == int(warned), said
+    assert not said or f"(maxmemory-policy {policy}): set it to noeviction" in said[0]
 
 
 def test_a_replica_that_loses_the_store_keeps_its_own_guard(redis_store, caplog):

@@ -145,12 +145,28 @@ class RedisJournal:
         self._chain = ""  # the running digest of those (the rollback check's, a snapshot's)
         self.skipped = 0
         self._renew()  # first: reaping by others must not see our admissions as orphans
+        self._warn_if_evicting()
         self._client.set(self._created_key, repr(time.time()), nx=True)
         self.created = self._client.get(self._created_key).decode()
         self._stop = threading.Event()
         self._beat_lock = threading.Lock()  # a renewal and close() never overlap
         self._heart = threading.Thread(target=self._beat, name="orca-audit-owner", daemon=True)
         self._heart.start()
+
+    def _warn_if_evicting(self) -> None:
+        """Warn when the store may evict keys (a `maxmemory-policy` other than `noeviction`,
+        Redis's default): full, it drops the owner keys first under a volatile-* policy (the
+        only keys here with a TTL), so running replicas count as dead, their open audits are
+        reaped as lost and a replica with other guard flags joins. A server that refuses
+        CONFIG (a managed one) is not asked."""
+        try:
+            policy = self._client.config_get("maxmemory-policy").get("maxmemory-policy")
+        except redis.ResponseError:
+            return
+        if policy not in (None, "noeviction"):
+            logger.warning("orca audit: the audit store at %s may evict keys (maxmemory-policy "
+                           "%s): set it to noeviction, or a full store drops the replicas' owner "
+                           "keys and the fleet's guard flags go unchecked", self.path, policy)
 
     def _owner_key(self, owner: str) -> str:
         return f"orca:guard-owner:{owner}"
