@@ -12,8 +12,8 @@ The new bundle's journal may be folded by other processes already (the servers s
 directory, a fleet's replicas): the successor joins them only under the same flags
 (journal.py `joined`). A reload checks that before anything changes (`check_takeover`) and is
 refused otherwise; should such a process join in the seconds between the check and the swap,
-the successor audits without journal (logged with the same line) rather than fold their
-events into other decisions.
+the successor audits without journal or directory (logged with the same line) rather than
+fold their events into other decisions.
 """
 
 from __future__ import annotations
