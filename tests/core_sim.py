@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -331,21 +331,28 @@ def to_device(obj) -> None:
         conv_bank(dep.bank)
 
 
+def logged(fn: Callable[..., Any], logs: list[list[str]]) -> Callable[..., Any]:
+    """`fn`, with the DeviceTensor log of each call alone appended to `logs` (one list a
+    call): what that call moved between host and device, or read of a device value."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        DeviceTensor.log = []
+        try:
+            with FactoryWatch():
+                return fn(*args, **kwargs)
+        finally:
+            logs.append(DeviceTensor.log)
+            DeviceTensor.log = []
+    return call
+
+
 def count_copies(core: OrcaCore) -> list[list[str]]:
     """Wrap `core.step` so that each engine step's host-device traffic is logged (the
     DeviceTensor log of that step alone, joins and leaves between steps left out); the list it
     returns fills with one log per step. Call after `to_device(core)`."""
     per_step: list[list[str]] = []
-    orig = core.step
-
-    def counted_step(entries, hidden, logits):
-        DeviceTensor.log = []
-        with FactoryWatch():
-            orig(entries, hidden.as_subclass(DeviceTensor), logits.as_subclass(DeviceTensor))
-        per_step.append(DeviceTensor.log)
-        DeviceTensor.log = []
-
-    core.step = counted_step
+    step = logged(core.step, per_step)
+    core.step = lambda entries, hidden, logits: step(
+        entries, hidden.as_subclass(DeviceTensor), logits.as_subclass(DeviceTensor))
     return per_step
 
 
@@ -354,15 +361,5 @@ def count_join_copies(core: OrcaCore) -> list[list[str]]:
     update), where a wait for the device stalls the step as one inside it would. One log per
     join. Call after `to_device(core)`."""
     per_join: list[list[str]] = []
-    orig = core.join
-
-    def counted_join(*args, **kwargs):
-        DeviceTensor.log = []
-        with FactoryWatch():
-            out = orig(*args, **kwargs)
-        per_join.append(DeviceTensor.log)
-        DeviceTensor.log = []
-        return out
-
-    core.join = counted_join
+    core.join = logged(core.join, per_join)
     return per_join

@@ -30,12 +30,11 @@ from tests.core_sim import (
     POLICY_XA,
     PROMPT,
     SimRequest,
-    DeviceTensor,
-    FactoryWatch,
     count_copies,
     count_join_copies,
     first_cross,
     gated_sim_bundle,
+    logged,
     make_core,
     reference,
     run,
@@ -254,16 +253,8 @@ def test_a_record_mode_request_ends_without_waiting_for_the_device(bundle_path):
     core = make_core(bundle_path, max_num_seqs=4)
     to_device(core)
     per_step = count_copies(core)
-    leave, leaves = core.leave, []
-
-    def counted_leave(req, final) -> None:
-        DeviceTensor.log = []
-        with FactoryWatch():
-            leave(req, final)
-        leaves.append(DeviceTensor.log)
-        DeviceTensor.log = []
-
-    core.leave = counted_leave
+    leaves: list[list[str]] = []
+    core.leave = logged(core.leave, leaves)
     rng = random.Random(4)
     sims = [SimRequest(f"r{i}", rng, xa={XARG_KEY: f"r{i}", "orca_record": 1,
                                          "orca_policy": "shadow"},

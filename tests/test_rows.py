@@ -27,8 +27,8 @@ from tests.core_sim import (
     EOS,
     PROMPT,
     DeviceTensor,
-    FactoryWatch,
     SimRequest,
+    logged,
     sim_bundle,
     to_device,
 )
@@ -161,14 +161,6 @@ def test_the_v1_adapter_never_waits_for_the_device(tmp_path_factory):
     updates: list[list[str]] = []
     applies: list[list[str]] = []
 
-    def logged(log: list[list[str]], fn: Callable[..., Any], *args: Any) -> Any:
-        DeviceTensor.log = []
-        with FactoryWatch():
-            out = fn(*args)
-        log.append(DeviceTensor.log)
-        DeviceTensor.log = []
-        return out
-
     for t in range(300):
         gone = sorted(r for r, s in rows.items() if s.out and (
             s.out[-1] == EOS or len(s.out) >= s.max_tokens or len(s.out) == s.preempt_at))
@@ -194,7 +186,7 @@ def test_the_v1_adapter_never_waits_for_the_device(tmp_path_factory):
             moved.append((a, b, MoveDirectionality.SWAP))
         removed = [r for r in gone if r not in {a[0] for a in added}]
         if removed or added or moved:
-            logged(updates, proc.update_state, BatchUpdate(batch_size=len(rows), removed=removed,
+            logged(proc.update_state, updates)(BatchUpdate(batch_size=len(rows), removed=removed,
                                                            added=added, moved=moved))
         if not rows:
             if all(s.done for s in sims):
@@ -204,7 +196,7 @@ def test_the_v1_adapter_never_waits_for_the_device(tmp_path_factory):
         capture.STASH.rows = torch.stack([s.hidden[len(s.out) - 1] if s.out else torch.randn(DIM)
                                           for s in batch]).as_subclass(DeviceTensor)
         logits = torch.stack([s.logits[len(s.out)] for s in batch])
-        logits = logged(applies, proc.apply, logits.as_subclass(DeviceTensor))
+        logits = logged(proc.apply, applies)(logits.as_subclass(DeviceTensor))
         for row, s in enumerate(batch):
             forced = torch.isfinite(logits[row]).as_subclass(torch.Tensor)
             s.out.append(int(forced.nonzero()[0]) if int(forced.sum()) == 1

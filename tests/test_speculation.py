@@ -30,9 +30,9 @@ from tests.core_sim import (
     POLICY_XA,
     TOKENS,
     DeviceTensor,
-    FactoryWatch,
     SimRequest,
     join_due,
+    logged,
     make_core,
     reference,
     run,
@@ -203,17 +203,9 @@ def test_a_step_with_drafts_never_waits_for_the_device(bundle_path, monkeypatch)
     core = make_core(bundle_path, max_num_seqs=9)
     to_device(core)
     per_step: list[list[str]] = []
-    step = DraftSteps.step
-
-    def counted(self, entries, hidden, logits) -> None:
-        DeviceTensor.log = []
-        with FactoryWatch():
-            step(self, entries, hidden.as_subclass(DeviceTensor),
-                 logits.as_subclass(DeviceTensor))
-        per_step.append(DeviceTensor.log)
-        DeviceTensor.log = []
-
-    monkeypatch.setattr(DraftSteps, "step", counted)
+    step = logged(DraftSteps.step, per_step)
+    monkeypatch.setattr(DraftSteps, "step", lambda self, entries, hidden, logits: step(
+        self, entries, hidden.as_subclass(DeviceTensor), logits.as_subclass(DeviceTensor)))
     assert run_speculative(core, draft_sims(0), 3, 0.7, 0) >= 50
     assert any(log.count("h2d copy_") > 1 for log in per_step)  # accepted drafts were replayed
     for log in per_step:
