@@ -424,7 +424,7 @@ def test_a_store_that_lost_events_is_left(redis_store):
     audit.state.journal.close()
 
 
-def test_a_store_restored_from_an_older_save_is_left_after_it_grew_back(redis_store):
+def test_a_store_restored_from_an_older_save_is_left_after_it_grew_back(redis_store, caplog):
     """The store comes back from an older save (or loses its last second under `everysec`)
     without replica a's last audits, and replica b, which never read them, appends past a's
     read position before a reads again: a must still leave the store (neither the list's
@@ -440,9 +440,13 @@ def test_a_store_restored_from_an_older_save_is_left_after_it_grew_back(redis_st
     r.ltrim(events, 0, 3)
     for _ in range(3):
         b.observe(*known_loss(False))  # the list grows back past a's 8 events
-    a.observe(*known_loss(False))
+    with caplog.at_level(logging.WARNING, logger="orca_serve.live_audit"):
+        a.observe(*known_loss(False))
     assert not a.table()["store"]["up"] and b.table()["store"]["up"]
     assert r.llen(events) == 10 and b.state.guard(DELTA).cs.n == 5
+    # the log says what happened to the store, not that it could not be reached
+    said = [r.getMessage() for r in caplog.records if "audit store" in r.getMessage()]
+    assert len(said) == 1 and "lost events this replica had applied" in said[0], said
     for audit in (a, b):
         audit.state.journal.close()
 

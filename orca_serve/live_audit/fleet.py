@@ -37,7 +37,7 @@ from orca_serve.live_audit.journal import (
     MemoryJournal,
     journal_path,
 )
-from orca_serve.live_audit.redis_journal import RedisJournal, shown_url
+from orca_serve.live_audit.redis_journal import RedisJournal, StoreRolledBack, shown_url
 from orca_serve.metrics.prometheus import LABEL
 
 logger = logging.getLogger("orca_serve.live_audit")
@@ -67,9 +67,14 @@ class FleetJournal(LocalFallback):
             super().lost(e, when, left)
             return
         self.down_since = time.time()
-        logger.warning("orca audit: the audit store %s is unreachable %s (%s); this replica "
-                       "goes on with its own local guard (%s) until it restarts", self.url,
-                       when, e, self.path)
+        # a rollback is the store's data, not its network: said apart, so that an operator
+        # looks at the store's persistence (an older save, a restart without it, a flush)
+        what = ("lost events this replica had applied (restored from an older save, restarted "
+                "without persistence, or flushed)" if isinstance(e, StoreRolledBack)
+                else "is unreachable")
+        logger.warning("orca audit: the audit store %s %s %s (%s); this replica goes on with "
+                       "its own local guard (%s) until it restarts", self.url, what, when, e,
+                       self.path)
 
     def state(self) -> dict[str, Any]:
         """The table's `store`."""
