@@ -191,6 +191,7 @@ def split_replay(loss: np.ndarray, n_cal: int, deltas: Sequence[float], epsilon:
         raise ValueError(f"n_cal must leave traces on both sides of a split: 0 < n_cal < {n}, "
                          f"got {n_cal}")
     deltas = tuple(_check_level(d, "delta") for d in deltas)
+    pvalues = pvalue_fn(pvalue)
     rng = np.random.default_rng(seed)
     certified = np.full((reps, len(deltas)), -1, dtype=np.int64)
     held_out = np.zeros((reps, len(deltas)))
@@ -199,7 +200,7 @@ def split_replay(loss: np.ndarray, n_cal: int, deltas: Sequence[float], epsilon:
         cal, test = perm[:n_cal], perm[n_cal:]
         counts = loss[:, cal].sum(axis=1, dtype=np.int64)  # [m]
         for d, delta in enumerate(deltas):
-            last = n_rejected(pvalue_fn(pvalue)(counts, n_cal, delta), epsilon) - 1
+            last = n_rejected(pvalues(counts, n_cal, delta), epsilon) - 1
             if last >= 0:
                 certified[r, d] = last
                 held_out[r, d] = float(loss[last, test].mean())
