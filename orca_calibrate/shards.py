@@ -34,8 +34,9 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
@@ -51,6 +52,7 @@ from orca_serve.checks.errors import Stopped, exit_on_sigterm
 SHARDS = "shards"
 PR_SET_PDEATHSIG = 1  # prctl(2)'s option: the signal a process gets when its parent dies
 STOP_WAIT_S = 120  # how long a stopped shard may take to shut its engine down before a SIGKILL
+REAP_POLL_S = 0.2  # how often `reap_groups` looks whether an ended shard's group is empty
 
 
 class ShardError(ValueError):
@@ -211,9 +213,12 @@ def run_shard(spec_file: Path) -> Stats:
 
 
 def start_shard(cmd: list[str], env: dict[str, str], log: IO[str]) -> subprocess.Popen:
-    """One shard's engine process: `cmd` in `env`, its output to `log`. A function of its own so
-    that the tests can start the same command another way (from a pre-imported interpreter)."""
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    """One shard's engine process: `cmd` in `env`, its output to `log`, in a session of its own:
+    its process group then holds the vLLM engine it starts too (`reap_groups`). A function of
+    its own so that the tests can start the same command another way (from a pre-imported
+    interpreter, in a session of its own as well)."""
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def stop_shards(procs: list[subprocess.Popen]) -> None:
@@ -229,6 +234,36 @@ def stop_shards(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def reap_groups(pgids: Iterable[int]) -> None:
+    """End what is left in the process groups of shards that have ended. A shard killed outright
+    (SIGKILL: the kernel's OOM killer, an operator's `kill -9`) cannot shut its engine down:
+    vLLM's engine core and its workers run on, orphaned, holding the shard's devices (the engine
+    core does not watch the process that started it), and a rerun's shard on those devices
+    fails for memory. They are in the shard's group: SIGTERM (the engine shuts down as on a
+    Ctrl-C), then SIGKILL to whatever is left after STOP_WAIT_S. A shard that ended as it should
+    left its group empty: nothing to do."""
+    left = []
+    for pgid in pgids:
+        with suppress(ProcessLookupError):  # empty (or not a group of its own)
+            os.killpg(pgid, signal.SIGTERM)
+            left.append(pgid)
+    deadline = time.monotonic() + STOP_WAIT_S
+    while left and time.monotonic() < deadline:
+        time.sleep(REAP_POLL_S)
+        left = [g for g in left if _group_alive(g)]
+    for pgid in left:
+        with suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def die_with_parent() -> None:
@@ -259,7 +294,8 @@ def collect_shards(model: str, settings: CollectSettings,
     except BaseException:  # Ctrl-C, SIGTERM (`Stopped`): the shards stop too, engines and all
         stop_shards([proc for proc, _ in procs])
         raise
-    finally:
+    finally:  # every shard has ended here: what a killed one left of its engine goes too
+        reap_groups([proc.pid for proc, _ in procs])
         for _, log in procs:
             log.close()
     failed = [i for i, (proc, _) in enumerate(procs) if proc.returncode != 0]

@@ -5,7 +5,10 @@ the job's one trajectory directory (tests/test_shards_engine.py runs real engine
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,8 +24,6 @@ def test_prompts_go_round_robin_with_all_their_samples():
 
 
 def test_each_cpu_engine_binds_cores_of_its_own(monkeypatch):
-    import os
-
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
     binds = [device_env(i, 2, CollectSettings(), {})["VLLM_CPU_OMP_THREADS_BIND"]
              for i in range(2)]
@@ -236,11 +237,50 @@ def test_an_interrupted_collection_stops_its_shard_processes(tmp_path, monkeypat
     assert len(started) == 2 and all(p.returncode is not None for p in started)
 
 
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie its new parent has not reaped yet has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_a_killed_shard_leaves_no_engine_behind(tmp_path, monkeypatch):
+    """A shard SIGKILLed (the OOM killer, `kill -9`) cannot shut its engine down: vLLM's engine
+    core and workers ran on, orphaned, holding the shard's devices (measured with an `LLM` on the
+    toy model: both alive 15 s after their process's SIGKILL). The job's collect ends what the
+    shard left in its process group. Here the engine is a child of the shard, which then kills
+    itself outright."""
+    import sys
+
+    from orca_calibrate import shards
+    from orca_calibrate.job import collection_sets, load_job
+
+    engine = tmp_path / "engine.pid"
+    shard = ("import os, pathlib, signal, subprocess, sys\n"
+             "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+             f"pathlib.Path({str(engine)!r}).write_text(str(c.pid))\n"
+             "os.kill(os.getpid(), signal.SIGKILL)\n")
+    start = shards.start_shard
+    monkeypatch.setattr(shards, "start_shard",
+                        lambda cmd, env, log: start([sys.executable, "-c", shard], env, log))
+    monkeypatch.setattr(shards, "device_env", lambda i, n, settings: {})
+    job = load_job(_job(tmp_path, engines=1))
+    with pytest.raises(RuntimeError, match=r"collection shard\(s\) \[0\] failed"):
+        shards.collect_shards("m", CollectSettings(**job["collect"]), collection_sets(job),
+                              tmp_path / "w")
+    pid = int(engine.read_text())
+    try:
+        assert _gone(pid), "the killed shard's engine outlived the collection"
+    finally:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_shard_process_stops_when_the_process_that_started_it_dies(tmp_path):
     """`python -m orca_calibrate.shards` under a SIGKILLed `run`: SIGTERM (prctl's parent-death
     signal), which unwinds it as Ctrl-C does (its engine shut down), instead of collecting on."""
-    import os
-    import signal
     import subprocess
     import sys
     import time
