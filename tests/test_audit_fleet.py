@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import logging
 import multiprocessing
 import os
@@ -288,6 +289,36 @@ def test_a_dead_replicas_flags_bind_no_one(redis_store):
         _on_store(redis_store.url, other_labels=True)
     time.sleep(1.0)  # two of its TTLs
     _on_store(redis_store.url, other_labels=True).state.journal.close()
+
+
+NOT_RECORDS = [b"not json", b'{"settings": {"--orca-on-alarm": "fall', b"[]",
+               b'{"settings": {}, "members": "abc"}']
+
+
+@pytest.mark.parametrize("raw", NOT_RECORDS)
+def test_a_fold_record_that_is_not_one_is_refused_while_a_replica_runs(redis_store, caplog, raw):
+    """The fold key holds what is not a fold record (edited by hand, cut short, another value):
+    while a replica runs, a joining one cannot know the flags it folds under and is refused,
+    whatever its own flags, in one line naming the key and what to do. Before, the newcomer
+    wrote the record anew with its own flags and folded the same events into other decisions.
+    Once none runs, the next one writes it anew, said in the log."""
+    key = f"orca:guard:{bundle().checksum}:fold"
+    r = redis.Redis.from_url(redis_store.url)
+    running = _on_store(redis_store.url, on_alarm="fallback")
+    r.set(key, raw)
+    for on_alarm in ("report", "fallback"):
+        with pytest.raises(FoldSettingsDiffer) as e:
+            _on_store(redis_store.url, on_alarm=on_alarm)
+        assert str(e.value).startswith(f"{redis_store.url} {key}: not a fold record (")
+        assert str(e.value).endswith("stop them all, delete it, and start them again")
+    assert r.get(key) == raw
+    running.state.journal.close()
+    with caplog.at_level(logging.WARNING, logger="orca_serve.live_audit"):
+        joined = _on_store(redis_store.url, on_alarm="report")
+    assert f"{key} was not a fold record" in caplog.text
+    with pytest.raises(FoldSettingsDiffer, match="fallback here"):
+        _on_store(redis_store.url, on_alarm="fallback")
+    joined.state.journal.close()
 
 
 def test_a_dead_replicas_open_audit_is_reaped_a_live_ones_not(redis_store):

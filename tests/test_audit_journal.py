@@ -227,6 +227,36 @@ def test_two_servers_sharing_a_directory_fold_under_one_set_of_flags(tmp_path):
     b.state.journal.close()
 
 
+@pytest.mark.parametrize("raw", [b'{"settings": {"--orca-on-alarm": "fall', b"{}",
+                                 b"\x00" * 64])
+def test_a_fold_record_that_is_not_one_is_refused_while_a_server_runs(tmp_path, caplog, raw):
+    """The directory's fold record is not one (cut short, emptied, zeros after a power cut): a
+    server that starts beside a running one cannot know its flags, so it is refused in one line
+    naming the file and what to do. Before, it wrote the record anew with its own flags and
+    folded the running server's events into other decisions. Once none runs, the next one
+    writes it anew, said in the log; a missing record is simply none yet."""
+    a = _attached(tmp_path, on_alarm="fallback")
+    fold = a.state.journal.fold_path
+    fold.write_bytes(raw)
+    with pytest.raises(FoldSettingsDiffer) as e:
+        _attached(tmp_path)
+    assert str(e.value) == (f"{fold}: not a fold record ({raw[:60]!r}), so the settings that "
+                            "running processes fold these audit events under are unknown; stop "
+                            "them all, delete it, and start them again")
+    assert fold.read_bytes() == raw
+    a.state.journal.close()
+    with caplog.at_level("WARNING", logger="orca_serve.live_audit"):
+        b = _attached(tmp_path)
+    assert f"{fold} was not a fold record" in caplog.text
+    assert json.loads(fold.read_text())["settings"]["--orca-on-alarm"] == "report"
+    b.state.journal.close()
+    fold.unlink()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="orca_serve.live_audit"):
+        _attached(tmp_path).state.journal.close()
+    assert "fold record" not in caplog.text and fold.exists()
+
+
 def test_a_server_refused_for_its_flags_leaves_no_audit_directory(tmp_path):
     """The refused server opens no `audit-NNNNNN` of its own: the running one holds the newest,
     so before, each refused start (a supervisor restarting it in a loop) added an empty one,

@@ -76,8 +76,10 @@ into the same state (`LiveAudit._apply`), in file order:
   differ on the same events. The first one to attach records them with its owner
   (`DIR/guard-<...>.fold.json`, under the journal's lock; `joined`); a later one whose settings
   differ while a process recorded there still runs is refused (`FoldSettingsDiffer`, naming each
-  flag). Once all of them are gone the next one records its own: a restart with other flags
-  replays the journal under them ("Snapshots" above).
+  flag). Once all of them are gone the next one records its own: a restart
+  with other flags replays the journal under them ("Snapshots" above). A record that cannot be
+  read (`fold_record`) is refused too while another process runs, since the settings they fold
+  under are then unknown; when none runs it is written anew.
 
 - **A file that fails**: a journal shorter than what this process applied (truncated, restored
   from a copy) or that cannot take a whole line (a full disk) no longer holds what the guards
@@ -147,8 +149,45 @@ def is_vote(e: dict[str, Any]) -> bool:
 
 
 class FoldSettingsDiffer(ValueError):
-    """Processes that fold a journal now fold it under other settings than this one's: it must
-    not join them, since on the same events its decisions would differ from theirs."""
+    """Processes that fold a journal now fold it under other settings than this one's, or
+    under settings that cannot be read: it must not join them, since on the same events its
+    decisions would (or could) differ from theirs."""
+
+
+def _is_fold_record(record: Any) -> bool:
+    """Whether a parsed fold record has the shape `joined` writes."""
+    if not isinstance(record, dict):
+        return False
+    members = record.get("members")
+    return (isinstance(record.get("settings"), dict) and isinstance(members, list)
+            and all(isinstance(m, str) for m in members))
+
+
+def fold_record(raw: str | bytes | None, at: Any, others_run: Callable[[], bool]
+                ) -> dict[str, Any] | None:
+    """The fold record stored at `at` (`raw`; None: none yet) for `joined`. One that cannot be
+    read (not JSON, or not a record's shape: edited by hand, cut short, another value under its
+    key) is refused with `FoldSettingsDiffer` while a process other than this one may run
+    (`others_run`): the settings it folds under are unknown, and written anew with this one's
+    they could differ from its own (before, the newcomer took the record over silently). When
+    none runs it names nobody's settings, so it is logged and written anew (None)."""
+    if raw is None:
+        return None
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        record = None
+    if _is_fold_record(record):
+        return record
+    shown = raw[:60]
+    if others_run():
+        raise FoldSettingsDiffer(
+            f"{at}: not a fold record ({shown!r}), so the settings that running processes fold "
+            "these audit events under are unknown; stop them all, delete it, and start them "
+            "again")
+    logger.warning("orca audit: %s was not a fold record (%r); no other process runs, so it is "
+                   "written anew with this one's settings", at, shown)
+    return None
 
 
 def _shown(value: Any) -> str:
@@ -159,29 +198,28 @@ def _shown(value: Any) -> str:
     return "unused" if value is None else str(value)
 
 
-def joined(record: Any, settings: dict[str, Any], owner: str, alive: Callable[[str], bool],
-           where: Any, lingers: float = 0.0) -> dict[str, Any]:
+def joined(record: dict[str, Any] | None, settings: dict[str, Any], owner: str,
+           alive: Callable[[str], bool], where: Any, lingers: float = 0.0) -> dict[str, Any]:
     """A journal's fold record (`{"settings", "members"}`: what its processes fold under, and
-    which processes joined) once `owner` joins it under `settings`. The members that still run
-    (`alive`) must hold the same settings, else `FoldSettingsDiffer` names each differing one
-    with both values; when none runs (the first process, or all stopped to change a flag)
-    `settings` become the journal's. The dead are dropped, so the record stays small.
-    `lingers`: seconds a process that crashed still counts as running (a store's owner key
-    expiring), said in the refusal: an operator who finds none of them running must know to
-    wait, not look for a process that is gone."""
-    ok = isinstance(record, dict) and isinstance(record.get("members"), list) \
-        and isinstance(record.get("settings"), dict)
-    members = [m for m in record["members"] if alive(m)] if ok else []
-    theirs = record["settings"] if ok else {}
+    which processes joined; `record`, read by `fold_record`) once `owner` joins it under
+    `settings`. The members that still run (`alive`) must hold the same settings, else
+    `FoldSettingsDiffer` names each differing one with both values; when none runs (the first
+    process, or all stopped to change a flag) `settings` become the journal's. The dead are dropped, so the record stays small. `lingers`: seconds a process
+    that crashed still counts as running (a store's owner key expiring), said in the refusal:
+    an operator who finds none of them running must know to wait, not look for a process that
+    is gone."""
+    members = [m for m in record["members"] if alive(m)] if record is not None else []
+    crashed = (f" (one that crashed counts as running until its owner key expires, {lingers:g} s)"
+               if lingers else "")
+    theirs = record["settings"] if record is not None else {}
     if members and theirs != settings:
         diff = "; ".join(f"{k} {_shown(theirs.get(k))} there, {_shown(settings.get(k))} here"
                          for k in dict.fromkeys([*settings, *theirs])
                          if theirs.get(k) != settings.get(k))
         raise FoldSettingsDiffer(
             f"{where}: {len(members)} running process(es) fold these audit events under "
-            f"other settings ({diff}); give this one theirs, or stop them all to change them"
-            + (f" (one that crashed counts as running until its owner key expires, {lingers:g} s)"
-               if lingers else ""))
+            f"other settings ({diff}); give this one theirs, or stop them all to change "
+            f"them{crashed}")
     return {"settings": settings, "members": [*members, owner]}
 
 
@@ -201,7 +239,8 @@ class EventJournal(Protocol):
 
     def join(self, settings: dict[str, Any]) -> None:
         """Fold the journal under `settings` beside the processes that fold it now, or raise
-        `FoldSettingsDiffer` (their settings differ: `joined`); before the first read."""
+        `FoldSettingsDiffer` (theirs differ, or their record cannot be read: `joined`,
+        `fold_record`); before the first read."""
 
     def read(self) -> list[dict[str, Any]]:
         """Events appended by anyone since this process last read (cheap when none were)."""
@@ -550,14 +589,22 @@ class Journal:
 
     def join(self, settings: dict[str, Any]) -> None:
         """Record this process in the fold record under `settings`, or `FoldSettingsDiffer`
-        (`joined`); under the journal's exclusive lock, so two that start at once agree."""
+        (`fold_record`, `joined`); under the journal's exclusive lock, so two that start at once
+        agree."""
         with self._locked(fcntl.LOCK_EX):
             try:
-                record = json.loads(self.fold_path.read_text())
-            except (OSError, ValueError):
-                record = None  # none yet, or unreadable: written anew
+                raw = self.fold_path.read_bytes()
+            except FileNotFoundError:
+                raw = None  # none yet
+            record = fold_record(raw, self.fold_path, self._others_run)
             self._replace(self.fold_path, json.dumps(
                 joined(record, settings, self.owner, self.alive, self.path)))
+
+    def _others_run(self) -> bool:
+        """Whether a process other than this one holds an owner lock in the directory: one that
+        may fold this journal (a lock does not say which bundle's journal its process folds)."""
+        return any(self.alive(p.stem) for p in (self.path.parent / OWNERS).glob("*.lock")
+                   if p.stem != self.owner)
 
     def write_snapshot(self, state: dict[str, Any]) -> None:
         """Save the state folded from the journal up to `offset` (atomically, see above)."""

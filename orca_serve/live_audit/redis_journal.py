@@ -40,7 +40,9 @@ every process, under keys named by the bundle's full checksum:
 - **Settings**: a replica joins (`join`) in one optimistic transaction on the `fold` key
   (WATCH, then MULTI): the fleet's settings are the first replica's, a replica whose settings
   differ while one that joined runs (its owner key lives) is refused, naming each flag
-  (journal.py `joined`); once none runs, the next one's settings become the fleet's.
+  (journal.py `joined`); once none runs, the next one's settings become
+  the fleet's. A `fold` value that is not a fold record is refused while any other owner key
+  lives (journal.py `fold_record`).
 - **Snapshots** carry the running digest of the events they cover, checked against the
   chain before one is used (as the file journal's digest: journal.py, "Snapshots"), and corrupt
   elements are skipped by the file journal's rule (journal.py, "Corrupt lines").
@@ -64,6 +66,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from orca_serve.live_audit.journal import (
+    fold_record,
     joined,
     parse_events,
     read_snapshot_json,
@@ -140,6 +143,7 @@ class RedisJournal:
             f"{prefix}:events", f"{prefix}:created", f"{prefix}:chain", f"{prefix}:snapshot",
             f"{prefix}:fold")
         self.path = f"{shown_url(url)} {self._events}"
+        self._fold_at = f"{shown_url(url)} {self._fold}"  # the fold record, for a refusal
         self._script = self._client.register_script(_APPEND_READ)
         self._offset = 0  # list elements this process has read
         self._chain = ""  # the running digest of those (the rollback check's, a snapshot's)
@@ -211,11 +215,7 @@ class RedisJournal:
             while True:
                 try:
                     p.watch(self._fold)
-                    raw = p.get(self._fold)
-                    try:
-                        record = json.loads(raw) if raw is not None else None
-                    except ValueError:
-                        record = None  # unreadable: written anew
+                    record = fold_record(p.get(self._fold), self._fold_at, self._others_run)
                     record = joined(record, settings, self.owner, self.alive, self.path,
                                     self.owner_ttl)
                     p.multi()
@@ -224,6 +224,13 @@ class RedisJournal:
                     return
                 except redis.WatchError:
                     continue
+
+    def _others_run(self) -> bool:
+        """Whether an owner key other than this replica's lives on the store: a process that may
+        fold this list (a key does not say which bundle's list its process folds)."""
+        own = self._owner_key(self.owner).encode()
+        return any(k != own for k in self._client.scan_iter(match=self._owner_key("*"),
+                                                            count=1000))
 
     def read(self) -> list[dict[str, Any]]:
         return self._call("")

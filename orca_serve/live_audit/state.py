@@ -44,7 +44,6 @@ from orca_serve.live_audit.journal import (
     SNAPSHOT_EVERY,
     AuditOutcome,
     EventJournal,
-    FoldSettingsDiffer,
     is_drift,
     is_vote,
 )
@@ -185,12 +184,13 @@ class AuditState:
     # -- the events (the only way the guards' state changes) ----------------------------------
     def _attach(self, journal: EventJournal) -> None:
         """Take the journal of this bundle (at construction): join the processes that fold it
-        now, under the same flags (`fold_flags`; other ones: `FoldSettingsDiffer`, the journal
-        closed), replay what it holds (earlier processes, or others running now), then journal
-        every event; audits a dead process left open are lost."""
+        now, under the same flags (`fold_flags`; other ones, or a fold record that cannot be
+        read: `FoldSettingsDiffer`; the journal is closed on any
+        failure to join), replay what it holds (earlier processes, or others running now), then
+        journal every event; audits a dead process left open are lost."""
         try:
             journal.join(fold_flags(self.config))
-        except FoldSettingsDiffer:
+        except BaseException:
             journal.close()
             raise
         self.journal = journal
