@@ -26,16 +26,19 @@ from orca_serve.checks.errors import Stopped
 from orca_serve.live_audit.fleet import FleetJournal, MemoryJournal, store_metrics
 from orca_serve.live_audit.journal import (
     SNAPSHOT_EVERY,
+    UNRECORDED_FORMAT,
     FoldSettingsDiffer,
     Journal,
     journal_path,
 )
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import (
+    FOLD_FORMAT,
     AuditConfig,
     add_audit_args,
     audit_journal,
     check_audit_args,
+    fold_flags,
 )
 from orca_serve.live_audit.redis_journal import RedisJournal
 from orca_serve.settings.resolve import OrcaDefaults
@@ -292,7 +295,8 @@ def test_a_dead_replicas_flags_bind_no_one(redis_store):
 
 
 NOT_RECORDS = [b"not json", b'{"settings": {"--orca-on-alarm": "fall', b"[]",
-               b'{"settings": {}, "members": "abc"}']
+               b'{"settings": {}, "members": "abc"}', b'{"format": 0, "settings": {}, '
+               b'"members": []}']
 
 
 @pytest.mark.parametrize("raw", NOT_RECORDS)
@@ -319,6 +323,40 @@ def test_a_fold_record_that_is_not_one_is_refused_while_a_replica_runs(redis_sto
     with pytest.raises(FoldSettingsDiffer, match="fallback here"):
         _on_store(redis_store.url, on_alarm="fallback")
     joined.state.journal.close()
+
+
+def test_a_replica_whose_fold_differs_is_refused_and_same_fold_versions_join(redis_store):
+    """A replica of a version that folds the events otherwise (another FOLD_FORMAT) is refused
+    beside running ones, both formats named; one of another release with the same format joins.
+    A record written before the format was recorded (no "format": every such version folds as
+    format 1, `UNRECORDED_FORMAT`) binds that fold: a format-1 replica joins it (and records
+    the format), a format-2 one is refused. Before, only the flags were compared."""
+    key = f"orca:guard:{bundle().checksum}:fold"
+    r = redis.Redis.from_url(redis_store.url)
+    flags = fold_flags(AuditConfig(rate=1.0))
+    running = _on_store(redis_store.url)
+    assert json.loads(r.get(key))["format"] == FOLD_FORMAT
+    later = RedisJournal(redis_store.url, bundle().checksum)
+    with pytest.raises(FoldSettingsDiffer, match=(
+            f"{key.removesuffix(':fold')}:events: 1 running process\\(es\\) fold these audit "
+            f"events by fold format {FOLD_FORMAT}, this one by format {FOLD_FORMAT + 1} "
+            "\\(another orca-serve version, whose fold decides otherwise")):
+        later.join(flags, FOLD_FORMAT + 1)
+    later.join(flags, FOLD_FORMAT)  # another release, the same fold
+    owners = [running.state.journal.owner, later.owner]
+    assert json.loads(r.get(key))["members"] == owners
+    r.set(key, json.dumps({"settings": flags, "members": owners}))  # the previous version's
+    refused, upgraded = (RedisJournal(redis_store.url, bundle().checksum) for _ in range(2))
+    with pytest.raises(FoldSettingsDiffer, match="by fold format 1, this one by format 2"):
+        refused.join(flags, 2)
+    upgraded.join(flags, UNRECORDED_FORMAT)
+    assert json.loads(r.get(key))["format"] == UNRECORDED_FORMAT == 1
+    for j in (running.state.journal, later, refused, upgraded):
+        j.close()
+    newer = RedisJournal(redis_store.url, bundle().checksum)
+    newer.join(flags, 2)  # none runs: the fleet's fold is the next one's
+    assert json.loads(r.get(key)) == {"format": 2, "settings": flags, "members": [newer.owner]}
+    newer.close()
 
 
 def test_a_dead_replicas_open_audit_is_reaped_a_live_ones_not(redis_store):

@@ -86,6 +86,24 @@ def test_snapshots_bound_the_replay_and_are_checked(tmp_path):
     other.state.journal.close()
 
 
+def test_a_snapshot_folded_by_another_fold_format_is_not_restored(tmp_path, monkeypatch):
+    """A version whose fold differs (FOLD_FORMAT bumped) replays the journal whole rather than
+    restore a snapshot folded by the old format: that state is the old fold's. Snapshots of
+    format 1 carry no format, so the snapshots of before it stay usable."""
+    from orca_serve.live_audit import state
+
+    audit = _attached(tmp_path)
+    for _ in range(SNAPSHOT_EVERY // 2 + 30):  # two events per audit
+        audit.observe(*known_loss(False))
+    audit.state.journal.close()
+    assert "fold_format" not in json.loads(
+        audit.state.journal.snapshot_path.read_text())["state"]["settings"]
+    monkeypatch.setattr(state, "FOLD_FORMAT", 2)
+    bumped = _attached(tmp_path)
+    assert bumped.state.replayed == 2 * (SNAPSHOT_EVERY // 2 + 30)
+    bumped.state.journal.close()
+
+
 def _killed_after_admitting(d: str) -> None:
     audit = _attached(Path(d))
     audit.observe(*known_loss(True))  # labelled and journalled
@@ -227,7 +245,7 @@ def test_two_servers_sharing_a_directory_fold_under_one_set_of_flags(tmp_path):
     b.state.journal.close()
 
 
-@pytest.mark.parametrize("raw", [b'{"settings": {"--orca-on-alarm": "fall', b"{}",
+@pytest.mark.parametrize("raw", [b'{"format": 1, "settings": {"--orca-on-alarm": "fall', b"{}",
                                  b"\x00" * 64])
 def test_a_fold_record_that_is_not_one_is_refused_while_a_server_runs(tmp_path, caplog, raw):
     """The directory's fold record is not one (cut short, emptied, zeros after a power cut): a

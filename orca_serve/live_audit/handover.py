@@ -26,7 +26,13 @@ from orca_method.errors import first_line
 from orca_serve.live_audit.factory import make_live_audit
 from orca_serve.live_audit.journal import FoldSettingsDiffer
 from orca_serve.live_audit.live import LiveAudit
-from orca_serve.live_audit.options import AuditConfig, audit_journal, fold_flags, store_info
+from orca_serve.live_audit.options import (
+    FOLD_FORMAT,
+    AuditConfig,
+    audit_journal,
+    fold_flags,
+    store_info,
+)
 
 logger = logging.getLogger("orca_serve.live_audit")
 
@@ -64,6 +70,6 @@ def check_takeover(bundle: Bundle, config: AuditConfig) -> None:
     except OSError:
         return
     try:
-        journal.join(fold_flags(config))
+        journal.join(fold_flags(config), FOLD_FORMAT)
     finally:
         journal.close()

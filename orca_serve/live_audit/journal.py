@@ -72,11 +72,12 @@ into the same state (`LiveAudit._apply`), in file order:
   journals it as `lost` (`LiveAudit.reap`).
 
 - **Settings**: the processes that fold one journal at the same time must fold it under the
-  same settings (the flags of `orca_serve.live_audit.options.fold_flags`), or their decisions
-  differ on the same events. The first one to attach records them with its owner
+  same settings (the flags of `orca_serve.live_audit.options.fold_flags`, and the fold itself:
+  its `FOLD_FORMAT`, which another orca-serve version may fold by), or their decisions differ
+  on the same events. The first one to attach records them with its owner
   (`DIR/guard-<...>.fold.json`, under the journal's lock; `joined`); a later one whose settings
   differ while a process recorded there still runs is refused (`FoldSettingsDiffer`, naming each
-  flag). Once all of them are gone the next one records its own: a restart
+  flag, or both formats). Once all of them are gone the next one records its own: a restart
   with other flags replays the journal under them ("Snapshots" above). A record that cannot be
   read (`fold_record`) is refused too while another process runs, since the settings they fold
   under are then unknown; when none runs it is written anew.
@@ -149,17 +150,25 @@ def is_vote(e: dict[str, Any]) -> bool:
 
 
 class FoldSettingsDiffer(ValueError):
-    """Processes that fold a journal now fold it under other settings than this one's, or
-    under settings that cannot be read: it must not join them, since on the same events its
-    decisions would (or could) differ from theirs."""
+    """Processes that fold a journal now fold it under other settings than this one's (flags,
+    or the fold's format), or under settings that cannot be read: it must not join them, since
+    on the same events its decisions would (or could) differ from theirs."""
+
+
+# The fold format of a record that names none: every version that wrote fold records before
+# they carried one folds as FOLD_FORMAT 1 (orca_serve/live_audit/options.py) does.
+UNRECORDED_FORMAT = 1
 
 
 def _is_fold_record(record: Any) -> bool:
-    """Whether a parsed fold record has the shape `joined` writes."""
+    """Whether a parsed fold record has the shape `joined` writes (a format, from 1 on, or none:
+    `UNRECORDED_FORMAT`)."""
     if not isinstance(record, dict):
         return False
+    fmt = record.get("format", UNRECORDED_FORMAT)
     members = record.get("members")
-    return (isinstance(record.get("settings"), dict) and isinstance(members, list)
+    return (isinstance(fmt, int) and not isinstance(fmt, bool) and fmt >= 1
+            and isinstance(record.get("settings"), dict) and isinstance(members, list)
             and all(isinstance(m, str) for m in members))
 
 
@@ -198,19 +207,29 @@ def _shown(value: Any) -> str:
     return "unused" if value is None else str(value)
 
 
-def joined(record: dict[str, Any] | None, settings: dict[str, Any], owner: str,
-           alive: Callable[[str], bool], where: Any, lingers: float = 0.0) -> dict[str, Any]:
-    """A journal's fold record (`{"settings", "members"}`: what its processes fold under, and
-    which processes joined; `record`, read by `fold_record`) once `owner` joins it under
-    `settings`. The members that still run (`alive`) must hold the same settings, else
-    `FoldSettingsDiffer` names each differing one with both values; when none runs (the first
-    process, or all stopped to change a flag) `settings` become the journal's. The dead are dropped, so the record stays small. `lingers`: seconds a process
+def joined(record: dict[str, Any] | None, settings: dict[str, Any], fold_format: int,
+           owner: str, alive: Callable[[str], bool], where: Any,
+           lingers: float = 0.0) -> dict[str, Any]:
+    """A journal's fold record (`{"format", "settings", "members"}`: how its processes fold,
+    and which processes joined; `record`, read by `fold_record`) once `owner` joins it under
+    `settings` and `fold_format`. The members that still run (`alive`) must fold by the same
+    format (another version's fold: refused, both formats named) and hold the same settings,
+    else `FoldSettingsDiffer` names each differing one with both values; when none runs (the
+    first process, or all stopped to change a flag or the version) this one's become the
+    journal's. The dead are dropped, so the record stays small. `lingers`: seconds a process
     that crashed still counts as running (a store's owner key expiring), said in the refusal:
     an operator who finds none of them running must know to wait, not look for a process that
     is gone."""
     members = [m for m in record["members"] if alive(m)] if record is not None else []
     crashed = (f" (one that crashed counts as running until its owner key expires, {lingers:g} s)"
                if lingers else "")
+    theirs_format = record.get("format", UNRECORDED_FORMAT) if record is not None else None
+    if members and theirs_format != fold_format:
+        raise FoldSettingsDiffer(
+            f"{where}: {len(members)} running process(es) fold these audit events by fold "
+            f"format {theirs_format}, this one by format {fold_format} (another orca-serve "
+            "version, whose fold decides otherwise on the same events); stop them all to "
+            f"change versions{crashed}")
     theirs = record["settings"] if record is not None else {}
     if members and theirs != settings:
         diff = "; ".join(f"{k} {_shown(theirs.get(k))} there, {_shown(settings.get(k))} here"
@@ -220,7 +239,7 @@ def joined(record: dict[str, Any] | None, settings: dict[str, Any], owner: str,
             f"{where}: {len(members)} running process(es) fold these audit events under "
             f"other settings ({diff}); give this one theirs, or stop them all to change "
             f"them{crashed}")
-    return {"settings": settings, "members": [*members, owner]}
+    return {"format": fold_format, "settings": settings, "members": [*members, owner]}
 
 
 class EventJournal(Protocol):
@@ -237,10 +256,10 @@ class EventJournal(Protocol):
     def path(self) -> Any:
         """Where the events live (a file, or a store's key), for the log and the table."""
 
-    def join(self, settings: dict[str, Any]) -> None:
-        """Fold the journal under `settings` beside the processes that fold it now, or raise
-        `FoldSettingsDiffer` (theirs differ, or their record cannot be read: `joined`,
-        `fold_record`); before the first read."""
+    def join(self, settings: dict[str, Any], fold_format: int) -> None:
+        """Fold the journal under `settings` and `fold_format` beside the processes that fold it
+        now, or raise `FoldSettingsDiffer` (theirs differ, or their record cannot be read:
+        `joined`, `fold_record`); before the first read."""
 
     def read(self) -> list[dict[str, Any]]:
         """Events appended by anyone since this process last read (cheap when none were)."""
@@ -352,7 +371,7 @@ class MemoryJournal:
     def __init__(self, owner: str) -> None:
         self.owner = owner
 
-    def join(self, settings: dict[str, Any]) -> None:
+    def join(self, settings: dict[str, Any], fold_format: int) -> None:
         pass  # alone: no other process folds these events
 
     def read(self) -> list[dict[str, Any]]:
@@ -419,8 +438,8 @@ class LocalFallback:
             self.lost(e, "while serving", old.path)
         return getattr(self.journal, call)(*args)
 
-    def join(self, settings: dict[str, Any]) -> None:
-        self._try("join", settings)
+    def join(self, settings: dict[str, Any], fold_format: int) -> None:
+        self._try("join", settings, fold_format)
 
     def read(self) -> list[dict[str, Any]]:
         return self._try("read")
@@ -587,10 +606,10 @@ class Journal:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
 
-    def join(self, settings: dict[str, Any]) -> None:
-        """Record this process in the fold record under `settings`, or `FoldSettingsDiffer`
-        (`fold_record`, `joined`); under the journal's exclusive lock, so two that start at once
-        agree."""
+    def join(self, settings: dict[str, Any], fold_format: int) -> None:
+        """Record this process in the fold record under `settings` and `fold_format`, or
+        `FoldSettingsDiffer` (`fold_record`, `joined`); under the journal's exclusive lock, so
+        two that start at once agree."""
         with self._locked(fcntl.LOCK_EX):
             try:
                 raw = self.fold_path.read_bytes()
@@ -598,7 +617,7 @@ class Journal:
                 raw = None  # none yet
             record = fold_record(raw, self.fold_path, self._others_run)
             self._replace(self.fold_path, json.dumps(
-                joined(record, settings, self.owner, self.alive, self.path)))
+                joined(record, settings, fold_format, self.owner, self.alive, self.path)))
 
     def _others_run(self) -> bool:
         """Whether a process other than this one holds an owner lock in the directory: one that

@@ -234,6 +234,17 @@ def store_info(bundle: Any, probe: ProbeSettings) -> dict[str, Any]:
             "source": "orca-serve live audit"}
 
 
+# The fold's format: what the journal's events decide under given flags (`fold_flags`), in this
+# version. Bump it when a change alters what a fold decides on the same events (an event read
+# otherwise, another statistic, another rule for a censored or a lost audit), not for one that
+# only changes how audits are picked, labelled or stored: replicas of versions that fold by
+# other formats are not let fold one journal together (journal.py `joined`: a rolling upgrade
+# across a bump is refused on its first new replica; stop them all, then start the new version)
+# and a snapshot folded by another format is not restored (state.py `_settings`). Fold records
+# written before they named one read as format 1 (journal.py `UNRECORDED_FORMAT`).
+FOLD_FORMAT = 1
+
+
 def fold_flags(config: AuditConfig) -> dict[str, Any]:
     """The flags that change how the journal's events fold into the guards' decisions (the
     stop audit's, `orca_serve.live_audit.state`, and the vote's, `votes`), by name: the

@@ -39,8 +39,8 @@ every process, under keys named by the bundle's full checksum:
   never ending the heartbeat.
 - **Settings**: a replica joins (`join`) in one optimistic transaction on the `fold` key
   (WATCH, then MULTI): the fleet's settings are the first replica's, a replica whose settings
-  differ while one that joined runs (its owner key lives) is refused, naming each flag
-  (journal.py `joined`); once none runs, the next one's settings become
+  (its flags, its fold format) differ while one that joined runs (its owner key lives) is
+  refused, naming each (journal.py `joined`); once none runs, the next one's settings become
   the fleet's. A `fold` value that is not a fold record is refused while any other owner key
   lives (journal.py `fold_record`).
 - **Snapshots** carry the running digest of the events they cover, checked against the
@@ -208,16 +208,17 @@ class RedisJournal:
         self.skipped += skipped
         return events
 
-    def join(self, settings: dict[str, Any]) -> None:
-        """Record this replica in the fold record under `settings`, or `FoldSettingsDiffer`
-        (module docstring, "Settings"); retried when another replica joined meanwhile."""
+    def join(self, settings: dict[str, Any], fold_format: int) -> None:
+        """Record this replica in the fold record under `settings` and `fold_format`, or
+        `FoldSettingsDiffer` (module docstring, "Settings"); retried when another replica
+        joined meanwhile."""
         with self._client.pipeline() as p:
             while True:
                 try:
                     p.watch(self._fold)
                     record = fold_record(p.get(self._fold), self._fold_at, self._others_run)
-                    record = joined(record, settings, self.owner, self.alive, self.path,
-                                    self.owner_ttl)
+                    record = joined(record, settings, fold_format, self.owner, self.alive,
+                                    self.path, self.owner_ttl)
                     p.multi()
                     p.set(self._fold, json.dumps(record))
                     p.execute()

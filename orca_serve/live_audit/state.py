@@ -48,7 +48,13 @@ from orca_serve.live_audit.journal import (
     is_vote,
 )
 from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE
-from orca_serve.live_audit.options import EPSILON_SPLITS, AuditConfig, fold_flags, guard_epsilon
+from orca_serve.live_audit.options import (
+    EPSILON_SPLITS,
+    FOLD_FORMAT,
+    AuditConfig,
+    fold_flags,
+    guard_epsilon,
+)
 from orca_serve.live_audit.votes import VoteAudit
 
 logger = logging.getLogger("orca_serve.live_audit")
@@ -184,12 +190,12 @@ class AuditState:
     # -- the events (the only way the guards' state changes) ----------------------------------
     def _attach(self, journal: EventJournal) -> None:
         """Take the journal of this bundle (at construction): join the processes that fold it
-        now, under the same flags (`fold_flags`; other ones, or a fold record that cannot be
-        read: `FoldSettingsDiffer`; the journal is closed on any
+        now, under the same flags and fold format (`fold_flags`, `FOLD_FORMAT`; other ones, or
+        a fold record that cannot be read: `FoldSettingsDiffer`; the journal is closed on any
         failure to join), replay what it holds (earlier processes, or others running now), then
         journal every event; audits a dead process left open are lost."""
         try:
-            journal.join(fold_flags(self.config))
+            journal.join(fold_flags(self.config), FOLD_FORMAT)
         except BaseException:
             journal.close()
             raise
@@ -235,6 +241,8 @@ class AuditState:
                 out["give_up"]["recalibrates"] = "consistency"
         if self.votes.guards:  # absent without a consensus block: its snapshots stay usable
             out["votes"] = self.votes.settings()
+        if FOLD_FORMAT > 1:  # absent at format 1: the snapshots of before it stay usable
+            out["fold_format"] = FOLD_FORMAT
         return out
 
     def _snapshot(self) -> None:
