@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from orca_serve.live_audit.factory import make_live_audit
-from orca_serve.live_audit.handover import check_takeover, hand_over
+from orca_serve.live_audit.handover import successor, take_over
 from orca_serve.live_audit.journal import (
     SNAPSHOT_EVERY,
     FoldSettingsDiffer,
@@ -205,10 +205,10 @@ def test_a_hot_reload_away_and_back_resumes_the_bundles_state(tmp_path):
         a.observe(*known_loss(bool(rng.random() < 0.4)))
     before = a.table()["deltas"]
     assert before[0]["engaged"]
-    b = hand_over(a, other, config)
+    b = take_over(a, successor(a, other, config))
     assert b.state.journal.path != journal_path(tmp_path, first.checksum)
     assert b.state.guard(DELTA).cs.n == 0 and a.state.journal is None  # closed by the hand-over
-    back = hand_over(b, first, config)
+    back = take_over(b, successor(b, first, config))
     assert back.state.journal.path == journal_path(tmp_path, first.checksum)
     assert back.table()["deltas"] == before
     back.state.journal.close()
@@ -223,7 +223,8 @@ def test_a_hand_over_to_a_directory_that_cannot_be_opened_still_returns_a_workin
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     with caplog.at_level("WARNING", logger="orca_serve.live_audit"):
-        new = hand_over(old, bundle(), AuditConfig(rate=1.0, directory=blocked))
+        new = take_over(old, successor(old, bundle(), AuditConfig(rate=1.0,
+                                                                  directory=blocked)))
     assert "cannot open its directory" in caplog.text and old.retired
     assert new.store is None and new.state.journal is None and new.engine_client() is engine
     new.observe(*known_loss(True))
@@ -288,23 +289,27 @@ def test_a_server_refused_for_its_flags_leaves_no_audit_directory(tmp_path):
     running.close()
 
 
-def test_a_hand_over_to_a_journal_folded_under_other_flags_audits_without_it(tmp_path,
-                                                                           caplog):
-    """The new bundle's journal is folded by a server with other flags (it joined between the
-    reload's check and the swap): the successor does not fold it into other decisions, it
-    audits without journal, and the log names the flag."""
+def test_a_reloads_successor_binds_the_new_journal_to_its_flags_until_the_swap(tmp_path):
+    """A reload's successor (its check) is refused by a journal folded under other flags. One
+    that joined is a running process of its journal from then on: a server with other flags
+    that starts before the swap is refused (before, the check left the journal, such a server
+    joined, and the successor audited without journal and directory), and the successor takes
+    over with its journal."""
     other = bundle().model_copy(update={"checksum": "0" * 64})
     config = AuditConfig(rate=1.0, directory=tmp_path)
     running = LiveAudit(other, replace(config, drift_acts=True),
                         journal=audit_journal(config, other))
     old = LiveAudit(bundle(), config, journal=audit_journal(config, bundle()))
     with pytest.raises(FoldSettingsDiffer, match="drift-acts on there, off here"):
-        check_takeover(other, config)
-    with caplog.at_level("WARNING", logger="orca_serve.live_audit"):
-        new = hand_over(old, other, config)
-    assert "--orca-audit-drift-acts on there, off here" in caplog.text
-    assert new.state.journal is None and new.store is None
+        successor(old, other, config)
     running.state.journal.close()
+    new = successor(old, other, config)
+    with pytest.raises(FoldSettingsDiffer, match="drift-acts off there, on here"):
+        make_live_audit(other, replace(config, drift_acts=True))
+    assert take_over(old, new) is new and old.state.journal is None
+    assert new.state.journal.path == journal_path(tmp_path, other.checksum)
+    assert new.store is not None
+    new.close()
 
 
 DEMO = Path(__file__).parents[1] / "orca_serve" / "demo" / "bundle.json"

@@ -34,6 +34,7 @@ from orca_serve.vllm_plugin.worker import OrcaWorkerExtension
 from tests.bundles import with_consensus, with_give_up, with_saturated_give_up
 from tests.core_sim import PROMPT, make_core, sim_bundle
 from tests.servers import orca_result, orca_server
+from tests.serving import free_port
 
 
 class Proc:
@@ -181,6 +182,24 @@ def test_a_bundle_whose_fleet_runs_other_guard_flags_is_refused(paths, redis_sto
     new = server.serving.now.audit
     assert new is not now.audit and new.state.journal.up
     new.state.journal.close()
+
+
+def test_a_reload_opens_the_new_bundles_journal_once(paths, tmp_path, caplog):
+    """The store is down: a reload goes through, the new audit on its own local guard, and the
+    store's unreachability is said once for it. Before, the reload opened the new journal twice
+    (its flag check, then the swap), and so logged the warning twice."""
+    config = AuditConfig(rate=1.0, store=f"redis://127.0.0.1:{free_port()}/0",
+                         directory=tmp_path)
+    server, _, _ = setup(paths, audit=lambda b: make_live_audit(b, config),
+                         audit_config=lambda b: config)
+    caplog.clear()  # the first bundle's audit said it
+    with caplog.at_level(logging.WARNING, logger="orca_serve.live_audit"):
+        asyncio.run(server.reloader.reload(str(paths["b"]), source="test"))
+    new = server.serving.now.audit
+    assert new.bundle.checksum == server.serving.now.bundle.checksum
+    assert not new.state.journal.up
+    assert caplog.text.count("is unreachable at start") == 1, caplog.text
+    new.close()
 
 
 def test_admin_route(paths):

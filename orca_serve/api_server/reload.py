@@ -8,8 +8,9 @@ never compared with the scores of another:
 1. The new bundle is read and checked here (its checksum; the checks made at start: the model it
    names, the table's consistency, the probe's scale, `check`; the options the server runs with,
    `orca_serve.checks.bundle.check_options`: --orca-delta in its table, the give-up policy its
-   mu* was certified for, ...; the live audit's settings, `audit_config`, and that the processes
-   folding its journal run with the same guard flags, `check_takeover`), then staged on
+   mu* was certified for, ...; the live audit's settings, `audit_config`, and its successor,
+   built with the new journal joined: refused when the processes folding that journal run with
+   other guard flags, `successor`), then staged on
    every engine worker (`orca_load_bundle`: the checks made at start, against the engine's own
    model). Any refusal: the staged copies are let go, nothing else changes, and the caller gets
    the reason in one line.
@@ -41,7 +42,8 @@ from orca_method.bundle import Bundle, BundleError, load_bundle
 from orca_method.bundle_checks import check_semantics
 from orca_method.errors import first_line
 from orca_serve.checks.bundle import check_options
-from orca_serve.live_audit.handover import check_takeover, hand_over
+from orca_serve.live_audit.handover import successor, take_over
+from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig
 from orca_serve.metrics.prometheus import ReloadOutcome
 from orca_serve.settings.contract import OrcaSettings, ReloadAnswer
@@ -191,12 +193,13 @@ class Reloader:
                           vote_waves=st.defaults.vote_waves)
         except BundleError as e:
             raise ReloadRefused(str(e)) from None
-        audit_config = None
+        audit = None
         if self.audit_config is not None and st.audit is not None:
             try:
-                audit_config = self.audit_config(bundle)
-                # the processes folding its journal run with the same flags (handover.py)
-                await asyncio.to_thread(check_takeover, bundle, audit_config)
+                # its journal joined: the processes folding it run with the same flags
+                # (handover.py)
+                audit = await asyncio.to_thread(successor, st.audit, bundle,
+                                                self.audit_config(bundle))
             except (OSError, ValueError) as e:
                 raise ReloadRefused(f"the live audit cannot follow the new bundle: "
                                     f"{first_line(e)}") from None
@@ -205,12 +208,15 @@ class Reloader:
             self._check(answers, bundle.checksum)
             answers = await self._rpc("orca_use_bundle", bundle.checksum)
             self._check(answers, bundle.checksum)
-        except ReloadRefused:
-            await self._roll_back(old)
+        except BaseException as e:
+            if audit is not None:
+                audit.close()  # leaves the journal it joined
+            if isinstance(e, ReloadRefused):
+                await self._roll_back(old)
             raise
         self._swap(bundle, path, replace(st.defaults, delta=(
             self.fixed_delta if self.fixed_delta is not None else bundle.default_delta)),
-            audit_config)
+            audit)
         if self.inflight.get(old, 0) == 0:
             self._spawn(self.retire())  # runs once this reload lets go of the lock
         return {"changed": True, "checksum": bundle.checksum, "previous": old, "path": path}
@@ -252,15 +258,15 @@ class Reloader:
                                first_line(e))
 
     def _swap(self, bundle: Bundle, path: str, defaults: OrcaDefaults,
-              audit_config: AuditConfig | None) -> None:
+              audit: LiveAudit | None) -> None:
         """The server's switch, synchronous: no request is resolved half way through it. The
-        new bundle's live audit (as `audit_config` sets it up) takes over from the old one
-        first (its store and unfinished count)."""
+        new bundle's live audit (`audit`, built by the reload's check; None: the old one serves
+        on, there being none) takes over from the old one first (its store and unfinished
+        count)."""
         old = self.serving.now
-        audit = old.audit
-        if audit is not None and audit_config is not None:
-            audit = hand_over(audit, bundle, audit_config)
-        new = Serving(bundle, path, defaults, audit)
+        if old.audit is not None and audit is not None:
+            audit = take_over(old.audit, audit)
+        new = Serving(bundle, path, defaults, old.audit if audit is None else audit)
         self.serving.swap(new)
         if self.metrics is not None and new.bundle is not None:
             self.metrics.bundle_in_use(new.bundle.checksum, old.checksum)

@@ -11,34 +11,28 @@ from orca_method.audit.martingale import ConformalMartingale
 from orca_method.bundle import Bundle
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig, audit_journal, audit_store
-from orca_serve.live_audit.store import AuditStore
 
 
 def make_live_audit(bundle: Bundle, config: AuditConfig,
                     engine_client: Callable[[], Any] | None = None, *,
-                    store: AuditStore | None = None, superseded: int = 0) -> LiveAudit:
+                    stored: bool = True) -> LiveAudit:
     """The live audit of `bundle` as `config` sets it up: its journal, joined and replayed
-    (orca_serve/live_audit/journal.py), then its store (`store`: one taken over by a hot
-    reload; else opened when a directory is set). `engine_client`: returns the server's engine
-    client, which labels the audits. Raises OSError when the directory or journal cannot be
-    opened, FoldSettingsDiffer when the processes folding the journal run with other flags
-    (journal.py `joined`); the store, given or opened, and the journal are closed then.
+    (orca_serve/live_audit/journal.py), then its store, opened when a directory is set
+    (`stored`; False: a hot reload's successor, which may take the old audit's over,
+    orca_serve/live_audit/handover.py). `engine_client`: returns the server's engine client,
+    which labels the audits. Raises OSError when the directory or journal cannot be opened,
+    FoldSettingsDiffer when the processes folding the journal run with other flags (journal.py
+    `joined`); the journal is closed then.
 
     The store is opened after the journal is joined: opened first, a start refused for its
     guard flags left an empty `audit-NNNNNN` behind (a new one whenever a running server held
     the newest, and that rotation could delete the oldest past `--orca-audit-keep`)."""
-    try:
-        journal = audit_journal(config, bundle) if config.journalled else None
-        audit = LiveAudit(bundle, config, journal=journal, store=store,
-                          drift=DriftMonitor.from_bundle(bundle),
-                          sequential=ConformalMartingale.from_bundle(bundle),
-                          engine_client=engine_client,
-                          superseded=superseded)
-    except BaseException:
-        if store is not None:
-            store.close()
-        raise
-    if store is None and config.directory is not None:
+    journal = audit_journal(config, bundle) if config.journalled else None
+    audit = LiveAudit(bundle, config, journal=journal,
+                      drift=DriftMonitor.from_bundle(bundle),
+                      sequential=ConformalMartingale.from_bundle(bundle),
+                      engine_client=engine_client)
+    if stored and config.directory is not None:
         try:
             audit.store = audit_store(config, bundle)
         except BaseException:

@@ -9,11 +9,13 @@ whichever audit serves (`orca_serve.live_audit.collector`), so nothing moves to 
 but the store and the engine client's getter.
 
 The new bundle's journal may be folded by other processes already (the servers sharing the
-directory, a fleet's replicas): the successor joins them only under the same flags
-(journal.py `joined`). A reload checks that before anything changes (`check_takeover`) and is
-refused otherwise; should such a process join in the seconds between the check and the swap,
-the successor audits without journal or directory (logged with the same line) rather than
-fold their events into other decisions.
+directory, a fleet's replicas): the successor joins them only under the same flags and fold
+format (journal.py `joined`). So a reload builds the successor before anything changes
+(`successor`: its journal opened, joined and replayed, once) and is refused when it cannot
+join; joined, this process counts among the journal's running processes from then on, so none
+with other flags can join before the swap (`take_over`). Before, the reload joined and left
+the journal to check it, then opened it again at the swap: a store that was down was said
+twice, and a process with other flags could join in between.
 """
 
 from __future__ import annotations
@@ -24,52 +26,46 @@ from dataclasses import replace
 from orca_method.bundle import Bundle
 from orca_method.errors import first_line
 from orca_serve.live_audit.factory import make_live_audit
-from orca_serve.live_audit.journal import FoldSettingsDiffer
 from orca_serve.live_audit.live import LiveAudit
-from orca_serve.live_audit.options import (
-    FOLD_FORMAT,
-    AuditConfig,
-    audit_journal,
-    fold_flags,
-    store_info,
-)
+from orca_serve.live_audit.options import AuditConfig, audit_store, store_info
 
 logger = logging.getLogger("orca_serve.live_audit")
 
 
-def hand_over(old: LiveAudit, bundle: Bundle, config: AuditConfig) -> LiveAudit:
-    """The audit of `bundle` (as `config` sets it up) that takes over from `old` (the module
-    docstring): `old` retires (its unfinished audits are counted as `superseded` by the
-    successor, its journal is closed first, since the successor may open the same file), and
-    the successor writes to the old audit's store when the two bundles' audit records agree
-    (same model and pooling), else opens its own. A directory or journal that cannot be opened
-    or joined (the module docstring) is logged, and the successor audits without them."""
-    superseded, store = old.retire()
-    if store is not None and (config.directory is None
-                              or store.info != store_info(bundle, config.probe)):
-        store.close()
-        store = None
+def successor(old: LiveAudit, bundle: Bundle, config: AuditConfig) -> LiveAudit:
+    """The audit of `bundle` (as `config` sets it up) that is to take over from `old`, built
+    while `old` serves (a reload's check, in a thread: a journal's replay takes a millisecond
+    per event and delta): its journal joined (`FoldSettingsDiffer` when the processes folding
+    it run with other flags or another fold format: the reload is refused) and replayed, and
+    no store yet (`take_over`). A directory or journal that cannot be opened is logged, and the
+    successor audits without them. The caller closes it if the reload does not go through."""
     try:
-        return make_live_audit(bundle, config, old.engine_client, store=store,
-                               superseded=superseded)
-    except (OSError, FoldSettingsDiffer) as e:
+        return make_live_audit(bundle, config, old.engine_client, stored=False)
+    except OSError as e:
         logger.warning("orca: the new live audit cannot open its directory or journal (%s): its "
                        "audits are neither stored nor journalled", first_line(e))
         return make_live_audit(bundle, replace(config, directory=None, store=None),
-                               old.engine_client, superseded=superseded)
+                               old.engine_client)
 
 
-def check_takeover(bundle: Bundle, config: AuditConfig) -> None:
-    """Raise FoldSettingsDiffer when the processes folding `bundle`'s journal run with other
-    flags than `config`'s: a reload's check before anything changes (the module docstring). It
-    joins and leaves at once; a journal that cannot be opened is left to `hand_over`."""
-    if not config.journalled:
-        return
-    try:
-        journal = audit_journal(config, bundle)
-    except OSError:
-        return
-    try:
-        journal.join(fold_flags(config), FOLD_FORMAT)
-    finally:
-        journal.close()
+def take_over(old: LiveAudit, new: LiveAudit) -> LiveAudit:
+    """`new` (`successor`) takes over from `old` (the module docstring), at the swap: `old`
+    retires (its unfinished audits are counted as `superseded` by `new`; its journal is
+    closed), and `new` writes to the old audit's store when the two bundles' audit records
+    agree (same model and pooling), else opens its own; one that cannot be opened is logged,
+    and `new`'s audits are not stored."""
+    superseded, store = old.retire()
+    new.counts["superseded"] = superseded
+    config = new.config
+    if store is not None and (config.directory is None
+                              or store.info != store_info(new.bundle, config.probe)):
+        store.close()
+        store = None
+    if store is None and config.directory is not None:
+        try:
+            store = audit_store(config, new.bundle)
+        except OSError as e:
+            logger.warning("orca: the new live audit cannot open its directory (%s): its "
+                           "audits are not stored", first_line(e))
+    new.store = store
+    return new
