@@ -55,7 +55,6 @@ def take_over(old: LiveAudit, new: LiveAudit) -> LiveAudit:
     agree (same model and pooling), else opens its own; one that cannot be opened is logged,
     and `new`'s audits are not stored."""
     superseded, store = old.retire()
-    new.counts["superseded"] = superseded
     config = new.config
     if store is not None and (config.directory is None
                               or store.info != store_info(new.bundle, config.probe)):
@@ -67,5 +66,5 @@ def take_over(old: LiveAudit, new: LiveAudit) -> LiveAudit:
         except OSError as e:
             logger.warning("orca: the new live audit cannot open its directory (%s): its "
                            "audits are not stored", first_line(e))
-    new.store = store
+    new.adopt(superseded, store)
     return new

@@ -96,14 +96,13 @@ class LiveAudit:
                  drift: DriftMonitor | None = None,
                  sequential: ConformalMartingale | None = None,
                  engine_client: Callable[[], Any] | None = None,
-                 labeller: Labeller | None = None, superseded: int = 0,
+                 labeller: Labeller | None = None,
                  cs_factory: Callable[[], CS] | None = None,
                  loss: Callable[[np.ndarray, np.ndarray, float], int] | None = None) -> None:
         """`journal`: the bundle's event journal (replayed now; None: the events are not
         kept); `store`: where labelled audits are appended (None: nowhere); `drift`: the
         bundle's drift test; `sequential`: its sequential drift test; `engine_client`: returns the server's engine client (vLLM makes
         it after the app), which labels the audits; `labeller`: labels them instead (tests);
-        `superseded`: the unfinished audits of the audit this one took over from;
         `cs_factory`, `loss`: the guards' statistics and loss (tests, simulations)."""
         self.bundle = bundle
         self.config = config
@@ -116,7 +115,6 @@ class LiveAudit:
         self.engine_client = engine_client or (lambda: None)
         self.sampler = AuditSampler(config.rate, config.seed)
         self.counts = dict.fromkeys(COUNTS, 0)
-        self.counts["superseded"] = superseded
         self.retired = False  # replaced by a hot reload: takes nothing in any more
         self._labeller = labeller  # made on first use (needs the engine client), unless given
         self._give_up_probe: Probe | None = None  # the bundle's give-up probe, on first use
@@ -364,6 +362,13 @@ class LiveAudit:
         self.close()
         store, self.store = self.store, None
         return unfinished, store
+
+    def adopt(self, superseded: int, store: AuditStore | None) -> None:
+        """What a hot reload hands this audit as it takes over from a retired one
+        (`orca_serve.live_audit.handover.take_over`): that one's unfinished audits, counted as
+        `superseded`, and the store to write to (None: its audits are not stored)."""
+        self.counts["superseded"] = superseded
+        self.store = store
 
     def close(self) -> None:
         """Leave the journal (a reload's `retire`, or the server stopping): on a fleet's store
