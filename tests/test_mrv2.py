@@ -402,6 +402,7 @@ def test_orca_keeps_vllm_on_v1_where_mrv2_would_be_picked(monkeypatch) -> None:
     monkeypatch.setattr(sys.modules[VllmConfig.__module__], "HAS_TRITON", True)
     gpu = SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None),
                           watermark_config=None,
+                          model_config=None,  # 0.31 reads it for its ROCm default (V1 by model)
                           _get_v2_model_runner_unsupported_features=lambda: [])
 
     def picks_mrv2() -> bool:
