@@ -52,7 +52,8 @@ then
 fi
 "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
 "${PIP[@]}" install -q -e "$ROOT" >>"$LOG" 2>&1
-"${PIP[@]}" install -q pytest >>"$LOG" 2>&1
+# pytest-xdist: tests/conftest.py implements one of its hooks, which pytest refuses without it
+"${PIP[@]}" install -q pytest pytest-xdist >>"$LOG" 2>&1
 t_install=$(( $(date +%s) - t0 ))
 say "installed in $t_install s: $("$VENV/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' 2>>"$LOG")"
 
@@ -62,7 +63,9 @@ ORCA_ANY_VLLM=1 PYTHONPATH="$ROOT" VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPA
     tests/test_plugin.py tests/test_server.py "$@" 2>&1 | tee -a "$LOG" | tail -n 15
 rc=${PIPESTATUS[0]}
 set -e
-summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' "$LOG" | tail -1)
+# none when pytest stopped before its tests (a collection error): the RESULT line still comes
+summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' "$LOG" | tail -1 \
+    || echo "no pytest summary, see $LOG")
 say "RESULT vllm-cpu $VERSION: $([ "$rc" = 0 ] && echo PASS || echo "FAIL (pytest exit $rc)"):" \
     "$summary; install ${t_install} s, total $(( $(date +%s) - t0 )) s"
 exit "$rc"

@@ -55,6 +55,21 @@ def test_pyproject_gpu_extra_is_the_supported_range():
     assert pin.operator == "==" and pin.version in SpecifierSet(SUPPORTED_VLLM)
 
 
+def test_release_check_venvs_get_the_pytest_plugin_conftest_hooks_into():
+    """The release checks run the tests in a venv of their own, which has only what the script
+    installs; tests/conftest.py implements a pytest-xdist hook, which pytest refuses as unknown
+    without xdist (scripts/check_vllm_version.sh stopped at collection so on 2026-11-30)."""
+    assert "def pytest_xdist_" in (ROOT / "tests" / "conftest.py").read_text()
+    scripts = {p.name: p.read_text() for p in sorted((ROOT / "scripts").glob("*.sh"))}
+    in_own_venv = {name for name, text in scripts.items()
+                   if "-m venv" in text and "-m pytest" in text}
+    assert in_own_venv == {"check_vllm_release.sh", "check_vllm_version.sh"}
+    for name in in_own_venv:
+        installs = [line for line in scripts[name].splitlines()
+                    if " install " in line and not line.lstrip().startswith("#")]
+        assert any("pytest-xdist" in line.split() for line in installs), name
+
+
 def _res(steps: int, ran: bool | None) -> dict:
     r = OrcaResult(enabled=True, policy="answer", delta=0.1, lam=0.5, steps_scored=steps,
                    stopped_early=steps > 0, stop_step=steps or None, would_stop_step=None,
