@@ -18,6 +18,7 @@ import pytest
 from orca_serve.live_audit.factory import make_live_audit
 from orca_serve.live_audit.handover import successor, take_over
 from orca_serve.live_audit.journal import (
+    OWNERS,
     SNAPSHOT_EVERY,
     FoldSettingsDiffer,
     Journal,
@@ -183,12 +184,25 @@ def test_stores_of_two_servers_never_share_a_directory(tmp_path):
     restarted.close()
 
 
-def test_a_journal_of_another_bundle_is_refused(tmp_path):
+def _open_files() -> list[str]:
+    """What this process holds open (/proc/self/fd's targets)."""
+    fds = Path("/proc/self/fd")
+    return sorted(str(p.readlink()) for p in fds.iterdir() if p.exists())
+
+
+def test_a_journal_of_another_bundle_is_refused_and_holds_nothing(tmp_path):
+    """Refused, the journal lets go of its file and of its owner lock at once: a hot reload
+    refused for it is retried, and before, each try kept the file open for the process's life
+    and its owner lock until the garbage collector came by (a running process, to the others)."""
     b = bundle()
     path = journal_path(tmp_path, b.checksum)
     Journal(path, "f" * 64).close()
-    with pytest.raises(ValueError, match="another bundle"):
-        Journal(path, b.checksum)
+    before = _open_files()
+    for _ in range(3):
+        with pytest.raises(ValueError, match="another bundle"):
+            Journal(path, b.checksum)
+    assert _open_files() == before
+    assert list((tmp_path / OWNERS).iterdir()) == []
 
 
 def test_a_hot_reload_away_and_back_resumes_the_bundles_state(tmp_path):

@@ -483,16 +483,22 @@ class Journal:
         owners = self.path.parent / OWNERS
         owners.mkdir(exist_ok=True)
         self._owner_file = open(owners / f"{self.owner}.lock", "w")  # noqa: SIM115 - held for life
-        fcntl.flock(self._owner_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        with self._locked(fcntl.LOCK_EX):
-            self._repair()
-            if os.fstat(self._fd).st_size == 0:
-                self._write({"v": VERSION, "bundle_checksum": checksum, "created": time.time()})
-        header = self._header()
-        if header.get("bundle_checksum") != checksum:
-            raise ValueError(f"{self.path} is the audit journal of another bundle "
-                             f"({header.get('bundle_checksum')!r}); move it away")
+        self._fd = -1
+        try:
+            fcntl.flock(self._owner_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            with self._locked(fcntl.LOCK_EX):
+                self._repair()
+                if os.fstat(self._fd).st_size == 0:
+                    self._write({"v": VERSION, "bundle_checksum": checksum,
+                                 "created": time.time()})
+            header = self._header()
+            if header.get("bundle_checksum") != checksum:
+                raise ValueError(f"{self.path} is the audit journal of another bundle "
+                                 f"({header.get('bundle_checksum')!r}); move it away")
+        except BaseException:  # refused (a hot reload is retried): holds nothing
+            self.close()
+            raise
         self.created = header.get("created")  # tells this journal from a recreated one
 
     def _header(self) -> dict[str, Any]:
