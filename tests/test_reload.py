@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 from prometheus_client import CollectorRegistry
 
 from orca_method.bundle import Bundle, Labelling, _checksum, load_bundle, save_bundle
@@ -25,6 +26,7 @@ from orca_serve.api_server.admin import AdminMiddleware
 from orca_serve.settings.contract import XARG_KEY
 from orca_serve.settings.effort import parse_effort_map
 from orca_serve.live_audit.factory import make_live_audit
+from orca_serve.live_audit.journal import journal_path
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig, add_audit_args, audit_config
 from orca_serve.metrics.prometheus import OrcaMetrics
@@ -182,6 +184,38 @@ def test_a_bundle_whose_fleet_runs_other_guard_flags_is_refused(paths, redis_sto
     new = server.serving.now.audit
     assert new is not now.audit and new.state.journal.up
     new.state.journal.close()
+
+
+@pytest.mark.parametrize("on", ["directory", "store"])
+def test_a_reload_to_a_bundle_whose_fold_record_is_not_one_is_this_servers_alone(
+        on, paths, tmp_path, request):
+    """The new bundle's fold record is not one (cut short) and no other process runs: the
+    reload writes it anew, as a start would. Before, the serving audit's own owner lock (key),
+    held until the swap, counted as another process's, so every such reload was refused with
+    'stop them all' on a server that ran alone. Another server (of any bundle) still refuses."""
+    b = load_bundle(paths["b"])
+    if on == "store":
+        url = request.getfixturevalue("redis_store").url
+        config = AuditConfig(rate=1.0, store=url)
+        client = redis.Redis.from_url(url)
+
+        def cut() -> None:
+            client.set(f"orca:guard:{b.checksum}:fold", b'{"settings": {"--orca-on-al')
+    else:
+        config = AuditConfig(rate=1.0, directory=tmp_path)
+
+        def cut() -> None:
+            journal_path(tmp_path, b.checksum).with_suffix(".fold.json").write_bytes(b"{")
+    cut()
+    other = make_live_audit(b.model_copy(update={"checksum": "0" * 64}), config)
+    server, _, calls = setup(paths, audit=lambda a: make_live_audit(a, config),
+                             audit_config=lambda a: config)
+    with pytest.raises(ReloadRefused, match="not a fold record"):
+        asyncio.run(server.reloader.reload(str(paths["b"]), source="test"))
+    other.close()
+    asyncio.run(server.reloader.reload(str(paths["b"]), source="test"))
+    assert server.serving.now.bundle.checksum == b.checksum and calls[0] == "orca_load_bundle"
+    server.serving.now.audit.close()
 
 
 def test_a_reload_opens_the_new_bundles_journal_once(paths, tmp_path, caplog):

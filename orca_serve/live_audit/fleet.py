@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +49,14 @@ class FleetJournal(LocalFallback):
 
     lost_on = (redis.RedisError, JournalLost)
 
-    def __init__(self, url: str, checksum: str, directory: Path | None) -> None:
+    def __init__(self, url: str, checksum: str, directory: Path | None,
+                 ours: Iterable[str] = ()) -> None:
+        """`ours`: the owners of this process's other journals (journal.py `Journal`)."""
         self.url = shown_url(url)
         try:
-            super().__init__(RedisJournal(url, checksum))
+            super().__init__(RedisJournal(url, checksum, ours=ours))
         except redis.RedisError as e:
-            super().__init__(Journal(journal_path(directory, checksum), checksum)
+            super().__init__(Journal(journal_path(directory, checksum), checksum, ours=ours)
                              if directory is not None else MemoryJournal("local"))
             self.lost(e, "at start", self.url)
 

@@ -38,9 +38,12 @@ def successor(old: LiveAudit, bundle: Bundle, config: AuditConfig) -> LiveAudit:
     per event and delta): its journal joined (`FoldSettingsDiffer` when the processes folding
     it run with other flags or another fold format: the reload is refused) and replayed, and
     no store yet (`take_over`). A directory or journal that cannot be opened is logged, and the
-    successor audits without them. The caller closes it if the reload does not go through."""
+    successor audits without them. The caller closes it if the reload does not go through.
+    `old`'s journal, open until the swap, is this process's own, not another one that may fold
+    the new journal (a fold record that cannot be read is written anew when none runs)."""
+    ours = () if old.state.journal is None else (old.state.journal.owner,)
     try:
-        return make_live_audit(bundle, config, old.engine_client, stored=False)
+        return make_live_audit(bundle, config, old.engine_client, stored=False, ours=ours)
     except OSError as e:
         logger.warning("orca: the new live audit cannot open its directory or journal (%s): its "
                        "audits are neither stored nor journalled", first_line(e))

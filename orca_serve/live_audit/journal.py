@@ -471,11 +471,15 @@ def journal_path(directory: Path, checksum: str) -> Path:
 class Journal:
     """One bundle's event journal (see the module docstring); one instance per process."""
 
-    def __init__(self, path: Path, checksum: str, *, fsync: bool = True) -> None:
+    def __init__(self, path: Path, checksum: str, *, fsync: bool = True,
+                 ours: Iterable[str] = ()) -> None:
+        """`ours`: the owners of this process's other journals (a hot reload's retiring audit,
+        open until the swap), which `_others_run` does not count as another process."""
         self.path = Path(path)
         self.checksum = checksum
         self.fsync = fsync
         self.owner = uuid.uuid4().hex[:12]
+        self._ours = frozenset([self.owner, *ours])
         self._offset = 0  # bytes of the file this process has read (complete lines only)
         self._digest = hashlib.sha256()  # of the bytes up to _offset (a snapshot's check)
         self.skipped = 0
@@ -627,9 +631,10 @@ class Journal:
 
     def _others_run(self) -> bool:
         """Whether a process other than this one holds an owner lock in the directory: one that
-        may fold this journal (a lock does not say which bundle's journal its process folds)."""
+        may fold this journal (a lock does not say which bundle's journal its process folds).
+        This process's own (`ours`) fold other bundles' journals, under its settings."""
         return any(self.alive(p.stem) for p in (self.path.parent / OWNERS).glob("*.lock")
-                   if p.stem != self.owner)
+                   if p.stem not in self._ours)
 
     def write_snapshot(self, state: dict[str, Any]) -> None:
         """Save the state folded from the journal up to `offset` (atomically, see above)."""

@@ -8,6 +8,7 @@ server's LiveAudit is built by `orca_serve.live_audit.factory.make_live_audit`.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -267,16 +268,17 @@ def guard_epsilon(epsilon: float, deltas: int, split: EpsilonSplit) -> float:
     return epsilon / max(1, deltas) if split == EpsilonSplit.JOINT else epsilon
 
 
-def audit_journal(config: AuditConfig, bundle: Any) -> EventJournal:
+def audit_journal(config: AuditConfig, bundle: Any, ours: Iterable[str] = ()) -> EventJournal:
     """The bundle's event journal: on the fleet's store (orca_serve/live_audit/fleet.py), else
-    in the audit directory (orca_serve/live_audit/journal.py)."""
+    in the audit directory (orca_serve/live_audit/journal.py). `ours`: the owners of this
+    process's other journals (journal.py `Journal`)."""
     if config.store is not None:
         from orca_serve.live_audit.fleet import FleetJournal  # deferred: the Redis client
 
-        return FleetJournal(config.store, bundle.checksum, config.directory)
+        return FleetJournal(config.store, bundle.checksum, config.directory, ours)
     assert config.directory is not None
     return LocalFallback(Journal(journal_path(config.directory, bundle.checksum),
-                                 bundle.checksum))
+                                 bundle.checksum, ours=ours))
 
 
 def audit_store(config: AuditConfig, bundle: Any) -> Any:

@@ -60,6 +60,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -132,9 +133,11 @@ class RedisJournal:
     """One bundle's event journal on a Redis server (see the module docstring)."""
 
     def __init__(self, url: str, checksum: str, *, owner_ttl: float = OWNER_TTL,
-                 timeout: float = TIMEOUT) -> None:
+                 timeout: float = TIMEOUT, ours: Iterable[str] = ()) -> None:
+        """`ours`: the owners of this process's other journals, as the file journal's."""
         self.checksum = checksum
         self.owner = uuid.uuid4().hex[:12]
+        self._ours = frozenset([self.owner, *ours])
         self.owner_ttl = owner_ttl
         self._client = redis.Redis.from_url(url, socket_timeout=timeout,
                                             socket_connect_timeout=timeout)
@@ -227,11 +230,11 @@ class RedisJournal:
                     continue
 
     def _others_run(self) -> bool:
-        """Whether an owner key other than this replica's lives on the store: a process that may
-        fold this list (a key does not say which bundle's list its process folds)."""
-        own = self._owner_key(self.owner).encode()
-        return any(k != own for k in self._client.scan_iter(match=self._owner_key("*"),
-                                                            count=1000))
+        """Whether an owner key other than this replica's (`ours`) lives on the store: a process
+        that may fold this list (a key does not say which bundle's list its process folds)."""
+        own = {self._owner_key(o).encode() for o in self._ours}
+        return any(k not in own for k in self._client.scan_iter(match=self._owner_key("*"),
+                                                                count=1000))
 
     def read(self) -> list[dict[str, Any]]:
         return self._call("")
