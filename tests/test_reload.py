@@ -12,6 +12,8 @@ import argparse
 import asyncio
 import json
 import logging
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,7 +28,8 @@ from orca_serve.api_server.admin import AdminMiddleware
 from orca_serve.settings.contract import XARG_KEY
 from orca_serve.settings.effort import parse_effort_map
 from orca_serve.live_audit.factory import make_live_audit
-from orca_serve.live_audit.journal import journal_path
+from orca_serve.live_audit.handover import successor
+from orca_serve.live_audit.journal import OWNERS, journal_path
 from orca_serve.live_audit.live import LiveAudit
 from orca_serve.live_audit.options import AuditConfig, add_audit_args, audit_config
 from orca_serve.metrics.prometheus import OrcaMetrics
@@ -215,6 +218,44 @@ def test_a_reload_to_a_bundle_whose_fold_record_is_not_one_is_this_servers_alone
     other.close()
     asyncio.run(server.reloader.reload(str(paths["b"]), source="test"))
     assert server.serving.now.bundle.checksum == b.checksum and calls[0] == "orca_load_bundle"
+    server.serving.now.audit.close()
+
+
+def test_a_reload_cancelled_while_its_audit_is_built_leaves_the_new_journal(paths, tmp_path,
+                                                                           monkeypatch):
+    """The reload is cancelled (the server stopping) while the new audit is built in its
+    thread: once built, it leaves the journal it joined. Before, it stayed joined for the
+    process's life (its owner lock held; on a fleet's store its key renewed, then left to
+    expire), and the next reload to that bundle added a second member of this process."""
+    config = AuditConfig(rate=1.0, directory=tmp_path)
+    server, _, calls = setup(paths, audit=lambda a: make_live_audit(a, config),
+                             audit_config=lambda a: config)
+    started, built = threading.Event(), threading.Event()
+
+    def slow_successor(*args):
+        started.set()
+        time.sleep(0.3)  # still building when the reload is cancelled
+        try:
+            return successor(*args)
+        finally:
+            built.set()
+
+    monkeypatch.setattr("orca_serve.api_server.reload.successor", slow_successor)
+
+    async def cancelled() -> None:
+        task = asyncio.ensure_future(server.reloader.reload(str(paths["b"]), source="test"))
+        await asyncio.to_thread(started.wait)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled())
+    assert built.wait(10) and calls == []
+    serving = server.serving.now.audit.state.journal.owner
+    deadline = time.monotonic() + 10
+    while [p.stem for p in (tmp_path / OWNERS).glob("*.lock")] != [serving]:
+        assert time.monotonic() < deadline, list((tmp_path / OWNERS).glob("*.lock"))
+        time.sleep(0.01)
     server.serving.now.audit.close()
 
 

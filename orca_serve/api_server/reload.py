@@ -34,6 +34,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,6 +66,27 @@ class ReloadRefused(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+async def _successor(old: LiveAudit, bundle: Bundle, config: AuditConfig) -> LiveAudit:
+    """`successor`, in a thread (its journal's replay); a reload cancelled meanwhile (the server
+    stopping) closes it once built, from that thread: awaited with `asyncio.to_thread`, it stayed
+    joined to the new journal for the process's life (its owner lock held, a fleet's key renewed
+    and then left to expire), the thread's result dropped."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="orca-reload")
+    built = pool.submit(successor, old, bundle, config)
+    pool.shutdown(wait=False)
+    try:
+        return await asyncio.wrap_future(built)
+    except asyncio.CancelledError:
+        built.add_done_callback(_close_unused)
+        raise
+
+
+def _close_unused(built: Future[LiveAudit]) -> None:
+    """Close the audit `built` once built, for a reload that no longer takes it."""
+    if not built.cancelled() and built.exception() is None:
+        built.result().close()
 
 
 class Reloader:
@@ -198,8 +220,7 @@ class Reloader:
             try:
                 # its journal joined: the processes folding it run with the same flags
                 # (handover.py)
-                audit = await asyncio.to_thread(successor, st.audit, bundle,
-                                                self.audit_config(bundle))
+                audit = await _successor(st.audit, bundle, self.audit_config(bundle))
             except (OSError, ValueError) as e:
                 raise ReloadRefused(f"the live audit cannot follow the new bundle: "
                                     f"{first_line(e)}") from None
