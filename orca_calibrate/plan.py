@@ -7,8 +7,10 @@ trace and the engine's time per trace, and scales them to the job: collection wa
 configured engines (one engine's start included once; `engines: N` collect at once, so the
 time per trace is divided by N), device-hours (that time x the devices of all engines: N x
 tensor_parallel_size x pipeline_parallel_size), training time (epochs x the training
-split's share of the traces), and disk for the step embeddings (steps x the model's hidden size
-x the job's embedding dtype). With `label_steps: selective` the estimate counts a probe at
+split's share of the traces), disk for the step embeddings (steps x the model's hidden size
+x the job's embedding dtype), and the device memory record mode holds while collecting: each
+trace's step embeddings stay on the device, float32, until its record is fetched, so `batch`
+traces of (at most) the pilot's longest steps, beyond what `gpu_memory_utilization` gives vLLM. With `label_steps: selective` the estimate counts a probe at
 every step of the calibration split too: an upper bound (how many the label stage saves depends
 on the trained probe). Time per trace is measured at the pilot's batch: a pilot smaller than
 the job's `batch` runs fewer traces at once than the job will, so its estimate errs high.
@@ -32,6 +34,7 @@ from orca_calibrate.train_defaults import DEFAULT_D_H, DEFAULT_PROBE
 from orca_method.trajectories import DTYPES, Split, TrajectorySet, set_splits
 
 DEFAULT_PILOT = 48  # prompts
+RECORD_ITEMSIZE = 4  # bytes per value of a step embedding while the engine holds it (float32)
 
 
 @dataclass
@@ -60,6 +63,9 @@ class Plan:
     wall_s: float
     device_hours: float
     embeddings_bytes: float
+    longest_steps: int  # the pilot's longest trace
+    batch: int  # traces in flight on each engine
+    record_device_bytes: float  # their step embeddings, float32, on the device
 
     def lines(self) -> list[str]:
         engine = (f"generation and probes at once {self.pipelined_s_per_trace:.3f} s"
@@ -81,6 +87,10 @@ class Plan:
             f"disk: {self.embeddings_bytes / 2**20:,.1f} MiB of step embeddings "
             f"({self.job_traces} x {self.steps_per_trace:.1f} steps x {self.hidden_size} x "
             f"{self.dtype})",
+            f"device memory: up to {self.record_device_bytes / 2**20:,.1f} MiB of step embeddings "
+            f"while collecting ({self.batch} traces x {self.longest_steps} steps, the pilot's "
+            f"longest, x {self.hidden_size} x float32), beyond what gpu_memory_utilization gives "
+            "vLLM",
         ]
 
 
@@ -139,6 +149,7 @@ def plan_job(path: Path, pilot: int = DEFAULT_PILOT, seed: int = 0,
     engine = settings.engine
     devices = int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1))
     steps = sum(p.n_steps for p in ts.problems) / n
+    longest = max(p.n_steps for p in ts.problems)
     collect_s = start + total * stats.engine_s / n / settings.engines
     train_s = train_per * n_train * epochs
     out = Plan(
@@ -151,7 +162,9 @@ def plan_job(path: Path, pilot: int = DEFAULT_PILOT, seed: int = 0,
         epochs=epochs, engines=settings.engines, devices_per_engine=devices, device=_device(), hidden_size=hidden,
         dtype=settings.dtype, collect_s=collect_s, train_s=train_s,
         wall_s=collect_s + train_s, device_hours=collect_s * devices * settings.engines / 3600,
-        embeddings_bytes=total * steps * hidden * DTYPES[settings.dtype].itemsize)
+        embeddings_bytes=total * steps * hidden * DTYPES[settings.dtype].itemsize,
+        longest_steps=longest, batch=settings.batch,
+        record_device_bytes=settings.batch * longest * hidden * RECORD_ITEMSIZE)
     (scratch / "plan.json").write_text(json.dumps(asdict(out), indent=1))
     return out
 

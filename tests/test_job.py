@@ -823,4 +823,10 @@ def test_plan_scales_the_pilot_to_the_job(tmp_path, monkeypatch, capsys) -> None
     assert plan["train_s"] == pytest.approx(plan["train_s_per_trace_epoch"] * 50 * 4)
     assert plan["embeddings_bytes"] == pytest.approx(100 * plan["steps_per_trace"] * 8 * 2)
     assert plan["probes_per_trace"] == pytest.approx(plan["steps_per_trace"])  # every step
-    assert "disk:" in capsys.readouterr().out
+    # record mode's device memory: the job's batch (64 by default) of the pilot's longest traces
+    pilot = TrajectorySet.open(tmp_path / "run" / "plan" / "trajectories")
+    longest = max(p.n_steps for p in pilot.problems)
+    assert plan["longest_steps"] == longest >= plan["steps_per_trace"]
+    assert plan["record_device_bytes"] == 64 * longest * 8 * 4
+    out = capsys.readouterr().out
+    assert "disk:" in out and "device memory:" in out
