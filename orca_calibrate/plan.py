@@ -10,10 +10,11 @@ tensor_parallel_size x pipeline_parallel_size), training time (epochs x the trai
 split's share of the traces), disk for the step embeddings (steps x the model's hidden size
 x the job's embedding dtype), and the device memory record mode holds while collecting: each
 trace's step embeddings stay on the device, float32, until its record is fetched, so `batch`
-traces of (at most) the pilot's longest steps, beyond what `gpu_memory_utilization` gives vLLM. With `label_steps: selective` the estimate counts a probe at
-every step of the calibration split too: an upper bound (how many the label stage saves depends
-on the trained probe). Time per trace is measured at the pilot's batch: a pilot smaller than
-the job's `batch` runs fewer traces at once than the job will, so its estimate errs high.
+traces of (at most) the pilot's longest steps, beyond what `gpu_memory_utilization` gives
+vLLM. With `label_steps: selective` the estimate counts a probe at every step of the calibration
+split too: an upper bound (how many the label stage saves depends on the trained probe). Time
+per trace is measured at the pilot's batch: a pilot smaller than the job's `batch` runs fewer
+traces at once than the job will, so its estimate errs high.
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ def plan_job(path: Path, pilot: int = DEFAULT_PILOT, seed: int = 0,
     n_train = sum(s == Split.TRAIN for s in split.values())
     total = len(every) * settings.samples
     engine = settings.engine
-    devices = int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1))
+    devices = (int(engine.get("tensor_parallel_size", 1))
+               * int(engine.get("pipeline_parallel_size", 1)))
     steps = sum(p.n_steps for p in ts.problems) / n
     longest = max(p.n_steps for p in ts.problems)
     collect_s = start + total * stats.engine_s / n / settings.engines
@@ -159,7 +161,8 @@ def plan_job(path: Path, pilot: int = DEFAULT_PILOT, seed: int = 0,
         generate_s_per_trace=stats.generate_s / n, probe_s_per_trace=stats.probe_s / n,
         pipelined_s_per_trace=stats.pipelined_s / n,
         train_s_per_trace_epoch=train_per, job_traces=total, train_traces=n_train,
-        epochs=epochs, engines=settings.engines, devices_per_engine=devices, device=_device(), hidden_size=hidden,
+        epochs=epochs, engines=settings.engines, devices_per_engine=devices, device=_device(),
+        hidden_size=hidden,
         dtype=settings.dtype, collect_s=collect_s, train_s=train_s,
         wall_s=collect_s + train_s, device_hours=collect_s * devices * settings.engines / 3600,
         embeddings_bytes=total * steps * hidden * DTYPES[settings.dtype].itemsize,
