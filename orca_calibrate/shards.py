@@ -252,18 +252,32 @@ def reap_groups(pgids: Iterable[int]) -> None:
     deadline = time.monotonic() + STOP_WAIT_S
     while left and time.monotonic() < deadline:
         time.sleep(REAP_POLL_S)
-        left = [g for g in left if _group_alive(g)]
+        left = [g for g in left if group_alive(g)]
     for pgid in left:
         with suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs. A zombie does not count: it holds nothing
+    (its devices went when it exited), and `killpg(pgid, 0)` answers for zombies too, so where
+    the process that adopts orphans does not reap them (a container's init may not) the group
+    would look alive until STOP_WAIT_S had passed. Linux's /proc tells; elsewhere, `killpg`."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:  # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(pgrp) == pgid and state != "Z":
+            return True
+    return False
 
 
 def die_with_parent() -> None:

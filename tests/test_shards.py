@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -278,12 +279,33 @@ def test_a_killed_shard_leaves_no_engine_behind(tmp_path, monkeypatch):
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_group_of_zombies_has_ended():
+    """An ended shard's group whose last members are zombies nobody reaped (a container's init
+    may not) holds nothing: it counts as ended, though `killpg(pgid, 0)` still answers for it."""
+    from orca_calibrate.shards import group_alive
+
+    pid = os.fork()
+    if pid == 0:  # a group of its own, then a zombie: this process does not reap it yet
+        os.setsid()
+        os._exit(0)
+    try:
+        for _ in range(200):
+            if _gone(pid):
+                break
+            time.sleep(0.01)
+        os.killpg(pid, 0)  # no ProcessLookupError: the zombie is still there
+        assert not group_alive(pid)
+        assert group_alive(os.getpgid(0))  # this process's own group runs
+    finally:
+        os.waitpid(pid, 0)
+    assert not group_alive(pid)
+
+
 def test_a_shard_process_stops_when_the_process_that_started_it_dies(tmp_path):
     """`python -m orca_calibrate.shards` under a SIGKILLed `run`: SIGTERM (prctl's parent-death
     signal), which unwinds it as Ctrl-C does (its engine shut down), instead of collecting on."""
     import subprocess
     import sys
-    import time
 
     child = ("import pathlib, time\n"
              "from orca_calibrate.shards import die_with_parent, exit_on_sigterm\n"
