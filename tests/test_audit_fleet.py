@@ -296,26 +296,41 @@ def test_a_dead_replicas_flags_bind_no_one(redis_store):
 
 NOT_RECORDS = [b"not json", b'{"settings": {"--orca-on-alarm": "fall', b"[]",
                b'{"settings": {}, "members": "abc"}', b'{"format": 0, "settings": {}, '
-               b'"members": []}']
+               b'"members": []}', {"settings": "{}"}, [b"{}"]]  # the last two: a hash, a list
+
+
+def _put(r: redis.Redis, key: str, raw: bytes | dict | list) -> None:
+    """Store `raw` under `key` in place of what it held: bytes as a string, a dict as a hash,
+    a list as a list."""
+    r.delete(key)
+    if isinstance(raw, dict):
+        r.hset(key, mapping=raw)
+    elif isinstance(raw, list):
+        r.rpush(key, *raw)
+    else:
+        r.set(key, raw)
 
 
 @pytest.mark.parametrize("raw", NOT_RECORDS)
 def test_a_fold_record_that_is_not_one_is_refused_while_a_replica_runs(redis_store, caplog, raw):
-    """The fold key holds what is not a fold record (edited by hand, cut short, another value):
-    while a replica runs, a joining one cannot know the flags it folds under and is refused,
-    whatever its own flags, in one line naming the key and what to do. Before, the newcomer
-    wrote the record anew with its own flags and folded the same events into other decisions.
-    Once none runs, the next one writes it anew, said in the log."""
+    """The fold key holds what is not a fold record (edited by hand, cut short, another value,
+    a value of another type): while a replica runs, a joining one cannot know the flags it folds
+    under and is refused, whatever its own flags, in one line naming the key and what to do.
+    Before, the newcomer wrote the record anew with its own flags and folded the same events
+    into other decisions; and a hash or a list there failed its GET (WRONGTYPE), taken for an
+    unreachable store: the newcomer folded alone in memory. Once none runs, the next one
+    writes it anew, said in the log."""
     key = f"orca:guard:{bundle().checksum}:fold"
     r = redis.Redis.from_url(redis_store.url)
     running = _on_store(redis_store.url, on_alarm="fallback")
-    r.set(key, raw)
+    _put(r, key, raw)
+    stored = r.dump(key)
     for on_alarm in ("report", "fallback"):
         with pytest.raises(FoldSettingsDiffer) as e:
             _on_store(redis_store.url, on_alarm=on_alarm)
         assert str(e.value).startswith(f"{redis_store.url} {key}: not a fold record (")
         assert str(e.value).endswith("stop them all, delete it, and start them again")
-    assert r.get(key) == raw
+    assert r.dump(key) == stored
     running.state.journal.close()
     with caplog.at_level(logging.WARNING, logger="orca_serve.live_audit"):
         joined = _on_store(redis_store.url, on_alarm="report")

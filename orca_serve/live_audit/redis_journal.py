@@ -42,7 +42,7 @@ every process, under keys named by the bundle's full checksum:
   (its flags, its fold format) differ while one that joined runs (its owner key lives) is
   refused, naming each (journal.py `joined`); once none runs, the next one's settings become
   the fleet's. A `fold` value that is not a fold record is refused while any other owner key
-  lives (journal.py `fold_record`).
+  lives (journal.py `fold_record`), a key of another type (a hash, a list) too.
 - **Snapshots** carry the running digest of the events they cover, checked against the
   chain before one is used (as the file journal's digest: journal.py, "Snapshots"), and corrupt
   elements are skipped by the file journal's rule (journal.py, "Corrupt lines").
@@ -219,7 +219,7 @@ class RedisJournal:
             while True:
                 try:
                     p.watch(self._fold)
-                    record = fold_record(p.get(self._fold), self._fold_at, self._others_run)
+                    record = fold_record(self._read_fold(p), self._fold_at, self._others_run)
                     record = joined(record, settings, fold_format, self.owner, self.alive,
                                     self.path, self.owner_ttl)
                     p.multi()
@@ -228,6 +228,17 @@ class RedisJournal:
                     return
                 except redis.WatchError:
                     continue
+
+    def _read_fold(self, p: Any) -> bytes | str | None:
+        """The fold key's value for `fold_record` (None: none yet), read on the watching
+        pipeline `p`. A value of another type (a hash, a list: another program's) is no fold
+        record either, so it is named by its type and refused or written anew by the same rule
+        (a SET replaces a key of any type). Before, its GET failed (WRONGTYPE, a RedisError),
+        taken for an unreachable store: the replica folded alone, apart from the fleet."""
+        kind = p.type(self._fold).decode()
+        if kind == "none":
+            return None
+        return p.get(self._fold) if kind == "string" else f"a Redis {kind}"
 
     def _others_run(self) -> bool:
         """Whether an owner key other than this replica's (`ours`) lives on the store: a process
