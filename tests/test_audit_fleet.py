@@ -495,6 +495,21 @@ def test_a_store_unreachable_at_start_leaves_the_local_journal(tmp_path, caplog)
     assert isinstance(alone.journal, MemoryJournal) and alone.append({"a": None}) == [{"a": None}]
 
 
+def test_a_store_that_fails_mid_open_keeps_nothing_of_the_replica(redis_store):
+    """A store call fails after the replica set its owner key (here its `created` key holds a
+    hash, so its GET fails, WRONGTYPE): the journal is refused (the replica goes on with its
+    own guard: fleet.py) and leaves neither its owner key on the store nor its connection open.
+    Before, the key lived OWNER_TTL longer, counting a replica that folds alone among the
+    fleet's running ones, and the connection stayed open as long as the refusal was kept."""
+    r = redis.Redis.from_url(redis_store.url)
+    r.hset(f"orca:guard:{bundle().checksum}:created", "x", "1")
+    connections = len(r.client_list())
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE") as refused:
+        RedisJournal(redis_store.url, bundle().checksum)
+    assert r.keys("orca:guard-owner:*") == []
+    assert len(r.client_list()) == connections, refused  # kept: its frames hold the journal
+
+
 def test_a_store_that_lost_events_is_left(redis_store):
     """A store restarted without persistence (or flushed) no longer holds what the replicas
     applied: a replica that notices leaves it for its own guard instead of folding a list whose

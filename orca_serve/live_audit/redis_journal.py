@@ -151,14 +151,18 @@ class RedisJournal:
         self._offset = 0  # list elements this process has read
         self._chain = ""  # the running digest of those (the rollback check's, a snapshot's)
         self.skipped = 0
-        self._renew()  # first: reaping by others must not see our admissions as orphans
-        self._warn_if_evicting()
-        self._client.set(self._created_key, repr(time.time()), nx=True)
-        self.created = self._client.get(self._created_key).decode()
         self._stop = threading.Event()
         self._beat_lock = threading.Lock()  # a renewal and close() never overlap
         self._heart = threading.Thread(target=self._beat, name="orca-audit-owner", daemon=True)
-        self._heart.start()
+        try:
+            self._renew()  # first: reaping by others must not see our admissions as orphans
+            self._warn_if_evicting()
+            self._client.set(self._created_key, repr(time.time()), nx=True)
+            self.created = self._client.get(self._created_key).decode()
+            self._heart.start()
+        except BaseException:  # refused (the store failed mid-open): holds nothing, as Journal
+            self.close()
+            raise
 
     def _warn_if_evicting(self) -> None:
         """Warn when the store may evict keys (a `maxmemory-policy` other than `noeviction`,
@@ -295,5 +299,5 @@ class RedisJournal:
             except redis.RedisError:
                 pass
             self._client.close()
-        if self._heart is not threading.current_thread():
-            self._heart.join(timeout=self.owner_ttl)
+        if self._heart.is_alive() and self._heart is not threading.current_thread():
+            self._heart.join(timeout=self.owner_ttl)  # not started: closed by a failed open
