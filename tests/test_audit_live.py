@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -611,6 +612,27 @@ def test_store_rotates_keeps_the_newest_and_resumes(tmp_path: Path) -> None:
     other = AuditStore(tmp_path, dim=8, info=info, per_dir=2, keep=2)  # another model
     assert other.current.name == "audit-000004"
     other.close()
+
+
+@pytest.mark.parametrize("stray", ["file", "dangling link"])
+def test_store_numbers_past_what_is_not_an_audit_directory(tmp_path: Path, stray: str) -> None:
+    """An entry named like the next audit directory that is not one (a file, a link to a
+    directory moved away) is numbered past. Before, the store tried that name for ever (its
+    mkdir failed, FileExistsError, and the next try took the same number): measured, the
+    constructor spun until killed, so a server hung at start, or in a hot reload's swap."""
+    name = tmp_path / "audit-000001"
+    if stray == "file":
+        name.write_text("not an audit directory")
+    else:
+        name.symlink_to(tmp_path / "moved-away")
+    opened: list[AuditStore] = []
+    opening = threading.Thread(target=lambda: opened.append(
+        AuditStore(tmp_path, dim=4, info={"model": "m"})), daemon=True)
+    opening.start()
+    opening.join(10)
+    assert opened, "the store did not open within 10 s"
+    assert opened[0].current.name == "audit-000002"
+    opened[0].close()
 
 
 def test_every_api_reports_how_a_request_finished() -> None:

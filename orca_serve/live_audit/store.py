@@ -109,8 +109,10 @@ class AuditStore:
 
     def _rotate(self) -> None:
         while True:  # a new number; another server may take the same one at the same moment
-            dirs = self.directories()
-            last = int(_NAME.match(dirs[-1].name).group(1)) if dirs else 0  # type: ignore
+            # past every entry of an audit directory's name, not only directories: a file or a
+            # dangling link named so fails the mkdir, and the same number came back for ever
+            last = max((int(m.group(1)) for p in self.root.iterdir()
+                        if (m := _NAME.match(p.name))), default=0)
             path = self.root / f"{PREFIX}{last + 1:06d}"
             try:
                 path.mkdir()
