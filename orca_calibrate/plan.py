@@ -32,10 +32,9 @@ from orca_calibrate.job import TRAIN_JOB_KEYS, job_split, label_modes, load_job
 from orca_calibrate.job_options import split_options
 from orca_calibrate.probe_variants import PROBES
 from orca_calibrate.train_defaults import DEFAULT_D_H, DEFAULT_PROBE
-from orca_method.trajectories import DTYPES, Split, TrajectorySet, set_splits
+from orca_method.trajectories import DTYPES, RECORDED_DTYPE, Split, TrajectorySet, set_splits
 
 DEFAULT_PILOT = 48  # prompts
-RECORD_ITEMSIZE = 4  # bytes per value of a step embedding while the engine holds it (float32)
 
 
 @dataclass
@@ -90,8 +89,8 @@ class Plan:
             f"{self.dtype})",
             f"device memory: up to {self.record_device_bytes / 2**20:,.1f} MiB of step embeddings "
             f"while collecting ({self.batch} traces x {self.longest_steps} steps, the pilot's "
-            f"longest, x {self.hidden_size} x float32), beyond what gpu_memory_utilization gives "
-            "vLLM",
+            f"longest, x {self.hidden_size} x {RECORDED_DTYPE}), beyond what "
+            "gpu_memory_utilization gives vLLM",
         ]
 
 
@@ -167,7 +166,8 @@ def plan_job(path: Path, pilot: int = DEFAULT_PILOT, seed: int = 0,
         wall_s=collect_s + train_s, device_hours=collect_s * devices * settings.engines / 3600,
         embeddings_bytes=total * steps * hidden * DTYPES[settings.dtype].itemsize,
         longest_steps=longest, batch=settings.batch,
-        record_device_bytes=settings.batch * longest * hidden * RECORD_ITEMSIZE)
+        record_device_bytes=settings.batch * longest * hidden
+        * DTYPES[RECORDED_DTYPE].itemsize)
     (scratch / "plan.json").write_text(json.dumps(asdict(out), indent=1))
     return out
 
