@@ -14,6 +14,7 @@ import json
 import logging
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,6 +39,7 @@ from tests.core_sim import (
     make_core,
     reference,
     run,
+    run_requests,
     sim_bundle,
     sim_probe,
     sync_sims,
@@ -276,7 +278,7 @@ def test_a_step_that_stages_more_than_the_buffer_holds_grows_it():
     for step in ([[1, 2, 3], [4.5, 5, 6], []], [[7], [8, 9]]):
         staged = staging.upload(step)
         staging._fence.mark()
-        assert [staged.float(i).tolist() for i in range(len(step))] == step
+        assert [staged.exact(i).tolist() for i in range(len(step))] == step
     assert len(staging._dev) == 8  # twice the old room, at least the step's six
 
 
@@ -420,6 +422,23 @@ def test_a_delta_outside_the_table_is_refused_as_the_server_refuses_it(bundle_pa
     warned = [r for r in caplog.records if "0.3" in r.getMessage()]
     assert len(warned) == 1 and "available deltas: 0.05, 0.1" in warned[0].getMessage()
 
+
+
+def test_a_score_a_float32_rounding_of_lambda_below_it_does_not_stop(bundle_path):
+    """The engine scores in float32 and the calibration compares those scores with lambda* in
+    float64 (orca_method.risk.stop_indices). The engine compares them the same way: a lambda*
+    whose nearest float32 is a step's score, but which lies above it, does not stop there."""
+    sims, res = run_requests(bundle_path, {"s": {"orca_policy": "shadow"}})
+    scores = res["s"]["scores"]
+    top = max(scores)
+    assert np.float32(top) == top  # read back from float32
+    above = top + float(np.spacing(np.float32(top))) / 4  # rounds to `top` in float32
+    assert np.float32(above) == top and above > top
+    # one request a run: each then gets the first request's stream, and the scores above
+    at, above = (run_requests(bundle_path, {"s": {"orca_policy": "stop", XARG_LAM: lam}})[1]["s"]
+                 for lam in (top, above))
+    assert at["stopped_early"] and at["stop_step"] == scores.index(top) + 1
+    assert not above["stopped_early"] and above["scores"] == scores
 
 
 def test_open_reasoning_tokens_of_a_prompt(bundle_path):

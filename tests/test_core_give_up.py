@@ -4,7 +4,9 @@ requests give up, where, and with which forced tokens is known."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from orca_serve.settings.contract import XARG_GIVE_UP_MU, XARG_LAM, OrcaResult
 from tests.bundles import tiny_bundle, with_give_up, write_bundle
@@ -54,6 +56,19 @@ def test_a_request_gives_up_at_its_first_step_below_mu_and_answers_its_best_gues
         assert len(sims[name].out) > len(sims["gives-up"].out), name
     r = res["tie"]
     assert r["stopped_early"] and r["stop_reason"] == "probe" and r["give_up_step"] is None
+
+
+def test_a_mu_just_below_the_float32_score_does_not_give_up(two_sided_path):
+    """The give-up score is float32 and the calibration compares it with mu* in float64
+    (`orca_method.give_up`); the engine too: a mu* whose nearest float32 is the score, but which
+    lies below it, does not give up."""
+    g = float(torch.sigmoid(torch.tensor(-2.0)))  # the constant give-up score, float32
+    below = g - float(np.spacing(np.float32(g))) / 4  # rounds to `g` in float32
+    assert np.float32(below) == g and below < g
+    _, res = run_requests(two_sided_path, {"at": {XARG_LAM: "inf", XARG_GIVE_UP_MU: g}})
+    assert res["at"]["stop_reason"] == "give_up" and res["at"]["last_give_up_score"] == g
+    _, res = run_requests(two_sided_path, {"below": {XARG_LAM: "inf", XARG_GIVE_UP_MU: below}})
+    assert res["below"]["stop_reason"] != "give_up" and res["below"]["give_up_step"] is None
 
 
 def test_the_message_policy_forces_the_end_of_thinking_text_the_message_and_eos(two_sided_path):

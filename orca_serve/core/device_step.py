@@ -107,7 +107,7 @@ class DeviceStep:
         pool.S.index_fill_(0, slots, 0.0)
         if num is None:
             return
-        phi = finish_step(num, v.float(IDX["emit_counts"]), self.normalization)  # [e, d]
+        phi = finish_step(num, v.long(IDX["emit_counts"]), self.normalization)  # [e, d]
         for req, j, size in p.record:
             req.step_embs.append(phi[j])
             req.step_counts.append(size)
@@ -122,16 +122,16 @@ class DeviceStep:
             return None
         a0, a1, d0, d1 = ranges
         return GateStep(v.long(IDX["gate_add"])[a0:a1], v.long(IDX["gate_decide"])[d0:d1],
-                        v.float(IDX["gate_thr"])[d0:d1], v.float(IDX["gate_thr_give_up"])[d0:d1])
+                        v.exact(IDX["gate_thr"])[d0:d1], v.exact(IDX["gate_thr_give_up"])[d0:d1])
 
     def _score(self, p: StepPlan, v: Staged, phi: Tensor, logits: Tensor) -> None:
         """Each deployment's scored steps through its bank; a stop or a give-up forces its first
         token."""
         in_order = len(p.groups) == 1 and len(p.scored) == phi.shape[0]  # scored = emitted
         phi_s = phi if in_order else phi.index_select(0, v.long(IDX["scored"]))  # [m, d]
-        lam, slots = v.float(IDX["bank_lam"]), v.long(IDX["scored_slots"])
-        hit_lam = v.float(IDX["hit_lam"])
-        mu = v.float(IDX["bank_mu"])
+        lam, slots = v.exact(IDX["bank_lam"]), v.long(IDX["scored_slots"])
+        hit_lam = v.exact(IDX["hit_lam"])
+        mu = v.exact(IDX["bank_mu"])
         gates = [self._gate_step(v, dep, r) for (dep, _, _), r in zip(p.groups, p.gate_ranges)]
         res = [dep.bank.step(p.scored_slots[a:b], phi_s[a:b], lam[a:b], rows_dev=slots[a:b],
                              mu=mu[a:b], gate=g)

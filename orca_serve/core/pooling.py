@@ -7,10 +7,13 @@ so nothing grows while serving.
 
 Host-to-device traffic of a step goes through `Staging`: every per-step index/flag/threshold
 vector is written on the host into one (pinned, where the device has pinned memory) float64
-buffer and copied with ONE non_blocking copy. float64 holds every index and every float32
-threshold exactly. Device-to-host traffic is the `Readback` (one [8, m] block per step). Both
-are ordered by one `Fence`: a reused event per step, waited on only when the host needs that
-step's device work finished and does not know it to be.
+buffer and copied with ONE non_blocking copy. float64 holds every index exactly, and every
+threshold as the calibration chose it: the bank compares its float32 scores with the float64
+thresholds, as the calibration compares the same scores (`orca_method.risk.stop_indices`), so
+a threshold whose nearest float32 is a score below it does not stop there. Device-to-host
+traffic is the `Readback` (one [8, m] block per step). Both are ordered by one `Fence`: a
+reused event per step, waited on only when the host needs that step's device work finished and
+does not know it to be.
 """
 
 from __future__ import annotations
@@ -146,20 +149,23 @@ class Staging:
 
 class Staged:
     """Device views of one step's staged vectors, by their position in `Staging.upload`: the
-    buffer is converted to int64 and float32 once per step, not per vector."""
+    buffer is converted to int64 once per step, not per vector (indexes, ids, counts); the
+    thresholds are read as staged, float64."""
 
-    __slots__ = ("_bounds", "_float", "_long")
+    __slots__ = ("_bounds", "_buf", "_long")
 
     def __init__(self, buf: Tensor, bounds: list[tuple[int, int]]) -> None:
-        self._long, self._float, self._bounds = buf.long(), buf.float(), bounds
+        self._buf, self._long, self._bounds = buf, buf.long(), bounds
 
     def long(self, i: int) -> Tensor:
         a, b = self._bounds[i]
         return self._long[a:b]
 
-    def float(self, i: int) -> Tensor:
+    def exact(self, i: int) -> Tensor:
+        """float64, as the host wrote it (on a CPU device: a view of the host buffer, which
+        the step after next rewrites)."""
         a, b = self._bounds[i]
-        return self._float[a:b]
+        return self._buf[a:b]
 
 
 class Readback:
