@@ -63,10 +63,12 @@ def sim_probe(seed: int = 1) -> Probe:
 
 
 def sim_bundle(tmp_path_factory, keywords=None, *, seed: int = 1, hidden: int = DIM,
-            normalization: str = "token-l2"):
+            normalization: str = "token-l2", **fields: Any):
+    """The simulation's bundle (`fields`: other Bundle fields, as `tiny_bundle` takes them)."""
     b = tiny_bundle(sim_probe(seed), [(0.05, None), (0.1, 0.75)], vocab=ID, window=WINDOW,
                     default_delta=0.1, name="fake", hidden_size=hidden,
-                    segmentation=Segmentation(keywords=keywords), normalization=normalization)
+                    segmentation=Segmentation(keywords=keywords), normalization=normalization,
+                    **fields)
     return write_bundle(b, tmp_path_factory.mktemp("bundle") / "bundle.json")
 
 

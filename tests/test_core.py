@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from orca_method.bundle import BundleError, load_bundle
+from orca_method.bundle import BundleError, ThinkTags, load_bundle
 from orca_serve.settings.contract import XARG_BUNDLE, XARG_GIVE_UP_MU, XARG_KEY, XARG_LAM
 from orca_serve.core import engine
 from orca_serve.core.pooling import Fence, Staging
@@ -108,6 +108,19 @@ def test_core_matches_offline_replay_with_moves_preemption_and_lag(bundle_path,
     assert core.pool.free_count == core.capacity  # every slot came back
     st = core.get_stats()
     assert st["resumed"] >= 3 and st["lagged_tokens"] >= 2
+
+
+def test_an_answer_without_forced_text_is_greedy_from_the_stop_on(tmp_path_factory):
+    """Think tags off, no end-of-thinking text: the answer starts at the stop's own token, which
+    the device forces to its row's argmax in the step that decides the stop (the host forces
+    the rest). Before, nothing was forced there: the answer's first token was the request's
+    own sample (its stream's token here)."""
+    path = sim_bundle(tmp_path_factory, think=ThinkTags(enabled=False, force_text=""))
+    sims, res = run_requests(path, {"r": {"orca_policy": "answer", "orca_answer_budget": 4}})
+    s, r = sims["r"], res["r"]
+    assert r["stop_reason"] == "probe" and r["forced_tokens"] == [EOS] and s.out[-1] == EOS
+    answer = range(len(s.out) - 5, len(s.out) - 1)  # the budget's 4 tokens, then EOS
+    assert [s.out[q] for q in answer] == [int(s.logits[q].argmax()) for q in answer]
 
 
 def test_state_is_freed_when_a_request_leaves_for_good(bundle_path):

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from orca_serve.settings.contract import DEFAULTS, XARG_KEY
+from orca_serve.settings.contract import DEFAULTS, XARG_GIVE_UP_MU, XARG_KEY, XARG_LAM
 from orca_serve.core.speculation import DraftEntry, DraftSteps
 from tests.core_sim import (
     DIM,
@@ -31,6 +32,7 @@ from tests.core_sim import (
     TOKENS,
     DeviceTensor,
     SimRequest,
+    gated_sim_bundle,
     join_due,
     logged,
     make_core,
@@ -41,12 +43,15 @@ from tests.core_sim import (
 )
 
 WRONG = [ID["\n\n"], ID[".\n\n"], ID["a"], ID["x"]]
+Drafter = Callable[[SimRequest, int], list[int]]  # (request, output length n) -> its drafts
 
 
 def run_speculative(core, sims: list[SimRequest], k: int, p_right: float, seed: int,
-                    steps: int = 400) -> int:
+                    steps: int = 400, drafter: Drafter | None = None) -> int:
     """The fake engine with k drafts per request and step, and preemptions (a request leaves
-    for two steps once its output reaches `preempt_at`); returns the drafts accepted."""
+    for two steps once its output reaches `preempt_at`); returns the drafts accepted.
+    `drafter`: proposes the drafts of a request at output length n instead (k, p_right
+    unused)."""
     rng = random.Random(seed)
     drafts = DraftSteps(core)
     batch: list[SimRequest] = []
@@ -70,14 +75,14 @@ def run_speculative(core, sims: list[SimRequest], k: int, p_right: float, seed: 
             n = len(s.out)
             # a draft model that is right with probability p_right (it knows the forced text and
             # the greedy answer too)
-            ks = 0 if n == 0 else k
-            props = []
+            ks = 0 if n == 0 or drafter is not None else k
+            props = [] if drafter is None else drafter(s, n)
             for i in range(ks):  # draft i + 1 sits at output position n + i
                 want = s.req.plan.get(n + i, int(s.logits[n + i].argmax())
                                       if n + i in s.req.greedy else s.stream[n + i])
                 props.append(want if rng.random() < p_right
                              else rng.choice([w for w in WRONG if w != want]))
-            entries.append((s.req, 1 + ks, s.out))
+            entries.append((s.req, 1 + len(props), s.out))
             proposals.append((s, props))
         # rows: row 0 of a request is its last token; a draft's row is its true state only
         # while every draft up to it is the stream's token, else noise
@@ -174,6 +179,10 @@ def test_drafts_give_the_plain_runs_steps_scores_and_stops(bundle_path, seed,
         n = len(forced) - (forced[-1] == EOS)
         assert b.out[pb:pb + n] == forced[:n]
         assert (b.out[-1] == EOS) == (forced[-1] == EOS)
+        # the answer after the forced text is greedy: each token its row's argmax
+        answer = range(pb + n, len(b.out) - (b.out[-1] == EOS))
+        assert forced[0] == EOS or [b.out[q] for q in answer] == [
+            int(b.logits[q].argmax()) for q in answer], (a.name, pb)
     assert stops >= 3, "no stops to compare: the test would prove little"
     if p_right == 1.0:  # every draft accepted: steps end inside the accepted drafts
         assert late >= 1, "no stop landed late: the replay-then-force path went untested"
@@ -193,6 +202,45 @@ def test_a_boundary_inside_rejected_drafts_does_not_count(bundle_path):
         for f in ("steps_scored", "stop_step", "scores", "forced_tokens", "reasoning_tokens"):
             assert want[s.name][f] == got[s.name][f], (s.name, f)
     assert [s.out for s in plain_sims] == [s.out for s in spec_sims]
+
+
+K_AT_STOP = 5  # drafts at the stop: past the forced text (3 tokens), into what follows it
+
+
+@pytest.mark.parametrize(("two_sided", "xa", "cfg"), [
+    (False, {"orca_policy": "answer", "orca_answer_budget": 4}, {}),
+    (True, {XARG_LAM: "inf", XARG_GIVE_UP_MU: 0.2},  # gives up at its first step
+     {"defaults": {"give_up_policy": "message", "give_up_message": "abc"}}),
+], ids=["answer", "give-up-message"])
+def test_drafts_of_the_forced_text_at_a_stop_on_row_0_give_the_plain_output(
+        bundle_path, tmp_path, two_sided, xa, cfg):
+    """A stop (or a give-up) decided on the device on row 0's token, in a step whose drafts are
+    the plain run's next tokens: the forced text (an n-gram drafter proposes `</think>` text it
+    saw in the prompt), then the greedy answer (or the give-up's message). The host learns of
+    the stop after the step, so the device forces the plan on all the request's rows: every
+    draft is accepted and the output is the plain run's. Before, the rows past the forced text
+    were left to the request's sampling (here: its stream, not the answer's argmax) or got the
+    stop's plan under a give-up."""
+    path = gated_sim_bundle(tmp_path / "bundle.json", None) if two_sided else bundle_path
+
+    def sim() -> SimRequest:
+        return SimRequest("r", random.Random(0), xa={XARG_KEY: "r", **xa}, max_tokens=60,
+                          join_at=0)
+
+    plain, spec = sim(), sim()
+    plain_core, spec_core = make_core(path, **cfg), make_core(path, **cfg)
+    run(plain_core, [plain])
+    want = plain_core.pop_results(["r"])["r"]
+    pa = _first_forced(plain, want["forced_tokens"])
+    assert pa is not None and len(plain.out) > pa + K_AT_STOP  # the bonus row is answer too
+    accepted = run_speculative(spec_core, [spec], 0, 0.0, 0, drafter=lambda s, n: (
+        plain.out[n:n + K_AT_STOP] if n == pa else []))
+    got = spec_core.pop_results(["r"])["r"]
+    assert "error" not in got, got.get("error")
+    assert spec.out == plain.out, (pa, plain.out[pa:], spec.out[pa:])
+    assert accepted == K_AT_STOP
+    for f in ("stop_step", "stop_reason", "give_up_step", "forced_tokens"):
+        assert got.get(f) == want.get(f), f
 
 
 def test_a_step_with_drafts_never_waits_for_the_device(bundle_path, monkeypatch):

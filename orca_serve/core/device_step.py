@@ -3,13 +3,15 @@
 One staging copy brings the plan's index lists to the device; then, on the device: the step's
 token rows (normalised) are added to their slots' section sums, rows whose token id is not known
 yet are parked, completed steps are pooled (`finish_step`) and scored by each deployment's probe
-bank, a probe stop that forces a token now is written into its logits row (decided on the
-device: the host does not know the flag yet), tokens forced by plans the host knows are written,
-and the scores go back in one non_blocking readback, read on the next step.
+bank, a probe stop or give-up forces its plan's tokens of this step into the request's logits
+rows (decided on the device: the host does not know the flag yet), tokens forced by plans the
+host knows are written, and the scores go back in one non_blocking readback, read on the next
+step.
 
-Forcing never builds a [rows, vocab] tensor: the logits rows are changed in place (`index_fill_`
-for host-known tokens and for the argmax of a greedy answer row; for device-decided stops an -inf
-or 0 per row added across the row, then the forced token's entry set back).
+Forcing (`DeviceStep._force`, the one place) never builds a [rows, vocab] tensor: the logits
+rows are changed in place, each to one token or to its own argmax (a greedy answer row):
+`index_fill_` for host-known plans; for device-decided stops an -inf or 0 per row added across
+the row, then the forced token's entry set back.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import Tensor
 from orca_method.procedure import GateStep, Normalization, finish_step, normalize_tokens
 from orca_method.steps import CLOSE, MERGE, STEP, STEP_PREV
 from orca_serve.core.deployment import Deployment
-from orca_serve.core.plan import IDX, StepPlan
+from orca_serve.core.plan import FREE, GREEDY, IDX, StepPlan
 from orca_serve.core.pooling import Fence, Readback, SlotPool, Staged, Staging
 
 
@@ -32,8 +34,8 @@ class DeviceStep:
         self.pool = SlotPool(capacity, hidden_size, device)
         self.fence = Fence(device)
         # room for `capacity` values per staged vector, shared; the forcing vectors (cand_*,
-        # forced_*, greedy_rows) hold up to 1 + k values per request under speculative
-        # decoding with k drafts: a step that needs more grows it (`Staging._grow`)
+        # forced_*) hold up to 1 + k values per request under speculative decoding with k
+        # drafts: a step that needs more grows it (`Staging._grow`)
         self.staging = Staging(len(IDX) * capacity, device, pin, self.fence)
         self.readback = Readback(capacity, device, pin, self.fence)
         self.normalization = normalization
@@ -45,23 +47,33 @@ class DeviceStep:
             self._pool_tokens(p, v, hidden, logits.shape[0])
             if p.op_slots:
                 self._finish_steps(p, v, logits)
-            if p.forced_rows or p.greedy_rows:
-                self._force(p, v, logits)
+            if p.forced_rows:  # the plans the host knows
+                self._force(logits, v.long(IDX["forced_rows"]), v.long(IDX["forced_ids"]),
+                            p.forced_greedy)
         finally:
             self.fence.mark()
 
     @staticmethod
-    def _force(p: StepPlan, v: Staged, logits: Tensor) -> None:
-        """The tokens of known stop plans, and the argmax of each greedy answer row: each row
-        -inf but its token (which the sampler then takes at any temperature)."""
-        rows, ids = v.long(IDX["forced_rows"]), v.long(IDX["forced_ids"])  # [f] each
-        if p.greedy_rows:
-            greedy = v.long(IDX["greedy_rows"])  # [g]
-            # argmax over every row, then picked: no [g, vocab] copy
-            rows = torch.cat([rows, greedy])
-            ids = torch.cat([ids, logits.argmax(dim=-1).index_select(0, greedy)])
-        logits.index_fill_(0, rows, float("-inf"))
-        logits.index_put_((rows, ids), logits.new_zeros(()))
+    def _force(logits: Tensor, rows: Tensor, ids: Tensor, greedy: bool,
+               flag: Tensor | None = None) -> None:
+        """Force each of `rows` [f] to its id in `ids` [f]: the row -inf but that token, which
+        the sampler then takes at any temperature; GREEDY: the row's argmax (an answer row;
+        `greedy`: the host staged one). `flag` [f]: force only the flagged rows, leave the
+        others as they are (a stop decided on the device; an unflagged id may be FREE)."""
+        if greedy:
+            # argmax over every row, then picked: no [f, vocab] copy
+            ids = torch.where(ids == GREEDY, logits.argmax(dim=-1).index_select(0, rows), ids)
+        if flag is None:
+            logits.index_fill_(0, rows, float("-inf"))
+            logits.index_put_((rows, ids), logits.new_zeros(()))
+            return
+        ids = ids.clamp(min=0)  # a FREE id (unflagged): any entry, its value is written back
+        keep = logits[rows, ids]  # [f]
+        # -inf across a flagged row, 0 across the others: no [f, vocab] tensor is made
+        bias = torch.zeros_like(keep).masked_fill_(flag, float("-inf"))  # [f]
+        # (index_put_: index_add_ entered an OpenMP region that spun on a busy CPU)
+        logits.index_put_((rows,), bias[:, None].expand(-1, logits.shape[1]), accumulate=True)
+        logits.index_put_((rows, ids), keep.masked_fill_(flag, 0.0))
 
     def _pool_tokens(self, p: StepPlan, v: Staged, hidden: Tensor | None, n_rows: int) -> None:
         """S[slot] += normalised row, for this step's rows and the parked ones; park rows."""
@@ -159,17 +171,14 @@ class DeviceStep:
         smoothed, stop, steps, g, gave, gate_score, flagged, barred = (
             tuple(getattr(res[0], k) for k in keys) if len(res) == 1
             else tuple(torch.cat([getattr(r, k) for r in res]) for k in keys))
-        # a give-up ends the request like a stop: the same first forced token
-        end = stop | gave
         if p.cand_pos:
-            rows, ids = v.long(IDX["cand_rows"]), v.long(IDX["cand_ids"])
-            flag = end.index_select(0, v.long(IDX["cand_pos"]))  # [c]
-            keep = logits[rows, ids]  # [c]
-            # -inf across a stopping row, 0 across the others: no [c, vocab] tensor is made
-            bias = torch.zeros_like(keep).masked_fill_(flag, float("-inf"))  # [c]
-            # (index_put_: index_add_ entered an OpenMP region that spun on a busy CPU)
-            logits.index_put_((rows,), bias[:, None].expand(-1, logits.shape[1]), accumulate=True)
-            logits.index_put_((rows, ids), keep.masked_fill_(flag, 0.0))
+            # the plan of the flag set (stop and give-up exclude each other: ProbeBank.step),
+            # on each of the request's rows where that plan forces a token
+            pos = v.long(IDX["cand_pos"])
+            gave_c = gave.index_select(0, pos)  # [c]
+            ids = torch.where(gave_c, v.long(IDX["cand_give_up_ids"]), v.long(IDX["cand_ids"]))
+            flag = (gave_c | stop.index_select(0, pos)) & (ids != FREE)  # [c]
+            self._force(logits, v.long(IDX["cand_rows"]), ids, p.cand_greedy, flag)
         hit = smoothed >= hit_thr
         self.readback.start(torch.stack([smoothed.float(), hit.float(), steps.float(),
                                          g.float(), gave.float(), gate_score.float(),

@@ -15,10 +15,11 @@ its token at position n - 1) and the logits ([rows, vocab], changed in place).
 - `deployment.Deployments`: the live bundles (hot reload);
 - `admission.Admission`: which requests are tracked and the `Request` a new one becomes.
 
-A request whose step completes now and whose probe says "stop" gets its first forced token in
-this very step, decided on the device. The step's readback (scores, stop flags) is read on the
-next step (`settle`), where the host learns of the stop and plans the rest of the forced text:
-stops land on exactly the token a synchronous design would force.
+A request whose step completes now and whose probe says "stop" gets this step's forced tokens
+in this very step, decided on the device (its first one; under speculative decoding its draft
+rows' too, the argmax of those that sample its greedy answer). The step's readback (scores,
+stop flags) is read on the next step (`settle`), where the host learns of the stop and plans
+the rest: stops land on exactly the token a synchronous design would force.
 
 Async scheduling: a token id that is still a placeholder (-1) cannot be segmented yet; its hidden
 row is parked and the request runs one token behind (the parked token is fed on the next step,

@@ -2,8 +2,9 @@
 
 For each tracked row (an `Entry`) the planner checks the output length, feeds the request's new
 token to its `Segmenter` (or parks the row while the token id is unknown: async scheduling),
-applies the budget guard and looks up the token its stop plan forces now. What the device has
-to do follows as flat index lists (`StepPlan`), staged to the device in one copy; nothing here
+applies the budget guard and looks up the tokens its stop plan forces now (for a step it
+scores: those a stop or give-up the device decides would force). What the device has to do
+follows as flat index lists (`StepPlan`), staged to the device in one copy; nothing here
 touches a tensor. `apply_readback` is the other end: the previous step's scores and stop flags
 reach the requests.
 """
@@ -19,7 +20,7 @@ from orca_serve.core import gate_alarm
 from orca_serve.core.deployment import Deployment
 from orca_serve.settings.contract import StopReason
 from orca_serve.core.registry import Entry, Request
-from orca_serve.core.speculation import UNKNOWN, forced_rows, greedy_rows
+from orca_serve.core.speculation import UNKNOWN, forced_rows
 from orca_serve.core.stopping import request_plan, stop_request
 
 
@@ -48,12 +49,13 @@ class StepPlan:
     gate_thr: list[float] = field(default_factory=list)  # ... their stop side's thresholds
     gate_thr_give_up: list[float] = field(default_factory=list)  # ... and give-up side's
     scored_slots: list[int] = field(default_factory=list)
-    cand_pos: list[int] = field(default_factory=list)  # scored steps whose stop forces now:
-    cand_rows: list[int] = field(default_factory=list)  # their logits row
-    cand_ids: list[int] = field(default_factory=list)  # and the token forced
-    forced_rows: list[int] = field(default_factory=list)  # tokens forced by plans known now
-    forced_ids: list[int] = field(default_factory=list)
-    greedy_rows: list[int] = field(default_factory=list)  # rows of a greedy answer (argmax forced)
+    # forced ids: a token, GREEDY (the row's argmax: a greedy answer row) or FREE (none)
+    cand_pos: list[int] = field(default_factory=list)  # scored steps whose end forces now:
+    cand_rows: list[int] = field(default_factory=list)  # their logits rows (1 + drafts each)
+    cand_ids: list[int] = field(default_factory=list)  # the id a stop forces there
+    cand_give_up_ids: list[int] = field(default_factory=list)  # the id a give-up forces there
+    forced_rows: list[int] = field(default_factory=list)  # rows forced by plans known now
+    forced_ids: list[int] = field(default_factory=list)  # their ids (no FREE)
     # host only
     record: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, emitted, size)
     groups: list[tuple[Deployment, int, int]] = field(default_factory=list)  # scored ranges
@@ -62,6 +64,8 @@ class StepPlan:
     # (req, n, guard-stopped, logits rows a stop forces on the device: 1 + draft rows)
     pending: list[tuple[Request, int, bool, int]] = field(default_factory=list)
     keywords: bool = False  # an op of a keyword table: A is in use (else it stays zero)
+    cand_greedy: bool = False  # a GREEDY among the cand_*ids (the device takes argmaxes)
+    forced_greedy: bool = False  # a GREEDY among forced_ids
 
     def staged(self) -> list[list]:
         return [getattr(self, name) for name in STAGED]
@@ -69,10 +73,12 @@ class StepPlan:
 
 STAGED = ("pool_rows", "pool_slots", "lag_slots", "park_rows", "park_slots", "op_slots",
           "op_kinds", "emit_ops", "emit_slots", "emit_counts", "scored", "bank_lam", "hit_lam",
-          "bank_mu", "scored_slots", "cand_pos", "cand_rows", "cand_ids", "forced_rows",
-          "forced_ids", "greedy_rows", "gate_add", "gate_decide", "gate_thr",
+          "bank_mu", "scored_slots", "cand_pos", "cand_rows", "cand_ids", "cand_give_up_ids",
+          "forced_rows", "forced_ids", "gate_add", "gate_decide", "gate_thr",
           "gate_thr_give_up")
 IDX = {name: i for i, name in enumerate(STAGED)}
+GREEDY = -1  # a forced id: the row's argmax (a row of the greedy answer after a stop)
+FREE = -2  # a forced id: the plan forces nothing there (the row is left as it is)
 
 
 def plan_step(entries: list[Entry], n_rows: int, stats: dict[str, Any]) -> StepPlan:
@@ -122,13 +128,13 @@ def plan_step(entries: list[Entry], n_rows: int, stats: dict[str, Any]) -> StepP
             stop_request(req, n, StopReason.BUDGET)
         if scores_now and req.enabled and (not req.stopped or guard):
             scored.append((req.dep, req, len(p.emit_ops) - 1, row, n, guard))
-        if req.plan:
-            for pos, r, t in forced_rows(req, row, n, req.plan):
+        if req.plan or req.greedy:
+            for pos, r, t in forced_rows(req, row, n, req.plan, req.greedy):
                 p.forced_rows.append(r)
-                p.forced_ids.append(t)
-                req.forced[pos] = t
-        if req.greedy:
-            p.greedy_rows += greedy_rows(req, row, n)
+                p.forced_ids.append(GREEDY if t is None else t)
+                p.forced_greedy |= t is None
+                if t is not None:
+                    req.forced[pos] = t
     if scored:
         _plan_scoring(p, scored)
     return p
@@ -194,11 +200,26 @@ def _plan_scoring(p: StepPlan, scored: list[tuple[Deployment, Request, int, int,
                          or alarm else mu)
         p.pending.append((req, n, guard, 1 + len(req.draft_rows)))
         if not guard and not shadow:
-            for _, r, t in forced_rows(req, row, n, request_plan(req, n).forced):
-                p.cand_pos.append(j)
-                p.cand_rows.append(r)
-                p.cand_ids.append(t)
+            _plan_candidates(p, j, req, row, n)
     _close_group(p, scored[-1][0], start, len(scored))
+
+
+def _plan_candidates(p: StepPlan, j: int, req: Request, row: int, n: int) -> None:
+    """What a stop or a give-up the device decides at scored step j forces in this step: the
+    host learns of it after the step, so each plan is staged for every row of the request (row
+    0 and its draft rows: core/speculation.py), its forced text and the argmax of its answer;
+    the device forces the plan of the flag it sets."""
+    ids: dict[int, list[int]] = {}  # logits row -> [stop's id, give-up's id]
+    for k, reason in enumerate((StopReason.PROBE, StopReason.GIVE_UP)):
+        plan = request_plan(req, n, reason)
+        for _, r, t in forced_rows(req, row, n, plan.forced, plan.greedy):
+            ids.setdefault(r, [FREE, FREE])[k] = GREEDY if t is None else t
+            p.cand_greedy |= t is None
+    for r, (stop_id, give_up_id) in ids.items():
+        p.cand_pos.append(j)
+        p.cand_rows.append(r)
+        p.cand_ids.append(stop_id)
+        p.cand_give_up_ids.append(give_up_id)
 
 
 def _plan_gate(p: StepPlan, req: Request, pos: int) -> bool:

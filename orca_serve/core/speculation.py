@@ -17,14 +17,22 @@ speculation, and a boundary inside rejected drafts never counts.
 Forcing. A replayed token's successor is decided already, so nothing can be forced there:
 `Request.decided_until` (the position row 0 samples now) makes a stop decided while replaying
 plan its forced text from that position instead (`plan_start`), and nothing is forced into a
-decided position. In the step's last call the plan is forced on row 0 and on the draft rows as
-well (`forced_rows`; the greedy answer after it likewise, `greedy_rows`): row i samples position
-n + i only if drafts 1..i were accepted, which under a forced row means they equal the forced
-text, so every forced token lands on an output position in order (the rejection sampler rejects
-a draft that differs from a row's only finite logit and samples that token in its place). A stop
-whose step ends on row 0's token is forced in the same step, on the device, as without
-speculation; a stop whose step ends on an accepted draft is forced at the first position still
-open, at most k tokens after the one plain decoding forces.
+decided position. In the step's last call a stop plan is forced on row 0 and on the draft rows
+alike (`forced_rows`): a row that samples a position of the forced text gets that token, one
+that samples a position of the greedy answer after it its own argmax. Row i samples position
+n + i only if drafts 1..i were accepted, which under forced rows means they equal those tokens
+(the rejection sampler rejects a draft that differs from a row's only finite logit and samples
+that token in its place), so every forced token lands on an output position in order and every
+answer token is its row's argmax, whatever the drafts. Both kinds of stop are forced so:
+- a stop whose step ends on an accepted draft (decided while replaying) is known to the host
+  by the step's last call: it is forced at the first position still open, at most k tokens
+  after the one plain decoding forces;
+- a stop whose step ends on row 0's token is decided on the device in the same step, as
+  without speculation, and the host learns of it only after the step: for each request scored
+  in the step the planner stages beforehand what a stop, and what a give-up, would force on
+  each of its rows (`plan._plan_candidates`), and the device forces the plan of the flag it
+  sets. A draft equal to the forced text (an n-gram drafter proposes `</think>` text it saw in
+  the prompt) is accepted, and the answer rows after it are forced to their argmax.
 """
 
 from __future__ import annotations
@@ -67,15 +75,12 @@ def sampled_rows(req: Request, row: int, n: int) -> list[tuple[int, int]]:
     return [(n + i, r) for i, r in enumerate((row, *req.draft_rows))]
 
 
-def forced_rows(req: Request, row: int, n: int,
-                plan: Mapping[int, int]) -> list[tuple[int, int, int]]:
-    """(output position, logits row, token) that `plan` forces in this step (`sampled_rows`)."""
-    return [(q, r, t) for q, r in sampled_rows(req, row, n) if (t := plan.get(q)) is not None]
-
-
-def greedy_rows(req: Request, row: int, n: int) -> list[int]:
-    """The logits rows of this step that sample a position of the request's greedy answer."""
-    return [r for q, r in sampled_rows(req, row, n) if q in req.greedy]
+def forced_rows(req: Request, row: int, n: int, plan: Mapping[int, int],
+                greedy: range) -> list[tuple[int, int, int | None]]:
+    """(output position, logits row, token) that a stop plan forces in this step
+    (`sampled_rows`): `plan`'s token, or None in its answer `greedy` (the row's argmax)."""
+    return [(q, r, plan.get(q)) for q, r in sampled_rows(req, row, n)
+            if q in plan or q in greedy]
 
 
 class SteppedCore(Protocol):

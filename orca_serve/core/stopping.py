@@ -70,12 +70,11 @@ def guard_position(policy: Policy, *, max_tokens: int | None, reserve: int | Non
     return None
 
 
-def request_plan(req: Request, pos: int) -> StopPlan:
-    """`stop_plan` of a tracked request stopping at output position `pos`. A give-up under the
-    operator's MESSAGE give-up policy forces the end-of-thinking text, the message and EOS (its
-    first token is the stop plan's, which the device may have forced already; without an
-    end-of-thinking text, think tags off, the give-up answers as a stop would)."""
-    if (req.stop_reason == StopReason.GIVE_UP and req.give_up_ids is not None
+def request_plan(req: Request, pos: int, reason: StopReason) -> StopPlan:
+    """`stop_plan` of a tracked request ending at output position `pos` for `reason`. A give-up
+    under the operator's MESSAGE give-up policy forces the end-of-thinking text, the message and
+    EOS (without an end-of-thinking text, think tags off, it answers as a stop would)."""
+    if (reason == StopReason.GIVE_UP and req.give_up_ids is not None
             and req.policy.rule.answers and req.dep.force_ids):
         return stop_plan(Policy.ANSWER, pos, force_ids=req.dep.force_ids + req.give_up_ids,
                          eos=req.eos, answer_budget=0, max_tokens=req.max_tokens,
@@ -92,5 +91,5 @@ def stop_request(req: Request, pos: int, reason: StopReason) -> None:
     req.stop_reason = reason
     req.active = False
     req.guard_pos = None
-    plan = request_plan(req, plan_start(req, pos))
+    plan = request_plan(req, plan_start(req, pos), reason)
     req.plan, req.greedy = plan.forced, plan.greedy
