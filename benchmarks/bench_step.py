@@ -3,6 +3,7 @@
 Usage:
     python benchmarks/bench_step.py --rev pre-split=923cb8a --rev before=41684f8 --rev now=HEAD
                                     [--rounds 5] [--steps 150] [--rows 16] [--json FILE]
+                                    [--policy shadow|answer]
 
 Each `--rev NAME=COMMIT` is a version of this repository (`.`: the working tree; a commit is
 unpacked with `git archive` into .cache/bench-step/). Every version runs in its own fresh
@@ -10,7 +11,9 @@ subprocess, the versions of a round in an order rotated by the round, so load ch
 shared machine hit all versions alike. A subprocess builds the V1 logits processor of its
 version the way vLLM does (`cls(vllm_config, device, is_pin_memory)`, a stand-in config naming
 the tiny test model and that version's test bundle), adds `--rows` requests through vLLM's own
-`BatchUpdate` (policy shadow at delta 0.2: scored every step, never stopped), then calls
+`BatchUpdate` (policy shadow at delta 0.2: scored every step, never stopped; `--policy answer`:
+policy answer with lambda never, scored every step and what a stop would force planned on the
+device every step, as the default policy's requests are, never stopped), then calls
 `apply(logits)` for `--steps` steps with fresh random hidden rows (hidden 128) and a sampled
 token appended to each request's output (a step delimiter every ~3 tokens). Measured: the
 thread CPU time of each `apply()` (20 warm-up steps not counted), and the steps scored (the
@@ -97,9 +100,10 @@ def worker(a: argparse.Namespace) -> None:
     outs: list[list[int]] = [[] for _ in range(a.rows)]
     # orca_enabled said, not left to the version's default: the server writes it into every
     # request, and a version's engine default need not be on
+    policy = ({"orca_policy": "shadow", "orca_delta": SHADOW_DELTA} if a.policy == "shadow"
+              else {"orca_policy": "answer", "orca_lam": "inf"})
     added = [(i, SamplingParams(max_tokens=10_000, extra_args={
-        "orca_key": f"r{i}", "orca_enabled": 1, "orca_policy": "shadow",
-        "orca_delta": SHADOW_DELTA}),
+        "orca_key": f"r{i}", "orca_enabled": 1, **policy}),
         list(prompt), outs[i]) for i in range(a.rows)]
     proc.update_state(BatchUpdate(batch_size=a.rows, removed=[], added=added, moved=[]))
     g = torch.Generator().manual_seed(a.seed)
@@ -128,7 +132,7 @@ def run_worker(tree: Path, a: argparse.Namespace, model: Path, seed: int) -> dic
                PYTHONPATH=str(tree))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--tree", str(tree),
            "--model", str(model), "--out-dir", str(out_dir), "--steps", str(a.steps),
-           "--rows", str(a.rows), "--seed", str(seed)]
+           "--rows", str(a.rows), "--seed", str(seed), "--policy", a.policy]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree, check=False)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode != 0 or not lines:
@@ -142,6 +146,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--policy", choices=("shadow", "answer"), default="shadow")
     ap.add_argument("--json", type=Path, default=CACHE / "step.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tree", help=argparse.SUPPRESS)

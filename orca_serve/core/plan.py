@@ -20,8 +20,8 @@ from orca_serve.core import gate_alarm
 from orca_serve.core.deployment import Deployment
 from orca_serve.settings.contract import StopReason
 from orca_serve.core.registry import Entry, Request
-from orca_serve.core.speculation import UNKNOWN, forced_rows
-from orca_serve.core.stopping import request_plan, stop_request
+from orca_serve.core.speculation import UNKNOWN, forced_rows, sampled_rows
+from orca_serve.core.stopping import StopPlan, gives_up_own_plan, request_plan, stop_request
 
 
 @dataclass(slots=True)
@@ -200,26 +200,34 @@ def _plan_scoring(p: StepPlan, scored: list[tuple[Deployment, Request, int, int,
                          or alarm else mu)
         p.pending.append((req, n, guard, 1 + len(req.draft_rows)))
         if not guard and not shadow:
-            _plan_candidates(p, j, req, row, n)
+            _plan_candidates(p, j, req, row, n, p.bank_mu[-1] != GIVE_UP_NEVER)
     _close_group(p, scored[-1][0], start, len(scored))
 
 
-def _plan_candidates(p: StepPlan, j: int, req: Request, row: int, n: int) -> None:
+def _plan_candidates(p: StepPlan, j: int, req: Request, row: int, n: int,
+                     can_give_up: bool) -> None:
     """What a stop or a give-up the device decides at scored step j forces in this step: the
     host learns of it after the step, so each plan is staged for every row of the request (row
     0 and its draft rows: core/speculation.py), its forced text and the argmax of its answer;
-    the device forces the plan of the flag it sets."""
-    ids: dict[int, list[int]] = {}  # logits row -> [stop's id, give-up's id]
-    for k, reason in enumerate((StopReason.PROBE, StopReason.GIVE_UP)):
-        plan = request_plan(req, n, reason)
-        for _, r, t in forced_rows(req, row, n, plan.forced, plan.greedy):
-            ids.setdefault(r, [FREE, FREE])[k] = GREEDY if t is None else t
-            p.cand_greedy |= t is None
-    for r, (stop_id, give_up_id) in ids.items():
+    the device forces the plan of the flag it sets. The give-up's plan is made only where it
+    can differ (`gives_up_own_plan`) and the request can give up in this step."""
+    stop = request_plan(req, n, StopReason.PROBE)
+    give_up = (request_plan(req, n, StopReason.GIVE_UP)
+               if can_give_up and gives_up_own_plan(req) else stop)
+    for q, r in sampled_rows(req, row, n):
+        stop_id, give_up_id = _forced_id(stop, q), _forced_id(give_up, q)
+        if stop_id == give_up_id == FREE:
+            continue
         p.cand_pos.append(j)
         p.cand_rows.append(r)
         p.cand_ids.append(stop_id)
         p.cand_give_up_ids.append(give_up_id)
+        p.cand_greedy |= GREEDY in (stop_id, give_up_id)
+
+
+def _forced_id(plan: StopPlan, pos: int) -> int:
+    """The id `plan` forces at output position `pos`: a token, GREEDY or FREE."""
+    return plan.forced.get(pos, GREEDY if pos in plan.greedy else FREE)
 
 
 def _plan_gate(p: StepPlan, req: Request, pos: int) -> bool:

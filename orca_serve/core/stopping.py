@@ -70,12 +70,17 @@ def guard_position(policy: Policy, *, max_tokens: int | None, reserve: int | Non
     return None
 
 
+def gives_up_own_plan(req: Request) -> bool:
+    """A give-up of `req` forces another plan than its stop: under the operator's MESSAGE
+    give-up policy, the end-of-thinking text, the message and EOS (without an end-of-thinking
+    text, think tags off, it answers as a stop would)."""
+    return req.give_up_ids is not None and req.policy.rule.answers and bool(req.dep.force_ids)
+
+
 def request_plan(req: Request, pos: int, reason: StopReason) -> StopPlan:
-    """`stop_plan` of a tracked request ending at output position `pos` for `reason`. A give-up
-    under the operator's MESSAGE give-up policy forces the end-of-thinking text, the message and
-    EOS (without an end-of-thinking text, think tags off, it answers as a stop would)."""
-    if (reason == StopReason.GIVE_UP and req.give_up_ids is not None
-            and req.policy.rule.answers and req.dep.force_ids):
+    """`stop_plan` of a tracked request ending at output position `pos` for `reason`
+    (`gives_up_own_plan`: what a give-up forces)."""
+    if reason == StopReason.GIVE_UP and gives_up_own_plan(req):
         return stop_plan(Policy.ANSWER, pos, force_ids=req.dep.force_ids + req.give_up_ids,
                          eos=req.eos, answer_budget=0, max_tokens=req.max_tokens,
                          ignore_eos=req.ignore_eos)
