@@ -40,7 +40,7 @@ from orca_serve.live_audit.options import (
     check_audit_args,
     fold_flags,
 )
-from orca_serve.live_audit.redis_journal import RedisJournal
+from orca_serve.live_audit.redis_journal import KeyOfAnotherType, RedisJournal
 from orca_serve.settings.resolve import OrcaDefaults
 from orca_serve.vllm_compat import launch
 from tests.audit_simulation import DELTA, bundle, known_loss, restarted_stream
@@ -496,18 +496,81 @@ def test_a_store_unreachable_at_start_leaves_the_local_journal(tmp_path, caplog)
 
 
 def test_a_store_that_fails_mid_open_keeps_nothing_of_the_replica(redis_store):
-    """A store call fails after the replica set its owner key (here its `created` key holds a
-    hash, so its GET fails, WRONGTYPE): the journal is refused (the replica goes on with its
-    own guard: fleet.py) and leaves neither its owner key on the store nor its connection open.
-    Before, the key lived OWNER_TTL longer, counting a replica that folds alone among the
-    fleet's running ones, and the connection stayed open as long as the refusal was kept."""
+    """The open fails after the replica set its owner key (here its `created` key holds a hash,
+    which is refused: `test_a_journal_key_of_another_type_is_refused_and_kept`): the journal
+    leaves neither its owner key on the store nor its connection open. Before, the key lived
+    OWNER_TTL longer, counting a replica that folds alone among the fleet's running ones, and
+    the connection stayed open as long as the refusal was kept."""
     r = redis.Redis.from_url(redis_store.url)
     r.hset(f"orca:guard:{bundle().checksum}:created", "x", "1")
     connections = len(r.client_list())
-    with pytest.raises(redis.ResponseError, match="WRONGTYPE") as refused:
+    with pytest.raises(KeyOfAnotherType) as refused:
         RedisJournal(redis_store.url, bundle().checksum)
     assert r.keys("orca:guard-owner:*") == []
     assert len(r.client_list()) == connections, refused  # kept: its frames hold the journal
+
+
+# each key of the journal with what it must not hold: a value of another Redis type (the fold
+# record's own rule: the test above), one key or several at once
+OTHER_TYPES = [{"events": {"x": b"1"}}, {"events": b"a string"}, {"chain": b"a string"},
+               {"created": [b"a", b"list"]}, {"snapshot": {"x": b"1"}},
+               {"events": {"x": b"1"}, "created": {"x": b"1"}, "snapshot": [b"{}"]}]
+KEPT = {"events": "its events (a list)", "chain": "their running digests (a list)",
+        "created": "its start marker (a string)", "snapshot": "its snapshot (a string)"}
+TYPES = {bytes: "string", dict: "hash", list: "list"}
+
+
+@pytest.mark.parametrize("held", OTHER_TYPES, ids=lambda held: "+".join(
+    f"{name}-{TYPES[type(raw)]}" for name, raw in held.items()))
+def test_a_journal_key_of_another_type_is_refused_and_kept(redis_store, held):
+    """A key of the journal holds another Redis type than the journal keeps there (another
+    program's data under the audit's prefix, a store half migrated): a replica that opens it is
+    refused, in one line naming each such key and what to do, with no other replica running
+    (unlike a fold record, it is never written anew: it may be someone's data), and leaves it
+    as it was, with no owner key and no fold record of its own. Before, the first call on it
+    failed (WRONGTYPE), taken for an unreachable store: the replica folded alone in memory,
+    apart from the fleet. Once the key is renamed away, as the line says, a replica joins."""
+    r = redis.Redis.from_url(redis_store.url)
+    keys = {name: f"orca:guard:{bundle().checksum}:{name}" for name in held}
+    for name, raw in held.items():
+        _put(r, keys[name], raw)
+    stored = {name: r.dump(key) for name, key in keys.items()}
+    with pytest.raises(KeyOfAnotherType) as e:
+        _on_store(redis_store.url)
+    named = "; ".join(f"{keys[name]} is a Redis {TYPES[type(raw)]}, where the audit journal "
+                      f"keeps {KEPT[name]}" for name, raw in sorted(
+                          held.items(), key=lambda kv: list(KEPT).index(kv[0])))
+    assert str(e.value) == (
+        f"{redis_store.url}: {named}: another program's data under the audit's keys, or a store "
+        "half migrated, which this replica neither reads as its audit's nor overwrites; rename "
+        "each such key away (RENAME) or delete it, then start (or reload) again")
+    assert {name: r.dump(key) for name, key in keys.items()} == stored
+    assert r.keys("orca:guard-owner:*") == [] and not r.exists(
+        f"orca:guard:{bundle().checksum}:fold")
+    for key in keys.values():
+        r.rename(key, f"{key}:moved")
+    audit = _on_store(redis_store.url)
+    audit.observe(*known_loss(False))
+    assert audit.table()["store"]["up"] and audit.state.guard(DELTA).cs.n == 1
+    audit.state.journal.close()
+
+
+def test_a_key_that_changes_type_while_serving_is_left_said_as_an_error(redis_store, caplog):
+    """The events key turns into a hash under a serving replica: its calls fail (WRONGTYPE), so
+    it leaves the store for its own guard, and its warning says the store answered with an
+    error (naming it), not that it is unreachable: the operator looks at the key, not at the
+    network. Before, the warning said unreachable."""
+    audit = _on_store(redis_store.url)
+    audit.observe(*known_loss(False))
+    _put(redis.Redis.from_url(redis_store.url), f"orca:guard:{bundle().checksum}:events",
+         {"x": b"1"})
+    with caplog.at_level(logging.WARNING, logger="orca_serve.live_audit"):
+        audit.observe(*known_loss(False))
+    assert not audit.table()["store"]["up"] and audit.state.guard(DELTA).cs.n == 2
+    said = [r.getMessage() for r in caplog.records if "audit store" in r.getMessage()]
+    assert len(said) == 1 and (f"the audit store {redis_store.url} answered a call with an "
+                               "error while serving (WRONGTYPE") in said[0], said
+    audit.state.journal.close()
 
 
 def test_a_store_that_lost_events_is_left(redis_store):

@@ -189,6 +189,33 @@ def test_a_bundle_whose_fleet_runs_other_guard_flags_is_refused(paths, redis_sto
     new.state.journal.close()
 
 
+def test_a_bundle_whose_store_key_holds_another_type_is_refused(paths, redis_store):
+    """A reload to a bundle whose journal on the store has a key of another Redis type (its
+    events key a hash: another program's data, a store half migrated) is refused before any
+    engine is asked, naming the key; the old bundle and audit serve on, on the store, and the
+    key is kept. Before, the new audit took the key's WRONGTYPE for an unreachable store and
+    served the new bundle on a guard of its own, apart from the fleet. Renamed away, the same
+    reload goes through on the store."""
+    config = AuditConfig(rate=1.0, store=redis_store.url)
+    events = f"orca:guard:{load_bundle(paths['b']).checksum}:events"
+    client = redis.Redis.from_url(redis_store.url)
+    client.hset(events, "x", "1")
+    server, _, calls = setup(paths, audit=lambda b: make_live_audit(b, config),
+                             audit_config=lambda b: config)
+    now = server.serving.now
+    with pytest.raises(ReloadRefused, match=f"live audit cannot follow the new bundle: "
+                       f"{redis_store.url}: {events} is a Redis hash, where the audit journal "
+                       "keeps its events"):
+        asyncio.run(server.reloader.reload(str(paths["b"]), source="test"))
+    assert calls == [] and server.serving.now.audit is now.audit and now.audit.state.journal.up
+    assert client.type(events) == b"hash"
+    client.rename(events, f"{events}:moved")
+    asyncio.run(server.reloader.reload(str(paths["b"]), source="test"))
+    new = server.serving.now.audit
+    assert new is not now.audit and new.state.journal.up
+    new.state.journal.close()
+
+
 @pytest.mark.parametrize("on", ["directory", "store"])
 def test_a_reload_to_a_bundle_whose_fold_record_is_not_one_is_this_servers_alone(
         on, paths, tmp_path, request):

@@ -21,9 +21,10 @@ def make_live_audit(bundle: Bundle, config: AuditConfig,
     (`stored`; False: a hot reload's successor, which may take the old audit's over,
     orca_serve/live_audit/handover.py). `engine_client`: returns the server's engine client,
     which labels the audits; `ours`: the owners of this process's other journals (journal.py
-    `Journal`). Raises OSError when the directory or journal cannot be opened,
-    FoldSettingsDiffer when the processes folding the journal run with other flags (journal.py
-    `joined`); the journal is closed then.
+    `Journal`). Raises OSError when the directory or journal cannot be opened, JournalRefused
+    when the processes folding the journal run with other flags (journal.py `joined`) or a
+    store key of the journal holds another type (redis_journal.py `KeyOfAnotherType`); the
+    journal is closed then.
 
     The store is opened after the journal is joined: opened first, a start refused for its
     guard flags left an empty `audit-NNNNNN` behind (a new one whenever a running server held

@@ -6,8 +6,9 @@ so all of them fold one sequence per bundle and delta and act on one decision (d
 "A fleet"), under one set of guard flags: a replica with others is refused when it joins
 (journal.py `joined`).
 
-A replica that cannot reach the store keeps serving with its **own local guard**, says so once in
-the log (a warning) and in /metrics (`orca_audit_store_up` 0; the table's `store`):
+A replica that cannot reach the store (or whose call it answers with an error) keeps serving
+with its **own local guard**, says so once in the log (a warning) and in /metrics
+(`orca_audit_store_up` 0; the table's `store`):
 - unreachable when the replica starts: the file journal in its `--orca-audit-dir` when it has
   one (so its restarts during an outage resume its own guard), else a guard in memory;
 - lost while serving: the guard goes on in memory from the state it had folded from the store.
@@ -70,10 +71,12 @@ class FleetJournal(LocalFallback):
             super().lost(e, when, left)
             return
         self.down_since = time.time()
-        # a rollback is the store's data, not its network: said apart, so that an operator
-        # looks at the store's persistence (an older save, a restart without it, a flush)
+        # said apart from an unreachable store, so that an operator looks where the fault is: a
+        # rollback at the store's persistence (an older save, a restart without it, a flush), an
+        # error answered at that error (WRONGTYPE: a key that changed type; OOM: a full store)
         what = ("lost events this replica had applied (restored from an older save, restarted "
                 "without persistence, or flushed)" if isinstance(e, StoreRolledBack)
+                else "answered a call with an error" if isinstance(e, redis.ResponseError)
                 else "is unreachable")
         logger.warning("orca audit: the audit store %s %s %s (%s); this replica goes on with "
                        "its own local guard (%s) until it restarts", self.url, what, when, e,

@@ -35,8 +35,9 @@ logger = logging.getLogger("orca_serve.live_audit")
 def successor(old: LiveAudit, bundle: Bundle, config: AuditConfig) -> LiveAudit:
     """The audit of `bundle` (as `config` sets it up) that is to take over from `old`, built
     while `old` serves (a reload's check, in a thread: a journal's replay takes a millisecond
-    per event and delta): its journal joined (`FoldSettingsDiffer` when the processes folding
-    it run with other flags or another fold format: the reload is refused) and replayed, and
+    per event and delta): its journal joined (`JournalRefused` when the processes folding it
+    run with other flags or another fold format, or a store key of it holds another type: the
+    reload is refused) and replayed, and
     no store yet (`take_over`). A directory or journal that cannot be opened is logged, and the
     successor audits without them. The caller closes it if the reload does not go through.
     `old`'s journal, open until the swap, is this process's own, not another one that may fold

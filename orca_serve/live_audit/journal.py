@@ -149,7 +149,13 @@ def is_vote(e: dict[str, Any]) -> bool:
     return VOTE in e
 
 
-class FoldSettingsDiffer(ValueError):
+class JournalRefused(ValueError):
+    """This process must not take part in the journal it opened, for a reason one line says (what
+    differs, or which key holds what): its start is refused (orca_serve/startup/cli.py) or its
+    hot reload (orca_serve/api_server/reload.py), never turned into a guard of its own."""
+
+
+class FoldSettingsDiffer(JournalRefused):
     """Processes that fold a journal now fold it under other settings than this one's (flags,
     or the fold's format), or under settings that cannot be read: it must not join them, since
     on the same events its decisions would (or could) differ from theirs."""

@@ -43,6 +43,16 @@ every process, under keys named by the bundle's full checksum:
   refused, naming each (journal.py `joined`); once none runs, the next one's settings become
   the fleet's. A `fold` value that is not a fold record is refused while any other owner key
   lives (journal.py `fold_record`), a key of another type (a hash, a list) too.
+- **Keys of another type**: a key above that holds another Redis type than the journal keeps
+  there (a hash under `events`, a list under `created`: another program's data under the
+  prefix, a store half migrated) is refused when a replica opens the journal, at start or in a
+  hot reload, whether or not others run (`KeyOfAnotherType`: one line naming each such key and
+  what to do), and never written anew: it may be data that is not the audit's, and a SET (the
+  start marker's, a snapshot's) replaces a key of any type. Before, its first call failed
+  (WRONGTYPE), taken for an unreachable store, and the replica folded alone, apart from the
+  fleet. The fold record has its own rule ("Settings"); a key that changes type while the
+  replica runs fails its calls, and the replica leaves the store as for any failed call
+  (fleet.py).
 - **Snapshots** carry the running digest of the events they cover, checked against the
   chain before one is used (as the file journal's digest: journal.py, "Snapshots"), and corrupt
   elements are skipped by the file journal's rule (journal.py, "Corrupt lines").
@@ -67,6 +77,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from orca_serve.live_audit.journal import (
+    JournalRefused,
     fold_record,
     joined,
     parse_events,
@@ -121,6 +132,11 @@ class StoreRolledBack(redis.RedisError):
     """The store lost events this process had already applied (see the module docstring)."""
 
 
+class KeyOfAnotherType(JournalRefused):
+    """A key of the journal holds a value of another Redis type than the journal keeps there
+    (module docstring, "Keys of another type")."""
+
+
 def shown_url(url: str) -> str:
     """The store's address without its password, for the log, the table and /metrics."""
     parts = urlsplit(url)
@@ -145,8 +161,9 @@ class RedisJournal:
         self._events, self._created_key, self._chain_key, self._snapshot, self._fold = (
             f"{prefix}:events", f"{prefix}:created", f"{prefix}:chain", f"{prefix}:snapshot",
             f"{prefix}:fold")
-        self.path = f"{shown_url(url)} {self._events}"
-        self._fold_at = f"{shown_url(url)} {self._fold}"  # the fold record, for a refusal
+        self._store = shown_url(url)  # for a refusal
+        self.path = f"{self._store} {self._events}"
+        self._fold_at = f"{self._store} {self._fold}"  # the fold record, for a refusal
         self._script = self._client.register_script(_APPEND_READ)
         self._offset = 0  # list elements this process has read
         self._chain = ""  # the running digest of those (the rollback check's, a snapshot's)
@@ -156,6 +173,7 @@ class RedisJournal:
         self._heart = threading.Thread(target=self._beat, name="orca-audit-owner", daemon=True)
         try:
             self._renew()  # first: reaping by others must not see our admissions as orphans
+            self._check_types()
             self._warn_if_evicting()
             self._client.set(self._created_key, repr(time.time()), nx=True)
             self.created = self._client.get(self._created_key).decode()
@@ -163,6 +181,28 @@ class RedisJournal:
         except BaseException:  # refused (the store failed mid-open): holds nothing, as Journal
             self.close()
             raise
+
+    def _check_types(self) -> None:
+        """`KeyOfAnotherType`, naming each key of the journal (but the fold record: `_read_fold`)
+        that holds another Redis type than the journal keeps there, and what to do (module
+        docstring, "Keys of another type")."""
+        kept = [(self._events, "list", "its events"),
+                (self._chain_key, "list", "their running digests"),
+                (self._created_key, "string", "its start marker"),
+                (self._snapshot, "string", "its snapshot")]
+        with self._client.pipeline(transaction=False) as p:
+            for key, _, _ in kept:
+                p.type(key)
+            found = [kind.decode() for kind in p.execute()]
+        wrong = [f"{key} is a Redis {kind}, where the audit journal keeps {what} (a {want})"
+                 for (key, want, what), kind in zip(kept, found, strict=True)
+                 if kind not in (want, "none")]
+        if wrong:
+            raise KeyOfAnotherType(
+                f"{self._store}: {'; '.join(wrong)}: another program's data under the "
+                "audit's keys, or a store half migrated, which this replica neither reads as its "
+                "audit's nor overwrites; rename each such key away (RENAME) or delete it, then "
+                "start (or reload) again")
 
     def _warn_if_evicting(self) -> None:
         """Warn when the store may evict keys (a `maxmemory-policy` other than `noeviction`,

@@ -76,7 +76,7 @@ def serve(args: Any, pre: Preflight) -> None:
 
     if pre.bundle is None:
         return run(args, build_server(args))
-    from orca_serve.live_audit.journal import FoldSettingsDiffer
+    from orca_serve.live_audit.journal import JournalRefused
     from orca_serve.live_audit.options import audit_config  # deferred: torch
 
     def check(bundle: Any) -> str | None:  # a reload's bundle, against the served model
@@ -85,7 +85,7 @@ def serve(args: Any, pre: Preflight) -> None:
     try:
         server = build_server(args, pre.bundle, check=check,
                               audit_config=lambda bundle: audit_config(args, bundle))
-    except FoldSettingsDiffer as e:  # the fleet's running replicas have other guard flags
+    except JournalRefused as e:  # other guard flags in the fleet, a store key of another type
         raise StartupError(str(e)) from None
     except (OSError, ValueError) as e:  # the audit directory cannot be written
         raise StartupError(f"--orca-audit-dir: {e}") from None
