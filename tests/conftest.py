@@ -15,7 +15,9 @@ import gc
 import importlib
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,28 @@ from typing import Any
 # the other idles (test_parallel pins its two ranks itself).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def _rpc_dir() -> str | None:
+    """A directory of the run's own for vLLM's ZMQ IPC sockets, or None where the temp dir's path
+    is too long for one: vLLM names each `VLLM_RPC_BASE_PATH/<uuid4>` (36 characters), and a unix
+    socket's path holds at most 107 bytes."""
+    path = tempfile.mkdtemp(prefix="orca-ipc-")
+    if len(os.fsencode(path)) + len("/") + 36 <= 107:
+        return path
+    os.rmdir(path)
+    return None
+
+
+# vLLM never removes those sockets' files (libzmq leaves a named socket's file when it closes it;
+# measured: a clean `orca-serve --demo` start and SIGTERM leaves 7, as vLLM's own server does), so
+# every server and engine of the run left its own in the temp dir, thousands over many runs. The
+# run's own directory instead, removed at its end (`pytest_unconfigure`, by the process that made
+# it): the xdist workers, their zygotes and the servers forked or exec'd inherit the variable.
+RPC_DIR = None if "VLLM_RPC_BASE_PATH" in os.environ else _rpc_dir()
+if RPC_DIR is not None:
+    os.environ["VLLM_RPC_BASE_PATH"] = RPC_DIR
+
 # Engines started in the tests' own processes (`LLM`, the calibrate job's `Collector`) run their
 # core in that process with its single worker (executor "uni"): no process importing vLLM again
 # (~9 s of CPU each); the tests that need processes of their own say so themselves
@@ -140,6 +164,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     zygotes and engine forker end when its pipes close."""
     gc.freeze, gc.unfreeze = GC_FREEZE
     gc.unfreeze()  # for the interpreter's exit (a run without xdist): it frees what it holds
+    if RPC_DIR is not None:  # made here: the controller's, or a run without xdist
+        shutil.rmtree(RPC_DIR, ignore_errors=True)
     if hasattr(config, "workerinput"):
         sys.stdout.flush()
         sys.stderr.flush()
