@@ -99,6 +99,9 @@ class Sample:
     weight: float = 0.0
     stop_tokens: float = math.inf  # its reasoning tokens where ORCA stopped it early, else inf
     voted: bool = False  # finished before the vote settled: its answer is in the vote
+    # its response and result taken in (`Vote.run`): until then an audited group answering
+    # reports it as running, since its result may still be on its way from the engine
+    taken: bool = False
     launched: bool = False  # sent to the engine (a later wave's is not, once the vote settled)
     aborted: bool = False  # still running when the vote settled: aborted in the engine
 
@@ -316,6 +319,8 @@ class Vote:
             got = await self.engine.results([s.key for s in todo])
             for s in todo:
                 s.result = got.get(s.key)
+        for s in samples:
+            s.taken = True
 
     def _count(self, event: SampleEvent, n: int) -> None:
         if self.metrics is not None and n:
@@ -379,11 +384,14 @@ class Vote:
         in the prompt) beside completion tokens of several."""
         usage: dict[str, Any] = {}
         for s in self.samples:
+            if self._running(s):
+                continue
             u = (s.response or {}).get("usage") or {}
             for name in self.api.usage_counts:
                 if isinstance(u.get(name), int):
                     usage[name] = usage.get(name, 0) + u[name]
-        answered = {s.index: s.result for s in self.samples if s.response is not None}
+        answered = {s.index: s.result for s in self.samples
+                    if s.response is not None and not self._running(s)}
         spent = reasoning_total(replace(self.settings, n=self.rule.k), answered)
         if spent is not None and self.api.usage_details is not None:
             usage[self.api.usage_details] = {"reasoning_tokens": spent}
@@ -393,8 +401,11 @@ class Vote:
 
     def _running(self, s: Sample) -> bool:
         """An audited group's sample still running when its answer goes out (it runs on to its
-        end, for the audit's full vote): the engine has no result of it to report yet."""
-        return self.rule.audited and s.launched and s.status is None
+        end, for the audit's full vote): the engine has no result of it to report yet. One
+        whose response came in while its result was being fetched counts as running too: the
+        answer goes out while `run` waits for that fetch, and reporting it then gave it an
+        engine error it never had ("no orca result") and no vote."""
+        return self.rule.audited and s.launched and not s.taken
 
     def _results(self) -> dict[int, OrcaResult | None]:
         """The launched samples' results, by sample index."""
