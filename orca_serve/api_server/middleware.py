@@ -55,6 +55,7 @@ class _Request:
         self.audit = serving.audit  # the one that admitted it (a reload may replace it)
         self.observed = False
         self.status: int | None = None  # of vLLM's response, once it started
+        self._fetching: dict[int, asyncio.Future] = {}  # choices whose fetch is in flight
 
     def note_finished(self, reasons: dict[int, str]) -> None:
         """Record how choices finished, in chat's terms (`stop`, `length`, ...: `apis`)."""
@@ -64,16 +65,31 @@ class _Request:
         return [child_key(self.settings.key, i, self.settings.n) for i in indexes]
 
     async def fetch(self, indexes: list[int]) -> None:
-        todo = [i for i in indexes if i not in self.results]
-        if not todo:
-            return
-        if not self.settings.enabled:
+        """The results of these choices, each asked of the engine once. The engine hands a
+        result out once, so a fetch runs to its end even when its caller is cancelled (a client
+        that disconnects while its finishing chunk waits for the result: the stream is
+        cancelled), and a later call (`fetch_all`, after the disconnect) waits for it: before,
+        the result the engine had handed out was dropped, and the request went uncounted in the
+        metrics and its audit failed ("the engine reported no result")."""
+        todo = [i for i in indexes if i not in self.results and i not in self._fetching]
+        if todo and not self.settings.enabled:
             for i in todo:
                 self.results[i] = None
-            return
-        got = await self.server.engine.fetcher.get(self.keys(todo))
-        for i, k in zip(todo, self.keys(todo)):
-            self.results[i] = got.get(k)
+        elif todo:
+            task = asyncio.ensure_future(self._fetch(todo))
+            self._fetching.update(dict.fromkeys(todo, task))
+        running = {self._fetching[i] for i in indexes if i in self._fetching}
+        if running:
+            await asyncio.shield(asyncio.gather(*running))
+
+    async def _fetch(self, todo: list[int]) -> None:
+        try:
+            got = await self.server.engine.fetcher.get(self.keys(todo))
+            for i, k in zip(todo, self.keys(todo)):
+                self.results[i] = got.get(k)
+        finally:
+            for i in todo:
+                self._fetching.pop(i, None)
 
     async def fetch_all(self) -> None:
         if self.status is not None and 400 <= self.status < 500:
