@@ -354,7 +354,11 @@ def test_an_audit_cut_by_max_tokens_enters_censored(srv, env) -> None:
 
 # -- the vote's audit on the same server (after the stop audit's tests: audit-report and the
 # audit directory's records are the stop audit's) ------------------------------------------
-GROUPS = 48  # voted groups asked at once
+# voted groups asked at once. The race of a sample whose result is fetched while its group answers
+# is tests/test_vote_audit.py's (deterministic): 48 groups here showed it in 2 of 2 runs of the old
+# code, at ~20 s more than 8 asked one after another; 16 (3.6 s) in 0 of 2, so this test checks the
+# answers of concurrent groups, not that race
+GROUPS = 16
 
 
 def vote_table(srv: Server) -> dict:
