@@ -268,9 +268,10 @@ def _row(table: dict, delta: float) -> dict:
     return next(r for r in table["deltas"] if r["delta"] == delta)
 
 
-def _disconnect_mid_stream(srv: Server, content: str) -> None:
+def _disconnect_mid_stream(srv: Server, content: str) -> bool:
     """A streamed request whose client goes away once a step of reasoning has streamed (so the
-    audit has a step to label): the response never finishes, no finish_reason."""
+    audit has a step to label): the response never finishes, no finish_reason. Whether it went
+    away so (False: on a loaded machine the response finished first; the caller asks again)."""
     text = ""
     with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60, json={
             "model": str(MODEL), "messages": [{"role": "user", "content": content}],
@@ -280,13 +281,14 @@ def _disconnect_mid_stream(srv: Server, content: str) -> None:
             if not line.startswith("data: {"):
                 continue
             choice = json.loads(line[len("data: "):])["choices"][0]
-            assert choice.get("finish_reason") is None, "finished before the client went away"
+            if choice.get("finish_reason") is not None:
+                return False
             delta = choice["delta"]
             text += "".join(delta.get(k) or "" for k in ("reasoning_content", "reasoning",
                                                          "content"))
             if "\n\n" in text:
-                break  # closing the response mid-stream aborts the request
-    assert "\n\n" in text, text
+                return True  # closing the response mid-stream aborts the request
+    return False
 
 
 def test_audit_report_on_the_servers_directory_gives_the_live_tables_numbers(srv, env,
@@ -301,13 +303,13 @@ def test_audit_report_on_the_servers_directory_gives_the_live_tables_numbers(srv
         _ask(srv, p["messages"])
     for _ in range(3):  # on a loaded machine the engine can finish before the client goes away
         before = _settled(srv)
-        _disconnect_mid_stream(srv, "Find x with 6*x - 4 = 20.")
+        went_away = _disconnect_mid_stream(srv, "Find x with 6*x - 4 = 20.")
         deadline = time.time() + 60
         while _table(srv)["picked"] == before["picked"] and time.time() < deadline:
             time.sleep(0.5)
         live = _settled(srv)
         counts = {k: live[k] - before[k] for k in ("picked", "aborted", "labelled", "failed")}
-        if counts != {"picked": 1, "aborted": 0, "labelled": 1, "failed": 0}:
+        if went_away and counts != {"picked": 1, "aborted": 0, "labelled": 1, "failed": 0}:
             break
     assert counts == {"picked": 1, "aborted": 1, "labelled": 0, "failed": 0}, counts
     records = TrajectorySet.open(env["audits"] / "audit-000001").problems
