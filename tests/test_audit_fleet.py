@@ -29,6 +29,7 @@ from orca_serve.live_audit.journal import (
     UNRECORDED_FORMAT,
     FoldSettingsDiffer,
     Journal,
+    JournalRefused,
     journal_path,
 )
 from orca_serve.live_audit.live import LiveAudit
@@ -540,6 +541,10 @@ def test_a_journal_key_of_another_type_is_refused_and_kept(redis_store, held):
     named = "; ".join(f"{keys[name]} is a Redis {TYPES[type(raw)]}, where the audit journal "
                       f"keeps {KEPT[name]}" for name, raw in sorted(
                           held.items(), key=lambda kv: list(KEPT).index(kv[0])))
+    # the refusal orca-serve's start turns into its one-line exit 2, as it does the fleet's
+    # other refusal (test_audit_fleet_server: a replica with other guard flags), and a reload
+    # into its 400 (test_reload)
+    assert isinstance(e.value, JournalRefused)
     assert str(e.value) == (
         f"{redis_store.url}: {named}: another program's data under the audit's keys, or a store "
         "half migrated, which this replica neither reads as its audit's nor overwrites; rename "

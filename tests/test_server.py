@@ -20,13 +20,11 @@ import time
 
 import httpx
 import pytest
-import redis
 
 pytestmark = pytest.mark.vllm
 
 import openai
 
-from orca_method.bundle import load_bundle
 from tests.bundles import DELTAS, make_bundle
 from tests.serving import (
     COMMON,
@@ -75,15 +73,10 @@ BAD_FLAGS = {"--orca-delta 2": "must be in (0, 1)", "--orca-policy bogus": "inva
              "--orca-effort-map high=2": "'high=2': a delta must be in (0, 1)"}
 
 
-def test_start_up_refusals_are_one_line(env, servers, redis_store):
+def test_start_up_refusals_are_one_line(env, servers):
     """Hidden size, an edited table, a delta the bundle has no lambda* for, an unsupported
-    speculation method, a key of the bundle's journal on the audit store that holds another
-    Redis type (redis_journal.py `KeyOfAnotherType`; before, it was taken for an unreachable
-    store and the server started on a guard of its own, apart from the fleet): exit 2 and one
-    line each, through orca-serve's entry function."""
+    speculation method: exit 2 and one line each, through orca-serve's entry function."""
     model = ["--model", str(env["model"]), *COMMON]
-    created = f"orca:guard:{load_bundle(env['bundle']).checksum}:created"
-    redis.Redis.from_url(redis_store.url).rpush(created, "a list")
     corrupt = json.loads(env["bundle"].read_text())
     corrupt["ltt"]["rows"][0]["lam"] = 0.01  # an edit after calibration
     (env["dir"] / "corrupt.json").write_text(json.dumps(corrupt))
@@ -95,16 +88,11 @@ def test_start_up_refusals_are_one_line(env, servers, redis_store):
         "eagle": [*model, "--calib", str(env["bundle"]),
                   "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
         "notjson": [*model, "--calib", str(env["bundle"]), "--speculative-config", "notjson"],
-        "store": [*model, "--calib", str(env["bundle"]), "--orca-audit-rate", "1",
-                  "--orca-audit-store", redis_store.url],
         **{f"flag {flag}": [*model, "--calib", str(env["bundle"]), *flag.split()]
            for flag in BAD_FLAGS}})
     for name, (code, err) in got.items():
         assert code == 2 and "Traceback" not in err, (name, err[-2000:])
-        lines = err.strip().splitlines()
-        if name == "store":  # refused after vLLM's set-up, whose notes come first
-            lines = [line for line in lines if line.startswith("orca-serve: error:")]
-        assert len(lines) == 1, (name, err)
+        assert len(err.strip().splitlines()) == 1, (name, err)
     assert "hidden size" in got["hidden"][1] and str(HIDDEN // 2) in got["hidden"][1]
     assert "checksum" in got["checksum"][1]
     assert got["delta"][1].strip() == ("orca-serve: error: --orca-delta 0.3: delta 0.3 has no "
@@ -114,9 +102,6 @@ def test_start_up_refusals_are_one_line(env, servers, redis_store):
         "orca-serve: error: speculative decoding with method 'eagle' is not supported with orca "
         "(tested: ngram, draft_model; set \"method\" in the speculative config)")
     assert "'notjson' is not valid JSON" in got["notjson"][1]
-    assert got["store"][1].strip().splitlines()[-1].startswith(
-        f"orca-serve: error: {redis_store.url}: {created} is a Redis list, where the audit "
-        "journal keeps its start marker (a string): "), got["store"][1]
     for flag, why in BAD_FLAGS.items():  # one line (docs/SERVER.md), not argparse's usage
         assert got[f"flag {flag}"][1].startswith(f"orca-serve: error: argument {flag.split()[0]}: "
                                                  f"{why}"), got[f"flag {flag}"][1]
