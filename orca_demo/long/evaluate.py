@@ -120,7 +120,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--forcing-traces", type=int, default=20)
+    ap.add_argument("--forcing-traces", type=int, default=20,
+                    help="in-distribution traces the forcing check replays (0: no check)")
     ap.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     ap.add_argument("--trajectories", type=Path, nargs="+", default=None,
                     help="report on collected trajectory sets instead of sampling")
@@ -142,7 +143,7 @@ def main() -> None:
     samples = {}
     for family in args.families:
         report[family], samples[family] = sample_family(llm, family, args.n, args.seed, args.temperature)
-    if "in-dist" in samples:
+    if "in-dist" in samples and args.forcing_traces > 0:
         report["forcing"] = forcing_check(llm, samples["in-dist"][: args.forcing_traces])
     emit(report, args.out)
 

@@ -140,7 +140,8 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=Path("orca_serve/demo/model"))
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--forcing-traces", type=int, default=50)
+    ap.add_argument("--forcing-traces", type=int, default=50,
+                    help="in-distribution traces the forcing check replays (0: no check)")
     ap.add_argument("--out", type=Path, default=None, help="also write the report here (vLLM logs to stdout)")
     args = ap.parse_args()
     llm = load_llm(args.model)
@@ -150,7 +151,7 @@ def main() -> None:
     for family in FAMILIES:
         report[family], samples[family] = sample_family(llm, family, args.n, args.seed)
     head = samples["in-dist"][: args.forcing_traces]
-    report["forcing"] = [forcing_check(llm, head, s) for s in FORCING_SUFFIXES]
+    report["forcing"] = [forcing_check(llm, head, s) for s in FORCING_SUFFIXES] if head else []
     emit(report, args.out)
 
 
