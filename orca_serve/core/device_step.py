@@ -22,8 +22,9 @@ from torch import Tensor
 from orca_method.procedure import GateStep, Normalization, finish_step, normalize_tokens
 from orca_method.steps import CLOSE, MERGE, STEP, STEP_PREV
 from orca_serve.core.deployment import Deployment
-from orca_serve.core.plan import FREE, GREEDY, IDX, StepPlan
+from orca_serve.core.plan import IDX, StepPlan
 from orca_serve.core.pooling import Fence, Readback, SlotPool, Staged, Staging
+from orca_serve.core.stopping import FREE, GREEDY
 
 
 class DeviceStep:

@@ -20,8 +20,15 @@ from orca_serve.core import gate_alarm
 from orca_serve.core.deployment import Deployment
 from orca_serve.settings.contract import StopReason
 from orca_serve.core.registry import Entry, Request
-from orca_serve.core.speculation import UNKNOWN, forced_rows, sampled_rows
-from orca_serve.core.stopping import StopPlan, gives_up_own_plan, request_plan, stop_request
+from orca_serve.core.speculation import UNKNOWN, sampled_rows
+from orca_serve.core.stopping import (
+    FREE,
+    GREEDY,
+    forced_id,
+    gives_up_own_plan,
+    request_plan,
+    stop_request,
+)
 
 
 @dataclass(slots=True)
@@ -77,8 +84,6 @@ STAGED = ("pool_rows", "pool_slots", "lag_slots", "park_rows", "park_slots", "op
           "forced_rows", "forced_ids", "gate_add", "gate_decide", "gate_thr",
           "gate_thr_give_up")
 IDX = {name: i for i, name in enumerate(STAGED)}
-GREEDY = -1  # a forced id: the row's argmax (a row of the greedy answer after a stop)
-FREE = -2  # a forced id: the plan forces nothing there (the row is left as it is)
 
 
 def plan_step(entries: list[Entry], n_rows: int, stats: dict[str, Any]) -> StepPlan:
@@ -129,12 +134,15 @@ def plan_step(entries: list[Entry], n_rows: int, stats: dict[str, Any]) -> StepP
         if scores_now and req.enabled and (not req.stopped or guard):
             scored.append((req.dep, req, len(p.emit_ops) - 1, row, n, guard))
         if req.plan or req.greedy:
-            for pos, r, t in forced_rows(req, row, n, req.plan, req.greedy):
+            for q, r in sampled_rows(req, row, n):
+                t = forced_id(req.plan, req.greedy, q)
+                if t == FREE:
+                    continue
                 p.forced_rows.append(r)
-                p.forced_ids.append(GREEDY if t is None else t)
-                p.forced_greedy |= t is None
-                if t is not None:
-                    req.forced[pos] = t
+                p.forced_ids.append(t)
+                p.forced_greedy |= t == GREEDY
+                if t != GREEDY:
+                    req.forced[q] = t
     if scored:
         _plan_scoring(p, scored)
     return p
@@ -215,7 +223,8 @@ def _plan_candidates(p: StepPlan, j: int, req: Request, row: int, n: int,
     give_up = (request_plan(req, n, StopReason.GIVE_UP)
                if can_give_up and gives_up_own_plan(req) else stop)
     for q, r in sampled_rows(req, row, n):
-        stop_id, give_up_id = _forced_id(stop, q), _forced_id(give_up, q)
+        stop_id = forced_id(stop.forced, stop.greedy, q)
+        give_up_id = forced_id(give_up.forced, give_up.greedy, q)
         if stop_id == give_up_id == FREE:
             continue
         p.cand_pos.append(j)
@@ -223,11 +232,6 @@ def _plan_candidates(p: StepPlan, j: int, req: Request, row: int, n: int,
         p.cand_ids.append(stop_id)
         p.cand_give_up_ids.append(give_up_id)
         p.cand_greedy |= GREEDY in (stop_id, give_up_id)
-
-
-def _forced_id(plan: StopPlan, pos: int) -> int:
-    """The id `plan` forces at output position `pos`: a token, GREEDY or FREE."""
-    return plan.forced.get(pos, GREEDY if pos in plan.greedy else FREE)
 
 
 def _plan_gate(p: StepPlan, req: Request, pos: int) -> bool:

@@ -18,7 +18,7 @@ Forcing. A replayed token's successor is decided already, so nothing can be forc
 `Request.decided_until` (the position row 0 samples now) makes a stop decided while replaying
 plan its forced text from that position instead (`plan_start`), and nothing is forced into a
 decided position. In the step's last call a stop plan is forced on row 0 and on the draft rows
-alike (`forced_rows`): a row that samples a position of the forced text gets that token, one
+alike (`sampled_rows`, `stopping.forced_id`): a row that samples a position of the forced text gets that token, one
 that samples a position of the greedy answer after it its own argmax. Row i samples position
 n + i only if drafts 1..i were accepted, which under forced rows means they equal those tokens
 (the rejection sampler rejects a draft that differs from a row's only finite logit and samples
@@ -37,7 +37,7 @@ answer token is its row's argmax, whatever the drafts. Both kinds of stop are fo
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -73,14 +73,6 @@ def sampled_rows(req: Request, row: int, n: int) -> list[tuple[int, int]]:
     if n < req.decided_until:
         return []
     return [(n + i, r) for i, r in enumerate((row, *req.draft_rows))]
-
-
-def forced_rows(req: Request, row: int, n: int, plan: Mapping[int, int],
-                greedy: range) -> list[tuple[int, int, int | None]]:
-    """(output position, logits row, token) that a stop plan forces in this step
-    (`sampled_rows`): `plan`'s token, or None in its answer `greedy` (the row's argmax)."""
-    return [(q, r, plan.get(q)) for q, r in sampled_rows(req, row, n)
-            if q in plan or q in greedy]
 
 
 class SteppedCore(Protocol):

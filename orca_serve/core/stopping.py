@@ -15,6 +15,7 @@ request's temperature instead, a trace stopped mid-verification often writes ano
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,16 @@ from orca_serve.core.speculation import plan_start
 
 if TYPE_CHECKING:
     from orca_serve.core.registry import Request
+
+
+GREEDY = -1  # a forced id: the row's argmax (a row of the greedy answer after a stop)
+FREE = -2  # a forced id: the plan forces nothing there (the row is left as it is)
+
+
+def forced_id(forced: Mapping[int, int], greedy: range, pos: int) -> int:
+    """What a stop plan (its forced tokens by output position, its greedy answer's positions)
+    forces at output position `pos`: a token, GREEDY or FREE."""
+    return forced.get(pos, GREEDY if pos in greedy else FREE)
 
 
 @dataclass(frozen=True, slots=True)
