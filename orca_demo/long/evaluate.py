@@ -127,6 +127,8 @@ def main() -> None:
                     help="report on collected trajectory sets instead of sampling")
     ap.add_argument("--out", type=Path, default=None, help="also write the report here (vLLM logs to stdout)")
     args = ap.parse_args()
+    if args.forcing_traces < 0:  # a negative slice would take all but the last few
+        ap.error(f"--forcing-traces must be >= 0, got {args.forcing_traces}")
     if args.trajectories:
         from orca_method.trajectories import TrajectorySet
 

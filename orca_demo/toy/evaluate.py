@@ -144,6 +144,8 @@ def main() -> None:
                     help="in-distribution traces the forcing check replays (0: no check)")
     ap.add_argument("--out", type=Path, default=None, help="also write the report here (vLLM logs to stdout)")
     args = ap.parse_args()
+    if args.forcing_traces < 0:  # a negative slice would take all but the last few
+        ap.error(f"--forcing-traces must be >= 0, got {args.forcing_traces}")
     llm = load_llm(args.model)
     rng = random.Random(args.seed)
     report = {"tokenizer_ids_match_vllm": tokenizer_agrees(llm, args.model, [make_problem(rng, f).question for f in FAMILIES])}
