@@ -125,11 +125,12 @@ def test_deep_json_is_400_and_openapi_documents_orca(demo):
 def test_orca_metrics_carry_vllms_model_name(demo):
     assert chat(demo).status_code == 200
     text = httpx.get(demo.url + "/metrics", timeout=60).text
+    name = model(demo)  # once: a request each
     names = set(re.findall(r'^vllm:[a-z_]+\{[^}]*model_name="([^"]*)"', text, re.MULTILINE))
-    assert names == {model(demo)}
+    assert names == {name}
     orca = [ln for ln in text.splitlines() if ln.startswith("orca_")]
-    assert orca and all(f'model_name="{model(demo)}"' in ln for ln in orca)
-    assert "/" not in model(demo)  # the bundle's portable name, not the model's install path
+    assert orca and all(f'model_name="{name}"' in ln for ln in orca)
+    assert "/" not in name  # the bundle's portable name, not the model's install path
 
 
 def test_fuzz_http_surface(demo):

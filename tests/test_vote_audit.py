@@ -90,7 +90,7 @@ def test_a_sample_whose_result_is_on_its_way_when_the_group_answers_is_still_run
     vote, with the engine error "no orca result" it never had, and its tokens in `usage`."""
     body, s = resolved({"messages": MSG, "orca": {"samples": 4}})
     s = replace(s, vote=replace(s.vote, audited=True))
-    eng = SlowFetch([0.01, 0.05, 5, 5], ["7", "3", "3", "3"], slow={1})
+    eng = SlowFetch([0.01, 0.05, 1, 1], ["7", "3", "3", "3"], slow={1})
     v = Vote(s, eng, completions=False, end_tag="</think>")
 
     async def go():
