@@ -3,11 +3,13 @@
 Runs `python -m orca_serve.startup.demo` as a user would (it starts `orca-serve --demo`, asks through the
 OpenAI client, stops the server) and checks what it prints: the shipped bundle stops the
 shipped model's greedy trace early, the answer after the stop is still right, and the step counts
-it prints are the paragraphs it printed.
+it prints are the paragraphs it printed. Beside it, what both demos sample a request at that sets
+no sampling parameters: their calibration's.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -15,16 +17,42 @@ from pathlib import Path
 
 import pytest
 
+from orca_calibrate.collect import CollectSettings
+from orca_calibrate.job import load_job
 from orca_method.bundle import load_bundle
 from orca_serve.startup.demo import paragraphs
+from orca_serve.startup.preflight import DEMOS, demo_paths
 
-DEMO = Path(__file__).parents[1] / "orca_serve" / "demo"
+ROOT = Path(__file__).parents[1]
+DEMO = ROOT / "orca_serve" / "demo"
+# The sampling parameters vLLM takes from a model's generation_config.json as the defaults of a
+# request that sets none (`--generation-config auto`, its default; docs/RECIPES.md, "Sampling"),
+# each with the value it uses when the file names none: SamplingParams' own, which the
+# calibration's collector leaves to every parameter but temperature and top_p.
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+           "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 def test_demo_bundle_names_the_model_portably() -> None:
     """The bundle's model name shows in user-facing errors: no machine path in it."""
     name = load_bundle(DEMO / "bundle.json").model.name  # loads: the checksum is valid
     assert name and "/" not in name and "\\" not in name and not Path(name).is_absolute()
+
+
+@pytest.mark.parametrize("demo", sorted(DEMOS))
+def test_a_request_without_sampling_parameters_is_sampled_as_the_calibration_was(demo) -> None:
+    """A client that sends no temperature gets the model's generation_config.json's, as a real
+    model advises its own (QwQ 0.6): for a demo, its calibration job's. Without one the demo
+    sampled such requests at vLLM's 1.0, traffic unlike its calibration set (a soak's give-up
+    alarm after ~229 audits)."""
+    model, bundle = demo_paths(demo)
+    job = load_job(ROOT / load_bundle(bundle).provenance["job"])
+    collected = CollectSettings(**job["collect"])
+    gen = json.loads((model / "generation_config.json").read_text())
+    assert {k: gen.get(k, v) for k, v in NEUTRAL.items()} == {
+        **NEUTRAL, "temperature": collected.temperature, "top_p": collected.top_p}
+    assert gen.get("max_new_tokens") is None  # vLLM would cap such requests at it
+    assert gen.get("do_sample") is True  # transformers' save refuses a temperature without it
 
 
 def section(out: str, title: str, part: str) -> str:

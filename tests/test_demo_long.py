@@ -9,7 +9,10 @@ response says how the reasoning ended. Then one sampled request (temperature 0.7
 calibration's) that stops: the answer after its stop is the greedy one, token for token what a
 temperature-0 completion of the same prefix writes (docs/SERVER.md, "The answer after a stop").
 Beside them, a shifted problem tagged `orca.group: shifted` runs with that group's own lambda*
-and says so, where the untagged ones run with the main (in-distribution) table.
+and says so, where the untagged ones run with the main (in-distribution) table. Last, a request
+that sets no temperature is sampled at the calibration's (the model's generation_config.json
+names it): the server reports logprobs after the temperature (`--logprobs-mode
+processed_logprobs`), and that request's are those of one at the job's temperature, not at 1.0.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from orca_calibrate.collect import CollectSettings
+from orca_calibrate.job import load_job
 from orca_demo.long.tasks import CHECKS, Problem, check_answer, trace_stats
 from orca_method.bundle import load_bundle
 
 from .serving import Server, orca_of, orca_serve_cmd
 
-DEMO = Path(__file__).parents[1] / "orca_serve" / "demo" / "long"
+ROOT = Path(__file__).parents[1]
+DEMO = ROOT / "orca_serve" / "demo" / "long"
 # The first in-distribution problem with a walk of 40+ steps among bench_parity's held-out
 # prompts that the shipped model solves greedily (not the four before it).
 PROBLEM = Problem(a=3, b=46, c=3 * 71 + 46, x=71, start=25, family="in-dist")
@@ -74,7 +80,7 @@ def test_long_demo_bundle_carries_its_families_as_groups_and_means_what_it_meant
 def test_long_demo_stops_after_the_answer_and_before_the_end(tmp_path: Path) -> None:
     srv = Server(orca_serve_cmd("--demo", "long"), tmp_path / "serve.log",
                  ["--host", "127.0.0.1", "--seed", "0", "--enforce-eager",
-                  "--disable-uvicorn-access-log"])
+                  "--disable-uvicorn-access-log", "--logprobs-mode", "processed_logprobs"])
     try:
         client = srv.wait().client(timeout=600)
         model = client.models.list().data[0].id
@@ -131,5 +137,17 @@ def test_long_demo_stops_after_the_answer_and_before_the_end(tmp_path: Path) -> 
             max_tokens=len(answer), extra_body={"orca": {"enabled": False},
                                                 "return_token_ids": True})
         assert greedy.choices[0].model_extra["token_ids"] == answer
+
+        def first_logprobs(**sampling: float) -> list[float]:
+            r = client.chat.completions.create(
+                model=model, messages=msg, max_tokens=1, logprobs=True, top_logprobs=5,
+                extra_body={"orca": {"enabled": False}}, **sampling)
+            return [t.logprob for t in r.choices[0].logprobs.content[0].top_logprobs]
+
+        calibrated = CollectSettings(**load_job(ROOT / bundle.provenance["job"])["collect"])
+        assert calibrated.temperature != 1.0
+        unset = first_logprobs()
+        assert unset == first_logprobs(temperature=calibrated.temperature)
+        assert unset != first_logprobs(temperature=1.0)
     finally:
         srv.stop()

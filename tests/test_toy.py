@@ -1,4 +1,5 @@
-"""Fast tests of the toy task and of the shipped demo model (orca_serve/demo/model)."""
+"""Fast tests of the toy task and of the shipped demo models (orca_serve/demo/model, and the
+long one's checksums and generation config)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,17 @@ from orca_demo.toy.tasks import (
     trace_stats,
     write_prompts,
 )
-from orca_demo.toy.train import CHAT_TEMPLATE, EOS, make_example, render_prompt
+from orca_demo.toy.train import (
+    CHAT_TEMPLATE,
+    EOS,
+    SAMPLING_TEMPERATURE,
+    advise_sampling,
+    make_example,
+    render_prompt,
+)
 
 MODEL_DIR = Path(orca_serve.__file__).parent / "demo" / "model"
+LONG_MODEL_DIR = MODEL_DIR.parent / "long" / "model"
 SAMPLE_TEXTS = [
     render_prompt("Find the integer x with 7*x + 3 = 52.") + "<think>\nTry x = 5: 7*5 = 35, 35 + 3 = 38.",
     "Try x = 7: 7*7 = 49, 49 + 3 = 52. That matches.\n\nCheck: 7*7 = 49.\n</think>\nThe answer is \\boxed{7}.",
@@ -97,13 +106,28 @@ def test_prompts_jsonl(tmp_path: Path) -> None:
     assert (tmp_path / "q.jsonl").read_text() == out.read_text()
 
 
-def test_shipped_model_checksums() -> None:
-    lines = (MODEL_DIR / "SHA256SUMS").read_text().splitlines()
+@pytest.mark.parametrize("model_dir", [MODEL_DIR, LONG_MODEL_DIR], ids=["toy", "long"])
+def test_shipped_model_checksums(model_dir: Path) -> None:
+    lines = (model_dir / "SHA256SUMS").read_text().splitlines()
     names = {line.split("  ", 1)[1] for line in lines}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= names
     for line in lines:
         digest, name = line.split("  ", 1)
-        assert hashlib.sha256((MODEL_DIR / name).read_bytes()).hexdigest() == digest, name
+        assert hashlib.sha256((model_dir / name).read_bytes()).hexdigest() == digest, name
+
+
+@pytest.mark.parametrize("model_dir", [MODEL_DIR, LONG_MODEL_DIR], ids=["toy", "long"])
+def test_the_shipped_sampling_is_what_the_trainer_writes(model_dir: Path, tmp_path: Path) -> None:
+    """The calibration's temperature came into the shipped generation configs through the
+    trainer's own `advise_sampling` (tests/test_demo.py checks it is the jobs'), byte for byte,
+    and nothing else of them changed: what it writes on the file as training saved it."""
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    assert (gen.pop("do_sample"), gen.pop("temperature")) == (True, SAMPLING_TEMPERATURE)
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    advise_sampling(tmp_path)
+    assert (tmp_path / "generation_config.json").read_bytes() == (
+        model_dir / "generation_config.json").read_bytes()
 
 
 def test_tokenizer_loaders_agree() -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
 from tokenizers.models import BPE
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from orca_demo.toy.tasks import (
     ALT_FORCE_SUFFIX,
@@ -62,6 +62,12 @@ BOUNDARY_DELIM_SHARE = 0.5  # of forced examples, prefix ends with the step deli
 # The verdict after each try decides the walk, but is ~3% of the tokens: at weight 1 an 800-step
 # run said "Too big." for "56 + 6 = 62, want 62" (matches recognised 40% of the time).
 DECISION_WEIGHT = 5.0
+# What the demos' calibration jobs sample at (orca_calibrate/jobs/toy.yaml and long.yaml,
+# `collect.temperature`; top_p they leave at 1), written into each model's generation_config.json
+# (`advise_sampling`): vLLM samples a request that sets no temperature at the file's, as it does
+# a real model at its advised one, so the demos' default traffic is their calibration's
+# (tests/test_demo.py checks the two agree).
+SAMPLING_TEMPERATURE = 0.7
 _VERDICT_RE = re.compile(r" (?:Too small|Too big|That matches)(?=\.)")
 
 
@@ -248,6 +254,20 @@ def write_checksums(out: Path) -> None:
     (out / "SHA256SUMS").write_text("\n".join(lines) + "\n")
 
 
+def advise_sampling(out: Path | str) -> None:
+    """Write the calibration's sampling (`SAMPLING_TEMPERATURE`) into the generation config of
+    the model folder `out` and seal the folder again (`write_checksums`); the weights, config and
+    tokenizer stay as they are, and with them the bundles' model fingerprints (config.json's shape
+    and the vocabulary). Also how the shipped demo models got theirs, after training:
+    `python -c "from orca_demo.toy.train import advise_sampling; advise_sampling('DIR')"`."""
+    out = Path(out)
+    gen = GenerationConfig.from_pretrained(out)
+    gen.do_sample = True  # transformers refuses to save a temperature without it
+    gen.temperature = SAMPLING_TEMPERATURE
+    gen.save_pretrained(out)
+    write_checksums(out)
+
+
 def train(
     out: Path, minutes: float, seed: int, steps: int | None, rows: int, seq_len: int, checkpoint: Path,
     recipe: Recipe = TOY, init: Path | None = None, lr: float = 2e-3,
@@ -315,14 +335,15 @@ def train(
 
 
 def save(model: torch.nn.Module, tok: Tokenizer, out: Path, eos_id: int) -> None:
-    """float32 safetensors + config + generation config + tokenizer + SHA256SUMS."""
+    """float32 safetensors + config + generation config (with the calibration's sampling) +
+    tokenizer + SHA256SUMS."""
     out.mkdir(parents=True, exist_ok=True)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = eos_id
     model.generation_config.bos_token_id = None
     model.float().save_pretrained(out)
     save_tokenizer(tok, out)
-    write_checksums(out)
+    advise_sampling(out)
 
 
 def main(recipe: Recipe = TOY, description: str = __doc__, minutes: float = 14.0, rows: int = 16,
