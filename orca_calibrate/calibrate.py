@@ -22,11 +22,13 @@ from orca_calibrate.job_options import DEFAULT_DELTAS, DEFAULT_WINDOW, GateOptio
 from orca_calibrate.train import solvable
 from orca_method.audit.drift import build_reference
 from orca_method.bundle import (
+    COLLECTED_UNDER,
     Bundle,
     DriftReference,
     GateReference,
     GiveUpBlock,
     GiveUpRow,
+    Generation,
     GiveUpTable,
     GroupTable,
     Labelling,
@@ -408,9 +410,12 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
                 shift_gate: GateReference | None = None,
                 groups: dict[str, GroupTable] | None = None) -> Bundle:
     """Everything the server needs, taken from the data's own record of how it was collected
-    (how its steps were labelled included: the live audit labels the same way)."""
+    (how its steps were labelled included: the live audit labels the same way; the dtype and
+    sampling its traces were generated under into the provenance, `collected_under`: the server
+    warns when it serves otherwise)."""
     info = ts.info
     model = info.get("model") or "unknown"
+    under = info.get(COLLECTED_UNDER)
     return Bundle(
         schema_version=schema_version_for(give_up is not None), orca_serve_version=__version__,
         model=ModelIdentity(name=model, hidden_size=ts.dim,
@@ -427,7 +432,10 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
         groups=groups or None,
         labelling=None if info.get("labelling") is None else Labelling(**info["labelling"]),
         provenance={"data": str(ts.path), "data_sha256": data_hashes(ts),
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **provenance})
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    **({} if under is None else
+                       {COLLECTED_UNDER: Generation.model_validate(under).model_dump()}),
+                    **provenance})
 
 
 def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = "supervised",

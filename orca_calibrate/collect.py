@@ -289,14 +289,18 @@ class Collector:
         """What the bundle later takes from the data: model identity, the procedure settings and
         how the steps were labelled (the live audit must label the same way)."""
         # deferred: torch
-        from orca_method.bundle import config_fingerprint, tokenizer_fingerprint
-        rs = self.record_settings
-        config = config_fingerprint(self.llm.llm_engine.model_config.hf_config)
+        from orca_method.bundle import Generation, config_fingerprint, tokenizer_fingerprint
+        rs, s = self.record_settings, self.settings
+        model_config = self.llm.llm_engine.model_config
+        config = config_fingerprint(model_config.hf_config)
+        # the engine's resolved dtype (collect.engine's `auto` included) and every trace's sampling
+        under = Generation(dtype=launch.dtype_name(model_config.dtype), temperature=s.temperature,
+                           top_p=s.top_p)
         return {"model": self.model, "normalization": rs.get("normalization", DEFAULT_NORMALIZATION),
                 "segmentation": rs.get("segmentation"), "think": rs.get("think"),
                 "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer.get_vocab()),
                 "model_config": None if config is None else config.model_dump(),
-                "labelling": self.settings.probe().labelling()}
+                "labelling": s.probe().labelling(), "collected_under": under.model_dump()}
 
     def _generation(self, batch: list[tuple[str, dict]]) -> tuple[list[Any], list[Any]]:
         """The prompts (all chats, or all rendered) and sampling of these traces, in record mode."""

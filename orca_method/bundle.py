@@ -164,6 +164,29 @@ class Labelling(_Strict):
 
 DEFAULT_LABELLING = Labelling()
 
+# provenance's key for the conditions the calibration traces were generated under (`Generation`)
+COLLECTED_UNDER = "collected_under"
+
+
+class Generation(_Strict):
+    """The conditions a model generated under that shape its hidden states and its traces: the
+    dtype its engine computed in (vLLM's resolved dtype, e.g. float32) and the sampling of each
+    trace (temperature, top_p).
+
+    A bundle records the ones its calibration data was collected under (`orca-calibrate
+    collect` writes them into the data's info.json, calibration copies them into the bundle's
+    `provenance.collected_under`): the probe was fitted, and lambda* certified, on hidden states
+    of that dtype and on traces of that sampling; a server that computes in another dtype reads
+    other hidden states, one that samples otherwise makes other traces. orca-serve compares them
+    with what it serves at start (orca_serve/checks/bundle.py `serving_warnings`) and warns: an
+    operator may serve otherwise knowingly, so it is not a refusal. Optional: bundles written
+    before it was recorded, and imported ones, have none."""
+
+    dtype: str = Field(pattern=r"^[a-z0-9_]{1,32}$")  # torch's name without "torch."
+    temperature: float = Field(ge=0)
+    top_p: float = Field(gt=0, le=1)
+
+
 
 class LTTRow(_Strict):
     delta: float = Field(gt=0, lt=1)
@@ -418,6 +441,7 @@ class Bundle(_Strict):
     label_mode: str = Field("supervised", min_length=1)
     ltt: LTTTable
     default_delta: float = Field(gt=0, lt=1)
+    # what made it, free-form, but for `collected_under` (`Generation`), read by the server
     provenance: dict[str, Any] = {}
     # None: lambda* computed by orca-calibrate on the data in `provenance`. Otherwise a note on
     # where they come from (e.g. the authors' released lambdas.json): valid only for the sampling
@@ -445,6 +469,19 @@ class Bundle(_Strict):
                              "with this orca-serve version")
         return v
 
+    @field_validator("provenance")
+    @classmethod
+    def _generation(cls, v: dict[str, Any]) -> dict[str, Any]:
+        """`collected_under`, when present, is a `Generation` (the server reads it)."""
+        if v.get(COLLECTED_UNDER) is not None:
+            try:
+                Generation.model_validate(v[COLLECTED_UNDER])
+            except ValidationError as e:
+                first = e.errors()[0]
+                where = ".".join([COLLECTED_UNDER, *(str(x) for x in first["loc"])])
+                raise ValueError(f"{where}: {first['msg']}") from None
+        return v
+
     @model_validator(mode="after")
     def _version_matches(self) -> Bundle:
         want = schema_version_for(self.give_up is not None)
@@ -455,6 +492,12 @@ class Bundle(_Strict):
         return self
 
     # -- derived ---------------------------------------------------------------------------
+    def collected_under(self) -> Generation | None:
+        """The conditions the calibration data was generated under (`Generation`); None for a
+        bundle that does not record them."""
+        v = self.provenance.get(COLLECTED_UNDER)
+        return None if v is None else Generation.model_validate(v)
+
     def deltas(self) -> list[float]:
         return [r.delta for r in self.ltt.rows]
 

@@ -55,6 +55,7 @@ DEFAULT_FRACTIONS = (0.6, 0.2, 0.2)  # of SPLITS, in that order
 INFO_DEFAULTS: dict[str, Any] = {
     "model": None, "normalization": DEFAULT_NORMALIZATION, "segmentation": None, "source": None,
     "think": None, "tokenizer_fingerprint": None, "model_config": None, "labelling": None,
+    "collected_under": None,  # dtype and sampling of the traces (orca_method/bundle.py Generation)
 }
 
 
@@ -269,7 +270,7 @@ def _check_info(info: Any, where: str) -> None:
                               f"{NORMALIZATIONS}")
     for name in ("model", "source", "tokenizer_fingerprint"):
         _str_or_none(info[name], where, name)
-    for name in ("segmentation", "think", "model_config"):
+    for name in ("segmentation", "think", "model_config", "collected_under"):
         if info[name] is not None and not isinstance(info[name], dict):
             raise TrajectoryError(f"{where}: {name} must be an object or null")
     _check_labelling(info["labelling"], where)

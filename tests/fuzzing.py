@@ -691,7 +691,7 @@ _INFO_TYPES = {"format": str, "version": int, "dim": int, "dtype": str, "model":
                "normalization": str, "segmentation": (dict, type(None)),
                "source": (str, type(None)), "think": (dict, type(None)),
                "tokenizer_fingerprint": (str, type(None)), "model_config": (dict, type(None)),
-               "labelling": (dict, type(None))}
+               "labelling": (dict, type(None)), "collected_under": (dict, type(None))}
 
 
 def read_violation(ts: TrajectorySet) -> str | None:

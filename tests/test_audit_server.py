@@ -191,6 +191,9 @@ def test_audited_requests_get_full_budget_answers_and_labels_match_collect(srv, 
     collected = collect(env["dir"] / "prompts.jsonl", env["dir"] / "collected", labelling)
     assert len(collected) == len(prompts)
     assert audited.info["labelling"] == collected.info["labelling"] == labelling.model_dump()
+    # what a bundle calibrated on it records: the engine's resolved dtype, the traces' sampling
+    assert collected.info["collected_under"] == {"dtype": "float32", "temperature": 0.0,
+                                                 "top_p": 1.0}
     for i, (a, c) in enumerate(zip(audited.problems, collected.problems)):
         assert json.loads(a.prompt) == json.loads(c.prompt)
         assert a.step_tokens == c.step_tokens, i

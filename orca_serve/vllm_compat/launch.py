@@ -103,6 +103,12 @@ def derived_max_model_len(args: argparse.Namespace | Mapping[str, Any]) -> int:
     return int(engine.create_model_config().max_model_len)
 
 
+def dtype_name(dtype: Any) -> str:
+    """A resolved `ModelConfig.dtype` (a torch dtype) by torch's name, e.g. "float32" (the name
+    a bundle records its calibration's dtype by, `orca_method.bundle.Generation`)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def run_single(args: argparse.Namespace, on_loop: Callable[[], None] | None = None) -> None:
     """vLLM's `run_server` in this process; `on_loop` runs first on the server's event loop
     (e.g. to add signal handlers).

@@ -1,0 +1,77 @@
+"""The conditions a bundle's calibration traces were generated under (`provenance.collected_under`:
+the engine's dtype, each trace's temperature and top_p): recorded by collect in the data's
+info.json, copied by calibrate into the bundle, optional for older bundles, and compared by
+orca-serve with what it serves (a warning, not a refusal)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from orca_calibrate.calibrate_cli import main
+from orca_calibrate.synth import generate
+from orca_calibrate.train import save_probe, train_static
+from orca_method.bundle import (
+    COLLECTED_UNDER,
+    BundleError,
+    Generation,
+    _checksum,
+    load_bundle,
+    save_bundle,
+)
+from orca_method.trajectories import TrajectoryError, TrajectorySet
+from tests.bundles import small_bundle
+
+OLD_DEMO = Path(__file__).parent / "data" / "demo-bundle-v1.json"  # written before the record
+COLLECTED = Generation(dtype="float32", temperature=0.7, top_p=0.95)
+
+
+def _with_info(data: Path, **fields: object) -> Path:
+    info = json.loads((data / "info.json").read_text())
+    info.update(fields)
+    (data / "info.json").write_text(json.dumps(info))
+    return data
+
+
+def test_calibration_copies_the_datas_conditions_into_the_provenance(tmp_path):
+    data = generate(tmp_path / "data", n_problems=120, dim=8, mean_steps=6,
+                    splits=(0.5, 0.5, 0.0))
+    _with_info(data, collected_under=COLLECTED.model_dump())
+    probe = train_static(TrajectorySet.open(data), "supervised", seed=0)
+    save_probe(probe, tmp_path / "p.safetensors", {"label_mode": "supervised", "seed": "0"})
+    assert main(["calibrate", "--data", str(data), "--probe", str(tmp_path / "p.safetensors"),
+                 "--out", str(tmp_path / "bundle.json"), "--delta", "0.1", "0.2"]) == 0
+    bundle = load_bundle(tmp_path / "bundle.json")
+    assert bundle.collected_under() == COLLECTED
+    assert bundle.provenance[COLLECTED_UNDER] == COLLECTED.model_dump()
+
+
+def test_bundles_without_the_record_still_load(tmp_path):
+    assert load_bundle(OLD_DEMO).collected_under() is None
+    assert save_bundle(small_bundle(), tmp_path / "b.json").collected_under() is None
+
+
+@pytest.mark.parametrize("bad, field", [({"dtype": "float32", "temperature": -1, "top_p": 1},
+                                         "temperature"),
+                                        ({"dtype": "float32", "temperature": 0.7}, "top_p"),
+                                        ({"dtype": "", "temperature": 0.7, "top_p": 1}, "dtype"),
+                                        ("float32", COLLECTED_UNDER)])
+def test_a_malformed_record_is_refused_at_load_in_one_line(tmp_path, bad, field):
+    save_bundle(small_bundle(), tmp_path / "b.json")
+    data = json.loads((tmp_path / "b.json").read_text())
+    data["provenance"][COLLECTED_UNDER] = bad
+    data["checksum"] = _checksum(data)  # sealed: only the record is wrong
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    with pytest.raises(BundleError, match=field) as e:
+        load_bundle(tmp_path / "b.json")
+    assert "\n" not in str(e.value)
+
+
+def test_a_data_set_records_an_object_or_nothing(tmp_path):
+    data = generate(tmp_path / "data", n_problems=4, dim=8, mean_steps=3)
+    assert TrajectorySet.open(data).info[COLLECTED_UNDER] is None  # older sets: not recorded
+    _with_info(data, collected_under="float32")
+    with pytest.raises(TrajectoryError, match="collected_under must be an object or null"):
+        TrajectorySet.open(data)
