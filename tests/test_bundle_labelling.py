@@ -91,8 +91,12 @@ def test_the_block_is_written_only_when_it_differs_from_the_defaults(tmp_path):
 
 def test_the_shipped_demo_bundles_carry_their_jobs_labelling():
     """Each demo bundle names the job that made it (a file of this checkout: a user reads the
-    provenance to rebuild it), and carries that job's labelling."""
+    provenance to rebuild it), and carries that job's labelling and the conditions its collect
+    ran under (the engine's dtype, the sampling: what orca-serve --demo serves and compares)."""
     import yaml
+
+    from orca_calibrate.collect import ENGINE_DTYPE
+    from orca_method.bundle import Generation
 
     root = Path(__file__).parents[1]
     for bundle in ("orca_serve/demo/bundle.json", "orca_serve/demo/long/bundle.json"):
@@ -102,6 +106,10 @@ def test_the_shipped_demo_bundles_carry_their_jobs_labelling():
         collect = yaml.safe_load(job.read_text())["collect"]
         assert b.labelling == Labelling(
             suffix=collect["suffix"], answer_tokens=collect["answer_tokens"]), bundle
+        assert b.collected_under() == Generation(
+            dtype=collect.get("engine", {}).get("dtype", ENGINE_DTYPE),
+            temperature=collect.get("temperature", CollectSettings.temperature),
+            top_p=collect.get("top_p", CollectSettings.top_p)), bundle
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ def test_long_demo_bundle_carries_its_families_as_groups_and_means_what_it_meant
     own calibration-only traces: at least min_n 30 each, the bundle's deltas, a give-up table
     each); everything else of the bundle is what it was before they were added, value for
     value: its body without them hashes to the earlier bundle's checksum (the job's path
-    as it was then)."""
+    as it was then, and without provenance's `collected_under`, added later)."""
     import hashlib
     import json
 
@@ -72,6 +72,7 @@ def test_long_demo_bundle_carries_its_families_as_groups_and_means_what_it_meant
         "runs/long/trajectories-groups/shifted-cal", "runs/long/trajectories-groups/hard-cal"]
     assert data["provenance"]["job"] == "orca_calibrate/jobs/long.yaml"
     data["provenance"]["job"] = "calibration/jobs/long.yaml"  # its path before the rename
+    assert data["provenance"].pop("collected_under")["dtype"] == "float32"  # recorded later
     body = {k: v for k, v in data.items() if k not in ("groups", "checksum")}
     assert hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest() == BEFORE_GROUPS
 
