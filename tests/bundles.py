@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 
 from orca_method.bundle import (
+    COLLECTED_UNDER,
     Bundle,
     GateReference,
+    Generation,
     GiveUpBlock,
     GiveUpRow,
     GiveUpTable,
@@ -122,18 +124,21 @@ def far_gate(hidden: int, n: int = 39) -> GateReference:
 
 
 def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: float = 3.0,
-                gate: bool = False) -> Path:
+                gate: bool = False, collected_under: Generation | None = None) -> Path:
     """The tiny model's two-sided bundle with lambda* from DELTAS and a constant probe bias
     (scores sit near sigmoid(bias) whatever the hidden state, so which deltas stop is known),
     and mu* from GIVE_UP_DELTAS (default 0.05); with `gate`, `far_gate`'s shift gate and a
-    group CAUTIOUS whose table never stops (and which has no mu*: never gives up)."""
+    group CAUTIOUS whose table never stops (and which has no mu*: never gives up); with
+    `collected_under`, that record of its (fictitious) calibration data's conditions."""
     from transformers import AutoTokenizer
 
     probe = Probe(ProbeSpec(dim=hidden), seed=0)
     probe.params["b"].data.fill_(bias)
     vocab = AutoTokenizer.from_pretrained(str(model_dir)).get_vocab()
     one_sided = tiny_bundle(probe, DELTAS.items(), vocab=vocab, window=3, name=model_dir.name,
-                            default_delta=0.2, provenance={"test": "test_server"})
+                            default_delta=0.2, provenance={"test": "test_server", **(
+                                {} if collected_under is None
+                                else {COLLECTED_UNDER: collected_under.model_dump()})})
     two_sided = with_give_up(one_sided, GIVE_UP_DELTAS.items(), default_delta=0.05)
     if gate:
         two_sided = with_groups(two_sided.model_copy(update={"shift_gate": far_gate(hidden)}),

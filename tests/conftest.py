@@ -192,12 +192,16 @@ def tiny_server(model, tmp_path_factory) -> Iterator[dict]:
     """orca-serve on the tiny model and `make_bundle`'s bundle (delta 0.05 -> never, 0.1 ->
     lambda 0.99, 0.2 -> 0.5: stops at step 1), `--orca-answer-budget 8`, `--orca-effort-map
     medium=0.1`. Its bundle has a shift gate that flags every request it runs for, off by
-    default (`--orca-shift-alpha 0`): requests opt in with `orca.shift_alpha`. Started, not
-    waited for: a test calls `.wait()` when it needs it."""
+    default (`--orca-shift-alpha 0`): requests opt in with `orca.shift_alpha`. It records a
+    calibration in bfloat16 (at the tiny model's default sampling), served in float32: the
+    start-up's dtype warning (test_server). Started, not waited for: a test calls `.wait()`
+    when it needs it."""
+    from orca_method.bundle import Generation
     from tests.bundles import make_bundle
 
     d = tmp_path_factory.mktemp("tiny_server")
-    bundle = make_bundle(d / "bundle.json", model, gate=True)
+    bundle = make_bundle(d / "bundle.json", model, gate=True, collected_under=Generation(
+        dtype="bfloat16", temperature=1.0, top_p=1.0))
     server = Server(orca_serve_cmd("--model", str(model), "--calib", str(bundle),
                                    "--orca-answer-budget", "8", "--orca-effort-map", "medium=0.1",
                                    "--orca-shift-alpha", "0"),

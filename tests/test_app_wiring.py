@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -142,3 +143,29 @@ def test_openapi_documents_the_orca_field(client):
     give_up = schema["components"]["schemas"][ORCA_SCHEMA]["properties"]["give_up"]
     target = next(x["$ref"] for x in give_up["anyOf"] if "$ref" in x).rsplit("/", 1)[-1]
     assert "delta" in schema["components"]["schemas"][target]["properties"]
+
+
+def test_served_generation_is_what_vllm_resolves_for_the_options(tmp_path):
+    """The dtype vLLM resolves (`auto` of a float32 model is bfloat16 on the CPU build) and the
+    default temperature and top_p: the model's generation_config.json, unless
+    --generation-config vllm, then --override-generation-config (start-up compares them with the
+    bundle's `collected_under`)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(demo_paths()[0], model, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((model / "generation_config.json").read_text())
+    config.update(temperature=0.6, top_p=0.95)
+    (model / "generation_config.json").write_text(json.dumps(config))
+    parser = add_orca_args(launch.serve_parser("orca-serve", "test"))
+
+    def served(*extra: str) -> tuple[str, float, float]:
+        g = launch.served_generation(parser.parse_args(["--model", str(model), *extra]))
+        return g.dtype, g.temperature, g.top_p
+
+    assert served("--dtype", "float32") == ("float32", 0.6, 0.95)
+    if launch.is_cpu_platform():
+        assert served()[0] == "bfloat16"
+    assert served("--dtype", "bfloat16", "--generation-config", "vllm") == ("bfloat16", 1.0, 1.0)
+    assert served("--override-generation-config", '{"temperature": 0.5}')[1:] == (0.5, 0.95)
+    assert launch.served_generation(parser.parse_args(["--model", str(tmp_path / "none")])) is None

@@ -75,3 +75,38 @@ def test_a_data_set_records_an_object_or_nothing(tmp_path):
     _with_info(data, collected_under="float32")
     with pytest.raises(TrajectoryError, match="collected_under must be an object or null"):
         TrajectorySet.open(data)
+
+
+def _recorded(under: Generation | None):
+    b = small_bundle()
+    provenance = {} if under is None else {COLLECTED_UNDER: under.model_dump()}
+    return b.model_copy(update={"provenance": provenance})
+
+
+def test_serving_as_calibrated_warns_of_nothing():
+    from orca_serve.checks.bundle import serving_warnings
+
+    assert serving_warnings(_recorded(COLLECTED), COLLECTED) == []
+    assert serving_warnings(_recorded(None), COLLECTED.model_copy(update={"dtype": "x"})) == []
+    assert serving_warnings(_recorded(COLLECTED), None) == []  # vLLM could not say
+
+
+def test_another_dtype_is_one_line_naming_both():
+    from orca_serve.checks.bundle import serving_warnings
+
+    served = COLLECTED.model_copy(update={"dtype": "bfloat16"})
+    (line,) = serving_warnings(_recorded(COLLECTED), served)
+    assert "computed in float32, this server computes in bfloat16" in line
+    assert line.endswith("serve with --dtype float32") and "\n" not in line
+
+
+@pytest.mark.parametrize("change", [{"temperature": 1.0}, {"top_p": 1.0}])
+def test_other_default_sampling_is_one_line(change):
+    from orca_serve.checks.bundle import serving_warnings
+
+    (line,) = serving_warnings(_recorded(COLLECTED), COLLECTED.model_copy(update=change))
+    served = {**COLLECTED.model_dump(), **change}
+    assert "sampled at temperature 0.7, top_p 0.95" in line and "\n" not in line
+    assert f"temperature {served['temperature']:g}, top_p {served['top_p']:g} (" in line
+    both = COLLECTED.model_copy(update={"dtype": "float16", **change})
+    assert len(serving_warnings(_recorded(COLLECTED), both)) == 2

@@ -327,6 +327,10 @@ def test_bundle_endpoint(srv, env):
     assert [row["delta"] for row in s["ltt"]["rows"]] == [0.05, 0.1, 0.2]
     assert s["probe"]["variant"] == "noqk" and "weights" not in s["probe"]
     assert "weights" not in json.dumps(s)
+    # the bundle records a calibration in bfloat16 (conftest's tiny_server), COMMON serves float32
+    assert re.search(r"^orca-serve: warning: the bundle was calibrated on \S+ hidden states "
+                     r"computed in bfloat16, this server computes in float32: ",
+                     srv.log.read_text(), re.MULTILINE)
 
 
 def test_bundle_reload_route_is_off_without_the_admin_key_option(srv, env):

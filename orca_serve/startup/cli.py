@@ -14,7 +14,8 @@ Start-up order, so that a wrong bundle is refused in seconds and in one line (ex
    config.json and tokenizer (`orca_serve.checks.bundle`), long before vLLM loads weights;
 2. vLLM's configuration (`orca_serve.startup.vllm_setup`): vLLM's own parser parses the full command
    line (our options included, so `--help` lists them), unsupported combinations are refused,
-   the plugin's engine arguments are merged in;
+   the dtype and default sampling vLLM will serve are compared with the bundle's calibration's
+   (a warning line each where they differ), the plugin's engine arguments are merged in;
 3. serving: this process's orca parts built once (`orca_serve.api_server.assembly.build_server`), and
    vLLM's `run_server` (or, with --api-server-count N > 1, its `run_multi_api_server`) serves
    the app built by vLLM's `build_app` plus our additions (`orca_serve.api_server.server`).

@@ -1,5 +1,6 @@
 """orca-serve's vLLM configuration: vLLM's own parser over the whole command line, the
-combinations the plugin cannot serve refused, the CPU build's prefill rule, the plugin's engine
+combinations the plugin cannot serve refused, the CPU build's prefill rule, a warning where the
+dtype or default sampling served are not the bundle's calibration's, the plugin's engine
 arguments merged in. vLLM is reached through `orca_serve.vllm_compat.launch`.
 """
 
@@ -15,7 +16,7 @@ from typing import Any, NoReturn
 from orca_method.errors import first_line
 from orca_serve.api_server import endpoint_plugin
 from orca_serve.settings.contract import DEFAULTS, ShiftAction
-from orca_serve.checks.bundle import check_bundle
+from orca_serve.checks.bundle import check_bundle, serving_warnings
 from orca_serve.startup.preflight import (
     Preflight,
     add_orca_args,
@@ -148,6 +149,8 @@ def vllm_args(pre: Preflight) -> argparse.Namespace:
             pre.facts = check_bundle(bundle, args.model, **identity(args, bundle),
                                      **model_kw(args))
         refuse_unsupported(args)
+        for line in serving_warnings(bundle, launch.served_generation(args)):
+            print(f"{PROG}: warning: {line}", file=sys.stderr, flush=True)
         args.calib = str(Path(pre.bundle_path).absolute())  # type: ignore[arg-type]
         # deferred: torch (not needed by --check-vllm)
         from orca_serve.api_server.assembly import orca_defaults

@@ -15,7 +15,9 @@ What is private here, and why no public route serves:
   middleware and OpenAPI field reach the app each API server builds through vLLM's public
   endpoint-plugin interface (orca_serve/api_server/endpoint_plugin.py), not through these names.
 - The platform (`current_platform.is_cpu()`) and the context length vLLM derives for the model
-  (`EngineArgs` -> `ModelConfig.max_model_len`), for the CPU build's prefill rule in cli.py.
+  (`EngineArgs` -> `ModelConfig.max_model_len`), for the CPU build's prefill rule in cli.py;
+  from the same `ModelConfig`, the dtype and default sampling served (`served_generation`), for
+  the start-up comparison with the bundle's (orca_serve/checks/bundle.py `serving_warnings`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from __future__ import annotations
 import argparse
 import importlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from orca_method.bundle import Generation
 
 _CLI_ARGS = ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.launchers.cli_args")
 _STARTUP = ("vllm.entrypoints.common.startup", "vllm.entrypoints.serve.utils.api_utils")
@@ -39,6 +44,7 @@ TOUCH_POINTS: tuple[str, ...] = (
     "vllm.platforms:current_platform.is_cpu",
     "vllm.engine.arg_utils:EngineArgs.from_cli_args",
     "vllm.engine.arg_utils:EngineArgs.create_model_config",
+    "vllm.config:ModelConfig.get_diff_sampling_param",
     f"{_ENTRY}:setup_server",
     f"{_ENTRY}:run_server_worker",
     "vllm.utils.system_utils:decorate_logs",
@@ -107,6 +113,29 @@ def dtype_name(dtype: Any) -> str:
     """A resolved `ModelConfig.dtype` (a torch dtype) by torch's name, e.g. "float32" (the name
     a bundle records its calibration's dtype by, `orca_method.bundle.Generation`)."""
     return str(dtype).removeprefix("torch.")
+
+
+def served_generation(args: argparse.Namespace) -> Generation | None:
+    """What the parsed options serve: the dtype vLLM resolves for the model (`--dtype auto`
+    included: vLLM's CPU build computes a float32 model in bfloat16) and the temperature and
+    top_p a request that sets none is sampled at (the model's generation_config.json unless
+    `--generation-config vllm`, then `--override-generation-config`, else SamplingParams'
+    defaults: as vLLM's OpenAI server fills them in). None if vLLM cannot build the model's
+    config here (its own start then says why)."""
+    from vllm import SamplingParams  # deferred: vllm (resolved at use)
+    from vllm.engine.arg_utils import EngineArgs
+
+    from orca_method.bundle import Generation  # deferred: torch (not needed by --check-vllm)
+
+    try:
+        config = EngineArgs.from_cli_args(args).create_model_config()
+        defaults = config.get_diff_sampling_param()
+    except Exception:  # noqa: BLE001 - vLLM's own start reports what is wrong
+        return None
+    neutral = SamplingParams()
+    return Generation(dtype=dtype_name(config.dtype),
+                      temperature=float(defaults.get("temperature", neutral.temperature)),
+                      top_p=float(defaults.get("top_p", neutral.top_p)))
 
 
 def run_single(args: argparse.Namespace, on_loop: Callable[[], None] | None = None) -> None:
