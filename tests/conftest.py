@@ -216,9 +216,10 @@ def tiny_server(model, tmp_path_factory) -> Iterator[dict]:
 def toy_server(tmp_path_factory) -> Iterator[Server]:
     """orca-serve on the embedded toy reasoner (orca_serve/demo) with its shipped bundle plus a
     consensus block (tests/bundles.py `with_consensus`: `orca.samples` votes), under the
-    bundle's model name, greedy requests reproducible (`--seed 0`): what `orca-serve --demo`
-    serves, plus the consensus block. Shared by test_fuzz_http, test_server_samples and
-    test_server_gate_alarm, in that order: the last raises the gate alarm, which stays raised.
+    bundle's model name, in its dtype, greedy requests reproducible (`--seed 0`): what
+    `orca-serve --demo` serves, plus the consensus block. Shared by test_fuzz_http,
+    test_server_samples and test_server_gate_alarm, in that order: the last raises the gate
+    alarm, which stays raised.
     `--orca-shift-action full`, so that a request served as flagged shows as one that never
     stopped (the default, `strict`, serves the bundle's largest lambda*).
     Started, not waited for: a test calls `.wait()`."""
@@ -232,6 +233,7 @@ def toy_server(tmp_path_factory) -> Iterator[Server]:
                                    "--orca-shift-action", "full"),
                     d / "orca.log",
                     ["--host", "127.0.0.1", "--enforce-eager", "--seed", "0",
+                     "--dtype", shipped.collected_under().dtype,
                      "--reasoning-parser", "deepseek_r1", "--disable-uvicorn-access-log",
                      "--served-model-name", shipped.model.name])
     try:
