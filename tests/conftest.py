@@ -233,7 +233,6 @@ def toy_server(tmp_path_factory) -> Iterator[Server]:
                                    "--orca-shift-action", "full"),
                     d / "orca.log",
                     ["--host", "127.0.0.1", "--enforce-eager", "--seed", "0",
-                     "--dtype", shipped.collected_under().dtype,
                      "--reasoning-parser", "deepseek_r1", "--disable-uvicorn-access-log",
                      "--served-model-name", shipped.model.name])
     try:

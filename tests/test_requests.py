@@ -701,21 +701,32 @@ def test_cpu_build_keeps_prefills_whole():
         assert "seed" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_demo_implies_its_reasoning_parser_and_its_bundles_dtype(tmp_path):
-    """--demo serves in the dtype its bundle was calibrated in (vLLM's `auto` is bfloat16 on the
-    CPU build for the float32 demo models), as it serves its reasoning parser: unless the
-    command line names one."""
+def test_a_bundle_serves_in_its_dtype_and_the_demo_with_its_reasoning_parser(tmp_path):
+    """orca-serve computes in the dtype the bundle's hidden states were (vLLM's `auto` is
+    bfloat16 on the CPU build for a float32 model, such as the demos'), --demo with its
+    reasoning parser besides: unless the command line names them (or a vLLM config file,
+    which may name the dtype)."""
     from orca_method.bundle import load_bundle
-    from orca_serve.startup.preflight import demo_argv, demo_paths, preflight
+    from orca_serve.startup.preflight import (
+        bundle_dtype_argv,
+        demo_argv,
+        demo_paths,
+        preflight,
+    )
 
-    assert demo_argv(["--port", "8000"], tmp_path, "float32") == [
-        "--model", str(tmp_path), "--port", "8000", "--reasoning-parser", "deepseek_r1",
-        "--dtype", "float32"]
-    for named in (["--reasoning-parser", "qwen3", "--dtype", "bfloat16"],
-                  ["--reasoning_parser=qwen3", "--dtype=bfloat16"]):
-        assert demo_argv(named, tmp_path, "float32") == ["--model", str(tmp_path), *named]
-    assert "--dtype" not in demo_argv([], tmp_path, None)  # a bundle that records none: vLLM's
+    assert demo_argv(["--port", "8000"], tmp_path) == [
+        "--model", str(tmp_path), "--port", "8000", "--reasoning-parser", "deepseek_r1"]
+    for named in (["--reasoning-parser", "qwen3"], ["--reasoning_parser=qwen3"]):
+        assert demo_argv(named, tmp_path) == ["--model", str(tmp_path), *named]
+    assert bundle_dtype_argv(["--port", "1"], "float32") == ["--port", "1", "--dtype", "float32"]
+    for named in (["--dtype", "bfloat16"], ["--dtype=bfloat16"], ["--config", "vllm.yaml"]):
+        assert bundle_dtype_argv(named, "float32") == named
+    assert bundle_dtype_argv([], None) == []  # a bundle that records none: vLLM's auto
     for name in ("toy", "long"):
-        recorded = load_bundle(demo_paths(name)[1]).collected_under()
-        argv = preflight(["--demo", name]).argv
-        assert argv[argv.index("--dtype") + 1] == recorded.dtype == "float32"
+        model, bundle = demo_paths(name)
+        shipped = load_bundle(bundle)
+        recorded = shipped.collected_under()
+        for argv in (preflight(["--demo", name]).argv,
+                     preflight(["--model", str(model), "--calib", str(bundle),
+                                "--served-model-name", shipped.model.name]).argv):
+            assert argv[argv.index("--dtype") + 1] == recorded.dtype == "float32"

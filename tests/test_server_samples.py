@@ -37,15 +37,14 @@ def samples_bundle(path: Path, waves: list[int] | None = None,
 
 
 def start_samples_server(d: Path, *orca_flags: str, waves: list[int] | None = None) -> Server:
-    """orca-serve on the toy model with `samples_bundle(waves)`, in its bundle's dtype (as
-    `--demo` serves), started (not waited for) in `d` with `orca_flags` besides (the plain
+    """orca-serve on the toy model with `samples_bundle(waves)` (in its bundle's dtype, as every
+    bundle is served), started (not waited for) in `d` with `orca_flags` besides (the plain
     all-at-once server is conftest's shared `toy_server`)."""
     path = samples_bundle(d / "b.json", waves)
     flags = [*orca_flags] + ([] if waves is None else
                              ["--orca-vote-waves", "+".join(map(str, waves))])
     return Server(orca_serve_cmd("--model", str(DEMO / "model"), "--calib", str(path), *flags),
                   d / "serve.log", ["--host", "127.0.0.1", "--enforce-eager",
-                                    "--dtype", load_bundle(path).collected_under().dtype,
                                     "--reasoning-parser", "deepseek_r1",
                                     "--served-model-name", "orca-toy-reasoner",
                                     "--seed", "0", "--disable-uvicorn-access-log"])

@@ -37,8 +37,7 @@ from orca_serve.vllm_plugin.config import (
 if TYPE_CHECKING:
     from orca_method.bundle import Bundle
 
-# what --demo implies (unless the command line names one; its dtype: its bundle's, `demo_argv`)
-DEMO_REASONING_PARSER = "deepseek_r1"
+DEMO_REASONING_PARSER = "deepseek_r1"  # what --demo implies (unless the command line names one)
 # --demo NAME: the embedded reasoners, by their folder under orca_serve/demo/ (model/, bundle.json)
 DEMOS = {"toy": "", "long": "long"}
 # --orca-* options that mean nothing without a bundle
@@ -176,20 +175,28 @@ def demo_paths(name: str = "toy") -> tuple[Path, Path]:
     return model, bundle
 
 
-def demo_argv(argv: list[str], model_dir: Path, dtype: str | None) -> list[str]:
-    """The command line --demo serves: the embedded model, and unless the command line names
-    them, its reasoning parser (the demo model opens <think> in its chat template and closes it
-    with </think>: without the parser its reasoning would be returned as `content`) and `dtype`,
-    the one its bundle was calibrated in (`Bundle.collected_under`; None: vLLM's `auto`, which
-    on vLLM's CPU build computes the float32 demo models in bfloat16, hidden states the probe
-    was not calibrated on)."""
-    def named(*options: str) -> bool:
-        return any(a.split("=", 1)[0] in options for a in argv)
+def _named(argv: list[str], *options: str) -> bool:
+    """Whether the command line sets one of `options` (`--opt value` or `--opt=value`)."""
+    return any(a.split("=", 1)[0] in options for a in argv)
 
+
+def demo_argv(argv: list[str], model_dir: Path) -> list[str]:
+    """The command line --demo serves: the embedded model, and its reasoning parser unless the
+    command line names one (the demo model opens <think> in its chat template and closes it
+    with </think>: without the parser its reasoning would be returned as `content`)."""
     return ["--model", str(model_dir), *argv,
-            *([] if named("--reasoning-parser", "--reasoning_parser")
-              else ["--reasoning-parser", DEMO_REASONING_PARSER]),
-            *([] if dtype is None or named("--dtype") else ["--dtype", dtype])]
+            *([] if _named(argv, "--reasoning-parser", "--reasoning_parser")
+              else ["--reasoning-parser", DEMO_REASONING_PARSER])]
+
+
+def bundle_dtype_argv(argv: list[str], dtype: str | None) -> list[str]:
+    """The command line with `--dtype` the bundle's (`Bundle.collected_under`: the dtype its
+    hidden states were computed in), unless it names a dtype or a vLLM config file (which may):
+    vLLM's `auto` may compute in another (its CPU build computes a float32 model in bfloat16),
+    hidden states the probe was not calibrated on. None (a bundle that records none): as given."""
+    if dtype is None or _named(argv, "--dtype", "--config"):
+        return argv
+    return [*argv, "--dtype", dtype]
 
 
 ModelOption = str | bool | None
@@ -276,16 +283,16 @@ def preflight(argv: list[str]) -> Preflight:
             raise StartupError("--demo serves the embedded model and bundle; do not combine it "
                                "with --model or --calib")
         model_dir, demo_bundle = demo_paths(early.demo)
-        pre.bundle_path, early.model = str(demo_bundle), str(model_dir)
+        pre.argv, pre.bundle_path, early.model = (demo_argv(argv, model_dir), str(demo_bundle),
+                                                   str(model_dir))
     if pre.bundle_path is None:
         for opt in NEED_BUNDLE:
             if getattr(early, opt) is not None:
                 raise StartupError(f"--{opt.replace('_', '-')} needs --calib (a bundle)")
     else:
         pre.bundle = load_checked(pre.bundle_path, early)
-    if early.demo and pre.bundle is not None:  # always: the demo's bundle was loaded above
         under = pre.bundle.collected_under()
-        pre.argv = demo_argv(argv, Path(early.model), None if under is None else under.dtype)
+        pre.argv = bundle_dtype_argv(pre.argv, None if under is None else under.dtype)
     # deferred: scipy (not needed by --check-vllm)
     from orca_serve.live_audit.options import audit_labelling, check_audit_args
 
