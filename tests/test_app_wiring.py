@@ -160,10 +160,15 @@ def test_served_generation_is_what_vllm_resolves_for_the_options(tmp_path):
     parser = add_orca_args(launch.serve_parser("orca-serve", "test"))
 
     def served(*extra: str) -> tuple[str, float, float]:
-        g = launch.served_generation(parser.parse_args(["--model", str(model), *extra]))
+        g, other = launch.served_generation(parser.parse_args(["--model", str(model), *extra]))
+        assert other == {}
         return g.dtype, g.temperature, g.top_p
 
     assert served("--dtype", "float32") == ("float32", 0.6, 0.95)
+    for top_k, other in ((40, {"top_k": 40.0}), (-1, {}), (0, {})):  # <= 0: off, as neutral
+        override = ["--override-generation-config", json.dumps({"top_k": top_k, "min_p": 0.0})]
+        args = parser.parse_args(["--model", str(model), *override])
+        assert launch.served_generation(args)[1] == other
     if launch.is_cpu_platform():
         assert served()[0] == "bfloat16"
     assert served("--dtype", "bfloat16", "--generation-config", "vllm") == ("bfloat16", 1.0, 1.0)

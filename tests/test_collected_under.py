@@ -86,8 +86,8 @@ def _recorded(under: Generation | None):
 def test_serving_as_calibrated_warns_of_nothing():
     from orca_serve.checks.bundle import serving_warnings
 
-    assert serving_warnings(_recorded(COLLECTED), COLLECTED) == []
-    assert serving_warnings(_recorded(None), COLLECTED.model_copy(update={"dtype": "x"})) == []
+    assert serving_warnings(_recorded(COLLECTED), (COLLECTED, {})) == []
+    assert serving_warnings(_recorded(None), (COLLECTED.model_copy(update={"dtype": "x"}), {})) == []
     assert serving_warnings(_recorded(COLLECTED), None) == []  # vLLM could not say
 
 
@@ -95,7 +95,7 @@ def test_another_dtype_is_one_line_naming_both():
     from orca_serve.checks.bundle import serving_warnings
 
     served = COLLECTED.model_copy(update={"dtype": "bfloat16"})
-    (line,) = serving_warnings(_recorded(COLLECTED), served)
+    (line,) = serving_warnings(_recorded(COLLECTED), (served, {}))
     assert "computed in float32, this server computes in bfloat16" in line
     assert line.endswith("serve with --dtype float32") and "\n" not in line
 
@@ -104,9 +104,20 @@ def test_another_dtype_is_one_line_naming_both():
 def test_other_default_sampling_is_one_line(change):
     from orca_serve.checks.bundle import serving_warnings
 
-    (line,) = serving_warnings(_recorded(COLLECTED), COLLECTED.model_copy(update=change))
+    (line,) = serving_warnings(_recorded(COLLECTED), (COLLECTED.model_copy(update=change), {}))
     served = {**COLLECTED.model_dump(), **change}
     assert "sampled at temperature 0.7, top_p 0.95" in line and "\n" not in line
     assert f"temperature {served['temperature']:g}, top_p {served['top_p']:g} (" in line
     both = COLLECTED.model_copy(update={"dtype": "float16", **change})
-    assert len(serving_warnings(_recorded(COLLECTED), both)) == 2
+    assert len(serving_warnings(_recorded(COLLECTED), (both, {}))) == 2
+
+
+def test_other_default_sampling_than_the_collectors_is_one_line():
+    """A generation config that sets top_k (QwQ's: 40) or a penalty: a request that sets none is
+    sampled with it, the collector's traces were not (it leaves them at vLLM's neutral values)."""
+    from orca_serve.checks.bundle import serving_warnings
+
+    (line,) = serving_warnings(_recorded(COLLECTED),
+                               (COLLECTED, {"top_k": 40.0, "repetition_penalty": 1.05}))
+    assert "vLLM's neutral top_k, repetition_penalty;" in line and "\n" not in line
+    assert "sampled here with top_k 40, repetition_penalty 1.05 (" in line

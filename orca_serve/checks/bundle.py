@@ -5,8 +5,9 @@ and the options the server runs with (`check_options`, orca_serve/startup/prefli
 orca_serve/api_server/reload.py: a bundle that does not satisfy them is refused, in one line
 naming the option and the fix). `check_model_folder` (a local model folder needs config.json)
 is the offline collector's check too, so both refuse such a folder in the same line.
-`serving_warnings` (at start) compares the dtype and default sampling the server will serve with those the
-bundle's calibration data was collected under: a warning line each, never a refusal.
+`serving_warnings` (at start) compares the dtype and default sampling the server will serve
+with those the bundle's calibration data was collected under: a warning line each, never a
+refusal.
 
 The options are fixed for the server's life, so a reload to a bundle that cannot serve them would
 turn every request they shape into an error (or, for the give-up policy, serve a guarantee the
@@ -130,31 +131,40 @@ def check_bundle(bundle: Any, model: str, *, served_names: list[str] | None = No
     return facts
 
 
-def serving_warnings(bundle: Bundle, served: Generation | None) -> list[str]:
+def serving_warnings(bundle: Bundle,
+                     served: tuple[Generation, Mapping[str, float]] | None) -> list[str]:
     """One line each where the server generates otherwise than the bundle's calibration data
     was collected (`Bundle.collected_under`): another dtype (the probe reads other hidden states
-    than it was fitted and lambda* certified on), another default temperature or top_p (a
-    request that sets neither makes other traces than the calibrated ones). Warnings, not
-    refusals: an operator may serve another dtype knowingly, and a request may set its own
-    sampling. Nothing to compare (a bundle that records nothing, or a model config vLLM could
-    not build: `served` None): no line."""
+    than it was fitted and lambda* certified on), another default temperature or top_p, other
+    default sampling beside them (`served`'s second part: top_k, min_p or a penalty the model's
+    generation config sets, which the collector leaves at vLLM's neutral values): a request that
+    sets none makes other traces than the calibrated ones. Warnings, not refusals: an operator
+    may serve another dtype knowingly, and a request may set its own sampling. Nothing to
+    compare (a bundle that records nothing, or a model config vLLM could not build: `served`
+    None): no line."""
     recorded = bundle.collected_under()
     if recorded is None or served is None:
         return []
+    generation, other = served
     lines = []
-    if served.dtype != recorded.dtype:
+    if generation.dtype != recorded.dtype:
         lines.append(f"the bundle was calibrated on {bundle.model.name}'s hidden states computed "
-                     f"in {recorded.dtype}, this server computes in {served.dtype}: the probe "
+                     f"in {recorded.dtype}, this server computes in {generation.dtype}: the probe "
                      "reads other hidden states than lambda* was certified on; serve with "
                      f"--dtype {recorded.dtype}")
-    sampled = (recorded.temperature, recorded.top_p)
-    if not all(math.isclose(a, b, abs_tol=1e-9) for a, b in zip((served.temperature,
-                                                               served.top_p), sampled)):
+    pairs = ((generation.temperature, recorded.temperature), (generation.top_p, recorded.top_p))
+    if not all(math.isclose(a, b, abs_tol=1e-9) for a, b in pairs):
         lines.append(f"the bundle was calibrated on traces sampled at temperature "
                      f"{recorded.temperature:g}, top_p {recorded.top_p:g}; a request that sets "
-                     f"neither is sampled here at temperature {served.temperature:g}, top_p "
-                     f"{served.top_p:g} (the model's generation_config.json, "
+                     f"neither is sampled here at temperature {generation.temperature:g}, top_p "
+                     f"{generation.top_p:g} (the model's generation_config.json, "
                      "--generation-config, --override-generation-config), so its traces are "
+                     "not the calibrated ones")
+    if other:
+        lines.append("the bundle was calibrated on traces sampled with vLLM's neutral "
+                     f"{', '.join(other)}; a request that sets none is sampled here with "
+                     f"{', '.join(f'{k} {v:g}' for k, v in other.items())} (the model's "
+                     "generation_config.json, --override-generation-config), so its traces are "
                      "not the calibrated ones")
     return lines
 

@@ -115,13 +115,20 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def served_generation(args: argparse.Namespace) -> Generation | None:
+# Sampling defaults a model's generation config may set besides temperature and top_p; the
+# calibration's collector leaves each at SamplingParams' own (orca_calibrate/collect.py)
+OTHER_SAMPLING = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def served_generation(args: argparse.Namespace
+                      ) -> tuple[Generation, dict[str, float]] | None:
     """What the parsed options serve: the dtype vLLM resolves for the model (`--dtype auto`
     included: vLLM's CPU build computes a float32 model in bfloat16) and the temperature and
     top_p a request that sets none is sampled at (the model's generation_config.json unless
     `--generation-config vllm`, then `--override-generation-config`, else SamplingParams'
-    defaults: as vLLM's OpenAI server fills them in). None if vLLM cannot build the model's
-    config here (its own start then says why)."""
+    defaults: as vLLM's OpenAI server fills them in); beside it, the `OTHER_SAMPLING` defaults
+    such a request gets that are not SamplingParams' own (QwQ's file names top_k 40). None if
+    vLLM cannot build the model's config here (its own start then says why)."""
     from vllm import SamplingParams  # deferred: vllm (resolved at use)
     from vllm.engine.arg_utils import EngineArgs
 
@@ -133,9 +140,12 @@ def served_generation(args: argparse.Namespace) -> Generation | None:
     except Exception:  # noqa: BLE001 - vLLM's own start reports what is wrong
         return None
     neutral = SamplingParams()
+    other = {name: float(defaults[name]) for name in OTHER_SAMPLING
+             if defaults.get(name) is not None and float(defaults[name]) != getattr(neutral, name)
+             and not (name == "top_k" and defaults[name] <= 0)}  # top_k <= 0: off, as neutral
     return Generation(dtype=dtype_name(config.dtype),
                       temperature=float(defaults.get("temperature", neutral.temperature)),
-                      top_p=float(defaults.get("top_p", neutral.top_p)))
+                      top_p=float(defaults.get("top_p", neutral.top_p))), other
 
 
 def run_single(args: argparse.Namespace, on_loop: Callable[[], None] | None = None) -> None:
