@@ -87,7 +87,8 @@ def test_serving_as_calibrated_warns_of_nothing():
     from orca_serve.checks.bundle import serving_warnings
 
     assert serving_warnings(_recorded(COLLECTED), (COLLECTED, {})) == []
-    assert serving_warnings(_recorded(None), (COLLECTED.model_copy(update={"dtype": "x"}), {})) == []
+    other = COLLECTED.model_copy(update={"dtype": "x"})
+    assert serving_warnings(_recorded(None), (other, {})) == []
     assert serving_warnings(_recorded(COLLECTED), None) == []  # vLLM could not say
 
 
@@ -121,3 +122,21 @@ def test_other_default_sampling_than_the_collectors_is_one_line():
                                (COLLECTED, {"top_k": 40.0, "repetition_penalty": 1.05}))
     assert "vLLM's neutral top_k, repetition_penalty;" in line and "\n" not in line
     assert "sampled here with top_k 40, repetition_penalty 1.05 (" in line
+
+
+def test_a_reloads_note_carries_the_serving_warnings():
+    """A reload's bundle is compared with what this server serves, as at start: the shipped toy
+    bundle (float32) on a server computing in bfloat16 passes with the dtype line as its note;
+    served as calibrated, no note."""
+    from orca_serve.checks.bundle import model_facts, reload_note
+    from orca_serve.startup.preflight import demo_paths
+
+    model, path = demo_paths()
+    bundle = load_bundle(path)
+    facts, names = model_facts(str(model)), [bundle.model.name]
+    same = bundle.collected_under()
+    assert reload_note(bundle, facts, str(model), (same, {}), served_names=names) is None
+    other = same.model_copy(update={"dtype": "bfloat16"})
+    note = reload_note(bundle, facts, str(model), (other, {"top_k": 40.0}), served_names=names)
+    assert "this server computes in bfloat16" in note and "top_k 40" in note
+    assert "\n" not in note

@@ -304,6 +304,15 @@ def test_a_reload_opens_the_new_bundles_journal_once(paths, tmp_path, caplog):
     new.close()
 
 
+def test_a_reload_answers_the_note_its_checks_let_it_through_with(paths):
+    """A bundle the checks pass with a note (a forced model mismatch, a dtype or sampling other
+    than this server serves): the reload answers it, besides logging it."""
+    server, _, _ = setup(paths)
+    server.reloader.check = lambda bundle: "served otherwise"
+    out = asyncio.run(server.reloader.reload(str(paths["b"]), source="test"))
+    assert out["changed"] and out["note"] == "served otherwise"
+
+
 def test_admin_route(paths):
     server, _, _ = setup(paths)
     seen = []

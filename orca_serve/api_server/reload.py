@@ -104,8 +104,9 @@ class Reloader:
         self.calib_path = calib_path  # what SIGHUP re-reads
         self.fixed_delta = fixed_delta  # --orca-delta: must be in every bundle's table
         self.admin_key = admin_key  # None: POST /v1/orca/bundle is off (404)
-        # the checks a new bundle passes, raising BundleError, returning a note to log (the
-        # server's start-up checks against the served model, orca_serve.checks.bundle.check_served)
+        # the checks a new bundle passes, raising BundleError, returning a note to log and answer
+        # (the server's start-up checks against the served model and what it serves,
+        # orca_serve.checks.bundle.check_served and serving_warnings)
         self.check = check
         # bundle -> the configuration of its live audit, which takes over from the serving one
         # (orca_serve.live_audit.handover); raises ValueError when the options contradict the
@@ -240,7 +241,8 @@ class Reloader:
             audit)
         if self.inflight.get(old, 0) == 0:
             self._spawn(self.retire())  # runs once this reload lets go of the lock
-        return {"changed": True, "checksum": bundle.checksum, "previous": old, "path": path}
+        return {"changed": True, "checksum": bundle.checksum, "previous": old, "path": path,
+                **({"note": note} if note else {})}
 
     async def _rpc(self, method: str, *args: Any) -> list[Any]:
         try:

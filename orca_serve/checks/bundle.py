@@ -169,6 +169,16 @@ def serving_warnings(bundle: Bundle,
     return lines
 
 
+def reload_note(bundle: Bundle, facts: ModelFacts, model: str,
+                served: tuple[Generation, Mapping[str, float]] | None, *,
+                served_names: list[str] | None = None, force: bool = False) -> str | None:
+    """A reload's bundle against the served model (`check_served`, raising BundleError) and
+    against what this server serves (`serving_warnings`, `served` read once at start): the
+    note to log and answer, None if there is none."""
+    note = check_served(bundle, facts, model, served_names=served_names, force=force)
+    return "; ".join([*([note] if note else []), *serving_warnings(bundle, served)]) or None
+
+
 def check_options(bundle: Bundle, *, delta: float | None, give_up_delta: float | None,
                   give_up_policy: GiveUpPolicy, effort_map: Mapping[str, str | float],
                   shift_alpha: float | None = None, shift_give_up_alpha: float | None = None,

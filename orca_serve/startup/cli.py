@@ -35,7 +35,7 @@ import sys
 from typing import Any
 
 from orca_serve.metrics.snapshots import ENV_SERVER
-from orca_serve.checks.bundle import check_served
+from orca_serve.checks.bundle import reload_note
 from orca_serve.startup.preflight import Preflight, identity, preflight
 from orca_serve.api_server.log import log_like_vllm
 from orca_serve.checks.errors import StartupError, exit_on_sigterm, fail
@@ -81,7 +81,7 @@ def serve(args: Any, pre: Preflight) -> None:
     from orca_serve.live_audit.options import audit_config  # deferred: torch
 
     def check(bundle: Any) -> str | None:  # a reload's bundle, against the served model
-        return check_served(bundle, pre.facts, args.model, **identity(args, bundle))
+        return reload_note(bundle, pre.facts, args.model, pre.served, **identity(args, bundle))
 
     try:
         server = build_server(args, pre.bundle, check=check,

@@ -35,7 +35,7 @@ from orca_serve.vllm_plugin.config import (
 )
 
 if TYPE_CHECKING:
-    from orca_method.bundle import Bundle
+    from orca_method.bundle import Bundle, Generation
 
 DEMO_REASONING_PARSER = "deepseek_r1"  # what --demo implies (unless the command line names one)
 # --demo NAME: the embedded reasoners, by their folder under orca_serve/demo/ (model/, bundle.json)
@@ -266,6 +266,9 @@ class Preflight:
     bundle_path: str | None = None
     facts: ModelFacts | None = None  # the model the bundle was checked against
     checked: ModelKey | None = None  # the model and options `facts` were read with
+    # what vLLM serves (dtype, default sampling: `launch.served_generation`), read once at start
+    # for the start's and every reload's `serving_warnings`; None: unknown
+    served: tuple[Generation, dict[str, float]] | None = None
 
 
 def preflight(argv: list[str]) -> Preflight:

@@ -149,7 +149,8 @@ def vllm_args(pre: Preflight) -> argparse.Namespace:
             pre.facts = check_bundle(bundle, args.model, **identity(args, bundle),
                                      **model_kw(args))
         refuse_unsupported(args)
-        for line in serving_warnings(bundle, launch.served_generation(args)):
+        pre.served = launch.served_generation(args)
+        for line in serving_warnings(bundle, pre.served):
             print(f"{PROG}: warning: {line}", file=sys.stderr, flush=True)
         args.calib = str(Path(pre.bundle_path).absolute())  # type: ignore[arg-type]
         # deferred: torch (not needed by --check-vllm)
