@@ -289,7 +289,12 @@ class Collector:
         """What the bundle later takes from the data: model identity, the procedure settings and
         how the steps were labelled (the live audit must label the same way)."""
         # deferred: torch
-        from orca_method.bundle import Generation, config_fingerprint, tokenizer_fingerprint
+        from orca_method.bundle import (
+            COLLECTED_UNDER,
+            Generation,
+            config_fingerprint,
+            tokenizer_fingerprint,
+        )
         rs, s = self.record_settings, self.settings
         model_config = self.llm.llm_engine.model_config
         config = config_fingerprint(model_config.hf_config)
@@ -300,7 +305,7 @@ class Collector:
                 "segmentation": rs.get("segmentation"), "think": rs.get("think"),
                 "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer.get_vocab()),
                 "model_config": None if config is None else config.model_dump(),
-                "labelling": s.probe().labelling(), "collected_under": under.model_dump()}
+                "labelling": s.probe().labelling(), COLLECTED_UNDER: under.model_dump()}
 
     def _generation(self, batch: list[tuple[str, dict]]) -> tuple[list[Any], list[Any]]:
         """The prompts (all chats, or all rendered) and sampling of these traces, in record mode."""

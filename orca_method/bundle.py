@@ -164,7 +164,8 @@ class Labelling(_Strict):
 
 DEFAULT_LABELLING = Labelling()
 
-# provenance's key for the conditions the calibration traces were generated under (`Generation`)
+# provenance's key for the conditions the calibration traces were generated under (`Generation`),
+# and the data's info.json's, from which calibration copies it
 COLLECTED_UNDER = "collected_under"
 
 
@@ -185,7 +186,6 @@ class Generation(_Strict):
     dtype: str = Field(pattern=r"^[a-z0-9_]{1,32}$")  # torch's name without "torch."
     temperature: float = Field(ge=0)
     top_p: float = Field(gt=0, le=1)
-
 
 
 class LTTRow(_Strict):
