@@ -183,7 +183,9 @@ class Generation(_Strict):
     operator may serve otherwise knowingly, so it is not a refusal. Optional: bundles written
     before it was recorded, and imported ones, have none."""
 
-    dtype: str = Field(pattern=r"^[a-z0-9_]{1,32}$")  # torch's name without "torch."
+    # torch's name without "torch.", as vLLM resolves a model's dtype; each also a `--dtype`
+    # choice of vLLM's, which the server passes when the command line names none
+    dtype: Literal["float16", "bfloat16", "float32"]
     temperature: float = Field(ge=0)
     top_p: float = Field(gt=0, le=1)
 

@@ -57,6 +57,8 @@ def test_bundles_without_the_record_still_load(tmp_path):
                                          "temperature"),
                                         ({"dtype": "float32", "temperature": 0.7}, "top_p"),
                                         ({"dtype": "", "temperature": 0.7, "top_p": 1}, "dtype"),
+                                        ({"dtype": "float8", "temperature": 0.7, "top_p": 1},
+                                         "dtype"),
                                         ("float32", COLLECTED_UNDER)])
 def test_a_malformed_record_is_refused_at_load_in_one_line(tmp_path, bad, field):
     save_bundle(small_bundle(), tmp_path / "b.json")
