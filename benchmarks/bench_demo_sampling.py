@@ -51,15 +51,9 @@ def problems(n: int) -> list[Problem]:
 
 async def ask_all(server: Server, probs: list[Problem], orca: dict, concurrency: int) -> list[dict]:
     """Every problem once, with no sampling parameter but max_tokens; what each delivered."""
-    async with server.aclient() as client:
-        return await _ask_all(client, probs, orca, concurrency)
-
-
-async def _ask_all(client: Any, probs: list[Problem], orca: dict, concurrency: int) -> list[dict]:
     sem = asyncio.Semaphore(concurrency)
-    model = (await client.models.list()).data[0].id
 
-    async def one(p: Problem) -> dict:
+    async def one(client: Any, model: str, p: Problem) -> dict:
         async with sem:
             r = await client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": p.question}],
@@ -74,7 +68,9 @@ async def _ask_all(client: Any, probs: list[Problem], orca: dict, concurrency: i
                 "correct": check_answer(m.content or "", p),
                 "well_formed": trace_stats(text, p).well_formed}
 
-    return list(await asyncio.gather(*(one(p) for p in probs)))
+    async with server.aclient() as client:
+        model = (await client.models.list()).data[0].id
+        return list(await asyncio.gather(*(one(client, model, p) for p in probs)))
 
 
 def summary(rows: list[dict]) -> dict[str, Any]:
