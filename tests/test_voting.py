@@ -136,10 +136,12 @@ def test_each_sample_is_the_clients_body_with_its_own_key_and_seed():
 
 class FakeEngine:
     """Samples that finish at `at[i]` seconds with `answers[i]` unless aborted first (then at
-    once, finish_reason abort: what vLLM's abort does to a running request)."""
+    once, finish_reason abort: what vLLM's abort does to a running request). An aborted
+    sample's result counts its response's tokens but the last (which has no hidden state), plus
+    `late` the engine generated after the last output reached the server."""
 
-    def __init__(self, at, answers, scores=None, completions=False):
-        self.at, self.answers = at, answers
+    def __init__(self, at, answers, scores=None, completions=False, late=0):
+        self.at, self.answers, self.late = at, answers, late
         self.scores = scores or [0.9] * len(at)
         self.completions = completions
         self.aborted: list[str] = []
@@ -169,7 +171,8 @@ class FakeEngine:
             i = int(k.rsplit("-s", 1)[1])
             done = self.finished.get(k) == "stop"
             out[k] = orca_result(index=0, last_score=self.scores[i], reasoning_closed=done,
-                                 reasoning_tokens=10 * (i + 1), stopped_early=i % 2 == 0)
+                                 reasoning_tokens=10 * (i + 1) + (0 if done else self.late - 1),
+                                 stopped_early=i % 2 == 0)
         return out
 
     async def abort(self, ids):
@@ -208,6 +211,19 @@ def test_the_vote_settles_at_the_first_finish_and_aborts_the_rest():
     assert out["usage"]["completion_tokens"] == 10 + 20 + 30 + 40  # what the engine ran
     assert count(metrics, SampleEvent.LAUNCHED) == 4 and count(metrics, SampleEvent.ABORTED) == 3
     assert count(metrics, SampleEvent.STOPPED) == 2  # samples 0 and 2 stopped early (the fake)
+
+
+def test_usage_counts_at_least_the_reasoning_the_engine_ran_for_an_aborted_sample():
+    """An aborted sample's response can miss the tokens the engine generated between its last
+    output reaching the server and the abort (seen once in CI: output_tokens 548 below the
+    samples' summed reasoning_tokens 592): its usage counts at least its reasoning, so the
+    reasoning tokens never exceed the output tokens."""
+    _, out = voted([0.01, 5, 5, 5], ["7", "3", "3", "3"], late=5)[0].response()
+    usage = out["usage"]
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == 10 + 25 + 35 + 45
+    assert usage["completion_tokens"] == 10 + 25 + 35 + 45
+    assert usage["total_tokens"] == 4 * 5 + usage["completion_tokens"]
+    assert usage["prompt_tokens"] == 4 * 5
 
 
 def test_without_a_certified_t_every_sample_votes_and_none_is_aborted():

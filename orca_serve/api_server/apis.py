@@ -77,6 +77,7 @@ class Api:
     # `orca.samples` (orca_serve/api_server/voting.py): the usage counts a vote sums over its
     # samples, and whether its stream (orca_serve/api_server/vote_stream.py) ends `data: [DONE]`
     usage_counts: tuple[str, ...] = ("prompt_tokens", "completion_tokens", "total_tokens")
+    usage_output = "completion_tokens"  # the one of them that counts generated tokens
     stream_done = True
     effort_path: tuple[str, ...] = ("reasoning_effort",)  # where the body says its effort
 
@@ -179,6 +180,7 @@ class ResponsesApi(Api):
 
     usage_details = "output_tokens_details"
     usage_counts = ("input_tokens", "output_tokens", "total_tokens")
+    usage_output = "output_tokens"
     stream_done = False  # its stream ends with the closing event
     CLOSING = ("response.completed", "response.incomplete", "response.failed")
     effort_path = ("reasoning", "effort")
@@ -246,6 +248,7 @@ class MessagesApi(Api):
 
     usage_details = None  # Anthropic's usage has no reasoning-token count
     usage_counts = ("input_tokens", "output_tokens")
+    usage_output = "output_tokens"
     stream_done = False  # its stream ends with message_stop
     effort_path = ("output_config", "effort")
 

@@ -38,7 +38,7 @@ import numpy as np
 from orca_method.answer_probes import answer_after
 from orca_method.consensus import Verdict, verdict
 from orca_method.outcomes import Source, Weighting
-from orca_serve.api_server.apis import CHAT, Api
+from orca_serve.api_server.apis import CHAT, Api, reasoning_spent
 from orca_serve.api_server.asgi import replay_body
 from orca_serve.api_server.report import orca_object, reasoning_total
 from orca_serve.metrics.prometheus import OrcaMetrics, SampleEvent
@@ -386,7 +386,16 @@ class Vote:
         for s in self.samples:
             if self._running(s):
                 continue
-            u = (s.response or {}).get("usage") or {}
+            u = dict((s.response or {}).get("usage") or {})
+            out_name = self.api.usage_output
+            if s.result is not None and isinstance(u.get(out_name), int):
+                # an aborted sample's response can miss the tokens the engine generated after
+                # its last output reached this server and before the abort took hold; the
+                # engine's own reasoning count has them: at least that many were generated
+                extra = max(0, reasoning_spent(s.result) - u[out_name])
+                u[out_name] += extra
+                if isinstance(u.get("total_tokens"), int):
+                    u["total_tokens"] += extra
             for name in self.api.usage_counts:
                 if isinstance(u.get(name), int):
                     usage[name] = usage.get(name, 0) + u[name]
