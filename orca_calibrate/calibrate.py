@@ -434,7 +434,7 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
         provenance={"data": str(ts.path), "data_sha256": data_hashes(ts),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     **({} if under is None else
-                       {COLLECTED_UNDER: Generation.model_validate(under).model_dump()}),
+                       {COLLECTED_UNDER: Generation.model_validate(under).record()}),
                     **provenance})
 
 

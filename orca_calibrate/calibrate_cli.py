@@ -206,9 +206,10 @@ def cmd_collect(a: argparse.Namespace) -> None:
                           api_key_env=a.judge_api_key_env) if a.judge_url else None
     prompts = read_prompts(Path(a.prompts))
     settings = CollectSettings(samples=a.samples, temperature=a.temperature, top_p=a.top_p,
-                               max_tokens=a.max_tokens, seed=a.seed, label_every=a.label_every,
-                               suffix=a.suffix, answer_tokens=a.answer_tokens, dtype=a.dtype,
-                               batch=a.batch, judge=judge)
+                               top_k=a.top_k, min_p=a.min_p, max_tokens=a.max_tokens,
+                               seed=a.seed, label_every=a.label_every, suffix=a.suffix,
+                               answer_tokens=a.answer_tokens, dtype=a.dtype, batch=a.batch,
+                               judge=judge)
     with Collector(a.model, settings) as collector:  # vLLM's shutdown lines before the stats
         stats = collector.run(prompts, Path(a.out))
     print(json.dumps(stats.as_dict()))
@@ -552,6 +553,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=integer(1), default=1, help="trajectories per prompt")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=integer(0), default=CollectSettings.top_k,
+                   help="sample from the k likeliest tokens (0: all), as the model's authors "
+                   "advise (its generation_config.json: what the server samples with)")
+    p.add_argument("--min-p", type=fraction(open_interval=False), default=CollectSettings.min_p,
+                   help="drop tokens less likely than this share of the likeliest (0: none)")
     p.add_argument("--max-tokens", type=integer(1), default=1024)
     p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--label-every", type=integer(1), default=1, help="answer-probe every k-th step")

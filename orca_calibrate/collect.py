@@ -94,6 +94,10 @@ class CollectSettings:
     samples: int = 1
     temperature: float = 0.7
     top_p: float = 1.0
+    # as the model's authors advise (Qwen3 thinking mode: top_k 20, min_p 0), so that serving
+    # with its generation config samples as calibrated; 0: none (vLLM's SamplingParams' own)
+    top_k: int = 0
+    min_p: float = 0.0
     max_tokens: int = 1024
     seed: int = 0
     suffix: str = DEFAULT_SUFFIX  # answer-forcing text appended to a reasoning prefix
@@ -119,11 +123,12 @@ class CollectSettings:
             raise ValueError(f"collect.schedule is one of {', '.join(SCHEDULES)}, not "
                              f"{self.schedule!r:.40}")
         self.label_steps, self.schedule = LabelSteps(self.label_steps), Scheduling(self.schedule)
-        for name, least in (("samples", 1), ("max_tokens", 1), ("seed", 0),
+        for name, least in (("samples", 1), ("max_tokens", 1), ("seed", 0), ("top_k", 0),
                             ("answer_tokens", 1), ("label_every", 1), ("batch", 1), ("engines", 1)):
             check_whole(f"collect.{name}", getattr(self, name), least)
         check_number("collect.temperature", self.temperature, 0, math.inf)
         check_number("collect.top_p", self.top_p, 0, 1, low_open=True)
+        check_number("collect.min_p", self.min_p, 0, 1)
         for name in ("segmentation", "think", "engine"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"collect.{name} is a mapping, got {getattr(self, name)!r:.40}")
@@ -300,12 +305,12 @@ class Collector:
         config = config_fingerprint(model_config.hf_config)
         # the engine's resolved dtype (collect.engine's `auto` included) and every trace's sampling
         under = Generation(dtype=launch.dtype_name(model_config.dtype), temperature=s.temperature,
-                           top_p=s.top_p)
+                           top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
         return {"model": self.model, "normalization": rs.get("normalization", DEFAULT_NORMALIZATION),
                 "segmentation": rs.get("segmentation"), "think": rs.get("think"),
                 "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer.get_vocab()),
                 "model_config": None if config is None else config.model_dump(),
-                "labelling": s.probe().labelling(), COLLECTED_UNDER: under.model_dump()}
+                "labelling": s.probe().labelling(), COLLECTED_UNDER: under.record()}
 
     def _generation(self, batch: list[tuple[str, dict]]) -> tuple[list[Any], list[Any]]:
         """The prompts (all chats, or all rendered) and sampling of these traces, in record mode."""
@@ -314,8 +319,8 @@ class Collector:
         params, chats = [], []
         for key, rec in batch:
             params.append(SamplingParams(
-                temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
-                seed=trace_seed(s.seed, key),
+                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                max_tokens=s.max_tokens, seed=trace_seed(s.seed, key),
                 extra_args={"orca_key": key, "orca_record": 1, "orca_enabled": 0}))
             chats.append(rec.get("messages") or rec["prompt"])
         if not all(isinstance(c, list) for c in chats):

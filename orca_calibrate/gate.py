@@ -88,11 +88,17 @@ def split_features(features: np.ndarray, fit_fraction: float, seed: int
 def gate_collector(model: str, bundle: Bundle, *, max_tokens: int, temperature: float,
                    seed: int, engine: dict[str, Any]) -> Collector:
     """A record-mode engine with the bundle's segmentation, think tags and normalisation, that
-    runs each prompt for `max_tokens` (enough for the gate's steps + 1)."""
+    runs each prompt for `max_tokens` (enough for the gate's steps + 1), sampling at
+    `temperature` with the top_p, top_k and min_p of the bundle's calibration traces
+    (`collected_under`; none recorded: none), as the traffic the gate is for is sampled when
+    served as calibrated."""
     from orca_calibrate.collect import CollectSettings, Collector  # deferred: vLLM
 
+    under = bundle.collected_under()
+    sampling = {} if under is None else {"top_p": under.top_p, "top_k": under.top_k,
+                                         "min_p": under.min_p}
     settings = CollectSettings(
-        temperature=temperature, max_tokens=max_tokens, seed=seed, batch=256,
+        temperature=temperature, max_tokens=max_tokens, seed=seed, batch=256, **sampling,
         segmentation=bundle.segmentation.model_dump(), think=bundle.think.model_dump(),
         normalization=bundle.normalization, engine=engine)
     return Collector(model, settings)

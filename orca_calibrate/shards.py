@@ -95,6 +95,11 @@ def device_env(shard: int, engines: int, settings: CollectSettings,
     return env
 
 
+def _spec_settings(settings: CollectSettings) -> dict[str, Any]:
+    """The settings as a shard's spec holds them (JSON's types)."""
+    return json.loads(json.dumps(asdict(settings)))
+
+
 def write_spec(model: str, settings: CollectSettings,
                sets: list[tuple[list[dict], Path, set[str]]], work: Path, shard: int) -> Path:
     """Write what shard `shard` of `settings.engines` collects (its prompts of every set, not yet
@@ -106,7 +111,7 @@ def write_spec(model: str, settings: CollectSettings,
     shard's completion marker: it is collecting again, so it is not complete until it ends."""
     n = settings.engines
     work.mkdir(parents=True, exist_ok=True)
-    spec: dict[str, Any] = {"model": model, "settings": json.loads(json.dumps(asdict(settings))),
+    spec: dict[str, Any] = {"model": model, "settings": _spec_settings(settings),
                             "prompts": prompts_digest(sets), "shard": shard, "sets": []}
     for i, old in started(work).items():
         _same_collection(old, spec, work / f"shard-{i}.json")
@@ -144,8 +149,10 @@ def prompts_digest(sets: list[tuple[list[dict], Path, set[str]]]) -> str:
 
 def _same_collection(old: dict, new: dict, where: Path) -> None:
     """Refuse a shard `where` started with another model, settings or prompts than `new`'s (a
-    spec of a version that did not record its prompts is taken as theirs)."""
-    if (old["model"], old["settings"]) != (new["model"], new["settings"]):
+    spec of a version that did not record its prompts is taken as theirs, one of a version
+    before a setting existed as having its default: top_k and min_p, which it sampled without)."""
+    settings = {**_spec_settings(CollectSettings()), **old["settings"]}
+    if (old["model"], settings) != (new["model"], new["settings"]):
         raise ShardError(f"{where} was started with another model or other collection settings "
                          "(collect.engines included): finish it with those, or delete "
                          f"{where.parent} to collect again")
@@ -337,7 +344,7 @@ def _merge_shards(model: str, settings: CollectSettings,
     shards collect at once; a shard resumed after a kill counts its last run only)."""
     n = settings.engines
     specs = started(work)
-    new = {"model": model, "settings": json.loads(json.dumps(asdict(settings))),
+    new = {"model": model, "settings": _spec_settings(settings),
            "prompts": prompts_digest(sets)}
     missing = []
     for i in range(n):

@@ -172,7 +172,7 @@ COLLECTED_UNDER = "collected_under"
 class Generation(_Strict):
     """The conditions a model generated under that shape its hidden states and its traces: the
     dtype its engine computed in (vLLM's resolved dtype, e.g. float32) and the sampling of each
-    trace (temperature, top_p).
+    trace (temperature, top_p, top_k, min_p).
 
     A bundle records the ones its calibration data was collected under (`orca-calibrate
     collect` writes them into the data's info.json, calibration copies them into the bundle's
@@ -188,6 +188,18 @@ class Generation(_Strict):
     dtype: Literal["float16", "bfloat16", "float32"]
     temperature: float = Field(ge=0)
     top_p: float = Field(gt=0, le=1)
+    # 0: none (vLLM's SamplingParams' own); absent from records made before the collector took
+    # them, whose traces were sampled with neither
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
+
+    def record(self) -> dict[str, Any]:
+        """As the data's info.json and a bundle's provenance hold it: top_k and min_p only when
+        used, so that a collection without them records what one did before they were
+        recorded: a set collected then resumes under the same info, and an orca-serve from
+        then still reads the bundle (one that uses either, it refuses: an unknown key)."""
+        return self.model_dump(exclude={name for name in ("top_k", "min_p")
+                                        if not getattr(self, name)})
 
 
 class LTTRow(_Strict):

@@ -147,7 +147,7 @@ def test_openapi_documents_the_orca_field(client):
 
 def test_served_generation_is_what_vllm_resolves_for_the_options(tmp_path):
     """The dtype vLLM resolves (`auto` of a float32 model is bfloat16 on the CPU build) and the
-    default temperature and top_p: the model's generation_config.json, unless
+    default temperature, top_p, top_k and min_p: the model's generation_config.json, unless
     --generation-config vllm, then --override-generation-config (start-up compares them with the
     bundle's `collected_under`)."""
     import shutil
@@ -165,10 +165,13 @@ def test_served_generation_is_what_vllm_resolves_for_the_options(tmp_path):
         return g.dtype, g.temperature, g.top_p
 
     assert served("--dtype", "float32") == ("float32", 0.6, 0.95)
-    for top_k, other in ((40, {"top_k": 40.0}), (-1, {}), (0, {})):  # <= 0: off, as neutral
-        override = ["--override-generation-config", json.dumps({"top_k": top_k, "min_p": 0.0})]
-        args = parser.parse_args(["--model", str(model), *override])
-        assert launch.served_generation(args)[1] == other
+    # top_k and min_p (QwQ's file names top_k 40), compared with the bundle's like the two above:
+    # top_k <= 0 is none, as SamplingParams' 0; the penalties the collector never uses apart
+    for top_k, min_p, want in ((40, 0.0, 40), (-1, 0.05, 0), (0, 0.0, 0)):
+        override = json.dumps({"top_k": top_k, "min_p": min_p, "repetition_penalty": 1.05})
+        g, other = launch.served_generation(parser.parse_args(
+            ["--model", str(model), "--override-generation-config", override]))
+        assert (g.top_k, g.min_p, other) == (want, min_p, {"repetition_penalty": 1.05})
     if launch.is_cpu_platform():
         assert served()[0] == "bfloat16"
     assert served("--dtype", "bfloat16", "--generation-config", "vllm") == ("bfloat16", 1.0, 1.0)

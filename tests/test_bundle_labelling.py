@@ -109,7 +109,9 @@ def test_the_shipped_demo_bundles_carry_their_jobs_labelling():
         assert b.collected_under() == Generation(
             dtype=collect.get("engine", {}).get("dtype", ENGINE_DTYPE),
             temperature=collect.get("temperature", CollectSettings.temperature),
-            top_p=collect.get("top_p", CollectSettings.top_p)), bundle
+            top_p=collect.get("top_p", CollectSettings.top_p),
+            top_k=collect.get("top_k", CollectSettings.top_k),
+            min_p=collect.get("min_p", CollectSettings.min_p)), bundle
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,7 @@
 """`orca-calibrate`'s options: one default per meaning for the embeddings' dtype."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from orca_calibrate.calibrate_cli import build_parser
@@ -40,6 +42,10 @@ def test_the_stored_embeddings_dtype_has_one_default_per_meaning(cmd, default):
      "argument --epsilon: must be in (0, 1), got 0.0"),
     (["collect", "--model", "m", "--prompts", "p", "--out", "o", "--batch", "0"],
      "must be >= 1, got 0"),
+    (["collect", "--model", "m", "--prompts", "p", "--out", "o", "--top-k", "-1"],
+     "argument --top-k: must be >= 0, got -1"),
+    (["collect", "--model", "m", "--prompts", "p", "--out", "o", "--min-p", "1.5"],
+     "argument --min-p: must be in [0, 1], got 1.5"),
     # these named no option ("expected non-negative integer"), or failed after generating
     (["synth", "--out", "o", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
     # found after the training (a traceback), or written into the working folder
@@ -60,6 +66,31 @@ def test_a_bad_option_is_one_line(argv, words, capsys):
         else f"orca-calibrate {argv[0]}"
     assert len(err) == 1 and err[0].startswith(f"{prog}: error: "), err
     assert words in err[0] and "--help lists the options" in err[0] and "usage" not in err[0]
+
+
+def test_collect_samples_with_the_top_k_and_min_p_it_is_given(tmp_path, monkeypatch):
+    """`collect --top-k/--min-p` reach the collector's settings (the model authors' sampling,
+    docs/RECIPES.md); left out, neither is used, as before the options existed."""
+    import contextlib
+
+    import orca_calibrate.calibrate_cli as cli
+    from orca_calibrate.collect import Stats
+
+    seen = []
+
+    @contextlib.contextmanager
+    def collector(model, settings):
+        seen.append(settings)
+        yield SimpleNamespace(run=lambda prompts, out: Stats())
+
+    monkeypatch.setattr(cli, "Collector", collector)
+    (tmp_path / "p.jsonl").write_text('{"id": "p0", "prompt": "x"}\n')
+    argv = ["collect", "--model", "m", "--prompts", str(tmp_path / "p.jsonl"), "--out",
+            str(tmp_path / "o")]
+    assert cli.main(argv) == 0
+    assert cli.main([*argv, "--top-k", "20", "--min-p", "0.05"]) == 0
+    assert [(s.top_k, s.min_p) for s in seen] == [(0, 0.0), (20, 0.05)]
+    assert (seen[0].top_k, seen[0].min_p) == (CollectSettings().top_k, CollectSettings().min_p)
 
 
 def test_synth_writes_nothing_for_a_negative_count(tmp_path, capsys):

@@ -28,7 +28,7 @@ DEMO = ROOT / "orca_serve" / "demo"
 # The sampling parameters vLLM takes from a model's generation_config.json as the defaults of a
 # request that sets none (`--generation-config auto`, its default; docs/RECIPES.md, "Sampling"),
 # each with the value it uses when the file names none: SamplingParams' own, which the
-# calibration's collector leaves to every parameter but temperature and top_p.
+# calibration's collector leaves to every parameter but temperature, top_p, top_k and min_p.
 NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
            "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
@@ -50,7 +50,8 @@ def test_a_request_without_sampling_parameters_is_sampled_as_the_calibration_was
     collected = CollectSettings(**job["collect"])
     gen = json.loads((model / "generation_config.json").read_text())
     assert {k: gen.get(k, v) for k, v in NEUTRAL.items()} == {
-        **NEUTRAL, "temperature": collected.temperature, "top_p": collected.top_p}
+        **NEUTRAL, "temperature": collected.temperature, "top_p": collected.top_p,
+        "top_k": collected.top_k, "min_p": collected.min_p}
     assert gen.get("max_new_tokens") is None  # vLLM would cap such requests at it
     assert gen.get("do_sample") is True  # transformers' save refuses a temperature without it
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from orca_calibrate.collect import _problem_fields, read_prompts
+from orca_calibrate.collect import CollectSettings, _problem_fields, read_prompts
 from orca_calibrate.job import JobError, load_job
 from orca_method.answer_probes import probe_prompts, step_ends
 from orca_method.trajectories import TrajectorySet
@@ -209,6 +209,11 @@ def test_job_file_errors(tmp_path) -> None:
     ("collect: {samples: '2'}", r"collect.samples is a whole number >= 1, got '2'"),
     ("collect: {temperature: hot}", r"collect.temperature is a number in \[0, inf\], got 'hot'"),
     ("collect: {top_p: 0}", r"collect.top_p is a number in \(0, 1\], got 0"),
+    # the model authors' sampling (docs/RECIPES.md, "Sampling"): top_k 0 and min_p 0 are none
+    ("collect: {top_k: -1}", r"collect.top_k is a whole number >= 0, got -1"),
+    ("collect: {top_k: 20.5}", r"collect.top_k is a whole number >= 0, got 20.5"),
+    ("collect: {min_p: 1.5}", r"collect.min_p is a number in \[0, 1\], got 1.5"),
+    ("collect: {min_p: none}", r"collect.min_p is a number in \[0, 1\], got 'none'"),
     ("collect: {batch: 0}", r"collect.batch is a whole number >= 1, got 0"),
     ("collect: {dtype: int8}", r"collect.dtype is one of float16, float32, not 'int8'"),
     ("collect: {engine: x}", r"collect.engine is a mapping, got 'x'"),
@@ -244,6 +249,17 @@ def test_job_blocks_are_checked_when_read(tmp_path, blocks, words) -> None:
     j.write_text(f"model: m\nprompts: p.jsonl\nout: o\n{blocks}\n")
     with pytest.raises(JobError, match=words):
         load_job(j)
+
+
+def test_a_jobs_top_k_and_min_p_are_collect_settings(tmp_path) -> None:
+    """A job samples as the model's authors advise (Qwen3 thinking mode: top_k 20, min_p 0);
+    left out, neither is used (vLLM's 0), as before the settings existed."""
+    j = tmp_path / "job.yaml"
+    j.write_text("model: m\nprompts: p.jsonl\nout: o\n"
+                 "collect: {temperature: 0.6, top_p: 0.95, top_k: 20, min_p: 0.05}\n")
+    s = CollectSettings(**load_job(j)["collect"])
+    assert (s.temperature, s.top_p, s.top_k, s.min_p) == (0.6, 0.95, 20, 0.05)
+    assert (CollectSettings().top_k, CollectSettings().min_p) == (0, 0.0)
 
 
 def test_job_split_and_calibrate_blocks_reach_the_stages(tmp_path) -> None:

@@ -1,12 +1,14 @@
 """The pipelined collector against the batch collector on one real vLLM engine (the embedded toy
 reasoner, sampled at temperature 0.7): the same traces, probes and labels, written in the job's
 order; and a pipelined collection killed part-way resumes to the same set, the engine left empty.
+On the same engine, the collector samples with the job's top_k and min_p.
 
 Each trace draws from its own generator (`orca_calibrate.collect.trace_seed`), so the schedule
 must not change it (embeddings equal up to floating point between batch shapes)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ import pytest
 
 from orca_calibrate.collect import Collector, CollectSettings, read_prompts, trace_keys
 from orca_demo.toy.tasks import write_prompts
+from orca_method.bundle import COLLECTED_UNDER
 from orca_method.trajectories import TrajectorySet, TrajectoryWriter
 from orca_serve.vllm_compat import offline
 
@@ -71,6 +74,19 @@ def test_pipelined_collects_the_batch_traces_and_resumes(tmp_path, monkeypatch):
         interrupted = [p.id for p in TrajectorySet.open(tmp_path / "resumed").problems]
         assert not offline.busy(c.llm)  # the requests in flight were aborted
         c.run(prompts, tmp_path / "resumed", progress=False)
+
+        # top_k 1 and min_p 1 each leave the likeliest token alone: at temperature 2 the traces
+        # are the greedy ones (that temperature alone draws others); the data records both
+        drawn = {}
+        for name, change in (("greedy", {"temperature": 0.0}), ("hot", {"temperature": 2.0}),
+                             ("top_k", {"temperature": 2.0, "top_k": 1}),
+                             ("min_p", {"temperature": 2.0, "min_p": 1.0})):
+            c.settings = replace(settings, max_tokens=64, **change)
+            drawn[name] = [r["output_token_ids"] for r in c.record(prompts[:4])]
+        assert drawn["top_k"] == drawn["greedy"] == drawn["min_p"] != drawn["hot"]
+        c.settings = replace(settings, temperature=0.6, top_p=0.95, top_k=20, min_p=0.05)
+        assert c.info_fields()[COLLECTED_UNDER] == {"dtype": "float32", "temperature": 0.6,
+                                                    "top_p": 0.95, "top_k": 20, "min_p": 0.05}
 
     batches, pipelined = (TrajectorySet.open(tmp_path / d) for d in ("batches", "pipelined"))
     assert len(batches) >= 12

@@ -90,6 +90,16 @@ def test_a_shard_is_the_same_partition_on_one_machine_and_on_a_cluster(tmp_path)
     with pytest.raises(ValueError, match="started with other prompts"):
         write_spec("m", settings, reordered, tmp_path / "w", 1)
     write_spec("m", settings, sets, tmp_path / "w", 1)  # the same prompts: it resumes
+    # a shard started by a version before top_k and min_p were settings sampled with neither:
+    # it resumes with neither, not with others
+    spec = tmp_path / "w" / "shard-0.json"
+    older = json.loads(spec.read_text())
+    for key in ("top_k", "min_p"):
+        del older["settings"][key]
+    spec.write_text(json.dumps(older))
+    write_spec("m", settings, sets, tmp_path / "w", 1)
+    with pytest.raises(ValueError, match="other collection settings"):
+        write_spec("m", CollectSettings(**{**job["collect"], "top_k": 20}), sets, tmp_path / "w", 1)
 
 
 def test_merge_names_the_shards_that_are_not_complete(tmp_path):

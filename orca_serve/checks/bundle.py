@@ -131,17 +131,24 @@ def check_bundle(bundle: Any, model: str, *, served_names: list[str] | None = No
     return facts
 
 
+# the default sampling a bundle records and a server compares; of these, top_k and min_p use
+# none at 0, and a warning names them only where one side uses them
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p")
+_NONE_AT_0 = ("top_k", "min_p")
+
+
 def serving_warnings(bundle: Bundle,
                      served: tuple[Generation, Mapping[str, float]] | None) -> list[str]:
     """One line each where the server generates otherwise than the bundle's calibration data
     was collected (`Bundle.collected_under`): another dtype (the probe reads other hidden states
-    than it was fitted and lambda* certified on), another default temperature or top_p, other
-    default sampling beside them (`served`'s second part: top_k, min_p or a penalty the model's
-    generation config sets, which the collector leaves at vLLM's neutral values): a request that
-    sets none makes other traces than the calibrated ones. Warnings, not refusals: an operator
-    may serve another dtype knowingly, and a request may set its own sampling. Nothing to
-    compare (a bundle that records nothing, or a model config vLLM could not build: `served`
-    None): no line."""
+    than it was fitted and lambda* certified on), another default temperature, top_p, top_k or
+    min_p (a record from before top_k and min_p were recorded: sampled with neither, as the
+    collector then did), other default sampling beside them (`served`'s second part: a penalty
+    the model's generation config sets, which the collector leaves at vLLM's neutral values): a
+    request that sets none makes other traces than the calibrated ones. Warnings, not refusals:
+    an operator may serve another dtype knowingly, and a request may set its own sampling.
+    Nothing to compare (a bundle that records nothing, or a model config vLLM could not build:
+    `served` None): no line."""
     recorded = bundle.collected_under()
     if recorded is None or served is None:
         return []
@@ -152,12 +159,13 @@ def serving_warnings(bundle: Bundle,
                      f"in {recorded.dtype}, this server computes in {generation.dtype}: the probe "
                      "reads other hidden states than lambda* was certified on; serve with "
                      f"--dtype {recorded.dtype}")
-    pairs = ((generation.temperature, recorded.temperature), (generation.top_p, recorded.top_p))
-    if not all(math.isclose(a, b, abs_tol=1e-9) for a, b in pairs):
-        lines.append(f"the bundle was calibrated on traces sampled at temperature "
-                     f"{recorded.temperature:g}, top_p {recorded.top_p:g}; a request that sets "
-                     f"neither is sampled here at temperature {generation.temperature:g}, top_p "
-                     f"{generation.top_p:g} (the model's generation_config.json, "
+    if not all(math.isclose(getattr(generation, n), getattr(recorded, n), abs_tol=1e-9)
+               for n in _SAMPLING):
+        shown = [n for n in _SAMPLING
+                 if n not in _NONE_AT_0 or getattr(generation, n) or getattr(recorded, n)]
+        lines.append(f"the bundle was calibrated on traces sampled at "
+                     f"{_sampling(recorded, shown)}; a request that sets none is sampled here at "
+                     f"{_sampling(generation, shown)} (the model's generation_config.json, "
                      "--generation-config, --override-generation-config), so its traces are "
                      "not the calibrated ones")
     if other:
@@ -167,6 +175,12 @@ def serving_warnings(bundle: Bundle,
                      "generation_config.json, --override-generation-config), so its traces are "
                      "not the calibrated ones")
     return lines
+
+
+def _sampling(g: Generation, names: list[str]) -> str:
+    """`names` of `g`'s sampling in words, e.g. "temperature 0.6, top_p 0.95, no top_k"."""
+    return ", ".join(f"no {n}" if n in _NONE_AT_0 and not getattr(g, n)
+                     else f"{n} {getattr(g, n):g}" for n in names)
 
 
 def reload_note(bundle: Bundle, facts: ModelFacts, model: str,

@@ -115,20 +115,20 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# Sampling defaults a model's generation config may set besides temperature and top_p; the
-# calibration's collector leaves each at SamplingParams' own (orca_calibrate/collect.py)
-OTHER_SAMPLING = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+# Sampling defaults a model's generation config may set that the calibration's collector never
+# samples with: it leaves each at SamplingParams' own (orca_calibrate/collect.py)
+OTHER_SAMPLING = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 def served_generation(args: argparse.Namespace
                       ) -> tuple[Generation, dict[str, float]] | None:
     """What the parsed options serve: the dtype vLLM resolves for the model (`--dtype auto`
-    included: vLLM's CPU build computes a float32 model in bfloat16) and the temperature and
-    top_p a request that sets none is sampled at (the model's generation_config.json unless
-    `--generation-config vllm`, then `--override-generation-config`, else SamplingParams'
-    defaults: as vLLM's OpenAI server fills them in); beside it, the `OTHER_SAMPLING` defaults
-    such a request gets that are not SamplingParams' own (QwQ's file names top_k 40). None if
-    vLLM cannot build the model's config here (its own start then says why)."""
+    included: vLLM's CPU build computes a float32 model in bfloat16) and the temperature, top_p,
+    top_k and min_p a request that sets none is sampled at (the model's generation_config.json
+    unless `--generation-config vllm`, then `--override-generation-config`, else SamplingParams'
+    defaults: as vLLM's OpenAI server fills them in; QwQ's file names top_k 40); beside it, the
+    `OTHER_SAMPLING` defaults such a request gets that are not SamplingParams' own. None if vLLM
+    cannot build the model's config here (its own start then says why)."""
     from vllm import SamplingParams  # deferred: vllm (resolved at use)
     from vllm.engine.arg_utils import EngineArgs
 
@@ -141,11 +141,13 @@ def served_generation(args: argparse.Namespace
         return None
     neutral = SamplingParams()
     other = {name: float(defaults[name]) for name in OTHER_SAMPLING
-             if defaults.get(name) is not None and float(defaults[name]) != getattr(neutral, name)
-             and not (name == "top_k" and defaults[name] <= 0)}  # top_k <= 0: off, as neutral
+             if defaults.get(name) is not None and float(defaults[name]) != getattr(neutral, name)}
     return Generation(dtype=dtype_name(config.dtype),
                       temperature=float(defaults.get("temperature", neutral.temperature)),
-                      top_p=float(defaults.get("top_p", neutral.top_p))), other
+                      top_p=float(defaults.get("top_p", neutral.top_p)),
+                      # vLLM takes -1 for none too (SamplingParams' 0)
+                      top_k=max(int(defaults.get("top_k", neutral.top_k)), 0),
+                      min_p=float(defaults.get("min_p", neutral.min_p))), other
 
 
 def run_single(args: argparse.Namespace, on_loop: Callable[[], None] | None = None) -> None:
