@@ -47,3 +47,41 @@ def test_the_recipes_name_every_real_model_job_and_existing_parsers() -> None:
     parsers = set(re.findall(r"--reasoning-parser (\w+)", RECIPES))
     assert parsers == {"deepseek_r1", "qwen3"}
     assert parsers <= set(ReasoningParserManager.list_registered())
+
+
+# The sampling each real-model recipe's model names in its generation_config.json (its authors'
+# advice, docs/RECIPES.md "Sampling"): what vLLM samples a request that sets none with
+PUBLISHED = {"Qwen/QwQ-32B": {"temperature": 0.6, "top_p": 0.95, "top_k": 40,
+                              "repetition_penalty": 1.0},
+             "Qwen/Qwen3-8B": {"temperature": 0.6, "top_p": 0.95, "top_k": 20},
+             **{f"deepseek-ai/DeepSeek-R1-Distill-{m}": {"temperature": 0.6, "top_p": 0.95}
+                for m in ("Qwen-7B", "Llama-8B", "Qwen-32B")}}
+REAL = [p for p in JOBS if p.name not in {"toy.yaml", "long.yaml"}]
+
+
+@pytest.mark.parametrize("path", REAL, ids=[p.stem for p in REAL])
+def test_a_recipe_samples_as_its_models_generation_config(path: Path, tmp_path: Path) -> None:
+    """Served with the model's own generation config (vLLM's default), a request that sets no
+    sampling is sampled as the recipe's calibration traces were: orca-serve warns of nothing
+    (the model's config file stands in for the hub model's; the demo model's weights are not
+    read)."""
+    import json
+    import shutil
+
+    from orca_method.bundle import Generation
+    from orca_serve.checks.bundle import serving_warnings
+    from orca_serve.startup.preflight import add_orca_args, demo_paths
+    from orca_serve.vllm_compat import launch
+    from tests.bundles import small_bundle
+
+    job = load_job(path)
+    model = tmp_path / "model"
+    shutil.copytree(demo_paths()[0], model, ignore=shutil.ignore_patterns("*.safetensors"))
+    (model / "generation_config.json").write_text(json.dumps(PUBLISHED[job["model"]]))
+    parser = add_orca_args(launch.serve_parser("orca-serve", "test"))
+    served = launch.served_generation(parser.parse_args(["--model", str(model)]))
+    s = CollectSettings(**job["collect"])
+    under = Generation(dtype=served[0].dtype, temperature=s.temperature, top_p=s.top_p,
+                       top_k=s.top_k, min_p=s.min_p)
+    bundle = small_bundle().model_copy(update={"provenance": {"collected_under": under.record()}})
+    assert serving_warnings(bundle, served) == []
