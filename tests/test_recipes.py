@@ -50,7 +50,9 @@ def test_the_recipes_name_every_real_model_job_and_existing_parsers() -> None:
 
 
 # The sampling each real-model recipe's model names in its generation_config.json (its authors'
-# advice, docs/RECIPES.md "Sampling"): what vLLM samples a request that sets none with
+# advice, docs/RECIPES.md "Sampling"): what vLLM samples a request that sets none with. Written
+# from the model cards and files as published; not re-read here (the hub cannot be reached), so
+# a release that changes its file is the deployment's to check (RECIPES says how)
 PUBLISHED = {"Qwen/QwQ-32B": {"temperature": 0.6, "top_p": 0.95, "top_k": 40,
                               "repetition_penalty": 1.0},
              "Qwen/Qwen3-8B": {"temperature": 0.6, "top_p": 0.95, "top_k": 20},
