@@ -21,7 +21,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import math
 import sys
 import time
 from collections import Counter
@@ -126,7 +125,9 @@ class CollectSettings:
         for name, least in (("samples", 1), ("max_tokens", 1), ("seed", 0), ("top_k", 0),
                             ("answer_tokens", 1), ("label_every", 1), ("batch", 1), ("engines", 1)):
             check_whole(f"collect.{name}", getattr(self, name), least)
-        check_number("collect.temperature", self.temperature, 0, math.inf)
+        # vLLM refuses a temperature above 2 (SamplingParams), but only once the engine holds
+        # the model: refused here before anything loads
+        check_number("collect.temperature", self.temperature, 0, 2)
         check_number("collect.top_p", self.top_p, 0, 1, low_open=True)
         check_number("collect.min_p", self.min_p, 0, 1)
         for name in ("segmentation", "think", "engine"):

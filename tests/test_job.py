@@ -207,7 +207,8 @@ def test_job_file_errors(tmp_path) -> None:
     ("collect: {seed: -1}", r"collect.seed is a whole number >= 0, got -1"),
     # these failed after the collection (hours on a real model) or with a traceback
     ("collect: {samples: '2'}", r"collect.samples is a whole number >= 1, got '2'"),
-    ("collect: {temperature: hot}", r"collect.temperature is a number in \[0, inf\], got 'hot'"),
+    ("collect: {temperature: hot}", r"collect.temperature is a number in \[0, 2\], got 'hot'"),
+    ("collect: {temperature: 2.5}", r"collect.temperature is a number in \[0, 2\], got 2.5"),
     ("collect: {top_p: 0}", r"collect.top_p is a number in \(0, 1\], got 0"),
     # the model authors' sampling (docs/RECIPES.md, "Sampling"): top_k 0 and min_p 0 are none
     ("collect: {top_k: -1}", r"collect.top_k is a whole number >= 0, got -1"),
