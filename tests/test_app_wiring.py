@@ -177,3 +177,8 @@ def test_served_generation_is_what_vllm_resolves_for_the_options(tmp_path):
     assert served("--dtype", "bfloat16", "--generation-config", "vllm") == ("bfloat16", 1.0, 1.0)
     assert served("--override-generation-config", '{"temperature": 0.5}')[1:] == (0.5, 0.95)
     assert launch.served_generation(parser.parse_args(["--model", str(tmp_path / "none")])) is None
+    # defaults no request could be sampled with (vLLM refuses them per request, not at start):
+    # nothing to compare, rather than a traceback at start-up
+    for bad in ({"top_p": 0}, {"temperature": -1}, {"top_k": "forty"}, {"min_p": 2}):
+        assert launch.served_generation(parser.parse_args(
+            ["--model", str(model), "--override-generation-config", json.dumps(bad)])) is None

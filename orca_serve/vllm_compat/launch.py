@@ -128,7 +128,8 @@ def served_generation(args: argparse.Namespace
     unless `--generation-config vllm`, then `--override-generation-config`, else SamplingParams'
     defaults: as vLLM's OpenAI server fills them in; QwQ's file names top_k 40); beside it, the
     `OTHER_SAMPLING` defaults such a request gets that are not SamplingParams' own. None if vLLM
-    cannot build the model's config here (its own start then says why)."""
+    cannot build the model's config here (its own start then says why) or its defaults are none a
+    request could be sampled with (vLLM refuses them when a request is sampled, not at start)."""
     from vllm import SamplingParams  # deferred: vllm (resolved at use)
     from vllm.engine.arg_utils import EngineArgs
 
@@ -140,14 +141,18 @@ def served_generation(args: argparse.Namespace
     except Exception:  # noqa: BLE001 - vLLM's own start reports what is wrong
         return None
     neutral = SamplingParams()
-    other = {name: float(defaults[name]) for name in OTHER_SAMPLING
-             if defaults.get(name) is not None and float(defaults[name]) != getattr(neutral, name)}
-    return Generation(dtype=dtype_name(config.dtype),
-                      temperature=float(defaults.get("temperature", neutral.temperature)),
-                      top_p=float(defaults.get("top_p", neutral.top_p)),
-                      # vLLM takes -1 for none too (SamplingParams' 0)
-                      top_k=max(int(defaults.get("top_k", neutral.top_k)), 0),
-                      min_p=float(defaults.get("min_p", neutral.min_p))), other
+    try:
+        other = {name: float(defaults[name]) for name in OTHER_SAMPLING
+                 if defaults.get(name) is not None
+                 and float(defaults[name]) != getattr(neutral, name)}
+        return Generation(dtype=dtype_name(config.dtype),
+                          temperature=float(defaults.get("temperature", neutral.temperature)),
+                          top_p=float(defaults.get("top_p", neutral.top_p)),
+                          # vLLM takes -1 for none too (SamplingParams' 0)
+                          top_k=max(int(defaults.get("top_k", neutral.top_k)), 0),
+                          min_p=float(defaults.get("min_p", neutral.min_p))), other
+    except (TypeError, ValueError):  # defaults vLLM refuses per request (top_p 0, min_p 2)
+        return None
 
 
 def run_single(args: argparse.Namespace, on_loop: Callable[[], None] | None = None) -> None:
