@@ -21,7 +21,7 @@ import stat
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_type_hints
+from typing import Annotated, Any, ClassVar, Literal, get_type_hints
 
 import torch
 from pydantic import (
@@ -192,14 +192,16 @@ class Generation(_Strict):
     # them, whose traces were sampled with neither
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0, le=1)
+    # the sampling fields, and those of them whose 0 is none
+    SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p")
+    NONE_AT_0: ClassVar[tuple[str, ...]] = ("top_k", "min_p")
 
     def record(self) -> dict[str, Any]:
         """As the data's info.json and a bundle's provenance hold it: top_k and min_p only when
         used, so that a collection without them records what one did before they were
         recorded: a set collected then resumes under the same info, and an orca-serve from
         then still reads the bundle (one that uses either, it refuses: an unknown key)."""
-        return self.model_dump(exclude={name for name in ("top_k", "min_p")
-                                        if not getattr(self, name)})
+        return self.model_dump(exclude={name for name in self.NONE_AT_0 if not getattr(self, name)})
 
 
 class LTTRow(_Strict):

@@ -131,12 +131,6 @@ def check_bundle(bundle: Any, model: str, *, served_names: list[str] | None = No
     return facts
 
 
-# the default sampling a bundle records and a server compares; of these, top_k and min_p use
-# none at 0, and a warning names them only where one side uses them
-_SAMPLING = ("temperature", "top_p", "top_k", "min_p")
-_NONE_AT_0 = ("top_k", "min_p")
-
-
 def serving_warnings(bundle: Bundle,
                      served: tuple[Generation, Mapping[str, float]] | None) -> list[str]:
     """One line each where the server generates otherwise than the bundle's calibration data
@@ -160,9 +154,10 @@ def serving_warnings(bundle: Bundle,
                      "reads other hidden states than lambda* was certified on; serve with "
                      f"--dtype {recorded.dtype}")
     if not all(math.isclose(getattr(generation, n), getattr(recorded, n), abs_tol=1e-9)
-               for n in _SAMPLING):
-        shown = [n for n in _SAMPLING
-                 if n not in _NONE_AT_0 or getattr(generation, n) or getattr(recorded, n)]
+               for n in recorded.SAMPLING):
+        # a field whose 0 is none is named only where one side uses it
+        shown = [n for n in recorded.SAMPLING if n not in recorded.NONE_AT_0
+                 or getattr(generation, n) or getattr(recorded, n)]
         lines.append(f"the bundle was calibrated on traces sampled at "
                      f"{_sampling(recorded, shown)}; a request that sets none is sampled here at "
                      f"{_sampling(generation, shown)} (the model's generation_config.json, "
@@ -179,7 +174,7 @@ def serving_warnings(bundle: Bundle,
 
 def _sampling(g: Generation, names: list[str]) -> str:
     """`names` of `g`'s sampling in words, e.g. "temperature 0.6, top_p 0.95, no top_k"."""
-    return ", ".join(f"no {n}" if n in _NONE_AT_0 and not getattr(g, n)
+    return ", ".join(f"no {n}" if n in g.NONE_AT_0 and not getattr(g, n)
                      else f"{n} {getattr(g, n):g}" for n in names)
 
 
