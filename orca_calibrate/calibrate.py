@@ -47,7 +47,7 @@ from orca_method.bundle_checks import check_semantics
 from orca_method.give_up import calibrate_give_up, last_right, mu_grid
 from orca_method.ltt import DEFAULT_EPSILON, DeltaResult, calibrate, default_grid
 from orca_method.normalizations import DEFAULT_NORMALIZATION
-from orca_method.outcomes import GiveUpPolicy, PValue
+from orca_method.outcomes import GiveUpPolicy, PValue, Side
 from orca_method.probe import Probe
 from orca_method.procedure import replay
 from orca_method.risk import is_solvable
@@ -159,9 +159,9 @@ def deciding_points(probe: Probe, ts: TrajectorySet, members: Sequence[int], *, 
     return out
 
 
-def check_labelled(ts: TrajectorySet, members: Sequence[int], side: str, mode: str) -> None:
+def check_labelled(ts: TrajectorySet, members: Sequence[int], side: Side, mode: str) -> None:
     """Refuse traces whose labels were chosen selectively (`extra.selective`) for another label
-    mode's LTT on this `side` ("stop" or "give_up"), or are still pending: their labels are
+    mode's LTT on this `side`, or are still pending: their labels are
     every-step labels only at the points that LTT reads."""
     for i in members:
         sel = (ts.problems[i].extra or {}).get("selective")
@@ -307,9 +307,9 @@ def set_group_tables(probe: Probe, sets: Sequence[TrajectorySet], opts: GroupOpt
     for ts in sets:
         check_made_alike(ts, *made_with)
         members = calibration_only(ts)
-        check_labelled(ts, members, "stop", mode)
+        check_labelled(ts, members, Side.STOP, mode)
         if give_up is not None:
-            check_labelled(ts, members, "give_up", give_up[1].label_mode)
+            check_labelled(ts, members, Side.GIVE_UP, give_up[1].label_mode)
         for g in {group_of(ts, i, opts.field) for i in members} - {None}:
             if named.setdefault(g, str(ts.path)) != str(ts.path):
                 raise ValueError(f"group {g!r:.70} has calibration traces in {named[g]} and in "
@@ -465,9 +465,9 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
     default = default_delta if default_delta is not None else (0.1 if 0.1 in deltas else deltas[0])
     if default not in deltas:
         raise ValueError(f"default delta {default} is not among the calibrated deltas {deltas}")
-    check_labelled(ts, ts.split("calibration"), "stop", mode)
+    check_labelled(ts, ts.split("calibration"), Side.STOP, mode)
     if isinstance(give_up, tuple):
-        check_labelled(ts, ts.split("calibration"), "give_up", give_up[1].label_mode)
+        check_labelled(ts, ts.split("calibration"), Side.GIVE_UP, give_up[1].label_mode)
     everything = score_split(probe, ts, "calibration", mode, window, solvable_only=False)
     scored = everything.solvable()
     results = run_ltt(scored, deltas, epsilon, pvalue)

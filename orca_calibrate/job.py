@@ -66,7 +66,7 @@ from orca_calibrate.train_defaults import (
 from orca_method.answer_probes import COLLECTED_MODES, JUDGE, SUPERVISED
 from orca_method.consensus import prompt_of
 from orca_method.errors import first_line
-from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy, LabelSteps
+from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy, LabelSteps, Side
 from orca_method.trajectories import Split, TrajectorySet, set_splits, split_ids
 from orca_serve.checks.bundle import check_model_folder
 
@@ -507,7 +507,8 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
         deciding = deciding_points(probe, ts, members, mode=meta["label_mode"],
                                    window=ltt.window, label_every=settings.label_every,
                                    give_up=give_up)
-        resolved = {"stop": meta["label_mode"], "give_up": give_up and give_up[1].label_mode}
+        resolved = {Side.STOP: meta["label_mode"],
+                    Side.GIVE_UP: give_up and give_up[1].label_mode}
         stats = label_deferred(data, deciding, collector, resolved, progress)
         (out / "label-stats.json").write_text(json.dumps(stats.as_dict(), indent=1))
         return True

@@ -1,8 +1,9 @@
 """The closed sets of words the method and the server share, one enum each: how a request ended,
-the give-up policies and losses, the audit guards' alarm actions and threshold sources, which
-steps an answer probe labels, LTT's p-values, how a step keyword matches, a vote's weight. The
-values are the wire's words (JSON responses, journals, bundle files and CLI choices hold them as
-plain strings, and a member compares equal to its word); code compares members, never words.
+a choice's finish reason, the two thresholds' sides, the give-up policies and losses, the audit
+guards' alarm actions and threshold sources, which steps an answer probe labels, LTT's p-values,
+how a step keyword matches, a vote's weight. The values are the wire's words (JSON responses,
+journals, bundle files and CLI choices hold them as plain strings, and a member compares equal
+to its word); code compares members, never words.
 Plain Python: the server's request path and the offline CLIs import it without torch."""
 
 import math
@@ -16,6 +17,25 @@ class Ended(StrEnum):
     EARLY = "early"  # the probe's stop: the answer is probably right already
     GAVE_UP = "gave_up"  # the give-up threshold: it will probably not end right
     FULL = "full"  # ran to its own end (or a token budget)
+
+
+class FinishReason(StrEnum):
+    """How a choice finished, in the chat API's words (vLLM's `finish_reason`; the Responses and
+    Messages APIs' own are translated to these: orca_serve/api_server/apis.py); others, such as
+    a tool call's, pass through as vLLM wrote them."""
+
+    STOP = "stop"  # its own end, or a stop string or token
+    LENGTH = "length"  # cut by max_tokens
+    ABORT = "abort"  # aborted (the client left, or the server gave up on it)
+
+
+class Side(StrEnum):
+    """Which threshold a label serves: the stop's lambda* or the give-up's mu* (the keys of a
+    selectively labelled trace's `extra.selective.resolved`: the label mode each side's steps
+    were probed for)."""
+
+    STOP = "stop"
+    GIVE_UP = "give_up"
 
 
 class GiveUpLoss(StrEnum):

@@ -16,19 +16,31 @@ aborted audits"; the table shows their share.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Any
 
-CUT = "length"  # the count of audits cut by max_tokens: their cut is their end (section 10)
+from orca_method.outcomes import FinishReason
+
+
+class Cause(StrEnum):
+    """Why a censored audit did not finish: its attrition count, and its outcome event's "c"
+    (members equal the journal's words)."""
+
+    CUT = "length"  # cut by max_tokens: its cut is its end (section 10)
+    ABORTED = "aborted"  # never finished
+
+
 # finish_reason -> the count it goes to; None: the response never reported one
-INCOMPLETE: dict[str | None, str] = {"length": CUT, "abort": "aborted", None: "aborted"}
+INCOMPLETE: dict[str | None, Cause] = {FinishReason.LENGTH: Cause.CUT,
+                                       FinishReason.ABORT: Cause.ABORTED, None: Cause.ABORTED}
 
 
-def incomplete(finish_reason: str | None) -> str | None:
+def incomplete(finish_reason: str | None) -> Cause | None:
     """The count an audit with this finish_reason goes to when it is censored, else None."""
     return INCOMPLETE.get(finish_reason)
 
 
-def recorded_incomplete(extra: Mapping[str, Any] | None) -> str | None:
+def recorded_incomplete(extra: Mapping[str, Any] | None) -> Cause | None:
     """`incomplete` of a trajectory record's `extra` (docs/TRAJECTORIES.md): what the offline
     tools apply to an audit record, by the server's own rule. A record with a `finish_reason`
     field is judged by it, null included: the server journals an audit whose response never

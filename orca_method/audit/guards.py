@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from orca_method.audit.attrition import CUT
+from orca_method.audit.attrition import Cause
 from orca_method.audit.drift import DriftMonitor, build_reference
 from orca_method.audit.martingale import ConformalMartingale
 from orca_method.audit.sequence import CensoredAlarm
@@ -78,13 +78,13 @@ def cut_feed(scores: np.ndarray, labels: np.ndarray, lam: float, cause: str | No
     that stop, whatever came after, and the label there says whether that answer is right: the
     loss is known and enters uncensored. When it would stop later, the loss is unknown:
     censored, with `worst` 1 for an aborted audit and, for one cut by max_tokens (`cause`
-    CUT), the loss at the cut (the last recorded step), which is the loss of the population
+    `Cause.CUT`), the loss at the cut (the last recorded step), which is the loss of the population
     calibration certified, where a cut trajectory ends at its cut (docs/METHOD.md section 10).
     """
     x = loss(scores, labels, lam)
     if stops_before_end(scores, lam):
         return float(x), False, 1.0
-    return 0.0, True, float(x) if cause == CUT else 1.0
+    return 0.0, True, float(x) if cause == Cause.CUT else 1.0
 
 
 def ltt_lambda(scores: list[np.ndarray], labels: list[np.ndarray], delta: float, *,

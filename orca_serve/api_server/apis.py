@@ -17,7 +17,8 @@ with the Messages body's `vllm_xargs`). So the middleware rewrites all three bod
   Responses: `output_tokens_details.reasoning_tokens`; Anthropic's usage has no such field, so
   there only `orca.reasoning_tokens` says it).
 
-Each `Api` below holds those differences; the middleware (`orca_serve.api_server.server`) calls them.
+Each `Api` below holds those differences; the middleware
+(`orca_serve.api_server.middleware`) calls them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from orca_method.outcomes import FinishReason
 from orca_serve.api_server.vote_stream import (
     Event,
     chunk_events,
@@ -211,9 +213,9 @@ class ResponsesApi(Api):
 
     def finish_reason(self, response: dict[str, Any]) -> str | None:
         if response.get("status") == "completed":
-            return "stop"
+            return FinishReason.STOP
         why = _get(response, "incomplete_details", "reason")
-        return "length" if why == "max_output_tokens" else why or response.get("status")
+        return FinishReason.LENGTH if why == "max_output_tokens" else why or response.get("status")
 
     def as_one(self, response: dict[str, Any]) -> dict[str, Any]:
         return dict(response)
@@ -229,9 +231,10 @@ class ResponsesApi(Api):
             return False
         status, why = obj.get("status"), _get(obj, "incomplete_details", "reason")
         if status == "completed":
-            req.note_finished({0: "stop"})
+            req.note_finished({0: FinishReason.STOP})
         elif status == "incomplete":
-            req.note_finished({0: "length" if why == "max_output_tokens" else "abort"})
+            req.note_finished({0: FinishReason.LENGTH if why == "max_output_tokens"
+                               else FinishReason.ABORT})
         await req.fetch_all()
         self._finish(obj, req)
         return True
@@ -265,9 +268,15 @@ class MessagesApi(Api):
         return anthropic_error(message)
 
     @staticmethod
-    def _note(stop_reason: Any, req: Report) -> None:
-        if isinstance(stop_reason, str):
-            req.note_finished({0: "length" if stop_reason == "max_tokens" else "stop"})
+    def _chat_reason(stop_reason: Any) -> FinishReason | None:
+        """Anthropic's `stop_reason` in chat's terms (`max_tokens`: `length`)."""
+        if not isinstance(stop_reason, str):
+            return None
+        return FinishReason.LENGTH if stop_reason == "max_tokens" else FinishReason.STOP
+
+    def _note(self, stop_reason: Any, req: Report) -> None:
+        if (reason := self._chat_reason(stop_reason)) is not None:
+            req.note_finished({0: reason})
 
     # a vote's sample: vLLM runs a message through its chat route (its X-Request-Id, chat's
     # engine request id), so `sample` is chat's
@@ -278,9 +287,7 @@ class MessagesApi(Api):
                        if isinstance(b, dict) and b.get("type") == "text")
 
     def finish_reason(self, response: dict[str, Any]) -> str | None:
-        """Anthropic's `stop_reason` in chat's terms (`max_tokens`: `length`)."""
-        r = response.get("stop_reason")
-        return None if not isinstance(r, str) else "length" if r == "max_tokens" else "stop"
+        return self._chat_reason(response.get("stop_reason"))
 
     def as_one(self, response: dict[str, Any]) -> dict[str, Any]:
         return response  # a message is one answer

@@ -37,7 +37,7 @@ import numpy as np
 
 from orca_method.answer_probes import answer_after
 from orca_method.consensus import Verdict, verdict
-from orca_method.outcomes import Source, Weighting
+from orca_method.outcomes import FinishReason, Source, Weighting
 from orca_serve.api_server.apis import CHAT, Api, reasoning_spent
 from orca_serve.api_server.asgi import replay_body
 from orca_serve.api_server.report import orca_object, reasoning_total
@@ -352,7 +352,8 @@ class Vote:
                 rep = next(reports)
                 # an aborted sample's own word differs by API (chat `abort`, Messages none,
                 # Responses `stop`: vLLM 0.32 says `completed` for an aborted response)
-                reason = "abort" if s.aborted else self.api.finish_reason(s.response or {})
+                reason = (FinishReason.ABORT if s.aborted
+                          else self.api.finish_reason(s.response or {}))
                 rep.update(finish_reason=reason, answer=s.answer, in_vote=s.voted,
                            aborted=s.aborted, **launched)
                 if self.rule.audited:

@@ -13,10 +13,14 @@ from prometheus_client.registry import Collector
 from orca_method.outcomes import Source
 from orca_serve.live_audit.fleet import store_metrics
 from orca_serve.live_audit.labeller import AUDIT_LABEL_MODE
-from orca_serve.live_audit.live import LiveAudit
+from orca_serve.live_audit.live import AuditCount, LiveAudit
 from orca_serve.live_audit.state import AuditState
-from orca_serve.live_audit.votes import VOTE_COUNTS, VoteAudit
+from orca_serve.live_audit.votes import VoteAudit, VoteCount
 from orca_serve.metrics.prometheus import LABEL
+
+# orca_audit_requests' states (its help names them): those a picked audit ends in
+METRIC_STATES = (AuditCount.LABELLED, AuditCount.DROPPED, AuditCount.FAILED, AuditCount.ABORTED,
+                 AuditCount.LENGTH, AuditCount.NO_STEPS)
 
 
 class AuditCollector(Collector):
@@ -37,7 +41,7 @@ class AuditCollector(Collector):
                                 "aborted (never finished), length (cut by max_tokens), no_steps "
                                 "(no reasoning step to label)",
                                 labels=[LABEL, "state"])
-        for state in ("labelled", "dropped", "failed", "aborted", "length", "no_steps"):
+        for state in METRIC_STATES:
             c.add_metric([m, state], a.counts[state])
         yield c
         fams = {
@@ -144,7 +148,7 @@ def _vote_families(votes: VoteAudit, m: str) -> Iterable[Any]:
                             "censored (a sample failed or the client left first) and refused "
                             "(vLLM refused the request: nothing ran)",
                             labels=[LABEL, "state"])
-    for state in VOTE_COUNTS:
+    for state in VoteCount:
         c.add_metric([m, state], votes.counts[state])
     yield c
     labels = [LABEL, "delta", "delta_vote"]

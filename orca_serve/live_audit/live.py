@@ -44,11 +44,12 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
 
-from orca_method.audit.attrition import incomplete
+from orca_method.audit.attrition import Cause, incomplete
 from orca_method.audit.drift import DriftMonitor
 from orca_method.audit.guards import CS, aligned_scores
 from orca_method.audit.martingale import ConformalMartingale
@@ -81,9 +82,24 @@ class _Job:
     lambda_source: Source = Source.BUNDLE  # the guard's source of the admitted lambda
 
 
-# the request-path counts of a live audit (the table's and the metrics'), by cause
-COUNTS = ("picked", "labelled", "dropped", "failed", "aborted", "length", "unsolvable",
-          "unaligned", "no_steps", "superseded")
+class AuditCount(StrEnum):
+    """The request-path counts of a live audit (the table's keys and the metrics' states)."""
+
+    PICKED = "picked"  # sampled for an audit
+    LABELLED = "labelled"  # labelled to its end: in the risk
+    DROPPED = "dropped"  # the labelling queue was full
+    FAILED = "failed"  # the engine reported no result, an error, or no recording
+    ABORTED = Cause.ABORTED.value  # never finished: in the risk, censored
+    LENGTH = Cause.CUT.value  # cut by max_tokens: in the risk, censored
+    UNSOLVABLE = "unsolvable"  # never right: outside the certified risk
+    UNALIGNED = "unaligned"  # its scores did not match its steps
+    NO_STEPS = "no_steps"  # no reasoning step to label
+    SUPERSEDED = "superseded"  # unfinished when a hot reload retired its audit
+
+
+# the counts of picked audits that did not enter the risk whole (`LiveAudit.attrition`)
+ATTRITION = (AuditCount.DROPPED, AuditCount.FAILED, AuditCount.ABORTED, AuditCount.LENGTH,
+             AuditCount.UNALIGNED, AuditCount.UNSOLVABLE, AuditCount.NO_STEPS)
 
 
 class LiveAudit:
@@ -114,7 +130,7 @@ class LiveAudit:
         self.sequential = sequential
         self.engine_client = engine_client or (lambda: None)
         self.sampler = AuditSampler(config.rate, config.seed)
-        self.counts = dict.fromkeys(COUNTS, 0)
+        self.counts = dict.fromkeys(AuditCount, 0)
         self.retired = False  # replaced by a hot reload: takes nothing in any more
         self._labeller = labeller  # made on first use (needs the engine client), unless given
         self._give_up_probe: Probe | None = None  # the bundle's give-up probe, on first use
@@ -148,7 +164,7 @@ class LiveAudit:
         RNG."""
         if not self.sampler.pick():
             return settings
-        self.counts["picked"] += 1
+        self.counts[AuditCount.PICKED] += 1
         self._pending[settings.key] = ({k: body[k] for k in ("messages", "prompt") if k in body},
                                        self.state.admit())
         return replace(settings, audited=True)
@@ -181,14 +197,14 @@ class LiveAudit:
         reason = finish_reasons.get(0)
         cut = incomplete(reason)
         if cut is not None:  # cut or aborted: its loss is unknown, it enters as censored
-            self.counts[cut] += 1
+            self.counts[AuditCount(cut)] += 1
             if why is not None or no_steps:  # nothing to label: censored without a record
                 return self.state.outcome(seq, AuditOutcome.CENSORED, cause=cut)
         elif no_steps:
-            self.counts["no_steps"] += 1
+            self.counts[AuditCount.NO_STEPS] += 1
             return self.state.outcome(seq, AuditOutcome.OUT)
         elif why is not None:
-            self.counts["failed"] += 1
+            self.counts[AuditCount.FAILED] += 1
             logger.warning("orca audit %s failed: %s", settings.key, why)
             return self.state.outcome(seq, AuditOutcome.OUT)
         self._submit(_Job(settings.key, rec, first, seq, reason, settings.lam_source))
@@ -238,7 +254,7 @@ class LiveAudit:
         try:
             self._queue.put_nowait(job)
         except asyncio.QueueFull:
-            self.counts["dropped"] += 1
+            self.counts[AuditCount.DROPPED] += 1
             return self.state.outcome(job.seq, AuditOutcome.OUT)
         if self._worker is None or self._worker.done():
             self._worker = asyncio.ensure_future(self._work())
@@ -252,7 +268,7 @@ class LiveAudit:
                 await self._process(job)
             except Exception as e:  # noqa: BLE001 - one bad audit must not stop the others
                 if not self.retired:
-                    self.counts["failed"] += 1
+                    self.counts[AuditCount.FAILED] += 1
                     self.state.outcome(job.seq, AuditOutcome.OUT)
                 logger.warning("orca audit %s failed: %r", job.key, e)
 
@@ -325,16 +341,16 @@ class LiveAudit:
         if seq is None:
             seq = self.state.admit()
         if not censored:
-            self.counts["labelled"] += 1
+            self.counts[AuditCount.LABELLED] += 1
         labels = cumulative(np.asarray(raw_labels))
         s = None
         if not is_counted(labels, self.bundle.ltt.excluded_never_correct):
             if not censored:
-                self.counts["unsolvable"] += 1
+                self.counts[AuditCount.UNSOLVABLE] += 1
         else:
             s = aligned_scores(scores, len(labels))
             if s is None:
-                self.counts["unaligned"] += 1
+                self.counts[AuditCount.UNALIGNED] += 1
                 logger.warning("orca audit: %d scores for %d steps; left out", len(scores),
                                len(labels))
         self.state.outcome(
@@ -367,7 +383,7 @@ class LiveAudit:
         """What a hot reload hands this audit as it takes over from a retired one
         (`orca_serve.live_audit.handover.take_over`): that one's unfinished audits, counted as
         `superseded`, and the store to write to (None: its audits are not stored)."""
-        self.counts["superseded"] = superseded
+        self.counts[AuditCount.SUPERSEDED] = superseded
         self.store = store
 
     def close(self) -> None:
@@ -393,10 +409,9 @@ class LiveAudit:
         measured on the rest is not the traffic's. Cut and aborted audits (`length`,
         `aborted`) are in the risk as censored (CensoredAlarm): their share is what widens
         the bounds."""
-        picked = self.counts["picked"]
+        picked = self.counts[AuditCount.PICKED]
         return {k: (self.counts[k] / picked if picked else None)
-                for k in ("dropped", "failed", "aborted", "length", "unaligned", "unsolvable",
-                          "no_steps")}
+                for k in ATTRITION}
 
     def table(self) -> dict[str, Any]:
         """GET /v1/orca/audit."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import replace
+from enum import StrEnum
 from typing import Any
 
 from orca_method.audit.guards import VoteGuard
@@ -42,10 +43,16 @@ from orca_serve.settings.contract import VoteSettings
 
 logger = logging.getLogger("orca_serve.live_audit")
 
-# what became of this process's picked groups (the fleet's are the rows' `n`): measured (their
-# loss is known), censored (a sample failed or the client left before the vote was known: any
-# loss in [0, 1]), refused (vLLM refused the request, a client error: nothing ran, no loss)
-VOTE_COUNTS = ("picked", "measured", "censored", "refused")
+class VoteCount(StrEnum):
+    """What became of this process's picked groups (the fleet's are the rows' `n`): the vote
+    audit's table keys and metric states."""
+
+    PICKED = "picked"
+    MEASURED = "measured"  # its loss is known
+    CENSORED = "censored"  # a sample failed or the client left before the vote was known
+    REFUSED = "refused"  # vLLM refused the request (a client error): nothing ran, no loss
+
+
 SAMPLER_SEED_OFFSET = 1  # the vote's sampler draws apart from the requests' (same --orca-audit-seed)
 
 
@@ -66,7 +73,7 @@ class VoteAudit:
                                                           CensoredAlarm(self.epsilon),
                                                           config.on_alarm)
                        for r in rows if self.epsilon is not None and r.t is not None}
-        self.counts = dict.fromkeys(VOTE_COUNTS, 0)
+        self.counts = dict.fromkeys(VoteCount, 0)
 
     def guard(self, delta: float, delta_vote: float) -> VoteGuard | None:
         for (d, dv), g in self.guards.items():
@@ -83,7 +90,7 @@ class VoteAudit:
         if g is None:
             return vote
         audited = self.sampler.pick()
-        self.counts["picked"] += int(audited)
+        self.counts[VoteCount.PICKED] += int(audited)
         return replace(vote, audited=audited, t_source=g.source)
 
     def event(self, vote: VoteSettings, delta: float, loss: float | None, *,
@@ -94,9 +101,9 @@ class VoteAudit:
         if self.guard(delta, vote.delta_vote) is None:
             return None
         if refused:
-            self.counts["refused"] += 1
+            self.counts[VoteCount.REFUSED] += 1
             return None
-        self.counts["censored" if loss is None else "measured"] += 1
+        self.counts[VoteCount.CENSORED if loss is None else VoteCount.MEASURED] += 1
         return vote_event(delta, vote.delta_vote, loss)
 
     def apply(self, e: dict[str, Any], quiet: bool = False) -> None:
