@@ -50,7 +50,7 @@ from orca_method.bundle import (
 from orca_method.errors import first_line
 from orca_method.ltt import DEFAULT_EPSILON
 from orca_method.outcomes import KeywordMatch
-from orca_method.probe import Probe, ProbeSpec
+from orca_method.probe import EtaMode, Gelu, InnerNorm, Kind, Probe, ProbeSpec
 from orca_serve import __version__
 
 # The authors' step rule and chunk size (their data preparation), and their LTT grid.
@@ -152,12 +152,13 @@ def authors_probe(sd: dict[str, torch.Tensor], config: dict[str, Any]) -> Probe:
         raise ProbeImportError("a probe without online updates is supported only as the plain "
                                "linear no-QK probe")
     try:
-        spec = ProbeSpec(dim=int(dim), kind="qk" if has_k else "noqk",
-                         d_h=int(d_h) if has_k else None, shared_qk=bool(shared),
-                         norm=("ln_res" if flags["use_residual"] else "ln") if ln else "none",
-                         eta_mode="input" if eta_input else "fixed", mlp=mlp,
+        norm = (InnerNorm.LN_RES if flags["use_residual"] else InnerNorm.LN) if ln \
+            else InnerNorm.NONE
+        spec = ProbeSpec(dim=int(dim), kind=Kind.QK if has_k else Kind.NOQK,
+                         d_h=int(d_h) if has_k else None, shared_qk=bool(shared), norm=norm,
+                         eta_mode=EtaMode.INPUT if eta_input else EtaMode.FIXED, mlp=mlp,
                          online=not flags["no_online_update"], ln_eps=AUTHORS_LN_EPS,
-                         gelu="tanh")
+                         gelu=Gelu.TANH)
     except ValueError as e:
         raise ProbeImportError(f"unsupported probe layout: {e}") from None
     d, dw, h = spec.dim, spec.d_w, spec.hidden

@@ -36,7 +36,7 @@ from orca_calibrate.train_defaults import (
 from orca_calibrate.train_resume import Best, Checkpoints, training_key
 from orca_method.give_up import right_ahead
 from orca_method.ltt import calibrate
-from orca_method.probe import Probe, ProbeSpec
+from orca_method.probe import InnerNorm, Kind, Probe, ProbeSpec
 from orca_method.procedure import as_tensor, replay
 from orca_method.risk import is_solvable
 from orca_method.trajectories import TrajectorySet
@@ -117,7 +117,7 @@ class Loader:
 
 def kernel_form(spec: ProbeSpec) -> bool:
     """Variants whose unroll has the Gram-matrix form (linear fast weights, no LayerNorm)."""
-    return not spec.mlp and spec.norm == "none"
+    return not spec.mlp and spec.norm == InnerNorm.NONE
 
 
 def unroll_scores(probe: Probe, phi: torch.Tensor, mask: torch.Tensor,
@@ -133,11 +133,11 @@ def unroll_scores(probe: Probe, phi: torch.Tensor, mask: torch.Tensor,
     zq0, zu0 = q @ w0 + b0, u @ w0 + b0
     if not probe.spec.online:
         return torch.sigmoid(zq0)
-    if gram is not None and probe.spec.kind == "noqk":
+    if gram is not None and probe.spec.kind == Kind.NOQK:
         kq = gram + 1
     else:
         kq = torch.bmm(u, q.transpose(1, 2)) + 1  # [B, s, t]: u_s . q_t + 1 (the +1 is the bias)
-    ku = kq if probe.spec.kind == "noqk" else torch.bmm(u, u.transpose(1, 2)) + 1
+    ku = kq if probe.spec.kind == Kind.NOQK else torch.bmm(u, u.transpose(1, 2)) + 1
     eta = probe.eta(phi.reshape(-1, phi.shape[-1])).reshape(mask.shape) * mask
     steps: list[torch.Tensor] = []  # eta_s * g_s of past steps
     scores = []
@@ -174,7 +174,7 @@ def training_settings(spec: ProbeSpec, options: dict) -> dict:
     if unknown:
         raise ValueError(f"unknown training settings {sorted(unknown)} (known: {sorted(DEFAULTS)})")
     settings = DEFAULTS | {k: v for k, v in options.items() if v is not None}
-    if options.get("epochs") is None and spec.kind != "noqk":
+    if options.get("epochs") is None and spec.kind != Kind.NOQK:
         settings["epochs"] = 10
     check_training(**settings)
     if settings["lr"] is None:
@@ -225,7 +225,7 @@ def meta_train(ts: TrajectorySet, spec: ProbeSpec, mode: str, *, epochs: int = D
     if resumed is not None:
         history, best = resumed.history, resumed.best
     done = resumed.epoch if resumed is not None else 0
-    loader = Loader(ts, mode, batch_size, cache_gram=kernel_form(spec) and spec.kind == "noqk")
+    loader = Loader(ts, mode, batch_size, cache_gram=kernel_form(spec) and spec.kind == Kind.NOQK)
     bar = tqdm(total=epochs * per_epoch, initial=done * per_epoch, desc=f"meta-train {spec.name}",
                disable=not progress, unit="batch")
     # the time rows count from the first epoch's start, across a resume
@@ -372,7 +372,7 @@ def train_probe(ts, probe: str, mode: str, *, d_h: int, seed: int, checkpoints: 
     if probe == "static":
         return train_static(ts, mode, seed=seed), {"probe": probe}
     opts = PROBES[probe]
-    spec = ProbeSpec(dim=ts.dim, d_h=d_h if opts.get("kind") == "qk" else None, **opts)
+    spec = ProbeSpec(dim=ts.dim, d_h=d_h if opts.get("kind") == Kind.QK else None, **opts)
     settings = training_settings(spec, options)
     res = meta_train(ts, spec, mode, seed=seed, checkpoints=checkpoints, progress=progress,
                      **settings)

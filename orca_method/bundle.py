@@ -295,11 +295,17 @@ class GiveUpTable(_Strict):
 
 
 def _spec_fields() -> type[BaseModel]:
-    """A strict pydantic view of ProbeSpec's fields (types and literals read off the dataclass)."""
+    """A strict pydantic view of ProbeSpec's fields (types read off the dataclass; an enum's field
+    as the literal words a bundle's JSON holds)."""
+    def json_type(hint: Any) -> Any:
+        is_words = isinstance(hint, type) and issubclass(hint, StrEnum)
+        return Literal[tuple(str(m) for m in hint)] if is_words else hint
+
     hints = get_type_hints(ProbeSpec)
     return create_model(
         "ProbeSpecFields", __config__=ConfigDict(extra="forbid", strict=True),
-        **{f.name: (hints[f.name], ... if f.default is dataclasses.MISSING else f.default)
+        **{f.name: (json_type(hints[f.name]), ... if f.default is dataclasses.MISSING
+                    else f.default)
            for f in dataclasses.fields(ProbeSpec)})
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
-from typing import Literal
+from enum import StrEnum
 
 import torch
 from torch import Tensor, nn
@@ -25,41 +25,79 @@ ETA_INIT = 0.01
 W0_STD = 0.02
 
 
+class Kind(StrEnum):
+    """The fast weights' input: the step embedding itself, or its projections (paper, Table 5)."""
+
+    NOQK = "noqk"  # u = q = phi
+    QK = "qk"  # u = theta_K phi, q = theta_Q phi (d_h each)
+
+
+class InnerNorm(StrEnum):
+    """A LayerNorm inside the inner loss (never on the scoring path)."""
+
+    NONE = "none"
+    LN = "ln"
+    LN_RES = "ln_res"  # LayerNorm plus the residual
+
+
+class EtaMode(StrEnum):
+    FIXED = "fixed"  # eta_0
+    INPUT = "input"  # eta_0 * sigmoid(a . phi + c)
+
+
+class Gelu(StrEnum):
+    """The MLP probe's activation (torch's `approximate`: none or tanh)."""
+
+    ERF = "erf"
+    TANH = "tanh"
+
+
+# the spec's closed-set fields and their enums: strings (a bundle's JSON, a job's options) are
+# read into members, so a spec compares, hashes and serialises as before
+_WORDS: dict[str, type[StrEnum]] = {"kind": Kind, "norm": InnerNorm, "eta_mode": EtaMode,
+                                    "gelu": Gelu}
+
+
 @dataclass(frozen=True)
 class ProbeSpec:
     """Which variant of the probe (paper, Table 5). The default is the no-QK linear probe."""
 
     dim: int
-    kind: Literal["noqk", "qk"] = "noqk"
+    kind: Kind = Kind.NOQK
     d_h: int | None = None  # projection size for QK
     shared_qk: bool = False  # theta_Q = theta_K
-    norm: Literal["none", "ln", "ln_res"] = "none"  # LayerNorm inside the inner loss
-    eta_mode: Literal["fixed", "input"] = "fixed"  # input-dependent eta(phi)
+    norm: InnerNorm = InnerNorm.NONE  # LayerNorm inside the inner loss
+    eta_mode: EtaMode = EtaMode.FIXED  # input-dependent eta(phi)
     mlp: bool = False  # 2-layer MLP fast weights (hidden 4 d_w, GELU)
     online: bool = True  # False: no inner update (the static baseline folded into a linear probe)
     ln_eps: float = LN_EPS  # epsilon of the inner LayerNorm (the authors' released probes: 1e-6)
-    gelu: Literal["erf", "tanh"] = "erf"  # MLP activation (the authors' probes: tanh approximation)
+    gelu: Gelu = Gelu.ERF  # MLP activation (the authors' probes: tanh approximation)
 
     def __post_init__(self) -> None:
         if self.dim < 1:
             raise ValueError(f"probe dim must be >= 1, got {self.dim}")
-        if self.kind == "qk" and not (self.d_h and self.d_h >= 1):
+        for name, words in _WORDS.items():
+            value = getattr(self, name)
+            if value not in set(words):
+                raise ValueError(f"probe {name} must be one of {[str(w) for w in words]}, "
+                                 f"got {value!r}")
+            object.__setattr__(self, name, words(value))
+        if self.kind == Kind.QK and not (self.d_h and self.d_h >= 1):
             raise ValueError("a QK probe needs d_h >= 1")
-        if self.kind == "noqk" and (self.d_h is not None or self.shared_qk):
+        if self.kind == Kind.NOQK and (self.d_h is not None or self.shared_qk):
             raise ValueError("d_h and shared_qk only apply to the QK probe")
-        if not self.ln_eps > 0 or self.gelu not in ("erf", "tanh"):
-            raise ValueError(f"ln_eps must be > 0 and gelu 'erf' or 'tanh', got {self.ln_eps}, "
-                             f"{self.gelu!r}")
-        if self.mlp and self.norm != "none":
+        if not self.ln_eps > 0:
+            raise ValueError(f"ln_eps must be > 0, got {self.ln_eps}")
+        if self.mlp and self.norm != InnerNorm.NONE:
             raise ValueError("the MLP probe does not take a LayerNorm inner loss")
         if not self.online and (self.kind, self.norm, self.eta_mode, self.mlp) != (
-                "noqk", "none", "fixed", False):
+                Kind.NOQK, InnerNorm.NONE, EtaMode.FIXED, False):
             raise ValueError("a static (online=False) probe is the plain linear no-QK probe")
 
     @property
     def d_w(self) -> int:
         """Width of the fast weights' input."""
-        return self.d_h if self.kind == "qk" else self.dim
+        return self.d_h if self.kind == Kind.QK else self.dim
 
     @property
     def hidden(self) -> int:
@@ -69,10 +107,10 @@ class ProbeSpec:
     def name(self) -> str:
         if not self.online:
             return "static"
-        parts = [self.kind if self.kind == "noqk" else f"qk{self.d_h}"]
+        parts = [str(self.kind) if self.kind == Kind.NOQK else f"qk{self.d_h}"]
         parts += ["shared"] if self.shared_qk else []
-        parts += [self.norm] if self.norm != "none" else []
-        parts += ["eta-input"] if self.eta_mode == "input" else []
+        parts += [str(self.norm)] if self.norm != InnerNorm.NONE else []
+        parts += ["eta-input"] if self.eta_mode == EtaMode.INPUT else []
         parts += ["mlp"] if self.mlp else []
         return "-".join(parts)
 
@@ -87,7 +125,7 @@ class ProbeSpec:
         """Shapes of every slow weight: what a loaded bundle is checked against."""
         d, dw, h = self.dim, self.d_w, self.hidden
         shapes: dict[str, tuple[int, ...]] = {"log_eta": ()}
-        if self.kind == "qk":
+        if self.kind == Kind.QK:
             shapes["theta_q"] = (dw, d)
             if not self.shared_qk:
                 shapes["theta_k"] = (dw, d)
@@ -95,9 +133,9 @@ class ProbeSpec:
             shapes |= {"w1": (h, dw), "b1": (h,), "w2": (h,), "b2": ()}
         else:
             shapes |= {"w": (dw,), "b": ()}
-        if self.norm != "none":
+        if self.norm != InnerNorm.NONE:
             shapes |= {"ln_gamma": (dw,), "ln_beta": (dw,)}
-        if self.eta_mode == "input":
+        if self.eta_mode == EtaMode.INPUT:
             shapes |= {"eta_a": (d,), "eta_c": ()}
         return shapes
 
@@ -140,10 +178,10 @@ class Probe(nn.Module):
 
     # -- features ------------------------------------------------------------------------
     def query(self, phi: Tensor) -> Tensor:
-        return phi @ self.params["theta_q"].T if self.spec.kind == "qk" else phi
+        return phi @ self.params["theta_q"].T if self.spec.kind == Kind.QK else phi
 
     def key(self, phi: Tensor) -> Tensor:
-        if self.spec.kind == "noqk":
+        if self.spec.kind == Kind.NOQK:
             return phi
         theta = self.params["theta_q" if self.spec.shared_qk else "theta_k"]
         return phi @ theta.T
@@ -151,7 +189,7 @@ class Probe(nn.Module):
     def eta(self, phi: Tensor) -> Tensor:
         """Inner learning rate per row: eta_0, or eta_0 * sigmoid(a . phi + c)."""
         eta0 = self.params["log_eta"].exp()
-        if self.spec.eta_mode == "fixed":
+        if self.spec.eta_mode == EtaMode.FIXED:
             return eta0.expand(phi.shape[0])
         return eta0 * torch.sigmoid(phi @ self.params["eta_a"] + self.params["eta_c"])
 
@@ -173,7 +211,8 @@ class Probe(nn.Module):
     def shares_logit(self) -> bool:
         """The inner loss's logit equals the score logit (same weights, q = u, no LayerNorm)."""
         spec = self.spec
-        return not spec.mlp and spec.norm == "none" and (spec.kind == "noqk" or spec.shared_qk)
+        return (not spec.mlp and spec.norm == InnerNorm.NONE
+                and (spec.kind == Kind.NOQK or spec.shared_qk))
 
     def inner_terms(self, fast: Fast, u: Tensor, target: float | Tensor = 0.0,
                     z: Tensor | None = None) -> tuple[Tensor, Tensor, Fast]:
@@ -188,11 +227,12 @@ class Probe(nn.Module):
             a = torch.einsum("nhd,nd->nh", fast["w1"], u) + fast["b1"]
             hid = self._gelu(a)
             p = torch.sigmoid((fast["w2"] * hid).sum(-1) + fast["b2"])
-            dz_da = fast["w2"] * (_gelu_tanh_grad(a) if self.spec.gelu == "tanh" else _gelu_grad(a))
+            dz_da = fast["w2"] * (_gelu_tanh_grad(a) if self.spec.gelu == Gelu.TANH
+                             else _gelu_grad(a))
             parts = {"w1": dz_da[:, :, None] * u[:, None, :], "b1": dz_da, "w2": hid,
                      "b2": torch.ones_like(p)}
         else:
-            z, dz_dw = (z, u) if z is not None and self.spec.norm == "none" else \
+            z, dz_dw = (z, u) if z is not None and self.spec.norm == InnerNorm.NONE else \
                 self._inner_logit(fast, u)
             p = torch.sigmoid(z)
             parts = {"w": dz_dw, "b": torch.ones_like(p)}
@@ -200,11 +240,11 @@ class Probe(nn.Module):
         return p, g, parts
 
     def _gelu(self, a: Tensor) -> Tensor:
-        return nn.functional.gelu(a, approximate="tanh" if self.spec.gelu == "tanh" else "none")
+        return nn.functional.gelu(a, approximate="tanh" if self.spec.gelu == Gelu.TANH else "none")
 
     def _inner_logit(self, fast: Fast, u: Tensor) -> tuple[Tensor, Tensor]:
         """Logit of the inner loss and its derivative w.r.t. the linear fast weights."""
-        if self.spec.norm == "none":
+        if self.spec.norm == InnerNorm.NONE:
             return _rowdot(fast["w"], u) + fast["b"], u
         x = fast["w"] * u
         gamma, beta = self.params["ln_gamma"], self.params["ln_beta"]
@@ -214,7 +254,7 @@ class Probe(nn.Module):
         z = (gamma * xhat + beta).sum(-1) + fast["b"]
         # d sum(LN(x)) / dx: the LayerNorm backward with upstream gradient gamma.
         dz_dx = (gamma - gamma.mean() - xhat * (gamma * xhat).mean(-1, keepdim=True)) / sigma
-        if self.spec.norm == "ln_res":
+        if self.spec.norm == InnerNorm.LN_RES:
             z = z + x.sum(-1)
             dz_dx = dz_dx + 1
         return z, dz_dx * u
