@@ -38,6 +38,7 @@ from orca_calibrate.calibrate import calibrate_bundle, parent_groups, score_spli
 from orca_calibrate.gate import gate_features_of, gate_from_features, options_of
 from orca_calibrate.job_options import GateOptions
 from orca_calibrate.train import meta_train, train_static, training_settings
+from orca_method.answer_probes import CONSISTENT
 from orca_method.audit.attrition import recorded_incomplete
 from orca_method.audit.drift import DRIFT_WINDOW, DriftMonitor
 from orca_method.audit.guards import cut_feed
@@ -54,7 +55,7 @@ from orca_method.give_up import request_give_up_loss
 from orca_method.outcomes import GiveUpLoss
 from orca_method.risk import is_counted, request_losses
 from orca_method.thresholds import lam_to_json
-from orca_method.trajectories import TrajectorySet, split_ids
+from orca_method.trajectories import Split, TrajectorySet, split_ids
 from orca_serve.live_audit.options import EPSILON_SPLITS, EpsilonSplit, guard_epsilon
 
 AUDIT_DIR = re.compile(r"^audit-\d{6}$")  # the server's rotating audit directories
@@ -122,7 +123,7 @@ def unseen(ts: TrajectorySet) -> TrajectorySet:
     """`ts`, unless it holds traces a job put in its training split: a probe was fitted on
     such traces and scores them better than it scores traffic, so as audits they would make a
     bundle look safer than it is (ValueError, one line). The server's audits carry no split."""
-    trained = sum(p.split == "train" for p in ts.problems)
+    trained = sum(p.split == Split.TRAIN for p in ts.problems)
     if trained:
         raise ValueError(f"{trained} of the {len(ts)} traces in {ts.path} are a job's training "
                          "split, which a probe was fitted on: they cannot stand for traffic; "
@@ -196,7 +197,7 @@ def audit_label_mode(bundle: Bundle, ts: TrajectorySet, requested: str | None = 
     """The bundle's label mode when the audits have it, else `consistent` (what live audits
     label: agreement with the request's own final answer)."""
     modes = ts.label_modes
-    mode = requested or (bundle.label_mode if bundle.label_mode in modes else "consistent")
+    mode = requested or (bundle.label_mode if bundle.label_mode in modes else CONSISTENT)
     if mode not in modes:
         raise ValueError(f"label mode {mode!r} is not in {ts.path} (it has {list(modes) or 'none'})")
     return mode
@@ -210,7 +211,8 @@ def window_view(ts: TrajectorySet, last: int | None, splits: dict[str, str] | No
         raise ValueError(f"--last must be >= 1, got {last}")
     start = 0 if last is None else max(0, len(ts) - last)
     idx = range(start, len(ts))
-    problems = [replace(ts.problems[i], split=(splits or {}).get(ts.problems[i].id, "calibration"))
+    problems = [replace(ts.problems[i],
+                        split=(splits or {}).get(ts.problems[i].id, Split.CALIBRATION))
                 for i in idx]
     return TrajectorySet(ts.path, ts.info, problems, [ts.embeddings(i) for i in idx])
 
@@ -524,7 +526,7 @@ def _retrain(bundle: Bundle, ts: TrajectorySet, mode: str, options: dict, *,
              seed: int) -> tuple[Any, dict[str, Any]]:
     """A probe of the bundle's variant, trained on the window's training half."""
     spec = bundle.spec()
-    if not ts.split("train"):
+    if not ts.split(Split.TRAIN):
         raise ValueError("the audit window is too small to retrain: no training problem")
     if not spec.online:
         return train_static(ts, mode, seed=seed), {"probe": "static, retrained"}

@@ -20,6 +20,7 @@ from orca_calibrate.gate import gate_from_trajectories
 from orca_calibrate.group_options import GroupOptions  # re-exported
 from orca_calibrate.job_options import DEFAULT_DELTAS, DEFAULT_WINDOW, GateOptions, LttOptions
 from orca_calibrate.train import solvable
+from orca_method.answer_probes import SUPERVISED
 from orca_method.audit.drift import build_reference
 from orca_method.bundle import (
     COLLECTED_UNDER,
@@ -53,7 +54,7 @@ from orca_method.procedure import replay
 from orca_method.risk import is_solvable
 from orca_method.selective import DecidingSteps, deciding_steps
 from orca_method.thresholds import GROUP_NAME_MAX, lam_to_json
-from orca_method.trajectories import Problem, TrajectorySet
+from orca_method.trajectories import Problem, Split, TrajectorySet
 from orca_serve import __version__
 
 DEFAULT_GIVE_UP_DELTAS = (0.02, 0.05, 0.1)
@@ -70,7 +71,7 @@ class GiveUpOptions:
     """How the give-up threshold is calibrated (docs/METHOD.md section 9); `window` None: the
     bundle's smoothing window, `default_delta` None: 0.05 if calibrated, else the first."""
 
-    label_mode: str = "supervised"
+    label_mode: str = SUPERVISED
     deltas: tuple[float, ...] = DEFAULT_GIVE_UP_DELTAS
     epsilon: float = DEFAULT_EPSILON
     window: int | None = None
@@ -196,7 +197,7 @@ def give_up_block(probe: Probe, ts: TrajectorySet, opts: GiveUpOptions, *, windo
         probe=ProbeBlock(spec=json.loads(probe.spec.to_json()), weights=encode_weights(probe),
                          eta=probe.params["log_eta"].exp().item()),
         window=window, label_mode=opts.label_mode, default_delta=default, policy=opts.policy,
-        ltt=give_up_table(probe, ts, ts.split("calibration"), opts, window=window,
+        ltt=give_up_table(probe, ts, ts.split(Split.CALIBRATION), opts, window=window,
                           pvalue=pvalue))
 
 
@@ -236,7 +237,7 @@ def group_tables(probe: Probe, ts: TrajectorySet, opts: GroupOptions, *, mode: s
     fewer than `opts.min_n` solvable traces (its lambda* n_cal) gets none, with a printed note;
     `give_up` (a give-up probe and its options): mu* on all of the group's traces too."""
     members: dict[str, list[int]] = {}
-    for i in ts.split("calibration") if calibration is None else calibration:
+    for i in ts.split(Split.CALIBRATION) if calibration is None else calibration:
         g = group_of(ts, i, opts.field)
         if g is not None:
             members.setdefault(g, []).append(i)
@@ -438,7 +439,7 @@ def make_bundle(probe: Probe, ts: TrajectorySet, results: list[DeltaResult], *, 
                     **provenance})
 
 
-def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = "supervised",
+def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = SUPERVISED,
                      deltas: Sequence[float] = DEFAULT_DELTAS, epsilon: float = DEFAULT_EPSILON,
                      pvalue: PValue = PValue.BINOMIAL, window: int = DEFAULT_WINDOW,
                      default_delta: float | None = None,
@@ -465,10 +466,10 @@ def calibrate_bundle(probe: Probe, ts: TrajectorySet, out: Path, *, mode: str = 
     default = default_delta if default_delta is not None else (0.1 if 0.1 in deltas else deltas[0])
     if default not in deltas:
         raise ValueError(f"default delta {default} is not among the calibrated deltas {deltas}")
-    check_labelled(ts, ts.split("calibration"), Side.STOP, mode)
+    check_labelled(ts, ts.split(Split.CALIBRATION), Side.STOP, mode)
     if isinstance(give_up, tuple):
-        check_labelled(ts, ts.split("calibration"), Side.GIVE_UP, give_up[1].label_mode)
-    everything = score_split(probe, ts, "calibration", mode, window, solvable_only=False)
+        check_labelled(ts, ts.split(Split.CALIBRATION), Side.GIVE_UP, give_up[1].label_mode)
+    everything = score_split(probe, ts, Split.CALIBRATION, mode, window, solvable_only=False)
     scored = everything.solvable()
     results = run_ltt(scored, deltas, epsilon, pvalue)
     tables = None

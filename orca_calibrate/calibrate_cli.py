@@ -22,6 +22,7 @@ from orca_calibrate.plan import DEFAULT_PILOT
 from orca_calibrate.probe_variants import PROBES
 from orca_calibrate.synth import disk_room, generate
 from orca_calibrate.train_defaults import DEFAULT_D_H, DEFAULT_PROBE, DEFAULTS, EPOCH_SELECT
+from orca_method.answer_probes import CONSISTENT, SUPERVISED
 from orca_method.covariate_shift import DEFAULT_RATIO_RANK
 from orca_method.ltt import DEFAULT_EPSILON
 from orca_method.normalizations import DEFAULT_NORMALIZATION, NORMALIZATIONS
@@ -34,7 +35,9 @@ from orca_method.shift_gate import (
 )
 from orca_method.trajectories import (
     DTYPES,
+    SPLITS,
     STORED_DTYPE,
+    Split,
     TrajectoryError,
     TrajectorySet,
     import_pickle,
@@ -85,7 +88,7 @@ def cmd_synth(a: argparse.Namespace) -> None:
 
 def _label_mode(ts, requested: str | None) -> str:
     modes = ts.label_modes
-    mode = requested or ("supervised" if "supervised" in modes else (modes[0] if modes else None))
+    mode = requested or (SUPERVISED if SUPERVISED in modes else (modes[0] if modes else None))
     if mode is None or mode not in modes:
         raise UsageError(f"label mode {mode!r} is not in {ts.path} (it has {list(modes) or 'none'})")
     return mode
@@ -95,7 +98,7 @@ def cmd_train(a: argparse.Namespace) -> None:
     from orca_calibrate.train import save_probe, train_probe  # deferred: torch (not needed by --help)
     ts = _open(a.data, a.pickle_labels)
     mode = _label_mode(ts, a.label_mode)
-    if not ts.split("train"):
+    if not ts.split(Split.TRAIN):
         raise UsageError(f"{a.data} has no problem in the train split")
     out = Path(a.out)
     ckpt = Path(a.checkpoints) if a.checkpoints else out.with_suffix(".ckpt")
@@ -147,7 +150,7 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
     check_on_data(a, bundle, ts)
     split = a.split
     if split is None:  # the test split; a set without splits (e.g. a job's shifted set): all
-        split = "test" if ts.split("test") else "all"
+        split = Split.TEST if ts.split(Split.TEST) else "all"
         if split == "all":
             print(f"{a.data} has no test split: evaluating all {len(ts)} problems",
                   file=sys.stderr)
@@ -516,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("evaluate", help="replay a bundle on held-out trajectories")
     data_arg(p)
     p.add_argument("--bundle", required=True)
-    p.add_argument("--split", choices=["test", "calibration", "train", "all"], default=None,
+    p.add_argument("--split", choices=[*SPLITS, "all"], default=None,
                    help="problems to replay (default: the test split, or all problems when the "
                    "data has no test split)")
     p.add_argument("--json", help="write the report here")
@@ -530,7 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=out_dir, required=True)
     p.add_argument("--probes", nargs="+", default=["static", "ttt-noqk", "ttt-qk"],
                    choices=sorted(PROBES))
-    p.add_argument("--label-modes", nargs="+", default=["supervised", "consistent"])
+    p.add_argument("--label-modes", nargs="+", default=[SUPERVISED, CONSISTENT])
     p.add_argument("--d-h", type=integer(1), default=DEFAULT_D_H)
     window_arg(p)
     training_args(p)

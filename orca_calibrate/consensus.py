@@ -88,7 +88,7 @@ def hold_out(ts: TrajectorySet, opts: ConsensusOptions) -> tuple[TrajectorySet, 
     """(the set as lambda*'s calibration sees it, the held-out traces for t): a seeded share of
     the calibration split's prompts, all samples of a prompt together, leaves that split (in
     memory only; problems.jsonl keeps its splits)."""
-    cal = ts.split("calibration")
+    cal = ts.split(Split.CALIBRATION)
     out = held_ids([ts.problems[i].id for i in cal], opts)
     held = [i for i in cal if ts.problems[i].id in out]
     return ts.with_splits({i: None for i in held}), held

@@ -31,7 +31,7 @@ from orca_method.bundle import (
     save_bundle,
 )
 from orca_method.shift_gate import gate_features
-from orca_method.trajectories import TrajectorySet
+from orca_method.trajectories import Split, TrajectorySet
 
 if TYPE_CHECKING:
     from orca_calibrate.collect import Collector
@@ -46,8 +46,8 @@ def gate_from_trajectories(ts: TrajectorySet, opts: GateOptions = GateOptions()
                            ) -> GateReference | None:
     """The gate fitted on the training split and scored on the calibration split (None when
     either has too few trajectories long enough to be gated)."""
-    fit = gate_features_of([ts.embeddings(i) for i in ts.split("train")], opts.steps)
-    cal = gate_features_of([ts.embeddings(i) for i in ts.split("calibration")], opts.steps)
+    fit = gate_features_of([ts.embeddings(i) for i in ts.split(Split.TRAIN)], opts.steps)
+    cal = gate_features_of([ts.embeddings(i) for i in ts.split(Split.CALIBRATION)], opts.steps)
     if len(fit) < 2 or len(cal) < 1:
         return None
     return _reference(fit, cal, opts)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from orca_calibrate.train import save_probe
+from orca_method.answer_probes import SUPERVISED
 from orca_method.bundle import (
     SCHEMA_VERSION,
     Bundle,
@@ -273,7 +274,7 @@ def import_probe(probe_pt: str | Path, lambdas: str | Path, model: str, out: str
         raise ProbeImportError(f"{cfg_path} not found")
     cfg = _read_config(cfg_path)
     probe = authors_probe(_load_state_dict(probe_pt), cfg)
-    label_mode = label_mode or str(cfg.get("label_mode") or "supervised")
+    label_mode = label_mode or str(cfg.get("label_mode") or SUPERVISED)
     if probe_out is not None:
         save_probe(probe, Path(probe_out), {"imported_probe": str(probe_pt),
                                             "label_mode": label_mode})

@@ -498,7 +498,7 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
 
     def label() -> bool:
         ts = TrajectorySet.open(data)
-        members = [i for i in ts.split("calibration")
+        members = [i for i in ts.split(Split.CALIBRATION)
                    if "selective" in (ts.problems[i].extra or {})]
         if not members:
             return False  # nothing labelled: the later stages need not rerun
@@ -555,13 +555,13 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
         bundle, ts = load_bundle(bundle_file), TrajectorySet.open(data)
         check_bundle(bundle, data_target(ts.info, ts.dim))  # as `orca-calibrate evaluate` does
         rows, reports = [], {}
-        if ts.split("test"):  # split.fractions may give it none
-            report, scored = evaluate_bundle(bundle, ts, "test")
+        if ts.split(Split.TEST):  # split.fractions may give it none
+            report, scored = evaluate_bundle(bundle, ts, Split.TEST)
             plot_report(bundle, scored, report, out / "plots")
             rows.append(("test split", report))
             reports["test"] = report
             if bundle.consensus is not None:
-                reports["consensus"] = evaluate_consensus(bundle, ts, "test")
+                reports["consensus"] = evaluate_consensus(bundle, ts, Split.TEST)
         if shifted.exists():
             rep, _ = evaluate_bundle(bundle, TrajectorySet.open(shifted), "all")
             rows.append(("shifted family", rep))

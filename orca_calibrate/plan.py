@@ -130,7 +130,7 @@ def plan_job(path: Path, pilot: int = DEFAULT_PILOT, seed: int = 0,
     if n == 0:
         raise ValueError(f"the pilot's {len(chosen)} prompts gave no trace with a step")
     # one epoch of the job's training on the pilot traces, all of them as training
-    set_splits(ts.path, {p.id: "train" for p in ts.problems})
+    set_splits(ts.path, {p.id: Split.TRAIN for p in ts.problems})
     ts = TrajectorySet.open(ts.path)
     tr = job.get("train") or {}
     name, options = tr.get("probe", DEFAULT_PROBE), {k: v for k, v in tr.items()

@@ -41,7 +41,7 @@ from orca_method.covariate_shift import (
 from orca_method.probe import Probe
 from orca_method.risk import is_solvable
 from orca_method.shift_gate import DEFAULT_GATE_STEPS, gate_features
-from orca_method.trajectories import TrajectorySet
+from orca_method.trajectories import Split, TrajectorySet
 
 
 def gate_steps(bundle: Bundle) -> int:
@@ -150,8 +150,8 @@ def reweight_bundle(job: Path, traffic: np.ndarray, out: Path, *, source: str, s
         raise ValueError(f"dimensions differ: bundle {parent.model.hidden_size}, job "
                          f"trajectories {ts.dim}, traffic features {traffic.shape[1]}")
     steps = gate_steps(parent)
-    _, ref = features_of(ts, ts.split("train"), steps)
-    cal_idx, cal = features_of(ts, ts.split("calibration"), steps)
+    _, ref = features_of(ts, ts.split(Split.TRAIN), steps)
+    cal_idx, cal = features_of(ts, ts.split(Split.CALIBRATION), steps)
     if not cal_idx:
         raise ValueError(f"{ts.path} has no calibration trace with gate features (step "
                          f"{steps} + 1)")
@@ -183,7 +183,7 @@ def reweight_bundle(job: Path, traffic: np.ndarray, out: Path, *, source: str, s
                                  if isinstance(give_up, tuple) else "the parent bundle's, kept "
                                  f"as calibrated (in distribution: {ts.path} has no "
                                  f"'{parent.give_up.label_mode}' labels to recertify it on)")
-    fresh = calibrate_bundle(parent.load_probe(), _view(ts, ts.split("train"), kept), out,
+    fresh = calibrate_bundle(parent.load_probe(), _view(ts, ts.split(Split.TRAIN), kept), out,
                              mode=mode, deltas=parent.deltas(), epsilon=parent.ltt.epsilon,
                              pvalue=parent.ltt.pvalue, window=parent.window,
                              default_delta=parent.default_delta, provenance=provenance,
@@ -212,6 +212,6 @@ def _view(ts: TrajectorySet, train: Sequence[int], calibration: Sequence[int]) -
     """The training split and the kept calibration traces as a set of their own (no copy of the
     embeddings), for the calibrate stage to replay the kept ones."""
     idx = [*train, *calibration]
-    problems = [replace(ts.problems[i], split="train" if k < len(train) else "calibration")
+    problems = [replace(ts.problems[i], split=Split.TRAIN if k < len(train) else Split.CALIBRATION)
                 for k, i in enumerate(idx)]
     return TrajectorySet(ts.path, ts.info, problems, [ts.embeddings(i) for i in idx])

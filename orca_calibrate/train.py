@@ -39,7 +39,7 @@ from orca_method.ltt import calibrate
 from orca_method.probe import InnerNorm, Kind, Probe, ProbeSpec
 from orca_method.procedure import as_tensor, replay
 from orca_method.risk import is_solvable
-from orca_method.trajectories import TrajectorySet
+from orca_method.trajectories import Split, TrajectorySet
 
 VALIDATION_DELTA = 0.1
 
@@ -201,7 +201,7 @@ def meta_train(ts: TrajectorySet, spec: ProbeSpec, mode: str, *, epochs: int = D
     lr = lr_for_batch(batch_size) if lr is None else lr
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    train = solvable(ts, ts.split("train"), mode)
+    train = solvable(ts, ts.split(Split.TRAIN), mode)
     if len(train) < MIN_TRAIN_PROBLEMS:
         raise ValueError(f"the training split has {len(train)} problems with a correct step under "
                          f"label mode '{mode}'; at least {MIN_TRAIN_PROBLEMS} are needed")
@@ -277,7 +277,7 @@ def train_static(ts: TrajectorySet, mode: str, *, pca_dim: int = 256, c: float =
     The fitted pipeline is affine up to the sigmoid, so it is folded into a linear probe with no
     online update: the server and replay run it with the same code as the TTT probes.
     """
-    train = solvable(ts, ts.split("train"), mode)
+    train = solvable(ts, ts.split(Split.TRAIN), mode)
     if not train:
         raise ValueError(f"the training split has no problem with a correct step under '{mode}'")
     return fit_static([ts.embeddings(i) for i in train], [ts.labels(i, mode) for i in train],
@@ -289,7 +289,7 @@ def train_give_up(ts: TrajectorySet, mode: str, *, seed: int = 0) -> Probe:
     trajectory, each step labelled with whether a right answer lies at it or later under `mode`
     (a reference label mode, raw per-step labels: `right_ahead`), so its score estimates
     P(continuing can still reach a right answer | this step): what the give-up loss counts."""
-    train = ts.split("train")
+    train = ts.split(Split.TRAIN)
     targets = [right_ahead(ts.raw_labels(i, mode)) for i in train]
     ahead = sum(int(t.sum()) for t in targets)
     if not train or ahead == 0 or ahead == sum(t.size for t in targets):

@@ -37,7 +37,12 @@ from pydantic import (
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from orca_method.answer_probes import CONSISTENT, DEFAULT_ANSWER_TOKENS, DEFAULT_SUFFIX
+from orca_method.answer_probes import (
+    CONSISTENT,
+    DEFAULT_ANSWER_TOKENS,
+    DEFAULT_SUFFIX,
+    SUPERVISED,
+)
 from orca_method.consensus import (
     ALL_AT_ONCE_VERSION,
     CONFIDENT_VERSION,
@@ -460,7 +465,7 @@ class Bundle(_Strict):
     # every bundle (the demo's are 1 and 3), and scores smoothed otherwise than calibrated void
     # the certificate; save_bundle has always written it (model_dump keeps defaults)
     window: int = Field(ge=1, le=MAX_WINDOW)
-    label_mode: str = Field("supervised", min_length=1)
+    label_mode: str = Field(SUPERVISED, min_length=1)
     ltt: LTTTable
     default_delta: float = Field(gt=0, lt=1)
     # what made it, free-form, but for `collected_under` (`Generation`), read by the server
