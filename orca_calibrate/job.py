@@ -25,6 +25,7 @@ import shutil
 import time
 from collections import Counter
 from dataclasses import asdict, fields, is_dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -75,7 +76,19 @@ T = TypeVar("T")
 # the trajectory directories of a job's `out`: its prompts, its shifted prompts, and (one
 # folder per prompt file, named by its stem) its groups' calibration-only prompts
 TRAJECTORIES, SHIFTED, GROUP_SETS = "trajectories", "trajectories-shifted", "trajectories-groups"
-STAGES = ("collect", "split", "train", "label", "groups", "calibrate", "evaluate")
+class Stage(StrEnum):
+    """A job's stages, in the order they run (each resumable: its `.done-<stage>` marker)."""
+
+    COLLECT = "collect"
+    SPLIT = "split"
+    TRAIN = "train"
+    LABEL = "label"
+    GROUPS = "groups"
+    CALIBRATE = "calibrate"
+    EVALUATE = "evaluate"
+
+
+STAGES = tuple(Stage)
 # `train:` keys of a job besides the `meta_train` settings (orca_calibrate.train_defaults.DEFAULTS)
 TRAIN_JOB_KEYS = {"probe", "label_mode", "seed", "d_h"}
 
@@ -303,9 +316,9 @@ def block_options(cls: type[T], block: dict[str, Any]) -> T:
 
 # What each stage's result depends on, beyond the stages before it.
 # (`label` reads the calibrate block: its grid points come from the probes and window there)
-STAGE_KEYS = {"collect": ("model", "prompts", "shifted_prompts", "collect"), "split": ("split",),
-              "train": ("train",), "label": ("calibrate",), "groups": ("group_prompts",),
-              "calibrate": (), "evaluate": ()}
+STAGE_KEYS = {Stage.COLLECT: ("model", "prompts", "shifted_prompts", "collect"),
+              Stage.SPLIT: ("split",), Stage.TRAIN: ("train",), Stage.LABEL: ("calibrate",),
+              Stage.GROUPS: ("group_prompts",), Stage.CALIBRATE: (), Stage.EVALUATE: ()}
 
 
 def selective(job: dict[str, Any]) -> bool:
@@ -313,7 +326,7 @@ def selective(job: dict[str, Any]) -> bool:
     return (job.get("collect") or {}).get("label_steps") == LabelSteps.SELECTIVE
 
 
-def stage_settings(job: dict[str, Any]) -> dict[str, str]:
+def stage_settings(job: dict[str, Any]) -> dict[Stage, str]:
     """A fingerprint per stage of the settings it depends on, its predecessors' included (with
     selective labelling the split is a collection setting: it says what is left unprobed)."""
     def plain(v: Any) -> Any:  # the judge settings are a dataclass
@@ -321,14 +334,14 @@ def stage_settings(job: dict[str, Any]) -> dict[str, str]:
 
     out, seen = {}, {}
     for name in STAGES:
-        keys = STAGE_KEYS[name] + (("split",) if name == "collect" and selective(job) else ())
+        keys = STAGE_KEYS[name] + (("split",) if name == Stage.COLLECT and selective(job) else ())
         seen.update({k: job.get(k) for k in keys})
         text = json.dumps(seen, sort_keys=True, default=plain)
         out[name] = hashlib.sha256(text.encode()).hexdigest()[:16]
     return out
 
 
-def _done(out: Path, name: str) -> str | None:
+def _done(out: Path, name: Stage) -> str | None:
     """The settings fingerprint stage `name` of the job in `out` was finished with (None: not
     finished; "unknown": a marker from before settings were recorded)."""
     marker = out / f".done-{name}"
@@ -341,7 +354,7 @@ def _done(out: Path, name: str) -> str | None:
 def collected(out: Path, settings: str) -> bool:
     """Whether the job in `out` is collected with these collect settings; refuses a collection
     made with other ones (mixing would corrupt the set)."""
-    done = _done(out, "collect")
+    done = _done(out, Stage.COLLECT)
     if done not in (None, "unknown", settings):
         raise JobError(f"the collect settings (model, prompts, collect block, and the split "
                        f"with selective labelling) changed since "
@@ -349,11 +362,11 @@ def collected(out: Path, settings: str) -> bool:
     return done is not None
 
 
-def _stage(out: Path, name: str, outputs: list[Path], fn, log: list[str], settings: str,
+def _stage(out: Path, name: Stage, outputs: list[Path], fn, log: list[str], settings: str,
            rerun: bool) -> bool:
     """Run one stage unless it is done with the same settings; returns whether it ran and
     changed something (a stage whose `fn` returns False ran without changing anything)."""
-    current = collected(out, settings) if name == "collect" else _done(out, name) == settings
+    current = collected(out, settings) if name == Stage.COLLECT else _done(out, name) == settings
     if not rerun and current and all(p.exists() for p in outputs):
         log.append(f"{name}: done already, skipped")
         return False
@@ -419,7 +432,7 @@ def collect_shard(path: Path, shard: int, of: int | None = None) -> Stats | None
     if not 0 <= shard < n:
         raise JobError(f"shard {shard} of {n}: a shard is 0 to {n - 1}")
     out = Path(job["out"])
-    if collected(out, stage_settings(job)["collect"]):
+    if collected(out, stage_settings(job)[Stage.COLLECT]):
         return None
     settings = CollectSettings(**(job.get("collect") or {}))
     with claim_shard(out / SHARDS, shard):  # before write_spec: it unmarks the shard complete
@@ -571,23 +584,23 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
             (markdown_table(rows) if rows else "nothing evaluated: the split has no test part "
              "and the job no shifted_prompts") + "\n")
 
-    stages = {"collect": (collect, [data / "problems.jsonl"]), "split": (split, []),
-              "train": (train, [probe_file]), "label": (label, []),
-              "groups": (groups, [d / "problems.jsonl" for _, d in group_sets(job)]),
-              "calibrate": (calibrate, [bundle_file]),
-              "evaluate": (evaluate, [out / "evaluation.json"])}
+    stages = {Stage.COLLECT: (collect, [data / "problems.jsonl"]), Stage.SPLIT: (split, []),
+              Stage.TRAIN: (train, [probe_file]), Stage.LABEL: (label, []),
+              Stage.GROUPS: (groups, [d / "problems.jsonl" for _, d in group_sets(job)]),
+              Stage.CALIBRATE: (calibrate, [bundle_file]),
+              Stage.EVALUATE: (evaluate, [out / "evaluation.json"])}
     fingerprints, rerun = stage_settings(job), False
     try:
         for name in STAGES:
             fn, outputs = stages[name]
             rerun |= _stage(out, name, outputs, fn, log, fingerprints[name], rerun)  # later follow
-            if name == "collect":  # merged and recorded: the shards' copies are not needed
+            if name == Stage.COLLECT:  # merged and recorded: the shards' copies are not needed
                 shutil.rmtree(out / SHARDS, ignore_errors=True)
             if progress:
                 print(log[-1], flush=True)
             # vLLM ends with the last stage that probes: collect, or label when selective, and
             # (an engine of its own, started when it has something to collect) groups
-            if engine and name in ("label" if selective(job) else "collect", "groups"):
+            if engine and name in (Stage.LABEL if selective(job) else Stage.COLLECT, Stage.GROUPS):
                 engine.pop().close()
     finally:
         if engine:
