@@ -138,7 +138,7 @@ def make_bundle(path: Path, model_dir: Path, *, hidden: int = HIDDEN, bias: floa
     one_sided = tiny_bundle(probe, DELTAS.items(), vocab=vocab, window=3, name=model_dir.name,
                             default_delta=0.2, provenance={"test": "test_server", **(
                                 {} if collected_under is None
-                                else {COLLECTED_UNDER: collected_under.model_dump()})})
+                                else {COLLECTED_UNDER: collected_under.record()})})
     two_sided = with_give_up(one_sided, GIVE_UP_DELTAS.items(), default_delta=0.05)
     if gate:
         two_sided = with_groups(two_sided.model_copy(update={"shift_gate": far_gate(hidden)}),
