@@ -227,7 +227,7 @@ class ResponsesApi(Api):
         return response_events(response)
 
     async def on_json(self, obj: Any, req: Report) -> bool:
-        if not isinstance(obj, dict) or obj.get("object") != "response":
+        if not self.is_response(obj):
             return False
         status, why = obj.get("status"), _get(obj, "incomplete_details", "reason")
         if status == "completed":

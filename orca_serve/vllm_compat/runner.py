@@ -51,6 +51,7 @@ keeps its logits processors, for the worker extension's RPCs.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import weakref
@@ -127,24 +128,21 @@ def _on_stack(cls: type, what: str, without: str) -> Any:
     return None
 
 
-def _v1_class() -> type | None:
-    """vLLM's V1 `GPUModelRunner` (the CPU runner subclasses it); None without it."""
+def _runner_class(module: str) -> type | None:
+    """The `GPUModelRunner` of one of vLLM's runner modules (the CPU runners subclass it); None
+    without it. Deferred: vllm (resolved at use)."""
     try:
-        # deferred: vllm (resolved at use)
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        return importlib.import_module(module).GPUModelRunner
     except ImportError:
         return None
-    return GPUModelRunner
+
+
+def _v1_class() -> type | None:
+    return _runner_class("vllm.v1.worker.gpu_model_runner")  # V1
 
 
 def _mrv2_class() -> type | None:
-    """vLLM's Model Runner V2 `GPUModelRunner` (its CPU runner subclasses it); None without it."""
-    try:
-        # deferred: vllm (resolved at use)
-        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-    except ImportError:
-        return None
-    return GPUModelRunner
+    return _runner_class("vllm.v1.worker.gpu.model_runner")  # Model Runner V2
 
 
 class V1Runner:
