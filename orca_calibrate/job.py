@@ -76,6 +76,8 @@ T = TypeVar("T")
 # the trajectory directories of a job's `out`: its prompts, its shifted prompts, and (one
 # folder per prompt file, named by its stem) its groups' calibration-only prompts
 TRAJECTORIES, SHIFTED, GROUP_SETS = "trajectories", "trajectories-shifted", "trajectories-groups"
+
+
 class Stage(StrEnum):
     """A job's stages, in the order they run (each resumable: its `.done-<stage>` marker)."""
 

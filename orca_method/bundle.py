@@ -58,7 +58,7 @@ from orca_method.outcomes import (
     PValue,
     Weighting,
 )
-from orca_method.probe import Probe, ProbeSpec
+from orca_method.probe import SPEC_WORDS, Probe, ProbeSpec
 from orca_method.shift_gate import DEFAULT_GATE_RANK, ShiftGate, fit_gate, give_up_level
 from orca_method.steps import DEFAULT_DELIMITER, THINK_END, THINK_START
 from orca_method.thresholds import (
@@ -301,16 +301,12 @@ class GiveUpTable(_Strict):
 
 def _spec_fields() -> type[BaseModel]:
     """A strict pydantic view of ProbeSpec's fields (types read off the dataclass; an enum's field
-    as the literal words a bundle's JSON holds)."""
-    def json_type(hint: Any) -> Any:
-        is_words = isinstance(hint, type) and issubclass(hint, StrEnum)
-        return Literal[tuple(str(m) for m in hint)] if is_words else hint
-
-    hints = get_type_hints(ProbeSpec)
+    as the literal words a bundle's JSON holds, as before they were enums)."""
+    hints = get_type_hints(ProbeSpec) | {
+        name: Literal[tuple(str(m) for m in words)] for name, words in SPEC_WORDS.items()}
     return create_model(
         "ProbeSpecFields", __config__=ConfigDict(extra="forbid", strict=True),
-        **{f.name: (json_type(hints[f.name]), ... if f.default is dataclasses.MISSING
-                    else f.default)
+        **{f.name: (hints[f.name], ... if f.default is dataclasses.MISSING else f.default)
            for f in dataclasses.fields(ProbeSpec)})
 
 

@@ -14,6 +14,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from enum import StrEnum
+from typing import get_type_hints
 
 import torch
 from torch import Tensor, nn
@@ -52,12 +53,6 @@ class Gelu(StrEnum):
     TANH = "tanh"
 
 
-# the spec's closed-set fields and their enums: strings (a bundle's JSON, a job's options) are
-# read into members, so a spec compares, hashes and serialises as before
-_WORDS: dict[str, type[StrEnum]] = {"kind": Kind, "norm": InnerNorm, "eta_mode": EtaMode,
-                                    "gelu": Gelu}
-
-
 @dataclass(frozen=True)
 class ProbeSpec:
     """Which variant of the probe (paper, Table 5). The default is the no-QK linear probe."""
@@ -76,12 +71,12 @@ class ProbeSpec:
     def __post_init__(self) -> None:
         if self.dim < 1:
             raise ValueError(f"probe dim must be >= 1, got {self.dim}")
-        for name, words in _WORDS.items():
-            value = getattr(self, name)
-            if value not in set(words):
+        for name, words in SPEC_WORDS.items():  # a word (a bundle's JSON, a job's options): a member
+            try:
+                object.__setattr__(self, name, words(getattr(self, name)))
+            except ValueError:
                 raise ValueError(f"probe {name} must be one of {[str(w) for w in words]}, "
-                                 f"got {value!r}")
-            object.__setattr__(self, name, words(value))
+                                 f"got {getattr(self, name)!r}") from None
         if self.kind == Kind.QK and not (self.d_h and self.d_h >= 1):
             raise ValueError("a QK probe needs d_h >= 1")
         if self.kind == Kind.NOQK and (self.d_h is not None or self.shared_qk):
@@ -138,6 +133,13 @@ class ProbeSpec:
         if self.eta_mode == EtaMode.INPUT:
             shapes |= {"eta_a": (d,), "eta_c": ()}
         return shapes
+
+
+# ProbeSpec's closed-set fields and their enums, read off its annotations: a member compares,
+# hashes and serialises as its word, so a spec built from words equals one built from members
+SPEC_WORDS: dict[str, type[StrEnum]] = {
+    name: hint for name, hint in get_type_hints(ProbeSpec).items()
+    if isinstance(hint, type) and issubclass(hint, StrEnum)}
 
 
 class Probe(nn.Module):
