@@ -43,6 +43,7 @@ from orca_serve.settings.contract import VoteSettings
 
 logger = logging.getLogger("orca_serve.live_audit")
 
+
 class VoteCount(StrEnum):
     """What became of this process's picked groups (the fleet's are the rows' `n`): the vote
     audit's table keys and metric states."""

@@ -132,7 +132,7 @@ def _runner_class(module: str) -> type | None:
     """The `GPUModelRunner` of one of vLLM's runner modules (the CPU runners subclass it); None
     without it. Deferred: vllm (resolved at use)."""
     try:
-        return importlib.import_module(module).GPUModelRunner
+        return getattr(importlib.import_module(module), "GPUModelRunner", None)
     except ImportError:
         return None
 
