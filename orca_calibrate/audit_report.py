@@ -55,7 +55,7 @@ from orca_method.give_up import request_give_up_loss
 from orca_method.outcomes import GiveUpLoss
 from orca_method.risk import is_counted, request_losses
 from orca_method.thresholds import lam_to_json
-from orca_method.trajectories import Split, TrajectorySet, split_ids
+from orca_method.trajectories import ALL, Split, TrajectorySet, split_ids
 from orca_serve.live_audit.options import EPSILON_SPLITS, EpsilonSplit, guard_epsilon
 
 AUDIT_DIR = re.compile(r"^audit-\d{6}$")  # the server's rotating audit directories
@@ -236,7 +236,7 @@ def audit_report(bundle: Bundle, ts: TrajectorySet, *, mode: str, alpha: float |
     alpha = guard_epsilon(bundle.ltt.epsilon if alpha is None else alpha, len(deltas),
                           epsilon_split)
     cut = unfinished(ts)
-    scored = score_split(bundle.load_probe(), ts, "all", mode, bundle.window, solvable_only=False)
+    scored = score_split(bundle.load_probe(), ts, ALL, mode, bundle.window, solvable_only=False)
     lams = [bundle.lam(d) for d in deltas]
     cs = CensoredAlarm(alpha, shape=(len(deltas),))  # the server's statistics (live.py)
     drift = DriftMonitor.from_bundle(bundle, window=min(drift_window, max(10, len(ts))))
@@ -311,14 +311,14 @@ def give_up_report(bundle: Bundle, ts: TrajectorySet, mode: str, cut: dict[int, 
     if gu is None:
         return None
     known = gu.label_mode in ts.label_modes
-    scored = score_split(bundle.load_give_up_probe(), ts, "all", gu.label_mode if known else mode,
+    scored = score_split(bundle.load_give_up_probe(), ts, ALL, gu.label_mode if known else mode,
                          gu.window, solvable_only=False)
     deltas = bundle.give_up_deltas()
     mus = [bundle.mu(d) for d in deltas]
     cs = CensoredAlarm(guard_epsilon(gu.ltt.epsilon, len(deltas), epsilon_split),
                        shape=(len(deltas),))
     first_alarm: list[int | None] = [None] * len(deltas)
-    for i, g in enumerate(scored.scores):  # every audit, in order (split "all")
+    for i, g in enumerate(scored.scores):  # every audit, in order (split ALL)
         raw = ts.raw_labels(i, gu.label_mode) if known else None
         cs.update(np.array([request_give_up_loss(g, mu, raw, gu.policy) for mu in mus],
                            dtype=float),

@@ -112,14 +112,14 @@ class Scored:
 
 def score_split(probe: Probe, ts: TrajectorySet, split: str, mode: str, window: int,
                 solvable_only: bool = True, members: Sequence[int] | None = None) -> Scored:
-    """Replay the deployed procedure on a split's solvable problems (split "all": every problem;
+    """Replay the deployed procedure on a split's solvable problems (split ALL: every problem;
     ``solvable_only=False``: the unsolvable ones too; `members`: these problems of it only, e.g.
     one group's, with `split` naming them in errors)."""
     if probe.spec.dim != ts.dim:
         raise ValueError(f"the probe takes {probe.spec.dim}-dim embeddings but {ts.path} has "
                          f"dim {ts.dim}: train the probe on this data's model")
     if members is None:
-        members = list(range(len(ts))) if split == "all" else ts.split(split)
+        members = ts.split(split)
     idx = solvable(ts, members, mode) if solvable_only else members
     if not idx or not solvable(ts, idx, mode):
         raise ValueError(f"the {split} split of {ts.path} has no problem with a correct step "
@@ -162,8 +162,8 @@ def deciding_points(probe: Probe, ts: TrajectorySet, members: Sequence[int], *, 
 
 def check_labelled(ts: TrajectorySet, members: Sequence[int], side: Side, mode: str) -> None:
     """Refuse traces whose labels were chosen selectively (`extra.selective`) for another label
-    mode's LTT on this `side`, or are still pending: their labels are
-    every-step labels only at the points that LTT reads."""
+    mode's LTT on this `side`, or are still pending: their labels are every-step labels only at
+    the points that LTT reads."""
     for i in members:
         sel = (ts.problems[i].extra or {}).get("selective")
         if sel is None:

@@ -34,6 +34,7 @@ from orca_method.shift_gate import (
     DEFAULT_GATE_STEPS,
 )
 from orca_method.trajectories import (
+    ALL,
     DTYPES,
     SPLITS,
     STORED_DTYPE,
@@ -150,11 +151,11 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
     check_on_data(a, bundle, ts)
     split = a.split
     if split is None:  # the test split; a set without splits (e.g. a job's shifted set): all
-        split = Split.TEST if ts.split(Split.TEST) else "all"
-        if split == "all":
+        split = Split.TEST if ts.split(Split.TEST) else ALL
+        if split == ALL:
             print(f"{a.data} has no test split: evaluating all {len(ts)} problems",
                   file=sys.stderr)
-    elif split != "all" and not ts.split(split):
+    elif split != ALL and not ts.split(split):
         raise UsageError(f"{a.data} has no problem in the {split} split; pass --split all to "
                          "evaluate every problem")
     report, scored = evaluate_bundle(bundle, ts, split)
@@ -186,7 +187,7 @@ def cmd_compare(a: argparse.Namespace) -> None:
             tables["in-distribution (test split)"].append((label, evaluate_bundle(bundle, ts)[0]))
             if shifted is not None:
                 tables["shifted (all problems)"].append(
-                    (label, evaluate_bundle(bundle, shifted, "all")[0]))
+                    (label, evaluate_bundle(bundle, shifted, ALL)[0]))
             print(f"done: {label}", file=sys.stderr)
     text = "\n\n".join(f"### {k}\n\n{markdown_table(v)}" for k, v in tables.items() if v)
     (out / "compare.md").write_text(text + "\n")
@@ -519,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("evaluate", help="replay a bundle on held-out trajectories")
     data_arg(p)
     p.add_argument("--bundle", required=True)
-    p.add_argument("--split", choices=[*SPLITS, "all"], default=None,
+    p.add_argument("--split", choices=[*SPLITS, ALL], default=None,
                    help="problems to replay (default: the test split, or all problems when the "
                    "data has no test split)")
     p.add_argument("--json", help="write the report here")

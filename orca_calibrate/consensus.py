@@ -194,7 +194,8 @@ def add_consensus(bundle_file: Path, probe: Probe, ts: TrajectorySet, members: S
     return save_bundle(bundle.model_copy(update={"consensus": block}), bundle_file)
 
 
-def evaluate_consensus(bundle: Bundle, ts: TrajectorySet, split: str = "test") -> dict[str, Any]:
+def evaluate_consensus(bundle: Bundle, ts: TrajectorySet, split: str = Split.TEST
+                       ) -> dict[str, Any]:
     """Realized vote error (against maj@k of the full samples) and token savings per certified
     pair on one split's groups; a pair with t null runs its samples to their end (no error)."""
     block = bundle.consensus

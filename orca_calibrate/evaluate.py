@@ -16,10 +16,11 @@ from orca_method.outcomes import Ended
 from orca_method.procedure import replay
 from orca_method.stop_metrics import stop_indices, summarize
 from orca_method.thresholds import lam_to_json
-from orca_method.trajectories import TrajectorySet
+from orca_method.trajectories import ALL, Split, TrajectorySet
 
 
-def evaluate_bundle(bundle: Bundle, ts: TrajectorySet, split: str = "test") -> tuple[dict, Scored]:
+def evaluate_bundle(bundle: Bundle, ts: TrajectorySet, split: str = Split.TEST
+                    ) -> tuple[dict, Scored]:
     """Savings (both definitions, see `metrics.StopOutcome`), token savings and realized error
     per calibrated delta on one split."""
     if ts.dim != bundle.model.hidden_size:
@@ -147,7 +148,7 @@ def _rate(events: np.ndarray, counted: np.ndarray) -> dict[str, Any]:
     return {"rate": k / n if n else math.nan, "k": k, "n": n, "ci95": [low, high]}
 
 
-def evaluate_two_sided(bundle: Bundle, ts: TrajectorySet, split: str = "all", *,
+def evaluate_two_sided(bundle: Bundle, ts: TrajectorySet, split: str = ALL, *,
                        delta: float | None = None, delta_2: float | None = None,
                        reference: str | None = None) -> dict[str, Any]:
     """One-sided ORCA, two-sided ORCA and the oracles on recorded trajectories, offline.
@@ -178,7 +179,7 @@ def evaluate_two_sided(bundle: Bundle, ts: TrajectorySet, split: str = "all", *,
     reference = reference or bundle.give_up.label_mode
     lam, mu = bundle.lam(delta), bundle.mu(delta_2)
     policy = bundle.give_up.policy
-    idx = list(range(len(ts))) if split == "all" else ts.split(split)
+    idx = ts.split(split)
     if not idx:
         raise ValueError(f"the {split} split of {ts.path} is empty")
     embs = [ts.embeddings(i) for i in idx]

@@ -68,7 +68,7 @@ from orca_method.answer_probes import COLLECTED_MODES, JUDGE, SUPERVISED
 from orca_method.consensus import prompt_of
 from orca_method.errors import first_line
 from orca_method.outcomes import GIVE_UP_POLICIES, GiveUpPolicy, LabelSteps, Side
-from orca_method.trajectories import Split, TrajectorySet, set_splits, split_ids
+from orca_method.trajectories import ALL, Split, TrajectorySet, set_splits, split_ids
 from orca_serve.checks.bundle import check_model_folder
 
 T = TypeVar("T")
@@ -578,7 +578,7 @@ def run_job(path: Path, progress: bool = True, merge: bool = False) -> list[str]
             if bundle.consensus is not None:
                 reports["consensus"] = evaluate_consensus(bundle, ts, Split.TEST)
         if shifted.exists():
-            rep, _ = evaluate_bundle(bundle, TrajectorySet.open(shifted), "all")
+            rep, _ = evaluate_bundle(bundle, TrajectorySet.open(shifted), ALL)
             rows.append(("shifted family", rep))
             reports["shifted"] = rep
         (out / "evaluation.json").write_text(json.dumps(reports, indent=1))

@@ -50,6 +50,7 @@ class Split(StrEnum):
 
 
 SPLITS: tuple[str, ...] = tuple(str(s) for s in Split)
+ALL = "all"  # not a split: every problem of a set, whatever its split (TrajectorySet.split)
 DEFAULT_FRACTIONS = (0.6, 0.2, 0.2)  # of SPLITS, in that order
 
 INFO_DEFAULTS: dict[str, Any] = {
@@ -428,9 +429,11 @@ class TrajectorySet:
         return view
 
     def split(self, name: str) -> list[int]:
-        """Indices of the problems in split ``name``."""
+        """Indices of the problems in split ``name`` (ALL: every problem)."""
+        if name == ALL:
+            return list(range(len(self.problems)))
         if name not in SPLITS:
-            raise TrajectoryError(f"unknown split {name!r}; splits are {SPLITS}")
+            raise TrajectoryError(f"unknown split {name!r}; splits are {SPLITS} (or {ALL!r})")
         return [i for i, p in enumerate(self.problems) if p.split == name]
 
     def check_finite(self) -> None:
