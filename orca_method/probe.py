@@ -71,7 +71,8 @@ class ProbeSpec:
     def __post_init__(self) -> None:
         if self.dim < 1:
             raise ValueError(f"probe dim must be >= 1, got {self.dim}")
-        for name, words in SPEC_WORDS.items():  # a word (a bundle's JSON, a job's options): a member
+        # a word (a bundle's JSON, a job's options) becomes its member
+        for name, words in SPEC_WORDS.items():
             try:
                 object.__setattr__(self, name, words(getattr(self, name)))
             except ValueError:
