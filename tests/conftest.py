@@ -17,7 +17,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,26 +28,17 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
+from orca_serve.startup import ipc_dir  # noqa: E402 - imports neither torch nor vLLM
 
-def _rpc_dir() -> str | None:
-    """A directory of the run's own for vLLM's ZMQ IPC sockets, or None where the temp dir's path
-    is too long for one: vLLM names each `VLLM_RPC_BASE_PATH/<uuid4>` (36 characters), and a unix
-    socket's path holds at most 107 bytes."""
-    path = tempfile.mkdtemp(prefix="orca-ipc-")
-    if len(os.fsencode(path)) + len("/") + 36 <= 107:
-        return path
-    os.rmdir(path)
-    return None
-
-
-# vLLM never removes those sockets' files (libzmq leaves a named socket's file when it closes it;
-# measured: a clean `orca-serve --demo` start and SIGTERM leaves 7, as vLLM's own server does), so
-# every server and engine of the run left its own in the temp dir, thousands over many runs. The
-# run's own directory instead, removed at its end (`pytest_unconfigure`, by the process that made
-# it): the xdist workers, their zygotes and the servers forked or exec'd inherit the variable.
-RPC_DIR = None if "VLLM_RPC_BASE_PATH" in os.environ else _rpc_dir()
+# vLLM never removes its ZMQ IPC sockets' files (orca_serve/startup/ipc_dir.py says why), so
+# every server and engine of the run would leave its own in the temp dir, thousands over many
+# runs; orca-serve itself puts them in a directory of its own, but the tests' in-process engines
+# do not run its start-up. The run's own directory instead, removed at its end
+# (`pytest_unconfigure`, by the process that made it): the xdist workers, their zygotes and the
+# servers forked or exec'd inherit the variable.
+RPC_DIR = None if ipc_dir.VARIABLE in os.environ else ipc_dir.own_rpc_dir()
 if RPC_DIR is not None:
-    os.environ["VLLM_RPC_BASE_PATH"] = RPC_DIR
+    os.environ[ipc_dir.VARIABLE] = RPC_DIR
 
 # Engines started in the tests' own processes (`LLM`, the calibrate job's `Collector`) run their
 # core in that process with its single worker (executor "uni"): no process importing vLLM again

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orca_serve.startup import demo
+from orca_serve.startup import demo, ipc_dir
 from tests.serving import free_port, server_env, start
 
 ENGINE = "EngineCore"  # vLLM names its engine process VLLM::EngineCore
@@ -83,9 +83,20 @@ def server(tmp_path: Path):
 def loading_server(tmp_path: Path):
     """The demo's server command, forked with its engine from the worker's zygote
     (tests/serving.py `start`: own session, log to a file), for the tests that stop it while its
-    engine loads: its imports are not what they stop (`server` runs them). Killed at the end."""
+    engine loads: its imports are not what they stop (`server` runs them). Without the suite's
+    `VLLM_RPC_BASE_PATH`, as a user starts it: the server picks its sockets' directory itself.
+    Killed at the end."""
     log = tmp_path / "server.log"
-    yield from _killed_at_the_end(start(demo.server_command(free_port()), log), log)
+    env = server_env()
+    env.pop(ipc_dir.VARIABLE, None)
+    yield from _killed_at_the_end(start(demo.server_command(free_port()), log, env), log)
+
+
+def socket_dirs(pgid: int) -> set[Path]:
+    """The directories of the unix sockets with a file that the processes of group `pgid` hold
+    (not the abstract ones, without a file)."""
+    return {Path(c.laddr).parent for p in demo.group_members(pgid)
+            for c in p.net_connections("unix") if c.laddr.startswith("/")}
 
 
 def test_sigterm_early_in_start_up_stops_it(server) -> None:
@@ -102,9 +113,12 @@ def test_sigterm_while_the_engine_loads_stops_it_and_the_engine(loading_server) 
     swallows: the server went on waiting for the engine (orca_serve/vllm_compat/launch.py)."""
     proc, log = loading_server
     wait_for_engine(proc, log)
+    sockets = socket_dirs(proc.pid)  # vLLM's IPC sockets: in a directory of the server's own
+    assert len(sockets) == 1 and next(iter(sockets)).name.startswith(ipc_dir.PREFIX), sockets
     sigterm_and_wait(proc, log)
     assert proc.returncode == 128 + signal.SIGTERM  # orca-serve's handler, not a crash
     assert "Traceback" not in log.read_text()
+    assert not next(iter(sockets)).exists()  # removed on the way out, the socket files with it
 
 
 @pytest.mark.vllm

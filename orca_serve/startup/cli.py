@@ -36,6 +36,7 @@ from typing import Any
 
 from orca_serve.metrics.snapshots import ENV_SERVER
 from orca_serve.checks.bundle import reload_note
+from orca_serve.startup.ipc_dir import use_own_rpc_dir
 from orca_serve.startup.preflight import Preflight, identity, preflight
 from orca_serve.api_server.log import log_like_vllm
 from orca_serve.checks.errors import StartupError, exit_on_sigterm, fail
@@ -62,6 +63,7 @@ def _main(argv: list[str]) -> None:
         raise SystemExit(check_touch_points(f"vLLM {installed_vllm_version() or 'not installed'}"
                                             f" (orca-serve supports vllm{SUPPORTED_VLLM})"))
     pre = preflight(argv)
+    use_own_rpc_dir()  # before vLLM reads the variable; after pre-flight: a refusal makes none
     args = vllm_args(pre)
     log_like_vllm()
     os.environ[ENV_SERVER] = "1"  # our server exports the orca metrics, not the stat logger
