@@ -54,9 +54,6 @@ from orca_method.probe import Probe, ProbeSpec
 from orca_method.steps import CLOSE, MERGE, NONE, STEP, STEP_PREV, Segmenter, TokenTable, segment
 from orca_method.trajectories import TrajectoryError, TrajectorySet, TrajectoryWriter, import_pickle
 
-_TMP = Path(tempfile.mkdtemp(prefix="orca-fuzz-"))
-
-
 def one_line_error(e: BaseException) -> None:
     msg = str(e)
     assert msg and "\n" not in msg, f"error message is not one line: {msg!r}"
@@ -92,9 +89,10 @@ def valid_bundles() -> tuple[str, ...]:
                 LTTRow(delta=0.1, lam=0.8, risk=0.04, pvalue=0.01, savings=0.3,
                        token_savings=0.25)]),
             default_delta=0.1, provenance={"fuzz": i})
-        path = _TMP / f"valid-{i}.json"
-        save_bundle(b, path)
-        out.append(path.read_text())
+        with tempfile.TemporaryDirectory(prefix="orca-fuzz-") as tmp:
+            path = Path(tmp) / f"valid-{i}.json"
+            save_bundle(b, path)
+            out.append(path.read_text())
     return tuple(out)
 
 
@@ -317,9 +315,10 @@ def check_bundle_file(path: Path, *, weights_known_good: bool = False) -> None:
     dumped = bundle.model_dump(mode="json")  # a closed set's member as its word
     for k, v in data.items():
         assert _same(dumped[k], v), f"field {k!r} was coerced: {v!r} -> {dumped[k]!r}"
-    again = _TMP / "roundtrip.json"
-    save_bundle(bundle, again)
-    reloaded = load_bundle(again).model_dump()  # its checksum now covers the defaults too
+    with tempfile.TemporaryDirectory(prefix="orca-fuzz-") as tmp:
+        again = Path(tmp) / "roundtrip.json"
+        save_bundle(bundle, again)
+        reloaded = load_bundle(again).model_dump()  # its checksum now covers the defaults too
     assert {**reloaded, "checksum": ""} == {**dumped, "checksum": ""}
     probe = bundle.load_probe()
     assert probe.spec.dim == bundle.model.hidden_size
@@ -470,9 +469,10 @@ def bundle_bytes(draw: st.DrawFn) -> bytes:
 
 
 def check_bundle_bytes(raw: bytes, good_weights: bool = False) -> None:
-    path = _TMP / "fuzz.json"
-    path.write_bytes(raw)
-    check_bundle_file(path, weights_known_good=good_weights)
+    with tempfile.TemporaryDirectory(prefix="orca-fuzz-") as tmp:
+        path = Path(tmp) / "fuzz.json"
+        path.write_bytes(raw)
+        check_bundle_file(path, weights_known_good=good_weights)
 
 
 # ============================================================================== segmenter
@@ -615,11 +615,12 @@ def _problem(i: int, n: int) -> tuple[dict, np.ndarray]:
 
 @cache
 def valid_directory(dtype: str) -> dict[str, bytes]:
-    path = _TMP / f"valid-{dtype}"
-    with TrajectoryWriter(path, TDIM, dtype) as w:
-        for i, n in enumerate((3, 1, 4)):
-            w.append(*_problem(i, n))
-    return {f.name: f.read_bytes() for f in path.iterdir()}
+    with tempfile.TemporaryDirectory(prefix="orca-fuzz-") as tmp:
+        path = Path(tmp) / f"valid-{dtype}"
+        with TrajectoryWriter(path, TDIM, dtype) as w:
+            for i, n in enumerate((3, 1, 4)):
+                w.append(*_problem(i, n))
+        return {f.name: f.read_bytes() for f in path.iterdir()}
 
 
 _FIELD_VALUES = [None, -1, 0, 1, 2, 3, 4, 8, 1.5, "1", "p0", "p1", "train", "valid", True,
@@ -734,7 +735,7 @@ def read_violation(ts: TrajectorySet) -> str | None:
 
 
 def check_directory(files: dict[str, bytes | None]) -> None:
-    path = Path(tempfile.mkdtemp(dir=_TMP))
+    path = Path(tempfile.mkdtemp(prefix="orca-fuzz-"))
     try:
         for name, data in files.items():
             if data is not None:
@@ -812,7 +813,7 @@ def corrupted_pickle(draw: st.DrawFn) -> bytes:
 
 def check_pickle(data: bytes) -> None:
     """Read in memory, then import to a directory and read that."""
-    path = Path(tempfile.mkdtemp(dir=_TMP))
+    path = Path(tempfile.mkdtemp(prefix="orca-fuzz-"))
     try:
         (path / "x.pkl").write_bytes(data)
         _check_open(path / "x.pkl")
