@@ -305,7 +305,10 @@ async def label(client: Any, model: str, work: Workload, responses: list[dict],
     """Give every response its never-stopping trajectory's record (`trace`): one ORCA cut short
     (stopped or gave up) is continued from that step (ORCA off, the same sampling); then answer
     probes at each step boundary through the server (ORCA off), labelled as
-    `orca-calibrate collect` labels."""
+    `orca-calibrate collect` labels. A progress bar on stderr: a long reasoner's hundreds of
+    responses take an hour (~75 probes each)."""
+    from tqdm import tqdm
+
     from orca_method.steps import segment
 
     sem = asyncio.Semaphore(concurrency)
@@ -346,8 +349,10 @@ async def label(client: Any, model: str, work: Workload, responses: list[dict],
             str(resp["id"]), by_id[str(resp["id"])], text=work.text(gen), finish_reason=None,
             completion_tokens=len(gen), step_tokens=record["step_tokens"],
             probed={t: a for (t, _), a in zip(points, answers)})
+        bar.update(1)
 
-    await asyncio.gather(*(one(r) for r in responses))
+    with tqdm(total=len(responses), desc="label", unit="response", file=sys.stderr) as bar:
+        await asyncio.gather(*(one(r) for r in responses))
 
 
 def check(work: Workload, responses: list[dict]) -> None:
