@@ -578,6 +578,24 @@ def test_a_key_that_changes_type_while_serving_is_left_said_as_an_error(redis_st
     audit.state.journal.close()
 
 
+def test_a_snapshot_key_that_changes_type_while_serving_is_not_overwritten(redis_store,
+                                                                          monkeypatch):
+    """The snapshot key turns into a hash under a serving replica: its next snapshot fails as
+    every other call on a key of another type does (the replica leaves the store), and the
+    hash, maybe another program's data, is left as it is. Before, the snapshot's SET replaced
+    it without a word."""
+    monkeypatch.setattr("orca_serve.live_audit.state.SNAPSHOT_EVERY", 4)
+    audit = _on_store(redis_store.url)
+    r = redis.Redis.from_url(redis_store.url)
+    key = f"orca:guard:{bundle().checksum}:snapshot"
+    audit.observe(*known_loss(False))  # two events: no snapshot yet
+    _put(r, key, {"x": b"1"})
+    audit.observe(*known_loss(False))  # the fourth event: a snapshot is due
+    assert r.type(key) == b"hash" and r.hgetall(key) == {b"x": b"1"}
+    assert not audit.table()["store"]["up"] and audit.state.guard(DELTA).cs.n == 2
+    audit.state.journal.close()
+
+
 def test_a_store_that_lost_events_is_left(redis_store):
     """A store restarted without persistence (or flushed) no longer holds what the replicas
     applied: a replica that notices leaves it for its own guard instead of folding a list whose

@@ -51,8 +51,8 @@ every process, under keys named by the bundle's full checksum:
   start marker's, a snapshot's) replaces a key of any type. Before, its first call failed
   (WRONGTYPE), taken for an unreachable store, and the replica folded alone, apart from the
   fleet. The fold record has its own rule ("Settings"); a key that changes type while the
-  replica runs fails its calls, and the replica leaves the store as for any failed call
-  (fleet.py).
+  replica runs fails its calls, the snapshot's SET too (a script checks the type first), and
+  the replica leaves the store as for any failed call (fleet.py).
 - **Snapshots** carry the running digest of the events they cover, checked against the
   chain before one is used (as the file journal's digest: journal.py, "Snapshots"), and corrupt
   elements are skipped by the file journal's rule (journal.py, "Corrupt lines").
@@ -123,6 +123,19 @@ return {n, new}
 """
 
 
+# KEYS: snapshot. ARGV: the snapshot. A SET replaces a key of any type, so the type is checked
+# in the same script: a key that became a hash or a list while the replica serves (another
+# program's data) is not overwritten; the call fails, as every other call on it does (module
+# docstring, "Keys of another type").
+_SET_SNAPSHOT = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind ~= 'string' and kind ~= 'none' then
+  return redis.error_reply('WRONGTYPE ' .. KEYS[1] .. ' holds a ' .. kind .. ', not a snapshot')
+end
+return redis.call('SET', KEYS[1], ARGV[1])
+"""
+
+
 def chained(digest: str, element: bytes) -> str:
     """The running digest after `element` (the script's `redis.sha1hex(d .. e)`)."""
     return hashlib.sha1(digest.encode() + element).hexdigest()
@@ -165,6 +178,7 @@ class RedisJournal:
         self.path = f"{self._store} {self._events}"
         self._fold_at = f"{self._store} {self._fold}"  # the fold record, for a refusal
         self._script = self._client.register_script(_APPEND_READ)
+        self._set_snapshot = self._client.register_script(_SET_SNAPSHOT)
         self._offset = 0  # list elements this process has read
         self._chain = ""  # the running digest of those (the rollback check's, a snapshot's)
         self.skipped = 0
@@ -302,8 +316,8 @@ class RedisJournal:
         return [*before, event]
 
     def write_snapshot(self, state: dict[str, Any]) -> None:
-        self._client.set(self._snapshot, snapshot_json(self.checksum, self.created, self._offset,
-                                                       self._chain, state))
+        self._set_snapshot(keys=[self._snapshot], args=[snapshot_json(
+            self.checksum, self.created, self._offset, self._chain, state)])
 
     def read_snapshot(self) -> dict[str, Any] | None:
         """The snapshot's state when the chain holds its digest at its offset (a chain that
