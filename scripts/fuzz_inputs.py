@@ -94,7 +94,8 @@ def atheris_worker(runs: int, out: str) -> None:
             found[signature(e)] += 1
             Path(out).write_text(json.dumps(found))
 
-    seeds = Path(tempfile.mkdtemp(prefix="orca-fuzz-corpus-"))
+    seeds = Path(out).parent / "corpus"  # the caller's directory: libFuzzer's exit runs no cleanup
+    seeds.mkdir()
     for i, text in enumerate(fuzzing.valid_bundles()):
         (seeds / f"valid-{i}").write_text(text)
     Path(out).write_text(json.dumps(found))
@@ -108,14 +109,15 @@ def run_atheris(runs: int) -> dict | None:
         import atheris  # noqa: F401
     except ImportError:
         return None
-    out = Path(tempfile.mkdtemp()) / "found.json"
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, __file__, "--atheris-worker", str(runs), str(out)],
-                       capture_output=True, text=True, check=False)
+    with tempfile.TemporaryDirectory(prefix="orca-fuzz-") as tmp:  # its findings and corpus
+        out = Path(tmp) / "found.json"
+        r = subprocess.run([sys.executable, __file__, "--atheris-worker", str(runs), str(out)],
+                           capture_output=True, text=True, check=False)
+        found = json.loads(out.read_text()) if out.exists() else {"worker failed": 1}
     done = re.findall(r"Done (\d+) runs", r.stderr)
     return {"target": "bundle loader (bytes, coverage-guided)", "tool": "atheris",
-            "tried": int(done[-1]) if done else None,
-            "failures": json.loads(out.read_text()) if out.exists() else {"worker failed": 1},
+            "tried": int(done[-1]) if done else None, "failures": found,
             "examples": {}, "seconds": round(time.perf_counter() - t0, 1),
             "rc": r.returncode}
 
