@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -119,12 +120,16 @@ def test_sigterm_while_the_engine_loads_stops_it_and_the_engine(loading_server) 
     swallows: the server went on waiting for the engine (orca_serve/vllm_compat/launch.py)."""
     proc, log = loading_server
     wait_for_engine(proc, log)
-    sockets = socket_dirs(proc.pid)  # vLLM's IPC sockets: in a directory of the server's own
-    assert len(sockets) == 1 and next(iter(sockets)).name.startswith(ipc_dir.PREFIX), sockets
+    # vLLM's IPC sockets: in a directory of the server's own (where the temp dir leaves room)
+    own = ipc_dir.fits(os.path.join(tempfile.gettempdir(), ipc_dir.PREFIX + "x" * 8))
+    sockets = socket_dirs(proc.pid)
+    if own:
+        assert len(sockets) == 1 and next(iter(sockets)).name.startswith(ipc_dir.PREFIX), sockets
     sigterm_and_wait(proc, log)
     assert proc.returncode == 128 + signal.SIGTERM  # orca-serve's handler, not a crash
     assert "Traceback" not in log.read_text()
-    assert not next(iter(sockets)).exists()  # removed on the way out, the socket files with it
+    if own:
+        assert not next(iter(sockets)).exists()  # removed on the way out, its files with it
 
 
 @pytest.mark.vllm

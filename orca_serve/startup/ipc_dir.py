@@ -22,11 +22,16 @@ SOCKET_PATH_MAX = 107  # bytes in a unix socket's path (sockaddr_un.sun_path, le
 SOCKET_NAME_LEN = 36  # vLLM's name for each socket: a uuid4
 
 
+def fits(directory: str) -> bool:
+    """Whether vLLM's socket paths inside `directory` fit a unix socket's path."""
+    return len(os.fsencode(directory)) + len("/") + SOCKET_NAME_LEN <= SOCKET_PATH_MAX
+
+
 def own_rpc_dir() -> str | None:
     """A new directory in the temp dir for the sockets, or None where the temp dir's path is too
     long for a socket's path inside it (vLLM would fail to bind there: keep its default)."""
     path = tempfile.mkdtemp(prefix=PREFIX)
-    if len(os.fsencode(path)) + len("/") + SOCKET_NAME_LEN <= SOCKET_PATH_MAX:
+    if fits(path):
         return path
     os.rmdir(path)
     return None
