@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,8 +17,14 @@ import httpx
 import openai
 
 from orca_serve.settings.contract import merge_results
+from orca_serve.startup import ipc_dir
 from tests.engine_fork import engine_env
 from tests.zygote import IMPORT_TIME, ForkedServer, import_time, zygote_for
+
+# Whether a server started without VLLM_RPC_BASE_PATH makes a socket directory of its own
+# (orca_serve/startup/ipc_dir.py): where the temp dir leaves room for one (mkdtemp's name, the
+# prefix and 8 characters); else it keeps vLLM's default.
+SERVER_OWNS_IPC_DIR = ipc_dir.fits(os.path.join(tempfile.gettempdir(), ipc_dir.PREFIX + "x" * 8))
 
 VENV_BIN = Path(sys.executable).parent
 START_TIMEOUT = 300

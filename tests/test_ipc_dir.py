@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from orca_serve.startup import ipc_dir
+from tests.serving import SERVER_OWNS_IPC_DIR
 
 # A process that takes the directory, forks a child that exits through the interpreter's own
 # exit (atexit handlers run: a forked child has them too), then exits as SIGTERM makes it.
@@ -40,8 +40,7 @@ def _run(env: dict[str, str]) -> list[str]:
     return r.stdout.split()
 
 
-@pytest.mark.skipif(not ipc_dir.fits(os.path.join(tempfile.gettempdir(),
-                                               ipc_dir.PREFIX + "x" * 8)),
+@pytest.mark.skipif(not SERVER_OWNS_IPC_DIR,
                     reason="the temp dir's path is too long for a socket directory inside it")
 def test_the_server_makes_the_directory_and_removes_it_on_its_way_out() -> None:
     path, after_child = _run({k: v for k, v in os.environ.items() if k != ipc_dir.VARIABLE})
