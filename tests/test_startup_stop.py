@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,13 +63,20 @@ def sigterm_and_wait(proc: subprocess.Popen, log: Path) -> float:
     return took
 
 
-def _killed_at_the_end(proc, log: Path):
+def _killed_at_the_end(proc, log: Path, own_ipc_dir: bool = False):
+    """The group SIGKILLed after the test, whatever it did. `own_ipc_dir`: the server picked its
+    sockets' directory itself, which a kill -9 leaves (a test that failed before its SIGTERM):
+    removed here, found by the sockets the group still holds."""
     yield proc, log
+    left = {d for d in socket_dirs(proc.pid) if d.name.startswith(ipc_dir.PREFIX)} \
+        if own_ipc_dir else set()
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     proc.wait(10)
+    for d in left:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
@@ -89,7 +97,8 @@ def loading_server(tmp_path: Path):
     log = tmp_path / "server.log"
     env = server_env()
     env.pop(ipc_dir.VARIABLE, None)
-    yield from _killed_at_the_end(start(demo.server_command(free_port()), log, env), log)
+    yield from _killed_at_the_end(start(demo.server_command(free_port()), log, env), log,
+                                  own_ipc_dir=True)
 
 
 def socket_dirs(pgid: int) -> set[Path]:
