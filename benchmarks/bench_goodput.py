@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from orca_calibrate.evaluate import interval95 as clopper_pearson
+from orca_calibrate.progress import progress_bar
 from orca_demo.toy import tasks as toy_tasks
 from orca_demo.toy.tasks import write_prompts
 from orca_method.answer_probes import (
@@ -307,8 +308,6 @@ async def label(client: Any, model: str, work: Workload, responses: list[dict],
     probes at each step boundary through the server (ORCA off), labelled as
     `orca-calibrate collect` labels. A progress bar on stderr: a long reasoner's hundreds of
     responses take an hour (~75 probes each)."""
-    from tqdm import tqdm
-
     from orca_method.steps import segment
 
     sem = asyncio.Semaphore(concurrency)
@@ -351,7 +350,7 @@ async def label(client: Any, model: str, work: Workload, responses: list[dict],
             probed={t: a for (t, _), a in zip(points, answers)})
         bar.update(1)
 
-    with tqdm(total=len(responses), desc="label", unit="response", file=sys.stderr) as bar:
+    with progress_bar(total=len(responses), desc="label", unit="response") as bar:
         await asyncio.gather(*(one(r) for r in responses))
 
 

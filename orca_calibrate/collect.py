@@ -31,11 +31,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
 
 from orca_calibrate.job_options import check_number, check_whole
 from orca_calibrate.judge import Judge, JudgeSettings, question_text
 from orca_calibrate.pipeline import Schedule
+from orca_calibrate.progress import progress_bar
 from orca_method.answer_probes import (
     DEFAULT_ANSWER_TOKENS,
     DEFAULT_SUFFIX,
@@ -422,14 +422,14 @@ class Collector:
                               dtype=s.dtype, **self.info_fields()) as writer:
             todo = [(key, rec) for key, rec in trace_keys(prompts, s.samples)
                     if key not in writer.ids]
-            bar = tqdm(total=len(todo), desc="collect", unit="traj", disable=not progress)
+            bar = progress_bar(total=len(todo), desc="collect", unit="traj", disable=not progress)
             # closed on the way out, an exception's too: what is still in the engine is aborted
             with closing(collect(todo, later)) as ready:
                 for ended, generated, answers in ready:
                     self._write(generated, answers, writer, out_dir)
                     bar.update(ended)
                     bar.set_postfix(**{k: v for k, v in self.stats.as_dict().items()
-                                       if k in ("trajectories_per_min", "probe_share")})
+                                       if k in ("trajectories_per_min", "probe_share")}, refresh=False)
             bar.close()
         if self.judge is not None and self.judge.unparseable:
             print(f"warning: {self.judge.unparseable} of {self.judge.calls} judge replies were "

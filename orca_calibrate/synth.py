@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
+from orca_calibrate.progress import progress_bar
 from orca_method.trajectories import (
     DTYPES,
     EMBEDDINGS_FILE,
@@ -212,7 +212,7 @@ def generate_mixture(out_dir: str | Path, counts: Mapping[str, int], dim: int = 
                           source=source) as writer:
         done = writer.ids
         big = len(plan) * mean_steps * dim >= 5e7
-        for (family, p), pid in zip(tqdm(plan, desc=f"synth {what}", disable=not big), ids):
+        for (family, p), pid in zip(progress_bar(iterable=plan, desc=f"synth {what}", disable=not big), ids):
             if pid in done:
                 continue
             rng = np.random.default_rng([seed, 1 if family == "shifted" else 0, p])

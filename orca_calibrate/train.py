@@ -22,10 +22,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from scipy.optimize import minimize
-from tqdm import tqdm
 
 from orca_calibrate.job_options import DEFAULT_WINDOW
 from orca_calibrate.probe_variants import PROBES
+from orca_calibrate.progress import progress_bar
 from orca_calibrate.train_defaults import (
     DEFAULTS,
     EPOCH_SELECT,
@@ -226,8 +226,8 @@ def meta_train(ts: TrajectorySet, spec: ProbeSpec, mode: str, *, epochs: int = D
         history, best = resumed.history, resumed.best
     done = resumed.epoch if resumed is not None else 0
     loader = Loader(ts, mode, batch_size, cache_gram=kernel_form(spec) and spec.kind == Kind.NOQK)
-    bar = tqdm(total=epochs * per_epoch, initial=done * per_epoch, desc=f"meta-train {spec.name}",
-               disable=not progress, unit="batch")
+    bar = progress_bar(total=epochs * per_epoch, initial=done * per_epoch,
+                       desc=f"meta-train {spec.name}", disable=not progress, unit="batch")
     # the time rows count from the first epoch's start, across a resume
     ran = (history[-1]["seconds"], history[-1]["cpu_seconds"]) if history else (0.0, 0.0)
     start, cpu_start = time.perf_counter() - ran[0], time.process_time() - ran[1]
@@ -242,7 +242,7 @@ def meta_train(ts: TrajectorySet, spec: ProbeSpec, mode: str, *, epochs: int = D
             sched.step()
             losses.append(loss.item())
             bar.update()
-            bar.set_postfix(epoch=epoch, loss=f"{np.mean(losses):.4f}")
+            bar.set_postfix(epoch=epoch, loss=f"{np.mean(losses):.4f}", refresh=False)
         probe.check_finite()
         row = {"epoch": epoch, "train_loss": float(np.mean(losses)),
                "eta": probe.params["log_eta"].exp().item()}
