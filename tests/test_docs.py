@@ -350,9 +350,9 @@ def test_every_method_section_a_doc_or_docstring_cites_exists():
 
 def test_every_wing_lists_its_modules():
     """Each wing of orca_serve/ names each of its modules on its face (its `__init__` docstring)
-    and in docs/SERVER.md's "Where the code lives": a module added or renamed reaches both."""
-    server = _text(ROOT / "docs" / "SERVER.md")
-    rows = dict(re.findall(r"^\| `(\w+)/` \|(.*)$", server, re.M))
+    and in docs/CODE.md's "Where the code lives": a module added or renamed reaches both."""
+    code = _text(ROOT / "docs" / "CODE.md")
+    rows = dict(re.findall(r"^\| `(\w+)/` \|(.*)$", code, re.M))
     wings = [d for d in (ROOT / "orca_serve").iterdir() if (d / "__init__.py").is_file()]
     assert len(wings) >= 9 and set(rows) == {d.name for d in wings}
     bad = []
@@ -360,7 +360,7 @@ def test_every_wing_lists_its_modules():
         face = ast.get_docstring(ast.parse(_text(wing / "__init__.py"))) or ""
         for module in sorted(p.stem for p in wing.glob("*.py") if p.stem != "__init__"):
             bad += [f"{wing.name}/{module}.py: not in {where}" for where, text in
-                    (("its __init__", face), ("docs/SERVER.md", rows[wing.name]))
+                    (("its __init__", face), ("docs/CODE.md", rows[wing.name]))
                     if f"`{module}`" not in text]
     assert not bad, "\n".join(bad)
 
