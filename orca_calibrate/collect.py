@@ -31,7 +31,6 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-
 from orca_calibrate.job_options import check_number, check_whole
 from orca_calibrate.judge import Judge, JudgeSettings, question_text
 from orca_calibrate.pipeline import Schedule
@@ -428,8 +427,9 @@ class Collector:
                 for ended, generated, answers in ready:
                     self._write(generated, answers, writer, out_dir)
                     bar.update(ended)
-                    bar.set_postfix(**{k: v for k, v in self.stats.as_dict().items()
-                                       if k in ("trajectories_per_min", "probe_share")}, refresh=False)
+                    bar.set_postfix(refresh=False, **{
+                        k: v for k, v in self.stats.as_dict().items()
+                        if k in ("trajectories_per_min", "probe_share")})
             bar.close()
         if self.judge is not None and self.judge.unparseable:
             print(f"warning: {self.judge.unparseable} of {self.judge.calls} judge replies were "

@@ -212,7 +212,8 @@ def generate_mixture(out_dir: str | Path, counts: Mapping[str, int], dim: int = 
                           source=source) as writer:
         done = writer.ids
         big = len(plan) * mean_steps * dim >= 5e7
-        for (family, p), pid in zip(progress_bar(iterable=plan, desc=f"synth {what}", disable=not big), ids):
+        shown_plan = progress_bar(iterable=plan, desc=f"synth {what}", disable=not big)
+        for (family, p), pid in zip(shown_plan, ids):
             if pid in done:
                 continue
             rng = np.random.default_rng([seed, 1 if family == "shifted" else 0, p])
