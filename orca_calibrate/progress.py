@@ -9,6 +9,7 @@ most one every `LOG_INTERVAL_S` seconds, and the last one when it closes.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from typing import Any, TextIO
 
 from tqdm import tqdm
@@ -32,10 +33,13 @@ class _Lines:
         self._stream.flush()
 
 
-def progress_bar(stream: TextIO | None = None, **options: Any) -> tqdm:
+def progress_bar(iterable: Iterable[Any] | None = None, *, stream: TextIO | None = None,
+                 **options: Any) -> tqdm:
     """A tqdm bar on `stream` (stderr by default): tqdm's own in a terminal, whole lines at most
-    every `LOG_INTERVAL_S` in a log. `options` are tqdm's (`total`, `desc`, `disable`, ...)."""
+    every `LOG_INTERVAL_S` in a log. Called as tqdm is (`iterable` first, then tqdm's `total`,
+    `desc`, `disable`, ...), so it also stands in for tqdm where vLLM takes a bar's factory
+    (`LLM.chat(..., use_tqdm=progress_bar)`)."""
     stream = sys.stderr if stream is None else stream
     if stream.isatty():
-        return tqdm(file=stream, **options)
-    return tqdm(file=_Lines(stream), mininterval=LOG_INTERVAL_S, ascii=True, **options)
+        return tqdm(iterable, file=stream, **options)
+    return tqdm(iterable, file=_Lines(stream), mininterval=LOG_INTERVAL_S, ascii=True, **options)

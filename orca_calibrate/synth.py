@@ -212,7 +212,7 @@ def generate_mixture(out_dir: str | Path, counts: Mapping[str, int], dim: int = 
                           source=source) as writer:
         done = writer.ids
         big = len(plan) * mean_steps * dim >= 5e7
-        shown_plan = progress_bar(iterable=plan, desc=f"synth {what}", disable=not big)
+        shown_plan = progress_bar(plan, desc=f"synth {what}", disable=not big)
         for (family, p), pid in zip(shown_plan, ids):
             if pid in done:
                 continue

@@ -52,3 +52,10 @@ def test_disabled_writes_nothing() -> None:
     with progress_bar(total=3, disable=True, stream=log) as bar:
         bar.update(3)
     assert log.getvalue() == ""
+
+
+def test_it_stands_in_for_tqdm_where_vllm_takes_a_factory() -> None:
+    """vLLM calls its bar factory as tqdm, the iterable first (`maybe_tqdm`)."""
+    log = io.StringIO()
+    assert list(progress_bar(range(3), desc="Adding requests", stream=log)) == [0, 1, 2]
+    assert "3/3" in log.getvalue().splitlines()[-1]

@@ -22,6 +22,7 @@ import random
 from pathlib import Path
 from statistics import mean, median, quantiles
 
+from orca_calibrate.progress import progress_bar
 from orca_demo.long.tasks import FAMILIES, FORCE_SUFFIX, Problem, extract_answer, make_problem, paragraph_candidate, trace_stats
 from orca_demo.toy.evaluate import emit, load_llm, step_ends, tokenizer_agrees
 from orca_demo.toy.tasks import STEP_DELIMITER, THINK_CLOSE, THINK_OPEN
@@ -82,7 +83,8 @@ def sample_family(llm, family: str, n: int, seed: int, temperature: float = 0.7)
     rng = random.Random(f"long-eval:{family}:{seed}")
     problems = [make_problem(rng, family) for _ in range(n)]
     outs = llm.chat([[{"role": "user", "content": p.question}] for p in problems],
-                    SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS), use_tqdm=True)
+                    SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS),
+                    use_tqdm=progress_bar)  # vLLM's bar, as a log reads it (progress.py)
     texts = [o.outputs[0].text for o in outs]
     report = family_report(problems, texts, [len(o.outputs[0].token_ids) for o in outs],
                            [o.outputs[0].finish_reason == "stop" for o in outs])
